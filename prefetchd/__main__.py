@@ -1,0 +1,3 @@
+from prefetchd.daemon.cli import main
+
+main()

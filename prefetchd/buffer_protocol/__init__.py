@@ -1,0 +1,41 @@
+"""The contract between the daemon (writer) and the trainer (reader).
+
+Stdlib, numpy and msgpack only; no pickle anywhere.  SPEC.md is the normative text.
+"""
+
+from prefetchd.buffer_protocol.batch import (
+    HEADER,
+    HEADER_FORMAT,
+    HEADER_SIZE,
+    MAGIC,
+    PAGE_SIZE,
+    VERSION,
+    BatchLayout,
+    BatchMeta,
+    MappedBatch,
+    map_batch,
+    parse_batch,
+    write_batch,
+)
+from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.layout import (
+    BufferBusy,
+    DaemonLock,
+    Manifest,
+    Progress,
+    batch_name,
+    daemon_pid,
+    list_batches,
+    list_temp_files,
+    parse_batch_name,
+    read_status,
+    write_status,
+)
+
+__all__ = [
+    "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
+    "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "MappedBatch", "Manifest",
+    "Progress", "ProtocolError", "batch_name", "daemon_pid", "list_batches",
+    "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
+    "write_batch", "write_status",
+]

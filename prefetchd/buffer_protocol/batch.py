@@ -1,0 +1,342 @@
+"""Batch files: the unit the daemon writes and the trainer maps.
+
+A batch file is a fixed little-endian header, a msgpack metadata map, zero
+padding up to ``header_len`` (a multiple of the page size) and page-aligned
+payloads, so each payload can be memory-mapped and handed to the GPU as is::
+
+    offset  size  field        struct
+    0       8     magic        8s    b"PFDBATCH"
+    8       2     version      H     protocol version (VERSION)
+    10      2     flags        H     reserved, 0
+    12      4     meta_len     I     bytes of msgpack metadata after the header
+    16      8     header_len   Q     bytes before the first payload, page aligned
+    24      8     file_len     Q     total file length in bytes
+    32      ...   metadata (msgpack map), zero padding, payloads
+
+The metadata map holds ``format``, ``epoch``, ``step``, ``seed``, ``producer``,
+``replaced`` (samples substituted because they could not be decoded) and
+``tensors``: name -> {dtype, shape, offset, length}.  Every batch carries
+``images`` (uint8, N x H x W x C), ``labels`` and ``indices`` (int64, N).
+
+SPEC.md beside this file is the normative text; tests keep the two equal.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from prefetchd.buffer_protocol.errors import ProtocolError
+
+MAGIC = b"PFDBATCH"
+VERSION = 1
+HEADER_FORMAT = "<8sHHIQQ"
+HEADER = struct.Struct(HEADER_FORMAT)
+HEADER_SIZE = HEADER.size  # 32 bytes
+PAGE_SIZE = 4096
+BATCH_FORMAT = "prefetchd.batch"
+
+MAX_META_LEN = 1 << 20
+MAX_TENSORS = 16
+MAX_DIMS = 8
+MAX_FILE_LEN = 1 << 40
+
+DTYPES: Mapping[str, np.dtype[Any]] = {
+    "uint8": np.dtype("<u1"),
+    "int64": np.dtype("<i8"),
+    "float32": np.dtype("<f4"),
+}
+REQUIRED_TENSORS = {"images": "uint8", "labels": "int64", "indices": "int64"}
+
+
+def align(n: int, to: int = PAGE_SIZE) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def length(self) -> int:
+        return prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def as_meta(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "length": self.length}
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where everything goes in one batch file, fixed before any pixel is written."""
+
+    header_len: int
+    tensors: Mapping[str, TensorSpec]
+    file_len: int
+
+    @classmethod
+    def plan(cls, n: int, height: int, width: int, channels: int = 3) -> BatchLayout:
+        # One page holds header and metadata: the map has a fixed set of small
+        # fields (its size is checked when encoded), and a page keeps payloads aligned.
+        header_len = PAGE_SIZE
+        specs: dict[str, TensorSpec] = {}
+        offset = header_len
+        for name, dtype, shape in (
+            ("images", "uint8", (n, height, width, channels)),
+            ("labels", "int64", (n,)),
+            ("indices", "int64", (n,)),
+        ):
+            spec = TensorSpec(dtype, shape, offset)
+            specs[name] = spec
+            offset = align(offset + spec.length)
+        return cls(header_len, specs, offset)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one image in the images payload (H x W x C)."""
+        images = self.tensors["images"]
+        return prod(images.shape[1:])
+
+    def slot_offset(self, slot: int) -> int:
+        return self.tensors["images"].offset + slot * self.slot_bytes
+
+    def encode_header(
+        self, *, epoch: int, step: int, seed: int, producer: str, replaced: int = 0
+    ) -> bytes:
+        """Header, metadata and padding: exactly ``header_len`` bytes."""
+        meta = msgpack.packb(
+            {
+                "format": BATCH_FORMAT,
+                "epoch": epoch,
+                "step": step,
+                "seed": seed,
+                "producer": producer,
+                "replaced": replaced,
+                "tensors": {name: spec.as_meta() for name, spec in self.tensors.items()},
+            },
+            use_bin_type=True,
+        )
+        if HEADER_SIZE + len(meta) > self.header_len:
+            raise ProtocolError(
+                f"batch metadata is {len(meta)} bytes, more than the {self.header_len - HEADER_SIZE} "
+                "reserved for it; this is a bug in prefetchd, please report it"
+            )
+        head = HEADER.pack(MAGIC, VERSION, 0, len(meta), self.header_len, self.file_len)
+        return (head + meta).ljust(self.header_len, b"\0")
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    epoch: int
+    step: int
+    seed: int
+    producer: str
+    replaced: int
+    tensors: Mapping[str, TensorSpec]
+
+    @property
+    def size(self) -> int:
+        return self.tensors["images"].shape[0]
+
+
+def _fail(name: str, what: str) -> ProtocolError:
+    return ProtocolError(
+        f"{name}: {what}. The file is damaged or was not written by prefetchd; "
+        "delete it (the daemon regenerates missing batches) or clear the buffer."
+    )
+
+
+def _int(meta: Mapping[str, Any], key: str, name: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    value = meta.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise _fail(name, f"metadata field {key!r} is {value!r}, expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def _tensor(raw: Any, tname: str, name: str, header_len: int, file_len: int) -> TensorSpec:
+    if not isinstance(raw, dict):
+        raise _fail(name, f"tensor {tname!r} is described by {type(raw).__name__}, expected a map")
+    dtype = raw.get("dtype")
+    if dtype not in DTYPES:
+        raise _fail(name, f"tensor {tname!r} has dtype {dtype!r}, expected one of {sorted(DTYPES)}")
+    shape = raw.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(type(d) is int and 0 <= d <= MAX_FILE_LEN for d in shape)
+    ):
+        raise _fail(name, f"tensor {tname!r} has shape {shape!r}, expected up to {MAX_DIMS} sizes")
+    offset = _int(raw, "offset", name, header_len, file_len)
+    length = _int(raw, "length", name, 0, file_len)
+    spec = TensorSpec(dtype, tuple(shape), offset)
+    if spec.length != length:
+        raise _fail(name, f"tensor {tname!r} claims {length} bytes but shape {shape} of {dtype} is {spec.length}")
+    if offset % PAGE_SIZE:
+        raise _fail(name, f"tensor {tname!r} starts at {offset}, not a multiple of the page size {PAGE_SIZE}")
+    if offset + length > file_len:
+        raise _fail(name, f"tensor {tname!r} ends at byte {offset + length}, past the end of the file ({file_len})")
+    return spec
+
+
+def parse_batch(buf: bytes | memoryview | mmap.mmap, name: str = "<batch>") -> BatchMeta:
+    """Validate a whole batch file held in ``buf`` and return its metadata.
+
+    Everything is checked against the buffer's real length, so no header value
+    can make a reader look (or allocate) past what is there.
+    """
+    size = len(buf)
+    if size < HEADER_SIZE:
+        raise _fail(name, f"file is {size} bytes, shorter than the {HEADER_SIZE}-byte header")
+    magic, version, _flags, meta_len, header_len, file_len = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise _fail(name, f"magic is {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ProtocolError(
+            f"{name}: written with buffer protocol version {version}, this prefetchd speaks version "
+            f"{VERSION}; run the same prefetchd version for daemon and trainer, or clear the buffer "
+            "and restart the daemon"
+        )
+    if file_len != size:
+        raise _fail(name, f"header says the file is {file_len} bytes but it is {size}")
+    if meta_len > MAX_META_LEN or HEADER_SIZE + meta_len > header_len or header_len > size:
+        raise _fail(name, f"metadata length {meta_len} / header length {header_len} do not fit a {size}-byte file")
+    if header_len % PAGE_SIZE:
+        raise _fail(name, f"header length {header_len} is not a multiple of the page size {PAGE_SIZE}")
+    try:
+        meta = msgpack.unpackb(
+            bytes(buf[HEADER_SIZE : HEADER_SIZE + meta_len]),
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_META_LEN,
+            max_str_len=4096,
+            max_array_len=MAX_DIMS,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise _fail(name, f"metadata is not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != BATCH_FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise _fail(name, f"metadata format is {got!r}, expected {BATCH_FORMAT!r}")
+    raw_tensors = meta.get("tensors")
+    if not isinstance(raw_tensors, dict) or len(raw_tensors) > MAX_TENSORS:
+        raise _fail(name, "metadata field 'tensors' is missing or not a map of at most 16 tensors")
+    tensors = {str(t): _tensor(raw, str(t), name, header_len, size) for t, raw in raw_tensors.items()}
+    for tname, dtype in REQUIRED_TENSORS.items():
+        if tname not in tensors or tensors[tname].dtype != dtype:
+            raise _fail(name, f"tensor {tname!r} of dtype {dtype} is missing")
+    n = tensors["images"].shape[0] if tensors["images"].shape else -1
+    if len(tensors["images"].shape) != 4 or any(tensors[t].shape != (n,) for t in ("labels", "indices")):
+        raise _fail(name, "images must be N x H x W x C and labels, indices of length N")
+    spans = sorted((s.offset, s.offset + s.length) for s in tensors.values())
+    if any(end > nxt for (_, end), (nxt, _) in zip(spans, spans[1:])):
+        raise _fail(name, "tensor payloads overlap")
+    producer = meta.get("producer")
+    if not isinstance(producer, str):
+        raise _fail(name, f"metadata field 'producer' is {producer!r}, expected a string")
+    return BatchMeta(
+        epoch=_int(meta, "epoch", name),
+        step=_int(meta, "step", name),
+        seed=_int(meta, "seed", name),
+        producer=producer,
+        replaced=_int(meta, "replaced", name),
+        tensors=tensors,
+    )
+
+
+@dataclass(frozen=True)
+class MappedBatch:
+    """A validated batch file mapped into memory; arrays are views, not copies."""
+
+    path: Path
+    meta: BatchMeta
+    images: np.ndarray
+    labels: np.ndarray
+    indices: np.ndarray
+
+
+def _view(buf: mmap.mmap, spec: TensorSpec) -> np.ndarray:
+    return np.frombuffer(buf, dtype=DTYPES[spec.dtype], count=prod(spec.shape), offset=spec.offset).reshape(
+        spec.shape
+    )
+
+
+def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
+    """Map a finished batch file and return validated zero-copy views of it.
+
+    The file is opened read-only and mapped privately (copy-on-write): the
+    shared file can never change through the mapping, and a consumer that
+    modifies the arrays in place gets private pages instead of a crash.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ProtocolError(f"{path}: cannot open batch file ({exc.strerror}); check the buffer's permissions") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_SIZE:
+            raise _fail(str(path), f"file is {size} bytes, shorter than the {HEADER_SIZE}-byte header")
+        buf = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    meta = parse_batch(buf, str(path))
+    return MappedBatch(
+        path=path,
+        meta=meta,
+        images=_view(buf, meta.tensors["images"]),
+        labels=_view(buf, meta.tensors["labels"]),
+        indices=_view(buf, meta.tensors["indices"]),
+    )
+
+
+def write_batch(
+    path: str | os.PathLike[str],
+    images: np.ndarray,
+    labels: np.ndarray,
+    indices: np.ndarray,
+    *,
+    epoch: int,
+    step: int,
+    seed: int,
+    producer: str,
+    replaced: int = 0,
+) -> None:
+    """Write a whole batch from arrays and publish it atomically.
+
+    The daemon fills slots in place instead (see ``BatchLayout``); this is the
+    reference writer for tools and tests.
+    """
+    path = Path(path)
+    layout = BatchLayout.plan(*images.shape)
+    tmp = temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, layout.file_len)
+        for name, array, dtype in (("images", images, "uint8"), ("labels", labels, "int64"), ("indices", indices, "int64")):
+            data = np.ascontiguousarray(array, dtype=DTYPES[dtype])
+            os.pwrite(fd, data.tobytes(), layout.tensors[name].offset)
+        os.pwrite(fd, layout.encode_header(epoch=epoch, step=step, seed=seed, producer=producer, replaced=replaced), 0)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
+
+
+def temp_name(final: Path) -> Path:
+    """The name a batch is built under before it is published as ``final``."""
+    return final.with_suffix(".tmp")

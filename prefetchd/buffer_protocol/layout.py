@@ -1,0 +1,288 @@
+"""The buffer directory: fixed file names and the small JSON documents in it.
+
+::
+
+    <buffer>/
+      daemon.lock                 flock()ed by the one daemon that owns the buffer; holds its pid
+      manifest.json               what the daemon produces (written by the daemon)
+      progress.json               next (epoch, step) the trainer needs (written by the trainer)
+      status.json                 fill, rates, errors, heartbeat (written by the daemon)
+      e000000-s00000000.batch     finished batches, named by (epoch, step)
+      e000000-s00000001.tmp       a batch being built; never read
+
+Every JSON document carries ``format`` and ``version`` and is replaced
+atomically (write a temp name in the same directory, then rename), so a reader
+sees the old or the new document, never a mix.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from prefetchd.buffer_protocol.batch import VERSION
+from prefetchd.buffer_protocol.errors import ProtocolError
+
+LOCK_NAME = "daemon.lock"
+MANIFEST_NAME = "manifest.json"
+PROGRESS_NAME = "progress.json"
+STATUS_NAME = "status.json"
+BATCH_SUFFIX = ".batch"
+TEMP_MARK = ".tmp"
+MAX_DOCUMENT_LEN = 1 << 20
+
+_BATCH_RE = re.compile(r"^e(\d{6})-s(\d{8})\.batch$")
+_TEMP_RE = re.compile(r"^(e\d{6}-s\d{8}\.tmp|.+\.json\.tmp-\d+)$")
+
+
+def batch_name(epoch: int, step: int) -> str:
+    return f"e{epoch:06d}-s{step:08d}{BATCH_SUFFIX}"
+
+
+def parse_batch_name(name: str) -> tuple[int, int] | None:
+    m = _BATCH_RE.match(name)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def list_batches(buffer: Path) -> dict[tuple[int, int], Path]:
+    """Finished batch files in ``buffer`` by (epoch, step)."""
+    found = {}
+    with os.scandir(buffer) as entries:
+        for entry in entries:
+            key = parse_batch_name(entry.name)
+            if key is not None:
+                found[key] = Path(entry.path)
+    return found
+
+
+def list_temp_files(buffer: Path) -> Iterator[Path]:
+    """Leftovers of writes that never finished (a killed daemon's)."""
+    with os.scandir(buffer) as entries:
+        for entry in entries:
+            if TEMP_MARK in entry.name and _TEMP_RE.match(entry.name):
+                yield Path(entry.path)
+
+
+# -- JSON documents -----------------------------------------------------------
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Atomically replace ``path`` with ``doc`` (temp name in the same directory, then rename)."""
+    tmp = path.with_name(f"{path.name}{TEMP_MARK}-{os.getpid()}")
+    data = json.dumps(doc, indent=1, sort_keys=True).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, kind: str) -> dict[str, Any]:
+    """Read a protocol document; FileNotFoundError passes through, anything malformed is a ProtocolError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        data = os.read(fd, MAX_DOCUMENT_LEN + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_DOCUMENT_LEN:
+        raise ProtocolError(f"{path}: larger than {MAX_DOCUMENT_LEN} bytes, not a {kind} document; delete it")
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"{path}: not valid JSON ({exc}); delete it and let its writer recreate it") from None
+    fmt = f"prefetchd.{kind}"
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise ProtocolError(f"{path}: format is {got!r}, expected {fmt!r}; delete it and let its writer recreate it")
+    if doc.get("version") != VERSION:
+        raise ProtocolError(
+            f"{path}: written with buffer protocol version {doc.get('version')!r}, this prefetchd speaks "
+            f"version {VERSION}; run the same prefetchd version on both sides, or clear the buffer"
+        )
+    return doc
+
+
+def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
+    value = doc.get(key)
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok or (kind is int and value < 0):
+        raise ProtocolError(f"{path}: field {key!r} is {value!r}, expected a {'non-negative ' if kind is int else ''}{kind.__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a daemon produces into a buffer.  Written once per job, read by trainers."""
+
+    dataset_root: str
+    fingerprint: str
+    classes: list[str]
+    num_samples: int
+    split: str
+    seed: int
+    batch_size: int
+    image_size: int
+    samples_per_epoch: int
+    steps_per_epoch: int
+    epochs: int | None
+    producer: str
+    channels: int = 3
+    rank: int = 0
+    world_size: int = 1
+    val_fraction: float | None = None
+    created: float = field(default_factory=time.time)
+
+    # Fields whose change makes already written batches wrong for the new job.
+    IDENTITY = (
+        "fingerprint", "split", "seed", "batch_size", "image_size", "channels",
+        "samples_per_epoch", "rank", "world_size", "val_fraction",
+    )
+
+    def identity_diff(self, other: Manifest) -> list[str]:
+        """Human-readable list of identity fields that differ from ``other``."""
+        return [
+            f"{k}: {getattr(other, k)!r} -> {getattr(self, k)!r}"
+            for k in self.IDENTITY
+            if getattr(self, k) != getattr(other, k)
+        ]
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"format": "prefetchd.manifest", "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], path: Path) -> Manifest:
+        for key, kind in (
+            ("dataset_root", str), ("fingerprint", str), ("classes", list), ("num_samples", int),
+            ("split", str), ("seed", int), ("batch_size", int), ("image_size", int),
+            ("samples_per_epoch", int), ("steps_per_epoch", int), ("producer", str),
+            ("channels", int), ("rank", int), ("world_size", int), ("created", float),
+        ):
+            _field(doc, key, kind, path)
+        if doc["batch_size"] < 1 or doc["image_size"] < 1 or doc["world_size"] < 1:
+            raise ProtocolError(f"{path}: batch_size, image_size and world_size must be at least 1")
+        epochs = doc.get("epochs")
+        if epochs is not None:
+            _field(doc, "epochs", int, path)
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in doc.items() if k in names})
+
+    def write(self, buffer: Path) -> None:
+        write_json(buffer / MANIFEST_NAME, self.to_doc())
+
+    @classmethod
+    def read(cls, buffer: Path) -> Manifest:
+        path = buffer / MANIFEST_NAME
+        return cls.from_doc(read_json(path, "manifest"), path)
+
+
+@dataclass(frozen=True, order=True)
+class Progress:
+    """The next (epoch, step) the trainer needs; everything before it is consumed."""
+
+    epoch: int
+    step: int
+
+    def write(self, buffer: Path) -> None:
+        write_json(
+            buffer / PROGRESS_NAME,
+            {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch, "step": self.step,
+             "pid": os.getpid(), "time": time.time()},
+        )
+
+    @classmethod
+    def read(cls, buffer: Path) -> Progress | None:
+        """The trainer's progress, or None when no trainer has written one yet."""
+        path = buffer / PROGRESS_NAME
+        try:
+            doc = read_json(path, "progress")
+        except FileNotFoundError:
+            return None
+        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path))
+
+
+def write_status(buffer: Path, status: dict[str, Any]) -> None:
+    write_json(buffer / STATUS_NAME, {"format": "prefetchd.status", "version": VERSION, **status})
+
+
+def read_status(buffer: Path) -> dict[str, Any] | None:
+    try:
+        return read_json(buffer / STATUS_NAME, "status")
+    except FileNotFoundError:
+        return None
+
+
+# -- ownership ----------------------------------------------------------------
+
+
+class BufferBusy(ProtocolError):
+    """Another live daemon owns the buffer."""
+
+
+class DaemonLock:
+    """One daemon per buffer: an flock on ``daemon.lock`` that holds the owner's pid.
+
+    The kernel drops an flock when its holder dies, so a SIGKILLed daemon never
+    leaves a stale lock behind.
+    """
+
+    def __init__(self, buffer: Path) -> None:
+        self.path = buffer / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                pid = daemon_pid(self.path.parent)
+                raise BufferBusy(
+                    f"{self.path.parent}: buffer is owned by a running daemon"
+                    f"{f' (pid {pid})' if pid else ''}; stop it with `prefetchd stop --buffer "
+                    f"{self.path.parent}` or pick another --buffer"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def daemon_pid(buffer: Path) -> int | None:
+    """Pid of the live daemon owning ``buffer``, or None.
+
+    Reads the pid the owner wrote and checks that process exists and is older
+    than the lock file, which rules out a pid reused after the owner died.
+    """
+    path = buffer / LOCK_NAME
+    try:
+        text = path.read_text().strip()
+        mtime = path.stat().st_mtime
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not text.isdigit():
+        return None
+    pid = int(text)
+    try:
+        started = psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return None
+    return pid if started <= mtime + 1.0 else None
