@@ -1,0 +1,1 @@
+"""The producer: sources, sampler, decode/augment, writer, flow control, CLI."""

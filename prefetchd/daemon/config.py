@@ -1,0 +1,144 @@
+"""The daemon's configuration: one frozen dataclass from which the CLI flags and
+the TOML keys are derived, and the machine-sized defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from prefetchd.buffer_protocol import BatchLayout
+from prefetchd.daemon.errors import ConfigError
+
+SPLITS = ("train", "val")
+# Defaults never plan more than these shares of what is free, so the trainer,
+# its pinned memory and the page cache keep the rest.
+TMPFS_SHARE = 0.5
+RAM_SHARE = 0.25
+MAX_DEFAULT_HIGH_WATER = 64
+
+
+def _opt(default: Any, help: str, kind: type, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, "kind": kind, **extra})
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """What a daemon produces and how.  ``None`` means "size it from the machine"."""
+
+    buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path)
+    data: Path | None = _opt(None, "Dataset root: class folders as for torchvision ImageFolder.", Path)
+    split: str = _opt("train", "train: random resized crop + flip, shuffled; val: resize + center crop, in order.", str, choices=SPLITS)
+    val_fraction: float | None = _opt(None, "Hold out this fraction of --data as validation (a fixed seeded split); --split picks the side.", float, minimum=0.0, maximum=1.0)
+    batch_size: int = _opt(128, "Images per batch.", int, minimum=1, maximum=65536)
+    image_size: int = _opt(224, "Output images are IMAGE_SIZE x IMAGE_SIZE.", int, minimum=8, maximum=8192)
+    workers: int | None = _opt(None, "Decode/augment processes [default: usable CPUs - 1].", int, minimum=1, maximum=1024)
+    high_water: int | None = _opt(None, "Stop producing when this many batches wait [default: from free tmpfs and RAM].", int, minimum=1)
+    low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)
+    min_free_mb: int | None = _opt(None, "Never let the buffer's filesystem fall below this many MiB free [default: 5% of it, at least 64].", int, minimum=0)
+    seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
+    epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)
+    reset: bool = _opt(False, "Delete what the buffer holds from a different job instead of refusing to start.", bool)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_value(f.name, getattr(self, f.name))
+        if self.buffer is None:
+            raise ConfigError("no buffer directory: pass --buffer DIR (for example /dev/shm/bf) or set `buffer` in the config")
+        if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
+            raise ConfigError(f"low_water ({self.low_water}) must be below high_water ({self.high_water})")
+
+    @property
+    def batch_bytes(self) -> int:
+        return BatchLayout.plan(self.batch_size, self.image_size, self.image_size).file_len
+
+
+def check_value(name: str, value: Any) -> None:
+    """Refuse a value of the wrong type or range, naming the key and what is allowed."""
+    meta = FIELDS[name].metadata
+    if value is None:
+        return
+    kind = meta["kind"]
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ConfigError(f"{name} = {value!r}: expected {kind.__name__}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{name} = {value!r}: allowed values are {', '.join(meta['choices'])}")
+    if "minimum" in meta and value < meta["minimum"]:
+        raise ConfigError(f"{name} = {value!r}: must be at least {meta['minimum']}")
+    if "maximum" in meta and value > meta["maximum"]:
+        raise ConfigError(f"{name} = {value!r}: must be at most {meta['maximum']}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """Read a config file; keys are the CLI flag names with '-' or '_'."""
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise ConfigError(f"{path}: unknown key {key!r}; allowed keys are {', '.join(sorted(FIELDS))}")
+        if FIELDS[name].metadata["kind"] is Path and isinstance(value, str):
+            value = (path.parent / value) if not os.path.isabs(value) else Path(value)
+        try:
+            check_value(name, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        values[name] = value
+    return values
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
+    """Size every ``None`` field from this machine; return the config and a note per default."""
+    notes: list[str] = []
+    changes: dict[str, Any] = {}
+    if cfg.workers is None:
+        cpus = usable_cpus()
+        changes["workers"] = max(1, cpus - 1)
+        notes.append(f"workers = {changes['workers']} ({cpus} usable CPUs, one left for the trainer)")
+    fs = os.statvfs(cfg.buffer)
+    fs_total = fs.f_blocks * fs.f_frsize
+    fs_free = fs.f_bavail * fs.f_frsize
+    if cfg.min_free_mb is None:
+        changes["min_free_mb"] = max(64, int(fs_total * 0.05) >> 20)
+        notes.append(f"min_free_mb = {changes['min_free_mb']} (5% of the buffer's filesystem, at least 64)")
+    min_free = (changes.get("min_free_mb", cfg.min_free_mb) or 0) << 20
+    batch = cfg.batch_bytes
+    if cfg.high_water is None:
+        ram = psutil.virtual_memory().available
+        budget = min(TMPFS_SHARE * max(0, fs_free - min_free), RAM_SHARE * ram)
+        high = int(max(2, min(MAX_DEFAULT_HIGH_WATER, budget // batch)))
+        changes["high_water"] = high
+        notes.append(
+            f"high_water = {high} batches of {batch / 2**20:.1f} MiB "
+            f"(at most half the free tmpfs, a quarter of available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
+        )
+    high_water = changes.get("high_water", cfg.high_water)
+    if cfg.low_water is None:
+        changes["low_water"] = high_water // 2
+        notes.append(f"low_water = {changes['low_water']} (half the high-water mark)")
+    cfg = dataclasses.replace(cfg, **changes)
+    return cfg, notes

@@ -1,0 +1,24 @@
+"""Errors the daemon reports to its user, and the exit codes they map to."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # click's own code for bad flags; we use it for bad configuration too
+EXIT_NOT_RUNNING = 3  # `prefetchd status` when no daemon owns the buffer (LSB convention)
+
+
+class DaemonError(RuntimeError):
+    """A problem the user can fix; the message says what and how."""
+
+    exit_code = EXIT_FAILURE
+
+
+class ConfigError(DaemonError):
+    """A configuration value, flag or file is wrong."""
+
+    exit_code = EXIT_USAGE
+
+
+class DatasetError(DaemonError):
+    """The dataset is missing, empty or unreadable."""

@@ -1,0 +1,536 @@
+"""The controller: decides which batches to build, feeds the workers, publishes
+finished batches and deletes consumed ones.
+
+Batches are numbered by a global position ``g = epoch * steps_per_epoch + step``.
+The trainer's progress ``p`` (the next batch it needs) is the truth: the daemon
+keeps exactly the window ``[p, p + high_water)`` — everything before it is
+consumed and deleted, everything after it (left by a trainer that rewound) is
+deleted too, and missing batches inside it are built in order.  Flow control
+has hysteresis: production stops when the window is full and resumes only when
+the waiting batches fall to the low-water mark, so the workers run in bursts
+rather than one batch at a time.
+
+Signal handlers only set a flag and wake the loop through a pipe; the loop
+does all the work.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefetchd.buffer_protocol import (
+    BatchLayout,
+    DaemonLock,
+    Manifest,
+    Progress,
+    ProtocolError,
+    batch_name,
+    list_batches,
+    list_temp_files,
+    write_status,
+)
+from prefetchd.buffer_protocol.batch import temp_name
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.errors import DaemonError
+from prefetchd.daemon.sampler import batch_len, batch_slice, epoch_order
+from prefetchd.daemon.watcher import ProgressWatcher
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, worker_main
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.25  # progress is re-read at least this often even without a watch event
+STATUS_SECONDS = 1.0
+RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
+WORKER_STOP_SECONDS = 5.0
+MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
+RESTART_WINDOW_SECONDS = 60.0
+TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
+
+
+@dataclass
+class Build:
+    """A batch under construction in its temp file."""
+
+    g: int
+    epoch: int
+    step: int
+    tmp: Path
+    layout: BatchLayout
+    labels: np.ndarray
+    indices: np.ndarray
+    remaining: int
+    outstanding: set[int] = field(default_factory=set)  # task ids sent or queued
+    replaced: int = 0
+    cancelled: bool = False
+
+
+@dataclass
+class Worker:
+    process: Any  # multiprocessing.Process
+    conn: Connection
+    tasks: dict[int, Task] = field(default_factory=dict)
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.time)
+    batches: int = 0
+    samples: int = 0
+    replaced: int = 0
+    consumed: int = 0
+    worker_restarts: int = 0
+    write_failures: int = 0
+    recent: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=64))  # (t, samples, consumed)
+
+    def rates(self) -> tuple[float, float]:
+        """Samples produced and batches consumed per second over the last ~10 s."""
+        now = time.monotonic()
+        self.recent.append((now, self.samples, self.consumed))
+        old = next((r for r in self.recent if now - r[0] <= 10.0), self.recent[0])
+        dt = now - old[0]
+        if dt <= 0:
+            return 0.0, 0.0
+        return (self.samples - old[1]) / dt, (self.consumed - old[2]) / dt
+
+
+class Producer:
+    def __init__(self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, manifest: Manifest) -> None:
+        self.cfg = cfg
+        self.buffer = Path(cfg.buffer)
+        self.index = index
+        self.members = members
+        self.manifest = manifest
+        self.steps = manifest.steps_per_epoch
+        self.end = manifest.epochs * self.steps if manifest.epochs is not None else None
+        self.high = int(cfg.high_water or 2)
+        self.low = int(cfg.low_water or 0)
+        self.min_free = int(cfg.min_free_mb or 0) << 20
+        self.workers_wanted = int(cfg.workers or 1)
+        self.chunk = max(1, min(16, cfg.batch_size // (2 * self.workers_wanted)))
+        self.max_building = max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
+        self.stats = Stats()
+        self.published: dict[int, Path] = {}
+        self.building: dict[int, Build] = {}
+        self.todo: deque[Task] = deque()
+        self.task_build: dict[int, int] = {}
+        self.next_task_id = 0
+        self.progress = 0
+        self.filling = True
+        self.retry_at = 0.0
+        self.state = "starting"
+        self.message = ""
+        self.logged_failures: set[str] = set()
+        self.progress_error = ""
+        self.restart_times: deque[float] = deque()
+        self.orders: dict[int, np.ndarray] = {}
+        self.stop_signal: int | None = None
+        self.fatal: str | None = None
+        self.workers: list[Worker] = []
+        self._ctx = multiprocessing.get_context("spawn")
+        self._job = WorkerJob(index, members, cfg.image_size, cfg.split == "train", cfg.seed)
+
+    # -- positions ----------------------------------------------------------
+
+    def key(self, g: int) -> tuple[int, int]:
+        return divmod(g, self.steps)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self.orders:
+            if len(self.orders) > 4:
+                self.orders.pop(min(self.orders))
+            self.orders[epoch] = epoch_order(
+                self.members, self.cfg.seed, epoch, shuffle=self.cfg.split == "train",
+                rank=self.manifest.rank, world_size=self.manifest.world_size,
+            )
+        return self.orders[epoch]
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def run(self) -> int:
+        wake_r, wake_w = os.pipe()
+        for fd in (wake_r, wake_w):
+            os.set_blocking(fd, False)
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old_wakeup = signal.set_wakeup_fd(wake_w)
+        watcher = ProgressWatcher(self.buffer, wake_w)
+        try:
+            self.published = {self._g(k): p for k, p in list_batches(self.buffer).items()}
+            if self.published:
+                log.info("kept %d finished batches from an earlier run of the same job", len(self.published))
+            self._read_progress()
+            self._trim_window()
+            for _ in range(self.workers_wanted):
+                self.workers.append(self._spawn())
+            self.state = "filling"
+            last_status = 0.0
+            last_poll = 0.0
+            while self.stop_signal is None and self.fatal is None:
+                self._wait(wake_r, timeout=POLL_SECONDS)
+                now = time.monotonic()
+                if now - last_poll >= POLL_SECONDS or self._drain(wake_r):
+                    self._read_progress()
+                    last_poll = now
+                self._schedule()
+                self._dispatch()
+                if now - last_status >= STATUS_SECONDS:
+                    self._write_status()
+                    last_status = now
+                if self.end is not None and self.progress >= self.end:
+                    log.info("the trainer consumed all %d epochs; exiting", self.manifest.epochs)
+                    break
+        finally:
+            self.state = "stopping"
+            self._shutdown()
+            watcher.stop()
+            signal.set_wakeup_fd(old_wakeup)
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            os.close(wake_r)
+            os.close(wake_w)
+        if self.fatal:
+            self.state, self.message = "failed", self.fatal
+            self._write_status()
+            raise DaemonError(self.fatal)
+        self.state = "stopped"
+        self.message = f"stopped by {signal.Signals(self.stop_signal).name}" if self.stop_signal else "finished"
+        self._write_status()
+        return 0
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stop_signal = signum
+
+    @staticmethod
+    def _drain(fd: int) -> bool:
+        got = False
+        try:
+            while os.read(fd, 4096):
+                got = True
+        except BlockingIOError:
+            pass
+        return got
+
+    def _wait(self, wake_r: int, timeout: float) -> None:
+        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [wake_r], timeout)
+        for worker in list(self.workers):
+            if worker.conn in ready:
+                self._receive(worker)
+        for worker in list(self.workers):
+            if worker.process.sentinel in ready or not worker.process.is_alive():
+                self._replace_worker(worker)
+
+    # -- workers --------------------------------------------------------------
+
+    def _spawn(self) -> Worker:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=worker_main, args=(child, self._job), name="prefetchd-worker", daemon=True)
+        proc.start()
+        child.close()
+        return Worker(proc, parent)
+
+    def _receive(self, worker: Worker) -> None:
+        while worker.conn.poll():
+            try:
+                result = worker.conn.recv()
+            except (EOFError, OSError):
+                return  # it died; its sentinel handles the rest
+            task = worker.tasks.pop(result.task_id, None)
+            if task is not None:
+                self._complete(task, result)
+
+    def _replace_worker(self, worker: Worker) -> None:
+        self._receive(worker)  # results it sent before dying still count
+        code = worker.process.exitcode
+        self.workers.remove(worker)
+        worker.conn.close()
+        if self.stop_signal is not None:
+            return
+        now = time.monotonic()
+        self.restart_times.append(now)
+        while self.restart_times and now - self.restart_times[0] > RESTART_WINDOW_SECONDS:
+            self.restart_times.popleft()
+        self.stats.worker_restarts += 1
+        log.error("worker pid %s died (exit code %s); requeuing its %d tasks and starting another",
+                  worker.process.pid, code, len(worker.tasks))
+        self.todo.extendleft(reversed(list(worker.tasks.values())))
+        if len(self.restart_times) > MAX_WORKER_RESTARTS:
+            self.fatal = (f"{len(self.restart_times)} workers died within {RESTART_WINDOW_SECONDS:.0f} s "
+                          f"(last exit code {code}); check the log and `dmesg` for the cause (out of memory?)")
+            return
+        self.workers.append(self._spawn())
+
+    def _shutdown(self) -> None:
+        for worker in self.workers:
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + WORKER_STOP_SECONDS
+        for worker in self.workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(1.0)
+            worker.conn.close()
+        self.workers.clear()
+        for build in self.building.values():
+            build.tmp.unlink(missing_ok=True)
+        self.building.clear()
+
+    # -- progress and deletion -----------------------------------------------
+
+    def _g(self, key: tuple[int, int]) -> int:
+        return key[0] * self.steps + key[1]
+
+    def _read_progress(self) -> None:
+        try:
+            progress = Progress.read(self.buffer)
+        except ProtocolError as exc:
+            if str(exc) != self.progress_error:
+                log.warning("ignoring the trainer's progress file: %s", exc)
+                self.progress_error = str(exc)
+            return
+        self.progress_error = ""
+        if progress is None:
+            return
+        if progress.step >= self.steps:
+            msg = f"step {progress.step} is past the {self.steps} steps of an epoch"
+            if msg != self.progress_error:
+                log.warning("ignoring the trainer's progress file: %s", msg)
+                self.progress_error = msg
+            return
+        g = self._g((progress.epoch, progress.step))
+        if self.end is not None:
+            g = min(g, self.end)
+        if g == self.progress:
+            return
+        if g < self.progress:
+            log.info("trainer moved back from %s to %s; regenerating from there", self.key(self.progress), self.key(g))
+        else:
+            self.stats.consumed += g - self.progress
+        self.progress = g
+        self._trim_window()
+
+    def _trim_window(self) -> None:
+        lo, hi = self.progress, self.progress + self.high
+        for g in [g for g in self.published if not lo <= g < hi]:
+            self.published.pop(g).unlink(missing_ok=True)
+        for build in self.building.values():
+            if not lo <= build.g < hi and not build.cancelled:
+                self._cancel(build)
+        waiting = len(self.published)
+        if not self.filling and waiting <= self.low:
+            self.filling = True
+
+    def _cancel(self, build: Build) -> None:
+        """Stop building ``build``; tasks already at a worker finish and are ignored."""
+        build.cancelled = True
+        queued = {t.task_id for t in self.todo if t.task_id in build.outstanding}
+        self.todo = deque(t for t in self.todo if t.task_id not in queued)
+        for task_id in queued:
+            del self.task_build[task_id]
+        build.outstanding -= queued
+        self._maybe_drop(build)
+
+    def _maybe_drop(self, build: Build) -> None:
+        if build.cancelled and not build.outstanding:
+            build.tmp.unlink(missing_ok=True)
+            del self.building[build.g]
+
+    # -- building -------------------------------------------------------------
+
+    def _free_bytes(self) -> int:
+        fs = os.statvfs(self.buffer)
+        return fs.f_bavail * fs.f_frsize
+
+    def _schedule(self) -> None:
+        if time.monotonic() < self.retry_at:
+            return
+        active = sum(not b.cancelled for b in self.building.values())
+        if self.filling and len(self.published) + active >= self.high:
+            self.filling = False
+        if not self.filling:
+            self.state = "full"
+            return
+        hi = self.progress + self.high
+        if self.end is not None:
+            hi = min(hi, self.end)
+        g = self.progress
+        while active < self.max_building and len(self.published) + active < self.high:
+            while g < hi and (g in self.published or g in self.building):
+                g += 1
+            if g >= hi:
+                self.state = "done" if self.end is not None and hi == self.end else "filling"
+                return
+            size = batch_len(self.key(g)[1], self.cfg.batch_size, self.manifest.samples_per_epoch)
+            layout = BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
+            pending = sum(b.layout.file_len for b in self.building.values())
+            free = self._free_bytes() - pending - layout.file_len
+            if free < self.min_free:
+                msg = (f"paused: {self.buffer} would fall to {max(free, 0) >> 20} MiB free, below the floor of "
+                       f"{self.min_free >> 20} MiB; free space there or lower --high-water")
+                if self.state != "paused-low-space":
+                    log.warning(msg)
+                self.state, self.message = "paused-low-space", msg
+                self.retry_at = time.monotonic() + RETRY_SECONDS
+                return
+            self._start_build(g, layout)
+            active += 1
+            self.state, self.message = "filling", ""
+
+    def _start_build(self, g: int, layout: BatchLayout) -> None:
+        epoch, step = self.key(g)
+        order = self.order(epoch)
+        chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
+        tmp = temp_name(self.buffer / batch_name(epoch, step))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.ftruncate(fd, layout.file_len)
+        finally:
+            os.close(fd)
+        n = len(chosen)
+        build = Build(g, epoch, step, tmp, layout, np.empty(n, np.int64), np.empty(n, np.int64), remaining=n)
+        self.building[g] = build
+        for start in range(0, n, self.chunk):
+            items = tuple((slot, int(chosen[slot])) for slot in range(start, min(n, start + self.chunk)))
+            task = Task(self.next_task_id, str(tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items)
+            self.next_task_id += 1
+            self.task_build[task.task_id] = g
+            build.outstanding.add(task.task_id)
+            self.todo.append(task)
+
+    def _dispatch(self) -> None:
+        for worker in sorted(self.workers, key=lambda w: len(w.tasks)):
+            while self.todo and len(worker.tasks) < TASKS_PER_WORKER:
+                task = self.todo.popleft()
+                worker.tasks[task.task_id] = task
+                try:
+                    worker.conn.send(task)
+                except OSError:  # died meanwhile; its sentinel requeues the task
+                    break
+
+    def _complete(self, task: Task, result: Filled | WriteFailed) -> None:
+        g = self.task_build.pop(task.task_id)
+        build = self.building.get(g)
+        if build is None:
+            return
+        build.outstanding.discard(task.task_id)
+        if isinstance(result, WriteFailed):
+            if result.fatal:
+                self.fatal = result.reason
+                return
+            self.stats.write_failures += 1
+            log.warning("batch %s: %s; retrying in %.0f s", batch_name(build.epoch, build.step), result.reason, RETRY_SECONDS)
+            self.retry_at = time.monotonic() + RETRY_SECONDS
+            self._cancel(build)
+            return
+        if build.cancelled:
+            self._maybe_drop(build)
+            return
+        for path, reason in result.failures:
+            if path not in self.logged_failures:
+                self.logged_failures.add(path)
+                log.warning("cannot decode %s (%s); replacing it with the next sample of the split", path, reason)
+        requested = dict(task.items)
+        for slot, index, label in result.slots:
+            build.indices[slot] = index
+            build.labels[slot] = label
+            build.replaced += index != requested[slot]
+        build.remaining -= len(result.slots)
+        if build.remaining == 0:
+            self._publish(build)
+
+    def _publish(self, build: Build) -> None:
+        del self.building[build.g]
+        final = self.buffer / batch_name(build.epoch, build.step)
+        layout = build.layout
+        try:
+            fd = os.open(build.tmp, os.O_WRONLY | os.O_NOFOLLOW)
+            try:
+                os.pwrite(fd, build.labels.astype("<i8").tobytes(), layout.tensors["labels"].offset)
+                os.pwrite(fd, build.indices.astype("<i8").tobytes(), layout.tensors["indices"].offset)
+                header = layout.encode_header(
+                    epoch=build.epoch, step=build.step, seed=self.cfg.seed,
+                    producer=self.manifest.producer, replaced=build.replaced,
+                )
+                # The header goes last: a file without its magic is never mistaken for a batch.
+                os.pwrite(fd, header, 0)
+            finally:
+                os.close(fd)
+            os.rename(build.tmp, final)
+        except OSError as exc:
+            build.tmp.unlink(missing_ok=True)
+            self.stats.write_failures += 1
+            log.warning("could not publish %s: %s; retrying in %.0f s", final.name, exc.strerror, RETRY_SECONDS)
+            self.retry_at = time.monotonic() + RETRY_SECONDS
+            return
+        self.published[build.g] = final
+        self.stats.batches += 1
+        self.stats.samples += len(build.indices)
+        self.stats.replaced += build.replaced
+
+    # -- status ---------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        produce_rate, consume_rate = self.stats.rates()
+        epoch, step = self.key(self.progress)
+        return {
+            "pid": os.getpid(),
+            "producer": self.manifest.producer,
+            "state": self.state,
+            "message": self.message,
+            "heartbeat": time.time(),
+            "started": self.stats.started,
+            "progress": {"epoch": epoch, "step": step},
+            "waiting": len(self.published),
+            "building": sum(not b.cancelled for b in self.building.values()),
+            "high_water": self.high,
+            "low_water": self.low,
+            "batch_bytes": self.cfg.batch_bytes,
+            "buffer_bytes": sum(b.layout.file_len for b in self.building.values()) + len(self.published) * self.cfg.batch_bytes,
+            "free_bytes": self._free_bytes(),
+            "workers": len(self.workers),
+            "rates": {"samples_per_s": round(produce_rate, 1), "consumed_batches_per_s": round(consume_rate, 2)},
+            "totals": {"batches": self.stats.batches, "samples": self.stats.samples, "consumed_batches": self.stats.consumed},
+            "errors": {
+                "replaced_samples": self.stats.replaced,
+                "undecodable_files": len(self.logged_failures),
+                "worker_restarts": self.stats.worker_restarts,
+                "write_failures": self.stats.write_failures,
+                "progress_file": self.progress_error,
+            },
+        }
+
+    def _write_status(self) -> None:
+        try:
+            write_status(self.buffer, self.status())
+        except OSError as exc:
+            log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
+
+
+def sweep_leftovers(buffer: Path) -> int:
+    """Delete what a killed daemon left half-written; only the lock holder may call this."""
+    count = 0
+    for path in list_temp_files(buffer):
+        path.unlink(missing_ok=True)
+        count += 1
+    return count
+
+
+def new_producer_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+__all__ = ["DaemonLock", "Producer", "new_producer_id", "sweep_leftovers"]

@@ -1,0 +1,63 @@
+"""Wake the controller when the trainer rewrites its progress file.
+
+watchdog (inotify on Linux) gives a wake-up within a millisecond of the
+trainer's rename; the controller also re-reads the file on a short timer, so a
+missing or broken watch (inotify limits, network filesystems) only costs latency.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from prefetchd.buffer_protocol.layout import PROGRESS_NAME
+
+log = logging.getLogger(__name__)
+
+_ERRNO_HINTS = {
+    errno.ENOSPC: "inotify watch limit reached (raise fs.inotify.max_user_watches)",
+    errno.EMFILE: "inotify instance limit reached (raise fs.inotify.max_user_instances)",
+    errno.ENOENT: "the buffer directory vanished",
+}
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, wake_fd: int) -> None:
+        self._wake_fd = wake_fd
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        # The trainer publishes by rename, which arrives as a move whose destination is the file.
+        for path in (event.src_path, getattr(event, "dest_path", "")):
+            if os.path.basename(os.fsdecode(path)) == PROGRESS_NAME:
+                try:
+                    os.write(self._wake_fd, b"p")
+                except BlockingIOError:  # the pipe is full: a wake-up is already pending
+                    pass
+                return
+
+
+class ProgressWatcher:
+    def __init__(self, buffer: os.PathLike[str] | str, wake_fd: int) -> None:
+        self._observer: Observer | None = Observer()  # type: ignore[valid-type]
+        try:
+            self._observer.schedule(_Handler(wake_fd), os.fspath(buffer), recursive=False)
+            self._observer.daemon = True
+            self._observer.start()
+        except OSError as exc:
+            hint = _ERRNO_HINTS.get(exc.errno or 0, exc.strerror)
+            log.warning("cannot watch %s for progress (%s); polling it instead", buffer, hint)
+            self._observer = None
+
+    @property
+    def watching(self) -> bool:
+        return self._observer is not None
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+            self._observer = None
