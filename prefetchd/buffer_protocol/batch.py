@@ -114,7 +114,7 @@ class BatchLayout:
         self, *, epoch: int, step: int, seed: int, producer: str, replaced: int = 0
     ) -> bytes:
         """Header, metadata and padding: exactly ``header_len`` bytes."""
-        meta = msgpack.packb(
+        meta: bytes = msgpack.packb(
             {
                 "format": BATCH_FORMAT,
                 "epoch": epoch,
@@ -178,7 +178,7 @@ def _tensor(raw: Any, tname: str, name: str, header_len: int, file_len: int) -> 
         raise _fail(name, f"tensor {tname!r} has shape {shape!r}, expected up to {MAX_DIMS} sizes")
     offset = _int(raw, "offset", name, header_len, file_len)
     length = _int(raw, "length", name, 0, file_len)
-    spec = TensorSpec(dtype, tuple(shape), offset)
+    spec = TensorSpec(str(dtype), tuple(shape), offset)
     if spec.length != length:
         raise _fail(name, f"tensor {tname!r} claims {length} bytes but shape {shape} of {dtype} is {spec.length}")
     if offset % PAGE_SIZE:
@@ -322,7 +322,7 @@ def write_batch(
     path = Path(path)
     layout = BatchLayout.plan(*images.shape)
     tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         os.ftruncate(fd, layout.file_len)
         for name, array, dtype in (("images", images, "uint8"), ("labels", labels, "int64"), ("indices", indices, "int64")):

@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -42,7 +43,7 @@ TEMP_MARK = ".tmp"
 MAX_DOCUMENT_LEN = 1 << 20
 
 _BATCH_RE = re.compile(r"^e(\d{6})-s(\d{8})\.batch$")
-_TEMP_RE = re.compile(r"^(e\d{6}-s\d{8}\.tmp|.+\.json\.tmp-\d+)$")
+_TEMP_RE = re.compile(r"^(e\d{6}-s\d{8}\.tmp|.+\.json\.tmp-\d+-[0-9a-f]+)$")
 
 
 def batch_name(epoch: int, step: int) -> str:
@@ -56,7 +57,9 @@ def parse_batch_name(name: str) -> tuple[int, int] | None:
 
 def list_batches(buffer: Path) -> dict[tuple[int, int], Path]:
     """Finished batch files in ``buffer`` by (epoch, step)."""
-    found = {}
+    found: dict[tuple[int, int], Path] = {}
+    if not os.path.isdir(buffer):
+        return found
     with os.scandir(buffer) as entries:
         for entry in entries:
             key = parse_batch_name(entry.name)
@@ -78,7 +81,8 @@ def list_temp_files(buffer: Path) -> Iterator[Path]:
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     """Atomically replace ``path`` with ``doc`` (temp name in the same directory, then rename)."""
-    tmp = path.with_name(f"{path.name}{TEMP_MARK}-{os.getpid()}")
+    # pid + random suffix: two writers in one process (threads, two loaders) never share a temp file.
+    tmp = path.with_name(f"{path.name}{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}")
     data = json.dumps(doc, indent=1, sort_keys=True).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
@@ -114,8 +118,10 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
 
 
 def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
-    value = doc.get(key)
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    value: Any = doc.get(key)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, kind) and not isinstance(value, bool)
     if not ok or (kind is int and value < 0):
         raise ProtocolError(f"{path}: field {key!r} is {value!r}, expected a {'non-negative ' if kind is int else ''}{kind.__name__}")
     return value
@@ -171,9 +177,17 @@ class Manifest:
             _field(doc, key, kind, path)
         if doc["batch_size"] < 1 or doc["image_size"] < 1 or doc["world_size"] < 1:
             raise ProtocolError(f"{path}: batch_size, image_size and world_size must be at least 1")
-        epochs = doc.get("epochs")
-        if epochs is not None:
-            _field(doc, "epochs", int, path)
+        if not all(isinstance(c, str) for c in doc["classes"]):
+            raise ProtocolError(f"{path}: field 'classes' must be a list of class names")
+        if doc["steps_per_epoch"] != -(-doc["samples_per_epoch"] // doc["batch_size"]):
+            raise ProtocolError(
+                f"{path}: steps_per_epoch {doc['steps_per_epoch']} does not match {doc['samples_per_epoch']} "
+                f"samples in batches of {doc['batch_size']}; delete it and restart the daemon"
+            )
+        for key, kind in (("epochs", int), ("val_fraction", float)):
+            if doc.get(key) is not None:
+                doc = {**doc, key: _field(doc, key, kind, path)}
+        doc = {**doc, "created": float(doc["created"])}
         names = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in names})
 

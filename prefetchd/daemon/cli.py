@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import click
+import psutil
 
 from prefetchd.buffer_protocol import Manifest, ProtocolError, daemon_pid, read_status
 from prefetchd.daemon.config import FIELDS, DaemonConfig, load_toml
@@ -43,7 +44,10 @@ def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
         ptype: Any = {Path: click.Path(path_type=Path), int: int, float: float, str: str}[kind]
         if "choices" in meta:
             ptype = click.Choice(meta["choices"])
-        func = click.option(flag, type=ptype, default=None, help=meta["help"])(func)
+        # default=None lets build_config tell a given flag from an absent one; the
+        # dataclass default is shown in the help instead.
+        shown = meta["help"] if f.default is None else f"{meta['help']} [default: {f.default}]"
+        func = click.option(flag, type=ptype, default=None, help=shown)(func)
     return func
 
 
@@ -67,7 +71,7 @@ def main() -> None:
 @click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file with the same keys as these flags; flags override it.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.pass_context
-def start(ctx: click.Context, config_file: Path | None, log_level: str, **params: Any) -> None:
+def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **params: Any) -> None:
     """Run the daemon in the foreground until stopped (SIGTERM, SIGINT or `prefetchd stop`)."""
     setup_logging(log_level)
     try:
@@ -91,14 +95,23 @@ def stop(buffer: Path, timeout: float) -> None:
         click.echo(f"no daemon is running on {buffer}")
         return
     os.kill(pid, signal.SIGTERM)
+    # The lock goes before the interpreter exits: "stopped" means the process is gone
+    # (a zombie is gone too: its parent, not us, has to reap it).
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if daemon_pid(buffer) != pid:
+        if _exited(pid):
             click.echo(f"stopped the daemon on {buffer} (pid {pid})")
             return
         time.sleep(0.05)
     click.echo(f"the daemon on {buffer} (pid {pid}) did not exit within {timeout:.0f} s; `kill -9 {pid}` ends it", err=True)
     sys.exit(EXIT_FAILURE)
+
+
+def _exited(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _mib(n: float) -> str:

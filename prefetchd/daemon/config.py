@@ -136,7 +136,7 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
             f"high_water = {high} batches of {batch / 2**20:.1f} MiB "
             f"(at most half the free tmpfs, a quarter of available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
         )
-    high_water = changes.get("high_water", cfg.high_water)
+    high_water: int = changes["high_water"] if cfg.high_water is None else cfg.high_water
     if cfg.low_water is None:
         changes["low_water"] = high_water // 2
         notes.append(f"low_water = {changes['low_water']} (half the high-water mark)")

@@ -99,6 +99,7 @@ def check_capacity(cfg: DaemonConfig) -> None:
 def run_daemon(cfg: DaemonConfig) -> int:
     if cfg.data is None:
         raise ConfigError("no dataset: pass --data ROOT (a folder of class folders) or set `data` in the config")
+    data = Path(cfg.data)
     buffer = Path(cfg.buffer)
     prepare_buffer(buffer)
     lock = DaemonLock(buffer)
@@ -111,7 +112,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
         for note in notes:
             log.info("default: %s", note)
         check_capacity(cfg)
-        index = scan_class_folders(Path(cfg.data))
+        index = scan_class_folders(data)
         members = split_members(len(index), cfg.split, cfg.val_fraction)
         samples = samples_per_rank(len(members))
         manifest = Manifest(

@@ -191,6 +191,9 @@ class Producer:
                 if self.end is not None and self.progress >= self.end:
                     log.info("the trainer consumed all %d epochs; exiting", self.manifest.epochs)
                     break
+        except Exception as exc:  # a bug: leave a status that says so, not a silently stale heartbeat
+            log.exception("internal error in the controller")
+            self.fatal = f"internal error: {type(exc).__name__}: {exc} (see the log; please report it)"
         finally:
             self.state = "stopping"
             self._shutdown()
@@ -327,7 +330,7 @@ class Producer:
         lo, hi = self.progress, self.progress + self.high
         for g in [g for g in self.published if not lo <= g < hi]:
             self.published.pop(g).unlink(missing_ok=True)
-        for build in self.building.values():
+        for build in list(self.building.values()):  # _cancel may drop builds
             if not lo <= build.g < hi and not build.cancelled:
                 self._cancel(build)
         waiting = len(self.published)

@@ -61,9 +61,10 @@ def center_crop_box(width: int, height: int, size: int) -> Box:
 def load_rgb(path: Path) -> Image.Image:
     """Decode ``path`` to RGB, honouring EXIF orientation."""
     with Image.open(path) as img:
+        oriented: Image.Image = img
         if img.getexif().get(_EXIF_ORIENTATION, 1) != 1:
-            img = ImageOps.exif_transpose(img)
-        return img.convert("RGB")
+            oriented = ImageOps.exif_transpose(img)
+        return oriented.convert("RGB")
 
 
 def augment(path: Path, size: int, train: bool, rng: np.random.Generator | None) -> np.ndarray:

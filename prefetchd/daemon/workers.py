@@ -114,7 +114,7 @@ def run_task(job: WorkerJob, task: Task) -> Filled | WriteFailed:
             if image.nbytes != task.slot_bytes:
                 raise SampleUnrecoverable(f"{job.index.path(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
             try:
-                _pwrite_all(fd, memoryview(image).cast("B"), task.images_offset + slot * task.slot_bytes)
+                _pwrite_all(fd, memoryview(image.data).cast("B"), task.images_offset + slot * task.slot_bytes)
             except OSError as exc:
                 return WriteFailed(task.task_id, f"cannot write {task.path}: {exc.strerror}")
             slots.append((slot, used, int(job.index.labels[used])))
