@@ -1,0 +1,10 @@
+"""The consumer side: map the daemon's batch files and hand them to the trainer.
+
+``BufferLoader`` (in ``loader``) is the reader; ``train`` is the reference trainer
+behind the ``prefetchd-train`` command.
+"""
+
+from prefetchd.trainer.errors import DaemonGone, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer.loader import Batch, BufferLoader
+
+__all__ = ["Batch", "BufferLoader", "DaemonGone", "LoaderError", "LoaderTimeout", "StateMismatch"]

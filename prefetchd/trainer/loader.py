@@ -1,0 +1,547 @@
+"""Where a batch is read: batch files in the buffer -> tensors on the trainer's device.
+
+A :class:`BufferLoader` walks the (epoch, step) positions of the daemon's job in
+order.  For each one it waits for the finished batch file, maps it (zero-copy
+numpy views over a private mapping, see ``buffer_protocol.map_batch``) and hands
+out a :class:`Batch`:
+
+    images   NCHW, channels_last strides (the file's HWC bytes, permuted for free);
+             float32 normalised with the ImageNet statistics, or raw uint8
+    labels   int64 [N], on the device
+    indices  int64 [N], on the CPU (sample i is ``ImageFolder(root).samples[i]``)
+
+Progress (``progress.json``, read by the daemon, which deletes every batch
+before it) is the trainer's side of flow control:
+
+- it is written when iteration starts and by ``load_state_dict``, so a trainer
+  restarted at an older position makes the daemon regenerate from there;
+- after a batch is handed over, progress moves past it only when the consumer
+  asks for the next batch, when the epoch's iterator is exhausted or when the
+  loader is closed, so the file the consumer may still be reading is not
+  deleted under it;
+- the same position is never written twice in a row.
+
+The loader is not thread-safe; use one per consumer thread and buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeGuard
+
+import torch
+
+from prefetchd.buffer_protocol import (
+    Manifest,
+    MappedBatch,
+    Progress,
+    ProtocolError,
+    batch_name,
+    daemon_pid,
+    map_batch,
+    read_status,
+)
+from prefetchd.trainer.errors import DaemonGone, LoaderError, LoaderTimeout, StateMismatch
+
+logger = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# One-channel data: the mean of the three ImageNet channels, as torchvision's
+# grayscale recipes use.
+GRAY_MEAN = (0.449,)
+GRAY_STD = (0.226,)
+
+STATE_FORMAT = "prefetchd.loader_state"
+STATE_VERSION = 1
+
+# Waiting for a batch starts with 1 ms sleeps (a daemon that keeps up publishes
+# within a few ms) and backs off to 20 ms, so a stalled daemon costs ~50 wake-ups
+# a second, not a busy core.
+_FIRST_DELAY = 0.001
+_MAX_DELAY = 0.020
+_MANIFEST_FIRST_DELAY = 0.010
+_MANIFEST_MAX_DELAY = 0.050
+_SLOW_WAIT_WARNING = 10.0
+
+DeviceLike = str | torch.device
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Batch:
+    """One batch; unpacks as ``images, labels = batch`` like a DataLoader item."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    indices: torch.Tensor
+    epoch: int
+    step: int
+    replaced: int = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield self.images
+        yield self.labels
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.images, self.labels)[index]
+
+    def __repr__(self) -> str:
+        im = self.images
+        return (
+            f"Batch(epoch={self.epoch}, step={self.step}, images={list(im.shape)} {im.dtype} {im.device}, "
+            f"labels={list(self.labels.shape)}, replaced={self.replaced})"
+        )
+
+
+class _EpochIterator:
+    """The rest of one epoch; ends early when the loader is re-iterated, rewound or closed."""
+
+    def __init__(self, loader: BufferLoader, generation: int, epoch: int) -> None:
+        self._loader = loader
+        self._generation = generation
+        self._epoch = epoch
+        self._done = False
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._done:
+            raise StopIteration
+        batch = self._loader._next(self._generation, self._epoch)
+        if batch is None:
+            self._done = True
+            raise StopIteration
+        return batch
+
+
+class BufferLoader:
+    """Iterate over the batches a prefetchd daemon writes into ``buffer``.
+
+    Each ``iter(loader)`` yields the rest of the current epoch (from
+    :attr:`position` to the last step) and leaves the loader at step 0 of the
+    next epoch, so ``for epoch ...: for images, labels in loader:`` works as with
+    a DataLoader.  When the manifest limits the job to ``epochs`` epochs,
+    iterating past them yields nothing; ``load_state_dict`` refuses positions
+    beyond the end.  Starting a new iteration, ``load_state_dict`` and
+    ``close`` end any iterator handed out before.
+
+    Args:
+        buffer: the daemon's ``--buffer`` directory.
+        device: where images and labels go ("cpu", "cuda", "cuda:1", a torch.device).
+        normalize: float32 images scaled to [0, 1] and standardised per channel
+            (ImageNet statistics unless ``mean``/``std`` are given); False gives
+            the raw uint8 images.
+        timeout: seconds to wait for the manifest at construction, and for each batch.
+        daemon_grace: seconds a missing batch is waited for while no daemon owns
+            the buffer before :class:`DaemonGone` is raised.
+        mean, std: per-channel statistics for ``normalize`` (in [0, 1] units).
+    """
+
+    def __init__(
+        self,
+        buffer: str | os.PathLike[str],
+        device: DeviceLike = "cpu",
+        normalize: bool = True,
+        timeout: float = 120.0,
+        *,
+        daemon_grace: float = 5.0,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: pass a positive number of seconds")
+        if not daemon_grace >= 0:
+            raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
+        self._buffer = Path(buffer)
+        self._device = torch.device(device)
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r} but CUDA is not available here; pass device='cpu'")
+        self._non_blocking = self._device.type == "cuda"
+        self._normalize = normalize
+        self._timeout = float(timeout)
+        self._grace = float(daemon_grace)
+        # Check liveness often enough that the grace period is honoured to ~25 %.
+        self._liveness_interval = min(1.0, max(0.01, self._grace / 4))
+        self._manifest = self._wait_for_manifest()
+        self._scale, self._shift = self._normalization(mean, std)
+        self._epoch = 0
+        self._step = 0
+        self._published: tuple[int, int] | None = None
+        self._generation = 0
+        self._closed = False
+
+    # -- read-only views ---------------------------------------------------------
+
+    @property
+    def buffer(self) -> Path:
+        return self._buffer
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self._manifest.classes)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, step) of the next batch to be delivered."""
+        return (self._epoch, self._step)
+
+    def __len__(self) -> int:
+        return self._manifest.steps_per_epoch
+
+    def __repr__(self) -> str:
+        return (
+            f"BufferLoader({str(self._buffer)!r}, device={str(self._device)!r}, normalize={self._normalize}, "
+            f"position={self.position}, steps_per_epoch={len(self)})"
+        )
+
+    # -- iteration ---------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._check_open()
+        self._generation += 1
+        self._publish()
+        return _EpochIterator(self, self._generation, self._epoch)
+
+    def _next(self, generation: int, epoch: int) -> Batch | None:
+        """The batch at the current position, or None when ``epoch``'s iterator is over."""
+        if generation != self._generation or self._closed:
+            return None
+        # The consumer is back for more, so the batch handed over last is done with.
+        self._publish()
+        if self._epoch != epoch or self._past_end():
+            return None
+        if self._step >= self._manifest.steps_per_epoch:
+            # Only reachable with an empty epoch (steps_per_epoch == 0).
+            self._epoch, self._step = self._epoch + 1, 0
+            self._publish()
+            return None
+        batch = self._to_batch(self._wait_for_batch(self._epoch, self._step))
+        # Handed over: the position moves now (state_dict reflects it), progress.json
+        # only when the consumer comes back (see the module docstring).
+        self._step += 1
+        if self._step >= self._manifest.steps_per_epoch:
+            self._epoch, self._step = self._epoch + 1, 0
+        return batch
+
+    def _past_end(self) -> bool:
+        epochs = self._manifest.epochs
+        return epochs is not None and self._epoch >= epochs
+
+    def _publish(self) -> None:
+        position = (self._epoch, self._step)
+        if position == self._published:
+            return
+        try:
+            Progress(*position).write(self._buffer)
+        except OSError as exc:
+            raise LoaderError(
+                f"{self._buffer}: cannot write progress.json ({exc.strerror or exc}); the daemon needs it to "
+                "know what to produce and delete. Check that the buffer directory exists, is writable and "
+                "has free space"
+            ) from exc
+        self._published = position
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderError(f"the BufferLoader for {self._buffer} is closed; create a new one")
+
+    # -- resume ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: the (epoch, step) of the next batch, and the job it belongs to."""
+        m = self._manifest
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "step": self._step,
+            "fingerprint": m.fingerprint,
+            "producer": m.producer,
+            "identity": {key: getattr(m, key) for key in Manifest.IDENTITY},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`state_dict`) and tell the daemon to produce from there.
+
+        Raises StateMismatch when the state belongs to another dataset or job (a
+        different seed, batch size, split ... would give different batches) or
+        points past the job's end.
+        """
+        self._check_open()
+        m = self._manifest
+        epoch, step = state.get("epoch"), state.get("step")
+        if not (_is_count(epoch) and _is_count(step)):
+            raise StateMismatch(
+                f"loader state has epoch={epoch!r}, step={step!r}; expected non-negative integers from "
+                "BufferLoader.state_dict()"
+            )
+        fingerprint = state.get("fingerprint")
+        if fingerprint != m.fingerprint:
+            raise StateMismatch(
+                f"loader state is for dataset fingerprint {fingerprint!r}, but the daemon of {self._buffer} "
+                f"serves {m.dataset_root!r} (fingerprint {m.fingerprint!r}): the checkpoint was taken on "
+                "another dataset. Start the daemon on the checkpoint's dataset, or train from scratch "
+                "without load_state_dict"
+            )
+        identity = state.get("identity")
+        if isinstance(identity, Mapping):
+            diffs = [
+                f"{key}: checkpoint {identity[key]!r}, buffer {getattr(m, key)!r}"
+                for key in Manifest.IDENTITY
+                if key in identity and identity[key] != getattr(m, key)
+            ]
+            if diffs:
+                raise StateMismatch(
+                    f"loader state does not fit the job in {self._buffer} ({'; '.join(diffs)}), so resuming "
+                    "would not see the same batches; restart the daemon with the checkpoint's settings"
+                )
+        spe = m.steps_per_epoch
+        if step >= max(spe, 1):
+            raise StateMismatch(f"loader state has step {step}, but an epoch of {self._buffer} has {spe} steps")
+        if m.epochs is not None and (epoch, step) > (m.epochs, 0):
+            raise StateMismatch(
+                f"loader state is at epoch {epoch} step {step}, past the end of the job in {self._buffer} "
+                f"({m.epochs} epochs); restart the daemon with a larger --epochs"
+            )
+        self._epoch, self._step = epoch, step
+        self._generation += 1
+        self._publish()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Mark the batch handed over last as consumed and end all iterators."""
+        if self._closed:
+            return
+        if self._published is not None:
+            try:
+                self._publish()
+            except LoaderError as exc:
+                logger.warning("closing %s: %s", self._buffer, exc)
+        self._closed = True
+        self._generation += 1
+
+    def __enter__(self) -> BufferLoader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- waiting -----------------------------------------------------------------
+
+    def _wait_for_manifest(self) -> Manifest:
+        deadline = time.monotonic() + self._timeout
+        delay = _MANIFEST_FIRST_DELAY
+        logged = False
+        while True:
+            try:
+                return Manifest.read(self._buffer)
+            except FileNotFoundError:
+                pass  # no daemon has started on this buffer yet
+            except NotADirectoryError:
+                raise LoaderError(f"{self._buffer} is not a directory; pass the daemon's --buffer directory") from None
+            now = time.monotonic()
+            if now >= deadline:
+                raise LoaderTimeout(self._manifest_timeout_message())
+            if not logged:
+                logger.info("waiting up to %g s for %s", self._timeout, self._buffer / "manifest.json")
+                logged = True
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 1.5, _MANIFEST_MAX_DELAY)
+
+    def _manifest_timeout_message(self) -> str:
+        buffer, waited = self._buffer, f"{self._timeout:g} s"
+        pid = daemon_pid(buffer)
+        if pid is not None:
+            return (
+                f"{buffer}: the daemon (pid {pid}) owns this buffer but wrote no manifest.json within {waited} "
+                f"({_status_summary(buffer)}); it may still be indexing a large dataset. Check "
+                f"`prefetchd status --buffer {buffer}`, or pass a larger timeout"
+            )
+        where = "does not exist" if not buffer.exists() else "has no manifest.json"
+        return (
+            f"{buffer} {where} after waiting {waited} for the daemon's manifest.json, and no prefetchd daemon "
+            f"owns it. Start one with `prefetchd start --buffer {buffer} --data ROOT` (ROOT: the class-folder "
+            "dataset), or pass a larger timeout if one is still starting"
+        )
+
+    def _wait_for_batch(self, epoch: int, step: int) -> MappedBatch:
+        name = batch_name(epoch, step)
+        path = self._buffer / name
+        start = time.monotonic()
+        deadline = start + self._timeout
+        delay = _FIRST_DELAY
+        next_liveness = start
+        gone_since: float | None = None
+        pid: int | None = None
+        warned = False
+        while True:
+            try:
+                return map_batch(path)
+            except FileNotFoundError:
+                pass  # not produced yet, or deleted to be regenerated after a rewind
+            now = time.monotonic()
+            if now >= next_liveness:
+                next_liveness = now + self._liveness_interval
+                pid = daemon_pid(self._buffer)
+                if pid is not None:
+                    gone_since = None
+                elif gone_since is None:
+                    gone_since = now
+                if gone_since is not None and now - gone_since >= self._grace:
+                    raise DaemonGone(
+                        f"{self._buffer}: no prefetchd daemon owns this buffer (none seen for {self._grace:g} s) "
+                        f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
+                        f"{_status_summary(self._buffer)}. Restart it with `prefetchd start --buffer "
+                        f"{self._buffer} --data {self._manifest.dataset_root}{_split_flag(self._manifest)}`: "
+                        "it resumes from progress.json"
+                    )
+            if now >= deadline:
+                owner = f"the daemon (pid {pid}) owns the buffer" if pid is not None else "no daemon owns the buffer"
+                raise LoaderTimeout(
+                    f"{self._buffer}: waited {self._timeout:g} s for batch {name} (epoch {epoch}, step {step}) "
+                    f"and it did not appear; {owner}; {_status_summary(self._buffer)}. Check `prefetchd status "
+                    f"--buffer {self._buffer}`, or pass a larger timeout if the daemon is just slow"
+                )
+            if not warned and now - start >= _SLOW_WAIT_WARNING:
+                warned = True
+                logger.warning(
+                    "still waiting for %s after %.0f s; %s", path, now - start, _status_summary(self._buffer)
+                )
+            time.sleep(min(delay, max(0.0, deadline - now)))
+            delay = min(delay * 2, _MAX_DELAY)
+
+    # -- tensors -----------------------------------------------------------------
+
+    def _normalization(
+        self, mean: Sequence[float] | None, std: Sequence[float] | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self._normalize:
+            return None, None
+        channels = self._manifest.channels
+        if mean is None or std is None:
+            defaults = {3: (IMAGENET_MEAN, IMAGENET_STD), 1: (GRAY_MEAN, GRAY_STD)}
+            if channels not in defaults:
+                raise ValueError(
+                    f"{self._buffer}: images have {channels} channels and normalize=True has defaults only for "
+                    "1 or 3; pass mean= and std= (one value per channel) or normalize=False"
+                )
+            mean = mean if mean is not None else defaults[channels][0]
+            std = std if std is not None else defaults[channels][1]
+        if len(mean) != channels or len(std) != channels or not all(s > 0 for s in std):
+            raise ValueError(
+                f"mean={tuple(mean)!r}, std={tuple(std)!r}: need {channels} values each (images in {self._buffer} "
+                "have that many channels) and positive std"
+            )
+        # x * scale - shift == (x / 255 - mean) / std, in two in-place passes.
+        std_t = torch.tensor(std, dtype=torch.float64)
+        scale = (1.0 / (255.0 * std_t)).to(torch.float32).view(1, channels, 1, 1)
+        shift = (torch.tensor(mean, dtype=torch.float64) / std_t).to(torch.float32).view(1, channels, 1, 1)
+        return scale.to(self._device), shift.to(self._device)
+
+    def _to_batch(self, mapped: MappedBatch) -> Batch:
+        meta, m = mapped.meta, self._manifest
+        epoch, step = self._epoch, self._step
+        path = mapped.path
+        if (meta.epoch, meta.step) != (epoch, step):
+            raise ProtocolError(
+                f"{path}: holds epoch {meta.epoch} step {meta.step} but its name says epoch {epoch} step {step}; "
+                "delete it (the daemon regenerates missing batches)"
+            )
+        n, h, w, c = mapped.images.shape
+        if (h, w, c) != (m.image_size, m.image_size, m.channels) or not 1 <= n <= m.batch_size or meta.seed != m.seed:
+            raise ProtocolError(
+                f"{path}: {n} images of {h}x{w}x{c} with seed {meta.seed}, but manifest.json promises up to "
+                f"{m.batch_size} of {m.image_size}x{m.image_size}x{m.channels} with seed {m.seed}: the batch "
+                f"belongs to another job. Stop the daemon, delete the *.batch files in {self._buffer} and "
+                "restart it"
+            )
+        labels_np = mapped.labels
+        if n and (int(labels_np.min()) < 0 or int(labels_np.max()) >= len(m.classes)):
+            raise ProtocolError(
+                f"{path}: labels range over [{int(labels_np.min())}, {int(labels_np.max())}] but the manifest "
+                f"has {len(m.classes)} classes; delete it (the daemon regenerates missing batches)"
+            )
+        # HWC bytes seen as NCHW: a free permute whose strides are channels_last.
+        images = torch.from_numpy(mapped.images).permute(0, 3, 1, 2)
+        images = images.to(self._device, non_blocking=self._non_blocking)
+        labels = torch.from_numpy(labels_np).to(self._device, non_blocking=self._non_blocking)
+        if self._scale is not None and self._shift is not None:
+            # Convert after the move: uint8 crosses the bus, a quarter of float32's bytes.
+            images = images.to(torch.float32).mul_(self._scale).sub_(self._shift)
+        return Batch(
+            images=images,
+            labels=labels,
+            indices=torch.from_numpy(mapped.indices),
+            epoch=epoch,
+            step=step,
+            replaced=meta.replaced,
+        )
+
+
+def _split_flag(m: Manifest) -> str:
+    return "" if m.split == "train" else f" --split {m.split}"
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _status_summary(buffer: Path) -> str:
+    """The daemon's own account of itself from status.json, for wait messages."""
+    try:
+        status = read_status(buffer)
+    except (ProtocolError, OSError) as exc:
+        return f"its status.json is unreadable ({exc})"
+    if status is None:
+        return "the daemon has written no status.json"
+    parts = []
+    for key in ("state", "message", "reason", "error"):
+        value = status.get(key)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and value != "":
+            parts.append(f"{key}={_short(value)}")
+    seen = status.get("progress")
+    if isinstance(seen, dict) and "epoch" in seen and "step" in seen:
+        parts.append(f"it sees progress epoch {seen['epoch']} step {seen['step']}")
+    if isinstance(status.get("waiting"), int):
+        parts.append(f"{status['waiting']} batches waiting (high water {status.get('high_water', '?')})")
+    errors = status.get("errors")
+    if isinstance(errors, dict):
+        # Only what went wrong: zero counters and empty fields are noise in an error message.
+        bad = {k: v for k, v in errors.items() if v not in (None, 0, "", [], {})}
+        if bad:
+            parts.append("errors: " + ", ".join(f"{k}={_short(v)}" for k, v in bad.items()))
+    elif isinstance(errors, (int, list)) and errors:
+        parts.append(f"errors={_short(errors)}")
+    beat = status.get("heartbeat")
+    if isinstance(beat, (int, float)) and not isinstance(beat, bool):
+        parts.append(f"last heartbeat {max(0.0, time.time() - float(beat)):.1f} s ago")
+    return "daemon status: " + (", ".join(parts) if parts else "no state reported")
+
+
+def _short(value: object, limit: int = 200) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+__all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]

@@ -1,0 +1,381 @@
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+import torch
+
+from prefetchd.buffer_protocol import Progress, ProtocolError, write_batch, write_status
+from prefetchd.trainer import Batch, BufferLoader, DaemonGone, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer.loader import IMAGENET_MEAN, IMAGENET_STD
+
+if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
+    from conftest import MakeJob
+
+
+def progress(buffer: Path) -> tuple[int, int] | None:
+    p = Progress.read(buffer)
+    return None if p is None else (p.epoch, p.step)
+
+
+def later(seconds: float, fn: Callable[[], object]) -> threading.Thread:
+    def run() -> None:
+        time.sleep(seconds)
+        fn()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+# -- iteration ------------------------------------------------------------------------
+
+
+def test_iterates_epochs_in_order_and_rolls_over(make_job: MakeJob) -> None:
+    job = make_job(write=2)
+    loader = BufferLoader(job.buffer, timeout=5)
+    assert len(loader) == 3
+    seen = []
+    for epoch in range(2):
+        assert loader.position == (epoch, 0)
+        seen.append([(b.epoch, b.step) for b in loader])
+        assert loader.position == (epoch + 1, 0)
+    assert seen == [[(0, 0), (0, 1), (0, 2)], [(1, 0), (1, 1), (1, 2)]]
+    # The manifest's job has 2 epochs: past the end there is nothing more.
+    assert list(loader) == []
+    assert loader.position == (2, 0)
+
+
+def test_endless_job_keeps_going(make_job: MakeJob) -> None:
+    job = make_job(epochs=None, write=3)
+    loader = BufferLoader(job.buffer, timeout=5)
+    assert [len(list(loader)) for _ in range(3)] == [3, 3, 3]
+
+
+def test_batch_unpacks_like_a_dataloader_item(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    batch = next(iter(BufferLoader(job.buffer, timeout=5)))
+    assert isinstance(batch, Batch)
+    images, labels = batch
+    assert images is batch.images and labels is batch.labels
+    assert len(batch) == 2 and batch[0] is images and batch[1] is labels
+    assert batch.indices.dtype == torch.int64
+    assert (batch.epoch, batch.step, batch.replaced) == (0, 0, 0)
+    _, want_labels, want_indices = job.arrays(0, 0)
+    assert batch.indices.tolist() == want_indices.tolist()
+    assert labels.tolist() == want_labels.tolist()
+    assert "epoch=0, step=0" in repr(batch)
+
+
+def test_shapes_dtypes_and_channels_last(make_job: MakeJob) -> None:
+    job = make_job(write=1, image_size=8)
+    batches = list(BufferLoader(job.buffer, timeout=5))
+    assert [b.images.shape[0] for b in batches] == [4, 4, 2]  # 10 samples: the last batch is short
+    for b in batches:
+        assert b.images.shape[1:] == (3, 8, 8)
+        assert b.images.dtype == torch.float32
+        assert b.images.is_contiguous(memory_format=torch.channels_last)
+        assert b.labels.dtype == torch.int64 and b.labels.shape == (b.images.shape[0],)
+        assert b.images.device.type == "cpu"
+
+
+def test_normalize_matches_manual_computation(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    loader = BufferLoader(job.buffer, timeout=5)
+    for batch in loader:
+        raw, _, _ = job.arrays(batch.epoch, batch.step)
+        x = torch.from_numpy(raw).permute(0, 3, 1, 2).double() / 255.0
+        mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float64).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD, dtype=torch.float64).view(1, 3, 1, 1)
+        want = ((x - mean) / std).float()
+        torch.testing.assert_close(batch.images, want, atol=1e-5, rtol=1e-5)
+
+
+def test_custom_mean_and_std(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    batch = next(iter(BufferLoader(job.buffer, timeout=5, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))))
+    raw, _, _ = job.arrays(0, 0)
+    want = torch.from_numpy(raw).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    torch.testing.assert_close(batch.images, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="3 values"):
+        BufferLoader(job.buffer, timeout=5, mean=(0.5,), std=(0.5,))
+
+
+def test_raw_uint8_equals_the_written_bytes(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    for batch in BufferLoader(job.buffer, normalize=False, timeout=5):
+        raw, labels, indices = job.arrays(batch.epoch, batch.step)
+        assert batch.images.dtype == torch.uint8
+        assert batch.images.is_contiguous(memory_format=torch.channels_last)
+        assert np.array_equal(batch.images.permute(0, 2, 3, 1).numpy(), raw)
+        assert batch.labels.tolist() == labels.tolist()
+        assert batch.indices.tolist() == indices.tolist()
+
+
+def test_one_channel_images(make_job: MakeJob) -> None:
+    job = make_job(write=1, channels=1)
+    batch = next(iter(BufferLoader(job.buffer, timeout=5)))
+    assert batch.images.shape[1] == 1
+    assert batch.images.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_new_iteration_ends_the_old_iterator(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    loader = BufferLoader(job.buffer, timeout=5)
+    first = iter(loader)
+    assert next(first).step == 0
+    second = iter(loader)
+    assert [b.step for b in second] == [1, 2]
+    assert list(first) == []
+
+
+# -- progress -------------------------------------------------------------------------
+
+
+def test_progress_moves_only_after_a_batch_is_handed_over(make_job: MakeJob) -> None:
+    job = make_job(write=2)
+    loader = BufferLoader(job.buffer, timeout=5)
+    assert progress(job.buffer) is None  # constructing does not touch the daemon's position
+    it = iter(loader)
+    assert progress(job.buffer) == (0, 0)
+    b = next(it)
+    assert (b.epoch, b.step) == (0, 0)
+    # Handed over but maybe still in use: the daemon must not delete it yet.
+    assert progress(job.buffer) == (0, 0)
+    assert loader.position == (0, 1)
+    assert next(it).step == 1
+    assert progress(job.buffer) == (0, 1)
+    assert next(it).step == 2
+    assert progress(job.buffer) == (0, 2)
+    assert loader.position == (1, 0)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert progress(job.buffer) == (1, 0)
+
+
+def test_progress_is_not_rewritten_when_unchanged(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    loader = BufferLoader(job.buffer, timeout=5)
+    iter(loader)
+    inode = os.stat(job.buffer / "progress.json").st_ino  # every write is a rename: a new inode
+    iter(loader)
+    iter(loader)
+    assert os.stat(job.buffer / "progress.json").st_ino == inode
+
+
+def test_close_marks_the_last_batch_consumed(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    with BufferLoader(job.buffer, timeout=5) as loader:
+        for batch in loader:
+            if batch.step == 1:
+                break
+        assert progress(job.buffer) == (0, 1)
+    assert progress(job.buffer) == (0, 2)
+    with pytest.raises(LoaderError, match="closed"):
+        iter(loader)
+
+
+# -- resume ---------------------------------------------------------------------------
+
+
+def test_state_dict_resumes_exactly(make_job: MakeJob, tmp_path: Path) -> None:
+    job = make_job(write=2)
+    a = BufferLoader(job.buffer, normalize=False, timeout=5)
+    list(a)
+    it = iter(a)
+    assert next(it).step == 0
+    state = a.state_dict()
+    assert (state["epoch"], state["step"]) == (1, 1)
+    assert state["fingerprint"] == "fp-test" and state["producer"] == "test-producer"
+    rest_a = [(b.epoch, b.step, b.indices.tolist(), b.images.clone()) for b in it]
+
+    # Through a checkpoint file, as a trainer would.
+    torch.save({"loader": state}, tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["loader"]
+
+    b = BufferLoader(job.buffer, normalize=False, timeout=5)
+    b.load_state_dict(state)
+    assert b.position == (1, 1)
+    assert progress(job.buffer) == (1, 1)  # written at once, so the daemon can regenerate from there
+    rest_b = [(x.epoch, x.step, x.indices.tolist(), x.images) for x in b]
+    assert [r[:3] for r in rest_b] == [r[:3] for r in rest_a] == [
+        (1, 1, job.arrays(1, 1)[2].tolist()), (1, 2, job.arrays(1, 2)[2].tolist())
+    ]
+    for (*_, ia), (*_, ib) in zip(rest_a, rest_b):
+        assert torch.equal(ia, ib)
+
+
+def test_state_dict_at_epoch_end_points_at_the_next_epoch(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    loader = BufferLoader(job.buffer, timeout=5)
+    for _ in loader:
+        pass
+    assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (1, 0)
+
+
+def test_load_state_dict_can_rewind(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    loader = BufferLoader(job.buffer, timeout=5)
+    start = loader.state_dict()
+    list(loader)
+    assert progress(job.buffer) == (1, 0)
+    loader.load_state_dict(start)
+    assert progress(job.buffer) == (0, 0)
+    assert [b.step for b in loader] == [0, 1, 2]
+
+
+def test_load_state_dict_refuses_another_dataset(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    loader = BufferLoader(job.buffer, timeout=5)
+    state = loader.state_dict()
+    with pytest.raises(StateMismatch, match="fingerprint 'other'.*another dataset"):
+        loader.load_state_dict({**state, "fingerprint": "other"})
+    with pytest.raises(StateMismatch, match="seed: checkpoint 8, buffer 7"):
+        loader.load_state_dict({**state, "identity": {**state["identity"], "seed": 8}})
+    with pytest.raises(StateMismatch, match="past the end"):
+        loader.load_state_dict({**state, "epoch": 2, "step": 1})
+    with pytest.raises(StateMismatch, match="has 3 steps"):
+        loader.load_state_dict({**state, "step": 3})
+    with pytest.raises(StateMismatch, match="non-negative integers"):
+        loader.load_state_dict({**state, "step": -1})
+    assert progress(job.buffer) is None  # nothing refused reached the daemon
+    assert isinstance(StateMismatch("x"), ValueError)
+
+
+# -- waiting and failures ------------------------------------------------------------------
+
+
+def test_manifest_timeout_says_how_to_start_a_daemon(buffer: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(LoaderTimeout) as info:
+        BufferLoader(buffer, timeout=0.2)
+    assert time.monotonic() - start < 2
+    msg = str(info.value)
+    assert str(buffer) in msg and "manifest.json" in msg and "no prefetchd daemon" in msg
+    assert f"prefetchd start --buffer {buffer}" in msg
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_manifest_timeout_for_a_missing_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(LoaderTimeout, match="does not exist.*prefetchd start"):
+        BufferLoader(missing, timeout=0.05)
+
+
+def test_waits_for_a_manifest_that_appears_later(make_job: MakeJob, buffer: Path) -> None:
+    job = make_job(manifest=False, write=1)
+    later(0.1, lambda: job.manifest.write(buffer))
+    assert len(BufferLoader(buffer, timeout=5)) == 3
+
+
+def test_waits_for_a_batch_that_appears_later(make_job: MakeJob) -> None:
+    job = make_job()
+    job.claim(os.getpid())  # a live "daemon"
+    job.write(0, 0)
+    loader = BufferLoader(job.buffer, timeout=5, daemon_grace=0.5)
+    it = iter(loader)
+    next(it)
+    later(0.15, lambda: job.write(0, 1))
+    start = time.monotonic()
+    assert next(it).step == 1
+    assert time.monotonic() - start >= 0.1
+
+
+def test_batch_timeout_names_the_batch_and_the_daemon_state(make_job: MakeJob) -> None:
+    job = make_job()
+    job.claim(os.getpid())
+    write_status(job.buffer, {
+        "state": "paused", "message": "low tmpfs space: 12 MiB free", "heartbeat": time.time(),
+        "progress": {"epoch": 0, "step": 0}, "waiting": 0, "high_water": 4,
+        "errors": {"replaced_samples": 0, "write_failures": 2, "progress_file": None},
+    })
+    loader = BufferLoader(job.buffer, timeout=0.2, daemon_grace=0.1)
+    start = time.monotonic()
+    with pytest.raises(LoaderTimeout) as info:
+        next(iter(loader))
+    assert time.monotonic() - start < 2
+    msg = str(info.value)
+    assert "e000000-s00000000.batch" in msg and "epoch 0, step 0" in msg
+    assert f"pid {os.getpid()}" in msg
+    assert "state=paused" in msg and "low tmpfs space" in msg
+    assert "write_failures=2" in msg and "replaced_samples" not in msg
+    assert f"prefetchd status --buffer {job.buffer}" in msg
+
+
+def test_daemon_gone_when_the_lock_names_a_dead_pid(make_job: MakeJob, dead_pid: int) -> None:
+    job = make_job()
+    job.claim(dead_pid)
+    loader = BufferLoader(job.buffer, timeout=30, daemon_grace=0.2)
+    start = time.monotonic()
+    with pytest.raises(DaemonGone) as info:
+        next(iter(loader))
+    assert 0.2 <= time.monotonic() - start < 2
+    msg = str(info.value)
+    assert str(job.buffer) in msg and "e000000-s00000000.batch" in msg
+    assert f"prefetchd start --buffer {job.buffer} --data /data/fake" in msg
+
+
+def test_daemon_gone_without_a_lock_file(make_job: MakeJob) -> None:
+    job = make_job()
+    with pytest.raises(DaemonGone):
+        next(iter(BufferLoader(job.buffer, timeout=30, daemon_grace=0.05)))
+
+
+def test_leftover_batches_are_served_without_a_daemon(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    assert len(list(BufferLoader(job.buffer, timeout=5, daemon_grace=0))) == 3
+
+
+def test_corrupt_batch_raises_protocol_error(make_job: MakeJob) -> None:
+    job = make_job()
+    job.path(0, 0).write_bytes(b"garbage" * 100)
+    with pytest.raises(ProtocolError, match="e000000-s00000000.batch.*magic"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+
+
+def test_batch_with_the_wrong_position_raises_protocol_error(make_job: MakeJob) -> None:
+    job = make_job()
+    images, labels, indices = job.arrays(0, 1)
+    write_batch(job.path(0, 0), images, labels, indices, epoch=0, step=1, seed=7, producer="p")
+    with pytest.raises(ProtocolError, match="holds epoch 0 step 1"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+
+
+def test_batch_of_another_job_raises_protocol_error(make_job: MakeJob) -> None:
+    job = make_job()
+    images = np.zeros((4, 16, 16, 3), dtype=np.uint8)
+    labels = indices = np.zeros(4, dtype=np.int64)
+    write_batch(job.path(0, 0), images, labels, indices, epoch=0, step=0, seed=7, producer="p")
+    with pytest.raises(ProtocolError, match="16x16x3.*another job"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+
+
+def test_bad_arguments(make_job: MakeJob) -> None:
+    job = make_job()
+    with pytest.raises(ValueError, match="timeout"):
+        BufferLoader(job.buffer, timeout=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            BufferLoader(job.buffer, device="cuda", timeout=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_batches(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    for normalize in (True, False):
+        loader = BufferLoader(job.buffer, device="cuda", normalize=normalize, timeout=5)
+        for batch in loader:
+            raw, labels, _ = job.arrays(batch.epoch, batch.step)
+            assert batch.images.is_cuda and batch.labels.is_cuda
+            assert batch.images.is_contiguous(memory_format=torch.channels_last)
+            assert batch.labels.cpu().tolist() == labels.tolist()
+            if not normalize:
+                assert np.array_equal(batch.images.permute(0, 2, 3, 1).cpu().numpy(), raw)
+        loader.load_state_dict({**loader.state_dict(), "epoch": 0, "step": 0})

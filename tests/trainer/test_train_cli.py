@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from click.testing import CliRunner
+
+from prefetchd.buffer_protocol import Progress
+from prefetchd.trainer.train import EXIT_BUFFER, main
+
+if TYPE_CHECKING:
+    from conftest import MakeJob
+
+
+def test_trains_one_epoch_and_writes_metrics(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    tiny = dict(classes=2, samples=8, batch_size=4, image_size=32, epochs=1, write=1)
+    train = make_job(buffer / "train", **tiny)
+    val = make_job(buffer / "val", seed=8, **tiny)
+    metrics_path = tmp_path / "metrics.json"
+    result = CliRunner().invoke(
+        main,
+        ["--buffer", str(train.buffer), "--val-buffer", str(val.buffer), "--metrics-json", str(metrics_path),
+         "--threads", "1", "--device", "cpu", "--timeout", "10"],
+    )
+    assert result.exit_code == 0, result.output
+    epoch_lines = [line for line in result.stdout.splitlines() if line.startswith("epoch 1/1")]
+    assert len(epoch_lines) == 1
+    assert "train loss" in epoch_lines[0] and "val loss" in epoch_lines[0] and "data-wait" in epoch_lines[0]
+    assert "img/s" in epoch_lines[0]
+
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["num_epochs"] == 1 and len(metrics["epochs"]) == 1
+    row = metrics["epochs"][0]
+    for key in ("train_loss", "train_top1", "val_loss", "val_top1", "images_per_s", "data_wait_share", "epoch_s"):
+        assert isinstance(row[key], float) and math.isfinite(row[key]), key
+    assert row["train_images"] == 8 and row["val_images"] == 8
+    assert 0 <= metrics["final_val_top1"] <= 1
+    assert 0 <= metrics["data_wait_share"] <= 1
+    # Both buffers were consumed to the end of the epoch.
+    assert Progress.read(train.buffer) == Progress(1, 0)
+    assert Progress.read(val.buffer) == Progress(1, 0)
+
+
+def test_missing_daemon_is_one_clear_line(buffer: Path) -> None:
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu"])
+    assert result.exit_code == EXIT_BUFFER
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("prefetchd-train: ") and "prefetchd start --buffer" in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_epochs_required_for_an_endless_job(make_job: MakeJob) -> None:
+    job = make_job(epochs=None)
+    result = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "--epochs" in result.stderr
+
+
+def test_more_epochs_than_the_daemon_produces(make_job: MakeJob) -> None:
+    job = make_job(epochs=1)
+    result = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--device", "cpu", "--epochs", "3"])
+    assert result.exit_code == 1
+    assert "produces only 1 epochs" in result.stderr
