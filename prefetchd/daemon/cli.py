@@ -39,7 +39,7 @@ def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
         flag = "--" + f.name.replace("_", "-")
         kind = meta["kind"]
         if kind is bool:
-            func = click.option(flag, is_flag=True, default=False, help=meta["help"])(func)
+            func = click.option(f"{flag}/--no-{flag[2:]}", default=False, help=meta["help"])(func)
             continue
         ptype: Any = {Path: click.Path(path_type=Path), int: int, float: float, str: str}[kind]
         if "choices" in meta:

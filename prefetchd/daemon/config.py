@@ -87,8 +87,10 @@ def load_toml(path: Path) -> dict[str, Any]:
             raw = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML (UTF-8): {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
@@ -131,6 +133,8 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
         ram = psutil.virtual_memory().available
         budget = min(TMPFS_SHARE * max(0, fs_free - min_free), RAM_SHARE * ram)
         high = int(max(2, min(MAX_DEFAULT_HIGH_WATER, budget // batch)))
+        if cfg.low_water is not None and high <= cfg.low_water:
+            high = cfg.low_water + 1  # an explicit low-water mark wins; check_capacity still guards the space
         changes["high_water"] = high
         notes.append(
             f"high_water = {high} batches of {batch / 2**20:.1f} MiB "

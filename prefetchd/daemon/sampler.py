@@ -36,9 +36,9 @@ def epoch_order(
     if shuffle:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, _ORDER_STREAM])))
         order = members[rng.permutation(len(members))]
-    total = samples_per_rank(len(order), world_size) * world_size
-    if total > len(order):
-        order = np.concatenate([order, order[: total - len(order)]])
+    # np.resize repeats the order as often as needed, also when the world is
+    # more than twice the dataset.
+    order = np.resize(order, samples_per_rank(len(order), world_size) * world_size)
     return order[rank::world_size]
 
 

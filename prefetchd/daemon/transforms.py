@@ -51,7 +51,7 @@ def random_resized_crop_box(width: int, height: int, rng: np.random.Generator) -
 def center_crop_box(width: int, height: int, size: int) -> Box:
     """The region of the original image that resize-shorter-side + centre-crop keeps."""
     short = min(width, height)
-    resized = size / VAL_RESIZE_RATIO
+    resized = int(size / VAL_RESIZE_RATIO)  # torchvision's Resize(int(size / 0.875)) truncates too
     # Size of the crop measured in original pixels.
     crop = min(short, size * short / resized)
     left, top = (width - crop) / 2, (height - crop) / 2

@@ -1,0 +1,292 @@
+"""prefetchd.daemon.cli: flag/file/default precedence and the stop/status commands,
+driven through click's CliRunner (no daemon is started here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner, Result
+
+from prefetchd.buffer_protocol import DaemonLock
+from prefetchd.daemon import cli
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
+
+LOCK = "daemon.lock"
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> list[DaemonConfig]:
+    """Replace the daemon's run loop: `start` builds its config and hands it over here."""
+    import prefetchd.daemon.main as daemon_main
+
+    seen: list[DaemonConfig] = []
+
+    def fake_run(cfg: DaemonConfig) -> int:
+        seen.append(cfg)
+        return 0
+
+    monkeypatch.setattr(daemon_main, "run_daemon", fake_run)
+    # Leave the root logger as pytest set it up; messages reach caplog.
+    monkeypatch.setattr(cli, "setup_logging", lambda level: None)
+    return seen
+
+
+def run_start(runner: CliRunner, args: list[str]) -> Result:
+    return runner.invoke(cli.main, ["start", *args], catch_exceptions=False)
+
+
+# -- start: where each value comes from ---------------------------------------------------
+
+
+def test_defaults_when_nothing_is_given(runner: CliRunner, captured: list[DaemonConfig], tmp_path: Path) -> None:
+    result = run_start(runner, ["--buffer", str(tmp_path / "bf")])
+    assert result.exit_code == 0, result.output
+    assert captured == [DaemonConfig(buffer=tmp_path / "bf")]
+
+
+def test_file_overrides_defaults_and_flags_override_file(
+    runner: CliRunner, captured: list[DaemonConfig], tmp_path: Path
+) -> None:
+    cfg = tmp_path / "etc" / "daemon.toml"
+    cfg.parent.mkdir()
+    cfg.write_text('buffer = "bf"\ndata = "imgs"\nbatch-size = 64\nimage_size = 96\nseed = 5\n'
+                   'split = "val"\nval_fraction = 0.1\nreset = true\nworkers = 3\n')
+    result = run_start(runner, ["--config", str(cfg), "--batch-size", "32", "--seed", "0", "--epochs", "2",
+                                "--data", str(tmp_path / "other")])
+    assert result.exit_code == 0, result.output
+    (got,) = captured
+    assert got.buffer == tmp_path / "etc" / "bf"  # file, relative to the file
+    assert got.data == tmp_path / "other"  # flag beats file
+    assert got.batch_size == 32  # flag beats file
+    assert got.seed == 0  # a flag equal to the dataclass default still beats the file
+    assert got.image_size == 96 and got.split == "val" and got.val_fraction == 0.1  # file
+    assert got.reset is True and got.workers == 3  # file, no flag given
+    assert got.epochs == 2  # flag, not in the file
+    assert got.high_water is None and got.low_water is None  # nobody: sized later from the machine
+
+
+def test_flag_alone_beats_dataclass_default(runner: CliRunner, captured: list[DaemonConfig], tmp_path: Path) -> None:
+    result = run_start(runner, ["--buffer", str(tmp_path), "--image-size", "64", "--split", "val",
+                                "--high-water", "9", "--low-water", "2", "--val-fraction", "0.5", "--reset"])
+    assert result.exit_code == 0, result.output
+    expected = DaemonConfig(buffer=tmp_path, image_size=64, split="val", high_water=9, low_water=2,
+                            val_fraction=0.5, reset=True)
+    assert captured == [expected]
+
+
+def test_every_config_field_has_a_flag(runner: CliRunner) -> None:
+    result = runner.invoke(cli.main, ["start", "--help"])
+    assert result.exit_code == 0
+    for f in dataclasses.fields(DaemonConfig):
+        assert "--" + f.name.replace("_", "-") in result.output
+    for flag in ["--buffer", "--data", "--config", "--batch-size", "--image-size", "--workers", "--high-water",
+                 "--low-water", "--seed", "--epochs", "--split"]:
+        assert flag in result.output
+
+
+def _start_error(runner: CliRunner, caplog: pytest.LogCaptureFixture, args: list[str]) -> tuple[int, str]:
+    with caplog.at_level(logging.ERROR):
+        result = run_start(runner, args)
+    return result.exit_code, result.output + caplog.text
+
+
+def test_unknown_key_in_config_exits_2(
+    runner: CliRunner, captured: list[DaemonConfig], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("batch_size = 64\nhigh_watermark = 10\n")
+    code, text = _start_error(runner, caplog, ["--config", str(bad), "--buffer", str(tmp_path / "bf")])
+    assert code == EXIT_USAGE == 2
+    assert "high_watermark" in text and str(bad) in text
+    assert captured == []
+
+
+@pytest.mark.parametrize(
+    ("toml", "args", "needle"),
+    [
+        ("batch_size = 'many'\n", [], "batch_size"),
+        ("low_water = 8\nhigh_water = 8\n", [], "low_water"),
+        ("low_water = 4\n", ["--high-water", "4"], "low_water"),  # file and flag together break the rule
+        ("batch_size = 64\n", ["--batch-size", "0"], "batch_size"),
+        ("[[[\n", [], "not valid TOML"),
+    ],
+)
+def test_bad_configuration_exits_2(
+    runner: CliRunner, captured: list[DaemonConfig], caplog: pytest.LogCaptureFixture, tmp_path: Path,
+    toml: str, args: list[str], needle: str,
+) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml)
+    code, text = _start_error(runner, caplog, ["--config", str(cfg), "--buffer", str(tmp_path), *args])
+    assert code == 2
+    assert needle in text
+    assert captured == []
+
+
+def test_no_buffer_anywhere_exits_2(
+    runner: CliRunner, captured: list[DaemonConfig], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    code, text = _start_error(runner, caplog, ["--data", str(tmp_path)])
+    assert code == 2
+    assert "--buffer" in text
+
+
+def test_missing_config_file_exits_2(
+    runner: CliRunner, captured: list[DaemonConfig], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    code, text = _start_error(runner, caplog, ["--config", str(tmp_path / "nope.toml"), "--buffer", str(tmp_path)])
+    assert code == 2
+    assert "nope.toml" in text
+
+
+@pytest.mark.parametrize("args", [["--split", "test"], ["--batch-size", "many"], ["--bogus-flag", "1"]])
+def test_bad_flags_exit_2(runner: CliRunner, captured: list[DaemonConfig], tmp_path: Path, args: list[str]) -> None:
+    result = runner.invoke(cli.main, ["start", "--buffer", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert captured == []
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+def test_status_not_running(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)])
+    assert result.exit_code == EXIT_NOT_RUNNING == 3
+    assert "not running" in result.output
+    assert str(tmp_path) in result.output
+
+
+def test_status_of_a_missing_buffer(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path / "never-made")])
+    assert result.exit_code == 3
+    assert "not running" in result.output
+
+
+def test_status_json_not_running(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+    assert result.exit_code == 3
+    doc = json.loads(result.output)
+    assert {"running", "pid", "status", "manifest", "buffer"} <= set(doc)
+    assert doc["running"] is False and doc["pid"] is None
+    assert doc["status"] is None and doc["manifest"] is None
+    assert doc["buffer"] == str(tmp_path)
+
+
+def test_status_with_a_live_owner(runner: CliRunner, tmp_path: Path) -> None:
+    lock = DaemonLock(tmp_path)
+    lock.acquire()  # this test process plays the daemon
+    try:
+        result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.output)
+        assert doc["running"] is True and doc["pid"] == os.getpid()
+        text = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)])
+        assert text.exit_code == 0
+        assert f"running (pid {os.getpid()})" in text.output
+    finally:
+        lock.release()
+    after = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)])
+    assert after.exit_code == 3  # a released lock is no owner
+
+
+def test_status_ignores_a_stale_pid(runner: CliRunner, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    (tmp_path / LOCK).write_text(f"{proc.pid}\n")  # the owner died without releasing
+    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+    assert result.exit_code == 3
+    assert json.loads(result.output)["running"] is False
+    # a live process that is younger than the lock file is a reused pid, not the owner
+    (tmp_path / LOCK).write_text(f"{os.getpid()}\n")
+    old = psutil.Process().create_time() - 100
+    os.utime(tmp_path / LOCK, (old, old))
+    assert runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)]).exit_code == 3
+
+
+def test_status_reports_a_corrupt_status_file(runner: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "status.json").write_text("{not json")
+    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+    assert result.exit_code == 3
+    doc = json.loads(result.output)
+    assert doc["status"] is None
+    assert any("status.json" in p for p in doc["problems"])
+    text = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)])
+    assert text.exit_code == 3 and "status.json" in text.output
+
+
+# -- stop -------------------------------------------------------------------------------
+
+
+def test_stop_without_a_daemon(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(cli.main, ["stop", "--buffer", str(tmp_path)])
+    assert result.exit_code == 0
+    assert "no daemon is running" in result.output
+
+
+def _owner(buffer: Path, ignore_term: bool) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    """A child process that owns ``buffer``'s lock, reaped by a thread as soon as it exits."""
+    code = (
+        "import signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from prefetchd.buffer_protocol import DaemonLock\n"
+        + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
+        + "DaemonLock(Path(sys.argv[1])).acquire()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(buffer)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    reaper = threading.Thread(target=proc.wait, daemon=True)
+    reaper.start()
+    return proc, reaper
+
+
+def test_stop_terminates_the_owner(runner: CliRunner, tmp_path: Path) -> None:
+    proc, reaper = _owner(tmp_path, ignore_term=False)
+    try:
+        started = time.monotonic()
+        result = runner.invoke(cli.main, ["stop", "--buffer", str(tmp_path), "--timeout", "10"])
+        assert result.exit_code == 0, result.output
+        assert f"pid {proc.pid}" in result.output and "stopped" in result.output
+        assert time.monotonic() - started < 5
+        reaper.join(5)
+        assert proc.returncode == -15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_stop_gives_up_after_its_timeout(runner: CliRunner, tmp_path: Path) -> None:
+    proc, reaper = _owner(tmp_path, ignore_term=True)
+    try:
+        result = runner.invoke(cli.main, ["stop", "--buffer", str(tmp_path), "--timeout", "0.5"])
+        assert result.exit_code == 1
+        assert f"kill -9 {proc.pid}" in result.output
+        assert proc.poll() is None  # SIGTERM was ignored; still there
+    finally:
+        proc.kill()
+        reaper.join(5)
+
+
+def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
+    info = cli.describe_status(tmp_path)
+    assert info["running"] is False and info["pid"] is None and info["stale"] is False
+    assert info["status"] is None and info["manifest"] is None and info["problems"] == []
+    assert json.loads(json.dumps(info)) == info

@@ -1,0 +1,289 @@
+"""prefetchd.daemon.config: validation, the TOML file, and machine-sized defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from prefetchd.daemon import config as config_mod
+from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cpus
+from prefetchd.daemon.errors import ConfigError
+
+MiB = 2**20
+GiB = 2**30
+
+# -- DaemonConfig ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("split", "test"),
+        ("batch_size", 0),
+        ("batch_size", -3),
+        ("batch_size", 2.0),
+        ("batch_size", "64"),
+        ("image_size", True),  # bool is an int to Python, not to us
+        ("image_size", 4),
+        ("workers", 0),
+        ("seed", -1),
+        ("val_fraction", 1.5),
+        ("val_fraction", "0.1"),
+        ("epochs", 0),
+        ("reset", 1),
+        ("data", "/some/str/path"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path: Path, key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as exc:
+        DaemonConfig(buffer=tmp_path, **{key: value})
+    assert key in str(exc.value)
+    assert repr(value) in str(exc.value)
+
+
+def test_good_values_are_kept(tmp_path: Path) -> None:
+    cfg = DaemonConfig(buffer=tmp_path, data=tmp_path / "d", split="val", val_fraction=0.2, batch_size=7,
+                       image_size=8, workers=1, high_water=3, low_water=0, seed=2**63 - 1, epochs=1, reset=True)
+    assert (cfg.split, cfg.batch_size, cfg.image_size, cfg.high_water, cfg.low_water) == ("val", 7, 8, 3, 0)
+    assert DaemonConfig(buffer=tmp_path, val_fraction=0).val_fraction == 0  # an int where a float goes
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.batch_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("low", "high"), [(5, 5), (6, 5), (64, 2)])
+def test_low_water_must_be_below_high_water(tmp_path: Path, low: int, high: int) -> None:
+    with pytest.raises(ConfigError) as exc:
+        DaemonConfig(buffer=tmp_path, low_water=low, high_water=high)
+    assert "low_water" in str(exc.value) and "high_water" in str(exc.value)
+    assert str(low) in str(exc.value) and str(high) in str(exc.value)
+
+
+def test_missing_buffer() -> None:
+    with pytest.raises(ConfigError, match="buffer"):
+        DaemonConfig()
+    with pytest.raises(ConfigError, match="buffer"):
+        DaemonConfig(data=Path("/data"))
+
+
+def test_batch_bytes_hold_the_images(tmp_path: Path) -> None:
+    cfg = DaemonConfig(buffer=tmp_path, batch_size=16, image_size=32)
+    assert cfg.batch_bytes >= 16 * 32 * 32 * 3 + 2 * 16 * 8
+    assert cfg.batch_bytes % 4096 == 0
+    assert DaemonConfig(buffer=tmp_path, batch_size=32, image_size=32).batch_bytes > cfg.batch_bytes
+
+
+# -- load_toml ------------------------------------------------------------------------
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_dash_and_underscore_keys(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.toml", 'batch-size = 64\nimage_size = 96\nhigh-water = 8\nlow_water = 3\nsplit = "val"\n'
+                                     "val-fraction = 0.25\nreset = true\n")
+    assert load_toml(cfg) == {"batch_size": 64, "image_size": 96, "high_water": 8, "low_water": 3,
+                              "split": "val", "val_fraction": 0.25, "reset": True}
+
+
+def test_unknown_key_lists_allowed_keys(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.toml", "batch_size = 64\nbatchsize = 32\n")
+    with pytest.raises(ConfigError) as exc:
+        load_toml(cfg)
+    msg = str(exc.value)
+    assert "batchsize" in msg and str(cfg) in msg
+    for name in FIELDS:
+        assert name in msg
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [('batch_size = "big"', "batch_size"), ("image-size = 1.5", "image"), ("seed = -4", "seed"),
+     ("split = 'test'", "split"), ("reset = 1", "reset"), ("buffer = 3", "buffer"), ("workers = true", "workers"),
+     ("epochs = [1, 2]", "epochs"), ("[data]\nroot = 'x'", "data")],
+)
+def test_wrong_type_names_file_and_key(tmp_path: Path, line: str, key: str) -> None:
+    cfg = write(tmp_path / "my-daemon.toml", line + "\n")
+    with pytest.raises(ConfigError) as exc:
+        load_toml(cfg)
+    assert str(cfg) in str(exc.value)
+    assert key in str(exc.value)
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = write(tmp_path / "etc" / "prefetchd.toml", 'data = "imgs/train"\nbuffer = "../shm/bf"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    values = load_toml(cfg)
+    assert isinstance(values["data"], Path) and isinstance(values["buffer"], Path)
+    assert values["data"].resolve() == (tmp_path / "etc" / "imgs" / "train").resolve()
+    assert values["buffer"].resolve() == (tmp_path / "shm" / "bf").resolve()
+
+
+def test_relative_config_path_still_resolves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write(tmp_path / "etc" / "prefetchd.toml", 'data = "imgs"\n')
+    monkeypatch.chdir(tmp_path)
+    values = load_toml(Path("etc/prefetchd.toml"))
+    assert (tmp_path / values["data"]).resolve() == (tmp_path / "etc" / "imgs").resolve()
+
+
+def test_absolute_paths_are_kept(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.toml", 'data = "/srv/imagenet"\nbuffer = "/dev/shm/bf"\n')
+    assert load_toml(cfg) == {"data": Path("/srv/imagenet"), "buffer": Path("/dev/shm/bf")}
+
+
+@pytest.mark.parametrize("text", ["batch_size = \n", "batch_size = 1\nbatch_size = 2\n", "[[[", "x = 'unclosed\n"])
+def test_invalid_toml(tmp_path: Path, text: str) -> None:
+    cfg = write(tmp_path / "broken.toml", text)
+    with pytest.raises(ConfigError, match="not valid TOML") as exc:
+        load_toml(cfg)
+    assert str(cfg) in str(exc.value)
+
+
+def test_non_utf8_toml_is_a_config_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "latin1.toml"
+    cfg.write_bytes('data = "/srv/caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as exc:
+        load_toml(cfg)
+    assert str(cfg) in str(exc.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist") as exc:
+        load_toml(tmp_path / "nope.toml")
+    assert str(tmp_path / "nope.toml") in str(exc.value)
+
+
+def test_empty_file_is_no_values(tmp_path: Path) -> None:
+    assert load_toml(write(tmp_path / "empty.toml", "# nothing\n")) == {}
+
+
+def test_loaded_values_make_a_config(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.toml", 'buffer = "bf"\nbatch-size = 16\nseed = 9\n')
+    config = DaemonConfig(**load_toml(cfg))
+    assert config.buffer == tmp_path / "bf" and config.batch_size == 16 and config.seed == 9
+
+
+# -- fill_defaults ---------------------------------------------------------------------
+
+
+def test_usable_cpus_is_the_affinity() -> None:
+    assert usable_cpus() == len(os.sched_getaffinity(0)) >= 1
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 2), (64, 63)])
+def test_default_workers(shm_buffer: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int) -> None:
+    monkeypatch.setattr(config_mod, "usable_cpus", lambda: cpus)
+    cfg, notes = fill_defaults(DaemonConfig(buffer=shm_buffer))
+    assert cfg.workers == workers
+    assert any(n.startswith(f"workers = {workers}") for n in notes)
+
+
+def test_default_workers_on_this_machine(shm_buffer: Path) -> None:
+    cfg, _ = fill_defaults(DaemonConfig(buffer=shm_buffer))
+    assert cfg.workers == max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def _expected_high(cfg: DaemonConfig, fs: os.statvfs_result, ram: int) -> tuple[int, int]:
+    """(high_water, the cap that half the free tmpfs alone allows), by the documented rule."""
+    total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
+    min_free = max(64, int(total * 0.05) >> 20) << 20
+    budget = min(0.5 * max(0, free - min_free), 0.25 * ram)
+    return int(max(2, min(64, budget // cfg.batch_bytes))), int(0.5 * free // cfg.batch_bytes)
+
+
+@pytest.mark.parametrize(("batch_size", "image_size"), [(128, 224), (128, 1792), (256, 2048), (4096, 4096)])
+def test_default_high_water_on_a_real_tmpfs(shm_buffer: Path, batch_size: int, image_size: int) -> None:
+    cfg = DaemonConfig(buffer=shm_buffer, batch_size=batch_size, image_size=image_size)
+    before = _expected_high(cfg, os.statvfs(shm_buffer), psutil.virtual_memory().available)
+    filled, notes = fill_defaults(cfg)
+    after = _expected_high(cfg, os.statvfs(shm_buffer), psutil.virtual_memory().available)
+    high = filled.high_water
+    assert high is not None and 2 <= high <= 64
+    assert high in (before[0], after[0])  # free memory may move a little between the snapshots
+    if high > 2:  # 2 is the floor; the daemon's capacity check refuses what does not fit
+        assert high <= max(before[1], after[1])
+        assert high * cfg.batch_bytes <= 0.5 * os.statvfs(shm_buffer).f_bavail * os.statvfs(shm_buffer).f_frsize * 1.01
+    assert filled.low_water == high // 2
+    assert any(n.startswith(f"high_water = {high} ") for n in notes)
+
+
+def _fake_machine(monkeypatch: pytest.MonkeyPatch, total: int, free: int, ram: int) -> None:
+    frsize = 4096
+    fake = SimpleNamespace(f_blocks=total // frsize, f_bavail=free // frsize, f_frsize=frsize)
+    monkeypatch.setattr(config_mod.os, "statvfs", lambda path: fake)
+    monkeypatch.setattr(config_mod.psutil, "virtual_memory", lambda: SimpleNamespace(available=ram))
+
+
+@pytest.mark.parametrize(
+    ("total", "free", "ram", "min_free_mb", "high"),
+    [
+        # 1 GiB tmpfs: floor 64 MiB (5% is less), half of the other 960 MiB over 19.28 MB batches
+        (1 * GiB, 1 * GiB, 1000 * GiB, 64, int(480 * MiB // 19279872)),
+        # RAM binds: a quarter of 400 MiB
+        (100 * GiB, 100 * GiB, 400 * MiB, 5120, int(100 * MiB // 19279872)),
+        # plenty of both: capped at 64
+        (100 * GiB, 100 * GiB, 1000 * GiB, 5120, 64),
+        # almost full tmpfs: the floor of 2
+        (1 * GiB, 80 * MiB, 1000 * GiB, 64, 2),
+        # min-free above free space: budget 0, still 2
+        (1 * GiB, 10 * MiB, 1000 * GiB, 64, 2),
+    ],
+)
+def test_default_high_water_arithmetic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, total: int, free: int, ram: int, min_free_mb: int, high: int
+) -> None:
+    _fake_machine(monkeypatch, total, free, ram)
+    cfg = DaemonConfig(buffer=tmp_path, batch_size=128, image_size=224)
+    assert cfg.batch_bytes == 19279872  # the sizes above assume this batch
+    filled, notes = fill_defaults(cfg)
+    assert filled.min_free_mb == min_free_mb
+    assert filled.high_water == high
+    assert filled.low_water == high // 2
+    if high > 2:
+        assert high * cfg.batch_bytes <= 0.5 * free
+
+
+def test_explicit_min_free_enters_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_machine(monkeypatch, 2 * GiB, 2 * GiB, 1000 * GiB)
+    cfg = DaemonConfig(buffer=tmp_path, batch_size=128, image_size=224, min_free_mb=1024)
+    filled, notes = fill_defaults(cfg)
+    assert filled.min_free_mb == 1024
+    assert filled.high_water == int(512 * MiB // 19279872)
+    assert not any(n.startswith("min_free_mb") for n in notes)
+
+
+def test_every_default_has_a_note(shm_buffer: Path) -> None:
+    cfg = DaemonConfig(buffer=shm_buffer)
+    filled, notes = fill_defaults(cfg)
+    assert len(notes) == 4
+    for name in ("workers", "min_free_mb", "high_water", "low_water"):
+        value = getattr(filled, name)
+        assert value is not None
+        assert sum(n.startswith(f"{name} = {value}") for n in notes) == 1, notes
+    # what was not a default is left as it was
+    for f in dataclasses.fields(cfg):
+        if f.name not in ("workers", "min_free_mb", "high_water", "low_water"):
+            assert getattr(filled, f.name) == getattr(cfg, f.name)
+
+
+def test_explicit_values_are_kept(shm_buffer: Path) -> None:
+    cfg = DaemonConfig(buffer=shm_buffer, workers=5, high_water=100, low_water=99, min_free_mb=0)
+    filled, notes = fill_defaults(cfg)
+    assert filled == cfg
+    assert notes == []
+
+
+@pytest.mark.parametrize(("high", "low"), [(10, 5), (1, 0), (3, 1), (100, 50)])
+def test_low_water_defaults_to_half_an_explicit_high_water(shm_buffer: Path, high: int, low: int) -> None:
+    filled, notes = fill_defaults(DaemonConfig(buffer=shm_buffer, high_water=high, workers=1, min_free_mb=64))
+    assert (filled.high_water, filled.low_water) == (high, low)
+    assert notes and all(n.startswith("low_water") for n in notes)

@@ -1,0 +1,279 @@
+"""prefetchd.daemon.dataset: the index must be torchvision's ImageFolder, in numpy."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS as TV_IMG_EXTENSIONS
+
+from prefetchd.daemon.dataset import IMG_EXTENSIONS, scan_class_folders, split_members
+from prefetchd.daemon.errors import DatasetError
+
+NON_UTF8_NAME = b"latin1-\xe9t\xe9.jpg"  # not valid UTF-8: lives as surrogate escapes in str
+
+
+def build_messy_tree(base: Path, write_image: Callable[..., Path]) -> Path:
+    """A class-folder tree with every case ImageFolder has an opinion about."""
+    root = base / "data"
+    outside = base / "outside"
+    # class "cat": every extension, upper case, hidden, non-image, nested, unicode
+    for i, ext in enumerate(IMG_EXTENSIONS):
+        write_image(root / "cat" / f"img{i}{ext}", seed=i)
+    write_image(root / "cat" / "UPPER.JPG")
+    write_image(root / "cat" / "Mixed.PnG")
+    write_image(root / "cat" / "Shout.JPEG")
+    write_image(root / "cat" / ".hidden.jpg")
+    (root / "cat" / "notes.txt").write_text("not an image\n")
+    (root / "cat" / "archive.jpg.bak").write_bytes(b"nope")
+    (root / "cat" / "noext").write_bytes(b"nope")
+    write_image(root / "cat" / "sub" / "nested.jpg")
+    write_image(root / "cat" / "sub" / "deeper" / "deepest.png")
+    write_image(root / "cat" / "sub-x" / "dash.jpg")  # '-' sorts before '/', a walk-order trap
+    write_image(root / "cat" / "dir.jpg" / "inside.jpg")  # a folder with an image name is not a sample
+    write_image(root / "cat" / "ünïcødé_名前.jpg")
+    write_image(root / "cat" / "Émile.png")
+    write_image(root / "cat" / "emoji_🐈.webp")
+    # class "dog": a symlinked subfolder and a dangling symlink
+    write_image(root / "dog" / "z.jpg")
+    write_image(outside / "linked" / "x.jpg")
+    write_image(outside / "linked" / "y.png")
+    write_image(outside / "linked" / "more" / "w.bmp")
+    os.symlink(outside / "linked", root / "dog" / "linked")
+    os.symlink(base / "does-not-exist.jpg", root / "dog" / "broken.jpg")
+    # a symlinked class folder and a hidden class folder
+    write_image(outside / "zebra_src" / "stripes.jpg")
+    os.symlink(outside / "zebra_src", root / "zebra")
+    write_image(root / ".cache" / "thumb.png")
+    # files at the top level are not classes
+    (root / "README.txt").write_text("top-level file\n")
+    write_image(root / "stray.jpg")
+    # a file name that is not valid UTF-8
+    bad = os.path.join(os.fsencode(root / "dog"), NON_UTF8_NAME)
+    with open(bad, "wb") as fh:
+        fh.write((root / "dog" / "z.jpg").read_bytes())
+    return root
+
+
+def assert_same_as_imagefolder(root: Path) -> None:
+    index = scan_class_folders(root)
+    ref = ImageFolder(str(root))
+    assert list(index.classes) == ref.classes
+    assert len(index) == len(ref.samples)
+    for i, (path, label) in enumerate(ref.samples):
+        assert index.path(i).resolve() == Path(path).resolve(), i
+        assert int(index.labels[i]) == label, i
+
+
+def test_extensions_are_torchvisions() -> None:
+    assert tuple(IMG_EXTENSIONS) == tuple(TV_IMG_EXTENSIONS)
+
+
+def test_messy_tree_matches_imagefolder(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root = build_messy_tree(tmp_path, make_image)
+    assert_same_as_imagefolder(root)
+    # the traps are really in the index, so the comparison above covers them
+    index = scan_class_folders(root)
+    names = {index.path(i).name for i in range(len(index))}
+    for expected in ["UPPER.JPG", "Mixed.PnG", ".hidden.jpg", "deepest.png", "x.jpg", "w.bmp",
+                     "ünïcødé_名前.jpg", "broken.jpg", "stripes.jpg", "thumb.png", "inside.jpg",
+                     os.fsdecode(NON_UTF8_NAME)]:
+        assert expected in names
+    assert not names & {"notes.txt", "archive.jpg.bak", "noext", "stray.jpg", "README.txt", "dir.jpg"}
+    assert index.classes == (".cache", "cat", "dog", "zebra")
+    for i, ext in enumerate(IMG_EXTENSIONS):
+        assert f"img{i}{ext}" in names
+
+
+def test_relative_root_matches_imagefolder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_image: Callable[..., Path]
+) -> None:
+    for cls in ("b", "a", "C"):
+        for j in range(3):
+            make_image(tmp_path / "ds" / cls / f"{j}.png")
+    monkeypatch.chdir(tmp_path)
+    assert_same_as_imagefolder(Path("ds"))
+    index = scan_class_folders(Path("ds"))
+    assert index.root.is_absolute()
+    assert index.classes == ("C", "a", "b")  # byte order, as sorted() gives ImageFolder
+    assert index.path(0) == (tmp_path / "ds" / "C" / "0.png").resolve()
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    layout=st.dictionaries(
+        keys=st.text(alphabet="abcXYZ_-.0é", min_size=1, max_size=4).filter(lambda s: s not in (".", "..")),
+        values=st.lists(
+            st.tuples(
+                st.sampled_from(["", "s/", "s-t/", "S/", "s/t/"]),
+                st.text(alphabet="abAB_-.1", min_size=1, max_size=4),
+                st.sampled_from(IMG_EXTENSIONS + (".JPG", ".Png", ".txt", ".jpgx")),
+            ),
+            min_size=1, max_size=5,
+        ),
+        min_size=1, max_size=4,
+    )
+)
+def test_random_trees_match_imagefolder(tmp_path_factory: pytest.TempPathFactory, layout: dict) -> None:
+    root = tmp_path_factory.mktemp("rand")
+    for cls, files in layout.items():
+        (root / cls).mkdir()
+        for sub, stem, ext in files:
+            path = root / cls / f"{sub}{stem}{ext}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.is_dir():
+                path.write_bytes(b"x")  # the scan never opens files; contents do not matter
+    try:
+        ref = ImageFolder(str(root))
+    except FileNotFoundError:
+        with pytest.raises(DatasetError):
+            scan_class_folders(root)
+        return
+    index = scan_class_folders(root)
+    assert list(index.classes) == ref.classes
+    assert [str(index.path(i)) for i in range(len(index))] == [str(Path(p).resolve()) for p, _ in ref.samples]
+    assert index.labels.tolist() == [label for _, label in ref.samples]
+
+
+# -- errors -------------------------------------------------------------------
+
+
+def test_missing_root(tmp_path: Path) -> None:
+    root = tmp_path / "nope"
+    with pytest.raises(DatasetError, match="does not exist") as exc:
+        scan_class_folders(root)
+    assert str(root) in str(exc.value)
+
+
+def test_root_is_a_file(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root = make_image(tmp_path / "file.jpg")
+    with pytest.raises(DatasetError, match="not a directory") as exc:
+        scan_class_folders(root)
+    assert str(root) in str(exc.value)
+
+
+def test_root_without_class_folders(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root = tmp_path / "flat"
+    make_image(root / "a.jpg")
+    make_image(root / "b.jpg")
+    with pytest.raises(DatasetError, match="no class folders") as exc:
+        scan_class_folders(root)
+    assert str(root) in str(exc.value)
+
+
+def test_class_folder_without_images(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root = tmp_path / "ds"
+    make_image(root / "good" / "a.jpg")
+    (root / "empty" / "sub").mkdir(parents=True)
+    (root / "empty" / "notes.txt").write_text("x")
+    with pytest.raises(DatasetError) as exc:
+        scan_class_folders(root)
+    assert str(root / "empty") in str(exc.value)
+    assert "no images" in str(exc.value)
+
+
+# -- fingerprint and memory -----------------------------------------------------
+
+
+def small_tree(base: Path, write_image: Callable[..., Path]) -> Path:
+    root = base / "ds"
+    for cls in ("a", "b"):
+        for j in range(4):
+            write_image(root / cls / f"img_{j}.jpg", seed=j)
+    return root
+
+
+def test_fingerprint_is_stable(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root = small_tree(tmp_path, make_image)
+    first, second = scan_class_folders(root), scan_class_folders(root)
+    assert first.fingerprint == second.fingerprint
+    assert isinstance(first.fingerprint, str) and len(first.fingerprint) >= 16
+
+
+@pytest.mark.parametrize("change", ["add", "remove", "rename", "resize", "add_class"])
+def test_fingerprint_changes(tmp_path: Path, make_image: Callable[..., Path], change: str) -> None:
+    root = small_tree(tmp_path, make_image)
+    before = scan_class_folders(root).fingerprint
+    target = root / "a" / "img_1.jpg"
+    if change == "add":
+        make_image(root / "b" / "img_9.jpg")
+    elif change == "remove":
+        target.unlink()
+    elif change == "rename":
+        target.rename(root / "a" / "img_1_renamed.jpg")
+    elif change == "resize":
+        stat = target.stat()
+        target.write_bytes(target.read_bytes() + b"\0" * 17)
+        os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # only the size tells
+    elif change == "add_class":
+        make_image(root / "c" / "img_0.jpg")
+    assert scan_class_folders(root).fingerprint != before
+
+
+def test_index_arrays_are_compact_numpy(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root = small_tree(tmp_path, make_image)
+    index = scan_class_folders(root)
+    n = len(index)
+    assert n == 8
+    assert isinstance(index.path_blob, np.ndarray) and index.path_blob.dtype == np.uint8
+    assert isinstance(index.path_offsets, np.ndarray) and index.path_offsets.dtype == np.int64
+    assert isinstance(index.labels, np.ndarray) and index.labels.dtype == np.int64
+    assert index.path_offsets.shape == (n + 1,)
+    assert index.labels.tolist() == [0] * 4 + [1] * 4
+    assert index.nbytes == index.path_blob.nbytes + index.path_offsets.nbytes + index.labels.nbytes
+    assert index.nbytes / n < 100
+    assert index.path_blob.nbytes == sum(len(b"a/img_0.jpg") for _ in range(n))
+
+
+# -- split_members ----------------------------------------------------------------
+
+
+def test_split_none_is_everything() -> None:
+    got = split_members(7, "train", None)
+    assert got.dtype == np.int64
+    assert got.tolist() == list(range(7))
+    assert split_members(7, "val", None).tolist() == list(range(7))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 3000), fraction=st.floats(0.001, 0.999))
+def test_split_partitions(n: int, fraction: float) -> None:
+    n_val = round(n * fraction)
+    if n_val in (0, n):
+        with pytest.raises(DatasetError):
+            split_members(n, "val" if n_val == 0 else "train", fraction)
+        return
+    train = split_members(n, "train", fraction)
+    val = split_members(n, "val", fraction)
+    assert train.dtype == val.dtype == np.int64
+    assert len(val) == n_val
+    assert np.all(np.diff(train) > 0) and np.all(np.diff(val) > 0)
+    assert not set(train.tolist()) & set(val.tolist())
+    assert sorted(train.tolist() + val.tolist()) == list(range(n))
+
+
+def test_split_depends_only_on_n_and_fraction() -> None:
+    val = split_members(1000, "val", 0.1)
+    np.random.seed(123)
+    np.random.random(10)
+    split_members(50, "val", 0.5)  # unrelated calls in between
+    assert np.array_equal(split_members(1000, "val", 0.1), val)
+    assert np.array_equal(split_members(1000, "train", 0.1), np.setdiff1d(np.arange(1000), val))
+    # a real shuffle, not the first or last indices
+    assert val.tolist() != list(range(100)) and val.tolist() != list(range(900, 1000))
+    assert np.diff(val).max() > 1
+
+
+@pytest.mark.parametrize(
+    ("n", "split", "fraction"),
+    [(10, "val", 0.0), (10, "val", 0.01), (10, "train", 1.0), (10, "train", 0.99), (0, "train", 0.5)],
+)
+def test_split_refuses_an_empty_side(n: int, split: str, fraction: float) -> None:
+    with pytest.raises(DatasetError, match=split):
+        split_members(n, split, fraction)
