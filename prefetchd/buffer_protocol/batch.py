@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -167,7 +168,7 @@ def _tensor(raw: Any, tname: str, name: str, header_len: int, file_len: int) -> 
     if not isinstance(raw, dict):
         raise _fail(name, f"tensor {tname!r} is described by {type(raw).__name__}, expected a map")
     dtype = raw.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _fail(name, f"tensor {tname!r} has dtype {dtype!r}, expected one of {sorted(DTYPES)}")
     shape = raw.get("shape")
     if (
@@ -176,6 +177,8 @@ def _tensor(raw: Any, tname: str, name: str, header_len: int, file_len: int) -> 
         or not all(type(d) is int and 0 <= d <= MAX_FILE_LEN for d in shape)
     ):
         raise _fail(name, f"tensor {tname!r} has shape {shape!r}, expected up to {MAX_DIMS} sizes")
+    if prod(max(d, 1) for d in shape) > MAX_FILE_LEN:  # also for empty tensors: numpy refuses such shapes
+        raise _fail(name, f"tensor {tname!r} has shape {shape!r}, larger than any batch file")
     offset = _int(raw, "offset", name, header_len, file_len)
     length = _int(raw, "length", name, 0, file_len)
     spec = TensorSpec(str(dtype), tuple(shape), offset)
@@ -197,7 +200,7 @@ def parse_batch(buf: bytes | memoryview | mmap.mmap, name: str = "<batch>") -> B
     size = len(buf)
     if size < HEADER_SIZE:
         raise _fail(name, f"file is {size} bytes, shorter than the {HEADER_SIZE}-byte header")
-    magic, version, _flags, meta_len, header_len, file_len = HEADER.unpack_from(buf, 0)
+    magic, version, flags, meta_len, header_len, file_len = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise _fail(name, f"magic is {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -206,6 +209,8 @@ def parse_batch(buf: bytes | memoryview | mmap.mmap, name: str = "<batch>") -> B
             f"{VERSION}; run the same prefetchd version for daemon and trainer, or clear the buffer "
             "and restart the daemon"
         )
+    if flags != 0:
+        raise _fail(name, f"header flags are {flags:#x}; version {VERSION} defines none, so they must be 0")
     if file_len != size:
         raise _fail(name, f"header says the file is {file_len} bytes but it is {size}")
     if meta_len > MAX_META_LEN or HEADER_SIZE + meta_len > header_len or header_len > size:
@@ -286,10 +291,12 @@ def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
     except OSError as exc:
         raise ProtocolError(f"{path}: cannot open batch file ({exc.strerror}); check the buffer's permissions") from None
     try:
-        size = os.fstat(fd).st_size
-        if size < HEADER_SIZE:
-            raise _fail(str(path), f"file is {size} bytes, shorter than the {HEADER_SIZE}-byte header")
-        buf = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ProtocolError(f"{path}: not a regular file; remove it from the buffer")
+        if st.st_size < HEADER_SIZE:
+            raise _fail(str(path), f"file is {st.st_size} bytes, shorter than the {HEADER_SIZE}-byte header")
+        buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     meta = parse_batch(buf, str(path))
@@ -320,6 +327,11 @@ def write_batch(
     reference writer for tools and tests.
     """
     path = Path(path)
+    if images.ndim != 4 or labels.shape != (len(images),) or indices.shape != (len(images),):
+        raise ValueError(
+            f"images must be N x H x W x C and labels, indices of length N; got {images.shape}, "
+            f"{labels.shape}, {indices.shape}"
+        )
     layout = BatchLayout.plan(*images.shape)
     tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)

@@ -42,16 +42,20 @@ BATCH_SUFFIX = ".batch"
 TEMP_MARK = ".tmp"
 MAX_DOCUMENT_LEN = 1 << 20
 
-_BATCH_RE = re.compile(r"^e(\d{6})-s(\d{8})\.batch$")
+_BATCH_RE = re.compile(r"e(\d{6})-s(\d{8})\.batch", re.ASCII)
+MAX_EPOCH = 10**6 - 1
+MAX_STEP = 10**8 - 1
 _TEMP_RE = re.compile(r"^(e\d{6}-s\d{8}\.tmp|.+\.json\.tmp-\d+-[0-9a-f]+)$")
 
 
 def batch_name(epoch: int, step: int) -> str:
+    if not (0 <= epoch <= MAX_EPOCH and 0 <= step <= MAX_STEP):
+        raise ValueError(f"epoch {epoch} / step {step} outside what a batch name holds (0-{MAX_EPOCH} / 0-{MAX_STEP})")
     return f"e{epoch:06d}-s{step:08d}{BATCH_SUFFIX}"
 
 
 def parse_batch_name(name: str) -> tuple[int, int] | None:
-    m = _BATCH_RE.match(name)
+    m = _BATCH_RE.fullmatch(name)
     return (int(m[1]), int(m[2])) if m else None
 
 
@@ -103,13 +107,13 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
         raise ProtocolError(f"{path}: larger than {MAX_DOCUMENT_LEN} bytes, not a {kind} document; delete it")
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, absurd nesting or digit counts
         raise ProtocolError(f"{path}: not valid JSON ({exc}); delete it and let its writer recreate it") from None
     fmt = f"prefetchd.{kind}"
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise ProtocolError(f"{path}: format is {got!r}, expected {fmt!r}; delete it and let its writer recreate it")
-    if doc.get("version") != VERSION:
+    if type(doc.get("version")) is not int or doc["version"] != VERSION:
         raise ProtocolError(
             f"{path}: written with buffer protocol version {doc.get('version')!r}, this prefetchd speaks "
             f"version {VERSION}; run the same prefetchd version on both sides, or clear the buffer"
@@ -296,7 +300,11 @@ def daemon_pid(buffer: Path) -> int | None:
         return None
     pid = int(text)
     try:
-        started = psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        # A zombie has released its flock already; only its parent has not reaped it.
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        started = proc.create_time()
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return None
     return pid if started <= mtime + 1.0 else None

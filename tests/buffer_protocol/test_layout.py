@@ -1,0 +1,474 @@
+"""The buffer directory: names, JSON documents and the one-daemon lock."""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefetchd.buffer_protocol import (
+    VERSION,
+    BufferBusy,
+    DaemonLock,
+    Manifest,
+    Progress,
+    ProtocolError,
+    batch_name,
+    daemon_pid,
+    list_batches,
+    list_temp_files,
+    parse_batch_name,
+    read_status,
+    write_status,
+)
+from prefetchd.buffer_protocol.batch import temp_name
+from prefetchd.buffer_protocol.layout import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    MAX_DOCUMENT_LEN,
+    PROGRESS_NAME,
+    STATUS_NAME,
+    write_json,
+)
+
+WAIT_S = 30.0  # generous: a cold interpreter importing numpy on a loaded 2-core box
+
+
+# -- names --------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=500)
+@given(a=st.tuples(st.integers(0, 10**6 - 1), st.integers(0, 10**8 - 1)),
+       b=st.tuples(st.integers(0, 10**6 - 1), st.integers(0, 10**8 - 1)))
+def test_batch_name_round_trip_and_order(a: tuple[int, int], b: tuple[int, int]) -> None:
+    assert parse_batch_name(batch_name(*a)) == a
+    assert batch_name(*a).endswith(".batch")
+    # Zero padding makes a directory listing sort in (epoch, step) order.
+    assert (batch_name(*a) < batch_name(*b)) == (a < b)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "", "e000000-s00000000.tmp", "e000000-s00000000.batch.tmp", "e000000-s00000000.batch.tmp-12",
+        "e0-s0.batch", "e000000-s0000000.batch", "e0000000-s00000000.batch", "e000000-s000000000.batch",
+        "E000000-S00000000.batch", "e000000-s00000000.BATCH", "xe000000-s00000000.batch",
+        "e000000-s00000000.batchx", " e000000-s00000000.batch", "e-00001-s00000000.batch",
+        "e00000a-s00000000.batch", "e000000_s00000000.batch", "manifest.json", "progress.json.tmp-12",
+        "daemon.lock",
+    ],
+)
+def test_other_names_are_not_batches(name: str) -> None:
+    assert parse_batch_name(name) is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["e000000-s00000000.batch\n", "e\u0660\u0660\u0660\u0660\u0660\u0660-s\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660.batch",
+     "e000000-s0000000\u0661.batch"],
+    ids=["trailing-newline", "arabic-indic-digits", "one-non-ascii-digit"],
+)
+def test_only_canonical_names_parse(name: str) -> None:
+    parsed = parse_batch_name(name)
+    assert parsed is None or batch_name(*parsed) == name
+
+
+@pytest.mark.parametrize("epoch,step", [(10**6, 0), (0, 10**8), (-1, 0)])
+def test_batch_name_refuses_what_it_cannot_encode(epoch: int, step: int) -> None:
+    try:
+        name = batch_name(epoch, step)
+    except ValueError:
+        return
+    assert parse_batch_name(name) == (epoch, step)
+
+
+def _interrupted_json_write(path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Name of the temp file write_json leaves when it dies before its rename."""
+    left: list[str] = []
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", lambda src, dst: left.append(Path(src).name))
+        write_json(path, {"format": "prefetchd.test"})
+    assert len(left) == 1 and (path.parent / left[0]).exists()
+    return left[0]
+
+
+def test_listing_a_real_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    batches = [(0, 0), (0, 1), (1, 0)]
+    for key in batches:
+        (tmp_path / batch_name(*key)).write_bytes(b"")
+    temps = ["e000000-s00000002.tmp", temp_name(tmp_path / batch_name(7, 9)).name]
+    others = ["notes.txt", "x.tmp", "e000000-s00000004.batch.bak", "progress.json.tmp-abc",
+              MANIFEST_NAME, PROGRESS_NAME, LOCK_NAME, STATUS_NAME]
+    for name in temps + others:
+        (tmp_path / name).write_bytes(b"")
+    temps += [_interrupted_json_write(tmp_path / name, monkeypatch) for name in (PROGRESS_NAME, MANIFEST_NAME)]
+    (tmp_path / "subdir").mkdir()
+    assert list_batches(tmp_path) == {key: tmp_path / batch_name(*key) for key in batches}
+    assert sorted(p.name for p in list_temp_files(tmp_path)) == sorted(temps)
+
+
+# -- JSON documents -----------------------------------------------------------
+
+
+def test_write_json_replaces_atomically(tmp_path: Path) -> None:
+    path = tmp_path / "doc.json"
+    write_json(path, {"format": "prefetchd.test", "n": 1})
+    with open(path, "rb") as old:
+        write_json(path, {"format": "prefetchd.test", "n": 2})
+        # A reader that opened the old document keeps reading it whole: the new
+        # one is a different inode, not a rewrite in place.
+        assert json.loads(old.read())["n"] == 1
+    assert json.loads(path.read_text())["n"] == 2
+    assert os.listdir(tmp_path) == ["doc.json"]
+
+
+def _manifest(**changes: Any) -> Manifest:
+    base = Manifest(
+        dataset_root="/data/shapes", fingerprint="abc123", classes=["circle", "square"], num_samples=400,
+        split="train", seed=0, batch_size=32, image_size=64, samples_per_epoch=400, steps_per_epoch=13,
+        epochs=None, producer="host-1234-0", created=1700000000.5,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+_json_text = st.text(max_size=20)
+
+
+@st.composite
+def manifests(draw: st.DrawFn) -> Manifest:
+    samples, batch_size = draw(st.integers(0, 2**40)), draw(st.integers(1, 4096))
+    return Manifest(
+        dataset_root=draw(_json_text), fingerprint=draw(_json_text), classes=draw(st.lists(_json_text, max_size=5)),
+        num_samples=draw(st.integers(0, 2**53)), split=draw(st.sampled_from(["train", "val"])),
+        seed=draw(st.integers(0, 2**63 - 1)), batch_size=batch_size, image_size=draw(st.integers(1, 1024)),
+        samples_per_epoch=samples, steps_per_epoch=-(-samples // batch_size),
+        epochs=draw(st.none() | st.integers(0, 10**6)), producer=draw(_json_text),
+        channels=draw(st.sampled_from([1, 3])), rank=draw(st.integers(0, 63)), world_size=draw(st.integers(1, 64)),
+        val_fraction=draw(st.none() | st.floats(0, 0.99)), created=draw(st.floats(0, 4e9)),
+    )
+
+
+@settings(max_examples=60, deadline=500)
+@given(m=manifests())
+def test_manifest_round_trip(m: Manifest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    buffer = tmp_path_factory.getbasetemp()
+    assert Manifest.from_doc(m.to_doc(), buffer / MANIFEST_NAME) == m
+    m.write(buffer)
+    assert Manifest.read(buffer) == m
+
+
+def _write_doc(path: Path, doc: Any) -> None:
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"format": "prefetchd.progress"}, {"format": None}, {"version": VERSION + 1}, {"version": None},
+        {"version": "1"},
+    ],
+    ids=lambda c: f"{next(iter(c))}={next(iter(c.values()))!r}",
+)
+def test_manifest_refuses_other_format_or_version(tmp_path: Path, change: dict[str, Any]) -> None:
+    _write_doc(tmp_path / MANIFEST_NAME, {**_manifest().to_doc(), **change})
+    with pytest.raises(ProtocolError, match=MANIFEST_NAME):
+        Manifest.read(tmp_path)
+
+
+@pytest.mark.parametrize("doc", [[], "manifest", 3, None], ids=repr)
+def test_manifest_refuses_non_maps(tmp_path: Path, doc: Any) -> None:
+    _write_doc(tmp_path / MANIFEST_NAME, doc)
+    with pytest.raises(ProtocolError, match=MANIFEST_NAME):
+        Manifest.read(tmp_path)
+
+
+_BAD_FIELDS: list[Any] = [
+    ("seed", "0"), ("seed", -1), ("seed", True), ("seed", 1.0), ("num_samples", 1.5),
+    ("batch_size", 0), ("image_size", 0), ("world_size", 0), ("rank", -1), ("channels", "3"),
+    ("classes", "circle"), ("classes", None), ("dataset_root", 5), ("fingerprint", None), ("split", ["train"]),
+    ("producer", 7), ("created", "yesterday"), ("epochs", -1), ("epochs", "3"), ("epochs", False),
+    ("steps_per_epoch", None), ("steps_per_epoch", 12), ("val_fraction", "0.1"), ("classes", ["circle", 3]),
+]
+
+
+@pytest.mark.parametrize("field,value", _BAD_FIELDS)
+def test_manifest_refuses_wrong_field_types(tmp_path: Path, field: str, value: Any) -> None:
+    _write_doc(tmp_path / MANIFEST_NAME, {**_manifest().to_doc(), field: value})
+    with pytest.raises(ProtocolError, match=MANIFEST_NAME) as info:
+        Manifest.read(tmp_path)
+    assert field in str(info.value) or field in ("batch_size", "image_size", "world_size")
+
+
+@pytest.mark.parametrize("field", ["fingerprint", "seed", "classes", "created", "producer"])
+def test_manifest_refuses_missing_fields(tmp_path: Path, field: str) -> None:
+    doc = _manifest().to_doc()
+    del doc[field]
+    _write_doc(tmp_path / MANIFEST_NAME, doc)
+    with pytest.raises(ProtocolError, match=field):
+        Manifest.read(tmp_path)
+
+
+def test_manifest_missing_file_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        Manifest.read(tmp_path)
+
+
+def test_identity_diff() -> None:
+    old = _manifest()
+    assert old.identity_diff(old) == []
+    # Fields outside the job identity may change freely.
+    assert _manifest(producer="other", created=1.0, epochs=90, dataset_root="/moved", num_samples=1).identity_diff(old) == []
+    assert _manifest(seed=1).identity_diff(old) == ["seed: 0 -> 1"]
+    changed = _manifest(batch_size=64, val_fraction=0.1, fingerprint="def")
+    assert sorted(changed.identity_diff(old)) == sorted(
+        ["fingerprint: 'abc123' -> 'def'", "batch_size: 32 -> 64", "val_fraction: None -> 0.1"])
+    for field in Manifest.IDENTITY:
+        assert field in Manifest.__dataclass_fields__
+
+
+@settings(max_examples=30, deadline=500)
+@given(epoch=st.integers(0, 2**63 - 1), step=st.integers(0, 2**63 - 1))
+def test_progress_round_trip(epoch: int, step: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    buffer = tmp_path_factory.getbasetemp()
+    Progress(epoch, step).write(buffer)
+    assert Progress.read(buffer) == Progress(epoch, step)
+    doc = json.loads((buffer / PROGRESS_NAME).read_text())
+    assert (doc["format"], doc["version"], doc["pid"]) == ("prefetchd.progress", VERSION, os.getpid())
+
+
+def test_progress_missing_is_none(tmp_path: Path) -> None:
+    assert Progress.read(tmp_path) is None
+
+
+def test_progress_orders_by_epoch_then_step() -> None:
+    assert Progress(0, 99) < Progress(1, 0) < Progress(1, 1)
+
+
+@settings(max_examples=100, deadline=500)
+@given(garbage=st.binary(max_size=200))
+def test_garbage_progress_is_a_protocol_error(garbage: bytes, tmp_path_factory: pytest.TempPathFactory) -> None:
+    buffer = tmp_path_factory.getbasetemp()
+    (buffer / PROGRESS_NAME).write_bytes(garbage)
+    with pytest.raises(ProtocolError, match=PROGRESS_NAME):
+        Progress.read(buffer)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=100, deadline=500)
+@given(doc=st.one_of(_json, st.fixed_dictionaries(
+    {"format": st.just("prefetchd.progress"), "version": st.just(VERSION)},
+    optional={"epoch": _json, "step": _json})))
+def test_json_progress_is_valid_or_refused(doc: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    buffer = tmp_path_factory.getbasetemp()
+    (buffer / PROGRESS_NAME).write_text(json.dumps(doc))
+    try:
+        progress = Progress.read(buffer)
+    except ProtocolError:
+        return
+    assert isinstance(doc, dict) and progress == Progress(doc["epoch"], doc["step"])
+    assert all(type(v) is int and v >= 0 for v in (doc["epoch"], doc["step"]))
+
+
+def test_truncated_progress_is_a_protocol_error(tmp_path: Path) -> None:
+    Progress(12, 345).write(tmp_path)
+    data = (tmp_path / PROGRESS_NAME).read_bytes()
+    for cut in range(len(data)):
+        (tmp_path / PROGRESS_NAME).write_bytes(data[:cut])
+        with pytest.raises(ProtocolError, match=PROGRESS_NAME):
+            Progress.read(tmp_path)
+
+
+def test_rewound_progress_reads_as_the_older_position(tmp_path: Path) -> None:
+    # A trainer restarted from an older checkpoint writes an older position;
+    # that is valid, and the daemon regenerates from there.
+    Progress(5, 3).write(tmp_path)
+    older = (tmp_path / PROGRESS_NAME).read_bytes()
+    Progress(7, 0).write(tmp_path)
+    assert Progress.read(tmp_path) == Progress(7, 0)
+    (tmp_path / "restore").write_bytes(older)
+    os.replace(tmp_path / "restore", tmp_path / PROGRESS_NAME)
+    assert Progress.read(tmp_path) == Progress(5, 3)
+
+
+def test_oversized_progress_is_a_protocol_error(tmp_path: Path) -> None:
+    doc = {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 0, "pad": "x" * MAX_DOCUMENT_LEN}
+    _write_doc(tmp_path / PROGRESS_NAME, doc)
+    with pytest.raises(ProtocolError, match="larger than"):
+        Progress.read(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[" * 100_000, '{"format": "prefetchd.progress", "version": 1, "epoch": ' + "9" * 5000 + ', "step": 0}'],
+    ids=["deep-nesting", "5000-digit-int"],
+)
+def test_pathological_json_is_a_protocol_error(tmp_path: Path, text: str) -> None:
+    (tmp_path / PROGRESS_NAME).write_text(text)
+    with pytest.raises(ProtocolError, match=PROGRESS_NAME):
+        Progress.read(tmp_path)
+
+
+def test_boolean_version_is_refused(tmp_path: Path) -> None:
+    _write_doc(tmp_path / PROGRESS_NAME, {"format": "prefetchd.progress", "version": True, "epoch": 0, "step": 0})
+    with pytest.raises(ProtocolError, match="version"):
+        Progress.read(tmp_path)
+
+
+@pytest.mark.parametrize("doc", [
+    {"epoch": -1, "step": 0}, {"epoch": 0, "step": True}, {"epoch": 1.0, "step": 0}, {"epoch": 0}, {"step": 0},
+], ids=repr)
+def test_progress_refuses_bad_positions(tmp_path: Path, doc: dict[str, Any]) -> None:
+    _write_doc(tmp_path / PROGRESS_NAME, {"format": "prefetchd.progress", "version": VERSION, **doc})
+    with pytest.raises(ProtocolError, match=PROGRESS_NAME):
+        Progress.read(tmp_path)
+
+
+def test_status_round_trip(tmp_path: Path) -> None:
+    assert read_status(tmp_path) is None
+    write_status(tmp_path, {"state": "filling", "fill": 3, "rates": {"img_s": 812.5}})
+    status = read_status(tmp_path)
+    assert status is not None
+    assert status["format"] == "prefetchd.status" and status["version"] == VERSION
+    assert (status["state"], status["fill"], status["rates"]) == ("filling", 3, {"img_s": 812.5})
+    (tmp_path / STATUS_NAME).write_text('{"format": "prefetchd.manifest", "version": 1}')
+    with pytest.raises(ProtocolError, match=STATUS_NAME):
+        read_status(tmp_path)
+
+
+# -- the one-daemon lock ------------------------------------------------------
+
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from prefetchd.buffer_protocol import DaemonLock
+DaemonLock(Path(sys.argv[1])).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+@contextmanager
+def lock_holder(buffer: Path) -> Iterator[subprocess.Popen[str]]:
+    """A real separate process that takes the buffer's lock and sleeps."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(buffer)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], WAIT_S)
+        assert ready, f"lock holder did not report within {WAIT_S} s"
+        assert proc.stdout.readline().strip() == "locked", "lock holder failed to take the lock"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(WAIT_S)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_second_daemon_is_refused_with_the_owner_pid(tmp_path: Path) -> None:
+    with lock_holder(tmp_path) as holder:
+        with pytest.raises(BufferBusy, match=rf"pid {holder.pid}\b") as info:
+            DaemonLock(tmp_path).acquire()
+        assert isinstance(info.value, ProtocolError)
+        assert "prefetchd stop" in str(info.value)
+        assert daemon_pid(tmp_path) == holder.pid
+        assert (tmp_path / LOCK_NAME).read_text().strip() == str(holder.pid)
+
+
+def test_sigkilled_owner_releases_the_lock(tmp_path: Path) -> None:
+    with lock_holder(tmp_path) as holder:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(WAIT_S)
+        assert holder.returncode == -signal.SIGKILL
+        # The dead owner's pid is still in the file, but it names no live process.
+        assert (tmp_path / LOCK_NAME).read_text().strip() == str(holder.pid)
+        assert daemon_pid(tmp_path) is None
+        lock = DaemonLock(tmp_path)
+        lock.acquire()
+        try:
+            assert daemon_pid(tmp_path) == os.getpid()
+        finally:
+            lock.release()
+    assert daemon_pid(tmp_path) is None
+
+
+def test_unreaped_dead_owner_is_not_live(tmp_path: Path) -> None:
+    with lock_holder(tmp_path) as holder:
+        os.kill(holder.pid, signal.SIGKILL)
+        deadline = time.monotonic() + WAIT_S
+        while psutil.Process(holder.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "holder did not die"
+            time.sleep(0.01)
+        # The kernel frees the lock as the owner dies (on some kernels a moment after the
+        # zombie shows up); from then on nobody owns the buffer.
+        while not _lock_is_free(tmp_path):
+            assert time.monotonic() < deadline, "the dead holder's lock was never released"
+            time.sleep(0.01)
+        assert psutil.Process(holder.pid).status() == psutil.STATUS_ZOMBIE
+        assert daemon_pid(tmp_path) is None
+
+
+def _lock_is_free(buffer: Path) -> bool:
+    fd = os.open(buffer / LOCK_NAME, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_lock_in_the_same_process_is_exclusive_too(tmp_path: Path) -> None:
+    first = DaemonLock(tmp_path)
+    first.acquire()
+    try:
+        with pytest.raises(BufferBusy, match=rf"pid {os.getpid()}\b"):
+            DaemonLock(tmp_path).acquire()
+    finally:
+        first.release()
+    assert (tmp_path / LOCK_NAME).read_text() == ""
+    second = DaemonLock(tmp_path)
+    second.acquire()
+    second.release()
+    second.release()  # idempotent
+
+
+def test_daemon_pid_without_a_live_owner(tmp_path: Path) -> None:
+    assert daemon_pid(tmp_path) is None  # no lock file
+    assert daemon_pid(tmp_path / "missing") is None
+    lock = tmp_path / LOCK_NAME
+    for text in ("", "garbage\n", "-5\n"):
+        lock.write_text(text)
+        assert daemon_pid(tmp_path) is None, text
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(WAIT_S)
+    lock.write_text(f"{dead.pid}\n")
+    assert daemon_pid(tmp_path) is None
+    # A live process that started after the lock was written cannot be its owner (pid reuse).
+    lock.write_text(f"{os.getpid()}\n")
+    os.utime(lock, (0, 0))
+    assert daemon_pid(tmp_path) is None
+    os.utime(lock)
+    assert daemon_pid(tmp_path) == os.getpid()

@@ -1,0 +1,359 @@
+"""SPEC.md and the code say the same thing.
+
+Each ``*_mismatches`` function compares one part of the spec with the code and
+returns what differs; the tests assert there is nothing.  The code is looked up
+on the modules at call time, so ``test_check_can_fail`` can change a constant
+(or the spec text) and see each check catch it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import msgpack
+import numpy as np
+import pytest
+
+from prefetchd.buffer_protocol import batch, layout
+
+SPEC_PATH = Path(batch.__file__).with_name("SPEC.md")
+SPEC = SPEC_PATH.read_text()
+
+
+# -- reading the spec ---------------------------------------------------------
+
+
+def section(spec: str, title: str) -> str:
+    """Text under the ``## title`` heading, up to the next ``## ``."""
+    m = re.search(rf"^## {re.escape(title)}\s*$(.*?)(?=^## |\Z)", spec, re.M | re.S)
+    if m is None:
+        raise AssertionError(f"SPEC.md has no '## {title}' section")
+    return m.group(1)
+
+
+def tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table in ``text``, as rows keyed by the header cells."""
+    found: list[list[dict[str, str]]] = []
+    block: list[str] = []
+    for line in [*text.splitlines(), ""]:
+        if line.lstrip().startswith("|"):
+            block.append(line.strip())
+            continue
+        if block:
+            cells = [[c.strip() for c in row.strip("|").split("|")] for row in block]
+            head, rows = cells[0], cells[2:]  # cells[1] is the |---| rule
+            found.append([dict(zip(head, row)) for row in rows])
+            block = []
+    return found
+
+
+def table(spec: str, title: str, first_column: str) -> list[dict[str, str]]:
+    for t in tables(section(spec, title)):
+        if t and first_column in t[0]:
+            return t
+    raise AssertionError(f"SPEC.md section {title!r} has no table with a {first_column!r} column")
+
+
+def literal(cell: str) -> str:
+    return cell.strip().strip("`")
+
+
+def code_attr(name: str) -> object:
+    """The value of ``name`` in batch.py or layout.py; both must agree if both define it."""
+    values = [getattr(mod, name) for mod in (batch, layout) if hasattr(mod, name)]
+    if not values:
+        raise LookupError(name)
+    if any(v != values[0] for v in values[1:]):
+        raise LookupError(f"{name} differs between batch.py and layout.py: {values}")
+    return values[0]
+
+
+# -- the checks ---------------------------------------------------------------
+
+
+def constant_mismatches(spec: str) -> list[str]:
+    out = []
+    for row in table(spec, "Constants", "name"):
+        name, text = literal(row["name"]), literal(row["value"])
+        try:
+            value = code_attr(name)
+        except LookupError as exc:
+            out.append(f"{name}: not found in the code ({exc})")
+            continue
+        if isinstance(value, bytes):
+            expected: object = text.encode()
+        elif isinstance(value, str):
+            expected = text
+        else:
+            expected = int(text)
+        if value != expected:
+            out.append(f"{name}: spec says {expected!r}, code has {value!r}")
+    return out
+
+
+def limit_mismatches(spec: str) -> list[str]:
+    """Every ``MAX_*`` limit of the protocol modules is in the constants table."""
+    listed = {literal(row["name"]) for row in table(spec, "Constants", "name")}
+    limits = {n for mod in (batch, layout) for n in vars(mod) if n.startswith("MAX_")}
+    return [f"{n}: in the code but not in the spec's constants table" for n in sorted(limits - listed)]
+
+
+def docstring_header(doc: str) -> list[tuple[int, int, str, str]]:
+    """(offset, size, field, struct) rows of the header table in batch.py's docstring."""
+    rows = []
+    for m in re.finditer(r"^\s+(\d+)\s+(\S+)\s+(\w+)\s+(\S+)", doc, re.M):
+        if not m[2].isdigit():  # "32  ...  metadata": the end of the fixed header
+            break
+        rows.append((int(m[1]), int(m[2]), m[3], m[4]))
+    return rows
+
+
+def header_mismatches(spec: str) -> list[str]:
+    out = []
+    rows = table(spec, "Batch file", "offset")
+    fields = [literal(r["field"]) for r in rows]
+    codes = [literal(r["struct"]) for r in rows]
+    expected_offset = 0
+    for r in rows:
+        offset, size, code = int(r["offset"]), int(r["size"]), literal(r["struct"])
+        if offset != expected_offset:
+            out.append(f"{r['field']}: offset {offset}, but the fields before it end at {expected_offset}")
+        if size != struct.calcsize("<" + code):
+            out.append(f"{r['field']}: size {size}, but struct {code!r} is {struct.calcsize('<' + code)} bytes")
+        expected_offset = offset + size
+    fmt = "<" + "".join(codes)
+    if fmt != batch.HEADER_FORMAT:
+        out.append(f"header struct: spec's fields make {fmt!r}, code has HEADER_FORMAT {batch.HEADER_FORMAT!r}")
+    if expected_offset != batch.HEADER_SIZE or batch.HEADER.size != batch.HEADER_SIZE:
+        out.append(f"header size: spec's fields end at {expected_offset}, code has HEADER_SIZE {batch.HEADER_SIZE}")
+    magic = literal(next((r["meaning"] for r in rows if literal(r["field"]) == "magic"), ""))
+    if magic.encode() != batch.MAGIC:
+        out.append(f"magic: spec's table says {magic!r}, code has {batch.MAGIC!r}")
+
+    doc_rows = docstring_header(batch.__doc__ or "")
+    spec_rows = [(int(r["offset"]), int(r["size"]), literal(r["field"]), literal(r["struct"])) for r in rows]
+    if [row[2] for row in doc_rows] != fields:
+        out.append(f"field order: spec {fields}, batch.py docstring {[row[2] for row in doc_rows]}")
+    elif doc_rows != spec_rows:
+        out.append(f"header table: spec {spec_rows}, batch.py docstring {doc_rows}")
+    return out
+
+
+def metadata_mismatches(spec: str) -> list[str]:
+    """Keys of the metadata map and of each tensor entry, as the writer emits them."""
+    out = []
+    rows = table(spec, "Batch file", "key")
+    spec_keys = [literal(r["key"]) for r in rows]
+    layout_ = batch.BatchLayout.plan(2, 3, 4, 3)
+    raw = layout_.encode_header(epoch=1, step=2, seed=3, producer="p")
+    magic, version, flags, meta_len, header_len, file_len = batch.HEADER.unpack_from(raw)
+    meta = msgpack.unpackb(raw[batch.HEADER_SIZE : batch.HEADER_SIZE + meta_len])
+    if sorted(spec_keys) != sorted(meta):
+        out.append(f"metadata keys: spec {sorted(spec_keys)}, writer {sorted(meta)}")
+    fmt = literal(next((r["meaning"] for r in rows if literal(r["key"]) == "format"), ""))
+    if fmt != batch.BATCH_FORMAT:
+        out.append(f"metadata format: spec {fmt!r}, code BATCH_FORMAT {batch.BATCH_FORMAT!r}")
+    tensor_row = next((r for r in rows if literal(r["key"]) == "tensors"), None)
+    if tensor_row is not None:
+        m = re.search(r"\{(.*?)\}", tensor_row["meaning"])
+        spec_fields = sorted(f.strip() for f in m[1].split(",")) if m else []
+        for name, entry in meta.get("tensors", {}).items():
+            if sorted(entry) != spec_fields:
+                out.append(f"tensor {name} fields: spec {spec_fields}, writer {sorted(entry)}")
+    return out
+
+
+def directory_mismatches(spec: str) -> list[str]:
+    out = []
+    rows = table(spec, "Buffer directory", "file")
+    names = [literal(r["file"]) for r in rows]
+    fixed = {n for n in names if not re.search(r"E+-s?S+", n)}
+    constants = {layout.LOCK_NAME, layout.MANIFEST_NAME, layout.PROGRESS_NAME, layout.STATUS_NAME}
+    if fixed != constants:
+        out.append(f"fixed file names: spec {sorted(fixed)}, code {sorted(constants)}")
+
+    patterns = [n for n in names if n not in fixed]
+    for pattern in patterns:
+        m = re.fullmatch(r"e(E+)-s(S+)(\.\w+)", pattern)
+        if m is None:
+            out.append(f"cannot read the name pattern {pattern!r}")
+            continue
+        ew, sw, suffix = len(m[1]), len(m[2]), m[3]
+        for epoch, step in ((0, 0), (3, 17), (10**ew - 1, 10**sw - 1)):
+            expected = f"e{epoch:0{ew}d}-s{step:0{sw}d}{suffix}"
+            final = layout.batch_name(epoch, step)
+            if suffix == layout.BATCH_SUFFIX:
+                got = final
+                if layout.parse_batch_name(expected) != (epoch, step):
+                    out.append(f"parse_batch_name({expected!r}) is not {(epoch, step)}")
+            else:
+                got = batch.temp_name(Path(final)).name
+                if layout.TEMP_MARK not in got or layout.parse_batch_name(got) is not None:
+                    out.append(f"temp name {got!r} is not recognisable as a temp name")
+            if got != expected:
+                out.append(f"{pattern}: spec gives {expected!r} for {(epoch, step)}, code gives {got!r}")
+    suffixes = {re.sub(r".*?(\.\w+)$", r"\1", p) for p in patterns}
+    if layout.BATCH_SUFFIX not in suffixes or layout.TEMP_MARK not in suffixes:
+        out.append(f"name suffixes: spec {sorted(suffixes)}, code {layout.BATCH_SUFFIX!r} and {layout.TEMP_MARK!r}")
+    return out
+
+
+def tensor_mismatches(spec: str) -> list[str]:
+    out = []
+    rows = table(spec, "Batch file", "name")
+    spec_tensors = {literal(r["name"]): literal(r["dtype"]) for r in rows}
+    if spec_tensors != dict(batch.REQUIRED_TENSORS):
+        out.append(f"required tensors: spec {spec_tensors}, code {dict(batch.REQUIRED_TENSORS)}")
+    dims = {"N": 5, "H": 6, "W": 7, "C": 3}
+    planned = batch.BatchLayout.plan(5, 6, 7, 3).tensors
+    for r in rows:
+        name = literal(r["name"])
+        symbols = [s.strip() for s in r["shape"].split("(")[0].split(" x ")]
+        expected = tuple(dims[s] for s in symbols if s in dims)
+        got = planned[name].shape if name in planned else None
+        if got != expected:
+            out.append(f"tensor {name}: spec shape {r['shape']!r} means {expected}, BatchLayout.plan gives {got}")
+    return out
+
+
+def dtype_mismatches(spec: str) -> list[str]:
+    out = []
+    m = re.search(r"^Allowed dtypes:(.*)$", section(spec, "Batch file"), re.M)
+    if m is None:
+        return ["no 'Allowed dtypes:' line in the Batch file section"]
+    allowed = re.findall(r"`([^`]+)`", m[1])
+    if sorted(allowed) != sorted(batch.DTYPES):
+        out.append(f"allowed dtypes: spec {sorted(allowed)}, code DTYPES {sorted(batch.DTYPES)}")
+    if "little-endian" in m[1]:
+        for name, dt in batch.DTYPES.items():
+            if dt != dt.newbyteorder("<") or dt != np.dtype(name).newbyteorder("<"):
+                out.append(f"dtype {name}: code has {dt.str}, spec says little-endian {name}")
+    return out
+
+
+def document_mismatches(spec: str) -> list[str]:
+    """Rule 2: the format names of the JSON documents and their temp names."""
+    out = []
+    rules = section(spec, "Buffer directory")
+    m = re.search(r'"format": "prefetchd\.<kind>"` \(([^)]*)\)', rules)
+    kinds = sorted(re.findall(r"`(\w+)`", m[1])) if m else []
+    if kinds != ["manifest", "progress", "status"]:
+        out.append(f"document kinds in rule 2: {kinds}")
+    if f"`\"version\": {batch.VERSION}`" not in rules:
+        out.append(f"rule 2 does not say documents carry version {batch.VERSION}")
+    return out
+
+
+def json_temp_mismatches(spec: str) -> list[str]:
+    """Rule 2's temp name (``NAME.tmp-PID``...) against what write_json really leaves behind."""
+    m = re.search(r"`(NAME\.tmp-[^`]*)`", section(spec, "Buffer directory"))
+    if m is None:
+        return ["rule 2 names no `NAME.tmp-...` temp file"]
+    pattern = re.escape(m[1]).replace("NAME", re.escape(layout.PROGRESS_NAME)).replace("PID", str(os.getpid()))
+    pattern = re.sub(r"[A-Z]{2,}", "[0-9A-Za-z]+", pattern)  # RANDOM, HEX, ...: any token
+    with tempfile.TemporaryDirectory() as d, mock.patch.object(os, "replace", lambda src, dst: None):
+        layout.write_json(Path(d) / layout.PROGRESS_NAME, {"format": "prefetchd.progress"})
+        left = os.listdir(d)
+        listed = [p.name for p in layout.list_temp_files(Path(d))]
+    out = []
+    if len(left) != 1 or not re.fullmatch(pattern, left[0]):
+        out.append(f"write_json's temp file is {left}, spec says `{m[1]}`")
+    if listed != left:
+        out.append(f"list_temp_files does not list write_json's temp file {left} (lists {listed})")
+    return out
+
+
+CHECKS: dict[str, Callable[[str], list[str]]] = {
+    "constants": constant_mismatches,
+    "limits": limit_mismatches,
+    "header": header_mismatches,
+    "metadata": metadata_mismatches,
+    "directory": directory_mismatches,
+    "tensors": tensor_mismatches,
+    "dtypes": dtype_mismatches,
+    "documents": document_mismatches,
+    "json temp names": json_temp_mismatches,
+}
+
+
+# -- the tests ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_spec_matches_code(check: str) -> None:
+    assert CHECKS[check](SPEC) == []
+
+
+def test_spec_tables_are_read() -> None:
+    """Guards the parser: an empty table would make every check pass vacuously."""
+    assert len(table(SPEC, "Constants", "name")) >= 9
+    assert len(table(SPEC, "Batch file", "offset")) == 6
+    assert len(table(SPEC, "Batch file", "key")) == 7
+    assert len(table(SPEC, "Batch file", "name")) == 3
+    assert len(table(SPEC, "Buffer directory", "file")) == 6
+    assert len(docstring_header(batch.__doc__ or "")) == 6
+
+
+def _replace(old: str, new: str) -> Callable[[str], str]:
+    def edit(spec: str) -> str:
+        assert old in spec, f"mutation target {old!r} is no longer in SPEC.md"
+        return spec.replace(old, new, 1)
+
+    return edit
+
+
+def _changed_docstring() -> str:
+    doc = batch.__doc__ or ""
+    return doc.replace("meta_len     I", "meta_size    I")
+
+
+# (check, edit of the spec text or None, (module, attribute, new value) or None)
+MUTATIONS = {
+    "constant in code": ("constants", None, (batch, "PAGE_SIZE", 8192)),
+    "magic in code": ("constants", None, (batch, "MAGIC", b"PFDBATCX")),
+    "layout constant in code": ("constants", None, (layout, "MAX_DOCUMENT_LEN", 1 << 21)),
+    "constant in spec": ("constants", _replace("| MAX_DIMS | 8 |", "| MAX_DIMS | 9 |"), None),
+    "unknown constant in spec": ("constants", _replace("| MAX_DIMS | 8 |", "| MAX_DIMS | 8 |\n| MAX_BOGUS | 1 |"), None),
+    "new limit in code": ("limits", None, (layout, "MAX_WHATEVER", 3)),
+    "header offset in spec": ("header", _replace("| 16 | 8 | header_len", "| 17 | 8 | header_len"), None),
+    "header size in spec": ("header", _replace("| 12 | 4 | meta_len", "| 12 | 2 | meta_len"), None),
+    "header struct in spec": ("header", _replace("| file_len | Q |", "| file_len | I |"), None),
+    "header format in code": ("header", None, (batch, "HEADER_FORMAT", "<8sHHIQI")),
+    "field order in docstring": ("header", None, (batch, "__doc__", "")),
+    "field name in docstring": ("header", None, (batch, "__doc__", _changed_docstring())),
+    "magic in header table": ("header", _replace("| 8s | `PFDBATCH` |", "| 8s | `PFDBATCX` |"), None),
+    "metadata key in spec": ("metadata", _replace("| replaced | int |", "| substituted | int |"), None),
+    "metadata format in code": ("metadata", None, (batch, "BATCH_FORMAT", "prefetchd.batches")),
+    "tensor fields in spec": ("metadata", _replace("{dtype, shape, offset, length}", "{dtype, shape, offset}"), None),
+    "status name in code": ("directory", None, (layout, "STATUS_NAME", "state.json")),
+    "lock name in spec": ("directory", _replace("| `daemon.lock` |", "| `owner.lock` |"), None),
+    "batch name in code": ("directory", None, (layout, "batch_name", lambda e, s: f"e{e:07d}-s{s:08d}.batch")),
+    "name widths in spec": ("directory", _replace("| `eEEEEEE-sSSSSSSSS.batch` |", "| `eEEEEE-sSSSSSSSS.batch` |"), None),
+    "temp name in code": ("directory", None, (batch, "temp_name", lambda p: p.with_suffix(".partial"))),
+    "required tensors in code": ("tensors", None, (batch, "REQUIRED_TENSORS", {**batch.REQUIRED_TENSORS, "masks": "uint8"})),
+    "tensor dtype in spec": ("tensors", _replace("| labels | int64 |", "| labels | int32 |"), None),
+    "tensor shape in spec": ("tensors", _replace("| labels | int64 | N |", "| labels | int64 | N x C |"), None),
+    "dtypes in code": ("dtypes", None, (batch, "DTYPES", {**batch.DTYPES, "float64": np.dtype("<f8")})),
+    "dtype byte order in code": ("dtypes", None, (batch, "DTYPES", {**batch.DTYPES, "int64": np.dtype(">i8")})),
+    "dtypes in spec": ("dtypes", _replace("`float32`, all", "`float16`, all"), None),
+    "document kinds in spec": ("documents", _replace("(`manifest`, `progress`, `status`)", "(`manifest`, `progress`)"), None),
+    "document version in code": ("documents", None, (batch, "VERSION", 2)),
+    "json temp name in spec": ("json temp names", _replace("`NAME.tmp-", "`NAME.partial-"), None),
+    "json temp name in code": ("json temp names", None, (layout, "TEMP_MARK", ".part")),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_check_can_fail(mutation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    check, edit, patch = MUTATIONS[mutation]
+    spec = edit(SPEC) if edit is not None else SPEC
+    if patch is not None:
+        module, attr, value = patch
+        monkeypatch.setattr(module, attr, value, raising=False)
+    assert CHECKS[check](spec) != [], f"{check} check did not notice: {mutation}"
