@@ -516,9 +516,9 @@ def _status_summary(buffer: Path) -> str:
     if status is None:
         return "the daemon has written no status.json"
     parts = []
-    for key in ("state", "message", "reason", "error"):
+    for key in ("state", "message"):
         value = status.get(key)
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and value != "":
+        if isinstance(value, str) and value:
             parts.append(f"{key}={_short(value)}")
     seen = status.get("progress")
     if isinstance(seen, dict) and "epoch" in seen and "step" in seen:
@@ -531,8 +531,6 @@ def _status_summary(buffer: Path) -> str:
         bad = {k: v for k, v in errors.items() if v not in (None, 0, "", [], {})}
         if bad:
             parts.append("errors: " + ", ".join(f"{k}={_short(v)}" for k, v in bad.items()))
-    elif isinstance(errors, (int, list)) and errors:
-        parts.append(f"errors={_short(errors)}")
     beat = status.get("heartbeat")
     if isinstance(beat, (int, float)) and not isinstance(beat, bool):
         parts.append(f"last heartbeat {max(0.0, time.time() - float(beat)):.1f} s ago")

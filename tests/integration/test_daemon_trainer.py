@@ -1,0 +1,240 @@
+"""The end-to-end slice: a real daemon process on a real tmpfs feeding BufferLoader."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torchvision.datasets import ImageFolder
+
+from prefetchd.daemon.main import RAM_FILESYSTEMS, filesystem_of
+from prefetchd.buffer_protocol import DaemonLock, daemon_pid, list_batches, list_temp_files, read_status
+from prefetchd.trainer import BufferLoader
+
+SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--seed", "7"]
+
+
+def batch_files(buffer: Path) -> int:
+    return len(list_batches(buffer)) if buffer.is_dir() else 0
+
+
+def digest(images: object) -> str:
+    return hashlib.sha256(np.ascontiguousarray(images).tobytes()).hexdigest()
+
+
+def test_two_epochs_every_sample_once_within_high_water(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    data = shapes_data / "train"
+    buffer = shm_dir / "bf"
+    high = 4
+    daemon = start_daemon(buffer, "--data", data, *SMALL, "--epochs", "2", "--high-water", high, "--low-water", "2")
+    targets = np.asarray(ImageFolder(str(data)).targets)
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    assert len(loader) == -(-len(targets) // 8)
+
+    max_seen = 0
+    for epoch in range(2):
+        seen: list[int] = []
+        for batch in loader:
+            images, labels = batch
+            assert batch.epoch == epoch
+            assert images.shape[1:] == (3, 32, 32)
+            indices = batch.indices.numpy()
+            np.testing.assert_array_equal(labels.numpy(), targets[indices])
+            seen.extend(indices.tolist())
+            max_seen = max(max_seen, batch_files(buffer))
+        assert sorted(seen) == list(range(len(targets))), f"epoch {epoch}: not every sample exactly once"
+    loader.close()
+    assert max_seen <= high
+
+    # With --epochs 2 the daemon leaves once the trainer has consumed everything.
+    assert daemon.wait_exit(30) == 0, daemon.log
+    assert batch_files(buffer) == 0, "consumed batches must be deleted"
+    assert list(list_temp_files(buffer)) == []
+    assert daemon_pid(buffer) is None
+
+
+def test_consumed_batches_are_deleted_and_buffer_refills(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "3", "--low-water", "1")
+    daemon.wait_until(lambda: batch_files(buffer) == 3, 30, "the buffer to fill to the high-water mark")
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    it = iter(loader)
+    first = next(it)
+    next(it)  # asking for the next batch hands the first one over as consumed
+    gone = buffer / "e000000-s00000000.batch"
+    daemon.wait_until(lambda: not gone.exists(), 10, f"{gone.name} to be deleted after consumption")
+    next(it)
+    next(it)  # two consumed: waiting fell to the low-water mark, so production resumes
+    daemon.wait_until(lambda: (buffer / "e000000-s00000005.batch").exists(), 30, "the buffer to refill")
+    assert first.step == 0
+
+
+def test_identical_batches_across_worker_counts_and_after_rewind(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    data = shapes_data / "train"
+    runs = {}
+    for workers in ("1", "2"):
+        buffer = shm_dir / f"w{workers}"
+        args = ["--data", data, "--batch-size", "8", "--image-size", "32", "--seed", "3", "--high-water", "4"]
+        start_daemon(buffer, *args, "--workers", workers)
+        loader = BufferLoader(buffer, normalize=False, timeout=60)
+        it = iter(loader)
+        runs[workers] = [(b.step, digest(b.images), b.indices.tolist()) for b in (next(it) for _ in range(4))]
+        if workers == "2":
+            # A trainer restarted from an older checkpoint: the daemon regenerates the same batches.
+            state = loader.state_dict()
+            loader.load_state_dict({**state, "epoch": 0, "step": 0})
+            it = iter(loader)
+            again = [(b.step, digest(b.images), b.indices.tolist()) for b in (next(it) for _ in range(4))]
+            assert again == runs["2"]
+        loader.close()
+    assert runs["1"] == runs["2"]
+
+
+def test_sigterm_stops_cleanly(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "50")
+    daemon.wait_until(lambda: batch_files(buffer) >= 2, 30, "a few batches")
+    daemon.proc.send_signal(signal.SIGTERM)  # mid-production: the high-water mark is far away
+    assert daemon.wait_exit(15) == 0, daemon.log
+    assert list(list_temp_files(buffer)) == [], "no half-written batch may be left behind"
+    status = read_status(buffer)
+    assert status is not None and status["state"] == "stopped" and "SIGTERM" in status["message"]
+    lock = DaemonLock(buffer)
+    lock.acquire()  # released: a new owner can take the buffer
+    lock.release()
+
+
+def test_stop_command_and_status(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
+    daemon.wait_until(lambda: (read_status(buffer) or {}).get("state") == "full", 30, "state 'full'")
+    cli = [sys.executable, "-m", "prefetchd"]
+    out = subprocess.run([*cli, "status", "--buffer", buffer], capture_output=True, text=True)
+    assert out.returncode == 0 and "running" in out.stdout and "4/4 batches waiting" in out.stdout, out.stdout
+    out = subprocess.run([*cli, "stop", "--buffer", buffer], capture_output=True, text=True)
+    assert out.returncode == 0 and "stopped" in out.stdout, out.stdout + out.stderr
+    assert daemon.proc.poll() == 0
+    out = subprocess.run([*cli, "status", "--buffer", buffer], capture_output=True, text=True)
+    assert out.returncode == 3 and "not running" in out.stdout
+
+
+def test_second_daemon_on_the_same_buffer_is_refused(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    first = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
+    first.wait_until(lambda: daemon_pid(buffer) == first.proc.pid, 30, "the first daemon to own the buffer")
+    second = start_daemon(buffer, "--data", shapes_data / "train", *SMALL)
+    assert second.wait_exit(30) != 0
+    assert "owned by a running daemon" in second.log and f"pid {first.proc.pid}" in second.log
+    assert first.proc.poll() is None, "the owner must keep running"
+
+
+def test_trainer_started_before_the_daemon_waits(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    got: list[object] = []
+
+    def consume() -> None:
+        try:
+            got.append(next(iter(BufferLoader(buffer, normalize=False, timeout=60))))
+        except Exception as exc:  # reported to the test thread
+            got.append(exc)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2")
+    thread.join(60)
+    assert got and not isinstance(got[0], Exception), got
+    assert got[0].step == 0  # type: ignore[attr-defined]
+
+
+def test_killed_daemon_leftovers_are_swept_and_batches_kept(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    args = ["--data", shapes_data / "train", *SMALL, "--high-water", "3"]
+    first = start_daemon(buffer, *args)
+    first.wait_until(lambda: batch_files(buffer) == 3, 30, "a full buffer")
+    kept = {k: digest(p.read_bytes()) for k, p in list_batches(buffer).items()}
+    (buffer / "e000000-s00000009.tmp").write_bytes(b"half a batch")
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait_exit(10)
+    second = start_daemon(buffer, *args)
+    second.wait_until(lambda: "kept 3 finished batches" in second.log, 30, "the restart to adopt the old batches")
+    assert not (buffer / "e000000-s00000009.tmp").exists()
+    assert {k: digest(p.read_bytes()) for k, p in list_batches(buffer).items()} == kept
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("missing-root", "does not exist"),
+        ("no-classes", "has no class folders"),
+        ("empty-class", "has no images"),
+    ],
+)
+def test_bad_dataset_gets_a_clear_error(tmp_path: Path, shm_dir: Path, start_daemon, setup: str, expected: str) -> None:
+    root = tmp_path / "data"
+    if setup != "missing-root":
+        root.mkdir()
+    if setup == "empty-class":
+        (root / "cats").mkdir()
+        (root / "cats" / "readme.txt").write_text("not an image")
+    daemon = start_daemon(shm_dir / "bf", "--data", root, *SMALL)
+    assert daemon.wait_exit(30) == 1
+    assert expected in daemon.log and str(root) in daemon.log
+
+
+def test_buffer_of_another_job_is_refused_until_reset(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    first = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2")
+    first.wait_until(lambda: batch_files(buffer) == 2, 30, "batches of the first job")
+    first.terminate()
+    other = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1")
+    assert other.wait_exit(30) == 2
+    assert "different job" in other.log and "batch_size: 8 -> 4" in other.log and "--reset" in other.log
+    reset = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
+                         "--workers", "1", "--high-water", "2", "--reset")
+    reset.wait_until(lambda: batch_files(buffer) == 2 and (read_status(buffer) or {}).get("state") == "full", 30, "the new job's batches")
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    assert next(iter(loader)).images.shape[0] == 4
+
+
+def test_buffer_not_on_tmpfs_warns(shapes_data: Path, tmp_path: Path, start_daemon) -> None:
+    buffer = tmp_path / "bf"
+    if filesystem_of(tmp_path)[1] in RAM_FILESYSTEMS:
+        pytest.skip("the temp dir is itself on a tmpfs here")
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2")
+    daemon.wait_until(lambda: "not a RAM disk" in daemon.log, 30, "the warning")
+    assert daemon.proc.poll() is None, "a warning, not a refusal"
+
+
+def test_val_split_is_ordered_and_center_cropped(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    data = shapes_data / "val"
+    start_daemon(buffer, "--data", data, *SMALL, "--split", "val", "--epochs", "2")
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    epochs = [[(b.indices.tolist(), digest(b.images)) for b in loader] for _ in range(2)]
+    flat = [i for idx, _ in epochs[0] for i in idx]
+    assert flat == list(range(len(ImageFolder(str(data)).samples)))
+    assert epochs[0] == epochs[1], "val batches carry no randomness"
+    loader.close()
+
+
+def test_val_fraction_splits_one_tree_without_overlap(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    data = shapes_data / "train"
+    seen = {}
+    for split in ("train", "val"):
+        buffer = shm_dir / split
+        start_daemon(buffer, "--data", data, *SMALL, "--split", split, "--val-fraction", "0.25", "--epochs", "1")
+        loader = BufferLoader(buffer, normalize=False, timeout=60)
+        seen[split] = Counter(i for b in loader for i in b.indices.tolist())
+        loader.close()
+    n = len(ImageFolder(str(data)).samples)
+    assert set(seen["train"]).isdisjoint(seen["val"])
+    assert set(seen["train"]) | set(seen["val"]) == set(range(n))
+    assert len(seen["val"]) == round(n * 0.25)
+    assert max(seen["train"].values()) == max(seen["val"].values()) == 1

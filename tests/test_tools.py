@@ -1,0 +1,186 @@
+"""tools/inspect_buffer.py and tools/make_dataset.py, as functions and as scripts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from prefetchd.buffer_protocol import (
+    DaemonLock,
+    Manifest,
+    Progress,
+    ProtocolError,
+    batch_name,
+    write_batch,
+    write_status,
+)
+from prefetchd.buffer_protocol.batch import temp_name
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = (REPO / "prefetchd" / "buffer_protocol" / "SPEC.md").read_text()
+
+
+def _load(name: str) -> ModuleType:
+    # tools/ is a folder of scripts, not a package.
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+inspect_buffer = _load("inspect_buffer")
+make_dataset = _load("make_dataset")
+
+
+def _write(path: Path, n: int = 2, labels: list[int] | None = None, **meta: object) -> Path:
+    images = np.arange(n * 8 * 8 * 3, dtype=np.uint8).reshape(n, 8, 8, 3)
+    labels_ = np.array(labels if labels is not None else list(range(n)), dtype=np.int64)
+    fields = {"epoch": 0, "step": 0, "seed": 0, "producer": "test-daemon", **meta}
+    write_batch(path, images, labels_, np.arange(n, dtype=np.int64) + 100, **fields)  # type: ignore[arg-type]
+    return path
+
+
+def test_describe_batch(tmp_path: Path) -> None:
+    path = _write(tmp_path / batch_name(3, 5), n=5, labels=[2, 0, 2, 7, 2], epoch=3, step=5, seed=11,
+                  producer="host-42", replaced=1)
+    text = inspect_buffer.describe_batch(path)
+    size = path.stat().st_size
+    assert re.search(rf"^header: magic=PFDBATCH version=1 meta_len=\d+ header_len=4096 file_len={size}$", text, re.M)
+    assert "meta: epoch=3 step=5 seed=11 producer='host-42' replaced=1" in text
+    assert re.search(r"^images\s+uint8 \[5, 8, 8, 3\] offset=4096\s+length=960$", text, re.M)
+    assert re.search(r"^labels\s+int64 \[5\]\s+offset=8192\s+length=40$", text, re.M)
+    assert re.search(r"^indices\s+int64 \[5\]\s+offset=12288\s+length=40$", text, re.M)
+    assert "labels histogram: 0:1 2:3 7:1" in text
+    assert "indices: 100..104, 5 distinct of 5" in text
+
+
+def test_describe_batch_matches_the_spec_example(tmp_path: Path) -> None:
+    example = SPEC[SPEC.index("## Example"):]
+    lines = [line.strip() for line in example.splitlines() if line.startswith("    ")]
+    text = inspect_buffer.describe_batch(_write(tmp_path / batch_name(0, 0), n=2)).splitlines()
+    header = next(line for line in text if line.startswith("header:"))
+    assert re.fullmatch(re.sub(r"meta_len=~\d+", r"meta_len=\\d+", re.escape(lines[0]).replace(r"\~", "~")), header)
+    tensor_lines = [line for line in text if re.match(r"(images|labels|indices) +(uint8|int64) ", line)]
+    assert tensor_lines == lines[1:]
+
+
+def test_describe_empty_batch(tmp_path: Path) -> None:
+    text = inspect_buffer.describe_batch(_write(tmp_path / batch_name(0, 0), n=0))
+    assert "images  uint8 [0, 8, 8, 3]" in text and "labels histogram: (empty batch)" in text
+
+
+def test_describe_batch_refuses_a_damaged_file(tmp_path: Path) -> None:
+    path = _write(tmp_path / batch_name(0, 0))
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])
+    with pytest.raises(ProtocolError, match="header says the file is"):
+        inspect_buffer.describe_batch(path)
+
+
+def _manifest() -> Manifest:
+    return Manifest(
+        dataset_root="/data/shapes", fingerprint="f00d", classes=["circle", "square", "star"], num_samples=600,
+        split="train", seed=4, batch_size=2, image_size=8, samples_per_epoch=600, steps_per_epoch=300,
+        epochs=None, producer="host-1",
+    )
+
+
+def test_describe_buffer(tmp_path: Path) -> None:
+    _manifest().write(tmp_path)
+    Progress(0, 1).write(tmp_path)
+    write_status(tmp_path, {"state": "filling", "fill": 2, "rates": {"images_per_s": 812.5}})
+    for step in (0, 1, 2):
+        _write(tmp_path / batch_name(0, step), step=step)
+    temp_name(tmp_path / batch_name(0, 3)).write_bytes(b"partial")
+    lock = DaemonLock(tmp_path)
+    lock.acquire()
+    try:
+        text = inspect_buffer.describe_buffer(tmp_path)
+    finally:
+        lock.release()
+    assert f"daemon: pid {os.getpid()}" in text
+    assert ("manifest: split=train seed=4 batch_size=2 image_size=8 channels=3 classes=3 samples/epoch=600 "
+            "steps/epoch=300 epochs=unbounded rank=0/1 producer=host-1") in text
+    assert "dataset: /data/shapes (600 samples, fingerprint f00d)" in text
+    assert "progress: next needed epoch 0 step 1" in text
+    assert '  state: "filling"' in text and '  rates: {"images_per_s": 812.5}' in text
+    assert "  format:" not in text
+    assert "batches: 3 files, 48.0 KiB" in text
+    listed = [line.split() for line in text.splitlines() if line.startswith("  e000000-")]
+    assert [row[0] for row in listed] == [batch_name(0, s) for s in (0, 1, 2)]
+    assert all(row[1] == "16384" for row in listed)
+    assert "consumed" in " ".join(listed[0]) and "consumed" not in " ".join(listed[1] + listed[2])
+    assert "temp files: 1 (e000000-s00000003.tmp)" in text
+
+
+def test_describe_an_empty_buffer(tmp_path: Path) -> None:
+    text = inspect_buffer.describe_buffer(tmp_path)
+    for expected in ("daemon: none running", "manifest: none", "progress: none", "status: none",
+                     "batches: 0 files, 0 B", "temp files: 0"):
+        assert expected in text
+
+
+def test_describe_buffer_refuses_a_broken_document(tmp_path: Path) -> None:
+    (tmp_path / MANIFEST_NAME).write_text('{"format": "prefetchd.manifest", "version": 99}')
+    with pytest.raises(ProtocolError, match="version 99"):
+        inspect_buffer.describe_buffer(tmp_path)
+
+
+def test_inspect_cli(tmp_path: Path) -> None:
+    runner = CliRunner()
+    good = _write(tmp_path / batch_name(0, 0))
+    result = runner.invoke(inspect_buffer.main, [str(good)])
+    assert result.exit_code == 0 and "magic=PFDBATCH" in result.output
+    result = runner.invoke(inspect_buffer.main, [str(tmp_path)])
+    assert result.exit_code == 0 and "batches: 1 files" in result.output
+    bad = tmp_path / "bad.batch"
+    bad.write_bytes(b"PFDBATCH" + bytes(100))
+    result = runner.invoke(inspect_buffer.main, [str(bad)])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: {bad}:") and "Traceback" not in result.output
+
+
+def test_inspect_script_runs(tmp_path: Path) -> None:
+    path = _write(tmp_path / batch_name(0, 0))
+    ok = subprocess.run([sys.executable, str(REPO / "tools" / "inspect_buffer.py"), str(path)],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "labels histogram: 0:1 1:1" in ok.stdout
+    path.write_bytes(b"not a batch at all, just text. " * 4)
+    bad = subprocess.run([sys.executable, str(REPO / "tools" / "inspect_buffer.py"), str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "magic is" in bad.stderr and bad.stdout == ""
+
+
+def test_make_dataset_cli(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = [str(tmp_path), "--classes", "3", "--train-per-class", "4", "--val-per-class", "2", "--seed", "1"]
+    result = runner.invoke(make_dataset.main, args)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"3 classes \(circle, square, triangle\); train 12, val 6; .* 18 images in [\d.]+ s", result.output)
+    assert "18/18 images" in result.output  # progress (stderr is mixed into output here)
+    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) == 18
+    again = runner.invoke(make_dataset.main, args)
+    assert again.exit_code == 1 and "not empty" in again.output
+    assert runner.invoke(make_dataset.main, [*args, "--overwrite", "-q"]).exit_code == 0
+    assert runner.invoke(make_dataset.main, [str(tmp_path), "--classes", "9"]).exit_code == 2
+
+
+def test_make_dataset_script_runs(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "make_dataset.py"), str(tmp_path / "ds"), "--classes", "2",
+         "--train-per-class", "2", "--val-per-class", "1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "train 4, val 2" in done.stdout and "6/6 images" in done.stderr
