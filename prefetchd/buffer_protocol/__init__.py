@@ -21,6 +21,7 @@ from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import (
     BufferBusy,
     DaemonLock,
+    JobRequest,
     Manifest,
     Progress,
     batch_name,
@@ -34,7 +35,7 @@ from prefetchd.buffer_protocol.layout import (
 
 __all__ = [
     "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
-    "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "MappedBatch", "Manifest",
+    "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
     "Progress", "ProtocolError", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "write_batch", "write_status",

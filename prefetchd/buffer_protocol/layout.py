@@ -7,6 +7,7 @@
       manifest.json               what the daemon produces (written by the daemon)
       progress.json               next (epoch, step) the trainer needs (written by the trainer)
       status.json                 fill, rates, errors, heartbeat (written by the daemon)
+      job.json                    a job a trainer asks the daemon to produce (written by trainers)
       e000000-s00000000.batch     finished batches, named by (epoch, step)
       e000000-s00000001.tmp       a batch being built; never read
 
@@ -38,6 +39,8 @@ LOCK_NAME = "daemon.lock"
 MANIFEST_NAME = "manifest.json"
 PROGRESS_NAME = "progress.json"
 STATUS_NAME = "status.json"
+JOB_NAME = "job.json"
+DOCUMENT_KINDS = ("manifest", "progress", "status", "job")  # each document's format is prefetchd.<kind>
 BATCH_SUFFIX = ".batch"
 TEMP_MARK = ".tmp"
 MAX_DOCUMENT_LEN = 1 << 20
@@ -98,6 +101,8 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 
 def read_json(path: Path, kind: str) -> dict[str, Any]:
     """Read a protocol document; FileNotFoundError passes through, anything malformed is a ProtocolError."""
+    if kind not in DOCUMENT_KINDS:
+        raise ValueError(f"unknown document kind {kind!r}")
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         data = os.read(fd, MAX_DOCUMENT_LEN + 1)
@@ -227,6 +232,37 @@ class Progress:
         except FileNotFoundError:
             return None
         return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path))
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """A trainer's request that the daemon produce ``settings``.
+
+    ``settings`` uses the names of `prefetchd start` flags with underscores
+    (data, split, batch_size, ...); the daemon validates them and answers in
+    status.json under ``job_result`` with the request's ``job_id``.
+    """
+
+    settings: dict[str, Any]
+    replace: bool = False
+    job_id: str = field(default_factory=lambda: secrets.token_hex(6))
+    submitted: float = field(default_factory=time.time)
+
+    def write(self, buffer: Path) -> None:
+        write_json(buffer / JOB_NAME, {"format": "prefetchd.job", "version": VERSION, **asdict(self)})
+
+    @classmethod
+    def read(cls, buffer: Path) -> JobRequest | None:
+        path = buffer / JOB_NAME
+        try:
+            doc = read_json(path, "job")
+        except FileNotFoundError:
+            return None
+        settings = _field(doc, "settings", dict, path)
+        for key, value in settings.items():
+            if not isinstance(value, (str, int, float, bool)) and value is not None:
+                raise ProtocolError(f"{path}: setting {key!r} is {value!r}; settings are strings, numbers, booleans or null")
+        return cls(settings, bool(doc.get("replace")), _field(doc, "job_id", str, path), _field(doc, "submitted", float, path))
 
 
 def write_status(buffer: Path, status: dict[str, Any]) -> None:

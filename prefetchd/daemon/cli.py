@@ -11,13 +11,15 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable, Collection
+from typing import Any
 
 import click
 import psutil
 
-from prefetchd.buffer_protocol import Manifest, ProtocolError, daemon_pid, read_status
-from prefetchd.daemon.config import FIELDS, DaemonConfig, load_toml
+from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, daemon_pid, read_status
+from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
+from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
 
 log = logging.getLogger("prefetchd")
@@ -25,16 +27,32 @@ log = logging.getLogger("prefetchd")
 STALE_HEARTBEAT_SECONDS = 10.0
 
 
+class JournalFormatter(logging.Formatter):
+    """sd-daemon(3) priority prefixes, so journald files each line under its level;
+    no timestamp, journald adds its own."""
+
+    PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self.PRIORITIES.get(record.levelno, 6)}>{super().format(record)}"
+
+
 def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):  # set by systemd when stderr goes to the journal
+        handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
 
 
-def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    for f in reversed(dataclasses.fields(DaemonConfig)):
+def config_options(only: Collection[str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Click options for DaemonConfig's fields (or the ``only`` ones), in declaration order."""
+    return lambda func: _add_options(func, [f for f in dataclasses.fields(DaemonConfig) if only is None or f.name in only])
+
+
+def _add_options(func: Callable[..., Any], fields: list[dataclasses.Field[Any]]) -> Callable[..., Any]:
+    for f in reversed(fields):
         meta = f.metadata
         flag = "--" + f.name.replace("_", "-")
         kind = meta["kind"]
@@ -66,13 +84,23 @@ def main() -> None:
     """Decode and augment images ahead of the trainer into a RAM-disk buffer."""
 
 
+CONFIG_FILE_OPTION = click.option(
+    "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML file with the same keys as these flags; flags override it.",
+)
+
+
 @main.command()
-@_config_options
-@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file with the same keys as these flags; flags override it.")
+@config_options()
+@CONFIG_FILE_OPTION
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.pass_context
 def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **params: Any) -> None:
-    """Run the daemon in the foreground until stopped (SIGTERM, SIGINT or `prefetchd stop`)."""
+    """Run the daemon in the foreground until stopped (SIGTERM, SIGINT or `prefetchd stop`).
+
+    Without a dataset (--data or `data` in the config) it waits for jobs from
+    `prefetchd submit` and serves them one after another.
+    """
     setup_logging(log_level)
     try:
         from prefetchd.daemon.main import run_daemon
@@ -83,6 +111,70 @@ def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **par
         log.error("%s", exc)
         sys.exit(getattr(exc, "exit_code", EXIT_FAILURE))
     sys.exit(code)
+
+
+@main.command("config")
+@config_options()
+@CONFIG_FILE_OPTION
+@click.option("--show", is_flag=True, help="Print the effective configuration as TOML.")
+@click.pass_context
+def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, **params: Any) -> None:
+    """Check a configuration: defaults < --config file < flags, with machine-sized defaults filled in."""
+    try:
+        cfg = build_config(ctx, config_file, params)
+        filled, notes = fill_defaults(cfg)
+    except DaemonError as exc:
+        raise click.UsageError(str(exc)) from None
+    if not show:
+        click.echo("configuration is valid")
+        return
+    click.echo(format_toml(filled, dict(note.split(" = ", 1) for note in notes)))
+
+
+def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
+    lines = ["# effective prefetchd configuration: defaults < --config file < flags"]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is None:
+            lines.append(f"# {f.name} =  (unset)")
+            continue
+        text = json.dumps(str(value) if isinstance(value, Path) else value)
+        note = f"  # default: {sized[f.name].split(' ', 1)[1]}" if f.name in sized else ""
+        lines.append(f"{f.name} = {text}{note}")
+    return "\n".join(lines)
+
+
+@main.command()
+@config_options(only=JOB_FIELDS)
+@click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True, help="The daemon's buffer directory.")
+@CONFIG_FILE_OPTION
+@click.option("--replace", is_flag=True, help="Replace the running job even while a trainer consumes it.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for the daemon's answer.")
+@click.pass_context
+def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
+    """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status)."""
+    settings: dict[str, Any] = {}
+    if config_file:
+        settings.update({k: v for k, v in load_toml(config_file).items() if k in JOB_FIELDS})
+    settings.update({k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE})
+    settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else v for k, v in settings.items()}
+    buffer.mkdir(parents=True, exist_ok=True)
+    request = JobRequest(settings, replace)
+    request.write(buffer)
+    if daemon_pid(buffer) is None:
+        click.echo(f"submitted job {request.job_id}; no daemon owns {buffer} yet, the job waits in job.json until one starts")
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = (read_status(buffer) or {}).get("job_result") or {}
+        if result.get("job_id") == request.job_id:
+            verdict = "accepted" if result["accepted"] else "refused"
+            click.echo(f"job {request.job_id} {verdict}: {result['reason']}")
+            sys.exit(0 if result["accepted"] else EXIT_FAILURE)
+        time.sleep(0.1)
+    click.echo(f"the daemon on {buffer} did not answer job {request.job_id} within {timeout:.0f} s; "
+               f"see `prefetchd status --buffer {buffer}`", err=True)
+    sys.exit(EXIT_FAILURE)
 
 
 @main.command()
@@ -162,11 +254,12 @@ def format_status(info: dict[str, Any]) -> str:
             f"  dataset   {mf['dataset_root']} ({mf['num_samples']} samples, {len(mf['classes'])} classes), "
             f"split {mf['split']}, batch {mf['batch_size']} x {mf['image_size']}px, {mf['steps_per_epoch']} steps/epoch"
         )
-    if st:
+    if st and "progress" in st:  # absent while the daemon waits for a job
         p, r, e = st["progress"], st["rates"], st["errors"]
         lines += [
             f"  progress  trainer at epoch {p['epoch']} step {p['step']}",
-            f"  fill      {st['waiting']}/{st['high_water']} batches waiting (resume at {st['low_water']}), {st['building']} building",
+            f"  fill      {fill_bar(st['waiting'], st['high_water'])} {st['waiting']}/{st['high_water']} batches waiting "
+            f"(resume at {st['low_water']}), {st['building']} building",
             f"  memory    {_mib(st['buffer_bytes'])} in the buffer, {_mib(st['free_bytes'])} free on its filesystem",
             f"  rates     produce {r['samples_per_s']:.0f} img/s, consume {r['consumed_batches_per_s']:.2f} batches/s",
             f"  errors    {e['replaced_samples']} replaced samples, {e['undecodable_files']} undecodable files, "
@@ -178,15 +271,48 @@ def format_status(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fill_bar(waiting: int, high: int, width: int = 24) -> str:
+    filled = round(width * min(waiting, high) / max(high, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
 @main.command()
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def status(buffer: Path, as_json: bool) -> None:
+@click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(0.1), default=1.0, show_default=True)
+def status(buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
     """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER."""
-    info = describe_status(buffer)
-    click.echo(json.dumps(info, indent=1, sort_keys=True) if as_json else format_status(info))
+    while True:
+        info = describe_status(buffer)
+        text = json.dumps(info, indent=1, sort_keys=True) if as_json else format_status(info)
+        if not watch:
+            click.echo(text)
+            break
+        click.clear()
+        click.echo(f"{text}\n\n(every {interval:g} s, Ctrl-C to leave)")
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return
     if not info["running"]:
         sys.exit(EXIT_NOT_RUNNING)
+
+
+@main.command()
+@click.option("--buffer", type=click.Path(path_type=Path, file_okay=False, exists=True), required=True)
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=Path("batch.png"), show_default=True)
+@click.option("--max-images", type=click.IntRange(1), default=64, show_default=True)
+def show(buffer: Path, out: Path, max_images: int) -> None:
+    """Render the next waiting batch as a labelled image grid, to check augmentations by eye."""
+    from prefetchd.daemon.show import render_next_batch
+
+    try:
+        batch = render_next_batch(buffer, out, max_images)
+    except (ProtocolError, DaemonError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {out}: epoch {batch.meta.epoch} step {batch.meta.step}, "
+               f"{min(batch.meta.size, max_images)} of {batch.meta.size} images")
 
 
 @main.command()

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import select
+import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
-from prefetchd.buffer_protocol import DaemonLock, Manifest, ProtocolError, list_batches
-from prefetchd.buffer_protocol.layout import PROGRESS_NAME
-from prefetchd.daemon.config import DaemonConfig, fill_defaults
+from prefetchd.buffer_protocol import DaemonLock, JobRequest, Manifest, ProtocolError, list_batches, write_status
+from prefetchd.buffer_protocol.layout import JOB_NAME, PROGRESS_NAME
+from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import scan_class_folders, split_members
-from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.producer import Producer, new_producer_id, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
+from prefetchd.daemon.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +101,155 @@ def check_capacity(cfg: DaemonConfig) -> None:
         )
 
 
+# Fields that say how this machine produces, not what: a job cannot set them.
+MACHINE_FIELDS = frozenset({"buffer", "workers", "high_water", "low_water", "min_free_mb", "reset"})
+JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
+TRAINER_ACTIVE_SECONDS = 30.0
+WAIT_STATUS_SECONDS = 1.0
+
+
+def job_settings(cfg: DaemonConfig) -> dict[str, Any]:
+    """What a job asks for, in job.json's terms."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items() if k in JOB_FIELDS}
+
+
+class JobInbox:
+    """Turns a changed job.json into a validated config, or a refusal the submitter can read.
+
+    The answer for the last request is published in status.json as ``job_result``.
+    """
+
+    def __init__(self, buffer: Path, machine: DaemonConfig, ignore_current: bool) -> None:
+        self.buffer = buffer
+        self.machine = machine  # the user's machine settings, defaults not yet filled
+        self._seen = self._stamp() if ignore_current else None
+        self.result: dict[str, Any] | None = None
+        self.pending_id: str | None = None
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = (self.buffer / JOB_NAME).stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def answer(self, job_id: str | None, accepted: bool, reason: str) -> None:
+        (log.info if accepted else log.warning)("job %s %s: %s", job_id or "?", "accepted" if accepted else "refused", reason)
+        self.result = {"job_id": job_id, "accepted": accepted, "reason": reason, "time": time.time()}
+
+    def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
+        """A new job to switch to, or None (nothing new, or refused: see ``result``)."""
+        stamp = self._stamp()
+        if stamp is None or stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            request = JobRequest.read(self.buffer)
+        except ProtocolError as exc:
+            self.answer(None, False, str(exc))
+            return None
+        if request is None:
+            return None
+        try:
+            job = self._validate(request)
+        except ConfigError as exc:
+            self.answer(request.job_id, False, str(exc))
+            return None
+        if running is not None and job_settings(job) == job_settings(running):
+            self.answer(request.job_id, True, "already producing this job")
+            return None
+        idle = trainer_idle_seconds(self.buffer)
+        if running is not None and idle < TRAINER_ACTIVE_SECONDS and not request.replace:
+            self.answer(request.job_id, False,
+                        f"a trainer is consuming the running job (progress written {idle:.0f} s ago); "
+                        "submit with --replace to replace it anyway")
+            return None
+        self.pending_id = request.job_id
+        return job
+
+    def _validate(self, request: JobRequest) -> DaemonConfig:
+        unknown = set(request.settings) - JOB_FIELDS
+        if unknown:
+            raise ConfigError(f"unknown job settings {sorted(unknown)}; allowed: {', '.join(sorted(JOB_FIELDS))}")
+        values: dict[str, Any] = {
+            k: Path(v) if FIELDS[k].metadata["kind"] is Path and isinstance(v, str) else v
+            for k, v in request.settings.items()
+        }
+        job = dataclasses.replace(self.machine, **values)
+        if job.data is None:
+            raise ConfigError("the job names no dataset: set `data` to a folder of class folders")
+        return job
+
+
+def trainer_idle_seconds(buffer: Path) -> float:
+    try:
+        return time.time() - (buffer / PROGRESS_NAME).stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup) -> DaemonConfig | None:
+    """Sleep until job.json holds an acceptable job; None when a stop signal came first."""
+    message = f"waiting for a job: `prefetchd submit --buffer {buffer} --data ROOT`"
+    log.info("%s", message)
+    last_status = 0.0
+    while wake.stop_signal is None:
+        job = inbox.poll(None)
+        if job is not None:
+            return job
+        now = time.monotonic()
+        if now - last_status >= WAIT_STATUS_SECONDS:
+            write_status(buffer, {"pid": os.getpid(), "state": "waiting-for-job", "message": message,
+                                  "heartbeat": time.time(), "job_result": inbox.result})
+            last_status = now
+        select.select([wake], [], [], WAIT_STATUS_SECONDS)
+        wake.drain()
+    return None
+
+
+def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox) -> Producer:
+    """Index the job's dataset, take over the buffer for it and return its producer."""
+    job, notes = fill_defaults(job)
+    for note in notes:
+        log.info("default: %s", note)
+    check_capacity(job)
+    assert job.data is not None
+    index = scan_class_folders(Path(job.data))
+    members = split_members(len(index), job.split, job.val_fraction)
+    samples = samples_per_rank(len(members))
+    manifest = Manifest(
+        dataset_root=str(index.root),
+        fingerprint=index.fingerprint,
+        classes=list(index.classes),
+        num_samples=len(index),
+        split=job.split,
+        seed=job.seed,
+        batch_size=job.batch_size,
+        image_size=job.image_size,
+        samples_per_epoch=samples,
+        steps_per_epoch=steps_per_epoch(samples, job.batch_size),
+        epochs=job.epochs,
+        producer=new_producer_id(),
+        val_fraction=job.val_fraction,
+    )
+    adopt_manifest(job.buffer, manifest, reset)
+    manifest.write(job.buffer)
+    log.info(
+        "producing %s split of %s into %s: %d samples, %d steps of %d at %dpx per epoch, "
+        "%d workers, high/low water %d/%d, epochs %s",
+        job.split, index.root, job.buffer, samples, manifest.steps_per_epoch, job.batch_size, job.image_size,
+        job.workers, job.high_water, job.low_water, job.epochs or "unbounded",
+    )
+    return Producer(job, index, members, manifest, wake, poll_jobs=inbox.poll,
+                    extra_status=lambda: {"job_result": inbox.result})
+
+
 def run_daemon(cfg: DaemonConfig) -> int:
-    if cfg.data is None:
-        raise ConfigError("no dataset: pass --data ROOT (a folder of class folders) or set `data` in the config")
-    data = Path(cfg.data)
+    """Serve the buffer: the job given at start (if any), then jobs submitted through job.json.
+
+    A daemon started with a dataset exits when that job's epochs are consumed; one
+    started without waits for jobs and goes back to waiting after each.
+    """
     buffer = Path(cfg.buffer)
     prepare_buffer(buffer)
     lock = DaemonLock(buffer)
@@ -108,36 +258,38 @@ def run_daemon(cfg: DaemonConfig) -> int:
         swept = sweep_leftovers(buffer)
         if swept:
             log.info("deleted %d half-written files left by an earlier daemon", swept)
-        cfg, notes = fill_defaults(cfg)
-        for note in notes:
-            log.info("default: %s", note)
-        check_capacity(cfg)
-        index = scan_class_folders(data)
-        members = split_members(len(index), cfg.split, cfg.val_fraction)
-        samples = samples_per_rank(len(members))
-        manifest = Manifest(
-            dataset_root=str(index.root),
-            fingerprint=index.fingerprint,
-            classes=list(index.classes),
-            num_samples=len(index),
-            split=cfg.split,
-            seed=cfg.seed,
-            batch_size=cfg.batch_size,
-            image_size=cfg.image_size,
-            samples_per_epoch=samples,
-            steps_per_epoch=steps_per_epoch(samples, cfg.batch_size),
-            epochs=cfg.epochs,
-            producer=new_producer_id(),
-            val_fraction=cfg.val_fraction,
-        )
-        adopt_manifest(buffer, manifest, cfg.reset)
-        manifest.write(buffer)
-        log.info(
-            "producing %s split of %s into %s: %d samples, %d steps of %d at %dpx per epoch, "
-            "%d workers, high/low water %d/%d, epochs %s",
-            cfg.split, index.root, buffer, samples, manifest.steps_per_epoch, cfg.batch_size, cfg.image_size,
-            cfg.workers, cfg.high_water, cfg.low_water, cfg.epochs or "unbounded",
-        )
-        return Producer(cfg, index, members, manifest).run()
+        serve_jobs = cfg.data is None
+        inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
+        job: DaemonConfig | None = cfg if not serve_jobs else None
+        reset = cfg.reset
+        with Wakeup(buffer) as wake:
+            while wake.stop_signal is None:
+                submitted = job is None or inbox.pending_id is not None
+                if job is None:
+                    job = wait_for_job(buffer, inbox, wake)
+                    if job is None:
+                        break
+                    reset = True  # a submitted job is the instruction to replace what the buffer holds
+                try:
+                    producer = start_job(job, reset, wake, inbox)
+                except (DatasetError, ConfigError) as exc:
+                    if not submitted:
+                        raise
+                    inbox.answer(inbox.pending_id, False, str(exc))
+                    inbox.pending_id, job = None, None
+                    continue
+                if submitted:
+                    inbox.answer(inbox.pending_id, True, f"producing {job.data}")
+                    inbox.pending_id = None
+                producer.run()
+                if producer.next_job is not None:
+                    job, reset = producer.next_job, True
+                elif serve_jobs and producer.finished:
+                    job = None
+                else:
+                    break
+            if wake.stop_signal is not None:
+                log.info("%s", wake.stop_reason)
+        return 0
     finally:
         lock.release()

@@ -19,14 +19,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import signal
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -46,7 +45,7 @@ from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import DaemonError
 from prefetchd.daemon.sampler import batch_len, batch_slice, epoch_order
-from prefetchd.daemon.watcher import ProgressWatcher
+from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, worker_main
 
 log = logging.getLogger(__name__)
@@ -107,8 +106,16 @@ class Stats:
 
 
 class Producer:
-    def __init__(self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, manifest: Manifest) -> None:
+    def __init__(
+        self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, manifest: Manifest,
+        wake: Wakeup, poll_jobs: Callable[[DaemonConfig], DaemonConfig | None] = lambda _: None,
+        extra_status: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
         self.cfg = cfg
+        self.wake = wake
+        self.poll_jobs = poll_jobs
+        self.extra_status = extra_status
+        self.next_job: DaemonConfig | None = None
         self.buffer = Path(cfg.buffer)
         self.index = index
         self.members = members
@@ -136,7 +143,6 @@ class Producer:
         self.progress_error = ""
         self.restart_times: deque[float] = deque()
         self.orders: dict[int, np.ndarray] = {}
-        self.stop_signal: int | None = None
         self.fatal: str | None = None
         self.workers: list[Worker] = []
         self._ctx = multiprocessing.get_context("spawn")
@@ -159,13 +165,8 @@ class Producer:
 
     # -- lifecycle ------------------------------------------------------------
 
-    def run(self) -> int:
-        wake_r, wake_w = os.pipe()
-        for fd in (wake_r, wake_w):
-            os.set_blocking(fd, False)
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        old_wakeup = signal.set_wakeup_fd(wake_w)
-        watcher = ProgressWatcher(self.buffer, wake_w)
+    def run(self) -> None:
+        """Produce until stopped by a signal, finished, replaced by another job, or failed."""
         try:
             self.published = {self._g(k): p for k, p in list_batches(self.buffer).items()}
             if self.published:
@@ -175,13 +176,13 @@ class Producer:
             for _ in range(self.workers_wanted):
                 self.workers.append(self._spawn())
             self.state = "filling"
-            last_status = 0.0
-            last_poll = 0.0
-            while self.stop_signal is None and self.fatal is None:
-                self._wait(wake_r, timeout=POLL_SECONDS)
+            last_status = last_poll = 0.0
+            while self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
+                self._wait(self.wake.fileno(), timeout=POLL_SECONDS)
                 now = time.monotonic()
-                if now - last_poll >= POLL_SECONDS or self._drain(wake_r):
+                if self.wake.drain() or now - last_poll >= POLL_SECONDS:
                     self._read_progress()
+                    self.next_job = self.poll_jobs(self.cfg)
                     last_poll = now
                 self._schedule()
                 self._dispatch()
@@ -189,7 +190,7 @@ class Producer:
                     self._write_status()
                     last_status = now
                 if self.end is not None and self.progress >= self.end:
-                    log.info("the trainer consumed all %d epochs; exiting", self.manifest.epochs)
+                    log.info("the trainer consumed all %d epochs", self.manifest.epochs)
                     break
         except Exception as exc:  # a bug: leave a status that says so, not a silently stale heartbeat
             log.exception("internal error in the controller")
@@ -197,33 +198,19 @@ class Producer:
         finally:
             self.state = "stopping"
             self._shutdown()
-            watcher.stop()
-            signal.set_wakeup_fd(old_wakeup)
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            os.close(wake_r)
-            os.close(wake_w)
         if self.fatal:
             self.state, self.message = "failed", self.fatal
             self._write_status()
             raise DaemonError(self.fatal)
-        self.state = "stopped"
-        self.message = f"stopped by {signal.Signals(self.stop_signal).name}" if self.stop_signal else "finished"
+        if self.next_job is not None:
+            self.state, self.message = "switching", "replacing the job with the one in job.json"
+        else:
+            self.state, self.message = "stopped", self.wake.stop_reason
         self._write_status()
-        return 0
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.stop_signal = signum
-
-    @staticmethod
-    def _drain(fd: int) -> bool:
-        got = False
-        try:
-            while os.read(fd, 4096):
-                got = True
-        except BlockingIOError:
-            pass
-        return got
+    @property
+    def finished(self) -> bool:
+        return self.end is not None and self.progress >= self.end
 
     def _wait(self, wake_r: int, timeout: float) -> None:
         ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [wake_r], timeout)
@@ -258,7 +245,7 @@ class Producer:
         code = worker.process.exitcode
         self.workers.remove(worker)
         worker.conn.close()
-        if self.stop_signal is not None:
+        if self.wake.stop_signal is not None:
             return
         now = time.monotonic()
         self.restart_times.append(now)
@@ -514,6 +501,7 @@ class Producer:
                 "write_failures": self.stats.write_failures,
                 "progress_file": self.progress_error,
             },
+            **self.extra_status(),
         }
 
     def _write_status(self) -> None:

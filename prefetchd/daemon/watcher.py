@@ -1,4 +1,4 @@
-"""Wake the controller when the trainer rewrites its progress file.
+"""Wake the daemon when a trainer rewrites its progress file or submits a job.
 
 watchdog (inotify on Linux) gives a wake-up within a millisecond of the
 trainer's rename; the controller also re-reads the file on a short timer, so a
@@ -14,7 +14,9 @@ import os
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from prefetchd.buffer_protocol.layout import PROGRESS_NAME
+from prefetchd.buffer_protocol.layout import JOB_NAME, PROGRESS_NAME
+
+WATCHED = frozenset({PROGRESS_NAME, JOB_NAME})
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ class _Handler(FileSystemEventHandler):
     def on_any_event(self, event: FileSystemEvent) -> None:
         # The trainer publishes by rename, which arrives as a move whose destination is the file.
         for path in (event.src_path, getattr(event, "dest_path", "")):
-            if os.path.basename(os.fsdecode(path)) == PROGRESS_NAME:
+            if os.path.basename(os.fsdecode(path)) in WATCHED:
                 try:
                     os.write(self._wake_fd, b"p")
                 except BlockingIOError:  # the pipe is full: a wake-up is already pending
@@ -40,7 +42,7 @@ class _Handler(FileSystemEventHandler):
                 return
 
 
-class ProgressWatcher:
+class BufferWatcher:
     def __init__(self, buffer: os.PathLike[str] | str, wake_fd: int) -> None:
         self._observer: Observer | None = Observer()  # type: ignore[valid-type]
         try:

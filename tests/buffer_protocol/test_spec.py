@@ -174,7 +174,7 @@ def directory_mismatches(spec: str) -> list[str]:
     rows = table(spec, "Buffer directory", "file")
     names = [literal(r["file"]) for r in rows]
     fixed = {n for n in names if not re.search(r"E+-s?S+", n)}
-    constants = {layout.LOCK_NAME, layout.MANIFEST_NAME, layout.PROGRESS_NAME, layout.STATUS_NAME}
+    constants = {layout.LOCK_NAME, layout.MANIFEST_NAME, layout.PROGRESS_NAME, layout.STATUS_NAME, layout.JOB_NAME}
     if fixed != constants:
         out.append(f"fixed file names: spec {sorted(fixed)}, code {sorted(constants)}")
 
@@ -243,7 +243,7 @@ def document_mismatches(spec: str) -> list[str]:
     rules = section(spec, "Buffer directory")
     m = re.search(r'"format": "prefetchd\.<kind>"` \(([^)]*)\)', rules)
     kinds = sorted(re.findall(r"`(\w+)`", m[1])) if m else []
-    if kinds != ["manifest", "progress", "status"]:
+    if kinds != sorted(layout.DOCUMENT_KINDS):
         out.append(f"document kinds in rule 2: {kinds}")
     if f"`\"version\": {batch.VERSION}`" not in rules:
         out.append(f"rule 2 does not say documents carry version {batch.VERSION}")
@@ -296,7 +296,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Batch file", "offset")) == 6
     assert len(table(SPEC, "Batch file", "key")) == 7
     assert len(table(SPEC, "Batch file", "name")) == 3
-    assert len(table(SPEC, "Buffer directory", "file")) == 6
+    assert len(table(SPEC, "Buffer directory", "file")) == 7
     assert len(docstring_header(batch.__doc__ or "")) == 6
 
 
@@ -342,7 +342,7 @@ MUTATIONS = {
     "dtypes in code": ("dtypes", None, (batch, "DTYPES", {**batch.DTYPES, "float64": np.dtype("<f8")})),
     "dtype byte order in code": ("dtypes", None, (batch, "DTYPES", {**batch.DTYPES, "int64": np.dtype(">i8")})),
     "dtypes in spec": ("dtypes", _replace("`float32`, all", "`float16`, all"), None),
-    "document kinds in spec": ("documents", _replace("(`manifest`, `progress`, `status`)", "(`manifest`, `progress`)"), None),
+    "document kinds in spec": ("documents", _replace("(`manifest`, `progress`, `status`, `job`)", "(`manifest`, `progress`, `job`)"), None),
     "document version in code": ("documents", None, (batch, "VERSION", 2)),
     "json temp name in spec": ("json temp names", _replace("`NAME.tmp-", "`NAME.partial-"), None),
     "json temp name in code": ("json temp names", None, (layout, "TEMP_MARK", ".part")),

@@ -1,0 +1,67 @@
+"""What wakes the daemon's loops: signals and changes to the files trainers write.
+
+Signal handlers only record the signal; ``signal.set_wakeup_fd`` and the
+progress/job watcher write into one non-blocking pipe, so a loop can sleep in
+``wait()`` on that pipe (and its workers) and still react within milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import FrameType, TracebackType
+
+from prefetchd.daemon.watcher import BufferWatcher
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Wakeup:
+    """Context manager owning the wake-up pipe, the stop-signal handlers and the watcher."""
+
+    def __init__(self, buffer: Path) -> None:
+        self.buffer = buffer
+        self.stop_signal: int | None = None
+        self._fds: tuple[int, int] | None = None
+
+    def __enter__(self) -> Wakeup:
+        r, w = os.pipe()
+        for fd in (r, w):
+            os.set_blocking(fd, False)
+        self._fds = (r, w)
+        self._old_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self._old_wakeup = signal.set_wakeup_fd(w)
+        self._watcher = BufferWatcher(self.buffer, w)
+        return self
+
+    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+        self._watcher.stop()
+        signal.set_wakeup_fd(self._old_wakeup)
+        for s, h in self._old_handlers.items():
+            signal.signal(s, h)
+        assert self._fds is not None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = None
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.stop_signal = signum
+
+    def fileno(self) -> int:
+        assert self._fds is not None, "use Wakeup as a context manager"
+        return self._fds[0]
+
+    def drain(self) -> bool:
+        """Empty the pipe; True when anything had woken us."""
+        got = False
+        try:
+            while os.read(self.fileno(), 4096):
+                got = True
+        except BlockingIOError:
+            pass
+        return got
+
+    @property
+    def stop_reason(self) -> str:
+        return f"stopped by {signal.Signals(self.stop_signal).name}" if self.stop_signal else "finished"

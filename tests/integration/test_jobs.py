@@ -1,0 +1,124 @@
+"""Job hand-off: a daemon started without a dataset serves jobs submitted into its buffer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from prefetchd.buffer_protocol import JobRequest, Manifest, read_status
+from prefetchd.trainer import BufferLoader
+
+CLI = [sys.executable, "-m", "prefetchd"]
+JOB = ["--batch-size", "8", "--image-size", "32"]
+
+
+def submit(buffer: Path, *args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, "submit", "--buffer", str(buffer), *map(str, args)],
+                          capture_output=True, text=True, timeout=90)
+
+
+def state(buffer: Path) -> str | None:
+    return (read_status(buffer) or {}).get("state")
+
+
+def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True)
+    assert out.returncode == 0 and "waiting-for-job" in out.stdout and "prefetchd submit" in out.stdout
+
+    bad = submit(buffer, "--data", shm_dir / "missing", *JOB)
+    assert bad.returncode == 1 and "refused" in bad.stdout and "does not exist" in bad.stdout
+    assert daemon.proc.poll() is None, "a refused job must not stop the daemon"
+
+    good = submit(buffer, "--data", shapes_data / "train", *JOB)
+    assert good.returncode == 0 and "accepted" in good.stdout, good.stdout + good.stderr
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    batch = next(iter(loader))
+    assert batch.images.shape == (8, 3, 32, 32)
+    next(iter(loader))  # the trainer is now active: progress.json was just written
+
+    other = submit(buffer, "--data", shapes_data / "val", "--split", "val", "--batch-size", "4", "--image-size", "32")
+    assert other.returncode == 1 and "--replace" in other.stdout
+    assert Manifest.read(buffer).batch_size == 8, "a refused job leaves the running one alone"
+
+    forced = submit(buffer, "--data", shapes_data / "val", "--split", "val", "--batch-size", "4",
+                    "--image-size", "32", "--replace")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    daemon.wait_until(lambda: Manifest.read(buffer).split == "val", 30, "the new job's manifest")
+    fresh = BufferLoader(buffer, normalize=False, timeout=30)
+    assert next(iter(fresh)).images.shape[0] == 4
+
+
+def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    out = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
+    assert out.returncode == 0 and "waits in job.json" in out.stdout
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "2")
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    assert sum(len(b.indices) for b in loader) == 72  # the whole epoch of the submitted job
+    loader.close()
+    # A job's epochs consumed: a daemon serving jobs goes back to waiting instead of exiting.
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for the next job")
+
+
+def test_malformed_and_unknown_job_settings_are_refused(shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "waiting")
+    JobRequest({"data": "/x", "colour": "blue"}).write(buffer)
+    daemon.wait_until(lambda: ((read_status(buffer) or {}).get("job_result") or {}).get("accepted") is False, 30, "a refusal")
+    reason = read_status(buffer)["job_result"]["reason"]  # type: ignore[index]
+    assert "unknown job settings ['colour']" in reason and "batch_size" in reason
+    (buffer / "job.json").write_text("{ not json")
+    daemon.wait_until(lambda: "not valid JSON" in ((read_status(buffer) or {}).get("job_result") or {}).get("reason", ""), 30, "a refusal")
+    assert daemon.proc.poll() is None
+
+
+def test_config_show_layers_defaults_file_and_flags(tmp_path: Path, shm_dir: Path) -> None:
+    cfg = tmp_path / "bf.toml"
+    cfg.write_text('data = "data"\nbatch-size = 64\nseed = 5\n')
+    out = subprocess.run([*CLI, "config", "--show", "--config", str(cfg), "--buffer", str(shm_dir), "--seed", "9"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line and not line.startswith("#"))
+    assert lines["batch_size"] == "64"  # from the file
+    assert lines["seed"] == "9"  # the flag beats the file
+    assert lines["image_size"] == "224"  # the dataclass default
+    assert json.loads(lines["data"]) == str(tmp_path / "data")  # relative to the config file
+    assert "# default:" in lines["workers"] and "usable CPUs" in lines["workers"]
+    bad = subprocess.run([*CLI, "config", "--show", "--buffer", str(shm_dir), "--split", "test"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "test" in bad.stderr
+
+
+def test_show_renders_the_next_waiting_batch(shapes_data: Path, shm_dir: Path, start_daemon, tmp_path: Path) -> None:
+    buffer = shm_dir / "bf"
+    empty = subprocess.run([*CLI, "show", "--buffer", str(shm_dir), "--out", str(tmp_path / "x.png")],
+                           capture_output=True, text=True)
+    assert empty.returncode == 1 and "no waiting batch" in empty.stderr
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB, "--workers", "1", "--high-water", "2")
+    daemon.wait_until(lambda: state(buffer) == "full", 30, "a full buffer")
+    out = subprocess.run([*CLI, "show", "--buffer", str(buffer), "--out", str(tmp_path / "grid.png")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "epoch 0 step 0" in out.stdout, out.stderr
+    grid = Image.open(tmp_path / "grid.png")
+    # 8 images of 32 px are scaled to 96 px tiles, 3 columns x 3 rows, with a label strip each.
+    assert grid.size == (3 * 96, 3 * (96 + 14))
+
+
+@pytest.mark.parametrize("journal", [True, False])
+def test_log_lines_carry_journald_priorities_under_systemd(shm_dir: Path, journal: bool) -> None:
+    env = {**os.environ, "JOURNAL_STREAM": "8:1234"} if journal else {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    out = subprocess.run([*CLI, "start", "--buffer", str(shm_dir / "bf"), "--data", str(shm_dir / "missing")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    error_line = next(line for line in out.stderr.splitlines() if "does not exist" in line)
+    assert error_line.startswith("<3>prefetchd: ") == journal
+    assert ("ERROR" in error_line) != journal
