@@ -211,17 +211,22 @@ class Manifest:
 
 @dataclass(frozen=True, order=True)
 class Progress:
-    """The next (epoch, step) the trainer needs; everything before it is consumed."""
+    """The next (epoch, step) the trainer needs; everything before it is consumed.
+
+    ``wait_share`` (optional) is the fraction of the trainer's recent time spent
+    waiting for batches, which the daemon reports as whether the GPU is fed.
+    """
 
     epoch: int
     step: int
+    wait_share: float | None = field(default=None, compare=False)
 
     def write(self, buffer: Path) -> None:
-        write_json(
-            buffer / PROGRESS_NAME,
-            {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch, "step": self.step,
-             "pid": os.getpid(), "time": time.time()},
-        )
+        doc = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch, "step": self.step,
+               "pid": os.getpid(), "time": time.time()}
+        if self.wait_share is not None:
+            doc["wait_share"] = round(self.wait_share, 4)
+        write_json(buffer / PROGRESS_NAME, doc)
 
     @classmethod
     def read(cls, buffer: Path) -> Progress | None:
@@ -231,7 +236,10 @@ class Progress:
             doc = read_json(path, "progress")
         except FileNotFoundError:
             return None
-        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path))
+        share = doc.get("wait_share")
+        if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1):
+            raise ProtocolError(f"{path}: field 'wait_share' is {share!r}, expected a fraction between 0 and 1")
+        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share)
 
 
 @dataclass(frozen=True)

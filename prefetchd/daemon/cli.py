@@ -256,17 +256,23 @@ def format_status(info: dict[str, Any]) -> str:
         )
     if st and "progress" in st:  # absent while the daemon waits for a job
         p, r, e = st["progress"], st["rates"], st["errors"]
+        share = p.get("trainer_wait_share")
+        fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
         lines += [
-            f"  progress  trainer at epoch {p['epoch']} step {p['step']}",
+            f"  progress  trainer at epoch {p['epoch']} step {p['step']}{fed}",
             f"  fill      {fill_bar(st['waiting'], st['high_water'])} {st['waiting']}/{st['high_water']} batches waiting "
             f"(resume at {st['low_water']}), {st['building']} building",
             f"  memory    {_mib(st['buffer_bytes'])} in the buffer, {_mib(st['free_bytes'])} free on its filesystem",
-            f"  rates     produce {r['samples_per_s']:.0f} img/s, consume {r['consumed_batches_per_s']:.2f} batches/s",
+            f"  rates     produce {r['samples_per_s']:.0f} img/s with {st['workers']} workers "
+            f"({st['workers_cpu_percent']:.0f}% CPU), consume {r['consumed_batches_per_s']:.2f} batches/s",
             f"  errors    {e['replaced_samples']} replaced samples, {e['undecodable_files']} undecodable files, "
             f"{e['worker_restarts']} worker restarts, {e['write_failures']} write failures",
         ]
         if e.get("progress_file"):
             lines.append(f"  progress file problem: {e['progress_file']}")
+    job = st.get("job_result") if st else None
+    if job:
+        lines.append(f"  last job  {job['job_id']} {'accepted' if job['accepted'] else 'refused'}: {job['reason']}")
     lines += info["problems"]
     return "\n".join(lines)
 

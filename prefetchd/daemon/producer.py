@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import psutil
 
 from prefetchd.buffer_protocol import (
     BatchLayout,
@@ -80,6 +81,7 @@ class Build:
 class Worker:
     process: Any  # multiprocessing.Process
     conn: Connection
+    ps: psutil.Process
     tasks: dict[int, Task] = field(default_factory=dict)
 
 
@@ -141,6 +143,7 @@ class Producer:
         self.message = ""
         self.logged_failures: set[str] = set()
         self.progress_error = ""
+        self.trainer_wait_share: float | None = None
         self.restart_times: deque[float] = deque()
         self.orders: dict[int, np.ndarray] = {}
         self.fatal: str | None = None
@@ -228,7 +231,7 @@ class Producer:
         proc = self._ctx.Process(target=worker_main, args=(child, self._job), name="prefetchd-worker", daemon=True)
         proc.start()
         child.close()
-        return Worker(proc, parent)
+        return Worker(proc, parent, psutil.Process(proc.pid))
 
     def _receive(self, worker: Worker) -> None:
         while worker.conn.poll():
@@ -295,6 +298,7 @@ class Producer:
         self.progress_error = ""
         if progress is None:
             return
+        self.trainer_wait_share = progress.wait_share
         if progress.step >= self.steps:
             msg = f"step {progress.step} is past the {self.steps} steps of an epoch"
             if msg != self.progress_error:
@@ -483,7 +487,7 @@ class Producer:
             "message": self.message,
             "heartbeat": time.time(),
             "started": self.stats.started,
-            "progress": {"epoch": epoch, "step": step},
+            "progress": {"epoch": epoch, "step": step, "trainer_wait_share": self.trainer_wait_share},
             "waiting": len(self.published),
             "building": sum(not b.cancelled for b in self.building.values()),
             "high_water": self.high,
@@ -492,6 +496,7 @@ class Producer:
             "buffer_bytes": sum(b.layout.file_len for b in self.building.values()) + len(self.published) * self.cfg.batch_bytes,
             "free_bytes": self._free_bytes(),
             "workers": len(self.workers),
+            "workers_cpu_percent": round(sum(self._cpu_percent(w) for w in self.workers), 1),
             "rates": {"samples_per_s": round(produce_rate, 1), "consumed_batches_per_s": round(consume_rate, 2)},
             "totals": {"batches": self.stats.batches, "samples": self.stats.samples, "consumed_batches": self.stats.consumed},
             "errors": {
@@ -503,6 +508,13 @@ class Producer:
             },
             **self.extra_status(),
         }
+
+    @staticmethod
+    def _cpu_percent(worker: Worker) -> float:
+        try:
+            return float(worker.ps.cpu_percent(None))  # since the previous call: one status period
+        except psutil.Error:
+            return 0.0
 
     def _write_status(self) -> None:
         try:

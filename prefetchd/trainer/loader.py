@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,7 @@ class BufferLoader:
         self._epoch = 0
         self._step = 0
         self._published: tuple[int, int] | None = None
+        self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
 
@@ -233,7 +235,9 @@ class BufferLoader:
             self._epoch, self._step = self._epoch + 1, 0
             self._publish()
             return None
+        asked = time.monotonic()
         batch = self._to_batch(self._wait_for_batch(self._epoch, self._step))
+        self._waits.add(asked, time.monotonic())
         # Handed over: the position moves now (state_dict reflects it), progress.json
         # only when the consumer comes back (see the module docstring).
         self._step += 1
@@ -250,7 +254,7 @@ class BufferLoader:
         if position == self._published:
             return
         try:
-            Progress(*position).write(self._buffer)
+            Progress(*position, wait_share=self._waits.share()).write(self._buffer)
         except OSError as exc:
             raise LoaderError(
                 f"{self._buffer}: cannot write progress.json ({exc.strerror or exc}); the daemon needs it to "
@@ -497,6 +501,27 @@ class BufferLoader:
             step=step,
             replaced=meta.replaced,
         )
+
+
+class WaitMeter:
+    """Share of the last ``window`` seconds the consumer spent inside ``next()``."""
+
+    def __init__(self, window: float = 30.0) -> None:
+        self.window = window
+        self._spans: deque[tuple[float, float]] = deque()
+
+    def add(self, start: float, end: float) -> None:
+        self._spans.append((start, end))
+        while self._spans and self._spans[0][1] < end - self.window:
+            self._spans.popleft()
+
+    def share(self) -> float | None:
+        if len(self._spans) < 2:
+            return None
+        now = time.monotonic()
+        lo = max(self._spans[0][0], now - self.window)
+        waited = sum(max(0.0, end - max(start, lo)) for start, end in self._spans)
+        return min(1.0, waited / max(now - lo, 1e-9))
 
 
 def _split_flag(m: Manifest) -> str:

@@ -15,7 +15,7 @@ import pytest
 from torchvision.datasets import ImageFolder
 
 from prefetchd.daemon.main import RAM_FILESYSTEMS, filesystem_of
-from prefetchd.buffer_protocol import DaemonLock, daemon_pid, list_batches, list_temp_files, read_status
+from prefetchd.buffer_protocol import DaemonLock, Progress, daemon_pid, list_batches, list_temp_files, read_status
 from prefetchd.trainer import BufferLoader
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--seed", "7"]
@@ -238,3 +238,22 @@ def test_val_fraction_splits_one_tree_without_overlap(shapes_data: Path, shm_dir
     assert set(seen["train"]) | set(seen["val"]) == set(range(n))
     assert len(seen["val"]) == round(n * 0.25)
     assert max(seen["train"].values()) == max(seen["val"].values()) == 1
+
+
+def test_trainer_wait_share_and_worker_cpu_reach_the_status(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    next(it)  # publishes progress with the share measured over the first batches
+    written = Progress.read(buffer)
+    assert written is not None and written.wait_share is not None and 0.0 <= written.wait_share <= 1.0
+
+    def reported() -> bool:
+        status = read_status(buffer) or {}
+        return status.get("progress", {}).get("trainer_wait_share") == round(written.wait_share, 4)
+
+    daemon.wait_until(reported, 10, "the status to report the trainer's wait share")
+    assert (read_status(buffer) or {})["workers_cpu_percent"] >= 0.0

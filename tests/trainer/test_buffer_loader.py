@@ -379,3 +379,19 @@ def test_cuda_batches(make_job: MakeJob) -> None:
             if not normalize:
                 assert np.array_equal(batch.images.permute(0, 2, 3, 1).cpu().numpy(), raw)
         loader.load_state_dict({**loader.state_dict(), "epoch": 0, "step": 0})
+
+
+def test_wait_meter_share_of_recent_time() -> None:
+    from prefetchd.trainer.loader import WaitMeter
+
+    meter = WaitMeter(window=30.0)
+    now = time.monotonic()
+    assert meter.share() is None
+    meter.add(now - 10, now - 5)
+    meter.add(now - 4, now - 3)
+    assert meter.share() == pytest.approx(0.6, abs=0.01)  # 6 s of waiting in the 10 s since the first wait
+    old = WaitMeter(window=2.0)
+    old.add(now - 10, now - 9)  # outside the window: forgotten once a newer span arrives
+    old.add(now - 1.5, now - 0.5)
+    old.add(now - 0.5, now - 0.5)
+    assert old.share() == pytest.approx(2 / 3, abs=0.01)  # 1 s waited in the 1.5 s since the kept span began
