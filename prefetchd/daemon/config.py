@@ -44,6 +44,9 @@ class DaemonConfig:
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
     epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)
     reset: bool = _opt(False, "Delete what the buffer holds from a different job instead of refusing to start.", bool)
+    metrics_port: int | None = _opt(None, "Serve Prometheus metrics on this port [default: off].", int, minimum=1, maximum=65535)
+    metrics_address: str = _opt("127.0.0.1", "Address the metrics port binds to (0.0.0.0 for every interface).", str)
+    metrics_textfile: Path | None = _opt(None, "Also write the metrics to this file (node-exporter textfile collector) [default: off].", Path)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

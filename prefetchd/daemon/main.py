@@ -17,6 +17,7 @@ from prefetchd.buffer_protocol.layout import JOB_NAME, PROGRESS_NAME
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import scan_class_folders, split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
+from prefetchd.daemon.metrics import Metrics
 from prefetchd.daemon.producer import Producer, new_producer_id, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.wakeup import Wakeup
@@ -102,7 +103,10 @@ def check_capacity(cfg: DaemonConfig) -> None:
 
 
 # Fields that say how this machine produces, not what: a job cannot set them.
-MACHINE_FIELDS = frozenset({"buffer", "workers", "high_water", "low_water", "min_free_mb", "reset"})
+MACHINE_FIELDS = frozenset({
+    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset",
+    "metrics_port", "metrics_address", "metrics_textfile",
+})
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0
 WAIT_STATUS_SECONDS = 1.0
@@ -188,7 +192,7 @@ def trainer_idle_seconds(buffer: Path) -> float:
         return float("inf")
 
 
-def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup) -> DaemonConfig | None:
+def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, metrics: Metrics) -> DaemonConfig | None:
     """Sleep until job.json holds an acceptable job; None when a stop signal came first."""
     message = f"waiting for a job: `prefetchd submit --buffer {buffer} --data ROOT`"
     log.info("%s", message)
@@ -199,15 +203,17 @@ def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup) -> DaemonConfig | 
             return job
         now = time.monotonic()
         if now - last_status >= WAIT_STATUS_SECONDS:
-            write_status(buffer, {"pid": os.getpid(), "state": "waiting-for-job", "message": message,
-                                  "heartbeat": time.time(), "job_result": inbox.result})
+            status = {"pid": os.getpid(), "state": "waiting-for-job", "message": message,
+                      "heartbeat": time.time(), "job_result": inbox.result}
+            metrics.update(status)
+            write_status(buffer, status)
             last_status = now
         select.select([wake], [], [], WAIT_STATUS_SECONDS)
         wake.drain()
     return None
 
 
-def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox) -> Producer:
+def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox, metrics: Metrics) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
     job, notes = fill_defaults(job)
     for note in notes:
@@ -241,7 +247,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox) -> 
         job.workers, job.high_water, job.low_water, job.epochs or "unbounded",
     )
     return Producer(job, index, members, manifest, wake, poll_jobs=inbox.poll,
-                    extra_status=lambda: {"job_result": inbox.result})
+                    extra_status=lambda: {"job_result": inbox.result}, on_status=metrics.update)
 
 
 def run_daemon(cfg: DaemonConfig) -> int:
@@ -258,6 +264,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
         swept = sweep_leftovers(buffer)
         if swept:
             log.info("deleted %d half-written files left by an earlier daemon", swept)
+        metrics = Metrics(buffer, cfg.metrics_port, cfg.metrics_address, cfg.metrics_textfile)
         serve_jobs = cfg.data is None
         inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
         job: DaemonConfig | None = cfg if not serve_jobs else None
@@ -266,12 +273,12 @@ def run_daemon(cfg: DaemonConfig) -> int:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
                 if job is None:
-                    job = wait_for_job(buffer, inbox, wake)
+                    job = wait_for_job(buffer, inbox, wake, metrics)
                     if job is None:
                         break
                     reset = True  # a submitted job is the instruction to replace what the buffer holds
                 try:
-                    producer = start_job(job, reset, wake, inbox)
+                    producer = start_job(job, reset, wake, inbox, metrics)
                 except (DatasetError, ConfigError) as exc:
                     if not submitted:
                         raise
@@ -290,6 +297,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
                     break
             if wake.stop_signal is not None:
                 log.info("%s", wake.stop_reason)
+        metrics.close()
         return 0
     finally:
         lock.release()

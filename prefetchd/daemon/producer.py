@@ -112,7 +112,9 @@ class Producer:
         self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, manifest: Manifest,
         wake: Wakeup, poll_jobs: Callable[[DaemonConfig], DaemonConfig | None] = lambda _: None,
         extra_status: Callable[[], dict[str, Any]] = dict,
+        on_status: Callable[[dict[str, Any]], None] = lambda _: None,
     ) -> None:
+        self.on_status = on_status
         self.cfg = cfg
         self.wake = wake
         self.poll_jobs = poll_jobs
@@ -517,8 +519,10 @@ class Producer:
             return 0.0
 
     def _write_status(self) -> None:
+        status = self.status()
+        self.on_status(status)
         try:
-            write_status(self.buffer, self.status())
+            write_status(self.buffer, status)
         except OSError as exc:
             log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
 

@@ -1,0 +1,118 @@
+"""Prometheus metrics, drawn from the same status the daemon writes to status.json.
+
+The collector reads the latest status when scraped, so the numbers in
+`prefetchd status`, status.json and /metrics can never disagree.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefetchd.daemon.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}  # status.json keys -> Prometheus quantile labels
+STATES = ("waiting-for-job", "starting", "filling", "full", "paused-low-space", "done", "switching", "stopping", "stopped", "failed")
+
+# (metric name, status path, help); gauges unless the name ends in _total.
+_SERIES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("prefetchd_batches_waiting", ("waiting",), "Finished batches waiting for the trainer."),
+    ("prefetchd_batches_building", ("building",), "Batches being decoded and augmented."),
+    ("prefetchd_high_water_batches", ("high_water",), "Production stops at this many waiting batches."),
+    ("prefetchd_low_water_batches", ("low_water",), "Production resumes at this many waiting batches."),
+    ("prefetchd_buffer_bytes", ("buffer_bytes",), "Bytes of batches in the buffer, finished or being built."),
+    ("prefetchd_filesystem_free_bytes", ("free_bytes",), "Free bytes on the buffer's filesystem."),
+    ("prefetchd_workers", ("workers",), "Worker processes."),
+    ("prefetchd_workers_cpu_percent", ("workers_cpu_percent",), "CPU used by the workers, percent of one core."),
+    ("prefetchd_produce_samples_per_second", ("rates", "samples_per_s"), "Samples produced per second, last ~10 s."),
+    ("prefetchd_consume_batches_per_second", ("rates", "consumed_batches_per_s"), "Batches consumed per second, last ~10 s."),
+    ("prefetchd_trainer_wait_share", ("progress", "trainer_wait_share"), "Share of the trainer's recent time spent waiting for data."),
+    ("prefetchd_produced_batches_total", ("totals", "batches"), "Batches produced since the daemon started the job."),
+    ("prefetchd_produced_samples_total", ("totals", "samples"), "Samples produced since the daemon started the job."),
+    ("prefetchd_consumed_batches_total", ("totals", "consumed_batches"), "Batches the trainer consumed."),
+    ("prefetchd_replaced_samples_total", ("errors", "replaced_samples"), "Samples replaced because their file could not be decoded."),
+    ("prefetchd_undecodable_files", ("errors", "undecodable_files"), "Distinct files that could not be decoded."),
+    ("prefetchd_worker_restarts_total", ("errors", "worker_restarts"), "Workers that died and were replaced."),
+    ("prefetchd_write_failures_total", ("errors", "write_failures"), "Batches that could not be written (no space, ...)."),
+)
+
+
+def _lookup(status: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = status
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class StatusCollector(Collector):
+    def __init__(self, buffer: Path, latest: Callable[[], dict[str, Any] | None]) -> None:
+        self.buffer = str(buffer)
+        self.latest = latest
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.latest() or {}
+        state = GaugeMetricFamily("prefetchd_state", "1 for the daemon's current state.", labels=["buffer", "state"])
+        for name in STATES:
+            state.add_metric([self.buffer, name], 1.0 if status.get("state") == name else 0.0)
+        yield state
+        for name, path, text in _SERIES:
+            value = _lookup(status, path)
+            if value is None:
+                continue
+            family: GaugeMetricFamily | CounterMetricFamily
+            if name.endswith("_total"):
+                family = CounterMetricFamily(name[: -len("_total")], text, labels=["buffer"])
+            else:
+                family = GaugeMetricFamily(name, text, labels=["buffer"])
+            family.add_metric([self.buffer], value)
+            yield family
+        stages = status.get("stages") or {}
+        if stages:
+            quant = GaugeMetricFamily("prefetchd_stage_seconds", "Per-sample time of a stage, by quantile over recent samples.",
+                                      labels=["buffer", "stage", "quantile"])
+            for stage, qs in stages.items():
+                for q, seconds in qs.items():
+                    quant.add_metric([self.buffer, stage, QUANTILES.get(q, q)], float(seconds))
+            yield quant
+
+
+class Metrics:
+    """The registry, the optional HTTP endpoint and the optional textfile."""
+
+    def __init__(self, buffer: Path, port: int | None, address: str, textfile: Path | None) -> None:
+        self.latest: dict[str, Any] | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(StatusCollector(buffer, lambda: self.latest))
+        self.textfile = textfile
+        self._server: Any = None
+        if port is not None:
+            try:
+                self._server, _thread = start_http_server(port, addr=address, registry=self.registry)
+            except OSError as exc:
+                hint = "it is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+                raise ConfigError(f"cannot serve metrics on {address}:{port}: {hint}; pick another --metrics-port") from None
+            log.info("serving Prometheus metrics on http://%s:%d/metrics", address, port)
+
+    def update(self, status: dict[str, Any]) -> None:
+        self.latest = status
+        if self.textfile is not None:
+            try:
+                write_to_textfile(str(self.textfile), self.registry)
+            except OSError as exc:
+                log.warning("cannot write metrics to %s: %s", self.textfile, exc.strerror)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
