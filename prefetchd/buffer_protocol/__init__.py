@@ -30,6 +30,7 @@ from prefetchd.buffer_protocol.layout import (
     list_temp_files,
     parse_batch_name,
     read_status,
+    stream_dir,
     write_status,
 )
 
@@ -38,5 +39,5 @@ __all__ = [
     "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
     "Progress", "ProtocolError", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
-    "write_batch", "write_status",
+    "stream_dir", "write_batch", "write_status",
 ]

@@ -10,6 +10,8 @@
       job.json                    a job a trainer asks the daemon to produce (written by trainers)
       e000000-s00000000.batch     finished batches, named by (epoch, step)
       e000000-s00000001.tmp       a batch being built; never read
+      rank-00001/                 with world_size > 1: one stream directory per rank, each holding
+                                  that rank's manifest.json, progress.json and batches
 
 Every JSON document carries ``format`` and ``version`` and is replaced
 atomically (write a temp name in the same directory, then rename), so a reader
@@ -49,6 +51,29 @@ _BATCH_RE = re.compile(r"e(\d{6})-s(\d{8})\.batch", re.ASCII)
 MAX_EPOCH = 10**6 - 1
 MAX_STEP = 10**8 - 1
 _TEMP_RE = re.compile(r"^(e\d{6}-s\d{8}\.tmp|.+\.json\.tmp-\d+-[0-9a-f]+)$")
+
+
+STREAM_PREFIX = "rank-"
+_STREAM_RE = re.compile(r"rank-\d{5}", re.ASCII)
+
+
+def stream_dir(buffer: Path, rank: int, world_size: int) -> Path:
+    """Where rank ``rank``'s manifest, progress and batches live.
+
+    One rank keeps the flat layout; with several, each rank has its own directory
+    so trainers of different ranks never see each other's files.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    return Path(buffer) if world_size == 1 else Path(buffer) / f"{STREAM_PREFIX}{rank:05d}"
+
+
+def owning_buffer(directory: Path) -> Path:
+    """The buffer whose daemon owns ``directory``: its parent for a rank's stream directory."""
+    directory = Path(directory)
+    if _STREAM_RE.fullmatch(directory.name) and (directory.parent / LOCK_NAME).exists():
+        return directory.parent
+    return directory
 
 
 def batch_name(epoch: int, step: int) -> str:
@@ -279,7 +304,7 @@ def write_status(buffer: Path, status: dict[str, Any]) -> None:
 
 def read_status(buffer: Path) -> dict[str, Any] | None:
     try:
-        return read_json(buffer / STATUS_NAME, "status")
+        return read_json(owning_buffer(buffer) / STATUS_NAME, "status")
     except FileNotFoundError:
         return None
 
@@ -333,8 +358,9 @@ def daemon_pid(buffer: Path) -> int | None:
 
     Reads the pid the owner wrote and checks that process exists and is older
     than the lock file, which rules out a pid reused after the owner died.
+    For a rank's stream directory the owner is the parent buffer's daemon.
     """
-    path = buffer / LOCK_NAME
+    path = owning_buffer(buffer) / LOCK_NAME
     try:
         text = path.read_text().strip()
         mtime = path.stat().st_mtime

@@ -43,6 +43,11 @@ class DaemonConfig:
     min_free_mb: int | None = _opt(None, "Never let the buffer's filesystem fall below this many MiB free [default: 5% of it, at least 64].", int, minimum=0)
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
     epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)
+    color_jitter: float | None = _opt(None, "Train only: colour jitter of strength S, as torchvision's ColorJitter(S, S, S): brightness, contrast and saturation factors drawn from [max(0, 1-S), 1+S], applied in a random order; 0.4 in the usual ImageNet recipe [default: off].", float, minimum=0.0)
+    scale_jitter: str | None = _opt(None, "Train only: 'MIN,MAX', ResNet's scale augmentation instead of the random resized crop: the shorter side is resized to a random length in [MIN, MAX] (MIN >= IMAGE_SIZE), then a random IMAGE_SIZE crop is taken and flipped half the time; e.g. '256,480' [default: off].", str)
+    transform: str | None = _opt(None, "Your own augmentation 'package.module:callable', applied after the built-in ones: called with a uint8 3 x IMAGE_SIZE x IMAGE_SIZE tensor and the sample's numpy Generator, it returns a uint8 tensor of the same shape [default: off].", str)
+    world_size: int = _opt(1, "Ranks (trainer processes) in the whole job, over all boxes.", int, minimum=1, maximum=65536)
+    ranks: str | None = _opt(None, "Ranks this daemon produces, e.g. 0-7 or 8,9 [default: all of --world-size].", str)
     reset: bool = _opt(False, "Delete what the buffer holds from a different job instead of refusing to start.", bool)
     metrics_port: int | None = _opt(None, "Serve Prometheus metrics on this port [default: off].", int, minimum=1, maximum=65535)
     metrics_address: str = _opt("127.0.0.1", "Address the metrics port binds to (0.0.0.0 for every interface).", str)
@@ -55,6 +60,55 @@ class DaemonConfig:
             raise ConfigError("no buffer directory: pass --buffer DIR (for example /dev/shm/bf) or set `buffer` in the config")
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
             raise ConfigError(f"low_water ({self.low_water}) must be below high_water ({self.high_water})")
+        self._check_augmentation()
+
+    def _check_augmentation(self) -> None:
+        if self.split != "train":
+            for name in ("color_jitter", "scale_jitter"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name} = {getattr(self, name)!r} applies to the train split only; "
+                                      f"leave it out for --split {self.split}")
+        bounds = self.scale_jitter_bounds
+        if bounds is not None and bounds[0] < self.image_size:
+            raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: the shorter side must be at least image_size "
+                              f"({self.image_size}) for an image_size crop to fit; raise MIN to {self.image_size} or more")
+        if self.transform is not None:
+            module, sep, attr = self.transform.partition(":")
+            if not sep or not module.strip() or not attr.strip():
+                raise ConfigError(f"transform = {self.transform!r}: expected 'package.module:callable', "
+                                  "for example 'mytraining.augment:randaugment'")
+
+    @property
+    def scale_jitter_bounds(self) -> tuple[int, int] | None:
+        """``scale_jitter`` as (MIN, MAX) shorter-side lengths, or None when it is off."""
+        if self.scale_jitter is None:
+            return None
+        parts = self.scale_jitter.split(",")
+        try:
+            lo, hi = (int(v) for v in parts)
+        except ValueError:
+            raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: expected 'MIN,MAX' shorter-side lengths in "
+                              "pixels, for example '256,480'") from None
+        if not 1 <= lo <= hi:
+            raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: need 1 <= MIN <= MAX, for example '256,480'")
+        return (lo, hi)
+        self.local_ranks  # validates `ranks` against `world_size`
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The ranks whose streams this daemon produces."""
+        if self.ranks is None:
+            return tuple(range(self.world_size))
+        chosen: set[int] = set()
+        try:
+            for part in self.ranks.split(","):
+                lo, _, hi = part.strip().partition("-")
+                chosen.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ConfigError(f"ranks = {self.ranks!r}: expected ranks and ranges such as 0-3 or 0,2,4") from None
+        if not chosen or min(chosen) < 0 or max(chosen) >= self.world_size:
+            raise ConfigError(f"ranks = {self.ranks!r}: every rank must be in 0-{self.world_size - 1} (world_size {self.world_size})")
+        return tuple(sorted(chosen))
 
     @property
     def batch_bytes(self) -> int:

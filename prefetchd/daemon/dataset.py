@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +49,12 @@ class SampleIndex:
         return self.path_blob.nbytes + self.path_offsets.nbytes + self.labels.nbytes
 
 
-def scan_class_folders(root: Path) -> SampleIndex:
-    """Index ``root`` exactly as ImageFolder would, and fingerprint its state."""
+def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None) -> SampleIndex:
+    """Index ``root`` exactly as ImageFolder would, and fingerprint its state.
+
+    ``tick`` is called once per class folder, so a caller can prove it is alive
+    (systemd's watchdog) while a large tree is walked.
+    """
     root = Path(root)
     if not root.exists():
         raise DatasetError(f"dataset root {root} does not exist; pass --data with a folder of class folders")
@@ -65,6 +70,7 @@ def scan_class_folders(root: Path) -> SampleIndex:
     rel_paths: list[bytes] = []
     labels: list[int] = []
     for label, cls in enumerate(classes):
+        tick()
         count = 0
         for dirpath, _dirs, files in sorted(os.walk(root / cls, followlinks=True)):
             for name in sorted(files):

@@ -8,18 +8,29 @@ import os
 import select
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 
-from prefetchd.buffer_protocol import DaemonLock, JobRequest, Manifest, ProtocolError, list_batches, write_status
-from prefetchd.buffer_protocol.layout import JOB_NAME, PROGRESS_NAME
+from prefetchd.buffer_protocol import (
+    DaemonLock,
+    JobRequest,
+    Manifest,
+    ProtocolError,
+    list_batches,
+    list_temp_files,
+    stream_dir,
+    write_status,
+)
+from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, PROGRESS_NAME, STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import scan_class_folders, split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.metrics import Metrics
 from prefetchd.daemon.producer import Producer, new_producer_id, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
+from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -56,14 +67,24 @@ def prepare_buffer(buffer: Path) -> None:
 
 
 def clear_buffer(buffer: Path) -> None:
+    """Remove another job's batches, manifests and progress, including per-rank stream directories."""
     for path in list_batches(buffer).values():
         path.unlink(missing_ok=True)
-    for name in (PROGRESS_NAME, "manifest.json"):
+    for name in (PROGRESS_NAME, MANIFEST_NAME):
         (buffer / name).unlink(missing_ok=True)
+    for stream in buffer.glob(f"{STREAM_PREFIX}*"):
+        if stream.is_dir() and not stream.is_symlink():
+            for path in list_temp_files(stream):
+                path.unlink(missing_ok=True)
+            clear_buffer(stream)
+            stream.rmdir()
 
 
-def adopt_manifest(buffer: Path, manifest: Manifest, reset: bool) -> None:
-    """Keep the batches of an earlier run of the same job; refuse (or with ``reset``, clear) others."""
+def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool) -> None:
+    """Keep the batches of an earlier run of the same job; refuse (or with ``reset``, clear) others.
+
+    ``manifest`` None: the directory should hold no job at all.
+    """
     try:
         old: Manifest | None = Manifest.read(buffer)
     except FileNotFoundError:
@@ -72,16 +93,17 @@ def adopt_manifest(buffer: Path, manifest: Manifest, reset: bool) -> None:
         if not reset:
             raise ConfigError(f"{exc}. Pass --reset to clear the buffer, or use another --buffer") from None
         old = None
+    diff: list[str] = []
     if old is not None:
-        diff = manifest.identity_diff(old)
-        if diff and not reset:
-            raise ConfigError(
-                f"buffer {buffer} holds batches of a different job ({'; '.join(diff)}); pass --reset to "
-                f"delete them, or use another --buffer"
-            )
-        if not diff:
-            return
-    if old is not None or list_batches(buffer):
+        diff = manifest.identity_diff(old) if manifest is not None else ["a single-rank job is stored there"]
+    if manifest is not None and manifest.world_size == 1 and any(d.is_dir() for d in buffer.glob(f"{STREAM_PREFIX}*")):
+        diff.append("per-rank streams of another job are stored there")
+    if diff and not reset:
+        raise ConfigError(
+            f"buffer {buffer} holds batches of a different job ({'; '.join(diff)}); pass --reset to "
+            f"delete them, or use another --buffer"
+        )
+    if diff or (old is None and list_batches(buffer)):
         log.info("clearing %s: it held batches of another job", buffer)
         clear_buffer(buffer)
 
@@ -90,12 +112,14 @@ def check_capacity(cfg: DaemonConfig) -> None:
     """Refuse a high-water mark the filesystem cannot hold, instead of dying of SIGBUS later."""
     assert cfg.high_water is not None and cfg.min_free_mb is not None
     fs = os.statvfs(cfg.buffer)
-    held = sum(p.stat().st_size for p in list_batches(cfg.buffer).values())
+    streams = [stream_dir(cfg.buffer, r, cfg.world_size) for r in cfg.local_ranks]
+    held = sum(p.stat().st_size for s in streams for p in list_batches(s).values())
     available = fs.f_bavail * fs.f_frsize + held
-    need = cfg.high_water * cfg.batch_bytes + (cfg.min_free_mb << 20)
+    need = len(streams) * cfg.high_water * cfg.batch_bytes + (cfg.min_free_mb << 20)
     if need > available:
+        per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
         raise ConfigError(
-            f"high_water {cfg.high_water} x {cfg.batch_bytes / 2**20:.1f} MiB batches plus the "
+            f"{per}high_water {cfg.high_water} x {cfg.batch_bytes / 2**20:.1f} MiB batches plus the "
             f"{cfg.min_free_mb} MiB floor need {need / 2**20:.0f} MiB but {cfg.buffer} has "
             f"{available / 2**20:.0f} MiB; lower --high-water or --batch-size, or enlarge the tmpfs "
             "(mount -o remount,size=... /dev/shm)"
@@ -192,62 +216,77 @@ def trainer_idle_seconds(buffer: Path) -> float:
         return float("inf")
 
 
-def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, metrics: Metrics) -> DaemonConfig | None:
+def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[dict[str, Any]], None],
+                 notifier: Notifier) -> DaemonConfig | None:
     """Sleep until job.json holds an acceptable job; None when a stop signal came first."""
     message = f"waiting for a job: `prefetchd submit --buffer {buffer} --data ROOT`"
     log.info("%s", message)
+    notifier.ready(message)  # the buffer is usable: trainers may submit now
     last_status = 0.0
     while wake.stop_signal is None:
+        notifier.watchdog()
         job = inbox.poll(None)
         if job is not None:
             return job
         now = time.monotonic()
         if now - last_status >= WAIT_STATUS_SECONDS:
-            status = {"pid": os.getpid(), "state": "waiting-for-job", "message": message,
-                      "heartbeat": time.time(), "job_result": inbox.result}
-            metrics.update(status)
-            write_status(buffer, status)
+            publish({"pid": os.getpid(), "state": "waiting-for-job", "message": message,
+                     "heartbeat": time.time(), "job_result": inbox.result})
             last_status = now
         select.select([wake], [], [], WAIT_STATUS_SECONDS)
         wake.drain()
     return None
 
 
-def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox, metrics: Metrics) -> Producer:
+def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
+              publish: Callable[[dict[str, Any]], None], notifier: Notifier) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
     job, notes = fill_defaults(job)
     for note in notes:
         log.info("default: %s", note)
     check_capacity(job)
     assert job.data is not None
-    index = scan_class_folders(Path(job.data))
+    notifier.status(f"indexing {job.data}")
+    index = scan_class_folders(Path(job.data), tick=notifier.watchdog)
     members = split_members(len(index), job.split, job.val_fraction)
-    samples = samples_per_rank(len(members))
-    manifest = Manifest(
-        dataset_root=str(index.root),
-        fingerprint=index.fingerprint,
-        classes=list(index.classes),
-        num_samples=len(index),
-        split=job.split,
-        seed=job.seed,
-        batch_size=job.batch_size,
-        image_size=job.image_size,
-        samples_per_epoch=samples,
-        steps_per_epoch=steps_per_epoch(samples, job.batch_size),
-        epochs=job.epochs,
-        producer=new_producer_id(),
-        val_fraction=job.val_fraction,
-    )
-    adopt_manifest(job.buffer, manifest, reset)
-    manifest.write(job.buffer)
+    samples = samples_per_rank(len(members), job.world_size)
+    producer_id = new_producer_id()
+    streams = []
+    if job.world_size > 1:
+        # A flat single-rank job left in the top directory is another job.
+        adopt_manifest(job.buffer, None, reset)
+    for rank in job.local_ranks:
+        directory = stream_dir(job.buffer, rank, job.world_size)
+        directory.mkdir(exist_ok=True)
+        manifest = Manifest(
+            dataset_root=str(index.root),
+            fingerprint=index.fingerprint,
+            classes=list(index.classes),
+            num_samples=len(index),
+            split=job.split,
+            seed=job.seed,
+            batch_size=job.batch_size,
+            image_size=job.image_size,
+            samples_per_epoch=samples,
+            steps_per_epoch=steps_per_epoch(samples, job.batch_size),
+            epochs=job.epochs,
+            producer=producer_id,
+            rank=rank,
+            world_size=job.world_size,
+            val_fraction=job.val_fraction,
+        )
+        adopt_manifest(directory, manifest, reset)
+        manifest.write(directory)
+        streams.append((directory, manifest))
+    ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
     log.info(
-        "producing %s split of %s into %s: %d samples, %d steps of %d at %dpx per epoch, "
-        "%d workers, high/low water %d/%d, epochs %s",
-        job.split, index.root, job.buffer, samples, manifest.steps_per_epoch, job.batch_size, job.image_size,
-        job.workers, job.high_water, job.low_water, job.epochs or "unbounded",
+        "producing %s split of %s into %s: %d samples, %d steps of %d at %dpx per epoch%s, "
+        "%d workers, high/low water %d/%d per rank, epochs %s",
+        job.split, index.root, job.buffer, samples, streams[0][1].steps_per_epoch, job.batch_size, job.image_size,
+        ranks, job.workers, job.high_water, job.low_water, job.epochs or "unbounded",
     )
-    return Producer(job, index, members, manifest, wake, poll_jobs=inbox.poll,
-                    extra_status=lambda: {"job_result": inbox.result}, on_status=metrics.update)
+    return Producer(job, index, members, streams, wake, poll_jobs=inbox.poll,
+                    extra_status=lambda: {"job_result": inbox.result}, on_status=publish, notifier=notifier)
 
 
 def run_daemon(cfg: DaemonConfig) -> int:
@@ -256,6 +295,8 @@ def run_daemon(cfg: DaemonConfig) -> int:
     A daemon started with a dataset exits when that job's epochs are consumed; one
     started without waits for jobs and goes back to waiting after each.
     """
+    # First: the environment it reads must not reach the worker fork server.
+    notifier = Notifier.from_env()
     buffer = Path(cfg.buffer)
     prepare_buffer(buffer)
     lock = DaemonLock(buffer)
@@ -265,6 +306,15 @@ def run_daemon(cfg: DaemonConfig) -> int:
         if swept:
             log.info("deleted %d half-written files left by an earlier daemon", swept)
         metrics = Metrics(buffer, cfg.metrics_port, cfg.metrics_address, cfg.metrics_textfile)
+
+        def publish(status: dict[str, Any]) -> None:
+            """Every status goes to the metrics and systemd; the producer writes status.json itself."""
+            metrics.update(status)
+            notifier.status(status_line(status))
+
+        def publish_waiting(status: dict[str, Any]) -> None:
+            publish(status)
+            write_status(buffer, status)
         serve_jobs = cfg.data is None
         inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
         job: DaemonConfig | None = cfg if not serve_jobs else None
@@ -273,12 +323,12 @@ def run_daemon(cfg: DaemonConfig) -> int:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
                 if job is None:
-                    job = wait_for_job(buffer, inbox, wake, metrics)
+                    job = wait_for_job(buffer, inbox, wake, publish_waiting, notifier)
                     if job is None:
                         break
                     reset = True  # a submitted job is the instruction to replace what the buffer holds
                 try:
-                    producer = start_job(job, reset, wake, inbox, metrics)
+                    producer = start_job(job, reset, wake, inbox, publish, notifier)
                 except (DatasetError, ConfigError) as exc:
                     if not submitted:
                         raise
@@ -300,4 +350,5 @@ def run_daemon(cfg: DaemonConfig) -> int:
         metrics.close()
         return 0
     finally:
+        notifier.stopping()
         lock.release()

@@ -10,6 +10,11 @@ has hysteresis: production stops when the window is full and resumes only when
 the waiting batches fall to the low-water mark, so the workers run in bursts
 rather than one batch at a time.
 
+With several ranks the daemon produces one such stream per local rank
+(``Stream``), each in its own directory with its own progress and window; one
+worker pool serves them all, always feeding the stream with the fewest batches
+waiting first.
+
 Signal handlers only set a flag and wake the loop through a pipe; the loop
 does all the work.
 """
@@ -42,10 +47,12 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
+from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import DaemonError
 from prefetchd.daemon.sampler import batch_len, batch_slice, epoch_order
+from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, worker_main
 
@@ -60,10 +67,11 @@ RESTART_WINDOW_SECONDS = 60.0
 TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
 
 
-@dataclass
+@dataclass(eq=False)
 class Build:
     """A batch under construction in its temp file."""
 
+    stream: Stream
     g: int
     epoch: int
     step: int
@@ -107,83 +115,190 @@ class Stats:
         return (self.samples - old[1]) / dt, (self.consumed - old[2]) / dt
 
 
+class Stream:
+    """One rank's stream: its directory, the trainer's progress and the window of batches kept."""
+
+    def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int) -> None:
+        self.dir = directory
+        self.manifest = manifest
+        self.members = members
+        self.shuffle = shuffle
+        self.high, self.low = high, low
+        self.steps = manifest.steps_per_epoch
+        self.end = manifest.epochs * self.steps if manifest.epochs is not None else None
+        self.published: dict[int, Path] = {}
+        self.building: dict[int, Build] = {}
+        self.progress = 0
+        self.filling = True
+        self.consumed = 0
+        self.progress_error = ""
+        self.trainer_wait_share: float | None = None
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.manifest.rank
+
+    def key(self, g: int) -> tuple[int, int]:
+        return divmod(g, self.steps)
+
+    def g(self, key: tuple[int, int]) -> int:
+        return key[0] * self.steps + key[1]
+
+    @property
+    def finished(self) -> bool:
+        return self.end is not None and self.progress >= self.end
+
+    @property
+    def produced_all(self) -> bool:
+        """Every batch of the last epoch is published or being built."""
+        if self.end is None or self.end - self.progress > self.high:
+            return False
+        return all(g in self.published or g in self.building for g in range(self.progress, self.end))
+
+    @property
+    def active(self) -> int:
+        return sum(not b.cancelled for b in self.building.values())
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) > 4:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = epoch_order(
+                self.members, self.manifest.seed, epoch, shuffle=self.shuffle,
+                rank=self.manifest.rank, world_size=self.manifest.world_size,
+            )
+        return self._orders[epoch]
+
+    def adopt_published(self) -> None:
+        self.published = {self.g(k): p for k, p in list_batches(self.dir).items()}
+        if self.published:
+            log.info("kept %d finished batches of rank %d from an earlier run of the same job", len(self.published), self.rank)
+
+    def read_progress(self) -> bool:
+        """Take the trainer's progress; True when it moved."""
+        try:
+            progress = Progress.read(self.dir)
+        except ProtocolError as exc:
+            self._progress_problem(str(exc))
+            return False
+        if progress is None:
+            return False
+        if progress.step >= self.steps:
+            self._progress_problem(f"step {progress.step} is past the {self.steps} steps of an epoch")
+            return False
+        self.progress_error = ""
+        self.trainer_wait_share = progress.wait_share
+        g = self.g((progress.epoch, progress.step))
+        if self.end is not None:
+            g = min(g, self.end)
+        if g == self.progress:
+            return False
+        if g < self.progress:
+            log.info("rank %d's trainer moved back from %s to %s; regenerating from there",
+                     self.rank, self.key(self.progress), self.key(g))
+        else:
+            self.consumed += g - self.progress
+        self.progress = g
+        return True
+
+    def _progress_problem(self, problem: str) -> None:
+        if problem != self.progress_error:
+            log.warning("ignoring %s: %s", self.dir / "progress.json", problem)
+            self.progress_error = problem
+
+    def outside_window(self) -> tuple[list[int], list[Build]]:
+        """Published positions and live builds outside [progress, progress + high)."""
+        lo, hi = self.progress, self.progress + self.high
+        stale = [g for g in self.published if not lo <= g < hi]
+        builds = [b for b in self.building.values() if not lo <= b.g < hi and not b.cancelled]
+        return stale, builds
+
+    def next_missing(self) -> int | None:
+        """The first position of the window that is neither published nor being built, if the
+        hysteresis lets production run; None when there is nothing to build now."""
+        if self.filling and len(self.published) + self.active >= self.high:
+            self.filling = False
+        if not self.filling and len(self.published) <= self.low:
+            self.filling = True
+        if not self.filling:
+            return None
+        hi = self.progress + self.high
+        if self.end is not None:
+            hi = min(hi, self.end)
+        g = self.progress
+        while g < hi and (g in self.published or g in self.building):
+            g += 1
+        return g if g < hi else None
+
+    def status(self) -> dict[str, Any]:
+        epoch, step = self.key(self.progress)
+        return {
+            "rank": self.rank,
+            "progress": {"epoch": epoch, "step": step, "trainer_wait_share": self.trainer_wait_share},
+            "waiting": len(self.published),
+            "building": self.active,
+            "progress_file": self.progress_error,
+        }
+
+
 class Producer:
     def __init__(
-        self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, manifest: Manifest,
+        self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, streams: list[tuple[Path, Manifest]],
         wake: Wakeup, poll_jobs: Callable[[DaemonConfig], DaemonConfig | None] = lambda _: None,
         extra_status: Callable[[], dict[str, Any]] = dict,
         on_status: Callable[[dict[str, Any]], None] = lambda _: None,
+        notifier: Notifier | None = None,
     ) -> None:
-        self.on_status = on_status
         self.cfg = cfg
+        self.notifier = notifier or Notifier(None)
+        self.buffer = Path(cfg.buffer)
         self.wake = wake
         self.poll_jobs = poll_jobs
         self.extra_status = extra_status
+        self.on_status = on_status
         self.next_job: DaemonConfig | None = None
-        self.buffer = Path(cfg.buffer)
         self.index = index
-        self.members = members
-        self.manifest = manifest
-        self.steps = manifest.steps_per_epoch
-        self.end = manifest.epochs * self.steps if manifest.epochs is not None else None
-        self.high = int(cfg.high_water or 2)
-        self.low = int(cfg.low_water or 0)
+        high, low = int(cfg.high_water or 2), int(cfg.low_water or 0)
+        self.streams = [Stream(d, m, members, cfg.split == "train", high, low) for d, m in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
         self.workers_wanted = int(cfg.workers or 1)
         self.chunk = max(1, min(16, cfg.batch_size // (2 * self.workers_wanted)))
         self.max_building = max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
         self.stats = Stats()
-        self.published: dict[int, Path] = {}
-        self.building: dict[int, Build] = {}
         self.todo: deque[Task] = deque()
-        self.task_build: dict[int, int] = {}
+        self.task_build: dict[int, Build] = {}
         self.next_task_id = 0
-        self.progress = 0
-        self.filling = True
         self.retry_at = 0.0
         self.state = "starting"
         self.message = ""
         self.logged_failures: set[str] = set()
-        self.progress_error = ""
-        self.trainer_wait_share: float | None = None
         self.restart_times: deque[float] = deque()
-        self.orders: dict[int, np.ndarray] = {}
         self.fatal: str | None = None
         self.workers: list[Worker] = []
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = worker_context()
         self._job = WorkerJob(index, members, cfg.image_size, cfg.split == "train", cfg.seed)
 
-    # -- positions ----------------------------------------------------------
-
-    def key(self, g: int) -> tuple[int, int]:
-        return divmod(g, self.steps)
-
-    def order(self, epoch: int) -> np.ndarray:
-        if epoch not in self.orders:
-            if len(self.orders) > 4:
-                self.orders.pop(min(self.orders))
-            self.orders[epoch] = epoch_order(
-                self.members, self.cfg.seed, epoch, shuffle=self.cfg.split == "train",
-                rank=self.manifest.rank, world_size=self.manifest.world_size,
-            )
-        return self.orders[epoch]
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.streams)
 
     # -- lifecycle ------------------------------------------------------------
 
     def run(self) -> None:
         """Produce until stopped by a signal, finished, replaced by another job, or failed."""
         try:
-            self.published = {self._g(k): p for k, p in list_batches(self.buffer).items()}
-            if self.published:
-                log.info("kept %d finished batches from an earlier run of the same job", len(self.published))
+            for stream in self.streams:
+                stream.adopt_published()
             self._read_progress()
-            self._trim_window()
             for _ in range(self.workers_wanted):
                 self.workers.append(self._spawn())
             self.state = "filling"
+            self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0
             while self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
-                self._wait(self.wake.fileno(), timeout=POLL_SECONDS)
+                self.notifier.watchdog()
+                self._wait(timeout=POLL_SECONDS)
                 now = time.monotonic()
                 if self.wake.drain() or now - last_poll >= POLL_SECONDS:
                     self._read_progress()
@@ -194,14 +309,16 @@ class Producer:
                 if now - last_status >= STATUS_SECONDS:
                     self._write_status()
                     last_status = now
-                if self.end is not None and self.progress >= self.end:
-                    log.info("the trainer consumed all %d epochs", self.manifest.epochs)
+                if self.finished:
+                    log.info("the trainers consumed all %d epochs", self.streams[0].manifest.epochs)
                     break
         except Exception as exc:  # a bug: leave a status that says so, not a silently stale heartbeat
             log.exception("internal error in the controller")
             self.fatal = f"internal error: {type(exc).__name__}: {exc} (see the log; please report it)"
         finally:
             self.state = "stopping"
+            if self.wake.stop_signal is not None or self.fatal is not None:
+                self.notifier.stopping(self.fatal or self.wake.stop_reason)
             self._shutdown()
         if self.fatal:
             self.state, self.message = "failed", self.fatal
@@ -213,12 +330,8 @@ class Producer:
             self.state, self.message = "stopped", self.wake.stop_reason
         self._write_status()
 
-    @property
-    def finished(self) -> bool:
-        return self.end is not None and self.progress >= self.end
-
-    def _wait(self, wake_r: int, timeout: float) -> None:
-        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [wake_r], timeout)
+    def _wait(self, timeout: float) -> None:
+        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [self.wake], timeout)
         for worker in list(self.workers):
             if worker.conn in ready:
                 self._receive(worker)
@@ -280,55 +393,21 @@ class Producer:
                 worker.process.join(1.0)
             worker.conn.close()
         self.workers.clear()
-        for build in self.building.values():
-            build.tmp.unlink(missing_ok=True)
-        self.building.clear()
+        for stream in self.streams:
+            for build in stream.building.values():
+                build.tmp.unlink(missing_ok=True)
+            stream.building.clear()
 
     # -- progress and deletion -----------------------------------------------
 
-    def _g(self, key: tuple[int, int]) -> int:
-        return key[0] * self.steps + key[1]
-
     def _read_progress(self) -> None:
-        try:
-            progress = Progress.read(self.buffer)
-        except ProtocolError as exc:
-            if str(exc) != self.progress_error:
-                log.warning("ignoring the trainer's progress file: %s", exc)
-                self.progress_error = str(exc)
-            return
-        self.progress_error = ""
-        if progress is None:
-            return
-        self.trainer_wait_share = progress.wait_share
-        if progress.step >= self.steps:
-            msg = f"step {progress.step} is past the {self.steps} steps of an epoch"
-            if msg != self.progress_error:
-                log.warning("ignoring the trainer's progress file: %s", msg)
-                self.progress_error = msg
-            return
-        g = self._g((progress.epoch, progress.step))
-        if self.end is not None:
-            g = min(g, self.end)
-        if g == self.progress:
-            return
-        if g < self.progress:
-            log.info("trainer moved back from %s to %s; regenerating from there", self.key(self.progress), self.key(g))
-        else:
-            self.stats.consumed += g - self.progress
-        self.progress = g
-        self._trim_window()
-
-    def _trim_window(self) -> None:
-        lo, hi = self.progress, self.progress + self.high
-        for g in [g for g in self.published if not lo <= g < hi]:
-            self.published.pop(g).unlink(missing_ok=True)
-        for build in list(self.building.values()):  # _cancel may drop builds
-            if not lo <= build.g < hi and not build.cancelled:
+        for stream in self.streams:
+            stream.read_progress()
+            stale, builds = stream.outside_window()
+            for g in stale:
+                stream.published.pop(g).unlink(missing_ok=True)
+            for build in builds:
                 self._cancel(build)
-        waiting = len(self.published)
-        if not self.filling and waiting <= self.low:
-            self.filling = True
 
     def _cancel(self, build: Build) -> None:
         """Stop building ``build``; tasks already at a worker finish and are ignored."""
@@ -343,7 +422,7 @@ class Producer:
     def _maybe_drop(self, build: Build) -> None:
         if build.cancelled and not build.outstanding:
             build.tmp.unlink(missing_ok=True)
-            del self.building[build.g]
+            del build.stream.building[build.g]
 
     # -- building -------------------------------------------------------------
 
@@ -354,25 +433,20 @@ class Producer:
     def _schedule(self) -> None:
         if time.monotonic() < self.retry_at:
             return
-        active = sum(not b.cancelled for b in self.building.values())
-        if self.filling and len(self.published) + active >= self.high:
-            self.filling = False
-        if not self.filling:
-            self.state = "full"
-            return
-        hi = self.progress + self.high
-        if self.end is not None:
-            hi = min(hi, self.end)
-        g = self.progress
-        while active < self.max_building and len(self.published) + active < self.high:
-            while g < hi and (g in self.published or g in self.building):
-                g += 1
-            if g >= hi:
-                self.state = "done" if self.end is not None and hi == self.end else "filling"
+        while sum(s.active for s in self.streams) < self.max_building:
+            # The stream closest to running dry goes first.
+            wanted = [(len(s.published) + s.active, i, s, s.next_missing()) for i, s in enumerate(self.streams)]
+            candidates = sorted((fill, i, s, g) for fill, i, s, g in wanted if g is not None)
+            if not candidates:
+                if all(s.produced_all for s in self.streams):
+                    self.state = "done"
+                else:
+                    self.state = "filling" if any(s.filling for s in self.streams) else "full"
                 return
-            size = batch_len(self.key(g)[1], self.cfg.batch_size, self.manifest.samples_per_epoch)
+            _, _, stream, g = candidates[0]
+            size = batch_len(stream.key(g)[1], self.cfg.batch_size, stream.manifest.samples_per_epoch)
             layout = BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
-            pending = sum(b.layout.file_len for b in self.building.values())
+            pending = sum(b.layout.file_len for s in self.streams for b in s.building.values())
             free = self._free_bytes() - pending - layout.file_len
             if free < self.min_free:
                 msg = (f"paused: {self.buffer} would fall to {max(free, 0) >> 20} MiB free, below the floor of "
@@ -382,28 +456,27 @@ class Producer:
                 self.state, self.message = "paused-low-space", msg
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
-            self._start_build(g, layout)
-            active += 1
+            self._start_build(stream, g, layout)
             self.state, self.message = "filling", ""
 
-    def _start_build(self, g: int, layout: BatchLayout) -> None:
-        epoch, step = self.key(g)
-        order = self.order(epoch)
+    def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> None:
+        epoch, step = stream.key(g)
+        order = stream.order(epoch)
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
-        tmp = temp_name(self.buffer / batch_name(epoch, step))
+        tmp = temp_name(stream.dir / batch_name(epoch, step))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
             os.ftruncate(fd, layout.file_len)
         finally:
             os.close(fd)
         n = len(chosen)
-        build = Build(g, epoch, step, tmp, layout, np.empty(n, np.int64), np.empty(n, np.int64), remaining=n)
-        self.building[g] = build
+        build = Build(stream, g, epoch, step, tmp, layout, np.empty(n, np.int64), np.empty(n, np.int64), remaining=n)
+        stream.building[g] = build
         for start in range(0, n, self.chunk):
             items = tuple((slot, int(chosen[slot])) for slot in range(start, min(n, start + self.chunk)))
             task = Task(self.next_task_id, str(tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items)
             self.next_task_id += 1
-            self.task_build[task.task_id] = g
+            self.task_build[task.task_id] = build
             build.outstanding.add(task.task_id)
             self.todo.append(task)
 
@@ -418,19 +491,19 @@ class Producer:
                     break
 
     def _complete(self, task: Task, result: Filled | WriteFailed) -> None:
-        g = self.task_build.pop(task.task_id)
-        build = self.building.get(g)
-        if build is None:
-            return
+        build = self.task_build.pop(task.task_id)
         build.outstanding.discard(task.task_id)
         if isinstance(result, WriteFailed):
             if result.fatal:
                 self.fatal = result.reason
                 return
             self.stats.write_failures += 1
-            log.warning("batch %s: %s; retrying in %.0f s", batch_name(build.epoch, build.step), result.reason, RETRY_SECONDS)
+            log.warning("batch %s: %s; retrying in %.0f s", build.tmp.name, result.reason, RETRY_SECONDS)
             self.retry_at = time.monotonic() + RETRY_SECONDS
-            self._cancel(build)
+            if not build.cancelled:
+                self._cancel(build)
+            else:
+                self._maybe_drop(build)
             return
         if build.cancelled:
             self._maybe_drop(build)
@@ -449,8 +522,9 @@ class Producer:
             self._publish(build)
 
     def _publish(self, build: Build) -> None:
-        del self.building[build.g]
-        final = self.buffer / batch_name(build.epoch, build.step)
+        stream = build.stream
+        del stream.building[build.g]
+        final = stream.dir / batch_name(build.epoch, build.step)
         layout = build.layout
         try:
             fd = os.open(build.tmp, os.O_WRONLY | os.O_NOFOLLOW)
@@ -459,7 +533,7 @@ class Producer:
                 os.pwrite(fd, build.indices.astype("<i8").tobytes(), layout.tensors["indices"].offset)
                 header = layout.encode_header(
                     epoch=build.epoch, step=build.step, seed=self.cfg.seed,
-                    producer=self.manifest.producer, replaced=build.replaced,
+                    producer=stream.manifest.producer, replaced=build.replaced,
                 )
                 # The header goes last: a file without its magic is never mistaken for a batch.
                 os.pwrite(fd, header, 0)
@@ -472,7 +546,7 @@ class Producer:
             log.warning("could not publish %s: %s; retrying in %.0f s", final.name, exc.strerror, RETRY_SECONDS)
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return
-        self.published[build.g] = final
+        stream.published[build.g] = final
         self.stats.batches += 1
         self.stats.samples += len(build.indices)
         self.stats.replaced += build.replaced
@@ -480,22 +554,29 @@ class Producer:
     # -- status ---------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        """The daemon's state; for one rank its stream's fields are also at the top level."""
+        self.stats.consumed = sum(s.consumed for s in self.streams)
         produce_rate, consume_rate = self.stats.rates()
-        epoch, step = self.key(self.progress)
+        streams = [s.status() for s in self.streams]
+        first = streams[0]
+        waiting = sum(s["waiting"] for s in streams)
+        building = sum(s["building"] for s in streams)
         return {
             "pid": os.getpid(),
-            "producer": self.manifest.producer,
+            "producer": self.streams[0].manifest.producer,
             "state": self.state,
             "message": self.message,
             "heartbeat": time.time(),
             "started": self.stats.started,
-            "progress": {"epoch": epoch, "step": step, "trainer_wait_share": self.trainer_wait_share},
-            "waiting": len(self.published),
-            "building": sum(not b.cancelled for b in self.building.values()),
-            "high_water": self.high,
-            "low_water": self.low,
+            "progress": first["progress"],
+            "streams": streams,
+            "waiting": waiting,
+            "building": building,
+            "high_water": self.streams[0].high * len(self.streams),
+            "low_water": self.streams[0].low * len(self.streams),
             "batch_bytes": self.cfg.batch_bytes,
-            "buffer_bytes": sum(b.layout.file_len for b in self.building.values()) + len(self.published) * self.cfg.batch_bytes,
+            "buffer_bytes": sum(b.layout.file_len for s in self.streams for b in s.building.values())
+            + waiting * self.cfg.batch_bytes,
             "free_bytes": self._free_bytes(),
             "workers": len(self.workers),
             "workers_cpu_percent": round(sum(self._cpu_percent(w) for w in self.workers), 1),
@@ -506,7 +587,7 @@ class Producer:
                 "undecodable_files": len(self.logged_failures),
                 "worker_restarts": self.stats.worker_restarts,
                 "write_failures": self.stats.write_failures,
-                "progress_file": self.progress_error,
+                "progress_file": "; ".join(s["progress_file"] for s in streams if s["progress_file"]),
             },
             **self.extra_status(),
         }
@@ -527,12 +608,27 @@ class Producer:
             log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
 
 
+def worker_context() -> multiprocessing.context.ForkServerContext:
+    """A forkserver that has imported the worker code (torch included) once.
+
+    Workers must not inherit the controller's threads or locks, which rules out
+    plain fork; spawn re-imports torch in every worker, seconds each on a busy
+    machine. A forkserver with the worker module preloaded starts each worker
+    (also a replacement for one that died) in milliseconds.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    assert isinstance(ctx, multiprocessing.context.ForkServerContext)
+    ctx.set_forkserver_preload(["prefetchd.daemon.workers"])
+    return ctx
+
+
 def sweep_leftovers(buffer: Path) -> int:
     """Delete what a killed daemon left half-written; only the lock holder may call this."""
     count = 0
-    for path in list_temp_files(buffer):
-        path.unlink(missing_ok=True)
-        count += 1
+    for directory in [buffer, *(d for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir() and not d.is_symlink())]:
+        for path in list_temp_files(directory):
+            path.unlink(missing_ok=True)
+            count += 1
     return count
 
 

@@ -1,0 +1,79 @@
+"""Many ranks: one daemon produces every local rank's stream; boxes split the world."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+from torchvision.datasets import ImageFolder
+
+from prefetchd.buffer_protocol import stream_dir
+from prefetchd.trainer import BufferLoader
+
+SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--high-water", "3"]
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch.distributed as dist
+    from prefetchd.buffer_protocol import stream_dir
+    from prefetchd.trainer import BufferLoader
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loader = BufferLoader(stream_dir(sys.argv[1], rank, world), normalize=False, timeout=120)
+    epochs = [[int(i) for batch in loader for i in batch.indices] for _ in range(2)]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "steps": len(loader), "epochs": epochs})
+    if rank == 0:
+        json.dump(gathered, open(sys.argv[2], "w"))
+    loader.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_two_ranks_under_torchrun_cover_each_sample_once_per_epoch(shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon) -> None:
+    data = shapes_data / "train"
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", data, *SMALL, "--world-size", "2", "--epochs", "2")
+    script, out = tmp_path / "ranks.py", tmp_path / "ranks.json"
+    script.write_text(RANK_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(buffer), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + daemon.log
+    ranks = json.loads(out.read_text())
+    n = len(ImageFolder(str(data)).samples)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["steps"] == ranks[1]["steps"], "every rank must run the same number of steps"
+    for epoch in range(2):
+        per_rank = [r["epochs"][epoch] for r in ranks]
+        assert len(per_rank[0]) == len(per_rank[1]) == n // 2
+        assert sorted(per_rank[0] + per_rank[1]) == list(range(n)), f"epoch {epoch}: not every sample exactly once"
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1], "each epoch is shuffled anew"
+    assert daemon.wait_exit(30) == 0, daemon.log
+
+
+def test_two_boxes_split_the_world_without_talking(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    data = shapes_data / "train"
+    seen: Counter[int] = Counter()
+    counts = []
+    for box, ranks in enumerate(("0-1", "2-3")):
+        buffer = shm_dir / f"box{box}"
+        start_daemon(buffer, "--data", data, *SMALL, "--world-size", "4", "--ranks", ranks, "--epochs", "1")
+        lo = int(ranks[0])
+        for rank in (lo, lo + 1):
+            loader = BufferLoader(stream_dir(buffer, rank, 4), normalize=False, timeout=120)
+            assert loader.manifest.rank == rank and loader.manifest.world_size == 4
+            got = [int(i) for batch in loader for i in batch.indices]
+            counts.append(len(got))
+            seen.update(got)
+            loader.close()
+        assert not (buffer / f"rank-{(lo + 2) % 4:05d}").exists(), "a box produces only its own ranks"
+    n = len(ImageFolder(str(data)).samples)
+    assert counts == [n // 4] * 4
+    assert sorted(seen) == list(range(n)) and set(seen.values()) == {1}
