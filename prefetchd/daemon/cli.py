@@ -18,6 +18,7 @@ import click
 import psutil
 
 from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, daemon_pid, read_status
+from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
@@ -218,12 +219,16 @@ def describe_status(buffer: Path) -> dict[str, Any]:
         status = read_status(buffer)
     except ProtocolError as exc:
         problems.append(str(exc))
-    try:
-        manifest = Manifest.read(buffer).to_doc()
-    except FileNotFoundError:
-        pass
-    except ProtocolError as exc:
-        problems.append(str(exc))
+    # With several ranks the manifests live in the stream directories; they share everything shown.
+    for directory in [buffer, *sorted(buffer.glob(f"{STREAM_PREFIX}*"))]:
+        try:
+            manifest = Manifest.read(directory).to_doc()
+            break
+        except FileNotFoundError:
+            continue
+        except ProtocolError as exc:
+            problems.append(str(exc))
+            break
     age = time.time() - status["heartbeat"] if status and isinstance(status.get("heartbeat"), (int, float)) else None
     return {
         "buffer": str(buffer),
@@ -270,6 +275,15 @@ def format_status(info: dict[str, Any]) -> str:
         ]
         if e.get("progress_file"):
             lines.append(f"  progress file problem: {e['progress_file']}")
+        streams = st.get("streams") or []
+        if len(streams) > 1:
+            per_rank = st["high_water"] // len(streams)
+            for s in streams:
+                sp = s["progress"]
+                share = sp.get("trainer_wait_share")
+                waits = f", waiting for data {share:.1%}" if share is not None else ""
+                lines.append(f"  rank {s['rank']:<5} {fill_bar(s['waiting'], per_rank, 12)} {s['waiting']}/{per_rank} "
+                             f"waiting, trainer at epoch {sp['epoch']} step {sp['step']}{waits}")
     job = st.get("job_result") if st else None
     if job:
         lines.append(f"  last job  {job['job_id']} {'accepted' if job['accepted'] else 'refused'}: {job['reason']}")

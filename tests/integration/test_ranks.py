@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torchvision.datasets import ImageFolder
 
-from prefetchd.buffer_protocol import stream_dir
+from prefetchd.buffer_protocol import read_status, stream_dir
 from prefetchd.trainer import BufferLoader
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--high-water", "3"]
@@ -19,7 +19,7 @@ SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--high-wa
 RANK_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch.distributed as dist
-    from prefetchd.buffer_protocol import stream_dir
+    from prefetchd.buffer_protocol import read_status, stream_dir
     from prefetchd.trainer import BufferLoader
 
     dist.init_process_group("gloo")
@@ -64,8 +64,11 @@ def test_two_boxes_split_the_world_without_talking(shapes_data: Path, shm_dir: P
     counts = []
     for box, ranks in enumerate(("0-1", "2-3")):
         buffer = shm_dir / f"box{box}"
-        start_daemon(buffer, "--data", data, *SMALL, "--world-size", "4", "--ranks", ranks, "--epochs", "1")
+        daemon = start_daemon(buffer, "--data", data, *SMALL, "--world-size", "4", "--ranks", ranks, "--epochs", "1")
         lo = int(ranks[0])
+        daemon.wait_until(lambda: len((read_status(buffer) or {}).get("streams", [])) == 2, 60, "both streams in the status")
+        shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)], capture_output=True, text=True).stdout
+        assert f"rank {lo} " in shown and f"rank {lo + 1} " in shown and "72 samples" in shown, shown
         for rank in (lo, lo + 1):
             loader = BufferLoader(stream_dir(buffer, rank, 4), normalize=False, timeout=120)
             assert loader.manifest.rank == rank and loader.manifest.world_size == 4
