@@ -151,6 +151,14 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
     return doc
 
 
+def read_optional(path: Path, kind: str) -> dict[str, Any] | None:
+    """``read_json``, or None when the document has not been written yet."""
+    try:
+        return read_json(path, kind)
+    except FileNotFoundError:
+        return None
+
+
 def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     value: Any = doc.get(key)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -257,9 +265,8 @@ class Progress:
     def read(cls, buffer: Path) -> Progress | None:
         """The trainer's progress, or None when no trainer has written one yet."""
         path = buffer / PROGRESS_NAME
-        try:
-            doc = read_json(path, "progress")
-        except FileNotFoundError:
+        doc = read_optional(path, "progress")
+        if doc is None:
             return None
         share = doc.get("wait_share")
         if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1):
@@ -287,9 +294,8 @@ class JobRequest:
     @classmethod
     def read(cls, buffer: Path) -> JobRequest | None:
         path = buffer / JOB_NAME
-        try:
-            doc = read_json(path, "job")
-        except FileNotFoundError:
+        doc = read_optional(path, "job")
+        if doc is None:
             return None
         settings = _field(doc, "settings", dict, path)
         for key, value in settings.items():
@@ -303,10 +309,7 @@ def write_status(buffer: Path, status: dict[str, Any]) -> None:
 
 
 def read_status(buffer: Path) -> dict[str, Any] | None:
-    try:
-        return read_json(owning_buffer(buffer) / STATUS_NAME, "status")
-    except FileNotFoundError:
-        return None
+    return read_optional(owning_buffer(buffer) / STATUS_NAME, "status")
 
 
 # -- ownership ----------------------------------------------------------------
