@@ -189,12 +189,14 @@ class Manifest:
     rank: int = 0
     world_size: int = 1
     val_fraction: float | None = None
+    # The augmentations beyond the split's defaults, as a canonical string ("" for none).
+    augmentation: str = ""
     created: float = field(default_factory=time.time)
 
     # Fields whose change makes already written batches wrong for the new job.
     IDENTITY = (
         "fingerprint", "split", "seed", "batch_size", "image_size", "channels",
-        "samples_per_epoch", "rank", "world_size", "val_fraction",
+        "samples_per_epoch", "rank", "world_size", "val_fraction", "augmentation",
     )
 
     def identity_diff(self, other: Manifest) -> list[str]:
@@ -226,7 +228,7 @@ class Manifest:
                 f"{path}: steps_per_epoch {doc['steps_per_epoch']} does not match {doc['samples_per_epoch']} "
                 f"samples in batches of {doc['batch_size']}; delete it and restart the daemon"
             )
-        for key, kind in (("epochs", int), ("val_fraction", float)):
+        for key, kind in (("epochs", int), ("val_fraction", float), ("augmentation", str)):
             if doc.get(key) is not None:
                 doc = {**doc, key: _field(doc, key, kind, path)}
         doc = {**doc, "created": float(doc["created"])}

@@ -79,6 +79,17 @@ class DaemonConfig:
                                   "for example 'mytraining.augment:randaugment'")
 
     @property
+    def augmentation(self) -> str:
+        """The optional augmentations as one canonical string for the manifest ("" when none is on)."""
+        bounds = self.scale_jitter_bounds
+        parts = [
+            f"color_jitter={self.color_jitter:g}" if self.color_jitter is not None else "",
+            f"scale_jitter={bounds[0]},{bounds[1]}" if bounds is not None else "",
+            f"transform={self.transform}" if self.transform is not None else "",
+        ]
+        return ";".join(p for p in parts if p)
+
+    @property
     def scale_jitter_bounds(self) -> tuple[int, int] | None:
         """``scale_jitter`` as (MIN, MAX) shorter-side lengths, or None when it is off."""
         if self.scale_jitter is None:

@@ -159,7 +159,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
         samples_per_epoch=samples, steps_per_epoch=-(-samples // batch_size),
         epochs=draw(st.none() | st.integers(0, 10**6)), producer=draw(_json_text),
         channels=draw(st.sampled_from([1, 3])), rank=draw(st.integers(0, 63)), world_size=draw(st.integers(1, 64)),
-        val_fraction=draw(st.none() | st.floats(0, 0.99)), created=draw(st.floats(0, 4e9)),
+        val_fraction=draw(st.none() | st.floats(0, 0.99)), augmentation=draw(st.text(max_size=40)), created=draw(st.floats(0, 4e9)),
     )
 
 
@@ -234,6 +234,7 @@ def test_identity_diff() -> None:
     # Fields outside the job identity may change freely.
     assert _manifest(producer="other", created=1.0, epochs=90, dataset_root="/moved", num_samples=1).identity_diff(old) == []
     assert _manifest(seed=1).identity_diff(old) == ["seed: 0 -> 1"]
+    assert _manifest(augmentation="color_jitter=0.4").identity_diff(old) == ["augmentation: '' -> 'color_jitter=0.4'"]
     changed = _manifest(batch_size=64, val_fraction=0.1, fingerprint="def")
     assert sorted(changed.identity_diff(old)) == sorted(
         ["fingerprint: 'abc123' -> 'def'", "batch_size: 32 -> 64", "val_fraction: None -> 0.1"])

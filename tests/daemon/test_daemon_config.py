@@ -287,3 +287,62 @@ def test_low_water_defaults_to_half_an_explicit_high_water(shm_buffer: Path, hig
     filled, notes = fill_defaults(DaemonConfig(buffer=shm_buffer, high_water=high, workers=1, min_free_mb=64))
     assert (filled.high_water, filled.low_water) == (high, low)
     assert notes and all(n.startswith("low_water") for n in notes)
+
+
+# -- augmentation options ------------------------------------------------------------------
+
+
+def test_augmentation_is_off_by_default(tmp_path: Path) -> None:
+    cfg = DaemonConfig(buffer=tmp_path)
+    assert (cfg.color_jitter, cfg.scale_jitter, cfg.transform, cfg.scale_jitter_bounds) == (None, None, None, None)
+
+
+def test_augmentation_values_are_kept(tmp_path: Path) -> None:
+    cfg = DaemonConfig(buffer=tmp_path, color_jitter=0.4, scale_jitter=" 256, 480", transform="my.pkg:aug")
+    assert (cfg.color_jitter, cfg.scale_jitter_bounds, cfg.transform) == (0.4, (256, 480), "my.pkg:aug")
+    assert DaemonConfig(buffer=tmp_path, image_size=64, scale_jitter="64,64").scale_jitter_bounds == (64, 64)
+    assert DaemonConfig(buffer=tmp_path, color_jitter=0).color_jitter == 0
+
+
+@pytest.mark.parametrize(("values", "words"), [
+    ({"color_jitter": -0.1}, ["color_jitter", "-0.1", "at least 0"]),
+    ({"color_jitter": "0.4"}, ["color_jitter", "expected float"]),
+    ({"scale_jitter": "256"}, ["scale_jitter", "'256'", "MIN,MAX", "256,480"]),
+    ({"scale_jitter": "256,480,512"}, ["scale_jitter", "MIN,MAX"]),
+    ({"scale_jitter": "a,b"}, ["scale_jitter", "MIN,MAX"]),
+    ({"scale_jitter": "480,256"}, ["scale_jitter", "MIN <= MAX"]),
+    ({"scale_jitter": "0,0", "image_size": 8}, ["scale_jitter", "MIN <= MAX"]),
+    ({"scale_jitter": "200,480"}, ["scale_jitter", "image_size (224)", "224"]),
+    ({"scale_jitter": 256}, ["scale_jitter", "expected str"]),
+    ({"split": "val", "color_jitter": 0.4}, ["color_jitter", "train split only", "val"]),
+    ({"split": "val", "scale_jitter": "256,480"}, ["scale_jitter", "train split only"]),
+    ({"transform": "mypkg.aug"}, ["transform", "'mypkg.aug'", "package.module:callable"]),
+    ({"transform": ":fn"}, ["transform", "package.module:callable"]),
+    ({"transform": "mod:"}, ["transform", "package.module:callable"]),
+])
+def test_bad_augmentation_values_say_what_to_do(tmp_path: Path, values: dict[str, object], words: list[str]) -> None:
+    with pytest.raises(ConfigError) as exc:
+        DaemonConfig(buffer=tmp_path, **values)  # type: ignore[arg-type]
+    for word in words:
+        assert word in str(exc.value)
+
+
+def test_a_val_daemon_may_have_a_hook(tmp_path: Path) -> None:
+    assert DaemonConfig(buffer=tmp_path, split="val", transform="pkg:fn").transform == "pkg:fn"
+
+
+def test_augmentation_keys_in_toml(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.toml", 'color-jitter = 0.4\nscale_jitter = "256,480"\ntransform = "pkg.aug:rand"\n')
+    values = load_toml(cfg)
+    assert values == {"color_jitter": 0.4, "scale_jitter": "256,480", "transform": "pkg.aug:rand"}
+    assert DaemonConfig(buffer=tmp_path, **values).scale_jitter_bounds == (256, 480)
+    bad = write(tmp_path / "bad.toml", "scale_jitter = [256, 480]\n")
+    with pytest.raises(ConfigError, match="scale_jitter"):
+        load_toml(bad)
+
+
+def test_augmentation_key_names_every_optional_augmentation(tmp_path: Path) -> None:
+    assert DaemonConfig(buffer=tmp_path).augmentation == ""
+    cfg = DaemonConfig(buffer=tmp_path, color_jitter=0.4, scale_jitter="256, 480", transform="my.pkg:aug")
+    assert cfg.augmentation == "color_jitter=0.4;scale_jitter=256,480;transform=my.pkg:aug"
+    assert DaemonConfig(buffer=tmp_path, color_jitter=0.2).augmentation != DaemonConfig(buffer=tmp_path, color_jitter=0.4).augmentation

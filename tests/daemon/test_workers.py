@@ -1,0 +1,216 @@
+"""prefetchd.daemon.workers: tasks written into batch slots, deterministic whatever
+the chunking or the process, with per-slot stage timings; a broken hook stops the job."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
+from prefetchd.daemon.sampler import sample_rng
+from prefetchd.daemon.transforms import AugmentOptions, augment
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, limit_threads, run_task, worker_main
+
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+
+SIZE = 24
+SLOT = SIZE * SIZE * 3
+OFFSET = 4096  # the images payload does not start at 0 in a real batch file
+
+
+def _dataset(root: Path, broken: tuple[int, ...] = ()) -> SampleIndex:
+    """8 JPEGs and 2 PNGs in two classes; the files at positions ``broken`` are not images."""
+    rng = np.random.default_rng(0)
+    for i in range(10):
+        folder = root / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{i:02d}.{'png' if i in (3, 6) else 'jpg'}"
+        if i in broken:
+            path.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+            continue
+        w, h = int(rng.integers(40, 120)), int(rng.integers(40, 120))
+        base = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+        Image.fromarray(base).resize((w, h), Image.Resampling.BICUBIC).save(path, quality=90)
+    return scan_class_folders(root)
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> SampleIndex:
+    return _dataset(tmp_path / "data")
+
+
+def _batch_file(path: Path, slots: int) -> Path:
+    with open(path, "wb") as fh:
+        fh.truncate(OFFSET + slots * SLOT)
+    return path
+
+
+def _task(path: Path, items: list[tuple[int, int]], task_id: int = 0, epoch: int = 0) -> Task:
+    return Task(task_id, str(path), OFFSET, SLOT, epoch, tuple(items))
+
+
+def _images(path: Path, slots: int) -> np.ndarray:
+    data = np.fromfile(path, dtype=np.uint8)[OFFSET:OFFSET + slots * SLOT]
+    return data.reshape(slots, SIZE, SIZE, 3)
+
+
+def _job(index: SampleIndex, **kw: object) -> WorkerJob:
+    return WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, True, 7, **kw)  # type: ignore[arg-type]
+
+
+def test_filled_has_non_negative_timings_per_slot(index: SampleIndex, tmp_path: Path) -> None:
+    path = _batch_file(tmp_path / "b.tmp", 4)
+    items = [(2, 5), (0, 1), (3, 6), (1, 0)]
+    result = run_task(_job(index), _task(path, items))
+    assert isinstance(result, Filled)
+    assert [s[:2] for s in result.slots] == items
+    assert len(result.timings) == len(items)
+    for read, decode, aug, write in result.timings:
+        assert min(read, decode, aug, write) >= 0
+        assert decode > 0 and aug > 0  # every sample was decoded and resized
+    assert sum(map(sum, result.timings)) <= result.seconds
+
+
+def test_slots_hold_what_augment_makes(index: SampleIndex, tmp_path: Path) -> None:
+    path = _batch_file(tmp_path / "b.tmp", 3)
+    run_task(_job(index), _task(path, [(0, 4), (1, 3), (2, 9)], epoch=2))
+    images = _images(path, 3)
+    for slot, sample in enumerate([4, 3, 9]):
+        expected = augment(index.path(sample), SIZE, True, sample_rng(7, 2, sample))
+        assert np.array_equal(images[slot], expected)
+
+
+def test_same_bytes_whatever_the_chunking(index: SampleIndex, tmp_path: Path) -> None:
+    order = [7, 2, 9, 0, 5, 3, 8, 1]
+    whole = _batch_file(tmp_path / "whole.tmp", 8)
+    run_task(_job(index), _task(whole, list(enumerate(order))))
+    chunked = _batch_file(tmp_path / "chunked.tmp", 8)
+    # as three workers would get it, in another order
+    for task_id, chunk in enumerate([[(5, 3), (6, 8), (7, 1)], [(0, 7)], [(1, 2), (2, 9), (3, 0), (4, 5)]]):
+        run_task(_job(index), _task(chunked, chunk, task_id))
+    assert whole.read_bytes() == chunked.read_bytes()
+    other_epoch = _batch_file(tmp_path / "epoch1.tmp", 8)
+    run_task(_job(index), _task(other_epoch, list(enumerate(order)), epoch=1))
+    assert whole.read_bytes() != other_epoch.read_bytes()
+
+
+def test_replaced_samples_keep_their_timings(tmp_path: Path) -> None:
+    index = _dataset(tmp_path / "data", broken=(4,))
+    broken = next(i for i in range(len(index)) if index.path(i).name == "04.jpg")
+    path = _batch_file(tmp_path / "b.tmp", 2)
+    result = run_task(_job(index), _task(path, [(0, 0), (1, broken)]))
+    assert isinstance(result, Filled)
+    assert result.slots[1][1] == broken + 1  # the next member replaced the broken file
+    assert len(result.failures) == 1 and result.failures[0][0].endswith("04.jpg")
+    assert len(result.timings) == 2 and all(min(t) >= 0 for t in result.timings)
+
+
+def test_unwritable_batch_is_a_write_failure(index: SampleIndex, tmp_path: Path) -> None:
+    result = run_task(_job(index), _task(tmp_path / "gone.tmp", [(0, 0)]))
+    assert isinstance(result, WriteFailed) and not result.fatal and "gone.tmp" in result.reason
+
+
+def test_augmentation_options_reach_the_samples(index: SampleIndex, tmp_path: Path) -> None:
+    plain = _batch_file(tmp_path / "plain.tmp", 2)
+    run_task(_job(index), _task(plain, [(0, 1), (1, 2)]))
+    options = AugmentOptions(color_jitter=0.4, scale_jitter=(SIZE, 2 * SIZE))
+    jittered = _batch_file(tmp_path / "jitter.tmp", 2)
+    run_task(_job(index, augment=options), _task(jittered, [(0, 1), (1, 2)]))
+    images = _images(jittered, 2)
+    assert not np.array_equal(images, _images(plain, 2))
+    for slot, sample in enumerate([1, 2]):
+        assert np.array_equal(images[slot], augment(index.path(sample), SIZE, True, sample_rng(7, 0, sample), options))
+
+
+def test_from_config_carries_the_augmentation(index: SampleIndex, tmp_path: Path) -> None:
+    cfg = DaemonConfig(buffer=tmp_path, image_size=32, seed=3, color_jitter=0.3, scale_jitter="40,64",
+                       transform="pkg.mod:fn")
+    members = np.arange(4, dtype=np.int64)
+    job = WorkerJob.from_config(index, members, cfg)
+    assert (job.image_size, job.train, job.seed) == (32, True, 3)
+    assert job.augment == AugmentOptions(color_jitter=0.3, scale_jitter=(40, 64), transform="pkg.mod:fn")
+    val = WorkerJob.from_config(index, members, DaemonConfig(buffer=tmp_path, split="val"))
+    assert not val.train and val.augment == AugmentOptions()
+    # the controller's positional call still works and means "no extra augmentation"
+    assert WorkerJob(index, members, 32, True, 3).augment == AugmentOptions()
+
+
+def test_limit_threads_leaves_one_thread() -> None:
+    before = torch.get_num_threads()
+    try:
+        limit_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+HOOKS = """
+import torch
+
+def single_thread_or_invert(image, rng):
+    # Leaves the image alone only where torch runs on one thread.
+    return image if torch.get_num_threads() == 1 else 255 - image
+
+def broken(image, rng):
+    raise ValueError("bad hook")
+"""
+
+
+@pytest.fixture
+def hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    module = f"prefetchd_worker_hooks_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned children inherit sys.path
+    return module
+
+
+def test_spawned_worker_matches_in_process_with_one_thread(index: SampleIndex, tmp_path: Path, hooks: str) -> None:
+    items = [(0, 3), (1, 8), (2, 0)]
+    local = _batch_file(tmp_path / "local.tmp", 3)
+    run_task(_job(index), _task(local, items))
+    remote = _batch_file(tmp_path / "remote.tmp", 3)
+    job = _job(index, augment=AugmentOptions(transform=f"{hooks}:single_thread_or_invert"))
+    ctx = multiprocessing.get_context("spawn")  # as the controller starts its workers
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=worker_main, args=(child, job), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        parent.send(_task(remote, items))
+        assert parent.poll(120), "the worker did not answer within 120 s"
+        result = parent.recv()
+        parent.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        parent.close()
+    assert isinstance(result, Filled) and len(result.timings) == 3
+    assert remote.read_bytes() == local.read_bytes()
+
+
+def test_a_broken_hook_is_fatal_not_a_replacement(index: SampleIndex, tmp_path: Path, hooks: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # worker_main in this (main) thread: its SIGINT and thread settings are put back after.
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)
+    path = _batch_file(tmp_path / "b.tmp", 2)
+    ours, theirs = multiprocessing.Pipe()
+    ours.send(_task(path, [(0, 1), (1, 2)], task_id=5))
+    ours.send(None)
+    worker_main(theirs, _job(index, augment=AugmentOptions(transform=f"{hooks}:broken")))
+    result = ours.recv()
+    assert isinstance(result, WriteFailed) and result.fatal and result.task_id == 5
+    assert f"{hooks}:broken" in result.reason and "ValueError: bad hook" in result.reason
+    assert str(index.path(1)) in result.reason
+    assert "could not be decoded" not in result.reason  # not mistaken for bad images and replaced
