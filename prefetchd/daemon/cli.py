@@ -17,6 +17,7 @@ from typing import Any
 import click
 import psutil
 
+from prefetchd.bench import bench_command
 from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, daemon_pid, read_status
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
@@ -273,6 +274,11 @@ def format_status(info: dict[str, Any]) -> str:
             f"  errors    {e['replaced_samples']} replaced samples, {e['undecodable_files']} undecodable files, "
             f"{e['worker_restarts']} worker restarts, {e['write_failures']} write failures",
         ]
+        stages = st.get("stages") or {}
+        if stages:
+            lines.append("  per image " + ", ".join(
+                f"{name} {q['p50'] * 1e3:.2f}/{q['p90'] * 1e3:.2f}/{q['p99'] * 1e3:.2f}" for name, q in stages.items()
+            ) + " ms (p50/p90/p99)")
         if e.get("progress_file"):
             lines.append(f"  progress file problem: {e['progress_file']}")
         streams = st.get("streams") or []
@@ -350,5 +356,7 @@ def demo(workdir: Path | None, epochs: int, image_size: int, batch_size: int, tr
     sys.exit(run_demo(workdir=workdir, epochs=epochs, image_size=image_size, batch_size=batch_size,
                       train_per_class=train_per_class, keep=keep))
 
+
+main.add_command(bench_command)  # torch is imported inside it only when it runs
 
 __all__ = ["main", "FIELDS"]

@@ -28,9 +28,10 @@ from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import scan_class_folders, split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.metrics import Metrics
-from prefetchd.daemon.producer import Producer, new_producer_id, sweep_leftovers
+from prefetchd.daemon.producer import Producer, new_producer_id, start_worker_server, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
+from prefetchd.daemon.transforms import validate_hook
 from prefetchd.daemon.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,8 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     for note in notes:
         log.info("default: %s", note)
     check_capacity(job)
+    if job.transform is not None:
+        validate_hook(job.transform)  # a typo fails here, not in every worker
     assert job.data is not None
     notifier.status(f"indexing {job.data}")
     index = scan_class_folders(Path(job.data), tick=notifier.watchdog)
@@ -274,6 +277,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
             rank=rank,
             world_size=job.world_size,
             val_fraction=job.val_fraction,
+            augmentation=job.augmentation,
         )
         adopt_manifest(directory, manifest, reset)
         manifest.write(directory)
@@ -301,6 +305,8 @@ def run_daemon(cfg: DaemonConfig) -> int:
     prepare_buffer(buffer)
     lock = DaemonLock(buffer)
     lock.acquire()
+    # Importing torch and torchvision in the worker server takes seconds; it runs while we index.
+    start_worker_server()
     try:
         swept = sweep_leftovers(buffer)
         if swept:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import time
 import uuid
@@ -54,7 +55,7 @@ from prefetchd.daemon.errors import DaemonError
 from prefetchd.daemon.sampler import batch_len, batch_slice, epoch_order
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, worker_main
+from prefetchd.daemon.workers import FORKSERVER_PRELOAD, Filled, Task, WorkerJob, WriteFailed, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ WORKER_STOP_SECONDS = 5.0
 MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
 RESTART_WINDOW_SECONDS = 60.0
 TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
+STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
+STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
 
 
 @dataclass(eq=False)
@@ -103,6 +106,8 @@ class Stats:
     worker_restarts: int = 0
     write_failures: int = 0
     recent: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=64))  # (t, samples, consumed)
+    # Per-sample (read, decode, augment, write) seconds of the most recent samples.
+    stage_times: deque[tuple[float, float, float, float]] = field(default_factory=lambda: deque(maxlen=STAGE_WINDOW))
 
     def rates(self) -> tuple[float, float]:
         """Samples produced and batches consumed per second over the last ~10 s."""
@@ -113,6 +118,15 @@ class Stats:
         if dt <= 0:
             return 0.0, 0.0
         return (self.samples - old[1]) / dt, (self.consumed - old[2]) / dt
+
+    def stage_quantiles(self) -> dict[str, dict[str, float]]:
+        """p50/p90/p99 seconds per stage over the last ``STAGE_WINDOW`` samples; empty before the first."""
+        if not self.stage_times:
+            return {}
+        times = np.asarray(self.stage_times)
+        q = np.quantile(times, [0.5, 0.9, 0.99], axis=0)
+        return {stage: {"p50": float(q[0, i]), "p90": float(q[1, i]), "p99": float(q[2, i])}
+                for i, stage in enumerate(STAGES)}
 
 
 class Stream:
@@ -277,7 +291,7 @@ class Producer:
         self.fatal: str | None = None
         self.workers: list[Worker] = []
         self._ctx = worker_context()
-        self._job = WorkerJob(index, members, cfg.image_size, cfg.split == "train", cfg.seed)
+        self._job = WorkerJob.from_config(index, members, cfg)
 
     @property
     def finished(self) -> bool:
@@ -441,7 +455,9 @@ class Producer:
                 if all(s.produced_all for s in self.streams):
                     self.state = "done"
                 else:
-                    self.state = "filling" if any(s.filling for s in self.streams) else "full"
+                    # "full" only once the last batch up to the high-water mark is published.
+                    busy = any(s.filling or s.building for s in self.streams)
+                    self.state = "filling" if busy else "full"
                 return
             _, _, stream, g = candidates[0]
             size = batch_len(stream.key(g)[1], self.cfg.batch_size, stream.manifest.samples_per_epoch)
@@ -517,6 +533,7 @@ class Producer:
             build.indices[slot] = index
             build.labels[slot] = label
             build.replaced += index != requested[slot]
+        self.stats.stage_times.extend(result.timings)
         build.remaining -= len(result.slots)
         if build.remaining == 0:
             self._publish(build)
@@ -581,6 +598,7 @@ class Producer:
             "workers": len(self.workers),
             "workers_cpu_percent": round(sum(self._cpu_percent(w) for w in self.workers), 1),
             "rates": {"samples_per_s": round(produce_rate, 1), "consumed_batches_per_s": round(consume_rate, 2)},
+            "stages": self.stats.stage_quantiles(),
             "totals": {"batches": self.stats.batches, "samples": self.stats.samples, "consumed_batches": self.stats.consumed},
             "errors": {
                 "replaced_samples": self.stats.replaced,
@@ -618,8 +636,14 @@ def worker_context() -> multiprocessing.context.ForkServerContext:
     """
     ctx = multiprocessing.get_context("forkserver")
     assert isinstance(ctx, multiprocessing.context.ForkServerContext)
-    ctx.set_forkserver_preload(["prefetchd.daemon.workers"])
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return ctx
+
+
+def start_worker_server() -> None:
+    """Start the forkserver now, so that its imports overlap whatever the daemon does next."""
+    worker_context()
+    multiprocessing.forkserver.ensure_running()
 
 
 def sweep_leftovers(buffer: Path) -> int:
@@ -636,4 +660,4 @@ def new_producer_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-__all__ = ["DaemonLock", "Producer", "new_producer_id", "sweep_leftovers"]
+__all__ = ["DaemonLock", "Producer", "new_producer_id", "start_worker_server", "sweep_leftovers"]

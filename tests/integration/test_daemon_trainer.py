@@ -15,6 +15,7 @@ import pytest
 from torchvision.datasets import ImageFolder
 
 from prefetchd.daemon.main import RAM_FILESYSTEMS, filesystem_of
+from prefetchd.daemon.cli import describe_status, format_status
 from prefetchd.buffer_protocol import DaemonLock, Progress, daemon_pid, list_batches, list_temp_files, read_status
 from prefetchd.trainer import BufferLoader
 
@@ -196,6 +197,9 @@ def test_buffer_of_another_job_is_refused_until_reset(shapes_data: Path, shm_dir
     other = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1")
     assert other.wait_exit(30) == 2
     assert "different job" in other.log and "batch_size: 8 -> 4" in other.log and "--reset" in other.log
+    jitter = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--color-jitter", "0.4")
+    assert jitter.wait_exit(30) == 2
+    assert "augmentation: '' -> 'color_jitter=0.4'" in jitter.log
     reset = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
                          "--workers", "1", "--high-water", "2", "--reset")
     reset.wait_until(lambda: batch_files(buffer) == 2 and (read_status(buffer) or {}).get("state") == "full", 30, "the new job's batches")
@@ -256,4 +260,9 @@ def test_trainer_wait_share_and_worker_cpu_reach_the_status(shapes_data: Path, s
         return status.get("progress", {}).get("trainer_wait_share") == round(written.wait_share, 4)
 
     daemon.wait_until(reported, 10, "the status to report the trainer's wait share")
-    assert (read_status(buffer) or {})["workers_cpu_percent"] >= 0.0
+    status = read_status(buffer) or {}
+    assert status["workers_cpu_percent"] >= 0.0
+    assert set(status["stages"]) == {"read", "decode", "augment", "write"}
+    for quantiles in status["stages"].values():
+        assert 0 <= quantiles["p50"] <= quantiles["p90"] <= quantiles["p99"] < 10
+    assert "(p50/p90/p99)" in format_status(describe_status(buffer))

@@ -42,6 +42,9 @@ def test_metrics_endpoint_and_textfile_agree_with_the_status(shapes_data: Path, 
     assert scraped[("prefetchd_state", (("buffer", str(buffer)), ("state", "filling")))] == 0
     assert scraped[("prefetchd_produced_batches_total", label)] >= 3
     assert ("prefetchd_batches_waiting", label) in samples(textfile.read_text())
+    decode = {q: scraped[("prefetchd_stage_seconds", (("buffer", str(buffer)), ("quantile", q), ("stage", "decode")))]
+              for q in ("0.5", "0.9", "0.99")}
+    assert 0 < decode["0.5"] <= decode["0.9"] <= decode["0.99"] < 10
 
 
 def test_metrics_port_in_use_is_a_clear_error(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
