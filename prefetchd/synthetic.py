@@ -244,3 +244,216 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: 
         draw.polygon([(cx + x * c - y * s, cy + x * s + y * c) for x, y in arm], fill=255)
     else:  # pragma: no cover - SHAPES and this function are kept together
         raise ValueError(f"unknown shape {shape!r}")
+
+
+# -- ImageNet-like JPEGs for benchmarks -------------------------------------------
+#
+# Decode and resize cost scale with pixel count and JPEG entropy, so a benchmark
+# dataset has to match ImageNet in both, not in content: the short side is
+# uniform in 333-500 px, aspect ratios follow ImageNet's mix (mostly 4:3 and 3:4),
+# JPEG quality is mostly ~90 (4:2:0, as ImageNet's files), and the pixels are
+# 1/f noise (the spectrum of natural images) with soft-edged textured shapes and
+# sensor grain, tuned so that files average ~100 KB (ImageNet train: ~110 KB).
+
+IMAGENET_LIKE_SHORT_SIDE = (333, 500)
+# (width / height, share): landscape 4:3 dominates ImageNet, then portrait 3:4.
+IMAGENET_LIKE_ASPECTS = ((4 / 3, 0.55), (3 / 4, 0.20), (1.0, 0.10), (3 / 2, 0.08), (16 / 9, 0.07))
+_PHOTO_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+
+
+@dataclass(frozen=True)
+class ImageNetLikeSummary:
+    """What ``make_imagenet_like`` wrote."""
+
+    root: Path
+    classes: tuple[str, ...]  # sorted, as ImageFolder orders (and labels) them
+    images: int
+    total_bytes: int
+    mean_width: float
+    mean_height: float
+
+    @property
+    def mean_kb(self) -> float:
+        return self.total_bytes / max(self.images, 1) / 1024
+
+    def line(self) -> str:
+        return (
+            f"{self.root}: {len(self.classes)} classes, {self.images} JPEGs, mean {self.mean_width:.0f}x"
+            f"{self.mean_height:.0f} px, mean {self.mean_kb:.0f} KB, {self.total_bytes / 2**20:.0f} MiB in all"
+        )
+
+
+def make_imagenet_like(
+    root: Path,
+    *,
+    classes: int = 10,
+    per_class: int = 100,
+    seed: int = 0,
+    source: Path | None = None,
+    progress: ProgressFn | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+) -> ImageNetLikeSummary:
+    """Write ``root/class_NNN/NNN_NNNNN.JPEG``: JPEGs shaped like ImageNet's for decode benchmarks.
+
+    With ``source`` (a folder of photos, searched recursively) each image is a
+    random crop of a random photo, resized to the drawn size, instead of a
+    generated picture.  Every image draws from its own generator keyed by
+    (seed, class, index), so the output is a pure function of the arguments
+    (and of the files in ``source``), whatever ``workers`` is.  ``workers`` > 1
+    renders in that many processes.  A non-empty ``root`` is refused unless
+    ``overwrite`` is set (then it is deleted first).
+    """
+    root = Path(root)
+    if classes < 1 or per_class < 1:
+        raise ValueError(f"classes={classes}, per_class={per_class}: need at least 1 class and 1 image per class")
+    if seed < 0:
+        raise ValueError(f"seed is {seed}; use a non-negative integer")
+    if workers < 1:
+        raise ValueError(f"workers is {workers}; use 1 or more")
+    photos: tuple[str, ...] = ()
+    if source is not None:
+        source = Path(source)
+        if not source.is_dir():
+            raise ValueError(f"source {source} is not a directory; pass a folder of photos (jpg, png, webp ...)")
+        photos = tuple(
+            str(p) for p in sorted(source.rglob("*")) if p.is_file() and p.suffix.lower() in _PHOTO_EXTENSIONS
+        )
+        if not photos:
+            raise ValueError(f"source {source} holds no photos ({', '.join(_PHOTO_EXTENSIONS)}); pass another folder")
+    if root.exists() and any(root.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{root} is not empty; pass overwrite=True (--overwrite) or choose another directory")
+        shutil.rmtree(root)
+
+    names = tuple(f"class_{c:03d}" for c in range(classes))
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+    jobs = [(str(root / names[c]), c, i, seed, photos) for c in range(classes) for i in range(per_class)]
+    total = len(jobs)
+    sizes: list[tuple[int, int, int]] = []
+
+    def record(done: int, result: tuple[int, int, int]) -> None:
+        sizes.append(result)
+        if progress is not None:
+            progress(done, total)
+
+    if workers == 1:
+        for done, job in enumerate(jobs, 1):
+            record(done, _imagenet_like_one(job))
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for done, result in enumerate(pool.map(_imagenet_like_one, jobs, chunksize=8), 1):
+                record(done, result)
+
+    summary = ImageNetLikeSummary(
+        root=root,
+        classes=names,
+        images=total,
+        total_bytes=sum(s[0] for s in sizes),
+        mean_width=float(np.mean([s[1] for s in sizes])),
+        mean_height=float(np.mean([s[2] for s in sizes])),
+    )
+    log.info("wrote %s", summary.line())
+    return summary
+
+
+def _imagenet_like_one(job: tuple[str, int, int, int, tuple[str, ...]]) -> tuple[int, int, int]:
+    """Render and save one image; return (file bytes, width, height)."""
+    folder, cls, index, seed, photos = job
+    rng = np.random.default_rng([seed, 0x1A6E, cls, index])
+    short = int(rng.integers(IMAGENET_LIKE_SHORT_SIDE[0], IMAGENET_LIKE_SHORT_SIDE[1] + 1))
+    aspects = [a for a, _ in IMAGENET_LIKE_ASPECTS]
+    aspect = aspects[int(rng.choice(len(aspects), p=[p for _, p in IMAGENET_LIKE_ASPECTS]))]
+    w, h = (round(short * aspect), short) if aspect >= 1 else (short, round(short / aspect))
+    # ImageNet's encoders mostly used quality ~90; a tenth is spread over 75-95.
+    quality = int(rng.integers(75, 96)) if rng.random() < 0.1 else int(np.clip(round(rng.normal(90, 1.5)), 85, 95))
+    if photos:
+        image = _photo_crop(photos[int(rng.integers(len(photos)))], w, h, rng)
+    else:
+        image = _natural_like(w, h, cls, rng)
+    path = Path(folder) / f"{cls:03d}_{index:05d}.JPEG"
+    image.save(path, "JPEG", quality=quality)
+    return path.stat().st_size, w, h
+
+
+def _photo_crop(photo: str, w: int, h: int, rng: np.random.Generator) -> Image.Image:
+    with Image.open(photo) as opened:
+        im = opened.convert("RGB")
+        pw, ph = im.size
+        # The largest crop of the target aspect that fits, scaled by 50-100 %.
+        cw, ch = (pw, pw * h / w) if pw * h <= ph * w else (ph * w / h, ph)
+        scale = rng.uniform(0.5, 1.0)
+        cw, ch = cw * scale, ch * scale
+        x0, y0 = rng.uniform(0, pw - cw), rng.uniform(0, ph - ch)
+        return im.resize((w, h), Image.Resampling.BICUBIC, box=(x0, y0, x0 + cw, y0 + ch))
+
+
+def _pink_noise(rng: np.random.Generator, h: int, w: int, alpha: float) -> np.ndarray:
+    """Unit-variance noise whose amplitude spectrum falls as 1/f**alpha (alpha ~1: natural images)."""
+    fy = np.fft.fftfreq(h).astype(np.float32)[:, None]
+    fx = np.fft.rfftfreq(w).astype(np.float32)[None, :]
+    f = np.sqrt(fx * fx + fy * fy)
+    f[0, 0] = 1.0
+    gain = f ** np.float32(-alpha)
+    gain[0, 0] = 0.0
+    spectrum = rng.standard_normal((h, w // 2 + 1, 2), dtype=np.float32).view(np.complex64)[..., 0] * gain
+    out: np.ndarray = np.fft.irfft2(spectrum, s=(h, w)).astype(np.float32)
+    out /= out.std() + np.float32(1e-6)
+    return out
+
+
+def _upsample(field: np.ndarray, w: int, h: int) -> np.ndarray:
+    return np.asarray(Image.fromarray(field).resize((w, h), Image.Resampling.BICUBIC))
+
+
+def _natural_like(w: int, h: int, cls: int, rng: np.random.Generator) -> Image.Image:
+    from PIL import ImageFilter
+
+    # Low-frequency fields are drawn at quarter size: the FFT is the costly step.
+    sw, sh = max(16, w // 4), max(16, h // 4)
+    smooth = _upsample(_pink_noise(rng, sh, sw, rng.uniform(1.3, 1.7)), w, h)
+    detail = _pink_noise(rng, h, w, rng.uniform(0.55, 0.85))
+    # Texture where this field is high (foliage, fur), smooth elsewhere (sky, walls).
+    where = _upsample(_pink_noise(rng, sh, sw, 1.8), w, h)
+    where = 1.0 / (1.0 + np.exp(-3.0 * (where + np.float32(rng.uniform(-1.0, 1.0)))))
+    c1 = _upsample(_pink_noise(rng, sh, sw, 1.5), w, h)[..., None]
+    c2 = _upsample(_pink_noise(rng, sh, sw, 1.5), w, h)[..., None]
+    y = np.linspace(-1.0, 1.0, h, dtype=np.float32)[:, None]
+    lum = rng.uniform(25, 45) * smooth + rng.uniform(24, 44) * where * detail + rng.uniform(-30, 30) * y
+    # A class-specific tint, so classes differ a little, as real classes do.
+    tint = np.array(colorsys.hsv_to_rgb((cls * 0.618) % 1.0, 0.35, 1.0), dtype=np.float32) * 40 - 20
+    base = rng.uniform(70, 170, 3).astype(np.float32) + tint
+    red_green = np.array([1.0, -0.4, -0.6], dtype=np.float32)
+    green_blue = np.array([-0.3, 0.9, -0.6], dtype=np.float32)
+    chroma = rng.uniform(8, 22) * (c1 * red_green + c2 * green_blue)
+    img = base + lum[..., None] + chroma
+
+    for _ in range(int(rng.integers(1, 6))):
+        r = rng.uniform(0.1, 0.4) * min(w, h)
+        cx, cy = rng.uniform(0.1 * w, 0.9 * w), rng.uniform(0.1 * h, 0.9 * h)
+        x0, y0 = int(max(0, cx - 1.3 * r - 8)), int(max(0, cy - 1.3 * r - 8))
+        x1, y1 = int(min(w, cx + 1.3 * r + 8)), int(min(h, cy + 1.3 * r + 8))
+        mask = Image.new("L", (x1 - x0, y1 - y0), 0)
+        draw = ImageDraw.Draw(mask)
+        if rng.random() < 0.4:
+            e = rng.uniform(0.5, 1.0)
+            draw.ellipse((cx - x0 - r, cy - y0 - r * e, cx - x0 + r, cy - y0 + r * e), fill=255)
+        else:
+            n = int(rng.integers(3, 9))
+            angles = np.sort(rng.uniform(0, 2 * math.pi, n))
+            radii = r * rng.uniform(0.5, 1.2, n)
+            draw.polygon([(cx - x0 + q * math.cos(t), cy - y0 + q * math.sin(t)) for t, q in zip(angles, radii)], fill=255)
+        # Soft edges, as optics and depth of field give real object boundaries.
+        alpha = np.asarray(mask.filter(ImageFilter.GaussianBlur(rng.uniform(0.6, 2.5))), dtype=np.float32)[..., None] / 255
+        colour = rng.uniform(15, 240, 3).astype(np.float32)
+        texture = np.roll(detail, (int(rng.integers(h)), int(rng.integers(w))), (0, 1))[y0:y1, x0:x1, None]
+        shade = np.linspace(rng.uniform(-25, 0), rng.uniform(0, 25), x1 - x0, dtype=np.float32)[None, :, None]
+        fg = colour + np.float32(rng.uniform(5, 30)) * texture + shade
+        region = img[y0:y1, x0:x1]
+        img[y0:y1, x0:x1] = region + alpha * (fg - region)
+
+    img += rng.standard_normal((h, w, 3), dtype=np.float32) * np.float32(rng.uniform(1.5, 3.5))
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB")

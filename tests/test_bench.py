@@ -1,0 +1,158 @@
+"""The benchmark tool at toy scale (structure only, no speed assertions) and the ImageNet-like generator."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from prefetchd.bench import CONTENDERS, BenchmarkResults, bench_command, run_benchmark
+from prefetchd.synthetic import IMAGENET_LIKE_SHORT_SIDE, make_imagenet_like
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _spdl_installed() -> bool:
+    return importlib.util.find_spec("spdl") is not None
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory, shapes_data: Path) -> tuple[BenchmarkResults, Path]:
+    out = tmp_path_factory.mktemp("bench-out")
+    results = run_benchmark(
+        shapes_data / "train", workers_list=(1,), batch_size=8, image_size=32, seconds=1.0, out_dir=out,
+        high_water=6,
+    )
+    return results, out
+
+
+def test_every_contender_is_measured(smoke: tuple[BenchmarkResults, Path]) -> None:
+    results, _ = smoke
+    assert [(r.contender, r.workers) for r in results.throughput] == [(name, 1) for name in CONTENDERS]
+    for row in results.throughput:
+        assert row.cores and len(row.cores) == 1
+        if row.contender == "spdl" and not _spdl_installed():
+            assert row.images_per_s is None and row.note.startswith("not installed")
+            continue
+        assert row.images_per_s is not None and row.images_per_s > 0, row.note
+        assert row.images > 0 and row.window_s > 0 and row.first_batch_s is not None and row.first_batch_s > 0
+        assert row.scaling == 1.0
+        assert row.vs_baseline is not None and row.vs_baseline > 0
+    prefetchd = results.throughput[0]
+    assert prefetchd.extra["affinity"]["pinned"] and prefetchd.extra["affinity"]["processes"] >= 2
+
+
+def test_warm_start_data_wait_and_memory(smoke: tuple[BenchmarkResults, Path]) -> None:
+    results, _ = smoke
+    ws = results.warm_start
+    assert ws is not None and "error" not in ws, ws
+    assert len(ws["first_batch_ms"]) == 5 and all(t > 0 for t in ws["first_batch_ms"])
+    assert ws["target_ms"] == 20.0 and isinstance(ws["ok"], bool)
+
+    dw = results.data_wait
+    assert dw is not None and set(dw["contenders"]) == {"prefetchd", "dataloader"}
+    for scenario in dw["contenders"].values():
+        assert 0.0 <= scenario["wait_share"] <= 1.0
+        assert scenario["cycles"] >= 2 and scenario["step_s"] > 0 and scenario["pause_s"] > 0
+
+    phases = [m.get("phase", "throughput run") for m in results.memory]
+    assert phases == ["throughput run", "warm start (filled to high water)"]
+    for mem in results.memory:
+        assert mem["high_water"] == 6 and mem["planned_bytes"] == 6 * mem["batch_bytes"]
+        assert mem["within_plan"], mem
+        assert mem["rss_start_bytes"] > 0 and mem["rss_end_bytes"] > 0
+    # The warm-start daemon filled its buffer to the high-water mark.
+    assert results.memory[1]["peak_waiting_batches"] == 6
+
+
+def test_outputs_are_written(smoke: tuple[BenchmarkResults, Path]) -> None:
+    results, out = smoke
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["format"] == "prefetchd.bench" and doc["version"] == 1
+    assert len(doc["throughput"]) == len(CONTENDERS) and doc["config"]["batch_size"] == 8
+    assert doc["machine"]["usable_cpus"] >= 1 and doc["dataset"]["images"] == 72
+    table = (out / "bench.txt").read_text()
+    assert table.strip() == results.table().strip()
+    for needle in ("img/s", "vs dataloader", "scaling", "warm start", "data-wait share", "prefetchd memory"):
+        assert needle in table
+    assert (out / "logs" / "daemon-k1.log").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert any("matplotlib is not installed" in n for n in results.notes)
+
+
+def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
+    with pytest.raises(ValueError, match="more than the"):
+        run_benchmark(shapes_data / "train", workers_list=(10_000,), out_dir=tmp_path)
+    with pytest.raises(ValueError, match="or batches="):
+        run_benchmark(shapes_data / "train", seconds=None, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="not a directory"):
+        run_benchmark(tmp_path / "missing", out_dir=tmp_path)
+    result = CliRunner().invoke(bench_command, ["--workers", "0", "--data", str(shapes_data / "train")])
+    assert result.exit_code == 2 and "worker counts must be 1 or more" in result.output
+
+
+def test_command_help_and_script() -> None:
+    result = CliRunner().invoke(bench_command, ["--help"])
+    assert result.exit_code == 0 and "--generate" in result.output and "--seconds" in result.output
+    script = subprocess.run([sys.executable, str(REPO / "tools" / "bench.py"), "--help"], capture_output=True, text=True)
+    assert script.returncode == 0 and "tools/bench.py" in script.stdout
+
+
+def test_importing_the_command_stays_light() -> None:
+    # `prefetchd` adds bench_command to its CLI: importing it must not pull in torch.
+    code = "import sys, prefetchd.bench; print(sorted({'torch', 'torchvision', 'matplotlib'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# -- make_imagenet_like -------------------------------------------------------------
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*.JPEG"))}
+
+
+def test_imagenet_like_shape_and_determinism(tmp_path: Path) -> None:
+    a = make_imagenet_like(tmp_path / "a", classes=2, per_class=4, seed=3)
+    b = make_imagenet_like(tmp_path / "b", classes=2, per_class=4, seed=3, workers=2)
+    c = make_imagenet_like(tmp_path / "c", classes=2, per_class=4, seed=4)
+    assert a.classes == ("class_000", "class_001") and a.images == 8
+    da, db, dc = _digest(a.root), _digest(b.root), _digest(c.root)
+    assert len(da) == 8 and da == db and set(da.values()).isdisjoint(dc.values())
+    lo, hi = IMAGENET_LIKE_SHORT_SIDE
+    for path in sorted(a.root.rglob("*.JPEG")):
+        with Image.open(path) as im:
+            assert im.format == "JPEG" and im.mode == "RGB"
+            assert lo <= min(im.size) <= hi and max(im.size) / min(im.size) <= 16 / 9 + 0.01
+    # Realistic entropy: tens of KB per file, not a few (flat) or hundreds (white noise).
+    assert 30 < a.mean_kb < 300
+    done: list[tuple[int, int]] = []
+    make_imagenet_like(tmp_path / "d", classes=1, per_class=2, progress=lambda n, t: done.append((n, t)))
+    assert done == [(1, 2), (2, 2)]
+
+
+def test_imagenet_like_from_photos_and_refusals(tmp_path: Path) -> None:
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.new("RGB", (800, 300), (200, 30, 40)).save(photos / "wide.png")
+    Image.new("RGB", (200, 900), (20, 130, 40)).save(photos / "tall.jpg")
+    s = make_imagenet_like(tmp_path / "out", classes=2, per_class=3, source=photos)
+    for path in sorted(s.root.rglob("*.JPEG")):
+        with Image.open(path) as im:
+            assert IMAGENET_LIKE_SHORT_SIDE[0] <= min(im.size) <= IMAGENET_LIKE_SHORT_SIDE[1]
+    with pytest.raises(FileExistsError, match="not empty"):
+        make_imagenet_like(tmp_path / "out", classes=1, per_class=1)
+    make_imagenet_like(tmp_path / "out", classes=1, per_class=1, overwrite=True)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["class_000"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no photos"):
+        make_imagenet_like(tmp_path / "x", source=tmp_path / "empty", classes=1, per_class=1)
