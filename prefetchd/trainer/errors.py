@@ -1,9 +1,9 @@
-"""Errors the trainer side raises when the buffer does not deliver.
+"""Errors the trainer side raises when the buffer does not deliver, or a checkpoint does not fit.
 
 A malformed file in the buffer is the protocol's business and raises
-:class:`prefetchd.buffer_protocol.ProtocolError`; these are about waiting: the
-daemon is slow, stuck or gone.  Every message names the buffer, what was waited
-for and the command that fixes it.
+:class:`prefetchd.buffer_protocol.ProtocolError`; the loader errors are about
+waiting: the daemon is slow, stuck or gone.  Every message names the buffer
+(or checkpoint), what was waited for or found, and the command that fixes it.
 """
 
 from __future__ import annotations
@@ -25,4 +25,8 @@ class StateMismatch(LoaderError, ValueError):
     """A loader state (from a checkpoint) does not fit the buffer's job."""
 
 
-__all__ = ["DaemonGone", "LoaderError", "LoaderTimeout", "StateMismatch"]
+class CheckpointError(ValueError):
+    """A ``prefetchd-train`` checkpoint is unreadable, of another format, or does not fit the run."""
+
+
+__all__ = ["CheckpointError", "DaemonGone", "LoaderError", "LoaderTimeout", "StateMismatch"]

@@ -21,6 +21,13 @@ before it) is the trainer's side of flow control:
   deleted under it;
 - the same position is never written twice in a row.
 
+On a CUDA device the batch goes through ``prefetchd.trainer.gpu`` (``pin``):
+a pinned staging ring or a page-locked mapping, copied on a side stream and
+converted on the device, with the next ``prefetch`` batches already on their way
+while the consumer works on this one.  There a batch counts as consumed only
+once the consumer has come back for the next one *and* its copy has completed,
+so progress.json may trail the position by a batch the copy engine still reads.
+
 The loader is not thread-safe; use one per consumer thread and buffer.
 """
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +57,7 @@ from prefetchd.buffer_protocol import (
     read_status,
 )
 from prefetchd.trainer.errors import DaemonGone, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +155,14 @@ class BufferLoader:
         daemon_grace: seconds a missing batch is waited for while no daemon owns
             the buffer before :class:`DaemonGone` is raised.
         mean, std: per-channel statistics for ``normalize`` (in [0, 1] units).
+        pin: how batches reach a CUDA device (see ``prefetchd.trainer.gpu``):
+            "staging" copies each mapped batch into a ring of pinned buffers and
+            from there to the device on a side stream; "register" page-locks the
+            mapped file itself (no host copy, a driver call per batch); "none" is
+            a plain synchronous copy from the mapping.  "auto" (the default) is
+            "staging" on CUDA and "none" on the CPU, where it is the only choice.
+        prefetch: with "staging" or "register", how many batches after the one
+            handed out are already being copied (those whose files exist).
     """
 
     def __init__(
@@ -158,7 +175,13 @@ class BufferLoader:
         daemon_grace: float = 5.0,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        pin: PinMode = "auto",
+        prefetch: int = 1,
     ) -> None:
+        if pin not in PIN_MODES:
+            raise ValueError(f"pin={pin!r}: expected one of {', '.join(map(repr, PIN_MODES))}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r}: pass a non-negative number of batches")
         if not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: pass a positive number of seconds")
         if not daemon_grace >= 0:
@@ -181,6 +204,40 @@ class BufferLoader:
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
+        self._feeder: DeviceFeeder | None = None
+        self._prefetch = 0
+        self._ahead: deque[Transfer] = deque()  # started, not yet handed out: consecutive positions
+        self._handed: deque[Transfer] = deque()  # handed out, copy not yet known to be complete
+        self._pin: PinMode = "none"
+        if self._device.type == "cuda":
+            mode = "staging" if pin == "auto" else pin
+            if mode != "none":
+                self._attach_feeder(CudaBackend(self._device), mode, prefetch)
+        elif pin not in ("auto", "none"):
+            raise ValueError(
+                f"pin={pin!r} needs a CUDA device, but device={str(device)!r}; pass pin='auto' or leave it out"
+            )
+
+    def _attach_feeder(self, backend: Backend, mode: PinMode, prefetch: int) -> None:
+        """Send batches through a :class:`DeviceFeeder` on ``backend`` (also how tests fake CUDA)."""
+        if mode != "staging" and mode != "register":
+            raise ValueError(f"pin={mode!r}: a device feeder does 'staging' or 'register'")
+        m = self._manifest
+        self._feeder = DeviceFeeder(
+            backend,
+            mode,
+            batch_size=m.batch_size,
+            image_shape=(m.image_size, m.image_size, m.channels),
+            scale=self._scale,
+            shift=self._shift,
+            # One slot for each batch ahead, one for the batch in use, one whose copy may not
+            # have been confirmed yet; a slot is waited for only when the ring comes round.
+            ring=prefetch + 2,
+        )
+        self._prefetch = prefetch
+        self._pin = mode
+        # A loader dropped without close() must still unpin before its mappings are unmapped.
+        weakref.finalize(self, self._feeder.close_quietly)
 
     # -- read-only views ---------------------------------------------------------
 
@@ -201,6 +258,11 @@ class BufferLoader:
         return list(self._manifest.classes)
 
     @property
+    def pin(self) -> PinMode:
+        """How batches reach the device: "staging", "register" or "none"."""
+        return self._pin
+
+    @property
     def position(self) -> tuple[int, int]:
         """(epoch, step) of the next batch to be delivered."""
         return (self._epoch, self._step)
@@ -211,7 +273,7 @@ class BufferLoader:
     def __repr__(self) -> str:
         return (
             f"BufferLoader({str(self._buffer)!r}, device={str(self._device)!r}, normalize={self._normalize}, "
-            f"position={self.position}, steps_per_epoch={len(self)})"
+            f"pin={self._pin!r}, position={self.position}, steps_per_epoch={len(self)})"
         )
 
     # -- iteration ---------------------------------------------------------------
@@ -236,7 +298,10 @@ class BufferLoader:
             self._publish()
             return None
         asked = time.monotonic()
-        batch = self._to_batch(self._wait_for_batch(self._epoch, self._step))
+        if self._feeder is None:
+            batch = self._to_batch(self._wait_for_batch(self._epoch, self._step))
+        else:
+            batch = self._next_on_device(self._feeder)
         self._waits.add(asked, time.monotonic())
         # Handed over: the position moves now (state_dict reflects it), progress.json
         # only when the consumer comes back (see the module docstring).
@@ -249,8 +314,66 @@ class BufferLoader:
         epochs = self._manifest.epochs
         return epochs is not None and self._epoch >= epochs
 
-    def _publish(self) -> None:
+    # -- the device path -----------------------------------------------------------
+
+    def _next_on_device(self, feeder: DeviceFeeder) -> Batch:
+        key = (self._epoch, self._step)
+        transfer = self._take_ahead(key)
+        if transfer is None:
+            mapped = self._wait_for_batch(*key)
+            self._check(mapped, *key)
+            transfer = feeder.start(mapped, key)
+        images, labels = feeder.hand_out(transfer)
+        self._handed.append(transfer)
+        # Double buffering: the next batch's copy overlaps the consumer's work on this one.
+        self._fill_ahead(feeder, key)
+        return Batch(
+            images=images, labels=labels, indices=transfer.indices, epoch=key[0], step=key[1],
+            replaced=transfer.replaced,
+        )
+
+    def _take_ahead(self, key: tuple[int, int]) -> Transfer | None:
+        if self._ahead and self._ahead[0].key == key:
+            return self._ahead.popleft()
+        self._drain(self._ahead)  # started for positions the consumer no longer asks for
+        return None
+
+    def _fill_ahead(self, feeder: DeviceFeeder, key: tuple[int, int]) -> None:
+        """Start the copies of the next ``prefetch`` batches whose files are already there."""
+        last = self._ahead[-1].key if self._ahead else key
+        while len(self._ahead) < self._prefetch:
+            epoch, step = last[0], last[1] + 1
+            if step >= self._manifest.steps_per_epoch:
+                epoch, step = epoch + 1, 0
+            epochs = self._manifest.epochs
+            if epochs is not None and epoch >= epochs:
+                return
+            try:
+                mapped = map_batch(self._buffer / batch_name(epoch, step))
+                self._check(mapped, epoch, step)
+            except (FileNotFoundError, ProtocolError, ValueError):
+                # Not produced yet, or broken: its own turn waits for it or reports it.
+                return
+            self._ahead.append(feeder.start(mapped, (epoch, step)))
+            last = (epoch, step)
+
+    def _consumed_until(self) -> tuple[int, int]:
+        """The position progress.json may name: handed-out batches still being copied are not consumed."""
         position = (self._epoch, self._step)
+        if self._feeder is None:
+            return position
+        while self._handed and self._feeder.finish(self._handed[0], wait=False):
+            self._handed.popleft()
+        return min(position, self._handed[0].key) if self._handed else position
+
+    def _drain(self, transfers: deque[Transfer]) -> None:
+        while transfers:
+            transfer = transfers.popleft()
+            if self._feeder is not None:
+                self._feeder.finish(transfer, wait=True)
+
+    def _publish(self) -> None:
+        position = self._consumed_until()
         if position == self._published:
             return
         try:
@@ -325,6 +448,8 @@ class BufferLoader:
                 f"loader state is at epoch {epoch} step {step}, past the end of the job in {self._buffer} "
                 f"({m.epochs} epochs); restart the daemon with a larger --epochs"
             )
+        self._drain(self._ahead)
+        self._drain(self._handed)
         self._epoch, self._step = epoch, step
         self._generation += 1
         self._publish()
@@ -335,6 +460,8 @@ class BufferLoader:
         """Mark the batch handed over last as consumed and end all iterators."""
         if self._closed:
             return
+        self._drain(self._ahead)
+        self._drain(self._handed)
         if self._published is not None:
             try:
                 self._publish()
@@ -464,8 +591,27 @@ class BufferLoader:
         return scale.to(self._device), shift.to(self._device)
 
     def _to_batch(self, mapped: MappedBatch) -> Batch:
-        meta, m = mapped.meta, self._manifest
         epoch, step = self._epoch, self._step
+        self._check(mapped, epoch, step)
+        # HWC bytes seen as NCHW: a free permute whose strides are channels_last.
+        images = torch.from_numpy(mapped.images).permute(0, 3, 1, 2)
+        images = images.to(self._device, non_blocking=self._non_blocking)
+        labels = torch.from_numpy(mapped.labels).to(self._device, non_blocking=self._non_blocking)
+        if self._scale is not None and self._shift is not None:
+            # Convert after the move: uint8 crosses the bus, a quarter of float32's bytes.
+            images = images.to(torch.float32).mul_(self._scale).sub_(self._shift)
+        return Batch(
+            images=images,
+            labels=labels,
+            indices=torch.from_numpy(mapped.indices),
+            epoch=epoch,
+            step=step,
+            replaced=mapped.meta.replaced,
+        )
+
+    def _check(self, mapped: MappedBatch, epoch: int, step: int) -> None:
+        """Raise ProtocolError unless ``mapped`` is batch (epoch, step) of this loader's job."""
+        meta, m = mapped.meta, self._manifest
         path = mapped.path
         if (meta.epoch, meta.step) != (epoch, step):
             raise ProtocolError(
@@ -486,21 +632,6 @@ class BufferLoader:
                 f"{path}: labels range over [{int(labels_np.min())}, {int(labels_np.max())}] but the manifest "
                 f"has {len(m.classes)} classes; delete it (the daemon regenerates missing batches)"
             )
-        # HWC bytes seen as NCHW: a free permute whose strides are channels_last.
-        images = torch.from_numpy(mapped.images).permute(0, 3, 1, 2)
-        images = images.to(self._device, non_blocking=self._non_blocking)
-        labels = torch.from_numpy(labels_np).to(self._device, non_blocking=self._non_blocking)
-        if self._scale is not None and self._shift is not None:
-            # Convert after the move: uint8 crosses the bus, a quarter of float32's bytes.
-            images = images.to(torch.float32).mul_(self._scale).sub_(self._shift)
-        return Batch(
-            images=images,
-            labels=labels,
-            indices=torch.from_numpy(mapped.indices),
-            epoch=epoch,
-            step=step,
-            replaced=meta.replaced,
-        )
 
 
 class WaitMeter:

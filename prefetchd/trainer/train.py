@@ -1,43 +1,76 @@
 """The reference trainer behind ``prefetchd-train``: a torchvision model fed from a buffer.
 
-It is deliberately plain (SGD, cosine schedule, cross-entropy, channels_last) so
-that what it measures is the data path: per epoch it prints loss, top-1,
-images/s and the *data-wait share*, the fraction of the epoch spent inside the
-loaders' ``next()``.  A share near zero means the daemon keeps the model fed.
+A plain, complete training engine (SGD or AdamW, linear warmup then cosine,
+label smoothing, bf16 autocast, channels_last, exact checkpoint/resume) whose
+numbers say whether the data path keeps up: per epoch it prints loss, top-1,
+top-5, images/s and the *data-wait share*, the fraction of the epoch spent
+inside the loaders' ``next()``.  A share near zero means the daemon keeps the
+model fed.
+
+Checkpoints (``--checkpoint-dir``) hold everything the run depends on: model,
+optimizer, scheduler, both loaders' positions, the epoch, the half-finished
+epoch's sums, the metrics so far and the RNG states.  Because batch (epoch,
+step) is bit-identical whenever it is produced, ``--resume`` continues with
+exactly the batch after the checkpoint, whether the daemon still holds it or
+has to make it again.
+
+The trainer never imports the daemon: ``--spawn-daemon`` starts one through
+the ``prefetchd start`` command line and stops it at the end.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import math
 import os
+import random
+import signal
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, nullcontext
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import click
+import numpy as np
 import torch
 import torchvision
 from torch import nn
 
-from prefetchd.buffer_protocol import ProtocolError
-from prefetchd.trainer.errors import LoaderError
+from prefetchd.buffer_protocol import ProtocolError, daemon_pid
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME
+from prefetchd.trainer.errors import CheckpointError, LoaderError
+from prefetchd.trainer.gpu import PIN_MODES, PinMode
 from prefetchd.trainer.loader import Batch, BufferLoader
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
-EXIT_FAILED = 1  # a configuration problem found before training (click.ClickException)
+EXIT_FAILED = 1  # a configuration problem found before training (click.ClickException), a bad checkpoint
 EXIT_BUFFER = 3  # the buffer could not deliver: LoaderError / ProtocolError
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint
 
 METRICS_FORMAT = "prefetchd.train_metrics"
-METRICS_VERSION = 1
+METRICS_VERSION = 2
+CHECKPOINT_FORMAT = "prefetchd.train_checkpoint"
+CHECKPOINT_VERSION = 1
+LAST_CHECKPOINT = "last.pt"
+
+OPTIMIZERS = ("sgd", "adamw")
+# (peak learning rate, weight decay) when not given: the usual ResNet recipes for each.
+OPTIMIZER_DEFAULTS = {"sgd": (0.05, 5e-4), "adamw": (1e-3, 0.05)}
+TOP_K = 5
+DAEMON_STOP_SECONDS = 30.0
+# Settings a checkpoint cannot be resumed under when they changed (the state would not fit).
+_RESUME_FIXED = ("model", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -47,15 +80,54 @@ class TrainConfig:
     buffer: Path
     val_buffer: Path | None = None
     epochs: int | None = None
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
     model: str = "resnet18"
+    pretrained: bool = False
+    optimizer: str = "sgd"
+    lr: float | None = None  # None: OPTIMIZER_DEFAULTS
+    momentum: float = 0.9
+    weight_decay: float | None = None  # None: OPTIMIZER_DEFAULTS
+    warmup_epochs: float = 0.0
+    label_smoothing: float = 0.0
+    amp: bool = False
+    seed: int = 0
     device: str = "auto"
+    pin: str = "auto"
     timeout: float = 120.0
     metrics_json: Path | None = None
+    metrics_csv: Path | None = None
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False
+    max_steps: int | None = None
+    spawn_daemon: bool = False
+    data: Path | None = None
+    val_data: Path | None = None
+    batch_size: int | None = None
+    image_size: int | None = None
+    workers: int | None = None
+    high_water: int | None = None
     threads: int | None = None
     quiet: bool = False
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else OPTIMIZER_DEFAULTS[self.optimizer][0]
+
+    @property
+    def decay(self) -> float:
+        return self.weight_decay if self.weight_decay is not None else OPTIMIZER_DEFAULTS[self.optimizer][1]
+
+
+@dataclass
+class PassState:
+    """The running sums of a pass: what a mid-epoch checkpoint saves and a resume continues from."""
+
+    loss_sum: float = 0.0
+    correct1: int = 0
+    correctk: int = 0
+    seen: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 @dataclass
@@ -67,6 +139,9 @@ class PassStats:
     images: int
     seconds: float
     wait_seconds: float
+    topk: float = math.nan
+    k: int = 1
+    stopped: bool = False  # ended early because ``after_step`` asked to
 
 
 # -- progress display -------------------------------------------------------------
@@ -130,23 +205,46 @@ def run_pass(
     progress: _ProgressLine,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    *,
+    topk: int = TOP_K,
+    amp: bool = False,
+    start: PassState | None = None,
+    after_step: Callable[[Callable[[], PassState]], bool] | None = None,
 ) -> PassStats:
-    """Train (with an optimizer) or evaluate (without) over the rest of the loader's epoch."""
+    """Train (with an optimizer) or evaluate (without) over the rest of the loader's epoch.
+
+    ``start`` continues the sums of a pass that a checkpoint interrupted.
+    ``after_step`` is called after every optimizer step with a function that
+    snapshots the sums; returning True ends the pass there.
+    """
     training = optimizer is not None
     model.train(training)
     device = loader.device
+    k = max(1, min(topk, len(loader.classes)))
+    begun = start or PassState()
     # Sums stay on the device so no step waits for the GPU just to log.
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    seen = 0
-    wait = 0.0
-    start = time.perf_counter()
+    loss_sum = torch.full((), begun.loss_sum, dtype=torch.float64, device=device)
+    correct1 = torch.full((), begun.correct1, dtype=torch.int64, device=device)
+    correctk = torch.full((), begun.correctk, dtype=torch.int64, device=device)
+    seen = begun.seen
+    wait = begun.wait_seconds
+    t0 = time.perf_counter()
+
+    def snapshot() -> PassState:
+        return PassState(
+            loss_sum=loss_sum.item(), correct1=int(correct1.item()), correctk=int(correctk.item()), seen=seen,
+            seconds=begun.seconds + time.perf_counter() - t0, wait_seconds=wait,
+        )
+
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else nullcontext()
+    stopped = False
     with torch.set_grad_enabled(training):
         for done, (batch, waited) in enumerate(_timed(loader), start=1):
             wait += waited
             images, labels = batch
-            logits = model(images)
-            loss = criterion(logits, labels)
+            with autocast:
+                logits = model(images)
+                loss = criterion(logits, labels)
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -155,18 +253,30 @@ def run_pass(
                     scheduler.step()
             n = labels.shape[0]
             loss_sum += loss.detach().double() * n
-            correct += (logits.argmax(dim=1) == labels).sum()
+            correct1 += (logits.argmax(dim=1) == labels).sum()
+            correctk += (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum()
             seen += n
             progress.update(done, lambda: loss_sum.item() / max(seen, 1))
+            if after_step is not None and after_step(snapshot):
+                stopped = True
+                break
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     progress.finish()
+    return _stats(snapshot(), k, stopped)
+
+
+def _stats(state: PassState, k: int, stopped: bool = False) -> PassStats:
+    n = state.seen
     return PassStats(
-        loss=loss_sum.item() / seen if seen else math.nan,
-        top1=correct.item() / seen if seen else math.nan,
-        images=seen,
-        seconds=time.perf_counter() - start,
-        wait_seconds=wait,
+        loss=state.loss_sum / n if n else math.nan,
+        top1=state.correct1 / n if n else math.nan,
+        topk=state.correctk / n if n else math.nan,
+        k=k,
+        images=n,
+        seconds=state.seconds,
+        wait_seconds=state.wait_seconds,
+        stopped=stopped,
     )
 
 
@@ -204,138 +314,650 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def train(config: TrainConfig, echo: Callable[[str], None] = click.echo) -> dict[str, Any]:
-    """Run the whole training; returns the metrics document (also written to ``metrics_json``)."""
+# -- model, optimizer, schedule --------------------------------------------------------
+
+
+def cached_weights(model: str) -> tuple[str, Path]:
+    """torchvision's default weights for ``model``: their name and where the torch hub cache keeps them."""
+    try:
+        weights = torchvision.models.get_model_weights(model).DEFAULT
+    except (ValueError, KeyError, AttributeError):
+        raise click.ClickException(f"--pretrained: torchvision has no pretrained weights for --model {model}") from None
+    filename = os.path.basename(urllib.parse.urlparse(weights.url).path)
+    return f"{type(weights).__name__}.{weights.name}", Path(torch.hub.get_dir()) / "checkpoints" / filename
+
+
+def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[str], None] = click.echo) -> nn.Module:
+    """A torchvision model for ``num_classes``; with ``pretrained``, weights from the local hub cache only.
+
+    The classifier of the pretrained weights rarely has ``num_classes``
+    outputs: tensors whose shape differs stay freshly initialised.
+    """
+    try:
+        model: nn.Module = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    except ValueError as exc:
+        raise click.ClickException(f"--model {name}: {exc}") from None
+    if not pretrained:
+        return model
+    weights, path = cached_weights(name)
+    if not path.is_file():
+        raise click.ClickException(
+            f"--pretrained: {weights} is not in the local torch hub cache ({path}), and prefetchd-train never "
+            f"downloads. Fetch it once where there is network access, e.g. `python -c \"import torchvision; "
+            f"torchvision.models.get_model('{name}', weights='DEFAULT')\"`, and copy {path.name} to "
+            f"{path.parent} (or point TORCH_HOME at a cache that has it)"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise click.ClickException(f"--pretrained: cannot read {path} ({exc}); delete it and fetch it again") from None
+    own = model.state_dict()
+    if not isinstance(state, Mapping) or any(key not in state for key in own if not key.endswith("num_batches_tracked")):
+        missing = [key for key in own if not isinstance(state, Mapping) or key not in state][:5]
+        raise click.ClickException(
+            f"--pretrained: {path} does not hold weights for --model {name} (missing {missing}); delete it and "
+            "fetch it again"
+        )
+    fitting = {key: value for key, value in state.items() if key in own and own[key].shape == value.shape}
+    model.load_state_dict(fitting, strict=False)
+    fresh = [key for key in own if key not in fitting]
+    echo(
+        f"prefetchd-train: --pretrained: {weights} from {path}"
+        + (f"; kept freshly initialised for {num_classes} classes: {', '.join(fresh)}" if fresh else "")
+    )
+    return model
+
+
+def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.peak_lr, weight_decay=config.decay)
+    return torch.optim.SGD(model.parameters(), lr=config.peak_lr, momentum=config.momentum, weight_decay=config.decay)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Learning-rate factor of step ``s``: linear from 1/warmup to 1, then half a cosine to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup_steps) / span)))
+
+    return factor
+
+
+# -- checkpoints ------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` with torch.save, atomically: a reader (or a restart after SIGKILL) sees the old file or the new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(dict(doc), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint written by ``prefetchd-train``; CheckpointError says what is wrong with anything else."""
+    try:
+        doc = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{path}: cannot read the checkpoint ({' '.join(str(exc).split())[:300]}); delete it to train from "
+            "scratch, or point --checkpoint-dir at an intact one"
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: not a prefetchd-train checkpoint (no format {CHECKPOINT_FORMAT!r})")
+    if doc.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint version {doc.get('version')!r}; this prefetchd-train reads version "
+            f"{CHECKPOINT_VERSION}"
+        )
+    return doc
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    version, keys, gauss = random.getstate()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
+        "python": {"version": version, "keys": torch.tensor(keys, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4]),
+        },
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda"):
+        torch.cuda.set_rng_state_all(state["cuda"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(v) for v in py["keys"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        ("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+    )
+
+
+# -- spawning daemons ---------------------------------------------------------------------
+
+
+@dataclass
+class SpawnedDaemon:
+    """A `prefetchd start` process this trainer started."""
+
+    proc: subprocess.Popen[bytes]
+    buffer: Path
+    started: float  # time.time() at the start: a manifest older than this is an earlier daemon's
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the daemon owns the buffer and has written its manifest; say so if it died first."""
+        proc, buffer = self.proc, self.buffer
+        deadline = time.monotonic() + timeout
+        manifest = buffer / MANIFEST_NAME
+        while True:
+            code = proc.poll()
+            if code is not None:
+                command = " ".join(str(a) for a in proc.args) if isinstance(proc.args, list) else str(proc.args)
+                raise click.ClickException(
+                    f"the daemon started for {buffer} exited with code {code} before serving it (its message is "
+                    f"above); the command was: {command}"
+                )
+            try:
+                fresh = manifest.stat().st_mtime >= self.started - 0.05
+            except FileNotFoundError:
+                fresh = False
+            if fresh and daemon_pid(buffer) == proc.pid:
+                return
+            if time.monotonic() >= deadline:
+                raise click.ClickException(
+                    f"the daemon started for {buffer} (pid {proc.pid}) wrote no manifest within {timeout:g} s; it "
+                    "may still be indexing a large dataset: pass a larger --timeout"
+                )
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM (the daemon's graceful stop), bounded wait, SIGKILL if it does not go."""
+        proc = self.proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(DAEMON_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                logger.warning("the daemon (pid %d) did not stop within %g s of SIGTERM; killing it",
+                               proc.pid, DAEMON_STOP_SECONDS)
+                proc.kill()
+                proc.wait()
+
+
+def spawn_daemon(buffer: Path, data: Path, split: str, config: TrainConfig,
+                 echo: Callable[[str], None]) -> SpawnedDaemon | None:
+    """Start `prefetchd start` for ``buffer`` unless a daemon owns it already.
+
+    Returns at once, so several daemons start up side by side; then
+    :meth:`SpawnedDaemon.wait_ready`.
+    """
+    pid = daemon_pid(buffer)
+    if pid is not None:
+        echo(f"prefetchd-train: {buffer} is served by the running daemon (pid {pid}); not starting another")
+        return None
+    cmd = [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data", str(data),
+           "--split", split, "--seed", str(config.seed), "--log-level", "warning"]
+    if config.epochs is not None:
+        cmd += ["--epochs", str(config.epochs)]
+    for flag, value in (("--batch-size", config.batch_size), ("--image-size", config.image_size),
+                        ("--workers", config.workers), ("--high-water", config.high_water)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    started = time.time()
+    # The daemon's warnings and errors go to our stderr. It is not tied to us: if we are
+    # killed it keeps filling the buffer, and a restarted trainer finds it ready.
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    if not config.quiet:
+        echo(f"prefetchd-train: started the {split} daemon for {buffer} (pid {proc.pid}) on {data}")
+    return SpawnedDaemon(proc, buffer, started)
+
+
+def _check_spawn_options(config: TrainConfig) -> None:
+    spawn_only = {"data": "--data", "val_data": "--val-data", "batch_size": "--batch-size",
+                  "image_size": "--image-size", "workers": "--workers", "high_water": "--high-water"}
+    if not config.spawn_daemon:
+        given = [flag for key, flag in spawn_only.items() if getattr(config, key) is not None]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} configure the daemon that --spawn-daemon starts; add "
+                                   "--spawn-daemon, or pass them to `prefetchd start`")
+        return
+    if config.data is None:
+        raise click.UsageError("--spawn-daemon needs --data ROOT (the class-folder dataset to serve)")
+    if config.epochs is None:
+        raise click.UsageError("--spawn-daemon needs --epochs N (the daemon produces that many epochs)")
+
+
+def _check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | None) -> None:
+    """With --spawn-daemon a daemon that was already running must serve what the flags ask for."""
+    m = loader.manifest
+    wrong = []
+    if data is not None and Path(m.dataset_root).resolve() != data.resolve():
+        wrong.append(f"dataset {m.dataset_root}, not {data}")
+    if config.batch_size is not None and m.batch_size != config.batch_size:
+        wrong.append(f"batch size {m.batch_size}, not {config.batch_size}")
+    if config.image_size is not None and m.image_size != config.image_size:
+        wrong.append(f"image size {m.image_size}, not {config.image_size}")
+    if wrong:
+        raise click.ClickException(
+            f"the daemon serving {loader.buffer} produces {'; '.join(wrong)}. Stop it (`prefetchd stop --buffer "
+            f"{loader.buffer}`) to let --spawn-daemon start the job asked for, or drop the differing flags"
+        )
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+class _Checkpointer:
+    """Saves DIR/last.pt every N steps and at every epoch's end."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.path = config.checkpoint_dir / LAST_CHECKPOINT if config.checkpoint_dir is not None else None
+        self.every = config.checkpoint_every
+
+    def due(self, global_step: int) -> bool:
+        return self.path is not None and self.every is not None and global_step % self.every == 0
+
+    def save(self, doc: Mapping[str, Any]) -> None:
+        if self.path is not None:
+            save_checkpoint(self.path, doc)
+
+
+def train(
+    config: TrainConfig, echo: Callable[[str], None] = click.echo, should_stop: Callable[[], bool] | None = None
+) -> dict[str, Any]:
+    """Run the whole training; returns the metrics document (also written to ``metrics_json``).
+
+    ``should_stop`` is asked after every training step; True ends the run there,
+    with a checkpoint, as ``--max-steps`` does (``main`` wires it to SIGTERM).
+    """
+    if config.optimizer not in OPTIMIZERS:
+        raise click.UsageError(f"--optimizer {config.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
+    if config.resume and config.checkpoint_dir is None:
+        raise click.UsageError("--resume continues from DIR/last.pt: pass --checkpoint-dir DIR")
+    _check_spawn_options(config)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+    pin: PinMode = "none" if device.type != "cuda" else config.pin  # type: ignore[assignment]
+    torch.manual_seed(config.seed)
+    val_buffer = config.val_buffer
+    if config.spawn_daemon and config.val_data is not None and val_buffer is None:
+        val_buffer = config.buffer.with_name(config.buffer.name + "-val")
+
     with ExitStack() as stack:
-        train_loader = stack.enter_context(BufferLoader(config.buffer, device=device, timeout=config.timeout))
+        if config.spawn_daemon:
+            assert config.data is not None  # _check_spawn_options
+            wanted = [(config.buffer, config.data, "train")]
+            if config.val_data is not None and val_buffer is not None:
+                wanted.append((val_buffer, config.val_data, "val"))
+            spawned = []
+            for buffer, data, split in wanted:
+                daemon = spawn_daemon(buffer, data, split, config, echo)
+                if daemon is not None:
+                    # Registered before the loaders: on the way out the loaders close (final progress) first.
+                    stack.callback(daemon.stop)
+                    spawned.append(daemon)
+            for daemon in spawned:
+                daemon.wait_ready(config.timeout)
+        train_loader = stack.enter_context(
+            BufferLoader(config.buffer, device=device, timeout=config.timeout, pin=pin)
+        )
         val_loader = None
-        if config.val_buffer is not None:
-            val_loader = stack.enter_context(BufferLoader(config.val_buffer, device=device, timeout=config.timeout))
+        if val_buffer is not None:
+            val_loader = stack.enter_context(BufferLoader(val_buffer, device=device, timeout=config.timeout, pin=pin))
             if val_loader.classes != train_loader.classes:
                 raise click.ClickException(
-                    f"{config.val_buffer} has classes {val_loader.classes[:5]}... but {config.buffer} has "
+                    f"{val_buffer} has classes {val_loader.classes[:5]}... but {config.buffer} has "
                     f"{train_loader.classes[:5]}...; both daemons must serve the same class folders"
                 )
+        if config.spawn_daemon:
+            _check_served_job(config, train_loader, config.data)
+            if val_loader is not None and config.val_data is not None:
+                _check_served_job(config, val_loader, config.val_data)
         epochs = _resolve_epochs(config, train_loader, val_loader)
+        run = _Run(config, device, train_loader, val_loader, epochs, val_buffer, echo)
+        if should_stop is not None:
+            run.should_stop = should_stop
+        return run.run()
+
+
+class _Run:
+    def __init__(self, config: TrainConfig, device: torch.device, train_loader: BufferLoader,
+                 val_loader: BufferLoader | None, epochs: int, val_buffer: Path | None,
+                 echo: Callable[[str], None]) -> None:
+        self.config, self.device, self.epochs, self.echo = config, device, epochs, echo
+        self.train_loader, self.val_loader, self.val_buffer = train_loader, val_loader, val_buffer
         classes = train_loader.classes
-        try:
-            model = torchvision.models.get_model(config.model, weights=None, num_classes=len(classes))
-        except ValueError as exc:
-            raise click.ClickException(f"--model {config.model}: {exc}") from None
-        model = model.to(device, memory_format=torch.channels_last)
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        self.k = max(1, min(TOP_K, len(classes)))
+        model = build_model(config.model, len(classes), config.pretrained, echo)
+        self.model = model.to(device).to(memory_format=torch.channels_last)
+        self.optimizer = build_optimizer(config, self.model)
+        steps = len(train_loader)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(round(config.warmup_epochs * steps), max(1, epochs * steps))
         )
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, epochs * len(train_loader)))
-        criterion = nn.CrossEntropyLoss()
-        m = train_loader.manifest
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+        self.checkpointer = _Checkpointer(config)
+        self.per_epoch: list[dict[str, Any]] = []
+        self.epoch = 0
+        self.global_step = 0
+        self.partial: PassState | None = None  # sums of the train pass a checkpoint interrupted
+        self.epoch_lr: float | None = None
+        self.resumed_from: dict[str, Any] | None = None
+        self.should_stop: Callable[[], bool] = lambda: False
+        self.stop_reason: str | None = None
+
+    # -- checkpoint documents
+
+    def _doc(self, partial: PassState | None) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "config": _plain_config(self.config),
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "loaders": {
+                "train": self.train_loader.state_dict(),
+                "val": self.val_loader.state_dict() if self.val_loader is not None else None,
+            },
+            "partial": asdict(partial) if partial is not None else None,
+            "epoch_lr": self.epoch_lr,
+            "metrics": self.per_epoch,
+            "rng": _rng_state(self.device),
+        }
+
+    def _restore(self) -> None:
+        assert self.checkpointer.path is not None
+        path = self.checkpointer.path
+        try:
+            doc = load_checkpoint(path)
+        except FileNotFoundError:
+            self.echo(f"prefetchd-train: --resume: no checkpoint at {path} yet; starting from scratch")
+            return
+        saved = doc.get("config") or {}
+        for key in _RESUME_FIXED:
+            if key in saved and saved[key] != getattr(self.config, key):
+                raise CheckpointError(
+                    f"{path}: the checkpoint was taken with --{key} {saved[key]}, this run has --{key} "
+                    f"{getattr(self.config, key)}; resume with the checkpoint's settings or use another --checkpoint-dir"
+                )
+        changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in _plain_config(self.config).items()
+                   if k in saved and saved[k] != v and k not in ("resume", "quiet", "max_steps", "threads")]
+        if changed:
+            logger.warning("resuming %s with changed settings: %s", path, "; ".join(changed))
+        try:
+            self.model.load_state_dict(doc["model"])
+            self.optimizer.load_state_dict(doc["optimizer"])
+            self.scheduler.load_state_dict(doc["scheduler"])
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: does not fit this run ({' '.join(str(exc).split())[:300]})") from None
+        loaders = doc["loaders"]
+        self.train_loader.load_state_dict(loaders["train"])
+        if self.val_loader is not None:
+            if loaders.get("val") is not None:
+                self.val_loader.load_state_dict(loaders["val"])
+            else:
+                self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": doc["epoch"], "step": 0})
+        self.epoch = int(doc["epoch"])
+        self.global_step = int(doc["global_step"])
+        self.per_epoch = list(doc["metrics"])
+        self.partial = PassState(**doc["partial"]) if doc.get("partial") else None
+        self.epoch_lr = doc.get("epoch_lr")
+        _set_rng_state(doc["rng"], self.device)
+        position = self.train_loader.position
+        self.resumed_from = {"epoch": self.epoch, "global_step": self.global_step, "position": list(position)}
+        self.echo(f"prefetchd-train: resumed from {path}: epoch {self.epoch + 1}, global step {self.global_step}, "
+                  f"next batch epoch {position[0]} step {position[1]}")
+
+    # -- the loop
+
+    def run(self) -> dict[str, Any]:
+        config, echo = self.config, self.echo
+        if config.resume:
+            self._restore()
+        m = self.train_loader.manifest
         if not config.quiet:
             echo(
-                f"prefetchd-train: {config.model} on {device}, {len(classes)} classes, {len(train_loader)} steps "
-                f"of {m.batch_size} x {m.image_size}px per epoch, {epochs} epochs, buffer {config.buffer}"
-                + (f", val buffer {config.val_buffer}" if config.val_buffer else "")
+                f"prefetchd-train: {config.model} on {self.device}, {len(self.train_loader.classes)} classes, "
+                f"{len(self.train_loader)} steps of {m.batch_size} x {m.image_size}px per epoch, {self.epochs} epochs, "
+                f"{config.optimizer} lr {config.peak_lr:g}, buffer {config.buffer} (pin {self.train_loader.pin})"
+                + (f", val buffer {self.val_buffer}" if self.val_buffer else "")
             )
-
-        per_epoch: list[dict[str, Any]] = []
         run_start = time.perf_counter()
-        for epoch in range(epochs):
-            epoch_start = time.perf_counter()
-            tag = f"epoch {epoch + 1}/{epochs}"
-            lr = optimizer.param_groups[0]["lr"]
-            tr = run_pass(
-                model, train_loader, criterion,
-                _ProgressLine(sys.stderr, f"{tag} train", len(train_loader), not config.quiet),
-                optimizer, scheduler,
-            )
-            va = None
-            if val_loader is not None:
-                va = run_pass(
-                    model, val_loader, criterion,
-                    _ProgressLine(sys.stderr, f"{tag} val", len(val_loader), not config.quiet),
-                )
-            epoch_s = time.perf_counter() - epoch_start
-            wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)
-            row = {
-                "epoch": epoch,
-                "lr": lr,
-                "train_loss": tr.loss,
-                "train_top1": tr.top1,
-                "train_images": tr.images,
-                "train_s": tr.seconds,
-                "val_loss": va.loss if va else None,
-                "val_top1": va.top1 if va else None,
-                "val_images": va.images if va else None,
-                "val_s": va.seconds if va else None,
-                "images_per_s": tr.images / tr.seconds if tr.seconds > 0 else 0.0,
-                "data_wait_s": wait_s,
-                "epoch_s": epoch_s,
-                "data_wait_share": wait_s / epoch_s if epoch_s > 0 else 0.0,
-            }
-            per_epoch.append(row)
-            val_text = f"val loss {va.loss:.4f} top-1 {va.top1:6.2%}" if va else "val -"
+        stopped = False
+        while self.epoch < self.epochs and not stopped:
+            stopped = self._epoch()
+        total_s = time.perf_counter() - run_start
+        metrics = self._metrics(total_s, finished=not stopped)
+        if stopped:
+            saved = f", checkpoint {self.checkpointer.path}" if self.checkpointer.path is not None else ""
+            echo(f"stopped after global step {self.global_step} ({self.stop_reason}{saved}); continue with --resume")
+        else:
+            val_top1 = metrics["final_val_top1"]
             echo(
-                f"{tag}  train loss {tr.loss:.4f} top-1 {tr.top1:6.2%}  {val_text}  "
-                f"{row['images_per_s']:.1f} img/s  data-wait {row['data_wait_share']:.1%}"
+                f"done: {metrics['train_images']} training images in {total_s:.1f} s, final val top-1 "
+                + (f"{val_top1:.2%}" if val_top1 is not None else "-")
+                + f", data-wait share {metrics['data_wait_share']:.1%}"
             )
+        self._write_metrics(metrics)
+        return metrics
 
-    total_s = time.perf_counter() - run_start
-    total_wait = sum(r["data_wait_s"] for r in per_epoch)
-    total_train_images = sum(r["train_images"] for r in per_epoch)
-    total_train_s = sum(r["train_s"] for r in per_epoch)
-    final = per_epoch[-1] if per_epoch else {}
-    metrics: dict[str, Any] = {
-        "format": METRICS_FORMAT,
-        "version": METRICS_VERSION,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
-        "device": str(device),
-        "num_epochs": epochs,
-        "epochs": [{k: (_finite(v) if isinstance(v, float) else v) for k, v in r.items()} for r in per_epoch],
-        "final_train_top1": _finite(final["train_top1"]) if final else None,
-        "final_val_top1": _finite(final["val_top1"]) if final.get("val_top1") is not None else None,
-        "data_wait_share": total_wait / total_s if total_s > 0 else 0.0,
-        "images_per_s": total_train_images / total_train_s if total_train_s > 0 else 0.0,
-        "total_s": total_s,
-    }
-    val_top1 = metrics["final_val_top1"]
-    echo(
-        f"done: {total_train_images} training images in {total_s:.1f} s, final val top-1 "
-        + (f"{val_top1:.2%}" if val_top1 is not None else "-")
-        + f", data-wait share {metrics['data_wait_share']:.1%}"
-    )
-    if config.metrics_json is not None:
-        _write_json(config.metrics_json, metrics)
-    return metrics
+    def _epoch(self) -> bool:
+        """One epoch (or its rest after a resume); True when --max-steps or ``should_stop`` stopped it."""
+        config, epoch, device = self.config, self.epoch, self.device
+        tag = f"epoch {epoch + 1}/{self.epochs}"
+        wall = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        if self.partial is None:
+            self.epoch_lr = self.optimizer.param_groups[0]["lr"]
+        resumed_s = self.partial.seconds if self.partial is not None else 0.0
+
+        def after_step(snapshot: Callable[[], PassState]) -> bool:
+            self.global_step += 1
+            if config.max_steps is not None and self.global_step >= config.max_steps:
+                self.stop_reason = "--max-steps"
+            elif self.should_stop():
+                self.stop_reason = "SIGTERM"
+            stop = self.stop_reason is not None
+            if stop or self.checkpointer.due(self.global_step):
+                self.checkpointer.save(self._doc(snapshot()))
+            return stop
+
+        if self.train_loader.position[0] == epoch:
+            tr = run_pass(
+                self.model, self.train_loader, self.criterion,
+                _ProgressLine(sys.stderr, f"{tag} train", len(self.train_loader), not config.quiet),
+                self.optimizer, self.scheduler,
+                topk=self.k, amp=config.amp, start=self.partial, after_step=after_step,
+            )
+        else:  # the checkpoint was taken after the pass's last step
+            tr = _stats(self.partial or PassState(), self.k)
+        self.partial = None
+        if tr.stopped:
+            return True
+        va = None
+        if self.val_loader is not None:
+            if self.val_loader.position != (epoch, 0):
+                self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": epoch, "step": 0})
+            va = run_pass(
+                self.model, self.val_loader, self.criterion,
+                _ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), not config.quiet),
+                topk=self.k, amp=config.amp,
+            )
+        epoch_s = time.perf_counter() - wall + resumed_s
+        wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)
+        k = self.k
+        row: dict[str, Any] = {
+            "epoch": epoch,
+            "lr": self.epoch_lr,
+            "train_loss": tr.loss,
+            "train_top1": tr.top1,
+            f"train_top{k}": tr.topk,
+            "train_images": tr.images,
+            "train_s": tr.seconds,
+            "val_loss": va.loss if va else None,
+            "val_top1": va.top1 if va else None,
+            f"val_top{k}": va.topk if va else None,
+            "val_images": va.images if va else None,
+            "val_s": va.seconds if va else None,
+            "images_per_s": tr.images / tr.seconds if tr.seconds > 0 else 0.0,
+            "data_wait_s": wait_s,
+            "epoch_s": epoch_s,
+            "data_wait_share": min(1.0, wait_s / epoch_s) if epoch_s > 0 else 0.0,
+            "cuda_max_memory_mib": (torch.cuda.max_memory_allocated(device) / 2**20
+                                    if device.type == "cuda" else None),
+            "global_step": self.global_step,
+        }
+        self.per_epoch.append(row)
+        self.epoch += 1
+        val_text = f"val loss {va.loss:.4f} top-1 {va.top1:6.2%} top-{k} {va.topk:6.2%}" if va else "val -"
+        memory = f"  cuda max {row['cuda_max_memory_mib']:.0f} MiB" if row["cuda_max_memory_mib"] is not None else ""
+        self.echo(
+            f"{tag}  train loss {tr.loss:.4f} top-1 {tr.top1:6.2%} top-{k} {tr.topk:6.2%}  {val_text}  "
+            f"{row['images_per_s']:.1f} img/s  data-wait {row['data_wait_share']:.1%}{memory}"
+        )
+        if self.checkpointer.path is not None:
+            self.checkpointer.save(self._doc(None))
+        self._write_metrics(self._metrics(None, finished=False))
+        return False
+
+    # -- metrics
+
+    def _metrics(self, total_s: float | None, finished: bool) -> dict[str, Any]:
+        rows = self.per_epoch
+        total_wait = sum(r["data_wait_s"] for r in rows)
+        epochs_s = sum(r["epoch_s"] for r in rows)
+        train_images = sum(r["train_images"] for r in rows)
+        train_s = sum(r["train_s"] for r in rows)
+        final = rows[-1] if rows else {}
+        return {
+            "format": METRICS_FORMAT,
+            "version": METRICS_VERSION,
+            "config": _plain_config(self.config),
+            "device": str(self.device),
+            "pin": self.train_loader.pin,
+            "num_epochs": self.epochs,
+            "top_k": self.k,
+            "finished": finished,
+            "resumed_from": self.resumed_from,
+            "stopped_by": self.stop_reason,
+            "global_steps": self.global_step,
+            "epochs": [{k: (_finite(v) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
+            "final_train_top1": _finite(final["train_top1"]) if final else None,
+            "final_val_top1": _finite(final["val_top1"]) if final.get("val_top1") is not None else None,
+            f"final_val_top{self.k}": (_finite(final[f"val_top{self.k}"])
+                                      if final.get(f"val_top{self.k}") is not None else None),
+            "train_images": train_images,
+            "data_wait_share": min(1.0, total_wait / epochs_s) if epochs_s > 0 else 0.0,
+            "images_per_s": train_images / train_s if train_s > 0 else 0.0,
+            "total_s": total_s if total_s is not None else epochs_s,
+            "cuda_max_memory_mib": max((r["cuda_max_memory_mib"] or 0.0 for r in rows), default=None)
+            if self.device.type == "cuda" else None,
+        }
+
+    def _write_metrics(self, metrics: dict[str, Any]) -> None:
+        if self.config.metrics_json is not None:
+            _write_json(self.config.metrics_json, metrics)
+        if self.config.metrics_csv is not None:
+            _write_csv(self.config.metrics_csv, metrics["epochs"])
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
+def _plain_config(config: TrainConfig) -> dict[str, Any]:
+    return {f.name: (str(v) if isinstance(v := getattr(config, f.name), Path) else v) for f in fields(config)}
+
+
+def _write_atomic(path: Path, text: str) -> None:
     # Atomic, so a dashboard polling the file never reads half a document.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    _write_atomic(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """One row per finished epoch, rewritten whole after each (a resumed run's file continues the same rows)."""
+    out = io.StringIO()
+    columns = list(rows[0]) if rows else ["epoch"]
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    _write_atomic(path, out.getvalue())
 
 
 # -- CLI ----------------------------------------------------------------------------
 
 _D = TrainConfig  # defaults
+_DIR = click.Path(file_okay=False, path_type=Path)
+_FILE = click.Path(dir_okay=False, path_type=Path)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--buffer", type=click.Path(path_type=Path), required=True, help="Training buffer (the daemon's --buffer).")
 @click.option("--val-buffer", type=click.Path(path_type=Path), default=None, help="Buffer of a --split val daemon; evaluated after every epoch.")
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Epochs to train  [default: the manifest's epochs]")
-@click.option("--lr", type=float, default=_D.lr, show_default=True, help="Peak learning rate (cosine schedule over the run).")
-@click.option("--momentum", type=float, default=_D.momentum, show_default=True)
-@click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True)
-@click.option("--model", default=_D.model, show_default=True, help="A torchvision classification model name (random init).")
+@click.option("--model", default=_D.model, show_default=True, help="A torchvision classification model name.")
+@click.option("--pretrained", is_flag=True, help="Start from torchvision's default weights, if they are in the local torch hub cache (never downloads).")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=_D.optimizer, show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="Peak learning rate  [default: 0.05 for sgd, 0.001 for adamw]")
+@click.option("--momentum", type=float, default=_D.momentum, show_default=True, help="SGD momentum.")
+@click.option("--weight-decay", type=click.FloatRange(min=0), default=None, help="[default: 5e-4 for sgd, 0.05 for adamw]")
+@click.option("--warmup-epochs", type=click.FloatRange(min=0), default=_D.warmup_epochs, show_default=True, help="Linear warmup to the peak lr, then cosine to 0 (per step).")
+@click.option("--label-smoothing", type=click.FloatRange(min=0, max=1, max_open=True), default=_D.label_smoothing, show_default=True)
+@click.option("--amp", is_flag=True, help="bf16 autocast (meant for CUDA; allowed on the CPU).")
+@click.option("--seed", type=int, default=_D.seed, show_default=True, help="Model initialisation; also the --seed of spawned daemons.")
 @click.option("--device", default=_D.device, show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--pin", type=click.Choice(PIN_MODES), default=_D.pin, show_default=True, help="How batches reach a CUDA device (auto = staging).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=_D.timeout, show_default=True, help="Seconds to wait for the manifest and for each batch.")
-@click.option("--metrics-json", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write per-epoch and final metrics here.")
+@click.option("--metrics-json", type=_FILE, default=None, help="Write per-epoch and final metrics here (after every epoch).")
+@click.option("--metrics-csv", type=_FILE, default=None, help="Write one CSV row per epoch here (after every epoch).")
+@click.option("--checkpoint-dir", type=_DIR, default=None, help="Save DIR/last.pt at every epoch's end (and see --checkpoint-every).")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None, help="Also save every N training steps.")
+@click.option("--resume", is_flag=True, help="Continue from DIR/last.pt of --checkpoint-dir (from scratch if there is none).")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after this many training steps in all (resumed runs included), saving a checkpoint.")
+@click.option("--spawn-daemon", is_flag=True, help="Start `prefetchd start` for the buffers no daemon serves, and stop it at the end.")
+@click.option("--data", type=_DIR, default=None, help="With --spawn-daemon: the training class folders.")
+@click.option("--val-data", type=_DIR, default=None, help="With --spawn-daemon: validation class folders (buffer: --val-buffer, else BUFFER-val).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="With --spawn-daemon: the daemons' --batch-size.")
+@click.option("--image-size", type=click.IntRange(min=1), default=None, help="With --spawn-daemon: the daemons' --image-size.")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="With --spawn-daemon: the daemons' --workers.")
+@click.option("--high-water", type=click.IntRange(min=1), default=None, help="With --spawn-daemon: the daemons' --high-water.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch.set_num_threads for the trainer.")
 @click.option("--quiet", "-q", is_flag=True, help="No start line and no progress display (per-epoch lines stay).")
 @click.option("--verbose", "-v", is_flag=True, help="Log the loader's waits (INFO).")
@@ -345,17 +967,39 @@ def main(verbose: bool, **options: Any) -> None:
         level=logging.INFO if verbose else logging.WARNING, format="prefetchd-train: %(levelname)s %(name)s: %(message)s"
     )
     config = TrainConfig(**options)
+    terminations: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        # The first SIGTERM only asks: the run stops after the step in progress, with a
+        # checkpoint, and spawned daemons are stopped on the way out. A second one does not wait.
+        terminations.append(signum)
+        if len(terminations) > 1:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        train(config)
+        metrics = train(config, should_stop=lambda: bool(terminations))
     except (LoaderError, ProtocolError) as exc:
         click.echo(f"prefetchd-train: {' '.join(str(exc).split())}", err=True)
         sys.exit(EXIT_BUFFER)
+    except CheckpointError as exc:
+        click.echo(f"prefetchd-train: {' '.join(str(exc).split())}", err=True)
+        sys.exit(EXIT_FAILED)
     except KeyboardInterrupt:
         click.echo("prefetchd-train: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if metrics["stopped_by"] == "SIGTERM":
+        sys.exit(EXIT_TERMINATED)
 
 
-__all__ = ["EXIT_BUFFER", "EXIT_INTERRUPTED", "PassStats", "TrainConfig", "main", "run_pass", "train"]
+__all__ = [
+    "CHECKPOINT_FORMAT", "EXIT_BUFFER", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "LAST_CHECKPOINT",
+    "PassState",
+    "PassStats", "TrainConfig", "build_model", "load_checkpoint", "main", "run_pass", "save_checkpoint",
+    "SpawnedDaemon", "spawn_daemon", "train", "warmup_cosine",
+]
 
 
 if __name__ == "__main__":

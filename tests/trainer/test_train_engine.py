@@ -1,0 +1,270 @@
+"""prefetchd-train as a training engine: optimizers, schedule, top-k, CSV, checkpoints, exact resume,
+--pretrained from the local cache only. Fake buffers (written by the protocol's writer), CPU, tiny images."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+import torchvision
+from click.testing import CliRunner
+
+from prefetchd.buffer_protocol import Progress
+from prefetchd.trainer.train import (
+    CHECKPOINT_FORMAT,
+    EXIT_FAILED,
+    LAST_CHECKPOINT,
+    TrainConfig,
+    build_model,
+    cached_weights,
+    load_checkpoint,
+    main,
+    train,
+    warmup_cosine,
+)
+
+if TYPE_CHECKING:
+    from conftest import FakeJob, MakeJob
+
+TINY = dict(classes=3, samples=12, batch_size=4, image_size=16, epochs=2, write=2)
+SMALL_MODEL = "mobilenet_v3_small"  # small checkpoints; its dropout makes resume depend on the restored RNG
+
+
+def jobs(make_job: MakeJob, root: Path, **overrides: Any) -> tuple[FakeJob, FakeJob]:
+    settings = {**TINY, **overrides}
+    return make_job(root / "train", **settings), make_job(root / "val", seed=8, **settings)
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def config(train_job: FakeJob, val_job: FakeJob | None, **kwargs: Any) -> TrainConfig:
+    kwargs.setdefault("model", SMALL_MODEL)
+    return TrainConfig(
+        buffer=train_job.buffer, val_buffer=val_job.buffer if val_job else None, device="cpu", threads=1,
+        timeout=10, quiet=True, **kwargs,
+    )
+
+
+def test_warmup_then_cosine() -> None:
+    f = warmup_cosine(4, 12)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0
+    assert f(8) == pytest.approx(0.5)
+    assert f(12) == pytest.approx(0.0, abs=1e-12) and f(20) == pytest.approx(0.0, abs=1e-12)
+    plain = warmup_cosine(0, 10)
+    assert plain(0) == 1.0 and plain(5) == pytest.approx(0.5)
+
+
+def test_adamw_warmup_smoothing_amp_csv_and_topk(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    train_job, val_job = jobs(make_job, buffer)
+    csv_path, json_path = tmp_path / "m.csv", tmp_path / "m.json"
+    result = CliRunner().invoke(main, [
+        "--buffer", str(train_job.buffer), "--val-buffer", str(val_job.buffer), "--device", "cpu", "--threads", "1",
+        "--optimizer", "adamw", "--warmup-epochs", "1", "--label-smoothing", "0.1", "--amp",
+        "--metrics-csv", str(csv_path), "--metrics-json", str(json_path), "--timeout", "10", "-q",
+        "--model", SMALL_MODEL,
+    ])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2 and "top-3" in lines[0]  # 3 classes: top-k with k = 3
+    metrics = json.loads(json_path.read_text())
+    assert metrics["top_k"] == 3 and metrics["finished"] is True
+    assert metrics["config"]["optimizer"] == "adamw" and metrics["config"]["amp"] is True
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [int(r["epoch"]) for r in rows] == [0, 1]
+    for row, doc in zip(rows, metrics["epochs"]):
+        assert math.isfinite(float(row["train_loss"])) and float(row["train_top3"]) == 1.0  # top-3 of 3 classes
+        assert int(row["train_images"]) == 12 and int(row["val_images"]) == 12
+        assert row["cuda_max_memory_mib"] == ""  # CPU
+        assert float(row["train_loss"]) == doc["train_loss"]
+    # Warmup over epoch 0 (3 steps), then cosine: epoch 0 starts at a third of the peak.
+    assert metrics["epochs"][0]["lr"] == pytest.approx(1e-3 / 3)
+    assert metrics["epochs"][1]["lr"] == pytest.approx(1e-3)
+
+
+def test_top5_with_enough_classes(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    train_job, _ = jobs(make_job, buffer, classes=6, epochs=1, write=1)
+    metrics = train(config(train_job, None, epochs=1), echo=quiet)
+    assert metrics["top_k"] == 5
+    row = metrics["epochs"][0]
+    assert 0.0 <= row["train_top1"] <= row["train_top5"] <= 1.0
+    assert row["val_top5"] is None
+
+
+def test_stop_and_resume_is_exact(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    """Stopped mid-epoch (--max-steps) and resumed == never stopped: weights, optimizer and metrics."""
+    settings = dict(warmup_epochs=0.5, label_smoothing=0.1, checkpoint_every=2, epochs=2)
+    a_train, a_val = jobs(make_job, buffer / "a")
+    whole = train(config(a_train, a_val, checkpoint_dir=tmp_path / "a", **settings), echo=quiet)
+
+    b_train, b_val = jobs(make_job, buffer / "b")
+    said: list[str] = []
+    first = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", max_steps=4, **settings), echo=said.append)
+    assert first["finished"] is False and first["global_steps"] == 4
+    assert len(first["epochs"]) == 1  # epoch 0 (3 steps) done, stopped after step 1 of epoch 1
+    assert any("--resume" in line for line in said)
+    stopped = load_checkpoint(tmp_path / "b" / LAST_CHECKPOINT)
+    assert stopped["format"] == CHECKPOINT_FORMAT and stopped["global_step"] == 4
+    assert stopped["loaders"]["train"]["epoch"] == 1 and stopped["loaders"]["train"]["step"] == 1
+    assert stopped["loaders"]["val"]["epoch"] == 1 and stopped["loaders"]["val"]["step"] == 0
+    assert stopped["partial"]["seen"] == 4
+
+    said.clear()
+    resumed = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", resume=True, **settings), echo=said.append)
+    assert any("resumed from" in line and "global step 4" in line for line in said)
+    assert resumed["finished"] is True and resumed["resumed_from"]["global_step"] == 4
+
+    timing = {"train_s", "val_s", "images_per_s", "data_wait_s", "epoch_s", "data_wait_share"}
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    assert strip(resumed["epochs"]) == strip(whole["epochs"])
+    a = load_checkpoint(tmp_path / "a" / LAST_CHECKPOINT)
+    b = load_checkpoint(tmp_path / "b" / LAST_CHECKPOINT)
+    assert a["global_step"] == b["global_step"] == 6
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    for (ka, va), (kb, vb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items()):
+        assert torch.equal(va["momentum_buffer"], vb["momentum_buffer"])
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 6
+    # Both runs consumed both buffers to the end.
+    assert Progress.read(b_train.buffer) == Progress(2, 0) and Progress.read(b_val.buffer) == Progress(2, 0)
+
+
+def test_checkpoint_after_the_last_step_of_an_epoch_resumes_with_validation(
+    make_job: MakeJob, buffer: Path, tmp_path: Path
+) -> None:
+    train_job, val_job = jobs(make_job, buffer)
+    ckpt = tmp_path / "ckpt"
+    train(config(train_job, val_job, epochs=2, checkpoint_dir=ckpt, max_steps=3), echo=quiet)  # stops at epoch 0's end
+    doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
+    assert doc["epoch"] == 0 and doc["loaders"]["train"]["epoch"] == 1 and doc["metrics"] == []
+    metrics = train(config(train_job, val_job, epochs=2, checkpoint_dir=ckpt, resume=True), echo=quiet)
+    assert [r["epoch"] for r in metrics["epochs"]] == [0, 1]
+    assert [r["train_images"] for r in metrics["epochs"]] == [12, 12]
+    assert [r["val_images"] for r in metrics["epochs"]] == [12, 12]
+
+
+def test_resume_without_a_checkpoint_starts_from_scratch(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
+    said: list[str] = []
+    metrics = train(config(train_job, None, checkpoint_dir=tmp_path / "none", resume=True), echo=said.append)
+    assert any("no checkpoint" in line and "from scratch" in line for line in said)
+    assert metrics["resumed_from"] is None and metrics["finished"] is True
+    assert (tmp_path / "none" / LAST_CHECKPOINT).is_file()  # saved at the epoch's end
+
+
+def test_bad_or_foreign_checkpoints_are_one_clear_line(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / LAST_CHECKPOINT).write_bytes(b"not a checkpoint")
+    args = ["--buffer", str(train_job.buffer), "--device", "cpu", "--checkpoint-dir", str(ckpt), "--resume", "-q"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == EXIT_FAILED
+    assert "cannot read the checkpoint" in result.stderr and "Traceback" not in result.output
+
+    torch.save({"format": CHECKPOINT_FORMAT, "version": 1, "config": {"model": "resnet34"}}, ckpt / LAST_CHECKPOINT)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == EXIT_FAILED and "--model resnet34" in result.stderr and "resnet18" in result.stderr
+
+    result = CliRunner().invoke(main, ["--buffer", str(train_job.buffer), "--resume"])
+    assert result.exit_code == 2 and "--checkpoint-dir" in result.stderr
+
+
+def test_spawn_options_need_spawn_daemon(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--data", str(tmp_path)])
+    assert result.exit_code == 2 and "--spawn-daemon" in result.stderr
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--spawn-daemon", "--data", str(tmp_path)])
+    assert result.exit_code == 2 and "--epochs" in result.stderr
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--spawn-daemon", "--epochs", "1"])
+    assert result.exit_code == 2 and "--data" in result.stderr
+
+
+def test_pretrained_only_from_the_local_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
+    monkeypatch.setattr(torch.hub, "_hub_dir", None)  # follow TORCH_HOME even if set_dir was called
+    name, path = cached_weights("resnet18")
+    assert name == "ResNet18_Weights.IMAGENET1K_V1" and path.parent == tmp_path / "hub" / "hub" / "checkpoints"
+
+    def no_download(*args: object, **kwargs: object) -> None:
+        raise AssertionError("must never download")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_download)
+    with pytest.raises(Exception, match="not in the local torch hub cache.*never downloads") as info:
+        build_model("resnet18", 3, pretrained=True, echo=quiet)
+    assert str(path) in str(info.value)
+
+    # A stand-in for the real file (no network here): 1000-class weights with a recognisable conv1.
+    reference = torchvision.models.resnet18()
+    torch.nn.init.constant_(reference.conv1.weight, 0.125)
+    path.parent.mkdir(parents=True)
+    torch.save(reference.state_dict(), path)
+    said: list[str] = []
+    model = build_model("resnet18", 3, pretrained=True, echo=said.append)
+    assert torch.equal(model.conv1.weight, reference.conv1.weight)
+    assert torch.equal(model.layer4[1].bn2.running_var, reference.layer4[1].bn2.running_var)
+    assert isinstance(model.fc, torch.nn.Linear) and model.fc.out_features == 3  # re-initialised head
+    assert any("fc.weight" in line for line in said)
+
+    path.write_bytes(b"truncated")
+    with pytest.raises(Exception, match="cannot read"):
+        build_model("resnet18", 3, pretrained=True, echo=quiet)
+
+
+def test_spawn_daemon_uses_a_running_daemon_only_if_it_serves_the_job(
+    make_job: MakeJob, buffer: Path, tmp_path: Path
+) -> None:
+    import os
+
+    train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
+    train_job.claim(os.getpid())  # a live "daemon" owns the buffer: nothing is spawned
+    args = ["--buffer", str(train_job.buffer), "--spawn-daemon", "--epochs", "1", "--device", "cpu", "-q",
+            "--model", SMALL_MODEL, "--threads", "1"]
+    result = CliRunner().invoke(main, [*args, "--data", str(tmp_path), "--batch-size", "8"])
+    assert result.exit_code == 1
+    assert f"served by the running daemon (pid {os.getpid()})" in result.stdout
+    assert "produces dataset /data/fake" in result.stderr and "batch size 4, not 8" in result.stderr
+    assert "prefetchd stop --buffer" in result.stderr
+    result = CliRunner().invoke(main, [*args, "--data", "/data/fake"])
+    assert result.exit_code == 0, result.output
+
+
+def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    from prefetchd.trainer.train import EXIT_TERMINATED
+
+    train_job, _ = jobs(make_job, buffer, samples=80)  # 20 steps per epoch, 2 epochs
+    ckpt = tmp_path / "ckpt"
+
+    def terminate_after_the_first_checkpoint() -> None:
+        deadline = time.monotonic() + 60
+        while not (ckpt / LAST_CHECKPOINT).exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by main()'s handler in this (the main) thread
+
+    before = signal.getsignal(signal.SIGTERM)
+    killer = threading.Thread(target=terminate_after_the_first_checkpoint)
+    killer.start()
+    result = CliRunner().invoke(main, [
+        "--buffer", str(train_job.buffer), "--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q",
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--timeout", "10",
+    ])
+    killer.join()
+    assert result.exit_code == EXIT_TERMINATED, result.output
+    assert signal.getsignal(signal.SIGTERM) == before, "the handler is put back"
+    line = [x for x in result.stdout.splitlines() if x.startswith("stopped after global step")]
+    assert line and "(SIGTERM, checkpoint" in line[0] and "--resume" in line[0]
+    step = int(line[0].split()[4])
+    assert 1 <= step < 40
+    doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
+    assert doc["global_step"] == step  # the checkpoint is of the step it stopped at

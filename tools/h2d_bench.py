@@ -1,0 +1,209 @@
+"""Host-to-device benchmark: mapped batch files -> GPU memory, three ways.
+
+    python tools/h2d_bench.py [--batches 16] [--batch-size 256] [--image-size 224]
+                              [--step-ms 0,30] [--device cuda] [--root /dev/shm]
+
+Writes ``--batches`` batch files of ``batch-size x image-size x image-size x 3`` uint8
+(37.6 MB each at the defaults) into a fake buffer on the RAM disk, then measures,
+per batch, with a fresh mapping of a different file each time as in training:
+
+1. the transfer alone, its parts timed separately:
+   - plain     ``torch.from_numpy(mapped).to(device)`` from pageable memory;
+   - staging   memcpy into a pinned buffer, then an asynchronous copy;
+   - register  ``cudaHostRegister`` (read-only) of the mapping, copy, ``cudaHostUnregister``;
+2. ``BufferLoader(device, pin=...)`` end to end for pin = none, staging, register,
+   with a consumer whose GPU "step" takes ``--step-ms`` (``torch.cuda._sleep``):
+   at 0 the per-batch time is the transfer's latency; with a step as long as a
+   real one, a strategy that overlaps the copy with the step costs close to
+   nothing beyond the step (``overhead``).
+
+Prints one table per part. GB/s is the batch's uint8 bytes over the per-batch time.
+Needs a CUDA device; the numbers belong in docs/BENCHMARKS.md with the machine named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prefetchd.buffer_protocol import Manifest, batch_name, map_batch, write_batch
+from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.gpu import HOST_REGISTER_READ_ONLY
+
+
+def make_buffer(root: Path, batches: int, batch_size: int, image_size: int) -> Path:
+    free = shutil.disk_usage(root).free
+    need = batches * (batch_size * image_size * image_size * 3 + 2 * 4096)
+    if need > free // 2:
+        sys.exit(f"{root}: {batches} batches need {need / 2**30:.1f} GiB, more than half of the "
+                 f"{free / 2**30:.1f} GiB free; pass fewer --batches or another --root")
+    buffer = Path(tempfile.mkdtemp(prefix="prefetchd-h2d-", dir=root))
+    samples = batches * batch_size
+    Manifest(
+        dataset_root="h2d-bench", fingerprint="h2d-bench", classes=["a", "b"], num_samples=samples, split="train",
+        seed=0, batch_size=batch_size, image_size=image_size, samples_per_epoch=samples,
+        steps_per_epoch=batches, epochs=None, producer="h2d-bench",
+    ).write(buffer)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (batch_size, image_size, image_size, 3), dtype=np.uint8)
+    for step in range(batches):
+        images[0, 0, 0, 0] = step % 256  # distinct files, equal cost
+        indices = np.arange(step * batch_size, (step + 1) * batch_size, dtype=np.int64)
+        write_batch(buffer / batch_name(0, step), images, indices % 2, indices, epoch=0, step=step, seed=0,
+                    producer="h2d-bench")
+    return buffer
+
+
+class Clock:
+    """Milliseconds of named parts, per batch; the device is synchronised at each mark."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts: dict[str, list[float]] = {}
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        torch.cuda.synchronize(self.device)
+        self.parts.setdefault(name, []).append((time.perf_counter() - start) * 1e3)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.parts[name][1:] or self.parts[name])  # the first call warms up
+
+
+def transfer_parts(buffer: Path, batches: int, device: torch.device) -> list[tuple[str, float, dict[str, float]]]:
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    rows = []
+    staging: torch.Tensor | None = None
+
+    def each(body: Callable[[np.ndarray, Clock], None]) -> Clock:
+        clock = Clock(device)
+        for step in range(batches):
+            mapped = map_batch(buffer / batch_name(0, step))
+            with clock.part("total"):
+                body(mapped.images, clock)
+        return clock
+
+    def plain(images: np.ndarray, clock: Clock) -> None:
+        torch.from_numpy(images).to(device)
+
+    def staged(images: np.ndarray, clock: Clock) -> None:
+        nonlocal staging
+        if staging is None or staging.numel() < images.size:
+            staging = torch.empty(images.size, dtype=torch.uint8, pin_memory=True)
+        host = staging[: images.size].view(images.shape)
+        with clock.part("memcpy"):
+            host.copy_(torch.from_numpy(images))
+        with clock.part("copy"):
+            host.to(device, non_blocking=True)
+
+    def registered(images: np.ndarray, clock: Clock) -> None:
+        address = int(images.ctypes.data)
+        with clock.part("register"):
+            err = cudart.cudaHostRegister(address, images.nbytes, HOST_REGISTER_READ_ONLY)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister: {cudart.cudaGetErrorString(err)}")
+        with clock.part("copy"):
+            torch.from_numpy(images).to(device, non_blocking=True)
+        with clock.part("unregister"):
+            cudart.cudaHostUnregister(address)
+
+    for name, body in (("plain", plain), ("staging", staged), ("register", registered)):
+        try:
+            clock = each(body)
+        except RuntimeError as exc:
+            print(f"{name}: {exc}", file=sys.stderr)
+            continue
+        rows.append((name, clock.median("total"), {k: clock.median(k) for k in clock.parts if k != "total"}))
+    return rows
+
+
+def cycles_per_ms(device: torch.device) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    cycles = 50_000_000
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]  # warm-up
+    start.record()
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+    end.record()
+    torch.cuda.synchronize(device)
+    return float(cycles / start.elapsed_time(end))
+
+
+def loader_per_batch(buffer: Path, batches: int, device: torch.device, pin: str, step_cycles: int) -> float:
+    loader = BufferLoader(buffer, device=device, pin=pin, normalize=True, timeout=30, daemon_grace=0)  # type: ignore[arg-type]
+    times = []
+    torch.cuda.synchronize(device)
+    last = time.perf_counter()
+    for batch in loader:
+        if step_cycles:
+            torch.cuda._sleep(step_cycles)  # type: ignore[no-untyped-call]  # the model's step, on the consumer's stream
+        batch.images.add_(0)  # touch the batch on the consumer's stream after the step
+        torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        times.append((now - last) * 1e3)
+        last = now
+        if len(times) == batches:
+            break
+    loader.close()
+    return statistics.median(times[1:] or times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--step-ms", default="0,30", help="comma-separated simulated GPU step times")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--root", type=Path, default=Path("/dev/shm"), help="where the fake buffer goes (a tmpfs)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("h2d_bench: no CUDA device here; run it on a GPU machine", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    nbytes = args.batch_size * args.image_size * args.image_size * 3
+    buffer = make_buffer(args.root, args.batches, args.batch_size, args.image_size)
+    try:
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, batch {args.batch_size}x"
+              f"{args.image_size}x{args.image_size}x3 uint8 = {nbytes / 1e6:.1f} MB, median of {args.batches - 1} batches")
+        print("\n1. the transfer alone (ms per batch)")
+        print(f"{'mode':<10} {'total':>8} {'GB/s':>7}  parts")
+        for name, total, parts in transfer_parts(buffer, args.batches, device):
+            detail = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+            print(f"{name:<10} {total:8.2f} {nbytes / total / 1e6:7.2f}  {detail}")
+
+        per_ms = cycles_per_ms(device)
+        steps = [float(s) for s in args.step_ms.split(",") if s.strip()]
+        print("\n2. BufferLoader end to end, normalised float32 on the device (ms per batch)")
+        print(f"{'pin':<10} " + " ".join(f"{f'step {s:g} ms':>12} {'GB/s':>6} {'overhead':>8}" for s in steps))
+        for pin in ("none", "staging", "register"):
+            cells = []
+            for step in steps:
+                try:
+                    ms = loader_per_batch(buffer, args.batches, device, pin, int(step * per_ms))
+                except Exception as exc:  # e.g. register unsupported: say so, keep the table
+                    cells.append(f"{'failed':>12} {'':>6} {'':>8}")
+                    print(f"pin={pin}: {exc}", file=sys.stderr)
+                    continue
+                cells.append(f"{ms:12.2f} {nbytes / ms / 1e6:6.2f} {ms - step:8.2f}")
+            print(f"{pin:<10} " + " ".join(cells))
+    finally:
+        shutil.rmtree(buffer, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
