@@ -22,6 +22,7 @@ from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, daemo
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS
+from prefetchd.daemon.producer import STAGES
 from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
 
 log = logging.getLogger("prefetchd")
@@ -277,7 +278,8 @@ def format_status(info: dict[str, Any]) -> str:
         stages = st.get("stages") or {}
         if stages:
             lines.append("  per image " + ", ".join(
-                f"{name} {q['p50'] * 1e3:.2f}/{q['p90'] * 1e3:.2f}/{q['p99'] * 1e3:.2f}" for name, q in stages.items()
+                f"{name} {stages[name]['p50'] * 1e3:.2f}/{stages[name]['p90'] * 1e3:.2f}/{stages[name]['p99'] * 1e3:.2f}"
+                for name in STAGES if name in stages
             ) + " ms (p50/p90/p99)")
         if e.get("progress_file"):
             lines.append(f"  progress file problem: {e['progress_file']}")

@@ -181,6 +181,14 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its closest ancestor that exists: the filesystem a new directory there would be on."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
     """Size every ``None`` field from this machine; return the config and a note per default."""
     notes: list[str] = []
@@ -189,7 +197,7 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
         cpus = usable_cpus()
         changes["workers"] = max(1, cpus - 1)
         notes.append(f"workers = {changes['workers']} ({cpus} usable CPUs, one left for the trainer)")
-    fs = os.statvfs(cfg.buffer)
+    fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # the daemon creates the buffer; config --show may not
     fs_total = fs.f_blocks * fs.f_frsize
     fs_free = fs.f_bavail * fs.f_frsize
     if cfg.min_free_mb is None:

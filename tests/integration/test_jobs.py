@@ -94,6 +94,10 @@ def test_config_show_layers_defaults_file_and_flags(tmp_path: Path, shm_dir: Pat
     assert lines["image_size"] == "224"  # the dataclass default
     assert json.loads(lines["data"]) == str(tmp_path / "data")  # relative to the config file
     assert "# default:" in lines["workers"] and "usable CPUs" in lines["workers"]
+    not_yet = shm_dir / "not" / "yet"  # the daemon would create it; sized from the filesystem it would be on
+    out = subprocess.run([*CLI, "config", "--show", "--buffer", str(not_yet)], capture_output=True, text=True)
+    assert out.returncode == 0 and "high_water = " in out.stdout, out.stderr
+    assert not not_yet.exists()
     bad = subprocess.run([*CLI, "config", "--show", "--buffer", str(shm_dir), "--split", "test"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "test" in bad.stderr
