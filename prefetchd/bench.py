@@ -652,22 +652,12 @@ def _safe(predicate: Callable[[], bool]) -> bool:
         return False
 
 
-def _tree_rss(pid: int) -> int | None:
-    """RSS summed over ``pid`` and its descendants (shared library pages count once per process)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return None
-    total = 0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
+def _tree_memory(pid: int, kind: str) -> int | None:
+    """``kind`` ("rss" or "pss") summed over ``pid`` and its descendants.
 
-
-def _tree_pss(pid: int) -> int | None:
-    """PSS summed over the tree: shared pages split between their users, so the sum is the tree's real share."""
+    RSS counts shared library pages once per process; PSS splits shared pages between
+    their users, so its sum is the tree's real share.
+    """
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -676,7 +666,8 @@ def _tree_pss(pid: int) -> int | None:
     total = 0
     for p in procs:
         with contextlib.suppress(psutil.Error, AttributeError):
-            total += getattr(p.memory_full_info(), "pss", 0)
+            info = p.memory_info() if kind == "rss" else p.memory_full_info()
+            total += getattr(info, kind, 0)
     return total or None
 
 
@@ -719,13 +710,13 @@ class _BufferMonitor:
         self._thread.join(5)
 
     def mark_start(self) -> None:
-        self.rss_start = _tree_rss(self.pid)
-        self.pss_start = _tree_pss(self.pid)
+        self.rss_start = _tree_memory(self.pid, "rss")
+        self.pss_start = _tree_memory(self.pid, "pss")
         self._measuring = True
 
     def mark_end(self) -> None:
-        self.rss_end = _tree_rss(self.pid)
-        self.pss_end = _tree_pss(self.pid)
+        self.rss_end = _tree_memory(self.pid, "rss")
+        self.pss_end = _tree_memory(self.pid, "pss")
 
     def _loop(self) -> None:
         from prefetchd.buffer_protocol import ProtocolError, read_status
@@ -745,7 +736,7 @@ class _BufferMonitor:
                 self.batch_bytes = status["batch_bytes"]
             self.peak_disk_bytes = max(self.peak_disk_bytes, _disk_bytes(self.buffer))
             if self._measuring:
-                rss = _tree_rss(self.pid)
+                rss = _tree_memory(self.pid, "rss")
                 if rss is not None:
                     self.rss_peak = max(self.rss_peak, rss)
 
