@@ -184,3 +184,21 @@ def test_make_dataset_script_runs(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "train 4, val 2" in done.stdout and "6/6 images" in done.stderr
+
+
+def test_decode_floor_times_each_kernel_and_names_a_folder_without_jpegs(tmp_path: Path) -> None:
+    from prefetchd.synthetic import make_imagenet_like
+
+    make_imagenet_like(tmp_path / "data", classes=2, per_class=2)
+    script = [sys.executable, str(REPO / "tools" / "decode_floor.py")]
+    done = subprocess.run([*script, str(tmp_path / "data"), "--images", "4", "--rounds", "1", "--size", "32"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rates = dict(re.findall(r"^  (.+?)\s+\d+\.\d\d ms\s+\(\s*(\d+) img/s per core\)$", done.stdout, re.M))
+    assert {"torchvision decode_jpeg", "Pillow open + convert RGB", "prefetchd augment() (train)"} <= set(rates)
+    assert all(int(rate) > 0 for rate in rates.values())
+    assert "4 JPEGs from" in done.stdout
+
+    (tmp_path / "empty" / "cls").mkdir(parents=True)
+    refused = subprocess.run([*script, str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "no .jpg/.jpeg files" in refused.stderr

@@ -1,0 +1,101 @@
+"""What one core can do per image: the decode and resize kernels alone, no daemon.
+
+    python tools/decode_floor.py DATA [--images 375] [--size 224] [--rounds 3]
+
+Over JPEGs of the class-folder dataset DATA (every file, or an even sample of
+``--images``), with one torch thread, reports the CPU time per image (best of
+``--rounds``) of:
+
+* torchvision ``decode_jpeg`` (what the daemon's fast path runs);
+* Pillow ``Image.open().convert("RGB")`` (what ImageFolder's loader runs);
+* simplejpeg at full size and at the smallest libjpeg-turbo scale (M/8) that keeps the
+  sample's RandomResizedCrop box at least ``--size`` pixels — if ``simplejpeg`` is installed;
+* the daemon's whole ``augment()`` (read, decode, crop, antialiased resize, flip).
+
+This is the ceiling the daemon's workers can approach: images/s per core is about
+1000 / the ``augment()`` line.  Figures go in docs/BENCHMARKS.md with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from prefetchd.daemon.sampler import sample_rng
+from prefetchd.daemon.transforms import augment, oriented_size, preload, random_resized_crop_box
+
+
+def cpu_ms_per_item(n: int, fn: Callable[[int], object], rounds: int) -> float:
+    """CPU milliseconds per call of ``fn(i)`` for i in range(n), best of ``rounds``."""
+    best = math.inf
+    for _ in range(rounds):
+        start = time.process_time()
+        for i in range(n):
+            fn(i)
+        best = min(best, time.process_time() - start)
+    return best / n * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", type=Path)
+    parser.add_argument("--images", type=int, default=375)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    preload()
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    paths = sorted(p for p in args.data.glob("*/*") if p.suffix.lower() in (".jpg", ".jpeg"))
+    if not paths:
+        raise SystemExit(f"{args.data}: no .jpg/.jpeg files in class folders; point it at a class-folder dataset")
+    paths = paths[:: max(1, len(paths) // args.images)][: args.images]
+    datas = [p.read_bytes() for p in paths]
+    boxes = []
+    for i, data in enumerate(datas):
+        with Image.open(io.BytesIO(data)) as img:
+            boxes.append(random_resized_crop_box(*oriented_size(img), sample_rng(0, 0, i)))
+
+    n, rounds = len(datas), args.rounds
+    rows: list[tuple[str, float]] = [
+        ("torchvision decode_jpeg", cpu_ms_per_item(n, lambda i: decode_jpeg(
+            torch.frombuffer(bytearray(datas[i]), dtype=torch.uint8), mode=ImageReadMode.RGB), rounds)),
+        ("Pillow open + convert RGB", cpu_ms_per_item(
+            n, lambda i: Image.open(io.BytesIO(datas[i])).convert("RGB"), rounds)),
+    ]
+    try:
+        import simplejpeg
+    except ImportError:
+        print("simplejpeg not installed: its rows are skipped (pip install simplejpeg)")
+    else:
+        def scaled(i: int) -> object:
+            data = datas[i]
+            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+            left, top, right, bottom = boxes[i]
+            factor = min(right - left, bottom - top) / args.size
+            return simplejpeg.decode_jpeg(data, min_width=math.ceil(width / factor),
+                                          min_height=math.ceil(height / factor))
+
+        rows.append(("simplejpeg full size", cpu_ms_per_item(n, lambda i: simplejpeg.decode_jpeg(datas[i]), rounds)))
+        rows.append(("simplejpeg scaled to the crop", cpu_ms_per_item(n, scaled, rounds)))
+    rows.append(("prefetchd augment() (train)", cpu_ms_per_item(
+        n, lambda i: augment(paths[i], args.size, True, sample_rng(0, 0, i)), rounds)))
+
+    mean_kb = sum(map(len, datas)) / len(datas) / 1024
+    print(f"{len(datas)} JPEGs from {args.data} (mean {mean_kb:.0f} KB), one thread, CPU ms per image, "
+          f"best of {args.rounds}:")
+    for name, ms in rows:
+        print(f"  {name:<32} {ms:6.2f} ms   ({1000 / ms:5.0f} img/s per core)")
+
+
+if __name__ == "__main__":
+    main()
