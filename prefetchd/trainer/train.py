@@ -729,6 +729,9 @@ class _Run:
             self.model = DistributedDataParallel(
                 self.net, device_ids=[device.index] if device.type == "cuda" else None
             )
+            # DDP gave every rank rank 0's initial weights; from here each rank draws its own
+            # randomness (dropout), else all ranks would drop the same units on different data.
+            torch.manual_seed(config.seed + self.ranks.rank)
         self.optimizer = build_optimizer(config, self.net)
         steps = len(train_loader)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -38,7 +38,7 @@ def test_prefetchd_train_under_torchrun_stops_and_resumes_every_rank(
         start_daemon(buffer, "--data", train_data, *JOB, "--world-size", "2", "--workers", "1", "--high-water", "3"),
         start_daemon(val_buffer, "--data", val_data, "--split", "val", *JOB, "--world-size", "2", "--workers", "1"),
     ]
-    common = ["--buffer", buffer, "--val-buffer", val_buffer, "--model", "resnet18", "--device", "cpu",
+    common = ["--buffer", buffer, "--val-buffer", val_buffer, "--model", "mobilenet_v3_small", "--device", "cpu",
               "--threads", "1", "--timeout", "120", "--metrics-json", metrics, "--checkpoint-dir", ckpt]
 
     first = torchrun(*common, "--max-steps", "3")
