@@ -561,7 +561,7 @@ def spawn_daemon(buffer: Path, data: Path, split: str, config: TrainConfig,
     if not config.quiet:
         served = f", ranks {ranks.ranks_flag()} of {ranks.world_size}" if streams and ranks is not None else ""
         echo(f"prefetchd-train: started the {split} daemon for {buffer} (pid {proc.pid}) on {data}{served}")
-    return SpawnedDaemon(proc, buffer, started, streams)
+    return SpawnedDaemon(proc, buffer, started, streams=streams)
 
 
 def _check_spawn_options(config: TrainConfig) -> None:
