@@ -592,7 +592,8 @@ def _check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | No
     if wrong:
         raise click.ClickException(
             f"the daemon serving {loader.buffer} produces {'; '.join(wrong)}. Stop it (`prefetchd stop --buffer "
-            f"{owning_buffer(loader.buffer)}`) to let --spawn-daemon start the job asked for, or drop the differing flags"
+            f"{owning_buffer(loader.buffer)}`) to let --spawn-daemon start the job asked for, or drop the differing "
+            "flags"
         )
 
 
