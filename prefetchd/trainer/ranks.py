@@ -135,10 +135,12 @@ def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> 
     found = f"the daemon of {buffer} produces streams for --world-size {served} ({manifest})"
     if ranks.distributed:
         w = ranks.world_size
+        other = (f"launch torchrun with {served} processes in all (--nnodes x --nproc-per-node = {served})"
+                 if served > 1 else "run prefetchd-train as one process, without torchrun")
         return click.ClickException(
             f"{found}, but torchrun runs {w} ranks (WORLD_SIZE={w}). Restart the daemon for {w} ranks "
             f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} ... --world-size {w}`), "
-            f"or launch torchrun with {served} processes in all (--nnodes x --nproc-per-node = {served})"
+            f"or {other}"
         )
     return click.ClickException(
         f"{found}, but this prefetchd-train runs as one process (not under torchrun). Launch it under torchrun "
