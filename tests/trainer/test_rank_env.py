@@ -98,3 +98,32 @@ def test_a_checkpoint_of_another_world_size_is_refused(make_job: MakeJob, buffer
     result = CliRunner().invoke(main, [*args, "--resume"])
     assert result.exit_code == EXIT_FAILED
     assert "taken with 2 rank(s), this run has 1" in result.stderr and "under torchrun with 2 processes" in result.stderr
+
+
+def test_under_torchrun_cuda_means_the_local_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefetchd.trainer.train import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto", Ranks(3, 4, 1, 2)) == torch.device("cuda", 1)
+    assert resolve_device("cuda", Ranks(0, 4, 0, 2)) == torch.device("cuda", 0)
+    assert resolve_device("cuda:0", Ranks(3, 4, 1, 2)) == torch.device("cuda", 0)  # asked for by name
+    assert resolve_device("cuda", Ranks()) == torch.device("cuda")  # one process: as before
+    with pytest.raises(click.ClickException, match="LOCAL_RANK 2 needs a GPU of its own, but this machine has 2"):
+        resolve_device("auto", Ranks(2, 4, 2, 4))
+
+
+def test_ranks_with_different_step_counts_are_refused_before_ddp_could_hang(make_job: MakeJob) -> None:
+    from prefetchd.trainer import BufferLoader
+    from prefetchd.trainer.ranks import Collective
+    from prefetchd.trainer.train import _check_equal_steps
+
+    class TwoRanks(Collective):
+        def all_gather(self, obj: object) -> list[object]:
+            return [obj, (len(loader) + 1, None, 2)]  # rank 1 reads a job with one more step
+
+    job = make_job(samples=8, batch_size=4)
+    with BufferLoader(job.buffer, timeout=5) as loader:
+        _check_equal_steps(Collective(Ranks()), loader, None, 2)  # one rank: nothing to compare
+        with pytest.raises(click.ClickException, match=r"rank 0: 2 train steps.*rank 1: 3 train steps.*DDP would hang"):
+            _check_equal_steps(TwoRanks(Ranks(0, 2, 0, 2)), loader, None, 2)
