@@ -16,6 +16,12 @@ has to make it again.
 
 The trainer never imports the daemon: ``--spawn-daemon`` starts one through
 the ``prefetchd start`` command line and stops it at the end.
+
+Under torchrun (``torchrun --nproc-per-node N -m prefetchd.trainer.train ...``)
+every rank reads its own stream of the buffer, the model is wrapped in
+DistributedDataParallel (gloo on the CPU, nccl on CUDA), the epoch's figures
+are summed over the ranks, and rank 0 alone prints, writes the metrics and the
+checkpoint, which holds every rank's loader position (see ``ranks``).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -43,12 +49,14 @@ import numpy as np
 import torch
 import torchvision
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from prefetchd.buffer_protocol import ProtocolError, daemon_pid
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME
+from prefetchd.buffer_protocol import ProtocolError, daemon_pid, stream_dir
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, owning_buffer
 from prefetchd.trainer.errors import CheckpointError, LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, PinMode
 from prefetchd.trainer.loader import Batch, BufferLoader
+from prefetchd.trainer.ranks import Collective, Ranks, wait_for_stream
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +150,7 @@ class PassStats:
     topk: float = math.nan
     k: int = 1
     stopped: bool = False  # ended early because ``after_step`` asked to
+    state: PassState = field(default_factory=PassState)  # the sums behind the figures
 
 
 # -- progress display -------------------------------------------------------------
@@ -277,15 +286,25 @@ def _stats(state: PassState, k: int, stopped: bool = False) -> PassStats:
         seconds=state.seconds,
         wait_seconds=state.wait_seconds,
         stopped=stopped,
+        state=state,
     )
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
+    """The device of ``--device``; under torchrun ``cuda`` (or ``auto`` with CUDA) means cuda:LOCAL_RANK."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise click.ClickException(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
+    if device.type == "cuda" and device.index is None and ranks is not None and ranks.distributed:
+        count = torch.cuda.device_count()
+        if ranks.local_rank >= count:
+            raise click.ClickException(
+                f"LOCAL_RANK {ranks.local_rank} needs a GPU of its own, but this machine has {count}; run at most "
+                f"{count} processes per node (torchrun --nproc-per-node {count}), or pass --device cpu"
+            )
+        device = torch.device("cuda", ranks.local_rank)
     return device
 
 
@@ -469,12 +488,13 @@ class SpawnedDaemon:
     proc: subprocess.Popen[bytes]
     buffer: Path
     started: float  # time.time() at the start: a manifest older than this is an earlier daemon's
+    streams: tuple[Path, ...] = ()  # the stream directories it serves; () is the buffer itself
 
     def wait_ready(self, timeout: float) -> None:
-        """Wait until the daemon owns the buffer and has written its manifest; say so if it died first."""
+        """Wait until the daemon owns the buffer and has written its manifests; say so if it died first."""
         proc, buffer = self.proc, self.buffer
         deadline = time.monotonic() + timeout
-        manifest = buffer / MANIFEST_NAME
+        manifests = [d / MANIFEST_NAME for d in (self.streams or (buffer,))]
         while True:
             code = proc.poll()
             if code is not None:
@@ -484,7 +504,7 @@ class SpawnedDaemon:
                     f"above); the command was: {command}"
                 )
             try:
-                fresh = manifest.stat().st_mtime >= self.started - 0.05
+                fresh = all(m.stat().st_mtime >= self.started - 0.05 for m in manifests)
             except FileNotFoundError:
                 fresh = False
             if fresh and daemon_pid(buffer) == proc.pid:
@@ -511,11 +531,12 @@ class SpawnedDaemon:
 
 
 def spawn_daemon(buffer: Path, data: Path, split: str, config: TrainConfig,
-                 echo: Callable[[str], None]) -> SpawnedDaemon | None:
+                 echo: Callable[[str], None], ranks: Ranks | None = None) -> SpawnedDaemon | None:
     """Start `prefetchd start` for ``buffer`` unless a daemon owns it already.
 
-    Returns at once, so several daemons start up side by side; then
-    :meth:`SpawnedDaemon.wait_ready`.
+    Under torchrun the daemon produces the streams of every rank on this box
+    (``--world-size``, ``--ranks``) with one worker pool.  Returns at once, so
+    several daemons start up side by side; then :meth:`SpawnedDaemon.wait_ready`.
     """
     pid = daemon_pid(buffer)
     if pid is not None:
@@ -525,6 +546,10 @@ def spawn_daemon(buffer: Path, data: Path, split: str, config: TrainConfig,
            "--split", split, "--seed", str(config.seed), "--log-level", "warning"]
     if config.epochs is not None:
         cmd += ["--epochs", str(config.epochs)]
+    streams: tuple[Path, ...] = ()
+    if ranks is not None and ranks.distributed:
+        cmd += ["--world-size", str(ranks.world_size), "--ranks", ranks.ranks_flag()]
+        streams = tuple(stream_dir(buffer, r, ranks.world_size) for r in ranks.local_ranks)
     for flag, value in (("--batch-size", config.batch_size), ("--image-size", config.image_size),
                         ("--workers", config.workers), ("--high-water", config.high_water)):
         if value is not None:
@@ -534,8 +559,9 @@ def spawn_daemon(buffer: Path, data: Path, split: str, config: TrainConfig,
     # killed it keeps filling the buffer, and a restarted trainer finds it ready.
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     if not config.quiet:
-        echo(f"prefetchd-train: started the {split} daemon for {buffer} (pid {proc.pid}) on {data}")
-    return SpawnedDaemon(proc, buffer, started)
+        served = f", ranks {ranks.ranks_flag()} of {ranks.world_size}" if streams and ranks is not None else ""
+        echo(f"prefetchd-train: started the {split} daemon for {buffer} (pid {proc.pid}) on {data}{served}")
+    return SpawnedDaemon(proc, buffer, started, streams=streams)
 
 
 def _check_spawn_options(config: TrainConfig) -> None:
@@ -566,7 +592,8 @@ def _check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | No
     if wrong:
         raise click.ClickException(
             f"the daemon serving {loader.buffer} produces {'; '.join(wrong)}. Stop it (`prefetchd stop --buffer "
-            f"{loader.buffer}`) to let --spawn-daemon start the job asked for, or drop the differing flags"
+            f"{owning_buffer(loader.buffer)}`) to let --spawn-daemon start the job asked for, or drop the differing "
+            "flags"
         )
 
 
@@ -589,21 +616,26 @@ class _Checkpointer:
 
 
 def train(
-    config: TrainConfig, echo: Callable[[str], None] = click.echo, should_stop: Callable[[], bool] | None = None
+    config: TrainConfig, echo: Callable[[str], None] = click.echo, should_stop: Callable[[], bool] | None = None,
+    ranks: Ranks | None = None,
 ) -> dict[str, Any]:
     """Run the whole training; returns the metrics document (also written to ``metrics_json``).
 
     ``should_stop`` is asked after every training step; True ends the run there,
     with a checkpoint, as ``--max-steps`` does (``main`` wires it to SIGTERM).
+    ``ranks`` defaults to what torchrun's environment says (one rank without it).
     """
     if config.optimizer not in OPTIMIZERS:
         raise click.UsageError(f"--optimizer {config.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
     if config.resume and config.checkpoint_dir is None:
         raise click.UsageError("--resume continues from DIR/last.pt: pass --checkpoint-dir DIR")
     _check_spawn_options(config)
+    ranks = ranks if ranks is not None else Ranks.from_env()
+    if not ranks.is_main:
+        echo = _silent  # rank 0 speaks for all; errors still surface on every rank as exceptions
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, ranks)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     pin: PinMode = "none" if device.type != "cuda" else config.pin  # type: ignore[assignment]
@@ -613,26 +645,32 @@ def train(
         val_buffer = config.buffer.with_name(config.buffer.name + "-val")
 
     with ExitStack() as stack:
+        coll = Collective.start(ranks, device)
+        stack.callback(coll.close)  # registered first: the group outlives everything below
         if config.spawn_daemon:
             assert config.data is not None  # _check_spawn_options
             wanted = [(config.buffer, config.data, "train")]
             if config.val_data is not None and val_buffer is not None:
                 wanted.append((val_buffer, config.val_data, "val"))
             spawned = []
-            for buffer, data, split in wanted:
-                daemon = spawn_daemon(buffer, data, split, config, echo)
+            # One daemon per box serves all of its ranks: local rank 0 starts it, the others wait.
+            for buffer, data, split in wanted if ranks.is_local_main else []:
+                daemon = spawn_daemon(buffer, data, split, config, echo, ranks)
                 if daemon is not None:
                     # Registered before the loaders: on the way out the loaders close (final progress) first.
                     stack.callback(daemon.stop)
                     spawned.append(daemon)
             for daemon in spawned:
                 daemon.wait_ready(config.timeout)
-        train_loader = stack.enter_context(
-            BufferLoader(config.buffer, device=device, timeout=config.timeout, pin=pin)
-        )
+            coll.barrier("the daemons local rank 0 starts", config.timeout + 60)
+        train_loader = stack.enter_context(BufferLoader(
+            wait_for_stream(config.buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin
+        ))
         val_loader = None
         if val_buffer is not None:
-            val_loader = stack.enter_context(BufferLoader(val_buffer, device=device, timeout=config.timeout, pin=pin))
+            val_loader = stack.enter_context(BufferLoader(
+                wait_for_stream(val_buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin
+            ))
             if val_loader.classes != train_loader.classes:
                 raise click.ClickException(
                     f"{val_buffer} has classes {val_loader.classes[:5]}... but {config.buffer} has "
@@ -643,23 +681,59 @@ def train(
             if val_loader is not None and config.val_data is not None:
                 _check_served_job(config, val_loader, config.val_data)
         epochs = _resolve_epochs(config, train_loader, val_loader)
-        run = _Run(config, device, train_loader, val_loader, epochs, val_buffer, echo)
+        _check_equal_steps(coll, train_loader, val_loader, epochs)
+        run = _Run(config, device, train_loader, val_loader, epochs, val_buffer, echo, coll)
         if should_stop is not None:
             run.should_stop = should_stop
-        return run.run()
+        metrics = run.run()
+        if config.spawn_daemon and ranks.distributed:
+            # Every rank has consumed its last batch before local rank 0 stops the daemon.
+            train_loader.close()
+            if val_loader is not None:
+                val_loader.close()
+            coll.barrier("the end of training", config.timeout + 60)
+        return metrics
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def _check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:
+    """DDP hangs unless every rank runs the same steps: the daemon pads the ranks' shares, this checks it."""
+    mine = (len(train), len(val) if val is not None else None, epochs)
+    every = coll.all_gather(mine)
+    if any(other != mine for other in every):
+        table = "; ".join(f"rank {r}: {t} train steps, {v} val steps, {e} epochs" for r, (t, v, e) in enumerate(every))
+        raise click.ClickException(
+            f"the ranks would run different numbers of steps ({table}), and DDP would hang at the end; all ranks "
+            "must read streams of one daemon job per buffer (the same --world-size, dataset and --batch-size)"
+        )
 
 
 class _Run:
     def __init__(self, config: TrainConfig, device: torch.device, train_loader: BufferLoader,
                  val_loader: BufferLoader | None, epochs: int, val_buffer: Path | None,
-                 echo: Callable[[str], None]) -> None:
+                 echo: Callable[[str], None], coll: Collective | None = None) -> None:
         self.config, self.device, self.epochs, self.echo = config, device, epochs, echo
         self.train_loader, self.val_loader, self.val_buffer = train_loader, val_loader, val_buffer
+        self.coll = coll if coll is not None else Collective(Ranks())
+        self.ranks = self.coll.ranks
         classes = train_loader.classes
         self.k = max(1, min(TOP_K, len(classes)))
         model = build_model(config.model, len(classes), config.pretrained, echo)
-        self.model = model.to(device).to(memory_format=torch.channels_last)
-        self.optimizer = build_optimizer(config, self.model)
+        # ``net`` is the model itself (saved, evaluated); ``model`` what trains: DDP's wrapper under torchrun,
+        # which averages the gradients over the ranks in the backward pass.
+        self.net = model.to(device).to(memory_format=torch.channels_last)
+        self.model: nn.Module = self.net
+        if self.ranks.distributed:
+            self.model = DistributedDataParallel(
+                self.net, device_ids=[device.index] if device.type == "cuda" else None
+            )
+            # DDP gave every rank rank 0's initial weights; from here each rank draws its own
+            # randomness (dropout), else all ranks would drop the same units on different data.
+            torch.manual_seed(config.seed + self.ranks.rank)
+        self.optimizer = build_optimizer(config, self.net)
         steps = len(train_loader)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(round(config.warmup_epochs * steps), max(1, epochs * steps))
@@ -677,34 +751,74 @@ class _Run:
 
     # -- checkpoint documents
 
-    def _doc(self, partial: PassState | None) -> dict[str, Any]:
+    def _rank_state(self, partial: PassState | None) -> dict[str, Any]:
+        """What differs between ranks: the loaders' positions, the pass's sums so far, the RNG."""
         return {
-            "format": CHECKPOINT_FORMAT,
-            "version": CHECKPOINT_VERSION,
-            "config": _plain_config(self.config),
-            "epoch": self.epoch,
-            "global_step": self.global_step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "loaders": {
                 "train": self.train_loader.state_dict(),
                 "val": self.val_loader.state_dict() if self.val_loader is not None else None,
             },
             "partial": asdict(partial) if partial is not None else None,
-            "epoch_lr": self.epoch_lr,
-            "metrics": self.per_epoch,
             "rng": _rng_state(self.device),
         }
+
+    def _save(self, partial: PassState | None) -> None:
+        """Write the checkpoint (rank 0) with every rank's state; collective: every rank calls it at the same step."""
+        if self.checkpointer.path is None:
+            return
+        states = self.coll.gather(self._rank_state(partial))
+        if states is not None:
+            self.checkpointer.save(self._doc(states))
+
+    def _doc(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        doc = {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "config": _plain_config(self.config),
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "model": self.net.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "epoch_lr": self.epoch_lr,
+            "metrics": self.per_epoch,
+            "world_size": self.ranks.world_size,
+            **states[0],  # rank 0's at the top: a one-rank checkpoint keeps its layout
+        }
+        if self.ranks.distributed:
+            doc["ranks"] = states
+        return doc
 
     def _restore(self) -> None:
         assert self.checkpointer.path is not None
         path = self.checkpointer.path
-        try:
-            doc = load_checkpoint(path)
-        except FileNotFoundError:
+        # Rank 0 reads the checkpoint it wrote and hands it to the others, so ranks on other
+        # boxes need no shared filesystem; a bad file stops every rank with the same message.
+        found: tuple[str, Any] | None = None
+        if self.ranks.is_main:
+            try:
+                found = ("doc", load_checkpoint(path))
+            except FileNotFoundError:
+                found = ("missing", None)
+            except CheckpointError as exc:
+                found = ("error", str(exc))
+        found = self.coll.broadcast(found)
+        assert found is not None
+        if found[0] == "missing":
             self.echo(f"prefetchd-train: --resume: no checkpoint at {path} yet; starting from scratch")
             return
+        if found[0] == "error":
+            raise CheckpointError(found[1])
+        doc: dict[str, Any] = found[1]
+        saved_world = int(doc.get("world_size", 1))
+        if saved_world != self.ranks.world_size:
+            how = f"under torchrun with {saved_world} processes in all" if saved_world > 1 else "without torchrun"
+            raise CheckpointError(
+                f"{path}: the checkpoint was taken with {saved_world} rank(s), this run has "
+                f"{self.ranks.world_size}; every rank continues its own stream from its saved position, so "
+                f"resume {how}, or use another --checkpoint-dir"
+            )
+        mine = doc["ranks"][self.ranks.rank] if self.ranks.distributed else doc
         saved = doc.get("config") or {}
         for key in _RESUME_FIXED:
             if key in saved and saved[key] != getattr(self.config, key):
@@ -714,15 +828,15 @@ class _Run:
                 )
         changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in _plain_config(self.config).items()
                    if k in saved and saved[k] != v and k not in ("resume", "quiet", "max_steps", "threads")]
-        if changed:
+        if changed and self.ranks.is_main:
             logger.warning("resuming %s with changed settings: %s", path, "; ".join(changed))
         try:
-            self.model.load_state_dict(doc["model"])
+            self.net.load_state_dict(doc["model"])
             self.optimizer.load_state_dict(doc["optimizer"])
             self.scheduler.load_state_dict(doc["scheduler"])
         except (KeyError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{path}: does not fit this run ({' '.join(str(exc).split())[:300]})") from None
-        loaders = doc["loaders"]
+        loaders = mine["loaders"]
         self.train_loader.load_state_dict(loaders["train"])
         if self.val_loader is not None:
             if loaders.get("val") is not None:
@@ -732,9 +846,9 @@ class _Run:
         self.epoch = int(doc["epoch"])
         self.global_step = int(doc["global_step"])
         self.per_epoch = list(doc["metrics"])
-        self.partial = PassState(**doc["partial"]) if doc.get("partial") else None
+        self.partial = PassState(**mine["partial"]) if mine.get("partial") else None
         self.epoch_lr = doc.get("epoch_lr")
-        _set_rng_state(doc["rng"], self.device)
+        _set_rng_state(mine["rng"], self.device)
         position = self.train_loader.position
         self.resumed_from = {"epoch": self.epoch, "global_step": self.global_step, "position": list(position)}
         self.echo(f"prefetchd-train: resumed from {path}: epoch {self.epoch + 1}, global step {self.global_step}, "
@@ -753,6 +867,8 @@ class _Run:
                 f"{len(self.train_loader)} steps of {m.batch_size} x {m.image_size}px per epoch, {self.epochs} epochs, "
                 f"{config.optimizer} lr {config.peak_lr:g}, buffer {config.buffer} (pin {self.train_loader.pin})"
                 + (f", val buffer {self.val_buffer}" if self.val_buffer else "")
+                + (f"; {self.ranks.world_size} ranks ({self.coll.backend}), each on its own stream, figures summed "
+                   "over the ranks" if self.ranks.distributed else "")
             )
         run_start = time.perf_counter()
         stopped = False
@@ -786,19 +902,21 @@ class _Run:
 
         def after_step(snapshot: Callable[[], PassState]) -> bool:
             self.global_step += 1
+            # A signal reaches the ranks at different steps; they stop together at the first step any saw it.
+            terminated = self.coll.any(self.should_stop())
             if config.max_steps is not None and self.global_step >= config.max_steps:
                 self.stop_reason = "--max-steps"
-            elif self.should_stop():
+            elif terminated:
                 self.stop_reason = "SIGTERM"
             stop = self.stop_reason is not None
             if stop or self.checkpointer.due(self.global_step):
-                self.checkpointer.save(self._doc(snapshot()))
+                self._save(snapshot())
             return stop
 
         if self.train_loader.position[0] == epoch:
             tr = run_pass(
                 self.model, self.train_loader, self.criterion,
-                _ProgressLine(sys.stderr, f"{tag} train", len(self.train_loader), not config.quiet),
+                _ProgressLine(sys.stderr, f"{tag} train", len(self.train_loader), self._progress_shown),
                 self.optimizer, self.scheduler,
                 topk=self.k, amp=config.amp, start=self.partial, after_step=after_step,
             )
@@ -811,13 +929,15 @@ class _Run:
         if self.val_loader is not None:
             if self.val_loader.position != (epoch, 0):
                 self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": epoch, "step": 0})
+            # The bare model: evaluation needs no gradient averaging, so no collective runs in it.
             va = run_pass(
-                self.model, self.val_loader, self.criterion,
-                _ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), not config.quiet),
+                self.net, self.val_loader, self.criterion,
+                _ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), self._progress_shown),
                 topk=self.k, amp=config.amp,
             )
         epoch_s = time.perf_counter() - wall + resumed_s
         wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)
+        tr, va, epoch_s, wait_s, wait_share_max = self._over_ranks(tr, va, epoch_s, wait_s)
         k = self.k
         row: dict[str, Any] = {
             "epoch": epoch,
@@ -840,6 +960,8 @@ class _Run:
                                     if device.type == "cuda" else None),
             "global_step": self.global_step,
         }
+        if self.ranks.distributed:
+            row["data_wait_share_max"] = wait_share_max
         self.per_epoch.append(row)
         self.epoch += 1
         val_text = f"val loss {va.loss:.4f} top-1 {va.top1:6.2%} top-{k} {va.topk:6.2%}" if va else "val -"
@@ -848,10 +970,40 @@ class _Run:
             f"{tag}  train loss {tr.loss:.4f} top-1 {tr.top1:6.2%} top-{k} {tr.topk:6.2%}  {val_text}  "
             f"{row['images_per_s']:.1f} img/s  data-wait {row['data_wait_share']:.1%}{memory}"
         )
-        if self.checkpointer.path is not None:
-            self.checkpointer.save(self._doc(None))
+        self._save(None)
         self._write_metrics(self._metrics(None, finished=False))
         return False
+
+    @property
+    def _progress_shown(self) -> bool:
+        return not self.config.quiet and self.ranks.is_main
+
+    def _over_ranks(
+        self, tr: PassStats, va: PassStats | None, epoch_s: float, wait_s: float
+    ) -> tuple[PassStats, PassStats | None, float, float, float]:
+        """The epoch's figures over all ranks: images, losses and hits summed, times of the slowest rank.
+
+        The data-wait seconds become the mean over the ranks (so the share stays a
+        fraction of the epoch), and the largest single rank's share is kept too:
+        under DDP the most starved rank holds every rank back.
+        """
+        share = min(1.0, wait_s / epoch_s) if epoch_s > 0 else 0.0
+        if not self.ranks.distributed:
+            return tr, va, epoch_s, wait_s, share
+        passes = [tr.state] + ([va.state] if va is not None else [])
+        sums, maxima = self.coll.reduce(
+            [x for p in passes for x in (p.loss_sum, p.correct1, p.correctk, p.seen, p.wait_seconds)],
+            [*(p.seconds for p in passes), epoch_s, share],
+        )
+        world = self.ranks.world_size
+        reduced = [
+            PassState(loss_sum=sums[5 * i], correct1=round(sums[5 * i + 1]), correctk=round(sums[5 * i + 2]),
+                      seen=round(sums[5 * i + 3]), wait_seconds=sums[5 * i + 4] / world, seconds=maxima[i])
+            for i in range(len(passes))
+        ]
+        tr = _stats(reduced[0], tr.k, tr.stopped)
+        va = _stats(reduced[1], va.k, va.stopped) if va is not None else None
+        return tr, va, maxima[-2], tr.wait_seconds + (va.wait_seconds if va else 0.0), maxima[-1]
 
     # -- metrics
 
@@ -868,6 +1020,7 @@ class _Run:
             "config": _plain_config(self.config),
             "device": str(self.device),
             "pin": self.train_loader.pin,
+            "world_size": self.ranks.world_size,
             "num_epochs": self.epochs,
             "top_k": self.k,
             "finished": finished,
@@ -888,6 +1041,8 @@ class _Run:
         }
 
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
+        if not self.ranks.is_main:
+            return
         if self.config.metrics_json is not None:
             _write_json(self.config.metrics_json, metrics)
         if self.config.metrics_csv is not None:
@@ -962,9 +1117,15 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 @click.option("--quiet", "-q", is_flag=True, help="No start line and no progress display (per-epoch lines stay).")
 @click.option("--verbose", "-v", is_flag=True, help="Log the loader's waits (INFO).")
 def main(verbose: bool, **options: Any) -> None:
-    """Train a torchvision model on the batches a prefetchd daemon writes into --buffer."""
+    """Train a torchvision model on the batches a prefetchd daemon writes into --buffer.
+
+    Under torchrun (`torchrun --nproc-per-node N -m prefetchd.trainer.train ...`) each rank reads its own
+    stream of the buffers, which the daemons produce with --world-size.
+    """
+    ranks = Ranks.from_env()
+    name = f"prefetchd-train[rank {ranks.rank}]" if ranks.distributed else "prefetchd-train"
     logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING, format="prefetchd-train: %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if verbose else logging.WARNING, format=f"{name}: %(levelname)s %(name)s: %(message)s"
     )
     config = TrainConfig(**options)
     terminations: list[int] = []
@@ -978,15 +1139,15 @@ def main(verbose: bool, **options: Any) -> None:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        metrics = train(config, should_stop=lambda: bool(terminations))
+        metrics = train(config, should_stop=lambda: bool(terminations), ranks=ranks)
     except (LoaderError, ProtocolError) as exc:
-        click.echo(f"prefetchd-train: {' '.join(str(exc).split())}", err=True)
+        click.echo(f"{name}: {' '.join(str(exc).split())}", err=True)
         sys.exit(EXIT_BUFFER)
     except CheckpointError as exc:
-        click.echo(f"prefetchd-train: {' '.join(str(exc).split())}", err=True)
+        click.echo(f"{name}: {' '.join(str(exc).split())}", err=True)
         sys.exit(EXIT_FAILED)
     except KeyboardInterrupt:
-        click.echo("prefetchd-train: interrupted", err=True)
+        click.echo(f"{name}: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -998,7 +1159,7 @@ __all__ = [
     "CHECKPOINT_FORMAT", "EXIT_BUFFER", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "LAST_CHECKPOINT",
     "PassState",
     "PassStats", "TrainConfig", "build_model", "load_checkpoint", "main", "run_pass", "save_checkpoint",
-    "SpawnedDaemon", "spawn_daemon", "train", "warmup_cosine",
+    "Ranks", "SpawnedDaemon", "spawn_daemon", "train", "warmup_cosine",
 ]
 
 

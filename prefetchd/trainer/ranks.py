@@ -1,0 +1,290 @@
+"""Many ranks: where a ``prefetchd-train`` process stands under torchrun, and what the ranks agree on.
+
+torchrun starts one trainer per rank and says where each stands in its
+environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``).
+Rank ``r`` of ``W`` reads the stream ``stream_dir(buffer, r, W)`` that one
+daemon per box produces for all of the box's ranks (``prefetchd start
+--world-size W --ranks a-b``); the daemon pads every rank's share to the same
+number of samples, so every rank runs the same number of steps and DDP's
+collectives always pair up.
+
+:class:`Collective` is everything the trainer asks of the other ranks besides
+DDP's gradient all-reduce: a stop flag after every step, the epoch's sums, the
+per-rank states of a checkpoint, the checkpoint read by rank 0, barriers.
+These go through a gloo group even when the gradients go through NCCL: they are
+a few numbers on the CPU, and a CPU all-reduce makes no step wait for the GPU.
+With one rank every operation is local and nothing is initialised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import torch
+import torch.distributed as dist
+
+from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
+from prefetchd.trainer.errors import LoaderError, LoaderTimeout
+
+logger = logging.getLogger(__name__)
+
+TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+_POLL_SECONDS = 0.05
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the trainer's ranks (one rank without torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.world_size and 0 <= self.local_rank < self.local_world_size
+                and self.local_world_size <= self.world_size and self.local_rank <= self.rank):
+            raise click.ClickException(
+                f"RANK {self.rank}, WORLD_SIZE {self.world_size}, LOCAL_RANK {self.local_rank}, LOCAL_WORLD_SIZE "
+                f"{self.local_world_size} do not fit together; launch prefetchd-train with torchrun, which sets them"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Ranks:
+        """The ranks torchrun describes in the environment; one rank when it describes none."""
+        env = os.environ if environ is None else environ
+        present = [name for name in TORCHRUN_VARS if name in env]
+        if not present:
+            return cls()
+        missing = [name for name in TORCHRUN_VARS if name not in env]
+        if missing:
+            raise click.ClickException(
+                f"{', '.join(present)} {'is' if len(present) == 1 else 'are'} set but {', '.join(missing)} not: "
+                "launch prefetchd-train with torchrun (which sets them all), or unset them to train as one process"
+            )
+        values = {}
+        for name in (*TORCHRUN_VARS, "LOCAL_WORLD_SIZE"):
+            text = env.get(name)
+            if text is None:  # not set by a hand-made launch: one box holds every rank
+                continue
+            try:
+                values[name] = int(text)
+            except ValueError:
+                raise click.ClickException(f"{name}={text!r} in the environment is not a number; launch "
+                                           "prefetchd-train with torchrun, which sets it") from None
+        world = values["WORLD_SIZE"]
+        return cls(rank=values["RANK"], world_size=world, local_rank=values["LOCAL_RANK"],
+                   local_world_size=values.get("LOCAL_WORLD_SIZE", world))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that prints, writes metrics and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """Local rank 0: the one that starts this box's daemons."""
+        return self.local_rank == 0
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks on this box; torchrun gives each box one contiguous block of ranks."""
+        first = self.rank - self.local_rank
+        return range(first, first + self.local_world_size)
+
+    def ranks_flag(self) -> str:
+        """The daemon's ``--ranks`` for this box, e.g. ``8-15``."""
+        r = self.local_ranks
+        return str(r.start) if len(r) == 1 else f"{r.start}-{r.stop - 1}"
+
+
+# -- which stream this rank reads ------------------------------------------------------
+
+
+def _served_world(buffer: Path) -> tuple[int, Path] | None:
+    """The world size the buffer's daemon produces for, with the manifest that says so; None before any."""
+    candidates = [buffer / MANIFEST_NAME]
+    try:
+        candidates += sorted(d / MANIFEST_NAME for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir())
+    except OSError:
+        pass
+    for path in candidates:
+        try:
+            return Manifest.read(path.parent).world_size, path
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return None
+
+
+def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> click.ClickException:
+    found = f"the daemon of {buffer} produces streams for --world-size {served} ({manifest})"
+    if ranks.distributed:
+        w = ranks.world_size
+        other = (f"launch torchrun with {served} processes in all (--nnodes x --nproc-per-node = {served})"
+                 if served > 1 else "run prefetchd-train as one process, without torchrun")
+        return click.ClickException(
+            f"{found}, but torchrun runs {w} ranks (WORLD_SIZE={w}). Restart the daemon for {w} ranks "
+            f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} ... --world-size {w}`), "
+            f"or {other}"
+        )
+    return click.ClickException(
+        f"{found}, but this prefetchd-train runs as one process (not under torchrun). Launch it under torchrun "
+        f"with {served} processes in all (e.g. `torchrun --nproc-per-node {served} -m prefetchd.trainer.train "
+        "...`), or restart the daemon without --world-size"
+    )
+
+
+def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float) -> Path:
+    """This rank's stream directory of ``buffer``, once the daemon has written its manifest there.
+
+    A daemon producing for another number of ranks would leave this rank
+    waiting for a stream that never comes (or hand it another rank's share):
+    that is refused at once, naming both numbers and the fix.
+    """
+    if buffer.exists() and not buffer.is_dir():
+        raise LoaderError(f"{buffer} is not a directory; pass the daemon's --buffer directory")
+    own = stream_dir(buffer, ranks.rank, ranks.world_size)
+    deadline = time.monotonic() + timeout
+    logged = False
+    while True:
+        served = _served_world(buffer)
+        if served is not None and served[0] != ranks.world_size:
+            raise _world_mismatch(buffer, served[0], served[1], ranks)
+        if (own / MANIFEST_NAME).is_file():
+            return own
+        if time.monotonic() >= deadline:
+            raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout))
+        if not logged:
+            logger.info("waiting up to %g s for %s", timeout, own / MANIFEST_NAME)
+            logged = True
+        time.sleep(_POLL_SECONDS)
+
+
+def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float) -> str:
+    world = f" --world-size {ranks.world_size}" if ranks.distributed else ""
+    pid = daemon_pid(buffer)
+    if pid is not None:
+        extra = (f"; it may produce only other ranks: its --ranks must include {ranks.rank}"
+                 if ranks.distributed else "")
+        return (f"{own}: the daemon (pid {pid}) owns {buffer} but wrote no manifest.json there within "
+                f"{timeout:g} s{extra}; it may still be indexing a large dataset. Check `prefetchd status --buffer "
+                f"{buffer}`, or pass a larger --timeout")
+    where = "does not exist" if not own.exists() else "has no manifest.json"
+    return (f"{own} {where} after waiting {timeout:g} s for the daemon's manifest.json, and no prefetchd daemon "
+            f"owns {buffer}. Start one with `prefetchd start --buffer {buffer} --data ROOT{world}` (ROOT: the "
+            "class-folder dataset), or pass a larger --timeout if one is still starting")
+
+
+# -- what the ranks agree on --------------------------------------------------------------
+
+
+class Collective:
+    """Cross-rank operations of the trainer, on a CPU (gloo) group; local with one rank."""
+
+    def __init__(self, ranks: Ranks, group: Any = None, owned: bool = False) -> None:
+        self.ranks = ranks
+        self._group = group
+        self._owned = owned
+
+    @classmethod
+    def start(cls, ranks: Ranks, device: torch.device) -> Collective:
+        """Join the process group torchrun set up (gloo on the CPU, nccl on CUDA); nothing with one rank."""
+        if not ranks.distributed:
+            return cls(ranks)
+        if dist.is_initialized():  # the caller's own group (train() called from a script)
+            if dist.get_world_size() != ranks.world_size or dist.get_rank() != ranks.rank:
+                raise click.ClickException(
+                    f"the initialised process group has rank {dist.get_rank()} of {dist.get_world_size()}, but "
+                    f"the environment says rank {ranks.rank} of {ranks.world_size}"
+                )
+            owned = False
+        else:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size,
+                                    device_id=device if device.type == "cuda" else None)
+            owned = True
+        group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        return cls(ranks, group, owned)
+
+    @property
+    def backend(self) -> str | None:
+        return str(dist.get_backend()) if self.ranks.distributed and dist.is_initialized() else None
+
+    def close(self) -> None:
+        if self._owned and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owned = False
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any: a stop every rank takes at the same step."""
+        if not self.ranks.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(t.item())
+
+    def reduce(self, sums: Sequence[float], maxima: Sequence[float]) -> tuple[list[float], list[float]]:
+        """``sums`` summed and ``maxima`` maximised over the ranks (float64)."""
+        if not self.ranks.distributed:
+            return list(sums), list(maxima)
+        s = torch.tensor(list(sums), dtype=torch.float64)
+        m = torch.tensor(list(maxima), dtype=torch.float64)
+        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self._group)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self._group)
+        return s.tolist(), m.tolist()
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order."""
+        if not self.ranks.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.ranks.world_size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` on rank 0, in rank order; None elsewhere."""
+        if not self.ranks.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.ranks.world_size if self.ranks.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self._group)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.ranks.distributed:
+            return obj
+        box: list[Any] = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]  # type: ignore[no-any-return]
+
+    def barrier(self, what: str, timeout: float) -> None:
+        """Wait until every rank is here; after ``timeout`` say which ranks did not come, and for what."""
+        if not self.ranks.distributed:
+            return
+        try:
+            dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise click.ClickException(
+                f"rank {self.ranks.rank} waited {timeout:g} s for every rank to reach {what} ("
+                f"{' '.join(str(exc).split())[:300]}); the message of the rank that failed is above"
+            ) from None
+
+
+__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "wait_for_stream"]

@@ -1,0 +1,79 @@
+"""prefetchd-train itself under torchrun: two CPU ranks (gloo) against real daemons with --world-size 2.
+
+One run stops mid-epoch with a checkpoint holding both ranks' positions; a second one, whose
+daemons --spawn-daemon starts on local rank 0, resumes every rank exactly there and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torchvision.datasets import ImageFolder
+
+from prefetchd.buffer_protocol import Progress, daemon_pid, stream_dir
+from prefetchd.trainer.train import LAST_CHECKPOINT, load_checkpoint
+
+JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "2"]
+
+
+def torchrun(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "prefetchd.trainer.train", *map(str, args)],
+        capture_output=True, text=True, timeout=400,
+    )
+
+
+def test_prefetchd_train_under_torchrun_stops_and_resumes_every_rank(
+    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon
+) -> None:
+    train_data, val_data = shapes_data / "train", shapes_data / "val"
+    buffer, val_buffer = shm_dir / "bf", shm_dir / "bf-val"
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
+    daemons = [
+        start_daemon(buffer, "--data", train_data, *JOB, "--world-size", "2", "--workers", "1", "--high-water", "3"),
+        start_daemon(val_buffer, "--data", val_data, "--split", "val", *JOB, "--world-size", "2", "--workers", "1"),
+    ]
+    common = ["--buffer", buffer, "--val-buffer", val_buffer, "--model", "mobilenet_v3_small", "--device", "cpu",
+              "--threads", "1", "--timeout", "120", "--metrics-json", metrics, "--checkpoint-dir", ckpt]
+
+    first = torchrun(*common, "--max-steps", "3")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:] + daemons[0].log
+    assert "stopped after global step 3" in first.stdout
+    doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
+    assert doc["world_size"] == 2 and doc["global_step"] == 3
+    for rank, state in enumerate(doc["ranks"]):
+        train_state = state["loaders"]["train"]
+        assert train_state["identity"]["rank"] == rank and (train_state["epoch"], train_state["step"]) == (0, 3)
+        assert state["partial"]["seen"] == 3 * 8  # this rank's own sums of the interrupted epoch
+    assert Progress.read(stream_dir(buffer, 1, 2)) == Progress(0, 3)
+
+    for daemon in daemons:  # the resumed run starts its own, as a box without a service would
+        daemon.terminate()
+    second = torchrun(*common, "--resume", "--spawn-daemon", "--data", train_data, "--val-data", val_data,
+                      "--batch-size", "8", "--image-size", "32", "--epochs", "2", "--workers", "1")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out = second.stdout
+    assert f"started the train daemon for {buffer}" in out and "ranks 0-1 of 2" in out
+    assert out.count("resumed from") == 1 and out.count("epoch 2/2  train loss") == 1, "rank 0 alone prints"
+
+    result = json.loads(metrics.read_text())
+    assert result["finished"] is True and result["world_size"] == 2 and result["global_steps"] == 10
+    assert result["resumed_from"]["position"] == [0, 3]
+    n_train, n_val = (len(ImageFolder(str(d)).samples) for d in (train_data, val_data))
+    for row in result["epochs"]:
+        # Both ranks' images: in epoch 0 each rank's 3 steps before the stop (from its own saved sums) + 2 after.
+        assert row["train_images"] == n_train and row["val_images"] == n_val  # 72 = 2 x 36, 18 = 2 x 9
+        assert 0 <= row["data_wait_share"] <= row["data_wait_share_max"] <= 1
+        assert 0 <= row["train_top1"] <= row["train_top3"] <= 1
+    assert result["train_images"] == 2 * n_train
+    for rank in (0, 1):  # every rank consumed both epochs of its streams, and the spawned daemons are gone
+        assert Progress.read(stream_dir(buffer, rank, 2)) == Progress(2, 0)
+        assert Progress.read(stream_dir(val_buffer, rank, 2)) == Progress(2, 0)
+    assert daemon_pid(buffer) is None and daemon_pid(val_buffer) is None
+    final = torch.load(ckpt / LAST_CHECKPOINT, weights_only=True)
+    assert [r["loaders"]["train"]["epoch"] for r in final["ranks"]] == [2, 2]
