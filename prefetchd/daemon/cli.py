@@ -28,6 +28,7 @@ from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
 log = logging.getLogger("prefetchd")
 
 STALE_HEARTBEAT_SECONDS = 10.0
+SHOWN_BAD_FILES = 5  # undecodable files named in the text status
 
 
 class JournalFormatter(logging.Formatter):
@@ -275,6 +276,11 @@ def format_status(info: dict[str, Any]) -> str:
             f"  errors    {e['replaced_samples']} replaced samples, {e['undecodable_files']} undecodable files, "
             f"{e['worker_restarts']} worker restarts, {e['write_failures']} write failures",
         ]
+        bad = e.get("undecodable") or []
+        lines += [f"  bad file  {b['path']}: {b['reason']}" for b in bad[:SHOWN_BAD_FILES]]
+        if e["undecodable_files"] > SHOWN_BAD_FILES:
+            lines.append(f"            and {e['undecodable_files'] - SHOWN_BAD_FILES} more: `--json` lists {len(bad)}, "
+                         "the daemon's log names every one")
         stages = st.get("stages") or {}
         if stages:
             lines.append("  per image " + ", ".join(
