@@ -162,7 +162,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         settings.update({k: v for k, v in load_toml(config_file).items() if k in JOB_FIELDS})
     settings.update({k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE})
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else v for k, v in settings.items()}
-    buffer.mkdir(parents=True, exist_ok=True)
+    buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
     request = JobRequest(settings, replace)
     request.write(buffer)
     if daemon_pid(buffer) is None:

@@ -483,7 +483,7 @@ class Producer:
         order = stream.order(epoch)
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
         tmp = temp_name(stream.dir / batch_name(epoch, step))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = create_exclusive(tmp)
         try:
             os.ftruncate(fd, layout.file_len)
         finally:
@@ -640,6 +640,24 @@ class Producer:
             write_status(self.buffer, status)
         except OSError as exc:
             log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
+
+
+def create_exclusive(path: Path) -> int:
+    """Create ``path`` for writing, never opening what is already there.
+
+    Nothing should be: the sweep at start and every cancelled build delete their
+    temp files.  A name that exists anyway was put there by someone else (with
+    --group-access, a member of the group): a link planted there would make
+    O_TRUNC cut, and the workers write into, a file the daemon never created.
+    Unlinking removes only the name in our directory, not what it points to.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileExistsError:
+        log.warning("%s exists though this daemon did not create it; removing the name and creating its own", path)
+        path.unlink()
+        return os.open(path, flags, 0o644)
 
 
 def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:
