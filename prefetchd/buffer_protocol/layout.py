@@ -96,7 +96,9 @@ def list_batches(buffer: Path) -> dict[tuple[int, int], Path]:
     with os.scandir(buffer) as entries:
         for entry in entries:
             key = parse_batch_name(entry.name)
-            if key is not None:
+            # Only regular files: a directory, FIFO or link under a batch's name is never one,
+            # and deleting it as a consumed batch would fail.
+            if key is not None and entry.is_file(follow_symlinks=False):
                 found[key] = Path(entry.path)
     return found
 
@@ -253,7 +255,8 @@ class Manifest:
         for key, kind in (("epochs", int), ("val_fraction", float), ("augmentation", str)):
             if doc.get(key) is not None:
                 doc = {**doc, key: _field(doc, key, kind, path)}
-        doc = {**doc, "created": float(doc["created"])}
+        # epochs may be left out as val_fraction may: null, run on (a missing key was a TypeError).
+        doc = {"epochs": None, **doc, "created": float(doc["created"])}
         names = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in names})
 

@@ -246,6 +246,17 @@ def describe_status(buffer: Path) -> dict[str, Any]:
 
 
 def format_status(info: dict[str, Any]) -> str:
+    """The text of `prefetchd status`; a status.json of the right format but the wrong shape
+    (another writer's, or a future version's) is reported, not a traceback."""
+    try:
+        return _format_status(info)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        state = "running" if info["running"] else "not running"
+        return (f"prefetchd on {info['buffer']}: {state}; its status.json does not have the expected fields "
+                f"({type(exc).__name__}: {exc}); `prefetchd status --json` shows it as it is")
+
+
+def _format_status(info: dict[str, Any]) -> str:
     buffer, st, mf = info["buffer"], info["status"], info["manifest"]
     if not info["running"]:
         line = f"prefetchd on {buffer}: not running"

@@ -219,3 +219,30 @@ def test_json_temp_files_are_never_written_through_a_planted_link(tmp_path: Path
         Progress(1, 2).write(tmp_path)
     assert victim.read_text() == "precious\n"
     assert not (tmp_path / PROGRESS_NAME).exists()
+
+
+def test_listing_skips_what_only_looks_like_a_batch(tmp_path: Path) -> None:
+    from prefetchd.buffer_protocol import list_batches
+
+    (tmp_path / batch_name(0, 0)).write_bytes(b"")  # a regular file: listed, and refused when mapped
+    (tmp_path / batch_name(0, 1)).mkdir()
+    os.mkfifo(tmp_path / batch_name(0, 2))
+    os.symlink(tmp_path / batch_name(0, 0), tmp_path / batch_name(0, 3))
+    assert list(list_batches(tmp_path)) == [(0, 0)]
+
+
+@settings(max_examples=60, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(0, 3 * 4096 + 200))
+def test_a_batch_file_cut_or_grown_on_disk_is_refused_by_the_mapper(size: int, tmp_path: Path) -> None:
+    import numpy as np
+
+    path = tmp_path / batch_name(0, 0)
+    write_batch(path, np.ones((2, 8, 8, 3), np.uint8), np.zeros(2, np.int64), np.arange(2), epoch=0, step=0,
+                seed=0, producer="p")
+    full = path.stat().st_size
+    os.truncate(path, size)  # a damaged tmpfs page, a stray writer: the header's offsets no longer hold
+    if size == full:
+        assert map_batch(path).images.shape == (2, 8, 8, 3)
+    else:
+        with pytest.raises(ProtocolError, match=batch_name(0, 0)):
+            map_batch(path)
