@@ -107,7 +107,8 @@ def list_temp_files(buffer: Path) -> Iterator[Path]:
     """Leftovers of writes that never finished (a killed daemon's)."""
     with os.scandir(buffer) as entries:
         for entry in entries:
-            if TEMP_MARK in entry.name and _TEMP_RE.match(entry.name):
+            # Not a directory: unlinking one fails, and a directory is nobody's half-written file.
+            if TEMP_MARK in entry.name and _TEMP_RE.match(entry.name) and not entry.is_dir(follow_symlinks=False):
                 yield Path(entry.path)
 
 

@@ -475,15 +475,23 @@ class Producer:
                 self.state, self.message = "paused-low-space", msg
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
-            self._start_build(stream, g, layout)
+            if not self._start_build(stream, g, layout):
+                return
             self.state, self.message = "filling", ""
 
-    def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> None:
+    def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> bool:
+        """Create the batch's temp file and queue its tasks; False (retry later) if it cannot be created."""
         epoch, step = stream.key(g)
         order = stream.order(epoch)
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
         tmp = temp_name(stream.dir / batch_name(epoch, step))
-        fd = create_exclusive(tmp)
+        try:
+            fd = create_exclusive(tmp)
+        except OSError as exc:  # e.g. a directory planted under the name, out of inodes
+            self.stats.write_failures += 1
+            log.warning("cannot create %s: %s; retrying in %.0f s", tmp, exc.strerror, RETRY_SECONDS)
+            self.retry_at = time.monotonic() + RETRY_SECONDS
+            return False
         try:
             os.ftruncate(fd, layout.file_len)
         finally:
@@ -498,6 +506,7 @@ class Producer:
             self.task_build[task.task_id] = build
             build.outstanding.add(task.task_id)
             self.todo.append(task)
+        return True
 
     def _dispatch(self) -> None:
         for worker in sorted(self.workers, key=lambda w: len(w.tasks)):

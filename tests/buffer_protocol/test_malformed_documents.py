@@ -246,3 +246,11 @@ def test_a_batch_file_cut_or_grown_on_disk_is_refused_by_the_mapper(size: int, t
     else:
         with pytest.raises(ProtocolError, match=batch_name(0, 0)):
             map_batch(path)
+
+
+def test_the_sweep_lists_no_directory_as_a_leftover(tmp_path: Path) -> None:
+    from prefetchd.buffer_protocol import list_temp_files
+
+    (tmp_path / "e000000-s00000000.tmp").write_bytes(b"half")
+    (tmp_path / "e000000-s00000001.tmp").mkdir()
+    assert [p.name for p in list_temp_files(tmp_path)] == ["e000000-s00000000.tmp"]

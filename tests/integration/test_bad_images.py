@@ -33,7 +33,18 @@ def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path
     rel = [str(index.path(i).relative_to(index.root)) for i in range(len(index))]
     bad = {i for i, r in enumerate(rel) if r in corpus.undecodable}
     buffer = shm_dir / "bf"
+    # Bad input in the buffer too: a directory planted under the name of rank 1's first temp
+    # file. The daemon keeps going, counts a write failure a second, and builds the batch
+    # once the name is free.
+    planted = buffer / "rank-00001" / "e000000-s00000000.tmp"
+    planted.mkdir(parents=True)
+    buffer.chmod(0o700)
+    planted.parent.chmod(0o700)
     daemon = start_daemon(buffer, "--data", corpus.root, *SMALL, "--world-size", "2", "--high-water", "8")
+    daemon.wait_until(lambda: ((read_status(buffer) or {}).get("errors") or {}).get("write_failures", 0) >= 1, 120,
+                      "a write failure for the planted directory")
+    assert f"cannot create {planted}" in daemon.log
+    planted.rmdir()
     # Everything is produced before anyone consumes: every bad file has been met.
     daemon.wait_until(lambda: (read_status(buffer) or {}).get("state") == "done", 120, "the whole epoch produced")
     shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)],
