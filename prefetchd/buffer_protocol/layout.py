@@ -254,7 +254,8 @@ class Manifest:
                 f"samples in batches of {doc['batch_size']}; delete it and restart the daemon"
             )
         for key, kind in (("epochs", int), ("val_fraction", float), ("augmentation", str)):
-            if doc.get(key) is not None:
+            # null means "none" for epochs and val_fraction; augmentation is a string when present.
+            if doc.get(key) is not None or (key == "augmentation" and key in doc):
                 doc = {**doc, key: _field(doc, key, kind, path)}
         # epochs may be left out as val_fraction may: null, run on (a missing key was a TypeError).
         doc = {"epochs": None, **doc, "created": float(doc["created"])}

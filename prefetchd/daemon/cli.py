@@ -317,7 +317,8 @@ def _format_status(info: dict[str, Any]) -> str:
 
 
 def fill_bar(waiting: int, high: int, width: int = 24) -> str:
-    filled = round(width * min(waiting, high) / max(high, 1))
+    # Clamped both ways: status.json is a file others may write, and "." * -10**10 is a MemoryError.
+    filled = round(width * max(0, min(waiting, high)) / max(high, 1)) if high > 0 else 0
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 

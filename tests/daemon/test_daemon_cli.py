@@ -335,3 +335,9 @@ def test_a_damaged_status_document_is_reported_not_raised() -> None:
         assert text.startswith("prefetchd on /dev/shm/bf")
 
     check()
+
+
+@pytest.mark.parametrize(("waiting", "high"), [(-(10**10), 8), (10**12, 8), (3, 0), (3, -5)])
+def test_the_fill_bar_is_bounded_whatever_the_status_says(waiting: int, high: int) -> None:
+    # Found by the fuzz test above: a waiting count of -2e10 made a 20 GB string (the OOM killer came).
+    assert len(cli.fill_bar(waiting, high)) == 26
