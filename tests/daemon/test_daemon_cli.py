@@ -325,7 +325,7 @@ def test_a_damaged_status_document_is_reported_not_raised() -> None:
                             lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
                             max_leaves=8)
 
-    @settings(max_examples=150, deadline=None)
+    @settings(max_examples=80, deadline=None)
     @given(damage=st.dictionaries(st.sampled_from(sorted(_STATUS)), anything, max_size=3), running=st.booleans())
     def check(damage: dict[str, object], running: bool) -> None:
         status = {**_STATUS, **damage}
