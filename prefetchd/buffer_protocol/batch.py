@@ -285,7 +285,8 @@ def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
     """
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO named like a batch must not block the open; fstat refuses it below.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise
     except OSError as exc:

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -95,7 +96,9 @@ def list_batches(buffer: Path) -> dict[tuple[int, int], Path]:
     with os.scandir(buffer) as entries:
         for entry in entries:
             key = parse_batch_name(entry.name)
-            if key is not None:
+            # Only regular files: a directory, FIFO or link under a batch's name is never one,
+            # and deleting it as a consumed batch would fail.
+            if key is not None and entry.is_file(follow_symlinks=False):
                 found[key] = Path(entry.path)
     return found
 
@@ -104,7 +107,8 @@ def list_temp_files(buffer: Path) -> Iterator[Path]:
     """Leftovers of writes that never finished (a killed daemon's)."""
     with os.scandir(buffer) as entries:
         for entry in entries:
-            if TEMP_MARK in entry.name and _TEMP_RE.match(entry.name):
+            # Not a directory: unlinking one fails, and a directory is nobody's half-written file.
+            if TEMP_MARK in entry.name and _TEMP_RE.match(entry.name) and not entry.is_dir(follow_symlinks=False):
                 yield Path(entry.path)
 
 
@@ -116,7 +120,8 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     # pid + random suffix: two writers in one process (threads, two loaders) never share a temp file.
     tmp = path.with_name(f"{path.name}{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}")
     data = json.dumps(doc, indent=1, sort_keys=True).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    # O_EXCL: a name someone else planted (a link to a file of theirs) is never written through.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         os.write(fd, data)
     finally:
@@ -124,11 +129,31 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _open_regular(path: Path, flags: int, what: str) -> int:
+    """Open ``path`` only if it is a regular file: not through a symlink (O_NOFOLLOW), and
+    without waiting for a writer should it be a FIFO (O_NONBLOCK, then fstat).
+    FileNotFoundError passes through; any other problem is a ProtocolError."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ProtocolError(f"{path}: is a symbolic link, not {what}; the buffer holds no links, remove it") from None
+        raise ProtocolError(f"{path}: cannot open {what} ({exc.strerror}); check the buffer's owner and "
+                            "permissions (`ls -la` the buffer)") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ProtocolError(f"{path}: is not a regular file, so not {what}; remove it from the buffer")
+    return fd
+
+
 def read_json(path: Path, kind: str) -> dict[str, Any]:
     """Read a protocol document; FileNotFoundError passes through, anything malformed is a ProtocolError."""
     if kind not in DOCUMENT_KINDS:
         raise ValueError(f"unknown document kind {kind!r}")
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = _open_regular(path, os.O_RDONLY, f"a {kind} document")
     try:
         data = os.read(fd, MAX_DOCUMENT_LEN + 1)
     finally:
@@ -229,9 +254,11 @@ class Manifest:
                 f"samples in batches of {doc['batch_size']}; delete it and restart the daemon"
             )
         for key, kind in (("epochs", int), ("val_fraction", float), ("augmentation", str)):
-            if doc.get(key) is not None:
+            # null means "none" for epochs and val_fraction; augmentation is a string when present.
+            if doc.get(key) is not None or (key == "augmentation" and key in doc):
                 doc = {**doc, key: _field(doc, key, kind, path)}
-        doc = {**doc, "created": float(doc["created"])}
+        # epochs may be left out as val_fraction may: null, run on (a missing key was a TypeError).
+        doc = {"epochs": None, **doc, "created": float(doc["created"])}
         names = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in names})
 
@@ -333,7 +360,13 @@ class DaemonLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = _open_regular(self.path, os.O_RDWR | os.O_CREAT, "the daemon's lock file")
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            # Another user's file (or a hard link to one) would get our pid written into it.
+            raise ProtocolError(f"{self.path}: belongs to uid {st.st_uid} or has {st.st_nlink} links, so this "
+                                f"daemon (uid {os.geteuid()}) did not create it; remove it, or pick another --buffer")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -367,10 +400,14 @@ def daemon_pid(buffer: Path) -> int | None:
     """
     path = owning_buffer(buffer) / LOCK_NAME
     try:
-        text = path.read_text().strip()
-        mtime = path.stat().st_mtime
-    except (FileNotFoundError, NotADirectoryError):
+        fd = _open_regular(path, os.O_RDONLY, "the daemon's lock file")
+    except (OSError, ProtocolError):  # missing, or not a lock a daemon made: nobody owns the buffer
         return None
+    try:
+        text = os.read(fd, 64).decode("ascii", "replace").strip()
+        mtime = os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
     if not text.isdigit():
         return None
     pid = int(text)

@@ -28,6 +28,7 @@ from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
 log = logging.getLogger("prefetchd")
 
 STALE_HEARTBEAT_SECONDS = 10.0
+SHOWN_BAD_FILES = 5  # undecodable files named in the text status
 
 
 class JournalFormatter(logging.Formatter):
@@ -161,7 +162,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         settings.update({k: v for k, v in load_toml(config_file).items() if k in JOB_FIELDS})
     settings.update({k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE})
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else v for k, v in settings.items()}
-    buffer.mkdir(parents=True, exist_ok=True)
+    buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
     request = JobRequest(settings, replace)
     request.write(buffer)
     if daemon_pid(buffer) is None:
@@ -245,6 +246,17 @@ def describe_status(buffer: Path) -> dict[str, Any]:
 
 
 def format_status(info: dict[str, Any]) -> str:
+    """The text of `prefetchd status`; a status.json of the right format but the wrong shape
+    (another writer's, or a future version's) is reported, not a traceback."""
+    try:
+        return _format_status(info)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        state = "running" if info["running"] else "not running"
+        return (f"prefetchd on {info['buffer']}: {state}; its status.json does not have the expected fields "
+                f"({type(exc).__name__}: {exc}); `prefetchd status --json` shows it as it is")
+
+
+def _format_status(info: dict[str, Any]) -> str:
     buffer, st, mf = info["buffer"], info["status"], info["manifest"]
     if not info["running"]:
         line = f"prefetchd on {buffer}: not running"
@@ -275,6 +287,11 @@ def format_status(info: dict[str, Any]) -> str:
             f"  errors    {e['replaced_samples']} replaced samples, {e['undecodable_files']} undecodable files, "
             f"{e['worker_restarts']} worker restarts, {e['write_failures']} write failures",
         ]
+        bad = e.get("undecodable") or []
+        lines += [f"  bad file  {b['path']}: {b['reason']}" for b in bad[:SHOWN_BAD_FILES]]
+        if e["undecodable_files"] > SHOWN_BAD_FILES:
+            lines.append(f"            and {e['undecodable_files'] - SHOWN_BAD_FILES} more: `--json` lists {len(bad)}, "
+                         "the daemon's log names every one")
         stages = st.get("stages") or {}
         if stages:
             lines.append("  per image " + ", ".join(
@@ -300,7 +317,8 @@ def format_status(info: dict[str, Any]) -> str:
 
 
 def fill_bar(waiting: int, high: int, width: int = 24) -> str:
-    filled = round(width * min(waiting, high) / max(high, 1))
+    # Clamped both ways: status.json is a file others may write, and "." * -10**10 is a MemoryError.
+    filled = round(width * max(0, min(waiting, high)) / max(high, 1)) if high > 0 else 0
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 

@@ -14,6 +14,7 @@ import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.transforms import DEFAULT_MAX_IMAGE_PIXELS
 
 SPLITS = ("train", "val")
 # Defaults never plan more than these shares of what is free, so the trainer,
@@ -46,9 +47,14 @@ class DaemonConfig:
     color_jitter: float | None = _opt(None, "Train only: colour jitter of strength S, as torchvision's ColorJitter(S, S, S): brightness, contrast and saturation factors drawn from [max(0, 1-S), 1+S], applied in a random order; 0.4 in the usual ImageNet recipe [default: off].", float, minimum=0.0)
     scale_jitter: str | None = _opt(None, "Train only: 'MIN,MAX', ResNet's scale augmentation instead of the random resized crop: the shorter side is resized to a random length in [MIN, MAX] (MIN >= IMAGE_SIZE), then a random IMAGE_SIZE crop is taken and flipped half the time; e.g. '256,480' [default: off].", str)
     transform: str | None = _opt(None, "Your own augmentation 'package.module:callable', applied after the built-in ones: called with a uint8 3 x IMAGE_SIZE x IMAGE_SIZE tensor and the sample's numpy Generator, it returns a uint8 tensor of the same shape [default: off].", str)
+    strict: bool = _opt(False, "Fail the job on the first image that cannot be decoded, instead of replacing it with the next sample of the split.", bool)
+    max_bad_samples: int | None = _opt(None, "Stop the job once more than this many distinct files could not be decoded (they are replaced until then) [default: no limit].", int, minimum=0)
+    max_bad_fraction: float | None = _opt(None, "Stop the job once the files that could not be decoded exceed this fraction of the split's samples [default: no limit].", float, minimum=0.0, maximum=1.0)
+    max_image_pixels: int = _opt(DEFAULT_MAX_IMAGE_PIXELS, "Refuse images whose header declares more pixels than this, as decompression bombs do (both decoders); they count as undecodable.", int, minimum=1)
     world_size: int = _opt(1, "Ranks (trainer processes) in the whole job, over all boxes.", int, minimum=1, maximum=65536)
     ranks: str | None = _opt(None, "Ranks this daemon produces, e.g. 0-7 or 8,9 [default: all of --world-size].", str)
     reset: bool = _opt(False, "Delete what the buffer holds from a different job instead of refusing to start.", bool)
+    group_access: bool = _opt(False, "Let the buffer directory's group read batches and write progress (mode 2770 instead of 0700), for trainers running as other users of that group, as under the systemd unit.", bool)
     metrics_port: int | None = _opt(None, "Serve Prometheus metrics on this port [default: off].", int, minimum=1, maximum=65535)
     metrics_address: str = _opt("127.0.0.1", "Address the metrics port binds to (0.0.0.0 for every interface).", str)
     metrics_textfile: Path | None = _opt(None, "Also write the metrics to this file (node-exporter textfile collector) [default: off].", Path)
@@ -86,6 +92,8 @@ class DaemonConfig:
             f"color_jitter={self.color_jitter:g}" if self.color_jitter is not None else "",
             f"scale_jitter={bounds[0]},{bounds[1]}" if bounds is not None else "",
             f"transform={self.transform}" if self.transform is not None else "",
+            # It decides which samples are replaced, so it is part of what a batch holds.
+            f"max_image_pixels={self.max_image_pixels}" if self.max_image_pixels != DEFAULT_MAX_IMAGE_PIXELS else "",
         ]
         return ";".join(p for p in parts if p)
 

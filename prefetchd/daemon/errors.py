@@ -6,6 +6,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # click's own code for bad flags; we use it for bad configuration too
 EXIT_NOT_RUNNING = 3  # `prefetchd status` when no daemon owns the buffer (LSB convention)
+EXIT_BAD_DATA = 4  # `prefetchd start`: --strict or the bad-sample budget stopped the job; a restart fails again
 
 
 class DaemonError(RuntimeError):
@@ -22,3 +23,9 @@ class ConfigError(DaemonError):
 
 class DatasetError(DaemonError):
     """The dataset is missing, empty or unreadable."""
+
+
+class BadDataError(DatasetError):
+    """Too many samples could not be decoded (or one, with --strict): the data needs fixing."""
+
+    exit_code = EXIT_BAD_DATA

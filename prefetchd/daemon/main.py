@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pwd
 import select
+import stat
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -50,13 +52,23 @@ def filesystem_of(path: Path) -> tuple[str, str]:
     return best
 
 
-def prepare_buffer(buffer: Path) -> None:
-    if buffer.exists() and not buffer.is_dir():
-        raise ConfigError(f"buffer {buffer} exists and is not a directory; pick a directory such as /dev/shm/bf")
+BUFFER_MODE = 0o700  # batches are the user's data; the trainer runs as the same user
+GROUP_BUFFER_MODE = 0o2770  # --group-access: setgid, so files trainers create there get the buffer's group
+
+
+def prepare_buffer(buffer: Path, group_access: bool = False) -> None:
+    """Create the buffer directory for this user alone (or its group, when asked), or check
+    that an existing one is safe to use; refuse it otherwise, saying how to fix it."""
+    mode = GROUP_BUFFER_MODE if group_access else BUFFER_MODE
     try:
-        buffer.mkdir(parents=True, exist_ok=True)
+        buffer.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(buffer, mode)
+        os.chmod(buffer, mode)  # mkdir's mode goes through the umask and drops setgid
+    except FileExistsError:
+        pass
     except OSError as exc:
         raise ConfigError(f"cannot create buffer directory {buffer}: {exc.strerror}; pick a writable path such as /dev/shm/bf") from None
+    check_private_dir(buffer, group_access)
     if not os.access(buffer, os.W_OK | os.X_OK):
         raise ConfigError(f"buffer directory {buffer} is not writable by this user; fix its permissions or pick another --buffer")
     mount, fstype = filesystem_of(buffer)
@@ -65,6 +77,60 @@ def prepare_buffer(buffer: Path) -> None:
             "buffer %s is on %s (mounted at %s), not a RAM disk: every batch goes through that disk; "
             "use a directory under /dev/shm or another tmpfs", buffer, fstype, mount,
         )
+
+
+def make_stream_dir(directory: Path, group_access: bool) -> None:
+    """A rank's stream directory, with the buffer's mode and the same checks."""
+    mode = GROUP_BUFFER_MODE if group_access else BUFFER_MODE
+    try:
+        os.mkdir(directory, mode)
+        os.chmod(directory, mode)
+    except FileExistsError:
+        pass
+    check_private_dir(directory, group_access)
+
+
+def check_private_dir(path: Path, group_access: bool) -> None:
+    """Refuse a directory others could plant files in: the trainer maps what it finds there.
+
+    It must be a real directory (not a symlink) owned by this user, writable by nobody
+    else, except its group with ``group_access``.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot use buffer directory {path}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"buffer {path} is a symbolic link (to {os.readlink(path)}); the daemon does not follow "
+                          "links to its buffer: pass the real directory as --buffer")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"buffer {path} exists and is not a directory; pick a directory such as /dev/shm/bf")
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ConfigError(f"buffer directory {path} belongs to {_user(st.st_uid)}, not to {_user(me)} who runs the "
+                          "daemon; another user could change what the trainer reads: remove it "
+                          "(or chown it) or pick another --buffer")
+    perms = stat.S_IMODE(st.st_mode)
+    hint = f"chmod {GROUP_BUFFER_MODE:o} {path}" if group_access else f"chmod 700 {path}"
+    if perms & stat.S_IWOTH:
+        raise ConfigError(f"buffer directory {path} is writable by every user (mode {perms:04o}), who could plant "
+                          f"files the trainer reads; `{hint}`, or remove it")
+    if perms & stat.S_IWGRP and not group_access:
+        raise ConfigError(f"buffer directory {path} is writable by its group (mode {perms:04o}); pass --group-access "
+                          f"if that group's trainers should use it, or `{hint}`")
+    if group_access and perms & 0o770 != 0o770:
+        os.chmod(path, GROUP_BUFFER_MODE)  # ours, and the user asked for the group
+        log.info("buffer directory %s: mode %04o -> %04o for --group-access", path, perms, GROUP_BUFFER_MODE)
+    elif not group_access and perms & 0o077:
+        log.warning("buffer directory %s has mode %04o: other users can list or read its batches; `chmod 700 %s` "
+                    "(a new buffer is created 0700)", path, perms, path)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def clear_buffer(buffer: Path) -> None:
@@ -129,7 +195,7 @@ def check_capacity(cfg: DaemonConfig) -> None:
 
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
-    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset",
+    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access",
     "metrics_port", "metrics_address", "metrics_textfile",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
@@ -260,7 +326,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         adopt_manifest(job.buffer, None, reset)
     for rank in job.local_ranks:
         directory = stream_dir(job.buffer, rank, job.world_size)
-        directory.mkdir(exist_ok=True)
+        make_stream_dir(directory, job.group_access)
         manifest = Manifest(
             dataset_root=str(index.root),
             fingerprint=index.fingerprint,
@@ -302,7 +368,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
     # First: the environment it reads must not reach the worker fork server.
     notifier = Notifier.from_env()
     buffer = Path(cfg.buffer)
-    prepare_buffer(buffer)
+    prepare_buffer(buffer, cfg.group_access)
     lock = DaemonLock(buffer)
     lock.acquire()
     # Importing torch and torchvision in the worker server takes seconds; it runs while we index.

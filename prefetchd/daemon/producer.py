@@ -51,7 +51,7 @@ from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
-from prefetchd.daemon.errors import DaemonError
+from prefetchd.daemon.errors import BadDataError, DaemonError
 from prefetchd.daemon.sampler import batch_len, batch_slice, epoch_order
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.wakeup import Wakeup
@@ -68,6 +68,7 @@ RESTART_WINDOW_SECONDS = 60.0
 TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
 STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
 STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
+MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
 
 
 @dataclass(eq=False)
@@ -287,8 +288,10 @@ class Producer:
         self.state = "starting"
         self.message = ""
         self.logged_failures: set[str] = set()
+        self.bad_files: list[dict[str, str]] = []  # the first MAX_LISTED_BAD_FILES, for the status
         self.restart_times: deque[float] = deque()
         self.fatal: str | None = None
+        self.fatal_error: type[DaemonError] = DaemonError
         self.workers: list[Worker] = []
         self._ctx = worker_context()
         self._job = WorkerJob.from_config(index, members, cfg)
@@ -337,7 +340,7 @@ class Producer:
         if self.fatal:
             self.state, self.message = "failed", self.fatal
             self._write_status()
-            raise DaemonError(self.fatal)
+            raise self.fatal_error(self.fatal)
         if self.next_job is not None:
             self.state, self.message = "switching", "replacing the job with the one in job.json"
         else:
@@ -472,15 +475,23 @@ class Producer:
                 self.state, self.message = "paused-low-space", msg
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
-            self._start_build(stream, g, layout)
+            if not self._start_build(stream, g, layout):
+                return
             self.state, self.message = "filling", ""
 
-    def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> None:
+    def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> bool:
+        """Create the batch's temp file and queue its tasks; False (retry later) if it cannot be created."""
         epoch, step = stream.key(g)
         order = stream.order(epoch)
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
         tmp = temp_name(stream.dir / batch_name(epoch, step))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            fd = create_exclusive(tmp)
+        except OSError as exc:  # e.g. a directory planted under the name, out of inodes
+            self.stats.write_failures += 1
+            log.warning("cannot create %s: %s; retrying in %.0f s", tmp, exc.strerror, RETRY_SECONDS)
+            self.retry_at = time.monotonic() + RETRY_SECONDS
+            return False
         try:
             os.ftruncate(fd, layout.file_len)
         finally:
@@ -495,6 +506,7 @@ class Producer:
             self.task_build[task.task_id] = build
             build.outstanding.add(task.task_id)
             self.todo.append(task)
+        return True
 
     def _dispatch(self) -> None:
         for worker in sorted(self.workers, key=lambda w: len(w.tasks)):
@@ -527,7 +539,11 @@ class Producer:
         for path, reason in result.failures:
             if path not in self.logged_failures:
                 self.logged_failures.add(path)
+                if len(self.bad_files) < MAX_LISTED_BAD_FILES:
+                    self.bad_files.append({"path": path, "reason": reason})
                 log.warning("cannot decode %s (%s); replacing it with the next sample of the split", path, reason)
+        if result.failures and self._over_budget(*result.failures[-1]):
+            return
         requested = dict(task.items)
         for slot, index, label in result.slots:
             build.indices[slot] = index
@@ -537,6 +553,14 @@ class Producer:
         build.remaining -= len(result.slots)
         if build.remaining == 0:
             self._publish(build)
+
+    def _over_budget(self, path: str, reason: str) -> bool:
+        """Fail the job when --strict is on or the undecodable files exceed the budget."""
+        verdict = bad_data_verdict(self.cfg, len(self.logged_failures), len(self._job.members), path, reason)
+        if verdict is None:
+            return False
+        self.fatal, self.fatal_error = verdict, BadDataError
+        return True
 
     def _publish(self, build: Build) -> None:
         stream = build.stream
@@ -603,6 +627,7 @@ class Producer:
             "errors": {
                 "replaced_samples": self.stats.replaced,
                 "undecodable_files": len(self.logged_failures),
+                "undecodable": self.bad_files,
                 "worker_restarts": self.stats.worker_restarts,
                 "write_failures": self.stats.write_failures,
                 "progress_file": "; ".join(s["progress_file"] for s in streams if s["progress_file"]),
@@ -624,6 +649,42 @@ class Producer:
             write_status(self.buffer, status)
         except OSError as exc:
             log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
+
+
+def create_exclusive(path: Path) -> int:
+    """Create ``path`` for writing, never opening what is already there.
+
+    Nothing should be: the sweep at start and every cancelled build delete their
+    temp files.  A name that exists anyway was put there by someone else (with
+    --group-access, a member of the group): a link planted there would make
+    O_TRUNC cut, and the workers write into, a file the daemon never created.
+    Unlinking removes only the name in our directory, not what it points to.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileExistsError:
+        log.warning("%s exists though this daemon did not create it; removing the name and creating its own", path)
+        path.unlink()
+        return os.open(path, flags, 0o644)
+
+
+def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:
+    """Why the job must stop now that ``bad`` distinct files of a ``split``-sample split could not be
+    decoded, the last being ``path`` (for ``reason``); None while the policy lets it replace them."""
+    if cfg.strict:
+        return (f"--strict: cannot decode {path} ({reason}); fix or remove the file, or start without "
+                "--strict to replace undecodable images with the next sample of the split")
+    exceeded = []
+    if cfg.max_bad_samples is not None and bad > cfg.max_bad_samples:
+        exceeded.append(f"--max-bad-samples {cfg.max_bad_samples}")
+    if cfg.max_bad_fraction is not None and bad > cfg.max_bad_fraction * split:
+        exceeded.append(f"--max-bad-fraction {cfg.max_bad_fraction:g} of {split} samples")
+    if not exceeded:
+        return None
+    return (f"{bad} files could not be decoded, more than {' and '.join(exceeded)} allows (the last: {path}: "
+            f"{reason}); the log names every one and `prefetchd status --json` the first {MAX_LISTED_BAD_FILES}; "
+            "repair or remove them, or raise the limit")
 
 
 def worker_context() -> multiprocessing.context.ForkServerContext:

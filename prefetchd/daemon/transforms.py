@@ -28,10 +28,21 @@ Decoding, by the file's magic bytes, never its name:
   224 px output, one core: train 177 img/s this way against 152 with full
   decodes, val 219 against 181; at 128 px from ImageNet-sized files 435 against 409.
 * Everything else — PNG, WebP, CMYK/YCCK JPEGs, palette, 16-bit — and any JPEG
-  torchvision refuses: Pillow, converted to RGB as ImageFolder's loader does.
+  torchvision refuses: Pillow, converted to RGB as ImageFolder's loader does:
+  alpha (RGBA, LA, a palette's transparency) is dropped, not composited, the
+  same on every path (a JPEG has none); an animated image gives its first frame.
+  One exception: 16-bit grayscale keeps its high byte, where Pillow's convert
+  (and so ImageFolder) clips every value above 255 to white.
   (torchvision's decode_png would save little: 5.3 ms against Pillow's 6.4 ms
   for 330 KB photo PNGs, where inflating dominates, and only for 8-bit modes
   whose conversion matches Pillow's; not worth a third path for a rare format.)
+
+Before either decoder runs, the header's pixel count is checked against
+``max_image_pixels`` (Pillow's own bomb limit by default): a few hundred bytes
+of JPEG can declare 40000 x 40000 pixels, and decode_jpeg would allocate all
+4.8 GB of them.  Only regular files are read: a FIFO in a class folder would
+block ``open`` forever, a device would never end.  Such files raise
+``ImageRefused`` and are replaced like any undecodable sample.
 
 Both decoders wrap the same libjpeg-turbo: a JPEG decoded at full scale gives
 bit-identical pixels either way (tested, EXIF orientations included).  Which
@@ -67,6 +78,7 @@ import importlib
 import io
 import math
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,7 +87,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from prefetchd.daemon.errors import ConfigError
 
@@ -97,6 +109,9 @@ _TORCHVISION_JPEG_MODES = ("RGB", "L")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)  # width and height swap
 JITTER_OPERATIONS = ("brightness", "contrast", "saturation")  # torchvision adjust_<name>, indexed by a plan
+# Pillow's Image.MAX_IMAGE_PIXELS: about a quarter GiB of 24-bit pixels.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,10 @@ class _Decoded:
     pixels: torch.Tensor | None = None
     image: Image.Image | None = field(default=None, repr=False)
     scale: int = 1
+
+
+class ImageRefused(ValueError):
+    """A file that is refused before decoding: not a regular file, or more pixels than allowed."""
 
 
 class HookError(RuntimeError):
@@ -243,9 +262,16 @@ def preload() -> None:
 
 
 def read_bytes(path: Path) -> bytearray:
-    """The whole file with one read, into a writable buffer that torch wraps without a copy."""
-    with open(path, "rb", buffering=0) as fh:
-        size = os.fstat(fh.fileno()).st_size
+    """The whole file with one read, into a writable buffer that torch wraps without a copy.
+
+    Only a regular file (or a link to one): O_NONBLOCK makes opening a FIFO return
+    at once instead of waiting for a writer, and the fstat then refuses it."""
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb", buffering=0) as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
+            raise ImageRefused(f"{path} is a {kind}, not a regular file; remove it from the dataset")
+        size = st.st_size
         data = bytearray(size)
         view = memoryview(data)
         got = 0
@@ -276,6 +302,10 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
     May return ``img`` itself, loaded (an RGB image needing no rotation): no copy."""
     oriented = ImageOps.exif_transpose(img) if _orientation(img) != 1 else img
+    if oriented.mode in _SIXTEEN_BIT_MODES:
+        # Pillow's convert clips 16-bit values to 255, a white image; keep the high byte instead.
+        high = (np.asarray(oriented, dtype=np.uint16) >> 8).astype(np.uint8)
+        return Image.fromarray(high).convert("RGB")
     if oriented.mode == "RGB":
         oriented.load()
         return oriented
@@ -368,13 +398,33 @@ def _apply_hook(name: str, hwc: torch.Tensor, rng: np.random.Generator, size: in
     return out.permute(1, 2, 0)
 
 
+def open_header(data: bytearray, path: Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """Pillow's view of the header (size, mode, EXIF), refused when it has more than ``max_pixels``."""
+    try:
+        header = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:  # Pillow's own limit, where it is still on
+        raise ImageRefused(f"{path}: {exc} (max_image_pixels is {max_pixels}); raise --max-image-pixels "
+                           "if such images are real") from None
+    except UnidentifiedImageError:  # its own message names a BytesIO, not the file
+        what = "an empty file" if not data else f"{len(data)} bytes starting {bytes(data[:8])!r}"
+        raise ImageRefused(f"{path}: not an image format Pillow or torchvision reads ({what})") from None
+    w, h = header.size
+    if w * h > max_pixels:
+        raise ImageRefused(f"{path}: {w} x {h} = {w * h / 1e6:.0f} Mpx is more than max_image_pixels "
+                           f"({max_pixels / 1e6:.0f} Mpx), as a decompression bomb would be; raise "
+                           "--max-image-pixels if such images are real")
+    return header
+
+
 def augment(path: Path, size: int, train: bool, rng: np.random.Generator | None,
-            options: AugmentOptions = NO_OPTIONS, times: StageTimes | None = None) -> np.ndarray:
+            options: AugmentOptions = NO_OPTIONS, times: StageTimes | None = None,
+            max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
     """Decode ``path`` and augment it into a contiguous ``size`` x ``size`` x 3 uint8 array.
 
     ``rng`` is the sample's stream (train; the hook's stream in val).  Stage
     seconds are added to ``times``.  A file that cannot be read or decoded
-    raises whatever its reader raised; a failing hook raises ``HookError``.
+    raises whatever its reader raised (``ImageRefused`` for a special file or
+    one of more than ``max_pixels`` pixels); a failing hook raises ``HookError``.
     """
     t0 = time.perf_counter()
     data = read_bytes(path)
@@ -382,7 +432,7 @@ def augment(path: Path, size: int, train: bool, rng: np.random.Generator | None,
     try:
         # The header only (size, mode, EXIF); it is not closed because the Pillow
         # path may hand back this very image, and a BytesIO holds no OS resource.
-        header = Image.open(io.BytesIO(data))
+        header = open_header(data, path, max_pixels)
         width, height = oriented_size(header)
         plan = plan_sample(width, height, size, train, rng, options)
         decoded = _decode(data, header, width, height, plan.box, size)

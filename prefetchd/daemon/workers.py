@@ -39,10 +39,11 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import numpy as np
+from PIL import Image
 
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.transforms import AugmentOptions, HookError, StageTimes, augment, preload
+from prefetchd.daemon.transforms import DEFAULT_MAX_IMAGE_PIXELS, AugmentOptions, HookError, StageTimes, augment, preload
 
 if TYPE_CHECKING:
     from prefetchd.daemon.config import DaemonConfig
@@ -65,11 +66,13 @@ class WorkerJob:
     train: bool
     seed: int
     augment: AugmentOptions = field(default_factory=AugmentOptions)
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     @classmethod
     def from_config(cls, index: SampleIndex, members: np.ndarray, cfg: DaemonConfig) -> WorkerJob:
         return cls(index, members, cfg.image_size, cfg.split == "train", cfg.seed, AugmentOptions(
-            color_jitter=cfg.color_jitter, scale_jitter=cfg.scale_jitter_bounds, transform=cfg.transform))
+            color_jitter=cfg.color_jitter, scale_jitter=cfg.scale_jitter_bounds, transform=cfg.transform),
+            cfg.max_image_pixels)
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def _produce(job: WorkerJob, epoch: int, index: int, failures: list[tuple[str, s
         elif job.augment.transform is not None:  # val draws nothing; its hook's stream is the same every epoch
             rng = sample_rng(job.seed, 0, candidate)
         try:
-            return candidate, augment(path, job.image_size, job.train, rng, job.augment, times)
+            return candidate, augment(path, job.image_size, job.train, rng, job.augment, times, job.max_pixels)
         except HookError:
             raise
         except Exception as exc:  # any decoder failure replaces the sample; the reason is reported
@@ -184,6 +187,9 @@ def limit_threads() -> None:
 def worker_main(conn: Connection, job: WorkerJob) -> None:
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # augment() applies the job's max_image_pixels before decoding; Pillow's own
+    # limit would refuse, with its own words, images the user allowed.
+    Image.MAX_IMAGE_PIXELS = None
     limit_threads()
     preload()
     while True:

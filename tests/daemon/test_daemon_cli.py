@@ -290,3 +290,54 @@ def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     assert info["running"] is False and info["pid"] is None and info["stale"] is False
     assert info["status"] is None and info["manifest"] is None and info["problems"] == []
     assert json.loads(json.dumps(info)) == info
+
+
+# A status as a running daemon writes it (Producer.status), to be damaged below.
+_STATUS: dict[str, object] = {
+    "pid": 1, "producer": "p", "state": "filling", "message": "", "heartbeat": 1.0, "started": 0.0,
+    "progress": {"epoch": 0, "step": 3, "trainer_wait_share": 0.1},
+    "streams": [{"rank": r, "progress": {"epoch": 0, "step": 3, "trainer_wait_share": None}, "waiting": 2,
+                 "building": 1, "progress_file": ""} for r in (0, 1)],
+    "waiting": 4, "building": 2, "high_water": 8, "low_water": 4, "batch_bytes": 1 << 20, "buffer_bytes": 4 << 20,
+    "free_bytes": 1 << 30, "workers": 2, "workers_cpu_percent": 150.0,
+    "rates": {"samples_per_s": 800.0, "consumed_batches_per_s": 6.2},
+    "stages": {"read": {"p50": 0.001, "p90": 0.002, "p99": 0.003}},
+    "totals": {"batches": 10, "samples": 80, "consumed_batches": 6},
+    "errors": {"replaced_samples": 7, "undecodable_files": 7, "worker_restarts": 0, "write_failures": 0,
+               "progress_file": "", "undecodable": [{"path": f"/d/c/{i}.jpg", "reason": "empty"} for i in range(7)]},
+    "job_result": {"job_id": "j", "accepted": True, "reason": "ok"},
+}
+
+
+def test_status_lists_the_first_undecodable_files() -> None:
+    info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
+            "status": _STATUS, "manifest": None, "problems": []}
+    text = cli.format_status(info)
+    assert "7 undecodable files" in text and "bad file  /d/c/0.jpg: empty" in text
+    assert text.count("bad file") == cli.SHOWN_BAD_FILES and "and 2 more" in text
+
+
+def test_a_damaged_status_document_is_reported_not_raised() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    anything = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                            max_leaves=8)
+
+    @settings(max_examples=80, deadline=None)
+    @given(damage=st.dictionaries(st.sampled_from(sorted(_STATUS)), anything, max_size=3), running=st.booleans())
+    def check(damage: dict[str, object], running: bool) -> None:
+        status = {**_STATUS, **damage}
+        info = {"buffer": "/dev/shm/bf", "running": running, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
+                "status": status, "manifest": None, "problems": []}
+        text = cli.format_status(info)
+        assert text.startswith("prefetchd on /dev/shm/bf")
+
+    check()
+
+
+@pytest.mark.parametrize(("waiting", "high"), [(-(10**10), 8), (10**12, 8), (3, 0), (3, -5)])
+def test_the_fill_bar_is_bounded_whatever_the_status_says(waiting: int, high: int) -> None:
+    # Found by the fuzz test above: a waiting count of -2e10 made a 20 GB string (the OOM killer came).
+    assert len(cli.fill_bar(waiting, high)) == 26

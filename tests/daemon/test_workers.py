@@ -204,6 +204,7 @@ def test_a_broken_hook_is_fatal_not_a_replacement(index: SampleIndex, tmp_path: 
     monkeypatch.setattr(signal, "signal", lambda *args: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # worker_main lifts Pillow's limit
     path = _batch_file(tmp_path / "b.tmp", 2)
     ours, theirs = multiprocessing.Pipe()
     ours.send(_task(path, [(0, 1), (1, 2)], task_id=5))

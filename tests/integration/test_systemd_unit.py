@@ -87,10 +87,13 @@ def test_required_directives(unit: dict[str, dict[str, list[str]]]) -> None:
 def test_exec_start_names_the_instance_buffer_and_config_with_real_flags(unit: dict[str, dict[str, list[str]]]) -> None:
     argv = value(unit, "ExecStart").split()
     assert argv[:2] == [INSTALLED_BINARY, "start"]
-    args = dict(zip(argv[2::2], argv[3::2]))
+    # Trainers of the prefetchd group read the buffer: the unit asks for group access itself,
+    # so that no config can forget it.
+    assert argv[-1] == "--group-access"
+    args = dict(zip(argv[2:-1:2], argv[3:-1:2]))
     assert args == {"--buffer": "/dev/shm/%i", "--config": "/etc/prefetchd/%i.toml"}
     flags = {opt for param in start.params for opt in param.opts}
-    assert set(args) <= flags, f"ExecStart uses flags `prefetchd start` does not have: {set(args) - flags}"
+    assert set(args) | {"--group-access"} <= flags, f"ExecStart uses flags `prefetchd start` does not have: {set(args) - flags}"
 
 
 def test_memory_max_holds_the_example_configs_buffer(unit: dict[str, dict[str, list[str]]]) -> None:

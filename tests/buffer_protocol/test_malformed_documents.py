@@ -1,0 +1,256 @@
+"""Malformed manifests, job files and status documents, and files of the wrong kind under
+every protocol name: readers raise ProtocolError (FileNotFoundError for a missing file)
+and nothing else, never block, never write through a planted link.
+
+Progress documents and batch files have their own properties in test_layout.py and
+test_batch.py; this file adds the documents those leave out and the special files.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefetchd.buffer_protocol import (
+    VERSION,
+    DaemonLock,
+    JobRequest,
+    Manifest,
+    Progress,
+    ProtocolError,
+    batch_name,
+    daemon_pid,
+    map_batch,
+    read_status,
+    write_batch,
+)
+from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME, write_json
+
+FUZZ = settings(max_examples=120, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+
+VALID_MANIFEST = Manifest(
+    dataset_root="/data/shapes", fingerprint="abc123", classes=["circle", "square"], num_samples=400,
+    split="train", seed=0, batch_size=32, image_size=64, samples_per_epoch=400, steps_per_epoch=13,
+    epochs=2, producer="0123456789ab", val_fraction=0.1, augmentation="color_jitter=0.4", created=1700000000.5,
+).to_doc()
+VALID_JOB = {"format": "prefetchd.job", "version": VERSION, "settings": {"data": "/data", "batch_size": 64},
+             "replace": False, "job_id": "0123456789ab", "submitted": 1700000000.5}
+
+
+@st.composite
+def mutated(draw: st.DrawFn, valid: dict[str, Any]) -> Any:
+    """``valid`` with a few fields dropped or replaced by any JSON value; now and then any JSON at all."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(_json)
+    doc = copy.deepcopy(valid)
+    for key in draw(st.lists(st.sampled_from(sorted(doc)), max_size=3, unique=True)):
+        if draw(st.booleans()):
+            del doc[key]
+        else:
+            doc[key] = draw(_json)
+    if draw(st.integers(0, 4)) == 0:
+        doc[draw(st.text(max_size=6))] = draw(_json)
+    return doc
+
+
+def _write(path: Path, doc: Any) -> None:
+    path.write_text(json.dumps(doc))  # NaN and Infinity too: Python's json reads them back
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@FUZZ
+@given(doc=mutated(VALID_MANIFEST))
+def test_a_mutated_manifest_is_refused_or_well_typed(doc: Any, tmp_path: Path) -> None:
+    _write(tmp_path / MANIFEST_NAME, doc)
+    try:
+        m = Manifest.read(tmp_path)
+    except ProtocolError as exc:
+        assert MANIFEST_NAME in str(exc)
+        return
+    for name in ("num_samples", "seed", "batch_size", "image_size", "samples_per_epoch", "steps_per_epoch",
+                 "channels", "rank", "world_size"):
+        value = getattr(m, name)
+        assert type(value) is int and value >= 0, name
+    assert m.batch_size >= 1 and m.image_size >= 1 and m.world_size >= 1
+    assert m.steps_per_epoch == -(-m.samples_per_epoch // m.batch_size)
+    assert all(isinstance(c, str) for c in m.classes)
+    assert all(isinstance(getattr(m, s), str) for s in ("dataset_root", "fingerprint", "split", "producer", "augmentation"))
+    assert m.epochs is None or (type(m.epochs) is int and m.epochs >= 0)
+    assert m.val_fraction is None or _is_number(m.val_fraction)
+    assert isinstance(m.created, float)
+
+
+@FUZZ
+@given(doc=mutated(VALID_JOB))
+def test_a_mutated_job_is_refused_or_well_typed(doc: Any, tmp_path: Path) -> None:
+    _write(tmp_path / JOB_NAME, doc)
+    try:
+        job = JobRequest.read(tmp_path)
+    except ProtocolError as exc:
+        assert JOB_NAME in str(exc)
+        return
+    assert job is not None and isinstance(job.settings, dict) and isinstance(job.replace, bool)
+    assert all(isinstance(k, str) for k in job.settings)
+    assert all(v is None or isinstance(v, (str, int, float, bool)) for v in job.settings.values())
+    assert isinstance(job.job_id, str) and isinstance(job.submitted, float)
+
+
+@FUZZ
+@given(garbage=st.binary(max_size=300), name=st.sampled_from([MANIFEST_NAME, JOB_NAME, STATUS_NAME]))
+def test_garbage_documents_are_protocol_errors(garbage: bytes, name: str, tmp_path: Path) -> None:
+    (tmp_path / name).write_bytes(garbage)
+    read: dict[str, Callable[[Path], object]] = {MANIFEST_NAME: Manifest.read, JOB_NAME: JobRequest.read,
+                                                 STATUS_NAME: read_status}
+    with pytest.raises(ProtocolError, match=name):
+        read[name](tmp_path)
+
+
+def test_non_finite_numbers_do_not_pass_as_positions(tmp_path: Path) -> None:
+    for value in (math.nan, math.inf, 1e300):
+        _write(tmp_path / PROGRESS_NAME, {"format": "prefetchd.progress", "version": VERSION, "epoch": value, "step": 0})
+        with pytest.raises(ProtocolError, match="epoch"):
+            Progress.read(tmp_path)
+
+
+# -- files of the wrong kind under a protocol name ----------------------------------------
+
+READERS: dict[str, Callable[[Path], object]] = {
+    PROGRESS_NAME: Progress.read, MANIFEST_NAME: Manifest.read, JOB_NAME: JobRequest.read, STATUS_NAME: read_status,
+    batch_name(0, 0): lambda buffer: map_batch(buffer / batch_name(0, 0)),
+}
+
+
+def _plant(buffer: Path, name: str, kind: str, victim: Path) -> None:
+    path = buffer / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        os.symlink(victim, path)
+    elif kind == "directory":
+        path.mkdir()
+
+
+def _in_time(call: Callable[[], object], seconds: float = 30.0) -> BaseException | None:
+    """Run ``call`` in a thread; fail if it blocks (a FIFO opened without O_NONBLOCK would)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the reader blocked"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+@pytest.mark.parametrize("name", sorted(READERS))
+def test_special_files_are_protocol_errors_without_blocking(tmp_path: Path, name: str, kind: str) -> None:
+    buffer = tmp_path / "bf"
+    buffer.mkdir()
+    victim = tmp_path / "victim"  # a valid document or batch, reachable only through the link
+    if name.endswith(".batch"):
+        import numpy as np
+
+        write_batch(victim, np.zeros((1, 2, 2, 3), np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                    epoch=0, step=0, seed=0, producer="p")
+    else:
+        write_json(victim, VALID_MANIFEST if name == MANIFEST_NAME else VALID_JOB if name == JOB_NAME else
+                   {"format": f"prefetchd.{name.split('.')[0]}", "version": VERSION, "epoch": 0, "step": 0})
+    _plant(buffer, name, kind, victim)
+    error = _in_time(lambda: READERS[name](buffer))
+    assert isinstance(error, ProtocolError), repr(error)
+    assert name in str(error)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "hardlink", "other-owner"])
+def test_the_lock_is_never_one_the_daemon_did_not_make(tmp_path: Path, kind: str) -> None:
+    buffer = tmp_path / "bf"
+    buffer.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    if kind == "hardlink":
+        os.link(victim, buffer / LOCK_NAME)
+    elif kind == "other-owner":
+        if os.geteuid() != 0:
+            pytest.skip("making a file of another user needs root")
+        (buffer / LOCK_NAME).write_text("")
+        os.chown(buffer / LOCK_NAME, 65534, 65534)
+    else:
+        _plant(buffer, LOCK_NAME, kind, victim)
+    assert _in_time(lambda: daemon_pid(buffer)) is None  # status and stop just see no daemon
+    error = _in_time(DaemonLock(buffer).acquire)
+    assert isinstance(error, ProtocolError) and LOCK_NAME in str(error), repr(error)
+    assert victim.read_text() == "precious\n"
+
+
+def test_json_temp_files_are_never_written_through_a_planted_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import secrets
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "guessed0")  # as if the random name were guessed
+    os.symlink(victim, tmp_path / f"{PROGRESS_NAME}.tmp-{os.getpid()}-guessed0")
+    with pytest.raises(FileExistsError):
+        Progress(1, 2).write(tmp_path)
+    assert victim.read_text() == "precious\n"
+    assert not (tmp_path / PROGRESS_NAME).exists()
+
+
+def test_listing_skips_what_only_looks_like_a_batch(tmp_path: Path) -> None:
+    from prefetchd.buffer_protocol import list_batches
+
+    (tmp_path / batch_name(0, 0)).write_bytes(b"")  # a regular file: listed, and refused when mapped
+    (tmp_path / batch_name(0, 1)).mkdir()
+    os.mkfifo(tmp_path / batch_name(0, 2))
+    os.symlink(tmp_path / batch_name(0, 0), tmp_path / batch_name(0, 3))
+    assert list(list_batches(tmp_path)) == [(0, 0)]
+
+
+@settings(max_examples=60, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(0, 3 * 4096 + 200))
+def test_a_batch_file_cut_or_grown_on_disk_is_refused_by_the_mapper(size: int, tmp_path: Path) -> None:
+    import numpy as np
+
+    path = tmp_path / batch_name(0, 0)
+    write_batch(path, np.ones((2, 8, 8, 3), np.uint8), np.zeros(2, np.int64), np.arange(2), epoch=0, step=0,
+                seed=0, producer="p")
+    full = path.stat().st_size
+    os.truncate(path, size)  # a damaged tmpfs page, a stray writer: the header's offsets no longer hold
+    if size == full:
+        assert map_batch(path).images.shape == (2, 8, 8, 3)
+    else:
+        with pytest.raises(ProtocolError, match=batch_name(0, 0)):
+            map_batch(path)
+
+
+def test_the_sweep_lists_no_directory_as_a_leftover(tmp_path: Path) -> None:
+    from prefetchd.buffer_protocol import list_temp_files
+
+    (tmp_path / "e000000-s00000000.tmp").write_bytes(b"half")
+    (tmp_path / "e000000-s00000001.tmp").mkdir()
+    assert [p.name for p in list_temp_files(tmp_path)] == ["e000000-s00000000.tmp"]

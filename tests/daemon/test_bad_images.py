@@ -1,0 +1,167 @@
+"""Bad input, one file at a time: the corpus of prefetchd.bad_images through the index, both
+decoders and a worker; the policy of replacing, counting and stopping (bad_data_verdict)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torchvision.io
+from PIL import Image
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import pil_loader
+
+from prefetchd.bad_images import Corpus, make_bad_images
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.dataset import scan_class_folders
+from prefetchd.daemon.producer import bad_data_verdict
+from prefetchd.daemon.transforms import ImageRefused, augment, load_rgb
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, run_task
+
+pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")]
+
+SIZE = 32
+TOLERANCE = 12  # JPEG's loss on flat colour
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    return make_bad_images(tmp_path_factory.mktemp("bad") / "data")
+
+
+def _halves(image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    third = image.shape[1] // 3
+    return image[:, :third].reshape(-1, 3).mean(0), image[:, -third:].reshape(-1, 3).mean(0)
+
+
+def test_the_index_is_imagefolders_and_lists_no_non_images(corpus: Corpus) -> None:
+    index = scan_class_folders(corpus.root)
+    ours = [str(index.path(i).relative_to(index.root)) for i in range(len(index))]
+    theirs = [str(Path(p).relative_to(corpus.root)) for p, _ in ImageFolder(str(corpus.root), loader=lambda p: p).samples]
+    assert ours == theirs
+    assert set(ours) == set(corpus.valid) | set(corpus.undecodable)  # hidden, uppercase, FIFO, dead link included
+    assert not set(ours) & set(corpus.ignored)
+
+
+@pytest.mark.parametrize("decoder", ["fast", "pillow"])
+def test_valid_images_decode_to_what_they_show(corpus: Corpus, decoder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if decoder == "pillow":  # every JPEG through the fallback as well
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("refused for the test")
+        monkeypatch.setattr(torchvision.io, "decode_jpeg", refuse)
+    for rel, (left, right) in corpus.valid.items():
+        out = augment(corpus.root / rel, SIZE, train=False, rng=None)
+        assert out.shape == (SIZE, SIZE, 3)
+        got_left, got_right = _halves(out)
+        assert np.abs(got_left - left).max() <= TOLERANCE, (rel, got_left, left)
+        assert np.abs(got_right - right).max() <= TOLERANCE, (rel, got_right, right)
+
+
+def test_sixteen_bit_keeps_the_high_byte_where_imagefolder_clips(corpus: Corpus) -> None:
+    path = corpus.root / "class_a" / "gray16.png"
+    with Image.open(path) as raw:
+        assert raw.mode == "I;16"
+    assert np.asarray(pil_loader(str(path))).min() == 255  # ImageFolder: white
+    assert set(np.unique(np.asarray(load_rgb(path)))) == {200}
+
+
+def test_undecodable_files_raise_promptly_with_a_reason(corpus: Corpus) -> None:
+    reasons: dict[str, str] = {}
+
+    def decode_all() -> None:
+        for rel in corpus.undecodable:
+            try:
+                augment(corpus.root / rel, SIZE, train=False, rng=None)
+            except Exception as exc:  # what the worker catches
+                reasons[rel] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=decode_all, daemon=True)  # a FIFO opened blocking would never return
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "decoding the bad files hung"
+    assert set(reasons) == set(corpus.undecodable)
+    assert "not a regular file" in reasons["class_b/fifo.jpg"]
+    assert "max_image_pixels" in reasons["class_b/bomb.jpg"] and "max_image_pixels" in reasons["class_b/bomb.png"]
+    assert "an empty file" in reasons["class_b/empty.jpg"]
+    assert "BytesIO" not in " ".join(reasons.values())
+
+
+def test_the_pixel_limit_holds_before_either_decoder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "big.jpg"
+    Image.new("RGB", (100, 80), (9, 9, 9)).save(path)
+    calls: list[object] = []
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", lambda *a, **k: calls.append(a))
+    with pytest.raises(ImageRefused, match="100 x 80"):
+        augment(path, 16, train=False, rng=None, max_pixels=7999)
+    assert not calls
+    monkeypatch.undo()
+    assert augment(path, 16, train=False, rng=None, max_pixels=8000).shape == (16, 16, 3)
+
+
+def test_a_worker_replaces_bad_samples_deterministically(corpus: Corpus, tmp_path: Path) -> None:
+    index = scan_class_folders(corpus.root)
+    job = WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0)
+    bad = [i for i in range(len(index)) if str(index.path(i).relative_to(index.root)) in corpus.undecodable]
+    slot = SIZE * SIZE * 3
+    items = list(enumerate(range(len(index))))
+    runs = []
+    for chunks in ([items], [items[k::3] for k in range(3)]):  # one worker, or three in another order
+        path = tmp_path / f"batch-{len(runs)}.tmp"
+        path.write_bytes(bytes(len(items) * slot))
+        used: dict[int, int] = {}
+        for task_id, chunk in enumerate(chunks):
+            result = run_task(job, Task(task_id, str(path), 0, slot, 0, tuple(chunk)))
+            assert isinstance(result, Filled)
+            used.update({s: i for s, i, _ in result.slots})
+        runs.append((path.read_bytes(), used))
+    assert runs[0] == runs[1]
+    used = runs[0][1]
+    assert len(used) == len(items)  # every slot filled: the batch keeps its size
+    for i in bad:
+        replacement = used[i]
+        assert replacement not in bad and replacement > i  # the next sample of the split that decodes
+        assert all(j in bad for j in range(i + 1, replacement))
+    assert all(used[i] == i for i in range(len(index)) if i not in bad)
+
+
+def _cfg(**kw: object) -> DaemonConfig:
+    return DaemonConfig(buffer=Path("/dev/shm/x"), **kw)  # type: ignore[arg-type]
+
+
+def test_replacing_is_the_default_and_limits_stop_the_job() -> None:
+    assert bad_data_verdict(_cfg(), 10**6, 10, "p", "r") is None
+    assert bad_data_verdict(_cfg(max_bad_samples=3), 3, 100, "p", "r") is None
+    verdict = bad_data_verdict(_cfg(max_bad_samples=3), 4, 100, "/d/x.jpg", "OSError: truncated")
+    assert verdict is not None and "4 files" in verdict and "--max-bad-samples 3" in verdict and "/d/x.jpg" in verdict
+    assert bad_data_verdict(_cfg(max_bad_fraction=0.05), 5, 100, "p", "r") is None
+    verdict = bad_data_verdict(_cfg(max_bad_fraction=0.05), 6, 100, "p", "r")
+    assert verdict is not None and "--max-bad-fraction 0.05 of 100 samples" in verdict
+    both = bad_data_verdict(_cfg(max_bad_samples=1, max_bad_fraction=0.01), 2, 100, "p", "r")
+    assert both is not None and "--max-bad-samples 1 and --max-bad-fraction" in both
+    strict = bad_data_verdict(_cfg(strict=True), 1, 100, "/d/y.jpg", "empty")
+    assert strict is not None and strict.startswith("--strict: cannot decode /d/y.jpg (empty)")
+
+
+def test_a_non_default_pixel_limit_is_part_of_the_jobs_identity() -> None:
+    assert _cfg().augmentation == ""
+    assert _cfg(max_image_pixels=10**9).augmentation == "max_image_pixels=1000000000"
+
+
+def test_the_tool_writes_the_corpus_and_refuses_a_full_folder(tmp_path: Path) -> None:
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    spec = importlib.util.spec_from_file_location("tools_make_bad_images",
+                                                  Path(__file__).resolve().parents[2] / "tools" / "make_bad_images.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    result = CliRunner().invoke(tool.main, [str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "undecodable  class_b/fifo.jpg" in result.output and "not indexed  class_a/README.txt" in result.output
+    again = CliRunner().invoke(tool.main, [str(tmp_path / "out")])
+    assert again.exit_code != 0 and "not empty" in again.output

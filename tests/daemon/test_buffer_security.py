@@ -1,0 +1,128 @@
+"""The buffer directory is the daemon's own: created 0700 (2770 with --group-access), refused
+when a link, another user's, or writable by others; temp files are never opened through a
+name someone else put there."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
+from prefetchd.daemon.main import make_stream_dir, prepare_buffer
+from prefetchd.daemon.producer import create_exclusive
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_a_new_buffer_is_the_owners_alone(shm_buffer: Path) -> None:
+    old = os.umask(0)  # even a permissive umask does not open it up
+    try:
+        prepare_buffer(shm_buffer / "a" / "bf")
+    finally:
+        os.umask(old)
+    assert _mode(shm_buffer / "a" / "bf") == 0o700
+
+
+def test_group_access_is_setgid_group_rw(shm_buffer: Path) -> None:
+    old = os.umask(0o077)  # nor does a strict one close it
+    try:
+        prepare_buffer(shm_buffer / "bf", group_access=True)
+        make_stream_dir(shm_buffer / "bf" / "rank-00001", group_access=True)
+    finally:
+        os.umask(old)
+    for path in (shm_buffer / "bf", shm_buffer / "bf" / "rank-00001"):
+        assert _mode(path) & 0o777 == 0o770
+        if os.geteuid() == 0:  # setgid needs membership of the directory's group, which root has
+            assert _mode(path) & stat.S_ISGID
+
+
+def test_an_existing_private_buffer_is_kept_and_opened_up_only_when_asked(shm_buffer: Path) -> None:
+    buffer = shm_buffer / "bf"
+    buffer.mkdir(mode=0o700)
+    prepare_buffer(buffer)
+    assert _mode(buffer) == 0o700
+    prepare_buffer(buffer, group_access=True)
+    assert _mode(buffer) & 0o777 == 0o770
+
+
+@pytest.mark.parametrize(("mode", "group_access", "words"), [
+    (0o777, False, "writable by every user"),
+    (0o1777, True, "writable by every user"),
+    (0o770, False, "--group-access"),
+])
+def test_buffers_others_can_write_are_refused(shm_buffer: Path, mode: int, group_access: bool, words: str) -> None:
+    buffer = shm_buffer / "bf"
+    buffer.mkdir()
+    os.chmod(buffer, mode)
+    with pytest.raises(ConfigError, match=words) as info:
+        prepare_buffer(buffer, group_access)
+    assert str(buffer) in str(info.value) and "chmod" in str(info.value)
+    assert _mode(buffer) == mode  # refused, not silently changed
+
+
+def test_a_group_writable_buffer_is_fine_with_group_access(shm_buffer: Path) -> None:
+    buffer = shm_buffer / "bf"
+    buffer.mkdir()
+    os.chmod(buffer, 0o770)
+    prepare_buffer(buffer, group_access=True)
+
+
+def test_a_buffer_of_another_user_is_refused(shm_buffer: Path) -> None:
+    if os.geteuid() == 0:
+        buffer = shm_buffer / "bf"
+        buffer.mkdir(mode=0o700)
+        os.chown(buffer, 65534, 65534)
+    else:
+        buffer = Path("/")  # root's
+    with pytest.raises(ConfigError, match="belongs to") as info:
+        prepare_buffer(buffer)
+    assert "another --buffer" in str(info.value)
+
+
+def test_symlinks_are_refused_as_buffer_and_as_stream(shm_buffer: Path) -> None:
+    real = shm_buffer / "real"
+    real.mkdir(mode=0o700)
+    os.symlink(real, shm_buffer / "bf")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        prepare_buffer(shm_buffer / "bf")
+    buffer = shm_buffer / "bf2"
+    prepare_buffer(buffer)
+    os.symlink(real, buffer / "rank-00000")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        make_stream_dir(buffer / "rank-00000", group_access=False)
+
+
+@pytest.mark.parametrize("planted", ["symlink", "hardlink", "file"])
+def test_batch_temp_files_are_created_not_reused(shm_buffer: Path, planted: str, caplog: pytest.LogCaptureFixture) -> None:
+    victim = shm_buffer / "victim"
+    victim.write_bytes(b"precious")
+    tmp = shm_buffer / "e000000-s00000003.tmp"
+    {"symlink": lambda: os.symlink(victim, tmp), "hardlink": lambda: os.link(victim, tmp),
+     "file": lambda: tmp.write_bytes(b"planted")}[planted]()
+    fd = create_exclusive(tmp)
+    try:
+        os.ftruncate(fd, 4096)  # what the controller does next
+        os.pwrite(fd, b"batch", 0)
+    finally:
+        os.close(fd)
+    assert victim.read_bytes() == b"precious"
+    assert not tmp.is_symlink() and tmp.stat().st_size == 4096 and os.stat(tmp).st_nlink == 1
+    assert "did not create it" in caplog.text
+
+
+def test_the_cli_refuses_a_world_writable_buffer(shm_buffer: Path) -> None:
+    buffer = shm_buffer / "bf"
+    buffer.mkdir()
+    os.chmod(buffer, 0o777)
+    run = subprocess.run([sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data", str(shm_buffer)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == EXIT_USAGE, run.stderr
+    assert "writable by every user" in run.stderr and f"chmod 700 {buffer}" in run.stderr
+    assert not (buffer / "daemon.lock").exists()  # refused before touching it

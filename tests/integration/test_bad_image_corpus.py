@@ -1,0 +1,108 @@
+"""The bad-image corpus through real daemons: valid images arrive as they look, undecodable
+ones are replaced (full batches, equal ranks), logged once, listed in the status; --strict
+and a bad-sample budget stop the job with exit code 4 and a message naming a file."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefetchd.bad_images import Corpus, make_bad_images
+from prefetchd.buffer_protocol import read_status, stream_dir
+from prefetchd.daemon.dataset import scan_class_folders
+from prefetchd.daemon.errors import EXIT_BAD_DATA
+from prefetchd.trainer import BufferLoader
+
+SMALL = ["--split", "val", "--batch-size", "4", "--image-size", "32", "--workers", "2", "--epochs", "1"]
+TOLERANCE = 12
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    return make_bad_images(tmp_path_factory.mktemp("bad") / "data")
+
+
+def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path, start_daemon) -> None:
+    index = scan_class_folders(corpus.root)
+    rel = [str(index.path(i).relative_to(index.root)) for i in range(len(index))]
+    bad = {i for i, r in enumerate(rel) if r in corpus.undecodable}
+    buffer = shm_dir / "bf"
+    # Bad input in the buffer too: a directory planted under the name of rank 1's first temp
+    # file. The daemon keeps going, counts a write failure a second, and builds the batch
+    # once the name is free.
+    planted = buffer / "rank-00001" / "e000000-s00000000.tmp"
+    planted.mkdir(parents=True)
+    buffer.chmod(0o700)
+    planted.parent.chmod(0o700)
+    daemon = start_daemon(buffer, "--data", corpus.root, *SMALL, "--world-size", "2", "--high-water", "8")
+    daemon.wait_until(lambda: ((read_status(buffer) or {}).get("errors") or {}).get("write_failures", 0) >= 1, 120,
+                      "a write failure for the planted directory")
+    assert f"cannot create {planted}" in daemon.log
+    planted.rmdir()
+    # Everything is produced before anyone consumes: every bad file has been met.
+    daemon.wait_until(lambda: (read_status(buffer) or {}).get("state") == "done", 120, "the whole epoch produced")
+    shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert f"{len(bad)} undecodable files" in shown, shown
+    assert len(re.findall(r"^  bad file  ", shown, re.M)) == 5 and f"and {len(bad) - 5} more" in shown, shown
+
+    per_rank = []
+    for rank in (0, 1):
+        loader = BufferLoader(stream_dir(buffer, rank, 2), normalize=False, timeout=120)
+        sizes, indices, replaced = [], [], 0
+        for batch in loader:
+            sizes.append(len(batch.indices))
+            replaced += batch.replaced
+            for image, i in zip(batch.images.permute(0, 2, 3, 1).numpy(), batch.indices.tolist()):
+                assert i not in bad, f"{rel[i]} cannot be decoded, yet it is in a batch"
+                left, right = corpus.valid[rel[i]]
+                third = image.shape[1] // 3
+                assert np.abs(image[:, :third].reshape(-1, 3).mean(0) - left).max() <= TOLERANCE, rel[i]
+                assert np.abs(image[:, -third:].reshape(-1, 3).mean(0) - right).max() <= TOLERANCE, rel[i]
+                indices.append(i)
+        loader.close()
+        per_rank.append((sizes, indices, replaced))
+    assert daemon.wait_exit(60) == 0, daemon.log
+    (sizes0, got0, rep0), (sizes1, got1, rep1) = per_rank
+    per_rank_samples = -(-len(index) // 2)
+    assert sizes0 == sizes1 and sum(sizes0) == per_rank_samples, "replacing must keep batch sizes and ranks equal"
+    assert set(got0 + got1) == set(range(len(index))) - bad  # every valid sample is there
+    assert rep0 + rep1 >= len(bad)  # (the padding may repeat a bad one)
+
+    status = read_status(buffer)
+    assert status is not None
+    errors = status["errors"]
+    assert errors["undecodable_files"] == len(bad) and errors["replaced_samples"] == rep0 + rep1
+    listed = {Path(b["path"]).relative_to(index.root).as_posix(): b["reason"] for b in errors["undecodable"]}
+    assert set(listed) == set(corpus.undecodable)
+    assert "not a regular file" in listed["class_b/fifo.jpg"] and "max_image_pixels" in listed["class_b/bomb.jpg"]
+    logged = Counter(m for m in re.findall(r"cannot decode (\S+) \(", daemon.log))
+    assert {Path(p).relative_to(index.root).as_posix() for p in logged} == set(corpus.undecodable)
+    assert set(logged.values()) == {1}, "each bad file is logged once"
+
+
+def test_strict_fails_the_job_naming_the_file(corpus: Corpus, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", corpus.root, *SMALL, "--strict")
+    assert daemon.wait_exit(120) == EXIT_BAD_DATA, daemon.log
+    message = re.search(r"--strict: cannot decode (\S+) \(", daemon.log)
+    assert message, daemon.log
+    assert Path(message[1]).relative_to(corpus.root.resolve()).as_posix() in corpus.undecodable
+    status = read_status(buffer)
+    assert status is not None and status["state"] == "failed" and "--strict" in status["message"]
+
+
+def test_a_bad_sample_budget_stops_the_job(corpus: Corpus, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", corpus.root, *SMALL, "--max-bad-samples", "2")
+    assert daemon.wait_exit(120) == EXIT_BAD_DATA, daemon.log
+    # A worker reports a task's failures together, so the count may jump past 3.
+    stopped = re.search(r"(\d+) files could not be decoded, more than --max-bad-samples 2 allows", daemon.log)
+    assert stopped and int(stopped[1]) > 2, daemon.log
+    assert len(re.findall(r"cannot decode \S+ \(", daemon.log)) == int(stopped[1])
