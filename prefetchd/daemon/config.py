@@ -67,6 +67,7 @@ class DaemonConfig:
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
             raise ConfigError(f"low_water ({self.low_water}) must be below high_water ({self.high_water})")
         self._check_augmentation()
+        self.local_ranks  # validates `ranks` against `world_size`
 
     def _check_augmentation(self) -> None:
         if self.split != "train":
@@ -111,7 +112,6 @@ class DaemonConfig:
         if not 1 <= lo <= hi:
             raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: need 1 <= MIN <= MAX, for example '256,480'")
         return (lo, hi)
-        self.local_ranks  # validates `ranks` against `world_size`
 
     @property
     def local_ranks(self) -> tuple[int, ...]:

@@ -346,3 +346,10 @@ def test_augmentation_key_names_every_optional_augmentation(tmp_path: Path) -> N
     cfg = DaemonConfig(buffer=tmp_path, color_jitter=0.4, scale_jitter="256, 480", transform="my.pkg:aug")
     assert cfg.augmentation == "color_jitter=0.4;scale_jitter=256,480;transform=my.pkg:aug"
     assert DaemonConfig(buffer=tmp_path, color_jitter=0.2).augmentation != DaemonConfig(buffer=tmp_path, color_jitter=0.4).augmentation
+
+
+@pytest.mark.parametrize("ranks", ["2", "0-3", "1,x"])
+def test_ranks_outside_the_world_are_refused_when_the_config_is_made(tmp_path: Path, ranks: str) -> None:
+    with pytest.raises(ConfigError, match="ranks"):
+        DaemonConfig(buffer=tmp_path, world_size=2, ranks=ranks)
+    assert DaemonConfig(buffer=tmp_path, world_size=2, ranks="1").local_ranks == (1,)
