@@ -30,23 +30,53 @@ SPLIT_SEED = 0x5EED_5A1D
 
 @dataclass(frozen=True)
 class SampleIndex:
-    root: Path
+    """Where each sample's bytes are and its label, whatever the layout.
+
+    Unpacked layouts (class folders, file lists): sample ``i`` is the whole of
+    file ``i``.  Packed layouts (shards): sample ``i`` is ``member_sizes[i]``
+    bytes at ``member_offsets[i]`` of file ``member_files[i]``.
+    """
+
+    root: str  # a local folder (absolute) or a URL; every file below is relative to it
     classes: tuple[str, ...]
-    path_blob: np.ndarray  # uint8: every relative path, utf-8/fs-encoded, back to back
-    path_offsets: np.ndarray  # int64, len n + 1
+    path_blob: np.ndarray  # uint8: every relative file path, utf-8/fs-encoded, back to back
+    path_offsets: np.ndarray  # int64, len files + 1
     labels: np.ndarray  # int64, len n
     fingerprint: str
+    member_files: np.ndarray | None = None  # int32 per sample: the file it is packed in
+    member_offsets: np.ndarray | None = None  # int64 per sample
+    member_sizes: np.ndarray | None = None  # int64 per sample
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    def file(self, j: int) -> str:
+        """File ``j``'s path relative to the root."""
+        lo, hi = self.path_offsets[j], self.path_offsets[j + 1]
+        return os.fsdecode(self.path_blob[lo:hi].tobytes())
+
+    def location(self, i: int) -> tuple[str, int, int | None]:
+        """(file relative to the root, byte offset, size or ``None`` for the whole file) of sample ``i``."""
+        if self.member_files is None:
+            return self.file(i), 0, None
+        assert self.member_offsets is not None and self.member_sizes is not None
+        return self.file(int(self.member_files[i])), int(self.member_offsets[i]), int(self.member_sizes[i])
+
+    def name(self, i: int) -> str:
+        """Sample ``i`` as a user finds it: its file, and the byte range within a shard."""
+        rel, offset, size = self.location(i)
+        where = f"{self.root.rstrip('/')}/{rel}"
+        return where if size is None else f"{where} (bytes {offset}-{offset + size})"
+
     def path(self, i: int) -> Path:
-        lo, hi = self.path_offsets[i], self.path_offsets[i + 1]
-        return self.root / os.fsdecode(self.path_blob[lo:hi].tobytes())
+        """The local file of sample ``i`` in an unpacked local layout."""
+        return Path(self.root) / self.location(i)[0]
 
     @property
     def nbytes(self) -> int:
-        return self.path_blob.nbytes + self.path_offsets.nbytes + self.labels.nbytes
+        arrays = (self.path_blob, self.path_offsets, self.labels, self.member_files, self.member_offsets,
+                  self.member_sizes)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None) -> SampleIndex:
@@ -98,7 +128,7 @@ def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None) ->
     np.cumsum(lengths, out=offsets[1:])
     blob = np.frombuffer(b"".join(rel_paths), dtype=np.uint8)
     index = SampleIndex(
-        root=root.resolve(),
+        root=str(root.resolve()),
         classes=tuple(classes),
         path_blob=blob,
         path_offsets=offsets,

@@ -27,12 +27,13 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, PROGRESS_NAME, STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
-from prefetchd.daemon.dataset import scan_class_folders, split_members
+from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.metrics import Metrics
 from prefetchd.daemon.producer import Producer, new_producer_id, start_worker_server, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
+from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.transforms import validate_hook
 from prefetchd.daemon.wakeup import Wakeup
 
@@ -316,7 +317,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         validate_hook(job.transform)  # a typo fails here, not in every worker
     assert job.data is not None
     notifier.status(f"indexing {job.data}")
-    index = scan_class_folders(Path(job.data), tick=notifier.watchdog)
+    index = open_dataset(job.data, tick=notifier.watchdog)
     members = split_members(len(index), job.split, job.val_fraction)
     samples = samples_per_rank(len(members), job.world_size)
     producer_id = new_producer_id()

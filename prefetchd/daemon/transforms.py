@@ -77,8 +77,6 @@ from __future__ import annotations
 import importlib
 import io
 import math
-import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +88,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.sources.storage import ImageRefused, read_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -155,10 +154,6 @@ class _Decoded:
     pixels: torch.Tensor | None = None
     image: Image.Image | None = field(default=None, repr=False)
     scale: int = 1
-
-
-class ImageRefused(ValueError):
-    """A file that is refused before decoding: not a regular file, or more pixels than allowed."""
 
 
 class HookError(RuntimeError):
@@ -261,31 +256,6 @@ def preload() -> None:
 # -- reading and decoding -------------------------------------------------------------
 
 
-def read_bytes(path: Path) -> bytearray:
-    """The whole file with one read, into a writable buffer that torch wraps without a copy.
-
-    Only a regular file (or a link to one): O_NONBLOCK makes opening a FIFO return
-    at once instead of waiting for a writer, and the fstat then refuses it."""
-    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb", buffering=0) as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
-            raise ImageRefused(f"{path} is a {kind}, not a regular file; remove it from the dataset")
-        size = st.st_size
-        data = bytearray(size)
-        view = memoryview(data)
-        got = 0
-        while got < size:  # one read for a regular file; more only if it is being rewritten
-            n = fh.readinto(view[got:])
-            if not n:
-                break
-            got += n
-        view.release()
-    if got < size:
-        del data[got:]
-    return data
-
-
 def oriented_size(img: Image.Image) -> tuple[int, int]:
     """Width and height after the EXIF orientation, from the header alone."""
     w, h = img.size
@@ -383,7 +353,7 @@ def _jitter(hwc: torch.Tensor, plan: Plan) -> torch.Tensor:
     return chw.permute(1, 2, 0)
 
 
-def _apply_hook(name: str, hwc: torch.Tensor, rng: np.random.Generator, size: int, path: Path) -> torch.Tensor:
+def _apply_hook(name: str, hwc: torch.Tensor, rng: np.random.Generator, size: int, path: str) -> torch.Tensor:
     import torch
 
     hook = load_hook(name)
@@ -398,7 +368,7 @@ def _apply_hook(name: str, hwc: torch.Tensor, rng: np.random.Generator, size: in
     return out.permute(1, 2, 0)
 
 
-def open_header(data: bytearray, path: Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+def open_header(data: bytearray, path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
     """Pillow's view of the header (size, mode, EXIF), refused when it has more than ``max_pixels``."""
     try:
         header = Image.open(io.BytesIO(data))
@@ -416,30 +386,39 @@ def open_header(data: bytearray, path: Path, max_pixels: int = DEFAULT_MAX_IMAGE
     return header
 
 
-def augment(path: Path, size: int, train: bool, rng: np.random.Generator | None,
+def augment(path: Path | str, size: int, train: bool, rng: np.random.Generator | None,
             options: AugmentOptions = NO_OPTIONS, times: StageTimes | None = None,
             max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Decode ``path`` and augment it into a contiguous ``size`` x ``size`` x 3 uint8 array.
-
-    ``rng`` is the sample's stream (train; the hook's stream in val).  Stage
-    seconds are added to ``times``.  A file that cannot be read or decoded
-    raises whatever its reader raised (``ImageRefused`` for a special file or
-    one of more than ``max_pixels`` pixels); a failing hook raises ``HookError``.
-    """
+    """Read the local file ``path`` and ``augment_bytes`` it."""
     t0 = time.perf_counter()
     data = read_bytes(path)
+    if times is not None:
+        times.read += time.perf_counter() - t0
+    return augment_bytes(data, str(path), size, train, rng, options, times, max_pixels)
+
+
+def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.random.Generator | None,
+                  options: AugmentOptions = NO_OPTIONS, times: StageTimes | None = None,
+                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Decode the image in ``data`` and augment it into a contiguous ``size`` x ``size`` x 3 uint8 array.
+
+    ``name`` says where the bytes came from, in errors.  ``rng`` is the sample's
+    stream (train; the hook's stream in val).  Stage seconds are added to
+    ``times``.  Bytes that cannot be decoded raise whatever the decoder raised
+    (``ImageRefused`` for more than ``max_pixels`` pixels); a failing hook
+    raises ``HookError``.
+    """
     t1 = time.perf_counter()
     try:
         # The header only (size, mode, EXIF); it is not closed because the Pillow
         # path may hand back this very image, and a BytesIO holds no OS resource.
-        header = open_header(data, path, max_pixels)
+        header = open_header(data, name, max_pixels)
         width, height = oriented_size(header)
         plan = plan_sample(width, height, size, train, rng, options)
         decoded = _decode(data, header, width, height, plan.box, size)
     finally:
         t2 = time.perf_counter()
         if times is not None:
-            times.read += t1 - t0
             times.decode += t2 - t1
     out = _resize(_crop(decoded, plan.box), size)
     if plan.flip:
@@ -449,7 +428,7 @@ def augment(path: Path, size: int, train: bool, rng: np.random.Generator | None,
     if options.transform is not None:
         if rng is None:
             raise ValueError(f"the transform hook {options.transform} needs the sample's random stream")
-        out = _apply_hook(options.transform, out, rng, size, path)
+        out = _apply_hook(options.transform, out, rng, size, name)
     result = out.contiguous().numpy()
     if times is not None:
         times.augment += time.perf_counter() - t2

@@ -43,7 +43,9 @@ from PIL import Image
 
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.transforms import DEFAULT_MAX_IMAGE_PIXELS, AugmentOptions, HookError, StageTimes, augment, preload
+from prefetchd.daemon.sources import SampleReader
+from prefetchd.daemon.transforms import (DEFAULT_MAX_IMAGE_PIXELS, AugmentOptions, HookError, StageTimes,
+                                         augment_bytes, preload)
 
 if TYPE_CHECKING:
     from prefetchd.daemon.config import DaemonConfig
@@ -120,31 +122,36 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _produce(job: WorkerJob, epoch: int, index: int, failures: list[tuple[str, str]],
+def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[str, str]],
              times: StageTimes) -> tuple[int, np.ndarray]:
     """Decode ``index`` or, failing that, its deterministic replacements."""
     pos = int(np.searchsorted(job.members, index))
     for k in range(MAX_REPLACEMENT_TRIES):
         candidate = int(job.members[(pos + k) % len(job.members)]) if k else index
-        path = job.index.path(candidate)
+        name = job.index.name(candidate)
         rng = None
         if job.train:
             rng = sample_rng(job.seed, epoch, candidate)
         elif job.augment.transform is not None:  # val draws nothing; its hook's stream is the same every epoch
             rng = sample_rng(job.seed, 0, candidate)
         try:
-            return candidate, augment(path, job.image_size, job.train, rng, job.augment, times, job.max_pixels)
+            t0 = time.perf_counter()
+            data = reader.read(candidate)
+            times.read += time.perf_counter() - t0
+            return candidate, augment_bytes(data, name, job.image_size, job.train, rng, job.augment, times,
+                                            job.max_pixels)
         except HookError:
             raise
-        except Exception as exc:  # any decoder failure replaces the sample; the reason is reported
-            failures.append((str(path), f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
+            failures.append((name, f"{type(exc).__name__}: {exc}"))
     raise SampleUnrecoverable(
         f"sample {index} and the {MAX_REPLACEMENT_TRIES - 1} samples after it could not be decoded "
         f"(last: {failures[-1][0]}: {failures[-1][1]}); is the dataset readable?"
     )
 
 
-def run_task(job: WorkerJob, task: Task) -> Filled | WriteFailed:
+def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None) -> Filled | WriteFailed:
+    reader = reader or SampleReader(job.index)
     start = time.perf_counter()
     slots: list[tuple[int, int, int]] = []
     timings: list[tuple[float, float, float, float]] = []
@@ -156,9 +163,9 @@ def run_task(job: WorkerJob, task: Task) -> Filled | WriteFailed:
     try:
         for slot, index in task.items:
             times = StageTimes()
-            used, image = _produce(job, task.epoch, index, failures, times)
+            used, image = _produce(job, reader, task.epoch, index, failures, times)
             if image.nbytes != task.slot_bytes:
-                raise SampleUnrecoverable(f"{job.index.path(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
+                raise SampleUnrecoverable(f"{job.index.name(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
             t0 = time.perf_counter()
             try:
                 _pwrite_all(fd, memoryview(image.data).cast("B"), task.images_offset + slot * task.slot_bytes)
@@ -192,6 +199,7 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
     Image.MAX_IMAGE_PIXELS = None
     limit_threads()
     preload()
+    reader = SampleReader(job.index)
     while True:
         try:
             task = conn.recv()
@@ -200,7 +208,7 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
         if task is None:
             return
         try:
-            result: Filled | WriteFailed = run_task(job, task)
+            result: Filled | WriteFailed = run_task(job, task, reader)
         except (SampleUnrecoverable, HookError) as exc:
             result = WriteFailed(task.task_id, str(exc), fatal=True)
         except Exception:  # a bug: report it with where it happened instead of dying silently

@@ -30,7 +30,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
 
 def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path, start_daemon) -> None:
     index = scan_class_folders(corpus.root)
-    rel = [str(index.path(i).relative_to(index.root)) for i in range(len(index))]
+    rel = [str(index.path(i).relative_to(Path(index.root))) for i in range(len(index))]
     bad = {i for i, r in enumerate(rel) if r in corpus.undecodable}
     buffer = shm_dir / "bf"
     # Bad input in the buffer too: a directory planted under the name of rank 1's first temp
@@ -79,11 +79,11 @@ def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path
     assert status is not None
     errors = status["errors"]
     assert errors["undecodable_files"] == len(bad) and errors["replaced_samples"] == rep0 + rep1
-    listed = {Path(b["path"]).relative_to(index.root).as_posix(): b["reason"] for b in errors["undecodable"]}
+    listed = {Path(b["path"]).relative_to(Path(index.root)).as_posix(): b["reason"] for b in errors["undecodable"]}
     assert set(listed) == set(corpus.undecodable)
     assert "not a regular file" in listed["class_b/fifo.jpg"] and "max_image_pixels" in listed["class_b/bomb.jpg"]
     logged = Counter(m for m in re.findall(r"cannot decode (\S+) \(", daemon.log))
-    assert {Path(p).relative_to(index.root).as_posix() for p in logged} == set(corpus.undecodable)
+    assert {Path(p).relative_to(Path(index.root)).as_posix() for p in logged} == set(corpus.undecodable)
     assert set(logged.values()) == {1}, "each bad file is logged once"
 
 

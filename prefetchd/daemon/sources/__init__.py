@@ -1,0 +1,39 @@
+"""Datasets wherever users keep them, behind one seam.
+
+``open_dataset(location)`` recognizes the layout at ``location`` and indexes it
+into a ``SampleIndex``; ``SampleReader(index).read(i)`` returns sample ``i``'s
+encoded bytes from its storage.  The producer and workers see only these two,
+so every layout gets the same determinism and bad-sample handling.
+
+Layouts: a folder of class folders (as torchvision ImageFolder).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
+from prefetchd.daemon.sources.storage import Storage, is_url, storage_for
+
+
+def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None) -> SampleIndex:
+    """Index the dataset at ``location``; ``tick`` is called now and then while that takes long."""
+    location = str(location)
+    storage_for(location)  # an unsupported URL is refused here, before any listing
+    return scan_class_folders(Path(location), tick=tick)
+
+
+class SampleReader:
+    """Reads samples of one index; made once per worker process (storages may hold connections)."""
+
+    def __init__(self, index: SampleIndex) -> None:
+        self.index = index
+        self.storage: Storage = storage_for(index.root)
+
+    def read(self, i: int) -> bytearray:
+        rel, offset, size = self.index.location(i)
+        return self.storage.read(rel, offset, size)
+
+
+__all__ = ["SampleIndex", "SampleReader", "is_url", "open_dataset"]
