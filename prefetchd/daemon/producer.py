@@ -234,7 +234,7 @@ class Stream:
         hysteresis lets production run; None when there is nothing to build now."""
         if self.filling and len(self.published) + self.active >= self.high:
             self.filling = False
-        if not self.filling and len(self.published) <= self.low:
+        if not self.filling and (len(self.published) <= self.low or self._trainer_blocked()):
             self.filling = True
         if not self.filling:
             return None
@@ -245,6 +245,12 @@ class Stream:
         while g < hi and (g in self.published or g in self.building):
             g += 1
         return g if g < hi else None
+
+    def _trainer_blocked(self) -> bool:
+        """The batch the trainer needs next is neither published nor being built: after a rewind,
+        or a waiting batch lost, the batches further on do not help it, however many there are."""
+        g = self.progress
+        return (self.end is None or g < self.end) and g not in self.published and g not in self.building
 
     def status(self) -> dict[str, Any]:
         epoch, step = self.key(self.progress)

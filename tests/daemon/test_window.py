@@ -1,0 +1,72 @@
+"""The window of batches a stream keeps: what it builds next and when the hysteresis holds it back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from prefetchd.buffer_protocol import Manifest, Progress
+from prefetchd.daemon.producer import Stream
+
+HIGH, LOW = 4, 2
+
+
+def stream(tmp_path: Path) -> Stream:
+    manifest = Manifest(
+        dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
+        batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=2, producer="test",
+    )
+    return Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW)
+
+
+def publish(s: Stream, *positions: int) -> None:
+    for g in positions:
+        s.published[g] = s.dir / f"{g}.batch"
+
+
+def move_to(s: Stream, g: int) -> None:
+    Progress(*s.key(g)).write(s.dir)
+    s.read_progress()
+    for stale in s.outside_window()[0]:
+        del s.published[stale]
+
+
+def test_fills_to_high_water_then_waits_for_the_low_water_mark(tmp_path: Path) -> None:
+    s = stream(tmp_path)
+    publish(s, 0, 1, 2)
+    assert s.next_missing() == 3
+    publish(s, 3)
+    assert s.next_missing() is None
+    move_to(s, 1)  # three waiting: above the low-water mark, production stays off
+    assert s.next_missing() is None
+    move_to(s, 2)  # two waiting: production resumes
+    assert s.next_missing() == 4
+
+
+def test_a_rewind_builds_the_batch_the_trainer_needs_despite_the_hysteresis(tmp_path: Path) -> None:
+    s = stream(tmp_path)
+    move_to(s, 1)
+    publish(s, 1, 2, 3, 4)
+    assert s.next_missing() is None
+    move_to(s, 0)  # a trainer restarted from an older checkpoint: 1, 2 and 3 stay, 0 is missing
+    assert sorted(s.published) == [1, 2, 3]
+    # Three waiting is above the low-water mark, but none of them is the one the trainer waits for.
+    assert s.next_missing() == 0
+
+
+def test_a_lost_waiting_batch_is_rebuilt_even_with_a_full_buffer(tmp_path: Path) -> None:
+    s = stream(tmp_path)
+    publish(s, 0, 1, 2, 3)
+    assert s.next_missing() is None
+    del s.published[0]  # deleted or found corrupt while waiting
+    assert s.next_missing() == 0
+
+
+def test_nothing_is_built_past_the_last_epoch(tmp_path: Path) -> None:
+    s = stream(tmp_path)
+    move_to(s, 19)
+    publish(s, 19)
+    assert s.next_missing() is None
+    move_to(s, 20)
+    assert s.finished and s.next_missing() is None
