@@ -314,8 +314,15 @@ class Producer:
             for stream in self.streams:
                 stream.adopt_published()
             self._read_progress()
+            # The first worker waits for the fork server to import torch (seconds on a busy box):
+            # beat before and between, so trainers do not take a starting daemon for a stuck one.
+            self._write_status()
+            beat = time.monotonic()
             for _ in range(self.workers_wanted):
                 self.workers.append(self._spawn())
+                if time.monotonic() - beat >= STATUS_SECONDS:
+                    self._write_status()
+                    beat = time.monotonic()
             self.state = "filling"
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0

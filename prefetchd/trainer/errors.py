@@ -21,6 +21,10 @@ class DaemonGone(LoaderError):
     """No daemon owns the buffer and the batch the trainer needs is not there."""
 
 
+class DaemonStuck(LoaderError):
+    """A daemon owns the buffer but has not written its heartbeat for longer than the loader's ``stall_timeout``."""
+
+
 class StateMismatch(LoaderError, ValueError):
     """A loader state (from a checkpoint) does not fit the buffer's job."""
 
@@ -29,4 +33,4 @@ class CheckpointError(ValueError):
     """A ``prefetchd-train`` checkpoint is unreadable, of another format, or does not fit the run."""
 
 
-__all__ = ["CheckpointError", "DaemonGone", "LoaderError", "LoaderTimeout", "StateMismatch"]
+__all__ = ["CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch"]
