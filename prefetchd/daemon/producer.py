@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import threading
 import time
 import uuid
 from collections import deque
@@ -314,15 +315,7 @@ class Producer:
             for stream in self.streams:
                 stream.adopt_published()
             self._read_progress()
-            # The first worker waits for the fork server to import torch (seconds on a busy box):
-            # beat before and between, so trainers do not take a starting daemon for a stuck one.
-            self._write_status()
-            beat = time.monotonic()
-            for _ in range(self.workers_wanted):
-                self.workers.append(self._spawn())
-                if time.monotonic() - beat >= STATUS_SECONDS:
-                    self._write_status()
-                    beat = time.monotonic()
+            self._start_workers()
             self.state = "filling"
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0
@@ -359,6 +352,32 @@ class Producer:
         else:
             self.state, self.message = "stopped", self.wake.stop_reason
         self._write_status()
+
+    def _start_workers(self) -> None:
+        """Start the workers while the heartbeat goes on.
+
+        The first start waits until the fork server has imported torch, which takes
+        seconds on a busy machine; a status.json that stood still that long would
+        make trainers (and `prefetchd status`) take a starting daemon for a stuck one.
+        """
+        started: list[Worker] = []
+        failed: list[BaseException] = []
+
+        def spawn_all() -> None:
+            try:
+                for _ in range(self.workers_wanted):
+                    started.append(self._spawn())
+            except BaseException as exc:  # re-raised below, in the controller's thread
+                failed.append(exc)
+
+        spawner = threading.Thread(target=spawn_all, name="prefetchd-spawn-workers", daemon=True)
+        spawner.start()
+        while spawner.is_alive():
+            self._write_status()
+            spawner.join(STATUS_SECONDS)
+        self.workers.extend(started)
+        if failed:
+            raise failed[0]
 
     def _wait(self, timeout: float) -> None:
         ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [self.wake], timeout)
