@@ -43,6 +43,7 @@ from prefetchd.buffer_protocol import (
     Manifest,
     Progress,
     ProtocolError,
+    alive_since,
     batch_name,
     list_batches,
     list_temp_files,
@@ -149,6 +150,10 @@ class Stream:
         self.consumed = 0
         self.progress_error = ""
         self.trainer_wait_share: float | None = None
+        # Who wrote progress.json last and when (None: nobody yet, or a writer without pid/time).
+        self.trainer_pid: int | None = None
+        self.progress_time: float | None = None
+        self.trainer_alive: bool | None = None
         self._orders: dict[int, np.ndarray] = {}
 
     @property
@@ -205,6 +210,7 @@ class Stream:
             return False
         self.progress_error = ""
         self.trainer_wait_share = progress.wait_share
+        self.trainer_pid, self.progress_time = progress.pid, progress.time
         g = self.g((progress.epoch, progress.step))
         if self.end is not None:
             g = min(g, self.end)
@@ -253,10 +259,41 @@ class Stream:
         g = self.progress
         return (self.end is None or g < self.end) and g not in self.published and g not in self.building
 
+    def check_trainer(self) -> None:
+        """Whether the process that wrote progress.json is still there; logs when it goes and comes back.
+
+        A trainer that is gone leaves the window full: the daemon holds the buffer at
+        the high-water mark and sleeps until progress.json moves again.
+        """
+        pid, since = self.trainer_pid, self.progress_time
+        alive = alive_since(pid, since) if pid is not None and since is not None else None
+        if alive is None or alive == self.trainer_alive:
+            self.trainer_alive = alive if alive is not None else self.trainer_alive
+            return
+        epoch, step = self.key(self.progress)
+        if not alive:
+            log.warning(
+                "rank %d's trainer (pid %d) has gone away; progress last moved %.0f s ago, at epoch %d step %d. "
+                "Keeping the buffer at the high-water mark (%d batches) for when a trainer comes back",
+                self.rank, pid, time.time() - (since or 0.0), epoch, step, self.high,
+            )
+        elif self.trainer_alive is False:
+            log.info("rank %d's trainer is back (pid %d) at epoch %d step %d", self.rank, pid, epoch, step)
+        self.trainer_alive = alive
+
+    def trainer_status(self) -> dict[str, Any]:
+        since = self.progress_time
+        return {
+            "pid": self.trainer_pid,
+            "alive": self.trainer_alive,
+            "progress_age_s": round(max(0.0, time.time() - since), 1) if since is not None else None,
+        }
+
     def status(self) -> dict[str, Any]:
         epoch, step = self.key(self.progress)
         return {
             "rank": self.rank,
+            "trainer": self.trainer_status(),
             "progress": {"epoch": epoch, "step": step, "trainer_wait_share": self.trainer_wait_share},
             "waiting": len(self.published),
             "building": self.active,
@@ -629,6 +666,8 @@ class Producer:
     def status(self) -> dict[str, Any]:
         """The daemon's state; for one rank its stream's fields are also at the top level."""
         self.stats.consumed = sum(s.consumed for s in self.streams)
+        for stream in self.streams:
+            stream.check_trainer()
         produce_rate, consume_rate = self.stats.rates()
         streams = [s.status() for s in self.streams]
         first = streams[0]
@@ -642,6 +681,7 @@ class Producer:
             "heartbeat": time.time(),
             "started": self.stats.started,
             "progress": first["progress"],
+            "trainer": first["trainer"],
             "streams": streams,
             "waiting": waiting,
             "building": building,

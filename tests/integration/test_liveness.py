@@ -5,13 +5,17 @@ Timings are bounds with generous slack, never speeds: the machine is shared."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from prefetchd.buffer_protocol import daemon_pid, read_status
+from prefetchd.buffer_protocol import Progress, daemon_pid, list_batches, read_status
+from prefetchd.daemon.cli import describe_status, format_status
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7"]
@@ -84,3 +88,49 @@ def test_killed_daemon_is_reported_gone(shapes_data: Path, shm_dir: Path, start_
         for _ in it:
             pass
     assert time.monotonic() - start < 1.0 + SLACK
+
+
+TRAINER = """
+import sys
+from prefetchd.trainer import BufferLoader
+with BufferLoader(sys.argv[1], normalize=False, timeout=60) as loader:
+    it = iter(loader)
+    next(it), next(it)
+"""
+
+
+def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "3", "--low-water", "1")
+    trainer = subprocess.run([sys.executable, "-c", TRAINER, str(buffer)], capture_output=True, text=True, timeout=120)
+    assert trainer.returncode == 0, trainer.stderr
+
+    def trainer_is(alive: bool) -> bool:
+        t = (read_status(buffer) or {}).get("trainer") or {}
+        return t.get("alive") is alive
+
+    wait_for(lambda: trainer_is(False), 30, "the status to say the trainer is gone")
+    status = read_status(buffer)
+    assert status is not None and status["trainer"]["pid"] == trainer_pid(buffer)
+    assert status["progress"] == {"epoch": 0, "step": 2, "trainer_wait_share": status["progress"]["trainer_wait_share"]}
+    # It keeps the window full and then sleeps there.
+    wait_for(lambda: (read_status(buffer) or {}).get("state") == "full", 30, "a full buffer")
+    assert len(list_batches(buffer)) == 3
+    text = format_status(describe_status(buffer))
+    assert f"trainer pid {trainer_pid(buffer)} GONE" in text and "progress moved" in text
+    time.sleep(2.5)  # a few more status periods: still one message
+    assert daemon.log.count("has gone away") == 1, daemon.log
+    assert f"trainer (pid {trainer_pid(buffer)}) has gone away" in daemon.log
+
+    # A trainer comes back (this process): said once, and the status shows it alive.
+    with BufferLoader(buffer, normalize=False, timeout=60) as loader:
+        next(iter(loader))  # a new trainer without a checkpoint starts over: the daemon regenerates
+        wait_for(lambda: trainer_is(True), 30, "the status to say the trainer is back")
+        assert f"trainer is back (pid {os.getpid()})" in daemon.log
+        assert f"trainer pid {os.getpid()} alive" in format_status(describe_status(buffer))
+    assert daemon.log.count("is back") == 1
+
+
+def trainer_pid(buffer: Path) -> int | None:
+    p = Progress.read(buffer)
+    return p.pid if p is not None else None
