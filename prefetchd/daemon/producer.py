@@ -358,7 +358,7 @@ class Producer:
             last_status = last_poll = 0.0
             while self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
                 self.notifier.watchdog()
-                self._wait(timeout=POLL_SECONDS)
+                self._wait(timeout=self._poll_interval())
                 now = time.monotonic()
                 if self.wake.drain() or now - last_poll >= POLL_SECONDS:
                     self._read_progress()
@@ -389,6 +389,17 @@ class Producer:
         else:
             self.state, self.message = "stopped", self.wake.stop_reason
         self._write_status()
+
+    def _poll_interval(self) -> float:
+        """How long the loop may sleep when nothing wakes it.
+
+        While the buffer is full and nothing is being built (a trainer away, or one that
+        just has enough), only a new progress.json or job.json can give it work, and the
+        watcher wakes it for those at once: it sleeps until the next heartbeat is due.
+        Without a working watcher it polls the files every POLL_SECONDS.
+        """
+        idle = self.wake.watching and all(not s.filling and not s.building for s in self.streams) and not self.todo
+        return STATUS_SECONDS if idle else POLL_SECONDS
 
     def _start_workers(self) -> None:
         """Start the workers while the heartbeat goes on.
