@@ -278,7 +278,7 @@ def _format_status(info: dict[str, Any]) -> str:
         share = p.get("trainer_wait_share")
         fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
         lines += [
-            f"  progress  trainer at epoch {p['epoch']} step {p['step']}{fed}",
+            f"  progress  trainer at epoch {p['epoch']} step {p['step']}{fed}{_trainer_note(st.get('trainer'))}",
             f"  fill      {fill_bar(st['waiting'], st['high_water'])} {st['waiting']}/{st['high_water']} batches waiting "
             f"(resume at {st['low_water']}), {st['building']} building",
             f"  memory    {_mib(st['buffer_bytes'])} in the buffer, {_mib(st['free_bytes'])} free on its filesystem",
@@ -314,6 +314,17 @@ def _format_status(info: dict[str, Any]) -> str:
         lines.append(f"  last job  {job['job_id']} {'accepted' if job['accepted'] else 'refused'}: {job['reason']}")
     lines += info["problems"]
     return "\n".join(lines)
+
+
+def _trainer_note(trainer: object) -> str:
+    """", trainer pid 123 alive, progress moved 4 s ago" from status.json's ``trainer``; "" when unknown."""
+    if not isinstance(trainer, dict) or trainer.get("pid") is None:
+        return ""
+    state = trainer.get("alive")
+    alive = "alive" if state is True else "GONE (the buffer stays full until one comes back)" if state is False else "?"
+    age = trainer.get("progress_age_s")
+    moved = f", progress moved {age:.0f} s ago" if isinstance(age, (int, float)) else ""
+    return f"; trainer pid {trainer['pid']} {alive}{moved}"
 
 
 def fill_bar(waiting: int, high: int, width: int = 24) -> str:

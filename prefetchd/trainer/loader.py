@@ -56,7 +56,8 @@ from prefetchd.buffer_protocol import (
     map_batch,
     read_status,
 )
-from prefetchd.trainer.errors import DaemonGone, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.buffer_protocol.layout import owning_buffer
+from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,15 @@ class BufferLoader:
         timeout: seconds to wait for the manifest at construction, and for each batch.
         daemon_grace: seconds a missing batch is waited for while no daemon owns
             the buffer before :class:`DaemonGone` is raised.
+        stall_timeout: seconds without a heartbeat (the daemon rewrites
+            ``status.json`` about once a second, also while its workers are busy
+            and while it indexes the dataset) after which a daemon that owns the
+            buffer but has not delivered the batch waited for counts as stuck:
+            :class:`DaemonStuck` is raised.  A daemon that is slow but alive
+            keeps beating and is never called stuck; one that has written no
+            heartbeat yet (starting) is given ``stall_timeout`` from when the
+            loader first saw it.  None disables the check; ``timeout`` still
+            bounds every wait.
         mean, std: per-channel statistics for ``normalize`` (in [0, 1] units).
         pin: how batches reach a CUDA device (see ``prefetchd.trainer.gpu``):
             "staging" copies each mapped batch into a ring of pinned buffers and
@@ -173,6 +183,7 @@ class BufferLoader:
         timeout: float = 120.0,
         *,
         daemon_grace: float = 5.0,
+        stall_timeout: float | None = 60.0,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         pin: PinMode = "auto",
@@ -186,6 +197,8 @@ class BufferLoader:
             raise ValueError(f"timeout={timeout!r}: pass a positive number of seconds")
         if not daemon_grace >= 0:
             raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError(f"stall_timeout={stall_timeout!r}: pass a positive number of seconds, or None to disable")
         self._buffer = Path(buffer)
         self._device = torch.device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
@@ -194,8 +207,11 @@ class BufferLoader:
         self._normalize = normalize
         self._timeout = float(timeout)
         self._grace = float(daemon_grace)
-        # Check liveness often enough that the grace period is honoured to ~25 %.
-        self._liveness_interval = min(1.0, max(0.01, self._grace / 4))
+        self._stall = float(stall_timeout) if stall_timeout is not None else None
+        # Check liveness often enough that the grace period and the stall bound are honoured to ~25 %.
+        self._liveness_interval = min(1.0, max(0.01, self._grace / 4), max(0.01, (self._stall or 4.0) / 4))
+        # (pid, wall time) of the first look at a daemon that had written no heartbeat of its own yet.
+        self._beatless: tuple[int, float] | None = None
         self._manifest = self._wait_for_manifest()
         self._scale, self._shift = self._normalization(mean, std)
         self._epoch = 0
@@ -256,6 +272,11 @@ class BufferLoader:
     @property
     def classes(self) -> list[str]:
         return list(self._manifest.classes)
+
+    @property
+    def stall_timeout(self) -> float | None:
+        """Seconds without a daemon heartbeat before a wait raises :class:`DaemonStuck`; None: never."""
+        return self._stall
 
     @property
     def pin(self) -> PinMode:
@@ -537,6 +558,7 @@ class BufferLoader:
                 pid = daemon_pid(self._buffer)
                 if pid is not None:
                     gone_since = None
+                    self._check_heartbeat(pid, name, epoch, step, now - start)
                 elif gone_since is None:
                     gone_since = now
                 if gone_since is not None and now - gone_since >= self._grace:
@@ -561,6 +583,45 @@ class BufferLoader:
                 )
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, _MAX_DELAY)
+
+    def _check_heartbeat(self, pid: int, name: str, epoch: int, step: int, waited: float) -> None:
+        """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall_timeout``.
+
+        Only the heartbeat counts, never the batch rate: a daemon that is slow (a
+        huge batch, a cold network filesystem) but alive keeps beating.  A status
+        written by another process (the previous daemon) is not this one's
+        heartbeat; a daemon without one yet is timed from the loader's first look.
+        """
+        if self._stall is None:
+            return
+        try:
+            status = read_status(self._buffer)
+        except (ProtocolError, OSError):
+            status = None  # being replaced, or damaged: judged as if absent
+        beat = status.get("heartbeat") if status is not None else None
+        owner = status.get("pid") if status is not None else None
+        wall = time.time()
+        own = status is not None and owner in (None, pid)
+        if own and isinstance(beat, (int, float)) and not isinstance(beat, bool):
+            last, what = float(beat), "heartbeat"
+        else:
+            if self._beatless is None or self._beatless[0] != pid:
+                self._beatless = (pid, wall)
+            last, what = self._beatless[1], "heartbeat at all since the loader first saw it"
+        age = wall - last
+        if age <= self._stall:
+            return
+        state = status.get("state") if status is not None and own else None
+        buffer = owning_buffer(self._buffer)
+        raise DaemonStuck(
+            f"{self._buffer}: the daemon (pid {pid}) owns this buffer but has written no {what} for {age:.1f} s "
+            f"(stall_timeout {self._stall:g} s; last state {_short(state) if isinstance(state, str) else 'unknown'}) "
+            f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
+            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then restart it "
+            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `prefetchd start --buffer {buffer} --data "
+            f"{self._manifest.dataset_root}{_split_flag(self._manifest)}`): the new daemon resumes from "
+            "progress.json. If it is only slow, pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
+        )
 
     # -- tensors -----------------------------------------------------------------
 
