@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", type=int, default=0)
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--go", type=Path, help="start only once this file exists (a spare, its imports done)")
     args = p.parse_args(argv)
+    while args.go is not None and not args.go.exists():
+        time.sleep(0.005)
 
     log = Log(args.log)
     loader = BufferLoader(args.buffer, normalize=False, timeout=args.timeout, daemon_grace=args.timeout)
