@@ -191,7 +191,7 @@ class Report:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        doc = {k: v for k, v in dataclasses.asdict(self).items() if k != "faults"}
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "faults"}
         doc["faults"] = [{"kind": f.kind, "detail": f.detail, "detected": f.detected, "recovery": f.recovery}
                          for f in self.faults]
         return doc
@@ -263,7 +263,8 @@ class Harness:
         self.data = root / "train"
         self.samples = sorted_samples(self.data)
         self.steps = -(-len(self.samples) // self.s.batch_size)
-        total = self.s.faults * (sum(self.s.gap) // 2 + 10) + 40
+        # Room for the gaps and for what the trainer consumes while a fault is being handled.
+        total = self.s.faults * (sum(self.s.gap) // 2 + 25) + 40
         self.epochs = -(-total // self.steps)
         self.positions = self.epochs * self.steps
         self.ref_buffer = self.work / "ref"
@@ -474,6 +475,9 @@ class Harness:
             if not self.wait_until(lambda: self.position() >= target or self.finished, RECOVERY_TIMEOUT):
                 self.hangs += 1
                 break
+            # A second daemon still starting would race a restarted one for the lock after a kill (and win:
+            # one daemon still serves, but not the one the harness restarted); let it be refused first.
+            self.wait_until(lambda: not self.pending_second, 60)
             if self.finished or self.position() >= self.positions - margin:
                 break
             fault = Fault(kind, i, time.time(), mark=self.daemon_mark())
@@ -576,7 +580,8 @@ class Harness:
         time.sleep(rng.uniform(0.0, 0.3))
         filler.unlink()
         fault.t_ref = time.time()
-        fault.detail = "write failed" if hit else "no write attempted"
+        text = self.daemon_text(mark, None)
+        fault.detail = "ENOSPC" if "No space left" in text else "paused" if "paused" in text else "not noticed"
         fault.check = lambda f, h: "No space left" in h.daemon_text(f.mark, f.data.get("end")) or "paused" in h.daemon_text(f.mark, f.data.get("end"))
 
     def _waiting_batch(self, rng: random.Random, first_offset: int) -> tuple[Path, int] | None:
@@ -661,31 +666,55 @@ class Harness:
             except FileNotFoundError:
                 whole = b'{"format": "prefetchd.progress", "version": 1, "epoch": 0, "step": 0}'
             data = whole[: rng.randrange(1, max(2, len(whole) - 1))]
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # in place, as a broken writer would
+        # The trainer is stopped meanwhile: otherwise its next step replaces the file before the daemon
+        # has looked at it.  It stays stopped until the daemon noticed (or 2 s).
+        self._stopped()
         try:
-            os.write(fd, data)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # in place, as a broken writer would
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            fault.t_inject = time.time()
+            mark = self.daemon_mark()
+            self.wait_until(lambda: "ignoring" in self.daemon_text(mark, None), 2.0)
         finally:
-            os.close(fd)
+            self._cont()
+        fault.t_ref = time.time()
         fault.detail = mode
         fault.check = lambda f, h: "ignoring" in h.daemon_text(f.mark, f.data.get("end"))
 
     def inject_progress_rewind(self, fault: Fault, rng: random.Random) -> None:
-        g = max(0, self.position() - rng.randint(1, 3 * self.s.high_water))
-        doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
-               "pid": os.getpid(), "time": time.time()}
-        tmp = self.buffer / f"progress.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.buffer / "progress.json")
-        fault.detail = f"back {self.position() - g}"
+        self._stopped()  # as for progress_garbage: the daemon sees the rewound file before the trainer moves on
+        try:
+            back = rng.randint(1, 3 * self.s.high_water)  # within the window, and past it
+            g = max(0, self.position() - back)
+            doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
+                   "pid": os.getpid(), "time": time.time()}
+            tmp = self.buffer / f"progress.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.buffer / "progress.json")
+            fault.t_inject = time.time()
+            mark = self.daemon_mark()
+            self.wait_until(lambda: "moved back" in self.daemon_text(mark, None), 2.0)
+        finally:
+            self._cont()
+        fault.t_ref = time.time()
+        fault.detail = f"back {back}"
         fault.check = lambda f, h: "moved back" in h.daemon_text(f.mark, f.data.get("end"))
 
     def inject_second_daemon(self, fault: Fault, rng: random.Random) -> None:
         log = self.work / f"second-{fault.index}.log"
+        # Not while a restarted daemon is still starting: the two would race for the lock, and the
+        # loser -- ours -- would be refused, rightly.
+        assert self.daemon is not None
+        pid = self.daemon.pid
+        self.wait_until(lambda: daemon_pid(self.buffer) == pid, 60)
+        fault.t_inject = time.time()
         argv = [self.s.python, "-m", "prefetchd", "start", "--buffer", str(self.buffer), *self.daemon_args()]
         proc = self.spawn(argv, log)
         self.pending_second.append((fault, proc, log))
         first = self.daemon
-        fault.data["first"] = first
 
         def check(f: Fault, h: Harness) -> bool:
             return (f.data.get("rc") not in (None, 0) and "owned by a running daemon" in f.data.get("log", "")
