@@ -196,6 +196,23 @@ class Stream:
         if self.published:
             log.info("kept %d finished batches of rank %d from an earlier run of the same job", len(self.published), self.rank)
 
+    def reconcile(self) -> list[int]:
+        """Forget published batches whose files are gone, so that they are built again.
+
+        Only this daemon deletes batches, but a person, a cleanup job or a trainer that found a
+        batch damaged (the ProtocolError says to delete it) may too; without a look at the
+        directory the daemon would count the batch as waiting for ever and the trainer would
+        wait for it until its timeout.  One scandir of at most ``high`` files per poll.
+        """
+        if not self.published:
+            return []
+        present = list_batches(self.dir)
+        lost = [g for g in self.published if self.key(g) not in present]
+        for g in lost:
+            path = self.published.pop(g)
+            log.warning("batch %s of rank %d vanished from %s; building it again", path.name, self.rank, self.dir)
+        return lost
+
     def read_progress(self) -> bool:
         """Take the trainer's progress; True when it moved."""
         try:
@@ -505,6 +522,7 @@ class Producer:
                 stream.published.pop(g).unlink(missing_ok=True)
             for build in builds:
                 self._cancel(build)
+            stream.reconcile()
 
     def _cancel(self, build: Build) -> None:
         """Stop building ``build``; tasks already at a worker finish and are ignored."""

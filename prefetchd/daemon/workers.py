@@ -203,7 +203,7 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
     while True:
         try:
             task = conn.recv()
-        except (EOFError, ConnectionResetError):  # the controller went away
+        except (EOFError, OSError):  # the controller went away (killed: the pipe may be reset)
             return
         if task is None:
             return
@@ -215,5 +215,5 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
             result = WriteFailed(task.task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=True)
         try:
             conn.send(result)
-        except (BrokenPipeError, ConnectionResetError):  # the controller died (killed): nobody to tell, quietly go
+        except OSError:  # a SIGKILLed controller: nobody to answer, and no traceback for its successor's log
             return

@@ -80,6 +80,9 @@ _MAX_DELAY = 0.020
 _MANIFEST_FIRST_DELAY = 0.010
 _MANIFEST_MAX_DELAY = 0.050
 _SLOW_WAIT_WARNING = 10.0
+# progress.json may fail to be written for a while (a full tmpfs): the loader keeps delivering
+# the batches that are there and retries; only a failure that lasts this long is an error.
+_PROGRESS_WRITE_GRACE = 30.0
 
 DeviceLike = str | torch.device
 
@@ -217,6 +220,7 @@ class BufferLoader:
         self._epoch = 0
         self._step = 0
         self._published: tuple[int, int] | None = None
+        self._publish_failing_since: float | None = None
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
@@ -393,19 +397,44 @@ class BufferLoader:
             if self._feeder is not None:
                 self._feeder.finish(transfer, wait=True)
 
-    def _publish(self) -> None:
+    def _publish(self, force: bool = False) -> None:
         position = self._consumed_until()
-        if position == self._published:
+        if position == self._published and not force:
             return
         try:
             Progress(*position, wait_share=self._waits.share()).write(self._buffer)
         except OSError as exc:
+            now = time.monotonic()
+            if self._publish_failing_since is None:
+                self._publish_failing_since = now
+            if now - self._publish_failing_since < _PROGRESS_WRITE_GRACE:
+                # Left unpublished, so the next call tries again.
+                logger.warning("cannot write %s (%s); trying again", self._buffer / "progress.json", exc.strerror or exc)
+                return
             raise LoaderError(
-                f"{self._buffer}: cannot write progress.json ({exc.strerror or exc}); the daemon needs it to "
-                "know what to produce and delete. Check that the buffer directory exists, is writable and "
-                "has free space"
+                f"{self._buffer}: cannot write progress.json ({exc.strerror or exc}) for "
+                f"{_PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete. Check "
+                "that the buffer directory exists, is writable and has free space"
             ) from exc
+        self._publish_failing_since = None
         self._published = position
+
+    def _check_progress(self) -> None:
+        """While waiting: make progress.json name this loader's position again if it does not.
+
+        Someone else rewound or damaged it (or our last write failed), and the daemon now
+        builds other batches than the one this loader waits for; it would wait until its timeout.
+        """
+        try:
+            current = Progress.read(self._buffer)
+        except (ProtocolError, OSError):
+            current = None
+        if current is not None and (current.epoch, current.step) == self._published:
+            return
+        if self._published is not None:
+            logger.warning("%s names %s, not this loader's position %s; writing it again",
+                           self._buffer / "progress.json", current and (current.epoch, current.step), self._published)
+        self._publish(force=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -555,6 +584,7 @@ class BufferLoader:
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + self._liveness_interval
+                self._check_progress()
                 pid = daemon_pid(self._buffer)
                 if pid is not None:
                     gone_since = None
