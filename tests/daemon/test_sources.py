@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from prefetchd.daemon.dataset import SampleIndex
-from prefetchd.daemon.sources import SampleReader, is_url
+from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
 from prefetchd.daemon.sources.storage import ImageRefused
 
 
@@ -62,3 +64,71 @@ def test_unpacked_samples_are_whole_files_and_special_files_are_refused(tmp_path
     assert index.name(0) == f"{tmp_path}/a/x.jpg"
     with pytest.raises(ImageRefused, match="y.jpg is a FIFO"):
         reader.read(1)
+
+
+# -- file lists -------------------------------------------------------------------
+
+
+def image_files(root: Path, make_image: Callable[..., Path], names: list[str]) -> list[Path]:
+    return [make_image(root / name, seed=k) for k, name in enumerate(names)]
+
+
+def test_file_list_with_class_names_header_and_relative_paths(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    image_files(tmp_path, make_image, ["imgs/b1.jpg", "imgs/a1.png", "imgs/with, comma.jpg"])
+    listing = tmp_path / "train.csv"
+    listing.write_text('path,label\nimgs/b1.jpg,dog\nimgs/a1.png,cat\n\n"imgs/with, comma.jpg",dog\n')
+    index = open_dataset(listing)
+    assert index.classes == ("cat", "dog")  # sorted, as ImageFolder sorts folder names
+    assert index.labels.tolist() == [1, 0, 1]
+    assert [index.path(i) for i in range(3)] == [tmp_path / "imgs/b1.jpg", tmp_path / "imgs/a1.png",
+                                                 tmp_path / "imgs/with, comma.jpg"]
+    reader = SampleReader(index)
+    assert bytes(reader.read(1)) == (tmp_path / "imgs/a1.png").read_bytes()
+
+
+def test_tsv_file_list_with_integer_labels_and_absolute_paths(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    outside = make_image(tmp_path / "elsewhere" / "x.jpg")
+    inside = make_image(tmp_path / "lists" / "y.jpg")
+    listing = tmp_path / "lists" / "val.tsv"
+    listing.write_text(f"{outside}\t3\n{inside}\t0\n")
+    index = open_dataset(listing)
+    assert index.classes == ("0", "1", "2", "3")
+    assert index.labels.tolist() == [3, 0]
+    assert index.file(1) == "y.jpg"  # inside the list's folder: stored relative to it
+    reader = SampleReader(index)
+    assert bytes(reader.read(0)) == outside.read_bytes()
+    assert bytes(reader.read(1)) == inside.read_bytes()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("a.jpg,cat\nb.jpg\n", r"list\.csv:2: expected 'path,label'"),
+    ("a.jpg,cat\n,dog\n", r"list\.csv:2: the path is empty"),
+    ("a.jpg,cat\nb.jpg, \n", r"list\.csv:2: the label of b\.jpg is empty"),
+    ("a.jpg,1\nb.jpg,2\nc.jpg,dog\n", r"list\.csv:3: label 'dog' is a class name but the list's labels start as integers"),
+    ("a.jpg,cat\nb.jpg,7\n", r"list\.csv:2: label '7' is an integer but the list's labels start as class names"),
+    ("a.jpg,-1\n", r"list\.csv:1: label -1 is negative"),
+    ("path,label\n\n", r"names no samples"),
+    ("path,label\na.jpg,1\npath,label\n", r"list\.csv:3: label 'label' is a class name"),  # a second header
+])
+def test_bad_file_lists_name_the_line(tmp_path: Path, text: str, message: str) -> None:
+    listing = tmp_path / "list.csv"
+    listing.write_text(text)
+    with pytest.raises(DatasetError, match=message):
+        open_dataset(listing)
+
+
+def test_missing_or_undecodable_file_lists_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"nope\.csv does not exist"):
+        open_dataset(tmp_path / "nope.csv")
+    (tmp_path / "latin.csv").write_bytes(b"a.jpg,cat\n\xe9t\xe9.jpg,dog\n")
+    with pytest.raises(DatasetError, match=r"latin\.csv:2: not valid UTF-8"):
+        open_dataset(tmp_path / "latin.csv")
+
+
+def test_file_list_fingerprint_follows_the_list(tmp_path: Path) -> None:
+    listing = tmp_path / "l.csv"
+    listing.write_text("a.jpg,cat\nb.jpg,dog\n")
+    first = open_dataset(listing).fingerprint
+    assert open_dataset(listing).fingerprint == first
+    listing.write_text("a.jpg,cat\nb.jpg,cat\n")
+    assert open_dataset(listing).fingerprint != first

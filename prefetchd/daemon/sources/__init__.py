@@ -5,7 +5,10 @@ into a ``SampleIndex``; ``SampleReader(index).read(i)`` returns sample ``i``'s
 encoded bytes from its storage.  The producer and workers see only these two,
 so every layout gets the same determinism and bad-sample handling.
 
-Layouts: a folder of class folders (as torchvision ImageFolder).
+Layouts, tried in this order:
+- packed shards: a folder holding ``prefetchd-index.npz`` (``shards.py``, written by `prefetchd pack`);
+- a file list: ``location`` is a ``.csv``/``.tsv``/``.txt`` of ``path,label`` rows (``filelist.py``);
+- class folders, as torchvision ImageFolder (``prefetchd.daemon.dataset``, cached by ``index_cache.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
+from prefetchd.daemon.sources.filelist import is_file_list, read_file_list
+from prefetchd.daemon.sources.shards import has_shard_index, read_shard_index
 from prefetchd.daemon.sources.storage import Storage, is_url, storage_for
 
 
@@ -21,6 +26,10 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
     """Index the dataset at ``location``; ``tick`` is called now and then while that takes long."""
     location = str(location)
     storage_for(location)  # an unsupported URL is refused here, before any listing
+    if is_file_list(location):
+        return read_file_list(location)
+    if has_shard_index(location):
+        return read_shard_index(location)
     return scan_class_folders(Path(location), tick=tick)
 
 
