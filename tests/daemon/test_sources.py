@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.cli import main as cli_main
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
+from prefetchd.daemon.sources.shards import INDEX_NAME, pack, parse_size
 from prefetchd.daemon.sources.storage import ImageRefused
 
 
@@ -132,3 +137,108 @@ def test_file_list_fingerprint_follows_the_list(tmp_path: Path) -> None:
     assert open_dataset(listing).fingerprint == first
     listing.write_text("a.jpg,cat\nb.jpg,cat\n")
     assert open_dataset(listing).fingerprint != first
+
+
+# -- packed shards ----------------------------------------------------------------
+
+
+def class_tree(root: Path, make_image: Callable[..., Path]) -> Path:
+    for k, name in enumerate(["cat/a.jpg", "cat/b.png", "dog/c.jpg", "dog/sub/d.jpeg", "emu/e.webp"]):
+        make_image(root / name, size=(8 + k, 6), seed=k)
+    return root
+
+
+@pytest.mark.parametrize("text", ["1GB", "500MB", "1GiB", "64kib", "4096", "1.5GB"])
+def test_shard_sizes_parse(text: str) -> None:
+    expected = {"1GB": 10**9, "500MB": 5 * 10**8, "1GiB": 2**30, "64kib": 65536, "4096": 4096, "1.5GB": 15 * 10**8}
+    assert parse_size(text) == expected[text]
+
+
+@pytest.mark.parametrize("text", ["", "1XB", "GB", "-1GB", "0"])
+def test_bad_shard_sizes_say_what_is_expected(text: str) -> None:
+    with pytest.raises(ValueError, match="1GB, 500MB or 1GiB|less than one byte"):
+        parse_size(text)
+
+
+def test_packed_shards_hold_the_source_samples_in_order(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    summary = pack(source, tmp_path / "out", shard_size=2000)
+    assert summary["shards"] > 1  # the tiny size forces several shards
+    shards = open_dataset(tmp_path / "out")
+    assert shards.classes == source.classes
+    assert shards.labels.tolist() == source.labels.tolist()
+    src_reader, shard_reader = SampleReader(source), SampleReader(shards)
+    for i in range(len(source)):
+        assert bytes(shard_reader.read(i)) == bytes(src_reader.read(i)), i
+    per_shard = shards.path_blob.nbytes + shards.path_offsets.nbytes  # shard names, not per sample
+    assert (shards.nbytes - per_shard) / len(shards) == 28  # int32 shard + int64 offset, size, label
+    # Another tool reads the same bytes: WebDataset's <key>.<ext> and <key>.cls members.
+    members: dict[str, bytes] = {}
+    for tar_path in sorted((tmp_path / "out").glob("shard-*.tar")):
+        with tarfile.open(tar_path) as tar:
+            for m in tar.getmembers():
+                members[m.name] = tar.extractfile(m).read()  # type: ignore[union-attr]
+    assert sorted(members) == sorted([f"{i:09d}.{ext}" for i, ext in enumerate(["jpg", "png", "jpg", "jpeg", "webp"])]
+                                     + [f"{i:09d}.cls" for i in range(5)])
+    for i in range(len(source)):
+        ext = source.file(i).rsplit(".", 1)[1]
+        assert members[f"{i:09d}.{ext}"] == bytes(src_reader.read(i))
+        assert members[f"{i:09d}.cls"] == str(int(source.labels[i])).encode()
+
+
+def test_shuffled_pack_records_the_source_of_each_sample(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    pack(source, tmp_path / "a", shard_size=10**6, shuffle_seed=3)
+    pack(source, tmp_path / "b", shard_size=10**6, shuffle_seed=3)
+    assert (tmp_path / "a" / "shard-000000.tar").read_bytes() == (tmp_path / "b" / "shard-000000.tar").read_bytes()
+    with np.load(tmp_path / "a" / INDEX_NAME) as npz:
+        order = npz["source_index"]
+    assert sorted(order.tolist()) == list(range(5)) and order.tolist() != list(range(5))
+    shards, reader = open_dataset(tmp_path / "a"), SampleReader(source)
+    for i, src in enumerate(order.tolist()):
+        assert bytes(SampleReader(shards).read(i)) == bytes(reader.read(src))
+        assert shards.labels[i] == source.labels[src]
+
+
+def test_pack_refuses_a_non_empty_folder_and_an_unfinished_pack_is_no_dataset(
+    tmp_path: Path, make_image: Callable[..., Path]
+) -> None:
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    out = tmp_path / "out"
+    pack(source, out, shard_size=10**6)
+    with pytest.raises(DatasetError, match=r"out is not empty.*--force"):
+        pack(source, out, shard_size=10**6)
+    pack(source, out, shard_size=3000, force=True)
+    assert len(open_dataset(out)) == 5
+    (out / INDEX_NAME).unlink()  # as if the pack had been interrupted before its last step
+    with pytest.raises(DatasetError, match="no class folders"):
+        open_dataset(out)
+
+
+def test_a_damaged_or_foreign_shard_index_is_refused(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    out = tmp_path / "out"
+    pack(open_dataset(class_tree(tmp_path / "src", make_image)), out, shard_size=10**6)
+    good = (out / INDEX_NAME).read_bytes()
+    (out / INDEX_NAME).write_bytes(good[: len(good) // 2])
+    with pytest.raises(DatasetError, match=r"prefetchd-index\.npz is damaged.*--force"):
+        open_dataset(out)
+    with np.load(io.BytesIO(good)) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays["version"] = np.array(99)
+    np.savez(out / INDEX_NAME, **arrays)
+    with pytest.raises(DatasetError, match="version 99"):
+        open_dataset(out)
+
+
+def test_pack_cli_writes_shards_from_a_file_list(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    class_tree(tmp_path / "src", make_image)
+    (tmp_path / "src" / "list.csv").write_text("cat/a.jpg,0\ndog/c.jpg,1\nmissing.jpg,1\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "src" / "list.csv"), str(out), "--shard-size", "1MB"])
+    assert result.exit_code == 0, result.output
+    assert "packed 3 samples" in result.output and "1 unreadable" in result.output
+    shards = open_dataset(out)
+    assert shards.labels.tolist() == [0, 1, 1] and shards.member_sizes is not None
+    assert shards.member_sizes[2] == 0  # the missing file: an empty member the daemon replaces
+    bad = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "src"), str(tmp_path / "o2"), "--shard-size", "1XB"])
+    assert bad.exit_code == 2 and "1GB, 500MB or 1GiB" in bad.output

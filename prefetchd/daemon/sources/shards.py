@@ -145,7 +145,9 @@ class ShardWriter:
     def add(self, key: str, ext: str, data: bytes, label: int) -> tuple[int, int]:
         """Write one sample; (shard number, offset of its image data in that shard)."""
         cls = str(label).encode()
-        need = 3 * BLOCK + len(data) + len(cls)
+        # Two headers, both members' padded data, and the end-of-archive blocks padded to a record:
+        # a shard never grows past shard_size unless one sample alone is bigger.
+        need = 4 * BLOCK + -(-len(data) // BLOCK) * BLOCK + 2 * BLOCK + tarfile.RECORDSIZE
         if self.tar is None or (self.tar.offset > 0 and self.tar.offset + need > self.shard_size):
             self._next_shard()
         assert self.tar is not None
