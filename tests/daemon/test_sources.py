@@ -18,6 +18,7 @@ from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
 from prefetchd.daemon.sources.shards import INDEX_NAME, pack, parse_size
 from prefetchd.daemon.sources.storage import ImageRefused
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, run_task
 
 
 @pytest.mark.parametrize(("location", "url"), [
@@ -242,3 +243,29 @@ def test_pack_cli_writes_shards_from_a_file_list(tmp_path: Path, make_image: Cal
     assert shards.member_sizes[2] == 0  # the missing file: an empty member the daemon replaces
     bad = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "src"), str(tmp_path / "o2"), "--shard-size", "1XB"])
     assert bad.exit_code == 2 and "1GB, 500MB or 1GiB" in bad.output
+
+
+# -- bad samples in every layout ------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+def test_missing_and_undecodable_listed_files_are_replaced_and_counted(
+    tmp_path: Path, make_image: Callable[..., Path]
+) -> None:
+    """A list naming a missing file and a non-image, and the shards packed from it:
+    both are replaced by the next sample and reported, as in class folders."""
+    make_image(tmp_path / "a.jpg", size=(20, 20))
+    make_image(tmp_path / "d.png", size=(20, 20), seed=3)
+    (tmp_path / "c.jpg").write_bytes(b"not a jpeg")
+    (tmp_path / "l.csv").write_text("a.jpg,0\ngone.jpg,0\nc.jpg,1\nd.png,1\n")
+    listed = open_dataset(tmp_path / "l.csv")
+    pack(listed, tmp_path / "shards", shard_size=10**6)
+    for index in (listed, open_dataset(tmp_path / "shards")):
+        batch = tmp_path / "batch.tmp"
+        slot = 16 * 16 * 3
+        batch.write_bytes(bytes(4 * slot))
+        job = WorkerJob(index, np.arange(4, dtype=np.int64), 16, True, 1)
+        result = run_task(job, Task(0, str(batch), 0, slot, 0, ((0, 0), (1, 1), (2, 2), (3, 3))))
+        assert isinstance(result, Filled), result
+        assert [s[1] for s in result.slots] == [0, 3, 3, 3]  # 1 and 2 replaced by the next sample that decodes
+        assert len(result.failures) == 3  # gone.jpg, then c.jpg twice (as itself and as 1's first replacement)
