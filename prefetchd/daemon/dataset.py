@@ -131,18 +131,15 @@ def walk_classes(tops: list[str], threads: int, tick: Callable[[], object]) -> l
     found: list[list[Folder]] = [[] for _ in tops]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="scan") as pool:
         pending = {pool.submit(list_folder, top): k for k, top in enumerate(tops)}
-        done_count = 0
         while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            tick()  # at least once a second, even while one huge folder is listed
+            done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
             for future in done:
                 k = pending.pop(future)
                 folder = future.result()
                 found[k].append(folder)
                 for name in folder.subdirs:
                     pending[pool.submit(list_folder, os.path.join(folder.path, name))] = k
-                done_count += 1
-                if done_count % 64 == 0:
-                    tick()
     for folders in found:
         folders.sort(key=lambda f: f.path)
         for folder in folders:
