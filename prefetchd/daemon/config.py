@@ -33,7 +33,9 @@ class DaemonConfig:
     """What a daemon produces and how.  ``None`` means "size it from the machine"."""
 
     buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path)
-    data: Path | None = _opt(None, "Dataset root: class folders as for torchvision ImageFolder.", Path)
+    data: Path | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`.", Path)
+    index_cache: Path | None = _opt(None, "Folder for cached class-folder indexes, so a restart skips the walk when no folder changed [default: $CACHE_DIRECTORY under systemd, else ~/.cache/prefetchd].", Path)
+    refresh_index: bool = _opt(False, "Walk the class folders again even if the cached index looks current (after replacing files in place).", bool)
     split: str = _opt("train", "train: random resized crop + flip, shuffled; val: resize + center crop, in order.", str, choices=SPLITS)
     val_fraction: float | None = _opt(None, "Hold out this fraction of --data as validation (a fixed seeded split); --split picks the side.", float, minimum=0.0, maximum=1.0)
     batch_size: int = _opt(128, "Images per batch.", int, minimum=1, maximum=65536)

@@ -34,6 +34,7 @@ from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id,
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.sources import open_dataset
+from prefetchd.daemon.sources.index_cache import default_cache_dir
 from prefetchd.daemon.transforms import validate_hook
 from prefetchd.daemon.wakeup import Wakeup
 
@@ -196,7 +197,7 @@ def check_capacity(cfg: DaemonConfig) -> None:
 
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
-    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access",
+    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
     "metrics_port", "metrics_address", "metrics_textfile",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
@@ -343,7 +344,8 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         validate_hook(job.transform)  # a typo fails here, not in every worker
     assert job.data is not None
     notifier.status(f"indexing {job.data}")
-    index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"))
+    index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"),
+                         index_cache=job.index_cache or default_cache_dir(), refresh_index=job.refresh_index)
     members = split_members(len(index), job.split, job.val_fraction)
     samples = samples_per_rank(len(members), job.world_size)
     producer_id = new_producer_id()
