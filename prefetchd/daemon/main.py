@@ -197,7 +197,7 @@ def check_capacity(cfg: DaemonConfig) -> None:
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
     "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access",
-    "metrics_port", "metrics_address", "metrics_textfile",
+    "metrics_port", "metrics_address", "metrics_textfile", "readers", "index_cache",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0
@@ -317,7 +317,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         validate_hook(job.transform)  # a typo fails here, not in every worker
     assert job.data is not None
     notifier.status(f"indexing {job.data}")
-    index = open_dataset(job.data, tick=notifier.watchdog)
+    index = open_dataset(job.data, tick=notifier.watchdog, cache_dir=job.index_cache, refresh=job.refresh_index)
     members = split_members(len(index), job.split, job.val_fraction)
     samples = samples_per_rank(len(members), job.world_size)
     producer_id = new_producer_id()

@@ -5,35 +5,108 @@ into a ``SampleIndex``; ``SampleReader(index).read(i)`` returns sample ``i``'s
 encoded bytes from its storage.  The producer and workers see only these two,
 so every layout gets the same determinism and bad-sample handling.
 
-Layouts: a folder of class folders (as torchvision ImageFolder).
+Layouts: a folder of class folders (as torchvision ImageFolder), on disk or
+under an object-storage URL (``s3://bucket/prefix``; see ``objects``), whose
+index is cached on disk so that a restart does not list it again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
-from prefetchd.daemon.sources.storage import Storage, is_url, storage_for
+from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources.index_cache import cache_file, load_index, save_index
+from prefetchd.daemon.sources.storage import FsspecStorage, Storage, StorageDenied, storage_for
+from prefetchd.locations import is_url
+
+log = logging.getLogger(__name__)
 
 
-def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None) -> SampleIndex:
-    """Index the dataset at ``location``; ``tick`` is called now and then while that takes long."""
+def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None, cache_dir: Path | None = None,
+                 refresh: bool = False) -> SampleIndex:
+    """Index the dataset at ``location``; ``tick`` is called now and then while that takes long.
+
+    A URL's index is kept under ``cache_dir`` and used again by the next start
+    instead of listing, unless ``refresh``."""
     location = str(location)
-    storage_for(location)  # an unsupported URL is refused here, before any listing
-    return scan_class_folders(Path(location), tick=tick)
+    storage = storage_for(location)  # an unsupported URL is refused here, before any listing
+    if not isinstance(storage, FsspecStorage):
+        return scan_class_folders(Path(location), tick=tick)
+    from prefetchd.daemon.sources.objects import list_class_folders
+
+    cached = cache_file(storage.url, cache_dir)
+    found = None if refresh else load_index(cached, storage.url)
+    if found is not None:
+        index = found
+        log.info("using the cached index of %s from %s (%d samples; --refresh-index lists it again)",
+                 storage.url, cached, len(index))
+        try:  # one request, so that missing credentials or a gone bucket fail here and not in every worker
+            storage.call(f"checking {storage.url}", lambda: storage.fs.info(storage.path(index.file(0))))
+        except StorageDenied as exc:
+            raise DatasetError(str(exc)) from None
+        except FileNotFoundError:
+            raise DatasetError(f"{index.name(0)} in the cached index {cached} is gone; the data changed since it "
+                               "was listed: start with --refresh-index") from None
+        except OSError as exc:
+            log.warning("cannot check %s (%s); going on with the cached index", storage.url, exc)
+        return found
+    index = list_class_folders(storage, tick=tick)
+    save_index(index, cached)
+    return index
 
 
 class SampleReader:
-    """Reads samples of one index; made once per worker process (storages may hold connections)."""
+    """Reads samples of one index; made once per worker process (storages may hold connections).
 
-    def __init__(self, index: SampleIndex) -> None:
+    With ``readers`` > 1, ``read_ahead`` keeps that many reads in flight on a
+    thread pool (object storage: many small requests, each mostly waiting) and
+    still yields them in the order asked."""
+
+    def __init__(self, index: SampleIndex, readers: int = 1) -> None:
         self.index = index
         self.storage: Storage = storage_for(index.root)
+        self.readers = readers
+        self._pool: ThreadPoolExecutor | None = None
 
     def read(self, i: int) -> bytearray:
         rel, offset, size = self.index.location(i)
         return self.storage.read(rel, offset, size)
+
+    def read_ahead(self, indices: Iterable[int]) -> Iterator[Future[bytearray]]:
+        """Futures of ``read(i)`` for each of ``indices`` in order, at most ``readers`` of them running."""
+        if self.readers <= 1:
+            for i in indices:
+                done: Future[bytearray] = Future()
+                try:
+                    done.set_result(self.read(i))
+                except Exception as exc:
+                    done.set_exception(exc)
+                yield done
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="read")
+        pending: deque[Future[bytearray]] = deque()
+        it = iter(indices)
+        try:
+            for i in it:
+                pending.append(self._pool.submit(self.read, i))
+                if len(pending) >= self.readers:
+                    yield pending.popleft()
+            while pending:
+                yield pending.popleft()
+        finally:
+            for f in pending:
+                f.cancel()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
 
 __all__ = ["SampleIndex", "SampleReader", "is_url", "open_dataset"]
