@@ -230,6 +230,10 @@ class FsspecStorage:
             if self._fs is None or self._pid != os.getpid():
                 try:
                     self._fs, self._root = filesystem(self.url)
+                    if hasattr(self._fs, "max_concurrency"):
+                        # s3fs asks for the size (a HEAD) before every whole-object read to split
+                        # big ones; for small images that doubles the round trips.
+                        self._fs.max_concurrency = 1
                 except LocationError as exc:
                     from prefetchd.daemon.errors import DatasetError
 
