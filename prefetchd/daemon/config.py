@@ -151,6 +151,8 @@ def check_value(name: str, value: Any) -> None:
         return
     kind = meta["kind"]
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if meta.get("location") and isinstance(value, os.PathLike):
+        ok = True  # a local path given as a Path; __post_init__ makes it a string
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
