@@ -22,7 +22,7 @@ from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, open_dataset
-from prefetchd.daemon.sources import storage as storage_module
+from prefetchd import locations
 from prefetchd.daemon.sources.index_cache import cache_file
 from prefetchd.daemon.sources.objects import list_class_folders
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageUnavailable, storage_for
@@ -50,7 +50,7 @@ def proxy(s3: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 @pytest.fixture
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage_module, "RETRY_BASE_SECONDS", 0.01)
+    monkeypatch.setattr(locations, "RETRY_BASE_SECONDS", 0.01)
 
 
 # -- reads ------------------------------------------------------------------------------
