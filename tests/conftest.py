@@ -1,5 +1,6 @@
 """Fixtures shared by all test packages: buffers on the real tmpfs, small datasets,
-and real daemon processes that are always cleaned up."""
+real daemon processes that are always cleaned up, and a real S3-compatible server
+(moto's server mode) on loopback."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,3 +113,61 @@ def index_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@dataclass
+class S3:
+    """The loopback S3 server as a test sees it: its endpoint and a fresh bucket of its own."""
+
+    endpoint: str
+    bucket: str
+    fs: Any  # an s3fs filesystem on the endpoint
+
+    def url(self, prefix: str = "") -> str:
+        return f"s3://{self.bucket}/{prefix}".rstrip("/")
+
+    def upload(self, local: Path, prefix: str) -> str:
+        """Copy the tree under ``local`` to ``s3://bucket/prefix``; return that URL."""
+        for path in sorted(local.rglob("*")):
+            if path.is_file():
+                self.fs.pipe_file(f"{self.bucket}/{prefix}/{path.relative_to(local).as_posix()}", path.read_bytes())
+        return self.url(prefix)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server in a thread of the test process, on a free loopback port."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+S3_ENV = {
+    # Credentials come from the standard AWS environment only, as in production; the
+    # daemon subprocesses inherit them.  AWS_ENDPOINT_URL is honoured by botocore >= 1.31.
+    "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": "/nonexistent/aws-config", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3:
+    """Environment pointing at the loopback server (inherited by daemons) and an empty bucket."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in S3_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the daemon's index cache
+    monkeypatch.delenv("CACHE_DIRECTORY", raising=False)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    return S3(s3_endpoint, bucket, fs)

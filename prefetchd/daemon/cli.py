@@ -24,6 +24,7 @@ from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_to
 from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.producer import STAGES
 from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
+from prefetchd.locations import normalize
 
 log = logging.getLogger("prefetchd")
 
@@ -161,7 +162,8 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
     if config_file:
         settings.update({k: v for k, v in load_toml(config_file).items() if k in JOB_FIELDS})
     settings.update({k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE})
-    settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else v for k, v in settings.items()}
+    settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")
+                and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
     buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
     request = JobRequest(settings, replace)
     request.write(buffer)

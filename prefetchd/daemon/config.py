@@ -15,6 +15,7 @@ import psutil
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.transforms import DEFAULT_MAX_IMAGE_PIXELS
+from prefetchd.locations import is_url, normalize
 
 SPLITS = ("train", "val")
 # Defaults never plan more than these shares of what is free, so the trainer,
@@ -22,6 +23,9 @@ SPLITS = ("train", "val")
 TMPFS_SHARE = 0.5
 RAM_SHARE = 0.25
 MAX_DEFAULT_HIGH_WATER = 64
+# Reads in flight per worker: object storage answers each small object in tens of
+# milliseconds, mostly waiting (see docs/SOURCES.md, "Object storage").
+URL_READERS = 16
 
 
 def _opt(default: Any, help: str, kind: type, **extra: Any) -> Any:
@@ -33,9 +37,11 @@ class DaemonConfig:
     """What a daemon produces and how.  ``None`` means "size it from the machine"."""
 
     buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path)
-    data: Path | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`.", Path)
-    index_cache: Path | None = _opt(None, "Folder for cached class-folder indexes, so a restart skips the walk when no folder changed [default: $CACHE_DIRECTORY under systemd, else ~/.cache/prefetchd].", Path)
-    refresh_index: bool = _opt(False, "Walk the class folders again even if the cached index looks current (after replacing files in place).", bool)
+    # A location, not a Path: Path("s3://b/p") is "s3:/b/p".  Local paths are made absolute, URLs kept verbatim.
+    data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`; local or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True)
+    readers: int | None = _opt(None, "Sample reads each worker keeps in flight [default: 16 for a URL, 1 for a local folder].", int, minimum=1, maximum=1024)
+    index_cache: Path | None = _opt(None, "Folder for cached dataset indexes, so a restart skips the walk (class folders: when no folder changed) or the listing (URLs) [default: $CACHE_DIRECTORY under systemd, else $XDG_CACHE_HOME/prefetchd or ~/.cache/prefetchd].", Path)
+    refresh_index: bool = _opt(False, "Walk or list the dataset again even if the cached index looks current (after replacing files in place, or when a URL's data changed).", bool)
     split: str = _opt("train", "train: random resized crop + flip, shuffled; val: resize + center crop, in order.", str, choices=SPLITS)
     val_fraction: float | None = _opt(None, "Hold out this fraction of --data as validation (a fixed seeded split); --split picks the side.", float, minimum=0.0, maximum=1.0)
     batch_size: int = _opt(128, "Images per batch.", int, minimum=1, maximum=65536)
@@ -64,6 +70,8 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_value(f.name, getattr(self, f.name))
+        if self.data is not None:
+            object.__setattr__(self, "data", normalize(self.data))
         if self.buffer is None:
             raise ConfigError("no buffer directory: pass --buffer DIR (for example /dev/shm/bf) or set `buffer` in the config")
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
@@ -143,6 +151,8 @@ def check_value(name: str, value: Any) -> None:
         return
     kind = meta["kind"]
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if meta.get("location") and isinstance(value, os.PathLike):
+        ok = True  # a local path given as a Path; __post_init__ makes it a string
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
@@ -176,6 +186,8 @@ def load_toml(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: unknown key {key!r}; allowed keys are {', '.join(sorted(FIELDS))}")
         if FIELDS[name].metadata["kind"] is Path and isinstance(value, str):
             value = (path.parent / value) if not os.path.isabs(value) else Path(value)
+        if FIELDS[name].metadata.get("location") and isinstance(value, str):
+            value = normalize(value, base=path.parent.absolute())  # relative to the file, as paths are
         try:
             check_value(name, value)
         except ConfigError as exc:
@@ -226,6 +238,9 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
             f"high_water = {high} batches of {batch / 2**20:.1f} MiB "
             f"(at most half the free tmpfs, a quarter of available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
         )
+    if cfg.readers is None and cfg.data is not None:
+        changes["readers"] = URL_READERS if is_url(cfg.data) else 1
+        notes.append(f"readers = {changes['readers']} ({'object storage' if is_url(cfg.data) else 'a local folder'})")
     high_water: int = changes["high_water"] if cfg.high_water is None else cfg.high_water
     if cfg.low_water is None:
         changes["low_water"] = high_water // 2

@@ -9,6 +9,12 @@ A sample that cannot be decoded is replaced by the next member of the split
 that can (a pure function of the index, so the batch stays deterministic and
 full); the controller logs and counts the replacement.  A failing user
 transform hook is not a bad image: it stops the daemon with the hook's error.
+Neither is object storage that cannot be reached (the batch is retried later)
+or that refuses us (the job stops with what to do).
+
+With ``readers`` > 1 a worker keeps that many sample reads of a task in flight
+on threads (object storage: many small requests, each mostly waiting) while it
+decodes in order, so the output does not depend on which read finishes first.
 
 Each worker runs torch with one thread: k workers on k cores, each kernel
 single-threaded, is the fastest arrangement for many small images and keeps
@@ -34,6 +40,7 @@ import os
 import signal
 import time
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -44,6 +51,7 @@ from PIL import Image
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import SampleReader
+from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable
 from prefetchd.daemon.transforms import (DEFAULT_MAX_IMAGE_PIXELS, AugmentOptions, HookError, StageTimes,
                                          augment_bytes, preload)
 
@@ -69,12 +77,13 @@ class WorkerJob:
     seed: int
     augment: AugmentOptions = field(default_factory=AugmentOptions)
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    readers: int = 1  # sample reads in flight per worker
 
     @classmethod
     def from_config(cls, index: SampleIndex, members: np.ndarray, cfg: DaemonConfig) -> WorkerJob:
         return cls(index, members, cfg.image_size, cfg.split == "train", cfg.seed, AugmentOptions(
             color_jitter=cfg.color_jitter, scale_jitter=cfg.scale_jitter_bounds, transform=cfg.transform),
-            cfg.max_image_pixels)
+            cfg.max_image_pixels, cfg.readers or 1)
 
 
 @dataclass(frozen=True)
@@ -123,8 +132,8 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[str, str]],
-             times: StageTimes) -> tuple[int, np.ndarray]:
-    """Decode ``index`` or, failing that, its deterministic replacements."""
+             times: StageTimes, first: Future[bytearray] | None = None) -> tuple[int, np.ndarray]:
+    """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic replacements."""
     pos = int(np.searchsorted(job.members, index))
     for k in range(MAX_REPLACEMENT_TRIES):
         candidate = int(job.members[(pos + k) % len(job.members)]) if k else index
@@ -136,11 +145,11 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
             rng = sample_rng(job.seed, 0, candidate)
         try:
             t0 = time.perf_counter()
-            data = reader.read(candidate)
+            data = first.result() if k == 0 and first is not None else reader.read(candidate)
             times.read += time.perf_counter() - t0
             return candidate, augment_bytes(data, name, job.image_size, job.train, rng, job.augment, times,
                                             job.max_pixels)
-        except HookError:
+        except (HookError, StorageUnavailable, StorageDenied):  # not the sample's fault: no replacement
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
             failures.append((name, f"{type(exc).__name__}: {exc}"))
@@ -151,7 +160,7 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
 
 
 def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None) -> Filled | WriteFailed:
-    reader = reader or SampleReader(job.index)
+    reader = reader or SampleReader(job.index, job.readers)
     start = time.perf_counter()
     slots: list[tuple[int, int, int]] = []
     timings: list[tuple[float, float, float, float]] = []
@@ -161,9 +170,10 @@ def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None) -> 
     except OSError as exc:
         return WriteFailed(task.task_id, f"cannot open {task.path}: {exc.strerror}")
     try:
-        for slot, index in task.items:
+        ahead = reader.read_ahead(index for _slot, index in task.items)
+        for (slot, index), read in zip(task.items, ahead):
             times = StageTimes()
-            used, image = _produce(job, reader, task.epoch, index, failures, times)
+            used, image = _produce(job, reader, task.epoch, index, failures, times, read)
             if image.nbytes != task.slot_bytes:
                 raise SampleUnrecoverable(f"{job.index.name(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
             t0 = time.perf_counter()
@@ -199,7 +209,7 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
     Image.MAX_IMAGE_PIXELS = None
     limit_threads()
     preload()
-    reader = SampleReader(job.index)
+    reader = SampleReader(job.index, job.readers)
     while True:
         try:
             task = conn.recv()
@@ -209,7 +219,9 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
             return
         try:
             result: Filled | WriteFailed = run_task(job, task, reader)
-        except (SampleUnrecoverable, HookError) as exc:
+        except StorageUnavailable as exc:
+            result = WriteFailed(task.task_id, str(exc))
+        except (SampleUnrecoverable, HookError, StorageDenied) as exc:
             result = WriteFailed(task.task_id, str(exc), fatal=True)
         except Exception:  # a bug: report it with where it happened instead of dying silently
             result = WriteFailed(task.task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=True)

@@ -7,7 +7,8 @@ top-5, images/s and the *data-wait share*, the fraction of the epoch spent
 inside the loaders' ``next()``.  A share near zero means the daemon keeps the
 model fed.
 
-Checkpoints (``--checkpoint-dir``) hold everything the run depends on: model,
+Checkpoints (``--checkpoint-dir``, a local folder or an object-storage URL
+such as ``s3://bucket/run1``) hold everything the run depends on: model,
 optimizer, scheduler, both loaders' positions, the epoch, the half-finished
 epoch's sums, the metrics so far and the RNG states.  Because batch (epoch,
 step) is bit-identical whenever it is produced, ``--resume`` continues with
@@ -54,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from prefetchd.buffer_protocol import ProtocolError, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, owning_buffer
+from prefetchd.locations import LocationError, StorageDenied, StorageUnavailable, filesystem, is_url, normalize, with_retries
 from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonRestartsExhausted, DaemonStuck, LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, PinMode
 from prefetchd.trainer.loader import Batch, BufferLoader
@@ -108,13 +110,13 @@ class TrainConfig:
     daemon_restarts: int = 3
     metrics_json: Path | None = None
     metrics_csv: Path | None = None
-    checkpoint_dir: Path | None = None
+    checkpoint_dir: Path | str | None = None  # a str is a URL
     checkpoint_every: int | None = None
     resume: bool = False
     max_steps: int | None = None
     spawn_daemon: bool = False
-    data: Path | None = None
-    val_data: Path | None = None
+    data: Path | str | None = None  # a str is a URL
+    val_data: Path | str | None = None
     batch_size: int | None = None
     image_size: int | None = None
     workers: int | None = None
@@ -427,8 +429,20 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
 # -- checkpoints ------------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, doc: Mapping[str, Any]) -> None:
-    """Write ``doc`` with torch.save, atomically: a reader (or a restart after SIGKILL) sees the old file or the new."""
+def save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` with torch.save, atomically: a reader (or a restart after SIGKILL) sees the old file or the new.
+
+    At a URL the whole checkpoint goes up in one PUT (or one multipart upload),
+    which object stores make visible only when complete: atomic there too."""
+    if isinstance(path, str):
+        data = io.BytesIO()
+        torch.save(dict(doc), data)
+        fs, key = _checkpoint_fs(path)
+        try:
+            with_retries(f"saving {path}", lambda: fs.pipe_file(key, data.getvalue()), path)
+        except (StorageDenied, StorageUnavailable) as exc:
+            raise CheckpointError(f"cannot save the checkpoint: {exc}") from None
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -450,10 +464,24 @@ def save_checkpoint(path: Path, doc: Mapping[str, Any]) -> None:
         os.close(dir_fd)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint written by ``prefetchd-train``; CheckpointError says what is wrong with anything else."""
+def _checkpoint_fs(url: str) -> tuple[Any, str]:
     try:
-        doc = torch.load(path, map_location="cpu", weights_only=True)
+        return filesystem(url)
+    except LocationError as exc:
+        raise CheckpointError(f"--checkpoint-dir: {exc}") from None
+
+
+def load_checkpoint(path: Path | str) -> dict[str, Any]:
+    """A checkpoint written by ``prefetchd-train``; CheckpointError says what is wrong with anything else."""
+    source: Path | io.BytesIO = path if isinstance(path, Path) else io.BytesIO()
+    if isinstance(path, str):  # a URL; FileNotFoundError when there is none yet
+        fs, key = _checkpoint_fs(path)
+        try:
+            source = io.BytesIO(with_retries(f"loading {path}", lambda: fs.cat_file(key), path))
+        except (StorageDenied, StorageUnavailable) as exc:
+            raise CheckpointError(f"cannot load the checkpoint: {exc}") from None
+    try:
+        doc = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as exc:
@@ -598,7 +626,7 @@ class SpawnedDaemon:
                 proc.wait()
 
 
-def spawn_daemon(buffer: Path, data: Path, split: str, config: TrainConfig,
+def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig,
                  echo: Callable[[str], None], ranks: Ranks | None = None) -> SpawnedDaemon | None:
     """Start `prefetchd start` for ``buffer`` unless a daemon owns it already.
 
@@ -647,11 +675,12 @@ def _check_spawn_options(config: TrainConfig) -> None:
         raise click.UsageError("--spawn-daemon needs --epochs N (the daemon produces that many epochs)")
 
 
-def _check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | None) -> None:
+def _check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str | None) -> None:
     """With --spawn-daemon a daemon that was already running must serve what the flags ask for."""
     m = loader.manifest
     wrong = []
-    if data is not None and Path(m.dataset_root).resolve() != data.resolve():
+    if data is not None and normalize(m.dataset_root) != normalize(data) and (
+            isinstance(data, str) or Path(m.dataset_root).resolve() != data.resolve()):
         wrong.append(f"dataset {m.dataset_root}, not {data}")
     if config.batch_size is not None and m.batch_size != config.batch_size:
         wrong.append(f"batch size {m.batch_size}, not {config.batch_size}")
@@ -672,7 +701,9 @@ class _Checkpointer:
     """Saves DIR/last.pt every N steps and at every epoch's end."""
 
     def __init__(self, config: TrainConfig) -> None:
-        self.path = config.checkpoint_dir / LAST_CHECKPOINT if config.checkpoint_dir is not None else None
+        where = config.checkpoint_dir
+        self.path: Path | str | None = (None if where is None else f"{where}/{LAST_CHECKPOINT}" if isinstance(where, str)
+                                        else where / LAST_CHECKPOINT)
         self.every = config.checkpoint_every
 
     def due(self, global_step: int) -> bool:
@@ -1174,6 +1205,21 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 _D = TrainConfig  # defaults
 _DIR = click.Path(file_okay=False, path_type=Path)
+
+
+class _Location(click.ParamType):  # type: ignore[type-arg]
+    """A local folder (a Path) or an object-storage URL (kept as a string: Path would fold its '//')."""
+
+    name = "DIR|URL"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        if isinstance(value, (str, os.PathLike)) and is_url(os.fspath(value)):
+            return normalize(value)
+        path: Path = _DIR.convert(value, param, ctx)
+        return path
+
+
+_LOCATION = _Location()
 _FILE = click.Path(dir_okay=False, path_type=Path)
 
 
@@ -1198,13 +1244,13 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 @click.option("--daemon-restarts", type=click.IntRange(min=0), default=_D.daemon_restarts, show_default=True, help="With --spawn-daemon: restart a daemon that died or got stuck up to N times within 10 minutes, then stop with an error.")
 @click.option("--metrics-json", type=_FILE, default=None, help="Write per-epoch and final metrics here (after every epoch).")
 @click.option("--metrics-csv", type=_FILE, default=None, help="Write one CSV row per epoch here (after every epoch).")
-@click.option("--checkpoint-dir", type=_DIR, default=None, help="Save DIR/last.pt at every epoch's end (and see --checkpoint-every).")
+@click.option("--checkpoint-dir", type=_LOCATION, default=None, help="Save DIR/last.pt at every epoch's end (and see --checkpoint-every); DIR may be a URL such as s3://bucket/run1 (needs prefetchd[s3]; credentials from the standard AWS environment and files).")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=None, help="Also save every N training steps.")
 @click.option("--resume", is_flag=True, help="Continue from DIR/last.pt of --checkpoint-dir (from scratch if there is none).")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after this many training steps in all (resumed runs included), saving a checkpoint.")
 @click.option("--spawn-daemon", is_flag=True, help="Start `prefetchd start` for the buffers no daemon serves, and stop it at the end.")
-@click.option("--data", type=_DIR, default=None, help="With --spawn-daemon: the training class folders.")
-@click.option("--val-data", type=_DIR, default=None, help="With --spawn-daemon: validation class folders (buffer: --val-buffer, else BUFFER-val).")
+@click.option("--data", type=_LOCATION, default=None, help="With --spawn-daemon: the training class folders (a folder or a URL).")
+@click.option("--val-data", type=_LOCATION, default=None, help="With --spawn-daemon: validation class folders (buffer: --val-buffer, else BUFFER-val).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="With --spawn-daemon: the daemons' --batch-size.")
 @click.option("--image-size", type=click.IntRange(min=1), default=None, help="With --spawn-daemon: the daemons' --image-size.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="With --spawn-daemon: the daemons' --workers.")

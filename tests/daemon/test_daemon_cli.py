@@ -72,7 +72,7 @@ def test_file_overrides_defaults_and_flags_override_file(
     assert result.exit_code == 0, result.output
     (got,) = captured
     assert got.buffer == tmp_path / "etc" / "bf"  # file, relative to the file
-    assert got.data == tmp_path / "other"  # flag beats file
+    assert got.data == str(tmp_path / "other")  # flag beats file (a location: a string)
     assert got.batch_size == 32  # flag beats file
     assert got.seed == 0  # a flag equal to the dataclass default still beats the file
     assert got.image_size == 96 and got.split == "val" and got.val_fraction == 0.1  # file

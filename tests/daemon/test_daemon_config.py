@@ -36,7 +36,7 @@ GiB = 2**30
         ("val_fraction", "0.1"),
         ("epochs", 0),
         ("reset", 1),
-        ("data", "/some/str/path"),
+        ("data", 5),  # a location is a string (or a path)
     ],
 )
 def test_bad_values_name_the_key(tmp_path: Path, key: str, value: object) -> None:
@@ -123,8 +123,8 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path, monkey
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     values = load_toml(cfg)
-    assert isinstance(values["data"], Path) and isinstance(values["buffer"], Path)
-    assert values["data"].resolve() == (tmp_path / "etc" / "imgs" / "train").resolve()
+    assert isinstance(values["data"], str) and isinstance(values["buffer"], Path)  # data is a location
+    assert Path(values["data"]).resolve() == (tmp_path / "etc" / "imgs" / "train").resolve()
     assert values["buffer"].resolve() == (tmp_path / "shm" / "bf").resolve()
 
 
@@ -137,7 +137,12 @@ def test_relative_config_path_still_resolves(tmp_path: Path, monkeypatch: pytest
 
 def test_absolute_paths_are_kept(tmp_path: Path) -> None:
     cfg = write(tmp_path / "c.toml", 'data = "/srv/imagenet"\nbuffer = "/dev/shm/bf"\n')
-    assert load_toml(cfg) == {"data": Path("/srv/imagenet"), "buffer": Path("/dev/shm/bf")}
+    assert load_toml(cfg) == {"data": "/srv/imagenet", "buffer": Path("/dev/shm/bf")}
+
+
+def test_urls_in_a_config_file_are_kept_verbatim(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.toml", 'data = "s3://bucket/imagenet/train/"\n')
+    assert load_toml(cfg) == {"data": "s3://bucket/imagenet/train"}
 
 
 @pytest.mark.parametrize("text", ["batch_size = \n", "batch_size = 1\nbatch_size = 2\n", "[[[", "x = 'unclosed\n"])

@@ -5,22 +5,31 @@ into a ``SampleIndex``; ``SampleReader(index).read(i)`` returns sample ``i``'s
 encoded bytes from its storage.  The producer and workers see only these two,
 so every layout gets the same determinism and bad-sample handling.
 
-Layouts, tried in this order:
-- packed shards: a folder holding ``prefetchd-index.npz`` (``shards.py``, written by `prefetchd pack`);
+Layouts, tried in this order, on a local disk or under an object-storage URL
+(``s3://bucket/prefix``; storage in ``storage.py``):
 - a file list: ``location`` is a ``.csv``/``.tsv``/``.txt`` of ``path,label`` rows (``filelist.py``);
-- class folders, as torchvision ImageFolder (``prefetchd.daemon.dataset``, cached by ``index_cache.py``).
+- packed shards: a folder holding ``prefetchd-index.npz`` (``shards.py``, written by `prefetchd pack`);
+- class folders, as torchvision ImageFolder (``prefetchd.daemon.dataset``; under a URL ``objects.py``),
+  whose index is cached by ``index_cache.py`` so that a restart does not walk or list them again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
-from prefetchd.daemon.sources.index_cache import cached_class_folders
+from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.filelist import is_file_list, read_file_list
+from prefetchd.daemon.sources.index_cache import cached_class_folders, load_index, save_index, url_cache_file
 from prefetchd.daemon.sources.shards import has_shard_index, read_shard_index
-from prefetchd.daemon.sources.storage import Storage, is_url, storage_for
+from prefetchd.daemon.sources.storage import FsspecStorage, Storage, StorageDenied, storage_for
+from prefetchd.locations import is_url
+
+log = logging.getLogger(__name__)
 
 
 def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None, index_cache: Path | None = None,
@@ -28,28 +37,92 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
     """Index the dataset at ``location``; ``tick`` is called now and then while that takes long.
 
     Class folders are cached in ``index_cache`` (no cache when ``None``); ``refresh_index``
-    rescans them even when the cache looks current."""
+    walks or lists them again even when the cache looks current."""
     location = str(location)
-    storage_for(location)  # an unsupported URL is refused here, before any listing
+    storage = storage_for(location)  # an unsupported URL is refused here, before any listing
     if is_file_list(location):
         return read_file_list(location)
     if has_shard_index(location):
         return read_shard_index(location)
+    if isinstance(storage, FsspecStorage):
+        return _url_class_folders(storage, tick, index_cache, refresh_index)
     if index_cache is not None and Path(location).is_dir():
         return cached_class_folders(Path(location), index_cache, refresh_index, tick)
     return scan_class_folders(Path(location), tick=tick)
 
 
-class SampleReader:
-    """Reads samples of one index; made once per worker process (storages may hold connections)."""
+def _url_class_folders(storage: FsspecStorage, tick: Callable[[], object], cache_dir: Path | None,
+                       refresh: bool) -> SampleIndex:
+    from prefetchd.daemon.sources.objects import list_class_folders
 
-    def __init__(self, index: SampleIndex) -> None:
+    cached = url_cache_file(storage.url, cache_dir)
+    found = None if refresh else load_index(cached, storage.url)
+    if found is not None:
+        index = found
+        log.info("using the cached index of %s from %s (%d samples; --refresh-index lists it again)",
+                 storage.url, cached, len(index))
+        try:  # one request, so that missing credentials or a gone bucket fail here and not in every worker
+            storage.call(f"checking {storage.url}", lambda: storage.fs.info(storage.path(index.file(0))))
+        except StorageDenied as exc:
+            raise DatasetError(str(exc)) from None
+        except FileNotFoundError:
+            raise DatasetError(f"{index.name(0)} in the cached index {cached} is gone; the data changed since it "
+                               "was listed: start with --refresh-index") from None
+        except OSError as exc:
+            log.warning("cannot check %s (%s); going on with the cached index", storage.url, exc)
+        return found
+    index = list_class_folders(storage, tick=tick)
+    save_index(index, cached)
+    return index
+
+
+class SampleReader:
+    """Reads samples of one index; made once per worker process (storages may hold connections).
+
+    With ``readers`` > 1, ``read_ahead`` keeps that many reads in flight on a
+    thread pool (object storage: many small requests, each mostly waiting) and
+    still yields them in the order asked."""
+
+    def __init__(self, index: SampleIndex, readers: int = 1) -> None:
         self.index = index
         self.storage: Storage = storage_for(index.root)
+        self.readers = readers
+        self._pool: ThreadPoolExecutor | None = None
 
     def read(self, i: int) -> bytearray:
         rel, offset, size = self.index.location(i)
         return self.storage.read(rel, offset, size)
+
+    def read_ahead(self, indices: Iterable[int]) -> Iterator[Future[bytearray]]:
+        """Futures of ``read(i)`` for each of ``indices`` in order, at most ``readers`` of them running."""
+        if self.readers <= 1:
+            for i in indices:
+                done: Future[bytearray] = Future()
+                try:
+                    done.set_result(self.read(i))
+                except Exception as exc:
+                    done.set_exception(exc)
+                yield done
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="read")
+        pending: deque[Future[bytearray]] = deque()
+        it = iter(indices)
+        try:
+            for i in it:
+                pending.append(self._pool.submit(self.read, i))
+                if len(pending) >= self.readers:
+                    yield pending.popleft()
+            while pending:
+                yield pending.popleft()
+        finally:
+            for f in pending:
+                f.cancel()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
 
 __all__ = ["SampleIndex", "SampleReader", "is_url", "open_dataset"]

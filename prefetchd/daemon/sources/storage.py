@@ -2,15 +2,29 @@
 
 A ``Storage`` reads a file named relative to a dataset's root, whole or a byte
 range of it (a member of a packed shard).  Layouts (class folders, file lists,
-shards) are written once against this seam and work wherever a storage exists.
+shards) are written once against this seam and work wherever a storage exists:
+on a local filesystem (``LocalStorage``) or in object storage under an fsspec
+URL (``FsspecStorage``: ``s3://bucket/prefix`` with s3fs, ``gs://`` with gcsfs).
+
+Object-storage errors are classified and retried in ``prefetchd.locations``
+(shared with the trainer's checkpoints): ``StorageUnavailable`` after the
+retries of transient errors are spent, ``StorageDenied`` when retrying cannot
+help, and the backend's own errors (a missing object) otherwise.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
+
+from prefetchd.locations import (LocationError, StorageDenied, StorageUnavailable, filesystem, is_transient, is_url,
+                                 with_retries)
+
+T = TypeVar("T")
 
 
 class ImageRefused(ValueError):
@@ -76,15 +90,80 @@ class LocalStorage:
         return read_bytes(path) if size is None else read_range(path, offset, size)
 
 
-def is_url(location: str) -> bool:
-    """``s3://bucket/x`` and other fsspec URLs; a local path (even with a colon) is not one."""
-    scheme, sep, _ = location.partition("://")
-    return bool(sep) and scheme.isidentifier() and len(scheme) > 1
+class FsspecStorage:
+    """A dataset under an fsspec URL; pickles as its URL, so each worker process opens its own filesystem.
+
+    The filesystem is made on first use in each process (an async backend's
+    event loop and connections must not cross a fork) and shared by that
+    process's reader threads: fsspec runs their requests concurrently on one loop.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self._fs: Any = None
+        self._root = ""
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"])  # type: ignore[misc]
+
+    def _open(self) -> tuple[Any, str]:
+        with self._lock:
+            if self._fs is None or self._pid != os.getpid():
+                try:
+                    self._fs, self._root = filesystem(self.url)
+                    if hasattr(self._fs, "max_concurrency"):
+                        # s3fs asks for the size (a HEAD) before every whole-object read to split
+                        # big ones; for small images that doubles the round trips.
+                        self._fs.max_concurrency = 1
+                except LocationError as exc:
+                    from prefetchd.daemon.errors import DatasetError
+
+                    raise DatasetError(str(exc)) from None
+                self._pid = os.getpid()
+            return self._fs, self._root
+
+    @property
+    def fs(self) -> Any:
+        return self._open()[0]
+
+    def path(self, rel: str = "") -> str:
+        """The backend's path of ``rel`` (bucket/prefix/rel for s3)."""
+        root = self._open()[1]
+        return f"{root}/{rel}" if rel else root
+
+    def url_of(self, rel: str) -> str:
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        return with_retries(what, fn, self.url)
+
+    def read(self, rel: str, offset: int = 0, size: int | None = None) -> bytearray:
+        path, url = self.path(rel), self.url_of(rel)
+        if size is None:
+            data = self.call(f"reading {url}", lambda: self.fs.cat_file(path))
+        else:
+            # Keywords: s3fs puts version_id between path and start.
+            data = self.call(f"reading {url} bytes {offset}-{offset + size}",
+                             lambda: self.fs.cat_file(path, start=offset, end=offset + size))
+            if len(data) < size:
+                raise OSError(f"{url} ends at byte {offset + len(data)}, inside the member at {offset} of {size} "
+                              "bytes; the object was truncated or rewritten after it was indexed")
+        return bytearray(data)
 
 
 def storage_for(root: str) -> Storage:
+    """The storage of a dataset root: ``FsspecStorage`` for a URL (its backend is checked here), else local."""
     if is_url(root):
-        from prefetchd.daemon.errors import DatasetError
-
-        raise DatasetError(f"{root}: datasets in object storage are not supported yet; copy them to a local folder")
+        storage = FsspecStorage(root)
+        storage.fs  # an unknown protocol or a missing package is refused now, with what to install
+        return storage
     return LocalStorage(root)
+
+
+__all__ = ["FsspecStorage", "ImageRefused", "LocalStorage", "Storage", "StorageDenied", "StorageUnavailable",
+           "is_transient", "is_url", "storage_for", "with_retries"]

@@ -1,0 +1,195 @@
+"""Local paths and object-storage URLs, for the daemon's datasets and the trainer's checkpoints.
+
+A location is a local path or an fsspec URL (``s3://bucket/prefix``, ``gs://...``).
+Both processes use this module, so neither imports the other.  fsspec and its
+backends (s3fs, gcsfs) are imported only when a URL is used; credentials come
+from the backend's standard environment and config files, never from ours.
+
+Object-storage errors fall in three kinds: transient (connection errors,
+timeouts, 5xx, throttling), retried by ``with_retries`` with exponential backoff
+and jitter and raised as ``StorageUnavailable`` once the retries are spent;
+access (no credentials, denied, no such bucket), raised as ``StorageDenied``
+with what to do; and the rest (a missing object), raised as the backend raised them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRY_ATTEMPTS = 6  # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s (x0.5-1.5 jitter): ~3 s before a read gives up
+RETRY_BASE_SECONDS = 0.1
+RETRY_MAX_SECONDS = 5.0
+# Exception type names of the backends' transient failures (botocore, aiohttp,
+# urllib3); by name so that no backend has to be imported to classify them.
+TRANSIENT_NAMES = frozenset({
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+    "ResponseStreamingError", "IncompleteReadError", "ClientPayloadError", "ServerDisconnectedError",
+    "ClientOSError", "ServerTimeoutError", "ClientConnectorError", "IncompleteRead", "ProtocolError",
+})
+CREDENTIAL_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                              "DefaultCredentialsError", "RefreshError"})
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                            "TooManyRequestsException", "RequestTimeout", "ServiceUnavailable", "InternalError"})
+TRANSIENT_ERRNOS = frozenset({errno.EBUSY, errno.EAGAIN, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                              errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+# The extra of ours that installs a backend, where we ship one.
+EXTRAS = {"s3": "prefetchd[s3]", "s3a": "prefetchd[s3]"}
+
+
+class LocationError(ValueError):
+    """A URL that cannot be opened here: unknown protocol or its package missing."""
+
+
+class StorageUnavailable(OSError):
+    """Object storage kept failing with transient errors after every retry; trying again later may work."""
+
+
+class StorageDenied(OSError):
+    """Object storage refuses us (no credentials, access denied, no such bucket): retrying cannot help."""
+
+
+def is_url(location: str) -> bool:
+    """``s3://bucket/x`` and other fsspec URLs; a local path (even with a colon) is not one."""
+    scheme, sep, _ = location.partition("://")
+    return bool(sep) and scheme.isidentifier() and len(scheme) > 1
+
+
+def normalize(location: str | os.PathLike[str], base: Path | None = None) -> str:
+    """A URL verbatim (less a trailing slash); a local path with ``~`` expanded, made absolute against ``base`` or the cwd."""
+    text = os.fspath(location)
+    if is_url(text):
+        return text.rstrip("/") if not text.endswith("://") else text
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        path = (base or Path.cwd()) / path
+    return os.path.normpath(path)
+
+
+def protocol(url: str) -> str:
+    return url.partition("://")[0]
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """A fresh fsspec filesystem for ``url`` and the path within it.
+
+    Fresh (not fsspec's per-process instance cache) because its async backends
+    hold an event loop and connections that must not cross a fork, and because a
+    cached instance keeps stale listings.
+    """
+    proto = protocol(url)
+    try:
+        import fsspec
+        from fsspec.registry import known_implementations
+    except ImportError:
+        raise LocationError(f"{url}: reading URLs needs fsspec: pip install '{EXTRAS.get(proto, 'fsspec')}'") from None
+    if proto not in known_implementations and proto not in fsspec.available_protocols():
+        raise LocationError(f"{url}: unknown protocol {proto!r}; fsspec knows "
+                            f"{', '.join(sorted(fsspec.available_protocols()))}")
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if proto in ("s3", "s3a"):
+        # Retries are ours (with backoff, jitter and a log line); botocore's own
+        # would multiply them and hide the outage.
+        options["config_kwargs"] = {"retries": {"total_max_attempts": 1}}
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        hint = f"pip install '{EXTRAS[proto]}'" if proto in EXTRAS else known_implementations.get(proto, {}).get("err", str(exc))
+        raise LocationError(f"{url}: {proto}:// needs a package that is not installed: {hint}") from None
+    if proto in ("s3", "s3a"):
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option), for the same reason
+    return fs, str(path).rstrip("/")
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _status(exc: BaseException) -> tuple[int | None, str]:
+    """(HTTP status, error code) of a botocore ClientError or a gcsfs HttpError; (None, "") otherwise."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        meta = response.get("ResponseMetadata") or {}
+        err = response.get("Error") or {}
+        status = meta.get("HTTPStatusCode")
+        return (int(status) if status is not None else None), str(err.get("Code", ""))
+    code = getattr(exc, "code", None)
+    return (code if isinstance(code, int) and 100 <= code < 600 else None), ""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: a connection failure, a timeout, a 5xx or a throttling answer; never 4xx or credentials."""
+    for e in _chain(exc):
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, StorageDenied)):
+            return False
+        if type(e).__name__ in CREDENTIAL_NAMES:
+            return False
+        status, code = _status(e)
+        if status is not None or code:
+            return code in THROTTLE_CODES or status in (408, 429) or (status is not None and status >= 500)
+        if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)) or type(e).__name__ in TRANSIENT_NAMES:
+            return True
+        if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
+            return True
+    return False
+
+
+def access_problem(exc: BaseException, url: str) -> str | None:
+    """What to tell the user when ``exc`` means we may not read ``url`` at all; None for other errors."""
+    proto = protocol(url)
+    for e in _chain(exc):
+        name = type(e).__name__
+        if name in CREDENTIAL_NAMES:
+            where = ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE with ~/.aws/credentials, or an "
+                     "instance role)" if proto in ("s3", "s3a") else f"the {proto} library's standard credentials")
+            return (f"{url}: no credentials found for {proto}:// ({e}); set {where} in the daemon's environment; "
+                    "prefetchd reads credentials only from the storage library's standard environment and files")
+        status, code = _status(e)
+        if code == "NoSuchBucket" or "bucket does not exist" in str(e).lower():
+            bucket = url.partition("://")[2].split("/", 1)[0]
+            return (f"{url}: bucket {bucket!r} does not exist (or this endpoint does not have it); check the URL "
+                    "and the endpoint (AWS_ENDPOINT_URL)")
+        if isinstance(e, PermissionError) or status == 403 or code in ("AccessDenied", "InvalidAccessKeyId",
+                                                                       "SignatureDoesNotMatch"):
+            return (f"{url}: access denied ({e}); the credentials in the daemon's environment may not read it: "
+                    "check the key, the bucket policy and the URL")
+    return None
+
+
+def with_retries(what: str, call: Callable[[], T], url: str, attempts: int = RETRY_ATTEMPTS) -> T:
+    """``call()``, retried on transient errors with exponential backoff and jitter.
+
+    Jitter keeps the workers that one outage hit from retrying in lockstep."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except Exception as exc:
+            problem = access_problem(exc, url)
+            if problem is not None:
+                raise StorageDenied(problem) from exc
+            if not is_transient(exc):
+                raise
+            if attempt == attempts - 1:
+                raise StorageUnavailable(f"{what}: still failing after {attempts} tries "
+                                         f"({type(exc).__name__}: {exc}); is the object store reachable?") from exc
+            delay = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2**attempt) * random.uniform(0.5, 1.5)
+            log.warning("%s: %s: %s; retry %d of %d in %.2f s", what, type(exc).__name__, exc, attempt + 1,
+                        attempts - 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

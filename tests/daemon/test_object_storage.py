@@ -1,0 +1,260 @@
+"""Datasets in object storage, against a real S3-compatible server (moto) on loopback.
+
+Failures are made by a real HTTP proxy in front of it (tools/http_proxy.py),
+which also counts the requests that reach the store."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import pickle
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.dataset import scan_class_folders
+from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources import SampleReader, open_dataset
+from prefetchd import locations
+from prefetchd.daemon.sources.index_cache import cache_file
+from prefetchd.daemon.sources.objects import list_class_folders
+from prefetchd.daemon.sources.storage import FsspecStorage, StorageUnavailable, storage_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_tool(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def proxy(s3: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A proxy in front of the loopback server; the environment (and daemons started now) go through it."""
+    proxy = load_tool("http_proxy").Proxy(s3.endpoint).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(locations, "RETRY_BASE_SECONDS", 0.01)
+
+
+# -- reads ------------------------------------------------------------------------------
+
+
+def test_whole_and_range_reads(s3: Any) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/d/shard-0.tar", b"0123456789")
+    storage = storage_for(s3.url("d"))
+    assert isinstance(storage, FsspecStorage)
+    assert bytes(storage.read("shard-0.tar")) == b"0123456789"
+    assert bytes(storage.read("shard-0.tar", 2, 3)) == b"234"
+    assert isinstance(storage.read("shard-0.tar", 9, 1), bytearray)
+    with pytest.raises(OSError, match=rf"{s3.url('d')}/shard-0.tar ends at byte 10, inside the member at 8 of 5"):
+        storage.read("shard-0.tar", 8, 5)
+    with pytest.raises(FileNotFoundError):
+        storage.read("shard-1.tar")
+
+
+def test_storage_pickles_as_its_url_and_reopens_in_the_new_process(s3: Any) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/d/x.jpg", b"abc")
+    storage = storage_for(s3.url("d/"))
+    assert isinstance(storage, FsspecStorage) and storage.url == s3.url("d")
+    clone = pickle.loads(pickle.dumps(storage))
+    assert clone._fs is None  # no event loop or connection crossed over
+    assert bytes(clone.read("x.jpg")) == b"abc"
+    assert clone.fs is not storage.fs
+
+
+def test_unknown_protocols_name_themselves() -> None:
+    with pytest.raises(DatasetError, match="nosuchproto://x/y: unknown protocol 'nosuchproto'"):
+        open_dataset("nosuchproto://x/y")
+
+
+# -- errors that say what to do ---------------------------------------------------------
+
+
+def test_a_missing_bucket_is_named(s3: Any) -> None:
+    with pytest.raises(DatasetError, match=r"s3://no-such-bucket-9f3/p: bucket 'no-such-bucket-9f3' does not exist"):
+        open_dataset("s3://no-such-bucket-9f3/p")
+
+
+def test_a_missing_prefix_is_named(s3: Any) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/other/a/x.jpg", b"x")
+    url = s3.url("imagenet")
+    with pytest.raises(DatasetError, match=rf"{url}: nothing is stored under this prefix; check the URL"):
+        open_dataset(url)
+
+
+def test_a_prefix_without_class_folders_is_named(s3: Any) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/flat/x.jpg", b"x")
+    with pytest.raises(DatasetError, match=rf"{s3.url('flat')} has no class folders"):
+        open_dataset(s3.url("flat"))
+
+
+def test_missing_credentials_say_where_credentials_come_from(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/d/a/x.jpg", b"x")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(DatasetError, match=r"no credentials found for s3://.*AWS_ACCESS_KEY_ID and "
+                                           r"AWS_SECRET_ACCESS_KEY.*standard environment"):
+        open_dataset(s3.url("d"))
+
+
+# -- retries ----------------------------------------------------------------------------
+
+
+def test_transient_errors_are_retried_with_backoff(s3: Any, proxy: Any, fast_retries: None,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/d/x.jpg", b"abc")
+    storage = FsspecStorage(s3.url("d"))
+    storage.read("x.jpg")  # connected
+    before = proxy.count("GET object")
+    proxy.fail_next = 3
+    with caplog.at_level(logging.WARNING):
+        assert bytes(storage.read("x.jpg", 1, 2)) == b"bc"
+    assert proxy.count("GET object") - before == 4  # three 503s, then the answer
+    retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert len(retries) == 3 and "Please reduce your request rate.; retry 1 of 5" in retries[0], retries
+
+
+def test_a_store_that_keeps_failing_gives_up_with_a_clear_error(s3: Any, proxy: Any, fast_retries: None) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/d/x.jpg", b"abc")
+    storage = FsspecStorage(s3.url("d"))
+    proxy.fail_next = 1000
+    with pytest.raises(StorageUnavailable, match=rf"reading {s3.url('d')}/x.jpg: still failing after 6 tries"):
+        storage.read("x.jpg")
+
+
+def test_missing_objects_are_not_retried(s3: Any, proxy: Any) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/d/x.jpg", b"abc")
+    storage = FsspecStorage(s3.url("d"))
+    storage.read("x.jpg")
+    before = sum(proxy.requests.values())
+    with pytest.raises(FileNotFoundError):
+        storage.read("gone.jpg")
+    assert sum(proxy.requests.values()) - before == 1  # one GET: no HEAD before it, no retries
+
+
+# -- class folders ----------------------------------------------------------------------
+
+
+def test_class_folders_under_a_prefix_are_indexed_as_imagefolder_indexes_them(s3: Any, tmp_path: Path) -> None:
+    local = tmp_path / "tree"
+    names = ["a/2.jpg", "a/10.JPG", "a/sub/1.png", "a/sub-b/0.jpg", "a/notes.txt", "ab/x.webp", "b/deep/er/z.jpeg",
+             "b/y.bmp", "b/Y.jpg"]
+    for i, name in enumerate(names):
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(b"x" * (i + 1))
+    url = s3.upload(local, "tree")
+    remote = list_class_folders(FsspecStorage(url))
+    disk = scan_class_folders(local)
+    assert remote.classes == disk.classes == ("a", "ab", "b")
+    assert [remote.file(i) for i in range(len(remote))] == [disk.file(i) for i in range(len(disk))]
+    np.testing.assert_array_equal(remote.labels, disk.labels)
+    assert remote.root == url and remote.name(0) == f"{url}/{remote.file(0)}"
+    reader = SampleReader(remote, readers=4)
+    got = [bytes(f.result()) for f in reader.read_ahead(range(len(remote)))]
+    assert got == [(local / remote.file(i)).read_bytes() for i in range(len(remote))]
+    reader.close()
+    # The fingerprint follows the objects' state.
+    s3.fs.pipe_file(f"{s3.bucket}/tree/a/2.jpg", b"changed")
+    assert list_class_folders(FsspecStorage(url)).fingerprint != remote.fingerprint
+
+
+def test_the_index_is_cached_and_a_restart_does_not_list_again(s3: Any, proxy: Any, tmp_path: Path) -> None:
+    for name in ("c0/a.jpg", "c0/b.jpg", "c1/c.jpg"):
+        s3.fs.pipe_file(f"{s3.bucket}/cached/{name}", b"x")
+    url, cache = s3.url("cached"), tmp_path / "index-cache"
+    first = open_dataset(url, cache_dir=cache)
+    assert proxy.count("GET list") >= 3  # the prefix, then each class
+    assert cache_file(url, cache).is_file()
+    listed = proxy.count("GET list")
+    again = open_dataset(url, cache_dir=cache)
+    assert proxy.count("GET list") == listed, "a cached index must not list again"
+    assert [again.file(i) for i in range(len(again))] == [first.file(i) for i in range(len(first))]
+    assert again.fingerprint == first.fingerprint and again.classes == first.classes
+    s3.fs.pipe_file(f"{s3.bucket}/cached/c1/d.jpg", b"x")
+    assert len(open_dataset(url, cache_dir=cache)) == 3  # stale on purpose: listing is what the cache saves
+    assert len(open_dataset(url, cache_dir=cache, refresh=True)) == 4
+    assert proxy.count("GET list") > listed
+    assert len(open_dataset(url, cache_dir=cache)) == 4  # the refreshed index replaced the old one
+
+
+def test_a_cached_index_whose_objects_are_gone_asks_for_a_refresh(s3: Any, tmp_path: Path) -> None:
+    s3.fs.pipe_file(f"{s3.bucket}/gone/c0/a.jpg", b"x")
+    url = s3.url("gone")
+    open_dataset(url, cache_dir=tmp_path)
+    s3.fs.rm(f"{s3.bucket}/gone/c0/a.jpg")
+    with pytest.raises(DatasetError, match=r"gone/c0/a.jpg in the cached index .* start with --refresh-index"):
+        open_dataset(url, cache_dir=tmp_path)
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+def test_data_is_a_location_urls_stay_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert DaemonConfig(buffer=tmp_path, data="s3://bucket/prefix/").data == "s3://bucket/prefix"
+    assert DaemonConfig(buffer=tmp_path, data="rel/data").data == str(tmp_path / "rel" / "data")
+    assert DaemonConfig(buffer=tmp_path, data="~/x").data == str(Path.home() / "x")
+
+
+# -- end to end -------------------------------------------------------------------------
+
+SMALL = ["--batch-size", "16", "--image-size", "32", "--workers", "2", "--epochs", "2", "--seed", "5",
+         "--high-water", "4", "--low-water", "2"]
+
+
+def consume(buffer: Path, n: int) -> list[tuple[int, int, list[int], str]]:
+    """Every batch of two epochs as (epoch, step, indices, digest of the images); each index once per epoch."""
+    from prefetchd.trainer import BufferLoader
+
+    loader = BufferLoader(buffer, normalize=False, timeout=120)
+    batches = []
+    for epoch in range(2):
+        seen: list[int] = []
+        for batch in loader:
+            assert batch.epoch == epoch
+            seen.extend(batch.indices.tolist())
+            images = np.ascontiguousarray(batch.images.numpy())
+            batches.append((batch.epoch, batch.step, batch.indices.tolist(), hashlib.sha256(images).hexdigest()))
+        assert sorted(seen) == list(range(n)), f"epoch {epoch}: not every sample exactly once"
+    loader.close()
+    return batches
+
+
+def test_a_daemon_serves_class_folders_from_s3_as_from_disk(s3: Any, proxy: Any, shapes_data: Path, shm_dir: Path,
+                                                            start_daemon: Any) -> None:
+    data = shapes_data / "train"
+    n = len(scan_class_folders(data))
+    url = s3.upload(data, "shapes/train")
+    local = start_daemon(shm_dir / "local", "--data", data, *SMALL)
+    from_disk = consume(shm_dir / "local", n)
+    assert local.wait_exit(60) == 0, local.log
+
+    remote = start_daemon(shm_dir / "s3", "--data", url + "/", *SMALL)
+    from_s3 = consume(shm_dir / "s3", n)
+    assert remote.wait_exit(60) == 0, remote.log
+    assert from_s3 == from_disk, "the same data from S3 and from disk must give identical batches"
+    assert "readers = 16 (object storage)" in remote.log and f"listed {url}: {n} samples" in remote.log
+    assert proxy.count("GET object") >= n
+
+    listed = proxy.count("GET list")
+    again = start_daemon(shm_dir / "s3-again", "--data", url, *SMALL)
+    assert consume(shm_dir / "s3-again", n) == from_disk
+    assert again.wait_exit(60) == 0, again.log
+    assert "using the cached index" in again.log and proxy.count("GET list") == listed, again.log

@@ -1,0 +1,71 @@
+"""prefetchd-train's checkpoints in object storage: --checkpoint-dir s3://bucket/run, against moto on loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from prefetchd.trainer.train import CHECKPOINT_FORMAT, EXIT_FAILED, LAST_CHECKPOINT, TrainConfig, load_checkpoint, main, train
+
+if TYPE_CHECKING:
+    from conftest import MakeJob
+
+TINY = dict(classes=3, samples=12, batch_size=4, image_size=16, epochs=2, write=2)
+SETTINGS = dict(model="mobilenet_v3_small", device="cpu", threads=1, timeout=10, quiet=True, checkpoint_every=2,
+                epochs=2)
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_stop_and_resume_through_s3_is_exact(s3: Any, make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    whole_job = make_job(buffer / "a", **TINY)
+    train(TrainConfig(buffer=whole_job.buffer, checkpoint_dir=tmp_path / "local", **SETTINGS), echo=quiet)  # type: ignore[arg-type]
+    whole = load_checkpoint(tmp_path / "local" / LAST_CHECKPOINT)
+
+    url = s3.url("runs/r1")
+    job = make_job(buffer / "b", **TINY)
+    first = train(TrainConfig(buffer=job.buffer, checkpoint_dir=url, max_steps=4, **SETTINGS), echo=quiet)  # type: ignore[arg-type]
+    assert first["global_steps"] == 4
+    assert s3.fs.exists(f"{s3.bucket}/runs/r1/{LAST_CHECKPOINT}")
+    stopped = load_checkpoint(f"{url}/{LAST_CHECKPOINT}")
+    assert stopped["format"] == CHECKPOINT_FORMAT and stopped["global_step"] == 4
+
+    # Through the CLI: the URL must reach the trainer unmangled (a Path would make it s3:/...).
+    result = CliRunner().invoke(main, [
+        "--buffer", str(job.buffer), "--device", "cpu", "--threads", "1", "--timeout", "10", "--model",
+        "mobilenet_v3_small", "--checkpoint-every", "2", "--epochs", "2", "--checkpoint-dir", url + "/", "--resume",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "resumed from" in result.output and url in result.output
+    resumed = load_checkpoint(f"{url}/{LAST_CHECKPOINT}")
+    assert resumed["global_step"] == whole["global_step"] == 6
+    for key, value in whole["model"].items():
+        assert torch.equal(value, resumed["model"][key]), key
+
+
+def test_resume_without_a_checkpoint_in_the_bucket_starts_from_scratch(s3: Any, make_job: MakeJob,
+                                                                        buffer: Path) -> None:
+    job = make_job(buffer, **{**TINY, "epochs": 1, "write": 1})
+    said: list[str] = []
+    url = s3.url("fresh")
+    train(TrainConfig(buffer=job.buffer, checkpoint_dir=url, resume=True, **{**SETTINGS, "epochs": 1}),  # type: ignore[arg-type]
+          echo=said.append)
+    assert any("no checkpoint" in line and url in line for line in said)
+    assert load_checkpoint(f"{url}/{LAST_CHECKPOINT}")["global_step"] == 3
+
+
+def test_checkpoint_urls_without_credentials_fail_with_one_clear_line(s3: Any, make_job: MakeJob, buffer: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    job = make_job(buffer, **{**TINY, "epochs": 1, "write": 1})
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    result = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--device", "cpu", "-q", "--checkpoint-dir",
+                                       s3.url("run"), "--resume"])
+    assert result.exit_code == EXIT_FAILED, result.output
+    assert "no credentials found for s3://" in result.stderr and "Traceback" not in result.output
