@@ -1,4 +1,4 @@
-"""The daemon's heartbeat while a job starts (indexing, the first workers): throttled, never absent."""
+"""Daemon-side liveness: the heartbeat while a job starts, and whether the trainer is there in the metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from prefetchd.buffer_protocol import read_status
 from prefetchd.daemon.main import StartupBeat
+from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.producer import STATUS_SECONDS
 from prefetchd.daemon.sdnotify import Notifier
 
@@ -31,3 +32,13 @@ def test_startup_beat_writes_a_throttled_heartbeat(tmp_path: Path) -> None:
 def test_startup_beat_survives_an_unwritable_buffer(tmp_path: Path) -> None:
     beat = StartupBeat(tmp_path / "missing", Notifier(None))
     beat("indexing")  # logged, not raised: indexing goes on
+
+
+def test_metrics_say_whether_the_trainer_is_there() -> None:
+    status = {"state": "full", "trainer": {"pid": 12, "alive": False, "progress_age_s": 42.0}}
+    families = {f.name: f for f in StatusCollector(Path("/dev/shm/bf"), lambda: status).collect()}
+    assert families["prefetchd_trainer_alive"].samples[0].value == 0.0
+    assert families["prefetchd_trainer_progress_age_seconds"].samples[0].value == 42.0
+    status["trainer"] = {"pid": None, "alive": None, "progress_age_s": None}  # no trainer yet: no figure
+    families = {f.name: f for f in StatusCollector(Path("/dev/shm/bf"), lambda: status).collect()}
+    assert "prefetchd_trainer_alive" not in families and "prefetchd_trainer_progress_age_seconds" not in families
