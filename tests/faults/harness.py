@@ -180,7 +180,7 @@ class Report:
         lines.append(
             f"unexpected: trainer exits {len(self.trainer_crashes)}, daemon exits {len(self.daemon_exits)}, "
             f"hangs {self.hangs}, faults without recovery {self.unrecovered}; "
-            f"run {self.seconds:.0f} s, reference alongside {self.reference_seconds:.0f} s"
+            f"faulted run {self.seconds:.0f} s; the reference trainer ran alongside for {self.reference_seconds:.0f} s"
         )
         for p in self.problems[:20]:
             lines.append(f"PROBLEM: {p}")
@@ -359,8 +359,9 @@ class Harness:
         if rc != 0:
             raise RuntimeError(f"the fault-free reference run failed ({rc}): {(self.work / 'driver--1.err').read_text()[-2000:]}")
         self.ref_daemon.wait(60)
-        self.ref_seconds = time.monotonic() - self.ref_started
-        ref = {r["epoch"] * self.steps + r["step"]: r for r in read_log(self.ref_log) if "sha" in r}
+        lines = read_log(self.ref_log)
+        ref = {r["epoch"] * self.steps + r["step"]: r for r in lines if "sha" in r}
+        self.ref_seconds = lines[-1]["t"] - lines[0]["t"] if lines else 0.0  # the trainer's part, start to done
         if sorted(ref) != list(range(self.positions)):
             raise RuntimeError(f"the reference run logged {len(ref)} of {self.positions} batches")
         shutil.rmtree(self.ref_buffer, ignore_errors=True)
