@@ -1,7 +1,7 @@
 """Sample reads per second from each dataset layout, on the same generated JPEGs.
 
     python tools/bench_sources.py [--images 4000] [--dir /dev/shm] [--seconds 5] [--shard-size 64MB]
-                                  [--location NAME=URL_OR_PATH ...] [--keep]
+                                  [--cold] [--work DIR] [--location NAME=URL_OR_PATH ...] [--keep]
 
 Generates ImageNet-like JPEGs in class folders, writes a file list of them and
 packs them into shards, then reads samples in a random order (as a shuffled
@@ -46,17 +46,31 @@ def reads_per_second(location: str, seconds: float, seed: int = 0) -> tuple[floa
     return done / elapsed, nbytes / elapsed / 1e6, len(index)
 
 
+def evict(work: Path) -> None:
+    """Drop ``work``'s files (only those) from the page cache, so the next reads go to the disk."""
+    for path in work.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def local_layouts(work: Path, images: int, shard_size: int) -> dict[str, str]:
-    """The same images as class folders, as a file list and as shards; name -> location."""
+    """The same images as class folders, as a file list and as shards; name -> location.
+    What ``work`` already holds from an earlier run is reused."""
     folders = work / "folders"
     classes = 10
-    make_imagenet_like(folders, classes=classes, per_class=max(1, images // classes), seed=0,
-                       workers=len(os.sched_getaffinity(0)))
+    if not folders.is_dir():
+        make_imagenet_like(folders, classes=classes, per_class=max(1, images // classes), seed=0,
+                           workers=len(os.sched_getaffinity(0)))
     index = open_dataset(folders)
     listing = work / "list.csv"
     listing.write_text("".join(f"folders/{index.file(i)},{index.classes[index.labels[i]]}\n"
                                for i in range(len(index))))
-    pack(index, work / "shards", shard_size)
+    pack(index, work / "shards", shard_size, force=True)
     return {"class folders (small files)": str(folders), "file list (small files)": str(listing),
             "shards": str(work / "shards")}
 
@@ -70,9 +84,17 @@ def local_layouts(work: Path, images: int, shard_size: int) -> dict[str, str]:
 @click.option("--shard-size", default="64MB", show_default=True)
 @click.option("--location", "extra", multiple=True, metavar="NAME=LOCATION",
               help="Also read this copy of the data (any --data the daemon takes, e.g. s3://bucket/shards).")
+@click.option("--cold", is_flag=True, help="Evict the generated files from the page cache before each layout.")
+@click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Generate into this folder, keep it, and reuse what it holds [default: a temp folder in --dir].")
 @click.option("--keep", is_flag=True)
-def main(images: int, base: Path, seconds: float, shard_size: str, extra: tuple[str, ...], keep: bool) -> None:
-    work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-sources-", dir=base))
+def main(images: int, base: Path, seconds: float, shard_size: str, cold: bool, work: Path | None,
+         extra: tuple[str, ...], keep: bool) -> None:
+    if work is not None:
+        work.mkdir(parents=True, exist_ok=True)
+        keep = True
+    else:
+        work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-sources-", dir=base))
     try:
         layouts = local_layouts(work, images, parse_size(shard_size))
         for item in extra:
@@ -82,10 +104,13 @@ def main(images: int, base: Path, seconds: float, shard_size: str, extra: tuple[
             layouts[name] = location
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
         click.echo(f"machine: {len(os.sched_getaffinity(0))} CPUs ({cpu}), Python {platform.python_version()}; "
-                   f"data in {base}, random order, 1 reader thread, {seconds:g} s per layout")
+                   f"data in {work}, random order, 1 reader thread, {seconds:g} s per layout, "
+                   f"{'cold' if cold else 'warm'} page cache")
         click.echo("| layout | samples | reads/s | MB/s |")
         click.echo("|---|---:|---:|---:|")
         for name, location in layouts.items():
+            if cold:
+                evict(work)
             rate, mbps, n = reads_per_second(location, seconds)
             click.echo(f"| {name} | {n} | {rate:,.0f} | {mbps:,.0f} |")
     finally:
