@@ -1,9 +1,11 @@
 """Sample reads per second from each dataset layout, on the same generated JPEGs.
 
     python tools/bench_sources.py [--images 4000] [--dir /dev/shm] [--seconds 5] [--shard-size 64MB]
-                                  [--cold] [--work DIR] [--location NAME=URL_OR_PATH ...] [--keep]
+                                  [--kind imagenet|small] [--cold] [--work DIR]
+                                  [--location NAME=URL_OR_PATH ...] [--keep]
 
-Generates ImageNet-like JPEGs in class folders, writes a file list of them and
+Generates ImageNet-like JPEGs (~100 KB; ``--kind small``: 72-128 px images of
+a few KB, where the per-file cost shows most) in class folders, writes a file list of them and
 packs them into shards, then reads samples in a random order (as a shuffled
 epoch does) through ``open_dataset`` + ``SampleReader`` -- the daemon's own read
 path, without decoding -- for --seconds per layout.  Every file is in the page
@@ -28,17 +30,18 @@ import numpy as np
 
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd.daemon.sources.shards import pack, parse_size
-from prefetchd.synthetic import make_imagenet_like
+from prefetchd.synthetic import make_imagenet_like, make_shapes_dataset
 
 
-def reads_per_second(location: str, seconds: float, seed: int = 0) -> tuple[float, float, int]:
-    """(reads/s, MB/s, samples) reading ``location``'s samples in a seeded random order for ``seconds``."""
+def reads_per_second(location: str, seconds: float, seed: int = 0, one_pass: bool = False) -> tuple[float, float, int]:
+    """(reads/s, MB/s, samples) reading ``location``'s samples in a seeded random order for ``seconds``
+    (and no more than once each with ``one_pass``: a second read would come from the page cache)."""
     index = open_dataset(location)
     reader = SampleReader(index)
     order = np.random.default_rng(seed).permutation(len(index))
     done = nbytes = 0
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while time.perf_counter() - start < seconds and not (one_pass and done >= len(order)):
         for i in order[done % len(order):][:256].tolist():
             nbytes += len(reader.read(i))
             done += 1
@@ -58,14 +61,19 @@ def evict(work: Path) -> None:
                 os.close(fd)
 
 
-def local_layouts(work: Path, images: int, shard_size: int) -> dict[str, str]:
+def local_layouts(work: Path, images: int, shard_size: int, kind: str = "imagenet") -> dict[str, str]:
     """The same images as class folders, as a file list and as shards; name -> location.
     What ``work`` already holds from an earlier run is reused."""
     folders = work / "folders"
     classes = 10
     if not folders.is_dir():
-        make_imagenet_like(folders, classes=classes, per_class=max(1, images // classes), seed=0,
-                           workers=len(os.sched_getaffinity(0)))
+        if kind == "small":
+            make_shapes_dataset(work / "shapes", classes=classes, train_per_class=max(1, images // classes),
+                                val_per_class=0, seed=0)
+            (work / "shapes" / "train").rename(folders)
+        else:
+            make_imagenet_like(folders, classes=classes, per_class=max(1, images // classes), seed=0,
+                               workers=len(os.sched_getaffinity(0)))
     index = open_dataset(folders)
     listing = work / "list.csv"
     listing.write_text("".join(f"folders/{index.file(i)},{index.classes[index.labels[i]]}\n"
@@ -84,11 +92,13 @@ def local_layouts(work: Path, images: int, shard_size: int) -> dict[str, str]:
 @click.option("--shard-size", default="64MB", show_default=True)
 @click.option("--location", "extra", multiple=True, metavar="NAME=LOCATION",
               help="Also read this copy of the data (any --data the daemon takes, e.g. s3://bucket/shards).")
+@click.option("--kind", type=click.Choice(["imagenet", "small"]), default="imagenet", show_default=True,
+              help="ImageNet-like JPEGs (~100 KB) or small images (72-128 px, a few KB).")
 @click.option("--cold", is_flag=True, help="Evict the generated files from the page cache before each layout.")
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Generate into this folder, keep it, and reuse what it holds [default: a temp folder in --dir].")
 @click.option("--keep", is_flag=True)
-def main(images: int, base: Path, seconds: float, shard_size: str, cold: bool, work: Path | None,
+def main(images: int, base: Path, seconds: float, shard_size: str, kind: str, cold: bool, work: Path | None,
          extra: tuple[str, ...], keep: bool) -> None:
     if work is not None:
         work.mkdir(parents=True, exist_ok=True)
@@ -96,7 +106,7 @@ def main(images: int, base: Path, seconds: float, shard_size: str, cold: bool, w
     else:
         work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-sources-", dir=base))
     try:
-        layouts = local_layouts(work, images, parse_size(shard_size))
+        layouts = local_layouts(work, images, parse_size(shard_size), kind)
         for item in extra:
             name, sep, location = item.partition("=")
             if not sep:
@@ -111,7 +121,7 @@ def main(images: int, base: Path, seconds: float, shard_size: str, cold: bool, w
         for name, location in layouts.items():
             if cold:
                 evict(work)
-            rate, mbps, n = reads_per_second(location, seconds)
+            rate, mbps, n = reads_per_second(location, seconds, one_pass=cold)
             click.echo(f"| {name} | {n} | {rate:,.0f} | {mbps:,.0f} |")
     finally:
         if not keep:
