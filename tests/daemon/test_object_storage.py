@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prefetchd.buffer_protocol import read_status
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import DatasetError
@@ -253,8 +254,17 @@ def test_a_daemon_serves_class_folders_from_s3_as_from_disk(s3: Any, proxy: Any,
     assert "readers = 16 (object storage)" in remote.log and f"listed {url}: {n} samples" in remote.log
     assert proxy.count("GET object") >= n
 
+    # A restart uses the cached index, and an outage (the store answers 503 to everything for
+    # a while) delays batches but changes none: no sample is replaced for it.
     listed = proxy.count("GET list")
-    again = start_daemon(shm_dir / "s3-again", "--data", url, *SMALL)
+    # With 2 reads in flight, 24 failures are more than the retries of the first reads: their
+    # batch fails and is built again.  Other worker and reader counts give the same batches.
+    proxy.fail_next = 24
+    again = start_daemon(shm_dir / "s3-again", "--data", url, *SMALL, "--workers", "1", "--readers", "2")
     assert consume(shm_dir / "s3-again", n) == from_disk
     assert again.wait_exit(60) == 0, again.log
     assert "using the cached index" in again.log and proxy.count("GET list") == listed, again.log
+    assert proxy.fail_next == 0 and "Please reduce your request rate.; retry 1 of 5" in again.log
+    assert "still failing after 6 tries" in again.log and "retrying in 1 s" in again.log, again.log
+    status = read_status(shm_dir / "s3-again")
+    assert status is not None and status["errors"]["replaced_samples"] == 0, status["errors"]
