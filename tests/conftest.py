@@ -100,6 +100,20 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
         daemon.terminate()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def index_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Daemons started by tests cache their class-folder indexes here, not in the user's ~/.cache."""
+    path = tmp_path_factory.mktemp("index-cache")
+    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "CACHE_DIRECTORY")}
+    os.environ.pop("CACHE_DIRECTORY", None)
+    os.environ["XDG_CACHE_HOME"] = str(path)
+    yield path
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
 @dataclass
 class S3:
     """The loopback S3 server as a test sees it: its endpoint and a fresh bucket of its own."""

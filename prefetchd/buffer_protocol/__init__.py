@@ -24,6 +24,7 @@ from prefetchd.buffer_protocol.layout import (
     JobRequest,
     Manifest,
     Progress,
+    alive_since,
     batch_name,
     daemon_pid,
     list_batches,
@@ -37,7 +38,7 @@ from prefetchd.buffer_protocol.layout import (
 __all__ = [
     "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
     "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
-    "Progress", "ProtocolError", "batch_name", "daemon_pid", "list_batches",
+    "Progress", "ProtocolError", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",
 ]

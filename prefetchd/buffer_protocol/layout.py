@@ -277,11 +277,15 @@ class Progress:
 
     ``wait_share`` (optional) is the fraction of the trainer's recent time spent
     waiting for batches, which the daemon reports as whether the GPU is fed.
+    ``pid`` and ``time`` say which process wrote it and when (``write`` fills them
+    in); the daemon tells from them whether the trainer is still there.
     """
 
     epoch: int
     step: int
     wait_share: float | None = field(default=None, compare=False)
+    pid: int | None = field(default=None, compare=False)
+    time: float | None = field(default=None, compare=False)
 
     def write(self, buffer: Path) -> None:
         doc = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch, "step": self.step,
@@ -300,7 +304,10 @@ class Progress:
         share = doc.get("wait_share")
         if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1):
             raise ProtocolError(f"{path}: field 'wait_share' is {share!r}, expected a fraction between 0 and 1")
-        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share)
+        # Optional for readers: documents of older writers have neither.
+        pid = _field(doc, "pid", int, path) if doc.get("pid") is not None else None
+        written = _field(doc, "time", float, path) if doc.get("time") is not None else None
+        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written)
 
 
 @dataclass(frozen=True)
@@ -389,6 +396,26 @@ class DaemonLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def alive_since(pid: int, since: float) -> bool:
+    """Whether process ``pid`` exists, is no zombie and was started by ``since`` (a time.time()).
+
+    The start time rules out a pid the kernel reused for another process after the
+    one that wrote ``since`` (a lock, a progress file) died.  A process of another
+    user counts as alive when it exists.
+    """
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        started: float = proc.create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
+    # create_time() is derived from boot time and jiffies: a second of slack.
+    return started <= since + 1.0
 
 
 def daemon_pid(buffer: Path) -> int | None:

@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import click
@@ -280,7 +280,7 @@ def _format_status(info: dict[str, Any]) -> str:
         share = p.get("trainer_wait_share")
         fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
         lines += [
-            f"  progress  trainer at epoch {p['epoch']} step {p['step']}{fed}",
+            f"  progress  trainer at epoch {p['epoch']} step {p['step']}{fed}{_trainer_note(st.get('trainer'))}",
             f"  fill      {fill_bar(st['waiting'], st['high_water'])} {st['waiting']}/{st['high_water']} batches waiting "
             f"(resume at {st['low_water']}), {st['building']} building",
             f"  memory    {_mib(st['buffer_bytes'])} in the buffer, {_mib(st['free_bytes'])} free on its filesystem",
@@ -316,6 +316,17 @@ def _format_status(info: dict[str, Any]) -> str:
         lines.append(f"  last job  {job['job_id']} {'accepted' if job['accepted'] else 'refused'}: {job['reason']}")
     lines += info["problems"]
     return "\n".join(lines)
+
+
+def _trainer_note(trainer: object) -> str:
+    """", trainer pid 123 alive, progress moved 4 s ago" from status.json's ``trainer``; "" when unknown."""
+    if not isinstance(trainer, dict) or trainer.get("pid") is None:
+        return ""
+    state = trainer.get("alive")
+    alive = "alive" if state is True else "GONE (the buffer stays full until one comes back)" if state is False else "?"
+    age = trainer.get("progress_age_s")
+    moved = f", progress moved {age:.0f} s ago" if isinstance(age, (int, float)) else ""
+    return f"; trainer pid {trainer['pid']} {alive}{moved}"
 
 
 def fill_bar(waiting: int, high: int, width: int = 24) -> str:
@@ -361,6 +372,50 @@ def show(buffer: Path, out: Path, max_images: int) -> None:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {out}: epoch {batch.meta.epoch} step {batch.meta.step}, "
                f"{min(batch.meta.size, max_images)} of {batch.meta.size} images")
+
+
+def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    from prefetchd.daemon.sources.shards import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@main.command()
+@click.argument("src")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--shard-size", default="1GB", show_default=True, callback=_shard_size,
+              help="Start a new shard past this size: 1GB (10^9 bytes), 500MB, 1GiB (2^30 bytes).")
+@click.option("--shuffle", is_flag=True, help="Pack the samples in a seeded random order (the index records each one's source).")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="Seed of --shuffle.")
+@click.option("--force", is_flag=True, help="Replace the shards and index already in OUT.")
+def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: bool) -> None:
+    """Pack the dataset at SRC (class folders or a file list) into tar shards in OUT.
+
+    The shards follow WebDataset's naming (<key>.jpg + <key>.cls), so any tar
+    reader can read them; OUT/prefetchd-index.npz holds every sample's byte
+    offset, so `prefetchd start --data OUT` reads each with one positioned read.
+    """
+    from prefetchd.daemon.sources import open_dataset
+    from prefetchd.daemon.sources.shards import pack as pack_shards
+
+    setup_logging("info")
+    try:
+        index = open_dataset(src)
+        with click.progressbar(length=len(index), label=f"packing {len(index)} samples", file=sys.stderr) as bar:
+            def progress(items: Iterator[int]) -> Iterator[int]:
+                for i in items:
+                    yield i
+                    bar.update(1)
+
+            summary = pack_shards(index, out, shard_size, seed if shuffle else None, force, progress)
+    except DaemonError as exc:
+        raise click.ClickException(str(exc)) from None
+    bad = f"; {summary['unreadable']} unreadable files packed empty (the daemon replaces them)" if summary["unreadable"] else ""
+    click.echo(f"packed {summary['samples']} samples of {index.root} into {summary['shards']} shards "
+               f"({_mib(summary['bytes'])}) in {out}{bad}")
 
 
 @main.command()

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,67 +80,146 @@ class SampleIndex:
         return sum(a.nbytes for a in arrays if a is not None)
 
 
-def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None) -> SampleIndex:
+# Listing and stat-ing are system calls that release the GIL, and on network
+# filesystems they mostly wait: more threads than cores still help there.
+SCAN_THREADS = 8
+
+
+@dataclass(frozen=True)
+class Folder:
+    """One listed folder: its stamp (taken before listing), image files with their stamps, subfolders."""
+
+    path: str
+    stamp: str
+    files: list[tuple[str, str]]
+    subdirs: list[str]
+
+
+def _stamp(st: os.stat_result) -> str:
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def list_folder(path: str) -> Folder:
+    """What ``os.walk(followlinks=True)`` sees in one folder: links to folders are folders,
+    everything else (broken links included) a file; a folder it cannot list is empty."""
+    try:
+        stamp = _stamp(os.stat(path))
+        it = os.scandir(path)
+    except OSError:
+        return Folder(path, "missing", [], [])
+    files: list[tuple[str, str]] = []
+    subdirs: list[str] = []
+    with it:
+        for entry in it:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            if is_dir:
+                subdirs.append(entry.name)
+            elif entry.name.lower().endswith(IMG_EXTENSIONS):
+                try:
+                    files.append((entry.name, _stamp(entry.stat())))
+                except OSError:  # broken link or unreadable: decode fails later and is replaced
+                    files.append((entry.name, "missing"))
+    return Folder(path, stamp, files, subdirs)
+
+
+def walk_classes(tops: list[str], threads: int, tick: Callable[[], object]) -> list[list[Folder]]:
+    """Every folder under each of ``tops``, listed by a pool of threads, in ImageFolder's order:
+    ``sorted(os.walk(top))`` sorts by folder path, and each folder's files by name."""
+    found: list[list[Folder]] = [[] for _ in tops]
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="scan") as pool:
+        pending = {pool.submit(list_folder, top): k for k, top in enumerate(tops)}
+        while pending:
+            tick()  # at least once a second, even while one huge folder is listed
+            done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in done:
+                k = pending.pop(future)
+                folder = future.result()
+                found[k].append(folder)
+                for name in folder.subdirs:
+                    pending[pool.submit(list_folder, os.path.join(folder.path, name))] = k
+    for folders in found:
+        folders.sort(key=lambda f: f.path)
+        for folder in folders:
+            folder.files.sort()
+    return found
+
+
+@dataclass(frozen=True)
+class Scan:
+    """A class-folder index and the folders it was built from, with their stamps
+    (what the index cache checks to know the tree is unchanged)."""
+
+    index: SampleIndex
+    folders: list[tuple[str, str]]  # (path relative to the root, "" for the root itself; stamp)
+
+
+def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None, threads: int = SCAN_THREADS) -> SampleIndex:
     """Index ``root`` exactly as ImageFolder would, and fingerprint its state.
 
-    ``tick`` is called once per class folder, so a caller can prove it is alive
+    ``tick`` is called now and then, so a caller can prove it is alive
     (systemd's watchdog) while a large tree is walked.
     """
+    return scan_tree(root, tick, threads).index
+
+
+def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: int = SCAN_THREADS) -> Scan:
     root = Path(root)
     if not root.exists():
         raise DatasetError(f"dataset root {root} does not exist; pass --data with a folder of class folders")
     if not root.is_dir():
         raise DatasetError(f"dataset root {root} is not a directory; pass --data with a folder of class folders")
+    root_stamp = _stamp(root.stat())
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
         raise DatasetError(
             f"dataset root {root} has no class folders; expected {root}/<class>/<image>.jpg "
             "(one folder per class, as for torchvision ImageFolder)"
         )
+    top = str(root)
+    prefix = len(os.path.join(top, ""))
+    walked = walk_classes([os.path.join(top, cls) for cls in classes], max(1, threads), tick)
     digest = hashlib.sha256()
     rel_paths: list[bytes] = []
-    labels: list[int] = []
-    for label, cls in enumerate(classes):
-        tick()
+    counts: list[int] = []
+    stamps: list[tuple[str, str]] = [("", root_stamp)]
+    for cls, folders in zip(classes, walked):
         count = 0
-        for dirpath, _dirs, files in sorted(os.walk(root / cls, followlinks=True)):
-            for name in sorted(files):
-                if not name.lower().endswith(IMG_EXTENSIONS):
-                    continue
-                full = os.path.join(dirpath, name)
-                rel = os.fsencode(os.path.relpath(full, root))
-                try:
-                    st = os.stat(full)
-                    stamp = f"{st.st_size}:{st.st_mtime_ns}"
-                except OSError:  # broken link or unreadable: decode fails later and is replaced
-                    stamp = "missing"
+        for folder in folders:
+            stamps.append((folder.path[prefix:], folder.stamp))
+            rel_dir = os.fsencode(folder.path[prefix:]) + b"/"
+            for name, stamp in folder.files:
+                rel = rel_dir + os.fsencode(name)
                 digest.update(rel + b"\0" + stamp.encode() + b"\0")
                 rel_paths.append(rel)
-                labels.append(label)
-                count += 1
+            count += len(folder.files)
         if count == 0:
             raise DatasetError(
                 f"class folder {root / cls} has no images (looked for {', '.join(IMG_EXTENSIONS)}); "
                 "add images or remove the folder"
             )
+        counts.append(count)
         digest.update(f"class:{cls}\0".encode())
     lengths = np.fromiter((len(p) for p in rel_paths), dtype=np.int64, count=len(rel_paths))
     offsets = np.zeros(len(rel_paths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     blob = np.frombuffer(b"".join(rel_paths), dtype=np.uint8)
+    del rel_paths
     index = SampleIndex(
         root=str(root.resolve()),
         classes=tuple(classes),
         path_blob=blob,
         path_offsets=offsets,
-        labels=np.asarray(labels, dtype=np.int64),
+        labels=np.repeat(np.arange(len(classes), dtype=np.int64), counts),
         fingerprint=digest.hexdigest()[:32],
     )
     log.info(
         "indexed %s: %d samples in %d classes (%.0f bytes of index per sample)",
         root, len(index), len(classes), index.nbytes / max(1, len(index)),
     )
-    return index
+    return Scan(index, stamps)
 
 
 def split_members(n: int, split: str, val_fraction: float | None) -> np.ndarray:

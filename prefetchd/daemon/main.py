@@ -30,10 +30,11 @@ from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.metrics import Metrics
-from prefetchd.daemon.producer import Producer, new_producer_id, start_worker_server, sweep_leftovers
+from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id, start_worker_server, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.sources import open_dataset
+from prefetchd.daemon.sources.index_cache import default_cache_dir
 from prefetchd.daemon.transforms import validate_hook
 from prefetchd.daemon.wakeup import Wakeup
 
@@ -196,8 +197,8 @@ def check_capacity(cfg: DaemonConfig) -> None:
 
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
-    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access",
-    "metrics_port", "metrics_address", "metrics_textfile", "readers", "index_cache",
+    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
+    "metrics_port", "metrics_address", "metrics_textfile", "readers",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0
@@ -306,9 +307,35 @@ def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[
     return None
 
 
+class StartupBeat:
+    """The heartbeat while a job starts: indexing a large dataset takes minutes, and a daemon
+    whose status.json does not move in that time would look stuck to trainers (and systemd)."""
+
+    def __init__(self, buffer: Path, notifier: Notifier, extra: Callable[[], dict[str, Any]] = dict) -> None:
+        self.buffer = buffer
+        self.notifier = notifier
+        self.extra = extra
+        self._last: float | None = None
+
+    def __call__(self, message: str) -> None:
+        """Write a "starting" status saying ``message``, at most once per STATUS_SECONDS; cheap to call often."""
+        self.notifier.watchdog()
+        now = time.monotonic()
+        if self._last is not None and now - self._last < STATUS_SECONDS:
+            return
+        self._last = now
+        try:
+            write_status(self.buffer, {"pid": os.getpid(), "state": "starting", "message": message,
+                                       "heartbeat": time.time(), **self.extra()})
+        except OSError as exc:
+            log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
+
+
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
               publish: Callable[[dict[str, Any]], None], notifier: Notifier) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
+    beat = StartupBeat(Path(job.buffer), notifier, lambda: {"job_result": inbox.result})
+    beat(f"starting the job on {job.data}")
     job, notes = fill_defaults(job)
     for note in notes:
         log.info("default: %s", note)
@@ -317,7 +344,8 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         validate_hook(job.transform)  # a typo fails here, not in every worker
     assert job.data is not None
     notifier.status(f"indexing {job.data}")
-    index = open_dataset(job.data, tick=notifier.watchdog, cache_dir=job.index_cache, refresh=job.refresh_index)
+    index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"),
+                         index_cache=job.index_cache or default_cache_dir(), refresh_index=job.refresh_index)
     members = split_members(len(index), job.split, job.val_fraction)
     samples = samples_per_rank(len(members), job.world_size)
     producer_id = new_producer_id()

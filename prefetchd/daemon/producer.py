@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import threading
 import time
 import uuid
 from collections import deque
@@ -42,6 +43,7 @@ from prefetchd.buffer_protocol import (
     Manifest,
     Progress,
     ProtocolError,
+    alive_since,
     batch_name,
     list_batches,
     list_temp_files,
@@ -148,6 +150,10 @@ class Stream:
         self.consumed = 0
         self.progress_error = ""
         self.trainer_wait_share: float | None = None
+        # Who wrote progress.json last and when (None: nobody yet, or a writer without pid/time).
+        self.trainer_pid: int | None = None
+        self.progress_time: float | None = None
+        self.trainer_alive: bool | None = None
         self._orders: dict[int, np.ndarray] = {}
 
     @property
@@ -190,6 +196,23 @@ class Stream:
         if self.published:
             log.info("kept %d finished batches of rank %d from an earlier run of the same job", len(self.published), self.rank)
 
+    def reconcile(self) -> list[int]:
+        """Forget published batches whose files are gone, so that they are built again.
+
+        Only this daemon deletes batches, but a person, a cleanup job or a trainer that found a
+        batch damaged (the ProtocolError says to delete it) may too; without a look at the
+        directory the daemon would count the batch as waiting for ever and the trainer would
+        wait for it until its timeout.  One scandir of at most ``high`` files per poll.
+        """
+        if not self.published:
+            return []
+        present = list_batches(self.dir)
+        lost = [g for g in self.published if self.key(g) not in present]
+        for g in lost:
+            path = self.published.pop(g)
+            log.warning("batch %s of rank %d vanished from %s; building it again", path.name, self.rank, self.dir)
+        return lost
+
     def read_progress(self) -> bool:
         """Take the trainer's progress; True when it moved."""
         try:
@@ -204,6 +227,7 @@ class Stream:
             return False
         self.progress_error = ""
         self.trainer_wait_share = progress.wait_share
+        self.trainer_pid, self.progress_time = progress.pid, progress.time
         g = self.g((progress.epoch, progress.step))
         if self.end is not None:
             g = min(g, self.end)
@@ -252,10 +276,41 @@ class Stream:
         g = self.progress
         return (self.end is None or g < self.end) and g not in self.published and g not in self.building
 
+    def check_trainer(self) -> None:
+        """Whether the process that wrote progress.json is still there; logs when it goes and comes back.
+
+        A trainer that is gone leaves the window full: the daemon holds the buffer at
+        the high-water mark and sleeps until progress.json moves again.
+        """
+        pid, since = self.trainer_pid, self.progress_time
+        alive = alive_since(pid, since) if pid is not None and since is not None else None
+        if alive is None or alive == self.trainer_alive:
+            self.trainer_alive = alive if alive is not None else self.trainer_alive
+            return
+        epoch, step = self.key(self.progress)
+        if not alive:
+            log.warning(
+                "rank %d's trainer (pid %d) has gone away; progress last moved %.0f s ago, at epoch %d step %d. "
+                "Keeping the buffer at the high-water mark (%d batches) for when a trainer comes back",
+                self.rank, pid, time.time() - (since or 0.0), epoch, step, self.high,
+            )
+        elif self.trainer_alive is False:
+            log.info("rank %d's trainer is back (pid %d) at epoch %d step %d", self.rank, pid, epoch, step)
+        self.trainer_alive = alive
+
+    def trainer_status(self) -> dict[str, Any]:
+        since = self.progress_time
+        return {
+            "pid": self.trainer_pid,
+            "alive": self.trainer_alive,
+            "progress_age_s": round(max(0.0, time.time() - since), 1) if since is not None else None,
+        }
+
     def status(self) -> dict[str, Any]:
         epoch, step = self.key(self.progress)
         return {
             "rank": self.rank,
+            "trainer": self.trainer_status(),
             "progress": {"epoch": epoch, "step": step, "trainer_wait_share": self.trainer_wait_share},
             "waiting": len(self.published),
             "building": self.active,
@@ -314,14 +369,13 @@ class Producer:
             for stream in self.streams:
                 stream.adopt_published()
             self._read_progress()
-            for _ in range(self.workers_wanted):
-                self.workers.append(self._spawn())
+            self._start_workers()
             self.state = "filling"
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0
             while self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
                 self.notifier.watchdog()
-                self._wait(timeout=POLL_SECONDS)
+                self._wait(timeout=self._poll_interval())
                 now = time.monotonic()
                 if self.wake.drain() or now - last_poll >= POLL_SECONDS:
                     self._read_progress()
@@ -352,6 +406,43 @@ class Producer:
         else:
             self.state, self.message = "stopped", self.wake.stop_reason
         self._write_status()
+
+    def _poll_interval(self) -> float:
+        """How long the loop may sleep when nothing wakes it.
+
+        While the buffer is full and nothing is being built (a trainer away, or one that
+        just has enough), only a new progress.json or job.json can give it work, and the
+        watcher wakes it for those at once: it sleeps until the next heartbeat is due.
+        Without a working watcher it polls the files every POLL_SECONDS.
+        """
+        idle = self.wake.watching and all(not s.filling and not s.building for s in self.streams) and not self.todo
+        return STATUS_SECONDS if idle else POLL_SECONDS
+
+    def _start_workers(self) -> None:
+        """Start the workers while the heartbeat goes on.
+
+        The first start waits until the fork server has imported torch, which takes
+        seconds on a busy machine; a status.json that stood still that long would
+        make trainers (and `prefetchd status`) take a starting daemon for a stuck one.
+        """
+        started: list[Worker] = []
+        failed: list[BaseException] = []
+
+        def spawn_all() -> None:
+            try:
+                for _ in range(self.workers_wanted):
+                    started.append(self._spawn())
+            except BaseException as exc:  # re-raised below, in the controller's thread
+                failed.append(exc)
+
+        spawner = threading.Thread(target=spawn_all, name="prefetchd-spawn-workers", daemon=True)
+        spawner.start()
+        while spawner.is_alive():
+            self._write_status()
+            spawner.join(STATUS_SECONDS)
+        self.workers.extend(started)
+        if failed:
+            raise failed[0]
 
     def _wait(self, timeout: float) -> None:
         ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [self.wake], timeout)
@@ -431,6 +522,7 @@ class Producer:
                 stream.published.pop(g).unlink(missing_ok=True)
             for build in builds:
                 self._cancel(build)
+            stream.reconcile()
 
     def _cancel(self, build: Build) -> None:
         """Stop building ``build``; tasks already at a worker finish and are ignored."""
@@ -603,6 +695,8 @@ class Producer:
     def status(self) -> dict[str, Any]:
         """The daemon's state; for one rank its stream's fields are also at the top level."""
         self.stats.consumed = sum(s.consumed for s in self.streams)
+        for stream in self.streams:
+            stream.check_trainer()
         produce_rate, consume_rate = self.stats.rates()
         streams = [s.status() for s in self.streams]
         first = streams[0]
@@ -616,6 +710,7 @@ class Producer:
             "heartbeat": time.time(),
             "started": self.stats.started,
             "progress": first["progress"],
+            "trainer": first["trainer"],
             "streams": streams,
             "waiting": waiting,
             "building": building,

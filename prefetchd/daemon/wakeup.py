@@ -48,6 +48,11 @@ class Wakeup:
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stop_signal = signum
 
+    @property
+    def watching(self) -> bool:
+        """Whether changes to progress and job files wake the loop (else it must poll them)."""
+        return self._fds is not None and self._watcher.watching
+
     def fileno(self) -> int:
         assert self._fds is not None, "use Wakeup as a context manager"
         return self._fds[0]

@@ -213,7 +213,7 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
     while True:
         try:
             task = conn.recv()
-        except EOFError:  # the controller went away
+        except (EOFError, OSError):  # the controller went away (killed: the pipe may be reset)
             return
         if task is None:
             return
@@ -225,4 +225,7 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
             result = WriteFailed(task.task_id, str(exc), fatal=True)
         except Exception:  # a bug: report it with where it happened instead of dying silently
             result = WriteFailed(task.task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=True)
-        conn.send(result)
+        try:
+            conn.send(result)
+        except OSError:  # a SIGKILLed controller: nobody to answer, and no traceback for its successor's log
+            return

@@ -4,7 +4,7 @@
 behind the ``prefetchd-train`` command.
 """
 
-from prefetchd.trainer.errors import CheckpointError, DaemonGone, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.loader import Batch, BufferLoader
 
-__all__ = ["Batch", "BufferLoader", "CheckpointError", "DaemonGone", "LoaderError", "LoaderTimeout", "StateMismatch"]
+__all__ = ["Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch"]

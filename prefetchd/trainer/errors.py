@@ -21,6 +21,14 @@ class DaemonGone(LoaderError):
     """No daemon owns the buffer and the batch the trainer needs is not there."""
 
 
+class DaemonStuck(LoaderError):
+    """A daemon owns the buffer but has not written its heartbeat for longer than the loader's ``stall_timeout``."""
+
+
+class DaemonRestartsExhausted(LoaderError):
+    """``prefetchd-train --spawn-daemon`` restarted a dead or stuck daemon as often as allowed, and it failed again."""
+
+
 class StateMismatch(LoaderError, ValueError):
     """A loader state (from a checkpoint) does not fit the buffer's job."""
 
@@ -29,4 +37,4 @@ class CheckpointError(ValueError):
     """A ``prefetchd-train`` checkpoint is unreadable, of another format, or does not fit the run."""
 
 
-__all__ = ["CheckpointError", "DaemonGone", "LoaderError", "LoaderTimeout", "StateMismatch"]
+__all__ = ["CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch"]

@@ -56,7 +56,8 @@ from prefetchd.buffer_protocol import (
     map_batch,
     read_status,
 )
-from prefetchd.trainer.errors import DaemonGone, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.buffer_protocol.layout import owning_buffer
+from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ _MAX_DELAY = 0.020
 _MANIFEST_FIRST_DELAY = 0.010
 _MANIFEST_MAX_DELAY = 0.050
 _SLOW_WAIT_WARNING = 10.0
+# progress.json may fail to be written for a while (a full tmpfs): the loader keeps delivering
+# the batches that are there and retries; only a failure that lasts this long is an error.
+_PROGRESS_WRITE_GRACE = 30.0
 
 DeviceLike = str | torch.device
 
@@ -154,6 +158,15 @@ class BufferLoader:
         timeout: seconds to wait for the manifest at construction, and for each batch.
         daemon_grace: seconds a missing batch is waited for while no daemon owns
             the buffer before :class:`DaemonGone` is raised.
+        stall_timeout: seconds without a heartbeat (the daemon rewrites
+            ``status.json`` about once a second, also while its workers are busy
+            and while it indexes the dataset) after which a daemon that owns the
+            buffer but has not delivered the batch waited for counts as stuck:
+            :class:`DaemonStuck` is raised.  A daemon that is slow but alive
+            keeps beating and is never called stuck; one that has written no
+            heartbeat yet (starting) is given ``stall_timeout`` from when the
+            loader first saw it.  None disables the check; ``timeout`` still
+            bounds every wait.
         mean, std: per-channel statistics for ``normalize`` (in [0, 1] units).
         pin: how batches reach a CUDA device (see ``prefetchd.trainer.gpu``):
             "staging" copies each mapped batch into a ring of pinned buffers and
@@ -173,6 +186,7 @@ class BufferLoader:
         timeout: float = 120.0,
         *,
         daemon_grace: float = 5.0,
+        stall_timeout: float | None = 60.0,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         pin: PinMode = "auto",
@@ -186,6 +200,8 @@ class BufferLoader:
             raise ValueError(f"timeout={timeout!r}: pass a positive number of seconds")
         if not daemon_grace >= 0:
             raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError(f"stall_timeout={stall_timeout!r}: pass a positive number of seconds, or None to disable")
         self._buffer = Path(buffer)
         self._device = torch.device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
@@ -194,13 +210,17 @@ class BufferLoader:
         self._normalize = normalize
         self._timeout = float(timeout)
         self._grace = float(daemon_grace)
-        # Check liveness often enough that the grace period is honoured to ~25 %.
-        self._liveness_interval = min(1.0, max(0.01, self._grace / 4))
+        self._stall = float(stall_timeout) if stall_timeout is not None else None
+        # Check liveness often enough that the grace period and the stall bound are honoured to ~25 %.
+        self._liveness_interval = min(1.0, max(0.01, self._grace / 4), max(0.01, (self._stall or 4.0) / 4))
+        # (pid, wall time) of the first look at a daemon that had written no heartbeat of its own yet.
+        self._beatless: tuple[int, float] | None = None
         self._manifest = self._wait_for_manifest()
         self._scale, self._shift = self._normalization(mean, std)
         self._epoch = 0
         self._step = 0
         self._published: tuple[int, int] | None = None
+        self._publish_failing_since: float | None = None
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
@@ -256,6 +276,11 @@ class BufferLoader:
     @property
     def classes(self) -> list[str]:
         return list(self._manifest.classes)
+
+    @property
+    def stall_timeout(self) -> float | None:
+        """Seconds without a daemon heartbeat before a wait raises :class:`DaemonStuck`; None: never."""
+        return self._stall
 
     @property
     def pin(self) -> PinMode:
@@ -372,19 +397,44 @@ class BufferLoader:
             if self._feeder is not None:
                 self._feeder.finish(transfer, wait=True)
 
-    def _publish(self) -> None:
+    def _publish(self, force: bool = False) -> None:
         position = self._consumed_until()
-        if position == self._published:
+        if position == self._published and not force:
             return
         try:
             Progress(*position, wait_share=self._waits.share()).write(self._buffer)
         except OSError as exc:
+            now = time.monotonic()
+            if self._publish_failing_since is None:
+                self._publish_failing_since = now
+            if now - self._publish_failing_since < _PROGRESS_WRITE_GRACE:
+                # Left unpublished, so the next call tries again.
+                logger.warning("cannot write %s (%s); trying again", self._buffer / "progress.json", exc.strerror or exc)
+                return
             raise LoaderError(
-                f"{self._buffer}: cannot write progress.json ({exc.strerror or exc}); the daemon needs it to "
-                "know what to produce and delete. Check that the buffer directory exists, is writable and "
-                "has free space"
+                f"{self._buffer}: cannot write progress.json ({exc.strerror or exc}) for "
+                f"{_PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete. Check "
+                "that the buffer directory exists, is writable and has free space"
             ) from exc
+        self._publish_failing_since = None
         self._published = position
+
+    def _check_progress(self) -> None:
+        """While waiting: make progress.json name this loader's position again if it does not.
+
+        Someone else rewound or damaged it (or our last write failed), and the daemon now
+        builds other batches than the one this loader waits for; it would wait until its timeout.
+        """
+        try:
+            current = Progress.read(self._buffer)
+        except (ProtocolError, OSError):
+            current = None
+        if current is not None and (current.epoch, current.step) == self._published:
+            return
+        if self._published is not None:
+            logger.warning("%s names %s, not this loader's position %s; writing it again",
+                           self._buffer / "progress.json", current and (current.epoch, current.step), self._published)
+        self._publish(force=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -534,9 +584,11 @@ class BufferLoader:
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + self._liveness_interval
+                self._check_progress()
                 pid = daemon_pid(self._buffer)
                 if pid is not None:
                     gone_since = None
+                    self._check_heartbeat(pid, name, epoch, step, now - start)
                 elif gone_since is None:
                     gone_since = now
                 if gone_since is not None and now - gone_since >= self._grace:
@@ -561,6 +613,45 @@ class BufferLoader:
                 )
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, _MAX_DELAY)
+
+    def _check_heartbeat(self, pid: int, name: str, epoch: int, step: int, waited: float) -> None:
+        """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall_timeout``.
+
+        Only the heartbeat counts, never the batch rate: a daemon that is slow (a
+        huge batch, a cold network filesystem) but alive keeps beating.  A status
+        written by another process (the previous daemon) is not this one's
+        heartbeat; a daemon without one yet is timed from the loader's first look.
+        """
+        if self._stall is None:
+            return
+        try:
+            status = read_status(self._buffer)
+        except (ProtocolError, OSError):
+            status = None  # being replaced, or damaged: judged as if absent
+        beat = status.get("heartbeat") if status is not None else None
+        owner = status.get("pid") if status is not None else None
+        wall = time.time()
+        own = status is not None and owner in (None, pid)
+        if own and isinstance(beat, (int, float)) and not isinstance(beat, bool):
+            last, what = float(beat), "heartbeat"
+        else:
+            if self._beatless is None or self._beatless[0] != pid:
+                self._beatless = (pid, wall)
+            last, what = self._beatless[1], "heartbeat at all since the loader first saw it"
+        age = wall - last
+        if age <= self._stall:
+            return
+        state = status.get("state") if status is not None and own else None
+        buffer = owning_buffer(self._buffer)
+        raise DaemonStuck(
+            f"{self._buffer}: the daemon (pid {pid}) owns this buffer but has written no {what} for {age:.1f} s "
+            f"(stall_timeout {self._stall:g} s; last state {_short(state) if isinstance(state, str) else 'unknown'}) "
+            f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
+            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then restart it "
+            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `prefetchd start --buffer {buffer} --data "
+            f"{self._manifest.dataset_root}{_split_flag(self._manifest)}`): the new daemon resumes from "
+            "progress.json. If it is only slow, pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
+        )
 
     # -- tensors -----------------------------------------------------------------
 

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field, fields
@@ -55,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 from prefetchd.buffer_protocol import ProtocolError, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, owning_buffer
 from prefetchd.locations import LocationError, StorageDenied, StorageUnavailable, filesystem, is_url, normalize, with_retries
-from prefetchd.trainer.errors import CheckpointError, LoaderError
+from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonRestartsExhausted, DaemonStuck, LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, PinMode
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.ranks import Collective, Ranks, wait_for_stream
@@ -79,6 +80,8 @@ OPTIMIZERS = ("sgd", "adamw")
 OPTIMIZER_DEFAULTS = {"sgd": (0.05, 5e-4), "adamw": (1e-3, 0.05)}
 TOP_K = 5
 DAEMON_STOP_SECONDS = 30.0
+DAEMON_KILL_SECONDS = 5.0  # a dead or stuck daemon gets this long after SIGTERM before SIGKILL
+RESTART_WINDOW_SECONDS = 600.0  # --daemon-restarts counts the restarts within this window
 # Settings a checkpoint cannot be resumed under when they changed (the state would not fit).
 _RESUME_FIXED = ("model", "optimizer")
 
@@ -103,6 +106,8 @@ class TrainConfig:
     device: str = "auto"
     pin: str = "auto"
     timeout: float = 120.0
+    daemon_timeout: float = 60.0  # 0: never call a daemon stuck
+    daemon_restarts: int = 3
     metrics_json: Path | None = None
     metrics_csv: Path | None = None
     checkpoint_dir: Path | str | None = None  # a str is a URL
@@ -197,8 +202,16 @@ class _ProgressLine:
 # -- training ---------------------------------------------------------------------
 
 
-def _timed(loader: BufferLoader) -> Iterator[tuple[Batch, float]]:
-    """The loader's batches, each with the seconds spent waiting inside ``next()``."""
+Recover = Callable[[BufferLoader, LoaderError], bool]
+
+
+def _timed(loader: BufferLoader, recover: Recover | None = None) -> Iterator[tuple[Batch, float]]:
+    """The loader's batches, each with the seconds spent waiting inside ``next()``.
+
+    When the loader gives up on its daemon (gone or stuck) and ``recover`` brings a
+    new one up (True), the same iterator asks again for the same (epoch, step): the
+    position moves only when a batch is handed over, so none is skipped or repeated.
+    """
     it = iter(loader)
     while True:
         start = time.perf_counter()
@@ -206,6 +219,10 @@ def _timed(loader: BufferLoader) -> Iterator[tuple[Batch, float]]:
             batch = next(it)
         except StopIteration:
             return
+        except (DaemonGone, DaemonStuck) as exc:
+            if recover is None or not recover(loader, exc):
+                raise
+            continue
         yield batch, time.perf_counter() - start
 
 
@@ -221,12 +238,14 @@ def run_pass(
     amp: bool = False,
     start: PassState | None = None,
     after_step: Callable[[Callable[[], PassState]], bool] | None = None,
+    recover: Recover | None = None,
 ) -> PassStats:
     """Train (with an optimizer) or evaluate (without) over the rest of the loader's epoch.
 
     ``start`` continues the sums of a pass that a checkpoint interrupted.
     ``after_step`` is called after every optimizer step with a function that
-    snapshots the sums; returning True ends the pass there.
+    snapshots the sums; returning True ends the pass there.  ``recover`` is
+    asked to replace a dead or stuck daemon (see ``_timed``).
     """
     training = optimizer is not None
     model.train(training)
@@ -250,7 +269,7 @@ def run_pass(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else nullcontext()
     stopped = False
     with torch.set_grad_enabled(training):
-        for done, (batch, waited) in enumerate(_timed(loader), start=1):
+        for done, (batch, waited) in enumerate(_timed(loader, recover), start=1):
             wait += waited
             images, labels = batch
             with autocast:
@@ -517,6 +536,9 @@ class SpawnedDaemon:
     buffer: Path
     started: float  # time.time() at the start: a manifest older than this is an earlier daemon's
     streams: tuple[Path, ...] = ()  # the stream directories it serves; () is the buffer itself
+    command: tuple[str, ...] = ()  # how it was started, to start it again
+    split: str = "train"
+    restarts: deque[float] = field(default_factory=deque)  # time.monotonic() of each restart
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until the daemon owns the buffer and has written its manifests; say so if it died first."""
@@ -543,6 +565,52 @@ class SpawnedDaemon:
                     "may still be indexing a large dataset: pass a larger --timeout"
                 )
             time.sleep(0.05)
+
+    def kill(self) -> None:
+        """End a dead or stuck daemon for good: SIGTERM (with SIGCONT, so a stopped one can act on it),
+        DAEMON_KILL_SECONDS, then SIGKILL.  The kernel drops its lock with it."""
+        proc = self.proc
+        if proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)
+        try:
+            proc.wait(DAEMON_KILL_SECONDS)
+        except subprocess.TimeoutExpired:
+            logger.warning("the daemon (pid %d) did not stop within %g s of SIGTERM; killing it",
+                           proc.pid, DAEMON_KILL_SECONDS)
+            proc.kill()
+            proc.wait()
+
+    def restart(self, cause: LoaderError, limit: int, timeout: float, echo: Callable[[str], None]) -> None:
+        """Replace this daemon (dead, or stuck: it is killed) with a new one on the same buffer and wait
+        until it serves; the new one resumes from progress.json, so the trainer goes on where it was.
+
+        Raises DaemonRestartsExhausted when ``limit`` restarts within RESTART_WINDOW_SECONDS are spent.
+        """
+        what = "is stuck" if isinstance(cause, DaemonStuck) else "is gone"
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_SECONDS:
+            self.restarts.popleft()
+        if len(self.restarts) >= limit:
+            spent = (f"it was restarted {len(self.restarts)} times within {RESTART_WINDOW_SECONDS:.0f} s, the most "
+                     f"--daemon-restarts {limit} allows" if limit else "--daemon-restarts 0 allows no restart")
+            raise DaemonRestartsExhausted(
+                f"the {self.split} daemon this trainer started for {self.buffer} (pid {self.proc.pid}) {what} and "
+                f"{spent}; giving up rather than restarting it in a loop. Its own messages are above; the last "
+                f"failure: {' '.join(str(cause).split())}. Fix the cause, then continue with --resume (and a "
+                "--checkpoint-dir)"
+            ) from cause
+        self.kill()
+        self.restarts.append(now)
+        echo(f"prefetchd-train: the {self.split} daemon for {self.buffer} (pid {self.proc.pid}) {what}; restarting "
+             f"it ({len(self.restarts)} of at most {limit} restarts within {RESTART_WINDOW_SECONDS:.0f} s)")
+        logger.warning("%s", " ".join(str(cause).split()))
+        self.started = time.time()
+        self.proc = subprocess.Popen(list(self.command), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.wait_ready(timeout)
+        echo(f"prefetchd-train: the {self.split} daemon for {self.buffer} runs again (pid {self.proc.pid}); "
+             "continuing from the same batch")
 
     def stop(self) -> None:
         """SIGTERM (the daemon's graceful stop), bounded wait, SIGKILL if it does not go."""
@@ -589,7 +657,7 @@ def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig
     if not config.quiet:
         served = f", ranks {ranks.ranks_flag()} of {ranks.world_size}" if streams and ranks is not None else ""
         echo(f"prefetchd-train: started the {split} daemon for {buffer} (pid {proc.pid}) on {data}{served}")
-    return SpawnedDaemon(proc, buffer, started, streams=streams)
+    return SpawnedDaemon(proc, buffer, started, streams=streams, command=tuple(cmd), split=split)
 
 
 def _check_spawn_options(config: TrainConfig) -> None:
@@ -678,12 +746,12 @@ def train(
     with ExitStack() as stack:
         coll = Collective.start(ranks, device)
         stack.callback(coll.close)  # registered first: the group outlives everything below
+        spawned: list[SpawnedDaemon] = []
         if config.spawn_daemon:
             assert config.data is not None  # _check_spawn_options
             wanted = [(config.buffer, config.data, "train")]
             if config.val_data is not None and val_buffer is not None:
                 wanted.append((val_buffer, config.val_data, "val"))
-            spawned = []
             # One daemon per box serves all of its ranks: local rank 0 starts it, the others wait.
             for buffer, data, split in wanted if ranks.is_local_main else []:
                 daemon = spawn_daemon(buffer, data, split, config, echo, ranks)
@@ -694,13 +762,16 @@ def train(
             for daemon in spawned:
                 daemon.wait_ready(config.timeout)
             coll.barrier("the daemons local rank 0 starts", config.timeout + 60)
+        stall = config.daemon_timeout or None
         train_loader = stack.enter_context(BufferLoader(
-            wait_for_stream(config.buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin
+            wait_for_stream(config.buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin,
+            stall_timeout=stall,
         ))
         val_loader = None
         if val_buffer is not None:
             val_loader = stack.enter_context(BufferLoader(
-                wait_for_stream(val_buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin
+                wait_for_stream(val_buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin,
+                stall_timeout=stall,
             ))
             if val_loader.classes != train_loader.classes:
                 raise click.ClickException(
@@ -716,6 +787,10 @@ def train(
         run = _Run(config, device, train_loader, val_loader, epochs, val_buffer, echo, coll)
         if should_stop is not None:
             run.should_stop = should_stop
+        if config.spawn_daemon and not ranks.distributed:
+            # Under torchrun the other ranks would give up on the daemon while local rank 0 restarts it:
+            # there a lost daemon ends the run, and --resume continues it.
+            run.recover = _restarter(spawned, config, echo)
         metrics = run.run()
         if config.spawn_daemon and ranks.distributed:
             # Every rank has consumed its last batch before local rank 0 stops the daemon.
@@ -728,6 +803,24 @@ def train(
 
 def _silent(_: str) -> None:
     pass
+
+
+def _restarter(spawned: list[SpawnedDaemon], config: TrainConfig, echo: Callable[[str], None]) -> Recover:
+    """``recover`` for the run: restart the daemon this trainer started for the loader's buffer."""
+    ours = {d.buffer.resolve(): d for d in spawned}
+
+    def recover(loader: BufferLoader, exc: LoaderError) -> bool:
+        buffer = owning_buffer(loader.buffer).resolve()
+        daemon = ours.get(buffer)
+        if daemon is None:
+            return False  # served by a daemon someone else runs: theirs to restart
+        owner = daemon_pid(buffer)
+        if owner is not None and owner != daemon.proc.pid:
+            return False  # another daemon took the buffer over; never kill what is not ours
+        daemon.restart(exc, config.daemon_restarts, config.timeout, echo)
+        return True
+
+    return recover
 
 
 def _check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:
@@ -778,6 +871,7 @@ class _Run:
         self.epoch_lr: float | None = None
         self.resumed_from: dict[str, Any] | None = None
         self.should_stop: Callable[[], bool] = lambda: False
+        self.recover: Recover | None = None  # replaces a dead or stuck daemon (--spawn-daemon)
         self.stop_reason: str | None = None
 
     # -- checkpoint documents
@@ -949,7 +1043,7 @@ class _Run:
                 self.model, self.train_loader, self.criterion,
                 _ProgressLine(sys.stderr, f"{tag} train", len(self.train_loader), self._progress_shown),
                 self.optimizer, self.scheduler,
-                topk=self.k, amp=config.amp, start=self.partial, after_step=after_step,
+                topk=self.k, amp=config.amp, start=self.partial, after_step=after_step, recover=self.recover,
             )
         else:  # the checkpoint was taken after the pass's last step
             tr = _stats(self.partial or PassState(), self.k)
@@ -964,7 +1058,7 @@ class _Run:
             va = run_pass(
                 self.net, self.val_loader, self.criterion,
                 _ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), self._progress_shown),
-                topk=self.k, amp=config.amp,
+                topk=self.k, amp=config.amp, recover=self.recover,
             )
         epoch_s = time.perf_counter() - wall + resumed_s
         wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)
@@ -1145,7 +1239,9 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 @click.option("--seed", type=int, default=_D.seed, show_default=True, help="Model initialisation; also the --seed of spawned daemons.")
 @click.option("--device", default=_D.device, show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--pin", type=click.Choice(PIN_MODES), default=_D.pin, show_default=True, help="How batches reach a CUDA device (auto = staging).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=_D.timeout, show_default=True, help="Seconds to wait for the manifest and for each batch.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=_D.timeout, show_default=True, help="Seconds to wait for the manifest and for each batch, whatever the daemon's state.")
+@click.option("--daemon-timeout", type=click.FloatRange(min=0), default=_D.daemon_timeout, show_default=True, help="Seconds without a heartbeat from the daemon that owns a buffer before it counts as stuck (0: never); a dead daemon is noticed within 5 s.")
+@click.option("--daemon-restarts", type=click.IntRange(min=0), default=_D.daemon_restarts, show_default=True, help="With --spawn-daemon: restart a daemon that died or got stuck up to N times within 10 minutes, then stop with an error.")
 @click.option("--metrics-json", type=_FILE, default=None, help="Write per-epoch and final metrics here (after every epoch).")
 @click.option("--metrics-csv", type=_FILE, default=None, help="Write one CSV row per epoch here (after every epoch).")
 @click.option("--checkpoint-dir", type=_LOCATION, default=None, help="Save DIR/last.pt at every epoch's end (and see --checkpoint-every); DIR may be a URL such as s3://bucket/run1 (needs prefetchd[s3]; credentials from the standard AWS environment and files).")

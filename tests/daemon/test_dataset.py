@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,8 +14,9 @@ from hypothesis import strategies as st
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS as TV_IMG_EXTENSIONS
 
-from prefetchd.daemon.dataset import IMG_EXTENSIONS, scan_class_folders, split_members
+from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, scan_class_folders, split_members
 from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources.index_cache import cached_class_folders, default_cache_dir
 
 NON_UTF8_NAME = b"latin1-\xe9t\xe9.jpg"  # not valid UTF-8: lives as surrogate escapes in str
 
@@ -277,3 +279,95 @@ def test_split_depends_only_on_n_and_fraction() -> None:
 def test_split_refuses_an_empty_side(n: int, split: str, fraction: float) -> None:
     with pytest.raises(DatasetError, match=split):
         split_members(n, split, fraction)
+
+
+# -- parallel walk and index cache ------------------------------------------------
+
+
+def test_thread_count_does_not_change_the_index(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root = build_messy_tree(tmp_path, make_image)
+    one, many = scan_class_folders(root, threads=1), scan_class_folders(root, threads=7)
+    assert one.fingerprint == many.fingerprint
+    assert np.array_equal(one.path_blob, many.path_blob) and np.array_equal(one.labels, many.labels)
+
+
+def cache_entries(cache: Path) -> list[Path]:
+    return sorted(cache.glob("classfolders-*.npz"))
+
+
+def same_index(a: SampleIndex, b: SampleIndex) -> bool:
+    return (a.root, a.classes, a.fingerprint) == (b.root, b.classes, b.fingerprint) and \
+        np.array_equal(a.path_blob, b.path_blob) and np.array_equal(a.path_offsets, b.path_offsets) and \
+        np.array_equal(a.labels, b.labels)
+
+
+def settle(root: Path) -> None:
+    """Date every folder a minute back, as a dataset that is not being written to."""
+    past = time.time() - 60
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        os.utime(folder, (past, past))
+
+
+def test_cached_index_is_reused_until_a_folder_changes(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root, cache = small_tree(tmp_path, make_image), tmp_path / "cache"
+    cached_class_folders(root, cache)
+    assert cache_entries(cache) == []  # folders modified just now: their mtimes cannot vouch for the next change
+    settle(root)
+    first = cached_class_folders(root, cache)
+    assert same_index(first, scan_class_folders(root)) and len(cache_entries(cache)) == 1
+    # A file rewritten in place with every folder's mtime kept is what the cache cannot see:
+    # the cached fingerprint proves the index came from the cache, --refresh-index rescans.
+    target = root / "a" / "img_1.jpg"
+    folder = (root / "a").stat()
+    target.write_bytes(target.read_bytes() + b"\0" * 5)
+    os.utime(root / "a", ns=(folder.st_atime_ns, folder.st_mtime_ns))
+    assert cached_class_folders(root, cache).fingerprint == first.fingerprint
+    refreshed = cached_class_folders(root, cache, refresh=True)
+    assert refreshed.fingerprint != first.fingerprint
+    assert cached_class_folders(root, cache).fingerprint == refreshed.fingerprint  # the refresh was cached
+    # Adding a file, a nested folder's file or a class changes a folder's mtime: rescanned.
+    for added, n in [("b/img_9.jpg", 9), ("b/sub/x.jpg", 10), ("b/sub/y.jpg", 11), ("c/z.jpg", 12)]:
+        cached_class_folders(root, cache)  # cached as it is now
+        make_image(root / added)  # b/sub/y.jpg: only b/sub's mtime changes
+        index = cached_class_folders(root, cache)
+        assert len(index) == n and same_index(index, scan_class_folders(root)), added
+        settle(root)
+    assert index.classes == ("a", "b", "c")
+    assert len(cache_entries(cache)) == 1  # one entry per root, replaced
+
+
+def test_a_damaged_cache_is_rebuilt_with_a_warning(
+    tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    root, cache = small_tree(tmp_path, make_image), tmp_path / "cache"
+    settle(root)
+    cached_class_folders(root, cache)
+    (entry,) = cache_entries(cache)
+    entry.write_bytes(entry.read_bytes()[:100])
+    with caplog.at_level("WARNING"):
+        index = cached_class_folders(root, cache)
+    assert same_index(index, scan_class_folders(root))
+    assert "unreadable" in caplog.text and str(entry) in caplog.text
+    assert same_index(cached_class_folders(root, cache), index)  # rewritten whole
+    assert not list(cache.glob(".*.tmp"))
+
+
+def test_an_unwritable_cache_only_warns(tmp_path: Path, make_image: Callable[..., Path],
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    root = small_tree(tmp_path, make_image)
+    settle(root)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with caplog.at_level("WARNING"):
+        index = cached_class_folders(root, blocker / "cache")
+    assert len(index) == 8 and "cannot write the index cache" in caplog.text
+
+
+def test_default_cache_dir_follows_systemd_then_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/prefetchd")
+    assert default_cache_dir() == Path("/var/cache/prefetchd")
+    monkeypatch.delenv("CACHE_DIRECTORY")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "prefetchd"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "prefetchd"

@@ -24,7 +24,7 @@ from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd import locations
-from prefetchd.daemon.sources.index_cache import cache_file
+from prefetchd.daemon.sources.objects import cache_file
 from prefetchd.daemon.sources.objects import list_class_folders
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageUnavailable, storage_for
 
@@ -180,28 +180,28 @@ def test_the_index_is_cached_and_a_restart_does_not_list_again(s3: Any, proxy: A
     for name in ("c0/a.jpg", "c0/b.jpg", "c1/c.jpg"):
         s3.fs.pipe_file(f"{s3.bucket}/cached/{name}", b"x")
     url, cache = s3.url("cached"), tmp_path / "index-cache"
-    first = open_dataset(url, cache_dir=cache)
+    first = open_dataset(url, index_cache=cache)
     assert proxy.count("GET list") >= 3  # the prefix, then each class
     assert cache_file(url, cache).is_file()
     listed = proxy.count("GET list")
-    again = open_dataset(url, cache_dir=cache)
+    again = open_dataset(url, index_cache=cache)
     assert proxy.count("GET list") == listed, "a cached index must not list again"
     assert [again.file(i) for i in range(len(again))] == [first.file(i) for i in range(len(first))]
     assert again.fingerprint == first.fingerprint and again.classes == first.classes
     s3.fs.pipe_file(f"{s3.bucket}/cached/c1/d.jpg", b"x")
-    assert len(open_dataset(url, cache_dir=cache)) == 3  # stale on purpose: listing is what the cache saves
-    assert len(open_dataset(url, cache_dir=cache, refresh=True)) == 4
+    assert len(open_dataset(url, index_cache=cache)) == 3  # stale on purpose: listing is what the cache saves
+    assert len(open_dataset(url, index_cache=cache, refresh_index=True)) == 4
     assert proxy.count("GET list") > listed
-    assert len(open_dataset(url, cache_dir=cache)) == 4  # the refreshed index replaced the old one
+    assert len(open_dataset(url, index_cache=cache)) == 4  # the refreshed index replaced the old one
 
 
 def test_a_cached_index_whose_objects_are_gone_asks_for_a_refresh(s3: Any, tmp_path: Path) -> None:
     s3.fs.pipe_file(f"{s3.bucket}/gone/c0/a.jpg", b"x")
     url = s3.url("gone")
-    open_dataset(url, cache_dir=tmp_path)
+    open_dataset(url, index_cache=tmp_path)
     s3.fs.rm(f"{s3.bucket}/gone/c0/a.jpg")
     with pytest.raises(DatasetError, match=r"gone/c0/a.jpg in the cached index .* start with --refresh-index"):
-        open_dataset(url, cache_dir=tmp_path)
+        open_dataset(url, index_cache=tmp_path)
 
 
 # -- configuration ----------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_a_daemon_serves_class_folders_from_s3_as_from_disk(s3: Any, proxy: Any,
     again = start_daemon(shm_dir / "s3-again", "--data", url, *SMALL, "--workers", "1", "--readers", "2")
     assert consume(shm_dir / "s3-again", n) == from_disk
     assert again.wait_exit(60) == 0, again.log
-    assert "using the cached index" in again.log and proxy.count("GET list") == listed, again.log
+    assert f"indexed {url} from the cache" in again.log and proxy.count("GET list") == listed, again.log
     assert proxy.fail_next == 0 and "Please reduce your request rate.; retry 1 of 5" in again.log
     assert "still failing after 6 tries" in again.log and "retrying in 1 s" in again.log, again.log
     status = read_status(shm_dir / "s3-again")

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from prefetchd.daemon.dataset import SampleIndex
-from prefetchd.daemon.sources import SampleReader, is_url
+from prefetchd.daemon.cli import main as cli_main
+from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
+from prefetchd.daemon.sources.shards import INDEX_NAME, pack, parse_size
 from prefetchd.daemon.sources.storage import ImageRefused
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, run_task
 
 
 @pytest.mark.parametrize(("location", "url"), [
@@ -62,3 +70,202 @@ def test_unpacked_samples_are_whole_files_and_special_files_are_refused(tmp_path
     assert index.name(0) == f"{tmp_path}/a/x.jpg"
     with pytest.raises(ImageRefused, match="y.jpg is a FIFO"):
         reader.read(1)
+
+
+# -- file lists -------------------------------------------------------------------
+
+
+def image_files(root: Path, make_image: Callable[..., Path], names: list[str]) -> list[Path]:
+    return [make_image(root / name, seed=k) for k, name in enumerate(names)]
+
+
+def test_file_list_with_class_names_header_and_relative_paths(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    image_files(tmp_path, make_image, ["imgs/b1.jpg", "imgs/a1.png", "imgs/with, comma.jpg"])
+    listing = tmp_path / "train.csv"
+    listing.write_text('path,label\nimgs/b1.jpg,dog\nimgs/a1.png,cat\n\n"imgs/with, comma.jpg",dog\n')
+    index = open_dataset(listing)
+    assert index.classes == ("cat", "dog")  # sorted, as ImageFolder sorts folder names
+    assert index.labels.tolist() == [1, 0, 1]
+    assert [index.path(i) for i in range(3)] == [tmp_path / "imgs/b1.jpg", tmp_path / "imgs/a1.png",
+                                                 tmp_path / "imgs/with, comma.jpg"]
+    reader = SampleReader(index)
+    assert bytes(reader.read(1)) == (tmp_path / "imgs/a1.png").read_bytes()
+
+
+def test_tsv_file_list_with_integer_labels_and_absolute_paths(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    outside = make_image(tmp_path / "elsewhere" / "x.jpg")
+    inside = make_image(tmp_path / "lists" / "y.jpg")
+    listing = tmp_path / "lists" / "val.tsv"
+    listing.write_text(f"{outside}\t3\n{inside}\t0\n")
+    index = open_dataset(listing)
+    assert index.classes == ("0", "1", "2", "3")
+    assert index.labels.tolist() == [3, 0]
+    assert index.file(1) == "y.jpg"  # inside the list's folder: stored relative to it
+    reader = SampleReader(index)
+    assert bytes(reader.read(0)) == outside.read_bytes()
+    assert bytes(reader.read(1)) == inside.read_bytes()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("a.jpg,cat\nb.jpg\n", r"list\.csv:2: expected 'path,label'"),
+    ("a.jpg,cat\n,dog\n", r"list\.csv:2: the path is empty"),
+    ("a.jpg,cat\nb.jpg, \n", r"list\.csv:2: the label of b\.jpg is empty"),
+    ("a.jpg,1\nb.jpg,2\nc.jpg,dog\n", r"list\.csv:3: label 'dog' is a class name but the list's labels start as integers"),
+    ("a.jpg,cat\nb.jpg,7\n", r"list\.csv:2: label '7' is an integer but the list's labels start as class names"),
+    ("a.jpg,-1\n", r"list\.csv:1: label -1 is negative"),
+    ("path,label\n\n", r"names no samples"),
+    ("path,label\na.jpg,1\npath,label\n", r"list\.csv:3: label 'label' is a class name"),  # a second header
+])
+def test_bad_file_lists_name_the_line(tmp_path: Path, text: str, message: str) -> None:
+    listing = tmp_path / "list.csv"
+    listing.write_text(text)
+    with pytest.raises(DatasetError, match=message):
+        open_dataset(listing)
+
+
+def test_missing_or_undecodable_file_lists_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"nope\.csv does not exist"):
+        open_dataset(tmp_path / "nope.csv")
+    (tmp_path / "latin.csv").write_bytes(b"a.jpg,cat\n\xe9t\xe9.jpg,dog\n")
+    with pytest.raises(DatasetError, match=r"latin\.csv:2: not valid UTF-8"):
+        open_dataset(tmp_path / "latin.csv")
+
+
+def test_file_list_fingerprint_follows_the_list(tmp_path: Path) -> None:
+    listing = tmp_path / "l.csv"
+    listing.write_text("a.jpg,cat\nb.jpg,dog\n")
+    first = open_dataset(listing).fingerprint
+    assert open_dataset(listing).fingerprint == first
+    listing.write_text("a.jpg,cat\nb.jpg,cat\n")
+    assert open_dataset(listing).fingerprint != first
+
+
+# -- packed shards ----------------------------------------------------------------
+
+
+def class_tree(root: Path, make_image: Callable[..., Path]) -> Path:
+    for k, name in enumerate(["cat/a.jpg", "cat/b.png", "dog/c.jpg", "dog/sub/d.jpeg", "emu/e.webp"]):
+        make_image(root / name, size=(8 + k, 6), seed=k)
+    return root
+
+
+@pytest.mark.parametrize("text", ["1GB", "500MB", "1GiB", "64kib", "4096", "1.5GB"])
+def test_shard_sizes_parse(text: str) -> None:
+    expected = {"1GB": 10**9, "500MB": 5 * 10**8, "1GiB": 2**30, "64kib": 65536, "4096": 4096, "1.5GB": 15 * 10**8}
+    assert parse_size(text) == expected[text]
+
+
+@pytest.mark.parametrize("text", ["", "1XB", "GB", "-1GB", "0"])
+def test_bad_shard_sizes_say_what_is_expected(text: str) -> None:
+    with pytest.raises(ValueError, match="1GB, 500MB or 1GiB|less than one byte"):
+        parse_size(text)
+
+
+def test_packed_shards_hold_the_source_samples_in_order(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    summary = pack(source, tmp_path / "out", shard_size=2000)
+    assert summary["shards"] > 1  # the tiny size forces several shards
+    shards = open_dataset(tmp_path / "out")
+    assert shards.classes == source.classes
+    assert shards.labels.tolist() == source.labels.tolist()
+    src_reader, shard_reader = SampleReader(source), SampleReader(shards)
+    for i in range(len(source)):
+        assert bytes(shard_reader.read(i)) == bytes(src_reader.read(i)), i
+    per_shard = shards.path_blob.nbytes + shards.path_offsets.nbytes  # shard names, not per sample
+    assert (shards.nbytes - per_shard) / len(shards) == 28  # int32 shard + int64 offset, size, label
+    # Another tool reads the same bytes: WebDataset's <key>.<ext> and <key>.cls members.
+    members: dict[str, bytes] = {}
+    for tar_path in sorted((tmp_path / "out").glob("shard-*.tar")):
+        with tarfile.open(tar_path) as tar:
+            for m in tar.getmembers():
+                members[m.name] = tar.extractfile(m).read()  # type: ignore[union-attr]
+    assert sorted(members) == sorted([f"{i:09d}.{ext}" for i, ext in enumerate(["jpg", "png", "jpg", "jpeg", "webp"])]
+                                     + [f"{i:09d}.cls" for i in range(5)])
+    for i in range(len(source)):
+        ext = source.file(i).rsplit(".", 1)[1]
+        assert members[f"{i:09d}.{ext}"] == bytes(src_reader.read(i))
+        assert members[f"{i:09d}.cls"] == str(int(source.labels[i])).encode()
+
+
+def test_shuffled_pack_records_the_source_of_each_sample(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    pack(source, tmp_path / "a", shard_size=10**6, shuffle_seed=3)
+    pack(source, tmp_path / "b", shard_size=10**6, shuffle_seed=3)
+    assert (tmp_path / "a" / "shard-000000.tar").read_bytes() == (tmp_path / "b" / "shard-000000.tar").read_bytes()
+    with np.load(tmp_path / "a" / INDEX_NAME) as npz:
+        order = npz["source_index"]
+    assert sorted(order.tolist()) == list(range(5)) and order.tolist() != list(range(5))
+    shards, reader = open_dataset(tmp_path / "a"), SampleReader(source)
+    for i, src in enumerate(order.tolist()):
+        assert bytes(SampleReader(shards).read(i)) == bytes(reader.read(src))
+        assert shards.labels[i] == source.labels[src]
+
+
+def test_pack_refuses_a_non_empty_folder_and_an_unfinished_pack_is_no_dataset(
+    tmp_path: Path, make_image: Callable[..., Path]
+) -> None:
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    out = tmp_path / "out"
+    pack(source, out, shard_size=10**6)
+    with pytest.raises(DatasetError, match=r"out is not empty.*--force"):
+        pack(source, out, shard_size=10**6)
+    pack(source, out, shard_size=3000, force=True)
+    assert len(open_dataset(out)) == 5
+    (out / INDEX_NAME).unlink()  # as if the pack had been interrupted before its last step
+    with pytest.raises(DatasetError, match="no class folders"):
+        open_dataset(out)
+
+
+def test_a_damaged_or_foreign_shard_index_is_refused(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    out = tmp_path / "out"
+    pack(open_dataset(class_tree(tmp_path / "src", make_image)), out, shard_size=10**6)
+    good = (out / INDEX_NAME).read_bytes()
+    (out / INDEX_NAME).write_bytes(good[: len(good) // 2])
+    with pytest.raises(DatasetError, match=r"prefetchd-index\.npz is damaged.*--force"):
+        open_dataset(out)
+    with np.load(io.BytesIO(good)) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays["version"] = np.array(99)
+    np.savez(out / INDEX_NAME, **arrays)
+    with pytest.raises(DatasetError, match="version 99"):
+        open_dataset(out)
+
+
+def test_pack_cli_writes_shards_from_a_file_list(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    class_tree(tmp_path / "src", make_image)
+    (tmp_path / "src" / "list.csv").write_text("cat/a.jpg,0\ndog/c.jpg,1\nmissing.jpg,1\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "src" / "list.csv"), str(out), "--shard-size", "1MB"])
+    assert result.exit_code == 0, result.output
+    assert "packed 3 samples" in result.output and "1 unreadable" in result.output
+    shards = open_dataset(out)
+    assert shards.labels.tolist() == [0, 1, 1] and shards.member_sizes is not None
+    assert shards.member_sizes[2] == 0  # the missing file: an empty member the daemon replaces
+    bad = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "src"), str(tmp_path / "o2"), "--shard-size", "1XB"])
+    assert bad.exit_code == 2 and "1GB, 500MB or 1GiB" in bad.output
+
+
+# -- bad samples in every layout ------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+def test_missing_and_undecodable_listed_files_are_replaced_and_counted(
+    tmp_path: Path, make_image: Callable[..., Path]
+) -> None:
+    """A list naming a missing file and a non-image, and the shards packed from it:
+    both are replaced by the next sample and reported, as in class folders."""
+    make_image(tmp_path / "a.jpg", size=(20, 20))
+    make_image(tmp_path / "d.png", size=(20, 20), seed=3)
+    (tmp_path / "c.jpg").write_bytes(b"not a jpeg")
+    (tmp_path / "l.csv").write_text("a.jpg,0\ngone.jpg,0\nc.jpg,1\nd.png,1\n")
+    listed = open_dataset(tmp_path / "l.csv")
+    pack(listed, tmp_path / "shards", shard_size=10**6)
+    for index in (listed, open_dataset(tmp_path / "shards")):
+        batch = tmp_path / "batch.tmp"
+        slot = 16 * 16 * 3
+        batch.write_bytes(bytes(4 * slot))
+        job = WorkerJob(index, np.arange(4, dtype=np.int64), 16, True, 1)
+        result = run_task(job, Task(0, str(batch), 0, slot, 0, ((0, 0), (1, 1), (2, 2), (3, 3))))
+        assert isinstance(result, Filled), result
+        assert [s[1] for s in result.slots] == [0, 3, 3, 3]  # 1 and 2 replaced by the next sample that decodes
+        assert len(result.failures) == 3  # gone.jpg, then c.jpg twice (as itself and as 1's first replacement)

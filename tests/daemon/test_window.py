@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefetchd.buffer_protocol import Manifest, Progress
+from prefetchd.buffer_protocol import Manifest, Progress, batch_name
 from prefetchd.daemon.producer import Stream
 
 HIGH, LOW = 4, 2
@@ -70,3 +70,17 @@ def test_nothing_is_built_past_the_last_epoch(tmp_path: Path) -> None:
     assert s.next_missing() is None
     move_to(s, 20)
     assert s.finished and s.next_missing() is None
+
+
+def test_a_batch_file_deleted_behind_the_daemons_back_is_noticed_and_rebuilt(tmp_path: Path) -> None:
+    s = stream(tmp_path)
+    for g in range(HIGH):
+        path = tmp_path / batch_name(*s.key(g))
+        path.write_bytes(b"")
+        s.published[g] = path
+    assert s.reconcile() == [] and s.next_missing() is None
+    (tmp_path / batch_name(0, 0)).unlink()  # the one the trainer waits for
+    (tmp_path / batch_name(0, 2)).unlink()
+    assert s.reconcile() == [0, 2]
+    assert sorted(s.published) == [1, 3]
+    assert s.next_missing() == 0, "the trainer's batch is built again although three are waiting"

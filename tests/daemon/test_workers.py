@@ -215,3 +215,19 @@ def test_a_broken_hook_is_fatal_not_a_replacement(index: SampleIndex, tmp_path: 
     assert f"{hooks}:broken" in result.reason and "ValueError: bad hook" in result.reason
     assert str(index.path(1)) in result.reason
     assert "could not be decoded" not in result.reason  # not mistaken for bad images and replaced
+
+
+def test_a_worker_whose_controller_died_exits_quietly(index: SampleIndex, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A SIGKILLed controller leaves its workers with queued tasks and a dead pipe; they used to
+    # die with a BrokenPipeError traceback in the log the next daemon shares.
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
+    path = _batch_file(tmp_path / "b.tmp", 2)
+    ours, theirs = multiprocessing.Pipe()
+    ours.send(_task(path, [(0, 1), (1, 2)], task_id=5))
+    ours.close()
+    worker_main(theirs, _job(index))  # returns: no BrokenPipeError, no ConnectionResetError
+    assert _images(path, 2).any(), "the task it had already received is still done"

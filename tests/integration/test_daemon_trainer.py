@@ -192,17 +192,17 @@ def test_bad_dataset_gets_a_clear_error(tmp_path: Path, shm_dir: Path, start_dae
 def test_buffer_of_another_job_is_refused_until_reset(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     first = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2")
-    first.wait_until(lambda: batch_files(buffer) == 2, 30, "batches of the first job")
+    first.wait_until(lambda: batch_files(buffer) == 2, 60, "batches of the first job")
     first.terminate()
     other = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1")
-    assert other.wait_exit(30) == 2
+    assert other.wait_exit(60) == 2
     assert "different job" in other.log and "batch_size: 8 -> 4" in other.log and "--reset" in other.log
     jitter = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--color-jitter", "0.4")
-    assert jitter.wait_exit(30) == 2
+    assert jitter.wait_exit(60) == 2
     assert "augmentation: '' -> 'color_jitter=0.4'" in jitter.log
     reset = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
                          "--workers", "1", "--high-water", "2", "--reset")
-    reset.wait_until(lambda: batch_files(buffer) == 2 and (read_status(buffer) or {}).get("state") == "full", 30, "the new job's batches")
+    reset.wait_until(lambda: batch_files(buffer) == 2 and (read_status(buffer) or {}).get("state") == "full", 60, "the new job's batches")
     loader = BufferLoader(buffer, normalize=False, timeout=30)
     assert next(iter(loader)).images.shape[0] == 4
 

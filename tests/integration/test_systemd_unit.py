@@ -73,6 +73,7 @@ def test_required_directives(unit: dict[str, dict[str, list[str]]]) -> None:
         "PrivateTmp": "yes",
         "RemoveIPC": "no",
         "MemorySwapMax": "0",
+        "CacheDirectory": "prefetchd",  # $CACHE_DIRECTORY: the default index cache, writable under ProtectSystem
     }
     for key, want in expected.items():
         assert value(unit, key) == want, key

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prefetchd.buffer_protocol import Progress, ProtocolError, write_batch, write_status
-from prefetchd.trainer import Batch, BufferLoader, DaemonGone, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer import Batch, BufferLoader, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.loader import IMAGENET_MEAN, IMAGENET_STD
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -325,6 +325,64 @@ def test_daemon_gone_without_a_lock_file(make_job: MakeJob) -> None:
     job = make_job()
     with pytest.raises(DaemonGone):
         next(iter(BufferLoader(job.buffer, timeout=30, daemon_grace=0.05)))
+
+
+# -- a stuck daemon: only a stale heartbeat counts (real stopped daemons: tests/integration/test_liveness.py)
+
+
+def test_slow_but_beating_daemon_is_not_stuck(make_job: MakeJob) -> None:
+    """A "daemon" (this process) that beats but publishes a batch only after more than
+    stall_timeout is waited for, not called stuck."""
+    job = make_job()
+    job.claim(os.getpid())
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            write_status(job.buffer, {"pid": os.getpid(), "state": "filling", "heartbeat": time.time()})
+            stop.wait(0.2)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        loader = BufferLoader(job.buffer, timeout=30, stall_timeout=1.0)
+        timer = threading.Timer(2.5, lambda: job.write(0, 0))
+        timer.start()
+        assert next(iter(loader)).step == 0
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_status_of_another_pid_is_no_heartbeat(make_job: MakeJob) -> None:
+    """A fresh-looking status.json left by the previous daemon (another pid) does not vouch for the
+    current owner: without a heartbeat of its own it is stuck after stall_timeout."""
+    job = make_job()
+    job.claim(os.getpid())
+    write_status(job.buffer, {"pid": os.getpid() + 1, "state": "filling", "heartbeat": time.time() + 3600})
+    loader = BufferLoader(job.buffer, timeout=30, stall_timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(DaemonStuck, match="no heartbeat at all"):
+        next(iter(loader))
+    assert 0.5 <= time.monotonic() - start < 0.5 + 4.0
+
+
+def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> None:
+    job = make_job()
+    job.claim(os.getpid())
+    write_status(job.buffer, {"pid": os.getpid(), "state": "filling", "heartbeat": time.time() - 100})
+    with pytest.raises(DaemonStuck, match=r"no heartbeat for 10\d\.\d s.*last state filling"):
+        next(iter(BufferLoader(job.buffer, timeout=30, stall_timeout=60)))
+
+
+def test_stall_timeout_none_disables_the_check(make_job: MakeJob) -> None:
+    job = make_job()
+    job.claim(os.getpid())
+    write_status(job.buffer, {"pid": os.getpid(), "state": "filling", "heartbeat": time.time() - 100})
+    with pytest.raises(LoaderTimeout):
+        next(iter(BufferLoader(job.buffer, timeout=0.5, stall_timeout=None)))
+    with pytest.raises(ValueError, match="stall_timeout"):
+        BufferLoader(job.buffer, timeout=1, stall_timeout=0)
 
 
 def test_leftover_batches_are_served_without_a_daemon(make_job: MakeJob) -> None:

@@ -5,15 +5,27 @@ stderr is this process's fd 2, hence capfd."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 from torchvision.datasets import ImageFolder
 
-from prefetchd.buffer_protocol import Progress, daemon_pid
-from prefetchd.trainer.train import EXIT_FAILED, main
+from prefetchd.buffer_protocol import Progress, ProtocolError, daemon_pid
+from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.train import (
+    EXIT_BUFFER, EXIT_FAILED, SpawnedDaemon, TrainConfig, _restarter, _timed, main, spawn_daemon,
+)
 
 
 def test_spawn_daemon_end_to_end(shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
@@ -51,3 +63,123 @@ def test_spawned_daemon_that_fails_is_reported(tmp_path: Path, shm_dir: Path, ca
     assert f"the daemon started for {buffer} exited with code" in result.stderr
     assert "Traceback" not in result.output
     assert str(empty) in capfd.readouterr().err  # the daemon's own message about the dataset
+
+
+# -- a daemon that dies or gets stuck under a --spawn-daemon run is restarted ------------------------
+
+SMALL_JOB = dict(epochs=2, batch_size=8, image_size=32, workers=1, high_water=2, timeout=60.0, quiet=True)
+
+
+def _batches(shapes_data: Path, buffer: Path, hit: Callable[[SpawnedDaemon], None] | None = None,
+             at: tuple[int, int] = (0, 3), restarts: int = 2) -> tuple[list[tuple[int, int, list[int], str]], list[str]]:
+    """Every batch of a 2-epoch job, read through the run's restart path; ``hit`` is done to the
+    daemon right after batch ``at`` is handed over."""
+    said: list[str] = []
+    config = TrainConfig(buffer=buffer, spawn_daemon=True, data=shapes_data / "train", daemon_restarts=restarts,
+                         **SMALL_JOB)  # type: ignore[arg-type]
+    daemon = spawn_daemon(buffer, shapes_data / "train", "train", config, said.append)
+    assert daemon is not None
+    try:
+        daemon.wait_ready(60)
+        seen = []
+        with BufferLoader(buffer, normalize=False, timeout=60, daemon_grace=1.0, stall_timeout=3.0) as loader:
+            recover = _restarter([daemon], config, said.append)
+            for _ in range(2):
+                for batch, _waited in _timed(loader, recover):
+                    digest = hashlib.sha256(batch.images.numpy().tobytes()).hexdigest()
+                    seen.append((batch.epoch, batch.step, batch.indices.tolist(), digest))
+                    if hit is not None and (batch.epoch, batch.step) == at:
+                        hit(daemon)
+    finally:
+        daemon.stop()
+    return seen, said
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shapes_data: Path) -> list[tuple[int, int, list[int], str]]:
+    """The batches of the small job as a run without faults sees them."""
+    buffer = Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else "/tmp") / f"prefetchd-test-clean-{os.getpid()}"
+    try:
+        want, _ = _batches(shapes_data, buffer)
+    finally:
+        shutil.rmtree(buffer, ignore_errors=True)
+    assert len(want) == 2 * 9 and len({(e, s) for e, s, _, _ in want}) == 18
+    return want
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_restarted_daemon_delivers_every_batch_exactly_once(shapes_data: Path, shm_dir: Path, sig: int,
+                                                            uninterrupted: list[tuple[int, int, list[int], str]]) -> None:
+    want = uninterrupted
+    first: list[int] = []
+    got, said = _batches(shapes_data, shm_dir / "hit",
+                         lambda d: (first.append(d.proc.pid), os.kill(d.proc.pid, sig)))
+    # The same (epoch, step, indices, pixels), in the same order: nothing skipped, nothing twice.
+    assert got == want
+    restarted = [line for line in said if "restarting it" in line]
+    assert len(restarted) == 1, said
+    assert ("is stuck" if sig == signal.SIGSTOP else "is gone") in restarted[0]
+    assert f"pid {first[0]}" in restarted[0] and "1 of at most 2 restarts" in restarted[0]
+    assert not psutil.pid_exists(first[0]) or psutil.Process(first[0]).status() == psutil.STATUS_ZOMBIE
+
+
+def _train_cli(shapes_data: Path, buffer: Path, metrics: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefetchd.trainer.train", "--buffer", str(buffer), "--spawn-daemon",
+         "--data", str(shapes_data / "train"), "--epochs", "1", "--batch-size", "8", "--image-size", "32",
+         "--workers", "1", "--high-water", "2", "--device", "cpu", "--threads", "1", "--model",
+         "mobilenet_v3_small", "--metrics-json", str(metrics), "--timeout", "60", "--quiet", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _hit_daemon_mid_run(trainer: subprocess.Popen[str], buffer: Path, sig: int) -> int:
+    """Send ``sig`` to the trainer's daemon once the trainer is past step 2 of epoch 0."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and trainer.poll() is None:
+        try:
+            p = Progress.read(buffer)
+        except ProtocolError:
+            p = None
+        pid = daemon_pid(buffer)
+        if p is not None and (p.epoch, p.step) >= (0, 2) and pid is not None:
+            os.kill(pid, sig)
+            return pid
+        time.sleep(0.01)
+    out = trainer.communicate(timeout=60)[0] if trainer.poll() is not None else ""
+    raise AssertionError(f"the trainer never got to step 2 with a daemon (exit {trainer.poll()}):\n{out}")
+
+
+def test_prefetchd_train_restarts_a_stuck_daemon_and_finishes(shapes_data: Path, shm_dir: Path,
+                                                              tmp_path: Path) -> None:
+    buffer, metrics = shm_dir / "bf", tmp_path / "metrics.json"
+    trainer = _train_cli(shapes_data, buffer, metrics, "--daemon-timeout", "3")
+    try:
+        stopped = _hit_daemon_mid_run(trainer, buffer, signal.SIGSTOP)
+        out = trainer.communicate(timeout=180)[0]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 0, out
+    assert f"(pid {stopped}) is stuck; restarting it" in out and "runs again" in out
+    doc = json.loads(metrics.read_text())
+    # An epoch of 72 samples: no batch lost or repeated across the restart.
+    assert [row["train_images"] for row in doc["epochs"]] == [72] and doc["finished"] is True
+    assert daemon_pid(buffer) is None and not psutil.pid_exists(stopped)
+
+
+def test_prefetchd_train_gives_up_when_restarts_are_spent(shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
+    buffer = shm_dir / "bf"
+    trainer = _train_cli(shapes_data, buffer, tmp_path / "metrics.json", "--daemon-restarts", "0")
+    try:
+        killed = _hit_daemon_mid_run(trainer, buffer, signal.SIGKILL)
+        start = time.monotonic()
+        out = trainer.communicate(timeout=120)[0]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == EXIT_BUFFER, out
+    assert time.monotonic() - start < 60
+    assert f"(pid {killed}) is gone and --daemon-restarts 0 allows no restart; giving up" in out
+    assert "; restarting it (" not in out and "Traceback" not in out
+    assert daemon_pid(buffer) is None

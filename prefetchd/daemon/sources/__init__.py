@@ -5,14 +5,19 @@ into a ``SampleIndex``; ``SampleReader(index).read(i)`` returns sample ``i``'s
 encoded bytes from its storage.  The producer and workers see only these two,
 so every layout gets the same determinism and bad-sample handling.
 
-Layouts: a folder of class folders (as torchvision ImageFolder), on disk or
-under an object-storage URL (``s3://bucket/prefix``; see ``objects``), whose
-index is cached on disk so that a restart does not list it again.
+Layouts, tried in this order:
+- packed shards: a folder holding ``prefetchd-index.npz`` (``shards.py``, written by `prefetchd pack`);
+- a file list: ``location`` is a ``.csv``/``.tsv``/``.txt`` of ``path,label`` rows (``filelist.py``);
+- class folders, as torchvision ImageFolder (``prefetchd.daemon.dataset``, cached by ``index_cache.py``).
+
+Each works on a local path and under an object-storage URL (``s3://bucket/prefix``):
+lists and shard indexes are read through the dataset's ``Storage``, class folders
+under a URL are listed by ``objects.py`` and their index cached so that a restart
+does not list again.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,44 +25,37 @@ from pathlib import Path
 
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import DatasetError
-from prefetchd.daemon.sources.index_cache import cache_file, load_index, save_index
-from prefetchd.daemon.sources.storage import FsspecStorage, Storage, StorageDenied, storage_for
+from prefetchd.daemon.sources.filelist import is_file_list, read_file_list
+from prefetchd.daemon.sources.index_cache import cached_class_folders
+from prefetchd.daemon.sources.shards import has_shard_index, read_shard_index
+from prefetchd.daemon.sources.storage import FsspecStorage, Storage, StorageDenied, StorageUnavailable, storage_for
 from prefetchd.locations import is_url
 
-log = logging.getLogger(__name__)
 
-
-def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None, cache_dir: Path | None = None,
-                 refresh: bool = False) -> SampleIndex:
+def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None, index_cache: Path | None = None,
+                 refresh_index: bool = False) -> SampleIndex:
     """Index the dataset at ``location``; ``tick`` is called now and then while that takes long.
 
-    A URL's index is kept under ``cache_dir`` and used again by the next start
-    instead of listing, unless ``refresh``."""
+    Class folders are cached in ``index_cache`` (locally: no cache when ``None``; under a
+    URL: the default cache folder then); ``refresh_index`` rescans them even when the
+    cache looks current."""
     location = str(location)
     storage = storage_for(location)  # an unsupported URL is refused here, before any listing
-    if not isinstance(storage, FsspecStorage):
-        return scan_class_folders(Path(location), tick=tick)
-    from prefetchd.daemon.sources.objects import list_class_folders
+    if is_file_list(location):
+        return read_file_list(location)
+    try:
+        shards = has_shard_index(location)
+    except (StorageDenied, StorageUnavailable) as exc:  # no credentials, no bucket: say so, not "no shards"
+        raise DatasetError(str(exc)) from None
+    if shards:
+        return read_shard_index(location)
+    if isinstance(storage, FsspecStorage):
+        from prefetchd.daemon.sources.objects import cached_url_class_folders
 
-    cached = cache_file(storage.url, cache_dir)
-    found = None if refresh else load_index(cached, storage.url)
-    if found is not None:
-        index = found
-        log.info("using the cached index of %s from %s (%d samples; --refresh-index lists it again)",
-                 storage.url, cached, len(index))
-        try:  # one request, so that missing credentials or a gone bucket fail here and not in every worker
-            storage.call(f"checking {storage.url}", lambda: storage.fs.info(storage.path(index.file(0))))
-        except StorageDenied as exc:
-            raise DatasetError(str(exc)) from None
-        except FileNotFoundError:
-            raise DatasetError(f"{index.name(0)} in the cached index {cached} is gone; the data changed since it "
-                               "was listed: start with --refresh-index") from None
-        except OSError as exc:
-            log.warning("cannot check %s (%s); going on with the cached index", storage.url, exc)
-        return found
-    index = list_class_folders(storage, tick=tick)
-    save_index(index, cached)
-    return index
+        return cached_url_class_folders(storage, index_cache, refresh_index, tick)
+    if index_cache is not None and Path(location).is_dir():
+        return cached_class_folders(Path(location), index_cache, refresh_index, tick)
+    return scan_class_folders(Path(location), tick=tick)
 
 
 class SampleReader:

@@ -1,73 +1,162 @@
-"""Indexes saved to disk, so that a restart does not list a large dataset again.
+"""A cache of class-folder indexes, so a restart does not walk a million files again.
 
-One ``.npz`` per dataset location, named by a hash of the location, holding the
-``SampleIndex`` arrays and a small JSON header (format, version, location,
-classes, fingerprint).  No pickle: ``np.load(allow_pickle=False)``.  A file that
-is unreadable, of another version or of another location is ignored (and
-overwritten by the next save); ``--refresh-index`` skips it on purpose.
+One file per dataset root, ``<cache dir>/classfolders-<hash of the root>.npz``,
+holding the index and the stamp (size and mtime) of every folder it was built
+from.  It is used only while every one of those folders still has its stamp:
+adding, removing or renaming an entry changes the folder's mtime, so such
+edits are seen at the cost of one stat per folder (about a thousand for
+ImageNet) instead of one per file.  Edits that leave every folder's mtime
+alone are not seen: a file rewritten in place (same name, new content) or
+a change inside a folder reached through a link whose own mtime was restored.
+``--refresh-index`` rescans and rewrites the entry.
+
+Folder mtimes come from a coarse clock (a few ms), so a file added within the
+same tick as the scan could leave a folder's stamp unchanged.  As git does for
+its index, a scan that saw a folder modified within ``RACY_SECONDS`` of its
+start is not cached; the next start scans again.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.dataset import SampleIndex, scan_tree
 
 log = logging.getLogger(__name__)
 
-FORMAT = "prefetchd.index"
+FORMAT = "prefetchd-classfolders-cache"
 VERSION = 1
-ARRAYS = ("path_blob", "path_offsets", "labels", "member_files", "member_offsets", "member_sizes")
+RACY_SECONDS = 2.0
 
 
 def default_cache_dir() -> Path:
-    """systemd's CacheDirectory= (``$CACHE_DIRECTORY``), else ``$XDG_CACHE_HOME/prefetchd``, else ``~/.cache/prefetchd``."""
-    if os.environ.get("CACHE_DIRECTORY"):
-        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "prefetchd"
+    """systemd's ``CacheDirectory=`` (it sets $CACHE_DIRECTORY), else the user's cache folder."""
+    systemd = os.environ.get("CACHE_DIRECTORY")
+    if systemd:
+        return Path(systemd.split(":")[0])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "prefetchd" if xdg else Path.home() / ".cache" / "prefetchd"
 
 
-def cache_file(location: str, directory: Path | None = None) -> Path:
-    digest = hashlib.sha256(location.encode()).hexdigest()[:24]
-    return (directory or default_cache_dir()) / f"index-{digest}.npz"
+def cache_file(cache_dir: Path, root: Path) -> Path:
+    key = hashlib.sha256(os.fsencode(root)).hexdigest()[:24]
+    return cache_dir / f"classfolders-{key}.npz"
 
 
-def save_index(index: SampleIndex, path: Path) -> None:
-    """Write atomically (temp name, then rename): a daemon killed mid-write leaves the old file or none."""
-    header = {"format": FORMAT, "version": VERSION, "root": index.root, "classes": list(index.classes),
-              "fingerprint": index.fingerprint}
-    arrays = {name: getattr(index, name) for name in ARRAYS if getattr(index, name) is not None}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        log.warning("cannot save the index of %s to %s (%s); the next start lists it again", index.root, path, exc)
+def _signature(root: Path, rel_dirs: list[str]) -> str:
+    """The stamps of ``root``'s folders now, hashed; a folder that is gone stamps as missing."""
+    digest = hashlib.sha256()
+    for rel in rel_dirs:
+        try:
+            st = os.stat(os.path.join(root, rel) if rel else root)
+            stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            stamp = "missing"
+        digest.update(os.fsencode(rel) + b"\0" + stamp.encode() + b"\0")
+    return digest.hexdigest()
 
 
-def load_index(path: Path, location: str) -> SampleIndex | None:
-    """The index saved for ``location``, or None (with the reason logged) when there is no usable one."""
+def _pack_strings(items: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    encoded = [os.fsencode(s) for s in items]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
+
+
+def _unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
+    raw = blob.tobytes()
+    return [os.fsdecode(raw[offsets[k]:offsets[k + 1]]) for k in range(len(offsets) - 1)]
+
+
+def load(path: Path, root: Path) -> SampleIndex | None:
+    """The cached index of ``root`` if the cache holds one and the tree still matches it."""
     try:
         with np.load(path, allow_pickle=False) as npz:
-            header = json.loads(npz["header"].tobytes())
-            if header.get("format") != FORMAT or header.get("version") != VERSION or header.get("root") != location:
-                log.info("ignoring %s: an index of another version or location", path)
-                return None
-            arrays = {name: npz[name] if name in npz.files else None for name in ARRAYS}
+            arrays = {k: npz[k] for k in npz.files}
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError) as exc:
-        log.warning("ignoring the unreadable index cache %s (%s); listing again", path, exc)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        log.warning("index cache %s is unreadable (%s); rescanning %s and rewriting it", path, exc, root)
         return None
-    return SampleIndex(root=location, classes=tuple(header["classes"]), fingerprint=header["fingerprint"],
-                       **arrays)  # type: ignore[arg-type]
+    try:
+        if str(arrays["format"]) != FORMAT or int(arrays["version"]) != VERSION or str(arrays["root"]) != str(root):
+            log.info("index cache %s is from another version or dataset; rescanning %s", path, root)
+            return None
+        rel_dirs = _unpack_strings(arrays["dir_blob"], arrays["dir_offsets"])
+        if _signature(root, rel_dirs) != str(arrays["signature"]):
+            log.info("%s changed since its index was cached (a folder's size or mtime differs); rescanning", root)
+            return None
+        labels = arrays["labels"].astype(np.int64, copy=False)
+        offsets = arrays["path_offsets"].astype(np.int64, copy=False)
+        if len(offsets) != len(labels) + 1 or offsets[-1] != len(arrays["path_blob"]):
+            raise ValueError("path offsets disagree with the labels or the path blob")
+        return SampleIndex(
+            root=str(root), classes=tuple(str(c) for c in arrays["classes"]),
+            path_blob=arrays["path_blob"].astype(np.uint8, copy=False), path_offsets=offsets, labels=labels,
+            fingerprint=str(arrays["fingerprint"]),
+        )
+    except (KeyError, ValueError, IndexError) as exc:
+        log.warning("index cache %s is damaged (%s); rescanning %s and rewriting it", path, exc, root)
+        return None
+
+
+def save(path: Path, index: SampleIndex, rel_dirs: list[str], signature: str) -> None:
+    """Write the cache entry through a temporary name: a reader sees the old entry or the new, whole."""
+    dir_blob, dir_offsets = _pack_strings(rel_dirs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(
+                fh, format=np.array(FORMAT), version=np.array(VERSION), root=np.array(index.root),
+                classes=np.array(index.classes, dtype=str), path_blob=index.path_blob,
+                path_offsets=index.path_offsets, labels=index.labels, fingerprint=np.array(index.fingerprint),
+                dir_blob=dir_blob, dir_offsets=dir_offsets, signature=np.array(signature),
+            )
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
+                         tick: Callable[[], object] = lambda: None) -> SampleIndex:
+    """The class-folder index of ``root``, from ``cache_dir`` when the tree is unchanged."""
+    root = Path(root).resolve()
+    path = cache_file(cache_dir, root)
+    if not refresh:
+        index = load(path, root)
+        if index is not None:
+            log.info("indexed %s from the cache %s: %d samples in %d classes (--refresh-index rescans)",
+                     root, path, len(index), len(index.classes))
+            return index
+    started = time.time_ns()
+    scan = scan_tree(root, tick)
+    rel_dirs = [rel for rel, _stamp in scan.folders]
+    racy = [rel for rel, stamp in scan.folders
+            if stamp != "missing" and int(stamp.split(":")[1]) >= started - int(RACY_SECONDS * 1e9)]
+    if racy:
+        log.info("not caching the index of %s: %s changed less than %.0f s before the scan, too recently "
+                 "for its mtime to prove later changes; the next start scans again",
+                 root, os.path.join(root, racy[0]), RACY_SECONDS)
+        return scan.index
+    # Stamps taken before each folder was listed: an edit during the scan makes the
+    # signature differ next time, so a half-seen change is never cached as current.
+    digest = hashlib.sha256()
+    for rel, stamp in scan.folders:
+        digest.update(os.fsencode(rel) + b"\0" + stamp.encode() + b"\0")
+    try:
+        save(path, scan.index, rel_dirs, digest.hexdigest())
+    except OSError as exc:
+        log.warning("cannot write the index cache %s (%s); the next start scans %s again; "
+                    "pass --index-cache DIR with a writable folder", path, exc.strerror or exc, root)
+    return scan.index

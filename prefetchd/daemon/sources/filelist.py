@@ -1,0 +1,172 @@
+"""File lists: a CSV or TSV of ``path,label`` rows, as many labelling tools write.
+
+    path,label                      <- optional header (path/file/filename/image, label/class/target)
+    cat/001.jpg,cat                 <- relative to the list's folder
+    /data/extra/dog_17.jpg,dog      <- or absolute
+    "with, comma.jpg",cat           <- quoted as csv does
+
+The delimiter is a tab when the first row has one, else a comma.  Labels are
+either all integers (used as they are; classes are "0".."max") or all class
+names (classes sorted as ImageFolder sorts folder names, labels their
+positions).  Columns after the second are ignored.  The list is read through
+the dataset's ``Storage``, so a list in object storage works the same way.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import logging
+import os
+
+import numpy as np
+
+from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources.storage import ImageRefused, is_url, storage_for
+
+log = logging.getLogger(__name__)
+
+LIST_SUFFIXES = (".csv", ".tsv", ".txt")
+PATH_HEADERS = frozenset({"path", "file", "filename", "file_name", "filepath", "image", "img"})
+LABEL_HEADERS = frozenset({"label", "class", "target", "category", "class_name", "label_id"})
+
+
+def is_file_list(location: str) -> bool:
+    return location.lower().endswith(LIST_SUFFIXES)
+
+
+def split_location(location: str) -> tuple[str, str]:
+    """(folder the list's relative paths start from, the list's name in it)."""
+    if is_url(location):
+        folder, _, name = location.rstrip("/").rpartition("/")
+        return folder, name
+    path = os.path.abspath(location)
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def _int_label(text: str) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value
+
+
+def read_file_list(location: str) -> SampleIndex:
+    """Index the samples a file list names, in the list's order."""
+    root, name = split_location(location)
+    storage = storage_for(root)
+    try:
+        raw = bytes(storage.read(name))
+    except FileNotFoundError:
+        raise DatasetError(f"file list {location} does not exist; pass --data with a .csv/.tsv/.txt list of "
+                           "path,label rows, or a folder") from None
+    except (IsADirectoryError, ImageRefused):
+        raise DatasetError(f"{location} is not a regular file, but its name ends like a file list "
+                           f"({'/'.join(LIST_SUFFIXES)}); rename it or point --data at a list file") from None
+    except OSError as exc:
+        raise DatasetError(f"cannot read file list {location}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DatasetError(f"{location}:{line}: not valid UTF-8 (byte {exc.start}); save the list as UTF-8") from None
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    delimiter = "\t" if "\t" in first else ","
+    rows = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    paths: list[bytes] = []
+    label_texts: list[str] = []
+    lines: list[int] = []
+    seen_row = False
+    root_prefix = root.rstrip("/") + "/"
+    try:
+        for row in rows:
+            lineno = rows.line_num
+            if not row or all(not f.strip() for f in row):
+                continue
+            if not seen_row and _is_header(row):
+                seen_row = True
+                continue
+            seen_row = True
+            if len(row) < 2:
+                raise DatasetError(f"{location}:{lineno}: expected 'path{_shown(delimiter)}label', got {row!r}; "
+                                   "every row needs a path and a label")
+            path, label = row[0].strip(), row[1].strip()
+            if not path:
+                raise DatasetError(f"{location}:{lineno}: the path is empty; every row needs a file path")
+            if not label:
+                raise DatasetError(f"{location}:{lineno}: the label of {path} is empty; every row needs a label")
+            paths.append(_rel(path, root, root_prefix, location, lineno))
+            label_texts.append(label)
+            lines.append(lineno)
+    except csv.Error as exc:
+        raise DatasetError(f"{location}:{rows.line_num}: cannot parse the row ({exc}); quote paths that hold "
+                           "the delimiter or quotes as CSV does") from None
+    if not paths:
+        raise DatasetError(f"file list {location} names no samples; expected rows of 'path{_shown(delimiter)}label'")
+    classes, labels = _labels(label_texts, lines, location)
+    offsets = np.zeros(len(paths) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter((len(p) for p in paths), dtype=np.int64, count=len(paths)), out=offsets[1:])
+    # The list's bytes decide every sample and label; what is in the listed files
+    # is not stat-ed here (a list may name a million objects in a bucket).
+    digest = hashlib.sha256(b"file-list\0" + raw).hexdigest()[:32]
+    index = SampleIndex(
+        root=root, classes=classes, path_blob=np.frombuffer(b"".join(paths), dtype=np.uint8),
+        path_offsets=offsets, labels=labels, fingerprint=digest,
+    )
+    log.info("indexed file list %s: %d samples in %d classes (%.0f bytes of index per sample)",
+             location, len(index), len(classes), index.nbytes / len(index))
+    return index
+
+
+def _shown(delimiter: str) -> str:
+    return "<TAB>" if delimiter == "\t" else delimiter
+
+
+def _is_header(row: list[str]) -> bool:
+    return (len(row) >= 2 and row[0].strip().lower() in PATH_HEADERS
+            and row[1].strip().lower() in LABEL_HEADERS)
+
+
+def _rel(path: str, root: str, root_prefix: str, location: str, lineno: int) -> bytes:
+    """The path as the index stores it: relative to the list's folder where it can be.
+
+    A local absolute path outside that folder stays absolute; ``root / rel`` is
+    then the path itself, so the local storage reads it unchanged."""
+    if is_url(root):
+        if path.startswith(root_prefix):
+            return os.fsencode(path[len(root_prefix):])
+        if is_url(path) or path.startswith("/"):
+            raise DatasetError(f"{location}:{lineno}: {path} is not inside {root}; a list in object storage "
+                               "names objects relative to its own folder (or by a URL under it)")
+        return os.fsencode(path)
+    if is_url(path):
+        raise DatasetError(f"{location}:{lineno}: {path} is a URL but the list is local; "
+                           "put the list next to the objects or use paths")
+    if os.path.isabs(path):
+        norm = os.path.normpath(path)
+        return os.fsencode(norm[len(root_prefix):] if norm.startswith(root_prefix) else norm)
+    return os.fsencode(path)
+
+
+def _labels(texts: list[str], lines: list[int], location: str) -> tuple[tuple[str, ...], np.ndarray]:
+    ints = [_int_label(t) for t in texts]
+    numeric = [v is not None for v in ints]
+    if all(numeric):
+        values = np.asarray(ints, dtype=np.int64)
+        negative = int(np.argmax(values < 0)) if (values < 0).any() else -1
+        if negative >= 0:
+            raise DatasetError(f"{location}:{lines[negative]}: label {texts[negative]} is negative; "
+                               "integer labels are class numbers from 0")
+        return tuple(str(c) for c in range(int(values.max()) + 1)), values
+    if any(numeric):
+        odd = numeric.index(not numeric[0])
+        kind = "an integer" if numeric[odd] else "a class name"
+        first = "integers" if numeric[0] else "class names"
+        raise DatasetError(f"{location}:{lines[odd]}: label {texts[odd]!r} is {kind} but the list's labels start "
+                           f"as {first} (line {lines[0]}); use integers everywhere or names everywhere")
+    classes = tuple(sorted(set(texts)))
+    position = {c: k for k, c in enumerate(classes)}
+    return classes, np.fromiter((position[t] for t in texts), dtype=np.int64, count=len(texts))

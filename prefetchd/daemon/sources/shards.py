@@ -1,0 +1,232 @@
+"""Packed shards: a dataset as POSIX tar files plus an index of member offsets.
+
+    OUT/shard-000000.tar        000000000.jpg 000000000.cls 000000001.png 000000001.cls ...
+    OUT/shard-000001.tar        (WebDataset's convention: members <key>.<ext>, the label as text in <key>.cls)
+    OUT/prefetchd-index.npz     format, version, classes, fingerprint, shards, and per sample:
+                                shard (int32), offset and size of its image member's data (int64), label (int64)
+
+Any tar reader (``tar tf``, Python's tarfile, WebDataset) reads the shards; the
+daemon reads sample ``i`` with one positioned read of ``size[i]`` bytes at
+``offset[i]`` of its shard.  The index is written last, through a temporary
+name, so a folder whose pack was interrupted has no index and is not taken
+for a dataset.  Sample ``i`` of the shards is sample ``i`` of the source
+unless the pack was shuffled (then ``source_index[i]`` says which it was).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+import tarfile
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable, is_url, storage_for
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "prefetchd-index.npz"
+FORMAT = "prefetchd-shards"
+VERSION = 1
+SHARD_NAME = "shard-{:06d}.tar"
+KEY = "{:09d}"
+BLOCK = tarfile.BLOCKSIZE  # 512: tar pads every member's data to whole blocks
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``1GB`` (10^9), ``500MB``, ``1GiB`` (2^30), ``4096`` (bytes) -> bytes."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write a number with a unit such as 1GB, 500MB or 1GiB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"{text!r} is less than one byte; shards need a positive size such as 1GB")
+    return size
+
+
+# -- reading ----------------------------------------------------------------------
+
+
+def has_shard_index(location: str) -> bool:
+    """Whether ``location`` is a folder with a shard index, asked through its storage."""
+    try:
+        storage_for(location).read(INDEX_NAME, 0, 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except (StorageDenied, StorageUnavailable):  # the store, not the index: the caller says what to fix
+        raise
+    except OSError:  # the index exists but reading it fails: read_shard_index says why
+        return True
+    return True
+
+
+def read_shard_index(location: str) -> SampleIndex:
+    """The index of a packed dataset, checked before it is trusted."""
+    root = location if is_url(location) else str(Path(location).resolve())
+    where = f"{root.rstrip('/')}/{INDEX_NAME}"
+    try:
+        raw = bytes(storage_for(root).read(INDEX_NAME))
+        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except OSError as exc:
+        raise DatasetError(f"cannot read shard index {where}: {exc.strerror or exc}") from None
+    except (ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise DatasetError(f"shard index {where} is damaged ({exc}); pack the dataset again with "
+                           "`prefetchd pack SRC OUT --force`") from None
+    fmt = str(arrays.get("format", ""))
+    version = int(arrays["version"]) if "version" in arrays else None
+    if fmt != FORMAT or version != VERSION:
+        raise DatasetError(f"{where} is format {fmt!r} version {version}, but this prefetchd reads {FORMAT!r} "
+                           f"version {VERSION}; pack the dataset again with this version or upgrade prefetchd")
+    try:
+        shards = [str(s) for s in arrays["shards"]]
+        classes = tuple(str(c) for c in arrays["classes"])
+        shard = arrays["shard"].astype(np.int32, copy=False)
+        offset = arrays["offset"].astype(np.int64, copy=False)
+        size = arrays["size"].astype(np.int64, copy=False)
+        label = arrays["label"].astype(np.int64, copy=False)
+        fingerprint = str(arrays["fingerprint"])
+    except KeyError as exc:
+        raise DatasetError(f"shard index {where} lacks {exc}; pack the dataset again") from None
+    n = len(label)
+    if not (len(shard) == len(offset) == len(size) == n) or n == 0:
+        raise DatasetError(f"shard index {where}: per-sample arrays disagree in length or are empty; pack again")
+    if shard.min() < 0 or shard.max() >= len(shards) or label.min() < 0 or label.max() >= len(classes) \
+            or offset.min() < 0 or size.min() < 0:
+        raise DatasetError(f"shard index {where}: a shard number, label, offset or size is out of range; pack again")
+    names = [os.fsencode(s) for s in shards]
+    offsets = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum([len(s) for s in names], out=offsets[1:])
+    index = SampleIndex(
+        root=root, classes=classes, path_blob=np.frombuffer(b"".join(names), dtype=np.uint8),
+        path_offsets=offsets, labels=label, fingerprint=fingerprint,
+        member_files=shard, member_offsets=offset, member_sizes=size,
+    )
+    log.info("indexed shards %s: %d samples in %d shards, %d classes (%.0f bytes of index per sample)",
+             root, n, len(shards), len(classes), index.nbytes / n)
+    return index
+
+
+# -- writing ----------------------------------------------------------------------
+
+
+def _member(name: str, size: int) -> tarfile.TarInfo:
+    # Fixed owner, mode and time: packing the same data twice gives the same bytes.
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    return info
+
+
+def _extension(rel: str) -> str:
+    ext = os.path.splitext(rel)[1].lower().lstrip(".")
+    return ext if ext and ext.isalnum() else "img"
+
+
+class ShardWriter:
+    """Appends samples to numbered tar shards, starting a new one past ``shard_size`` bytes."""
+
+    def __init__(self, out: Path, shard_size: int) -> None:
+        self.out, self.shard_size = out, shard_size
+        self.shards: list[str] = []
+        self.tar: tarfile.TarFile | None = None
+
+    def add(self, key: str, ext: str, data: bytes, label: int) -> tuple[int, int]:
+        """Write one sample; (shard number, offset of its image data in that shard)."""
+        cls = str(label).encode()
+        # Two headers, both members' padded data, and the end-of-archive blocks padded to a record:
+        # a shard never grows past shard_size unless one sample alone is bigger.
+        need = 4 * BLOCK + -(-len(data) // BLOCK) * BLOCK + 2 * BLOCK + tarfile.RECORDSIZE
+        if self.tar is None or (self.tar.offset > 0 and self.tar.offset + need > self.shard_size):
+            self._next_shard()
+        assert self.tar is not None
+        self.tar.addfile(_member(f"{key}.{ext}", len(data)), io.BytesIO(data))
+        # After addfile the position is past the data and its padding to whole blocks.
+        offset = self.tar.offset - -(-len(data) // BLOCK) * BLOCK
+        self.tar.addfile(_member(f"{key}.cls", len(cls)), io.BytesIO(cls))
+        return len(self.shards) - 1, offset
+
+    def _next_shard(self) -> None:
+        self.close()
+        name = SHARD_NAME.format(len(self.shards))
+        self.shards.append(name)
+        self.tar = tarfile.open(self.out / name, "w", format=tarfile.USTAR_FORMAT)
+
+    def close(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+            self.tar = None
+
+
+def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | None = None, force: bool = False,
+         progress: Callable[[Iterator[int]], Iterator[int]] = lambda it: it) -> dict[str, Any]:
+    """Write ``index``'s samples into shards under ``out``; returns a summary.
+
+    A sample that cannot be read is packed as an empty member, so indices stay
+    aligned with the source and the daemon replaces it as it does any bad file.
+    """
+    from prefetchd.daemon.sources import SampleReader  # the package imports this module
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise DatasetError(f"{out} is not empty; pack into a new folder, or pass --force to replace "
+                               "the shards and index in it")
+        # The old index goes first: an interrupted repack must not look complete.
+        (out / INDEX_NAME).unlink(missing_ok=True)
+        for old in out.glob("shard-*.tar"):
+            old.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(index)
+    order = (np.random.Generator(np.random.PCG64(shuffle_seed)).permutation(n) if shuffle_seed is not None
+             else np.arange(n)).astype(np.int64)
+    reader = SampleReader(index)
+    writer = ShardWriter(out, shard_size)
+    shard = np.zeros(n, dtype=np.int32)
+    offset = np.zeros(n, dtype=np.int64)
+    size = np.zeros(n, dtype=np.int64)
+    labels = index.labels[order].astype(np.int64)
+    unreadable = 0
+    try:
+        for i in progress(iter(range(n))):
+            src = int(order[i])
+            try:
+                data = bytes(reader.read(src))
+            except OSError as exc:
+                log.warning("cannot read %s (%s); packed as an empty member, which the daemon replaces",
+                            index.name(src), exc.strerror or exc)
+                data, unreadable = b"", unreadable + 1
+            shard[i], offset[i] = writer.add(KEY.format(i), _extension(index.location(src)[0]), data, int(labels[i]))
+            size[i] = len(data)
+    finally:
+        writer.close()
+    digest = hashlib.sha256(f"{FORMAT}:{VERSION}:{index.fingerprint}:{shuffle_seed}:{shard_size}".encode())
+    digest.update(shard.tobytes() + offset.tobytes() + size.tobytes() + labels.tobytes())
+    arrays = dict(
+        format=np.array(FORMAT), version=np.array(VERSION), classes=np.array(index.classes, dtype=str),
+        shards=np.array(writer.shards, dtype=str), fingerprint=np.array(digest.hexdigest()[:32]),
+        shard=shard, offset=offset, size=size, label=labels, source_index=order,
+    )
+    tmp = out / f".{INDEX_NAME}.tmp"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)  # type: ignore[arg-type]
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out / INDEX_NAME)
+    return {"samples": n, "shards": len(writer.shards), "unreadable": unreadable,
+            "bytes": sum((out / s).stat().st_size for s in writer.shards)}

@@ -1,0 +1,136 @@
+"""Liveness with real processes and real signals: a stopped daemon is called stuck, a killed one
+gone, and the heartbeat keeps a slow or starting daemon from looking stuck.
+
+Timings are bounds with generous slack, never speeds: the machine is shared."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prefetchd.buffer_protocol import Progress, daemon_pid, list_batches, read_status
+from prefetchd.daemon.cli import describe_status, format_status
+from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck
+
+SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7"]
+STALL = 3.0
+SLACK = 4.0  # the loader checks every STALL / 4; the daemon beats every second
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_running(buffer: Path, pid: int) -> None:
+    """Until the daemon's controller loop beats (a stall bound of seconds is for a running daemon,
+    not for one whose fork server is still importing torch on a busy machine)."""
+    def running() -> bool:
+        status = read_status(buffer)
+        return status is not None and status.get("pid") == pid and status.get("state") in ("filling", "full")
+    wait_for(running, 60, f"the daemon (pid {pid}) to run")
+
+
+def test_stopped_daemon_is_reported_stuck_within_the_stall_timeout(shapes_data: Path, shm_dir: Path,
+                                                                   start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--epochs", "1",
+                          "--high-water", "2", "--low-water", "1")
+    wait_running(buffer, daemon.proc.pid)
+    loader = BufferLoader(buffer, normalize=False, timeout=120, stall_timeout=STALL)
+    it = iter(loader)
+    steps = [next(it).step]
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(DaemonStuck) as info:
+            for batch in it:  # the batches already published are served; the next one never comes
+                steps.append(batch.step)
+        elapsed = time.monotonic() - start
+        assert elapsed < STALL + SLACK + 2 * 1.0, f"took {elapsed:.1f} s to notice"
+        msg = str(info.value)
+        pid = daemon.proc.pid
+        assert f"pid {pid}" in msg and str(buffer) in msg
+        assert f"py-spy dump --pid {pid}" in msg and "stall_timeout 3 s" in msg
+        assert "last state" in msg and "prefetchd start --buffer" in msg
+        # Stuck is not gone: the stopped daemon still owns the buffer.
+        assert daemon_pid(buffer) == pid
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    resumed = time.time()
+    wait_for(lambda: (read_status(buffer) or {}).get("heartbeat", 0) > resumed, 30, "a heartbeat after SIGCONT")
+    # Running again it beats again, and the same iterator goes on from the batch it waited for.
+    steps += [b.step for b in it]
+    assert steps == list(range(len(loader)))
+
+
+def test_killed_daemon_is_reported_gone(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--epochs", "1",
+                          "--high-water", "2", "--low-water", "1")
+    wait_running(buffer, daemon.proc.pid)
+    loader = BufferLoader(buffer, normalize=False, timeout=120, daemon_grace=1.0, stall_timeout=STALL)
+    it = iter(loader)
+    next(it)
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(10)
+    start = time.monotonic()
+    with pytest.raises(DaemonGone, match="no prefetchd daemon owns this buffer"):
+        for _ in it:
+            pass
+    assert time.monotonic() - start < 1.0 + SLACK
+
+
+TRAINER = """
+import sys
+from prefetchd.trainer import BufferLoader
+with BufferLoader(sys.argv[1], normalize=False, timeout=60) as loader:
+    it = iter(loader)
+    next(it), next(it)
+"""
+
+
+def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "3", "--low-water", "1")
+    trainer = subprocess.run([sys.executable, "-c", TRAINER, str(buffer)], capture_output=True, text=True, timeout=120)
+    assert trainer.returncode == 0, trainer.stderr
+
+    def trainer_is(alive: bool) -> bool:
+        t = (read_status(buffer) or {}).get("trainer") or {}
+        return t.get("alive") is alive
+
+    wait_for(lambda: trainer_is(False), 30, "the status to say the trainer is gone")
+    status = read_status(buffer)
+    assert status is not None and status["trainer"]["pid"] == trainer_pid(buffer)
+    assert status["progress"] == {"epoch": 0, "step": 2, "trainer_wait_share": status["progress"]["trainer_wait_share"]}
+    # It keeps the window full and then sleeps there.
+    wait_for(lambda: (read_status(buffer) or {}).get("state") == "full", 30, "a full buffer")
+    assert len(list_batches(buffer)) == 3
+    text = format_status(describe_status(buffer))
+    assert f"trainer pid {trainer_pid(buffer)} GONE" in text and "progress moved" in text
+    time.sleep(2.5)  # a few more status periods: still one message
+    assert daemon.log.count("has gone away") == 1, daemon.log
+    assert f"trainer (pid {trainer_pid(buffer)}) has gone away" in daemon.log
+
+    # A trainer comes back (this process): said once, and the status shows it alive.
+    with BufferLoader(buffer, normalize=False, timeout=60) as loader:
+        next(iter(loader))  # a new trainer without a checkpoint starts over: the daemon regenerates
+        wait_for(lambda: trainer_is(True), 30, "the status to say the trainer is back")
+        assert f"trainer is back (pid {os.getpid()})" in daemon.log
+        assert f"trainer pid {os.getpid()} alive" in format_status(describe_status(buffer))
+    assert daemon.log.count("is back") == 1
+
+
+def trainer_pid(buffer: Path) -> int | None:
+    p = Progress.read(buffer)
+    return p.pid if p is not None else None

@@ -1,0 +1,65 @@
+"""Every layout through a real daemon and BufferLoader: each sample exactly once per
+epoch, and with the same seed the same batches as the class folders they came from."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torchvision.datasets import ImageFolder
+
+from prefetchd.daemon.sources import open_dataset
+from prefetchd.daemon.sources.shards import pack
+from prefetchd.trainer import BufferLoader
+
+ARGS = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--seed", "5", "--epochs", "2", "--high-water", "4"]
+EPOCHS = 2
+
+
+def run_epochs(start_daemon, buffer: Path, data: Path, labels: np.ndarray) -> list[tuple[int, int, str, list[int]]]:
+    """(epoch, step, image digest, indices) of every batch of two epochs, checking each epoch covers every sample once."""
+    daemon = start_daemon(buffer, "--data", data, *ARGS)
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    batches = []
+    for epoch in range(EPOCHS):
+        seen: list[int] = []
+        for batch in loader:
+            images, got = batch
+            indices = batch.indices.numpy()
+            np.testing.assert_array_equal(got.numpy(), labels[indices])
+            seen.extend(indices.tolist())
+            batches.append((batch.epoch, batch.step, hashlib.sha256(images.numpy().tobytes()).hexdigest(),
+                            indices.tolist()))
+        assert sorted(seen) == list(range(len(labels))), f"{data}: epoch {epoch} does not hold every sample once"
+    loader.close()
+    assert daemon.wait_exit(30) == 0, daemon.log
+    return batches
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, object]:
+    """The class folders' batches, produced once by whichever test needs them first."""
+    return {}
+
+
+@pytest.mark.parametrize("layout", ["file-list", "shards"])
+def test_each_layout_gives_every_sample_once_and_the_class_folders_batches(
+    layout: str, shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon, reference: dict[str, object]
+) -> None:
+    folders = shapes_data / "train"
+    ref = ImageFolder(str(folders))
+    targets = np.asarray(ref.targets)
+    if "batches" not in reference:
+        reference["batches"] = run_epochs(start_daemon, shm_dir / "folders", folders, targets)
+    if layout == "file-list":
+        data = tmp_path / "train.csv"
+        # Class names and absolute paths, in ImageFolder's order, so sample i is the same image.
+        data.write_text("path,label\n" + "".join(f"{p},{ref.classes[t]}\n" for p, t in ref.samples))
+    else:
+        data = tmp_path / "shards"
+        summary = pack(open_dataset(folders), data, shard_size=64 * 1024)
+        assert summary["shards"] > 2
+    batches = run_epochs(start_daemon, shm_dir / layout, data, targets)
+    assert batches == reference["batches"]

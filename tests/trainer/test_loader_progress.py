@@ -1,0 +1,84 @@
+"""progress.json as the loader keeps it under faults: rewritten while waiting when someone else
+rewound or damaged it, and retried (not fatal) while the tmpfs is full."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from prefetchd.buffer_protocol import Progress
+from prefetchd.trainer import BufferLoader
+
+if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
+    from conftest import MakeJob
+
+
+def test_a_rewound_progress_file_is_written_again_while_the_loader_waits(make_job: MakeJob) -> None:
+    job = make_job(samples=12, batch_size=4, write=0)
+    job.claim(os.getpid())  # a live owner: the loader waits instead of raising DaemonGone
+    for step in range(2):
+        job.write(0, step)
+    loader = BufferLoader(job.buffer, normalize=False, timeout=20, daemon_grace=20)
+    it = iter(loader)
+    next(it)
+    next(it)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(next(it)))
+    waiter.start()  # publishes (0, 2) and waits for that batch
+    deadline = time.monotonic() + 10
+    while Progress.read(job.buffer) != Progress(0, 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # A stale writer (another trainer from an old checkpoint, a bad script) rewinds the file:
+    # a daemon would now build batches 0 and 1 again and never batch 2.
+    Progress(0, 0).write(job.buffer)
+    deadline = time.monotonic() + 5
+    while Progress.read(job.buffer) != Progress(0, 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    restored = Progress.read(job.buffer)
+    job.write(0, 2)
+    waiter.join(20)
+    assert restored == Progress(0, 2), "the waiting loader must put its position back"
+    assert got and got[0].step == 2
+    loader.close()
+
+
+@pytest.mark.root
+def test_a_full_tmpfs_delays_progress_instead_of_killing_the_trainer(make_job: MakeJob, tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = Path("/dev/shm") / f"pfd-enospc-{uuid.uuid4().hex[:8]}"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        job = make_job(mnt / "bf", samples=16, batch_size=4, write=0)
+        for step in range(4):
+            job.write(0, step)
+        loader = BufferLoader(job.buffer, normalize=False, timeout=10, daemon_grace=10)
+        it = iter(loader)
+        next(it)
+        filler = mnt / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:  # every free block, so progress.json cannot be replaced
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        steps = [next(it).step for _ in range(3)]  # each publishes, and each write fails
+        assert steps == [1, 2, 3]
+        assert Progress.read(job.buffer) == Progress(0, 0)
+        filler.unlink()
+        loader.close()  # the retry goes through once there is room
+        assert Progress.read(job.buffer) == Progress(1, 0)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        mnt.rmdir()

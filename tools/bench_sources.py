@@ -1,0 +1,97 @@
+"""Sample reads per second from each dataset layout, on the same generated JPEGs.
+
+    python tools/bench_sources.py [--images 4000] [--dir /dev/shm] [--seconds 5] [--shard-size 64MB]
+                                  [--location NAME=URL_OR_PATH ...] [--keep]
+
+Generates ImageNet-like JPEGs in class folders, writes a file list of them and
+packs them into shards, then reads samples in a random order (as a shuffled
+epoch does) through ``open_dataset`` + ``SampleReader`` -- the daemon's own read
+path, without decoding -- for --seconds per layout.  Every file is in the page
+cache (just written), so this measures what each layout costs per read beyond
+the storage itself: open, fstat, read and close of a small file per sample vs
+an open and one positioned read in a shard.  ``--location NAME=LOCATION`` adds
+a row for another copy of the data (an s3:// prefix, say), read the same way
+by ``reads_per_second``.  Results: docs/SOURCES.md.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from prefetchd.daemon.sources import SampleReader, open_dataset
+from prefetchd.daemon.sources.shards import pack, parse_size
+from prefetchd.synthetic import make_imagenet_like
+
+
+def reads_per_second(location: str, seconds: float, seed: int = 0) -> tuple[float, float, int]:
+    """(reads/s, MB/s, samples) reading ``location``'s samples in a seeded random order for ``seconds``."""
+    index = open_dataset(location)
+    reader = SampleReader(index)
+    order = np.random.default_rng(seed).permutation(len(index))
+    done = nbytes = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for i in order[done % len(order):][:256].tolist():
+            nbytes += len(reader.read(i))
+            done += 1
+    elapsed = time.perf_counter() - start
+    return done / elapsed, nbytes / elapsed / 1e6, len(index)
+
+
+def local_layouts(work: Path, images: int, shard_size: int) -> dict[str, str]:
+    """The same images as class folders, as a file list and as shards; name -> location."""
+    folders = work / "folders"
+    classes = 10
+    make_imagenet_like(folders, classes=classes, per_class=max(1, images // classes), seed=0,
+                       workers=len(os.sched_getaffinity(0)))
+    index = open_dataset(folders)
+    listing = work / "list.csv"
+    listing.write_text("".join(f"folders/{index.file(i)},{index.classes[index.labels[i]]}\n"
+                               for i in range(len(index))))
+    pack(index, work / "shards", shard_size)
+    return {"class folders (small files)": str(folders), "file list (small files)": str(listing),
+            "shards": str(work / "shards")}
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--images", type=click.IntRange(10), default=4000, show_default=True)
+@click.option("--dir", "base", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()),
+              show_default=True, help="Where the data is generated (removed afterwards unless --keep).")
+@click.option("--seconds", type=click.FloatRange(0.01), default=5.0, show_default=True, help="Reading time per layout.")
+@click.option("--shard-size", default="64MB", show_default=True)
+@click.option("--location", "extra", multiple=True, metavar="NAME=LOCATION",
+              help="Also read this copy of the data (any --data the daemon takes, e.g. s3://bucket/shards).")
+@click.option("--keep", is_flag=True)
+def main(images: int, base: Path, seconds: float, shard_size: str, extra: tuple[str, ...], keep: bool) -> None:
+    work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-sources-", dir=base))
+    try:
+        layouts = local_layouts(work, images, parse_size(shard_size))
+        for item in extra:
+            name, sep, location = item.partition("=")
+            if not sep:
+                raise click.BadParameter(f"{item!r}: expected NAME=LOCATION", param_hint="--location")
+            layouts[name] = location
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+        click.echo(f"machine: {len(os.sched_getaffinity(0))} CPUs ({cpu}), Python {platform.python_version()}; "
+                   f"data in {base}, random order, 1 reader thread, {seconds:g} s per layout")
+        click.echo("| layout | samples | reads/s | MB/s |")
+        click.echo("|---|---:|---:|---:|")
+        for name, location in layouts.items():
+            rate, mbps, n = reads_per_second(location, seconds)
+            click.echo(f"| {name} | {n} | {rate:,.0f} | {mbps:,.0f} |")
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
