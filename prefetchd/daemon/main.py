@@ -197,8 +197,8 @@ def check_capacity(cfg: DaemonConfig) -> None:
 
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
-    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access",
-    "metrics_port", "metrics_address", "metrics_textfile", "readers", "index_cache",
+    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
+    "metrics_port", "metrics_address", "metrics_textfile", "readers",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0

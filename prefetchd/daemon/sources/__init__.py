@@ -5,17 +5,19 @@ into a ``SampleIndex``; ``SampleReader(index).read(i)`` returns sample ``i``'s
 encoded bytes from its storage.  The producer and workers see only these two,
 so every layout gets the same determinism and bad-sample handling.
 
-Layouts, tried in this order, on a local disk or under an object-storage URL
-(``s3://bucket/prefix``; storage in ``storage.py``):
-- a file list: ``location`` is a ``.csv``/``.tsv``/``.txt`` of ``path,label`` rows (``filelist.py``);
+Layouts, tried in this order:
 - packed shards: a folder holding ``prefetchd-index.npz`` (``shards.py``, written by `prefetchd pack`);
-- class folders, as torchvision ImageFolder (``prefetchd.daemon.dataset``; under a URL ``objects.py``),
-  whose index is cached by ``index_cache.py`` so that a restart does not walk or list them again.
+- a file list: ``location`` is a ``.csv``/``.tsv``/``.txt`` of ``path,label`` rows (``filelist.py``);
+- class folders, as torchvision ImageFolder (``prefetchd.daemon.dataset``, cached by ``index_cache.py``).
+
+Each works on a local path and under an object-storage URL (``s3://bucket/prefix``):
+lists and shard indexes are read through the dataset's ``Storage``, class folders
+under a URL are listed by ``objects.py`` and their index cached so that a restart
+does not list again.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,56 +26,36 @@ from pathlib import Path
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.filelist import is_file_list, read_file_list
-from prefetchd.daemon.sources.index_cache import cached_class_folders, load_index, save_index, url_cache_file
+from prefetchd.daemon.sources.index_cache import cached_class_folders
 from prefetchd.daemon.sources.shards import has_shard_index, read_shard_index
-from prefetchd.daemon.sources.storage import FsspecStorage, Storage, StorageDenied, storage_for
+from prefetchd.daemon.sources.storage import FsspecStorage, Storage, StorageDenied, StorageUnavailable, storage_for
 from prefetchd.locations import is_url
-
-log = logging.getLogger(__name__)
 
 
 def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None, index_cache: Path | None = None,
                  refresh_index: bool = False) -> SampleIndex:
     """Index the dataset at ``location``; ``tick`` is called now and then while that takes long.
 
-    Class folders are cached in ``index_cache`` (no cache when ``None``); ``refresh_index``
-    walks or lists them again even when the cache looks current."""
+    Class folders are cached in ``index_cache`` (locally: no cache when ``None``; under a
+    URL: the default cache folder then); ``refresh_index`` rescans them even when the
+    cache looks current."""
     location = str(location)
     storage = storage_for(location)  # an unsupported URL is refused here, before any listing
     if is_file_list(location):
         return read_file_list(location)
-    if has_shard_index(location):
+    try:
+        shards = has_shard_index(location)
+    except (StorageDenied, StorageUnavailable) as exc:  # no credentials, no bucket: say so, not "no shards"
+        raise DatasetError(str(exc)) from None
+    if shards:
         return read_shard_index(location)
     if isinstance(storage, FsspecStorage):
-        return _url_class_folders(storage, tick, index_cache, refresh_index)
+        from prefetchd.daemon.sources.objects import cached_url_class_folders
+
+        return cached_url_class_folders(storage, index_cache, refresh_index, tick)
     if index_cache is not None and Path(location).is_dir():
         return cached_class_folders(Path(location), index_cache, refresh_index, tick)
     return scan_class_folders(Path(location), tick=tick)
-
-
-def _url_class_folders(storage: FsspecStorage, tick: Callable[[], object], cache_dir: Path | None,
-                       refresh: bool) -> SampleIndex:
-    from prefetchd.daemon.sources.objects import list_class_folders
-
-    cached = url_cache_file(storage.url, cache_dir)
-    found = None if refresh else load_index(cached, storage.url)
-    if found is not None:
-        index = found
-        log.info("using the cached index of %s from %s (%d samples; --refresh-index lists it again)",
-                 storage.url, cached, len(index))
-        try:  # one request, so that missing credentials or a gone bucket fail here and not in every worker
-            storage.call(f"checking {storage.url}", lambda: storage.fs.info(storage.path(index.file(0))))
-        except StorageDenied as exc:
-            raise DatasetError(str(exc)) from None
-        except FileNotFoundError:
-            raise DatasetError(f"{index.name(0)} in the cached index {cached} is gone; the data changed since it "
-                               "was listed: start with --refresh-index") from None
-        except OSError as exc:
-            log.warning("cannot check %s (%s); going on with the cached index", storage.url, exc)
-        return found
-    index = list_class_folders(storage, tick=tick)
-    save_index(index, cached)
-    return index
 
 
 class SampleReader:

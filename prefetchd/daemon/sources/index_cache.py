@@ -10,10 +10,6 @@ alone are not seen: a file rewritten in place (same name, new content) or
 a change inside a folder reached through a link whose own mtime was restored.
 ``--refresh-index`` rescans and rewrites the entry.
 
-A dataset under a URL has no folder mtimes to check cheaply: its whole index is
-kept in ``index-<hash of the URL>.npz`` (``save_index``/``load_index``) and used
-until ``--refresh-index`` lists it again.
-
 Folder mtimes come from a coarse clock (a few ms), so a file added within the
 same tick as the scan could leave a folder's stamp unchanged.  As git does for
 its index, a scan that saw a folder modified within ``RACY_SECONDS`` of its
@@ -23,7 +19,6 @@ start is not cached; the next start scans again.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -165,49 +160,3 @@ def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
         log.warning("cannot write the index cache %s (%s); the next start scans %s again; "
                     "pass --index-cache DIR with a writable folder", path, exc.strerror or exc, root)
     return scan.index
-
-
-# -- indexes of datasets under a URL ----------------------------------------
-
-URL_FORMAT = "prefetchd.index"
-URL_VERSION = 1
-ARRAYS = ("path_blob", "path_offsets", "labels", "member_files", "member_offsets", "member_sizes")
-
-
-def url_cache_file(location: str, directory: Path | None = None) -> Path:
-    digest = hashlib.sha256(location.encode()).hexdigest()[:24]
-    return (directory or default_cache_dir()) / f"index-{digest}.npz"
-
-
-def save_index(index: SampleIndex, path: Path) -> None:
-    """Write atomically (temp name, then rename): a daemon killed mid-write leaves the old file or none."""
-    header = {"format": URL_FORMAT, "version": URL_VERSION, "root": index.root, "classes": list(index.classes),
-              "fingerprint": index.fingerprint}
-    arrays = {name: getattr(index, name) for name in ARRAYS if getattr(index, name) is not None}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        log.warning("cannot save the index of %s to %s (%s); the next start lists it again", index.root, path, exc)
-
-
-def load_index(path: Path, location: str) -> SampleIndex | None:
-    """The index saved for ``location``, or None (with the reason logged) when there is no usable one."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            header = json.loads(npz["header"].tobytes())
-            if header.get("format") != URL_FORMAT or header.get("version") != URL_VERSION or header.get("root") != location:
-                log.info("ignoring %s: an index of another version or location", path)
-                return None
-            arrays = {name: npz[name] if name in npz.files else None for name in ARRAYS}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError) as exc:
-        log.warning("ignoring the unreadable index cache %s (%s); listing again", path, exc)
-        return None
-    return SampleIndex(root=location, classes=tuple(header["classes"]), fingerprint=header["fingerprint"],
-                       **arrays)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ import numpy as np
 
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import DatasetError
-from prefetchd.daemon.sources.storage import is_url, storage_for
+from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable, is_url, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ def has_shard_index(location: str) -> bool:
         storage_for(location).read(INDEX_NAME, 0, 1)
     except (FileNotFoundError, NotADirectoryError):
         return False
+    except (StorageDenied, StorageUnavailable):  # the store, not the index: the caller says what to fix
+        raise
     except OSError:  # the index exists but reading it fails: read_shard_index says why
         return True
     return True
