@@ -65,7 +65,7 @@ def local_layouts(work: Path, images: int, shard_size: int, kind: str = "imagene
     """The same images as class folders, as a file list and as shards; name -> location.
     What ``work`` already holds from an earlier run is reused."""
     folders = work / "folders"
-    classes = 10
+    classes = 8 if kind == "small" else 10  # the shapes generator draws 8 kinds of shape
     if not folders.is_dir():
         if kind == "small":
             make_shapes_dataset(work / "shapes", classes=classes, train_per_class=max(1, images // classes),
