@@ -269,6 +269,10 @@ def _trainers(status: Mapping[str, Any], consumed: float) -> str:
     shares = [_number(p["trainer_wait_share"]) for p in ranks or [slowest] if p.get("trainer_wait_share") is not None]
     if shares:
         details.append(f"waits {max(shares):.0%} for data")
+    trainers = [s.get("trainer") for s in status.get("streams") or () if isinstance(s, Mapping)] or [status.get("trainer")]
+    gone = sum(isinstance(t, Mapping) and t.get("alive") is False for t in trainers)
+    if gone:
+        details.append("gone" if len(trainers) == 1 else f"{gone} gone")
     return f"{text} ({', '.join(details)})" if details else text
 
 

@@ -1,5 +1,6 @@
-"""Liveness with real processes and real signals: a stopped daemon is called stuck, a killed one
-gone, and the heartbeat keeps a slow or starting daemon from looking stuck.
+"""Liveness with real processes and real signals: a stopped daemon is called stuck and a killed
+one gone, and the daemon says whether its trainer is still there.  (Restarts under
+prefetchd-train --spawn-daemon: tests/trainer/test_spawn_daemon.py.)
 
 Timings are bounds with generous slack, never speeds: the machine is shared."""
 

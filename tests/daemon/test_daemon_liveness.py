@@ -10,7 +10,7 @@ from prefetchd.buffer_protocol import read_status
 from prefetchd.daemon.main import StartupBeat
 from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.producer import STATUS_SECONDS
-from prefetchd.daemon.sdnotify import Notifier
+from prefetchd.daemon.sdnotify import Notifier, status_line
 
 
 def test_startup_beat_writes_a_throttled_heartbeat(tmp_path: Path) -> None:
@@ -42,3 +42,11 @@ def test_metrics_say_whether_the_trainer_is_there() -> None:
     status["trainer"] = {"pid": None, "alive": None, "progress_age_s": None}  # no trainer yet: no figure
     families = {f.name: f for f in StatusCollector(Path("/dev/shm/bf"), lambda: status).collect()}
     assert "prefetchd_trainer_alive" not in families and "prefetchd_trainer_progress_age_seconds" not in families
+
+
+def test_systemd_status_line_says_the_trainer_is_gone() -> None:
+    status = {"state": "full", "waiting": 4, "high_water": 4, "progress": {"epoch": 1, "step": 40},
+              "trainer": {"pid": 12, "alive": False, "progress_age_s": 42.0}}
+    assert status_line(status) == "full 4/4 batches, 0 img/s, trainer at epoch 1 step 40 (gone)"
+    status["trainer"] = {"pid": 12, "alive": True, "progress_age_s": 1.0}
+    assert status_line(status) == "full 4/4 batches, 0 img/s, trainer at epoch 1 step 40"
