@@ -150,6 +150,7 @@ class Report:
     problems: list[str]
     seconds: float
     reference_seconds: float
+    skipped: int = 0  # scheduled faults that found nothing to damage (no waiting batch)
 
     @property
     def ok(self) -> bool:
@@ -179,7 +180,7 @@ class Report:
         )
         lines.append(
             f"unexpected: trainer exits {len(self.trainer_crashes)}, daemon exits {len(self.daemon_exits)}, "
-            f"hangs {self.hangs}, faults without recovery {self.unrecovered}; "
+            f"hangs {self.hangs}, faults without recovery {self.unrecovered}, skipped (nothing to damage) {self.skipped}; "
             f"faulted run {self.seconds:.0f} s; the reference trainer ran alongside for {self.reference_seconds:.0f} s"
         )
         for p in self.problems[:20]:
@@ -250,6 +251,7 @@ class Harness:
         self.daemon_exits: list[str] = []
         self.pending_second: list[tuple[Fault, subprocess.Popen[bytes], Path]] = []
         self.hangs = 0
+        self.skipped = 0
         self.finished = False
 
     # -- setup -------------------------------------------------------------------
@@ -499,6 +501,9 @@ class Harness:
             getattr(self, f"inject_{kind}")(fault, rng)
             if not fault.t_ref:
                 fault.t_ref = fault.t_inject
+            if fault.detail == "no waiting batch":  # nothing was damaged: not counted as injected
+                self.skipped += 1
+                continue
             faults.append(fault)
             if not self.wait_until(lambda: self.last_batch_time() > fault.t_ref or self.finished, RECOVERY_TIMEOUT):
                 self.hangs += 1
@@ -805,7 +810,7 @@ class Harness:
             positions=self.positions, **acc,
             protocol_errors=sum(1 for r in records if r.get("event") == "protocol_error"),
             trainer_crashes=self.trainer_crashes, daemon_exits=self.daemon_exits, hangs=self.hangs,
-            unrecovered=unrecovered, seconds=seconds, reference_seconds=ref_seconds,
+            unrecovered=unrecovered, seconds=seconds, reference_seconds=ref_seconds, skipped=self.skipped,
         )
 
 
