@@ -19,8 +19,7 @@ from pathlib import Path
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.sources.index_cache import cached_class_folders
 from prefetchd.daemon.sources.filelist import is_file_list, read_file_list
-from prefetchd.daemon.errors import DatasetError
-from prefetchd.daemon.sources.shards import INDEX_NAME, has_shard_index, read_shard_index
+from prefetchd.daemon.sources.shards import has_shard_index, read_shard_index
 from prefetchd.daemon.sources.storage import Storage, is_url, storage_for
 
 
@@ -36,9 +35,6 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
         return read_file_list(location)
     if has_shard_index(location):
         return read_shard_index(location)
-    if not is_url(location) and any(Path(location).glob("shard-*.tar")):
-        raise DatasetError(f"{location} holds shards but no {INDEX_NAME}: `prefetchd pack` did not finish "
-                           "(the index is written last); pack again with --force")
     if index_cache is not None and Path(location).is_dir():
         return cached_class_folders(Path(location), index_cache, refresh_index, tick)
     return scan_class_folders(Path(location), tick=tick)
