@@ -180,6 +180,9 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
         raise DatasetError(f"dataset root {root} is not a directory; pass --data with a folder of class folders")
     root_stamp = _stamp(root.stat())
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    if not classes and any(root.glob("shard-*.tar")):
+        raise DatasetError(f"{root} holds shards but no prefetchd-index.npz: `prefetchd pack` did not finish "
+                           "(the index is written last); pack again with --force")
     if not classes:
         raise DatasetError(
             f"dataset root {root} has no class folders; expected {root}/<class>/<image>.jpg "

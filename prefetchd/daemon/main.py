@@ -274,7 +274,7 @@ class JobInbox:
         }
         job = dataclasses.replace(self.machine, **values)
         if job.data is None:
-            raise ConfigError("the job names no dataset: set `data` to a folder of class folders")
+            raise ConfigError("the job names no dataset: set `data` to a folder of class folders, a file list or a folder of shards")
         return job
 
 

@@ -212,7 +212,7 @@ def test_pack_refuses_a_non_empty_folder_and_an_unfinished_pack_is_no_dataset(
     pack(source, out, shard_size=3000, force=True)
     assert len(open_dataset(out)) == 5
     (out / INDEX_NAME).unlink()  # as if the pack had been interrupted before its last step
-    with pytest.raises(DatasetError, match="no class folders"):
+    with pytest.raises(DatasetError, match=r"holds shards but no prefetchd-index\.npz.*did not finish.*--force"):
         open_dataset(out)
 
 
@@ -269,3 +269,15 @@ def test_missing_and_undecodable_listed_files_are_replaced_and_counted(
         assert isinstance(result, Filled), result
         assert [s[1] for s in result.slots] == [0, 3, 3, 3]  # 1 and 2 replaced by the next sample that decodes
         assert len(result.failures) == 3  # gone.jpg, then c.jpg twice (as itself and as 1's first replacement)
+
+
+def test_shards_repack_with_each_members_format(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    pack(source, tmp_path / "a", shard_size=10**6)
+    pack(open_dataset(tmp_path / "a"), tmp_path / "b", shard_size=10**6)
+    with tarfile.open(tmp_path / "b" / "shard-000000.tar") as tar:
+        names = tar.getnames()
+    assert names[:4] == ["000000000.jpg", "000000000.cls", "000000001.png", "000000001.cls"]
+    repacked = open_dataset(tmp_path / "b")
+    assert [bytes(SampleReader(repacked).read(i)) for i in range(5)] == \
+        [bytes(SampleReader(source).read(i)) for i in range(5)]

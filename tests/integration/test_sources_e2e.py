@@ -4,6 +4,9 @@ epoch, and with the same seed the same batches as the class folders they came fr
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -63,3 +66,25 @@ def test_each_layout_gives_every_sample_once_and_the_class_folders_batches(
         assert summary["shards"] > 2
     batches = run_epochs(start_daemon, shm_dir / layout, data, targets)
     assert batches == reference["batches"]
+
+
+def test_a_restarted_daemon_takes_the_index_from_its_cache(shapes_data: Path, shm_dir: Path, tmp_path: Path,
+                                                            start_daemon) -> None:
+    data = tmp_path / "train"
+    shutil.copytree(shapes_data / "train", data)
+    past = time.time() - 60  # a dataset nobody is writing to: its folder mtimes can vouch for it
+    for folder in [data, *(p for p in data.iterdir() if p.is_dir())]:
+        os.utime(folder, (past, past))
+    cache = tmp_path / "cache"
+    args = ["--data", data, *ARGS[:-4], "--high-water", "2", "--index-cache", cache]
+    first = start_daemon(shm_dir / "bf", *args)
+    first.wait_until(lambda: list(cache.glob("classfolders-*.npz")) != [], 60, "the index cache entry")
+    first.terminate()
+    assert "from the cache" not in first.log_path.read_text()
+    second = start_daemon(shm_dir / "bf", *args)
+    second.wait_until(lambda: "from the cache" in second.log, 60, "the index to come from the cache")
+    second.terminate()
+    third = start_daemon(shm_dir / "bf", *args, "--refresh-index")
+    third.wait_until(lambda: "indexed" in third.log, 60, "the index")
+    third.terminate()
+    assert "from the cache" not in third.log_path.read_text()

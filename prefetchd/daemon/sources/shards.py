@@ -131,9 +131,18 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-def _extension(rel: str) -> str:
-    ext = os.path.splitext(rel)[1].lower().lstrip(".")
-    return ext if ext and ext.isalnum() else "img"
+_MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG", "png"), (b"BM", "bmp"), (b"II*\0", "tif"), (b"MM\0*", "tif"),
+          (b"P5", "pgm"), (b"P6", "ppm"))
+
+
+def _extension(index: SampleIndex, i: int, data: bytes) -> str:
+    """The member's extension: the source file's, or for a sample that was itself packed, its format's."""
+    if index.member_files is None:
+        ext = os.path.splitext(index.file(i))[1].lower().lstrip(".")
+        return ext if ext and ext.isalnum() else "img"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return next((ext for magic, ext in _MAGIC if data.startswith(magic)), "img")
 
 
 class ShardWriter:
@@ -211,7 +220,7 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
                 log.warning("cannot read %s (%s); packed as an empty member, which the daemon replaces",
                             index.name(src), exc.strerror or exc)
                 data, unreadable = b"", unreadable + 1
-            shard[i], offset[i] = writer.add(KEY.format(i), _extension(index.location(src)[0]), data, int(labels[i]))
+            shard[i], offset[i] = writer.add(KEY.format(i), _extension(index, src, data), data, int(labels[i]))
             size[i] = len(data)
     finally:
         writer.close()
