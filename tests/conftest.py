@@ -114,6 +114,7 @@ def index_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         else:
             os.environ[key] = value
 
+
 @dataclass
 class S3:
     """The loopback S3 server as a test sees it: its endpoint and a fresh bucket of its own."""

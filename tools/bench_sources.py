@@ -1,9 +1,11 @@
 """Sample reads per second from each dataset layout, on the same generated JPEGs.
 
     python tools/bench_sources.py [--images 4000] [--dir /dev/shm] [--seconds 5] [--shard-size 64MB]
+                                  [--kind imagenet|small] [--cold] [--work DIR]
                                   [--location NAME=URL_OR_PATH ...] [--keep]
 
-Generates ImageNet-like JPEGs in class folders, writes a file list of them and
+Generates ImageNet-like JPEGs (~100 KB; ``--kind small``: 72-128 px images of
+a few KB, where the per-file cost shows most) in class folders, writes a file list of them and
 packs them into shards, then reads samples in a random order (as a shuffled
 epoch does) through ``open_dataset`` + ``SampleReader`` -- the daemon's own read
 path, without decoding -- for --seconds per layout.  Every file is in the page
@@ -28,17 +30,18 @@ import numpy as np
 
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd.daemon.sources.shards import pack, parse_size
-from prefetchd.synthetic import make_imagenet_like
+from prefetchd.synthetic import make_imagenet_like, make_shapes_dataset
 
 
-def reads_per_second(location: str, seconds: float, seed: int = 0) -> tuple[float, float, int]:
-    """(reads/s, MB/s, samples) reading ``location``'s samples in a seeded random order for ``seconds``."""
+def reads_per_second(location: str, seconds: float, seed: int = 0, one_pass: bool = False) -> tuple[float, float, int]:
+    """(reads/s, MB/s, samples) reading ``location``'s samples in a seeded random order for ``seconds``
+    (and no more than once each with ``one_pass``: a second read would come from the page cache)."""
     index = open_dataset(location)
     reader = SampleReader(index)
     order = np.random.default_rng(seed).permutation(len(index))
     done = nbytes = 0
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while time.perf_counter() - start < seconds and not (one_pass and done >= len(order)):
         for i in order[done % len(order):][:256].tolist():
             nbytes += len(reader.read(i))
             done += 1
@@ -46,17 +49,36 @@ def reads_per_second(location: str, seconds: float, seed: int = 0) -> tuple[floa
     return done / elapsed, nbytes / elapsed / 1e6, len(index)
 
 
-def local_layouts(work: Path, images: int, shard_size: int) -> dict[str, str]:
-    """The same images as class folders, as a file list and as shards; name -> location."""
+def evict(work: Path) -> None:
+    """Drop ``work``'s files (only those) from the page cache, so the next reads go to the disk."""
+    for path in work.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def local_layouts(work: Path, images: int, shard_size: int, kind: str = "imagenet") -> dict[str, str]:
+    """The same images as class folders, as a file list and as shards; name -> location.
+    What ``work`` already holds from an earlier run is reused."""
     folders = work / "folders"
-    classes = 10
-    make_imagenet_like(folders, classes=classes, per_class=max(1, images // classes), seed=0,
-                       workers=len(os.sched_getaffinity(0)))
+    classes = 8 if kind == "small" else 10  # the shapes generator draws 8 kinds of shape
+    if not folders.is_dir():
+        if kind == "small":
+            make_shapes_dataset(work / "shapes", classes=classes, train_per_class=max(1, images // classes),
+                                val_per_class=0, seed=0)
+            (work / "shapes" / "train").rename(folders)
+        else:
+            make_imagenet_like(folders, classes=classes, per_class=max(1, images // classes), seed=0,
+                               workers=len(os.sched_getaffinity(0)))
     index = open_dataset(folders)
     listing = work / "list.csv"
     listing.write_text("".join(f"folders/{index.file(i)},{index.classes[index.labels[i]]}\n"
                                for i in range(len(index))))
-    pack(index, work / "shards", shard_size)
+    pack(index, work / "shards", shard_size, force=True)
     return {"class folders (small files)": str(folders), "file list (small files)": str(listing),
             "shards": str(work / "shards")}
 
@@ -70,11 +92,21 @@ def local_layouts(work: Path, images: int, shard_size: int) -> dict[str, str]:
 @click.option("--shard-size", default="64MB", show_default=True)
 @click.option("--location", "extra", multiple=True, metavar="NAME=LOCATION",
               help="Also read this copy of the data (any --data the daemon takes, e.g. s3://bucket/shards).")
+@click.option("--kind", type=click.Choice(["imagenet", "small"]), default="imagenet", show_default=True,
+              help="ImageNet-like JPEGs (~100 KB) or small images (72-128 px, a few KB).")
+@click.option("--cold", is_flag=True, help="Evict the generated files from the page cache before each layout.")
+@click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Generate into this folder, keep it, and reuse what it holds [default: a temp folder in --dir].")
 @click.option("--keep", is_flag=True)
-def main(images: int, base: Path, seconds: float, shard_size: str, extra: tuple[str, ...], keep: bool) -> None:
-    work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-sources-", dir=base))
+def main(images: int, base: Path, seconds: float, shard_size: str, kind: str, cold: bool, work: Path | None,
+         extra: tuple[str, ...], keep: bool) -> None:
+    if work is not None:
+        work.mkdir(parents=True, exist_ok=True)
+        keep = True
+    else:
+        work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-sources-", dir=base))
     try:
-        layouts = local_layouts(work, images, parse_size(shard_size))
+        layouts = local_layouts(work, images, parse_size(shard_size), kind)
         for item in extra:
             name, sep, location = item.partition("=")
             if not sep:
@@ -82,11 +114,14 @@ def main(images: int, base: Path, seconds: float, shard_size: str, extra: tuple[
             layouts[name] = location
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
         click.echo(f"machine: {len(os.sched_getaffinity(0))} CPUs ({cpu}), Python {platform.python_version()}; "
-                   f"data in {base}, random order, 1 reader thread, {seconds:g} s per layout")
+                   f"data in {work}, random order, 1 reader thread, {seconds:g} s per layout, "
+                   f"{'cold' if cold else 'warm'} page cache")
         click.echo("| layout | samples | reads/s | MB/s |")
         click.echo("|---|---:|---:|---:|")
         for name, location in layouts.items():
-            rate, mbps, n = reads_per_second(location, seconds)
+            if cold:
+                evict(work)
+            rate, mbps, n = reads_per_second(location, seconds, one_pass=cold)
             click.echo(f"| {name} | {n} | {rate:,.0f} | {mbps:,.0f} |")
     finally:
         if not keep:

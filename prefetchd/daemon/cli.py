@@ -406,9 +406,14 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: 
         index = open_dataset(src)
         with click.progressbar(length=len(index), label=f"packing {len(index)} samples", file=sys.stderr) as bar:
             def progress(items: Iterator[int]) -> Iterator[int]:
+                # click draws the bar only on a terminal; elsewhere (a job's log) a line every 10 s
+                last = time.monotonic()
                 for i in items:
                     yield i
                     bar.update(1)
+                    if not sys.stderr.isatty() and time.monotonic() - last >= 10:
+                        log.info("packed %d of %d samples", i + 1, len(index))
+                        last = time.monotonic()
 
             summary = pack_shards(index, out, shard_size, seed if shuffle else None, force, progress)
     except DaemonError as exc:

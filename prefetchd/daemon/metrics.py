@@ -43,6 +43,8 @@ _SERIES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("prefetchd_undecodable_files", ("errors", "undecodable_files"), "Distinct files that could not be decoded."),
     ("prefetchd_worker_restarts_total", ("errors", "worker_restarts"), "Workers that died and were replaced."),
     ("prefetchd_write_failures_total", ("errors", "write_failures"), "Batches that could not be written (no space, ...)."),
+    ("prefetchd_trainer_progress_age_seconds", ("trainer", "progress_age_s"),
+     "Seconds since the trainer last moved its progress (a trainer that is gone keeps it growing)."),
 )
 
 
@@ -77,6 +79,13 @@ class StatusCollector(Collector):
                 family = GaugeMetricFamily(name, text, labels=["buffer"])
             family.add_metric([self.buffer], value)
             yield family
+        trainer = status.get("trainer")
+        if isinstance(trainer, dict) and isinstance(trainer.get("alive"), bool):
+            alive = GaugeMetricFamily("prefetchd_trainer_alive",
+                                      "1 while the process that wrote progress.json exists, 0 once it is gone.",
+                                      labels=["buffer"])
+            alive.add_metric([self.buffer], 1.0 if trainer["alive"] else 0.0)
+            yield alive
         stages = status.get("stages") or {}
         if stages:
             quant = GaugeMetricFamily("prefetchd_stage_seconds", "Per-sample time of a stage, by quantile over recent samples.",

@@ -634,6 +634,7 @@ class BufferLoader:
         own = status is not None and owner in (None, pid)
         if own and isinstance(beat, (int, float)) and not isinstance(beat, bool):
             last, what = float(beat), "heartbeat"
+            self._beatless = None
         else:
             if self._beatless is None or self._beatless[0] != pid:
                 self._beatless = (pid, wall)

@@ -28,6 +28,7 @@ from prefetchd.buffer_protocol import (
     Manifest,
     Progress,
     ProtocolError,
+    alive_since,
     batch_name,
     daemon_pid,
     list_batches,
@@ -250,6 +251,27 @@ def test_progress_round_trip(epoch: int, step: int, tmp_path_factory: pytest.Tem
     assert Progress.read(buffer) == Progress(epoch, step)
     doc = json.loads((buffer / PROGRESS_NAME).read_text())
     assert (doc["format"], doc["version"], doc["pid"]) == ("prefetchd.progress", VERSION, os.getpid())
+
+
+def test_progress_names_its_writer(tmp_path: Path) -> None:
+    before = time.time()
+    Progress(3, 4).write(tmp_path)
+    p = Progress.read(tmp_path)
+    assert p is not None and p.pid == os.getpid() and p.time is not None and before <= p.time <= time.time()
+    # Documents of writers that did not name themselves still read.
+    (tmp_path / PROGRESS_NAME).write_text(json.dumps({"format": "prefetchd.progress", "version": VERSION,
+                                                      "epoch": 1, "step": 2}))
+    old = Progress.read(tmp_path)
+    assert old == Progress(1, 2) and old is not None and old.pid is None and old.time is None
+
+
+def test_alive_since_rules_out_dead_and_reused_pids() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert alive_since(os.getpid(), time.time())
+    assert not alive_since(proc.pid, time.time())  # gone
+    # Started long after the document it is asked about was written: the pid was reused.
+    assert not alive_since(os.getpid(), psutil.Process().create_time() - 3600)
 
 
 def test_progress_missing_is_none(tmp_path: Path) -> None:

@@ -180,7 +180,7 @@ class Report:
         lines.append(
             f"unexpected: trainer exits {len(self.trainer_crashes)}, daemon exits {len(self.daemon_exits)}, "
             f"hangs {self.hangs}, faults without recovery {self.unrecovered}; "
-            f"run {self.seconds:.0f} s + reference {self.reference_seconds:.0f} s"
+            f"faulted run {self.seconds:.0f} s; the reference trainer ran alongside for {self.reference_seconds:.0f} s"
         )
         for p in self.problems[:20]:
             lines.append(f"PROBLEM: {p}")
@@ -264,7 +264,7 @@ class Harness:
         self.samples = sorted_samples(self.data)
         self.steps = -(-len(self.samples) // self.s.batch_size)
         # Room for the gaps and for what the trainer consumes while a fault is being handled.
-        total = self.s.faults * (sum(self.s.gap) // 2 + 25) + 40
+        total = self.s.faults * (sum(self.s.gap) // 2 + 20) + 40
         self.epochs = -(-total // self.steps)
         self.positions = self.epochs * self.steps
         self.ref_buffer = self.work / "ref"
@@ -330,21 +330,38 @@ class Harness:
 
     # -- the reference -----------------------------------------------------------
 
-    def reference(self) -> dict[int, dict[str, Any]]:
-        log, ckpt = self.work / "reference.jsonl", self.work / "reference.ckpt"
-        for p in (log, ckpt):
+    def start_reference(self) -> None:
+        """The fault-free run, alongside the faulted one (it only needs the CPU the other leaves).
+
+        It reads its own copy of the dataset (same bytes, same mtimes): dataset_delete moves
+        files of the faulted run's copy away.
+        """
+        ref_data = self.work / "data-ref" / "train"
+        if not ref_data.is_dir():
+            shutil.copytree(self.data, ref_data, copy_function=shutil.copy2)
+        self.ref_log, ckpt = self.work / "reference.jsonl", self.work / "reference.ckpt"
+        for p in (self.ref_log, ckpt):
             p.unlink(missing_ok=True)
-        daemon = self.start_daemon(self.ref_buffer)
-        driver = self.start_driver(self.ref_buffer, log, ckpt, run=-1, step_seconds=0.0)
+        self.ref_started = time.monotonic()
+        args = self.daemon_args()
+        args[args.index("--data") + 1] = str(ref_data)
+        args[args.index("--workers") + 1] = "2"  # not part of the job: batches are the same for any count
+        log = self.work / "reference-daemon.log"
+        self.ref_daemon = self.spawn([self.s.python, "-m", "prefetchd", "start", "--buffer", str(self.ref_buffer), *args], log)
+        self.ref_driver = self.start_driver(self.ref_buffer, self.ref_log, ckpt, run=-1, step_seconds=0.0)
+
+    def finish_reference(self) -> dict[int, dict[str, Any]]:
         try:
-            rc = driver.wait(600)
+            rc = self.ref_driver.wait(600)
         finally:
-            if driver.poll() is None:
-                driver.kill()
+            if self.ref_driver.poll() is None:
+                self.ref_driver.kill()
         if rc != 0:
             raise RuntimeError(f"the fault-free reference run failed ({rc}): {(self.work / 'driver--1.err').read_text()[-2000:]}")
-        daemon.wait(60)
-        ref = {r["epoch"] * self.steps + r["step"]: r for r in read_log(log) if "sha" in r}
+        self.ref_daemon.wait(60)
+        lines = read_log(self.ref_log)
+        ref = {r["epoch"] * self.steps + r["step"]: r for r in lines if "sha" in r}
+        self.ref_seconds = lines[-1]["t"] - lines[0]["t"] if lines else 0.0  # the trainer's part, start to done
         if sorted(ref) != list(range(self.positions)):
             raise RuntimeError(f"the reference run logged {len(ref)} of {self.positions} batches")
         shutil.rmtree(self.ref_buffer, ignore_errors=True)
@@ -451,9 +468,7 @@ class Harness:
 
     def run(self) -> Report:
         self.prepare()
-        started = time.monotonic()
-        ref = self.reference()
-        ref_seconds = time.monotonic() - started
+        self.start_reference()
         self.log_path, self.ckpt = self.work / "trainer.jsonl", self.work / "trainer.ckpt"
         for p in (self.log_path, self.ckpt):
             p.unlink(missing_ok=True)
@@ -500,7 +515,8 @@ class Harness:
                 self.daemon_exits.append("the daemon did not exit after the last epoch was consumed")
         seconds = time.monotonic() - started
         self.log.poll()
-        return self.evaluate(ref, faults, seconds, ref_seconds)
+        ref = self.finish_reference()
+        return self.evaluate(ref, faults, seconds, self.ref_seconds)
 
     # -- injections --------------------------------------------------------------
 
@@ -685,9 +701,11 @@ class Harness:
         fault.check = lambda f, h: "ignoring" in h.daemon_text(f.mark, f.data.get("end"))
 
     def inject_progress_rewind(self, fault: Fault, rng: random.Random) -> None:
+        if rng.random() < 0.5:
+            return self._rewind_while_waiting(fault, rng)
         self._stopped()  # as for progress_garbage: the daemon sees the rewound file before the trainer moves on
         try:
-            back = rng.randint(1, 3 * self.s.high_water)  # within the window, and past it
+            back = rng.randint(2, 3 * self.s.high_water)  # within the window, and past it
             g = max(0, self.position() - back)
             doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
                    "pid": os.getpid(), "time": time.time()}
@@ -701,6 +719,28 @@ class Harness:
             self._cont()
         fault.t_ref = time.time()
         fault.detail = f"back {back}"
+        fault.check = lambda f, h: "moved back" in h.daemon_text(f.mark, f.data.get("end"))
+
+    def _rewind_while_waiting(self, fault: Fault, rng: random.Random) -> None:
+        """The trainer waits for a batch (the daemon is stopped meanwhile) when progress.json is
+        rewound past the window: the daemon now builds other batches, and only the waiting loader
+        can put its position back."""
+        assert self.daemon is not None
+        self.daemon.send_signal(signal.SIGSTOP)
+        try:
+            # Drained: no new batch for a while, so the trainer sits in its wait.
+            self.wait_until(lambda: time.time() - self.last_batch_time() > 0.3, 10)
+            g = max(0, self.position() - self.s.high_water - rng.randint(1, self.s.high_water))
+            back = self.position() - g
+            doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
+                   "pid": os.getpid(), "time": time.time()}
+            tmp = self.buffer / f"progress.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.buffer / "progress.json")
+        finally:
+            self.daemon.send_signal(signal.SIGCONT)
+        fault.t_inject = fault.t_ref = time.time()
+        fault.detail = f"back {back}, trainer waiting"
         fault.check = lambda f, h: "moved back" in h.daemon_text(f.mark, f.data.get("end"))
 
     def inject_second_daemon(self, fault: Fault, rng: random.Random) -> None:
@@ -757,43 +797,60 @@ class Harness:
             after = [r["t"] for r in records if "sha" in r and r["t"] > f.t_ref]
             f.recovery = (min(after) - f.t_ref) if after else None
             f.detected = bool(f.check and f.check(f, self))
-        starts = {r["run"]: r["epoch"] * self.steps + r["step"] for r in records if r.get("event") == "start"}
-        runs = sorted(starts)
-        problems: list[str] = []
-        committed: list[int] = []
-        replayed = replaced = different = 0
-        for run, nxt in zip(runs, [*runs[1:], None]):
-            limit = starts[nxt] if nxt is not None else None
-            for r in records:
-                if r.get("run") != run or "sha" not in r:
-                    continue
-                g = r["epoch"] * self.steps + r["step"]
-                verdict = compare(r, ref.get(g), len(self.samples))
-                if verdict == "replaced":
-                    replaced += 1
-                elif verdict != "same":
-                    different += 1
-                    problems.append(f"run {run} epoch {r['epoch']} step {r['step']}: {verdict}")
-                if limit is not None and g >= limit:
-                    replayed += 1
-                else:
-                    committed.append(g)
-        counts = Counter(committed)
-        lost = sum(1 for g in range(self.positions) if g not in counts)
-        duplicated = sum(c - 1 for c in counts.values() if c > 1)
-        out_of_order = sum(1 for a, b in zip(committed, committed[1:]) if b != a + 1)
-        for run, nxt in zip(runs, runs[1:]):
-            if starts[nxt] < starts[run]:
-                problems.append(f"run {nxt} resumed at {starts[nxt]}, before run {run}'s start {starts[run]}")
-        unrecovered = sum(1 for f in faults if f.recovery is None and not self.finished)
+        deleted = frozenset(f.data["index"] for f in faults if f.kind == "dataset_delete" and "index" in f.data)
+        acc = account(records, ref, self.steps, self.positions, len(self.samples), deleted)
+        unrecovered = sum(1 for f in faults if f.recovery is None)  # the margin leaves batches after each
         return Report(
             settings={k: str(v) for k, v in dataclasses.asdict(self.s).items()}, faults=faults,
-            positions=self.positions, committed=len(committed), lost=lost, duplicated=duplicated,
-            different=different, out_of_order=out_of_order, replayed=replayed, replaced_by_policy=replaced,
+            positions=self.positions, **acc,
             protocol_errors=sum(1 for r in records if r.get("event") == "protocol_error"),
             trainer_crashes=self.trainer_crashes, daemon_exits=self.daemon_exits, hangs=self.hangs,
-            unrecovered=unrecovered, problems=problems, seconds=seconds, reference_seconds=ref_seconds,
+            unrecovered=unrecovered, seconds=seconds, reference_seconds=ref_seconds,
         )
+
+
+def account(records: list[dict[str, Any]], ref: dict[int, dict[str, Any]], steps: int, positions: int,
+            samples: int, deleted: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """Compare the trainer's log with the reference (see the module docstring for the rules)."""
+    starts = {r["run"]: r["epoch"] * steps + r["step"] for r in records if r.get("event") == "start"}
+    runs = sorted(starts)
+    problems: list[str] = []
+    committed: list[int] = []
+    replayed = replaced = different = 0
+    for run, nxt in zip(runs, [*runs[1:], None]):
+        limit = starts[nxt] if nxt is not None else None
+        again = 0
+        for r in records:
+            if r.get("run") != run or "sha" not in r:
+                continue
+            g = r["epoch"] * steps + r["step"]
+            verdict = compare(r, ref.get(g), samples, deleted)
+            if verdict == "replaced":
+                replaced += 1
+            elif verdict != "same":
+                different += 1
+                problems.append(f"run {run} epoch {r['epoch']} step {r['step']}: {verdict}")
+            if limit is not None and g >= limit:
+                again += 1
+            else:
+                committed.append(g)
+        # The checkpoint follows every step, so a kill costs at most the one batch in training.
+        if again > 1:
+            problems.append(f"run {nxt} received {again} batches of run {run} again; at most 1 is expected")
+        replayed += again
+        if nxt is not None and starts[nxt] < starts[run]:
+            problems.append(f"run {nxt} resumed at {starts[nxt]}, before run {run}'s start {starts[run]}")
+    counts = Counter(committed)
+    return {
+        "committed": len(committed),
+        "lost": sum(1 for g in range(positions) if g not in counts),
+        "duplicated": sum(c - 1 for c in counts.values() if c > 1),
+        "different": different,
+        "out_of_order": sum(1 for a, b in zip(committed, committed[1:]) if b != a + 1),
+        "replayed": replayed,
+        "replaced_by_policy": replaced,
+        "problems": problems,
+    }
 
 
 def sorted_samples(root: Path) -> list[str]:
@@ -803,7 +860,7 @@ def sorted_samples(root: Path) -> list[str]:
     return [os.path.relpath(p, root) for p, _ in ImageFolder(str(root)).samples]
 
 
-def compare(got: dict[str, Any], want: dict[str, Any] | None, n: int) -> str:
+def compare(got: dict[str, Any], want: dict[str, Any] | None, n: int, deleted: frozenset[int] = frozenset()) -> str:
     """"same", "replaced" (allowed: a sample replaced by the bad-sample policy) or what differs."""
     if want is None:
         return "position not in the reference run"
@@ -817,8 +874,10 @@ def compare(got: dict[str, Any], want: dict[str, Any] | None, n: int) -> str:
             if gs != ws:
                 return f"sample {gi}'s image differs"
             continue
-        # The next members of the split (every sample here) up to the worker's replacement tries.
-        if not any(gi == (wi + k) % n for k in range(1, 16)):
+        # The next member of the split (every sample here) whose file was there: the ones in
+        # between, and the sample itself, must be files the harness moved away.
+        k = (gi - wi) % n
+        if not 1 <= k < 16 or any((wi + j) % n not in deleted for j in range(k)):
             return f"sample {wi} became {gi}, which is not its replacement"
         swapped += 1
     return "replaced" if swapped == got["replaced"] else f"{swapped} samples swapped but {got['replaced']} reported"

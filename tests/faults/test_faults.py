@@ -11,25 +11,25 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.faults.harness` from any rootdir mode
 
-from tests.faults.harness import KINDS, Settings, run_suite  # noqa: E402
+from tests.faults.harness import Settings, run_suite  # noqa: E402
 
 LONG = os.environ.get("PREFETCHD_FAULTS") == "long"
 
 
 @pytest.mark.faults
-@pytest.mark.timeout(3600 if LONG else 300)
+@pytest.mark.timeout(3600 if LONG else 600)
 def test_every_batch_exactly_once_and_identical_under_faults(shm_dir: Path) -> None:
-    settings = Settings(workdir=shm_dir / "faults", faults=260 if LONG else 24, seed=1 if LONG else 3)
+    settings = Settings(workdir=shm_dir / "faults", faults=260 if LONG else 22, seed=1 if LONG else 3)
     report = run_suite(settings)
     print("\n" + report.table())
-    kinds_seen = {f.kind for f in report.faults}
     assert len(report.faults) >= (200 if LONG else 20), report.table()
-    expected = set(settings.kinds) if LONG else set(KINDS) - {"enospc"} - (set(KINDS) - set(settings.kinds))
-    assert expected <= kinds_seen, f"kinds never injected: {expected - kinds_seen}"
+    # Every kind (enospc only as root: it mounts a tmpfs) was injected at least once.
+    missing = set(settings.kinds) - {f.kind for f in report.faults}
+    assert not missing, f"kinds never injected: {missing}\n{report.table()}"
     assert report.lost == report.duplicated == report.different == report.out_of_order == 0, report.table()
     assert report.hangs == 0 and report.unrecovered == 0 and not report.problems, report.table()
-    # Every kind is something the system must notice, except a deleted dataset file the daemon
-    # never needed while it was gone and garbage the trainer overwrote before the daemon read it.
-    quiet = {"dataset_delete", "progress_garbage", "batch_corrupt"}
+    # Each fault is one the system must notice, except a metadata byte flip that changed nothing
+    # a reader checks (a producer id, say) and a dataset file no batch needed while it was gone.
+    quiet = {"batch_corrupt", "dataset_delete"}
     missed = [f"{f.kind} ({f.detail})" for f in report.faults if not f.detected and f.kind not in quiet]
     assert not missed, f"faults nobody noticed: {missed}\n{report.table()}"

@@ -1,0 +1,63 @@
+"""The fault suite's bookkeeping must be able to fail: lost, duplicated, different and
+replayed batches are told apart (no processes here, just logs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.faults.harness import account, compare  # noqa: E402
+
+STEPS, POSITIONS, SAMPLES = 3, 6, 12
+
+
+def line(run: int, g: int, sha: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"run": run, "epoch": g // STEPS, "step": g % STEPS, "t": float(g), "indices": [2 * g, 2 * g + 1],
+            "labels": [0, 1], "replaced": 0, "sha": sha or f"h{g}", "slots": [f"s{2 * g}", f"s{2 * g + 1}"], **extra}
+
+
+def start(run: int, g: int) -> dict[str, Any]:
+    return {"event": "start", "run": run, "epoch": g // STEPS, "step": g % STEPS, "t": 0.0}
+
+
+REF = {g: line(-1, g) for g in range(POSITIONS)}
+
+
+def test_a_clean_run_and_a_replay_after_a_kill_are_fine() -> None:
+    # Run 0 logged 0..2 and was killed before checkpointing after 2: run 1 resumes at 2.
+    records = [start(0, 0), *(line(0, g) for g in range(3)), start(1, 2), *(line(1, g) for g in range(2, 6))]
+    acc = account(records, REF, STEPS, POSITIONS, SAMPLES)
+    assert acc["lost"] == acc["duplicated"] == acc["different"] == acc["out_of_order"] == 0, acc
+    assert acc["replayed"] == 1 and acc["committed"] == 6 and not acc["problems"]
+
+
+def test_lost_duplicated_different_and_reordered_batches_are_counted() -> None:
+    records = [start(0, 0), line(0, 0), line(0, 1), line(0, 1), line(0, 3, sha="bad"), line(0, 2), line(0, 5)]
+    acc = account(records, REF, STEPS, POSITIONS, SAMPLES)
+    assert acc["lost"] == 1  # 4
+    assert acc["duplicated"] == 1  # 1 twice in one run
+    assert acc["different"] == 1  # 3's content
+    assert acc["out_of_order"] == 4  # 1->1, 1->3, 3->2, 2->5
+    assert any("different content" in p for p in acc["problems"])
+
+
+def test_a_replay_must_match_too_and_a_resume_too_far_back_is_reported() -> None:
+    records = [start(0, 0), *(line(0, g) for g in range(4)), line(0, 4, sha="bad"), start(1, 1),
+               *(line(1, g) for g in range(1, 6))]
+    acc = account(records, REF, STEPS, POSITIONS, SAMPLES)
+    assert acc["different"] == 1 and acc["replayed"] == 4
+    assert any("again" in p for p in acc["problems"])
+
+
+def test_only_the_bad_sample_policy_may_change_a_batch() -> None:
+    want = line(-1, 1)  # indices 2, 3
+    replaced = {**line(0, 1, sha="x"), "indices": [2, 4], "slots": ["s2", "other"], "replaced": 1}
+    gone = frozenset({3})  # the harness moved sample 3's file away
+    assert compare(replaced, want, SAMPLES, gone) == "replaced"
+    assert "not its replacement" in compare(replaced, want, SAMPLES)  # nothing was moved away
+    assert compare({**replaced, "replaced": 0}, want, SAMPLES, gone) == "different content"
+    assert "not its replacement" in compare({**replaced, "indices": [2, 9]}, want, SAMPLES, gone)
+    assert "image differs" in compare({**replaced, "slots": ["zz", "other"]}, want, SAMPLES, gone)
