@@ -334,3 +334,19 @@ def test_a_daemon_serves_every_layout_from_s3_as_from_disk(s3: Any, proxy: Any, 
         assert consume(shm_dir / name, n) == from_disk, name
         assert daemon.wait_exit(60) == 0, daemon.log
         assert "readers = 16 (object storage)" in daemon.log
+
+
+# -- the benchmark ----------------------------------------------------------------------
+
+
+def test_bench_s3_runs_end_to_end() -> None:
+    """tools/bench_s3.py on tiny objects (numbers not checked): its own moto and proxy processes."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(load_tool("bench_s3").main, ["--objects", "6", "--kib", "1", "--latency", "0,5",
+                                                             "--readers", "1,3"])
+    assert result.exit_code == 0, result.output
+    rows = [ln.split() for ln in result.output.splitlines() if ln.strip().endswith(tuple("0123456789"))]
+    assert [(r[0], r[1]) for r in rows[-4:]] == [("0ms", "1"), ("0ms", "3"), ("5ms", "1"), ("5ms", "3")], result.output
