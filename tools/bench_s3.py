@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prefetchd.daemon.dataset import SampleIndex  # noqa: E402
 from prefetchd.daemon.sources import SampleReader  # noqa: E402
+from prefetchd.daemon.sources.storage import FsspecStorage  # noqa: E402
 
 
 def flat_index(url: str, names: list[str]) -> SampleIndex:
@@ -96,6 +97,7 @@ def run(upstream: str, objects: int, kib: int, latencies: str, readers_list: str
             os.environ["AWS_ENDPOINT_URL"] = proxy
             for readers in (int(v) for v in readers_list.split(",")):
                 reader = SampleReader(index, readers=readers)
+                reader.storage = FsspecStorage(index.root)  # a new client on this proxy, as a new worker makes
                 for f in reader.read_ahead(range(min(8, objects))):  # connect, warm the pool
                     f.result()
                 start = time.perf_counter()

@@ -70,7 +70,7 @@ def _add_options(func: Callable[..., Any], fields: list[dataclasses.Field[Any]])
         # default=None lets build_config tell a given flag from an absent one; the
         # dataclass default is shown in the help instead.
         shown = meta["help"] if f.default is None else f"{meta['help']} [default: {f.default}]"
-        func = click.option(flag, type=ptype, default=None, help=shown)(func)
+        func = click.option(flag, type=ptype, default=None, help=shown, metavar=meta.get("metavar"))(func)
     return func
 
 

@@ -38,7 +38,7 @@ class DaemonConfig:
 
     buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path)
     # A location, not a Path: Path("s3://b/p") is "s3:/b/p".  Local paths are made absolute, URLs kept verbatim.
-    data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`; local, or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True)
+    data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`; local, or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True, metavar="PATH|URL")
     readers: int | None = _opt(None, "Sample reads each worker keeps in flight [default: 16 for a URL, 1 for a local folder].", int, minimum=1, maximum=1024)
     index_cache: Path | None = _opt(None, "Folder for cached dataset indexes, so a restart skips the walk when no folder changed, and never lists a URL again [default: $CACHE_DIRECTORY under systemd, else ~/.cache/prefetchd].", Path)
     refresh_index: bool = _opt(False, "Walk (or list) the dataset again even if the cached index looks current (after replacing files in place, or changing objects under a URL).", bool)

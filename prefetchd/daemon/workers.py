@@ -12,9 +12,11 @@ transform hook is not a bad image: it stops the daemon with the hook's error.
 Neither is object storage that cannot be reached (the batch is retried later)
 or that refuses us (the job stops with what to do).
 
-With ``readers`` > 1 a worker keeps that many sample reads of a task in flight
-on threads (object storage: many small requests, each mostly waiting) while it
+With ``readers`` > 1 a worker keeps that many sample reads in flight on
+threads (object storage: many small requests, each mostly waiting) while it
 decodes in order, so the output does not depend on which read finishes first.
+It also starts the reads of the task queued behind the current one, so that a
+task's first read does not wait, unoverlapped, for the decode of the one before.
 
 Each worker runs torch with one thread: k workers on k cores, each kernel
 single-threaded, is the fastest arrangement for many small images and keeps
@@ -40,6 +42,7 @@ import os
 import signal
 import time
 import traceback
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -159,7 +162,9 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
     )
 
 
-def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None) -> Filled | WriteFailed:
+def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None,
+             reads: list[Future[bytearray]] | None = None) -> Filled | WriteFailed:
+    """Fill ``task``'s slots; ``reads``: its samples' reads, already started (``SampleReader.start``)."""
     reader = reader or SampleReader(job.index, job.readers)
     start = time.perf_counter()
     slots: list[tuple[int, int, int]] = []
@@ -170,7 +175,7 @@ def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None) -> 
     except OSError as exc:
         return WriteFailed(task.task_id, f"cannot open {task.path}: {exc.strerror}")
     try:
-        ahead = reader.read_ahead(index for _slot, index in task.items)
+        ahead = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
         for (slot, index), read in zip(task.items, ahead):
             times = StageTimes()
             used, image = _produce(job, reader, task.epoch, index, failures, times, read)
@@ -210,15 +215,26 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
     limit_threads()
     preload()
     reader = SampleReader(job.index, job.readers)
+    queued: deque[tuple[Task, list[Future[bytearray]] | None]] = deque()
+    stopping = False
     while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):  # the controller went away (killed: the pipe may be reset)
+        # The next task now, and with readers the one after it if the controller queued it
+        # already, so that its reads run while this one decodes.  None (stop) or a closed
+        # pipe ends the loop once what was received is done, as when tasks came one by one.
+        while not stopping and (not queued or (job.readers > 1 and len(queued) < 2 and _ready(conn))):
+            try:
+                got = conn.recv()
+            except (EOFError, OSError):  # the controller went away (killed: the pipe may be reset)
+                got = None
+            if got is None:
+                stopping = True
+            else:
+                queued.append((got, reader.start(i for _slot, i in got.items) if job.readers > 1 else None))
+        if not queued:
             return
-        if task is None:
-            return
+        task, reads = queued.popleft()
         try:
-            result: Filled | WriteFailed = run_task(job, task, reader)
+            result: Filled | WriteFailed = run_task(job, task, reader, reads)
         except StorageUnavailable as exc:
             result = WriteFailed(task.task_id, str(exc))
         except (SampleUnrecoverable, HookError, StorageDenied) as exc:
@@ -229,3 +245,10 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
             conn.send(result)
         except OSError:  # a SIGKILLed controller: nobody to answer, and no traceback for its successor's log
             return
+
+
+def _ready(conn: Connection) -> bool:
+    try:
+        return conn.poll(0)
+    except (EOFError, OSError):
+        return True  # recv() then sees the end and stops

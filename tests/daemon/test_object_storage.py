@@ -231,7 +231,7 @@ def test_a_file_list_in_s3_names_objects_relative_to_its_folder_or_by_url(s3: An
 
 
 def test_shards_in_s3_are_read_with_one_ranged_get_per_sample(s3: Any, proxy: Any, tmp_path: Path,
-                                                                make_image: Any) -> None:
+                                                                make_image: Any, fast_retries: None) -> None:
     from prefetchd.daemon.sources.shards import pack
 
     for k, name in enumerate(["a/1.jpg", "a/2.png", "b/3.jpg", "b/4.jpg", "c/5.png"]):
@@ -248,6 +248,15 @@ def test_shards_in_s3_are_read_with_one_ranged_get_per_sample(s3: Any, proxy: An
     assert got == [bytes(source.read(i)) for i in range(len(local))]
     assert proxy.count("GET object") - before.get("GET object", 0) == len(shards)
     assert proxy.count("HEAD") == before.get("HEAD", 0)
+
+    # `prefetchd pack` from class folders in a bucket writes the shards a local copy gives.
+    remote = open_dataset(s3.upload(tmp_path / "src", "src"))
+    pack(remote, tmp_path / "from-s3", shard_size=2000)
+    for tar in sorted((tmp_path / "packed").glob("shard-*.tar")):
+        assert (tmp_path / "from-s3" / tar.name).read_bytes() == tar.read_bytes(), tar.name
+    proxy.fail_next = 1000  # a store that keeps failing stops the pack instead of packing empty members
+    with pytest.raises(DatasetError, match=r"cannot pack s3://.*still failing after 6 tries"):
+        pack(remote, tmp_path / "outage", shard_size=2000)
 
 
 def test_a_missing_bucket_is_named_whatever_the_layout(s3: Any) -> None:
@@ -334,3 +343,19 @@ def test_a_daemon_serves_every_layout_from_s3_as_from_disk(s3: Any, proxy: Any, 
         assert consume(shm_dir / name, n) == from_disk, name
         assert daemon.wait_exit(60) == 0, daemon.log
         assert "readers = 16 (object storage)" in daemon.log
+
+
+# -- the benchmark ----------------------------------------------------------------------
+
+
+def test_bench_s3_runs_end_to_end() -> None:
+    """tools/bench_s3.py on tiny objects (numbers not checked): its own moto and proxy processes."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(load_tool("bench_s3").main, ["--objects", "6", "--kib", "1", "--latency", "0,5",
+                                                             "--readers", "1,3"])
+    assert result.exit_code == 0, result.output
+    rows = [ln.split() for ln in result.output.splitlines() if ln.strip().endswith(tuple("0123456789"))]
+    assert [(r[0], r[1]) for r in rows[-4:]] == [("0ms", "1"), ("0ms", "3"), ("5ms", "1"), ("5ms", "3")], result.output

@@ -75,6 +75,12 @@ class SampleReader:
         rel, offset, size = self.index.location(i)
         return self.storage.read(rel, offset, size)
 
+    def start(self, indices: Iterable[int]) -> list[Future[bytearray]]:
+        """Queue a read of each of ``indices`` now (``readers`` run at once, in this order)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, self.readers), thread_name_prefix="read")
+        return [self._pool.submit(self.read, i) for i in indices]
+
     def read_ahead(self, indices: Iterable[int]) -> Iterator[Future[bytearray]]:
         """Futures of ``read(i)`` for each of ``indices`` in order, at most ``readers`` of them running."""
         if self.readers <= 1:

@@ -122,6 +122,7 @@ def cached_url_class_folders(storage: FsspecStorage, cache_dir: Path | None = No
     log.info("indexed %s from the cache %s: %d samples in %d classes (--refresh-index lists it again)",
              storage.url, cached, len(found), len(found.classes))
     first = storage.path(found.file(0))
+    storage.fs.invalidate_cache()  # info() answers from an earlier listing of this process otherwise
     try:
         storage.call(f"checking {storage.url}", lambda: storage.fs.info(first))
     except StorageDenied as exc:

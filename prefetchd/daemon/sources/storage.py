@@ -156,11 +156,20 @@ class FsspecStorage:
         return bytearray(data)
 
 
+# One per URL and process: making an S3 client loads botocore's data (~0.5 s), and
+# indexing asks for the storage of the same root several times.
+_URL_STORAGES: dict[str, FsspecStorage] = {}
+
+
 def storage_for(root: str) -> Storage:
     """The storage of a dataset root: ``FsspecStorage`` for a URL (its backend is checked here), else local."""
     if is_url(root):
-        storage = FsspecStorage(root)
-        storage.fs  # an unknown protocol or a missing package is refused now, with what to install
+        url = root.rstrip("/")
+        storage = _URL_STORAGES.get(url)
+        if storage is None:
+            storage = FsspecStorage(url)
+            storage.fs  # an unknown protocol or a missing package is refused now, with what to install
+            _URL_STORAGES[url] = storage
         return storage
     return LocalStorage(root)
 
