@@ -566,22 +566,6 @@ class SpawnedDaemon:
                 )
             time.sleep(0.05)
 
-    def kill(self) -> None:
-        """End a dead or stuck daemon for good: SIGTERM (with SIGCONT, so a stopped one can act on it),
-        DAEMON_KILL_SECONDS, then SIGKILL.  The kernel drops its lock with it."""
-        proc = self.proc
-        if proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        proc.send_signal(signal.SIGCONT)
-        try:
-            proc.wait(DAEMON_KILL_SECONDS)
-        except subprocess.TimeoutExpired:
-            logger.warning("the daemon (pid %d) did not stop within %g s of SIGTERM; killing it",
-                           proc.pid, DAEMON_KILL_SECONDS)
-            proc.kill()
-            proc.wait()
-
     def restart(self, cause: LoaderError, limit: int, timeout: float, echo: Callable[[str], None]) -> None:
         """Replace this daemon (dead, or stuck: it is killed) with a new one on the same buffer and wait
         until it serves; the new one resumes from progress.json, so the trainer goes on where it was.
@@ -601,7 +585,7 @@ class SpawnedDaemon:
                 f"failure: {' '.join(str(cause).split())}. Fix the cause, then continue with --resume (and a "
                 "--checkpoint-dir)"
             ) from cause
-        self.kill()
+        self.stop(DAEMON_KILL_SECONDS)  # dead or stuck: not worth the graceful wait
         self.restarts.append(now)
         echo(f"prefetchd-train: the {self.split} daemon for {self.buffer} (pid {self.proc.pid}) {what}; restarting "
              f"it ({len(self.restarts)} of at most {limit} restarts within {RESTART_WINDOW_SECONDS:.0f} s)")
@@ -612,18 +596,20 @@ class SpawnedDaemon:
         echo(f"prefetchd-train: the {self.split} daemon for {self.buffer} runs again (pid {self.proc.pid}); "
              "continuing from the same batch")
 
-    def stop(self) -> None:
-        """SIGTERM (the daemon's graceful stop), bounded wait, SIGKILL if it does not go."""
+    def stop(self, seconds: float = DAEMON_STOP_SECONDS) -> None:
+        """SIGTERM (the daemon's graceful stop; with SIGCONT, so a stopped one can act on it), a bounded
+        wait, then SIGKILL if it does not go.  The kernel drops its lock with it."""
         proc = self.proc
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(DAEMON_STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                logger.warning("the daemon (pid %d) did not stop within %g s of SIGTERM; killing it",
-                               proc.pid, DAEMON_STOP_SECONDS)
-                proc.kill()
-                proc.wait()
+        if proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)
+        try:
+            proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            logger.warning("the daemon (pid %d) did not stop within %g s of SIGTERM; killing it", proc.pid, seconds)
+            proc.kill()
+            proc.wait()
 
 
 def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig,
