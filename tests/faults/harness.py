@@ -618,13 +618,24 @@ class Harness:
             self.sleep(0.05)
         return None
 
-    def inject_batch_corrupt(self, fault: Fault, rng: random.Random) -> None:
-        found = self._waiting_batch(rng, 1)
+    def _damage_waiting_batch(self, fault: Fault, rng: random.Random, first_offset: int,
+                              damage: Callable[[Path, int], str]) -> None:
+        """With the trainer stopped, apply ``damage(path, g)`` (it returns the fault's detail) to a
+        batch at least ``first_offset`` past the trainer's position, then let the trainer go on."""
+        found = self._waiting_batch(rng, first_offset)
         try:
             if found is None:
                 fault.detail = "no waiting batch"
                 return
             path, g = found
+            fault.detail = damage(path, g)
+            fault.t_inject = time.time()
+            fault.data["g"] = g
+        finally:
+            self._cont()
+
+    def inject_batch_corrupt(self, fault: Fault, rng: random.Random) -> None:
+        def flip(path: Path, g: int) -> str:
             with open(path, "r+b") as f:
                 head = f.read(HEADER.size)
                 meta_len = HEADER.unpack(head)[3]
@@ -634,45 +645,30 @@ class Harness:
                 byte = f.read(1)[0]
                 f.seek(offset)
                 f.write(bytes([byte ^ (1 << rng.randrange(8))]))
-            fault.t_inject = time.time()
-            fault.detail = f"byte {offset}"
-            fault.data["g"] = g
-            fault.check = lambda f, h: h.protocol_error_at(f)
-        finally:
-            self._cont()
+            return f"byte {offset}"
+
+        fault.check = lambda f, h: h.protocol_error_at(f)
+        self._damage_waiting_batch(fault, rng, 1, flip)
 
     def inject_batch_truncate(self, fault: Fault, rng: random.Random) -> None:
-        found = self._waiting_batch(rng, 1)
-        try:
-            if found is None:
-                fault.detail = "no waiting batch"
-                return
-            path, g = found
+        def truncate(path: Path, g: int) -> str:
             size = path.stat().st_size
             new = rng.choice([0, rng.randrange(1, size)])
             os.truncate(path, new)
-            fault.t_inject = time.time()
-            fault.detail = f"{size} -> {new} bytes"
-            fault.data["g"] = g
-            fault.check = lambda f, h: h.protocol_error_at(f)
-        finally:
-            self._cont()
+            return f"{size} -> {new} bytes"
+
+        fault.check = lambda f, h: h.protocol_error_at(f)
+        self._damage_waiting_batch(fault, rng, 1, truncate)
 
     def inject_batch_delete(self, fault: Fault, rng: random.Random) -> None:
-        found = self._waiting_batch(rng, 0)  # also the one it waits for: unlinking a mapped file is safe
-        try:
-            if found is None:
-                fault.detail = "no waiting batch"
-                return
-            path, g = found
+        def delete(path: Path, g: int) -> str:
             path.unlink()
-            fault.t_inject = time.time()
-            fault.detail = "next" if g == self.position() else "later"
-            fault.data["g"] = g
             name = path.name
             fault.check = lambda f, h: name in h.daemon_text(f.mark, f.data.get("end"))
-        finally:
-            self._cont()
+            return "next" if g == self.position() else "later"
+
+        # Also the batch it waits for: unlinking a mapped file is safe.
+        self._damage_waiting_batch(fault, rng, 0, delete)
 
     def inject_progress_garbage(self, fault: Fault, rng: random.Random) -> None:
         path = self.buffer / "progress.json"
