@@ -47,7 +47,6 @@ import math
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -603,15 +602,10 @@ class _Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.monitor.stop()
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(DAEMON_STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                log.warning("the daemon (pid %d) did not stop within %.0f s; killing it", proc.pid, DAEMON_STOP_SECONDS)
-                proc.kill()
-                proc.wait()
+        from prefetchd.buffer_protocol import stop_daemon_process
+
+        if self.proc is not None and stop_daemon_process(self.proc, DAEMON_STOP_SECONDS):
+            log.warning("the daemon (pid %d) did not stop within %.0f s; killed it", self.proc.pid, DAEMON_STOP_SECONDS)
         shutil.rmtree(self.buffer, ignore_errors=True)
 
     def wait_for(self, predicate: Callable[[], bool], what: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import click
 
+from prefetchd.buffer_protocol import stop_daemon_process
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.synthetic import make_shapes_dataset
 
@@ -40,16 +40,6 @@ def _start_daemon(buffer: Path, data: Path, split: str, args: list[str], log: Pa
            "--split", split, "--reset", *args]
     with open(log, "wb") as fh:
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(DAEMON_STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: int,
@@ -102,7 +92,7 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
         return 0
     finally:
         for proc in daemons:
-            _stop(proc)
+            stop_daemon_process(proc, DAEMON_STOP_SECONDS)
         shutil.rmtree(buffers, ignore_errors=True)
         if keep:
             click.echo(f"kept {work}")

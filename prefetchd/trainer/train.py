@@ -53,7 +53,7 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from prefetchd.buffer_protocol import ProtocolError, daemon_pid, stream_dir
+from prefetchd.buffer_protocol import ProtocolError, daemon_pid, stop_daemon_process, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, owning_buffer
 from prefetchd.locations import LocationError, StorageDenied, StorageUnavailable, filesystem, is_url, normalize, with_retries
 from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonRestartsExhausted, DaemonStuck, LoaderError
@@ -597,19 +597,8 @@ class SpawnedDaemon:
              "continuing from the same batch")
 
     def stop(self, seconds: float = DAEMON_STOP_SECONDS) -> None:
-        """SIGTERM (the daemon's graceful stop; with SIGCONT, so a stopped one can act on it), a bounded
-        wait, then SIGKILL if it does not go.  The kernel drops its lock with it."""
-        proc = self.proc
-        if proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        proc.send_signal(signal.SIGCONT)
-        try:
-            proc.wait(seconds)
-        except subprocess.TimeoutExpired:
-            logger.warning("the daemon (pid %d) did not stop within %g s of SIGTERM; killing it", proc.pid, seconds)
-            proc.kill()
-            proc.wait()
+        if stop_daemon_process(self.proc, seconds):
+            logger.warning("the daemon (pid %d) did not stop within %g s of SIGTERM; killed it", self.proc.pid, seconds)
 
 
 def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig,
