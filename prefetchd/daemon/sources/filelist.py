@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.dataset import SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.storage import ImageRefused, is_url, storage_for
 
@@ -107,13 +107,12 @@ def read_file_list(location: str) -> SampleIndex:
     if not paths:
         raise DatasetError(f"file list {location} names no samples; expected rows of 'path{_shown(delimiter)}label'")
     classes, labels = _labels(label_texts, lines, location)
-    offsets = np.zeros(len(paths) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter((len(p) for p in paths), dtype=np.int64, count=len(paths)), out=offsets[1:])
+    blob, offsets = pack_paths(paths)
     # The list's bytes decide every sample and label; what is in the listed files
     # is not stat-ed here (a list may name a million objects in a bucket).
     digest = hashlib.sha256(b"file-list\0" + raw).hexdigest()[:32]
     index = SampleIndex(
-        root=root, classes=classes, path_blob=np.frombuffer(b"".join(paths), dtype=np.uint8),
+        root=root, classes=classes, path_blob=blob,
         path_offsets=offsets, labels=labels, fingerprint=digest,
     )
     log.info("indexed file list %s: %d samples in %d classes (%.0f bytes of index per sample)",

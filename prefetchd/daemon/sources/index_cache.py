@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefetchd.daemon.dataset import SampleIndex, scan_tree
+from prefetchd.daemon.dataset import MISSING, SampleIndex, pack_paths, scan_tree, stat_stamp
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +52,23 @@ def cache_file(cache_dir: Path, root: Path) -> Path:
     return cache_dir / f"classfolders-{key}.npz"
 
 
-def _signature(root: Path, rel_dirs: list[str]) -> str:
-    """The stamps of ``root``'s folders now, hashed; a folder that is gone stamps as missing."""
+def _signature(folders: list[tuple[str, str]]) -> str:
+    """(folder relative to the root, its stamp) pairs, hashed."""
     digest = hashlib.sha256()
-    for rel in rel_dirs:
-        try:
-            st = os.stat(os.path.join(root, rel) if rel else root)
-            stamp = f"{st.st_size}:{st.st_mtime_ns}"
-        except OSError:
-            stamp = "missing"
+    for rel, stamp in folders:
         digest.update(os.fsencode(rel) + b"\0" + stamp.encode() + b"\0")
     return digest.hexdigest()
 
 
-def _pack_strings(items: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoded = [os.fsencode(s) for s in items]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in encoded], out=offsets[1:])
-    return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
+def _stamps_now(root: Path, rel_dirs: list[str]) -> list[tuple[str, str]]:
+    """The stamps of ``root``'s folders now; a folder that is gone stamps as missing."""
+    stamps = []
+    for rel in rel_dirs:
+        try:
+            stamps.append((rel, stat_stamp(os.stat(os.path.join(root, rel) if rel else root))))
+        except OSError:
+            stamps.append((rel, MISSING))
+    return stamps
 
 
 def _unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
@@ -92,7 +91,7 @@ def load(path: Path, root: Path) -> SampleIndex | None:
             log.info("index cache %s is from another version or dataset; rescanning %s", path, root)
             return None
         rel_dirs = _unpack_strings(arrays["dir_blob"], arrays["dir_offsets"])
-        if _signature(root, rel_dirs) != str(arrays["signature"]):
+        if _signature(_stamps_now(root, rel_dirs)) != str(arrays["signature"]):
             log.info("%s changed since its index was cached (a folder's size or mtime differs); rescanning", root)
             return None
         labels = arrays["labels"].astype(np.int64, copy=False)
@@ -111,7 +110,7 @@ def load(path: Path, root: Path) -> SampleIndex | None:
 
 def save(path: Path, index: SampleIndex, rel_dirs: list[str], signature: str) -> None:
     """Write the cache entry through a temporary name: a reader sees the old entry or the new, whole."""
-    dir_blob, dir_offsets = _pack_strings(rel_dirs)
+    dir_blob, dir_offsets = pack_paths([os.fsencode(rel) for rel in rel_dirs])
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -143,7 +142,7 @@ def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
     scan = scan_tree(root, tick)
     rel_dirs = [rel for rel, _stamp in scan.folders]
     racy = [rel for rel, stamp in scan.folders
-            if stamp != "missing" and int(stamp.split(":")[1]) >= started - int(RACY_SECONDS * 1e9)]
+            if stamp != MISSING and int(stamp.split(":")[1]) >= started - int(RACY_SECONDS * 1e9)]
     if racy:
         log.info("not caching the index of %s: %s changed less than %.0f s before the scan, too recently "
                  "for its mtime to prove later changes; the next start scans again",
@@ -151,11 +150,8 @@ def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
         return scan.index
     # Stamps taken before each folder was listed: an edit during the scan makes the
     # signature differ next time, so a half-seen change is never cached as current.
-    digest = hashlib.sha256()
-    for rel, stamp in scan.folders:
-        digest.update(os.fsencode(rel) + b"\0" + stamp.encode() + b"\0")
     try:
-        save(path, scan.index, rel_dirs, digest.hexdigest())
+        save(path, scan.index, rel_dirs, _signature(scan.folders))
     except OSError as exc:
         log.warning("cannot write the index cache %s (%s); the next start scans %s again; "
                     "pass --index-cache DIR with a writable folder", path, exc.strerror or exc, root)

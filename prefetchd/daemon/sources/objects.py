@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex
+from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.index_cache import default_cache_dir
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageDenied, StorageUnavailable
@@ -94,13 +94,11 @@ def list_class_folders(storage: FsspecStorage, tick: Callable[[], object] = lamb
                 digest.update(f"class:{cls}\0".encode())
     except (StorageDenied, StorageUnavailable) as exc:
         raise DatasetError(str(exc)) from None
-    lengths = np.fromiter((len(p) for p in rel_paths), dtype=np.int64, count=len(rel_paths))
-    offsets = np.zeros(len(rel_paths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    blob, offsets = pack_paths(rel_paths)
     index = SampleIndex(
         root=url,
         classes=tuple(classes),
-        path_blob=np.frombuffer(b"".join(rel_paths), dtype=np.uint8),
+        path_blob=blob,
         path_offsets=offsets,
         labels=np.asarray(labels, dtype=np.int64),
         fingerprint=digest.hexdigest()[:32],

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.dataset import SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable, is_url, storage_for
 
@@ -109,11 +109,9 @@ def read_shard_index(location: str) -> SampleIndex:
     if shard.min() < 0 or shard.max() >= len(shards) or label.min() < 0 or label.max() >= len(classes) \
             or offset.min() < 0 or size.min() < 0:
         raise DatasetError(f"shard index {where}: a shard number, label, offset or size is out of range; pack again")
-    names = [os.fsencode(s) for s in shards]
-    offsets = np.zeros(len(names) + 1, dtype=np.int64)
-    np.cumsum([len(s) for s in names], out=offsets[1:])
+    blob, offsets = pack_paths([os.fsencode(s) for s in shards])
     index = SampleIndex(
-        root=root, classes=classes, path_blob=np.frombuffer(b"".join(names), dtype=np.uint8),
+        root=root, classes=classes, path_blob=blob,
         path_offsets=offsets, labels=label, fingerprint=fingerprint,
         member_files=shard, member_offsets=offset, member_sizes=size,
     )
