@@ -408,14 +408,21 @@ def alive_since(pid: int, since: float) -> bool:
     user counts as alive when it exists.
     """
     try:
+        return _started_by(pid, since)
+    except psutil.AccessDenied:
+        return True
+
+
+def _started_by(pid: int, since: float) -> bool:
+    """``pid`` is a live process (a zombie has released its locks already) started by ``since``;
+    psutil.AccessDenied is left to the caller."""
+    try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
         started: float = proc.create_time()
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
-    except psutil.AccessDenied:
-        return True
     # create_time() is derived from boot time and jiffies: a second of slack.
     return started <= since + 1.0
 
@@ -458,11 +465,6 @@ def daemon_pid(buffer: Path) -> int | None:
         return None
     pid = int(text)
     try:
-        proc = psutil.Process(pid)
-        # A zombie has released its flock already; only its parent has not reaped it.
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        started = proc.create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return pid if _started_by(pid, mtime) else None
+    except psutil.AccessDenied:
         return None
-    return pid if started <= mtime + 1.0 else None
