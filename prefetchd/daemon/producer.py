@@ -285,7 +285,6 @@ class Stream:
         pid, since = self.trainer_pid, self.progress_time
         alive = alive_since(pid, since) if pid is not None and since is not None else None
         if alive is None or alive == self.trainer_alive:
-            self.trainer_alive = alive if alive is not None else self.trainer_alive
             return
         epoch, step = self.key(self.progress)
         if not alive:

@@ -77,9 +77,8 @@ class SampleReader:
 
     def start(self, indices: Iterable[int]) -> list[Future[bytearray]]:
         """Queue a read of each of ``indices`` now (``readers`` run at once, in this order)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max(1, self.readers), thread_name_prefix="read")
-        return [self._pool.submit(self.read, i) for i in indices]
+        pool = self._executor()
+        return [pool.submit(self.read, i) for i in indices]
 
     def read_ahead(self, indices: Iterable[int]) -> Iterator[Future[bytearray]]:
         """Futures of ``read(i)`` for each of ``indices`` in order, at most ``readers`` of them running."""
@@ -92,13 +91,12 @@ class SampleReader:
                     done.set_exception(exc)
                 yield done
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="read")
+        pool = self._executor()
         pending: deque[Future[bytearray]] = deque()
         it = iter(indices)
         try:
             for i in it:
-                pending.append(self._pool.submit(self.read, i))
+                pending.append(pool.submit(self.read, i))
                 if len(pending) >= self.readers:
                     yield pending.popleft()
             while pending:
@@ -106,6 +104,11 @@ class SampleReader:
         finally:
             for f in pending:
                 f.cancel()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, self.readers), thread_name_prefix="read")
+        return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
