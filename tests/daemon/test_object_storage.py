@@ -24,7 +24,7 @@ from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd import locations
-from prefetchd.daemon.sources.objects import cache_file
+from prefetchd.daemon.sources.index_cache import cache_file
 from prefetchd.daemon.sources.objects import list_class_folders
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageUnavailable, storage_for
 
@@ -190,7 +190,7 @@ def test_the_index_is_cached_and_a_restart_does_not_list_again(s3: Any, proxy: A
     url, cache = s3.url("cached"), tmp_path / "index-cache"
     first = open_dataset(url, index_cache=cache)
     assert proxy.count("GET list") >= 3  # the prefix, then each class
-    assert cache_file(url, cache).is_file()
+    assert cache_file(cache, "objects", url).is_file()
     listed = proxy.count("GET list")
     again = open_dataset(url, index_cache=cache)
     assert proxy.count("GET list") == listed, "a cached index must not list again"

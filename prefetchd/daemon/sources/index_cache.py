@@ -1,6 +1,12 @@
-"""A cache of class-folder indexes, so a restart does not walk a million files again.
+"""A cache of class-folder indexes, so a restart does not walk a million files
+(or list a million objects) again.
 
-One file per dataset root, ``<cache dir>/classfolders-<hash of the root>.npz``,
+Entries are ``.npz`` files (no pickle) written through a temporary name; an
+unreadable, damaged, other-version or other-dataset entry is ignored and
+rewritten.  ``objects.py`` keeps the index of class folders under a URL here as
+``objects-<hash of the URL>.npz``, trusted until ``--refresh-index``.
+
+On disk there is one file per dataset root, ``<cache dir>/classfolders-<hash of the root>.npz``,
 holding the index and the stamp (size and mtime) of every folder it was built
 from.  It is used only while every one of those folders still has its stamp:
 adding, removing or renaming an entry changes the folder's mtime, so such
@@ -26,6 +32,7 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +40,10 @@ from prefetchd.daemon.dataset import MISSING, SampleIndex, pack_paths, scan_tree
 
 log = logging.getLogger(__name__)
 
-FORMAT = "prefetchd-classfolders-cache"
+FORMAT = "prefetchd-index-cache"
 VERSION = 1
+INDEX_ARRAYS = ("path_blob", "path_offsets", "labels")
+FOLDER_ARRAYS = ("dir_blob", "dir_offsets", "signature")  # what a class-folder entry adds
 RACY_SECONDS = 2.0
 
 
@@ -47,9 +56,10 @@ def default_cache_dir() -> Path:
     return Path(xdg) / "prefetchd" if xdg else Path.home() / ".cache" / "prefetchd"
 
 
-def cache_file(cache_dir: Path, root: Path) -> Path:
-    key = hashlib.sha256(os.fsencode(root)).hexdigest()[:24]
-    return cache_dir / f"classfolders-{key}.npz"
+def cache_file(cache_dir: Path, kind: str, location: str | Path) -> Path:
+    """The entry of ``kind`` ("classfolders", "objects") for the dataset at ``location``."""
+    key = hashlib.sha256(os.fsencode(location)).hexdigest()[:24]
+    return cache_dir / f"{kind}-{key}.npz"
 
 
 def _signature(folders: list[tuple[str, str]]) -> str:
@@ -76,62 +86,83 @@ def _unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
     return [os.fsdecode(raw[offsets[k]:offsets[k + 1]]) for k in range(len(offsets) - 1)]
 
 
-def load(path: Path, root: Path) -> SampleIndex | None:
-    """The cached index of ``root`` if the cache holds one and the tree still matches it."""
+def load_entry(path: Path, root: str, again: str,
+               extra: tuple[str, ...] = ()) -> tuple[SampleIndex, dict[str, np.ndarray]] | None:
+    """The index saved in ``path`` for ``root`` and its ``extra`` arrays, or None with the reason logged
+    (``again`` says what happens instead, e.g. "rescanning ROOT")."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
     except FileNotFoundError:
         return None
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        log.warning("index cache %s is unreadable (%s); rescanning %s and rewriting it", path, exc, root)
+        log.warning("index cache %s is unreadable (%s); %s and rewriting it", path, exc, again)
         return None
     try:
-        if str(arrays["format"]) != FORMAT or int(arrays["version"]) != VERSION or str(arrays["root"]) != str(root):
-            log.info("index cache %s is from another version or dataset; rescanning %s", path, root)
-            return None
-        rel_dirs = _unpack_strings(arrays["dir_blob"], arrays["dir_offsets"])
-        if _signature(_stamps_now(root, rel_dirs)) != str(arrays["signature"]):
-            log.info("%s changed since its index was cached (a folder's size or mtime differs); rescanning", root)
+        if str(arrays["format"]) != FORMAT or int(arrays["version"]) != VERSION or str(arrays["root"]) != root:
+            log.info("index cache %s is from another version or dataset; %s", path, again)
             return None
         labels = arrays["labels"].astype(np.int64, copy=False)
         offsets = arrays["path_offsets"].astype(np.int64, copy=False)
-        if len(offsets) != len(labels) + 1 or offsets[-1] != len(arrays["path_blob"]):
+        if len(offsets) < 2 or len(offsets) != len(labels) + 1 or offsets[-1] != len(arrays["path_blob"]):
             raise ValueError("path offsets disagree with the labels or the path blob")
-        return SampleIndex(
-            root=str(root), classes=tuple(str(c) for c in arrays["classes"]),
+        index = SampleIndex(
+            root=root, classes=tuple(str(c) for c in arrays["classes"]),
             path_blob=arrays["path_blob"].astype(np.uint8, copy=False), path_offsets=offsets, labels=labels,
             fingerprint=str(arrays["fingerprint"]),
         )
+        return index, {name: arrays[name] for name in extra}
     except (KeyError, ValueError, IndexError) as exc:
-        log.warning("index cache %s is damaged (%s); rescanning %s and rewriting it", path, exc, root)
+        log.warning("index cache %s is damaged (%s); %s and rewriting it", path, exc, again)
         return None
 
 
-def save(path: Path, index: SampleIndex, rel_dirs: list[str], signature: str) -> None:
-    """Write the cache entry through a temporary name: a reader sees the old entry or the new, whole."""
-    dir_blob, dir_offsets = pack_paths([os.fsencode(rel) for rel in rel_dirs])
+def save_entry(path: Path, index: SampleIndex, **extra: np.ndarray) -> None:
+    """Write the entry through a temporary name: a reader sees the old entry or the new, whole."""
+    arrays: dict[str, Any] = {
+        "format": np.array(FORMAT), "version": np.array(VERSION), "root": np.array(index.root),
+        "classes": np.array(index.classes, dtype=str), "fingerprint": np.array(index.fingerprint),
+        **{name: getattr(index, name) for name in INDEX_ARRAYS}, **extra,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            np.savez(
-                fh, format=np.array(FORMAT), version=np.array(VERSION), root=np.array(index.root),
-                classes=np.array(index.classes, dtype=str), path_blob=index.path_blob,
-                path_offsets=index.path_offsets, labels=index.labels, fingerprint=np.array(index.fingerprint),
-                dir_blob=dir_blob, dir_offsets=dir_offsets, signature=np.array(signature),
-            )
+            np.savez(fh, **arrays)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def load(path: Path, root: Path) -> SampleIndex | None:
+    """The cached index of ``root`` if the cache holds one and the tree still matches it."""
+    again = f"rescanning {root}"
+    found = load_entry(path, str(root), again, FOLDER_ARRAYS)
+    if found is None:
+        return None
+    index, extra = found
+    try:
+        rel_dirs = _unpack_strings(extra["dir_blob"], extra["dir_offsets"])
+    except (ValueError, IndexError) as exc:
+        log.warning("index cache %s is damaged (%s); %s and rewriting it", path, exc, again)
+        return None
+    if _signature(_stamps_now(root, rel_dirs)) != str(extra["signature"]):
+        log.info("%s changed since its index was cached (a folder's size or mtime differs); rescanning", root)
+        return None
+    return index
+
+
+def save(path: Path, index: SampleIndex, rel_dirs: list[str], signature: str) -> None:
+    dir_blob, dir_offsets = pack_paths([os.fsencode(rel) for rel in rel_dirs])
+    save_entry(path, index, dir_blob=dir_blob, dir_offsets=dir_offsets, signature=np.array(signature))
+
+
 def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
                          tick: Callable[[], object] = lambda: None) -> SampleIndex:
     """The class-folder index of ``root``, from ``cache_dir`` when the tree is unchanged."""
     root = Path(root).resolve()
-    path = cache_file(cache_dir, root)
+    path = cache_file(cache_dir, "classfolders", root)
     if not refresh:
         index = load(path, root)
         if index is not None:

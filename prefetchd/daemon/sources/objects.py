@@ -17,12 +17,10 @@ bucket or deleted objects into a clear error there rather than in every worker.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import posixpath
 import time
-import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,15 +30,12 @@ import numpy as np
 
 from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
-from prefetchd.daemon.sources.index_cache import default_cache_dir
+from prefetchd.daemon.sources.index_cache import cache_file, default_cache_dir, load_entry, save_entry
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageDenied, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
 LIST_THREADS = 16  # class prefixes listed at once; each listing is a sequence of 1000-key pages
-CACHE_FORMAT = "prefetchd-objects-cache"
-CACHE_VERSION = 1
-CACHE_ARRAYS = ("path_blob", "path_offsets", "labels")
 
 
 def _stamp(info: dict[str, Any]) -> str:
@@ -111,12 +106,17 @@ def list_class_folders(storage: FsspecStorage, tick: Callable[[], object] = lamb
 def cached_url_class_folders(storage: FsspecStorage, cache_dir: Path | None = None, refresh: bool = False,
                              tick: Callable[[], object] = lambda: None) -> SampleIndex:
     """The class-folder index under ``storage.url``: from the cache unless ``refresh``, else listed and cached."""
-    cached = cache_file(storage.url, cache_dir or default_cache_dir())
-    found = None if refresh else load_index(cached, storage.url)
-    if found is None:
+    cached = cache_file(cache_dir or default_cache_dir(), "objects", storage.url)
+    entry = None if refresh else load_entry(cached, storage.url, f"listing {storage.url} again")
+    if entry is None:
         index = list_class_folders(storage, tick=tick)
-        save_index(index, cached)
+        try:
+            save_entry(cached, index)
+        except OSError as exc:
+            log.warning("cannot write the index cache %s (%s); the next start lists %s again; pass --index-cache "
+                        "DIR with a writable folder", cached, exc.strerror or exc, index.root)
         return index
+    found = entry[0]
     log.info("indexed %s from the cache %s: %d samples in %d classes (--refresh-index lists it again)",
              storage.url, cached, len(found), len(found.classes))
     first = storage.path(found.file(0))
@@ -131,46 +131,3 @@ def cached_url_class_folders(storage: FsspecStorage, cache_dir: Path | None = No
     except OSError as exc:  # unreachable now: the workers' reads retry, and say so if it lasts
         log.warning("cannot check %s (%s); going on with the cached index", storage.url, exc)
     return found
-
-
-def cache_file(url: str, cache_dir: Path) -> Path:
-    return cache_dir / f"objects-{hashlib.sha256(url.encode()).hexdigest()[:24]}.npz"
-
-
-def save_index(index: SampleIndex, path: Path) -> None:
-    """Write through a temporary name: a daemon killed mid-write leaves the old entry or none."""
-    header = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "root": index.root, "classes": list(index.classes),
-              "fingerprint": index.fingerprint}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            np.savez(fh, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
-                     **{name: getattr(index, name) for name in CACHE_ARRAYS})
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        log.warning("cannot write the index cache %s (%s); the next start lists %s again; pass --index-cache DIR "
-                    "with a writable folder", path, exc.strerror or exc, index.root)
-
-
-def load_index(path: Path, url: str) -> SampleIndex | None:
-    """The index cached for ``url``, or None (the reason logged) when there is no usable one."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            header = json.loads(npz["header"].tobytes())
-            arrays = {name: npz[name] for name in CACHE_ARRAYS}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
-        log.warning("index cache %s is unreadable (%s); listing %s again", path, exc, url)
-        return None
-    if header.get("format") != CACHE_FORMAT or header.get("version") != CACHE_VERSION or header.get("root") != url:
-        log.info("index cache %s is from another version or dataset; listing %s again", path, url)
-        return None
-    offsets = arrays["path_offsets"]
-    if len(offsets) != len(arrays["labels"]) + 1 or offsets[-1] != len(arrays["path_blob"]) or len(offsets) < 2:
-        log.warning("index cache %s is damaged; listing %s again", path, url)
-        return None
-    return SampleIndex(root=url, classes=tuple(header["classes"]), path_blob=arrays["path_blob"],
-                       path_offsets=offsets, labels=arrays["labels"], fingerprint=str(header["fingerprint"]))
