@@ -410,7 +410,9 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                 wait += time.perf_counter() - t0
                 if step == 0:
                     first_batch_s = time.perf_counter() - started
-                images = images.to(device, non_blocking=True, memory_format=torch.channels_last)
+                # Copy first, change the layout on the device: a layout change in the copy
+                # itself would go through a pageable host buffer and make the copy synchronous.
+                images = images.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
                 labels = labels.to(device, non_blocking=True)
                 timed = cuda and step >= sizes.warmup_steps
                 if timed:
