@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # tomllib joined the standard library in 3.11; tomli is the same parser (pyproject: tomli on <3.11)
+    import tomli as tomllib
 
 import psutil
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Download, into the git-ignored .whl/, the wheels that the lent GPU machine lacks for
+# `pip install --no-deps -e .` and tools/gpu_check.py, for its Python (3.12, x86-64 manylinux).
+# That machine reaches no package registry, so they travel with the checkout (`carry: [".whl"]`).
+#
+# What it lacks: of the project's dependencies (pyproject.toml) only watchdog. Its image
+# already holds torch, torchvision, pillow, numpy, psutil, msgpack, click, prometheus-client,
+# pytest, pytest-xdist, pytest-timeout, hypothesis and nvidia-ml-py (pynvml), per the package
+# list of the device notes (KINDS.md, read 2026-11-25); tomli is for Python < 3.11 only.
+# Not fetched: nvidia-dali (its wheel is far over the 64 MiB a call may carry), so the DALI
+# step records itself as skipped; s3fs and moto (the object-storage tests, not marked gpu).
+#
+#   bash tools/fetch_gpu_wheels.sh            # then carry .whl, see README "On a GPU"
+#
+# Override the list with WHEELS="watchdog==7.1.0 other==1.0" or the interpreter with PYTHON=...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+WHEELS=${WHEELS:-"watchdog==7.1.0"}
+mkdir -p .whl
+# pip matches each manylinux_2_N tag exactly, so name the common ones.
+# shellcheck disable=SC2086  # WHEELS is a space-separated list on purpose
+"$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $WHEELS
+ls -l .whl

@@ -1,0 +1,668 @@
+"""One command that proves the GPU path on a GPU machine and writes docs/GPU.md + docs/gpu.json.
+
+    python tools/gpu_check.py [--out docs/gpu.json] [--commit HASH] [--steps 300]
+                              [--data IMAGEFOLDER] [--skip-tests] [--dry-run]
+
+Steps, each recorded in the JSON (rewritten after every step, so a run cut short
+still leaves what it measured) and in GPU.md beside it:
+
+1. ``pytest -m gpu``: the GPU tests, their counts;
+2. host-to-device copies of batch files (``tools/h2d_bench.py`` used as a module) at
+   batch 128 and 256, 224 px: pageable, staging (pinned ring) and registered mapping,
+   the transfer alone and ``BufferLoader`` end to end, against torch's own copy from
+   pinned memory of the same size (the ceiling of a host-to-device copy);
+3. ResNet-50 (channels_last, bf16 autocast, batch 256, SGD) for a fixed number of
+   steps, fed three ways: by a prefetchd daemon with all cores but one, by
+   ImageFolder + DataLoader with as many workers, and by synthetic tensors already on
+   the GPU (the ceiling).  Per feed: images/s, data-wait share (time blocked in
+   ``next()`` over wall time, as prefetchd-train defines it), GPU busy share (CUDA
+   events around each step), GPU utilisation (NVML, when ``pynvml`` imports), host
+   memory (PSS of this process tree, the system's used memory above the start);
+4. the same model fed by DALI's GPU pipeline when ``nvidia.dali`` imports.
+
+``--dry-run`` runs every step on the CPU at toy sizes (a small model, 16 images, a
+few steps) and writes into a temporary folder unless ``--out`` is given: it keeps
+this script working in CI, and its numbers mean nothing.
+
+On the GPU machine the checkout is a copy without ``.git``: pass ``--commit`` with
+the hash of the checkout that was sent (README, "On a GPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+import h2d_bench  # tools/ is sys.path[0] when this file runs as a script
+from prefetchd.bench import describe_machine
+from prefetchd.buffer_protocol import batch_name, map_batch
+from prefetchd.synthetic import make_imagenet_like
+from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.train import TrainConfig, build_model, spawn_daemon
+
+log = logging.getLogger("gpu_check")
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_FORMAT = "prefetchd.gpu_check"
+RESULTS_VERSION = 1
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+# Every wait on another process is bounded; a stuck step fails with this in its message.
+WAIT_SECONDS = 180.0
+TESTS_SECONDS = 300.0
+SAMPLE_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class Sizes:
+    device: str
+    model: str
+    batch_size: int
+    image_size: int
+    steps: int  # measured training steps per feed
+    warmup_steps: int  # before them, not measured (cudnn autotuning, worker start, daemon fill)
+    classes: int
+    per_class: int
+    high_water: int  # the daemon's buffer, in batches
+    h2d_batch_sizes: tuple[int, ...]
+    h2d_image_size: int
+    h2d_batches: int
+    pytest_args: tuple[str, ...]
+
+
+# 20,000 files: 78 steps an epoch at batch 256, so the 330 steps of a feed span four
+# epochs, and ~2 GB of JPEGs that the page cache holds (the check measures decoding,
+# not the disk).  Generating them takes ~40 s on 16 cores.
+FULL = Sizes(device="cuda", model="resnet50", batch_size=256, image_size=224, steps=300, warmup_steps=30,
+             classes=100, per_class=200, high_water=16, h2d_batch_sizes=(128, 256), h2d_image_size=224,
+             h2d_batches=16, pytest_args=())
+DRY = Sizes(device="cpu", model="squeezenet1_1", batch_size=8, image_size=32, steps=3, warmup_steps=1,
+            classes=2, per_class=8, high_water=4, h2d_batch_sizes=(4, 8), h2d_image_size=32,
+            h2d_batches=3, pytest_args=("-n", "0"))
+
+
+# -- 1. the GPU tests ------------------------------------------------------------------------
+
+
+def run_gpu_tests(sizes: Sizes) -> dict[str, Any]:
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *sizes.pytest_args]
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TESTS_SECONDS)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        return {"command": " ".join(command[1:]), "returncode": None, "counts": {},
+                "summary": f"timed out after {TESTS_SECONDS:.0f} s", "tail": out.splitlines()[-30:]}
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    summary = lines[-1].strip("= ") if lines else ""
+    counts = {word: int(n) for n, word in
+              re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?)", summary)}
+    doc: dict[str, Any] = {"command": " ".join(command[1:]), "returncode": proc.returncode, "counts": counts,
+                           "summary": summary, "seconds": round(time.perf_counter() - started, 1)}
+    if proc.returncode not in (0, 5):  # 5: no test collected (the marker matched nothing)
+        doc["tail"] = (proc.stdout + proc.stderr).splitlines()[-40:]
+    return doc
+
+
+# -- 2. host-to-device copies -----------------------------------------------------------------
+
+
+def h2d_rows(sizes: Sizes, device: torch.device, root: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for batch_size in sizes.h2d_batch_sizes:
+        nbytes = batch_size * sizes.h2d_image_size ** 2 * 3
+        buffer = h2d_bench.make_buffer(root, sizes.h2d_batches, batch_size, sizes.h2d_image_size)
+        try:
+            if device.type == "cuda":
+                measured = _h2d_cuda(buffer, sizes.h2d_batches, batch_size, nbytes, device)
+            else:
+                measured = _h2d_host(buffer, sizes.h2d_batches)
+        finally:
+            shutil.rmtree(buffer, ignore_errors=True)
+        reference = next((ms for name, ms, _ in measured if name == "torch pinned"), None)
+        for name, ms, parts in measured:
+            row: dict[str, Any] = {"batch_size": batch_size, "image_size": sizes.h2d_image_size, "bytes": nbytes,
+                                   "mode": name}
+            if ms is None:
+                row["note"] = str(parts.get("error", "failed"))
+            else:
+                row.update(us_per_batch=round(ms * 1e3, 1), gb_per_s=round(nbytes / ms / 1e6, 2),
+                           parts_ms={k: round(float(v), 3) for k, v in parts.items()})
+                if reference:
+                    row["vs_torch_pinned"] = round(reference / ms, 3)
+            rows.append(row)
+    return rows
+
+
+def _h2d_cuda(buffer: Path, batches: int, batch_size: int, nbytes: int,
+              device: torch.device) -> list[tuple[str, float | None, dict[str, Any]]]:
+    """h2d_bench's transfer alone and BufferLoader end to end, and torch's pinned copy of the same size."""
+    out: list[tuple[str, float | None, dict[str, Any]]] = []
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    clock = h2d_bench.Clock(device)
+    for _ in range(batches):
+        with clock.part("total"):
+            pinned.to(device, non_blocking=True)
+    out.append(("torch pinned", clock.median("total"), {}))
+    names = {"plain": "pageable", "staging": "staging (pinned copy)", "register": "registered mapping"}
+    done = set()
+    for name, ms, parts in h2d_bench.transfer_parts(buffer, batches, device):
+        out.append((names.get(name, name), ms, parts))
+        done.add(name)
+    out += [(names[name], None, {"error": "failed; its message is in the log"}) for name in names if name not in done]
+    for pin in ("none", "staging", "register"):
+        try:
+            ms = h2d_bench.loader_per_batch(buffer, batches, device, pin, 0)
+        except Exception as exc:  # e.g. registration unsupported: say so, keep the table
+            out.append((f"BufferLoader pin={pin}", None, {"error": f"{type(exc).__name__}: {exc}"}))
+        else:
+            out.append((f"BufferLoader pin={pin}", ms, {}))
+    return out
+
+
+def _h2d_host(buffer: Path, batches: int) -> list[tuple[str, float | None, dict[str, Any]]]:
+    """--dry-run without CUDA: map each batch file and copy it into a tensor, to exercise the plumbing."""
+    times = []
+    for step in range(batches):
+        start = time.perf_counter()
+        torch.from_numpy(map_batch(buffer / batch_name(0, step)).images).clone()
+        times.append((time.perf_counter() - start) * 1e3)
+    return [("host copy (no CUDA)", statistics.median(times), {})]
+
+
+# -- 3./4. training fed four ways ---------------------------------------------------------------
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+Feed = Callable[[], AbstractContextManager[Batches]]
+
+
+def cores_but_one() -> int:
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+@contextlib.contextmanager
+def prefetchd_feed(data: Path, sizes: Sizes, workers: int, device: torch.device, root: Path) -> Iterator[Batches]:
+    buffer = root / f"prefetchd-gpu-check-{os.getpid()}"
+    shutil.rmtree(buffer, ignore_errors=True)
+    config = TrainConfig(buffer=buffer, batch_size=sizes.batch_size, image_size=sizes.image_size, workers=workers,
+                         high_water=sizes.high_water, seed=0, quiet=True)
+    daemon = spawn_daemon(buffer, data, "train", config, echo=log.info)
+    if daemon is None:
+        raise RuntimeError(f"{buffer} is already served by another daemon; stop it first")
+    try:
+        daemon.wait_ready(WAIT_SECONDS)
+        loader = BufferLoader(buffer, device=device, normalize=True, timeout=WAIT_SECONDS)
+        try:
+            yield _epochs(lambda: ((b.images, b.labels) for b in loader), f"the daemon's buffer {buffer}")
+        finally:
+            loader.close()
+    finally:
+        daemon.stop()
+        shutil.rmtree(buffer, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def dataloader_feed(data: Path, sizes: Sizes, workers: int, device: torch.device) -> Iterator[Batches]:
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
+    # What users run today: PIL decode, RandomResizedCrop, flip, float32 normalised in the workers.
+    transform = transforms.Compose([
+        transforms.RandomResizedCrop(sizes.image_size), transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(), transforms.Normalize(MEAN, STD),
+    ])
+    loader = DataLoader(datasets.ImageFolder(str(data), transform=transform), batch_size=sizes.batch_size,
+                        shuffle=True, drop_last=True, num_workers=workers, persistent_workers=True,
+                        prefetch_factor=2, pin_memory=device.type == "cuda", timeout=WAIT_SECONDS,
+                        generator=torch.Generator().manual_seed(0))
+    it = _epochs(lambda: iter(loader), f"the DataLoader over {data}")
+    try:
+        yield it
+    finally:
+        it.close()
+        workers_iter = getattr(loader, "_iterator", None)  # persistent workers outlive an epoch: end them now
+        if workers_iter is not None:
+            workers_iter._shutdown_workers()
+
+
+@contextlib.contextmanager
+def synthetic_feed(sizes: Sizes, classes: int, device: torch.device) -> Iterator[Batches]:
+    images = torch.randn(sizes.batch_size, 3, sizes.image_size, sizes.image_size, device=device)
+    images = images.contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, classes, (sizes.batch_size,), device=device)
+
+    def forever() -> Batches:
+        while True:
+            yield images, labels
+
+    yield forever()
+
+
+def dali_missing(device: torch.device) -> str | None:
+    try:
+        import nvidia.dali  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install failing at import
+        return f"skipped: nvidia.dali not importable ({type(exc).__name__})"
+    if device.type != "cuda":
+        return "skipped: DALI's mixed decoder needs a GPU (dry run on the CPU)"
+    return None
+
+
+@contextlib.contextmanager
+def dali_feed(data: Path, sizes: Sizes, workers: int, device: torch.device) -> Iterator[Batches]:
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    @pipeline_def  # type: ignore[untyped-decorator]
+    def pipeline() -> Any:
+        # readers.file labels class folders in sorted order, as ImageFolder does.
+        jpegs, labels = fn.readers.file(file_root=str(data), random_shuffle=True, name="reader")
+        images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB)
+        images = fn.resize(images, resize_x=sizes.image_size, resize_y=sizes.image_size)
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="HWC",
+                                          mean=[m * 255 for m in MEAN], std=[s * 255 for s in STD],
+                                          mirror=fn.random.coin_flip())
+        return images, labels.gpu()
+
+    pipe = pipeline(batch_size=sizes.batch_size, num_threads=workers, device_id=device.index or 0, seed=0)
+    pipe.build()
+    it = DALIGenericIterator([pipe], ["images", "labels"], reader_name="reader", auto_reset=True)
+
+    def batches() -> Batches:
+        for out in it:
+            # NHWC memory seen as NCHW is channels_last, which the model wants anyway.
+            yield out[0]["images"].permute(0, 3, 1, 2), out[0]["labels"].reshape(-1).long()
+
+    yield _epochs(batches, f"DALI over {data}")
+
+
+def _epochs(epoch: Callable[[], Iterator[Any]], what: str) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+    """Batches across epochs, as a training loop that runs for a number of steps sees them."""
+    while True:
+        got = False
+        for images, labels in epoch():
+            got = True
+            yield images, labels
+        if not got:
+            raise RuntimeError(f"{what}: an epoch without batches")
+
+
+class HostSampler:
+    """Samples, in a thread, this process tree's PSS, the system's used memory and NVML's GPU utilisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.baseline_used = _system_used()
+        self.peak_used = self.baseline_used
+        self.peak_tree = 0
+        self.gpu_util: list[int] = []
+        self._nvml: Any = None
+        if device.type == "cuda":
+            with contextlib.suppress(Exception):  # no pynvml, or no NVML library: events still give a busy share
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(device.index or 0))
+        self._measuring = threading.Event()
+        self._stop = threading.Event()
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, name="gpu-check-sampler", daemon=True)
+        self._thread.start()
+
+    def measure(self) -> None:
+        self._measuring.set()
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sample()  # a run shorter than one period still has its end state
+        doc: dict[str, Any] = {
+            "tree_pss_peak_mib": round(self.peak_tree / 2**20),
+            "system_used_above_start_peak_mib": round((self.peak_used - self.baseline_used) / 2**20),
+        }
+        if self._nvml is not None:
+            doc["nvml_gpu_util_mean"] = round(statistics.mean(self.gpu_util), 1) if self.gpu_util else None
+        return doc
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            self._sample()
+
+    def _sample(self) -> None:
+        self.peak_tree = max(self.peak_tree, _tree_pss(os.getpid()))
+        self.peak_used = max(self.peak_used, _system_used())
+        if self._nvml is not None and self._measuring.is_set() and not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                nvml, handle = self._nvml
+                self.gpu_util.append(int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+
+
+def _system_used() -> int:
+    memory = psutil.virtual_memory()
+    return int(memory.total - memory.available)  # tmpfs batch files included: they are not available
+
+
+def _tree_pss(pid: int) -> int:
+    # PSS splits shared pages between their users, so DataLoader workers forked from
+    # this process are not each charged the whole parent, as RSS would.
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error, AttributeError):
+            info = proc.memory_full_info()
+            total += getattr(info, "pss", info.rss)
+    return total
+
+
+def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.device) -> dict[str, Any]:
+    """Train a fresh model for warmup + steps batches from ``feed``; what it took."""
+    torch.manual_seed(0)
+    model = build_model(sizes.model, classes, pretrained=False, echo=log.info)
+    model = model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
+    criterion = nn.CrossEntropyLoss()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    sampler = HostSampler(device)
+    events: list[tuple[Any, Any]] = []
+    wait = 0.0
+    first_batch_s = wall = 0.0
+    loss = torch.zeros(())
+    try:
+        started = time.perf_counter()
+        with feed() as batches:
+            measured_from = started
+            for step in range(sizes.warmup_steps + sizes.steps):
+                if step == sizes.warmup_steps:
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    measured_from, wait = time.perf_counter(), 0.0
+                    sampler.measure()
+                t0 = time.perf_counter()
+                images, labels = next(batches)
+                wait += time.perf_counter() - t0
+                if step == 0:
+                    first_batch_s = time.perf_counter() - started
+                # Copy first, change the layout on the device: a layout change in the copy
+                # itself would go through a pageable host buffer and make the copy synchronous.
+                images = images.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+                labels = labels.to(device, non_blocking=True)
+                timed = cuda and step >= sizes.warmup_steps
+                if timed:
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    begin.record()
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = criterion(model(images), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                if timed:
+                    end.record()
+                    events.append((begin, end))
+            if cuda:
+                torch.cuda.synchronize(device)
+            wall = time.perf_counter() - measured_from
+    finally:
+        host = sampler.stop()
+    images_seen = sizes.steps * sizes.batch_size
+    row: dict[str, Any] = {
+        "feed": name, "steps": sizes.steps, "warmup_steps": sizes.warmup_steps, "batch_size": sizes.batch_size,
+        "images_per_s": round(images_seen / wall, 1), "wall_s": round(wall, 2),
+        "data_wait_share": round(wait / wall, 4), "first_batch_s": round(first_batch_s, 2),
+        "final_loss": round(float(loss.item()), 4), **host,
+    }
+    if events:
+        busy_ms = sum(begin.elapsed_time(end) for begin, end in events)
+        row["gpu_busy_share"] = round(busy_ms / 1e3 / wall, 4)
+        row["gpu_memory_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20)
+    return row
+
+
+def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, workers: int, root: Path,
+                  done: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    feeds: list[tuple[str, Feed | str]] = [
+        ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
+        (f"prefetchd ({workers} workers)", lambda: prefetchd_feed(data, sizes, workers, device, root)),
+        (f"DataLoader ({workers} workers)", lambda: dataloader_feed(data, sizes, workers, device)),
+    ]
+    missing = dali_missing(device)
+    feeds.append((f"DALI mixed ({workers} threads)", missing or (lambda: dali_feed(data, sizes, workers, device))))
+    rows: list[dict[str, Any]] = []
+    for name, feed in feeds:
+        if isinstance(feed, str):
+            rows.append({"feed": name, "note": feed})
+            continue
+        log.info("training %s on %s, fed by %s: %d + %d steps", sizes.model, device, name, sizes.warmup_steps,
+                 sizes.steps)
+        try:
+            row = train_with(name, feed, sizes, classes, device)
+        except Exception as exc:  # one failing feed must not lose the others' numbers
+            log.exception("%s failed", name)
+            row = {"feed": name, "note": f"failed: {type(exc).__name__}: {exc}"}
+        else:
+            log.info("  %.0f images/s, data wait %.1f%%", row["images_per_s"], 100 * row["data_wait_share"])
+        rows.append(row)
+        done(rows)
+    ceiling = rows[0].get("images_per_s")
+    for row in rows:
+        if ceiling and row.get("images_per_s"):
+            row["vs_synthetic"] = round(row["images_per_s"] / ceiling, 3)
+    return rows
+
+
+# -- the machine, the outputs ------------------------------------------------------------------
+
+
+def describe_gpu(device: torch.device) -> dict[str, Any]:
+    doc: dict[str, Any] = {"torch_cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}  # type: ignore[no-untyped-call]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        doc.update(name=props.name, memory_gib=round(props.total_memory / 2**30, 1),
+                   multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,power.limit",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        if smi.returncode == 0:
+            doc["nvidia_smi"] = smi.stdout.strip()
+    return doc
+
+
+def git_commit(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git here; pass --commit)"
+    if head.returncode != 0:
+        return "unknown (not a git checkout; pass --commit)"
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def _cell(value: Any, fmt: str = "{}") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return fmt.format(value)
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    machine, gpu, sizes = doc["machine"], doc["gpu"], doc["sizes"]
+    lines = ["# prefetchd on a GPU", ""]
+    if doc["dry_run"]:
+        lines += ["**Dry run**: toy sizes on the CPU to keep `tools/gpu_check.py` working; these figures measure "
+                  "nothing.", ""]
+    lines += [
+        f"Written by `python tools/gpu_check.py` on {machine.get('date', '?')} at commit `{doc['commit']}`; the "
+        f"figures are in [{doc['json_name']}]({doc['json_name']}).", "",
+        "## Machine", "",
+        "| | |", "|---|---|",
+        f"| GPU | {gpu.get('name', 'none')} ({_cell(gpu.get('memory_gib'), '{} GiB')}, "
+        f"{_cell(gpu.get('multiprocessors'))} SMs, capability {_cell(gpu.get('capability'))}) |",
+        f"| nvidia-smi | {gpu.get('nvidia_smi', 'not available')} |",
+        f"| CPU | {machine.get('usable_cpus')} usable cores ({machine.get('cpu_model')}), "
+        f"{machine.get('ram_bytes', 0) / 2**30:.0f} GiB RAM |",
+        f"| software | Python {machine.get('python')}, torch {machine.get('torch')} (CUDA {gpu.get('torch_cuda')}, "
+        f"cuDNN {gpu.get('cudnn')}), torchvision {machine.get('torchvision')}, Pillow {machine.get('pillow')} |",
+        f"| platform | {machine.get('platform')} |", "",
+    ]
+    tests = doc.get("tests")
+    if tests is not None:
+        lines += ["## GPU tests", "", f"`{tests['command']}`: {tests.get('summary') or 'no summary'} "
+                  f"(exit code {tests.get('returncode')}).", ""]
+    if doc.get("h2d") is not None:
+        lines += ["## Host to device", "",
+                  "Median per batch of uint8 images from fresh mappings of batch files (`tools/h2d_bench.py`); "
+                  "`torch pinned` copies one pinned tensor of the same size, the ceiling; `BufferLoader` rows "
+                  "are end to end (map, copy, uint8 -> float, normalise) with no model step.", "",
+                  "| batch | mode | µs per batch | GB/s | vs torch pinned |", "|---|---|---:|---:|---:|"]
+        for row in doc["h2d"]:
+            size = f"{row['batch_size']}×{row['image_size']}² ({row['bytes'] / 1e6:.1f} MB)"
+            if "note" in row:
+                lines.append(f"| {size} | {row['mode']} | {row['note']} | | |")
+            else:
+                lines.append(f"| {size} | {row['mode']} | {row['us_per_batch']:.0f} | {row['gb_per_s']:.2f} | "
+                             f"{_cell(row.get('vs_torch_pinned'), '{:.2f}')} |")
+        lines.append("")
+    if doc.get("training") is not None:
+        lines += ["## Training", "",
+                  f"{sizes['model']}, channels_last, bf16 autocast, SGD, batch {sizes['batch_size']}, "
+                  f"{sizes['image_size']} px, {sizes['steps']} measured steps after {sizes['warmup_steps']} warm-up "
+                  f"steps, on {doc['dataset']}.  Data wait: time blocked in `next()` over wall time.  GPU busy: CUDA "
+                  "events around each step over wall time.  Memory: peak PSS of this process tree (trainer, "
+                  "daemon, workers) and peak system memory in use above the start (tmpfs batches included).", "",
+                  "| feed | images/s | vs synthetic | data wait | GPU busy | GPU util (NVML) | tree PSS MiB | "
+                  "system +MiB | first batch s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in doc["training"]:
+            if "note" in row:
+                lines.append(f"| {row['feed']} | {row['note']} | | | | | | | |")
+                continue
+            lines.append(
+                f"| {row['feed']} | {row['images_per_s']:.0f} | {_cell(row.get('vs_synthetic'), '{:.2f}')} | "
+                f"{row['data_wait_share']:.1%} | {_cell(row.get('gpu_busy_share'), '{:.1%}')} | "
+                f"{_cell(row.get('nvml_gpu_util_mean'), '{:.0f}%')} | {row['tree_pss_peak_mib']} | "
+                f"{row['system_used_above_start_peak_mib']} | {row['first_batch_s']:.1f} |")
+        lines.append("")
+    lines += ["## Reproduce", "", "See README.md, \"On a GPU\": the wheels to carry, the install, and "
+              "`python tools/gpu_check.py --out DIR/gpu.json --commit HASH`.", ""]
+    return "\n".join(lines)
+
+
+def write_outputs(doc: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for path, text in ((out, json.dumps(doc, indent=2) + "\n"), (out.parent / "GPU.md", render_markdown(doc))):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+def _buffer_root(need: int) -> Path:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * need:
+        return shm
+    log.warning("/dev/shm is missing or has less than %.1f GiB free: buffers go to %s, not a RAM disk",
+                2 * need / 2**30, tempfile.gettempdir())
+    return Path(tempfile.gettempdir())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="the JSON; GPU.md goes beside it [default: docs/gpu.json, "
+                        "or a temporary folder with --dry-run]")
+    parser.add_argument("--dry-run", action="store_true", help="every step on the CPU at toy sizes")
+    parser.add_argument("--commit", help="the commit measured, where the checkout has no .git")
+    parser.add_argument("--steps", type=int, help="measured training steps per feed")
+    parser.add_argument("--data", type=Path, help="an ImageFolder tree to train on instead of generating one")
+    parser.add_argument("--skip-tests", action="store_true", help="leave out `pytest -m gpu`")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="gpu_check: %(message)s")
+    sizes = DRY if args.dry_run else FULL
+    if args.steps is not None:
+        sizes = dataclasses.replace(sizes, steps=args.steps)
+    device = torch.device(sizes.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run it on a GPU machine, or pass --dry-run", file=sys.stderr)
+        return 2
+    out = args.out or (Path(tempfile.mkdtemp(prefix="gpu-check-")) / "gpu.json" if args.dry_run
+                       else REPO / "docs" / "gpu.json")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    else:
+        # Toy sizes on a shared CPU: more intra-op threads than free cores spin against
+        # each other (seen here: 30x slower steps with 2 threads on a busy 2-core box).
+        torch.set_num_threads(1)
+    workers = cores_but_one()
+    doc: dict[str, Any] = {
+        "format": RESULTS_FORMAT, "version": RESULTS_VERSION, "dry_run": args.dry_run, "json_name": out.name,
+        "commit": git_commit(args.commit), "machine": describe_machine(), "gpu": describe_gpu(device),
+        "sizes": {**dataclasses.asdict(sizes), "workers": workers}, "tests": None, "h2d": None, "training": None,
+    }
+    write_outputs(doc, out)
+    log.info("writing %s and %s", out, out.parent / "GPU.md")
+    if not args.skip_tests:
+        log.info("1. pytest -m gpu")
+        doc["tests"] = run_gpu_tests(sizes)
+        log.info("  %s", doc["tests"]["summary"])
+        write_outputs(doc, out)
+    batch_bytes = max(sizes.h2d_batch_sizes) * sizes.h2d_image_size ** 2 * 3
+    root = _buffer_root(max(sizes.h2d_batches * batch_bytes, (sizes.high_water + 4) * batch_bytes))
+    log.info("2. host-to-device copies, batches %s", sizes.h2d_batch_sizes)
+    doc["h2d"] = h2d_rows(sizes, device, root)
+    write_outputs(doc, out)
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-data-"))
+    try:
+        data = args.data
+        if data is None:
+            data = scratch / "imagenet-like"
+            log.info("3. generating %d images in %s", sizes.classes * sizes.per_class, data)
+            summary = make_imagenet_like(data, classes=sizes.classes, per_class=sizes.per_class, seed=0,
+                                         workers=len(os.sched_getaffinity(0)))
+            doc["dataset"] = summary.line()
+        else:
+            doc["dataset"] = str(data)
+        classes = sum(1 for entry in os.scandir(data) if entry.is_dir())
+
+        def save(rows: list[dict[str, Any]]) -> None:
+            doc["training"] = rows
+            write_outputs(doc, out)
+
+        doc["training"] = training_rows(data, sizes, classes, device, workers, root, done=save)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    write_outputs(doc, out)
+    log.info("done: %s", out.parent / "GPU.md")
+    failed = [row["feed"] for row in doc["training"] if str(row.get("note", "")).startswith("failed")]
+    tests_failed = doc["tests"] is not None and doc["tests"]["returncode"] not in (0, 5)
+    return 1 if failed or tests_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
