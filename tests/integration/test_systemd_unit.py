@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from collections import defaultdict
 from pathlib import Path
 
@@ -99,7 +98,7 @@ def test_exec_start_names_the_instance_buffer_and_config_with_real_flags(unit: d
 
 def test_memory_max_holds_the_example_configs_buffer(unit: dict[str, dict[str, list[str]]]) -> None:
     # DESIGN: the high-water mark and the service's memory limit are planned together.
-    cfg = tomllib.loads(EXAMPLE.read_text())
+    cfg = load_toml(EXAMPLE)
     assert "high_water" in cfg, "the example must set high_water: the machine-sized default ignores MemoryMax="
     batch = BatchLayout.plan(cfg["batch_size"], cfg["image_size"], cfg["image_size"]).file_len
     workers = cfg.get("workers", ASSUMED_WORKERS)
