@@ -62,6 +62,8 @@ from typing import Any
 import click
 import psutil
 
+from prefetchd.launch import launch, start_argv, stop_daemon_process, wait_ready
+
 log = logging.getLogger(__name__)
 
 RESULTS_FORMAT = "prefetchd.bench"
@@ -582,28 +584,26 @@ class _Daemon:
     def __init__(self, run: _Run, workers: int, tag: str) -> None:
         self.buffer = _buffer_root() / f"prefetchd-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.log_path = run.out_dir / "logs" / f"daemon-{tag}.log"
-        self.cmd = [
-            sys.executable, "-m", "prefetchd", "start", "--buffer", str(self.buffer), "--data", str(run.data),
-            "--workers", str(workers), "--batch-size", str(run.batch_size), "--image-size", str(run.image_size),
-            "--high-water", str(run.high_water), "--seed", "0", "--reset",
-        ]
+        self.cmd = start_argv(self.buffer, {
+            "data": run.data, "workers": workers, "batch_size": run.batch_size, "image_size": run.image_size,
+            "high_water": run.high_water, "seed": 0, "reset": True,
+        })
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0
+        self.launched = 0.0  # time.time() at the start, for launch.wait_ready
         self.monitor: _BufferMonitor
 
     def __enter__(self) -> _Daemon:
-        with open(self.log_path, "wb") as fh:
-            self.started = time.perf_counter()
-            # Inherits this process's CPU mask, and its spawned workers inherit the daemon's.
-            self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT)
+        self.started = time.perf_counter()
+        self.launched = time.time()
+        # Inherits this process's CPU mask, and its spawned workers inherit the daemon's.
+        self.proc = launch(self.cmd, log=self.log_path)
         self.monitor = _BufferMonitor(self.buffer, self.proc.pid)
         self.monitor.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.monitor.stop()
-        from prefetchd.buffer_protocol import stop_daemon_process
-
         if self.proc is not None and stop_daemon_process(self.proc, DAEMON_STOP_SECONDS):
             log.warning("the daemon (pid %d) did not stop within %.0f s; killed it", self.proc.pid, DAEMON_STOP_SECONDS)
         shutil.rmtree(self.buffer, ignore_errors=True)
@@ -622,9 +622,8 @@ class _Daemon:
     def wait_for_manifest(self) -> None:
         # BufferLoader would wait out its whole timeout for a daemon that died at
         # start; this wait notices the exit.
-        from prefetchd.buffer_protocol.layout import MANIFEST_NAME
-
-        self.wait_for(lambda: (self.buffer / MANIFEST_NAME).exists(), f"the daemon's {MANIFEST_NAME}")
+        assert self.proc is not None
+        wait_ready(self.proc, self.buffer, since=self.launched, timeout=WAIT_SECONDS, log=self.log_path)
 
     def affinity_check(self, cores: list[int]) -> dict[str, Any]:
         assert self.proc is not None
