@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 import psutil
+import tomli_w
 
 from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, daemon_pid, read_status
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
@@ -131,15 +132,17 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
 
 
 def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
+    """One ``key = value`` line per field, written by tomli-w (which quotes and escapes any path
+    or string as TOML needs), with the notes as comments, which tomli-w does not write."""
     lines = ["# effective prefetchd configuration: defaults < --config file < flags"]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if value is None:
             lines.append(f"# {f.name} =  (unset)")
             continue
-        text = json.dumps(str(value) if isinstance(value, Path) else value)
+        pair = tomli_w.dumps({f.name: str(value) if isinstance(value, Path) else value}).rstrip("\n")
         note = f"  # default: {sized[f.name].split(' ', 1)[1]}" if f.name in sized else ""
-        lines.append(f"{f.name} = {text}{note}")
+        lines.append(f"{pair}{note}")
     return "\n".join(lines)
 
 

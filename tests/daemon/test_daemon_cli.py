@@ -11,14 +11,15 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import psutil
 import pytest
 from click.testing import CliRunner, Result
 
-from prefetchd.buffer_protocol import DaemonLock
 import prefetchd.cli as prefetchd_cli
+from prefetchd.buffer_protocol import DaemonLock
 from prefetchd.daemon import cli
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
@@ -353,3 +354,16 @@ def test_the_daemon_imports_none_of_its_consumers() -> None:
             "['prefetchd', 'demo'], ['prefetchd', 'trainer'], ['prefetchd', 'cli'])))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
+
+
+def test_config_show_is_toml_that_reads_back(runner: CliRunner, tmp_path: Path) -> None:
+    # A path may hold any character; JSON's escapes of one outside the BMP are no TOML.
+    data = tmp_path / 'd "quoted" \\ é 🎉'
+    result = runner.invoke(prefetchd_cli.main, ["config", "--show", "--data", str(data), "--batch-size", "64",
+                                                "--buffer", str(tmp_path / "bf")])
+    assert result.exit_code == 0, result.output
+    shown = tomllib.loads(result.output)
+    assert shown["data"] == str(data) and shown["batch_size"] == 64
+    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    assert set(shown) <= fields and "workers" in shown
+    assert "# default:" in next(line for line in result.output.splitlines() if line.startswith("workers = "))
