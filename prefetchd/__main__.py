@@ -1,3 +1,3 @@
-from prefetchd.daemon.cli import main
+from prefetchd.cli import main
 
 main()

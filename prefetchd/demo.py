@@ -19,8 +19,8 @@ from pathlib import Path
 
 import click
 
-from prefetchd.buffer_protocol import stop_daemon_process
 from prefetchd.daemon.config import usable_cpus
+from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.synthetic import make_shapes_dataset
 
 CLASSES = 4
@@ -35,11 +35,8 @@ def _buffer_root() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def _start_daemon(buffer: Path, data: Path, split: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data", str(data),
-           "--split", split, "--reset", *args]
-    with open(log, "wb") as fh:
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+def _start_daemon(buffer: Path, data: Path, split: str, common: dict[str, int], log: Path) -> subprocess.Popen[bytes]:
+    return launch(start_argv(buffer, {"data": data, "split": split, "reset": True, **common}), log=log)
 
 
 def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: int,
@@ -62,8 +59,8 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
         # On a small machine the trainer needs most of the cores; the buffers are
         # pre-filled before it starts, so one worker per daemon keeps up.
         workers = max(1, usable_cpus() // 4)
-        common = ["--batch-size", str(batch_size), "--image-size", str(image_size), "--epochs", str(epochs),
-                  "--workers", str(workers), "--high-water", "32", "--low-water", "16"]
+        common = {"batch_size": batch_size, "image_size": image_size, "epochs": epochs,
+                  "workers": workers, "high_water": 32, "low_water": 16}
         click.echo(f"[2/3] starting daemons on {buffers}/train and {buffers}/val (logs in {work})")
         daemons.append(_start_daemon(buffers / "train", data / "train", "train", common, work / "daemon-train.log"))
         daemons.append(_start_daemon(buffers / "val", data / "val", "val", common, work / "daemon-val.log"))

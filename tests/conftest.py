@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.synthetic import make_shapes_dataset
 
 SHM = Path("/dev/shm")
@@ -47,15 +46,10 @@ class Daemon:
     def __init__(self, buffer: Path, args: list[str], log: Path) -> None:
         self.buffer = buffer
         self.log_path = log
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), *args],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )
+        self.proc = launch(start_argv(buffer, extra=args), log=log)
 
     @property
     def log(self) -> str:
-        self._log.flush()
         return self.log_path.read_text()
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -75,14 +69,7 @@ class Daemon:
             raise AssertionError(f"daemon did not exit within {timeout} s:\n{self.log}") from None
 
     def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        stop_daemon_process(self.proc, 15)
 
 
 @pytest.fixture

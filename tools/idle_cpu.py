@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ import click
 import psutil
 
 from prefetchd.buffer_protocol import read_status
+from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.synthetic import make_shapes_dataset
 
 
@@ -86,12 +85,8 @@ def main(seconds: float, workers: int, high_water: int, data: Path | None, settl
         if data is None:
             make_shapes_dataset(work / "data", classes=3, train_per_class=40, val_per_class=0, seed=0)
             data = work / "data" / "train"
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data", str(data),
-             "--batch-size", "16", "--image-size", "64", "--workers", str(workers), "--high-water", str(high_water),
-             "--log-level", "warning"],
-            stdin=subprocess.DEVNULL,
-        )
+        daemon = launch(start_argv(buffer, {"data": data, "batch_size": 16, "image_size": 64, "workers": workers,
+                                            "high_water": high_water, "log_level": "warning"}))
         deadline = time.monotonic() + 300
         while True:
             status = read_status(buffer) if buffer.is_dir() else None
@@ -124,13 +119,8 @@ def main(seconds: float, workers: int, high_water: int, data: Path | None, settl
             click.echo(f"{name:<18}{pid:>8}{cpu:>17.2f}{wakeups:>12.1f}")
         click.echo(f"{'total':<18}{'':>8}{sum(r[2] for r in rows):>17.2f}{sum(r[3] for r in rows):>12.1f}")
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        if daemon is not None:
+            stop_daemon_process(daemon, 30)
         shutil.rmtree(buffer.parent, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 

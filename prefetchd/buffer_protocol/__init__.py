@@ -31,7 +31,6 @@ from prefetchd.buffer_protocol.layout import (
     list_temp_files,
     parse_batch_name,
     read_status,
-    stop_daemon_process,
     stream_dir,
     write_status,
 )
@@ -41,5 +40,5 @@ __all__ = [
     "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
     "Progress", "ProtocolError", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
-    "stop_daemon_process", "stream_dir", "write_batch", "write_status",
+    "stream_dir", "write_batch", "write_status",
 ]

@@ -26,9 +26,7 @@ import json
 import os
 import re
 import secrets
-import signal
 import stat
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -425,23 +423,6 @@ def _started_by(pid: int, since: float) -> bool:
         return False
     # create_time() is derived from boot time and jiffies: a second of slack.
     return started <= since + 1.0
-
-
-def stop_daemon_process(proc: subprocess.Popen[Any], seconds: float) -> bool:
-    """Stop a daemon this process started, as the daemon stops cleanly: SIGTERM (with SIGCONT, so
-    a stopped one can act on it), up to ``seconds`` to delete its half-written batches and go,
-    then SIGKILL.  True when it had to be killed; the kernel drops its lock either way."""
-    if proc.poll() is not None:
-        return False
-    proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGCONT)
-    try:
-        proc.wait(seconds)
-        return False
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return True
 
 
 def daemon_pid(buffer: Path) -> int | None:

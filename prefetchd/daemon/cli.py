@@ -1,5 +1,6 @@
-"""The `prefetchd` command.  `start` options are generated from DaemonConfig, so
-flags, config keys and their help text come from one place."""
+"""The daemon's commands of `prefetchd` (start, stop, status, submit, show, pack, config);
+prefetchd/cli.py assembles them with bench and demo.  `start` options are generated from
+DaemonConfig, so flags, config keys and their help text come from one place."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from typing import Any
 
 import click
 import psutil
+import tomli_w
 
-from prefetchd.bench import bench_command
 from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, daemon_pid, read_status
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
@@ -83,19 +84,13 @@ def build_config(ctx: click.Context, config_file: Path | None, params: dict[str,
     return DaemonConfig(**values)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="prefetchd")
-def main() -> None:
-    """Decode and augment images ahead of the trainer into a RAM-disk buffer."""
-
-
 CONFIG_FILE_OPTION = click.option(
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
     help="TOML file with the same keys as these flags; flags override it.",
 )
 
 
-@main.command()
+@click.command()
 @config_options()
 @CONFIG_FILE_OPTION
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
@@ -118,7 +113,7 @@ def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **par
     sys.exit(code)
 
 
-@main.command("config")
+@click.command("config")
 @config_options()
 @CONFIG_FILE_OPTION
 @click.option("--show", is_flag=True, help="Print the effective configuration as TOML.")
@@ -137,19 +132,21 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
 
 
 def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
+    """One ``key = value`` line per field, written by tomli-w (which quotes and escapes any path
+    or string as TOML needs), with the notes as comments, which tomli-w does not write."""
     lines = ["# effective prefetchd configuration: defaults < --config file < flags"]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if value is None:
             lines.append(f"# {f.name} =  (unset)")
             continue
-        text = json.dumps(str(value) if isinstance(value, Path) else value)
+        pair = tomli_w.dumps({f.name: str(value) if isinstance(value, Path) else value}).rstrip("\n")
         note = f"  # default: {sized[f.name].split(' ', 1)[1]}" if f.name in sized else ""
-        lines.append(f"{f.name} = {text}{note}")
+        lines.append(f"{pair}{note}")
     return "\n".join(lines)
 
 
-@main.command()
+@click.command()
 @config_options(only=JOB_FIELDS)
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True, help="The daemon's buffer directory.")
 @CONFIG_FILE_OPTION
@@ -183,7 +180,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
     sys.exit(EXIT_FAILURE)
 
 
-@main.command()
+@click.command()
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(buffer: Path, timeout: float) -> None:
@@ -335,7 +332,7 @@ def fill_bar(waiting: int, high: int, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-@main.command()
+@click.command()
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
@@ -358,7 +355,7 @@ def status(buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
         sys.exit(EXIT_NOT_RUNNING)
 
 
-@main.command()
+@click.command()
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False, exists=True), required=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=Path("batch.png"), show_default=True)
 @click.option("--max-images", type=click.IntRange(1), default=64, show_default=True)
@@ -383,7 +380,7 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
         raise click.BadParameter(str(exc)) from None
 
 
-@main.command()
+@click.command()
 @click.argument("src")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--shard-size", default="1GB", show_default=True, callback=_shard_size,
@@ -423,22 +420,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: 
                f"({_mib(summary['bytes'])}) in {out}{bad}")
 
 
-@main.command()
-@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None, help="Where the generated dataset and logs go [default: a temp dir, removed after].")
-@click.option("--epochs", type=click.IntRange(1), default=3, show_default=True)
-@click.option("--image-size", type=click.IntRange(16), default=64, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
-@click.option("--train-per-class", type=click.IntRange(1), default=150, show_default=True)
-@click.option("--keep", is_flag=True, help="Keep the dataset and logs.")
-def demo(workdir: Path | None, epochs: int, image_size: int, batch_size: int, train_per_class: int, keep: bool) -> None:
-    """Generate a small dataset, start daemons for it and train ResNet-18 alongside them."""
-    from prefetchd.demo import run_demo
+# The umbrella command (prefetchd/cli.py) adds these to bench and demo; the daemon knows neither.
+COMMANDS: tuple[click.Command, ...] = (start, config_command, submit, stop, status, show, pack)
 
-    setup_logging("warning")
-    sys.exit(run_demo(workdir=workdir, epochs=epochs, image_size=image_size, batch_size=batch_size,
-                      train_per_class=train_per_class, keep=keep))
-
-
-main.add_command(bench_command)  # torch is imported inside it only when it runs
-
-__all__ = ["main", "FIELDS"]
+__all__ = ["COMMANDS", "FIELDS", "setup_logging"]

@@ -1,5 +1,5 @@
-"""prefetchd.daemon.cli: flag/file/default precedence and the stop/status commands,
-driven through click's CliRunner (no daemon is started here)."""
+"""prefetchd.daemon.cli, run as `prefetchd` (prefetchd.cli): flag/file/default precedence and the
+stop/status commands, driven through click's CliRunner (no daemon is started here)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import psutil
 import pytest
 from click.testing import CliRunner, Result
 
+import prefetchd.cli as prefetchd_cli
 from prefetchd.buffer_protocol import DaemonLock
 from prefetchd.daemon import cli
 from prefetchd.daemon.config import DaemonConfig
@@ -48,7 +50,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[DaemonConfig]:
 
 
 def run_start(runner: CliRunner, args: list[str]) -> Result:
-    return runner.invoke(cli.main, ["start", *args], catch_exceptions=False)
+    return runner.invoke(prefetchd_cli.main, ["start", *args], catch_exceptions=False)
 
 
 # -- start: where each value comes from ---------------------------------------------------
@@ -91,7 +93,7 @@ def test_flag_alone_beats_dataclass_default(runner: CliRunner, captured: list[Da
 
 
 def test_every_config_field_has_a_flag(runner: CliRunner) -> None:
-    result = runner.invoke(cli.main, ["start", "--help"])
+    result = runner.invoke(prefetchd_cli.main, ["start", "--help"])
     assert result.exit_code == 0
     for f in dataclasses.fields(DaemonConfig):
         assert "--" + f.name.replace("_", "-") in result.output
@@ -157,7 +159,7 @@ def test_missing_config_file_exits_2(
 
 @pytest.mark.parametrize("args", [["--split", "test"], ["--batch-size", "many"], ["--bogus-flag", "1"]])
 def test_bad_flags_exit_2(runner: CliRunner, captured: list[DaemonConfig], tmp_path: Path, args: list[str]) -> None:
-    result = runner.invoke(cli.main, ["start", "--buffer", str(tmp_path), *args])
+    result = runner.invoke(prefetchd_cli.main, ["start", "--buffer", str(tmp_path), *args])
     assert result.exit_code == 2
     assert captured == []
 
@@ -166,20 +168,20 @@ def test_bad_flags_exit_2(runner: CliRunner, captured: list[DaemonConfig], tmp_p
 
 
 def test_status_not_running(runner: CliRunner, tmp_path: Path) -> None:
-    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)])
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
     assert result.exit_code == EXIT_NOT_RUNNING == 3
     assert "not running" in result.output
     assert str(tmp_path) in result.output
 
 
 def test_status_of_a_missing_buffer(runner: CliRunner, tmp_path: Path) -> None:
-    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path / "never-made")])
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path / "never-made")])
     assert result.exit_code == 3
     assert "not running" in result.output
 
 
 def test_status_json_not_running(runner: CliRunner, tmp_path: Path) -> None:
-    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"])
     assert result.exit_code == 3
     doc = json.loads(result.output)
     assert {"running", "pid", "status", "manifest", "buffer"} <= set(doc)
@@ -192,16 +194,16 @@ def test_status_with_a_live_owner(runner: CliRunner, tmp_path: Path) -> None:
     lock = DaemonLock(tmp_path)
     lock.acquire()  # this test process plays the daemon
     try:
-        result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+        result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"])
         assert result.exit_code == 0, result.output
         doc = json.loads(result.output)
         assert doc["running"] is True and doc["pid"] == os.getpid()
-        text = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)])
+        text = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
         assert text.exit_code == 0
         assert f"running (pid {os.getpid()})" in text.output
     finally:
         lock.release()
-    after = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)])
+    after = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
     assert after.exit_code == 3  # a released lock is no owner
 
 
@@ -209,24 +211,24 @@ def test_status_ignores_a_stale_pid(runner: CliRunner, tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     (tmp_path / LOCK).write_text(f"{proc.pid}\n")  # the owner died without releasing
-    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"])
     assert result.exit_code == 3
     assert json.loads(result.output)["running"] is False
     # a live process that is younger than the lock file is a reused pid, not the owner
     (tmp_path / LOCK).write_text(f"{os.getpid()}\n")
     old = psutil.Process().create_time() - 100
     os.utime(tmp_path / LOCK, (old, old))
-    assert runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)]).exit_code == 3
+    assert runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)]).exit_code == 3
 
 
 def test_status_reports_a_corrupt_status_file(runner: CliRunner, tmp_path: Path) -> None:
     (tmp_path / "status.json").write_text("{not json")
-    result = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"])
     assert result.exit_code == 3
     doc = json.loads(result.output)
     assert doc["status"] is None
     assert any("status.json" in p for p in doc["problems"])
-    text = runner.invoke(cli.main, ["status", "--buffer", str(tmp_path)])
+    text = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
     assert text.exit_code == 3 and "status.json" in text.output
 
 
@@ -234,7 +236,7 @@ def test_status_reports_a_corrupt_status_file(runner: CliRunner, tmp_path: Path)
 
 
 def test_stop_without_a_daemon(runner: CliRunner, tmp_path: Path) -> None:
-    result = runner.invoke(cli.main, ["stop", "--buffer", str(tmp_path)])
+    result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(tmp_path)])
     assert result.exit_code == 0
     assert "no daemon is running" in result.output
 
@@ -261,7 +263,7 @@ def test_stop_terminates_the_owner(runner: CliRunner, tmp_path: Path) -> None:
     proc, reaper = _owner(tmp_path, ignore_term=False)
     try:
         started = time.monotonic()
-        result = runner.invoke(cli.main, ["stop", "--buffer", str(tmp_path), "--timeout", "10"])
+        result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(tmp_path), "--timeout", "10"])
         assert result.exit_code == 0, result.output
         assert f"pid {proc.pid}" in result.output and "stopped" in result.output
         assert time.monotonic() - started < 5
@@ -276,7 +278,7 @@ def test_stop_terminates_the_owner(runner: CliRunner, tmp_path: Path) -> None:
 def test_stop_gives_up_after_its_timeout(runner: CliRunner, tmp_path: Path) -> None:
     proc, reaper = _owner(tmp_path, ignore_term=True)
     try:
-        result = runner.invoke(cli.main, ["stop", "--buffer", str(tmp_path), "--timeout", "0.5"])
+        result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(tmp_path), "--timeout", "0.5"])
         assert result.exit_code == 1
         assert f"kill -9 {proc.pid}" in result.output
         assert proc.poll() is None  # SIGTERM was ignored; still there
@@ -341,3 +343,27 @@ def test_a_damaged_status_document_is_reported_not_raised() -> None:
 def test_the_fill_bar_is_bounded_whatever_the_status_says(waiting: int, high: int) -> None:
     # Found by the fuzz test above: a waiting count of -2e10 made a 20 GB string (the OOM killer came).
     assert len(cli.fill_bar(waiting, high)) == 26
+
+
+def test_the_daemon_imports_none_of_its_consumers() -> None:
+    # The umbrella command (prefetchd.cli) adds bench and demo; the daemon's own modules,
+    # its CLI included, must not reach up to them or to the trainer.
+    code = ("import importlib, pkgutil, sys, prefetchd.daemon as d\n"
+            "for m in pkgutil.walk_packages(d.__path__, 'prefetchd.daemon.'): importlib.import_module(m.name)\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[:2] in (['prefetchd', 'bench'], "
+            "['prefetchd', 'demo'], ['prefetchd', 'trainer'], ['prefetchd', 'cli'])))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
+
+
+def test_config_show_is_toml_that_reads_back(runner: CliRunner, tmp_path: Path) -> None:
+    # A path may hold any character; JSON's escapes of one outside the BMP are no TOML.
+    data = tmp_path / 'd "quoted" \\ é 🎉'
+    result = runner.invoke(prefetchd_cli.main, ["config", "--show", "--data", str(data), "--batch-size", "64",
+                                                "--buffer", str(tmp_path / "bf")])
+    assert result.exit_code == 0, result.output
+    shown = tomllib.loads(result.output)
+    assert shown["data"] == str(data) and shown["batch_size"] == 64
+    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    assert set(shown) <= fields and "workers" in shown
+    assert "# default:" in next(line for line in result.output.splitlines() if line.startswith("workers = "))

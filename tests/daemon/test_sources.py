@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from prefetchd.daemon.dataset import SampleIndex
-from prefetchd.daemon.cli import main as cli_main
+from prefetchd.cli import main as cli_main
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
 from prefetchd.daemon.sources.shards import INDEX_NAME, pack, parse_size

@@ -1,0 +1,112 @@
+"""The `prefetchd bench` command (also `python tools/bench.py`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from prefetchd.bench.report import usable_cores
+from prefetchd.bench.run import run_benchmark
+
+DEFAULT_GENERATE = 1500
+
+
+def _parse_workers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        counts = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give worker counts separated by commas, e.g. 1,2,4") from None
+    if not counts or counts[0] < 1:
+        raise click.BadParameter(f"{value!r}: worker counts must be 1 or more")
+    return counts
+
+
+@click.command("bench", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Class-folder dataset to read. Without it an ImageNet-like set is generated in a temp dir.")
+@click.option("--generate", "generate", type=click.IntRange(min=1), default=DEFAULT_GENERATE, show_default=True,
+              help="Images to generate when --data is not given.")
+@click.option("--source", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Folder of real photos to cut the generated images from (instead of synthetic pictures).")
+@click.option("--keep-data", is_flag=True, help="Keep the generated dataset (its path is printed).")
+@click.option("--workers", "workers", callback=_parse_workers, metavar="K1,K2,...",
+              help="Worker counts to measure  [default: 1..usable cores]")
+@click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--image-size", type=click.IntRange(min=8), default=224, show_default=True)
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=8.0, show_default=True,
+              help="Length of each measurement after its first batch and warm-up.")
+@click.option("--batches", type=click.IntRange(min=1), help="Measure this many batches instead of --seconds.")
+@click.option("--high-water", type=click.IntRange(min=2), default=None,
+              help="The daemon's --high-water in batches  [default: max(16, 6 x max workers)]")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
+              show_default=True, help="Where bench.json, bench.txt, bench.png and logs/ go.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
+              show_default=True, help="Log level of the benchmark's own diagnostics.")
+def bench_command(
+    data: Path | None,
+    generate: int,
+    source: Path | None,
+    keep_data: bool,
+    workers: list[int] | None,
+    batch_size: int,
+    image_size: int,
+    seconds: float,
+    batches: int | None,
+    high_water: int | None,
+    out_dir: Path,
+    log_level: str,
+) -> None:
+    """Measure images/s of prefetchd against ImageFolder + DataLoader (and SPDL, if installed).
+
+    Every contender runs on the same dataset with 1..cores workers, pinned to as
+    many cores as it has workers. Prints a table and writes bench.json,
+    bench.txt and bench.png into --out.
+    """
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=getattr(logging, log_level.upper()),
+                            format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", stream=sys.stderr)
+
+    def say(msg: str) -> None:
+        click.echo(msg, err=True)
+
+    generated: Path | None = None
+    try:
+        if data is None:
+            generated = Path(tempfile.mkdtemp(prefix="prefetchd-bench-data-"))
+            data = generated / "train"
+            data_classes = min(10, generate)
+            per_class = math.ceil(generate / data_classes)
+            say(f"generating {data_classes * per_class} ImageNet-like JPEGs in {data}")
+            from prefetchd.synthetic import make_imagenet_like
+
+            with click.progressbar(length=data_classes * per_class, label="images", file=sys.stderr) as bar:
+                summary = make_imagenet_like(
+                    data, classes=data_classes, per_class=per_class, seed=0, source=source,
+                    workers=len(usable_cores()), progress=lambda done, _total: bar.update(done - bar.pos),
+                )
+            say(summary.line())
+        elif source is not None:
+            raise click.UsageError("--source only applies when generating; drop it or drop --data")
+        results = run_benchmark(
+            data, workers_list=workers, batch_size=batch_size, image_size=image_size,
+            seconds=seconds, batches=batches, out_dir=out_dir, high_water=high_water,
+            report=say,
+        )
+    except (ValueError, FileExistsError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        if generated is not None:
+            if keep_data:
+                say(f"kept the generated dataset in {generated}")
+            else:
+                shutil.rmtree(generated, ignore_errors=True)
+    click.echo(results.table())
+    click.echo(f"\nwrote {', '.join(results.files[k] for k in ('table', 'json', 'plot') if k in results.files)}")

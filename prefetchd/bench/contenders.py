@@ -1,0 +1,222 @@
+"""The contenders: prefetchd (a daemon read by BufferLoader), torchvision's DataLoader
+(float32 and uint8) and SPDL, each run pinned to the cores of its worker count."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefetchd.bench.measure import WAIT_SECONDS, Window, trainer_with_pauses
+from prefetchd.bench.monitor import MONITOR_SECONDS, BenchDaemon
+from prefetchd.bench.results import Throughput
+
+log = logging.getLogger(__name__)
+
+WARM_START_TARGET_MS = 20.0
+WARM_START_REPEATS = 5
+
+
+@dataclass
+class Run:
+    """One benchmark's settings; measure() runs one contender at one worker count."""
+
+    data: Path
+    batch_size: int
+    image_size: int
+    window: Window
+    out_dir: Path
+    high_water: int
+    say: Callable[[str], None]
+
+    def measure(self, name: str, k: int, cores: list[int], *, data_wait: bool) -> tuple[Throughput, dict[str, Any] | None]:
+        import torch
+
+        row = Throughput(name, k, cores)
+        scenario: dict[str, Any] | None = None
+        os.sched_setaffinity(0, cores)
+        # torch sizes its intra-op pool from the machine at import, not from a mask
+        # set later; size it as `taskset` at start would have.  Measured: SPDL's
+        # torch.stack with 2 spinning OpenMP threads on 1 pinned core ran at 0.4x.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(len(cores))
+        try:
+            if name == "prefetchd":
+                scenario = self._prefetchd(row, data_wait)
+            elif name == "spdl":
+                self._spdl(row)
+            else:
+                scenario = self._dataloader(row, uint8=name == "dataloader-uint8", data_wait=data_wait)
+        except Exception as exc:  # one failing contender must not lose the others' numbers
+            log.debug("%s with %d workers failed", name, k, exc_info=True)
+            row.images_per_s = None
+            row.note = f"failed: {type(exc).__name__}: {exc}"
+            self.say(f"  {row.note}")
+        finally:
+            torch.set_num_threads(threads)
+        return row, scenario
+
+    # -- prefetchd ---------------------------------------------------------------
+
+    def _prefetchd(self, row: Throughput, data_wait: bool) -> dict[str, Any] | None:
+        from prefetchd.trainer import BufferLoader
+
+        with BenchDaemon(self, row.workers, f"k{row.workers}") as daemon:
+            started = daemon.started
+            daemon.wait_for_manifest()
+            loader = BufferLoader(daemon.buffer, normalize=False, timeout=WAIT_SECONDS)
+            try:
+                batches = _loader_batches(loader)
+                monitor = daemon.monitor
+                first_batch, rate, images, span = self.window.consume(batches, started, monitor.mark_start)
+                row.first_batch_s, row.images_per_s, row.images, row.window_s = first_batch, rate, images, span
+                row.extra["affinity"] = daemon.affinity_check(row.cores)
+                if not row.extra["affinity"]["pinned"]:
+                    row.note = "daemon processes were not all pinned (see extra.affinity)"
+                scenario = None
+                if data_wait:
+                    scenario = trainer_with_pauses(batches, rate, self.batch_size, self.window.length_s, row.workers)
+                monitor.mark_end()
+            finally:
+                loader.close()
+            row.extra["memory"] = daemon.monitor.summary()
+        return scenario
+
+    def warm_start(self, k: int, cores: list[int]) -> dict[str, Any]:
+        from prefetchd.buffer_protocol import read_status
+        from prefetchd.trainer import BufferLoader
+
+        os.sched_setaffinity(0, cores)
+        with BenchDaemon(self, k, "warm") as daemon:
+            daemon.wait_for_manifest()
+            fill_started = time.perf_counter()
+            daemon.wait_for(lambda: (read_status(daemon.buffer) or {}).get("state") == "full",
+                            f"the daemon to fill {daemon.buffer} to {self.high_water} batches (status state 'full')")
+            filled_s = time.perf_counter() - fill_started
+            times_ms = []
+            for _ in range(WARM_START_REPEATS):
+                # Loaders are left open: closing one would move progress past batch
+                # (0, 0) and the next loader would have to wait for it to be rebuilt.
+                t0 = time.perf_counter()
+                loader = BufferLoader(daemon.buffer, normalize=False, timeout=WAIT_SECONDS)
+                next(iter(loader))
+                times_ms.append((time.perf_counter() - t0) * 1e3)
+            daemon.monitor.mark_start()
+            time.sleep(2 * MONITOR_SECONDS)
+            daemon.monitor.mark_end()
+            memory = daemon.monitor.summary()
+        median = statistics.median(times_ms)
+        return {
+            "workers": k,
+            "fill_s": round(filled_s, 2),
+            "first_batch_ms": [round(t, 2) for t in times_ms],
+            "first_ms": round(times_ms[0], 2),
+            "median_ms": round(median, 2),
+            "target_ms": WARM_START_TARGET_MS,
+            "ok": times_ms[0] <= WARM_START_TARGET_MS,
+            "memory": memory,
+        }
+
+    # -- torchvision DataLoader ------------------------------------------------------
+
+    def _dataloader(self, row: Throughput, *, uint8: bool, data_wait: bool) -> dict[str, Any] | None:
+        import torch
+        from torch.utils.data import DataLoader, RandomSampler
+        from torchvision import datasets, transforms
+
+        steps: list[Any] = [transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip()]
+        if uint8:
+            steps.append(transforms.PILToTensor())
+        else:
+            steps += [transforms.ToTensor(), transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
+        dataset = datasets.ImageFolder(str(self.data), transform=transforms.Compose(steps))
+        # shuffle=True, as one long epoch of fresh permutations (see the module docstring).
+        sampler = RandomSampler(dataset, num_samples=len(dataset) * 100_000, generator=torch.Generator().manual_seed(0))
+        loader = DataLoader(
+            dataset, batch_size=self.batch_size, sampler=sampler, num_workers=row.workers,
+            persistent_workers=False, prefetch_factor=2, timeout=WAIT_SECONDS,
+            worker_init_fn=functools.partial(_pin_worker, tuple(row.cores)),
+        )
+        started = time.perf_counter()
+        it = iter(loader)
+        try:
+            batches = (int(labels.shape[0]) for _images, labels in it)
+            row.first_batch_s, row.images_per_s, row.images, row.window_s = self.window.consume(batches, started)
+            scenario = None
+            if data_wait:
+                scenario = trainer_with_pauses(
+                    batches, row.images_per_s, self.batch_size, self.window.length_s, row.workers
+                )
+                scenario["queue_batches"] = 2 * row.workers
+        finally:
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            del it
+        return scenario
+
+    # -- SPDL ------------------------------------------------------------------------
+
+    def _spdl(self, row: Throughput) -> None:
+        import random
+
+        import torch
+        from spdl.pipeline import PipelineBuilder
+        from torchvision import datasets, transforms
+
+        samples = datasets.ImageFolder(str(self.data)).samples
+        tf = transforms.Compose([
+            transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip(), transforms.PILToTensor(),
+        ])
+        loader = datasets.folder.pil_loader
+
+        def source() -> Iterator[tuple[str, int]]:
+            rng = random.Random(0)
+            order = list(samples)
+            while True:
+                rng.shuffle(order)
+                yield from order
+
+        def load(item: tuple[str, int]) -> tuple[Any, int]:
+            path, label = item
+            return tf(loader(path)), label
+
+        def collate(items: list[tuple[Any, int]]) -> tuple[Any, Any]:
+            return torch.stack([i for i, _ in items]), torch.tensor([label for _, label in items])
+
+        pipeline = (
+            PipelineBuilder()
+            .add_source(source())
+            .pipe(load, concurrency=row.workers)
+            .aggregate(self.batch_size)
+            .pipe(collate)
+            .add_sink(2)
+            .build(num_threads=row.workers)
+        )
+        started = time.perf_counter()
+        with pipeline.auto_stop(timeout=WAIT_SECONDS):
+            batches = (int(labels.shape[0]) for _images, labels in pipeline.get_iterator(timeout=WAIT_SECONDS))
+            row.first_batch_s, row.images_per_s, row.images, row.window_s = self.window.consume(batches, started)
+        row.note = "threads in the consumer process"
+
+
+def _loader_batches(loader: Any) -> Iterator[int]:
+    while True:
+        got = False
+        for batch in loader:
+            got = True
+            yield int(batch.images.shape[0])
+        if not got:
+            raise RuntimeError(f"{loader.buffer}: an epoch without batches; is the daemon's --epochs limit reached?")
+
+
+def _pin_worker(cores: tuple[int, ...], _worker_id: int) -> None:
+    # Forked workers inherit the pinning already; forkserver/spawn ones start
+    # from the server's mask, so set it explicitly.
+    os.sched_setaffinity(0, cores)

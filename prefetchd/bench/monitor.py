@@ -1,0 +1,210 @@
+"""The prefetchd contender's daemon: a `prefetchd start` on a fresh buffer (prefetchd.launch),
+and a thread that samples its status, the buffer's real size and its process tree's memory."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from prefetchd.bench.measure import WAIT_SECONDS
+from prefetchd.launch import launch, start_argv, stop_daemon_process, wait_ready
+
+if TYPE_CHECKING:
+    from prefetchd.bench.contenders import Run
+
+log = logging.getLogger(__name__)
+
+DAEMON_STOP_SECONDS = 20.0
+MONITOR_SECONDS = 0.2
+
+
+def buffer_root() -> Path:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+class BenchDaemon:
+    """A `prefetchd start` subprocess on a fresh buffer, stopped and cleaned up on exit."""
+
+    def __init__(self, run: Run, workers: int, tag: str) -> None:
+        self.buffer = buffer_root() / f"prefetchd-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.log_path = run.out_dir / "logs" / f"daemon-{tag}.log"
+        self.cmd = start_argv(self.buffer, {
+            "data": run.data, "workers": workers, "batch_size": run.batch_size, "image_size": run.image_size,
+            "high_water": run.high_water, "seed": 0, "reset": True,
+        })
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self.launched = 0.0  # time.time() at the start, for launch.wait_ready
+        self.monitor: BufferMonitor
+
+    def __enter__(self) -> BenchDaemon:
+        self.started = time.perf_counter()
+        self.launched = time.time()
+        # Inherits this process's CPU mask, and its spawned workers inherit the daemon's.
+        self.proc = launch(self.cmd, log=self.log_path)
+        self.monitor = BufferMonitor(self.buffer, self.proc.pid)
+        self.monitor.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.monitor.stop()
+        if self.proc is not None and stop_daemon_process(self.proc, DAEMON_STOP_SECONDS):
+            log.warning("the daemon (pid %d) did not stop within %.0f s; killed it", self.proc.pid, DAEMON_STOP_SECONDS)
+        shutil.rmtree(self.buffer, ignore_errors=True)
+
+    def wait_for(self, predicate: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + WAIT_SECONDS
+        while not _safe(predicate):
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with code {self.proc.returncode} while waiting for {what}; "
+                                   f"see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {WAIT_SECONDS:.0f} s for {what}; see {self.log_path}")
+            time.sleep(0.02)
+
+    def wait_for_manifest(self) -> None:
+        # BufferLoader would wait out its whole timeout for a daemon that died at
+        # start; this wait notices the exit.
+        assert self.proc is not None
+        wait_ready(self.proc, self.buffer, since=self.launched, timeout=WAIT_SECONDS, log=self.log_path)
+
+    def affinity_check(self, cores: list[int]) -> dict[str, Any]:
+        assert self.proc is not None
+        masks: dict[str, list[int]] = {}
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in (root, *root.children(recursive=True)):
+                with contextlib.suppress(psutil.Error):
+                    masks[str(p.pid)] = sorted(p.cpu_affinity() or [])
+        except psutil.Error:
+            pass
+        return {"pinned": bool(masks) and all(set(m) <= set(cores) for m in masks.values()), "processes": len(masks)}
+
+
+def _safe(predicate: Callable[[], bool]) -> bool:
+    try:
+        return predicate()
+    except (OSError, ValueError):  # a status file between writes, or not there yet
+        return False
+
+
+def _tree_memory(pid: int, kind: str) -> int | None:
+    """``kind`` ("rss" or "pss") summed over ``pid`` and its descendants.
+
+    RSS counts shared library pages once per process; PSS splits shared pages between
+    their users, so its sum is the tree's real share.
+    """
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error, AttributeError):
+            info = p.memory_info() if kind == "rss" else p.memory_full_info()
+            total += getattr(info, kind, 0)
+    return total or None
+
+
+def _disk_bytes(buffer: Path) -> int:
+    """Bytes the buffer's batch files (finished and being written) really occupy on the tmpfs."""
+    total = 0
+    with contextlib.suppress(OSError), os.scandir(buffer) as entries:
+        for entry in entries:
+            if not (entry.name.endswith(".batch") or ".tmp" in entry.name):
+                continue  # manifest, status, progress, lock: a few KiB, not the buffer
+            with contextlib.suppress(OSError):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+class BufferMonitor:
+    """Samples the daemon's status, the buffer's real size and the daemon tree's RSS in a thread."""
+
+    def __init__(self, buffer: Path, pid: int) -> None:
+        self.buffer, self.pid = buffer, pid
+        self.peak_status_bytes = 0
+        self.peak_disk_bytes = 0
+        self.peak_waiting = 0
+        self.high_water: int | None = None
+        self.batch_bytes: int | None = None
+        self.rss_start: int | None = None
+        self.rss_end: int | None = None
+        self.rss_peak = 0
+        self.pss_start: int | None = None
+        self.pss_end: int | None = None
+        self._stop = threading.Event()
+        self._measuring = False
+        self._thread = threading.Thread(target=self._loop, name="bench-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def mark_start(self) -> None:
+        self.rss_start = _tree_memory(self.pid, "rss")
+        self.pss_start = _tree_memory(self.pid, "pss")
+        self._measuring = True
+
+    def mark_end(self) -> None:
+        self.rss_end = _tree_memory(self.pid, "rss")
+        self.pss_end = _tree_memory(self.pid, "pss")
+
+    def _loop(self) -> None:
+        from prefetchd.buffer_protocol import ProtocolError, read_status
+
+        while not self._stop.wait(MONITOR_SECONDS):
+            try:
+                status = read_status(self.buffer) or {}
+            except (OSError, ProtocolError, ValueError):
+                status = {}
+            if isinstance(status.get("buffer_bytes"), int):
+                self.peak_status_bytes = max(self.peak_status_bytes, status["buffer_bytes"])
+            if isinstance(status.get("waiting"), int):
+                self.peak_waiting = max(self.peak_waiting, status["waiting"])
+            if isinstance(status.get("high_water"), int):
+                self.high_water = status["high_water"]
+            if isinstance(status.get("batch_bytes"), int):
+                self.batch_bytes = status["batch_bytes"]
+            self.peak_disk_bytes = max(self.peak_disk_bytes, _disk_bytes(self.buffer))
+            if self._measuring:
+                rss = _tree_memory(self.pid, "rss")
+                if rss is not None:
+                    self.rss_peak = max(self.rss_peak, rss)
+
+    def summary(self) -> dict[str, Any]:
+        planned = self.high_water * self.batch_bytes if self.high_water and self.batch_bytes else None
+        return {
+            "high_water": self.high_water,
+            "batch_bytes": self.batch_bytes,
+            "planned_bytes": planned,
+            "peak_status_bytes": self.peak_status_bytes,
+            "peak_disk_bytes": self.peak_disk_bytes,
+            "peak_waiting_batches": self.peak_waiting,
+            "within_plan": planned is not None and max(self.peak_status_bytes, self.peak_disk_bytes) <= planned,
+            "rss_start_bytes": self.rss_start,
+            "rss_end_bytes": self.rss_end,
+            "rss_peak_bytes": self.rss_peak or None,
+            "pss_start_bytes": self.pss_start,
+            "pss_end_bytes": self.pss_end,
+        }

@@ -1,0 +1,79 @@
+"""What `prefetchd bench` measured: one Throughput row per contender and worker count, and
+the BenchmarkResults document that bench.json holds."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RESULTS_FORMAT = "prefetchd.bench"
+RESULTS_VERSION = 1
+
+CONTENDERS: dict[str, str] = {
+    "prefetchd": "prefetchd daemon -> BufferLoader(normalize=False), uint8",
+    "dataloader": "ImageFolder + DataLoader, RandomResizedCrop+flip+ToTensor+Normalize, float32",
+    "dataloader-uint8": "ImageFolder + DataLoader, RandomResizedCrop+flip+PILToTensor, uint8",
+    "spdl": "SPDL thread pipeline, RandomResizedCrop+flip+PILToTensor, uint8",
+}
+BASELINE = "dataloader"
+
+
+@dataclass
+class Throughput:
+    """One contender at one worker count."""
+
+    contender: str
+    workers: int
+    cores: list[int]
+    images_per_s: float | None = None
+    images: int = 0
+    window_s: float = 0.0
+    first_batch_s: float | None = None  # daemon start / iterator creation -> first batch
+    vs_baseline: float | None = None  # images_per_s / the DataLoader's at the same workers
+    scaling: float | None = None  # images_per_s / (workers * images_per_s at 1 worker)
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BenchmarkResults:
+    machine: dict[str, Any]
+    dataset: dict[str, Any]
+    config: dict[str, Any]
+    throughput: list[Throughput] = field(default_factory=list)
+    warm_start: dict[str, Any] | None = None
+    data_wait: dict[str, Any] | None = None
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        return {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, **doc}
+
+    def rate(self, contender: str, workers: int) -> float | None:
+        for row in self.throughput:
+            if row.contender == contender and row.workers == workers:
+                return row.images_per_s
+        return None
+
+    def table(self) -> str:
+        from prefetchd.bench.report import format_table  # the report imports these results
+
+        return format_table(self)
+
+
+def fill_ratios(results: BenchmarkResults) -> None:
+    for row in results.throughput:
+        if row.images_per_s is None:
+            continue
+        base = results.rate(BASELINE, row.workers)
+        if base:
+            row.vs_baseline = round(row.images_per_s / base, 3)
+        one = results.rate(row.contender, 1)
+        if one:
+            row.scaling = round(row.images_per_s / (row.workers * one), 3)
+        row.images_per_s = round(row.images_per_s, 1)
+        row.window_s = round(row.window_s, 2)
+        if row.first_batch_s is not None:
+            row.first_batch_s = round(row.first_batch_s, 3)

@@ -1,0 +1,148 @@
+"""run_benchmark: every contender at every worker count on one dataset, then the outputs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from prefetchd.bench.contenders import Run
+from prefetchd.bench.measure import Window, data_wait_doc, eval_every
+from prefetchd.bench.report import (
+    core_list,
+    describe_cpu,
+    describe_dataset,
+    describe_machine,
+    why_no_spdl,
+    usable_cores,
+    worker_count,
+    write_outputs,
+)
+from prefetchd.bench.results import BASELINE, CONTENDERS, BenchmarkResults, Throughput, fill_ratios
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HIGH_WATER = 16
+
+
+def run_benchmark(
+    data: Path,
+    *,
+    workers_list: Sequence[int] | None = None,
+    batch_size: int = 128,
+    image_size: int = 224,
+    seconds: float | None = 8.0,
+    batches: int | None = None,
+    out_dir: Path,
+    high_water: int | None = None,
+    contenders: Sequence[str] = tuple(CONTENDERS),
+    warm_start: bool = True,
+    data_wait: bool = True,
+    report: Callable[[str], None] | None = None,
+) -> BenchmarkResults:
+    """Measure every contender at every worker count on ``data``; write results into ``out_dir``.
+
+    ``data`` is a class-folder dataset (ImageFolder layout).  ``workers_list``
+    defaults to 1 .. the usable cores.  Each measurement lasts ``seconds`` after
+    its first batch and a warm-up of 15 % of that (at most 1 s), or, when
+    ``batches`` is given, that many batches after a warm-up of a fifth as many.
+    ``high_water`` (the daemon's, in batches) defaults to enough for the
+    data-wait scenario: max(16, eval_every(max workers)).  Writes
+    ``bench.json``, ``bench.txt`` (the table), ``bench.png`` (if matplotlib is
+    importable) and ``logs/`` (daemon logs) into ``out_dir`` and returns the results.
+    """
+    say = report or log.info
+    data = Path(data).resolve()
+    if not data.is_dir():
+        raise ValueError(f"--data {data} is not a directory; pass a class-folder dataset or use --generate")
+    usable = sorted(usable_cores())
+    if workers_list is None:
+        workers_list = range(1, len(usable) + 1)
+    workers_list = sorted(set(int(k) for k in workers_list))
+    if not workers_list or workers_list[0] < 1:
+        raise ValueError(f"workers {workers_list}: pass worker counts of 1 or more")
+    if workers_list[-1] > len(usable):
+        raise ValueError(
+            f"workers {workers_list[-1]} is more than the {len(usable)} usable cores; every contender is pinned "
+            "to as many cores as it has workers, so pick counts up to the core count"
+        )
+    if batches is not None:
+        seconds = None  # a batch count replaces the time window
+    elif seconds is None:
+        raise ValueError("pass seconds= (a time window per measurement) or batches= (a batch count)")
+    if seconds is not None and seconds <= 0 or batches is not None and batches < 1:
+        raise ValueError(f"seconds={seconds}, batches={batches}: the measurement needs a positive length")
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    if high_water is None:
+        high_water = max(DEFAULT_HIGH_WATER, eval_every(workers_list[-1]))
+    if high_water < 2:
+        raise ValueError(f"high_water={high_water}: the daemon needs at least 2 batches of buffer")
+
+    out_dir = Path(out_dir)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    window = Window(seconds=seconds, batches=batches)
+    dataset = describe_dataset(data)
+    results = BenchmarkResults(
+        machine=describe_machine(),
+        dataset=dataset,
+        config={
+            "batch_size": batch_size, "image_size": image_size, "seconds": seconds, "batches": batches,
+            "workers": list(workers_list), "high_water": high_water, "contenders": list(contenders),
+            "pinning": "each contender (consumer + workers) pinned to the first k usable cores",
+        },
+    )
+    say(f"dataset: {dataset['images']} images in {dataset['classes']} classes, mean {dataset['mean_kb']:.0f} KB; "
+        f"{describe_cpu(results.machine)}")
+    spdl_missing = why_no_spdl()
+    run = Run(data=data, batch_size=batch_size, image_size=image_size, window=window, out_dir=out_dir,
+               high_water=high_water, say=say)
+    k_max = workers_list[-1]
+    waits: dict[str, Any] = {}
+    original = os.sched_getaffinity(0)
+    try:
+        for k in workers_list:
+            cores = usable[:k]
+            for name in contenders:
+                wait = data_wait and k == k_max and name in ("prefetchd", BASELINE)
+                if name == "spdl" and spdl_missing:
+                    results.throughput.append(Throughput(name, k, cores, note=spdl_missing))
+                    continue
+                say(f"measuring {name} with {worker_count(k)} on cores {core_list(cores)}")
+                row, scenario = run.measure(name, k, cores, data_wait=wait)
+                results.throughput.append(row)
+                if scenario is not None:
+                    waits[name] = scenario
+                    if name == "prefetchd" and high_water < scenario["eval_every_steps"]:
+                        results.notes.append(
+                            f"the daemon's high-water mark ({high_water}) is below the {scenario['eval_every_steps']} "
+                            "steps between evaluations, so its buffer cannot bank a whole pause's production"
+                        )
+                if row.images_per_s is not None:
+                    say(f"  {row.images_per_s:.0f} img/s" + (f"; {row.note}" if row.note else ""))
+                mem = row.extra.pop("memory", None)
+                if mem:
+                    results.memory.append({"workers": k, **mem})
+        if warm_start and "prefetchd" in contenders:
+            say(f"measuring prefetchd's warm start ({worker_count(k_max)}, buffer filled to {high_water} batches)")
+            try:
+                results.warm_start = run.warm_start(k_max, usable[:k_max])
+            except Exception as exc:  # keep the throughput numbers
+                log.debug("warm start failed", exc_info=True)
+                results.warm_start = {"workers": k_max, "error": f"{type(exc).__name__}: {exc}"}
+                say(f"  failed: {results.warm_start['error']}")
+            mem = results.warm_start.pop("memory", None)
+            if mem:
+                results.memory.append({"workers": k_max, "phase": "warm start (filled to high water)", **mem})
+    finally:
+        os.sched_setaffinity(0, original)
+    if waits:
+        results.data_wait = {"workers": k_max, **data_wait_doc(k_max), "contenders": waits}
+    fill_ratios(results)
+    results.notes.append(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
+    results.machine["load_average_end"] = round(os.getloadavg()[0], 2)
+    write_outputs(results, out_dir, say)
+    return results

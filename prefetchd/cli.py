@@ -1,0 +1,42 @@
+"""The `prefetchd` command: the daemon's commands (prefetchd/daemon/cli.py) with the
+tools that use a daemon, `bench` and `demo`.  It lives above both rooms so that the
+daemon never imports its consumers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from prefetchd.bench import bench_command
+from prefetchd.daemon.cli import COMMANDS, setup_logging
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="prefetchd")
+def main() -> None:
+    """Decode and augment images ahead of the trainer into a RAM-disk buffer."""
+
+
+@main.command()
+@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None, help="Where the generated dataset and logs go [default: a temp dir, removed after].")
+@click.option("--epochs", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--image-size", type=click.IntRange(16), default=64, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--train-per-class", type=click.IntRange(1), default=150, show_default=True)
+@click.option("--keep", is_flag=True, help="Keep the dataset and logs.")
+def demo(workdir: Path | None, epochs: int, image_size: int, batch_size: int, train_per_class: int, keep: bool) -> None:
+    """Generate a small dataset, start daemons for it and train ResNet-18 alongside them."""
+    from prefetchd.demo import run_demo
+
+    setup_logging("warning")
+    sys.exit(run_demo(workdir=workdir, epochs=epochs, image_size=image_size, batch_size=batch_size,
+                      train_per_class=train_per_class, keep=keep))
+
+
+for _command in COMMANDS:
+    main.add_command(_command)
+main.add_command(bench_command)  # torch is imported inside it only when it runs
+
+__all__ = ["main"]

@@ -1,0 +1,84 @@
+"""prefetchd.launch: the `prefetchd start` command line, the wait until a daemon serves, and
+the graceful stop; with real processes and real signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefetchd.launch import (
+    DaemonExited,
+    DaemonNotReady,
+    launch,
+    option_args,
+    start_argv,
+    stop_daemon_process,
+    wait_ready,
+)
+
+# Exits 0 on SIGTERM, as the daemon does; says "ready" once its handler is installed.
+GRACEFUL = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n")
+
+
+def test_options_become_flags_in_order() -> None:
+    args = option_args({"data": Path("/d"), "batch_size": 64, "epochs": None, "reset": True, "pin": False,
+                        "ranks": "0-3"})
+    assert args == ["--data", "/d", "--batch-size", "64", "--reset", "--no-pin", "--ranks", "0-3"]
+
+
+def test_start_argv_runs_this_interpreter() -> None:
+    argv = start_argv(Path("/b"), {"log_level": "warning"}, extra=["--seed", "1"])
+    assert argv == [sys.executable, "-m", "prefetchd", "start", "--buffer", "/b", "--log-level", "warning",
+                    "--seed", "1"]
+
+
+def test_importing_the_launcher_leaves_the_daemon_out() -> None:
+    # The trainer launches daemons through this module and must never import prefetchd.daemon.
+    code = "import sys, prefetchd.launch; print(sorted(n for n in sys.modules if n.startswith('prefetchd.daemon')))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
+
+
+def test_a_stopped_daemon_still_stops_gracefully() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", GRACEFUL], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        proc.send_signal(signal.SIGSTOP)  # its SIGTERM handler cannot run until it is continued
+        assert stop_daemon_process(proc, 30) is False
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_daemon_that_ignores_sigterm_is_killed() -> None:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    assert stop_daemon_process(proc, 0.5) is True
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_wait_ready_names_the_exit_code_the_log_and_the_command(tmp_path: Path) -> None:
+    log = tmp_path / "daemon.log"
+    proc = launch([sys.executable, "-c", "import sys; print('bad --data'); sys.exit(4)"], log=log)
+    with pytest.raises(DaemonExited, match=r"exited with code 4 .*its messages are in .*daemon\.log.*the command was: "):
+        wait_ready(proc, tmp_path / "bf", since=0.0, timeout=60, log=log)
+    assert log.read_text() == "bad --data\n"
+
+
+def test_wait_ready_gives_up_on_a_daemon_that_never_serves(tmp_path: Path) -> None:
+    proc = launch([sys.executable, "-c", GRACEFUL], stdout=subprocess.DEVNULL)
+    try:
+        with pytest.raises(DaemonNotReady, match=rf"\(pid {proc.pid}\) wrote no manifest within 0.2 s.*--timeout"):
+            wait_ready(proc, tmp_path / "bf", since=0.0, timeout=0.2, more_time="pass a larger --timeout")
+    finally:
+        stop_daemon_process(proc, 30)
