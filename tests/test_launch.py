@@ -39,13 +39,6 @@ def test_start_argv_runs_this_interpreter() -> None:
                     "--seed", "1"]
 
 
-def test_importing_the_launcher_leaves_the_daemon_out() -> None:
-    # The trainer launches daemons through this module and must never import prefetchd.daemon.
-    code = "import sys, prefetchd.launch; print(sorted(n for n in sys.modules if n.startswith('prefetchd.daemon')))"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert run.stdout.strip() == "[]"
-
-
 def test_a_stopped_daemon_still_stops_gracefully() -> None:
     proc = subprocess.Popen([sys.executable, "-c", GRACEFUL], stdout=subprocess.PIPE)
     try:

@@ -345,17 +345,6 @@ def test_the_fill_bar_is_bounded_whatever_the_status_says(waiting: int, high: in
     assert len(cli.fill_bar(waiting, high)) == 26
 
 
-def test_the_daemon_imports_none_of_its_consumers() -> None:
-    # The umbrella command (prefetchd.cli) adds bench and demo; the daemon's own modules,
-    # its CLI included, must not reach up to them or to the trainer.
-    code = ("import importlib, pkgutil, sys, prefetchd.daemon as d\n"
-            "for m in pkgutil.walk_packages(d.__path__, 'prefetchd.daemon.'): importlib.import_module(m.name)\n"
-            "print(sorted(n for n in sys.modules if n.split('.')[:2] in (['prefetchd', 'bench'], "
-            "['prefetchd', 'demo'], ['prefetchd', 'trainer'], ['prefetchd', 'cli'])))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert run.stdout.strip() == "[]"
-
-
 def test_config_show_is_toml_that_reads_back(runner: CliRunner, tmp_path: Path) -> None:
     # A path may hold any character; JSON's escapes of one outside the BMP are no TOML.
     data = tmp_path / 'd "quoted" \\ é 🎉'
