@@ -40,6 +40,7 @@ import psutil
 from prefetchd.buffer_protocol import (
     BatchLayout,
     DaemonLock,
+    PendingBatch,
     Manifest,
     Progress,
     ProtocolError,
@@ -81,14 +82,21 @@ class Build:
     g: int
     epoch: int
     step: int
-    tmp: Path
-    layout: BatchLayout
+    pending: PendingBatch
     labels: np.ndarray
     indices: np.ndarray
     remaining: int
     outstanding: set[int] = field(default_factory=set)  # task ids sent or queued
     replaced: int = 0
     cancelled: bool = False
+
+    @property
+    def tmp(self) -> Path:
+        return self.pending.tmp
+
+    @property
+    def layout(self) -> BatchLayout:
+        return self.pending.layout
 
 
 @dataclass
@@ -508,7 +516,7 @@ class Producer:
         self.workers.clear()
         for stream in self.streams:
             for build in stream.building.values():
-                build.tmp.unlink(missing_ok=True)
+                build.pending.abort()
             stream.building.clear()
 
     # -- progress and deletion -----------------------------------------------
@@ -535,7 +543,7 @@ class Producer:
 
     def _maybe_drop(self, build: Build) -> None:
         if build.cancelled and not build.outstanding:
-            build.tmp.unlink(missing_ok=True)
+            build.pending.abort()
             del build.stream.building[build.g]
 
     # -- building -------------------------------------------------------------
@@ -581,24 +589,20 @@ class Producer:
         epoch, step = stream.key(g)
         order = stream.order(epoch)
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
-        tmp = temp_name(stream.dir / batch_name(epoch, step))
+        final = stream.dir / batch_name(epoch, step)
         try:
-            fd = create_exclusive(tmp)
+            pending = PendingBatch.begin(final, layout)
         except OSError as exc:  # e.g. a directory planted under the name, out of inodes
             self.stats.write_failures += 1
-            log.warning("cannot create %s: %s; retrying in %.0f s", tmp, exc.strerror, RETRY_SECONDS)
+            log.warning("cannot create %s: %s; retrying in %.0f s", temp_name(final), exc.strerror, RETRY_SECONDS)
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return False
-        try:
-            os.ftruncate(fd, layout.file_len)
-        finally:
-            os.close(fd)
         n = len(chosen)
-        build = Build(stream, g, epoch, step, tmp, layout, np.empty(n, np.int64), np.empty(n, np.int64), remaining=n)
+        build = Build(stream, g, epoch, step, pending, np.empty(n, np.int64), np.empty(n, np.int64), remaining=n)
         stream.building[g] = build
         for start in range(0, n, self.chunk):
             items = tuple((slot, int(chosen[slot])) for slot in range(start, min(n, start + self.chunk)))
-            task = Task(self.next_task_id, str(tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items)
+            task = Task(self.next_task_id, str(pending.tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items)
             self.next_task_id += 1
             self.task_build[task.task_id] = build
             build.outstanding.add(task.task_id)
@@ -662,24 +666,13 @@ class Producer:
     def _publish(self, build: Build) -> None:
         stream = build.stream
         del stream.building[build.g]
-        final = stream.dir / batch_name(build.epoch, build.step)
-        layout = build.layout
         try:
-            fd = os.open(build.tmp, os.O_WRONLY | os.O_NOFOLLOW)
-            try:
-                os.pwrite(fd, build.labels.astype("<i8").tobytes(), layout.tensors["labels"].offset)
-                os.pwrite(fd, build.indices.astype("<i8").tobytes(), layout.tensors["indices"].offset)
-                header = layout.encode_header(
-                    epoch=build.epoch, step=build.step, seed=self.cfg.seed,
-                    producer=stream.manifest.producer, replaced=build.replaced,
-                )
-                # The header goes last: a file without its magic is never mistaken for a batch.
-                os.pwrite(fd, header, 0)
-            finally:
-                os.close(fd)
-            os.rename(build.tmp, final)
-        except OSError as exc:
-            build.tmp.unlink(missing_ok=True)
+            final = build.pending.commit(
+                build.labels, build.indices, epoch=build.epoch, step=build.step, seed=self.cfg.seed,
+                producer=stream.manifest.producer, replaced=build.replaced,
+            )
+        except OSError as exc:  # commit has removed the temp file
+            final = build.pending.final
             self.stats.write_failures += 1
             log.warning("could not publish %s: %s; retrying in %.0f s", final.name, exc.strerror, RETRY_SECONDS)
             self.retry_at = time.monotonic() + RETRY_SECONDS
@@ -749,24 +742,6 @@ class Producer:
             write_status(self.buffer, status)
         except OSError as exc:
             log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
-
-
-def create_exclusive(path: Path) -> int:
-    """Create ``path`` for writing, never opening what is already there.
-
-    Nothing should be: the sweep at start and every cancelled build delete their
-    temp files.  A name that exists anyway was put there by someone else (with
-    --group-access, a member of the group): a link planted there would make
-    O_TRUNC cut, and the workers write into, a file the daemon never created.
-    Unlinking removes only the name in our directory, not what it points to.
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(path, flags, 0o644)
-    except FileExistsError:
-        log.warning("%s exists though this daemon did not create it; removing the name and creating its own", path)
-        path.unlink()
-        return os.open(path, flags, 0o644)
 
 
 def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:
