@@ -15,15 +15,11 @@ does all the work.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.forkserver
 import os
-import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,31 +41,20 @@ from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, DaemonError
 from prefetchd.daemon.sampler import batch_len, batch_slice
+from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.daemon.workers import FORKSERVER_PRELOAD, Filled, Task, WorkerJob, WriteFailed, worker_main
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25  # progress is re-read at least this often even without a watch event
 STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
-WORKER_STOP_SECONDS = 5.0
-MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
-RESTART_WINDOW_SECONDS = 60.0
-TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
 STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
 STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
 MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
-
-
-@dataclass
-class Worker:
-    process: Any  # multiprocessing.Process
-    conn: Connection
-    ps: psutil.Process
-    tasks: dict[int, Task] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,12 +122,14 @@ class Producer:
         self.message = ""
         self.logged_failures: set[str] = set()
         self.bad_files: list[dict[str, str]] = []  # the first MAX_LISTED_BAD_FILES, for the status
-        self.restart_times: deque[float] = deque()
         self.fatal: str | None = None
         self.fatal_error: type[DaemonError] = DaemonError
-        self.workers: list[Worker] = []
-        self._ctx = worker_context()
         self._job = WorkerJob.from_config(index, members, cfg)
+        self.pool = WorkerPool(self._job, self.workers_wanted)
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.pool.workers
 
     @property
     def finished(self) -> bool:
@@ -156,7 +143,7 @@ class Producer:
             for stream in self.streams:
                 stream.adopt_published()
             self._read_progress()
-            self._start_workers()
+            self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
             self.state = "filling"
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0
@@ -205,95 +192,26 @@ class Producer:
         idle = self.wake.watching and all(not s.filling and not s.building for s in self.streams) and not self.todo
         return STATUS_SECONDS if idle else POLL_SECONDS
 
-    def _start_workers(self) -> None:
-        """Start the workers while the heartbeat goes on.
-
-        The first start waits until the fork server has imported torch, which takes
-        seconds on a busy machine; a status.json that stood still that long would
-        make trainers (and `prefetchd status`) take a starting daemon for a stuck one.
-        """
-        started: list[Worker] = []
-        failed: list[BaseException] = []
-
-        def spawn_all() -> None:
-            try:
-                for _ in range(self.workers_wanted):
-                    started.append(self._spawn())
-            except BaseException as exc:  # re-raised below, in the controller's thread
-                failed.append(exc)
-
-        spawner = threading.Thread(target=spawn_all, name="prefetchd-spawn-workers", daemon=True)
-        spawner.start()
-        while spawner.is_alive():
-            self._write_status()
-            spawner.join(STATUS_SECONDS)
-        self.workers.extend(started)
-        if failed:
-            raise failed[0]
-
     def _wait(self, timeout: float) -> None:
-        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [self.wake], timeout)
-        for worker in list(self.workers):
-            if worker.conn in ready:
-                self._receive(worker)
-        for worker in list(self.workers):
-            if worker.process.sentinel in ready or not worker.process.is_alive():
-                self._replace_worker(worker)
+        for worker in self.pool.wait(timeout, self.wake, self._complete):
+            self._replace_worker(worker)
 
     # -- workers --------------------------------------------------------------
 
-    def _spawn(self) -> Worker:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_main, args=(child, self._job), name="prefetchd-worker", daemon=True)
-        proc.start()
-        child.close()
-        return Worker(proc, parent, psutil.Process(proc.pid))
-
-    def _receive(self, worker: Worker) -> None:
-        while worker.conn.poll():
-            try:
-                result = worker.conn.recv()
-            except (EOFError, OSError):
-                return  # it died; its sentinel handles the rest
-            task = worker.tasks.pop(result.task_id, None)
-            if task is not None:
-                self._complete(task, result)
-
     def _replace_worker(self, worker: Worker) -> None:
-        self._receive(worker)  # results it sent before dying still count
-        code = worker.process.exitcode
-        self.workers.remove(worker)
-        worker.conn.close()
+        """Requeue a dead worker's tasks and start another, unless stopping or too many died lately."""
         if self.wake.stop_signal is not None:
             return
-        now = time.monotonic()
-        self.restart_times.append(now)
-        while self.restart_times and now - self.restart_times[0] > RESTART_WINDOW_SECONDS:
-            self.restart_times.popleft()
         self.stats.worker_restarts += 1
         log.error("worker pid %s died (exit code %s); requeuing its %d tasks and starting another",
-                  worker.process.pid, code, len(worker.tasks))
+                  worker.process.pid, worker.process.exitcode, len(worker.tasks))
         self.todo.extendleft(reversed(list(worker.tasks.values())))
-        if len(self.restart_times) > MAX_WORKER_RESTARTS:
-            self.fatal = (f"{len(self.restart_times)} workers died within {RESTART_WINDOW_SECONDS:.0f} s "
-                          f"(last exit code {code}); check the log and `dmesg` for the cause (out of memory?)")
-            return
-        self.workers.append(self._spawn())
+        too_many = self.pool.replace(worker)
+        if too_many is not None:
+            self.fatal = too_many
 
     def _shutdown(self) -> None:
-        for worker in self.workers:
-            try:
-                worker.conn.send(None)
-            except OSError:
-                pass
-        deadline = time.monotonic() + WORKER_STOP_SECONDS
-        for worker in self.workers:
-            worker.process.join(max(0.0, deadline - time.monotonic()))
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join(1.0)
-            worker.conn.close()
-        self.workers.clear()
+        self.pool.stop()
         for stream in self.streams:
             for build in stream.building.values():
                 build.pending.abort()
@@ -390,14 +308,7 @@ class Producer:
         return True
 
     def _dispatch(self) -> None:
-        for worker in sorted(self.workers, key=lambda w: len(w.tasks)):
-            while self.todo and len(worker.tasks) < TASKS_PER_WORKER:
-                task = self.todo.popleft()
-                worker.tasks[task.task_id] = task
-                try:
-                    worker.conn.send(task)
-                except OSError:  # died meanwhile; its sentinel requeues the task
-                    break
+        self.pool.dispatch(self.todo)
 
     def _complete(self, task: Task, result: Filled | WriteFailed) -> None:
         build = self.task_build.pop(task.task_id)
@@ -540,26 +451,6 @@ def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason:
     return (f"{bad} files could not be decoded, more than {' and '.join(exceeded)} allows (the last: {path}: "
             f"{reason}); the log names every one and `prefetchd status --json` the first {MAX_LISTED_BAD_FILES}; "
             "repair or remove them, or raise the limit")
-
-
-def worker_context() -> multiprocessing.context.ForkServerContext:
-    """A forkserver that has imported the worker code (torch included) once.
-
-    Workers must not inherit the controller's threads or locks, which rules out
-    plain fork; spawn re-imports torch in every worker, seconds each on a busy
-    machine. A forkserver with the worker module preloaded starts each worker
-    (also a replacement for one that died) in milliseconds.
-    """
-    ctx = multiprocessing.get_context("forkserver")
-    assert isinstance(ctx, multiprocessing.context.ForkServerContext)
-    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    return ctx
-
-
-def start_worker_server() -> None:
-    """Start the forkserver now, so that its imports overlap whatever the daemon does next."""
-    worker_context()
-    multiprocessing.forkserver.ensure_running()
 
 
 def sweep_leftovers(buffer: Path) -> int:
