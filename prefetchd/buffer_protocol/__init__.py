@@ -15,7 +15,6 @@ from prefetchd.buffer_protocol.batch import (
     MappedBatch,
     map_batch,
     parse_batch,
-    write_batch,
 )
 from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import (
@@ -34,11 +33,12 @@ from prefetchd.buffer_protocol.layout import (
     stream_dir,
     write_status,
 )
+from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, write_batch
 
 __all__ = [
     "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
     "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
-    "Progress", "ProtocolError", "alive_since", "batch_name", "daemon_pid", "list_batches",
+    "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",
 ]

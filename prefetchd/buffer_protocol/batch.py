@@ -19,6 +19,8 @@ The metadata map holds ``format``, ``epoch``, ``step``, ``seed``, ``producer``,
 ``images`` (uint8, N x H x W x C), ``labels`` and ``indices`` (int64, N).
 
 SPEC.md beside this file is the normative text; tests keep the two equal.
+``writer.py`` writes batch files (begin, fill slots, commit or abort); this
+module plans their layout and reads them.
 """
 
 from __future__ import annotations
@@ -308,46 +310,6 @@ def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
         labels=_view(buf, meta.tensors["labels"]),
         indices=_view(buf, meta.tensors["indices"]),
     )
-
-
-def write_batch(
-    path: str | os.PathLike[str],
-    images: np.ndarray,
-    labels: np.ndarray,
-    indices: np.ndarray,
-    *,
-    epoch: int,
-    step: int,
-    seed: int,
-    producer: str,
-    replaced: int = 0,
-) -> None:
-    """Write a whole batch from arrays and publish it atomically.
-
-    The daemon fills slots in place instead (see ``BatchLayout``); this is the
-    reference writer for tools and tests.
-    """
-    path = Path(path)
-    if images.ndim != 4 or labels.shape != (len(images),) or indices.shape != (len(images),):
-        raise ValueError(
-            f"images must be N x H x W x C and labels, indices of length N; got {images.shape}, "
-            f"{labels.shape}, {indices.shape}"
-        )
-    layout = BatchLayout.plan(*images.shape)
-    tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        os.ftruncate(fd, layout.file_len)
-        for name, array, dtype in (("images", images, "uint8"), ("labels", labels, "int64"), ("indices", indices, "int64")):
-            data = np.ascontiguousarray(array, dtype=DTYPES[dtype])
-            os.pwrite(fd, data.tobytes(), layout.tensors[name].offset)
-        os.pwrite(fd, layout.encode_header(epoch=epoch, step=step, seed=seed, producer=producer, replaced=replaced), 0)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.rename(tmp, path)
 
 
 def temp_name(final: Path) -> Path:

@@ -3,7 +3,9 @@
 The controller sends a worker tasks over its own pipe: a batch file under
 construction and a list of (slot, sample index).  The worker writes each
 image's bytes at the slot's offset with ``pwrite`` — pixels never cross a pipe
-and are never pickled — and answers with the labels and indices it used.
+and are never pickled — and answers with the labels and indices it used.  It is
+the fill side of the batch writer (``prefetchd.buffer_protocol.writer``): the
+controller begins the batch and commits it once every slot is filled.
 
 A sample that cannot be decoded is replaced by the next member of the split
 that can (a pure function of the index, so the batch stays deterministic and
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
+from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import SampleReader
@@ -128,12 +131,6 @@ class SampleUnrecoverable(RuntimeError):
     pass
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
 def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[str, str]],
              times: StageTimes, first: Future[bytearray] | None = None) -> tuple[int, np.ndarray]:
     """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic replacements."""
@@ -171,10 +168,10 @@ def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None,
     timings: list[tuple[float, float, float, float]] = []
     failures: list[tuple[str, str]] = []
     try:
-        fd = os.open(task.path, os.O_WRONLY | os.O_NOFOLLOW)
+        batch = SlotFiller(task.path, task.images_offset, task.slot_bytes)
     except OSError as exc:
         return WriteFailed(task.task_id, f"cannot open {task.path}: {exc.strerror}")
-    try:
+    with batch:
         ahead = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
         for (slot, index), read in zip(task.items, ahead):
             times = StageTimes()
@@ -183,13 +180,11 @@ def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None,
                 raise SampleUnrecoverable(f"{job.index.name(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
             t0 = time.perf_counter()
             try:
-                _pwrite_all(fd, memoryview(image.data).cast("B"), task.images_offset + slot * task.slot_bytes)
+                batch.fill(slot, memoryview(image.data).cast("B"))
             except OSError as exc:
                 return WriteFailed(task.task_id, f"cannot write {task.path}: {exc.strerror}")
             timings.append((times.read, times.decode, times.augment, time.perf_counter() - t0))
             slots.append((slot, used, int(job.index.labels[used])))
-    finally:
-        os.close(fd)
     return Filled(task.task_id, tuple(slots), tuple(failures), time.perf_counter() - start, tuple(timings))
 
 

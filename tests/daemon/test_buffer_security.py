@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
 from prefetchd.daemon.main import make_stream_dir, prepare_buffer
-from prefetchd.daemon.producer import create_exclusive
 
 
 def _mode(path: Path) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from prefetchd.buffer_protocol import Manifest, Progress, batch_name
-from prefetchd.daemon.producer import Stream
+from prefetchd.daemon.stream import Stream
 
 HIGH, LOW = 4, 2
 

@@ -1,0 +1,168 @@
+"""The worker pool: processes forked from a preloaded forkserver, the tasks each
+holds, and a replacement for each one that dies.
+
+The controller owns the queue of tasks and decides what a result or a death
+means; the pool only moves tasks to workers and results back, each worker
+holding at most ``TASKS_PER_WORKER`` so it never waits for the controller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import psutil
+
+from prefetchd.daemon.wakeup import Wakeup
+from prefetchd.daemon.workers import FORKSERVER_PRELOAD, Filled, Task, WorkerJob, WriteFailed, worker_main
+
+WORKER_STOP_SECONDS = 5.0
+MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
+RESTART_WINDOW_SECONDS = 60.0
+TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
+
+
+@dataclass
+class Worker:
+    process: Any  # multiprocessing.Process
+    conn: Connection
+    ps: psutil.Process
+    tasks: dict[int, Task] = field(default_factory=dict)
+
+
+class WorkerPool:
+    def __init__(self, job: WorkerJob, size: int) -> None:
+        self.job = job
+        self.size = size
+        self.workers: list[Worker] = []
+        self.restart_times: deque[float] = deque()
+        self._ctx = worker_context()
+
+    def start(self, heartbeat: Callable[[], None], every: float) -> None:
+        """Start the workers while ``heartbeat`` goes on, every ``every`` seconds.
+
+        The first start waits until the fork server has imported torch, which takes
+        seconds on a busy machine; a status.json that stood still that long would
+        make trainers (and `prefetchd status`) take a starting daemon for a stuck one.
+        """
+        started: list[Worker] = []
+        failed: list[BaseException] = []
+
+        def spawn_all() -> None:
+            try:
+                for _ in range(self.size):
+                    started.append(self._spawn())
+            except BaseException as exc:  # re-raised below, in the controller's thread
+                failed.append(exc)
+
+        spawner = threading.Thread(target=spawn_all, name="prefetchd-spawn-workers", daemon=True)
+        spawner.start()
+        while spawner.is_alive():
+            heartbeat()
+            spawner.join(every)
+        self.workers.extend(started)
+        if failed:
+            raise failed[0]
+
+    def _spawn(self) -> Worker:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=worker_main, args=(child, self.job), name="prefetchd-worker", daemon=True)
+        proc.start()
+        child.close()
+        return Worker(proc, parent, psutil.Process(proc.pid))
+
+    def dispatch(self, todo: deque[Task]) -> None:
+        """Hand tasks from the front of ``todo`` to the least busy workers."""
+        for worker in sorted(self.workers, key=lambda w: len(w.tasks)):
+            while todo and len(worker.tasks) < TASKS_PER_WORKER:
+                task = todo.popleft()
+                worker.tasks[task.task_id] = task
+                try:
+                    worker.conn.send(task)
+                except OSError:  # died meanwhile; its sentinel requeues the task
+                    break
+
+    def wait(self, timeout: float, wake: Wakeup, on_result: Callable[[Task, Filled | WriteFailed], None]) -> list[Worker]:
+        """Wait up to ``timeout`` for results (each handed to ``on_result``), a worker's death or ``wake``.
+
+        Returns the workers that died, removed from the pool after the results they
+        sent before dying were handed on; their unfinished tasks are in ``tasks``.
+        """
+        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [wake], timeout)
+        for worker in list(self.workers):
+            if worker.conn in ready:
+                self._receive(worker, on_result)
+        dead = []
+        for worker in list(self.workers):
+            if worker.process.sentinel in ready or not worker.process.is_alive():
+                self._receive(worker, on_result)  # results it sent before dying still count
+                self.workers.remove(worker)
+                worker.conn.close()
+                dead.append(worker)
+        return dead
+
+    @staticmethod
+    def _receive(worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> None:
+        while worker.conn.poll():
+            try:
+                result = worker.conn.recv()
+            except (EOFError, OSError):
+                return  # it died; its sentinel handles the rest
+            task = worker.tasks.pop(result.task_id, None)
+            if task is not None:
+                on_result(task, result)
+
+    def replace(self, dead: Worker) -> str | None:
+        """Start a worker in place of ``dead``; or, when too many died lately, why the job must stop."""
+        now = time.monotonic()
+        self.restart_times.append(now)
+        while self.restart_times and now - self.restart_times[0] > RESTART_WINDOW_SECONDS:
+            self.restart_times.popleft()
+        if len(self.restart_times) > MAX_WORKER_RESTARTS:
+            return (f"{len(self.restart_times)} workers died within {RESTART_WINDOW_SECONDS:.0f} s "
+                    f"(last exit code {dead.process.exitcode}); check the log and `dmesg` for the cause (out of memory?)")
+        self.workers.append(self._spawn())
+        return None
+
+    def stop(self) -> None:
+        """Ask every worker to finish its tasks and exit; kill those still there after WORKER_STOP_SECONDS."""
+        for worker in self.workers:
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + WORKER_STOP_SECONDS
+        for worker in self.workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(1.0)
+            worker.conn.close()
+        self.workers.clear()
+
+
+def worker_context() -> multiprocessing.context.ForkServerContext:
+    """A forkserver that has imported the worker code (torch included) once.
+
+    Workers must not inherit the controller's threads or locks, which rules out
+    plain fork; spawn re-imports torch in every worker, seconds each on a busy
+    machine. A forkserver with the worker module preloaded starts each worker
+    (also a replacement for one that died) in milliseconds.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    assert isinstance(ctx, multiprocessing.context.ForkServerContext)
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
+
+
+def start_worker_server() -> None:
+    """Start the forkserver now, so that its imports overlap whatever the daemon does next."""
+    worker_context()
+    multiprocessing.forkserver.ensure_running()
