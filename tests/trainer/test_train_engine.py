@@ -15,18 +15,10 @@ import torchvision
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import Progress
-from prefetchd.trainer.train import (
-    CHECKPOINT_FORMAT,
-    EXIT_FAILED,
-    LAST_CHECKPOINT,
-    TrainConfig,
-    build_model,
-    cached_weights,
-    load_checkpoint,
-    main,
-    train,
-    warmup_cosine,
-)
+from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.engine import build_model, cached_weights, warmup_cosine
+from prefetchd.trainer.train import EXIT_FAILED, main, train
 
 if TYPE_CHECKING:
     from conftest import FakeJob, MakeJob
