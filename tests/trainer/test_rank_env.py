@@ -68,7 +68,7 @@ def test_a_daemon_for_another_world_size_is_refused_at_once(make_job: MakeJob, b
     job = make_job(buffer / "flat")  # a single-stream daemon's manifest
     with pytest.raises(SetupError) as raised:
         wait_for_stream(buffer / "flat", Ranks(1, 4, 1, 4), timeout=60)
-    message = raised.value.message
+    message = str(raised.value)
     assert "--world-size 1" in message and "torchrun runs 4 ranks (WORLD_SIZE=4)" in message
     assert "--world-size 4" in message and "without torchrun" in message
     as_rank(job, buffer / "four", 0, 4)
