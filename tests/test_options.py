@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,3 +78,12 @@ def test_prefetchd_train_without_flags_gets_trainconfigs_defaults() -> None:
     assert given.pop("verbose") is False
     assert TrainConfig(**given) == TrainConfig(buffer=Path("bf"))
     assert set(given) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_the_trainer_never_imports_the_daemon_and_options_imports_neither() -> None:
+    code = ("import sys, {mod}; print(sorted({{m.split('.')[1] for m in sys.modules "
+            "if m.startswith(('prefetchd.daemon', 'prefetchd.trainer'))}}))")
+    loaded = {mod: subprocess.run([sys.executable, "-c", code.format(mod=mod)], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+              for mod in ("prefetchd.options", "prefetchd.trainer.train")}
+    assert loaded == {"prefetchd.options": "[]", "prefetchd.trainer.train": "['trainer']"}
