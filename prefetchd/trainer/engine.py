@@ -300,8 +300,6 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
         )
 
 
-
-
 class Run:
     """One training run over its loaders: the epoch loop, checkpoints at step and epoch ends, resume."""
 

@@ -26,7 +26,7 @@ def test_a_terminal_gets_a_bar_with_steps_and_loss() -> None:
             assert tty.isatty()
             with ProgressLine(tty, "epoch 1/2 train", 4, enabled=True) as progress:
                 for done in range(1, 5):
-                    progress.update(done, lambda done=done: 2.0 / done)
+                    progress.update(done, lambda: 2.0 / done)  # read at once, inside update
             tty.flush()
             shown = _read_all(master)
     finally:
