@@ -60,7 +60,9 @@ from prefetchd.bench import describe_machine
 from prefetchd.buffer_protocol import batch_name, map_batch
 from prefetchd.synthetic import make_imagenet_like
 from prefetchd.trainer import BufferLoader
-from prefetchd.trainer.train import TrainConfig, build_model, spawn_daemon
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.engine import build_model
+from prefetchd.trainer.spawn import spawn_daemon
 
 log = logging.getLogger("gpu_check")
 

@@ -26,6 +26,7 @@ from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.producer import STAGES
 from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
 from prefetchd.locations import normalize
+from prefetchd.options import click_options
 
 log = logging.getLogger("prefetchd")
 
@@ -53,26 +54,8 @@ def setup_logging(level: str) -> None:
 
 
 def config_options(only: Collection[str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Click options for DaemonConfig's fields (or the ``only`` ones), in declaration order."""
-    return lambda func: _add_options(func, [f for f in dataclasses.fields(DaemonConfig) if only is None or f.name in only])
-
-
-def _add_options(func: Callable[..., Any], fields: list[dataclasses.Field[Any]]) -> Callable[..., Any]:
-    for f in reversed(fields):
-        meta = f.metadata
-        flag = "--" + f.name.replace("_", "-")
-        kind = meta["kind"]
-        if kind is bool:
-            func = click.option(f"{flag}/--no-{flag[2:]}", default=False, help=meta["help"])(func)
-            continue
-        ptype: Any = {Path: click.Path(path_type=Path), int: int, float: float, str: str}[kind]
-        if "choices" in meta:
-            ptype = click.Choice(meta["choices"])
-        # default=None lets build_config tell a given flag from an absent one; the
-        # dataclass default is shown in the help instead.
-        shown = meta["help"] if f.default is None else f"{meta['help']} [default: {f.default}]"
-        func = click.option(flag, type=ptype, default=None, help=shown, metavar=meta.get("metavar"))(func)
-    return func
+    """Click options for DaemonConfig's fields (or the ``only`` ones), in declaration order; layered over --config."""
+    return click_options(DaemonConfig, only, layered=True)
 
 
 def build_config(ctx: click.Context, config_file: Path | None, params: dict[str, Any]) -> DaemonConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.transforms import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.locations import is_url, normalize
+from prefetchd.options import check_value as check_field
+from prefetchd.options import setting as _opt
 
 SPLITS = ("train", "val")
 # Defaults never plan more than these shares of what is free, so the trainer,
@@ -31,10 +33,6 @@ MAX_DEFAULT_HIGH_WATER = 64
 # Reads in flight per worker: object storage answers each small object in tens of
 # milliseconds, mostly waiting (see docs/SOURCES.md, "Object storage").
 URL_READERS = 16
-
-
-def _opt(default: Any, help: str, kind: type, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, "kind": kind, **extra})
 
 
 @dataclass(frozen=True)
@@ -151,23 +149,7 @@ class DaemonConfig:
 
 def check_value(name: str, value: Any) -> None:
     """Refuse a value of the wrong type or range, naming the key and what is allowed."""
-    meta = FIELDS[name].metadata
-    if value is None:
-        return
-    kind = meta["kind"]
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if meta.get("location") and isinstance(value, os.PathLike):
-        ok = True  # a local path given as a Path; __post_init__ makes it a string
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok:
-        raise ConfigError(f"{name} = {value!r}: expected {kind.__name__}")
-    if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(f"{name} = {value!r}: allowed values are {', '.join(meta['choices'])}")
-    if "minimum" in meta and value < meta["minimum"]:
-        raise ConfigError(f"{name} = {value!r}: must be at least {meta['minimum']}")
-    if "maximum" in meta and value > meta["maximum"]:
-        raise ConfigError(f"{name} = {value!r}: must be at most {meta['maximum']}")
+    check_field(FIELDS[name], value, ConfigError)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}

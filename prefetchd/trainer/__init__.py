@@ -1,10 +1,16 @@
 """The consumer side: map the daemon's batch files and hand them to the trainer.
 
-``BufferLoader`` (in ``loader``) is the reader; ``train`` is the reference trainer
-behind the ``prefetchd-train`` command.
+``BufferLoader`` (in ``loader``) is the reader; ``train`` is the entry point of the
+reference trainer behind the ``prefetchd-train`` command (its rooms: ``config``,
+``engine``, ``checkpoint``, ``spawn``, ``report``, ``ranks``).
 """
 
-from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer.errors import (
+    CheckpointError, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, OptionError, SetupError, StateMismatch,
+)
 from prefetchd.trainer.loader import Batch, BufferLoader
 
-__all__ = ["Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch"]
+__all__ = [
+    "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "OptionError",
+    "SetupError", "StateMismatch",
+]

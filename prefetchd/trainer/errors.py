@@ -1,5 +1,6 @@
 """Errors the trainer side raises when the buffer does not deliver, or a checkpoint does not fit.
 
+A run that cannot start as configured raises :class:`SetupError`.
 A malformed file in the buffer is the protocol's business and raises
 :class:`prefetchd.buffer_protocol.ProtocolError`; the loader errors are about
 waiting: the daemon is slow, stuck or gone.  Every message names the buffer
@@ -33,8 +34,21 @@ class StateMismatch(LoaderError, ValueError):
     """A loader state (from a checkpoint) does not fit the buffer's job."""
 
 
+class SetupError(ValueError):
+    """The run cannot start as configured: the model, device, environment or the buffers' jobs do not fit.
+
+    ``prefetchd-train`` reports it as ``Error: <message>`` with exit code 1 (EXIT_FAILED)."""
+
+
+class OptionError(SetupError):
+    """The options contradict each other or miss one another; ``prefetchd-train`` shows its usage, exit code 2."""
+
+
 class CheckpointError(ValueError):
     """A ``prefetchd-train`` checkpoint is unreadable, of another format, or does not fit the run."""
 
 
-__all__ = ["CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch"]
+__all__ = [
+    "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "LoaderError", "LoaderTimeout",
+    "OptionError", "SetupError", "StateMismatch",
+]

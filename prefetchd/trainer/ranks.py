@@ -27,13 +27,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-import click
 import torch
 import torch.distributed as dist
 
 from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
-from prefetchd.trainer.errors import LoaderError, LoaderTimeout
+from prefetchd.trainer.errors import LoaderError, LoaderTimeout, SetupError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class Ranks:
     def __post_init__(self) -> None:
         if not (0 <= self.rank < self.world_size and 0 <= self.local_rank < self.local_world_size
                 and self.local_world_size <= self.world_size and self.local_rank <= self.rank):
-            raise click.ClickException(
+            raise SetupError(
                 f"RANK {self.rank}, WORLD_SIZE {self.world_size}, LOCAL_RANK {self.local_rank}, LOCAL_WORLD_SIZE "
                 f"{self.local_world_size} do not fit together; launch prefetchd-train with torchrun, which sets them"
             )
@@ -69,7 +68,7 @@ class Ranks:
             return cls()
         missing = [name for name in TORCHRUN_VARS if name not in env]
         if missing:
-            raise click.ClickException(
+            raise SetupError(
                 f"{', '.join(present)} {'is' if len(present) == 1 else 'are'} set but {', '.join(missing)} not: "
                 "launch prefetchd-train with torchrun (which sets them all), or unset them to train as one process"
             )
@@ -81,7 +80,7 @@ class Ranks:
             try:
                 values[name] = int(text)
             except ValueError:
-                raise click.ClickException(f"{name}={text!r} in the environment is not a number; launch "
+                raise SetupError(f"{name}={text!r} in the environment is not a number; launch "
                                            "prefetchd-train with torchrun, which sets it") from None
         world = values["WORLD_SIZE"]
         return cls(rank=values["RANK"], world_size=world, local_rank=values["LOCAL_RANK"],
@@ -131,18 +130,18 @@ def _served_world(buffer: Path) -> tuple[int, Path] | None:
     return None
 
 
-def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> click.ClickException:
+def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> SetupError:
     found = f"the daemon of {buffer} produces streams for --world-size {served} ({manifest})"
     if ranks.distributed:
         w = ranks.world_size
         other = (f"launch torchrun with {served} processes in all (--nnodes x --nproc-per-node = {served})"
                  if served > 1 else "run prefetchd-train as one process, without torchrun")
-        return click.ClickException(
+        return SetupError(
             f"{found}, but torchrun runs {w} ranks (WORLD_SIZE={w}). Restart the daemon for {w} ranks "
             f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} ... --world-size {w}`), "
             f"or {other}"
         )
-    return click.ClickException(
+    return SetupError(
         f"{found}, but this prefetchd-train runs as one process (not under torchrun). Launch it under torchrun "
         f"with {served} processes in all (e.g. `torchrun --nproc-per-node {served} -m prefetchd.trainer.train "
         "...`), or restart the daemon without --world-size"
@@ -208,7 +207,7 @@ class Collective:
             return cls(ranks)
         if dist.is_initialized():  # the caller's own group (train() called from a script)
             if dist.get_world_size() != ranks.world_size or dist.get_rank() != ranks.rank:
-                raise click.ClickException(
+                raise SetupError(
                     f"the initialised process group has rank {dist.get_rank()} of {dist.get_world_size()}, but "
                     f"the environment says rank {ranks.rank} of {ranks.world_size}"
                 )
@@ -281,7 +280,7 @@ class Collective:
         try:
             dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as exc:
-            raise click.ClickException(
+            raise SetupError(
                 f"rank {self.ranks.rank} waited {timeout:g} s for every rank to reach {what} ("
                 f"{' '.join(str(exc).split())[:300]}); the message of the rank that failed is above"
             ) from None

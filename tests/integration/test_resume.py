@@ -24,7 +24,8 @@ from torchvision.datasets import ImageFolder
 
 from prefetchd.buffer_protocol import Progress, daemon_pid, list_batches
 from prefetchd.trainer import Batch, BufferLoader
-from prefetchd.trainer.train import LAST_CHECKPOINT, main
+from prefetchd.trainer.checkpoint import LAST_CHECKPOINT
+from prefetchd.trainer.train import main
 
 EPOCHS = 2
 ARGS = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7", "--epochs", str(EPOCHS),
@@ -39,7 +40,7 @@ import hashlib, json, os, sys, time
 from pathlib import Path
 import torch
 from prefetchd.trainer import BufferLoader
-from prefetchd.trainer.train import save_checkpoint
+from prefetchd.trainer.checkpoint import save_checkpoint
 
 buffer, ckpt, log = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 every, step_seconds, epochs = int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])

@@ -15,7 +15,7 @@ import torch
 from torchvision.datasets import ImageFolder
 
 from prefetchd.buffer_protocol import Progress, daemon_pid, stream_dir
-from prefetchd.trainer.train import LAST_CHECKPOINT, load_checkpoint
+from prefetchd.trainer.checkpoint import LAST_CHECKPOINT, load_checkpoint
 
 JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "2"]
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from prefetchd.trainer.train import CHECKPOINT_FORMAT, EXIT_FAILED, LAST_CHECKPOINT, TrainConfig, load_checkpoint, main, train
+from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.train import EXIT_FAILED, main, train
 
 if TYPE_CHECKING:
     from conftest import MakeJob

@@ -8,15 +8,15 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import click
 import pytest
 import torch
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import stream_dir
-from prefetchd.trainer.errors import LoaderTimeout
+from prefetchd.trainer.errors import LoaderTimeout, SetupError
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
-from prefetchd.trainer.train import EXIT_FAILED, LAST_CHECKPOINT, main
+from prefetchd.trainer.checkpoint import LAST_CHECKPOINT
+from prefetchd.trainer.train import EXIT_FAILED, main
 
 if TYPE_CHECKING:
     from conftest import FakeJob, MakeJob
@@ -44,7 +44,7 @@ def test_ranks_from_the_torchrun_environment() -> None:
     (torchrun_env(2, 2, 0, 2), "do not fit together"),
 ])
 def test_a_broken_torchrun_environment_is_refused(env: dict[str, str], fragment: str) -> None:
-    with pytest.raises(click.ClickException, match=fragment):
+    with pytest.raises(SetupError, match=fragment):
         Ranks.from_env(env)
 
 
@@ -66,13 +66,13 @@ def test_each_rank_waits_for_its_own_stream(make_job: MakeJob, buffer: Path) -> 
 
 def test_a_daemon_for_another_world_size_is_refused_at_once(make_job: MakeJob, buffer: Path) -> None:
     job = make_job(buffer / "flat")  # a single-stream daemon's manifest
-    with pytest.raises(click.ClickException) as raised:
+    with pytest.raises(SetupError) as raised:
         wait_for_stream(buffer / "flat", Ranks(1, 4, 1, 4), timeout=60)
-    message = raised.value.message
+    message = str(raised.value)
     assert "--world-size 1" in message and "torchrun runs 4 ranks (WORLD_SIZE=4)" in message
     assert "--world-size 4" in message and "without torchrun" in message
     as_rank(job, buffer / "four", 0, 4)
-    with pytest.raises(click.ClickException, match=r"--world-size 4 .* torchrun runs 2 ranks.* with 4 processes in all"):
+    with pytest.raises(SetupError, match=r"--world-size 4 .* torchrun runs 2 ranks.* with 4 processes in all"):
         wait_for_stream(buffer / "four", Ranks(0, 2, 0, 2), timeout=60)
 
 
@@ -101,7 +101,7 @@ def test_a_checkpoint_of_another_world_size_is_refused(make_job: MakeJob, buffer
 
 
 def test_under_torchrun_cuda_means_the_local_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefetchd.trainer.train import resolve_device
+    from prefetchd.trainer.engine import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -109,14 +109,14 @@ def test_under_torchrun_cuda_means_the_local_ranks_gpu(monkeypatch: pytest.Monke
     assert resolve_device("cuda", Ranks(0, 4, 0, 2)) == torch.device("cuda", 0)
     assert resolve_device("cuda:0", Ranks(3, 4, 1, 2)) == torch.device("cuda", 0)  # asked for by name
     assert resolve_device("cuda", Ranks()) == torch.device("cuda")  # one process: as before
-    with pytest.raises(click.ClickException, match="LOCAL_RANK 2 needs a GPU of its own, but this machine has 2"):
+    with pytest.raises(SetupError, match="LOCAL_RANK 2 needs a GPU of its own, but this machine has 2"):
         resolve_device("auto", Ranks(2, 4, 2, 4))
 
 
 def test_ranks_with_different_step_counts_are_refused_before_ddp_could_hang(make_job: MakeJob) -> None:
     from prefetchd.trainer import BufferLoader
     from prefetchd.trainer.ranks import Collective
-    from prefetchd.trainer.train import _check_equal_steps
+    from prefetchd.trainer.engine import check_equal_steps
 
     class TwoRanks(Collective):
         def all_gather(self, obj: object) -> list[object]:
@@ -124,6 +124,6 @@ def test_ranks_with_different_step_counts_are_refused_before_ddp_could_hang(make
 
     job = make_job(samples=8, batch_size=4)
     with BufferLoader(job.buffer, timeout=5) as loader:
-        _check_equal_steps(Collective(Ranks()), loader, None, 2)  # one rank: nothing to compare
-        with pytest.raises(click.ClickException, match=r"rank 0: 2 train steps.*rank 1: 3 train steps.*DDP would hang"):
-            _check_equal_steps(TwoRanks(Ranks(0, 2, 0, 2)), loader, None, 2)
+        check_equal_steps(Collective(Ranks()), loader, None, 2)  # one rank: nothing to compare
+        with pytest.raises(SetupError, match=r"rank 0: 2 train steps.*rank 1: 3 train steps.*DDP would hang"):
+            check_equal_steps(TwoRanks(Ranks(0, 2, 0, 2)), loader, None, 2)

@@ -23,9 +23,10 @@ from torchvision.datasets import ImageFolder
 
 from prefetchd.buffer_protocol import Progress, ProtocolError, daemon_pid
 from prefetchd.trainer import BufferLoader
-from prefetchd.trainer.train import (
-    EXIT_BUFFER, EXIT_FAILED, SpawnedDaemon, TrainConfig, _restarter, _timed, main, spawn_daemon,
-)
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.engine import timed_batches
+from prefetchd.trainer.spawn import SpawnedDaemon, restarter, spawn_daemon
+from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, main
 
 
 def test_spawn_daemon_end_to_end(shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
@@ -83,9 +84,9 @@ def _batches(shapes_data: Path, buffer: Path, hit: Callable[[SpawnedDaemon], Non
         daemon.wait_ready(60)
         seen = []
         with BufferLoader(buffer, normalize=False, timeout=60, daemon_grace=1.0, stall_timeout=3.0) as loader:
-            recover = _restarter([daemon], config, said.append)
+            recover = restarter([daemon], config, said.append)
             for _ in range(2):
-                for batch, _waited in _timed(loader, recover):
+                for batch, _waited in timed_batches(loader, recover):
                     digest = hashlib.sha256(batch.images.numpy().tobytes()).hexdigest()
                     seen.append((batch.epoch, batch.step, batch.indices.tolist(), digest))
                     if hit is not None and (batch.epoch, batch.step) == at:

@@ -15,18 +15,11 @@ import torchvision
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import Progress
-from prefetchd.trainer.train import (
-    CHECKPOINT_FORMAT,
-    EXIT_FAILED,
-    LAST_CHECKPOINT,
-    TrainConfig,
-    build_model,
-    cached_weights,
-    load_checkpoint,
-    main,
-    train,
-    warmup_cosine,
-)
+from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.engine import build_model, cached_weights, warmup_cosine
+from prefetchd.trainer.errors import SetupError
+from prefetchd.trainer.train import EXIT_FAILED, main, train
 
 if TYPE_CHECKING:
     from conftest import FakeJob, MakeJob
@@ -196,7 +189,7 @@ def test_pretrained_only_from_the_local_cache(tmp_path: Path, monkeypatch: pytes
         raise AssertionError("must never download")
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", no_download)
-    with pytest.raises(Exception, match="not in the local torch hub cache.*never downloads") as info:
+    with pytest.raises(SetupError, match="not in the local torch hub cache.*never downloads") as info:
         build_model("resnet18", 3, pretrained=True, echo=quiet)
     assert str(path) in str(info.value)
 
@@ -213,7 +206,7 @@ def test_pretrained_only_from_the_local_cache(tmp_path: Path, monkeypatch: pytes
     assert any("fc.weight" in line for line in said)
 
     path.write_bytes(b"truncated")
-    with pytest.raises(Exception, match="cannot read"):
+    with pytest.raises(SetupError, match="cannot read"):
         build_model("resnet18", 3, pretrained=True, echo=quiet)
 
 

@@ -1,0 +1,135 @@
+"""Settings declared once: a frozen dataclass's field metadata yields its click options and its value checks.
+
+Both commands build their flags here, ``prefetchd start`` from ``DaemonConfig``
+and ``prefetchd-train`` from ``TrainConfig``, so a flag's name, type, range,
+default and help text live beside the field and nowhere else.  This module
+knows neither role: each passes its own dataclass and its own error class.
+
+A field's metadata (see :func:`setting`):
+
+- ``help``, ``kind`` (``bool``, ``int``, ``float``, ``str`` or ``Path``);
+- ``choices``; ``minimum`` / ``maximum`` (inclusive unless ``min_open`` /
+  ``max_open``);
+- ``location``: a local path or an object-storage URL;
+- ``path``: ``"dir"`` or ``"file"`` when only one of them makes sense;
+- ``metavar``; ``short``, a one-letter alias such as ``-q``.
+
+The two commands differ in one respect, kept from before they shared this
+code: the daemon layers a TOML file under its flags, so its options default
+to None (``layered``) and check ranges after merging, in ``check_value``,
+where a file's value and a flag's fail with the same message; the trainer
+has no file, so its options carry the defaults and click checks the ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import click
+
+from prefetchd.locations import is_url, normalize
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def setting(default: Any, help: str | None, kind: type, **extra: Any) -> Any:
+    """A dataclass field with its CLI metadata; ``dataclasses.MISSING`` makes it (and its flag) required."""
+    return dataclasses.field(default=default, metadata={"help": help, "kind": kind, **extra})
+
+
+def check_value(f: dataclasses.Field[Any], value: Any, error: type[Exception] = ValueError) -> None:
+    """Refuse a value of the wrong type or range for field ``f``, naming the key and what is allowed."""
+    meta, name = f.metadata, f.name
+    if value is None:
+        return
+    kind = meta["kind"]
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if meta.get("location") and isinstance(value, os.PathLike):
+        ok = True  # a local path given as a Path; the config makes it what it keeps
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise error(f"{name} = {value!r}: expected {kind.__name__}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise error(f"{name} = {value!r}: allowed values are {', '.join(meta['choices'])}")
+    if "minimum" in meta and (value <= meta["minimum"] if meta.get("min_open") else value < meta["minimum"]):
+        raise error(f"{name} = {value!r}: must be {'above' if meta.get('min_open') else 'at least'} {meta['minimum']}")
+    if "maximum" in meta and (value >= meta["maximum"] if meta.get("max_open") else value > meta["maximum"]):
+        raise error(f"{name} = {value!r}: must be {'below' if meta.get('max_open') else 'at most'} {meta['maximum']}")
+
+
+class LocationParam(click.ParamType):  # type: ignore[type-arg]
+    """A local folder (a Path) or an object-storage URL (kept as a string: Path would fold its '//')."""
+
+    name = "DIR|URL"
+    _dir = click.Path(file_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        if isinstance(value, (str, os.PathLike)) and is_url(os.fspath(value)):
+            return normalize(value)
+        path: Path = self._dir.convert(value, param, ctx)
+        return path
+
+
+def click_options(cls: type, only: Collection[str] | None = None, *, layered: bool = False) -> Decorator:
+    """Click options for the fields of dataclass ``cls`` (or the ``only`` ones), in declaration order.
+
+    ``layered``: every flag defaults to None, so the command can tell a given flag
+    from an absent one and put it over a config file; the field's default is named
+    in the help, booleans get a ``--no-`` form, and ranges are left to ``check_value``.
+    """
+    chosen = [f for f in dataclasses.fields(cls) if only is None or f.name in only]
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        for f in reversed(chosen):
+            func = _option(f, layered)(func)
+        return func
+
+    return decorate
+
+
+def _option(f: dataclasses.Field[Any], layered: bool) -> Decorator:
+    meta = f.metadata
+    flag = "--" + f.name.replace("_", "-")
+    names = [flag, meta["short"]] if "short" in meta else [flag]
+    kind = meta["kind"]
+    if kind is bool:
+        if layered:
+            return click.option(f"{flag}/--no-{flag[2:]}", default=False, help=meta["help"])
+        return click.option(*names, is_flag=True, help=meta["help"])
+    ptype = _param_type(meta, ranged=not layered)
+    required = f.default is dataclasses.MISSING
+    if layered:
+        # default=None lets the command tell a given flag from an absent one; the
+        # dataclass default is shown in the help instead.
+        shown = meta["help"] if f.default is None else f"{meta['help']} [default: {f.default}]"
+        return click.option(*names, type=ptype, default=None, help=shown, metavar=meta.get("metavar"))
+    if required:
+        return click.option(*names, type=ptype, required=True, help=meta["help"], metavar=meta.get("metavar"))
+    extra: dict[str, Any] = {"show_default": True} if f.default is not None else {}
+    return click.option(*names, type=ptype, default=f.default, help=meta["help"], metavar=meta.get("metavar"), **extra)
+
+
+def _param_type(meta: Any, ranged: bool) -> Any:
+    kind = meta["kind"]
+    if "choices" in meta:
+        return click.Choice(meta["choices"])
+    if kind is Path:
+        if meta.get("location"):
+            return LocationParam()
+        where = meta.get("path")
+        return click.Path(path_type=Path, **({"file_okay": False} if where == "dir" else
+                                             {"dir_okay": False} if where == "file" else {}))
+    if ranged and kind in (int, float) and ("minimum" in meta or "maximum" in meta):
+        bounds = {"min": meta.get("minimum"), "max": meta.get("maximum")}
+        if kind is int:
+            return click.IntRange(**bounds)
+        return click.FloatRange(**bounds, min_open=meta.get("min_open", False), max_open=meta.get("max_open", False))
+    return {int: int, float: float, str: str}[kind]
+
+
+__all__ = ["LocationParam", "check_value", "click_options", "setting"]

@@ -1,0 +1,182 @@
+"""``prefetchd-train`` checkpoints: the file format, atomic save and load (local or at a URL), RNG state.
+
+A checkpoint is one ``torch.save`` dictionary (``weights_only`` loadable)::
+
+    format, version          CHECKPOINT_FORMAT, CHECKPOINT_VERSION; anything else is refused
+    config                   the run's TrainConfig as plain values
+    epoch, global_step       where the run stands; epoch_lr, metrics (the finished epochs' rows)
+    model, optimizer, scheduler   state dicts
+    world_size               ranks of the run; a resume needs the same
+    loaders, partial, rng    rank 0's loader positions, half-finished pass sums and RNG states
+    ranks                    under torchrun: every rank's (loaders, partial, rng)
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from prefetchd.locations import LocationError, StorageDenied, StorageUnavailable, filesystem, with_retries
+from prefetchd.trainer.config import TrainConfig, plain_config
+from prefetchd.trainer.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "prefetchd.train_checkpoint"
+CHECKPOINT_VERSION = 1
+LAST_CHECKPOINT = "last.pt"
+# Settings a checkpoint cannot be resumed under when they changed (the state would not fit).
+_RESUME_FIXED = ("model", "optimizer")
+# Settings that may change between a run and its resume without a warning.
+_RESUME_FREE = ("resume", "quiet", "max_steps", "threads")
+
+
+def save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` with torch.save, atomically: a reader (or a restart after SIGKILL) sees the old file or the new.
+
+    At a URL the whole checkpoint goes up in one PUT (or one multipart upload),
+    which object stores make visible only when complete: atomic there too."""
+    if isinstance(path, str):
+        data = io.BytesIO()
+        torch.save(dict(doc), data)
+        fs, key = _checkpoint_fs(path)
+        try:
+            with_retries(f"saving {path}", lambda: fs.pipe_file(key, data.getvalue()), path)
+        except (StorageDenied, StorageUnavailable) as exc:
+            raise CheckpointError(f"cannot save the checkpoint: {exc}") from None
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(dict(doc), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+
+
+def _checkpoint_fs(url: str) -> tuple[Any, str]:
+    try:
+        return filesystem(url)
+    except LocationError as exc:
+        raise CheckpointError(f"--checkpoint-dir: {exc}") from None
+
+
+def load_checkpoint(path: Path | str) -> dict[str, Any]:
+    """A checkpoint written by ``prefetchd-train``; CheckpointError says what is wrong with anything else."""
+    source: Path | io.BytesIO = path if isinstance(path, Path) else io.BytesIO()
+    if isinstance(path, str):  # a URL; FileNotFoundError when there is none yet
+        fs, key = _checkpoint_fs(path)
+        try:
+            source = io.BytesIO(with_retries(f"loading {path}", lambda: fs.cat_file(key), path))
+        except (StorageDenied, StorageUnavailable) as exc:
+            raise CheckpointError(f"cannot load the checkpoint: {exc}") from None
+    try:
+        doc = torch.load(source, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{path}: cannot read the checkpoint ({' '.join(str(exc).split())[:300]}); delete it to train from "
+            "scratch, or point --checkpoint-dir at an intact one"
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: not a prefetchd-train checkpoint (no format {CHECKPOINT_FORMAT!r})")
+    if doc.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint version {doc.get('version')!r}; this prefetchd-train reads version "
+            f"{CHECKPOINT_VERSION}"
+        )
+    return doc
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    version, keys, gauss = random.getstate()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
+        "python": {"version": version, "keys": torch.tensor(keys, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4]),
+        },
+    }
+
+
+def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda"):
+        torch.cuda.set_rng_state_all(state["cuda"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(v) for v in py["keys"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        ("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+    )
+
+
+class Checkpointer:
+    """Saves DIR/last.pt every N steps and at every epoch's end."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        where = config.checkpoint_dir
+        self.path: Path | str | None = (None if where is None else f"{where}/{LAST_CHECKPOINT}" if isinstance(where, str)
+                                        else where / LAST_CHECKPOINT)
+        self.every = config.checkpoint_every
+
+    def due(self, global_step: int) -> bool:
+        return self.path is not None and self.every is not None and global_step % self.every == 0
+
+    def save(self, doc: Mapping[str, Any]) -> None:
+        if self.path is not None:
+            save_checkpoint(self.path, doc)
+
+
+def check_resumable(path: Path | str, doc: Mapping[str, Any], config: TrainConfig, world_size: int,
+                    warn: bool = True) -> None:
+    """Refuse a checkpoint this run cannot continue (other rank count, model or optimizer); log other changes."""
+    saved_world = int(doc.get("world_size", 1))
+    if saved_world != world_size:
+        how = f"under torchrun with {saved_world} processes in all" if saved_world > 1 else "without torchrun"
+        raise CheckpointError(
+            f"{path}: the checkpoint was taken with {saved_world} rank(s), this run has "
+            f"{world_size}; every rank continues its own stream from its saved position, so "
+            f"resume {how}, or use another --checkpoint-dir"
+        )
+    saved = doc.get("config") or {}
+    for key in _RESUME_FIXED:
+        if key in saved and saved[key] != getattr(config, key):
+            raise CheckpointError(
+                f"{path}: the checkpoint was taken with --{key} {saved[key]}, this run has --{key} "
+                f"{getattr(config, key)}; resume with the checkpoint's settings or use another --checkpoint-dir"
+            )
+    changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in plain_config(config).items()
+               if k in saved and saved[k] != v and k not in _RESUME_FREE]
+    if changed and warn:
+        logger.warning("resuming %s with changed settings: %s", path, "; ".join(changed))
+
+
+__all__ = [
+    "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "LAST_CHECKPOINT", "Checkpointer", "check_resumable", "load_checkpoint",
+    "rng_state", "save_checkpoint", "set_rng_state",
+]

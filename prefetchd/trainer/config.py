@@ -1,0 +1,77 @@
+"""The trainer's configuration: one frozen dataclass from which ``prefetchd-train``'s options are derived.
+
+Each field's metadata (see :mod:`prefetchd.options`) is its flag: type, range,
+default and help text are written here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import MISSING, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefetchd.options import setting
+from prefetchd.trainer.gpu import PIN_MODES
+
+OPTIMIZERS = ("sgd", "adamw")
+# (peak learning rate, weight decay) when not given: the usual ResNet recipes for each.
+OPTIMIZER_DEFAULTS = {"sgd": (0.05, 5e-4), "adamw": (1e-3, 0.05)}
+_SPAWN = "With --spawn-daemon: "
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on; ``prefetchd-train``'s options and their defaults come from here."""
+
+    buffer: Path = setting(MISSING, "Training buffer (the daemon's --buffer).", Path)
+    val_buffer: Path | None = setting(None, "Buffer of a --split val daemon; evaluated after every epoch.", Path)
+    epochs: int | None = setting(None, "Epochs to train  [default: the manifest's epochs]", int, minimum=1)
+    model: str = setting("resnet18", "A torchvision classification model name.", str)
+    pretrained: bool = setting(False, "Start from torchvision's default weights, if they are in the local torch hub cache (never downloads).", bool)
+    optimizer: str = setting("sgd", None, str, choices=OPTIMIZERS)
+    lr: float | None = setting(None, "Peak learning rate  [default: 0.05 for sgd, 0.001 for adamw]", float, minimum=0, min_open=True)  # None: OPTIMIZER_DEFAULTS
+    momentum: float = setting(0.9, "SGD momentum.", float)
+    weight_decay: float | None = setting(None, "[default: 5e-4 for sgd, 0.05 for adamw]", float, minimum=0)  # None: OPTIMIZER_DEFAULTS
+    warmup_epochs: float = setting(0.0, "Linear warmup to the peak lr, then cosine to 0 (per step).", float, minimum=0)
+    label_smoothing: float = setting(0.0, None, float, minimum=0, maximum=1, max_open=True)
+    amp: bool = setting(False, "bf16 autocast (meant for CUDA; allowed on the CPU).", bool)
+    seed: int = setting(0, "Model initialisation; also the --seed of spawned daemons.", int)
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N.", str)
+    pin: str = setting("auto", "How batches reach a CUDA device (auto = staging).", str, choices=PIN_MODES)
+    timeout: float = setting(120.0, "Seconds to wait for the manifest and for each batch, whatever the daemon's state.", float, minimum=0, min_open=True)
+    daemon_timeout: float = setting(60.0, "Seconds without a heartbeat from the daemon that owns a buffer before it counts as stuck (0: never); a dead daemon is noticed within 5 s.", float, minimum=0)
+    daemon_restarts: int = setting(3, "With --spawn-daemon: restart a daemon that died or got stuck up to N times within 10 minutes, then stop with an error.", int, minimum=0)
+    metrics_json: Path | None = setting(None, "Write per-epoch and final metrics here (after every epoch).", Path, path="file")
+    metrics_csv: Path | None = setting(None, "Write one CSV row per epoch here (after every epoch).", Path, path="file")
+    # A local Path, or a URL kept as a str: Path("s3://b/p") is "s3:/b/p".
+    checkpoint_dir: Path | str | None = setting(None, "Save DIR/last.pt at every epoch's end (and see --checkpoint-every); DIR may be a URL such as s3://bucket/run1 (needs prefetchd[s3]; credentials from the standard AWS environment and files).", Path, location=True)
+    checkpoint_every: int | None = setting(None, "Also save every N training steps.", int, minimum=1)
+    resume: bool = setting(False, "Continue from DIR/last.pt of --checkpoint-dir (from scratch if there is none).", bool)
+    max_steps: int | None = setting(None, "Stop after this many training steps in all (resumed runs included), saving a checkpoint.", int, minimum=1)
+    spawn_daemon: bool = setting(False, "Start `prefetchd start` for the buffers no daemon serves, and stop it at the end.", bool)
+    data: Path | str | None = setting(None, _SPAWN + "the training class folders (a folder or a URL).", Path, location=True)
+    val_data: Path | str | None = setting(None, _SPAWN + "validation class folders (buffer: --val-buffer, else BUFFER-val).", Path, location=True)
+    batch_size: int | None = setting(None, _SPAWN + "the daemons' --batch-size.", int, minimum=1)
+    image_size: int | None = setting(None, _SPAWN + "the daemons' --image-size.", int, minimum=1)
+    workers: int | None = setting(None, _SPAWN + "the daemons' --workers.", int, minimum=1)
+    high_water: int | None = setting(None, _SPAWN + "the daemons' --high-water.", int, minimum=1)
+    threads: int | None = setting(None, "torch.set_num_threads for the trainer.", int, minimum=1)
+    quiet: bool = setting(False, "No start line and no progress display (per-epoch lines stay).", bool, short="-q")
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else OPTIMIZER_DEFAULTS[self.optimizer][0]
+
+    @property
+    def decay(self) -> float:
+        return self.weight_decay if self.weight_decay is not None else OPTIMIZER_DEFAULTS[self.optimizer][1]
+
+
+def plain_config(config: TrainConfig) -> dict[str, Any]:
+    """The config as JSON-ready values (paths as strings), for metrics and checkpoints."""
+    return {f.name: (str(v) if isinstance(v := getattr(config, f.name), Path) else v)
+            for f in dataclasses.fields(config)}
+
+
+__all__ = ["OPTIMIZERS", "OPTIMIZER_DEFAULTS", "TrainConfig", "plain_config"]

@@ -1,0 +1,600 @@
+"""The training engine of ``prefetchd-train``: passes over a loader, the epoch loop, model, optimizer, schedule.
+
+A plain, complete engine (SGD or AdamW, linear warmup then cosine, label
+smoothing, bf16 autocast, channels_last, exact checkpoint/resume) whose numbers
+say whether the data path keeps up: per epoch it reports loss, top-1, top-5,
+images/s and the *data-wait share*, the fraction of the epoch spent inside the
+loaders' ``next()``.  A share near zero means the daemon keeps the model fed.
+
+Under torchrun the model is wrapped in DistributedDataParallel, the epoch's
+figures are summed over the ranks, and rank 0 alone prints, writes the metrics
+and the checkpoint, which holds every rank's loader position (see ``ranks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from prefetchd.trainer.checkpoint import (
+    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, Checkpointer, check_resumable, load_checkpoint, rng_state, set_rng_state,
+)
+from prefetchd.trainer.config import TrainConfig, plain_config
+from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, SetupError
+from prefetchd.trainer.loader import Batch, BufferLoader
+from prefetchd.trainer.ranks import Collective, Ranks
+from prefetchd.trainer.report import ProgressLine, metrics_document, write_metrics
+
+logger = logging.getLogger(__name__)
+
+TOP_K = 5
+
+
+@dataclass
+class PassState:
+    """The running sums of a pass: what a mid-epoch checkpoint saves and a resume continues from."""
+
+    loss_sum: float = 0.0
+    correct1: int = 0
+    correctk: int = 0
+    seen: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
+@dataclass
+class PassStats:
+    """One pass (train or val) over one epoch of a loader."""
+
+    loss: float
+    top1: float
+    images: int
+    seconds: float
+    wait_seconds: float
+    topk: float = math.nan
+    k: int = 1
+    stopped: bool = False  # ended early because ``after_step`` asked to
+    state: PassState = field(default_factory=PassState)  # the sums behind the figures
+
+
+Recover = Callable[[BufferLoader, LoaderError], bool]
+
+
+def timed_batches(loader: BufferLoader, recover: Recover | None = None) -> Iterator[tuple[Batch, float]]:
+    """The loader's batches, each with the seconds spent waiting inside ``next()``.
+
+    When the loader gives up on its daemon (gone or stuck) and ``recover`` brings a
+    new one up (True), the same iterator asks again for the same (epoch, step): the
+    position moves only when a batch is handed over, so none is skipped or repeated.
+    """
+    it = iter(loader)
+    while True:
+        start = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (DaemonGone, DaemonStuck) as exc:
+            if recover is None or not recover(loader, exc):
+                raise
+            continue
+        yield batch, time.perf_counter() - start
+
+
+def run_pass(
+    model: nn.Module,
+    loader: BufferLoader,
+    criterion: nn.Module,
+    progress: ProgressLine,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    *,
+    topk: int = TOP_K,
+    amp: bool = False,
+    start: PassState | None = None,
+    after_step: Callable[[Callable[[], PassState]], bool] | None = None,
+    recover: Recover | None = None,
+) -> PassStats:
+    """Train (with an optimizer) or evaluate (without) over the rest of the loader's epoch.
+
+    ``start`` continues the sums of a pass that a checkpoint interrupted.
+    ``after_step`` is called after every optimizer step with a function that
+    snapshots the sums; returning True ends the pass there.  ``recover`` is
+    asked to replace a dead or stuck daemon (see ``timed_batches``).
+    """
+    training = optimizer is not None
+    model.train(training)
+    device = loader.device
+    k = max(1, min(topk, len(loader.classes)))
+    begun = start or PassState()
+    # Sums stay on the device so no step waits for the GPU just to log.
+    loss_sum = torch.full((), begun.loss_sum, dtype=torch.float64, device=device)
+    correct1 = torch.full((), begun.correct1, dtype=torch.int64, device=device)
+    correctk = torch.full((), begun.correctk, dtype=torch.int64, device=device)
+    seen = begun.seen
+    wait = begun.wait_seconds
+    t0 = time.perf_counter()
+
+    def snapshot() -> PassState:
+        return PassState(
+            loss_sum=loss_sum.item(), correct1=int(correct1.item()), correctk=int(correctk.item()), seen=seen,
+            seconds=begun.seconds + time.perf_counter() - t0, wait_seconds=wait,
+        )
+
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else nullcontext()
+    stopped = False
+    with progress, torch.set_grad_enabled(training):
+        for done, (batch, waited) in enumerate(timed_batches(loader, recover), start=1):
+            wait += waited
+            images, labels = batch
+            with autocast:
+                logits = model(images)
+                loss = criterion(logits, labels)
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+            n = labels.shape[0]
+            loss_sum += loss.detach().double() * n
+            correct1 += (logits.argmax(dim=1) == labels).sum()
+            correctk += (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum()
+            seen += n
+            progress.update(done, lambda: loss_sum.item() / max(seen, 1))
+            if after_step is not None and after_step(snapshot):
+                stopped = True
+                break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return pass_stats(snapshot(), k, stopped)
+
+
+def pass_stats(state: PassState, k: int, stopped: bool = False) -> PassStats:
+    n = state.seen
+    return PassStats(
+        loss=state.loss_sum / n if n else math.nan,
+        top1=state.correct1 / n if n else math.nan,
+        topk=state.correctk / n if n else math.nan,
+        k=k,
+        images=n,
+        seconds=state.seconds,
+        wait_seconds=state.wait_seconds,
+        stopped=stopped,
+        state=state,
+    )
+
+
+def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
+    """The device of ``--device``; under torchrun ``cuda`` (or ``auto`` with CUDA) means cuda:LOCAL_RANK."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SetupError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
+    if device.type == "cuda" and device.index is None and ranks is not None and ranks.distributed:
+        count = torch.cuda.device_count()
+        if ranks.local_rank >= count:
+            raise SetupError(
+                f"LOCAL_RANK {ranks.local_rank} needs a GPU of its own, but this machine has {count}; run at most "
+                f"{count} processes per node (torchrun --nproc-per-node {count}), or pass --device cpu"
+            )
+        device = torch.device("cuda", ranks.local_rank)
+    return device
+
+
+def resolve_epochs(config: TrainConfig, train: BufferLoader, val: BufferLoader | None) -> int:
+    produced = train.manifest.epochs
+    if config.epochs is None:
+        if produced is None:
+            raise OptionError(f"the daemon of {train.buffer} produces epochs without end; pass --epochs N")
+        return produced
+    if produced is not None and config.epochs > produced:
+        raise SetupError(
+            f"--epochs {config.epochs}, but the daemon of {train.buffer} produces only {produced} epochs; "
+            f"restart it with --epochs {config.epochs} (or without --epochs), or train for fewer epochs"
+        )
+    if val is not None and val.manifest.epochs is not None and config.epochs > val.manifest.epochs:
+        raise SetupError(
+            f"--epochs {config.epochs}, but the daemon of {val.buffer} produces only {val.manifest.epochs} "
+            "validation epochs; restart it with a matching --epochs (or without --epochs)"
+        )
+    return config.epochs
+
+
+def cached_weights(model: str) -> tuple[str, Path]:
+    """torchvision's default weights for ``model``: their name and where the torch hub cache keeps them."""
+    try:
+        weights = torchvision.models.get_model_weights(model).DEFAULT
+    except (ValueError, KeyError, AttributeError):
+        raise SetupError(f"--pretrained: torchvision has no pretrained weights for --model {model}") from None
+    filename = os.path.basename(urllib.parse.urlparse(weights.url).path)
+    return f"{type(weights).__name__}.{weights.name}", Path(torch.hub.get_dir()) / "checkpoints" / filename
+
+
+def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[str], None] = click.echo) -> nn.Module:
+    """A torchvision model for ``num_classes``; with ``pretrained``, weights from the local hub cache only.
+
+    The classifier of the pretrained weights rarely has ``num_classes``
+    outputs: tensors whose shape differs stay freshly initialised.
+    """
+    try:
+        model: nn.Module = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    except ValueError as exc:
+        raise SetupError(f"--model {name}: {exc}") from None
+    if not pretrained:
+        return model
+    weights, path = cached_weights(name)
+    if not path.is_file():
+        raise SetupError(
+            f"--pretrained: {weights} is not in the local torch hub cache ({path}), and prefetchd-train never "
+            f"downloads. Fetch it once where there is network access, e.g. `python -c \"import torchvision; "
+            f"torchvision.models.get_model('{name}', weights='DEFAULT')\"`, and copy {path.name} to "
+            f"{path.parent} (or point TORCH_HOME at a cache that has it)"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise SetupError(f"--pretrained: cannot read {path} ({exc}); delete it and fetch it again") from None
+    own = model.state_dict()
+    if not isinstance(state, Mapping) or any(key not in state for key in own if not key.endswith("num_batches_tracked")):
+        missing = [key for key in own if not isinstance(state, Mapping) or key not in state][:5]
+        raise SetupError(
+            f"--pretrained: {path} does not hold weights for --model {name} (missing {missing}); delete it and "
+            "fetch it again"
+        )
+    fitting = {key: value for key, value in state.items() if key in own and own[key].shape == value.shape}
+    model.load_state_dict(fitting, strict=False)
+    fresh = [key for key in own if key not in fitting]
+    echo(
+        f"prefetchd-train: --pretrained: {weights} from {path}"
+        + (f"; kept freshly initialised for {num_classes} classes: {', '.join(fresh)}" if fresh else "")
+    )
+    return model
+
+
+def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.peak_lr, weight_decay=config.decay)
+    return torch.optim.SGD(model.parameters(), lr=config.peak_lr, momentum=config.momentum, weight_decay=config.decay)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Learning-rate factor of step ``s``: linear from 1/warmup to 1, then half a cosine to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup_steps) / span)))
+
+    return factor
+
+
+
+
+def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:
+    """DDP hangs unless every rank runs the same steps: the daemon pads the ranks' shares, this checks it."""
+    mine = (len(train), len(val) if val is not None else None, epochs)
+    every = coll.all_gather(mine)
+    if any(other != mine for other in every):
+        table = "; ".join(f"rank {r}: {t} train steps, {v} val steps, {e} epochs" for r, (t, v, e) in enumerate(every))
+        raise SetupError(
+            f"the ranks would run different numbers of steps ({table}), and DDP would hang at the end; all ranks "
+            "must read streams of one daemon job per buffer (the same --world-size, dataset and --batch-size)"
+        )
+
+
+class Run:
+    """One training run over its loaders: the epoch loop, checkpoints at step and epoch ends, resume."""
+
+    def __init__(self, config: TrainConfig, device: torch.device, train_loader: BufferLoader,
+                 val_loader: BufferLoader | None, epochs: int, val_buffer: Path | None,
+                 echo: Callable[[str], None], coll: Collective | None = None) -> None:
+        self.config, self.device, self.epochs, self.echo = config, device, epochs, echo
+        self.train_loader, self.val_loader, self.val_buffer = train_loader, val_loader, val_buffer
+        self.coll = coll if coll is not None else Collective(Ranks())
+        self.ranks = self.coll.ranks
+        classes = train_loader.classes
+        self.k = max(1, min(TOP_K, len(classes)))
+        model = build_model(config.model, len(classes), config.pretrained, echo)
+        # ``net`` is the model itself (saved, evaluated); ``model`` what trains: DDP's wrapper under torchrun,
+        # which averages the gradients over the ranks in the backward pass.
+        self.net = model.to(device).to(memory_format=torch.channels_last)
+        self.model: nn.Module = self.net
+        if self.ranks.distributed:
+            self.model = DistributedDataParallel(
+                self.net, device_ids=[device.index] if device.type == "cuda" else None
+            )
+            # DDP gave every rank rank 0's initial weights; from here each rank draws its own
+            # randomness (dropout), else all ranks would drop the same units on different data.
+            torch.manual_seed(config.seed + self.ranks.rank)
+        self.optimizer = build_optimizer(config, self.net)
+        steps = len(train_loader)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(round(config.warmup_epochs * steps), max(1, epochs * steps))
+        )
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+        self.checkpointer = Checkpointer(config)
+        self.per_epoch: list[dict[str, Any]] = []
+        self.epoch = 0
+        self.global_step = 0
+        self.partial: PassState | None = None  # sums of the train pass a checkpoint interrupted
+        self.epoch_lr: float | None = None
+        self.resumed_from: dict[str, Any] | None = None
+        self.should_stop: Callable[[], bool] = lambda: False
+        self.recover: Recover | None = None  # replaces a dead or stuck daemon (--spawn-daemon)
+        self.stop_reason: str | None = None
+
+    # -- checkpoint documents
+
+    def _rank_state(self, partial: PassState | None) -> dict[str, Any]:
+        """What differs between ranks: the loaders' positions, the pass's sums so far, the RNG."""
+        return {
+            "loaders": {
+                "train": self.train_loader.state_dict(),
+                "val": self.val_loader.state_dict() if self.val_loader is not None else None,
+            },
+            "partial": asdict(partial) if partial is not None else None,
+            "rng": rng_state(self.device),
+        }
+
+    def _save(self, partial: PassState | None) -> None:
+        """Write the checkpoint (rank 0) with every rank's state; collective: every rank calls it at the same step."""
+        if self.checkpointer.path is None:
+            return
+        states = self.coll.gather(self._rank_state(partial))
+        if states is not None:
+            self.checkpointer.save(self._doc(states))
+
+    def _doc(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        doc = {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "config": plain_config(self.config),
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "model": self.net.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "epoch_lr": self.epoch_lr,
+            "metrics": self.per_epoch,
+            "world_size": self.ranks.world_size,
+            **states[0],  # rank 0's at the top: a one-rank checkpoint keeps its layout
+        }
+        if self.ranks.distributed:
+            doc["ranks"] = states
+        return doc
+
+    def _restore(self) -> None:
+        assert self.checkpointer.path is not None
+        path = self.checkpointer.path
+        # Rank 0 reads the checkpoint it wrote and hands it to the others, so ranks on other
+        # boxes need no shared filesystem; a bad file stops every rank with the same message.
+        found: tuple[str, Any] | None = None
+        if self.ranks.is_main:
+            try:
+                found = ("doc", load_checkpoint(path))
+            except FileNotFoundError:
+                found = ("missing", None)
+            except CheckpointError as exc:
+                found = ("error", str(exc))
+        found = self.coll.broadcast(found)
+        assert found is not None
+        if found[0] == "missing":
+            self.echo(f"prefetchd-train: --resume: no checkpoint at {path} yet; starting from scratch")
+            return
+        if found[0] == "error":
+            raise CheckpointError(found[1])
+        doc: dict[str, Any] = found[1]
+        check_resumable(path, doc, self.config, self.ranks.world_size, warn=self.ranks.is_main)
+        mine = doc["ranks"][self.ranks.rank] if self.ranks.distributed else doc
+        try:
+            self.net.load_state_dict(doc["model"])
+            self.optimizer.load_state_dict(doc["optimizer"])
+            self.scheduler.load_state_dict(doc["scheduler"])
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: does not fit this run ({' '.join(str(exc).split())[:300]})") from None
+        loaders = mine["loaders"]
+        self.train_loader.load_state_dict(loaders["train"])
+        if self.val_loader is not None:
+            if loaders.get("val") is not None:
+                self.val_loader.load_state_dict(loaders["val"])
+            else:
+                self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": doc["epoch"], "step": 0})
+        self.epoch = int(doc["epoch"])
+        self.global_step = int(doc["global_step"])
+        self.per_epoch = list(doc["metrics"])
+        self.partial = PassState(**mine["partial"]) if mine.get("partial") else None
+        self.epoch_lr = doc.get("epoch_lr")
+        set_rng_state(mine["rng"], self.device)
+        position = self.train_loader.position
+        self.resumed_from = {"epoch": self.epoch, "global_step": self.global_step, "position": list(position)}
+        self.echo(f"prefetchd-train: resumed from {path}: epoch {self.epoch + 1}, global step {self.global_step}, "
+                  f"next batch epoch {position[0]} step {position[1]}")
+
+    # -- the loop
+
+    def run(self) -> dict[str, Any]:
+        config, echo = self.config, self.echo
+        if config.resume:
+            self._restore()
+        m = self.train_loader.manifest
+        if not config.quiet:
+            echo(
+                f"prefetchd-train: {config.model} on {self.device}, {len(self.train_loader.classes)} classes, "
+                f"{len(self.train_loader)} steps of {m.batch_size} x {m.image_size}px per epoch, {self.epochs} epochs, "
+                f"{config.optimizer} lr {config.peak_lr:g}, buffer {config.buffer} (pin {self.train_loader.pin})"
+                + (f", val buffer {self.val_buffer}" if self.val_buffer else "")
+                + (f"; {self.ranks.world_size} ranks ({self.coll.backend}), each on its own stream, figures summed "
+                   "over the ranks" if self.ranks.distributed else "")
+            )
+        run_start = time.perf_counter()
+        stopped = False
+        while self.epoch < self.epochs and not stopped:
+            stopped = self._epoch()
+        total_s = time.perf_counter() - run_start
+        metrics = self._metrics(total_s, finished=not stopped)
+        if stopped:
+            saved = f", checkpoint {self.checkpointer.path}" if self.checkpointer.path is not None else ""
+            echo(f"stopped after global step {self.global_step} ({self.stop_reason}{saved}); continue with --resume")
+        else:
+            val_top1 = metrics["final_val_top1"]
+            echo(
+                f"done: {metrics['train_images']} training images in {total_s:.1f} s, final val top-1 "
+                + (f"{val_top1:.2%}" if val_top1 is not None else "-")
+                + f", data-wait share {metrics['data_wait_share']:.1%}"
+            )
+        self._write_metrics(metrics)
+        return metrics
+
+    def _epoch(self) -> bool:
+        """One epoch (or its rest after a resume); True when --max-steps or ``should_stop`` stopped it."""
+        config, epoch, device = self.config, self.epoch, self.device
+        tag = f"epoch {epoch + 1}/{self.epochs}"
+        wall = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        if self.partial is None:
+            self.epoch_lr = self.optimizer.param_groups[0]["lr"]
+        resumed_s = self.partial.seconds if self.partial is not None else 0.0
+
+        def after_step(snapshot: Callable[[], PassState]) -> bool:
+            self.global_step += 1
+            # A signal reaches the ranks at different steps; they stop together at the first step any saw it.
+            terminated = self.coll.any(self.should_stop())
+            if config.max_steps is not None and self.global_step >= config.max_steps:
+                self.stop_reason = "--max-steps"
+            elif terminated:
+                self.stop_reason = "SIGTERM"
+            stop = self.stop_reason is not None
+            if stop or self.checkpointer.due(self.global_step):
+                self._save(snapshot())
+            return stop
+
+        if self.train_loader.position[0] == epoch:
+            tr = run_pass(
+                self.model, self.train_loader, self.criterion,
+                ProgressLine(sys.stderr, f"{tag} train", len(self.train_loader), self._progress_shown),
+                self.optimizer, self.scheduler,
+                topk=self.k, amp=config.amp, start=self.partial, after_step=after_step, recover=self.recover,
+            )
+        else:  # the checkpoint was taken after the pass's last step
+            tr = pass_stats(self.partial or PassState(), self.k)
+        self.partial = None
+        if tr.stopped:
+            return True
+        va = None
+        if self.val_loader is not None:
+            if self.val_loader.position != (epoch, 0):
+                self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": epoch, "step": 0})
+            # The bare model: evaluation needs no gradient averaging, so no collective runs in it.
+            va = run_pass(
+                self.net, self.val_loader, self.criterion,
+                ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), self._progress_shown),
+                topk=self.k, amp=config.amp, recover=self.recover,
+            )
+        epoch_s = time.perf_counter() - wall + resumed_s
+        wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)
+        tr, va, epoch_s, wait_s, wait_share_max = self._over_ranks(tr, va, epoch_s, wait_s)
+        k = self.k
+        row: dict[str, Any] = {
+            "epoch": epoch,
+            "lr": self.epoch_lr,
+            "train_loss": tr.loss,
+            "train_top1": tr.top1,
+            f"train_top{k}": tr.topk,
+            "train_images": tr.images,
+            "train_s": tr.seconds,
+            "val_loss": va.loss if va else None,
+            "val_top1": va.top1 if va else None,
+            f"val_top{k}": va.topk if va else None,
+            "val_images": va.images if va else None,
+            "val_s": va.seconds if va else None,
+            "images_per_s": tr.images / tr.seconds if tr.seconds > 0 else 0.0,
+            "data_wait_s": wait_s,
+            "epoch_s": epoch_s,
+            "data_wait_share": min(1.0, wait_s / epoch_s) if epoch_s > 0 else 0.0,
+            "cuda_max_memory_mib": (torch.cuda.max_memory_allocated(device) / 2**20
+                                    if device.type == "cuda" else None),
+            "global_step": self.global_step,
+        }
+        if self.ranks.distributed:
+            row["data_wait_share_max"] = wait_share_max
+        self.per_epoch.append(row)
+        self.epoch += 1
+        val_text = f"val loss {va.loss:.4f} top-1 {va.top1:6.2%} top-{k} {va.topk:6.2%}" if va else "val -"
+        memory = f"  cuda max {row['cuda_max_memory_mib']:.0f} MiB" if row["cuda_max_memory_mib"] is not None else ""
+        self.echo(
+            f"{tag}  train loss {tr.loss:.4f} top-1 {tr.top1:6.2%} top-{k} {tr.topk:6.2%}  {val_text}  "
+            f"{row['images_per_s']:.1f} img/s  data-wait {row['data_wait_share']:.1%}{memory}"
+        )
+        self._save(None)
+        self._write_metrics(self._metrics(None, finished=False))
+        return False
+
+    @property
+    def _progress_shown(self) -> bool:
+        return not self.config.quiet and self.ranks.is_main
+
+    def _over_ranks(
+        self, tr: PassStats, va: PassStats | None, epoch_s: float, wait_s: float
+    ) -> tuple[PassStats, PassStats | None, float, float, float]:
+        """The epoch's figures over all ranks: images, losses and hits summed, times of the slowest rank.
+
+        The data-wait seconds become the mean over the ranks (so the share stays a
+        fraction of the epoch), and the largest single rank's share is kept too:
+        under DDP the most starved rank holds every rank back.
+        """
+        share = min(1.0, wait_s / epoch_s) if epoch_s > 0 else 0.0
+        if not self.ranks.distributed:
+            return tr, va, epoch_s, wait_s, share
+        passes = [tr.state] + ([va.state] if va is not None else [])
+        sums, maxima = self.coll.reduce(
+            [x for p in passes for x in (p.loss_sum, p.correct1, p.correctk, p.seen, p.wait_seconds)],
+            [*(p.seconds for p in passes), epoch_s, share],
+        )
+        world = self.ranks.world_size
+        reduced = [
+            PassState(loss_sum=sums[5 * i], correct1=round(sums[5 * i + 1]), correctk=round(sums[5 * i + 2]),
+                      seen=round(sums[5 * i + 3]), wait_seconds=sums[5 * i + 4] / world, seconds=maxima[i])
+            for i in range(len(passes))
+        ]
+        tr = pass_stats(reduced[0], tr.k, tr.stopped)
+        va = pass_stats(reduced[1], va.k, va.stopped) if va is not None else None
+        return tr, va, maxima[-2], tr.wait_seconds + (va.wait_seconds if va else 0.0), maxima[-1]
+
+    # -- metrics
+
+    def _metrics(self, total_s: float | None, finished: bool) -> dict[str, Any]:
+        return metrics_document(
+            self.per_epoch, config=self.config, device=self.device, pin=self.train_loader.pin,
+            world_size=self.ranks.world_size, num_epochs=self.epochs, k=self.k, finished=finished,
+            resumed_from=self.resumed_from, stopped_by=self.stop_reason, global_steps=self.global_step, total_s=total_s,
+        )
+
+    def _write_metrics(self, metrics: dict[str, Any]) -> None:
+        if self.ranks.is_main:
+            write_metrics(self.config, metrics)
+
+
+__all__ = [
+    "TOP_K", "PassState", "PassStats", "Recover", "Run", "build_model", "build_optimizer", "cached_weights",
+    "check_equal_steps", "pass_stats", "resolve_device", "resolve_epochs", "run_pass", "timed_batches",
+    "warmup_cosine",
+]

@@ -1,0 +1,180 @@
+"""Daemons this trainer starts (``--spawn-daemon``): start, wait until they serve, restart, stop.
+
+The trainer never imports the daemon: it runs the ``prefetchd start`` command
+line, the same a user would type.  A spawned daemon is not tied to the
+trainer: if the trainer is killed it keeps filling the buffer, and a restarted
+trainer finds it ready.  One that dies or gets stuck during the run is
+restarted (``--daemon-restarts`` times within ``RESTART_WINDOW_SECONDS``) and
+resumes from progress.json, so the run goes on with the same batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefetchd.buffer_protocol import daemon_pid, stream_dir
+from prefetchd.buffer_protocol.layout import owning_buffer
+from prefetchd.launch import LaunchError, launch, start_argv, stop_daemon_process, wait_ready
+from prefetchd.locations import normalize
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.engine import Recover
+from prefetchd.trainer.errors import DaemonRestartsExhausted, DaemonStuck, LoaderError, OptionError, SetupError
+from prefetchd.trainer.loader import BufferLoader
+from prefetchd.trainer.ranks import Ranks
+
+logger = logging.getLogger(__name__)
+
+DAEMON_STOP_SECONDS = 30.0
+DAEMON_KILL_SECONDS = 5.0  # a dead or stuck daemon gets this long after SIGTERM before SIGKILL
+RESTART_WINDOW_SECONDS = 600.0  # --daemon-restarts counts the restarts within this window
+# The TrainConfig fields that configure the daemon --spawn-daemon starts, and nothing else.
+SPAWN_ONLY = ("data", "val_data", "batch_size", "image_size", "workers", "high_water")
+
+
+@dataclass
+class SpawnedDaemon:
+    """A `prefetchd start` process this trainer started."""
+
+    proc: subprocess.Popen[bytes]
+    buffer: Path
+    started: float  # time.time() at the start: a manifest older than this is an earlier daemon's
+    streams: tuple[Path, ...] = ()  # the stream directories it serves; () is the buffer itself
+    command: tuple[str, ...] = ()  # how it was started, to start it again
+    split: str = "train"
+    restarts: deque[float] = field(default_factory=deque)  # time.monotonic() of each restart
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the daemon owns the buffer and has written its manifests; say so if it died first."""
+        try:
+            wait_ready(self.proc, self.buffer, since=self.started, timeout=timeout, streams=self.streams,
+                       more_time="pass a larger --timeout")
+        except LaunchError as exc:
+            raise SetupError(str(exc)) from None
+
+    def restart(self, cause: LoaderError, limit: int, timeout: float, echo: Callable[[str], None]) -> None:
+        """Replace this daemon (dead, or stuck: it is killed) with a new one on the same buffer and wait
+        until it serves; the new one resumes from progress.json, so the trainer goes on where it was.
+
+        Raises DaemonRestartsExhausted when ``limit`` restarts within RESTART_WINDOW_SECONDS are spent.
+        """
+        what = "is stuck" if isinstance(cause, DaemonStuck) else "is gone"
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_SECONDS:
+            self.restarts.popleft()
+        if len(self.restarts) >= limit:
+            spent = (f"it was restarted {len(self.restarts)} times within {RESTART_WINDOW_SECONDS:.0f} s, the most "
+                     f"--daemon-restarts {limit} allows" if limit else "--daemon-restarts 0 allows no restart")
+            raise DaemonRestartsExhausted(
+                f"the {self.split} daemon this trainer started for {self.buffer} (pid {self.proc.pid}) {what} and "
+                f"{spent}; giving up rather than restarting it in a loop. Its own messages are above; the last "
+                f"failure: {' '.join(str(cause).split())}. Fix the cause, then continue with --resume (and a "
+                "--checkpoint-dir)"
+            ) from cause
+        self.stop(DAEMON_KILL_SECONDS)  # dead or stuck: not worth the graceful wait
+        self.restarts.append(now)
+        echo(f"prefetchd-train: the {self.split} daemon for {self.buffer} (pid {self.proc.pid}) {what}; restarting "
+             f"it ({len(self.restarts)} of at most {limit} restarts within {RESTART_WINDOW_SECONDS:.0f} s)")
+        logger.warning("%s", " ".join(str(cause).split()))
+        self.started = time.time()
+        self.proc = launch(self.command, stdout=subprocess.DEVNULL)
+        self.wait_ready(timeout)
+        echo(f"prefetchd-train: the {self.split} daemon for {self.buffer} runs again (pid {self.proc.pid}); "
+             "continuing from the same batch")
+
+    def stop(self, seconds: float = DAEMON_STOP_SECONDS) -> None:
+        if stop_daemon_process(self.proc, seconds):
+            logger.warning("the daemon (pid %d) did not stop within %g s of SIGTERM; killed it", self.proc.pid, seconds)
+
+
+def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig,
+                 echo: Callable[[str], None], ranks: Ranks | None = None) -> SpawnedDaemon | None:
+    """Start `prefetchd start` for ``buffer`` unless a daemon owns it already.
+
+    Under torchrun the daemon produces the streams of every rank on this box
+    (``--world-size``, ``--ranks``) with one worker pool.  Returns at once, so
+    several daemons start up side by side; then :meth:`SpawnedDaemon.wait_ready`.
+    """
+    pid = daemon_pid(buffer)
+    if pid is not None:
+        echo(f"prefetchd-train: {buffer} is served by the running daemon (pid {pid}); not starting another")
+        return None
+    options: dict[str, object] = {"data": data, "split": split, "seed": config.seed, "log_level": "warning",
+                                  "epochs": config.epochs}
+    streams: tuple[Path, ...] = ()
+    if ranks is not None and ranks.distributed:
+        options.update(world_size=ranks.world_size, ranks=ranks.ranks_flag())
+        streams = tuple(stream_dir(buffer, r, ranks.world_size) for r in ranks.local_ranks)
+    options.update(batch_size=config.batch_size, image_size=config.image_size, workers=config.workers,
+                   high_water=config.high_water)
+    cmd = start_argv(buffer, options)
+    started = time.time()
+    # The daemon's warnings and errors go to our stderr. It is not tied to us: if we are
+    # killed it keeps filling the buffer, and a restarted trainer finds it ready.
+    proc = launch(cmd, stdout=subprocess.DEVNULL)
+    if not config.quiet:
+        served = f", ranks {ranks.ranks_flag()} of {ranks.world_size}" if streams and ranks is not None else ""
+        echo(f"prefetchd-train: started the {split} daemon for {buffer} (pid {proc.pid}) on {data}{served}")
+    return SpawnedDaemon(proc, buffer, started, streams=streams, command=tuple(cmd), split=split)
+
+
+def check_spawn_options(config: TrainConfig) -> None:
+    """The daemon flags need --spawn-daemon, and --spawn-daemon needs --data and --epochs."""
+    if not config.spawn_daemon:
+        given = ["--" + key.replace("_", "-") for key in SPAWN_ONLY if getattr(config, key) is not None]
+        if given:
+            raise OptionError(f"{', '.join(given)} configure the daemon that --spawn-daemon starts; add "
+                              "--spawn-daemon, or pass them to `prefetchd start`")
+        return
+    if config.data is None:
+        raise OptionError("--spawn-daemon needs --data ROOT (the class-folder dataset to serve)")
+    if config.epochs is None:
+        raise OptionError("--spawn-daemon needs --epochs N (the daemon produces that many epochs)")
+
+
+def check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str | None) -> None:
+    """With --spawn-daemon a daemon that was already running must serve what the flags ask for."""
+    m = loader.manifest
+    wrong = []
+    if data is not None and normalize(m.dataset_root) != normalize(data) and (
+            isinstance(data, str) or Path(m.dataset_root).resolve() != data.resolve()):
+        wrong.append(f"dataset {m.dataset_root}, not {data}")
+    if config.batch_size is not None and m.batch_size != config.batch_size:
+        wrong.append(f"batch size {m.batch_size}, not {config.batch_size}")
+    if config.image_size is not None and m.image_size != config.image_size:
+        wrong.append(f"image size {m.image_size}, not {config.image_size}")
+    if wrong:
+        raise SetupError(
+            f"the daemon serving {loader.buffer} produces {'; '.join(wrong)}. Stop it (`prefetchd stop --buffer "
+            f"{owning_buffer(loader.buffer)}`) to let --spawn-daemon start the job asked for, or drop the differing "
+            "flags"
+        )
+
+
+def restarter(spawned: list[SpawnedDaemon], config: TrainConfig, echo: Callable[[str], None]) -> Recover:
+    """``recover`` for the run: restart the daemon this trainer started for the loader's buffer."""
+    ours = {d.buffer.resolve(): d for d in spawned}
+
+    def recover(loader: BufferLoader, exc: LoaderError) -> bool:
+        buffer = owning_buffer(loader.buffer).resolve()
+        daemon = ours.get(buffer)
+        if daemon is None:
+            return False  # served by a daemon someone else runs: theirs to restart
+        owner = daemon_pid(buffer)
+        if owner is not None and owner != daemon.proc.pid:
+            return False  # another daemon took the buffer over; never kill what is not ours
+        daemon.restart(exc, config.daemon_restarts, config.timeout, echo)
+        return True
+
+    return recover
+
+
+__all__ = [
+    "DAEMON_STOP_SECONDS", "SPAWN_ONLY", "SpawnedDaemon", "check_served_job", "check_spawn_options", "restarter",
+    "spawn_daemon",
+]

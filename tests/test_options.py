@@ -1,0 +1,89 @@
+"""prefetchd.options: a dataclass's field metadata yields click options and value checks, for both roles."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from dataclasses import MISSING, dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from prefetchd.options import check_value, click_options, setting
+
+
+@dataclass(frozen=True)
+class Example:
+    out: Path = setting(MISSING, "Where to write.", Path, path="dir")
+    size: int = setting(8, "Items per group.", int, minimum=1, maximum=64)
+    mode: str = setting("fast", "How.", str, choices=("fast", "slow"))
+    rate: float | None = setting(None, "Per second.", float, minimum=0, min_open=True)
+    source: Path | str | None = setting(None, "A folder or a URL.", Path, location=True)
+    dry_run: bool = setting(False, "Only say what would happen.", bool, short="-n")
+
+
+def _command(layered: bool) -> tuple[click.Command, list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+
+    @click.command()
+    @click_options(Example, layered=layered)
+    def cmd(**values: Any) -> None:
+        seen.append(values)
+
+    return cmd, seen
+
+
+def test_plain_options_carry_the_defaults_and_check_ranges_at_parse_time() -> None:
+    cmd, seen = _command(layered=False)
+    result = CliRunner().invoke(cmd, ["--out", "o", "-n", "--source", "s3://bucket//p"])
+    assert result.exit_code == 0, result.output
+    assert Example(**seen[0]) == Example(out=Path("o"), dry_run=True, source="s3://bucket//p")
+    assert seen[0]["source"] == "s3://bucket//p"  # a URL stays a string: Path would fold its '//'
+    for args, complaint in ((["--out", "o", "--size", "0"], "0 is not in the range 1<=x<=64"),
+                            (["--out", "o", "--rate", "0"], "0.0 is not in the range x>0"),
+                            (["--out", "o", "--mode", "medium"], "'medium' is not one of 'fast', 'slow'"),
+                            ([], "Missing option '--out'")):
+        result = CliRunner().invoke(cmd, args)
+        assert result.exit_code == 2 and complaint in result.output, result.output
+    shown = CliRunner().invoke(cmd, ["--help"], terminal_width=200).output
+    assert "Items per group.  [default: 8; 1<=x<=64]" in shown
+    assert "--dry-run / --no-dry-run" not in shown and "-n, --dry-run" in shown
+
+
+def test_layered_options_pass_only_what_was_given_and_leave_ranges_to_check_value() -> None:
+    cmd, seen = _command(layered=True)
+    result = CliRunner().invoke(cmd, ["--out", "o", "--size", "0"])
+    assert result.exit_code == 0, result.output
+    assert seen[0]["size"] == 0 and seen[0]["mode"] is None  # absent: the caller layers a file under it
+    fields = {f.name: f for f in dataclasses.fields(Example)}
+    with pytest.raises(KeyError, match=r"size = 0: must be at least 1"):
+        check_value(fields["size"], 0, KeyError)
+    with pytest.raises(ValueError, match=r"rate = 0.0: must be above 0"):
+        check_value(fields["rate"], 0.0)
+    check_value(fields["source"], Path("local"))  # a location may be given as a Path
+    shown = CliRunner().invoke(cmd, ["--help"], terminal_width=200).output
+    assert "Items per group. [default: 8]" in shown and "--dry-run / --no-dry-run" in shown
+
+
+def test_prefetchd_train_without_flags_gets_trainconfigs_defaults() -> None:
+    from prefetchd.trainer.config import TrainConfig
+    from prefetchd.trainer.train import main
+
+    ctx = main.make_context("prefetchd-train", ["--buffer", "bf"])
+    given = dict(ctx.params)
+    assert given.pop("verbose") is False
+    assert TrainConfig(**given) == TrainConfig(buffer=Path("bf"))
+    assert set(given) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_the_trainer_never_imports_the_daemon_and_options_imports_neither() -> None:
+    code = ("import sys, {mod}; print(sorted({{m.split('.')[1] for m in sys.modules "
+            "if m.startswith(('prefetchd.daemon', 'prefetchd.trainer'))}}))")
+    loaded = {mod: subprocess.run([sys.executable, "-c", code.format(mod=mod)], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+              for mod in ("prefetchd.options", "prefetchd.trainer.train")}
+    assert loaded == {"prefetchd.options": "[]", "prefetchd.trainer.train": "['trainer']"}
