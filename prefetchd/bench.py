@@ -377,14 +377,14 @@ class _Run:
         return scenario
 
     def warm_start(self, k: int, cores: list[int]) -> dict[str, Any]:
-        from prefetchd.buffer_protocol import read_status
+        from prefetchd.buffer_protocol import State, read_status
         from prefetchd.trainer import BufferLoader
 
         os.sched_setaffinity(0, cores)
         with _Daemon(self, k, "warm") as daemon:
             daemon.wait_for_manifest()
             fill_started = time.perf_counter()
-            daemon.wait_for(lambda: (read_status(daemon.buffer) or {}).get("state") == "full",
+            daemon.wait_for(lambda: (st := read_status(daemon.buffer)) is not None and st.state == State.FULL,
                             f"the daemon to fill {daemon.buffer} to {self.high_water} batches (status state 'full')")
             filled_s = time.perf_counter() - fill_started
             times_ms = []
@@ -717,17 +717,15 @@ class _BufferMonitor:
 
         while not self._stop.wait(MONITOR_SECONDS):
             try:
-                status = read_status(self.buffer) or {}
+                status = read_status(self.buffer)
             except (OSError, ProtocolError, ValueError):
-                status = {}
-            if isinstance(status.get("buffer_bytes"), int):
-                self.peak_status_bytes = max(self.peak_status_bytes, status["buffer_bytes"])
-            if isinstance(status.get("waiting"), int):
-                self.peak_waiting = max(self.peak_waiting, status["waiting"])
-            if isinstance(status.get("high_water"), int):
-                self.high_water = status["high_water"]
-            if isinstance(status.get("batch_bytes"), int):
-                self.batch_bytes = status["batch_bytes"]
+                status = None
+            production = status.production if status is not None else None
+            if production is not None:
+                self.peak_status_bytes = max(self.peak_status_bytes, production.buffer_bytes)
+                self.peak_waiting = max(self.peak_waiting, production.waiting)
+                self.high_water = production.high_water
+                self.batch_bytes = production.batch_bytes
             self.peak_disk_bytes = max(self.peak_disk_bytes, _disk_bytes(self.buffer))
             if self._measuring:
                 rss = _tree_memory(self.pid, "rss")

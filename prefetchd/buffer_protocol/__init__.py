@@ -30,9 +30,23 @@ from prefetchd.buffer_protocol.layout import (
     list_batches,
     list_temp_files,
     parse_batch_name,
-    read_status,
     stop_daemon_process,
     stream_dir,
+)
+from prefetchd.buffer_protocol.status import (
+    BadFile,
+    Errors,
+    JobResult,
+    Position,
+    Production,
+    Quantiles,
+    Rates,
+    State,
+    Status,
+    StreamStatus,
+    Totals,
+    TrainerStatus,
+    read_status,
     write_status,
 )
 
@@ -42,4 +56,6 @@ __all__ = [
     "Progress", "ProtocolError", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stop_daemon_process", "stream_dir", "write_batch", "write_status",
+    "BadFile", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "State", "Status",
+    "StreamStatus", "Totals", "TrainerStatus",
 ]
