@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from prefetchd.buffer_protocol import (
@@ -18,6 +19,7 @@ from prefetchd.buffer_protocol import (
     StreamStatus,
     Totals,
     TrainerStatus,
+    read_status,
 )
 
 TRAINER = TrainerStatus(pid=777, alive=True, progress_age_s=0.4)
@@ -54,3 +56,21 @@ def status(state: State = State.FILLING, **changes: Any) -> Status:
 
 def bad_files(n: int) -> tuple[BadFile, ...]:
     return tuple(BadFile(path=f"/d/c/{i}.jpg", reason="empty") for i in range(n))
+
+
+def state_of(buffer: Path) -> State | None:
+    """The daemon's state in ``buffer``'s status.json; None before it wrote one."""
+    status = read_status(buffer)
+    return status.state if status is not None else None
+
+
+def production_of(buffer: Path) -> Production | None:
+    """The running job's part of ``buffer``'s status.json; None before there is one."""
+    status = read_status(buffer)
+    return status.production if status is not None else None
+
+
+def job_result_of(buffer: Path) -> JobResult | None:
+    """The daemon's answer to the last job.json; None before it wrote one."""
+    status = read_status(buffer)
+    return status.job_result if status is not None else None
