@@ -28,6 +28,10 @@ while the consumer works on this one.  There a batch counts as consumed only
 once the consumer has come back for the next one *and* its copy has completed,
 so progress.json may trail the position by a batch the copy engine still reads.
 
+Waiting for the manifest and for each batch, and telling a slow daemon from a
+stuck or a gone one, is ``prefetchd.trainer.liveness``; the checkpoint state is
+``prefetchd.trainer.resume``.
+
 The loader is not thread-safe; use one per consumer thread and buffer.
 """
 
@@ -42,7 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 
@@ -54,9 +58,10 @@ from prefetchd.buffer_protocol import (
     batch_name,
     map_batch,
 )
-from prefetchd.trainer.errors import LoaderError, StateMismatch
+from prefetchd.trainer.errors import LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 from prefetchd.trainer.liveness import BatchWaiter, wait_for_manifest
+from prefetchd.trainer.resume import loader_state, resume_position
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +71,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # grayscale recipes use.
 GRAY_MEAN = (0.449,)
 GRAY_STD = (0.226,)
-
-STATE_FORMAT = "prefetchd.loader_state"
-STATE_VERSION = 1
 
 # progress.json may fail to be written for a while (a full tmpfs): the loader keeps delivering
 # the batches that are there and retries; only a failure that lasts this long is an error.
@@ -161,9 +163,14 @@ class BufferLoader:
         pin: how batches reach a CUDA device (see ``prefetchd.trainer.gpu``):
             "staging" copies each mapped batch into a ring of pinned buffers and
             from there to the device on a side stream; "register" page-locks the
-            mapped file itself (no host copy, a driver call per batch); "none" is
-            a plain synchronous copy from the mapping.  "auto" (the default) is
-            "staging" on CUDA and "none" on the CPU, where it is the only choice.
+            mapped file itself (no host copy, a driver call per batch); "none"
+            copies straight from the mapping on the consumer's stream
+            (``non_blocking=True``, which from pageable memory means: the driver
+            stages the bytes through its own pinned buffer and the call returns
+            once the mapping has been read, while the transfer and the conversion
+            finish in stream order), one batch at a time with nothing copied ahead.
+            "auto" (the default) is "staging" on CUDA and "none" on the CPU, where
+            it is the only choice.
         prefetch: with "staging" or "register", how many batches after the one
             handed out are already being copied (those whose files exist).
     """
@@ -430,16 +437,7 @@ class BufferLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the (epoch, step) of the next batch, and the job it belongs to."""
-        m = self._manifest
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "epoch": self._epoch,
-            "step": self._step,
-            "fingerprint": m.fingerprint,
-            "producer": m.producer,
-            "identity": {key: getattr(m, key) for key in Manifest.IDENTITY},
-        }
+        return loader_state(self._manifest, self._epoch, self._step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (a :meth:`state_dict`) and tell the daemon to produce from there.
@@ -449,41 +447,7 @@ class BufferLoader:
         points past the job's end.
         """
         self._check_open()
-        m = self._manifest
-        epoch, step = state.get("epoch"), state.get("step")
-        if not (_is_count(epoch) and _is_count(step)):
-            raise StateMismatch(
-                f"loader state has epoch={epoch!r}, step={step!r}; expected non-negative integers from "
-                "BufferLoader.state_dict()"
-            )
-        fingerprint = state.get("fingerprint")
-        if fingerprint != m.fingerprint:
-            raise StateMismatch(
-                f"loader state is for dataset fingerprint {fingerprint!r}, but the daemon of {self._buffer} "
-                f"serves {m.dataset_root!r} (fingerprint {m.fingerprint!r}): the checkpoint was taken on "
-                "another dataset. Start the daemon on the checkpoint's dataset, or train from scratch "
-                "without load_state_dict"
-            )
-        identity = state.get("identity")
-        if isinstance(identity, Mapping):
-            diffs = [
-                f"{key}: checkpoint {identity[key]!r}, buffer {getattr(m, key)!r}"
-                for key in Manifest.IDENTITY
-                if key in identity and identity[key] != getattr(m, key)
-            ]
-            if diffs:
-                raise StateMismatch(
-                    f"loader state does not fit the job in {self._buffer} ({'; '.join(diffs)}), so resuming "
-                    "would not see the same batches; restart the daemon with the checkpoint's settings"
-                )
-        spe = m.steps_per_epoch
-        if step >= max(spe, 1):
-            raise StateMismatch(f"loader state has step {step}, but an epoch of {self._buffer} has {spe} steps")
-        if m.epochs is not None and (epoch, step) > (m.epochs, 0):
-            raise StateMismatch(
-                f"loader state is at epoch {epoch} step {step}, past the end of the job in {self._buffer} "
-                f"({m.epochs} epochs); restart the daemon with a larger --epochs"
-            )
+        epoch, step = resume_position(state, self._manifest, self._buffer)
         self._drain(self._ahead)
         self._drain(self._handed)
         self._epoch, self._step = epoch, step
@@ -608,10 +572,6 @@ class WaitMeter:
         lo = max(self._spans[0][0], now - self.window)
         waited = sum(max(0.0, end - max(start, lo)) for start, end in self._spans)
         return min(1.0, waited / max(now - lo, 1e-9))
-
-
-def _is_count(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 __all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]
