@@ -49,6 +49,8 @@ from prefetchd.buffer_protocol import (
     list_temp_files,
     write_status,
 )
+from prefetchd.buffer_protocol.batch import temp_name
+from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.buffer_protocol.status import (
     BadFile,
     Errors,
@@ -63,8 +65,6 @@ from prefetchd.buffer_protocol.status import (
     Totals,
     TrainerStatus,
 )
-from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, DaemonError
