@@ -292,7 +292,7 @@ def test_the_runtime_whose_last_error_is_cleared_is_torchs_own() -> None:
 
     before = mapped_runtimes()
     lib = gpu._libcudart()
-    assert lib is not None and lib._name == f"libcudart.so.{torch.version.cuda.split('.')[0]}"
+    assert lib is not None and lib._name == f"libcudart.so.{str(torch.version.cuda).split('.')[0]}"
     assert mapped_runtimes() == before  # nothing new loaded
     info = _DlInfo()
     assert ctypes.CDLL(None).dladdr(ctypes.cast(lib.cudaGetLastError, ctypes.c_void_p), ctypes.byref(info))
