@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
@@ -161,7 +161,7 @@ class Status:
     heartbeat: float  # time.time() when written
     message: str = ""
     job_result: JobResult | None = None
-    production: Production | None = field(default=None)
+    production: Production | None = None
 
     def to_doc(self) -> dict[str, Any]:
         """The document as written: flat, the production's fields beside the common ones."""
