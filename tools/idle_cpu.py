@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 import psutil
 
-from prefetchd.buffer_protocol import read_status
+from prefetchd.buffer_protocol import State, read_status
 from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.synthetic import make_shapes_dataset
 
@@ -90,7 +90,7 @@ def main(seconds: float, workers: int, high_water: int, data: Path | None, settl
         deadline = time.monotonic() + 300
         while True:
             status = read_status(buffer) if buffer.is_dir() else None
-            if status is not None and status.get("state") == "full" and status.get("pid") == daemon.pid:
+            if status is not None and status.state == State.FULL and status.pid == daemon.pid:
                 break
             if daemon.poll() is not None:
                 raise click.ClickException(f"the daemon exited with code {daemon.returncode} before its buffer was full")
@@ -105,15 +105,17 @@ def main(seconds: float, workers: int, high_water: int, data: Path | None, settl
         time.sleep(seconds)
         elapsed = time.monotonic() - t0
         after = {p.pid: sample(p) for p in procs}
-        status = read_status(buffer) or {}
+        final = read_status(buffer)
+        production = final.production if final is not None else None
         rows = []
         for p in procs:
             a, b = before.get(p.pid), after.get(p.pid)
             if a is None or b is None:
                 continue
             rows.append((role(p, daemon.pid), p.pid, (b.cpu - a.cpu) / elapsed * 100, (b.switches - a.switches) / elapsed))
-        click.echo(f"idle daemon, buffer full ({status.get('waiting')}/{status.get('high_water')} batches, state "
-                   f"{status.get('state')}), no trainer, {workers} workers, over {elapsed:.1f} s:")
+        fill = f"{production.waiting}/{production.high_water}" if production is not None else "?/?"
+        click.echo(f"idle daemon, buffer full ({fill} batches, state "
+                   f"{final.state if final is not None else None}), no trainer, {workers} workers, over {elapsed:.1f} s:")
         click.echo(f"{'process':<18}{'pid':>8}{'CPU % of a core':>17}{'wake-ups/s':>12}")
         for name, pid, cpu, wakeups in rows:
             click.echo(f"{name:<18}{pid:>8}{cpu:>17.2f}{wakeups:>12.1f}")

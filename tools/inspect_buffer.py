@@ -101,8 +101,9 @@ def describe_buffer(buffer: str | os.PathLike[str]) -> str:
         lines.append("status: none")
     else:
         lines.append("status:")
-        for field in sorted(k for k in status if k not in _HIDDEN_DOC_KEYS):
-            lines.append(f"  {field}: {json.dumps(status[field], sort_keys=True)}")
+        doc = status.to_doc()
+        for field in sorted(k for k in doc if k not in _HIDDEN_DOC_KEYS):
+            lines.append(f"  {field}: {json.dumps(doc[field], sort_keys=True)}")
 
     batches = sorted(list_batches(buffer).items())
     sizes = {key: _size(path) for key, path in batches}

@@ -89,14 +89,14 @@ class Run:
         return scenario
 
     def warm_start(self, k: int, cores: list[int]) -> dict[str, Any]:
-        from prefetchd.buffer_protocol import read_status
+        from prefetchd.buffer_protocol import State, read_status
         from prefetchd.trainer import BufferLoader
 
         os.sched_setaffinity(0, cores)
         with BenchDaemon(self, k, "warm") as daemon:
             daemon.wait_for_manifest()
             fill_started = time.perf_counter()
-            daemon.wait_for(lambda: (read_status(daemon.buffer) or {}).get("state") == "full",
+            daemon.wait_for(lambda: (st := read_status(daemon.buffer)) is not None and st.state == State.FULL,
                             f"the daemon to fill {daemon.buffer} to {self.high_water} batches (status state 'full')")
             filled_s = time.perf_counter() - fill_started
             times_ms = []

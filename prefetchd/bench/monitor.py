@@ -175,17 +175,15 @@ class BufferMonitor:
 
         while not self._stop.wait(MONITOR_SECONDS):
             try:
-                status = read_status(self.buffer) or {}
+                status = read_status(self.buffer)
             except (OSError, ProtocolError, ValueError):
-                status = {}
-            if isinstance(status.get("buffer_bytes"), int):
-                self.peak_status_bytes = max(self.peak_status_bytes, status["buffer_bytes"])
-            if isinstance(status.get("waiting"), int):
-                self.peak_waiting = max(self.peak_waiting, status["waiting"])
-            if isinstance(status.get("high_water"), int):
-                self.high_water = status["high_water"]
-            if isinstance(status.get("batch_bytes"), int):
-                self.batch_bytes = status["batch_bytes"]
+                status = None
+            production = status.production if status is not None else None
+            if production is not None:
+                self.peak_status_bytes = max(self.peak_status_bytes, production.buffer_bytes)
+                self.peak_waiting = max(self.peak_waiting, production.waiting)
+                self.high_water = production.high_water
+                self.batch_bytes = production.batch_bytes
             self.peak_disk_bytes = max(self.peak_disk_bytes, _disk_bytes(self.buffer))
             if self._measuring:
                 rss = _tree_memory(self.pid, "rss")

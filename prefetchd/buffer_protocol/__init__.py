@@ -29,8 +29,22 @@ from prefetchd.buffer_protocol.layout import (
     list_batches,
     list_temp_files,
     parse_batch_name,
-    read_status,
     stream_dir,
+)
+from prefetchd.buffer_protocol.status import (
+    BadFile,
+    Errors,
+    JobResult,
+    Position,
+    Production,
+    Quantiles,
+    Rates,
+    State,
+    Status,
+    StreamStatus,
+    Totals,
+    TrainerStatus,
+    read_status,
     write_status,
 )
 from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, write_batch
@@ -41,4 +55,6 @@ __all__ = [
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",
+    "BadFile", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "State", "Status",
+    "StreamStatus", "Totals", "TrainerStatus",
 ]

@@ -340,14 +340,6 @@ class JobRequest:
         return cls(settings, bool(doc.get("replace")), _field(doc, "job_id", str, path), _field(doc, "submitted", float, path))
 
 
-def write_status(buffer: Path, status: dict[str, Any]) -> None:
-    write_json(buffer / STATUS_NAME, {"format": "prefetchd.status", "version": VERSION, **status})
-
-
-def read_status(buffer: Path) -> dict[str, Any] | None:
-    return read_optional(owning_buffer(buffer) / STATUS_NAME, "status")
-
-
 # -- ownership ----------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, daemon_pid, read_status
+from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, Status, TrainerStatus, daemon_pid, read_status
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS
@@ -152,11 +152,15 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        result = (read_status(buffer) or {}).get("job_result") or {}
-        if result.get("job_id") == request.job_id:
-            verdict = "accepted" if result["accepted"] else "refused"
-            click.echo(f"job {request.job_id} {verdict}: {result['reason']}")
-            sys.exit(0 if result["accepted"] else EXIT_FAILURE)
+        try:
+            answer = read_status(buffer)
+        except ProtocolError:  # a damaged status: the daemon rewrites it within a second
+            answer = None
+        result = answer.job_result if answer is not None else None
+        if result is not None and result.job_id == request.job_id:
+            verdict = "accepted" if result.accepted else "refused"
+            click.echo(f"job {request.job_id} {verdict}: {result.reason}")
+            sys.exit(0 if result.accepted else EXIT_FAILURE)
         time.sleep(0.1)
     click.echo(f"the daemon on {buffer} did not answer job {request.job_id} within {timeout:.0f} s; "
                f"see `prefetchd status --buffer {buffer}`", err=True)
@@ -197,6 +201,7 @@ def _mib(n: float) -> str:
 
 
 def describe_status(buffer: Path) -> dict[str, Any]:
+    """What `prefetchd status` shows; ``status`` is the typed document (``status_json`` makes it JSON)."""
     pid = daemon_pid(buffer)
     status = manifest = None
     problems = []
@@ -214,7 +219,7 @@ def describe_status(buffer: Path) -> dict[str, Any]:
         except ProtocolError as exc:
             problems.append(str(exc))
             break
-    age = time.time() - status["heartbeat"] if status and isinstance(status.get("heartbeat"), (int, float)) else None
+    age = time.time() - status.heartbeat if status is not None else None
     return {
         "buffer": str(buffer),
         "running": pid is not None,
@@ -227,86 +232,84 @@ def describe_status(buffer: Path) -> dict[str, Any]:
     }
 
 
+def status_json(info: dict[str, Any]) -> str:
+    """``describe_status`` as `prefetchd status --json` prints it: the status as status.json holds it."""
+    status: Status | None = info["status"]
+    return json.dumps({**info, "status": status.to_doc() if status is not None else None}, indent=1, sort_keys=True)
+
+
 def format_status(info: dict[str, Any]) -> str:
-    """The text of `prefetchd status`; a status.json of the right format but the wrong shape
-    (another writer's, or a future version's) is reported, not a traceback."""
-    try:
-        return _format_status(info)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        state = "running" if info["running"] else "not running"
-        return (f"prefetchd on {info['buffer']}: {state}; its status.json does not have the expected fields "
-                f"({type(exc).__name__}: {exc}); `prefetchd status --json` shows it as it is")
-
-
-def _format_status(info: dict[str, Any]) -> str:
-    buffer, st, mf = info["buffer"], info["status"], info["manifest"]
+    """The text of `prefetchd status`; read_status has checked every field it shows."""
+    buffer, mf = info["buffer"], info["manifest"]
+    st: Status | None = info["status"]
     if not info["running"]:
         line = f"prefetchd on {buffer}: not running"
         if st:
-            line += f" (last state: {st.get('state')}{': ' + st['message'] if st.get('message') else ''})"
+            line += f" (last state: {st.state}{': ' + st.message if st.message else ''})"
         return "\n".join([line, *info["problems"]])
-    lines = [f"prefetchd on {buffer}: running (pid {info['pid']}), state {st['state'] if st else 'starting'}"]
+    lines = [f"prefetchd on {buffer}: running (pid {info['pid']}), state {st.state if st else 'starting'}"]
     if info["stale"]:
         lines.append(f"  WARNING  no heartbeat for {info['heartbeat_age_s']:.0f} s: the daemon may be stuck")
-    if st and st.get("message"):
-        lines.append(f"  note      {st['message']}")
+    if st and st.message:
+        lines.append(f"  note      {st.message}")
     if mf:
         lines.append(
             f"  dataset   {mf['dataset_root']} ({mf['num_samples']} samples, {len(mf['classes'])} classes), "
             f"split {mf['split']}, batch {mf['batch_size']} x {mf['image_size']}px, {mf['steps_per_epoch']} steps/epoch"
         )
-    if st and "progress" in st:  # absent while the daemon waits for a job
-        p, r, e = st["progress"], st["rates"], st["errors"]
-        share = p.get("trainer_wait_share")
+    pr = st.production if st else None
+    if pr is not None:  # None while the daemon waits for a job or starts one
+        p, r, e = pr.progress, pr.rates, pr.errors
+        share = p.trainer_wait_share
         fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
         lines += [
-            f"  progress  trainer at epoch {p['epoch']} step {p['step']}{fed}{_trainer_note(st.get('trainer'))}",
-            f"  fill      {fill_bar(st['waiting'], st['high_water'])} {st['waiting']}/{st['high_water']} batches waiting "
-            f"(resume at {st['low_water']}), {st['building']} building",
-            f"  memory    {_mib(st['buffer_bytes'])} in the buffer, {_mib(st['free_bytes'])} free on its filesystem",
-            f"  rates     produce {r['samples_per_s']:.0f} img/s with {st['workers']} workers "
-            f"({st['workers_cpu_percent']:.0f}% CPU), consume {r['consumed_batches_per_s']:.2f} batches/s",
-            f"  errors    {e['replaced_samples']} replaced samples, {e['undecodable_files']} undecodable files, "
-            f"{e['worker_restarts']} worker restarts, {e['write_failures']} write failures",
+            f"  progress  trainer at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer)}",
+            f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting "
+            f"(resume at {pr.low_water}), {pr.building} building",
+            f"  memory    {_mib(pr.buffer_bytes)} in the buffer, {_mib(pr.free_bytes)} free on its filesystem",
+            f"  rates     produce {r.samples_per_s:.0f} img/s with {pr.workers} workers "
+            f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",
+            f"  errors    {e.replaced_samples} replaced samples, {e.undecodable_files} undecodable files, "
+            f"{e.worker_restarts} worker restarts, {e.write_failures} write failures",
         ]
-        bad = e.get("undecodable") or []
-        lines += [f"  bad file  {b['path']}: {b['reason']}" for b in bad[:SHOWN_BAD_FILES]]
-        if e["undecodable_files"] > SHOWN_BAD_FILES:
-            lines.append(f"            and {e['undecodable_files'] - SHOWN_BAD_FILES} more: `--json` lists {len(bad)}, "
+        bad = e.undecodable
+        lines += [f"  bad file  {b.path}: {b.reason}" for b in bad[:SHOWN_BAD_FILES]]
+        if e.undecodable_files > SHOWN_BAD_FILES:
+            lines.append(f"            and {e.undecodable_files - SHOWN_BAD_FILES} more: `--json` lists {len(bad)}, "
                          "the daemon's log names every one")
-        stages = st.get("stages") or {}
+        stages = pr.stages
         if stages:
             lines.append("  per image " + ", ".join(
-                f"{name} {stages[name]['p50'] * 1e3:.2f}/{stages[name]['p90'] * 1e3:.2f}/{stages[name]['p99'] * 1e3:.2f}"
+                f"{name} {stages[name].p50 * 1e3:.2f}/{stages[name].p90 * 1e3:.2f}/{stages[name].p99 * 1e3:.2f}"
                 for name in STAGES if name in stages
             ) + " ms (p50/p90/p99)")
-        if e.get("progress_file"):
-            lines.append(f"  progress file problem: {e['progress_file']}")
-        streams = st.get("streams") or []
+        if e.progress_file:
+            lines.append(f"  progress file problem: {e.progress_file}")
+        streams = pr.streams
         if len(streams) > 1:
-            per_rank = st["high_water"] // len(streams)
+            per_rank = pr.high_water // len(streams)
             for s in streams:
-                sp = s["progress"]
-                share = sp.get("trainer_wait_share")
+                sp = s.progress
+                share = sp.trainer_wait_share
                 waits = f", waiting for data {share:.1%}" if share is not None else ""
-                lines.append(f"  rank {s['rank']:<5} {fill_bar(s['waiting'], per_rank, 12)} {s['waiting']}/{per_rank} "
-                             f"waiting, trainer at epoch {sp['epoch']} step {sp['step']}{waits}")
-    job = st.get("job_result") if st else None
+                lines.append(f"  rank {s.rank:<5} {fill_bar(s.waiting, per_rank, 12)} {s.waiting}/{per_rank} "
+                             f"waiting, trainer at epoch {sp.epoch} step {sp.step}{waits}")
+    job = st.job_result if st else None
     if job:
-        lines.append(f"  last job  {job['job_id']} {'accepted' if job['accepted'] else 'refused'}: {job['reason']}")
+        lines.append(f"  last job  {job.job_id} {'accepted' if job.accepted else 'refused'}: {job.reason}")
     lines += info["problems"]
     return "\n".join(lines)
 
 
-def _trainer_note(trainer: object) -> str:
+def _trainer_note(trainer: TrainerStatus) -> str:
     """", trainer pid 123 alive, progress moved 4 s ago" from status.json's ``trainer``; "" when unknown."""
-    if not isinstance(trainer, dict) or trainer.get("pid") is None:
+    if trainer.pid is None:
         return ""
-    state = trainer.get("alive")
+    state = trainer.alive
     alive = "alive" if state is True else "GONE (the buffer stays full until one comes back)" if state is False else "?"
-    age = trainer.get("progress_age_s")
-    moved = f", progress moved {age:.0f} s ago" if isinstance(age, (int, float)) else ""
-    return f"; trainer pid {trainer['pid']} {alive}{moved}"
+    age = trainer.progress_age_s
+    moved = f", progress moved {age:.0f} s ago" if age is not None else ""
+    return f"; trainer pid {trainer.pid} {alive}{moved}"
 
 
 def fill_bar(waiting: int, high: int, width: int = 24) -> str:
@@ -324,7 +327,7 @@ def status(buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
     """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER."""
     while True:
         info = describe_status(buffer)
-        text = json.dumps(info, indent=1, sort_keys=True) if as_json else format_status(info)
+        text = status_json(info) if as_json else format_status(info)
         if not watch:
             click.echo(text)
             break

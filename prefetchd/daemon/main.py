@@ -18,8 +18,11 @@ import psutil
 from prefetchd.buffer_protocol import (
     DaemonLock,
     JobRequest,
+    JobResult,
     Manifest,
     ProtocolError,
+    State,
+    Status,
     list_batches,
     list_temp_files,
     stream_dir,
@@ -220,7 +223,7 @@ class JobInbox:
         self.buffer = buffer
         self.machine = machine  # the user's machine settings, defaults not yet filled
         self._seen = self._stamp() if ignore_current else None
-        self.result: dict[str, Any] | None = None
+        self.result: JobResult | None = None
         self.pending_id: str | None = None
 
     def _stamp(self) -> tuple[int, int, int] | None:
@@ -232,7 +235,7 @@ class JobInbox:
 
     def answer(self, job_id: str | None, accepted: bool, reason: str) -> None:
         (log.info if accepted else log.warning)("job %s %s: %s", job_id or "?", "accepted" if accepted else "refused", reason)
-        self.result = {"job_id": job_id, "accepted": accepted, "reason": reason, "time": time.time()}
+        self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
         """A new job to switch to, or None (nothing new, or refused: see ``result``)."""
@@ -285,7 +288,7 @@ def trainer_idle_seconds(buffer: Path) -> float:
         return float("inf")
 
 
-def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[dict[str, Any]], None],
+def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[Status], None],
                  notifier: Notifier) -> DaemonConfig | None:
     """Sleep until job.json holds an acceptable job; None when a stop signal came first."""
     message = f"waiting for a job: `prefetchd submit --buffer {buffer} --data ROOT`"
@@ -299,8 +302,8 @@ def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[
             return job
         now = time.monotonic()
         if now - last_status >= WAIT_STATUS_SECONDS:
-            publish({"pid": os.getpid(), "state": "waiting-for-job", "message": message,
-                     "heartbeat": time.time(), "job_result": inbox.result})
+            publish(Status(pid=os.getpid(), state=State.WAITING_FOR_JOB, heartbeat=time.time(), message=message,
+                           job_result=inbox.result))
             last_status = now
         select.select([wake], [], [], WAIT_STATUS_SECONDS)
         wake.drain()
@@ -311,10 +314,10 @@ class StartupBeat:
     """The heartbeat while a job starts: indexing a large dataset takes minutes, and a daemon
     whose status.json does not move in that time would look stuck to trainers (and systemd)."""
 
-    def __init__(self, buffer: Path, notifier: Notifier, extra: Callable[[], dict[str, Any]] = dict) -> None:
+    def __init__(self, buffer: Path, notifier: Notifier, job_result: Callable[[], JobResult | None] = lambda: None) -> None:
         self.buffer = buffer
         self.notifier = notifier
-        self.extra = extra
+        self.job_result = job_result
         self._last: float | None = None
 
     def __call__(self, message: str) -> None:
@@ -325,16 +328,16 @@ class StartupBeat:
             return
         self._last = now
         try:
-            write_status(self.buffer, {"pid": os.getpid(), "state": "starting", "message": message,
-                                       "heartbeat": time.time(), **self.extra()})
+            write_status(self.buffer, Status(pid=os.getpid(), state=State.STARTING, heartbeat=time.time(),
+                                             message=message, job_result=self.job_result()))
         except OSError as exc:
             log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
 
 
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
-              publish: Callable[[dict[str, Any]], None], notifier: Notifier) -> Producer:
+              publish: Callable[[Status], None], notifier: Notifier) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
-    beat = StartupBeat(Path(job.buffer), notifier, lambda: {"job_result": inbox.result})
+    beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result)
     beat(f"starting the job on {job.data}")
     job, notes = fill_defaults(job)
     for note in notes:
@@ -385,7 +388,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         ranks, job.workers, job.high_water, job.low_water, job.epochs or "unbounded",
     )
     return Producer(job, index, members, streams, wake, poll_jobs=inbox.poll,
-                    extra_status=lambda: {"job_result": inbox.result}, on_status=publish, notifier=notifier)
+                    job_result=lambda: inbox.result, on_status=publish, notifier=notifier)
 
 
 def run_daemon(cfg: DaemonConfig) -> int:
@@ -408,12 +411,12 @@ def run_daemon(cfg: DaemonConfig) -> int:
             log.info("deleted %d half-written files left by an earlier daemon", swept)
         metrics = Metrics(buffer, cfg.metrics_port, cfg.metrics_address, cfg.metrics_textfile)
 
-        def publish(status: dict[str, Any]) -> None:
+        def publish(status: Status) -> None:
             """Every status goes to the metrics and systemd; the producer writes status.json itself."""
             metrics.update(status)
             notifier.status(status_line(status))
 
-        def publish_waiting(status: dict[str, Any]) -> None:
+        def publish_waiting(status: Status) -> None:
             publish(status)
             write_status(buffer, status)
         serve_jobs = cfg.data is None

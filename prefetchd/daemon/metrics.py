@@ -16,60 +16,55 @@ from prometheus_client import CollectorRegistry, start_http_server, write_to_tex
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefetchd.buffer_protocol import Production, State, Status
 from prefetchd.daemon.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}  # status.json keys -> Prometheus quantile labels
-STATES = ("waiting-for-job", "starting", "filling", "full", "paused-low-space", "done", "switching", "stopping", "stopped", "failed")
+QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}  # Quantiles fields -> Prometheus quantile labels
+STATES = tuple(State)
 
-# (metric name, status path, help); gauges unless the name ends in _total.
-_SERIES: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("prefetchd_batches_waiting", ("waiting",), "Finished batches waiting for the trainer."),
-    ("prefetchd_batches_building", ("building",), "Batches being decoded and augmented."),
-    ("prefetchd_high_water_batches", ("high_water",), "Production stops at this many waiting batches."),
-    ("prefetchd_low_water_batches", ("low_water",), "Production resumes at this many waiting batches."),
-    ("prefetchd_buffer_bytes", ("buffer_bytes",), "Bytes of batches in the buffer, finished or being built."),
-    ("prefetchd_filesystem_free_bytes", ("free_bytes",), "Free bytes on the buffer's filesystem."),
-    ("prefetchd_workers", ("workers",), "Worker processes."),
-    ("prefetchd_workers_cpu_percent", ("workers_cpu_percent",), "CPU used by the workers, percent of one core."),
-    ("prefetchd_produce_samples_per_second", ("rates", "samples_per_s"), "Samples produced per second, last ~10 s."),
-    ("prefetchd_consume_batches_per_second", ("rates", "consumed_batches_per_s"), "Batches consumed per second, last ~10 s."),
-    ("prefetchd_trainer_wait_share", ("progress", "trainer_wait_share"), "Share of the trainer's recent time spent waiting for data."),
-    ("prefetchd_produced_batches_total", ("totals", "batches"), "Batches produced since the daemon started the job."),
-    ("prefetchd_produced_samples_total", ("totals", "samples"), "Samples produced since the daemon started the job."),
-    ("prefetchd_consumed_batches_total", ("totals", "consumed_batches"), "Batches the trainer consumed."),
-    ("prefetchd_replaced_samples_total", ("errors", "replaced_samples"), "Samples replaced because their file could not be decoded."),
-    ("prefetchd_undecodable_files", ("errors", "undecodable_files"), "Distinct files that could not be decoded."),
-    ("prefetchd_worker_restarts_total", ("errors", "worker_restarts"), "Workers that died and were replaced."),
-    ("prefetchd_write_failures_total", ("errors", "write_failures"), "Batches that could not be written (no space, ...)."),
-    ("prefetchd_trainer_progress_age_seconds", ("trainer", "progress_age_s"),
+# (metric name, the value in a producing daemon's status, help); gauges unless the name ends in _total.
+_SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
+    ("prefetchd_batches_waiting", lambda p: p.waiting, "Finished batches waiting for the trainer."),
+    ("prefetchd_batches_building", lambda p: p.building, "Batches being decoded and augmented."),
+    ("prefetchd_high_water_batches", lambda p: p.high_water, "Production stops at this many waiting batches."),
+    ("prefetchd_low_water_batches", lambda p: p.low_water, "Production resumes at this many waiting batches."),
+    ("prefetchd_buffer_bytes", lambda p: p.buffer_bytes, "Bytes of batches in the buffer, finished or being built."),
+    ("prefetchd_filesystem_free_bytes", lambda p: p.free_bytes, "Free bytes on the buffer's filesystem."),
+    ("prefetchd_workers", lambda p: p.workers, "Worker processes."),
+    ("prefetchd_workers_cpu_percent", lambda p: p.workers_cpu_percent, "CPU used by the workers, percent of one core."),
+    ("prefetchd_produce_samples_per_second", lambda p: p.rates.samples_per_s, "Samples produced per second, last ~10 s."),
+    ("prefetchd_consume_batches_per_second", lambda p: p.rates.consumed_batches_per_s, "Batches consumed per second, last ~10 s."),
+    ("prefetchd_trainer_wait_share", lambda p: p.progress.trainer_wait_share, "Share of the trainer's recent time spent waiting for data."),
+    ("prefetchd_produced_batches_total", lambda p: p.totals.batches, "Batches produced since the daemon started the job."),
+    ("prefetchd_produced_samples_total", lambda p: p.totals.samples, "Samples produced since the daemon started the job."),
+    ("prefetchd_consumed_batches_total", lambda p: p.totals.consumed_batches, "Batches the trainer consumed."),
+    ("prefetchd_replaced_samples_total", lambda p: p.errors.replaced_samples, "Samples replaced because their file could not be decoded."),
+    ("prefetchd_undecodable_files", lambda p: p.errors.undecodable_files, "Distinct files that could not be decoded."),
+    ("prefetchd_worker_restarts_total", lambda p: p.errors.worker_restarts, "Workers that died and were replaced."),
+    ("prefetchd_write_failures_total", lambda p: p.errors.write_failures, "Batches that could not be written (no space, ...)."),
+    ("prefetchd_trainer_progress_age_seconds", lambda p: p.trainer.progress_age_s,
      "Seconds since the trainer last moved its progress (a trainer that is gone keeps it growing)."),
 )
 
 
-def _lookup(status: dict[str, Any], path: tuple[str, ...]) -> float | None:
-    value: Any = status
-    for key in path:
-        if not isinstance(value, dict):
-            return None
-        value = value.get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 class StatusCollector(Collector):
-    def __init__(self, buffer: Path, latest: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(self, buffer: Path, latest: Callable[[], Status | None]) -> None:
         self.buffer = str(buffer)
         self.latest = latest
 
     def collect(self) -> Iterator[Metric]:
-        status = self.latest() or {}
+        status = self.latest()
         state = GaugeMetricFamily("prefetchd_state", "1 for the daemon's current state.", labels=["buffer", "state"])
-        for name in STATES:
-            state.add_metric([self.buffer, name], 1.0 if status.get("state") == name else 0.0)
+        for each in STATES:
+            state.add_metric([self.buffer, str(each)], 1.0 if status is not None and status.state == each else 0.0)
         yield state
-        for name, path, text in _SERIES:
-            value = _lookup(status, path)
+        production = status.production if status is not None else None
+        if production is None:  # waiting for a job or starting one: only the state
+            return
+        for name, value_of, text in _SERIES:
+            value = value_of(production)
             if value is None:
                 continue
             family: GaugeMetricFamily | CounterMetricFamily
@@ -77,22 +72,20 @@ class StatusCollector(Collector):
                 family = CounterMetricFamily(name[: -len("_total")], text, labels=["buffer"])
             else:
                 family = GaugeMetricFamily(name, text, labels=["buffer"])
-            family.add_metric([self.buffer], value)
+            family.add_metric([self.buffer], float(value))
             yield family
-        trainer = status.get("trainer")
-        if isinstance(trainer, dict) and isinstance(trainer.get("alive"), bool):
+        if production.trainer.alive is not None:
             alive = GaugeMetricFamily("prefetchd_trainer_alive",
                                       "1 while the process that wrote progress.json exists, 0 once it is gone.",
                                       labels=["buffer"])
-            alive.add_metric([self.buffer], 1.0 if trainer["alive"] else 0.0)
+            alive.add_metric([self.buffer], 1.0 if production.trainer.alive else 0.0)
             yield alive
-        stages = status.get("stages") or {}
-        if stages:
+        if production.stages:
             quant = GaugeMetricFamily("prefetchd_stage_seconds", "Per-sample time of a stage, by quantile over recent samples.",
                                       labels=["buffer", "stage", "quantile"])
-            for stage, qs in stages.items():
-                for q, seconds in qs.items():
-                    quant.add_metric([self.buffer, stage, QUANTILES.get(q, q)], float(seconds))
+            for stage, qs in production.stages.items():
+                for q, label in QUANTILES.items():
+                    quant.add_metric([self.buffer, stage, label], float(getattr(qs, q)))
             yield quant
 
 
@@ -100,7 +93,7 @@ class Metrics:
     """The registry, the optional HTTP endpoint and the optional textfile."""
 
     def __init__(self, buffer: Path, port: int | None, address: str, textfile: Path | None) -> None:
-        self.latest: dict[str, Any] | None = None
+        self.latest: Status | None = None
         self.registry = CollectorRegistry()
         self.registry.register(StatusCollector(buffer, lambda: self.latest))
         self.textfile = textfile
@@ -113,7 +106,7 @@ class Metrics:
                 raise ConfigError(f"cannot serve metrics on {address}:{port}: {hint}; pick another --metrics-port") from None
             log.info("serving Prometheus metrics on http://%s:%d/metrics", address, port)
 
-    def update(self, status: dict[str, Any]) -> None:
+    def update(self, status: Status) -> None:
         self.latest = status
         if self.textfile is not None:
             try:

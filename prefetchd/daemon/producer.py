@@ -37,6 +37,20 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
+from prefetchd.buffer_protocol.status import (
+    BadFile,
+    Errors,
+    JobResult,
+    Position,
+    Production,
+    Quantiles,
+    Rates,
+    State,
+    Status,
+    StreamStatus,
+    Totals,
+    TrainerStatus,
+)
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, DaemonError
@@ -94,8 +108,8 @@ class Producer:
     def __init__(
         self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, streams: list[tuple[Path, Manifest]],
         wake: Wakeup, poll_jobs: Callable[[DaemonConfig], DaemonConfig | None] = lambda _: None,
-        extra_status: Callable[[], dict[str, Any]] = dict,
-        on_status: Callable[[dict[str, Any]], None] = lambda _: None,
+        job_result: Callable[[], JobResult | None] = lambda: None,
+        on_status: Callable[[Status], None] = lambda _: None,
         notifier: Notifier | None = None,
     ) -> None:
         self.cfg = cfg
@@ -103,7 +117,7 @@ class Producer:
         self.buffer = Path(cfg.buffer)
         self.wake = wake
         self.poll_jobs = poll_jobs
-        self.extra_status = extra_status
+        self.job_result = job_result
         self.on_status = on_status
         self.next_job: DaemonConfig | None = None
         self.index = index
@@ -118,7 +132,7 @@ class Producer:
         self.task_build: dict[int, Build] = {}
         self.next_task_id = 0
         self.retry_at = 0.0
-        self.state = "starting"
+        self.state = State.STARTING
         self.message = ""
         self.logged_failures: set[str] = set()
         self.bad_files: list[dict[str, str]] = []  # the first MAX_LISTED_BAD_FILES, for the status
@@ -144,7 +158,7 @@ class Producer:
                 stream.adopt_published()
             self._read_progress()
             self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
-            self.state = "filling"
+            self.state = State.FILLING
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0
             while self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
@@ -167,18 +181,18 @@ class Producer:
             log.exception("internal error in the controller")
             self.fatal = f"internal error: {type(exc).__name__}: {exc} (see the log; please report it)"
         finally:
-            self.state = "stopping"
+            self.state = State.STOPPING
             if self.wake.stop_signal is not None or self.fatal is not None:
                 self.notifier.stopping(self.fatal or self.wake.stop_reason)
             self._shutdown()
         if self.fatal:
-            self.state, self.message = "failed", self.fatal
+            self.state, self.message = State.FAILED, self.fatal
             self._write_status()
             raise self.fatal_error(self.fatal)
         if self.next_job is not None:
-            self.state, self.message = "switching", "replacing the job with the one in job.json"
+            self.state, self.message = State.SWITCHING, "replacing the job with the one in job.json"
         else:
-            self.state, self.message = "stopped", self.wake.stop_reason
+            self.state, self.message = State.STOPPED, self.wake.stop_reason
         self._write_status()
 
     def _poll_interval(self) -> float:
@@ -259,11 +273,11 @@ class Producer:
             candidates = sorted((fill, i, s, g) for fill, i, s, g in wanted if g is not None)
             if not candidates:
                 if all(s.produced_all for s in self.streams):
-                    self.state = "done"
+                    self.state = State.DONE
                 else:
                     # "full" only once the last batch up to the high-water mark is published.
                     busy = any(s.filling or s.building for s in self.streams)
-                    self.state = "filling" if busy else "full"
+                    self.state = State.FILLING if busy else State.FULL
                 return
             _, _, stream, g = candidates[0]
             size = batch_len(stream.key(g)[1], self.cfg.batch_size, stream.manifest.samples_per_epoch)
@@ -273,14 +287,14 @@ class Producer:
             if free < self.min_free:
                 msg = (f"paused: {self.buffer} would fall to {max(free, 0) >> 20} MiB free, below the floor of "
                        f"{self.min_free >> 20} MiB; free space there or lower --high-water")
-                if self.state != "paused-low-space":
+                if self.state != State.PAUSED_LOW_SPACE:
                     log.warning(msg)
-                self.state, self.message = "paused-low-space", msg
+                self.state, self.message = State.PAUSED_LOW_SPACE, msg
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
             if not self._start_build(stream, g, layout):
                 return
-            self.state, self.message = "filling", ""
+            self.state, self.message = State.FILLING, ""
 
     def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> bool:
         """Create the batch's temp file and queue its tasks; False (retry later) if it cannot be created."""
@@ -375,7 +389,7 @@ class Producer:
 
     # -- status ---------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         """The daemon's state; for one rank its stream's fields are also at the top level."""
         self.stats.consumed = sum(s.consumed for s in self.streams)
         for stream in self.streams:
@@ -383,41 +397,38 @@ class Producer:
         produce_rate, consume_rate = self.stats.rates()
         streams = [s.status() for s in self.streams]
         first = streams[0]
-        waiting = sum(s["waiting"] for s in streams)
-        building = sum(s["building"] for s in streams)
-        return {
-            "pid": os.getpid(),
-            "producer": self.streams[0].manifest.producer,
-            "state": self.state,
-            "message": self.message,
-            "heartbeat": time.time(),
-            "started": self.stats.started,
-            "progress": first["progress"],
-            "trainer": first["trainer"],
-            "streams": streams,
-            "waiting": waiting,
-            "building": building,
-            "high_water": self.streams[0].high * len(self.streams),
-            "low_water": self.streams[0].low * len(self.streams),
-            "batch_bytes": self.cfg.batch_bytes,
-            "buffer_bytes": sum(b.layout.file_len for s in self.streams for b in s.building.values())
+        waiting = sum(s.waiting for s in streams)
+        building = sum(s.building for s in streams)
+        production = Production(
+            producer=self.streams[0].manifest.producer,
+            started=self.stats.started,
+            progress=first.progress,
+            trainer=first.trainer,
+            streams=tuple(streams),
+            waiting=waiting,
+            building=building,
+            high_water=self.streams[0].high * len(self.streams),
+            low_water=self.streams[0].low * len(self.streams),
+            batch_bytes=self.cfg.batch_bytes,
+            buffer_bytes=sum(b.layout.file_len for s in self.streams for b in s.building.values())
             + waiting * self.cfg.batch_bytes,
-            "free_bytes": self._free_bytes(),
-            "workers": len(self.workers),
-            "workers_cpu_percent": round(sum(self._cpu_percent(w) for w in self.workers), 1),
-            "rates": {"samples_per_s": round(produce_rate, 1), "consumed_batches_per_s": round(consume_rate, 2)},
-            "stages": self.stats.stage_quantiles(),
-            "totals": {"batches": self.stats.batches, "samples": self.stats.samples, "consumed_batches": self.stats.consumed},
-            "errors": {
-                "replaced_samples": self.stats.replaced,
-                "undecodable_files": len(self.logged_failures),
-                "undecodable": self.bad_files,
-                "worker_restarts": self.stats.worker_restarts,
-                "write_failures": self.stats.write_failures,
-                "progress_file": "; ".join(s["progress_file"] for s in streams if s["progress_file"]),
-            },
-            **self.extra_status(),
-        }
+            free_bytes=self._free_bytes(),
+            workers=len(self.workers),
+            workers_cpu_percent=round(sum(self._cpu_percent(w) for w in self.workers), 1),
+            rates=Rates(samples_per_s=round(produce_rate, 1), consumed_batches_per_s=round(consume_rate, 2)),
+            stages={stage: Quantiles(**q) for stage, q in self.stats.stage_quantiles().items()},
+            totals=Totals(batches=self.stats.batches, samples=self.stats.samples, consumed_batches=self.stats.consumed),
+            errors=Errors(
+                replaced_samples=self.stats.replaced,
+                undecodable_files=len(self.logged_failures),
+                undecodable=tuple(BadFile(**b) for b in self.bad_files),
+                worker_restarts=self.stats.worker_restarts,
+                write_failures=self.stats.write_failures,
+                progress_file="; ".join(s.progress_file for s in streams if s.progress_file),
+            ),
+        )
+        return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self.message,
+                      job_result=self.job_result(), production=production)
 
     @staticmethod
     def _cpu_percent(worker: Worker) -> float:

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+from prefetchd.buffer_protocol import Production, Status
+
 log = logging.getLogger(__name__)
 
 # Removed from the environment once read (SYSTEMD_EXEC_PID stays: children compare against it).
@@ -228,56 +230,49 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())[:MAX_STATUS_CHARS]
 
 
-def status_line(status: Mapping[str, Any]) -> str:
+def status_line(status: Status) -> str:
     """The one-line summary of ``Producer.status()`` for STATUS=, e.g.
     ``filling 12/32 batches, 850 img/s, trainer at epoch 1 step 40 (3.2 batches/s, waits 2% for data)``.
 
-    A status without ``progress`` (waiting for a job, starting) is summed up by its message.
+    A status without a production (waiting for a job, starting) is summed up by its message.
     """
-    state = str(status.get("state", "unknown"))
-    message = str(status.get("message") or "")
-    if not isinstance(status.get("progress"), Mapping):
-        return message or state
-    rates = status.get("rates") or {}
-    errors = status.get("errors") or {}
+    p = status.production
+    if p is None:
+        return status.message or str(status.state)
     parts = [
-        f"{state} {status.get('waiting', 0)}/{status.get('high_water', '?')} batches",
-        f"{_number(rates.get('samples_per_s')):.0f} img/s",
-        _trainers(status, _number(rates.get("consumed_batches_per_s"))),
+        f"{status.state} {p.waiting}/{p.high_water} batches",
+        f"{p.rates.samples_per_s:.0f} img/s",
+        _trainers(p),
     ]
-    for key, noun in (
-        ("undecodable_files", "undecodable file"),
-        ("worker_restarts", "worker restart"),
-        ("write_failures", "write failure"),
+    for count, noun in (
+        (p.errors.undecodable_files, "undecodable file"),
+        (p.errors.worker_restarts, "worker restart"),
+        (p.errors.write_failures, "write failure"),
     ):
-        count = int(_number(errors.get(key)))
         if count:
             parts.append(f"{count} {noun}{'' if count == 1 else 's'}")
-    if errors.get("progress_file"):
+    if p.errors.progress_file:
         parts.append("progress file ignored")
     line = ", ".join(parts)
-    return f"{line}; {message}" if message else line
+    return f"{line}; {status.message}" if status.message else line
 
 
-def _trainers(status: Mapping[str, Any], consumed: float) -> str:
+def _trainers(p: Production) -> str:
     """Where the trainer is (the slowest one of a daemon serving several ranks) and how it fares."""
-    ranks = [s["progress"] for s in status.get("streams") or () if isinstance(s, Mapping) and isinstance(s.get("progress"), Mapping)]
-    slowest = min(ranks or [status["progress"]], key=lambda p: (_number(p.get("epoch")), _number(p.get("step"))))
-    where = f"epoch {slowest.get('epoch', 0)} step {slowest.get('step', 0)}"
+    ranks = [s.progress for s in p.streams]
+    slowest = min(ranks or [p.progress], key=lambda pos: (pos.epoch, pos.step))
+    where = f"epoch {slowest.epoch} step {slowest.step}"
     text = f"{len(ranks)} trainers, slowest at {where}" if len(ranks) > 1 else f"trainer at {where}"
+    consumed = p.rates.consumed_batches_per_s
     details = [f"{consumed:.1f} batches/s"] if consumed > 0 else []
-    shares = [_number(p["trainer_wait_share"]) for p in ranks or [slowest] if p.get("trainer_wait_share") is not None]
+    shares = [pos.trainer_wait_share for pos in ranks or [slowest] if pos.trainer_wait_share is not None]
     if shares:
         details.append(f"waits {max(shares):.0%} for data")
-    trainers = [s.get("trainer") for s in status.get("streams") or () if isinstance(s, Mapping)] or [status.get("trainer")]
-    gone = sum(isinstance(t, Mapping) and t.get("alive") is False for t in trainers)
+    trainers = [s.trainer for s in p.streams] or [p.trainer]
+    gone = sum(t.alive is False for t in trainers)
     if gone:
         details.append("gone" if len(trainers) == 1 else f"{gone} gone")
     return f"{text} ({', '.join(details)})" if details else text
-
-
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 __all__ = ["Notifier", "status_line"]

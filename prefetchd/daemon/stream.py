@@ -33,6 +33,7 @@ from prefetchd.buffer_protocol import (
     alive_since,
     list_batches,
 )
+from prefetchd.buffer_protocol.status import Position, StreamStatus, TrainerStatus
 from prefetchd.daemon.sampler import epoch_order
 
 log = logging.getLogger(__name__)
@@ -229,21 +230,18 @@ class Stream:
             log.info("rank %d's trainer is back (pid %d) at epoch %d step %d", self.rank, pid, epoch, step)
         self.trainer_alive = alive
 
-    def trainer_status(self) -> dict[str, Any]:
+    def trainer_status(self) -> TrainerStatus:
         since = self.progress_time
-        return {
-            "pid": self.trainer_pid,
-            "alive": self.trainer_alive,
-            "progress_age_s": round(max(0.0, time.time() - since), 1) if since is not None else None,
-        }
+        age = round(max(0.0, time.time() - since), 1) if since is not None else None
+        return TrainerStatus(pid=self.trainer_pid, alive=self.trainer_alive, progress_age_s=age)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StreamStatus:
         epoch, step = self.key(self.progress)
-        return {
-            "rank": self.rank,
-            "trainer": self.trainer_status(),
-            "progress": {"epoch": epoch, "step": step, "trainer_wait_share": self.trainer_wait_share},
-            "waiting": len(self.published),
-            "building": self.active,
-            "progress_file": self.progress_error,
-        }
+        return StreamStatus(
+            rank=self.rank,
+            trainer=self.trainer_status(),
+            progress=Position(epoch, step, self.trainer_wait_share),
+            waiting=len(self.published),
+            building=self.active,
+            progress_file=self.progress_error,
+        )

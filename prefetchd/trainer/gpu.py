@@ -164,20 +164,20 @@ class CudaBackend:
 
 @functools.cache
 def _libcudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library torch loaded (found in our own memory map), or None."""
+    """The CUDA runtime library torch loaded, or None (a CPU build, or a runtime linked statically).
+
+    RTLD_NOLOAD asks the dynamic linker for the library already resident under the
+    soname of torch's CUDA version (``libcudart.so.13`` for 13.x): torch's own
+    copy, never a second one with a runtime state of its own (torchvision's private
+    copy carries another soname).
+    """
+    version = torch.version.cuda
+    if not version:
+        return None
     try:
-        with open("/proc/self/maps") as fh:
-            paths = {line.split(None, 5)[5].strip() for line in fh if line.count(" ") >= 5 and "libcudart" in line}
+        return ctypes.CDLL(f"libcudart.so.{version.split('.')[0]}", mode=os.RTLD_NOLOAD)
     except OSError:
         return None
-    # torchvision may bring a private copy of libcudart; torch's is the one whose state matters.
-    for path in sorted(paths, key=lambda p: "torchvision" in p):
-        if os.path.basename(path).startswith("libcudart") and ".so" in path:
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    return None
 
 
 def _clear_last_cuda_error() -> bool:
@@ -185,7 +185,8 @@ def _clear_last_cuda_error() -> bool:
 
     torch checks ``cudaGetLastError()`` after every kernel launch, so an error
     left behind by a failed registration would be blamed on the next, unrelated
-    kernel.  torch's ``cudart()`` module does not bind ``cudaGetLastError``.
+    kernel.  torch's ``cudart()`` module binds cudaHostRegister, cudaHostUnregister and
+    cudaGetErrorString but not ``cudaGetLastError`` (torch 2.14), hence :func:`_libcudart`.
     """
     lib = _libcudart()
     if lib is None:

@@ -28,6 +28,10 @@ while the consumer works on this one.  There a batch counts as consumed only
 once the consumer has come back for the next one *and* its copy has completed,
 so progress.json may trail the position by a batch the copy engine still reads.
 
+Waiting for the manifest and for each batch, and telling a slow daemon from a
+stuck or a gone one, is ``prefetchd.trainer.liveness``; the checkpoint state is
+``prefetchd.trainer.resume``.
+
 The loader is not thread-safe; use one per consumer thread and buffer.
 """
 
@@ -42,7 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 
@@ -52,13 +56,12 @@ from prefetchd.buffer_protocol import (
     Progress,
     ProtocolError,
     batch_name,
-    daemon_pid,
     map_batch,
-    read_status,
 )
-from prefetchd.buffer_protocol.layout import owning_buffer
-from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer.errors import LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
+from prefetchd.trainer.liveness import BatchWaiter, wait_for_manifest
+from prefetchd.trainer.resume import loader_state, resume_position
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +72,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 GRAY_MEAN = (0.449,)
 GRAY_STD = (0.226,)
 
-STATE_FORMAT = "prefetchd.loader_state"
-STATE_VERSION = 1
-
-# Waiting for a batch starts with 1 ms sleeps (a daemon that keeps up publishes
-# within a few ms) and backs off to 20 ms, so a stalled daemon costs ~50 wake-ups
-# a second, not a busy core.
-_FIRST_DELAY = 0.001
-_MAX_DELAY = 0.020
-_MANIFEST_FIRST_DELAY = 0.010
-_MANIFEST_MAX_DELAY = 0.050
-_SLOW_WAIT_WARNING = 10.0
 # progress.json may fail to be written for a while (a full tmpfs): the loader keeps delivering
 # the batches that are there and retries; only a failure that lasts this long is an error.
 _PROGRESS_WRITE_GRACE = 30.0
@@ -171,9 +163,14 @@ class BufferLoader:
         pin: how batches reach a CUDA device (see ``prefetchd.trainer.gpu``):
             "staging" copies each mapped batch into a ring of pinned buffers and
             from there to the device on a side stream; "register" page-locks the
-            mapped file itself (no host copy, a driver call per batch); "none" is
-            a plain synchronous copy from the mapping.  "auto" (the default) is
-            "staging" on CUDA and "none" on the CPU, where it is the only choice.
+            mapped file itself (no host copy, a driver call per batch); "none"
+            copies straight from the mapping on the consumer's stream
+            (``non_blocking=True``, which from pageable memory means: the driver
+            stages the bytes through its own pinned buffer and the call returns
+            once the mapping has been read, while the transfer and the conversion
+            finish in stream order), one batch at a time with nothing copied ahead.
+            "auto" (the default) is "staging" on CUDA and "none" on the CPU, where
+            it is the only choice.
         prefetch: with "staging" or "register", how many batches after the one
             handed out are already being copied (those whose files exist).
     """
@@ -209,13 +206,9 @@ class BufferLoader:
         self._non_blocking = self._device.type == "cuda"
         self._normalize = normalize
         self._timeout = float(timeout)
-        self._grace = float(daemon_grace)
-        self._stall = float(stall_timeout) if stall_timeout is not None else None
-        # Check liveness often enough that the grace period and the stall bound are honoured to ~25 %.
-        self._liveness_interval = min(1.0, max(0.01, self._grace / 4), max(0.01, (self._stall or 4.0) / 4))
-        # (pid, wall time) of the first look at a daemon that had written no heartbeat of its own yet.
-        self._beatless: tuple[int, float] | None = None
-        self._manifest = self._wait_for_manifest()
+        self._manifest = wait_for_manifest(self._buffer, self._timeout)
+        self._waiter = BatchWaiter(self._buffer, self._manifest, self._timeout, float(daemon_grace),
+                                   float(stall_timeout) if stall_timeout is not None else None)
         self._scale, self._shift = self._normalization(mean, std)
         self._epoch = 0
         self._step = 0
@@ -280,7 +273,7 @@ class BufferLoader:
     @property
     def stall_timeout(self) -> float | None:
         """Seconds without a daemon heartbeat before a wait raises :class:`DaemonStuck`; None: never."""
-        return self._stall
+        return self._waiter.stall
 
     @property
     def pin(self) -> PinMode:
@@ -444,16 +437,7 @@ class BufferLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the (epoch, step) of the next batch, and the job it belongs to."""
-        m = self._manifest
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "epoch": self._epoch,
-            "step": self._step,
-            "fingerprint": m.fingerprint,
-            "producer": m.producer,
-            "identity": {key: getattr(m, key) for key in Manifest.IDENTITY},
-        }
+        return loader_state(self._manifest, self._epoch, self._step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (a :meth:`state_dict`) and tell the daemon to produce from there.
@@ -463,41 +447,7 @@ class BufferLoader:
         points past the job's end.
         """
         self._check_open()
-        m = self._manifest
-        epoch, step = state.get("epoch"), state.get("step")
-        if not (_is_count(epoch) and _is_count(step)):
-            raise StateMismatch(
-                f"loader state has epoch={epoch!r}, step={step!r}; expected non-negative integers from "
-                "BufferLoader.state_dict()"
-            )
-        fingerprint = state.get("fingerprint")
-        if fingerprint != m.fingerprint:
-            raise StateMismatch(
-                f"loader state is for dataset fingerprint {fingerprint!r}, but the daemon of {self._buffer} "
-                f"serves {m.dataset_root!r} (fingerprint {m.fingerprint!r}): the checkpoint was taken on "
-                "another dataset. Start the daemon on the checkpoint's dataset, or train from scratch "
-                "without load_state_dict"
-            )
-        identity = state.get("identity")
-        if isinstance(identity, Mapping):
-            diffs = [
-                f"{key}: checkpoint {identity[key]!r}, buffer {getattr(m, key)!r}"
-                for key in Manifest.IDENTITY
-                if key in identity and identity[key] != getattr(m, key)
-            ]
-            if diffs:
-                raise StateMismatch(
-                    f"loader state does not fit the job in {self._buffer} ({'; '.join(diffs)}), so resuming "
-                    "would not see the same batches; restart the daemon with the checkpoint's settings"
-                )
-        spe = m.steps_per_epoch
-        if step >= max(spe, 1):
-            raise StateMismatch(f"loader state has step {step}, but an epoch of {self._buffer} has {spe} steps")
-        if m.epochs is not None and (epoch, step) > (m.epochs, 0):
-            raise StateMismatch(
-                f"loader state is at epoch {epoch} step {step}, past the end of the job in {self._buffer} "
-                f"({m.epochs} epochs); restart the daemon with a larger --epochs"
-            )
+        epoch, step = resume_position(state, self._manifest, self._buffer)
         self._drain(self._ahead)
         self._drain(self._handed)
         self._epoch, self._step = epoch, step
@@ -528,131 +478,8 @@ class BufferLoader:
     ) -> None:
         self.close()
 
-    # -- waiting -----------------------------------------------------------------
-
-    def _wait_for_manifest(self) -> Manifest:
-        deadline = time.monotonic() + self._timeout
-        delay = _MANIFEST_FIRST_DELAY
-        logged = False
-        while True:
-            try:
-                return Manifest.read(self._buffer)
-            except FileNotFoundError:
-                pass  # no daemon has started on this buffer yet
-            except NotADirectoryError:
-                raise LoaderError(f"{self._buffer} is not a directory; pass the daemon's --buffer directory") from None
-            now = time.monotonic()
-            if now >= deadline:
-                raise LoaderTimeout(self._manifest_timeout_message())
-            if not logged:
-                logger.info("waiting up to %g s for %s", self._timeout, self._buffer / "manifest.json")
-                logged = True
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 1.5, _MANIFEST_MAX_DELAY)
-
-    def _manifest_timeout_message(self) -> str:
-        buffer, waited = self._buffer, f"{self._timeout:g} s"
-        pid = daemon_pid(buffer)
-        if pid is not None:
-            return (
-                f"{buffer}: the daemon (pid {pid}) owns this buffer but wrote no manifest.json within {waited} "
-                f"({_status_summary(buffer)}); it may still be indexing a large dataset. Check "
-                f"`prefetchd status --buffer {buffer}`, or pass a larger timeout"
-            )
-        where = "does not exist" if not buffer.exists() else "has no manifest.json"
-        return (
-            f"{buffer} {where} after waiting {waited} for the daemon's manifest.json, and no prefetchd daemon "
-            f"owns it. Start one with `prefetchd start --buffer {buffer} --data ROOT` (ROOT: the class-folder "
-            "dataset), or pass a larger timeout if one is still starting"
-        )
-
     def _wait_for_batch(self, epoch: int, step: int) -> MappedBatch:
-        name = batch_name(epoch, step)
-        path = self._buffer / name
-        start = time.monotonic()
-        deadline = start + self._timeout
-        delay = _FIRST_DELAY
-        next_liveness = start
-        gone_since: float | None = None
-        pid: int | None = None
-        warned = False
-        while True:
-            try:
-                return map_batch(path)
-            except FileNotFoundError:
-                pass  # not produced yet, or deleted to be regenerated after a rewind
-            now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + self._liveness_interval
-                self._check_progress()
-                pid = daemon_pid(self._buffer)
-                if pid is not None:
-                    gone_since = None
-                    self._check_heartbeat(pid, name, epoch, step, now - start)
-                elif gone_since is None:
-                    gone_since = now
-                if gone_since is not None and now - gone_since >= self._grace:
-                    raise DaemonGone(
-                        f"{self._buffer}: no prefetchd daemon owns this buffer (none seen for {self._grace:g} s) "
-                        f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
-                        f"{_status_summary(self._buffer)}. Restart it with `prefetchd start --buffer "
-                        f"{self._buffer} --data {self._manifest.dataset_root}{_split_flag(self._manifest)}`: "
-                        "it resumes from progress.json"
-                    )
-            if now >= deadline:
-                owner = f"the daemon (pid {pid}) owns the buffer" if pid is not None else "no daemon owns the buffer"
-                raise LoaderTimeout(
-                    f"{self._buffer}: waited {self._timeout:g} s for batch {name} (epoch {epoch}, step {step}) "
-                    f"and it did not appear; {owner}; {_status_summary(self._buffer)}. Check `prefetchd status "
-                    f"--buffer {self._buffer}`, or pass a larger timeout if the daemon is just slow"
-                )
-            if not warned and now - start >= _SLOW_WAIT_WARNING:
-                warned = True
-                logger.warning(
-                    "still waiting for %s after %.0f s; %s", path, now - start, _status_summary(self._buffer)
-                )
-            time.sleep(min(delay, max(0.0, deadline - now)))
-            delay = min(delay * 2, _MAX_DELAY)
-
-    def _check_heartbeat(self, pid: int, name: str, epoch: int, step: int, waited: float) -> None:
-        """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall_timeout``.
-
-        Only the heartbeat counts, never the batch rate: a daemon that is slow (a
-        huge batch, a cold network filesystem) but alive keeps beating.  A status
-        written by another process (the previous daemon) is not this one's
-        heartbeat; a daemon without one yet is timed from the loader's first look.
-        """
-        if self._stall is None:
-            return
-        try:
-            status = read_status(self._buffer)
-        except (ProtocolError, OSError):
-            status = None  # being replaced, or damaged: judged as if absent
-        beat = status.get("heartbeat") if status is not None else None
-        owner = status.get("pid") if status is not None else None
-        wall = time.time()
-        own = status is not None and owner in (None, pid)
-        if own and isinstance(beat, (int, float)) and not isinstance(beat, bool):
-            last, what = float(beat), "heartbeat"
-            self._beatless = None
-        else:
-            if self._beatless is None or self._beatless[0] != pid:
-                self._beatless = (pid, wall)
-            last, what = self._beatless[1], "heartbeat at all since the loader first saw it"
-        age = wall - last
-        if age <= self._stall:
-            return
-        state = status.get("state") if status is not None and own else None
-        buffer = owning_buffer(self._buffer)
-        raise DaemonStuck(
-            f"{self._buffer}: the daemon (pid {pid}) owns this buffer but has written no {what} for {age:.1f} s "
-            f"(stall_timeout {self._stall:g} s; last state {_short(state) if isinstance(state, str) else 'unknown'}) "
-            f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
-            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then restart it "
-            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `prefetchd start --buffer {buffer} --data "
-            f"{self._manifest.dataset_root}{_split_flag(self._manifest)}`): the new daemon resumes from "
-            "progress.json. If it is only slow, pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
-        )
+        return self._waiter.wait(epoch, step, self._check_progress)
 
     # -- tensors -----------------------------------------------------------------
 
@@ -745,49 +572,6 @@ class WaitMeter:
         lo = max(self._spans[0][0], now - self.window)
         waited = sum(max(0.0, end - max(start, lo)) for start, end in self._spans)
         return min(1.0, waited / max(now - lo, 1e-9))
-
-
-def _split_flag(m: Manifest) -> str:
-    return "" if m.split == "train" else f" --split {m.split}"
-
-
-def _is_count(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _status_summary(buffer: Path) -> str:
-    """The daemon's own account of itself from status.json, for wait messages."""
-    try:
-        status = read_status(buffer)
-    except (ProtocolError, OSError) as exc:
-        return f"its status.json is unreadable ({exc})"
-    if status is None:
-        return "the daemon has written no status.json"
-    parts = []
-    for key in ("state", "message"):
-        value = status.get(key)
-        if isinstance(value, str) and value:
-            parts.append(f"{key}={_short(value)}")
-    seen = status.get("progress")
-    if isinstance(seen, dict) and "epoch" in seen and "step" in seen:
-        parts.append(f"it sees progress epoch {seen['epoch']} step {seen['step']}")
-    if isinstance(status.get("waiting"), int):
-        parts.append(f"{status['waiting']} batches waiting (high water {status.get('high_water', '?')})")
-    errors = status.get("errors")
-    if isinstance(errors, dict):
-        # Only what went wrong: zero counters and empty fields are noise in an error message.
-        bad = {k: v for k, v in errors.items() if v not in (None, 0, "", [], {})}
-        if bad:
-            parts.append("errors: " + ", ".join(f"{k}={_short(v)}" for k, v in bad.items()))
-    beat = status.get("heartbeat")
-    if isinstance(beat, (int, float)) and not isinstance(beat, bool):
-        parts.append(f"last heartbeat {max(0.0, time.time() - float(beat)):.1f} s ago")
-    return "daemon status: " + (", ".join(parts) if parts else "no state reported")
-
-
-def _short(value: object, limit: int = 200) -> str:
-    text = str(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 __all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]

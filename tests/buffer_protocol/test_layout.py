@@ -25,9 +25,13 @@ from prefetchd.buffer_protocol import (
     VERSION,
     BufferBusy,
     DaemonLock,
+    JobResult,
     Manifest,
+    Position,
     Progress,
     ProtocolError,
+    State,
+    Status,
     alive_since,
     batch_name,
     daemon_pid,
@@ -46,6 +50,8 @@ from prefetchd.buffer_protocol.layout import (
     STATUS_NAME,
     write_json,
 )
+from tests.status_examples import ERRORS, bad_files, production, stream
+from tests.status_examples import status as status_example
 
 WAIT_S = 30.0  # generous: a cold interpreter importing numpy on a loaded 2-core box
 
@@ -367,13 +373,27 @@ def test_progress_refuses_bad_positions(tmp_path: Path, doc: dict[str, Any]) -> 
         Progress.read(tmp_path)
 
 
-def test_status_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("written", [
+    status_example(),
+    status_example(production=production(streams=(stream(0), stream(1, progress=Position(0, 7, 0.25))),
+                                         errors=dataclasses.replace(ERRORS, undecodable_files=2, undecodable=bad_files(2)))),
+    status_example(State.WAITING_FOR_JOB, production=None, job_result=None, message="waiting for a job"),
+    status_example(State.STARTING, production=None,
+                   job_result=JobResult(job_id=None, accepted=False, reason="job.json: not valid JSON", time=5.0)),
+], ids=["producing", "two ranks", "waiting", "starting"])
+def test_status_round_trip(tmp_path: Path, written: Status) -> None:
     assert read_status(tmp_path) is None
-    write_status(tmp_path, {"state": "filling", "fill": 3, "rates": {"img_s": 812.5}})
-    status = read_status(tmp_path)
-    assert status is not None
-    assert status["format"] == "prefetchd.status" and status["version"] == VERSION
-    assert (status["state"], status["fill"], status["rates"]) == ("filling", 3, {"img_s": 812.5})
+    write_status(tmp_path, written)
+    assert read_status(tmp_path) == written
+    doc = json.loads((tmp_path / STATUS_NAME).read_text())
+    assert doc["format"] == "prefetchd.status" and doc["version"] == VERSION
+    assert doc == json.loads(json.dumps(written.to_doc()))
+    # Flat on disk, as `prefetchd status --json` has always shown it: a running job's fields at the top.
+    assert ("progress" in doc) == (written.production is not None) and "production" not in doc
+    rank_dir = tmp_path / "rank-00001"
+    rank_dir.mkdir()
+    (tmp_path / "daemon.lock").touch()
+    assert read_status(rank_dir) == written  # a rank's stream directory reads its buffer's status
     (tmp_path / STATUS_NAME).write_text('{"format": "prefetchd.manifest", "version": 1}')
     with pytest.raises(ProtocolError, match=STATUS_NAME):
         read_status(tmp_path)

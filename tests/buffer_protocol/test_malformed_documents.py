@@ -9,6 +9,7 @@ test_batch.py; this file adds the documents those leave out and the special file
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -28,13 +29,17 @@ from prefetchd.buffer_protocol import (
     Manifest,
     Progress,
     ProtocolError,
+    State,
     batch_name,
     daemon_pid,
     map_batch,
     read_status,
     write_batch,
+    write_status,
 )
 from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME, write_json
+from tests.status_examples import ERRORS, bad_files, production, stream
+from tests.status_examples import status as status_example
 
 FUZZ = settings(max_examples=120, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -112,6 +117,78 @@ def test_a_mutated_job_is_refused_or_well_typed(doc: Any, tmp_path: Path) -> Non
     assert all(isinstance(k, str) for k in job.settings)
     assert all(v is None or isinstance(v, (str, int, float, bool)) for v in job.settings.values())
     assert isinstance(job.job_id, str) and isinstance(job.submitted, float)
+
+
+VALID_STATUS = status_example(production=production(streams=(stream(0), stream(1)),
+                                                    errors=dataclasses.replace(ERRORS, undecodable=bad_files(2)))).to_doc()
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every key path into ``doc``'s objects and lists (status.json nests: rates, errors, streams[1].trainer ...)."""
+    found = []
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in items:
+        found.append((*prefix, key))
+        found += _paths(value, (*prefix, key))
+    return found
+
+
+@st.composite
+def mutated_deep(draw: st.DrawFn, valid: dict[str, Any]) -> Any:
+    """``valid`` with a few fields at any depth dropped or replaced by any JSON value."""
+    doc = copy.deepcopy(valid)
+    for _ in range(draw(st.integers(1, 3))):
+        paths = [p for p in _paths(doc) if p[0] not in ("format", "version")]
+        path = draw(st.sampled_from(paths))
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        if draw(st.booleans()) and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(_json)
+    return doc
+
+
+def _numbers(doc: Any) -> list[int | float]:
+    if isinstance(doc, dict):
+        return [n for v in doc.values() for n in _numbers(v)]
+    if isinstance(doc, list):
+        return [n for v in doc for n in _numbers(v)]
+    return [doc] if _is_number(doc) else []
+
+
+@FUZZ
+@given(doc=mutated_deep(VALID_STATUS) | mutated(VALID_STATUS))
+def test_a_mutated_status_is_refused_or_well_typed(doc: Any, tmp_path: Path) -> None:
+    _write(tmp_path / STATUS_NAME, doc)
+    try:
+        status = read_status(tmp_path)
+    except ProtocolError as exc:
+        assert STATUS_NAME in str(exc)
+        return
+    assert status is not None and status.state in set(State)
+    written = status.to_doc()
+    assert all(math.isfinite(n) and (not isinstance(n, int) or n >= 0) for n in _numbers(written))
+    write_status(tmp_path, status)
+    assert read_status(tmp_path) == status  # what was accepted is what the daemon could have written
+    p = status.production
+    if p is not None:
+        assert all(isinstance(s.progress.epoch, int) and isinstance(s.trainer.alive, (bool, type(None))) for s in p.streams)
+        assert all(isinstance(b.path, str) for b in p.errors.undecodable)
+        assert p.progress.trainer_wait_share is None or 0.0 <= p.progress.trainer_wait_share <= 1.0
+
+
+def test_status_errors_name_the_field_and_the_value(tmp_path: Path) -> None:
+    doc = copy.deepcopy(VALID_STATUS)
+    doc["streams"][1]["trainer"]["alive"] = "yes"
+    _write(tmp_path / STATUS_NAME, doc)
+    with pytest.raises(ProtocolError, match=r"status\.json: field 'streams\[1\]\.trainer\.alive' is 'yes', expected true, false"):
+        read_status(tmp_path)
+    doc = {**VALID_STATUS, "state": "sleeping"}
+    _write(tmp_path / STATUS_NAME, doc)
+    with pytest.raises(ProtocolError, match="field 'state' is 'sleeping', expected one of waiting-for-job, starting"):
+        read_status(tmp_path)
 
 
 @FUZZ

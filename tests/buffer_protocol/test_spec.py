@@ -8,6 +8,8 @@ on the modules at call time, so ``test_check_can_fail`` can change a constant
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
 import re
 import struct
@@ -20,7 +22,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from prefetchd.buffer_protocol import batch, layout
+from prefetchd.buffer_protocol import State, batch, layout
+from prefetchd.buffer_protocol import status as status_module
+from tests.status_examples import bad_files, production
+from tests.status_examples import status as status_example
 
 SPEC_PATH = Path(batch.__file__).with_name("SPEC.md")
 SPEC = SPEC_PATH.read_text()
@@ -269,6 +274,54 @@ def json_temp_mismatches(spec: str) -> list[str]:
     return out
 
 
+_SPEC_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "null": type(None), "object": dict, "list": list}
+
+
+def _flatten(doc: object, prefix: str = "") -> dict[str, object]:
+    """Dotted keys of a status document as the spec's table names them: ``streams[].rank``, ``stages.STAGE.p50``."""
+    out: dict[str, object] = {}
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            name = f"{prefix}.{key}" if prefix else key
+            if prefix == "stages":
+                name = "stages.STAGE"
+            out[name] = value
+            out.update(_flatten(value, name))
+    elif isinstance(doc, list):
+        for value in doc:
+            out.update(_flatten(value, f"{prefix}[]"))
+    return out
+
+
+def status_mismatches(spec: str) -> list[str]:
+    """Every key the daemon writes into status.json is in the spec's table with its type, and no other;
+    the keys marked "always" are all a daemon waiting for a job writes; the states are the code's."""
+    out = []
+    rows = {literal(r["key"]): r for r in table(spec, "Status document", "key")}
+    errors = dataclasses.replace(production().errors, undecodable=bad_files(1))
+    producing = status_example(production=production(errors=errors)).to_doc()
+    waiting = status_example(State.WAITING_FOR_JOB, production=None).to_doc()
+    written = _flatten(producing)
+    if sorted(rows) != sorted(written):
+        out.append(f"status keys: only in the spec {sorted(set(rows) - set(written))}, "
+                   f"only in the code {sorted(set(written) - set(rows))}")
+    for key, value in written.items():
+        if key not in rows:
+            continue
+        kinds = [_SPEC_TYPES.get(t.strip()) for t in rows[key]["type"].split(" or ")]
+        if not any(k is not None and isinstance(value, k) and not (k is int and isinstance(value, bool)) for k in kinds):
+            out.append(f"status key {key}: spec says {rows[key]['type']!r}, the daemon writes {value!r}")
+    always = sorted(k for k, r in rows.items() if r["when"] == "always")
+    if always != sorted(_flatten(waiting)):
+        out.append(f"status keys written in every state: spec {always}, code {sorted(_flatten(waiting))}")
+    m = re.search(r"^States:(.*)$", section(spec, "Status document"), re.M)
+    spec_states = re.findall(r"`([^`]+)`", m[1]) if m else []
+    code_states = [s.value for s in status_module.State]
+    if spec_states != code_states:
+        out.append(f"states: spec {spec_states}, code {code_states}")
+    return out
+
+
 CHECKS: dict[str, Callable[[str], list[str]]] = {
     "constants": constant_mismatches,
     "limits": limit_mismatches,
@@ -279,6 +332,7 @@ CHECKS: dict[str, Callable[[str], list[str]]] = {
     "dtypes": dtype_mismatches,
     "documents": document_mismatches,
     "json temp names": json_temp_mismatches,
+    "status": status_mismatches,
 }
 
 
@@ -297,6 +351,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Batch file", "key")) == 7
     assert len(table(SPEC, "Batch file", "name")) == 3
     assert len(table(SPEC, "Buffer directory", "file")) == 7
+    assert len(table(SPEC, "Status document", "key")) >= 60
     assert len(docstring_header(batch.__doc__ or "")) == 6
 
 
@@ -312,6 +367,8 @@ def _changed_docstring() -> str:
     doc = batch.__doc__ or ""
     return doc.replace("meta_len     I", "meta_size    I")
 
+
+_TO_DOC = status_module.Status.to_doc
 
 # (check, edit of the spec text or None, (module, attribute, new value) or None)
 MUTATIONS = {
@@ -346,6 +403,13 @@ MUTATIONS = {
     "document version in code": ("documents", None, (batch, "VERSION", 2)),
     "json temp name in spec": ("json temp names", _replace("`NAME.tmp-", "`NAME.partial-"), None),
     "json temp name in code": ("json temp names", None, (layout, "TEMP_MARK", ".part")),
+    "status key in spec": ("status", _replace("| `rates.samples_per_s` |", "| `rates.images_per_s` |"), None),
+    "status type in spec": ("status", _replace("| `heartbeat` | float |", "| `heartbeat` | int |"), None),
+    "status key's presence in spec": ("status", _replace("| `producer` | str | producing |", "| `producer` | str | always |"), None),
+    "state in spec": ("status", _replace("`paused-low-space`, `done`", "`paused`, `done`"), None),
+    "state in code": ("status", None, (status_module, "State", enum.Enum("State", {"STARTING": "starting"}, type=str))),
+    "status key in code": ("status", None, (status_module.Status, "to_doc",
+                                            lambda self: {**_TO_DOC(self), "fill": 3})),
 }
 
 

@@ -19,10 +19,12 @@ import pytest
 from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import DaemonLock
+from prefetchd.buffer_protocol import DaemonLock, Errors, write_status
 from prefetchd.daemon import cli
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
+from tests.status_examples import bad_files, production, stream
+from tests.status_examples import status as status_example
 
 LOCK = "daemon.lock"
 
@@ -197,7 +199,12 @@ def test_status_with_a_live_owner(runner: CliRunner, tmp_path: Path) -> None:
         result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"])
         assert result.exit_code == 0, result.output
         doc = json.loads(result.output)
-        assert doc["running"] is True and doc["pid"] == os.getpid()
+        assert doc["running"] is True and doc["pid"] == os.getpid() and doc["status"] is None
+        written = status_example(pid=os.getpid())
+        write_status(tmp_path, written)
+        doc = json.loads(runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"]).output)
+        assert doc["status"] == json.loads(json.dumps(written.to_doc()))  # the document as status.json holds it
+        assert doc["status"]["format"] == "prefetchd.status" and doc["status"]["rates"]["samples_per_s"] == 850.4
         text = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
         assert text.exit_code == 0
         assert f"running (pid {os.getpid()})" in text.output
@@ -294,49 +301,41 @@ def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     assert json.loads(json.dumps(info)) == info
 
 
-# A status as a running daemon writes it (Producer.status), to be damaged below.
-_STATUS: dict[str, object] = {
-    "pid": 1, "producer": "p", "state": "filling", "message": "", "heartbeat": 1.0, "started": 0.0,
-    "progress": {"epoch": 0, "step": 3, "trainer_wait_share": 0.1},
-    "streams": [{"rank": r, "progress": {"epoch": 0, "step": 3, "trainer_wait_share": None}, "waiting": 2,
-                 "building": 1, "progress_file": ""} for r in (0, 1)],
-    "waiting": 4, "building": 2, "high_water": 8, "low_water": 4, "batch_bytes": 1 << 20, "buffer_bytes": 4 << 20,
-    "free_bytes": 1 << 30, "workers": 2, "workers_cpu_percent": 150.0,
-    "rates": {"samples_per_s": 800.0, "consumed_batches_per_s": 6.2},
-    "stages": {"read": {"p50": 0.001, "p90": 0.002, "p99": 0.003}},
-    "totals": {"batches": 10, "samples": 80, "consumed_batches": 6},
-    "errors": {"replaced_samples": 7, "undecodable_files": 7, "worker_restarts": 0, "write_failures": 0,
-               "progress_file": "", "undecodable": [{"path": f"/d/c/{i}.jpg", "reason": "empty"} for i in range(7)]},
-    "job_result": {"job_id": "j", "accepted": True, "reason": "ok"},
-}
-
-
 def test_status_lists_the_first_undecodable_files() -> None:
+    errors = Errors(replaced_samples=7, undecodable_files=7, undecodable=bad_files(7), worker_restarts=0,
+                    write_failures=0, progress_file="")
     info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
-            "status": _STATUS, "manifest": None, "problems": []}
+            "status": status_example(production=production(errors=errors)), "manifest": None, "problems": []}
     text = cli.format_status(info)
     assert "7 undecodable files" in text and "bad file  /d/c/0.jpg: empty" in text
     assert text.count("bad file") == cli.SHOWN_BAD_FILES and "and 2 more" in text
 
 
-def test_a_damaged_status_document_is_reported_not_raised() -> None:
-    from hypothesis import given, settings
+def test_a_damaged_status_document_is_reported_not_raised(tmp_path: Path) -> None:
+    from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
     anything = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
                             lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
                             max_leaves=8)
+    valid = status_example(production=production(streams=(stream(0), stream(1)))).to_doc()
 
-    @settings(max_examples=80, deadline=None)
-    @given(damage=st.dictionaries(st.sampled_from(sorted(_STATUS)), anything, max_size=3), running=st.booleans())
-    def check(damage: dict[str, object], running: bool) -> None:
-        status = {**_STATUS, **damage}
-        info = {"buffer": "/dev/shm/bf", "running": running, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
-                "status": status, "manifest": None, "problems": []}
-        text = cli.format_status(info)
-        assert text.startswith("prefetchd on /dev/shm/bf")
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(damage=st.dictionaries(st.sampled_from(sorted(valid)), anything, max_size=3))
+    def check(damage: dict[str, object]) -> None:
+        (tmp_path / "status.json").write_text(json.dumps({**valid, **damage}))
+        info = cli.describe_status(tmp_path)
+        assert info["running"]
+        assert info["status"] is not None or any("status.json" in p for p in info["problems"])
+        assert cli.format_status(info).startswith(f"prefetchd on {tmp_path}: running")
+        json.loads(cli.status_json(info))
 
-    check()
+    lock = DaemonLock(tmp_path)
+    lock.acquire()  # this test process plays the daemon, so the whole report is drawn
+    try:
+        check()
+    finally:
+        lock.release()
 
 
 @pytest.mark.parametrize(("waiting", "high"), [(-(10**10), 8), (10**12, 8), (3, 0), (3, -5)])

@@ -5,28 +5,32 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
-from prefetchd.buffer_protocol import read_status
+from prefetchd.buffer_protocol import Rates, State, Status, TrainerStatus, read_status
 from prefetchd.daemon.main import StartupBeat
 from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.producer import STATUS_SECONDS
 from prefetchd.daemon.sdnotify import Notifier, status_line
+from tests.status_examples import production, stream
+from tests.status_examples import status as status_example
 
 
 def test_startup_beat_writes_a_throttled_heartbeat(tmp_path: Path) -> None:
-    beat = StartupBeat(tmp_path, Notifier(None), lambda: {"job_result": None})
+    beat = StartupBeat(tmp_path, Notifier(None), lambda: None)
     before = time.time()
     beat("indexing /data/train")
     status = read_status(tmp_path)
     assert status is not None
-    assert (status["pid"], status["state"], status["message"]) == (os.getpid(), "starting", "indexing /data/train")
-    assert before <= status["heartbeat"] <= time.time() and "job_result" in status
+    assert (status.pid, status.state, status.message) == (os.getpid(), State.STARTING, "indexing /data/train")
+    assert before <= status.heartbeat <= time.time()
+    assert status.job_result is None and status.production is None
     beat("indexing /data/train")  # called per class folder: at most one write per status period
     assert read_status(tmp_path) == status
     time.sleep(STATUS_SECONDS + 0.05)
     beat("indexing /data/train")
     later = read_status(tmp_path)
-    assert later is not None and later["heartbeat"] > status["heartbeat"]
+    assert later is not None and later.heartbeat > status.heartbeat
 
 
 def test_startup_beat_survives_an_unwritable_buffer(tmp_path: Path) -> None:
@@ -34,19 +38,31 @@ def test_startup_beat_survives_an_unwritable_buffer(tmp_path: Path) -> None:
     beat("indexing")  # logged, not raised: indexing goes on
 
 
+def _with_trainer(trainer: TrainerStatus, **changes: Any) -> Status:
+    return status_example(State.FULL, production=production(trainer=trainer, streams=(stream(trainer=trainer),), **changes))
+
+
 def test_metrics_say_whether_the_trainer_is_there() -> None:
-    status = {"state": "full", "trainer": {"pid": 12, "alive": False, "progress_age_s": 42.0}}
+    status = _with_trainer(TrainerStatus(pid=12, alive=False, progress_age_s=42.0))
     families = {f.name: f for f in StatusCollector(Path("/dev/shm/bf"), lambda: status).collect()}
     assert families["prefetchd_trainer_alive"].samples[0].value == 0.0
     assert families["prefetchd_trainer_progress_age_seconds"].samples[0].value == 42.0
-    status["trainer"] = {"pid": None, "alive": None, "progress_age_s": None}  # no trainer yet: no figure
+    status = _with_trainer(TrainerStatus(pid=None, alive=None, progress_age_s=None))  # no trainer yet: no figure
     families = {f.name: f for f in StatusCollector(Path("/dev/shm/bf"), lambda: status).collect()}
     assert "prefetchd_trainer_alive" not in families and "prefetchd_trainer_progress_age_seconds" not in families
 
 
+def test_metrics_of_a_daemon_waiting_for_a_job_are_its_state_only() -> None:
+    status = Status(pid=1, state=State.WAITING_FOR_JOB, heartbeat=0.0)
+    families = {f.name: f for f in StatusCollector(Path("/dev/shm/bf"), lambda: status).collect()}
+    assert set(families) == {"prefetchd_state"}
+    states = {s.labels["state"]: s.value for s in families["prefetchd_state"].samples}
+    assert states == {str(s): float(s == State.WAITING_FOR_JOB) for s in State}
+
+
 def test_systemd_status_line_says_the_trainer_is_gone() -> None:
-    status = {"state": "full", "waiting": 4, "high_water": 4, "progress": {"epoch": 1, "step": 40},
-              "trainer": {"pid": 12, "alive": False, "progress_age_s": 42.0}}
+    rates = Rates(samples_per_s=0.0, consumed_batches_per_s=0.0)
+    status = _with_trainer(TrainerStatus(pid=12, alive=False, progress_age_s=42.0), waiting=4, high_water=4, rates=rates)
     assert status_line(status) == "full 4/4 batches, 0 img/s, trainer at epoch 1 step 40 (gone)"
-    status["trainer"] = {"pid": 12, "alive": True, "progress_age_s": 1.0}
+    status = _with_trainer(TrainerStatus(pid=12, alive=True, progress_age_s=1.0), waiting=4, high_water=4, rates=rates)
     assert status_line(status) == "full 4/4 batches, 0 img/s, trainer at epoch 1 step 40"

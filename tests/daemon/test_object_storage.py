@@ -328,7 +328,8 @@ def test_a_daemon_serves_every_layout_from_s3_as_from_disk(s3: Any, proxy: Any, 
     assert proxy.fail_next == 0 and "Please reduce your request rate.; retry 1 of 5" in again.log
     assert "still failing after 6 tries" in again.log and "retrying in 1 s" in again.log, again.log
     status = read_status(shm_dir / "s3-again")
-    assert status is not None and status["errors"]["replaced_samples"] == 0, status["errors"]
+    assert status is not None and status.production is not None
+    assert status.production.errors.replaced_samples == 0, status.production.errors
 
     # A file list and packed shards in the bucket: the same batches again.
     from prefetchd.daemon.sources.shards import pack

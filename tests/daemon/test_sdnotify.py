@@ -4,6 +4,7 @@ watchdog's rate limit, and a socket that points nowhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -19,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from prefetchd.buffer_protocol import Errors, Position, Rates, State, Status, TrainerStatus
 from prefetchd.daemon.sdnotify import Notifier, status_line
+from tests.status_examples import production, stream
+from tests.status_examples import status as status_example
 
 LOGGER = "prefetchd.daemon.sdnotify"
 SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "SYSTEMD_EXEC_PID")
@@ -308,22 +312,8 @@ def test_stopping_is_sent_once_then_only_the_status(listener: tuple[str, Listene
     assert lst.messages() == ["STOPPING=1\nSTATUS=stopping: SIGTERM", "STATUS=stopped by SIGTERM"]
 
 
-STATUS = {  # the keys of Producer.status() for one rank
-    "pid": 4242,
-    "producer": "abc",
-    "state": "filling",
-    "message": "",
-    "progress": {"epoch": 1, "step": 40, "trainer_wait_share": None},
-    "streams": [{"rank": 0, "progress": {"epoch": 1, "step": 40, "trainer_wait_share": None},
-                 "waiting": 12, "building": 2, "progress_file": ""}],
-    "waiting": 12,
-    "building": 2,
-    "high_water": 32,
-    "low_water": 16,
-    "workers": 15,
-    "rates": {"samples_per_s": 850.4, "consumed_batches_per_s": 0.0},
-    "errors": {"replaced_samples": 0, "undecodable_files": 0, "worker_restarts": 0, "write_failures": 0, "progress_file": ""},
-}
+STATUS = status_example(production=production(streams=(stream(trainer=TrainerStatus(None, None, None)),),
+                                              trainer=TrainerStatus(None, None, None)))
 
 
 def test_status_line() -> None:
@@ -331,16 +321,21 @@ def test_status_line() -> None:
 
 
 def test_status_line_with_consumption_errors_and_a_message() -> None:
-    progress = {"epoch": 1, "step": 40, "trainer_wait_share": 0.0234}
-    status = {
-        **STATUS,
-        "state": "paused-low-space",
-        "message": "paused: /dev/shm/bf would fall to 10 MiB free",
-        "progress": progress,
-        "streams": [{**STATUS["streams"][0], "progress": progress}],  # type: ignore[index]
-        "rates": {"samples_per_s": 0.0, "consumed_batches_per_s": 3.25},
-        "errors": {"undecodable_files": 1, "worker_restarts": 2, "write_failures": 0, "progress_file": "bad json"},
-    }
+    progress = Position(1, 40, trainer_wait_share=0.0234)
+    assert STATUS.production is not None
+    status = dataclasses.replace(
+        STATUS,
+        state=State.PAUSED_LOW_SPACE,
+        message="paused: /dev/shm/bf would fall to 10 MiB free",
+        production=dataclasses.replace(
+            STATUS.production,
+            progress=progress,
+            streams=(dataclasses.replace(STATUS.production.streams[0], progress=progress),),
+            rates=Rates(samples_per_s=0.0, consumed_batches_per_s=3.25),
+            errors=Errors(replaced_samples=0, undecodable_files=1, undecodable=(), worker_restarts=2, write_failures=0,
+                          progress_file="bad json"),
+        ),
+    )
     assert status_line(status) == (
         "paused-low-space 12/32 batches, 0 img/s, trainer at epoch 1 step 40 (3.2 batches/s, waits 2% for data), "
         "1 undecodable file, 2 worker restarts, progress file ignored; paused: /dev/shm/bf would fall to 10 MiB free"
@@ -348,20 +343,16 @@ def test_status_line_with_consumption_errors_and_a_message() -> None:
 
 
 def test_status_line_for_several_ranks_names_the_slowest() -> None:
-    ranks = [
-        {"rank": 0, "progress": {"epoch": 2, "step": 3, "trainer_wait_share": 0.01}},
-        {"rank": 1, "progress": {"epoch": 1, "step": 90, "trainer_wait_share": 0.20}},
-        {"rank": 2, "progress": {"epoch": 2, "step": 0, "trainer_wait_share": None}},
-    ]
-    status = {**STATUS, "progress": ranks[0]["progress"], "streams": ranks, "waiting": 40, "high_water": 96}
+    ranks = (
+        stream(0, progress=Position(2, 3, 0.01)),
+        stream(1, progress=Position(1, 90, 0.20)),
+        stream(2, progress=Position(2, 0, None)),
+    )
+    status = status_example(production=production(progress=ranks[0].progress, streams=ranks, waiting=40, high_water=96))
     assert status_line(status) == "filling 40/96 batches, 850 img/s, 3 trainers, slowest at epoch 1 step 90 (waits 20% for data)"
 
 
 def test_status_line_while_waiting_for_a_job() -> None:
-    status = {"pid": 1, "state": "waiting-for-job", "message": "waiting for a job: `prefetchd submit ...`", "heartbeat": 0.0}
+    status = Status(pid=1, state=State.WAITING_FOR_JOB, heartbeat=0.0, message="waiting for a job: `prefetchd submit ...`")
     assert status_line(status) == "waiting for a job: `prefetchd submit ...`"
-    assert status_line({"state": "starting"}) == "starting"
-
-
-def test_status_line_tolerates_missing_keys() -> None:
-    assert status_line({"progress": {}}) == "unknown 0/? batches, 0 img/s, trainer at epoch 0 step 0"
+    assert status_line(Status(pid=1, state=State.STARTING, heartbeat=0.0)) == "starting"

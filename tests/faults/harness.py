@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from prefetchd.buffer_protocol import batch_name, daemon_pid, list_batches, read_status
+from prefetchd.buffer_protocol import State, batch_name, daemon_pid, list_batches, read_status
 from prefetchd.buffer_protocol.batch import HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -569,7 +569,7 @@ class Harness:
         end = time.monotonic() + 10
         while time.monotonic() < end and not full:
             try:
-                full = (read_status(self.buffer) or {}).get("state") == "full"
+                full = (s := read_status(self.buffer)) is not None and s.state == State.FULL
             except Exception:
                 pass
             time.sleep(0.02)

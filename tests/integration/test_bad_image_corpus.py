@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from prefetchd.bad_images import Corpus, make_bad_images
-from prefetchd.buffer_protocol import read_status, stream_dir
+from prefetchd.buffer_protocol import State, read_status, stream_dir
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import EXIT_BAD_DATA
 from prefetchd.trainer import BufferLoader
+from tests.status_examples import production_of, state_of
 
 SMALL = ["--split", "val", "--batch-size", "4", "--image-size", "32", "--workers", "2", "--epochs", "1"]
 TOLERANCE = 12
@@ -41,12 +42,12 @@ def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path
     buffer.chmod(0o700)
     planted.parent.chmod(0o700)
     daemon = start_daemon(buffer, "--data", corpus.root, *SMALL, "--world-size", "2", "--high-water", "8")
-    daemon.wait_until(lambda: ((read_status(buffer) or {}).get("errors") or {}).get("write_failures", 0) >= 1, 120,
+    daemon.wait_until(lambda: (p := production_of(buffer)) is not None and p.errors.write_failures >= 1, 120,
                       "a write failure for the planted directory")
     assert f"cannot create {planted}" in daemon.log
     planted.rmdir()
     # Everything is produced before anyone consumes: every bad file has been met.
-    daemon.wait_until(lambda: (read_status(buffer) or {}).get("state") == "done", 120, "the whole epoch produced")
+    daemon.wait_until(lambda: state_of(buffer) == State.DONE, 120, "the whole epoch produced")
     shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)],
                            capture_output=True, text=True, timeout=60).stdout
     assert f"{len(bad)} undecodable files" in shown, shown
@@ -75,11 +76,11 @@ def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path
     assert set(got0 + got1) == set(range(len(index))) - bad  # every valid sample is there
     assert rep0 + rep1 >= len(bad)  # (the padding may repeat a bad one)
 
-    status = read_status(buffer)
-    assert status is not None
-    errors = status["errors"]
-    assert errors["undecodable_files"] == len(bad) and errors["replaced_samples"] == rep0 + rep1
-    listed = {Path(b["path"]).relative_to(Path(index.root)).as_posix(): b["reason"] for b in errors["undecodable"]}
+    p = production_of(buffer)
+    assert p is not None
+    errors = p.errors
+    assert errors.undecodable_files == len(bad) and errors.replaced_samples == rep0 + rep1
+    listed = {Path(b.path).relative_to(Path(index.root)).as_posix(): b.reason for b in errors.undecodable}
     assert set(listed) == set(corpus.undecodable)
     assert "not a regular file" in listed["class_b/fifo.jpg"] and "max_image_pixels" in listed["class_b/bomb.jpg"]
     logged = Counter(m for m in re.findall(r"cannot decode (\S+) \(", daemon.log))
@@ -95,7 +96,7 @@ def test_strict_fails_the_job_naming_the_file(corpus: Corpus, shm_dir: Path, sta
     assert message, daemon.log
     assert Path(message[1]).relative_to(corpus.root.resolve()).as_posix() in corpus.undecodable
     status = read_status(buffer)
-    assert status is not None and status["state"] == "failed" and "--strict" in status["message"]
+    assert status is not None and status.state == State.FAILED and "--strict" in status.message
 
 
 def test_a_bad_sample_budget_stops_the_job(corpus: Corpus, shm_dir: Path, start_daemon) -> None:

@@ -16,8 +16,9 @@ from torchvision.datasets import ImageFolder
 
 from prefetchd.daemon.main import RAM_FILESYSTEMS, filesystem_of
 from prefetchd.daemon.cli import describe_status, format_status
-from prefetchd.buffer_protocol import DaemonLock, Progress, daemon_pid, list_batches, list_temp_files, read_status
+from prefetchd.buffer_protocol import DaemonLock, Progress, State, daemon_pid, list_batches, list_temp_files, read_status
 from prefetchd.trainer import BufferLoader
+from tests.status_examples import production_of, state_of
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--seed", "7"]
 
@@ -106,7 +107,7 @@ def test_sigterm_stops_cleanly(shapes_data: Path, shm_dir: Path, start_daemon) -
     assert daemon.wait_exit(15) == 0, daemon.log
     assert list(list_temp_files(buffer)) == [], "no half-written batch may be left behind"
     status = read_status(buffer)
-    assert status is not None and status["state"] == "stopped" and "SIGTERM" in status["message"]
+    assert status is not None and status.state == State.STOPPED and "SIGTERM" in status.message
     lock = DaemonLock(buffer)
     lock.acquire()  # released: a new owner can take the buffer
     lock.release()
@@ -115,7 +116,7 @@ def test_sigterm_stops_cleanly(shapes_data: Path, shm_dir: Path, start_daemon) -
 def test_stop_command_and_status(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
-    daemon.wait_until(lambda: (read_status(buffer) or {}).get("state") == "full", 30, "state 'full'")
+    daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "state 'full'")
     cli = [sys.executable, "-m", "prefetchd"]
     out = subprocess.run([*cli, "status", "--buffer", buffer], capture_output=True, text=True)
     assert out.returncode == 0 and "running" in out.stdout and "4/4 batches waiting" in out.stdout, out.stdout
@@ -202,7 +203,7 @@ def test_buffer_of_another_job_is_refused_until_reset(shapes_data: Path, shm_dir
     assert "augmentation: '' -> 'color_jitter=0.4'" in jitter.log
     reset = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
                          "--workers", "1", "--high-water", "2", "--reset")
-    reset.wait_until(lambda: batch_files(buffer) == 2 and (read_status(buffer) or {}).get("state") == "full", 60, "the new job's batches")
+    reset.wait_until(lambda: batch_files(buffer) == 2 and state_of(buffer) == State.FULL, 60, "the new job's batches")
     loader = BufferLoader(buffer, normalize=False, timeout=30)
     assert next(iter(loader)).images.shape[0] == 4
 
@@ -256,14 +257,14 @@ def test_trainer_wait_share_and_worker_cpu_reach_the_status(shapes_data: Path, s
     assert written is not None and written.wait_share is not None and 0.0 <= written.wait_share <= 1.0
 
     def reported() -> bool:
-        status = read_status(buffer) or {}
-        return status.get("progress", {}).get("trainer_wait_share") == round(written.wait_share, 4)
+        p = production_of(buffer)
+        return p is not None and p.progress.trainer_wait_share == round(written.wait_share, 4)
 
     daemon.wait_until(reported, 10, "the status to report the trainer's wait share")
-    status = read_status(buffer) or {}
-    assert status["workers_cpu_percent"] >= 0.0
-    assert set(status["stages"]) == {"read", "decode", "augment", "write"}
-    for quantiles in status["stages"].values():
-        assert 0 <= quantiles["p50"] <= quantiles["p90"] <= quantiles["p99"] < 10
+    p = production_of(buffer)
+    assert p is not None and p.workers_cpu_percent >= 0.0
+    assert set(p.stages) == {"read", "decode", "augment", "write"}
+    for quantiles in p.stages.values():
+        assert 0 <= quantiles.p50 <= quantiles.p90 <= quantiles.p99 < 10
     line = next(x for x in format_status(describe_status(buffer)).splitlines() if "(p50/p90/p99)" in x)
     assert line.index("read") < line.index("decode") < line.index("augment") < line.index("write"), line

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from prefetchd.buffer_protocol import JobRequest, Manifest, read_status
+from prefetchd.buffer_protocol import JobRequest, Manifest
 from prefetchd.trainer import BufferLoader
+from tests.status_examples import job_result_of, state_of
 
 CLI = [sys.executable, "-m", "prefetchd"]
 JOB = ["--batch-size", "8", "--image-size", "32"]
@@ -24,7 +25,7 @@ def submit(buffer: Path, *args: str | os.PathLike[str]) -> subprocess.CompletedP
 
 
 def state(buffer: Path) -> str | None:
-    return (read_status(buffer) or {}).get("state")
+    return state_of(buffer)
 
 
 def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
@@ -74,11 +75,13 @@ def test_malformed_and_unknown_job_settings_are_refused(shm_dir: Path, start_dae
     daemon = start_daemon(buffer, "--workers", "1")
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "waiting")
     JobRequest({"data": "/x", "colour": "blue"}).write(buffer)
-    daemon.wait_until(lambda: ((read_status(buffer) or {}).get("job_result") or {}).get("accepted") is False, 30, "a refusal")
-    reason = read_status(buffer)["job_result"]["reason"]  # type: ignore[index]
+    daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and r.accepted is False, 30, "a refusal")
+    result = job_result_of(buffer)
+    assert result is not None
+    reason = result.reason
     assert "unknown job settings ['colour']" in reason and "batch_size" in reason
     (buffer / "job.json").write_text("{ not json")
-    daemon.wait_until(lambda: "not valid JSON" in ((read_status(buffer) or {}).get("job_result") or {}).get("reason", ""), 30, "a refusal")
+    daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and "not valid JSON" in r.reason, 30, "a refusal")
     assert daemon.proc.poll() is None
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from prefetchd.buffer_protocol import Progress, daemon_pid, list_batches, read_status
+from prefetchd.buffer_protocol import Progress, State, daemon_pid, list_batches, read_status
 from prefetchd.daemon.cli import describe_status, format_status
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck
+from tests.status_examples import production_of, state_of
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7"]
 STALL = 3.0
@@ -37,7 +38,7 @@ def wait_running(buffer: Path, pid: int) -> None:
     not for one whose fork server is still importing torch on a busy machine)."""
     def running() -> bool:
         status = read_status(buffer)
-        return status is not None and status.get("pid") == pid and status.get("state") in ("filling", "full")
+        return status is not None and status.pid == pid and status.state in (State.FILLING, State.FULL)
     wait_for(running, 60, f"the daemon (pid {pid}) to run")
 
 
@@ -68,7 +69,7 @@ def test_stopped_daemon_is_reported_stuck_within_the_stall_timeout(shapes_data: 
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     resumed = time.time()
-    wait_for(lambda: (read_status(buffer) or {}).get("heartbeat", 0) > resumed, 30, "a heartbeat after SIGCONT")
+    wait_for(lambda: (s := read_status(buffer)) is not None and s.heartbeat > resumed, 30, "a heartbeat after SIGCONT")
     # Running again it beats again, and the same iterator goes on from the batch it waited for.
     steps += [b.step for b in it]
     assert steps == list(range(len(loader)))
@@ -107,15 +108,16 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
     assert trainer.returncode == 0, trainer.stderr
 
     def trainer_is(alive: bool) -> bool:
-        t = (read_status(buffer) or {}).get("trainer") or {}
-        return t.get("alive") is alive
+        p = production_of(buffer)
+        return p is not None and p.trainer.alive is alive
 
     wait_for(lambda: trainer_is(False), 30, "the status to say the trainer is gone")
     status = read_status(buffer)
-    assert status is not None and status["trainer"]["pid"] == trainer_pid(buffer)
-    assert status["progress"] == {"epoch": 0, "step": 2, "trainer_wait_share": status["progress"]["trainer_wait_share"]}
+    assert status is not None and status.production is not None
+    assert status.production.trainer.pid == trainer_pid(buffer)
+    assert (status.production.progress.epoch, status.production.progress.step) == (0, 2)
     # It keeps the window full and then sleeps there.
-    wait_for(lambda: (read_status(buffer) or {}).get("state") == "full", 30, "a full buffer")
+    wait_for(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
     assert len(list_batches(buffer)) == 3
     text = format_status(describe_status(buffer))
     assert f"trainer pid {trainer_pid(buffer)} GONE" in text and "progress moved" in text

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefetchd.buffer_protocol import read_status
+from prefetchd.buffer_protocol import State
+from tests.status_examples import state_of
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--high-water", "3"]
 
@@ -31,7 +32,7 @@ def test_metrics_endpoint_and_textfile_agree_with_the_status(shapes_data: Path, 
     buffer, port, textfile = shm_dir / "bf", free_port(), tmp_path / "prefetchd.prom"
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--metrics-port", port,
                           "--metrics-textfile", textfile)
-    daemon.wait_until(lambda: (read_status(buffer) or {}).get("state") == "full", 30, "a full buffer")
+    daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
     daemon.wait_until(lambda: textfile.exists() and "prefetchd_state" in textfile.read_text(), 10, "the textfile")
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         scraped = samples(response.read().decode())

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from torchvision.datasets import ImageFolder
 
-from prefetchd.buffer_protocol import read_status, stream_dir
+from prefetchd.buffer_protocol import stream_dir
 from prefetchd.trainer import BufferLoader
+from tests.status_examples import production_of
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--high-water", "3"]
 
@@ -66,7 +67,7 @@ def test_two_boxes_split_the_world_without_talking(shapes_data: Path, shm_dir: P
         buffer = shm_dir / f"box{box}"
         daemon = start_daemon(buffer, "--data", data, *SMALL, "--world-size", "4", "--ranks", ranks, "--epochs", "1")
         lo = int(ranks[0])
-        daemon.wait_until(lambda: len((read_status(buffer) or {}).get("streams", [])) == 2, 60, "both streams in the status")
+        daemon.wait_until(lambda: (p := production_of(buffer)) is not None and len(p.streams) == 2, 60, "both streams in the status")
         shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)], capture_output=True, text=True).stdout
         assert f"rank {lo} " in shown and f"rank {lo + 1} " in shown and "72 samples" in shown, shown
         for rank in (lo, lo + 1):

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
-from prefetchd.buffer_protocol import ProtocolError, read_status
+from prefetchd.buffer_protocol import ProtocolError, State, read_status
 from prefetchd.daemon.sdnotify import status_line
 
 CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -82,7 +82,7 @@ def producing(buffer: Path) -> bool:
         status = read_status(buffer)
     except ProtocolError:
         return False
-    return status is not None and status.get("state") in ("filling", "full")
+    return status is not None and status.state in (State.FILLING, State.FULL)
 
 
 def test_daemon_notifies_ready_status_watchdog_and_stopping(
@@ -146,7 +146,7 @@ def test_status_line_reads_a_real_daemons_status(shapes_data: Path, shm_dir: Pat
     def seen() -> bool:
         if producing(buffer):
             status = read_status(buffer)
-            if status and "progress" in status:
+            if status is not None and status.production is not None:
                 found.append(status_line(status))
                 return True
         return False

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from prefetchd.buffer_protocol import Progress, ProtocolError, write_batch, write_status
+from prefetchd.buffer_protocol import Position, Progress, ProtocolError, State, Status, write_batch, write_status
 from prefetchd.trainer import Batch, BufferLoader, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.loader import IMAGENET_MEAN, IMAGENET_STD
+from tests.status_examples import ERRORS, production
+from tests.status_examples import status as status_example
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
     from conftest import MakeJob
@@ -290,11 +293,11 @@ def test_waits_for_a_batch_that_appears_later(make_job: MakeJob) -> None:
 def test_batch_timeout_names_the_batch_and_the_daemon_state(make_job: MakeJob) -> None:
     job = make_job()
     job.claim(os.getpid())
-    write_status(job.buffer, {
-        "state": "paused", "message": "low tmpfs space: 12 MiB free", "heartbeat": time.time(),
-        "progress": {"epoch": 0, "step": 0}, "waiting": 0, "high_water": 4,
-        "errors": {"replaced_samples": 0, "write_failures": 2, "progress_file": None},
-    })
+    write_status(job.buffer, status_example(
+        State.PAUSED_LOW_SPACE, pid=os.getpid(), message="low tmpfs space: 12 MiB free", heartbeat=time.time(),
+        production=production(progress=Position(0, 0), waiting=0, high_water=4,
+                              errors=dataclasses.replace(ERRORS, write_failures=2)),
+    ))
     loader = BufferLoader(job.buffer, timeout=0.2, daemon_grace=0.1)
     start = time.monotonic()
     with pytest.raises(LoaderTimeout) as info:
@@ -339,7 +342,7 @@ def test_slow_but_beating_daemon_is_not_stuck(make_job: MakeJob) -> None:
 
     def beat() -> None:
         while not stop.is_set():
-            write_status(job.buffer, {"pid": os.getpid(), "state": "filling", "heartbeat": time.time()})
+            write_status(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time()))
             stop.wait(0.2)
 
     thread = threading.Thread(target=beat, daemon=True)
@@ -359,7 +362,7 @@ def test_status_of_another_pid_is_no_heartbeat(make_job: MakeJob) -> None:
     current owner: without a heartbeat of its own it is stuck after stall_timeout."""
     job = make_job()
     job.claim(os.getpid())
-    write_status(job.buffer, {"pid": os.getpid() + 1, "state": "filling", "heartbeat": time.time() + 3600})
+    write_status(job.buffer, Status(pid=os.getpid() + 1, state=State.FILLING, heartbeat=time.time() + 3600))
     loader = BufferLoader(job.buffer, timeout=30, stall_timeout=0.5)
     start = time.monotonic()
     with pytest.raises(DaemonStuck, match="no heartbeat at all"):
@@ -370,7 +373,7 @@ def test_status_of_another_pid_is_no_heartbeat(make_job: MakeJob) -> None:
 def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> None:
     job = make_job()
     job.claim(os.getpid())
-    write_status(job.buffer, {"pid": os.getpid(), "state": "filling", "heartbeat": time.time() - 100})
+    write_status(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
     with pytest.raises(DaemonStuck, match=r"no heartbeat for 10\d\.\d s.*last state filling"):
         next(iter(BufferLoader(job.buffer, timeout=30, stall_timeout=60)))
 
@@ -378,7 +381,7 @@ def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> Non
 def test_stall_timeout_none_disables_the_check(make_job: MakeJob) -> None:
     job = make_job()
     job.claim(os.getpid())
-    write_status(job.buffer, {"pid": os.getpid(), "state": "filling", "heartbeat": time.time() - 100})
+    write_status(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
     with pytest.raises(LoaderTimeout):
         next(iter(BufferLoader(job.buffer, timeout=0.5, stall_timeout=None)))
     with pytest.raises(ValueError, match="stall_timeout"):

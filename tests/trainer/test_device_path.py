@@ -6,6 +6,8 @@ The same behaviour on a real GPU is in test_gpu.py (skipped without one)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -17,6 +19,7 @@ import torch
 
 from prefetchd.buffer_protocol import Progress
 from prefetchd.trainer import BufferLoader, DaemonGone, LoaderError
+from prefetchd.trainer import gpu
 from prefetchd.trainer.gpu import PIN_MODES, CopyEvent
 
 if TYPE_CHECKING:
@@ -276,3 +279,27 @@ def test_a_loader_dropped_without_close_still_unpins(make_job: MakeJob) -> None:
     del loader
     gc.collect()
     assert backend.registered == {} and len(backend.unregistered) == 2
+
+
+@pytest.mark.skipif(not torch.version.cuda, reason="a CPU build of torch has no CUDA runtime")
+def test_the_runtime_whose_last_error_is_cleared_is_torchs_own() -> None:
+    """After a failed cudaHostRegister the loader resets the runtime's last error; that must be the
+    libcudart torch loaded, not a second copy with its own state (works without a GPU)."""
+
+    def mapped_runtimes() -> set[str]:
+        with open("/proc/self/maps") as fh:
+            return {line.split(None, 5)[5].strip() for line in fh if "libcudart" in line and line.count(" ") >= 5}
+
+    before = mapped_runtimes()
+    lib = gpu._libcudart()
+    assert lib is not None and lib._name == f"libcudart.so.{str(torch.version.cuda).split('.')[0]}"
+    assert mapped_runtimes() == before  # nothing new loaded
+    info = _DlInfo()
+    assert ctypes.CDLL(None).dladdr(ctypes.cast(lib.cudaGetLastError, ctypes.c_void_p), ctypes.byref(info))
+    # The function lives in the copy torch loaded (through its RPATH), already there before the call.
+    assert os.path.realpath(info.dli_fname.decode()) in {os.path.realpath(p) for p in before}
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]

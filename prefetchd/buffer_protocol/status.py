@@ -1,0 +1,368 @@
+"""status.json: the daemon's account of itself, rewritten about once a second.
+
+One typed document, written by :func:`write_status` and read by :func:`read_status`
+only.  On disk it is flat, as `prefetchd status --json` shows it::
+
+    {"format": "prefetchd.status", "version": 1,
+     "pid": 4242, "state": "filling", "message": "", "heartbeat": 1700000000.5,
+     "job_result": null,                          <- every state
+     "producer": "0123456789ab", "progress": {...}, "rates": {...}, ...
+                                                  <- only while a job is produced (Production)
+    }
+
+In code the fields every state has are :class:`Status`'s own, and those of a
+running job are grouped in :attr:`Status.production` (None while the daemon waits
+for a job or indexes one).  SPEC.md's "Status document" table lists every key.
+
+status.json is writable by the buffer's group (``--group-access``), so the reader
+treats it as untrusted: every field is checked for its type, ints are non-negative,
+floats finite, and anything else is a :class:`ProtocolError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, is_dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, NoReturn
+
+from prefetchd.buffer_protocol.batch import VERSION
+from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.layout import STATUS_NAME, owning_buffer, read_optional, write_json
+
+STATUS_FORMAT = "prefetchd.status"
+
+
+class State(str, Enum):
+    """What the daemon is doing; the order is the order `/metrics` lists them in.
+
+    A str Enum rather than enum.StrEnum, which is 3.11+; ``__str__`` makes it format as its value.
+    """
+
+    WAITING_FOR_JOB = "waiting-for-job"  # no job yet: `prefetchd submit` gives it one
+    STARTING = "starting"  # indexing the dataset, starting workers
+    FILLING = "filling"  # producing towards the high-water mark
+    FULL = "full"  # at the high-water mark, idle until the trainer consumes
+    PAUSED_LOW_SPACE = "paused-low-space"  # the buffer's filesystem is short of space
+    DONE = "done"  # every batch of the job's epochs is produced
+    SWITCHING = "switching"  # replacing the job with the one in job.json
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"  # ``message`` says why
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+@dataclass(frozen=True)
+class TrainerStatus:
+    """Whether the process that wrote progress.json is still there (SPEC rule 8)."""
+
+    pid: int | None
+    alive: bool | None  # None: unknown (no progress yet, or one without a pid)
+    progress_age_s: float | None
+
+
+@dataclass(frozen=True)
+class Position:
+    """The (epoch, step) a trainer needs next, and its recent share of time spent waiting for data."""
+
+    epoch: int
+    step: int
+    trainer_wait_share: float | None = None
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    """One rank's stream."""
+
+    rank: int
+    trainer: TrainerStatus
+    progress: Position
+    waiting: int
+    building: int
+    progress_file: str = ""  # why the rank's progress.json was ignored; "" when it was not
+
+
+@dataclass(frozen=True)
+class Rates:
+    samples_per_s: float
+    consumed_batches_per_s: float
+
+
+@dataclass(frozen=True)
+class Quantiles:
+    """Per-sample seconds of one stage over the recent samples."""
+
+    p50: float
+    p90: float
+    p99: float
+
+
+@dataclass(frozen=True)
+class Totals:
+    batches: int
+    samples: int
+    consumed_batches: int
+
+
+@dataclass(frozen=True)
+class BadFile:
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Errors:
+    replaced_samples: int
+    undecodable_files: int  # all of them; ``undecodable`` lists the first few
+    undecodable: tuple[BadFile, ...]
+    worker_restarts: int
+    write_failures: int
+    progress_file: str  # the streams' progress_file problems, joined by "; "
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """The daemon's answer to the last job.json (SPEC rule 5)."""
+
+    job_id: str | None  # None: job.json was unreadable
+    accepted: bool
+    reason: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Production:
+    """The fields of a daemon producing a job; for one rank ``progress`` and ``trainer`` are its stream's."""
+
+    producer: str
+    started: float
+    progress: Position
+    trainer: TrainerStatus
+    streams: tuple[StreamStatus, ...]
+    waiting: int
+    building: int
+    high_water: int
+    low_water: int
+    batch_bytes: int
+    buffer_bytes: int
+    free_bytes: int
+    workers: int
+    workers_cpu_percent: float
+    rates: Rates
+    stages: Mapping[str, Quantiles]  # stage name (read, decode, augment, write) -> quantiles; empty at first
+    totals: Totals
+    errors: Errors
+
+
+@dataclass(frozen=True)
+class Status:
+    """status.json."""
+
+    pid: int
+    state: State
+    heartbeat: float  # time.time() when written
+    message: str = ""
+    job_result: JobResult | None = None
+    production: Production | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        """The document as written: flat, the production's fields beside the common ones."""
+        doc: dict[str, Any] = {
+            "format": STATUS_FORMAT, "version": VERSION, "pid": self.pid, "state": str(self.state),
+            "message": self.message, "heartbeat": self.heartbeat, "job_result": _plain(self.job_result),
+        }
+        if self.production is not None:
+            doc.update(_plain(self.production))
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], path: Path) -> Status:
+        """Check and convert a document read_json has accepted (format and version are checked there)."""
+        top = _Fields(doc, path)
+        job = top.optional_map("job_result")
+        production = None
+        if "progress" in doc:  # absent while waiting for a job and while starting one
+            production = Production(
+                producer=top.text("producer"),
+                started=top.num("started"),
+                progress=_position(top.map("progress")),
+                trainer=_trainer(top.map("trainer")),
+                streams=tuple(_stream(s) for s in top.maps("streams")),
+                waiting=top.nat("waiting"),
+                building=top.nat("building"),
+                high_water=top.nat("high_water"),
+                low_water=top.nat("low_water"),
+                batch_bytes=top.nat("batch_bytes"),
+                buffer_bytes=top.nat("buffer_bytes"),
+                free_bytes=top.nat("free_bytes"),
+                workers=top.nat("workers"),
+                workers_cpu_percent=top.num("workers_cpu_percent"),
+                rates=_rates(top.map("rates")),
+                stages={name: _quantiles(q) for name, q in top.map("stages").items_as_maps()},
+                totals=_totals(top.map("totals")),
+                errors=_errors(top.map("errors")),
+            )
+        return cls(
+            pid=top.nat("pid"),
+            state=top.state("state"),
+            heartbeat=top.num("heartbeat"),
+            message=top.text("message", default=""),
+            job_result=JobResult(job.optional_text("job_id"), job.flag("accepted"), job.text("reason"), job.num("time"))
+            if job is not None else None,
+            production=production,
+        )
+
+
+def write_status(buffer: Path, status: Status) -> None:
+    """Replace ``buffer``'s status.json atomically with ``status``."""
+    write_json(Path(buffer) / STATUS_NAME, status.to_doc())
+
+
+def read_status(buffer: Path) -> Status | None:
+    """The status of the daemon owning ``buffer`` (a rank's stream directory reads its parent's);
+    None before the first is written; ProtocolError when it is malformed."""
+    path = owning_buffer(Path(buffer)) / STATUS_NAME
+    doc = read_optional(path, "status")
+    return None if doc is None else Status.from_doc(doc, path)
+
+
+# -- checking a document ------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses, tuples and mappings as the JSON types they are written as."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, State):
+        return value.value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+_STATE_NAMES = tuple(s.value for s in State)
+
+
+class _Fields:
+    """Typed access to one JSON object of the document; errors name the file and the dotted field."""
+
+    def __init__(self, value: Any, path: Path, where: str = "") -> None:
+        if not isinstance(value, dict):
+            self._fail(path, where.rstrip(".") or "the document", value, "an object")
+        self.doc: dict[str, Any] = value
+        self.path = path
+        self.where = where
+
+    @staticmethod
+    def _fail(path: Path, name: str, value: Any, expected: str) -> NoReturn:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ProtocolError(
+            f"{path}: field {name!r} is {shown}, expected {expected}; the daemon rewrites status.json about once a "
+            "second, so if this stays, another program or another prefetchd version writes it: check who can write the buffer"
+        )
+
+    def fail(self, key: str, value: Any, expected: str) -> NoReturn:
+        self._fail(self.path, self.where + key, value, expected)
+
+    def _get(self, key: str, check: Any, expected: str, optional: bool = False) -> Any:
+        value = self.doc.get(key)
+        if (value is None and optional) or check(value):
+            return value
+        self.fail(key, value, expected)
+
+    def nat(self, key: str) -> int:
+        return int(self._get(key, lambda v: type(v) is int and v >= 0, "a non-negative integer"))
+
+    def optional_nat(self, key: str) -> int | None:
+        value = self._get(key, lambda v: type(v) is int and v >= 0, "a non-negative integer or null", optional=True)
+        return None if value is None else int(value)
+
+    def num(self, key: str) -> float:
+        return float(self._get(key, _is_finite, "a finite number"))
+
+    def optional_num(self, key: str) -> float | None:
+        value = self._get(key, _is_finite, "a finite number or null", optional=True)
+        return None if value is None else float(value)
+
+    def text(self, key: str, default: str | None = None) -> str:
+        if default is not None and key not in self.doc:
+            return default
+        return str(self._get(key, lambda v: isinstance(v, str), "a string"))
+
+    def optional_text(self, key: str) -> str | None:
+        value = self._get(key, lambda v: isinstance(v, str), "a string or null", optional=True)
+        return None if value is None else str(value)
+
+    def flag(self, key: str) -> bool:
+        return bool(self._get(key, lambda v: isinstance(v, bool), "true or false"))
+
+    def optional_flag(self, key: str) -> bool | None:
+        value = self._get(key, lambda v: isinstance(v, bool), "true, false or null", optional=True)
+        return None if value is None else bool(value)
+
+    def state(self, key: str) -> State:
+        names = ", ".join(_STATE_NAMES)
+        return State(self._get(key, lambda v: v in _STATE_NAMES, f"one of {names}"))
+
+    def map(self, key: str) -> _Fields:
+        return _Fields(self.doc.get(key), self.path, f"{self.where}{key}.")
+
+    def optional_map(self, key: str) -> _Fields | None:
+        return None if self.doc.get(key) is None else self.map(key)
+
+    def maps(self, key: str) -> list[_Fields]:
+        items = self._get(key, lambda v: isinstance(v, list), "a list")
+        return [_Fields(item, self.path, f"{self.where}{key}[{i}].") for i, item in enumerate(items)]
+
+    def items_as_maps(self) -> list[tuple[str, _Fields]]:
+        return [(k, _Fields(v, self.path, f"{self.where}{k}.")) for k, v in self.doc.items()]
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _position(f: _Fields) -> Position:
+    share = f.optional_num("trainer_wait_share")
+    if share is not None and not 0.0 <= share <= 1.0:
+        f.fail("trainer_wait_share", share, "a fraction between 0 and 1")
+    return Position(f.nat("epoch"), f.nat("step"), share)
+
+
+def _trainer(f: _Fields) -> TrainerStatus:
+    return TrainerStatus(f.optional_nat("pid"), f.optional_flag("alive"), f.optional_num("progress_age_s"))
+
+
+def _stream(f: _Fields) -> StreamStatus:
+    return StreamStatus(f.nat("rank"), _trainer(f.map("trainer")), _position(f.map("progress")),
+                        f.nat("waiting"), f.nat("building"), f.text("progress_file", default=""))
+
+
+def _rates(f: _Fields) -> Rates:
+    return Rates(f.num("samples_per_s"), f.num("consumed_batches_per_s"))
+
+
+def _quantiles(f: _Fields) -> Quantiles:
+    return Quantiles(f.num("p50"), f.num("p90"), f.num("p99"))
+
+
+def _totals(f: _Fields) -> Totals:
+    return Totals(f.nat("batches"), f.nat("samples"), f.nat("consumed_batches"))
+
+
+def _errors(f: _Fields) -> Errors:
+    return Errors(
+        replaced_samples=f.nat("replaced_samples"),
+        undecodable_files=f.nat("undecodable_files"),
+        undecodable=tuple(BadFile(b.text("path"), b.text("reason")) for b in f.maps("undecodable")),
+        worker_restarts=f.nat("worker_restarts"),
+        write_failures=f.nat("write_failures"),
+        progress_file=f.text("progress_file", default=""),
+    )

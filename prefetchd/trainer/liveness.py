@@ -1,0 +1,239 @@
+"""The loader's bounded waits, and telling a slow daemon from a stuck or a gone one.
+
+A :class:`BufferLoader` waits for two things: the manifest when it is created, and
+each batch file.  Every wait is bounded by ``timeout``; while a batch is waited
+for, the daemon is looked at every ``liveness_interval`` (a quarter of the
+shortest bound, at most 1 s)::
+
+    no process holds daemon.lock  for daemon_grace     -> DaemonGone   (restart it)
+    the holder's status.json heartbeat older than
+                                  stall_timeout        -> DaemonStuck  (py-spy, kill, restart)
+    nothing of the above, the batch still missing after
+                                  timeout              -> LoaderTimeout
+
+Only the heartbeat counts, never the batch rate: a daemon that is slow (a huge
+batch, a cold network filesystem) but alive rewrites status.json about once a
+second and is never called stuck.  Every message carries the daemon's own account
+of itself from status.json (:func:`status_summary`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from prefetchd.buffer_protocol import (
+    Manifest,
+    MappedBatch,
+    ProtocolError,
+    Status,
+    batch_name,
+    daemon_pid,
+    map_batch,
+    read_status,
+)
+from prefetchd.buffer_protocol.layout import owning_buffer
+from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError, LoaderTimeout
+
+logger = logging.getLogger(__name__)
+
+# Waiting for a batch starts with 1 ms sleeps (a daemon that keeps up publishes
+# within a few ms) and backs off to 20 ms, so a stalled daemon costs ~50 wake-ups
+# a second, not a busy core.
+FIRST_DELAY = 0.001
+MAX_DELAY = 0.020
+MANIFEST_FIRST_DELAY = 0.010
+MANIFEST_MAX_DELAY = 0.050
+SLOW_WAIT_WARNING = 10.0
+
+
+def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
+    """``buffer``'s manifest, waiting up to ``timeout`` seconds for a daemon to write it."""
+    deadline = time.monotonic() + timeout
+    delay = MANIFEST_FIRST_DELAY
+    logged = False
+    while True:
+        try:
+            return Manifest.read(buffer)
+        except FileNotFoundError:
+            pass  # no daemon has started on this buffer yet
+        except NotADirectoryError:
+            raise LoaderError(f"{buffer} is not a directory; pass the daemon's --buffer directory") from None
+        now = time.monotonic()
+        if now >= deadline:
+            raise LoaderTimeout(_manifest_timeout_message(buffer, timeout))
+        if not logged:
+            logger.info("waiting up to %g s for %s", timeout, buffer / "manifest.json")
+            logged = True
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 1.5, MANIFEST_MAX_DELAY)
+
+
+def _manifest_timeout_message(buffer: Path, timeout: float) -> str:
+    waited = f"{timeout:g} s"
+    pid = daemon_pid(buffer)
+    if pid is not None:
+        return (
+            f"{buffer}: the daemon (pid {pid}) owns this buffer but wrote no manifest.json within {waited} "
+            f"({status_summary(buffer)}); it may still be indexing a large dataset. Check "
+            f"`prefetchd status --buffer {buffer}`, or pass a larger timeout"
+        )
+    where = "does not exist" if not buffer.exists() else "has no manifest.json"
+    return (
+        f"{buffer} {where} after waiting {waited} for the daemon's manifest.json, and no prefetchd daemon "
+        f"owns it. Start one with `prefetchd start --buffer {buffer} --data ROOT` (ROOT: the class-folder "
+        "dataset), or pass a larger timeout if one is still starting"
+    )
+
+
+class BatchWaiter:
+    """Waits for the batch files of one buffer's job, watching the daemon that owns it.
+
+    Args:
+        buffer, manifest: the stream directory and its job (named in restart commands).
+        timeout: seconds any one batch is waited for.
+        grace: seconds without an owner of the buffer before :class:`DaemonGone`.
+        stall: seconds without the owner's heartbeat before :class:`DaemonStuck`; None: never.
+    """
+
+    def __init__(self, buffer: Path, manifest: Manifest, timeout: float, grace: float, stall: float | None) -> None:
+        self.buffer = buffer
+        self.manifest = manifest
+        self.timeout = timeout
+        self.grace = grace
+        self.stall = stall
+        # Often enough that the grace period and the stall bound are honoured to ~25 %.
+        self.liveness_interval = min(1.0, max(0.01, grace / 4), max(0.01, (stall or 4.0) / 4))
+        # (pid, wall time) of the first look at a daemon that had written no heartbeat of its own yet.
+        self._beatless: tuple[int, float] | None = None
+
+    def wait(self, epoch: int, step: int, check_progress: Callable[[], None]) -> MappedBatch:
+        """Map batch (epoch, step) once it is there; ``check_progress`` runs at each look at the daemon
+        (the loader makes sure progress.json still names what it waits for)."""
+        name = batch_name(epoch, step)
+        path = self.buffer / name
+        start = time.monotonic()
+        deadline = start + self.timeout
+        delay = FIRST_DELAY
+        next_liveness = start
+        gone_since: float | None = None
+        pid: int | None = None
+        warned = False
+        while True:
+            try:
+                return map_batch(path)
+            except FileNotFoundError:
+                pass  # not produced yet, or deleted to be regenerated after a rewind
+            now = time.monotonic()
+            if now >= next_liveness:
+                next_liveness = now + self.liveness_interval
+                check_progress()
+                pid = daemon_pid(self.buffer)
+                if pid is not None:
+                    gone_since = None
+                    self._check_heartbeat(pid, name, epoch, step, now - start)
+                elif gone_since is None:
+                    gone_since = now
+                if gone_since is not None and now - gone_since >= self.grace:
+                    raise DaemonGone(
+                        f"{self.buffer}: no prefetchd daemon owns this buffer (none seen for {self.grace:g} s) "
+                        f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
+                        f"{status_summary(self.buffer)}. Restart it with `prefetchd start --buffer "
+                        f"{self.buffer} --data {self.manifest.dataset_root}{_split_flag(self.manifest)}`: "
+                        "it resumes from progress.json"
+                    )
+            if now >= deadline:
+                owner = f"the daemon (pid {pid}) owns the buffer" if pid is not None else "no daemon owns the buffer"
+                raise LoaderTimeout(
+                    f"{self.buffer}: waited {self.timeout:g} s for batch {name} (epoch {epoch}, step {step}) "
+                    f"and it did not appear; {owner}; {status_summary(self.buffer)}. Check `prefetchd status "
+                    f"--buffer {self.buffer}`, or pass a larger timeout if the daemon is just slow"
+                )
+            if not warned and now - start >= SLOW_WAIT_WARNING:
+                warned = True
+                logger.warning("still waiting for %s after %.0f s; %s", path, now - start, status_summary(self.buffer))
+            time.sleep(min(delay, max(0.0, deadline - now)))
+            delay = min(delay * 2, MAX_DELAY)
+
+    def _check_heartbeat(self, pid: int, name: str, epoch: int, step: int, waited: float) -> None:
+        """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall``.
+
+        A status written by another process (the previous daemon) is not this one's
+        heartbeat; a daemon without one yet is timed from the loader's first look.
+        """
+        if self.stall is None:
+            return
+        try:
+            status = read_status(self.buffer)
+        except (ProtocolError, OSError):
+            status = None  # being replaced, or damaged: judged as if absent
+        wall = time.time()
+        own = status if status is not None and status.pid == pid else None
+        if own is not None:
+            last, what = own.heartbeat, "heartbeat"
+            self._beatless = None
+        else:
+            if self._beatless is None or self._beatless[0] != pid:
+                self._beatless = (pid, wall)
+            last, what = self._beatless[1], "heartbeat at all since the loader first saw it"
+        age = wall - last
+        if age <= self.stall:
+            return
+        state = _short(own.state) if own is not None else "unknown"
+        buffer = owning_buffer(self.buffer)
+        raise DaemonStuck(
+            f"{self.buffer}: the daemon (pid {pid}) owns this buffer but has written no {what} for {age:.1f} s "
+            f"(stall_timeout {self.stall:g} s; last state {state}) "
+            f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
+            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then restart it "
+            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `prefetchd start --buffer {buffer} --data "
+            f"{self.manifest.dataset_root}{_split_flag(self.manifest)}`): the new daemon resumes from "
+            "progress.json. If it is only slow, pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
+        )
+
+
+def status_summary(buffer: Path) -> str:
+    """The daemon's own account of itself from status.json, for wait messages."""
+    try:
+        status = read_status(buffer)
+    except (ProtocolError, OSError) as exc:
+        return f"its status.json is unreadable ({exc})"
+    if status is None:
+        return "the daemon has written no status.json"
+    return "daemon status: " + ", ".join(_summary_parts(status))
+
+
+def _summary_parts(status: Status) -> list[str]:
+    parts = [f"state={_short(status.state)}"]
+    if status.message:
+        parts.append(f"message={_short(status.message)}")
+    p = status.production
+    if p is not None:
+        parts.append(f"it sees progress epoch {p.progress.epoch} step {p.progress.step}")
+        parts.append(f"{p.waiting} batches waiting (high water {p.high_water})")
+        e = p.errors
+        # Only what went wrong: zero counters and empty fields are noise in an error message.
+        bad = {
+            "replaced_samples": e.replaced_samples, "undecodable_files": e.undecodable_files,
+            "undecodable": [f"{b.path}: {b.reason}" for b in e.undecodable], "worker_restarts": e.worker_restarts,
+            "write_failures": e.write_failures, "progress_file": e.progress_file,
+        }
+        shown = {k: v for k, v in bad.items() if v}
+        if shown:
+            parts.append("errors: " + ", ".join(f"{k}={_short(v)}" for k, v in shown.items()))
+    parts.append(f"last heartbeat {max(0.0, time.time() - status.heartbeat):.1f} s ago")
+    return parts
+
+
+def _split_flag(m: Manifest) -> str:
+    return "" if m.split == "train" else f" --split {m.split}"
+
+
+def _short(value: object, limit: int = 200) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+__all__ = ["BatchWaiter", "status_summary", "wait_for_manifest"]

@@ -1,0 +1,77 @@
+"""The loader's state in a checkpoint: where to resume, and whether it fits the buffer's job.
+
+``BufferLoader.state_dict()`` names the (epoch, step) of the next batch and the job
+it belongs to; ``load_state_dict`` accepts it only for the same job, because a
+different dataset, seed, batch size, split ... would give other batches at the same
+position (the daemon's batches are a pure function of the job and the position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from prefetchd.buffer_protocol import Manifest
+from prefetchd.trainer.errors import StateMismatch
+
+STATE_FORMAT = "prefetchd.loader_state"
+STATE_VERSION = 1
+
+
+def loader_state(manifest: Manifest, epoch: int, step: int) -> dict[str, Any]:
+    """The state dict of a loader at (epoch, step) of ``manifest``'s job."""
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "epoch": epoch,
+        "step": step,
+        "fingerprint": manifest.fingerprint,
+        "producer": manifest.producer,
+        "identity": {key: getattr(manifest, key) for key in Manifest.IDENTITY},
+    }
+
+
+def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) -> tuple[int, int]:
+    """The (epoch, step) ``state`` resumes at; StateMismatch when it belongs to another dataset or
+    job, or points past the end of ``manifest``'s job."""
+    m = manifest
+    epoch, step = state.get("epoch"), state.get("step")
+    if not (_is_count(epoch) and _is_count(step)):
+        raise StateMismatch(
+            f"loader state has epoch={epoch!r}, step={step!r}; expected non-negative integers from "
+            "BufferLoader.state_dict()"
+        )
+    fingerprint = state.get("fingerprint")
+    if fingerprint != m.fingerprint:
+        raise StateMismatch(
+            f"loader state is for dataset fingerprint {fingerprint!r}, but the daemon of {buffer} "
+            f"serves {m.dataset_root!r} (fingerprint {m.fingerprint!r}): the checkpoint was taken on "
+            "another dataset. Start the daemon on the checkpoint's dataset, or train from scratch "
+            "without load_state_dict"
+        )
+    identity = state.get("identity")
+    if isinstance(identity, Mapping):
+        diffs = [
+            f"{key}: checkpoint {identity[key]!r}, buffer {getattr(m, key)!r}"
+            for key in Manifest.IDENTITY
+            if key in identity and identity[key] != getattr(m, key)
+        ]
+        if diffs:
+            raise StateMismatch(
+                f"loader state does not fit the job in {buffer} ({'; '.join(diffs)}), so resuming "
+                "would not see the same batches; restart the daemon with the checkpoint's settings"
+            )
+    spe = m.steps_per_epoch
+    if step >= max(spe, 1):
+        raise StateMismatch(f"loader state has step {step}, but an epoch of {buffer} has {spe} steps")
+    if m.epochs is not None and (epoch, step) > (m.epochs, 0):
+        raise StateMismatch(
+            f"loader state is at epoch {epoch} step {step}, past the end of the job in {buffer} "
+            f"({m.epochs} epochs); restart the daemon with a larger --epochs"
+        )
+    return epoch, step
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

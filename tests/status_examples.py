@@ -1,0 +1,76 @@
+"""Status documents as a daemon writes them, for tests of the code that reads them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from prefetchd.buffer_protocol import (
+    BadFile,
+    Errors,
+    JobResult,
+    Position,
+    Production,
+    Quantiles,
+    Rates,
+    State,
+    Status,
+    StreamStatus,
+    Totals,
+    TrainerStatus,
+    read_status,
+)
+
+TRAINER = TrainerStatus(pid=777, alive=True, progress_age_s=0.4)
+POSITION = Position(epoch=1, step=40, trainer_wait_share=None)
+ERRORS = Errors(replaced_samples=0, undecodable_files=0, undecodable=(), worker_restarts=0, write_failures=0,
+                progress_file="")
+
+
+def stream(rank: int = 0, **changes: Any) -> StreamStatus:
+    base = StreamStatus(rank=rank, trainer=TRAINER, progress=POSITION, waiting=12, building=2, progress_file="")
+    return dataclasses.replace(base, **changes)
+
+
+def production(**changes: Any) -> Production:
+    """One rank filling: 12 of 32 batches waiting, 850 img/s."""
+    base = Production(
+        producer="0123456789ab", started=1700000000.0, progress=POSITION, trainer=TRAINER, streams=(stream(),),
+        waiting=12, building=2, high_water=32, low_water=16, batch_bytes=1 << 20, buffer_bytes=14 << 20,
+        free_bytes=1 << 30, workers=15, workers_cpu_percent=1400.5,
+        rates=Rates(samples_per_s=850.4, consumed_batches_per_s=0.0),
+        stages={"read": Quantiles(0.0001, 0.0002, 0.0004), "decode": Quantiles(0.001, 0.002, 0.003)},
+        totals=Totals(batches=52, samples=3328, consumed_batches=40), errors=ERRORS,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def status(state: State = State.FILLING, **changes: Any) -> Status:
+    """A producing daemon's status (pass ``production=None`` for one waiting for a job or starting)."""
+    base = Status(pid=4242, state=state, heartbeat=1700000100.5, message="",
+                  job_result=JobResult(job_id="0123456789ab", accepted=True, reason="producing /data", time=1700000000.0),
+                  production=production())
+    return dataclasses.replace(base, **changes)
+
+
+def bad_files(n: int) -> tuple[BadFile, ...]:
+    return tuple(BadFile(path=f"/d/c/{i}.jpg", reason="empty") for i in range(n))
+
+
+def state_of(buffer: Path) -> State | None:
+    """The daemon's state in ``buffer``'s status.json; None before it wrote one."""
+    status = read_status(buffer)
+    return status.state if status is not None else None
+
+
+def production_of(buffer: Path) -> Production | None:
+    """The running job's part of ``buffer``'s status.json; None before there is one."""
+    status = read_status(buffer)
+    return status.production if status is not None else None
+
+
+def job_result_of(buffer: Path) -> JobResult | None:
+    """The daemon's answer to the last job.json; None before it wrote one."""
+    status = read_status(buffer)
+    return status.job_result if status is not None else None
