@@ -420,7 +420,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
         inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
         job: DaemonConfig | None = cfg if not serve_jobs else None
         reset = cfg.reset
-        with Wakeup(buffer) as wake:
+        with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
                 if job is None:

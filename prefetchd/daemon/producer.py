@@ -282,6 +282,8 @@ class Stream:
         A trainer that is gone leaves the window full: the daemon holds the buffer at
         the high-water mark and sleeps until progress.json moves again.
         """
+        if self.finished:
+            return  # a trainer that consumed every epoch is done, not gone: it exits, as it should
         pid, since = self.trainer_pid, self.progress_time
         alive = alive_since(pid, since) if pid is not None and since is not None else None
         if alive is None or alive == self.trainer_alive:
@@ -368,11 +370,17 @@ class Producer:
             for stream in self.streams:
                 stream.adopt_published()
             self._read_progress()
-            self._start_workers()
-            self.state = "filling"
+            if self.finished:
+                # Restarted after the trainers consumed the last epoch: nothing to build, so no
+                # workers to start and no reason to wait for a progress that will not move.
+                log.info("the trainers had consumed all %d epochs before this daemon started; nothing to produce",
+                         self.streams[0].manifest.epochs)
+            else:
+                self._start_workers()
+                self.state = "filling"
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0
-            while self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
+            while not self.finished and self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
                 self.notifier.watchdog()
                 self._wait(timeout=self._poll_interval())
                 now = time.monotonic()
