@@ -68,9 +68,10 @@ def _add_options(func: Callable[..., Any], fields: list[dataclasses.Field[Any]])
         if "choices" in meta:
             ptype = click.Choice(meta["choices"])
         # default=None lets build_config tell a given flag from an absent one; the
-        # dataclass default is shown in the help instead.
-        shown = meta["help"] if f.default is None else f"{meta['help']} [default: {f.default}]"
-        func = click.option(flag, type=ptype, default=None, help=shown, metavar=meta.get("metavar"))(func)
+        # dataclass default is shown in the help instead (a list's help says its own).
+        multiple = bool(meta.get("multiple"))
+        shown = meta["help"] if f.default is None or multiple else f"{meta['help']} [default: {f.default}]"
+        func = click.option(flag, type=ptype, default=None, multiple=multiple, help=shown, metavar=meta.get("metavar"))(func)
     return func
 
 
