@@ -392,7 +392,8 @@ def run_daemon(cfg: DaemonConfig) -> int:
     """Serve the buffer: the job given at start (if any), then jobs submitted through job.json.
 
     A daemon started with a dataset exits when that job's epochs are consumed; one
-    started without waits for jobs and goes back to waiting after each.
+    started without waits for jobs and goes back to waiting after each.  The process is
+    expected to exit when this returns: stop signals stay ignored from then on.
     """
     # First: the environment it reads must not reach the worker fork server.
     notifier = Notifier.from_env()
