@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 import prefetchd
@@ -71,8 +72,24 @@ def two_users() -> Iterator[Users]:
         yield Users(group, gid, daemon, ids[daemon], trainer, ids[trainer])
     finally:
         for name in made:
-            subprocess.run(["userdel", name], check=False)
+            remove_user(name)
         subprocess.run(["groupdel", group], check=False)
+
+
+def remove_user(name: str) -> None:
+    """userdel refuses a user with live processes: the daemon's worker server outlives it by a
+    moment, so wait for them to go, and end the ones this test started that do not."""
+    uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True).stdout)
+    deadline = time.monotonic() + 15
+    while subprocess.run(["userdel", name], capture_output=True).returncode != 0:
+        left = [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
+        if time.monotonic() > deadline:
+            for proc in left:
+                proc.kill()
+            psutil.wait_procs(left, timeout=5)
+            subprocess.run(["userdel", name], check=False)
+            return
+        time.sleep(0.1)
 
 
 def python_for(user: str, env: dict[str, str]) -> str:
