@@ -12,7 +12,8 @@ A field's metadata (see :func:`setting`):
   ``max_open``);
 - ``location``: a local path or an object-storage URL;
 - ``path``: ``"dir"`` or ``"file"`` when only one of them makes sense;
-- ``metavar``; ``short``, a one-letter alias such as ``-q``.
+- ``metavar``; ``short``, a one-letter alias such as ``-q``;
+- ``multiple``: a list of ``kind`` (a TOML array, a repeated flag), held as a tuple.
 
 The two commands differ in one respect, kept from before they shared this
 code: the daemon layers a TOML file under its flags, so its options default
@@ -46,6 +47,16 @@ def check_value(f: dataclasses.Field[Any], value: Any, error: type[Exception] = 
     meta, name = f.metadata, f.name
     if value is None:
         return
+    if meta.get("multiple"):
+        if not isinstance(value, (list, tuple)):
+            raise error(f"{name} = {value!r}: expected a list of {meta['kind'].__name__}")
+        for item in value:
+            _check_one(name, item, meta, error)
+        return
+    _check_one(name, value, meta, error)
+
+
+def _check_one(name: str, value: Any, meta: Any, error: type[Exception]) -> None:
     kind = meta["kind"]
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if meta.get("location") and isinstance(value, os.PathLike):
@@ -105,9 +116,10 @@ def _option(f: dataclasses.Field[Any], layered: bool) -> Decorator:
     required = f.default is dataclasses.MISSING
     if layered:
         # default=None lets the command tell a given flag from an absent one; the
-        # dataclass default is shown in the help instead.
-        shown = meta["help"] if f.default is None else f"{meta['help']} [default: {f.default}]"
-        return click.option(*names, type=ptype, default=None, help=shown, metavar=meta.get("metavar"))
+        # dataclass default is shown in the help instead (a list's help says its own).
+        multiple = bool(meta.get("multiple"))
+        shown = meta["help"] if f.default is None or multiple else f"{meta['help']} [default: {f.default}]"
+        return click.option(*names, type=ptype, default=None, multiple=multiple, help=shown, metavar=meta.get("metavar"))
     if required:
         return click.option(*names, type=ptype, required=True, help=meta["help"], metavar=meta.get("metavar"))
     extra: dict[str, Any] = {"show_default": True} if f.default is not None else {}

@@ -151,10 +151,17 @@ def _open_regular(path: Path, flags: int, what: str) -> int:
 
 def read_json(path: Path, kind: str) -> dict[str, Any]:
     """Read a protocol document; FileNotFoundError passes through, anything malformed is a ProtocolError."""
+    return read_json_stat(path, kind)[0]
+
+
+def read_json_stat(path: Path, kind: str) -> tuple[dict[str, Any], os.stat_result]:
+    """``read_json``, with the fstat of the file it read: who wrote that very file, not
+    whatever a later look at the path would find after someone replaced it."""
     if kind not in DOCUMENT_KINDS:
         raise ValueError(f"unknown document kind {kind!r}")
     fd = _open_regular(path, os.O_RDONLY, f"a {kind} document")
     try:
+        st = os.fstat(fd)
         data = os.read(fd, MAX_DOCUMENT_LEN + 1)
     finally:
         os.close(fd)
@@ -173,7 +180,7 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
             f"{path}: written with buffer protocol version {doc.get('version')!r}, this prefetchd speaks "
             f"version {VERSION}; run the same prefetchd version on both sides, or clear the buffer"
         )
-    return doc
+    return doc, st
 
 
 def read_optional(path: Path, kind: str) -> dict[str, Any] | None:
@@ -317,27 +324,40 @@ class JobRequest:
     ``settings`` uses the names of `prefetchd start` flags with underscores
     (data, split, batch_size, ...); the daemon validates them and answers in
     status.json under ``job_result`` with the request's ``job_id``.
+
+    ``owner`` is not in the document: it is the uid owning the job.json that was
+    read (fstat of the opened file), which says who submitted it, since a writer
+    creates its temp file and renames it into place.  None for a request not read
+    from a buffer.
     """
 
     settings: dict[str, Any]
     replace: bool = False
     job_id: str = field(default_factory=lambda: secrets.token_hex(6))
     submitted: float = field(default_factory=time.time)
+    owner: int | None = None
 
     def write(self, buffer: Path) -> None:
-        write_json(buffer / JOB_NAME, {"format": "prefetchd.job", "version": VERSION, **asdict(self)})
+        write_json(buffer / JOB_NAME, {"format": "prefetchd.job", "version": VERSION, "settings": self.settings,
+                                       "replace": self.replace, "job_id": self.job_id, "submitted": self.submitted})
 
     @classmethod
     def read(cls, buffer: Path) -> JobRequest | None:
         path = buffer / JOB_NAME
-        doc = read_optional(path, "job")
-        if doc is None:
+        try:
+            doc, st = read_json_stat(path, "job")
+        except FileNotFoundError:
             return None
+        if st.st_nlink != 1:
+            # A hard link to someone else's file would pass for a job that user wrote.
+            raise ProtocolError(f"{path}: has {st.st_nlink} links, so its owner (uid {st.st_uid}) need not be who "
+                                "put it there; remove it and submit the job again")
         settings = _field(doc, "settings", dict, path)
         for key, value in settings.items():
             if not isinstance(value, (str, int, float, bool)) and value is not None:
                 raise ProtocolError(f"{path}: setting {key!r} is {value!r}; settings are strings, numbers, booleans or null")
-        return cls(settings, bool(doc.get("replace")), _field(doc, "job_id", str, path), _field(doc, "submitted", float, path))
+        return cls(settings, bool(doc.get("replace")), _field(doc, "job_id", str, path), _field(doc, "submitted", float, path),
+                   owner=st.st_uid)
 
 
 # -- ownership ----------------------------------------------------------------

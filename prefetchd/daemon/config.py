@@ -66,6 +66,10 @@ class DaemonConfig:
     ranks: str | None = _opt(None, "Ranks this daemon produces, e.g. 0-7 or 8,9 [default: all of --world-size].", str)
     reset: bool = _opt(False, "Delete what the buffer holds from a different job instead of refusing to start.", bool)
     group_access: bool = _opt(False, "Let the buffer directory's group read batches and write progress (mode 2770 instead of 0700), for trainers running as other users of that group, as under the systemd unit.", bool)
+    # Who may ask for what: a job.json owned by another user (the buffer's group, with --group-access)
+    # makes the daemon read its data and import its transform with the service's files and credentials.
+    allowed_data: tuple[str, ...] = _opt((), "Dataset roots (local folders or URL prefixes) that jobs submitted by other users, such as the buffer's group with --group-access, may read: their `data` must lie inside one (symlinks and '..' resolved). Repeat the flag for several. Jobs of the daemon's own user are not limited [default: none, so such jobs may not name a dataset].", str, multiple=True, location=True, metavar="ROOT|URL")
+    allowed_transforms: tuple[str, ...] = _opt((), "Transform hooks ('package.module:callable', exact) that jobs submitted by other users may name, since the daemon imports and runs them as itself. Repeat the flag for several [default: none].", str, multiple=True, metavar="MODULE:CALLABLE")
     metrics_port: int | None = _opt(None, "Serve Prometheus metrics on this port [default: off].", int, minimum=1, maximum=65535)
     metrics_address: str = _opt("127.0.0.1", "Address the metrics port binds to (0.0.0.0 for every interface).", str)
     metrics_textfile: Path | None = _opt(None, "Also write the metrics to this file (node-exporter textfile collector) [default: off].", Path)
@@ -75,6 +79,9 @@ class DaemonConfig:
             check_value(f.name, getattr(self, f.name))
         if self.data is not None:
             object.__setattr__(self, "data", normalize(self.data))
+        for name in LIST_FIELDS:  # a TOML array arrives as a list; the frozen config holds tuples
+            items = tuple(getattr(self, name))
+            object.__setattr__(self, name, tuple(normalize(v) for v in items) if FIELDS[name].metadata.get("location") else items)
         if self.buffer is None:
             raise ConfigError("no buffer directory: pass --buffer DIR (for example /dev/shm/bf) or set `buffer` in the config")
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
@@ -92,11 +99,13 @@ class DaemonConfig:
         if bounds is not None and bounds[0] < self.image_size:
             raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: the shorter side must be at least image_size "
                               f"({self.image_size}) for an image_size crop to fit; raise MIN to {self.image_size} or more")
-        if self.transform is not None:
-            module, sep, attr = self.transform.partition(":")
-            if not sep or not module.strip() or not attr.strip():
-                raise ConfigError(f"transform = {self.transform!r}: expected 'package.module:callable', "
-                                  "for example 'mytraining.augment:randaugment'")
+        for hook in (self.transform, *self.allowed_transforms):
+            if hook is not None:
+                module, sep, attr = hook.partition(":")
+                if not sep or not module.strip() or not attr.strip():
+                    key = "transform" if hook == self.transform else "allowed_transforms"
+                    raise ConfigError(f"{key}: {hook!r} is not 'package.module:callable', "
+                                      "for example 'mytraining.augment:randaugment'")
 
     @property
     def augmentation(self) -> str:
@@ -153,6 +162,7 @@ def check_value(name: str, value: Any) -> None:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+LIST_FIELDS = tuple(name for name, f in FIELDS.items() if f.metadata.get("multiple"))
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -173,8 +183,12 @@ def load_toml(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: unknown key {key!r}; allowed keys are {', '.join(sorted(FIELDS))}")
         if FIELDS[name].metadata["kind"] is Path and isinstance(value, str):
             value = (path.parent / value) if not os.path.isabs(value) else Path(value)
-        if FIELDS[name].metadata.get("location") and isinstance(value, str):
-            value = normalize(value, base=path.parent.absolute())  # relative to the file, as paths are
+        if FIELDS[name].metadata.get("location"):  # relative to the file, as paths are
+            base = path.parent.absolute()
+            if isinstance(value, str):
+                value = normalize(value, base=base)
+            elif isinstance(value, list):
+                value = [normalize(v, base=base) if isinstance(v, str) else v for v in value]
         try:
             check_value(name, value)
         except ConfigError as exc:

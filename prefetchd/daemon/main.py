@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pwd
 import select
 import stat
 import time
@@ -32,6 +31,7 @@ from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, PROGRESS_N
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
+from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
 from prefetchd.daemon.metrics import Metrics
 from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id, start_worker_server, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
@@ -112,7 +112,7 @@ def check_private_dir(path: Path, group_access: bool) -> None:
         raise ConfigError(f"buffer {path} exists and is not a directory; pick a directory such as /dev/shm/bf")
     me = os.geteuid()
     if st.st_uid != me:
-        raise ConfigError(f"buffer directory {path} belongs to {_user(st.st_uid)}, not to {_user(me)} who runs the "
+        raise ConfigError(f"buffer directory {path} belongs to {user_name(st.st_uid)}, not to {user_name(me)} who runs the "
                           "daemon; another user could change what the trainer reads: remove it "
                           "(or chown it) or pick another --buffer")
     perms = stat.S_IMODE(st.st_mode)
@@ -129,13 +129,6 @@ def check_private_dir(path: Path, group_access: bool) -> None:
     elif not group_access and perms & 0o077:
         log.warning("buffer directory %s has mode %04o: other users can list or read its batches; `chmod 700 %s` "
                     "(a new buffer is created 0700)", path, perms, path)
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def clear_buffer(buffer: Path) -> None:
@@ -201,7 +194,7 @@ def check_capacity(cfg: DaemonConfig) -> None:
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
     "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
-    "metrics_port", "metrics_address", "metrics_textfile", "readers",
+    "metrics_port", "metrics_address", "metrics_textfile", "readers", "allowed_data", "allowed_transforms",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0
@@ -217,14 +210,18 @@ class JobInbox:
     """Turns a changed job.json into a validated config, or a refusal the submitter can read.
 
     The answer for the last request is published in status.json as ``job_result``.
+    A job from another user than the daemon's is held to ``JobPolicy``.
     """
 
     def __init__(self, buffer: Path, machine: DaemonConfig, ignore_current: bool) -> None:
         self.buffer = buffer
         self.machine = machine  # the user's machine settings, defaults not yet filled
+        self.policy = JobPolicy.of(machine)
         self._seen = self._stamp() if ignore_current else None
         self.result: JobResult | None = None
         self.pending_id: str | None = None
+        # Local roots the pending job's files must resolve inside (None: not confined).
+        self.pending_confinement: tuple[str, ...] | None = None
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -252,6 +249,7 @@ class JobInbox:
             return None
         try:
             job = self._validate(request)
+            confinement = self.policy.confine(job, request.owner)
         except ConfigError as exc:
             self.answer(request.job_id, False, str(exc))
             return None
@@ -264,7 +262,7 @@ class JobInbox:
                         f"a trainer is consuming the running job (progress written {idle:.0f} s ago); "
                         "submit with --replace to replace it anyway")
             return None
-        self.pending_id = request.job_id
+        self.pending_id, self.pending_confinement = request.job_id, confinement
         return job
 
     def _validate(self, request: JobRequest) -> DaemonConfig:
@@ -349,6 +347,8 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     notifier.status(f"indexing {job.data}")
     index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"),
                          index_cache=job.index_cache or default_cache_dir(), refresh_index=job.refresh_index)
+    if inbox.pending_id is not None and inbox.pending_confinement is not None:
+        check_files_inside(index, inbox.pending_confinement, tick=lambda: beat(f"checking the files of {job.data}"))
     members = split_members(len(index), job.split, job.val_fraction)
     samples = samples_per_rank(len(members), job.world_size)
     producer_id = new_producer_id()
@@ -395,7 +395,8 @@ def run_daemon(cfg: DaemonConfig) -> int:
     """Serve the buffer: the job given at start (if any), then jobs submitted through job.json.
 
     A daemon started with a dataset exits when that job's epochs are consumed; one
-    started without waits for jobs and goes back to waiting after each.
+    started without waits for jobs and goes back to waiting after each.  The process is
+    expected to exit when this returns: stop signals stay ignored from then on.
     """
     # First: the environment it reads must not reach the worker fork server.
     notifier = Notifier.from_env()
@@ -423,7 +424,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
         inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
         job: DaemonConfig | None = cfg if not serve_jobs else None
         reset = cfg.reset
-        with Wakeup(buffer) as wake:
+        with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
                 if job is None:

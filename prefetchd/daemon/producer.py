@@ -157,11 +157,17 @@ class Producer:
             for stream in self.streams:
                 stream.adopt_published()
             self._read_progress()
-            self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
-            self.state = State.FILLING
+            if self.finished:
+                # Restarted after the trainers consumed the last epoch: nothing to build, so no
+                # workers to start and no reason to wait for a progress that will not move.
+                log.info("the trainers had consumed all %d epochs before this daemon started; nothing to produce",
+                         self.streams[0].manifest.epochs)
+            else:
+                self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
+                self.state = State.FILLING
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0
-            while self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
+            while not self.finished and self.wake.stop_signal is None and self.fatal is None and self.next_job is None:
                 self.notifier.watchdog()
                 self._wait(timeout=self._poll_interval())
                 now = time.monotonic()

@@ -215,6 +215,8 @@ class Stream:
         A trainer that is gone leaves the window full: the daemon holds the buffer at
         the high-water mark and sleeps until progress.json moves again.
         """
+        if self.finished:
+            return  # a trainer that consumed every epoch is done, not gone: it exits, as it should
         pid, since = self.trainer_pid, self.progress_time
         alive = alive_since(pid, since) if pid is not None and since is not None else None
         if alive is None or alive == self.trainer_alive:

@@ -20,8 +20,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Wakeup:
     """Context manager owning the wake-up pipe, the stop-signal handlers and the watcher."""
 
-    def __init__(self, buffer: Path) -> None:
+    def __init__(self, buffer: Path, last: bool = False) -> None:
+        """``last``: the process exits once this loop ends.  A stop signal that arrives while it
+        exits is then ignored instead of handed back to the default action, which would turn a
+        clean exit into status 143 (SIGTERM) or 130 (SIGINT) half-way through its cleanup."""
         self.buffer = buffer
+        self.last = last
         self.stop_signal: int | None = None
         self._fds: tuple[int, int] | None = None
 
@@ -39,7 +43,9 @@ class Wakeup:
         self._watcher.stop()
         signal.set_wakeup_fd(self._old_wakeup)
         for s, h in self._old_handlers.items():
-            signal.signal(s, h)
+            # SIG_IGN, not a Python handler: the interpreter resets its own handlers to the
+            # default while it finalizes, and leaves an ignored signal ignored to the end.
+            signal.signal(s, signal.SIG_IGN if self.last else h)
         assert self._fds is not None
         for fd in self._fds:
             os.close(fd)

@@ -27,6 +27,25 @@ _ERRNO_HINTS = {
 }
 
 
+class _StoppingEmitterFilter(logging.Filter):
+    """Drops watchdog's "queue_events() called when the thread is inactive" ERROR.
+
+    watchdog 7 logs it when an event is still being read while ``Observer.stop()`` runs: its
+    emitter drops the inotify handle without a lock the reading thread holds.  The daemon
+    writes status.json (a rename, so an event) right before it stops the watcher, so nearly
+    every exit hit that race.  Nothing is wrong then: the event is dropped as it should be.
+    The handle is None only after the stop began, so the message means nothing else.
+    """
+
+    MESSAGE = "InotifyEmitter.queue_events() called when the thread is inactive"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.MESSAGE
+
+
+_STOPPING_EMITTER_FILTER = _StoppingEmitterFilter()
+
+
 class _Handler(FileSystemEventHandler):
     def __init__(self, wake_fd: int) -> None:
         self._wake_fd = wake_fd
@@ -44,6 +63,8 @@ class _Handler(FileSystemEventHandler):
 
 class BufferWatcher:
     def __init__(self, buffer: os.PathLike[str] | str, wake_fd: int) -> None:
+        # The same filter object every time: addFilter keeps one copy.
+        logging.getLogger("watchdog.observers.inotify").addFilter(_STOPPING_EMITTER_FILTER)
         self._observer: Observer | None = Observer()  # type: ignore[valid-type]
         try:
             # Only renames: without the filter inotify reports every worker write into a

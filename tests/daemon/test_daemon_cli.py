@@ -104,6 +104,14 @@ def test_every_config_field_has_a_flag(runner: CliRunner) -> None:
         assert flag in result.output
 
 
+def test_submit_offers_job_settings_but_not_the_allow_lists(runner: CliRunner) -> None:
+    """A job cannot widen what jobs may do: the allow-lists are the daemon's, not the submitter's."""
+    result = runner.invoke(cli.main, ["submit", "--help"])
+    assert result.exit_code == 0
+    assert "--transform" in result.output and "--data" in result.output
+    assert "--allowed-data" not in result.output and "--allowed-transforms" not in result.output
+
+
 def _start_error(runner: CliRunner, caplog: pytest.LogCaptureFixture, args: list[str]) -> tuple[int, str]:
     with caplog.at_level(logging.ERROR):
         result = run_start(runner, args)

@@ -1,0 +1,104 @@
+"""Who may ask the daemon for what.
+
+With ``--group-access`` (the systemd unit's default) every member of the buffer's
+group can write ``job.json``.  What a job names, the daemon does as itself: it reads
+``data`` with the service's files and object-storage credentials and publishes the
+pixels to the group, and it imports and runs the ``transform`` hook.  So a job.json
+owned by anyone but the daemon's own user may only name
+
+- ``data`` inside a root of the config's ``allowed_data`` (local roots compared after
+  resolving symlinks and ``..``, URLs by prefix), and every file its index names must
+  resolve inside one too (a file list may name any path, a class folder may link out);
+- a ``transform`` listed exactly in ``allowed_transforms``.
+
+Both lists are empty by default, so such jobs are refused with the key to set.  Values
+the daemon's own configuration already has are the operator's choice and always pass.
+The owner is the uid of the job.json the daemon opened (fstat of that file), which is
+who created it: writers create a temp file and rename it into place.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.errors import ConfigError
+from prefetchd.locations import is_url
+
+TICK_FILES = 4096  # resolving a large index takes seconds: keep the heartbeat going every this many files
+
+
+def user_name(uid: int | None) -> str:
+    """``alice (uid 1001)`` for messages, or just the uid when it has no name."""
+    if uid is None:
+        return "an unknown user"
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def inside(path: str, root: str) -> bool:
+    """``path`` is ``root`` or below it, by whole path components (``/data2`` is not in ``/data``)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class JobPolicy:
+    """The daemon's own configuration, which says what jobs of other users may name."""
+
+    own: DaemonConfig
+    uid: int
+
+    @classmethod
+    def of(cls, own: DaemonConfig) -> JobPolicy:
+        return cls(own, os.geteuid())
+
+    def confine(self, job: DaemonConfig, owner: int | None) -> tuple[str, ...] | None:
+        """Check a job that ``owner`` submitted: raise ConfigError saying why and which key to set
+        if it asks for more than that user may, else return the resolved local roots its files
+        must stay inside (None: not confined, it is the daemon's user or the daemon's own data)."""
+        if owner == self.uid:
+            return None
+        who = (f"job.json belongs to {user_name(owner)}, not to {user_name(self.uid)} who runs the daemon, "
+               "so it may use only what the daemon's config allows")
+        if job.transform is not None and job.transform != self.own.transform and job.transform not in self.own.allowed_transforms:
+            allowed = ", ".join(self.own.allowed_transforms) or "none is set"
+            raise ConfigError(f"{who}: its transform {job.transform!r} is not in allowed_transforms ({allowed}). The "
+                              f"daemon would import and run it as {user_name(self.uid)}; if the buffer's group may "
+                              "run it, add it to `allowed_transforms` in the daemon's config (or --allowed-transforms)")
+        if job.data is None or job.data == self.own.data:
+            return None
+        if is_url(job.data):
+            if any(inside(job.data, root) for root in self.own.allowed_data if is_url(root)):
+                return None
+            real = job.data
+        else:
+            roots = tuple(os.path.realpath(root) for root in self.own.allowed_data if not is_url(root))
+            real = os.path.realpath(job.data)
+            if any(inside(real, root) for root in roots):
+                return roots
+        shown = f"{job.data!r}" + (f" (resolved: {real})" if real != job.data else "")
+        allowed = ", ".join(self.own.allowed_data) or "none is set"
+        raise ConfigError(f"{who}: its data {shown} is not inside a root of allowed_data ({allowed}). The daemon "
+                          f"reads it with {user_name(self.uid)}'s files and credentials and shows the pixels to the "
+                          "buffer's group; if the group may read it, add its root to `allowed_data` in the daemon's "
+                          "config (or --allowed-data)")
+
+
+def check_files_inside(index: SampleIndex, roots: tuple[str, ...], tick: Callable[[], object] = lambda: None) -> None:
+    """Every file of a confined job's index resolves inside ``roots``: a file list may name any
+    path and class folders may hold links, which the walk follows."""
+    for j in range(len(index.path_offsets) - 1):
+        if j % TICK_FILES == 0:
+            tick()
+        name = index.file(j)
+        real = os.path.realpath(os.path.join(index.root, name))
+        if not any(inside(real, root) for root in roots):
+            raise ConfigError(f"{index.root}: sample file {name} resolves to {real}, outside allowed_data "
+                              f"({', '.join(roots)}); a job from another user reads only files inside "
+                              "`allowed_data` of the daemon's config: add that root there, or drop the file or link")

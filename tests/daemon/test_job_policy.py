@@ -1,0 +1,132 @@
+"""What jobs of other users may name: JobPolicy on real paths and links, and the owner
+the protocol reads from job.json.  (tests/integration/test_job_owner.py runs it with real users.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from prefetchd.buffer_protocol import JobRequest, ProtocolError
+from prefetchd.buffer_protocol.layout import JOB_NAME
+from prefetchd.daemon.config import DaemonConfig, load_toml
+from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, inside
+from prefetchd.daemon.sources.filelist import read_file_list
+from prefetchd.synthetic import make_shapes_dataset
+
+OTHER = os.geteuid() + 4242  # a uid that is not the daemon's
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    for name in ("allowed/train/a", "allowed/train/b", "secret/train/a", "allowed2"):
+        (tmp_path / name).mkdir(parents=True)
+    return tmp_path
+
+
+def policy(tree: Path, **own: object) -> JobPolicy:
+    return JobPolicy.of(DaemonConfig(buffer=tree / "bf", **own))  # type: ignore[arg-type]
+
+
+def job(tree: Path, **settings: object) -> DaemonConfig:
+    return DaemonConfig(buffer=tree / "bf", **settings)  # type: ignore[arg-type]
+
+
+def test_the_daemons_own_user_is_not_limited(tree: Path) -> None:
+    assert policy(tree).confine(job(tree, data=str(tree / "secret"), transform="x.y:z"), os.geteuid()) is None
+
+
+def test_by_default_another_users_job_may_name_no_data_and_no_hook(tree: Path) -> None:
+    with pytest.raises(ConfigError) as data:
+        policy(tree).confine(job(tree, data=str(tree / "allowed/train")), OTHER)
+    assert "allowed_data" in str(data.value) and "none is set" in str(data.value) and f"uid {OTHER}" in str(data.value)
+    with pytest.raises(ConfigError) as hook:
+        policy(tree, allowed_data=(str(tree / "allowed"),)).confine(job(tree, data=str(tree / "allowed"), transform="x.y:z"), OTHER)
+    assert "allowed_transforms" in str(hook.value) and "'x.y:z'" in str(hook.value)
+
+
+def test_hooks_are_allowed_by_exact_name_only(tree: Path) -> None:
+    rules = policy(tree, allowed_transforms=("aug.ment:flip",), allowed_data=(str(tree / "allowed"),))
+    assert rules.confine(job(tree, data=str(tree / "allowed"), transform="aug.ment:flip"), OTHER) is not None
+    for near in ("aug.ment:flop", "aug.ment:flip2", "aug:flip"):
+        with pytest.raises(ConfigError, match="allowed_transforms"):
+            rules.confine(job(tree, data=str(tree / "allowed"), transform=near), OTHER)
+
+
+def test_data_must_resolve_inside_an_allowed_root(tree: Path) -> None:
+    rules = policy(tree, allowed_data=(str(tree / "allowed"),))
+    assert rules.confine(job(tree, data=str(tree / "allowed/train")), OTHER) == (str(tree / "allowed"),)
+    (tree / "allowed/escape").symlink_to(tree / "secret/train")
+    refused = [str(tree / "allowed/escape"), str(tree / "allowed/train/../../secret/train"), str(tree / "allowed2"),
+               str(tree)]
+    for data in refused:
+        with pytest.raises(ConfigError, match="allowed_data"):
+            rules.confine(job(tree, data=data), OTHER)
+
+
+def test_a_linked_allowed_root_is_compared_resolved(tree: Path) -> None:
+    (tree / "link-to-allowed").symlink_to(tree / "allowed")
+    rules = policy(tree, allowed_data=(str(tree / "link-to-allowed"),))
+    assert rules.confine(job(tree, data=str(tree / "allowed/train")), OTHER) == (str(tree / "allowed"),)
+
+
+def test_urls_are_allowed_by_whole_prefix(tree: Path) -> None:
+    rules = policy(tree, allowed_data=("s3://bucket/data/", str(tree / "allowed")))
+    assert rules.confine(job(tree, data="s3://bucket/data/train"), OTHER) is None
+    assert rules.confine(job(tree, data="s3://bucket/data"), OTHER) is None
+    for data in ("s3://bucket/data2", "s3://bucket", "s3://other/data/train", "gs://bucket/data/train"):
+        with pytest.raises(ConfigError, match="allowed_data"):
+            rules.confine(job(tree, data=data), OTHER)
+
+
+def test_the_daemons_own_data_and_hook_pass(tree: Path) -> None:
+    rules = policy(tree, data=str(tree / "secret"), transform="x.y:z")
+    assert rules.confine(job(tree, data=str(tree / "secret"), transform="x.y:z", seed=3), OTHER) is None
+
+
+def test_a_file_list_naming_files_outside_the_roots_is_refused(tmp_path: Path) -> None:
+    make_shapes_dataset(tmp_path / "allowed", classes=2, train_per_class=2, val_per_class=1, seed=1)
+    make_shapes_dataset(tmp_path / "secret", classes=2, train_per_class=2, val_per_class=1, seed=2)
+    inner = sorted((tmp_path / "allowed/train").rglob("*.*"))
+    outer = sorted((tmp_path / "secret/train").rglob("*.*"))
+    roots = (str(tmp_path / "allowed"),)
+    good = tmp_path / "allowed/good.csv"
+    good.write_text("".join(f"{p},{p.parent.name}\n" for p in inner))
+    check_files_inside(read_file_list(str(good)), roots)
+    bad = tmp_path / "allowed/bad.csv"
+    bad.write_text("".join(f"{p},{p.parent.name}\n" for p in inner + outer[:1]))
+    with pytest.raises(ConfigError, match="allowed_data") as exc:
+        check_files_inside(read_file_list(str(bad)), roots)
+    assert str(outer[0]) in str(exc.value)
+
+
+def test_inside_compares_whole_components() -> None:
+    assert inside("/data/x", "/data") and inside("/data", "/data") and inside("/data/x", "/")
+    assert not inside("/data2/x", "/data") and not inside("/dat", "/data")
+
+
+def test_allow_lists_come_from_toml_lists_and_are_checked(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('allowed_data = ["datasets", "s3://b/p/"]\nallowed-transforms = ["m.n:f"]\n')
+    values = load_toml(cfg)
+    built = DaemonConfig(buffer=tmp_path / "bf", **values)
+    assert built.allowed_data == (str(tmp_path / "datasets"), "s3://b/p")  # relative to the file, as paths are
+    assert built.allowed_transforms == ("m.n:f",)
+    for text, key in (('allowed_data = "/one"', "allowed_data"), ("allowed_transforms = [1]", "allowed_transforms"),
+                      ('allowed_transforms = ["nocolon"]', "allowed_transforms")):
+        cfg.write_text(text + "\n")
+        with pytest.raises(ConfigError, match=key):
+            DaemonConfig(buffer=tmp_path / "bf", **load_toml(cfg))
+
+
+def test_job_request_reads_its_files_owner_and_refuses_hard_links(tmp_path: Path) -> None:
+    request = JobRequest({"data": "/x"})
+    request.write(tmp_path)
+    read = JobRequest.read(tmp_path)
+    assert read is not None and read.owner == os.geteuid() and read.job_id == request.job_id
+    assert "owner" not in (tmp_path / JOB_NAME).read_text()  # who wrote it is the file's, not the document's say
+    os.link(tmp_path / JOB_NAME, tmp_path / "other-name")
+    with pytest.raises(ProtocolError, match="2 links"):
+        JobRequest.read(tmp_path)

@@ -1,0 +1,72 @@
+"""How a daemon whose job is done exits: status 0, nothing logged as an error, also when
+SIGTERM arrives while it exits, and at once when restarted on a job already consumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefetchd.buffer_protocol import read_status
+from prefetchd.trainer import BufferLoader
+
+JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "1", "--workers", "1", "--high-water", "3"]
+FINISHED = "the trainers consumed all 1 epochs"
+
+
+def consume_everything(buffer: Path) -> None:
+    """A trainer in its own process, which reads the job's one epoch and exits, as trainers do."""
+    code = ("import sys; from prefetchd.trainer import BufferLoader\n"
+            "loader = BufferLoader(sys.argv[1], normalize=False, timeout=60)\n"
+            "print(sum(len(b.indices) for b in loader)); loader.close()\n")
+    out = subprocess.run([sys.executable, "-c", code, str(buffer)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["72"], out.stdout + out.stderr
+
+
+def errors_in(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "ERROR" in line or "Traceback" in line]
+
+
+def test_finished_daemon_exits_cleanly_and_a_restart_on_it_exits_at_once(shapes_data: Path, shm_dir: Path,
+                                                                          start_daemon: Callable[..., Any]) -> None:
+    buffer = shm_dir / "bf"
+    first = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+    consume_everything(buffer)
+    assert first.wait_exit() == 0, first.log
+    assert FINISHED in first.log and errors_in(first.log) == [], first.log
+
+    again = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+    assert again.wait_exit() == 0, again.log
+    # It saw the consumed progress and left without starting workers or waiting on the trainer,
+    # which finished and exited: that trainer is done, not "gone away".
+    assert "consumed all 1 epochs before this daemon started" in again.log, again.log
+    assert "gone away" not in again.log and errors_in(again.log) == [], again.log
+    status = read_status(buffer)
+    assert status is not None and status["state"] == "stopped" and status["pid"] == again.proc.pid
+
+
+def test_sigterm_while_a_finished_daemon_exits_still_exits_0(shapes_data: Path, shm_dir: Path,
+                                                             start_daemon: Callable[..., Any]) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    assert sum(len(b.indices) for b in loader) == 72
+    # From the moment the trainer has read the last batch until the daemon is gone, SIGTERM keeps
+    # coming (as from a `systemctl stop` racing the exit), as often as it can be sent: the exit
+    # takes tens of milliseconds, and every stage of it gets signals, the last ones included.
+    # (The trainer is this process: one in a process of its own takes longer to exit than the daemon.)
+    while daemon.proc.poll() is None:
+        try:
+            os.kill(daemon.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        time.sleep(0.0002)  # leaves the daemon the CPU to exit on; the window it must survive is longer
+    code = daemon.wait_exit()
+    loader.close()
+    assert code == 0, f"exit status {code}:\n{daemon.log}"
+    assert errors_in(daemon.log) == [], daemon.log
