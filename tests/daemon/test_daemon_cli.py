@@ -106,7 +106,7 @@ def test_every_config_field_has_a_flag(runner: CliRunner) -> None:
 
 def test_submit_offers_job_settings_but_not_the_allow_lists(runner: CliRunner) -> None:
     """A job cannot widen what jobs may do: the allow-lists are the daemon's, not the submitter's."""
-    result = runner.invoke(cli.main, ["submit", "--help"])
+    result = runner.invoke(prefetchd_cli.main, ["submit", "--help"])
     assert result.exit_code == 0
     assert "--transform" in result.output and "--data" in result.output
     assert "--allowed-data" not in result.output and "--allowed-transforms" not in result.output

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefetchd.buffer_protocol import read_status
+from prefetchd.buffer_protocol import State, read_status
 from prefetchd.trainer import BufferLoader
 
 JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "1", "--workers", "1", "--high-water", "3"]
@@ -47,7 +47,7 @@ def test_finished_daemon_exits_cleanly_and_a_restart_on_it_exits_at_once(shapes_
     assert "consumed all 1 epochs before this daemon started" in again.log, again.log
     assert "gone away" not in again.log and errors_in(again.log) == [], again.log
     status = read_status(buffer)
-    assert status is not None and status["state"] == "stopped" and status["pid"] == again.proc.pid
+    assert status is not None and status.state == State.STOPPED and status.pid == again.proc.pid
 
 
 def test_sigterm_while_a_finished_daemon_exits_still_exits_0(shapes_data: Path, shm_dir: Path,

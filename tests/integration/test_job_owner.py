@@ -21,7 +21,8 @@ import psutil
 import pytest
 
 import prefetchd
-from prefetchd.buffer_protocol import list_batches, read_status
+from prefetchd.buffer_protocol import State, list_batches
+from tests.status_examples import job_result_of, state_of
 from prefetchd.synthetic import make_shapes_dataset
 
 pytestmark = [
@@ -152,7 +153,7 @@ def test_group_jobs_are_held_to_the_allow_lists(two_users: Users) -> None:
             return log.read_text(errors="replace")
 
         deadline = time.monotonic() + 60
-        while (read_status(buffer) or {}).get("state") != "waiting-for-job":
+        while state_of(buffer) != State.WAITING_FOR_JOB:
             assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
             time.sleep(0.05)
 
@@ -162,7 +163,7 @@ def test_group_jobs_are_held_to_the_allow_lists(two_users: Users) -> None:
                 ["runuser", "-u", users.trainer, "--", python, "-m", "prefetchd", "submit", "--buffer", str(buffer),
                  "--batch-size", "4", "--image-size", "32", *map(str, args)],
                 env=env, capture_output=True, text=True, timeout=120)
-            result = (read_status(buffer) or {}).get("job_result") or {}
+            result = job_result_of(buffer)
             assert os.stat(buffer / "job.json").st_uid == users.trainer_uid
             return out.returncode, f"{out.stdout}{out.stderr}\njob_result: {result}"
 
@@ -182,7 +183,7 @@ def test_group_jobs_are_held_to_the_allow_lists(two_users: Users) -> None:
         assert code == 1 and "allowed_data" in said and str(some_secret[0]) in said, said
 
         assert daemon_proc.poll() is None, "a refused job must not stop the daemon:\n" + daemon_log()
-        assert (read_status(buffer) or {}).get("state") == "waiting-for-job"
+        assert state_of(buffer) == State.WAITING_FOR_JOB
         assert list_batches(buffer) == {}
 
         code, said = submit("--data", allowed / "train", "--transform", "pfd_allowed_hook:identity")
