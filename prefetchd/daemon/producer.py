@@ -108,6 +108,7 @@ class Stats:
     consumed: int = 0
     worker_restarts: int = 0
     write_failures: int = 0
+    low_space_pauses: int = 0
     recent: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=64))  # (t, samples, consumed)
     # Per-sample (read, decode, augment, write) seconds of the most recent samples.
     stage_times: deque[tuple[float, float, float, float]] = field(default_factory=lambda: deque(maxlen=STAGE_WINDOW))
@@ -149,6 +150,10 @@ class Stream:
         self.filling = True
         self.consumed = 0
         self.progress_error = ""
+        # Counted for status.json, so that tools and tests see what the log says without parsing it.
+        self.vanished_batches = 0  # published batches whose files someone else removed
+        self.progress_rejected = 0  # distinct problems with progress.json, each ignored
+        self.progress_rewinds = 0  # times the trainer's position moved back
         self.trainer_wait_share: float | None = None
         # Who wrote progress.json last and when (None: nobody yet, or a writer without pid/time).
         self.trainer_pid: int | None = None
@@ -211,6 +216,7 @@ class Stream:
         for g in lost:
             path = self.published.pop(g)
             log.warning("batch %s of rank %d vanished from %s; building it again", path.name, self.rank, self.dir)
+        self.vanished_batches += len(lost)
         return lost
 
     def read_progress(self) -> bool:
@@ -234,6 +240,7 @@ class Stream:
         if g == self.progress:
             return False
         if g < self.progress:
+            self.progress_rewinds += 1
             log.info("rank %d's trainer moved back from %s to %s; regenerating from there",
                      self.rank, self.key(self.progress), self.key(g))
         else:
@@ -245,6 +252,7 @@ class Stream:
         if problem != self.progress_error:
             log.warning("ignoring %s: %s", self.dir / "progress.json", problem)
             self.progress_error = problem
+            self.progress_rejected += 1
 
     def outside_window(self) -> tuple[list[int], list[Build]]:
         """Published positions and live builds outside [progress, progress + high)."""
@@ -314,6 +322,9 @@ class Stream:
             "waiting": len(self.published),
             "building": self.active,
             "progress_file": self.progress_error,
+            "vanished_batches": self.vanished_batches,
+            "progress_rejected": self.progress_rejected,
+            "progress_rewinds": self.progress_rewinds,
         }
 
 
@@ -569,6 +580,7 @@ class Producer:
                        f"{self.min_free >> 20} MiB; free space there or lower --high-water")
                 if self.state != "paused-low-space":
                     log.warning(msg)
+                    self.stats.low_space_pauses += 1
                 self.state, self.message = "paused-low-space", msg
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
@@ -730,6 +742,10 @@ class Producer:
                 "undecodable": self.bad_files,
                 "worker_restarts": self.stats.worker_restarts,
                 "write_failures": self.stats.write_failures,
+                "low_space_pauses": self.stats.low_space_pauses,
+                "vanished_batches": sum(s["vanished_batches"] for s in streams),
+                "progress_rejected": sum(s["progress_rejected"] for s in streams),
+                "progress_rewinds": sum(s["progress_rewinds"] for s in streams),
                 "progress_file": "; ".join(s["progress_file"] for s in streams if s["progress_file"]),
             },
             **self.extra_status(),
