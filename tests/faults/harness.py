@@ -20,36 +20,65 @@ a sample the bad-sample policy replaced while the harness had its file moved
 away (``dataset_delete``): that slot must hold the next sample of the split,
 every other slot must be identical, and the batch must say ``replaced``.
 
-Fault kinds (``KINDS``); a fault is *detected* when the system noticed it:
+Fault kinds (``KINDS``).  A fault is *detected* when the system said so in a structured
+way -- a status.json field or counter (read with ``read_status``), an exit code
+(``prefetchd.daemon.errors``), the lock's owner, or a typed event the trainer logged
+-- never because some text appeared in a log:
 
 =================== ===================================================== =================================
 kind                what is done                                          detected when
 =================== ===================================================== =================================
 daemon_kill         SIGKILL the daemon (half the time while a ``.tmp``     the restarted daemon owns the
-                    batch is being written), start another                buffer again
-trainer_kill        SIGKILL the trainer, restart it from its checkpoint   the new run resumed (start line)
-trainer_stop        SIGSTOP the trainer until the daemon reports the      status.json said ``full`` while
-                    buffer ``full``, a while longer, then SIGCONT         the trainer was stopped
-enospc              fill the buffer's small tmpfs (root only) to less     the daemon logged a failed write
-                    than a batch free, until a write fails, then free it  (ENOSPC) or a low-space pause
-batch_corrupt       flip a byte of the header or metadata of a waiting    the trainer got a ProtocolError
-                    batch (not yet opened by the trainer)                 for it
+                    batch is being written), start another                buffer (the lock names its pid)
+trainer_kill        SIGKILL the trainer; once the daemon's status says    status ``trainer``: the killed
+                    it is gone (or 5 s), resume it from its checkpoint    pid with ``alive`` false
+trainer_stop        SIGSTOP the trainer until the daemon reports the      status ``state`` was ``full``
+                    buffer ``full``, a while longer, then SIGCONT         while the trainer was stopped
+enospc              fill the buffer's small tmpfs (root only) to less     ``errors.write_failures`` or
+                    than a batch free, until a write fails, then free it  ``errors.low_space_pauses`` rose
+batch_corrupt       flip a byte of the header or metadata of a waiting    the trainer logged a
+                    batch (not yet opened by the trainer)                 ``protocol_error`` event for it
 batch_truncate      truncate a waiting batch (not yet opened)             as for batch_corrupt
-batch_delete        delete a waiting batch                                the daemon logged it missing
-progress_garbage    overwrite progress.json with garbage bytes, JSON of   the daemon logged it ignored it
+batch_delete        delete a waiting batch                                ``errors.vanished_batches`` rose
+progress_garbage    overwrite progress.json with garbage bytes, JSON of   ``errors.progress_rejected`` rose
                     another format, or a truncated document
-progress_rewind     rewrite progress.json with an older position         the daemon logged the move back
-second_daemon       start a second daemon on the buffer                   it was refused (non-zero exit,
-                                                                          "owned by a running daemon")
-dataset_delete      move a dataset file away until a batch that needed    a delivered batch says
-                    it was built, then put it back                        ``replaced`` or the daemon logged
-                                                                          the undecodable file
+progress_rewind     rewrite progress.json with an older position         ``errors.progress_rewinds`` rose
+second_daemon       start a second daemon on the buffer                   it exited ``EXIT_BUFFER_BUSY`` and
+                                                                          the first still owned the buffer
+                                                                          after that refusal
+dataset_delete      move a dataset file away until a batch that needed    a delivered batch's header counts
+                    it was built, then put it back                        it ``replaced``, or
+                                                                          ``errors.undecodable_files`` rose
+daemon_stuck        SIGSTOP the daemon until the trainer raises           the trainer logged a
+                    ``DaemonStuck`` (``--daemon-timeout`` 6 s), then      ``daemon_stuck`` event naming the
+                    SIGKILL + restart it or, half the time, SIGCONT       stopped pid
+foreign_job         SIGKILL the daemon, start one of another job (seed)   it exited ``EXIT_USAGE`` and the
+                    on the buffer, then the right one again               manifest still names the job
+progress_planted    replace progress.json by a FIFO or a symlink to a     ``errors.progress_rejected`` rose
+                    valid document (trainer stopped meanwhile)
+batch_planted       replace a waiting batch by a FIFO or a symlink to a   a ``protocol_error`` event for it,
+                    copy of it                                            or ``errors.vanished_batches`` rose
+bad_start           start daemons on: a missing dataset, a symlinked      each exited with its code
+                    buffer, another user's buffer (root), an unwritable   (``EXIT_FAILURE``, ``EXIT_USAGE``),
+                    buffer (a read-only tmpfs as root, mode 0500 else)    no traceback, last line names the
+                                                                          path
 =================== ===================================================== =================================
+
+Any process exit that no fault caused fails the run (``Report.ok``), with the
+process, its exit status and the tail of its log: a trainer or daemon that
+exited on its own (``supervise`` restarts it so that the rest of the run still
+shows), a spare trainer that died before use, a refused daemon that exited
+with another code than the refusal's, a daemon that did not exit 0 at the end.
+So does a ``daemon_stuck`` event no ``daemon_stuck`` fault explains.
+``trainer_crash`` (``SELF_TEST_KINDS``) SIGTERMs the trainer behind the
+harness's back; ``test_faults.py`` checks that such a run is reported failed.
 
 Limits (see docs/RELIABILITY.md): payload bytes carry no checksum, so
 ``batch_corrupt`` only touches what the protocol checks (header and metadata);
 a batch the trainer already mapped is never truncated (that is a SIGBUS by
-design of mmap); ``enospc`` needs root for its small tmpfs; a deleted dataset
+design of mmap); ``enospc`` needs root for its small tmpfs (without root it is
+listed in ``Report.unavailable`` and the test is skipped with that reason after
+its checks pass); a deleted dataset
 file is put back before the next fault (a daemon restarted while it is gone
 sees another dataset fingerprint and refuses the buffer, by design).
 """
@@ -500,21 +529,21 @@ class Harness:
         self.poll_status()
         assert self.driver is not None and self.daemon is not None
         rc = self.driver.poll()
-        if rc is not None and not self.finished:
+        # A process the harness itself ended is restarted by the injection that ended it, when it chooses.
+        if rc is not None and not self.finished and self.driver.pid not in self.expected_exits:
             self.log.poll()
             if rc == 0 and any(r.get("event") == "done" for r in self.log.records):
                 self.finished = True
             else:
-                if self.driver.pid not in self.expected_exits:
-                    self.trainer_crashes.append(
-                        f"trainer run {self.run_id} (pid {self.driver.pid}) {describe_exit(rc)}, no fault explains it; "
-                        f"its log:{log_tail(self.work / f'driver-{self.run_id}.err')}")
+                self.trainer_crashes.append(
+                    f"trainer run {self.run_id} (pid {self.driver.pid}) {describe_exit(rc)}, no fault explains it; "
+                    f"its log:{log_tail(self.work / f'driver-{self.run_id}.err')}")
                 if len(self.trainer_crashes) > 20:
                     raise RuntimeError("crash loop: the trainer died more than 20 times: " + "; ".join(self.trainer_crashes[-3:]))
                 self.new_driver()
         rc = self.daemon.poll()
-        if rc is not None and not self.finished:
-            if not (rc == 0 and self.position() >= self.positions) and self.daemon.pid not in self.expected_exits:
+        if rc is not None and not self.finished and self.daemon.pid not in self.expected_exits:
+            if not (rc == 0 and self.position() >= self.positions):
                 self.daemon_exits.append(f"daemon {len(self.daemon_logs) - 1} (pid {self.daemon.pid}) {describe_exit(rc)}, "
                                          f"no fault explains it; its log:{log_tail(self.daemon_logs[-1])}")
                 if len(self.daemon_exits) > 20:
