@@ -50,18 +50,17 @@ dataset_delete      move a dataset file away until a batch that needed    a deli
                     it was built, then put it back                        it ``replaced``, or
                                                                           ``errors.undecodable_files`` rose
 daemon_stuck        SIGSTOP the daemon until the trainer raises           the trainer logged a
-                    ``DaemonStuck`` (``--daemon-timeout`` 6 s), then      ``daemon_stuck`` event naming the
-                    SIGKILL + restart it or, half the time, SIGCONT       stopped pid
-foreign_job         SIGKILL the daemon, start one of another job (seed)   it exited ``EXIT_USAGE`` and the
-                    on the buffer, then the right one again               manifest still names the job
+                    ``DaemonStuck`` (``--daemon-timeout`` 10 s), then     ``daemon_stuck`` event naming the
+                    SIGCONT it                                            stopped pid
 progress_planted    replace progress.json by a FIFO or a symlink to a     ``errors.progress_rejected`` rose
                     valid document (trainer stopped meanwhile)
 batch_planted       replace a waiting batch by a FIFO or a symlink to a   a ``protocol_error`` event for it,
                     copy of it                                            or ``errors.vanished_batches`` rose
 bad_start           start daemons on: a missing dataset, a symlinked      each exited with its code
                     buffer, another user's buffer (root), an unwritable   (``EXIT_FAILURE``, ``EXIT_USAGE``),
-                    buffer (a read-only tmpfs as root, mode 0500 else)    no traceback, last line names the
-                                                                          path
+                    buffer (a read-only tmpfs as root, mode 0500 else),   no traceback, last line names the
+                    a copy of the job's manifest and batches (another     path; the other job's buffer is
+                    seed)                                                 left as it was
 =================== ===================================================== =================================
 
 Any process exit that no fault caused fails the run (``Report.ok``), with the
@@ -104,6 +103,7 @@ from typing import Any, Callable
 
 from prefetchd.buffer_protocol import Manifest, ProtocolError, batch_name, daemon_pid, list_batches, read_status
 from prefetchd.buffer_protocol.batch import HEADER
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_USAGE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ DRIVER = Path(__file__).resolve().with_name("driver.py")
 KINDS = (
     "daemon_kill", "trainer_kill", "trainer_stop", "enospc", "batch_corrupt", "batch_truncate",
     "batch_delete", "progress_garbage", "progress_rewind", "second_daemon", "dataset_delete",
-    "daemon_stuck", "foreign_job", "progress_planted", "batch_planted", "bad_start",
+    "daemon_stuck", "progress_planted", "batch_planted", "bad_start",
 )
 # Not faults of the system: they break the run on purpose, so that a test sees the harness fail it.
 SELF_TEST_KINDS = ("trainer_crash",)
@@ -129,7 +129,6 @@ TITLES = {
     "second_daemon": "second daemon started",
     "dataset_delete": "dataset file deleted",
     "daemon_stuck": "daemon stuck (SIGSTOP)",
-    "foreign_job": "another job's daemon",
     "progress_planted": "progress FIFO/symlink",
     "batch_planted": "batch FIFO/symlink",
     "bad_start": "bad dataset/buffer starts",
@@ -159,7 +158,7 @@ class Settings:
     gap: tuple[int, int] = (2, 10)  # batches the trainer receives between faults
     # The trainer's stall_timeout: short, so that daemon_stuck is quick, long enough that a daemon on a
     # loaded machine (the status is rewritten about once a second) never looks stuck when it is not.
-    stall_timeout: float = 6.0
+    stall_timeout: float = 10.0
     python: str = sys.executable
 
 
@@ -310,7 +309,6 @@ class StatusSample:
     trainer_pid: int | None
     trainer_alive: bool | None
     counters: dict[str, int]
-    undecodable: tuple[str, ...]
 
     @classmethod
     def of(cls, status: dict[str, Any]) -> StatusSample:
@@ -320,7 +318,6 @@ class StatusSample:
             heartbeat=float(status.get("heartbeat") or 0.0), pid=int(status.get("pid") or 0),
             state=str(status.get("state")), trainer_pid=trainer.get("pid"), trainer_alive=trainer.get("alive"),
             counters={k: int(errors.get(k) or 0) for k in COUNTERS},
-            undecodable=tuple(str(e.get("path")) for e in errors.get("undecodable") or ()),
         )
 
 
@@ -363,7 +360,7 @@ class Harness:
         self.samples = sorted_samples(self.data)
         self.steps = -(-len(self.samples) // self.s.batch_size)
         # Room for the gaps and for what the trainer consumes while a fault is being handled.
-        total = self.s.faults * (sum(self.s.gap) // 2 + 20) + 40
+        total = self.s.faults * (sum(self.s.gap) // 2 + 25) + 40
         self.epochs = -(-total // self.steps)
         self.positions = self.epochs * self.steps
         self.ref_buffer = self.work / "ref"
@@ -578,13 +575,20 @@ class Harness:
             self.statuses.append(sample)
 
     def fresh_status(self, timeout: float = 5.0) -> StatusSample | None:
-        """The first status the current daemon writes from now on: a baseline no earlier event is missing from."""
+        """The first status the current daemon writes from now on: a baseline no earlier event is missing from.
+
+        The trainer is stopped meanwhile (about a second): it would take some 50 batches otherwise.
+        """
         assert self.daemon is not None
         t, pid = time.time(), self.daemon.pid
         seen = len(self.statuses)
-        if self.wait_until(lambda: any(x.pid == pid and x.heartbeat > t for x in self.statuses[seen:]), timeout):
-            return next(x for x in self.statuses[seen:] if x.pid == pid and x.heartbeat > t)
-        return None
+        self._stopped()
+        try:
+            if self.wait_until(lambda: any(x.pid == pid and x.heartbeat > t for x in self.statuses[seen:]), timeout):
+                return next(x for x in self.statuses[seen:] if x.pid == pid and x.heartbeat > t)
+            return None
+        finally:
+            self._cont()
 
     def counter_rose(self, counter: str, base: StatusSample | None, until: float = float("inf")) -> bool:
         """Whether a status of the baseline's daemon written after it, before ``until``, counts more ``counter``."""
@@ -935,8 +939,8 @@ class Harness:
 
     def inject_daemon_stuck(self, fault: Fault, rng: random.Random) -> None:
         """SIGSTOP the daemon until the trainer raises DaemonStuck (its heartbeat older than the stall
-        timeout), then do what ``--spawn-daemon`` does (SIGKILL, start another) or, half the time,
-        SIGCONT it: a daemon that was only swapped out serves on."""
+        timeout), then SIGCONT it: a daemon that was only swapped out serves on.  What ``--spawn-daemon``
+        does instead (kill and restart it) has its own test, and daemon_kill restarts daemons here."""
         assert self.daemon is not None
         stuck = self.daemon
         pid = stuck.pid
@@ -945,52 +949,11 @@ class Harness:
         stuck.send_signal(signal.SIGSTOP)
         said = self.wait_until(lambda: any(r.get("event") == "daemon_stuck" and r.get("pid") == pid and r["t"] > t
                                            for r in self.log.records), self.s.stall_timeout + 60)
-        if rng.random() < 0.5:
-            stuck.send_signal(signal.SIGCONT)
-            fault.detail = "continued"
-        else:
-            self.expected_exits.add(pid)
-            stuck.send_signal(signal.SIGKILL)
-            stuck.wait()
-            self.new_daemon()
-            fault.detail = "killed, restarted"
+        stuck.send_signal(signal.SIGCONT)
         fault.t_ref = time.time()
+        fault.detail = f"said stuck after {fault.t_ref - t:.1f} s" if said else "not said"
         fault.data.update(said=said, pid=pid)
         fault.check = lambda f, h: bool(f.data["said"])
-
-    def inject_foreign_job(self, fault: Fault, rng: random.Random) -> None:
-        """The daemon dies and a daemon of another job (another seed) starts on the buffer: it must
-        refuse with the configuration exit code and leave the job's manifest and batches alone."""
-        assert self.daemon is not None
-        old = self.daemon
-        self.wait_until(lambda: daemon_pid(self.buffer) == old.pid, 60)
-        self.expected_exits.add(old.pid)
-        old.send_signal(signal.SIGKILL)
-        old.wait()
-        fault.t_inject = time.time()
-        args = self.daemon_args()
-        args[args.index("--seed") + 1] = "8"
-        log = self.work / f"foreign-{fault.index}.log"
-        proc = self.spawn([self.s.python, "-m", "prefetchd", "start", "--buffer", str(self.buffer), *args], log)
-        self.expected_exits.add(proc.pid)
-        self.wait_until(lambda: proc.poll() is not None, 60)
-        rc = proc.poll()
-        try:
-            kept = Manifest.read(self.buffer).seed == 7
-        except (ProtocolError, OSError):
-            kept = False
-        if rc is None:
-            proc.kill()
-            proc.wait()
-        if rc != EXIT_USAGE:
-            self.daemon_exits.append(f"daemon of another job (pid {proc.pid}) "
-                                     f"{'still running after 60 s' if rc is None else describe_exit(rc)}, not the "
-                                     f"refusal ({EXIT_USAGE}); its log:{log_tail(log)}")
-        self.new_daemon()
-        fault.t_ref = time.time()
-        fault.detail = f"exit {rc}, job {'kept' if kept else 'CHANGED'}"
-        fault.data.update(rc=rc, kept=kept)
-        fault.check = lambda f, h: f.data["rc"] == EXIT_USAGE and bool(f.data["kept"])
 
     def inject_progress_planted(self, fault: Fault, rng: random.Random) -> None:
         """Put a FIFO, or a symlink to a valid progress document, in place of progress.json (the
@@ -1050,6 +1013,19 @@ class Harness:
         real.mkdir(mode=0o700)
         os.symlink(real, scratch / "bf-link")
         cases["symlinked buffer"] = (scratch / "bf-link", scratch / "bf-link", EXIT_USAGE)
+        # Another job's buffer: a copy of the running job's manifest and batches, where a daemon of
+        # another seed starts.  (On the live buffer it would need the job's daemon killed first, and
+        # a restart costs a torch import; the refusal is the same.)
+        foreign = scratch / "bf-job"
+        foreign.mkdir(mode=0o700)
+        shutil.copyfile(self.buffer / MANIFEST_NAME, foreign / MANIFEST_NAME)
+        for path in list(list_batches(self.buffer).values())[:2]:
+            try:
+                shutil.copyfile(path, foreign / path.name)
+            except FileNotFoundError:
+                pass  # consumed meanwhile
+        kept = sorted(list_batches(foreign))
+        cases["another job's buffer"] = (foreign, foreign, EXIT_USAGE)
         if os.geteuid() == 0:
             other = scratch / "bf-other"
             other.mkdir(mode=0o700)
@@ -1070,6 +1046,8 @@ class Harness:
             args = self.daemon_args()
             if name == "missing dataset":
                 args[args.index("--data") + 1] = str(cases[name][1])
+            if name == "another job's buffer":
+                args[args.index("--seed") + 1] = "8"
             proc = self.spawn([self.s.python, "-m", "prefetchd", "start", "--buffer", str(buffer), *args], log)
             self.expected_exits.add(proc.pid)
             procs[name] = (proc, log)
@@ -1084,11 +1062,14 @@ class Harness:
             _, named, want = cases[name]
             text = log.read_text(errors="replace").strip().splitlines()
             good = rc == want and bool(text) and str(named) in text[-1] and not any("Traceback" in t for t in text)
+            if name == "another job's buffer":  # refused without clearing it
+                good = good and sorted(list_batches(foreign)) == kept and Manifest.read(foreign).seed == 7
             verdicts[name] = good
             if not good:
+                also = " with the other job's batches and manifest left alone" if name == "another job's buffer" else ""
                 self.daemon_exits.append(f"bad start '{name}' (pid {proc.pid}) "
                                          f"{'still running after 60 s' if rc is None else describe_exit(rc)}; expected "
-                                         f"exit code {want} and a last line naming {named}; its log:{log_tail(log)}")
+                                         f"exit code {want} and a last line naming {named}{also}; its log:{log_tail(log)}")
         fault.t_ref = time.time()
         fault.detail = ", ".join(f"{n} {'refused' if ok else 'NOT refused'}" for n, ok in verdicts.items())
         fault.data["verdicts"] = verdicts
@@ -1224,8 +1205,9 @@ def run_suite(settings: Settings) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run the fault-injection suite and print its table.")
-    p.add_argument("--faults", type=int, default=260)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--faults", type=int, default=260,
+                   help=f"faults to inject (default: the long run's 260; the test's short run: {len(KINDS)})")
+    p.add_argument("--seed", type=int, default=1, help="schedule seed (the long run: 1; the short run: 3)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"comma-separated subset of: {', '.join(KINDS)}; or {', '.join(SELF_TEST_KINDS)}, which must fail the run")
     p.add_argument("--workdir", type=Path, help="default: a fresh directory under /dev/shm, removed afterwards")
