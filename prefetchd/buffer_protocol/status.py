@@ -84,6 +84,11 @@ class StreamStatus:
     waiting: int
     building: int
     progress_file: str = ""  # why the rank's progress.json was ignored; "" when it was not
+    # Counters of what the log also says, so that tools and tests need not parse it (0 when absent:
+    # a daemon of an earlier 0.1 build did not write them).
+    vanished_batches: int = 0  # published batches whose files someone else removed (built again)
+    progress_rejected: int = 0  # distinct problems with progress.json, each ignored
+    progress_rewinds: int = 0  # times the trainer's position moved back
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,10 @@ class Errors:
     worker_restarts: int
     write_failures: int
     progress_file: str  # the streams' progress_file problems, joined by "; "
+    low_space_pauses: int = 0  # times production paused because the buffer's filesystem ran short
+    vanished_batches: int = 0  # the streams' counters, summed
+    progress_rejected: int = 0
+    progress_rewinds: int = 0
 
 
 @dataclass(frozen=True)
@@ -280,6 +289,10 @@ class _Fields:
     def nat(self, key: str) -> int:
         return int(self._get(key, lambda v: type(v) is int and v >= 0, "a non-negative integer"))
 
+    def count(self, key: str) -> int:
+        """A counter; 0 when absent (counters added within a version)."""
+        return self.nat(key) if key in self.doc else 0
+
     def optional_nat(self, key: str) -> int | None:
         value = self._get(key, lambda v: type(v) is int and v >= 0, "a non-negative integer or null", optional=True)
         return None if value is None else int(value)
@@ -342,7 +355,8 @@ def _trainer(f: _Fields) -> TrainerStatus:
 
 def _stream(f: _Fields) -> StreamStatus:
     return StreamStatus(f.nat("rank"), _trainer(f.map("trainer")), _position(f.map("progress")),
-                        f.nat("waiting"), f.nat("building"), f.text("progress_file", default=""))
+                        f.nat("waiting"), f.nat("building"), f.text("progress_file", default=""),
+                        f.count("vanished_batches"), f.count("progress_rejected"), f.count("progress_rewinds"))
 
 
 def _rates(f: _Fields) -> Rates:
@@ -365,4 +379,8 @@ def _errors(f: _Fields) -> Errors:
         worker_restarts=f.nat("worker_restarts"),
         write_failures=f.nat("write_failures"),
         progress_file=f.text("progress_file", default=""),
+        low_space_pauses=f.count("low_space_pauses"),
+        vanished_batches=f.count("vanished_batches"),
+        progress_rejected=f.count("progress_rejected"),
+        progress_rewinds=f.count("progress_rewinds"),
     )

@@ -19,12 +19,12 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import JobRequest, Manifest, ProtocolError, Status, TrainerStatus, daemon_pid, read_status
+from prefetchd.buffer_protocol import BufferBusy, JobRequest, Manifest, ProtocolError, Status, TrainerStatus, daemon_pid, read_status
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.producer import STAGES
-from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
+from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
 from prefetchd.locations import normalize
 from prefetchd.options import click_options
 
@@ -90,6 +90,9 @@ def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **par
 
         cfg = build_config(ctx, config_file, params)
         code = run_daemon(cfg)
+    except BufferBusy as exc:  # its own code: a supervisor can tell "already served" from a failure
+        log.error("%s", exc)
+        sys.exit(EXIT_BUFFER_BUSY)
     except (DaemonError, ProtocolError) as exc:
         log.error("%s", exc)
         sys.exit(getattr(exc, "exit_code", EXIT_FAILURE))

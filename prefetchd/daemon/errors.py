@@ -7,6 +7,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2  # click's own code for bad flags; we use it for bad configuration too
 EXIT_NOT_RUNNING = 3  # `prefetchd status` when no daemon owns the buffer (LSB convention)
 EXIT_BAD_DATA = 4  # `prefetchd start`: --strict or the bad-sample budget stopped the job; a restart fails again
+EXIT_BUFFER_BUSY = 5  # `prefetchd start`: another live daemon owns the buffer; this one changed nothing
 
 
 class DaemonError(RuntimeError):

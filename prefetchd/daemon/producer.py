@@ -80,6 +80,7 @@ class Stats:
     consumed: int = 0
     worker_restarts: int = 0
     write_failures: int = 0
+    low_space_pauses: int = 0
     recent: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=64))  # (t, samples, consumed)
     # Per-sample (read, decode, augment, write) seconds of the most recent samples.
     stage_times: deque[tuple[float, float, float, float]] = field(default_factory=lambda: deque(maxlen=STAGE_WINDOW))
@@ -295,6 +296,7 @@ class Producer:
                        f"{self.min_free >> 20} MiB; free space there or lower --high-water")
                 if self.state != State.PAUSED_LOW_SPACE:
                     log.warning(msg)
+                    self.stats.low_space_pauses += 1
                 self.state, self.message = State.PAUSED_LOW_SPACE, msg
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
@@ -430,6 +432,10 @@ class Producer:
                 undecodable=tuple(BadFile(**b) for b in self.bad_files),
                 worker_restarts=self.stats.worker_restarts,
                 write_failures=self.stats.write_failures,
+                low_space_pauses=self.stats.low_space_pauses,
+                vanished_batches=sum(s.vanished_batches for s in streams),
+                progress_rejected=sum(s.progress_rejected for s in streams),
+                progress_rewinds=sum(s.progress_rewinds for s in streams),
                 progress_file="; ".join(s.progress_file for s in streams if s.progress_file),
             ),
         )

@@ -82,6 +82,10 @@ class Stream:
         self.filling = True
         self.consumed = 0
         self.progress_error = ""
+        # Counted for status.json, so that tools and tests see what the log says without parsing it.
+        self.vanished_batches = 0  # published batches whose files someone else removed
+        self.progress_rejected = 0  # distinct problems with progress.json, each ignored
+        self.progress_rewinds = 0  # times the trainer's position moved back
         self.trainer_wait_share: float | None = None
         # Who wrote progress.json last and when (None: nobody yet, or a writer without pid/time).
         self.trainer_pid: int | None = None
@@ -144,6 +148,7 @@ class Stream:
         for g in lost:
             path = self.published.pop(g)
             log.warning("batch %s of rank %d vanished from %s; building it again", path.name, self.rank, self.dir)
+        self.vanished_batches += len(lost)
         return lost
 
     def read_progress(self) -> bool:
@@ -159,6 +164,10 @@ class Stream:
             self._progress_problem(f"step {progress.step} is past the {self.steps} steps of an epoch")
             return False
         self.progress_error = ""
+        # Counted for status.json, so that tools and tests see what the log says without parsing it.
+        self.vanished_batches = 0  # published batches whose files someone else removed
+        self.progress_rejected = 0  # distinct problems with progress.json, each ignored
+        self.progress_rewinds = 0  # times the trainer's position moved back
         self.trainer_wait_share = progress.wait_share
         self.trainer_pid, self.progress_time = progress.pid, progress.time
         g = self.g((progress.epoch, progress.step))
@@ -167,6 +176,7 @@ class Stream:
         if g == self.progress:
             return False
         if g < self.progress:
+            self.progress_rewinds += 1
             log.info("rank %d's trainer moved back from %s to %s; regenerating from there",
                      self.rank, self.key(self.progress), self.key(g))
         else:
@@ -178,6 +188,7 @@ class Stream:
         if problem != self.progress_error:
             log.warning("ignoring %s: %s", self.dir / "progress.json", problem)
             self.progress_error = problem
+            self.progress_rejected += 1
 
     def outside_window(self) -> tuple[list[int], list[Build]]:
         """Published positions and live builds outside [progress, progress + high)."""
@@ -246,4 +257,7 @@ class Stream:
             waiting=len(self.published),
             building=self.active,
             progress_file=self.progress_error,
+            vanished_batches=self.vanished_batches,
+            progress_rejected=self.progress_rejected,
+            progress_rewinds=self.progress_rewinds,
         )

@@ -95,13 +95,16 @@ def test_only_canonical_names_parse(name: str) -> None:
     assert parsed is None or batch_name(*parsed) == name
 
 
-@pytest.mark.parametrize("epoch,step", [(10**6, 0), (0, 10**8), (-1, 0)])
+@pytest.mark.parametrize("epoch,step", [(10**6, 0), (0, 10**8), (-1, 0), (0, -1)])
 def test_batch_name_refuses_what_it_cannot_encode(epoch: int, step: int) -> None:
-    try:
-        name = batch_name(epoch, step)
-    except ValueError:
-        return
-    assert parse_batch_name(name) == (epoch, step)
+    # Seven epoch digits or nine step digits would sort wrongly and not parse back: refused, never encoded.
+    with pytest.raises(ValueError, match=f"epoch {epoch} / step {step} outside"):
+        batch_name(epoch, step)
+
+
+@pytest.mark.parametrize("epoch,step", [(0, 0), (10**6 - 1, 0), (0, 10**8 - 1), (10**6 - 1, 10**8 - 1)])
+def test_batch_name_encodes_its_whole_range(epoch: int, step: int) -> None:
+    assert parse_batch_name(batch_name(epoch, step)) == (epoch, step)
 
 
 def _interrupted_json_write(path: Path, monkeypatch: pytest.MonkeyPatch) -> str:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from prefetchd.buffer_protocol import Rates, State, Status, TrainerStatus, read_status
 from prefetchd.daemon.main import StartupBeat
@@ -33,9 +36,13 @@ def test_startup_beat_writes_a_throttled_heartbeat(tmp_path: Path) -> None:
     assert later is not None and later.heartbeat > status.heartbeat
 
 
-def test_startup_beat_survives_an_unwritable_buffer(tmp_path: Path) -> None:
-    beat = StartupBeat(tmp_path / "missing", Notifier(None))
-    beat("indexing")  # logged, not raised: indexing goes on
+def test_startup_beat_survives_an_unwritable_buffer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    missing = tmp_path / "missing"
+    beat = StartupBeat(missing, Notifier(None))
+    with caplog.at_level(logging.WARNING, logger="prefetchd.daemon.main"):
+        beat("indexing")  # logged, not raised: indexing goes on
+    assert [r.getMessage() for r in caplog.records] == [f"cannot write status to {missing}: No such file or directory"]
+    assert not missing.exists()  # it did not make the directory to write into it
 
 
 def _with_trainer(trainer: TrainerStatus, **changes: Any) -> Status:

@@ -143,6 +143,50 @@ def test_sample_rng_is_reproducible(seed: int, epoch: int, index: int) -> None:
     assert _draw(seed, epoch, index) == _draw(seed, epoch, index)
 
 
+# Golden values, computed once (numpy 2, torch/torchvision of this venv).  A draw compared with
+# itself in one process cannot see a library upgrade that changes the streams; these can, and such
+# a change breaks every buffer's bit-identity with its earlier batches (and every resume across it).
+def test_epoch_order_is_pinned() -> None:
+    members = np.arange(12, dtype=np.int64)
+    assert epoch_order(members, 1234, 3, shuffle=True).tolist() == [0, 1, 7, 10, 11, 9, 4, 2, 8, 6, 3, 5]
+    assert epoch_order(members, 1234, 3, shuffle=True, rank=1, world_size=5).tolist() == [1, 4, 5]
+
+
+def test_sample_rng_is_pinned() -> None:
+    assert sample_rng(1234, 3, 17).random(4).tolist() == [
+        0.17040837385022567, 0.22287617179486519, 0.8909742902010762, 0.35534893099784315]
+    assert sample_rng(2**63 - 1, 10**6, 2**31 - 1).integers(0, 2**32, 4).tolist() == [
+        3089234565, 1179503587, 2481599456, 1741755836]
+
+
+def test_augmented_pixels_are_pinned() -> None:
+    """The stream as the daemon uses it: crop box, flip and jitter draws, then torchvision's resize
+    and colour ops on a PNG that Pillow decodes: an upgrade of any of them that changes a pixel fails."""
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    from prefetchd.daemon.transforms import AugmentOptions, augment_bytes, random_resized_crop_box
+
+    assert random_resized_crop_box(640, 480, sample_rng(7, 0, 5)) == (26, 90, 332, 353)
+    y, x = np.mgrid[0:48, 0:64]
+    pixels = np.stack([(x * 4) % 256, (y * 5) % 256, ((x + y) * 3) % 256], -1).astype(np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+
+    def digest(train: bool, options: AugmentOptions) -> str:
+        rng = sample_rng(7, 0, 5) if train else None
+        out = augment_bytes(bytearray(png.getvalue()), "gradient.png", 32, train, rng, options)
+        assert out.shape == (32, 32, 3)
+        return hashlib.sha256(out.tobytes()).hexdigest()
+
+    assert digest(True, AugmentOptions()) == "c94f115b94d7d5d544214369dffeffdccb49777a6ceb402da938bf95ed8258b4"
+    assert digest(True, AugmentOptions(color_jitter=0.4)) == (
+        "7028f51162436268030fefb79ea7e862f4b590caedb47851cba44193d432a38b")
+    assert digest(False, AugmentOptions()) == "349dce698807fd42852967647cf8a6de07d952d79862fdfaa72e98819d81748d"
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     a=st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 10**6), st.integers(0, 2**31 - 1)),

@@ -84,3 +84,30 @@ def test_a_batch_file_deleted_behind_the_daemons_back_is_noticed_and_rebuilt(tmp
     assert s.reconcile() == [0, 2]
     assert sorted(s.published) == [1, 3]
     assert s.next_missing() == 0, "the trainer's batch is built again although three are waiting"
+
+
+def test_status_counts_rewinds_rejected_progress_and_vanished_batches(tmp_path: Path) -> None:
+    # What the fault suite (and `prefetchd status --json`) reads instead of the log's wording.
+    s = stream(tmp_path)
+
+    def counts() -> dict[str, int]:
+        return {k: s.status()[k] for k in ("progress_rewinds", "progress_rejected", "vanished_batches")}
+
+    assert counts() == {"progress_rewinds": 0, "progress_rejected": 0, "vanished_batches": 0}
+    move_to(s, 3)
+    move_to(s, 1)
+    assert counts()["progress_rewinds"] == 1
+    (tmp_path / "progress.json").write_bytes(b"\x00garbage")
+    s.read_progress()
+    s.read_progress()  # the same problem again is not counted twice
+    assert counts()["progress_rejected"] == 1
+    move_to(s, 1)
+    (tmp_path / "progress.json").write_bytes(b"{")  # a new problem after a good read counts again
+    s.read_progress()
+    assert counts()["progress_rejected"] == 2
+    for g in (1, 2):
+        (tmp_path / batch_name(*s.key(g))).write_bytes(b"x")
+        s.published[g] = tmp_path / batch_name(*s.key(g))
+    (tmp_path / batch_name(*s.key(2))).unlink()
+    assert s.reconcile() == [2]
+    assert counts()["vanished_batches"] == 1

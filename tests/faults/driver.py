@@ -16,6 +16,11 @@ Commit semantics, which the harness relies on:
   crash.  Replays must still be bit-identical to the fault-free run; any other
   repetition is a real duplicate.
 
+A daemon that stops beating for ``--daemon-timeout`` seconds makes the loader
+raise ``DaemonStuck``; the driver logs a ``daemon_stuck`` event with the pid the
+buffer's lock names and waits on (the harness kills or continues that daemon, as
+``prefetchd-train --spawn-daemon`` would restart it).
+
 A batch that fails the protocol's checks (``ProtocolError``) is logged as a
 ``protocol_error`` event, deleted as the error message says to, and waited for
 again: the daemon rebuilds missing batches.  After ``MAX_BAD_REPEATS`` bad
@@ -38,8 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefetchd.buffer_protocol import ProtocolError, batch_name
+from prefetchd.buffer_protocol import ProtocolError, batch_name, daemon_pid
 from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.errors import DaemonStuck
 
 MAX_BAD_REPEATS = 20
 
@@ -84,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", type=int, default=0)
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--daemon-timeout", type=float, default=60.0, help="the loader's stall_timeout")
     p.add_argument("--go", type=Path, help="start only once this file exists (a spare, its imports done)")
     args = p.parse_args(argv)
     while args.go is not None and not args.go.exists():
         time.sleep(0.005)
 
     log = Log(args.log)
-    loader = BufferLoader(args.buffer, normalize=False, timeout=args.timeout, daemon_grace=args.timeout)
+    loader = BufferLoader(args.buffer, normalize=False, timeout=args.timeout, daemon_grace=args.timeout,
+                          stall_timeout=args.daemon_timeout)
     epochs = loader.manifest.epochs
     if epochs is None:
         raise SystemExit("the fault suite runs a job with --epochs")
@@ -110,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(args.step_seconds)
                 count += 1
                 save_checkpoint(args.checkpoint, {"loader": loader.state_dict(), "count": count})
+        except DaemonStuck as exc:
+            key = loader.position
+            log.write({"event": "daemon_stuck", "run": args.run, "pid": daemon_pid(args.buffer), "epoch": key[0],
+                       "step": key[1], "t": time.time(), "error": str(exc)[:300]})
+            time.sleep(0.2)  # the same daemon is asked again; its answer changes only once someone acts
         except ProtocolError as exc:
             key = loader.position
             bad[key] = bad.get(key, 0) + 1

@@ -20,36 +20,64 @@ a sample the bad-sample policy replaced while the harness had its file moved
 away (``dataset_delete``): that slot must hold the next sample of the split,
 every other slot must be identical, and the batch must say ``replaced``.
 
-Fault kinds (``KINDS``); a fault is *detected* when the system noticed it:
+Fault kinds (``KINDS``).  A fault is *detected* when the system said so in a structured
+way -- a status.json field or counter (read with ``read_status``), an exit code
+(``prefetchd.daemon.errors``), the lock's owner, or a typed event the trainer logged
+-- never because some text appeared in a log:
 
 =================== ===================================================== =================================
 kind                what is done                                          detected when
 =================== ===================================================== =================================
 daemon_kill         SIGKILL the daemon (half the time while a ``.tmp``     the restarted daemon owns the
-                    batch is being written), start another                buffer again
-trainer_kill        SIGKILL the trainer, restart it from its checkpoint   the new run resumed (start line)
-trainer_stop        SIGSTOP the trainer until the daemon reports the      status.json said ``full`` while
-                    buffer ``full``, a while longer, then SIGCONT         the trainer was stopped
-enospc              fill the buffer's small tmpfs (root only) to less     the daemon logged a failed write
-                    than a batch free, until a write fails, then free it  (ENOSPC) or a low-space pause
-batch_corrupt       flip a byte of the header or metadata of a waiting    the trainer got a ProtocolError
-                    batch (not yet opened by the trainer)                 for it
+                    batch is being written), start another                buffer (the lock names its pid)
+trainer_kill        SIGKILL the trainer; once the daemon's status says    status ``trainer``: the killed
+                    it is gone (or 5 s), resume it from its checkpoint    pid with ``alive`` false
+trainer_stop        SIGSTOP the trainer until the daemon reports the      status ``state`` was ``full``
+                    buffer ``full``, a while longer, then SIGCONT         while the trainer was stopped
+enospc              fill the buffer's small tmpfs (root only) to less     ``errors.write_failures`` or
+                    than a batch free, until a write fails, then free it  ``errors.low_space_pauses`` rose
+batch_corrupt       flip a byte of the header or metadata of a waiting    the trainer logged a
+                    batch (not yet opened by the trainer)                 ``protocol_error`` event for it
 batch_truncate      truncate a waiting batch (not yet opened)             as for batch_corrupt
-batch_delete        delete a waiting batch                                the daemon logged it missing
-progress_garbage    overwrite progress.json with garbage bytes, JSON of   the daemon logged it ignored it
+batch_delete        delete a waiting batch                                ``errors.vanished_batches`` rose
+progress_garbage    overwrite progress.json with garbage bytes, JSON of   ``errors.progress_rejected`` rose
                     another format, or a truncated document
-progress_rewind     rewrite progress.json with an older position         the daemon logged the move back
-second_daemon       start a second daemon on the buffer                   it was refused (non-zero exit,
-                                                                          "owned by a running daemon")
-dataset_delete      move a dataset file away until a batch that needed    a delivered batch says
-                    it was built, then put it back                        ``replaced`` or the daemon logged
-                                                                          the undecodable file
+progress_rewind     rewrite progress.json with an older position         ``errors.progress_rewinds`` rose
+second_daemon       start a second daemon on the buffer                   it exited ``EXIT_BUFFER_BUSY`` and
+                                                                          the first still owned the buffer
+                                                                          after that refusal
+dataset_delete      move a dataset file away until a batch that needed    a delivered batch's header counts
+                    it was built, then put it back                        it ``replaced``, or
+                                                                          ``errors.undecodable_files`` rose
+daemon_stuck        SIGSTOP the daemon until the trainer raises           the trainer logged a
+                    ``DaemonStuck`` (``--daemon-timeout`` 10 s), then     ``daemon_stuck`` event naming the
+                    SIGCONT it                                            stopped pid
+progress_planted    replace progress.json by a FIFO or a symlink to a     ``errors.progress_rejected`` rose
+                    valid document (trainer stopped meanwhile)
+batch_planted       replace a waiting batch by a FIFO or a symlink to a   a ``protocol_error`` event for it,
+                    copy of it                                            or ``errors.vanished_batches`` rose
+bad_start           start daemons on: a missing dataset, a symlinked      each exited with its code
+                    buffer, another user's buffer (root), an unwritable   (``EXIT_FAILURE``, ``EXIT_USAGE``),
+                    buffer (a read-only tmpfs as root, mode 0500 else),   no traceback, last line names the
+                    a copy of the job's manifest and batches (another     path; the other job's buffer is
+                    seed)                                                 left as it was
 =================== ===================================================== =================================
+
+Any process exit that no fault caused fails the run (``Report.ok``), with the
+process, its exit status and the tail of its log: a trainer or daemon that
+exited on its own (``supervise`` restarts it so that the rest of the run still
+shows), a spare trainer that died before use, a refused daemon that exited
+with another code than the refusal's, a daemon that did not exit 0 at the end.
+So does a ``daemon_stuck`` event no ``daemon_stuck`` fault explains.
+``trainer_crash`` (``SELF_TEST_KINDS``) SIGTERMs the trainer behind the
+harness's back; ``test_faults.py`` checks that such a run is reported failed.
 
 Limits (see docs/RELIABILITY.md): payload bytes carry no checksum, so
 ``batch_corrupt`` only touches what the protocol checks (header and metadata);
 a batch the trainer already mapped is never truncated (that is a SIGBUS by
-design of mmap); ``enospc`` needs root for its small tmpfs; a deleted dataset
+design of mmap); ``enospc`` needs root for its small tmpfs (without root it is
+listed in ``Report.unavailable`` and the test is skipped with that reason after
+its checks pass); a deleted dataset
 file is put back before the next fault (a daemon restarted while it is gone
 sees another dataset fingerprint and refuses the buffer, by design).
 """
@@ -73,8 +101,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from prefetchd.buffer_protocol import State, batch_name, daemon_pid, list_batches, read_status
+from prefetchd.buffer_protocol import Manifest, ProtocolError, State, Status, batch_name, daemon_pid, list_batches, read_status
 from prefetchd.buffer_protocol.batch import HEADER
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME
+from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_USAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).resolve().with_name("driver.py")
@@ -82,7 +112,10 @@ DRIVER = Path(__file__).resolve().with_name("driver.py")
 KINDS = (
     "daemon_kill", "trainer_kill", "trainer_stop", "enospc", "batch_corrupt", "batch_truncate",
     "batch_delete", "progress_garbage", "progress_rewind", "second_daemon", "dataset_delete",
+    "daemon_stuck", "progress_planted", "batch_planted", "bad_start",
 )
+# Not faults of the system: they break the run on purpose, so that a test sees the harness fail it.
+SELF_TEST_KINDS = ("trainer_crash",)
 TITLES = {
     "daemon_kill": "daemon SIGKILL + restart",
     "trainer_kill": "trainer SIGKILL + resume",
@@ -95,7 +128,17 @@ TITLES = {
     "progress_rewind": "progress rewound",
     "second_daemon": "second daemon started",
     "dataset_delete": "dataset file deleted",
+    "daemon_stuck": "daemon stuck (SIGSTOP)",
+    "progress_planted": "progress FIFO/symlink",
+    "batch_planted": "batch FIFO/symlink",
+    "bad_start": "bad dataset/buffer starts",
+    "trainer_crash": "trainer SIGTERM (self-test)",
 }
+# The counters a daemon keeps in status.json (read through read_status) that the checks compare.
+COUNTERS = ("write_failures", "low_space_pauses", "vanished_batches", "progress_rejected", "progress_rewinds",
+            "undecodable_files")
+STATUS_POLL = 0.05  # seconds between looks at status.json; the daemon rewrites it about once a second
+LOG_TAIL = 12  # lines of a process's log quoted when it exits unexpectedly
 RECOVERY_TIMEOUT = 90.0  # no batch for this long after a fault is a hang
 PAGE = 4096
 
@@ -113,6 +156,9 @@ class Settings:
     workers: int = 1
     step_seconds: float = 0.02
     gap: tuple[int, int] = (2, 10)  # batches the trainer receives between faults
+    # The trainer's stall_timeout: short, so that daemon_stuck is quick, long enough that a daemon on a
+    # loaded machine (the status is rewritten about once a second) never looks stuck when it is not.
+    stall_timeout: float = 10.0
     python: str = sys.executable
 
 
@@ -123,7 +169,6 @@ class Fault:
     t_inject: float
     t_ref: float = 0.0  # recovery is measured from here: the injection, or the end of a hold
     detail: str = ""
-    mark: tuple[int, int] = (0, 0)  # (daemon log number, offset) at injection
     check: Callable[[Fault, Harness], bool] | None = None
     detected: bool = False
     recovery: float | None = None
@@ -151,18 +196,20 @@ class Report:
     seconds: float
     reference_seconds: float
     skipped: int = 0  # scheduled faults that found nothing to damage (no waiting batch)
+    unavailable: dict[str, str] = field(default_factory=dict)  # kinds (or variants) not injected here, and why
 
     @property
     def ok(self) -> bool:
+        """Every batch once and identical, no hang, and no process exited that no fault made exit."""
         return not (self.lost or self.duplicated or self.different or self.out_of_order or self.hangs
-                    or self.unrecovered or self.problems)
+                    or self.unrecovered or self.problems or self.trainer_crashes or self.daemon_exits)
 
     def table(self) -> str:
         by_kind: dict[str, list[Fault]] = {}
         for f in self.faults:
             by_kind.setdefault(f.kind, []).append(f)
         lines = [f"{'fault':<28} {'injected':>8} {'detected':>8} {'recovery p50 / max (s)':>24}"]
-        for kind in KINDS:
+        for kind in (*KINDS, *SELF_TEST_KINDS):
             faults = by_kind.get(kind, [])
             if not faults:
                 continue
@@ -183,12 +230,14 @@ class Report:
             f"hangs {self.hangs}, faults without recovery {self.unrecovered}, skipped (nothing to damage) {self.skipped}; "
             f"faulted run {self.seconds:.0f} s; the reference trainer ran alongside for {self.reference_seconds:.0f} s"
         )
+        for what, why in sorted(self.unavailable.items()):
+            lines.append(f"not injected: {what}: {why}")
         for p in self.problems[:20]:
             lines.append(f"PROBLEM: {p}")
         for c in self.trainer_crashes[:5]:
-            lines.append(f"trainer exit: {c}")
+            lines.append(f"UNEXPECTED trainer exit: {c}")
         for c in self.daemon_exits[:5]:
-            lines.append(f"daemon exit: {c}")
+            lines.append(f"UNEXPECTED daemon exit: {c}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -233,6 +282,46 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return reader.records
 
 
+def log_tail(path: Path, lines: int = LOG_TAIL) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except FileNotFoundError:
+        text = []
+    return "\n    ".join(["", *text[-lines:]]) if text else " (its log is empty)"
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+@dataclass(frozen=True)
+class StatusSample:
+    """What the checks need of one status.json the daemon wrote (read with read_status)."""
+
+    heartbeat: float
+    pid: int
+    state: str
+    trainer_pid: int | None
+    trainer_alive: bool | None
+    counters: dict[str, int]
+
+    @classmethod
+    def of(cls, status: Status) -> StatusSample:
+        job = status.production
+        trainer = job.trainer if job is not None else None
+        return cls(
+            heartbeat=status.heartbeat, pid=status.pid, state=status.state,
+            trainer_pid=trainer.pid if trainer is not None else None,
+            trainer_alive=trainer.alive if trainer is not None else None,
+            counters={k: getattr(job.errors, k) if job is not None else 0 for k in COUNTERS},
+        )
+
+
 class Harness:
     def __init__(self, s: Settings) -> None:
         self.s = s
@@ -241,6 +330,7 @@ class Harness:
         path = os.environ.get("PYTHONPATH")
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
         self.mount: Path | None = None
+        self.readonly: Path | None = None  # a read-only tmpfs (root only): an unwritable buffer for bad_start
         self.procs: list[subprocess.Popen[bytes]] = []
         self.daemon_logs: list[Path] = []
         self.daemon: subprocess.Popen[bytes] | None = None
@@ -253,6 +343,11 @@ class Harness:
         self.hangs = 0
         self.skipped = 0
         self.finished = False
+        self.unavailable: dict[str, str] = {}
+        # Exits a fault caused, by pid: the harness's own kills, and refusals it asked for.
+        self.expected_exits: set[int] = set()
+        self.statuses: list[StatusSample] = []
+        self._status_at = 0.0
 
     # -- setup -------------------------------------------------------------------
 
@@ -266,7 +361,7 @@ class Harness:
         self.samples = sorted_samples(self.data)
         self.steps = -(-len(self.samples) // self.s.batch_size)
         # Room for the gaps and for what the trainer consumes while a fault is being handled.
-        total = self.s.faults * (sum(self.s.gap) // 2 + 20) + 40
+        total = self.s.faults * (sum(self.s.gap) // 2 + 25) + 40
         self.epochs = -(-total // self.steps)
         self.positions = self.epochs * self.steps
         self.ref_buffer = self.work / "ref"
@@ -275,6 +370,7 @@ class Harness:
         self.removed.mkdir(exist_ok=True)
         if "enospc" in self.s.kinds:
             if os.geteuid() != 0 or shutil.which("mount") is None:
+                self.unavailable["enospc"] = "needs root and mount(8) for a tmpfs small enough to fill"
                 self.s.kinds = tuple(k for k in self.s.kinds if k != "enospc")
             else:
                 self.mount = self.work / "mnt"
@@ -284,6 +380,10 @@ class Harness:
                 subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(self.mount)],
                                check=True)
                 self.buffer = self.mount / "bf"
+        if "bad_start" in self.s.kinds and os.geteuid() == 0 and shutil.which("mount") is not None:
+            self.readonly = self.work / "readonly"
+            self.readonly.mkdir(exist_ok=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(self.readonly)], check=True)
 
     def batch_bytes(self) -> int:
         n, size = self.s.batch_size, self.s.image_size
@@ -309,7 +409,8 @@ class Harness:
     def start_driver(self, buffer: Path, log: Path, checkpoint: Path, run: int, step_seconds: float,
                      go: Path | None = None) -> subprocess.Popen[bytes]:
         argv = [self.s.python, str(DRIVER), "--buffer", str(buffer), "--log", str(log), "--checkpoint",
-                str(checkpoint), "--run", str(run), "--step-seconds", str(step_seconds), "--timeout", "120"]
+                str(checkpoint), "--run", str(run), "--step-seconds", str(step_seconds), "--timeout", "120",
+                "--daemon-timeout", str(self.s.stall_timeout)]
         if go is not None:
             argv += ["--go", str(go)]
         return self.spawn(argv, self.work / f"driver-{run}.err")
@@ -326,9 +427,9 @@ class Harness:
         for f in self.removed.iterdir():  # a dataset file still moved away
             dest = self.data / f.name.replace("__", "/")
             os.rename(f, dest)
-        if self.mount is not None:
-            if subprocess.run(["umount", str(self.mount)], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)
+        for mount in (self.mount, self.readonly):
+            if mount is not None and subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
     # -- the reference -----------------------------------------------------------
 
@@ -360,7 +461,10 @@ class Harness:
                 self.ref_driver.kill()
         if rc != 0:
             raise RuntimeError(f"the fault-free reference run failed ({rc}): {(self.work / 'driver--1.err').read_text()[-2000:]}")
-        self.ref_daemon.wait(60)
+        rc = self.ref_daemon.wait(60)
+        if rc != 0:
+            raise RuntimeError(f"the fault-free reference daemon {describe_exit(rc)}:"
+                               f"{log_tail(self.work / 'reference-daemon.log')}")
         lines = read_log(self.ref_log)
         ref = {r["epoch"] * self.steps + r["step"]: r for r in lines if "sha" in r}
         self.ref_seconds = lines[-1]["t"] - lines[0]["t"] if lines else 0.0  # the trainer's part, start to done
@@ -394,7 +498,12 @@ class Harness:
         """
         self.run_id += 1
         spare = self.spare
-        if spare is None or spare.poll() is not None:
+        if spare is not None and spare.poll() is not None:  # it only waits for its go file: it must not exit
+            self.trainer_crashes.append(f"spare trainer for run {self.run_id} (pid {spare.pid}) "
+                                        f"{describe_exit(spare.returncode)} before it was used; its log:"
+                                        f"{log_tail(self.work / f'driver-{self.run_id}.err')}")
+            spare = None
+        if spare is None:
             spare = self._spare(self.run_id)
         (self.work / f"go-{self.run_id}").touch()
         self.driver = spare
@@ -407,42 +516,34 @@ class Harness:
     def new_daemon(self) -> None:
         self.daemon = self.start_daemon(self.buffer)
 
-    def daemon_mark(self) -> tuple[int, int]:
-        log = self.daemon_logs[-1]
-        return (len(self.daemon_logs) - 1, log.stat().st_size if log.exists() else 0)
-
-    def daemon_text(self, start: tuple[int, int], end: tuple[int, int] | None) -> str:
-        """Daemon log text written between two marks."""
-        parts = []
-        last = end[0] if end else len(self.daemon_logs) - 1
-        for i in range(start[0], last + 1):
-            path = self.daemon_logs[i]
-            data = path.read_bytes() if path.exists() else b""
-            lo = start[1] if i == start[0] else 0
-            hi = end[1] if end and i == end[0] else len(data)
-            parts.append(data[lo:hi].decode(errors="replace"))
-        return "".join(parts)
-
     def supervise(self) -> None:
-        """Notice processes that exited on their own, restart them, and read the trainer's log."""
+        """Notice processes that exited on their own, restart them, and read the trainer's log and status.json.
+
+        An exit that no fault caused is recorded with the process, its exit status and its log's
+        tail, and fails the run (``Report.ok``); the process is restarted so that the run still
+        shows what else went wrong.
+        """
         self.log.poll()
+        self.poll_status()
         assert self.driver is not None and self.daemon is not None
         rc = self.driver.poll()
-        if rc is not None and not self.finished:
+        # A process the harness itself ended is restarted by the injection that ended it, when it chooses.
+        if rc is not None and not self.finished and self.driver.pid not in self.expected_exits:
             self.log.poll()
             if rc == 0 and any(r.get("event") == "done" for r in self.log.records):
                 self.finished = True
             else:
-                err = (self.work / f"driver-{self.run_id}.err").read_text(errors="replace").strip().splitlines()
-                self.trainer_crashes.append(f"run {self.run_id} exit {rc}: {err[-1] if err else ''}")
+                self.trainer_crashes.append(
+                    f"trainer run {self.run_id} (pid {self.driver.pid}) {describe_exit(rc)}, no fault explains it; "
+                    f"its log:{log_tail(self.work / f'driver-{self.run_id}.err')}")
                 if len(self.trainer_crashes) > 20:
                     raise RuntimeError("crash loop: the trainer died more than 20 times: " + "; ".join(self.trainer_crashes[-3:]))
                 self.new_driver()
         rc = self.daemon.poll()
-        if rc is not None and not self.finished:
+        if rc is not None and not self.finished and self.daemon.pid not in self.expected_exits:
             if not (rc == 0 and self.position() >= self.positions):
-                text = self.daemon_logs[-1].read_text(errors="replace").strip().splitlines()
-                self.daemon_exits.append(f"exit {rc}: {text[-1] if text else ''}")
+                self.daemon_exits.append(f"daemon {len(self.daemon_logs) - 1} (pid {self.daemon.pid}) {describe_exit(rc)}, "
+                                         f"no fault explains it; its log:{log_tail(self.daemon_logs[-1])}")
                 if len(self.daemon_exits) > 20:
                     raise RuntimeError("crash loop: the daemon died more than 20 times")
                 self.new_daemon()
@@ -450,8 +551,52 @@ class Harness:
             fault, proc, log = item
             if proc.poll() is not None:
                 fault.data["rc"] = proc.returncode
-                fault.data["log"] = log.read_text(errors="replace")
+                # After the refusal, not at injection: the first daemon still owns the buffer.
+                first = fault.data["first"]
+                fault.data["first_alive_after"] = first.poll() is None and daemon_pid(self.buffer) == first.pid
+                if proc.returncode != EXIT_BUFFER_BUSY:
+                    self.daemon_exits.append(f"second daemon (pid {proc.pid}) {describe_exit(proc.returncode)}, not "
+                                             f"the refusal ({EXIT_BUFFER_BUSY}); its log:{log_tail(log)}")
                 self.pending_second.remove(item)
+
+    def poll_status(self) -> None:
+        """Keep each status.json the daemon writes (a new heartbeat) that the checks may need."""
+        now = time.monotonic()
+        if now - self._status_at < STATUS_POLL:
+            return
+        self._status_at = now
+        try:
+            status = read_status(self.buffer)
+        except (ProtocolError, OSError):
+            return  # being replaced: the next look gets it
+        if status is None:
+            return
+        sample = StatusSample.of(status)
+        if not self.statuses or sample.heartbeat != self.statuses[-1].heartbeat:
+            self.statuses.append(sample)
+
+    def fresh_status(self, timeout: float = 5.0) -> StatusSample | None:
+        """The first status the current daemon writes from now on: a baseline no earlier event is missing from.
+
+        The trainer is stopped meanwhile (about a second): it would take some 50 batches otherwise.
+        """
+        assert self.daemon is not None
+        t, pid = time.time(), self.daemon.pid
+        seen = len(self.statuses)
+        self._stopped()
+        try:
+            if self.wait_until(lambda: any(x.pid == pid and x.heartbeat > t for x in self.statuses[seen:]), timeout):
+                return next(x for x in self.statuses[seen:] if x.pid == pid and x.heartbeat > t)
+            return None
+        finally:
+            self._cont()
+
+    def counter_rose(self, counter: str, base: StatusSample | None, until: float = float("inf")) -> bool:
+        """Whether a status of the baseline's daemon written after it, before ``until``, counts more ``counter``."""
+        if base is None:
+            return False
+        return any(x.pid == base.pid and base.heartbeat < x.heartbeat < until
+                   and x.counters[counter] > base.counters[counter] for x in self.statuses)
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -497,7 +642,7 @@ class Harness:
             self.wait_until(lambda: not self.pending_second, 60)
             if self.finished or self.position() >= self.positions - margin:
                 break
-            fault = Fault(kind, i, time.time(), mark=self.daemon_mark())
+            fault = Fault(kind, i, time.time())
             getattr(self, f"inject_{kind}")(fault, rng)
             if not fault.t_ref:
                 fault.t_ref = fault.t_inject
@@ -515,7 +660,10 @@ class Harness:
         self.wait_until(lambda: not self.pending_second, 60)
         if self.daemon is not None and self.finished:
             try:
-                self.daemon.wait(30)
+                rc = self.daemon.wait(30)
+                if rc != 0:
+                    self.daemon_exits.append(f"daemon (pid {self.daemon.pid}) {describe_exit(rc)} at the end of the "
+                                             f"job, not 0; its log:{log_tail(self.daemon_logs[-1])}")
             except subprocess.TimeoutExpired:
                 self.daemon_exits.append("the daemon did not exit after the last epoch was consumed")
         seconds = time.monotonic() - started
@@ -532,6 +680,7 @@ class Harness:
             self.wait_until(lambda: any(self.buffer.glob("*.tmp")), 1.0)
         mid = any(self.buffer.glob("*.tmp"))
         fault.t_inject = time.time()
+        self.expected_exits.add(self.daemon.pid)
         self.daemon.send_signal(signal.SIGKILL)
         self.daemon.wait()
         fault.detail = "mid-write" if mid else "idle"
@@ -543,12 +692,18 @@ class Harness:
     def inject_trainer_kill(self, fault: Fault, rng: random.Random) -> None:
         assert self.driver is not None
         time.sleep(rng.uniform(0, self.s.step_seconds))  # anywhere in the step: before or after its checkpoint
-        fault.t_inject = time.time()
+        fault.t_inject = t = time.time()
+        pid = self.driver.pid
+        self.expected_exits.add(pid)
         self.driver.send_signal(signal.SIGKILL)
         self.driver.wait()
+        # Restarted only once the daemon's status says this trainer is gone (or 5 s): the restart itself
+        # is the harness's doing, the daemon's noticing is what is checked.
+        fault.data["gone"] = self.wait_until(
+            lambda: any(x.heartbeat > t and x.trainer_pid == pid and x.trainer_alive is False for x in self.statuses), 5.0)
+        fault.t_ref = time.time()
         self.new_driver()
-        run = self.run_id
-        fault.check = lambda f, h: any(r.get("event") == "start" and r.get("run") == run for r in h.log.records)
+        fault.check = lambda f, h: bool(f.data["gone"])
 
     def _stopped(self) -> int:
         """SIGSTOP the trainer; the next position it may not have opened yet is returned."""
@@ -565,15 +720,9 @@ class Harness:
 
     def inject_trainer_stop(self, fault: Fault, rng: random.Random) -> None:
         self._stopped()
-        full = False
-        end = time.monotonic() + 10
-        while time.monotonic() < end and not full:
-            try:
-                full = (s := read_status(self.buffer)) is not None and s.state == State.FULL
-            except Exception:
-                pass
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.1, 0.5))  # longer than the buffer lasts: it has been full a while
+        t = time.time()
+        full = self.wait_until(lambda: any(x.heartbeat > t and x.state == State.FULL for x in self.statuses), 10)
+        self.sleep(rng.uniform(0.1, 0.5))  # longer than the buffer lasts: it has been full a while
         self._cont()
         fault.t_ref = time.time()
         fault.detail = "full" if full else "not full"
@@ -582,6 +731,7 @@ class Harness:
 
     def inject_enospc(self, fault: Fault, rng: random.Random) -> None:
         assert self.mount is not None
+        base = self.fresh_status()
         filler = self.mount / "filler"
         fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -596,14 +746,19 @@ class Harness:
                     continue
         finally:
             os.close(fd)
-        mark = self.daemon_mark()
-        hit = self.wait_until(lambda: "No space left" in self.daemon_text(mark, None) or "paused" in self.daemon_text(mark, None), 5.0)
-        time.sleep(rng.uniform(0.0, 0.3))
+        fault.t_inject = time.time()
+
+        def noticed(f: Fault, h: Harness) -> bool:
+            until = f.data.get("t_end", float("inf"))
+            return h.counter_rose("write_failures", base, until) or h.counter_rose("low_space_pauses", base, until)
+
+        self.wait_until(lambda: noticed(fault, self), 5.0)
+        self.sleep(rng.uniform(0.0, 0.3))
         filler.unlink()
         fault.t_ref = time.time()
-        text = self.daemon_text(mark, None)
-        fault.detail = "ENOSPC" if "No space left" in text else "paused" if "paused" in text else "not noticed"
-        fault.check = lambda f, h: "No space left" in h.daemon_text(f.mark, f.data.get("end")) or "paused" in h.daemon_text(f.mark, f.data.get("end"))
+        fault.detail = ("ENOSPC" if self.counter_rose("write_failures", base) else
+                        "paused" if self.counter_rose("low_space_pauses", base) else "not noticed")
+        fault.check = noticed
 
     def _waiting_batch(self, rng: random.Random, first_offset: int) -> tuple[Path, int] | None:
         """A batch the stopped trainer has not opened: position >= its position + first_offset."""
@@ -663,12 +818,13 @@ class Harness:
     def inject_batch_delete(self, fault: Fault, rng: random.Random) -> None:
         def delete(path: Path, g: int) -> str:
             path.unlink()
-            name = path.name
-            fault.check = lambda f, h: name in h.daemon_text(f.mark, f.data.get("end"))
             return "next" if g == self.position() else "later"
 
+        base = self.fresh_status()
+        fault.check = lambda f, h: h.counter_rose("vanished_batches", base, f.data.get("t_end", float("inf")))
         # Also the batch it waits for: unlinking a mapped file is safe.
         self._damage_waiting_batch(fault, rng, 0, delete)
+        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
 
     def inject_progress_garbage(self, fault: Fault, rng: random.Random) -> None:
         path = self.buffer / "progress.json"
@@ -684,7 +840,8 @@ class Harness:
                 whole = b'{"format": "prefetchd.progress", "version": 1, "epoch": 0, "step": 0}'
             data = whole[: rng.randrange(1, max(2, len(whole) - 1))]
         # The trainer is stopped meanwhile: otherwise its next step replaces the file before the daemon
-        # has looked at it.  It stays stopped until the daemon noticed (or 2 s).
+        # has looked at it.  It stays stopped until the daemon's status counts it (or 3 s).
+        base = self.fresh_status()
         self._stopped()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # in place, as a broken writer would
@@ -693,17 +850,17 @@ class Harness:
             finally:
                 os.close(fd)
             fault.t_inject = time.time()
-            mark = self.daemon_mark()
-            self.wait_until(lambda: "ignoring" in self.daemon_text(mark, None), 2.0)
+            self.wait_until(lambda: self.counter_rose("progress_rejected", base), 3.0)
         finally:
             self._cont()
         fault.t_ref = time.time()
         fault.detail = mode
-        fault.check = lambda f, h: "ignoring" in h.daemon_text(f.mark, f.data.get("end"))
+        fault.check = lambda f, h: h.counter_rose("progress_rejected", base, f.data.get("t_end", float("inf")))
 
     def inject_progress_rewind(self, fault: Fault, rng: random.Random) -> None:
         if rng.random() < 0.5:
             return self._rewind_while_waiting(fault, rng)
+        base = self.fresh_status()
         self._stopped()  # as for progress_garbage: the daemon sees the rewound file before the trainer moves on
         try:
             back = rng.randint(2, 3 * self.s.high_water)  # within the window, and past it
@@ -714,19 +871,19 @@ class Harness:
             tmp.write_text(json.dumps(doc))
             os.replace(tmp, self.buffer / "progress.json")
             fault.t_inject = time.time()
-            mark = self.daemon_mark()
-            self.wait_until(lambda: "moved back" in self.daemon_text(mark, None), 2.0)
+            self.wait_until(lambda: self.counter_rose("progress_rewinds", base), 3.0)
         finally:
             self._cont()
         fault.t_ref = time.time()
         fault.detail = f"back {back}"
-        fault.check = lambda f, h: "moved back" in h.daemon_text(f.mark, f.data.get("end"))
+        fault.check = lambda f, h: h.counter_rose("progress_rewinds", base, f.data.get("t_end", float("inf")))
 
     def _rewind_while_waiting(self, fault: Fault, rng: random.Random) -> None:
         """The trainer waits for a batch (the daemon is stopped meanwhile) when progress.json is
         rewound past the window: the daemon now builds other batches, and only the waiting loader
         can put its position back."""
         assert self.daemon is not None
+        base = self.fresh_status()
         self.daemon.send_signal(signal.SIGSTOP)
         try:
             # Drained: no new batch for a while, so the trainer sits in its wait.
@@ -742,7 +899,8 @@ class Harness:
             self.daemon.send_signal(signal.SIGCONT)
         fault.t_inject = fault.t_ref = time.time()
         fault.detail = f"back {back}, trainer waiting"
-        fault.check = lambda f, h: "moved back" in h.daemon_text(f.mark, f.data.get("end"))
+        fault.check = lambda f, h: h.counter_rose("progress_rewinds", base, f.data.get("t_end", float("inf")))
+        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
 
     def inject_second_daemon(self, fault: Fault, rng: random.Random) -> None:
         log = self.work / f"second-{fault.index}.log"
@@ -754,34 +912,177 @@ class Harness:
         fault.t_inject = time.time()
         argv = [self.s.python, "-m", "prefetchd", "start", "--buffer", str(self.buffer), *self.daemon_args()]
         proc = self.spawn(argv, log)
+        self.expected_exits.add(proc.pid)
+        fault.data["first"] = self.daemon
         self.pending_second.append((fault, proc, log))
-        first = self.daemon
-
-        def check(f: Fault, h: Harness) -> bool:
-            return (f.data.get("rc") not in (None, 0) and "owned by a running daemon" in f.data.get("log", "")
-                    and f.data.get("first_alive", False))
-
-        fault.check = check
-        fault.data["first_alive"] = first is not None and first.poll() is None
+        fault.check = lambda f, h: f.data.get("rc") == EXIT_BUFFER_BUSY and f.data.get("first_alive_after", False)
 
     def inject_dataset_delete(self, fault: Fault, rng: random.Random) -> None:
         i = rng.randrange(len(self.samples))
         rel = self.samples[i]
         src = self.data / rel
         dest = self.removed / rel.replace("/", "__")
+        base = self.fresh_status()
         os.rename(src, dest)
-        mark = self.daemon_mark()
-        t = time.time()
+        fault.t_inject = t = time.time()
         try:
             hit = self.wait_until(lambda: any(r.get("replaced") and r["t"] > t for r in self.log.records[-50:])
-                                  or rel in self.daemon_text(mark, None), 3.0)
+                                  or self.counter_rose("undecodable_files", base), 3.0)
         finally:
             os.rename(dest, src)
         fault.t_ref = time.time()
         fault.data["index"] = i
         fault.detail = "replaced" if hit else "not read while gone"
+        # A delivered batch's header counts the replacement, or the daemon's status the undecodable file.
         fault.check = lambda f, h: any(r.get("replaced") and f.t_inject < r["t"] for r in h.log.records
-                                       if r["t"] < f.data.get("t_end", float("inf"))) or rel in h.daemon_text(f.mark, f.data.get("end"))
+                                       if r["t"] < f.data.get("t_end", float("inf"))) or h.counter_rose(
+                                           "undecodable_files", base, f.data.get("t_end", float("inf")))
+
+    def inject_daemon_stuck(self, fault: Fault, rng: random.Random) -> None:
+        """SIGSTOP the daemon until the trainer raises DaemonStuck (its heartbeat older than the stall
+        timeout), then SIGCONT it: a daemon that was only swapped out serves on.  What ``--spawn-daemon``
+        does instead (kill and restart it) has its own test, and daemon_kill restarts daemons here."""
+        assert self.daemon is not None
+        stuck = self.daemon
+        pid = stuck.pid
+        self.wait_until(lambda: daemon_pid(self.buffer) == pid, 60)  # a restarted one: once it serves
+        fault.t_inject = t = time.time()
+        stuck.send_signal(signal.SIGSTOP)
+        said = self.wait_until(lambda: any(r.get("event") == "daemon_stuck" and r.get("pid") == pid and r["t"] > t
+                                           for r in self.log.records), self.s.stall_timeout + 60)
+        stuck.send_signal(signal.SIGCONT)
+        fault.t_ref = time.time()
+        fault.detail = f"said stuck after {fault.t_ref - t:.1f} s" if said else "not said"
+        fault.data.update(said=said, pid=pid)
+        fault.check = lambda f, h: bool(f.data["said"])
+
+    def inject_progress_planted(self, fault: Fault, rng: random.Random) -> None:
+        """Put a FIFO, or a symlink to a valid progress document, in place of progress.json (the
+        trainer stopped meanwhile): the daemon must ignore it without blocking and count it."""
+        path = self.buffer / "progress.json"
+        kind = rng.choice(["fifo", "symlink"])
+        base = self.fresh_status()
+        self._stopped()
+        try:
+            tmp = self.buffer / f"progress.json.planted-{uuid.uuid4().hex[:8]}"
+            if kind == "fifo":
+                os.mkfifo(tmp)
+            else:
+                target = self.work / f"planted-progress-{fault.index}.json"
+                target.write_bytes(path.read_bytes())  # the same position: only the link is wrong
+                os.symlink(target, tmp)
+            os.replace(tmp, path)
+            fault.t_inject = time.time()
+            self.wait_until(lambda: self.counter_rose("progress_rejected", base), 3.0)
+        finally:
+            self._cont()
+        fault.t_ref = time.time()
+        fault.detail = kind
+        fault.check = lambda f, h: h.counter_rose("progress_rejected", base, f.data.get("t_end", float("inf")))
+
+    def inject_batch_planted(self, fault: Fault, rng: random.Random) -> None:
+        """Put a FIFO, or a symlink to a copy of the same batch, in place of a waiting batch: the trainer
+        must get a ProtocolError (not block), or the daemon must count it gone and build it again."""
+        kind = rng.choice(["fifo", "symlink"])
+
+        def plant(path: Path, g: int) -> str:
+            tmp = path.with_name(f"{path.name}.planted-{uuid.uuid4().hex[:8]}")
+            if kind == "fifo":
+                os.mkfifo(tmp)
+            else:
+                copy = self.work / f"planted-{fault.index}.batch"
+                shutil.copyfile(path, copy)
+                os.symlink(copy, tmp)
+            os.replace(tmp, path)
+            return kind
+
+        base = self.fresh_status()
+        fault.check = lambda f, h: h.protocol_error_at(f) or h.counter_rose(
+            "vanished_batches", base, f.data.get("t_end", float("inf")))
+        self._damage_waiting_batch(fault, rng, 1, plant)
+        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
+
+    def inject_bad_start(self, fault: Fault, rng: random.Random) -> None:
+        """Start daemons that must refuse at once, each with its exit code and a last line naming the
+        path: a missing dataset, a buffer that is a symlink, one owned by another user, one that
+        cannot be written.  The running job must not notice."""
+        scratch = self.work / f"bad-start-{fault.index}"
+        scratch.mkdir()
+        cases: dict[str, tuple[Path, Path, int]] = {}  # variant: (buffer, the path the error must name, exit code)
+        cases["missing dataset"] = (scratch / "bf-missing", self.work / "no-such-dataset", EXIT_FAILURE)
+        real = scratch / "real"
+        real.mkdir(mode=0o700)
+        os.symlink(real, scratch / "bf-link")
+        cases["symlinked buffer"] = (scratch / "bf-link", scratch / "bf-link", EXIT_USAGE)
+        # Another job's buffer: a copy of the running job's manifest and batches, where a daemon of
+        # another seed starts.  (On the live buffer it would need the job's daemon killed first, and
+        # a restart costs a torch import; the refusal is the same.)
+        foreign = scratch / "bf-job"
+        foreign.mkdir(mode=0o700)
+        shutil.copyfile(self.buffer / MANIFEST_NAME, foreign / MANIFEST_NAME)
+        for path in list(list_batches(self.buffer).values())[:2]:
+            try:
+                shutil.copyfile(path, foreign / path.name)
+            except FileNotFoundError:
+                pass  # consumed meanwhile
+        kept = sorted(list_batches(foreign))
+        cases["another job's buffer"] = (foreign, foreign, EXIT_USAGE)
+        if os.geteuid() == 0:
+            other = scratch / "bf-other"
+            other.mkdir(mode=0o700)
+            os.chown(other, 65534, 65534)
+            cases["another user's buffer"] = (other, other, EXIT_USAGE)
+            if self.readonly is not None:  # root writes through any mode bits: a read-only mount it is
+                cases["unwritable buffer"] = (self.readonly / "bf", self.readonly / "bf", EXIT_USAGE)
+            else:
+                self.unavailable["bad_start: unwritable buffer"] = "as root it needs mount(8) for a read-only tmpfs"
+        else:
+            self.unavailable["bad_start: another user's buffer"] = "needs root to chown a directory to another user"
+            locked = scratch / "bf-readonly"
+            locked.mkdir(mode=0o500)
+            cases["unwritable buffer"] = (locked, locked, EXIT_USAGE)
+        procs = {}
+        for name, (buffer, _, _) in cases.items():
+            log = scratch / f"{name.replace(' ', '-').replace(chr(39), '')}.log"
+            args = self.daemon_args()
+            if name == "missing dataset":
+                args[args.index("--data") + 1] = str(cases[name][1])
+            if name == "another job's buffer":
+                args[args.index("--seed") + 1] = "8"
+            proc = self.spawn([self.s.python, "-m", "prefetchd", "start", "--buffer", str(buffer), *args], log)
+            self.expected_exits.add(proc.pid)
+            procs[name] = (proc, log)
+        fault.t_inject = time.time()
+        self.wait_until(lambda: all(p.poll() is not None for p, _ in procs.values()), 60)
+        verdicts = {}
+        for name, (proc, log) in procs.items():
+            rc = proc.poll()
+            if rc is None:
+                proc.kill()
+                proc.wait()
+            _, named, want = cases[name]
+            text = log.read_text(errors="replace").strip().splitlines()
+            good = rc == want and bool(text) and str(named) in text[-1] and not any("Traceback" in t for t in text)
+            if name == "another job's buffer":  # refused without clearing it
+                good = good and sorted(list_batches(foreign)) == kept and Manifest.read(foreign).seed == 7
+            verdicts[name] = good
+            if not good:
+                also = " with the other job's batches and manifest left alone" if name == "another job's buffer" else ""
+                self.daemon_exits.append(f"bad start '{name}' (pid {proc.pid}) "
+                                         f"{'still running after 60 s' if rc is None else describe_exit(rc)}; expected "
+                                         f"exit code {want} and a last line naming {named}{also}; its log:{log_tail(log)}")
+        fault.t_ref = time.time()
+        fault.detail = ", ".join(f"{n} {'refused' if ok else 'NOT refused'}" for n, ok in verdicts.items())
+        fault.data["verdicts"] = verdicts
+        fault.check = lambda f, h: all(f.data["verdicts"].values())
+
+    def inject_trainer_crash(self, fault: Fault, rng: random.Random) -> None:
+        """Self-test, not a fault of the system: SIGTERM the trainer behind the harness's back, as a bug
+        would end it.  ``supervise`` restarts it and the run must be reported failed."""
+        assert self.driver is not None
+        fault.t_inject = time.time()
+        self.driver.send_signal(signal.SIGTERM)
+        fault.detail = f"pid {self.driver.pid}"
 
     # -- evaluation --------------------------------------------------------------
 
@@ -790,16 +1091,26 @@ class Harness:
         return any(r.get("event") == "protocol_error" and r["epoch"] * self.steps + r["step"] == g
                    and r["t"] >= fault.t_inject for r in self.log.records)
 
+    def false_alarms(self, faults: list[Fault]) -> list[str]:
+        """DaemonStuck the trainer raised about a daemon no daemon_stuck fault had stopped (or after it
+        had been continued or replaced, and the trainer had a batch again)."""
+        stopped = [(f.data["pid"], f.t_inject, f.t_ref + (f.recovery or 0.0) + 1.0)
+                   for f in faults if f.kind == "daemon_stuck" and "pid" in f.data]
+        return [f"the trainer said daemon pid {r.get('pid')} was stuck at epoch {r['epoch']} step {r['step']}, "
+                f"no fault had stopped it: {r.get('error', '')[:200]}"
+                for r in self.log.records if r.get("event") == "daemon_stuck"
+                and not any(pid == r.get("pid") and lo <= r["t"] <= hi for pid, lo, hi in stopped)]
+
     def evaluate(self, ref: dict[int, dict[str, Any]], faults: list[Fault], seconds: float, ref_seconds: float) -> Report:
         records = self.log.records
         for f, nxt in zip(faults, [*faults[1:], None]):
-            f.data["end"] = nxt.mark if nxt else None
             f.data["t_end"] = nxt.t_inject if nxt else float("inf")
             after = [r["t"] for r in records if "sha" in r and r["t"] > f.t_ref]
             f.recovery = (min(after) - f.t_ref) if after else None
             f.detected = bool(f.check and f.check(f, self))
         deleted = frozenset(f.data["index"] for f in faults if f.kind == "dataset_delete" and "index" in f.data)
         acc = account(records, ref, self.steps, self.positions, len(self.samples), deleted)
+        acc["problems"] += self.false_alarms(faults)
         unrecovered = sum(1 for f in faults if f.recovery is None)  # the margin leaves batches after each
         return Report(
             settings={k: str(v) for k, v in dataclasses.asdict(self.s).items()}, faults=faults,
@@ -807,6 +1118,7 @@ class Harness:
             protocol_errors=sum(1 for r in records if r.get("event") == "protocol_error"),
             trainer_crashes=self.trainer_crashes, daemon_exits=self.daemon_exits, hangs=self.hangs,
             unrecovered=unrecovered, seconds=seconds, reference_seconds=ref_seconds, skipped=self.skipped,
+            unavailable=self.unavailable,
         )
 
 
@@ -894,14 +1206,16 @@ def run_suite(settings: Settings) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run the fault-injection suite and print its table.")
-    p.add_argument("--faults", type=int, default=260)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join(KINDS))
+    p.add_argument("--faults", type=int, default=260,
+                   help=f"faults to inject (default: the long run's 260; the test's short run: {len(KINDS)})")
+    p.add_argument("--seed", type=int, default=1, help="schedule seed (the long run: 1; the short run: 3)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated subset of: {', '.join(KINDS)}; or {', '.join(SELF_TEST_KINDS)}, which must fail the run")
     p.add_argument("--workdir", type=Path, help="default: a fresh directory under /dev/shm, removed afterwards")
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS) - set(SELF_TEST_KINDS)
     if unknown:
         p.error(f"unknown kinds: {', '.join(sorted(unknown))}")
     work = args.workdir or Path("/dev/shm") / f"prefetchd-faults-{uuid.uuid4().hex[:8]}"

@@ -16,6 +16,7 @@ from torchvision.datasets import ImageFolder
 
 from prefetchd.daemon.main import RAM_FILESYSTEMS, filesystem_of
 from prefetchd.daemon.cli import describe_status, format_status
+from prefetchd.daemon.errors import EXIT_BUFFER_BUSY
 from prefetchd.buffer_protocol import DaemonLock, Progress, State, daemon_pid, list_batches, list_temp_files, read_status
 from prefetchd.trainer import BufferLoader
 from tests.status_examples import production_of, state_of
@@ -132,7 +133,7 @@ def test_second_daemon_on_the_same_buffer_is_refused(shapes_data: Path, shm_dir:
     first = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
     first.wait_until(lambda: daemon_pid(buffer) == first.proc.pid, 30, "the first daemon to own the buffer")
     second = start_daemon(buffer, "--data", shapes_data / "train", *SMALL)
-    assert second.wait_exit(30) != 0
+    assert second.wait_exit(30) == EXIT_BUFFER_BUSY  # its own code: a supervisor tells it from a crash
     assert "owned by a running daemon" in second.log and f"pid {first.proc.pid}" in second.log
     assert first.proc.poll() is None, "the owner must keep running"
 

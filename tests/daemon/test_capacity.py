@@ -1,0 +1,71 @@
+"""check_capacity: a high-water mark the buffer's filesystem cannot hold is refused at start with
+the numbers and the fix, instead of a SIGBUS when a mapped batch's pages cannot be allocated."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefetchd.buffer_protocol import batch_name
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.main import check_capacity
+
+SMALL_TMPFS = 1 << 20
+
+
+def config(buffer: Path, high_water: int, min_free_mb: int = 0) -> DaemonConfig:
+    return DaemonConfig(buffer=buffer, batch_size=4, image_size=32, high_water=high_water, low_water=0,
+                        min_free_mb=min_free_mb)
+
+
+def free_bytes(path: Path) -> int:
+    fs = os.statvfs(path)
+    return fs.f_bavail * fs.f_frsize
+
+
+@pytest.fixture
+def small_tmpfs(shm_buffer: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of its own: its free space is known and nothing else fills it."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) for a 1 MiB tmpfs")
+    mount = shm_buffer / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_TMPFS},mode=0700", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_high_water_mark_beyond_the_free_space_is_refused_with_the_numbers(shm_buffer: Path) -> None:
+    batch = config(shm_buffer, 1).batch_bytes
+    too_many = free_bytes(shm_buffer) // batch + 1000
+    with pytest.raises(ConfigError) as info:
+        check_capacity(config(shm_buffer, too_many))
+    message = str(info.value)
+    assert f"high_water {too_many} x" in message and str(shm_buffer) in message
+    assert "lower --high-water or --batch-size, or enlarge the tmpfs" in message
+    check_capacity(config(shm_buffer, 2))  # what fits is accepted
+
+
+def test_the_floor_and_the_job_own_batches_count(small_tmpfs: Path) -> None:
+    cfg = config(small_tmpfs, 1)
+    fits = free_bytes(small_tmpfs) // cfg.batch_bytes
+    assert fits >= 4, "the small tmpfs should hold a few batches"
+    check_capacity(config(small_tmpfs, fits))
+    with pytest.raises(ConfigError, match=f"high_water {fits + 1} x"):
+        check_capacity(config(small_tmpfs, fits + 1))
+    # The --min-free-mb floor is space the batches may not use: 1 MiB is the whole filesystem.
+    with pytest.raises(ConfigError, match="plus the 1 MiB floor"):
+        check_capacity(config(small_tmpfs, 1, min_free_mb=1))
+    # Batches of the job already there (a restart) are space the mark will reuse, not space lost.
+    for step in range(fits - 1):
+        (small_tmpfs / batch_name(0, step)).write_bytes(b"\0" * cfg.batch_bytes)
+    assert free_bytes(small_tmpfs) < 2 * cfg.batch_bytes
+    check_capacity(config(small_tmpfs, fits))
