@@ -164,10 +164,6 @@ class Stream:
             self._progress_problem(f"step {progress.step} is past the {self.steps} steps of an epoch")
             return False
         self.progress_error = ""
-        # Counted for status.json, so that tools and tests see what the log says without parsing it.
-        self.vanished_batches = 0  # published batches whose files someone else removed
-        self.progress_rejected = 0  # distinct problems with progress.json, each ignored
-        self.progress_rewinds = 0  # times the trainer's position moved back
         self.trainer_wait_share = progress.wait_share
         self.trainer_pid, self.progress_time = progress.pid, progress.time
         g = self.g((progress.epoch, progress.step))

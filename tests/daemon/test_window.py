@@ -91,7 +91,7 @@ def test_status_counts_rewinds_rejected_progress_and_vanished_batches(tmp_path: 
     s = stream(tmp_path)
 
     def counts() -> dict[str, int]:
-        return {k: s.status()[k] for k in ("progress_rewinds", "progress_rejected", "vanished_batches")}
+        return {k: getattr(s.status(), k) for k in ("progress_rewinds", "progress_rejected", "vanished_batches")}
 
     assert counts() == {"progress_rewinds": 0, "progress_rejected": 0, "vanished_batches": 0}
     move_to(s, 3)
