@@ -504,6 +504,23 @@ class BufferLoader:
         self._generation += 1
         self._publish()
 
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the first batch of ``epoch``, as ``DistributedSampler.set_epoch`` does for a sampler.
+
+        A script that resumes by epoch (``for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)``) gets that epoch's batches, bit-identical to an
+        uninterrupted run's: progress.json moves there and the daemon regenerates
+        from there if it has moved on.  Called at the top of every epoch of an
+        uninterrupted run it changes nothing.  It always restarts the epoch, so a
+        mid-epoch resume calls ``load_state_dict`` *after* ``set_epoch`` for the
+        epoch it resumes into: ``set_epoch`` names the epoch, ``load_state_dict``
+        the batch, and the later call wins.
+        """
+        if not _is_count(epoch):
+            raise ValueError(f"set_epoch({epoch!r}): pass a non-negative integer epoch (counted from 0)")
+        # The same checks (job's end) and the same repositioning as a checkpoint taken at that epoch's start.
+        self.load_state_dict({**self.state_dict(), "epoch": epoch, "step": 0})
+
     # -- lifecycle ---------------------------------------------------------------
 
     def close(self) -> None:
