@@ -6,5 +6,6 @@ behind the ``prefetchd-train`` command.
 
 from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.loader import Batch, BufferLoader
+from prefetchd.trainer.ranks import rank_stream
 
-__all__ = ["Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch"]
+__all__ = ["Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch", "rank_stream"]
