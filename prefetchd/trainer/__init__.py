@@ -6,6 +6,7 @@ behind the ``prefetchd-train`` command.
 
 from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.loader import Batch, BufferLoader
+from prefetchd.trainer.rank_state import EveryRank
 from prefetchd.trainer.ranks import rank_stream
 
-__all__ = ["Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch", "rank_stream"]
+__all__ = ["Batch", "BufferLoader", "EveryRank", "CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "StateMismatch", "rank_stream"]

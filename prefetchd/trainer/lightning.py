@@ -41,18 +41,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
-from prefetchd.trainer.errors import StateMismatch
 from prefetchd.trainer.loader import Batch, BufferLoader
+from prefetchd.trainer.rank_state import gather_states, own_state
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.train import SpawnedDaemon, TrainConfig, spawn_daemon
 
 logger = logging.getLogger(__name__)
-
-STATE_FORMAT = "prefetchd.lightning_datamodule"
-STATE_VERSION = 1
-
 
 class _Epochs:
     """A BufferLoader as Lightning iterates it: each ``iter()`` is the trainer's current epoch.
@@ -178,28 +173,12 @@ class BufferDataModule(pl.LightningDataModule):
         own = self._train.state_dict()
         if self._handed is not None:
             own["epoch"], own["step"] = self._handed
-        ranks: list[dict[str, Any]] = [own]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            ranks = [{} for _ in range(dist.get_world_size())]
-            dist.all_gather_object(ranks, own)
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, "ranks": ranks}
+        return gather_states(own)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return  # saved before any training loader existed
-        if state_dict.get("format") != STATE_FORMAT or state_dict.get("version") != STATE_VERSION:
-            raise StateMismatch(
-                f"the checkpoint's BufferDataModule state has format {state_dict.get('format')!r} version "
-                f"{state_dict.get('version')!r}; this prefetchd reads {STATE_FORMAT!r} version {STATE_VERSION}"
-            )
-        ranks = state_dict["ranks"]
-        me = self._ranks()
-        if len(ranks) != me.world_size:
-            raise StateMismatch(
-                f"the checkpoint holds the positions of {len(ranks)} ranks but this run has {me.world_size}; "
-                "resume with as many ranks (devices x nodes) as the checkpoint was taken with"
-            )
-        own = dict(ranks[me.rank])
+        own = own_state(state_dict, self._ranks())
         if self._train is None:
             self._pending = own
         else:
