@@ -11,11 +11,11 @@
 
 How it fits Lightning's loops:
 
-- Every ``iter()`` Lightning makes over the training loader is one epoch, the
-  trainer's ``current_epoch``: the loader moves there with ``set_epoch`` unless it
-  already stands inside it (a checkpoint restored it mid-epoch).  Every validation
-  pass is the whole of the validation stream's ``current_epoch`` (``set_epoch``
-  each time), so the sanity check's two batches take nothing from epoch 0.
+- Every ``iter()`` Lightning makes over the training loader is the rest of the
+  epoch the loader stands in (a checkpoint may have put it mid-epoch); an epoch
+  Lightning left unfinished (``limit_train_batches``) is not continued but skipped.
+  Every validation pass is the whole of the validation stream's ``current_epoch``
+  (``set_epoch`` each time), so the sanity check's two batches take nothing away.
 - The checkpoint holds where the training loader stands after the last batch the
   model was *handed* (``transfer_batch_to_device``), not where the loader is: Lightning
   fetches one batch ahead, so the loader's own position would skip a batch on a
@@ -50,23 +50,32 @@ from prefetchd.trainer.train import SpawnedDaemon, TrainConfig, spawn_daemon
 logger = logging.getLogger(__name__)
 
 class _Epochs:
-    """A BufferLoader as Lightning iterates it: each ``iter()`` is the trainer's current epoch.
+    """A BufferLoader as Lightning iterates it: each ``iter()`` is one epoch.
 
-    Deliberately without ``state_dict``: see the module docstring.
+    Training (``whole_epochs=False``) goes on from where the loader stands, which a checkpoint
+    may have put mid-epoch; only an epoch that Lightning left unfinished in this process
+    (``limit_train_batches``, ``max_steps``) is skipped to the next one's start.  Lightning's
+    ``current_epoch`` is no guide there: right after a resume it can still name the epoch the
+    checkpoint closed.  Validation (``whole_epochs=True``) is the whole of the stream's
+    ``current_epoch`` on every pass.  Deliberately without ``state_dict``: see the module docstring.
     """
 
     def __init__(self, loader: BufferLoader, current_epoch: Callable[[], int], whole_epochs: bool) -> None:
         self.loader = loader
         self._current_epoch = current_epoch
         self._whole_epochs = whole_epochs
+        self._started: tuple[int, int] | None = None  # where the last iter() began
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
-        epoch = self._current_epoch()
-        if self._whole_epochs or self.loader.position[0] != epoch:
-            self.loader.set_epoch(epoch)
+        epoch, step = self.loader.position
+        if self._whole_epochs:
+            self.loader.set_epoch(self._current_epoch())
+        elif step != 0 and self._started is not None and (epoch, step) != self._started:
+            self.loader.set_epoch(epoch + 1)
+        self._started = self.loader.position
         return iter(self.loader)
 
 

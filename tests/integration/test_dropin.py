@@ -473,8 +473,9 @@ def test_lightning_diff_resumes_from_its_checkpoint_exactly(
         "the sanity check's batches, then all of the epoch's validation batches after each epoch"
 
     # Killed in the second epoch (daemons started beside it, as by systemd), resumed with ckpt_path=.
-    start_daemon(train_buffer, "--data", shapes_data / "train", "--seed", "0", *DAEMON)
-    start_daemon(val_buffer, "--data", shapes_data / "val", "--split", "val", "--seed", "0", *DAEMON)
+    for buffer, split in ((train_buffer, "train"), (val_buffer, "val")):
+        daemon = start_daemon(buffer, "--data", shapes_data / split, "--split", split, "--seed", "0", *DAEMON)
+        daemon.wait_until(lambda: daemon_pid(buffer) is not None, 60, "the daemon to own its buffer")
     killed = [*args, "--output-dir", str(tmp_path / "killed")]
     spy.kill = (str(train_buffer), KILL_AT)
     with pytest.raises(Killed):
