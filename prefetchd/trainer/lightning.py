@@ -28,6 +28,8 @@ How it fits Lightning's loops:
   ``prepare_data``.
 - Batches arrive on the trainer's device already: ``transfer_batch_to_device`` hands
   them on untouched (Lightning's default would try to rebuild the frozen ``Batch``).
+- Daemons are started as ``prefetchd-train --spawn-daemon`` starts them (its
+  ``spawn_daemon``), so both take the same options to the same command line.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.train import SpawnedDaemon, TrainConfig, spawn_daemon
 
 logger = logging.getLogger(__name__)
+
 
 class _Epochs:
     """A BufferLoader as Lightning iterates it: each ``iter()`` is one epoch.
