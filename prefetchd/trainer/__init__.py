@@ -9,8 +9,10 @@ from prefetchd.trainer.errors import (
     CheckpointError, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, OptionError, SetupError, StateMismatch,
 )
 from prefetchd.trainer.loader import Batch, BufferLoader
+from prefetchd.trainer.rank_state import EveryRank
+from prefetchd.trainer.ranks import rank_stream
 
 __all__ = [
-    "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "LoaderError", "LoaderTimeout", "OptionError",
-    "SetupError", "StateMismatch",
+    "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "EveryRank", "LoaderError", "LoaderTimeout",
+    "OptionError", "SetupError", "StateMismatch", "rank_stream",
 ]

@@ -61,7 +61,7 @@ from prefetchd.buffer_protocol import (
 from prefetchd.trainer.errors import LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 from prefetchd.trainer.liveness import BatchWaiter, wait_for_manifest
-from prefetchd.trainer.resume import loader_state, resume_position
+from prefetchd.trainer.resume import is_count, loader_state, resume_position
 
 logger = logging.getLogger(__name__)
 
@@ -453,6 +453,23 @@ class BufferLoader:
         self._epoch, self._step = epoch, step
         self._generation += 1
         self._publish()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the first batch of ``epoch``, as ``DistributedSampler.set_epoch`` does for a sampler.
+
+        A script that resumes by epoch (``for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)``) gets that epoch's batches, bit-identical to an
+        uninterrupted run's: progress.json moves there and the daemon regenerates
+        from there if it has moved on.  Called at the top of every epoch of an
+        uninterrupted run it changes nothing.  It always restarts the epoch, so a
+        mid-epoch resume calls ``load_state_dict`` *after* ``set_epoch`` for the
+        epoch it resumes into: ``set_epoch`` names the epoch, ``load_state_dict``
+        the batch, and the later call wins.
+        """
+        if not is_count(epoch):
+            raise ValueError(f"set_epoch({epoch!r}): pass a non-negative integer epoch (counted from 0)")
+        # The same checks (job's end) and the same repositioning as a checkpoint taken at that epoch's start.
+        self.load_state_dict({**self.state_dict(), "epoch": epoch, "step": 0})
 
     # -- lifecycle ---------------------------------------------------------------
 

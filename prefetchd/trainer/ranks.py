@@ -174,6 +174,13 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float) -> Path:
         time.sleep(_POLL_SECONDS)
 
 
+def rank_stream(buffer: str | os.PathLike[str], timeout: float = 120.0) -> Path:
+    """The stream of ``buffer`` that this process reads: the buffer itself as one process, its
+    rank's stream directory under torchrun, ``accelerate launch`` or any launcher that sets
+    torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).  Pass it to BufferLoader."""
+    return wait_for_stream(Path(buffer), Ranks.from_env(), timeout)
+
+
 def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float) -> str:
     world = f" --world-size {ranks.world_size}" if ranks.distributed else ""
     pid = daemon_pid(buffer)

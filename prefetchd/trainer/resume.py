@@ -37,7 +37,7 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
     job, or points past the end of ``manifest``'s job."""
     m = manifest
     epoch, step = state.get("epoch"), state.get("step")
-    if not (_is_count(epoch) and _is_count(step)):
+    if not (is_count(epoch) and is_count(step)):
         raise StateMismatch(
             f"loader state has epoch={epoch!r}, step={step!r}; expected non-negative integers from "
             "BufferLoader.state_dict()"
@@ -73,5 +73,5 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
     return epoch, step
 
 
-def _is_count(value: object) -> TypeGuard[int]:
+def is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,228 @@
+"""Lightning: a ``LightningDataModule`` over prefetchd buffers (``prefetchd.lightning.BufferDataModule``).
+
+::
+
+    dm = BufferDataModule("/dev/shm/train", "/dev/shm/val")       # daemons started by hand or by systemd
+    dm = BufferDataModule("/dev/shm/train", "/dev/shm/val",       # or started (and stopped) here
+                          data="/data/train", val_data="/data/val", epochs=90, batch_size=256)
+    trainer = lightning.Trainer(max_epochs=90)
+    trainer.fit(model, datamodule=dm)                             # training_step: images, labels = batch
+    trainer.fit(model, datamodule=dm, ckpt_path="last.ckpt")      # resumes exact to the batch
+
+How it fits Lightning's loops:
+
+- Every ``iter()`` Lightning makes over the training loader is the rest of the
+  epoch the loader stands in (a checkpoint may have put it mid-epoch); an epoch
+  Lightning left unfinished (``limit_train_batches``) is not continued but skipped.
+  Every validation pass is the whole of the validation stream's ``current_epoch``
+  (``set_epoch`` each time), so the sanity check's two batches take nothing away.
+- The checkpoint holds where the training loader stands after the last batch the
+  model was *handed* (``transfer_batch_to_device``), not where the loader is: Lightning
+  fetches one batch ahead, so the loader's own position would skip a batch on a
+  resume from a mid-epoch checkpoint.  For the same reason the loader is given to
+  Lightning inside a wrapper without ``state_dict``: Lightning would otherwise save
+  that read-ahead position in its loop state and restore it over ours.
+- Under DDP every rank reads its own stream (``ranks.wait_for_stream``), and a
+  checkpoint, which rank 0 writes, holds every rank's position (gathered when it is
+  taken); one daemon per node serves the node's ranks, started by local rank 0 in
+  ``prepare_data``.
+- Batches arrive on the trainer's device already: ``transfer_batch_to_device`` hands
+  them on untouched (Lightning's default would try to rebuild the frozen ``Batch``).
+- Daemons are started as ``prefetchd-train --spawn-daemon`` starts them (its
+  ``spawn_daemon``), so both take the same options to the same command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from prefetchd.trainer.loader import Batch, BufferLoader
+from prefetchd.trainer.rank_state import gather_states, own_state
+from prefetchd.trainer.ranks import Ranks, wait_for_stream
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.spawn import SpawnedDaemon, spawn_daemon
+
+logger = logging.getLogger(__name__)
+
+
+class _Epochs:
+    """A BufferLoader as Lightning iterates it: each ``iter()`` is one epoch.
+
+    Training (``whole_epochs=False``) goes on from where the loader stands, which a checkpoint
+    may have put mid-epoch; only an epoch that Lightning left unfinished in this process
+    (``limit_train_batches``, ``max_steps``) is skipped to the next one's start.  Lightning's
+    ``current_epoch`` is no guide there: right after a resume it can still name the epoch the
+    checkpoint closed.  Validation (``whole_epochs=True``) is the whole of the stream's
+    ``current_epoch`` on every pass.  Deliberately without ``state_dict``: see the module docstring.
+    """
+
+    def __init__(self, loader: BufferLoader, current_epoch: Callable[[], int], whole_epochs: bool) -> None:
+        self.loader = loader
+        self._current_epoch = current_epoch
+        self._whole_epochs = whole_epochs
+        self._started: tuple[int, int] | None = None  # where the last iter() began
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        epoch, step = self.loader.position
+        if self._whole_epochs:
+            self.loader.set_epoch(self._current_epoch())
+        elif step != 0 and self._started is not None and (epoch, step) != self._started:
+            self.loader.set_epoch(epoch + 1)
+        self._started = self.loader.position
+        return iter(self.loader)
+
+
+class BufferDataModule(pl.LightningDataModule):
+    """Training (and validation) batches from prefetchd daemons, for ``Trainer.fit(datamodule=...)``.
+
+    Args:
+        train_buffer: the training daemon's ``--buffer``.
+        val_buffer: the validation daemon's ``--buffer`` (``--split val``); None: no validation.
+        data, val_data: class-folder datasets (or URLs) to start the daemons on, as
+            ``prefetchd-train --spawn-daemon`` does, when no daemon serves the buffer yet; the
+            daemons this module started are stopped at the end of fit/validate. None: the
+            daemons are started elsewhere (``prefetchd start``, systemd).
+        epochs, seed, batch_size, image_size, workers, high_water: the started daemons' options
+            (``prefetchd start --epochs ...``); None leaves the daemon's default.
+        normalize, timeout, pin, loader_options: passed to each ``BufferLoader``.
+    """
+
+    def __init__(
+        self,
+        train_buffer: str | os.PathLike[str],
+        val_buffer: str | os.PathLike[str] | None = None,
+        *,
+        data: str | os.PathLike[str] | None = None,
+        val_data: str | os.PathLike[str] | None = None,
+        epochs: int | None = None,
+        seed: int = 0,
+        batch_size: int | None = None,
+        image_size: int | None = None,
+        workers: int | None = None,
+        high_water: int | None = None,
+        normalize: bool = True,
+        timeout: float = 120.0,
+        **loader_options: Any,
+    ) -> None:
+        super().__init__()
+        if val_data is not None and val_buffer is None:
+            raise ValueError(f"val_data={str(val_data)!r} needs a val_buffer for its daemon to write into")
+        if val_data is not None and data is None:
+            raise ValueError("val_data is given but data is not: pass data= too, or start both daemons yourself")
+        self.train_buffer = Path(train_buffer)
+        self.val_buffer = Path(val_buffer) if val_buffer is not None else None
+        # A str stays a str (it may be a URL); a path-like becomes a Path.
+        self._data = {split: d if d is None or isinstance(d, str) else Path(d)
+                      for split, d in (("train", data), ("val", val_data))}
+        self._daemon_config = TrainConfig(
+            buffer=self.train_buffer, epochs=epochs, seed=seed, batch_size=batch_size, image_size=image_size,
+            workers=workers, high_water=high_water, timeout=timeout, spawn_daemon=data is not None, quiet=True,
+        )
+        self._loader_options: dict[str, Any] = {"normalize": normalize, "timeout": timeout, **loader_options}
+        self._timeout = timeout
+        self._train: BufferLoader | None = None
+        self._val: BufferLoader | None = None
+        self._handed: tuple[int, int] | None = None  # (epoch, step) after the last training batch handed over
+        self._pending: dict[str, Any] | None = None  # this rank's state from a checkpoint, until the loader exists
+        self._spawned: list[SpawnedDaemon] = []
+
+    # -- Lightning's hooks -----------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        """Start the daemons asked for (local rank 0 of each node; Lightning calls it there only)."""
+        ranks = self._ranks()
+        todo = [("train", self.train_buffer), ("val", self.val_buffer)]
+        for split, buffer in todo:
+            data = self._data[split]
+            if data is None or buffer is None:
+                continue
+            spawned = spawn_daemon(buffer, data, split, self._daemon_config, logger.info, ranks)
+            if spawned is not None:
+                self._spawned.append(spawned)
+        for spawned in self._spawned:
+            spawned.wait_ready(self._timeout)
+
+    def train_dataloader(self) -> _Epochs:
+        if self._train is None:
+            self._train = self._open(self.train_buffer)
+            self._handed = None
+            if self._pending is not None:
+                self._train.load_state_dict(self._pending)
+                self._pending = None
+        return _Epochs(self._train, self._current_epoch, whole_epochs=False)
+
+    def val_dataloader(self) -> _Epochs | list[Any]:
+        if self.val_buffer is None:
+            return []  # Lightning's "no validation"
+        if self._val is None:
+            self._val = self._open(self.val_buffer)
+        return _Epochs(self._val, self._current_epoch, whole_epochs=True)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        if not isinstance(batch, Batch):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        if self.trainer is not None and self.trainer.training and self._train is not None:
+            step = batch.step + 1
+            self._handed = (batch.epoch, step) if step < len(self._train) else (batch.epoch + 1, 0)
+        if batch.images.device == device and batch.labels.device == device:
+            return batch  # the loader put it there; a move would be a copy
+        return replace(batch, images=batch.images.to(device), labels=batch.labels.to(device))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's training position (gathered under DDP: rank 0 writes the checkpoint)."""
+        if self._train is None:
+            return {}
+        own = self._train.state_dict()
+        if self._handed is not None:
+            own["epoch"], own["step"] = self._handed
+        return gather_states(own)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return  # saved before any training loader existed
+        own = own_state(state_dict, self._ranks())
+        if self._train is None:
+            self._pending = own
+        else:
+            self._train.load_state_dict(own)
+            self._handed = None
+
+    def teardown(self, stage: str) -> None:
+        """Close the loaders (their last position reaches progress.json) and stop the daemons started here."""
+        for loader in (self._train, self._val):
+            if loader is not None:
+                loader.close()
+        self._train = self._val = None
+        while self._spawned:
+            self._spawned.pop().stop()
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _ranks(self) -> Ranks:
+        trainer = self.trainer
+        if trainer is None:
+            return Ranks()
+        return Ranks(rank=trainer.global_rank, world_size=trainer.world_size, local_rank=trainer.local_rank,
+                     local_world_size=trainer.num_devices)
+
+    def _current_epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
+
+    def _open(self, buffer: Path) -> BufferLoader:
+        device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+        stream = wait_for_stream(buffer, self._ranks(), self._timeout)
+        return BufferLoader(stream, device=device, **self._loader_options)
+
+
+__all__ = ["BufferDataModule"]

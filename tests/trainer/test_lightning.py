@@ -1,0 +1,101 @@
+"""BufferDataModule in real Lightning Trainers (CPU) over fake jobs: what goes into the checkpoint and
+what comes back. The real daemons, the documented diff and spawning are in tests/integration/test_dropin.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from prefetchd.trainer import StateMismatch
+
+if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
+    from conftest import MakeJob
+
+pytest.importorskip("lightning")
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from prefetchd.lightning import BufferDataModule  # noqa: E402
+
+
+class Killed(Exception):
+    pass
+
+
+class Recorder(L.LightningModule):
+    """Records every training batch it is given, as (epoch, step); raises Killed at ``kill_at``."""
+
+    def __init__(self, kill_at: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(3, 3)
+        self.kill_at = kill_at
+        self.trained: list[tuple[int, int, list[int]]] = []
+        self.devices: set[torch.device] = set()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if (batch.epoch, batch.step) == self.kill_at:
+            raise Killed
+        images, labels = batch  # a DataLoader script's unpacking
+        self.trained.append((batch.epoch, batch.step, batch.indices.tolist()))
+        self.devices.add(images.device)
+        loss: torch.Tensor = torch.nn.functional.cross_entropy(self.net(images.float().mean((2, 3))), labels)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def fit(module: Recorder, dm: BufferDataModule, out: Path, ckpt_path: str | None = None, **kwargs: Any) -> None:
+    trainer = L.Trainer(
+        max_epochs=2, default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=2)], **kwargs,
+    )
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+
+
+def test_a_mid_epoch_checkpoint_resumes_at_the_batch_after_the_last_one_trained(
+    make_job: MakeJob, tmp_path: Path
+) -> None:
+    job = make_job(write=2, samples=10, batch_size=4)  # 3 steps an epoch
+    full = Recorder()
+    fit(full, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path / "full")
+    assert [t[:2] for t in full.trained] == [(e, s) for e in range(2) for s in range(3)]
+    assert full.devices == {torch.device("cpu")}
+
+    # Checkpoints after global steps 2 and 4; killed when handed (1, 2), after step 4 = (1, 0) and
+    # with (1, 1) already fetched by Lightning's read-ahead: the checkpoint must say (1, 1), not (1, 2).
+    killed = Recorder(kill_at=(1, 2))
+    with pytest.raises(Killed):
+        fit(killed, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path / "killed")
+    state = torch.load(tmp_path / "killed" / "last.ckpt", weights_only=False)["BufferDataModule"]
+    assert [(r["epoch"], r["step"]) for r in state["ranks"]] == [(1, 1)]
+
+    resumed = Recorder()
+    fit(resumed, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path / "resumed",
+        ckpt_path=str(tmp_path / "killed" / "last.ckpt"))
+    assert resumed.trained == full.trained[4:]
+
+
+def test_an_epoch_cut_short_by_lightning_is_not_continued(make_job: MakeJob, tmp_path: Path) -> None:
+    job = make_job(write=2, samples=10, batch_size=4)
+    module = Recorder()
+    fit(module, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path, limit_train_batches=1)
+    assert [t[:2] for t in module.trained] == [(0, 0), (1, 0)]
+
+
+def test_a_checkpoint_of_another_job_or_world_is_refused(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    dm = BufferDataModule(job.buffer, timeout=5)
+    with pytest.raises(StateMismatch, match="format 'other'"):
+        dm.load_state_dict({"format": "other", "version": 1})
+    with pytest.raises(StateMismatch, match="2 ranks but this run has 1"):
+        dm.load_state_dict({"format": "prefetchd.rank_states", "version": 1, "ranks": [{}, {}]})
+    dm.load_state_dict({})  # a checkpoint taken before the training loader existed: nothing to restore
+
+
+def test_val_data_needs_somewhere_to_go(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs a val_buffer"):
+        BufferDataModule(tmp_path / "train", data=tmp_path, val_data=tmp_path)
