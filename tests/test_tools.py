@@ -19,12 +19,15 @@ from prefetchd.buffer_protocol import (
     Manifest,
     Progress,
     ProtocolError,
+    Rates,
     batch_name,
     write_batch,
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
+from tests.status_examples import production
+from tests.status_examples import status as status_example
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = (REPO / "prefetchd" / "buffer_protocol" / "SPEC.md").read_text()
@@ -99,7 +102,7 @@ def _manifest() -> Manifest:
 def test_describe_buffer(tmp_path: Path) -> None:
     _manifest().write(tmp_path)
     Progress(0, 1).write(tmp_path)
-    write_status(tmp_path, {"state": "filling", "fill": 2, "rates": {"images_per_s": 812.5}})
+    write_status(tmp_path, status_example(production=production(rates=Rates(samples_per_s=812.5, consumed_batches_per_s=0.0))))
     for step in (0, 1, 2):
         _write(tmp_path / batch_name(0, step), step=step)
     temp_name(tmp_path / batch_name(0, 3)).write_bytes(b"partial")
@@ -114,7 +117,7 @@ def test_describe_buffer(tmp_path: Path) -> None:
             "steps/epoch=300 epochs=unbounded rank=0/1 producer=host-1") in text
     assert "dataset: /data/shapes (600 samples, fingerprint f00d)" in text
     assert "progress: next needed epoch 0 step 1" in text
-    assert '  state: "filling"' in text and '  rates: {"images_per_s": 812.5}' in text
+    assert '  state: "filling"' in text and '  rates: {"consumed_batches_per_s": 0.0, "samples_per_s": 812.5}' in text
     assert "  format:" not in text
     assert "batches: 3 files, 48.0 KiB" in text
     listed = [line.split() for line in text.splitlines() if line.startswith("  e000000-")]

@@ -8,14 +8,15 @@ from typing import Any
 
 import psutil
 
-from prefetchd.buffer_protocol import Progress, ProtocolError, list_batches, read_status
+from prefetchd.buffer_protocol import Production, Progress, ProtocolError, list_batches
+from tests.status_examples import production_of
 
 
-def _status(buffer: Path) -> dict[str, Any]:
+def _production(buffer: Path) -> Production | None:
     try:
-        return read_status(buffer) or {}
-    except ProtocolError:  # not written yet
-        return {}
+        return production_of(buffer)
+    except ProtocolError:  # being replaced
+        return None
 
 
 def test_a_killed_worker_is_replaced_and_its_tasks_requeued(
@@ -24,13 +25,13 @@ def test_a_killed_worker_is_replaced_and_its_tasks_requeued(
     buffer = shm_dir / "bf"
     daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "8", "--image-size", "32",
                           "--workers", "2", "--high-water", "3", "--low-water", "1")
-    daemon.wait_until(lambda: _status(buffer).get("workers") == 2, 120, "two workers")
+    daemon.wait_until(lambda: (p := _production(buffer)) is not None and p.workers == 2, 120, "two workers")
     # Workers are forked by the forkserver, the daemon's child: the daemon's grandchildren.
     workers = [p for p in psutil.Process(daemon.proc.pid).children(recursive=True) if p.ppid() != daemon.proc.pid]
     assert len(workers) == 2, workers
     workers[0].kill()
-    daemon.wait_until(lambda: _status(buffer).get("errors", {}).get("worker_restarts") == 1
-                      and _status(buffer).get("workers") == 2, 60, "the killed worker replaced")
+    daemon.wait_until(lambda: (p := _production(buffer)) is not None and p.errors.worker_restarts == 1
+                      and p.workers == 2, 60, "the killed worker replaced")
     Progress(0, 5).write(buffer)  # the trainer moves on: the new window is built by the pool
     daemon.wait_until(lambda: set(list_batches(buffer)) == {(0, 5), (0, 6), (0, 7)}, 60, "the window after the kill")
     assert "requeuing" in daemon.log
