@@ -20,19 +20,12 @@ from pathlib import Path
 import click
 
 from prefetchd.daemon.config import usable_cpus
-from prefetchd.launch import launch, start_argv, stop_daemon_process
+from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process
 from prefetchd.synthetic import make_shapes_dataset
 
 CLASSES = 4
 VAL_PER_CLASS = 40
 DAEMON_STOP_SECONDS = 30.0
-
-
-def _buffer_root() -> Path:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm
-    return Path(tempfile.gettempdir())
 
 
 def _start_daemon(buffer: Path, data: Path, split: str, common: dict[str, int], log: Path) -> subprocess.Popen[bytes]:
@@ -44,7 +37,7 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
     started = time.monotonic()
     work = workdir or Path(tempfile.mkdtemp(prefix="prefetchd-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    buffers = _buffer_root() / f"prefetchd-demo-{os.getpid()}"
+    buffers = buffer_root() / f"prefetchd-demo-{os.getpid()}"
     data = work / "data"
     daemons: list[subprocess.Popen[bytes]] = []
     try:

@@ -19,9 +19,12 @@ wrong name or value fails where `prefetchd start` reports it.
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,6 +49,16 @@ class DaemonExited(LaunchError):
 
 class DaemonNotReady(LaunchError):
     """The daemon still runs but did not serve its buffer in time."""
+
+
+def buffer_root(need: int = 0) -> Path:
+    """Where a program that starts its own daemon (demo, bench, tools) puts the buffer: /dev/shm,
+    the RAM disk the daemon is meant for, or the temp folder where there is none to write to (or
+    it has less than twice ``need`` bytes free)."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and (not need or shutil.disk_usage(shm).free > 2 * need):
+        return shm
+    return Path(tempfile.gettempdir())
 
 
 def option_args(options: Mapping[str, Any]) -> list[str]:

@@ -58,6 +58,7 @@ from torch import nn
 import h2d_bench  # tools/ is sys.path[0] when this file runs as a script
 from prefetchd.bench import describe_machine
 from prefetchd.buffer_protocol import batch_name, map_batch
+from prefetchd.launch import buffer_root
 from prefetchd.synthetic import make_imagenet_like
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.config import TrainConfig
@@ -587,12 +588,11 @@ def write_outputs(doc: dict[str, Any], out: Path) -> None:
 
 
 def _buffer_root(need: int) -> Path:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * need:
-        return shm
-    log.warning("/dev/shm is missing or has less than %.1f GiB free: buffers go to %s, not a RAM disk",
-                2 * need / 2**30, tempfile.gettempdir())
-    return Path(tempfile.gettempdir())
+    root = buffer_root(need)
+    if root != Path("/dev/shm"):
+        log.warning("/dev/shm is missing or has less than %.1f GiB free: buffers go to %s, not a RAM disk",
+                    2 * need / 2**30, root)
+    return root
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from prefetchd.bench.measure import WAIT_SECONDS
-from prefetchd.launch import launch, start_argv, stop_daemon_process, wait_ready
+from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, wait_ready
 
 if TYPE_CHECKING:
     from prefetchd.bench.contenders import Run
@@ -28,13 +27,6 @@ log = logging.getLogger(__name__)
 
 DAEMON_STOP_SECONDS = 20.0
 MONITOR_SECONDS = 0.2
-
-
-def buffer_root() -> Path:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm
-    return Path(tempfile.gettempdir())
 
 
 class BenchDaemon:

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from prefetchd.bench.monitor import buffer_root
+from prefetchd.launch import buffer_root
 from prefetchd.bench.results import CONTENDERS, BenchmarkResults
 
 def usable_cores() -> set[int]:

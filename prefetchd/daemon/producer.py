@@ -37,20 +37,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
-from prefetchd.buffer_protocol.status import (
-    BadFile,
-    Errors,
-    JobResult,
-    Position,
-    Production,
-    Quantiles,
-    Rates,
-    State,
-    Status,
-    StreamStatus,
-    Totals,
-    TrainerStatus,
-)
+from prefetchd.buffer_protocol.status import BadFile, Errors, JobResult, Production, Quantiles, Rates, State, Status, Totals
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, DaemonError
