@@ -17,6 +17,7 @@ import pytest
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.cli import start
 from prefetchd.daemon.config import DaemonConfig, load_toml
+from prefetchd.daemon.errors import EXIT_BAD_DATA, EXIT_BUFFER_BUSY, EXIT_USAGE
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD / "prefetchd@.service"
@@ -76,6 +77,8 @@ def test_required_directives(unit: dict[str, dict[str, list[str]]]) -> None:
     }
     for key, want in expected.items():
         assert value(unit, key) == want, key
+    # Exits that a restart cannot mend: bad configuration, bad data, a buffer another daemon owns.
+    assert set(value(unit, "RestartPreventExitStatus").split()) == {str(c) for c in (EXIT_USAGE, EXIT_BAD_DATA, EXIT_BUFFER_BUSY)}
     assert int(value(unit, "WatchdogSec")) >= 10  # the loop wakes every 0.25 s; leave room for a slow turn
     # '-': the daemon creates the buffer; a missing path would fail the start with 226/NAMESPACE.
     assert "-/dev/shm/%i" in unit["Service"]["ReadWritePaths"]
