@@ -19,6 +19,12 @@ Augmentation.  Every random decision of a sample is drawn from its own stream
 
 Decoding, by the file's magic bytes, never its name:
 
+* JPEG (RGB or grayscale, no EXIF rotation) where the optional C extension is
+  built: only the crop box's rows and columns (rounded out to the MCU grid), DCT-scaled
+  like the draft decode below where the crop is at least twice the output
+  (``jpeg_crop``: ~30% less decode time, bit-identical to cutting the box from the
+  full decode).  Any file it would not decode exactly as a full decode does — a
+  warning, an error, CMYK — goes on to the paths below, so they decide as before.
 * JPEG (RGB or grayscale) whose crop is less than twice the output:
   ``torchvision.io.decode_jpeg`` with EXIF orientation (libjpeg-turbo).
 * JPEG whose crop is at least twice the output: Pillow with ``draft`` (libjpeg's
@@ -45,9 +51,11 @@ block ``open`` forever, a device would never end.  Such files raise
 ``ImageRefused`` and are replaced like any undecodable sample.
 
 Both decoders wrap the same libjpeg-turbo: a JPEG decoded at full scale gives
-bit-identical pixels either way (tested, EXIF orientations included).  Which
-decoder runs is a pure function of the file's bytes and the crop box, so the
-output stays a pure function of (seed, epoch, index) and the file.
+bit-identical pixels either way (tested, EXIF orientations included), and the
+crop-aware decoder gives the same box as either (tested, tests/daemon/test_jpeg_crop.py).
+Which decoder runs is a pure function of the file's bytes, the crop box and
+whether the extension is built, so the output stays a pure function of
+(seed, epoch, index) and the file, and is the same with or without the extension.
 
 Crop, resize, flip — one resampler for every path.  The integer crop box is
 copied once out of the decoded image into a contiguous H x W x 3 tensor; the
@@ -87,6 +95,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.sources.storage import ImageRefused, read_bytes
 
@@ -149,11 +158,13 @@ class Plan:
 @dataclass
 class _Decoded:
     """A decoded image: ``pixels`` (H x W x 3 uint8, any strides) or a Pillow RGB image,
-    and how many source pixels one decoded pixel spans (the draft scale)."""
+    and how many source pixels one decoded pixel spans (the draft scale); or, from the
+    crop-aware decoder, the crop box alone (``crop``, contiguous H x W x 3 uint8)."""
 
     pixels: torch.Tensor | None = None
     image: Image.Image | None = field(default=None, repr=False)
     scale: int = 1
+    crop: torch.Tensor | None = None
 
 
 class HookError(RuntimeError):
@@ -295,6 +306,10 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
 
     is_jpeg = data[:3] == JPEG_MAGIC and header.format in ("JPEG", "MPO")
     scale = draft_scale(box, size) if is_jpeg else 1
+    if is_jpeg and header.mode in _TORCHVISION_JPEG_MODES and _orientation(header) == 1:
+        crop = _decode_crop(data, header, box, scale)
+        if crop is not None:
+            return _Decoded(crop=crop)
     if is_jpeg and scale == 1 and header.mode in _TORCHVISION_JPEG_MODES:
         try:
             chw = decode_jpeg(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB,
@@ -314,15 +329,34 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
     return _Decoded(image=_to_rgb(header), scale=scale)
 
 
+def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int) -> torch.Tensor | None:
+    """The crop-aware decoder's box: the pixels ``_crop`` would cut from the full decode at
+    ``scale`` (a JPEG without EXIF rotation); None without the extension or where it refuses."""
+    import torch
+
+    if not jpeg_crop.available():
+        return None
+    # libjpeg's size at 1/scale rounds up, as Pillow's draft size does.
+    width, height = -(-header.width // scale), -(-header.height // scale)
+    left, top, right, bottom = pixel_box(_scaled(box, scale), width, height)
+    pixels = jpeg_crop.decode_box(data, scale, left, top, right, bottom)
+    return None if pixels is None else torch.from_numpy(pixels)
+
+
 # -- augmenting -----------------------------------------------------------------------
+
+
+def _scaled(box: Box, scale: int) -> Box:
+    return (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
 
 
 def _crop(decoded: _Decoded, box: Box) -> torch.Tensor:
     """The crop as a contiguous H x W x 3 tensor: the one copy out of the decoded image."""
     import torch
 
-    s = decoded.scale
-    scaled: Box = (box[0] / s, box[1] / s, box[2] / s, box[3] / s)
+    if decoded.crop is not None:
+        return decoded.crop
+    scaled = _scaled(box, decoded.scale)
     if decoded.pixels is not None:
         h, w = decoded.pixels.shape[:2]
         left, top, right, bottom = pixel_box(scaled, w, h)
