@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import numpy as np
@@ -49,6 +51,18 @@ _extension = _load()
 
 def available() -> bool:
     return _extension is not None
+
+
+@contextmanager
+def whole_image_only() -> Iterator[None]:
+    """Inside the block this process decodes whole images even where the extension is built:
+    the comparison of tools/decode_floor.py."""
+    global _extension
+    saved, _extension = _extension, None
+    try:
+        yield
+    finally:
+        _extension = saved
 
 
 def decoder_summary() -> str:
