@@ -49,6 +49,19 @@ static void on_error(j_common_ptr cinfo) {
     longjmp(err->escape, 1);
 }
 
+/* The layouts partial decoding is tested on (tests/daemon/test_jpeg_crop.py): grayscale, and
+   4:4:4, 4:2:2 or 4:2:0 (luma sampled 1x1, 2x1 or 2x2, chroma 1x1).  Rarer ones (4:4:0, 4:1:1) had
+   jpeg_skip_scanlines() bugs in some libjpeg-turbo releases: they decode in full instead. */
+static int tested_sampling(const struct jpeg_decompress_struct *cinfo) {
+    if (cinfo->num_components == 1) return 1;
+    if (cinfo->num_components != 3) return 0;
+    int h = cinfo->comp_info[0].h_samp_factor, v = cinfo->comp_info[0].v_samp_factor;
+    if (!((h == 1 && v == 1) || (h == 2 && v == 1) || (h == 2 && v == 2))) return 0;
+    for (int c = 1; c < 3; c++)
+        if (cinfo->comp_info[c].h_samp_factor != 1 || cinfo->comp_info[c].v_samp_factor != 1) return 0;
+    return 1;
+}
+
 static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) on_error(cinfo); /* a warning: corrupt data that a full decode would also meet */
 }
@@ -58,6 +71,7 @@ static void on_message(j_common_ptr cinfo, int level) {
  * The box [left, right) x [top, bottom) of the image decoded at 1/scale_denom
  * (box in scaled pixels), as (bottom - top) rows of (right - left) RGB pixels. */
 static PyObject *decode_box(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer data;
     int denom, left, top, right, bottom;
     if (!PyArg_ParseTuple(args, "y*iiiii", &data, &denom, &left, &top, &right, &bottom)) return NULL;
@@ -83,6 +97,9 @@ static PyObject *decode_box(PyObject *self, PyObject *args) {
             cinfo.jpeg_color_space != JCS_RGB) {
             snprintf(err.message, sizeof err.message, "colour space %d is not YCbCr, RGB or grayscale",
                      (int)cinfo.jpeg_color_space);
+            failed = 1;
+        } else if (!tested_sampling(&cinfo)) {
+            snprintf(err.message, sizeof err.message, "chroma subsampling other than 4:4:4, 4:2:2 or 4:2:0");
             failed = 1;
         } else {
             cinfo.out_color_space = JCS_RGB;
@@ -148,7 +165,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cropjpeg", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cropjpeg", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__cropjpeg(void) {
     PyObject *m = PyModule_Create(&module);

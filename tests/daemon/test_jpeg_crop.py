@@ -115,6 +115,26 @@ def test_refuses_what_a_full_decode_would_not_decode_cleanly(what: str) -> None:
     assert jpeg_crop.decode_box(data, 1, *box) is None
 
 
+def with_luma_sampling(data: bytearray, factors: int) -> bytearray:
+    """``data`` with the first component's sampling factors in the frame header set to
+    ``factors`` (0xHV): how to make the 4:4:0 and 4:1:1 files Pillow cannot write."""
+    sof = data.index(b"\xff\xc0")
+    out = bytearray(data)
+    out[sof + 11] = factors  # marker 2, length 2, precision 1, height 2, width 2, count 1, then id, HV
+    return out
+
+
+@needs_extension
+@pytest.mark.parametrize("factors", [0x12, 0x41])  # 4:4:0, 4:1:1
+def test_rarer_subsamplings_decode_in_full(monkeypatch: pytest.MonkeyPatch, factors: int) -> None:
+    data = with_luma_sampling(jpeg_bytes(photo(96, 64, seed=2), subsampling=0), factors)
+    with Image.open(io.BytesIO(data)) as img:
+        assert img.layer[0][1:3] == (factors >> 4, factors & 15)  # type: ignore[attr-defined]
+    assert jpeg_crop.decode_box(data, 1, 0, 0, 16, 16) is None
+    fast, whole = augment_both_ways(data, monkeypatch, 32, train=True, seed=0)
+    assert same(fast, whole)
+
+
 def augment_both_ways(data: bytearray, monkeypatch: pytest.MonkeyPatch, size: int, train: bool,
                       seed: int) -> tuple[object, object]:
     """``augment_bytes`` with the crop-aware decoder and without it: the array, or the exception type."""
