@@ -4,12 +4,13 @@
 and libjpeg-turbo's headers are present) skips the rows above the box, narrows every
 row to the iMCU columns around it and stops converting pixels below it, with
 libjpeg-turbo's DCT scaling on top where the crop is at least twice the output.
-Measured on this project's 2-core machine (loaded, load average ~4.3), 200
+Measured on this project's 2-core machine (shared, load average ~2.6), 200
 ImageNet-like JPEGs (~96 KB, mean 542 x 441), RandomResizedCrop 224 boxes, one
-thread, medians of 7 interleaved rounds: decode plus crop copy 0.93 ms against 1.33
-ms for the full-image path it replaces (``decode_jpeg`` or Pillow's draft).
+thread, medians of 7 interleaved rounds: header, decode and crop 1.02 ms against
+1.44 ms for the whole-image path (``decode_jpeg`` or Pillow's draft); the daemon's
+whole ``augment()`` 17% less CPU (tools/decode_floor.py; docs/BENCHMARKS.md).
 PyTurboJPEG was measured too and loses: its 1.x crop is a lossless transform
-(entropy-decode, re-encode, decode again: 1.70 ms), its 2.x needs libturbojpeg 3
+(entropy-decode, re-encode, decode again: 1.73 ms), its 2.x needs libturbojpeg 3
 and has no partial decode either.
 
 The box it returns is bit-identical to the same box cut from a full decode at the
@@ -71,8 +72,8 @@ def decoder_summary() -> str:
         version = int(_extension.LIBJPEG_TURBO_VERSION_NUMBER)
         return (f"JPEG decoder: crop-aware (libjpeg-turbo {version // 1000000}.{version // 1000 % 1000}."
                 f"{version % 1000}: only the crop's rows and columns are decoded)")
-    return ("JPEG decoder: whole-image (torchvision/Pillow); the crop-aware decoder (~30% less decode time "
-            f"for RandomResizedCrop) is not built: {INSTALL_HINT}")
+    return ("JPEG decoder: whole-image (torchvision/Pillow); the crop-aware decoder (~30% less decode time, "
+            f"~17% less CPU per RandomResizedCrop image) is not built: {INSTALL_HINT}")
 
 
 def decode_box(data: bytes | bytearray, scale: int, left: int, top: int, right: int, bottom: int) -> np.ndarray | None:
