@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageFilter
 
 from prefetchd.bad_images import make_bad_images
@@ -222,3 +224,21 @@ def test_the_summary_names_the_decoder_and_how_to_get_the_fast_one(monkeypatch: 
     assert "whole-image" in summary and "libjpeg62-turbo-dev" in summary and "pip install -e ." in summary
     assert jpeg_crop.decode_box(jpeg_bytes(photo(32, 32, seed=0)), 1, 0, 0, 8, 8) is None
 
+
+
+@needs_extension
+@settings(max_examples=60, deadline=None)
+@given(w=st.integers(1, 70), h=st.integers(1, 70), subsampling=st.sampled_from([0, 1, 2]),
+       scale=st.sampled_from([1, 2, 4, 8]), data=st.data())
+def test_any_size_any_box(w: int, h: int, subsampling: int, scale: int, data: st.DataObject) -> None:
+    # Images narrower or shorter than one MCU, boxes of one pixel, boxes touching every edge.
+    assume(min(w, h) >= scale)  # the daemon scales only crops of at least 2 x scale x output pixels
+    jpeg = jpeg_bytes(photo(w, h, seed=w * 71 + h), subsampling=subsampling)
+    full = full_decode(jpeg, scale)
+    fh, fw = full.shape[:2]
+    left = data.draw(st.integers(0, fw - 1))
+    top = data.draw(st.integers(0, fh - 1))
+    right = data.draw(st.integers(left + 1, fw))
+    bottom = data.draw(st.integers(top + 1, fh))
+    got = jpeg_crop.decode_box(jpeg, scale, left, top, right, bottom)
+    assert got is not None and np.array_equal(got, full[top:bottom, left:right])
