@@ -19,12 +19,13 @@ Augmentation.  Every random decision of a sample is drawn from its own stream
 
 Decoding, by the file's magic bytes, never its name:
 
-* JPEG (RGB or grayscale, no EXIF rotation) where the optional C extension is
-  built: only the crop box's rows and columns (rounded out to the MCU grid), DCT-scaled
-  like the draft decode below where the crop is at least twice the output
-  (``jpeg_crop``: ~30% less decode time, bit-identical to cutting the box from the
-  full decode).  Any file it would not decode exactly as a full decode does — a
-  warning, an error, CMYK — goes on to the paths below, so they decide as before.
+* JPEG (RGB or grayscale) where the optional C extension is built: only the crop
+  box's rows and columns, rounded out to the MCU grid, DCT-scaled like the draft
+  decode below where the crop is at least twice the output (``jpeg_crop``: ~30% less
+  decode time, bit-identical to cutting the box from the full decode).  With an EXIF
+  orientation the box is turned back into stored pixels and the decoded crop turned
+  forward.  Any file it would not decode exactly as a full decode does — a warning,
+  an error, CMYK, a rare subsampling — goes on to the paths below, which decide as before.
 * JPEG (RGB or grayscale) whose crop is less than twice the output:
   ``torchvision.io.decode_jpeg`` with EXIF orientation (libjpeg-turbo).
 * JPEG whose crop is at least twice the output: Pillow with ``draft`` (libjpeg's
@@ -116,6 +117,11 @@ MAX_DRAFT_SCALE = 8  # libjpeg's DCT scaling goes down to 1/8
 _TORCHVISION_JPEG_MODES = ("RGB", "L")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)  # width and height swap
+# Each EXIF orientation as the steps that turn stored pixels into shown ones: flip the rows
+# (upside down), flip the columns (mirror), then transpose.  E.g. 6, "rotate 90 degrees
+# clockwise to display", is Pillow's ROTATE_270 = rows flipped, then transposed.
+_EXIF_STEPS = {2: (False, True, False), 3: (True, True, False), 4: (True, False, False), 5: (False, False, True),
+               6: (True, False, True), 7: (True, True, True), 8: (False, True, True)}
 JITTER_OPERATIONS = ("brightness", "contrast", "saturation")  # torchvision adjust_<name>, indexed by a plan
 # Pillow's Image.MAX_IMAGE_PIXELS: about a quarter GiB of 24-bit pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
@@ -306,7 +312,7 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
 
     is_jpeg = data[:3] == JPEG_MAGIC and header.format in ("JPEG", "MPO")
     scale = draft_scale(box, size) if is_jpeg else 1
-    if is_jpeg and header.mode in _TORCHVISION_JPEG_MODES and _orientation(header) == 1:
+    if is_jpeg and header.mode in _TORCHVISION_JPEG_MODES:
         crop = _decode_crop(data, header, box, scale)
         if crop is not None:
             return _Decoded(crop=crop)
@@ -331,16 +337,31 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
 
 def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int) -> torch.Tensor | None:
     """The crop-aware decoder's box: the pixels ``_crop`` would cut from the full decode at
-    ``scale`` (a JPEG without EXIF rotation); None without the extension or where it refuses."""
+    ``scale``, EXIF orientation applied; None without the extension or where it refuses."""
     import torch
 
     if not jpeg_crop.available():
         return None
+    flip_rows, flip_cols, transpose = _EXIF_STEPS.get(_orientation(header), (False, False, False))
     # libjpeg's size at 1/scale rounds up, as Pillow's draft size does.
-    width, height = -(-header.width // scale), -(-header.height // scale)
-    left, top, right, bottom = pixel_box(_scaled(box, scale), width, height)
+    stored_w, stored_h = -(-header.width // scale), -(-header.height // scale)
+    shown_w, shown_h = (stored_h, stored_w) if transpose else (stored_w, stored_h)
+    left, top, right, bottom = pixel_box(_scaled(box, scale), shown_w, shown_h)
+    # The box in the stored image: undo the transpose, then the flips.
+    if transpose:
+        left, top, right, bottom = top, left, bottom, right
+    if flip_rows:
+        top, bottom = stored_h - bottom, stored_h - top
+    if flip_cols:
+        left, right = stored_w - right, stored_w - left
     pixels = jpeg_crop.decode_box(data, scale, left, top, right, bottom)
-    return None if pixels is None else torch.from_numpy(pixels)
+    if pixels is None:
+        return None
+    crop = torch.from_numpy(pixels)
+    flips = [dim for dim, flip in ((0, flip_rows), (1, flip_cols)) if flip]
+    if flips:
+        crop = crop.flip(flips)
+    return crop.permute(1, 0, 2).contiguous() if transpose else crop
 
 
 # -- augmenting -----------------------------------------------------------------------

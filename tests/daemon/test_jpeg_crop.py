@@ -182,21 +182,26 @@ def test_augment_gives_the_same_bytes_with_or_without_the_extension(monkeypatch:
 
 
 @needs_extension
-@pytest.mark.parametrize("orientation", [2, 3, 6, 8])
-def test_exif_rotated_jpegs_decode_in_full(monkeypatch: pytest.MonkeyPatch, orientation: int) -> None:
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("size", [24, 64])  # 24: DCT-scaled crops of a 160 x 96 image
+def test_exif_orientations_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch, orientation: int, size: int) -> None:
     exif = Image.Exif()
     exif[0x0112] = orientation
-    data = jpeg_bytes(photo(160, 96, seed=orientation), exif=exif.tobytes())
-    calls: list[object] = []
+    data = jpeg_bytes(photo(161, 97, seed=orientation), exif=exif.tobytes())
+    scales: list[int] = []
     real = jpeg_crop.decode_box
 
     def counting(data: bytearray, scale: int, *box: int) -> np.ndarray | None:
-        calls.append(box)
+        scales.append(scale)
         return real(data, scale, *box)
 
     monkeypatch.setattr(jpeg_crop, "decode_box", counting)
-    fast, whole = augment_both_ways(data, monkeypatch, 48, train=True, seed=3)
-    assert calls == [] and same(fast, whole)
+    for seed in range(8):
+        fast, whole = augment_both_ways(data, monkeypatch, size, train=True, seed=seed)
+        assert isinstance(fast, np.ndarray) and same(fast, whole), seed
+    fast, whole = augment_both_ways(data, monkeypatch, size, train=False, seed=0)
+    assert same(fast, whole)
+    assert len(scales) == 9 and (size == 64 or max(scales) > 1)
 
 
 @needs_extension
