@@ -15,7 +15,8 @@ and has no partial decode either.
 
 The box it returns is bit-identical to the same box cut from a full decode at the
 same scale (tests/daemon/test_jpeg_crop.py: 4:2:0, 4:2:2, 4:4:4, grayscale,
-progressive, restart markers), and it refuses — ``None`` here, so the caller runs
+progressive, restart markers, any size; transforms turns the box through the EXIF
+orientation and the crop back), and it refuses — ``None`` here, so the caller runs
 the full decode — every file a full decode would fail or warn on.  So pixels do not
 depend on whether a machine has the extension.
 
