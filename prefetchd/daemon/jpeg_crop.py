@@ -18,7 +18,11 @@ same scale (tests/daemon/test_jpeg_crop.py: 4:2:0, 4:2:2, 4:4:4, grayscale,
 progressive, restart markers, any size; transforms turns the box through the EXIF
 orientation and the crop back), and it refuses — ``None`` here, so the caller runs
 the full decode — every file a full decode would fail or warn on.  So pixels do not
-depend on whether a machine has the extension.
+depend on whether a machine has the extension, provided the system's libjpeg-turbo,
+which it links, decodes as the copies bundled in torchvision and Pillow do (here 2.1.5
+against those of torchvision 0.29.1 and Pillow 13: identical; the tests check it on
+each machine, and decoders of different libjpeg-turbo releases could differ by a level
+or two, as torchvision and Pillow of different releases already can).
 
 Without the extension ``available()`` is False and the daemon decodes whole images;
 ``decoder_summary()`` is the line ``prefetchd start`` logs once.
