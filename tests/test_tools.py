@@ -26,6 +26,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
+from prefetchd.daemon import jpeg_crop
 from tests.status_examples import production
 from tests.status_examples import status as status_example
 
@@ -199,6 +200,8 @@ def test_decode_floor_times_each_kernel_and_names_a_folder_without_jpegs(tmp_pat
     assert done.returncode == 0, done.stderr
     rates = dict(re.findall(r"^  (.+?)\s+\d+\.\d\d ms\s+\(\s*(\d+) img/s per core\)$", done.stdout, re.M))
     assert {"torchvision decode_jpeg", "Pillow open + convert RGB", "prefetchd augment() (train)"} <= set(rates)
+    if jpeg_crop.available():  # the gain of the crop-aware decoder, measured against the whole-image path
+        assert {"crop-aware decode of the box", "prefetchd augment(), whole-image decode"} <= set(rates)
     assert all(int(rate) > 0 for rate in rates.values())
     assert "4 JPEGs from" in done.stdout
 

@@ -10,7 +10,10 @@ Over JPEGs of the class-folder dataset DATA (every file, or an even sample of
 * Pillow ``Image.open().convert("RGB")`` (what ImageFolder's loader runs);
 * simplejpeg at full size and at the smallest libjpeg-turbo scale (M/8) that keeps the
   sample's RandomResizedCrop box at least ``--size`` pixels — if ``simplejpeg`` is installed;
-* the daemon's whole ``augment()`` (read, decode, crop, antialiased resize, flip).
+* the crop-aware decode of the sample's box (``prefetchd.daemon.jpeg_crop``, where its
+  C extension is built);
+* the daemon's whole ``augment()`` (read, decode, crop, antialiased resize, flip), and
+  where the crop-aware decoder is built, ``augment()`` once more with whole-image decodes.
 
 This is the ceiling the daemon's workers can approach: images/s per core is about
 1000 / the ``augment()`` line.  Figures go in docs/BENCHMARKS.md with the machine.
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.transforms import augment, oriented_size, preload, random_resized_crop_box
 
@@ -87,14 +91,25 @@ def main() -> None:
 
         rows.append(("simplejpeg full size", cpu_ms_per_item(n, lambda i: simplejpeg.decode_jpeg(datas[i]), rounds)))
         rows.append(("simplejpeg scaled to the crop", cpu_ms_per_item(n, scaled, rounds)))
-    rows.append(("prefetchd augment() (train)", cpu_ms_per_item(
-        n, lambda i: augment(paths[i], args.size, True, sample_rng(0, 0, i)), rounds)))
+    def train_augment(i: int) -> object:
+        return augment(paths[i], args.size, True, sample_rng(0, 0, i))
+
+    if jpeg_crop.available():
+        # Full scale only: decode_box's box is in the scaled image's pixels, the draft of augment() is not here.
+        rows.append(("crop-aware decode of the box", cpu_ms_per_item(
+            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])), rounds)))
+        with jpeg_crop.whole_image_only():
+            rows.append(("prefetchd augment(), whole-image decode", cpu_ms_per_item(n, train_augment, rounds)))
+    else:
+        print(f"no crop-aware rows: {jpeg_crop.decoder_summary()}")
+    rows.append(("prefetchd augment() (train)", cpu_ms_per_item(n, train_augment, rounds)))
 
     mean_kb = sum(map(len, datas)) / len(datas) / 1024
     print(f"{len(datas)} JPEGs from {args.data} (mean {mean_kb:.0f} KB), one thread, CPU ms per image, "
           f"best of {args.rounds}:")
+    print(f"  ({jpeg_crop.decoder_summary()})")
     for name, ms in rows:
-        print(f"  {name:<32} {ms:6.2f} ms   ({1000 / ms:5.0f} img/s per core)")
+        print(f"  {name:<40} {ms:6.2f} ms   ({1000 / ms:5.0f} img/s per core)")
 
 
 if __name__ == "__main__":

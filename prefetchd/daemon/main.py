@@ -32,6 +32,7 @@ from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
+from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.metrics import Metrics
 from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id, start_worker_server, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
@@ -406,6 +407,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
     lock.acquire()
     # Importing torch and torchvision in the worker server takes seconds; it runs while we index.
     start_worker_server()
+    log.info("%s", decoder_summary())  # once: whether the crop-aware decoder is built, how to get it if not
     try:
         swept = sweep_leftovers(buffer)
         if swept:

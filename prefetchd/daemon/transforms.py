@@ -19,6 +19,13 @@ Augmentation.  Every random decision of a sample is drawn from its own stream
 
 Decoding, by the file's magic bytes, never its name:
 
+* JPEG (RGB or grayscale) where the optional C extension is built: only the crop
+  box's rows and columns, rounded out to the MCU grid, DCT-scaled like the draft
+  decode below where the crop is at least twice the output (``jpeg_crop``: ~30% less
+  decode time, bit-identical to cutting the box from the full decode).  With an EXIF
+  orientation the box is turned back into stored pixels and the decoded crop turned
+  forward.  Any file it would not decode exactly as a full decode does — a warning,
+  an error, CMYK, a rare subsampling — goes on to the paths below, which decide as before.
 * JPEG (RGB or grayscale) whose crop is less than twice the output:
   ``torchvision.io.decode_jpeg`` with EXIF orientation (libjpeg-turbo).
 * JPEG whose crop is at least twice the output: Pillow with ``draft`` (libjpeg's
@@ -45,9 +52,11 @@ block ``open`` forever, a device would never end.  Such files raise
 ``ImageRefused`` and are replaced like any undecodable sample.
 
 Both decoders wrap the same libjpeg-turbo: a JPEG decoded at full scale gives
-bit-identical pixels either way (tested, EXIF orientations included).  Which
-decoder runs is a pure function of the file's bytes and the crop box, so the
-output stays a pure function of (seed, epoch, index) and the file.
+bit-identical pixels either way (tested, EXIF orientations included), and the
+crop-aware decoder gives the same box as either (tested, tests/daemon/test_jpeg_crop.py).
+Which decoder runs is a pure function of the file's bytes, the crop box and
+whether the extension is built, so the output stays a pure function of
+(seed, epoch, index) and the file, and is the same with or without the extension.
 
 Crop, resize, flip — one resampler for every path.  The integer crop box is
 copied once out of the decoded image into a contiguous H x W x 3 tensor; the
@@ -87,6 +96,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.sources.storage import ImageRefused, read_bytes
 
@@ -107,6 +117,11 @@ MAX_DRAFT_SCALE = 8  # libjpeg's DCT scaling goes down to 1/8
 _TORCHVISION_JPEG_MODES = ("RGB", "L")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)  # width and height swap
+# Each EXIF orientation as the steps that turn stored pixels into shown ones: flip the rows
+# (upside down), flip the columns (mirror), then transpose.  E.g. 6, "rotate 90 degrees
+# clockwise to display", is Pillow's ROTATE_270 = rows flipped, then transposed.
+_EXIF_STEPS = {2: (False, True, False), 3: (True, True, False), 4: (True, False, False), 5: (False, False, True),
+               6: (True, False, True), 7: (True, True, True), 8: (False, True, True)}
 JITTER_OPERATIONS = ("brightness", "contrast", "saturation")  # torchvision adjust_<name>, indexed by a plan
 # Pillow's Image.MAX_IMAGE_PIXELS: about a quarter GiB of 24-bit pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
@@ -149,11 +164,13 @@ class Plan:
 @dataclass
 class _Decoded:
     """A decoded image: ``pixels`` (H x W x 3 uint8, any strides) or a Pillow RGB image,
-    and how many source pixels one decoded pixel spans (the draft scale)."""
+    and how many source pixels one decoded pixel spans (the draft scale); or, from the
+    crop-aware decoder, the crop box alone (``crop``, contiguous H x W x 3 uint8)."""
 
     pixels: torch.Tensor | None = None
     image: Image.Image | None = field(default=None, repr=False)
     scale: int = 1
+    crop: torch.Tensor | None = None
 
 
 class HookError(RuntimeError):
@@ -295,6 +312,10 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
 
     is_jpeg = data[:3] == JPEG_MAGIC and header.format in ("JPEG", "MPO")
     scale = draft_scale(box, size) if is_jpeg else 1
+    if is_jpeg and header.mode in _TORCHVISION_JPEG_MODES:
+        crop = _decode_crop(data, header, box, scale)
+        if crop is not None:
+            return _Decoded(crop=crop)
     if is_jpeg and scale == 1 and header.mode in _TORCHVISION_JPEG_MODES:
         try:
             chw = decode_jpeg(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB,
@@ -314,15 +335,49 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
     return _Decoded(image=_to_rgb(header), scale=scale)
 
 
+def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int) -> torch.Tensor | None:
+    """The crop-aware decoder's box: the pixels ``_crop`` would cut from the full decode at
+    ``scale``, EXIF orientation applied; None without the extension or where it refuses."""
+    import torch
+
+    if not jpeg_crop.available():
+        return None
+    flip_rows, flip_cols, transpose = _EXIF_STEPS.get(_orientation(header), (False, False, False))
+    # libjpeg's size at 1/scale rounds up, as Pillow's draft size does.
+    stored_w, stored_h = -(-header.width // scale), -(-header.height // scale)
+    shown_w, shown_h = (stored_h, stored_w) if transpose else (stored_w, stored_h)
+    left, top, right, bottom = pixel_box(_scaled(box, scale), shown_w, shown_h)
+    # The box in the stored image: undo the transpose, then the flips.
+    if transpose:
+        left, top, right, bottom = top, left, bottom, right
+    if flip_rows:
+        top, bottom = stored_h - bottom, stored_h - top
+    if flip_cols:
+        left, right = stored_w - right, stored_w - left
+    pixels = jpeg_crop.decode_box(data, scale, left, top, right, bottom)
+    if pixels is None:
+        return None
+    crop = torch.from_numpy(pixels)
+    flips = [dim for dim, flip in ((0, flip_rows), (1, flip_cols)) if flip]
+    if flips:
+        crop = crop.flip(flips)
+    return crop.permute(1, 0, 2).contiguous() if transpose else crop
+
+
 # -- augmenting -----------------------------------------------------------------------
+
+
+def _scaled(box: Box, scale: int) -> Box:
+    return (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
 
 
 def _crop(decoded: _Decoded, box: Box) -> torch.Tensor:
     """The crop as a contiguous H x W x 3 tensor: the one copy out of the decoded image."""
     import torch
 
-    s = decoded.scale
-    scaled: Box = (box[0] / s, box[1] / s, box[2] / s, box[3] / s)
+    if decoded.crop is not None:
+        return decoded.crop
+    scaled = _scaled(box, decoded.scale)
     if decoded.pixels is not None:
         h, w = decoded.pixels.shape[:2]
         left, top, right, bottom = pixel_box(scaled, w, h)

@@ -18,7 +18,7 @@ from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import RandomResizedCrop, v2
 from torchvision.transforms.v2 import functional as F
 
-from prefetchd.daemon import transforms
+from prefetchd.daemon import jpeg_crop, transforms
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.transforms import (
@@ -341,6 +341,9 @@ class DecoderSpy:
     """Counts torchvision JPEG decodes and records the scale of each Pillow draft decode."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # These tests are about the whole-image decoders: the crop-aware one steps aside
+        # (tests/daemon/test_jpeg_crop.py tests it against them).
+        monkeypatch.setattr(jpeg_crop, "_extension", None)
         self.jpeg_calls = 0
         self.draft_scales: list[int] = []
         real_decode = torchvision.io.decode_jpeg

@@ -1,0 +1,184 @@
+/* Decode only the part of a JPEG that a crop keeps: prefetchd.daemon._cropjpeg.
+ *
+ * Optional: setup.py builds it when a C compiler and libjpeg-turbo's headers are
+ * present (Debian: libjpeg62-turbo-dev, Ubuntu: libjpeg-turbo8-dev); without it
+ * prefetchd decodes whole images (prefetchd/daemon/jpeg_crop.py says which runs).
+ *
+ * libjpeg-turbo's own partial decoding (>= 1.5), as DALI's CPU decoder uses it:
+ * jpeg_skip_scanlines() passes over the rows above the box without inverse DCT,
+ * upsampling or colour conversion; jpeg_crop_scanline() narrows every row to the
+ * iMCU columns around the box.  The window asked for is two pixels wider than the
+ * box on each side (where the image has them): libjpeg treats the window's edge
+ * like the image's edge when it upsamples chroma, so without the margin the box's
+ * first or last column differs from a full decode by up to ~10 levels (measured
+ * on 4:2:0 photos); with it the box is bit-identical to the full decode's crop.
+ *
+ * After the box, the rest of the stream is still entropy-decoded (skipped rows,
+ * then jpeg_finish_decompress): a file that is corrupt or truncated below the box
+ * must fail here as it fails a full decode, so that a machine with this module
+ * accepts and refuses exactly the files one without it does.  Any libjpeg
+ * warning counts as an error for the same reason; the caller then falls back to
+ * the full decode, which decides (and names the problem) as it always has.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <setjmp.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <jpeglib.h>
+
+#if !defined(LIBJPEG_TURBO_VERSION_NUMBER) || LIBJPEG_TURBO_VERSION_NUMBER < 2000000
+#error "needs libjpeg-turbo >= 2.0 (jpeg_crop_scanline, jpeg_skip_scanlines)"
+#endif
+
+#define MARGIN 2 /* pixels beyond the box on each side, for chroma upsampling */
+
+static PyObject *DecodeError;
+
+struct error_manager {
+    struct jpeg_error_mgr pub;
+    jmp_buf escape;
+    char message[JMSG_LENGTH_MAX];
+};
+
+static void on_error(j_common_ptr cinfo) {
+    struct error_manager *err = (struct error_manager *)cinfo->err;
+    (*cinfo->err->format_message)(cinfo, err->message);
+    longjmp(err->escape, 1);
+}
+
+/* The layouts partial decoding is tested on (tests/daemon/test_jpeg_crop.py): grayscale, and
+   4:4:4, 4:2:2 or 4:2:0 (luma sampled 1x1, 2x1 or 2x2, chroma 1x1).  Rarer ones (4:4:0, 4:1:1) had
+   jpeg_skip_scanlines() bugs in some libjpeg-turbo releases: they decode in full instead. */
+static int tested_sampling(const struct jpeg_decompress_struct *cinfo) {
+    if (cinfo->num_components == 1) return 1;
+    if (cinfo->num_components != 3) return 0;
+    int h = cinfo->comp_info[0].h_samp_factor, v = cinfo->comp_info[0].v_samp_factor;
+    if (!((h == 1 && v == 1) || (h == 2 && v == 1) || (h == 2 && v == 2))) return 0;
+    for (int c = 1; c < 3; c++)
+        if (cinfo->comp_info[c].h_samp_factor != 1 || cinfo->comp_info[c].v_samp_factor != 1) return 0;
+    return 1;
+}
+
+static void on_message(j_common_ptr cinfo, int level) {
+    if (level < 0) on_error(cinfo); /* a warning: corrupt data that a full decode would also meet */
+}
+
+/* decode_box(data, scale_denom, left, top, right, bottom) -> bytearray
+ *
+ * The box [left, right) x [top, bottom) of the image decoded at 1/scale_denom
+ * (box in scaled pixels), as (bottom - top) rows of (right - left) RGB pixels. */
+static PyObject *decode_box(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data;
+    int denom, left, top, right, bottom;
+    if (!PyArg_ParseTuple(args, "y*iiiii", &data, &denom, &left, &top, &right, &bottom)) return NULL;
+
+    struct jpeg_decompress_struct cinfo;
+    struct error_manager err;
+    PyObject *result = NULL;
+    JSAMPLE *volatile row = NULL;
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = on_error;
+    err.pub.emit_message = on_message;
+    err.message[0] = '\0';
+    jpeg_create_decompress(&cinfo);
+    volatile int failed = 0;
+
+    Py_BEGIN_ALLOW_THREADS
+    if (setjmp(err.escape)) {
+        failed = 1;
+    } else {
+        jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
+        jpeg_read_header(&cinfo, TRUE);
+        if (cinfo.jpeg_color_space != JCS_YCbCr && cinfo.jpeg_color_space != JCS_GRAYSCALE &&
+            cinfo.jpeg_color_space != JCS_RGB) {
+            snprintf(err.message, sizeof err.message, "colour space %d is not YCbCr, RGB or grayscale",
+                     (int)cinfo.jpeg_color_space);
+            failed = 1;
+        } else if (!tested_sampling(&cinfo)) {
+            snprintf(err.message, sizeof err.message, "chroma subsampling other than 4:4:4, 4:2:2 or 4:2:0");
+            failed = 1;
+        } else {
+            cinfo.out_color_space = JCS_RGB;
+            cinfo.scale_num = 1;
+            cinfo.scale_denom = (unsigned int)denom;
+            jpeg_start_decompress(&cinfo);
+            int width = (int)cinfo.output_width, height = (int)cinfo.output_height;
+            if (left < 0 || top < 0 || right > width || bottom > height || left >= right || top >= bottom) {
+                snprintf(err.message, sizeof err.message, "box (%d, %d, %d, %d) is not inside %d x %d", left, top,
+                         right, bottom, width, height);
+                failed = 1;
+            } else {
+                JDIMENSION x = (JDIMENSION)(left > MARGIN ? left - MARGIN : 0);
+                JDIMENSION w = (JDIMENSION)((right + MARGIN < width ? right + MARGIN : width) - (int)x);
+                if (x > 0 || w < (JDIMENSION)width) jpeg_crop_scanline(&cinfo, &x, &w); /* x down to an iMCU edge */
+                size_t out_row = (size_t)(right - left) * 3;
+                size_t skip = (size_t)(left - (int)x) * 3;
+                /* The GIL is released while libjpeg runs: rows go to a private buffer, and the
+                   bytearray is made from it afterwards. */
+                row = (JSAMPLE *)malloc((size_t)w * 3 * (size_t)(bottom - top + 1)); /* + a scratch row */
+                if (row == NULL) {
+                    snprintf(err.message, sizeof err.message, "out of memory");
+                    failed = 1;
+                } else {
+                    if (top > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)top);
+                    for (int r = 0; r < bottom - top; r++) {
+                        JSAMPROW dst = row + (size_t)r * w * 3;
+                        jpeg_read_scanlines(&cinfo, &dst, 1);
+                    }
+                    /* Compact the rows to the box's columns, in place (each row moves left). */
+                    for (int r = 0; r < bottom - top; r++)
+                        memmove(row + (size_t)r * out_row, row + (size_t)r * w * 3 + skip, out_row);
+                    /* Skipping to the very end would only mark the input done, reading nothing: skip to
+                       the last row and decode that one, so every row's data is entropy-decoded. */
+                    JDIMENSION rest = cinfo.output_height - cinfo.output_scanline;
+                    if (rest > 1) jpeg_skip_scanlines(&cinfo, rest - 1);
+                    if (rest > 0) {
+                        JSAMPROW last = row + (size_t)w * 3 * (size_t)(bottom - top);
+                        jpeg_read_scanlines(&cinfo, &last, 1);
+                    }
+                    jpeg_finish_decompress(&cinfo);
+                }
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+
+    jpeg_destroy_decompress(&cinfo);
+    PyBuffer_Release(&data);
+    if (!failed) result = PyByteArray_FromStringAndSize((const char *)row, (Py_ssize_t)(right - left) * 3 * (bottom - top));
+    free(row);
+    if (failed) {
+        PyErr_SetString(DecodeError, err.message[0] ? err.message : "libjpeg failed");
+        return NULL;
+    }
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"decode_box", decode_box, METH_VARARGS,
+     "decode_box(data, scale_denom, left, top, right, bottom) -> bytearray of the box's RGB rows; "
+     "raises DecodeError where a full decode would fail or warn."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cropjpeg", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__cropjpeg(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    DecodeError = PyErr_NewException("prefetchd.daemon._cropjpeg.DecodeError", PyExc_ValueError, NULL);
+    if (DecodeError == NULL || PyModule_AddObject(m, "DecodeError", DecodeError) < 0) {
+        Py_XDECREF(DecodeError);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "LIBJPEG_TURBO_VERSION_NUMBER", LIBJPEG_TURBO_VERSION_NUMBER) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
