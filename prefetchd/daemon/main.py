@@ -27,7 +27,7 @@ from prefetchd.buffer_protocol import (
     stream_dir,
     write_status,
 )
-from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, PROGRESS_NAME, STREAM_PREFIX
+from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers, progress_name
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
@@ -135,7 +135,7 @@ def clear_buffer(buffer: Path) -> None:
     """Remove another job's batches, manifests and progress, including per-rank stream directories."""
     for path in list_batches(buffer).values():
         path.unlink(missing_ok=True)
-    for name in (PROGRESS_NAME, MANIFEST_NAME):
+    for name in (*map(progress_name, list_consumers(buffer)), MANIFEST_NAME):
         (buffer / name).unlink(missing_ok=True)
     for stream in buffer.glob(f"{STREAM_PREFIX}*"):
         if stream.is_dir() and not stream.is_symlink():
@@ -280,10 +280,14 @@ class JobInbox:
 
 
 def trainer_idle_seconds(buffer: Path) -> float:
-    try:
-        return time.time() - (buffer / PROGRESS_NAME).stat().st_mtime
-    except FileNotFoundError:
-        return float("inf")
+    """Seconds since any consumer of ``buffer`` last wrote its progress file."""
+    idle = float("inf")
+    for consumer in list_consumers(buffer):
+        try:
+            idle = min(idle, time.time() - (buffer / progress_name(consumer)).stat().st_mtime)
+        except FileNotFoundError:
+            pass
+    return idle
 
 
 def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[Status], None],
