@@ -37,6 +37,7 @@ from prefetchd.buffer_protocol.layout import (
 )
 from prefetchd.buffer_protocol.status import (
     BadFile,
+    ConsumerStatus,
     Errors,
     JobResult,
     Position,
@@ -60,6 +61,6 @@ __all__ = [
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",
-    "BadFile", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "State", "Status",
+    "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "State", "Status",
     "StreamStatus", "Totals", "TrainerStatus",
 ]

@@ -180,11 +180,11 @@ def check_capacity(cfg: DaemonConfig) -> None:
     streams = [stream_dir(cfg.buffer, r, cfg.world_size) for r in cfg.local_ranks]
     held = sum(p.stat().st_size for s in streams for p in list_batches(s).values())
     available = fs.f_bavail * fs.f_frsize + held
-    need = len(streams) * cfg.high_water * cfg.batch_bytes + (cfg.min_free_mb << 20)
+    need = max(len(streams) * cfg.high_water * cfg.batch_bytes, cfg.max_buffer_bytes or 0) + (cfg.min_free_mb << 20)
     if need > available:
         per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
         raise ConfigError(
-            f"{per}high_water {cfg.high_water} x {cfg.batch_bytes / 2**20:.1f} MiB batches plus the "
+            f"{per}high_water {cfg.high_water} x {cfg.batch_bytes / 2**20:.1f} MiB batches (or --max-buffer-bytes) plus the "
             f"{cfg.min_free_mb} MiB floor need {need / 2**20:.0f} MiB but {cfg.buffer} has "
             f"{available / 2**20:.0f} MiB; lower --high-water or --batch-size, or enlarge the tmpfs "
             "(mount -o remount,size=... /dev/shm)"
@@ -194,6 +194,7 @@ def check_capacity(cfg: DaemonConfig) -> None:
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
     "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
+    "max_buffer_bytes", "consumer_timeout",
     "metrics_port", "metrics_address", "metrics_textfile", "readers", "allowed_data", "allowed_transforms",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
