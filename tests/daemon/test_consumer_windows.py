@@ -14,6 +14,9 @@ import numpy as np
 from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_status, write_status
 from prefetchd.daemon.consumers import plan_windows, union_size
 from prefetchd.daemon.stream import Stream
+from prefetchd.daemon.cli import format_status
+from prefetchd.daemon.sdnotify import status_line
+from tests.status_examples import production
 from tests.status_examples import status as status_example
 
 HIGH, LOW = 4, 2
@@ -151,3 +154,34 @@ def test_status_lists_the_consumers_and_old_documents_read_without_them(tmp_path
     write_status(tmp_path, status_example())
     again = read_status(tmp_path)
     assert again is not None and again.production is not None and again.production.streams[0].consumers[0].name == "trial-3"
+
+
+def test_prefetchd_status_lists_each_consumer(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=6)
+    move(s, "fast", 10, wait_share=0.5)
+    move(s, "slow", 0)
+    move(s, "gone", 3, closed=True)
+    prod = production(streams=(s.status(),))
+    info = {"buffer": str(tmp_path), "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
+            "status": status_example(production=prod), "manifest": None, "problems": []}
+    lines = [x for x in format_status(info).splitlines() if x.startswith("  consumer")]
+    assert len(lines) == 3
+    fast, gone, slow = lines
+    assert "fast at epoch 1 step 0, waiting for data 50.0%" in fast and "window 4" in fast
+    assert "gone at epoch 0 step 3" in gone and "left" in gone and "holds nothing" in gone
+    assert "slow at epoch 0 step 0" in slow and "alive" in slow and "window 2" in slow
+    # A single trainer's status shows no consumer lines: nothing changes for it.
+    (tmp_path / "single").mkdir()
+    single = stream(tmp_path / "single")
+    move(single, "", 4)
+    info["status"] = status_example(production=production(streams=(single.status(),)))
+    assert "consumer" not in format_status(info)
+
+
+def test_the_systemd_status_line_counts_the_consumers(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=6)
+    move(s, "a", 10)
+    move(s, "b", 0)
+    move(s, "c", 3, closed=True)
+    line = status_line(status_example(production=production(streams=(s.status(),))))
+    assert "3 consumers, 2 holding" in line
