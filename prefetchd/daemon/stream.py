@@ -208,6 +208,7 @@ class Stream:
             if consumer is None:
                 consumer = self.consumers[name] = Consumer(name)
             moved |= self._read_consumer(consumer)
+        self.check_trainer()
         self.plan()
         return moved
 
@@ -324,7 +325,9 @@ class Stream:
 
         A single trainer that is gone leaves the window full: the daemon holds the buffer at
         the high-water mark and sleeps until progress.json moves again.  Of several consumers,
-        one that is gone or silent stops holding batches while another is live.
+        one that is gone or silent stops holding batches while another is live: from the next
+        ``read_progress``, which plans the windows and after which the controller deletes what
+        no window holds (planning here would let it build into a window before it deleted).
         """
         now = time.time()
         several = sum(c.seen for c in self.consumers.values()) > 1
@@ -335,7 +338,7 @@ class Stream:
             epoch, step = self.key(c.position)
             if alive is not None and alive != c.alive:
                 if not alive:
-                    keep = ("it stops holding batches while other consumers read" if several else
+                    keep = ("It stops holding batches while other consumers read" if several else
                             f"Keeping the buffer at the high-water mark ({self.high} batches) for when a trainer comes back")
                     log.warning("rank %d's %s (pid %d) has gone away; progress last moved %.0f s ago, at epoch %d "
                                 "step %d. %s", self.rank, c.label.removeprefix("the "), c.pid, c.silent_for(now),
@@ -353,7 +356,6 @@ class Stream:
                 log.info("rank %d's %s writes progress again, at epoch %d step %d", self.rank,
                          c.label.removeprefix("the "), epoch, step)
             c.silent = silent
-        self.plan()
 
     def status(self) -> StreamStatus:
         now = time.time()

@@ -101,16 +101,16 @@ def test_gone_silent_and_closed_consumers_stop_holding_while_another_is_live(tmp
     dead.wait()
     move(s, "live", 4)
     forge(s, "gone", 0, pid=dead.pid)
-    s.check_trainer()
+    s.read_progress()
     assert s.consumers["gone"].alive is False
     assert s.held == {4, 5, 6, 7}
     move(s, "gone", 0)  # it came back (a new process wrote): it holds again
-    s.check_trainer()
+    s.read_progress()
     assert s.consumers["gone"].alive is True and {0, 1, 2, 3} <= s.held
 
     forge(s, "quiet", 1, time=time.time() - 60)  # alive, but silent for longer than the timeout
     move(s, "gone", 8, closed=True)
-    s.check_trainer()
+    s.read_progress()
     assert s.consumers["quiet"].silent and not s.consumers["gone"].live(time.time(), 5.0)
     assert s.held == {4, 5, 6, 7}, "closed and silent consumers hold nothing while 'live' reads"
     status = {c.name: c for c in s.status().consumers}
@@ -121,7 +121,7 @@ def test_a_single_trainer_that_goes_away_keeps_its_window(tmp_path: Path) -> Non
     s = stream(tmp_path, timeout=0.01)
     move(s, "", 3)
     time.sleep(0.05)  # silent for longer than the timeout, and no other consumer: it still holds
-    s.check_trainer()
+    s.read_progress()
     assert s.held == {3, 4, 5, 6} and not s.finished
 
 
