@@ -15,6 +15,7 @@ from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_st
 from prefetchd.daemon.consumers import plan_windows, union_size
 from prefetchd.daemon.stream import Stream
 from prefetchd.daemon.cli import format_status
+from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.sdnotify import status_line
 from tests.status_examples import production
 from tests.status_examples import status as status_example
@@ -185,3 +186,16 @@ def test_the_systemd_status_line_counts_the_consumers(tmp_path: Path) -> None:
     move(s, "c", 3, closed=True)
     line = status_line(status_example(production=production(streams=(s.status(),))))
     assert "3 consumers, 2 holding" in line
+
+
+def test_metrics_carry_per_consumer_figures(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=6)
+    move(s, "a", 12, wait_share=0.125)
+    move(s, "b", 0)
+    status = status_example(production=production(streams=(s.status(),)))
+    samples = {(m.name, sm.labels.get("consumer")): sm.value
+               for m in StatusCollector(tmp_path, lambda: status).collect() for sm in m.samples}
+    assert samples[("prefetchd_consumer_epoch", "a")] == 1 and samples[("prefetchd_consumer_step", "a")] == 2
+    assert samples[("prefetchd_consumer_wait_share", "a")] == 0.125
+    assert samples[("prefetchd_consumer_window_batches", "a")] == 4 and samples[("prefetchd_consumer_window_batches", "b")] == 2
+    assert ("prefetchd_consumer_alive", "b") in samples
