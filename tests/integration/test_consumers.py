@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torchvision.datasets import ImageFolder
 
-from prefetchd.buffer_protocol import BatchLayout, Progress, batch_name, list_batches, read_status
+from prefetchd.buffer_protocol import BatchLayout, Progress, batch_name, list_batches, read_status, stream_dir
 from prefetchd.trainer import Batch, BufferLoader
 
 EPOCHS, BATCH, SIZE, HIGH, CAP = 2, 8, 32, 4, 6
@@ -188,3 +188,42 @@ def test_three_consumers_one_killed_one_silent_share_one_capped_buffer(
     log = daemon.log
     assert "'silent'" in log and "--consumer-timeout" in log
     assert "consumer 'killed' (pid" in log and "has gone away" in log and "consumer 'killed' is back" in log
+
+
+def test_each_rank_of_a_multi_rank_job_serves_its_own_consumers(
+    shapes_data: Path, shm_dir: Path, start_daemon: Any
+) -> None:
+    """Two ranks, two consumers each (threads here): every consumer of a rank gets that rank's
+    batches once, the same as its sibling, and the ranks' batches differ."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "8", "--image-size", "16",
+                          "--workers", "1", "--epochs", "1", "--high-water", "3", "--low-water", "1",
+                          "--world-size", "2")
+    results: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    errors: list[BaseException] = []
+
+    def body(rank: int, name: str, pause: float) -> None:
+        try:
+            loader = BufferLoader(stream_dir(buffer, rank, 2), normalize=False, timeout=60, consumer=name,
+                                  start=(0, 0))
+            got = results[(rank, name)] = []
+            with loader:
+                for b in loader:
+                    got.append(record(b))
+                    time.sleep(pause)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+
+    wait(lambda: all((stream_dir(buffer, r, 2) / "manifest.json").exists() for r in range(2)), 60, "the manifests")
+    threads = [threading.Thread(target=body, args=(rank, name, pause))
+               for rank in range(2) for name, pause in (("a", 0.0), ("b", 0.05))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert daemon.wait_exit(30) == 0
+    for rank in range(2):
+        a, b = results[(rank, "a")], results[(rank, "b")]
+        assert a == b and [r["step"] for r in a] == list(range(len(a))) and a
+    assert results[(0, "a")][0]["indices"] != results[(1, "a")][0]["indices"], "the ranks read different samples"
