@@ -19,7 +19,8 @@ before it) is the trainer's side of flow control:
   asks for the next batch, when the epoch's iterator is exhausted or when the
   loader is closed, so the file the consumer may still be reading is not
   deleted under it;
-- the same position is never written twice in a row.
+- the same position is not written twice in a row, except while waiting for a batch,
+  when the file is refreshed every ``PROGRESS_REFRESH_SECONDS`` (SPEC rule 9).
 
 On a CUDA device the batch goes through ``prefetchd.trainer.gpu`` (``pin``):
 a pinned staging ring or a page-locked mapping, copied on a side stream and
