@@ -260,16 +260,16 @@ class Stream:
         for c in self.consumers.values():
             c.window = 0
         self.held = set()
-        starved = set()
         for c, w in zip(holders, widths):
             c.window = w
             hi = c.position + w if self.end is None else min(c.position + w, self.end)
             self.held.update(range(c.position, hi))
-            if w == 0 and c.position not in self.held:
-                starved.add(c.name)
-                if c.name not in self._starved:
-                    log.info("rank %d's %s waits: the faster consumers' windows fill the cap of %d batches "
-                             "(raise --max-buffer-bytes to let it run)", self.rank, c.label.removeprefix("the "), self.cap)
+        # Only a cap below one batch per consumer leaves one without its next batch (plan_windows).
+        starved = {c.name for c in holders if c.position not in self.held and (self.end is None or c.position < self.end)}
+        for c in holders:
+            if c.name in starved - self._starved:
+                log.info("rank %d's %s waits: the other consumers' windows fill the cap of %d batches "
+                         "(raise --max-buffer-bytes to let it run)", self.rank, c.label.removeprefix("the "), self.cap)
         self._starved = starved
         self.holders = holders
 

@@ -5,10 +5,12 @@ stops holding batches while another is live (SPEC rule 9)."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_status, write_status
@@ -199,3 +201,16 @@ def test_metrics_carry_per_consumer_figures(tmp_path: Path) -> None:
     assert samples[("prefetchd_consumer_wait_share", "a")] == 0.125
     assert samples[("prefetchd_consumer_window_batches", "a")] == 4 and samples[("prefetchd_consumer_window_batches", "b")] == 2
     assert ("prefetchd_consumer_alive", "b") in samples
+
+
+def test_a_cap_below_one_batch_per_consumer_makes_the_fastest_wait(tmp_path: Path, caplog: Any) -> None:
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.stream")
+    s = stream(tmp_path, cap=2)
+    move(s, "a", 0)
+    move(s, "b", 5)
+    move(s, "c", 9)
+    assert s.held == {0, 5} and s.consumers["c"].window == 0
+    assert "'c' waits" in caplog.text
+    publish_held(s)
+    move(s, "b", 9)  # b caught up with c: they share a batch, and both move again
+    assert s.held == {0, 9}
