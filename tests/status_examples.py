@@ -8,6 +8,7 @@ from typing import Any
 
 from prefetchd.buffer_protocol import (
     BadFile,
+    ConsumerStatus,
     Errors,
     JobResult,
     Position,
@@ -28,8 +29,12 @@ ERRORS = Errors(replaced_samples=0, undecodable_files=0, undecodable=(), worker_
                 progress_file="")
 
 
+CONSUMER = ConsumerStatus(name="trial-3", progress=POSITION, trainer=TRAINER, holding=True, window=32)
+
+
 def stream(rank: int = 0, **changes: Any) -> StreamStatus:
-    base = StreamStatus(rank=rank, trainer=TRAINER, progress=POSITION, waiting=12, building=2, progress_file="")
+    base = StreamStatus(rank=rank, trainer=TRAINER, progress=POSITION, waiting=12, building=2, progress_file="",
+                        consumers=(CONSUMER,))
     return dataclasses.replace(base, **changes)
 
 

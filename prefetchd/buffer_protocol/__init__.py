@@ -19,20 +19,25 @@ from prefetchd.buffer_protocol.batch import (
 from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import (
     BufferBusy,
+    DEFAULT_CONSUMER,
     DaemonLock,
     JobRequest,
     Manifest,
     Progress,
     alive_since,
     batch_name,
+    check_consumer,
     daemon_pid,
     list_batches,
+    list_consumers,
     list_temp_files,
     parse_batch_name,
+    progress_name,
     stream_dir,
 )
 from prefetchd.buffer_protocol.status import (
     BadFile,
+    ConsumerStatus,
     Errors,
     JobResult,
     Position,
@@ -51,10 +56,11 @@ from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, write_bat
 
 __all__ = [
     "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
+    "DEFAULT_CONSUMER", "check_consumer", "list_consumers", "progress_name",
     "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",
-    "BadFile", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "State", "Status",
+    "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "State", "Status",
     "StreamStatus", "Totals", "TrainerStatus",
 ]

@@ -6,6 +6,7 @@
       daemon.lock                 flock()ed by the one daemon that owns the buffer; holds its pid
       manifest.json               what the daemon produces (written by the daemon)
       progress.json               next (epoch, step) the trainer needs (written by the trainer)
+      progress.NAME.json          the same for consumer NAME, when several trainers share the buffer
       status.json                 fill, rates, errors, heartbeat (written by the daemon)
       job.json                    a job a trainer asks the daemon to produce (written by trainers)
       e000000-s00000000.batch     finished batches, named by (epoch, step)
@@ -47,11 +48,50 @@ DOCUMENT_KINDS = ("manifest", "progress", "status", "job")  # each document's fo
 BATCH_SUFFIX = ".batch"
 TEMP_MARK = ".tmp"
 MAX_DOCUMENT_LEN = 1 << 20
+# A consumer waiting for a batch rewrites its progress file this often (same position, new
+# time), so that a daemon tells a waiting consumer from a silent one (--consumer-timeout).
+PROGRESS_REFRESH_SECONDS = 2.0
 
 _BATCH_RE = re.compile(r"e(\d{6})-s(\d{8})\.batch", re.ASCII)
 MAX_EPOCH = 10**6 - 1
 MAX_STEP = 10**8 - 1
 _TEMP_RE = re.compile(r"^(e\d{6}-s\d{8}\.tmp|.+\.json\.tmp-\d+-[0-9a-f]+)$")
+
+
+# Several trainers (a sweep, an ensemble) may read one stream; each is a consumer with its own
+# progress file.  The default consumer ("") keeps progress.json, so a single trainer names none.
+DEFAULT_CONSUMER = ""
+CONSUMER_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,32}", re.ASCII)
+_NAMED_PROGRESS_RE = re.compile(r"progress\.([A-Za-z0-9_-]{1,32})\.json", re.ASCII)
+
+
+def check_consumer(name: str) -> str:
+    """``name`` if it may name a consumer ("" for the default one); ValueError saying why not."""
+    if name == DEFAULT_CONSUMER or (isinstance(name, str) and CONSUMER_NAME_RE.fullmatch(name)):
+        return name
+    raise ValueError(f"consumer name {name!r}: use 1 to 32 letters, digits, '_' or '-' (e.g. 'trial-3'), "
+                     "or leave it out for the default consumer")
+
+
+def progress_name(consumer: str = DEFAULT_CONSUMER) -> str:
+    """The progress file of ``consumer``: progress.json for the default one, progress.NAME.json otherwise."""
+    return PROGRESS_NAME if check_consumer(consumer) == DEFAULT_CONSUMER else f"progress.{consumer}.json"
+
+
+def consumer_of(file_name: str) -> str | None:
+    """The consumer whose progress file is called ``file_name``; None for any other name."""
+    if file_name == PROGRESS_NAME:
+        return DEFAULT_CONSUMER
+    m = _NAMED_PROGRESS_RE.fullmatch(file_name)
+    return m[1] if m else None
+
+
+def list_consumers(directory: Path) -> list[str]:
+    """The consumers with a progress file in ``directory`` (a stream directory), sorted."""
+    if not os.path.isdir(directory):
+        return []
+    with os.scandir(directory) as entries:
+        return sorted(c for e in entries if (c := consumer_of(e.name)) is not None)
 
 
 STREAM_PREFIX = "rank-"
@@ -280,12 +320,14 @@ class Manifest:
 
 @dataclass(frozen=True, order=True)
 class Progress:
-    """The next (epoch, step) the trainer needs; everything before it is consumed.
+    """The next (epoch, step) a consumer (trainer) needs; everything before it is consumed.
 
     ``wait_share`` (optional) is the fraction of the trainer's recent time spent
     waiting for batches, which the daemon reports as whether the GPU is fed.
     ``pid`` and ``time`` say which process wrote it and when (``write`` fills them
-    in); the daemon tells from them whether the trainer is still there.
+    in); the daemon tells from them whether the trainer is still there.  ``closed``:
+    a named consumer left (``BufferLoader.close``) and holds no batches until it
+    writes again.  ``consumer`` picks the file (see :func:`progress_name`).
     """
 
     epoch: int
@@ -293,28 +335,34 @@ class Progress:
     wait_share: float | None = field(default=None, compare=False)
     pid: int | None = field(default=None, compare=False)
     time: float | None = field(default=None, compare=False)
+    closed: bool = field(default=False, compare=False)
 
-    def write(self, buffer: Path) -> None:
-        doc = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch, "step": self.step,
-               "pid": os.getpid(), "time": time.time()}
+    def write(self, buffer: Path, consumer: str = DEFAULT_CONSUMER) -> None:
+        doc: dict[str, Any] = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch,
+                               "step": self.step, "pid": os.getpid(), "time": time.time()}
         if self.wait_share is not None:
             doc["wait_share"] = round(self.wait_share, 4)
-        write_json(buffer / PROGRESS_NAME, doc)
+        if self.closed:
+            doc["closed"] = True
+        write_json(buffer / progress_name(consumer), doc)
 
     @classmethod
-    def read(cls, buffer: Path) -> Progress | None:
-        """The trainer's progress, or None when no trainer has written one yet."""
-        path = buffer / PROGRESS_NAME
+    def read(cls, buffer: Path, consumer: str = DEFAULT_CONSUMER) -> Progress | None:
+        """The consumer's progress, or None when it has not written one yet."""
+        path = buffer / progress_name(consumer)
         doc = read_optional(path, "progress")
         if doc is None:
             return None
         share = doc.get("wait_share")
         if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1):
             raise ProtocolError(f"{path}: field 'wait_share' is {share!r}, expected a fraction between 0 and 1")
+        closed = doc.get("closed", False)
+        if not isinstance(closed, bool):
+            raise ProtocolError(f"{path}: field 'closed' is {closed!r}, expected true or false")
         # Optional for readers: documents of older writers have neither.
         pid = _field(doc, "pid", int, path) if doc.get("pid") is not None else None
         written = _field(doc, "time", float, path) if doc.get("time") is not None else None
-        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written)
+        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written, closed)
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,20 @@ class Position:
 
 
 @dataclass(frozen=True)
+class ConsumerStatus:
+    """One consumer of a stream (SPEC rule 9): the default one is named ""."""
+
+    name: str
+    progress: Position
+    trainer: TrainerStatus
+    holding: bool  # the daemon keeps batches for it (it is live, or no consumer is)
+    window: int  # batches kept for it from its position; below high_water when the cap binds
+    closed: bool = False  # it left (BufferLoader.close) and holds nothing until it writes again
+
+
+@dataclass(frozen=True)
 class StreamStatus:
-    """One rank's stream."""
+    """One rank's stream; ``progress`` and ``trainer`` are the slowest holding consumer's."""
 
     rank: int
     trainer: TrainerStatus
@@ -89,6 +101,7 @@ class StreamStatus:
     vanished_batches: int = 0  # published batches whose files someone else removed (built again)
     progress_rejected: int = 0  # distinct problems with progress.json, each ignored
     progress_rewinds: int = 0  # times the trainer's position moved back
+    consumers: tuple[ConsumerStatus, ...] = ()  # every consumer with a progress file; () when absent
 
 
 @dataclass(frozen=True)
@@ -356,7 +369,13 @@ def _trainer(f: _Fields) -> TrainerStatus:
 def _stream(f: _Fields) -> StreamStatus:
     return StreamStatus(f.nat("rank"), _trainer(f.map("trainer")), _position(f.map("progress")),
                         f.nat("waiting"), f.nat("building"), f.text("progress_file", default=""),
-                        f.count("vanished_batches"), f.count("progress_rejected"), f.count("progress_rewinds"))
+                        f.count("vanished_batches"), f.count("progress_rejected"), f.count("progress_rewinds"),
+                        tuple(_consumer(c) for c in f.maps("consumers")) if "consumers" in f.doc else ())
+
+
+def _consumer(f: _Fields) -> ConsumerStatus:
+    return ConsumerStatus(f.text("name"), _position(f.map("progress")), _trainer(f.map("trainer")),
+                          f.flag("holding"), f.nat("window"), f.flag("closed") if "closed" in f.doc else False)
 
 
 def _rates(f: _Fields) -> Rates:

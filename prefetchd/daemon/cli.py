@@ -19,7 +19,7 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import BufferBusy, JobRequest, Manifest, ProtocolError, Status, TrainerStatus, daemon_pid, read_status
+from prefetchd.buffer_protocol import BufferBusy, ConsumerStatus, JobRequest, Manifest, ProtocolError, Status, TrainerStatus, daemon_pid, read_status
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS
@@ -297,11 +297,31 @@ def format_status(info: dict[str, Any]) -> str:
                 waits = f", waiting for data {share:.1%}" if share is not None else ""
                 lines.append(f"  rank {s.rank:<5} {fill_bar(s.waiting, per_rank, 12)} {s.waiting}/{per_rank} "
                              f"waiting, trainer at epoch {sp.epoch} step {sp.step}{waits}")
+        for s in streams:
+            # Several trainers share the buffer (or one named consumer reads it): one line each.
+            if len(s.consumers) > 1 or any(c.name for c in s.consumers):
+                rank = f" of rank {s.rank}" if len(streams) > 1 else ""
+                lines += [_consumer_line(c, rank) for c in s.consumers]
     job = st.job_result if st else None
     if job:
         lines.append(f"  last job  {job.job_id} {'accepted' if job.accepted else 'refused'}: {job.reason}")
     lines += info["problems"]
     return "\n".join(lines)
+
+
+def _consumer_line(c: ConsumerStatus, rank: str) -> str:
+    """"  consumer  trial-3 at epoch 1 step 4, waiting for data 3.0%, alive, window 8" from one entry."""
+    p = c.progress
+    share = f", waiting for data {p.trainer_wait_share:.1%}" if p.trainer_wait_share is not None else ""
+    alive = {True: "alive", False: "GONE", None: "alive?"}[c.trainer.alive]
+    if c.closed:
+        alive = "left"
+    age = c.trainer.progress_age_s
+    wrote = f", wrote {age:.0f} s ago" if age is not None else ""
+    held = f"window {c.window}" if c.holding else "holds nothing"
+    name = c.name or "(default)"
+    return (f"  consumer  {name}{rank} at epoch {p.epoch} step {p.step}{share}; pid {c.trainer.pid} {alive}{wrote}; "
+            f"{held}")
 
 
 def _trainer_note(trainer: TrainerStatus) -> str:

@@ -52,6 +52,8 @@ class DaemonConfig:
     workers: int | None = _opt(None, "Decode/augment processes [default: usable CPUs - 1].", int, minimum=1, maximum=1024)
     high_water: int | None = _opt(None, "Stop producing when this many batches wait [default: from free tmpfs and RAM].", int, minimum=1)
     low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)
+    max_buffer_bytes: int | None = _opt(None, "Cap on the bytes of batches waiting and being built, all consumers of the buffer together (several trainers sharing it: see --consumer in prefetchd-train); when their windows do not fit, the slowest consumer's shrinks first [default: high-water batches per rank, so one trainer sees no difference].", int, minimum=1)
+    consumer_timeout: float = _opt(300.0, "Seconds without a progress write after which one of several consumers counts as gone and stops holding batches (a gone process is noticed within a second); it may come back.", float, minimum=0, min_open=True)
     min_free_mb: int | None = _opt(None, "Never let the buffer's filesystem fall below this many MiB free [default: 5% of it, at least 64].", int, minimum=0)
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
     epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)

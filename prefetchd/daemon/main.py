@@ -27,7 +27,7 @@ from prefetchd.buffer_protocol import (
     stream_dir,
     write_status,
 )
-from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, PROGRESS_NAME, STREAM_PREFIX
+from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers, progress_name
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
@@ -136,7 +136,7 @@ def clear_buffer(buffer: Path) -> None:
     """Remove another job's batches, manifests and progress, including per-rank stream directories."""
     for path in list_batches(buffer).values():
         path.unlink(missing_ok=True)
-    for name in (PROGRESS_NAME, MANIFEST_NAME):
+    for name in (*map(progress_name, list_consumers(buffer)), MANIFEST_NAME):
         (buffer / name).unlink(missing_ok=True)
     for stream in buffer.glob(f"{STREAM_PREFIX}*"):
         if stream.is_dir() and not stream.is_symlink():
@@ -181,11 +181,11 @@ def check_capacity(cfg: DaemonConfig) -> None:
     streams = [stream_dir(cfg.buffer, r, cfg.world_size) for r in cfg.local_ranks]
     held = sum(p.stat().st_size for s in streams for p in list_batches(s).values())
     available = fs.f_bavail * fs.f_frsize + held
-    need = len(streams) * cfg.high_water * cfg.batch_bytes + (cfg.min_free_mb << 20)
+    need = max(len(streams) * cfg.high_water * cfg.batch_bytes, cfg.max_buffer_bytes or 0) + (cfg.min_free_mb << 20)
     if need > available:
         per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
         raise ConfigError(
-            f"{per}high_water {cfg.high_water} x {cfg.batch_bytes / 2**20:.1f} MiB batches plus the "
+            f"{per}high_water {cfg.high_water} x {cfg.batch_bytes / 2**20:.1f} MiB batches (or --max-buffer-bytes) plus the "
             f"{cfg.min_free_mb} MiB floor need {need / 2**20:.0f} MiB but {cfg.buffer} has "
             f"{available / 2**20:.0f} MiB; lower --high-water or --batch-size, or enlarge the tmpfs "
             "(mount -o remount,size=... /dev/shm)"
@@ -195,6 +195,7 @@ def check_capacity(cfg: DaemonConfig) -> None:
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
     "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
+    "max_buffer_bytes", "consumer_timeout",
     "metrics_port", "metrics_address", "metrics_textfile", "readers", "allowed_data", "allowed_transforms",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
@@ -281,10 +282,14 @@ class JobInbox:
 
 
 def trainer_idle_seconds(buffer: Path) -> float:
-    try:
-        return time.time() - (buffer / PROGRESS_NAME).stat().st_mtime
-    except FileNotFoundError:
-        return float("inf")
+    """Seconds since any consumer of ``buffer`` last wrote its progress file."""
+    idle = float("inf")
+    for consumer in list_consumers(buffer):
+        try:
+            idle = min(idle, time.time() - (buffer / progress_name(consumer)).stat().st_mtime)
+        except FileNotFoundError:
+            pass
+    return idle
 
 
 def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[Status], None],

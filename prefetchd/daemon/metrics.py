@@ -80,6 +80,7 @@ class StatusCollector(Collector):
                                       labels=["buffer"])
             alive.add_metric([self.buffer], 1.0 if production.trainer.alive else 0.0)
             yield alive
+        yield from _consumer_metrics(self.buffer, production)
         if production.stages:
             quant = GaugeMetricFamily("prefetchd_stage_seconds", "Per-sample time of a stage, by quantile over recent samples.",
                                       labels=["buffer", "stage", "quantile"])
@@ -87,6 +88,35 @@ class StatusCollector(Collector):
                 for q, label in QUANTILES.items():
                     quant.add_metric([self.buffer, stage, label], float(getattr(qs, q)))
             yield quant
+
+
+def _consumer_metrics(buffer: str, production: Production) -> Iterator[Metric]:
+    """Per consumer of each rank (several trainers sharing the buffer): position, data-wait share,
+    alive, batches held for it.  Nothing before a trainer wrote progress."""
+    entries = [(str(s.rank), c) for s in production.streams for c in s.consumers]
+    if not entries:
+        return
+    labels = ["buffer", "rank", "consumer"]
+    families = {
+        "epoch": GaugeMetricFamily("prefetchd_consumer_epoch", "The epoch the consumer needs next.", labels=labels),
+        "step": GaugeMetricFamily("prefetchd_consumer_step", "The step of that epoch the consumer needs next.", labels=labels),
+        "wait": GaugeMetricFamily("prefetchd_consumer_wait_share", "Share of the consumer's recent time spent waiting for data.",
+                                  labels=labels),
+        "alive": GaugeMetricFamily("prefetchd_consumer_alive", "1 while the consumer's writer exists, 0 once it is gone.",
+                                   labels=labels),
+        "window": GaugeMetricFamily("prefetchd_consumer_window_batches", "Batches the daemon keeps for the consumer.",
+                                    labels=labels),
+    }
+    for rank, c in entries:
+        key = [buffer, rank, c.name]
+        families["epoch"].add_metric(key, float(c.progress.epoch))
+        families["step"].add_metric(key, float(c.progress.step))
+        if c.progress.trainer_wait_share is not None:
+            families["wait"].add_metric(key, c.progress.trainer_wait_share)
+        if c.trainer.alive is not None:
+            families["alive"].add_metric(key, 1.0 if c.trainer.alive else 0.0)
+        families["window"].add_metric(key, float(c.window))
+    yield from families.values()
 
 
 class Metrics:

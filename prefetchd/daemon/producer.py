@@ -110,7 +110,13 @@ class Producer:
         self.next_job: DaemonConfig | None = None
         self.index = index
         high, low = int(cfg.high_water or 2), int(cfg.low_water or 0)
-        self.streams = [Stream(d, m, members, cfg.split == "train", high, low) for d, m in streams]
+        # The cap on batches kept per stream, all its consumers together (SPEC rule 9).
+        cap = int(cfg.max_buffer_bytes) // max(1, cfg.batch_bytes * len(streams)) if cfg.max_buffer_bytes else high
+        if cap < 1:
+            log.warning("--max-buffer-bytes %d holds no %d-byte batch per rank; keeping one", cfg.max_buffer_bytes,
+                        cfg.batch_bytes)
+        self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout)
+                        for d, m in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
         self.workers_wanted = int(cfg.workers or 1)
         self.chunk = max(1, min(16, cfg.batch_size // (2 * self.workers_wanted)))

@@ -272,6 +272,9 @@ def _trainers(p: Production) -> str:
     gone = sum(t.alive is False for t in trainers)
     if gone:
         details.append("gone" if len(trainers) == 1 else f"{gone} gone")
+    consumers = [c for st in p.streams for c in st.consumers]
+    if any(len(st.consumers) > 1 for st in p.streams):  # trainers share a stream: how many, how many hold batches
+        details.append(f"{len(consumers)} consumers, {sum(c.holding for c in consumers)} holding")
     return f"{text} ({', '.join(details)})" if details else text
 
 

@@ -1,4 +1,4 @@
-"""One rank's stream of batches: the window the daemon keeps and the batches being built.
+"""One rank's stream of batches: the windows the daemon keeps and the batches being built.
 
 Batches are numbered by a global position ``g = epoch * steps_per_epoch + step``.
 The trainer's progress ``p`` (the next batch it needs) is the truth: the daemon
@@ -8,6 +8,11 @@ deleted too, and missing batches inside it are built in order.  Flow control
 has hysteresis: production stops when the window is full and resumes only when
 the waiting batches fall to the low-water mark, so the workers run in bursts
 rather than one batch at a time.
+
+Several consumers (trainers, each with its own progress file: ``consumers.py``)
+may read one stream.  Then the stream keeps the union of the holding consumers'
+windows, each planned by ``plan_windows`` within the cap, and a batch is deleted
+only when no window holds it.  With one consumer that union is its window.
 
 With several ranks the daemon keeps one ``Stream`` per local rank, each in its
 own directory with its own progress and window.  This module only keeps the
@@ -20,20 +25,22 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from prefetchd.buffer_protocol import (
+    DEFAULT_CONSUMER,
     BatchLayout,
     Manifest,
     PendingBatch,
     Progress,
     ProtocolError,
-    alive_since,
     list_batches,
+    list_consumers,
+    progress_name,
 )
-from prefetchd.buffer_protocol.status import Position, StreamStatus, TrainerStatus
+from prefetchd.buffer_protocol.status import Position, StreamStatus
+from prefetchd.daemon.consumers import Consumer, plan_windows
 from prefetchd.daemon.sampler import epoch_order
 
 log = logging.getLogger(__name__)
@@ -66,32 +73,37 @@ class Build:
 
 
 class Stream:
-    """One rank's stream: its directory, the trainer's progress and the window of batches kept."""
+    """One rank's stream: its directory, its consumers' progress and the windows of batches kept.
 
-    def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int) -> None:
+    ``high``: batches kept ahead of each consumer; ``low``: the hysteresis' low-water mark;
+    ``cap``: batches waiting and being built, all consumers together (default ``high``);
+    ``consumer_timeout``: seconds without a progress write after which a consumer is silent.
+    """
+
+    def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int,
+                 cap: int | None = None, consumer_timeout: float = 300.0) -> None:
         self.dir = directory
         self.manifest = manifest
         self.members = members
         self.shuffle = shuffle
         self.high, self.low = high, low
+        self.cap = max(1, cap if cap is not None else high)
+        self.consumer_timeout = consumer_timeout
         self.steps = manifest.steps_per_epoch
         self.end = manifest.epochs * self.steps if manifest.epochs is not None else None
         self.published: dict[int, Path] = {}
         self.building: dict[int, Build] = {}
-        self.progress = 0
+        # The default consumer is there from the start, at 0, as the single trainer always was:
+        # its window is what a daemon builds before any trainer has written progress.
+        self.consumers: dict[str, Consumer] = {DEFAULT_CONSUMER: Consumer(DEFAULT_CONSUMER)}
+        self.holders: list[Consumer] = []  # slowest first
+        self.held: set[int] = set()
+        self._starved: set[str] = set()  # holding consumers whose window the cap shrank to nothing
         self.filling = True
-        self.consumed = 0
-        self.progress_error = ""
         # Counted for status.json, so that tools and tests see what the log says without parsing it.
         self.vanished_batches = 0  # published batches whose files someone else removed
-        self.progress_rejected = 0  # distinct problems with progress.json, each ignored
-        self.progress_rewinds = 0  # times the trainer's position moved back
-        self.trainer_wait_share: float | None = None
-        # Who wrote progress.json last and when (None: nobody yet, or a writer without pid/time).
-        self.trainer_pid: int | None = None
-        self.progress_time: float | None = None
-        self.trainer_alive: bool | None = None
         self._orders: dict[int, np.ndarray] = {}
+        self.plan()
 
     @property
     def rank(self) -> int:
@@ -103,16 +115,53 @@ class Stream:
     def g(self, key: tuple[int, int]) -> int:
         return key[0] * self.steps + key[1]
 
+    # -- where the consumers are ------------------------------------------------
+
+    @property
+    def lead(self) -> Consumer:
+        """The consumer status.json's ``progress`` and ``trainer`` describe: the slowest holding
+        one, else the default one (the only one a single trainer has)."""
+        return self.holders[0] if self.holders else self.consumers.get(DEFAULT_CONSUMER) or next(iter(self.consumers.values()))
+
+    @property
+    def progress(self) -> int:
+        return self.lead.position
+
+    @property
+    def consumed(self) -> int:
+        return sum(c.consumed for c in self.consumers.values())
+
+    @property
+    def progress_rewinds(self) -> int:
+        return sum(c.rewinds for c in self.consumers.values())
+
+    @property
+    def progress_rejected(self) -> int:
+        return sum(c.rejected for c in self.consumers.values())
+
+    @property
+    def progress_error(self) -> str:
+        return "; ".join(c.error for c in self.consumers.values() if c.error)
+
     @property
     def finished(self) -> bool:
-        return self.end is not None and self.progress >= self.end
+        """Every consumer that may still come is at the end, and one got there: closed ones left,
+        and silent ones (past the consumer timeout) are not waited for."""
+        if self.end is None:
+            return False
+        now = time.time()
+        seen = [c for c in self.consumers.values() if c.seen] or [self.consumers[DEFAULT_CONSUMER]]
+        expected = [c for c in seen if not c.closed and c.silent_for(now) <= self.consumer_timeout]
+        return any(c.position >= self.end for c in seen) and all(c.position >= self.end for c in expected)
 
     @property
     def produced_all(self) -> bool:
-        """Every batch of the last epoch is published or being built."""
-        if self.end is None or self.end - self.progress > self.high:
+        """Every batch up to the end of the last epoch that a window holds is published or being built."""
+        if self.end is None:
             return False
-        return all(g in self.published or g in self.building for g in range(self.progress, self.end))
+        if any(c.position + c.window < self.end for c in self.holders):
+            return False
+        return all(g in self.published or g in self.building for g in self.held)
 
     @property
     def active(self) -> int:
@@ -139,7 +188,7 @@ class Stream:
         Only this daemon deletes batches, but a person, a cleanup job or a trainer that found a
         batch damaged (the ProtocolError says to delete it) may too; without a look at the
         directory the daemon would count the batch as waiting for ever and the trainer would
-        wait for it until its timeout.  One scandir of at most ``high`` files per poll.
+        wait for it until its timeout.  One scandir of at most ``cap`` files per poll.
         """
         if not self.published:
             return []
@@ -152,108 +201,178 @@ class Stream:
         return lost
 
     def read_progress(self) -> bool:
-        """Take the trainer's progress; True when it moved."""
+        """Take every consumer's progress and plan the windows again; True when a position moved."""
+        moved = False
+        for name in list_consumers(self.dir):
+            consumer = self.consumers.get(name)
+            if consumer is None:
+                consumer = self.consumers[name] = Consumer(name)
+            moved |= self._read_consumer(consumer)
+        self.check_trainer()
+        self.plan()
+        return moved
+
+    def _read_consumer(self, consumer: Consumer) -> bool:
         try:
-            progress = Progress.read(self.dir)
+            progress = Progress.read(self.dir, consumer.name)
         except ProtocolError as exc:
-            self._progress_problem(str(exc))
+            self._progress_problem(consumer, str(exc))
             return False
         if progress is None:
             return False
         if progress.step >= self.steps:
-            self._progress_problem(f"step {progress.step} is past the {self.steps} steps of an epoch")
+            self._progress_problem(consumer, f"step {progress.step} is past the {self.steps} steps of an epoch")
             return False
-        self.progress_error = ""
-        self.trainer_wait_share = progress.wait_share
-        self.trainer_pid, self.progress_time = progress.pid, progress.time
         g = self.g((progress.epoch, progress.step))
         if self.end is not None:
             g = min(g, self.end)
-        if g == self.progress:
-            return False
-        if g < self.progress:
-            self.progress_rewinds += 1
-            log.info("rank %d's trainer moved back from %s to %s; regenerating from there",
-                     self.rank, self.key(self.progress), self.key(g))
-        else:
-            self.consumed += g - self.progress
-        self.progress = g
-        return True
+        before, was_seen, was_closed = consumer.position, consumer.seen, consumer.closed
+        moved = consumer.take(progress, g)
+        if consumer.name != DEFAULT_CONSUMER and (not was_seen or was_closed != consumer.closed):
+            if consumer.closed:
+                log.info("%s of rank %d left at epoch %d step %d; it holds no batches until it writes again",
+                         consumer.label, self.rank, *self.key(g))
+            else:
+                log.info("%s joined rank %d at epoch %d step %d", consumer.label, self.rank, *self.key(g))
+        elif moved and g < before:
+            log.info("rank %d's %s moved back from %s to %s; regenerating from there",
+                     self.rank, consumer.label.removeprefix("the "), self.key(before), self.key(g))
+        return moved
 
-    def _progress_problem(self, problem: str) -> None:
-        if problem != self.progress_error:
-            log.warning("ignoring %s: %s", self.dir / "progress.json", problem)
-            self.progress_error = problem
-            self.progress_rejected += 1
+    def _progress_problem(self, consumer: Consumer, problem: str) -> None:
+        if consumer.problem(problem):
+            log.warning("ignoring %s: %s", self.dir / progress_name(consumer.name), problem)
+
+    def plan(self) -> None:
+        """Decide which consumers hold batches and how many each: see ``consumers.plan_windows``.
+
+        Live consumers hold; a gone, silent or closed one does not while another is live.  When
+        none is live, all that may come back hold, so a single trainer that went away keeps its
+        window (SPEC rule 8); before any consumer wrote, the default one holds from 0.
+        """
+        now = time.time()
+        known = [c for c in self.consumers.values() if c.seen]
+        waiting = [c for c in known if not c.closed and (self.end is None or c.position < self.end)]
+        live = [c for c in waiting if c.live(now, self.consumer_timeout)]
+        holders = live or waiting or ([] if known else [self.consumers[DEFAULT_CONSUMER]])
+        holders.sort(key=lambda c: (c.position, c.name))
+        widths = plan_windows([c.position for c in holders], self.high, self.cap, self.end)
+        for c in self.consumers.values():
+            c.window = 0
+        self.held = set()
+        for c, w in zip(holders, widths):
+            c.window = w
+            hi = c.position + w if self.end is None else min(c.position + w, self.end)
+            self.held.update(range(c.position, hi))
+        # Only a cap below one batch per consumer leaves one without its next batch (plan_windows).
+        starved = {c.name for c in holders if c.position not in self.held and (self.end is None or c.position < self.end)}
+        for c in holders:
+            if c.name in starved - self._starved:
+                log.info("rank %d's %s waits: the other consumers' windows fill the cap of %d batches "
+                         "(raise --max-buffer-bytes to let it run)", self.rank, c.label.removeprefix("the "), self.cap)
+        self._starved = starved
+        self.holders = holders
 
     def outside_window(self) -> tuple[list[int], list[Build]]:
-        """Published positions and live builds outside [progress, progress + high)."""
-        lo, hi = self.progress, self.progress + self.high
-        stale = [g for g in self.published if not lo <= g < hi]
-        builds = [b for b in self.building.values() if not lo <= b.g < hi and not b.cancelled]
+        """Published positions and live builds no window holds."""
+        stale = [g for g in self.published if g not in self.held]
+        builds = [b for b in self.building.values() if b.g not in self.held and not b.cancelled]
         return stale, builds
 
     def next_missing(self) -> int | None:
-        """The first position of the window that is neither published nor being built, if the
+        """The most urgent position of a window that is neither published nor being built, if the
         hysteresis lets production run; None when there is nothing to build now."""
-        if self.filling and len(self.published) + self.active >= self.high:
+        kept = len(self.published) + self.active
+        if self.filling and kept >= min(self.cap, self.high * len(self.holders)):
             self.filling = False
-        if not self.filling and (len(self.published) <= self.low or self._trainer_blocked()):
+        if not self.filling and (self._running_low() or self._trainer_blocked()):
             self.filling = True
         if not self.filling:
             return None
-        hi = self.progress + self.high
-        if self.end is not None:
-            hi = min(hi, self.end)
-        g = self.progress
-        while g < hi and (g in self.published or g in self.building):
-            g += 1
-        return g if g < hi else None
+        best: tuple[int, int, int] | None = None  # (batches ready in its window, its position, g)
+        for c in self.holders:
+            ready, first = 0, None
+            for g in range(c.position, c.position + c.window):
+                if g not in self.held:
+                    break  # past the end
+                if g in self.published:
+                    ready += 1
+                elif g not in self.building and first is None:
+                    first = g
+            if first is not None and (best is None or (ready, c.position) < best[:2]):
+                best = (ready, c.position, first)
+        return best[2] if best is not None else None
+
+    def _running_low(self) -> bool:
+        """A holding consumer's window has fallen to the low-water mark (scaled to its window)."""
+        for c in self.holders:
+            if c.window == 0:
+                continue
+            ready = sum(1 for g in range(c.position, c.position + c.window) if g in self.published)
+            if ready <= self.low * c.window // self.high:
+                return True
+        return False
 
     def _trainer_blocked(self) -> bool:
-        """The batch the trainer needs next is neither published nor being built: after a rewind,
-        or a waiting batch lost, the batches further on do not help it, however many there are."""
-        g = self.progress
-        return (self.end is None or g < self.end) and g not in self.published and g not in self.building
+        """The batch a consumer needs next is held but neither published nor being built: after a
+        rewind, or a waiting batch lost, the batches further on do not help it, however many there are."""
+        return any(c.position in self.held and c.position not in self.published and c.position not in self.building
+                   for c in self.holders)
 
     def check_trainer(self) -> None:
-        """Whether the process that wrote progress.json is still there; logs when it goes and comes back.
+        """Whether the processes that wrote the progress files are still there; logs when one goes,
+        goes silent and comes back.
 
-        A trainer that is gone leaves the window full: the daemon holds the buffer at
-        the high-water mark and sleeps until progress.json moves again.
+        A single trainer that is gone leaves the window full: the daemon holds the buffer at
+        the high-water mark and sleeps until progress.json moves again.  Of several consumers,
+        one that is gone or silent stops holding batches while another is live: from the next
+        ``read_progress``, which plans the windows and after which the controller deletes what
+        no window holds (planning here would let it build into a window before it deleted).
         """
-        if self.finished:
-            return  # a trainer that consumed every epoch is done, not gone: it exits, as it should
-        pid, since = self.trainer_pid, self.progress_time
-        alive = alive_since(pid, since) if pid is not None and since is not None else None
-        if alive is None or alive == self.trainer_alive:
-            return
-        epoch, step = self.key(self.progress)
-        if not alive:
-            log.warning(
-                "rank %d's trainer (pid %d) has gone away; progress last moved %.0f s ago, at epoch %d step %d. "
-                "Keeping the buffer at the high-water mark (%d batches) for when a trainer comes back",
-                self.rank, pid, time.time() - (since or 0.0), epoch, step, self.high,
-            )
-        elif self.trainer_alive is False:
-            log.info("rank %d's trainer is back (pid %d) at epoch %d step %d", self.rank, pid, epoch, step)
-        self.trainer_alive = alive
-
-    def trainer_status(self) -> TrainerStatus:
-        since = self.progress_time
-        age = round(max(0.0, time.time() - since), 1) if since is not None else None
-        return TrainerStatus(pid=self.trainer_pid, alive=self.trainer_alive, progress_age_s=age)
+        now = time.time()
+        several = sum(c.seen for c in self.consumers.values()) > 1
+        for c in self.consumers.values():
+            if not c.seen or c.closed or (self.end is not None and c.position >= self.end):
+                continue  # a consumer that consumed every epoch is done, not gone: it exits, as it should
+            alive = c.writer_alive()
+            epoch, step = self.key(c.position)
+            if alive is not None and alive != c.alive:
+                if not alive:
+                    keep = ("It stops holding batches while other consumers read" if several else
+                            f"Keeping the buffer at the high-water mark ({self.high} batches) for when a trainer comes back")
+                    log.warning("rank %d's %s (pid %d) has gone away; progress last moved %.0f s ago, at epoch %d "
+                                "step %d. %s", self.rank, c.label.removeprefix("the "), c.pid, c.silent_for(now),
+                                epoch, step, keep)
+                elif c.alive is False:
+                    log.info("rank %d's %s is back (pid %d) at epoch %d step %d", self.rank,
+                             c.label.removeprefix("the "), c.pid, epoch, step)
+                c.alive = alive
+            silent = c.silent_for(now) > self.consumer_timeout
+            if several and silent and not c.silent and c.alive is not False:
+                log.warning("rank %d's %s has written no progress for %.0f s (--consumer-timeout %g); it stops "
+                            "holding batches until it writes again", self.rank, c.label.removeprefix("the "),
+                            c.silent_for(now), self.consumer_timeout)
+            elif c.silent and not silent:
+                log.info("rank %d's %s writes progress again, at epoch %d step %d", self.rank,
+                         c.label.removeprefix("the "), epoch, step)
+            c.silent = silent
 
     def status(self) -> StreamStatus:
-        epoch, step = self.key(self.progress)
+        now = time.time()
+        lead = self.lead
+        epoch, step = self.key(lead.position)
+        holding = set(map(id, self.holders))
+        consumers = tuple(c.status(*self.key(c.position), now, id(c) in holding)
+                          for c in sorted(self.consumers.values(), key=lambda c: c.name) if c.seen)
         return StreamStatus(
             rank=self.rank,
-            trainer=self.trainer_status(),
-            progress=Position(epoch, step, self.trainer_wait_share),
+            trainer=lead.trainer_status(now),
+            progress=Position(epoch, step, lead.wait_share),
             waiting=len(self.published),
             building=self.active,
             progress_file=self.progress_error,
             vanished_batches=self.vanished_batches,
             progress_rejected=self.progress_rejected,
             progress_rewinds=self.progress_rewinds,
+            consumers=consumers,
         )

@@ -14,9 +14,7 @@ import os
 from watchdog.events import FileMovedEvent, FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from prefetchd.buffer_protocol.layout import JOB_NAME, PROGRESS_NAME
-
-WATCHED = frozenset({PROGRESS_NAME, JOB_NAME})
+from prefetchd.buffer_protocol.layout import JOB_NAME, consumer_of
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +51,8 @@ class _Handler(FileSystemEventHandler):
     def on_any_event(self, event: FileSystemEvent) -> None:
         # The trainer publishes by rename, which arrives as a move whose destination is the file.
         for path in (event.src_path, getattr(event, "dest_path", "")):
-            if os.path.basename(os.fsdecode(path)) in WATCHED:
+            name = os.path.basename(os.fsdecode(path))
+            if name == JOB_NAME or consumer_of(name) is not None:  # job.json or any consumer's progress
                 try:
                     os.write(self._wake_fd, b"p")
                 except BlockingIOError:  # the pipe is full: a wake-up is already pending

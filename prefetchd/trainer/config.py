@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
+from prefetchd.buffer_protocol import check_consumer
 from prefetchd.options import setting
 from prefetchd.trainer.gpu import PIN_MODES
 
@@ -56,8 +57,13 @@ class TrainConfig:
     image_size: int | None = setting(None, _SPAWN + "the daemons' --image-size.", int, minimum=1)
     workers: int | None = setting(None, _SPAWN + "the daemons' --workers.", int, minimum=1)
     high_water: int | None = setting(None, _SPAWN + "the daemons' --high-water.", int, minimum=1)
+    consumer: str | None = setting(None, "This run's name among several trainers reading the same buffer (a sweep, an ensemble): 1-32 of A-Z a-z 0-9 _ -; it writes progress.NAME.json and the daemon keeps each batch until every consumer has passed it [default: the single trainer's progress.json].", str)
     threads: int | None = setting(None, "torch.set_num_threads for the trainer.", int, minimum=1)
     quiet: bool = setting(False, "No start line and no progress display (per-epoch lines stay).", bool, short="-q")
+
+    def __post_init__(self) -> None:
+        if self.consumer is not None:
+            check_consumer(self.consumer)  # a bad name fails here, before any daemon is started
 
     @property
     def peak_lr(self) -> float:

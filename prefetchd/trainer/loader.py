@@ -19,7 +19,8 @@ before it) is the trainer's side of flow control:
   asks for the next batch, when the epoch's iterator is exhausted or when the
   loader is closed, so the file the consumer may still be reading is not
   deleted under it;
-- the same position is never written twice in a row.
+- the same position is not written twice in a row, except while waiting for a batch,
+  when the file is refreshed every ``PROGRESS_REFRESH_SECONDS`` (SPEC rule 9).
 
 On a CUDA device the batch goes through ``prefetchd.trainer.gpu`` (``pin``):
 a pinned staging ring or a page-locked mapping, copied on a side stream and
@@ -27,6 +28,13 @@ converted on the device, with the next ``prefetch`` batches already on their way
 while the consumer works on this one.  There a batch counts as consumed only
 once the consumer has come back for the next one *and* its copy has completed,
 so progress.json may trail the position by a batch the copy engine still reads.
+
+Several trainers may read one buffer (a sweep, an ensemble): each passes its own
+``consumer`` name and writes ``progress.NAME.json`` instead; the daemon keeps every
+batch until no consumer's window holds it.  A named consumer starts, unless told
+where, at the oldest batch still in the buffer; while it waits for a batch it
+rewrites its progress file every ``PROGRESS_REFRESH_SECONDS`` so that the daemon
+sees it is there, and ``close()`` marks the file closed so that it holds nothing.
 
 Waiting for the manifest and for each batch, and telling a slow daemon from a
 stuck or a gone one, is ``prefetchd.trainer.liveness``; the checkpoint state is
@@ -51,13 +59,18 @@ from typing import Any
 import torch
 
 from prefetchd.buffer_protocol import (
+    DEFAULT_CONSUMER,
     Manifest,
     MappedBatch,
     Progress,
     ProtocolError,
     batch_name,
+    check_consumer,
+    list_batches,
     map_batch,
+    progress_name,
 )
+from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 from prefetchd.trainer.liveness import BatchWaiter, wait_for_manifest
@@ -173,6 +186,12 @@ class BufferLoader:
             it is the only choice.
         prefetch: with "staging" or "register", how many batches after the one
             handed out are already being copied (those whose files exist).
+        consumer: this trainer's name among several reading the same buffer
+            (1-32 of ``A-Za-z0-9_-``); it writes ``progress.NAME.json``.  None: the
+            default consumer, ``progress.json``, as a single trainer does.
+        start: (epoch, step) to begin at; ``load_state_dict`` moves it later.  Default:
+            (0, 0) for the default consumer, the oldest batch still in the buffer for
+            a named one (it joins where the others are).
     """
 
     def __init__(
@@ -188,6 +207,8 @@ class BufferLoader:
         std: Sequence[float] | None = None,
         pin: PinMode = "auto",
         prefetch: int = 1,
+        consumer: str | None = None,
+        start: tuple[int, int] | None = None,
     ) -> None:
         if pin not in PIN_MODES:
             raise ValueError(f"pin={pin!r}: expected one of {', '.join(map(repr, PIN_MODES))}")
@@ -199,7 +220,9 @@ class BufferLoader:
             raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
         if stall_timeout is not None and not stall_timeout > 0:
             raise ValueError(f"stall_timeout={stall_timeout!r}: pass a positive number of seconds, or None to disable")
+        self._consumer = check_consumer(consumer if consumer is not None else DEFAULT_CONSUMER)
         self._buffer = Path(buffer)
+        self._progress_path = self._buffer / progress_name(self._consumer)
         self._device = torch.device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r} but CUDA is not available here; pass device='cpu'")
@@ -210,9 +233,9 @@ class BufferLoader:
         self._waiter = BatchWaiter(self._buffer, self._manifest, self._timeout, float(daemon_grace),
                                    float(stall_timeout) if stall_timeout is not None else None)
         self._scale, self._shift = self._normalization(mean, std)
-        self._epoch = 0
-        self._step = 0
+        self._epoch, self._step = self._start_position(start)
         self._published: tuple[int, int] | None = None
+        self._published_at = 0.0  # time.monotonic() of the last progress write
         self._publish_failing_since: float | None = None
         self._waits = WaitMeter()
         self._generation = 0
@@ -252,6 +275,16 @@ class BufferLoader:
         # A loader dropped without close() must still unpin before its mappings are unmapped.
         weakref.finalize(self, self._feeder.close_quietly)
 
+    def _start_position(self, start: tuple[int, int] | None) -> tuple[int, int]:
+        if start is not None:
+            return resume_position({"epoch": start[0], "step": start[1], "fingerprint": self._manifest.fingerprint},
+                                   self._manifest, self._buffer)
+        if self._consumer == DEFAULT_CONSUMER:
+            return (0, 0)
+        # Join where the others are: the oldest batch the daemon still holds.
+        waiting = list_batches(self._buffer)
+        return min(waiting) if waiting else (0, 0)
+
     # -- read-only views ---------------------------------------------------------
 
     @property
@@ -279,6 +312,11 @@ class BufferLoader:
     def pin(self) -> PinMode:
         """How batches reach the device: "staging", "register" or "none"."""
         return self._pin
+
+    @property
+    def consumer(self) -> str:
+        """This loader's consumer name; "" for the default consumer (progress.json)."""
+        return self._consumer
 
     @property
     def position(self) -> tuple[int, int]:
@@ -390,43 +428,49 @@ class BufferLoader:
             if self._feeder is not None:
                 self._feeder.finish(transfer, wait=True)
 
-    def _publish(self, force: bool = False) -> None:
+    def _publish(self, force: bool = False, closed: bool = False) -> None:
         position = self._consumed_until()
         if position == self._published and not force:
             return
         try:
-            Progress(*position, wait_share=self._waits.share()).write(self._buffer)
+            Progress(*position, wait_share=self._waits.share(), closed=closed).write(self._buffer, self._consumer)
         except OSError as exc:
             now = time.monotonic()
             if self._publish_failing_since is None:
                 self._publish_failing_since = now
             if now - self._publish_failing_since < _PROGRESS_WRITE_GRACE:
                 # Left unpublished, so the next call tries again.
-                logger.warning("cannot write %s (%s); trying again", self._buffer / "progress.json", exc.strerror or exc)
+                logger.warning("cannot write %s (%s); trying again", self._progress_path, exc.strerror or exc)
                 return
             raise LoaderError(
-                f"{self._buffer}: cannot write progress.json ({exc.strerror or exc}) for "
+                f"{self._progress_path}: cannot write it ({exc.strerror or exc}) for "
                 f"{_PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete. Check "
                 "that the buffer directory exists, is writable and has free space"
             ) from exc
         self._publish_failing_since = None
         self._published = position
+        self._published_at = time.monotonic()
 
     def _check_progress(self) -> None:
-        """While waiting: make progress.json name this loader's position again if it does not.
+        """While waiting: make the progress file name this loader's position again if it does not,
+        and refresh it every PROGRESS_REFRESH_SECONDS.
 
         Someone else rewound or damaged it (or our last write failed), and the daemon now
         builds other batches than the one this loader waits for; it would wait until its timeout.
+        The refresh tells a daemon serving several consumers that this one waits rather than
+        went silent (a silent consumer stops holding batches after --consumer-timeout).
         """
         try:
-            current = Progress.read(self._buffer)
+            current = Progress.read(self._buffer, self._consumer)
         except (ProtocolError, OSError):
             current = None
         if current is not None and (current.epoch, current.step) == self._published:
+            if time.monotonic() - self._published_at >= PROGRESS_REFRESH_SECONDS:
+                self._publish(force=True)
             return
         if self._published is not None:
             logger.warning("%s names %s, not this loader's position %s; writing it again",
-                           self._buffer / "progress.json", current and (current.epoch, current.step), self._published)
+                           self._progress_path, current and (current.epoch, current.step), self._published)
         self._publish(force=True)
 
     def _check_open(self) -> None:
@@ -481,7 +525,8 @@ class BufferLoader:
         self._drain(self._handed)
         if self._published is not None:
             try:
-                self._publish()
+                # A named consumer leaves: the daemon stops holding batches for it until it writes again.
+                self._publish(force=self._consumer != DEFAULT_CONSUMER, closed=self._consumer != DEFAULT_CONSUMER)
             except LoaderError as exc:
                 logger.warning("closing %s: %s", self._buffer, exc)
         self._closed = True

@@ -110,13 +110,13 @@ def train(
         stall = config.daemon_timeout or None
         train_loader = stack.enter_context(BufferLoader(
             wait_for_stream(config.buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin,
-            stall_timeout=stall,
+            stall_timeout=stall, consumer=config.consumer, start=(0, 0),
         ))
         val_loader = None
         if val_buffer is not None:
             val_loader = stack.enter_context(BufferLoader(
                 wait_for_stream(val_buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin,
-                stall_timeout=stall,
+                stall_timeout=stall, consumer=config.consumer, start=(0, 0),
             ))
             if val_loader.classes != train_loader.classes:
                 raise SetupError(
@@ -167,7 +167,10 @@ def main(verbose: bool, **options: Any) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format=f"{name}: %(levelname)s %(name)s: %(message)s"
     )
-    config = TrainConfig(**options)
+    try:
+        config = TrainConfig(**options)
+    except ValueError as exc:  # a value the option types cannot refuse, such as a bad --consumer name
+        raise click.UsageError(str(exc)) from None
     terminations: list[int] = []
 
     def on_sigterm(signum: int, frame: object) -> None:

@@ -178,6 +178,10 @@ def directory_mismatches(spec: str) -> list[str]:
     out = []
     rows = table(spec, "Buffer directory", "file")
     names = [literal(r["file"]) for r in rows]
+    named = [n for n in names if "NAME" in n]  # a consumer's progress file: see consumer_mismatches
+    names = [n for n in names if n not in named]
+    if [n.replace("NAME", "trial-3") for n in named] != [layout.progress_name("trial-3")]:
+        out.append(f"consumer progress files: spec {named}, code {layout.progress_name('trial-3')!r} for 'trial-3'")
     fixed = {n for n in names if not re.search(r"E+-s?S+", n)}
     constants = {layout.LOCK_NAME, layout.MANIFEST_NAME, layout.PROGRESS_NAME, layout.STATUS_NAME, layout.JOB_NAME}
     if fixed != constants:
@@ -252,6 +256,27 @@ def document_mismatches(spec: str) -> list[str]:
         out.append(f"document kinds in rule 2: {kinds}")
     if f"`\"version\": {batch.VERSION}`" not in rules:
         out.append(f"rule 2 does not say documents carry version {batch.VERSION}")
+    return out
+
+
+def consumer_mismatches(spec: str) -> list[str]:
+    """Rule 9: the consumer name pattern and the refresh period are the code's, and names
+    outside the pattern are refused."""
+    out = []
+    rules = section(spec, "Buffer directory")
+    m = re.search(r"Consumer names match `([^`]+)`", rules)
+    if m is None or m[1] != layout.CONSUMER_NAME_RE.pattern:
+        out.append(f"consumer name pattern: spec {m and m[1]!r}, code {layout.CONSUMER_NAME_RE.pattern!r}")
+    m = re.search(r"`PROGRESS_REFRESH_SECONDS` \(([\d.]+) s\)", rules)
+    if m is None or float(m[1]) != layout.PROGRESS_REFRESH_SECONDS:
+        out.append(f"progress refresh: spec {m and m[1]!r}, code {layout.PROGRESS_REFRESH_SECONDS}")
+    for bad in ("", "a/b", "x" * 33, "sp ace", ".hidden"):
+        try:
+            name = layout.progress_name(bad)
+        except ValueError:
+            continue
+        if bad or name != layout.PROGRESS_NAME:
+            out.append(f"consumer name {bad!r} is outside the spec's pattern but gives {name!r}")
     return out
 
 
@@ -332,6 +357,7 @@ CHECKS: dict[str, Callable[[str], list[str]]] = {
     "dtypes": dtype_mismatches,
     "documents": document_mismatches,
     "json temp names": json_temp_mismatches,
+    "consumers": consumer_mismatches,
     "status": status_mismatches,
 }
 
@@ -350,7 +376,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Batch file", "offset")) == 6
     assert len(table(SPEC, "Batch file", "key")) == 7
     assert len(table(SPEC, "Batch file", "name")) == 3
-    assert len(table(SPEC, "Buffer directory", "file")) == 7
+    assert len(table(SPEC, "Buffer directory", "file")) == 8
     assert len(table(SPEC, "Status document", "key")) >= 60
     assert len(docstring_header(batch.__doc__ or "")) == 6
 
@@ -401,6 +427,10 @@ MUTATIONS = {
     "dtypes in spec": ("dtypes", _replace("`float32`, all", "`float16`, all"), None),
     "document kinds in spec": ("documents", _replace("(`manifest`, `progress`, `status`, `job`)", "(`manifest`, `progress`, `job`)"), None),
     "document version in code": ("documents", None, (batch, "VERSION", 2)),
+    "consumer file in spec": ("directory", _replace("| `progress.NAME.json` |", "| `progress-NAME.json` |"), None),
+    "consumer pattern in spec": ("consumers", _replace("match `[A-Za-z0-9_-]{1,32}`", "match `[A-Za-z0-9_-]{1,64}`"), None),
+    "consumer refresh in code": ("consumers", None, (layout, "PROGRESS_REFRESH_SECONDS", 5.0)),
+    "consumer check in code": ("consumers", None, (layout, "check_consumer", lambda name: name)),
     "json temp name in spec": ("json temp names", _replace("`NAME.tmp-", "`NAME.partial-"), None),
     "json temp name in code": ("json temp names", None, (layout, "TEMP_MARK", ".part")),
     "status key in spec": ("status", _replace("| `rates.samples_per_s` |", "| `rates.images_per_s` |"), None),

@@ -1,0 +1,147 @@
+"""The consumers of one stream: who reads it, where each one is, and which batches their windows hold.
+
+Several trainers may read one stream (a sweep, an ensemble: SPEC rule 9), each
+writing its own progress file.  A :class:`Consumer` keeps the books of one of them:
+its position, whether its writer is still there and whether it went silent.
+:func:`plan_windows` decides how many batches from each holding consumer's
+position the stream keeps: up to ``high`` each, all of them together within
+``cap``; when they do not fit the slowest consumer's window shrinks first.
+
+This module reads progress files and logs; the stream (``stream.py``) turns the
+plan into batches to build and delete.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, alive_since
+from prefetchd.buffer_protocol.status import ConsumerStatus, Position, TrainerStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Consumer:
+    """One consumer's position (a global batch number) and what is known of its writer."""
+
+    name: str
+    position: int = 0
+    seen: bool = False  # a progress document of it has been read (the default one exists before that)
+    closed: bool = False
+    wait_share: float | None = None
+    pid: int | None = None
+    written: float | None = None  # the document's ``time``: when its writer last wrote it
+    alive: bool | None = None  # None: unknown (no pid, or not looked at yet)
+    silent: bool = False  # its writer wrote nothing for longer than the consumer timeout, when last looked at
+    window: int = 0  # batches the plan holds for it from its position
+    consumed: int = 0
+    rewinds: int = 0
+    rejected: int = 0
+    error: str = ""
+
+    @property
+    def label(self) -> str:
+        return "the trainer" if self.name == DEFAULT_CONSUMER else f"consumer {self.name!r}"
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since its writer last wrote its progress file; 0 when unknown."""
+        return max(0.0, now - self.written) if self.written is not None else 0.0
+
+    def live(self, now: float, timeout: float) -> bool:
+        """Holds batches even when others are live: not closed, not gone, not silent too long."""
+        return self.seen and not self.closed and self.alive is not False and self.silent_for(now) <= timeout
+
+    def take(self, progress: Progress, g: int) -> bool:
+        """Take a document read for this consumer, ``g`` being its global position; True when it moved."""
+        self.seen, self.error = True, ""
+        self.closed = progress.closed
+        self.wait_share, self.pid, self.written = progress.wait_share, progress.pid, progress.time
+        if g == self.position:
+            return False
+        if g < self.position:
+            self.rewinds += 1
+        else:
+            self.consumed += g - self.position
+        self.position = g
+        return True
+
+    def problem(self, problem: str) -> bool:
+        """Note a problem with its progress file; True when it is a new one (to log and count)."""
+        if problem == self.error:
+            return False
+        self.error = problem
+        self.rejected += 1
+        return True
+
+    def writer_alive(self) -> bool | None:
+        """Whether the process that wrote its progress file is still there; None when unknown."""
+        pid, since = self.pid, self.written
+        return alive_since(pid, since) if pid is not None and since is not None else None
+
+    def trainer_status(self, now: float) -> TrainerStatus:
+        age = round(self.silent_for(now), 1) if self.written is not None else None
+        return TrainerStatus(pid=self.pid, alive=self.alive, progress_age_s=age)
+
+    def status(self, epoch: int, step: int, now: float, holding: bool) -> ConsumerStatus:
+        return ConsumerStatus(
+            name=self.name, progress=Position(epoch, step, self.wait_share), trainer=self.trainer_status(now),
+            holding=holding, window=self.window if holding else 0, closed=self.closed,
+        )
+
+
+def union_size(windows: Sequence[tuple[int, int]]) -> int:
+    """Positions covered by the half-open intervals ``windows``."""
+    total, reach = 0, None
+    for lo, hi in sorted(w for w in windows if w[1] > w[0]):
+        if reach is None or lo >= reach:
+            total += hi - lo
+            reach = hi
+        elif hi > reach:
+            total += hi - reach
+            reach = hi
+    return total
+
+
+def plan_windows(positions: Sequence[int], high: int, cap: int, end: int | None) -> list[int]:
+    """How many batches to hold from each position (given slowest first): ``high`` each, unless
+    the union of the windows would exceed ``cap`` batches.  Then the slowest consumer's window
+    shrinks first, down to one batch (it waits for each batch as it is built, but it moves), then
+    the next slowest one's.  Only a cap smaller than the number of consumers takes windows down to
+    nothing, the fastest consumer's first: it waits until a slower one catches up with it, so
+    every consumer still gets its batches (the slowest never starves behind the others).
+
+    Windows stop at ``end`` (the last batch of the job) and overlap where consumers are close,
+    so consumers in lockstep share every batch and the cap binds only when they drift apart.
+    """
+    def span(p: int, w: int) -> tuple[int, int]:
+        return (p, min(p + w, end) if end is not None else p + w)
+
+    widths = [high] * len(positions)
+
+    def size() -> int:
+        return union_size([span(p, w) for p, w in zip(positions, widths)])
+
+    def shrink(i: int, floor: int) -> None:
+        """Narrow window i to the widest (at least ``floor``) with which the union fits the cap."""
+        lo, hi = floor, widths[i]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            widths[i] = mid
+            if size() <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        widths[i] = lo
+
+    for floor, order in ((min(1, high), range(len(positions))), (0, reversed(range(len(positions))))):
+        for i in order:
+            if size() <= cap:
+                return widths
+            shrink(i, floor)
+    return widths
+
+
+__all__ = ["Consumer", "plan_windows", "union_size"]

@@ -1,0 +1,216 @@
+"""Several consumers of one stream: the union of their windows is kept, a batch goes only when no
+window holds it, the cap shrinks the slowest window first, and a gone, silent or closed consumer
+stops holding batches while another is live (SPEC rule 9)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_status, write_status
+from prefetchd.daemon.consumers import plan_windows, union_size
+from prefetchd.daemon.stream import Stream
+from prefetchd.daemon.cli import format_status
+from prefetchd.daemon.metrics import StatusCollector
+from prefetchd.daemon.sdnotify import status_line
+from tests.status_examples import production
+from tests.status_examples import status as status_example
+
+HIGH, LOW = 4, 2
+
+
+def stream(tmp_path: Path, cap: int | None = None, timeout: float = 300.0) -> Stream:
+    manifest = Manifest(
+        dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
+        batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=2, producer="test",
+    )
+    return Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW, cap=cap,
+                  consumer_timeout=timeout)
+
+
+def move(s: Stream, name: str, g: int, **fields: object) -> None:
+    Progress(*s.key(g), **fields).write(s.dir, name)  # type: ignore[arg-type]
+    s.read_progress()
+    for stale in s.outside_window()[0]:
+        del s.published[stale]
+
+
+def publish_held(s: Stream) -> None:
+    for g in s.held:
+        s.published[g] = s.dir / f"{g}.batch"
+
+
+def test_union_and_plan() -> None:
+    assert union_size([(0, 4), (2, 6), (10, 12), (5, 5)]) == 8
+    assert plan_windows([0, 2], high=4, cap=8, end=None) == [4, 4]  # overlapping: 6 batches fit
+    assert plan_windows([0, 10], high=4, cap=6, end=None) == [2, 4]  # apart: the slowest shrinks first
+    assert plan_windows([0, 10, 20], high=4, cap=6, end=None) == [1, 1, 4]  # to one batch, then the next
+    assert plan_windows([0, 10, 20], high=4, cap=2, end=None) == [1, 1, 0]  # fewer than the consumers: the fastest waits
+    assert plan_windows([18], high=4, cap=4, end=20) == [4]  # the end cuts the window, not the plan
+
+
+def test_consumers_in_lockstep_share_every_batch(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=2 * HIGH)
+    move(s, "a", 0)
+    move(s, "b", 0)
+    assert s.held == {0, 1, 2, 3}, "the default consumer that never wrote holds nothing once others do"
+    publish_held(s)
+    move(s, "a", 2)  # a is ahead: 0 and 1 stay for b, a's window reaches 5
+    assert sorted(s.published) == [0, 1, 2, 3] and s.held == set(range(6))
+    move(s, "b", 2)
+    assert sorted(s.published) == [2, 3], "a batch goes once no window holds it"
+
+
+def test_with_the_default_cap_a_consumer_behind_still_moves(tmp_path: Path) -> None:
+    s = stream(tmp_path)  # cap = high-water: one trainer's worth, shared
+    move(s, "fast", 10)
+    move(s, "slow", 0)
+    assert s.consumers["slow"].window == 1 and 0 in s.held and len(s.held) <= HIGH
+    publish_held(s)
+    move(s, "slow", 1)
+    assert s.next_missing() == 1, "the slow consumer's next batch is built: it waits, it never starves"
+
+
+def test_a_consumer_behind_keeps_its_own_window_until_the_cap_shrinks_it(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=6)
+    move(s, "fast", 10)
+    move(s, "slow", 0)
+    assert s.held == {0, 1} | {10, 11, 12, 13}, "the slowest window shrinks first, to fit the cap"
+    assert s.consumers["slow"].window == 2 and s.consumers["fast"].window == 4
+    publish_held(s)
+    assert s.next_missing() is None
+    move(s, "slow", 1)  # one consumed: its window moves, and 2 is built next (it is the one running dry)
+    assert s.next_missing() == 2
+    assert len(s.held) <= 6
+
+
+def forge(s: Stream, name: str, g: int, **fields: object) -> None:
+    """A progress document as another writer left it (another pid, an older time)."""
+    Progress(*s.key(g)).write(s.dir, name)
+    path = s.dir / progress_name(name)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    s.read_progress()
+
+
+def test_gone_silent_and_closed_consumers_stop_holding_while_another_is_live(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=3 * HIGH, timeout=5.0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    move(s, "live", 4)
+    forge(s, "gone", 0, pid=dead.pid)
+    s.read_progress()
+    assert s.consumers["gone"].alive is False
+    assert s.held == {4, 5, 6, 7}
+    move(s, "gone", 0)  # it came back (a new process wrote): it holds again
+    s.read_progress()
+    assert s.consumers["gone"].alive is True and {0, 1, 2, 3} <= s.held
+
+    forge(s, "quiet", 1, time=time.time() - 60)  # alive, but silent for longer than the timeout
+    move(s, "gone", 8, closed=True)
+    s.read_progress()
+    assert s.consumers["quiet"].silent and not s.consumers["gone"].live(time.time(), 5.0)
+    assert s.held == {4, 5, 6, 7}, "closed and silent consumers hold nothing while 'live' reads"
+    status = {c.name: c for c in s.status().consumers}
+    assert not status["quiet"].holding and status["gone"].closed and status["live"].holding
+
+
+def test_a_single_trainer_that_goes_away_keeps_its_window(tmp_path: Path) -> None:
+    s = stream(tmp_path, timeout=0.01)
+    move(s, "", 3)
+    time.sleep(0.05)  # silent for longer than the timeout, and no other consumer: it still holds
+    s.read_progress()
+    assert s.held == {3, 4, 5, 6} and not s.finished
+
+
+def test_the_stream_is_finished_when_every_expected_consumer_is_at_the_end(tmp_path: Path) -> None:
+    s = stream(tmp_path, timeout=300.0)
+    move(s, "a", 20)
+    move(s, "b", 15)
+    assert not s.finished
+    move(s, "c", 3, closed=True)  # left: not waited for
+    move(s, "b", 20)
+    assert s.finished and s.held == set()
+
+
+def test_status_lists_the_consumers_and_old_documents_read_without_them(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=6)
+    move(s, "fast", 10, wait_share=0.25)
+    move(s, "slow", 0)
+    st = s.status()
+    assert [c.name for c in st.consumers] == ["fast", "slow"]
+    fast, slow = st.consumers
+    assert (fast.progress.epoch, fast.progress.step, fast.progress.trainer_wait_share) == (1, 0, 0.25)
+    assert (fast.window, slow.window, fast.holding, slow.holding) == (4, 2, True, True)
+    assert (st.progress.epoch, st.progress.step) == (0, 0), "the stream's progress is the slowest holder's"
+    old = status_example().to_doc()
+    for entry in old["streams"]:
+        del entry["consumers"]
+    (tmp_path / "status.json").write_text(json.dumps(old))
+    back = read_status(tmp_path)
+    assert back is not None and back.production is not None and back.production.streams[0].consumers == ()
+    write_status(tmp_path, status_example())
+    again = read_status(tmp_path)
+    assert again is not None and again.production is not None and again.production.streams[0].consumers[0].name == "trial-3"
+
+
+def test_prefetchd_status_lists_each_consumer(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=6)
+    move(s, "fast", 10, wait_share=0.5)
+    move(s, "slow", 0)
+    move(s, "gone", 3, closed=True)
+    prod = production(streams=(s.status(),))
+    info = {"buffer": str(tmp_path), "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
+            "status": status_example(production=prod), "manifest": None, "problems": []}
+    lines = [x for x in format_status(info).splitlines() if x.startswith("  consumer")]
+    assert len(lines) == 3
+    fast, gone, slow = lines
+    assert "fast at epoch 1 step 0, waiting for data 50.0%" in fast and "window 4" in fast
+    assert "gone at epoch 0 step 3" in gone and "left" in gone and "holds nothing" in gone
+    assert "slow at epoch 0 step 0" in slow and "alive" in slow and "window 2" in slow
+    # A single trainer's status shows no consumer lines: nothing changes for it.
+    (tmp_path / "single").mkdir()
+    single = stream(tmp_path / "single")
+    move(single, "", 4)
+    info["status"] = status_example(production=production(streams=(single.status(),)))
+    assert "consumer" not in format_status(info)
+
+
+def test_the_systemd_status_line_counts_the_consumers(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=6)
+    move(s, "a", 10)
+    move(s, "b", 0)
+    move(s, "c", 3, closed=True)
+    line = status_line(status_example(production=production(streams=(s.status(),))))
+    assert "3 consumers, 2 holding" in line
+
+
+def test_metrics_carry_per_consumer_figures(tmp_path: Path) -> None:
+    s = stream(tmp_path, cap=6)
+    move(s, "a", 12, wait_share=0.125)
+    move(s, "b", 0)
+    status = status_example(production=production(streams=(s.status(),)))
+    samples = {(m.name, sm.labels.get("consumer")): sm.value
+               for m in StatusCollector(tmp_path, lambda: status).collect() for sm in m.samples}
+    assert samples[("prefetchd_consumer_epoch", "a")] == 1 and samples[("prefetchd_consumer_step", "a")] == 2
+    assert samples[("prefetchd_consumer_wait_share", "a")] == 0.125
+    assert samples[("prefetchd_consumer_window_batches", "a")] == 4 and samples[("prefetchd_consumer_window_batches", "b")] == 2
+    assert ("prefetchd_consumer_alive", "b") in samples
+
+
+def test_a_cap_below_one_batch_per_consumer_makes_the_fastest_wait(tmp_path: Path, caplog: Any) -> None:
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.stream")
+    s = stream(tmp_path, cap=2)
+    move(s, "a", 0)
+    move(s, "b", 5)
+    move(s, "c", 9)
+    assert s.held == {0, 5} and s.consumers["c"].window == 0
+    assert "'c' waits" in caplog.text
+    publish_held(s)
+    move(s, "b", 9)  # b caught up with c: they share a batch, and both move again
+    assert s.held == {0, 9}

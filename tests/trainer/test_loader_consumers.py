@@ -1,0 +1,112 @@
+"""Named consumers on the trainer's side: each loader keeps its own progress file, joins where
+it is told (or at the oldest batch still there), marks its file closed when it leaves and
+refreshes it while it waits.  The default consumer keeps progress.json exactly as before."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from click.testing import CliRunner
+
+from prefetchd.buffer_protocol import Progress, list_consumers
+from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
+from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.train import main
+
+if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
+    from conftest import MakeJob
+
+
+def test_each_consumer_writes_its_own_progress_file(make_job: MakeJob) -> None:
+    job = make_job(samples=12, batch_size=4, write=1)
+    with BufferLoader(job.buffer, normalize=False, consumer="trial-3", start=(0, 0)) as a, \
+            BufferLoader(job.buffer, normalize=False) as default:
+        assert [b.step for b in a] == [0, 1, 2]
+        first = next(iter(default))
+        assert first.step == 0
+        assert Progress.read(job.buffer, "trial-3") == Progress(1, 0)
+        assert Progress.read(job.buffer) == Progress(0, 0)
+        assert list_consumers(job.buffer) == ["", "trial-3"]
+        assert a.consumer == "trial-3" and default.consumer == ""
+    # The named consumer left: its file says so; the default consumer's never does.
+    left = Progress.read(job.buffer, "trial-3")
+    assert left is not None and left.closed and (left.epoch, left.step) == (1, 0)
+    stayed = Progress.read(job.buffer)
+    assert stayed is not None and not stayed.closed and (stayed.epoch, stayed.step) == (0, 1)
+
+
+@pytest.mark.parametrize("name", ["a/b", "x" * 33, "sp ace", ".hidden", "ü"])
+def test_a_bad_consumer_name_is_refused_with_the_rule(make_job: MakeJob, name: str) -> None:
+    job = make_job(write=0)
+    with pytest.raises(ValueError, match="letters, digits"):
+        BufferLoader(job.buffer, consumer=name)
+    assert list_consumers(job.buffer) == []
+
+
+def test_a_named_consumer_joins_at_the_oldest_batch_still_there(make_job: MakeJob) -> None:
+    job = make_job(samples=12, batch_size=4, write=0)
+    for epoch, step in ((0, 2), (1, 0), (1, 1)):
+        job.write(epoch, step)
+    late = BufferLoader(job.buffer, normalize=False, consumer="late")
+    assert late.position == (0, 2)
+    assert [(b.epoch, b.step) for b in late] == [(0, 2)]
+    # The default consumer still starts at the beginning, as a single trainer always did.
+    assert BufferLoader(job.buffer, normalize=False).position == (0, 0)
+    with pytest.raises(Exception, match="step 9"):
+        BufferLoader(job.buffer, consumer="x", start=(0, 9))
+    late.close()
+
+
+def test_a_waiting_consumer_refreshes_its_progress_file(make_job: MakeJob) -> None:
+    job = make_job(samples=12, batch_size=4, write=0)
+    job.claim(os.getpid())  # a live owner: the loader waits instead of raising DaemonGone
+    loader = BufferLoader(job.buffer, normalize=False, timeout=30, daemon_grace=30, consumer="w", start=(0, 0))
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(next(iter(loader))))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while Progress.read(job.buffer, "w") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first = Progress.read(job.buffer, "w")
+    assert first is not None and first.time is not None
+    deadline = time.monotonic() + 4 * PROGRESS_REFRESH_SECONDS + 5
+    later = first
+    while later.time == first.time and time.monotonic() < deadline:
+        time.sleep(0.1)
+        later = Progress.read(job.buffer, "w") or first
+    job.write(0, 0)
+    waiter.join(20)
+    assert later.time is not None and later.time > first.time, "the waiting consumer never refreshed its file"
+    assert (later.epoch, later.step) == (0, 0) and later.pid == os.getpid()
+    assert got and got[0].step == 0
+    loader.close()
+
+
+def test_closed_and_named_progress_documents_round_trip(tmp_path: Path) -> None:
+    Progress(2, 5, closed=True).write(tmp_path, "b")
+    Progress(1, 0).write(tmp_path, "a")
+    (tmp_path / "progress.bad name.json").write_text("{}")  # not a consumer's file: ignored
+    assert list_consumers(tmp_path) == ["a", "b"]
+    b = Progress.read(tmp_path, "b")
+    assert b is not None and b.closed and (b.epoch, b.step) == (2, 5)
+    a = Progress.read(tmp_path, "a")
+    assert a is not None and not a.closed
+    assert Progress.read(tmp_path) is None
+
+
+def test_prefetchd_train_reads_as_the_named_consumer(make_job: MakeJob) -> None:
+    job = make_job(classes=2, samples=8, batch_size=4, image_size=32, epochs=1, write=1)
+    result = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--consumer", "lr-0_1", "--lr", "0.1",
+                                       "--threads", "1", "--device", "cpu", "--timeout", "10", "-q"])
+    assert result.exit_code == 0, result.output
+    done = Progress.read(job.buffer, "lr-0_1")
+    assert done is not None and (done.epoch, done.step) == (1, 0) and done.closed
+    assert Progress.read(job.buffer) is None  # the default consumer's file is not touched
+
+    bad = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--consumer", "a/b", "--device", "cpu"])
+    assert bad.exit_code == 2 and "letters, digits" in bad.output

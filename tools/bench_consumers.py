@@ -1,0 +1,154 @@
+"""Several trainers on one buffer vs one daemon each: CPU seconds per consumed image, and each
+trainer's share of time spent waiting for data.
+
+    python tools/bench_consumers.py [--data DIR | --generate N] [--consumers 4] [--epochs 2]
+                                    [--batch-size 32] [--image-size 112] [--workers 1]
+                                    [--step-ms 20] [--high-water 8] [--cap-factor 1] [--out FILE.json]
+
+Two scenarios on the same cores (everything inherits this process's CPU affinity):
+
+  shared    one `prefetchd start` with --workers W; the N consumers read it as named consumers
+  separate  N `prefetchd start`, each with --workers W; one consumer each (the default consumer)
+
+Each consumer is its own process: a BufferLoader reading --epochs epochs, "training" for
+--step-ms per batch (a sleep, so it costs no CPU).  The daemons' CPU is read from psutil
+cpu_times of each daemon's process tree (the daemon and its workers) after the consumers are done,
+before the daemons are stopped; a consumer's CPU is its process time inside the reading loop.
+See docs/BENCHMARKS.md ("Several trainers on one buffer").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from prefetchd.buffer_protocol import BatchLayout
+from prefetchd.launch import launch, start_argv, stop_daemon_process, wait_ready
+from prefetchd.synthetic import make_imagenet_like
+
+CONSUMER = r'''
+import json, sys, time
+from prefetchd.trainer import BufferLoader
+buffer, name, epochs, step = sys.argv[1], sys.argv[2] or None, int(sys.argv[3]), float(sys.argv[4]) / 1000
+loader = BufferLoader(buffer, normalize=False, timeout=300, consumer=name, start=(0, 0))
+cpu0, wall0, waited, images = time.process_time(), time.monotonic(), 0.0, 0
+while loader.position[0] < epochs:
+    it = iter(loader)
+    while True:
+        asked = time.monotonic()
+        batch = next(it, None)
+        waited += time.monotonic() - asked
+        if batch is None:
+            break
+        images += len(batch.labels)
+        time.sleep(step)
+loader.close()
+wall = time.monotonic() - wall0
+print(json.dumps({"consumer": name or "", "images": images, "cpu_s": time.process_time() - cpu0,
+                  "wall_s": wall, "wait_share": waited / wall}))
+'''
+
+
+def tree_cpu(proc: psutil.Process) -> float:
+    """User + system CPU seconds of ``proc`` and its live descendants."""
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def run_scenario(name: str, data: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    separate = name == "separate"
+    buffers = [work / f"{name}-{i}" for i in range(args.consumers if separate else 1)]
+    batch_bytes = BatchLayout.plan(args.batch_size, args.image_size, args.image_size).file_len
+    daemon_args = ["--data", str(data), "--workers", str(args.workers), "--batch-size", str(args.batch_size),
+                   "--image-size", str(args.image_size), "--high-water", str(args.high_water), "--seed", "0",
+                   "--reset", "--max-buffer-bytes", str(int(args.cap_factor * args.high_water * batch_bytes))]
+    since = time.time()
+    daemons = [launch(start_argv(b, extra=daemon_args), log=work / f"{b.name}.log") for b in buffers]
+    try:
+        for proc, buffer in zip(daemons, buffers):
+            wait_ready(proc, buffer, since=since, timeout=300, log=work / f"{buffer.name}.log")
+        cpu_before = sum(tree_cpu(psutil.Process(d.pid)) for d in daemons)
+        started = time.monotonic()
+        consumers = [
+            subprocess.Popen([sys.executable, "-c", CONSUMER, str(buffers[i if separate else 0]),
+                              "" if separate else f"trial-{i}", str(args.epochs), str(args.step_ms)],
+                             stdout=subprocess.PIPE)
+            for i in range(args.consumers)
+        ]
+        results = []
+        for c in consumers:
+            out, _ = c.communicate()
+            if c.returncode != 0:
+                raise SystemExit(f"a consumer of the {name} scenario failed (exit {c.returncode})")
+            results.append(json.loads(out))
+        wall = time.monotonic() - started
+        daemon_cpu = sum(tree_cpu(psutil.Process(d.pid)) for d in daemons) - cpu_before
+    finally:
+        for d in daemons:
+            stop_daemon_process(d, 30)
+    images = sum(r["images"] for r in results)
+    consumer_cpu = sum(r["cpu_s"] for r in results)
+    return {
+        "scenario": name, "daemons": len(daemons), "consumers": results, "images_consumed": images,
+        "wall_s": round(wall, 2), "daemon_cpu_s": round(daemon_cpu, 2), "consumer_cpu_s": round(consumer_cpu, 2),
+        "daemon_cpu_ms_per_image": round(1000 * daemon_cpu / images, 3),
+        "total_cpu_ms_per_image": round(1000 * (daemon_cpu + consumer_cpu) / images, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, help="a class-folder dataset [default: generate one]")
+    parser.add_argument("--generate", type=int, default=400, help="images to generate without --data")
+    parser.add_argument("--consumers", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=112)
+    parser.add_argument("--workers", type=int, default=1, help="--workers of every daemon")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="each consumer's simulated training step")
+    parser.add_argument("--high-water", type=int, default=8)
+    parser.add_argument("--cap-factor", type=float, default=1.0,
+                        help="--max-buffer-bytes as a multiple of high-water batches (1: the default cap)")
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-consumers-", dir="/dev/shm") as tmp:
+        work = Path(tmp)
+        data = args.data
+        if data is None:
+            data = work / "data"
+            make_imagenet_like(data, classes=4, per_class=max(1, args.generate // 4), seed=0)
+        results = [run_scenario(name, data, args, work) for name in ("shared", "separate")]
+    shared, separate = results
+    print(f"{args.consumers} consumers x {args.epochs} epochs, batch {args.batch_size} at {args.image_size}px, "
+          f"--workers {args.workers} per daemon, {args.step_ms:g} ms per step, high-water {args.high_water}, "
+          f"cap {args.cap_factor:g} x high-water, cores: {len(psutil.Process().cpu_affinity() or [])}")
+    print(f"{'scenario':<10} {'daemons':>7} {'images':>7} {'wall s':>7} {'daemon CPU s':>12} {'consumer CPU s':>14} "
+          f"{'daemon ms/img':>13} {'total ms/img':>12}  data-wait share per consumer")
+    for r in results:
+        shares = " ".join(f"{c['wait_share']:.0%}" for c in r["consumers"])
+        print(f"{r['scenario']:<10} {r['daemons']:>7} {r['images_consumed']:>7} {r['wall_s']:>7.1f} "
+              f"{r['daemon_cpu_s']:>12.1f} {r['consumer_cpu_s']:>14.1f} {r['daemon_cpu_ms_per_image']:>13.2f} "
+              f"{r['total_cpu_ms_per_image']:>12.2f}  {shares}")
+    ratio = separate["daemon_cpu_ms_per_image"] / max(shared["daemon_cpu_ms_per_image"], 1e-9)
+    total = separate["total_cpu_ms_per_image"] / max(shared["total_cpu_ms_per_image"], 1e-9)
+    print(f"separate / shared: {ratio:.2f}x the daemon CPU per consumed image, {total:.2f}x counting the consumers")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
