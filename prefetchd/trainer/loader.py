@@ -51,7 +51,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -71,6 +70,7 @@ from prefetchd.buffer_protocol import (
     progress_name,
 )
 from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
+from prefetchd.trainer.batch import Batch, WaitMeter
 from prefetchd.trainer.errors import LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 from prefetchd.trainer.liveness import BatchWaiter, wait_for_manifest
@@ -90,35 +90,6 @@ GRAY_STD = (0.226,)
 _PROGRESS_WRITE_GRACE = 30.0
 
 DeviceLike = str | torch.device
-
-
-@dataclass(frozen=True, eq=False, repr=False)
-class Batch:
-    """One batch; unpacks as ``images, labels = batch`` like a DataLoader item."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    indices: torch.Tensor
-    epoch: int
-    step: int
-    replaced: int = 0
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        yield self.images
-        yield self.labels
-
-    def __len__(self) -> int:
-        return 2
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return (self.images, self.labels)[index]
-
-    def __repr__(self) -> str:
-        im = self.images
-        return (
-            f"Batch(epoch={self.epoch}, step={self.step}, images={list(im.shape)} {im.dtype} {im.device}, "
-            f"labels={list(self.labels.shape)}, replaced={self.replaced})"
-        )
 
 
 class _EpochIterator:
@@ -613,27 +584,6 @@ class BufferLoader:
                 f"{path}: labels range over [{int(labels_np.min())}, {int(labels_np.max())}] but the manifest "
                 f"has {len(m.classes)} classes; delete it (the daemon regenerates missing batches)"
             )
-
-
-class WaitMeter:
-    """Share of the last ``window`` seconds the consumer spent inside ``next()``."""
-
-    def __init__(self, window: float = 30.0) -> None:
-        self.window = window
-        self._spans: deque[tuple[float, float]] = deque()
-
-    def add(self, start: float, end: float) -> None:
-        self._spans.append((start, end))
-        while self._spans and self._spans[0][1] < end - self.window:
-            self._spans.popleft()
-
-    def share(self) -> float | None:
-        if len(self._spans) < 2:
-            return None
-        now = time.monotonic()
-        lo = max(self._spans[0][0], now - self.window)
-        waited = sum(max(0.0, end - max(start, lo)) for start, end in self._spans)
-        return min(1.0, waited / max(now - lo, 1e-9))
 
 
 __all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]

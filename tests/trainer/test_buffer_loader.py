@@ -443,7 +443,7 @@ def test_cuda_batches(make_job: MakeJob) -> None:
 
 
 def test_wait_meter_share_of_recent_time() -> None:
-    from prefetchd.trainer.loader import WaitMeter
+    from prefetchd.trainer.batch import WaitMeter
 
     meter = WaitMeter(window=30.0)
     now = time.monotonic()

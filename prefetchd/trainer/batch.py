@@ -1,0 +1,65 @@
+"""What the trainer gets: a ``Batch`` (images, labels, and where they came from), and the
+``WaitMeter`` behind the data-wait share a loader reports in its progress file."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Batch:
+    """One batch; unpacks as ``images, labels = batch`` like a DataLoader item."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    indices: torch.Tensor
+    epoch: int
+    step: int
+    replaced: int = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield self.images
+        yield self.labels
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.images, self.labels)[index]
+
+    def __repr__(self) -> str:
+        im = self.images
+        return (
+            f"Batch(epoch={self.epoch}, step={self.step}, images={list(im.shape)} {im.dtype} {im.device}, "
+            f"labels={list(self.labels.shape)}, replaced={self.replaced})"
+        )
+
+
+
+class WaitMeter:
+    """Share of the last ``window`` seconds the consumer spent inside ``next()``."""
+
+    def __init__(self, window: float = 30.0) -> None:
+        self.window = window
+        self._spans: deque[tuple[float, float]] = deque()
+
+    def add(self, start: float, end: float) -> None:
+        self._spans.append((start, end))
+        while self._spans and self._spans[0][1] < end - self.window:
+            self._spans.popleft()
+
+    def share(self) -> float | None:
+        if len(self._spans) < 2:
+            return None
+        now = time.monotonic()
+        lo = max(self._spans[0][0], now - self.window)
+        waited = sum(max(0.0, end - max(start, lo)) for start, end in self._spans)
+        return min(1.0, waited / max(now - lo, 1e-9))
+
+
+__all__ = ["Batch", "WaitMeter"]
