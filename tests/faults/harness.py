@@ -35,7 +35,8 @@ trainer_kill        SIGKILL the trainer; once the daemon's status says    status
 trainer_stop        SIGSTOP the trainer until the daemon reports the      status ``state`` was ``full``
                     buffer ``full``, a while longer, then SIGCONT         while the trainer was stopped
 enospc              fill the buffer's small tmpfs (root only) to less     ``errors.write_failures`` or
-                    than a batch free, until a write fails, then free it  ``errors.low_space_pauses`` rose
+                    than a batch free, topped up as batches are consumed, ``errors.low_space_pauses`` rose
+                    until a write fails or production pauses; free it
 batch_corrupt       flip a byte of the header or metadata of a waiting    the trainer logged a
                     batch (not yet opened by the trainer)                 ``protocol_error`` event for it
 batch_truncate      truncate a waiting batch (not yet opened)             as for batch_corrupt
@@ -731,28 +732,37 @@ class Harness:
 
     def inject_enospc(self, fault: Fault, rng: random.Random) -> None:
         assert self.mount is not None
+        mount = self.mount
         base = self.fresh_status()
         filler = self.mount / "filler"
         fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            leave = 3 * PAGE  # less than any batch, enough for the small JSON documents
+
+        def top_up() -> None:
+            # Less than any batch left free, enough for the small JSON documents. Topped up while waiting:
+            # each batch the trainer consumes frees room for exactly one more, so a buffer filled while full
+            # would otherwise go on replacing batch for batch and never run short.
+            leave = 3 * PAGE
             for _ in range(20):
-                st = os.statvfs(self.mount)
+                st = os.statvfs(mount)
                 free = st.f_bavail * st.f_frsize
+                if free <= leave:
+                    return
                 try:
-                    os.posix_fallocate(fd, 0, os.fstat(fd).st_size + max(0, free - leave))
-                    break
-                except OSError:
+                    os.posix_fallocate(fd, 0, os.fstat(fd).st_size + free - leave)
+                    return
+                except OSError:  # a batch was written meanwhile: measure again
                     continue
-        finally:
-            os.close(fd)
-        fault.t_inject = time.time()
 
         def noticed(f: Fault, h: Harness) -> bool:
             until = f.data.get("t_end", float("inf"))
             return h.counter_rose("write_failures", base, until) or h.counter_rose("low_space_pauses", base, until)
 
-        self.wait_until(lambda: noticed(fault, self), 5.0)
+        try:
+            top_up()
+            fault.t_inject = time.time()
+            self.wait_until(lambda: top_up() or noticed(fault, self), 5.0)
+        finally:
+            os.close(fd)
         self.sleep(rng.uniform(0.0, 0.3))
         filler.unlink()
         fault.t_ref = time.time()
