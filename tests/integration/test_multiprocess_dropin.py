@@ -1,0 +1,225 @@
+"""Lightning's DDP strategy and Accelerate with real processes: two CPU ranks (gloo), one stream each.
+
+The single-process tests (test_dropin.py, tests/trainer/test_lightning.py and test_accelerate.py)
+cannot show that each rank reads its own stream of a ``--world-size 2`` daemon, nor that a checkpoint
+rank 0 writes brings every rank back to its own position. Here the scripts are files run as users run
+them (docs/DROP_IN.md gives the same command lines): Lightning's ``ddp`` strategy re-runs the script
+once per extra rank, and torchrun starts the Accelerate script once per rank. Every rank records what
+it received (epoch, step, sample indices, sha1 of the images) to a JSON file of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from prefetchd.buffer_protocol import stream_dir
+from prefetchd.trainer import BufferLoader
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="needs torch.distributed with the gloo backend: the ranks are CPU processes joined by gloo",
+)
+
+WORLD = 2
+# 72 training images (shapes_data) over 2 ranks: 36 a rank, batches of 8, so 5 steps an epoch.
+JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "2", "--seed", "3", "--world-size", str(WORLD),
+       "--workers", "1"]
+STEPS_PER_EPOCH = 5
+
+LIGHTNING_DDP = '''\
+"""Two CPU ranks under Lightning's ddp strategy, fed by a BufferDataModule; each rank records its batches."""
+import hashlib
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from prefetchd.lightning import BufferDataModule
+
+
+class Recorder(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(3, 3)
+        self.received = []
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        digest = hashlib.sha1(images.contiguous().numpy().tobytes()).hexdigest()
+        self.received.append([batch.epoch, batch.step, batch.indices.tolist(), digest])
+        return torch.nn.functional.cross_entropy(self.net(images.float().mean((2, 3))), labels)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def main():
+    buffer, out, max_epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ckpt_path = sys.argv[4] if len(sys.argv) > 4 else None
+    module = Recorder()
+    trainer = L.Trainer(
+        strategy="ddp", devices=2, accelerator="cpu", max_epochs=max_epochs, default_root_dir=out,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=out, save_last=True)],
+    )
+    trainer.fit(module, datamodule=BufferDataModule(buffer, normalize=False, timeout=120), ckpt_path=ckpt_path)
+    doc = {"world_size": torch.distributed.get_world_size(), "received": module.received}
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(doc, f)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+ACCELERATE_RANKS = '''\
+"""One epoch per rank with Accelerate: a BufferLoader on this rank's stream, through accelerator.prepare."""
+import hashlib
+import json
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+
+from prefetchd.trainer import BufferLoader, rank_stream
+
+
+def main():
+    buffer, out = sys.argv[1], sys.argv[2]
+    accelerator = Accelerator(cpu=True)
+    loader = BufferLoader(rank_stream(buffer), device=accelerator.device, normalize=False, timeout=120)
+    model = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
+    received = []
+    for batch in prepared:
+        images, labels = batch
+        digest = hashlib.sha1(images.contiguous().numpy().tobytes()).hexdigest()
+        received.append([batch.epoch, batch.step, batch.indices.tolist(), digest, str(images.device),
+                         str(images.dtype), images.is_contiguous(memory_format=torch.channels_last)])
+        loss = torch.nn.functional.cross_entropy(model(images.float().mean((2, 3))), labels)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    doc = {
+        "rank": accelerator.process_index, "processes": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type), "backend": torch.distributed.get_backend(),
+        "prepared_is_loader": prepared is loader, "stream": str(loader.buffer),
+        "weights": accelerator.unwrap_model(model).weight.detach().tolist(), "received": received,
+    }
+    loader.close()
+    with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(doc, f)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+Received = tuple[int, int, tuple[int, ...], str]  # epoch, step, sample indices, sha1 of the images
+
+
+def run_script(argv: list[str | Path], what: str) -> None:
+    done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, f"{what} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+
+
+def rank_docs(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def batches(doc: dict[str, Any]) -> list[Received]:
+    return [(row[0], row[1], tuple(row[2]), row[3]) for row in doc["received"]]
+
+
+def assert_disjoint_shares(per_rank: list[list[Received]], epochs: range, samples: int) -> None:
+    """Every epoch, the ranks' sample indices do not overlap and together are the whole dataset."""
+    for epoch in epochs:
+        shares = [[i for e, _, indices, _ in received if e == epoch for i in indices] for received in per_rank]
+        assert all(len(share) == len(set(share)) for share in shares), "a rank got a sample twice in an epoch"
+        assert not set(shares[0]) & set(shares[1]), f"epoch {epoch}: both ranks got the same samples"
+        assert sorted(shares[0] + shares[1]) == list(range(samples)), f"epoch {epoch}: not the whole dataset"
+
+
+def read_epoch(stream: Path, epoch: int) -> list[Received]:
+    """``epoch`` of one stream as a lone BufferLoader in this process reads it (the daemon remakes it)."""
+    with BufferLoader(stream, normalize=False, timeout=120) as loader:
+        loader.set_epoch(epoch)
+        return [(b.epoch, b.step, tuple(b.indices.tolist()),
+                 hashlib.sha1(b.images.contiguous().numpy().tobytes()).hexdigest()) for b in loader]
+
+
+def test_lightning_ddp_gives_each_rank_its_stream_and_resumes_every_rank_exactly(
+    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon: Any
+) -> None:
+    pytest.importorskip("lightning")
+    train = shapes_data / "train"
+    samples = sum(1 for p in train.rglob("*") if p.is_file())
+    script = tmp_path / "lightning_ddp.py"
+    script.write_text(LIGHTNING_DDP)
+    # Two daemons of the same job (same seed): one for the uninterrupted run, one for the stopped and resumed one.
+    full_buffer, split_buffer = shm_dir / "full", shm_dir / "split"
+    for buffer in (full_buffer, split_buffer):
+        start_daemon(buffer, "--data", train, *JOB)
+    full, first, resumed = (tmp_path / name for name in ("full", "first", "resumed"))
+
+    run_script([sys.executable, script, full_buffer, full, 2], "the uninterrupted ddp run")
+    run_script([sys.executable, script, split_buffer, first, 1], "the ddp run stopped after epoch 1")
+    checkpoint = first / "last.ckpt"
+    state = torch.load(checkpoint, weights_only=False)["BufferDataModule"]
+    assert [(r["identity"]["rank"], r["identity"]["world_size"]) for r in state["ranks"]] == [(0, 2), (1, 2)]
+    assert [(r["epoch"], r["step"]) for r in state["ranks"]] == [(1, 0), (1, 0)], "both ranks' positions"
+    run_script([sys.executable, script, split_buffer, resumed, 2, checkpoint], "the ddp run resumed")
+
+    uninterrupted = [batches(doc) for doc in rank_docs(full)]
+    assert [doc["world_size"] for doc in rank_docs(full)] == [WORLD, WORLD], "a real two-process group"
+    for received in uninterrupted:
+        assert [(e, s) for e, s, _, _ in received] == [(e, s) for e in range(2) for s in range(STEPS_PER_EPOCH)]
+    assert_disjoint_shares(uninterrupted, range(2), samples)
+    for rank, (before, after) in enumerate(zip(rank_docs(first), rank_docs(resumed))):
+        assert batches(before) + batches(after) == uninterrupted[rank], (
+            f"rank {rank}: the stopped and resumed run got other batches than the uninterrupted one")
+
+
+def test_accelerate_ranks_read_their_own_streams_unmoved(
+    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon: Any
+) -> None:
+    pytest.importorskip("accelerate")
+    train = shapes_data / "train"
+    samples = sum(1 for p in train.rglob("*") if p.is_file())
+    script = tmp_path / "accelerate_ranks.py"
+    script.write_text(ACCELERATE_RANKS)
+    buffer, out = shm_dir / "bf", tmp_path / "out"
+    out.mkdir()
+    start_daemon(buffer, "--data", train, *JOB)
+    # `accelerate launch --cpu --num_processes 2` starts one process unless given an mpirun hostfile;
+    # torchrun is what `accelerate launch` runs for several processes, and Accelerate reads its environment.
+    run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+                script, buffer, out], "the accelerate script under torchrun")
+
+    docs = rank_docs(out)
+    for rank, doc in enumerate(docs):
+        assert (doc["rank"], doc["processes"], doc["backend"]) == (rank, WORLD, "gloo")
+        assert doc["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert doc["prepared_is_loader"], "prepare() wrapped the loader: it would re-shard and move the batches"
+        assert doc["stream"] == str(stream_dir(buffer, rank, WORLD))
+        # As the daemon wrote them: uint8 NHWC bytes, on the process's device, neither converted nor copied.
+        assert {tuple(row[4:]) for row in doc["received"]} == {("cpu", "torch.uint8", True)}
+    assert docs[0]["weights"] == docs[1]["weights"], "DDP averaged the gradients of the two ranks' batches"
+    per_rank = [batches(doc) for doc in docs]
+    assert_disjoint_shares(per_rank, range(1), samples)
+    for rank, received in enumerate(per_rank):
+        assert received == read_epoch(stream_dir(buffer, rank, WORLD), 0), f"rank {rank} read another stream"
