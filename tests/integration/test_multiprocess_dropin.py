@@ -176,13 +176,13 @@ def test_lightning_ddp_gives_each_rank_its_stream_and_resumes_every_rank_exactly
         start_daemon(buffer, "--data", train, *JOB)
     full, first, resumed = (tmp_path / name for name in ("full", "first", "resumed"))
 
-    run_script([sys.executable, script, full_buffer, full, 2], "the uninterrupted ddp run")
-    run_script([sys.executable, script, split_buffer, first, 1], "the ddp run stopped after epoch 1")
+    run_script([sys.executable, script, full_buffer, full, "2"], "the uninterrupted ddp run")
+    run_script([sys.executable, script, split_buffer, first, "1"], "the ddp run stopped after epoch 1")
     checkpoint = first / "last.ckpt"
     state = torch.load(checkpoint, weights_only=False)["BufferDataModule"]
     assert [(r["identity"]["rank"], r["identity"]["world_size"]) for r in state["ranks"]] == [(0, 2), (1, 2)]
     assert [(r["epoch"], r["step"]) for r in state["ranks"]] == [(1, 0), (1, 0)], "both ranks' positions"
-    run_script([sys.executable, script, split_buffer, resumed, 2, checkpoint], "the ddp run resumed")
+    run_script([sys.executable, script, split_buffer, resumed, "2", checkpoint], "the ddp run resumed")
 
     uninterrupted = [batches(doc) for doc in rank_docs(full)]
     assert [doc["world_size"] for doc in rank_docs(full)] == [WORLD, WORLD], "a real two-process group"
