@@ -66,13 +66,15 @@ class Recorder(L.LightningModule):
 
 
 def main():
-    buffer, out, max_epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    ckpt_path = sys.argv[4] if len(sys.argv) > 4 else None
+    buffer, out, max_epochs, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    ckpt_path = sys.argv[5] if len(sys.argv) > 5 else None
     module = Recorder()
+    # Stopped by max_steps (mid-epoch), the run checkpoints at that step; otherwise at every epoch's end.
+    every = max_steps if max_steps > 0 else None
     trainer = L.Trainer(
-        strategy="ddp", devices=2, accelerator="cpu", max_epochs=max_epochs, default_root_dir=out,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=out, save_last=True)],
+        strategy="ddp", devices=2, accelerator="cpu", max_epochs=max_epochs, max_steps=max_steps,
+        default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=every)],
     )
     trainer.fit(module, datamodule=BufferDataModule(buffer, normalize=False, timeout=120), ckpt_path=ckpt_path)
     doc = {"world_size": torch.distributed.get_world_size(), "received": module.received}
@@ -162,8 +164,23 @@ def read_epoch(stream: Path, epoch: int) -> list[Received]:
                  hashlib.sha1(b.images.contiguous().numpy().tobytes()).hexdigest()) for b in loader]
 
 
+def run_lightning(script: Path, buffer: Path, out: Path, max_epochs: int, max_steps: int = -1,
+                  ckpt_path: Path | None = None) -> None:
+    """``python lightning_ddp.py ...``: rank 0, and the ddp strategy re-runs the script for rank 1."""
+    resume = [] if ckpt_path is None else [ckpt_path]
+    run_script([sys.executable, script, buffer, out, str(max_epochs), str(max_steps), *resume],
+               f"the ddp run into {out.name}")
+
+
+def saved_positions(checkpoint: Path) -> list[tuple[int, int, int, int]]:
+    """(rank, world size, epoch, step) of every rank's training position in a Lightning checkpoint."""
+    state = torch.load(checkpoint, weights_only=False)["BufferDataModule"]
+    return [(r["identity"]["rank"], r["identity"]["world_size"], r["epoch"], r["step"]) for r in state["ranks"]]
+
+
+@pytest.mark.parametrize("stop", ["epoch_end", "mid_epoch"])
 def test_lightning_ddp_gives_each_rank_its_stream_and_resumes_every_rank_exactly(
-    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon: Any
+    stop: str, shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon: Any
 ) -> None:
     pytest.importorskip("lightning")
     train = shapes_data / "train"
@@ -176,13 +193,16 @@ def test_lightning_ddp_gives_each_rank_its_stream_and_resumes_every_rank_exactly
         start_daemon(buffer, "--data", train, *JOB)
     full, first, resumed = (tmp_path / name for name in ("full", "first", "resumed"))
 
-    run_script([sys.executable, script, full_buffer, full, "2"], "the uninterrupted ddp run")
-    run_script([sys.executable, script, split_buffer, first, "1"], "the ddp run stopped after epoch 1")
+    run_lightning(script, full_buffer, full, max_epochs=2)
+    if stop == "epoch_end":  # max_epochs=1, then max_epochs=2 from its last.ckpt
+        run_lightning(script, split_buffer, first, max_epochs=1)
+        at = (1, 0)
+    else:  # 7 steps, that is 2 into the second epoch, checkpointed there
+        run_lightning(script, split_buffer, first, max_epochs=2, max_steps=7)
+        at = (1, 2)
     checkpoint = first / "last.ckpt"
-    state = torch.load(checkpoint, weights_only=False)["BufferDataModule"]
-    assert [(r["identity"]["rank"], r["identity"]["world_size"]) for r in state["ranks"]] == [(0, 2), (1, 2)]
-    assert [(r["epoch"], r["step"]) for r in state["ranks"]] == [(1, 0), (1, 0)], "both ranks' positions"
-    run_script([sys.executable, script, split_buffer, resumed, "2", checkpoint], "the ddp run resumed")
+    assert saved_positions(checkpoint) == [(0, WORLD, *at), (1, WORLD, *at)], "both ranks' positions, each its own"
+    run_lightning(script, split_buffer, resumed, max_epochs=2, ckpt_path=checkpoint)
 
     uninterrupted = [batches(doc) for doc in rank_docs(full)]
     assert [doc["world_size"] for doc in rank_docs(full)] == [WORLD, WORLD], "a real two-process group"
