@@ -3,15 +3,17 @@
 The single-process tests (test_dropin.py, tests/trainer/test_lightning.py and test_accelerate.py)
 cannot show that each rank reads its own stream of a ``--world-size 2`` daemon, nor that a checkpoint
 rank 0 writes brings every rank back to its own position. Here the scripts are files run as users run
-them (docs/DROP_IN.md gives the same command lines): Lightning's ``ddp`` strategy re-runs the script
-once per extra rank, and torchrun starts the Accelerate script once per rank. Every rank records what
-it received (epoch, step, sample indices, sha1 of the images) to a JSON file of its own.
+them, with docs/DROP_IN.md's command lines ("Several processes"): Lightning's ``ddp`` strategy re-runs
+the script once per extra rank, and ``accelerate launch`` (torchrun underneath) starts the Accelerate
+script once per rank. Every rank records what it received (epoch, step, sample indices, sha1 of the
+images) to a JSON file of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +36,9 @@ WORLD = 2
 JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "2", "--seed", "3", "--world-size", str(WORLD),
        "--workers", "1"]
 STEPS_PER_EPOCH = 5
+# What `accelerate launch` is given (no accelerate config file is read: HF_HOME is the test's own).
+ACCELERATE_LAUNCH = ["--multi_gpu", "--num_processes", str(WORLD), "--num_machines", "1", "--mixed_precision", "no",
+                     "--dynamo_backend", "no", "--main_process_port", "0"]
 
 LIGHTNING_DDP = '''\
 """Two CPU ranks under Lightning's ddp strategy, fed by a BufferDataModule; each rank records its batches."""
@@ -134,8 +139,8 @@ if __name__ == "__main__":
 Received = tuple[int, int, tuple[int, ...], str]  # epoch, step, sample indices, sha1 of the images
 
 
-def run_script(argv: list[str | Path], what: str) -> None:
-    done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=400)
+def run_script(argv: list[str | Path], what: str, env: dict[str, str] | None = None) -> None:
+    done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, f"{what} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
 
 
@@ -225,10 +230,11 @@ def test_accelerate_ranks_read_their_own_streams_unmoved(
     buffer, out = shm_dir / "bf", tmp_path / "out"
     out.mkdir()
     start_daemon(buffer, "--data", train, *JOB)
-    # `accelerate launch --cpu --num_processes 2` starts one process unless given an mpirun hostfile;
-    # torchrun is what `accelerate launch` runs for several processes, and Accelerate reads its environment.
-    run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-                script, buffer, out], "the accelerate script under torchrun")
+    # `accelerate launch --cpu --num_processes 2` starts ONE process (several CPU processes need an mpirun
+    # hostfile); `--multi_gpu` launches through torchrun whatever the devices, and the script's
+    # Accelerator(cpu=True) then joins the ranks over gloo. Port 0: a free one, so parallel runs do not collide.
+    run_script([sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE_LAUNCH, script, buffer, out],
+               "the accelerate script under accelerate launch", env={**os.environ, "HF_HOME": str(tmp_path / "hf")})
 
     docs = rank_docs(out)
     for rank, doc in enumerate(docs):
