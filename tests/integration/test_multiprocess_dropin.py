@@ -249,3 +249,11 @@ def test_accelerate_ranks_read_their_own_streams_unmoved(
     assert_disjoint_shares(per_rank, range(1), samples)
     for rank, received in enumerate(per_rank):
         assert received == read_epoch(stream_dir(buffer, rank, WORLD), 0), f"rank {rank} read another stream"
+
+
+def test_the_documented_command_lines_are_the_ones_run_here() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "DROP_IN.md").read_text().replace("\\\n    ", "")
+    assert f"--data data/train {' '.join(JOB)} &" in doc
+    assert f"accelerate launch {' '.join(ACCELERATE_LAUNCH)} accelerate_ranks.py" in doc
+    assert 'Trainer(strategy="ddp", devices=2, accelerator="cpu"' in doc
+    assert 'strategy="ddp", devices=2, accelerator="cpu"' in LIGHTNING_DDP
