@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -140,8 +141,16 @@ Received = tuple[int, int, tuple[int, ...], str]  # epoch, step, sample indices,
 
 
 def run_script(argv: list[str | Path], what: str, env: dict[str, str] | None = None) -> None:
-    done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=400, env=env)
-    assert done.returncode == 0, f"{what} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    """Run ``argv`` to the end; on a hang, kill its whole process group (the ranks it started) and fail."""
+    with subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # a rank left waiting on a collective would outlive the test
+            out, err = proc.communicate()
+            raise AssertionError(f"{what} did not finish in 400 s:\n{out[-3000:]}\n{err[-5000:]}") from None
+    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{out[-3000:]}\n{err[-5000:]}"
 
 
 def rank_docs(out: Path) -> list[dict[str, Any]]:
