@@ -137,7 +137,7 @@ TITLES = {
     "progress_planted": "progress FIFO/symlink",
     "batch_planted": "batch FIFO/symlink",
     "bad_start": "bad dataset/buffer starts",
-    "consumer_kill": "2nd consumer SIGKILL + resume",
+    "consumer_kill": "2nd consumer SIGKILL+resume",
     "trainer_crash": "trainer SIGTERM (self-test)",
 }
 # The counters a daemon keeps in status.json (read through read_status) that the checks compare.
