@@ -27,6 +27,13 @@ again: the daemon rebuilds missing batches.  After ``MAX_BAD_REPEATS`` bad
 copies of the same batch the driver gives up with the error (a crash loop would
 be a failure the harness reports).
 
+With ``--consumer NAME`` it reads the buffer as a named consumer (SPEC rule 9,
+``progress.NAME.json``) beside the trainer, joining where the others are; with
+``--batches N`` it stops, closing its loader, N positions after where its first
+run began (the end is kept in the checkpoint, so a resumed run stops there too).
+A run without a checkpoint writes one before its first batch: a consumer killed
+during that batch resumes where it joined, not where the others are by then.
+
 Each line holds the sha256 of the batch's image bytes (HWC, as in the file) and
 labels, plus a short hash per image so that a sample replaced under the
 bad-sample policy can be told apart from a wrong batch.
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--daemon-timeout", type=float, default=60.0, help="the loader's stall_timeout")
+    p.add_argument("--consumer", help="read as this named consumer (progress.NAME.json); default: the trainer")
+    p.add_argument("--batches", type=int, help="stop this many positions after the first run's start")
     p.add_argument("--go", type=Path, help="start only once this file exists (a spare, its imports done)")
     args = p.parse_args(argv)
     while args.go is not None and not args.go.exists():
@@ -98,26 +107,39 @@ def main(argv: list[str] | None = None) -> int:
 
     log = Log(args.log)
     loader = BufferLoader(args.buffer, normalize=False, timeout=args.timeout, daemon_grace=args.timeout,
-                          stall_timeout=args.daemon_timeout)
+                          stall_timeout=args.daemon_timeout, consumer=args.consumer)
     epochs = loader.manifest.epochs
     if epochs is None:
         raise SystemExit("the fault suite runs a job with --epochs")
+    steps = loader.manifest.steps_per_epoch
     count = 0
+    end: int | None = None  # the position to stop at (--batches), else the job's end
     if args.checkpoint.exists():
         state = json.loads(args.checkpoint.read_text())
         loader.load_state_dict(state["loader"])
-        count = state["count"]
+        count, end = state["count"], state.get("end")
+    else:
+        if args.batches is not None:
+            end = loader.position[0] * steps + loader.position[1] + args.batches
+        save_checkpoint(args.checkpoint, {"loader": loader.state_dict(), "count": count, "end": end})
+
+    def more() -> bool:
+        epoch, step = loader.position
+        return epoch < epochs and (end is None or epoch * steps + step < end)
+
     epoch, step = loader.position
     log.write({"event": "start", "run": args.run, "pid": os.getpid(), "epoch": epoch, "step": step, "t": time.time()})
     bad: dict[tuple[int, int], int] = {}
-    while loader.position[0] < epochs:
+    while more():
         try:
             for batch in loader:
                 log.write(record(batch, args.run))
                 if args.step_seconds:
                     time.sleep(args.step_seconds)
                 count += 1
-                save_checkpoint(args.checkpoint, {"loader": loader.state_dict(), "count": count})
+                save_checkpoint(args.checkpoint, {"loader": loader.state_dict(), "count": count, "end": end})
+                if not more():
+                    break
         except DaemonStuck as exc:
             key = loader.position
             log.write({"event": "daemon_stuck", "run": args.run, "pid": daemon_pid(args.buffer), "epoch": key[0],

@@ -57,6 +57,11 @@ progress_planted    replace progress.json by a FIFO or a symlink to a     ``erro
                     valid document (trainer stopped meanwhile)
 batch_planted       replace a waiting batch by a FIFO or a symlink to a   a ``protocol_error`` event for it,
                     copy of it                                            or ``errors.vanished_batches`` rose
+consumer_kill       a second, named consumer (``extra``, a driver run     status ``streams[].consumers[]``:
+                    for 8-16 positions from where the trainer is)         ``extra`` with the killed pid and
+                    SIGKILLed at a seeded point; once the status says     ``alive`` false; its batches are
+                    it is gone (or 10 s) and a seeded delay passed, it    then checked as the trainer's
+                    resumes from its checkpoint                           (exactly once, identical)
 bad_start           start daemons on: a missing dataset, a symlinked      each exited with its code
                     buffer, another user's buffer (root), an unwritable   (``EXIT_FAILURE``, ``EXIT_USAGE``),
                     buffer (a read-only tmpfs as root, mode 0500 else),   no traceback, last line names the
@@ -113,7 +118,7 @@ DRIVER = Path(__file__).resolve().with_name("driver.py")
 KINDS = (
     "daemon_kill", "trainer_kill", "trainer_stop", "enospc", "batch_corrupt", "batch_truncate",
     "batch_delete", "progress_garbage", "progress_rewind", "second_daemon", "dataset_delete",
-    "daemon_stuck", "progress_planted", "batch_planted", "bad_start",
+    "daemon_stuck", "progress_planted", "batch_planted", "bad_start", "consumer_kill",
 )
 # Not faults of the system: they break the run on purpose, so that a test sees the harness fail it.
 SELF_TEST_KINDS = ("trainer_crash",)
@@ -133,6 +138,7 @@ TITLES = {
     "progress_planted": "progress FIFO/symlink",
     "batch_planted": "batch FIFO/symlink",
     "bad_start": "bad dataset/buffer starts",
+    "consumer_kill": "2nd consumer SIGKILL+resume",
     "trainer_crash": "trainer SIGTERM (self-test)",
 }
 # The counters a daemon keeps in status.json (read through read_status) that the checks compare.
@@ -141,6 +147,7 @@ COUNTERS = ("write_failures", "low_space_pauses", "vanished_batches", "progress_
 STATUS_POLL = 0.05  # seconds between looks at status.json; the daemon rewrites it about once a second
 LOG_TAIL = 12  # lines of a process's log quoted when it exits unexpectedly
 RECOVERY_TIMEOUT = 90.0  # no batch for this long after a fault is a hang
+EXTRA_CONSUMER = "extra"  # the second consumer's name (consumer_kill)
 PAGE = 4096
 
 
@@ -310,6 +317,8 @@ class StatusSample:
     trainer_pid: int | None
     trainer_alive: bool | None
     counters: dict[str, int]
+    consumers: tuple[tuple[str, int | None, bool | None], ...] = ()  # (name, pid, alive), every stream's
+
 
     @classmethod
     def of(cls, status: Status) -> StatusSample:
@@ -320,6 +329,8 @@ class StatusSample:
             trainer_pid=trainer.pid if trainer is not None else None,
             trainer_alive=trainer.alive if trainer is not None else None,
             counters={k: getattr(job.errors, k) if job is not None else 0 for k in COUNTERS},
+            consumers=tuple((c.name, c.trainer.pid, c.trainer.alive)
+                            for s in (job.streams if job is not None else ()) for c in s.consumers),
         )
 
 
@@ -337,6 +348,10 @@ class Harness:
         self.daemon: subprocess.Popen[bytes] | None = None
         self.driver: subprocess.Popen[bytes] | None = None
         self.spare: subprocess.Popen[bytes] | None = None
+        # consumer_kill's drivers: the next one, imports done, waits for its go file (see extra_driver).
+        self.extra_spare: subprocess.Popen[bytes] | None = None
+        self.extra_runs = 0
+        self.problems: list[str] = []  # what a fault's own checks found wrong (consumer_kill's consumer)
         self.run_id = -1
         self.trainer_crashes: list[str] = []
         self.daemon_exits: list[str] = []
@@ -408,13 +423,14 @@ class Harness:
         return self.spawn([self.s.python, "-m", "prefetchd", "start", "--buffer", str(buffer), *self.daemon_args()], log)
 
     def start_driver(self, buffer: Path, log: Path, checkpoint: Path, run: int, step_seconds: float,
-                     go: Path | None = None) -> subprocess.Popen[bytes]:
+                     go: Path | None = None, extra: list[str] | None = None,
+                     err: Path | None = None) -> subprocess.Popen[bytes]:
         argv = [self.s.python, str(DRIVER), "--buffer", str(buffer), "--log", str(log), "--checkpoint",
                 str(checkpoint), "--run", str(run), "--step-seconds", str(step_seconds), "--timeout", "120",
-                "--daemon-timeout", str(self.s.stall_timeout)]
+                "--daemon-timeout", str(self.s.stall_timeout), *(extra or [])]
         if go is not None:
             argv += ["--go", str(go)]
-        return self.spawn(argv, self.work / f"driver-{run}.err")
+        return self.spawn(argv, err or self.work / f"driver-{run}.err")
 
     def cleanup(self) -> None:
         for proc in self.procs:
@@ -513,6 +529,32 @@ class Harness:
     def _spare(self, run: int) -> subprocess.Popen[bytes]:
         return self.start_driver(self.buffer, self.log_path, self.ckpt, run, self.s.step_seconds,
                                  go=self.work / f"go-{run}")
+
+    def extra_paths(self, session: int) -> tuple[Path, Path]:
+        """consumer_kill's ``session``-th extra consumer: its log and its checkpoint."""
+        return self.work / f"extra-{session}.jsonl", self.work / f"extra-{session}.ckpt"
+
+    def _extra_spare(self, n: int) -> subprocess.Popen[bytes]:
+        # Run n of the extra consumer: session n // 2 (each consumer_kill runs it twice: before and after the kill).
+        log, ckpt = self.extra_paths(n // 2)
+        return self.start_driver(self.buffer, log, ckpt, n % 2, self.s.step_seconds, go=self.work / f"go-extra-{n}",
+                                 extra=["--consumer", EXTRA_CONSUMER, "--batches", str(self.extra_batches)],
+                                 err=self.work / f"extra-{n}.err")
+
+    def extra_driver(self) -> subprocess.Popen[bytes]:
+        """Start the next run of the extra consumer (a spare, as for the trainer: see new_driver)."""
+        n = self.extra_runs
+        self.extra_runs += 1
+        spare = self.extra_spare
+        if spare is not None and spare.poll() is not None:
+            self.trainer_crashes.append(f"spare extra consumer {n} (pid {spare.pid}) {describe_exit(spare.returncode)} "
+                                        f"before it was used; its log:{log_tail(self.work / f'extra-{n}.err')}")
+            spare = None
+        if spare is None:
+            spare = self._extra_spare(n)
+        (self.work / f"go-extra-{n}").touch()
+        self.extra_spare = self._extra_spare(n + 1)
+        return spare
 
     def new_daemon(self) -> None:
         self.daemon = self.start_daemon(self.buffer)
@@ -633,6 +675,10 @@ class Harness:
         self.new_daemon()
         self.new_driver()
         margin = 2 * self.s.high_water + 4
+        # consumer_kill's extra consumer reads this many positions, all before the trainer's end.
+        self.extra_batches = min(16, margin)
+        if "consumer_kill" in plan:  # only then: each spare costs a torch import
+            self.extra_spare = self._extra_spare(0)
         for i, kind in enumerate(plan):
             target = self.position() + rng.randint(*self.s.gap)
             if not self.wait_until(lambda: self.position() >= target or self.finished, RECOVERY_TIMEOUT):
@@ -1086,6 +1132,80 @@ class Harness:
         fault.data["verdicts"] = verdicts
         fault.check = lambda f, h: all(f.data["verdicts"].values())
 
+    def inject_consumer_kill(self, fault: Fault, rng: random.Random) -> None:
+        """Run a second, named consumer beside the trainer, SIGKILL it at a seeded point, and once the
+        daemon's status says it is gone (or 10 s) and a seeded delay has passed, resume it from its
+        checkpoint.  It must get exactly the batches it missed, and the trainer must not wait for it.
+
+        Its whole life is within this fault (it ends ``extra_batches`` positions after it joined), so no
+        other fault meets two readers of a batch.
+        """
+        session = self.extra_runs // 2
+        log_path, _ = self.extra_paths(session)
+        log = LogReader(log_path)
+        kill_after = rng.randint(1, self.extra_batches - 2)  # batches it logs before the kill: mid-run
+        delay = rng.uniform(0.2, 1.5)
+        first = self.extra_driver()
+
+        def logged() -> int:
+            log.poll()
+            return sum(1 for r in log.records if "sha" in r)
+
+        self.wait_until(lambda: logged() >= kill_after or first.poll() is not None, RECOVERY_TIMEOUT)
+        time.sleep(rng.uniform(0, self.s.step_seconds))  # anywhere in a step: before or after its checkpoint
+        fault.t_inject = t = time.time()
+        pid = first.pid
+        if first.poll() is not None:
+            self.trainer_crashes.append(f"extra consumer (pid {pid}) {describe_exit(first.returncode)} before it was "
+                                        f"killed; its log:{log_tail(self.work / f'extra-{2 * session}.err')}")
+        self.expected_exits.add(pid)
+        first.kill()
+        first.wait()
+        # The restart is the harness's doing; the daemon's noticing is what is checked.
+        gone = self.wait_until(lambda: any(x.heartbeat > t and (EXTRA_CONSUMER, pid, False) in x.consumers
+                                           for x in self.statuses), 10.0)
+        self.sleep(max(0.0, t + delay - time.time()))
+        fault.t_ref = time.time()
+        second = self.extra_driver()
+        batches = self.extra_batches
+        if not self.wait_until(lambda: second.poll() is not None, RECOVERY_TIMEOUT + batches * (self.s.step_seconds + 1)):
+            self.hangs += 1
+            self.problems.append(f"consumer_kill: the resumed extra consumer (pid {second.pid}) had not read its "
+                                 f"{batches} positions after {RECOVERY_TIMEOUT:.0f} s; its log:"
+                                 f"{log_tail(self.work / f'extra-{2 * session + 1}.err')}")
+        elif second.returncode != 0:
+            self.trainer_crashes.append(f"resumed extra consumer (pid {second.pid}) {describe_exit(second.returncode)}; "
+                                        f"its log:{log_tail(self.work / f'extra-{2 * session + 1}.err')}")
+        log.poll()
+        fault.data.update(gone=gone, records=log.records, session=session)
+        # The trainer went on meanwhile: its longest wait for a batch while the extra consumer was dead or catching up.
+        times = [t, *(r["t"] for r in self.log.records if "sha" in r and r["t"] > t), time.time()]
+        stall = max(b - a for a, b in zip(times, times[1:]))
+        if stall > RECOVERY_TIMEOUT:
+            self.problems.append(f"consumer_kill: the trainer waited {stall:.1f} s for a batch after the extra "
+                                 f"consumer was killed (more than the {RECOVERY_TIMEOUT:.0f} s recovery bound)")
+        fault.detail = (f"after {kill_after} batches, resumed after {fault.t_ref - t:.1f} s; "
+                        f"the trainer's longest wait {stall:.1f} s")
+        fault.check = lambda f, h: bool(f.data["gone"])
+
+    def check_extra_consumer(self, fault: Fault, ref: dict[int, dict[str, Any]]) -> None:
+        """The extra consumer's batches, as the trainer's: each position from where it joined exactly once,
+        identical to the reference (``account``)."""
+        records: list[dict[str, Any]] = fault.data.get("records", [])
+        starts = [r for r in records if r.get("event") == "start" and r["run"] == 0]
+        if not starts:
+            self.problems.append(f"consumer_kill {fault.index}: the extra consumer never started")
+            return
+        first = starts[0]["epoch"] * self.steps + starts[0]["step"]
+        end = min(first + self.extra_batches, self.positions)
+        acc = account(records, ref, self.steps, end, len(self.samples), first=first)
+        wrong = {k: acc[k] for k in ("lost", "duplicated", "different", "out_of_order") if acc[k]}
+        if wrong or acc["committed"] != end - first:
+            self.problems.append(f"consumer_kill {fault.index}: the extra consumer's positions {first}..{end - 1}: "
+                                 f"{acc['committed']} committed, {wrong}")
+        self.problems += [f"consumer_kill {fault.index}, the extra consumer: {p}" for p in acc["problems"]]
+        fault.data["replayed"] = acc["replayed"]
+
     def inject_trainer_crash(self, fault: Fault, rng: random.Random) -> None:
         """Self-test, not a fault of the system: SIGTERM the trainer behind the harness's back, as a bug
         would end it.  ``supervise`` restarts it and the run must be reported failed."""
@@ -1121,6 +1241,10 @@ class Harness:
         deleted = frozenset(f.data["index"] for f in faults if f.kind == "dataset_delete" and "index" in f.data)
         acc = account(records, ref, self.steps, self.positions, len(self.samples), deleted)
         acc["problems"] += self.false_alarms(faults)
+        for f in faults:
+            if f.kind == "consumer_kill":
+                self.check_extra_consumer(f, ref)
+        acc["problems"] += self.problems
         unrecovered = sum(1 for f in faults if f.recovery is None)  # the margin leaves batches after each
         return Report(
             settings={k: str(v) for k, v in dataclasses.asdict(self.s).items()}, faults=faults,
@@ -1133,8 +1257,9 @@ class Harness:
 
 
 def account(records: list[dict[str, Any]], ref: dict[int, dict[str, Any]], steps: int, positions: int,
-            samples: int, deleted: frozenset[int] = frozenset()) -> dict[str, Any]:
-    """Compare the trainer's log with the reference (see the module docstring for the rules)."""
+            samples: int, deleted: frozenset[int] = frozenset(), first: int = 0) -> dict[str, Any]:
+    """Compare the trainer's log with the reference (see the module docstring for the rules): positions
+    ``first`` .. ``positions - 1`` (a consumer that joined later starts at ``first``)."""
     starts = {r["run"]: r["epoch"] * steps + r["step"] for r in records if r.get("event") == "start"}
     runs = sorted(starts)
     problems: list[str] = []
@@ -1166,7 +1291,7 @@ def account(records: list[dict[str, Any]], ref: dict[int, dict[str, Any]], steps
     counts = Counter(committed)
     return {
         "committed": len(committed),
-        "lost": sum(1 for g in range(positions) if g not in counts),
+        "lost": sum(1 for g in range(first, positions) if g not in counts),
         "duplicated": sum(c - 1 for c in counts.values() if c > 1),
         "different": different,
         "out_of_order": sum(1 for a, b in zip(committed, committed[1:]) if b != a + 1),

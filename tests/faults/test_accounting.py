@@ -61,3 +61,14 @@ def test_only_the_bad_sample_policy_may_change_a_batch() -> None:
     assert compare({**replaced, "replaced": 0}, want, SAMPLES, gone) == "different content"
     assert "not its replacement" in compare({**replaced, "indices": [2, 9]}, want, SAMPLES, gone)
     assert "image differs" in compare({**replaced, "slots": ["zz", "other"]}, want, SAMPLES, gone)
+
+
+def test_a_consumer_that_joined_later_is_held_to_its_own_positions() -> None:
+    # consumer_kill's extra consumer joined at 2 and must read 2..4: killed after 3, resumed at 3.
+    records = [start(0, 2), line(0, 2), line(0, 3), start(1, 3), line(1, 3), line(1, 4)]
+    acc = account(records, REF, STEPS, 5, SAMPLES, first=2)
+    assert acc["lost"] == acc["duplicated"] == acc["out_of_order"] == 0 and acc["committed"] == 3, acc
+    assert acc["replayed"] == 1
+    # Resumed one past its checkpoint: the batch it missed is lost.
+    acc = account([start(0, 2), line(0, 2), start(1, 4), line(1, 4)], REF, STEPS, 5, SAMPLES, first=2)
+    assert acc["lost"] == 1, acc
