@@ -147,6 +147,9 @@ COUNTERS = ("write_failures", "low_space_pauses", "vanished_batches", "progress_
 STATUS_POLL = 0.05  # seconds between looks at status.json; the daemon rewrites it about once a second
 LOG_TAIL = 12  # lines of a process's log quoted when it exits unexpectedly
 RECOVERY_TIMEOUT = 90.0  # no batch for this long after a fault is a hang
+# Positions the trainer reads while a fault of a kind is handled, where it goes on meanwhile (measured with
+# seed 3: consumer_kill ~170, bad_start ~80, batch_delete and batch_planted ~50); 25 for the others.
+POSITIONS_PER_FAULT = {"consumer_kill": 250, "bad_start": 120, "batch_delete": 75, "batch_planted": 75}
 EXTRA_CONSUMER = "extra"  # the second consumer's name (consumer_kill)
 PAGE = 4096
 
@@ -367,7 +370,13 @@ class Harness:
 
     # -- setup -------------------------------------------------------------------
 
-    def prepare(self) -> None:
+    def drop_unavailable_kinds(self) -> None:
+        """Leave out the kinds this machine cannot inject, each with the reason, before the plan is drawn."""
+        if "enospc" in self.s.kinds and (os.geteuid() != 0 or shutil.which("mount") is None):
+            self.unavailable["enospc"] = "needs root and mount(8) for a tmpfs small enough to fill"
+            self.s.kinds = tuple(k for k in self.s.kinds if k != "enospc")
+
+    def prepare(self, plan: list[str]) -> None:
         from prefetchd.synthetic import make_shapes_dataset
 
         root = self.work / "data"
@@ -376,8 +385,8 @@ class Harness:
         self.data = root / "train"
         self.samples = sorted_samples(self.data)
         self.steps = -(-len(self.samples) // self.s.batch_size)
-        # Room for the gaps and for what the trainer consumes while a fault is being handled.
-        total = self.s.faults * (sum(self.s.gap) // 2 + 25) + 40
+        # Room for the gaps and for what the trainer consumes while each fault is being handled.
+        total = sum(sum(self.s.gap) // 2 + POSITIONS_PER_FAULT.get(kind, 25) for kind in plan) + 40
         self.epochs = -(-total // self.steps)
         self.positions = self.epochs * self.steps
         self.ref_buffer = self.work / "ref"
@@ -385,17 +394,13 @@ class Harness:
         self.removed = self.work / "removed"
         self.removed.mkdir(exist_ok=True)
         if "enospc" in self.s.kinds:
-            if os.geteuid() != 0 or shutil.which("mount") is None:
-                self.unavailable["enospc"] = "needs root and mount(8) for a tmpfs small enough to fill"
-                self.s.kinds = tuple(k for k in self.s.kinds if k != "enospc")
-            else:
-                self.mount = self.work / "mnt"
-                self.mount.mkdir(exist_ok=True)
-                # Room for the high-water mark and the documents, little more: easy to fill.
-                size = max(1 << 20, 4 * self.s.high_water * self.batch_bytes())
-                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(self.mount)],
-                               check=True)
-                self.buffer = self.mount / "bf"
+            self.mount = self.work / "mnt"
+            self.mount.mkdir(exist_ok=True)
+            # Room for the high-water mark and the documents, little more: easy to fill.
+            size = max(1 << 20, 4 * self.s.high_water * self.batch_bytes())
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(self.mount)],
+                           check=True)
+            self.buffer = self.mount / "bf"
         if "bad_start" in self.s.kinds and os.geteuid() == 0 and shutil.which("mount") is not None:
             self.readonly = self.work / "readonly"
             self.readonly.mkdir(exist_ok=True)
@@ -657,12 +662,7 @@ class Harness:
         return False
 
     def run(self) -> Report:
-        self.prepare()
-        self.start_reference()
-        self.log_path, self.ckpt = self.work / "trainer.jsonl", self.work / "trainer.ckpt"
-        for p in (self.log_path, self.ckpt):
-            p.unlink(missing_ok=True)
-        self.log = LogReader(self.log_path)
+        self.drop_unavailable_kinds()
         rng = random.Random(self.s.seed)
         plan: list[str] = []
         while len(plan) < self.s.faults:
@@ -670,6 +670,12 @@ class Harness:
             rng.shuffle(round_)
             plan += round_
         plan = plan[: self.s.faults]
+        self.prepare(plan)
+        self.start_reference()
+        self.log_path, self.ckpt = self.work / "trainer.jsonl", self.work / "trainer.ckpt"
+        for p in (self.log_path, self.ckpt):
+            p.unlink(missing_ok=True)
+        self.log = LogReader(self.log_path)
         faults: list[Fault] = []
         started = time.monotonic()
         self.new_daemon()
@@ -806,7 +812,12 @@ class Harness:
         try:
             top_up()
             fault.t_inject = time.time()
-            self.wait_until(lambda: top_up() or noticed(fault, self), 5.0)
+
+            def topped_up_and_noticed() -> bool:
+                top_up()
+                return noticed(fault, self)
+
+            self.wait_until(topped_up_and_noticed, 5.0)
         finally:
             os.close(fd)
         self.sleep(rng.uniform(0.0, 0.3))
