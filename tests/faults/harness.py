@@ -948,13 +948,18 @@ class Harness:
     def _rewind_while_waiting(self, fault: Fault, rng: random.Random) -> None:
         """The trainer waits for a batch (the daemon is stopped meanwhile) when progress.json is
         rewound past the window: the daemon now builds other batches, and only the waiting loader
-        can put its position back."""
+        can put its position back.
+
+        The trainer is stopped too until the daemon has read the rewound file: a waiting loader
+        refreshes its progress file now and then, and one refresh before the daemon looked would
+        undo the fault unseen."""
         assert self.daemon is not None
         base = self.fresh_status()
         self.daemon.send_signal(signal.SIGSTOP)
         try:
             # Drained: no new batch for a while, so the trainer sits in its wait.
             self.wait_until(lambda: time.time() - self.last_batch_time() > 0.3, 10)
+            self._stopped()
             g = max(0, self.position() - self.s.high_water - rng.randint(1, self.s.high_water))
             back = self.position() - g
             doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
@@ -964,10 +969,13 @@ class Harness:
             os.replace(tmp, self.buffer / "progress.json")
         finally:
             self.daemon.send_signal(signal.SIGCONT)
-        fault.t_inject = fault.t_ref = time.time()
-        fault.detail = f"back {back}, trainer waiting"
-        fault.check = lambda f, h: h.counter_rose("progress_rewinds", base, f.data.get("t_end", float("inf")))
-        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
+        try:
+            fault.t_inject = fault.t_ref = time.time()
+            fault.detail = f"back {back}, trainer waiting"
+            fault.check = lambda f, h: h.counter_rose("progress_rewinds", base, f.data.get("t_end", float("inf")))
+            self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
+        finally:
+            self._cont()
 
     def inject_second_daemon(self, fault: Fault, rng: random.Random) -> None:
         log = self.work / f"second-{fault.index}.log"
