@@ -185,6 +185,16 @@ class Fault:
     recovery: float | None = None
     data: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def end(self) -> float:
+        """When the next fault was injected (``t_end``): what this fault's checks may count up to."""
+        return float(self.data.get("t_end", float("inf")))
+
+
+def counter_rose(counter: str, base: StatusSample | None) -> Callable[[Fault, Harness], bool]:
+    """A fault's check: the baseline's daemon counted more ``counter`` before the fault's end."""
+    return lambda f, h: h.counter_rose(counter, base, f.end)
+
 
 @dataclass
 class Report:
@@ -806,8 +816,7 @@ class Harness:
                     continue
 
         def noticed(f: Fault, h: Harness) -> bool:
-            until = f.data.get("t_end", float("inf"))
-            return h.counter_rose("write_failures", base, until) or h.counter_rose("low_space_pauses", base, until)
+            return h.counter_rose("write_failures", base, f.end) or h.counter_rose("low_space_pauses", base, f.end)
 
         try:
             top_up()
@@ -888,7 +897,7 @@ class Harness:
             return "next" if g == self.position() else "later"
 
         base = self.fresh_status()
-        fault.check = lambda f, h: h.counter_rose("vanished_batches", base, f.data.get("t_end", float("inf")))
+        fault.check = counter_rose("vanished_batches", base)
         # Also the batch it waits for: unlinking a mapped file is safe.
         self._damage_waiting_batch(fault, rng, 0, delete)
         self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
@@ -922,7 +931,7 @@ class Harness:
             self._cont()
         fault.t_ref = time.time()
         fault.detail = mode
-        fault.check = lambda f, h: h.counter_rose("progress_rejected", base, f.data.get("t_end", float("inf")))
+        fault.check = counter_rose("progress_rejected", base)
 
     def inject_progress_rewind(self, fault: Fault, rng: random.Random) -> None:
         if rng.random() < 0.5:
@@ -943,7 +952,7 @@ class Harness:
             self._cont()
         fault.t_ref = time.time()
         fault.detail = f"back {back}"
-        fault.check = lambda f, h: h.counter_rose("progress_rewinds", base, f.data.get("t_end", float("inf")))
+        fault.check = counter_rose("progress_rewinds", base)
 
     def _rewind_while_waiting(self, fault: Fault, rng: random.Random) -> None:
         """The trainer waits for a batch (the daemon is stopped meanwhile) when progress.json is
@@ -972,7 +981,7 @@ class Harness:
         try:
             fault.t_inject = fault.t_ref = time.time()
             fault.detail = f"back {back}, trainer waiting"
-            fault.check = lambda f, h: h.counter_rose("progress_rewinds", base, f.data.get("t_end", float("inf")))
+            fault.check = counter_rose("progress_rewinds", base)
             self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
         finally:
             self._cont()
@@ -1009,9 +1018,8 @@ class Harness:
         fault.data["index"] = i
         fault.detail = "replaced" if hit else "not read while gone"
         # A delivered batch's header counts the replacement, or the daemon's status the undecodable file.
-        fault.check = lambda f, h: any(r.get("replaced") and f.t_inject < r["t"] for r in h.log.records
-                                       if r["t"] < f.data.get("t_end", float("inf"))) or h.counter_rose(
-                                           "undecodable_files", base, f.data.get("t_end", float("inf")))
+        fault.check = lambda f, h: any(r.get("replaced") and f.t_inject < r["t"] < f.end for r in h.log.records
+                                       ) or h.counter_rose("undecodable_files", base, f.end)
 
     def inject_daemon_stuck(self, fault: Fault, rng: random.Random) -> None:
         """SIGSTOP the daemon until the trainer raises DaemonStuck (its heartbeat older than the stall
@@ -1053,7 +1061,7 @@ class Harness:
             self._cont()
         fault.t_ref = time.time()
         fault.detail = kind
-        fault.check = lambda f, h: h.counter_rose("progress_rejected", base, f.data.get("t_end", float("inf")))
+        fault.check = counter_rose("progress_rejected", base)
 
     def inject_batch_planted(self, fault: Fault, rng: random.Random) -> None:
         """Put a FIFO, or a symlink to a copy of the same batch, in place of a waiting batch: the trainer
@@ -1072,8 +1080,7 @@ class Harness:
             return kind
 
         base = self.fresh_status()
-        fault.check = lambda f, h: h.protocol_error_at(f) or h.counter_rose(
-            "vanished_batches", base, f.data.get("t_end", float("inf")))
+        fault.check = lambda f, h: h.protocol_error_at(f) or h.counter_rose("vanished_batches", base, f.end)
         self._damage_waiting_batch(fault, rng, 1, plant)
         self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
 
