@@ -915,44 +915,47 @@ class Harness:
             except FileNotFoundError:
                 whole = b'{"format": "prefetchd.progress", "version": 1, "epoch": 0, "step": 0}'
             data = whole[: rng.randrange(1, max(2, len(whole) - 1))]
-        # The trainer is stopped meanwhile: otherwise its next step replaces the file before the daemon
-        # has looked at it.  It stays stopped until the daemon's status counts it (or 3 s).
-        base = self.fresh_status()
-        self._stopped()
-        try:
+
+        def overwrite() -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # in place, as a broken writer would
             try:
                 os.write(fd, data)
             finally:
                 os.close(fd)
+
+        fault.detail = mode
+        self._damage_progress(fault, "progress_rejected", overwrite)
+
+    def _damage_progress(self, fault: Fault, counter: str, damage: Callable[[], None]) -> None:
+        """Stop the trainer, ``damage()`` its progress file, and let it go on once the daemon counted
+        ``counter`` (or 3 s): a running trainer's next step would replace the file before the daemon
+        looked at it."""
+        base = self.fresh_status()
+        self._stopped()
+        try:
+            damage()
             fault.t_inject = time.time()
-            self.wait_until(lambda: self.counter_rose("progress_rejected", base), 3.0)
+            self.wait_until(lambda: self.counter_rose(counter, base), 3.0)
         finally:
             self._cont()
         fault.t_ref = time.time()
-        fault.detail = mode
-        fault.check = counter_rose("progress_rejected", base)
+        fault.check = counter_rose(counter, base)
 
     def inject_progress_rewind(self, fault: Fault, rng: random.Random) -> None:
         if rng.random() < 0.5:
             return self._rewind_while_waiting(fault, rng)
-        base = self.fresh_status()
-        self._stopped()  # as for progress_garbage: the daemon sees the rewound file before the trainer moves on
-        try:
-            back = rng.randint(2, 3 * self.s.high_water)  # within the window, and past it
-            g = max(0, self.position() - back)
-            doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
-                   "pid": os.getpid(), "time": time.time()}
-            tmp = self.buffer / f"progress.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, self.buffer / "progress.json")
-            fault.t_inject = time.time()
-            self.wait_until(lambda: self.counter_rose("progress_rewinds", base), 3.0)
-        finally:
-            self._cont()
-        fault.t_ref = time.time()
+        back = rng.randint(2, 3 * self.s.high_water)  # within the window, and past it
         fault.detail = f"back {back}"
-        fault.check = counter_rose("progress_rewinds", base)
+        self._damage_progress(fault, "progress_rewinds", lambda: self._rewrite_progress(self.position() - back))
+
+    def _rewrite_progress(self, g: int) -> None:
+        """Replace progress.json with position ``g`` (or 0), atomically as a trainer does."""
+        g = max(0, g)
+        doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
+               "pid": os.getpid(), "time": time.time()}
+        tmp = self.buffer / f"progress.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.buffer / "progress.json")
 
     def _rewind_while_waiting(self, fault: Fault, rng: random.Random) -> None:
         """The trainer waits for a batch (the daemon is stopped meanwhile) when progress.json is
@@ -969,13 +972,8 @@ class Harness:
             # Drained: no new batch for a while, so the trainer sits in its wait.
             self.wait_until(lambda: time.time() - self.last_batch_time() > 0.3, 10)
             self._stopped()
-            g = max(0, self.position() - self.s.high_water - rng.randint(1, self.s.high_water))
-            back = self.position() - g
-            doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
-                   "pid": os.getpid(), "time": time.time()}
-            tmp = self.buffer / f"progress.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, self.buffer / "progress.json")
+            back = min(self.position(), self.s.high_water + rng.randint(1, self.s.high_water))
+            self._rewrite_progress(self.position() - back)
         finally:
             self.daemon.send_signal(signal.SIGCONT)
         try:
@@ -1044,9 +1042,8 @@ class Harness:
         trainer stopped meanwhile): the daemon must ignore it without blocking and count it."""
         path = self.buffer / "progress.json"
         kind = rng.choice(["fifo", "symlink"])
-        base = self.fresh_status()
-        self._stopped()
-        try:
+
+        def plant() -> None:
             tmp = self.buffer / f"progress.json.planted-{uuid.uuid4().hex[:8]}"
             if kind == "fifo":
                 os.mkfifo(tmp)
@@ -1055,13 +1052,9 @@ class Harness:
                 target.write_bytes(path.read_bytes())  # the same position: only the link is wrong
                 os.symlink(target, tmp)
             os.replace(tmp, path)
-            fault.t_inject = time.time()
-            self.wait_until(lambda: self.counter_rose("progress_rejected", base), 3.0)
-        finally:
-            self._cont()
-        fault.t_ref = time.time()
+
         fault.detail = kind
-        fault.check = counter_rose("progress_rejected", base)
+        self._damage_progress(fault, "progress_rejected", plant)
 
     def inject_batch_planted(self, fault: Fault, rng: random.Random) -> None:
         """Put a FIFO, or a symlink to a copy of the same batch, in place of a waiting batch: the trainer
