@@ -197,6 +197,7 @@ MACHINE_FIELDS = frozenset({
     "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
     "max_buffer_bytes", "consumer_timeout",
     "metrics_port", "metrics_address", "metrics_textfile", "readers", "allowed_data", "allowed_transforms",
+    "ray", "ray_builds",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0
