@@ -13,7 +13,7 @@ import multiprocessing.forkserver
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -89,13 +89,16 @@ class WorkerPool:
                 except OSError:  # died meanwhile; its sentinel requeues the task
                     break
 
-    def wait(self, timeout: float, wake: Wakeup, on_result: Callable[[Task, Filled | WriteFailed], None]) -> list[Worker]:
-        """Wait up to ``timeout`` for results (each handed to ``on_result``), a worker's death or ``wake``.
+    def wait(self, timeout: float, wake: Wakeup, on_result: Callable[[Task, Filled | WriteFailed], None],
+             also: Sequence[Any] = ()) -> list[Worker]:
+        """Wait up to ``timeout`` for results (each handed to ``on_result``), a worker's death, ``wake``
+        or any of ``also`` (the remote pool's pipe and process, which its owner then reads).
 
         Returns the workers that died, removed from the pool after the results they
         sent before dying were handed on; their unfinished tasks are in ``tasks``.
         """
-        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [wake], timeout)
+        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [wake, *also],
+                     timeout)
         for worker in list(self.workers):
             if worker.conn in ready:
                 self._receive(worker, on_result)

@@ -43,6 +43,7 @@ from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, DaemonError
 from prefetchd.daemon.sampler import batch_len, batch_slice
 from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server
+from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream
 from prefetchd.daemon.wakeup import Wakeup
@@ -118,9 +119,10 @@ class Producer:
         self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout)
                         for d, m in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
-        self.workers_wanted = int(cfg.workers or 1)
-        self.chunk = max(1, min(16, cfg.batch_size // (2 * self.workers_wanted)))
-        self.max_building = max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
+        self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
+        self.chunk = max(1, min(16, cfg.batch_size // (2 * max(1, self.workers_wanted))))
+        self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
+                               if self.workers_wanted else 0)
         self.stats = Stats()
         self.todo: deque[Task] = deque()
         self.task_build: dict[int, Build] = {}
@@ -134,6 +136,13 @@ class Producer:
         self.fatal_error: type[DaemonError] = DaemonError
         self._job = WorkerJob.from_config(index, members, cfg)
         self.pool = WorkerPool(self._job, self.workers_wanted)
+        self.remote = RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted) if cfg.ray else None
+
+    @property
+    def max_building(self) -> int:
+        """Batches built at once: enough to keep the local workers' and the cluster's queues full."""
+        remote = self.remote.builds_wanted(self.chunk, self.cfg.batch_size) if self.remote is not None else 0
+        return max(1, self.local_building + remote)
 
     @property
     def workers(self) -> list[Worker]:
@@ -157,6 +166,8 @@ class Producer:
                 log.info("the trainers had consumed all %d epochs before this daemon started; nothing to produce",
                          self.streams[0].manifest.epochs)
             else:
+                if self.remote is not None:
+                    self.remote.start()  # connects in the background while the local workers start
                 self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
                 self.state = State.FILLING
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
@@ -207,8 +218,18 @@ class Producer:
         return STATUS_SECONDS if idle else POLL_SECONDS
 
     def _wait(self, timeout: float) -> None:
-        for worker in self.pool.wait(timeout, self.wake, self._complete):
+        if self.remote is None:
+            for worker in self.pool.wait(timeout, self.wake, self._complete):
+                self._replace_worker(worker)
+            return
+        timeout = self.remote.poll_interval(timeout)
+        for worker in self.pool.wait(timeout, self.wake, self._complete, also=self.remote.waitables()):
             self._replace_worker(worker)
+        self.remote.handle(self._complete, self._requeue)
+
+    def _requeue(self, tasks: list[Task]) -> None:
+        """Tasks the cluster lost go first to whoever has room (a cancelled batch's are built and ignored)."""
+        self.todo.extendleft(reversed(tasks))
 
     # -- workers --------------------------------------------------------------
 
@@ -225,6 +246,8 @@ class Producer:
             self.fatal = too_many
 
     def _shutdown(self) -> None:
+        if self.remote is not None:
+            self.remote.stop()
         self.pool.stop()
         for stream in self.streams:
             for build in stream.building.values():
@@ -324,6 +347,8 @@ class Producer:
 
     def _dispatch(self) -> None:
         self.pool.dispatch(self.todo)
+        if self.remote is not None:
+            self.remote.dispatch(self.todo)
 
     def _complete(self, task: Task, result: Filled | WriteFailed) -> None:
         build = self.task_build.pop(task.task_id)
@@ -431,6 +456,7 @@ class Producer:
                 progress_rewinds=sum(s.progress_rewinds for s in streams),
                 progress_file="; ".join(s.progress_file for s in streams if s.progress_file),
             ),
+            remote=self.remote.status() if self.remote is not None else None,
         )
         return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self.message,
                       job_result=self.job_result(), production=production)
