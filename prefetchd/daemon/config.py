@@ -4,6 +4,7 @@ the TOML keys are derived, and the machine-sized defaults."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import sys
@@ -116,9 +117,11 @@ class DaemonConfig:
                                       "for example 'mytraining.augment:randaugment'")
 
     def _check_ray(self) -> None:
-        if self.ray is not None and not RAY_ADDRESS.fullmatch(self.ray):
-            raise ConfigError(f"ray = {self.ray!r}: expected 'local', 'auto', 'ray://HOST:PORT' (a Ray client server, "
-                              "port 10001 by default) or 'HOST:PORT' (the head's GCS, port 6379 by default)")
+        if self.ray is not None:
+            if not RAY_ADDRESS.fullmatch(self.ray):
+                raise ConfigError(f"ray = {self.ray!r}: expected 'local', 'auto', 'ray://HOST:PORT' (a Ray client "
+                                  "server, port 10001 by default) or 'HOST:PORT' (the head's GCS, port 6379 by default)")
+            require_ray()
         if self.ray is None:
             if self.workers == 0:
                 raise ConfigError("workers = 0 leaves nobody to build batches: pass --ray ADDRESS to build them on a "
@@ -173,6 +176,14 @@ class DaemonConfig:
     @property
     def batch_bytes(self) -> int:
         return BatchLayout.plan(self.batch_size, self.image_size, self.image_size).file_len
+
+
+def require_ray() -> None:
+    """Refuse --ray at once, with the command that fixes it, when Ray is not installed (it is imported
+    only by the process that talks to the cluster, and only with --ray)."""
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray, which is not installed in this environment: pip install 'prefetchd[ray]' "
+                          "(on every node of the cluster too), or start without --ray")
 
 
 def check_value(name: str, value: Any) -> None:

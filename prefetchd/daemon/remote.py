@@ -37,7 +37,6 @@ slices go back to the queue and the local workers build them alone.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
@@ -53,14 +52,13 @@ from typing import Any
 import numpy as np
 
 from prefetchd.buffer_protocol import RemoteNode, RemoteStatus, SlotFiller
-from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.config import require_ray
 from prefetchd.daemon.pool import TASKS_PER_WORKER, worker_context
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'prefetchd[ray]'"
 REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
 SILENT_SECONDS = 15.0  # no report for this long while connected: the cluster is gone
 CONNECT_SECONDS = 120.0  # ray.init; a private local cluster starts in ~10 s on a busy 2-core box
@@ -71,13 +69,6 @@ STRAGGLER_FACTOR = 4.0  # a slice outstanding this many times the median is star
 STRAGGLER_MIN_SECONDS = 2.0  # ... but never before this, and only once STRAGGLER_SAMPLES are known
 STRAGGLER_SAMPLES = 16
 RATE_WINDOW_SECONDS = 10.0
-
-
-def require_ray() -> None:
-    """Refuse --ray early, with the command that fixes it, when Ray is not installed."""
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError(f"--ray needs Ray, which is not installed in this environment: {INSTALL_HINT} "
-                          "(on every node of the cluster too), or start without --ray")
 
 
 # -- messages from the bridge to the controller --------------------------------
@@ -570,4 +561,4 @@ class RemotePool:
         )
 
 
-__all__ = ["RemotePool", "build_slice", "require_ray"]
+__all__ = ["RemotePool", "build_slice"]

@@ -65,7 +65,7 @@ def remote_status(buffer: Path) -> Any:
 
 def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bool = False,
              before: Callable[[Any], None] = lambda _p: None,
-             after_first: Callable[[Path], None] = lambda _b: None) -> dict[str, Any]:
+             after_first: Callable[[Any], None] = lambda _p: None) -> dict[str, Any]:
     """Run a one-epoch daemon with ``args``, read every batch; ``connected``: start reading once its
     cluster is connected; ``before`` runs then (with the daemon's process), ``after_first`` once the
     first batch was read."""
@@ -93,7 +93,7 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
             if len(digests) == 1:
                 shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)],
                                        capture_output=True, text=True, timeout=60).stdout
-                after_first(buffer)
+                after_first(proc)
         loader.close()
         code = proc.wait(60)
     finally:
@@ -128,8 +128,15 @@ def main() -> None:
         out["remote_only"] = read_job(data, work / "remote", work / "remote.log", [*ray, "--workers", "0"],
                                       connected=True, before=lose_node_a)
         out["mixed"] = read_job(data, work / "mixed", work / "mixed.log", [*ray, "--workers", "1"], connected=True)
-        out["cluster_lost"] = read_job(data, work / "cluster-lost", work / "cluster-lost.log", [*ray, "--workers", "1"],
-                                       connected=True, after_first=lambda _b: cluster.shutdown())
+        lost = work / "cluster-lost"
+
+        def lose_cluster(proc: Any) -> None:
+            """Shut the whole cluster down and wait until the daemon has noticed (within SILENT_SECONDS)."""
+            cluster.shutdown()
+            wait_for("the daemon to notice", lambda: (r := remote_status(lost)) is not None and not r.connected, proc)
+
+        out["cluster_lost"] = read_job(data, lost, work / "cluster-lost.log", [*ray, "--workers", "1"],
+                                       connected=True, after_first=lose_cluster)
     finally:
         cluster.shutdown()
     Path(sys.argv[3]).write_text(json.dumps(out))
