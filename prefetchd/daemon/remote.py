@@ -69,6 +69,7 @@ STRAGGLER_FACTOR = 4.0  # a slice outstanding this many times the median is star
 STRAGGLER_MIN_SECONDS = 2.0  # ... but never before this, and only once STRAGGLER_SAMPLES are known
 STRAGGLER_SAMPLES = 16
 RATE_WINDOW_SECONDS = 10.0
+LOGGED_RETURNS = 10  # slices handed back by the cluster that are logged as warnings; the rest at debug level
 
 
 # -- messages from the bridge to the controller --------------------------------
@@ -112,9 +113,18 @@ class Note:
     text: str
 
 
+@dataclass(frozen=True)
+class NodeUnfit:
+    """What a Ray task answers on a node that cannot read the dataset: building there would replace
+    every sample as undecodable (and so differ from a local build), so the slice goes elsewhere."""
+
+    reason: str
+
+
 # -- what runs on a Ray worker ---------------------------------------------------------
 
-_job_here: tuple[str, WorkerJob, SampleReader] | None = None  # (object id, job, reader) this process read last
+# (object id, job, reader, why this node cannot read the dataset or "") for the job this process read last
+_job_here: tuple[str, WorkerJob, SampleReader, str] | None = None
 _prepared = False
 
 
@@ -129,30 +139,46 @@ class _Rows:
         self.pixels[self.rows[slot]] = np.frombuffer(image, np.uint8)
 
 
-def build_slice(job_box: list[Any], task: Task) -> tuple[Filled | WriteFailed, np.ndarray | None, str]:
+def build_slice(job_box: list[Any], task: Task) -> tuple[Filled | WriteFailed | NodeUnfit, np.ndarray | None, str]:
     """A Ray task: run ``task`` with the local workers' code and return its pixels, one row per item.
 
     ``job_box`` holds the job's object reference (in a list, so that Ray hands the task the
-    reference and this worker fetches the job once, not once per task).
+    reference and this worker fetches the job once, not once per task).  Then it reads the
+    split's first sample: a node without the dataset's mount (or credentials) answers
+    ``NodeUnfit`` for every slice instead of replacing every sample.
     """
     global _job_here, _prepared
     import ray
 
+    node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
     if not _prepared:
         prepare_process()
         _prepared = True
     ref = job_box[0]
     if _job_here is None or _job_here[0] != ref.hex():
         job: WorkerJob = ray.get(ref)
-        _job_here = (ref.hex(), job, SampleReader(job.index, job.readers))
-    _, job, reader = _job_here
+        reader = SampleReader(job.index, job.readers)
+        _job_here = (ref.hex(), job, reader, _cannot_read(job, reader))
+    _, job, reader, unfit = _job_here
+    if unfit:
+        return NodeUnfit(unfit), None, node
     pixels = np.empty((len(task.items), task.slot_bytes), np.uint8)
     try:
         result = run_task(job, task, reader, sink=_Rows(pixels, {slot: row for row, (slot, _) in enumerate(task.items)}))
     except Exception as exc:
         result = failure_of(task.task_id, exc)
-    node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
     return result, pixels if isinstance(result, Filled) else None, node
+
+
+def _cannot_read(job: WorkerJob, reader: SampleReader) -> str:
+    """Why this node cannot read the split's first sample, or "" when it can."""
+    first = int(job.members[0])
+    try:
+        reader.read(first)
+    except Exception as exc:
+        return (f"cannot read {job.index.name(first)} ({type(exc).__name__}: {exc}); mount --data at the same path "
+                "on every node (or use an object-storage URL with credentials on every node)")
+    return ""
 
 
 # -- the bridge process: the Ray driver --------------------------------------------------
@@ -190,6 +216,7 @@ class Bridge:
         self.build = ray.remote(build_slice).options(num_cpus=1, max_retries=0)  # retries are ours, counted
         self.slices: dict[int, _Slice] = {}
         self.latencies: deque[float] = deque(maxlen=256)
+        self.unfit: set[str] = set()  # nodes that said they cannot read the dataset (warned once each)
         self.done: deque[tuple[int, Any, Any]] = deque()  # (task id, ref, future) completed; appended by Ray's thread
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
@@ -255,17 +282,13 @@ class Bridge:
                                     s.attempts - 1, s.straggler))
             return
         except exceptions.RayError as exc:  # its worker or node was lost: build it again
-            s.refs.remove(ref)
-            if s.refs:
-                return  # its other copy still runs
-            if s.attempts >= MAX_ATTEMPTS:
-                del self.slices[task_id]
-                self.conn.send(Returned(task_id, f"{type(exc).__name__}: {exc}", s.attempts))
-                return
-            s.attempts += 1
-            self.conn.send(Note(logging.INFO, f"slice {task_id}: {type(exc).__name__}; submitting it again "
-                                              f"(attempt {s.attempts} of {MAX_ATTEMPTS})"))
-            self._submit(s)
+            self._again(s, ref, f"{type(exc).__name__}: {exc}")
+            return
+        if isinstance(result, NodeUnfit):
+            if node not in self.unfit:
+                self.unfit.add(node)
+                self.conn.send(Note(logging.WARNING, f"node {node} {result.reason}; its slices go to other nodes"))
+            self._again(s, ref, f"node {node} cannot read the dataset")
             return
         del self.slices[task_id]
         for other in s.refs:
@@ -276,6 +299,21 @@ class Bridge:
         latency = time.monotonic() - s.submitted
         self.latencies.append(latency)
         self.conn.send(Done(result, node, latency, s.attempts - 1, s.straggler))
+
+    def _again(self, s: _Slice, ref: Any, reason: str) -> None:
+        """``ref``, one copy of slice ``s``, failed for ``reason``: submit it again, up to MAX_ATTEMPTS,
+        then hand it back to the controller."""
+        s.refs.remove(ref)
+        if s.refs:
+            return  # its other copy still runs
+        if s.attempts >= MAX_ATTEMPTS:
+            del self.slices[s.task.task_id]
+            self.conn.send(Returned(s.task.task_id, reason, s.attempts))
+            return
+        s.attempts += 1
+        self.conn.send(Note(logging.INFO, f"slice {s.task.task_id}: {reason.splitlines()[0][:200]}; submitting it "
+                                          f"again (attempt {s.attempts} of {MAX_ATTEMPTS})"))
+        self._submit(s)
 
     def _cancel(self, ref: Any) -> None:
         try:
@@ -359,6 +397,7 @@ class RemotePool:
         self.conn: Connection | None = None
         self.started = 0.0
         self.last_report = 0.0
+        self.cpus_seen = 0.0  # when the cluster last had a CPU
         self.retry_at = 0.0
         self.connected = False
         self.failed_attempts = 0
@@ -368,7 +407,7 @@ class RemotePool:
         self.message = "connecting"
         self.in_flight: dict[int, Task] = {}
         self.paths: Counter[str] = Counter()  # batches (their temp files) with slices at the cluster
-        self.images = self.slices = self.retries = self.stragglers = self.disconnects = 0
+        self.images = self.slices = self.retries = self.stragglers = self.disconnects = self.returned = 0
         self.node_books: dict[str, _NodeBooks] = {}
 
     # -- lifecycle
@@ -427,6 +466,9 @@ class RemotePool:
             self._lose(self.refusal or f"the bridge process exited (code {self.process.exitcode})", requeue)
         elif self.connected and now - self.last_report > SILENT_SECONDS:
             self._lose(f"no answer from the cluster for {SILENT_SECONDS:.0f} s", requeue)
+        elif self.connected and self.in_flight and self.cpus == 0 and now - self.cpus_seen > SILENT_SECONDS:
+            # Its slices wait at Ray for a node with a CPU; the local workers can build them meanwhile.
+            self._lose(f"no node with a CPU for {SILENT_SECONDS:.0f} s", requeue)
         elif not self.connected and now - self.started > CONNECT_SECONDS:
             self._lose(f"could not connect within {CONNECT_SECONDS:.0f} s", requeue)
 
@@ -464,8 +506,11 @@ class RemotePool:
                 task = self._take(msg.task_id)
                 self.retries += msg.retries
                 if task is not None:
-                    log.warning("slice %d of %s came back from the cluster (%s); queuing it again", msg.task_id,
-                                os.path.basename(task.path), msg.reason)
+                    self.returned += 1
+                    (log.warning if self.returned <= LOGGED_RETURNS else log.debug)(
+                        "slice %d of %s came back from the cluster after %d attempts (%s); queuing it again%s",
+                        msg.task_id, os.path.basename(task.path), msg.retries, msg.reason.splitlines()[0][:300],
+                        "; further ones are logged at debug level" if self.returned == LOGGED_RETURNS else "")
                     requeue([task])
 
     def _on_report(self, report: Report) -> None:
@@ -475,11 +520,14 @@ class RemotePool:
         if not self.connected:
             log.info("Ray cluster at %s: %d nodes, %d CPUs; building batches there beside %d local workers",
                      self.address, report.nodes, report.cpus, self.local_workers)
+            self.cpus_seen = time.monotonic()
         self.connected = True
         self.failed_attempts = 0
         self.message = ""
         self.nodes, self.cpus = report.nodes, report.cpus
         self.last_report = time.monotonic()
+        if self.cpus:
+            self.cpus_seen = self.last_report
 
     def _take(self, task_id: int) -> Task | None:
         task = self.in_flight.pop(task_id, None)
@@ -522,9 +570,9 @@ class RemotePool:
     def dispatch(self, todo: deque[Task]) -> None:
         """Send tasks from the front of ``todo`` while the cluster has room: ``TASKS_PER_WORKER`` per
         cluster CPU, and slices of at most ``builds`` batches (--ray-builds)."""
-        if not self.connected or self.conn is None:
+        if not self.connected or self.conn is None or self.cpus == 0:
             return
-        room = TASKS_PER_WORKER * max(1, self.cpus) - len(self.in_flight)
+        room = TASKS_PER_WORKER * self.cpus - len(self.in_flight)
         skipped: list[Task] = []
         while todo and room > 0:
             task = todo.popleft()
