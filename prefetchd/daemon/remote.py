@@ -190,7 +190,9 @@ def connect(address: str) -> None:
 
     quiet = {"logging_level": logging.WARNING, "log_to_driver": False, "namespace": "prefetchd"}
     if address == "local":
-        ray.init(address="local", include_dashboard=False, **quiet)  # type: ignore[arg-type]
+        # The CPUs this process may use (taskset, cgroup cpusets), not the machine's: Ray counts the machine's.
+        ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False,
+                 **quiet)  # type: ignore[arg-type]
     else:
         ray.init(address=address, **quiet)  # type: ignore[arg-type]
 

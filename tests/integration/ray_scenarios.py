@@ -69,6 +69,7 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
     """Run a one-epoch daemon with ``args``, read every batch; ``connected``: start reading once its
     cluster is connected; ``before`` runs then (with the daemon's process), ``after_first`` once the
     first batch was read."""
+    started = time.monotonic()
     proc = launch(start_argv(buffer, extra=["--data", str(data), *JOB, *args]), log=log)
     digests: dict[str, str] = {}
     indices: list[int] = []
@@ -100,7 +101,7 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
         stop_daemon_process(proc, 20)
     status = read_status(buffer)
     remote = status.production.remote if status is not None and status.production is not None else None
-    return {"digests": digests, "indices": indices, "exit_code": code, "status_text": shown,
+    return {"seconds": round(time.monotonic() - started, 1), "digests": digests, "indices": indices, "exit_code": code, "status_text": shown,
             "remote": dataclasses.asdict(remote) if remote is not None else None,
             "running": dataclasses.asdict(running) if running is not None else None, "log": log.read_text()[-6000:]}
 
@@ -112,10 +113,12 @@ def main() -> None:
 
     out: dict[str, Any] = {"local": read_job(data, work / "local", work / "local.log", ["--workers", "1"])}
     # The head runs no tasks: while node A is the only one with a CPU, every slice goes there.
+    started = time.monotonic()
     cluster = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0})
     marker = work / "slow-node-busy"
     node_a = cluster.add_node(**NODE, env_vars={SLOW_NODE: str(marker)})
     cluster.wait_for_nodes()
+    out["cluster_start_seconds"] = round(time.monotonic() - started, 1)
     ray = ["--ray", cluster.address]
 
     def lose_node_a(proc: Any) -> None:

@@ -68,6 +68,8 @@ def scenarios(shapes_data: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         shutil.rmtree(work, ignore_errors=True)
     assert run.returncode == 0 and out.exists(), f"the Ray scenarios failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     result: dict[str, Any] = json.loads(out.read_text())
+    timings = {k: v["seconds"] for k, v in result.items() if isinstance(v, dict)}
+    print(f"Ray scenarios: cluster started in {result.pop('cluster_start_seconds')} s; seconds per job {timings}")
     return result
 
 
