@@ -90,3 +90,18 @@ def test_status_shows_where_batches_are_built() -> None:
     lost = REMOTE.__class__(**{**REMOTE.__dict__, "connected": False, "message": "lost: no answer; the 3 local workers build alone"})
     assert "NOT CONNECTED (lost: no answer; the 3 local workers build alone)" in format_status(
         {**info, "status": status(production=production(remote=lost))})
+
+
+def test_metrics_say_where_batches_are_built(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from prefetchd.daemon.metrics import Metrics
+
+    metrics = Metrics(tmp_path, None, "127.0.0.1", None)
+    metrics.update(status(production=production(remote=REMOTE)))
+    text = generate_latest(metrics.registry).decode()
+    assert f'prefetchd_remote_images_total{{buffer="{tmp_path}"}} 1664.0' in text, text
+    assert f'prefetchd_remote_connected{{buffer="{tmp_path}"}} 1.0' in text
+    assert f'prefetchd_remote_node_images_per_second{{buffer="{tmp_path}",node="cpu-1/3f2a9c1d"}} 1900.5' in text
+    metrics.update(status())
+    assert "prefetchd_remote_" not in generate_latest(metrics.registry).decode(), "no cluster, no remote series"
