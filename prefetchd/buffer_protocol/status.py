@@ -172,6 +172,8 @@ class RemoteStatus:
     stragglers: int  # slices started again because they took far longer than the median
     disconnects: int  # times the cluster was lost (its slices then went to the local workers)
     message: str  # why it is not connected, or ""
+    copied_bytes: int = 0  # pixels copied from the object store into batch files
+    copy_seconds: float = 0.0  # the time those copies took (copied_bytes / copy_seconds: the copy rate)
     nodes: tuple[RemoteNode, ...] = ()
 
 
@@ -441,7 +443,8 @@ def _remote(f: _Fields) -> RemoteStatus:
         address=f.text("address"), connected=f.flag("connected"), cluster_nodes=f.nat("cluster_nodes"),
         cluster_cpus=f.nat("cluster_cpus"), in_flight=f.nat("in_flight"), images=f.nat("images"),
         slices=f.nat("slices"), retries=f.nat("retries"), stragglers=f.nat("stragglers"),
-        disconnects=f.nat("disconnects"), message=f.text("message"),
+        disconnects=f.nat("disconnects"), message=f.text("message"), copied_bytes=f.nat("copied_bytes"),
+        copy_seconds=f.num("copy_seconds"),
         nodes=tuple(RemoteNode(n.text("node"), n.nat("images"), n.nat("slices"), n.num("images_per_s"),
                                n.num("latency_p50_s")) for n in f.maps("nodes")),
     )

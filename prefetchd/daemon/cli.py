@@ -315,7 +315,8 @@ def format_status(info: dict[str, Any]) -> str:
 def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:
     """Where batches are built: the Ray cluster's share (--ray), and a line per node that built some."""
     share = f" ({rm.images / samples:.0%} of all)" if samples else ""
-    built = (f"{rm.in_flight} slices in flight; {rm.images} img built there{share}, {rm.retries} retries, "
+    copy = f", copied in at {rm.copied_bytes / rm.copy_seconds / 2**20:.0f} MiB/s" if rm.copy_seconds > 0 else ""
+    built = (f"{rm.in_flight} slices in flight; {rm.images} img built there{share}{copy}, {rm.retries} retries, "
              f"{rm.stragglers} stragglers, {rm.disconnects} disconnects")
     if rm.connected:
         head = f"  remote    ray {rm.address} connected: {rm.cluster_nodes} nodes, {rm.cluster_cpus} CPUs; {built}"

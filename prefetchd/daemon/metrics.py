@@ -57,6 +57,10 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
      "Slices submitted again after their Ray worker or node was lost."),
     ("prefetchd_remote_stragglers_total", lambda p: p.remote.stragglers if p.remote else None,
      "Slices started a second time because they took far longer than the median."),
+    ("prefetchd_remote_copied_bytes_total", lambda p: p.remote.copied_bytes if p.remote else None,
+     "Pixel bytes copied from Ray's object store into batch files."),
+    ("prefetchd_remote_copy_seconds_total", lambda p: p.remote.copy_seconds if p.remote else None,
+     "Seconds those copies took (rate(bytes) / rate(seconds): the copy rate)."),
     ("prefetchd_remote_disconnects_total", lambda p: p.remote.disconnects if p.remote else None,
      "Times the whole Ray cluster was lost."),
 )

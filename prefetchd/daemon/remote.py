@@ -92,6 +92,7 @@ class Done:
     result: Filled | WriteFailed
     node: str
     latency: float  # seconds from the first submission to the result
+    copied: tuple[int, float]  # (bytes, seconds) of the copy from the object store into the batch file
     retries: int  # submissions after the first because a worker or node was lost
     straggler: bool  # it was started a second time
 
@@ -281,7 +282,7 @@ class Bridge:
             if not s.refs:
                 del self.slices[task_id]
                 self.conn.send(Done(WriteFailed(task_id, f"remote task failed: {exc}", fatal=True), "?", 0.0,
-                                    s.attempts - 1, s.straggler))
+                                    (0, 0.0), s.attempts - 1, s.straggler))
             return
         except exceptions.RayError as exc:  # its worker or node was lost: build it again
             self._again(s, ref, f"{type(exc).__name__}: {exc}")
@@ -296,11 +297,14 @@ class Bridge:
         for other in s.refs:
             if other is not ref:
                 self._cancel(other)
+        copied = (0, 0.0)
         if isinstance(result, Filled):
+            t0 = time.perf_counter()
             result = write_rows(s.task, result, pixels)
+            copied = (int(pixels.nbytes), time.perf_counter() - t0)
         latency = time.monotonic() - s.submitted
         self.latencies.append(latency)
-        self.conn.send(Done(result, node, latency, s.attempts - 1, s.straggler))
+        self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
 
     def _again(self, s: _Slice, ref: Any, reason: str) -> None:
         """``ref``, one copy of slice ``s``, failed for ``reason``: submit it again, up to MAX_ATTEMPTS,
@@ -411,6 +415,8 @@ class RemotePool:
         self.paths: Counter[str] = Counter()  # batches (their temp files) with slices at the cluster
         self.images = self.slices = self.retries = self.stragglers = self.disconnects = self.returned = 0
         self.node_books: dict[str, _NodeBooks] = {}
+        self.copied_bytes = 0
+        self.copy_seconds = 0.0
 
     # -- lifecycle
 
@@ -494,6 +500,8 @@ class RemotePool:
                     continue
                 self.retries += msg.retries
                 self.stragglers += msg.straggler
+                self.copied_bytes += msg.copied[0]
+                self.copy_seconds += msg.copied[1]
                 if isinstance(msg.result, Filled):
                     n = len(msg.result.slots)
                     self.images += n
@@ -607,7 +615,7 @@ class RemotePool:
             address=self.address, connected=self.connected, cluster_nodes=self.nodes if self.connected else 0,
             cluster_cpus=self.cpus if self.connected else 0, in_flight=len(self.in_flight), images=self.images,
             slices=self.slices, retries=self.retries, stragglers=self.stragglers, disconnects=self.disconnects,
-            message=self.message, nodes=tuple(b.status(node, now) for node, b in sorted(self.node_books.items())),
+            message=self.message, copied_bytes=self.copied_bytes, copy_seconds=round(self.copy_seconds, 4), nodes=tuple(b.status(node, now) for node, b in sorted(self.node_books.items())),
         )
 
 
