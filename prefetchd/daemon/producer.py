@@ -458,7 +458,10 @@ class Producer:
             ),
             remote=self.remote.status() if self.remote is not None else None,
         )
-        return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self.message,
+        message = self.message
+        if not message and self.remote is not None and not self.remote.connected and not self.workers_wanted:
+            message = f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"  # why nothing is built
+        return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=message,
                       job_result=self.job_result(), production=production)
 
     @staticmethod

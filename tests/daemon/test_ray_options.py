@@ -105,3 +105,10 @@ def test_metrics_say_where_batches_are_built(tmp_path: Path) -> None:
     assert f'prefetchd_remote_node_images_per_second{{buffer="{tmp_path}",node="cpu-1/3f2a9c1d"}} 1900.5' in text
     metrics.update(status())
     assert "prefetchd_remote_" not in generate_latest(metrics.registry).decode(), "no cluster, no remote series"
+
+
+def test_bench_measures_the_ray_contender_only_when_asked() -> None:
+    from prefetchd.bench import CONTENDERS, bench_command
+
+    assert "prefetchd-ray" not in CONTENDERS, "Ray is an optional extra: not in the default run"
+    assert "--ray" in CliRunner().invoke(bench_command, ["--help"]).output
