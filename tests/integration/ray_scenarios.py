@@ -124,7 +124,7 @@ def main() -> None:
     def lose_node_a(proc: Any) -> None:
         """Remove node A while it builds a slice (it has touched the marker and sleeps), then add node B."""
         wait_for("node A to build a slice", marker.exists, proc)
-        cluster.remove_node(node_a)
+        cluster.remove_node(node_a, allow_graceful=False)  # SIGKILL, as a machine that goes away
         cluster.add_node(**NODE)
 
     try:

@@ -90,7 +90,6 @@ def test_remote_only_job_survives_losing_its_node_and_matches_local_workers(scen
     assert remote["images"] == 72 and remote["slices"] == 18, remote  # --workers 0: every slice on the cluster
     # Node A was removed while it slept in a slice: that slice came back as lost and was built again.
     assert remote["retries"] >= 1, (remote, run["log"])
-    assert remote["disconnects"] == 0, remote
     assert {n["node"] for n in remote["nodes"]}, remote
     assert "remote    ray 127.0.0.1:" in run["status_text"] and " connected: " in run["status_text"], run["status_text"]
 
