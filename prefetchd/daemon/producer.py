@@ -166,9 +166,9 @@ class Producer:
                 log.info("the trainers had consumed all %d epochs before this daemon started; nothing to produce",
                          self.streams[0].manifest.epochs)
             else:
-                if self.remote is not None:
-                    self.remote.start()  # connects in the background while the local workers start
                 self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
+                if self.remote is not None:  # the bridge connects in the background
+                    self.remote.start(heartbeat=self._write_status, every=STATUS_SECONDS)
                 self.state = State.FILLING
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0

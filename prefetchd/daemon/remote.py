@@ -53,7 +53,7 @@ import numpy as np
 
 from prefetchd.buffer_protocol import RemoteNode, RemoteStatus, SlotFiller
 from prefetchd.daemon.config import require_ray
-from prefetchd.daemon.pool import TASKS_PER_WORKER, worker_context
+from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task
 
@@ -219,7 +219,7 @@ class Bridge:
         self.build = ray.remote(build_slice).options(num_cpus=1, max_retries=0)  # retries are ours, counted
         self.slices: dict[int, _Slice] = {}
         self.latencies: deque[float] = deque(maxlen=256)
-        self.unfit: set[str] = set()  # nodes that said they cannot read the dataset (warned once each)
+        self.unfit: set[str] = set()  # nodes that cannot read the dataset, errors of nodes that cannot run slices: warned once
         self.done: deque[tuple[int, Any, Any]] = deque()  # (task id, ref, future) completed; appended by Ray's thread
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
@@ -277,12 +277,15 @@ class Bridge:
             result, pixels, node = future.result()
         except exceptions.TaskCancelledError:
             return
-        except exceptions.RayTaskError as exc:  # build_slice catches everything: a bug, or an unloadable job
-            s.refs.remove(ref)
-            if not s.refs:
-                del self.slices[task_id]
-                self.conn.send(Done(WriteFailed(task_id, f"remote task failed: {exc}", fatal=True), "?", 0.0,
-                                    (0, 0.0), s.attempts - 1, s.straggler))
+        except exceptions.RayTaskError as exc:
+            # build_slice catches what the decoding raises, so this is the node: prefetchd missing or of another
+            # version there, say.  Not the job's fault: another node, or a local worker, builds the slice.
+            text = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+            if text not in self.unfit:
+                self.unfit.add(text)
+                self.conn.send(Note(logging.WARNING, f"a Ray worker could not run a slice: {text}; is prefetchd[ray] "
+                                                     "installed, at the daemon's version, on every node?"))
+            self._again(s, ref, text)
             return
         except exceptions.RayError as exc:  # its worker or node was lost: build it again
             self._again(s, ref, f"{type(exc).__name__}: {exc}")
@@ -420,12 +423,13 @@ class RemotePool:
 
     # -- lifecycle
 
-    def start(self) -> None:
-        """Start a bridge; it connects in the background and reports when it is ready."""
+    def start(self, heartbeat: Callable[[], None] = lambda: None, every: float = REPORT_SECONDS) -> None:
+        """Start a bridge; it connects in the background and reports when it is ready.  The first start
+        may wait seconds for the fork server (``heartbeat`` runs meanwhile), later ones do not."""
         parent, child = self._ctx.Pipe()
         self.process = self._ctx.Process(target=bridge_main, args=(child, self.job, self.address),
                                          name="prefetchd-ray-bridge", daemon=True)
-        self.process.start()
+        with_heartbeat(self.process.start, heartbeat, every)
         child.close()
         self.conn = parent
         self.started = time.monotonic()
