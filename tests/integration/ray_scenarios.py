@@ -134,9 +134,15 @@ def main() -> None:
         lost = work / "cluster-lost"
 
         def lose_cluster(proc: Any) -> None:
-            """Shut the whole cluster down and wait until the daemon has noticed (within SILENT_SECONDS)."""
+            """Shut the whole cluster down and wait until the daemon has noticed (within SILENT_SECONDS); then
+            start another at the same address and wait until the daemon is back on it (it retries every 10 s)."""
+            nonlocal cluster
+            port = int(cluster.address.rsplit(":", 1)[1])
             cluster.shutdown()
             wait_for("the daemon to notice", lambda: (r := remote_status(lost)) is not None and not r.connected, proc)
+            out["lost_status"] = dataclasses.asdict(remote_status(lost))
+            cluster = Cluster(initialize_head=True, head_node_args={**NODE, "gcs_server_port": port})
+            wait_for("the daemon to reconnect", lambda: (r := remote_status(lost)) is not None and r.connected, proc)
 
         out["cluster_lost"] = read_job(data, lost, work / "cluster-lost.log", [*ray, "--workers", "1"],
                                        connected=True, after_first=lose_cluster)
