@@ -112,3 +112,14 @@ def test_bench_measures_the_ray_contender_only_when_asked() -> None:
 
     assert "prefetchd-ray" not in CONTENDERS, "Ray is an optional extra: not in the default run"
     assert "--ray" in CliRunner().invoke(bench_command, ["--help"]).output
+
+
+@ray_installed
+def test_config_show_prints_the_ray_keys(tmp_path: Path) -> None:
+    from prefetchd.daemon.cli import config_command
+
+    result = CliRunner().invoke(config_command, ["--buffer", str(tmp_path / "bf"), "--ray", "ray://head:10001",
+                                                 "--ray-builds", "6", "--workers", "0", "--show"])
+    assert result.exit_code == 0, result.output
+    assert 'ray = "ray://head:10001"' in result.output and "ray_builds = 6" in result.output
+    assert "workers = 0" in result.output
