@@ -121,7 +121,6 @@ class DaemonConfig:
             if not RAY_ADDRESS.fullmatch(self.ray):
                 raise ConfigError(f"ray = {self.ray!r}: expected 'local', 'auto', 'ray://HOST:PORT' (a Ray client "
                                   "server, port 10001 by default) or 'HOST:PORT' (the head's GCS, port 6379 by default)")
-            require_ray()
         if self.ray is None:
             if self.workers == 0:
                 raise ConfigError("workers = 0 leaves nobody to build batches: pass --ray ADDRESS to build them on a "
@@ -179,8 +178,9 @@ class DaemonConfig:
 
 
 def require_ray() -> None:
-    """Refuse --ray at once, with the command that fixes it, when Ray is not installed (it is imported
-    only by the process that talks to the cluster, and only with --ray)."""
+    """Refuse --ray, with the command that fixes it, when Ray is not installed (it is imported only by
+    the process that talks to the cluster, and only with --ray).  The daemon checks at start, before it
+    indexes a dataset; a config naming a cluster stays valid where Ray is not installed."""
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("--ray needs Ray, which is not installed in this environment: pip install 'prefetchd[ray]' "
                           "(on every node of the cluster too), or start without --ray")
