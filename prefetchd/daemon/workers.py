@@ -161,7 +161,7 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
 
 class SlotSink(Protocol):
     """Where a task's images go: the batch file's slots (``SlotFiller``), or an array a remote
-    task returns (``prefetchd.daemon.remote``) for the controller's side to write."""
+    task returns (``prefetchd.daemon.remote``), which the bridge process writes into the file."""
 
     def fill(self, slot: int, image: memoryview) -> None: ...
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefetchd.daemon.remote import _Rows, write_rows
+from prefetchd.daemon.remote.bridge import write_rows
+from prefetchd.daemon.remote.task import Rows
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, run_task
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
 
@@ -25,7 +26,7 @@ def test_rows_written_by_the_bridge_equal_a_local_workers_batch(tmp_path: Path) 
     by_worker = run_task(job, Task(1, str(local), OFFSET, SLOT, 3, items))
     task = Task(2, str(remote), OFFSET, SLOT, 3, items)
     pixels = np.zeros((len(items), SLOT), np.uint8)
-    in_rows = run_task(job, task, sink=_Rows(pixels, {slot: row for row, (slot, _) in enumerate(items)}))
+    in_rows = run_task(job, task, sink=Rows(pixels, {slot: row for row, (slot, _) in enumerate(items)}))
     assert isinstance(by_worker, Filled) and isinstance(in_rows, Filled)
     assert in_rows.slots == by_worker.slots and in_rows.failures == by_worker.failures
     assert remote.read_bytes() == bytes(remote.stat().st_size), "a remote task never touches the batch file"
