@@ -56,6 +56,8 @@ STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
 STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
 STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
+MAX_CHUNK = 16  # images per task for local workers
+MAX_REMOTE_CHUNK = 64  # ... and when every task goes to a Ray cluster
 MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
 
 
@@ -120,7 +122,10 @@ class Producer:
                         for d, m in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
-        self.chunk = max(1, min(16, cfg.batch_size // (2 * max(1, self.workers_wanted))))
+        # Images per task.  Remote only (--workers 0), larger: each Ray task costs ~3 ms of CPU over the
+        # worker, raylet and bridge (measured here, docs/SCALE.md), so fewer, bigger tasks.
+        cap = MAX_CHUNK if self.workers_wanted else MAX_REMOTE_CHUNK
+        self.chunk = max(1, min(cap, cfg.batch_size // (2 * max(1, self.workers_wanted))))
         self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
                                if self.workers_wanted else 0)
         self.stats = Stats()
