@@ -15,6 +15,8 @@ from prefetchd.buffer_protocol import (
     Production,
     Quantiles,
     Rates,
+    RemoteNode,
+    RemoteStatus,
     State,
     Status,
     StreamStatus,
@@ -29,6 +31,11 @@ ERRORS = Errors(replaced_samples=0, undecodable_files=0, undecodable=(), worker_
                 progress_file="")
 
 
+REMOTE = RemoteStatus(address="ray://head:10001", connected=True, cluster_nodes=3, cluster_cpus=96, in_flight=40,
+                      images=1664, slices=104, retries=2, stragglers=1, disconnects=0, message="",
+                      copied_bytes=250478592, copy_seconds=0.12,
+                      nodes=(RemoteNode(node="cpu-1/3f2a9c1d", images=1664, slices=104, images_per_s=1900.5,
+                                        latency_p50_s=0.41),))
 CONSUMER = ConsumerStatus(name="trial-3", progress=POSITION, trainer=TRAINER, holding=True, window=32)
 
 

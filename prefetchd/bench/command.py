@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from prefetchd.bench.report import usable_cores
+from prefetchd.bench.results import CONTENDERS
 from prefetchd.bench.run import run_benchmark
 
 DEFAULT_GENERATE = 1500
@@ -48,6 +49,9 @@ def _parse_workers(_ctx: click.Context, _param: click.Parameter, value: str | No
               help="The daemon's --high-water in batches  [default: max(16, 6 x max workers)]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True, help="Where bench.json, bench.txt, bench.png and logs/ go.")
+@click.option("--ray", "with_ray", is_flag=True,
+              help="Also measure prefetchd-ray: the daemon with no local workers and a private Ray cluster on the same "
+                   "cores (needs prefetchd[ray]; on a shared machine run the bench under `unshare -n` with loopback up).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True, help="Log level of the benchmark's own diagnostics.")
 def bench_command(
@@ -62,6 +66,7 @@ def bench_command(
     batches: int | None,
     high_water: int | None,
     out_dir: Path,
+    with_ray: bool,
     log_level: str,
 ) -> None:
     """Measure images/s of prefetchd against ImageFolder + DataLoader (and SPDL, if installed).
@@ -98,7 +103,7 @@ def bench_command(
         results = run_benchmark(
             data, workers_list=workers, batch_size=batch_size, image_size=image_size,
             seconds=seconds, batches=batches, out_dir=out_dir, high_water=high_water,
-            report=say,
+            contenders=(*CONTENDERS, "prefetchd-ray") if with_ray else tuple(CONTENDERS), report=say,
         )
     except (ValueError, FileExistsError) as exc:
         raise click.ClickException(str(exc)) from None

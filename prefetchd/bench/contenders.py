@@ -47,8 +47,8 @@ class Run:
         threads = torch.get_num_threads()
         torch.set_num_threads(len(cores))
         try:
-            if name == "prefetchd":
-                scenario = self._prefetchd(row, data_wait)
+            if name in ("prefetchd", "prefetchd-ray"):
+                scenario = self._prefetchd(row, data_wait, ray=name == "prefetchd-ray")
             elif name == "spdl":
                 self._spdl(row)
             else:
@@ -64,10 +64,12 @@ class Run:
 
     # -- prefetchd ---------------------------------------------------------------
 
-    def _prefetchd(self, row: Throughput, data_wait: bool) -> dict[str, Any] | None:
+    def _prefetchd(self, row: Throughput, data_wait: bool, ray: bool = False) -> dict[str, Any] | None:
+        """The daemon with ``row.workers`` workers; ``ray``: with none, and a private Ray cluster on the same cores."""
+        from prefetchd.buffer_protocol import read_status
         from prefetchd.trainer import BufferLoader
 
-        with BenchDaemon(self, row.workers, f"k{row.workers}") as daemon:
+        with BenchDaemon(self, row.workers, f"{'ray-' if ray else ''}k{row.workers}", ray=ray) as daemon:
             started = daemon.started
             daemon.wait_for_manifest()
             loader = BufferLoader(daemon.buffer, normalize=False, timeout=WAIT_SECONDS)
@@ -83,6 +85,16 @@ class Run:
                 if data_wait:
                     scenario = trainer_with_pauses(batches, rate, self.batch_size, self.window.length_s, row.workers)
                 monitor.mark_end()
+                if ray:  # where its batches were built, and the object-store-to-tmpfs copy rate
+                    status = read_status(daemon.buffer)
+                    remote = status.production.remote if status is not None and status.production else None
+                    if remote is not None:
+                        row.extra["remote_images"] = remote.images
+                        row.extra["remote_cpus"] = remote.cluster_cpus
+                        if remote.copy_seconds > 0:
+                            row.extra["copy_mib_per_s"] = round(remote.copied_bytes / remote.copy_seconds / 2**20, 1)
+                        row.note = (f"{remote.images} images built on the Ray cluster ({remote.cluster_cpus} CPUs), "
+                                    f"copied in at {row.extra.get('copy_mib_per_s', '?')} MiB/s")
             finally:
                 loader.close()
             row.extra["memory"] = daemon.monitor.summary()

@@ -32,12 +32,14 @@ MONITOR_SECONDS = 0.2
 class BenchDaemon:
     """A `prefetchd start` subprocess on a fresh buffer, stopped and cleaned up on exit."""
 
-    def __init__(self, run: Run, workers: int, tag: str) -> None:
+    def __init__(self, run: Run, workers: int, tag: str, ray: bool = False) -> None:
+        """``ray``: no local workers, and a private Ray cluster of ``workers`` CPUs (the daemon's CPU mask) instead."""
         self.buffer = buffer_root() / f"prefetchd-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.log_path = run.out_dir / "logs" / f"daemon-{tag}.log"
         self.cmd = start_argv(self.buffer, {
-            "data": run.data, "workers": workers, "batch_size": run.batch_size, "image_size": run.image_size,
-            "high_water": run.high_water, "seed": 0, "reset": True,
+            "data": run.data, "workers": 0 if ray else workers, "batch_size": run.batch_size,
+            "image_size": run.image_size, "high_water": run.high_water, "seed": 0, "reset": True,
+            "ray": "local" if ray else None,
         })
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from prefetchd.launch import buffer_root
-from prefetchd.bench.results import CONTENDERS, BenchmarkResults
+from prefetchd.bench.results import CONTENDERS, OPTIONAL_CONTENDERS, BenchmarkResults
 
 def usable_cores() -> set[int]:
     return set(os.sched_getaffinity(0))
@@ -179,7 +179,7 @@ def _plot(results: BenchmarkResults, path: Path) -> str | None:
         return "matplotlib is not installed (pip install 'prefetchd[bench]'); skipped the plot"
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     workers = results.config["workers"]
-    for name in CONTENDERS:
+    for name in (*CONTENDERS, *OPTIONAL_CONTENDERS):
         points = [(r.workers, r.images_per_s) for r in results.throughput
                   if r.contender == name and r.images_per_s is not None]
         if points:

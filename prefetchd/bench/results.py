@@ -15,6 +15,11 @@ CONTENDERS: dict[str, str] = {
     "dataloader-uint8": "ImageFolder + DataLoader, RandomResizedCrop+flip+PILToTensor, uint8",
     "spdl": "SPDL thread pipeline, RandomResizedCrop+flip+PILToTensor, uint8",
 }
+# Measured only when asked for (`prefetchd bench --ray`): Ray is an optional extra, and here its traffic
+# must stay on loopback (run the bench under `unshare -n` with `ip link set lo up`, as tests/integration/test_ray.py does).
+OPTIONAL_CONTENDERS: dict[str, str] = {
+    "prefetchd-ray": "prefetchd daemon --ray local --workers 0 (a private Ray cluster on the same cores) -> BufferLoader, uint8",
+}
 BASELINE = "dataloader"
 
 

@@ -20,7 +20,7 @@ from prefetchd.bench.report import (
     worker_count,
     write_outputs,
 )
-from prefetchd.bench.results import BASELINE, CONTENDERS, BenchmarkResults, Throughput, fill_ratios
+from prefetchd.bench.results import BASELINE, CONTENDERS, OPTIONAL_CONTENDERS, BenchmarkResults, Throughput, fill_ratios
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,10 @@ def run_benchmark(
         raise ValueError("pass seconds= (a time window per measurement) or batches= (a batch count)")
     if seconds is not None and seconds <= 0 or batches is not None and batches < 1:
         raise ValueError(f"seconds={seconds}, batches={batches}: the measurement needs a positive length")
-    unknown = [c for c in contenders if c not in CONTENDERS]
+    known = {**CONTENDERS, **OPTIONAL_CONTENDERS}
+    unknown = [c for c in contenders if c not in known]
     if unknown:
-        raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+        raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(known)}")
     if high_water is None:
         high_water = max(DEFAULT_HIGH_WATER, eval_every(workers_list[-1]))
     if high_water < 2:
@@ -125,7 +126,8 @@ def run_benchmark(
                     say(f"  {row.images_per_s:.0f} img/s" + (f"; {row.note}" if row.note else ""))
                 mem = row.extra.pop("memory", None)
                 if mem:
-                    results.memory.append({"workers": k, **mem})
+                    phase = {} if name == "prefetchd" else {"phase": f"{name} throughput run"}
+                    results.memory.append({"workers": k, **phase, **mem})
         if warm_start and "prefetchd" in contenders:
             say(f"measuring prefetchd's warm start ({worker_count(k_max)}, buffer filled to {high_water} batches)")
             try:

@@ -44,6 +44,8 @@ from prefetchd.buffer_protocol.status import (
     Production,
     Quantiles,
     Rates,
+    RemoteNode,
+    RemoteStatus,
     State,
     Status,
     StreamStatus,
@@ -61,6 +63,6 @@ __all__ = [
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",
-    "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "State", "Status",
-    "StreamStatus", "Totals", "TrainerStatus",
+    "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "State",
+    "Status", "StreamStatus", "Totals", "TrainerStatus",
 ]

@@ -147,6 +147,37 @@ class Errors:
 
 
 @dataclass(frozen=True)
+class RemoteNode:
+    """What one node of the Ray cluster built (``--ray``)."""
+
+    node: str  # host name and the start of Ray's node id
+    images: int
+    slices: int  # tasks: a slice of a batch each
+    images_per_s: float  # over the last ~10 s
+    latency_p50_s: float  # a slice's median seconds from submission to its result, recently
+
+
+@dataclass(frozen=True)
+class RemoteStatus:
+    """Batches built on a Ray cluster beside the local workers (``--ray``)."""
+
+    address: str  # as given to --ray
+    connected: bool
+    cluster_nodes: int  # alive nodes, as the cluster last reported them
+    cluster_cpus: int
+    in_flight: int  # slices submitted and not yet back
+    images: int  # images built on the cluster since the job started
+    slices: int
+    retries: int  # slices submitted again after their worker or node was lost
+    stragglers: int  # slices started again because they took far longer than the median
+    disconnects: int  # times the cluster was lost (its slices then went to the local workers)
+    message: str  # why it is not connected, or ""
+    copied_bytes: int = 0  # pixels copied from the object store into batch files
+    copy_seconds: float = 0.0  # the time those copies took (copied_bytes / copy_seconds: the copy rate)
+    nodes: tuple[RemoteNode, ...] = ()
+
+
+@dataclass(frozen=True)
 class JobResult:
     """The daemon's answer to the last job.json (SPEC rule 5)."""
 
@@ -178,6 +209,7 @@ class Production:
     stages: Mapping[str, Quantiles]  # stage name (read, decode, augment, write) -> quantiles; empty at first
     totals: Totals
     errors: Errors
+    remote: RemoteStatus | None = None  # None without --ray
 
 
 @dataclass(frozen=True)
@@ -227,6 +259,7 @@ class Status:
                 stages={name: _quantiles(q) for name, q in top.map("stages").items_as_maps()},
                 totals=_totals(top.map("totals")),
                 errors=_errors(top.map("errors")),
+                remote=_remote(remote) if (remote := top.optional_map("remote")) is not None else None,
             )
         return cls(
             pid=top.nat("pid"),
@@ -402,4 +435,16 @@ def _errors(f: _Fields) -> Errors:
         vanished_batches=f.count("vanished_batches"),
         progress_rejected=f.count("progress_rejected"),
         progress_rewinds=f.count("progress_rewinds"),
+    )
+
+
+def _remote(f: _Fields) -> RemoteStatus:
+    return RemoteStatus(
+        address=f.text("address"), connected=f.flag("connected"), cluster_nodes=f.nat("cluster_nodes"),
+        cluster_cpus=f.nat("cluster_cpus"), in_flight=f.nat("in_flight"), images=f.nat("images"),
+        slices=f.nat("slices"), retries=f.nat("retries"), stragglers=f.nat("stragglers"),
+        disconnects=f.nat("disconnects"), message=f.text("message"), copied_bytes=f.nat("copied_bytes"),
+        copy_seconds=f.num("copy_seconds"),
+        nodes=tuple(RemoteNode(n.text("node"), n.nat("images"), n.nat("slices"), n.num("images_per_s"),
+                               n.num("latency_p50_s")) for n in f.maps("nodes")),
     )

@@ -19,7 +19,8 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import BufferBusy, ConsumerStatus, JobRequest, Manifest, ProtocolError, Status, TrainerStatus, daemon_pid, read_status
+from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, Manifest, ProtocolError, RemoteStatus, Status,
+                                       TrainerStatus, daemon_pid, read_status)
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS
@@ -275,6 +276,8 @@ def format_status(info: dict[str, Any]) -> str:
             f"  errors    {e.replaced_samples} replaced samples, {e.undecodable_files} undecodable files, "
             f"{e.worker_restarts} worker restarts, {e.write_failures} write failures",
         ]
+        if pr.remote is not None:
+            lines += _remote_lines(pr.remote, pr.totals.samples)
         bad = e.undecodable
         lines += [f"  bad file  {b.path}: {b.reason}" for b in bad[:SHOWN_BAD_FILES]]
         if e.undecodable_files > SHOWN_BAD_FILES:
@@ -307,6 +310,20 @@ def format_status(info: dict[str, Any]) -> str:
         lines.append(f"  last job  {job.job_id} {'accepted' if job.accepted else 'refused'}: {job.reason}")
     lines += info["problems"]
     return "\n".join(lines)
+
+
+def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:
+    """Where batches are built: the Ray cluster's share (--ray), and a line per node that built some."""
+    share = f" ({rm.images / samples:.0%} of all)" if samples else ""
+    copy = f", copied in at {rm.copied_bytes / rm.copy_seconds / 2**20:.0f} MiB/s" if rm.copy_seconds > 0 else ""
+    built = (f"{rm.in_flight} slices in flight; {rm.images} img built there{share}{copy}, {rm.retries} retries, "
+             f"{rm.stragglers} stragglers, {rm.disconnects} disconnects")
+    if rm.connected:
+        head = f"  remote    ray {rm.address} connected: {rm.cluster_nodes} nodes, {rm.cluster_cpus} CPUs; {built}"
+    else:
+        head = f"  remote    ray {rm.address} NOT CONNECTED ({rm.message}); {built}"
+    return [head] + [f"  node      {n.node}: {n.images} img, {n.images_per_s:.0f} img/s, slice p50 "
+                     f"{n.latency_p50_s:.2f} s" for n in rm.nodes]
 
 
 def _consumer_line(c: ConsumerStatus, rank: str) -> str:

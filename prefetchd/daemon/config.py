@@ -4,7 +4,9 @@ the TOML keys are derived, and the machine-sized defaults."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,8 @@ MAX_DEFAULT_HIGH_WATER = 64
 # Reads in flight per worker: object storage answers each small object in tens of
 # milliseconds, mostly waiting (see docs/SOURCES.md, "Object storage").
 URL_READERS = 16
+# What --ray accepts: a private local cluster, the machine's cluster, a client URL or a head's GCS address.
+RAY_ADDRESS = re.compile(r"local|auto|ray://[^\s/:]+:\d{1,5}|[^\s/:]+:\d{1,5}")
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class DaemonConfig:
     val_fraction: float | None = _opt(None, "Hold out this fraction of --data as validation (a fixed seeded split); --split picks the side.", float, minimum=0.0, maximum=1.0)
     batch_size: int = _opt(128, "Images per batch.", int, minimum=1, maximum=65536)
     image_size: int = _opt(224, "Output images are IMAGE_SIZE x IMAGE_SIZE.", int, minimum=8, maximum=8192)
-    workers: int | None = _opt(None, "Decode/augment processes [default: usable CPUs - 1].", int, minimum=1, maximum=1024)
+    workers: int | None = _opt(None, "Decode/augment processes on this machine; 0 with --ray builds every batch on the cluster [default: usable CPUs - 1].", int, minimum=0, maximum=1024)
     high_water: int | None = _opt(None, "Stop producing when this many batches wait [default: from free tmpfs and RAM].", int, minimum=1)
     low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)
     max_buffer_bytes: int | None = _opt(None, "Cap on the bytes of batches waiting and being built, all consumers of the buffer together (several trainers sharing it: see --consumer in prefetchd-train); when their windows do not fit, the slowest consumer's shrinks first [default: high-water batches per rank, so one trainer sees no difference].", int, minimum=1)
@@ -72,6 +76,8 @@ class DaemonConfig:
     # makes the daemon read its data and import its transform with the service's files and credentials.
     allowed_data: tuple[str, ...] = _opt((), "Dataset roots (local folders or URL prefixes) that jobs submitted by other users, such as the buffer's group with --group-access, may read: their `data` must lie inside one (symlinks and '..' resolved). Repeat the flag for several. Jobs of the daemon's own user are not limited [default: none, so such jobs may not name a dataset].", str, multiple=True, location=True, metavar="ROOT|URL")
     allowed_transforms: tuple[str, ...] = _opt((), "Transform hooks ('package.module:callable', exact) that jobs submitted by other users may name, since the daemon imports and runs them as itself. Repeat the flag for several [default: none].", str, multiple=True, metavar="MODULE:CALLABLE")
+    ray: str | None = _opt(None, "Also build batches on a Ray cluster (needs prefetchd[ray]): 'local' starts a private one on this machine, 'auto' joins the cluster this machine belongs to, 'ray://HOST:PORT' connects as a Ray client, 'HOST:PORT' joins the cluster whose head (GCS) listens there; local --workers keep working beside it; see docs/SCALE.md [default: off].", str, metavar="local|auto|ray://HOST:PORT")
+    ray_builds: int | None = _opt(None, "With --ray: at most this many batches are being built on the cluster at once [default: enough to keep two slices queued per cluster CPU].", int, minimum=1, maximum=65536)
     metrics_port: int | None = _opt(None, "Serve Prometheus metrics on this port [default: off].", int, minimum=1, maximum=65535)
     metrics_address: str = _opt("127.0.0.1", "Address the metrics port binds to (0.0.0.0 for every interface).", str)
     metrics_textfile: Path | None = _opt(None, "Also write the metrics to this file (node-exporter textfile collector) [default: off].", Path)
@@ -89,6 +95,7 @@ class DaemonConfig:
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
             raise ConfigError(f"low_water ({self.low_water}) must be below high_water ({self.high_water})")
         self._check_augmentation()
+        self._check_ray()
         self.local_ranks  # validates `ranks` against `world_size`
 
     def _check_augmentation(self) -> None:
@@ -108,6 +115,18 @@ class DaemonConfig:
                     key = "transform" if hook == self.transform else "allowed_transforms"
                     raise ConfigError(f"{key}: {hook!r} is not 'package.module:callable', "
                                       "for example 'mytraining.augment:randaugment'")
+
+    def _check_ray(self) -> None:
+        if self.ray is not None:
+            if not RAY_ADDRESS.fullmatch(self.ray):
+                raise ConfigError(f"ray = {self.ray!r}: expected 'local', 'auto', 'ray://HOST:PORT' (a Ray client "
+                                  "server, port 10001 by default) or 'HOST:PORT' (the head's GCS, port 6379 by default)")
+        if self.ray is None:
+            if self.workers == 0:
+                raise ConfigError("workers = 0 leaves nobody to build batches: pass --ray ADDRESS to build them on a "
+                                  "Ray cluster, or --workers 1 or more")
+            if self.ray_builds is not None:
+                raise ConfigError(f"ray_builds = {self.ray_builds} needs --ray ADDRESS; leave it out without a cluster")
 
     @property
     def augmentation(self) -> str:
@@ -156,6 +175,15 @@ class DaemonConfig:
     @property
     def batch_bytes(self) -> int:
         return BatchLayout.plan(self.batch_size, self.image_size, self.image_size).file_len
+
+
+def require_ray() -> None:
+    """Refuse --ray, with the command that fixes it, when Ray is not installed (it is imported only by
+    the process that talks to the cluster, and only with --ray).  The daemon checks at start, before it
+    indexes a dataset; a config naming a cluster stays valid where Ray is not installed."""
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray, which is not installed in this environment: pip install 'prefetchd[ray]' "
+                          "(on every node of the cluster too), or start without --ray")
 
 
 def check_value(name: str, value: Any) -> None:

@@ -28,7 +28,7 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers, progress_name
-from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults
+from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
@@ -197,6 +197,7 @@ MACHINE_FIELDS = frozenset({
     "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
     "max_buffer_bytes", "consumer_timeout",
     "metrics_port", "metrics_address", "metrics_textfile", "readers", "allowed_data", "allowed_transforms",
+    "ray", "ray_builds",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0
@@ -406,6 +407,8 @@ def run_daemon(cfg: DaemonConfig) -> int:
     """
     # First: the environment it reads must not reach the worker fork server.
     notifier = Notifier.from_env()
+    if cfg.ray is not None:
+        require_ray()  # now, not after indexing the dataset
     buffer = Path(cfg.buffer)
     prepare_buffer(buffer, cfg.group_access)
     lock = DaemonLock(buffer)

@@ -46,6 +46,23 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
     ("prefetchd_write_failures_total", lambda p: p.errors.write_failures, "Batches that could not be written (no space, ...)."),
     ("prefetchd_trainer_progress_age_seconds", lambda p: p.trainer.progress_age_s,
      "Seconds since the trainer last moved its progress (a trainer that is gone keeps it growing)."),
+    # --ray: where batches are built (absent without a cluster).
+    ("prefetchd_remote_connected", lambda p: float(p.remote.connected) if p.remote else None,
+     "1 while the Ray cluster takes slices, 0 while it is lost and the local workers build alone."),
+    ("prefetchd_remote_cluster_cpus", lambda p: p.remote.cluster_cpus if p.remote else None, "CPUs of the Ray cluster."),
+    ("prefetchd_remote_slices_in_flight", lambda p: p.remote.in_flight if p.remote else None,
+     "Slices of batches submitted to the Ray cluster and not yet back."),
+    ("prefetchd_remote_images_total", lambda p: p.remote.images if p.remote else None, "Images built on the Ray cluster."),
+    ("prefetchd_remote_retries_total", lambda p: p.remote.retries if p.remote else None,
+     "Slices submitted again after their Ray worker or node was lost."),
+    ("prefetchd_remote_stragglers_total", lambda p: p.remote.stragglers if p.remote else None,
+     "Slices started a second time because they took far longer than the median."),
+    ("prefetchd_remote_copied_bytes_total", lambda p: p.remote.copied_bytes if p.remote else None,
+     "Pixel bytes copied from Ray's object store into batch files."),
+    ("prefetchd_remote_copy_seconds_total", lambda p: p.remote.copy_seconds if p.remote else None,
+     "Seconds those copies took (rate(bytes) / rate(seconds): the copy rate)."),
+    ("prefetchd_remote_disconnects_total", lambda p: p.remote.disconnects if p.remote else None,
+     "Times the whole Ray cluster was lost."),
 )
 
 
@@ -81,6 +98,7 @@ class StatusCollector(Collector):
             alive.add_metric([self.buffer], 1.0 if production.trainer.alive else 0.0)
             yield alive
         yield from _consumer_metrics(self.buffer, production)
+        yield from _remote_node_metrics(self.buffer, production)
         if production.stages:
             quant = GaugeMetricFamily("prefetchd_stage_seconds", "Per-sample time of a stage, by quantile over recent samples.",
                                       labels=["buffer", "stage", "quantile"])
@@ -117,6 +135,23 @@ def _consumer_metrics(buffer: str, production: Production) -> Iterator[Metric]:
             families["alive"].add_metric(key, 1.0 if c.trainer.alive else 0.0)
         families["window"].add_metric(key, float(c.window))
     yield from families.values()
+
+
+def _remote_node_metrics(buffer: str, production: Production) -> Iterator[Metric]:
+    """Per node of the Ray cluster that built slices (--ray): its recent img/s and slice latency."""
+    nodes = production.remote.nodes if production.remote is not None else ()
+    if not nodes:
+        return
+    rate = GaugeMetricFamily("prefetchd_remote_node_images_per_second", "Images a Ray node built per second, last ~10 s.",
+                             labels=["buffer", "node"])
+    latency = GaugeMetricFamily("prefetchd_remote_node_slice_latency_seconds",
+                                "Median seconds from submitting a slice to its result, recent slices of a Ray node.",
+                                labels=["buffer", "node"])
+    for n in nodes:
+        rate.add_metric([buffer, n.node], n.images_per_s)
+        latency.add_metric([buffer, n.node], n.latency_p50_s)
+    yield rate
+    yield latency
 
 
 class Metrics:

@@ -13,10 +13,10 @@ import multiprocessing.forkserver
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
@@ -27,6 +27,7 @@ WORKER_STOP_SECONDS = 5.0
 MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
 RESTART_WINDOW_SECONDS = 60.0
 TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,24 +53,7 @@ class WorkerPool:
         seconds on a busy machine; a status.json that stood still that long would
         make trainers (and `prefetchd status`) take a starting daemon for a stuck one.
         """
-        started: list[Worker] = []
-        failed: list[BaseException] = []
-
-        def spawn_all() -> None:
-            try:
-                for _ in range(self.size):
-                    started.append(self._spawn())
-            except BaseException as exc:  # re-raised below, in the controller's thread
-                failed.append(exc)
-
-        spawner = threading.Thread(target=spawn_all, name="prefetchd-spawn-workers", daemon=True)
-        spawner.start()
-        while spawner.is_alive():
-            heartbeat()
-            spawner.join(every)
-        self.workers.extend(started)
-        if failed:
-            raise failed[0]
+        self.workers.extend(with_heartbeat(lambda: [self._spawn() for _ in range(self.size)], heartbeat, every))
 
     def _spawn(self) -> Worker:
         parent, child = self._ctx.Pipe()
@@ -89,13 +73,16 @@ class WorkerPool:
                 except OSError:  # died meanwhile; its sentinel requeues the task
                     break
 
-    def wait(self, timeout: float, wake: Wakeup, on_result: Callable[[Task, Filled | WriteFailed], None]) -> list[Worker]:
-        """Wait up to ``timeout`` for results (each handed to ``on_result``), a worker's death or ``wake``.
+    def wait(self, timeout: float, wake: Wakeup, on_result: Callable[[Task, Filled | WriteFailed], None],
+             also: Sequence[Any] = ()) -> list[Worker]:
+        """Wait up to ``timeout`` for results (each handed to ``on_result``), a worker's death, ``wake``
+        or any of ``also`` (the remote pool's pipe and process, which its owner then reads).
 
         Returns the workers that died, removed from the pool after the results they
         sent before dying were handed on; their unfinished tasks are in ``tasks``.
         """
-        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [wake], timeout)
+        ready = wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers] + [wake, *also],
+                     timeout)
         for worker in list(self.workers):
             if worker.conn in ready:
                 self._receive(worker, on_result)
@@ -146,6 +133,28 @@ class WorkerPool:
                 worker.process.join(1.0)
             worker.conn.close()
         self.workers.clear()
+
+
+def with_heartbeat(work: Callable[[], T], heartbeat: Callable[[], None], every: float) -> T:
+    """``work()`` on a thread while ``heartbeat()`` runs every ``every`` seconds here; its result, or its
+    exception re-raised here.  For what waits on the fork server, which imports torch for seconds."""
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(work())
+        except BaseException as exc:  # re-raised below, in the controller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="prefetchd-spawn", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        heartbeat()
+        thread.join(every)
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 def worker_context() -> multiprocessing.context.ForkServerContext:

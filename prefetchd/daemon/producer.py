@@ -43,6 +43,7 @@ from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, DaemonError
 from prefetchd.daemon.sampler import batch_len, batch_slice
 from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server
+from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream
 from prefetchd.daemon.wakeup import Wakeup
@@ -55,6 +56,8 @@ STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
 STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
 STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
+MAX_CHUNK = 16  # images per task for local workers
+MAX_REMOTE_CHUNK = 64  # ... and when every task goes to a Ray cluster
 MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
 
 
@@ -118,9 +121,13 @@ class Producer:
         self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout)
                         for d, m in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
-        self.workers_wanted = int(cfg.workers or 1)
-        self.chunk = max(1, min(16, cfg.batch_size // (2 * self.workers_wanted)))
-        self.max_building = max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
+        self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
+        # Images per task.  Remote only (--workers 0), larger: each Ray task costs ~3 ms of CPU over the
+        # worker, raylet and bridge (measured here, docs/SCALE.md), so fewer, bigger tasks.
+        cap = MAX_CHUNK if self.workers_wanted else MAX_REMOTE_CHUNK
+        self.chunk = max(1, min(cap, cfg.batch_size // (2 * max(1, self.workers_wanted))))
+        self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
+                               if self.workers_wanted else 0)
         self.stats = Stats()
         self.todo: deque[Task] = deque()
         self.task_build: dict[int, Build] = {}
@@ -134,6 +141,13 @@ class Producer:
         self.fatal_error: type[DaemonError] = DaemonError
         self._job = WorkerJob.from_config(index, members, cfg)
         self.pool = WorkerPool(self._job, self.workers_wanted)
+        self.remote = RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted) if cfg.ray else None
+
+    @property
+    def max_building(self) -> int:
+        """Batches built at once: enough to keep the local workers' and the cluster's queues full."""
+        remote = self.remote.builds_wanted(self.chunk, self.cfg.batch_size) if self.remote is not None else 0
+        return max(1, self.local_building + remote)
 
     @property
     def workers(self) -> list[Worker]:
@@ -158,6 +172,8 @@ class Producer:
                          self.streams[0].manifest.epochs)
             else:
                 self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
+                if self.remote is not None:  # the bridge connects in the background
+                    self.remote.start(heartbeat=self._write_status, every=STATUS_SECONDS)
                 self.state = State.FILLING
             self.notifier.ready(f"producing the {self.cfg.split} split of {self.cfg.data} into {self.buffer}")
             last_status = last_poll = 0.0
@@ -207,8 +223,18 @@ class Producer:
         return STATUS_SECONDS if idle else POLL_SECONDS
 
     def _wait(self, timeout: float) -> None:
-        for worker in self.pool.wait(timeout, self.wake, self._complete):
+        if self.remote is None:
+            for worker in self.pool.wait(timeout, self.wake, self._complete):
+                self._replace_worker(worker)
+            return
+        timeout = self.remote.poll_interval(timeout)
+        for worker in self.pool.wait(timeout, self.wake, self._complete, also=self.remote.waitables()):
             self._replace_worker(worker)
+        self.remote.handle(self._complete, self._requeue)
+
+    def _requeue(self, tasks: list[Task]) -> None:
+        """Tasks the cluster lost go first to whoever has room (a cancelled batch's are built and ignored)."""
+        self.todo.extendleft(reversed(tasks))
 
     # -- workers --------------------------------------------------------------
 
@@ -225,6 +251,8 @@ class Producer:
             self.fatal = too_many
 
     def _shutdown(self) -> None:
+        if self.remote is not None:
+            self.remote.stop()
         self.pool.stop()
         for stream in self.streams:
             for build in stream.building.values():
@@ -324,6 +352,8 @@ class Producer:
 
     def _dispatch(self) -> None:
         self.pool.dispatch(self.todo)
+        if self.remote is not None:
+            self.remote.dispatch(self.todo)
 
     def _complete(self, task: Task, result: Filled | WriteFailed) -> None:
         build = self.task_build.pop(task.task_id)
@@ -431,8 +461,12 @@ class Producer:
                 progress_rewinds=sum(s.progress_rewinds for s in streams),
                 progress_file="; ".join(s.progress_file for s in streams if s.progress_file),
             ),
+            remote=self.remote.status() if self.remote is not None else None,
         )
-        return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self.message,
+        message = self.message
+        if not message and self.remote is not None and not self.remote.connected and not self.workers_wanted:
+            message = f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"  # why nothing is built
+        return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=message,
                       job_result=self.job_result(), production=production)
 
     @staticmethod

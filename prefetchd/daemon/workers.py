@@ -48,7 +48,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from PIL import Image
@@ -159,33 +159,67 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
     )
 
 
+class SlotSink(Protocol):
+    """Where a task's images go: the batch file's slots (``SlotFiller``), or an array a remote
+    task returns (``prefetchd.daemon.remote``), which the bridge process writes into the file."""
+
+    def fill(self, slot: int, image: memoryview) -> None: ...
+
+
 def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None,
-             reads: list[Future[bytearray]] | None = None) -> Filled | WriteFailed:
-    """Fill ``task``'s slots; ``reads``: its samples' reads, already started (``SampleReader.start``)."""
+             reads: list[Future[bytearray]] | None = None, sink: SlotSink | None = None) -> Filled | WriteFailed:
+    """Fill ``task``'s slots; ``reads``: its samples' reads, already started (``SampleReader.start``);
+    ``sink``: where the images go, by default the slots of the batch file at ``task.path``."""
     reader = reader or SampleReader(job.index, job.readers)
-    start = time.perf_counter()
-    slots: list[tuple[int, int, int]] = []
-    timings: list[tuple[float, float, float, float]] = []
-    failures: list[tuple[str, str]] = []
+    if sink is not None:
+        return _fill(job, task, reader, reads, sink)
     try:
         batch = SlotFiller(task.path, task.images_offset, task.slot_bytes)
     except OSError as exc:
         return WriteFailed(task.task_id, f"cannot open {task.path}: {exc.strerror}")
     with batch:
-        ahead = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
-        for (slot, index), read in zip(task.items, ahead):
-            times = StageTimes()
-            used, image = _produce(job, reader, task.epoch, index, failures, times, read)
-            if image.nbytes != task.slot_bytes:
-                raise SampleUnrecoverable(f"{job.index.name(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
-            t0 = time.perf_counter()
-            try:
-                batch.fill(slot, memoryview(image.data).cast("B"))
-            except OSError as exc:
-                return WriteFailed(task.task_id, f"cannot write {task.path}: {exc.strerror}")
-            timings.append((times.read, times.decode, times.augment, time.perf_counter() - t0))
-            slots.append((slot, used, int(job.index.labels[used])))
+        return _fill(job, task, reader, reads, batch)
+
+
+def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[bytearray]] | None,
+          sink: SlotSink) -> Filled | WriteFailed:
+    start = time.perf_counter()
+    slots: list[tuple[int, int, int]] = []
+    timings: list[tuple[float, float, float, float]] = []
+    failures: list[tuple[str, str]] = []
+    ahead = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
+    for (slot, index), read in zip(task.items, ahead):
+        times = StageTimes()
+        used, image = _produce(job, reader, task.epoch, index, failures, times, read)
+        if image.nbytes != task.slot_bytes:
+            raise SampleUnrecoverable(f"{job.index.name(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
+        t0 = time.perf_counter()
+        try:
+            sink.fill(slot, memoryview(image.data).cast("B"))
+        except OSError as exc:
+            return WriteFailed(task.task_id, f"cannot write {task.path}: {exc.strerror}")
+        timings.append((times.read, times.decode, times.augment, time.perf_counter() - t0))
+        slots.append((slot, used, int(job.index.labels[used])))
     return Filled(task.task_id, tuple(slots), tuple(failures), time.perf_counter() - start, tuple(timings))
+
+
+def failure_of(task_id: int, exc: Exception) -> WriteFailed:
+    """What a task that raised ``exc`` reports: retry later, or stop the job (see ``WriteFailed``)."""
+    if isinstance(exc, StorageUnavailable):
+        return WriteFailed(task_id, str(exc))
+    if isinstance(exc, (SampleUnrecoverable, HookError, StorageDenied)):
+        return WriteFailed(task_id, str(exc), fatal=True)
+    # A bug: report it with where it happened instead of dying silently.
+    return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=True)
+
+
+def prepare_process() -> None:
+    """Set up a process that runs tasks: a local worker, or a Ray worker on any node."""
+    # augment() applies the job's max_image_pixels before decoding; Pillow's own
+    # limit would refuse, with its own words, images the user allowed.
+    Image.MAX_IMAGE_PIXELS = None
+    limit_threads()
+    preload()
 
 
 def limit_threads() -> None:
@@ -204,11 +238,7 @@ def limit_threads() -> None:
 def worker_main(conn: Connection, job: WorkerJob) -> None:
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # augment() applies the job's max_image_pixels before decoding; Pillow's own
-    # limit would refuse, with its own words, images the user allowed.
-    Image.MAX_IMAGE_PIXELS = None
-    limit_threads()
-    preload()
+    prepare_process()
     reader = SampleReader(job.index, job.readers)
     queued: deque[tuple[Task, list[Future[bytearray]] | None]] = deque()
     stopping = False
@@ -230,12 +260,8 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
         task, reads = queued.popleft()
         try:
             result: Filled | WriteFailed = run_task(job, task, reader, reads)
-        except StorageUnavailable as exc:
-            result = WriteFailed(task.task_id, str(exc))
-        except (SampleUnrecoverable, HookError, StorageDenied) as exc:
-            result = WriteFailed(task.task_id, str(exc), fatal=True)
-        except Exception:  # a bug: report it with where it happened instead of dying silently
-            result = WriteFailed(task.task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=True)
+        except Exception as exc:
+            result = failure_of(task.task_id, exc)
         try:
             conn.send(result)
         except OSError:  # a SIGKILLed controller: nobody to answer, and no traceback for its successor's log

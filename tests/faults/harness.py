@@ -62,6 +62,9 @@ consumer_kill       a second, named consumer (``extra``, a driver run     status
                     SIGKILLed at a seeded point; once the status says     ``alive`` false; its batches are
                     it is gone (or 10 s) and a seeded delay passed, it    then checked as the trainer's
                     resumes from its checkpoint                           (exactly once, identical)
+remote_node_lost    (``RAY_KINDS``, asked for by name) SIGKILL the Ray    the status names the node that
+                    node that builds the daemon's remote slices (the      joined as one that built slices
+                    head has no CPUs), then add another                   (``remote.nodes``)
 bad_start           start daemons on: a missing dataset, a symlinked      each exited with its code
                     buffer, another user's buffer (root), an unwritable   (``EXIT_FAILURE``, ``EXIT_USAGE``),
                     buffer (a read-only tmpfs as root, mode 0500 else),   no traceback, last line names the
@@ -120,6 +123,11 @@ KINDS = (
     "batch_delete", "progress_garbage", "progress_rewind", "second_daemon", "dataset_delete",
     "daemon_stuck", "progress_planted", "batch_planted", "bad_start", "consumer_kill",
 )
+# Faults that need a Ray cluster, which the harness then starts (2 nodes: a head without CPUs and one
+# 1-CPU node) and the daemons build on with --ray beside their local worker.  Asked for by name only:
+# Ray is an optional extra and its traffic must stay on loopback, so run the harness in a network
+# namespace with only lo: unshare -n sh -c 'ip link set lo up && python -m tests.faults.harness --kinds ...'.
+RAY_KINDS = ("remote_node_lost",)
 # Not faults of the system: they break the run on purpose, so that a test sees the harness fail it.
 SELF_TEST_KINDS = ("trainer_crash",)
 TITLES = {
@@ -139,6 +147,7 @@ TITLES = {
     "batch_planted": "batch FIFO/symlink",
     "bad_start": "bad dataset/buffer starts",
     "consumer_kill": "2nd consumer SIGKILL+resume",
+    "remote_node_lost": "Ray node SIGKILL + new node",
     "trainer_crash": "trainer SIGTERM (self-test)",
 }
 # The counters a daemon keeps in status.json (read through read_status) that the checks compare.
@@ -230,7 +239,7 @@ class Report:
         for f in self.faults:
             by_kind.setdefault(f.kind, []).append(f)
         lines = [f"{'fault':<28} {'injected':>8} {'detected':>8} {'recovery p50 / max (s)':>24}"]
-        for kind in (*KINDS, *SELF_TEST_KINDS):
+        for kind in (*KINDS, *RAY_KINDS, *SELF_TEST_KINDS):
             faults = by_kind.get(kind, [])
             if not faults:
                 continue
@@ -331,6 +340,7 @@ class StatusSample:
     trainer_alive: bool | None
     counters: dict[str, int]
     consumers: tuple[tuple[str, int | None, bool | None], ...] = ()  # (name, pid, alive), every stream's
+    remote_nodes: tuple[str, ...] = ()  # --ray: the nodes that built slices, as status.json names them
 
 
     @classmethod
@@ -344,6 +354,8 @@ class StatusSample:
             counters={k: getattr(job.errors, k) if job is not None else 0 for k in COUNTERS},
             consumers=tuple((c.name, c.trainer.pid, c.trainer.alive)
                             for s in (job.streams if job is not None else ()) for c in s.consumers),
+            remote_nodes=tuple(n.node for n in job.remote.nodes if n.slices)
+            if job is not None and job.remote is not None else (),
         )
 
 
@@ -377,6 +389,8 @@ class Harness:
         self.expected_exits: set[int] = set()
         self.statuses: list[StatusSample] = []
         self._status_at = 0.0
+        self.cluster: Any = None  # ray.cluster_utils.Cluster, for RAY_KINDS
+        self.ray_node: Any = None  # its node with a CPU
 
     # -- setup -------------------------------------------------------------------
 
@@ -403,6 +417,8 @@ class Harness:
         self.buffer = self.work / "bf"
         self.removed = self.work / "removed"
         self.removed.mkdir(exist_ok=True)
+        if set(RAY_KINDS) & set(self.s.kinds):
+            self.start_cluster()
         if "enospc" in self.s.kinds:
             self.mount = self.work / "mnt"
             self.mount.mkdir(exist_ok=True)
@@ -424,7 +440,8 @@ class Harness:
         s = self.s
         return ["--data", str(self.data), "--batch-size", str(s.batch_size), "--image-size", str(s.image_size),
                 "--workers", str(s.workers), "--seed", "7", "--epochs", str(self.epochs),
-                "--high-water", str(s.high_water), "--low-water", str(s.low_water), "--min-free-mb", "0"]
+                "--high-water", str(s.high_water), "--low-water", str(s.low_water), "--min-free-mb", "0",
+                *(["--ray", self.cluster.address] if self.cluster is not None else [])]
 
     def spawn(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         with open(log, "ab") as out:
@@ -459,6 +476,8 @@ class Harness:
         for f in self.removed.iterdir():  # a dataset file still moved away
             dest = self.data / f.name.replace("__", "/")
             os.rename(f, dest)
+        if self.cluster is not None:
+            self.cluster.shutdown()
         for mount in (self.mount, self.readonly):
             if mount is not None and subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", str(mount)], capture_output=True)
@@ -481,6 +500,8 @@ class Harness:
         args = self.daemon_args()
         args[args.index("--data") + 1] = str(ref_data)
         args[args.index("--workers") + 1] = "2"  # not part of the job: batches are the same for any count
+        if "--ray" in args:  # local workers only: the faulted run's remote batches must equal these
+            del args[args.index("--ray"):args.index("--ray") + 2]
         log = self.work / "reference-daemon.log"
         self.ref_daemon = self.spawn([self.s.python, "-m", "prefetchd", "start", "--buffer", str(self.ref_buffer), *args], log)
         self.ref_driver = self.start_driver(self.ref_buffer, self.ref_log, ckpt, run=-1, step_seconds=0.0)
@@ -1225,6 +1246,32 @@ class Harness:
         self.problems += [f"consumer_kill {fault.index}, the extra consumer: {p}" for p in acc["problems"]]
         fault.data["replayed"] = acc["replayed"]
 
+    RAY_NODE = {"num_cpus": 1, "object_store_memory": 100 * 2**20}  # Ray's floor is 75 MiB
+
+    def start_cluster(self) -> None:
+        """A local Ray cluster: a head without CPUs, so that every remote slice runs on ``ray_node``."""
+        try:
+            from ray.cluster_utils import Cluster
+        except ImportError:
+            for kind in RAY_KINDS:
+                self.unavailable[kind] = "needs Ray: pip install -e '.[ray]'"
+            self.s.kinds = tuple(k for k in self.s.kinds if k not in RAY_KINDS)
+            return
+        self.cluster = Cluster(initialize_head=True, head_node_args={**self.RAY_NODE, "num_cpus": 0})
+        self.ray_node = self.cluster.add_node(**self.RAY_NODE)
+        self.cluster.wait_for_nodes()
+
+    def inject_remote_node_lost(self, fault: Fault, rng: random.Random) -> None:
+        old = self.ray_node
+        self.cluster.remove_node(old, allow_graceful=False)  # SIGKILL, as a machine that goes away
+        self.ray_node = self.cluster.add_node(**self.RAY_NODE)
+        new = str(self.ray_node.node_id)[:8]
+        fault.detail = f"node {str(old.node_id)[:8]} killed, {new} joined"
+        fault.check = lambda f, h: any(x.heartbeat > f.t_inject and any(n.endswith("/" + new) for n in x.remote_nodes)
+                                       for x in h.statuses)
+        # The remote-only stretch of the run: until the new node has built slices (its Ray worker imports torch).
+        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 60.0)
+
     def inject_trainer_crash(self, fault: Fault, rng: random.Random) -> None:
         """Self-test, not a fault of the system: SIGTERM the trainer behind the harness's back, as a bug
         would end it.  ``supervise`` restarts it and the run must be reported failed."""
@@ -1364,12 +1411,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"faults to inject (default: the long run's 260; the test's short run: {len(KINDS)})")
     p.add_argument("--seed", type=int, default=1, help="schedule seed (the long run: 1; the short run: 3)")
     p.add_argument("--kinds", default=",".join(KINDS),
-                   help=f"comma-separated subset of: {', '.join(KINDS)}; or {', '.join(SELF_TEST_KINDS)}, which must fail the run")
+                   help=f"comma-separated subset of: {', '.join(KINDS)}; {', '.join(RAY_KINDS)} (starts a Ray cluster: "
+                        f"run in a loopback-only network namespace); or {', '.join(SELF_TEST_KINDS)}, which must fail the run")
     p.add_argument("--workdir", type=Path, help="default: a fresh directory under /dev/shm, removed afterwards")
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = set(kinds) - set(KINDS) - set(SELF_TEST_KINDS)
+    unknown = set(kinds) - set(KINDS) - set(RAY_KINDS) - set(SELF_TEST_KINDS)
     if unknown:
         p.error(f"unknown kinds: {', '.join(sorted(unknown))}")
     work = args.workdir or Path("/dev/shm") / f"prefetchd-faults-{uuid.uuid4().hex[:8]}"

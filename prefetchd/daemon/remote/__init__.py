@@ -1,0 +1,40 @@
+"""Remote producers: slices of batches built on a Ray cluster beside the local workers (``--ray``).
+
+The controller's tasks (a batch's temp file, its slot offsets and a list of
+(slot, sample index)) go to the local workers *and* to a Ray cluster, whichever
+has room; both run ``workers.run_task``, the same decode/augment code, so a
+batch is bit-identical wherever it was built::
+
+    controller ──Task──► bridge process ──remote()──► Ray worker on any node
+        ▲                    │                          run_task(job, task, sink=rows)
+        │                    │◄── uint8 rows, labels ───┘  (object store)
+        └──Filled────────────┘  pwrite rows into the temp file's slots (SlotFiller)
+
+The controller keeps everything it owns today: the manifest, progress, flow
+control, begin/commit/abort of every batch, deletion, status and the lock.  Ray
+supplies compute only.  The job (sample index, options) goes to the object store
+once per job (``ray.put``); each task carries a reference to it, and a Ray
+worker keeps the job it last read (``_job_here``).
+
+Why a bridge process and not Ray calls in the controller: a Ray driver whose
+cluster disappears blocks in its next call to the cluster (tried here: a 2-node
+``cluster_utils.Cluster`` shut down under a driver left it hanging in
+``.remote()``/``cluster_resources()`` for more than 40 s), and a driver whose
+local raylet dies is ended by Ray.  The bridge is the Ray driver; the controller
+talks to it over a pipe, like a worker, and never blocks on the cluster.  The
+bridge fills the slots of the temp files it is given exactly as a local worker
+does: it is the fill side of the batch writer (``buffer_protocol.writer``).
+
+Faults.  A slice whose Ray worker or node died is submitted again by the bridge
+(``MAX_ATTEMPTS`` times, then handed back to the controller, which queues it
+for whoever has room); a slice outstanding ``STRAGGLER_FACTOR`` times longer
+than the median is started a second time, and the first result wins.  Since a
+batch is a pure function of (seed, epoch, step, rank) nothing is lost or
+duplicated.  A bridge that dies, or reports nothing for ``SILENT_SECONDS``
+(the cluster is gone), is replaced every ``RECONNECT_SECONDS``; meanwhile its
+slices go back to the queue and the local workers build them alone.
+"""
+
+from prefetchd.daemon.remote.pool import RemotePool
+
+__all__ = ["RemotePool"]

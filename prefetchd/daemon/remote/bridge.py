@@ -1,0 +1,261 @@
+"""The bridge process: the Ray driver.  It submits the controller's slices to the cluster, writes
+what comes back into the batches' temp files, resubmits what the cluster lost, relaunches
+stragglers, and reports the cluster's nodes and CPUs (see ``prefetchd.daemon.remote``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+from prefetchd.buffer_protocol import SlotFiller
+from prefetchd.daemon.remote.task import NodeUnfit, build_slice
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
+
+REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
+MAX_ATTEMPTS = 3  # submissions of one slice at the cluster before it goes back to the controller
+STRAGGLER_FACTOR = 4.0  # a slice outstanding this many times the median is started again
+STRAGGLER_MIN_SECONDS = 2.0  # ... but never before this, and only once STRAGGLER_SAMPLES are known
+STRAGGLER_SAMPLES = 16
+
+
+# -- messages from the bridge to the controller --------------------------------
+
+
+@dataclass(frozen=True)
+class Report:
+    """The cluster as the bridge sees it; ``connected`` False: it could not connect and exits."""
+
+    connected: bool
+    nodes: int = 0
+    cpus: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Done:
+    """A slice the cluster built; its pixels are in the temp file already (unless ``result`` failed)."""
+
+    result: Filled | WriteFailed
+    node: str
+    latency: float  # seconds from the first submission to the result
+    copied: tuple[int, float]  # (bytes, seconds) of the copy from the object store into the batch file
+    retries: int  # submissions after the first because a worker or node was lost
+    straggler: bool  # it was started a second time
+
+
+@dataclass(frozen=True)
+class Returned:
+    """A slice the cluster could not build (its workers kept dying): the controller queues it again."""
+
+    task_id: int
+    reason: str
+    retries: int
+
+
+@dataclass(frozen=True)
+class Note:
+    """A line for the daemon's log (the bridge has no logging set up of its own)."""
+
+    level: int
+    text: str
+
+
+def connect(address: str) -> None:
+    """``ray.init`` for a --ray address (checked by the config)."""
+    import ray
+
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": False, "namespace": "prefetchd"}
+    if address == "local":
+        # The CPUs this process may use (taskset, cgroup cpusets), not the machine's: Ray counts the machine's.
+        ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False,
+                 **quiet)  # type: ignore[arg-type]
+    else:
+        ray.init(address=address, **quiet)  # type: ignore[arg-type]
+
+
+@dataclass
+class _Slice:
+    task: Task
+    submitted: float
+    attempts: int = 1
+    refs: list[Any] = field(default_factory=list)
+    straggler: bool = False
+
+
+class Bridge:
+    """Submits the controller's tasks to Ray and answers with what came back."""
+
+    def __init__(self, conn: Connection, job: WorkerJob) -> None:
+        import ray
+
+        self.ray: Any = ray
+        self.conn = conn
+        self.job_box = [ray.put(job)]  # once per job
+        self.build = ray.remote(build_slice).options(num_cpus=1, max_retries=0)  # retries are ours, counted
+        self.slices: dict[int, _Slice] = {}
+        self.latencies: deque[float] = deque(maxlen=256)
+        # Nodes that cannot read the dataset, and errors of nodes that cannot run slices: each warned once.
+        self.unfit: set[str] = set()
+        self.done: deque[tuple[int, Any, Any]] = deque()  # (task id, ref, future) completed; appended by Ray's thread
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+
+    def run(self) -> None:
+        last_report = 0.0
+        while True:
+            ready = wait([self.conn, self._r], REPORT_SECONDS)
+            if self._r in ready:
+                os.read(self._r, 4096)
+            if self.conn in ready and not self._receive():
+                return
+            while self.done:
+                self._finish(*self.done.popleft())
+            now = time.monotonic()
+            self._relaunch_stragglers(now)
+            if now - last_report >= REPORT_SECONDS:
+                self.conn.send(self._report())
+                last_report = now
+
+    def _receive(self) -> bool:
+        """Submit every task the controller sent; False when it asks the bridge to stop."""
+        while self.conn.poll():
+            try:
+                task = self.conn.recv()
+            except (EOFError, OSError):
+                return False
+            if task is None:
+                return False
+            self.slices[task.task_id] = _Slice(task, time.monotonic())
+            self._submit(self.slices[task.task_id])
+        return True
+
+    def _submit(self, s: _Slice) -> None:
+        ref = self.build.remote(self.job_box, s.task)
+        s.refs.append(ref)
+        future = ref.future()
+        task_id = s.task.task_id
+
+        def completed(_f: Any) -> None:  # on Ray's thread: queue it and wake the loop
+            self.done.append((task_id, ref, future))
+            try:
+                os.write(self._w, b"\0")
+            except BlockingIOError:
+                pass
+
+        future.add_done_callback(completed)
+
+    def _finish(self, task_id: int, ref: Any, future: Any) -> None:
+        s = self.slices.get(task_id)
+        if s is None or ref not in s.refs:
+            return  # the other copy of a straggler won
+        exceptions = self.ray.exceptions
+        try:
+            result, pixels, node = future.result()
+        except exceptions.TaskCancelledError:
+            return
+        except exceptions.RayTaskError as exc:
+            # build_slice catches what the decoding raises, so this is the node: prefetchd missing or of another
+            # version there, say.  Not the job's fault: another node, or a local worker, builds the slice.
+            text = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+            if text not in self.unfit:
+                self.unfit.add(text)
+                self.conn.send(Note(logging.WARNING, f"a Ray worker could not run a slice: {text}; is prefetchd[ray] "
+                                                     "installed, at the daemon's version, on every node?"))
+            self._again(s, ref, text)
+            return
+        except exceptions.RayError as exc:  # its worker or node was lost: build it again
+            self._again(s, ref, f"{type(exc).__name__}: {exc}")
+            return
+        if isinstance(result, NodeUnfit):
+            if node not in self.unfit:
+                self.unfit.add(node)
+                self.conn.send(Note(logging.WARNING, f"node {node} {result.reason}; its slices go to other nodes"))
+            self._again(s, ref, f"node {node} cannot read the dataset")
+            return
+        del self.slices[task_id]
+        for other in s.refs:
+            if other is not ref:
+                self._cancel(other)
+        copied = (0, 0.0)
+        if isinstance(result, Filled):
+            t0 = time.perf_counter()
+            result = write_rows(s.task, result, pixels)
+            copied = (int(pixels.nbytes), time.perf_counter() - t0)
+        latency = time.monotonic() - s.submitted
+        self.latencies.append(latency)
+        self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
+
+    def _again(self, s: _Slice, ref: Any, reason: str) -> None:
+        """``ref``, one copy of slice ``s``, failed for ``reason``: submit it again, up to MAX_ATTEMPTS,
+        then hand it back to the controller."""
+        s.refs.remove(ref)
+        if s.refs:
+            return  # its other copy still runs
+        if s.attempts >= MAX_ATTEMPTS:
+            del self.slices[s.task.task_id]
+            self.conn.send(Returned(s.task.task_id, reason, s.attempts))
+            return
+        s.attempts += 1
+        self.conn.send(Note(logging.INFO, f"slice {s.task.task_id}: {reason.splitlines()[0][:200]}; submitting it "
+                                          f"again (attempt {s.attempts} of {MAX_ATTEMPTS})"))
+        self._submit(s)
+
+    def _cancel(self, ref: Any) -> None:
+        try:
+            self.ray.cancel(ref)
+        except Exception:  # already finished or its node gone: nothing to stop
+            pass
+
+    def _relaunch_stragglers(self, now: float) -> None:
+        if len(self.latencies) < STRAGGLER_SAMPLES:
+            return
+        limit = max(STRAGGLER_MIN_SECONDS, STRAGGLER_FACTOR * float(np.median(self.latencies)))
+        for s in self.slices.values():
+            if not s.straggler and now - s.submitted > limit:
+                s.straggler = True
+                self._submit(s)
+
+    def _report(self) -> Report:
+        alive = [n for n in self.ray.nodes() if n.get("Alive")]
+        cpus = int(sum(n.get("Resources", {}).get("CPU", 0) for n in alive))
+        return Report(True, len(alive), cpus)
+
+
+def write_rows(task: Task, result: Filled, pixels: np.ndarray) -> Filled | WriteFailed:
+    """Write a remote slice's rows into the slots of its batch's temp file, as a local worker would have."""
+    try:
+        with SlotFiller(task.path, task.images_offset, task.slot_bytes) as slots:
+            for row, (slot, _index) in enumerate(task.items):
+                slots.fill(slot, memoryview(pixels[row]))
+    except OSError as exc:  # no space, or the batch was aborted meanwhile
+        return WriteFailed(task.task_id, f"cannot write {task.path}: {exc.strerror}")
+    return result
+
+
+def bridge_main(conn: Connection, job: WorkerJob, address: str) -> None:
+    # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ray
+
+        connect(address)
+    except Exception as exc:  # no cluster there, a version mismatch, ...
+        conn.send(Report(False, message=f"cannot connect to the Ray cluster at {address}: {type(exc).__name__}: {exc}"))
+        return
+    try:
+        Bridge(conn, job).run()
+    except (EOFError, OSError):  # the controller went away
+        pass
+    finally:
+        ray.shutdown()
+
+
+__all__ = ["Bridge", "Done", "Note", "Report", "Returned", "bridge_main", "connect", "write_rows"]

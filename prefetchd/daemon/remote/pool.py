@@ -1,0 +1,281 @@
+"""The Ray cluster as the controller sees it: ``RemotePool``, beside ``prefetchd.daemon.pool``'s
+WorkerPool, feeding a bridge process from the controller's queue (see ``prefetchd.daemon.remote``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from prefetchd.buffer_protocol import RemoteNode, RemoteStatus
+from prefetchd.daemon.config import require_ray
+from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
+from prefetchd.daemon.remote.bridge import REPORT_SECONDS, Done, Note, Report, Returned, bridge_main
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
+
+log = logging.getLogger(__name__)
+
+SILENT_SECONDS = 15.0  # no report for this long while connected: the cluster is gone
+CONNECT_SECONDS = 120.0  # ray.init; a private local cluster starts in ~10 s on a busy 2-core box
+RECONNECT_SECONDS = 10.0
+BRIDGE_STOP_SECONDS = 15.0  # ray.shutdown of a private cluster takes seconds
+RATE_WINDOW_SECONDS = 10.0
+LOGGED_RETURNS = 10  # slices handed back by the cluster that are logged as warnings; the rest at debug level
+
+
+@dataclass
+class _NodeBooks:
+    images: int = 0
+    slices: int = 0
+    recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))  # (time, images)
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+
+    def status(self, node: str, now: float) -> RemoteNode:
+        recent = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW_SECONDS]
+        rate = sum(n for _, n in recent) / RATE_WINDOW_SECONDS
+        p50 = float(np.median(self.latencies)) if self.latencies else 0.0
+        return RemoteNode(node, self.images, self.slices, round(rate, 1), round(p50, 4))
+
+
+class RemotePool:
+    """The Ray cluster as the controller sees it: a pool beside ``WorkerPool`` that takes tasks
+    from the same queue while it is connected, and hands back the ones it loses."""
+
+    def __init__(self, job: WorkerJob, address: str, builds: int | None, local_workers: int) -> None:
+        require_ray()
+        self.job = job
+        self.address = address
+        self.builds = builds
+        self.local_workers = local_workers
+        self._ctx = worker_context()
+        self.process: Any = None
+        self.conn: Connection | None = None
+        self.started = 0.0
+        self.last_report = 0.0
+        self.cpus_seen = 0.0  # when the cluster last had a CPU
+        self.retry_at = 0.0
+        self.connected = False
+        self.failed_attempts = 0
+        self.refusal: str | None = None  # why the bridge could not connect, as it said before exiting
+        self.nodes = 0
+        self.cpus = 0
+        self.message = "connecting"
+        self.in_flight: dict[int, Task] = {}
+        self.paths: Counter[str] = Counter()  # batches (their temp files) with slices at the cluster
+        self.images = self.slices = self.retries = self.stragglers = self.disconnects = self.returned = 0
+        self.node_books: dict[str, _NodeBooks] = {}
+        self.copied_bytes = 0
+        self.copy_seconds = 0.0
+
+    # -- lifecycle
+
+    def start(self, heartbeat: Callable[[], None] = lambda: None, every: float = REPORT_SECONDS) -> None:
+        """Start a bridge; it connects in the background and reports when it is ready.  The first start
+        may wait seconds for the fork server (``heartbeat`` runs meanwhile), later ones do not."""
+        parent, child = self._ctx.Pipe()
+        self.process = self._ctx.Process(target=bridge_main, args=(child, self.job, self.address),
+                                         name="prefetchd-ray-bridge", daemon=True)
+        with_heartbeat(self.process.start, heartbeat, every)
+        child.close()
+        self.conn = parent
+        self.started = time.monotonic()
+        self.refusal = None
+        log.info("connecting to the Ray cluster at %s", self.address)
+
+    def stop(self) -> None:
+        """Let the bridge cancel its slices and disconnect; kill it if it hangs (a vanished cluster)."""
+        if self.process is None or self.conn is None:
+            return
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        # A bridge that is not connected may be stuck in ray.init on a vanished cluster: nothing to wait for.
+        self.process.join(BRIDGE_STOP_SECONDS if self.connected else 1.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(1.0)
+        self.conn.close()
+        self.process = self.conn = None
+        self.connected = False
+
+    # -- the controller's loop
+
+    def waitables(self) -> list[Any]:
+        return [self.conn, self.process.sentinel] if self.conn is not None else []
+
+    def poll_interval(self, timeout: float) -> float:
+        """How long the controller may sleep: not past a reconnection or a silence check."""
+        if self.process is None:
+            return max(0.0, min(timeout, self.retry_at - time.monotonic()))
+        return min(timeout, REPORT_SECONDS)
+
+    def handle(self, on_result: Callable[[Task, Filled | WriteFailed], None],
+               requeue: Callable[[list[Task]], None]) -> None:
+        """Hand on what the bridge sent; notice a dead or silent one; reconnect when it is time."""
+        now = time.monotonic()
+        if self.process is None:
+            if now >= self.retry_at:
+                self.start()
+            return
+        self._receive(on_result, requeue)
+        if not self.process.is_alive():
+            self._receive(on_result, requeue)  # what it sent before it exited still counts
+            self._lose(self.refusal or f"the bridge process exited (code {self.process.exitcode})", requeue)
+        elif self.connected and now - self.last_report > SILENT_SECONDS:
+            self._lose(f"no answer from the cluster for {SILENT_SECONDS:.0f} s", requeue)
+        elif self.connected and self.in_flight and self.cpus == 0 and now - self.cpus_seen > SILENT_SECONDS:
+            # Its slices wait at Ray for a node with a CPU; the local workers can build them meanwhile.
+            self._lose(f"no node with a CPU for {SILENT_SECONDS:.0f} s", requeue)
+        elif not self.connected and now - self.started > CONNECT_SECONDS:
+            self._lose(f"could not connect within {CONNECT_SECONDS:.0f} s", requeue)
+
+    def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None],
+                 requeue: Callable[[list[Task]], None]) -> None:
+        assert self.conn is not None
+        while True:
+            try:
+                if not self.conn.poll():
+                    return
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            if isinstance(msg, Report):
+                self._on_report(msg)
+            elif isinstance(msg, Note):
+                log.log(msg.level, "ray: %s", msg.text)
+            elif isinstance(msg, Done):
+                task = self._take(msg.result.task_id)
+                if task is None:
+                    continue
+                self.retries += msg.retries
+                self.stragglers += msg.straggler
+                self.copied_bytes += msg.copied[0]
+                self.copy_seconds += msg.copied[1]
+                if isinstance(msg.result, Filled):
+                    n = len(msg.result.slots)
+                    self.images += n
+                    self.slices += 1
+                    books = self.node_books.setdefault(msg.node, _NodeBooks())
+                    books.images += n
+                    books.slices += 1
+                    books.recent.append((time.monotonic(), n))
+                    books.latencies.append(msg.latency)
+                on_result(task, msg.result)
+            elif isinstance(msg, Returned):
+                task = self._take(msg.task_id)
+                self.retries += msg.retries
+                if task is not None:
+                    self.returned += 1
+                    (log.warning if self.returned <= LOGGED_RETURNS else log.debug)(
+                        "slice %d of %s came back from the cluster after %d attempts (%s); queuing it again%s",
+                        msg.task_id, os.path.basename(task.path), msg.retries, msg.reason.splitlines()[0][:300],
+                        "; further ones are logged at debug level" if self.returned == LOGGED_RETURNS else "")
+                    requeue([task])
+
+    def _on_report(self, report: Report) -> None:
+        if not report.connected:
+            self.refusal = report.message
+            return
+        if not self.connected:
+            log.info("Ray cluster at %s: %d nodes, %d CPUs; building batches there beside %d local workers",
+                     self.address, report.nodes, report.cpus, self.local_workers)
+            self.cpus_seen = time.monotonic()
+        self.connected = True
+        self.failed_attempts = 0
+        self.message = ""
+        self.nodes, self.cpus = report.nodes, report.cpus
+        self.last_report = time.monotonic()
+        if self.cpus:
+            self.cpus_seen = self.last_report
+
+    def _take(self, task_id: int) -> Task | None:
+        task = self.in_flight.pop(task_id, None)
+        if task is not None:
+            self.paths[task.path] -= 1
+            if self.paths[task.path] <= 0:
+                del self.paths[task.path]
+        return task
+
+    def _lose(self, reason: str, requeue: Callable[[list[Task]], None]) -> None:
+        """Give up on this bridge: its slices go back to the queue, and a new one connects later."""
+        lost = list(self.in_flight.values())
+        fallback = (f"the {self.local_workers} local workers build alone" if self.local_workers
+                    else "no local workers (--workers 0): production waits for the cluster")
+        again = f"trying again every {RECONNECT_SECONDS:.0f} s"
+        if self.connected:
+            self.disconnects += 1
+            self.message = f"lost: {reason}; {fallback}"
+            log.warning("Ray cluster at %s lost: %s; %s (%d slices queued again); %s", self.address, reason,
+                        fallback, len(lost), again)
+        else:
+            self.message = f"not connected: {reason}; {fallback}"
+            (log.warning if self.failed_attempts == 0 else log.debug)(
+                "cannot use the Ray cluster at %s: %s; %s; %s", self.address, reason, fallback, again)
+            self.failed_attempts += 1
+        self.connected = False
+        self.in_flight.clear()
+        self.paths.clear()
+        if self.process is not None:
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join(1.0)
+        if self.conn is not None:
+            self.conn.close()
+        self.process = self.conn = None
+        self.retry_at = time.monotonic() + RECONNECT_SECONDS
+        if lost:
+            requeue(lost)
+
+    def dispatch(self, todo: deque[Task]) -> None:
+        """Send tasks from the front of ``todo`` while the cluster has room: ``TASKS_PER_WORKER`` per
+        cluster CPU, and slices of at most ``builds`` batches (--ray-builds)."""
+        if not self.connected or self.conn is None or self.cpus == 0:
+            return
+        room = TASKS_PER_WORKER * self.cpus - len(self.in_flight)
+        skipped: list[Task] = []
+        while todo and room > 0:
+            task = todo.popleft()
+            if self.builds is not None and task.path not in self.paths and len(self.paths) >= self.builds:
+                skipped.append(task)  # left to the local workers
+                continue
+            try:
+                self.conn.send(task)
+            except OSError:  # the bridge died; handle() notices and requeues what it held
+                todo.appendleft(task)
+                break
+            self.in_flight[task.task_id] = task
+            self.paths[task.path] += 1
+            room -= 1
+        todo.extendleft(reversed(skipped))
+
+    # -- sizing and status
+
+    def builds_wanted(self, chunk: int, batch_size: int) -> int:
+        """Batches to keep being built for the cluster: --ray-builds, or enough for its queue of slices."""
+        if not self.connected:
+            return 0
+        if self.builds is not None:
+            return self.builds
+        return math.ceil(TASKS_PER_WORKER * max(1, self.cpus) * chunk / batch_size) + 1
+
+    def status(self) -> RemoteStatus:
+        now = time.monotonic()
+        return RemoteStatus(
+            address=self.address, connected=self.connected, cluster_nodes=self.nodes if self.connected else 0,
+            cluster_cpus=self.cpus if self.connected else 0, in_flight=len(self.in_flight), images=self.images,
+            slices=self.slices, retries=self.retries, stragglers=self.stragglers, disconnects=self.disconnects,
+            message=self.message, copied_bytes=self.copied_bytes, copy_seconds=round(self.copy_seconds, 4),
+            nodes=tuple(b.status(node, now) for node, b in sorted(self.node_books.items())),
+        )
+
+
+__all__ = ["RemotePool"]

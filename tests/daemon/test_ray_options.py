@@ -1,0 +1,121 @@
+"""--ray and --ray-builds: flags and config keys from DaemonConfig, their checks, and the status they add
+(no Ray cluster needed; tests/integration/test_ray.py runs one)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from prefetchd.buffer_protocol import read_status, write_status
+from prefetchd.daemon.cli import format_status, start
+from prefetchd.daemon.config import DaemonConfig, load_toml
+from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.main import JOB_FIELDS, run_daemon
+from tests.status_examples import REMOTE, production, status
+
+
+@pytest.mark.parametrize("address", ["local", "auto", "ray://head:10001", "10.0.0.5:6379", "127.0.0.1:40123"])
+def test_ray_addresses_accepted(tmp_path: Path, address: str) -> None:
+    assert DaemonConfig(buffer=tmp_path, ray=address, workers=0).ray == address
+
+
+@pytest.mark.parametrize("address", ["", "remote", "ray://head", "http://head:8265", "head:port", "local cluster"])
+def test_bad_ray_address_names_the_forms(tmp_path: Path, address: str) -> None:
+    with pytest.raises(ConfigError, match=r"ray = .*'local', 'auto', 'ray://HOST:PORT'"):
+        DaemonConfig(buffer=tmp_path, ray=address)
+
+
+def test_no_workers_without_a_cluster_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"workers = 0 .*--ray ADDRESS"):
+        DaemonConfig(buffer=tmp_path, workers=0)
+
+
+def test_ray_builds_without_a_cluster_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="ray_builds = 4 needs --ray"):
+        DaemonConfig(buffer=tmp_path, ray_builds=4)
+
+
+def test_missing_ray_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed: import ray fails
+    cfg = DaemonConfig(buffer=tmp_path, ray="auto")  # a config may name a cluster anywhere
+    with pytest.raises(ConfigError, match=r"pip install 'prefetchd\[ray\]'"):
+        run_daemon(cfg)  # the daemon refuses it before it touches the buffer or the dataset
+    assert not (tmp_path / "daemon.lock").exists()
+
+
+def test_ray_keys_in_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "d.toml"
+    path.write_text('ray = "ray://head:10001"\nray-builds = 8\nworkers = 0\n')
+    cfg = DaemonConfig(buffer=tmp_path, **load_toml(path))
+    assert (cfg.ray, cfg.ray_builds, cfg.workers) == ("ray://head:10001", 8, 0)
+
+
+def test_ray_builds_range_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="ray_builds = 0: must be at least 1"):
+        DaemonConfig(buffer=tmp_path, ray="auto", ray_builds=0)
+
+
+def test_start_has_the_flags_and_jobs_cannot_set_them() -> None:
+    shown = CliRunner().invoke(start, ["--help"]).output
+    assert "--ray local|auto|ray://HOST:PORT" in shown and "--ray-builds" in shown
+    assert not {"ray", "ray_builds"} & JOB_FIELDS, "which machines build is the daemon's, not a job's"
+
+
+def test_remote_status_round_trips_and_old_documents_have_none(tmp_path: Path) -> None:
+    write_status(tmp_path, status(production=production(remote=REMOTE)))
+    got = read_status(tmp_path)
+    assert got is not None and got.production is not None and got.production.remote == REMOTE
+    write_status(tmp_path, status())
+    doc = json.loads((tmp_path / "status.json").read_text())
+    assert doc.pop("remote") is None  # without --ray
+    (tmp_path / "status.json").write_text(json.dumps(doc))  # as a daemon before --ray wrote it
+    old = read_status(tmp_path)
+    assert old is not None and old.production is not None and old.production.remote is None
+
+
+def test_status_shows_where_batches_are_built() -> None:
+    info = {"buffer": "/dev/shm/bf", "running": True, "pid": 4242, "heartbeat_age_s": 0.2, "stale": False,
+            "manifest": None, "problems": [], "status": status(production=production(remote=REMOTE))}
+    text = format_status(info)
+    assert ("remote    ray ray://head:10001 connected: 3 nodes, 96 CPUs; 40 slices in flight; 1664 img built "
+            "there (50% of all), copied in at 1991 MiB/s, 2 retries, 1 stragglers, 0 disconnects") in text, text
+    assert "node      cpu-1/3f2a9c1d: 1664 img, 1900 img/s, slice p50 0.41 s" in text, text
+    lost = REMOTE.__class__(**{**REMOTE.__dict__, "connected": False, "message": "lost: no answer; the 3 local workers build alone"})
+    assert "NOT CONNECTED (lost: no answer; the 3 local workers build alone)" in format_status(
+        {**info, "status": status(production=production(remote=lost))})
+
+
+def test_metrics_say_where_batches_are_built(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from prefetchd.daemon.metrics import Metrics
+
+    metrics = Metrics(tmp_path, None, "127.0.0.1", None)
+    metrics.update(status(production=production(remote=REMOTE)))
+    text = generate_latest(metrics.registry).decode()
+    assert f'prefetchd_remote_images_total{{buffer="{tmp_path}"}} 1664.0' in text, text
+    assert f'prefetchd_remote_connected{{buffer="{tmp_path}"}} 1.0' in text
+    assert f'prefetchd_remote_node_images_per_second{{buffer="{tmp_path}",node="cpu-1/3f2a9c1d"}} 1900.5' in text
+    metrics.update(status())
+    assert "prefetchd_remote_" not in generate_latest(metrics.registry).decode(), "no cluster, no remote series"
+
+
+def test_bench_measures_the_ray_contender_only_when_asked() -> None:
+    from prefetchd.bench import CONTENDERS, bench_command
+
+    assert "prefetchd-ray" not in CONTENDERS, "Ray is an optional extra: not in the default run"
+    assert "--ray" in CliRunner().invoke(bench_command, ["--help"]).output
+
+
+def test_config_show_prints_the_ray_keys(tmp_path: Path) -> None:
+    from prefetchd.daemon.cli import config_command
+
+    result = CliRunner().invoke(config_command, ["--buffer", str(tmp_path / "bf"), "--ray", "ray://head:10001",
+                                                 "--ray-builds", "6", "--workers", "0", "--show"])
+    assert result.exit_code == 0, result.output
+    assert 'ray = "ray://head:10001"' in result.output and "ray_builds = 6" in result.output
+    assert "workers = 0" in result.output

@@ -1,0 +1,41 @@
+"""prefetchd.daemon.remote without a cluster: a remote slice is run_task into rows, and the bridge's
+write of those rows leaves the batch file byte for byte as a local worker leaves it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefetchd.daemon.remote.bridge import write_rows
+from prefetchd.daemon.remote.task import Rows
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, run_task
+from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
+
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+
+
+def test_rows_written_by_the_bridge_equal_a_local_workers_batch(tmp_path: Path) -> None:
+    index = _dataset(tmp_path / "data", broken=(4,))  # one replacement on the way, as in a real split
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    items = ((0, 5), (1, 4), (2, 9), (3, 0))
+    local = _batch_file(tmp_path / "local.tmp", 4)
+    remote = _batch_file(tmp_path / "remote.tmp", 4)
+
+    by_worker = run_task(job, Task(1, str(local), OFFSET, SLOT, 3, items))
+    task = Task(2, str(remote), OFFSET, SLOT, 3, items)
+    pixels = np.zeros((len(items), SLOT), np.uint8)
+    in_rows = run_task(job, task, sink=Rows(pixels, {slot: row for row, (slot, _) in enumerate(items)}))
+    assert isinstance(by_worker, Filled) and isinstance(in_rows, Filled)
+    assert in_rows.slots == by_worker.slots and in_rows.failures == by_worker.failures
+    assert remote.read_bytes() == bytes(remote.stat().st_size), "a remote task never touches the batch file"
+    assert write_rows(task, in_rows, pixels) is in_rows
+    assert remote.read_bytes() == local.read_bytes()
+
+
+def test_rows_for_a_batch_aborted_meanwhile_fail_the_write_not_the_job(tmp_path: Path) -> None:
+    gone = tmp_path / "aborted.tmp"
+    task = Task(3, str(gone), OFFSET, SLOT, 0, ((0, 1),))
+    result = write_rows(task, Filled(3, ((0, 1, 0),), (), 0.0), np.zeros((1, SLOT), np.uint8))
+    assert isinstance(result, WriteFailed) and not result.fatal and str(gone) in result.reason

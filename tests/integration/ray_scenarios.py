@@ -1,0 +1,155 @@
+"""The Ray scenarios of test_ray.py, run as a program inside a loopback-only network namespace.
+
+Ray 2.60 ignores 127.0.0.1 and binds the machine's own address unless it finds no
+route out, so test_ray.py runs this under ``unshare -n`` with only ``lo`` up.  It
+starts a 2-node ``ray.cluster_utils.Cluster`` (one CPU each), runs daemons that
+build on it while a trainer reads every batch, and prints one JSON document: per
+scenario the digest of every (epoch, step) the trainer read and the daemon's last
+``remote`` status, into OUT.json (Ray writes to stdout itself).  test_ray.py asserts on it.
+
+    python -m tests.integration.ray_scenarios DATA WORKDIR OUT.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefetchd.buffer_protocol import read_status
+from prefetchd.launch import launch, start_argv, stop_daemon_process
+from prefetchd.trainer import BufferLoader
+
+JOB = ["--batch-size", "8", "--image-size", "32", "--high-water", "3", "--low-water", "1", "--epochs", "1",
+       "--seed", "5", "--transform", "tests.integration.ray_scenarios:slow"]
+NODE = {"num_cpus": 1, "object_store_memory": 100 * 2**20}  # Ray's floor is 75 MiB
+SLOW_NODE = "PREFETCHD_TEST_SLOW_NODE"
+
+
+def slow(image: Any, rng: Any) -> Any:
+    """The jobs' transform hook: the identity, taking time.  On the node whose environment names a
+    marker file it touches the file and takes 1 s per image, so that the test can remove that
+    node while it certainly holds a slice."""
+    marker = os.environ.get(SLOW_NODE)
+    if marker:
+        Path(marker).touch()
+    time.sleep(1.0 if marker else 0.02)
+    return image
+
+
+def wait_for(what: str, predicate: Callable[[], bool], proc: Any, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.02)
+    raise RuntimeError(f"timed out after {seconds} s waiting for {what}")
+
+
+def remote_status(buffer: Path) -> Any:
+    try:
+        status = read_status(buffer)
+    except (OSError, ValueError):
+        return None
+    return status.production.remote if status is not None and status.production is not None else None
+
+
+def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bool = False,
+             before: Callable[[Any], None] = lambda _p: None,
+             after_first: Callable[[Any], None] = lambda _p: None) -> dict[str, Any]:
+    """Run a one-epoch daemon with ``args``, read every batch; ``connected``: start reading once its
+    cluster is connected; ``before`` runs then (with the daemon's process), ``after_first`` once the
+    first batch was read."""
+    started = time.monotonic()
+    proc = launch(start_argv(buffer, extra=["--data", str(data), *JOB, *args]), log=log)
+    digests: dict[str, str] = {}
+    indices: list[int] = []
+    shown = ""
+    running = None  # the remote status last seen while the daemon ran
+    try:
+        if connected:
+            wait_for("the daemon to connect to the cluster",
+                     lambda: (r := remote_status(buffer)) is not None and r.connected, proc)
+        before(proc)
+        loader = BufferLoader(buffer, normalize=False, timeout=120)
+        for batch in loader:
+            images, labels = batch
+            digest = hashlib.sha256(images.contiguous().numpy().tobytes())
+            digest.update(labels.numpy().tobytes())
+            digest.update(batch.indices.numpy().tobytes())
+            key = f"{batch.epoch}/{batch.step}"
+            assert key not in digests, f"batch {key} delivered twice"
+            digests[key] = digest.hexdigest()
+            indices += [int(i) for i in batch.indices]
+            running = remote_status(buffer) or running
+            if len(digests) == 1:
+                shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)],
+                                       capture_output=True, text=True, timeout=60).stdout
+                after_first(proc)
+        loader.close()
+        code = proc.wait(60)
+    finally:
+        stop_daemon_process(proc, 20)
+    status = read_status(buffer)
+    remote = status.production.remote if status is not None and status.production is not None else None
+    return {"seconds": round(time.monotonic() - started, 1), "digests": digests, "indices": indices, "exit_code": code, "status_text": shown,
+            "remote": dataclasses.asdict(remote) if remote is not None else None,
+            "running": dataclasses.asdict(running) if running is not None else None, "log": log.read_text()[-6000:]}
+
+
+def main() -> None:
+    data, work = Path(sys.argv[1]), Path(sys.argv[2])
+    work.mkdir(parents=True, exist_ok=True)
+    from ray.cluster_utils import Cluster
+
+    out: dict[str, Any] = {"local": read_job(data, work / "local", work / "local.log", ["--workers", "1"])}
+    # The head runs no tasks: while node A is the only one with a CPU, every slice goes there.
+    started = time.monotonic()
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0})
+    marker = work / "slow-node-busy"
+    node_a = cluster.add_node(**NODE, env_vars={SLOW_NODE: str(marker)})
+    cluster.wait_for_nodes()
+    out["cluster_start_seconds"] = round(time.monotonic() - started, 1)
+    ray = ["--ray", cluster.address]
+
+    def lose_node_a(proc: Any) -> None:
+        """Remove node A while it builds a slice (it has touched the marker and sleeps), then add node B."""
+        wait_for("node A to build a slice", marker.exists, proc)
+        cluster.remove_node(node_a, allow_graceful=False)  # SIGKILL, as a machine that goes away
+        cluster.add_node(**NODE)
+
+    try:
+        out["remote_only"] = read_job(data, work / "remote", work / "remote.log", [*ray, "--workers", "0"],
+                                      connected=True, before=lose_node_a)
+        out["mixed"] = read_job(data, work / "mixed", work / "mixed.log", [*ray, "--workers", "1"], connected=True)
+        lost = work / "cluster-lost"
+
+        def lose_cluster(proc: Any) -> None:
+            """Shut the whole cluster down and wait until the daemon has noticed (within SILENT_SECONDS); then
+            start another at the same address and wait until the daemon is back on it (it retries every 10 s)."""
+            nonlocal cluster
+            port = int(cluster.address.rsplit(":", 1)[1])
+            cluster.shutdown()
+            wait_for("the daemon to notice", lambda: (r := remote_status(lost)) is not None and not r.connected, proc)
+            out["lost_status"] = dataclasses.asdict(remote_status(lost))
+            cluster = Cluster(initialize_head=True, head_node_args={**NODE, "gcs_server_port": port})
+            wait_for("the daemon to reconnect", lambda: (r := remote_status(lost)) is not None and r.connected, proc)
+
+        out["cluster_lost"] = read_job(data, lost, work / "cluster-lost.log", [*ray, "--workers", "1"],
+                                       connected=True, after_first=lose_cluster)
+    finally:
+        cluster.shutdown()
+    Path(sys.argv[3]).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
