@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import importlib
 import json
 import os
 import platform
@@ -26,11 +27,25 @@ def core_list(cores: Sequence[int]) -> str:
     return ",".join(str(c) for c in cores)
 
 
-def why_no_spdl() -> str:
+# Contenders that run only where their library imports: name -> (module, pip package).
+OPTIONAL_CONTENDERS: dict[str, tuple[str, str]] = {
+    "spdl": ("spdl.pipeline", "spdl-core"),
+    "dali": ("nvidia.dali", "nvidia-dali-cuda130"),
+    "dali-fulldecode": ("nvidia.dali", "nvidia-dali-cuda130"),
+}
+
+
+def why_not_runnable(contender: str) -> str:
+    """Why an optional contender cannot run here ("" when it can): its row's note."""
+    if contender not in OPTIONAL_CONTENDERS:
+        return ""
+    module, package = OPTIONAL_CONTENDERS[contender]
     try:
-        import spdl.pipeline  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
-        return "not installed (pip install spdl-core)"
+        return f"not installed (pip install {package})"
+    except Exception as exc:  # e.g. a wheel whose shared libraries do not load on this machine
+        return f"import {module} failed: {type(exc).__name__}: {exc}"
     return ""
 
 
@@ -132,7 +147,8 @@ def format_table(results: BenchmarkResults) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += [fmt.format(*row) for row in rows]
     lines.append("first batch: prefetchd = daemon start -> first batch (cold); DataLoader = iter() -> first batch, "
-                 "paid again at every epoch start with persistent_workers=False")
+                 "paid again at every epoch start with persistent_workers=False; SPDL = pipeline start -> first "
+                 "batch; DALI = pipeline build -> first batch")
     ws = results.warm_start
     if ws and "error" in ws:
         lines += ["", f"warm start ({worker_count(ws['workers'])}): failed: {ws['error']}"]

@@ -14,6 +14,8 @@ CONTENDERS: dict[str, str] = {
     "dataloader": "ImageFolder + DataLoader, RandomResizedCrop+flip+ToTensor+Normalize, float32",
     "dataloader-uint8": "ImageFolder + DataLoader, RandomResizedCrop+flip+PILToTensor, uint8",
     "spdl": "SPDL thread pipeline, RandomResizedCrop+flip+PILToTensor, uint8",
+    "dali": "DALI CPU pipeline, decoders.image_random_crop (crop-aware decode)+resize+flip, uint8 HWC",
+    "dali-fulldecode": "DALI CPU pipeline, decoders.image+random_resized_crop+flip, uint8 HWC",
 }
 BASELINE = "dataloader"
 

@@ -15,7 +15,7 @@ from prefetchd.bench.report import (
     describe_cpu,
     describe_dataset,
     describe_machine,
-    why_no_spdl,
+    why_not_runnable,
     usable_cores,
     worker_count,
     write_outputs,
@@ -97,7 +97,7 @@ def run_benchmark(
     )
     say(f"dataset: {dataset['images']} images in {dataset['classes']} classes, mean {dataset['mean_kb']:.0f} KB; "
         f"{describe_cpu(results.machine)}")
-    spdl_missing = why_no_spdl()
+    missing = {name: why_not_runnable(name) for name in contenders}
     run = Run(data=data, batch_size=batch_size, image_size=image_size, window=window, out_dir=out_dir,
                high_water=high_water, say=say)
     k_max = workers_list[-1]
@@ -108,8 +108,8 @@ def run_benchmark(
             cores = usable[:k]
             for name in contenders:
                 wait = data_wait and k == k_max and name in ("prefetchd", BASELINE)
-                if name == "spdl" and spdl_missing:
-                    results.throughput.append(Throughput(name, k, cores, note=spdl_missing))
+                if missing[name]:
+                    results.throughput.append(Throughput(name, k, cores, note=missing[name]))
                     continue
                 say(f"measuring {name} with {worker_count(k)} on cores {core_list(cores)}")
                 row, scenario = run.measure(name, k, cores, data_wait=wait)
