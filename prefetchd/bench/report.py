@@ -210,7 +210,8 @@ def _plot(results: BenchmarkResults, path: Path) -> str | None:
     ax.set_title(f"{c['batch_size']} x {c['image_size']}px batches from {results.dataset['images']} images "
                  f"({Path(results.dataset['root']).name}, mean {results.dataset['mean_kb']:.0f} KB)\n"
                  f"{m['usable_cpus']} cores, {m['cpu_model']}, {m['date'][:10]}", fontsize=9)
-    ax.legend()
+    if ax.lines:  # every contender failed or is not installed: no lines, no legend
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
