@@ -18,6 +18,7 @@ nvidia-dali-cuda130``) and ~0.5 s to import.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +41,14 @@ def dali_batches(
 
     The pipeline (and its threads) lives until the generator is closed.
     """
-    from nvidia.dali import Pipeline, fn, types
-
     from prefetchd.daemon.transforms import RATIO, SCALE
 
-    pipe = Pipeline(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed)
+    # Typed as Any on purpose: nvidia.dali ships partial stubs, so a typed import would
+    # type-check differently on machines with and without it (CI has none).
+    dali: Any = importlib.import_module("nvidia.dali")
+    fn, types = dali.fn, dali.types
+
+    pipe = dali.Pipeline(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed)
     try:
         with pipe:
             encoded, labels = fn.readers.file(
