@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-# DALI's reader shuffles through a buffer of this many samples (its default); ImageNet
-# recipes keep it.  Larger than the benchmark dataset's 1500, so a random permutation.
+# DALI's reader shuffles by drawing each sample at random from a buffer of this many
+# read ahead: its default, which DALI's ImageNet examples keep.
 SHUFFLE_BUFFER = 1024
 CROP_ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its centre fallback
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import psutil
 
-from prefetchd.launch import buffer_root
+from prefetchd.bench.dali import DALI_CONTENDERS
 from prefetchd.bench.results import CONTENDERS, BenchmarkResults
+from prefetchd.launch import buffer_root
 
 def usable_cores() -> set[int]:
     return set(os.sched_getaffinity(0))
@@ -30,8 +31,7 @@ def core_list(cores: Sequence[int]) -> str:
 # Contenders that run only where their library imports: name -> (module, pip package).
 OPTIONAL_CONTENDERS: dict[str, tuple[str, str]] = {
     "spdl": ("spdl.pipeline", "spdl-core"),
-    "dali": ("nvidia.dali", "nvidia-dali-cuda130"),
-    "dali-fulldecode": ("nvidia.dali", "nvidia-dali-cuda130"),
+    **{name: ("nvidia.dali", "nvidia-dali-cuda130") for name in DALI_CONTENDERS},
 }
 
 
