@@ -9,18 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from PIL import Image
 
 from prefetchd.bench import CONTENDERS, BenchmarkResults, bench_command, run_benchmark
+from prefetchd.bench.dali import DALI_CONTENDERS, dali_batches
+from prefetchd.bench.report import LIBRARY_CONTENDERS, why_not_runnable
 from prefetchd.synthetic import IMAGENET_LIKE_SHORT_SIDE, make_imagenet_like
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _spdl_installed() -> bool:
-    return importlib.util.find_spec("spdl") is not None
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +37,8 @@ def test_every_contender_is_measured(smoke: tuple[BenchmarkResults, Path]) -> No
     assert [(r.contender, r.workers) for r in results.throughput] == [(name, 1) for name in CONTENDERS]
     for row in results.throughput:
         assert row.cores and len(row.cores) == 1
-        if row.contender == "spdl" and not _spdl_installed():
-            assert row.images_per_s is None and row.note.startswith("not installed")
+        if why_not_runnable(row.contender):
+            assert row.images_per_s is None and row.note == why_not_runnable(row.contender)
             continue
         assert row.images_per_s is not None and row.images_per_s > 0, row.note
         assert row.images > 0 and row.window_s > 0 and row.first_batch_s is not None and row.first_batch_s > 0
@@ -109,9 +108,83 @@ def test_command_help_and_script() -> None:
 
 def test_importing_the_command_stays_light() -> None:
     # `prefetchd` adds bench_command to its CLI: importing it must not pull in torch.
-    code = "import sys, prefetchd.bench; print(sorted({'torch', 'torchvision', 'matplotlib'} & set(sys.modules)))"
+    code = ("import sys, prefetchd.bench; "
+            "print(sorted({'torch', 'torchvision', 'matplotlib', 'nvidia.dali', 'spdl'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("contender", sorted(LIBRARY_CONTENDERS))
+def test_a_missing_library_gives_a_not_installed_row(
+    contender: str, shapes_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # None in sys.modules makes `import` raise ImportError, as on a machine without the package.
+    module, package = LIBRARY_CONTENDERS[contender]
+    monkeypatch.setitem(sys.modules, module, None)
+    results = run_benchmark(shapes_data / "train", workers_list=(1,), batch_size=8, image_size=32, seconds=1.0,
+                            out_dir=tmp_path, contenders=(contender,))
+    [row] = results.throughput
+    assert row.contender == contender and row.images_per_s is None and row.first_batch_s is None
+    assert row.note == f"not installed (pip install {package})"
+    assert row.note in (tmp_path / "bench.txt").read_text()
+
+
+# -- the DALI contenders ----------------------------------------------------------------
+
+# Source images whose pixels say where they came from: red is the class, green rises
+# left to right, blue top to bottom.  A crop of one shows a flat red, a green ramp (falling
+# when flipped) and a blue ramp as tall as the crop.
+CLASS_RED = (50, 200)
+
+
+@pytest.fixture(scope="module")
+def ramp_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ramps")
+    sizes = [(320, 240), (240, 320), (400, 300), (300, 300)]
+    for label, red in enumerate(CLASS_RED):
+        (root / f"class_{label}").mkdir()
+        for i, (w, h) in enumerate(sizes):
+            pixels = np.empty((h, w, 3), np.uint8)
+            pixels[..., 0] = red
+            pixels[..., 1] = np.linspace(0, 255, w).round().astype(np.uint8)[None, :]
+            pixels[..., 2] = np.linspace(0, 255, h).round().astype(np.uint8)[:, None]
+            Image.fromarray(pixels).save(root / f"class_{label}" / f"{i:03d}.JPEG", quality=95, subsampling=0)
+    return root
+
+
+@pytest.mark.parametrize("contender", sorted(DALI_CONTENDERS))
+def test_dali_batches_are_flipped_crops_of_the_source(contender: str, ramp_data: Path) -> None:
+    why = why_not_runnable(contender)
+    if why:
+        pytest.skip(f"nvidia.dali does not import: {why}")
+    from torchvision.datasets import ImageFolder
+
+    size, batch = 32, 8
+    batches = dali_batches(ImageFolder(str(ramp_data)).samples, batch_size=batch, image_size=size, threads=1,
+                           crop_aware=DALI_CONTENDERS[contender])
+    images_list, labels_list = [], []
+    for _ in range(6):
+        images, labels = next(batches)
+        assert images.shape == (batch, size, size, 3) and images.dtype == np.uint8
+        assert labels.shape == (batch,) and np.issubdtype(labels.dtype, np.integer)
+        images_list.append(images)
+        labels_list.append(labels)
+    batches.close()
+    images = np.concatenate(images_list).astype(np.int32)
+    labels = np.concatenate(labels_list)
+    assert set(labels.tolist()) == {0, 1}
+
+    red = images[..., 0].mean(axis=(1, 2))
+    assert np.all(np.abs(red - np.take(CLASS_RED, labels)) < 12), "an image is not from its label's class"
+    edge = size // 8
+    left, right = images[:, :, :edge, 1].mean(axis=(1, 2)), images[:, :, -edge:, 1].mean(axis=(1, 2))
+    top, bottom = images[:, :edge, :, 2].mean(axis=(1, 2)), images[:, -edge:, :, 2].mean(axis=(1, 2))
+    assert np.all(bottom - top > 20), "every crop keeps a piece of the vertical ramp, upright"
+    assert np.all(np.abs(right - left) > 20), "every crop keeps a piece of the horizontal ramp"
+    flipped = right < left
+    assert 0 < flipped.sum() < len(flipped), "some crops are flipped and some are not"
+    # Crops, not the whole image resized: scale 0.08-1 leaves many crops well short of the full height.
+    assert np.sum(bottom - top < 150) >= len(labels) // 4
 
 
 # -- make_imagenet_like -------------------------------------------------------------

@@ -6,6 +6,9 @@ One run, one dataset, the same cores for every contender:
     dataloader         ImageFolder + DataLoader, RandomResizedCrop + flip + ToTensor + Normalize (float32)
     dataloader-uint8   the same with PILToTensor (uint8, no normalisation)
     spdl               an SPDL thread pipeline with the uint8 transforms, if `import spdl` works
+    dali               DALI's CPU pipeline (device_id=None) with its crop-aware decoder, if
+                       `import nvidia.dali` works
+    dali-fulldecode    the same decoding whole images, then fn.random_resized_crop
 
 Each contender runs with k = 1 .. cores workers, and the whole contender (its
 consumer, the daemon's controller, every worker) is pinned to the same k cores,
@@ -32,7 +35,7 @@ permutations of the dataset), so that a small benchmark dataset behaves like a
 large one; with persistent_workers=False every real epoch start costs the
 "first batch" time again, which the table reports.
 
-Heavy imports (torch, torchvision, spdl, matplotlib) happen inside the
+Heavy imports (torch, torchvision, spdl, nvidia.dali, matplotlib) happen inside the
 functions, so importing this module for the CLI stays cheap.
 """
 

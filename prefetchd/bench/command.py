@@ -69,7 +69,7 @@ def bench_command(
     with_ray: bool,
     log_level: str,
 ) -> None:
-    """Measure images/s of prefetchd against ImageFolder + DataLoader (and SPDL, if installed).
+    """Measure images/s of prefetchd against ImageFolder + DataLoader (and SPDL and DALI, if installed).
 
     Every contender runs on the same dataset with 1..cores workers, pinned to as
     many cores as it has workers. Prints a table and writes bench.json,

@@ -1,8 +1,10 @@
 """The contenders: prefetchd (a daemon read by BufferLoader), torchvision's DataLoader
-(float32 and uint8) and SPDL, each run pinned to the cores of its worker count."""
+(float32 and uint8), SPDL and DALI's CPU pipeline, each run pinned to the cores of its
+worker count."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefetchd.bench.dali import DALI_CONTENDERS, dali_batches
 from prefetchd.bench.measure import WAIT_SECONDS, Window, trainer_with_pauses
 from prefetchd.bench.monitor import MONITOR_SECONDS, BenchDaemon
 from prefetchd.bench.results import Throughput
@@ -51,6 +54,8 @@ class Run:
                 scenario = self._prefetchd(row, data_wait, ray=name == "prefetchd-ray")
             elif name == "spdl":
                 self._spdl(row)
+            elif name in DALI_CONTENDERS:
+                self._dali(row, crop_aware=DALI_CONTENDERS[name])
             else:
                 scenario = self._dataloader(row, uint8=name == "dataloader-uint8", data_wait=data_wait)
         except Exception as exc:  # one failing contender must not lose the others' numbers
@@ -182,7 +187,7 @@ class Run:
         from spdl.pipeline import PipelineBuilder
         from torchvision import datasets, transforms
 
-        samples = datasets.ImageFolder(str(self.data)).samples
+        samples = self._samples()
         tf = transforms.Compose([
             transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip(), transforms.PILToTensor(),
         ])
@@ -216,6 +221,27 @@ class Run:
             batches = (int(labels.shape[0]) for _images, labels in pipeline.get_iterator(timeout=WAIT_SECONDS))
             row.first_batch_s, row.images_per_s, row.images, row.window_s = self.window.consume(batches, started)
         row.note = "threads in the consumer process"
+
+    # -- DALI ------------------------------------------------------------------------
+
+    def _dali(self, row: Throughput, *, crop_aware: bool) -> None:
+        import nvidia.dali  # noqa: F401  (imported before the clock starts, as the others' libraries are)
+
+        samples = self._samples()
+        started = time.perf_counter()  # building the pipeline is in "first batch", as iter() is for DataLoader
+        with contextlib.closing(dali_batches(
+            samples, batch_size=self.batch_size, image_size=self.image_size, threads=row.workers,
+            crop_aware=crop_aware,
+        )) as it:
+            batches = (int(labels.shape[0]) for _images, labels in it)
+            row.first_batch_s, row.images_per_s, row.images, row.window_s = self.window.consume(batches, started)
+        row.note = "CPU pipeline, threads in the consumer process"
+
+    def _samples(self) -> list[tuple[str, int]]:
+        """(path, label) as ImageFolder lists them, so every contender reads the same files and labels."""
+        from torchvision import datasets
+
+        return list(datasets.ImageFolder(str(self.data)).samples)
 
 
 def _loader_batches(loader: Any) -> Iterator[int]:

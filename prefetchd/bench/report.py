@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import importlib
 import json
 import os
 import platform
@@ -15,8 +16,9 @@ from typing import Any
 
 import psutil
 
+from prefetchd.bench.dali import DALI_CONTENDERS
+from prefetchd.bench.results import CONTENDERS, ON_REQUEST_CONTENDERS, BenchmarkResults
 from prefetchd.launch import buffer_root
-from prefetchd.bench.results import CONTENDERS, OPTIONAL_CONTENDERS, BenchmarkResults
 
 def usable_cores() -> set[int]:
     return set(os.sched_getaffinity(0))
@@ -26,11 +28,24 @@ def core_list(cores: Sequence[int]) -> str:
     return ",".join(str(c) for c in cores)
 
 
-def why_no_spdl() -> str:
+# Contenders that run only where their library imports: name -> (module, pip package).
+LIBRARY_CONTENDERS: dict[str, tuple[str, str]] = {
+    "spdl": ("spdl.pipeline", "spdl-core"),
+    **{name: ("nvidia.dali", "nvidia-dali-cuda130") for name in DALI_CONTENDERS},
+}
+
+
+def why_not_runnable(contender: str) -> str:
+    """Why an optional contender cannot run here ("" when it can): its row's note."""
+    if contender not in LIBRARY_CONTENDERS:
+        return ""
+    module, package = LIBRARY_CONTENDERS[contender]
     try:
-        import spdl.pipeline  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
-        return "not installed (pip install spdl-core)"
+        return f"not installed (pip install {package})"
+    except Exception as exc:  # e.g. a wheel whose shared libraries do not load on this machine
+        return f"import {module} failed: {type(exc).__name__}: {exc}"
     return ""
 
 
@@ -132,7 +147,8 @@ def format_table(results: BenchmarkResults) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += [fmt.format(*row) for row in rows]
     lines.append("first batch: prefetchd = daemon start -> first batch (cold); DataLoader = iter() -> first batch, "
-                 "paid again at every epoch start with persistent_workers=False")
+                 "paid again at every epoch start with persistent_workers=False; SPDL = pipeline start -> first "
+                 "batch; DALI = pipeline build -> first batch")
     ws = results.warm_start
     if ws and "error" in ws:
         lines += ["", f"warm start ({worker_count(ws['workers'])}): failed: {ws['error']}"]
@@ -179,7 +195,7 @@ def _plot(results: BenchmarkResults, path: Path) -> str | None:
         return "matplotlib is not installed (pip install 'prefetchd[bench]'); skipped the plot"
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     workers = results.config["workers"]
-    for name in (*CONTENDERS, *OPTIONAL_CONTENDERS):
+    for name in (*CONTENDERS, *ON_REQUEST_CONTENDERS):
         points = [(r.workers, r.images_per_s) for r in results.throughput
                   if r.contender == name and r.images_per_s is not None]
         if points:
@@ -194,7 +210,8 @@ def _plot(results: BenchmarkResults, path: Path) -> str | None:
     ax.set_title(f"{c['batch_size']} x {c['image_size']}px batches from {results.dataset['images']} images "
                  f"({Path(results.dataset['root']).name}, mean {results.dataset['mean_kb']:.0f} KB)\n"
                  f"{m['usable_cpus']} cores, {m['cpu_model']}, {m['date'][:10]}", fontsize=9)
-    ax.legend()
+    if ax.lines:  # every contender failed or is not installed: no lines, no legend
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -14,10 +14,12 @@ CONTENDERS: dict[str, str] = {
     "dataloader": "ImageFolder + DataLoader, RandomResizedCrop+flip+ToTensor+Normalize, float32",
     "dataloader-uint8": "ImageFolder + DataLoader, RandomResizedCrop+flip+PILToTensor, uint8",
     "spdl": "SPDL thread pipeline, RandomResizedCrop+flip+PILToTensor, uint8",
+    "dali": "DALI CPU pipeline, decoders.image_random_crop (crop-aware decode)+resize+flip, uint8 HWC",
+    "dali-fulldecode": "DALI CPU pipeline, decoders.image+random_resized_crop+flip, uint8 HWC",
 }
 # Measured only when asked for (`prefetchd bench --ray`): Ray is an optional extra, and here its traffic
 # must stay on loopback (run the bench under `unshare -n` with `ip link set lo up`, as tests/integration/test_ray.py does).
-OPTIONAL_CONTENDERS: dict[str, str] = {
+ON_REQUEST_CONTENDERS: dict[str, str] = {
     "prefetchd-ray": "prefetchd daemon --ray local --workers 0 (a private Ray cluster on the same cores) -> BufferLoader, uint8",
 }
 BASELINE = "dataloader"

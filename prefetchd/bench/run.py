@@ -15,12 +15,12 @@ from prefetchd.bench.report import (
     describe_cpu,
     describe_dataset,
     describe_machine,
-    why_no_spdl,
+    why_not_runnable,
     usable_cores,
     worker_count,
     write_outputs,
 )
-from prefetchd.bench.results import BASELINE, CONTENDERS, OPTIONAL_CONTENDERS, BenchmarkResults, Throughput, fill_ratios
+from prefetchd.bench.results import BASELINE, CONTENDERS, ON_REQUEST_CONTENDERS, BenchmarkResults, Throughput, fill_ratios
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def run_benchmark(
         raise ValueError("pass seconds= (a time window per measurement) or batches= (a batch count)")
     if seconds is not None and seconds <= 0 or batches is not None and batches < 1:
         raise ValueError(f"seconds={seconds}, batches={batches}: the measurement needs a positive length")
-    known = {**CONTENDERS, **OPTIONAL_CONTENDERS}
+    known = {**CONTENDERS, **ON_REQUEST_CONTENDERS}
     unknown = [c for c in contenders if c not in known]
     if unknown:
         raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(known)}")
@@ -98,7 +98,7 @@ def run_benchmark(
     )
     say(f"dataset: {dataset['images']} images in {dataset['classes']} classes, mean {dataset['mean_kb']:.0f} KB; "
         f"{describe_cpu(results.machine)}")
-    spdl_missing = why_no_spdl()
+    missing = {name: why_not_runnable(name) for name in contenders}
     run = Run(data=data, batch_size=batch_size, image_size=image_size, window=window, out_dir=out_dir,
                high_water=high_water, say=say)
     k_max = workers_list[-1]
@@ -109,8 +109,8 @@ def run_benchmark(
             cores = usable[:k]
             for name in contenders:
                 wait = data_wait and k == k_max and name in ("prefetchd", BASELINE)
-                if name == "spdl" and spdl_missing:
-                    results.throughput.append(Throughput(name, k, cores, note=spdl_missing))
+                if missing[name]:
+                    results.throughput.append(Throughput(name, k, cores, note=missing[name]))
                     continue
                 say(f"measuring {name} with {worker_count(k)} on cores {core_list(cores)}")
                 row, scenario = run.measure(name, k, cores, data_wait=wait)
