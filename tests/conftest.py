@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import pytest
 
 from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.synthetic import make_shapes_dataset
+from tests.waiting import wait_for
 
 SHM = Path("/dev/shm")
 
@@ -53,14 +53,10 @@ class Daemon:
         return self.log_path.read_text()
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited ({self.proc.returncode}) while waiting for {what}:\n{self.log}")
-            time.sleep(0.02)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}:\n{self.log}")
+        try:
+            wait_for(predicate, timeout, what, self.proc)
+        except AssertionError as exc:
+            raise AssertionError(f"the daemon {exc}:\n{self.log}") from None
 
     def wait_exit(self, timeout: float = 30.0) -> int:
         try:

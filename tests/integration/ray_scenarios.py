@@ -26,6 +26,7 @@ from typing import Any
 from prefetchd.buffer_protocol import read_status
 from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.trainer import BufferLoader
+from tests.waiting import wait_for
 
 JOB = ["--batch-size", "8", "--image-size", "32", "--high-water", "3", "--low-water", "1", "--epochs", "1",
        "--seed", "5", "--transform", "tests.integration.ray_scenarios:slow"]
@@ -43,16 +44,6 @@ def slow(image: Any, rng: Any) -> Any:
     time.sleep(1.0 if marker else 0.02)
     return image
 
-
-def wait_for(what: str, predicate: Callable[[], bool], proc: Any, seconds: float = 180) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.02)
-    raise RuntimeError(f"timed out after {seconds} s waiting for {what}")
 
 
 def remote_status(buffer: Path) -> Any:
@@ -77,8 +68,8 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
     running = None  # the remote status last seen while the daemon ran
     try:
         if connected:
-            wait_for("the daemon to connect to the cluster",
-                     lambda: (r := remote_status(buffer)) is not None and r.connected, proc)
+            wait_for(lambda: (r := remote_status(buffer)) is not None and r.connected, 180,
+                     "the daemon to connect to the cluster", proc)
         before(proc)
         loader = BufferLoader(buffer, normalize=False, timeout=120)
         for batch in loader:
@@ -123,7 +114,7 @@ def main() -> None:
 
     def lose_node_a(proc: Any) -> None:
         """Remove node A while it builds a slice (it has touched the marker and sleeps), then add node B."""
-        wait_for("node A to build a slice", marker.exists, proc)
+        wait_for(marker.exists, 180, "node A to build a slice", proc)
         cluster.remove_node(node_a, allow_graceful=False)  # SIGKILL, as a machine that goes away
         cluster.add_node(**NODE)
 
@@ -139,10 +130,10 @@ def main() -> None:
             nonlocal cluster
             port = int(cluster.address.rsplit(":", 1)[1])
             cluster.shutdown()
-            wait_for("the daemon to notice", lambda: (r := remote_status(lost)) is not None and not r.connected, proc)
+            wait_for(lambda: (r := remote_status(lost)) is not None and not r.connected, 180, "the daemon to notice", proc)
             out["lost_status"] = dataclasses.asdict(remote_status(lost))
             cluster = Cluster(initialize_head=True, head_node_args={**NODE, "gcs_server_port": port})
-            wait_for("the daemon to reconnect", lambda: (r := remote_status(lost)) is not None and r.connected, proc)
+            wait_for(lambda: (r := remote_status(lost)) is not None and r.connected, 180, "the daemon to reconnect", proc)
 
         out["cluster_lost"] = read_job(data, lost, work / "cluster-lost.log", [*ray, "--workers", "1"],
                                        connected=True, after_first=lose_cluster)

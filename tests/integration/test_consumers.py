@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from torchvision.datasets import ImageFolder
 
 from prefetchd.buffer_protocol import BatchLayout, Progress, batch_name, list_batches, read_status, stream_dir
 from prefetchd.trainer import Batch, BufferLoader
+from tests.waiting import wait_for
 
 EPOCHS, BATCH, SIZE, HIGH, CAP = 2, 8, 32, 4, 6
 TIMEOUT = 5.0  # --consumer-timeout: above the loader's 2 s refresh while it waits
@@ -81,13 +81,6 @@ def consumer_status(buffer: Path, name: str) -> Any:
     return next((c for c in status.production.streams[0].consumers if c.name == name), None)
 
 
-def wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
 
 def test_three_consumers_one_killed_one_silent_share_one_capped_buffer(
     shapes_data: Path, shm_dir: Path, start_daemon: Any, tmp_path: Path
@@ -133,9 +126,9 @@ def test_three_consumers_one_killed_one_silent_share_one_capped_buffer(
         return thread
 
     try:
-        wait(lambda: (buffer / "manifest.json").exists(), 60, "the manifest")
+        wait_for(lambda: (buffer / "manifest.json").exists(), 60, "the manifest")
         # Let the subprocesses get going before the threads race ahead (they join anyway, later or not).
-        wait(lambda: len(read_log(silent_log)) >= 3 and len(read_log(killed_log)) >= 1, 60, "the subprocess consumers")
+        wait_for(lambda: len(read_log(silent_log)) >= 3 and len(read_log(killed_log)) >= 1, 60, "the subprocess consumers")
         fast = run("fast", 0.0, lambda: BufferLoader(buffer, normalize=False, timeout=60, consumer="fast", start=(0, 0)))
         slow = run("slow", 0.8, lambda: BufferLoader(buffer, normalize=False, timeout=60, consumer="slow", start=(0, 0)))
 
@@ -143,11 +136,11 @@ def test_three_consumers_one_killed_one_silent_share_one_capped_buffer(
         silent.send_signal(signal.SIGSTOP)
         stopped = Progress.read(buffer, "silent")
         assert stopped is not None
-        wait(lambda: len(read_log(killed_log)) >= steps // 2, 60, "the killed consumer's mid-epoch")
+        wait_for(lambda: len(read_log(killed_log)) >= steps // 2, 60, "the killed consumer's mid-epoch")
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
         # Its pid is gone: it stops holding batches at once, while the slow consumer reads on.
-        wait(lambda: (c := consumer_status(buffer, "killed")) is not None and c.trainer.alive is False
+        wait_for(lambda: (c := consumer_status(buffer, "killed")) is not None and c.trainer.alive is False
              and not c.holding, 30, "the killed consumer to count as gone")
         state = torch.load(killed_ckpt, weights_only=True)["loader"]
         resumed_loader = BufferLoader(buffer, normalize=False, timeout=60, consumer="killed")
@@ -155,13 +148,13 @@ def test_three_consumers_one_killed_one_silent_share_one_capped_buffer(
         resumed_at = (state["epoch"], state["step"])
         resumed = run("resumed", 0.02, lambda: resumed_loader)
 
-        wait(lambda: (c := consumer_status(buffer, "silent")) is not None and not c.holding, 3 * TIMEOUT + 10,
+        wait_for(lambda: (c := consumer_status(buffer, "silent")) is not None and not c.holding, 3 * TIMEOUT + 10,
              "the silent consumer to stop holding batches")
         c = consumer_status(buffer, "silent")
         assert c.trainer.alive is True and c.window == 0, c  # alive, yet silent past the timeout
         # Its next batch goes once the others have passed it, although it never consumed it.
         gone = buffer / batch_name(stopped.epoch, stopped.step)
-        wait(lambda: not gone.exists(), 60, f"{gone.name}, held by nobody, to be deleted")
+        wait_for(lambda: not gone.exists(), 60, f"{gone.name}, held by nobody, to be deleted")
         for thread in (fast, slow, resumed):
             thread.join(90)
             assert not thread.is_alive()
@@ -214,7 +207,7 @@ def test_each_rank_of_a_multi_rank_job_serves_its_own_consumers(
         except BaseException as exc:  # reported by the test thread
             errors.append(exc)
 
-    wait(lambda: all((stream_dir(buffer, r, 2) / "manifest.json").exists() for r in range(2)), 60, "the manifests")
+    wait_for(lambda: all((stream_dir(buffer, r, 2) / "manifest.json").exists() for r in range(2)), 60, "the manifests")
     threads = [threading.Thread(target=body, args=(rank, name, pause))
                for rank in range(2) for name, pause in (("a", 0.0), ("b", 0.05))]
     for t in threads:

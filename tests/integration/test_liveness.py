@@ -19,18 +19,12 @@ from prefetchd.buffer_protocol import Progress, State, daemon_pid, list_batches,
 from prefetchd.daemon.cli import describe_status, format_status
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck
 from tests.status_examples import production_of, state_of
+from tests.waiting import wait_for
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7"]
 STALL = 3.0
 SLACK = 4.0  # the loader checks every STALL / 4; the daemon beats every second
 
-
-def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def wait_running(buffer: Path, pid: int) -> None:

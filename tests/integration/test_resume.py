@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from prefetchd.buffer_protocol import Progress, daemon_pid, list_batches
 from prefetchd.trainer import Batch, BufferLoader
 from prefetchd.trainer.checkpoint import LAST_CHECKPOINT
 from prefetchd.trainer.train import main
+from tests.waiting import wait_for
 
 EPOCHS = 2
 ARGS = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7", "--epochs", str(EPOCHS),
@@ -85,15 +85,6 @@ def checkpoint_position(path: Path) -> tuple[int, int]:
     state = torch.load(path, weights_only=True)["loader"]
     return (state["epoch"], state["step"])
 
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"{what}: the process exited with {proc.returncode} first")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_killed_consumer_and_daemon_resume_bit_for_bit(
