@@ -44,7 +44,7 @@ class State(str, Enum):
     WAITING_FOR_JOB = "waiting-for-job"  # no job yet: `prefetchd submit` gives it one
     STARTING = "starting"  # indexing the dataset, starting workers
     FILLING = "filling"  # producing towards the high-water mark
-    FULL = "full"  # at the high-water mark, idle until the trainer consumes
+    FULL = "full"  # nothing to build: at the high-water mark, or above the low-water mark while trainers consume
     PAUSED_LOW_SPACE = "paused-low-space"  # the buffer's filesystem is short of space
     DONE = "done"  # every batch of the job's epochs is produced
     SWITCHING = "switching"  # replacing the job with the one in job.json

@@ -283,9 +283,9 @@ class Stream:
         """The most urgent position of a window that is neither published nor being built, if the
         hysteresis lets production run; None when there is nothing to build now."""
         kept = len(self.published) + self.active
-        if self.filling and kept >= min(self.cap, self.high * len(self.holders)):
+        if self.filling and (kept >= min(self.cap, self.high * len(self.holders)) or not self._gap()):
             self.filling = False
-        if not self.filling and (self._running_low() or self._trainer_blocked()):
+        if not self.filling and (self._running_low() or self._trainer_blocked() or self._unattended() and self._gap()):
             self.filling = True
         if not self.filling:
             return None
@@ -312,6 +312,19 @@ class Stream:
             if ready <= self.low * c.window // self.high:
                 return True
         return False
+
+    def _gap(self) -> bool:
+        """A held position is neither published nor being built."""
+        return any(g not in self.published and g not in self.building for g in self.held)
+
+    def _unattended(self) -> bool:
+        """No holding consumer reads (each is gone, silent or closed, or none has written yet).
+
+        Then the windows are topped up to the high-water mark at once rather than from the low-water
+        mark: no consumption is left for the hysteresis to batch up, and a trainer that comes back
+        finds its window full."""
+        now = time.time()
+        return not any(c.live(now, self.consumer_timeout) for c in self.holders)
 
     def _trainer_blocked(self) -> bool:
         """The batch a consumer needs next is held but neither published nor being built: after a

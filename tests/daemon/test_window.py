@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +46,26 @@ def test_fills_to_high_water_then_waits_for_the_low_water_mark(tmp_path: Path) -
     assert s.next_missing() is None
     move_to(s, 2)  # two waiting: production resumes
     assert s.next_missing() == 4
+
+
+def test_a_gone_trainers_window_is_topped_up_to_high_water_at_once(tmp_path: Path) -> None:
+    s = stream(tmp_path)
+    publish(s, 0, 1, 2, 3)
+    assert s.next_missing() is None
+    move_to(s, 1)  # three waiting, above the low-water mark: a live trainer's window waits for it
+    assert s.next_missing() is None
+    # Now the trainer that wrote step 1 is gone (its pid exited): still three waiting, but nobody
+    # consumes any more, so the window is made full at once for the trainer that comes back.
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    doc = {"format": "prefetchd.progress", "version": 1, "epoch": 0, "step": 1, "pid": int(exited.stdout),
+           "time": time.time() - 1}
+    (s.dir / "progress.json").write_text(json.dumps(doc))
+    s.read_progress()
+    s.check_trainer()
+    assert sorted(s.published) == [1, 2, 3]
+    assert s.next_missing() == 4
+    publish(s, 4)
+    assert s.next_missing() is None  # at the high-water mark: nothing more
 
 
 def test_a_rewind_builds_the_batch_the_trainer_needs_despite_the_hysteresis(tmp_path: Path) -> None:
