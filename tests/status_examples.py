@@ -35,7 +35,9 @@ REMOTE = RemoteStatus(address="ray://head:10001", connected=True, cluster_nodes=
                       images=1664, slices=104, retries=2, stragglers=1, disconnects=0, message="",
                       copied_bytes=250478592, copy_seconds=0.12,
                       nodes=(RemoteNode(node="cpu-1/3f2a9c1d", images=1664, slices=104, images_per_s=1900.5,
-                                        latency_p50_s=0.41),))
+                                        latency_p50_s=0.41),),
+                      unfit_nodes=("cpu-2/77ab01c3: cannot read 8 of the 8 samples probed: n01/a.jpg (FileNotFoundError: "
+                                   "...); mount --data at the same path on every node",))
 CONSUMER = ConsumerStatus(name="trial-3", progress=POSITION, trainer=TRAINER, holding=True, window=32)
 
 

@@ -164,7 +164,7 @@ class RemoteStatus:
     address: str  # as given to --ray
     connected: bool
     cluster_nodes: int  # alive nodes, as the cluster last reported them
-    cluster_cpus: int
+    cluster_cpus: int  # CPUs of the alive nodes that read --data (passed the probe): the ones building slices
     in_flight: int  # slices submitted and not yet back
     images: int  # images built on the cluster since the job started
     slices: int
@@ -175,6 +175,7 @@ class RemoteStatus:
     copied_bytes: int = 0  # pixels copied from the object store into batch files
     copy_seconds: float = 0.0  # the time those copies took (copied_bytes / copy_seconds: the copy rate)
     nodes: tuple[RemoteNode, ...] = ()
+    unfit_nodes: tuple[str, ...] = ()  # "node: why" for each alive node that gets no slices (cannot read --data)
 
 
 @dataclass(frozen=True)
@@ -380,6 +381,13 @@ class _Fields:
         items = self._get(key, lambda v: isinstance(v, list), "a list")
         return [_Fields(item, self.path, f"{self.where}{key}[{i}].") for i, item in enumerate(items)]
 
+    def texts(self, key: str) -> tuple[str, ...]:
+        """A list of strings; empty when absent (lists added within a version)."""
+        if key not in self.doc:
+            return ()
+        return tuple(self._get(key, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                               "a list of strings"))
+
     def items_as_maps(self) -> list[tuple[str, _Fields]]:
         return [(k, _Fields(v, self.path, f"{self.where}{k}.")) for k, v in self.doc.items()]
 
@@ -447,4 +455,5 @@ def _remote(f: _Fields) -> RemoteStatus:
         copy_seconds=f.num("copy_seconds"),
         nodes=tuple(RemoteNode(n.text("node"), n.nat("images"), n.nat("slices"), n.num("images_per_s"),
                                n.num("latency_p50_s")) for n in f.maps("nodes")),
+        unfit_nodes=f.texts("unfit_nodes"),
     )

@@ -49,7 +49,10 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
     # --ray: where batches are built (absent without a cluster).
     ("prefetchd_remote_connected", lambda p: float(p.remote.connected) if p.remote else None,
      "1 while the Ray cluster takes slices, 0 while it is lost and the local workers build alone."),
-    ("prefetchd_remote_cluster_cpus", lambda p: p.remote.cluster_cpus if p.remote else None, "CPUs of the Ray cluster."),
+    ("prefetchd_remote_cluster_cpus", lambda p: p.remote.cluster_cpus if p.remote else None,
+     "CPUs of the Ray cluster's nodes that read --data (the ones that get slices)."),
+    ("prefetchd_remote_unfit_nodes", lambda p: len(p.remote.unfit_nodes) if p.remote else None,
+     "Alive Ray nodes that get no slices because they cannot read --data (prefetchd status names them)."),
     ("prefetchd_remote_slices_in_flight", lambda p: p.remote.in_flight if p.remote else None,
      "Slices of batches submitted to the Ray cluster and not yet back."),
     ("prefetchd_remote_images_total", lambda p: p.remote.images if p.remote else None, "Images built on the Ray cluster."),

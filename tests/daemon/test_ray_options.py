@@ -77,6 +77,16 @@ def test_remote_status_round_trips_and_old_documents_have_none(tmp_path: Path) -
     assert old is not None and old.production is not None and old.production.remote is None
 
 
+def test_a_remote_status_without_unfit_nodes_reads_as_none_unfit(tmp_path: Path) -> None:
+    write_status(tmp_path, status(production=production(remote=REMOTE)))
+    doc = json.loads((tmp_path / "status.json").read_text())
+    del doc["remote"]["unfit_nodes"]  # as a daemon before the probe wrote it
+    (tmp_path / "status.json").write_text(json.dumps(doc))
+    got = read_status(tmp_path)
+    assert got is not None and got.production is not None and got.production.remote is not None
+    assert got.production.remote.unfit_nodes == ()
+
+
 def test_status_shows_where_batches_are_built() -> None:
     info = {"buffer": "/dev/shm/bf", "running": True, "pid": 4242, "heartbeat_age_s": 0.2, "stale": False,
             "manifest": None, "problems": [], "status": status(production=production(remote=REMOTE))}
@@ -84,6 +94,7 @@ def test_status_shows_where_batches_are_built() -> None:
     assert ("remote    ray ray://head:10001 connected: 3 nodes, 96 CPUs; 40 slices in flight; 1664 img built "
             "there (50% of all), copied in at 1991 MiB/s, 2 retries, 1 stragglers, 0 disconnects") in text, text
     assert "node      cpu-1/3f2a9c1d: 1664 img, 1900 img/s, slice p50 0.41 s" in text, text
+    assert "UNFIT     cpu-2/77ab01c3: cannot read 8 of the 8 samples probed: n01/a.jpg" in text, text
     lost = REMOTE.__class__(**{**REMOTE.__dict__, "connected": False, "message": "lost: no answer; the 3 local workers build alone"})
     assert "NOT CONNECTED (lost: no answer; the 3 local workers build alone)" in format_status(
         {**info, "status": status(production=production(remote=lost))})
@@ -99,6 +110,7 @@ def test_metrics_say_where_batches_are_built(tmp_path: Path) -> None:
     text = generate_latest(metrics.registry).decode()
     assert f'prefetchd_remote_images_total{{buffer="{tmp_path}"}} 1664.0' in text, text
     assert f'prefetchd_remote_connected{{buffer="{tmp_path}"}} 1.0' in text
+    assert f'prefetchd_remote_unfit_nodes{{buffer="{tmp_path}"}} 1.0' in text
     assert f'prefetchd_remote_node_images_per_second{{buffer="{tmp_path}",node="cpu-1/3f2a9c1d"}} 1900.5' in text
     metrics.update(status())
     assert "prefetchd_remote_" not in generate_latest(metrics.registry).decode(), "no cluster, no remote series"

@@ -1,5 +1,6 @@
 """prefetchd.daemon.remote without a cluster: a remote slice is run_task into rows, and the bridge's
-write of those rows leaves the batch file byte for byte as a local worker leaves it."""
+write of those rows leaves the batch file byte for byte as a local worker leaves it; the samples a
+node is probed with are ones the daemon's box reads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from prefetchd.daemon.remote.bridge import write_rows
-from prefetchd.daemon.remote.task import Rows
+from prefetchd.daemon.remote.task import Rows, probe_samples, unreadable
+from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, run_task
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
 
@@ -39,3 +41,25 @@ def test_rows_for_a_batch_aborted_meanwhile_fail_the_write_not_the_job(tmp_path:
     task = Task(3, str(gone), OFFSET, SLOT, 0, ((0, 1),))
     result = write_rows(task, Filled(3, ((0, 1, 0),), (), 0.0), np.zeros((1, SLOT), np.uint8))
     assert isinstance(result, WriteFailed) and not result.fatal and str(gone) in result.reason
+
+
+def test_nodes_are_probed_with_samples_spread_over_the_split_that_the_daemons_box_reads(tmp_path: Path) -> None:
+    index = _dataset(tmp_path / "data")
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    reader = SampleReader(index)
+    spread = probe_samples(job, reader, count=4)
+    assert spread == (0, 3, 6, 9), "first, last and evenly between"
+    (tmp_path / "data" / index.name(3)).unlink()  # gone here too: a bad file, not a bad node
+    assert probe_samples(job, reader, count=4) == (0, 6, 9)
+    assert unreadable(job, reader, (0, 6, 9)) == ()
+
+
+def test_a_node_that_cannot_read_names_each_file_and_the_error(tmp_path: Path) -> None:
+    index = _dataset(tmp_path / "data")
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    probe = probe_samples(job, SampleReader(index))
+    for name in (index.name(probe[0]), index.name(probe[-1])):
+        (tmp_path / "data" / name).unlink()  # as on a node where the mount lacks them
+    failures = unreadable(job, SampleReader(index), probe)
+    assert len(failures) == 2, failures
+    assert failures[0].startswith(f"{index.name(probe[0])} (FileNotFoundError: "), failures

@@ -54,12 +54,18 @@ def remote_status(buffer: Path) -> Any:
     return status.production.remote if status is not None and status.production is not None else None
 
 
+def building_there(buffer: Path) -> bool:
+    """The daemon is connected to its cluster, and a node there passed the probe (it gets slices)."""
+    r = remote_status(buffer)
+    return r is not None and r.connected and r.cluster_cpus > 0
+
+
 def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bool = False,
              before: Callable[[Any], None] = lambda _p: None,
              after_first: Callable[[Any], None] = lambda _p: None) -> dict[str, Any]:
     """Run a one-epoch daemon with ``args``, read every batch; ``connected``: start reading once its
-    cluster is connected; ``before`` runs then (with the daemon's process), ``after_first`` once the
-    first batch was read."""
+    cluster is connected and a node there passed the probe; ``before`` runs then (with the daemon's
+    process), ``after_first`` once the first batch was read."""
     started = time.monotonic()
     proc = launch(start_argv(buffer, extra=["--data", str(data), *JOB, *args]), log=log)
     digests: dict[str, str] = {}
@@ -68,8 +74,7 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
     running = None  # the remote status last seen while the daemon ran
     try:
         if connected:
-            wait_for(lambda: (r := remote_status(buffer)) is not None and r.connected, 180,
-                     "the daemon to connect to the cluster", proc)
+            wait_for(lambda: building_there(buffer), 180, "the daemon to connect to the cluster and probe a node", proc)
         before(proc)
         loader = BufferLoader(buffer, normalize=False, timeout=120)
         for batch in loader:
@@ -92,9 +97,22 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
         stop_daemon_process(proc, 20)
     status = read_status(buffer)
     remote = status.production.remote if status is not None and status.production is not None else None
-    return {"seconds": round(time.monotonic() - started, 1), "digests": digests, "indices": indices, "exit_code": code, "status_text": shown,
-            "remote": dataclasses.asdict(remote) if remote is not None else None,
-            "running": dataclasses.asdict(running) if running is not None else None, "log": log.read_text()[-6000:]}
+    text = log.read_text()
+    about_nodes = [line for line in text.splitlines() if "reads --data" in line or "cannot read" in line]
+    return {"seconds": round(time.monotonic() - started, 1), "digests": digests, "indices": indices, "exit_code": code,
+            "status_text": shown, "remote": dataclasses.asdict(remote) if remote is not None else None,
+            "running": dataclasses.asdict(running) if running is not None else None, "log": text[-6000:],
+            "about_nodes": about_nodes}
+
+
+def join_without_data(address: str, data: Path, log: Path) -> subprocess.Popen[bytes]:
+    """A node that joins the cluster at ``address`` as a user adds one (``ray start``), in a private
+    mount namespace where an empty tmpfs hides ``data``: a machine without the dataset's mount."""
+    ray = Path(sys.executable).parent / "ray"
+    script = (f"mount -t tmpfs -o size=1m none {data} && exec {ray} start --address={address} --num-cpus=1 "
+              f"--object-store-memory={NODE['object_store_memory']} --disable-usage-stats --block")
+    return subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
 def main() -> None:
@@ -121,7 +139,20 @@ def main() -> None:
     try:
         out["remote_only"] = read_job(data, work / "remote", work / "remote.log", [*ray, "--workers", "0"],
                                       connected=True, before=lose_node_a)
-        out["mixed"] = read_job(data, work / "mixed", work / "mixed.log", [*ray, "--workers", "1"], connected=True)
+        # Node C joins without the dataset: the probe names it, and it builds nothing.
+        node_c = join_without_data(cluster.address, data, work / "node-c.log")
+        mixed = work / "mixed"
+
+        def node_c_named(proc: Any) -> None:
+            wait_for(lambda: (r := remote_status(mixed)) is not None and bool(r.unfit_nodes), 180,
+                     "the daemon to name the node that cannot read --data", proc)
+
+        try:
+            out["mixed"] = read_job(data, mixed, work / "mixed.log", [*ray, "--workers", "1"], connected=True,
+                                    before=node_c_named)
+        finally:
+            node_c.terminate()  # ray start drains and stops its node on SIGTERM
+            node_c.wait(60)
         lost = work / "cluster-lost"
 
         def lose_cluster(proc: Any) -> None:
@@ -133,7 +164,7 @@ def main() -> None:
             wait_for(lambda: (r := remote_status(lost)) is not None and not r.connected, 180, "the daemon to notice", proc)
             out["lost_status"] = dataclasses.asdict(remote_status(lost))
             cluster = Cluster(initialize_head=True, head_node_args={**NODE, "gcs_server_port": port})
-            wait_for(lambda: (r := remote_status(lost)) is not None and r.connected, 180, "the daemon to reconnect", proc)
+            wait_for(lambda: building_there(lost), 180, "the daemon to reconnect and probe the node again", proc)
 
         out["cluster_lost"] = read_job(data, lost, work / "cluster-lost.log", [*ray, "--workers", "1"],
                                        connected=True, after_first=lose_cluster)

@@ -10,6 +10,9 @@ job's Ray workers import torch) and asserts on what it read:
   builds a slice (a node with a CPU joins after) and a mixed job (one local
   worker beside the cluster) deliver every batch of the epoch exactly once, equal
   byte for byte to those of a local-only daemon;
+- in the mixed job a third node joins (``ray start``) from a mount namespace that
+  hides the dataset: the probe names it and the files it cannot read, and it
+  builds nothing;
 - a job whose whole cluster is shut down mid-epoch goes on with its local worker,
   says so in its status, connects again to a cluster started at the same address,
   builds there again, and delivers the same batches.
@@ -95,9 +98,19 @@ def test_remote_only_job_survives_losing_its_node_and_matches_local_workers(scen
     assert "remote    ray 127.0.0.1:" in run["status_text"] and " connected: " in run["status_text"], run["status_text"]
 
 
-def test_mixed_job_matches_local_workers(scenarios: dict[str, Any]) -> None:
+def test_mixed_job_matches_local_workers_and_a_node_without_the_data_builds_nothing(scenarios: dict[str, Any]) -> None:
     run = _check_delivery(scenarios, "mixed")
-    assert 0 < run["remote"]["images"], run["remote"]
+    remote = run["remote"]
+    assert 0 < remote["images"], remote
+    # Node C joined from a mount namespace where --data is hidden: the probe named it and the files it could
+    # not read, and every slice went to the node that reads the data.
+    unfit = run["running"]["unfit_nodes"]
+    assert len(unfit) == 1 and "cannot read 8 of the 8 samples probed: " in unfit[0], unfit
+    assert "FileNotFoundError" in unfit[0] and "mount --data at the same path on every node" in unfit[0], unfit
+    node_c = unfit[0].split(":")[0]
+    assert node_c not in {n["node"] for n in remote["nodes"]}, (node_c, remote["nodes"])
+    assert any(f"node {node_c} cannot read" in line and "it gets no slices" in line for line in run["about_nodes"]), run
+    assert any(" reads --data (8 samples checked)" in line for line in run["about_nodes"]), run
 
 
 def test_job_goes_on_with_local_workers_when_the_cluster_disappears_and_returns(scenarios: dict[str, Any]) -> None:

@@ -4,11 +4,13 @@ stragglers, and reports the cluster's nodes and CPUs (see ``prefetchd.daemon.rem
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -16,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from prefetchd.buffer_protocol import SlotFiller
-from prefetchd.daemon.remote.task import NodeUnfit, build_slice
+from prefetchd.daemon.remote.task import NodeAnswer, Shipment, build_slice, node_label, probe_node, probe_samples
+from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 
 REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
@@ -24,6 +27,8 @@ MAX_ATTEMPTS = 3  # submissions of one slice at the cluster before it goes back 
 STRAGGLER_FACTOR = 4.0  # a slice outstanding this many times the median is started again
 STRAGGLER_MIN_SECONDS = 2.0  # ... but never before this, and only once STRAGGLER_SAMPLES are known
 STRAGGLER_SAMPLES = 16
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
+SHOWN_FAILURES = 3  # unreadable samples named in a node's warning
 
 
 # -- messages from the bridge to the controller --------------------------------
@@ -34,9 +39,10 @@ class Report:
     """The cluster as the bridge sees it; ``connected`` False: it could not connect and exits."""
 
     connected: bool
-    nodes: int = 0
-    cpus: int = 0
+    nodes: int = 0  # alive
+    cpus: int = 0  # of the alive nodes that passed the probe: the ones that get slices
     message: str = ""
+    unfit: tuple[str, ...] = ()  # "node: why" for each alive node that cannot build slices
 
 
 @dataclass(frozen=True)
@@ -90,23 +96,45 @@ class _Slice:
     straggler: bool = False
 
 
+@dataclass
+class _Node:
+    """An alive node with CPUs, as the bridge knows it: being probed, fit to build slices, or not."""
+
+    label: str
+    cpus: int
+    probe: Any = None  # the probe's reference while it runs
+    fit: bool = False
+    reason: str = ""  # why it is unfit; "" while it is probed or fit
+
+
 class Bridge:
-    """Submits the controller's tasks to Ray and answers with what came back."""
+    """Submits the controller's tasks to Ray and answers with what came back.
+
+    Slices go only to nodes that passed the probe: a task pinned to each node that joins (its
+    label ``ray.io/node-id``) reads the job's probe samples there, so that a node without the
+    dataset's mount or credentials is named at once and never builds a batch."""
 
     def __init__(self, conn: Connection, job: WorkerJob) -> None:
         import ray
 
         self.ray: Any = ray
         self.conn = conn
-        self.job_box = [ray.put(job)]  # once per job
-        self.build = ray.remote(build_slice).options(num_cpus=1, max_retries=0)  # retries are ours, counted
+        probe = probe_samples(job, SampleReader(job.index, job.readers))
+        self.box = [ray.put(Shipment(job, probe))]  # once per job
+        self.build = ray.remote(build_slice)
+        self.probe = ray.remote(probe_node)
+        self._build_on: tuple[frozenset[str], Any] = (frozenset(), None)  # the fit nodes, and build pinned to them
+        self.nodes: dict[str, _Node] = {}  # by Ray's node id
         self.slices: dict[int, _Slice] = {}
         self.latencies: deque[float] = deque(maxlen=256)
-        # Nodes that cannot read the dataset, and errors of nodes that cannot run slices: each warned once.
-        self.unfit: set[str] = set()
-        self.done: deque[tuple[int, Any, Any]] = deque()  # (task id, ref, future) completed; appended by Ray's thread
+        self.errors: set[str] = set()  # errors of Ray workers that could not run a slice, each warned once
+        # (what to call with the future, the future) of each completed task; appended by Ray's thread
+        self.done: deque[tuple[Callable[[Any], None], Any]] = deque()
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
+        if not probe:
+            self.conn.send(Note(logging.WARNING, "the daemon's box reads none of the samples it probes, so the "
+                                                 "cluster's nodes are not probed"))
 
     def run(self) -> None:
         last_report = 0.0
@@ -117,7 +145,8 @@ class Bridge:
             if self.conn in ready and not self._receive():
                 return
             while self.done:
-                self._finish(*self.done.popleft())
+                then, future = self.done.popleft()
+                then(future)
             now = time.monotonic()
             self._relaunch_stragglers(now)
             if now - last_report >= REPORT_SECONDS:
@@ -137,20 +166,32 @@ class Bridge:
             self._submit(self.slices[task.task_id])
         return True
 
-    def _submit(self, s: _Slice) -> None:
-        ref = self.build.remote(self.job_box, s.task)
-        s.refs.append(ref)
+    def _watch(self, ref: Any, then: Callable[[Any], None]) -> None:
+        """Call ``then(future)`` on the bridge's loop when ``ref`` completes."""
         future = ref.future()
-        task_id = s.task.task_id
 
         def completed(_f: Any) -> None:  # on Ray's thread: queue it and wake the loop
-            self.done.append((task_id, ref, future))
+            self.done.append((then, future))
             try:
                 os.write(self._w, b"\0")
             except BlockingIOError:
                 pass
 
         future.add_done_callback(completed)
+
+    def _submit(self, s: _Slice) -> None:
+        fit = frozenset(node_id for node_id, n in self.nodes.items() if n.fit)
+        if not fit:
+            del self.slices[s.task.task_id]
+            self.conn.send(Returned(s.task.task_id, "no node of the cluster that reads --data is left", s.attempts - 1))
+            return
+        if self._build_on[0] != fit:
+            # Retries are the bridge's own, counted; the label selector keeps slices off the nodes that failed the probe.
+            self._build_on = (fit, self.build.options(num_cpus=1, max_retries=0,
+                                                      label_selector={NODE_ID_LABEL: f"in({','.join(sorted(fit))})"}))
+        ref = self._build_on[1].remote(self.box, s.task)
+        s.refs.append(ref)
+        self._watch(ref, lambda future: self._finish(s.task.task_id, ref, future))
 
     def _finish(self, task_id: int, ref: Any, future: Any) -> None:
         s = self.slices.get(task_id)
@@ -164,9 +205,9 @@ class Bridge:
         except exceptions.RayTaskError as exc:
             # build_slice catches what the decoding raises, so this is the node: prefetchd missing or of another
             # version there, say.  Not the job's fault: another node, or a local worker, builds the slice.
-            text = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
-            if text not in self.unfit:
-                self.unfit.add(text)
+            text = _last_line(exc)
+            if text not in self.errors:
+                self.errors.add(text)
                 self.conn.send(Note(logging.WARNING, f"a Ray worker could not run a slice: {text}; is prefetchd[ray] "
                                                      "installed, at the daemon's version, on every node?"))
             self._again(s, ref, text)
@@ -174,11 +215,9 @@ class Bridge:
         except exceptions.RayError as exc:  # its worker or node was lost: build it again
             self._again(s, ref, f"{type(exc).__name__}: {exc}")
             return
-        if isinstance(result, NodeUnfit):
-            if node not in self.unfit:
-                self.unfit.add(node)
-                self.conn.send(Note(logging.WARNING, f"node {node} {result.reason}; its slices go to other nodes"))
-            self._again(s, ref, f"node {node} cannot read the dataset")
+        if isinstance(result, NodeAnswer):  # it passed the probe once and reads no more
+            self._answered(result.node_id, result)
+            self._again(s, ref, f"node {node} cannot read --data")
             return
         del self.slices[task_id]
         for other in s.refs:
@@ -218,15 +257,81 @@ class Bridge:
         if len(self.latencies) < STRAGGLER_SAMPLES:
             return
         limit = max(STRAGGLER_MIN_SECONDS, STRAGGLER_FACTOR * float(np.median(self.latencies)))
-        for s in self.slices.values():
+        for s in list(self.slices.values()):
             if not s.straggler and now - s.submitted > limit:
                 s.straggler = True
                 self._submit(s)
 
+    # -- the nodes
+
+    def _track(self, alive: list[dict[str, Any]]) -> None:
+        """Probe each node with CPUs that joined; forget the ones that left."""
+        seen = set()
+        for n in alive:
+            node_id, cpus = n["NodeID"], int(n.get("Resources", {}).get("CPU", 0))
+            if not cpus:
+                continue  # a head without CPUs, say: it never gets a slice
+            seen.add(node_id)
+            if node_id in self.nodes:
+                self.nodes[node_id].cpus = cpus
+                continue
+            node = self.nodes[node_id] = _Node(node_label(n.get("NodeManagerHostname", "?"), node_id), cpus)
+            # No CPU: the probe never waits behind slices.
+            node.probe = self.probe.options(num_cpus=0, max_retries=0,
+                                            label_selector={NODE_ID_LABEL: node_id}).remote(self.box)
+            self._watch(node.probe, functools.partial(self._probed, node_id))
+        for node_id in set(self.nodes) - seen:
+            if self.nodes[node_id].probe is not None:
+                self._cancel(self.nodes[node_id].probe)
+            del self.nodes[node_id]
+
+    def _probed(self, node_id: str, future: Any) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return  # it left meanwhile
+        node.probe = None
+        try:
+            answer = future.result()
+        except self.ray.exceptions.RayTaskError as exc:  # it cannot run prefetchd's tasks at all
+            self._unfit(node, f"cannot run prefetchd's tasks ({_last_line(exc)}); install prefetchd[ray], at the "
+                              "daemon's version, on every node")
+            return
+        except self.ray.exceptions.RayError:
+            del self.nodes[node_id]  # its worker died: probed again at the next report if it is alive
+            return
+        self._answered(node_id, answer)
+
+    def _answered(self, node_id: str, answer: NodeAnswer) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        if not answer.failures:
+            node.fit, node.reason = True, ""
+            self.conn.send(Note(logging.INFO, f"node {node.label} reads --data ({answer.checked} samples checked): "
+                                              f"it builds slices with its {node.cpus} CPUs"))
+            return
+        more = len(answer.failures) - SHOWN_FAILURES
+        named = "; ".join(answer.failures[:SHOWN_FAILURES]) + (f"; and {more} more" if more > 0 else "")
+        self._unfit(node, f"cannot read {len(answer.failures)} of the {answer.checked} samples probed: {named}; "
+                          "mount --data at the same path on every node, or give every node credentials for its "
+                          "object storage")
+
+    def _unfit(self, node: _Node, reason: str) -> None:
+        was_fit = node.fit
+        node.fit, node.reason = False, reason
+        self.conn.send(Note(logging.WARNING, f"node {node.label} {reason}; it gets no slices"
+                                             + (" from now on" if was_fit else "")))
+
     def _report(self) -> Report:
         alive = [n for n in self.ray.nodes() if n.get("Alive")]
-        cpus = int(sum(n.get("Resources", {}).get("CPU", 0) for n in alive))
-        return Report(True, len(alive), cpus)
+        self._track(alive)
+        return Report(True, len(alive), sum(n.cpus for n in self.nodes.values() if n.fit),
+                      unfit=tuple(f"{n.label}: {n.reason}" for n in self.nodes.values() if n.reason))
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1][:300] if text else type(exc).__name__
 
 
 def write_rows(task: Task, result: Filled, pixels: np.ndarray) -> Filled | WriteFailed:

@@ -66,7 +66,8 @@ class RemotePool:
         self.failed_attempts = 0
         self.refusal: str | None = None  # why the bridge could not connect, as it said before exiting
         self.nodes = 0
-        self.cpus = 0
+        self.cpus = 0  # of the nodes that passed the probe
+        self.unfit: tuple[str, ...] = ()
         self.message = "connecting"
         self.in_flight: dict[int, Task] = {}
         self.paths: Counter[str] = Counter()  # batches (their temp files) with slices at the cluster
@@ -134,7 +135,7 @@ class RemotePool:
             self._lose(f"no answer from the cluster for {SILENT_SECONDS:.0f} s", requeue)
         elif self.connected and self.in_flight and self.cpus == 0 and now - self.cpus_seen > SILENT_SECONDS:
             # Its slices wait at Ray for a node with a CPU; the local workers can build them meanwhile.
-            self._lose(f"no node with a CPU for {SILENT_SECONDS:.0f} s", requeue)
+            self._lose(f"no node with a CPU that reads --data for {SILENT_SECONDS:.0f} s", requeue)
         elif not self.connected and now - self.started > CONNECT_SECONDS:
             self._lose(f"could not connect within {CONNECT_SECONDS:.0f} s", requeue)
 
@@ -186,13 +187,13 @@ class RemotePool:
             self.refusal = report.message
             return
         if not self.connected:
-            log.info("Ray cluster at %s: %d nodes, %d CPUs; building batches there beside %d local workers",
-                     self.address, report.nodes, report.cpus, self.local_workers)
+            log.info("connected to the Ray cluster at %s: %d nodes; each node with CPUs builds batches beside the %d "
+                     "local workers once it has read samples of --data", self.address, report.nodes, self.local_workers)
             self.cpus_seen = time.monotonic()
         self.connected = True
         self.failed_attempts = 0
         self.message = ""
-        self.nodes, self.cpus = report.nodes, report.cpus
+        self.nodes, self.cpus, self.unfit = report.nodes, report.cpus, report.unfit
         self.last_report = time.monotonic()
         if self.cpus:
             self.cpus_seen = self.last_report
@@ -222,6 +223,7 @@ class RemotePool:
                 "cannot use the Ray cluster at %s: %s; %s; %s", self.address, reason, fallback, again)
             self.failed_attempts += 1
         self.connected = False
+        self.unfit = ()
         self.in_flight.clear()
         self.paths.clear()
         if self.process is not None:
@@ -274,7 +276,7 @@ class RemotePool:
             cluster_cpus=self.cpus if self.connected else 0, in_flight=len(self.in_flight), images=self.images,
             slices=self.slices, retries=self.retries, stragglers=self.stragglers, disconnects=self.disconnects,
             message=self.message, copied_bytes=self.copied_bytes, copy_seconds=round(self.copy_seconds, 4),
-            nodes=tuple(b.status(node, now) for node, b in sorted(self.node_books.items())),
+            nodes=tuple(b.status(node, now) for node, b in sorted(self.node_books.items())), unfit_nodes=self.unfit,
         )
 
 

@@ -1,5 +1,6 @@
-"""What runs on a Ray worker: one slice of a batch, by the local workers' ``run_task``, into rows
-that the task returns through the object store (see ``prefetchd.daemon.remote``)."""
+"""What runs on a Ray worker: the probe of a node's access to the dataset, and one slice of a batch,
+by the local workers' ``run_task``, into rows that the task returns through the object store
+(see ``prefetchd.daemon.remote``)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,104 @@ import numpy as np
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task
 
+PROBE_SAMPLES = 8  # samples spread over the split that a node must read before it gets slices
+
 
 @dataclass(frozen=True)
-class NodeUnfit:
-    """What a Ray task answers on a node that cannot read the dataset: building there would replace
-    every sample as undecodable (and so differ from a local build), so the slice goes elsewhere."""
+class Shipment:
+    """What goes to the object store once per job: the job, and the samples a node must read
+    (ones the daemon's own box reads, so that a bad file is not mistaken for a bad node)."""
 
-    reason: str
+    job: WorkerJob
+    probe: tuple[int, ...]
 
 
-# (object id, job, reader, why this node cannot read the dataset or "") for the job this process read last
-_job_here: tuple[str, WorkerJob, SampleReader, str] | None = None
+@dataclass(frozen=True)
+class NodeAnswer:
+    """A node's answer to the probe; ``failures`` empty: it reads every probed sample."""
+
+    node_id: str  # Ray's node id, for label selectors
+    host: str
+    checked: int
+    failures: tuple[str, ...]  # "name (Error: text)" per sample it could not read
+
+    @property
+    def node(self) -> str:
+        return node_label(self.host, self.node_id)
+
+
+def node_label(host: str, node_id: str) -> str:
+    """How the log and status name a node: host name and the start of Ray's node id."""
+    return f"{host}/{node_id[:8]}"
+
+
+def probe_samples(job: WorkerJob, reader: SampleReader, count: int = PROBE_SAMPLES) -> tuple[int, ...]:
+    """Up to ``count`` samples spread evenly over the split (its first and last included) that this
+    box reads; run by the bridge on the daemon's box."""
+    members = job.members
+    picks = sorted({int(members[i]) for i in np.linspace(0, len(members) - 1, min(count, len(members))).astype(int)})
+    return tuple(i for i in picks if not _failure(job, reader, i))
+
+
+def unreadable(job: WorkerJob, reader: SampleReader, samples: tuple[int, ...]) -> tuple[str, ...]:
+    """"name (Error: text)" for each of ``samples`` that ``reader`` cannot read here."""
+    return tuple(f for f in (_failure(job, reader, i) for i in samples) if f)
+
+
+def _failure(job: WorkerJob, reader: SampleReader, index: int) -> str:
+    try:
+        reader.read(index)
+    except Exception as exc:
+        return f"{job.index.name(index)} ({type(exc).__name__}: {exc})"
+    return ""
+
+
+# (object id, shipment, reader, this node's answer to the probe) for the job this process read last
+_job_here: tuple[str, Shipment, SampleReader, NodeAnswer] | None = None
 _prepared = False
+
+
+def _here(box: list[Any]) -> tuple[Shipment, SampleReader, NodeAnswer]:
+    """The job of ``box`` (in a list, so that Ray hands the task the reference and this process
+    fetches the shipment once per job, not once per task) and this node's answer to its probe."""
+    global _job_here, _prepared
+    import ray
+
+    if not _prepared:
+        prepare_process()
+        _prepared = True
+    ref = box[0]
+    if _job_here is None or _job_here[0] != ref.hex():
+        shipment: Shipment = ray.get(ref)
+        reader = SampleReader(shipment.job.index, shipment.job.readers)
+        answer = NodeAnswer(ray.get_runtime_context().get_node_id(), socket.gethostname(), len(shipment.probe),
+                            unreadable(shipment.job, reader, shipment.probe))
+        _job_here = (ref.hex(), shipment, reader, answer)
+    return _job_here[1], _job_here[2], _job_here[3]
+
+
+def probe_node(box: list[Any]) -> NodeAnswer:
+    """A Ray task pinned to one node: can it read the job's probe samples?"""
+    return _here(box)[2]
+
+
+def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | NodeAnswer, np.ndarray | None, str]:
+    """A Ray task: run ``task`` with the local workers' code and return its pixels, one row per item.
+
+    A node that fails the probe (its mount went away since it passed, say) answers with the probe's
+    result instead: building there would replace every sample as undecodable, and so differ from a
+    build on the daemon's box.
+    """
+    shipment, reader, answer = _here(box)
+    if answer.failures:
+        return answer, None, answer.node
+    pixels = np.empty((len(task.items), task.slot_bytes), np.uint8)
+    try:
+        result = run_task(shipment.job, task, reader,
+                          sink=Rows(pixels, {slot: row for row, (slot, _) in enumerate(task.items)}))
+    except Exception as exc:
+        result = failure_of(task.task_id, exc)
+    return result, pixels if isinstance(result, Filled) else None, answer.node
 
 
 class Rows:
@@ -37,46 +124,4 @@ class Rows:
         self.pixels[self.rows[slot]] = np.frombuffer(image, np.uint8)
 
 
-def build_slice(job_box: list[Any], task: Task) -> tuple[Filled | WriteFailed | NodeUnfit, np.ndarray | None, str]:
-    """A Ray task: run ``task`` with the local workers' code and return its pixels, one row per item.
-
-    ``job_box`` holds the job's object reference (in a list, so that Ray hands the task the
-    reference and this worker fetches the job once, not once per task).  Then it reads the
-    split's first sample: a node without the dataset's mount (or credentials) answers
-    ``NodeUnfit`` for every slice instead of replacing every sample.
-    """
-    global _job_here, _prepared
-    import ray
-
-    node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
-    if not _prepared:
-        prepare_process()
-        _prepared = True
-    ref = job_box[0]
-    if _job_here is None or _job_here[0] != ref.hex():
-        job: WorkerJob = ray.get(ref)
-        reader = SampleReader(job.index, job.readers)
-        _job_here = (ref.hex(), job, reader, _cannot_read(job, reader))
-    _, job, reader, unfit = _job_here
-    if unfit:
-        return NodeUnfit(unfit), None, node
-    pixels = np.empty((len(task.items), task.slot_bytes), np.uint8)
-    try:
-        result = run_task(job, task, reader, sink=Rows(pixels, {slot: row for row, (slot, _) in enumerate(task.items)}))
-    except Exception as exc:
-        result = failure_of(task.task_id, exc)
-    return result, pixels if isinstance(result, Filled) else None, node
-
-
-def _cannot_read(job: WorkerJob, reader: SampleReader) -> str:
-    """Why this node cannot read the split's first sample, or "" when it can."""
-    first = int(job.members[0])
-    try:
-        reader.read(first)
-    except Exception as exc:
-        return (f"cannot read {job.index.name(first)} ({type(exc).__name__}: {exc}); mount --data at the same path "
-                "on every node (or use an object-storage URL with credentials on every node)")
-    return ""
-
-
-__all__ = ["NodeUnfit", "Rows", "build_slice"]
+__all__ = ["NodeAnswer", "Rows", "Shipment", "build_slice", "node_label", "probe_node", "probe_samples", "unreadable"]
