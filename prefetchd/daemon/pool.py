@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import psutil
 
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.daemon.workers import FORKSERVER_PRELOAD, Filled, Task, WorkerJob, WriteFailed, worker_main
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, forkserver_preload, worker_main
 
 WORKER_STOP_SECONDS = 5.0
 MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
@@ -167,7 +167,7 @@ def worker_context() -> multiprocessing.context.ForkServerContext:
     """
     ctx = multiprocessing.get_context("forkserver")
     assert isinstance(ctx, multiprocessing.context.ForkServerContext)
-    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    ctx.set_forkserver_preload(forkserver_preload())
     return ctx
 
 

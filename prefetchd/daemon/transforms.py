@@ -60,8 +60,9 @@ whether the extension is built, so the output stays a pure function of
 
 Crop, resize, flip — one resampler for every path.  The integer crop box is
 copied once out of the decoded image into a contiguous H x W x 3 tensor; the
-antialiased bilinear resize (``torchvision.transforms.v2.functional.resize``,
-torch's uint8 AVX2 kernel with PIL-compatible weights) reads that
+antialiased bilinear resize (the bytes of ``torchvision.transforms.v2.functional.resize``,
+called as torch's ``interpolate`` directly: torch's uint8 AVX2 kernel with
+PIL-compatible weights) reads that
 channels-last memory and writes its result channels-last too, so the resized
 image already has the batch slot's H x W x 3 layout: no transpose, no strided
 copy.  Measured on this project's 2-core machine, one core, RandomResizedCrop
@@ -78,7 +79,11 @@ torch and torchvision are imported inside the functions that decode and
 resample, not at the top: importing them costs ~4 s and ~370 MB of private
 memory per process (measured with a CUDA wheel), and the controller and every
 CLI command import this module only for its names (options, hook validation).
-Only worker processes pay, once, when they start.
+Only worker processes pay, once, when they start; and with the crop-aware
+decoder built they import torch alone (``needed_modules``): torchvision is half
+of that import (1.6 of 3.4 s here) and a worker uses it only to jitter colours
+or to decode a JPEG the extension refuses.  That took a cold ``prefetchd start``
+to its first batch from 3.2 s to 2.0 s on this project's 2-core machine.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ from __future__ import annotations
 import importlib
 import io
 import math
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -263,11 +269,20 @@ def pixel_box(box: Box, width: int, height: int) -> PixelBox:
     return (left, top, right, bottom)
 
 
-def preload() -> None:
-    """Import torch and torchvision now: a worker calls this when it starts, so that
-    its first sample is not charged the seconds of the import."""
-    import torchvision.io  # noqa: F401
-    import torchvision.transforms.v2.functional  # noqa: F401
+def preload(options: AugmentOptions = NO_OPTIONS) -> None:
+    """Import what augmenting with ``options`` needs now: a worker calls this when it starts, so
+    that its first sample is not charged the seconds of the import."""
+    for module in needed_modules(options):
+        importlib.import_module(module)
+
+
+def needed_modules(options: AugmentOptions = NO_OPTIONS) -> tuple[str, ...]:
+    """The modules augmenting with ``options`` imports.  torchvision (~1.6 s to import here, on top of
+    torch's ~1.8 s: most of a cold start) only where it decodes or jitters: the whole-image JPEG
+    decoder when the crop-aware extension is not built, and colour jitter.  Otherwise a JPEG or
+    PNG it meets, as a fallback, imports it then."""
+    torchvision = not jpeg_crop.available() or bool(options.color_jitter)
+    return ("torch", *(("torchvision.io", "torchvision.transforms.v2.functional") if torchvision else ()))
 
 
 # -- reading and decoding -------------------------------------------------------------
@@ -308,7 +323,6 @@ def load_rgb(path: Path) -> Image.Image:
 
 def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: Box, size: int) -> _Decoded:
     import torch
-    from torchvision.io import ImageReadMode, decode_jpeg
 
     is_jpeg = data[:3] == JPEG_MAGIC and header.format in ("JPEG", "MPO")
     scale = draft_scale(box, size) if is_jpeg else 1
@@ -317,6 +331,8 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
         if crop is not None:
             return _Decoded(crop=crop)
     if is_jpeg and scale == 1 and header.mode in _TORCHVISION_JPEG_MODES:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
         try:
             chw = decode_jpeg(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB,
                               apply_exif_orientation=True)
@@ -389,13 +405,33 @@ def _crop(decoded: _Decoded, box: Box) -> torch.Tensor:
 
 
 def _resize(crop: torch.Tensor, size: int) -> torch.Tensor:
-    """Antialiased bilinear resize of an H x W x 3 tensor to ``size`` x ``size`` x 3 (channels-last in, out)."""
-    from torchvision.transforms.v2 import InterpolationMode
-    from torchvision.transforms.v2 import functional as TF
+    """Antialiased bilinear resize of an H x W x 3 uint8 tensor to ``size`` x ``size`` x 3
+    (channels-last in, out): the bytes of torchvision's ``v2.functional.resize(BILINEAR,
+    antialias=True)``, which the tests compare, with torch alone, so that a worker need not
+    import torchvision.  As there: torch's uint8 kernel where the CPU has one (AVX2, AVX-512,
+    arm64), else float32 rounded back."""
+    import torch
+    import torch.nn.functional as F
 
-    out: torch.Tensor = TF.resize(crop.permute(2, 0, 1), [size, size], interpolation=InterpolationMode.BILINEAR,
-                                  antialias=True)
-    return out.permute(1, 2, 0)
+    height, width = crop.shape[:2]
+    if (height, width) == (size, size):
+        return crop
+    # 1 x 3 x H x W over the H x W x 3 memory.  Its batch stride is restrided to the element count
+    # so that torch allocates the output channels-last too (pytorch issue 68430, as torchvision does).
+    image = crop.permute(2, 0, 1).as_strided((1, 3, height, width), (crop.numel(), 1, width * 3, 3))
+    native = _native_uint8_resize()
+    out = F.interpolate(image if native else image.float(), size=[size, size], mode="bilinear",
+                        align_corners=False, antialias=True)
+    if not native:
+        out = out.round_().to(torch.uint8)
+    return out.reshape(3, size, size).permute(1, 2, 0)
+
+
+@lru_cache(maxsize=1)
+def _native_uint8_resize() -> bool:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
 
 
 def _jitter(hwc: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -33,7 +33,7 @@ rounds of 100 ImageNet-like JPEGs per worker, RandomResizedCrop 224 + flip):
 (x1.76).  Processes also keep a crashing decoder away from the controller.
 Their cost is memory: a spawned worker that imports torch + torchvision holds
 ~370 MiB of private memory and needs seconds to start; forked from a
-forkserver that preloaded ``FORKSERVER_PRELOAD`` it holds ~13 MiB and starts in
+forkserver that preloaded them (``forkserver_preload``) it holds ~13 MiB and starts in
 0.1 s (same machine, CUDA wheels of torch 2.14 / torchvision 0.29).
 """
 
@@ -59,7 +59,7 @@ from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable
 from prefetchd.daemon.transforms import (DEFAULT_MAX_IMAGE_PIXELS, AugmentOptions, HookError, StageTimes,
-                                         augment_bytes, preload)
+                                         augment_bytes, needed_modules, preload)
 
 if TYPE_CHECKING:
     from prefetchd.daemon.config import DaemonConfig
@@ -69,7 +69,6 @@ log = logging.getLogger(__name__)
 MAX_REPLACEMENT_TRIES = 16
 # What a forkserver should import before it forks workers, so that workers share
 # these pages instead of importing their own copies (see the module docstring).
-FORKSERVER_PRELOAD = ("prefetchd.daemon.workers", "torch", "torchvision.io", "torchvision.transforms.v2.functional")
 
 
 @dataclass(frozen=True)
@@ -213,13 +212,19 @@ def failure_of(task_id: int, exc: Exception) -> WriteFailed:
     return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=True)
 
 
-def prepare_process() -> None:
-    """Set up a process that runs tasks: a local worker, or a Ray worker on any node."""
+def prepare_process(job: WorkerJob) -> None:
+    """Set up a process that runs ``job``'s tasks: a local worker, or a Ray worker on any node."""
     # augment() applies the job's max_image_pixels before decoding; Pillow's own
     # limit would refuse, with its own words, images the user allowed.
     Image.MAX_IMAGE_PIXELS = None
     limit_threads()
-    preload()
+    preload(job.augment)
+
+
+def forkserver_preload() -> list[str]:
+    """What the worker server imports once, for every worker it forks: the worker code and what
+    augmenting needs without options (a job's colour jitter imports torchvision in each worker)."""
+    return ["prefetchd.daemon.workers", *needed_modules()]
 
 
 def limit_threads() -> None:
@@ -238,7 +243,7 @@ def limit_threads() -> None:
 def worker_main(conn: Connection, job: WorkerJob) -> None:
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    prepare_process()
+    prepare_process(job)
     reader = SampleReader(job.index, job.readers)
     queued: deque[tuple[Task, list[Future[bytearray]] | None]] = deque()
     stopping = False

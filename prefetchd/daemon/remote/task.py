@@ -67,21 +67,18 @@ def _failure(job: WorkerJob, reader: SampleReader, index: int) -> str:
 
 # (object id, shipment, reader, this node's answer to the probe) for the job this process read last
 _job_here: tuple[str, Shipment, SampleReader, NodeAnswer] | None = None
-_prepared = False
 
 
 def _here(box: list[Any]) -> tuple[Shipment, SampleReader, NodeAnswer]:
     """The job of ``box`` (in a list, so that Ray hands the task the reference and this process
     fetches the shipment once per job, not once per task) and this node's answer to its probe."""
-    global _job_here, _prepared
+    global _job_here
     import ray
 
-    if not _prepared:
-        prepare_process()
-        _prepared = True
     ref = box[0]
     if _job_here is None or _job_here[0] != ref.hex():
         shipment: Shipment = ray.get(ref)
+        prepare_process(shipment.job)
         reader = SampleReader(shipment.job.index, shipment.job.readers)
         answer = NodeAnswer(ray.get_runtime_context().get_node_id(), socket.gethostname(), len(shipment.probe),
                             unreadable(shipment.job, reader, shipment.probe))

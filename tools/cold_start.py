@@ -1,0 +1,60 @@
+"""A cold start: seconds from ``prefetchd start`` to the first batch in a trainer's BufferLoader.
+
+    python tools/cold_start.py DATA [--runs 5] [--workers 2] [--batch-size 128] [--image-size 224]
+
+Each run starts a fresh daemon on a fresh buffer in /dev/shm with ``--data DATA`` and
+opens a BufferLoader at once, as a trainer launched beside the daemon does, and times
+its first batch: the daemon's imports, the index (cached after the first run), the
+worker server's imports (torch; torchvision where the crop-aware decoder is not
+built), and the first batch's decode.  Prints each run and the median.  A benchmark,
+not a test: the figures depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from prefetchd.launch import launch, start_argv, stop_daemon_process
+from prefetchd.trainer import BufferLoader
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("data", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--runs", default=5, show_default=True, type=click.IntRange(1))
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--image-size", default=224, show_default=True, type=click.IntRange(8))
+def main(data: Path, runs: int, workers: int, batch_size: int, image_size: int) -> None:
+    seconds = []
+    with tempfile.TemporaryDirectory(prefix="prefetchd-cold-", dir="/dev/shm") as work:
+        for run in range(runs):
+            buffer, log = Path(work) / f"bf-{run}", Path(work) / f"daemon-{run}.log"
+            started = time.perf_counter()
+            daemon = launch(start_argv(buffer, extra=[
+                "--data", str(data), "--workers", str(workers), "--batch-size", str(batch_size),
+                "--image-size", str(image_size), "--epochs", "1"]), log=log)
+            try:
+                loader = BufferLoader(buffer, normalize=False, timeout=120)
+                next(iter(loader))
+                seconds.append(time.perf_counter() - started)
+                loader.close()
+            except Exception:
+                click.echo(log.read_text()[-3000:], err=True)
+                raise
+            finally:
+                stop_daemon_process(daemon, 20)
+                shutil.rmtree(buffer, ignore_errors=True)
+            click.echo(f"run {run + 1}: first batch {seconds[-1]:.2f} s after prefetchd start")
+    click.echo(f"cold first batch: median {statistics.median(seconds):.2f} s over {runs} runs "
+               f"(min {min(seconds):.2f}, max {max(seconds):.2f}); {workers} workers, batch {batch_size} at "
+               f"{image_size} px, data {data}")
+
+
+if __name__ == "__main__":
+    main()
