@@ -164,7 +164,7 @@ class RemoteStatus:
     address: str  # as given to --ray
     connected: bool
     cluster_nodes: int  # alive nodes, as the cluster last reported them
-    cluster_cpus: int  # CPUs of the alive nodes that read --data (passed the probe): the ones building slices
+    cluster_cpus: int  # CPUs of the alive nodes that get slices: all but the unfit ones
     in_flight: int  # slices submitted and not yet back
     images: int  # images built on the cluster since the job started
     slices: int

@@ -50,7 +50,7 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
     ("prefetchd_remote_connected", lambda p: float(p.remote.connected) if p.remote else None,
      "1 while the Ray cluster takes slices, 0 while it is lost and the local workers build alone."),
     ("prefetchd_remote_cluster_cpus", lambda p: p.remote.cluster_cpus if p.remote else None,
-     "CPUs of the Ray cluster's nodes that read --data (the ones that get slices)."),
+     "CPUs of the Ray cluster's nodes that get slices (all but the ones that cannot read --data)."),
     ("prefetchd_remote_unfit_nodes", lambda p: len(p.remote.unfit_nodes) if p.remote else None,
      "Alive Ray nodes that get no slices because they cannot read --data (prefetchd status names them)."),
     ("prefetchd_remote_slices_in_flight", lambda p: p.remote.in_flight if p.remote else None,

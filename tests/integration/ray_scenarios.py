@@ -55,7 +55,7 @@ def remote_status(buffer: Path) -> Any:
 
 
 def building_there(buffer: Path) -> bool:
-    """The daemon is connected to its cluster, and a node there passed the probe (it gets slices)."""
+    """The daemon is connected to its cluster, and a node there gets slices."""
     r = remote_status(buffer)
     return r is not None and r.connected and r.cluster_cpus > 0
 
@@ -64,7 +64,7 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
              before: Callable[[Any], None] = lambda _p: None,
              after_first: Callable[[Any], None] = lambda _p: None) -> dict[str, Any]:
     """Run a one-epoch daemon with ``args``, read every batch; ``connected``: start reading once its
-    cluster is connected and a node there passed the probe; ``before`` runs then (with the daemon's
+    cluster is connected and a node there gets slices; ``before`` runs then (with the daemon's
     process), ``after_first`` once the first batch was read."""
     started = time.monotonic()
     proc = launch(start_argv(buffer, extra=["--data", str(data), *JOB, *args]), log=log)

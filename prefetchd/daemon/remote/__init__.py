@@ -16,11 +16,12 @@ supplies compute only.  The job (sample index, options) goes to the object store
 once per job (``ray.put``); each task carries a reference to it, and a Ray
 worker keeps the job it last read (``_job_here``).
 
-A node gets slices only once it has passed the probe: when a node with CPUs
-joins, the bridge runs a task pinned to it (the node's ``ray.io/node-id`` label)
-that reads a few samples spread over the split, ones the daemon's box reads.  A
-node that cannot (no mount, no credentials, no prefetchd) is named in a warning
-and in the status, and slices carry a label selector naming the nodes that passed.
+A node that cannot read the dataset builds nothing: when a node with CPUs joins,
+the bridge runs a task pinned to it (the node's ``ray.io/node-id`` label) that
+reads a few samples spread over the split, ones the daemon's box reads, and each
+Ray worker runs the same check before its first slice.  A node that fails (no
+mount, no credentials, no prefetchd) is named in a warning and in the status, and
+slices carry a label selector that excludes it.
 
 Why a bridge process and not Ray calls in the controller: a Ray driver whose
 cluster disappears blocks in its next call to the cluster (tried here: a 2-node

@@ -40,7 +40,7 @@ class Report:
 
     connected: bool
     nodes: int = 0  # alive
-    cpus: int = 0  # of the alive nodes that passed the probe: the ones that get slices
+    cpus: int = 0  # of the alive nodes that get slices: all but the unfit ones
     message: str = ""
     unfit: tuple[str, ...] = ()  # "node: why" for each alive node that cannot build slices
 
@@ -98,21 +98,23 @@ class _Slice:
 
 @dataclass
 class _Node:
-    """An alive node with CPUs, as the bridge knows it: being probed, fit to build slices, or not."""
+    """An alive node with CPUs, as the bridge knows it: unfit once it failed the probe."""
 
     label: str
     cpus: int
     probe: Any = None  # the probe's reference while it runs
-    fit: bool = False
-    reason: str = ""  # why it is unfit; "" while it is probed or fit
+    reason: str = ""  # why it is unfit; "" while it is probed, and once it passed
 
 
 class Bridge:
     """Submits the controller's tasks to Ray and answers with what came back.
 
-    Slices go only to nodes that passed the probe: a task pinned to each node that joins (its
+    Slices stay off the nodes that failed the probe: a task pinned to each node that joins (its
     label ``ray.io/node-id``) reads the job's probe samples there, so that a node without the
-    dataset's mount or credentials is named at once and never builds a batch."""
+    dataset's mount or credentials is named at once, and slices carry a label selector that
+    excludes it.  A slice that reaches such a node before its probe answered gets the same
+    answer from ``build_slice`` and goes elsewhere: a node never builds a batch it cannot read.
+    The selector excludes and never requires a node, so no slice waits for a node that died."""
 
     def __init__(self, conn: Connection, job: WorkerJob) -> None:
         import ray
@@ -123,7 +125,7 @@ class Bridge:
         self.box = [ray.put(Shipment(job, probe))]  # once per job
         self.build = ray.remote(build_slice)
         self.probe = ray.remote(probe_node)
-        self._build_on: tuple[frozenset[str], Any] = (frozenset(), None)  # the fit nodes, and build pinned to them
+        self._build_on: tuple[frozenset[str], Any] = (frozenset(), self.build.options(num_cpus=1, max_retries=0))
         self.nodes: dict[str, _Node] = {}  # by Ray's node id
         self.slices: dict[int, _Slice] = {}
         self.latencies: deque[float] = deque(maxlen=256)
@@ -180,15 +182,15 @@ class Bridge:
         future.add_done_callback(completed)
 
     def _submit(self, s: _Slice) -> None:
-        fit = frozenset(node_id for node_id, n in self.nodes.items() if n.fit)
-        if not fit:
+        unfit = frozenset(node_id for node_id, n in self.nodes.items() if n.reason)
+        if unfit and unfit == self.nodes.keys():
             del self.slices[s.task.task_id]
-            self.conn.send(Returned(s.task.task_id, "no node of the cluster that reads --data is left", s.attempts - 1))
+            self.conn.send(Returned(s.task.task_id, "no node of the cluster reads --data", s.attempts - 1))
             return
-        if self._build_on[0] != fit:
-            # Retries are the bridge's own, counted; the label selector keeps slices off the nodes that failed the probe.
-            self._build_on = (fit, self.build.options(num_cpus=1, max_retries=0,
-                                                      label_selector={NODE_ID_LABEL: f"in({','.join(sorted(fit))})"}))
+        if self._build_on[0] != unfit:
+            # Retries are the bridge's own, counted.
+            selector = {"label_selector": {NODE_ID_LABEL: f"!in({','.join(sorted(unfit))})"}} if unfit else {}
+            self._build_on = (unfit, self.build.options(num_cpus=1, max_retries=0, **selector))
         ref = self._build_on[1].remote(self.box, s.task)
         s.refs.append(ref)
         self._watch(ref, lambda future: self._finish(s.task.task_id, ref, future))
@@ -215,7 +217,7 @@ class Bridge:
         except exceptions.RayError as exc:  # its worker or node was lost: build it again
             self._again(s, ref, f"{type(exc).__name__}: {exc}")
             return
-        if isinstance(result, NodeAnswer):  # it passed the probe once and reads no more
+        if isinstance(result, NodeAnswer):  # before its probe answered, or it lost its mount since
             self._answered(result.node_id, result)
             self._again(s, ref, f"node {node} cannot read --data")
             return
@@ -302,11 +304,9 @@ class Bridge:
         self._answered(node_id, answer)
 
     def _answered(self, node_id: str, answer: NodeAnswer) -> None:
-        node = self.nodes.get(node_id)
-        if node is None:
-            return
+        # A slice may answer for a node that joined since the last report: its CPUs come with the next.
+        node = self.nodes.setdefault(node_id, _Node(answer.node, 0))
         if not answer.failures:
-            node.fit, node.reason = True, ""
             self.conn.send(Note(logging.INFO, f"node {node.label} reads --data ({answer.checked} samples checked): "
                                               f"it builds slices with its {node.cpus} CPUs"))
             return
@@ -317,15 +317,14 @@ class Bridge:
                           "object storage")
 
     def _unfit(self, node: _Node, reason: str) -> None:
-        was_fit = node.fit
-        node.fit, node.reason = False, reason
-        self.conn.send(Note(logging.WARNING, f"node {node.label} {reason}; it gets no slices"
-                                             + (" from now on" if was_fit else "")))
+        if not node.reason:  # once: the probe and a slice may both answer
+            self.conn.send(Note(logging.WARNING, f"node {node.label} {reason}; it gets no slices"))
+        node.reason = reason
 
     def _report(self) -> Report:
         alive = [n for n in self.ray.nodes() if n.get("Alive")]
         self._track(alive)
-        return Report(True, len(alive), sum(n.cpus for n in self.nodes.values() if n.fit),
+        return Report(True, len(alive), sum(n.cpus for n in self.nodes.values() if not n.reason),
                       unfit=tuple(f"{n.label}: {n.reason}" for n in self.nodes.values() if n.reason))
 
 

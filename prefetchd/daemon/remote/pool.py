@@ -66,7 +66,7 @@ class RemotePool:
         self.failed_attempts = 0
         self.refusal: str | None = None  # why the bridge could not connect, as it said before exiting
         self.nodes = 0
-        self.cpus = 0  # of the nodes that passed the probe
+        self.cpus = 0  # of the nodes that get slices: all but the unfit ones
         self.unfit: tuple[str, ...] = ()
         self.message = "connecting"
         self.in_flight: dict[int, Task] = {}
