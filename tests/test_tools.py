@@ -208,3 +208,17 @@ def test_decode_floor_times_each_kernel_and_names_a_folder_without_jpegs(tmp_pat
     (tmp_path / "empty" / "cls").mkdir(parents=True)
     refused = subprocess.run([*script, str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "no .jpg/.jpeg files" in refused.stderr
+
+
+def test_cold_start_times_real_daemons_to_their_first_batch(tmp_path: Path) -> None:
+    from prefetchd.synthetic import make_imagenet_like
+
+    make_imagenet_like(tmp_path / "data", classes=2, per_class=4)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "cold_start.py"), str(tmp_path / "data"), "--runs", "2",
+                           "--workers", "1", "--batch-size", "4", "--image-size", "32"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = [float(s) for s in re.findall(r"^run \d: first batch (\d+\.\d\d) s after prefetchd start$", done.stdout, re.M)]
+    assert len(runs) == 2 and all(0 < s < 240 for s in runs), done.stdout
+    assert re.search(rf"^cold first batch: median \d+\.\d\d s over 2 runs .*data {re.escape(str(tmp_path / 'data'))}$",
+                     done.stdout, re.M), done.stdout
