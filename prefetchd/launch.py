@@ -26,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -148,5 +149,22 @@ def stop_daemon_process(proc: subprocess.Popen[Any], seconds: float) -> bool:
         return True
 
 
-__all__ = ["DaemonExited", "DaemonNotReady", "LaunchError", "launch", "option_args", "start_argv",
+@contextmanager
+def daemon_for_a_run(buffer: Path, extra: Sequence[str], log: Path, stop_seconds: float = 20.0
+                     ) -> Iterator[subprocess.Popen[bytes]]:
+    """A `prefetchd start --buffer BUFFER EXTRA...` for the block, as benchmark scripts run one:
+    its log's tail goes to stderr if the block raises; it is stopped and its buffer removed after."""
+    shutil.rmtree(buffer, ignore_errors=True)
+    proc = launch(start_argv(buffer, extra=extra), log=log)
+    try:
+        yield proc
+    except BaseException:
+        sys.stderr.write(log.read_text(errors="replace")[-3000:])
+        raise
+    finally:
+        stop_daemon_process(proc, stop_seconds)
+        shutil.rmtree(buffer, ignore_errors=True)
+
+
+__all__ = ["DaemonExited", "DaemonNotReady", "LaunchError", "daemon_for_a_run", "launch", "option_args", "start_argv",
            "stop_daemon_process", "wait_ready"]

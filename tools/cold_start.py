@@ -12,7 +12,6 @@ not a test: the figures depend on the machine and its load.
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import tempfile
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from prefetchd.launch import launch, start_argv, stop_daemon_process
+from prefetchd.launch import daemon_for_a_run
 from prefetchd.trainer import BufferLoader
 
 
@@ -36,20 +35,13 @@ def main(data: Path, runs: int, workers: int, batch_size: int, image_size: int) 
         for run in range(runs):
             buffer, log = Path(work) / f"bf-{run}", Path(work) / f"daemon-{run}.log"
             started = time.perf_counter()
-            daemon = launch(start_argv(buffer, extra=[
-                "--data", str(data), "--workers", str(workers), "--batch-size", str(batch_size),
-                "--image-size", str(image_size), "--epochs", "1"]), log=log)
-            try:
+            args = ["--data", str(data), "--workers", str(workers), "--batch-size", str(batch_size),
+                    "--image-size", str(image_size), "--epochs", "1"]
+            with daemon_for_a_run(buffer, args, log):
                 loader = BufferLoader(buffer, normalize=False, timeout=120)
                 next(iter(loader))
                 seconds.append(time.perf_counter() - started)
                 loader.close()
-            except Exception:
-                click.echo(log.read_text()[-3000:], err=True)
-                raise
-            finally:
-                stop_daemon_process(daemon, 20)
-                shutil.rmtree(buffer, ignore_errors=True)
             click.echo(f"run {run + 1}: first batch {seconds[-1]:.2f} s after prefetchd start")
     click.echo(f"cold first batch: median {statistics.median(seconds):.2f} s over {runs} runs "
                f"(min {min(seconds):.2f}, max {max(seconds):.2f}); {workers} workers, batch {batch_size} at "

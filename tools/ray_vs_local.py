@@ -16,7 +16,6 @@ A benchmark, not a test: the figures depend on the machine and its load.
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import tempfile
 import time
@@ -26,7 +25,7 @@ import click
 import psutil
 
 from prefetchd.buffer_protocol import read_status
-from prefetchd.launch import launch, start_argv, stop_daemon_process
+from prefetchd.launch import daemon_for_a_run
 from prefetchd.trainer import BufferLoader
 
 
@@ -53,10 +52,9 @@ def one_run(data: Path, work: Path, name: str, args: list[str], batch_size: int,
             batches: int, by_process: bool = False) -> tuple[float, float, int]:
     """(img/s, CPU seconds per image, images built remotely) of one daemon."""
     buffer, log = work / name, work / f"{name}.log"
-    shutil.rmtree(buffer, ignore_errors=True)
-    daemon = launch(start_argv(buffer, extra=["--data", str(data), "--batch-size", str(batch_size),
-                                              "--image-size", str(image_size), "--epochs", "1000", *args]), log=log)
-    try:
+    args = ["--data", str(data), "--batch-size", str(batch_size), "--image-size", str(image_size), "--epochs", "1000",
+            *args]
+    with daemon_for_a_run(buffer, args, log, stop_seconds=60) as daemon:
         loader = BufferLoader(buffer, normalize=False, timeout=300)
         it = (batch for _epoch in iter(int, 1) for batch in loader)  # epoch after epoch
         for _ in range(warmup):
@@ -81,12 +79,6 @@ def one_run(data: Path, work: Path, name: str, args: list[str], batch_size: int,
         status = read_status(buffer)
         remote = status.production.remote if status is not None and status.production is not None else None
         loader.close()
-    except Exception:
-        click.echo(log.read_text()[-3000:], err=True)
-        raise
-    finally:
-        stop_daemon_process(daemon, 60)
-        shutil.rmtree(buffer, ignore_errors=True)
     return images / seconds, cpu / images, remote.images if remote is not None else 0
 
 
