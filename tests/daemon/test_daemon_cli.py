@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from pathlib import Path
 
 import psutil
@@ -21,7 +20,7 @@ from click.testing import CliRunner, Result
 import prefetchd.cli as prefetchd_cli
 from prefetchd.buffer_protocol import DaemonLock, Errors, write_status
 from prefetchd.daemon import cli
-from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.config import DaemonConfig, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
 from tests.status_examples import bad_files, production, stream
 from tests.status_examples import status as status_example
