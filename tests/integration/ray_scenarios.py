@@ -105,14 +105,27 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
             "about_nodes": about_nodes}
 
 
-def join_without_data(address: str, data: Path, log: Path) -> subprocess.Popen[bytes]:
+def join_with_own_mounts(address: str, data: Path, log: Path, without_data: bool) -> subprocess.Popen[bytes]:
     """A node that joins the cluster at ``address`` as a user adds one (``ray start``), in a private
-    mount namespace where an empty tmpfs hides ``data``: a machine without the dataset's mount."""
+    mount namespace; ``without_data``: an empty tmpfs hides ``data`` there, as on a machine without
+    the dataset's mount (``hide_data`` does it later)."""
     ray = Path(sys.executable).parent / "ray"
-    script = (f"mount -t tmpfs -o size=1m none {data} && exec {ray} start --address={address} --num-cpus=1 "
+    hide = f"mount -t tmpfs -o size=1m none {data} && " if without_data else ""
+    script = (f"{hide}exec {ray} start --address={address} --num-cpus=1 "
               f"--object-store-memory={NODE['object_store_memory']} --disable-usage-stats --block")
     return subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def hide_data(node: subprocess.Popen[bytes], data: Path) -> None:
+    """The dataset's mount goes away on a node of ``join_with_own_mounts``: an empty tmpfs over it."""
+    subprocess.run(["nsenter", "--target", str(node.pid), "--mount", "mount", "-t", "tmpfs", "-o", "size=1m", "none",
+                    str(data)], check=True)
+
+
+def stop_node(node: subprocess.Popen[bytes]) -> None:
+    node.terminate()  # ray start drains and stops its node on SIGTERM
+    node.wait(60)
 
 
 def main() -> None:
@@ -140,7 +153,7 @@ def main() -> None:
         out["remote_only"] = read_job(data, work / "remote", work / "remote.log", [*ray, "--workers", "0"],
                                       connected=True, before=lose_node_a)
         # Node C joins without the dataset: the probe names it, and it builds nothing.
-        node_c = join_without_data(cluster.address, data, work / "node-c.log")
+        node_c = join_with_own_mounts(cluster.address, data, work / "node-c.log", without_data=True)
         mixed = work / "mixed"
 
         def node_c_named(proc: Any) -> None:
@@ -151,8 +164,19 @@ def main() -> None:
             out["mixed"] = read_job(data, mixed, work / "mixed.log", [*ray, "--workers", "1"], connected=True,
                                     before=node_c_named)
         finally:
-            node_c.terminate()  # ray start drains and stops its node on SIGTERM
-            node_c.wait(60)
+            stop_node(node_c)
+        # Node D joins with the dataset, and its mount goes away once the trainer has a batch: the slices
+        # it gets after that fail their samples, it reads the probe samples again, and answers it cannot.
+        node_d = join_with_own_mounts(cluster.address, data, work / "node-d.log", without_data=False)
+        mount_lost = work / "mount-lost"
+        try:
+            out["mount_lost"] = read_job(
+                data, mount_lost, work / "mount-lost.log", [*ray, "--workers", "0"], connected=True,
+                before=lambda proc: wait_for(lambda: (work / "mount-lost.log").read_text().count(" reads --data ") >= 2,
+                                             180, "nodes B and D to pass the probe", proc),
+                after_first=lambda _proc: hide_data(node_d, data))
+        finally:
+            stop_node(node_d)
         lost = work / "cluster-lost"
 
         def lose_cluster(proc: Any) -> None:

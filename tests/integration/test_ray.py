@@ -13,6 +13,9 @@ job's Ray workers import torch) and asserts on what it read:
 - in the mixed job a third node joins (``ray start``) from a mount namespace that
   hides the dataset: the probe names it and the files it cannot read, and it
   builds nothing;
+- in a remote-only job a fourth node joins with the dataset and loses its mount
+  (``nsenter`` mounts an empty tmpfs over it) once the trainer has a batch: it is
+  named, and every batch is still the local-only daemon's;
 - a job whose whole cluster is shut down mid-epoch goes on with its local worker,
   says so in its status, connects again to a cluster started at the same address,
   builds there again, and delivers the same batches.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,7 +46,7 @@ def _namespace_problem() -> str | None:
         return "Ray is not installed: pip install -e '.[ray]'"
     if os.geteuid() != 0:
         return "needs root for `unshare -n` (Ray must run in a loopback-only network namespace here)"
-    for tool in ("unshare", "ip"):
+    for tool in ("unshare", "nsenter", "ip"):
         if shutil.which(tool) is None:
             return f"`{tool}` is missing: apt-get install util-linux iproute2"
     try:
@@ -111,6 +115,19 @@ def test_mixed_job_matches_local_workers_and_a_node_without_the_data_builds_noth
     assert node_c not in {n["node"] for n in remote["nodes"]}, (node_c, remote["nodes"])
     assert any(f"node {node_c} cannot read" in line and "it gets no slices" in line for line in run["about_nodes"]), run
     assert any(" reads --data (8 samples checked)" in line for line in run["about_nodes"]), run
+
+
+def test_a_node_that_loses_the_dataset_mid_job_stops_building_and_no_batch_changes(scenarios: dict[str, Any]) -> None:
+    run = _check_delivery(scenarios, "mount_lost")
+    remote = run["remote"]
+    assert remote["images"] == 72, remote  # --workers 0: every slice on the cluster, none lost to the failing node
+    # Node D passed the probe when it joined; once its mount was gone, a slice there failed its samples, it
+    # read the probe samples again and answered that it cannot: the warning names it, and its slices went to
+    # node B.  (The log, not the status: the job may end within the second the status takes to say it.)
+    about = "\n".join(run["about_nodes"])
+    passed = re.findall(r"node (\S+) reads --data \(8 samples checked\)", about)
+    failed = re.findall(r"node (\S+) cannot read 8 of the 8 samples probed: \S+ \(FileNotFoundError", about)
+    assert len(passed) == 2 and len(failed) == 1 and failed[0] in passed, about
 
 
 def test_job_goes_on_with_local_workers_when_the_cluster_disappears_and_returns(scenarios: dict[str, Any]) -> None:

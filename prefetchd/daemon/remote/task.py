@@ -80,10 +80,16 @@ def _here(box: list[Any]) -> tuple[Shipment, SampleReader, NodeAnswer]:
         shipment: Shipment = ray.get(ref)
         prepare_process(shipment.job)
         reader = SampleReader(shipment.job.index, shipment.job.readers)
-        answer = NodeAnswer(ray.get_runtime_context().get_node_id(), socket.gethostname(), len(shipment.probe),
-                            unreadable(shipment.job, reader, shipment.probe))
-        _job_here = (ref.hex(), shipment, reader, answer)
+        _job_here = (ref.hex(), shipment, reader, _probe(shipment, reader))
     return _job_here[1], _job_here[2], _job_here[3]
+
+
+def _probe(shipment: Shipment, reader: SampleReader) -> NodeAnswer:
+    """Read the job's probe samples on this node, now."""
+    import ray
+
+    return NodeAnswer(ray.get_runtime_context().get_node_id(), socket.gethostname(), len(shipment.probe),
+                      unreadable(shipment.job, reader, shipment.probe))
 
 
 def probe_node(box: list[Any]) -> NodeAnswer:
@@ -94,10 +100,13 @@ def probe_node(box: list[Any]) -> NodeAnswer:
 def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | NodeAnswer, np.ndarray | None, str]:
     """A Ray task: run ``task`` with the local workers' code and return its pixels, one row per item.
 
-    A node that fails the probe (its mount went away since it passed, say) answers with the probe's
-    result instead: building there would replace every sample as undecodable, and so differ from a
-    build on the daemon's box.
+    A node that fails the probe answers with the probe's result instead: building there would
+    replace every sample as undecodable (or fail the job once no replacement reads), and so
+    differ from a build on the daemon's box.  The probe runs before the process's first slice of
+    the job, and again after a slice that replaced a sample or failed: a mount that went away
+    since is caught there, and the slice goes to another node.
     """
+    global _job_here
     shipment, reader, answer = _here(box)
     if answer.failures:
         return answer, None, answer.node
@@ -107,6 +116,12 @@ def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | Node
                           sink=Rows(pixels, {slot: row for row, (slot, _) in enumerate(task.items)}))
     except Exception as exc:
         result = failure_of(task.task_id, exc)
+    if not isinstance(result, Filled) or result.failures:
+        again = _probe(shipment, reader)
+        if again.failures:
+            assert _job_here is not None
+            _job_here = (*_job_here[:3], again)
+            return again, None, again.node
     return result, pixels if isinstance(result, Filled) else None, answer.node
 
 
