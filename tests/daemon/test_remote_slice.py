@@ -27,8 +27,9 @@ def test_rows_written_by_the_bridge_equal_a_local_workers_batch(tmp_path: Path) 
 
     by_worker = run_task(job, Task(1, str(local), OFFSET, SLOT, 3, items))
     task = Task(2, str(remote), OFFSET, SLOT, 3, items)
-    pixels = np.zeros((len(items), SLOT), np.uint8)
-    in_rows = run_task(job, task, sink=Rows(pixels, {slot: row for row, (slot, _) in enumerate(items)}))
+    rows = Rows(items)
+    in_rows = run_task(job, task, sink=rows)
+    pixels = rows.pixels
     assert isinstance(by_worker, Filled) and isinstance(in_rows, Filled)
     assert in_rows.slots == by_worker.slots and in_rows.failures == by_worker.failures
     assert remote.read_bytes() == bytes(remote.stat().st_size), "a remote task never touches the batch file"
@@ -39,7 +40,7 @@ def test_rows_written_by_the_bridge_equal_a_local_workers_batch(tmp_path: Path) 
 def test_rows_for_a_batch_aborted_meanwhile_fail_the_write_not_the_job(tmp_path: Path) -> None:
     gone = tmp_path / "aborted.tmp"
     task = Task(3, str(gone), OFFSET, SLOT, 0, ((0, 1),))
-    result = write_rows(task, Filled(3, ((0, 1, 0),), (), 0.0), np.zeros((1, SLOT), np.uint8))
+    result = write_rows(task, Filled(3, ((0, 1, 0),), (), 0.0), [np.zeros(SLOT, np.uint8)])
     assert isinstance(result, WriteFailed) and not result.fatal and str(gone) in result.reason
 
 

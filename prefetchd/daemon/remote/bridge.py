@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -229,7 +229,7 @@ class Bridge:
         if isinstance(result, Filled):
             t0 = time.perf_counter()
             result = write_rows(s.task, result, pixels)
-            copied = (int(pixels.nbytes), time.perf_counter() - t0)
+            copied = (sum(int(p.nbytes) for p in pixels), time.perf_counter() - t0)
         latency = time.monotonic() - s.submitted
         self.latencies.append(latency)
         self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
@@ -333,12 +333,13 @@ def _last_line(exc: BaseException) -> str:
     return text.splitlines()[-1][:300] if text else type(exc).__name__
 
 
-def write_rows(task: Task, result: Filled, pixels: np.ndarray) -> Filled | WriteFailed:
-    """Write a remote slice's rows into the slots of its batch's temp file, as a local worker would have."""
+def write_rows(task: Task, result: Filled, pixels: Sequence[np.ndarray]) -> Filled | WriteFailed:
+    """Write a remote slice's images (one per item, in order) into the slots of its batch's temp file,
+    as a local worker would have."""
     try:
         with SlotFiller(task.path, task.images_offset, task.slot_bytes) as slots:
             for row, (slot, _index) in enumerate(task.items):
-                slots.fill(slot, memoryview(pixels[row]))
+                slots.fill(slot, pixels[row].data)
     except OSError as exc:  # no space, or the batch was aborted meanwhile
         return WriteFailed(task.task_id, f"cannot write {task.path}: {exc.strerror}")
     return result
