@@ -83,7 +83,8 @@ Only worker processes pay, once, when they start; and with the crop-aware
 decoder built they import torch alone (``needed_modules``): torchvision is half
 of that import (1.6 of 3.4 s here) and a worker uses it only to jitter colours
 or to decode a JPEG the extension refuses.  That took a cold ``prefetchd start``
-to its first batch from 3.2 s to 2.0 s on this project's 2-core machine.
+to its first batch from 3.1 s to 1.9 s on this project's 2-core machine
+(``tools/cold_start.py``, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -279,8 +280,8 @@ def preload(options: AugmentOptions = NO_OPTIONS) -> None:
 def needed_modules(options: AugmentOptions = NO_OPTIONS) -> tuple[str, ...]:
     """The modules augmenting with ``options`` imports.  torchvision (~1.6 s to import here, on top of
     torch's ~1.8 s: most of a cold start) only where it decodes or jitters: the whole-image JPEG
-    decoder when the crop-aware extension is not built, and colour jitter.  Otherwise a JPEG or
-    PNG it meets, as a fallback, imports it then."""
+    decoder when the crop-aware extension is not built, and colour jitter.  Otherwise a JPEG the
+    extension refuses, decoded whole by ``decode_jpeg``, imports it then (PNGs go to Pillow)."""
     torchvision = not jpeg_crop.available() or bool(options.color_jitter)
     return ("torch", *(("torchvision.io", "torchvision.transforms.v2.functional") if torchvision else ()))
 

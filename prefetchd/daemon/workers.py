@@ -67,8 +67,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_REPLACEMENT_TRIES = 16
-# What a forkserver should import before it forks workers, so that workers share
-# these pages instead of importing their own copies (see the module docstring).
 
 
 @dataclass(frozen=True)
@@ -222,8 +220,9 @@ def prepare_process(job: WorkerJob) -> None:
 
 
 def forkserver_preload() -> list[str]:
-    """What the worker server imports once, for every worker it forks: the worker code and what
-    augmenting needs without options (a job's colour jitter imports torchvision in each worker)."""
+    """What the worker server imports once, so that the workers it forks share these pages instead
+    of importing their own copies (see the module docstring): the worker code and what augmenting
+    needs without options (a job's colour jitter imports torchvision in each worker)."""
     return ["prefetchd.daemon.workers", *needed_modules()]
 
 

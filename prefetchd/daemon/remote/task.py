@@ -1,5 +1,5 @@
 """What runs on a Ray worker: the probe of a node's access to the dataset, and one slice of a batch,
-by the local workers' ``run_task``, into rows that the task returns through the object store
+by the local workers' ``run_task``, into images that the task returns through the object store
 (see ``prefetchd.daemon.remote``)."""
 
 from __future__ import annotations
