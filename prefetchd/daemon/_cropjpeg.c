@@ -29,6 +29,8 @@
 
 #include <jpeglib.h>
 
+#include "_resample.h"
+
 #if !defined(LIBJPEG_TURBO_VERSION_NUMBER) || LIBJPEG_TURBO_VERSION_NUMBER < 2000000
 #error "needs libjpeg-turbo >= 2.0 (jpeg_crop_scanline, jpeg_skip_scanlines)"
 #endif
@@ -158,10 +160,45 @@ static PyObject *decode_box(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *resize(PyObject *self, PyObject *args) {
+    Py_buffer pixels;
+    int height, width, out_height, out_width, mirror, vectors = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*iiiip|p", &pixels, &height, &width, &out_height, &out_width, &mirror, &vectors))
+        return NULL;
+    if (height < 1 || width < 1 || out_height < 1 || out_width < 1 ||
+        pixels.len != (Py_ssize_t)height * width * 3) {
+        PyErr_Format(PyExc_ValueError, "resize: %zd bytes are not %d x %d x 3 pixels, or a size is below 1",
+                     pixels.len, height, width);
+        PyBuffer_Release(&pixels);
+        return NULL;
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)out_height * out_width * 3);
+    if (out == NULL) {
+        PyBuffer_Release(&pixels);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)PyByteArray_AS_STRING(out);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = resample_rgb8((const uint8_t *)pixels.buf, height, width, dst, out_height, out_width, mirror, vectors);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&pixels);
+    if (rc != 0) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"decode_box", decode_box, METH_VARARGS,
      "decode_box(data, scale_denom, left, top, right, bottom) -> bytearray of the box's RGB rows; "
      "raises DecodeError where a full decode would fail or warn."},
+    {"resize", resize, METH_VARARGS,
+     "resize(pixels, height, width, out_height, out_width, mirror, vectors=True) -> bytearray: H x W x 3 "
+     "uint8 pixels resized as torch's antialiased bilinear uint8 kernel does, columns mirrored if mirror; "
+     "vectors=False keeps to the portable C (the same bytes)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,8 +24,11 @@ against those of torchvision 0.29.1 and Pillow 13: identical; the tests check it
 each machine, and decoders of different libjpeg-turbo releases could differ by a level
 or two, as torchvision and Pillow of different releases already can).
 
-Without the extension ``available()`` is False and the daemon decodes whole images;
-``decoder_summary()`` is the line ``prefetchd start`` logs once.
+The extension also resizes (``resize``, ``_resample.c``): torch's antialiased bilinear
+uint8 kernel, byte for byte, so that a worker needs no torch (transforms.py).
+
+Without the extension ``available()`` is False, the daemon decodes whole images and
+resizes with torch; ``decoder_summary()`` is the line ``prefetchd start`` logs once.
 """
 
 from __future__ import annotations
@@ -94,3 +97,14 @@ def decode_box(data: bytes | bytearray, scale: int, left: int, top: int, right: 
         log.debug("crop-aware decode refused the file (%s): decoding it in full", exc)
         return None
     return np.frombuffer(rows, dtype=np.uint8).reshape(bottom - top, right - left, 3)
+
+
+def resize(pixels: np.ndarray, size: int, mirror: bool) -> np.ndarray | None:
+    """Contiguous H x W x 3 uint8 ``pixels`` resized to ``size`` x ``size`` x 3 as torch's antialiased
+    bilinear uint8 kernel does (``_resample.c``), columns mirrored if ``mirror``, as a writable array;
+    None where the extension is missing."""
+    if _extension is None:
+        return None
+    height, width = pixels.shape[:2]
+    out = _extension.resize(pixels, height, width, size, size, mirror)
+    return np.frombuffer(out, dtype=np.uint8).reshape(size, size, 3)

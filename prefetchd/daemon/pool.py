@@ -137,7 +137,7 @@ class WorkerPool:
 
 def with_heartbeat(work: Callable[[], T], heartbeat: Callable[[], None], every: float) -> T:
     """``work()`` on a thread while ``heartbeat()`` runs every ``every`` seconds here; its result, or its
-    exception re-raised here.  For what waits on the fork server, which imports torch for seconds."""
+    exception re-raised here.  For what waits on the fork server, which may import torch for seconds."""
     done: list[T] = []
     failed: list[BaseException] = []
 
@@ -158,7 +158,7 @@ def with_heartbeat(work: Callable[[], T], heartbeat: Callable[[], None], every: 
 
 
 def worker_context() -> multiprocessing.context.ForkServerContext:
-    """A forkserver that has imported the worker code (torch included) once.
+    """A forkserver that has imported the worker code (and torch where jobs need it) once.
 
     Workers must not inherit the controller's threads or locks, which rules out
     plain fork; spawn re-imports torch in every worker, seconds each on a busy

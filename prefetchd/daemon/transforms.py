@@ -59,31 +59,34 @@ whether the extension is built, so the output stays a pure function of
 (seed, epoch, index) and the file, and is the same with or without the extension.
 
 Crop, resize, flip — one resampler for every path.  The integer crop box is
-copied once out of the decoded image into a contiguous H x W x 3 tensor; the
-antialiased bilinear resize (the bytes of ``torchvision.transforms.v2.functional.resize``,
-called as torch's ``interpolate`` directly: torch's uint8 AVX2 kernel with
-PIL-compatible weights) reads that
-channels-last memory and writes its result channels-last too, so the resized
-image already has the batch slot's H x W x 3 layout: no transpose, no strided
-copy.  Measured on this project's 2-core machine, one core, RandomResizedCrop
-to 224 px from 333-500 px JPEGs: resizing the crop view gives CHW (0.53 ms) and
-the transpose to H x W x 3 adds 0.36 ms; the crop copy (0.07 ms) plus the
-channels-last resize take 0.40 ms in all, the flip of the result 0.03 ms.
-(Pillow's antialiased resize of the box: 1.17 ms.)  A flip before or after the
-resize gives identical bytes (1800 of 1800 crops checked); flipping the result is simpler.
-Boxes with fractional edges (the val centre crop, a draft-scaled box) are
-rounded to whole pixels: at most half a source pixel, under half an output
+copied once out of the decoded image into a contiguous H x W x 3 array; the
+antialiased bilinear resize (the bytes of ``torchvision.transforms.v2.functional.resize``:
+torch's uint8 kernel with PIL-compatible weights, where the CPU has it) reads that
+channels-last memory and writes its result channels-last too, mirrored where the
+plan flips, so the resized image already has the batch slot's H x W x 3 layout: no
+transpose, no strided copy.  Where the C extension is built the resize is its own
+(``_resample.c``): torch's integer arithmetic in torch's order, so the same bytes
+(tests/daemon/test_resample.py), with AVX2 where the CPU has it; else torch's
+``interpolate``, called directly.  Measured on this project's 2-core machine, one core,
+RandomResizedCrop to 224 px from 333-500 px JPEGs: resizing the crop view gives CHW
+(0.53 ms) and the transpose to H x W x 3 adds 0.36 ms; the crop copy (0.07 ms) plus the
+channels-last resize take 0.40 ms in all, the flip of the result 0.03 ms.  (Pillow's
+antialiased resize of the box: 1.17 ms.)  Crops of 60-450 px to 224, flipped half the
+time: torch's kernel with its flip and copy 0.15 ms, the C kernel 0.14 ms.  A flip before
+or after the resize gives identical bytes (1800 of 1800 crops checked); the kernel
+mirrors as it writes.  Boxes with fractional edges (the val centre crop, a draft-scaled
+box) are rounded to whole pixels: at most half a source pixel, under half an output
 pixel.
 
-torch and torchvision are imported inside the functions that decode and
-resample, not at the top: importing them costs ~4 s and ~370 MB of private
-memory per process (measured with a CUDA wheel), and the controller and every
-CLI command import this module only for its names (options, hook validation).
-Only worker processes pay, once, when they start; and with the crop-aware
-decoder built they import torch alone (``needed_modules``): torchvision is half
-of that import (1.6 of 3.4 s here) and a worker uses it only to jitter colours
-or to decode a JPEG the extension refuses.  That took a cold ``prefetchd start``
-to its first batch from 3.1 s to 1.9 s on this project's 2-core machine
+torch and torchvision are imported inside the functions that need them, not at the
+top: importing them costs ~3.4 s and ~370 MB of private memory per process (measured
+with a CUDA wheel), and the controller and every CLI command import this module only
+for its names (options, hook validation).  A worker imports what its job needs when it
+starts (``needed_modules``): with the C extension built, on a CPU with torch's uint8
+kernel, neither, unless the job jitters colours (torchvision) or has a hook (torch);
+a JPEG the crop-aware decoder refuses imports both when it comes.  That took a cold
+``prefetchd start`` to its first batch from 3.1 s (torch and torchvision in every
+worker) to 1.9 s (torch alone) to 0.6 s on this project's 2-core machine
 (``tools/cold_start.py``, docs/BENCHMARKS.md).
 """
 
@@ -92,6 +95,7 @@ from __future__ import annotations
 import importlib
 import io
 import math
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -174,10 +178,10 @@ class _Decoded:
     and how many source pixels one decoded pixel spans (the draft scale); or, from the
     crop-aware decoder, the crop box alone (``crop``, contiguous H x W x 3 uint8)."""
 
-    pixels: torch.Tensor | None = None
+    pixels: np.ndarray | None = None
     image: Image.Image | None = field(default=None, repr=False)
     scale: int = 1
-    crop: torch.Tensor | None = None
+    crop: np.ndarray | None = None
 
 
 class HookError(RuntimeError):
@@ -278,12 +282,16 @@ def preload(options: AugmentOptions = NO_OPTIONS) -> None:
 
 
 def needed_modules(options: AugmentOptions = NO_OPTIONS) -> tuple[str, ...]:
-    """The modules augmenting with ``options`` imports.  torchvision (~1.6 s to import here, on top of
-    torch's ~1.8 s: most of a cold start) only where it decodes or jitters: the whole-image JPEG
-    decoder when the crop-aware extension is not built, and colour jitter.  Otherwise a JPEG the
-    extension refuses, decoded whole by ``decode_jpeg``, imports it then (PNGs go to Pillow)."""
+    """The modules augmenting with ``options`` imports.  torch (~1.8 s to import here: most of a cold
+    start) only where it resizes, jitters or runs the user's hook: the C extension resizes where it
+    is built and the CPU has the uint8 kernel.  torchvision (~1.6 s more) only where it decodes or
+    jitters: the whole-image JPEG decoder when the crop-aware extension is not built, and colour
+    jitter.  Otherwise a JPEG the extension refuses, decoded whole by ``decode_jpeg``, imports both
+    then (PNGs go to Pillow)."""
     torchvision = not jpeg_crop.available() or bool(options.color_jitter)
-    return ("torch", *(("torchvision.io", "torchvision.transforms.v2.functional") if torchvision else ()))
+    torch = torchvision or not uint8_kernel() or options.transform is not None
+    return (*(("torch",) if torch else ()),
+            *(("torchvision.io", "torchvision.transforms.v2.functional") if torchvision else ()))
 
 
 # -- reading and decoding -------------------------------------------------------------
@@ -323,8 +331,6 @@ def load_rgb(path: Path) -> Image.Image:
 
 
 def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: Box, size: int) -> _Decoded:
-    import torch
-
     is_jpeg = data[:3] == JPEG_MAGIC and header.format in ("JPEG", "MPO")
     scale = draft_scale(box, size) if is_jpeg else 1
     if is_jpeg and header.mode in _TORCHVISION_JPEG_MODES:
@@ -332,6 +338,7 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
         if crop is not None:
             return _Decoded(crop=crop)
     if is_jpeg and scale == 1 and header.mode in _TORCHVISION_JPEG_MODES:
+        import torch
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:
@@ -340,7 +347,7 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
         except RuntimeError:
             pass  # e.g. a truncated file: Pillow decides below, and names the problem if it fails too
         else:
-            hwc = chw.permute(1, 2, 0)  # decode_jpeg's CHW is a view of H x W x 3 memory
+            hwc = chw.permute(1, 2, 0).numpy()  # decode_jpeg's CHW is a view of H x W x 3 memory
             if hwc.shape[:2] == (height, width):
                 return _Decoded(pixels=hwc)
             # The two EXIF readers disagree: Pillow's reading decided the box, so Pillow decodes.
@@ -352,11 +359,9 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
     return _Decoded(image=_to_rgb(header), scale=scale)
 
 
-def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int) -> torch.Tensor | None:
+def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int) -> np.ndarray | None:
     """The crop-aware decoder's box: the pixels ``_crop`` would cut from the full decode at
     ``scale``, EXIF orientation applied; None without the extension or where it refuses."""
-    import torch
-
     if not jpeg_crop.available():
         return None
     flip_rows, flip_cols, transpose = _EXIF_STEPS.get(_orientation(header), (False, False, False))
@@ -374,11 +379,11 @@ def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int) -> 
     pixels = jpeg_crop.decode_box(data, scale, left, top, right, bottom)
     if pixels is None:
         return None
-    crop = torch.from_numpy(pixels)
-    flips = [dim for dim, flip in ((0, flip_rows), (1, flip_cols)) if flip]
-    if flips:
-        crop = crop.flip(flips)
-    return crop.permute(1, 0, 2).contiguous() if transpose else crop
+    flips = tuple(dim for dim, flip in ((0, flip_rows), (1, flip_cols)) if flip)
+    if not flips and not transpose:
+        return pixels
+    turned = np.flip(pixels, flips) if flips else pixels
+    return np.ascontiguousarray(turned.transpose(1, 0, 2) if transpose else turned)
 
 
 # -- augmenting -----------------------------------------------------------------------
@@ -388,51 +393,75 @@ def _scaled(box: Box, scale: int) -> Box:
     return (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
 
 
-def _crop(decoded: _Decoded, box: Box) -> torch.Tensor:
-    """The crop as a contiguous H x W x 3 tensor: the one copy out of the decoded image."""
-    import torch
-
+def _crop(decoded: _Decoded, box: Box) -> np.ndarray:
+    """The crop as a contiguous H x W x 3 array: the one copy out of the decoded image."""
     if decoded.crop is not None:
         return decoded.crop
     scaled = _scaled(box, decoded.scale)
     if decoded.pixels is not None:
         h, w = decoded.pixels.shape[:2]
         left, top, right, bottom = pixel_box(scaled, w, h)
-        return decoded.pixels[top:bottom, left:right].contiguous()
+        return np.ascontiguousarray(decoded.pixels[top:bottom, left:right])
     assert decoded.image is not None
     left, top, right, bottom = pixel_box(scaled, *decoded.image.size)
     # np.array, not np.asarray: Pillow hands numpy read-only bytes, torch wants writable memory.
-    return torch.from_numpy(np.array(decoded.image.crop((left, top, right, bottom))))
+    return np.array(decoded.image.crop((left, top, right, bottom)))
 
 
-def _resize(crop: torch.Tensor, size: int) -> torch.Tensor:
-    """Antialiased bilinear resize of an H x W x 3 uint8 tensor to ``size`` x ``size`` x 3
-    (channels-last in, out): the bytes of torchvision's ``v2.functional.resize(BILINEAR,
-    antialias=True)``, which the tests compare, with torch alone, so that a worker need not
-    import torchvision.  As there: torch's uint8 kernel where the CPU has one (AVX2, AVX-512,
-    arm64), else float32 rounded back."""
+def _resize(crop: np.ndarray, size: int, mirror: bool) -> np.ndarray:
+    """Antialiased bilinear resize of an H x W x 3 uint8 array to ``size`` x ``size`` x 3, columns
+    mirrored if ``mirror``: the bytes of torchvision's ``v2.functional.resize(BILINEAR,
+    antialias=True)`` then ``hflip``, which the tests compare.  As there: torch's uint8 kernel
+    where the CPU has one (``uint8_kernel``), else float32 rounded back.  The uint8 kernel is
+    the C extension's where it is built (the same bytes: tests/daemon/test_resample.py), so
+    that a worker need not import torch at all; else torch's, called directly."""
+    if uint8_kernel():
+        resized = jpeg_crop.resize(crop, size, mirror)
+        if resized is not None:
+            return resized
     import torch
     import torch.nn.functional as F
 
     height, width = crop.shape[:2]
-    if (height, width) == (size, size):
-        return crop
-    # 1 x 3 x H x W over the H x W x 3 memory.  Its batch stride is restrided to the element count
-    # so that torch allocates the output channels-last too (pytorch issue 68430, as torchvision does).
-    image = crop.permute(2, 0, 1).as_strided((1, 3, height, width), (crop.numel(), 1, width * 3, 3))
-    native = _native_uint8_resize()
-    out = F.interpolate(image if native else image.float(), size=[size, size], mode="bilinear",
-                        align_corners=False, antialias=True)
-    if not native:
-        out = out.round_().to(torch.uint8)
-    return out.reshape(3, size, size).permute(1, 2, 0)
+    hwc = torch.from_numpy(crop)
+    if (height, width) != (size, size):
+        # 1 x 3 x H x W over the H x W x 3 memory.  Its batch stride is restrided to the element count
+        # so that torch allocates the output channels-last too (pytorch issue 68430, as torchvision does).
+        image = hwc.permute(2, 0, 1).as_strided((1, 3, height, width), (hwc.numel(), 1, width * 3, 3))
+        native = uint8_kernel()
+        out = F.interpolate(image if native else image.float(), size=[size, size], mode="bilinear",
+                            align_corners=False, antialias=True)
+        if not native:
+            out = out.round_().to(torch.uint8)
+        hwc = out.reshape(3, size, size).permute(1, 2, 0)
+    if mirror:
+        hwc = hwc.flip(1)
+    return hwc.contiguous().numpy()
 
 
 @lru_cache(maxsize=1)
-def _native_uint8_resize() -> bool:
-    import torch
+def uint8_kernel() -> bool:
+    """Whether torchvision resizes a uint8 image in uint8 here (torch's uint8 kernel) rather than in
+    float32: where torch's CPU capability is AVX2 or AVX-512, and on arm64.  Told without importing
+    torch: torch's capability is AVX2 or more where the CPU has AVX2 and FMA, unless
+    ATEN_CPU_CAPABILITY=default lowers it (tests/daemon/test_resample.py checks the two agree)."""
+    machine = platform.machine()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "AMD64") or os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+        return False
+    return {"avx2", "fma"} <= _cpu_flags()
 
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
 
 
 def _jitter(hwc: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -512,16 +541,18 @@ def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.ra
         t2 = time.perf_counter()
         if times is not None:
             times.decode += t2 - t1
-    out = _resize(_crop(decoded, plan.box), size)
-    if plan.flip:
-        out = out.flip(1)
-    if plan.jitter_order:
-        out = _jitter(out, plan)
-    if options.transform is not None:
-        if rng is None:
-            raise ValueError(f"the transform hook {options.transform} needs the sample's random stream")
-        out = _apply_hook(options.transform, out, rng, size, name)
-    result = out.contiguous().numpy()
+    result = _resize(_crop(decoded, plan.box), size, plan.flip)
+    if plan.jitter_order or options.transform is not None:
+        import torch
+
+        out = torch.from_numpy(result)
+        if plan.jitter_order:
+            out = _jitter(out, plan)
+        if options.transform is not None:
+            if rng is None:
+                raise ValueError(f"the transform hook {options.transform} needs the sample's random stream")
+            out = _apply_hook(options.transform, out, rng, size, name)
+        result = out.contiguous().numpy()
     if times is not None:
         times.augment += time.perf_counter() - t2
     return result

@@ -20,9 +20,9 @@ decodes in order, so the output does not depend on which read finishes first.
 It also starts the reads of the task queued behind the current one, so that a
 task's first read does not wait, unoverlapped, for the decode of the one before.
 
-Each worker runs torch with one thread: k workers on k cores, each kernel
-single-threaded, is the fastest arrangement for many small images and keeps
-workers from fighting over cores.
+Each worker runs its kernels with one thread (torch's too, where a job needs
+torch): k workers on k cores, each kernel single-threaded, is the fastest
+arrangement for many small images and keeps workers from fighting over cores.
 
 Workers are processes, not threads of the controller.  decode_jpeg and the
 resize release the GIL, so threads scale too, but less: the Python around the
@@ -34,7 +34,8 @@ rounds of 100 ImageNet-like JPEGs per worker, RandomResizedCrop 224 + flip):
 Their cost is memory: a spawned worker that imports torch + torchvision holds
 ~370 MiB of private memory and needs seconds to start; forked from a
 forkserver that preloaded them (``forkserver_preload``) it holds ~13 MiB and starts in
-0.1 s (same machine, CUDA wheels of torch 2.14 / torchvision 0.29).
+0.1 s (same machine, CUDA wheels of torch 2.14 / torchvision 0.29).  With the C
+extension most jobs need neither (``transforms.needed_modules``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections import deque
@@ -215,23 +217,27 @@ def prepare_process(job: WorkerJob) -> None:
     # augment() applies the job's max_image_pixels before decoding; Pillow's own
     # limit would refuse, with its own words, images the user allowed.
     Image.MAX_IMAGE_PIXELS = None
+    preload(job.augment)  # first: a job that imports torch has it by the time threads are limited
     limit_threads()
-    preload(job.augment)
 
 
 def forkserver_preload() -> list[str]:
     """What the worker server imports once, so that the workers it forks share these pages instead
     of importing their own copies (see the module docstring): the worker code and what augmenting
-    needs without options (a job's colour jitter imports torchvision in each worker)."""
+    needs without options (a job's colour jitter or hook imports the rest in each worker)."""
     return ["prefetchd.daemon.workers", *needed_modules()]
 
 
 def limit_threads() -> None:
     """One compute thread per worker process (see the module docstring).
 
-    Importing torch here, not at the top, keeps it out of the controller and the CLI."""
-    import torch
-
+    torch is not imported for this: a worker whose job the C extension resizes never imports it
+    (``transforms.needed_modules``).  One that imports it later (a hook, a JPEG the crop-aware
+    decoder refuses) reads OMP_NUM_THREADS then."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)

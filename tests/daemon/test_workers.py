@@ -143,11 +143,13 @@ def test_from_config_carries_the_augmentation(index: SampleIndex, tmp_path: Path
     assert WorkerJob(index, members, 32, True, 3).augment == AugmentOptions()
 
 
-def test_limit_threads_leaves_one_thread() -> None:
+def test_limit_threads_leaves_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored afterwards, as limit_threads sets it
     before = torch.get_num_threads()
     try:
         limit_threads()
         assert torch.get_num_threads() == 1
+        assert os.environ["OMP_NUM_THREADS"] == "1", "for a torch the worker imports later"
     finally:
         torch.set_num_threads(before)
 

@@ -1,0 +1,182 @@
+"""The resize: torchvision's antialiased bilinear bytes, from the C extension or torch.
+
+The C kernel (prefetchd/daemon/_resample.c) must give torch's uint8 kernel's bytes exactly, on
+both of torch's x86 kernels (AVX2 intrinsics; the generic loop that AVX-512 builds and arm64 run)
+and on both of its own paths (AVX2, portable C), so that a batch does not depend on whether a
+machine has the extension or which CPU it has."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+from prefetchd.daemon import jpeg_crop, transforms
+
+needs_extension = pytest.mark.skipif(not jpeg_crop.available(), reason="the C extension is not built here")
+
+
+def _torchvisions(crop: np.ndarray, size: int, mirror: bool) -> np.ndarray:
+    chw = F.resize(torch.from_numpy(crop).permute(2, 0, 1), [size, size],
+                   interpolation=v2.InterpolationMode.BILINEAR, antialias=True)
+    return (F.hflip(chw) if mirror else chw).permute(1, 2, 0).contiguous().numpy()
+
+
+def _torchs_uint8_kernel(crop: np.ndarray, height: int, width: int) -> np.ndarray:
+    chw = torch.from_numpy(crop).permute(2, 0, 1)[None]
+    out = torch.nn.functional.interpolate(chw, size=[height, width], mode="bilinear", align_corners=False,
+                                          antialias=True)
+    return out[0].permute(1, 2, 0).contiguous().numpy()
+
+
+def _pixels(seed: int, height: int, width: int, smooth: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if not smooth:  # noise: every weight matters, rounding is stressed
+        return rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    steps = rng.integers(-4, 5, (height, width, 3))  # a photo's gradients, with clipping at both ends
+    return np.clip(np.cumsum(steps, axis=1) + 128, 0, 255).astype(np.uint8)
+
+
+@needs_extension
+@given(h=st.integers(1, 600), w=st.integers(1, 600), out_h=st.integers(1, 300), out_w=st.integers(1, 300),
+       mirror=st.booleans(), vectors=st.booleans(), smooth=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=150, deadline=None)
+def test_the_c_kernel_is_torchs_uint8_kernel(h: int, w: int, out_h: int, out_w: int, mirror: bool, vectors: bool,
+                                             smooth: bool, seed: int) -> None:
+    """Any sizes, up and down, either axis alone (a pass skipped), mirrored or not, both C paths."""
+    crop = _pixels(seed, h, w, smooth)
+    expected = _torchs_uint8_kernel(crop, out_h, out_w)
+    if mirror:
+        expected = expected[:, ::-1]
+    got = np.frombuffer(jpeg_crop._extension.resize(crop, h, w, out_h, out_w, mirror, vectors),  # type: ignore[union-attr]
+                        np.uint8).reshape(out_h, out_w, 3)
+    assert np.array_equal(got, expected)
+
+
+@needs_extension
+@pytest.mark.parametrize("shape", [(224, 224), (224, 300), (300, 224), (1, 1), (2, 500)])
+def test_equal_sizes_and_single_rows(shape: tuple[int, int]) -> None:
+    crop = _pixels(7, *shape, smooth=False)
+    for mirror in (False, True):
+        assert np.array_equal(transforms._resize(crop, 224, mirror), _torchvisions(crop, 224, mirror))
+
+
+@needs_extension
+def test_bad_arguments_are_refused_not_read_past() -> None:
+    ext = jpeg_crop._extension
+    assert ext is not None
+    with pytest.raises(ValueError, match="are not 10 x 10 x 3 pixels"):
+        ext.resize(bytes(299), 10, 10, 5, 5, False)
+    with pytest.raises(ValueError, match="below 1"):
+        ext.resize(bytes(300), 10, 10, 0, 5, False)
+
+
+@needs_extension
+def test_read_only_pixels_are_resized() -> None:
+    """Pillow hands numpy read-only memory; the kernel only reads it."""
+    crop = _pixels(3, 100, 80, smooth=True)
+    crop.flags.writeable = False
+    out = transforms._resize(crop, 64, False)
+    assert out.flags.writeable and np.array_equal(out, _torchvisions(crop.copy(), 64, False))
+
+
+@given(h=st.integers(1, 700), w=st.integers(1, 700), size=st.sampled_from([8, 32, 64, 224, 256, 299]),
+       mirror=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_resize_is_torchvisions_bilinear_antialias_byte_for_byte(h: int, w: int, size: int, mirror: bool,
+                                                                  seed: int) -> None:
+    """What a worker runs (the C kernel where built, else torch) against torchvision's resize + hflip."""
+    crop = _pixels(seed, h, w, smooth=bool(seed % 2))
+    ours = transforms._resize(crop, size, mirror)
+    assert ours.flags.c_contiguous and ours.shape == (size, size, 3), "the slot's H x W x 3 layout"
+    assert np.array_equal(ours, _torchvisions(crop, size, mirror))
+
+
+ON_ANOTHER_KERNEL = """
+import sys
+import numpy as np, torch
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+from prefetchd.daemon import transforms
+capability = torch.backends.cpu.get_cpu_capability()
+assert capability == sys.argv[1], capability
+# uint8_kernel() tells without torch what torchvision decides with it.
+assert transforms.uint8_kernel() == (capability in ("AVX2", "AVX512")), capability
+rng = np.random.default_rng(3)
+for i in range(60):
+    h, w = (int(x) for x in rng.integers(1, 500, 2))
+    size, mirror = int(rng.choice([16, 224, 256])), bool(i % 2)
+    crop = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    chw = F.resize(torch.from_numpy(crop).permute(2, 0, 1), [size, size], interpolation=v2.InterpolationMode.BILINEAR,
+                   antialias=True)
+    theirs = (F.hflip(chw) if mirror else chw).permute(1, 2, 0).numpy()
+    assert np.array_equal(transforms._resize(crop, size, mirror), theirs), (h, w, size)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="torch's x86 CPU capabilities")
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_resize_is_torchvisions_on_another_cpu(capability: str) -> None:
+    """ATEN_CPU_CAPABILITY=avx2: torch's AVX2 intrinsics kernel (this machine may run the AVX-512 build,
+    whose uint8 resize is the generic loop); =default, a CPU without AVX2: torchvision resizes in
+    float32 and rounds, and so must we, with torch."""
+    if capability == "AVX2" and not {"avx2", "fma"} <= transforms._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    run = subprocess.run([sys.executable, "-c", ON_ANOTHER_KERNEL, capability], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()})
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_uint8_kernel_agrees_with_torch_here() -> None:
+    arm = platform.machine() in ("aarch64", "arm64")
+    assert transforms.uint8_kernel() == (arm or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+UNDER_ASAN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import _cropjpeg as ext
+rng = np.random.default_rng(0)
+# Every small shape, where reads past a row's end or the image's would show; then random ones.
+shapes = [(h, w, oh, ow) for h in (1, 2, 3, 4, 5) for w in (1, 2, 3, 5, 33) for oh, ow in ((1, 1), (3, 2), (8, 8), (2, 7))]
+shapes += [tuple(int(x) for x in rng.integers(1, 120, 4)) for _ in range(200)]
+for h, w, oh, ow in shapes:
+    for mirror in (False, True):
+        for vectors in (False, True):
+            pixels = bytes(rng.integers(0, 256, h * w * 3, dtype=np.uint8))  # exactly the image: no slack
+            ext.resize(pixels, h, w, oh, ow, mirror, vectors)
+print("ok")
+"""
+
+
+@needs_extension
+def test_the_c_kernel_reads_and_writes_only_its_images(tmp_path: Path) -> None:
+    """Built with AddressSanitizer, the kernel resizes every small shape (1-pixel rows and columns,
+    where the vector path's 8-byte loads could run past the image) without touching a byte outside
+    its input and output."""
+    libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(libasan):
+        pytest.skip("gcc has no AddressSanitizer runtime here")
+    source = Path(transforms.__file__).parent
+    built = subprocess.run(["gcc", "-fsanitize=address", "-g", "-O1", "-shared", "-fPIC",
+                            f"-I{sysconfig.get_paths()['include']}", str(source / "_cropjpeg.c"),
+                            str(source / "_resample.c"), "-ljpeg", "-o", str(tmp_path / "_cropjpeg.so")],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    run = subprocess.run([sys.executable, "-c", UNDER_ASAN, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "LD_PRELOAD": libasan, "PYTHONMALLOC": "malloc",
+                                           "ASAN_OPTIONS": "detect_leaks=0"})
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
