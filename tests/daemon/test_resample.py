@@ -145,12 +145,13 @@ def test_uint8_kernel_agrees_with_torch_here() -> None:
 
 
 UNDER_ASAN = """
-import sys
+import io, sys
 sys.path.insert(0, sys.argv[1])
 import numpy as np
+from PIL import Image
 import _cropjpeg as ext
 rng = np.random.default_rng(0)
-# Every small shape, where reads past a row's end or the image's would show; then random ones.
+# The resize: every small shape, where reads past a row's end or the image's would show; then random ones.
 shapes = [(h, w, oh, ow) for h in (1, 2, 3, 4, 5) for w in (1, 2, 3, 5, 33) for oh, ow in ((1, 1), (3, 2), (8, 8), (2, 7))]
 shapes += [tuple(int(x) for x in rng.integers(1, 120, 4)) for _ in range(200)]
 for h, w, oh, ow in shapes:
@@ -158,15 +159,33 @@ for h, w, oh, ow in shapes:
         for vectors in (False, True):
             pixels = bytes(rng.integers(0, 256, h * w * 3, dtype=np.uint8))  # exactly the image: no slack
             ext.resize(pixels, h, w, oh, ow, mirror, vectors)
+# The crop-aware decode: boxes at every scale in JPEGs of each layout, whole and cut short or damaged.
+for i in range(120):
+    w, h = (int(x) for x in rng.integers(1, 90, 2))
+    image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert("L" if i % 7 == 0 else "RGB")
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=90, subsampling=i % 3, progressive=i % 5 == 0, restart_marker_blocks=i % 4)
+    data = out.getvalue()
+    for variant in (data, data[: int(rng.integers(2, len(data)))], data[:40] + bytes(rng.integers(0, 256, 30, dtype=np.uint8)) + data[70:]):
+        for scale in (1, 2, 4, 8):
+            sw, sh = -(-w // scale), -(-h // scale)
+            left, top = int(rng.integers(0, sw)), int(rng.integers(0, sh))
+            box = (left, top, int(rng.integers(left + 1, sw + 1)), int(rng.integers(top + 1, sh + 1)))
+            for b in (box, (0, 0, sw + 1, sh)):  # and one the image does not hold
+                try:
+                    ext.decode_box(variant, scale, *b)
+                except ext.DecodeError:
+                    pass
 print("ok")
 """
 
 
 @needs_extension
-def test_the_c_kernel_reads_and_writes_only_its_images(tmp_path: Path) -> None:
+def test_the_c_extension_reads_and_writes_only_its_buffers(tmp_path: Path) -> None:
     """Built with AddressSanitizer, the kernel resizes every small shape (1-pixel rows and columns,
-    where the vector path's 8-byte loads could run past the image) without touching a byte outside
-    its input and output."""
+    where the vector path's 8-byte loads could run past the image), and the crop-aware decoder
+    decodes boxes of whole, truncated and damaged JPEGs, without touching a byte outside their
+    buffers."""
     libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(libasan):
         pytest.skip("gcc has no AddressSanitizer runtime here")
