@@ -11,7 +11,8 @@ Over JPEGs of the class-folder dataset DATA (every file, or an even sample of
 * simplejpeg at full size and at the smallest libjpeg-turbo scale (M/8) that keeps the
   sample's RandomResizedCrop box at least ``--size`` pixels — if ``simplejpeg`` is installed;
 * the crop-aware decode of the sample's box (``prefetchd.daemon.jpeg_crop``, where its
-  C extension is built);
+  C extension is built), and the resize of that box to ``--size`` by the extension's kernel
+  and by torch's;
 * the daemon's whole ``augment()`` (read, decode, crop, antialiased resize, flip), and
   where the crop-aware decoder is built, ``augment()`` once more with whole-image decodes.
 
@@ -33,7 +34,7 @@ from PIL import Image
 
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.transforms import augment, oriented_size, preload, random_resized_crop_box
+from prefetchd.daemon.transforms import _resize, augment, oriented_size, preload, random_resized_crop_box
 
 
 def cpu_ms_per_item(n: int, fn: Callable[[int], object], rounds: int) -> float:
@@ -98,6 +99,16 @@ def main() -> None:
         # Full scale only: decode_box's box is in the scaled image's pixels, the draft of augment() is not here.
         rows.append(("crop-aware decode of the box", cpu_ms_per_item(
             n, lambda i: jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])), rounds)))
+        # The resize of those boxes (at full scale: larger than augment()'s DCT-scaled ones), flipped
+        # every other time, by the extension's kernel and by torch's (the path without it).
+        crops = [jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])) for i in range(n)]
+        if all(crop is not None for crop in crops):
+            def resize(i: int) -> object:
+                return _resize(crops[i], args.size, bool(i % 2))  # type: ignore[arg-type]
+
+            rows.append(("resize of the box (extension's kernel)", cpu_ms_per_item(n, resize, rounds)))
+            with jpeg_crop.whole_image_only():
+                rows.append(("resize of the box (torch's kernel)", cpu_ms_per_item(n, resize, rounds)))
         with jpeg_crop.whole_image_only():
             rows.append(("prefetchd augment(), whole-image decode", cpu_ms_per_item(n, train_augment, rounds)))
     else:

@@ -64,8 +64,8 @@ def available() -> bool:
 
 @contextmanager
 def whole_image_only() -> Iterator[None]:
-    """Inside the block this process decodes whole images even where the extension is built:
-    the comparison of tools/decode_floor.py."""
+    """Inside the block this process decodes whole images and resizes with torch even where the
+    extension is built: the comparison of tools/decode_floor.py."""
     global _extension
     saved, _extension = _extension, None
     try:
