@@ -416,7 +416,8 @@ def _resize(crop: np.ndarray, size: int, mirror: bool) -> np.ndarray:
     where the CPU has one (``uint8_kernel``), else float32 rounded back.  The uint8 kernel is
     the C extension's where it is built (the same bytes: tests/daemon/test_resample.py), so
     that a worker need not import torch at all; else torch's, called directly."""
-    if uint8_kernel():
+    native = uint8_kernel()
+    if native:
         resized = jpeg_crop.resize(crop, size, mirror)
         if resized is not None:
             return resized
@@ -429,7 +430,6 @@ def _resize(crop: np.ndarray, size: int, mirror: bool) -> np.ndarray:
         # 1 x 3 x H x W over the H x W x 3 memory.  Its batch stride is restrided to the element count
         # so that torch allocates the output channels-last too (pytorch issue 68430, as torchvision does).
         image = hwc.permute(2, 0, 1).as_strided((1, 3, height, width), (hwc.numel(), 1, width * 3, 3))
-        native = uint8_kernel()
         out = F.interpolate(image if native else image.float(), size=[size, size], mode="bilinear",
                             align_corners=False, antialias=True)
         if not native:
