@@ -260,8 +260,8 @@ int resample_rgb8(const uint8_t *src, int height, int width, uint8_t *dst, int o
     if (across && axis_init(&h, width, out_width) != 0) goto done;
     if (down && axis_init(&v, height, out_height) != 0) goto done;
     /* Mirroring the columns commutes with the vertical pass, so the horizontal one mirrors. */
-    uint8_t *across_to = down ? (mid = malloc((size_t)height * out_width * 3)) : dst;
-    if (across_to == NULL) goto done;
+    uint8_t *across_to = dst; /* the horizontal pass's rows: the output, or rows for the vertical pass */
+    if (across && down && (across_to = mid = malloc((size_t)height * out_width * 3)) == NULL) goto done;
     if (across) {
 #ifdef HAVE_AVX2
         if (vectors)

@@ -232,8 +232,9 @@ def limit_threads() -> None:
     """One compute thread per worker process (see the module docstring).
 
     torch is not imported for this: a worker whose job the C extension resizes never imports it
-    (``transforms.needed_modules``).  One that imports it later (a hook, a JPEG the crop-aware
-    decoder refuses) reads OMP_NUM_THREADS then."""
+    (``transforms.needed_modules``; ``prepare_process`` preloads it before this where the job needs
+    it).  One that imports it later, for a JPEG the crop-aware decoder refuses, reads
+    OMP_NUM_THREADS then."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch = sys.modules.get("torch")
     if torch is None:
