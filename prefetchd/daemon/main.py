@@ -39,7 +39,7 @@ from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.sources.index_cache import default_cache_dir
-from prefetchd.daemon.transforms import validate_hook
+from prefetchd.daemon.transforms import resize_summary, validate_hook
 from prefetchd.daemon.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -413,9 +413,10 @@ def run_daemon(cfg: DaemonConfig) -> int:
     prepare_buffer(buffer, cfg.group_access)
     lock = DaemonLock(buffer)
     lock.acquire()
-    # Importing torch and torchvision in the worker server takes seconds; it runs while we index.
+    # The worker server imports what workers need (seconds where that is torch); it runs while we index.
     start_worker_server()
-    log.info("%s", decoder_summary())  # once: whether the crop-aware decoder is built, how to get it if not
+    # Once: whether the crop-aware decoder is built (how to get it if not), and what resizes.
+    log.info("%s; %s", decoder_summary(), resize_summary())
     try:
         swept = sweep_leftovers(buffer)
         if swept:

@@ -454,6 +454,18 @@ def uint8_kernel() -> bool:
     return {"avx2", "fma"} <= _cpu_flags()
 
 
+def resize_summary() -> str:
+    """Which resize the workers run, and so whether they import torch: the line ``prefetchd start``
+    logs once beside ``jpeg_crop.decoder_summary()``."""
+    if not uint8_kernel():
+        return ("resize: torch in float32, as torchvision resizes on this CPU (no AVX2 and FMA, or "
+                "ATEN_CPU_CAPABILITY=default); workers import torch")
+    if not jpeg_crop.available():
+        return "resize: torch's uint8 kernel; workers import torch (the C extension would spare it)"
+    return ("resize: the C extension's copy of torch's uint8 kernel; workers import torch only for a hook "
+            "or colour jitter")
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as cpuinfo:

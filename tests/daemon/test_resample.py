@@ -199,3 +199,14 @@ def test_the_c_extension_reads_and_writes_only_its_buffers(tmp_path: Path) -> No
                          timeout=120, env={**os.environ, "LD_PRELOAD": libasan, "PYTHONMALLOC": "malloc",
                                            "ASAN_OPTIONS": "detect_leaks=0"})
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_the_start_line_says_what_resizes_and_so_whether_workers_import_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transforms, "uint8_kernel", lambda: False)
+    assert "float32" in transforms.resize_summary() and "workers import torch" in transforms.resize_summary()
+    monkeypatch.setattr(transforms, "uint8_kernel", lambda: True)
+    with jpeg_crop.whole_image_only():
+        assert "torch's uint8 kernel; workers import torch" in transforms.resize_summary()
+    if jpeg_crop.available():
+        assert "C extension's copy" in transforms.resize_summary()
+        assert "torch" not in transforms.needed_modules(), "what the line promises"
