@@ -157,11 +157,13 @@ static void vertical(const uint8_t *src, int width, uint8_t *dst, int out_rows, 
 #define HAVE_AVX2 1
 
 /* The same sums with AVX2, two taps per multiply-add (pmaddwd: int16 pixel pairs times int16
-   weight pairs, summed into int32), so the bytes are the scalar passes' exactly.  Two rows
-   share one horizontal multiply-add, one in each 128-bit lane.  A tap pair reads 8 bytes
-   where it uses 6 (the pair's second pixel may lie past the row, with weight 0): up to 5
-   bytes past a row, which the next row holds where rows are 2 pixels or more.  So the
-   image's last row, past which nothing may be read, and 1-pixel rows go to the scalar pass. */
+   weight pairs, summed into int32), so the bytes are the scalar passes' exactly.  Four rows
+   share each weight pair, one row in each 128-bit lane of two registers.  A tap pair reads 8
+   bytes where it uses 6 (the pair's second pixel may lie past the row, with weight 0): up to 5
+   bytes past a row, which the next row holds where rows are 2 pixels or more.  So the image's
+   last rows, past which nothing may be read, and 1-pixel rows go to the scalar pass.  Output
+   pixels are written in order, 4 bytes each (the 4th is the next pixel's, written after), but
+   a row's last. */
 __attribute__((target("avx2"))) static void horizontal_avx2(const uint8_t *src, int rows, int in_width,
                                                             uint8_t *dst, int out_width,
                                                             const struct axis *a, int mirror) {
@@ -169,30 +171,41 @@ __attribute__((target("avx2"))) static void horizontal_avx2(const uint8_t *src, 
     const __m256i spread = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
                                             0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
     const __m256i half = _mm256_set1_epi32(1 << (a->precision - 1));
-    const size_t stride = (size_t)in_width * 3;
+    const size_t stride = (size_t)in_width * 3, out_stride = (size_t)out_width * 3;
     int y = 0;
-    for (; in_width >= 2 && y + 2 < rows; y += 2) {
-        const uint8_t *row0 = src + (size_t)y * stride, *row1 = row0 + stride;
-        uint8_t *out0 = dst + (size_t)y * out_width * 3, *out1 = out0 + (size_t)out_width * 3;
-        for (int x = 0; x < out_width; x++) {
-            const size_t offset = (size_t)a->first[x] * 3;
-            const uint8_t *p0 = row0 + offset, *p1 = row1 + offset;
+    for (; in_width >= 2 && y + 4 < rows; y += 4) {
+        const uint8_t *row = src + (size_t)y * stride;
+        uint8_t *out = dst + (size_t)y * out_stride;
+        for (int o = 0; o < out_width; o++) {
+            const int x = mirror ? out_width - 1 - o : o;
+            const uint8_t *p = row + (size_t)a->first[x] * 3;
             const int32_t *w = a->pairs + (size_t)x * a->pair_count;
-            __m256i acc = half;
-            for (int q = 0; 2 * q < a->count[x]; q++, p0 += 6, p1 += 6) {
-                __m256i px = _mm256_set_m128i(_mm_loadl_epi64((const __m128i *)p1), _mm_loadl_epi64((const __m128i *)p0));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8(px, spread), _mm256_set1_epi32(w[q])));
+            __m256i acc01 = half, acc23 = half;
+            for (int q = 0; 2 * q < a->count[x]; q++, p += 6) {
+                const __m256i weights = _mm256_set1_epi32(w[q]);
+                const __m256i px01 = _mm256_set_m128i(_mm_loadl_epi64((const __m128i *)(p + stride)),
+                                                      _mm_loadl_epi64((const __m128i *)p));
+                const __m256i px23 = _mm256_set_m128i(_mm_loadl_epi64((const __m128i *)(p + 3 * stride)),
+                                                      _mm_loadl_epi64((const __m128i *)(p + 2 * stride)));
+                acc01 = _mm256_add_epi32(acc01, _mm256_madd_epi16(_mm256_shuffle_epi8(px01, spread), weights));
+                acc23 = _mm256_add_epi32(acc23, _mm256_madd_epi16(_mm256_shuffle_epi8(px23, spread), weights));
             }
-            acc = _mm256_srai_epi32(acc, a->precision);
-            acc = _mm256_packus_epi16(_mm256_packs_epi32(acc, acc), acc); /* per lane: r g b in bytes 0-2 */
-            const int32_t rgb0 = _mm_cvtsi128_si32(_mm256_castsi256_si128(acc));
-            const int32_t rgb1 = _mm_cvtsi128_si32(_mm256_extracti128_si256(acc, 1));
-            const size_t at = (size_t)(mirror ? out_width - 1 - x : x) * 3;
-            memcpy(out0 + at, &rgb0, 3);
-            memcpy(out1 + at, &rgb1, 3);
+            /* per lane: one row's r g b in bytes 0-2 */
+            const __m256i v = _mm256_packus_epi16(_mm256_packs_epi32(_mm256_srai_epi32(acc01, a->precision),
+                                                                     _mm256_srai_epi32(acc23, a->precision)),
+                                                  half);
+            /* after the packs: row 0 in bytes 0-2, row 2 in 4-6, row 1 in 16-18, row 3 in 20-22 */
+            const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+            const int32_t rgb[4] = {_mm_cvtsi128_si32(lo), _mm_cvtsi128_si32(hi), _mm_extract_epi32(lo, 1),
+                                    _mm_extract_epi32(hi, 1)};
+            if (o + 1 < out_width) {
+                for (int r = 0; r < 4; r++) memcpy(out + (size_t)r * out_stride + (size_t)o * 3, &rgb[r], 4);
+            } else {
+                for (int r = 0; r < 4; r++) memcpy(out + (size_t)r * out_stride + (size_t)o * 3, &rgb[r], 3);
+            }
         }
     }
-    horizontal(src + (size_t)y * stride, rows - y, in_width, dst + (size_t)y * out_width * 3, out_width, a, mirror);
+    horizontal(src + (size_t)y * stride, rows - y, in_width, dst + (size_t)y * out_stride, out_width, a, mirror);
 }
 
 /* 32 bytes of a row at a time, two source rows per multiply-add: their bytes interleaved and

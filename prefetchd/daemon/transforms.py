@@ -71,8 +71,8 @@ transpose, no strided copy.  Where the C extension is built the resize is its ow
 RandomResizedCrop to 224 px from 333-500 px JPEGs: resizing the crop view gives CHW
 (0.53 ms) and the transpose to H x W x 3 adds 0.36 ms; the crop copy (0.07 ms) plus the
 channels-last resize take 0.40 ms in all, the flip of the result 0.03 ms.  (Pillow's
-antialiased resize of the box: 1.17 ms.)  The C kernel costs what torch's does: 0.19
-against 0.18 ms per image for the full-scale boxes of 375 ImageNet-like JPEGs to 224 px,
+antialiased resize of the box: 1.17 ms.)  The C kernel takes 0.15-0.16 ms per image
+against torch's 0.18 for the full-scale boxes of 375 ImageNet-like JPEGs to 224 px,
 flipped every other time (``tools/decode_floor.py``).  A flip before
 or after the resize gives identical bytes (1800 of 1800 crops checked); the kernel
 mirrors as it writes.  Boxes with fractional edges (the val centre crop, a draft-scaled
