@@ -19,6 +19,9 @@
  * accepts and refuses exactly the files one without it does.  Any libjpeg
  * warning counts as an error for the same reason; the caller then falls back to
  * the full decode, which decides (and names the problem) as it always has.
+ * Only for a file whose whole stream has decoded cleanly before (the caller
+ * remembers which: jpeg_crop.CleanFiles) may the decode stop after the box's
+ * last row (to_end=False): the pixels are the same, ~0.1 ms sooner.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -68,15 +71,16 @@ static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) on_error(cinfo); /* a warning: corrupt data that a full decode would also meet */
 }
 
-/* decode_box(data, scale_denom, left, top, right, bottom) -> bytearray
+/* decode_box(data, scale_denom, left, top, right, bottom, to_end=True) -> bytearray
  *
  * The box [left, right) x [top, bottom) of the image decoded at 1/scale_denom
- * (box in scaled pixels), as (bottom - top) rows of (right - left) RGB pixels. */
+ * (box in scaled pixels), as (bottom - top) rows of (right - left) RGB pixels;
+ * to_end=False stops after the box's last row. */
 static PyObject *decode_box(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer data;
-    int denom, left, top, right, bottom;
-    if (!PyArg_ParseTuple(args, "y*iiiii", &data, &denom, &left, &top, &right, &bottom)) return NULL;
+    int denom, left, top, right, bottom, to_end = 1;
+    if (!PyArg_ParseTuple(args, "y*iiiii|p", &data, &denom, &left, &top, &right, &bottom, &to_end)) return NULL;
 
     struct jpeg_decompress_struct cinfo;
     struct error_manager err;
@@ -134,15 +138,17 @@ static PyObject *decode_box(PyObject *self, PyObject *args) {
                     /* Compact the rows to the box's columns, in place (each row moves left). */
                     for (int r = 0; r < bottom - top; r++)
                         memmove(row + (size_t)r * out_row, row + (size_t)r * w * 3 + skip, out_row);
-                    /* Skipping to the very end would only mark the input done, reading nothing: skip to
-                       the last row and decode that one, so every row's data is entropy-decoded. */
-                    JDIMENSION rest = cinfo.output_height - cinfo.output_scanline;
-                    if (rest > 1) jpeg_skip_scanlines(&cinfo, rest - 1);
-                    if (rest > 0) {
-                        JSAMPROW last = row + (size_t)w * 3 * (size_t)(bottom - top);
-                        jpeg_read_scanlines(&cinfo, &last, 1);
+                    if (to_end) {
+                        /* Skipping to the very end would only mark the input done, reading nothing: skip
+                           to the last row and decode that one, so every row's data is entropy-decoded. */
+                        JDIMENSION rest = cinfo.output_height - cinfo.output_scanline;
+                        if (rest > 1) jpeg_skip_scanlines(&cinfo, rest - 1);
+                        if (rest > 0) {
+                            JSAMPROW last = row + (size_t)w * 3 * (size_t)(bottom - top);
+                            jpeg_read_scanlines(&cinfo, &last, 1);
+                        }
+                        jpeg_finish_decompress(&cinfo);
                     }
-                    jpeg_finish_decompress(&cinfo);
                 }
             }
         }
@@ -193,8 +199,9 @@ static PyObject *resize(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_box", decode_box, METH_VARARGS,
-     "decode_box(data, scale_denom, left, top, right, bottom) -> bytearray of the box's RGB rows; "
-     "raises DecodeError where a full decode would fail or warn."},
+     "decode_box(data, scale_denom, left, top, right, bottom, to_end=True) -> bytearray of the box's RGB rows; "
+     "raises DecodeError where a full decode would fail or warn; to_end=False stops after the box's last row "
+     "(for a file known to decode cleanly: it may accept damage that only the rest of the file shows)."},
     {"resize", resize, METH_VARARGS,
      "resize(pixels, height, width, out_height, out_width, mirror, vectors=True) -> bytearray: H x W x 3 "
      "uint8 pixels resized as torch's antialiased bilinear uint8 kernel does, columns mirrored if mirror; "

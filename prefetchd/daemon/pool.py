@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import psutil
 
+from prefetchd.daemon import jpeg_crop
+from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, forkserver_preload, worker_main
 
@@ -45,6 +47,8 @@ class WorkerPool:
         self.workers: list[Worker] = []
         self.restart_times: deque[float] = deque()
         self._ctx = worker_context()
+        # What the workers learn about the files they decode, shared between them (jpeg_crop.CleanFiles).
+        self._clean = CleanFiles(len(job.index)) if jpeg_crop.available() and size > 0 else None
 
     def start(self, heartbeat: Callable[[], None], every: float) -> None:
         """Start the workers while ``heartbeat`` goes on, every ``every`` seconds.
@@ -57,7 +61,7 @@ class WorkerPool:
 
     def _spawn(self) -> Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_main, args=(child, self.job), name="prefetchd-worker", daemon=True)
+        proc = self._ctx.Process(target=worker_main, args=(child, self.job, self._clean), name="prefetchd-worker", daemon=True)
         proc.start()
         child.close()
         return Worker(proc, parent, psutil.Process(proc.pid))
@@ -133,6 +137,9 @@ class WorkerPool:
                 worker.process.join(1.0)
             worker.conn.close()
         self.workers.clear()
+        if self._clean is not None:
+            self._clean.close()
+            self._clean = None
 
 
 def with_heartbeat(work: Callable[[], T], heartbeat: Callable[[], None], every: float) -> T:

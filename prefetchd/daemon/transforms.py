@@ -331,11 +331,12 @@ def load_rgb(path: Path) -> Image.Image:
         return rgb.copy() if rgb is img else rgb  # closing ``img`` frees its pixels
 
 
-def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: Box, size: int) -> _Decoded:
+def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: Box, size: int,
+            tracked: jpeg_crop.TrackedFile | None) -> _Decoded:
     is_jpeg = data[:3] == JPEG_MAGIC and header.format in ("JPEG", "MPO")
     scale = draft_scale(box, size) if is_jpeg else 1
     if is_jpeg and header.mode in _TORCHVISION_JPEG_MODES:
-        crop = _decode_crop(data, header, box, scale)
+        crop = _decode_crop(data, header, box, scale, tracked)
         if crop is not None:
             return _Decoded(crop=crop)
     if is_jpeg and scale == 1 and header.mode in _TORCHVISION_JPEG_MODES:
@@ -360,9 +361,11 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
     return _Decoded(image=_to_rgb(header), scale=scale)
 
 
-def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int) -> np.ndarray | None:
+def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int,
+                 tracked: jpeg_crop.TrackedFile | None) -> np.ndarray | None:
     """The crop-aware decoder's box: the pixels ``_crop`` would cut from the full decode at
-    ``scale``, EXIF orientation applied; None without the extension or where it refuses."""
+    ``scale``, EXIF orientation applied; None without the extension or where it refuses.
+    ``tracked``: where this file's clean decodes are remembered (``jpeg_crop.CleanFiles``)."""
     if not jpeg_crop.available():
         return None
     flip_rows, flip_cols, transpose = _EXIF_STEPS.get(_orientation(header), (False, False, False))
@@ -377,9 +380,12 @@ def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int) -> 
         top, bottom = stored_h - bottom, stored_h - top
     if flip_cols:
         left, right = stored_w - right, stored_w - left
-    pixels = jpeg_crop.decode_box(data, scale, left, top, right, bottom)
+    known_clean = tracked is not None and tracked.known_clean(len(data))
+    pixels = jpeg_crop.decode_box(data, scale, left, top, right, bottom, to_end=not known_clean)
     if pixels is None:
         return None
+    if tracked is not None and not known_clean:
+        tracked.record_clean(len(data))
     flips = tuple(dim for dim, flip in ((0, flip_rows), (1, flip_cols)) if flip)
     if not flips and not transpose:
         return pixels
@@ -522,25 +528,28 @@ def open_header(data: bytearray, path: str, max_pixels: int = DEFAULT_MAX_IMAGE_
 
 def augment(path: Path | str, size: int, train: bool, rng: np.random.Generator | None,
             options: AugmentOptions = NO_OPTIONS, times: StageTimes | None = None,
-            max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
+            max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, tracked: jpeg_crop.TrackedFile | None = None) -> np.ndarray:
     """Read the local file ``path`` and ``augment_bytes`` it."""
     t0 = time.perf_counter()
     data = read_bytes(path)
     if times is not None:
         times.read += time.perf_counter() - t0
-    return augment_bytes(data, str(path), size, train, rng, options, times, max_pixels)
+    return augment_bytes(data, str(path), size, train, rng, options, times, max_pixels, tracked)
 
 
 def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.random.Generator | None,
                   options: AugmentOptions = NO_OPTIONS, times: StageTimes | None = None,
-                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
+                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                  tracked: jpeg_crop.TrackedFile | None = None) -> np.ndarray:
     """Decode the image in ``data`` and augment it into a contiguous ``size`` x ``size`` x 3 uint8 array.
 
     ``name`` says where the bytes came from, in errors.  ``rng`` is the sample's
     stream (train; the hook's stream in val).  Stage seconds are added to
     ``times``.  Bytes that cannot be decoded raise whatever the decoder raised
     (``ImageRefused`` for more than ``max_pixels`` pixels); a failing hook
-    raises ``HookError``.
+    raises ``HookError``.  ``tracked``: the sample's entry in the worker's
+    ``jpeg_crop.CleanFiles``, which spares the crop-aware decoder re-checking a file
+    it has read to the end before; the pixels are the same with or without it.
     """
     t1 = time.perf_counter()
     try:
@@ -549,7 +558,7 @@ def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.ra
         header = open_header(data, name, max_pixels)
         width, height = oriented_size(header)
         plan = plan_sample(width, height, size, train, rng, options)
-        decoded = _decode(data, header, width, height, plan.box, size)
+        decoded = _decode(data, header, width, height, plan.box, size, tracked)
     finally:
         t2 = time.perf_counter()
         if times is not None:

@@ -57,6 +57,7 @@ from PIL import Image
 
 from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable
@@ -131,7 +132,7 @@ class SampleUnrecoverable(RuntimeError):
 
 
 def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[str, str]],
-             times: StageTimes, first: Future[bytearray] | None = None) -> tuple[int, np.ndarray]:
+             times: StageTimes, first: Future[bytearray] | None, clean: CleanFiles | None) -> tuple[int, np.ndarray]:
     """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic replacements."""
     pos = int(np.searchsorted(job.members, index))
     for k in range(MAX_REPLACEMENT_TRIES):
@@ -147,7 +148,7 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
             data = first.result() if k == 0 and first is not None else reader.read(candidate)
             times.read += time.perf_counter() - t0
             return candidate, augment_bytes(data, name, job.image_size, job.train, rng, job.augment, times,
-                                            job.max_pixels)
+                                            job.max_pixels, TrackedFile(clean, candidate) if clean else None)
         except (HookError, StorageUnavailable, StorageDenied):  # not the sample's fault: no replacement
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
@@ -166,22 +167,24 @@ class SlotSink(Protocol):
 
 
 def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None,
-             reads: list[Future[bytearray]] | None = None, sink: SlotSink | None = None) -> Filled | WriteFailed:
+             reads: list[Future[bytearray]] | None = None, sink: SlotSink | None = None,
+             clean: CleanFiles | None = None) -> Filled | WriteFailed:
     """Fill ``task``'s slots; ``reads``: its samples' reads, already started (``SampleReader.start``);
-    ``sink``: where the images go, by default the slots of the batch file at ``task.path``."""
+    ``sink``: where the images go, by default the slots of the batch file at ``task.path``;
+    ``clean``: the files this process (and its pool) has decoded to the end without a warning."""
     reader = reader or SampleReader(job.index, job.readers)
     if sink is not None:
-        return _fill(job, task, reader, reads, sink)
+        return _fill(job, task, reader, reads, sink, clean)
     try:
         batch = SlotFiller(task.path, task.images_offset, task.slot_bytes)
     except OSError as exc:
         return WriteFailed(task.task_id, f"cannot open {task.path}: {exc.strerror}")
     with batch:
-        return _fill(job, task, reader, reads, batch)
+        return _fill(job, task, reader, reads, batch, clean)
 
 
 def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[bytearray]] | None,
-          sink: SlotSink) -> Filled | WriteFailed:
+          sink: SlotSink, clean: CleanFiles | None) -> Filled | WriteFailed:
     start = time.perf_counter()
     slots: list[tuple[int, int, int]] = []
     timings: list[tuple[float, float, float, float]] = []
@@ -189,7 +192,7 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
     ahead = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
     for (slot, index), read in zip(task.items, ahead):
         times = StageTimes()
-        used, image = _produce(job, reader, task.epoch, index, failures, times, read)
+        used, image = _produce(job, reader, task.epoch, index, failures, times, read, clean)
         if image.nbytes != task.slot_bytes:
             raise SampleUnrecoverable(f"{job.index.name(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
         t0 = time.perf_counter()
@@ -246,7 +249,7 @@ def limit_threads() -> None:
         pass
 
 
-def worker_main(conn: Connection, job: WorkerJob) -> None:
+def worker_main(conn: Connection, job: WorkerJob, clean: CleanFiles | None = None) -> None:
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     prepare_process(job)
@@ -270,7 +273,7 @@ def worker_main(conn: Connection, job: WorkerJob) -> None:
             return
         task, reads = queued.popleft()
         try:
-            result: Filled | WriteFailed = run_task(job, task, reader, reads)
+            result: Filled | WriteFailed = run_task(job, task, reader, reads, clean=clean)
         except Exception as exc:
             result = failure_of(task.task_id, exc)
         try:

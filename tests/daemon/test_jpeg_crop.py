@@ -1,9 +1,11 @@
 """prefetchd.daemon.jpeg_crop: the crop-aware decoder gives exactly the box a full decode
-gives, and refuses every file a full decode would fail or warn on."""
+gives, and refuses every file a full decode would fail or warn on; once a file has decoded
+cleanly to its end (CleanFiles), later crops stop after their last row with the same pixels."""
 
 from __future__ import annotations
 
 import io
+import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from prefetchd.bad_images import make_bad_images
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources.storage import ImageRefused, read_bytes
+from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.transforms import augment_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -89,12 +92,13 @@ def test_the_box_equals_the_full_decodes_crop(encoding: str, scale: int) -> None
     h, w = full.shape[:2]
     assert (w, h) == (-(-333 // scale), -(-251 // scale))
     for left, top, right, bottom in boxes(w, h, seed=scale, count=25):
-        got = jpeg_crop.decode_box(data, scale, left, top, right, bottom)
-        assert got is not None
-        assert got.flags.c_contiguous and got.flags.writeable
-        want = full[top:bottom, left:right]
-        assert got.shape == want.shape, (left, top, right, bottom)
-        assert np.array_equal(got, want), (encoding, scale, (left, top, right, bottom))
+        for to_end in (True, False):
+            got = jpeg_crop.decode_box(data, scale, left, top, right, bottom, to_end)
+            assert got is not None
+            assert got.flags.c_contiguous and got.flags.writeable
+            want = full[top:bottom, left:right]
+            assert got.shape == want.shape, (left, top, right, bottom)
+            assert np.array_equal(got, want), (encoding, scale, (left, top, right, bottom), to_end)
 
 
 @needs_extension
@@ -115,6 +119,48 @@ def test_refuses_what_a_full_decode_would_not_decode_cleanly(what: str) -> None:
     else:
         box = (150, 100, 201, 120)
     assert jpeg_crop.decode_box(data, 1, *box) is None
+
+
+@needs_extension
+@pytest.mark.parametrize("damage", ["truncated", "corrupt scan"])
+def test_only_a_decode_to_the_end_finds_damage_below_the_box(damage: str) -> None:
+    # Why CleanFiles exists: stopping after the box is safe only for a file known to be clean.
+    intact = jpeg_bytes(photo(200, 160, seed=1), subsampling=2)
+    data = bytearray(intact)
+    if damage == "truncated":
+        data = data[: len(data) * 2 // 3]
+    else:
+        data[len(data) * 2 // 3: len(data) * 2 // 3 + 40] = bytes(range(0xC0, 0xE8))
+    above, inside = (0, 0, 40, 40), (0, 0, 200, 160)
+    assert jpeg_crop.decode_box(data, 1, *above) is None
+    stopped = jpeg_crop.decode_box(data, 1, *above, to_end=False)
+    assert stopped is not None and np.array_equal(stopped, full_decode(intact, 1)[:40, :40])
+    if damage == "truncated":  # data that ends inside the box: refused either way
+        assert jpeg_crop.decode_box(data, 1, *inside, to_end=False) is None
+
+
+@needs_extension
+def test_what_one_worker_learns_the_others_know() -> None:
+    # A real forkserver child, as the pool starts its workers: the table travels as a descriptor.
+    table = CleanFiles(1000)
+    assert not table.known_clean(999, 1234)
+    ctx = multiprocessing.get_context("forkserver")
+    child = ctx.Process(target=_record, args=(table, 999, 1234))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert table.known_clean(999, 1234)
+    assert not table.known_clean(999, 1235) and not table.known_clean(998, 1234)  # another size, another sample
+    table.record_clean(5, 1 << 32)  # too large to remember: checked every time
+    assert not table.known_clean(5, 1 << 32) and not table.known_clean(5, 0)
+    table.close()
+    alone = CleanFiles(10, shared=False)  # a Ray worker's: pickled, it starts empty elsewhere
+    alone.record_clean(3, 77)
+    assert alone.known_clean(3, 77)
+
+
+def _record(table: CleanFiles, sample: int, nbytes: int) -> None:
+    table.record_clean(sample, nbytes)
 
 
 def with_luma_sampling(data: bytearray, factors: int) -> bytearray:
@@ -138,14 +184,16 @@ def test_rarer_subsamplings_decode_in_full(monkeypatch: pytest.MonkeyPatch, fact
 
 
 def augment_both_ways(data: bytearray, monkeypatch: pytest.MonkeyPatch, size: int, train: bool,
-                      seed: int) -> tuple[object, object]:
-    """``augment_bytes`` with the crop-aware decoder and without it: the array, or the exception type."""
+                      seed: int, tracked: TrackedFile | None = None) -> tuple[object, object]:
+    """``augment_bytes`` with the crop-aware decoder (and ``tracked``) and without it: the array,
+    or the exception type."""
     results: list[object] = []
     for extension in (jpeg_crop._extension, None):
         with monkeypatch.context() as m:
             m.setattr(jpeg_crop, "_extension", extension)
             try:
-                results.append(augment_bytes(data, "x.jpg", size, train, sample_rng(seed, 0, 7) if train else None))
+                results.append(augment_bytes(data, "x.jpg", size, train, sample_rng(seed, 0, 7) if train else None,
+                                             tracked=tracked if extension else None))
             except Exception as exc:  # the file's verdict, compared below
                 results.append(type(exc))
     return results[0], results[1]
@@ -161,24 +209,28 @@ def same(a: object, b: object) -> bool:
 @pytest.mark.parametrize("size", [64, 224])  # 64: most crops of a 600 px image are DCT-scaled
 def test_augment_gives_the_same_bytes_with_or_without_the_extension(monkeypatch: pytest.MonkeyPatch,
                                                                     size: int) -> None:
-    decoded: list[int] = []
+    decoded: list[tuple[int, bool]] = []
     real = jpeg_crop.decode_box
 
-    def counting(data: bytearray, scale: int, *box: int) -> np.ndarray | None:
-        decoded.append(scale)
-        return real(data, scale, *box)
+    def counting(data: bytearray, scale: int, left: int, top: int, right: int, bottom: int,
+                 to_end: bool = True) -> np.ndarray | None:
+        decoded.append((scale, to_end))
+        return real(data, scale, left, top, right, bottom, to_end)
 
     monkeypatch.setattr(jpeg_crop, "decode_box", counting)
+    table = CleanFiles(len(ENCODINGS), shared=False)
     for i, encoding in enumerate(ENCODINGS):
         kw = dict(ENCODINGS[encoding])
         data = jpeg_bytes(photo(600, 450, seed=i), **kw)
-        for seed in range(6):
-            fast, whole = augment_both_ways(data, monkeypatch, size, train=True, seed=seed)
+        for seed in range(6):  # the first decode reads the file to its end, the others stop after the box
+            fast, whole = augment_both_ways(data, monkeypatch, size, train=True, seed=seed, tracked=TrackedFile(table, i))
             assert isinstance(fast, np.ndarray) and same(fast, whole), (encoding, seed)
-        fast, whole = augment_both_ways(data, monkeypatch, size, train=False, seed=0)
+        fast, whole = augment_both_ways(data, monkeypatch, size, train=False, seed=0, tracked=TrackedFile(table, i))
         assert same(fast, whole), encoding
     assert len(decoded) == len(ENCODINGS) * 7  # every sample took the crop-aware path
-    assert {1} <= set(decoded) if size == 224 else {2, 4} <= set(decoded)  # unscaled and DCT-scaled both ran
+    assert [to_end for _scale, to_end in decoded] == [True, *[False] * 6] * len(ENCODINGS)
+    scales = {scale for scale, _to_end in decoded}
+    assert {1} <= scales if size == 224 else {2, 4} <= scales  # unscaled and DCT-scaled both ran
 
 
 @needs_extension
@@ -191,13 +243,15 @@ def test_exif_orientations_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch, 
     scales: list[int] = []
     real = jpeg_crop.decode_box
 
-    def counting(data: bytearray, scale: int, *box: int) -> np.ndarray | None:
+    def counting(data: bytearray, scale: int, left: int, top: int, right: int, bottom: int,
+                 to_end: bool = True) -> np.ndarray | None:
         scales.append(scale)
-        return real(data, scale, *box)
+        return real(data, scale, left, top, right, bottom, to_end)
 
     monkeypatch.setattr(jpeg_crop, "decode_box", counting)
+    table = CleanFiles(1, shared=False)
     for seed in range(8):
-        fast, whole = augment_both_ways(data, monkeypatch, size, train=True, seed=seed)
+        fast, whole = augment_both_ways(data, monkeypatch, size, train=True, seed=seed, tracked=TrackedFile(table, 0))
         assert isinstance(fast, np.ndarray) and same(fast, whole), seed
     fast, whole = augment_both_ways(data, monkeypatch, size, train=False, seed=0)
     assert same(fast, whole)
@@ -208,14 +262,16 @@ def test_exif_orientations_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch, 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 def test_the_bad_image_corpus_gets_the_same_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     corpus = make_bad_images(tmp_path / "corpus")
+    files = [*corpus.valid, *corpus.undecodable]
+    table = CleanFiles(len(files), shared=False)
     checked = 0
-    for relative in [*corpus.valid, *corpus.undecodable]:
+    for sample, relative in enumerate(files):
         try:
             data = read_bytes(corpus.root / relative)
         except (OSError, ImageRefused):
             continue  # a FIFO, a broken link, mode 000: refused before any decoder runs
-        for train in (True, False):
-            fast, whole = augment_both_ways(data, monkeypatch, 32, train, seed=1)
+        for train in (True, False, True):  # the second and third decode know what the first learnt
+            fast, whole = augment_both_ways(data, monkeypatch, 32, train, seed=1, tracked=TrackedFile(table, sample))
             assert same(fast, whole), relative
         checked += 1
     assert checked >= len(corpus.valid)
@@ -245,5 +301,6 @@ def test_any_size_any_box(w: int, h: int, subsampling: int, scale: int, data: st
     top = data.draw(st.integers(0, fh - 1))
     right = data.draw(st.integers(left + 1, fw))
     bottom = data.draw(st.integers(top + 1, fh))
-    got = jpeg_crop.decode_box(jpeg, scale, left, top, right, bottom)
-    assert got is not None and np.array_equal(got, full[top:bottom, left:right])
+    for to_end in (True, False):
+        got = jpeg_crop.decode_box(jpeg, scale, left, top, right, bottom, to_end)
+        assert got is not None and np.array_equal(got, full[top:bottom, left:right])

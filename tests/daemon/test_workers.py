@@ -14,7 +14,9 @@ import torch
 from PIL import Image
 
 from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
+from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.transforms import AugmentOptions, augment
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, limit_threads, run_task, worker_main
@@ -198,6 +200,44 @@ def test_spawned_worker_matches_in_process_with_one_thread(index: SampleIndex, t
         parent.close()
     assert isinstance(result, Filled) and len(result.timings) == 3
     assert remote.read_bytes() == local.read_bytes()
+
+
+def _in_worker(job: WorkerJob, task: Task, clean: CleanFiles | None) -> Filled | WriteFailed:
+    """``task`` run by a worker process started as the pool starts them (forkserver), with ``clean``."""
+    ctx = multiprocessing.get_context("forkserver")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=worker_main, args=(child, job, clean), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        parent.send(task)
+        assert parent.poll(120), "the worker did not answer within 120 s"
+        result: Filled | WriteFailed = parent.recv()
+        parent.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        parent.close()
+    return result
+
+
+@pytest.mark.skipif(not jpeg_crop.available(), reason="the crop-aware JPEG extension is not built here")
+def test_what_one_worker_learns_another_uses_for_the_same_bytes(index: SampleIndex, tmp_path: Path) -> None:
+    items = [(slot, i) for slot, i in enumerate(range(len(index)))]
+    clean = CleanFiles(len(index))
+    sizes = [index.path(i).stat().st_size for i in range(len(index))]
+    for epoch in (0, 1):  # epoch 1 in a second worker, which finds every JPEG known clean
+        got = _batch_file(tmp_path / f"worker-{epoch}.tmp", len(items))
+        assert isinstance(_in_worker(_job(index), _task(got, items, epoch=epoch), clean), Filled)
+        if epoch == 0:
+            known = [i for i in range(len(index)) if clean.known_clean(i, sizes[i])]
+            assert known == [i for i in range(len(index)) if index.path(i).suffix == ".jpg"]  # PNGs: not JPEGs
+        want = _batch_file(tmp_path / f"alone-{epoch}.tmp", len(items))
+        run_task(_job(index), _task(want, items, epoch=epoch))  # no table: every decode reads to the end
+        assert got.read_bytes() == want.read_bytes()
+    clean.close()
 
 
 def test_a_broken_hook_is_fatal_not_a_replacement(index: SampleIndex, tmp_path: Path, hooks: str,

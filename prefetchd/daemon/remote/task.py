@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from prefetchd.daemon import jpeg_crop
+from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task
 
@@ -65,11 +67,12 @@ def _failure(job: WorkerJob, reader: SampleReader, index: int) -> str:
     return ""
 
 
-# (object id, shipment, reader, this node's answer to the probe) for the job this process read last
-_job_here: tuple[str, Shipment, SampleReader, NodeAnswer] | None = None
+# (object id, shipment, reader, this node's answer to the probe, the files this process has decoded
+# cleanly to the end) for the job this process read last
+_job_here: tuple[str, Shipment, SampleReader, NodeAnswer, CleanFiles | None] | None = None
 
 
-def _here(box: list[Any]) -> tuple[Shipment, SampleReader, NodeAnswer]:
+def _here(box: list[Any]) -> tuple[Shipment, SampleReader, NodeAnswer, CleanFiles | None]:
     """The job of ``box`` (in a list, so that Ray hands the task the reference and this process
     fetches the shipment once per job, not once per task) and this node's answer to its probe."""
     global _job_here
@@ -80,8 +83,9 @@ def _here(box: list[Any]) -> tuple[Shipment, SampleReader, NodeAnswer]:
         shipment: Shipment = ray.get(ref)
         prepare_process(shipment.job)
         reader = SampleReader(shipment.job.index, shipment.job.readers)
-        _job_here = (ref.hex(), shipment, reader, _probe(shipment, reader))
-    return _job_here[1], _job_here[2], _job_here[3]
+        clean = CleanFiles(len(shipment.job.index), shared=False) if jpeg_crop.available() else None
+        _job_here = (ref.hex(), shipment, reader, _probe(shipment, reader), clean)
+    return _job_here[1:]
 
 
 def _probe(shipment: Shipment, reader: SampleReader) -> NodeAnswer:
@@ -107,19 +111,19 @@ def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | Node
     since is caught there, and the slice goes to another node.
     """
     global _job_here
-    shipment, reader, answer = _here(box)
+    shipment, reader, answer, clean = _here(box)
     if answer.failures:
         return answer, None, answer.node
     rows = Rows(task.items)
     try:
-        result = run_task(shipment.job, task, reader, sink=rows)
+        result = run_task(shipment.job, task, reader, sink=rows, clean=clean)
     except Exception as exc:
         result = failure_of(task.task_id, exc)
     if not isinstance(result, Filled) or result.failures:
         again = _probe(shipment, reader)
         if again.failures:
             assert _job_here is not None
-            _job_here = (*_job_here[:3], again)
+            _job_here = (*_job_here[:3], again, clean)
             return again, None, again.node
     return result, rows.pixels if isinstance(result, Filled) else None, answer.node
 
