@@ -202,7 +202,8 @@ def test_decode_floor_times_each_kernel_and_names_a_folder_without_jpegs(tmp_pat
     assert {"torchvision decode_jpeg", "Pillow open + convert RGB", "prefetchd augment() (train)"} <= set(rates)
     if jpeg_crop.available():  # the gain of the crop-aware decoder, measured against the whole-image path
         assert {"crop-aware decode of the box", "prefetchd augment(), whole-image decode",
-                "resize of the box (extension's kernel)", "resize of the box (torch's kernel)"} <= set(rates)
+                "resize of the box (extension's kernel)", "resize of the box (torch's kernel)",
+                "crop-aware decode, file known clean", "prefetchd augment(), files known clean"} <= set(rates)
     assert all(int(rate) > 0 for rate in rates.values())
     assert "4 JPEGs from" in done.stdout
 

@@ -11,10 +11,12 @@ Over JPEGs of the class-folder dataset DATA (every file, or an even sample of
 * simplejpeg at full size and at the smallest libjpeg-turbo scale (M/8) that keeps the
   sample's RandomResizedCrop box at least ``--size`` pixels — if ``simplejpeg`` is installed;
 * the crop-aware decode of the sample's box (``prefetchd.daemon.jpeg_crop``, where its
-  C extension is built), and the resize of that box to ``--size`` by the extension's kernel
-  and by torch's;
-* the daemon's whole ``augment()`` (read, decode, crop, antialiased resize, flip), and
-  where the crop-aware decoder is built, ``augment()`` once more with whole-image decodes.
+  C extension is built): reading the file to its end, as for a file seen the first time, and
+  stopping after the box, as for a file a worker has read cleanly before (``CleanFiles``);
+  the resize of that box to ``--size`` by the extension's kernel and by torch's;
+* the daemon's whole ``augment()`` (read, decode, crop, antialiased resize, flip): on files
+  seen the first time, on files known clean (a worker's steady state from the second epoch),
+  and where the crop-aware decoder is built, once more with whole-image decodes.
 
 This is the ceiling the daemon's workers can approach: images/s per core is about
 1000 / the ``augment()`` line.  Figures go in docs/BENCHMARKS.md with the machine.
@@ -33,6 +35,7 @@ import torch
 from PIL import Image
 
 from prefetchd.daemon import jpeg_crop
+from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.transforms import _resize, augment, oriented_size, preload, random_resized_crop_box
 
@@ -99,6 +102,8 @@ def main() -> None:
         # Full scale only: decode_box's box is in the scaled image's pixels, the draft of augment() is not here.
         rows.append(("crop-aware decode of the box", cpu_ms_per_item(
             n, lambda i: jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])), rounds)))
+        rows.append(("crop-aware decode, file known clean", cpu_ms_per_item(
+            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i]), to_end=False), rounds)))
         # The resize of those boxes (at full scale: larger than augment()'s DCT-scaled ones), flipped
         # every other time, by the extension's kernel and by torch's (the path without it).
         crops = [jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])) for i in range(n)]
@@ -114,6 +119,13 @@ def main() -> None:
     else:
         print(f"no crop-aware rows: {jpeg_crop.decoder_summary()}")
     rows.append(("prefetchd augment() (train)", cpu_ms_per_item(n, train_augment, rounds)))
+    if jpeg_crop.available():
+        clean = CleanFiles(n, shared=False)
+        for i in range(n):  # what a worker's first epoch learns
+            augment(paths[i], args.size, True, sample_rng(0, 0, i), tracked=TrackedFile(clean, i))
+        rows.append(("prefetchd augment(), files known clean", cpu_ms_per_item(
+            n, lambda i: augment(paths[i], args.size, True, sample_rng(0, 0, i), tracked=TrackedFile(clean, i)),
+            rounds)))
 
     mean_kb = sum(map(len, datas)) / len(datas) / 1024
     print(f"{len(datas)} JPEGs from {args.data} (mean {mean_kb:.0f} KB), one thread, CPU ms per image, "

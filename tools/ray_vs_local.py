@@ -44,7 +44,7 @@ def remote_building(buffer: Path) -> bool:
         status = read_status(buffer)
     except (OSError, ValueError):
         return False
-    remote = status.production.remote if status is not None and status.production is not None else None
+    remote = status.remote if status is not None else None
     return remote is not None and remote.connected and remote.images > 0
 
 
@@ -77,7 +77,7 @@ def one_run(data: Path, work: Path, name: str, args: list[str], batch_size: int,
             click.echo(f"  {name}: CPU ms per image by process: " + ", ".join(
                 f"{n} {t / images * 1e3:.3f}" for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])))
         status = read_status(buffer)
-        remote = status.production.remote if status is not None and status.production is not None else None
+        remote = status.remote if status is not None else None
         loader.close()
     return images / seconds, cpu / images, remote.images if remote is not None else 0
 

@@ -92,7 +92,7 @@ class Run:
                 monitor.mark_end()
                 if ray:  # where its batches were built, and the object-store-to-tmpfs copy rate
                     status = read_status(daemon.buffer)
-                    remote = status.production.remote if status is not None and status.production else None
+                    remote = status.remote if status is not None else None
                     if remote is not None:
                         row.extra["remote_images"] = remote.images
                         row.extra["remote_cpus"] = remote.cluster_cpus

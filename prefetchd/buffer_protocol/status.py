@@ -224,6 +224,11 @@ class Status:
     job_result: JobResult | None = None
     production: Production | None = None
 
+    @property
+    def remote(self) -> RemoteStatus | None:
+        """The Ray cluster's part of the production; None without --ray or while no job runs."""
+        return self.production.remote if self.production is not None else None
+
     def to_doc(self) -> dict[str, Any]:
         """The document as written: flat, the production's fields beside the common ones."""
         doc: dict[str, Any] = {

@@ -24,6 +24,9 @@ against those of torchvision 0.29.1 and Pillow 13: identical; the tests check it
 each machine, and decoders of different libjpeg-turbo releases could differ by a level
 or two, as torchvision and Pillow of different releases already can).
 
+A file a worker has decoded cleanly to its end once is remembered (``CleanFiles``, shared
+by a pool's workers): later crops of it stop after their last row, the same pixels sooner.
+
 The extension also resizes (``resize``, ``_resample.c``): torch's antialiased bilinear
 uint8 kernel, byte for byte, so that a worker needs no torch (transforms.py).
 

@@ -26,6 +26,9 @@ Decoding, by the file's magic bytes, never its name:
   orientation the box is turned back into stored pixels and the decoded crop turned
   forward.  Any file it would not decode exactly as a full decode does — a warning,
   an error, CMYK, a rare subsampling — goes on to the paths below, which decide as before.
+  It reads the file to its end the first time (damage below the crop must refuse the
+  file as a full decode would); a worker's ``jpeg_crop.CleanFiles`` remembers a file that
+  passed, and later crops of it stop after their last row (~0.1 ms of ~0.9 less).
 * JPEG (RGB or grayscale) whose crop is less than twice the output:
   ``torchvision.io.decode_jpeg`` with EXIF orientation (libjpeg-turbo).
 * JPEG whose crop is at least twice the output: Pillow with ``draft`` (libjpeg's

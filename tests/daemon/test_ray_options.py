@@ -68,13 +68,14 @@ def test_start_has_the_flags_and_jobs_cannot_set_them() -> None:
 def test_remote_status_round_trips_and_old_documents_have_none(tmp_path: Path) -> None:
     write_status(tmp_path, status(production=production(remote=REMOTE)))
     got = read_status(tmp_path)
-    assert got is not None and got.production is not None and got.production.remote == REMOTE
+    assert got is not None and got.production is not None and got.production.remote == REMOTE == got.remote
     write_status(tmp_path, status())
     doc = json.loads((tmp_path / "status.json").read_text())
     assert doc.pop("remote") is None  # without --ray
     (tmp_path / "status.json").write_text(json.dumps(doc))  # as a daemon before --ray wrote it
     old = read_status(tmp_path)
-    assert old is not None and old.production is not None and old.production.remote is None
+    assert old is not None and old.production is not None and old.production.remote is None and old.remote is None
+    assert status(production=None).remote is None  # no job: no production
 
 
 def test_a_remote_status_without_unfit_nodes_reads_as_none_unfit(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def remote_status(buffer: Path) -> Any:
         status = read_status(buffer)
     except (OSError, ValueError):
         return None
-    return status.production.remote if status is not None and status.production is not None else None
+    return status.remote if status is not None else None
 
 
 def building_there(buffer: Path) -> bool:
@@ -96,7 +96,7 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
     finally:
         stop_daemon_process(proc, 20)
     status = read_status(buffer)
-    remote = status.production.remote if status is not None and status.production is not None else None
+    remote = status.remote if status is not None else None
     text = log.read_text()
     about_nodes = [line for line in text.splitlines() if "reads --data" in line or "cannot read" in line]
     return {"seconds": round(time.monotonic() - started, 1), "digests": digests, "indices": indices, "exit_code": code,
