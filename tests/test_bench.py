@@ -229,3 +229,27 @@ def test_imagenet_like_from_photos_and_refusals(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no photos"):
         make_imagenet_like(tmp_path / "x", source=tmp_path / "empty", classes=1, per_class=1)
+
+
+def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path) -> None:
+    said: list[str] = []
+    results = run_benchmark(shapes_data / "train", workers_list=(1,), batch_size=8, image_size=32, seconds=0.5,
+                            out_dir=tmp_path, high_water=6, contenders=("prefetchd", "dataloader"), rounds=3,
+                            warm_start=False, data_wait=False, report=said.append)
+    measuring = [line for line in said if line.startswith("measuring")]
+    assert [line.split()[1] for line in measuring] == ["prefetchd", "dataloader"] * 3  # turns, not blocks
+    assert measuring[-1].endswith("round 3 of 3")
+    for row in results.throughput:
+        rates = [r["images_per_s"] for r in row.extra["rounds"]]
+        assert len(rates) == 3 and all(rate > 0 for rate in rates)
+        assert row.images_per_s == round(sorted(rates)[1], 1)
+        assert row.first_batch_s == round(sorted(r["first_batch_s"] for r in row.extra["rounds"])[1], 3)
+    prefetchd, dataloader = results.throughput
+    assert prefetchd.vs_baseline == round(prefetchd.images_per_s / dataloader.images_per_s, 3)
+    assert len(prefetchd.extra["vs_baseline_rounds"]) == 3
+    table = results.table()
+    low, high = min(r["images_per_s"] for r in prefetchd.extra["rounds"]), max(
+        r["images_per_s"] for r in prefetchd.extra["rounds"])
+    assert f"{prefetchd.images_per_s:.0f} ({low:.0f}-{high:.0f})" in table and "median of 3 rounds" in table
+    with pytest.raises(ValueError, match="rounds=0"):
+        run_benchmark(shapes_data / "train", rounds=0, out_dir=tmp_path)

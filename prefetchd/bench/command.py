@@ -45,6 +45,9 @@ def _parse_workers(_ctx: click.Context, _param: click.Parameter, value: str | No
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=8.0, show_default=True,
               help="Length of each measurement after its first batch and warm-up.")
 @click.option("--batches", type=click.IntRange(min=1), help="Measure this many batches instead of --seconds.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Measure every contender this many times, taking turns, and report the medians: for a machine "
+                   "whose speed drifts (a shared VM).")
 @click.option("--high-water", type=click.IntRange(min=2), default=None,
               help="The daemon's --high-water in batches  [default: max(16, 6 x max workers)]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
@@ -64,6 +67,7 @@ def bench_command(
     image_size: int,
     seconds: float,
     batches: int | None,
+    rounds: int,
     high_water: int | None,
     out_dir: Path,
     with_ray: bool,
@@ -102,7 +106,7 @@ def bench_command(
             raise click.UsageError("--source only applies when generating; drop it or drop --data")
         results = run_benchmark(
             data, workers_list=workers, batch_size=batch_size, image_size=image_size,
-            seconds=seconds, batches=batches, out_dir=out_dir, high_water=high_water,
+            seconds=seconds, batches=batches, rounds=rounds, out_dir=out_dir, high_water=high_water,
             contenders=(*CONTENDERS, "prefetchd-ray") if with_ray else tuple(CONTENDERS), report=say,
         )
     except (ValueError, FileExistsError) as exc:

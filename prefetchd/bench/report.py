@@ -135,8 +135,10 @@ def format_table(results: BenchmarkResults) -> str:
         if r.images_per_s is None:
             rows.append((r.contender, str(r.workers), "-", "-", "-", r.note or "-"))
             continue
+        rates = [x["images_per_s"] for x in r.extra.get("rounds", []) if x["images_per_s"] is not None]
+        spread = f" ({min(rates):.0f}-{max(rates):.0f})" if len(rates) > 1 else ""
         rows.append((
-            r.contender, str(r.workers), f"{r.images_per_s:.0f}",
+            r.contender, str(r.workers), f"{r.images_per_s:.0f}{spread}",
             f"{r.vs_baseline:.2f}x" if r.vs_baseline is not None else "-",
             f"{r.scaling:.0%}" if r.scaling is not None else "-",
             f"{r.first_batch_s:.2f} s" if r.first_batch_s is not None else "-",
@@ -146,6 +148,9 @@ def format_table(results: BenchmarkResults) -> str:
     lines.append(fmt.format(*header))
     lines.append("  ".join("-" * w for w in widths))
     lines += [fmt.format(*row) for row in rows]
+    if c.get("rounds", 1) > 1:
+        lines.append(f"img/s: the median of {c['rounds']} rounds (lowest-highest), the contenders taking turns; "
+                     "vs dataloader: medians compared (bench.json has each round's ratio); first batch: median")
     lines.append("first batch: prefetchd = daemon start -> first batch (cold); DataLoader = iter() -> first batch, "
                  "paid again at every epoch start with persistent_workers=False; SPDL = pipeline start -> first "
                  "batch; DALI = pipeline build -> first batch")

@@ -3,6 +3,7 @@ the BenchmarkResults document that bench.json holds."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -70,6 +71,32 @@ class BenchmarkResults:
         return format_table(self)
 
 
+def add_round(row: Throughput, later: Throughput) -> None:
+    """Fold a later round of ``row``'s contender at its worker count into ``row`` (its first round):
+    ``extra["rounds"]`` lists every round's rate and first batch; ``take_medians`` sums them up."""
+    rounds = row.extra.setdefault("rounds", [_round(row)])
+    rounds.append(_round(later))
+    row.images += later.images
+    row.window_s += later.window_s
+    if later.note and later.note not in row.note:
+        row.note = "; ".join(n for n in (row.note, later.note) if n)
+
+
+def _round(row: Throughput) -> dict[str, float | None]:
+    return {"images_per_s": row.images_per_s, "first_batch_s": row.first_batch_s}
+
+
+def take_medians(row: Throughput) -> None:
+    """The row's rate and first batch become the medians of its rounds (those that measured one)."""
+    rounds = row.extra.get("rounds", [])
+    rates = [r["images_per_s"] for r in rounds if r["images_per_s"] is not None]
+    firsts = [r["first_batch_s"] for r in rounds if r["first_batch_s"] is not None]
+    if rates:
+        row.images_per_s = statistics.median(rates)
+    if firsts:
+        row.first_batch_s = statistics.median(firsts)
+
+
 def fill_ratios(results: BenchmarkResults) -> None:
     for row in results.throughput:
         if row.images_per_s is None:
@@ -77,6 +104,11 @@ def fill_ratios(results: BenchmarkResults) -> None:
         base = results.rate(BASELINE, row.workers)
         if base:
             row.vs_baseline = round(row.images_per_s / base, 3)
+            base_row = next(r for r in results.throughput if r.contender == BASELINE and r.workers == row.workers)
+            pairs = zip(row.extra.get("rounds", []), base_row.extra.get("rounds", []))
+            ratios = [a["images_per_s"] / b["images_per_s"] for a, b in pairs if a["images_per_s"] and b["images_per_s"]]
+            if ratios:  # round by round: the contenders of one round ran minutes apart, not an hour
+                row.extra["vs_baseline_rounds"] = [round(r, 3) for r in ratios]
         one = results.rate(row.contender, 1)
         if one:
             row.scaling = round(row.images_per_s / (row.workers * one), 3)

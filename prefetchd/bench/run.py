@@ -20,7 +20,8 @@ from prefetchd.bench.report import (
     worker_count,
     write_outputs,
 )
-from prefetchd.bench.results import BASELINE, CONTENDERS, ON_REQUEST_CONTENDERS, BenchmarkResults, Throughput, fill_ratios
+from prefetchd.bench.results import (BASELINE, CONTENDERS, ON_REQUEST_CONTENDERS, BenchmarkResults, Throughput,
+                                     add_round, fill_ratios, take_medians)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def run_benchmark(
     contenders: Sequence[str] = tuple(CONTENDERS),
     warm_start: bool = True,
     data_wait: bool = True,
+    rounds: int = 1,
     report: Callable[[str], None] | None = None,
 ) -> BenchmarkResults:
     """Measure every contender at every worker count on ``data``; write results into ``out_dir``.
@@ -49,7 +51,10 @@ def run_benchmark(
     its first batch and a warm-up of 15 % of that (at most 1 s), or, when
     ``batches`` is given, that many batches after a warm-up of a fifth as many.
     ``high_water`` (the daemon's, in batches) defaults to enough for the
-    data-wait scenario: max(16, eval_every(max workers)).  Writes
+    data-wait scenario: max(16, eval_every(max workers)).  ``rounds`` > 1 measures
+    every contender that many times, the contenders taking turns, and reports the median
+    of each one's rounds (a machine whose speed drifts then slows every contender alike,
+    where one round apiece can catch one contender in a slow minute).  Writes
     ``bench.json``, ``bench.txt`` (the table), ``bench.png`` (if matplotlib is
     importable) and ``logs/`` (daemon logs) into ``out_dir`` and returns the results.
     """
@@ -72,6 +77,8 @@ def run_benchmark(
         seconds = None  # a batch count replaces the time window
     elif seconds is None:
         raise ValueError("pass seconds= (a time window per measurement) or batches= (a batch count)")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: measure each contender at least once")
     if seconds is not None and seconds <= 0 or batches is not None and batches < 1:
         raise ValueError(f"seconds={seconds}, batches={batches}: the measurement needs a positive length")
     known = {**CONTENDERS, **ON_REQUEST_CONTENDERS}
@@ -92,7 +99,7 @@ def run_benchmark(
         dataset=dataset,
         config={
             "batch_size": batch_size, "image_size": image_size, "seconds": seconds, "batches": batches,
-            "workers": list(workers_list), "high_water": high_water, "contenders": list(contenders),
+            "workers": list(workers_list), "high_water": high_water, "contenders": list(contenders), "rounds": rounds,
             "pinning": "each contender (consumer + workers) pinned to the first k usable cores",
         },
     )
@@ -107,14 +114,21 @@ def run_benchmark(
     try:
         for k in workers_list:
             cores = usable[:k]
-            for name in contenders:
-                wait = data_wait and k == k_max and name in ("prefetchd", BASELINE)
+            first_rounds: dict[str, Throughput] = {}
+            for turn, name in ((turn, name) for turn in range(rounds) for name in contenders):
+                wait = data_wait and turn == 0 and k == k_max and name in ("prefetchd", BASELINE)
                 if missing[name]:
-                    results.throughput.append(Throughput(name, k, cores, note=missing[name]))
+                    if turn == 0:
+                        results.throughput.append(Throughput(name, k, cores, note=missing[name]))
                     continue
-                say(f"measuring {name} with {worker_count(k)} on cores {core_list(cores)}")
+                say(f"measuring {name} with {worker_count(k)} on cores {core_list(cores)}"
+                    + (f", round {turn + 1} of {rounds}" if rounds > 1 else ""))
                 row, scenario = run.measure(name, k, cores, data_wait=wait)
-                results.throughput.append(row)
+                if turn == 0:
+                    first_rounds[name] = row
+                    results.throughput.append(row)
+                else:
+                    add_round(first_rounds[name], row)
                 if scenario is not None:
                     waits[name] = scenario
                     if name == "prefetchd" and high_water < scenario["eval_every_steps"]:
@@ -125,9 +139,12 @@ def run_benchmark(
                 if row.images_per_s is not None:
                     say(f"  {row.images_per_s:.0f} img/s" + (f"; {row.note}" if row.note else ""))
                 mem = row.extra.pop("memory", None)
-                if mem:
+                if mem and turn == 0:
                     phase = {} if name == "prefetchd" else {"phase": f"{name} throughput run"}
                     results.memory.append({"workers": k, **phase, **mem})
+            if rounds > 1:
+                for row in first_rounds.values():
+                    take_medians(row)
         if warm_start and "prefetchd" in contenders:
             say(f"measuring prefetchd's warm start ({worker_count(k_max)}, buffer filled to {high_water} batches)")
             try:
