@@ -33,8 +33,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from collections.abc import Callable, MutableMapping
 
 from prefetchd.buffer_protocol import Production, Status
 

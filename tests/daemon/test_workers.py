@@ -176,32 +176,6 @@ def hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return module
 
 
-def test_spawned_worker_matches_in_process_with_one_thread(index: SampleIndex, tmp_path: Path, hooks: str) -> None:
-    items = [(0, 3), (1, 8), (2, 0)]
-    local = _batch_file(tmp_path / "local.tmp", 3)
-    run_task(_job(index), _task(local, items))
-    remote = _batch_file(tmp_path / "remote.tmp", 3)
-    job = _job(index, augment=AugmentOptions(transform=f"{hooks}:single_thread_or_invert"))
-    ctx = multiprocessing.get_context("spawn")  # as the controller starts its workers
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=worker_main, args=(child, job), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        parent.send(_task(remote, items))
-        assert parent.poll(120), "the worker did not answer within 120 s"
-        result = parent.recv()
-        parent.send(None)
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        parent.close()
-    assert isinstance(result, Filled) and len(result.timings) == 3
-    assert remote.read_bytes() == local.read_bytes()
-
-
 def _in_worker(job: WorkerJob, task: Task, clean: CleanFiles | None) -> Filled | WriteFailed:
     """``task`` run by a worker process started as the pool starts them (forkserver), with ``clean``."""
     ctx = multiprocessing.get_context("forkserver")
@@ -221,6 +195,17 @@ def _in_worker(job: WorkerJob, task: Task, clean: CleanFiles | None) -> Filled |
             proc.kill()
         parent.close()
     return result
+
+
+def test_spawned_worker_matches_in_process_with_one_thread(index: SampleIndex, tmp_path: Path, hooks: str) -> None:
+    items = [(0, 3), (1, 8), (2, 0)]
+    local = _batch_file(tmp_path / "local.tmp", 3)
+    run_task(_job(index), _task(local, items))
+    remote = _batch_file(tmp_path / "remote.tmp", 3)
+    job = _job(index, augment=AugmentOptions(transform=f"{hooks}:single_thread_or_invert"))
+    result = _in_worker(job, _task(remote, items), None)
+    assert isinstance(result, Filled) and len(result.timings) == 3
+    assert remote.read_bytes() == local.read_bytes()
 
 
 @pytest.mark.skipif(not jpeg_crop.available(), reason="the crop-aware JPEG extension is not built here")

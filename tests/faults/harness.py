@@ -110,7 +110,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from prefetchd.buffer_protocol import Manifest, ProtocolError, State, Status, batch_name, daemon_pid, list_batches, read_status
+from prefetchd.buffer_protocol import Manifest, ProtocolError, State, Status, daemon_pid, list_batches, read_status
 from prefetchd.buffer_protocol.batch import HEADER
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_USAGE
