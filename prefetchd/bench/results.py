@@ -59,11 +59,12 @@ class BenchmarkResults:
         doc = asdict(self)
         return {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, **doc}
 
+    def row(self, contender: str, workers: int) -> Throughput | None:
+        return next((r for r in self.throughput if r.contender == contender and r.workers == workers), None)
+
     def rate(self, contender: str, workers: int) -> float | None:
-        for row in self.throughput:
-            if row.contender == contender and row.workers == workers:
-                return row.images_per_s
-        return None
+        row = self.row(contender, workers)
+        return row.images_per_s if row is not None else None
 
     def table(self) -> str:
         from prefetchd.bench.report import format_table  # the report imports these results
@@ -101,10 +102,9 @@ def fill_ratios(results: BenchmarkResults) -> None:
     for row in results.throughput:
         if row.images_per_s is None:
             continue
-        base = results.rate(BASELINE, row.workers)
-        if base:
-            row.vs_baseline = round(row.images_per_s / base, 3)
-            base_row = next(r for r in results.throughput if r.contender == BASELINE and r.workers == row.workers)
+        base_row = results.row(BASELINE, row.workers)
+        if base_row is not None and base_row.images_per_s:
+            row.vs_baseline = round(row.images_per_s / base_row.images_per_s, 3)
             pairs = zip(row.extra.get("rounds", []), base_row.extra.get("rounds", []))
             ratios = [a["images_per_s"] / b["images_per_s"] for a, b in pairs if a["images_per_s"] and b["images_per_s"]]
             if ratios:  # round by round: the contenders of one round ran minutes apart, not an hour

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -115,7 +116,7 @@ def run_benchmark(
         for k in workers_list:
             cores = usable[:k]
             first_rounds: dict[str, Throughput] = {}
-            for turn, name in ((turn, name) for turn in range(rounds) for name in contenders):
+            for turn, name in itertools.product(range(rounds), contenders):
                 wait = data_wait and turn == 0 and k == k_max and name in ("prefetchd", BASELINE)
                 if missing[name]:
                     if turn == 0:

@@ -141,16 +141,17 @@ class CleanFiles:
 
     def __init__(self, samples: int, shared: bool = True, _fd: int | None = None) -> None:
         self.samples = samples
+        nbytes = 4 * max(samples, 1)
         self._fd = _fd if _fd is not None else (os.memfd_create("prefetchd-clean-files", os.MFD_CLOEXEC)
                                                 if shared else -1)
         if self._fd >= 0:
             if _fd is None:
-                os.ftruncate(self._fd, 4 * max(samples, 1))
-            self._map: mmap.mmap | None = mmap.mmap(self._fd, 4 * max(samples, 1))
+                os.ftruncate(self._fd, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes)
             self._sizes = memoryview(self._map).cast("I")
         else:
             self._map = None
-            self._sizes = memoryview(bytearray(4 * max(samples, 1))).cast("I")
+            self._sizes = memoryview(bytearray(nbytes)).cast("I")
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self._fd < 0:

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 import psutil
 
 from prefetchd.daemon import jpeg_crop
-from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, forkserver_preload, worker_main
 
@@ -48,7 +47,7 @@ class WorkerPool:
         self.restart_times: deque[float] = deque()
         self._ctx = worker_context()
         # What the workers learn about the files they decode, shared between them (jpeg_crop.CleanFiles).
-        self._clean = CleanFiles(len(job.index)) if jpeg_crop.available() and size > 0 else None
+        self._clean = jpeg_crop.CleanFiles(len(job.index)) if jpeg_crop.available() and size > 0 else None
 
     def start(self, heartbeat: Callable[[], None], every: float) -> None:
         """Start the workers while ``heartbeat`` goes on, every ``every`` seconds.

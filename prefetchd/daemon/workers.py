@@ -148,7 +148,7 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
             data = first.result() if k == 0 and first is not None else reader.read(candidate)
             times.read += time.perf_counter() - t0
             return candidate, augment_bytes(data, name, job.image_size, job.train, rng, job.augment, times,
-                                            job.max_pixels, TrackedFile(clean, candidate) if clean else None)
+                                            job.max_pixels, TrackedFile(clean, candidate) if clean is not None else None)
         except (HookError, StorageUnavailable, StorageDenied):  # not the sample's fault: no replacement
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from prefetchd.daemon import jpeg_crop
-from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task
 
@@ -67,25 +66,34 @@ def _failure(job: WorkerJob, reader: SampleReader, index: int) -> str:
     return ""
 
 
-# (object id, shipment, reader, this node's answer to the probe, the files this process has decoded
-# cleanly to the end) for the job this process read last
-_job_here: tuple[str, Shipment, SampleReader, NodeAnswer, CleanFiles | None] | None = None
+@dataclass
+class _JobHere:
+    """The job this process read last, and what it knows of it on this node."""
+
+    ref: str  # the shipment's object id
+    shipment: Shipment
+    reader: SampleReader
+    answer: NodeAnswer  # this node's answer to the probe, the latest
+    clean: jpeg_crop.CleanFiles | None  # the files this process has decoded cleanly to the end
 
 
-def _here(box: list[Any]) -> tuple[Shipment, SampleReader, NodeAnswer, CleanFiles | None]:
+_job_here: _JobHere | None = None
+
+
+def _here(box: list[Any]) -> _JobHere:
     """The job of ``box`` (in a list, so that Ray hands the task the reference and this process
     fetches the shipment once per job, not once per task) and this node's answer to its probe."""
     global _job_here
     import ray
 
     ref = box[0]
-    if _job_here is None or _job_here[0] != ref.hex():
+    if _job_here is None or _job_here.ref != ref.hex():
         shipment: Shipment = ray.get(ref)
         prepare_process(shipment.job)
         reader = SampleReader(shipment.job.index, shipment.job.readers)
-        clean = CleanFiles(len(shipment.job.index), shared=False) if jpeg_crop.available() else None
-        _job_here = (ref.hex(), shipment, reader, _probe(shipment, reader), clean)
-    return _job_here[1:]
+        clean = jpeg_crop.CleanFiles(len(shipment.job.index), shared=False) if jpeg_crop.available() else None
+        _job_here = _JobHere(ref.hex(), shipment, reader, _probe(shipment, reader), clean)
+    return _job_here
 
 
 def _probe(shipment: Shipment, reader: SampleReader) -> NodeAnswer:
@@ -98,7 +106,7 @@ def _probe(shipment: Shipment, reader: SampleReader) -> NodeAnswer:
 
 def probe_node(box: list[Any]) -> NodeAnswer:
     """A Ray task pinned to one node: can it read the job's probe samples?"""
-    return _here(box)[2]
+    return _here(box).answer
 
 
 def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | NodeAnswer, list[np.ndarray] | None, str]:
@@ -110,20 +118,19 @@ def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | Node
     the job, and again after a slice that replaced a sample or failed: a mount that went away
     since is caught there, and the slice goes to another node.
     """
-    global _job_here
-    shipment, reader, answer, clean = _here(box)
+    here = _here(box)
+    answer = here.answer
     if answer.failures:
         return answer, None, answer.node
     rows = Rows(task.items)
     try:
-        result = run_task(shipment.job, task, reader, sink=rows, clean=clean)
+        result = run_task(here.shipment.job, task, here.reader, sink=rows, clean=here.clean)
     except Exception as exc:
         result = failure_of(task.task_id, exc)
     if not isinstance(result, Filled) or result.failures:
-        again = _probe(shipment, reader)
+        again = _probe(here.shipment, here.reader)
         if again.failures:
-            assert _job_here is not None
-            _job_here = (*_job_here[:3], again, clean)
+            here.answer = again
             return again, None, again.node
     return result, rows.pixels if isinstance(result, Filled) else None, answer.node
 
