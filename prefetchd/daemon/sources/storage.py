@@ -41,9 +41,11 @@ def read_bytes(path: Path | str) -> bytearray:
     """The whole file with one read, into a writable buffer that torch wraps without a copy.
 
     Only a regular file (or a link to one): O_NONBLOCK makes opening a FIFO return
-    at once instead of waiting for a writer, and the fstat then refuses it."""
-    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb", buffering=0) as fh:
-        st = os.fstat(fh.fileno())
+    at once instead of waiting for a writer, and the fstat then refuses it.  Plain
+    descriptor calls, no file object: this runs once per sample in every worker."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
             raise ImageRefused(f"{path} is a {kind}, not a regular file; remove it from the dataset")
@@ -52,11 +54,13 @@ def read_bytes(path: Path | str) -> bytearray:
         view = memoryview(data)
         got = 0
         while got < size:  # one read for a regular file; more only if it is being rewritten
-            n = fh.readinto(view[got:])
+            n = os.readv(fd, [view[got:]])
             if not n:
                 break
             got += n
         view.release()
+    finally:
+        os.close(fd)
     if got < size:
         del data[got:]
     return data
@@ -84,9 +88,10 @@ def read_range(path: Path | str, offset: int, size: int) -> bytearray:
 class LocalStorage:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
+        self._root = str(root)  # joined as a string per sample: a Path costs a worker ~5 us
 
     def read(self, rel: str, offset: int = 0, size: int | None = None) -> bytearray:
-        path = self.root / rel
+        path = os.path.join(self._root, rel)  # an absolute rel (a file list's) stays as it is
         return read_bytes(path) if size is None else read_range(path, offset, size)
 
 
