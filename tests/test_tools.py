@@ -224,3 +224,47 @@ def test_cold_start_times_real_daemons_to_their_first_batch(tmp_path: Path) -> N
     assert len(runs) == 2 and all(0 < s < 240 for s in runs), done.stdout
     assert re.search(rf"^cold first batch: median \d+\.\d\d s over 2 runs .*data {re.escape(str(tmp_path / 'data'))}$",
                      done.stdout, re.M), done.stdout
+
+
+def test_fetch_sample_photos_takes_each_photo_out_of_its_wheel(tmp_path: Path) -> None:
+    """The extraction, on wheels built here (the real ones come from the registry): every
+    photo lands under its own name with its bytes; a wheel or photo that is not there is named."""
+    import io
+    import zipfile
+
+    from PIL import Image
+
+    fetch = _load("fetch_sample_photos")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    expected: dict[str, bytes] = {}
+    for k, (spec, members) in enumerate(fetch.WHEELS.items()):
+        name, _, version = spec.partition("==")
+        with zipfile.ZipFile(wheels / f"{name.replace('-', '_')}-{version}-cp311-cp311-linux_x86_64.whl", "w") as whl:
+            for j, member in enumerate(members):
+                buf = io.BytesIO()
+                Image.new("RGB", (8 + k, 8 + j), (40 * k, 30 * j, 7)).save(buf, "PNG" if member.endswith(".png")
+                                                                             else "JPEG")
+                expected[Path(member).name] = buf.getvalue()
+                whl.writestr(member, buf.getvalue())
+    written = fetch.extract_photos(wheels, tmp_path / "photos")
+    assert {p.name: p.read_bytes() for p in written} == expected
+    assert len(written) == 9
+
+    result = CliRunner().invoke(fetch.main, [str(tmp_path / "again"), "--wheels", str(wheels)])
+    assert result.exit_code == 0, result.output
+    assert "astronaut.png  8x8 RGB" in result.output
+
+    # A wheel without one of the photos, then no wheel at all.
+    spec, members = next(iter(fetch.WHEELS.items()))
+    first = fetch.wheel_of(wheels, spec)
+    with zipfile.ZipFile(first) as whl:
+        kept = {m: whl.read(m) for m in members[1:]}
+    with zipfile.ZipFile(first, "w") as whl:
+        for m, data in kept.items():
+            whl.writestr(m, data)
+    result = CliRunner().invoke(fetch.main, [str(tmp_path / "third"), "--wheels", str(wheels)])
+    assert result.exit_code == 1 and f"{first.name} has no {members[0]}" in result.output
+    first.unlink()
+    result = CliRunner().invoke(fetch.main, [str(tmp_path / "fourth"), "--wheels", str(wheels)])
+    assert result.exit_code == 1 and f"no wheel of {spec} in {wheels}" in result.output
