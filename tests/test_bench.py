@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,13 @@ def test_every_contender_is_measured(smoke: tuple[BenchmarkResults, Path]) -> No
         assert row.vs_baseline is not None and row.vs_baseline > 0
     prefetchd = results.throughput[0]
     assert prefetchd.extra["affinity"]["pinned"] and prefetchd.extra["affinity"]["processes"] >= 2
+    # The floor: augment() alone on the first core, over every file of the dataset (72 < FLOOR_FILES).
+    floor = results.floor
+    assert floor is not None and floor["files"] == 72 and floor["core"] == prefetchd.cores[0] and len(floor["rounds"]) == 1
+    assert floor["images"] > 0 and floor["ms_per_image"] == pytest.approx(1e3 / floor["images_per_s"])
+    assert prefetchd.vs_floor == pytest.approx(prefetchd.images_per_s / floor["images_per_s"], abs=2e-3)
+    assert all(r.vs_floor is None for r in results.throughput[1:])
+    assert f"prefetchd {prefetchd.vs_floor:.0%} of 1 x that at 1 worker" in results.table()
 
 
 def test_warm_start_data_wait_and_memory(smoke: tuple[BenchmarkResults, Path]) -> None:
@@ -237,7 +245,8 @@ def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path)
                             out_dir=tmp_path, high_water=6, contenders=("prefetchd", "dataloader"), rounds=3,
                             warm_start=False, data_wait=False, report=said.append)
     measuring = [line for line in said if line.startswith("measuring")]
-    assert [line.split()[1] for line in measuring] == ["prefetchd", "dataloader"] * 3  # turns, not blocks
+    # turns, not blocks; the floor ("measuring the floor") first in each round
+    assert [line.split()[1] for line in measuring] == ["the", "prefetchd", "dataloader"] * 3
     assert measuring[-1].endswith("round 3 of 3")
     for row in results.throughput:
         rates = [r["images_per_s"] for r in row.extra["rounds"]]
@@ -248,9 +257,28 @@ def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path)
     # (the ratio is taken before the rates are rounded for the table)
     assert prefetchd.vs_baseline == pytest.approx(prefetchd.images_per_s / dataloader.images_per_s, rel=3e-3, abs=1e-3)
     assert len(prefetchd.extra["vs_baseline_rounds"]) == 3
+    assert results.floor is not None and len(results.floor["rounds"]) == 3  # once a round
+    assert round(results.floor["images_per_s"], 1) == sorted(results.floor["rounds"])[1]
     table = results.table()
     low, high = min(r["images_per_s"] for r in prefetchd.extra["rounds"]), max(
         r["images_per_s"] for r in prefetchd.extra["rounds"])
     assert f"{prefetchd.images_per_s:.0f} ({low:.0f}-{high:.0f})" in table and "median of 3 rounds" in table
     with pytest.raises(ValueError, match="rounds=0"):
         run_benchmark(shapes_data / "train", rounds=0, out_dir=tmp_path)
+
+
+def test_the_floor_counts_what_it_is_asked_and_leaves_the_process_as_it_was(shapes_data: Path) -> None:
+    import torch
+
+    from prefetchd.bench.floor import measure_floor
+
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    core = max(affinity)
+    floor = measure_floor(shapes_data / "train", 32, core, images=100)
+    assert floor["images"] == 100 and floor["files"] == 72 and floor["core"] == core
+    assert floor["images_per_s"] > 0
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
+    with pytest.raises(ValueError, match="not both"):
+        measure_floor(shapes_data / "train", 32, core, seconds=1.0, images=10)
+    with pytest.raises(ValueError, match="not both"):
+        measure_floor(shapes_data / "train", 32, core)

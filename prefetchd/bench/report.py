@@ -151,6 +151,14 @@ def format_table(results: BenchmarkResults) -> str:
     if c.get("rounds", 1) > 1:
         lines.append(f"img/s: the median of {c['rounds']} rounds (lowest-highest), the contenders taking turns; "
                      "vs dataloader: medians compared (bench.json has each round's ratio); first batch: median")
+    fl = results.floor
+    if fl is not None:
+        shares = [f"{r.vs_floor:.0%} of {r.workers} x that at {worker_count(r.workers)}" for r in results.throughput
+                  if r.vs_floor is not None]
+        spread = f", rounds {min(fl['rounds']):.0f}-{max(fl['rounds']):.0f}" if len(fl["rounds"]) > 1 else ""
+        lines.append(f"floor: the daemon's augment() alone on one core (files known clean, {fl['files']} files) "
+                     f"{fl['ms_per_image']:.2f} ms per image = {fl['images_per_s']:.0f} img/s{spread}"
+                     + (f"; prefetchd {', '.join(shares)}" if shares else ""))
     lines.append("first batch: prefetchd = daemon start -> first batch (cold); DataLoader = iter() -> first batch, "
                  "paid again at every epoch start with persistent_workers=False; SPDL = pipeline start -> first "
                  "batch; DALI = pipeline build -> first batch")

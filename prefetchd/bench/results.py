@@ -39,6 +39,7 @@ class Throughput:
     first_batch_s: float | None = None  # daemon start / iterator creation -> first batch
     vs_baseline: float | None = None  # images_per_s / the DataLoader's at the same workers
     scaling: float | None = None  # images_per_s / (workers * images_per_s at 1 worker)
+    vs_floor: float | None = None  # prefetchd: images_per_s / (workers * the floor's, BenchmarkResults.floor)
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -51,6 +52,7 @@ class BenchmarkResults:
     throughput: list[Throughput] = field(default_factory=list)
     warm_start: dict[str, Any] | None = None
     data_wait: dict[str, Any] | None = None
+    floor: dict[str, Any] | None = None  # prefetchd.bench.floor.measure_floor, its median over the rounds
     memory: list[dict[str, Any]] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -87,6 +89,12 @@ def _round(row: Throughput) -> dict[str, float | None]:
     return {"images_per_s": row.images_per_s, "first_batch_s": row.first_batch_s}
 
 
+def median_floor(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The floor of the round with the median rate, and every round's rate."""
+    middle = sorted(rounds, key=lambda r: r["images_per_s"])[(len(rounds) - 1) // 2]
+    return {**middle, "rounds": [round(r["images_per_s"], 1) for r in rounds]}
+
+
 def take_medians(row: Throughput) -> None:
     """The row's rate and first batch become the medians of its rounds (those that measured one)."""
     rounds = row.extra.get("rounds", [])
@@ -112,6 +120,8 @@ def fill_ratios(results: BenchmarkResults) -> None:
         one = results.rate(row.contender, 1)
         if one:
             row.scaling = round(row.images_per_s / (row.workers * one), 3)
+        if row.contender == "prefetchd" and results.floor is not None:
+            row.vs_floor = round(row.images_per_s / (row.workers * results.floor["images_per_s"]), 3)
         row.images_per_s = round(row.images_per_s, 1)
         row.window_s = round(row.window_s, 2)
         if row.first_batch_s is not None:

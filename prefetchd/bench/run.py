@@ -22,7 +22,7 @@ from prefetchd.bench.report import (
     write_outputs,
 )
 from prefetchd.bench.results import (BASELINE, CONTENDERS, ON_REQUEST_CONTENDERS, BenchmarkResults, Throughput,
-                                     add_round, fill_ratios, take_medians)
+                                     add_round, fill_ratios, median_floor, take_medians)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def run_benchmark(
     contenders: Sequence[str] = tuple(CONTENDERS),
     warm_start: bool = True,
     data_wait: bool = True,
+    floor: bool = True,
     rounds: int = 1,
     report: Callable[[str], None] | None = None,
 ) -> BenchmarkResults:
@@ -52,7 +53,9 @@ def run_benchmark(
     its first batch and a warm-up of 15 % of that (at most 1 s), or, when
     ``batches`` is given, that many batches after a warm-up of a fifth as many.
     ``high_water`` (the daemon's, in batches) defaults to enough for the
-    data-wait scenario: max(16, eval_every(max workers)).  ``rounds`` > 1 measures
+    data-wait scenario: max(16, eval_every(max workers)).  ``floor``: also time the
+    daemon's ``augment()`` alone on one core, once a round (``prefetchd.bench.floor``), and
+    give each prefetchd row's share of k times it.  ``rounds`` > 1 measures
     every contender that many times, the contenders taking turns, and reports the median
     of each one's rounds (a machine whose speed drifts then slows every contender alike,
     where one round apiece can catch one contender in a slow minute).  Writes
@@ -101,6 +104,7 @@ def run_benchmark(
         config={
             "batch_size": batch_size, "image_size": image_size, "seconds": seconds, "batches": batches,
             "workers": list(workers_list), "high_water": high_water, "contenders": list(contenders), "rounds": rounds,
+            "floor": floor,
             "pinning": "each contender (consumer + workers) pinned to the first k usable cores",
         },
     )
@@ -111,12 +115,15 @@ def run_benchmark(
                high_water=high_water, say=say)
     k_max = workers_list[-1]
     waits: dict[str, Any] = {}
+    floors: list[dict[str, Any]] = []
     original = os.sched_getaffinity(0)
     try:
         for k in workers_list:
             cores = usable[:k]
             first_rounds: dict[str, Throughput] = {}
             for turn, name in itertools.product(range(rounds), contenders):
+                if floor and "prefetchd" in contenders and k == workers_list[0] and name == contenders[0]:
+                    floors.append(_measure_floor(data, image_size, usable[0], window, batch_size, say))
                 wait = data_wait and turn == 0 and k == k_max and name in ("prefetchd", BASELINE)
                 if missing[name]:
                     if turn == 0:
@@ -159,6 +166,8 @@ def run_benchmark(
                 results.memory.append({"workers": k_max, "phase": "warm start (filled to high water)", **mem})
     finally:
         os.sched_setaffinity(0, original)
+    if floors:
+        results.floor = median_floor(floors)
     if waits:
         results.data_wait = {"workers": k_max, **data_wait_doc(k_max), "contenders": waits}
     fill_ratios(results)
@@ -166,3 +175,14 @@ def run_benchmark(
     results.machine["load_average_end"] = round(os.getloadavg()[0], 2)
     write_outputs(results, out_dir, say)
     return results
+
+
+def _measure_floor(data: Path, image_size: int, core: int, window: Window, batch_size: int,
+                   say: Callable[[str], None]) -> dict[str, Any]:
+    from prefetchd.bench.floor import measure_floor  # PIL and the decoder: not for `prefetchd --help`
+
+    say(f"measuring the floor: the daemon's augment() alone on core {core}")
+    measured = measure_floor(data, image_size, core, seconds=window.seconds,
+                             images=None if window.batches is None else window.batches * batch_size)
+    say(f"  {measured['ms_per_image']:.2f} ms per image ({measured['images_per_s']:.0f} img/s)")
+    return measured
