@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FEEDS = ("synthetic", "prefetchd", "DataLoader", "DALI")
 
@@ -43,11 +45,27 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert rows["synthetic"]["vs_synthetic"] == 1.0
     assert rows["DALI"].get("note", "").startswith("skipped:") or "images_per_s" in rows["DALI"]
 
+    # 5. the producer alone, with the floor it is compared with (one worker count on a dry run).
+    scaling = doc["scaling"]
+    [row] = scaling["rows"]
+    assert row["workers"] == 1 and row["images_per_s"] > 0 and row["scaling"] == 1.0
+    assert scaling["floor"]["images_per_s"] > 0
+    assert abs(row["vs_floor"] - row["images_per_s"] / scaling["floor"]["images_per_s"]) < 2e-3
+
     markdown = (out.parent / "GPU.md").read_text()
     assert "**Dry run**" in markdown
-    for heading in ("## Machine", "## GPU tests", "## Host to device", "## Training"):
+    for heading in ("## Machine", "## GPU tests", "## Host to device", "## Training", "## The producer on more cores"):
         assert heading in markdown
     for name in FEEDS:
         assert f"| {name}" in markdown
     # A dry run never touches the measured docs.
     assert {p.name: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()} == docs_before
+
+
+def test_the_producer_is_measured_at_powers_of_two_and_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    assert gpu_check.scaling_counts(16) == [1, 2, 4, 8, 16]
+    assert gpu_check.scaling_counts(6) == [1, 2, 4, 6]
+    assert gpu_check.scaling_counts(1) == [1]

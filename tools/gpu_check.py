@@ -18,7 +18,11 @@ still leaves what it measured) and in GPU.md beside it:
    ``next()`` over wall time, as prefetchd-train defines it), GPU busy share (CUDA
    events around each step), GPU utilisation (NVML, when ``pynvml`` imports), host
    memory (PSS of this process tree, the system's used memory above the start);
-4. the same model fed by DALI's GPU pipeline when ``nvidia.dali`` imports.
+4. the same model fed by DALI's GPU pipeline when ``nvidia.dali`` imports;
+5. the producer alone on more cores than the 2 of the development machine:
+   ``prefetchd bench``'s prefetchd row (no GPU, a null consumer) at 1, 2, 4, ... workers
+   up to every core, with the floor (the daemon's ``augment()`` alone on one core) and
+   each count's share of k times it.
 
 ``--dry-run`` runs every step on the CPU at toy sizes (a small model, 16 images, a
 few steps) and writes into a temporary folder unless ``--out`` is given: it keeps
@@ -56,7 +60,7 @@ import torch
 from torch import nn
 
 import h2d_bench  # tools/ is sys.path[0] when this file runs as a script
-from prefetchd.bench import describe_machine
+from prefetchd.bench import describe_machine, run_benchmark
 from prefetchd.buffer_protocol import batch_name, map_batch
 from prefetchd.launch import buffer_root
 from prefetchd.synthetic import make_imagenet_like
@@ -93,6 +97,8 @@ class Sizes:
     h2d_image_size: int
     h2d_batches: int
     pytest_args: tuple[str, ...]
+    scaling_batch_size: int  # step 5, as `prefetchd bench` measures on the 2-core machine
+    scaling_seconds: float  # per worker count
 
 
 # 20,000 files: 78 steps an epoch at batch 256, so the 330 steps of a feed span four
@@ -100,10 +106,10 @@ class Sizes:
 # not the disk).  Generating them takes ~40 s on 16 cores.
 FULL = Sizes(device="cuda", model="resnet50", batch_size=256, image_size=224, steps=300, warmup_steps=30,
              classes=100, per_class=200, high_water=16, h2d_batch_sizes=(128, 256), h2d_image_size=224,
-             h2d_batches=16, pytest_args=())
+             h2d_batches=16, pytest_args=(), scaling_batch_size=128, scaling_seconds=5.0)
 DRY = Sizes(device="cpu", model="squeezenet1_1", batch_size=8, image_size=32, steps=3, warmup_steps=1,
             classes=2, per_class=8, high_water=4, h2d_batch_sizes=(4, 8), h2d_image_size=32,
-            h2d_batches=3, pytest_args=("-n", "0"))
+            h2d_batches=3, pytest_args=("-n", "0"), scaling_batch_size=8, scaling_seconds=0.5)
 
 
 # -- 1. the GPU tests ------------------------------------------------------------------------
@@ -497,6 +503,25 @@ def describe_gpu(device: torch.device) -> dict[str, Any]:
     return doc
 
 
+# -- 5. the producer on more cores ------------------------------------------------------------
+
+
+def scaling_counts(cores: int) -> list[int]:
+    """1, 2, 4, ... up to ``cores``, and ``cores`` itself."""
+    return sorted({1 << i for i in range(cores.bit_length()) if 1 << i <= cores} | {cores})
+
+
+def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> dict[str, Any]:
+    results = run_benchmark(data, workers_list=counts, batch_size=sizes.scaling_batch_size,
+                            image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
+                            contenders=("prefetchd",), warm_start=False, data_wait=False,
+                            report=lambda line: log.info("  %s", line))
+    return {"floor": results.floor, "batch_size": sizes.scaling_batch_size, "seconds": sizes.scaling_seconds,
+            "rows": [{"workers": r.workers, "images_per_s": r.images_per_s, "scaling": r.scaling,
+                      "vs_floor": r.vs_floor, "first_batch_s": r.first_batch_s, "note": r.note}
+                     for r in results.throughput]}
+
+
 def git_commit(given: str | None) -> str:
     if given:
         return given
@@ -574,6 +599,24 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 f"{_cell(row.get('nvml_gpu_util_mean'), '{:.0f}%')} | {row['tree_pss_peak_mib']} | "
                 f"{row['system_used_above_start_peak_mib']} | {row['first_batch_s']:.1f} |")
         lines.append("")
+    scaling = doc.get("scaling")
+    if scaling is not None:
+        floor = scaling["floor"]
+        lines += ["## The producer on more cores", "",
+                  f"`prefetchd bench`'s prefetchd row: the daemon with k workers and a null consumer, all pinned to "
+                  f"k cores, batch {scaling['batch_size']}, {sizes['image_size']} px, {scaling['seconds']:g} s per "
+                  f"count, on {doc['dataset']}.  Floor: the daemon's `augment()` alone on one core over "
+                  f"{floor['files']} of the files, each decoded once before (a worker's steady state): "
+                  f"{floor['ms_per_image']:.2f} ms per image, {floor['images_per_s']:.0f} img/s.", "",
+                  "| workers | images/s | scaling (vs k × 1 worker) | of k × floor | first batch s |",
+                  "|---:|---:|---:|---:|---:|"]
+        for row in scaling["rows"]:
+            if row["images_per_s"] is None:
+                lines.append(f"| {row['workers']} | {row['note'] or 'failed'} | | | |")
+                continue
+            lines.append(f"| {row['workers']} | {row['images_per_s']:.0f} | {_cell(row['scaling'], '{:.0%}')} | "
+                         f"{_cell(row['vs_floor'], '{:.0%}')} | {_cell(row['first_batch_s'], '{:.2f}')} |")
+        lines.append("")
     lines += ["## Reproduce", "", "See README.md, \"On a GPU\": the wheels to carry, the install, and "
               "`python tools/gpu_check.py --out DIR/gpu.json --commit HASH`.", ""]
     return "\n".join(lines)
@@ -626,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         "format": RESULTS_FORMAT, "version": RESULTS_VERSION, "dry_run": args.dry_run, "json_name": out.name,
         "commit": git_commit(args.commit), "machine": describe_machine(), "gpu": describe_gpu(device),
         "sizes": {**dataclasses.asdict(sizes), "workers": workers}, "tests": None, "h2d": None, "training": None,
+        "scaling": None,
     }
     write_outputs(doc, out)
     log.info("writing %s and %s", out, out.parent / "GPU.md")
@@ -657,11 +701,15 @@ def main(argv: list[str] | None = None) -> int:
             write_outputs(doc, out)
 
         doc["training"] = training_rows(data, sizes, classes, device, workers, root, done=save)
+        counts = scaling_counts(len(os.sched_getaffinity(0))) if not args.dry_run else [1]
+        log.info("5. the producer alone at %s workers", ", ".join(map(str, counts)))
+        doc["scaling"] = scaling_rows(data, sizes, scratch / "bench", counts)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     write_outputs(doc, out)
     log.info("done: %s", out.parent / "GPU.md")
     failed = [row["feed"] for row in doc["training"] if str(row.get("note", "")).startswith("failed")]
+    failed += [f"producer at {row['workers']} workers" for row in doc["scaling"]["rows"] if row["images_per_s"] is None]
     tests_failed = doc["tests"] is not None and doc["tests"]["returncode"] not in (0, 5)
     return 1 if failed or tests_failed else 0
 
