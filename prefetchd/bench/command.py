@@ -76,8 +76,9 @@ def bench_command(
     """Measure images/s of prefetchd against ImageFolder + DataLoader (and SPDL and DALI, if installed).
 
     Every contender runs on the same dataset with 1..cores workers, pinned to as
-    many cores as it has workers. Prints a table and writes bench.json,
-    bench.txt and bench.png into --out.
+    many cores as it has workers. Prints a table, with the floor (the daemon's
+    augment() alone on one core) and prefetchd's share of k times it, and writes
+    bench.json, bench.txt and bench.png into --out.
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=getattr(logging, log_level.upper()),
