@@ -87,11 +87,10 @@ def read_range(path: Path | str, offset: int, size: int) -> bytearray:
 
 class LocalStorage:
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self._root = str(root)  # joined as a string per sample: a Path costs a worker ~5 us
+        self.root = str(root)  # joined as a string per sample: a Path costs a worker ~5 us
 
     def read(self, rel: str, offset: int = 0, size: int | None = None) -> bytearray:
-        path = os.path.join(self._root, rel)  # an absolute rel (a file list's) stays as it is
+        path = os.path.join(self.root, rel)  # an absolute rel (a file list's) stays as it is
         return read_bytes(path) if size is None else read_range(path, offset, size)
 
 
