@@ -7,6 +7,9 @@
 # already holds torch, torchvision, pillow, numpy, psutil, msgpack, click, prometheus-client,
 # pytest, pytest-xdist, pytest-timeout, hypothesis and nvidia-ml-py (pynvml), per the package
 # list of the device notes (KINDS.md, read 2026-11-25); tomli is for Python < 3.11 only.
+# Beside them, where apt-get works, the Debian packages of libjpeg-turbo (library and headers):
+# that image has a C compiler but no libjpeg headers, so without them `pip install -e .` skips
+# the crop-aware decoder and the figures measure the whole-image path (README "On a GPU").
 # Not fetched: nvidia-dali (its wheel is far over the 64 MiB a call may carry), so the DALI
 # step records itself as skipped; s3fs and moto (the object-storage tests, not marked gpu).
 #
@@ -23,4 +26,9 @@ mkdir -p .whl
 "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $WHEELS
+if command -v apt-get >/dev/null; then
+    (cd .whl && apt-get download libjpeg62-turbo libjpeg62-turbo-dev)
+else
+    echo "fetch_gpu_wheels: no apt-get here: the GPU machine will build without the crop-aware decoder" >&2
+fi
 ls -l .whl

@@ -559,6 +559,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"{machine.get('ram_bytes', 0) / 2**30:.0f} GiB RAM |",
         f"| software | Python {machine.get('python')}, torch {machine.get('torch')} (CUDA {gpu.get('torch_cuda')}, "
         f"cuDNN {gpu.get('cudnn')}), torchvision {machine.get('torchvision')}, Pillow {machine.get('pillow')} |",
+        f"| decoder | {machine.get('jpeg_decoder', 'not recorded')} |",
         f"| platform | {machine.get('platform')} |", "",
     ]
     tests = doc.get("tests")

@@ -18,6 +18,7 @@ import psutil
 
 from prefetchd.bench.dali import DALI_CONTENDERS
 from prefetchd.bench.results import CONTENDERS, ON_REQUEST_CONTENDERS, BenchmarkResults
+from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.launch import buffer_root
 
 def usable_cores() -> set[int]:
@@ -77,6 +78,7 @@ def describe_machine() -> dict[str, Any]:
         "torchvision": torchvision.__version__,
         "pillow": PIL.__version__,
         "numpy": numpy.__version__,
+        "jpeg_decoder": decoder_summary(),
         "load_average_start": round(os.getloadavg()[0], 2),
     }
 
