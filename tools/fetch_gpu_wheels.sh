@@ -3,7 +3,7 @@
 # `pip install --no-deps -e .` and tools/gpu_check.py, for its Python (3.12, x86-64 manylinux).
 # That machine reaches no package registry, so they travel with the checkout (`carry: [".whl"]`).
 #
-# What it lacks: of the project's dependencies (pyproject.toml) only watchdog. Its image
+# What it lacks: of the project's dependencies (pyproject.toml) watchdog and tomli-w. Its image
 # already holds torch, torchvision, pillow, numpy, psutil, msgpack, click, prometheus-client,
 # pytest, pytest-xdist, pytest-timeout, hypothesis and nvidia-ml-py (pynvml), per the package
 # list of the device notes (KINDS.md, read 2026-11-25); tomli is for Python < 3.11 only.
@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-WHEELS=${WHEELS:-"watchdog==7.1.0"}
+WHEELS=${WHEELS:-"watchdog==7.1.0 tomli_w==1.2.0"}
 mkdir -p .whl
 # pip matches each manylinux_2_N tag exactly, so name the common ones.
 # shellcheck disable=SC2086  # WHEELS is a space-separated list on purpose
