@@ -43,6 +43,9 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         assert math.isfinite(row["final_loss"])
         assert row["tree_pss_peak_mib"] > 0
     assert rows["synthetic"]["vs_synthetic"] == 1.0
+    for name in FEEDS[:3]:  # every round of every feed, the row its median
+        assert len(rows[name]["rounds_images_per_s"]) == doc["sizes"]["rounds"] == 2
+        assert rows[name]["images_per_s"] == min(rows[name]["rounds_images_per_s"])
     assert rows["DALI"].get("note", "").startswith("skipped:") or "images_per_s" in rows["DALI"]
 
     # 5. the producer alone, with the floor it is compared with (one worker count on a dry run).
@@ -69,3 +72,55 @@ def test_the_producer_is_measured_at_powers_of_two_and_every_core(monkeypatch: p
     assert gpu_check.scaling_counts(16) == [1, 2, 4, 8, 16]
     assert gpu_check.scaling_counts(6) == [1, 2, 4, 6]
     assert gpu_check.scaling_counts(1) == [1]
+
+
+def test_a_missing_dependency_stops_the_check_before_it_measures(tmp_path: Path) -> None:
+    # The first H200 run lacked tomli-w: every daemon-fed row failed minutes later.  Now the
+    # check names the module and measures nothing.
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "tomli_w.py").write_text("raise ModuleNotFoundError(\"No module named 'tomli_w'\", name='tomli_w')\n")
+    out = tmp_path / "result" / "gpu.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shadow), str(REPO),
+                                                                        os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "No module named 'tomli_w'" in proc.stderr and "fetch_gpu_wheels.sh" in proc.stderr
+    assert not out.exists()
+
+
+def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    order: list[str] = []
+    figures = {"synthetic": [100.0, 110.0, 90.0], "prefetchd": [50.0, 70.0, 60.0], "DataLoader": [40.0, None, 30.0]}
+
+    def train(name: str, feed: object, sizes: object, classes: int, device: object) -> dict[str, object]:
+        kind = name.split()[0]
+        order.append(kind)
+        value = figures[kind][sum(1 for seen in order if seen == kind) - 1]
+        if value is None:
+            raise RuntimeError("the daemon went away")
+        return {"feed": name, "images_per_s": value, "data_wait_share": 0.0}
+
+    monkeypatch.setattr(gpu_check, "train_with", train)
+    sizes = gpu_check.dataclasses.replace(gpu_check.DRY, rounds=3)
+    snapshots: list[int] = []
+    rows = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), 1, tmp_path,
+                                   done=lambda rows: snapshots.append(len(rows)))
+    # The ceiling opens every round; the others take turns at going first.
+    assert order == ["synthetic", "prefetchd", "DataLoader", "synthetic", "DataLoader", "prefetchd",
+                     "synthetic", "prefetchd", "DataLoader"]
+    assert len(snapshots) == 9  # saved after every training run
+    by_feed = {row["feed"].split()[0]: row for row in rows}
+    assert by_feed["synthetic"]["images_per_s"] == 100.0 and by_feed["synthetic"]["vs_synthetic"] == 1.0
+    assert by_feed["prefetchd"]["images_per_s"] == 60.0
+    assert by_feed["prefetchd"]["rounds_images_per_s"] == [50.0, 70.0, 60.0]
+    assert by_feed["prefetchd"]["vs_synthetic"] == 0.6
+    # A failed round is kept as such: the median of what was measured, and the failure beside it.
+    assert by_feed["DataLoader"]["rounds_images_per_s"] == [40.0, None, 30.0]
+    assert by_feed["DataLoader"]["images_per_s"] == 30.0
+    assert by_feed["DataLoader"]["failed_rounds"] == ["failed: RuntimeError: the daemon went away"]
+    assert by_feed["DALI"]["note"].startswith("skipped:")

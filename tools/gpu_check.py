@@ -1,6 +1,6 @@
 """One command that proves the GPU path on a GPU machine and writes docs/GPU.md + docs/gpu.json.
 
-    python tools/gpu_check.py [--out docs/gpu.json] [--commit HASH] [--steps 300]
+    python tools/gpu_check.py [--out docs/gpu.json] [--commit HASH] [--steps 200]
                               [--data IMAGEFOLDER] [--skip-tests] [--dry-run]
 
 Steps, each recorded in the JSON (rewritten after every step, so a run cut short
@@ -17,7 +17,9 @@ still leaves what it measured) and in GPU.md beside it:
    the GPU (the ceiling).  Per feed: images/s, data-wait share (time blocked in
    ``next()`` over wall time, as prefetchd-train defines it), GPU busy share (CUDA
    events around each step), GPU utilisation (NVML, when ``pynvml`` imports), host
-   memory (PSS of this process tree, the system's used memory above the start);
+   memory (PSS of this process tree, the system's used memory above the start).  The
+   dataset is written back and read once first, and each feed trains three times in
+   rotated order; its row is the median round;
 4. the same model fed by DALI's GPU pipeline when ``nvidia.dali`` imports;
 5. the producer alone on more cores than the 2 of the development machine:
    ``prefetchd bench``'s prefetchd row (no GPU, a null consumer) at 1, 2, 4, ... workers
@@ -90,6 +92,7 @@ class Sizes:
     image_size: int
     steps: int  # measured training steps per feed
     warmup_steps: int  # before them, not measured (cudnn autotuning, worker start, daemon fill)
+    rounds: int  # each feed trains this many times, the order rotated; its row is the median round
     classes: int
     per_class: int
     high_water: int  # the daemon's buffer, in batches
@@ -101,13 +104,15 @@ class Sizes:
     scaling_seconds: float  # per worker count
 
 
-# 20,000 files: 78 steps an epoch at batch 256, so the 330 steps of a feed span four
+# 20,000 files: 78 steps an epoch at batch 256, so the 230 steps of a feed span three
 # epochs, and ~2 GB of JPEGs that the page cache holds (the check measures decoding,
-# not the disk).  Generating them takes ~40 s on 16 cores.
-FULL = Sizes(device="cuda", model="resnet50", batch_size=256, image_size=224, steps=300, warmup_steps=30,
+# not the disk).  Generating them takes ~40 s on 16 cores.  Three rounds: on the first
+# H200 run (2026-11-26) one configuration gave 1689 and 4344 images/s in two runs a
+# minute apart, the first right after the dataset was written.
+FULL = Sizes(device="cuda", model="resnet50", batch_size=256, image_size=224, steps=200, warmup_steps=30, rounds=3,
              classes=100, per_class=200, high_water=16, h2d_batch_sizes=(128, 256), h2d_image_size=224,
              h2d_batches=16, pytest_args=(), scaling_batch_size=128, scaling_seconds=5.0)
-DRY = Sizes(device="cpu", model="squeezenet1_1", batch_size=8, image_size=32, steps=3, warmup_steps=1,
+DRY = Sizes(device="cpu", model="squeezenet1_1", batch_size=8, image_size=32, steps=3, warmup_steps=1, rounds=2,
             classes=2, per_class=8, high_water=4, h2d_batch_sizes=(4, 8), h2d_image_size=32,
             h2d_batches=3, pytest_args=("-n", "0"), scaling_batch_size=8, scaling_seconds=0.5)
 
@@ -456,6 +461,9 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
 
 def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, workers: int, root: Path,
                   done: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Each feed trained ``sizes.rounds`` times.  The synthetic ceiling opens every round and
+    the others rotate, so each runs first once (the first after a dataset is written ran
+    slowest on the H200); a feed's row is its median round, with every round's images/s."""
     feeds: list[tuple[str, Feed | str]] = [
         ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
         (f"prefetchd ({workers} workers)", lambda: prefetchd_feed(data, sizes, workers, device, root)),
@@ -463,23 +471,46 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
     ]
     missing = dali_missing(device)
     feeds.append((f"DALI mixed ({workers} threads)", missing or (lambda: dali_feed(data, sizes, workers, device))))
+    runnable = [(name, feed) for name, feed in feeds if not isinstance(feed, str)]
+    ceiling, rotating = runnable[0], runnable[1:]
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in runnable}
+    for r in range(sizes.rounds):
+        k = r % len(rotating)
+        for name, feed in [ceiling, *rotating[k:], *rotating[:k]]:
+            log.info("round %d/%d: training %s on %s, fed by %s: %d + %d steps", r + 1, sizes.rounds, sizes.model,
+                     device, name, sizes.warmup_steps, sizes.steps)
+            try:
+                row = train_with(name, feed, sizes, classes, device)
+            except Exception as exc:  # one failing feed must not lose the others' numbers
+                log.exception("%s failed", name)
+                row = {"feed": name, "note": f"failed: {type(exc).__name__}: {exc}"}
+            else:
+                log.info("  %.0f images/s, data wait %.1f%%", row["images_per_s"], 100 * row["data_wait_share"])
+            rounds[name].append(row)
+            done(median_rows(feeds, rounds))
+    return median_rows(feeds, rounds)
+
+
+def median_rows(feeds: list[tuple[str, Feed | str]], rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per feed: its median measured round, every round's images/s beside it (None for a
+    failed one), and images/s against the synthetic ceiling's median."""
     rows: list[dict[str, Any]] = []
     for name, feed in feeds:
         if isinstance(feed, str):
             rows.append({"feed": name, "note": feed})
             continue
-        log.info("training %s on %s, fed by %s: %d + %d steps", sizes.model, device, name, sizes.warmup_steps,
-                 sizes.steps)
-        try:
-            row = train_with(name, feed, sizes, classes, device)
-        except Exception as exc:  # one failing feed must not lose the others' numbers
-            log.exception("%s failed", name)
-            row = {"feed": name, "note": f"failed: {type(exc).__name__}: {exc}"}
-        else:
-            log.info("  %.0f images/s, data wait %.1f%%", row["images_per_s"], 100 * row["data_wait_share"])
+        runs = rounds.get(name, [])
+        measured = sorted((run for run in runs if "note" not in run), key=lambda run: run["images_per_s"])
+        failed = [run["note"] for run in runs if "note" in run]
+        if not measured:
+            if runs:
+                rows.append({"feed": name, "note": failed[0]})
+            continue
+        row = {**measured[(len(measured) - 1) // 2], "rounds_images_per_s": [run.get("images_per_s") for run in runs]}
+        if failed:
+            row["failed_rounds"] = failed
         rows.append(row)
-        done(rows)
-    ceiling = rows[0].get("images_per_s")
+    ceiling = rows[0].get("images_per_s") if rows else None
     for row in rows:
         if ceiling and row.get("images_per_s"):
             row["vs_synthetic"] = round(row["images_per_s"] / ceiling, 3)
@@ -584,21 +615,25 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += ["## Training", "",
                   f"{sizes['model']}, channels_last, bf16 autocast, SGD, batch {sizes['batch_size']}, "
                   f"{sizes['image_size']} px, {sizes['steps']} measured steps after {sizes['warmup_steps']} warm-up "
-                  f"steps, on {doc['dataset']}.  Data wait: time blocked in `next()` over wall time.  GPU busy: CUDA "
+                  f"steps, on {doc['dataset']}.  Each feed trained {sizes.get('rounds', 1)} times, the ceiling first "
+                  "in every round and the others in rotated order; a row is the feed's median round, and `rounds` "
+                  "lists every round's images/s.  Data wait: time blocked in `next()` over wall time (with the "
+                  "daemon's loader it also holds the wait for the GPU to finish reading the previous batch).  GPU busy: CUDA "
                   "events around each step over wall time.  Memory: peak PSS of this process tree (trainer, "
                   "daemon, workers) and peak system memory in use above the start (tmpfs batches included).", "",
                   "| feed | images/s | vs synthetic | data wait | GPU busy | GPU util (NVML) | tree PSS MiB | "
-                  "system +MiB | first batch s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "system +MiB | first batch s | rounds |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for row in doc["training"]:
             if "note" in row:
-                lines.append(f"| {row['feed']} | {row['note']} | | | | | | | |")
+                lines.append(f"| {row['feed']} | {row['note']} | | | | | | | | |")
                 continue
+            each = " / ".join("failed" if v is None else f"{v:.0f}" for v in row.get("rounds_images_per_s", []))
             lines.append(
                 f"| {row['feed']} | {row['images_per_s']:.0f} | {_cell(row.get('vs_synthetic'), '{:.2f}')} | "
                 f"{row['data_wait_share']:.1%} | {_cell(row.get('gpu_busy_share'), '{:.1%}')} | "
                 f"{_cell(row.get('nvml_gpu_util_mean'), '{:.0f}%')} | {row['tree_pss_peak_mib']} | "
-                f"{row['system_used_above_start_peak_mib']} | {row['first_batch_s']:.1f} |")
+                f"{row['system_used_above_start_peak_mib']} | {row['first_batch_s']:.1f} | {each} |")
         lines.append("")
     scaling = doc.get("scaling")
     if scaling is not None:
@@ -631,6 +666,33 @@ def write_outputs(doc: dict[str, Any], out: Path) -> None:
         tmp.replace(path)
 
 
+def cli_problem() -> str | None:
+    """Why the daemon's interpreter cannot run ``prefetchd``, or None.  A dependency left out of the
+    carried wheels (tomli-w on the first H200 run) otherwise shows only minutes later, as every
+    daemon-fed row failing."""
+    command = [sys.executable, "-m", "prefetchd", "--help"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 0:
+        return None
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+    return (f"`{' '.join(command)}` fails: {last[0]}; install what it lacks (on a machine without a package "
+            "registry, the wheels of `bash tools/fetch_gpu_wheels.sh`, README \"On a GPU\") and run again")
+
+
+def warm_page_cache(data: Path) -> None:
+    """Write back and read once every file of ``data``: no feed then pays for the disk or for the
+    writeback of a dataset just generated."""
+    os.sync()
+    files = nbytes = 0
+    for folder, _, names in os.walk(data):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                while chunk := f.read(1 << 20):
+                    nbytes += len(chunk)
+            files += 1
+    log.info("read %d files (%.0f MiB) into the page cache", files, nbytes / 2**20)
+
+
 def _buffer_root(need: int) -> Path:
     root = buffer_root(need)
     if root != Path("/dev/shm"):
@@ -656,6 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(sizes.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a GPU machine, or pass --dry-run", file=sys.stderr)
+        return 2
+    problem = cli_problem()
+    if problem:
+        print(f"gpu_check: {problem}", file=sys.stderr)
         return 2
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu-check-")) / "gpu.json" if args.dry_run
                        else REPO / "docs" / "gpu.json")
@@ -695,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["dataset"] = summary.line()
         else:
             doc["dataset"] = str(data)
+        warm_page_cache(data)
         classes = sum(1 for entry in os.scandir(data) if entry.is_dir())
 
         def save(rows: list[dict[str, Any]]) -> None:
@@ -709,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     write_outputs(doc, out)
     log.info("done: %s", out.parent / "GPU.md")
-    failed = [row["feed"] for row in doc["training"] if str(row.get("note", "")).startswith("failed")]
+    failed = [row["feed"] for row in doc["training"]
+              if str(row.get("note", "")).startswith("failed") or row.get("failed_rounds")]
     failed += [f"producer at {row['workers']} workers" for row in doc["scaling"]["rows"] if row["images_per_s"] is None]
     tests_failed = doc["tests"] is not None and doc["tests"]["returncode"] not in (0, 5)
     return 1 if failed or tests_failed else 0
