@@ -268,3 +268,14 @@ def test_fetch_sample_photos_takes_each_photo_out_of_its_wheel(tmp_path: Path) -
     first.unlink()
     result = CliRunner().invoke(fetch.main, [str(tmp_path / "fourth"), "--wheels", str(wheels)])
     assert result.exit_code == 1 and f"no wheel of {spec} in {wheels}" in result.output
+
+
+def test_fetch_gpu_wheels_covers_every_dependency_the_gpu_image_lacks() -> None:
+    script = ["bash", str(REPO / "tools" / "fetch_gpu_wheels.sh"), "--check"]
+    env = {**os.environ, "PYTHON": sys.executable}
+    assert subprocess.run(script, env=env, capture_output=True, text=True, timeout=60).returncode == 0
+    # Without tomli-w (as on the first H200 run) it refuses, naming what is missing, before any download.
+    proc = subprocess.run(script, env={**env, "WHEELS": "watchdog==7.1.0"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "needs tomli-w" in proc.stderr and "WHEELS" in proc.stderr
+    assert not proc.stdout
