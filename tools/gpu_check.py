@@ -617,8 +617,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   f"{sizes['image_size']} px, {sizes['steps']} measured steps after {sizes['warmup_steps']} warm-up "
                   f"steps, on {doc['dataset']}.  Each feed trained {sizes.get('rounds', 1)} times, the ceiling first "
                   "in every round and the others in rotated order; a row is the feed's median round, and `rounds` "
-                  "lists every round's images/s.  Data wait: time blocked in `next()` over wall time (with the "
-                  "daemon's loader it also holds the wait for the GPU to finish reading the previous batch).  GPU busy: CUDA "
+                  "lists every round's images/s.  Data wait: time blocked in `next()` over wall time (for the "
+                  "daemon's loader that includes mapping the batch file and copying it into pinned memory, work "
+                  "DataLoader's pin-memory thread does beside the loop).  GPU busy: CUDA "
                   "events around each step over wall time.  Memory: peak PSS of this process tree (trainer, "
                   "daemon, workers) and peak system memory in use above the start (tmpfs batches included).", "",
                   "| feed | images/s | vs synthetic | data wait | GPU busy | GPU util (NVML) | tree PSS MiB | "
