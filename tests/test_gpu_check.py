@@ -95,12 +95,12 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
     import gpu_check
 
     order: list[str] = []
-    figures = {"synthetic": [100.0, 110.0, 90.0], "prefetchd": [50.0, 70.0, 60.0], "DataLoader": [40.0, None, 30.0]}
+    figures = {"synthetic": [100.0, 110.0, 90.0], "prefetchd (2 workers)": [50.0, 70.0, 60.0],
+               "prefetchd (1 workers)": [20.0, 30.0, 25.0], "DataLoader (2 workers)": [40.0, None, 30.0]}
 
     def train(name: str, feed: object, sizes: object, classes: int, device: object) -> dict[str, object]:
-        kind = name.split()[0]
-        order.append(kind)
-        value = figures[kind][sum(1 for seen in order if seen == kind) - 1]
+        order.append(name)
+        value = figures[name][order.count(name) - 1]
         if value is None:
             raise RuntimeError("the daemon went away")
         return {"feed": name, "images_per_s": value, "data_wait_share": 0.0}
@@ -108,19 +108,30 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
     monkeypatch.setattr(gpu_check, "train_with", train)
     sizes = gpu_check.dataclasses.replace(gpu_check.DRY, rounds=3)
     snapshots: list[int] = []
-    rows = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), 1, tmp_path,
+    rows = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2, 1], tmp_path,
                                    done=lambda rows: snapshots.append(len(rows)))
     # The ceiling opens every round; the others take turns at going first.
-    assert order == ["synthetic", "prefetchd", "DataLoader", "synthetic", "DataLoader", "prefetchd",
-                     "synthetic", "prefetchd", "DataLoader"]
-    assert len(snapshots) == 9  # saved after every training run
-    by_feed = {row["feed"].split()[0]: row for row in rows}
+    p2, p1, dl = "prefetchd (2 workers)", "prefetchd (1 workers)", "DataLoader (2 workers)"
+    assert order == ["synthetic", p2, p1, dl, "synthetic", p1, dl, p2, "synthetic", dl, p2, p1]
+    assert len(snapshots) == 12  # saved after every training run
+    by_feed = {row["feed"]: row for row in rows}
+    assert list(by_feed) == ["synthetic", p2, p1, dl, "DALI mixed (2 threads)"]
     assert by_feed["synthetic"]["images_per_s"] == 100.0 and by_feed["synthetic"]["vs_synthetic"] == 1.0
-    assert by_feed["prefetchd"]["images_per_s"] == 60.0
-    assert by_feed["prefetchd"]["rounds_images_per_s"] == [50.0, 70.0, 60.0]
-    assert by_feed["prefetchd"]["vs_synthetic"] == 0.6
+    assert by_feed[p2]["images_per_s"] == 60.0 and by_feed[p2]["rounds_images_per_s"] == [50.0, 70.0, 60.0]
+    assert by_feed[p2]["vs_synthetic"] == 0.6
+    assert by_feed[p1]["images_per_s"] == 25.0
     # A failed round is kept as such: the median of what was measured, and the failure beside it.
-    assert by_feed["DataLoader"]["rounds_images_per_s"] == [40.0, None, 30.0]
-    assert by_feed["DataLoader"]["images_per_s"] == 30.0
-    assert by_feed["DataLoader"]["failed_rounds"] == ["failed: RuntimeError: the daemon went away"]
-    assert by_feed["DALI"]["note"].startswith("skipped:")
+    assert by_feed[dl]["rounds_images_per_s"] == [40.0, None, 30.0]
+    assert by_feed[dl]["images_per_s"] == 30.0
+    assert by_feed[dl]["failed_rounds"] == ["failed: RuntimeError: the daemon went away"]
+    assert by_feed["DALI mixed (2 threads)"]["note"].startswith("skipped:")
+
+
+def test_worker_counts_are_read_from_a_comma_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    assert gpu_check.worker_counts("15,12") == [15, 12]
+    for bad in ("", "0", "15,x", "-1"):
+        with pytest.raises(gpu_check.argparse.ArgumentTypeError, match="worker counts of 1 or more"):
+            gpu_check.worker_counts(bad)

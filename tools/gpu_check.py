@@ -1,7 +1,7 @@
 """One command that proves the GPU path on a GPU machine and writes docs/GPU.md + docs/gpu.json.
 
     python tools/gpu_check.py [--out docs/gpu.json] [--commit HASH] [--steps 200]
-                              [--data IMAGEFOLDER] [--skip-tests] [--dry-run]
+                              [--data IMAGEFOLDER] [--workers 15,12] [--skip-tests] [--dry-run]
 
 Steps, each recorded in the JSON (rewritten after every step, so a run cut short
 still leaves what it measured) and in GPU.md beside it:
@@ -210,6 +210,17 @@ def _h2d_host(buffer: Path, batches: int) -> list[tuple[str, float | None, dict[
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 Feed = Callable[[], AbstractContextManager[Batches]]
+
+
+def worker_counts(text: str) -> list[int]:
+    """``--workers 15,12`` as [15, 12]."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give worker counts of 1 or more, separated by commas (15,12)")
+    return counts
 
 
 def cores_but_one() -> int:
@@ -459,18 +470,21 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
     return row
 
 
-def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, workers: int, root: Path,
+def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, workers: list[int], root: Path,
                   done: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Each feed trained ``sizes.rounds`` times.  The synthetic ceiling opens every round and
     the others rotate, so each runs first once (the first after a dataset is written ran
-    slowest on the H200); a feed's row is its median round, with every round's images/s."""
+    slowest on the H200); a feed's row is its median round, with every round's images/s.
+    The daemon trains with each count in ``workers``, DataLoader and DALI with the first."""
     feeds: list[tuple[str, Feed | str]] = [
         ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
-        (f"prefetchd ({workers} workers)", lambda: prefetchd_feed(data, sizes, workers, device, root)),
-        (f"DataLoader ({workers} workers)", lambda: dataloader_feed(data, sizes, workers, device)),
+        *((f"prefetchd ({k} workers)", lambda k=k: prefetchd_feed(data, sizes, k, device, root)) for k in workers),
     ]
+    workers_first = workers[0]
+    feeds.append((f"DataLoader ({workers_first} workers)", lambda: dataloader_feed(data, sizes, workers_first, device)))
     missing = dali_missing(device)
-    feeds.append((f"DALI mixed ({workers} threads)", missing or (lambda: dali_feed(data, sizes, workers, device))))
+    feeds.append((f"DALI mixed ({workers_first} threads)",
+                  missing or (lambda: dali_feed(data, sizes, workers_first, device))))
     runnable = [(name, feed) for name, feed in feeds if not isinstance(feed, str)]
     ceiling, rotating = runnable[0], runnable[1:]
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in runnable}
@@ -711,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="measured training steps per feed")
     parser.add_argument("--data", type=Path, help="an ImageFolder tree to train on instead of generating one")
     parser.add_argument("--skip-tests", action="store_true", help="leave out `pytest -m gpu`")
+    parser.add_argument("--workers", type=worker_counts, help="the daemon's worker counts to train with, e.g. "
+                        "15,12 (DataLoader and DALI get the first) [default: all cores but one]")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gpu_check: %(message)s")
     sizes = DRY if args.dry_run else FULL
@@ -732,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         # Toy sizes on a shared CPU: more intra-op threads than free cores spin against
         # each other (seen here: 30x slower steps with 2 threads on a busy 2-core box).
         torch.set_num_threads(1)
-    workers = cores_but_one()
+    workers = args.workers or [cores_but_one()]
     doc: dict[str, Any] = {
         "format": RESULTS_FORMAT, "version": RESULTS_VERSION, "dry_run": args.dry_run, "json_name": out.name,
         "commit": git_commit(args.commit), "machine": describe_machine(), "gpu": describe_gpu(device),
