@@ -11,6 +11,7 @@ same per-image time down by kernel.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -34,6 +35,8 @@ def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | No
     of CPU time or ``images`` images after a first pass over the files."""
     if (seconds is None) == (images is None):
         raise ValueError("pass seconds= or images=, not both")
+    cpu_limit = seconds if seconds is not None else math.inf
+    image_limit = images if images is not None else math.inf
     index = scan_class_folders(data)
     step = max(1, len(index) // FLOOR_FILES)
     paths = [index.path(i) for i in range(0, len(index), step)][:FLOOR_FILES]
@@ -58,7 +61,7 @@ def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | No
                 one(epoch, i)
                 done += 1
                 cpu = time.process_time() - start
-                if (cpu >= seconds) if seconds is not None else (done >= images):  # type: ignore[operator]
+                if cpu >= cpu_limit or done >= image_limit:
                     return {"images_per_s": done / cpu, "ms_per_image": cpu / done * 1e3, "images": done,
                             "files": len(paths), "core": core}
             epoch += 1
