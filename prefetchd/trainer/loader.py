@@ -147,7 +147,8 @@ class BufferLoader:
         pin: how batches reach a CUDA device (see ``prefetchd.trainer.gpu``):
             "staging" copies each mapped batch into a ring of pinned buffers and
             from there to the device on a side stream; "register" page-locks the
-            mapped file itself (no host copy, a driver call per batch); "none"
+            mapped file itself (no host copy, but a driver call per batch that
+            on an H200 made it 7x slower than "staging": docs/GPU.md); "none"
             copies straight from the mapping on the consumer's stream
             (``non_blocking=True``, which from pageable memory means: the driver
             stages the bytes through its own pinned buffer and the call returns
