@@ -75,7 +75,8 @@ log = logging.getLogger("gpu_check")
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_FORMAT = "prefetchd.gpu_check"
-RESULTS_VERSION = 1
+# 2: training rows are medians over rounds (rounds_images_per_s, failed_rounds); sizes.workers is a list.
+RESULTS_VERSION = 2
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 # Every wait on another process is bounded; a stuck step fails with this in its message.
@@ -506,8 +507,9 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
 
 
 def median_rows(feeds: list[tuple[str, Feed | str]], rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per feed: its median measured round, every round's images/s beside it (None for a
-    failed one), and images/s against the synthetic ceiling's median."""
+    """One row per feed: its median measured round (the lower of the middle two for an even
+    count), every round's images/s beside it (None for a failed one), and images/s against
+    the synthetic ceiling's median."""
     rows: list[dict[str, Any]] = []
     for name, feed in feeds:
         if isinstance(feed, str):
