@@ -54,13 +54,13 @@ from prefetchd.buffer_protocol.status import (
     read_status,
     write_status,
 )
-from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, write_batch
+from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, SpareFiles, write_batch
 
 __all__ = [
     "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
     "DEFAULT_CONSUMER", "check_consumer", "list_consumers", "progress_name",
     "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
-    "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "alive_since", "batch_name", "daemon_pid", "list_batches",
+    "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",
     "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "State",

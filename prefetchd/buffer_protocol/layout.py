@@ -47,6 +47,7 @@ JOB_NAME = "job.json"
 DOCUMENT_KINDS = ("manifest", "progress", "status", "job")  # each document's format is prefetchd.<kind>
 BATCH_SUFFIX = ".batch"
 TEMP_MARK = ".tmp"
+SPARE_PREFIX = "spare-"  # a consumed batch file kept for reuse (writer.SpareFiles)
 MAX_DOCUMENT_LEN = 1 << 20
 # A consumer waiting for a batch rewrites its progress file this often (same position, new
 # time), so that a daemon tells a waiting consumer from a silent one (--consumer-timeout).
@@ -55,7 +56,7 @@ PROGRESS_REFRESH_SECONDS = 2.0
 _BATCH_RE = re.compile(r"e(\d{6})-s(\d{8})\.batch", re.ASCII)
 MAX_EPOCH = 10**6 - 1
 MAX_STEP = 10**8 - 1
-_TEMP_RE = re.compile(r"^(e\d{6}-s\d{8}\.tmp|.+\.json\.tmp-\d+-[0-9a-f]+)$")
+_TEMP_RE = re.compile(r"^(e\d{6}-s\d{8}\.tmp|spare-\d{8}\.tmp|.+\.json\.tmp-\d+-[0-9a-f]+)$")
 
 
 # Several trainers (a sweep, an ensemble) may read one stream; each is a consumer with its own

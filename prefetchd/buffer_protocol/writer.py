@@ -11,6 +11,13 @@ its property tests exercise the path production takes::
                         last, then rename to the .batch name
     abort   controller  remove the temp file
 
+A consumed batch file that no other process has open or mapped can be kept as a spare
+(``SpareFiles``) and renamed to the next temp name of its size instead of creating one:
+rewriting pages a tmpfs already holds is cheaper than having it allocate, charge and
+later free new ones.  Begin then zeroes every byte of the spare that fill and commit do
+not write (the header page, padding), so that the batch has the bytes of one built in a
+fresh file and a temp file never carries a batch's magic.
+
 The header is written at commit, not begin: ``replaced`` is known only once every
 slot is filled, and a temp file without its magic can never be mistaken for a
 batch.  Nothing is fsynced: the buffer is a tmpfs that a reboot empties anyway,
@@ -19,8 +26,12 @@ and a batch lost in a crash is rebuilt bit-identical from (epoch, step).
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +39,7 @@ from types import TracebackType
 import numpy as np
 
 from prefetchd.buffer_protocol.batch import DTYPES, BatchLayout, temp_name
+from prefetchd.buffer_protocol.layout import SPARE_PREFIX, TEMP_MARK
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +65,18 @@ def create_exclusive(path: Path) -> int:
         return os.open(path, _CREATE_FLAGS, 0o644)
 
 
+def _zero_outside_tensors(fd: int, layout: BatchLayout) -> None:
+    """Zero what no fill or commit writes (the header page, the padding after each tensor), as
+    in a fresh file: a spare's earlier batch may have had another layout of the same length."""
+    start = 0
+    for spec in sorted(layout.tensors.values(), key=lambda t: t.offset):
+        if spec.offset > start:
+            _pwrite_all(fd, memoryview(bytes(spec.offset - start)), start)
+        start = spec.offset + spec.length
+    if layout.file_len > start:
+        _pwrite_all(fd, memoryview(bytes(layout.file_len - start)), start)
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
@@ -71,17 +95,23 @@ class PendingBatch:
         return temp_name(self.final)
 
     @classmethod
-    def begin(cls, final: str | os.PathLike[str], layout: BatchLayout) -> PendingBatch:
-        """Create the temp file sized for ``layout``; on OSError nothing is left behind."""
+    def begin(cls, final: str | os.PathLike[str], layout: BatchLayout, spares: SpareFiles | None = None) -> PendingBatch:
+        """Create the temp file sized for ``layout`` (from one of ``spares`` where one has its
+        size); on OSError nothing is left behind."""
         pending = cls(Path(final), layout)
-        fd = create_exclusive(pending.tmp)
+        fd = spares.take(layout.file_len, pending.tmp) if spares is not None else None
         try:
-            os.ftruncate(fd, layout.file_len)
+            if fd is None:
+                fd = create_exclusive(pending.tmp)
+                os.ftruncate(fd, layout.file_len)
+            else:
+                _zero_outside_tensors(fd, layout)
         except BaseException:
             pending.abort()
             raise
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         return pending
 
     def slots(self) -> SlotFiller:
@@ -172,3 +202,100 @@ def write_batch(
         pending.abort()
         raise
     pending.commit(labels, indices, epoch=epoch, step=step, seed=seed, producer=producer, replaced=replaced)
+
+
+class SpareFiles:
+    """Consumed batch files kept, renamed out of the way, for the next batches of their size.
+
+    The controller renames a consumed batch to a spare name at once (no reader opens it by
+    its batch name after that).  A spare is reused only while no other process has it open
+    or mapped: ``take`` first takes a write lease on it, which the kernel grants only when no
+    other open file exists on it, mappings included.  A trainer still holding a batch (a
+    tensor over its mapping, kept past the next step) keeps its pages as they were, and its
+    spare is deleted instead of reused.  That is checked when the spare is wanted, not when
+    the batch is consumed: a training loop still holds the batch it asks past while the
+    loader reports it consumed.  Measured on the 2-core EPYC (128 slots of 224 x 224 x 3,
+    /dev/shm): writing into fresh tmpfs pages 0.053 ms per image, into a spare's 0.030, and
+    freeing a consumed file's pages, paid by whoever drops the last reference, 0.017 ms.
+    """
+
+    def __init__(self) -> None:
+        self._names = itertools.count()
+        self._files: list[tuple[int, Path]] = []  # (size, path), oldest first
+        self.enabled = _ignore_lease_breaks()
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def retire(self, path: Path) -> None:
+        """Keep the consumed batch ``path`` as a spare (delete it where spares cannot be kept)."""
+        if not self.enabled:
+            path.unlink(missing_ok=True)
+            return
+        spare = path.with_name(f"{SPARE_PREFIX}{next(self._names):08d}{TEMP_MARK}")
+        try:
+            os.rename(path, spare)
+            size = os.stat(spare, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return
+        except OSError:
+            path.unlink(missing_ok=True)
+            return
+        self._files.append((size, spare))
+
+    def take(self, size: int, tmp: Path) -> int | None:
+        """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and
+        opened for writing; None when there is none.  Older spares still in use are deleted."""
+        for entry in list(self._files):
+            spare_size, spare = entry
+            if spare_size != size:
+                continue
+            newest = entry is self._files[-1]
+            if not _unshared(spare):
+                if not newest:  # not the batch just handed past: someone keeps it
+                    self._files.remove(entry)
+                    spare.unlink(missing_ok=True)
+                continue
+            self._files.remove(entry)
+            try:
+                os.rename(spare, tmp)
+                return os.open(tmp, _OPEN_FLAGS | os.O_CLOEXEC)
+            except OSError:  # someone removed or replaced it: create a fresh file instead
+                spare.unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
+                return None
+        return None
+
+    def trim(self, keep: int) -> None:
+        """Delete all but the ``keep`` newest spares."""
+        while len(self._files) > max(0, keep):
+            self._files.pop(0)[1].unlink(missing_ok=True)
+
+
+def _unshared(path: Path) -> bool:
+    """True if ``path`` is a regular file with one name and no other open file (or mapping) on it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN while anyone else has it open or mapped
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        st = os.fstat(fd)
+    except OSError:  # shared, or leases unsupported here (fs.leases-enable = 0, another file system)
+        return False
+    finally:
+        os.close(fd)
+    return st.st_nlink == 1
+
+
+def _ignore_lease_breaks() -> bool:
+    """Let spares be kept in this process: ignore SIGIO, which the kernel sends to a lease holder
+    when someone opens its file during the microseconds the lease is held (its default would end
+    the process).  False where that cannot be done: not the main thread, or SIGIO in use."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGIO) not in (signal.SIG_DFL, signal.SIG_IGN):
+        return False
+    signal.signal(signal.SIGIO, signal.SIG_IGN)
+    return True

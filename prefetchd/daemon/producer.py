@@ -31,6 +31,7 @@ from prefetchd.buffer_protocol import (
     DaemonLock,
     Manifest,
     PendingBatch,
+    SpareFiles,
     batch_name,
     list_temp_files,
     write_status,
@@ -142,6 +143,7 @@ class Producer:
         self._job = WorkerJob.from_config(index, members, cfg)
         self.pool = WorkerPool(self._job, self.workers_wanted)
         self.remote = RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted) if cfg.ray else None
+        self.spares = SpareFiles()
 
     @property
     def max_building(self) -> int:
@@ -186,6 +188,7 @@ class Producer:
                     self.next_job = self.poll_jobs(self.cfg)
                     last_poll = now
                 self._schedule()
+                self.spares.trim(self._spare_room())
                 self._dispatch()
                 if now - last_status >= STATUS_SECONDS:
                     self._write_status()
@@ -258,6 +261,7 @@ class Producer:
             for build in stream.building.values():
                 build.pending.abort()
             stream.building.clear()
+        self.spares.trim(0)
 
     # -- progress and deletion -----------------------------------------------
 
@@ -266,10 +270,16 @@ class Producer:
             stream.read_progress()
             stale, builds = stream.outside_window()
             for g in stale:
-                stream.published.pop(g).unlink(missing_ok=True)
+                self.spares.retire(stream.published.pop(g))
             for build in builds:
                 self._cancel(build)
             stream.reconcile()
+
+    def _spare_room(self) -> int:
+        """How many spares to keep: no more than can be begun at once, and never so many that a
+        stream's files, spares included (they hold tmpfs pages as batches do), pass its cap."""
+        room = sum(max(0, s.cap - len(s.published) - s.active) for s in self.streams)
+        return min(self.max_building, room)
 
     def _cancel(self, build: Build) -> None:
         """Stop building ``build``; tasks already at a worker finish and are ignored."""
@@ -332,7 +342,7 @@ class Producer:
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
         final = stream.dir / batch_name(epoch, step)
         try:
-            pending = PendingBatch.begin(final, layout)
+            pending = PendingBatch.begin(final, layout, self.spares)
         except OSError as exc:  # e.g. a directory planted under the name, out of inodes
             self.stats.write_failures += 1
             log.warning("cannot create %s: %s; retrying in %.0f s", temp_name(final), exc.strerror, RETRY_SECONDS)

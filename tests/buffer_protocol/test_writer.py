@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from prefetchd.buffer_protocol import (
     BatchLayout,
     PendingBatch,
+    SpareFiles,
     batch_name,
     list_batches,
     list_temp_files,
@@ -84,3 +85,102 @@ def test_a_commit_that_cannot_publish_leaves_nothing_behind(tmp_path: Path) -> N
     with pytest.raises(OSError):
         pending.commit(np.zeros(2), np.zeros(2), **FIELDS)
     assert list(list_temp_files(tmp_path)) == [] and final.is_dir()
+
+
+# -- spares: consumed batch files reused for the next batches ---------------------------------
+
+HOLD = ("import sys; from prefetchd.buffer_protocol import map_batch\n"
+        "batch = map_batch(sys.argv[1])\n"  # mapped privately, the file closed, as BufferLoader does
+        "print(batch.images.tobytes().hex(), flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print(batch.images.tobytes().hex(), flush=True)\n")
+
+
+def _hold(path: Path) -> tuple[subprocess.Popen[str], str]:
+    """A process that maps the batch at ``path`` and keeps it until its stdin gets a line; and its images' bytes."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def _release(proc: subprocess.Popen[str]) -> str:
+    """Let ``proc`` go; the images' bytes it saw last."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    last = proc.stdout.readline().strip()
+    proc.wait(30)
+    return last
+
+
+def _begin_and_commit(directory: Path, step: int, spares: SpareFiles, images: np.ndarray,
+                      producer: str = "p") -> Path:
+    labels, indices = np.arange(len(images)) + step, np.arange(len(images)) * 7 + step
+    pending = PendingBatch.begin(directory / batch_name(0, step), BatchLayout.plan(*images.shape), spares)
+    with pending.slots() as slots:
+        for slot, image in enumerate(images):
+            slots.fill(slot, memoryview(image.reshape(-1)))
+    return pending.commit(labels, indices, epoch=0, step=step, seed=1, producer=producer)
+
+
+@pytest.mark.parametrize("first_n, second_n", [(4, 4), (3, 2)])  # (3, 2): another layout, the same file length
+def test_a_batch_begun_in_a_spare_has_the_bytes_of_a_fresh_one(first_n: int, second_n: int, tmp_path: Path) -> None:
+    spares = SpareFiles()
+    first, _, _ = _arrays(first_n)
+    # A longer producer name: more metadata in the header page than the next batch writes.
+    old = _begin_and_commit(tmp_path, 0, spares, first, producer="a-much-longer-producer-name")
+    inode = old.stat().st_ino
+    spares.retire(old)
+    assert not old.exists() and len(spares) == 1 and len(list(list_temp_files(tmp_path))) == 1  # swept at start
+    second = np.random.default_rng(7).integers(0, 256, (second_n, *first.shape[1:]), dtype=np.uint8)
+    assert BatchLayout.plan(*second.shape).file_len == list(list_temp_files(tmp_path))[0].stat().st_size
+    reused = _begin_and_commit(tmp_path, 1, spares, second)
+    assert reused.stat().st_ino == inode and len(spares) == 0  # the same file, its pages rewritten
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert reused.read_bytes() == _begin_and_commit(fresh, 1, SpareFiles(), second).read_bytes()
+
+
+def test_a_spare_another_process_maps_is_not_reused_until_it_lets_go(tmp_path: Path) -> None:
+    spares = SpareFiles()
+    images, _, _ = _arrays(3)
+    batch = _begin_and_commit(tmp_path, 0, spares, images)
+    holder, seen = _hold(batch)
+    spares.retire(batch)
+    other = np.full_like(images, 9)
+    built = _begin_and_commit(tmp_path, 1, spares, other)  # the spare is mapped: a fresh file instead
+    assert len(spares) == 1 and built.stat().st_ino != list(list_temp_files(tmp_path))[0].stat().st_ino
+    assert _release(holder) == seen == images.tobytes().hex()  # its pages never changed under it
+    assert _begin_and_commit(tmp_path, 2, spares, other) and len(spares) == 0  # let go: reused
+
+
+def test_an_older_spare_someone_keeps_is_deleted_and_its_pages_stay(tmp_path: Path) -> None:
+    spares = SpareFiles()
+    images, _, _ = _arrays(3)
+    kept = _begin_and_commit(tmp_path, 0, spares, images)
+    holder, seen = _hold(kept)
+    spares.retire(kept)
+    spares.retire(_begin_and_commit(tmp_path, 1, spares, images))  # a second spare, newer; that one was fresh
+    assert len(spares) == 2
+    _begin_and_commit(tmp_path, 2, spares, np.zeros_like(images))  # skips the held one, deletes it, takes the newer
+    assert len(spares) == 0 and len(list(list_temp_files(tmp_path))) == 0
+    assert _release(holder) == seen
+
+
+def test_spares_are_trimmed_oldest_first_and_only_a_matching_size_is_taken(tmp_path: Path) -> None:
+    spares = SpareFiles()
+    images, _, _ = _arrays(3, 64, 64)  # three pages an image: every count has its own file length
+    paths = [_begin_and_commit(tmp_path, step, SpareFiles(), images) for step in range(3)]
+    inodes = [p.stat().st_ino for p in paths]
+    for path in paths:
+        spares.retire(path)
+    spares.trim(2)
+    assert len(spares) == 2
+    kept = sorted(p.stat().st_ino for p in list_temp_files(tmp_path))
+    assert kept == sorted(inodes[1:])
+    _begin_and_commit(tmp_path, 5, spares, images[:2])  # another size: none fits
+    assert len(spares) == 2 and sorted(p.stat().st_ino for p in list_temp_files(tmp_path)) == kept
+    assert _begin_and_commit(tmp_path, 6, spares, images).stat().st_ino == inodes[1]  # the oldest kept
+    spares.trim(0)
+    assert len(list(list_temp_files(tmp_path))) == 0

@@ -79,6 +79,32 @@ def test_consumed_batches_are_deleted_and_buffer_refills(shapes_data: Path, shm_
     assert first.step == 0
 
 
+def test_consumed_batch_files_are_reused_but_never_one_a_trainer_still_holds(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    high = 4
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--epochs", "3", "--high-water", high)
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    kept: list[tuple[object, str]] = []  # every fifth batch, zero-copy over its mapping, and its digest then
+    inodes: list[int] = []
+    most_files = 0
+    for epoch in range(3):
+        for batch in loader:
+            # Not yet consumed: the file is there under its name.
+            inodes.append((buffer / f"e{epoch:06d}-s{batch.step:08d}.batch").stat().st_ino)
+            if len(inodes) % 5 == 0:
+                kept.append((batch.images, digest(batch.images)))
+            # Batches, batches being built and spares: the tmpfs holds no more than the cap.
+            most_files = max(most_files, len(list_batches(buffer)) + len(list(list_temp_files(buffer))))
+    loader.close()
+    assert len(kept) >= 3
+    assert all(digest(images) == seen for images, seen in kept), "a batch a trainer still held was overwritten"
+    assert len(set(inodes)) < len(inodes) // 2, "consumed batch files were not reused"
+    assert most_files <= high
+    assert daemon.wait_exit(30) == 0, daemon.log  # all epochs consumed: it leaves, and takes its spares along
+    assert list(list_temp_files(buffer)) == []
+
+
 def test_identical_batches_across_worker_counts_and_after_rewind(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     data = shapes_data / "train"
     runs = {}
