@@ -40,6 +40,7 @@ extension most jobs need neither (``transforms.needed_modules``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -222,6 +223,7 @@ def prepare_process(job: WorkerJob) -> None:
     Image.MAX_IMAGE_PIXELS = None
     preload(job.augment)  # first: a job that imports torch has it by the time threads are limited
     limit_threads()
+    keep_heap()
 
 
 def forkserver_preload() -> list[str]:
@@ -229,6 +231,32 @@ def forkserver_preload() -> list[str]:
     of importing their own copies (see the module docstring): the worker code and what augmenting
     needs without options (a job's colour jitter or hook imports the rest in each worker)."""
     return ["prefetchd.daemon.workers", *needed_modules()]
+
+
+# glibc's mallopt parameters, and the values of its dynamic mmap threshold at its ceiling.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_HEAP_SETTINGS = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 64 << 20), (_M_TOP_PAD, 16 << 20))
+
+
+def keep_heap() -> None:
+    """Keep the heap's pages instead of handing them back to the kernel and faulting them in again.
+
+    Every image allocates its file's bytes, the decoded box (100 KB to a few MB) and the
+    resized output (150 KB at 224 x 224).  glibc starts by mapping anything over 128 KB
+    afresh (page faults on every touch, munmap on free) and trims the heap top as soon as
+    a large block there is freed; it raises those thresholds only as it sees larger blocks
+    freed.  Set at once to the ceiling that adaptation reaches (32 MiB mapped, 64 MiB
+    trimmed) and with 16 MiB of padding per heap extension, the worker reuses its pages.
+    Measured on the 2-core EPYC (photos, 2 workers, consumer on the same cores, 3
+    alternating 8 s runs): the workers' CPU per image 0.92 -> 0.89 ms and 2023-2116 ->
+    2123-2140 img/s, for 1 MiB more RSS per worker.  Not glibc (musl): nothing to do."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    for param, value in _HEAP_SETTINGS:
+        mallopt(param, value)
 
 
 def limit_threads() -> None:
