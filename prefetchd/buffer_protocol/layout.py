@@ -124,6 +124,11 @@ def batch_name(epoch: int, step: int) -> str:
     return f"e{epoch:06d}-s{step:08d}{BATCH_SUFFIX}"
 
 
+def spare_name(n: int) -> str:
+    """The name of the daemon's ``n``-th spare: a consumed batch's file kept for a later batch (``writer.SpareFiles``)."""
+    return f"{SPARE_PREFIX}{n:08d}{TEMP_MARK}"
+
+
 def parse_batch_name(name: str) -> tuple[int, int] | None:
     m = _BATCH_RE.fullmatch(name)
     return (int(m[1]), int(m[2])) if m else None

@@ -39,7 +39,7 @@ from types import TracebackType
 import numpy as np
 
 from prefetchd.buffer_protocol.batch import DTYPES, BatchLayout, temp_name
-from prefetchd.buffer_protocol.layout import SPARE_PREFIX, TEMP_MARK
+from prefetchd.buffer_protocol.layout import spare_name
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class PendingBatch:
 
     final: Path
     layout: BatchLayout
+    reused: bool = False  # begun in a spare: its pages are already the file system's
 
     @property
     def tmp(self) -> Path:
@@ -98,8 +99,9 @@ class PendingBatch:
     def begin(cls, final: str | os.PathLike[str], layout: BatchLayout, spares: SpareFiles | None = None) -> PendingBatch:
         """Create the temp file sized for ``layout`` (from one of ``spares`` where one has its
         size); on OSError nothing is left behind."""
-        pending = cls(Path(final), layout)
-        fd = spares.take(layout.file_len, pending.tmp) if spares is not None else None
+        final = Path(final)
+        fd = spares.take(layout.file_len, temp_name(final)) if spares is not None else None
+        pending = cls(final, layout, reused=fd is not None)
         try:
             if fd is None:
                 fd = create_exclusive(pending.tmp)
@@ -227,12 +229,18 @@ class SpareFiles:
     def __len__(self) -> int:
         return len(self._files)
 
+    @property
+    def bytes(self) -> int:
+        """What the spares hold: space a batch begun in one of them needs no more of (or that
+        deleting them frees, once no trainer maps them)."""
+        return sum(size for size, _ in self._files)
+
     def retire(self, path: Path) -> None:
         """Keep the consumed batch ``path`` as a spare (delete it where spares cannot be kept)."""
         if not self.enabled:
             path.unlink(missing_ok=True)
             return
-        spare = path.with_name(f"{SPARE_PREFIX}{next(self._names):08d}{TEMP_MARK}")
+        spare = path.with_name(spare_name(next(self._names)))
         try:
             os.rename(path, spare)
             size = os.stat(spare, follow_symlinks=False).st_size

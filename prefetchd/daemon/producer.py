@@ -320,8 +320,10 @@ class Producer:
             _, _, stream, g = candidates[0]
             size = batch_len(stream.key(g)[1], self.cfg.batch_size, stream.manifest.samples_per_epoch)
             layout = BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
-            pending = sum(b.layout.file_len for s in self.streams for b in s.building.values())
-            free = self._free_bytes() - pending - layout.file_len
+            # Batches being built in fresh files take space as they fill; a spare's is taken already,
+            # and a new batch will reuse it: count it free, as the batch it once was would be.
+            pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
+            free = self._free_bytes() + self.spares.bytes - pending - layout.file_len
             if free < self.min_free:
                 msg = (f"paused: {self.buffer} would fall to {max(free, 0) >> 20} MiB free, below the floor of "
                        f"{self.min_free >> 20} MiB; free space there or lower --high-water")

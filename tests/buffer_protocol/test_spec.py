@@ -182,6 +182,16 @@ def directory_mismatches(spec: str) -> list[str]:
     names = [n for n in names if n not in named]
     if [n.replace("NAME", "trial-3") for n in named] != [layout.progress_name("trial-3")]:
         out.append(f"consumer progress files: spec {named}, code {layout.progress_name('trial-3')!r} for 'trial-3'")
+    spares = [n for n in names if re.fullmatch(r"[a-z]+-N+\.\w+", n)]  # the daemon's spare files
+    names = [n for n in names if n not in spares]
+    for pattern in spares:
+        width = pattern.count("N")
+        for n in (0, 7, 10**width - 1):
+            expected = pattern.replace("N" * width, f"{n:0{width}d}")
+            if layout.spare_name(n) != expected:
+                out.append(f"{pattern}: spec gives {expected!r} for spare {n}, code gives {layout.spare_name(n)!r}")
+    if len(spares) != 1:
+        out.append(f"spare files: spec names {spares}, expected one pattern")
     fixed = {n for n in names if not re.search(r"E+-s?S+", n)}
     constants = {layout.LOCK_NAME, layout.MANIFEST_NAME, layout.PROGRESS_NAME, layout.STATUS_NAME, layout.JOB_NAME}
     if fixed != constants:
@@ -376,7 +386,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Batch file", "offset")) == 6
     assert len(table(SPEC, "Batch file", "key")) == 7
     assert len(table(SPEC, "Batch file", "name")) == 3
-    assert len(table(SPEC, "Buffer directory", "file")) == 8
+    assert len(table(SPEC, "Buffer directory", "file")) == 9
     assert len(table(SPEC, "Status document", "key")) >= 60
     assert len(docstring_header(batch.__doc__ or "")) == 6
 

@@ -6,15 +6,18 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from prefetchd.buffer_protocol import batch_name
+from prefetchd.buffer_protocol import State, batch_name
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.main import check_capacity
+from prefetchd.trainer import BufferLoader
+from tests.status_examples import production_of, state_of
 
 SMALL_TMPFS = 1 << 20
 
@@ -40,7 +43,14 @@ def small_tmpfs(shm_buffer: Path) -> Iterator[Path]:
     try:
         yield mount
     finally:
-        subprocess.run(["umount", str(mount)], check=True)
+        # A daemon's worker server may outlive it by a moment, a test's last batch stays mapped
+        # until it is collected: busy for a while, then detached lazily.
+        for _ in range(50):
+            if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 def test_a_high_water_mark_beyond_the_free_space_is_refused_with_the_numbers(shm_buffer: Path) -> None:
@@ -69,3 +79,35 @@ def test_the_floor_and_the_job_own_batches_count(small_tmpfs: Path) -> None:
         (small_tmpfs / batch_name(0, step)).write_bytes(b"\0" * cfg.batch_bytes)
     assert free_bytes(small_tmpfs) < 2 * cfg.batch_bytes
     check_capacity(config(small_tmpfs, fits))
+
+
+JSON_ROOM = 24 << 10  # manifest, status and progress documents (20 KiB measured), and a page to spare
+
+
+def test_spares_count_as_room_on_a_tmpfs_sized_for_the_high_water_mark(
+        small_tmpfs: Path, shapes_data: Path, start_daemon) -> None:
+    """A consumed batch kept as a spare is space the next batch reuses: a tmpfs with room for the
+    high-water mark and half a batch more must not pause production as if it were full."""
+    batch = config(small_tmpfs, 1).batch_bytes
+    high = 8
+    (small_tmpfs / "ballast").write_bytes(b"\1" * (free_bytes(small_tmpfs) - high * batch - batch // 2 - JSON_ROOM))
+    buffer = small_tmpfs / "bf"
+    # --low-water one below the mark: every consumed batch is replaced at once, in its spare.
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
+                          "--workers", "1", "--seed", "1", "--high-water", high, "--low-water", high - 1,
+                          "--min-free-mb", "0", "--epochs", "2")
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    steps, states = 0, set()
+    try:
+        for _epoch in range(2):
+            for _batch in loader:
+                steps += 1
+                time.sleep(0.05)  # slower than the daemon: the buffer stays at the mark
+                states.add(state_of(buffer))
+        pauses = production_of(buffer)
+    finally:
+        loader.close()
+        daemon.terminate()  # before the tmpfs is unmounted
+    assert steps == 2 * len(loader)
+    assert State.PAUSED_LOW_SPACE not in states and pauses is not None and pauses.errors.low_space_pauses == 0, \
+        (states, daemon.log)
