@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 import signal
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,7 +295,7 @@ def _unshared(path: Path) -> bool:
         return False
     finally:
         os.close(fd)
-    return st.st_nlink == 1
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
 def _ignore_lease_breaks() -> bool:
