@@ -225,6 +225,7 @@ class SpareFiles:
     def __init__(self) -> None:
         self._names = itertools.count()
         self._files: list[tuple[int, Path]] = []  # (size, path), oldest first
+        self._room = 1 << 30  # until the first fit()
         self.enabled = _ignore_lease_breaks()
 
     def __len__(self) -> int:
@@ -251,10 +252,12 @@ class SpareFiles:
             path.unlink(missing_ok=True)
             return
         self._files.append((size, spare))
+        self._room += 1  # a batch's place became a spare's
 
     def take(self, size: int, tmp: Path) -> int | None:
         """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and
-        opened for writing; None when there is none.  Older spares still in use are deleted."""
+        opened for writing.  Older spares still in use are deleted.  None when there is none: the
+        caller creates a fresh file, and the oldest spares go if it would take their room."""
         for entry in list(self._files):
             spare_size, spare = entry
             if spare_size != size:
@@ -268,16 +271,25 @@ class SpareFiles:
             self._files.remove(entry)
             try:
                 os.rename(spare, tmp)
-                return os.open(tmp, _OPEN_FLAGS | os.O_CLOEXEC)
+                fd = os.open(tmp, _OPEN_FLAGS | os.O_CLOEXEC)
             except OSError:  # someone removed or replaced it: create a fresh file instead
                 spare.unlink(missing_ok=True)
                 tmp.unlink(missing_ok=True)
-                return None
+                break
+            self._room -= 1  # the batch takes the spare's place
+            return fd
+        self._room -= 1  # the fresh file takes a place a spare could have kept
+        self._trim()
         return None
 
-    def trim(self, keep: int) -> None:
-        """Delete all but the ``keep`` newest spares."""
-        while len(self._files) > max(0, keep):
+    def fit(self, room: int) -> None:
+        """Keep no more spares than ``room``, the files the buffer's cap leaves room for beside its
+        batches, from now until the next call (each batch begun takes one place): oldest go first."""
+        self._room = room
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._files) > max(0, self._room):
             self._files.pop(0)[1].unlink(missing_ok=True)
 
 

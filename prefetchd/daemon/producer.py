@@ -187,8 +187,8 @@ class Producer:
                     self._read_progress()
                     self.next_job = self.poll_jobs(self.cfg)
                     last_poll = now
+                self.spares.fit(self._spare_room())
                 self._schedule()
-                self.spares.trim(self._spare_room())
                 self._dispatch()
                 if now - last_status >= STATUS_SECONDS:
                     self._write_status()
@@ -261,7 +261,7 @@ class Producer:
             for build in stream.building.values():
                 build.pending.abort()
             stream.building.clear()
-        self.spares.trim(0)
+        self.spares.fit(0)
 
     # -- progress and deletion -----------------------------------------------
 
@@ -276,10 +276,10 @@ class Producer:
             stream.reconcile()
 
     def _spare_room(self) -> int:
-        """How many spares to keep: no more than can be begun at once, and never so many that a
-        stream's files, spares included (they hold tmpfs pages as batches do), pass its cap."""
-        room = sum(max(0, s.cap - len(s.published) - s.active) for s in self.streams)
-        return min(self.max_building, room)
+        """How many spares to keep: as many as the streams' caps leave room for, spares included
+        (they hold tmpfs pages as batches do).  No fewer: a spare deleted for want of a place costs
+        the pages' freeing, and the batch that would have used it is built in fresh ones."""
+        return sum(max(0, s.cap - len(s.published) - s.active) for s in self.streams)
 
     def _cancel(self, build: Build) -> None:
         """Stop building ``build``; tasks already at a worker finish and are ignored."""

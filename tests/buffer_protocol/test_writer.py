@@ -168,19 +168,19 @@ def test_an_older_spare_someone_keeps_is_deleted_and_its_pages_stay(tmp_path: Pa
     assert _release(holder) == seen
 
 
-def test_spares_are_trimmed_oldest_first_and_only_a_matching_size_is_taken(tmp_path: Path) -> None:
+def test_spares_keep_within_their_room_oldest_first_and_only_a_matching_size_is_taken(tmp_path: Path) -> None:
     spares = SpareFiles()
     images, _, _ = _arrays(3, 64, 64)  # three pages an image: every count has its own file length
     paths = [_begin_and_commit(tmp_path, step, SpareFiles(), images) for step in range(3)]
     inodes = [p.stat().st_ino for p in paths]
     for path in paths:
         spares.retire(path)
-    spares.trim(2)
-    assert len(spares) == 2
-    kept = sorted(p.stat().st_ino for p in list_temp_files(tmp_path))
-    assert kept == sorted(inodes[1:])
-    _begin_and_commit(tmp_path, 5, spares, images[:2])  # another size: none fits
-    assert len(spares) == 2 and sorted(p.stat().st_ino for p in list_temp_files(tmp_path)) == kept
-    assert _begin_and_commit(tmp_path, 6, spares, images).stat().st_ino == inodes[1]  # the oldest kept
-    spares.trim(0)
-    assert len(list(list_temp_files(tmp_path))) == 0
+    spares.fit(2)  # room for two files beside the batches: the oldest spare goes
+    assert sorted(p.stat().st_ino for p in list_temp_files(tmp_path)) == sorted(inodes[1:])
+    # Another size: no spare fits, and the fresh file takes a spare's place (the oldest's).
+    _begin_and_commit(tmp_path, 5, spares, images[:2])
+    assert [p.stat().st_ino for p in list_temp_files(tmp_path)] == [inodes[2]] and len(spares) == 1
+    assert _begin_and_commit(tmp_path, 6, spares, images).stat().st_ino == inodes[2]  # the size that fits
+    spares.retire(tmp_path / batch_name(0, 6))
+    spares.fit(0)
+    assert len(spares) == 0 and list(list_temp_files(tmp_path)) == []
