@@ -252,7 +252,6 @@ class SpareFiles:
             path.unlink(missing_ok=True)
             return
         self._files.append((size, spare))
-        self._room += 1  # a batch's place became a spare's
 
     def take(self, size: int, tmp: Path) -> int | None:
         """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and

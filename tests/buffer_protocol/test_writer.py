@@ -114,6 +114,14 @@ def _release(proc: subprocess.Popen[str]) -> str:
     return last
 
 
+def _held_spare(directory: Path, spares: SpareFiles, images: np.ndarray) -> tuple[subprocess.Popen[str], str]:
+    """Batch 0 of ``images``, mapped by another process (``_hold``), then retired to ``spares``."""
+    batch = _begin_and_commit(directory, 0, spares, images)
+    holder, seen = _hold(batch)
+    spares.retire(batch)
+    return holder, seen
+
+
 def _begin_and_commit(directory: Path, step: int, spares: SpareFiles, images: np.ndarray,
                       producer: str = "p") -> Path:
     labels, indices = np.arange(len(images)) + step, np.arange(len(images)) * 7 + step
@@ -145,9 +153,7 @@ def test_a_batch_begun_in_a_spare_has_the_bytes_of_a_fresh_one(first_n: int, sec
 def test_a_spare_another_process_maps_is_not_reused_until_it_lets_go(tmp_path: Path) -> None:
     spares = SpareFiles()
     images, _, _ = _arrays(3)
-    batch = _begin_and_commit(tmp_path, 0, spares, images)
-    holder, seen = _hold(batch)
-    spares.retire(batch)
+    holder, seen = _held_spare(tmp_path, spares, images)
     other = np.full_like(images, 9)
     built = _begin_and_commit(tmp_path, 1, spares, other)  # the spare is mapped: a fresh file instead
     assert len(spares) == 1 and built.stat().st_ino != list(list_temp_files(tmp_path))[0].stat().st_ino
@@ -158,9 +164,7 @@ def test_a_spare_another_process_maps_is_not_reused_until_it_lets_go(tmp_path: P
 def test_an_older_spare_someone_keeps_is_deleted_and_its_pages_stay(tmp_path: Path) -> None:
     spares = SpareFiles()
     images, _, _ = _arrays(3)
-    kept = _begin_and_commit(tmp_path, 0, spares, images)
-    holder, seen = _hold(kept)
-    spares.retire(kept)
+    holder, seen = _held_spare(tmp_path, spares, images)
     spares.retire(_begin_and_commit(tmp_path, 1, spares, images))  # a second spare, newer; that one was fresh
     assert len(spares) == 2
     _begin_and_commit(tmp_path, 2, spares, np.zeros_like(images))  # skips the held one, deletes it, takes the newer
