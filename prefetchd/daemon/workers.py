@@ -248,8 +248,8 @@ def keep_heap() -> None:
     freed.  Set at once to the ceiling that adaptation reaches (32 MiB mapped, 64 MiB
     trimmed) and with 16 MiB of padding per heap extension, the worker reuses its pages.
     Measured on the 2-core EPYC (photos, 2 workers, consumer on the same cores, 3
-    alternating 8 s runs): the workers' CPU per image 0.92 -> 0.89 ms and 2023-2116 ->
-    2123-2140 img/s, for 1 MiB more RSS per worker.  Not glibc (musl): nothing to do."""
+    alternating 8 s runs against the code without it): the workers' CPU per image 0.92 ->
+    0.89 ms and 1980-2083 -> 2107-2139 img/s, for 1 MiB more RSS per worker.  Not glibc (musl): nothing to do."""
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
