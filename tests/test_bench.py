@@ -282,3 +282,18 @@ def test_the_floor_counts_what_it_is_asked_and_leaves_the_process_as_it_was(shap
         measure_floor(shapes_data / "train", 32, core, seconds=1.0, images=10)
     with pytest.raises(ValueError, match="not both"):
         measure_floor(shapes_data / "train", 32, core)
+
+
+def test_disk_bytes_counts_batch_files_once_and_not_the_documents(tmp_path: Path) -> None:
+    from prefetchd.bench.monitor import _disk_bytes
+
+    (tmp_path / "e000000-s00000000.batch").write_bytes(b"\1" * 8192)
+    (tmp_path / "e000000-s00000001.tmp").write_bytes(b"\1" * 4096)  # being built
+    (tmp_path / "spare-00000000.tmp").write_bytes(b"\1" * 4096)
+    # The same file under a second name, as a listing meets one the daemon renames meanwhile.
+    os.link(tmp_path / "spare-00000000.tmp", tmp_path / "e000000-s00000002.tmp")
+    (tmp_path / "status.json.tmp-12-ab12cd34").write_bytes(b"{}" * 1000)  # a document being replaced
+    (tmp_path / "manifest.json").write_bytes(b"{}" * 1000)
+    assert _disk_bytes(tmp_path) == sum(
+        (tmp_path / n).stat().st_blocks * 512 for n in ("e000000-s00000000.batch", "e000000-s00000001.tmp",
+                                                          "spare-00000000.tmp"))

@@ -118,15 +118,18 @@ def _tree_memory(pid: int, kind: str) -> int | None:
 
 
 def _disk_bytes(buffer: Path) -> int:
-    """Bytes the buffer's batch files (finished and being written) really occupy on the tmpfs."""
-    total = 0
+    """Bytes the buffer's batch files (finished, being written, spares) really occupy on the tmpfs."""
+    blocks: dict[int, int] = {}  # by inode: a listing may meet a file the daemon renames under both names
     with contextlib.suppress(OSError), os.scandir(buffer) as entries:
         for entry in entries:
-            if not (entry.name.endswith(".batch") or ".tmp" in entry.name):
-                continue  # manifest, status, progress, lock: a few KiB, not the buffer
+            # Not the documents (manifest, status, progress, lock) nor their NAME.json.tmp-PID-HEX
+            # copies while they are replaced: a few KiB each, not the buffer.
+            if not entry.name.endswith((".batch", ".tmp")):
+                continue
             with contextlib.suppress(OSError):
-                total += entry.stat(follow_symlinks=False).st_blocks * 512
-    return total
+                st = entry.stat(follow_symlinks=False)
+                blocks[st.st_ino] = st.st_blocks * 512
+    return sum(blocks.values())
 
 
 class BufferMonitor:
