@@ -4,7 +4,8 @@
                               [--data IMAGEFOLDER] [--workers 15,12] [--skip-tests] [--dry-run]
 
 Steps, each recorded in the JSON (rewritten after every step, so a run cut short
-still leaves what it measured) and in GPU.md beside it:
+still leaves what it measured) and in GPU.md beside it; step 5, short, runs before 3
+and 4, the longest:
 
 1. ``pytest -m gpu``: the GPU tests, their counts;
 2. host-to-device copies of batch files (``tools/h2d_bench.py`` used as a module) at
@@ -782,15 +783,18 @@ def main(argv: list[str] | None = None) -> int:
             doc["dataset"] = str(data)
         warm_page_cache(data)
         classes = sum(1 for entry in os.scandir(data) if entry.is_dir())
+        # Step 5 runs before the training: it takes about a minute where the training takes
+        # several, and a run cut short by the device's time limit then still has it.
+        counts = scaling_counts(len(os.sched_getaffinity(0))) if not args.dry_run else [1]
+        log.info("5. the producer alone at %s workers", ", ".join(map(str, counts)))
+        doc["scaling"] = scaling_rows(data, sizes, scratch / "bench", counts)
+        write_outputs(doc, out)
 
         def save(rows: list[dict[str, Any]]) -> None:
             doc["training"] = rows
             write_outputs(doc, out)
 
         doc["training"] = training_rows(data, sizes, classes, device, workers, root, done=save)
-        counts = scaling_counts(len(os.sched_getaffinity(0))) if not args.dry_run else [1]
-        log.info("5. the producer alone at %s workers", ", ".join(map(str, counts)))
-        doc["scaling"] = scaling_rows(data, sizes, scratch / "bench", counts)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     write_outputs(doc, out)
