@@ -57,9 +57,34 @@ STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
 STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
 STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
-MAX_CHUNK = 16  # images per task for local workers
+MAX_CHUNK = 32  # images per task for local workers
+MIN_CHUNK = 16  # ... where the cap leaves room for enough batches at once (task_images)
 MAX_REMOTE_CHUNK = 64  # ... and when every task goes to a Ray cluster
 MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
+
+
+def task_images(batch_size: int, workers: int, cap: int) -> int:
+    """Images per task for ``workers`` local workers (0: every task goes to a Ray cluster), with
+    ``cap`` batches allowed per stream.
+
+    Every worker holds ``TASKS_PER_WORKER`` tasks, so the batches being built must hold
+    ``workers * TASKS_PER_WORKER`` tasks between them.  Each task costs the controller about
+    0.2 ms of CPU on top of its images (pickling, the pipes, the bookkeeping; measured in
+    docs/BENCHMARKS.md, "Tasks per batch"), so tasks take at least ``MIN_CHUNK`` images
+    where half the cap holds the batches that takes; below that, one batch spread over every
+    worker's slots; never more than ``MAX_CHUNK``.  The batch is then split evenly: 33
+    images go 11 + 11 + 11, not 16 + 16 + 1.  A Ray task costs ~3 ms over the worker,
+    raylet and bridge (docs/SCALE.md): remote-only tasks take up to ``MAX_REMOTE_CHUNK``.
+    """
+    if workers == 0:  # each batch in at least two slices, as if for one worker
+        largest = max(1, min(MAX_REMOTE_CHUNK, batch_size // TASKS_PER_WORKER))
+    else:
+        slots = workers * TASKS_PER_WORKER
+        spread = batch_size // slots
+        roomy = batch_size * max(1, cap // 2) // slots
+        largest = max(1, min(MAX_CHUNK, batch_size, max(spread, min(MIN_CHUNK, roomy))))
+    tasks = -(-batch_size // largest)
+    return -(-batch_size // tasks)
 
 
 @dataclass
@@ -123,10 +148,7 @@ class Producer:
                         for d, m in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
-        # Images per task.  Remote only (--workers 0), larger: each Ray task costs ~3 ms of CPU over the
-        # worker, raylet and bridge (measured here, docs/SCALE.md), so fewer, bigger tasks.
-        cap = MAX_CHUNK if self.workers_wanted else MAX_REMOTE_CHUNK
-        self.chunk = max(1, min(cap, cfg.batch_size // (2 * max(1, self.workers_wanted))))
+        self.chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))
         self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
                                if self.workers_wanted else 0)
         self.stats = Stats()
