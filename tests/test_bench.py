@@ -284,6 +284,20 @@ def test_the_floor_counts_what_it_is_asked_and_leaves_the_process_as_it_was(shap
         measure_floor(shapes_data / "train", 32, core)
 
 
+def test_the_parallel_floor_runs_one_pinned_loop_per_core_and_names_one_that_dies(
+    shapes_data: Path, tmp_path: Path
+) -> None:
+    from prefetchd.bench.floor import measure_parallel_floor
+
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    loops = measure_parallel_floor(shapes_data / "train", 32, cores, 0.5)
+    assert [row["core"] for row in loops["per_core"]] == cores
+    assert all(row["images_per_s"] > 0 for row in loops["per_core"])
+    assert loops["images_per_s"] == pytest.approx(sum(row["images_per_s"] for row in loops["per_core"]))
+    with pytest.raises(RuntimeError, match=f"on core {cores[0]} exited with code 1"):
+        measure_parallel_floor(tmp_path / "missing", 32, cores[:1], 0.5)
+
+
 def test_disk_bytes_counts_batch_files_once_and_not_the_documents(tmp_path: Path) -> None:
     from prefetchd.bench.monitor import _disk_bytes
 

@@ -54,6 +54,8 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert row["workers"] == 1 and row["images_per_s"] > 0 and row["scaling"] == 1.0
     assert scaling["floor"]["images_per_s"] > 0
     assert abs(row["vs_floor"] - row["images_per_s"] / scaling["floor"]["images_per_s"]) < 2e-3
+    assert row["independent_loops_per_s"] > 0
+    assert abs(row["vs_loops"] - row["images_per_s"] / row["independent_loops_per_s"]) < 2e-3
 
     markdown = (out.parent / "GPU.md").read_text()
     assert "**Dry run**" in markdown

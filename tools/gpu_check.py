@@ -25,7 +25,9 @@ and 4, the longest:
 5. the producer alone on more cores than the 2 of the development machine:
    ``prefetchd bench``'s prefetchd row (no GPU, a null consumer) at 1, 2, 4, ... workers
    up to every core, with the floor (the daemon's ``augment()`` alone on one core) and
-   each count's share of k times it.
+   each count's share of k times it; and at each count, k independent ``augment()`` loops
+   on the same cores (``prefetchd.bench.floor.measure_parallel_floor``): what the machine
+   allows, so the producer's share of it is what the producer loses on its own.
 
 ``--dry-run`` runs every step on the CPU at toy sizes (a small model, 16 images, a
 few steps) and writes into a temporary folder unless ``--out`` is given: it keeps
@@ -64,6 +66,7 @@ from torch import nn
 
 import h2d_bench  # tools/ is sys.path[0] when this file runs as a script
 from prefetchd.bench import describe_machine, run_benchmark
+from prefetchd.bench.floor import measure_parallel_floor
 from prefetchd.buffer_protocol import batch_name, map_batch
 from prefetchd.launch import buffer_root
 from prefetchd.synthetic import make_imagenet_like
@@ -564,10 +567,21 @@ def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> 
                             image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
                             contenders=("prefetchd",), warm_start=False, data_wait=False,
                             report=lambda line: log.info("  %s", line))
+    rows = [{"workers": r.workers, "images_per_s": r.images_per_s, "scaling": r.scaling, "vs_floor": r.vs_floor,
+             "first_batch_s": r.first_batch_s, "note": r.note} for r in results.throughput]
+    usable = sorted(os.sched_getaffinity(0))
+    for row in rows:
+        # The machine's own ceiling at k: k independent augment() loops on the producer's k cores.
+        log.info("  %d independent augment() loops on cores %s", row["workers"], usable[:row["workers"]])
+        loops = measure_parallel_floor(data, sizes.image_size, usable[:row["workers"]], sizes.scaling_seconds)
+        row["independent_loops_per_s"] = round(loops["images_per_s"], 1)
+        if results.floor:
+            row["loops_vs_floor"] = round(loops["images_per_s"] / (row["workers"] * results.floor["images_per_s"]), 3)
+        if row["images_per_s"]:
+            row["vs_loops"] = round(row["images_per_s"] / loops["images_per_s"], 3)
+        log.info("    %.0f img/s", loops["images_per_s"])
     return {"floor": results.floor, "batch_size": sizes.scaling_batch_size, "seconds": sizes.scaling_seconds,
-            "rows": [{"workers": r.workers, "images_per_s": r.images_per_s, "scaling": r.scaling,
-                      "vs_floor": r.vs_floor, "first_batch_s": r.first_batch_s, "note": r.note}
-                     for r in results.throughput]}
+            "rows": rows}
 
 
 def git_commit(given: str | None) -> str:
@@ -661,15 +675,21 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   f"k cores, batch {scaling['batch_size']}, {sizes['image_size']} px, {scaling['seconds']:g} s per "
                   f"count, on {doc['dataset']}.  Floor: the daemon's `augment()` alone on one core over "
                   f"{floor['files']} of the files, each decoded once before (a worker's steady state): "
-                  f"{floor['ms_per_image']:.2f} ms per image, {floor['images_per_s']:.0f} img/s.", "",
-                  "| workers | images/s | scaling (vs k × 1 worker) | of k × floor | first batch s |",
-                  "|---:|---:|---:|---:|---:|"]
+                  f"{floor['ms_per_image']:.2f} ms per image, {floor['images_per_s']:.0f} img/s.  Independent "
+                  "loops: the floor's loop in k processes at once on the same k cores, wall-clock images/s summed "
+                  "(what the machine allows k workers; the producer's share of it is what it loses on its own).",
+                  "", "| workers | images/s | scaling (vs k × 1 worker) | of k × floor | first batch s | "
+                  "independent loops img/s (of k × floor) | producer / loops |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
         for row in scaling["rows"]:
+            loops = row.get("independent_loops_per_s")
+            loops_cell = "" if loops is None else f"{loops:.0f} ({_cell(row.get('loops_vs_floor'), '{:.0%}')})"
             if row["images_per_s"] is None:
-                lines.append(f"| {row['workers']} | {row['note'] or 'failed'} | | | |")
+                lines.append(f"| {row['workers']} | {row['note'] or 'failed'} | | | | {loops_cell} | |")
                 continue
             lines.append(f"| {row['workers']} | {row['images_per_s']:.0f} | {_cell(row['scaling'], '{:.0%}')} | "
-                         f"{_cell(row['vs_floor'], '{:.0%}')} | {_cell(row['first_batch_s'], '{:.2f}')} |")
+                         f"{_cell(row['vs_floor'], '{:.0%}')} | {_cell(row['first_batch_s'], '{:.2f}')} | "
+                         f"{loops_cell} | {_cell(row.get('vs_loops'), '{:.0%}')} |")
         lines.append("")
     lines += ["## Reproduce", "", "See README.md, \"On a GPU\": the wheels to carry, the install, and "
               "`python tools/gpu_check.py --out DIR/gpu.json --commit HASH`.", ""]

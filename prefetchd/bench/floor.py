@@ -12,9 +12,12 @@ same per-image time down by kernel.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
+import queue
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,32 @@ from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.transforms import augment, preload
+from prefetchd.daemon.workers import limit_threads
 
 # Enough files that they do not all stay in the CPU's caches (a dataset does not), few
 # enough that the first pass stays a few seconds.
 FLOOR_FILES = 1500
+PARALLEL_START_SECONDS = 300.0  # k processes importing torch and decoding the files once, on a busy machine
+
+
+def _floor_paths(data: Path) -> list[Path]:
+    index = scan_class_folders(data)
+    step = max(1, len(index) // FLOOR_FILES)
+    return [index.path(i) for i in range(0, len(index), step)][:FLOOR_FILES]
+
+
+def _augment_loop(paths: list[Path], image_size: int) -> Callable[[int, int], None]:
+    """``augment()`` of file ``i`` in ``epoch``, after a first pass over ``paths``: the page cache,
+    and which files decode cleanly (a worker's first epoch)."""
+    clean = CleanFiles(len(paths), shared=False)
+    preload()
+
+    def one(epoch: int, i: int) -> None:
+        augment(paths[i], image_size, True, sample_rng(0, epoch, i), tracked=TrackedFile(clean, i))
+
+    for i in range(len(paths)):
+        one(0, i)
+    return one
 
 
 def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | None = None,
@@ -37,10 +62,7 @@ def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | No
         raise ValueError("pass seconds= or images=, not both")
     cpu_limit = seconds if seconds is not None else math.inf
     image_limit = images if images is not None else math.inf
-    index = scan_class_folders(data)
-    step = max(1, len(index) // FLOOR_FILES)
-    paths = [index.path(i) for i in range(0, len(index), step)][:FLOOR_FILES]
-    clean = CleanFiles(len(paths), shared=False)
+    paths = _floor_paths(data)
     torch = sys.modules.get("torch")  # the bench's own; put back as it was
     threads = torch.get_num_threads() if torch is not None else None
     affinity = os.sched_getaffinity(0)
@@ -48,13 +70,7 @@ def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | No
     try:
         if torch is not None:
             torch.set_num_threads(1)  # as in a worker (workers.limit_threads)
-        preload()
-
-        def one(epoch: int, i: int) -> None:
-            augment(paths[i], image_size, True, sample_rng(0, epoch, i), tracked=TrackedFile(clean, i))
-
-        for i in range(len(paths)):  # the first epoch: page cache, and which files decode cleanly
-            one(0, i)
+        one = _augment_loop(paths, image_size)
         done, epoch, start = 0, 1, time.process_time()
         while True:
             for i in range(len(paths)):
@@ -69,3 +85,63 @@ def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | No
         os.sched_setaffinity(0, affinity)
         if torch is not None and threads is not None:
             torch.set_num_threads(threads)
+
+
+def measure_parallel_floor(data: Path, image_size: int, cores: list[int], seconds: float) -> dict[str, Any]:
+    """The floor's loop in one process per core of ``cores``, all at once over the same
+    ``seconds`` of wall-clock time: what k workers could make if nothing ran beside their own
+    ``augment()``.  Against k x the floor it shows what the machine loses to running k at once
+    (shared caches, memory bandwidth, a busy host); against it, what the producer loses on its
+    own (tasks, writes, controller, consumer).  Each process makes its own first pass first."""
+    ctx = multiprocessing.get_context("spawn")  # the caller may hold threads (torch's): no fork
+    go, results = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_parallel_loop, args=(data, image_size, core, seconds, go, results),
+                         name=f"the floor's process on core {core}", daemon=True) for core in cores]
+    for proc in procs:
+        proc.start()
+    try:
+        _collect(results, procs, PARALLEL_START_SECONDS)  # every process ready
+        go.set()
+        per_core = sorted(_collect(results, procs, seconds + PARALLEL_START_SECONDS))
+    finally:
+        for proc in procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+    return {"images_per_s": sum(rate for _, rate in per_core), "seconds": seconds,
+            "per_core": [{"core": core, "images_per_s": rate} for core, rate in per_core]}
+
+
+def _collect(results: Any, procs: list[Any], timeout: float) -> list[Any]:
+    """One message from each of ``procs``; an error naming the first that died, or the wait."""
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=0.5))
+        except queue.Empty:
+            dead = [proc for proc in procs if proc.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(procs) - len(got)} of the floor's {len(procs)} processes did not answer "
+                                   f"within {timeout:.0f} s") from None
+    return got
+
+
+def _parallel_loop(data: Path, image_size: int, core: int, seconds: float, go: Any, results: Any) -> None:
+    os.sched_setaffinity(0, {core})
+    limit_threads()
+    paths = _floor_paths(data)
+    one = _augment_loop(paths, image_size)
+    results.put("ready")
+    go.wait()
+    done, start = 0, time.perf_counter()
+    while True:
+        epoch, i = divmod(done, len(paths))
+        one(epoch + 1, i)
+        done += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            results.put((core, done / elapsed))
+            return
