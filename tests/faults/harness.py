@@ -63,6 +63,8 @@ consumer_kill       a second, named consumer (``extra``, a driver run     status
                     SIGKILLed at a seeded point; once the status says     ``alive`` false; its batches are
                     it is gone (or 10 s) and a seeded delay passed, it    then checked as the trainer's
                     resumes from its checkpoint                           (exactly once, identical)
+worker_kill         SIGKILL one of the daemon's workers (half the time     ``errors.worker_restarts`` rose
+                    while a batch is being built)
 remote_node_lost    (``RAY_KINDS``, asked for by name) SIGKILL the Ray    the status names the node that
                     node that builds the daemon's remote slices (the      joined as one that built slices
                     head has no CPUs), then add another                   (``remote.nodes``)
@@ -95,6 +97,7 @@ sees another dataset fingerprint and refuses the buffer, by design).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -111,6 +114,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
+
 from prefetchd.buffer_protocol import Manifest, ProtocolError, State, Status, daemon_pid, list_batches, read_status
 from prefetchd.buffer_protocol.batch import HEADER
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
@@ -122,7 +127,7 @@ DRIVER = Path(__file__).resolve().with_name("driver.py")
 KINDS = (
     "daemon_kill", "trainer_kill", "trainer_stop", "enospc", "batch_corrupt", "batch_truncate",
     "batch_delete", "progress_garbage", "progress_rewind", "second_daemon", "dataset_delete",
-    "daemon_stuck", "progress_planted", "batch_planted", "bad_start", "consumer_kill",
+    "daemon_stuck", "progress_planted", "batch_planted", "bad_start", "consumer_kill", "worker_kill",
 )
 # Faults that need a Ray cluster, which the harness then starts (2 nodes: a head without CPUs and one
 # 1-CPU node) and the daemons build on with --ray beside their local worker.  Asked for by name only:
@@ -148,12 +153,13 @@ TITLES = {
     "batch_planted": "batch FIFO/symlink",
     "bad_start": "bad dataset/buffer starts",
     "consumer_kill": "2nd consumer SIGKILL+resume",
+    "worker_kill": "worker SIGKILL",
     "remote_node_lost": "Ray node SIGKILL + new node",
     "trainer_crash": "trainer SIGTERM (self-test)",
 }
 # The counters a daemon keeps in status.json (read through read_status) that the checks compare.
 COUNTERS = ("write_failures", "low_space_pauses", "vanished_batches", "progress_rejected", "progress_rewinds",
-            "undecodable_files")
+            "undecodable_files", "worker_restarts")
 STATUS_POLL = 0.05  # seconds between looks at status.json; the daemon rewrites it about once a second
 LOG_TAIL = 12  # lines of a process's log quoted when it exits unexpectedly
 RECOVERY_TIMEOUT = 90.0  # no batch for this long after a fault is a hang
@@ -162,6 +168,7 @@ RECOVERY_TIMEOUT = 90.0  # no batch for this long after a fault is a hang
 POSITIONS_PER_FAULT = {"consumer_kill": 250, "bad_start": 120, "batch_delete": 75, "batch_planted": 75}
 EXTRA_CONSUMER = "extra"  # the second consumer's name (consumer_kill)
 PAGE = 4096
+BUILDING_GLOB = "e*.tmp"  # a batch being built (layout.temp_name); spares and document copies are *.tmp too
 
 
 @dataclass
@@ -763,8 +770,8 @@ class Harness:
         assert self.daemon is not None
         if rng.random() < 0.5:
             # Mid-write: wait (briefly) for a batch under construction.
-            self.wait_until(lambda: any(self.buffer.glob("*.tmp")), 1.0)
-        mid = any(self.buffer.glob("*.tmp"))
+            self.wait_until(self.building, 1.0)
+        mid = self.building()
         fault.t_inject = time.time()
         self.expected_exits.add(self.daemon.pid)
         self.daemon.send_signal(signal.SIGKILL)
@@ -774,6 +781,41 @@ class Harness:
         pid = self.daemon.pid
         fault.check = lambda f, h: f.data.get("owned", False)
         fault.data["owned"] = self.wait_until(lambda: daemon_pid(self.buffer) == pid, 60)
+
+    def building(self) -> bool:
+        """Whether a batch is being built: its temp file (not a spare's, nor a JSON document's) is there."""
+        return any(self.buffer.glob(BUILDING_GLOB))
+
+    def inject_worker_kill(self, fault: Fault, rng: random.Random) -> None:
+        """SIGKILL one of the daemon's workers, half the time while a batch is being built: the
+        daemon requeues its tasks and starts another, and the batches stay the same."""
+        assert self.daemon is not None
+        daemon = self.daemon
+        workers: list[psutil.Process] = []
+
+        def found() -> bool:  # forked by the fork server, the daemon's child: the daemon's grandchildren
+            nonlocal workers
+            with contextlib.suppress(psutil.Error):
+                workers = [p for p in psutil.Process(daemon.pid).children(recursive=True) if p.ppid() != daemon.pid]
+            return bool(workers)
+
+        self.wait_until(found, 60)  # a restarted daemon: once its workers are up
+        base = self.fresh_status()
+        if rng.random() < 0.5:
+            self.wait_until(self.building, 1.0)
+        mid = self.building()
+        fault.t_inject = time.time()
+        victim = rng.choice(workers) if workers else None
+        try:
+            if victim is not None:
+                victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            victim = None
+        fault.detail = "no worker to kill" if victim is None else ("mid-build" if mid else "idle")
+        fault.check = counter_rose("worker_restarts", base)
+        # Until a status counts it (about a second): a next fault that kills or stops the daemon
+        # would otherwise leave no status of this one's daemon that could.
+        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 5.0)
 
     def inject_trainer_kill(self, fault: Fault, rng: random.Random) -> None:
         assert self.driver is not None
