@@ -54,6 +54,11 @@ def test_every_contender_is_measured(smoke: tuple[BenchmarkResults, Path]) -> No
     assert prefetchd.vs_floor == pytest.approx(prefetchd.images_per_s / floor["images_per_s"], abs=2e-3)
     assert all(r.vs_floor is None for r in results.throughput[1:])
     assert f"prefetchd {prefetchd.vs_floor:.0%} of 1 x that at 1 worker" in results.table()
+    # The machine's own ceiling at k: the floor's loop in k processes at once (here k = 1).
+    assert prefetchd.loops is not None and prefetchd.loops > 0
+    assert prefetchd.vs_loops == pytest.approx(prefetchd.images_per_s / prefetchd.loops, abs=2e-3)
+    assert all(r.loops is None for r in results.throughput[1:])
+    assert f"prefetchd {prefetchd.vs_loops:.0%} of that at 1 worker" in results.table()
 
 
 def test_warm_start_data_wait_and_memory(smoke: tuple[BenchmarkResults, Path]) -> None:
@@ -245,8 +250,9 @@ def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path)
                             out_dir=tmp_path, high_water=6, contenders=("prefetchd", "dataloader"), rounds=3,
                             warm_start=False, data_wait=False, report=said.append)
     measuring = [line for line in said if line.startswith("measuring")]
-    # turns, not blocks; the floor ("measuring the floor") first in each round
-    assert [line.split()[1] for line in measuring] == ["the", "prefetchd", "dataloader"] * 3
+    # turns, not blocks; the floor ("measuring the floor") and the independent loops first in each round
+    assert [line.split()[1] for line in measuring] == ["the", "1", "prefetchd", "dataloader"] * 3
+    assert measuring[1].startswith("measuring 1 independent augment() loops on cores")
     assert measuring[-1].endswith("round 3 of 3")
     for row in results.throughput:
         rates = [r["images_per_s"] for r in row.extra["rounds"]]
@@ -258,6 +264,8 @@ def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path)
     assert prefetchd.vs_baseline == pytest.approx(prefetchd.images_per_s / dataloader.images_per_s, rel=3e-3, abs=1e-3)
     assert len(prefetchd.extra["vs_baseline_rounds"]) == 3
     assert results.floor is not None and len(results.floor["rounds"]) == 3  # once a round
+    loops = prefetchd.extra["loops_rounds"]  # once a round too, the row's the median
+    assert len(loops) == 3 and prefetchd.loops == round(sorted(loops)[1], 1) and dataloader.loops is None
     assert round(results.floor["images_per_s"], 1) == sorted(results.floor["rounds"])[1]
     table = results.table()
     low, high = min(r["images_per_s"] for r in prefetchd.extra["rounds"]), max(

@@ -26,8 +26,8 @@ and 4, the longest:
    ``prefetchd bench``'s prefetchd row (no GPU, a null consumer) at 1, 2, 4, ... workers
    up to every core, with the floor (the daemon's ``augment()`` alone on one core) and
    each count's share of k times it; and at each count, k independent ``augment()`` loops
-   on the same cores (``prefetchd.bench.floor.measure_parallel_floor``): what the machine
-   allows, so the producer's share of it is what the producer loses on its own.
+   on the same cores (the bench's independent loops): what the machine allows, so the
+   producer's share of it is what the producer loses on its own.
 
 ``--dry-run`` runs every step on the CPU at toy sizes (a small model, 16 images, a
 few steps) and writes into a temporary folder unless ``--out`` is given: it keeps
@@ -66,7 +66,6 @@ from torch import nn
 
 import h2d_bench  # tools/ is sys.path[0] when this file runs as a script
 from prefetchd.bench import describe_machine, run_benchmark
-from prefetchd.bench.floor import measure_parallel_floor
 from prefetchd.buffer_protocol import batch_name, map_batch
 from prefetchd.launch import buffer_root
 from prefetchd.synthetic import make_imagenet_like
@@ -567,19 +566,11 @@ def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> 
                             image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
                             contenders=("prefetchd",), warm_start=False, data_wait=False,
                             report=lambda line: log.info("  %s", line))
+    floor = results.floor["images_per_s"] if results.floor else None
     rows = [{"workers": r.workers, "images_per_s": r.images_per_s, "scaling": r.scaling, "vs_floor": r.vs_floor,
-             "first_batch_s": r.first_batch_s, "note": r.note} for r in results.throughput]
-    usable = sorted(os.sched_getaffinity(0))
-    for row in rows:
-        # The machine's own ceiling at k: k independent augment() loops on the producer's k cores.
-        log.info("  %d independent augment() loops on cores %s", row["workers"], usable[:row["workers"]])
-        loops = measure_parallel_floor(data, sizes.image_size, usable[:row["workers"]], sizes.scaling_seconds)
-        row["independent_loops_per_s"] = round(loops["images_per_s"], 1)
-        if results.floor:
-            row["loops_vs_floor"] = round(loops["images_per_s"] / (row["workers"] * results.floor["images_per_s"]), 3)
-        if row["images_per_s"]:
-            row["vs_loops"] = round(row["images_per_s"] / loops["images_per_s"], 3)
-        log.info("    %.0f img/s", loops["images_per_s"])
+             "first_batch_s": r.first_batch_s, "note": r.note, "independent_loops_per_s": r.loops,
+             "loops_vs_floor": round(r.loops / (r.workers * floor), 3) if r.loops and floor else None,
+             "vs_loops": r.vs_loops} for r in results.throughput]
     return {"floor": results.floor, "batch_size": sizes.scaling_batch_size, "seconds": sizes.scaling_seconds,
             "rows": rows}
 

@@ -40,6 +40,10 @@ class Throughput:
     vs_baseline: float | None = None  # images_per_s / the DataLoader's at the same workers
     scaling: float | None = None  # images_per_s / (workers * images_per_s at 1 worker)
     vs_floor: float | None = None  # prefetchd: images_per_s / (workers * the floor's, BenchmarkResults.floor)
+    # prefetchd: the floor's loop in `workers` processes at once on the same cores, images/s summed
+    # (prefetchd.bench.floor.measure_parallel_floor): what the machine allows k workers.
+    loops: float | None = None
+    vs_loops: float | None = None  # prefetchd: images_per_s / loops
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -122,6 +126,9 @@ def fill_ratios(results: BenchmarkResults) -> None:
             row.scaling = round(row.images_per_s / (row.workers * one), 3)
         if row.contender == "prefetchd" and results.floor is not None:
             row.vs_floor = round(row.images_per_s / (row.workers * results.floor["images_per_s"]), 3)
+        if row.loops:
+            row.vs_loops = round(row.images_per_s / row.loops, 3)
+            row.loops = round(row.loops, 1)
         row.images_per_s = round(row.images_per_s, 1)
         row.window_s = round(row.window_s, 2)
         if row.first_batch_s is not None:
