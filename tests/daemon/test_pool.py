@@ -6,9 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from prefetchd.buffer_protocol import Production, Progress, ProtocolError, list_batches
+from tests.daemon_workers import daemon_workers
 from tests.status_examples import production_of
 
 
@@ -26,8 +25,7 @@ def test_a_killed_worker_is_replaced_and_its_tasks_requeued(
     daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "8", "--image-size", "32",
                           "--workers", "2", "--high-water", "3", "--low-water", "1")
     daemon.wait_until(lambda: (p := _production(buffer)) is not None and p.workers == 2, 120, "two workers")
-    # Workers are forked by the forkserver, the daemon's child: the daemon's grandchildren.
-    workers = [p for p in psutil.Process(daemon.proc.pid).children(recursive=True) if p.ppid() != daemon.proc.pid]
+    workers = daemon_workers(daemon.proc.pid)
     assert len(workers) == 2, workers
     workers[0].kill()
     daemon.wait_until(lambda: (p := _production(buffer)) is not None and p.errors.worker_restarts == 1

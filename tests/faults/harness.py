@@ -120,6 +120,7 @@ from prefetchd.buffer_protocol import Manifest, ProtocolError, State, Status, da
 from prefetchd.buffer_protocol.batch import HEADER
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_USAGE
+from tests.daemon_workers import daemon_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).resolve().with_name("driver.py")
@@ -793,10 +794,10 @@ class Harness:
         daemon = self.daemon
         workers: list[psutil.Process] = []
 
-        def found() -> bool:  # forked by the fork server, the daemon's child: the daemon's grandchildren
+        def found() -> bool:
             nonlocal workers
             with contextlib.suppress(psutil.Error):
-                workers = [p for p in psutil.Process(daemon.pid).children(recursive=True) if p.ppid() != daemon.pid]
+                workers = daemon_workers(daemon.pid)
             return bool(workers)
 
         self.wait_until(found, 60)  # a restarted daemon: once its workers are up
