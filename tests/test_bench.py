@@ -57,6 +57,7 @@ def test_every_contender_is_measured(smoke: tuple[BenchmarkResults, Path]) -> No
     # The machine's own ceiling at k: the floor's loop in k processes at once (here k = 1).
     assert prefetchd.loops is not None and prefetchd.loops > 0
     assert prefetchd.vs_loops == pytest.approx(prefetchd.images_per_s / prefetchd.loops, abs=2e-3)
+    assert prefetchd.loops_vs_floor == pytest.approx(prefetchd.loops / floor["images_per_s"], abs=2e-3)
     assert all(r.loops is None for r in results.throughput[1:])
     assert f"prefetchd {prefetchd.vs_loops:.0%} of that at 1 worker" in results.table()
 

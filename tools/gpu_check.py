@@ -566,11 +566,9 @@ def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> 
                             image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
                             contenders=("prefetchd",), warm_start=False, data_wait=False,
                             report=lambda line: log.info("  %s", line))
-    floor = results.floor["images_per_s"] if results.floor else None
     rows = [{"workers": r.workers, "images_per_s": r.images_per_s, "scaling": r.scaling, "vs_floor": r.vs_floor,
              "first_batch_s": r.first_batch_s, "note": r.note, "independent_loops_per_s": r.loops,
-             "loops_vs_floor": round(r.loops / (r.workers * floor), 3) if r.loops and floor else None,
-             "vs_loops": r.vs_loops} for r in results.throughput]
+             "loops_vs_floor": r.loops_vs_floor, "vs_loops": r.vs_loops} for r in results.throughput]
     return {"floor": results.floor, "batch_size": sizes.scaling_batch_size, "seconds": sizes.scaling_seconds,
             "rows": rows}
 

@@ -162,10 +162,10 @@ def format_table(results: BenchmarkResults) -> str:
                      f"{fl['ms_per_image']:.2f} ms per image = {fl['images_per_s']:.0f} img/s{spread}"
                      + (f"; prefetchd {', '.join(shares)}" if shares else ""))
         for r in results.throughput:
-            if r.loops and r.vs_loops is not None:
+            if r.loops and r.vs_loops is not None and r.loops_vs_floor is not None:
                 lines.append(f"independent loops: {r.workers} x the floor's loop at once on the same cores "
-                             f"{r.loops:.0f} img/s ({r.loops / (r.workers * fl['images_per_s']):.0%} of "
-                             f"{r.workers} x the floor); prefetchd {r.vs_loops:.0%} of that at {worker_count(r.workers)}")
+                             f"{r.loops:.0f} img/s ({r.loops_vs_floor:.0%} of {r.workers} x the floor); "
+                             f"prefetchd {r.vs_loops:.0%} of that at {worker_count(r.workers)}")
     lines.append("first batch: prefetchd = daemon start -> first batch (cold); DataLoader = iter() -> first batch, "
                  "paid again at every epoch start with persistent_workers=False; SPDL = pipeline start -> first "
                  "batch; DALI = pipeline build -> first batch")

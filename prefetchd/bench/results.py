@@ -44,6 +44,7 @@ class Throughput:
     # (prefetchd.bench.floor.measure_parallel_floor): what the machine allows k workers.
     loops: float | None = None
     vs_loops: float | None = None  # prefetchd: images_per_s / loops
+    loops_vs_floor: float | None = None  # prefetchd: loops / (workers * the floor's)
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -128,6 +129,8 @@ def fill_ratios(results: BenchmarkResults) -> None:
             row.vs_floor = round(row.images_per_s / (row.workers * results.floor["images_per_s"]), 3)
         if row.loops:
             row.vs_loops = round(row.images_per_s / row.loops, 3)
+            if results.floor is not None:
+                row.loops_vs_floor = round(row.loops / (row.workers * results.floor["images_per_s"]), 3)
             row.loops = round(row.loops, 1)
         row.images_per_s = round(row.images_per_s, 1)
         row.window_s = round(row.window_s, 2)
