@@ -6,6 +6,8 @@ Over JPEGs of the class-folder dataset DATA (every file, or an even sample of
 ``--images``), with one torch thread, reports the CPU time per image (best of
 ``--rounds``) of:
 
+* the header: Pillow's parser with the EXIF orientation (what the daemon read for every
+  file before ``plain_header``, and still reads for any other) and ``jpeg_crop.plain_header``;
 * torchvision ``decode_jpeg`` (what the daemon's fast path runs);
 * Pillow ``Image.open().convert("RGB")`` (what ImageFolder's loader runs);
 * simplejpeg at full size and at the smallest libjpeg-turbo scale (M/8) that keeps the
@@ -75,6 +77,8 @@ def main() -> None:
 
     n, rounds = len(datas), args.rounds
     rows: list[tuple[str, float]] = [
+        ("header: Pillow's parser + orientation", cpu_ms_per_item(
+            n, lambda i: oriented_size(Image.open(io.BytesIO(datas[i]))), rounds)),
         ("torchvision decode_jpeg", cpu_ms_per_item(n, lambda i: decode_jpeg(
             torch.frombuffer(bytearray(datas[i]), dtype=torch.uint8), mode=ImageReadMode.RGB), rounds)),
         ("Pillow open + convert RGB", cpu_ms_per_item(
@@ -99,6 +103,8 @@ def main() -> None:
         return augment(paths[i], args.size, True, sample_rng(0, 0, i))
 
     if jpeg_crop.available():
+        rows.append(("header: plain_header (markers only)", cpu_ms_per_item(
+            n, lambda i: jpeg_crop.plain_header(datas[i]), rounds)))
         # Full scale only: decode_box's box is in the scaled image's pixels, the draft of augment() is not here.
         rows.append(("crop-aware decode of the box", cpu_ms_per_item(
             n, lambda i: jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])), rounds)))
@@ -132,7 +138,7 @@ def main() -> None:
           f"best of {args.rounds}:")
     print(f"  ({jpeg_crop.decoder_summary()})")
     for name, ms in rows:
-        print(f"  {name:<40} {ms:6.2f} ms   ({1000 / ms:5.0f} img/s per core)")
+        print(f"  {name:<40} {ms:8.4f} ms   ({1000 / ms:5.0f} img/s per core)")
 
 
 if __name__ == "__main__":

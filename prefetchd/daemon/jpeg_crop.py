@@ -27,6 +27,10 @@ or two, as torchvision and Pillow of different releases already can).
 A file a worker has decoded cleanly to its end once is remembered (``CleanFiles``, shared
 by a pool's workers): later crops of it stop after their last row, the same pixels sooner.
 
+It also reads a plain JPEG's size and EXIF orientation from its markers (``plain_header``),
+which is all the plan and the crop need from the header: Pillow's parser, which the other
+paths still use, took 22 us of each ~0.75 ms image.
+
 The extension also resizes (``resize``, ``_resample.c``): torch's antialiased bilinear
 uint8 kernel, byte for byte, so that a worker needs no torch (transforms.py).
 
@@ -108,6 +112,25 @@ def decode_box(data: bytes | bytearray, scale: int, left: int, top: int, right: 
         log.debug("crop-aware decode refused the file (%s): decoding it in full", exc)
         return None
     return np.frombuffer(rows, dtype=np.uint8).reshape(bottom - top, right - left, 3)
+
+
+class JpegHeader(NamedTuple):
+    """A JPEG's stored size and its EXIF orientation (1-8)."""
+
+    width: int
+    height: int
+    orientation: int
+
+
+def plain_header(data: bytes | bytearray) -> JpegHeader | None:
+    """The header of a plain JPEG, read from its markers (0.4 us, against 22 us for Pillow's
+    parser with the orientation: tools/decode_floor.py): the file is one Pillow opens and reads the same way (``_cropjpeg.c`` says what
+    "plain" takes; tests/daemon/test_jpeg_crop.py checks the agreement, also on mutated headers).
+    ``None`` without the extension or for any other file: Pillow reads those."""
+    if _extension is None:
+        return None
+    got = _extension.plain_header(data)
+    return JpegHeader(*got) if got is not None else None
 
 
 def resize(pixels: np.ndarray, size: int, mirror: bool) -> np.ndarray | None:

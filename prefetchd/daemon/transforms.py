@@ -47,6 +47,13 @@ Decoding, by the file's magic bytes, never its name:
   for 330 KB photo PNGs, where inflating dominates, and only for 8-bit modes
   whose conversion matches Pillow's; not worth a third path for a rare format.)
 
+The header (size, EXIF orientation) decides the draws.  Where the C extension is built, a
+plain JPEG's comes from its markers (``jpeg_crop.plain_header``: 0.4 us against Pillow's
+parser's 22 us, 3 % of an image's CPU: tools/decode_floor.py); any other file's, from Pillow's parser, which
+also opens a plain JPEG's header again when the crop-aware decoder refuses the file.
+plain_header reads only what Pillow opens and reads the same way (tested on mutated
+headers too), so the draws never depend on which of the two read the header.
+
 Before either decoder runs, the header's pixel count is checked against
 ``max_image_pixels`` (Pillow's own bomb limit by default): a few hundred bytes
 of JPEG can declare 40000 x 40000 pixels, and decode_jpeg would allocate all
@@ -188,6 +195,23 @@ class _Decoded:
     crop: np.ndarray | None = None
 
 
+@dataclass
+class _Header:
+    """What the plan and the decoders read from a file's header.  ``image``: Pillow's reading
+    of it; None for a plain JPEG (``jpeg_crop.plain_header``) until a full decode needs it."""
+
+    width: int  # stored, before the EXIF orientation
+    height: int
+    orientation: int
+    jpeg: bool  # libjpeg's DCT scaling applies
+    rgb_jpeg: bool  # ... and decode_jpeg and the crop-aware decoder give Pillow's RGB of it
+    image: Image.Image | None = field(default=None, repr=False)
+
+    @property
+    def oriented(self) -> tuple[int, int]:
+        return _oriented(self.width, self.height, self.orientation)
+
+
 class HookError(RuntimeError):
     """The user's transform hook failed or broke its contract: a bug to fix, not a bad image."""
 
@@ -303,8 +327,11 @@ def needed_modules(options: AugmentOptions = NO_OPTIONS) -> tuple[str, ...]:
 
 def oriented_size(img: Image.Image) -> tuple[int, int]:
     """Width and height after the EXIF orientation, from the header alone."""
-    w, h = img.size
-    return (h, w) if _orientation(img) in _TRANSPOSED_ORIENTATIONS else (w, h)
+    return _oriented(img.width, img.height, _orientation(img))
+
+
+def _oriented(width: int, height: int, orientation: int) -> tuple[int, int]:
+    return (height, width) if orientation in _TRANSPOSED_ORIENTATIONS else (width, height)
 
 
 def _orientation(img: Image.Image) -> int:
@@ -334,15 +361,30 @@ def load_rgb(path: Path) -> Image.Image:
         return rgb.copy() if rgb is img else rgb  # closing ``img`` frees its pixels
 
 
-def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: Box, size: int,
+def _read_header(data: bytearray, name: str, max_pixels: int) -> _Header:
+    """The header of the image in ``data``: a plain JPEG's from its markers, any other from
+    Pillow's parser; ``ImageRefused`` for more than ``max_pixels`` pixels."""
+    plain = jpeg_crop.plain_header(data)
+    if plain is not None:
+        _check_pixels(plain.width, plain.height, name, max_pixels)
+        return _Header(*plain, jpeg=True, rgb_jpeg=True)
+    image = open_header(data, name, max_pixels)
+    jpeg = data[:3] == JPEG_MAGIC and image.format in ("JPEG", "MPO")
+    return _Header(image.width, image.height, _orientation(image), jpeg, jpeg and image.mode in _TORCHVISION_JPEG_MODES,
+                   image)
+
+
+def _decode(data: bytearray, name: str, max_pixels: int, header: _Header, box: Box, size: int,
             tracked: jpeg_crop.TrackedFile | None) -> _Decoded:
-    is_jpeg = data[:3] == JPEG_MAGIC and header.format in ("JPEG", "MPO")
-    scale = draft_scale(box, size) if is_jpeg else 1
-    if is_jpeg and header.mode in _TORCHVISION_JPEG_MODES:
+    scale = draft_scale(box, size) if header.jpeg else 1
+    if header.rgb_jpeg:
         crop = _decode_crop(data, header, box, scale, tracked)
         if crop is not None:
             return _Decoded(crop=crop)
-    if is_jpeg and scale == 1 and header.mode in _TORCHVISION_JPEG_MODES:
+    # Pillow's header, for a plain JPEG the crop-aware decoder refused: it opens and reads every
+    # plain JPEG as plain_header does (tested), so the plan drawn from that reading still holds.
+    image = header.image if header.image is not None else open_header(data, name, max_pixels)
+    if scale == 1 and header.rgb_jpeg:
         import torch
         from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -353,25 +395,25 @@ def _decode(data: bytearray, header: Image.Image, width: int, height: int, box: 
             pass  # e.g. a truncated file: Pillow decides below, and names the problem if it fails too
         else:
             hwc = chw.permute(1, 2, 0).numpy()  # decode_jpeg's CHW is a view of H x W x 3 memory
-            if hwc.shape[:2] == (height, width):
+            if hwc.shape[:2] == header.oriented[::-1]:
                 return _Decoded(pixels=hwc)
             # The two EXIF readers disagree: Pillow's reading decided the box, so Pillow decodes.
     if scale > 1:
-        stored_width = header.width
-        drafted = header.draft("RGB", (stored_width // scale, header.height // scale))
+        stored_width = image.width
+        drafted = image.draft("RGB", (stored_width // scale, image.height // scale))
         # Pillow reports the scale it chose as the source width in decoded pixels.
         scale = round(stored_width / drafted[1][2]) if drafted is not None else 1
-    return _Decoded(image=_to_rgb(header), scale=scale)
+    return _Decoded(image=_to_rgb(image), scale=scale)
 
 
-def _decode_crop(data: bytearray, header: Image.Image, box: Box, scale: int,
+def _decode_crop(data: bytearray, header: _Header, box: Box, scale: int,
                  tracked: jpeg_crop.TrackedFile | None) -> np.ndarray | None:
     """The crop-aware decoder's box: the pixels ``_crop`` would cut from the full decode at
     ``scale``, EXIF orientation applied; None without the extension or where it refuses.
     ``tracked``: where this file's clean decodes are remembered (``jpeg_crop.CleanFiles``)."""
     if not jpeg_crop.available():
         return None
-    flip_rows, flip_cols, transpose = _EXIF_STEPS.get(_orientation(header), (False, False, False))
+    flip_rows, flip_cols, transpose = _EXIF_STEPS.get(header.orientation, (False, False, False))
     # libjpeg's size at 1/scale rounds up, as Pillow's draft size does.
     stored_w, stored_h = -(-header.width // scale), -(-header.height // scale)
     shown_w, shown_h = (stored_h, stored_w) if transpose else (stored_w, stored_h)
@@ -521,12 +563,15 @@ def open_header(data: bytearray, path: str, max_pixels: int = DEFAULT_MAX_IMAGE_
     except UnidentifiedImageError:  # its own message names a BytesIO, not the file
         what = "an empty file" if not data else f"{len(data)} bytes starting {bytes(data[:8])!r}"
         raise ImageRefused(f"{path}: not an image format Pillow or torchvision reads ({what})") from None
-    w, h = header.size
+    _check_pixels(header.width, header.height, path, max_pixels)
+    return header
+
+
+def _check_pixels(w: int, h: int, path: str, max_pixels: int) -> None:
     if w * h > max_pixels:
         raise ImageRefused(f"{path}: {w} x {h} = {w * h / 1e6:.0f} Mpx is more than max_image_pixels "
                            f"({max_pixels / 1e6:.0f} Mpx), as a decompression bomb would be; raise "
                            "--max-image-pixels if such images are real")
-    return header
 
 
 def augment(path: Path | str, size: int, train: bool, rng: np.random.Generator | None,
@@ -558,10 +603,9 @@ def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.ra
     try:
         # The header only (size, mode, EXIF); it is not closed because the Pillow
         # path may hand back this very image, and a BytesIO holds no OS resource.
-        header = open_header(data, name, max_pixels)
-        width, height = oriented_size(header)
-        plan = plan_sample(width, height, size, train, rng, options)
-        decoded = _decode(data, header, width, height, plan.box, size, tracked)
+        header = _read_header(data, name, max_pixels)
+        plan = plan_sample(*header.oriented, size, train, rng, options)
+        decoded = _decode(data, name, max_pixels, header, plan.box, size, tracked)
     finally:
         t2 = time.perf_counter()
         if times is not None:
