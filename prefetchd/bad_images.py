@@ -12,11 +12,15 @@ so that whatever a crop keeps, its expected colours are known: ``Corpus.valid``
 maps each file to the colours of the left and right half of a centre crop *as
 displayed* (EXIF applied, alpha dropped, first frame, 16-bit high byte).
 ``tools/make_bad_images.py`` is the command line; the bad-image tests use it.
+
+``damage`` makes endless more from any file: bytes changed, cut or inserted (the C
+extension's fuzzing: tests/daemon/test_plain_header.py, tools/sanitize_c.py).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -62,6 +66,22 @@ def _patch_png_size(data: bytes, width: int, height: int) -> bytes:
     ihdr = bytearray(data[12:29])  # b"IHDR" + 13 bytes of fields
     ihdr[4:12] = struct.pack(">II", width, height)
     return data[:12] + bytes(ihdr) + struct.pack(">I", zlib.crc32(ihdr)) + data[33:]
+
+
+def damage(rng: random.Random, data: bytes, end: int | None = None, cut: float = 0.0) -> bytes:
+    """``data`` with 1 to 4 bytes changed, or runs of up to 8 cut or inserted, before ``end`` (the
+    whole file by default; a header's end to aim at it), and with probability ``cut`` cut short."""
+    out = bytearray(data)
+    end = len(data) if end is None else end
+    for _ in range(rng.randint(1, 4)):
+        at, roll = rng.randrange(0, max(1, min(end, len(out)))), rng.random()
+        if roll < 0.6 and out:
+            out[at] = rng.randrange(256)
+        elif roll < 0.8:
+            del out[at:at + rng.randint(1, 8)]
+        else:
+            out[at:at] = rng.randbytes(rng.randint(1, 8))
+    return bytes(out[:rng.randrange(0, len(out) + 1)]) if rng.random() < cut else bytes(out)
 
 
 def make_bad_images(root: Path, filler: int = 6) -> Corpus:

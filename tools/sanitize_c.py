@@ -76,32 +76,20 @@ def seeds() -> list[bytes]:
     return out
 
 
-def mutate(rng: random.Random, data: bytes, end: int) -> bytes:
-    """``data`` with 1 to 4 bytes changed, runs cut or inserted before ``end``, sometimes cut short."""
-    out = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        at, roll = rng.randrange(0, min(end, len(out)) or 1), rng.random()
-        if roll < 0.6 and out:
-            out[at] = rng.randrange(256)
-        elif roll < 0.8:
-            del out[at:at + rng.randint(1, 8)]
-        else:
-            out[at:at] = rng.randbytes(rng.randint(1, 8))
-    return bytes(out[:rng.randrange(0, len(out) + 1)]) if rng.random() < 0.2 else bytes(out)
-
-
 def child(folder: Path, seconds: float, seed: int) -> None:
     sys.path.insert(0, str(folder))
     import _cropjpeg as ext  # the sanitized build
+
+    from prefetchd.bad_images import damage
 
     rng, jpegs = random.Random(seed), seeds()
     counts = {"plain_header": 0, "decode_box": 0, "resize": 0}
     stop = time.monotonic() + seconds
     while time.monotonic() < stop:
         data = rng.choice(jpegs)
-        ext.plain_header(mutate(rng, data, data.index(b"\xff\xda") + 4))
+        ext.plain_header(damage(rng, data, data.index(b"\xff\xda") + 4, cut=0.2))
         counts["plain_header"] += 1
-        damaged = mutate(rng, data, len(data))
+        damaged = damage(rng, data, cut=0.2)
         left, top = rng.randrange(0, 60), rng.randrange(0, 40)
         try:
             ext.decode_box(damaged, rng.choice((1, 2, 4, 8)), left, top, left + rng.randint(1, 30),
