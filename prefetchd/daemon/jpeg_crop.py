@@ -125,7 +125,7 @@ class JpegHeader(NamedTuple):
 def plain_header(data: bytes | bytearray) -> JpegHeader | None:
     """The header of a plain JPEG, read from its markers (0.4 us, against 22 us for Pillow's
     parser with the orientation: tools/decode_floor.py): the file is one Pillow opens and reads the same way (``_cropjpeg.c`` says what
-    "plain" takes; tests/daemon/test_jpeg_crop.py checks the agreement, also on mutated headers).
+    "plain" takes; tests/daemon/test_plain_header.py checks the agreement, also on mutated headers).
     ``None`` without the extension or for any other file: Pillow reads those."""
     if _extension is None:
         return None
