@@ -14,7 +14,8 @@ displayed* (EXIF applied, alpha dropped, first frame, 16-bit high byte).
 ``tools/make_bad_images.py`` is the command line; the bad-image tests use it.
 
 ``damage`` makes endless more from any file: bytes changed, cut or inserted (the C
-extension's fuzzing: tests/daemon/test_plain_header.py, tools/sanitize_c.py).
+extension's fuzzing: tests/daemon/test_plain_header.py, and under the sanitizers in
+tests/daemon/test_resample.py).
 """
 
 from __future__ import annotations

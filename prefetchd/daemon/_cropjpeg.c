@@ -182,7 +182,7 @@ static PyObject *decode_box(PyObject *self, PyObject *args) {
  * reads it for the DPI and fails on some other types).  Anything else gives None and Pillow's
  * reading decides, as it always has.  tests/daemon/test_plain_header.py checks, also on mutated
  * headers, that Pillow opens every file this reads and agrees on its size and orientation;
- * tools/sanitize_c.py runs it under AddressSanitizer on damaged and truncated headers. */
+ * tests/daemon/test_resample.py runs it under AddressSanitizer on damaged and cut headers. */
 
 static unsigned get16(const unsigned char *p, int little) { return little ? p[0] | p[1] << 8 : p[0] << 8 | p[1]; }
 

@@ -160,6 +160,7 @@ for h, w, oh, ow in shapes:
             pixels = bytes(rng.integers(0, 256, h * w * 3, dtype=np.uint8))  # exactly the image: no slack
             ext.resize(pixels, h, w, oh, ow, mirror, vectors)
 # The crop-aware decode: boxes at every scale in JPEGs of each layout, whole and cut short or damaged.
+jpegs = []
 for i in range(120):
     w, h = (int(x) for x in rng.integers(1, 90, 2))
     image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert("L" if i % 7 == 0 else "RGB")
@@ -176,29 +177,66 @@ for i in range(120):
                     ext.decode_box(variant, scale, *b)
                 except ext.DecodeError:
                     pass
+    jpegs.append(data)
+# The header reader: the headers of those JPEGs and of an EXIF-oriented one, damaged and cut short anywhere.
+import random
+from prefetchd.bad_images import damage
+exif = Image.Exif()
+exif[0x0112] = 6
+out = io.BytesIO()
+image.save(out, "JPEG", exif=exif.tobytes())
+jpegs.append(out.getvalue())
+headers = random.Random(0)
+for _ in range(20000):
+    data = headers.choice(jpegs)
+    ext.plain_header(damage(headers, data, data.find(b"\\xff\\xda") + 4, cut=0.2))
 print("ok")
 """
 
 
-@needs_extension
-def test_the_c_extension_reads_and_writes_only_its_buffers(tmp_path: Path) -> None:
-    """Built with AddressSanitizer, the kernel resizes every small shape (1-pixel rows and columns,
-    where the vector path's 8-byte loads could run past the image), and the crop-aware decoder
-    decodes boxes of whole, truncated and damaged JPEGs, without touching a byte outside their
-    buffers."""
-    libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not os.path.isabs(libasan):
-        pytest.skip("gcc has no AddressSanitizer runtime here")
-    source = Path(transforms.__file__).parent
-    built = subprocess.run(["gcc", "-fsanitize=address", "-g", "-O1", "-shared", "-fPIC",
-                            f"-I{sysconfig.get_paths()['include']}", str(source / "_cropjpeg.c"),
-                            str(source / "_resample.c"), "-ljpeg", "-o", str(tmp_path / "_cropjpeg.so")],
+SOURCE = Path(jpeg_crop.__file__).parent  # _cropjpeg.c, _resample.c, _resample.h
+
+
+def _under_sanitizers(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """UNDER_ASAN against the extension built from ``source`` with AddressSanitizer and
+    UndefinedBehaviorSanitizer, every Python buffer an allocation of its own (PYTHONMALLOC=malloc)."""
+    runtimes = [subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+                for name in ("libasan.so", "libubsan.so")]
+    if not all(os.path.isabs(runtime) for runtime in runtimes):
+        pytest.skip("gcc has no AddressSanitizer or UndefinedBehaviorSanitizer runtime here")
+    built = subprocess.run(["gcc", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-g", "-O1",
+                            "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(source / "_cropjpeg.c"),
+                            str(source / "_resample.c"), "-ljpeg", "-o", str(out / "_cropjpeg.so")],
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
-    run = subprocess.run([sys.executable, "-c", UNDER_ASAN, str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "LD_PRELOAD": libasan, "PYTHONMALLOC": "malloc",
-                                           "ASAN_OPTIONS": "detect_leaks=0"})
+    return subprocess.run([sys.executable, "-c", UNDER_ASAN, str(out)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "LD_PRELOAD": ":".join(runtimes), "PYTHONMALLOC": "malloc",
+                                            "ASAN_OPTIONS": "detect_leaks=0"})
+
+
+@needs_extension
+def test_the_c_extension_reads_and_writes_only_its_buffers(tmp_path: Path) -> None:
+    """Built with the sanitizers, the kernel resizes every small shape (1-pixel rows and columns,
+    where the vector path's 8-byte loads could run past the image), the crop-aware decoder
+    decodes boxes of whole, truncated and damaged JPEGs, and the header reader reads damaged and
+    cut headers, without touching a byte outside their buffers."""
+    run = _under_sanitizers(SOURCE, tmp_path)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+@needs_extension
+def test_the_sanitizer_run_reports_a_planted_overread(tmp_path: Path) -> None:
+    """The same run on the sources with the header reader's marker walk allowed one byte past the file."""
+    planted = tmp_path / "source"
+    planted.mkdir()
+    for name in ("_cropjpeg.c", "_resample.c", "_resample.h"):
+        (planted / name).write_bytes((SOURCE / name).read_bytes())
+    code = (planted / "_cropjpeg.c").read_text()
+    bounds = "if (pos + 4 > n || b[pos] != 0xFF)"
+    assert bounds in code, "the marker walk's bounds check moved: plant the over-read elsewhere"
+    (planted / "_cropjpeg.c").write_text(code.replace(bounds, "if (pos + 1 > n || b[pos] != 0xFF)"))
+    run = _under_sanitizers(planted, tmp_path)
+    assert run.returncode != 0 and "AddressSanitizer: heap-buffer-overflow" in run.stderr, run.stderr[-3000:]
 
 
 def test_the_start_line_says_what_resizes_and_so_whether_workers_import_torch(monkeypatch: pytest.MonkeyPatch) -> None:
