@@ -39,7 +39,10 @@ from PIL import Image
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.transforms import _resize, augment, oriented_size, preload, random_resized_crop_box
+from prefetchd.daemon.decode import oriented_size
+from prefetchd.daemon.plan import random_resized_crop_box
+from prefetchd.daemon.resample import resize as resample
+from prefetchd.daemon.transforms import augment, preload
 
 
 def cpu_ms_per_item(n: int, fn: Callable[[int], object], rounds: int) -> float:
@@ -115,7 +118,7 @@ def main() -> None:
         crops = [jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])) for i in range(n)]
         if all(crop is not None for crop in crops):
             def resize(i: int) -> object:
-                return _resize(crops[i], args.size, bool(i % 2))  # type: ignore[arg-type]
+                return resample(crops[i], args.size, bool(i % 2))  # type: ignore[arg-type]
 
             rows.append(("resize of the box (extension's kernel)", cpu_ms_per_item(n, resize, rounds)))
             with jpeg_crop.whole_image_only():

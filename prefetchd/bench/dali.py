@@ -41,7 +41,7 @@ def dali_batches(
 
     The pipeline (and its threads) lives until the generator is closed.
     """
-    from prefetchd.daemon.transforms import RATIO, SCALE
+    from prefetchd.daemon.plan import RATIO, SCALE
 
     # Typed as Any on purpose: nvidia.dali ships partial stubs, so a typed import would
     # type-check differently on machines with and without it (CI has none).

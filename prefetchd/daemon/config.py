@@ -21,7 +21,7 @@ import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.errors import ConfigError
-from prefetchd.daemon.transforms import DEFAULT_MAX_IMAGE_PIXELS
+from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import check_value as check_field
 from prefetchd.options import setting as _opt

@@ -15,7 +15,7 @@ and has no partial decode either.
 
 The box it returns is bit-identical to the same box cut from a full decode at the
 same scale (tests/daemon/test_jpeg_crop.py: 4:2:0, 4:2:2, 4:4:4, grayscale,
-progressive, restart markers, any size; transforms turns the box through the EXIF
+progressive, restart markers, any size; ``decode`` turns the box through the EXIF
 orientation and the crop back), and it refuses — ``None`` here, so the caller runs
 the full decode — every file a full decode would fail or warn on.  So pixels do not
 depend on whether a machine has the extension, provided the system's libjpeg-turbo,
@@ -32,7 +32,7 @@ which is all the plan and the crop need from the header: Pillow's parser, which 
 paths still use, took 22 us of each ~0.75 ms image.
 
 The extension also resizes (``resize``, ``_resample.c``): torch's antialiased bilinear
-uint8 kernel, byte for byte, so that a worker needs no torch (transforms.py).
+uint8 kernel, byte for byte, so that a worker needs no torch (``resample``).
 
 Without the extension ``available()`` is False, the daemon decodes whole images and
 resizes with torch; ``decoder_summary()`` is the line ``prefetchd start`` logs once.
@@ -124,9 +124,10 @@ class JpegHeader(NamedTuple):
 
 def plain_header(data: bytes | bytearray) -> JpegHeader | None:
     """The header of a plain JPEG, read from its markers (0.4 us, against 22 us for Pillow's
-    parser with the orientation: tools/decode_floor.py): the file is one Pillow opens and reads the same way (``_cropjpeg.c`` says what
-    "plain" takes; tests/daemon/test_plain_header.py checks the agreement, also on mutated headers).
-    ``None`` without the extension or for any other file: Pillow reads those."""
+    parser with the orientation: tools/decode_floor.py): the file is one Pillow opens and reads
+    the same way (``_cropjpeg.c`` says what "plain" takes; tests/daemon/test_plain_header.py
+    checks the agreement, also on mutated headers).  ``None`` without the extension or for any
+    other file: Pillow reads those."""
     if _extension is None:
         return None
     got = _extension.plain_header(data)

@@ -39,7 +39,8 @@ from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.sources.index_cache import default_cache_dir
-from prefetchd.daemon.transforms import resize_summary, validate_hook
+from prefetchd.daemon.hook import validate_hook
+from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.wakeup import Wakeup
 
 log = logging.getLogger(__name__)

@@ -62,8 +62,10 @@ from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable
-from prefetchd.daemon.transforms import (DEFAULT_MAX_IMAGE_PIXELS, AugmentOptions, HookError, StageTimes,
-                                         augment_bytes, needed_modules, preload)
+from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
+from prefetchd.daemon.hook import HookError
+from prefetchd.daemon.plan import AugmentOptions
+from prefetchd.daemon.transforms import StageTimes, augment_bytes, needed_modules, preload
 
 if TYPE_CHECKING:
     from prefetchd.daemon.config import DaemonConfig

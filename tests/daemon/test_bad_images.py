@@ -17,7 +17,9 @@ from prefetchd.bad_images import Corpus, make_bad_images
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.producer import bad_data_verdict
-from prefetchd.daemon.transforms import ImageRefused, augment, load_rgb
+from prefetchd.daemon.decode import load_rgb
+from prefetchd.daemon.sources.storage import ImageRefused
+from prefetchd.daemon.transforms import augment
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, run_task
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),

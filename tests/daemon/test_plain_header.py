@@ -16,7 +16,7 @@ from PIL import Image
 
 from prefetchd.bad_images import damage, make_bad_images
 from prefetchd.daemon import jpeg_crop
-from prefetchd.daemon.transforms import _orientation
+from prefetchd.daemon.decode import exif_orientation
 
 pytestmark = pytest.mark.skipif(
     not jpeg_crop.available(),
@@ -37,7 +37,7 @@ def pillow_view(data: bytes) -> tuple[int, int, int] | str:
             with Image.open(io.BytesIO(data)) as img:
                 if img.format != "JPEG" or img.mode not in ("RGB", "L"):
                     return f"{img.format} {img.mode}"
-                return img.width, img.height, _orientation(img)
+                return img.width, img.height, exif_orientation(img)
         except Exception as exc:  # whatever Pillow raises, the file is not one plain_header may read
             return type(exc).__name__
         finally:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from prefetchd.daemon import jpeg_crop, transforms
+from prefetchd.daemon import jpeg_crop, resample, transforms
 
 needs_extension = pytest.mark.skipif(not jpeg_crop.available(), reason="the C extension is not built here")
 
@@ -69,7 +69,7 @@ def test_the_c_kernel_is_torchs_uint8_kernel(h: int, w: int, out_h: int, out_w: 
 def test_equal_sizes_and_single_rows(shape: tuple[int, int]) -> None:
     crop = _pixels(7, *shape, smooth=False)
     for mirror in (False, True):
-        assert np.array_equal(transforms._resize(crop, 224, mirror), _torchvisions(crop, 224, mirror))
+        assert np.array_equal(resample.resize(crop, 224, mirror), _torchvisions(crop, 224, mirror))
 
 
 @needs_extension
@@ -87,7 +87,7 @@ def test_read_only_pixels_are_resized() -> None:
     """Pillow hands numpy read-only memory; the kernel only reads it."""
     crop = _pixels(3, 100, 80, smooth=True)
     crop.flags.writeable = False
-    out = transforms._resize(crop, 64, False)
+    out = resample.resize(crop, 64, False)
     assert out.flags.writeable and np.array_equal(out, _torchvisions(crop.copy(), 64, False))
 
 
@@ -98,7 +98,7 @@ def test_resize_is_torchvisions_bilinear_antialias_byte_for_byte(h: int, w: int,
                                                                   seed: int) -> None:
     """What a worker runs (the C kernel where built, else torch) against torchvision's resize + hflip."""
     crop = _pixels(seed, h, w, smooth=bool(seed % 2))
-    ours = transforms._resize(crop, size, mirror)
+    ours = resample.resize(crop, size, mirror)
     assert ours.flags.c_contiguous and ours.shape == (size, size, 3), "the slot's H x W x 3 layout"
     assert np.array_equal(ours, _torchvisions(crop, size, mirror))
 
@@ -108,11 +108,11 @@ import sys
 import numpy as np, torch
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
-from prefetchd.daemon import transforms
+from prefetchd.daemon import resample
 capability = torch.backends.cpu.get_cpu_capability()
 assert capability == sys.argv[1], capability
 # uint8_kernel() tells without torch what torchvision decides with it.
-assert transforms.uint8_kernel() == (capability in ("AVX2", "AVX512")), capability
+assert resample.uint8_kernel() == (capability in ("AVX2", "AVX512")), capability
 rng = np.random.default_rng(3)
 for i in range(60):
     h, w = (int(x) for x in rng.integers(1, 500, 2))
@@ -121,7 +121,7 @@ for i in range(60):
     chw = F.resize(torch.from_numpy(crop).permute(2, 0, 1), [size, size], interpolation=v2.InterpolationMode.BILINEAR,
                    antialias=True)
     theirs = (F.hflip(chw) if mirror else chw).permute(1, 2, 0).numpy()
-    assert np.array_equal(transforms._resize(crop, size, mirror), theirs), (h, w, size)
+    assert np.array_equal(resample.resize(crop, size, mirror), theirs), (h, w, size)
 print("ok")
 """
 
@@ -132,7 +132,7 @@ def test_resize_is_torchvisions_on_another_cpu(capability: str) -> None:
     """ATEN_CPU_CAPABILITY=avx2: torch's AVX2 intrinsics kernel (this machine may run the AVX-512 build,
     whose uint8 resize is the generic loop); =default, a CPU without AVX2: torchvision resizes in
     float32 and rounds, and so must we, with torch."""
-    if capability == "AVX2" and not {"avx2", "fma"} <= transforms._cpu_flags():
+    if capability == "AVX2" and not {"avx2", "fma"} <= resample._cpu_flags():
         pytest.skip("this CPU has no AVX2")
     run = subprocess.run([sys.executable, "-c", ON_ANOTHER_KERNEL, capability], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()})
@@ -141,7 +141,7 @@ def test_resize_is_torchvisions_on_another_cpu(capability: str) -> None:
 
 def test_uint8_kernel_agrees_with_torch_here() -> None:
     arm = platform.machine() in ("aarch64", "arm64")
-    assert transforms.uint8_kernel() == (arm or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+    assert resample.uint8_kernel() == (arm or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
 UNDER_ASAN = """
@@ -240,11 +240,11 @@ def test_the_sanitizer_run_reports_a_planted_overread(tmp_path: Path) -> None:
 
 
 def test_the_start_line_says_what_resizes_and_so_whether_workers_import_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transforms, "uint8_kernel", lambda: False)
-    assert "float32" in transforms.resize_summary() and "workers import torch" in transforms.resize_summary()
-    monkeypatch.setattr(transforms, "uint8_kernel", lambda: True)
+    monkeypatch.setattr(resample, "uint8_kernel", lambda: False)
+    assert "float32" in resample.resize_summary() and "workers import torch" in resample.resize_summary()
+    monkeypatch.setattr(resample, "uint8_kernel", lambda: True)
     with jpeg_crop.whole_image_only():
-        assert "torch's uint8 kernel; workers import torch" in transforms.resize_summary()
+        assert "torch's uint8 kernel; workers import torch" in resample.resize_summary()
     if jpeg_crop.available():
-        assert "C extension's copy" in transforms.resize_summary()
+        assert "C extension's copy" in resample.resize_summary()
         assert "torch" not in transforms.needed_modules(), "what the line promises"

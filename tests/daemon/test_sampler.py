@@ -168,7 +168,8 @@ def test_augmented_pixels_are_pinned() -> None:
 
     from PIL import Image
 
-    from prefetchd.daemon.transforms import AugmentOptions, augment_bytes, random_resized_crop_box
+    from prefetchd.daemon.plan import AugmentOptions, random_resized_crop_box
+    from prefetchd.daemon.transforms import augment_bytes
 
     assert random_resized_crop_box(640, 480, sample_rng(7, 0, 5)) == (26, 90, 332, 353)
     y, x = np.mgrid[0:48, 0:64]

@@ -20,23 +20,14 @@ from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import RandomResizedCrop, v2
 from torchvision.transforms.v2 import functional as F
 
-from prefetchd.daemon import jpeg_crop, transforms
+from prefetchd.daemon import jpeg_crop, resample
+from prefetchd.daemon.decode import draft_scale, load_rgb
 from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.hook import HookError, load_hook, validate_hook
+from prefetchd.daemon.plan import (AugmentOptions, center_crop_box, pixel_box, plan_sample, random_resized_crop_box,
+                                   scale_jitter_box)
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.transforms import (
-    AugmentOptions,
-    HookError,
-    StageTimes,
-    augment,
-    center_crop_box,
-    draft_scale,
-    load_rgb,
-    pixel_box,
-    plan_sample,
-    random_resized_crop_box,
-    scale_jitter_box,
-    validate_hook,
-)
+from prefetchd.daemon.transforms import StageTimes, augment
 
 # torchvision 0.29 announces that its decoders move to TorchCodec; they still work.
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -733,7 +724,7 @@ def hook_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (tmp_path / f"{name}.py").write_text(HOOK_MODULE)
     (tmp_path / f"{name}_fails.py").write_text("raise ImportError('needs a GPU library')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    transforms.load_hook.cache_clear()
+    load_hook.cache_clear()
     return name
 
 
@@ -837,7 +828,8 @@ import sys
 from pathlib import Path
 import numpy as np
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.transforms import AugmentOptions, augment_bytes, preload
+from prefetchd.daemon.plan import AugmentOptions
+from prefetchd.daemon.transforms import augment_bytes, preload
 jitter = sys.argv[2] == "jitter"
 options = AugmentOptions(color_jitter=0.4 if jitter else None)
 preload(options)
@@ -859,4 +851,4 @@ def test_a_worker_imports_torch_only_to_jitter(make_image: Callable[..., Path], 
                              text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-3000:]
         imported[mode] = run.stdout.strip()
-    assert imported == {"plain": f"{not transforms.uint8_kernel()} False", "jitter": "True True"}
+    assert imported == {"plain": f"{not resample.uint8_kernel()} False", "jitter": "True True"}

@@ -21,7 +21,8 @@ from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.transforms import AugmentOptions, augment
+from prefetchd.daemon.plan import AugmentOptions
+from prefetchd.daemon.transforms import augment
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, limit_threads, run_task, worker_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
