@@ -17,12 +17,16 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.sources.index_cache import cached_class_folders
+
+T = TypeVar("T")
 
 
 def generate(root: Path, files: int, classes: int) -> None:
@@ -37,7 +41,7 @@ def generate(root: Path, files: int, classes: int) -> None:
     os.utime(root, (past, past))
 
 
-def timed(fn):  # type: ignore[no-untyped-def]
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start

@@ -105,17 +105,21 @@ def main() -> None:
     def train_augment(i: int) -> object:
         return augment(paths[i], args.size, True, sample_rng(0, 0, i))
 
+    def int_box(i: int) -> tuple[int, int, int, int]:
+        left, top, right, bottom = (int(v) for v in boxes[i])
+        return left, top, right, bottom
+
     if jpeg_crop.available():
         rows.append(("header: plain_header (markers only)", cpu_ms_per_item(
             n, lambda i: jpeg_crop.plain_header(datas[i]), rounds)))
         # Full scale only: decode_box's box is in the scaled image's pixels, the draft of augment() is not here.
         rows.append(("crop-aware decode of the box", cpu_ms_per_item(
-            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])), rounds)))
+            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *int_box(i)), rounds)))
         rows.append(("crop-aware decode, file known clean", cpu_ms_per_item(
-            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i]), to_end=False), rounds)))
+            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *int_box(i), to_end=False), rounds)))
         # The resize of those boxes (at full scale: larger than augment()'s DCT-scaled ones), flipped
         # every other time, by the extension's kernel and by torch's (the path without it).
-        crops = [jpeg_crop.decode_box(datas[i], 1, *(int(v) for v in boxes[i])) for i in range(n)]
+        crops = [jpeg_crop.decode_box(datas[i], 1, *int_box(i)) for i in range(n)]
         if all(crop is not None for crop in crops):
             def resize(i: int) -> object:
                 return resample(crops[i], args.size, bool(i % 2))  # type: ignore[arg-type]
