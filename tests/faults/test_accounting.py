@@ -9,7 +9,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.faults.harness import account, compare  # noqa: E402
+from tests.faults.accounting import account, compare  # noqa: E402
 
 STEPS, POSITIONS, SAMPLES = 3, 6, 12
 
