@@ -39,8 +39,8 @@ from PIL import Image
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.decode import oriented_size
-from prefetchd.daemon.plan import random_resized_crop_box
+from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS, exif_orientation, open_header, read_header
+from prefetchd.daemon.plan import pixel_box, random_resized_crop_box
 from prefetchd.daemon.resample import resize as resample
 from prefetchd.daemon.transforms import augment, preload
 
@@ -73,15 +73,16 @@ def main() -> None:
         raise SystemExit(f"{args.data}: no .jpg/.jpeg files in class folders; point it at a class-folder dataset")
     paths = paths[:: max(1, len(paths) // args.images)][: args.images]
     datas = [p.read_bytes() for p in paths]
+    buffers = [bytearray(data) for data in datas]  # what the daemon's header readers take
     boxes = []
-    for i, data in enumerate(datas):
-        with Image.open(io.BytesIO(data)) as img:
-            boxes.append(random_resized_crop_box(*oriented_size(img), sample_rng(0, 0, i)))
+    for i, (path, buffer) in enumerate(zip(paths, buffers)):
+        width, height = read_header(buffer, str(path), DEFAULT_MAX_IMAGE_PIXELS).oriented
+        boxes.append(pixel_box(random_resized_crop_box(width, height, sample_rng(0, 0, i)), width, height))
 
     n, rounds = len(datas), args.rounds
     rows: list[tuple[str, float]] = [
         ("header: Pillow's parser + orientation", cpu_ms_per_item(
-            n, lambda i: oriented_size(Image.open(io.BytesIO(datas[i]))), rounds)),
+            n, lambda i: exif_orientation(open_header(buffers[i], str(paths[i]))), rounds)),
         ("torchvision decode_jpeg", cpu_ms_per_item(n, lambda i: decode_jpeg(
             torch.frombuffer(bytearray(datas[i]), dtype=torch.uint8), mode=ImageReadMode.RGB), rounds)),
         ("Pillow open + convert RGB", cpu_ms_per_item(
@@ -105,21 +106,17 @@ def main() -> None:
     def train_augment(i: int) -> object:
         return augment(paths[i], args.size, True, sample_rng(0, 0, i))
 
-    def int_box(i: int) -> tuple[int, int, int, int]:
-        left, top, right, bottom = (int(v) for v in boxes[i])
-        return left, top, right, bottom
-
     if jpeg_crop.available():
         rows.append(("header: plain_header (markers only)", cpu_ms_per_item(
             n, lambda i: jpeg_crop.plain_header(datas[i]), rounds)))
         # Full scale only: decode_box's box is in the scaled image's pixels, the draft of augment() is not here.
         rows.append(("crop-aware decode of the box", cpu_ms_per_item(
-            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *int_box(i)), rounds)))
+            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *boxes[i]), rounds)))
         rows.append(("crop-aware decode, file known clean", cpu_ms_per_item(
-            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *int_box(i), to_end=False), rounds)))
+            n, lambda i: jpeg_crop.decode_box(datas[i], 1, *boxes[i], to_end=False), rounds)))
         # The resize of those boxes (at full scale: larger than augment()'s DCT-scaled ones), flipped
         # every other time, by the extension's kernel and by torch's (the path without it).
-        crops = [jpeg_crop.decode_box(datas[i], 1, *int_box(i)) for i in range(n)]
+        crops = [jpeg_crop.decode_box(datas[i], 1, *boxes[i]) for i in range(n)]
         if all(crop is not None for crop in crops):
             def resize(i: int) -> object:
                 return resample(crops[i], args.size, bool(i % 2))  # type: ignore[arg-type]

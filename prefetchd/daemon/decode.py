@@ -108,7 +108,9 @@ class Header:
 
     @property
     def oriented(self) -> tuple[int, int]:
-        return _oriented(self.width, self.height, self.orientation)
+        """Width and height after the EXIF orientation."""
+        transposed = self.orientation in _TRANSPOSED_ORIENTATIONS
+        return (self.height, self.width) if transposed else (self.width, self.height)
 
 
 def draft_scale(box: Box, size: int) -> int:
@@ -118,15 +120,6 @@ def draft_scale(box: Box, size: int) -> int:
     while scale < MAX_DRAFT_SCALE and side >= 2 * scale * size:
         scale *= 2
     return scale
-
-
-def oriented_size(img: Image.Image) -> tuple[int, int]:
-    """Width and height after the EXIF orientation, from the header alone."""
-    return _oriented(img.width, img.height, exif_orientation(img))
-
-
-def _oriented(width: int, height: int, orientation: int) -> tuple[int, int]:
-    return (height, width) if orientation in _TRANSPOSED_ORIENTATIONS else (width, height)
 
 
 def exif_orientation(img: Image.Image) -> int:
