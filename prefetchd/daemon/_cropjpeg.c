@@ -254,9 +254,10 @@ static PyObject *plain_header(PyObject *self, PyObject *args) {
                    (marker == 0xEE && starts(seg, seg_len, "Adobe", 5) && seg_len < 12) ||
                    (marker == 0xE2 && starts(seg, seg_len, "ICC_PROFILE\0", 12) && seg_len < 14)) {
             plain = 0;
-        } else if (marker == 0xDB) {
-            for (size_t at = 0; at < seg_len; at += 1 + (seg[at] >> 4 ? 128 : 64))
-                if (at + 1 + (seg[at] >> 4 ? 128 : 64) > seg_len) plain = 0;
+        } else if (marker == 0xDB) { /* whole tables: a precision byte, then 64 values of 8 or 16 bits */
+            size_t at = 0;
+            while (at < seg_len) at += 1 + (seg[at] >> 4 ? 128 : 64);
+            if (at != seg_len) plain = 0;
         } else if (marker == 0xC0 || marker == 0xC1 || marker == 0xC2) { /* baseline, extended, progressive */
             if (width != 0 || seg_len < 6 || seg[0] != 8 || (seg[5] != 1 && seg[5] != 3) || seg_len != 6 + 3 * (size_t)seg[5]) {
                 plain = 0;

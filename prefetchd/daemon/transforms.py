@@ -110,8 +110,9 @@ def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.ra
     """
     t1 = time.perf_counter()
     try:
-        # The header only (size, mode, EXIF); it is not closed because the Pillow
-        # path may hand back this very image, and a BytesIO holds no OS resource.
+        # The header only (size, EXIF orientation; for a file that is not a plain JPEG, Pillow's
+        # image of it, not closed: the Pillow path may hand back this very image, and a BytesIO
+        # holds no OS resource).
         header = decode.read_header(data, name, max_pixels)
         plan = plan_sample(*header.oriented, size, train, rng, options)
         decoded = decode.decode(data, name, max_pixels, header, plan.box, size, tracked)

@@ -28,7 +28,7 @@ XMP_PREFIX = b"http://ns.adobe.com/xap/1.0/\x00"
 
 
 def pillow_view(data: bytes) -> tuple[int, int, int] | str:
-    """(width, height, orientation) as transforms reads them from Pillow, for a JPEG the crop-aware
+    """(width, height, orientation) as decode.read_header reads them from Pillow, for a JPEG the crop-aware
     path takes (RGB or L); else what Pillow made of the file."""
     limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # off, as in a worker: the daemon has its own
     with warnings.catch_warnings():
