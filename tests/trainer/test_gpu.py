@@ -64,9 +64,19 @@ def test_values_equal_the_cpu_path(make_job: MakeJob, pin: str, normalize: bool)
     loader.close()
 
 
+def warm_host_allocator(make_job: MakeJob, buffer: Path, pin: str) -> None:
+    """Run a loader of the same shapes to the end. The first page-locked allocation in a process
+    (cudaHostAlloc) waits for the whole device, a blocked stream included; later ones reuse its
+    cached blocks. Without this the first staged batch waited out the block when the test ran
+    first in its process (gpu_check's three test processes, H200, 2026-11-26)."""
+    warm = make_job(buffer, write=1, image_size=32)
+    list(BufferLoader(warm.buffer, device="cuda", pin=pin, prefetch=0, timeout=5, daemon_grace=0))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("pin", ["staging", "register"])
 def test_progress_moves_only_after_the_copy_completed(make_job: MakeJob, pin: str) -> None:
     job = make_job(write=1, image_size=32)
+    warm_host_allocator(make_job, job.buffer / "warm", pin)
     loader = BufferLoader(job.buffer, device="cuda", pin=pin, prefetch=0, timeout=5, daemon_grace=0)  # type: ignore[arg-type]
     it = iter(loader)
     block_side_stream(loader)
