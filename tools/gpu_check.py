@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -301,10 +302,13 @@ def dali_missing(device: torch.device) -> str | None:
 
 @contextlib.contextmanager
 def dali_feed(data: Path, sizes: Sizes, workers: int, device: torch.device) -> Iterator[Batches]:
-    from nvidia.dali import fn, pipeline_def, types
+    # Untyped on purpose: DALI's stubs differ between releases (2.4's lack fn's and types'
+    # names), and this is the one place that uses them.
+    dali: Any = importlib.import_module("nvidia.dali")
+    fn, types = dali.fn, dali.types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-    @pipeline_def  # type: ignore[untyped-decorator]
+    @dali.pipeline_def  # type: ignore[untyped-decorator]
     def pipeline() -> Any:
         # readers.file labels class folders in sorted order, as ImageFolder does.
         jpegs, labels = fn.readers.file(file_root=str(data), random_shuffle=True, name="reader")
