@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,10 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     for name in FEEDS[:3]:  # every round of every feed, the row its median
         assert len(rows[name]["rounds_images_per_s"]) == doc["sizes"]["rounds"] == 2
         assert rows[name]["images_per_s"] == min(rows[name]["rounds_images_per_s"])
+        # Where the CPU went in each round: the trainer's own steps at least, in this tree.
+        assert len(rows[name]["rounds_cpu"]) == 2
+        for use in rows[name]["rounds_cpu"]:
+            assert use["cpu_tree_cores"] > 0 and use["cpu_other_cores"] >= 0 and 0 <= use["cpu_steal_share"] < 1
     assert rows["DALI"].get("note", "").startswith("skipped:") or "images_per_s" in rows["DALI"]
 
     # 5. the producer alone, with the floor it is compared with (one worker count on a dry run).
@@ -56,6 +61,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert abs(row["vs_floor"] - row["images_per_s"] / scaling["floor"]["images_per_s"]) < 2e-3
     assert row["independent_loops_per_s"] > 0
     assert abs(row["vs_loops"] - row["images_per_s"] / row["independent_loops_per_s"]) < 2e-3
+    assert scaling["cpu_tree_cores"] > 0
 
     markdown = (out.parent / "GPU.md").read_text()
     assert "**Dry run**" in markdown
@@ -63,6 +69,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         assert heading in markdown
     for name in FEEDS:
         assert f"| {name}" in markdown
+    assert "CPU by round" in markdown and "Over the whole step, in cores on average" in markdown
     # A dry run never touches the measured docs.
     assert {p.name: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()} == docs_before
 
@@ -137,3 +144,36 @@ def test_worker_counts_are_read_from_a_comma_list(monkeypatch: pytest.MonkeyPatc
     for bad in ("", "0", "15,x", "-1"):
         with pytest.raises(gpu_check.argparse.ArgumentTypeError, match="worker counts of 1 or more"):
             gpu_check.worker_counts(bad)
+
+
+BURN = "import time\nwhile time.process_time() < {seconds}: pass\n"  # exits having used that much CPU
+
+
+def test_cpu_use_counts_children_in_the_tree_and_a_detached_process_as_another(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    # A child that has exited and been reaped still counts: its CPU is in our children_* times.
+    before = gpu_check._tree_cpu(os.getpid())
+    subprocess.run([sys.executable, "-c", BURN.format(seconds=0.5)], check=True, timeout=60)
+    assert gpu_check._tree_cpu(os.getpid()) - before >= 0.5
+
+    # A process outside the tree (its parent exits at once: it is re-parented away from us) is
+    # another's CPU, and only the machine's figure sees it.
+    done = tmp_path / "done"
+    script = BURN.format(seconds=0.5) + f"open({str(done)!r}, 'w').close()\n"
+    use = gpu_check.CpuUse()
+    mine = gpu_check._tree_cpu(os.getpid())
+    subprocess.run([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                    f"{script!r}], start_new_session=True)"], check=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done.exists()
+    span = time.perf_counter() - use._begin[0]
+    tree = gpu_check._tree_cpu(os.getpid()) - mine
+    got = use.stop()
+    assert tree < 0.4, "the detached process was counted as ours"
+    assert got["cpu_other_cores"] * span >= 0.45
+    assert 0 <= got["cpu_steal_share"] < 1

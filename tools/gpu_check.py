@@ -412,6 +412,48 @@ def _tree_pss(pid: int) -> int:
     return total
 
 
+CPU_KEYS = ("cpu_tree_cores", "cpu_other_cores", "cpu_steal_share")
+
+
+class CpuUse:
+    """Where the machine's CPU time went from creation to ``stop()``, in cores: this process tree
+    (trainer, daemon, workers), every other process, and the share the hypervisor took (steal).
+    Written for the rounds no lease could explain: the first daemon-fed round ran ~35 % slower
+    in every lease, and "something else was running" needs the figure that says so."""
+
+    def __init__(self) -> None:
+        self._begin = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float, float, float]:
+        t = psutil.cpu_times()
+        steal = getattr(t, "steal", 0.0)
+        busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+        total = busy + t.idle + getattr(t, "iowait", 0.0) + steal
+        return time.perf_counter(), busy, steal, total, _tree_cpu(os.getpid())
+
+    def stop(self) -> dict[str, float]:
+        (t0, busy0, steal0, total0, tree0), (t1, busy1, steal1, total1, tree1) = self._begin, self._now()
+        span, tree = max(t1 - t0, 1e-9), tree1 - tree0
+        return {"cpu_tree_cores": round(tree / span, 2), "cpu_other_cores": round(max(busy1 - busy0 - tree, 0.0) / span, 2),
+                "cpu_steal_share": round((steal1 - steal0) / max(total1 - total0, 1e-9), 4)}
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its descendants, those already reaped included (``children_*``)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.device) -> dict[str, Any]:
     """Train a fresh model for warmup + steps batches from ``feed``; what it took."""
     torch.manual_seed(0)
@@ -428,6 +470,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
     wait = 0.0
     first_batch_s = wall = 0.0
     loss = torch.zeros(())
+    cpu, cpu_use = CpuUse(), {}  # measured again from the first measured step
     try:
         started = time.perf_counter()
         with feed() as batches:
@@ -438,6 +481,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                         torch.cuda.synchronize(device)
                     measured_from, wait = time.perf_counter(), 0.0
                     sampler.measure()
+                    cpu = CpuUse()
                 t0 = time.perf_counter()
                 images, labels = next(batches)
                 wait += time.perf_counter() - t0
@@ -462,6 +506,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
             if cuda:
                 torch.cuda.synchronize(device)
             wall = time.perf_counter() - measured_from
+            cpu_use = cpu.stop()
     finally:
         host = sampler.stop()
     images_seen = sizes.steps * sizes.batch_size
@@ -469,7 +514,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
         "feed": name, "steps": sizes.steps, "warmup_steps": sizes.warmup_steps, "batch_size": sizes.batch_size,
         "images_per_s": round(images_seen / wall, 1), "wall_s": round(wall, 2),
         "data_wait_share": round(wait / wall, 4), "first_batch_s": round(first_batch_s, 2),
-        "final_loss": round(float(loss.item()), 4), **host,
+        "final_loss": round(float(loss.item()), 4), **host, **cpu_use,
     }
     if events:
         busy_ms = sum(begin.elapsed_time(end) for begin, end in events)
@@ -529,7 +574,8 @@ def median_rows(feeds: list[tuple[str, Feed | str]], rounds: dict[str, list[dict
             if runs:
                 rows.append({"feed": name, "note": failed[0]})
             continue
-        row = {**measured[(len(measured) - 1) // 2], "rounds_images_per_s": [run.get("images_per_s") for run in runs]}
+        row = {**measured[(len(measured) - 1) // 2], "rounds_images_per_s": [run.get("images_per_s") for run in runs],
+               "rounds_cpu": [{key: run[key] for key in CPU_KEYS if key in run} for run in runs]}
         if failed:
             row["failed_rounds"] = failed
         rows.append(row)
@@ -566,6 +612,7 @@ def scaling_counts(cores: int) -> list[int]:
 
 
 def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> dict[str, Any]:
+    cpu = CpuUse()
     results = run_benchmark(data, workers_list=counts, batch_size=sizes.scaling_batch_size,
                             image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
                             contenders=("prefetchd",), warm_start=False, data_wait=False,
@@ -574,7 +621,7 @@ def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> 
              "first_batch_s": r.first_batch_s, "note": r.note, "independent_loops_per_s": r.loops,
              "loops_vs_floor": r.loops_vs_floor, "vs_loops": r.vs_loops} for r in results.throughput]
     return {"floor": results.floor, "batch_size": sizes.scaling_batch_size, "seconds": sizes.scaling_seconds,
-            "rows": rows}
+            "rows": rows, **cpu.stop()}
 
 
 def git_commit(given: str | None) -> str:
@@ -660,6 +707,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 f"{_cell(row.get('nvml_gpu_util_mean'), '{:.0f}%')} | {row['tree_pss_peak_mib']} | "
                 f"{row['system_used_above_start_peak_mib']} | {row['first_batch_s']:.1f} | {each} |")
         lines.append("")
+        lines += _cpu_by_round(doc["training"])
     scaling = doc.get("scaling")
     if scaling is not None:
         floor = scaling["floor"]
@@ -684,9 +732,30 @@ def render_markdown(doc: dict[str, Any]) -> str:
                          f"{_cell(row['vs_floor'], '{:.0%}')} | {_cell(row['first_batch_s'], '{:.2f}')} | "
                          f"{loops_cell} | {_cell(row.get('vs_loops'), '{:.0%}')} |")
         lines.append("")
+        if "cpu_tree_cores" in scaling:
+            lines += [f"Over the whole step, in cores on average: this process tree {scaling['cpu_tree_cores']:.1f}, "
+                      f"other processes {scaling['cpu_other_cores']:.1f}; steal {scaling['cpu_steal_share']:.1%} "
+                      "of all CPU time.", ""]
     lines += ["## Reproduce", "", "See README.md, \"On a GPU\": the wheels to carry, the install, and "
               "`python tools/gpu_check.py --out DIR/gpu.json --commit HASH`.", ""]
     return "\n".join(lines)
+
+
+def _cpu_cells(use: dict[str, Any]) -> str:
+    return f"{use['cpu_tree_cores']:.1f} | {use['cpu_other_cores']:.1f} | {use['cpu_steal_share']:.1%}"
+
+
+def _cpu_by_round(rows: list[dict[str, Any]]) -> list[str]:
+    """Each round's images/s beside where the machine's CPU went meanwhile (``CpuUse``)."""
+    body = [f"| {row['feed']} | {i} | {_cell(rate, '{:.0f}')} | {_cpu_cells(use)} |"
+            for row in rows for i, (rate, use) in enumerate(zip(row.get("rounds_images_per_s", []),
+                                                                 row.get("rounds_cpu", [])), 1) if use]
+    if not body:
+        return []
+    return ["CPU by round, over the measured steps, in cores on average: this process tree (trainer, daemon, "
+            "workers), every other process on the machine, and the hypervisor's steal as a share of all CPU time.",
+            "", "| feed | round | images/s | tree cores | other cores | steal |", "|---|---:|---:|---:|---:|---:|",
+            *body, ""]
 
 
 def write_outputs(doc: dict[str, Any], out: Path) -> None:
