@@ -123,6 +123,16 @@ def hide_data(node: subprocess.Popen[bytes], data: Path) -> None:
                     str(data)], check=True)
 
 
+def hide_data_when_idle(node: subprocess.Popen[bytes], data: Path, buffer: Path, proc: Any) -> None:
+    """``hide_data`` once the daemon has no slice in flight (the trainer holds its first batch, so
+    the buffer fills and the daemon rests). Every slice after that is begun without the data, and
+    a refill submits several at once while both nodes are idle: node D gets one. Hidden at once
+    instead, D could still be busy with a slice begun before (4.6 s for its first under a loaded
+    CI) while node B built the rest of the epoch, and D never failed."""
+    wait_for(lambda: (r := remote_status(buffer)) is not None and r.in_flight == 0, 60, "no slice in flight", proc)
+    hide_data(node, data)
+
+
 def stop_node(node: subprocess.Popen[bytes]) -> None:
     node.terminate()  # ray start drains and stops its node on SIGTERM
     node.wait(60)
@@ -165,8 +175,9 @@ def main() -> None:
                                     before=node_c_named)
         finally:
             stop_node(node_c)
-        # Node D joins with the dataset, and its mount goes away once the trainer has a batch: the slices
-        # it gets after that fail their samples, it reads the probe samples again, and answers it cannot.
+        # Node D joins with the dataset, and its mount goes away once the trainer has a batch and no slice
+        # is in flight: the slices it gets after that fail their samples, it reads the probe samples again,
+        # and answers it cannot.
         node_d = join_with_own_mounts(cluster.address, data, work / "node-d.log", without_data=False)
         mount_lost = work / "mount-lost"
         try:
@@ -174,7 +185,7 @@ def main() -> None:
                 data, mount_lost, work / "mount-lost.log", [*ray, "--workers", "0"], connected=True,
                 before=lambda proc: wait_for(lambda: (work / "mount-lost.log").read_text().count(" reads --data ") >= 2,
                                              180, "nodes B and D to pass the probe", proc),
-                after_first=lambda _proc: hide_data(node_d, data))
+                after_first=lambda proc: hide_data_when_idle(node_d, data, mount_lost, proc))
         finally:
             stop_node(node_d)
         lost = work / "cluster-lost"
