@@ -70,7 +70,9 @@ def warm_host_allocator(make_job: MakeJob, buffer: Path, pin: str) -> None:
     cached blocks. Without this the first staged batch waited out the block when the test ran
     first in its process (gpu_check's three test processes, H200, 2026-11-26)."""
     warm = make_job(buffer, write=1, image_size=32)
-    list(BufferLoader(warm.buffer, device="cuda", pin=pin, prefetch=0, timeout=5, daemon_grace=0))  # type: ignore[arg-type]
+    loader = BufferLoader(warm.buffer, device="cuda", pin=pin, prefetch=0, timeout=5, daemon_grace=0)  # type: ignore[arg-type]
+    list(loader)
+    loader.close()  # its pinned blocks go back to torch's cache, where the test's loader finds them
 
 
 @pytest.mark.parametrize("pin", ["staging", "register"])
