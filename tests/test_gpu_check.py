@@ -47,10 +47,15 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     for name in FEEDS[:3]:  # every round of every feed, the row its median
         assert len(rows[name]["rounds_images_per_s"]) == doc["sizes"]["rounds"] == 2
         assert rows[name]["images_per_s"] == min(rows[name]["rounds_images_per_s"])
-        # Where the CPU went in each round: the trainer's own steps at least, in this tree.
-        assert len(rows[name]["rounds_cpu"]) == 2
-        for use in rows[name]["rounds_cpu"]:
-            assert use["cpu_tree_cores"] > 0 and use["cpu_other_cores"] >= 0 and 0 <= use["cpu_steal_share"] < 1
+        # Each round's detail: where the CPU went (the trainer's own steps at least, in this tree) and
+        # where the time went (a rate for every part of the dry run's 3 steps, the longest wait).
+        assert len(rows[name]["rounds_detail"]) == 2
+        for detail in rows[name]["rounds_detail"]:
+            assert detail["cpu_tree_cores"] > 0 and detail["cpu_other_cores"] >= 0
+            assert 0 <= detail["cpu_steal_share"] < 1
+            assert len(detail["fifths_images_per_s"]) == doc["sizes"]["steps"] == 3
+            assert all(rate > 0 for rate in detail["fifths_images_per_s"])
+            assert 0 <= detail["longest_wait_s"] and 0 <= detail["longest_wait_step"] < 3
     assert rows["DALI"].get("note", "").startswith("skipped:") or "images_per_s" in rows["DALI"]
 
     # 5. the producer alone, with the floor it is compared with (one worker count on a dry run).
@@ -69,7 +74,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         assert heading in markdown
     for name in FEEDS:
         assert f"| {name}" in markdown
-    assert "CPU by round" in markdown and "Over the whole step, in cores on average" in markdown
+    assert "By round" in markdown and "Over the whole step, in cores on average" in markdown
     # A dry run never touches the measured docs.
     assert {p.name: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()} == docs_before
 
@@ -178,3 +183,22 @@ def test_cpu_use_counts_children_in_the_tree_and_a_detached_process_as_another(m
     assert tree < 0.4, "the detached process was counted as ours"
     assert got["cpu_other_cores"] * span >= 0.45
     assert 0 <= got["cpu_steal_share"] < 1
+
+
+def test_a_round_s_timeline_shows_where_its_time_went(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    # 10 steps of 0.1 s at batch 4 (40 img/s), but step 7 waited 2 s for its batch: the fourth
+    # fifth (steps 7 and 8) is the slow one, and the longest wait names step 7 (index 6).
+    waits = [0.01] * 10
+    waits[6] = 2.0
+    marks = [0.0]
+    for waited in waits:
+        marks.append(marks[-1] + 0.1 + (waited if waited > 1 else 0.0))
+    got = gpu_check.timeline(marks, waits, batch_size=4)
+    assert got["fifths_images_per_s"] == [40.0, 40.0, 40.0, round(8 / 2.2, 1), 40.0]
+    assert got["longest_wait_s"] == 2.0 and got["longest_wait_step"] == 6
+    # Fewer steps than fifths: one part per step.  No steps: nothing to say.
+    assert gpu_check.timeline([0.0, 0.5, 1.5], [0.0, 0.0], batch_size=2)["fifths_images_per_s"] == [4.0, 2.0]
+    assert gpu_check.timeline([0.0], [], batch_size=2) == {}

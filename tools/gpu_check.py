@@ -416,7 +416,6 @@ def _tree_pss(pid: int) -> int:
     return total
 
 
-CPU_KEYS = ("cpu_tree_cores", "cpu_other_cores", "cpu_steal_share")
 
 
 class CpuUse:
@@ -469,6 +468,8 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
     sampler = HostSampler(device)
     events: list[tuple[Any, Any]] = []
     wait = 0.0
+    marks: list[float] = []  # each measured step's start, then the end: where in the round time went
+    waits: list[float] = []  # each measured step's time in next()
     first_batch_s = wall = 0.0
     loss = torch.zeros(())
     cpu, cpu_use = CpuUse(), {}  # measured again from the first measured step
@@ -485,7 +486,11 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                     cpu = CpuUse()
                 t0 = time.perf_counter()
                 images, labels = next(batches)
-                wait += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                wait += waited
+                if step >= sizes.warmup_steps:
+                    marks.append(t0)
+                    waits.append(waited)
                 if step == 0:
                     first_batch_s = time.perf_counter() - started
                 # Copy first, change the layout on the device: a layout change in the copy
@@ -506,7 +511,8 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                     events.append((begin, end))
             if cuda:
                 torch.cuda.synchronize(device)
-            wall = time.perf_counter() - measured_from
+            marks.append(time.perf_counter())
+            wall = marks[-1] - measured_from
             cpu_use = cpu.stop()
     finally:
         host = sampler.stop()
@@ -515,13 +521,35 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
         "feed": name, "steps": sizes.steps, "warmup_steps": sizes.warmup_steps, "batch_size": sizes.batch_size,
         "images_per_s": round(images_seen / wall, 1), "wall_s": round(wall, 2),
         "data_wait_share": round(wait / wall, 4), "first_batch_s": round(first_batch_s, 2),
-        "final_loss": round(float(loss.item()), 4), **host, **cpu_use,
+        "final_loss": round(float(loss.item()), 4), **host, **cpu_use, **timeline(marks, waits, sizes.batch_size),
     }
     if events:
         busy_ms = sum(begin.elapsed_time(end) for begin, end in events)
         row["gpu_busy_share"] = round(busy_ms / 1e3 / wall, 4)
         row["gpu_memory_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20)
     return row
+
+
+FIFTHS = 5
+# What each round keeps beside its images/s, for the "By round" table: the median row alone
+# hid that the first daemon-fed round was the slow one in every lease.
+ROUND_KEYS = ("data_wait_share", "gpu_busy_share", "fifths_images_per_s", "longest_wait_s", "longest_wait_step",
+              "cpu_tree_cores", "cpu_other_cores", "cpu_steal_share")
+
+
+def timeline(marks: list[float], waits: list[float], batch_size: int) -> dict[str, Any]:
+    """Where in a round its time went: images/s over each fifth of the measured steps (``marks``:
+    every step's start, then the end; fewer parts when there are fewer steps), and the longest
+    time one step waited in ``next()``.  A round slowed by a one-off stall shows one slow fifth
+    and a long wait; one slow throughout shows every fifth slow."""
+    steps = len(waits)
+    if not steps or len(marks) != steps + 1:
+        return {}
+    parts = min(FIFTHS, steps)
+    bounds = [round(i * steps / parts) for i in range(parts + 1)]
+    rates = [round((b - a) * batch_size / max(marks[b] - marks[a], 1e-9), 1) for a, b in zip(bounds, bounds[1:])]
+    longest = max(range(steps), key=waits.__getitem__)
+    return {"fifths_images_per_s": rates, "longest_wait_s": round(waits[longest], 3), "longest_wait_step": longest}
 
 
 def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, workers: list[int], root: Path,
@@ -576,7 +604,7 @@ def median_rows(feeds: list[tuple[str, Feed | str]], rounds: dict[str, list[dict
                 rows.append({"feed": name, "note": failed[0]})
             continue
         row = {**measured[(len(measured) - 1) // 2], "rounds_images_per_s": [run.get("images_per_s") for run in runs],
-               "rounds_cpu": [{key: run[key] for key in CPU_KEYS if key in run} for run in runs]}
+               "rounds_detail": [{key: run[key] for key in ROUND_KEYS if key in run} for run in runs]}
         if failed:
             row["failed_rounds"] = failed
         rows.append(row)
@@ -708,7 +736,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 f"{_cell(row.get('nvml_gpu_util_mean'), '{:.0f}%')} | {row['tree_pss_peak_mib']} | "
                 f"{row['system_used_above_start_peak_mib']} | {row['first_batch_s']:.1f} | {each} |")
         lines.append("")
-        lines += _cpu_by_round(doc["training"])
+        lines += _by_round(doc["training"])
     scaling = doc.get("scaling")
     if scaling is not None:
         floor = scaling["floor"]
@@ -742,21 +770,29 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_cells(use: dict[str, Any]) -> str:
-    return f"{use['cpu_tree_cores']:.1f} | {use['cpu_other_cores']:.1f} | {use['cpu_steal_share']:.1%}"
+def _round_cells(rate: float | None, detail: dict[str, Any]) -> str:
+    fifths = " / ".join(f"{v:.0f}" for v in detail.get("fifths_images_per_s", []))
+    longest = (f"{detail['longest_wait_s']:.2f} ({detail['longest_wait_step'] + 1})"
+               if "longest_wait_s" in detail else "")
+    return " | ".join([_cell(rate, "{:.0f}"), fifths, _cell(detail.get("data_wait_share"), "{:.1%}"), longest,
+                       _cell(detail.get("gpu_busy_share"), "{:.1%}"), _cell(detail.get("cpu_tree_cores"), "{:.1f}"),
+                       _cell(detail.get("cpu_other_cores"), "{:.1f}"), _cell(detail.get("cpu_steal_share"), "{:.1%}")])
 
 
-def _cpu_by_round(rows: list[dict[str, Any]]) -> list[str]:
-    """Each round's images/s beside where the machine's CPU went meanwhile (``CpuUse``)."""
-    body = [f"| {row['feed']} | {i} | {_cell(rate, '{:.0f}')} | {_cpu_cells(use)} |"
-            for row in rows for i, (rate, use) in enumerate(zip(row.get("rounds_images_per_s", []),
-                                                                 row.get("rounds_cpu", [])), 1) if use]
+def _by_round(rows: list[dict[str, Any]]) -> list[str]:
+    """Each round's images/s beside where its time went (``timeline``) and where the machine's
+    CPU went meanwhile (``CpuUse``)."""
+    body = [f"| {row['feed']} | {i} | {_round_cells(rate, detail)} |"
+            for row in rows for i, (rate, detail) in enumerate(zip(row.get("rounds_images_per_s", []),
+                                                                    row.get("rounds_detail", [])), 1) if detail]
     if not body:
         return []
-    return ["CPU by round, over the measured steps, in cores on average: this process tree (trainer, daemon, "
-            "workers), every other process on the machine, and the hypervisor's steal as a share of all CPU time.",
-            "", "| feed | round | images/s | tree cores | other cores | steal |", "|---|---:|---:|---:|---:|---:|",
-            *body, ""]
+    return ["By round, over the measured steps: images/s in all and over each fifth of the steps, the data wait, "
+            "the longest time one step waited for its batch (and which step), the GPU's busy share, and where "
+            "the machine's CPU went, in cores on average: this process tree (trainer, daemon, workers), every "
+            "other process, and the hypervisor's steal as a share of all CPU time.", "",
+            "| feed | round | images/s | by fifth | data wait | longest wait s (step) | GPU busy | tree cores | "
+            "other cores | steal |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|", *body, ""]
 
 
 def write_outputs(doc: dict[str, Any], out: Path) -> None:
@@ -811,6 +847,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="measured training steps per feed")
     parser.add_argument("--data", type=Path, help="an ImageFolder tree to train on instead of generating one")
     parser.add_argument("--skip-tests", action="store_true", help="leave out `pytest -m gpu`")
+    parser.add_argument("--skip-scaling", action="store_true", help="leave out step 5, the producer alone "
+                        "(~3 min on 16 cores): for a short lease that looks only at the training")
+    parser.add_argument("--rounds", type=int, help="times each feed trains; its row is the median round")
     parser.add_argument("--workers", type=worker_counts, help="the daemon's worker counts to train with, e.g. "
                         "15,12 (DataLoader and DALI get the first) [default: all cores but one]")
     args = parser.parse_args(argv)
@@ -819,6 +858,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = DRY if args.dry_run else FULL
     if args.steps is not None:
         sizes = dataclasses.replace(sizes, steps=args.steps)
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error(f"--rounds {args.rounds}: give 1 or more")
+        sizes = dataclasses.replace(sizes, rounds=args.rounds)
     device = torch.device(sizes.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a GPU machine, or pass --dry-run", file=sys.stderr)
@@ -869,10 +912,11 @@ def main(argv: list[str] | None = None) -> int:
         classes = sum(1 for entry in os.scandir(data) if entry.is_dir())
         # Step 5 runs before the training: it takes about a minute where the training takes
         # several, and a run cut short by the device's time limit then still has it.
-        counts = scaling_counts(len(os.sched_getaffinity(0))) if not args.dry_run else [1]
-        log.info("5. the producer alone at %s workers", ", ".join(map(str, counts)))
-        doc["scaling"] = scaling_rows(data, sizes, scratch / "bench", counts)
-        write_outputs(doc, out)
+        if not args.skip_scaling:
+            counts = scaling_counts(len(os.sched_getaffinity(0))) if not args.dry_run else [1]
+            log.info("5. the producer alone at %s workers", ", ".join(map(str, counts)))
+            doc["scaling"] = scaling_rows(data, sizes, scratch / "bench", counts)
+            write_outputs(doc, out)
 
         def save(rows: list[dict[str, Any]]) -> None:
             doc["training"] = rows
@@ -885,7 +929,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("done: %s", out.parent / "GPU.md")
     failed = [row["feed"] for row in doc["training"]
               if str(row.get("note", "")).startswith("failed") or row.get("failed_rounds")]
-    failed += [f"producer at {row['workers']} workers" for row in doc["scaling"]["rows"] if row["images_per_s"] is None]
+    failed += [f"producer at {row['workers']} workers" for row in (doc["scaling"] or {}).get("rows", [])
+               if row["images_per_s"] is None]
     tests_failed = doc["tests"] is not None and doc["tests"]["returncode"] not in (0, 5)
     return 1 if failed or tests_failed else 0
 
