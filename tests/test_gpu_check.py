@@ -56,6 +56,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
             assert len(detail["fifths_images_per_s"]) == doc["sizes"]["steps"] == 3
             assert all(rate > 0 for rate in detail["fifths_images_per_s"])
             assert 0 <= detail["longest_wait_s"] and 0 <= detail["longest_wait_step"] < 3
+            assert detail["median_step_images_per_s"] > 0
     assert rows["DALI"].get("note", "").startswith("skipped:") or "images_per_s" in rows["DALI"]
 
     # 5. the producer alone, with the floor it is compared with (one worker count on a dry run).
@@ -196,9 +197,20 @@ def test_a_round_s_timeline_shows_where_its_time_went(monkeypatch: pytest.Monkey
     marks = [0.0]
     for waited in waits:
         marks.append(marks[-1] + 0.1 + (waited if waited > 1 else 0.0))
-    got = gpu_check.timeline(marks, waits, batch_size=4)
+    got = gpu_check.timeline(marks, waits, [4] * 10)
     assert got["fifths_images_per_s"] == [40.0, 40.0, 40.0, round(8 / 2.2, 1), 40.0]
     assert got["longest_wait_s"] == 2.0 and got["longest_wait_step"] == 6
-    # Fewer steps than fifths: one part per step.  No steps: nothing to say.
-    assert gpu_check.timeline([0.0, 0.5, 1.5], [0.0, 0.0], batch_size=2)["fifths_images_per_s"] == [4.0, 2.0]
-    assert gpu_check.timeline([0.0], [], batch_size=2) == {}
+    assert got["median_step_images_per_s"] == 40.0  # the stall is one step of ten: not the median
+    # A short batch counts the images it had.  Fewer steps than fifths: one part per step.
+    # No steps: nothing to say.
+    assert gpu_check.timeline([0.0, 0.5, 1.5], [0.0, 0.0], [2, 1])["fifths_images_per_s"] == [4.0, 1.0]
+    assert gpu_check.timeline([0.0], [], []) == {}
+
+
+def test_cudnn_is_tuned_for_the_epoch_s_short_last_batch_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    # gpu_check's data: 20,000 files at batch 256 end every epoch with a batch of 32.
+    assert gpu_check.batch_sizes(20000, 256) == [256, 32]
+    assert gpu_check.batch_sizes(512, 256) == [256]

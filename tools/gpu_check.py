@@ -68,6 +68,7 @@ from torch import nn
 import h2d_bench  # tools/ is sys.path[0] when this file runs as a script
 from prefetchd.bench import describe_machine, run_benchmark
 from prefetchd.buffer_protocol import batch_name, map_batch
+from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.launch import buffer_root
 from prefetchd.synthetic import make_imagenet_like
 from prefetchd.trainer import BufferLoader
@@ -454,14 +455,56 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
+class Trainee:
+    """A fresh model, its optimiser and its loss: one training step at a time."""
+
+    def __init__(self, sizes: Sizes, classes: int, device: torch.device) -> None:
+        torch.manual_seed(0)
+        model = build_model(sizes.model, classes, pretrained=False, echo=log.info)
+        self.model = model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
+        self.model.train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
+        self.criterion = nn.CrossEntropyLoss()
+        self.device = device
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss: torch.Tensor = self.criterion(self.model(images), labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        return loss
+
+
+def batch_sizes(samples: int, batch_size: int) -> list[int]:
+    """The batch sizes an epoch of ``samples`` brings: the full one, and the last one's where
+    it is short (the daemon keeps it; the DataLoader feed drops it)."""
+    return [batch_size, *([samples % batch_size] if samples % batch_size else [])]
+
+
+def tune_cudnn(data: Path, sizes: Sizes, classes: int, device: torch.device) -> None:
+    """One step at each batch size an epoch of ``data`` brings, before any round is measured.
+    With ``cudnn.benchmark`` the first step at a batch size tries every convolution algorithm
+    for it, once per process: on the H100 lease (e14658c) the 32-image last batch of the first
+    epoch did that inside the first daemon-fed round, and a fifth of that round ran at 1389
+    images/s against ~4000 in the others (every lease's "slow first round")."""
+    if not (device.type == "cuda" and torch.backends.cudnn.benchmark):
+        return
+    started = time.perf_counter()
+    shapes = batch_sizes(len(scan_class_folders(data)), sizes.batch_size)
+    trainee = Trainee(sizes, classes, device)
+    for n in shapes:
+        images = torch.randn(n, 3, sizes.image_size, sizes.image_size, device=device)
+        trainee.step(images.contiguous(memory_format=torch.channels_last),
+                     torch.randint(0, classes, (n,), device=device))
+    torch.cuda.synchronize(device)
+    log.info("tuned cuDNN for batches of %s in %.1f s", " and ".join(map(str, shapes)),
+             time.perf_counter() - started)
+
+
 def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.device) -> dict[str, Any]:
     """Train a fresh model for warmup + steps batches from ``feed``; what it took."""
-    torch.manual_seed(0)
-    model = build_model(sizes.model, classes, pretrained=False, echo=log.info)
-    model = model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
-    criterion = nn.CrossEntropyLoss()
+    trainee = Trainee(sizes, classes, device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -470,6 +513,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
     wait = 0.0
     marks: list[float] = []  # each measured step's start, then the end: where in the round time went
     waits: list[float] = []  # each measured step's time in next()
+    counts: list[int] = []  # each measured step's images: an epoch's last batch can be short
     first_batch_s = wall = 0.0
     loss = torch.zeros(())
     cpu, cpu_use = CpuUse(), {}  # measured again from the first measured step
@@ -491,6 +535,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                 if step >= sizes.warmup_steps:
                     marks.append(t0)
                     waits.append(waited)
+                    counts.append(len(labels))
                 if step == 0:
                     first_batch_s = time.perf_counter() - started
                 # Copy first, change the layout on the device: a layout change in the copy
@@ -501,11 +546,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                 if timed:
                     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                     begin.record()
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = criterion(model(images), labels)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                loss = trainee.step(images, labels)
                 if timed:
                     end.record()
                     events.append((begin, end))
@@ -516,12 +557,11 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
             cpu_use = cpu.stop()
     finally:
         host = sampler.stop()
-    images_seen = sizes.steps * sizes.batch_size
     row: dict[str, Any] = {
         "feed": name, "steps": sizes.steps, "warmup_steps": sizes.warmup_steps, "batch_size": sizes.batch_size,
-        "images_per_s": round(images_seen / wall, 1), "wall_s": round(wall, 2),
+        "images_per_s": round(sum(counts) / wall, 1), "wall_s": round(wall, 2),
         "data_wait_share": round(wait / wall, 4), "first_batch_s": round(first_batch_s, 2),
-        "final_loss": round(float(loss.item()), 4), **host, **cpu_use, **timeline(marks, waits, sizes.batch_size),
+        "final_loss": round(float(loss.item()), 4), **host, **cpu_use, **timeline(marks, waits, counts),
     }
     if events:
         busy_ms = sum(begin.elapsed_time(end) for begin, end in events)
@@ -533,23 +573,29 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
 FIFTHS = 5
 # What each round keeps beside its images/s, for the "By round" table: the median row alone
 # hid that the first daemon-fed round was the slow one in every lease.
-ROUND_KEYS = ("data_wait_share", "gpu_busy_share", "fifths_images_per_s", "longest_wait_s", "longest_wait_step",
-              "cpu_tree_cores", "cpu_other_cores", "cpu_steal_share")
+ROUND_KEYS = ("median_step_images_per_s", "fifths_images_per_s", "data_wait_share", "longest_wait_s",
+              "longest_wait_step", "gpu_busy_share", "cpu_tree_cores", "cpu_other_cores", "cpu_steal_share")
 
 
-def timeline(marks: list[float], waits: list[float], batch_size: int) -> dict[str, Any]:
+def timeline(marks: list[float], waits: list[float], counts: list[int]) -> dict[str, Any]:
     """Where in a round its time went: images/s over each fifth of the measured steps (``marks``:
-    every step's start, then the end; fewer parts when there are fewer steps), and the longest
-    time one step waited in ``next()``.  A round slowed by a one-off stall shows one slow fifth
-    and a long wait; one slow throughout shows every fifth slow."""
+    every step's start, then the end; ``counts``: every step's images; fewer parts when there
+    are fewer steps), the longest time one step waited in ``next()``, and the images/s of the
+    median step.  A round slowed by a one-off stall shows one slow fifth; one slow throughout
+    shows every fifth slow; a long wait says the step waited for its batch, where a slow fifth
+    without one says the GPU (or the trainer's own thread) was slower.  The median step is
+    the rate between stalls: a DataLoader waits ~2 s at every epoch's start, which weighs
+    on gpu_check's 78-step epochs as it does not on ImageNet's 5000."""
     steps = len(waits)
-    if not steps or len(marks) != steps + 1:
+    if not steps or len(marks) != steps + 1 or len(counts) != steps:
         return {}
     parts = min(FIFTHS, steps)
     bounds = [round(i * steps / parts) for i in range(parts + 1)]
-    rates = [round((b - a) * batch_size / max(marks[b] - marks[a], 1e-9), 1) for a, b in zip(bounds, bounds[1:])]
+    rates = [round(sum(counts[a:b]) / max(marks[b] - marks[a], 1e-9), 1) for a, b in zip(bounds, bounds[1:])]
     longest = max(range(steps), key=waits.__getitem__)
-    return {"fifths_images_per_s": rates, "longest_wait_s": round(waits[longest], 3), "longest_wait_step": longest}
+    median_step = statistics.median(n / max(b - a, 1e-9) for n, a, b in zip(counts, marks, marks[1:]))
+    return {"fifths_images_per_s": rates, "longest_wait_s": round(waits[longest], 3), "longest_wait_step": longest,
+            "median_step_images_per_s": round(median_step, 1)}
 
 
 def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, workers: list[int], root: Path,
@@ -569,6 +615,7 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
                   missing or (lambda: dali_feed(data, sizes, workers_first, device))))
     runnable = [(name, feed) for name, feed in feeds if not isinstance(feed, str)]
     ceiling, rotating = runnable[0], runnable[1:]
+    tune_cudnn(data, sizes, classes, device)
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in runnable}
     for r in range(sizes.rounds):
         k = r % len(rotating)
@@ -774,7 +821,8 @@ def _round_cells(rate: float | None, detail: dict[str, Any]) -> str:
     fifths = " / ".join(f"{v:.0f}" for v in detail.get("fifths_images_per_s", []))
     longest = (f"{detail['longest_wait_s']:.2f} ({detail['longest_wait_step'] + 1})"
                if "longest_wait_s" in detail else "")
-    return " | ".join([_cell(rate, "{:.0f}"), fifths, _cell(detail.get("data_wait_share"), "{:.1%}"), longest,
+    return " | ".join([_cell(rate, "{:.0f}"), _cell(detail.get("median_step_images_per_s"), "{:.0f}"), fifths,
+                       _cell(detail.get("data_wait_share"), "{:.1%}"), longest,
                        _cell(detail.get("gpu_busy_share"), "{:.1%}"), _cell(detail.get("cpu_tree_cores"), "{:.1f}"),
                        _cell(detail.get("cpu_other_cores"), "{:.1f}"), _cell(detail.get("cpu_steal_share"), "{:.1%}")])
 
@@ -787,12 +835,13 @@ def _by_round(rows: list[dict[str, Any]]) -> list[str]:
                                                                     row.get("rounds_detail", [])), 1) if detail]
     if not body:
         return []
-    return ["By round, over the measured steps: images/s in all and over each fifth of the steps, the data wait, "
-            "the longest time one step waited for its batch (and which step), the GPU's busy share, and where "
-            "the machine's CPU went, in cores on average: this process tree (trainer, daemon, workers), every "
-            "other process, and the hypervisor's steal as a share of all CPU time.", "",
-            "| feed | round | images/s | by fifth | data wait | longest wait s (step) | GPU busy | tree cores | "
-            "other cores | steal |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|", *body, ""]
+    return ["By round, over the measured steps: images/s in all, at the median step (the rate between stalls, "
+            "such as an epoch's start) and over each fifth of the steps, the data wait, the longest time one step "
+            "waited for its batch (and which step), the GPU's busy share, and where the machine's CPU went, in "
+            "cores on average: this process tree (trainer, daemon, workers), every other process, and the "
+            "hypervisor's steal as a share of all CPU time.", "",
+            "| feed | round | images/s | median step | by fifth | data wait | longest wait s (step) | GPU busy | "
+            "tree cores | other cores | steal |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|", *body, ""]
 
 
 def write_outputs(doc: dict[str, Any], out: Path) -> None:
