@@ -112,9 +112,10 @@ class Sizes:
 
 # 20,000 files: 78 steps an epoch at batch 256, so the 230 steps of a feed span three
 # epochs, and ~2 GB of JPEGs that the page cache holds (the check measures decoding,
-# not the disk).  Generating them takes ~40 s on 16 cores.  Three rounds: on the first
+# not the disk).  Generating them takes ~40-60 s on 16 cores.  Three rounds: on the first
 # H200 run (2026-11-26) one configuration gave 1689 and 4344 images/s in two runs a
-# minute apart, the first right after the dataset was written.
+# minute apart (the first paid cuDNN's tuning for the short last batch, ``tune_cudnn``),
+# and later rounds still differ by up to ~18 % (the H100's DataLoader).
 FULL = Sizes(device="cuda", model="resnet50", batch_size=256, image_size=224, steps=200, warmup_steps=30, rounds=3,
              classes=100, per_class=200, high_water=16, h2d_batch_sizes=(128, 256), h2d_image_size=224,
              h2d_batches=16, pytest_args=(), scaling_batch_size=128, scaling_seconds=5.0)
@@ -422,9 +423,9 @@ def _tree_pss(pid: int) -> int:
 class CpuUse:
     """Where the machine's CPU time went from creation to ``stop()``, in cores: this process tree
     (trainer, daemon, workers), every other process, and the share the hypervisor took (steal).
-    Written for the rounds no lease could explain: the first daemon-fed round was the slowest in
-    every lease (1689, 2625 and 2479 img/s against up to 4344, 3539 and 4298 later), and
-    "something else was running" needs the figure that says so."""
+    Written for the first daemon-fed round, the slowest in every lease (1689, 2625, 2479 and
+    2878 img/s against up to 4344, 3539, 4298 and 4002 later): on the H100 it showed no other
+    process and no steal, which sent the search inside the run (``timeline``, ``tune_cudnn``)."""
 
     def __init__(self) -> None:
         self._begin = self._now()
@@ -601,8 +602,8 @@ def timeline(marks: list[float], waits: list[float], counts: list[int]) -> dict[
 def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, workers: list[int], root: Path,
                   done: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Each feed trained ``sizes.rounds`` times.  The synthetic ceiling opens every round and
-    the others rotate, so each runs first once (the first after a dataset is written ran
-    slowest on the H200); a feed's row is its median round, with every round's images/s.
+    the others rotate, so each runs first once; a feed's row is its median round, with every
+    round's images/s.  cuDNN is tuned first for every batch size an epoch brings.
     The daemon trains with each count in ``workers``, DataLoader and DALI with the first."""
     feeds: list[tuple[str, Feed | str]] = [
         ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
@@ -763,7 +764,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   f"{sizes['model']}, channels_last, bf16 autocast, SGD, batch {sizes['batch_size']}, "
                   f"{sizes['image_size']} px, {sizes['steps']} measured steps after {sizes['warmup_steps']} warm-up "
                   f"steps, on {doc['dataset']}.  Each feed trained {sizes.get('rounds', 1)} times, the ceiling first "
-                  "in every round and the others in rotated order; a row is the feed's median round, and `rounds` "
+                  "in every round and the others in rotated order, after cuDNN was tuned for every batch size an epoch "
+                  "brings; a row is the feed's median round, and `rounds` "
                   "lists every round's images/s.  Data wait: time blocked in `next()` over wall time (for the "
                   "daemon's loader that includes mapping the batch file and copying it into pinned memory, work "
                   "DataLoader's pin-memory thread does beside the loop).  GPU busy: CUDA "
