@@ -237,11 +237,18 @@ def read_optional(path: Path, kind: str) -> dict[str, Any] | None:
         return None
 
 
+def steps_per_epoch(samples: int, batch_size: int, drop_last: bool = False) -> int:
+    """Batches in an epoch of ``samples``: the last one short where they do not divide, or,
+    with ``drop_last``, left out (which samples it held changes from epoch to epoch with the
+    shuffle)."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
 def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     value: Any = doc.get(key)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    ok = isinstance(value, kind) and not isinstance(value, bool)
+    ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
     if not ok or (kind is int and value < 0):
         raise ProtocolError(f"{path}: field {key!r} is {value!r}, expected a {'non-negative ' if kind is int else ''}{kind.__name__}")
     return value
@@ -269,12 +276,14 @@ class Manifest:
     val_fraction: float | None = None
     # The augmentations beyond the split's defaults, as a canonical string ("" for none).
     augmentation: str = ""
+    # Each epoch's short last batch left out: every batch holds batch_size images.
+    drop_last: bool = False
     created: float = field(default_factory=time.time)
 
     # Fields whose change makes already written batches wrong for the new job.
     IDENTITY = (
         "fingerprint", "split", "seed", "batch_size", "image_size", "channels",
-        "samples_per_epoch", "rank", "world_size", "val_fraction", "augmentation",
+        "samples_per_epoch", "rank", "world_size", "val_fraction", "augmentation", "drop_last",
     )
 
     def identity_diff(self, other: Manifest) -> list[str]:
@@ -301,10 +310,14 @@ class Manifest:
             raise ProtocolError(f"{path}: batch_size, image_size and world_size must be at least 1")
         if not all(isinstance(c, str) for c in doc["classes"]):
             raise ProtocolError(f"{path}: field 'classes' must be a list of class names")
-        if doc["steps_per_epoch"] != -(-doc["samples_per_epoch"] // doc["batch_size"]):
+        if "drop_last" in doc:  # absent in manifests of daemons before it: False
+            _field(doc, "drop_last", bool, path)
+        samples, size = doc["samples_per_epoch"], doc["batch_size"]
+        if doc["steps_per_epoch"] != steps_per_epoch(samples, size, doc.get("drop_last", False)):
+            dropping = " with the short last batch left out" if doc.get("drop_last") else ""
             raise ProtocolError(
-                f"{path}: steps_per_epoch {doc['steps_per_epoch']} does not match {doc['samples_per_epoch']} "
-                f"samples in batches of {doc['batch_size']}; delete it and restart the daemon"
+                f"{path}: steps_per_epoch {doc['steps_per_epoch']} does not match {samples} "
+                f"samples in batches of {size}{dropping}; delete it and restart the daemon"
             )
         for key, kind in (("epochs", int), ("val_fraction", float), ("augmentation", str)):
             # null means "none" for epochs and val_fraction; augmentation is a string when present.

@@ -359,6 +359,11 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         check_files_inside(index, inbox.pending_confinement, tick=lambda: beat(f"checking the files of {job.data}"))
     members = split_members(len(index), job.split, job.val_fraction)
     samples = samples_per_rank(len(members), job.world_size)
+    if job.drop_last and samples < job.batch_size:
+        per_rank = " per rank" if job.world_size > 1 else ""
+        raise ConfigError(f"drop_last: the {job.split} split's {samples} samples{per_rank} fill no batch of "
+                          f"{job.batch_size}, so every batch would be left out; lower --batch-size or leave out "
+                          "--drop-last")
     producer_id = new_producer_id()
     streams = []
     if job.world_size > 1:
@@ -377,13 +382,14 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
             batch_size=job.batch_size,
             image_size=job.image_size,
             samples_per_epoch=samples,
-            steps_per_epoch=steps_per_epoch(samples, job.batch_size),
+            steps_per_epoch=steps_per_epoch(samples, job.batch_size, job.drop_last),
             epochs=job.epochs,
             producer=producer_id,
             rank=rank,
             world_size=job.world_size,
             val_fraction=job.val_fraction,
             augmentation=job.augmentation,
+            drop_last=job.drop_last,
         )
         adopt_manifest(directory, manifest, reset)
         manifest.write(directory)

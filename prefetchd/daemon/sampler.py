@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from prefetchd.buffer_protocol.layout import steps_per_epoch
+
 # Distinct streams derived from one user seed.
 _ORDER_STREAM = 1
 _AUGMENT_STREAM = 2
@@ -17,10 +19,6 @@ _AUGMENT_STREAM = 2
 
 def samples_per_rank(num_members: int, world_size: int = 1) -> int:
     return -(-num_members // world_size)
-
-
-def steps_per_epoch(samples: int, batch_size: int) -> int:
-    return -(-samples // batch_size)
 
 
 def epoch_order(
@@ -55,3 +53,6 @@ def batch_len(step: int, batch_size: int, samples: int) -> int:
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The augmentation random stream of one sample in one epoch."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index, _AUGMENT_STREAM])))
+
+
+__all__ = ["batch_len", "batch_slice", "epoch_order", "sample_rng", "samples_per_rank", "steps_per_epoch"]

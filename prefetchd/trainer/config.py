@@ -57,6 +57,8 @@ class TrainConfig:
     image_size: int | None = setting(None, _SPAWN + "the daemons' --image-size.", int, minimum=1)
     workers: int | None = setting(None, _SPAWN + "the daemons' --workers.", int, minimum=1)
     high_water: int | None = setting(None, _SPAWN + "the daemons' --high-water.", int, minimum=1)
+    drop_last: bool = setting(False, _SPAWN + "the training daemon's --drop-last: leave out each epoch's short last batch.", bool)
+    reset: bool = setting(False, _SPAWN + "the daemons' --reset: delete what a buffer holds from a different job (after changing --batch-size or --drop-last, say) instead of refusing to start.", bool)
     consumer: str | None = setting(None, "This run's name among several trainers reading the same buffer (a sweep, an ensemble): 1-32 of A-Z a-z 0-9 _ -; it writes progress.NAME.json and the daemon keeps each batch until every consumer has passed it [default: the single trainer's progress.json].", str)
     threads: int | None = setting(None, "torch.set_num_threads for the trainer.", int, minimum=1)
     quiet: bool = setting(False, "No start line and no progress display (per-epoch lines stay).", bool, short="-q")

@@ -34,7 +34,7 @@ DAEMON_STOP_SECONDS = 30.0
 DAEMON_KILL_SECONDS = 5.0  # a dead or stuck daemon gets this long after SIGTERM before SIGKILL
 RESTART_WINDOW_SECONDS = 600.0  # --daemon-restarts counts the restarts within this window
 # The TrainConfig fields that configure the daemon --spawn-daemon starts, and nothing else.
-SPAWN_ONLY = ("data", "val_data", "batch_size", "image_size", "workers", "high_water")
+SPAWN_ONLY = ("data", "val_data", "batch_size", "image_size", "workers", "high_water", "drop_last", "reset")
 
 
 @dataclass
@@ -111,7 +111,9 @@ def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig
         options.update(world_size=ranks.world_size, ranks=ranks.ranks_flag())
         streams = tuple(stream_dir(buffer, r, ranks.world_size) for r in ranks.local_ranks)
     options.update(batch_size=config.batch_size, image_size=config.image_size, workers=config.workers,
-                   high_water=config.high_water)
+                   high_water=config.high_water, reset=config.reset or None)
+    if split == "train" and config.drop_last:  # validation sees every sample
+        options["drop_last"] = True
     cmd = start_argv(buffer, options)
     started = time.time()
     # The daemon's warnings and errors go to our stderr. It is not tied to us: if we are
@@ -126,7 +128,7 @@ def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig
 def check_spawn_options(config: TrainConfig) -> None:
     """The daemon flags need --spawn-daemon, and --spawn-daemon needs --data and --epochs."""
     if not config.spawn_daemon:
-        given = ["--" + key.replace("_", "-") for key in SPAWN_ONLY if getattr(config, key) is not None]
+        given = ["--" + key.replace("_", "-") for key in SPAWN_ONLY if getattr(config, key) not in (None, False)]
         if given:
             raise OptionError(f"{', '.join(given)} configure the daemon that --spawn-daemon starts; add "
                               "--spawn-daemon, or pass them to `prefetchd start`")
@@ -148,6 +150,8 @@ def check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str
         wrong.append(f"batch size {m.batch_size}, not {config.batch_size}")
     if config.image_size is not None and m.image_size != config.image_size:
         wrong.append(f"image size {m.image_size}, not {config.image_size}")
+    if config.drop_last and m.split == "train" and not m.drop_last:
+        wrong.append("every epoch's short last batch, not --drop-last")
     if wrong:
         raise SetupError(
             f"the daemon serving {loader.buffer} produces {'; '.join(wrong)}. Stop it (`prefetchd stop --buffer "

@@ -162,11 +162,13 @@ _json_text = st.text(max_size=20)
 @st.composite
 def manifests(draw: st.DrawFn) -> Manifest:
     samples, batch_size = draw(st.integers(0, 2**40)), draw(st.integers(1, 4096))
+    drop_last = draw(st.booleans())
     return Manifest(
         dataset_root=draw(_json_text), fingerprint=draw(_json_text), classes=draw(st.lists(_json_text, max_size=5)),
         num_samples=draw(st.integers(0, 2**53)), split=draw(st.sampled_from(["train", "val"])),
         seed=draw(st.integers(0, 2**63 - 1)), batch_size=batch_size, image_size=draw(st.integers(1, 1024)),
-        samples_per_epoch=samples, steps_per_epoch=-(-samples // batch_size),
+        samples_per_epoch=samples, steps_per_epoch=samples // batch_size if drop_last else -(-samples // batch_size),
+        drop_last=drop_last,
         epochs=draw(st.none() | st.integers(0, 10**6)), producer=draw(_json_text),
         channels=draw(st.sampled_from([1, 3])), rank=draw(st.integers(0, 63)), world_size=draw(st.integers(1, 64)),
         val_fraction=draw(st.none() | st.floats(0, 0.99)), augmentation=draw(st.text(max_size=40)), created=draw(st.floats(0, 4e9)),
@@ -213,6 +215,7 @@ _BAD_FIELDS: list[Any] = [
     ("classes", "circle"), ("classes", None), ("dataset_root", 5), ("fingerprint", None), ("split", ["train"]),
     ("producer", 7), ("created", "yesterday"), ("epochs", -1), ("epochs", "3"), ("epochs", False),
     ("steps_per_epoch", None), ("steps_per_epoch", 12), ("val_fraction", "0.1"), ("classes", ["circle", 3]),
+    ("drop_last", 1), ("drop_last", "true"), ("drop_last", None),
 ]
 
 
@@ -238,6 +241,20 @@ def test_manifest_missing_file_is_file_not_found(tmp_path: Path) -> None:
         Manifest.read(tmp_path)
 
 
+def test_drop_last_counts_only_full_batches_and_is_false_where_absent(tmp_path: Path) -> None:
+    # 400 samples in batches of 32: 13 steps with the short last one, 12 without it.
+    dropping = _manifest(drop_last=True, steps_per_epoch=12)
+    assert Manifest.from_doc(dropping.to_doc(), tmp_path / MANIFEST_NAME) == dropping
+    with pytest.raises(ProtocolError, match="short last batch left out"):
+        Manifest.from_doc({**dropping.to_doc(), "steps_per_epoch": 13}, tmp_path / MANIFEST_NAME)
+    with pytest.raises(ProtocolError, match="steps_per_epoch 12 does not match"):
+        Manifest.from_doc({**dropping.to_doc(), "drop_last": False}, tmp_path / MANIFEST_NAME)
+    # A manifest from a daemon that predates the field keeps every batch.
+    older = _manifest().to_doc()
+    del older["drop_last"]
+    assert Manifest.from_doc(older, tmp_path / MANIFEST_NAME).drop_last is False
+
+
 def test_identity_diff() -> None:
     old = _manifest()
     assert old.identity_diff(old) == []
@@ -245,6 +262,7 @@ def test_identity_diff() -> None:
     assert _manifest(producer="other", created=1.0, epochs=90, dataset_root="/moved", num_samples=1).identity_diff(old) == []
     assert _manifest(seed=1).identity_diff(old) == ["seed: 0 -> 1"]
     assert _manifest(augmentation="color_jitter=0.4").identity_diff(old) == ["augmentation: '' -> 'color_jitter=0.4'"]
+    assert _manifest(drop_last=True, steps_per_epoch=12).identity_diff(old) == ["drop_last: False -> True"]
     changed = _manifest(batch_size=64, val_fraction=0.1, fingerprint="def")
     assert sorted(changed.identity_diff(old)) == sorted(
         ["fingerprint: 'abc123' -> 'def'", "batch_size: 32 -> 64", "val_fraction: None -> 0.1"])

@@ -128,6 +128,9 @@ def test_batches_examples() -> None:
     assert batch_slice(2, 4, 10) == slice(8, 10)
     assert steps_per_epoch(8, 4) == 2 and batch_len(1, 4, 8) == 4
     assert steps_per_epoch(1, 128) == 1 and batch_len(0, 128, 1) == 1
+    # drop_last: only full batches, each of the batch size.
+    assert steps_per_epoch(10, 4, drop_last=True) == 2 and batch_len(1, 4, 10) == 4
+    assert steps_per_epoch(8, 4, drop_last=True) == 2 and steps_per_epoch(3, 4, drop_last=True) == 0
 
 
 # -- per-sample random streams ------------------------------------------------------

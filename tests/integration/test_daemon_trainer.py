@@ -301,3 +301,37 @@ def test_trainer_wait_share_and_worker_cpu_reach_the_status(shapes_data: Path, s
         assert 0 <= quantiles.p50 <= quantiles.p90 <= quantiles.p99 < 10
     line = next(x for x in format_status(describe_status(buffer)).splitlines() if "(p50/p90/p99)" in x)
     assert line.index("read") < line.index("decode") < line.index("augment") < line.index("write"), line
+
+
+def test_drop_last_leaves_out_each_epoch_s_short_batch(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    data = shapes_data / "train"  # 72 images: 7 batches of 10 and a short one of 2
+    samples = len(ImageFolder(str(data)).targets)
+    buffer = shm_dir / "bf"
+    tens = ["--batch-size", "10", "--image-size", "32", "--workers", "2", "--seed", "7"]
+    daemon = start_daemon(buffer, "--data", data, *tens, "--epochs", "2", "--drop-last")
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    assert loader.manifest.drop_last and len(loader) == samples // 10 == 7
+    left_out = []
+    for _ in range(2):
+        batches = list(loader)
+        assert [batch.images.shape[0] for batch in batches] == [10] * 7
+        seen = [i for batch in batches for i in batch.indices.tolist()]
+        assert len(set(seen)) == 70, "no sample twice in an epoch"
+        left_out.append(set(range(samples)) - set(seen))
+    loader.close()
+    assert left_out[0] != left_out[1], "the shuffle leaves other samples out in another epoch"
+    assert daemon.wait_exit(30) == 0, daemon.log
+
+    # Batches made with the short last batch left out are another job's.
+    kept = start_daemon(buffer, "--data", data, *tens, "--drop-last", "--high-water", "2")
+    kept.wait_until(lambda: batch_files(buffer) == 2, 60, "batches of the --drop-last job")
+    kept.terminate()
+    other = start_daemon(buffer, "--data", data, *tens)
+    assert other.wait_exit(60) == 2
+    assert "drop_last: True -> False" in other.log and "--reset" in other.log
+
+    # A batch size the split cannot fill once would leave out every batch: said at the start.
+    empty = start_daemon(shm_dir / "bf2", "--data", data, "--batch-size", "100", "--image-size", "32", "--workers",
+                         "1", "--drop-last")
+    assert empty.wait_exit(60) != 0
+    assert "72 samples fill no batch of 100" in empty.log and "--drop-last" in empty.log

@@ -52,6 +52,30 @@ def test_spawn_daemon_end_to_end(shapes_data: Path, shm_dir: Path, tmp_path: Pat
     assert daemon_pid(buffer) is None and daemon_pid(val_buffer) is None
 
 
+def test_spawn_daemon_drop_last_trains_where_a_one_image_batch_cannot(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # 72 training images in batches of 71 end every epoch in one image, which ResNet-18 at
+    # 32 px cannot train on (BatchNorm after pooling to 1 x 1): refused before the first step.
+    buffer, metrics = shm_dir / "bf", tmp_path / "metrics.json"
+    args = ["--buffer", str(buffer), "--spawn-daemon", "--data", str(shapes_data / "train"), "--val-data",
+            str(shapes_data / "val"), "--epochs", "1", "--batch-size", "71", "--image-size", "32", "--workers", "1",
+            "--device", "cpu", "--threads", "1", "--model", "resnet18", "--metrics-json", str(metrics)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and "ends in a batch of 1 image" in result.output + result.stderr
+    assert daemon_pid(buffer) is None and daemon_pid(shm_dir / "bf-val") is None
+    assert "--drop-last --reset" in result.output + result.stderr
+    # --drop-last reaches the training daemon only: it leaves out the one image, validation sees all.
+    # --reset: the buffer holds the refused run's batches, which kept the short one.
+    result = CliRunner().invoke(main, [*args, "--drop-last"])
+    assert result.exit_code != 0 and "exited with code 2 before serving it" in result.output
+    assert "drop_last: False -> True" in capfd.readouterr().err  # the daemon's own words, on our stderr
+    result = CliRunner().invoke(main, [*args, "--drop-last", "--reset"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(metrics.read_text())["epochs"][0]
+    assert row["train_images"] == 71
+    assert row["val_images"] == len(ImageFolder(str(shapes_data / "val")).samples)
+
+
 def test_spawned_daemon_that_fails_is_reported(tmp_path: Path, shm_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -14,10 +14,10 @@ import torch
 import torchvision
 from click.testing import CliRunner
 
-from prefetchd.buffer_protocol import Progress
+from prefetchd.buffer_protocol import Manifest, Progress
 from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.engine import build_model, cached_weights, warmup_cosine
+from prefetchd.trainer.engine import build_model, cached_weights, check_last_batch, warmup_cosine
 from prefetchd.trainer.errors import SetupError
 from prefetchd.trainer.train import EXIT_FAILED, main, train
 
@@ -177,6 +177,25 @@ def test_spawn_options_need_spawn_daemon(make_job: MakeJob, buffer: Path, tmp_pa
     assert result.exit_code == 2 and "--epochs" in result.stderr
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--spawn-daemon", "--epochs", "1"])
     assert result.exit_code == 2 and "--data" in result.stderr
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--drop-last"])
+    assert result.exit_code == 2 and "--drop-last" in result.stderr and "--spawn-daemon" in result.stderr
+
+
+def _epoch(samples: int, batch_size: int, image_size: int, drop_last: bool = False) -> Manifest:
+    steps = samples // batch_size if drop_last else -(-samples // batch_size)
+    return Manifest(dataset_root="/d", fingerprint="f", classes=["a", "b"], num_samples=samples, split="train", seed=0,
+                    batch_size=batch_size, image_size=image_size, samples_per_epoch=samples, steps_per_epoch=steps,
+                    epochs=None, producer="p", drop_last=drop_last)
+
+
+def test_an_epoch_ending_in_one_image_the_model_cannot_train_on_is_refused_before_the_first_step() -> None:
+    # ResNet-18 at 32 px pools to 1 x 1 before its last BatchNorm: one image is one value per channel.
+    with pytest.raises(SetupError, match=r"ends in a batch of 1 image \(17 samples in batches of 8\).*--drop-last"):
+        check_last_batch("resnet18", 2, _epoch(17, 8, 32))
+    check_last_batch("resnet18", 2, _epoch(17, 8, 32, drop_last=True))  # every batch of 8
+    check_last_batch("resnet18", 2, _epoch(18, 8, 32))  # ends in 2 images
+    check_last_batch("resnet18", 2, _epoch(17, 8, 224))  # 7 x 7 values per channel
+    check_last_batch("squeezenet1_1", 2, _epoch(17, 8, 32))  # no BatchNorm
 
 
 def test_pretrained_only_from_the_local_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
