@@ -205,12 +205,3 @@ def test_a_round_s_timeline_shows_where_its_time_went(monkeypatch: pytest.Monkey
     # No steps: nothing to say.
     assert gpu_check.timeline([0.0, 0.5, 1.5], [0.0, 0.0], [2, 1])["fifths_images_per_s"] == [4.0, 1.0]
     assert gpu_check.timeline([0.0], [], []) == {}
-
-
-def test_cudnn_is_tuned_for_the_epoch_s_short_last_batch_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpu_check
-
-    # gpu_check's data: 20,000 files at batch 256 end every epoch with a batch of 32.
-    assert gpu_check.batch_sizes(20000, 256) == [256, 32]
-    assert gpu_check.batch_sizes(512, 256) == [256]

@@ -68,7 +68,6 @@ from torch import nn
 import h2d_bench  # tools/ is sys.path[0] when this file runs as a script
 from prefetchd.bench import describe_machine, run_benchmark
 from prefetchd.buffer_protocol import batch_name, map_batch
-from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.launch import buffer_root
 from prefetchd.synthetic import make_imagenet_like
 from prefetchd.trainer import BufferLoader
@@ -114,7 +113,7 @@ class Sizes:
 # epochs, and ~2 GB of JPEGs that the page cache holds (the check measures decoding,
 # not the disk).  Generating them takes ~40-60 s on 16 cores.  Three rounds: on the first
 # H200 run (2026-11-26) one configuration gave 1689 and 4344 images/s in two runs a
-# minute apart (the first paid cuDNN's tuning for the short last batch, ``tune_cudnn``),
+# minute apart (the first paid cuDNN's tuning for the short last batch: ``prefetchd_feed``),
 # and later rounds still differ by up to ~18 % (the H100's DataLoader).
 FULL = Sizes(device="cuda", model="resnet50", batch_size=256, image_size=224, steps=200, warmup_steps=30, rounds=3,
              classes=100, per_class=200, high_water=16, h2d_batch_sizes=(128, 256), h2d_image_size=224,
@@ -238,8 +237,11 @@ def cores_but_one() -> int:
 def prefetchd_feed(data: Path, sizes: Sizes, workers: int, device: torch.device, root: Path) -> Iterator[Batches]:
     buffer = root / f"prefetchd-gpu-check-{os.getpid()}"
     shutil.rmtree(buffer, ignore_errors=True)
+    # Full batches only, as the DataLoader feed's drop_last=True: a short last batch made
+    # cudnn.benchmark tune itself again inside the first daemon-fed round (H100 lease, e14658c:
+    # one fifth of that round at 1389 images/s, the GPU busy, no step waiting for data).
     config = TrainConfig(buffer=buffer, batch_size=sizes.batch_size, image_size=sizes.image_size, workers=workers,
-                         high_water=sizes.high_water, seed=0, quiet=True)
+                         high_water=sizes.high_water, seed=0, quiet=True, drop_last=True)
     daemon = spawn_daemon(buffer, data, "train", config, echo=log.info)
     if daemon is None:
         raise RuntimeError(f"{buffer} is already served by another daemon; stop it first")
@@ -425,7 +427,7 @@ class CpuUse:
     (trainer, daemon, workers), every other process, and the share the hypervisor took (steal).
     Written for the first daemon-fed round, the slowest in every lease (1689, 2625, 2479 and
     2878 img/s against up to 4344, 3539, 4298 and 4002 later): on the H100 it showed no other
-    process and no steal, which sent the search inside the run (``timeline``, ``tune_cudnn``)."""
+    process and no steal, which sent the search inside the run (``timeline``, ``prefetchd_feed``)."""
 
     def __init__(self) -> None:
         self._begin = self._now()
@@ -456,56 +458,14 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
-class Trainee:
-    """A fresh model, its optimiser and its loss: one training step at a time."""
-
-    def __init__(self, sizes: Sizes, classes: int, device: torch.device) -> None:
-        torch.manual_seed(0)
-        model = build_model(sizes.model, classes, pretrained=False, echo=log.info)
-        self.model = model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
-        self.model.train()
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
-        self.criterion = nn.CrossEntropyLoss()
-        self.device = device
-
-    def step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss: torch.Tensor = self.criterion(self.model(images), labels)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        self.optimizer.step()
-        return loss
-
-
-def batch_sizes(samples: int, batch_size: int) -> list[int]:
-    """The batch sizes an epoch of ``samples`` brings: the full one, and the last one's where
-    it is short (the daemon keeps it; the DataLoader feed drops it)."""
-    return [batch_size, *([samples % batch_size] if samples % batch_size else [])]
-
-
-def tune_cudnn(data: Path, sizes: Sizes, classes: int, device: torch.device) -> None:
-    """One step at each batch size an epoch of ``data`` brings, before any round is measured.
-    With ``cudnn.benchmark`` the first step at a batch size tries every convolution algorithm
-    for it, once per process: on the H100 lease (e14658c) the 32-image last batch of the first
-    epoch did that inside the first daemon-fed round, and a fifth of that round ran at 1389
-    images/s against ~4000 in the others (every lease's "slow first round")."""
-    if not (device.type == "cuda" and torch.backends.cudnn.benchmark):
-        return
-    started = time.perf_counter()
-    shapes = batch_sizes(len(scan_class_folders(data)), sizes.batch_size)
-    trainee = Trainee(sizes, classes, device)
-    for n in shapes:
-        images = torch.randn(n, 3, sizes.image_size, sizes.image_size, device=device)
-        trainee.step(images.contiguous(memory_format=torch.channels_last),
-                     torch.randint(0, classes, (n,), device=device))
-    torch.cuda.synchronize(device)
-    log.info("tuned cuDNN for batches of %s in %.1f s", " and ".join(map(str, shapes)),
-             time.perf_counter() - started)
-
-
 def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.device) -> dict[str, Any]:
     """Train a fresh model for warmup + steps batches from ``feed``; what it took."""
-    trainee = Trainee(sizes, classes, device)
+    torch.manual_seed(0)
+    model = build_model(sizes.model, classes, pretrained=False, echo=log.info)
+    model = model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
+    criterion = nn.CrossEntropyLoss()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -547,7 +507,11 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                 if timed:
                     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                     begin.record()
-                loss = trainee.step(images, labels)
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = criterion(model(images), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
                 if timed:
                     end.record()
                     events.append((begin, end))
@@ -603,7 +567,7 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
                   done: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Each feed trained ``sizes.rounds`` times.  The synthetic ceiling opens every round and
     the others rotate, so each runs first once; a feed's row is its median round, with every
-    round's images/s.  cuDNN is tuned first for every batch size an epoch brings.
+    round's images/s.
     The daemon trains with each count in ``workers``, DataLoader and DALI with the first."""
     feeds: list[tuple[str, Feed | str]] = [
         ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
@@ -616,7 +580,6 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
                   missing or (lambda: dali_feed(data, sizes, workers_first, device))))
     runnable = [(name, feed) for name, feed in feeds if not isinstance(feed, str)]
     ceiling, rotating = runnable[0], runnable[1:]
-    tune_cudnn(data, sizes, classes, device)
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in runnable}
     for r in range(sizes.rounds):
         k = r % len(rotating)
@@ -764,8 +727,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   f"{sizes['model']}, channels_last, bf16 autocast, SGD, batch {sizes['batch_size']}, "
                   f"{sizes['image_size']} px, {sizes['steps']} measured steps after {sizes['warmup_steps']} warm-up "
                   f"steps, on {doc['dataset']}.  Each feed trained {sizes.get('rounds', 1)} times, the ceiling first "
-                  "in every round and the others in rotated order, after cuDNN was tuned for every batch size an epoch "
-                  "brings; a row is the feed's median round, and `rounds` "
+                  "in every round and the others in rotated order; every feed gives full batches (the daemon with "
+                  "`--drop-last`, DataLoader with `drop_last=True`, DALI padding the last); a row is the feed's "
+                  "median round, and `rounds` "
                   "lists every round's images/s.  Data wait: time blocked in `next()` over wall time (for the "
                   "daemon's loader that includes mapping the batch file and copying it into pinned memory, work "
                   "DataLoader's pin-memory thread does beside the loop).  GPU busy: CUDA "
