@@ -31,12 +31,12 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from prefetchd.buffer_protocol import Manifest
 from prefetchd.trainer.checkpoint import (
     CHECKPOINT_FORMAT, CHECKPOINT_VERSION, Checkpointer, check_resumable, load_checkpoint, rng_state, set_rng_state,
 )
 from prefetchd.trainer.config import TrainConfig, plain_config
 from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, SetupError
-from prefetchd.buffer_protocol import Manifest
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.ranks import Collective, Ranks
 from prefetchd.trainer.report import ProgressLine, metrics_document, write_metrics
@@ -273,21 +273,26 @@ def check_last_batch(name: str, num_classes: int, manifest: Manifest) -> None:
     """Refuse, before the first step, a job whose epochs end in a batch of one image that the
     model cannot train on: BatchNorm in training mode needs more than one value per channel,
     and a batch of one after global pooling (a small image size) has one.  Found by running
-    the model once on the meta device, where only shapes are computed (milliseconds)."""
+    the model once on the meta device, where only shapes are computed (milliseconds); a model
+    the meta device cannot run is left to the real first epoch."""
     m = manifest
     if m.steps_per_epoch < 1 or m.samples_per_epoch - (m.steps_per_epoch - 1) * m.batch_size != 1:
         return
-    with torch.device("meta"):
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    model.train()
     try:
+        with torch.device("meta"):
+            model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        model.train()
         model(torch.empty(1, m.channels, m.image_size, m.image_size, device="meta"))
     except ValueError as exc:
+        if "value per channel" not in str(exc):
+            return
         raise SetupError(
             f"every epoch ends in a batch of 1 image ({m.samples_per_epoch} samples in batches of {m.batch_size}), "
             f"which {name} cannot train on at {m.image_size} px ({exc}). Start the daemon with --drop-last --reset "
             "(with --spawn-daemon, add them here), or pick a --batch-size that leaves more than one image over"
         ) from None
+    except Exception as exc:  # an operation without a meta kernel: no verdict here
+        logger.debug("cannot check a one-image batch of %s on the meta device: %s", name, exc)
 
 
 def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -334,8 +339,8 @@ class Run:
         self.ranks = self.coll.ranks
         classes = train_loader.classes
         self.k = max(1, min(TOP_K, len(classes)))
+        model = build_model(config.model, len(classes), config.pretrained, echo)  # refuses an unknown name
         check_last_batch(config.model, len(classes), train_loader.manifest)
-        model = build_model(config.model, len(classes), config.pretrained, echo)
         # ``net`` is the model itself (saved, evaluated); ``model`` what trains: DDP's wrapper under torchrun,
         # which averages the gradients over the ranks in the backward pass.
         self.net = model.to(device).to(memory_format=torch.channels_last)
