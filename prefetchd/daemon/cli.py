@@ -260,6 +260,7 @@ def format_status(info: dict[str, Any]) -> str:
         lines.append(
             f"  dataset   {mf['dataset_root']} ({mf['num_samples']} samples, {len(mf['classes'])} classes), "
             f"split {mf['split']}, batch {mf['batch_size']} x {mf['image_size']}px, {mf['steps_per_epoch']} steps/epoch"
+            + (" (short last batch left out)" if mf.get("drop_last") else "")
         )
     pr = st.production if st else None
     if pr is not None:  # None while the daemon waits for a job or starts one

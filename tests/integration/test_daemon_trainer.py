@@ -325,6 +325,7 @@ def test_drop_last_leaves_out_each_epoch_s_short_batch(shapes_data: Path, shm_di
     # Batches made with the short last batch left out are another job's.
     kept = start_daemon(buffer, "--data", data, *tens, "--drop-last", "--high-water", "2")
     kept.wait_until(lambda: batch_files(buffer) == 2, 60, "batches of the --drop-last job")
+    assert "7 steps/epoch (short last batch left out)" in format_status(describe_status(buffer))
     kept.terminate()
     other = start_daemon(buffer, "--data", data, *tens)
     assert other.wait_exit(60) == 2
