@@ -420,8 +420,6 @@ def _tree_pss(pid: int) -> int:
     return total
 
 
-
-
 class CpuUse:
     """Where the machine's CPU time went from creation to ``stop()``, in cores: this process tree
     (trainer, daemon, workers), every other process, and the share the hypervisor took (steal).
@@ -567,8 +565,8 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
                   done: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Each feed trained ``sizes.rounds`` times.  The synthetic ceiling opens every round and
     the others rotate, so each runs first once; a feed's row is its median round, with every
-    round's images/s.
-    The daemon trains with each count in ``workers``, DataLoader and DALI with the first."""
+    round's images/s.  The daemon trains with each count in ``workers``, DataLoader and DALI
+    with the first."""
     feeds: list[tuple[str, Feed | str]] = [
         ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
         *((f"prefetchd ({k} workers)", lambda k=k: prefetchd_feed(data, sizes, k, device, root)) for k in workers),
@@ -925,8 +923,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["dataset"] = str(data)
         warm_page_cache(data)
         classes = sum(1 for entry in os.scandir(data) if entry.is_dir())
-        # Step 5 runs before the training: it takes about a minute where the training takes
-        # several, and a run cut short by the device's time limit then still has it.
+        # Step 5 runs before the training: it takes about three minutes where the training takes
+        # four to six, and a run cut short by the device's time limit then still has it.
         if not args.skip_scaling:
             counts = scaling_counts(len(os.sched_getaffinity(0))) if not args.dry_run else [1]
             log.info("5. the producer alone at %s workers", ", ".join(map(str, counts)))
