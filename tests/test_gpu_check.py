@@ -205,3 +205,16 @@ def test_a_round_s_timeline_shows_where_its_time_went(monkeypatch: pytest.Monkey
     # No steps: nothing to say.
     assert gpu_check.timeline([0.0, 0.5, 1.5], [0.0, 0.0], [2, 1])["fifths_images_per_s"] == [4.0, 1.0]
     assert gpu_check.timeline([0.0], [], []) == {}
+
+
+def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypatch: pytest.MonkeyPatch,
+                                                                       shapes_data: Path, shm_dir: Path) -> None:
+    # A short last batch made cuDNN tune itself inside the first daemon-fed round on the H100;
+    # the DataLoader feed drops it (drop_last=True), and so must the daemon's.  72 images in
+    # batches of 10: 7 full ones an epoch, read across an epoch's end.
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    sizes = gpu_check.dataclasses.replace(gpu_check.DRY, batch_size=10)
+    with gpu_check.prefetchd_feed(shapes_data / "train", sizes, 1, gpu_check.torch.device("cpu"), shm_dir) as batches:
+        assert [len(next(batches)[1]) for _ in range(9)] == [10] * 9
