@@ -218,3 +218,19 @@ def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypa
     sizes = gpu_check.dataclasses.replace(gpu_check.DRY, batch_size=10)
     with gpu_check.prefetchd_feed(shapes_data / "train", sizes, 1, gpu_check.torch.device("cpu"), shm_dir) as batches:
         assert [len(next(batches)[1]) for _ in range(9)] == [10] * 9
+
+
+def test_a_short_run_leaves_out_the_tests_and_step_5_and_trains_the_rounds_asked_for(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--skip-tests", "--skip-scaling",
+                           "--rounds", "1", "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["tests"] is None and doc["scaling"] is None and doc["sizes"]["rounds"] == 1
+    assert all(len(row["rounds_images_per_s"]) == 1 for row in doc["training"] if "note" not in row)
+    assert "## The producer on more cores" not in (tmp_path / "GPU.md").read_text()
+    bad = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--rounds", "0"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--rounds 0: give 1 or more" in bad.stderr
