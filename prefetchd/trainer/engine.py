@@ -280,7 +280,7 @@ def check_last_batch(name: str, num_classes: int, manifest: Manifest) -> None:
         return
     try:
         with torch.device("meta"):
-            model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+            model = build_model(name, num_classes, pretrained=False)
         model.train()
         model(torch.empty(1, m.channels, m.image_size, m.image_size, device="meta"))
     except ValueError as exc:
