@@ -17,10 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 FEEDS = ("synthetic", "prefetchd", "DataLoader", "DALI")
 
 
+def tool_env(*first: Path) -> dict[str, str]:
+    """This environment with ``first`` and the repository ahead on PYTHONPATH, for a tool run as a script."""
+    paths = [*map(str, first), str(REPO), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+
+
 def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     docs_before = {p.name: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()}
     out = tmp_path / "result" / "gpu.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = tool_env()
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -96,8 +102,7 @@ def test_a_missing_dependency_stops_the_check_before_it_measures(tmp_path: Path)
     shadow.mkdir()
     (shadow / "tomli_w.py").write_text("raise ModuleNotFoundError(\"No module named 'tomli_w'\", name='tomli_w')\n")
     out = tmp_path / "result" / "gpu.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shadow), str(REPO),
-                                                                        os.environ.get("PYTHONPATH")]))}
+    env = tool_env(shadow)
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -222,7 +227,7 @@ def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypa
 
 def test_a_short_run_leaves_out_the_tests_and_step_5_and_trains_the_rounds_asked_for(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = tool_env()
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--skip-tests", "--skip-scaling",
                            "--rounds", "1", "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)

@@ -469,7 +469,6 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
         torch.cuda.reset_peak_memory_stats(device)
     sampler = HostSampler(device)
     events: list[tuple[Any, Any]] = []
-    wait = 0.0
     marks: list[float] = []  # each measured step's start, then the end: where in the round time went
     waits: list[float] = []  # each measured step's time in next()
     counts: list[int] = []  # each measured step's images: an epoch's last batch can be short
@@ -484,13 +483,12 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                 if step == sizes.warmup_steps:
                     if cuda:
                         torch.cuda.synchronize(device)
-                    measured_from, wait = time.perf_counter(), 0.0
+                    measured_from = time.perf_counter()
                     sampler.measure()
                     cpu = CpuUse()
                 t0 = time.perf_counter()
                 images, labels = next(batches)
                 waited = time.perf_counter() - t0
-                wait += waited
                 if step >= sizes.warmup_steps:
                     marks.append(t0)
                     waits.append(waited)
@@ -523,7 +521,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
     row: dict[str, Any] = {
         "feed": name, "steps": sizes.steps, "warmup_steps": sizes.warmup_steps, "batch_size": sizes.batch_size,
         "images_per_s": round(sum(counts) / wall, 1), "wall_s": round(wall, 2),
-        "data_wait_share": round(wait / wall, 4), "first_batch_s": round(first_batch_s, 2),
+        "data_wait_share": round(sum(waits) / wall, 4), "first_batch_s": round(first_batch_s, 2),
         "final_loss": round(float(loss.item()), 4), **host, **cpu_use, **timeline(marks, waits, counts),
     }
     if events:
