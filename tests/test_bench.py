@@ -299,12 +299,19 @@ def test_the_parallel_floor_runs_one_pinned_loop_per_core_and_names_one_that_die
     from prefetchd.bench.floor import measure_parallel_floor
 
     cores = sorted(os.sched_getaffinity(0))[:2]
+    mask = os.sched_getaffinity(0)
     loops = measure_parallel_floor(shapes_data / "train", 32, cores, 0.5)
     assert [row["core"] for row in loops["per_core"]] == cores
     assert all(row["images_per_s"] > 0 for row in loops["per_core"])
     assert loops["images_per_s"] == pytest.approx(sum(row["images_per_s"] for row in loops["per_core"]))
+    assert 0 < loops["start_s"] < 60
+    assert os.sched_getaffinity(0) == mask  # the processes start on the measured cores; the caller's mask is back
+    broken = tmp_path / "broken" / "class_a"
+    broken.mkdir(parents=True)
+    (broken / "0.jpg").write_bytes(b"not a JPEG")  # the one process's first pass fails on it
     with pytest.raises(RuntimeError, match=f"on core {cores[0]} exited with code 1"):
-        measure_parallel_floor(tmp_path / "missing", 32, cores[:1], 0.5)
+        measure_parallel_floor(broken.parent, 32, cores[:1], 0.5)
+    assert os.sched_getaffinity(0) == mask
 
 
 def test_disk_bytes_counts_batch_files_once_and_not_the_documents(tmp_path: Path) -> None:

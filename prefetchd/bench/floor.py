@@ -39,16 +39,18 @@ def _floor_paths(data: Path) -> list[Path]:
     return [index.path(i) for i in range(0, len(index), step)][:FLOOR_FILES]
 
 
-def _augment_loop(paths: list[Path], image_size: int) -> Callable[[int, int], None]:
-    """``augment()`` of file ``i`` in ``epoch``, after a first pass over ``paths``: the page cache,
+def _augment_loop(paths: list[Path], image_size: int, clean: CleanFiles | None = None,
+                  first_pass: range | None = None) -> Callable[[int, int], None]:
+    """``augment()`` of file ``i`` in ``epoch``, after a first pass over ``paths`` (or the part
+    ``first_pass`` of it, where processes sharing ``clean`` split the pass): the page cache,
     and which files decode cleanly (a worker's first epoch)."""
-    clean = CleanFiles(len(paths), shared=False)
+    clean = clean if clean is not None else CleanFiles(len(paths), shared=False)
     preload()
 
     def one(epoch: int, i: int) -> None:
         augment(paths[i], image_size, True, sample_rng(0, epoch, i), tracked=TrackedFile(clean, i))
 
-    for i in range(len(paths)):
+    for i in first_pass if first_pass is not None else range(len(paths)):
         one(0, i)
     return one
 
@@ -92,23 +94,39 @@ def measure_parallel_floor(data: Path, image_size: int, cores: list[int], second
     ``seconds`` of wall-clock time: what k workers could make if nothing ran beside their own
     ``augment()``.  Against k x the floor it shows what the machine loses to running k at once
     (shared caches, memory bandwidth, a busy host); against it, what the producer loses on its
-    own (tasks, writes, controller, consumer).  Each process makes its own first pass first."""
+    own (tasks, writes, controller, consumer).  The processes share one first pass over the
+    files (each decodes every k-th, into one shared ``CleanFiles`` table, as the daemon's
+    workers share theirs), so the steady state starts sooner at large k.  ``start_s``: the
+    seconds until every process was ready (interpreter, imports, its part of the first pass)."""
+    paths = _floor_paths(data)
+    clean = CleanFiles(len(paths))
     ctx = multiprocessing.get_context("spawn")  # the caller may hold threads (torch's): no fork
     go, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_parallel_loop, args=(data, image_size, core, seconds, go, results),
-                         name=f"the floor's process on core {core}", daemon=True) for core in cores]
-    for proc in procs:
-        proc.start()
+    procs = [ctx.Process(target=_parallel_loop, args=(paths, image_size, core, range(j, len(paths), len(cores)),
+                                                      clean, seconds, go, results),
+                         name=f"the floor's process on core {core}", daemon=True) for j, core in enumerate(cores)]
+    started = time.perf_counter()
+    affinity = os.sched_getaffinity(0)
+    # A process inherits this mask and keeps it until it pins itself after its imports: set it to
+    # the measured cores, or k interpreters import on whatever the caller was last pinned to
+    # (the bench pins itself to the previous count's cores: seen as 20-40 s to start 16 loops).
+    os.sched_setaffinity(0, cores)
     try:
+        for proc in procs:
+            proc.start()
+        os.sched_setaffinity(0, affinity)
         _collect(results, procs, PARALLEL_START_SECONDS)  # every process ready
+        start_s = time.perf_counter() - started
         go.set()
         per_core = sorted(_collect(results, procs, seconds + PARALLEL_START_SECONDS))
     finally:
+        os.sched_setaffinity(0, affinity)
         for proc in procs:
             proc.join(5.0)
             if proc.is_alive():
                 proc.kill()
-    return {"images_per_s": sum(rate for _, rate in per_core), "seconds": seconds,
+        clean.close()
+    return {"images_per_s": sum(rate for _, rate in per_core), "seconds": seconds, "start_s": start_s,
             "per_core": [{"core": core, "images_per_s": rate} for core, rate in per_core]}
 
 
@@ -129,11 +147,11 @@ def _collect(results: Any, procs: list[Any], timeout: float) -> list[Any]:
     return got
 
 
-def _parallel_loop(data: Path, image_size: int, core: int, seconds: float, go: Any, results: Any) -> None:
+def _parallel_loop(paths: list[Path], image_size: int, core: int, first_pass: range, clean: CleanFiles,
+                   seconds: float, go: Any, results: Any) -> None:
     os.sched_setaffinity(0, {core})
     limit_threads()
-    paths = _floor_paths(data)
-    one = _augment_loop(paths, image_size)
+    one = _augment_loop(paths, image_size, clean, first_pass)
     results.put("ready")
     go.wait()
     done, start = 0, time.perf_counter()

@@ -190,8 +190,9 @@ def _measure_loops(data: Path, image_size: int, cores: list[int], window: Window
 
     seconds = window.seconds if window.seconds is not None else LOOPS_SECONDS
     say(f"measuring {len(cores)} independent augment() loops on cores {core_list(cores)} ({seconds:g} s)")
-    rate: float = measure_parallel_floor(data, image_size, cores, seconds)["images_per_s"]
-    say(f"  {rate:.0f} img/s")
+    loops = measure_parallel_floor(data, image_size, cores, seconds)
+    rate: float = loops["images_per_s"]
+    say(f"  {rate:.0f} img/s (the processes were ready after {loops['start_s']:.1f} s)")
     return rate
 
 
