@@ -128,8 +128,9 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
     monkeypatch.setattr(gpu_check, "train_with", train)
     sizes = gpu_check.dataclasses.replace(gpu_check.DRY, rounds=3)
     snapshots: list[int] = []
-    rows = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2, 1], tmp_path,
-                                   done=lambda rows: snapshots.append(len(rows)))
+    rows, stopped = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2, 1], tmp_path,
+                                            done=lambda rows: snapshots.append(len(rows)))
+    assert stopped is None
     # The ceiling opens every round; the others take turns at going first.
     p2, p1, dl = "prefetchd (2 workers)", "prefetchd (1 workers)", "DataLoader (2 workers)"
     assert order == ["synthetic", p2, p1, dl, "synthetic", p1, dl, p2, "synthetic", dl, p2, p1]
@@ -145,6 +146,41 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
     assert by_feed[dl]["images_per_s"] == 30.0
     assert by_feed[dl]["failed_rounds"] == ["failed: RuntimeError: the daemon went away"]
     assert by_feed["DALI mixed (2 threads)"]["note"].startswith("skipped:")
+
+
+def test_a_time_limit_stops_before_a_feed_whose_last_round_would_not_fit(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    now = [0.0]
+    seconds = {"synthetic": 10.0, "prefetchd (2 workers)": 30.0, "DataLoader (2 workers)": 40.0}
+    order: list[str] = []
+
+    def train(name: str, feed: object, sizes: object, classes: int, device: object) -> dict[str, object]:
+        order.append(name)
+        now[0] += seconds[name]
+        return {"feed": name, "images_per_s": 100.0, "data_wait_share": 0.0}
+
+    monkeypatch.setattr(gpu_check, "train_with", train)
+    sizes = gpu_check.dataclasses.replace(gpu_check.DRY, rounds=3)
+    # Round 1 ends at 80 s. Round 2: the ceiling (10 s) and the DataLoader (40 s) fit in 135 s,
+    # ending at 130; the daemon's 30 s would not.
+    limit = gpu_check.TimeLimit(135.0, 0.0, clock=lambda: now[0])
+    rows, stopped = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2], tmp_path,
+                                            done=lambda rows: None, deadline=limit)
+    assert order == ["synthetic", "prefetchd (2 workers)", "DataLoader (2 workers)", "synthetic",
+                     "DataLoader (2 workers)"]
+    assert stopped == ("stopped before round 2's prefetchd (2 workers), whose last round took 30 s, with 5 s of "
+                       "--time-limit 135 left: 5 of 9 feed rounds ran")
+    by_feed = {row["feed"]: row for row in rows}
+    assert by_feed["synthetic"]["rounds_images_per_s"] == [100.0, 100.0]
+    assert by_feed["prefetchd (2 workers)"]["rounds_images_per_s"] == [100.0]
+    # The first round always runs whole, however little time is left.
+    now[0], order[:] = 0.0, []
+    rows, stopped = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2], tmp_path,
+                                            done=lambda rows: None, deadline=gpu_check.TimeLimit(1.0, 0.0, clock=lambda: now[0]))
+    assert len(order) == 3 and stopped is not None and stopped.startswith("stopped before round 2's synthetic")
 
 
 def test_worker_counts_are_read_from_a_comma_list(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,17 +261,22 @@ def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypa
         assert [len(next(batches)[1]) for _ in range(9)] == [10] * 9
 
 
-def test_a_short_run_leaves_out_the_tests_and_step_5_and_trains_the_rounds_asked_for(tmp_path: Path) -> None:
+def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the_time_limit(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     env = tool_env()
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--skip-tests", "--skip-scaling",
-                           "--rounds", "1", "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=240)
+                           "--rounds", "2", "--time-limit", "1", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
-    assert doc["tests"] is None and doc["scaling"] is None and doc["sizes"]["rounds"] == 1
+    assert doc["tests"] is None and doc["scaling"] is None and doc["sizes"]["rounds"] == 2
+    # A second of --time-limit leaves only the first round, which always runs whole.
     assert all(len(row["rounds_images_per_s"]) == 1 for row in doc["training"] if "note" not in row)
-    assert "## The producer on more cores" not in (tmp_path / "GPU.md").read_text()
-    bad = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--rounds", "0"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--rounds 0: give 1 or more" in bad.stderr
+    assert doc["training_stopped"].startswith("stopped before round 2's synthetic")
+    markdown = (tmp_path / "GPU.md").read_text()
+    assert "**Cut short by `--time-limit`**: stopped before round 2's" in markdown
+    assert "## The producer on more cores" not in markdown
+    for flag, value in (("--rounds", "0"), ("--time-limit", "0")):
+        bad = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", flag, value], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and f"{flag} 0: give" in bad.stderr, bad.stderr

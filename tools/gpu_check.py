@@ -1,7 +1,8 @@
 """One command that proves the GPU path on a GPU machine and writes docs/GPU.md + docs/gpu.json.
 
-    python tools/gpu_check.py [--out docs/gpu.json] [--commit HASH] [--steps 200]
-                              [--data IMAGEFOLDER] [--workers 15,12] [--skip-tests] [--dry-run]
+    python tools/gpu_check.py [--out docs/gpu.json] [--commit HASH] [--steps 200] [--rounds 3]
+                              [--data IMAGEFOLDER] [--workers 15,12] [--skip-tests] [--skip-scaling]
+                              [--time-limit SECONDS] [--dry-run]
 
 Steps, each recorded in the JSON (rewritten after every step, so a run cut short
 still leaves what it measured) and in GPU.md beside it; step 5, short, runs before 3
@@ -559,12 +560,27 @@ def timeline(marks: list[float], waits: list[float], counts: list[int]) -> dict[
             "median_step_images_per_s": round(median_step, 1)}
 
 
+@dataclass(frozen=True)
+class TimeLimit:
+    """``--time-limit``: seconds for the whole run, counted on ``clock`` from ``start``."""
+
+    seconds: float
+    start: float
+    clock: Callable[[], float] = time.monotonic
+
+    def left(self) -> float:
+        return self.start + self.seconds - self.clock()
+
+
 def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, workers: list[int], root: Path,
-                  done: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+                  done: Callable[[list[dict[str, Any]]], None],
+                  deadline: TimeLimit | None = None) -> tuple[list[dict[str, Any]], str | None]:
     """Each feed trained ``sizes.rounds`` times.  The synthetic ceiling opens every round and
     the others rotate, so each runs first once; a feed's row is its median round, with every
     round's images/s.  The daemon trains with each count in ``workers``, DataLoader and DALI
-    with the first."""
+    with the first.  After the first round, a feed whose last round would end past
+    ``deadline`` is not started, nor anything after it; the second value then says where
+    the training stopped."""
     feeds: list[tuple[str, Feed | str]] = [
         ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
         *((f"prefetchd ({k} workers)", lambda k=k: prefetchd_feed(data, sizes, k, device, root)) for k in workers),
@@ -577,9 +593,19 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
     runnable = [(name, feed) for name, feed in feeds if not isinstance(feed, str)]
     ceiling, rotating = runnable[0], runnable[1:]
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in runnable}
+    took: dict[str, float] = {}  # each feed's last round, in seconds, start and stop included
+    clock = deadline.clock if deadline is not None else time.monotonic
     for r in range(sizes.rounds):
         k = r % len(rotating)
         for name, feed in [ceiling, *rotating[k:], *rotating[:k]]:
+            if deadline is not None and name in took and deadline.left() < took[name]:
+                ran = sum(map(len, rounds.values()))
+                stopped = (f"stopped before round {r + 1}'s {name}, whose last round took {took[name]:.0f} s, with "
+                           f"{max(deadline.left(), 0):.0f} s of --time-limit {deadline.seconds:.0f} left: "
+                           f"{ran} of {sizes.rounds * len(runnable)} feed rounds ran")
+                log.info("%s", stopped)
+                return median_rows(feeds, rounds), stopped
+            began = clock()
             log.info("round %d/%d: training %s on %s, fed by %s: %d + %d steps", r + 1, sizes.rounds, sizes.model,
                      device, name, sizes.warmup_steps, sizes.steps)
             try:
@@ -589,9 +615,10 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
                 row = {"feed": name, "note": f"failed: {type(exc).__name__}: {exc}"}
             else:
                 log.info("  %.0f images/s, data wait %.1f%%", row["images_per_s"], 100 * row["data_wait_share"])
+            took[name] = clock() - began
             rounds[name].append(row)
             done(median_rows(feeds, rounds))
-    return median_rows(feeds, rounds)
+    return median_rows(feeds, rounds), None
 
 
 def median_rows(feeds: list[tuple[str, Feed | str]], rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -731,6 +758,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   "DataLoader's pin-memory thread does beside the loop).  GPU busy: CUDA "
                   "events around each step over wall time.  Memory: peak PSS of this process tree (trainer, "
                   "daemon, workers) and peak system memory in use above the start (tmpfs batches included).", "",
+                  *([f"**Cut short by `--time-limit`**: {doc['training_stopped']}.", ""]
+                    if doc.get("training_stopped") else []),
                   "| feed | images/s | vs synthetic | data wait | GPU busy | GPU util (NVML) | tree PSS MiB | "
                   "system +MiB | first batch s | rounds |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -861,11 +890,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-scaling", action="store_true", help="leave out step 5, the producer alone "
                         "(~3 min on 16 cores): for a short lease that looks only at the training")
     parser.add_argument("--rounds", type=int, help="times each feed trains; its row is the median round")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS",
+                        help="seconds for the whole run: after the first training round, a feed whose last round "
+                        "would end past it is not started, so a lease's call ends with complete rows and says so "
+                        "[default: none]")
     parser.add_argument("--workers", type=worker_counts, help="the daemon's worker counts to train with, e.g. "
                         "15,12 (DataLoader and DALI get the first) [default: all cores but one]")
     args = parser.parse_args(argv)
+    deadline = None if args.time_limit is None else TimeLimit(args.time_limit, time.monotonic())
     # The clock in every line: a lease's one call must hold the whole run, so show where its time goes.
     logging.basicConfig(level=logging.INFO, format="gpu_check %(asctime)s: %(message)s", datefmt="%H:%M:%S")
+    if args.time_limit is not None and args.time_limit <= 0:
+        parser.error(f"--time-limit {args.time_limit:g}: give a number of seconds above 0")
     sizes = DRY if args.dry_run else FULL
     if args.steps is not None:
         sizes = dataclasses.replace(sizes, steps=args.steps)
@@ -894,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
         "format": RESULTS_FORMAT, "version": RESULTS_VERSION, "dry_run": args.dry_run, "json_name": out.name,
         "commit": git_commit(args.commit), "machine": describe_machine(), "gpu": describe_gpu(device),
         "sizes": {**dataclasses.asdict(sizes), "workers": workers}, "tests": None, "h2d": None, "training": None,
-        "scaling": None,
+        "scaling": None, "training_stopped": None,
     }
     write_outputs(doc, out)
     log.info("writing %s and %s", out, out.parent / "GPU.md")
@@ -933,7 +969,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["training"] = rows
             write_outputs(doc, out)
 
-        doc["training"] = training_rows(data, sizes, classes, device, workers, root, done=save)
+        doc["training"], doc["training_stopped"] = training_rows(data, sizes, classes, device, workers, root,
+                                                                 done=save, deadline=deadline)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     write_outputs(doc, out)
