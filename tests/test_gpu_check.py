@@ -62,7 +62,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
             assert len(detail["fifths_images_per_s"]) == doc["sizes"]["steps"] == 3
             assert all(rate > 0 for rate in detail["fifths_images_per_s"])
             assert 0 <= detail["longest_wait_s"] and 0 <= detail["longest_wait_step"] < 3
-            assert detail["median_step_images_per_s"] > 0
+            assert detail["between_epochs_images_per_s"] > 0 and detail["epoch_starts"] >= 0
     assert rows["DALI"].get("note", "").startswith("skipped:") or "images_per_s" in rows["DALI"]
 
     # 5. the producer alone, with the floor it is compared with (one worker count on a dry run).
@@ -178,8 +178,9 @@ def test_a_time_limit_stops_before_a_feed_whose_last_round_would_not_fit(monkeyp
     assert by_feed["prefetchd (2 workers)"]["rounds_images_per_s"] == [100.0]
     # The first round always runs whole, however little time is left.
     now[0], order[:] = 0.0, []
+    little = gpu_check.TimeLimit(1.0, 0.0, clock=lambda: now[0])
     rows, stopped = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2], tmp_path,
-                                            done=lambda rows: None, deadline=gpu_check.TimeLimit(1.0, 0.0, clock=lambda: now[0]))
+                                            done=lambda rows: None, deadline=little)
     assert len(order) == 3 and stopped is not None and stopped.startswith("stopped before round 2's synthetic")
 
 
@@ -231,21 +232,26 @@ def test_a_round_s_timeline_shows_where_its_time_went(monkeypatch: pytest.Monkey
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpu_check
 
-    # 10 steps of 0.1 s at batch 4 (40 img/s), but step 7 waited 2 s for its batch: the fourth
-    # fifth (steps 7 and 8) is the slow one, and the longest wait names step 7 (index 6).
+    # 10 steps of 0.1 s at batch 4 (40 img/s), but step 7 opened an epoch and waited 2 s for its
+    # batch: the fourth fifth (steps 7 and 8) is the slow one, and the longest wait names step 7
+    # (index 6).  Steps 2 and 4 waited 0.1 s more, inside the epoch: the rate between epoch
+    # starts counts those waits and leaves out step 7's.
     waits = [0.01] * 10
-    waits[6] = 2.0
+    waits[6], waits[1], waits[3] = 2.0, 0.11, 0.11
     marks = [0.0]
     for waited in waits:
-        marks.append(marks[-1] + 0.1 + (waited if waited > 1 else 0.0))
-    got = gpu_check.timeline(marks, waits, [4] * 10)
-    assert got["fifths_images_per_s"] == [40.0, 40.0, 40.0, round(8 / 2.2, 1), 40.0]
+        marks.append(marks[-1] + 0.09 + waited)
+    opens = [i == 6 for i in range(10)]
+    got = gpu_check.timeline(marks, waits, [4] * 10, opens)
+    assert got["fifths_images_per_s"] == [round(8 / 0.3, 1), round(8 / 0.3, 1), 40.0, round(8 / 2.19, 1), 40.0]
     assert got["longest_wait_s"] == 2.0 and got["longest_wait_step"] == 6
-    assert got["median_step_images_per_s"] == 40.0  # the stall is one step of ten: not the median
+    assert got["between_epochs_images_per_s"] == round(36 / 1.1, 1) and got["epoch_starts"] == 1
     # A short batch counts the images it had.  Fewer steps than fifths: one part per step.
-    # No steps: nothing to say.
-    assert gpu_check.timeline([0.0, 0.5, 1.5], [0.0, 0.0], [2, 1])["fifths_images_per_s"] == [4.0, 1.0]
-    assert gpu_check.timeline([0.0], [], []) == {}
+    # No epoch start (the synthetic feed): every step counts.  No steps: nothing to say.
+    short = gpu_check.timeline([0.0, 0.5, 1.5], [0.0, 0.0], [2, 1], [False, False])
+    assert short["fifths_images_per_s"] == [4.0, 1.0] and short["between_epochs_images_per_s"] == 2.0
+    assert short["epoch_starts"] == 0
+    assert gpu_check.timeline([0.0], [], [], []) == {}
 
 
 def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypatch: pytest.MonkeyPatch,

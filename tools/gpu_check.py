@@ -215,7 +215,7 @@ def _h2d_host(buffer: Path, batches: int) -> list[tuple[str, float | None, dict[
 
 # -- 3./4. training fed four ways ---------------------------------------------------------------
 
-Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor, bool]]  # images, labels, whether the batch opens an epoch
 Feed = Callable[[], AbstractContextManager[Batches]]
 
 
@@ -290,7 +290,7 @@ def synthetic_feed(sizes: Sizes, classes: int, device: torch.device) -> Iterator
 
     def forever() -> Batches:
         while True:
-            yield images, labels
+            yield images, labels, False
 
     yield forever()
 
@@ -328,7 +328,7 @@ def dali_feed(data: Path, sizes: Sizes, workers: int, device: torch.device) -> I
     pipe.build()
     it = DALIGenericIterator([pipe], ["images", "labels"], reader_name="reader", auto_reset=True)
 
-    def batches() -> Batches:
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for out in it:
             # NHWC memory seen as NCHW is channels_last, which the model wants anyway.
             yield out[0]["images"].permute(0, 3, 1, 2), out[0]["labels"].reshape(-1).long()
@@ -336,13 +336,15 @@ def dali_feed(data: Path, sizes: Sizes, workers: int, device: torch.device) -> I
     yield _epochs(batches, f"DALI over {data}")
 
 
-def _epochs(epoch: Callable[[], Iterator[Any]], what: str) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
-    """Batches across epochs, as a training loop that runs for a number of steps sees them."""
+def _epochs(epoch: Callable[[], Iterator[Any]],
+            what: str) -> Generator[tuple[torch.Tensor, torch.Tensor, bool], None, None]:
+    """Batches across epochs, as a training loop that runs for a number of steps sees them, each
+    marked where it opens an epoch (a DataLoader waits there for its workers' first batches)."""
     while True:
         got = False
         for images, labels in epoch():
+            yield images, labels, not got
             got = True
-            yield images, labels
         if not got:
             raise RuntimeError(f"{what}: an epoch without batches")
 
@@ -473,6 +475,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
     marks: list[float] = []  # each measured step's start, then the end: where in the round time went
     waits: list[float] = []  # each measured step's time in next()
     counts: list[int] = []  # each measured step's images: an epoch's last batch can be short
+    opens: list[bool] = []  # whether each measured step's batch opened an epoch
     first_batch_s = wall = 0.0
     loss = torch.zeros(())
     cpu, cpu_use = CpuUse(), {}  # measured again from the first measured step
@@ -488,12 +491,13 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                     sampler.measure()
                     cpu = CpuUse()
                 t0 = time.perf_counter()
-                images, labels = next(batches)
+                images, labels, opens_epoch = next(batches)
                 waited = time.perf_counter() - t0
                 if step >= sizes.warmup_steps:
                     marks.append(t0)
                     waits.append(waited)
                     counts.append(len(labels))
+                    opens.append(opens_epoch)
                 if step == 0:
                     first_batch_s = time.perf_counter() - started
                 # Copy first, change the layout on the device: a layout change in the copy
@@ -523,7 +527,7 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
         "feed": name, "steps": sizes.steps, "warmup_steps": sizes.warmup_steps, "batch_size": sizes.batch_size,
         "images_per_s": round(sum(counts) / wall, 1), "wall_s": round(wall, 2),
         "data_wait_share": round(sum(waits) / wall, 4), "first_batch_s": round(first_batch_s, 2),
-        "final_loss": round(float(loss.item()), 4), **host, **cpu_use, **timeline(marks, waits, counts),
+        "final_loss": round(float(loss.item()), 4), **host, **cpu_use, **timeline(marks, waits, counts, opens),
     }
     if events:
         busy_ms = sum(begin.elapsed_time(end) for begin, end in events)
@@ -535,29 +539,33 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
 FIFTHS = 5
 # What each round keeps beside its images/s, for the "By round" table: the median row alone
 # hid that the first daemon-fed round was the slow one in every lease.
-ROUND_KEYS = ("median_step_images_per_s", "fifths_images_per_s", "data_wait_share", "longest_wait_s",
+ROUND_KEYS = ("between_epochs_images_per_s", "epoch_starts", "fifths_images_per_s", "data_wait_share", "longest_wait_s",
               "longest_wait_step", "gpu_busy_share", "cpu_tree_cores", "cpu_other_cores", "cpu_steal_share")
 
 
-def timeline(marks: list[float], waits: list[float], counts: list[int]) -> dict[str, Any]:
+def timeline(marks: list[float], waits: list[float], counts: list[int], opens: list[bool]) -> dict[str, Any]:
     """Where in a round its time went: images/s over each fifth of the measured steps (``marks``:
     every step's start, then the end; ``counts``: every step's images; fewer parts when there
     are fewer steps), the longest time one step waited in ``next()``, and the images/s of the
-    median step.  A round slowed by a one-off stall shows one slow fifth; one slow throughout
-    shows every fifth slow; a long wait says the step waited for its batch, where a slow fifth
-    without one says the GPU (or the trainer's own thread) was slower.  The median step is
-    the rate between stalls: a DataLoader waits ~2 s at every epoch's start, which weighs
-    on gpu_check's 78-step epochs as it does not on ImageNet's 5000."""
+    steps whose batch did not open an epoch (``opens``).  A round slowed by a one-off stall
+    shows one slow fifth; one slow throughout shows every fifth slow; a long wait says the step
+    waited for its batch, where a slow fifth without one says the GPU (or the trainer's own
+    thread) was slower.  The rate between epoch starts is what a long run sees: a DataLoader
+    waits ~2 s at every epoch's start, which weighs on gpu_check's 78-step epochs as it does
+    not on ImageNet's 5000.  (The median step's rate, reported before, hid the DataLoader's
+    waits between epoch starts: most of its steps find a batch ready and some wait.)"""
     steps = len(waits)
-    if not steps or len(marks) != steps + 1 or len(counts) != steps:
+    if not steps or len(marks) != steps + 1 or len(counts) != steps or len(opens) != steps:
         return {}
     parts = min(FIFTHS, steps)
     bounds = [round(i * steps / parts) for i in range(parts + 1)]
     rates = [round(sum(counts[a:b]) / max(marks[b] - marks[a], 1e-9), 1) for a, b in zip(bounds, bounds[1:])]
     longest = max(range(steps), key=waits.__getitem__)
-    median_step = statistics.median(n / max(b - a, 1e-9) for n, a, b in zip(counts, marks, marks[1:]))
+    inside = [i for i in range(steps) if not opens[i]]
+    between = (round(sum(counts[i] for i in inside) / max(sum(marks[i + 1] - marks[i] for i in inside), 1e-9), 1)
+               if inside else None)
     return {"fifths_images_per_s": rates, "longest_wait_s": round(waits[longest], 3), "longest_wait_step": longest,
-            "median_step_images_per_s": round(median_step, 1)}
+            "between_epochs_images_per_s": between, "epoch_starts": steps - len(inside)}
 
 
 @dataclass(frozen=True)
@@ -812,7 +820,9 @@ def _round_cells(rate: float | None, detail: dict[str, Any]) -> str:
     fifths = " / ".join(f"{v:.0f}" for v in detail.get("fifths_images_per_s", []))
     longest = (f"{detail['longest_wait_s']:.2f} ({detail['longest_wait_step'] + 1})"
                if "longest_wait_s" in detail else "")
-    return " | ".join([_cell(rate, "{:.0f}"), _cell(detail.get("median_step_images_per_s"), "{:.0f}"), fifths,
+    between = detail.get("between_epochs_images_per_s")
+    between_cell = "" if between is None else f"{between:.0f} ({detail.get('epoch_starts', 0)})"
+    return " | ".join([_cell(rate, "{:.0f}"), between_cell, fifths,
                        _cell(detail.get("data_wait_share"), "{:.1%}"), longest,
                        _cell(detail.get("gpu_busy_share"), "{:.1%}"), _cell(detail.get("cpu_tree_cores"), "{:.1f}"),
                        _cell(detail.get("cpu_other_cores"), "{:.1f}"), _cell(detail.get("cpu_steal_share"), "{:.1%}")])
@@ -826,12 +836,13 @@ def _by_round(rows: list[dict[str, Any]]) -> list[str]:
                                                                     row.get("rounds_detail", [])), 1) if detail]
     if not body:
         return []
-    return ["By round, over the measured steps: images/s in all, at the median step (the rate between stalls, "
-            "such as an epoch's start) and over each fifth of the steps, the data wait, the longest time one step "
+    return ["By round, over the measured steps: images/s in all, between epoch starts (over the steps whose "
+            "batch did not open an epoch: what a run over a large dataset sees; in brackets, how many did) and over "
+            "each fifth of the steps, the data wait, the longest time one step "
             "waited for its batch (and which step), the GPU's busy share, and where the machine's CPU went, in "
             "cores on average: this process tree (trainer, daemon, workers), every other process, and the "
             "hypervisor's steal as a share of all CPU time.", "",
-            "| feed | round | images/s | median step | by fifth | data wait | longest wait s (step) | GPU busy | "
+            "| feed | round | images/s | between epoch starts (starts) | by fifth | data wait | longest wait s (step) | GPU busy | "
             "tree cores | other cores | steal |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|", *body, ""]
 
 
