@@ -30,7 +30,7 @@ from prefetchd.daemon.workers import limit_threads
 # Enough files that they do not all stay in the CPU's caches (a dataset does not), few
 # enough that the first pass stays a few seconds.
 FLOOR_FILES = 1500
-PARALLEL_START_SECONDS = 300.0  # k processes importing torch and decoding the files once, on a busy machine
+PARALLEL_START_SECONDS = 300.0  # k processes importing torch and sharing one pass over the files, on a busy machine
 
 
 def _floor_paths(data: Path) -> list[Path]:
