@@ -200,20 +200,20 @@ BURN = "import time\nwhile time.process_time() < {seconds}: pass\n"  # exits hav
 def test_cpu_use_counts_children_in_the_tree_and_a_detached_process_as_another(monkeypatch: pytest.MonkeyPatch,
                                                                                tmp_path: Path) -> None:
     monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpu_check
+    import host_use
 
     # A child that has exited and been reaped still counts: its CPU is in our children_* times
     # (in clock ticks of 10 ms, user and system each rounded down: 0.5 s can read 0.49).
-    before = gpu_check._tree_cpu(os.getpid())
+    before = host_use._tree_cpu(os.getpid())
     subprocess.run([sys.executable, "-c", BURN.format(seconds=0.5)], check=True, timeout=60)
-    assert gpu_check._tree_cpu(os.getpid()) - before >= 0.45
+    assert host_use._tree_cpu(os.getpid()) - before >= 0.45
 
     # A process outside the tree (its parent exits at once: it is re-parented away from us) is
     # another's CPU, and only the machine's figure sees it.
     done = tmp_path / "done"
     script = BURN.format(seconds=0.5) + f"open({str(done)!r}, 'w').close()\n"
-    use, started = gpu_check.CpuUse(), time.perf_counter()
-    mine = gpu_check._tree_cpu(os.getpid())
+    use, started = host_use.CpuUse(), time.perf_counter()
+    mine = host_use._tree_cpu(os.getpid())
     subprocess.run([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
                     f"{script!r}], start_new_session=True)"], check=True, timeout=60)
     deadline = time.monotonic() + 60
@@ -221,7 +221,7 @@ def test_cpu_use_counts_children_in_the_tree_and_a_detached_process_as_another(m
         time.sleep(0.05)
     assert done.exists()
     span = time.perf_counter() - started
-    tree = gpu_check._tree_cpu(os.getpid()) - mine
+    tree = host_use._tree_cpu(os.getpid()) - mine
     got = use.stop()
     assert tree < 0.4, "the detached process was counted as ours"
     assert got["cpu_other_cores"] * span >= 0.45

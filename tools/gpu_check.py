@@ -36,6 +36,9 @@ this script working in CI, and its numbers mean nothing.
 
 On the GPU machine the checkout is a copy without ``.git``: pass ``--commit`` with
 the hash of the checkout that was sent (README, "On a GPU").
+
+Beside it in tools/: ``host_use.py`` samples the host while a feed trains (memory, NVML,
+where the CPU went) and ``gpu_report.py`` writes GPU.md from the results.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import dataclasses
 import importlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -54,7 +56,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
@@ -62,11 +63,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 
 import h2d_bench  # tools/ is sys.path[0] when this file runs as a script
+from gpu_report import write_outputs
+from host_use import CpuUse, HostSampler
 from prefetchd.bench import describe_machine, run_benchmark
 from prefetchd.buffer_protocol import batch_name, map_batch
 from prefetchd.launch import buffer_root
@@ -87,7 +89,6 @@ STD = (0.229, 0.224, 0.225)
 # Every wait on another process is bounded; a stuck step fails with this in its message.
 WAIT_SECONDS = 180.0
 TESTS_SECONDS = 300.0
-SAMPLE_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -349,116 +350,6 @@ def _epochs(epoch: Callable[[], Iterator[Any]],
             raise RuntimeError(f"{what}: an epoch without batches")
 
 
-class HostSampler:
-    """Samples, in a thread, this process tree's PSS, the system's used memory and NVML's GPU utilisation."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.baseline_used = _system_used()
-        self.peak_used = self.baseline_used
-        self.peak_tree = 0
-        self.gpu_util: list[int] = []
-        self._nvml: Any = None
-        if device.type == "cuda":
-            with contextlib.suppress(Exception):  # no pynvml, or no NVML library: events still give a busy share
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(device.index or 0))
-        self._measuring = threading.Event()
-        self._stop = threading.Event()
-        self._sample()
-        self._thread = threading.Thread(target=self._loop, name="gpu-check-sampler", daemon=True)
-        self._thread.start()
-
-    def measure(self) -> None:
-        self._measuring.set()
-
-    def stop(self) -> dict[str, Any]:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self._sample()  # a run shorter than one period still has its end state
-        doc: dict[str, Any] = {
-            "tree_pss_peak_mib": round(self.peak_tree / 2**20),
-            "system_used_above_start_peak_mib": round((self.peak_used - self.baseline_used) / 2**20),
-        }
-        if self._nvml is not None:
-            doc["nvml_gpu_util_mean"] = round(statistics.mean(self.gpu_util), 1) if self.gpu_util else None
-        return doc
-
-    def _loop(self) -> None:
-        while not self._stop.wait(SAMPLE_SECONDS):
-            self._sample()
-
-    def _sample(self) -> None:
-        self.peak_tree = max(self.peak_tree, _tree_pss(os.getpid()))
-        self.peak_used = max(self.peak_used, _system_used())
-        if self._nvml is not None and self._measuring.is_set() and not self._stop.is_set():
-            with contextlib.suppress(Exception):
-                nvml, handle = self._nvml
-                self.gpu_util.append(int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-
-
-def _system_used() -> int:
-    memory = psutil.virtual_memory()
-    return int(memory.total - memory.available)  # tmpfs batch files included: they are not available
-
-
-def _process_tree(pid: int) -> list[psutil.Process]:
-    """``pid`` and its descendants now; none if it is gone."""
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def _tree_pss(pid: int) -> int:
-    # PSS splits shared pages between their users, so DataLoader workers forked from
-    # this process are not each charged the whole parent, as RSS would.
-    total = 0
-    for proc in _process_tree(pid):
-        with contextlib.suppress(psutil.Error, AttributeError):
-            info = proc.memory_full_info()
-            total += getattr(info, "pss", info.rss)
-    return total
-
-
-class CpuUse:
-    """Where the machine's CPU time went from creation to ``stop()``, in cores: this process tree
-    (trainer, daemon, workers), every other process, and the share the hypervisor took (steal).
-    Written for the first daemon-fed round, the slowest in every lease (1689, 2625, 2479 and
-    2878 img/s against up to 4344, 3539, 4298 and 4002 later): on the H100 it showed no other
-    process and no steal, which sent the search inside the run (``timeline``, ``prefetchd_feed``)."""
-
-    def __init__(self) -> None:
-        self._begin = self._now()
-
-    @staticmethod
-    def _now() -> tuple[float, float, float, float, float]:
-        t = psutil.cpu_times()
-        steal = getattr(t, "steal", 0.0)
-        busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-        total = busy + t.idle + getattr(t, "iowait", 0.0) + steal
-        return time.perf_counter(), busy, steal, total, _tree_cpu(os.getpid())
-
-    def stop(self) -> dict[str, float]:
-        (t0, busy0, steal0, total0, tree0), (t1, busy1, steal1, total1, tree1) = self._begin, self._now()
-        span, tree = max(t1 - t0, 1e-9), tree1 - tree0
-        others = max(busy1 - busy0 - tree, 0.0)
-        return {"cpu_tree_cores": round(tree / span, 2), "cpu_other_cores": round(others / span, 2),
-                "cpu_steal_share": round((steal1 - steal0) / max(total1 - total0, 1e-9), 4)}
-
-
-def _tree_cpu(pid: int) -> float:
-    """CPU seconds of ``pid`` and its descendants, those already reaped included (``children_*``)."""
-    total = 0.0
-    for proc in _process_tree(pid):
-        with contextlib.suppress(psutil.Error):
-            t = proc.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
 def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.device) -> dict[str, Any]:
     """Train a fresh model for warmup + steps batches from ``feed``; what it took."""
     torch.manual_seed(0)
@@ -706,152 +597,6 @@ def git_commit(given: str | None) -> str:
     if head.returncode != 0:
         return "unknown (not a git checkout; pass --commit)"
     return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
-def _cell(value: Any, fmt: str = "{}") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return fmt.format(value)
-
-
-def render_markdown(doc: dict[str, Any]) -> str:
-    machine, gpu, sizes = doc["machine"], doc["gpu"], doc["sizes"]
-    lines = ["# prefetchd on a GPU", ""]
-    if doc["dry_run"]:
-        lines += ["**Dry run**: toy sizes on the CPU to keep `tools/gpu_check.py` working; these figures measure "
-                  "nothing.", ""]
-    lines += [
-        f"Written by `python tools/gpu_check.py` on {machine.get('date', '?')} at commit `{doc['commit']}`; the "
-        f"figures are in [{doc['json_name']}]({doc['json_name']}).", "",
-        "## Machine", "",
-        "| | |", "|---|---|",
-        f"| GPU | {gpu.get('name', 'none')} ({_cell(gpu.get('memory_gib'), '{} GiB')}, "
-        f"{_cell(gpu.get('multiprocessors'))} SMs, capability {_cell(gpu.get('capability'))}) |",
-        f"| nvidia-smi | {gpu.get('nvidia_smi', 'not available')} |",
-        f"| CPU | {machine.get('usable_cpus')} usable cores ({machine.get('cpu_model')}), "
-        f"{machine.get('ram_bytes', 0) / 2**30:.0f} GiB RAM |",
-        f"| software | Python {machine.get('python')}, torch {machine.get('torch')} (CUDA {gpu.get('torch_cuda')}, "
-        f"cuDNN {gpu.get('cudnn')}), torchvision {machine.get('torchvision')}, Pillow {machine.get('pillow')} |",
-        f"| decoder | {machine.get('jpeg_decoder', 'not recorded')} |",
-        f"| platform | {machine.get('platform')} |", "",
-    ]
-    tests = doc.get("tests")
-    if tests is not None:
-        lines += ["## GPU tests", "", f"`{tests['command']}`: {tests.get('summary') or 'no summary'} "
-                  f"(exit code {tests.get('returncode')}).", ""]
-    if doc.get("h2d") is not None:
-        lines += ["## Host to device", "",
-                  "Median per batch of uint8 images from fresh mappings of batch files (`tools/h2d_bench.py`); "
-                  "`torch pinned` copies one pinned tensor of the same size, the ceiling; `BufferLoader` rows "
-                  "are end to end (map, copy, uint8 -> float, normalise) with no model step.", "",
-                  "| batch | mode | µs per batch | GB/s | vs torch pinned |", "|---|---|---:|---:|---:|"]
-        for row in doc["h2d"]:
-            size = f"{row['batch_size']}×{row['image_size']}² ({row['bytes'] / 1e6:.1f} MB)"
-            if "note" in row:
-                lines.append(f"| {size} | {row['mode']} | {row['note']} | | |")
-            else:
-                lines.append(f"| {size} | {row['mode']} | {row['us_per_batch']:.0f} | {row['gb_per_s']:.2f} | "
-                             f"{_cell(row.get('vs_torch_pinned'), '{:.2f}')} |")
-        lines.append("")
-    if doc.get("training") is not None:
-        lines += ["## Training", "",
-                  f"{sizes['model']}, channels_last, bf16 autocast, SGD, batch {sizes['batch_size']}, "
-                  f"{sizes['image_size']} px, {sizes['steps']} measured steps after {sizes['warmup_steps']} warm-up "
-                  f"steps, on {doc['dataset']}.  Each feed trained {sizes.get('rounds', 1)} times, the ceiling first "
-                  "in every round and the others in rotated order; every feed gives full batches (the daemon with "
-                  "`--drop-last`, DataLoader with `drop_last=True`, DALI padding the last); a row is the feed's "
-                  "median round, and `rounds` "
-                  "lists every round's images/s.  Data wait: time blocked in `next()` over wall time (for the "
-                  "daemon's loader that includes mapping the batch file and copying it into pinned memory, work "
-                  "DataLoader's pin-memory thread does beside the loop).  GPU busy: CUDA "
-                  "events around each step over wall time.  Memory: peak PSS of this process tree (trainer, "
-                  "daemon, workers) and peak system memory in use above the start (tmpfs batches included).", "",
-                  *([f"**Cut short by `--time-limit`**: {doc['training_stopped']}.", ""]
-                    if doc.get("training_stopped") else []),
-                  "| feed | images/s | vs synthetic | data wait | GPU busy | GPU util (NVML) | tree PSS MiB | "
-                  "system +MiB | first batch s | rounds |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for row in doc["training"]:
-            if "note" in row:
-                lines.append(f"| {row['feed']} | {row['note']} | | | | | | | | |")
-                continue
-            each = " / ".join("failed" if v is None else f"{v:.0f}" for v in row.get("rounds_images_per_s", []))
-            lines.append(
-                f"| {row['feed']} | {row['images_per_s']:.0f} | {_cell(row.get('vs_synthetic'), '{:.2f}')} | "
-                f"{row['data_wait_share']:.1%} | {_cell(row.get('gpu_busy_share'), '{:.1%}')} | "
-                f"{_cell(row.get('nvml_gpu_util_mean'), '{:.0f}%')} | {row['tree_pss_peak_mib']} | "
-                f"{row['system_used_above_start_peak_mib']} | {row['first_batch_s']:.1f} | {each} |")
-        lines.append("")
-        lines += _by_round(doc["training"])
-    scaling = doc.get("scaling")
-    if scaling is not None:
-        floor = scaling["floor"]
-        lines += ["## The producer on more cores", "",
-                  f"`prefetchd bench`'s prefetchd row: the daemon with k workers and a null consumer, all pinned to "
-                  f"k cores, batch {scaling['batch_size']}, {sizes['image_size']} px, {scaling['seconds']:g} s per "
-                  f"count, on {doc['dataset']}.  Floor: the daemon's `augment()` alone on one core over "
-                  f"{floor['files']} of the files, each decoded once before (a worker's steady state): "
-                  f"{floor['ms_per_image']:.2f} ms per image, {floor['images_per_s']:.0f} img/s.  Independent "
-                  "loops: the floor's loop in k processes at once on the same k cores, wall-clock images/s summed "
-                  "(what the machine allows k workers; the producer's share of it is what it loses on its own).",
-                  "", "| workers | images/s | scaling (vs k × 1 worker) | of k × floor | first batch s | "
-                  "independent loops img/s (of k × floor) | producer / loops |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
-        for row in scaling["rows"]:
-            loops = row.get("independent_loops_per_s")
-            loops_cell = "" if loops is None else f"{loops:.0f} ({_cell(row.get('loops_vs_floor'), '{:.0%}')})"
-            if row["images_per_s"] is None:
-                lines.append(f"| {row['workers']} | {row['note'] or 'failed'} | | | | {loops_cell} | |")
-                continue
-            lines.append(f"| {row['workers']} | {row['images_per_s']:.0f} | {_cell(row['scaling'], '{:.0%}')} | "
-                         f"{_cell(row['vs_floor'], '{:.0%}')} | {_cell(row['first_batch_s'], '{:.2f}')} | "
-                         f"{loops_cell} | {_cell(row.get('vs_loops'), '{:.0%}')} |")
-        lines.append("")
-        if "cpu_tree_cores" in scaling:
-            lines += [f"Over the whole step, in cores on average: this process tree {scaling['cpu_tree_cores']:.1f}, "
-                      f"other processes {scaling['cpu_other_cores']:.1f}; steal {scaling['cpu_steal_share']:.1%} "
-                      "of all CPU time.", ""]
-    lines += ["## Reproduce", "", "See README.md, \"On a GPU\": the wheels to carry, the install, and "
-              "`python tools/gpu_check.py --out DIR/gpu.json --commit HASH`.", ""]
-    return "\n".join(lines)
-
-
-def _round_cells(rate: float | None, detail: dict[str, Any]) -> str:
-    fifths = " / ".join(f"{v:.0f}" for v in detail.get("fifths_images_per_s", []))
-    longest = (f"{detail['longest_wait_s']:.2f} ({detail['longest_wait_step'] + 1})"
-               if "longest_wait_s" in detail else "")
-    between = detail.get("between_epochs_images_per_s")
-    between_cell = "" if between is None else f"{between:.0f} ({detail.get('epoch_starts', 0)})"
-    return " | ".join([_cell(rate, "{:.0f}"), between_cell, fifths,
-                       _cell(detail.get("data_wait_share"), "{:.1%}"), longest,
-                       _cell(detail.get("gpu_busy_share"), "{:.1%}"), _cell(detail.get("cpu_tree_cores"), "{:.1f}"),
-                       _cell(detail.get("cpu_other_cores"), "{:.1f}"), _cell(detail.get("cpu_steal_share"), "{:.1%}")])
-
-
-def _by_round(rows: list[dict[str, Any]]) -> list[str]:
-    """Each round's images/s beside where its time went (``timeline``) and where the machine's
-    CPU went meanwhile (``CpuUse``)."""
-    body = [f"| {row['feed']} | {i} | {_round_cells(rate, detail)} |"
-            for row in rows for i, (rate, detail) in enumerate(zip(row.get("rounds_images_per_s", []),
-                                                                    row.get("rounds_detail", [])), 1) if detail]
-    if not body:
-        return []
-    return ["By round, over the measured steps: images/s in all, between epoch starts (over the steps whose "
-            "batch did not open an epoch: what a run over a large dataset sees; in brackets, how many did) and over "
-            "each fifth of the steps, the data wait, the longest time one step "
-            "waited for its batch (and which step), the GPU's busy share, and where the machine's CPU went, in "
-            "cores on average: this process tree (trainer, daemon, workers), every other process, and the "
-            "hypervisor's steal as a share of all CPU time.", "",
-            "| feed | round | images/s | between epoch starts (starts) | by fifth | data wait | longest wait s (step) | GPU busy | "
-            "tree cores | other cores | steal |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|", *body, ""]
-
-
-def write_outputs(doc: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out, json.dumps(doc, indent=2) + "\n"), (out.parent / "GPU.md", render_markdown(doc))):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
 
 
 def cli_problem() -> str | None:
