@@ -497,10 +497,10 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
     for r in range(sizes.rounds):
         k = r % len(rotating)
         for name, feed in [ceiling, *rotating[k:], *rotating[:k]]:
-            if deadline is not None and name in took and deadline.left() < took[name]:
+            if deadline is not None and name in took and (left := deadline.left()) < took[name]:
                 ran = sum(map(len, rounds.values()))
                 stopped = (f"stopped before round {r + 1}'s {name}, whose last round took {took[name]:.0f} s, with "
-                           f"{max(deadline.left(), 0):.0f} s of --time-limit {deadline.seconds:.0f} left: "
+                           f"{max(left, 0):.0f} s of --time-limit {deadline.seconds:.0f} left: "
                            f"{ran} of {sizes.rounds * len(runnable)} feed rounds ran")
                 log.info("%s", stopped)
                 return median_rows(feeds, rounds), stopped
