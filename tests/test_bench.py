@@ -314,6 +314,26 @@ def test_the_parallel_floor_runs_one_pinned_loop_per_core_and_names_one_that_die
     assert os.sched_getaffinity(0) == mask
 
 
+def test_the_parallel_floor_does_not_import_the_callers_script_again(shapes_data: Path, tmp_path: Path) -> None:
+    # multiprocessing's spawn would import it in every process (gpu_check: torch and torchvision).
+    marker = tmp_path / "imported-again"
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "if __name__ != '__main__':\n"
+        f"    Path({str(marker)!r}).write_text(__name__)\n"
+        "if __name__ == '__main__':\n"
+        "    from prefetchd.bench.floor import measure_parallel_floor\n"
+        f"    loops = measure_parallel_floor(Path(sys.argv[1]), 32, {sorted(os.sched_getaffinity(0))[:2]!r}, 0.2)\n"
+        "    print(len(loops['per_core']))\n")
+    proc = subprocess.run([sys.executable, str(script), str(shapes_data / "train")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == str(min(2, len(os.sched_getaffinity(0))))
+    assert not marker.exists()
+
+
 def test_disk_bytes_counts_batch_files_once_and_not_the_documents(tmp_path: Path) -> None:
     from prefetchd.bench.monitor import _disk_bytes
 

@@ -11,15 +11,17 @@ same per-image time down by kernel.
 
 from __future__ import annotations
 
+import json
 import math
-import multiprocessing
 import os
-import queue
+import pickle
+import select
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
@@ -30,7 +32,7 @@ from prefetchd.daemon.workers import limit_threads
 # Enough files that they do not all stay in the CPU's caches (a dataset does not), few
 # enough that the first pass stays a few seconds.
 FLOOR_FILES = 1500
-PARALLEL_START_SECONDS = 300.0  # k processes importing torch and sharing one pass over the files, on a busy machine
+PARALLEL_START_SECONDS = 300.0  # k interpreters starting and sharing one pass over the files, on a busy machine
 
 
 def _floor_paths(data: Path) -> list[Path]:
@@ -98,13 +100,9 @@ def measure_parallel_floor(data: Path, image_size: int, cores: list[int], second
     files (each decodes every k-th, into one shared ``CleanFiles`` table, as the daemon's
     workers share theirs), so the steady state starts sooner at large k.  ``start_s``: the
     seconds until every process was ready (interpreter, imports, its part of the first pass)."""
-    paths = _floor_paths(data)
+    paths = [str(path) for path in _floor_paths(data)]
     clean = CleanFiles(len(paths))
-    ctx = multiprocessing.get_context("spawn")  # the caller may hold threads (torch's): no fork
-    go, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_parallel_loop, args=(paths, image_size, core, range(j, len(paths), len(cores)),
-                                                      clean, seconds, go, results),
-                         name=f"the floor's process on core {core}", daemon=True) for j, core in enumerate(cores)]
+    procs: list[tuple[int, subprocess.Popen[bytes]]] = []
     started = time.perf_counter()
     affinity = os.sched_getaffinity(0)
     # A process inherits this mask and keeps it until it pins itself after its imports: set it to
@@ -112,54 +110,91 @@ def measure_parallel_floor(data: Path, image_size: int, cores: list[int], second
     # (the bench pins itself to the previous count's cores: seen as 20-40 s to start 16 loops).
     os.sched_setaffinity(0, cores)
     try:
-        for proc in procs:
-            proc.start()
+        # Plain interpreters running this module, not multiprocessing's spawn: that imports the
+        # caller's main script again in every process (gpu_check's torch and torchvision: ~3 s
+        # here, ~10 s on a GPU host's core, for loops that need neither).
+        for core in cores:
+            procs.append((core, subprocess.Popen([sys.executable, "-c", _LOOP_MAIN], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, pass_fds=[clean.fd])))
+        for j, (core, proc) in enumerate(procs):  # all started first: a job outgrows the pipe, and waits for a reader
+            assert proc.stdin is not None
+            pickle.dump(_LoopJob(paths, image_size, core, j, len(cores), clean.fd, seconds), proc.stdin)
+            proc.stdin.flush()
         os.sched_setaffinity(0, affinity)
-        _collect(results, procs, PARALLEL_START_SECONDS)  # every process ready
+        _collect(procs, PARALLEL_START_SECONDS)  # every process ready
         start_s = time.perf_counter() - started
-        go.set()
-        per_core = sorted(_collect(results, procs, seconds + PARALLEL_START_SECONDS))
+        for _, proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.close()  # go
+        per_core = sorted(_collect(procs, seconds + PARALLEL_START_SECONDS))
     finally:
         os.sched_setaffinity(0, affinity)
-        for proc in procs:
-            proc.join(5.0)
-            if proc.is_alive():
+        for _, proc in procs:
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
         clean.close()
     return {"images_per_s": sum(rate for _, rate in per_core), "seconds": seconds, "start_s": start_s,
             "per_core": [{"core": core, "images_per_s": rate} for core, rate in per_core]}
 
 
-def _collect(results: Any, procs: list[Any], timeout: float) -> list[Any]:
+def _collect(procs: list[tuple[int, subprocess.Popen[bytes]]], timeout: float) -> list[Any]:
     """One message from each of ``procs``; an error naming the first that died, or the wait."""
     got: list[Any] = []
+    waiting = {proc.stdout.fileno(): (core, proc) for core, proc in procs if proc.stdout is not None}
     deadline = time.monotonic() + timeout
-    while len(got) < len(procs):
-        try:
-            got.append(results.get(timeout=0.5))
-        except queue.Empty:
-            dead = [proc for proc in procs if proc.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode}") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(procs) - len(got)} of the floor's {len(procs)} processes did not answer "
-                                   f"within {timeout:.0f} s") from None
+    while waiting:
+        readable, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
+        if not readable:
+            raise TimeoutError(f"{len(waiting)} of the floor's {len(procs)} processes did not answer "
+                               f"within {timeout:.0f} s")
+        for fd in readable:
+            core, proc = waiting.pop(fd)
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the floor's process on core {core} exited with code {proc.wait()}")
+            got.append(json.loads(line))
     return got
 
 
-def _parallel_loop(paths: list[Path], image_size: int, core: int, first_pass: range, clean: CleanFiles,
-                   seconds: float, go: Any, results: Any) -> None:
-    os.sched_setaffinity(0, {core})
+class _LoopJob(NamedTuple):
+    """What one of ``measure_parallel_floor``'s processes does, sent down its stdin."""
+
+    paths: list[str]
+    image_size: int
+    core: int
+    first: int  # its part of the first pass: files first, first + every, ...
+    every: int
+    clean_fd: int  # the shared ``CleanFiles`` table, passed open
+    seconds: float
+
+
+_LOOP_MAIN = "from prefetchd.bench.floor import _parallel_loop; _parallel_loop()"
+
+
+def _parallel_loop() -> None:
+    """One process of ``measure_parallel_floor``: its job from stdin, one JSON line on stdout
+    when ready, then (after stdin closes: go) another with its rate."""
+    job: _LoopJob = pickle.load(sys.stdin.buffer)
+    os.sched_setaffinity(0, {job.core})
     limit_threads()
-    one = _augment_loop(paths, image_size, clean, first_pass)
-    results.put("ready")
-    go.wait()
+    paths = [Path(path) for path in job.paths]
+    clean = CleanFiles.attach(job.clean_fd, len(paths))
+    one = _augment_loop(paths, job.image_size, clean, range(job.first, len(paths), job.every))
+    print(json.dumps("ready"), flush=True)
+    sys.stdin.buffer.read()  # until the parent closes it
     done, start = 0, time.perf_counter()
     while True:
         epoch, i = divmod(done, len(paths))
         one(epoch + 1, i)
         done += 1
         elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            results.put((core, done / elapsed))
+        if elapsed >= job.seconds:
+            print(json.dumps([job.core, done / elapsed]), flush=True)
             return

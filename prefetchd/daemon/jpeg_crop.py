@@ -184,6 +184,17 @@ class CleanFiles:
 
         return (_attach, (DupFd(self._fd), self.samples))
 
+    @property
+    def fd(self) -> int:
+        """The memfd behind a shared table (-1: unshared), for a process started without
+        multiprocessing, which gets it passed open and calls ``attach``."""
+        return self._fd
+
+    @classmethod
+    def attach(cls, fd: int, samples: int) -> CleanFiles:
+        """This process's end of a shared table whose memfd it holds as ``fd``."""
+        return cls(samples, _fd=fd)
+
     def known_clean(self, index: int, nbytes: int) -> bool:
         return nbytes > 0 and self._sizes[index] == nbytes  # 0 in the table: not known
 
@@ -201,7 +212,7 @@ class CleanFiles:
 
 def _attach(fd: Any, samples: int) -> CleanFiles:
     """The spawned process's end of a shared ``CleanFiles``."""
-    return CleanFiles(samples, _fd=fd.detach())
+    return CleanFiles.attach(fd.detach(), samples)
 
 
 class TrackedFile(NamedTuple):
