@@ -60,6 +60,16 @@ def test_every_contender_is_measured(smoke: tuple[BenchmarkResults, Path]) -> No
     assert prefetchd.loops_vs_floor == pytest.approx(prefetchd.loops / floor["images_per_s"], abs=2e-3)
     assert all(r.loops is None for r in results.throughput[1:])
     assert f"prefetchd {prefetchd.vs_loops:.0%} of that at 1 worker" in results.table()
+    # Where the one core went over prefetchd's window: every process is pinned to it, so the
+    # parts cannot add up to more than it; the worker's CPU per image is at least most of the floor's.
+    cpu = prefetchd.extra["cpu"]
+    parts = [cpu[f"{part}_cores"] for part in ("workers", "controller", "consumer", "monitor")]
+    assert all(part >= 0 for part in parts) and cpu["workers_cores"] > 0 and cpu["consumer_cores"] > 0
+    assert sum(parts) <= 1.1, cpu
+    assert cpu["worker_ms_per_image"] > 0.5 * floor["ms_per_image"], (cpu, floor)
+    assert abs(cpu["window_s"] - prefetchd.window_s) < 0.1
+    assert "cores over prefetchd's window at 1 worker: workers" in results.table()
+    assert all("cpu" not in r.extra for r in results.throughput[1:])
 
 
 def test_warm_start_data_wait_and_memory(smoke: tuple[BenchmarkResults, Path]) -> None:
@@ -267,6 +277,8 @@ def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path)
     assert results.floor is not None and len(results.floor["rounds"]) == 3  # once a round
     loops = prefetchd.extra["loops_rounds"]  # once a round too, the row's the median
     assert len(loops) == 3 and prefetchd.loops == round(sorted(loops)[1], 1) and dataloader.loops is None
+    middle = sorted(prefetchd.extra["rounds"], key=lambda r: r["images_per_s"])[1]  # its CPU split too
+    assert prefetchd.extra["cpu"] == middle["cpu"] and middle["cpu"]["workers_cores"] > 0
     assert round(results.floor["images_per_s"], 1) == sorted(results.floor["rounds"])[1]
     table = results.table()
     low, high = min(r["images_per_s"] for r in prefetchd.extra["rounds"]), max(

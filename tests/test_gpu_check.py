@@ -74,6 +74,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert row["independent_loops_per_s"] > 0
     assert abs(row["vs_loops"] - row["images_per_s"] / row["independent_loops_per_s"]) < 2e-3
     assert scaling["cpu_tree_cores"] > 0
+    assert row["cpu"]["workers_cores"] > 0 and row["cpu"]["worker_ms_per_image"] > 0
 
     markdown = (out.parent / "GPU.md").read_text()
     assert "**Dry run**" in markdown
@@ -82,6 +83,8 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     for name in FEEDS:
         assert f"| {name}" in markdown
     assert "By round" in markdown and "Over the whole step, in cores on average" in markdown
+    ms, vs_floor = row["cpu"]["worker_ms_per_image"], row["cpu"]["worker_ms_per_image"] / scaling["floor"]["ms_per_image"] - 1
+    assert f"| {ms:.2f} ({vs_floor:+.0%}) |" in markdown  # the workers' CPU per image, against the floor's
     # A dry run never touches the measured docs.
     assert {p.name: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()} == docs_before
 

@@ -581,7 +581,8 @@ def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> 
                             report=lambda line: log.info("  %s", line))
     rows = [{"workers": r.workers, "images_per_s": r.images_per_s, "scaling": r.scaling, "vs_floor": r.vs_floor,
              "first_batch_s": r.first_batch_s, "note": r.note, "independent_loops_per_s": r.loops,
-             "loops_vs_floor": r.loops_vs_floor, "vs_loops": r.vs_loops} for r in results.throughput]
+             "loops_vs_floor": r.loops_vs_floor, "vs_loops": r.vs_loops, "cpu": r.extra.get("cpu")}
+            for r in results.throughput]
     return {"floor": results.floor, "batch_size": sizes.scaling_batch_size, "seconds": sizes.scaling_seconds,
             "rows": rows, **cpu.stop()}
 

@@ -94,19 +94,26 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   f"{floor['files']} of the files, each decoded once before (a worker's steady state): "
                   f"{floor['ms_per_image']:.2f} ms per image, {floor['images_per_s']:.0f} img/s.  Independent "
                   "loops: the floor's loop in k processes at once on the same k cores, wall-clock images/s summed "
-                  "(what the machine allows k workers; the producer's share of it is what it loses on its own).",
+                  "(what the machine allows k workers; the producer's share of it is what it loses on its own).  "
+                  "Where that goes, over the producer's window: the workers' CPU time per image against the "
+                  "floor's, and the cores the daemon's controller, the consumer and the bench's monitor took beside them.",
                   "", "| workers | images/s | scaling (vs k × 1 worker) | of k × floor | first batch s | "
-                  "independent loops img/s (of k × floor) | producer / loops |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "independent loops img/s (of k × floor) | producer / loops | workers' CPU ms per image "
+                  "(vs floor) | controller + consumer + monitor cores |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in scaling["rows"]:
             loops = row.get("independent_loops_per_s")
             loops_cell = "" if loops is None else f"{loops:.0f} ({_cell(row.get('loops_vs_floor'), '{:.0%}')})"
             if row["images_per_s"] is None:
-                lines.append(f"| {row['workers']} | {row['note'] or 'failed'} | | | | {loops_cell} | |")
+                lines.append(f"| {row['workers']} | {row['note'] or 'failed'} | | | | {loops_cell} | | | |")
                 continue
+            cpu = row.get("cpu")
+            cpu_cells = "| |" if not cpu else (
+                f"| {cpu['worker_ms_per_image']:.2f} ({cpu['worker_ms_per_image'] / floor['ms_per_image'] - 1:+.0%}) "
+                f"| {cpu['controller_cores'] + cpu['consumer_cores'] + cpu['monitor_cores']:.2f} |")
             lines.append(f"| {row['workers']} | {row['images_per_s']:.0f} | {_cell(row['scaling'], '{:.0%}')} | "
                          f"{_cell(row['vs_floor'], '{:.0%}')} | {_cell(row['first_batch_s'], '{:.2f}')} | "
-                         f"{loops_cell} | {_cell(row.get('vs_loops'), '{:.0%}')} |")
+                         f"{loops_cell} | {_cell(row.get('vs_loops'), '{:.0%}')} {cpu_cells}")
         lines.append("")
         if "cpu_tree_cores" in scaling:
             lines += [f"Over the whole step, in cores on average: this process tree {scaling['cpu_tree_cores']:.1f}, "

@@ -17,7 +17,7 @@ from typing import Any
 
 from prefetchd.bench.dali import DALI_CONTENDERS, dali_batches
 from prefetchd.bench.measure import WAIT_SECONDS, Window, trainer_with_pauses
-from prefetchd.bench.monitor import MONITOR_SECONDS, BenchDaemon
+from prefetchd.bench.monitor import MONITOR_SECONDS, BenchDaemon, CpuSplit
 from prefetchd.bench.results import Throughput
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ class Run:
             try:
                 batches = _loader_batches(loader)
                 monitor = daemon.monitor
-                first_batch, rate, images, span = self.window.consume(batches, started, monitor.mark_start)
+                cpu = CpuSplit(monitor.pid, monitor.thread_id)
+                first_batch, rate, images, span = self.window.consume(batches, started, monitor.mark_start, cpu)
+                row.extra["cpu"] = cpu.result
                 row.first_batch_s, row.images_per_s, row.images, row.window_s = first_batch, rate, images, span
                 row.extra["affinity"] = daemon.affinity_check(row.cores)
                 if not row.extra["affinity"]["pinned"]:

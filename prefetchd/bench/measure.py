@@ -7,7 +7,10 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefetchd.bench.monitor import CpuSplit
 
 # Every wait on another process is bounded; a stuck contender fails the run
 # with this many seconds in the message instead of hanging it.
@@ -38,9 +41,11 @@ class Window:
     batches: int | None
 
     def consume(
-        self, batches: Iterator[int], started: float, on_first: Callable[[], None] | None = None
+        self, batches: Iterator[int], started: float, on_first: Callable[[], None] | None = None,
+        cpu: CpuSplit | None = None,
     ) -> tuple[float, float, int, float]:
-        """(first_batch_s, images_per_s, images, window_s) from an iterator of batch sizes."""
+        """(first_batch_s, images_per_s, images, window_s) from an iterator of batch sizes;
+        ``cpu``: where the cores went over the same window."""
         next(batches)
         first = time.perf_counter()
         if on_first is not None:
@@ -53,6 +58,8 @@ class Window:
         else:
             for _ in range(max(1, self.batches // 5)):
                 next(batches)
+        if cpu is not None:
+            cpu.begin()
         start = now = time.perf_counter()
         images = count = 0
         while True:
@@ -64,6 +71,8 @@ class Window:
             if self.seconds is not None and now - start >= self.seconds and count >= MIN_WINDOW_BATCHES:
                 break
         span = now - start
+        if cpu is not None:
+            cpu.end(images)
         return first - started, images / span, images, span
 
     @property

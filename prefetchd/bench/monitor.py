@@ -132,6 +132,51 @@ def _disk_bytes(buffer: Path) -> int:
     return sum(blocks.values())
 
 
+class CpuSplit:
+    """Where the cores went over a throughput window: the daemon's controller, its other
+    processes (the workers; the worker server and resource tracker idle beside them), the
+    consumer (this process: the loader, less the monitor's thread) and the bench's monitor
+    thread (``monitor_thread``, its native id).  What k workers lose against k independent loops
+    splits into these cores taken beside them and the workers' own CPU time per image above the
+    floor's.  A process that exits inside the window is not counted."""
+
+    def __init__(self, pid: int, monitor_thread: int | None = None) -> None:
+        self.pid, self.monitor_thread = pid, monitor_thread
+        self._begin: tuple[float, float, dict[int, float], float, float] | None = None
+        self.result: dict[str, float] | None = None
+
+    def _now(self) -> tuple[float, float, dict[int, float], float, float]:
+        controller, others = 0.0, {}
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.pid)
+            t = root.cpu_times()
+            controller = t.user + t.system
+            for child in root.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    t = child.cpu_times()
+                    others[child.pid] = t.user + t.system
+        monitor = sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == self.monitor_thread)
+        return time.perf_counter(), controller, others, time.process_time() - monitor, monitor
+
+    def begin(self) -> None:
+        self._begin = self._now()
+
+    def end(self, images: int) -> None:
+        assert self._begin is not None, "begin() first"
+        (t0, controller0, others0, consumer0, monitor0), (t1, controller1, others1, consumer1, monitor1) = (
+            self._begin, self._now())
+        span = max(t1 - t0, 1e-9)
+        workers = sum(cpu - others0[pid] for pid, cpu in others1.items() if pid in others0)
+        self.result = {
+            "window_s": round(span, 3),
+            "controller_cores": round((controller1 - controller0) / span, 3),
+            "workers_cores": round(workers / span, 3),
+            "consumer_cores": round((consumer1 - consumer0) / span, 3),
+            "monitor_cores": round((monitor1 - monitor0) / span, 3),
+            "worker_ms_per_image": round(workers / max(images, 1) * 1e3, 4),
+        }
+
+
 class BufferMonitor:
     """Samples the daemon's status, the buffer's real size and the daemon tree's RSS in a thread."""
 
@@ -153,6 +198,11 @@ class BufferMonitor:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def thread_id(self) -> int | None:
+        """The sampling thread's native id (``CpuSplit`` tells its CPU time from the consumer's)."""
+        return self._thread.native_id
 
     def stop(self) -> None:
         self._stop.set()

@@ -166,6 +166,16 @@ def format_table(results: BenchmarkResults) -> str:
                 lines.append(f"independent loops: {r.workers} x the floor's loop at once on the same cores "
                              f"{r.loops:.0f} img/s ({r.loops_vs_floor:.0%} of {r.workers} x the floor); "
                              f"prefetchd {r.vs_loops:.0%} of that at {worker_count(r.workers)}")
+    for r in results.throughput:
+        cpu = r.extra.get("cpu")
+        if r.contender == "prefetchd" and cpu:
+            vs = f", {cpu['worker_ms_per_image'] / fl['ms_per_image'] - 1:+.0%} on the floor" if fl is not None else ""
+            used = sum(cpu[f"{part}_cores"] for part in ("workers", "controller", "consumer", "monitor"))
+            lines.append(f"cores over prefetchd's window at {worker_count(r.workers)}: workers "
+                         f"{cpu['workers_cores']:.2f} ({cpu['worker_ms_per_image']:.2f} ms of CPU per image{vs}), "
+                         f"controller {cpu['controller_cores']:.2f}, consumer {cpu['consumer_cores']:.2f}, the bench's "
+                         f"monitor {cpu['monitor_cores']:.2f}; {len(r.cores) - used:.2f} of {len(r.cores)} left "
+                         "(idle, or other processes)")
     lines.append("first batch: prefetchd = daemon start -> first batch (cold); DataLoader = iter() -> first batch, "
                  "paid again at every epoch start with persistent_workers=False; SPDL = pipeline start -> first "
                  "batch; DALI = pipeline build -> first batch")

@@ -90,8 +90,8 @@ def add_round(row: Throughput, later: Throughput) -> None:
         row.note = "; ".join(n for n in (row.note, later.note) if n)
 
 
-def _round(row: Throughput) -> dict[str, float | None]:
-    return {"images_per_s": row.images_per_s, "first_batch_s": row.first_batch_s}
+def _round(row: Throughput) -> dict[str, Any]:
+    return {"images_per_s": row.images_per_s, "first_batch_s": row.first_batch_s, "cpu": row.extra.get("cpu")}
 
 
 def median_floor(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -101,12 +101,16 @@ def median_floor(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def take_medians(row: Throughput) -> None:
-    """The row's rate and first batch become the medians of its rounds (those that measured one)."""
+    """The row's rate and first batch become the medians of its rounds (those that measured one),
+    and its CPU split that of the round with the median rate (the lower of two middle ones)."""
     rounds = row.extra.get("rounds", [])
-    rates = [r["images_per_s"] for r in rounds if r["images_per_s"] is not None]
+    measured = sorted((r for r in rounds if r["images_per_s"] is not None), key=lambda r: r["images_per_s"])
+    rates = [r["images_per_s"] for r in measured]
     firsts = [r["first_batch_s"] for r in rounds if r["first_batch_s"] is not None]
     if rates:
         row.images_per_s = statistics.median(rates)
+        if measured[(len(measured) - 1) // 2].get("cpu") is not None:
+            row.extra["cpu"] = measured[(len(measured) - 1) // 2]["cpu"]
     if firsts:
         row.first_batch_s = statistics.median(firsts)
 
