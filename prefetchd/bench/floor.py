@@ -103,6 +103,7 @@ def measure_parallel_floor(data: Path, image_size: int, cores: list[int], second
     paths = [str(path) for path in _floor_paths(data)]
     clean = CleanFiles(len(paths))
     procs: list[tuple[int, subprocess.Popen[bytes]]] = []
+    per_core: list[Any] | None = None
     started = time.perf_counter()
     affinity = os.sched_getaffinity(0)
     # A process inherits this mask and keeps it until it pins itself after its imports: set it to
@@ -130,6 +131,8 @@ def measure_parallel_floor(data: Path, image_size: int, cores: list[int], second
     finally:
         os.sched_setaffinity(0, affinity)
         for _, proc in procs:
+            if per_core is None:  # failed or timed out: the others would wait for their go, or loop on
+                proc.kill()
             try:
                 proc.wait(5.0)
             except subprocess.TimeoutExpired:
