@@ -174,7 +174,7 @@ def format_table(results: BenchmarkResults) -> str:
             lines.append(f"cores over prefetchd's window at {worker_count(r.workers)}: workers "
                          f"{cpu['workers_cores']:.2f} ({cpu['worker_ms_per_image']:.2f} ms of CPU per image{vs}), "
                          f"controller {cpu['controller_cores']:.2f}, consumer {cpu['consumer_cores']:.2f}, the bench's "
-                         f"monitor {cpu['monitor_cores']:.2f}; {len(r.cores) - used:.2f} of {len(r.cores)} left "
+                         f"monitor {cpu['monitor_cores']:.2f}; {max(0.0, len(r.cores) - used):.2f} of {len(r.cores)} left "
                          "(idle, or other processes)")
     lines.append("first batch: prefetchd = daemon start -> first batch (cold); DataLoader = iter() -> first batch, "
                  "paid again at every epoch start with persistent_workers=False; SPDL = pipeline start -> first "
