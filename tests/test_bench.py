@@ -123,6 +123,19 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
     assert result.exit_code == 2 and "worker counts must be 1 or more" in result.output
 
 
+def test_contenders_picks_who_is_measured(tmp_path: Path, shapes_data: Path) -> None:
+    result = CliRunner().invoke(bench_command, ["--data", str(shapes_data / "train"), "--workers", "1",
+                                                "--batch-size", "8", "--image-size", "32", "--seconds", "0.5",
+                                                "--contenders", "dataloader-uint8,dataloader", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert [row["contender"] for row in doc["throughput"]] == ["dataloader-uint8", "dataloader"]
+    assert doc["floor"] is None and doc["warm_start"] is None  # both are prefetchd's
+    assert doc["throughput"][0]["vs_baseline"] > 0
+    result = CliRunner().invoke(bench_command, ["--data", str(shapes_data / "train"), "--contenders", "prefetchd,torch"])
+    assert result.exit_code == 2 and "torch: name contenders from prefetchd, dataloader" in result.output
+
+
 def test_command_help_and_script() -> None:
     result = CliRunner().invoke(bench_command, ["--help"])
     assert result.exit_code == 0 and "--generate" in result.output and "--seconds" in result.output

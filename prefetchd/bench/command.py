@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from prefetchd.bench.report import usable_cores
-from prefetchd.bench.results import CONTENDERS
+from prefetchd.bench.results import CONTENDERS, ON_REQUEST_CONTENDERS
 from prefetchd.bench.run import run_benchmark
 
 DEFAULT_GENERATE = 1500
@@ -28,6 +28,18 @@ def _parse_workers(_ctx: click.Context, _param: click.Parameter, value: str | No
     if not counts or counts[0] < 1:
         raise click.BadParameter(f"{value!r}: worker counts must be 1 or more")
     return counts
+
+
+def _parse_contenders(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    names = list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    known = {**CONTENDERS, **ON_REQUEST_CONTENDERS}
+    unknown = [name for name in names if name not in known]
+    if not names or unknown:
+        raise click.BadParameter(f"{', '.join(unknown) or repr(value)}: name contenders from {', '.join(known)}, "
+                                 "separated by commas")
+    return names
 
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -52,6 +64,9 @@ def _parse_workers(_ctx: click.Context, _param: click.Parameter, value: str | No
               help="The daemon's --high-water in batches  [default: max(16, 6 x max workers)]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True, help="Where bench.json, bench.txt, bench.png and logs/ go.")
+@click.option("--contenders", callback=_parse_contenders, metavar="NAME,...",
+              help=f"Measure only these, in this order  [default: all of {', '.join(CONTENDERS)}]. Without "
+                   "prefetchd there is no floor; without dataloader, no 'vs dataloader'.")
 @click.option("--ray", "with_ray", is_flag=True,
               help="Also measure prefetchd-ray: the daemon with no local workers and a private Ray cluster on the same "
                    "cores (needs prefetchd[ray]; on a shared machine run the bench under `unshare -n` with loopback up).")
@@ -70,6 +85,7 @@ def bench_command(
     rounds: int,
     high_water: int | None,
     out_dir: Path,
+    contenders: list[str] | None,
     with_ray: bool,
     log_level: str,
 ) -> None:
@@ -108,7 +124,7 @@ def bench_command(
         results = run_benchmark(
             data, workers_list=workers, batch_size=batch_size, image_size=image_size,
             seconds=seconds, batches=batches, rounds=rounds, out_dir=out_dir, high_water=high_water,
-            contenders=(*CONTENDERS, "prefetchd-ray") if with_ray else tuple(CONTENDERS), report=say,
+            contenders=_chosen(contenders, with_ray), report=say,
         )
     except (ValueError, FileExistsError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -120,3 +136,11 @@ def bench_command(
                 shutil.rmtree(generated, ignore_errors=True)
     click.echo(results.table())
     click.echo(f"\nwrote {', '.join(results.files[k] for k in ('table', 'json', 'plot') if k in results.files)}")
+
+
+def _chosen(contenders: list[str] | None, with_ray: bool) -> tuple[str, ...]:
+    """``--contenders`` (default: every one but those measured on request), and prefetchd-ray with ``--ray``."""
+    chosen = list(contenders) if contenders is not None else list(CONTENDERS)
+    if with_ray and "prefetchd-ray" not in chosen:
+        chosen.append("prefetchd-ray")
+    return tuple(chosen)
