@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from prefetchd.bench.monitor import process_tree
+
 if TYPE_CHECKING:
     import torch
 
@@ -73,20 +75,11 @@ def _system_used() -> int:
     return int(memory.total - memory.available)  # tmpfs batch files included: they are not available
 
 
-def _process_tree(pid: int) -> list[psutil.Process]:
-    """``pid`` and its descendants now; none if it is gone."""
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
 def _tree_pss(pid: int) -> int:
     # PSS splits shared pages between their users, so DataLoader workers forked from
     # this process are not each charged the whole parent, as RSS would.
     total = 0
-    for proc in _process_tree(pid):
+    for proc in process_tree(pid):
         with contextlib.suppress(psutil.Error, AttributeError):
             info = proc.memory_full_info()
             total += getattr(info, "pss", info.rss)
@@ -122,7 +115,7 @@ class CpuUse:
 def _tree_cpu(pid: int) -> float:
     """CPU seconds of ``pid`` and its descendants, those already reaped included (``children_*``)."""
     total = 0.0
-    for proc in _process_tree(pid):
+    for proc in process_tree(pid):
         with contextlib.suppress(psutil.Error):
             t = proc.cpu_times()
             total += t.user + t.system + t.children_user + t.children_system

@@ -81,13 +81,9 @@ class BenchDaemon:
     def affinity_check(self, cores: list[int]) -> dict[str, Any]:
         assert self.proc is not None
         masks: dict[str, list[int]] = {}
-        try:
-            root = psutil.Process(self.proc.pid)
-            for p in (root, *root.children(recursive=True)):
-                with contextlib.suppress(psutil.Error):
-                    masks[str(p.pid)] = sorted(p.cpu_affinity() or [])
-        except psutil.Error:
-            pass
+        for p in process_tree(self.proc.pid):
+            with contextlib.suppress(psutil.Error):
+                masks[str(p.pid)] = sorted(p.cpu_affinity() or [])
         return {"pinned": bool(masks) and all(set(m) <= set(cores) for m in masks.values()), "processes": len(masks)}
 
 
@@ -98,19 +94,23 @@ def _safe(predicate: Callable[[], bool]) -> bool:
         return False
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and its descendants now; none if it is gone."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def _tree_memory(pid: int, kind: str) -> int | None:
     """``kind`` ("rss" or "pss") summed over ``pid`` and its descendants.
 
     RSS counts shared library pages once per process; PSS splits shared pages between
     their users, so its sum is the tree's real share.
     """
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return None
     total = 0
-    for p in procs:
+    for p in process_tree(pid):
         with contextlib.suppress(psutil.Error, AttributeError):
             info = p.memory_info() if kind == "rss" else p.memory_full_info()
             total += getattr(info, kind, 0)
@@ -147,14 +147,13 @@ class CpuSplit:
 
     def _now(self) -> tuple[float, float, dict[int, float], float, float]:
         controller, others = 0.0, {}
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(self.pid)
-            t = root.cpu_times()
-            controller = t.user + t.system
-            for child in root.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    t = child.cpu_times()
-                    others[child.pid] = t.user + t.system
+        for proc in process_tree(self.pid):
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                if proc.pid == self.pid:
+                    controller = t.user + t.system
+                else:
+                    others[proc.pid] = t.user + t.system
         monitor = sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == self.monitor_thread)
         return time.perf_counter(), controller, others, time.process_time() - monitor, monitor
 
