@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from prefetchd.bench.report import usable_cores
-from prefetchd.bench.results import CONTENDERS, ON_REQUEST_CONTENDERS
+from prefetchd.bench.results import ALL_CONTENDERS, CONTENDERS
 from prefetchd.bench.run import run_benchmark
 
 DEFAULT_GENERATE = 1500
@@ -34,10 +34,9 @@ def _parse_contenders(_ctx: click.Context, _param: click.Parameter, value: str |
     if value is None:
         return None
     names = list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
-    known = {**CONTENDERS, **ON_REQUEST_CONTENDERS}
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if name not in ALL_CONTENDERS]
     if not names or unknown:
-        raise click.BadParameter(f"{', '.join(unknown) or repr(value)}: name contenders from {', '.join(known)}, "
+        raise click.BadParameter(f"{', '.join(unknown) or repr(value)}: name contenders from {', '.join(ALL_CONTENDERS)}, "
                                  "separated by commas")
     return names
 

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 
 from prefetchd.bench.dali import DALI_CONTENDERS
-from prefetchd.bench.results import CONTENDERS, ON_REQUEST_CONTENDERS, BenchmarkResults
+from prefetchd.bench.results import ALL_CONTENDERS, BenchmarkResults
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.launch import buffer_root
 
@@ -225,7 +225,7 @@ def _plot(results: BenchmarkResults, path: Path) -> str | None:
         return "matplotlib is not installed (pip install 'prefetchd[bench]'); skipped the plot"
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     workers = results.config["workers"]
-    for name in (*CONTENDERS, *ON_REQUEST_CONTENDERS):
+    for name in ALL_CONTENDERS:
         points = [(r.workers, r.images_per_s) for r in results.throughput
                   if r.contender == name and r.images_per_s is not None]
         if points:

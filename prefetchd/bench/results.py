@@ -24,6 +24,7 @@ ON_REQUEST_CONTENDERS: dict[str, str] = {
     "prefetchd-ray": "prefetchd daemon --ray local --workers 0 (a private Ray cluster on the same cores) -> BufferLoader, uint8",
 }
 BASELINE = "dataloader"
+ALL_CONTENDERS: dict[str, str] = {**CONTENDERS, **ON_REQUEST_CONTENDERS}  # the names `contenders=` accepts
 
 
 @dataclass
@@ -94,23 +95,27 @@ def _round(row: Throughput) -> dict[str, Any]:
     return {"images_per_s": row.images_per_s, "first_batch_s": row.first_batch_s, "cpu": row.extra.get("cpu")}
 
 
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median rate (the lower of two middle ones); ``rounds`` all measured one."""
+    return sorted(rounds, key=lambda r: r["images_per_s"])[(len(rounds) - 1) // 2]
+
+
 def median_floor(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The floor of the round with the median rate, and every round's rate."""
-    middle = sorted(rounds, key=lambda r: r["images_per_s"])[(len(rounds) - 1) // 2]
-    return {**middle, "rounds": [round(r["images_per_s"], 1) for r in rounds]}
+    return {**median_round(rounds), "rounds": [round(r["images_per_s"], 1) for r in rounds]}
 
 
 def take_medians(row: Throughput) -> None:
     """The row's rate and first batch become the medians of its rounds (those that measured one),
     and its CPU split that of the round with the median rate (the lower of two middle ones)."""
     rounds = row.extra.get("rounds", [])
-    measured = sorted((r for r in rounds if r["images_per_s"] is not None), key=lambda r: r["images_per_s"])
-    rates = [r["images_per_s"] for r in measured]
+    measured = [r for r in rounds if r["images_per_s"] is not None]
     firsts = [r["first_batch_s"] for r in rounds if r["first_batch_s"] is not None]
-    if rates:
-        row.images_per_s = statistics.median(rates)
-        if measured[(len(measured) - 1) // 2].get("cpu") is not None:
-            row.extra["cpu"] = measured[(len(measured) - 1) // 2]["cpu"]
+    if measured:
+        row.images_per_s = statistics.median(r["images_per_s"] for r in measured)
+        cpu = median_round(measured).get("cpu")
+        if cpu is not None:
+            row.extra["cpu"] = cpu
     if firsts:
         row.first_batch_s = statistics.median(firsts)
 

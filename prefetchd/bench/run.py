@@ -21,7 +21,7 @@ from prefetchd.bench.report import (
     worker_count,
     write_outputs,
 )
-from prefetchd.bench.results import (BASELINE, CONTENDERS, ON_REQUEST_CONTENDERS, BenchmarkResults, Throughput,
+from prefetchd.bench.results import (ALL_CONTENDERS, BASELINE, CONTENDERS, BenchmarkResults, Throughput,
                                      add_round, fill_ratios, median_floor, take_medians)
 
 log = logging.getLogger(__name__)
@@ -86,10 +86,9 @@ def run_benchmark(
         raise ValueError(f"rounds={rounds}: measure each contender at least once")
     if seconds is not None and seconds <= 0 or batches is not None and batches < 1:
         raise ValueError(f"seconds={seconds}, batches={batches}: the measurement needs a positive length")
-    known = {**CONTENDERS, **ON_REQUEST_CONTENDERS}
-    unknown = [c for c in contenders if c not in known]
+    unknown = [c for c in contenders if c not in ALL_CONTENDERS]
     if unknown:
-        raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(known)}")
+        raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(ALL_CONTENDERS)}")
     if high_water is None:
         high_water = max(DEFAULT_HIGH_WATER, eval_every(workers_list[-1]))
     if high_water < 2:
