@@ -654,11 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=worker_counts, help="the daemon's worker counts to train with, e.g. "
                         "15,12 (DataLoader and DALI get the first) [default: all cores but one]")
     args = parser.parse_args(argv)
+    if args.time_limit is not None and args.time_limit <= 0:
+        parser.error(f"--time-limit {args.time_limit:g}: give a number of seconds above 0")
     deadline = None if args.time_limit is None else TimeLimit(args.time_limit, time.monotonic())
     # The clock in every line: a lease's one call must hold the whole run, so show where its time goes.
     logging.basicConfig(level=logging.INFO, format="gpu_check %(asctime)s: %(message)s", datefmt="%H:%M:%S")
-    if args.time_limit is not None and args.time_limit <= 0:
-        parser.error(f"--time-limit {args.time_limit:g}: give a number of seconds above 0")
     sizes = DRY if args.dry_run else FULL
     if args.steps is not None:
         sizes = dataclasses.replace(sizes, steps=args.steps)
