@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from prefetchd.synthetic import make_shapes_dataset
 from tests.waiting import wait_for
 
 SHM = Path("/dev/shm")
+SMALL_TMPFS = 1 << 20
 
 
 @pytest.fixture
@@ -30,6 +32,27 @@ def shm_dir() -> Iterator[Path]:
     path.mkdir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs(shm_dir: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of its own (root only): its free space is known and nothing else fills it."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) for a 1 MiB tmpfs")
+    mount = shm_dir / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_TMPFS},mode=0700", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        # A daemon's worker server may outlive it by a moment, a test's last batch stays mapped
+        # until it is collected: busy for a while, then detached lazily.
+        for _ in range(50):
+            if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 @pytest.fixture(scope="session")

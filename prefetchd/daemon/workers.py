@@ -2,7 +2,7 @@
 
 The controller sends a worker tasks over its own pipe: a batch file under
 construction and a list of (slot, sample index).  The worker writes each
-image's bytes at the slot's offset with ``pwrite`` — pixels never cross a pipe
+image's bytes into its slot (``SlotFiller``) — pixels never cross a pipe
 and are never pickled — and answers with the labels and indices it used.  It is
 the fill side of the batch writer (``prefetchd.buffer_protocol.writer``): the
 controller begins the batch and commits it once every slot is filled.
@@ -179,7 +179,7 @@ def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None,
     if sink is not None:
         return _fill(job, task, reader, reads, sink, clean)
     try:
-        batch = SlotFiller(task.path, task.images_offset, task.slot_bytes)
+        batch = SlotFiller(task.path, task.images_offset, task.slot_bytes, task_slots(task))
     except OSError as exc:
         return WriteFailed(task.task_id, f"cannot open {task.path}: {exc.strerror}")
     with batch:
@@ -206,6 +206,12 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
         timings.append((times.read, times.decode, times.augment, time.perf_counter() - t0))
         slots.append((slot, used, int(job.index.labels[used])))
     return Filled(task.task_id, tuple(slots), tuple(failures), time.perf_counter() - start, tuple(timings))
+
+
+def task_slots(task: Task) -> range:
+    """The slots ``task`` fills, first to last (a task's are consecutive): what its filler maps."""
+    slots = [slot for slot, _index in task.items]
+    return range(min(slots), max(slots) + 1) if slots else range(0)
 
 
 def failure_of(task_id: int, exc: Exception) -> WriteFailed:

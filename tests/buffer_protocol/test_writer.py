@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 from prefetchd.buffer_protocol import (
     BatchLayout,
     PendingBatch,
+    SlotFiller,
     SpareFiles,
     batch_name,
     list_batches,
@@ -188,3 +191,90 @@ def test_spares_keep_within_their_room_oldest_first_and_only_a_matching_size_is_
     spares.retire(tmp_path / batch_name(0, 6))
     spares.fit(0)
     assert len(spares) == 0 and list(list_temp_files(tmp_path)) == []
+
+
+# -- filling: through a mapping where the pages exist, else pwrite; errors, never SIGBUS --------
+
+_FILL_ALL = ("import sys; from prefetchd.buffer_protocol import SlotFiller\n"
+             "path, offset, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])\n"
+             "with SlotFiller(path, offset, size, range(n)) as slots:\n"
+             "    print('mapped' if slots.slot(0) is not None else 'pwrite', flush=True)\n"
+             "    for slot in range(n): slots.fill(slot, memoryview(bytes([slot + 7]) * size))\n")
+
+
+def _fill_elsewhere(pending: PendingBatch) -> subprocess.CompletedProcess[str]:
+    images = pending.layout.tensors["images"]
+    return subprocess.run([sys.executable, "-c", _FILL_ALL, str(pending.tmp), str(images.offset),
+                           str(pending.layout.slot_bytes), str(images.shape[0])],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _fill_up(directory: Path) -> None:
+    """Write into ``directory`` until its file system has no byte left."""
+    with open(directory / "filler", "wb", buffering=0) as filler:
+        with pytest.raises(OSError) as info:
+            while True:
+                filler.write(b"\xff" * 4096)
+    assert info.value.errno == errno.ENOSPC
+
+
+def test_a_fresh_batch_on_a_full_file_system_is_an_enospc_not_a_sigbus(small_tmpfs: Path) -> None:
+    # A fresh file has no pages yet: written through a mapping, the first page the tmpfs cannot
+    # allocate would kill the process that fills (SIGBUS).
+    pending = PendingBatch.begin(small_tmpfs / batch_name(0, 0), BatchLayout.plan(4, 48, 48))
+    _fill_up(small_tmpfs)
+    filled = _fill_elsewhere(pending)
+    assert filled.returncode == 1 and filled.stdout.split() == ["pwrite"], (filled.returncode, filled.stderr)
+    assert "No space left on device" in filled.stderr
+
+
+def test_a_batch_begun_in_a_spare_fills_through_its_mapping_on_a_full_file_system(small_tmpfs: Path) -> None:
+    spares = SpareFiles()
+    images = np.zeros((4, 48, 48, 3), np.uint8)
+    spares.retire(_begin_and_commit(small_tmpfs, 0, spares, images))
+    pending = PendingBatch.begin(small_tmpfs / batch_name(0, 1), BatchLayout.plan(*images.shape), spares)
+    assert pending.reused
+    _fill_up(small_tmpfs)
+    filled = _fill_elsewhere(pending)
+    assert filled.returncode == 0 and filled.stdout.split() == ["mapped"], filled.stderr
+    pending.commit(np.arange(4), np.arange(4), **FIELDS)
+    batch = map_batch(small_tmpfs / batch_name(0, 1))
+    assert [(int(image.min()), int(image.max())) for image in batch.images] == [(7, 7), (8, 8), (9, 9), (10, 10)]
+
+
+def test_a_file_cut_short_or_not_the_users_is_refused(tmp_path: Path) -> None:
+    layout = BatchLayout.plan(3, 8, 8)
+    pending = PendingBatch.begin(tmp_path / batch_name(0, 0), layout)
+    offset = layout.tensors["images"].offset
+    os.truncate(pending.tmp, offset + layout.slot_bytes)  # one slot left of three
+    with pytest.raises(OSError, match=r"hold no slots 0-2"):
+        SlotFiller(pending.tmp, offset, layout.slot_bytes, range(3))
+    with SlotFiller(pending.tmp, offset, layout.slot_bytes) as slots:  # by default: the slots the file holds
+        slots.fill(0, memoryview(b"\x01" * layout.slot_bytes))
+        with pytest.raises(IndexError, match="slot 1 is not among slots 0-0"):
+            slots.fill(1, memoryview(b"\x01" * layout.slot_bytes))
+    assert pending.tmp.stat().st_size == offset + layout.slot_bytes  # nothing written past them
+    if os.geteuid() != 0:
+        return
+    os.chown(pending.tmp, 65534, -1)  # planted by another user (a group member, with --group-access)
+    with pytest.raises(PermissionError, match="not a regular file of this user"):
+        SlotFiller(pending.tmp, offset, layout.slot_bytes)
+
+
+def test_a_slot_is_written_in_place_and_a_view_kept_past_close_keeps_only_its_own_mapping(tmp_path: Path) -> None:
+    layout = BatchLayout.plan(2, 4, 4)
+    pending = PendingBatch.begin(tmp_path / batch_name(0, 0), layout)
+    with pending.slots() as fresh:
+        assert fresh.slot(0) is None  # no pages yet: pwrite
+    pending.tmp.write_bytes(bytes(layout.file_len))  # every page there, as in a spare
+    slots = pending.slots()
+    target = slots.slot(1)
+    assert target is not None
+    kept = np.frombuffer(target, np.uint8)
+    kept[:] = 5
+    slots.fill(0, memoryview(b"\x03" * layout.slot_bytes))
+    slots.close()  # an array over slot 1 is still alive (as in an error's traceback): no BufferError
+    assert kept.max() == 5
+    del kept, target
+    pending.commit(np.zeros(2), np.zeros(2), **FIELDS)
+    assert [int(image.max()) for image in map_batch(tmp_path / batch_name(0, 0)).images] == [3, 5]

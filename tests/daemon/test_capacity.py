@@ -4,10 +4,7 @@ the numbers and the fix, instead of a SIGBUS when a mapped batch's pages cannot 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,9 +16,6 @@ from prefetchd.daemon.main import check_capacity
 from prefetchd.trainer import BufferLoader
 from tests.status_examples import production_of, state_of
 
-SMALL_TMPFS = 1 << 20
-
-
 def config(buffer: Path, high_water: int, min_free_mb: int = 0) -> DaemonConfig:
     return DaemonConfig(buffer=buffer, batch_size=4, image_size=32, high_water=high_water, low_water=0,
                         min_free_mb=min_free_mb)
@@ -30,27 +24,6 @@ def config(buffer: Path, high_water: int, min_free_mb: int = 0) -> DaemonConfig:
 def free_bytes(path: Path) -> int:
     fs = os.statvfs(path)
     return fs.f_bavail * fs.f_frsize
-
-
-@pytest.fixture
-def small_tmpfs(shm_buffer: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs of its own: its free space is known and nothing else fills it."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8) for a 1 MiB tmpfs")
-    mount = shm_buffer / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_TMPFS},mode=0700", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        # A daemon's worker server may outlive it by a moment, a test's last batch stays mapped
-        # until it is collected: busy for a while, then detached lazily.
-        for _ in range(50):
-            if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.1)
-        else:
-            subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 def test_a_high_water_mark_beyond_the_free_space_is_refused_with_the_numbers(shm_buffer: Path) -> None:

@@ -8,7 +8,7 @@ batch is bit-identical wherever it was built::
     controller ──Task──► bridge process ──remote()──► Ray worker on any node
         ▲                    │                          run_task(job, task, sink=rows)
         │                    │◄── uint8 rows, labels ───┘  (object store)
-        └──Filled────────────┘  pwrite rows into the temp file's slots (SlotFiller)
+        └──Filled────────────┘  write rows into the temp file's slots (SlotFiller)
 
 The controller keeps everything it owns today: the manifest, progress, flow
 control, begin/commit/abort of every batch, deletion, status and the lock.  Ray

@@ -20,7 +20,7 @@ import numpy as np
 from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.remote.task import NodeAnswer, Shipment, build_slice, node_label, probe_node, probe_samples
 from prefetchd.daemon.sources import SampleReader
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, task_slots
 
 REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
 MAX_ATTEMPTS = 3  # submissions of one slice at the cluster before it goes back to the controller
@@ -337,7 +337,7 @@ def write_rows(task: Task, result: Filled, pixels: Sequence[np.ndarray]) -> Fill
     """Write a remote slice's images (one per item, in order) into the slots of its batch's temp file,
     as a local worker would have."""
     try:
-        with SlotFiller(task.path, task.images_offset, task.slot_bytes) as slots:
+        with SlotFiller(task.path, task.images_offset, task.slot_bytes, task_slots(task)) as slots:
             for row, (slot, _index) in enumerate(task.items):
                 slots.fill(slot, pixels[row].data)
     except OSError as exc:  # no space, or the batch was aborted meanwhile
