@@ -277,11 +277,14 @@ static PyObject *plain_header(PyObject *self, PyObject *args) {
 }
 
 static PyObject *resize(PyObject *self, PyObject *args) {
-    Py_buffer pixels;
+    Py_buffer pixels, target = {0};
     int height, width, out_height, out_width, mirror, vectors = 1;
+    PyObject *into = Py_None;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*iiiip|p", &pixels, &height, &width, &out_height, &out_width, &mirror, &vectors))
+    if (!PyArg_ParseTuple(args, "y*iiiip|pO", &pixels, &height, &width, &out_height, &out_width, &mirror, &vectors,
+                          &into))
         return NULL;
+    Py_ssize_t out_len = (Py_ssize_t)out_height * out_width * 3;
     if (height < 1 || width < 1 || out_height < 1 || out_width < 1 ||
         pixels.len != (Py_ssize_t)height * width * 3) {
         PyErr_Format(PyExc_ValueError, "resize: %zd bytes are not %d x %d x 3 pixels, or a size is below 1",
@@ -289,17 +292,36 @@ static PyObject *resize(PyObject *self, PyObject *args) {
         PyBuffer_Release(&pixels);
         return NULL;
     }
-    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)out_height * out_width * 3);
-    if (out == NULL) {
-        PyBuffer_Release(&pixels);
-        return NULL;
+    PyObject *out;
+    uint8_t *dst;
+    if (into == Py_None) {
+        out = PyByteArray_FromStringAndSize(NULL, out_len);
+        if (out == NULL) {
+            PyBuffer_Release(&pixels);
+            return NULL;
+        }
+        dst = (uint8_t *)PyByteArray_AS_STRING(out);
+    } else { /* the caller's writable, contiguous buffer: a batch slot, written in place */
+        if (PyObject_GetBuffer(into, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+            PyBuffer_Release(&pixels);
+            return NULL;
+        }
+        if (target.len != out_len) {
+            PyErr_Format(PyExc_ValueError, "resize: a target of %zd bytes for %d x %d x 3 pixels",
+                         target.len, out_height, out_width);
+            PyBuffer_Release(&target);
+            PyBuffer_Release(&pixels);
+            return NULL;
+        }
+        out = Py_NewRef(into);
+        dst = (uint8_t *)target.buf;
     }
-    uint8_t *dst = (uint8_t *)PyByteArray_AS_STRING(out);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = resample_rgb8((const uint8_t *)pixels.buf, height, width, dst, out_height, out_width, mirror, vectors);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&pixels);
+    if (into != Py_None) PyBuffer_Release(&target);
     if (rc != 0) {
         Py_DECREF(out);
         return PyErr_NoMemory();
@@ -316,9 +338,9 @@ static PyMethodDef methods[] = {
      "plain_header(data) -> (width, height, orientation) of a plain JPEG (stored size, EXIF orientation 1-8), "
      "read from its markers; None for any other file, which Pillow's header parser then reads."},
     {"resize", resize, METH_VARARGS,
-     "resize(pixels, height, width, out_height, out_width, mirror, vectors=True) -> bytearray: H x W x 3 "
-     "uint8 pixels resized as torch's antialiased bilinear uint8 kernel does, columns mirrored if mirror; "
-     "vectors=False keeps to the portable C (the same bytes)."},
+     "resize(pixels, height, width, out_height, out_width, mirror, vectors=True, into=None) -> bytearray, or "
+     "into: H x W x 3 uint8 pixels resized as torch's antialiased bilinear uint8 kernel does, columns mirrored "
+     "if mirror, into a new bytearray or the writable buffer into; vectors=False keeps to the portable C (the same bytes)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -134,13 +134,17 @@ def plain_header(data: bytes | bytearray) -> JpegHeader | None:
     return JpegHeader(*got) if got is not None else None
 
 
-def resize(pixels: np.ndarray, size: int, mirror: bool) -> np.ndarray | None:
+def resize(pixels: np.ndarray, size: int, mirror: bool, into: np.ndarray | None = None) -> np.ndarray | None:
     """Contiguous H x W x 3 uint8 ``pixels`` resized to ``size`` x ``size`` x 3 as torch's antialiased
-    bilinear uint8 kernel does (``_resample.c``), columns mirrored if ``mirror``, as a writable array;
+    bilinear uint8 kernel does (``_resample.c``), columns mirrored if ``mirror``, as a writable array:
+    ``into`` (a contiguous ``size`` x ``size`` x 3 uint8 array, written in place) or a new one.
     None where the extension is missing."""
     if _extension is None:
         return None
     height, width = pixels.shape[:2]
+    if into is not None:
+        _extension.resize(pixels, height, width, size, size, mirror, True, into)
+        return into
     out = _extension.resize(pixels, height, width, size, size, mirror)
     return np.frombuffer(out, dtype=np.uint8).reshape(size, size, 3)
 

@@ -32,16 +32,17 @@ import numpy as np
 from prefetchd.daemon import jpeg_crop
 
 
-def resize(crop: np.ndarray, size: int, mirror: bool) -> np.ndarray:
+def resize(crop: np.ndarray, size: int, mirror: bool, into: np.ndarray | None = None) -> np.ndarray:
     """Antialiased bilinear resize of an H x W x 3 uint8 array to ``size`` x ``size`` x 3, columns
-    mirrored if ``mirror``: the bytes of torchvision's ``v2.functional.resize(BILINEAR,
+    mirrored if ``mirror``, into ``into`` where given (a batch slot: see ``transforms.augment_bytes``)
+    or a new array: the bytes of torchvision's ``v2.functional.resize(BILINEAR,
     antialias=True)`` then ``hflip``, which the tests compare.  As there: torch's uint8 kernel
     where the CPU has one (``uint8_kernel``), else float32 rounded back.  The uint8 kernel is
     the C extension's where it is built (the same bytes: tests/daemon/test_resample.py), so
     that a worker need not import torch at all; else torch's, called directly."""
     native = uint8_kernel()
     if native:
-        resized = jpeg_crop.resize(crop, size, mirror)
+        resized = jpeg_crop.resize(crop, size, mirror, into)
         if resized is not None:
             return resized
     import torch
@@ -60,6 +61,9 @@ def resize(crop: np.ndarray, size: int, mirror: bool) -> np.ndarray:
         hwc = out.reshape(3, size, size).permute(1, 2, 0)
     if mirror:
         hwc = hwc.flip(1)
+    if into is not None:
+        into[...] = hwc.numpy()
+        return into
     return hwc.contiguous().numpy()
 
 

@@ -97,8 +97,10 @@ def augment(path: Path | str, size: int, train: bool, rng: np.random.Generator |
 def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.random.Generator | None,
                   options: AugmentOptions = NO_OPTIONS, times: StageTimes | None = None,
                   max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                  tracked: jpeg_crop.TrackedFile | None = None) -> np.ndarray:
-    """Decode the image in ``data`` and augment it into a contiguous ``size`` x ``size`` x 3 uint8 array.
+                  tracked: jpeg_crop.TrackedFile | None = None, into: np.ndarray | None = None) -> np.ndarray:
+    """Decode the image in ``data`` and augment it into a contiguous ``size`` x ``size`` x 3 uint8 array:
+    ``into``, written in place and returned, where given (a worker's batch slot: the resize writes
+    the slot's pages itself, instead of a new array that is then copied there), else a new one.
 
     ``name`` says where the bytes came from, in errors.  ``rng`` is the sample's
     stream (train; the hook's stream in val).  Stage seconds are added to
@@ -120,8 +122,9 @@ def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.ra
         t2 = time.perf_counter()
         if times is not None:
             times.decode += t2 - t1
-    result = resample.resize(decode.cut(decoded, plan.box), size, plan.flip)
-    if plan.jitter_order or options.transform is not None:
+    more = bool(plan.jitter_order) or options.transform is not None
+    result = resample.resize(decode.cut(decoded, plan.box), size, plan.flip, None if more else into)
+    if more:
         import torch
 
         out = torch.from_numpy(result)
@@ -132,6 +135,9 @@ def augment_bytes(data: bytearray, name: str, size: int, train: bool, rng: np.ra
                 raise ValueError(f"the transform hook {options.transform} needs the sample's random stream")
             out = apply_hook(options.transform, out, rng, size, name)
         result = out.contiguous().numpy()
+        if into is not None:
+            into[...] = result
+            result = into
     if times is not None:
         times.augment += time.perf_counter() - t2
     return result

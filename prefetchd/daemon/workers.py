@@ -1,11 +1,13 @@
 """Worker processes: decode and augment samples straight into their batch slots.
 
 The controller sends a worker tasks over its own pipe: a batch file under
-construction and a list of (slot, sample index).  The worker writes each
-image's bytes into its slot (``SlotFiller``) — pixels never cross a pipe
-and are never pickled — and answers with the labels and indices it used.  It is
-the fill side of the batch writer (``prefetchd.buffer_protocol.writer``): the
-controller begins the batch and commits it once every slot is filled.
+construction and a list of (slot, sample index).  The worker maps the task's
+slots of the file (``SlotFiller``) and its resize writes each image straight into
+its slot — pixels never cross a pipe, are never pickled and never copied — and
+answers with the labels and indices it used (with colour jitter or a hook, the
+result is copied in).  It is the fill side of the batch writer
+(``prefetchd.buffer_protocol.writer``): the controller begins the batch and
+commits it once every slot is filled.
 
 A sample that cannot be decoded is replaced by the next member of the split
 that can (a pure function of the index, so the batch stays deterministic and
@@ -114,7 +116,8 @@ class Filled:
     failures: tuple[tuple[str, str], ...]  # (path, reason) of samples that were replaced
     seconds: float
     # Per slot, in the order of ``slots``: seconds spent reading, decoding,
-    # augmenting and writing it (read/decode include the tries of replaced samples).
+    # augmenting and writing it (read/decode include the tries of replaced samples;
+    # writing is the copy into the slot, none where the resize wrote the slot itself).
     timings: tuple[tuple[float, float, float, float], ...] = ()
 
 
@@ -135,8 +138,10 @@ class SampleUnrecoverable(RuntimeError):
 
 
 def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[str, str]],
-             times: StageTimes, first: Future[bytearray] | None, clean: CleanFiles | None) -> tuple[int, np.ndarray]:
-    """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic replacements."""
+             times: StageTimes, first: Future[bytearray] | None, clean: CleanFiles | None,
+             into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+    """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic
+    replacements; into ``into`` where given (the slot: each try overwrites what a failed one left)."""
     pos = int(np.searchsorted(job.members, index))
     for k in range(MAX_REPLACEMENT_TRIES):
         candidate = int(job.members[(pos + k) % len(job.members)]) if k else index
@@ -151,7 +156,8 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
             data = first.result() if k == 0 and first is not None else reader.read(candidate)
             times.read += time.perf_counter() - t0
             return candidate, augment_bytes(data, name, job.image_size, job.train, rng, job.augment, times,
-                                            job.max_pixels, TrackedFile(clean, candidate) if clean is not None else None)
+                                            job.max_pixels, TrackedFile(clean, candidate) if clean is not None else None,
+                                            into)
         except (HookError, StorageUnavailable, StorageDenied):  # not the sample's fault: no replacement
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
@@ -165,6 +171,10 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
 class SlotSink(Protocol):
     """Where a task's images go: the batch file's slots (``SlotFiller``), or an array a remote
     task returns (``prefetchd.daemon.remote``), which the bridge process writes into the file."""
+
+    def slot(self, slot: int) -> memoryview | None:
+        """The slot's own bytes, writable, for the image to be made in place; None: ``fill`` it."""
+        ...
 
     def fill(self, slot: int, image: memoryview) -> None: ...
 
@@ -193,16 +203,24 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
     timings: list[tuple[float, float, float, float]] = []
     failures: list[tuple[str, str]] = []
     ahead = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
+    shape = (job.image_size, job.image_size, 3)
     for (slot, index), read in zip(task.items, ahead):
         times = StageTimes()
-        used, image = _produce(job, reader, task.epoch, index, failures, times, read, clean)
-        if image.nbytes != task.slot_bytes:
-            raise SampleUnrecoverable(f"{job.index.name(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
+        target = sink.slot(slot)
+        if target is not None and len(target) != task.slot_bytes:
+            raise SampleUnrecoverable(f"slots of {len(target)} bytes for {job.image_size} x {job.image_size} images")
+        # The slot itself where the sink has one: the resize writes the file's pages, no copy after.
+        into = np.frombuffer(target, np.uint8).reshape(shape) if target is not None else None
+        used, image = _produce(job, reader, task.epoch, index, failures, times, read, clean, into)
         t0 = time.perf_counter()
-        try:
-            sink.fill(slot, memoryview(image.data).cast("B"))
-        except OSError as exc:
-            return WriteFailed(task.task_id, f"cannot write {task.path}: {exc.strerror}")
+        if image is not into:
+            if image.nbytes != task.slot_bytes:
+                raise SampleUnrecoverable(f"{job.index.name(used)}: produced {image.shape}, expected {task.slot_bytes} bytes")
+            try:
+                sink.fill(slot, memoryview(image.data).cast("B"))
+            except OSError as exc:
+                return WriteFailed(task.task_id, f"cannot write {task.path}: {exc.strerror}")
+        del into, image, target  # no view of the mapping outlives the task (SlotFiller.close)
         timings.append((times.read, times.decode, times.augment, time.perf_counter() - t0))
         slots.append((slot, used, int(job.index.labels[used])))
     return Filled(task.task_id, tuple(slots), tuple(failures), time.perf_counter() - start, tuple(timings))

@@ -80,6 +80,10 @@ def test_bad_arguments_are_refused_not_read_past() -> None:
         ext.resize(bytes(299), 10, 10, 5, 5, False)
     with pytest.raises(ValueError, match="below 1"):
         ext.resize(bytes(300), 10, 10, 0, 5, False)
+    with pytest.raises(ValueError, match="a target of 74 bytes for 5 x 5 x 3"):
+        ext.resize(bytes(300), 10, 10, 5, 5, False, True, bytearray(74))
+    with pytest.raises(BufferError):
+        ext.resize(bytes(300), 10, 10, 5, 5, False, True, bytes(75))  # read-only: not a slot
 
 
 @needs_extension
@@ -101,6 +105,18 @@ def test_resize_is_torchvisions_bilinear_antialias_byte_for_byte(h: int, w: int,
     ours = resample.resize(crop, size, mirror)
     assert ours.flags.c_contiguous and ours.shape == (size, size, 3), "the slot's H x W x 3 layout"
     assert np.array_equal(ours, _torchvisions(crop, size, mirror))
+    slot = np.full((size, size, 3), 77, np.uint8)  # a batch slot, written in place
+    assert resample.resize(crop, size, mirror, slot) is slot and np.array_equal(slot, ours)
+
+
+def test_torchs_resize_writes_into_a_slot_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the C extension torch resizes; into a slot, the same bytes as into a new array."""
+    monkeypatch.setattr(jpeg_crop, "_extension", None)
+    for shape, mirror in (((90, 70), True), ((32, 32), False), ((20, 300), True)):
+        crop = _pixels(sum(shape), *shape, smooth=True)
+        slot = np.zeros((32, 32, 3), np.uint8)
+        assert resample.resize(crop, 32, mirror, slot) is slot
+        assert np.array_equal(slot, _torchvisions(crop, 32, mirror))
 
 
 ON_ANOTHER_KERNEL = """
@@ -159,6 +175,7 @@ for h, w, oh, ow in shapes:
         for vectors in (False, True):
             pixels = bytes(rng.integers(0, 256, h * w * 3, dtype=np.uint8))  # exactly the image: no slack
             ext.resize(pixels, h, w, oh, ow, mirror, vectors)
+            ext.resize(pixels, h, w, oh, ow, mirror, vectors, bytearray(oh * ow * 3))  # into a slot: no slack either
 # The crop-aware decode: boxes at every scale in JPEGs of each layout, whole and cut short or damaged.
 jpegs = []
 for i in range(120):

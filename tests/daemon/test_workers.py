@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
@@ -92,6 +93,27 @@ def test_slots_hold_what_augment_makes(index: SampleIndex, tmp_path: Path) -> No
     for slot, sample in enumerate([4, 3, 9]):
         expected = augment(index.path(sample), SIZE, True, sample_rng(7, 2, sample))
         assert np.array_equal(images[slot], expected)
+
+
+@pytest.mark.parametrize("options", [AugmentOptions(), AugmentOptions(color_jitter=0.4)], ids=["plain", "jitter"])
+def test_a_spares_slots_are_made_in_place_with_the_bytes_of_a_fresh_files(
+        index: SampleIndex, tmp_path: Path, options: AugmentOptions, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose pages all exist (a spare) is mapped and each image is made in its slot (by the
+    resize itself; with colour jitter, copied there at the end); a fresh file is written with
+    pwrite.  The same bytes."""
+    items = [(0, 4), (1, 3), (2, 9)]
+    copied: list[int] = []
+    fill = SlotFiller.fill
+    monkeypatch.setattr(SlotFiller, "fill", lambda self, slot, image: (copied.append(slot), fill(self, slot, image)))
+    fresh = _batch_file(tmp_path / "fresh.tmp", 3)
+    run_task(_job(index, augment=options), _task(fresh, items, epoch=2))
+    assert copied == [0, 1, 2]
+    copied.clear()
+    spare = tmp_path / "spare.tmp"
+    spare.write_bytes(b"\xab" * (OFFSET + 3 * SLOT))  # every page there, holding an earlier batch
+    run_task(_job(index, augment=options), _task(spare, items, epoch=2))
+    assert copied == []
+    assert spare.read_bytes() == fresh.read_bytes().replace(b"\0" * OFFSET, b"\xab" * OFFSET, 1)
 
 
 def test_same_bytes_whatever_the_chunking(index: SampleIndex, tmp_path: Path) -> None:
