@@ -1,11 +1,12 @@
 """Worker processes: decode and augment samples straight into their batch slots.
 
 The controller sends a worker tasks over its own pipe: a batch file under
-construction and a list of (slot, sample index).  The worker maps the task's
-slots of the file (``SlotFiller``) and its resize writes each image straight into
-its slot — pixels never cross a pipe, are never pickled and never copied — and
-answers with the labels and indices it used (with colour jitter or a hook, the
-result is copied in).  It is the fill side of the batch writer
+construction and a list of (slot, sample index).  The worker writes each image
+into its slot (``SlotFiller``) — pixels never cross a pipe and are never pickled —
+and answers with the labels and indices it used.  In a batch file whose pages all
+exist (a spare's) the task's slots are mapped and the resize writes each image
+straight into its slot (with colour jitter or a hook, the result is copied in); a
+fresh file gets each image with ``pwrite``.  It is the fill side of the batch writer
 (``prefetchd.buffer_protocol.writer``): the controller begins the batch and
 commits it once every slot is filled.
 
