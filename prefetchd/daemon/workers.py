@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import sys
@@ -206,11 +207,11 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
     failures: list[tuple[str, str]] = []
     ahead: Iterator[Read] = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
     shape = (job.image_size, job.image_size, 3)
+    if task.slot_bytes != math.prod(shape):  # the job and the batch's layout disagree: no sample can fit
+        raise SampleUnrecoverable(f"slots of {task.slot_bytes} bytes for {job.image_size} x {job.image_size} x 3 images")
     for (slot, index), read in zip(task.items, ahead):
         times = StageTimes()
         target = sink.slot(slot)
-        if target is not None and len(target) != task.slot_bytes:
-            raise SampleUnrecoverable(f"slots of {len(target)} bytes for {job.image_size} x {job.image_size} images")
         # The slot itself where the sink has one: the resize writes the file's pages, no copy after.
         into = np.frombuffer(target, np.uint8).reshape(shape) if target is not None else None
         used, image = _produce(job, reader, task.epoch, index, failures, times, read, clean, into)

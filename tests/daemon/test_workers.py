@@ -24,7 +24,8 @@ from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.transforms import augment
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, limit_threads, run_task, worker_main
+from prefetchd.daemon.workers import (Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, limit_threads,
+                                     run_task, worker_main)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
@@ -128,6 +129,16 @@ def test_same_bytes_whatever_the_chunking(index: SampleIndex, tmp_path: Path) ->
     other_epoch = _batch_file(tmp_path / "epoch1.tmp", 8)
     run_task(_job(index), _task(other_epoch, list(enumerate(order)), epoch=1))
     assert whole.read_bytes() != other_epoch.read_bytes()
+
+
+def test_slots_of_another_size_than_the_jobs_images_stop_the_job_in_fresh_and_spare_files(
+        index: SampleIndex, tmp_path: Path) -> None:
+    for name, allocated in (("fresh.tmp", False), ("spare.tmp", True)):
+        path = tmp_path / name
+        path.write_bytes(b"\0" * (OFFSET + 2 * SLOT)) if allocated else _batch_file(path, 2)
+        task = Task(0, str(path), OFFSET, SLOT - 3, 0, ((0, 1),))  # one pixel short per slot
+        with pytest.raises(SampleUnrecoverable, match=f"slots of {SLOT - 3} bytes for {SIZE} x {SIZE} x 3 images"):
+            run_task(_job(index), task)
 
 
 def test_replaced_samples_keep_their_timings(tmp_path: Path) -> None:
