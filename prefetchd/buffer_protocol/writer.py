@@ -27,8 +27,8 @@ and a batch lost in a crash is rebuilt bit-identical from (epoch, step).
 
 from __future__ import annotations
 
-import fcntl
 import errno
+import fcntl
 import itertools
 import logging
 import mmap

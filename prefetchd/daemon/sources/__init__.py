@@ -112,9 +112,10 @@ class SampleReader:
         if self.readers <= 1:
             for i in indices:
                 try:
-                    yield ReadDone(self.read(i))
+                    done = ReadDone(self.read(i))
                 except Exception as exc:
-                    yield ReadDone(error=exc)
+                    done = ReadDone(error=exc)
+                yield done
             return
         pool = self._executor()
         pending: deque[Future[bytearray]] = deque()
