@@ -285,9 +285,9 @@ def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
     shared file can never change through the mapping, and a consumer that
     modifies the arrays in place gets private pages instead of a crash.
     """
-    path = Path(path)
     try:
         # O_NONBLOCK: a FIFO named like a batch must not block the open; fstat refuses it below.
+        # Before any Path is made: a loader polls for a batch not there yet with this call.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise
@@ -302,9 +302,10 @@ def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
         buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    meta = parse_batch(buf, str(path))
+    where = Path(path)
+    meta = parse_batch(buf, str(where))
     return MappedBatch(
-        path=path,
+        path=where,
         meta=meta,
         images=_view(buf, meta.tensors["images"]),
         labels=_view(buf, meta.tensors["labels"]),

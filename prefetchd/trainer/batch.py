@@ -42,24 +42,35 @@ class Batch:
 
 
 class WaitMeter:
-    """Share of the last ``window`` seconds the consumer spent inside ``next()``."""
+    """Share of the last ``window`` seconds the consumer spent inside ``next()``.
+
+    The spans' total is kept as they come and go, so ``share()`` (called at every progress
+    write, so once a batch) costs the few spans at the window's edge, not a pass over every
+    span in it: thousands at 100 batches a second."""
 
     def __init__(self, window: float = 30.0) -> None:
         self.window = window
         self._spans: deque[tuple[float, float]] = deque()
+        self._total = 0.0  # seconds in self._spans
 
     def add(self, start: float, end: float) -> None:
         self._spans.append((start, end))
+        self._total += end - start
         while self._spans and self._spans[0][1] < end - self.window:
-            self._spans.popleft()
+            old_start, old_end = self._spans.popleft()
+            self._total -= old_end - old_start
 
     def share(self) -> float | None:
         if len(self._spans) < 2:
             return None
         now = time.monotonic()
         lo = max(self._spans[0][0], now - self.window)
-        waited = sum(max(0.0, end - max(start, lo)) for start, end in self._spans)
-        return min(1.0, waited / max(now - lo, 1e-9))
+        waited = self._total
+        for start, end in self._spans:  # in time order: only the first few begin before lo
+            if start >= lo:
+                break
+            waited -= min(end, lo) - start
+        return min(1.0, max(0.0, waited) / max(now - lo, 1e-9))
 
 
 __all__ = ["Batch", "WaitMeter"]

@@ -20,6 +20,7 @@ of itself from status.json (:func:`status_summary`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,16 +109,19 @@ class BatchWaiter:
         self.liveness_interval = min(1.0, max(0.01, grace / 4), max(0.01, (stall or 4.0) / 4))
         # (pid, wall time) of the first look at a daemon that had written no heartbeat of its own yet.
         self._beatless: tuple[int, float] | None = None
+        # When the daemon is next looked at, kept from one wait to the next: a trainer that waits a
+        # little for most batches would otherwise look at it (the lock's process, status.json,
+        # progress.json: ~0.5 ms) at every batch instead of every liveness_interval.
+        self._next_look = 0.0
 
     def wait(self, epoch: int, step: int, check_progress: Callable[[], None]) -> MappedBatch:
         """Map batch (epoch, step) once it is there; ``check_progress`` runs at each look at the daemon
         (the loader makes sure progress.json still names what it waits for)."""
         name = batch_name(epoch, step)
-        path = self.buffer / name
+        path = os.path.join(self.buffer, name)  # a str: a poll that finds nothing builds no Path
         start = time.monotonic()
         deadline = start + self.timeout
         delay = FIRST_DELAY
-        next_liveness = start
         gone_since: float | None = None
         pid: int | None = None
         warned = False
@@ -127,8 +131,8 @@ class BatchWaiter:
             except FileNotFoundError:
                 pass  # not produced yet, or deleted to be regenerated after a rewind
             now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + self.liveness_interval
+            if now >= self._next_look:
+                self._next_look = now + self.liveness_interval
                 check_progress()
                 pid = daemon_pid(self.buffer)
                 if pid is not None:

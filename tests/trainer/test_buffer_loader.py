@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from prefetchd.buffer_protocol import Position, Progress, ProtocolError, State, Status, write_batch, write_status
+from prefetchd.buffer_protocol import (
+    Position, Progress, ProtocolError, State, Status, daemon_pid, write_batch, write_status,
+)
 from prefetchd.trainer import Batch, BufferLoader, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.loader import IMAGENET_MEAN, IMAGENET_STD
 from tests.status_examples import ERRORS, production
@@ -290,6 +292,34 @@ def test_waits_for_a_batch_that_appears_later(make_job: MakeJob) -> None:
     assert time.monotonic() - start >= 0.1
 
 
+def test_looks_at_the_daemon_every_liveness_interval_not_at_every_wait(make_job: MakeJob,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer that waits a little for each batch looks at the daemon (its lock's process,
+    status.json) once a liveness interval, not once a batch."""
+    from prefetchd.trainer import liveness
+
+    looks: list[float] = []
+
+    def counted(buffer: Path) -> int | None:
+        looks.append(time.monotonic())
+        return daemon_pid(buffer)
+
+    monkeypatch.setattr(liveness, "daemon_pid", counted)
+    job = make_job(samples=40, epochs=1)  # 10 batches
+    job.claim(os.getpid())
+    loader = BufferLoader(job.buffer, timeout=5, daemon_grace=60.0, stall_timeout=None)
+    assert loader._waiter.liveness_interval == 1.0
+    steps = []
+    start = time.monotonic()
+    it = iter(loader)
+    for step in range(len(loader)):
+        later(0.02, lambda step=step: job.write(0, step))  # each batch is waited for
+        steps.append(next(it).step)
+    elapsed = time.monotonic() - start
+    assert steps == list(range(10))
+    assert 1 <= len(looks) <= elapsed / loader._waiter.liveness_interval + 1, (len(looks), elapsed)
+
+
 def test_batch_timeout_names_the_batch_and_the_daemon_state(make_job: MakeJob) -> None:
     job = make_job()
     job.claim(os.getpid())
@@ -456,3 +486,32 @@ def test_wait_meter_share_of_recent_time() -> None:
     old.add(now - 1.5, now - 0.5)
     old.add(now - 0.5, now - 0.5)
     assert old.share() == pytest.approx(2 / 3, abs=0.01)  # 1 s waited in the 1.5 s since the kept span began
+
+
+def test_wait_meter_running_total_matches_a_full_pass() -> None:
+    """The share kept by a running total equals the sum over every span, through thousands of spans
+    that enter and leave the window (a span straddling its edge counts in part)."""
+    from prefetchd.trainer.batch import WaitMeter
+
+    rng = np.random.default_rng(5)
+    meter = WaitMeter(window=3.0)
+    spans: list[tuple[float, float]] = []
+    t = time.monotonic() - 300.0
+    for _ in range(5000):  # ~250 s of spans, ending ~50 s ago
+        start = t + rng.uniform(0.0, 0.05)
+        t = start + rng.uniform(0.0, 0.05)
+        meter.add(start, t)
+        spans.append((start, t))
+    now = time.monotonic()
+    kept = [(a, b) for a, b in spans if b >= t - 3.0]
+    lo = max(kept[0][0], now - 3.0)
+    expected = sum(max(0.0, b - max(a, lo)) for a, b in kept) / (now - lo)
+    assert meter.share() == pytest.approx(expected, abs=1e-6)
+    recent = [(now - 2.5, now - 2.0), (now - 1.0, now - 0.5)]
+    for span in recent:  # every older span leaves the window
+        meter.add(*span)
+    kept = [(a, b) for a, b in [*spans, *recent] if b >= now - 0.5 - 3.0]
+    assert len(kept) == 2
+    lo = max(kept[0][0], time.monotonic() - 3.0)
+    expected = sum(max(0.0, b - max(a, lo)) for a, b in kept) / (time.monotonic() - lo)
+    assert meter.share() == pytest.approx(expected, rel=1e-3)
