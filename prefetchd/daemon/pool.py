@@ -51,6 +51,7 @@ class WorkerPool:
         # second, building a fresh selector of 33 descriptors for every wait (what
         # multiprocessing.connection.wait does) was a sizeable share of the controller's CPU.
         self._selector = selectors.DefaultSelector()
+        self._wake: Wakeup | None = None  # registered by the first wait and left so (it is the same every time)
         # What the workers learn about the files they decode, shared between them (jpeg_crop.CleanFiles).
         self._clean = jpeg_crop.CleanFiles(len(job.index)) if jpeg_crop.available() and size > 0 else None
 
@@ -98,34 +99,44 @@ class WorkerPool:
         Returns the workers that died, removed from the pool after the results they
         sent before dying were handed on; their unfinished tasks are in ``tasks``.
         """
-        extras = [wake, *also]
-        for extra in extras:  # the caller reads these itself; here they only end the wait
+        if wake is not self._wake:
+            if self._wake is not None:
+                self._selector.unregister(self._wake)
+            self._selector.register(wake, selectors.EVENT_READ, None)  # the caller reads it; here it ends the wait
+            self._wake = wake
+        for extra in also:  # the remote pool's: registered for this wait only, since its pipe may be replaced
             self._selector.register(extra, selectors.EVENT_READ, None)
         try:
             ready = [key.data for key, _ in self._selector.select(timeout) if key.data is not None]
         finally:
-            for extra in extras:
+            for extra in also:
                 self._selector.unregister(extra)
-        for worker, _ in ready:
-            self._receive(worker, on_result)
+        for worker, exited in ready:
+            if not exited:
+                self._receive_one(worker, on_result)
         dead = []
         for worker, exited in ready:
             if exited and worker in self.workers:
-                self._receive(worker, on_result)  # results it sent before dying still count
+                while worker.conn.poll():  # results it sent before dying still count
+                    if not self._receive_one(worker, on_result):
+                        break
                 self._forget(worker)
                 dead.append(worker)
         return dead
 
     @staticmethod
-    def _receive(worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> None:
-        while worker.conn.poll():
-            try:
-                result = worker.conn.recv()
-            except (EOFError, OSError):
-                return  # it died; its sentinel handles the rest
-            task = worker.tasks.pop(result.task_id, None)
-            if task is not None:
-                on_result(task, result)
+    def _receive_one(worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> bool:
+        """One result from ``worker``, whose pipe is readable; False when it died instead.  One per
+        wait: the selector reports a pipe with more in it again at once, and no ``poll()`` (a
+        selector built, used and closed) is spent on finding that out."""
+        try:
+            result = worker.conn.recv()
+        except (EOFError, OSError):
+            return False  # it died; its sentinel handles the rest
+        task = worker.tasks.pop(result.task_id, None)
+        if task is not None:
+            on_result(task, result)
+        return True
 
     def replace(self, dead: Worker) -> str | None:
         """Start a worker in place of ``dead``; or, when too many died lately, why the job must stop."""
@@ -154,6 +165,9 @@ class WorkerPool:
                 worker.process.join(1.0)
         for worker in list(self.workers):
             self._forget(worker)
+        if self._wake is not None:  # the daemon's, which outlives this job's pool
+            self._selector.unregister(self._wake)
+            self._wake = None
         if self._clean is not None:
             self._clean.close()
             self._clean = None

@@ -375,8 +375,10 @@ class Producer:
         n = len(chosen)
         build = Build(stream, g, epoch, step, pending, np.empty(n, np.int64), np.empty(n, np.int64), remaining=n)
         stream.building[g] = build
+        samples = chosen.tolist()  # Python ints for the tasks' pickles, converted at once
         for start in range(0, n, self.chunk):
-            items = tuple((slot, int(chosen[slot])) for slot in range(start, min(n, start + self.chunk)))
+            end = min(n, start + self.chunk)
+            items = tuple(zip(range(start, end), samples[start:end]))
             task = Task(self.next_task_id, str(pending.tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items)
             self.next_task_id += 1
             self.task_build[task.task_id] = build
