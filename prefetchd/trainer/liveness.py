@@ -124,6 +124,7 @@ class BatchWaiter:
         delay = FIRST_DELAY
         gone_since: float | None = None
         pid: int | None = None
+        looked = False  # at the daemon, in this wait (the last look may belong to the wait before)
         warned = False
         while True:
             try:
@@ -133,6 +134,7 @@ class BatchWaiter:
             now = time.monotonic()
             if now >= self._next_look:
                 self._next_look = now + self.liveness_interval
+                looked = True
                 check_progress()
                 pid = daemon_pid(self.buffer)
                 if pid is not None:
@@ -149,6 +151,8 @@ class BatchWaiter:
                         "it resumes from progress.json"
                     )
             if now >= deadline:
+                if not looked:  # a timeout shorter than the liveness interval: the message names the owner
+                    pid = daemon_pid(self.buffer)
                 owner = f"the daemon (pid {pid}) owns the buffer" if pid is not None else "no daemon owns the buffer"
                 raise LoaderTimeout(
                     f"{self.buffer}: waited {self.timeout:g} s for batch {name} (epoch {epoch}, step {step}) "

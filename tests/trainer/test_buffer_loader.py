@@ -320,6 +320,21 @@ def test_looks_at_the_daemon_every_liveness_interval_not_at_every_wait(make_job:
     assert 1 <= len(looks) <= elapsed / loader._waiter.liveness_interval + 1, (len(looks), elapsed)
 
 
+def test_a_timeout_shorter_than_the_liveness_interval_still_names_the_daemon(make_job: MakeJob) -> None:
+    """The wait that times out right after another wait looked at the daemon (so without a look of
+    its own) names the live owner, not "no daemon"."""
+    job = make_job()
+    job.claim(os.getpid())
+    loader = BufferLoader(job.buffer, timeout=0.3, daemon_grace=60.0, stall_timeout=None)
+    assert loader._waiter.liveness_interval == 1.0
+    it = iter(loader)
+    later(0.05, lambda: job.write(0, 0))  # waited for: the loader looks at the daemon
+    assert next(it).step == 0
+    with pytest.raises(LoaderTimeout) as info:
+        next(it)  # step 1 never comes, within the second after that look
+    assert f"the daemon (pid {os.getpid()}) owns the buffer" in str(info.value)
+
+
 def test_batch_timeout_names_the_batch_and_the_daemon_state(make_job: MakeJob) -> None:
     job = make_job()
     job.claim(os.getpid())
