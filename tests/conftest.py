@@ -4,6 +4,7 @@ real daemon processes that are always cleaned up, and a real S3-compatible serve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -34,14 +35,13 @@ def shm_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def small_tmpfs(shm_dir: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs of its own (root only): its free space is known and nothing else fills it."""
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, options: str) -> Iterator[Path]:
+    """A tmpfs of its own at ``mount`` with mount(8) ``options`` (root only), unmounted after."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8) for a 1 MiB tmpfs")
-    mount = shm_dir / "small"
+        pytest.skip("needs root and mount(8) for a tmpfs of its own")
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_TMPFS},mode=0700", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], check=True)
     try:
         yield mount
     finally:
@@ -53,6 +53,13 @@ def small_tmpfs(shm_dir: Path) -> Iterator[Path]:
             time.sleep(0.1)
         else:
             subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(shm_dir: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of its own (root only): its free space is known and nothing else fills it."""
+    with mounted_tmpfs(shm_dir / "small", f"size={SMALL_TMPFS},mode=0700") as mount:
+        yield mount
 
 
 @pytest.fixture(scope="session")

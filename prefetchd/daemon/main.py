@@ -12,8 +12,6 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-
 from prefetchd.buffer_protocol import (
     DaemonLock,
     JobRequest,
@@ -34,6 +32,7 @@ from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.metrics import Metrics
+from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of, huge_pages, huge_pages_hint
 from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id, start_worker_server, sweep_leftovers
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
@@ -44,20 +43,6 @@ from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
-
-RAM_FILESYSTEMS = ("tmpfs", "ramfs")
-
-
-def filesystem_of(path: Path) -> tuple[str, str]:
-    """(mount point, filesystem type) of the mount holding ``path``."""
-    path = path.resolve()
-    best = ("/", "unknown")
-    for part in psutil.disk_partitions(all=True):
-        mount = part.mountpoint
-        if (path == Path(mount) or Path(mount) in path.parents) and len(mount) >= len(best[0]):
-            best = (mount, part.fstype)
-    return best
-
 
 BUFFER_MODE = 0o700  # batches are the user's data; the trainer runs as the same user
 GROUP_BUFFER_MODE = 0o2770  # --group-access: setgid, so files trainers create there get the buffer's group
@@ -78,12 +63,14 @@ def prepare_buffer(buffer: Path, group_access: bool = False) -> None:
     check_private_dir(buffer, group_access)
     if not os.access(buffer, os.W_OK | os.X_OK):
         raise ConfigError(f"buffer directory {buffer} is not writable by this user; fix its permissions or pick another --buffer")
-    mount, fstype = filesystem_of(buffer)
-    if fstype not in RAM_FILESYSTEMS:
+    mount = filesystem_of(buffer)
+    if mount.fstype not in RAM_FILESYSTEMS:
         log.warning(
             "buffer %s is on %s (mounted at %s), not a RAM disk: every batch goes through that disk; "
-            "use a directory under /dev/shm or another tmpfs", buffer, fstype, mount,
+            "use a directory under /dev/shm or another tmpfs", buffer, mount.fstype, mount.point,
         )
+    elif huge_pages(mount) is False:
+        log.info("%s", huge_pages_hint(buffer, mount))
 
 
 def make_stream_dir(directory: Path, group_access: bool) -> None:
