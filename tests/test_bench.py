@@ -105,6 +105,8 @@ def test_outputs_are_written(smoke: tuple[BenchmarkResults, Path]) -> None:
     assert table.strip() == results.table().strip()
     for needle in ("img/s", "vs dataloader", "scaling", "warm start", "data-wait share", "prefetchd memory"):
         assert needle in table
+    huge = doc["machine"]["buffer_huge_pages"]  # whether the buffer's tmpfs gives batches 2 MiB pages
+    assert huge is None or f"buffer in {doc['machine']['buffer_fs']} ({'2 MiB' if huge else '4 KiB'} pages)" in table
     assert (out / "logs" / "daemon-k1.log").stat().st_size > 0
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

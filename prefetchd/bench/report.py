@@ -19,6 +19,7 @@ import psutil
 from prefetchd.bench.dali import DALI_CONTENDERS
 from prefetchd.bench.results import ALL_CONTENDERS, BenchmarkResults
 from prefetchd.daemon.jpeg_crop import decoder_summary
+from prefetchd.daemon.mounts import filesystem_of, huge_pages
 from prefetchd.launch import buffer_root
 
 def usable_cores() -> set[int]:
@@ -72,6 +73,7 @@ def describe_machine() -> dict[str, Any]:
         "ram_bytes": psutil.virtual_memory().total,
         "buffer_fs": str(shm),
         "buffer_fs_bytes": du.total,
+        "buffer_huge_pages": huge_pages(filesystem_of(shm)),  # None: not a tmpfs
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -119,13 +121,21 @@ def worker_count(k: int) -> str:
     return f"{k} worker{'s' * (k != 1)}"
 
 
+def _buffer_pages(machine: dict[str, Any]) -> str:
+    """The buffer's tmpfs pages, which the daemon's writes depend on ("Huge pages" in docs/BENCHMARKS.md)."""
+    huge = machine.get("buffer_huge_pages")  # absent from results written before it was recorded
+    if huge is None:
+        return ""
+    return f"; buffer in {machine['buffer_fs']} ({'2 MiB' if huge else '4 KiB'} pages)"
+
+
 def format_table(results: BenchmarkResults) -> str:
     m, d, c = results.machine, results.dataset, results.config
     window = f"{c['seconds']:g} s" if c.get("seconds") is not None else f"{c['batches']} batches"
     lines = [
         f"prefetchd bench, {m['date']}",
         f"machine: {describe_cpu(m)}; {m['platform']}; python {m['python']}, torch {m['torch']}, "
-        f"torchvision {m['torchvision']}, pillow {m['pillow']}",
+        f"torchvision {m['torchvision']}, pillow {m['pillow']}{_buffer_pages(m)}",
         f"dataset: {d['images']} images, {d['classes']} classes, mean {d['mean_kb']:.0f} KB ({d['root']})",
         f"batch {c['batch_size']}, image {c['image_size']}px, {window} per measurement; every contender pinned to "
         "as many cores as it has workers (consumer included)",
