@@ -83,6 +83,9 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     for name in FEEDS:
         assert f"| {name}" in markdown
     assert "By round" in markdown and "Over the whole step, in cores on average" in markdown
+    machine = doc["machine"]  # where the batches lived, and in which pages
+    pages = {True: "2 MiB pages", False: "4 KiB pages", None: "not a tmpfs"}[machine["buffer_huge_pages"]]
+    assert f"| buffer | {machine['buffer_fs']} ({pages}) |" in markdown
     ms, vs_floor = row["cpu"]["worker_ms_per_image"], row["cpu"]["worker_ms_per_image"] / scaling["floor"]["ms_per_image"] - 1
     assert f"| {ms:.2f} ({vs_floor:+.0%}) |" in markdown  # the workers' CPU per image, against the floor's
     # A dry run never touches the measured docs.

@@ -9,6 +9,13 @@ from pathlib import Path
 from typing import Any
 
 
+def _buffer_line(machine: dict[str, Any]) -> str:
+    """Where the batches lived, and in which pages (docs/BENCHMARKS.md, "Huge pages")."""
+    huge = machine.get("buffer_huge_pages", "unrecorded")
+    pages = {True: "2 MiB pages", False: "4 KiB pages", None: "not a tmpfs"}.get(huge, "pages not recorded")
+    return f"{machine.get('buffer_fs', '?')} ({pages})"
+
+
 def _cell(value: Any, fmt: str = "{}") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
@@ -34,6 +41,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"| software | Python {machine.get('python')}, torch {machine.get('torch')} (CUDA {gpu.get('torch_cuda')}, "
         f"cuDNN {gpu.get('cudnn')}), torchvision {machine.get('torchvision')}, Pillow {machine.get('pillow')} |",
         f"| decoder | {machine.get('jpeg_decoder', 'not recorded')} |",
+        f"| buffer | {_buffer_line(machine)} |",
         f"| platform | {machine.get('platform')} |", "",
     ]
     tests = doc.get("tests")
