@@ -18,6 +18,7 @@ from PIL import Image
 from prefetchd.bench import CONTENDERS, BenchmarkResults, bench_command, run_benchmark
 from prefetchd.bench.dali import DALI_CONTENDERS, dali_batches
 from prefetchd.bench.report import LIBRARY_CONTENDERS, why_not_runnable
+from prefetchd.daemon.mounts import pages_of
 from prefetchd.synthetic import IMAGENET_LIKE_SHORT_SIDE, make_imagenet_like
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +107,7 @@ def test_outputs_are_written(smoke: tuple[BenchmarkResults, Path]) -> None:
     for needle in ("img/s", "vs dataloader", "scaling", "warm start", "data-wait share", "prefetchd memory"):
         assert needle in table
     huge = doc["machine"]["buffer_huge_pages"]  # whether the buffer's tmpfs gives batches 2 MiB pages
-    assert huge is None or f"buffer in {doc['machine']['buffer_fs']} ({'2 MiB' if huge else '4 KiB'} pages)" in table
+    assert huge is None or f"buffer in {doc['machine']['buffer_fs']} ({pages_of(huge)})" in table
     assert (out / "logs" / "daemon-k1.log").stat().st_size > 0
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

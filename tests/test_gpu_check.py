@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from prefetchd.daemon.mounts import pages_of
+
 REPO = Path(__file__).resolve().parents[1]
 FEEDS = ("synthetic", "prefetchd", "DataLoader", "DALI")
 
@@ -84,8 +86,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         assert f"| {name}" in markdown
     assert "By round" in markdown and "Over the whole step, in cores on average" in markdown
     machine = doc["machine"]  # where the batches lived, and in which pages
-    pages = {True: "2 MiB pages", False: "4 KiB pages", None: "not a tmpfs"}[machine["buffer_huge_pages"]]
-    assert f"| buffer | {machine['buffer_fs']} ({pages}) |" in markdown
+    assert f"| buffer | {machine['buffer_fs']} ({pages_of(machine['buffer_huge_pages'])}) |" in markdown
     ms, vs_floor = row["cpu"]["worker_ms_per_image"], row["cpu"]["worker_ms_per_image"] / scaling["floor"]["ms_per_image"] - 1
     assert f"| {ms:.2f} ({vs_floor:+.0%}) |" in markdown  # the workers' CPU per image, against the floor's
     # A dry run never touches the measured docs.

@@ -8,11 +8,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from prefetchd.daemon.mounts import pages_of
+
 
 def _buffer_line(machine: dict[str, Any]) -> str:
     """Where the batches lived, and in which pages (docs/BENCHMARKS.md, "Huge pages")."""
-    huge = machine.get("buffer_huge_pages", "unrecorded")
-    pages = {True: "2 MiB pages", False: "4 KiB pages", None: "not a tmpfs"}.get(huge, "pages not recorded")
+    pages = pages_of(machine["buffer_huge_pages"]) if "buffer_huge_pages" in machine else "pages not recorded"
     return f"{machine.get('buffer_fs', '?')} ({pages})"
 
 

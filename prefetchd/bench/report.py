@@ -19,7 +19,7 @@ import psutil
 from prefetchd.bench.dali import DALI_CONTENDERS
 from prefetchd.bench.results import ALL_CONTENDERS, BenchmarkResults
 from prefetchd.daemon.jpeg_crop import decoder_summary
-from prefetchd.daemon.mounts import filesystem_of, huge_pages
+from prefetchd.daemon.mounts import filesystem_of, huge_pages, pages_of
 from prefetchd.launch import buffer_root
 
 def usable_cores() -> set[int]:
@@ -126,7 +126,7 @@ def _buffer_pages(machine: dict[str, Any]) -> str:
     huge = machine.get("buffer_huge_pages")  # absent from results written before it was recorded
     if huge is None:
         return ""
-    return f"; buffer in {machine['buffer_fs']} ({'2 MiB' if huge else '4 KiB'} pages)"
+    return f"; buffer in {machine['buffer_fs']} ({pages_of(huge)})"
 
 
 def format_table(results: BenchmarkResults) -> str:

@@ -53,6 +53,11 @@ def huge_pages(mount: Mount, shmem_enabled: Path = SHMEM_ENABLED) -> bool | None
     return any(option in HUGE_OPTIONS for option in mount.options)
 
 
+def pages_of(huge: bool | None) -> str:
+    """``huge_pages``'s answer in words, for reports."""
+    return "not a tmpfs" if huge is None else "2 MiB pages" if huge else "4 KiB pages"
+
+
 def huge_pages_hint(buffer: Path, mount: Mount) -> str:
     """What the daemon logs once for a buffer on a tmpfs without huge pages."""
     return (f"buffer {buffer} is on a tmpfs ({mount.point}) without huge pages; one mounted with "

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from prefetchd.daemon.main import prepare_buffer
-from prefetchd.daemon.mounts import SHMEM_ENABLED, Mount, filesystem_of, huge_pages
+from prefetchd.daemon.mounts import SHMEM_ENABLED, Mount, filesystem_of, huge_pages, pages_of
 from tests.conftest import mounted_tmpfs
 
 
@@ -52,6 +52,8 @@ def test_the_systems_setting_overrides_a_mounts_option(tmp_path: Path) -> None:
     assert (huge_pages(plain, setting), huge_pages(huge, setting)) == (False, False)
     assert huge_pages(huge, tmp_path / "missing") is False  # a kernel without transparent huge pages
     assert huge_pages(Mount("/", "ext4", ("rw",)), setting) is None
+    # As reports name them (the bench's machine line, GPU.md).
+    assert [pages_of(v) for v in (True, False, None)] == ["2 MiB pages", "4 KiB pages", "not a tmpfs"]
 
 
 def test_the_daemon_says_once_how_to_get_huge_pages(shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
