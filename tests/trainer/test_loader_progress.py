@@ -4,11 +4,8 @@ rewound or damaged it, and retried (not fatal) while the tmpfs is full."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +13,7 @@ import pytest
 
 from prefetchd.buffer_protocol import Progress
 from prefetchd.trainer import BufferLoader
+from tests.conftest import mounted_tmpfs
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
     from conftest import MakeJob
@@ -51,13 +49,8 @@ def test_a_rewound_progress_file_is_written_again_while_the_loader_waits(make_jo
 
 
 @pytest.mark.root
-def test_a_full_tmpfs_delays_progress_instead_of_killing_the_trainer(make_job: MakeJob, tmp_path: Path) -> None:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = Path("/dev/shm") / f"pfd-enospc-{uuid.uuid4().hex[:8]}"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
-    try:
+def test_a_full_tmpfs_delays_progress_instead_of_killing_the_trainer(make_job: MakeJob, shm_dir: Path) -> None:
+    with mounted_tmpfs(shm_dir / "enospc", "size=1m") as mnt:
         job = make_job(mnt / "bf", samples=16, batch_size=4, write=0)
         for step in range(4):
             job.write(0, step)
@@ -79,6 +72,3 @@ def test_a_full_tmpfs_delays_progress_instead_of_killing_the_trainer(make_job: M
         filler.unlink()
         loader.close()  # the retry goes through once there is room
         assert Progress.read(job.buffer) == Progress(1, 0)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-        mnt.rmdir()
