@@ -37,6 +37,10 @@ during that batch resumes where it joined, not where the others are by then.
 Each line holds the sha256 of the batch's image bytes (HWC, as in the file) and
 labels, plus a short hash per image so that a sample replaced under the
 bad-sample policy can be told apart from a wrong batch.
+
+Once the file ``--sprint`` names exists the driver stops "training": the harness
+touches it after its last fault, and the rest of the job is read as fast as the
+daemon makes it.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--consumer", help="read as this named consumer (progress.NAME.json); default: the trainer")
     p.add_argument("--batches", type=int, help="stop this many positions after the first run's start")
     p.add_argument("--go", type=Path, help="start only once this file exists (a spare, its imports done)")
+    p.add_argument("--sprint", type=Path, help="no --step-seconds once this file exists (the faults are over)")
     args = p.parse_args(argv)
     while args.go is not None and not args.go.exists():
         time.sleep(0.005)
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for batch in loader:
                 log.write(record(batch, args.run))
-                if args.step_seconds:
+                if args.step_seconds and not (args.sprint is not None and args.sprint.exists()):
                     time.sleep(args.step_seconds)
                 count += 1
                 save_checkpoint(args.checkpoint, {"loader": loader.state_dict(), "count": count, "end": end})
