@@ -331,9 +331,16 @@ class SpareFiles:
 
     def take(self, size: int, tmp: Path) -> int | None:
         """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and
-        opened for writing.  Older spares still in use are deleted.  None when there is none: the
-        caller creates a fresh file, and the oldest spares go if it would take their room."""
-        for entry in list(self._files):
+        opened for writing: the newest such, whose pages the caches are likeliest to hold still.
+        Spares passed on the way that are still in use, but for the newest, are deleted.  None when
+        there is none: the caller creates a fresh file, and the oldest spares go if it would take
+        their room.
+
+        Newest first keeps the files a steady stream writes to few, the batches in flight and a
+        spare or two: one core filling tasks into 2 files in turn paid 4-9 % less CPU per image than
+        into 16 (the bench's high-water mark) or 20, where oldest first cycled through all of them
+        (docs/BENCHMARKS.md, "Newest spare first")."""
+        for entry in reversed(self._files.copy()):
             spare_size, spare = entry
             if spare_size != size:
                 continue

@@ -164,15 +164,35 @@ def test_a_spare_another_process_maps_is_not_reused_until_it_lets_go(tmp_path: P
     assert _begin_and_commit(tmp_path, 2, spares, other) and len(spares) == 0  # let go: reused
 
 
-def test_an_older_spare_someone_keeps_is_deleted_and_its_pages_stay(tmp_path: Path) -> None:
+def test_the_newest_free_spare_is_taken_first(tmp_path: Path) -> None:
+    # Its pages are the likeliest to be in the caches still; the oldest waits.
     spares = SpareFiles()
     images, _, _ = _arrays(3)
-    holder, seen = _held_spare(tmp_path, spares, images)
-    spares.retire(_begin_and_commit(tmp_path, 1, spares, images))  # a second spare, newer; that one was fresh
-    assert len(spares) == 2
-    _begin_and_commit(tmp_path, 2, spares, np.zeros_like(images))  # skips the held one, deletes it, takes the newer
-    assert len(spares) == 0 and len(list(list_temp_files(tmp_path))) == 0
-    assert _release(holder) == seen
+    paths = [_begin_and_commit(tmp_path, step, SpareFiles(), images) for step in range(3)]
+    inodes = [p.stat().st_ino for p in paths]
+    for path in paths:
+        spares.retire(path)
+    taken = [_begin_and_commit(tmp_path, step, spares, images).stat().st_ino for step in (3, 4)]
+    assert taken == [inodes[2], inodes[1]] and len(spares) == 1
+
+
+def test_a_spare_someone_keeps_is_deleted_when_passed_unless_newest_and_its_pages_stay(tmp_path: Path) -> None:
+    spares = SpareFiles()
+    images, _, _ = _arrays(3)
+    free = _begin_and_commit(tmp_path, 5, SpareFiles(), images)
+    free_inode = free.stat().st_ino
+    spares.retire(free)  # the oldest spare, nobody maps it
+    held = []
+    for step in (0, 1):  # two newer spares, each mapped by another process
+        batch = _begin_and_commit(tmp_path, step, SpareFiles(), np.full_like(images, step + 3))
+        held.append(_hold(batch))
+        spares.retire(batch)
+    assert len(spares) == 3
+    # Newest first: the newest is kept (the batch just handed past, its trainer may let go of it soon),
+    # the older held one is deleted, and the free one is taken.
+    assert _begin_and_commit(tmp_path, 2, spares, np.zeros_like(images)).stat().st_ino == free_inode
+    assert len(spares) == 1 and len(list(list_temp_files(tmp_path))) == 1
+    assert [_release(holder) for holder, _ in held] == [seen for _, seen in held]
 
 
 def test_spares_keep_within_their_room_oldest_first_and_only_a_matching_size_is_taken(tmp_path: Path) -> None:
