@@ -289,10 +289,10 @@ class SpareFiles:
     its batch name after that).  A spare is reused only while no other process has it open
     or mapped: ``take`` first takes a write lease on it, which the kernel grants only when no
     other open file exists on it, mappings included.  A trainer still holding a batch (a
-    tensor over its mapping, kept past the next step) keeps its pages as they were, and its
-    spare is deleted instead of reused.  That is checked when the spare is wanted, not when
-    the batch is consumed: a training loop still holds the batch it asks past while the
-    loader reports it consumed.  Measured on the 2-core EPYC (128 slots of 224 x 224 x 3,
+    tensor over its mapping, kept past the next step) keeps its pages as they were: its spare
+    is passed over until it lets go, and goes when the spares outgrow their room (oldest
+    first).  That is checked when the spare is wanted, not when the batch is consumed: a
+    training loop still holds the batch it asks past while the loader reports it consumed.  Measured on the 2-core EPYC (128 slots of 224 x 224 x 3,
     /dev/shm): writing into fresh tmpfs pages 0.053 ms per image, into a spare's 0.030, and
     freeing a consumed file's pages, paid by whoever drops the last reference, 0.017 ms.  A
     spare also has every page already, so its slots are mapped and made in place (``SlotFiller``).
@@ -332,9 +332,9 @@ class SpareFiles:
     def take(self, size: int, tmp: Path) -> int | None:
         """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and
         opened for writing: the newest such, whose pages the caches are likeliest to hold still.
-        Spares passed on the way that are still in use, but for the newest, are deleted.  None when
-        there is none: the caller creates a fresh file, and the oldest spares go if it would take
-        their room.
+        Spares still in use are passed over and kept: the newest ones are often the batches a
+        trainer lets go of a moment later.  None when there is none: the caller creates a fresh
+        file, and the oldest spares go if it would take their room.
 
         Newest first keeps the files a steady stream writes to few, the batches in flight and a
         spare or two: one core filling tasks into 2 files in turn paid 4-9 % less CPU per image than
@@ -342,13 +342,7 @@ class SpareFiles:
         (docs/BENCHMARKS.md, "Newest spare first")."""
         for entry in reversed(self._files.copy()):
             spare_size, spare = entry
-            if spare_size != size:
-                continue
-            newest = entry is self._files[-1]
-            if not _unshared(spare):
-                if not newest:  # not the batch just handed past: someone keeps it
-                    self._files.remove(entry)
-                    spare.unlink(missing_ok=True)
+            if spare_size != size or not _unshared(spare):
                 continue
             self._files.remove(entry)
             try:

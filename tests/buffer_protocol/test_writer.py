@@ -176,7 +176,7 @@ def test_the_newest_free_spare_is_taken_first(tmp_path: Path) -> None:
     assert taken == [inodes[2], inodes[1]] and len(spares) == 1
 
 
-def test_a_spare_someone_keeps_is_deleted_when_passed_unless_newest_and_its_pages_stay(tmp_path: Path) -> None:
+def test_a_spare_someone_keeps_is_passed_over_until_it_goes_and_its_pages_stay(tmp_path: Path) -> None:
     spares = SpareFiles()
     images, _, _ = _arrays(3)
     free = _begin_and_commit(tmp_path, 5, SpareFiles(), images)
@@ -185,14 +185,19 @@ def test_a_spare_someone_keeps_is_deleted_when_passed_unless_newest_and_its_page
     held = []
     for step in (0, 1):  # two newer spares, each mapped by another process
         batch = _begin_and_commit(tmp_path, step, SpareFiles(), np.full_like(images, step + 3))
-        held.append(_hold(batch))
+        held.append((batch.stat().st_ino, *_hold(batch)))
         spares.retire(batch)
-    assert len(spares) == 3
-    # Newest first: the newest is kept (the batch just handed past, its trainer may let go of it soon),
-    # the older held one is deleted, and the free one is taken.
+    # The newest spares are held: passed over, kept, and the free one is taken.
     assert _begin_and_commit(tmp_path, 2, spares, np.zeros_like(images)).stat().st_ino == free_inode
-    assert len(spares) == 1 and len(list(list_temp_files(tmp_path))) == 1
-    assert [_release(holder) for holder, _ in held] == [seen for _, seen in held]
+    assert len(spares) == 2 and len(list(list_temp_files(tmp_path))) == 2
+    older_inode, older, older_seen = held[0]
+    assert _release(older) == older_seen  # its pages never changed under it
+    # Let go of: the next batch of that size is built in it (the newest is still held).
+    assert _begin_and_commit(tmp_path, 3, spares, np.zeros_like(images)).stat().st_ino == older_inode
+    spares.fit(0)  # out of room: the held one goes too, its pages stay its holder's
+    assert len(spares) == 0 and list(list_temp_files(tmp_path)) == []
+    _newest_inode, newest, newest_seen = held[1]
+    assert _release(newest) == newest_seen
 
 
 def test_spares_keep_within_their_room_oldest_first_and_only_a_matching_size_is_taken(tmp_path: Path) -> None:
