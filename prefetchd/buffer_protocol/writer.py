@@ -292,10 +292,11 @@ class SpareFiles:
     tensor over its mapping, kept past the next step) keeps its pages as they were: its spare
     is passed over until it lets go, and goes when the spares outgrow their room (oldest
     first).  That is checked when the spare is wanted, not when the batch is consumed: a
-    training loop still holds the batch it asks past while the loader reports it consumed.  Measured on the 2-core EPYC (128 slots of 224 x 224 x 3,
-    /dev/shm): writing into fresh tmpfs pages 0.053 ms per image, into a spare's 0.030, and
-    freeing a consumed file's pages, paid by whoever drops the last reference, 0.017 ms.  A
-    spare also has every page already, so its slots are mapped and made in place (``SlotFiller``).
+    training loop still holds the batch it asks past while the loader reports it consumed.
+    Measured on the 2-core EPYC (128 slots of 224 x 224 x 3, /dev/shm): writing into fresh
+    tmpfs pages 0.053 ms per image, into a spare's 0.030, and freeing a consumed file's pages,
+    paid by whoever drops the last reference, 0.017 ms.  A spare also has every page already,
+    so its slots are mapped and made in place (``SlotFiller``).
     """
 
     def __init__(self) -> None:
