@@ -290,14 +290,16 @@ class SpareFiles:
     or mapped: ``take`` first takes a write lease on it, which the kernel grants only when no
     other open file exists on it, mappings included.  A trainer still holding a batch (a
     tensor over its mapping, kept past the next step) keeps its pages as they were: its spare
-    is passed over until it lets go, and goes when the spares outgrow their room (oldest
-    first).  That is checked when the spare is wanted, not when the batch is consumed: a
+    is passed over while it is among the newest, and deleted instead of reused after that
+    (``take``).  That is checked when the spare is wanted, not when the batch is consumed: a
     training loop still holds the batch it asks past while the loader reports it consumed.
     Measured on the 2-core EPYC (128 slots of 224 x 224 x 3, /dev/shm): writing into fresh
     tmpfs pages 0.053 ms per image, into a spare's 0.030, and freeing a consumed file's pages,
     paid by whoever drops the last reference, 0.017 ms.  A spare also has every page already,
     so its slots are mapped and made in place (``SlotFiller``).
     """
+
+    HANDED_PAST = 2  # the newest spares a trainer may still map for a moment (``take``)
 
     def __init__(self) -> None:
         self._names = itertools.count()
@@ -333,28 +335,38 @@ class SpareFiles:
     def take(self, size: int, tmp: Path) -> int | None:
         """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and
         opened for writing: the newest such, whose pages the caches are likeliest to hold still.
-        Spares still in use are passed over and kept: the newest ones are often the batches a
-        trainer lets go of a moment later.  None when there is none: the caller creates a fresh
-        file, and the oldest spares go if it would take their room.
+        None when there is none: the caller creates a fresh file, and the oldest spares go if it
+        would take their room.
 
         Newest first keeps the files a steady stream writes to few, the batches in flight and a
         spare or two: one core filling tasks into 2 files in turn paid 4-9 % less CPU per image than
         into 16 (the bench's high-water mark) or 20, where oldest first cycled through all of them
-        (docs/BENCHMARKS.md, "Newest spare first")."""
-        for entry in reversed(self._files.copy()):
+        (docs/BENCHMARKS.md, "Newest spare first").
+
+        A spare still in use is kept while it is among the ``HANDED_PAST`` newest: those are the
+        batches a trainer lets go of a moment after the controller retires them.  An older one is a
+        batch the trainer keeps: it is deleted (its pages stay its holder's), so that ``bytes`` does
+        not count it as room."""
+        chosen = None
+        for age, entry in enumerate(reversed(self._files.copy())):
             spare_size, spare = entry
-            if spare_size != size or not _unshared(spare):
-                continue
-            self._files.remove(entry)
+            if chosen is None and spare_size == size and _unshared(spare):
+                chosen = entry
+            elif age >= self.HANDED_PAST and not _unshared(spare):
+                self._files.remove(entry)
+                spare.unlink(missing_ok=True)
+        if chosen is not None:
+            spare = chosen[1]
+            self._files.remove(chosen)
             try:
                 os.rename(spare, tmp)
                 fd = os.open(tmp, _OPEN_FLAGS | os.O_CLOEXEC)
             except OSError:  # someone removed or replaced it: create a fresh file instead
                 spare.unlink(missing_ok=True)
                 tmp.unlink(missing_ok=True)
-                break
-            self._room -= 1  # the batch takes the spare's place
-            return fd
+            else:
+                self._room -= 1  # the batch takes the spare's place
+                return fd
         self._room -= 1  # the fresh file takes a place a spare could have kept
         self._trim()
         return None

@@ -176,28 +176,30 @@ def test_the_newest_free_spare_is_taken_first(tmp_path: Path) -> None:
     assert taken == [inodes[2], inodes[1]] and len(spares) == 1
 
 
-def test_a_spare_someone_keeps_is_passed_over_until_it_goes_and_its_pages_stay(tmp_path: Path) -> None:
+def test_a_spare_someone_keeps_is_passed_over_while_newest_then_deleted_and_its_pages_stay(tmp_path: Path) -> None:
     spares = SpareFiles()
     images, _, _ = _arrays(3)
-    free = _begin_and_commit(tmp_path, 5, SpareFiles(), images)
-    free_inode = free.stat().st_ino
-    spares.retire(free)  # the oldest spare, nobody maps it
-    held = []
-    for step in (0, 1):  # two newer spares, each mapped by another process
-        batch = _begin_and_commit(tmp_path, step, SpareFiles(), np.full_like(images, step + 3))
-        held.append((batch.stat().st_ino, *_hold(batch)))
+
+    def spare(step: int, hold: bool) -> tuple[int, subprocess.Popen[str] | None, str]:
+        batch = _begin_and_commit(tmp_path, step, SpareFiles(), np.full_like(images, step))
+        inode = batch.stat().st_ino
+        holder, seen = _hold(batch) if hold else (None, "")
         spares.retire(batch)
-    # The newest spares are held: passed over, kept, and the free one is taken.
-    assert _begin_and_commit(tmp_path, 2, spares, np.zeros_like(images)).stat().st_ino == free_inode
-    assert len(spares) == 2 and len(list(list_temp_files(tmp_path))) == 2
-    older_inode, older, older_seen = held[0]
-    assert _release(older) == older_seen  # its pages never changed under it
-    # Let go of: the next batch of that size is built in it (the newest is still held).
-    assert _begin_and_commit(tmp_path, 3, spares, np.zeros_like(images)).stat().st_ino == older_inode
-    spares.fit(0)  # out of room: the held one goes too, its pages stay its holder's
-    assert len(spares) == 0 and list(list_temp_files(tmp_path)) == []
-    _newest_inode, newest, newest_seen = held[1]
-    assert _release(newest) == newest_seen
+        return inode, holder, seen
+
+    free = spare(10, hold=False)  # the oldest spare, nobody maps it
+    held = [spare(11, hold=True), spare(12, hold=True)]
+    # The two newest are held: passed over and kept (a trainer may let go of them in a moment);
+    # the free one is taken.
+    assert _begin_and_commit(tmp_path, 0, spares, images).stat().st_ino == free[0]
+    assert len(spares) == 2 == len(list(list_temp_files(tmp_path)))
+    newer = [spare(13, hold=False), spare(14, hold=False)]
+    # Now the held ones are older than the two newest: kept by their trainer, they are deleted,
+    # and the newest free spare is taken.
+    assert _begin_and_commit(tmp_path, 1, spares, images).stat().st_ino == newer[1][0]
+    assert [p.stat().st_ino for p in list_temp_files(tmp_path)] == [newer[0][0]] and len(spares) == 1
+    for _inode, holder, seen in held:  # their pages never changed under them
+        assert holder is not None and _release(holder) == seen
 
 
 def test_spares_keep_within_their_room_oldest_first_and_only_a_matching_size_is_taken(tmp_path: Path) -> None:
