@@ -350,9 +350,10 @@ class SpareFiles:
         chosen = None
         for age, entry in enumerate(reversed(self._files.copy())):
             spare_size, spare = entry
-            if chosen is None and spare_size == size and _unshared(spare):
+            free = _unshared(spare)
+            if free and chosen is None and spare_size == size:
                 chosen = entry
-            elif age >= self.HANDED_PAST and not _unshared(spare):
+            elif not free and age >= self.HANDED_PAST:
                 self._files.remove(entry)
                 spare.unlink(missing_ok=True)
         if chosen is not None:
