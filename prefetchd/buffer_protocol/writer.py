@@ -291,7 +291,7 @@ class SpareFiles:
     other open file exists on it, mappings included.  A trainer still holding a batch (a
     tensor over its mapping, kept past the next step) keeps its pages as they were: its spare
     is passed over while it is among the newest, and deleted instead of reused after that
-    (``take``).  That is checked when the spare is wanted, not when the batch is consumed: a
+    (``retire``).  That is checked when the spare is wanted, not when the batch is consumed: a
     training loop still holds the batch it asks past while the loader reports it consumed.
     Measured on the 2-core EPYC (128 slots of 224 x 224 x 3, /dev/shm): writing into fresh
     tmpfs pages 0.053 ms per image, into a spare's 0.030, and freeing a consumed file's pages,
@@ -299,7 +299,7 @@ class SpareFiles:
     so its slots are mapped and made in place (``SlotFiller``).
     """
 
-    HANDED_PAST = 2  # the newest spares a trainer may still map for a moment (``take``)
+    HANDED_PAST = 2  # the newest spares a trainer may still map for a moment (``retire``)
 
     def __init__(self) -> None:
         self._names = itertools.count()
@@ -331,6 +331,14 @@ class SpareFiles:
             path.unlink(missing_ok=True)
             return
         self._files.append((size, spare))
+        # The spare this one pushed past the HANDED_PAST newest: if a trainer still maps it, it keeps
+        # that batch; deleted (its pages stay the trainer's), so that ``bytes`` does not count it as
+        # room.  Looked at once: a spare nobody maps never gets a reader again (none opens spares).
+        if len(self._files) > self.HANDED_PAST:
+            aged = self._files[-1 - self.HANDED_PAST]
+            if not _unshared(aged[1]):
+                self._files.remove(aged)
+                aged[1].unlink(missing_ok=True)
 
     def take(self, size: int, tmp: Path) -> int | None:
         """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and
@@ -343,31 +351,22 @@ class SpareFiles:
         into 16 (the bench's high-water mark) or 20, where oldest first cycled through all of them
         (docs/BENCHMARKS.md, "Newest spare first").
 
-        A spare still in use is kept while it is among the ``HANDED_PAST`` newest: those are the
-        batches a trainer lets go of a moment after the controller retires them.  An older one is a
-        batch the trainer keeps: it is deleted (its pages stay its holder's), so that ``bytes`` does
-        not count it as room."""
-        chosen = None
-        for age, entry in enumerate(reversed(self._files.copy())):
+        A spare still in use is passed over (it is among the ``HANDED_PAST`` newest: ``retire``
+        deletes older ones a trainer keeps)."""
+        for entry in reversed(self._files):
             spare_size, spare = entry
-            free = _unshared(spare)
-            if free and chosen is None and spare_size == size:
-                chosen = entry
-            elif not free and age >= self.HANDED_PAST:
-                self._files.remove(entry)
-                spare.unlink(missing_ok=True)
-        if chosen is not None:
-            spare = chosen[1]
-            self._files.remove(chosen)
+            if spare_size != size or not _unshared(spare):
+                continue
+            self._files.remove(entry)
             try:
                 os.rename(spare, tmp)
                 fd = os.open(tmp, _OPEN_FLAGS | os.O_CLOEXEC)
             except OSError:  # someone removed or replaced it: create a fresh file instead
                 spare.unlink(missing_ok=True)
                 tmp.unlink(missing_ok=True)
-            else:
-                self._room -= 1  # the batch takes the spare's place
-                return fd
+                break
+            self._room -= 1  # the batch takes the spare's place
+            return fd
         self._room -= 1  # the fresh file takes a place a spare could have kept
         self._trim()
         return None
