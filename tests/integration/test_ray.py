@@ -23,6 +23,7 @@ job's Ray workers import torch) and asserts on what it read:
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -59,22 +60,43 @@ def _namespace_problem() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def scenarios(shapes_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    problem = _namespace_problem()
-    if problem:
-        pytest.skip(problem)
+def _shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of this run's: shared by its pytest-xdist processes, each of which gets a
+    ``popen-gwN`` folder in it, and this process's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _run_scenarios(data: Path, out: Path) -> dict[str, Any]:
+    """Run ray_scenarios.py into ``out``; what it printed and how it ended."""
     work = Path("/dev/shm") / f"prefetchd-ray-{os.getpid()}"
-    out = tmp_path_factory.mktemp("ray") / "scenarios.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    script = (f"ip link set lo up && exec {sys.executable} -m tests.integration.ray_scenarios "
-              f"{shapes_data / 'train'} {work} {out}")
+    script = f"ip link set lo up && exec {sys.executable} -m tests.integration.ray_scenarios {data} {work} {out}"
     try:
         run = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, timeout=420,
                              cwd=ROOT, env=env)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    assert run.returncode == 0 and out.exists(), f"the Ray scenarios failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    return {"returncode": run.returncode, "stdout": run.stdout[-4000:], "stderr": run.stderr[-8000:]}
+
+
+@pytest.fixture(scope="module")
+def scenarios(shapes_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The scenarios' results, run once per test run: pytest-xdist may hand this module's tests
+    to several processes (all of them when it has fewer tests than 2 per process), and each
+    would start its own cluster and jobs (three at once took 150 s instead of 70 on 2 cores).
+    The first to take the lock runs them; the others read what it wrote."""
+    problem = _namespace_problem()
+    if problem:
+        pytest.skip(problem)
+    shared = _shared_dir(tmp_path_factory)
+    out, ended = shared / "ray-scenarios.json", shared / "ray-scenarios-run.json"
+    with open(shared / "ray-scenarios.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ended.exists():
+            ended.write_text(json.dumps(_run_scenarios(shapes_data / "train", out)))
+    run = json.loads(ended.read_text())
+    assert run["returncode"] == 0 and out.exists(), f"the Ray scenarios failed:\n{run['stdout']}\n{run['stderr']}"
     result: dict[str, Any] = json.loads(out.read_text())
     timings = {k: v["seconds"] for k, v in result.items() if isinstance(v, dict) and "seconds" in v}
     print(f"Ray scenarios: cluster started in {result.pop('cluster_start_seconds')} s; seconds per job {timings}")
