@@ -105,7 +105,8 @@ def scenarios(shapes_data: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 def _check_delivery(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
     """Every batch of the epoch once, and each equal to the local-only daemon's; the daemon exited cleanly."""
-    run, local = scenarios[name], scenarios["local"]
+    run: dict[str, Any] = scenarios[name]
+    local = scenarios["local"]
     assert run["exit_code"] == 0, run["log"]
     assert len(local["digests"]) == 9 and sorted(local["indices"]) == list(range(72))
     assert sorted(run["indices"]) == list(range(72)), f"{name}: not every sample exactly once\n{run['log']}"
