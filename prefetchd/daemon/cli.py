@@ -200,6 +200,10 @@ def _exited(pid: int) -> bool:
         return True
 
 
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -272,10 +276,11 @@ def format_status(info: dict[str, Any]) -> str:
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting "
             f"(resume at {pr.low_water}), {pr.building} building",
             f"  memory    {_mib(pr.buffer_bytes)} in the buffer, {_mib(pr.free_bytes)} free on its filesystem",
-            f"  rates     produce {r.samples_per_s:.0f} img/s with {pr.workers} workers "
+            f"  rates     produce {r.samples_per_s:.0f} img/s with {_counted(pr.workers, 'worker')} "
             f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",
-            f"  errors    {e.replaced_samples} replaced samples, {e.undecodable_files} undecodable files, "
-            f"{e.worker_restarts} worker restarts, {e.write_failures} write failures",
+            f"  errors    {_counted(e.replaced_samples, 'replaced sample')}, "
+            f"{_counted(e.undecodable_files, 'undecodable file')}, {_counted(e.worker_restarts, 'worker restart')}, "
+            f"{_counted(e.write_failures, 'write failure')}",
         ]
         if pr.remote is not None:
             lines += _remote_lines(pr.remote, pr.totals.samples)

@@ -318,6 +318,22 @@ def test_status_lists_the_first_undecodable_files() -> None:
     assert text.count("bad file") == cli.SHOWN_BAD_FILES and "and 2 more" in text
 
 
+def test_status_counts_one_of_a_thing_in_the_singular() -> None:
+    """A 2-core box runs 1 worker by default: `status` says "1 worker", not "1 workers"."""
+    def text(n: int) -> str:
+        errors = Errors(replaced_samples=n, undecodable_files=n, undecodable=bad_files(n), worker_restarts=n,
+                        write_failures=n, progress_file="")
+        info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
+                "status": status_example(production=production(workers=n, errors=errors)), "manifest": None,
+                "problems": []}
+        return cli.format_status(info)
+
+    one, two = text(1), text(2)
+    assert "img/s with 1 worker (" in one and "img/s with 2 workers (" in two
+    assert ("1 replaced sample, 1 undecodable file, 1 worker restart, 1 write failure\n" in one
+            and "2 replaced samples, 2 undecodable files, 2 worker restarts, 2 write failures\n" in two)
+
+
 def test_a_damaged_status_document_is_reported_not_raised(tmp_path: Path) -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
