@@ -384,9 +384,9 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
     log.info(
         "producing %s split of %s into %s: %d samples, %d steps of %d at %dpx per epoch%s, "
-        "%d workers, high/low water %d/%d per rank, epochs %s",
+        "%d worker%s, high/low water %d/%d per rank, epochs %s",
         job.split, index.root, job.buffer, samples, streams[0][1].steps_per_epoch, job.batch_size, job.image_size,
-        ranks, job.workers, job.high_water, job.low_water, job.epochs or "unbounded",
+        ranks, job.workers, "" if job.workers == 1 else "s", job.high_water, job.low_water, job.epochs or "unbounded",
     )
     return Producer(job, index, members, streams, wake, poll_jobs=inbox.poll,
                     job_result=lambda: inbox.result, on_status=publish, notifier=notifier)
@@ -429,6 +429,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
         inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
         job: DaemonConfig | None = cfg if not serve_jobs else None
         reset = cfg.reset
+        replaced: DaemonConfig | None = None  # the job a submitted one stopped, until that one has started
         with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
@@ -440,17 +441,21 @@ def run_daemon(cfg: DaemonConfig) -> int:
                 try:
                     producer = start_job(job, reset, wake, inbox, publish, notifier)
                 except (DatasetError, ConfigError) as exc:
-                    if not submitted:
-                        raise
-                    inbox.answer(inbox.pending_id, False, str(exc))
-                    inbox.pending_id, job = None, None
-                    continue
+                    if submitted:
+                        # Its dataset is opened only now, after the running job stopped for it. A refused
+                        # job replaces nothing: that one resumes from progress.json, its batches kept.
+                        goes_on = f"; still producing {replaced.data}" if replaced is not None else ""
+                        inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}")
+                        inbox.pending_id, job, reset, replaced = None, replaced, False, None
+                        continue
+                    raise  # the job given at start, or the one resumed: as when its dataset goes away mid-run
                 if submitted:
                     inbox.answer(inbox.pending_id, True, f"producing {job.data}")
                     inbox.pending_id = None
+                replaced = None
                 producer.run()
                 if producer.next_job is not None:
-                    job, reset = producer.next_job, True
+                    replaced, job, reset = job, producer.next_job, True
                 elif serve_jobs and producer.finished:
                     job = None
                 else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import itertools
 import os
 import subprocess
 import sys
@@ -56,6 +57,30 @@ def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: P
     daemon.wait_until(lambda: Manifest.read(buffer).split == "val", 30, "the new job's manifest")
     fresh = BufferLoader(buffer, normalize=False, timeout=30)
     assert next(iter(fresh)).images.shape[0] == 4
+
+
+def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_data: Path, shm_dir: Path,
+                                                                       start_daemon) -> None:
+    """The dataset is opened only after the running job stops for the new one: a missing root
+    found then must not leave the buffer without a producer."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB).returncode == 0
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    batches = iter(loader)
+    first = next(batches)
+
+    bad = submit(buffer, "--data", shm_dir / "missing", *JOB, "--replace")
+    assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
+    assert f"still producing {shapes_data / 'train'}" in bad.stdout, bad.stdout
+    daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and not r.accepted
+                      and state(buffer) in ("filling", "full"), 30, "the running job to go on")
+    # Past the 3 batches built before the refusal: the job resumed where the trainer was.
+    steps = [(b.epoch, b.step) for b in itertools.islice(batches, 5)]
+    assert steps == [(first.epoch, first.step + k) for k in range(1, 6)]
+    assert Manifest.read(buffer).batch_size == 8 and daemon.proc.poll() is None
+    loader.close()
 
 
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
