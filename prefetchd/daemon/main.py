@@ -63,6 +63,11 @@ def prepare_buffer(buffer: Path, group_access: bool = False) -> None:
     check_private_dir(buffer, group_access)
     if not os.access(buffer, os.W_OK | os.X_OK):
         raise ConfigError(f"buffer directory {buffer} is not writable by this user; fix its permissions or pick another --buffer")
+
+
+def note_buffer_filesystem(buffer: Path) -> None:
+    """Say once where the buffer's pages live: a disk (every batch goes through it), or a tmpfs
+    that could use huge pages.  After the lock: a second daemon on the buffer only says it is taken."""
     mount = filesystem_of(buffer)
     if mount.fstype not in RAM_FILESYSTEMS:
         log.warning(
@@ -407,6 +412,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
     prepare_buffer(buffer, cfg.group_access)
     lock = DaemonLock(buffer)
     lock.acquire()
+    note_buffer_filesystem(buffer)
     # The worker server imports what workers need (seconds where that is torch); it runs while we index.
     start_worker_server()
     # Once: whether the crop-aware decoder is built (how to get it if not), and what resizes.

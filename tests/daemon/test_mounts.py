@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetchd.daemon.main import prepare_buffer
+from prefetchd.daemon.main import note_buffer_filesystem
 from prefetchd.daemon.mounts import SHMEM_ENABLED, Mount, filesystem_of, huge_pages, pages_of
 from tests.conftest import mounted_tmpfs
 
@@ -62,10 +62,10 @@ def test_the_daemon_says_once_how_to_get_huge_pages(shm_dir: Path, caplog: pytes
     caplog.set_level(logging.INFO, logger="prefetchd.daemon.main")
     with mounted_tmpfs(shm_dir / "huge", "size=64m,huge=within_size") as huge, \
             mounted_tmpfs(shm_dir / "plain", "size=64m") as plain:
-        prepare_buffer(plain / "bf")
+        note_buffer_filesystem(plain)
         hints = [r.getMessage() for r in caplog.records if "without huge pages" in r.getMessage()]
         assert len(hints) == 1
-        assert str(plain / "bf") in hints[0] and "huge=within_size" in hints[0]
+        assert str(plain) in hints[0] and "huge=within_size" in hints[0]
         caplog.clear()
-        prepare_buffer(huge / "bf")
+        note_buffer_filesystem(huge)
         assert not [r for r in caplog.records if "huge pages" in r.getMessage()]
