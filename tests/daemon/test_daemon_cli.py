@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -308,12 +309,17 @@ def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     assert json.loads(json.dumps(info)) == info
 
 
+def _running_status_text(**production_changes: Any) -> str:
+    """`prefetchd status` of a running daemon whose production is ``production(**production_changes)``."""
+    info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
+            "status": status_example(production=production(**production_changes)), "manifest": None, "problems": []}
+    return cli.format_status(info)
+
+
 def test_status_lists_the_first_undecodable_files() -> None:
     errors = Errors(replaced_samples=7, undecodable_files=7, undecodable=bad_files(7), worker_restarts=0,
                     write_failures=0, progress_file="")
-    info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
-            "status": status_example(production=production(errors=errors)), "manifest": None, "problems": []}
-    text = cli.format_status(info)
+    text = _running_status_text(errors=errors)
     assert "7 undecodable files" in text and "bad file  /d/c/0.jpg: empty" in text
     assert text.count("bad file") == cli.SHOWN_BAD_FILES and "and 2 more" in text
 
@@ -323,10 +329,7 @@ def test_status_counts_one_of_a_thing_in_the_singular() -> None:
     def text(n: int) -> str:
         errors = Errors(replaced_samples=n, undecodable_files=n, undecodable=bad_files(n), worker_restarts=n,
                         write_failures=n, progress_file="")
-        info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
-                "status": status_example(production=production(workers=n, errors=errors)), "manifest": None,
-                "problems": []}
-        return cli.format_status(info)
+        return _running_status_text(workers=n, errors=errors)
 
     one, two = text(1), text(2)
     assert "img/s with 1 worker (" in one and "img/s with 2 workers (" in two

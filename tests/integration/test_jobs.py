@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import itertools
+import json
 import os
 import subprocess
 import sys
