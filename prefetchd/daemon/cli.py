@@ -430,10 +430,12 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: 
     offset, so `prefetchd start --data OUT` reads each with one positioned read.
     """
     from prefetchd.daemon.sources import open_dataset
+    from prefetchd.daemon.sources.shards import check_pack_target
     from prefetchd.daemon.sources.shards import pack as pack_shards
 
     setup_logging("info")
     try:
+        check_pack_target(src, out, force)  # before the source is indexed, which can take long
         index = open_dataset(src)
         with click.progressbar(length=len(index), label=f"packing {len(index)} samples", file=sys.stderr) as bar:
             def progress(items: Iterator[int]) -> Iterator[int]:
@@ -450,7 +452,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: 
     except DaemonError as exc:
         raise click.ClickException(str(exc)) from None
     bad = f"; {summary['unreadable']} unreadable files packed empty (the daemon replaces them)" if summary["unreadable"] else ""
-    click.echo(f"packed {summary['samples']} samples of {index.root} into {summary['shards']} shards "
+    click.echo(f"packed {summary['samples']} samples of {index.root} into {_counted(summary['shards'], 'shard')} "
                f"({_mib(summary['bytes'])}) in {out}{bad}")
 
 

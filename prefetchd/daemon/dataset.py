@@ -87,6 +87,12 @@ def pack_paths(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(paths), dtype=np.uint8), offsets
 
 
+# What a dataset location may be, for the errors of every command that takes one (start's and
+# submit's --data, pack's SRC, prefetchd-train's --data and --val-data).
+EXPECTED_DATA = ("expected a folder of class folders (ROOT/<class>/<image>.jpg), a .csv/.tsv/.txt list of path,label "
+                 "rows, or a folder of shards from `prefetchd pack`")
+
+
 # Listing and stat-ing are system calls that release the GIL, and on network
 # filesystems they mostly wait: more threads than cores still help there.
 SCAN_THREADS = 8
@@ -186,9 +192,9 @@ def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None, th
 def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: int = SCAN_THREADS) -> Scan:
     root = Path(root)
     if not root.exists():
-        raise DatasetError(f"dataset root {root} does not exist; pass --data with a folder of class folders")
+        raise DatasetError(f"dataset root {root} does not exist; {EXPECTED_DATA}")
     if not root.is_dir():
-        raise DatasetError(f"dataset root {root} is not a directory; pass --data with a folder of class folders")
+        raise DatasetError(f"dataset root {root} is not a directory; {EXPECTED_DATA}")
     root_stamp = stat_stamp(root.stat())
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes and any(root.glob("shard-*.tar")):

@@ -245,6 +245,22 @@ def test_pack_cli_writes_shards_from_a_file_list(tmp_path: Path, make_image: Cal
     assert bad.exit_code == 2 and "1GB, 500MB or 1GiB" in bad.output
 
 
+def test_pack_cli_refuses_an_out_inside_its_source_before_writing(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    """Shards packed into the class folders would be a class without images there (or, with
+    --force on the root itself, an index that turns the source into a shard folder)."""
+    src = class_tree(tmp_path / "src", make_image)
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    for out, flags in [(src / "packed", []), (src / "cat" / "packed", []), (src, ["--force"])]:
+        result = CliRunner().invoke(cli_main, ["pack", str(src), str(out), *flags])
+        assert result.exit_code == 1, (out, result.output)
+        assert f"{out} is inside the dataset being packed ({src.resolve()})" in result.output
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
+    assert len(open_dataset(src)) == 5
+    missing = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "nope"), str(tmp_path / "out")])
+    assert missing.exit_code == 1 and "does not exist; expected a folder of class folders" in missing.output
+    assert "--data" not in missing.output  # pack takes its source as SRC
+
+
 # -- bad samples in every layout ------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from prefetchd.daemon.dataset import SampleIndex, pack_paths
+from prefetchd.daemon.dataset import EXPECTED_DATA, SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.storage import ImageRefused, is_url, storage_for
 
@@ -61,11 +61,10 @@ def read_file_list(location: str) -> SampleIndex:
     try:
         raw = bytes(storage.read(name))
     except FileNotFoundError:
-        raise DatasetError(f"file list {location} does not exist; pass --data with a .csv/.tsv/.txt list of "
-                           "path,label rows, or a folder") from None
+        raise DatasetError(f"file list {location} does not exist; {EXPECTED_DATA}") from None
     except (IsADirectoryError, ImageRefused):
         raise DatasetError(f"{location} is not a regular file, but its name ends like a file list "
-                           f"({'/'.join(LIST_SUFFIXES)}); rename it or point --data at a list file") from None
+                           f"({'/'.join(LIST_SUFFIXES)}); rename it or name a list file") from None
     except OSError as exc:
         raise DatasetError(f"cannot read file list {location}: {exc.strerror or exc}") from None
     try:

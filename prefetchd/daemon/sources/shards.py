@@ -179,6 +179,25 @@ class ShardWriter:
             self.tar = None
 
 
+def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> None:
+    """Refuse, before anything is read or written, an ``out`` that ``pack`` cannot use: a file, a
+    folder holding something (without ``force``), or the folder ``source_dir`` of the dataset
+    being packed (class folders or shards; None for a file list or a URL) or one inside it.  Packed
+    there, the shards would become a class folder without images, or the index would turn the
+    source into a shard folder."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
+    if source_dir is not None and Path(source_dir).is_dir():
+        source, target = Path(source_dir).resolve(), out.resolve()
+        if target == source or source in target.parents:
+            raise DatasetError(f"{out} is inside the dataset being packed ({source}); pack into a folder "
+                               "outside it")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise DatasetError(f"{out} is not empty; pack into a new folder, or pass --force to replace "
+                           "the shards and index in it")
+
+
 def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | None = None, force: bool = False,
          progress: Callable[[Iterator[int]], Iterator[int]] = lambda it: it) -> dict[str, Any]:
     """Write ``index``'s samples into shards under ``out``; returns a summary.
@@ -189,12 +208,8 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
     from prefetchd.daemon.sources import SampleReader  # the package imports this module
 
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
+    check_pack_target(None, out, force)  # the command checked ``out`` against its source before indexing it
     if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise DatasetError(f"{out} is not empty; pack into a new folder, or pass --force to replace "
-                               "the shards and index in it")
         # The old index goes first: an interrupted repack must not look complete.
         (out / INDEX_NAME).unlink(missing_ok=True)
         for old in out.glob("shard-*.tar"):
