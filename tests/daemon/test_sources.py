@@ -106,6 +106,25 @@ def test_tsv_file_list_with_integer_labels_and_absolute_paths(tmp_path: Path, ma
     assert bytes(reader.read(1)) == inside.read_bytes()
 
 
+@pytest.mark.parametrize("header", ["path,label", "image_path,label_name", "File Path,Class", "filepath,labels",
+                                    "image,class_id", "IMG\tTarget", "key,category"])
+def test_a_header_row_is_skipped_whatever_its_words(tmp_path: Path, header: str) -> None:
+    """A header read as a sample would add a class and shift the labels after it."""
+    tab = "\t" in header
+    listing = tmp_path / ("list.tsv" if tab else "list.csv")
+    listing.write_text(header + "\n" + "\n".join(f"{n}.jpg{chr(9) if tab else ','}{c}" for n, c in
+                                                 [("a", "cat"), ("b", "dog"), ("c", "cat")]) + "\n")
+    index = open_dataset(listing)
+    assert index.classes == ("cat", "dog") and index.labels.tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("first", ["images/path.jpg,label", "path.jpg,class", "img,7"])
+def test_a_first_row_naming_a_file_is_a_sample(tmp_path: Path, first: str) -> None:
+    listing = tmp_path / "list.csv"
+    listing.write_text(first + "\nb.jpg," + ("3" if first.endswith("7") else "dog") + "\n")
+    assert len(open_dataset(listing)) == 2
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("a.jpg,cat\nb.jpg\n", r"list\.csv:2: expected 'path,label'"),
     ("a.jpg,cat\n,dog\n", r"list\.csv:2: the path is empty"),

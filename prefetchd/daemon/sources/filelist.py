@@ -1,6 +1,6 @@
 """File lists: a CSV or TSV of ``path,label`` rows, as many labelling tools write.
 
-    path,label                      <- optional header (path/file/filename/image, label/class/target)
+    path,label                      <- optional header (e.g. image_path,class_id: see PATH_WORDS)
     cat/001.jpg,cat                 <- relative to the list's folder
     /data/extra/dog_17.jpg,dog      <- or absolute
     "with, comma.jpg",cat           <- quoted as csv does
@@ -19,6 +19,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 
 import numpy as np
 
@@ -29,8 +30,13 @@ from prefetchd.daemon.sources.storage import ImageRefused, is_url, storage_for
 log = logging.getLogger(__name__)
 
 LIST_SUFFIXES = (".csv", ".tsv", ".txt")
-PATH_HEADERS = frozenset({"path", "file", "filename", "file_name", "filepath", "image", "img"})
-LABEL_HEADERS = frozenset({"label", "class", "target", "category", "class_name", "label_id"})
+# A first row is a header when its path column holds one of these words and no "." or "/" (a file's
+# path nearly always has one), and its label column one of the label words: image_path, file_path,
+# filepath, label_name, class_id, labels all read as headers.  One mistaken for a sample would add a
+# class and shift every label after it, with nothing but an unreadable file to show for it.
+PATH_WORDS = frozenset({"path", "paths", "file", "files", "filename", "filepath", "fname", "image", "images", "img",
+                        "name", "location", "key", "url", "uri"})
+LABEL_WORDS = frozenset({"label", "labels", "class", "classes", "target", "targets", "category", "categories", "cls"})
 
 
 def is_file_list(location: str) -> bool:
@@ -124,8 +130,14 @@ def _shown(delimiter: str) -> str:
 
 
 def _is_header(row: list[str]) -> bool:
-    return (len(row) >= 2 and row[0].strip().lower() in PATH_HEADERS
-            and row[1].strip().lower() in LABEL_HEADERS)
+    if len(row) < 2 or "." in row[0] or "/" in row[0]:
+        return False
+    return bool(_words(row[0]) & PATH_WORDS) and bool(_words(row[1]) & LABEL_WORDS)
+
+
+def _words(cell: str) -> set[str]:
+    """A header cell's words, lower case: "Image_Path" -> {"image", "path"}."""
+    return {w for w in re.split(r"[^a-z0-9]+", cell.strip().lower()) if w}
 
 
 def _rel(path: str, root: str, root_prefix: str, location: str, lineno: int) -> bytes:
