@@ -365,7 +365,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         directory = stream_dir(job.buffer, rank, job.world_size)
         make_stream_dir(directory, job.group_access)
         manifest = Manifest(
-            dataset_root=str(index.root),
+            dataset_root=job.data,  # as given (a file list, not its folder), for status and restart hints
             fingerprint=index.fingerprint,
             classes=list(index.classes),
             num_samples=len(index),

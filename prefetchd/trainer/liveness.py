@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +36,7 @@ from prefetchd.buffer_protocol import (
     map_batch,
     read_status,
 )
-from prefetchd.buffer_protocol.layout import owning_buffer
+from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError, LoaderTimeout
 
 logger = logging.getLogger(__name__)
@@ -146,8 +147,7 @@ class BatchWaiter:
                     raise DaemonGone(
                         f"{self.buffer}: no prefetchd daemon owns this buffer (none seen for {self.grace:g} s) "
                         f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
-                        f"{status_summary(self.buffer)}. Restart it with `prefetchd start --buffer "
-                        f"{self.buffer} --data {self.manifest.dataset_root}{_split_flag(self.manifest)}`: "
+                        f"{status_summary(self.buffer)}. Restart it with `{restart_command(self.manifest, self.buffer)}`: "
                         "it resumes from progress.json"
                     )
             if now >= deadline:
@@ -190,14 +190,13 @@ class BatchWaiter:
         if age <= self.stall:
             return
         state = _short(own.state) if own is not None else "unknown"
-        buffer = owning_buffer(self.buffer)
         raise DaemonStuck(
             f"{self.buffer}: the daemon (pid {pid}) owns this buffer but has written no {what} for {age:.1f} s "
             f"(stall_timeout {self.stall:g} s; last state {state}) "
             f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
             f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then restart it "
-            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `prefetchd start --buffer {buffer} --data "
-            f"{self.manifest.dataset_root}{_split_flag(self.manifest)}`): the new daemon resumes from "
+            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `{restart_command(self.manifest, self.buffer)}`): "
+            "the new daemon resumes from "
             "progress.json. If it is only slow, pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
         )
 
@@ -235,8 +234,50 @@ def _summary_parts(status: Status) -> list[str]:
     return parts
 
 
-def _split_flag(m: Manifest) -> str:
-    return "" if m.split == "train" else f" --split {m.split}"
+def restart_command(m: Manifest, stream: Path) -> str:
+    """The ``prefetchd start`` that serves ``m``'s job on the buffer of ``stream`` again: every flag
+    of the job's identity (a daemon started with others would refuse the buffer as another job's)
+    and its epochs, so that the new daemon resumes from progress.json."""
+    buffer = owning_buffer(stream)
+    args = ["prefetchd", "start", "--buffer", str(buffer), "--data", m.dataset_root]
+    if m.split != "train":
+        args += ["--split", m.split]
+    if m.val_fraction is not None:
+        args += ["--val-fraction", f"{m.val_fraction:g}"]
+    args += ["--batch-size", str(m.batch_size), "--image-size", str(m.image_size)]
+    if m.seed:
+        args += ["--seed", str(m.seed)]
+    if m.world_size > 1:
+        args += ["--world-size", str(m.world_size), "--ranks", _served_ranks(m, buffer)]
+    for part in filter(None, m.augmentation.split(";")):  # "color_jitter=0.4;transform=mod:fn": the flags' values
+        key, _, value = part.partition("=")
+        args += ["--" + key.replace("_", "-"), value]
+    if m.drop_last:
+        args.append("--drop-last")
+    if m.epochs is not None:
+        args += ["--epochs", str(m.epochs)]
+    return shlex.join(args)
+
+
+def _served_ranks(m: Manifest, buffer: Path) -> str:
+    """The ranks whose streams the daemon that wrote ``m`` produced, as ``--ranks`` takes them (``0-3,6``):
+    those whose manifest names the same producer."""
+    ranks = [m.rank]
+    for directory in sorted(buffer.glob(f"{STREAM_PREFIX}*")):
+        try:
+            other = Manifest.read(directory)
+        except (ProtocolError, OSError):
+            continue
+        if other.producer == m.producer and other.rank != m.rank:
+            ranks.append(other.rank)
+    ranks.sort()
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def _short(value: object, limit: int = 200) -> str:

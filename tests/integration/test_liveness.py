@@ -7,6 +7,7 @@ Timings are bounds with generous slack, never speeds: the machine is shared."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -69,21 +70,33 @@ def test_stopped_daemon_is_reported_stuck_within_the_stall_timeout(shapes_data: 
     assert steps == list(range(len(loader)))
 
 
-def test_killed_daemon_is_reported_gone(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+def test_killed_daemon_is_reported_gone_with_a_restart_that_resumes(shapes_data: Path, shm_dir: Path,
+                                                                    tmp_path: Path, start_daemon) -> None:
+    """The message's `prefetchd start` serves the same job again: a file list (not its folder),
+    with every flag of the job's identity, so the new daemon takes the buffer over and goes on."""
+    listing = tmp_path / "train.csv"
+    listing.write_text("".join(f"{p},{p.parent.name}\n" for p in sorted((shapes_data / "train").rglob("*.jpg"))))
     buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--epochs", "1",
+    daemon = start_daemon(buffer, "--data", listing, *SMALL, "--epochs", "1", "--color-jitter", "0.2",
                           "--high-water", "2", "--low-water", "1")
     wait_running(buffer, daemon.proc.pid)
     loader = BufferLoader(buffer, normalize=False, timeout=120, daemon_grace=1.0, stall_timeout=STALL)
     it = iter(loader)
-    next(it)
+    steps = [next(it).step]
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait(10)
     start = time.monotonic()
-    with pytest.raises(DaemonGone, match="no prefetchd daemon owns this buffer"):
-        for _ in it:
-            pass
+    with pytest.raises(DaemonGone, match="no prefetchd daemon owns this buffer") as info:
+        for batch in it:
+            steps.append(batch.step)
     assert time.monotonic() - start < 1.0 + SLACK
+    command = shlex.split(str(info.value).split("Restart it with `")[1].split("`")[0])
+    assert command[:4] == ["prefetchd", "start", "--buffer", str(buffer)]
+    assert command[command.index("--data") + 1] == str(listing)
+    restarted = start_daemon(buffer, *command[4:], "--workers", "1")
+    steps += [b.step for b in BufferLoader(buffer, normalize=False, timeout=120, start=(0, steps[-1] + 1))]
+    assert steps == list(range(len(loader)))
+    assert restarted.proc.poll() in (None, 0)  # took the buffer over as the same job, no refusal
 
 
 TRAINER = """
