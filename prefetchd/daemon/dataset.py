@@ -66,7 +66,7 @@ class SampleIndex:
     def name(self, i: int) -> str:
         """Sample ``i`` as a user finds it: its file, and the byte range within a shard."""
         rel, offset, size = self.location(i)
-        where = f"{self.root.rstrip('/')}/{rel}"
+        where = rel if rel.startswith("/") else f"{self.root.rstrip('/')}/{rel}"  # a listed absolute path stays one
         return where if size is None else f"{where} (bytes {offset}-{offset + size})"
 
     def path(self, i: int) -> Path:

@@ -101,6 +101,7 @@ def test_tsv_file_list_with_integer_labels_and_absolute_paths(tmp_path: Path, ma
     assert index.classes == ("0", "1", "2", "3")
     assert index.labels.tolist() == [3, 0]
     assert index.file(1) == "y.jpg"  # inside the list's folder: stored relative to it
+    assert index.name(0) == str(outside) and index.name(1) == str(inside)  # as messages name them
     reader = SampleReader(index)
     assert bytes(reader.read(0)) == outside.read_bytes()
     assert bytes(reader.read(1)) == inside.read_bytes()
