@@ -410,13 +410,14 @@ class Producer:
             self._maybe_drop(build)
             return
         for path, reason in result.failures:
-            if path not in self.logged_failures:
-                self.logged_failures.add(path)
-                if len(self.bad_files) < MAX_LISTED_BAD_FILES:
-                    self.bad_files.append({"path": path, "reason": reason})
-                log.warning("cannot decode %s (%s); replacing it with the next sample of the split", path, reason)
-        if result.failures and self._over_budget(*result.failures[-1]):
-            return
+            if path in self.logged_failures:
+                continue
+            self.logged_failures.add(path)
+            if len(self.bad_files) < MAX_LISTED_BAD_FILES:
+                self.bad_files.append({"path": path, "reason": reason})
+            if self._over_budget(path, reason):  # named as the file that stopped the job, not as replaced
+                return
+            log.warning("cannot decode %s (%s); replacing it with the next sample of the split", path, reason)
         requested = dict(task.items)
         for slot, index, label in result.slots:
             build.indices[slot] = index

@@ -95,6 +95,7 @@ def test_strict_fails_the_job_naming_the_file(corpus: Corpus, shm_dir: Path, sta
     message = re.search(r"--strict: cannot decode (\S+) \(", daemon.log)
     assert message, daemon.log
     assert Path(message[1]).relative_to(corpus.root.resolve()).as_posix() in corpus.undecodable
+    assert "replacing it" not in daemon.log  # the first bad file stops the job; none is replaced
     status = read_status(buffer)
     assert status is not None and status.state == State.FAILED and "--strict" in status.message
 
@@ -103,7 +104,9 @@ def test_a_bad_sample_budget_stops_the_job(corpus: Corpus, shm_dir: Path, start_
     buffer = shm_dir / "bf"
     daemon = start_daemon(buffer, "--data", corpus.root, *SMALL, "--max-bad-samples", "2")
     assert daemon.wait_exit(120) == EXIT_BAD_DATA, daemon.log
-    # A worker reports a task's failures together, so the count may jump past 3.
-    stopped = re.search(r"(\d+) files could not be decoded, more than --max-bad-samples 2 allows", daemon.log)
-    assert stopped and int(stopped[1]) > 2, daemon.log
-    assert len(re.findall(r"cannot decode \S+ \(", daemon.log)) == int(stopped[1])
+    # The third distinct file stops it, named as the last; the two before it were replaced.
+    stopped = re.search(r"3 files could not be decoded, more than --max-bad-samples 2 allows \(the last: (\S+):",
+                        daemon.log)
+    assert stopped, daemon.log
+    replaced = re.findall(r"cannot decode (\S+) \(.*; replacing it", daemon.log)
+    assert len(set(replaced)) == 2 and stopped[1] not in replaced, daemon.log
