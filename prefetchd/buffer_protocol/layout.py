@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -286,6 +287,14 @@ class Manifest:
         "samples_per_epoch", "rank", "world_size", "val_fraction", "augmentation", "drop_last",
     )
 
+    @property
+    def job_key(self) -> str:
+        """A short digest of the job's identity: the same for every run of one job (a restarted
+        daemon), different for any other.  Progress documents carry it (``Progress.job``), so a
+        daemon that replaced a job tells its trainer's position from a trainer of the old one."""
+        identity = json.dumps([getattr(self, k) for k in self.IDENTITY], sort_keys=True)
+        return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
     def identity_diff(self, other: Manifest) -> list[str]:
         """Human-readable list of identity fields that differ from ``other``."""
         return [
@@ -346,7 +355,9 @@ class Progress:
     ``pid`` and ``time`` say which process wrote it and when (``write`` fills them
     in); the daemon tells from them whether the trainer is still there.  ``closed``:
     a named consumer left (``BufferLoader.close``) and holds no batches until it
-    writes again.  ``consumer`` picks the file (see :func:`progress_name`).
+    writes again.  ``job``: the ``Manifest.job_key`` of the job the position is in (None
+    from writers that predate it); the daemon ignores a position in another job.
+    ``consumer`` picks the file (see :func:`progress_name`).
     """
 
     epoch: int
@@ -355,6 +366,7 @@ class Progress:
     pid: int | None = field(default=None, compare=False)
     time: float | None = field(default=None, compare=False)
     closed: bool = field(default=False, compare=False)
+    job: str | None = field(default=None, compare=False)
 
     def write(self, buffer: Path, consumer: str = DEFAULT_CONSUMER) -> None:
         doc: dict[str, Any] = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch,
@@ -363,6 +375,8 @@ class Progress:
             doc["wait_share"] = round(self.wait_share, 4)
         if self.closed:
             doc["closed"] = True
+        if self.job is not None:
+            doc["job"] = self.job
         write_json(buffer / progress_name(consumer), doc)
 
     @classmethod
@@ -381,7 +395,8 @@ class Progress:
         # Optional for readers: documents of older writers have neither.
         pid = _field(doc, "pid", int, path) if doc.get("pid") is not None else None
         written = _field(doc, "time", float, path) if doc.get("time") is not None else None
-        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written, closed)
+        job = _field(doc, "job", str, path) if doc.get("job") is not None else None
+        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written, closed, job)
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,11 @@ class Stream:
             return False
         if progress is None:
             return False
+        if progress.job is not None and progress.job != self.manifest.job_key:
+            # A trainer of the job this one replaced, writing its position back before it notices.
+            self._progress_problem(consumer, f"pid {progress.pid} wrote it for another job (key {progress.job}, "
+                                             f"this job's is {self.manifest.job_key})")
+            return False
         if progress.step >= self.steps:
             self._progress_problem(consumer, f"step {progress.step} is past the {self.steps} steps of an epoch")
             return False

@@ -30,6 +30,11 @@ class DaemonRestartsExhausted(LoaderError):
     """``prefetchd-train --spawn-daemon`` restarted a dead or stuck daemon as often as allowed, and it failed again."""
 
 
+class JobReplaced(LoaderError):
+    """The daemon now serves another job on the loader's buffer (``prefetchd submit --replace``): the
+    batches there are not this loader's job's."""
+
+
 class StateMismatch(LoaderError, ValueError):
     """A loader state (from a checkpoint) does not fit the buffer's job."""
 
@@ -49,6 +54,7 @@ class CheckpointError(ValueError):
 
 
 __all__ = [
-    "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "LoaderError", "LoaderTimeout",
+    "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "JobReplaced", "LoaderError",
+    "LoaderTimeout",
     "OptionError", "SetupError", "StateMismatch",
 ]

@@ -36,8 +36,8 @@ from prefetchd.buffer_protocol import (
     map_batch,
     read_status,
 )
-from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
-from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError, LoaderTimeout
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
+from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,43 @@ def _manifest_timeout_message(buffer: Path, timeout: float) -> str:
         f"owns it. Start one with `prefetchd start --buffer {buffer} --data ROOT` (ROOT: the class-folder "
         "dataset), or pass a larger timeout if one is still starting"
     )
+
+
+class JobWatch:
+    """Tells a loader when the daemon has replaced its job (``prefetchd submit --replace``).
+
+    The manifest is rewritten by rename when a job starts, so a change of its inode or mtime
+    is what is looked for: one ``stat`` per batch.  A daemon restarted on the same job writes
+    a manifest of the same identity, which passes.  The look comes after a batch is mapped: the
+    daemon writes the new job's manifest before any of its batches, so a batch mapped before a
+    look that finds the old job is the old job's."""
+
+    def __init__(self, buffer: Path, manifest: Manifest) -> None:
+        self.buffer = buffer
+        self.manifest = manifest
+        self._seen: tuple[int, int] | None = None  # the first look reads the file: it may have changed since
+
+    def check(self) -> None:
+        path = self.buffer / MANIFEST_NAME
+        try:
+            st = os.stat(path)
+        except OSError:  # being replaced (the daemon clears before it writes), or gone with the daemon
+            return
+        if (st.st_ino, st.st_mtime_ns) == self._seen:
+            return
+        try:
+            current = Manifest.read(self.buffer)
+        except (ProtocolError, OSError):
+            return  # half-replaced or damaged: the next look decides
+        diff = current.identity_diff(self.manifest)
+        if diff:
+            raise JobReplaced(
+                f"{self.buffer}: the daemon now serves another job ({'; '.join(diff)}): someone replaced this "
+                f"loader's job (`prefetchd submit --replace`, or a daemon started with --reset), so the batches "
+                f"there are not its own. Start the trainer again for the new job, or submit this one again "
+                f"(`{job_command(self.manifest, self.buffer, 'submit')} --replace`)"
+            )
+        self._seen = (st.st_ino, st.st_mtime_ns)
 
 
 class BatchWaiter:
@@ -147,7 +184,7 @@ class BatchWaiter:
                     raise DaemonGone(
                         f"{self.buffer}: no prefetchd daemon owns this buffer (none seen for {self.grace:g} s) "
                         f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
-                        f"{status_summary(self.buffer)}. Restart it with `{restart_command(self.manifest, self.buffer)}`: "
+                        f"{status_summary(self.buffer)}. Restart it with `{job_command(self.manifest, self.buffer)}`: "
                         "it resumes from progress.json"
                     )
             if now >= deadline:
@@ -195,7 +232,7 @@ class BatchWaiter:
             f"(stall_timeout {self.stall:g} s; last state {state}) "
             f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
             f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then restart it "
-            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `{restart_command(self.manifest, self.buffer)}`): "
+            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `{job_command(self.manifest, self.buffer)}`): "
             "the new daemon resumes from "
             "progress.json. If it is only slow, pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
         )
@@ -234,12 +271,12 @@ def _summary_parts(status: Status) -> list[str]:
     return parts
 
 
-def restart_command(m: Manifest, stream: Path) -> str:
-    """The ``prefetchd start`` that serves ``m``'s job on the buffer of ``stream`` again: every flag
-    of the job's identity (a daemon started with others would refuse the buffer as another job's)
-    and its epochs, so that the new daemon resumes from progress.json."""
+def job_command(m: Manifest, stream: Path, verb: str = "start") -> str:
+    """The ``prefetchd start`` (or ``submit``) that serves ``m``'s job on the buffer of ``stream``
+    again: every flag of the job's identity (a daemon started with others would refuse the buffer
+    as another job's) and its epochs, so that the daemon resumes from progress.json."""
     buffer = owning_buffer(stream)
-    args = ["prefetchd", "start", "--buffer", str(buffer), "--data", m.dataset_root]
+    args = ["prefetchd", verb, "--buffer", str(buffer), "--data", m.dataset_root]
     if m.split != "train":
         args += ["--split", m.split]
     if m.val_fraction is not None:
@@ -285,4 +322,4 @@ def _short(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["BatchWaiter", "status_summary", "wait_for_manifest"]
+__all__ = ["BatchWaiter", "JobWatch", "job_command", "status_summary", "wait_for_manifest"]

@@ -73,7 +73,7 @@ from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.batch import Batch, WaitMeter
 from prefetchd.trainer.errors import LoaderError
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
-from prefetchd.trainer.liveness import BatchWaiter, wait_for_manifest
+from prefetchd.trainer.liveness import BatchWaiter, JobWatch, wait_for_manifest
 from prefetchd.trainer.resume import is_count, loader_state, resume_position
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,7 @@ class BufferLoader:
         self._normalize = normalize
         self._timeout = float(timeout)
         self._manifest = wait_for_manifest(self._buffer, self._timeout)
+        self._job = JobWatch(self._buffer, self._manifest)
         self._waiter = BatchWaiter(self._buffer, self._manifest, self._timeout, float(daemon_grace),
                                    float(stall_timeout) if stall_timeout is not None else None)
         self._scale, self._shift = self._normalization(mean, std)
@@ -405,7 +406,8 @@ class BufferLoader:
         if position == self._published and not force:
             return
         try:
-            Progress(*position, wait_share=self._waits.share(), closed=closed).write(self._buffer, self._consumer)
+            Progress(*position, wait_share=self._waits.share(), closed=closed,
+                     job=self._manifest.job_key).write(self._buffer, self._consumer)
         except OSError as exc:
             now = time.monotonic()
             if self._publish_failing_since is None:
@@ -432,6 +434,7 @@ class BufferLoader:
         The refresh tells a daemon serving several consumers that this one waits rather than
         went silent (a silent consumer stops holding batches after --consumer-timeout).
         """
+        self._job.check()  # a position written back into a job that replaced ours would mislead its daemon
         try:
             current = Progress.read(self._buffer, self._consumer)
         except (ProtocolError, OSError):
@@ -585,6 +588,7 @@ class BufferLoader:
                 f"{path}: labels range over [{int(labels_np.min())}, {int(labels_np.max())}] but the manifest "
                 f"has {len(m.classes)} classes; delete it (the daemon regenerates missing batches)"
             )
+        self._job.check()  # after the mapping: a batch mapped while the manifest still named our job is ours
 
 
 __all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from prefetchd.buffer_protocol import JobRequest, Manifest
-from prefetchd.trainer import BufferLoader
+from prefetchd.buffer_protocol import JobRequest, Manifest, Progress
+from prefetchd.trainer import BufferLoader, JobReplaced
 from tests.status_examples import job_result_of, state_of
 
 CLI = [sys.executable, "-m", "prefetchd"]
@@ -81,6 +81,36 @@ def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_da
     assert steps == [(first.epoch, first.step + k) for k in range(1, 6)]
     assert Manifest.read(buffer).batch_size == 8 and daemon.proc.poll() is None
     loader.close()
+
+
+def test_a_replaced_jobs_trainer_stops_and_the_new_job_starts_at_its_beginning(shapes_data: Path, shm_dir: Path,
+                                                                               start_daemon) -> None:
+    """`submit --replace` under a live trainer: that trainer must not take the new job's batches
+    (smaller ones passed its checks), and its position, written back before it notices, must not
+    become the new job's (a 1-epoch job would count as consumed at once)."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "3").returncode == 0
+    old = BufferLoader(buffer, normalize=False, timeout=30)
+    old_key = old.manifest.job_key
+    batches = (batch for _ in range(3) for batch in old)  # its 3 epochs, one iter() each
+    sizes = [next(batches).images.shape[0] for _ in range(old.manifest.steps_per_epoch + 2)]  # into epoch 1
+
+    forced = submit(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
+                    "--epochs", "1", "--replace")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    Progress(1, 2, job=old_key).write(buffer)  # the old trainer's position, as it would write it back
+    with pytest.raises(JobReplaced, match=r"serves another job \(batch_size: 8 -> 4.*prefetchd submit --buffer"):
+        for batch in batches:
+            sizes.append(batch.images.shape[0])
+    assert set(sizes) == {8}, "the old trainer got a batch of the new job"
+
+    new = BufferLoader(buffer, normalize=False, timeout=30)
+    steps = [(b.epoch, b.step, b.images.shape[0]) for b in new]
+    assert steps == [(0, k, 4) for k in range(new.manifest.steps_per_epoch)]
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the new job to be consumed")
+    assert "wrote it for another job" in daemon.log, daemon.log
 
 
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
