@@ -28,6 +28,7 @@ from prefetchd.daemon.producer import STAGES
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
 from prefetchd.locations import normalize
 from prefetchd.options import click_options
+from prefetchd.words import counted
 
 log = logging.getLogger("prefetchd")
 
@@ -200,10 +201,6 @@ def _exited(pid: int) -> bool:
         return True
 
 
-def _counted(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def _mib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -276,11 +273,11 @@ def format_status(info: dict[str, Any]) -> str:
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting "
             f"(resume at {pr.low_water}), {pr.building} building",
             f"  memory    {_mib(pr.buffer_bytes)} in the buffer, {_mib(pr.free_bytes)} free on its filesystem",
-            f"  rates     produce {r.samples_per_s:.0f} img/s with {_counted(pr.workers, 'worker')} "
+            f"  rates     produce {r.samples_per_s:.0f} img/s with {counted(pr.workers, 'worker')} "
             f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",
-            f"  errors    {_counted(e.replaced_samples, 'replaced sample')}, "
-            f"{_counted(e.undecodable_files, 'undecodable file')}, {_counted(e.worker_restarts, 'worker restart')}, "
-            f"{_counted(e.write_failures, 'write failure')}",
+            f"  errors    {counted(e.replaced_samples, 'replaced sample')}, "
+            f"{counted(e.undecodable_files, 'undecodable file')}, {counted(e.worker_restarts, 'worker restart')}, "
+            f"{counted(e.write_failures, 'write failure')}",
         ]
         if pr.remote is not None:
             lines += _remote_lines(pr.remote, pr.totals.samples)
@@ -452,7 +449,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: 
     except DaemonError as exc:
         raise click.ClickException(str(exc)) from None
     bad = f"; {summary['unreadable']} unreadable files packed empty (the daemon replaces them)" if summary["unreadable"] else ""
-    click.echo(f"packed {summary['samples']} samples of {index.root} into {_counted(summary['shards'], 'shard')} "
+    click.echo(f"packed {summary['samples']} samples of {index.root} into {counted(summary['shards'], 'shard')} "
                f"({_mib(summary['bytes'])}) in {out}{bad}")
 
 

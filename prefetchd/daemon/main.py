@@ -40,6 +40,7 @@ from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.sources.index_cache import default_cache_dir
 from prefetchd.daemon.hook import validate_hook
 from prefetchd.daemon.resample import resize_summary
+from prefetchd.words import counted
 from prefetchd.daemon.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -389,9 +390,9 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
     log.info(
         "producing %s split of %s into %s: %d samples, %d steps of %d at %dpx per epoch%s, "
-        "%d worker%s, high/low water %d/%d per rank, epochs %s",
+        "%s, high/low water %d/%d per rank, epochs %s",
         job.split, index.root, job.buffer, samples, streams[0][1].steps_per_epoch, job.batch_size, job.image_size,
-        ranks, job.workers, "" if job.workers == 1 else "s", job.high_water, job.low_water, job.epochs or "unbounded",
+        ranks, counted(job.workers or 0, "worker"), job.high_water, job.low_water, job.epochs or "unbounded",
     )
     return Producer(job, index, members, streams, wake, poll_jobs=inbox.poll,
                     job_result=lambda: inbox.result, on_status=publish, notifier=notifier)

@@ -49,6 +49,7 @@ from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +193,10 @@ class Producer:
             if self.finished:
                 # Restarted after the trainers consumed the last epoch: nothing to build, so no
                 # workers to start and no reason to wait for a progress that will not move.
-                log.info("the trainers had consumed all %d epochs before this daemon started; nothing to produce",
-                         self.streams[0].manifest.epochs)
+                # A warning: under --log-level warning (prefetchd-train --spawn-daemon) it is why the daemon exits.
+                log.warning("the trainers had consumed all %s before this daemon started; nothing to produce "
+                            "(to produce them again, from epoch 0, remove the progress*.json files in %s)",
+                            counted(self.streams[0].manifest.epochs or 0, "epoch"), self.buffer)
             else:
                 self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
                 if self.remote is not None:  # the bridge connects in the background
@@ -216,7 +219,7 @@ class Producer:
                     self._write_status()
                     last_status = now
                 if self.finished:
-                    log.info("the trainers consumed all %d epochs", self.streams[0].manifest.epochs)
+                    log.info("the trainers consumed all %s", counted(self.streams[0].manifest.epochs or 0, "epoch"))
                     break
         except Exception as exc:  # a bug: leave a status that says so, not a silently stale heartbeat
             log.exception("internal error in the controller")

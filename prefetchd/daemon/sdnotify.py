@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, MutableMapping
 
 from prefetchd.buffer_protocol import Production, Status
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ def status_line(status: Status) -> str:
         (p.errors.write_failures, "write failure"),
     ):
         if count:
-            parts.append(f"{count} {noun}{'' if count == 1 else 's'}")
+            parts.append(counted(count, noun))
     if p.errors.progress_file:
         parts.append("progress file ignored")
     line = ", ".join(parts)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefetchd.buffer_protocol import daemon_pid, stream_dir
-from prefetchd.buffer_protocol.layout import owning_buffer
+from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, owning_buffer, progress_name
 from prefetchd.launch import LaunchError, launch, start_argv, stop_daemon_process, wait_ready
 from prefetchd.locations import normalize
 from prefetchd.trainer.config import TrainConfig
@@ -114,6 +114,14 @@ def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig
                    high_water=config.high_water, reset=config.reset or None)
     if split == "train" and config.drop_last:  # validation sees every sample
         options["drop_last"] = True
+    if not config.resume:
+        # A fresh run starts at epoch 0.  A finished run's position left in the buffer would have the
+        # new daemon find every epoch consumed and exit at once with nothing to produce.
+        for directory in streams or (buffer,):
+            try:
+                (directory / progress_name(config.consumer or DEFAULT_CONSUMER)).unlink(missing_ok=True)
+            except OSError:
+                pass  # not ours to remove: the daemon says what it finds
     cmd = start_argv(buffer, options)
     started = time.time()
     # The daemon's warnings and errors go to our stderr. It is not tied to us: if we are
