@@ -30,6 +30,7 @@ from prefetchd.buffer_protocol import (
     Manifest,
     MappedBatch,
     ProtocolError,
+    State,
     Status,
     batch_name,
     daemon_pid,
@@ -60,7 +61,9 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
         try:
             return Manifest.read(buffer)
         except FileNotFoundError:
-            pass  # no daemon has started on this buffer yet
+            wrong = _rank_streams_instead(buffer)  # or no daemon has started on this buffer yet
+            if wrong is not None:
+                raise wrong from None
         except NotADirectoryError:
             raise LoaderError(f"{buffer} is not a directory; pass the daemon's --buffer directory") from None
         now = time.monotonic()
@@ -79,14 +82,43 @@ def _manifest_timeout_message(buffer: Path, timeout: float) -> str:
     if pid is not None:
         return (
             f"{buffer}: the daemon (pid {pid}) owns this buffer but wrote no manifest.json within {waited} "
-            f"({status_summary(buffer)}); it may still be indexing a large dataset. Check "
-            f"`prefetchd status --buffer {buffer}`, or pass a larger timeout"
+            f"({status_summary(buffer)}); {why_no_manifest(buffer)}"
         )
     where = "does not exist" if not buffer.exists() else "has no manifest.json"
     return (
         f"{buffer} {where} after waiting {waited} for the daemon's manifest.json, and no prefetchd daemon "
         f"owns it. Start one with `prefetchd start --buffer {buffer} --data ROOT` (ROOT: the class-folder "
         "dataset), or pass a larger timeout if one is still starting"
+    )
+
+
+def why_no_manifest(buffer: Path, more_time: str = "pass a larger timeout") -> str:
+    """What to do about a live daemon that has written no manifest for a trainer: give it a job, or
+    wait for it (``buffer``: the daemon's, not a rank's stream; ``more_time``: how to wait longer)."""
+    try:
+        status = read_status(buffer)
+    except (ProtocolError, OSError):
+        status = None
+    if status is not None and status.state == State.WAITING_FOR_JOB:
+        return (f"it is waiting for a job: give it one with `prefetchd submit --buffer {buffer} --data ROOT` "
+                "(and this run's batch and image size)")
+    return f"it may still be indexing a large dataset. Check `prefetchd status --buffer {buffer}`, or {more_time}"
+
+
+def _rank_streams_instead(buffer: Path) -> LoaderError | None:
+    """The error for a loader pointed at the top of a buffer that holds one stream per rank."""
+    streams = sorted(d for d in buffer.glob(f"{STREAM_PREFIX}*") if (d / MANIFEST_NAME).is_file())
+    if not streams:
+        return None
+    try:
+        world = Manifest.read(streams[0]).world_size
+    except (ProtocolError, OSError):
+        world = None
+    size = f" of world size {world}" if world is not None else ""
+    return LoaderError(
+        f"{buffer} holds one stream per rank ({', '.join(d.name for d in streams[:3])}"
+        f"{', ...' if len(streams) > 3 else ''}{size}), not a single stream: pass a rank's, "
+        f"`stream_dir({str(buffer)!r}, rank, world_size)`, or `rank_stream({str(buffer)!r})` under torchrun"
     )
 
 
@@ -322,4 +354,4 @@ def _short(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["BatchWaiter", "JobWatch", "job_command", "status_summary", "wait_for_manifest"]
+__all__ = ["BatchWaiter", "JobWatch", "job_command", "status_summary", "wait_for_manifest", "why_no_manifest"]

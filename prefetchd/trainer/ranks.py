@@ -33,6 +33,7 @@ import torch.distributed as dist
 from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, SetupError
+from prefetchd.trainer.liveness import why_no_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +189,7 @@ def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float) ->
         extra = (f"; it may produce only other ranks: its --ranks must include {ranks.rank}"
                  if ranks.distributed else "")
         return (f"{own}: the daemon (pid {pid}) owns {buffer} but wrote no manifest.json there within "
-                f"{timeout:g} s{extra}; it may still be indexing a large dataset. Check `prefetchd status --buffer "
-                f"{buffer}`, or pass a larger --timeout")
+                f"{timeout:g} s{extra}; {why_no_manifest(buffer, 'pass a larger --timeout')}")
     where = "does not exist" if not own.exists() else "has no manifest.json"
     return (f"{own} {where} after waiting {timeout:g} s for the daemon's manifest.json, and no prefetchd daemon "
             f"owns {buffer}. Start one with `prefetchd start --buffer {buffer} --data ROOT{world}` (ROOT: the "

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from prefetchd.buffer_protocol import JobRequest, Manifest, Progress
-from prefetchd.trainer import BufferLoader, JobReplaced
+from prefetchd.trainer import BufferLoader, JobReplaced, LoaderTimeout
 from tests.status_examples import job_result_of, state_of
 
 CLI = [sys.executable, "-m", "prefetchd"]
@@ -35,6 +35,8 @@ def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: P
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
     out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True)
     assert out.returncode == 0 and "waiting-for-job" in out.stdout and "prefetchd submit" in out.stdout
+    with pytest.raises(LoaderTimeout, match=rf"it is waiting for a job: give it one with `prefetchd submit --buffer {buffer}"):
+        BufferLoader(buffer, timeout=1)  # a trainer before the job: told what the daemon waits for
 
     bad = submit(buffer, "--data", shm_dir / "missing", *JOB)
     assert bad.returncode == 1 and "refused" in bad.stdout and "does not exist" in bad.stdout

@@ -273,6 +273,15 @@ def test_manifest_timeout_for_a_missing_directory(tmp_path: Path) -> None:
         BufferLoader(missing, timeout=0.05)
 
 
+def test_the_top_of_a_buffer_of_rank_streams_is_refused_at_once(make_job: MakeJob, buffer: Path) -> None:
+    for rank in (0, 1):
+        make_job(buffer / f"rank-0000{rank}")
+    start = time.monotonic()
+    with pytest.raises(LoaderError, match=r"holds one stream per rank \(rank-00000, rank-00001.*rank_stream\(") as info:
+        BufferLoader(buffer, timeout=30)
+    assert time.monotonic() - start < 5 and not isinstance(info.value, LoaderTimeout)
+
+
 def test_waits_for_a_manifest_that_appears_later(make_job: MakeJob, buffer: Path) -> None:
     job = make_job(manifest=False, write=1)
     later(0.1, lambda: job.manifest.write(buffer))
