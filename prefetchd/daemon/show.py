@@ -8,6 +8,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from prefetchd.buffer_protocol import Manifest, MappedBatch, Progress, list_batches, map_batch
+from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.errors import DaemonError
 
 LABEL_HEIGHT = 14
@@ -18,11 +19,19 @@ def next_batch(buffer: Path) -> MappedBatch:
     progress = Progress.read(buffer) or Progress(0, 0)
     waiting = sorted(k for k in list_batches(buffer) if k >= (progress.epoch, progress.step))
     if not waiting:
+        streams = sorted(d.name for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir())
+        if streams:
+            raise DaemonError(f"{buffer} holds one stream per rank ({', '.join(streams[:3])}"
+                              f"{', ...' if len(streams) > 3 else ''}); pass one: --buffer {buffer / streams[0]}")
         raise DaemonError(f"{buffer} has no waiting batch; is a daemon filling it (`prefetchd status --buffer {buffer}`)?")
     return map_batch(list_batches(buffer)[waiting[0]])
 
 
 def render_next_batch(buffer: Path, out: Path, max_images: int = 64) -> MappedBatch:
+    """Write the grid of the next waiting batch to ``out``, whose suffix picks the image format."""
+    if out.suffix.lower() not in Image.registered_extensions():
+        raise DaemonError(f"--out {out}: name an image file such as batch.png or batch.jpg (the suffix picks the "
+                          "format)")
     batch = next_batch(buffer)
     manifest = Manifest.read(buffer)
     images = batch.images[:max_images]
@@ -40,6 +49,9 @@ def render_next_batch(buffer: Path, out: Path, max_images: int = 64) -> MappedBa
         label = int(batch.labels[i])
         name = manifest.classes[label] if 0 <= label < len(manifest.classes) else str(label)
         draw.text((x + 2, y + h * scale + 1), f"{name} #{int(batch.indices[i])}", fill="black")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        grid.save(out)
+    except OSError as exc:
+        raise DaemonError(f"cannot write {out}: {exc.strerror or exc}; pass --out with a writable path") from None
     return batch

@@ -381,3 +381,32 @@ def test_config_show_is_toml_that_reads_back(runner: CliRunner, tmp_path: Path) 
     fields = {f.name for f in dataclasses.fields(DaemonConfig)}
     assert set(shown) <= fields and "workers" in shown
     assert "# default:" in next(line for line in result.output.splitlines() if line.startswith("workers = "))
+
+
+def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_path: Path) -> None:
+    """A suffix Pillow has no format for, an --out it cannot write, a buffer of rank streams."""
+    import numpy as np
+
+    from prefetchd.buffer_protocol import Manifest
+    from prefetchd.buffer_protocol.writer import write_batch
+
+    buffer = tmp_path / "bf"
+    buffer.mkdir()
+    Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=4, split="train", seed=0,
+             batch_size=4, image_size=8, samples_per_epoch=4, steps_per_epoch=1, epochs=1, producer="t").write(buffer)
+    write_batch(buffer / "e000000-s00000000.batch", np.zeros((4, 8, 8, 3), np.uint8), np.zeros(4, np.int64),
+                np.arange(4, dtype=np.int64), epoch=0, step=0, seed=0, producer="t")
+    (tmp_path / "afile").write_text("")
+    for out, message in [("grid", "name an image file such as batch.png"), ("b.xyz", "name an image file"),
+                         (str(tmp_path / "afile" / "x.png"), "cannot write")]:
+        result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", out])
+        # A ClickException: exit code 1 and its message, where a traceback's exception would be kept.
+        assert result.exit_code == 1 and message in result.output, (out, result.output)
+        assert isinstance(result.exception, SystemExit), result.exception
+    ranks = tmp_path / "ranks"
+    (ranks / "rank-00000").mkdir(parents=True)
+    (ranks / "rank-00001").mkdir()
+    result = CliRunner().invoke(cli.show, ["--buffer", str(ranks), "--out", str(tmp_path / "g.png")])
+    assert result.exit_code == 1 and f"pass one: --buffer {ranks / 'rank-00000'}" in result.output
+    good = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(tmp_path / "g.jpg")])
+    assert good.exit_code == 0 and (tmp_path / "g.jpg").stat().st_size > 0, good.output
