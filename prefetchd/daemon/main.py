@@ -306,6 +306,9 @@ def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[
             last_status = now
         select.select([wake], [], [], WAIT_STATUS_SECONDS)
         wake.drain()
+    # The last status says it stopped, not that it waits for a submit nobody will read.
+    publish(Status(pid=os.getpid(), state=State.STOPPED, heartbeat=time.time(), message=wake.stop_reason,
+                   job_result=inbox.result))
     return None
 
 

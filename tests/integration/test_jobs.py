@@ -113,6 +113,9 @@ def test_a_replaced_jobs_trainer_stops_and_the_new_job_starts_at_its_beginning(s
     assert steps == [(0, k, 4) for k in range(new.manifest.steps_per_epoch)]
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the new job to be consumed")
     assert "wrote it for another job" in daemon.log, daemon.log
+    stop = subprocess.run([*CLI, "stop", "--buffer", str(buffer)], capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert state(buffer) == "stopped"  # its last word, not "waiting for a job: prefetchd submit ..."
 
 
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
