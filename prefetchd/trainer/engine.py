@@ -31,7 +31,7 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from prefetchd.buffer_protocol import Manifest
+from prefetchd.buffer_protocol import Manifest, batch_name
 from prefetchd.trainer.checkpoint import (
     CHECKPOINT_FORMAT, CHECKPOINT_VERSION, Checkpointer, check_resumable, load_checkpoint, rng_state, set_rng_state,
 )
@@ -140,7 +140,8 @@ def run_pass(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else nullcontext()
     stopped = False
     with progress, torch.set_grad_enabled(training):
-        for done, (batch, waited) in enumerate(timed_batches(loader, recover), start=1):
+        # Counted from the epoch's start, so a resumed pass shows "10/15", not "1/15" of a pass it never ends.
+        for done, (batch, waited) in enumerate(timed_batches(loader, recover), start=loader.position[1] + 1):
             wait += waited
             images, labels = batch
             with autocast:
@@ -453,8 +454,10 @@ class Run:
         set_rng_state(mine["rng"], self.device)
         position = self.train_loader.position
         self.resumed_from = {"epoch": self.epoch, "global_step": self.global_step, "position": list(position)}
-        self.echo(f"prefetchd-train: resumed from {path}: epoch {self.epoch + 1}, global step {self.global_step}, "
-                  f"next batch epoch {position[0]} step {position[1]}")
+        # Counted from 1 as the progress lines count; the batch file's name counts from 0.
+        self.echo(f"prefetchd-train: resumed from {path}: epoch {self.epoch + 1}, global step {self.global_step}; "
+                  f"the next training batch is step {position[1] + 1} of epoch {position[0] + 1} "
+                  f"({batch_name(*position)})")
 
     # -- the loop
 
@@ -479,13 +482,19 @@ class Run:
         total_s = time.perf_counter() - run_start
         metrics = self._metrics(total_s, finished=not stopped)
         if stopped:
-            saved = f", checkpoint {self.checkpointer.path}" if self.checkpointer.path is not None else ""
-            echo(f"stopped after global step {self.global_step} ({self.stop_reason}{saved}); continue with --resume")
+            if self.checkpointer.path is not None:
+                saved, then = f", checkpoint {self.checkpointer.path}", "continue with --resume"
+            else:
+                saved, then = "", "no --checkpoint-dir, so no checkpoint to continue from"
+            echo(f"stopped after global step {self.global_step} ({self.stop_reason}{saved}); {then}")
         else:
             val_top1 = metrics["final_val_top1"]
+            # After a resume the images count every epoch, the time only this process's part.
+            took = (f"in {total_s:.1f} s" if self.resumed_from is None else
+                    f"in all ({total_s:.1f} s since resuming at global step {self.resumed_from['global_step']})")
             echo(
-                f"done: {metrics['train_images']} training images in {total_s:.1f} s, final val top-1 "
-                + (f"{val_top1:.2%}" if val_top1 is not None else "-")
+                f"done: {metrics['train_images']} training images {took}, "
+                + (f"final val top-1 {val_top1:.2%}" if val_top1 is not None else "no validation buffer")
                 + f", data-wait share {metrics['data_wait_share']:.1%}"
             )
         self._write_metrics(metrics)

@@ -111,7 +111,11 @@ def test_stop_and_resume_is_exact(make_job: MakeJob, buffer: Path, tmp_path: Pat
 
     said.clear()
     resumed = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", resume=True, **settings), echo=said.append)
-    assert any("resumed from" in line and "global step 4" in line for line in said)
+    # One count for people, from 1 as the progress lines count: stopped after step 1 (0-based) of epoch 1.
+    assert any("resumed from" in line and "global step 4; the next training batch is step 2 of epoch 2 "
+               "(e000001-s00000001.batch)" in line for line in said), said
+    assert any(line.startswith("done: ") and "in all (" in line and "since resuming at global step 4" in line
+               for line in said), said  # every epoch's images, only this process's time
     assert resumed["finished"] is True and resumed["resumed_from"]["global_step"] == 4
 
     timing = {"train_s", "val_s", "images_per_s", "data_wait_s", "epoch_s", "data_wait_share"}
@@ -280,3 +284,21 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Pa
     assert 1 <= step < 40
     doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
     assert doc["global_step"] == step  # the checkpoint is of the step it stopped at
+
+
+def test_a_resumed_pass_counts_its_steps_from_the_epochs_start(make_job: MakeJob, buffer: Path) -> None:
+    """A pass resumed at step 2 of 3 shows 3/3 when it ends, not 1/3."""
+    import io
+
+    from prefetchd.trainer import BufferLoader
+    from prefetchd.trainer.engine import run_pass
+    from prefetchd.trainer.report import ProgressLine
+
+    job = make_job(write=3)  # 10 samples in batches of 4: steps 0-2 of epoch 0
+    job.write_epochs(1)
+    loader = BufferLoader(job.buffer, timeout=10, start=(0, 2))
+    log = io.StringIO()
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    stats = run_pass(model, loader, torch.nn.CrossEntropyLoss(), ProgressLine(log, "epoch 1/2 val", len(loader), True))
+    assert stats.images == 2  # the epoch's last, short batch alone
+    assert "epoch 1/2 val 3/3" in log.getvalue(), log.getvalue()
