@@ -103,6 +103,13 @@ def test_unknown_key_lists_allowed_keys(tmp_path: Path) -> None:
         assert name in msg
 
 
+@pytest.mark.parametrize("text", ["batch_size = 8\nbatch-size = 9\n", "batch-size = 9\nbatch_size = 8\n"])
+def test_one_key_in_both_spellings_is_refused(tmp_path: Path, text: str) -> None:
+    """Either spelling is a key; with both, the file would say two things and the later win silently."""
+    with pytest.raises(ConfigError, match=r"c\.toml: 'batch_size' is set twice \(batch_size and batch-size\)"):
+        load_toml(write(tmp_path / "c.toml", text))
+
+
 @pytest.mark.parametrize(
     ("line", "key"),
     [('batch_size = "big"', "batch_size"), ("image-size = 1.5", "image"), ("seed = -4", "seed"),
