@@ -297,11 +297,16 @@ class Manifest:
 
     def identity_diff(self, other: Manifest) -> list[str]:
         """Human-readable list of identity fields that differ from ``other``."""
-        return [
+        diff = [
             f"{k}: {getattr(other, k)!r} -> {getattr(self, k)!r}"
             for k in self.IDENTITY
             if getattr(self, k) != getattr(other, k)
         ]
+        if self.fingerprint != other.fingerprint:  # a digest alone does not say which dataset, or that it changed
+            what = (f"dataset {other.dataset_root} -> {self.dataset_root}" if self.dataset_root != other.dataset_root
+                    else f"the files of {self.dataset_root} changed")
+            diff = [f"{d} ({what})" if d.startswith("fingerprint:") else d for d in diff]
+        return diff
 
     def to_doc(self) -> dict[str, Any]:
         return {"format": "prefetchd.manifest", "version": VERSION, **asdict(self)}

@@ -248,7 +248,7 @@ def format_status(info: dict[str, Any]) -> str:
     buffer, mf = info["buffer"], info["manifest"]
     st: Status | None = info["status"]
     if not info["running"]:
-        line = f"prefetchd on {buffer}: not running"
+        line = f"prefetchd on {buffer}: not running" + ("" if Path(buffer).exists() else f" ({buffer} does not exist)")
         if st:
             line += f" (last state: {st.state}{': ' + st.message if st.message else ''})"
         return "\n".join([line, *info["problems"]])
@@ -417,9 +417,9 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("--shard-size", default="1GB", show_default=True, callback=_shard_size,
               help="Start a new shard past this size: 1GB (10^9 bytes), 500MB, 1GiB (2^30 bytes).")
 @click.option("--shuffle", is_flag=True, help="Pack the samples in a seeded random order (the index records each one's source).")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="Seed of --shuffle.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None, help="Seed of --shuffle [default: 0].")
 @click.option("--force", is_flag=True, help="Replace the shards and index already in OUT.")
-def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: bool) -> None:
+def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, force: bool) -> None:
     """Pack the dataset at SRC (class folders or a file list) into tar shards in OUT.
 
     The shards follow WebDataset's naming (<key>.jpg + <key>.cls), so any tar
@@ -430,6 +430,8 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: 
     from prefetchd.daemon.sources.shards import check_pack_target
     from prefetchd.daemon.sources.shards import pack as pack_shards
 
+    if seed is not None and not shuffle:
+        raise click.UsageError("--seed orders the samples of --shuffle; add --shuffle, or leave --seed out")
     setup_logging("info")
     try:
         check_pack_target(src, out, force)  # before the source is indexed, which can take long
@@ -445,7 +447,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int, force: 
                         log.info("packed %d of %d samples", i + 1, len(index))
                         last = time.monotonic()
 
-            summary = pack_shards(index, out, shard_size, seed if shuffle else None, force, progress)
+            summary = pack_shards(index, out, shard_size, (seed or 0) if shuffle else None, force, progress)
     except DaemonError as exc:
         raise click.ClickException(str(exc)) from None
     bad = f"; {summary['unreadable']} unreadable files packed empty (the daemon replaces them)" if summary["unreadable"] else ""

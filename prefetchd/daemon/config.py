@@ -154,7 +154,7 @@ class DaemonConfig:
             raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: expected 'MIN,MAX' shorter-side lengths in "
                               "pixels, for example '256,480'") from None
         if not 1 <= lo <= hi:
-            raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: need 1 <= MIN <= MAX, for example '256,480'")
+            raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: need MIN <= MAX, both at least the image size, for example '256,480'")
         return (lo, hi)
 
     @property

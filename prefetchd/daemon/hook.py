@@ -39,7 +39,7 @@ def validate_hook(name: str) -> Hook:
         except AttributeError:
             raise ConfigError(f"transform = {name!r}: {module_name} has no attribute {attr!r}") from None
     if not callable(obj):
-        raise ConfigError(f"transform = {name!r}: {attr} is a {type(obj).__name__}, not a callable taking "
+        raise ConfigError(f"transform = {name!r}: {attr} is an object of type {type(obj).__name__}, not a callable taking "
                           "(uint8 tensor, numpy Generator)")
     return obj
 
@@ -62,7 +62,8 @@ def apply_hook(name: str, hwc: torch.Tensor, rng: np.random.Generator, size: int
     except Exception as exc:
         raise HookError(f"transform {name} failed on {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or tuple(out.shape) != (3, size, size):
-        got = f"{out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise HookError(f"transform {name} returned a {got} for {path}; it must return a uint8 tensor of shape "
+        got = (f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+               else "None" if out is None else f"an object of type {type(out).__name__}")
+        raise HookError(f"transform {name} returned {got} for {path}; it must return a uint8 tensor of shape "
                         f"(3, {size}, {size})")
     return out.permute(1, 2, 0)

@@ -358,8 +358,8 @@ class Stream:
                 if not alive:
                     keep = ("It stops holding batches while other consumers read" if several else
                             f"Keeping the buffer at the high-water mark ({self.high} batches) for when a trainer comes back")
-                    log.warning("rank %d's %s (pid %d) has gone away; progress last moved %.0f s ago, at epoch %d "
-                                "step %d. %s", self.rank, c.label.removeprefix("the "), c.pid, c.silent_for(now),
+                    log.warning("%s: rank %d's %s (pid %d) has gone away; progress last moved %.0f s ago, at epoch %d "
+                                "step %d. %s", self.dir, self.rank, c.label.removeprefix("the "), c.pid, c.silent_for(now),
                                 epoch, step, keep)
                 elif c.alive is False:
                     log.info("rank %d's %s is back (pid %d) at epoch %d step %d", self.rank,

@@ -265,7 +265,11 @@ def test_identity_diff() -> None:
     assert _manifest(drop_last=True, steps_per_epoch=12).identity_diff(old) == ["drop_last: False -> True"]
     changed = _manifest(batch_size=64, val_fraction=0.1, fingerprint="def")
     assert sorted(changed.identity_diff(old)) == sorted(
-        ["fingerprint: 'abc123' -> 'def'", "batch_size: 32 -> 64", "val_fraction: None -> 0.1"])
+        ["fingerprint: 'abc123' -> 'def' (the files of /data/shapes changed)", "batch_size: 32 -> 64",
+         "val_fraction: None -> 0.1"])
+    # A digest alone does not say which dataset: the roots are named.
+    assert _manifest(fingerprint="def", dataset_root="/data/other").identity_diff(old) == [
+        "fingerprint: 'abc123' -> 'def' (dataset /data/shapes -> /data/other)"]
     for field in Manifest.IDENTITY:
         assert field in Manifest.__dataclass_fields__
 

@@ -180,14 +180,14 @@ def test_bad_flags_exit_2(runner: CliRunner, captured: list[DaemonConfig], tmp_p
 def test_status_not_running(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
     assert result.exit_code == EXIT_NOT_RUNNING == 3
-    assert "not running" in result.output
+    assert "not running" in result.output and "does not exist" not in result.output
     assert str(tmp_path) in result.output
 
 
 def test_status_of_a_missing_buffer(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path / "never-made")])
     assert result.exit_code == 3
-    assert "not running" in result.output
+    assert f"not running ({tmp_path / 'never-made'} does not exist)" in result.output  # a typo, not a stopped daemon
 
 
 def test_status_json_not_running(runner: CliRunner, tmp_path: Path) -> None:

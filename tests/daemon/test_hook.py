@@ -72,7 +72,7 @@ def test_validate_hook_finds_the_callable(hook_module: str) -> None:
 
 @pytest.mark.parametrize(("suffix", "words"), [
     (":nowhere", ["no attribute", "nowhere"]),
-    (":NOT_CALLABLE", ["int", "not a callable"]),
+    (":NOT_CALLABLE", ["an object of type int", "not a callable"]),
     (":Holder.nothing", ["no attribute"]),
 ])
 def test_validate_hook_errors_say_what_is_wrong(hook_module: str, suffix: str, words: list[str]) -> None:
@@ -117,7 +117,7 @@ def test_hook_draws_from_the_samples_stream(tmp_path: Path, hook_module: str) ->
 @pytest.mark.parametrize(("hook", "words"), [
     ("wrong_shape", ["(3, 31, 32)", "(3, 32, 32)"]),
     ("wrong_dtype", ["torch.float32", "uint8"]),
-    ("not_a_tensor", ["ndarray", "uint8 tensor"]),
+    ("not_a_tensor", ["returned an object of type ndarray", "uint8 tensor"]),
     ("broken", ["KeyError", "oops"]),
     ("nowhere", ["no attribute"]),
 ])

@@ -279,6 +279,8 @@ def test_pack_cli_refuses_an_out_inside_its_source_before_writing(tmp_path: Path
     missing = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "nope"), str(tmp_path / "out")])
     assert missing.exit_code == 1 and "does not exist; expected a folder of class folders" in missing.output
     assert "--data" not in missing.output  # pack takes its source as SRC
+    unshuffled = CliRunner().invoke(cli_main, ["pack", str(src), str(tmp_path / "out"), "--seed", "7"])
+    assert unshuffled.exit_code == 2 and "--seed orders the samples of --shuffle" in unshuffled.output
 
 
 # -- bad samples in every layout ------------------------------------------------------
