@@ -126,10 +126,11 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if value is None:
-            lines.append(f"# {f.name} =  (unset)")
+            lines.append(f"# {f.name} = (unset)")
             continue
         pair = tomli_w.dumps({f.name: str(value) if isinstance(value, Path) else value}).rstrip("\n")
-        note = f"  # default: {sized[f.name].split(' ', 1)[1]}" if f.name in sized else ""
+        # A note reads "VALUE (why)": the comment is the why.
+        note = f"  # default: {sized[f.name].split(' ', 1)[1].removeprefix('(').removesuffix(')')}" if f.name in sized else ""
         lines.append(f"{pair}{note}")
     return "\n".join(lines)
 

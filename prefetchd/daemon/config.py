@@ -269,8 +269,8 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
             high = cfg.low_water + 1  # an explicit low-water mark wins; check_capacity still guards the space
         changes["high_water"] = high
         notes.append(
-            f"high_water = {high} batches of {batch / 2**20:.1f} MiB "
-            f"(at most half the free tmpfs, a quarter of available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
+            f"high_water = {high} (batches of {batch / 2**20:.1f} MiB: at most half the free tmpfs, a quarter of "
+            f"available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
         )
     if cfg.readers is None and cfg.data is not None:
         changes["readers"] = URL_READERS if is_url(cfg.data) else 1

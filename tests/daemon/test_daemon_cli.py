@@ -380,7 +380,10 @@ def test_config_show_is_toml_that_reads_back(runner: CliRunner, tmp_path: Path) 
     assert shown["data"] == str(data) and shown["batch_size"] == 64
     fields = {f.name for f in dataclasses.fields(DaemonConfig)}
     assert set(shown) <= fields and "workers" in shown
-    assert "# default:" in next(line for line in result.output.splitlines() if line.startswith("workers = "))
+    lines = {line.split(" = ")[0]: line for line in result.output.splitlines() if " = " in line}
+    assert "# default:" in lines["workers"] and "usable CPUs" in lines["workers"]
+    assert lines["readers"].endswith("# default: a local folder")  # the why, without the value again
+    assert "# default: batches of " in lines["high_water"] and "MiB: at most half the free tmpfs" in lines["high_water"]
 
 
 def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_path: Path) -> None:
