@@ -164,11 +164,19 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
         except (HookError, StorageUnavailable, StorageDenied):  # not the sample's fault: no replacement
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
-            failures.append((name, f"{type(exc).__name__}: {exc}"))
+            failures.append((name, _reason(exc, name)))
     raise SampleUnrecoverable(
         f"sample {index} and the {MAX_REPLACEMENT_TRIES - 1} samples after it could not be decoded "
         f"(last: {failures[-1][0]}: {failures[-1][1]}); is the dataset readable?"
     )
+
+
+def _reason(exc: Exception, name: str) -> str:
+    """Why sample ``name`` could not be used, for the log and status, which show the path beside it:
+    not again inside it ("x.jpg: FileNotFoundError: [Errno 2] ...: 'x.jpg'")."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return f"{type(exc).__name__}: {str(exc).removeprefix(name + ': ').removeprefix(name + ' ')}"
 
 
 class SlotSink(Protocol):

@@ -83,6 +83,7 @@ def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path
     listed = {Path(b.path).relative_to(Path(index.root)).as_posix(): b.reason for b in errors.undecodable}
     assert set(listed) == set(corpus.undecodable)
     assert "not a regular file" in listed["class_b/fifo.jpg"] and "max_image_pixels" in listed["class_b/bomb.jpg"]
+    assert not [b.path for b in errors.undecodable if b.path in b.reason], "the path stands beside its reason, once"
     logged = Counter(m for m in re.findall(r"cannot decode (\S+) \(", daemon.log))
     assert {Path(p).relative_to(Path(index.root)).as_posix() for p in logged} == set(corpus.undecodable)
     assert set(logged.values()) == {1}, "each bad file is logged once"
