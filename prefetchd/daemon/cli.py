@@ -19,7 +19,7 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, Manifest, ProtocolError, RemoteStatus, Status,
+from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, Manifest, ProtocolError, RemoteStatus, State, Status,
                                        TrainerStatus, daemon_pid, read_status)
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
@@ -253,7 +253,9 @@ def format_status(info: dict[str, Any]) -> str:
         if st:
             line += f" (last state: {st.state}{': ' + st.message if st.message else ''})"
         return "\n".join([line, *info["problems"]])
-    lines = [f"prefetchd on {buffer}: running (pid {info['pid']}), state {st.state if st else 'starting'}"]
+    state = st.state if st else "starting"
+    meaning = " (every batch of the job's epochs is built; trainers may still be reading)" if state == State.DONE else ""
+    lines = [f"prefetchd on {buffer}: running (pid {info['pid']}), state {state}{meaning}"]
     if info["stale"]:
         lines.append(f"  WARNING  no heartbeat for {info['heartbeat_age_s']:.0f} s: the daemon may be stuck")
     if st and st.message:
@@ -272,7 +274,7 @@ def format_status(info: dict[str, Any]) -> str:
         lines += [
             f"  progress  trainer at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer)}",
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting "
-            f"(resume at {pr.low_water}), {pr.building} building",
+            + ("" if state == State.DONE else f"(resume at {pr.low_water}), ") + f"{pr.building} building",
             f"  memory    {_mib(pr.buffer_bytes)} in the buffer, {_mib(pr.free_bytes)} free on its filesystem",
             f"  rates     produce {r.samples_per_s:.0f} img/s with {counted(pr.workers, 'worker')} "
             f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",

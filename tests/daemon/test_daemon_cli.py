@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import DaemonLock, Errors, write_status
+from prefetchd.buffer_protocol import DaemonLock, Errors, State, write_status
 from prefetchd.daemon import cli
 from prefetchd.daemon.config import DaemonConfig, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
@@ -309,11 +309,19 @@ def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     assert json.loads(json.dumps(info)) == info
 
 
-def _running_status_text(**production_changes: Any) -> str:
+def _running_status_text(state: State = State.FILLING, **production_changes: Any) -> str:
     """`prefetchd status` of a running daemon whose production is ``production(**production_changes)``."""
     info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
-            "status": status_example(production=production(**production_changes)), "manifest": None, "problems": []}
+            "status": status_example(state, production=production(**production_changes)), "manifest": None,
+            "problems": []}
     return cli.format_status(info)
+
+
+def test_status_of_a_done_daemon_says_what_done_means() -> None:
+    """Done: every batch built, while trainers may still read; it resumes nothing at the low-water mark."""
+    done, filling = _running_status_text(State.DONE), _running_status_text(State.FILLING)
+    assert "state done (every batch of the job's epochs is built; trainers may still be reading)" in done
+    assert "resume at" not in done and "resume at" in filling
 
 
 def test_status_lists_the_first_undecodable_files() -> None:
