@@ -150,11 +150,15 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
     settings.update({k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE})
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")
                 and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
+    created = not buffer.exists()
     buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
     request = JobRequest(settings, replace)
     request.write(buffer)
     if daemon_pid(buffer) is None:
-        click.echo(f"submitted job {request.job_id}; no daemon owns {buffer} yet, the job waits in job.json until one starts")
+        made = (f" (this created {buffer}: if you meant a running daemon's buffer, check the path; a service's "
+                "daemon refuses a buffer another user made)") if created else ""
+        click.echo(f"submitted job {request.job_id}; no daemon owns {buffer} yet, the job waits in job.json until "
+                   f"one starts{made}")
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
