@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import random
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -53,14 +54,17 @@ def save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
         except (StorageDenied, StorageUnavailable) as exc:
             raise CheckpointError(f"cannot save the checkpoint: {exc}") from None
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
             torch.save(dict(doc), fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot save the checkpoint {path}: {exc.strerror or exc}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -150,6 +154,33 @@ class Checkpointer:
     def save(self, doc: Mapping[str, Any]) -> None:
         if self.path is not None:
             save_checkpoint(self.path, doc)
+
+    def unwritable(self) -> str | None:
+        """Why no checkpoint can be saved where --checkpoint-dir says, found by writing and removing a
+        probe before the first step (not after an epoch of training); None when one can."""
+        if self.path is None:
+            return None
+        if isinstance(self.path, str):
+            fs, key = _checkpoint_fs(self.path)
+            probe = f"{key}.probe-{os.getpid()}"
+            try:
+                with_retries(f"writing a probe next to {self.path}", lambda: fs.pipe_file(probe, b""), self.path)
+                fs.rm(probe)
+            except (StorageDenied, StorageUnavailable) as exc:
+                return f"--checkpoint-dir: cannot write there: {exc}"
+            except OSError:
+                pass  # written, and only its removal failed: checkpoints can be saved
+            return None
+        directory = self.path.parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, probe_path = tempfile.mkstemp(prefix=f".{self.path.name}.probe-", dir=directory)
+            os.close(fd)
+            os.unlink(probe_path)
+        except OSError as exc:
+            return (f"--checkpoint-dir {directory}: cannot write there ({exc.strerror or exc}); pass a folder "
+                    "this user can write")
+        return None
 
 
 def check_resumable(path: Path | str, doc: Mapping[str, Any], config: TrainConfig, world_size: int,

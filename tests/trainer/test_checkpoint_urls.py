@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from prefetchd.buffer_protocol import Progress
 from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.train import EXIT_FAILED, main, train
@@ -82,3 +83,18 @@ def test_spawn_daemon_passes_a_data_url_unmangled(s3: Any, tmp_path: Path, capfd
     assert result.exit_code == EXIT_FAILED
     assert f"the daemon started for {buffer} exited with code" in result.stderr
     assert f"{url}: nothing is stored under this prefix" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["a file", "no bucket"])
+def test_a_checkpoint_dir_that_cannot_be_written_fails_before_the_first_step(
+        s3: Any, make_job: MakeJob, buffer: Path, tmp_path: Path, where: str) -> None:
+    """Found by a probe at start, not after an epoch of training (a typo would cost hours on ImageNet)."""
+    job = make_job(buffer, **{**TINY, "epochs": 1, "write": 1})
+    (tmp_path / "afile").write_text("")
+    target = str(tmp_path / "afile" / "ck") if where == "a file" else "s3://no-such-bucket-7c1/run"
+    result = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--device", "cpu", "--threads", "1",
+                                       "--model", "mobilenet_v3_small", "--epochs", "1", "--checkpoint-dir", target])
+    assert result.exit_code == EXIT_FAILED, result.output
+    assert "--checkpoint-dir" in result.stderr and "cannot write there" in result.stderr, result.stderr
+    assert "Traceback" not in result.output and "train loss" not in result.output  # no step ran
+    assert Progress.read(job.buffer) in (None, Progress(0, 0))
