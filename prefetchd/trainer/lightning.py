@@ -48,7 +48,7 @@ from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import gather_states, own_state
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.spawn import SpawnedDaemon, spawn_daemon
+from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, spawn_daemon
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class BufferDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> _Epochs:
         if self._train is None:
-            self._train = self._open(self.train_buffer)
+            self._train = self._open("train", self.train_buffer)
             self._handed = None
             if self._pending is not None:
                 self._train.load_state_dict(self._pending)
@@ -166,7 +166,7 @@ class BufferDataModule(pl.LightningDataModule):
         if self.val_buffer is None:
             return []  # Lightning's "no validation"
         if self._val is None:
-            self._val = self._open(self.val_buffer)
+            self._val = self._open("val", self.val_buffer)
         return _Epochs(self._val, self._current_epoch, whole_epochs=True)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -219,10 +219,18 @@ class BufferDataModule(pl.LightningDataModule):
     def _current_epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0
 
-    def _open(self, buffer: Path) -> BufferLoader:
+    def _open(self, split: str, buffer: Path) -> BufferLoader:
         device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
         stream = wait_for_stream(buffer, self._ranks(), self._timeout)
-        return BufferLoader(stream, device=device, **self._loader_options)
+        loader = BufferLoader(stream, device=device, **self._loader_options)
+        data = self._data[split]
+        if data is not None:  # a daemon already running there was used as it is: it must serve what data= asks
+            try:
+                check_served_job(self._daemon_config, loader, data)
+            except BaseException:
+                loader.close()
+                raise
+        return loader
 
 
 __all__ = ["BufferDataModule"]

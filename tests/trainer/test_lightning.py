@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from prefetchd.trainer import StateMismatch
+from prefetchd.trainer import SetupError, StateMismatch
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
     from conftest import MakeJob
@@ -99,3 +99,20 @@ def test_a_checkpoint_of_another_job_or_world_is_refused(make_job: MakeJob) -> N
 def test_val_data_needs_somewhere_to_go(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a val_buffer"):
         BufferDataModule(tmp_path / "train", data=tmp_path, val_data=tmp_path)
+
+
+def test_data_given_to_a_buffer_a_daemon_already_serves_must_match_its_job(make_job: MakeJob, tmp_path: Path) -> None:
+    """data= with a daemon already running there: its job is used, so it must be the one asked for (as
+    prefetchd-train --spawn-daemon checks), not silently another dataset or batch size."""
+    import os
+
+    job = make_job(write=1, batch_size=4)  # dataset_root /data/fake
+    job.claim(os.getpid())  # a live "daemon" owns the buffer: nothing is spawned
+    dm = BufferDataModule(job.buffer, data="/data/other", batch_size=8, epochs=1, timeout=5)
+    dm.prepare_data()
+    with pytest.raises(SetupError, match=r"produces dataset /data/fake, not /data/other; batch size 4, not 8"):
+        dm.train_dataloader()
+    same = BufferDataModule(job.buffer, data="/data/fake", batch_size=4, epochs=1, timeout=5)
+    same.prepare_data()
+    assert len(same.train_dataloader()) == job.manifest.steps_per_epoch
+    same.teardown("fit")
