@@ -458,7 +458,14 @@ def run_daemon(cfg: DaemonConfig) -> int:
                         inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}")
                         inbox.pending_id, job, reset, replaced = None, replaced, False, None
                         continue
-                    raise  # the job given at start, or the one resumed: as when its dataset goes away mid-run
+                    # The job given at start, or the one resumed: as when its dataset goes away mid-run. The
+                    # last status says why, not "starting" (status and trainers read it after the exit).
+                    try:
+                        publish_waiting(Status(pid=os.getpid(), state=State.FAILED, heartbeat=time.time(),
+                                               message=str(exc), job_result=inbox.result))
+                    except OSError:
+                        pass
+                    raise
                 if submitted:
                     inbox.answer(inbox.pending_id, True, f"producing {job.data}")
                     inbox.pending_id = None

@@ -223,6 +223,8 @@ def test_bad_dataset_gets_a_clear_error(tmp_path: Path, shm_dir: Path, start_dae
     daemon = start_daemon(shm_dir / "bf", "--data", root, *SMALL)
     assert daemon.wait_exit(30) == 1
     assert expected in daemon.log and str(root) in daemon.log
+    status = read_status(shm_dir / "bf")  # its last word is why, not "starting the job"
+    assert status is not None and status.state == State.FAILED and expected in status.message
 
 
 def test_buffer_of_another_job_is_refused_until_reset(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
