@@ -192,6 +192,13 @@ class BufferLoader:
             raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
         if stall_timeout is not None and not stall_timeout > 0:
             raise ValueError(f"stall_timeout={stall_timeout!r}: pass a positive number of seconds, or None to disable")
+        if not normalize and (mean is not None or std is not None):
+            raise ValueError("mean= and std= apply only with normalize=True, which normalize=False turns off; "
+                             "leave them out, or normalize")
+        if (mean is not None and not all(0 <= m <= 1 for m in mean)) or (std is not None and not all(s <= 1 for s in std)):
+            # The images become float in [0, 1] first, as after torchvision's ToTensor: 0-255 values shift everything.
+            raise ValueError(f"mean={mean!r}, std={std!r}: pass them in [0, 1] units, as torchvision's Normalize "
+                             "takes them after ToTensor (0-255 values: divide them by 255)")
         self._consumer = check_consumer(consumer if consumer is not None else DEFAULT_CONSUMER)
         self._buffer = Path(buffer)
         self._progress_path = self._buffer / progress_name(self._consumer)

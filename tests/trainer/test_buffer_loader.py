@@ -110,6 +110,11 @@ def test_custom_mean_and_std(make_job: MakeJob) -> None:
     torch.testing.assert_close(batch.images, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="3 values"):
         BufferLoader(job.buffer, timeout=5, mean=(0.5,), std=(0.5,))
+    # 0-255 values would shift every image to about -2, silently.
+    with pytest.raises(ValueError, match=r"in \[0, 1\] units.*divide them by 255"):
+        BufferLoader(job.buffer, timeout=5, mean=(123.7, 116.3, 103.5), std=(58.4, 57.1, 57.4))
+    with pytest.raises(ValueError, match="apply only with normalize=True"):
+        BufferLoader(job.buffer, timeout=5, normalize=False, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 
 
 def test_raw_uint8_equals_the_written_bytes(make_job: MakeJob) -> None:
