@@ -118,7 +118,8 @@ def _rank_streams_instead(buffer: Path) -> LoaderError | None:
     return LoaderError(
         f"{buffer} holds one stream per rank ({', '.join(d.name for d in streams[:3])}"
         f"{', ...' if len(streams) > 3 else ''}{size}), not a single stream: pass a rank's, "
-        f"`stream_dir({str(buffer)!r}, rank, world_size)`, or `rank_stream({str(buffer)!r})` under torchrun"
+        f"`prefetchd.buffer_protocol.stream_dir({str(buffer)!r}, rank, world_size)`, or "
+        f"`prefetchd.trainer.rank_stream({str(buffer)!r})` under torchrun"
     )
 
 

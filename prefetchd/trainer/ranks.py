@@ -57,7 +57,7 @@ class Ranks:
                 and self.local_world_size <= self.world_size and self.local_rank <= self.rank):
             raise SetupError(
                 f"RANK {self.rank}, WORLD_SIZE {self.world_size}, LOCAL_RANK {self.local_rank}, LOCAL_WORLD_SIZE "
-                f"{self.local_world_size} do not fit together; launch prefetchd-train with torchrun, which sets them"
+                f"{self.local_world_size} do not fit together; launch the trainer with torchrun, which sets them"
             )
 
     @classmethod
@@ -71,7 +71,7 @@ class Ranks:
         if missing:
             raise SetupError(
                 f"{', '.join(present)} {'is' if len(present) == 1 else 'are'} set but {', '.join(missing)} not: "
-                "launch prefetchd-train with torchrun (which sets them all), or unset them to train as one process"
+                "launch the trainer with torchrun (which sets them all), or unset them to train as one process"
             )
         values = {}
         for name in (*TORCHRUN_VARS, "LOCAL_WORLD_SIZE"):
@@ -82,7 +82,7 @@ class Ranks:
                 values[name] = int(text)
             except ValueError:
                 raise SetupError(f"{name}={text!r} in the environment is not a number; launch "
-                                           "prefetchd-train with torchrun, which sets it") from None
+                                           "the trainer with torchrun, which sets it") from None
         world = values["WORLD_SIZE"]
         return cls(rank=values["RANK"], world_size=world, local_rank=values["LOCAL_RANK"],
                    local_world_size=values.get("LOCAL_WORLD_SIZE", world))
@@ -136,16 +136,16 @@ def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> 
     if ranks.distributed:
         w = ranks.world_size
         other = (f"launch torchrun with {served} processes in all (--nnodes x --nproc-per-node = {served})"
-                 if served > 1 else "run prefetchd-train as one process, without torchrun")
+                 if served > 1 else "run the trainer as one process, without torchrun")
         return SetupError(
             f"{found}, but torchrun runs {w} ranks (WORLD_SIZE={w}). Restart the daemon for {w} ranks "
             f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} ... --world-size {w}`), "
             f"or {other}"
         )
     return SetupError(
-        f"{found}, but this prefetchd-train runs as one process (not under torchrun). Launch it under torchrun "
-        f"with {served} processes in all (e.g. `torchrun --nproc-per-node {served} -m prefetchd.trainer.train "
-        "...`), or restart the daemon without --world-size"
+        f"{found}, but this trainer runs as one process (not under torchrun). Launch it under torchrun or "
+        f"`accelerate launch` with {served} processes in all (e.g. `torchrun --nproc-per-node {served} train.py` "
+        "or `... -m prefetchd.trainer.train`), or restart the daemon without --world-size"
     )
 
 
@@ -189,11 +189,11 @@ def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float) ->
         extra = (f"; it may produce only other ranks: its --ranks must include {ranks.rank}"
                  if ranks.distributed else "")
         return (f"{own}: the daemon (pid {pid}) owns {buffer} but wrote no manifest.json there within "
-                f"{timeout:g} s{extra}; {why_no_manifest(buffer, 'pass a larger --timeout')}")
+                f"{timeout:g} s{extra}; {why_no_manifest(buffer, 'pass a larger timeout')}")
     where = "does not exist" if not own.exists() else "has no manifest.json"
     return (f"{own} {where} after waiting {timeout:g} s for the daemon's manifest.json, and no prefetchd daemon "
             f"owns {buffer}. Start one with `prefetchd start --buffer {buffer} --data ROOT{world}` (ROOT: the "
-            "class-folder dataset), or pass a larger --timeout if one is still starting")
+            "class-folder dataset), or pass a larger timeout if one is still starting")
 
 
 # -- what the ranks agree on --------------------------------------------------------------

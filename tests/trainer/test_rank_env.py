@@ -82,7 +82,8 @@ def test_one_process_on_a_buffer_of_rank_streams_says_use_torchrun(make_job: Mak
     result = CliRunner().invoke(main, ["--buffer", str(buffer / "bf"), "--device", "cpu", "--timeout", "60"])
     assert result.exit_code == EXIT_FAILED, result.output
     assert "produces streams for --world-size 2" in result.stderr and "runs as one process" in result.stderr
-    assert "torchrun --nproc-per-node 2 -m prefetchd.trainer.train" in result.stderr
+    assert "torchrun --nproc-per-node 2 train.py" in result.stderr and "-m prefetchd.trainer.train" in result.stderr
+    assert "prefetchd-train" not in result.stderr  # the same words serve rank_stream() in a script of ones own
     assert "Traceback" not in result.output
 
 
