@@ -284,7 +284,7 @@ def format_status(info: dict[str, Any]) -> str:
             f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",
             f"  errors    {counted(e.replaced_samples, 'replaced sample')}, "
             f"{counted(e.undecodable_files, 'undecodable file')}, {counted(e.worker_restarts, 'worker restart')}, "
-            f"{counted(e.write_failures, 'write failure')}",
+            f"{counted(e.write_failures, 'failed build')}",
         ]
         if pr.remote is not None:
             lines += _remote_lines(pr.remote, pr.totals.samples)

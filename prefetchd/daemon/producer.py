@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # progress is re-read at least this often even without a watch event
 STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
+FAILURE_SHOWN_SECONDS = 10.0  # the status message names the last failed build this long after it
 STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
 STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
 MAX_CHUNK = 32  # images per task for local workers
@@ -159,6 +160,7 @@ class Producer:
         self.retry_at = 0.0
         self.state = State.STARTING
         self.message = ""
+        self.last_failure: tuple[float, str] | None = None  # (time.monotonic(), why) of the last failed build
         self.logged_failures: set[str] = set()
         self.bad_files: list[dict[str, str]] = []  # the first MAX_LISTED_BAD_FILES, for the status
         self.fatal: str | None = None
@@ -402,6 +404,7 @@ class Producer:
                 self.fatal = result.reason
                 return
             self.stats.write_failures += 1
+            self.last_failure = (time.monotonic(), f"batch {build.tmp.name}: {result.reason}")
             log.warning("batch %s: %s; retrying in %.0f s", build.tmp.name, result.reason, RETRY_SECONDS)
             self.retry_at = time.monotonic() + RETRY_SECONDS
             if not build.cancelled:
@@ -504,6 +507,8 @@ class Producer:
             remote=self.remote.status() if self.remote is not None else None,
         )
         message = self.message
+        if not message and self.last_failure is not None and time.monotonic() - self.last_failure[0] < FAILURE_SHOWN_SECONDS:
+            message = f"retrying: {self.last_failure[1]}"  # a store that is down reads as such, not as a count alone
         if not message and self.remote is not None and not self.remote.connected and not self.workers_wanted:
             message = f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"  # why nothing is built
         return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=message,

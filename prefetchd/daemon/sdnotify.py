@@ -247,7 +247,7 @@ def status_line(status: Status) -> str:
     for count, noun in (
         (p.errors.undecodable_files, "undecodable file"),
         (p.errors.worker_restarts, "worker restart"),
-        (p.errors.write_failures, "write failure"),
+        (p.errors.write_failures, "failed build"),
     ):
         if count:
             parts.append(counted(count, noun))

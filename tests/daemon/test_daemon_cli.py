@@ -341,8 +341,8 @@ def test_status_counts_one_of_a_thing_in_the_singular() -> None:
 
     one, two = text(1), text(2)
     assert "img/s with 1 worker (" in one and "img/s with 2 workers (" in two
-    assert ("1 replaced sample, 1 undecodable file, 1 worker restart, 1 write failure\n" in one
-            and "2 replaced samples, 2 undecodable files, 2 worker restarts, 2 write failures\n" in two)
+    assert ("1 replaced sample, 1 undecodable file, 1 worker restart, 1 failed build\n" in one
+            and "2 replaced samples, 2 undecodable files, 2 worker restarts, 2 failed builds\n" in two)
 
 
 def test_a_damaged_status_document_is_reported_not_raised(tmp_path: Path) -> None:

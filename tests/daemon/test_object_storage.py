@@ -10,6 +10,8 @@ import importlib.util
 import logging
 import pickle
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -322,7 +324,23 @@ def test_a_daemon_serves_every_layout_from_s3_as_from_disk(s3: Any, proxy: Any, 
     again = start_daemon(shm_dir / "s3-again", "--data", url, *SMALL, "--workers", "1", "--readers", "2")
     again.wait_until(lambda: (shm_dir / "s3-again" / "manifest.json").exists(), 120, "the manifest")
     proxy.fail_next = 24
-    assert consume(shm_dir / "s3-again", n) == from_disk
+    notes: set[str] = set()  # the status messages while it runs: an outage is named there, not only counted
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            status = read_status(shm_dir / "s3-again")
+            notes.add(status.message if status is not None else "")
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert consume(shm_dir / "s3-again", n) == from_disk
+    finally:
+        watching.set()
+        watcher.join()
+    assert any(m.startswith("retrying: batch ") and "is the object store reachable?" in m for m in notes), notes
     assert again.wait_exit(60) == 0, again.log
     assert f"indexed {url} from the cache" in again.log and proxy.count("GET list") == listed, again.log
     assert proxy.fail_next == 0 and "Please reduce your request rate.; retry 1 of 5" in again.log
