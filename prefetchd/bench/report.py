@@ -10,7 +10,7 @@ import json
 import os
 import platform
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -258,14 +258,13 @@ def _plot(results: BenchmarkResults, path: Path) -> str | None:
     return None
 
 
-def write_outputs(results: BenchmarkResults, out_dir: Path, say: Callable[[str], None]) -> None:
+def write_outputs(results: BenchmarkResults, out_dir: Path) -> None:
     png = out_dir / "bench.png"
     why = _plot(results, png)
     if why is None:
         results.files["plot"] = str(png)
     else:
-        results.notes.append(why)
-        say(why)
+        results.notes.append(why)  # the table's notes say it, once
     results.files["json"] = str(out_dir / "bench.json")
     results.files["table"] = str(out_dir / "bench.txt")
     results.files["logs"] = str(out_dir / "logs")

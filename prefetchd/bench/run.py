@@ -179,7 +179,7 @@ def run_benchmark(
     fill_ratios(results)
     results.notes.append(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
     results.machine["load_average_end"] = round(os.getloadavg()[0], 2)
-    write_outputs(results, out_dir, say)
+    write_outputs(results, out_dir)
     return results
 
 
