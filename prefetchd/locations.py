@@ -172,6 +172,12 @@ def access_problem(exc: BaseException, url: str) -> str | None:
     return None
 
 
+def _endpoint() -> str:
+    """Where the store was looked for, when the environment moved it (a local S3 server, a proxy)."""
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return f" at {url} (AWS_ENDPOINT_URL)" if url else ""
+
+
 def with_retries(what: str, call: Callable[[], T], url: str, attempts: int = RETRY_ATTEMPTS) -> T:
     """``call()``, retried on transient errors with exponential backoff and jitter.
 
@@ -187,7 +193,7 @@ def with_retries(what: str, call: Callable[[], T], url: str, attempts: int = RET
                 raise
             if attempt == attempts - 1:
                 raise StorageUnavailable(f"{what}: still failing after {attempts} tries "
-                                         f"({type(exc).__name__}: {exc}); is the object store reachable?") from exc
+                                         f"({type(exc).__name__}: {exc}); is the object store reachable{_endpoint()}?") from exc
             delay = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2**attempt) * random.uniform(0.5, 1.5)
             log.warning("%s: %s: %s; retry %d of %d in %.2f s", what, type(exc).__name__, exc, attempt + 1,
                         attempts - 1, delay)

@@ -145,8 +145,8 @@ def test_a_store_that_keeps_failing_gives_up_with_a_clear_error(s3: Any, proxy: 
 def test_an_outage_at_start_is_an_error(s3: Any, proxy: Any, fast_retries: None) -> None:
     s3.fs.pipe_file(f"{s3.bucket}/d/a/x.jpg", b"x")
     proxy.fail_next = 1000
-    with pytest.raises(DatasetError, match=rf"{s3.url('d')}.*still failing after 6 tries.*is the object store "
-                                           "reachable"):
+    with pytest.raises(DatasetError, match=rf"cannot reach {s3.url('d')} .*still failing after 6 tries.*is the "
+                                           r"object store reachable at http://127\.0\.0\.1:\d+ \(AWS_ENDPOINT_URL\)"):
         open_dataset(s3.url("d"))
 
 

@@ -46,8 +46,11 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
         return read_file_list(location)
     try:
         shards = has_shard_index(location)
-    except (StorageDenied, StorageUnavailable) as exc:  # no credentials, no bucket: say so, not "no shards"
+    except StorageDenied as exc:  # no credentials, no bucket: say so, not "no shards"
         raise DatasetError(str(exc)) from None
+    except StorageUnavailable as exc:  # the first read of any layout looks for a shard index
+        raise DatasetError(f"cannot reach {location} (the first read looks for a `prefetchd pack` index, "
+                           f"whatever the layout): {exc}") from None
     if shards:
         return read_shard_index(location)
     if isinstance(storage, FsspecStorage):
