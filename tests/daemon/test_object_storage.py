@@ -340,7 +340,7 @@ def test_a_daemon_serves_every_layout_from_s3_as_from_disk(s3: Any, proxy: Any, 
     finally:
         watching.set()
         watcher.join()
-    assert any(m.startswith("retrying: batch ") and "is the object store reachable?" in m for m in notes), notes
+    assert any(m.startswith("retrying: batch ") and "is the object store reachable" in m for m in notes), notes
     assert again.wait_exit(60) == 0, again.log
     assert f"indexed {url} from the cache" in again.log and proxy.count("GET list") == listed, again.log
     assert proxy.fail_next == 0 and "Please reduce your request rate.; retry 1 of 5" in again.log
