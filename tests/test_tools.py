@@ -147,12 +147,17 @@ def test_inspect_cli(tmp_path: Path) -> None:
     result = runner.invoke(inspect_buffer.main, [str(good)])
     assert result.exit_code == 0 and "magic=PFDBATCH" in result.output
     result = runner.invoke(inspect_buffer.main, [str(tmp_path)])
-    assert result.exit_code == 0 and "batches: 1 files" in result.output
+    assert result.exit_code == 0 and "batches: 1 file," in result.output
     bad = tmp_path / "bad.batch"
     bad.write_bytes(b"PFDBATCH" + bytes(100))
     result = runner.invoke(inspect_buffer.main, [str(bad)])
     assert result.exit_code == 1
     assert result.output.startswith(f"error: {bad}:") and "Traceback" not in result.output
+    doc = tmp_path / "manifest.json"
+    doc.write_text("{}")
+    result = runner.invoke(inspect_buffer.main, [str(doc)])  # a document is not a damaged batch to delete
+    assert result.exit_code == 1 and "is a JSON document, not a batch file" in result.output
+    assert "delete it" not in result.output
 
 
 def test_inspect_script_runs(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from prefetchd.buffer_protocol import (
     map_batch,
     read_status,
 )
+from prefetchd.words import counted
 
 _HIDDEN_DOC_KEYS = ("format", "version")
 
@@ -108,7 +109,7 @@ def describe_buffer(buffer: str | os.PathLike[str]) -> str:
     batches = sorted(list_batches(buffer).items())
     sizes = {key: _size(path) for key, path in batches}
     total = sum(s for s in sizes.values() if s is not None)
-    lines.append(f"batches: {len(batches)} files, {_human(total)}")
+    lines.append(f"batches: {counted(len(batches), 'file')}, {_human(total)}")
     for key, path in batches:
         size = sizes[key]
         consumed = progress is not None and key < (progress.epoch, progress.step)
@@ -149,6 +150,10 @@ def _human(n: int) -> str:
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 def main(path: Path) -> None:
     """Describe a batch file or a buffer directory."""
+    if path.is_file() and path.suffix == ".json":  # manifest.json, progress.json: documents, not damaged batches
+        click.echo(f"error: {path} is a JSON document, not a batch file (*.batch); pass the buffer directory "
+                   f"{path.parent} to see its documents", err=True)
+        sys.exit(1)
     try:
         text = describe_buffer(path) if path.is_dir() else describe_batch(path)
     except ProtocolError as exc:
