@@ -54,6 +54,8 @@ SLOW_WAIT_WARNING = 10.0
 
 def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
     """``buffer``'s manifest, waiting up to ``timeout`` seconds for a daemon to write it."""
+    if buffer.exists() and not buffer.is_dir():  # else the manifest's open says "Not a directory" about permissions
+        raise LoaderError(f"{buffer} is not a directory; pass the daemon's --buffer directory")
     deadline = time.monotonic() + timeout
     delay = MANIFEST_FIRST_DELAY
     logged = False
@@ -64,8 +66,6 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             wrong = _rank_streams_instead(buffer)  # or no daemon has started on this buffer yet
             if wrong is not None:
                 raise wrong from None
-        except NotADirectoryError:
-            raise LoaderError(f"{buffer} is not a directory; pass the daemon's --buffer directory") from None
         now = time.monotonic()
         if now >= deadline:
             raise LoaderTimeout(_manifest_timeout_message(buffer, timeout))

@@ -272,6 +272,13 @@ def test_manifest_timeout_says_how_to_start_a_daemon(buffer: Path) -> None:
     assert isinstance(info.value, TimeoutError)
 
 
+def test_a_file_for_a_buffer_is_named_as_such(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(LoaderError, match="afile is not a directory; pass the daemon's --buffer directory"):
+        BufferLoader(afile, timeout=30)  # at once, and not about permissions
+
+
 def test_manifest_timeout_for_a_missing_directory(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(LoaderTimeout, match="does not exist.*prefetchd start"):
