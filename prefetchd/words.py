@@ -4,8 +4,10 @@ from __future__ import annotations
 
 
 def counted(count: int, noun: str) -> str:
-    """``count`` and ``noun``, plural unless one: "1 worker", "2 workers", "0 epochs"."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+    """``count`` and ``noun``, plural unless one: "1 worker", "2 workers", "0 epochs", "2 retries"."""
+    if count == 1:
+        return f"{count} {noun}"
+    return f"{count} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{count} {noun}s"
 
 
 __all__ = ["counted"]

@@ -327,12 +327,13 @@ def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:
     one per node that gets no slices because it cannot read --data."""
     share = f" ({rm.images / samples:.0%} of all)" if samples else ""
     copy = f", copied in at {rm.copied_bytes / rm.copy_seconds / 2**20:.0f} MiB/s" if rm.copy_seconds > 0 else ""
-    built = (f"{rm.in_flight} slices in flight; {rm.images} img built there{share}{copy}, {rm.retries} retries, "
-             f"{rm.stragglers} stragglers, {rm.disconnects} disconnects")
+    built = (f"{counted(rm.in_flight, 'slice')} in flight; {rm.images} img built there{share}{copy}, "
+             f"{counted(rm.retries, 'retry')}, {counted(rm.stragglers, 'straggler')}, "
+             f"{counted(rm.disconnects, 'disconnect')}")
     if rm.connected:
         head = f"  remote    ray {rm.address} connected: {rm.cluster_nodes} nodes, {rm.cluster_cpus} CPUs; {built}"
     else:
-        head = f"  remote    ray {rm.address} NOT CONNECTED ({rm.message}); {built}"
+        head = f"  remote    ray {rm.address} NOT CONNECTED ({rm.message.removeprefix('not connected: ')}); {built}"
     return ([head] + [f"  node      {n.node}: {n.images} img, {n.images_per_s:.0f} img/s, slice p50 "
                       f"{n.latency_p50_s:.2f} s" for n in rm.nodes]
             + [f"  UNFIT     {unfit}" for unfit in rm.unfit_nodes])

@@ -93,12 +93,16 @@ def test_status_shows_where_batches_are_built() -> None:
             "manifest": None, "problems": [], "status": status(production=production(remote=REMOTE))}
     text = format_status(info)
     assert ("remote    ray ray://head:10001 connected: 3 nodes, 96 CPUs; 40 slices in flight; 1664 img built "
-            "there (50% of all), copied in at 1991 MiB/s, 2 retries, 1 stragglers, 0 disconnects") in text, text
+            "there (50% of all), copied in at 1991 MiB/s, 2 retries, 1 straggler, 0 disconnects") in text, text
     assert "node      cpu-1/3f2a9c1d: 1664 img, 1900 img/s, slice p50 0.41 s" in text, text
     assert "UNFIT     cpu-2/77ab01c3: cannot read 8 of the 8 samples probed: n01/a.jpg" in text, text
     lost = REMOTE.__class__(**{**REMOTE.__dict__, "connected": False, "message": "lost: no answer; the 3 local workers build alone"})
     assert "NOT CONNECTED (lost: no answer; the 3 local workers build alone)" in format_status(
         {**info, "status": status(production=production(remote=lost))})
+    never = REMOTE.__class__(**{**REMOTE.__dict__, "connected": False,
+                                "message": "not connected: no cluster; 1 local worker builds alone"})
+    assert "NOT CONNECTED (no cluster; 1 local worker builds alone)" in format_status(  # said once
+        {**info, "status": status(production=production(remote=never))})
 
 
 def test_metrics_say_where_batches_are_built(tmp_path: Path) -> None:

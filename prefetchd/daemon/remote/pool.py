@@ -20,6 +20,7 @@ from prefetchd.daemon.config import require_ray
 from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
 from prefetchd.daemon.remote.bridge import REPORT_SECONDS, Done, Note, Report, Returned, bridge_main
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +188,9 @@ class RemotePool:
             self.refusal = report.message
             return
         if not self.connected:
-            log.info("connected to the Ray cluster at %s: %d nodes; each node with CPUs builds batches beside the %d "
-                     "local workers once it has read samples of --data", self.address, report.nodes, self.local_workers)
+            beside = f"beside {counted(self.local_workers, 'local worker')}" if self.local_workers else "alone (--workers 0)"
+            log.info("connected to the Ray cluster at %s: %s; each node with CPUs builds batches %s once it has "
+                     "read samples of --data", self.address, counted(report.nodes, "node"), beside)
             self.cpus_seen = time.monotonic()
         self.connected = True
         self.failed_attempts = 0
@@ -209,7 +211,8 @@ class RemotePool:
     def _lose(self, reason: str, requeue: Callable[[list[Task]], None]) -> None:
         """Give up on this bridge: its slices go back to the queue, and a new one connects later."""
         lost = list(self.in_flight.values())
-        fallback = (f"the {self.local_workers} local workers build alone" if self.local_workers
+        fallback = (f"{counted(self.local_workers, 'local worker')} build{'s' if self.local_workers == 1 else ''} "
+                    "alone" if self.local_workers
                     else "no local workers (--workers 0): production waits for the cluster")
         again = f"trying again every {RECONNECT_SECONDS:.0f} s"
         if self.connected:
