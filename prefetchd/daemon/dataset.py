@@ -93,6 +93,20 @@ EXPECTED_DATA = ("expected a folder of class folders (ROOT/<class>/<image>.jpg),
                  "rows, or a folder of shards from `prefetchd pack`")
 
 
+SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing"})
+
+
+def split_folders_as_classes(classes: tuple[str, ...], data: str) -> str | None:
+    """The warning for a dataset whose only classes are split folders (--data /imagenet, not
+    /imagenet/train): accepted as ImageFolder accepts it, but almost surely a mistake."""
+    if len(classes) < 2 or not all(c.lower() in SPLIT_NAMES for c in classes):
+        return None
+    first = next((c for c in classes if c.lower().startswith("train")), classes[0])
+    return (f"the classes of {data} are {', '.join(classes)}: split folders, not classes? Each image is "
+            f"labelled with its split. If that is not meant, pass --data {data.rstrip('/')}/{first} (and start a "
+            "--split val daemon on the validation folder)")
+
+
 # Listing and stat-ing are system calls that release the GIL, and on network
 # filesystems they mostly wait: more threads than cores still help there.
 SCAN_THREADS = 8

@@ -27,7 +27,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers, progress_name
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
-from prefetchd.daemon.dataset import split_members
+from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
 from prefetchd.daemon.jpeg_crop import decoder_summary
@@ -351,6 +351,9 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     notifier.status(f"indexing {job.data}")
     index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"),
                          index_cache=job.index_cache or default_cache_dir(), refresh_index=job.refresh_index)
+    mistaken = split_folders_as_classes(index.classes, job.data)
+    if mistaken is not None:
+        log.warning("%s", mistaken)
     if inbox.pending_id is not None and inbox.pending_confinement is not None:
         check_files_inside(index, inbox.pending_confinement, tick=lambda: beat(f"checking the files of {job.data}"))
     members = split_members(len(index), job.split, job.val_fraction)

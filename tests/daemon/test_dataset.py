@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS as TV_IMG_EXTENSIONS
 
-from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, scan_class_folders, split_members
+from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, scan_class_folders, split_folders_as_classes, split_members
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.index_cache import cached_class_folders, default_cache_dir
 
@@ -371,3 +371,14 @@ def test_default_cache_dir_follows_systemd_then_xdg(monkeypatch: pytest.MonkeyPa
     assert default_cache_dir() == tmp_path / "prefetchd"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == Path.home() / ".cache" / "prefetchd"
+
+
+def test_split_folders_taken_for_classes_are_warned_about() -> None:
+    """--data /imagenet (holding train/ and val/) is a valid ImageFolder of two classes, but a slip."""
+    warning = split_folders_as_classes(("train", "val"), "/data/imagenet/")
+    assert warning is not None and "split folders, not classes?" in warning
+    assert "pass --data /data/imagenet/train" in warning
+    assert split_folders_as_classes(("Test", "Training"), "s3://b/x") is not None
+    assert split_folders_as_classes(("cat", "dog"), "/d") is None
+    assert split_folders_as_classes(("train",), "/d") is None  # one class: other troubles, said elsewhere
+    assert split_folders_as_classes(("train", "val", "zebra"), "/d") is None
