@@ -40,8 +40,8 @@ from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.sources.index_cache import default_cache_dir
 from prefetchd.daemon.hook import validate_hook
 from prefetchd.daemon.resample import resize_summary
-from prefetchd.words import counted
 from prefetchd.daemon.wakeup import Wakeup
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 

@@ -181,10 +181,10 @@ class ShardWriter:
 
 def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> None:
     """Refuse, before anything is read or written, an ``out`` that ``pack`` cannot use: a file, a
-    folder holding something (without ``force``), or the folder ``source_dir`` of the dataset
-    being packed (class folders or shards; None for a file list or a URL) or one inside it.  Packed
-    there, the shards would become a class folder without images, or the index would turn the
-    source into a shard folder."""
+    folder holding something (without ``force``), or, where the dataset being packed is a local
+    folder (class folders, shards; ``source_dir`` is its location, or None), that folder or one
+    inside it.  Packed there, the shards would become a class folder without images, or the index
+    would turn the source into a shard folder."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
