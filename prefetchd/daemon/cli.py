@@ -26,7 +26,7 @@ from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_to
 from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.producer import STAGES
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
-from prefetchd.locations import normalize
+from prefetchd.locations import is_url, normalize
 from prefetchd.options import click_options
 from prefetchd.words import counted
 
@@ -113,10 +113,15 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
         filled, notes = fill_defaults(cfg)
     except DaemonError as exc:
         raise click.UsageError(str(exc)) from None
+    # Values are checked; the dataset is opened only at start, so say now if a local one is not there.
+    missing = filled.data is not None and not is_url(filled.data) and not Path(filled.data).exists()
     if not show:
-        click.echo("configuration is valid")
+        click.echo(f"configuration is valid, but data {filled.data} does not exist (yet): `prefetchd start` would "
+                   "stop at it" if missing else "configuration is valid")
         return
     click.echo(format_toml(filled, dict(note.split(" = ", 1) for note in notes)))
+    if missing:
+        click.echo(f"# note: data {filled.data} does not exist (yet)", err=True)
 
 
 def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:

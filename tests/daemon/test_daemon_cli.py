@@ -421,3 +421,12 @@ def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_p
     assert result.exit_code == 1 and f"pass one: --buffer {ranks / 'rank-00000'}" in result.output
     good = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(tmp_path / "g.jpg")])
     assert good.exit_code == 0 and (tmp_path / "g.jpg").stat().st_size > 0, good.output
+
+
+def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_path: Path) -> None:
+    """Values can be valid while `start` would stop at once at a missing --data: say so."""
+    args = ["config", "--buffer", str(tmp_path / "bf"), "--data"]
+    missing = runner.invoke(prefetchd_cli.main, [*args, str(tmp_path / "nope")])
+    assert missing.exit_code == 0 and f"but data {tmp_path / 'nope'} does not exist (yet)" in missing.output
+    there = runner.invoke(prefetchd_cli.main, [*args, str(tmp_path)])
+    assert there.exit_code == 0 and there.output.strip() == "configuration is valid"
