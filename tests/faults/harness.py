@@ -891,9 +891,11 @@ class Harness:
         return None
 
     def _damage_waiting_batch(self, fault: Fault, rng: random.Random, first_offset: int,
-                              damage: Callable[[Path, int], str]) -> None:
+                              damage: Callable[[Path, int], str], settled: Callable[[], bool] | None = None) -> None:
         """With the trainer stopped, apply ``damage(path, g)`` (it returns the fault's detail) to a
-        batch at least ``first_offset`` past the trainer's position, then let the trainer go on."""
+        batch at least ``first_offset`` past the trainer's position, then let the trainer go on:
+        once ``settled()`` holds (or 3 s passed), where the daemon must see the damage before the
+        trainer's next step could hide it."""
         found = self._waiting_batch(rng, first_offset)
         try:
             if found is None:
@@ -903,6 +905,9 @@ class Harness:
             fault.detail = damage(path, g)
             fault.t_inject = time.time()
             fault.data["g"] = g
+            if settled is not None:
+                self.wait_until(settled, 3.0)
+                fault.t_ref = time.time()  # the hold is the harness's: recovery counts from its end
         finally:
             self._cont()
 
@@ -938,10 +943,11 @@ class Harness:
             return "next" if g == self.position() else "later"
 
         base = self.fresh_status()
-        fault.check = counter_rose("vanished_batches", base)
-        # Also the batch it waits for: unlinking a mapped file is safe.
-        self._damage_waiting_batch(fault, rng, 0, delete)
-        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 3.0)
+        check = fault.check = counter_rose("vanished_batches", base)
+        # Also the batch it waits for: unlinking a mapped file is safe.  The trainer stays stopped
+        # until the daemon counted it: one that had mapped the batch before the stop would consume it
+        # on SIGCONT, and a daemon looking after that finds it consumed, not vanished (1 in ~15 did).
+        self._damage_waiting_batch(fault, rng, 0, delete, settled=lambda: check(fault, self))
 
     def inject_progress_garbage(self, fault: Fault, rng: random.Random) -> None:
         path = self.buffer / "progress.json"
