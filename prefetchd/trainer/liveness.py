@@ -142,6 +142,7 @@ class JobWatch:
         try:
             st = os.stat(path)
         except OSError:  # being replaced (the daemon clears before it writes), or gone with the daemon
+            self._check_world()
             return
         if (st.st_ino, st.st_mtime_ns) == self._seen:
             return
@@ -158,6 +159,26 @@ class JobWatch:
                 f"(`{job_command(self.manifest, self.buffer, 'submit')} --replace`)"
             )
         self._seen = (st.st_ino, st.st_mtime_ns)
+
+    def _check_world(self) -> None:
+        """A rank's stream without a manifest: a job of another world size took the buffer (its
+        daemon removed this stream), or the stream is being set up again.  Only the first is an error."""
+        buffer = owning_buffer(self.buffer)
+        if buffer == self.buffer:
+            return
+        for directory in [buffer, *sorted(buffer.glob(f"{STREAM_PREFIX}*"))]:
+            try:
+                world = Manifest.read(directory).world_size
+            except (ProtocolError, OSError):
+                continue
+            if world != self.manifest.world_size:
+                raise JobReplaced(
+                    f"{self.buffer}: the daemon now serves another job, for --world-size {world} (this loader's "
+                    f"was {self.manifest.world_size}), and removed this rank's stream. Start the trainer again "
+                    f"for the new job, or submit this one again (`{job_command(self.manifest, self.buffer, 'submit')} "
+                    "--replace`)"
+                )
+            return
 
 
 class BatchWaiter:

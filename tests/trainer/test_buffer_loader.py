@@ -15,7 +15,8 @@ import torch
 from prefetchd.buffer_protocol import (
     Position, Progress, ProtocolError, State, Status, daemon_pid, write_batch, write_status,
 )
-from prefetchd.trainer import Batch, BufferLoader, DaemonGone, DaemonStuck, LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
+                               StateMismatch)
 from prefetchd.trainer.loader import IMAGENET_MEAN, IMAGENET_STD
 from tests.status_examples import ERRORS, production
 from tests.status_examples import status as status_example
@@ -277,6 +278,27 @@ def test_a_file_for_a_buffer_is_named_as_such(tmp_path: Path) -> None:
     afile.write_text("")
     with pytest.raises(LoaderError, match="afile is not a directory; pass the daemon's --buffer directory"):
         BufferLoader(afile, timeout=30)  # at once, and not about permissions
+
+
+def test_a_job_of_another_world_size_that_removed_the_stream_stops_its_reader(make_job: MakeJob,
+                                                                              buffer: Path) -> None:
+    """A replacing job for another --world-size deletes the rank streams: the reader of one says
+    so (JobReplaced) within a liveness look, not after its timeout."""
+    import dataclasses
+    import shutil
+
+    job = make_job(buffer / "rank-00000", write=1)
+    dataclasses.replace(job.manifest, world_size=2).write(job.buffer)
+    (buffer / "daemon.lock").write_text(f"{os.getpid()}\n")  # a live "daemon" owns the buffer
+    loader = BufferLoader(job.buffer, timeout=30, daemon_grace=0.5, stall_timeout=None)
+    batches = iter(loader)
+    next(batches)
+    shutil.rmtree(job.buffer)  # the new job's daemon cleared the streams and serves one
+    dataclasses.replace(job.manifest, world_size=1, producer="other").write(buffer)
+    start = time.monotonic()
+    with pytest.raises(JobReplaced, match=r"another job, for --world-size 1 \(this loader's was 2\)"):
+        next(batches)
+    assert time.monotonic() - start < 10
 
 
 def test_manifest_timeout_for_a_missing_directory(tmp_path: Path) -> None:
