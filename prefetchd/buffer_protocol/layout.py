@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -287,7 +288,7 @@ class Manifest:
         "samples_per_epoch", "rank", "world_size", "val_fraction", "augmentation", "drop_last",
     )
 
-    @property
+    @functools.cached_property  # read at every progress write and read: a manifest never changes
     def job_key(self) -> str:
         """A short digest of the job's identity: the same for every run of one job (a restarted
         daemon), different for any other.  Progress documents carry it (``Progress.job``), so a
