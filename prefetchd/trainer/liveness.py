@@ -105,16 +105,31 @@ def why_no_manifest(buffer: Path, more_time: str = "pass a larger timeout") -> s
     return f"it may still be indexing a large dataset. Check `prefetchd status --buffer {buffer}`, or {more_time}"
 
 
+def served_world(buffer: Path) -> tuple[int, Path] | None:
+    """The world size the buffer's daemon produces for, with the manifest that says so; None before any."""
+    candidates = [buffer / MANIFEST_NAME]
+    try:
+        candidates += sorted(d / MANIFEST_NAME for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir())
+    except OSError:
+        pass
+    for path in candidates:
+        try:
+            return Manifest.read(path.parent).world_size, path
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return None
+
+
 def _rank_streams_instead(buffer: Path) -> LoaderError | None:
     """The error for a loader pointed at the top of a buffer that holds one stream per rank."""
     streams = sorted(d for d in buffer.glob(f"{STREAM_PREFIX}*") if (d / MANIFEST_NAME).is_file())
     if not streams:
         return None
     try:
-        world = Manifest.read(streams[0]).world_size
-    except (ProtocolError, OSError):
-        world = None
-    size = f" of world size {world}" if world is not None else ""
+        served = served_world(buffer)
+    except ProtocolError:
+        served = None
+    size = f" of world size {served[0]}" if served is not None else ""
     return LoaderError(
         f"{buffer} holds one stream per rank ({', '.join(d.name for d in streams[:3])}"
         f"{', ...' if len(streams) > 3 else ''}{size}), not a single stream: pass a rank's, "
@@ -166,19 +181,17 @@ class JobWatch:
         buffer = owning_buffer(self.buffer)
         if buffer == self.buffer:
             return
-        for directory in [buffer, *sorted(buffer.glob(f"{STREAM_PREFIX}*"))]:
-            try:
-                world = Manifest.read(directory).world_size
-            except (ProtocolError, OSError):
-                continue
-            if world != self.manifest.world_size:
-                raise JobReplaced(
-                    f"{self.buffer}: the daemon now serves another job, for --world-size {world} (this loader's "
-                    f"was {self.manifest.world_size}), and removed this rank's stream. Start the trainer again "
-                    f"for the new job, or submit this one again (`{job_command(self.manifest, self.buffer, 'submit')} "
-                    "--replace`)"
-                )
-            return
+        try:
+            served = served_world(buffer)
+        except ProtocolError:
+            return  # damaged: the next look decides
+        if served is not None and served[0] != self.manifest.world_size:
+            raise JobReplaced(
+                f"{self.buffer}: the daemon now serves another job, for --world-size {served[0]} (this loader's "
+                f"was {self.manifest.world_size}), and removed this rank's stream. Start the trainer again "
+                f"for the new job, or submit this one again (`{job_command(self.manifest, self.buffer, 'submit')} "
+                "--replace`)"
+            )
 
 
 class BatchWaiter:
@@ -376,4 +389,5 @@ def _short(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["BatchWaiter", "JobWatch", "job_command", "status_summary", "wait_for_manifest", "why_no_manifest"]
+__all__ = ["BatchWaiter", "JobWatch", "job_command", "served_world", "status_summary", "wait_for_manifest",
+           "why_no_manifest"]

@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
+from prefetchd.buffer_protocol import daemon_pid, stream_dir
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, SetupError
-from prefetchd.trainer.liveness import why_no_manifest
+from prefetchd.trainer.liveness import served_world, why_no_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -116,21 +116,6 @@ class Ranks:
 # -- which stream this rank reads ------------------------------------------------------
 
 
-def _served_world(buffer: Path) -> tuple[int, Path] | None:
-    """The world size the buffer's daemon produces for, with the manifest that says so; None before any."""
-    candidates = [buffer / MANIFEST_NAME]
-    try:
-        candidates += sorted(d / MANIFEST_NAME for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir())
-    except OSError:
-        pass
-    for path in candidates:
-        try:
-            return Manifest.read(path.parent).world_size, path
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-    return None
-
-
 def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> SetupError:
     found = f"the daemon of {buffer} produces streams for --world-size {served} ({manifest})"
     if ranks.distributed:
@@ -162,7 +147,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float) -> Path:
     deadline = time.monotonic() + timeout
     logged = False
     while True:
-        served = _served_world(buffer)
+        served = served_world(buffer)
         if served is not None and served[0] != ranks.world_size:
             raise _world_mismatch(buffer, served[0], served[1], ranks)
         if (own / MANIFEST_NAME).is_file():
