@@ -22,6 +22,7 @@ import psutil
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
+from prefetchd.daemon.sources.index_cache import default_cache_dir
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import check_value as check_field
 from prefetchd.options import setting as _opt
@@ -272,6 +273,10 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
             f"high_water = {high} (batches of {batch / 2**20:.1f} MiB: at most half the free tmpfs, a quarter of "
             f"available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
         )
+    if cfg.index_cache is None:
+        changes["index_cache"] = default_cache_dir()
+        where = "$CACHE_DIRECTORY, from systemd" if os.environ.get("CACHE_DIRECTORY") else "the user's cache folder"
+        notes.append(f"index_cache = {changes['index_cache']} ({where})")
     if cfg.readers is None and cfg.data is not None:
         changes["readers"] = URL_READERS if is_url(cfg.data) else 1
         notes.append(f"readers = {changes['readers']} ({'object storage' if is_url(cfg.data) else 'a local folder'})")

@@ -37,7 +37,6 @@ from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id,
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.sources import open_dataset
-from prefetchd.daemon.sources.index_cache import default_cache_dir
 from prefetchd.daemon.hook import validate_hook
 from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.wakeup import Wakeup
@@ -350,7 +349,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     assert job.data is not None
     notifier.status(f"indexing {job.data}")
     index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"),
-                         index_cache=job.index_cache or default_cache_dir(), refresh_index=job.refresh_index)
+                         index_cache=job.index_cache, refresh_index=job.refresh_index)
     mistaken = split_folders_as_classes(index.classes, job.data)
     if mistaken is not None:
         log.warning("%s", mistaken)

@@ -204,6 +204,17 @@ def test_default_workers_on_this_machine(shm_buffer: Path) -> None:
     assert cfg.workers == max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def test_default_index_cache_is_shown_where_it_resolves(shm_buffer: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """`config --show` prints the cache folder a start would use, not "(unset)"; an explicit one is kept."""
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "systemd-cache"))
+    cfg, notes = fill_defaults(DaemonConfig(buffer=shm_buffer))
+    assert cfg.index_cache == tmp_path / "systemd-cache"
+    assert f"index_cache = {tmp_path / 'systemd-cache'} ($CACHE_DIRECTORY, from systemd)" in notes
+    cfg, notes = fill_defaults(DaemonConfig(buffer=shm_buffer, index_cache=tmp_path / "mine"))
+    assert cfg.index_cache == tmp_path / "mine" and not any(n.startswith("index_cache") for n in notes)
+
+
 def _expected_high(cfg: DaemonConfig, fs: os.statvfs_result, ram: int) -> tuple[int, int]:
     """(high_water, the cap that half the free tmpfs alone allows), by the documented rule."""
     total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
@@ -276,19 +287,21 @@ def test_explicit_min_free_enters_the_budget(tmp_path: Path, monkeypatch: pytest
 def test_every_default_has_a_note(shm_buffer: Path) -> None:
     cfg = DaemonConfig(buffer=shm_buffer)
     filled, notes = fill_defaults(cfg)
-    assert len(notes) == 4
-    for name in ("workers", "min_free_mb", "high_water", "low_water"):
+    sized = ("workers", "min_free_mb", "high_water", "low_water", "index_cache")
+    assert len(notes) == len(sized)
+    for name in sized:
         value = getattr(filled, name)
         assert value is not None
         assert sum(n.startswith(f"{name} = {value}") for n in notes) == 1, notes
     # what was not a default is left as it was
     for f in dataclasses.fields(cfg):
-        if f.name not in ("workers", "min_free_mb", "high_water", "low_water"):
+        if f.name not in sized:
             assert getattr(filled, f.name) == getattr(cfg, f.name)
 
 
 def test_explicit_values_are_kept(shm_buffer: Path) -> None:
-    cfg = DaemonConfig(buffer=shm_buffer, workers=5, high_water=100, low_water=99, min_free_mb=0)
+    cfg = DaemonConfig(buffer=shm_buffer, workers=5, high_water=100, low_water=99, min_free_mb=0,
+                       index_cache=shm_buffer / "cache")
     filled, notes = fill_defaults(cfg)
     assert filled == cfg
     assert notes == []
@@ -296,7 +309,8 @@ def test_explicit_values_are_kept(shm_buffer: Path) -> None:
 
 @pytest.mark.parametrize(("high", "low"), [(10, 5), (1, 0), (3, 1), (100, 50)])
 def test_low_water_defaults_to_half_an_explicit_high_water(shm_buffer: Path, high: int, low: int) -> None:
-    filled, notes = fill_defaults(DaemonConfig(buffer=shm_buffer, high_water=high, workers=1, min_free_mb=64))
+    filled, notes = fill_defaults(DaemonConfig(buffer=shm_buffer, high_water=high, workers=1, min_free_mb=64,
+                                               index_cache=shm_buffer / "cache"))
     assert (filled.high_water, filled.low_water) == (high, low)
     assert notes and all(n.startswith("low_water") for n in notes)
 
