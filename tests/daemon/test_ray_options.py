@@ -15,6 +15,7 @@ from prefetchd.daemon.cli import format_status, start
 from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.main import JOB_FIELDS, run_daemon
+from prefetchd.daemon.remote.bridge import connect_failure
 from tests.status_examples import REMOTE, production, status
 
 
@@ -136,3 +137,18 @@ def test_config_show_prints_the_ray_keys(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert 'ray = "ray://head:10001"' in result.output and "ray_builds = 6" in result.output
     assert "workers = 0" in result.output
+
+
+def test_no_cluster_for_auto_is_told_in_prefetchd_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's error for `auto` with no cluster tells to set `--address`, a flag of Ray's CLI; the
+    daemon's status names its own --ray forms instead.  Other failures keep Ray's words."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_says = ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by "
+                               "setting `--address` flag or `RAY_ADDRESS` environment variable.")
+    told = connect_failure("auto", ray_says)
+    assert told.startswith("cannot connect to the Ray cluster at auto: no Ray cluster runs on this machine")
+    assert "--ray HOST:6379" in told and "--ray local" in told and "--address" not in told
+    assert connect_failure("10.0.0.5:6379", ConnectionError("Failed to connect")) == (
+        "cannot connect to the Ray cluster at 10.0.0.5:6379: ConnectionError: Failed to connect")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # auto followed it: Ray's message names that address
+    assert "Failed to connect" in connect_failure("auto", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5"))

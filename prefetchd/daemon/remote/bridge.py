@@ -345,6 +345,17 @@ def write_rows(task: Task, result: Filled, pixels: Sequence[np.ndarray]) -> Fill
     return result
 
 
+def connect_failure(address: str, exc: Exception) -> str:
+    """Why ``connect`` failed, in prefetchd's terms: for ``auto`` with no cluster found, Ray's own
+    hint names its CLI's ``--address`` flag, which prefetchd does not have.  (RAY_ADDRESS, which
+    ``auto`` follows when set, leaves Ray's message as it is: it names that address.)"""
+    why = f"{type(exc).__name__}: {exc}"
+    if address == "auto" and isinstance(exc, ConnectionError) and not os.environ.get("RAY_ADDRESS"):
+        why = ("no Ray cluster runs on this machine (--ray auto joins one that `ray start` started here); "
+               "name a head with --ray HOST:6379, or use --ray local for a private one")
+    return f"cannot connect to the Ray cluster at {address}: {why}"
+
+
 def bridge_main(conn: Connection, job: WorkerJob, address: str) -> None:
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -353,7 +364,7 @@ def bridge_main(conn: Connection, job: WorkerJob, address: str) -> None:
 
         connect(address)
     except Exception as exc:  # no cluster there, a version mismatch, ...
-        conn.send(Report(False, message=f"cannot connect to the Ray cluster at {address}: {type(exc).__name__}: {exc}"))
+        conn.send(Report(False, message=connect_failure(address, exc)))
         return
     try:
         Bridge(conn, job).run()

@@ -90,7 +90,8 @@ class RemotePool:
         self.conn = parent
         self.started = time.monotonic()
         self.refusal = None
-        log.info("connecting to the Ray cluster at %s", self.address)
+        # Said once, and again after a loss: not at every reconnection attempt while there is no cluster.
+        (log.info if self.failed_attempts == 0 else log.debug)("connecting to the Ray cluster at %s", self.address)
 
     def stop(self) -> None:
         """Let the bridge cancel its slices and disconnect; kill it if it hangs (a vanished cluster)."""
