@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -25,7 +26,7 @@ from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.producer import STAGES
-from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, DaemonError
+from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, ConfigError, DaemonError
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import click_options
 from prefetchd.words import counted
@@ -63,10 +64,28 @@ def config_options(only: Collection[str] | None = None) -> Callable[[Callable[..
 def build_config(ctx: click.Context, config_file: Path | None, params: dict[str, Any]) -> DaemonConfig:
     """Dataclass defaults, then the config file, then flags given on the command line."""
     values = load_toml(config_file) if config_file else {}
-    for name, value in params.items():
-        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
-            values[name] = value
-    return DaemonConfig(**values)
+    flags = {name: value for name, value in params.items()
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    from_file = set(values) - set(flags)
+    values.update(flags)
+    try:
+        return DaemonConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(where_it_came_from(str(exc), flags, config_file, from_file)) from None
+
+
+def where_it_came_from(message: str, flags: dict[str, Any], config_file: Path | None, from_file: set[str]) -> str:
+    """A config error's ``key = value`` as the user gave it: each value from a flag as that flag
+    ("--val-fraction -0.1: must be at least 0.0"), and an error that starts with a key of the
+    config file under the file's name ("prefetchd.toml: workers = 0 leaves ...")."""
+    for key, value in flags.items():
+        forms = {repr(value), str(value)} | ({repr(os.fspath(value))} if isinstance(value, os.PathLike) else set())
+        for written in sorted(forms, key=len, reverse=True):
+            message = re.sub(rf"(?<![\w-]){key} = {re.escape(written)}(?![\w.])",
+                             lambda _: f"--{key.replace('_', '-')} {value}", message)
+    if config_file is not None and message.partition(" = ")[0] in from_file:
+        return f"{config_file}: {message}"
+    return message
 
 
 CONFIG_FILE_OPTION = click.option(

@@ -95,7 +95,7 @@ class DaemonConfig:
         if self.buffer is None:
             raise ConfigError("no buffer directory: pass --buffer DIR (for example /dev/shm/bf) or set `buffer` in the config")
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
-            raise ConfigError(f"low_water ({self.low_water}) must be below high_water ({self.high_water})")
+            raise ConfigError(f"low_water = {self.low_water} must be below high_water = {self.high_water}")
         self._check_augmentation()
         self._check_ray()
         self.local_ranks  # validates `ranks` against `world_size`

@@ -132,10 +132,15 @@ def test_unknown_key_in_config_exits_2(
 @pytest.mark.parametrize(
     ("toml", "args", "needle"),
     [
-        ("batch_size = 'many'\n", [], "batch_size"),
-        ("low_water = 8\nhigh_water = 8\n", [], "low_water"),
-        ("low_water = 4\n", ["--high-water", "4"], "low_water"),  # file and flag together break the rule
-        ("batch_size = 64\n", ["--batch-size", "0"], "batch_size"),
+        # Each error names the value as the user gave it: the file and its key, or the flag.
+        ("batch_size = 'many'\n", [], "c.toml: batch_size = 'many'"),
+        ("low_water = 8\nhigh_water = 8\n", [], "c.toml: low_water = 8"),
+        ("low_water = 4\n", ["--high-water", "4"], "c.toml: low_water = 4"),  # file and flag together break the rule
+        ("batch_size = 64\n", ["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+        ("workers = 0\n", [], "c.toml: workers = 0 leaves nobody to build batches"),
+        ("", ["--workers", "0"], "--workers 0 leaves nobody to build batches"),
+        ("", ["--val-fraction", "-0.1"], "--val-fraction -0.1: must be at least 0.0"),
+        ("", ["--ray", "remote"], "--ray remote: expected 'local'"),
         ("[[[\n", [], "not valid TOML"),
     ],
 )
