@@ -383,7 +383,9 @@ def _trainer_note(trainer: TrainerStatus) -> str:
     if trainer.pid is None:
         return ""
     state = trainer.alive
-    alive = "alive" if state is True else "GONE (the buffer stays full until one comes back)" if state is False else "?"
+    # Gone, it still holds its window (SPEC rule 8): the buffer may still be filling, not yet full.
+    gone = "GONE (the daemon fills the buffer to the high-water mark and keeps it for when one comes back)"
+    alive = "alive" if state is True else gone if state is False else "?"
     age = trainer.progress_age_s
     moved = f", progress moved {age:.0f} s ago" if age is not None else ""
     return f"; trainer pid {trainer.pid} {alive}{moved}"
