@@ -503,7 +503,8 @@ def alive_since(pid: int, since: float) -> bool:
 
     The start time rules out a pid the kernel reused for another process after the
     one that wrote ``since`` (a lock, a progress file) died.  A process of another
-    user counts as alive when it exists.
+    user counts as alive when it exists, also where /proc hides it (hidepid, systemd's
+    ProtectProc=invisible: the service's sandbox), so its start time cannot be read.
     """
     try:
         return _started_by(pid, since)
@@ -519,10 +520,26 @@ def _started_by(pid: int, since: float) -> bool:
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
         started: float = proc.create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+    except psutil.ZombieProcess:
         return False
+    except psutil.NoSuchProcess:
+        return _hidden(pid)
     # create_time() is derived from boot time and jiffies: a second of slack.
     return started <= since + 1.0
+
+
+def _hidden(pid: int) -> bool:
+    """A pid /proc does not show that the kernel still has: signal 0 checks that it exists, and
+    fails with EPERM for another user's process, where ESRCH says it is gone."""
+    if pid <= 0:  # kill(0, ...) and kill(-1, ...) address process groups
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True  # ours to signal, yet not in /proc: it appeared as psutil looked (a zombie is ZombieProcess)
 
 
 def daemon_pid(buffer: Path) -> int | None:

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,6 +304,36 @@ def test_alive_since_rules_out_dead_and_reused_pids() -> None:
     assert not alive_since(proc.pid, time.time())  # gone
     # Started long after the document it is asked about was written: the pid was reused.
     assert not alive_since(os.getpid(), psutil.Process().create_time() - 3600)
+
+
+HIDDEN_PROC = """
+import sys, time
+from prefetchd.buffer_protocol import alive_since
+live, dead = int(sys.argv[1]), int(sys.argv[2])
+print(alive_since(live, time.time()), alive_since(dead, time.time()))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
+                    reason="needs root, unshare and setpriv to mount a /proc with hidepid")
+def test_alive_since_sees_another_users_process_that_proc_hides() -> None:
+    """The service's sandbox (ProtectProc=invisible) hides the trainers' processes from the daemon's
+    /proc: a live trainer must not read as gone, a gone one still must.  Here: a process of uid 65534,
+    checked from a private /proc mounted hidepid=invisible, by root without its root group (which a
+    hidepid mount exempts by default), CAP_SYS_PTRACE and CAP_KILL."""
+    other = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        check = (f"mount -t proc -o hidepid=invisible proc /proc && setpriv --regid 65533 --clear-groups "
+                 f"--bounding-set -sys_ptrace,-kill {sys.executable} -c '{HIDDEN_PROC}' {other.pid} {gone.pid}")
+        out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", check],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["True", "False"], out.stdout
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_progress_missing_is_none(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from collections import defaultdict
@@ -18,6 +19,7 @@ from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.cli import start
 from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.errors import EXIT_BAD_DATA, EXIT_BUFFER_BUSY, EXIT_USAGE
+from prefetchd.daemon.main import prepare_buffer
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD / "prefetchd@.service"
@@ -97,6 +99,16 @@ def test_exec_start_names_the_instance_buffer_and_config_with_real_flags(unit: d
     assert args == {"--buffer": "/dev/shm/%i", "--config": "/etc/prefetchd/%i.toml"}
     flags = {opt for param in start.params for opt in param.opts}
     assert set(args) | {"--group-access"} <= flags, f"ExecStart uses flags `prefetchd start` does not have: {set(args) - flags}"
+
+
+def test_the_sandbox_lets_the_daemon_create_its_group_buffer(unit: dict[str, dict[str, list[str]]], tmp_path: Path) -> None:
+    """--group-access makes the buffer setgid (trainers' files belong to the group); systemd's
+    RestrictSUIDSGID=yes denies that bit on directories too, and the start would fail with EPERM."""
+    buffer = tmp_path / "bf"
+    prepare_buffer(buffer, group_access=True)
+    assert buffer.stat().st_mode & stat.S_ISGID
+    assert "--group-access" in value(unit, "ExecStart").split()
+    assert unit["Service"].get("RestrictSUIDSGID", ["no"])[-1] != "yes"
 
 
 def test_memory_max_holds_the_example_configs_buffer(unit: dict[str, dict[str, list[str]]]) -> None:
