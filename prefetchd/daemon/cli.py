@@ -341,7 +341,10 @@ def format_status(info: dict[str, Any]) -> str:
                 lines += [_consumer_line(c, rank) for c in s.consumers]
     job = st.job_result if st else None
     if job:
-        lines.append(f"  last job  {job.job_id} {'accepted' if job.accepted else 'refused'}: {job.reason}")
+        # A job accepted that then failed while producing carries its own verb.
+        verdict = job.reason if job.reason.startswith("failed ") else \
+            f"{'accepted' if job.accepted else 'refused'}: {job.reason}"
+        lines.append(f"  last job  {job.job_id} {verdict}")
     lines += info["problems"]
     return "\n".join(lines)
 

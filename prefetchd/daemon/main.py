@@ -442,6 +442,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
         job: DaemonConfig | None = cfg if not serve_jobs else None
         reset = cfg.reset
         replaced: DaemonConfig | None = None  # the job a submitted one stopped, until that one has started
+        running_id: str | None = None  # the submitted job being produced
         with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
@@ -470,9 +471,18 @@ def run_daemon(cfg: DaemonConfig) -> int:
                     raise
                 if submitted:
                     inbox.answer(inbox.pending_id, True, f"producing {job.data}")
-                    inbox.pending_id = None
+                    running_id, inbox.pending_id = inbox.pending_id, None
                 replaced = None
-                producer.run()
+                try:
+                    producer.run()
+                except (ConfigError, DatasetError) as exc:
+                    if not serve_jobs:
+                        raise
+                    # A submitted job that fails while it runs (its hook, its data): the daemon serves the next
+                    # one.  Exiting would only have a supervisor restart it into the same job.json, and fail again.
+                    inbox.answer(running_id, False, f"failed while producing {job.data}: {exc}")
+                    job = None
+                    continue
                 if producer.next_job is not None:
                     replaced, job, reset = job, producer.next_job, True
                 elif serve_jobs and producer.finished:

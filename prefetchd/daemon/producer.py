@@ -400,8 +400,8 @@ class Producer:
         build = self.task_build.pop(task.task_id)
         build.outstanding.discard(task.task_id)
         if isinstance(result, WriteFailed):
-            if result.fatal:
-                self.fatal = result.reason
+            if result.fatal is not None:
+                self.fatal, self.fatal_error = result.reason, result.fatal
                 return
             self.stats.write_failures += 1
             self.last_failure = (time.monotonic(), f"batch {build.tmp.name}: {result.reason}")

@@ -68,6 +68,7 @@ from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import Read, SampleReader
 from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
+from prefetchd.daemon.errors import BadDataError, ConfigError, DaemonError, DatasetError
 from prefetchd.daemon.hook import HookError
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.transforms import StageTimes, augment_bytes, needed_modules, preload
@@ -126,14 +127,16 @@ class Filled:
 
 @dataclass(frozen=True)
 class WriteFailed:
-    """The task did not complete.  Not fatal: the batch file itself could not be
-    written (ENOSPC, deleted after a rewind) and the batch is retried later.
-    Fatal: no sample near the failing one decodes, or the user's transform hook
-    failed, so retrying cannot help."""
+    """The task did not complete.  Not fatal (None): the batch file itself could not be
+    written (ENOSPC, deleted after a rewind) and the batch is retried later.  Fatal:
+    the error the job stops with, since retrying cannot help: the job's data
+    (BadDataError: no sample near the failing one decodes; DatasetError: the store
+    refuses access), its settings (ConfigError: the transform hook failed), or a bug
+    (DaemonError)."""
 
     task_id: int
     reason: str
-    fatal: bool = False
+    fatal: type[DaemonError] | None = None
 
 
 class SampleUnrecoverable(RuntimeError):
@@ -245,10 +248,11 @@ def failure_of(task_id: int, exc: Exception) -> WriteFailed:
     """What a task that raised ``exc`` reports: retry later, or stop the job (see ``WriteFailed``)."""
     if isinstance(exc, StorageUnavailable):
         return WriteFailed(task_id, str(exc))
-    if isinstance(exc, (SampleUnrecoverable, HookError, StorageDenied)):
-        return WriteFailed(task_id, str(exc), fatal=True)
+    for cause, error in ((SampleUnrecoverable, BadDataError), (HookError, ConfigError), (StorageDenied, DatasetError)):
+        if isinstance(exc, cause):
+            return WriteFailed(task_id, str(exc), fatal=error)
     # A bug: report it with where it happened instead of dying silently.
-    return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=True)
+    return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=DaemonError)
 
 
 def prepare_process(job: WorkerJob) -> None:

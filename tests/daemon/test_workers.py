@@ -18,6 +18,7 @@ from PIL import Image
 
 from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.jpeg_crop import CleanFiles
@@ -275,7 +276,7 @@ def test_a_broken_hook_is_fatal_not_a_replacement(index: SampleIndex, tmp_path: 
     ours.send(None)
     worker_main(theirs, _job(index, augment=AugmentOptions(transform=f"{hooks}:broken")))
     result = ours.recv()
-    assert isinstance(result, WriteFailed) and result.fatal and result.task_id == 5
+    assert isinstance(result, WriteFailed) and result.fatal is ConfigError and result.task_id == 5
     assert f"{hooks}:broken" in result.reason and "ValueError: bad hook" in result.reason
     assert str(index.path(1)) in result.reason
     assert "could not be decoded" not in result.reason  # not mistaken for bad images and replaced

@@ -85,6 +85,39 @@ def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_da
     loader.close()
 
 
+BROKEN_HOOK = "os:getcwd"  # imports and is callable, so it passes validation; called with (image, rng): TypeError
+
+
+def test_a_job_whose_hook_fails_while_producing_is_answered_and_the_daemon_serves_the_next(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A submitted job that fails only once its workers run (its hook raises) must not take the
+    daemon down: a supervisor would restart it into the same job.json, to fail again."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--transform", BROKEN_HOOK).returncode == 0
+    daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and not r.accepted, 60, "the job's failure")
+    result = job_result_of(buffer)
+    assert result is not None and result.reason.startswith(f"failed while producing {shapes_data / 'train'}: "), result
+    assert f"transform {BROKEN_HOOK} failed on " in result.reason and "TypeError" in result.reason, result
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for the next job")
+    out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True)
+    assert f"last job  {result.job_id} failed while producing" in out.stdout, out.stdout
+
+    good = submit(buffer, "--data", shapes_data / "train", *JOB)
+    assert good.returncode == 0 and "accepted" in good.stdout, good.stdout + good.stderr
+    assert next(iter(BufferLoader(buffer, normalize=False, timeout=30))).images.shape == (8, 3, 32, 32)
+
+
+def test_a_hook_that_fails_in_the_job_given_at_start_is_a_configuration_error(shapes_data: Path, shm_dir: Path,
+                                                                             start_daemon) -> None:
+    """Exit 2, which the service unit does not restart: a restart would fail the same way."""
+    daemon = start_daemon(shm_dir / "bf", "--data", shapes_data / "train", *JOB, "--workers", "1",
+                          "--transform", BROKEN_HOOK)
+    assert daemon.proc.wait(timeout=90) == 2, daemon.log
+    assert f"transform {BROKEN_HOOK} failed on " in daemon.log
+
+
 def test_a_replaced_jobs_trainer_stops_and_the_new_job_starts_at_its_beginning(shapes_data: Path, shm_dir: Path,
                                                                                start_daemon) -> None:
     """`submit --replace` under a live trainer: that trainer must not take the new job's batches
