@@ -403,6 +403,14 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
                     job_result=lambda: inbox.result, on_status=publish, notifier=notifier)
 
 
+def already_consumed(producer: Producer) -> str:
+    """Why a submitted job has nothing to produce, and how to have it produced again."""
+    epochs = counted(producer.streams[0].manifest.epochs or 0, "epoch")
+    where = sorted({str(stream.dir / "progress*.json") for stream in producer.streams})
+    return (f"nothing to produce: this job's trainers already consumed all {epochs} (their progress: "
+            f"{', '.join(where)}); to produce it again from epoch 0, remove those files and submit it again")
+
+
 def run_daemon(cfg: DaemonConfig) -> int:
     """Serve the buffer: the job given at start (if any), then jobs submitted through job.json.
 
@@ -470,6 +478,12 @@ def run_daemon(cfg: DaemonConfig) -> int:
                         pass
                     raise
                 if submitted:
+                    producer.take_positions()
+                    if producer.finished:
+                        # Accepted, it would be "producing" nothing: its trainers' progress says every epoch is read.
+                        inbox.answer(inbox.pending_id, False, already_consumed(producer))
+                        inbox.pending_id, job, reset, replaced = None, replaced, False, None
+                        continue
                     inbox.answer(inbox.pending_id, True, f"producing {job.data}")
                     running_id, inbox.pending_id = inbox.pending_id, None
                 replaced = None

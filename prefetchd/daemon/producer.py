@@ -164,6 +164,7 @@ class Producer:
         self.logged_failures: set[str] = set()
         self.bad_files: list[dict[str, str]] = []  # the first MAX_LISTED_BAD_FILES, for the status
         self.fatal: str | None = None
+        self._positioned = False  # take_positions() ran
         self.fatal_error: type[DaemonError] = DaemonError
         self._job = WorkerJob.from_config(index, members, cfg)
         self.pool = WorkerPool(self._job, self.workers_wanted)
@@ -186,12 +187,20 @@ class Producer:
 
     # -- lifecycle ------------------------------------------------------------
 
+    def take_positions(self) -> None:
+        """Adopt the batches the buffer holds and read where the trainers are: what ``finished``
+        is judged on.  Once; ``run`` does it unless its caller did, to answer a job before it runs."""
+        if self._positioned:
+            return
+        for stream in self.streams:
+            stream.adopt_published()
+        self._read_progress()
+        self._positioned = True
+
     def run(self) -> None:
         """Produce until stopped by a signal, finished, replaced by another job, or failed."""
         try:
-            for stream in self.streams:
-                stream.adopt_published()
-            self._read_progress()
+            self.take_positions()
             if self.finished:
                 # Restarted after the trainers consumed the last epoch: nothing to build, so no
                 # workers to start and no reason to wait for a progress that will not move.

@@ -85,6 +85,30 @@ def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_da
     loader.close()
 
 
+def test_a_job_whose_epochs_were_all_consumed_is_refused_saying_how_to_produce_it_again(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """Submitted again after its trainers read every epoch, the same job has nothing to produce: an
+    "accepted: producing" answer would leave the next trainer waiting for batches that never come."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    job = ["--data", shapes_data / "val", "--split", "val", *JOB, "--epochs", "1"]
+    assert submit(buffer, *job).returncode == 0
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    assert len(list(loader)) == len(loader) > 0
+    loader.close()
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to finish the job")
+
+    again = submit(buffer, *job)
+    assert again.returncode == 1 and "nothing to produce: this job's trainers already consumed all 1 epoch" in again.stdout, \
+        again.stdout + again.stderr
+    assert f"{buffer / 'progress*.json'}" in again.stdout and daemon.proc.poll() is None
+    for progress in buffer.glob("progress*.json"):
+        progress.unlink()
+    assert submit(buffer, *job).returncode == 0
+    assert next(iter(BufferLoader(buffer, normalize=False, timeout=30))).step == 0
+
+
 BROKEN_HOOK = "os:getcwd"  # imports and is callable, so it passes validation; called with (image, rng): TypeError
 
 
