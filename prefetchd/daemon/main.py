@@ -179,9 +179,9 @@ def check_capacity(cfg: DaemonConfig) -> None:
         per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
         raise ConfigError(
             f"{per}high_water {cfg.high_water} x {cfg.batch_bytes / 2**20:.1f} MiB batches (or --max-buffer-bytes) plus the "
-            f"{cfg.min_free_mb} MiB floor need {need / 2**20:.0f} MiB but {cfg.buffer} has "
-            f"{available / 2**20:.0f} MiB; lower --high-water or --batch-size, or enlarge the tmpfs "
-            "(mount -o remount,size=... /dev/shm)"
+            f"{cfg.min_free_mb} MiB floor (--min-free-mb) need {need / 2**20:.0f} MiB but {cfg.buffer} has "
+            f"{available / 2**20:.0f} MiB; lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs "
+            f"(mount -o remount,size=... {filesystem_of(Path(cfg.buffer)).point})"
         )
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from prefetchd.buffer_protocol import State, batch_name
-from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.config import DaemonConfig, fill_defaults
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.main import check_capacity
 from prefetchd.trainer import BufferLoader
+from tests.conftest import mounted_tmpfs
 from tests.status_examples import production_of, state_of
 
 def config(buffer: Path, high_water: int, min_free_mb: int = 0) -> DaemonConfig:
@@ -33,7 +34,7 @@ def test_a_high_water_mark_beyond_the_free_space_is_refused_with_the_numbers(shm
         check_capacity(config(shm_buffer, too_many))
     message = str(info.value)
     assert f"high_water {too_many} x" in message and str(shm_buffer) in message
-    assert "lower --high-water or --batch-size, or enlarge the tmpfs" in message
+    assert "lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs" in message
     check_capacity(config(shm_buffer, 2))  # what fits is accepted
 
 
@@ -45,13 +46,24 @@ def test_the_floor_and_the_job_own_batches_count(small_tmpfs: Path) -> None:
     with pytest.raises(ConfigError, match=f"high_water {fits + 1} x"):
         check_capacity(config(small_tmpfs, fits + 1))
     # The --min-free-mb floor is space the batches may not use: 1 MiB is the whole filesystem.
-    with pytest.raises(ConfigError, match="plus the 1 MiB floor"):
+    with pytest.raises(ConfigError, match=r"plus the 1 MiB floor \(--min-free-mb\)") as info:
         check_capacity(config(small_tmpfs, 1, min_free_mb=1))
+    assert f"(mount -o remount,size=... {small_tmpfs})" in str(info.value)  # its own mount, not /dev/shm
     # Batches of the job already there (a restart) are space the mark will reuse, not space lost.
     for step in range(fits - 1):
         (small_tmpfs / batch_name(0, step)).write_bytes(b"\0" * cfg.batch_bytes)
     assert free_bytes(small_tmpfs) < 2 * cfg.batch_bytes
     check_capacity(config(small_tmpfs, fits))
+
+
+def test_the_defaults_fit_a_64_mib_tmpfs(shm_dir: Path) -> None:
+    """Docker's /dev/shm is 64 MiB: the default floor and high-water mark must fit it, at the
+    default batch (128 x 224 px, 18.4 MiB)."""
+    with mounted_tmpfs(shm_dir / "docker-shm", "size=64m") as mount:
+        filled, _notes = fill_defaults(DaemonConfig(buffer=mount / "bf"))
+        (mount / "bf").mkdir()
+        check_capacity(filled)
+        assert filled.min_free_mb == 6 and filled.high_water == 2
 
 
 JSON_ROOM = 24 << 10  # manifest, status and progress documents (20 KiB measured), and a page to spare

@@ -218,7 +218,7 @@ def test_default_index_cache_is_shown_where_it_resolves(shm_buffer: Path, monkey
 def _expected_high(cfg: DaemonConfig, fs: os.statvfs_result, ram: int) -> tuple[int, int]:
     """(high_water, the cap that half the free tmpfs alone allows), by the documented rule."""
     total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
-    min_free = max(64, int(total * 0.05) >> 20) << 20
+    min_free = config_mod.default_min_free_mb(total) << 20
     budget = min(0.5 * max(0, free - min_free), 0.25 * ram)
     return int(max(2, min(64, budget // cfg.batch_bytes))), int(0.5 * free // cfg.batch_bytes)
 
@@ -259,6 +259,10 @@ def _fake_machine(monkeypatch: pytest.MonkeyPatch, total: int, free: int, ram: i
         (1 * GiB, 80 * MiB, 1000 * GiB, 64, 2),
         # min-free above free space: budget 0, still 2
         (1 * GiB, 10 * MiB, 1000 * GiB, 64, 2),
+        # Docker's 64 MiB /dev/shm: a floor of a tenth (6 MiB), not 64 MiB, leaves the 2 batches room
+        (64 * MiB, 64 * MiB, 1000 * GiB, 6, 2),
+        # 640 MiB and up: 5%, at least 64 MiB
+        (640 * MiB, 640 * MiB, 1000 * GiB, 64, int(288 * MiB // 19279872)),
     ],
 )
 def test_default_high_water_arithmetic(
