@@ -72,6 +72,7 @@ from prefetchd.daemon.errors import BadDataError, ConfigError, DaemonError, Data
 from prefetchd.daemon.hook import HookError
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.transforms import StageTimes, augment_bytes, needed_modules, preload
+from prefetchd.words import counted
 
 if TYPE_CHECKING:
     from prefetchd.daemon.config import DaemonConfig
@@ -149,7 +150,8 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
     """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic
     replacements; into ``into`` where given (the slot: each try overwrites what a failed one left)."""
     pos = int(np.searchsorted(job.members, index))
-    for k in range(MAX_REPLACEMENT_TRIES):
+    tries = min(MAX_REPLACEMENT_TRIES, len(job.members))  # past the split's end it wraps: each sample once
+    for k in range(tries):
         candidate = int(job.members[(pos + k) % len(job.members)]) if k else index
         name = job.index.name(candidate)
         rng = None
@@ -168,9 +170,12 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
             failures.append((name, _reason(exc, name)))
+    others = "no other sample of the split" if tries == 1 else (
+        f"the {counted(tries - 1, 'sample')} after it" + (", the whole split," if tries == len(job.members) else ""))
     raise SampleUnrecoverable(
-        f"sample {index} and the {MAX_REPLACEMENT_TRIES - 1} samples after it could not be decoded "
-        f"(last: {failures[-1][0]}: {failures[-1][1]}); is the dataset readable?"
+        f"sample {index} and {others} could not be decoded (last: {failures[-1][0]}: {failures[-1][1]}); "
+        f"a sample is replaced by one of the next {MAX_REPLACEMENT_TRIES - 1} that decodes, and none did: is the "
+        "dataset readable?"
     )
 
 

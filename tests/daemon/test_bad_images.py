@@ -16,11 +16,12 @@ from torchvision.datasets.folder import pil_loader
 from prefetchd.bad_images import Corpus, make_bad_images
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import scan_class_folders
+from prefetchd.daemon.errors import BadDataError
 from prefetchd.daemon.producer import bad_data_verdict
 from prefetchd.daemon.decode import load_rgb
 from prefetchd.daemon.sources.storage import ImageRefused
 from prefetchd.daemon.transforms import augment
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, run_task
+from prefetchd.daemon.workers import Filled, SampleUnrecoverable, Task, WorkerJob, failure_of, run_task
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")]
@@ -127,6 +128,32 @@ def test_a_worker_replaces_bad_samples_deterministically(corpus: Corpus, tmp_pat
         assert replacement not in bad and replacement > i  # the next sample of the split that decodes
         assert all(j in bad for j in range(i + 1, replacement))
     assert all(used[i] == i for i in range(len(index)) if i not in bad)
+
+
+@pytest.mark.parametrize(("bad", "good", "said"), [
+    (3, 0, "sample 0 and the 2 samples after it, the whole split, could not be decoded"),
+    (1, 0, "sample 0 and no other sample of the split could not be decoded"),
+    (20, 2, "sample 0 and the 15 samples after it could not be decoded"),
+])
+def test_a_run_of_undecodable_samples_stops_the_job_as_bad_data_saying_how_many(
+        tmp_path: Path, bad: int, good: int, said: str) -> None:
+    """Past MAX_REPLACEMENT_TRIES undecodable samples in a row (or the whole of a smaller split) the
+    job stops as bad data (exit 4, not restarted) with the count it really tried."""
+    folder = tmp_path / "data" / "a"
+    folder.mkdir(parents=True)
+    for k in range(bad):
+        (folder / f"bad-{k:03d}.jpg").write_text("not an image")
+    for k in range(good):
+        Image.new("RGB", (8, 8)).save(folder / f"ok-{k:03d}.png")  # after the bad ones
+    index = scan_class_folders(tmp_path / "data")
+    path = tmp_path / "batch.tmp"
+    path.write_bytes(bytes(SIZE * SIZE * 3))
+    with pytest.raises(SampleUnrecoverable) as raised:
+        run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
+                 Task(0, str(path), 0, SIZE * SIZE * 3, 0, ((0, 0),)))
+    result = failure_of(0, raised.value)  # what the worker reports to the controller
+    assert result.fatal is BadDataError, result
+    assert said in result.reason and "next 15 that decodes" in result.reason, result.reason
 
 
 def _cfg(**kw: object) -> DaemonConfig:
