@@ -37,11 +37,13 @@ from prefetchd.buffer_protocol import (
     ProtocolError,
     list_batches,
     list_consumers,
+    map_batch,
     progress_name,
 )
 from prefetchd.buffer_protocol.status import Position, StreamStatus
 from prefetchd.daemon.consumers import Consumer, plan_windows
 from prefetchd.daemon.sampler import epoch_order
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +180,26 @@ class Stream:
         return self._orders[epoch]
 
     def adopt_published(self) -> None:
-        self.published = {self.g(k): p for k, p in list_batches(self.dir).items()}
+        """Keep the finished batches an earlier daemon of the same job left, but those with replaced
+        samples: built while a file could not be read, and a file since mended (the fix a log line
+        asks for) would make them differ from the batches built now.  Built again, each is what the
+        data gives today.  Headers that do not parse go too."""
+        redo = 0
+        for key, path in list_batches(self.dir).items():
+            try:
+                replaced = map_batch(path).meta.replaced
+            except (ProtocolError, FileNotFoundError):
+                replaced = -1
+            if replaced:
+                path.unlink(missing_ok=True)
+                redo += 1
+                continue
+            self.published[self.g(key)] = path
         if self.published:
             log.info("kept %d finished batches of rank %d from an earlier run of the same job", len(self.published), self.rank)
+        if redo:
+            log.info("building %s of rank %d again: %s replaced samples or could not be read",
+                     counted(redo, "kept batch"), self.rank, "it had" if redo == 1 else "they had")
 
     def reconcile(self) -> list[int]:
         """Forget published batches whose files are gone, so that they are built again.

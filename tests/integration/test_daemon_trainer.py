@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +19,10 @@ from torchvision.datasets import ImageFolder
 from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of
 from prefetchd.daemon.cli import describe_status, format_status
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY
-from prefetchd.buffer_protocol import DaemonLock, Progress, State, daemon_pid, list_batches, list_temp_files, read_status
+from prefetchd.buffer_protocol import (DaemonLock, Progress, State, daemon_pid, list_batches, list_temp_files, map_batch,
+                                       read_status)
 from prefetchd.trainer import BufferLoader
+from prefetchd.words import counted
 from tests.status_examples import production_of, state_of
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--seed", "7"]
@@ -203,6 +206,44 @@ def test_killed_daemon_leftovers_are_swept_and_batches_kept(shapes_data: Path, s
     second.wait_until(lambda: "kept 3 finished batches" in second.log, 30, "the restart to adopt the old batches")
     assert not (buffer / "e000000-s00000009.tmp").exists()
     assert {k: digest(p.read_bytes()) for k, p in list_batches(buffer).items()} == kept
+
+
+def test_kept_batches_with_replaced_samples_are_built_again_from_the_mended_data(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon) -> None:
+    """A daemon restarted after the files it could not read were mended: the batches built meanwhile
+    (their samples replaced) must not be kept as this job's, or a trainer gets other pixels than a
+    run that never saw the fault."""
+    data = tmp_path / "data"
+    shutil.copytree(shapes_data / "train", data)
+    broken = sorted((data / sorted(p.name for p in data.iterdir())[0]).iterdir())[::2]
+    saved = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in broken}
+
+    def put(p: Path, content: bytes) -> None:  # size and mtime as before: the same job (its fingerprint)
+        p.write_bytes(content)
+        os.utime(p, ns=(saved[p][1], saved[p][1]))
+
+    for p in broken:  # a sixth of the samples, never two in a row: every batch of 8 likely replaces some
+        put(p, b"X" * len(saved[p][0]))  # unreadable for a while, as on a flaky network mount
+    buffer, args = shm_dir / "bf", ["--data", data, *SMALL, "--high-water", "3"]
+    first = start_daemon(buffer, *args)
+    first.wait_until(lambda: batch_files(buffer) == 3, 30, "a full buffer")
+    first.terminate()
+    replaced = [map_batch(p).meta.replaced for p in list_batches(buffer).values()]
+    assert any(replaced), "the first daemon should have replaced samples"
+    for p, (content, _mtime) in saved.items():
+        put(p, content)
+
+    second = start_daemon(buffer, *args)
+    again = f"building {counted(sum(map(bool, replaced)), 'kept batch')} of rank 0 again"
+    second.wait_until(lambda: batch_files(buffer) == 3 and again in second.log, 30,
+                      "the restart to build the kept batches again")
+    clean = shm_dir / "clean"
+    start_daemon(clean, *args).wait_until(lambda: batch_files(clean) == 3, 30, "a fault-free run's buffer")
+
+    def pixels(buf: Path) -> dict[tuple[int, int], tuple[str, int]]:
+        return {k: (digest(b.images), b.meta.replaced) for k, p in list_batches(buf).items() for b in [map_batch(p)]}
+
+    assert pixels(buffer) == pixels(clean) and all(r == 0 for _d, r in pixels(buffer).values())
 
 
 @pytest.mark.parametrize(
