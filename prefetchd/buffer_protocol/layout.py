@@ -21,6 +21,7 @@ sees the old or the new document, never a mix.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -171,10 +172,18 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     # O_EXCL: a name someone else planted (a link to a file of theirs) is never written through.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        # A writer that retries (a loader on a full tmpfs, every half second) must not leave a file each time.
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _open_regular(path: Path, flags: int, what: str) -> int:

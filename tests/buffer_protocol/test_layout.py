@@ -136,6 +136,18 @@ def test_listing_a_real_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 # -- JSON documents -----------------------------------------------------------
 
 
+def test_a_failed_json_write_leaves_no_temp_file(tmp_path: Path, small_tmpfs: Path) -> None:
+    """A loader retries its progress write every half second: a failure must not leave a file each time."""
+    (tmp_path / "doc.json").mkdir()  # replaced by someone with a directory
+    with pytest.raises(IsADirectoryError):
+        write_json(tmp_path / "doc.json", {"format": "prefetchd.test"})
+    assert os.listdir(tmp_path) == ["doc.json"]
+    (small_tmpfs / "ballast").write_bytes(b"\0" * (1 << 20))  # more than the tmpfs holds: it fills it
+    with pytest.raises(OSError, match="No space left"):
+        write_json(small_tmpfs / "doc.json", {"format": "prefetchd.test", "pad": "x" * 8192})
+    assert os.listdir(small_tmpfs) == ["ballast"]
+
+
 def test_write_json_replaces_atomically(tmp_path: Path) -> None:
     path = tmp_path / "doc.json"
     write_json(path, {"format": "prefetchd.test", "n": 1})
