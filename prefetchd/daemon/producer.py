@@ -369,6 +369,8 @@ class Producer:
                 self.state, self.message = State.PAUSED_LOW_SPACE, msg
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
+            if self.state == State.PAUSED_LOW_SPACE:  # said, as the pause was: a log's last word is not "paused"
+                log.info("resumed: %s has room again above the floor of %d MiB", self.buffer, self.min_free >> 20)
             if not self._start_build(stream, g, layout):
                 return
             self.state, self.message = State.FILLING, ""

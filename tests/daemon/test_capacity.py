@@ -96,3 +96,26 @@ def test_spares_count_as_room_on_a_tmpfs_sized_for_the_high_water_mark(
     assert steps == 2 * len(loader)
     assert State.PAUSED_LOW_SPACE not in states and pauses is not None and pauses.errors.low_space_pauses == 0, \
         (states, daemon.log)
+
+
+def test_a_pause_for_space_and_the_resumption_are_both_logged(shm_dir: Path, shapes_data: Path, start_daemon) -> None:
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        buffer = mount / "bf"
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
+                              "--workers", "1", "--high-water", "4", "--low-water", "3", "--min-free-mb", "2")
+        try:
+            daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+            ballast = mount / "ballast"
+            ballast.write_bytes(b"\1" * (free_bytes(mount) - (1 << 20)))  # 1 MiB left: below the 2 MiB floor
+            loader = BufferLoader(buffer, normalize=False, timeout=30)
+            batches = iter(loader)
+            next(batches), next(batches)  # two consumed: below the low-water mark, a build is due
+            daemon.wait_until(lambda: state_of(buffer) == State.PAUSED_LOW_SPACE, 30, "a pause for space")
+            assert "paused: " in daemon.log and "resumed: " not in daemon.log
+            ballast.unlink()
+            daemon.wait_until(lambda: "resumed: " in daemon.log, 30, "the resumption")
+            assert f"resumed: {buffer} has room again above the floor of 2 MiB" in daemon.log
+            next(batches)
+            loader.close()
+        finally:
+            daemon.terminate()  # before the tmpfs is unmounted
