@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ from prefetchd.buffer_protocol import (
     Totals,
     TrainerStatus,
     read_status,
+    write_status,
 )
+from prefetchd.buffer_protocol.layout import STATUS_NAME
 
 TRAINER = TrainerStatus(pid=777, alive=True, progress_age_s=0.4)
 POSITION = Position(epoch=1, step=40, trainer_wait_share=None)
@@ -66,6 +69,13 @@ def status(state: State = State.FILLING, **changes: Any) -> Status:
                   job_result=JobResult(job_id="0123456789ab", accepted=True, reason="producing /data", time=1700000000.0),
                   production=production())
     return dataclasses.replace(base, **changes)
+
+
+def write_status_at_heartbeat(buffer: Path, written: Status) -> None:
+    """Write ``written`` as the daemon of its heartbeat would have: the file's mtime is that time too
+    (readers take a later mtime for the heartbeat: a daemon on a full filesystem sets it)."""
+    write_status(buffer, written)
+    os.utime(Path(buffer) / STATUS_NAME, (written.heartbeat, written.heartbeat))
 
 
 def bad_files(n: int) -> tuple[BadFile, ...]:

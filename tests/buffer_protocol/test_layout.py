@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -51,7 +52,7 @@ from prefetchd.buffer_protocol.layout import (
     STATUS_NAME,
     write_json,
 )
-from tests.status_examples import ERRORS, bad_files, production, stream
+from tests.status_examples import ERRORS, bad_files, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 WAIT_S = 30.0  # generous: a cold interpreter importing numpy on a loaded 2-core box
@@ -136,13 +137,36 @@ def test_listing_a_real_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 # -- JSON documents -----------------------------------------------------------
 
 
+def fill_up(path: Path) -> None:
+    """Write ``path`` until its filesystem has no page left."""
+    with open(path, "wb", buffering=0) as out:
+        with contextlib.suppress(OSError):
+            while True:
+                out.write(b"\0" * 4096)
+
+
+def test_a_daemon_on_a_full_filesystem_keeps_its_heartbeat(small_tmpfs: Path) -> None:
+    """A full tmpfs stops status.json's rewrite; its mtime, set without space, carries the
+    heartbeat, so a trainer does not take a healthy daemon for stuck (and --spawn-daemon kill it)."""
+    old = time.time() - 100
+    write_status(small_tmpfs, Status(pid=os.getpid(), state=State.FILLING, heartbeat=old))
+    os.utime(small_tmpfs / STATUS_NAME, (old, old))
+    fill_up(small_tmpfs / "ballast")
+    before = time.time()
+    with pytest.raises(OSError, match="No space left"):
+        write_status(small_tmpfs, Status(pid=os.getpid(), state=State.FULL, heartbeat=before, message="x" * 8192))
+    status = read_status(small_tmpfs)
+    assert status is not None and status.state == State.FILLING  # the document as it was
+    assert before - 1 <= status.heartbeat <= time.time()  # but alive as of now
+
+
 def test_a_failed_json_write_leaves_no_temp_file(tmp_path: Path, small_tmpfs: Path) -> None:
     """A loader retries its progress write every half second: a failure must not leave a file each time."""
     (tmp_path / "doc.json").mkdir()  # replaced by someone with a directory
     with pytest.raises(IsADirectoryError):
         write_json(tmp_path / "doc.json", {"format": "prefetchd.test"})
     assert os.listdir(tmp_path) == ["doc.json"]
-    (small_tmpfs / "ballast").write_bytes(b"\0" * (1 << 20))  # more than the tmpfs holds: it fills it
+    fill_up(small_tmpfs / "ballast")
     with pytest.raises(OSError, match="No space left"):
         write_json(small_tmpfs / "doc.json", {"format": "prefetchd.test", "pad": "x" * 8192})
     assert os.listdir(small_tmpfs) == ["ballast"]
@@ -451,7 +475,7 @@ def test_progress_refuses_bad_positions(tmp_path: Path, doc: dict[str, Any]) -> 
 ], ids=["producing", "two ranks", "waiting", "starting"])
 def test_status_round_trip(tmp_path: Path, written: Status) -> None:
     assert read_status(tmp_path) is None
-    write_status(tmp_path, written)
+    write_status_at_heartbeat(tmp_path, written)
     assert read_status(tmp_path) == written
     doc = json.loads((tmp_path / STATUS_NAME).read_text())
     assert doc["format"] == "prefetchd.status" and doc["version"] == VERSION

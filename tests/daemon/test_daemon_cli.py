@@ -23,7 +23,7 @@ from prefetchd.buffer_protocol import DaemonLock, Errors, State, write_status
 from prefetchd.daemon import cli
 from prefetchd.daemon.config import DaemonConfig, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
-from tests.status_examples import bad_files, production, stream
+from tests.status_examples import bad_files, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 LOCK = "daemon.lock"
@@ -214,7 +214,7 @@ def test_status_with_a_live_owner(runner: CliRunner, tmp_path: Path) -> None:
         doc = json.loads(result.output)
         assert doc["running"] is True and doc["pid"] == os.getpid() and doc["status"] is None
         written = status_example(pid=os.getpid())
-        write_status(tmp_path, written)
+        write_status_at_heartbeat(tmp_path, written)
         doc = json.loads(runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"]).output)
         assert doc["status"] == json.loads(json.dumps(written.to_doc()))  # the document as status.json holds it
         assert doc["status"]["format"] == "prefetchd.status" and doc["status"]["rates"]["samples_per_s"] == 850.4

@@ -18,7 +18,7 @@ from prefetchd.buffer_protocol import (
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
                                StateMismatch)
 from prefetchd.trainer.loader import IMAGENET_MEAN, IMAGENET_STD
-from tests.status_examples import ERRORS, production
+from tests.status_examples import ERRORS, production, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -461,7 +461,7 @@ def test_status_of_another_pid_is_no_heartbeat(make_job: MakeJob) -> None:
 def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> None:
     job = make_job()
     job.claim(os.getpid())
-    write_status(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
+    write_status_at_heartbeat(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
     with pytest.raises(DaemonStuck, match=r"no heartbeat for 10\d\.\d s.*last state filling"):
         next(iter(BufferLoader(job.buffer, timeout=30, stall_timeout=60)))
 
@@ -469,7 +469,7 @@ def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> Non
 def test_stall_timeout_none_disables_the_check(make_job: MakeJob) -> None:
     job = make_job()
     job.claim(os.getpid())
-    write_status(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
+    write_status_at_heartbeat(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
     with pytest.raises(LoaderTimeout):
         next(iter(BufferLoader(job.buffer, timeout=0.5, stall_timeout=None)))
     with pytest.raises(ValueError, match="stall_timeout"):
