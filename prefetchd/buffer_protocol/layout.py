@@ -186,12 +186,13 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
         raise
 
 
-def _open_regular(path: Path, flags: int, what: str) -> int:
+def _open_regular(path: Path, flags: int, what: str, mode: int = 0o644) -> int:
     """Open ``path`` only if it is a regular file: not through a symlink (O_NOFOLLOW), and
-    without waiting for a writer should it be a FIFO (O_NONBLOCK, then fstat).
+    without waiting for a writer should it be a FIFO (O_NONBLOCK, then fstat).  ``mode``
+    (less the umask) is that of a file O_CREAT creates.
     FileNotFoundError passes through; any other problem is a ProtocolError."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -469,35 +470,51 @@ class DaemonLock:
 
     The kernel drops an flock when its holder dies, so a SIGKILLed daemon never
     leaves a stale lock behind.
+
+    The file is ``LOCK_MODE`` (less the umask): readers need its pid (``daemon_pid``), nobody
+    but the owner writes it, and nobody runs it.  flock(2) needs only a read-only descriptor, so
+    whoever may read the file can also hold the lock and keep a daemon from starting: with
+    --group-access that is any member of the buffer's group (systemd/README.md, "who it runs as").
     """
+
+    LOCK_MODE = 0o644
 
     def __init__(self, buffer: Path) -> None:
         self.path = buffer / LOCK_NAME
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = _open_regular(self.path, os.O_RDWR | os.O_CREAT, "the daemon's lock file")
+        fd = _open_regular(self.path, os.O_RDWR | os.O_CREAT, "the daemon's lock file", self.LOCK_MODE)
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_nlink != 1:
             os.close(fd)
             # Another user's file (or a hard link to one) would get our pid written into it.
             raise ProtocolError(f"{self.path}: belongs to uid {st.st_uid} or has {st.st_nlink} links, so this "
                                 f"daemon (uid {os.geteuid()}) did not create it; remove it, or pick another --buffer")
+        if stat.S_IMODE(st.st_mode) & ~self.LOCK_MODE:
+            # One made by an older daemon (0777 less the umask: group-writable under UMask=0007).
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & self.LOCK_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                pid = daemon_pid(self.path.parent)
-                raise BufferBusy(
-                    f"{self.path.parent}: buffer is owned by a running daemon"
-                    f"{f' (pid {pid})' if pid else ''}; stop it with `prefetchd stop --buffer "
-                    f"{self.path.parent}` or pick another --buffer"
-                ) from None
+                raise BufferBusy(self._held_by(daemon_pid(self.path.parent))) from None
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+
+    def _held_by(self, pid: int | None) -> str:
+        buffer = self.path.parent
+        if pid is not None:
+            return (f"{buffer}: buffer is owned by a running daemon (pid {pid}); stop it with "
+                    f"`prefetchd stop --buffer {buffer}` or pick another --buffer")
+        # No live pid in the file: whoever holds the flock is no prefetchd daemon (a daemon
+        # writes its pid right after it takes the lock and empties the file just before it lets go).
+        return (f"{buffer}: {self.path} is locked by a process that is not a running prefetchd daemon (pid "
+                "unknown: the file names no live daemon; any user who can read the file can lock it); find it "
+                f"with `fuser -v {self.path}` and end it, or pick another --buffer")
 
     def release(self) -> None:
         if self._fd is not None:

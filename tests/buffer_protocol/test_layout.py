@@ -10,6 +10,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -529,6 +530,46 @@ def test_second_daemon_is_refused_with_the_owner_pid(tmp_path: Path) -> None:
         assert "prefetchd stop" in str(info.value)
         assert daemon_pid(tmp_path) == holder.pid
         assert (tmp_path / LOCK_NAME).read_text().strip() == str(holder.pid)
+
+
+def test_a_lock_held_by_another_program_is_not_called_a_daemon(tmp_path: Path) -> None:
+    """What a group member can do to the service (`flock -n BUF/daemon.lock sleep 25`): the refusal
+    says a non-daemon holds the lock and how to find it, not `prefetchd stop`, which finds no daemon."""
+    lock = tmp_path / LOCK_NAME
+    holder = subprocess.Popen(["flock", "--nonblock", str(lock), "-c", "echo locked; exec sleep 30"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(BufferBusy) as info:
+            DaemonLock(tmp_path).acquire()
+        message = str(info.value)
+        assert "not a running prefetchd daemon" in message and "pid unknown" in message
+        assert f"fuser -v {lock}" in message and "prefetchd stop" not in message
+    finally:
+        holder.kill()
+        holder.wait(WAIT_S)
+
+
+def test_the_lock_file_is_readable_but_not_writable_by_others(tmp_path: Path) -> None:
+    """Under the unit's UMask=0007 the lock was -rwxrwx---: the group could write it.  Readers need
+    only its pid; one an older daemon made is narrowed when a daemon takes it."""
+    old = os.umask(0o007)
+    try:
+        lock = DaemonLock(tmp_path)
+        lock.acquire()
+        lock.release()
+    finally:
+        os.umask(old)
+    path = tmp_path / LOCK_NAME
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    os.chmod(path, 0o770)
+    lock = DaemonLock(tmp_path)
+    lock.acquire()
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+        assert daemon_pid(tmp_path) == os.getpid()
+    finally:
+        lock.release()
 
 
 def test_sigkilled_owner_releases_the_lock(tmp_path: Path) -> None:
