@@ -210,7 +210,13 @@ def stop(buffer: Path, timeout: float) -> None:
     if pid is None:
         click.echo(f"no daemon is running on {buffer}")
         return
-    os.kill(pid, signal.SIGTERM)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except PermissionError:
+        click.echo(f"cannot stop the daemon on {buffer}: {not_ours_to_signal(pid)}", err=True)
+        sys.exit(EXIT_FAILURE)
+    except ProcessLookupError:  # it exited between the look and the signal
+        pass
     # The lock goes before the interpreter exits: "stopped" means the process is gone
     # (a zombie is gone too: its parent, not us, has to reap it).
     deadline = time.monotonic() + timeout
@@ -221,6 +227,24 @@ def stop(buffer: Path, timeout: float) -> None:
         time.sleep(0.05)
     click.echo(f"the daemon on {buffer} (pid {pid}) did not exit within {timeout:.0f} s; `kill -9 {pid}` ends it", err=True)
     sys.exit(EXIT_FAILURE)
+
+
+def not_ours_to_signal(pid: int) -> str:
+    """Why `prefetchd stop` may not SIGTERM ``pid`` (another user's process), and who can: its
+    systemd unit when it runs as one, read from /proc/PID/cgroup, or its user or root."""
+    try:
+        user = f"user {psutil.Process(pid).username()}"
+    except (psutil.Error, KeyError):  # hidden by hidepid, or gone
+        user = "another user"
+    unit = None
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
+            found = re.search(r"/([^/\s]+\.service)$", f.read(), re.MULTILINE)
+        unit = found[1] if found else None
+    except OSError:
+        pass
+    how = f"stop its service with `systemctl stop {unit}`" if unit else "stop the service that runs it (`systemctl stop prefetchd@NAME`)"
+    return f"the daemon (pid {pid}) runs as {user}; {how}, or run this command as that user or root"
 
 
 def _exited(pid: int) -> bool:

@@ -307,6 +307,30 @@ def test_stop_gives_up_after_its_timeout(runner: CliRunner, tmp_path: Path) -> N
         reaper.join(5)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays two users: the owner runs as nobody, stop as another uid")
+def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, shm_buffer: Path) -> None:
+    """A trainer user running `prefetchd stop` on the service's buffer: no PermissionError
+    traceback, but whose daemon it is and how to stop it."""
+    os.chmod(shm_buffer, 0o755)  # the stopper, not root, reads the lock
+    owner = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "sleep", "60"])
+    try:
+        time.sleep(0.1)
+        (shm_buffer / LOCK).write_text(f"{owner.pid}\n")  # written after the owner started: its lock
+        os.seteuid(65533)  # without root's CAP_KILL, and another uid than the owner's
+        try:
+            result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(shm_buffer), "--timeout", "1"])
+        finally:
+            os.seteuid(0)
+        assert result.exit_code == 1, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        assert f"the daemon (pid {owner.pid}) runs as user nobody" in result.output
+        assert "systemctl stop" in result.output and "as that user or root" in result.output
+        assert owner.poll() is None
+    finally:
+        owner.kill()
+        owner.wait()
+
+
 def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     info = cli.describe_status(tmp_path)
     assert info["running"] is False and info["pid"] is None and info["stale"] is False
