@@ -1,0 +1,41 @@
+"""The metrics textfile (prefetchd/daemon/metrics.py) as node-exporter, another user, reads it."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from prefetchd.daemon.metrics import Metrics
+from tests.status_examples import status as status_example
+
+
+def test_the_textfile_is_world_readable_under_the_services_umask(shm_buffer: Path) -> None:
+    """UMask=0007 made it -rw-rw----: node-exporter got Permission denied."""
+    os.chmod(shm_buffer, 0o755)
+    textfile = shm_buffer / "prefetchd-bf.prom"
+    metrics = Metrics(shm_buffer, None, "127.0.0.1", textfile)
+    old = os.umask(0o007)
+    try:
+        metrics.update(status_example())
+        metrics.update(status_example())  # a rewrite replaces it the same way
+    finally:
+        os.umask(old)
+        metrics.close()
+    assert stat.S_IMODE(os.stat(textfile).st_mode) == 0o644
+    assert "prefetchd_batches_waiting" in textfile.read_text()
+    assert sorted(p.name for p in shm_buffer.iterdir()) == [textfile.name]  # no temp file left
+    if os.geteuid() == 0:
+        other = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "cat", str(textfile)],
+                               capture_output=True, text=True)
+        assert other.returncode == 0 and "prefetchd_batches_waiting" in other.stdout, other.stderr
+
+
+def test_a_textfile_that_cannot_be_written_is_a_warning(shm_buffer: Path, caplog: pytest.LogCaptureFixture) -> None:
+    textfile = shm_buffer / "missing-dir" / "prefetchd.prom"
+    metrics = Metrics(shm_buffer, None, "127.0.0.1", textfile)
+    metrics.update(status_example())
+    assert f"cannot write metrics to {textfile}" in caplog.text
