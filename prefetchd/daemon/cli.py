@@ -290,10 +290,11 @@ def describe_status(buffer: Path) -> dict[str, Any]:
     }
 
 
-def status_json(info: dict[str, Any]) -> str:
-    """``describe_status`` as `prefetchd status --json` prints it: the status as status.json holds it."""
+def status_json(info: dict[str, Any], indent: int | None = 1) -> str:
+    """``describe_status`` as `prefetchd status --json` prints it: the status as status.json holds it.
+    ``indent=None``: on one line, as --watch --json prints one document per line."""
     status: Status | None = info["status"]
-    return json.dumps({**info, "status": status.to_doc() if status is not None else None}, indent=1, sort_keys=True)
+    return json.dumps({**info, "status": status.to_doc() if status is not None else None}, indent=indent, sort_keys=True)
 
 
 def format_status(info: dict[str, Any]) -> str:
@@ -426,25 +427,31 @@ def fill_bar(waiting: int, high: int, width: int = 24) -> str:
 
 @click.command()
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (with --watch: one document per line).")
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
 @click.option("--interval", type=click.FloatRange(0.1), default=1.0, show_default=True)
 def status(buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
     """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER."""
-    while True:
+    if not watch:
         info = describe_status(buffer)
-        text = status_json(info) if as_json else format_status(info)
-        if not watch:
-            click.echo(text)
-            break
-        click.clear()
-        click.echo(f"{text}\n\n(every {interval:g} s, Ctrl-C to leave)")
-        try:
+        click.echo(status_json(info) if as_json else format_status(info))
+        if not info["running"]:
+            sys.exit(EXIT_NOT_RUNNING)
+        return
+    note = f"(every {interval:g} s, Ctrl-C to leave)"
+    if as_json:  # stdout stays pure JSON Lines, for `| jq` or a script
+        click.echo(note, err=True)
+    try:
+        while True:
+            info = describe_status(buffer)
+            if as_json:
+                click.echo(status_json(info, indent=None))
+            else:
+                click.clear()
+                click.echo(f"{format_status(info)}\n\n{note}")
             time.sleep(interval)
-        except KeyboardInterrupt:
-            return
-    if not info["running"]:
-        sys.exit(EXIT_NOT_RUNNING)
+    except KeyboardInterrupt:
+        return
 
 
 @click.command()

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -203,6 +204,24 @@ def test_status_json_not_running(runner: CliRunner, tmp_path: Path) -> None:
     assert doc["running"] is False and doc["pid"] is None
     assert doc["status"] is None and doc["manifest"] is None
     assert doc["buffer"] == str(tmp_path)
+
+
+def test_status_watch_json_prints_one_document_per_line(tmp_path: Path) -> None:
+    """`status --watch --json | jq`: stdout is JSON Lines; the "Ctrl-C to leave" note goes to stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "status", "--buffer", str(tmp_path), "--watch", "--json",
+                             "--interval", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        docs = [json.loads(proc.stdout.readline()) for _ in range(3)]
+        assert [d["buffer"] for d in docs] == [str(tmp_path)] * 3 and not any(d["running"] for d in docs)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert all(json.loads(line) for line in out.splitlines())
+    assert "Ctrl-C to leave" in err
 
 
 def test_status_with_a_live_owner(runner: CliRunner, tmp_path: Path) -> None:
