@@ -42,6 +42,9 @@ import psutil
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import ProtocolError
 
+# What the public functions take for a directory: a str as well as a Path.
+Dir = str | os.PathLike[str]
+
 LOCK_NAME = "daemon.lock"
 MANIFEST_NAME = "manifest.json"
 PROGRESS_NAME = "progress.json"
@@ -90,7 +93,7 @@ def consumer_of(file_name: str) -> str | None:
     return m[1] if m else None
 
 
-def list_consumers(directory: Path) -> list[str]:
+def list_consumers(directory: Dir) -> list[str]:
     """The consumers with a progress file in ``directory`` (a stream directory), sorted."""
     if not os.path.isdir(directory):
         return []
@@ -102,7 +105,7 @@ STREAM_PREFIX = "rank-"
 _STREAM_RE = re.compile(r"rank-\d{5}", re.ASCII)
 
 
-def stream_dir(buffer: Path, rank: int, world_size: int) -> Path:
+def stream_dir(buffer: Dir, rank: int, world_size: int) -> Path:
     """Where rank ``rank``'s manifest, progress and batches live.
 
     One rank keeps the flat layout; with several, each rank has its own directory
@@ -113,7 +116,7 @@ def stream_dir(buffer: Path, rank: int, world_size: int) -> Path:
     return Path(buffer) if world_size == 1 else Path(buffer) / f"{STREAM_PREFIX}{rank:05d}"
 
 
-def owning_buffer(directory: Path) -> Path:
+def owning_buffer(directory: Dir) -> Path:
     """The buffer whose daemon owns ``directory``: its parent for a rank's stream directory."""
     directory = Path(directory)
     if _STREAM_RE.fullmatch(directory.name) and (directory.parent / LOCK_NAME).exists():
@@ -137,7 +140,7 @@ def parse_batch_name(name: str) -> tuple[int, int] | None:
     return (int(m[1]), int(m[2])) if m else None
 
 
-def list_batches(buffer: Path) -> dict[tuple[int, int], Path]:
+def list_batches(buffer: Dir) -> dict[tuple[int, int], Path]:
     """Finished batch files in ``buffer`` by (epoch, step)."""
     found: dict[tuple[int, int], Path] = {}
     if not os.path.isdir(buffer):
@@ -152,7 +155,7 @@ def list_batches(buffer: Path) -> dict[tuple[int, int], Path]:
     return found
 
 
-def list_temp_files(buffer: Path) -> Iterator[Path]:
+def list_temp_files(buffer: Dir) -> Iterator[Path]:
     """Leftovers of writes that never finished (a killed daemon's)."""
     with os.scandir(buffer) as entries:
         for entry in entries:
@@ -353,12 +356,12 @@ class Manifest:
         names = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in names})
 
-    def write(self, buffer: Path) -> None:
-        write_json(buffer / MANIFEST_NAME, self.to_doc())
+    def write(self, buffer: Dir) -> None:
+        write_json(Path(buffer) / MANIFEST_NAME, self.to_doc())
 
     @classmethod
-    def read(cls, buffer: Path) -> Manifest:
-        path = buffer / MANIFEST_NAME
+    def read(cls, buffer: Dir) -> Manifest:
+        path = Path(buffer) / MANIFEST_NAME
         return cls.from_doc(read_json(path, "manifest"), path)
 
 
@@ -384,7 +387,7 @@ class Progress:
     closed: bool = field(default=False, compare=False)
     job: str | None = field(default=None, compare=False)
 
-    def write(self, buffer: Path, consumer: str = DEFAULT_CONSUMER) -> None:
+    def write(self, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> None:
         doc: dict[str, Any] = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch,
                                "step": self.step, "pid": os.getpid(), "time": time.time()}
         if self.wait_share is not None:
@@ -393,12 +396,12 @@ class Progress:
             doc["closed"] = True
         if self.job is not None:
             doc["job"] = self.job
-        write_json(buffer / progress_name(consumer), doc)
+        write_json(Path(buffer) / progress_name(consumer), doc)
 
     @classmethod
-    def read(cls, buffer: Path, consumer: str = DEFAULT_CONSUMER) -> Progress | None:
+    def read(cls, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> Progress | None:
         """The consumer's progress, or None when it has not written one yet."""
-        path = buffer / progress_name(consumer)
+        path = Path(buffer) / progress_name(consumer)
         doc = read_optional(path, "progress")
         if doc is None:
             return None
@@ -435,13 +438,13 @@ class JobRequest:
     submitted: float = field(default_factory=time.time)
     owner: int | None = None
 
-    def write(self, buffer: Path) -> None:
-        write_json(buffer / JOB_NAME, {"format": "prefetchd.job", "version": VERSION, "settings": self.settings,
+    def write(self, buffer: Dir) -> None:
+        write_json(Path(buffer) / JOB_NAME, {"format": "prefetchd.job", "version": VERSION, "settings": self.settings,
                                        "replace": self.replace, "job_id": self.job_id, "submitted": self.submitted})
 
     @classmethod
-    def read(cls, buffer: Path) -> JobRequest | None:
-        path = buffer / JOB_NAME
+    def read(cls, buffer: Dir) -> JobRequest | None:
+        path = Path(buffer) / JOB_NAME
         try:
             doc, st = read_json_stat(path, "job")
         except FileNotFoundError:
@@ -479,8 +482,8 @@ class DaemonLock:
 
     LOCK_MODE = 0o644
 
-    def __init__(self, buffer: Path) -> None:
-        self.path = buffer / LOCK_NAME
+    def __init__(self, buffer: Dir) -> None:
+        self.path = Path(buffer) / LOCK_NAME
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -568,7 +571,7 @@ def _hidden(pid: int) -> bool:
     return True  # ours to signal, yet not in /proc: it appeared as psutil looked (a zombie is ZombieProcess)
 
 
-def daemon_pid(buffer: Path) -> int | None:
+def daemon_pid(buffer: Dir) -> int | None:
     """Pid of the live daemon owning ``buffer``, or None.
 
     Reads the pid the owner wrote and checks that process exists and is older

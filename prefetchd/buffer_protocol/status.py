@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import ProtocolError
-from prefetchd.buffer_protocol.layout import STATUS_NAME, owning_buffer, read_json_stat, write_json
+from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, owning_buffer, read_json_stat, write_json
 
 STATUS_FORMAT = "prefetchd.status"
 
@@ -281,7 +281,7 @@ class Status:
         )
 
 
-def write_status(buffer: Path, status: Status) -> None:
+def write_status(buffer: Dir, status: Status) -> None:
     """Replace ``buffer``'s status.json atomically with ``status``.  On a full filesystem the new
     document cannot be written: the one there gets the time as its mtime instead, which takes no
     space and which readers count as the heartbeat (SPEC rule 8).  The OSError is raised either way."""
@@ -295,7 +295,7 @@ def write_status(buffer: Path, status: Status) -> None:
         raise
 
 
-def read_status(buffer: Path) -> Status | None:
+def read_status(buffer: Dir) -> Status | None:
     """The status of the daemon owning ``buffer`` (a rank's stream directory reads its parent's);
     None before the first is written; ProtocolError when it is malformed.  Its heartbeat is the
     later of the document's and the file's mtime (``write_status`` on a full filesystem)."""

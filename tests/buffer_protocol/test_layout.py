@@ -28,6 +28,7 @@ from prefetchd.buffer_protocol import (
     VERSION,
     BufferBusy,
     DaemonLock,
+    JobRequest,
     JobResult,
     Manifest,
     Position,
@@ -42,6 +43,7 @@ from prefetchd.buffer_protocol import (
     list_temp_files,
     parse_batch_name,
     read_status,
+    stream_dir,
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
@@ -530,6 +532,28 @@ def test_second_daemon_is_refused_with_the_owner_pid(tmp_path: Path) -> None:
         assert "prefetchd stop" in str(info.value)
         assert daemon_pid(tmp_path) == holder.pid
         assert (tmp_path / LOCK_NAME).read_text().strip() == str(holder.pid)
+
+
+def test_every_directory_may_be_given_as_a_string(tmp_path: Path) -> None:
+    """The README's `JobRequest(settings).write(DIR)` with DIR a str was a TypeError (str / str)."""
+    buffer = str(tmp_path)
+    request = JobRequest({"batch_size": 8})
+    request.write(buffer)
+    assert JobRequest.read(buffer) == dataclasses.replace(request, owner=os.getuid())
+    manifest = _manifest()
+    manifest.write(buffer)
+    assert Manifest.read(buffer) == manifest
+    Progress(1, 2).write(buffer, "trial-3")
+    assert Progress.read(buffer, "trial-3") == Progress(1, 2)
+    write_status(buffer, status_example())
+    assert read_status(buffer) is not None
+    lock = DaemonLock(buffer)
+    lock.acquire()
+    try:
+        assert daemon_pid(buffer) == os.getpid()
+    finally:
+        lock.release()
+    assert stream_dir(buffer, 1, 2) == tmp_path / "rank-00001"
 
 
 def test_a_lock_held_by_another_program_is_not_called_a_daemon(tmp_path: Path) -> None:
