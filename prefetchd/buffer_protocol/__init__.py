@@ -18,6 +18,7 @@ from prefetchd.buffer_protocol.batch import (
 )
 from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import (
+    BadJobRequest,
     BufferBusy,
     DEFAULT_CONSUMER,
     DaemonLock,
@@ -59,7 +60,7 @@ from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, SpareFile
 __all__ = [
     "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
     "DEFAULT_CONSUMER", "check_consumer", "list_consumers", "progress_name",
-    "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
+    "BadJobRequest", "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",

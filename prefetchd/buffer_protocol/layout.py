@@ -55,6 +55,9 @@ BATCH_SUFFIX = ".batch"
 TEMP_MARK = ".tmp"
 SPARE_PREFIX = "spare-"  # a consumed batch file kept for reuse (writer.SpareFiles)
 MAX_DOCUMENT_LEN = 1 << 20
+# A malformed job's job_id is echoed in its refusal only when it looks like one (JobRequest's
+# are 12 hex digits); anything else could be a megabyte of control characters in a log.
+JOB_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}", re.ASCII)
 # A consumer waiting for a batch rewrites its progress file this often (same position, new
 # time), so that a daemon tells a waiting consumer from a silent one (--consumer-timeout).
 PROGRESS_REFRESH_SECONDS = 2.0
@@ -444,21 +447,41 @@ class JobRequest:
 
     @classmethod
     def read(cls, buffer: Dir) -> JobRequest | None:
+        """The request in ``buffer``'s job.json, None when there is none.  A malformed one is a
+        ``BadJobRequest`` that carries the document's ``job_id`` where one can be read, so that
+        the refusal reaches whoever submitted it."""
         path = Path(buffer) / JOB_NAME
         try:
             doc, st = read_json_stat(path, "job")
         except FileNotFoundError:
             return None
-        if st.st_nlink != 1:
-            # A hard link to someone else's file would pass for a job that user wrote.
-            raise ProtocolError(f"{path}: has {st.st_nlink} links, so its owner (uid {st.st_uid}) need not be who "
-                                "put it there; remove it and submit the job again")
-        settings = _field(doc, "settings", dict, path)
-        for key, value in settings.items():
-            if not isinstance(value, (str, int, float, bool)) and value is not None:
-                raise ProtocolError(f"{path}: setting {key!r} is {value!r}; settings are strings, numbers, booleans or null")
-        return cls(settings, bool(doc.get("replace")), _field(doc, "job_id", str, path), _field(doc, "submitted", float, path),
-                   owner=st.st_uid)
+        except ProtocolError as exc:  # not read at all (a link, not JSON, ...): no job_id to echo
+            raise BadJobRequest(str(exc), None) from None
+        job_id = doc.get("job_id")
+        try:
+            if st.st_nlink != 1:
+                # A hard link to someone else's file would pass for a job that user wrote.
+                raise ProtocolError(f"{path}: has {st.st_nlink} links, so its owner (uid {st.st_uid}) need not be "
+                                    "who put it there; remove it and submit the job again")
+            settings = _field(doc, "settings", dict, path)
+            for key, value in settings.items():
+                if not isinstance(value, (str, int, float, bool)) and value is not None:
+                    raise ProtocolError(f"{path}: setting {key!r} is {value!r}; settings are strings, numbers, "
+                                        "booleans or null")
+            return cls(settings, bool(doc.get("replace")), _field(doc, "job_id", str, path),
+                       _field(doc, "submitted", float, path), owner=st.st_uid)
+        except ProtocolError as exc:
+            echoed = job_id if isinstance(job_id, str) and JOB_ID_RE.fullmatch(job_id) else None
+            raise BadJobRequest(str(exc), echoed) from None
+
+
+class BadJobRequest(ProtocolError):
+    """A job.json that breaks the protocol.  ``job_id`` is the document's own (a short plain
+    name: it is echoed in logs and status.json), or None where none could be read."""
+
+    def __init__(self, message: str, job_id: str | None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
 
 
 # -- ownership ----------------------------------------------------------------

@@ -369,7 +369,7 @@ def format_status(info: dict[str, Any]) -> str:
         # A job accepted that then failed while producing carries its own verb.
         verdict = job.reason if job.reason.startswith("failed ") else \
             f"{'accepted' if job.accepted else 'refused'}: {job.reason}"
-        lines.append(f"  last job  {job.job_id} {verdict}")
+        lines.append(f"  last job  {job.job_id or '(unreadable)'} {verdict}")
     lines += info["problems"]
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefetchd.buffer_protocol import (
+    BadJobRequest,
     DaemonLock,
     JobRequest,
     JobResult,
@@ -227,7 +228,7 @@ class JobInbox:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def answer(self, job_id: str | None, accepted: bool, reason: str) -> None:
-        (log.info if accepted else log.warning)("job %s %s: %s", job_id or "?", "accepted" if accepted else "refused", reason)
+        (log.info if accepted else log.warning)("job %s %s: %s", job_id or "(unreadable)", "accepted" if accepted else "refused", reason)
         self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
@@ -238,8 +239,8 @@ class JobInbox:
         self._seen = stamp
         try:
             request = JobRequest.read(self.buffer)
-        except ProtocolError as exc:
-            self.answer(None, False, str(exc))
+        except ProtocolError as exc:  # under the document's job_id where it has one, so its submitter sees the answer
+            self.answer(exc.job_id if isinstance(exc, BadJobRequest) else None, False, str(exc))
             return None
         if request is None:
             return None

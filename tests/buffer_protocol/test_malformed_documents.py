@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefetchd.buffer_protocol import (
+    BadJobRequest,
     VERSION,
     DaemonLock,
     JobRequest,
@@ -37,7 +38,7 @@ from prefetchd.buffer_protocol import (
     write_batch,
     write_status,
 )
-from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME, write_json
+from prefetchd.buffer_protocol.layout import JOB_ID_RE, JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME, write_json
 from tests.status_examples import ERRORS, bad_files, production, stream
 from tests.status_examples import status as status_example
 
@@ -110,13 +111,38 @@ def test_a_mutated_job_is_refused_or_well_typed(doc: Any, tmp_path: Path) -> Non
     _write(tmp_path / JOB_NAME, doc)
     try:
         job = JobRequest.read(tmp_path)
-    except ProtocolError as exc:
+    except BadJobRequest as exc:
         assert JOB_NAME in str(exc)
+        # Echoed only as the document wrote it, and only when it is a short plain name.
+        assert exc.job_id is None or (exc.job_id == doc.get("job_id") and JOB_ID_RE.fullmatch(exc.job_id))
         return
     assert job is not None and isinstance(job.settings, dict) and isinstance(job.replace, bool)
     assert all(isinstance(k, str) for k in job.settings)
     assert all(v is None or isinstance(v, (str, int, float, bool)) for v in job.settings.values())
     assert isinstance(job.job_id, str) and isinstance(job.submitted, float)
+
+
+@pytest.mark.parametrize("how", ["list setting", "hard link", "symlink"])
+def test_a_malformed_job_is_refused_under_its_job_id(how: str, tmp_path: Path) -> None:
+    """'job ? refused' / 'last job None refused': whoever submitted it could not tell it was theirs."""
+    written = tmp_path / "elsewhere.json"
+    _write(written, {**VALID_JOB, "settings": {"batch_size": [8]}} if how == "list setting" else VALID_JOB)
+    if how == "symlink":
+        (tmp_path / JOB_NAME).symlink_to(written)
+    else:
+        os.link(written, tmp_path / JOB_NAME) if how == "hard link" else written.rename(tmp_path / JOB_NAME)
+    with pytest.raises(BadJobRequest) as info:
+        JobRequest.read(tmp_path)
+    assert isinstance(info.value, ProtocolError)
+    # A link is not followed, so its document is never read: no job_id to echo.
+    assert info.value.job_id == (None if how == "symlink" else VALID_JOB["job_id"])
+
+
+def test_a_job_id_that_is_no_plain_name_is_not_echoed(tmp_path: Path) -> None:
+    _write(tmp_path / JOB_NAME, {**VALID_JOB, "job_id": "x\n" * 100, "settings": {"batch_size": [8]}})
+    with pytest.raises(BadJobRequest) as info:
+        JobRequest.read(tmp_path)
+    assert info.value.job_id is None
 
 
 VALID_STATUS = status_example(production=production(streams=(stream(0), stream(1)),

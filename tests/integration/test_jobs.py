@@ -200,9 +200,24 @@ def test_malformed_and_unknown_job_settings_are_refused(shm_dir: Path, start_dae
     assert result is not None
     reason = result.reason
     assert "unknown job settings ['colour']" in reason and "batch_size" in reason
+    # A malformed document is answered under its job_id, so that its submitter finds the answer.
+    listed = JobRequest({"batch_size": [8]})  # type: ignore[dict-item]
+    listed.write(buffer)
+    daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and r.job_id == listed.job_id, 30,
+                      "the list setting's refusal")
+    assert "setting 'batch_size' is [8]" in reason_of(buffer)
     (buffer / "job.json").write_text("{ not json")
     daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and "not valid JSON" in r.reason, 30, "a refusal")
+    out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True)
+    assert "last job  (unreadable) refused: " in out.stdout and "None" not in out.stdout, out.stdout
+    assert f"job {listed.job_id} refused" in daemon.log and "job (unreadable) refused" in daemon.log
     assert daemon.proc.poll() is None
+
+
+def reason_of(buffer: Path) -> str:
+    result = job_result_of(buffer)
+    assert result is not None
+    return result.reason
 
 
 def test_config_show_layers_defaults_file_and_flags(tmp_path: Path, shm_dir: Path) -> None:
