@@ -40,3 +40,6 @@ for _command in COMMANDS:
 main.add_command(bench_command)  # torch is imported inside it only when it runs
 
 __all__ = ["main"]
+
+if __name__ == "__main__":  # `python -m prefetchd.cli`, as well as `python -m prefetchd` and the entry point
+    main()

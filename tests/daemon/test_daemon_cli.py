@@ -183,6 +183,14 @@ def test_bad_flags_exit_2(runner: CliRunner, captured: list[DaemonConfig], tmp_p
 # -- status ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("module", ["prefetchd", "prefetchd.cli"])
+def test_the_command_runs_as_either_module(module: str, tmp_path: Path) -> None:
+    """`python -m prefetchd.cli` (the entry point's module) exited 0 having done nothing."""
+    out = subprocess.run([sys.executable, "-m", module, "status", "--buffer", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_NOT_RUNNING and f"prefetchd on {tmp_path}: not running" in out.stdout, out
+
+
 def test_status_not_running(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
     assert result.exit_code == EXIT_NOT_RUNNING == 3
