@@ -22,11 +22,11 @@ import tomli_w
 
 from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, Manifest, ProtocolError, RemoteStatus, State, Status,
                                        TrainerStatus, daemon_pid, read_status)
-from prefetchd.buffer_protocol.layout import STREAM_PREFIX
+from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.producer import STAGES
-from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, ConfigError, DaemonError
+from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import click_options
 from prefetchd.words import counted
@@ -210,6 +210,11 @@ def stop(buffer: Path, timeout: float) -> None:
     if pid is None:
         click.echo(f"no daemon is running on {buffer}")
         return
+    owner = owning_buffer(buffer)
+    if owner != buffer:  # stopping it would stop every rank's stream, not just this one
+        click.echo(f"{buffer} is a rank's stream directory of the daemon on {owner} (pid {pid}), which serves all "
+                   f"its ranks; to stop it, run `prefetchd stop --buffer {owner}`", err=True)
+        sys.exit(EXIT_USAGE)
     try:
         os.kill(pid, signal.SIGTERM)
     except PermissionError:
@@ -260,6 +265,12 @@ def _mib(n: float) -> str:
 
 def describe_status(buffer: Path) -> dict[str, Any]:
     """What `prefetchd status` shows; ``status`` is the typed document (``status_json`` makes it JSON)."""
+    owner = owning_buffer(buffer)
+    if owner != buffer and not buffer.exists():  # the status read would be the parent's, of other ranks
+        return {"buffer": str(buffer), "running": False, "pid": None, "heartbeat_age_s": None, "stale": False,
+                "status": None, "manifest": None,
+                "problems": [f"no such rank: the daemon on {owner} writes no {buffer.name}; "
+                             f"`prefetchd status --buffer {owner}` shows the ranks it serves"]}
     pid = daemon_pid(buffer)
     status = manifest = None
     problems = []
@@ -320,6 +331,10 @@ def format_status(info: dict[str, Any]) -> str:
             + (" (short last batch left out)" if mf.get("drop_last") else "")
         )
     pr = st.production if st else None
+    world = mf.get("world_size", 1) if mf else 1
+    if world > 1:  # one stream directory per rank: say which of the world's ranks are here
+        served = rank_ranges([s.rank for s in pr.streams]) if pr is not None and pr.streams else "some"
+        lines.append(f"  ranks     {served} of world size {world}, each in {owning_buffer(Path(buffer))}/{STREAM_PREFIX}NNNNN")
     if pr is not None:  # None while the daemon waits for a job or starts one
         p, r, e = pr.progress, pr.rates, pr.errors
         share = p.trainer_wait_share
@@ -372,6 +387,17 @@ def format_status(info: dict[str, Any]) -> str:
         lines.append(f"  last job  {job.job_id or '(unreadable)'} {verdict}")
     lines += info["problems"]
     return "\n".join(lines)
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """"0-3,6" for [0, 1, 2, 3, 6]; how --ranks is written."""
+    parts: list[str] = []
+    for rank in sorted(set(ranks)):
+        if parts and rank == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{rank}"
+        else:
+            parts.append(str(rank))
+    return ",".join(parts)
 
 
 def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:

@@ -81,3 +81,25 @@ def test_two_boxes_split_the_world_without_talking(shapes_data: Path, shm_dir: P
     n = len(ImageFolder(str(data)).samples)
     assert counts == [n // 4] * 4
     assert sorted(seen) == list(range(n)) and set(seen.values()) == {1}
+
+
+def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A daemon serving rank 0 of 2: status names the world and its ranks; a rank directory it does
+    not write is no daemon's; stop on a rank directory, which would stop every rank, points to the buffer."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", "2", "--ranks", "0")
+    daemon.wait_until(lambda: (p := production_of(buffer)) is not None and len(p.streams) == 1, 60, "its stream")
+
+    def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "prefetchd", *map(str, args)], capture_output=True, text=True, timeout=60)
+
+    shown = cli("status", "--buffer", buffer)
+    assert shown.returncode == 0 and f"ranks     0 of world size 2, each in {buffer}/rank-NNNNN" in shown.stdout, shown.stdout
+    missing = cli("status", "--buffer", buffer / "rank-00007")
+    assert missing.returncode == 3 and "running (pid" not in missing.stdout, missing.stdout
+    assert f"{buffer / 'rank-00007'} does not exist" in missing.stdout and f"no such rank: the daemon on {buffer}" in missing.stdout
+    refused = cli("stop", "--buffer", buffer / "rank-00000")
+    assert refused.returncode == 2 and f"`prefetchd stop --buffer {buffer}`" in refused.stderr, refused
+    assert daemon.proc.poll() is None, "stop on one rank's directory stopped the daemon of every rank"
+    stopped = cli("stop", "--buffer", buffer)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
