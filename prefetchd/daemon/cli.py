@@ -20,7 +20,7 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, Manifest, ProtocolError, RemoteStatus, State, Status,
+from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
                                        TrainerStatus, daemon_pid, read_status)
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
@@ -324,7 +324,7 @@ def format_status(info: dict[str, Any]) -> str:
         lines.append(f"  WARNING  no heartbeat for {info['heartbeat_age_s']:.0f} s: the daemon may be stuck")
     if st and st.message:
         lines.append(f"  note      {st.message}")
-    if mf:
+    if mf and state != State.WAITING_FOR_JOB:  # a finished job's manifest stays until the next job replaces it
         lines.append(
             f"  dataset   {mf['dataset_root']} ({mf['num_samples']} samples, {len(mf['classes'])} classes), "
             f"split {mf['split']}, batch {mf['batch_size']} x {mf['image_size']}px, {mf['steps_per_epoch']} steps/epoch"
@@ -343,6 +343,7 @@ def format_status(info: dict[str, Any]) -> str:
             f"  progress  trainer at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer)}",
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting "
             + ("" if state == State.DONE else f"(resume at {pr.low_water}), ") + f"{pr.building} building",
+            *_cap_line(pr),
             f"  memory    {_mib(pr.buffer_bytes)} in the buffer, {_mib(pr.free_bytes)} free on its filesystem",
             f"  rates     produce {r.samples_per_s:.0f} img/s with {counted(pr.workers, 'worker')} "
             f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",
@@ -387,6 +388,19 @@ def format_status(info: dict[str, Any]) -> str:
         lines.append(f"  last job  {job.job_id or '(unreadable)'} {verdict}")
     lines += info["problems"]
     return "\n".join(lines)
+
+
+def _cap_line(pr: Production) -> list[str]:
+    """A line when --max-buffer-bytes, not the high-water mark, bounds the buffer: a consumer's window
+    is narrower than the high-water mark only then (consumers.plan_windows), also where the job's end
+    leaves fewer batches to build."""
+    per_rank = pr.high_water // max(1, len(pr.streams))
+    capped = [c.window for s in pr.streams for c in s.consumers if c.holding and c.window < per_rank]
+    if not capped:
+        return []
+    return [f"  capped    --max-buffer-bytes, not the high-water mark, limits the buffer: it keeps {min(capped)} of "
+            f"{per_rank} batches ({_mib(pr.batch_bytes)} each) for {counted(len(capped), 'consumer')}; raise it for a "
+            "deeper buffer"]
 
 
 def rank_ranges(ranks: list[int]) -> str:

@@ -24,7 +24,7 @@ from prefetchd.buffer_protocol import DaemonLock, Errors, State, write_status
 from prefetchd.daemon import cli
 from prefetchd.daemon.config import DaemonConfig, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
-from tests.status_examples import bad_files, production, stream, write_status_at_heartbeat
+from tests.status_examples import CONSUMER, bad_files, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 LOCK = "daemon.lock"
@@ -378,6 +378,24 @@ def test_status_of_a_done_daemon_says_what_done_means() -> None:
     done, filling = _running_status_text(State.DONE), _running_status_text(State.FILLING)
     assert "state done (every batch of the job's epochs is built; trainers may still be reading)" in done
     assert "resume at" not in done and "resume at" in filling
+
+
+def test_status_says_when_max_buffer_bytes_is_what_limits_the_buffer() -> None:
+    """'5/6 batches waiting, state full' left the reader guessing why not 6."""
+    narrowed = stream(consumers=(dataclasses.replace(CONSUMER, window=5),), waiting=5)
+    capped = _running_status_text(State.FULL, streams=(narrowed,), waiting=5, high_water=6)
+    assert "--max-buffer-bytes, not the high-water mark, limits the buffer: it keeps 5 of 6 batches (1.0 MiB each) " \
+           "for 1 consumer" in capped
+    assert "capped" not in _running_status_text(State.FULL)  # window 32 of 32
+
+
+def test_status_waiting_for_a_job_shows_no_finished_jobs_dataset() -> None:
+    manifest = {"dataset_root": "/data/old", "num_samples": 240, "classes": ["a", "b"], "split": "train",
+                "batch_size": 8, "image_size": 32, "steps_per_epoch": 30}
+    info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
+            "status": status_example(State.WAITING_FOR_JOB, production=None), "manifest": manifest, "problems": []}
+    assert "240 samples" not in cli.format_status(info)
+    assert "240 samples" in cli.format_status({**info, "status": status_example(State.FILLING)})
 
 
 def test_status_lists_the_first_undecodable_files() -> None:
