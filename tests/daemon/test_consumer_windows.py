@@ -164,7 +164,7 @@ def test_prefetchd_status_lists_each_consumer(tmp_path: Path) -> None:
     move(s, "fast", 10, wait_share=0.5)
     move(s, "slow", 0)
     move(s, "gone", 3, closed=True)
-    prod = production(streams=(s.status(),))
+    prod = production(streams=(s.status(),), high_water=HIGH)  # the stream's own mark, as a daemon writes it
     info = {"buffer": str(tmp_path), "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
             "status": status_example(production=prod), "manifest": None, "problems": []}
     lines = [x for x in format_status(info).splitlines() if x.startswith("  consumer")]
@@ -177,7 +177,7 @@ def test_prefetchd_status_lists_each_consumer(tmp_path: Path) -> None:
     (tmp_path / "single").mkdir()
     single = stream(tmp_path / "single")
     move(single, "", 4)
-    info["status"] = status_example(production=production(streams=(single.status(),)))
+    info["status"] = status_example(production=production(streams=(single.status(),), high_water=HIGH))
     assert "consumer" not in format_status(info)
 
 
