@@ -19,6 +19,7 @@ import os
 import random
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -139,14 +140,31 @@ def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
     )
 
 
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where a run's checkpoints go, how often, and whether it resumes: rank 0's --checkpoint-dir,
+    --checkpoint-every and --resume.  Under torchrun every rank follows rank 0's plan, whatever its
+    own command line says: saving and resuming are collectives every rank must join at the same
+    step, and only rank 0 reads and writes the file (so only its box needs --checkpoint-dir)."""
+
+    path: Path | str | None  # DIR/last.pt (a str at a URL); None: the run saves no checkpoint
+    every: int | None
+    resume: bool
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> CheckpointPlan:
+        where = config.checkpoint_dir
+        path = (None if where is None else f"{where}/{LAST_CHECKPOINT}" if isinstance(where, str)
+                else where / LAST_CHECKPOINT)
+        return cls(path, config.checkpoint_every, config.resume)
+
+
 class Checkpointer:
     """Saves DIR/last.pt every N steps and at every epoch's end."""
 
-    def __init__(self, config: TrainConfig) -> None:
-        where = config.checkpoint_dir
-        self.path: Path | str | None = (None if where is None else f"{where}/{LAST_CHECKPOINT}" if isinstance(where, str)
-                                        else where / LAST_CHECKPOINT)
-        self.every = config.checkpoint_every
+    def __init__(self, plan: CheckpointPlan) -> None:
+        self.path = plan.path
+        self.every = plan.every
 
     def due(self, global_step: int) -> bool:
         return self.path is not None and self.every is not None and global_step % self.every == 0
@@ -208,6 +226,6 @@ def check_resumable(path: Path | str, doc: Mapping[str, Any], config: TrainConfi
 
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "LAST_CHECKPOINT", "Checkpointer", "check_resumable", "load_checkpoint",
+    "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "LAST_CHECKPOINT", "CheckpointPlan", "Checkpointer", "check_resumable", "load_checkpoint",
     "rng_state", "save_checkpoint", "set_rng_state",
 ]

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from prefetchd.buffer_protocol import Manifest, batch_name
 from prefetchd.trainer.checkpoint import (
-    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, Checkpointer, check_resumable, load_checkpoint, rng_state, set_rng_state,
+    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointPlan, Checkpointer, check_resumable, load_checkpoint, rng_state, set_rng_state,
 )
 from prefetchd.trainer.config import TrainConfig, plain_config
 from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, SetupError
@@ -316,6 +316,12 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
 
 
 
+def agree_on_checkpoints(config: TrainConfig, coll: Collective) -> CheckpointPlan:
+    """Rank 0's checkpoint plan, on every rank: a rank whose box was given no --checkpoint-dir
+    (or another --checkpoint-every) would otherwise skip the collective of a save and hang the run."""
+    return coll.broadcast(CheckpointPlan.of(config))
+
+
 def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:
     """DDP hangs unless every rank runs the same steps: the daemon pads the ranks' shares, this checks it."""
     mine = (len(train), len(val) if val is not None else None, epochs)
@@ -333,7 +339,8 @@ class Run:
 
     def __init__(self, config: TrainConfig, device: torch.device, train_loader: BufferLoader,
                  val_loader: BufferLoader | None, epochs: int, val_buffer: Path | None,
-                 echo: Callable[[str], None], coll: Collective | None = None) -> None:
+                 echo: Callable[[str], None], coll: Collective | None = None,
+                 plan: CheckpointPlan | None = None) -> None:
         self.config, self.device, self.epochs, self.echo = config, device, epochs, echo
         self.train_loader, self.val_loader, self.val_buffer = train_loader, val_loader, val_buffer
         self.coll = coll if coll is not None else Collective(Ranks())
@@ -359,7 +366,9 @@ class Run:
             self.optimizer, warmup_cosine(round(config.warmup_epochs * steps), max(1, epochs * steps))
         )
         self.criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
-        self.checkpointer = Checkpointer(config)
+        # Under torchrun rank 0's plan (see agree_on_checkpoints): every rank joins the same saves.
+        self.plan = plan if plan is not None else CheckpointPlan.of(config)
+        self.checkpointer = Checkpointer(self.plan)
         self.per_epoch: list[dict[str, Any]] = []
         self.epoch = 0
         self.global_step = 0
@@ -463,7 +472,7 @@ class Run:
 
     def run(self) -> dict[str, Any]:
         config, echo = self.config, self.echo
-        if config.resume:
+        if self.plan.resume:
             self._restore()
         # Rank 0 saves the checkpoints: a folder it cannot write fails every rank now, not after an epoch.
         problem = self.checkpointer.unwritable() if self.ranks.is_main else None
@@ -635,7 +644,7 @@ class Run:
 
 
 __all__ = [
-    "TOP_K", "PassState", "PassStats", "Recover", "Run", "build_model", "build_optimizer", "cached_weights",
+    "TOP_K", "PassState", "PassStats", "Recover", "Run", "agree_on_checkpoints", "build_model", "build_optimizer", "cached_weights",
     "check_equal_steps", "pass_stats", "resolve_device", "resolve_epochs", "run_pass", "timed_batches",
     "warmup_cosine",
 ]

@@ -31,6 +31,7 @@ checkpoint, which holds every rank's loader position (see ``ranks``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -44,7 +45,7 @@ import torch
 from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.options import click_options
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
-from prefetchd.trainer.engine import Run, check_equal_steps, resolve_device, resolve_epochs
+from prefetchd.trainer.engine import Run, agree_on_checkpoints, check_equal_steps, resolve_device, resolve_epochs
 from prefetchd.trainer.errors import CheckpointError, LoaderError, OptionError, SetupError
 from prefetchd.trainer.gpu import PinMode
 from prefetchd.trainer.loader import BufferLoader
@@ -71,10 +72,10 @@ def train(
     """
     if config.optimizer not in OPTIMIZERS:
         raise OptionError(f"--optimizer {config.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
-    if config.resume and config.checkpoint_dir is None:
-        raise OptionError("--resume continues from DIR/last.pt: pass --checkpoint-dir DIR")
     check_spawn_options(config)
     ranks = ranks if ranks is not None else Ranks.from_env()
+    if config.resume and config.checkpoint_dir is None and ranks.is_main:  # the other ranks follow rank 0's
+        raise OptionError("--resume continues from DIR/last.pt: pass --checkpoint-dir DIR")
     if not ranks.is_main:
         echo = _silent  # rank 0 speaks for all; errors still surface on every rank as exceptions
     if config.threads is not None:
@@ -91,6 +92,8 @@ def train(
     with ExitStack() as stack:
         coll = Collective.start(ranks, device)
         stack.callback(coll.close)  # registered first: the group outlives everything below
+        plan = agree_on_checkpoints(config, coll)
+        config = dataclasses.replace(config, resume=plan.resume)  # the daemons local rank 0 starts resume too
         spawned: list[SpawnedDaemon] = []
         if config.spawn_daemon:
             assert config.data is not None  # check_spawn_options
@@ -129,7 +132,7 @@ def train(
                 check_served_job(config, val_loader, config.val_data)
         epochs = resolve_epochs(config, train_loader, val_loader)
         check_equal_steps(coll, train_loader, val_loader, epochs)
-        run = Run(config, device, train_loader, val_loader, epochs, val_buffer, echo, coll)
+        run = Run(config, device, train_loader, val_loader, epochs, val_buffer, echo, coll, plan)
         if should_stop is not None:
             run.should_stop = should_stop
         if config.spawn_daemon and not ranks.distributed:

@@ -7,6 +7,9 @@ daemons --spawn-daemon starts on local rank 0, resumes every rank exactly there 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +29,34 @@ def torchrun(*args: str | Path) -> subprocess.CompletedProcess[str]:
          "-m", "prefetchd.trainer.train", *map(str, args)],
         capture_output=True, text=True, timeout=400,
     )
+
+
+def two_boxes(box0: list[str | Path], box1: list[str | Path],
+              timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
+    """Two "boxes" of one rank each (torchrun --nnodes 2 on loopback), each with its own command line,
+    as two machines would run it; both are killed if they outlast ``timeout`` (a hang)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "-m", "prefetchd.trainer.train", *map(str, args)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        for node, args in enumerate((box0, box1))
+    ]
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:  # torchrun and its ranks
+                os.killpg(p.pid, signal.SIGKILL)
+            raise AssertionError(f"the two boxes did not finish within {timeout} s (a hang)") from None
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
 
 
 def test_prefetchd_train_under_torchrun_stops_and_resumes_every_rank(
@@ -77,3 +108,35 @@ def test_prefetchd_train_under_torchrun_stops_and_resumes_every_rank(
     assert daemon_pid(buffer) is None and daemon_pid(val_buffer) is None
     final = torch.load(ckpt / LAST_CHECKPOINT, weights_only=True)
     assert [r["loaders"]["train"]["epoch"] for r in final["ranks"]] == [2, 2]
+
+
+def test_only_rank_0s_box_needs_checkpoint_dir(shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon) -> None:
+    """The README's promise: rank 0 writes and reads the checkpoint, so the other box is given no
+    --checkpoint-dir (nor --checkpoint-every) and still takes part in every save and in the resume."""
+    buffer, ckpt, metrics = shm_dir / "bf", tmp_path / "ckpt", tmp_path / "metrics.json"
+    job = ["--batch-size", "8", "--image-size", "32", "--epochs", "1"]
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *job, "--world-size", "2", "--workers", "1")
+    common = ["--buffer", buffer, "--model", "mobilenet_v3_small", "--device", "cpu", "--threads", "1",
+              "--timeout", "120", "-q"]
+    box0 = [*common, "--checkpoint-dir", ckpt, "--metrics-json", metrics]
+
+    # Saves at step 2 (--checkpoint-every) and at step 3 (--max-steps); box 1 knows of neither.
+    first = two_boxes([*box0, "--checkpoint-every", "2", "--max-steps", "3"], [*common, "--max-steps", "3"], 150)
+    for rank, run in enumerate(first):
+        assert run.returncode == 0, f"rank {rank}: " + run.stdout[-3000:] + run.stderr[-3000:] + daemon.log
+    assert "stopped after global step 3" in first[0].stdout
+    doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
+    assert doc["world_size"] == 2 and doc["global_step"] == 3
+    assert [(s["loaders"]["train"]["epoch"], s["loaders"]["train"]["step"]) for s in doc["ranks"]] == [(0, 3)] * 2
+
+    # The resume: rank 0 reads the checkpoint and sends rank 1 its position; the epoch's end is saved too.
+    second = two_boxes([*box0, "--resume"], [*common, "--resume"], 150)
+    for rank, run in enumerate(second):
+        assert run.returncode == 0, f"rank {rank}: " + run.stdout[-3000:] + run.stderr[-3000:] + daemon.log
+    assert "resumed from" in second[0].stdout and "global step 3" in second[0].stdout
+    result = json.loads(metrics.read_text())
+    assert result["finished"] is True and result["global_steps"] == 5 and result["resumed_from"]["position"] == [0, 3]
+    final = load_checkpoint(ckpt / LAST_CHECKPOINT)
+    assert final["global_step"] == 5 and [r["loaders"]["train"]["epoch"] for r in final["ranks"]] == [1, 1]
+    for rank in (0, 1):
+        assert Progress.read(stream_dir(buffer, rank, 2)) == Progress(1, 0)
