@@ -201,6 +201,28 @@ class Checkpointer:
         return None
 
 
+def existing_checkpoint(path: Path | str) -> str | None:
+    """What a run that does not resume would overwrite at ``path``, described for a message
+    ("PATH (global step 12, epoch 2)"); None where there is no checkpoint.  Where the object store
+    cannot be asked, None too: the write probe before the first step says what is wrong."""
+    if isinstance(path, str):
+        fs, key = _checkpoint_fs(path)
+        try:
+            if not with_retries(f"looking for {path}", lambda: bool(fs.exists(key)), path):
+                return None
+        except Exception:
+            return None
+    elif not path.is_file():
+        return None
+    try:
+        doc = load_checkpoint(path)
+    except FileNotFoundError:
+        return None
+    except CheckpointError as exc:
+        return f"{path}, which this prefetchd-train cannot read ({exc})"
+    return f"{path} (global step {doc.get('global_step')}, epoch {int(doc.get('epoch', 0)) + 1})"
+
+
 def check_resumable(path: Path | str, doc: Mapping[str, Any], config: TrainConfig, world_size: int,
                     warn: bool = True) -> None:
     """Refuse a checkpoint this run cannot continue (other rank count, model or optimizer); log other changes."""
@@ -226,6 +248,6 @@ def check_resumable(path: Path | str, doc: Mapping[str, Any], config: TrainConfi
 
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "LAST_CHECKPOINT", "CheckpointPlan", "Checkpointer", "check_resumable", "load_checkpoint",
+    "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "LAST_CHECKPOINT", "CheckpointPlan", "Checkpointer", "check_resumable", "existing_checkpoint", "load_checkpoint",
     "rng_state", "save_checkpoint", "set_rng_state",
 ]

@@ -33,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from prefetchd.buffer_protocol import Manifest, batch_name
 from prefetchd.trainer.checkpoint import (
-    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointPlan, Checkpointer, check_resumable, load_checkpoint, rng_state, set_rng_state,
+    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointPlan, Checkpointer, check_resumable, existing_checkpoint,
+    load_checkpoint, rng_state, set_rng_state,
 )
 from prefetchd.trainer.config import TrainConfig, plain_config
 from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, SetupError
@@ -318,8 +319,30 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
 
 def agree_on_checkpoints(config: TrainConfig, coll: Collective) -> CheckpointPlan:
     """Rank 0's checkpoint plan, on every rank: a rank whose box was given no --checkpoint-dir
-    (or another --checkpoint-every) would otherwise skip the collective of a save and hang the run."""
-    return coll.broadcast(CheckpointPlan.of(config))
+    (or another --checkpoint-every) would otherwise skip the collective of a save and hang the run.
+
+    A run that does not resume refuses a --checkpoint-dir that holds a checkpoint already: its
+    first save would replace the checkpoint of an earlier run (a forgotten --resume) without a word.
+    """
+    plan = coll.broadcast(CheckpointPlan.of(config))
+    found: tuple[str, str] | None = None
+    if coll.ranks.is_main and plan.path is not None and not plan.resume:
+        try:
+            there = existing_checkpoint(plan.path)
+        except CheckpointError as exc:
+            found = ("error", str(exc))
+        else:
+            found = ("there", there) if there is not None else None
+    found = coll.broadcast(found)  # every rank stops with rank 0's message
+    if found is not None and found[0] == "error":
+        raise CheckpointError(found[1])
+    if found is not None:
+        raise OptionError(
+            f"--checkpoint-dir already holds a checkpoint, {found[1]}, and this run (without --resume) would "
+            "start from scratch and overwrite it. Pass --resume to "
+            "continue it, or choose another --checkpoint-dir (or remove that checkpoint to start over)"
+        )
+    return plan
 
 
 def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:

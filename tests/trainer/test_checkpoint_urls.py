@@ -63,6 +63,19 @@ def test_resume_without_a_checkpoint_in_the_bucket_starts_from_scratch(s3: Any, 
     assert load_checkpoint(f"{url}/{LAST_CHECKPOINT}")["global_step"] == 3
 
 
+def test_a_run_without_resume_refuses_to_overwrite_a_checkpoint_in_the_bucket(s3: Any, make_job: MakeJob,
+                                                                             buffer: Path) -> None:
+    job = make_job(buffer, **{**TINY, "epochs": 1, "write": 1})
+    url = s3.url("taken")
+    args = ["--buffer", str(job.buffer), "--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small", "-q",
+            "--checkpoint-dir", url, "--max-steps", "1"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert f"{url}/{LAST_CHECKPOINT} (global step 1, epoch 1)" in " ".join(result.stderr.split())
+    assert load_checkpoint(f"{url}/{LAST_CHECKPOINT}")["global_step"] == 1
+
+
 def test_checkpoint_urls_without_credentials_fail_with_one_clear_line(s3: Any, make_job: MakeJob, buffer: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     job = make_job(buffer, **{**TINY, "epochs": 1, "write": 1})

@@ -156,6 +156,25 @@ def test_resume_without_a_checkpoint_starts_from_scratch(make_job: MakeJob, buff
     assert (tmp_path / "none" / LAST_CHECKPOINT).is_file()  # saved at the epoch's end
 
 
+def test_a_run_without_resume_refuses_to_overwrite_a_checkpoint(make_job: MakeJob, buffer: Path,
+                                                                tmp_path: Path) -> None:
+    """A forgotten --resume would train from scratch and replace the earlier run's last.pt."""
+    train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
+    ckpt = tmp_path / "ckpt"
+    args = ["--buffer", str(train_job.buffer), "--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q",
+            "--checkpoint-dir", str(ckpt), "--max-steps", "2"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    before = (ckpt / LAST_CHECKPOINT).read_bytes()
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.stderr.split())
+    assert f"{ckpt / LAST_CHECKPOINT} (global step 2, epoch 1)" in message, message
+    assert "Pass --resume" in message and "another --checkpoint-dir" in message
+    assert "Traceback" not in result.output and (ckpt / LAST_CHECKPOINT).read_bytes() == before
+    assert CliRunner().invoke(main, [*args[:-1], "3", "--resume"]).exit_code == 0  # continues it
+    assert load_checkpoint(ckpt / LAST_CHECKPOINT)["global_step"] == 3
+
+
 def test_bad_or_foreign_checkpoints_are_one_clear_line(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
     train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
     ckpt = tmp_path / "ckpt"
