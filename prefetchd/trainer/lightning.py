@@ -221,7 +221,7 @@ class BufferDataModule(pl.LightningDataModule):
 
     def _open(self, split: str, buffer: Path) -> BufferLoader:
         device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
-        stream = wait_for_stream(buffer, self._ranks(), self._timeout)
+        stream = wait_for_stream(buffer, self._ranks(), self._timeout, split)
         loader = BufferLoader(stream, device=device, **self._loader_options)
         data = self._data[split]
         if data is not None:  # a daemon already running there was used as it is: it must serve what data= asks

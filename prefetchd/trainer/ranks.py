@@ -134,8 +134,10 @@ def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> 
     )
 
 
-def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float) -> Path:
+def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "train") -> Path:
     """This rank's stream directory of ``buffer``, once the daemon has written its manifest there.
+
+    ``split`` is what the caller reads the buffer for: the command that starts a missing daemon says it.
 
     A daemon producing for another number of ranks would leave this rank
     waiting for a stream that never comes (or hand it another rank's share):
@@ -153,7 +155,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float) -> Path:
         if (own / MANIFEST_NAME).is_file():
             return own
         if time.monotonic() >= deadline:
-            raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout))
+            raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout, split))
         if not logged:
             logger.info("waiting up to %g s for %s", timeout, own / MANIFEST_NAME)
             logged = True
@@ -167,8 +169,9 @@ def rank_stream(buffer: str | os.PathLike[str], timeout: float = 120.0) -> Path:
     return wait_for_stream(Path(buffer), Ranks.from_env(), timeout)
 
 
-def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float) -> str:
-    world = f" --world-size {ranks.world_size}" if ranks.distributed else ""
+def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, split: str = "train") -> str:
+    world = (" --split val" if split == "val" else "") + (f" --world-size {ranks.world_size}" if ranks.distributed
+                                                          else "")
     pid = daemon_pid(buffer)
     if pid is not None:
         extra = (f"; it may produce only other ranks: its --ranks must include {ranks.rank}"
@@ -178,7 +181,8 @@ def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float) ->
     where = "does not exist" if not own.exists() else "has no manifest.json"
     return (f"{own} {where} after waiting {timeout:g} s for the daemon's manifest.json, and no prefetchd daemon "
             f"owns {buffer}. Start one with `prefetchd start --buffer {buffer} --data ROOT{world}` (ROOT: the "
-            "class-folder dataset), or pass a larger timeout if one is still starting")
+            f"{'validation ' if split == 'val' else ''}dataset: class folders, a file list or shards, local or at a "
+            "URL), or pass a larger timeout if one is still starting")
 
 
 # -- what the ranks agree on --------------------------------------------------------------

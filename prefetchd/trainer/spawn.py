@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefetchd.buffer_protocol import daemon_pid, stream_dir
-from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, owning_buffer, progress_name
+from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, MANIFEST_NAME, owning_buffer, progress_name
 from prefetchd.launch import LaunchError, launch, start_argv, stop_daemon_process, wait_ready
 from prefetchd.locations import normalize
 from prefetchd.trainer.config import TrainConfig
@@ -133,8 +133,9 @@ def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig
     return SpawnedDaemon(proc, buffer, started, streams=streams, command=tuple(cmd), split=split)
 
 
-def check_spawn_options(config: TrainConfig) -> None:
-    """The daemon flags need --spawn-daemon, and --spawn-daemon needs --data and --epochs."""
+def check_spawn_options(config: TrainConfig, ranks: Ranks | None = None) -> None:
+    """The daemon flags need --spawn-daemon, and --spawn-daemon needs --data and --epochs, and --val-data
+    for a --val-buffer no daemon serves yet."""
     if not config.spawn_daemon:
         given = ["--" + key.replace("_", "-") for key in SPAWN_ONLY if getattr(config, key) not in (None, False)]
         if given:
@@ -145,6 +146,28 @@ def check_spawn_options(config: TrainConfig) -> None:
         raise OptionError("--spawn-daemon needs --data ROOT (the class-folder dataset to serve)")
     if config.epochs is None:
         raise OptionError("--spawn-daemon needs --epochs N (the daemon produces that many epochs)")
+    val = config.val_buffer
+    if val is not None and config.val_data is None and daemon_pid(val) is None:
+        world = f" --world-size {ranks.world_size} --ranks {ranks.ranks_flag()}" if ranks and ranks.distributed else ""
+        raise OptionError(
+            f"--val-buffer {val}: no daemon serves it, and --spawn-daemon starts one only with --val-data ROOT "
+            f"(the validation dataset). Pass --val-data, or start it yourself: `prefetchd start --buffer {val} "
+            f"--data ROOT --split val{world}`"
+        )
+
+
+def check_val_split(loader: BufferLoader) -> None:
+    """A validation buffer must hold a --split val job: a train split's batches are random crops and
+    flips of the training data, and validating on them measures nothing."""
+    m = loader.manifest
+    if m.split != "val":
+        buffer = owning_buffer(loader.buffer)
+        raise SetupError(
+            f"--val-buffer {buffer}: its daemon produces the {m.split} split of {m.dataset_root} (random crops and "
+            f"flips, {loader.buffer / MANIFEST_NAME}), not validation batches. Restart it with --split val "
+            f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} --data ROOT --split val "
+            "--reset ...`), or pass the buffer of your --split val daemon"
+        )
 
 
 def check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str | None) -> None:
@@ -187,6 +210,7 @@ def restarter(spawned: list[SpawnedDaemon], config: TrainConfig, echo: Callable[
 
 
 __all__ = [
-    "DAEMON_STOP_SECONDS", "SPAWN_ONLY", "SpawnedDaemon", "check_served_job", "check_spawn_options", "restarter",
+    "DAEMON_STOP_SECONDS", "SPAWN_ONLY", "SpawnedDaemon", "check_served_job", "check_spawn_options", "check_val_split",
+    "restarter",
     "spawn_daemon",
 ]

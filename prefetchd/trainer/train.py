@@ -50,7 +50,9 @@ from prefetchd.trainer.errors import CheckpointError, LoaderError, OptionError, 
 from prefetchd.trainer.gpu import PinMode
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Collective, Ranks, wait_for_stream
-from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, check_spawn_options, restarter, spawn_daemon
+from prefetchd.trainer.spawn import (
+    SpawnedDaemon, check_served_job, check_spawn_options, check_val_split, restarter, spawn_daemon,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a configuration problem found before training (SetupError), a bad checkpoint
@@ -72,8 +74,8 @@ def train(
     """
     if config.optimizer not in OPTIMIZERS:
         raise OptionError(f"--optimizer {config.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
-    check_spawn_options(config)
     ranks = ranks if ranks is not None else Ranks.from_env()
+    check_spawn_options(config, ranks)
     if config.resume and config.checkpoint_dir is None and ranks.is_main:  # the other ranks follow rank 0's
         raise OptionError("--resume continues from DIR/last.pt: pass --checkpoint-dir DIR")
     if not ranks.is_main:
@@ -118,9 +120,10 @@ def train(
         val_loader = None
         if val_buffer is not None:
             val_loader = stack.enter_context(BufferLoader(
-                wait_for_stream(val_buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin,
+                wait_for_stream(val_buffer, ranks, config.timeout, "val"), device=device, timeout=config.timeout, pin=pin,
                 stall_timeout=stall, consumer=config.consumer, start=(0, 0),
             ))
+            check_val_split(val_loader)
             if val_loader.classes != train_loader.classes:
                 raise SetupError(
                     f"{val_buffer} has classes {val_loader.classes[:5]}... but {config.buffer} has "

@@ -88,6 +88,7 @@ def make_job(buffer: Path) -> MakeJob:
         fingerprint: str = "fp-test",
         write: int = 0,
         manifest: bool = True,
+        split: str = "train",
     ) -> FakeJob:
         target = path if path is not None else buffer
         target.mkdir(parents=True, exist_ok=True)
@@ -96,7 +97,7 @@ def make_job(buffer: Path) -> MakeJob:
             fingerprint=fingerprint,
             classes=[f"class{i}" for i in range(classes)],
             num_samples=samples,
-            split="train",
+            split=split,
             seed=seed,
             batch_size=batch_size,
             image_size=image_size,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def test_trains_one_epoch_and_writes_metrics(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
     tiny = dict(classes=2, samples=8, batch_size=4, image_size=32, epochs=1, write=1)
     train = make_job(buffer / "train", **tiny)
-    val = make_job(buffer / "val", seed=8, **tiny)
+    val = make_job(buffer / "val", seed=8, split="val", **tiny)
     metrics_path = tmp_path / "metrics.json"
     result = CliRunner().invoke(
         main,

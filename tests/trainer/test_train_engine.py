@@ -30,7 +30,7 @@ SMALL_MODEL = "mobilenet_v3_small"  # small checkpoints; its dropout makes resum
 
 def jobs(make_job: MakeJob, root: Path, **overrides: Any) -> tuple[FakeJob, FakeJob]:
     settings = {**TINY, **overrides}
-    return make_job(root / "train", **settings), make_job(root / "val", seed=8, **settings)
+    return make_job(root / "train", **settings), make_job(root / "val", seed=8, split="val", **settings)
 
 
 def quiet(_: str) -> None:
@@ -202,6 +202,31 @@ def test_spawn_options_need_spawn_daemon(make_job: MakeJob, buffer: Path, tmp_pa
     assert result.exit_code == 2 and "--data" in result.stderr
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--drop-last"])
     assert result.exit_code == 2 and "--drop-last" in result.stderr and "--spawn-daemon" in result.stderr
+
+
+def test_a_val_buffer_is_checked_for_being_one(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    """--val-buffer must be served by a --split val daemon, and every hint to start one says --split val."""
+    train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
+    base = ["--buffer", str(train_job.buffer), "--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q"]
+    # --spawn-daemon without --val-data cannot start the validation daemon: said at once, not after --timeout.
+    missing = buffer / "no-val"
+    result = CliRunner().invoke(main, [*base, "--val-buffer", str(missing), "--spawn-daemon", "--data",
+                                       str(tmp_path), "--epochs", "1"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert f"--val-buffer {missing}: no daemon serves it" in said and "--val-data" in said
+    assert f"prefetchd start --buffer {missing} --data ROOT --split val" in said
+    # Without --spawn-daemon the wait runs out, and the command it suggests makes a validation stream.
+    result = CliRunner().invoke(main, [*base, "--val-buffer", str(missing), "--timeout", "0.2"])
+    assert result.exit_code == 3, result.output
+    assert f"prefetchd start --buffer {missing} --data ROOT --split val" in " ".join(result.stderr.split())
+    # A train-split daemon's batches (random crops) are no validation set.
+    crops = make_job(buffer / "crops", **{**TINY, "epochs": 1, "write": 1})
+    result = CliRunner().invoke(main, [*base, "--val-buffer", str(crops.buffer)])
+    assert result.exit_code == EXIT_FAILED, result.output
+    said = " ".join(result.stderr.split())
+    assert f"--val-buffer {crops.buffer}: its daemon produces the train split" in said and "--split val" in said
+    assert "train loss" not in result.output
 
 
 def _epoch(samples: int, batch_size: int, image_size: int, drop_last: bool = False) -> Manifest:
