@@ -49,6 +49,10 @@ class OptionError(SetupError):
     """The options contradict each other or miss one another; ``prefetchd-train`` shows its usage, exit code 2."""
 
 
+class PeerFailed(RuntimeError):
+    """Under torchrun another rank left (it failed, with its own message) while this one waited on it."""
+
+
 class CheckpointError(ValueError):
     """A ``prefetchd-train`` checkpoint is unreadable, of another format, or does not fit the run."""
 
@@ -56,5 +60,5 @@ class CheckpointError(ValueError):
 __all__ = [
     "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "JobReplaced", "LoaderError",
     "LoaderTimeout",
-    "OptionError", "SetupError", "StateMismatch",
+    "OptionError", "PeerFailed", "SetupError", "StateMismatch",
 ]

@@ -18,10 +18,11 @@ With one rank every operation is local and nothing is initialised.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from prefetchd.buffer_protocol import daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
-from prefetchd.trainer.errors import LoaderError, LoaderTimeout, SetupError
+from prefetchd.trainer.errors import LoaderError, LoaderTimeout, PeerFailed, SetupError
 from prefetchd.trainer.liveness import served_world, why_no_manifest
 
 logger = logging.getLogger(__name__)
@@ -232,7 +233,8 @@ class Collective:
         if not self.ranks.distributed:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        with self._peers():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         return bool(t.item())
 
     def reduce(self, sums: Sequence[float], maxima: Sequence[float]) -> tuple[list[float], list[float]]:
@@ -241,8 +243,9 @@ class Collective:
             return list(sums), list(maxima)
         s = torch.tensor(list(sums), dtype=torch.float64)
         m = torch.tensor(list(maxima), dtype=torch.float64)
-        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self._group)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self._group)
+        with self._peers():
+            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self._group)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self._group)
         return s.tolist(), m.tolist()
 
     def all_gather(self, obj: T) -> list[T]:
@@ -250,7 +253,8 @@ class Collective:
         if not self.ranks.distributed:
             return [obj]
         out: list[Any] = [None] * self.ranks.world_size
-        dist.all_gather_object(out, obj, group=self._group)
+        with self._peers():
+            dist.all_gather_object(out, obj, group=self._group)
         return out
 
     def gather(self, obj: T) -> list[T] | None:
@@ -258,7 +262,8 @@ class Collective:
         if not self.ranks.distributed:
             return [obj]
         out: list[Any] | None = [None] * self.ranks.world_size if self.ranks.is_main else None
-        dist.gather_object(obj, out, dst=0, group=self._group)
+        with self._peers():
+            dist.gather_object(obj, out, dst=0, group=self._group)
         return out
 
     def broadcast(self, obj: T) -> T:
@@ -266,20 +271,49 @@ class Collective:
         if not self.ranks.distributed:
             return obj
         box: list[Any] = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        with self._peers():
+            dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def _peers(self, what: str = "in a step all ranks take together") -> Iterator[None]:
+        """A collective's failure is a rank that left: it has printed why, so one line says so here
+        (the library's text, a gloo connection error, goes to the debug log)."""
+        try:
+            yield
+        except RuntimeError as exc:
+            logger.debug("collective failed: %s", exc)
+            raise peer_failed(self.ranks, what) from None
 
     def barrier(self, what: str, timeout: float) -> None:
         """Wait until every rank is here; after ``timeout`` say which ranks did not come, and for what."""
         if not self.ranks.distributed:
             return
+        started = time.monotonic()
         try:
             dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as exc:
+            logger.debug("barrier failed: %s", exc)
+            if time.monotonic() - started < timeout:  # not the timeout: a rank left before it got there
+                raise peer_failed(self.ranks, what) from None
             raise SetupError(
-                f"rank {self.ranks.rank} waited {timeout:g} s for every rank to reach {what} ("
-                f"{' '.join(str(exc).split())[:300]}); the message of the rank that failed is above"
+                f"rank {self.ranks.rank} waited {timeout:g} s for every rank ({what}), and not every rank came; "
+                "the messages of the other ranks say why"
             ) from None
 
 
-__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "wait_for_stream"]
+def peer_failed(ranks: Ranks, what: str) -> PeerFailed:
+    return PeerFailed(
+        f"rank {ranks.rank}: another rank stopped while this one waited for it ({what}); that rank's own "
+        "message, above, says why"
+    )
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """An error of DDP's own collectives (the gradient all-reduce) because another rank left."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "gloo/transport"))
+
+
+__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "is_peer_failure", "peer_failed", "wait_for_stream"]

@@ -46,10 +46,10 @@ from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.options import click_options
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
 from prefetchd.trainer.engine import Run, agree_on_checkpoints, check_equal_steps, resolve_device, resolve_epochs
-from prefetchd.trainer.errors import CheckpointError, LoaderError, OptionError, SetupError
+from prefetchd.trainer.errors import CheckpointError, LoaderError, OptionError, PeerFailed, SetupError
 from prefetchd.trainer.gpu import PinMode
 from prefetchd.trainer.loader import BufferLoader
-from prefetchd.trainer.ranks import Collective, Ranks, wait_for_stream
+from prefetchd.trainer.ranks import Collective, Ranks, is_peer_failure, peer_failed, wait_for_stream
 from prefetchd.trainer.spawn import (
     SpawnedDaemon, check_served_job, check_spawn_options, check_val_split, restarter, spawn_daemon,
 )
@@ -111,7 +111,7 @@ def train(
                     spawned.append(daemon)
             for daemon in spawned:
                 daemon.wait_ready(config.timeout)
-            coll.barrier("the daemons local rank 0 starts", config.timeout + 60)
+            coll.barrier("at the start, while local rank 0 starts the daemons", config.timeout + 60)
         stall = config.daemon_timeout or None
         train_loader = stack.enter_context(BufferLoader(
             wait_for_stream(config.buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin,
@@ -148,7 +148,7 @@ def train(
             train_loader.close()
             if val_loader is not None:
                 val_loader.close()
-            coll.barrier("the end of training", config.timeout + 60)
+            coll.barrier("at the end of training", config.timeout + 60)
         return metrics
 
 
@@ -196,8 +196,14 @@ def main(verbose: bool, **options: Any) -> None:
         raise click.UsageError(str(exc)) from None
     except SetupError as exc:
         raise click.ClickException(str(exc)) from None
-    except CheckpointError as exc:
+    except (CheckpointError, PeerFailed) as exc:
         click.echo(f"{name}: {' '.join(str(exc).split())}", err=True)
+        sys.exit(EXIT_FAILED)
+    except RuntimeError as exc:
+        if not (ranks.distributed and is_peer_failure(exc)):
+            raise
+        # DDP's gradient all-reduce lost a rank that left; that rank said why.
+        click.echo(f"{name}: {peer_failed(ranks, 'in the gradient all-reduce of DDP')}", err=True)
         sys.exit(EXIT_FAILED)
     except KeyboardInterrupt:
         click.echo(f"{name}: interrupted", err=True)

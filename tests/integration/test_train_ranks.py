@@ -140,3 +140,28 @@ def test_only_rank_0s_box_needs_checkpoint_dir(shapes_data: Path, shm_dir: Path,
     assert final["global_step"] == 5 and [r["loaders"]["train"]["epoch"] for r in final["ranks"]] == [1, 1]
     for rank in (0, 1):
         assert Progress.read(stream_dir(buffer, rank, 2)) == Progress(1, 0)
+
+
+def test_when_local_rank_0_cannot_start_the_daemon_the_other_rank_says_so(shm_dir: Path, tmp_path: Path) -> None:
+    run = torchrun("--buffer", shm_dir / "bf", "--spawn-daemon", "--data", tmp_path / "nonexistent", "--epochs", "1",
+                   "--device", "cpu", "--timeout", "60")
+    assert run.returncode != 0
+    said = " ".join(run.stderr.split())
+    assert "prefetchd-train[rank 1]: rank 1: another rank stopped while this one waited for it (at the start, " \
+           "while local rank 0 starts the daemons)" in said, said[-3000:]
+    assert "waited 120 s" not in said and "pair.cc" not in said  # no false duration, no cut-off gloo text
+
+
+def test_a_rank_that_fails_cleanly_leaves_the_others_one_line(shapes_data: Path, shm_dir: Path,
+                                                             start_daemon) -> None:
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "8", "--image-size", "32",
+                          "--epochs", "1", "--world-size", "2", "--ranks", "0", "--workers", "1")
+    daemon.wait_until((stream_dir(buffer, 0, 2) / "manifest.json").is_file, 60, "rank 0's manifest")
+    run = torchrun("--buffer", buffer, "--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small",
+                   "--timeout", "3", "-q")
+    assert run.returncode != 0
+    said = " ".join(run.stderr.split())
+    assert "prefetchd-train[rank 1]: " in said  # rank 1's own reason: no stream of its own
+    assert "prefetchd-train[rank 0]: rank 0: another rank stopped while this one waited for it" in said, said[-3000:]
+    assert "pair.cc" not in said and "Connection closed by peer" not in said
