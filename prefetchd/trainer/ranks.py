@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from prefetchd.buffer_protocol import daemon_pid, stream_dir
+from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, PeerFailed, SetupError
 from prefetchd.trainer.liveness import served_world, why_no_manifest
@@ -153,6 +153,13 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
         served = served_world(buffer)
         if served is not None and served[0] != ranks.world_size:
             raise _world_mismatch(buffer, served[0], served[1], ranks)
+        if served is not None and served[0] > 1 and served[1].parent == buffer:
+            # A manifest of a many-rank job at the top: this is one rank's stream directory, not the buffer.
+            raise SetupError(
+                f"{buffer} is the stream of one rank (its {MANIFEST_NAME} says rank "
+                f"{Manifest.read(buffer).rank} of --world-size {served[0]}), not a buffer; every rank finds its own "
+                f"stream under the buffer: pass the daemon's --buffer, {buffer.parent}"
+            )
         if (own / MANIFEST_NAME).is_file():
             return own
         if time.monotonic() >= deadline:

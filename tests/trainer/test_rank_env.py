@@ -128,3 +128,12 @@ def test_ranks_with_different_step_counts_are_refused_before_ddp_could_hang(make
         check_equal_steps(Collective(Ranks()), loader, None, 2)  # one rank: nothing to compare
         with pytest.raises(SetupError, match=r"rank 0: 2 train steps.*rank 1: 3 train steps.*DDP would hang"):
             check_equal_steps(TwoRanks(Ranks(0, 2, 0, 2)), loader, None, 2)
+
+
+def test_one_ranks_stream_passed_as_the_buffer_is_refused_at_once(make_job: MakeJob, buffer: Path) -> None:
+    own = as_rank(make_job(buffer / "staging"), buffer / "bf", 0, 2)
+    with pytest.raises(SetupError) as raised:
+        wait_for_stream(own, Ranks(0, 2, 0, 2), timeout=60)
+    message = str(raised.value)
+    assert f"{own} is the stream of one rank" in message and "rank 0 of --world-size 2" in message
+    assert f"pass the daemon's --buffer, {buffer / 'bf'}" in message and "indexing" not in message
