@@ -407,9 +407,8 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
 def already_consumed(producer: Producer) -> str:
     """Why a submitted job has nothing to produce, and how to have it produced again."""
     epochs = counted(producer.streams[0].manifest.epochs or 0, "epoch")
-    where = sorted({str(stream.dir / "progress*.json") for stream in producer.streams})
     return (f"nothing to produce: this job's trainers already consumed all {epochs} (their progress: "
-            f"{', '.join(where)}); to produce it again from epoch 0, remove those files and submit it again")
+            f"{producer.progress_files}); to produce it again from epoch 0, remove those files and submit it again")
 
 
 def run_daemon(cfg: DaemonConfig) -> int:

@@ -187,6 +187,11 @@ class Producer:
 
     # -- lifecycle ------------------------------------------------------------
 
+    @property
+    def progress_files(self) -> str:
+        """Where the trainers' progress documents are: the buffer's, or each rank stream's."""
+        return ", ".join(sorted({str(stream.dir / "progress*.json") for stream in self.streams}))
+
     def take_positions(self) -> None:
         """Adopt the batches the buffer holds and read where the trainers are: what ``finished``
         is judged on.  Once; ``run`` does it unless its caller did, to answer a job before it runs."""
@@ -206,8 +211,8 @@ class Producer:
                 # workers to start and no reason to wait for a progress that will not move.
                 # A warning: under --log-level warning (prefetchd-train --spawn-daemon) it is why the daemon exits.
                 log.warning("the trainers had consumed all %s before this daemon started; nothing to produce "
-                            "(to produce them again, from epoch 0, remove the progress*.json files in %s)",
-                            counted(self.streams[0].manifest.epochs or 0, "epoch"), self.buffer)
+                            "(to produce them again, from epoch 0, remove %s)",
+                            counted(self.streams[0].manifest.epochs or 0, "epoch"), self.progress_files)
             else:
                 self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
                 if self.remote is not None:  # the bridge connects in the background

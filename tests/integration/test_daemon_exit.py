@@ -19,13 +19,13 @@ JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "1", "--workers", 
 FINISHED = "the trainers consumed all 1 epoch"
 
 
-def consume_everything(buffer: Path) -> None:
+def consume_everything(buffer: Path, samples: int = 72) -> None:
     """A trainer in its own process, which reads the job's one epoch and exits, as trainers do."""
     code = ("import sys; from prefetchd.trainer import BufferLoader\n"
             "loader = BufferLoader(sys.argv[1], normalize=False, timeout=60)\n"
             "print(sum(len(b.indices) for b in loader)); loader.close()\n")
     out = subprocess.run([sys.executable, "-c", code, str(buffer)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.split() == ["72"], out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.split() == [str(samples)], out.stdout + out.stderr
 
 
 def errors_in(log: str) -> list[str]:
@@ -48,6 +48,20 @@ def test_finished_daemon_exits_cleanly_and_a_restart_on_it_exits_at_once(shapes_
     assert "gone away" not in again.log and errors_in(again.log) == [], again.log
     status = read_status(buffer)
     assert status is not None and status.state == State.STOPPED and status.pid == again.proc.pid
+
+
+def test_a_restart_on_a_consumed_many_rank_job_names_the_rank_streams_progress(
+        shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any]) -> None:
+    """The files to remove to produce the job again are in the rank streams, not the buffer."""
+    buffer = shm_dir / "bf"
+    first = start_daemon(buffer, "--data", shapes_data / "train", *JOB, "--world-size", "2")
+    for rank in (0, 1):
+        consume_everything(buffer / f"rank-0000{rank}", samples=36)
+    assert first.wait_exit() == 0, first.log
+    again = start_daemon(buffer, "--data", shapes_data / "train", *JOB, "--world-size", "2")
+    assert again.wait_exit() == 0, again.log
+    assert (f"remove {buffer / 'rank-00000' / 'progress*.json'}, {buffer / 'rank-00001' / 'progress*.json'})"
+            in again.log), again.log
 
 
 def test_sigterm_while_a_finished_daemon_exits_still_exits_0(shapes_data: Path, shm_dir: Path,
