@@ -140,10 +140,11 @@ def clear_buffer(buffer: Path) -> None:
             stream.rmdir()
 
 
-def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool) -> None:
+def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_size: int = 1) -> None:
     """Keep the batches of an earlier run of the same job; refuse (or with ``reset``, clear) others.
 
-    ``manifest`` None: the directory should hold no job at all.
+    ``manifest`` None: the directory should hold no job at all, being the top of a job of
+    ``world_size`` ranks, which keep their streams below it.
     """
     try:
         old: Manifest | None = Manifest.read(buffer)
@@ -155,9 +156,15 @@ def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool) -> None
         old = None
     diff: list[str] = []
     if old is not None:
-        diff = manifest.identity_diff(old) if manifest is not None else ["a single-rank job is stored there"]
-    if manifest is not None and manifest.world_size == 1 and any(d.is_dir() for d in buffer.glob(f"{STREAM_PREFIX}*")):
-        diff.append("per-rank streams of another job are stored there")
+        diff = (manifest.identity_diff(old) if manifest is not None else
+                [f"world_size: {old.world_size} -> {world_size} (a single-rank job is stored there)"])
+    streams = sorted(d for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir())
+    if manifest is not None and manifest.world_size == 1 and streams:
+        try:
+            theirs = f"world_size: {Manifest.read(streams[0]).world_size} -> 1 "
+        except (OSError, ProtocolError):
+            theirs = ""
+        diff.append(f"{theirs}(per-rank streams of another job are stored there)")
     if diff and not reset:
         raise ConfigError(
             f"buffer {buffer} holds batches of a different job ({'; '.join(diff)}); pass --reset to "
@@ -367,7 +374,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     streams = []
     if job.world_size > 1:
         # A flat single-rank job left in the top directory is another job.
-        adopt_manifest(job.buffer, None, reset)
+        adopt_manifest(job.buffer, None, reset, job.world_size)
     for rank in job.local_ranks:
         directory = stream_dir(job.buffer, rank, job.world_size)
         make_stream_dir(directory, job.group_access)

@@ -125,13 +125,15 @@ def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> 
                  if served > 1 else "run the trainer as one process, without torchrun")
         return SetupError(
             f"{found}, but torchrun runs {w} ranks (WORLD_SIZE={w}). Restart the daemon for {w} ranks "
-            f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} ... --world-size {w}`), "
+            f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} ... --world-size {w} --reset`: "
+            f"--reset deletes the batches of --world-size {served}), "
             f"or {other}"
         )
     return SetupError(
         f"{found}, but this trainer runs as one process (not under torchrun). Launch it under torchrun or "
         f"`accelerate launch` with {served} processes in all (e.g. `torchrun --nproc-per-node {served} train.py` "
-        "or `... -m prefetchd.trainer.train`), or restart the daemon without --world-size"
+        "or `... -m prefetchd.trainer.train`), or restart the daemon without --world-size and with --reset (which "
+        f"deletes the batches of --world-size {served})"
     )
 
 

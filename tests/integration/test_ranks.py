@@ -103,3 +103,15 @@ def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, s
     assert daemon.proc.poll() is None, "stop on one rank's directory stopped the daemon of every rank"
     stopped = cli("stop", "--buffer", buffer)
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
+
+
+def test_a_buffer_of_another_world_size_is_refused_naming_both(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """Either way between one rank and two: the refusal names both world sizes, as between two and four."""
+    for before, after in ((1, 2), (2, 1)):
+        buffer = shm_dir / f"bf-{before}-{after}"
+        first = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", before)
+        first.wait_until(lambda: production_of(buffer) is not None, 30, "the first job to run")
+        first.terminate()
+        second = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", after)
+        assert second.wait_exit(30) == 2, second.log
+        assert f"world_size: {before} -> {after} (" in second.log and "pass --reset" in second.log, second.log

@@ -70,7 +70,7 @@ def test_a_daemon_for_another_world_size_is_refused_at_once(make_job: MakeJob, b
         wait_for_stream(buffer / "flat", Ranks(1, 4, 1, 4), timeout=60)
     message = str(raised.value)
     assert "--world-size 1" in message and "torchrun runs 4 ranks (WORLD_SIZE=4)" in message
-    assert "--world-size 4" in message and "without torchrun" in message
+    assert "--world-size 4 --reset" in message and "without torchrun" in message
     as_rank(job, buffer / "four", 0, 4)
     with pytest.raises(SetupError, match=r"--world-size 4 .* torchrun runs 2 ranks.* with 4 processes in all"):
         wait_for_stream(buffer / "four", Ranks(0, 2, 0, 2), timeout=60)
@@ -83,6 +83,7 @@ def test_one_process_on_a_buffer_of_rank_streams_says_use_torchrun(make_job: Mak
     assert result.exit_code == EXIT_FAILED, result.output
     assert "produces streams for --world-size 2" in result.stderr and "runs as one process" in result.stderr
     assert "torchrun --nproc-per-node 2 train.py" in result.stderr and "-m prefetchd.trainer.train" in result.stderr
+    assert "without --world-size and with --reset" in result.stderr
     assert "prefetchd-train" not in result.stderr  # the same words serve rank_stream() in a script of ones own
     assert "Traceback" not in result.output
 
