@@ -323,7 +323,8 @@ def _summary_parts(status: Status) -> list[str]:
     p = status.production
     if p is not None:
         parts.append(f"it sees progress epoch {p.progress.epoch} step {p.progress.step}")
-        parts.append(f"{p.waiting} batches waiting (high water {p.high_water})")
+        ranks = f" for its {len(p.streams)} ranks together" if len(p.streams) > 1 else ""
+        parts.append(f"{p.waiting} batches waiting (high water {p.high_water}{ranks})")
         e = p.errors
         # Only what went wrong: zero counters and empty fields are noise in an error message.
         bad = {

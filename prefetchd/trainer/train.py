@@ -46,7 +46,8 @@ from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.options import click_options
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
 from prefetchd.trainer.engine import Run, agree_on_checkpoints, check_equal_steps, resolve_device, resolve_epochs
-from prefetchd.trainer.errors import CheckpointError, LoaderError, OptionError, PeerFailed, SetupError
+from prefetchd.trainer.errors import (CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, PeerFailed,
+                                      SetupError)
 from prefetchd.trainer.gpu import PinMode
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Collective, Ranks, is_peer_failure, peer_failed, wait_for_stream
@@ -190,7 +191,12 @@ def main(verbose: bool, **options: Any) -> None:
     try:
         metrics = train(config, should_stop=lambda: bool(terminations), ranks=ranks)
     except (LoaderError, ProtocolError) as exc:
-        click.echo(f"{name}: {' '.join(str(exc).split())}", err=True)
+        told = " ".join(str(exc).split())
+        if isinstance(exc, (DaemonGone, DaemonStuck)) and config.spawn_daemon and ranks.distributed:
+            # Its restart command names the job, not how this run started it (--workers, --high-water, ...).
+            told += (". Under torchrun a lost daemon ends the run (local rank 0 does not restart it while the other "
+                     "ranks wait): run this same command again with --resume to go on from the last checkpoint")
+        click.echo(f"{name}: {told}", err=True)
         sys.exit(EXIT_BUFFER)
     except OptionError as exc:  # before SetupError, which it is
         raise click.UsageError(str(exc)) from None

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -165,3 +166,33 @@ def test_a_rank_that_fails_cleanly_leaves_the_others_one_line(shapes_data: Path,
     assert "prefetchd-train[rank 1]: " in said  # rank 1's own reason: no stream of its own
     assert "prefetchd-train[rank 0]: rank 0: another rank stopped while this one waited for it" in said, said[-3000:]
     assert "pair.cc" not in said and "Connection closed by peer" not in said
+
+
+def test_a_spawned_daemon_lost_under_torchrun_ends_the_run_saying_to_resume(shapes_data: Path, shm_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """The loader's restart command names the job, not how --spawn-daemon started it; under torchrun
+    the way on is the same command with --resume."""
+    buffer = shm_dir / "bf"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "prefetchd.trainer.train", "--buffer", str(buffer), "--spawn-daemon", "--data", str(shapes_data / "train"),
+         "--batch-size", "8", "--image-size", "32", "--epochs", "50", "--workers", "1", "--device", "cpu",
+         "--threads", "1", "--model", "mobilenet_v3_small", "--timeout", "60", "-q",
+         "--checkpoint-dir", str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while Progress.read(stream_dir(buffer, 1, 2)) is None or daemon_pid(buffer) is None:
+            assert run.poll() is None and time.monotonic() < deadline, "the run should be training"
+            time.sleep(0.2)
+        pid = daemon_pid(buffer)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    said = " ".join(err.split())
+    assert run.returncode != 0
+    assert "a lost daemon ends the run" in said and "run this same command again with --resume" in said, said[-3000:]
+    assert "for its 2 ranks together" in said, said[-3000:]
