@@ -167,11 +167,16 @@ class DaemonConfig:
         try:
             for part in self.ranks.split(","):
                 lo, _, hi = part.strip().partition("-")
-                chosen.update(range(int(lo), int(hi or lo) + 1))
+                first, last = int(lo), int(hi or lo)
+                if last < first:
+                    raise ConfigError(f"ranks = {self.ranks!r}: the range {part.strip()} runs backwards; write {last}-{first}")
+                chosen.update(range(first, last + 1))
         except ValueError:
             raise ConfigError(f"ranks = {self.ranks!r}: expected ranks and ranges such as 0-3 or 0,2,4") from None
         if not chosen or min(chosen) < 0 or max(chosen) >= self.world_size:
-            raise ConfigError(f"ranks = {self.ranks!r}: every rank must be in 0-{self.world_size - 1} (world_size {self.world_size})")
+            world = (f"world_size {self.world_size}" if self.world_size > 1 else
+                     "world_size 1, the default: set --world-size to the job's number of ranks")
+            raise ConfigError(f"ranks = {self.ranks!r}: every rank must be in 0-{self.world_size - 1} ({world})")
         return tuple(sorted(chosen))
 
     @property

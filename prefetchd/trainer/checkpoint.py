@@ -29,6 +29,7 @@ import torch
 from prefetchd.locations import LocationError, StorageDenied, StorageUnavailable, filesystem, with_retries
 from prefetchd.trainer.config import TrainConfig, plain_config
 from prefetchd.trainer.errors import CheckpointError
+from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def check_resumable(path: Path | str, doc: Mapping[str, Any], config: TrainConfi
     if saved_world != world_size:
         how = f"under torchrun with {saved_world} processes in all" if saved_world > 1 else "without torchrun"
         raise CheckpointError(
-            f"{path}: the checkpoint was taken with {saved_world} rank(s), this run has "
+            f"{path}: the checkpoint was taken with {counted(saved_world, 'rank')}, this run has "
             f"{world_size}; every rank continues its own stream from its saved position, so "
             f"resume {how}, or use another --checkpoint-dir"
         )

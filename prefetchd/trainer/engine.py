@@ -40,6 +40,7 @@ from prefetchd.trainer.config import TrainConfig, plain_config
 from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, SetupError
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.ranks import Collective, Ranks
+from prefetchd.words import counted
 from prefetchd.trainer.report import ProgressLine, metrics_document, write_metrics
 
 logger = logging.getLogger(__name__)
@@ -209,13 +210,13 @@ def resolve_epochs(config: TrainConfig, train: BufferLoader, val: BufferLoader |
         return produced
     if produced is not None and config.epochs > produced:
         raise SetupError(
-            f"--epochs {config.epochs}, but the daemon of {train.buffer} produces only {produced} epochs; "
+            f"--epochs {config.epochs}, but the daemon of {train.buffer} produces only {counted(produced, 'epoch')}; "
             f"restart it with --epochs {config.epochs} (or without --epochs), or train for fewer epochs"
         )
     if val is not None and val.manifest.epochs is not None and config.epochs > val.manifest.epochs:
         raise SetupError(
-            f"--epochs {config.epochs}, but the daemon of {val.buffer} produces only {val.manifest.epochs} "
-            "validation epochs; restart it with a matching --epochs (or without --epochs)"
+            f"--epochs {config.epochs}, but the daemon of {val.buffer} produces only "
+            f"{counted(val.manifest.epochs, 'validation epoch')}; restart it with a matching --epochs (or without --epochs)"
         )
     return config.epochs
 
@@ -350,7 +351,8 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
     mine = (len(train), len(val) if val is not None else None, epochs)
     every = coll.all_gather(mine)
     if any(other != mine for other in every):
-        table = "; ".join(f"rank {r}: {t} train steps, {v} val steps, {e} epochs" for r, (t, v, e) in enumerate(every))
+        table = "; ".join(f"rank {r}: {counted(t, 'train step')}, {counted(v or 0, 'val step')}, {counted(e, 'epoch')}"
+                          for r, (t, v, e) in enumerate(every))
         raise SetupError(
             f"the ranks would run different numbers of steps ({table}), and DDP would hang at the end; all ranks "
             "must read streams of one daemon job per buffer (the same --world-size, dataset and --batch-size)"

@@ -143,7 +143,8 @@ def check_spawn_options(config: TrainConfig, ranks: Ranks | None = None) -> None
                               "--spawn-daemon, or pass them to `prefetchd start`")
         return
     if config.data is None:
-        raise OptionError("--spawn-daemon needs --data ROOT (the class-folder dataset to serve)")
+        raise OptionError("--spawn-daemon needs --data ROOT (the dataset to serve: class folders, a file list, "
+                          "shards, local or at a URL)")
     if config.epochs is None:
         raise OptionError("--spawn-daemon needs --epochs N (the daemon produces that many epochs)")
     val = config.val_buffer

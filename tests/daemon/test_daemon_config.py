@@ -383,3 +383,14 @@ def test_ranks_outside_the_world_are_refused_when_the_config_is_made(tmp_path: P
     with pytest.raises(ConfigError, match="ranks"):
         DaemonConfig(buffer=tmp_path, world_size=2, ranks=ranks)
     assert DaemonConfig(buffer=tmp_path, world_size=2, ranks="1").local_ranks == (1,)
+
+
+@pytest.mark.parametrize(("world_size", "ranks", "said"), [
+    (2, "1-0", "the range 1-0 runs backwards; write 0-1"),
+    (1, "0-1", "(world_size 1, the default: set --world-size to the job's number of ranks)"),
+    (4, "0-5", "every rank must be in 0-3 (world_size 4)"),
+])
+def test_a_wrong_ranks_value_says_what_is_wrong_with_it(tmp_path: Path, world_size: int, ranks: str, said: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        DaemonConfig(buffer=tmp_path, world_size=world_size, ranks=ranks)
+    assert said in str(raised.value)

@@ -99,7 +99,7 @@ def test_a_checkpoint_of_another_world_size_is_refused(make_job: MakeJob, buffer
     torch.save({**doc, "world_size": 2, "ranks": [doc, doc]}, ckpt / LAST_CHECKPOINT)
     result = CliRunner().invoke(main, [*args, "--resume"])
     assert result.exit_code == EXIT_FAILED
-    assert "taken with 2 rank(s), this run has 1" in result.stderr and "under torchrun with 2 processes" in result.stderr
+    assert "taken with 2 ranks, this run has 1" in result.stderr and "under torchrun with 2 processes" in result.stderr
 
 
 def test_under_torchrun_cuda_means_the_local_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,4 +63,4 @@ def test_more_epochs_than_the_daemon_produces(make_job: MakeJob) -> None:
     job = make_job(epochs=1)
     result = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--device", "cpu", "--epochs", "3"])
     assert result.exit_code == 1
-    assert "produces only 1 epochs" in result.stderr
+    assert "produces only 1 epoch;" in result.stderr
