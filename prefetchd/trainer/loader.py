@@ -63,6 +63,7 @@ from prefetchd.buffer_protocol import (
     MappedBatch,
     Progress,
     ProtocolError,
+    alive_since,
     batch_name,
     check_consumer,
     list_batches,
@@ -451,6 +452,17 @@ class BufferLoader:
                 self._publish(force=True)
             return
         if self._published is not None:
+            if current is not None and current.pid not in (None, os.getpid()) and \
+                    current.time is not None and alive_since(current.pid, current.time):
+                # Two trainers taking turns at one consumer's progress: each would make the daemon build
+                # the other's batches, and the first to finish would end the daemon's job under the other.
+                raise LoaderError(
+                    f"{self._progress_path}: another trainer (pid {current.pid}) reads {self._buffer} as "
+                    f"{'the default consumer' if not self._consumer else 'consumer ' + repr(self._consumer)} "
+                    f"too, at epoch {current.epoch} step {current.step} while this one is at epoch "
+                    f"{self._published[0]} step {self._published[1]}. Several trainers on one buffer each need a "
+                    "consumer name of their own: --consumer NAME (BufferLoader(consumer=NAME))"
+                )
             logger.warning("%s names %s, not this loader's position %s; writing it again",
                            self._progress_path, current and (current.epoch, current.step), self._published)
         self._publish(force=True)

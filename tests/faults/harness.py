@@ -996,10 +996,11 @@ class Harness:
         self._damage_progress(fault, "progress_rewinds", lambda: self._rewrite_progress(self.position() - back))
 
     def _rewrite_progress(self, g: int) -> None:
-        """Replace progress.json with position ``g`` (or 0), atomically as a trainer does."""
+        """Replace progress.json with position ``g`` (or 0), atomically as a trainer does, but naming no
+        writer, as a hand edit or a script would: a live process named there is a second trainer on the
+        same consumer, which the loader refuses rather than fights."""
         g = max(0, g)
-        doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps,
-               "pid": os.getpid(), "time": time.time()}
+        doc = {"format": "prefetchd.progress", "version": 1, "epoch": g // self.steps, "step": g % self.steps}
         tmp = self.buffer / f"progress.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.buffer / "progress.json")

@@ -4,7 +4,10 @@ refreshes it while it waits.  The default consumer keeps progress.json exactly a
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from click.testing import CliRunner
 
-from prefetchd.buffer_protocol import Progress, list_consumers
+from prefetchd.buffer_protocol import VERSION, Progress, list_consumers
 from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
-from prefetchd.trainer import BufferLoader
+from prefetchd.trainer import BufferLoader, LoaderError
 from prefetchd.trainer.train import main
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -110,3 +113,46 @@ def test_prefetchd_train_reads_as_the_named_consumer(make_job: MakeJob) -> None:
 
     bad = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--consumer", "a/b", "--device", "cpu"])
     assert bad.exit_code == 2 and "letters, digits" in bad.output
+
+
+def test_a_second_live_trainer_on_the_same_consumer_is_refused(make_job: MakeJob) -> None:
+    """Two trainers on one buffer without consumer names take turns at progress.json: each makes the
+    daemon build the other's batches.  A waiting loader that finds a live other writer there says so;
+    a position written by a writer that is gone it still puts right."""
+    job = make_job(samples=12, batch_size=4, write=0)
+    job.write(0, 0)  # and no more: the loader waits for step 1
+    job.claim(os.getpid())  # a live owner: the loader waits instead of raising DaemonGone
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    def written_by(pid: int) -> None:
+        job.buffer.joinpath("progress.json").write_text(json.dumps(
+            {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 2, "pid": pid, "time": time.time()}))
+
+    raised: list[BaseException] = []
+    try:
+        batches = iter(BufferLoader(job.buffer, normalize=False, timeout=30, daemon_grace=30))
+        assert next(batches).step == 0
+
+        def wait_for_step_1() -> None:
+            try:
+                next(batches)
+            except BaseException as exc:  # for the test thread to look at
+                raised.append(exc)
+
+        waiter = threading.Thread(target=wait_for_step_1, daemon=True)
+        waiter.start()
+        written_by(gone.pid)  # put right: the writer is gone
+        deadline = time.monotonic() + 10
+        while (Progress.read(job.buffer) or Progress(0, 2)).step != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Progress.read(job.buffer) == Progress(0, 1) and not raised
+        written_by(other.pid)  # a live other trainer
+        waiter.join(10)
+    finally:
+        other.kill()
+        other.wait()
+    assert raised and isinstance(raised[0], LoaderError), raised
+    assert (f"another trainer (pid {other.pid}) reads {job.buffer} as the default consumer too, at epoch 0 step 2 "
+            "while this one is at epoch 0 step 1") in str(raised[0]) and "--consumer NAME" in str(raised[0])
