@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -18,6 +19,7 @@ from prefetchd.buffer_protocol import (
     JobRequest,
     JobResult,
     Manifest,
+    Progress,
     ProtocolError,
     State,
     Status,
@@ -284,13 +286,18 @@ class JobInbox:
 
 
 def trainer_idle_seconds(buffer: Path) -> float:
-    """Seconds since any consumer of ``buffer`` last wrote its progress file."""
+    """Seconds since any consumer of ``buffer`` that has not left last wrote its progress file."""
     idle = float("inf")
     for consumer in list_consumers(buffer):
+        path = buffer / progress_name(consumer)
         try:
-            idle = min(idle, time.time() - (buffer / progress_name(consumer)).stat().st_mtime)
-        except FileNotFoundError:
-            pass
+            progress = Progress.read(buffer, consumer)
+        except ProtocolError:  # damaged: its writer may still be there, so it counts by its time
+            progress = None
+        if progress is not None and progress.closed:
+            continue  # it left (BufferLoader.close): a job that replaces this one takes nothing from it
+        with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+            idle = min(idle, time.time() - path.lstat().st_mtime)
     return idle
 
 

@@ -86,8 +86,8 @@ def timed_batches(loader: BufferLoader, recover: Recover | None = None) -> Itera
     position moves only when a batch is handed over, so none is skipped or repeated.
     """
     it = iter(loader)
+    start = time.perf_counter()
     while True:
-        start = time.perf_counter()
         try:
             batch = next(it)
         except StopIteration:
@@ -95,8 +95,9 @@ def timed_batches(loader: BufferLoader, recover: Recover | None = None) -> Itera
         except (DaemonGone, DaemonStuck) as exc:
             if recover is None or not recover(loader, exc):
                 raise
-            continue
+            continue  # the time lost to the daemon, and to its restart, is this batch's wait too
         yield batch, time.perf_counter() - start
+        start = time.perf_counter()
 
 
 def run_pass(

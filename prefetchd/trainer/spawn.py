@@ -72,7 +72,8 @@ class SpawnedDaemon:
                      f"--daemon-restarts {limit} allows" if limit else "--daemon-restarts 0 allows no restart")
             raise DaemonRestartsExhausted(
                 f"the {self.split} daemon this trainer started for {self.buffer} (pid {self.proc.pid}) {what} and "
-                f"{spent}; giving up rather than restarting it in a loop. Its own messages are above; the last "
+                f"{spent}; giving up rather than restarting it in a loop. Its own messages, if it wrote any (a killed "
+                f"daemon writes none), are above; the last "
                 f"failure: {' '.join(str(cause).split())}. Fix the cause, then continue with --resume (and a "
                 "--checkpoint-dir)"
             ) from cause
@@ -80,7 +81,8 @@ class SpawnedDaemon:
         self.restarts.append(now)
         echo(f"prefetchd-train: the {self.split} daemon for {self.buffer} (pid {self.proc.pid}) {what}; restarting "
              f"it ({len(self.restarts)} of at most {limit} restarts within {RESTART_WINDOW_SECONDS:.0f} s)")
-        logger.warning("%s", " ".join(str(cause).split()))
+        # The loader's words (with its "Restart it with `prefetchd start ...`") are for whoever runs the daemon: here, us.
+        logger.info("%s", " ".join(str(cause).split()))
         self.started = time.time()
         self.proc = launch(self.command, stdout=subprocess.DEVNULL)
         self.wait_ready(timeout)

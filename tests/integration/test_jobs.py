@@ -109,6 +109,20 @@ def test_a_job_whose_epochs_were_all_consumed_is_refused_saying_how_to_produce_i
     assert next(iter(BufferLoader(buffer, normalize=False, timeout=30))).step == 0
 
 
+def test_a_consumer_that_left_does_not_hold_the_job_against_a_new_one(shapes_data: Path, shm_dir: Path,
+                                                                      start_daemon) -> None:
+    """Only a trainer still consuming (progress written in the last 30 s) makes a new job need
+    --replace; one that closed its loader has left, however recently."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB).returncode == 0
+    with BufferLoader(buffer, normalize=False, timeout=30, consumer="trial-1") as loader:
+        next(iter(loader))
+    other = submit(buffer, "--data", shapes_data / "val", "--split", "val", *JOB)
+    assert other.returncode == 0 and "accepted" in other.stdout, other.stdout + other.stderr
+
+
 BROKEN_HOOK = "os:getcwd"  # imports and is callable, so it passes validation; called with (image, rng): TypeError
 
 

@@ -99,9 +99,11 @@ SMALL_JOB = dict(epochs=2, batch_size=8, image_size=32, workers=1, high_water=2,
 
 
 def _batches(shapes_data: Path, buffer: Path, hit: Callable[[SpawnedDaemon], None] | None = None,
-             at: tuple[int, int] = (0, 3), restarts: int = 2) -> tuple[list[tuple[int, int, list[int], str]], list[str]]:
+             at: tuple[int, int] = (0, 3), restarts: int = 2,
+             waits: list[float] | None = None) -> tuple[list[tuple[int, int, list[int], str]], list[str]]:
     """Every batch of a 2-epoch job, read through the run's restart path; ``hit`` is done to the
-    daemon right after batch ``at`` is handed over."""
+    daemon right after batch ``at`` is handed over.  ``waits`` gets each batch's wait, as timed
+    for the data-wait share."""
     said: list[str] = []
     config = TrainConfig(buffer=buffer, spawn_daemon=True, data=shapes_data / "train", daemon_restarts=restarts,
                          **SMALL_JOB)  # type: ignore[arg-type]
@@ -113,7 +115,9 @@ def _batches(shapes_data: Path, buffer: Path, hit: Callable[[SpawnedDaemon], Non
         with BufferLoader(buffer, normalize=False, timeout=60, daemon_grace=1.0, stall_timeout=3.0) as loader:
             recover = restarter([daemon], config, said.append)
             for _ in range(2):
-                for batch, _waited in timed_batches(loader, recover):
+                for batch, waited in timed_batches(loader, recover):
+                    if waits is not None:
+                        waits.append(waited)
                     digest = hashlib.sha256(batch.images.numpy().tobytes()).hexdigest()
                     seen.append((batch.epoch, batch.step, batch.indices.tolist(), digest))
                     if hit is not None and (batch.epoch, batch.step) == at:
@@ -140,8 +144,12 @@ def test_restarted_daemon_delivers_every_batch_exactly_once(shapes_data: Path, s
                                                             uninterrupted: list[tuple[int, int, list[int], str]]) -> None:
     want = uninterrupted
     first: list[int] = []
+    waits: list[float] = []
     got, said = _batches(shapes_data, shm_dir / "hit",
-                         lambda d: (first.append(d.proc.pid), os.kill(d.proc.pid, sig)))
+                         lambda d: (first.append(d.proc.pid), os.kill(d.proc.pid, sig)), waits=waits)
+    # The batch after the hit waited for the loader to give up on the daemon (daemon_grace 1 s, stall_timeout
+    # 3 s) and for the restart: time the data-wait share must count, not start afresh after the recovery.
+    assert waits[4] >= (3.0 if sig == signal.SIGSTOP else 1.0), waits
     # The same (epoch, step, indices, pixels), in the same order: nothing skipped, nothing twice.
     assert got == want
     restarted = [line for line in said if "restarting it" in line]
