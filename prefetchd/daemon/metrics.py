@@ -41,13 +41,13 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
     ("prefetchd_trainer_wait_share", lambda p: p.progress.trainer_wait_share, "Share of the trainer's recent time spent waiting for data."),
     ("prefetchd_produced_batches_total", lambda p: p.totals.batches, "Batches produced since the daemon started the job."),
     ("prefetchd_produced_samples_total", lambda p: p.totals.samples, "Samples produced since the daemon started the job."),
-    ("prefetchd_consumed_batches_total", lambda p: p.totals.consumed_batches, "Batches the trainer consumed."),
+    ("prefetchd_consumed_batches_total", lambda p: p.totals.consumed_batches, "Batches the trainers consumed: each consumer's, summed."),
     ("prefetchd_replaced_samples_total", lambda p: p.errors.replaced_samples, "Samples replaced because their file could not be decoded."),
     ("prefetchd_undecodable_files", lambda p: p.errors.undecodable_files, "Distinct files that could not be decoded."),
     ("prefetchd_worker_restarts_total", lambda p: p.errors.worker_restarts, "Workers that died and were replaced."),
     ("prefetchd_write_failures_total", lambda p: p.errors.write_failures, "Batch builds that failed and were retried: a write (no space) or a read of the dataset (an unreachable store)."),
     ("prefetchd_trainer_progress_age_seconds", lambda p: p.trainer.progress_age_s,
-     "Seconds since the trainer last moved its progress (a trainer that is gone keeps it growing)."),
+     "Seconds since the trainer last moved its progress (a trainer that is gone keeps it growing); of several consumers, the slowest one that holds batches."),
     # --ray: where batches are built (absent without a cluster).
     ("prefetchd_remote_connected", lambda p: float(p.remote.connected) if p.remote else None,
      "1 while the Ray cluster takes slices, 0 while it is lost and the local workers build alone."),
@@ -98,7 +98,7 @@ class StatusCollector(Collector):
             yield family
         if production.trainer.alive is not None:
             alive = GaugeMetricFamily("prefetchd_trainer_alive",
-                                      "1 while the process that wrote progress.json exists, 0 once it is gone.",
+                                      "1 while the process that wrote progress.json exists, 0 once it is gone; of several consumers, the slowest one that holds batches (prefetchd_consumer_alive has each).",
                                       labels=["buffer"])
             alive.add_metric([self.buffer], 1.0 if production.trainer.alive else 0.0)
             yield alive

@@ -369,9 +369,14 @@ class Stream:
         now = time.time()
         several = sum(c.seen for c in self.consumers.values()) > 1
         for c in self.consumers.values():
-            if not c.seen or c.closed or (self.end is not None and c.position >= self.end):
-                continue  # a consumer that consumed every epoch is done, not gone: it exits, as it should
+            if not c.seen:
+                continue
             alive = c.writer_alive()
+            if c.closed or (self.end is not None and c.position >= self.end):
+                # It left, or consumed every epoch: it exits, as it should, which is no news to log; the
+                # status and metrics still say whether its process is there.
+                c.alive = alive if alive is not None else c.alive
+                continue
             epoch, step = self.key(c.position)
             if alive is not None and alive != c.alive:
                 if not alive:

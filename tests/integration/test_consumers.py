@@ -220,3 +220,23 @@ def test_each_rank_of_a_multi_rank_job_serves_its_own_consumers(
         a, b = results[(rank, "a")], results[(rank, "b")]
         assert a == b and [r["step"] for r in a] == list(range(len(a))) and a
     assert results[(0, "a")][0]["indices"] != results[(1, "a")][0]["indices"], "the ranks read different samples"
+
+
+def test_a_consumer_that_left_shows_its_process_gone_once_it_exits(shapes_data: Path, shm_dir: Path,
+                                                                    start_daemon) -> None:
+    """Its leaving is no news for the log, but the status and metrics must not keep calling a
+    process alive that has exited."""
+    buffer = shm_dir / "bf"
+    start_daemon(buffer, "--data", shapes_data / "train", *ARGS)
+    stayer = BufferLoader(buffer, normalize=False, timeout=60, consumer="stayer", start=(0, 0))
+    next(iter(stayer))
+    code = ("import sys; from prefetchd.trainer import BufferLoader\n"
+            "loader = BufferLoader(sys.argv[1], normalize=False, timeout=60, consumer='leaver', start=(0, 0))\n"
+            "batches = iter(loader); next(batches); next(batches); loader.close()\n")
+    leaver = subprocess.run([sys.executable, "-c", code, str(buffer)], capture_output=True, text=True, timeout=120)
+    assert leaver.returncode == 0, leaver.stderr
+    try:
+        wait_for(lambda: (c := consumer_status(buffer, "leaver")) is not None and c.closed and c.trainer.alive is False,
+                 15, "the status to show the leaver's process gone")
+    finally:
+        stayer.close()
