@@ -251,8 +251,7 @@ class BatchWaiter:
                     raise DaemonGone(
                         f"{self.buffer}: no prefetchd daemon owns this buffer (none seen for {self.grace:g} s) "
                         f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
-                        f"{status_summary(self.buffer)}. Restart it with `{job_command(self.manifest, self.buffer)}`: "
-                        "it resumes from progress.json"
+                        f"{status_summary(self.buffer)}. {self._restart_hint()}"
                     )
             if now >= deadline:
                 if not looked:  # a timeout shorter than the liveness interval: the message names the owner
@@ -268,6 +267,19 @@ class BatchWaiter:
                 logger.warning("still waiting for %s after %.0f s; %s", path, now - start, status_summary(self.buffer))
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, MAX_DELAY)
+
+    def _restart_hint(self) -> str:
+        """How to bring the daemon back: the command that resumes the job, unless it failed, where that
+        command (which names the job, not the daemon's own policy flags) would fail the same way."""
+        try:
+            status = read_status(self.buffer)
+        except (ProtocolError, OSError):
+            status = None
+        if status is not None and status.state == State.FAILED:
+            return (f"It failed (the message in its status, above): fix that first, then restart it with the "
+                    f"flags it had, e.g. `{job_command(self.manifest, self.buffer)}` and its own --strict or "
+                    "--max-bad-* limits; it resumes from progress.json")
+        return f"Restart it with `{job_command(self.manifest, self.buffer)}`: it resumes from progress.json"
 
     def _check_heartbeat(self, pid: int, name: str, epoch: int, step: int, waited: float) -> None:
         """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall``.

@@ -412,6 +412,21 @@ def test_daemon_gone_when_the_lock_names_a_dead_pid(make_job: MakeJob, dead_pid:
     assert f"prefetchd start --buffer {job.buffer} --data /data/fake" in msg
 
 
+def test_a_daemon_that_failed_is_not_simply_to_be_restarted(make_job: MakeJob, dead_pid: int) -> None:
+    """Its restart command names the job, not its --max-bad-* limits: followed as it is, it would
+    silently change the policy, or fail again for the same cause."""
+    job = make_job()
+    job.claim(dead_pid)
+    write_status(job.buffer, Status(pid=dead_pid, state=State.FAILED, heartbeat=time.time(),
+                                    message="12 undecodable files, more than --max-bad-samples 10"))
+    with pytest.raises(DaemonGone) as info:
+        next(iter(BufferLoader(job.buffer, timeout=30, daemon_grace=0.2)))
+    msg = " ".join(str(info.value).split())
+    assert "state=failed" in msg and "more than --max-bad-samples 10" in msg
+    assert "It failed (the message in its status, above): fix that first" in msg and "--max-bad-* limits" in msg
+    assert "Restart it with" not in msg
+
+
 def test_daemon_gone_without_a_lock_file(make_job: MakeJob) -> None:
     job = make_job()
     with pytest.raises(DaemonGone):
