@@ -272,13 +272,17 @@ class Stream:
 
         Live consumers hold; a gone, silent or closed one does not while another is live.  When
         none is live, all that may come back hold, so a single trainer that went away keeps its
-        window (SPEC rule 8); before any consumer wrote, the default one holds from 0.
+        window (SPEC rule 8); when every one left (closed) before the job's end, they hold, so the
+        next trainer finds the buffer filled; before any consumer wrote, the default one holds
+        from 0.
         """
         now = time.time()
         known = [c for c in self.consumers.values() if c.seen]
-        waiting = [c for c in known if not c.closed and (self.end is None or c.position < self.end)]
+        unfinished = [c for c in known if self.end is None or c.position < self.end]
+        waiting = [c for c in unfinished if not c.closed]
         live = [c for c in waiting if c.live(now, self.consumer_timeout)]
-        holders = live or waiting or ([] if known else [self.consumers[DEFAULT_CONSUMER]])
+        left = [] if len(unfinished) < len(known) else unfinished  # one at the end: the job is done (finished)
+        holders = live or waiting or left or ([] if known else [self.consumers[DEFAULT_CONSUMER]])
         holders.sort(key=lambda c: (c.position, c.name))
         widths = plan_windows([c.position for c in holders], self.high, self.cap, self.end)
         for c in self.consumers.values():

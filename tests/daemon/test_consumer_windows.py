@@ -128,6 +128,18 @@ def test_a_single_trainer_that_goes_away_keeps_its_window(tmp_path: Path) -> Non
     assert s.held == {3, 4, 5, 6} and not s.finished
 
 
+def test_when_every_consumer_left_before_the_end_their_windows_stay_for_the_next(tmp_path: Path) -> None:
+    """SPEC rule 9: a closed consumer stops holding batches while another is live.  With none left
+    the buffer keeps their windows, filled, for the next trainer, as for one that went away."""
+    s = stream(tmp_path, cap=4 * HIGH)
+    move(s, "a", 3)
+    move(s, "b", 12)
+    move(s, "a", 5, closed=True)
+    assert s.held == set(range(12, 12 + HIGH)), "b is live: a, closed, holds nothing"
+    move(s, "b", 13, closed=True)
+    assert s.held == set(range(5, 5 + HIGH)) | set(range(13, 13 + HIGH)) and not s.finished
+
+
 def test_the_stream_is_finished_when_every_expected_consumer_is_at_the_end(tmp_path: Path) -> None:
     s = stream(tmp_path, timeout=300.0)
     move(s, "a", 20)
