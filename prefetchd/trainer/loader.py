@@ -45,6 +45,7 @@ The loader is not thread-safe; use one per consumer thread and buffer.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -424,10 +425,13 @@ class BufferLoader:
                 # Left unpublished, so the next call tries again.
                 logger.warning("cannot write %s (%s); trying again", self._progress_path, exc.strerror or exc)
                 return
+            fix = {errno.EISDIR: "remove the directory that took its name",
+                   errno.ENOSPC: "free space on the buffer's filesystem (what else fills it?)",
+                   errno.EACCES: "give this user write access to the buffer (its group, with --group-access)"}.get(
+                exc.errno or 0, "check that the buffer directory exists, is writable and has free space")
             raise LoaderError(
                 f"{self._progress_path}: cannot write it ({exc.strerror or exc}) for "
-                f"{_PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete. Check "
-                "that the buffer directory exists, is writable and has free space"
+                f"{_PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete: {fix}"
             ) from exc
         self._publish_failing_since = None
         self._published = position

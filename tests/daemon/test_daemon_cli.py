@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import logging
 import os
 import signal
@@ -378,6 +379,7 @@ def test_status_of_a_done_daemon_says_what_done_means() -> None:
     done, filling = _running_status_text(State.DONE), _running_status_text(State.FILLING)
     assert "state done (every batch of the job's epochs is built; trainers may still be reading)" in done
     assert "resume at" not in done and "resume at" in filling
+    assert re.search(r"\d+/\d+ batches waiting, \d+ building", done), done
 
 
 def test_status_says_when_max_buffer_bytes_is_what_limits_the_buffer() -> None:

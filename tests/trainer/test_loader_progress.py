@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from prefetchd.buffer_protocol import Progress
-from prefetchd.trainer import BufferLoader
+from prefetchd.trainer import BufferLoader, LoaderError
+from prefetchd.trainer import loader as loader_module
 from tests.conftest import mounted_tmpfs
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -72,3 +73,18 @@ def test_a_full_tmpfs_delays_progress_instead_of_killing_the_trainer(make_job: M
         filler.unlink()
         loader.close()  # the retry goes through once there is room
         assert Progress.read(job.buffer) == Progress(1, 0)
+
+
+def test_a_progress_write_that_keeps_failing_says_what_to_do_about_its_cause(
+        make_job: MakeJob, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the grace the loader gives up, with the fix for the cause it met: here a directory
+    under progress.json's name, not 'check the free space'."""
+    monkeypatch.setattr(loader_module, "_PROGRESS_WRITE_GRACE", 0.0)
+    job = make_job(samples=16, batch_size=4, write=0)
+    for step in range(2):
+        job.write(0, step)
+    (job.buffer / "progress.json").mkdir()
+    with pytest.raises(LoaderError, match=r"progress\.json: cannot write it \(Is a directory\) for 0 s; .*: "
+                                          r"remove the directory that took its name"):
+        for _batch in BufferLoader(job.buffer, normalize=False, timeout=10, daemon_grace=10):
+            pass
