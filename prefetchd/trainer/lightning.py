@@ -48,7 +48,7 @@ from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import gather_states, own_state
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, spawn_daemon
+from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, check_val_split, spawn_daemon
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +224,14 @@ class BufferDataModule(pl.LightningDataModule):
         stream = wait_for_stream(buffer, self._ranks(), self._timeout, split)
         loader = BufferLoader(stream, device=device, **self._loader_options)
         data = self._data[split]
-        if data is not None:  # a daemon already running there was used as it is: it must serve what data= asks
-            try:
+        try:
+            if split == "val":
+                check_val_split(loader, "val_buffer")
+            if data is not None:  # a daemon already running there was used as it is: it must serve what data= asks
                 check_served_job(self._daemon_config, loader, data)
-            except BaseException:
-                loader.close()
-                raise
+        except BaseException:
+            loader.close()
+            raise
         return loader
 
 

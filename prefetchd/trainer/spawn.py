@@ -159,14 +159,15 @@ def check_spawn_options(config: TrainConfig, ranks: Ranks | None = None) -> None
         )
 
 
-def check_val_split(loader: BufferLoader) -> None:
+def check_val_split(loader: BufferLoader, given: str = "--val-buffer") -> None:
     """A validation buffer must hold a --split val job: a train split's batches are random crops and
-    flips of the training data, and validating on them measures nothing."""
+    flips of the training data, and validating on them measures nothing.  ``given``: how the user named
+    the buffer (a flag, or BufferDataModule's argument)."""
     m = loader.manifest
     if m.split != "val":
         buffer = owning_buffer(loader.buffer)
         raise SetupError(
-            f"--val-buffer {buffer}: its daemon produces the {m.split} split of {m.dataset_root} (random crops and "
+            f"{given} {buffer}: its daemon produces the {m.split} split of {m.dataset_root} (random crops and "
             f"flips, {loader.buffer / MANIFEST_NAME}), not validation batches. Restart it with --split val "
             f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} --data ROOT --split val "
             "--reset ...`), or pass the buffer of your --split val daemon"
