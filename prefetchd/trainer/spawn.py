@@ -131,7 +131,7 @@ def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig
     proc = launch(cmd, stdout=subprocess.DEVNULL)
     if not config.quiet:
         served = f", ranks {ranks.ranks_flag()} of {ranks.world_size}" if streams and ranks is not None else ""
-        echo(f"prefetchd-train: started the {split} daemon for {buffer} (pid {proc.pid}) on {data}{served}")
+        echo(f"prefetchd-train: starting the {split} daemon for {buffer} (pid {proc.pid}) on {data}{served}")
     return SpawnedDaemon(proc, buffer, started, streams=streams, command=tuple(cmd), split=split)
 
 

@@ -90,7 +90,7 @@ def test_prefetchd_train_under_torchrun_stops_and_resumes_every_rank(
                       "--batch-size", "8", "--image-size", "32", "--epochs", "2", "--workers", "1")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     out = second.stdout
-    assert f"started the train daemon for {buffer}" in out and "ranks 0-1 of 2" in out
+    assert f"starting the train daemon for {buffer}" in out and "ranks 0-1 of 2" in out
     assert out.count("resumed from") == 1 and out.count("epoch 2/2  train loss") == 1, "rank 0 alone prints"
 
     result = json.loads(metrics.read_text())
