@@ -77,7 +77,7 @@ from prefetchd.launch import buffer_root
 from prefetchd.synthetic import make_imagenet_like
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.engine import build_model
+from prefetchd.trainer.model import build_model
 from prefetchd.trainer.spawn import spawn_daemon
 
 log = logging.getLogger("gpu_check")

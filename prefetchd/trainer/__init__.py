@@ -2,7 +2,7 @@
 
 ``BufferLoader`` (in ``loader``) is the reader; ``train`` is the entry point of the
 reference trainer behind the ``prefetchd-train`` command (its rooms: ``config``,
-``engine``, ``checkpoint``, ``spawn``, ``report``, ``ranks``).
+``preflight``, ``engine``, ``passes``, ``model``, ``checkpoint``, ``spawn``, ``report``, ``ranks``).
 """
 
 from prefetchd.trainer.errors import (

@@ -1,10 +1,14 @@
-"""The training engine of ``prefetchd-train``: passes over a loader, the epoch loop, model, optimizer, schedule.
+"""The epoch loop of ``prefetchd-train``: one ``Run`` over its loaders, with checkpoints at step and
+epoch ends, an exact resume, and the figures each epoch reports.
 
 A plain, complete engine (SGD or AdamW, linear warmup then cosine, label
 smoothing, bf16 autocast, channels_last, exact checkpoint/resume) whose numbers
 say whether the data path keeps up: per epoch it reports loss, top-1, top-5,
 images/s and the *data-wait share*, the fraction of the epoch spent inside the
 loaders' ``next()``.  A share near zero means the daemon keeps the model fed.
+The jobs around it have rooms of their own: a pass over a loader (``passes``), the
+model, optimizer and schedule (``model``), what is settled before the first step
+(``preflight``).
 
 Under torchrun the model is wrapped in DistributedDataParallel, the epoch's
 figures are summed over the ranks, and rank 0 alone prints, writes the metrics
@@ -13,351 +17,29 @@ and the checkpoint, which holds every rank's loader position (see ``ranks``).
 
 from __future__ import annotations
 
-import logging
-import math
-import os
 import sys
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import click
 import torch
-import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from prefetchd.buffer_protocol import Manifest, batch_name
+from prefetchd.buffer_protocol import batch_name
 from prefetchd.trainer.checkpoint import (
-    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointPlan, Checkpointer, check_resumable, existing_checkpoint,
-    load_checkpoint, rng_state, set_rng_state,
+    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointPlan, Checkpointer, check_resumable, load_checkpoint, rng_state,
+    set_rng_state,
 )
 from prefetchd.trainer.config import TrainConfig, plain_config
-from prefetchd.trainer.errors import CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, SetupError
-from prefetchd.trainer.loader import Batch, BufferLoader
+from prefetchd.trainer.errors import CheckpointError
+from prefetchd.trainer.loader import BufferLoader
+from prefetchd.trainer.model import build_model, build_optimizer, check_last_batch, warmup_cosine
+from prefetchd.trainer.passes import TOP_K, PassState, PassStats, Recover, pass_stats, run_pass
 from prefetchd.trainer.ranks import Collective, Ranks
-from prefetchd.words import counted
 from prefetchd.trainer.report import ProgressLine, metrics_document, write_metrics
-
-logger = logging.getLogger(__name__)
-
-TOP_K = 5
-
-
-@dataclass
-class PassState:
-    """The running sums of a pass: what a mid-epoch checkpoint saves and a resume continues from."""
-
-    loss_sum: float = 0.0
-    correct1: int = 0
-    correctk: int = 0
-    seen: int = 0
-    seconds: float = 0.0
-    wait_seconds: float = 0.0
-
-
-@dataclass
-class PassStats:
-    """One pass (train or val) over one epoch of a loader."""
-
-    loss: float
-    top1: float
-    images: int
-    seconds: float
-    wait_seconds: float
-    topk: float = math.nan
-    k: int = 1
-    stopped: bool = False  # ended early because ``after_step`` asked to
-    state: PassState = field(default_factory=PassState)  # the sums behind the figures
-
-
-Recover = Callable[[BufferLoader, LoaderError], bool]
-
-
-def timed_batches(loader: BufferLoader, recover: Recover | None = None) -> Iterator[tuple[Batch, float]]:
-    """The loader's batches, each with the seconds spent waiting inside ``next()``.
-
-    When the loader gives up on its daemon (gone or stuck) and ``recover`` brings a
-    new one up (True), the same iterator asks again for the same (epoch, step): the
-    position moves only when a batch is handed over, so none is skipped or repeated.
-    """
-    it = iter(loader)
-    start = time.perf_counter()
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            return
-        except (DaemonGone, DaemonStuck) as exc:
-            if recover is None or not recover(loader, exc):
-                raise
-            continue  # the time lost to the daemon, and to its restart, is this batch's wait too
-        yield batch, time.perf_counter() - start
-        start = time.perf_counter()
-
-
-def run_pass(
-    model: nn.Module,
-    loader: BufferLoader,
-    criterion: nn.Module,
-    progress: ProgressLine,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    *,
-    topk: int = TOP_K,
-    amp: bool = False,
-    start: PassState | None = None,
-    after_step: Callable[[Callable[[], PassState]], bool] | None = None,
-    recover: Recover | None = None,
-) -> PassStats:
-    """Train (with an optimizer) or evaluate (without) over the rest of the loader's epoch.
-
-    ``start`` continues the sums of a pass that a checkpoint interrupted.
-    ``after_step`` is called after every optimizer step with a function that
-    snapshots the sums; returning True ends the pass there.  ``recover`` is
-    asked to replace a dead or stuck daemon (see ``timed_batches``).
-    """
-    training = optimizer is not None
-    model.train(training)
-    device = loader.device
-    k = max(1, min(topk, len(loader.classes)))
-    begun = start or PassState()
-    # Sums stay on the device so no step waits for the GPU just to log.
-    loss_sum = torch.full((), begun.loss_sum, dtype=torch.float64, device=device)
-    correct1 = torch.full((), begun.correct1, dtype=torch.int64, device=device)
-    correctk = torch.full((), begun.correctk, dtype=torch.int64, device=device)
-    seen = begun.seen
-    wait = begun.wait_seconds
-    t0 = time.perf_counter()
-
-    def snapshot() -> PassState:
-        return PassState(
-            loss_sum=loss_sum.item(), correct1=int(correct1.item()), correctk=int(correctk.item()), seen=seen,
-            seconds=begun.seconds + time.perf_counter() - t0, wait_seconds=wait,
-        )
-
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else nullcontext()
-    stopped = False
-    with progress, torch.set_grad_enabled(training):
-        # Counted from the epoch's start, so a resumed pass shows "10/15", not "1/15" of a pass it never ends.
-        for done, (batch, waited) in enumerate(timed_batches(loader, recover), start=loader.position[1] + 1):
-            wait += waited
-            images, labels = batch
-            with autocast:
-                logits = model(images)
-                loss = criterion(logits, labels)
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                if scheduler is not None:
-                    scheduler.step()
-            n = labels.shape[0]
-            loss_sum += loss.detach().double() * n
-            correct1 += (logits.argmax(dim=1) == labels).sum()
-            correctk += (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum()
-            seen += n
-            progress.update(done, lambda: loss_sum.item() / max(seen, 1))
-            if after_step is not None and after_step(snapshot):
-                stopped = True
-                break
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return pass_stats(snapshot(), k, stopped)
-
-
-def pass_stats(state: PassState, k: int, stopped: bool = False) -> PassStats:
-    n = state.seen
-    return PassStats(
-        loss=state.loss_sum / n if n else math.nan,
-        top1=state.correct1 / n if n else math.nan,
-        topk=state.correctk / n if n else math.nan,
-        k=k,
-        images=n,
-        seconds=state.seconds,
-        wait_seconds=state.wait_seconds,
-        stopped=stopped,
-        state=state,
-    )
-
-
-def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
-    """The device of ``--device``; under torchrun ``cuda`` (or ``auto`` with CUDA) means cuda:LOCAL_RANK."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SetupError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
-    if device.type == "cuda" and device.index is None and ranks is not None and ranks.distributed:
-        count = torch.cuda.device_count()
-        if ranks.local_rank >= count:
-            raise SetupError(
-                f"LOCAL_RANK {ranks.local_rank} needs a GPU of its own, but this machine has {count}; run at most "
-                f"{count} processes per node (torchrun --nproc-per-node {count}), or pass --device cpu"
-            )
-        device = torch.device("cuda", ranks.local_rank)
-    return device
-
-
-def resolve_epochs(config: TrainConfig, train: BufferLoader, val: BufferLoader | None) -> int:
-    produced = train.manifest.epochs
-    if config.epochs is None:
-        if produced is None:
-            raise OptionError(f"the daemon of {train.buffer} produces epochs without end; pass --epochs N")
-        return produced
-    if produced is not None and config.epochs > produced:
-        raise SetupError(
-            f"--epochs {config.epochs}, but the daemon of {train.buffer} produces only {counted(produced, 'epoch')}; "
-            f"restart it with --epochs {config.epochs} (or without --epochs), or train for fewer epochs"
-        )
-    if val is not None and val.manifest.epochs is not None and config.epochs > val.manifest.epochs:
-        raise SetupError(
-            f"--epochs {config.epochs}, but the daemon of {val.buffer} produces only "
-            f"{counted(val.manifest.epochs, 'validation epoch')}; restart it with a matching --epochs (or without --epochs)"
-        )
-    return config.epochs
-
-
-def cached_weights(model: str) -> tuple[str, Path]:
-    """torchvision's default weights for ``model``: their name and where the torch hub cache keeps them."""
-    try:
-        weights = torchvision.models.get_model_weights(model).DEFAULT
-    except (ValueError, KeyError, AttributeError):
-        raise SetupError(f"--pretrained: torchvision has no pretrained weights for --model {model}") from None
-    filename = os.path.basename(urllib.parse.urlparse(weights.url).path)
-    return f"{type(weights).__name__}.{weights.name}", Path(torch.hub.get_dir()) / "checkpoints" / filename
-
-
-def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[str], None] = click.echo) -> nn.Module:
-    """A torchvision model for ``num_classes``; with ``pretrained``, weights from the local hub cache only.
-
-    The classifier of the pretrained weights rarely has ``num_classes``
-    outputs: tensors whose shape differs stay freshly initialised.
-    """
-    try:
-        model: nn.Module = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    except ValueError as exc:
-        raise SetupError(f"--model {name}: {exc}") from None
-    if not pretrained:
-        return model
-    weights, path = cached_weights(name)
-    if not path.is_file():
-        raise SetupError(
-            f"--pretrained: {weights} is not in the local torch hub cache ({path}), and prefetchd-train never "
-            f"downloads. Fetch it once where there is network access, e.g. `python -c \"import torchvision; "
-            f"torchvision.models.get_model('{name}', weights='DEFAULT')\"`, and copy {path.name} to "
-            f"{path.parent} (or point TORCH_HOME at a cache that has it)"
-        )
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise SetupError(f"--pretrained: cannot read {path} ({exc}); delete it and fetch it again") from None
-    own = model.state_dict()
-    if not isinstance(state, Mapping) or any(key not in state for key in own if not key.endswith("num_batches_tracked")):
-        missing = [key for key in own if not isinstance(state, Mapping) or key not in state][:5]
-        raise SetupError(
-            f"--pretrained: {path} does not hold weights for --model {name} (missing {missing}); delete it and "
-            "fetch it again"
-        )
-    fitting = {key: value for key, value in state.items() if key in own and own[key].shape == value.shape}
-    model.load_state_dict(fitting, strict=False)
-    fresh = [key for key in own if key not in fitting]
-    echo(
-        f"prefetchd-train: --pretrained: {weights} from {path}"
-        + (f"; kept freshly initialised for {num_classes} classes: {', '.join(fresh)}" if fresh else "")
-    )
-    return model
-
-
-def check_last_batch(name: str, num_classes: int, manifest: Manifest) -> None:
-    """Refuse, before the first step, a job whose epochs end in a batch of one image that the
-    model cannot train on: BatchNorm in training mode needs more than one value per channel,
-    and a batch of one after global pooling (a small image size) has one.  Found by running
-    the model once on the meta device, where only shapes are computed (milliseconds); a model
-    the meta device cannot run is left to the real first epoch."""
-    m = manifest
-    if m.steps_per_epoch < 1 or m.samples_per_epoch - (m.steps_per_epoch - 1) * m.batch_size != 1:
-        return
-    try:
-        with torch.device("meta"):
-            model = build_model(name, num_classes, pretrained=False)
-        model.train()
-        model(torch.empty(1, m.channels, m.image_size, m.image_size, device="meta"))
-    except ValueError as exc:
-        if "value per channel" not in str(exc):
-            return
-        raise SetupError(
-            f"every epoch ends in a batch of 1 image ({m.samples_per_epoch} samples in batches of {m.batch_size}), "
-            f"which {name} cannot train on at {m.image_size} px ({exc}). Start the daemon with --drop-last --reset "
-            "(with --spawn-daemon, add them here), or pick a --batch-size that leaves more than one image over"
-        ) from None
-    except Exception as exc:  # an operation without a meta kernel: no verdict here
-        logger.debug("cannot check a one-image batch of %s on the meta device: %s", name, exc)
-
-
-def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=config.peak_lr, weight_decay=config.decay)
-    return torch.optim.SGD(model.parameters(), lr=config.peak_lr, momentum=config.momentum, weight_decay=config.decay)
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """Learning-rate factor of step ``s``: linear from 1/warmup to 1, then half a cosine to 0."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        span = max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup_steps) / span)))
-
-    return factor
-
-
-
-
-def agree_on_checkpoints(config: TrainConfig, coll: Collective) -> CheckpointPlan:
-    """Rank 0's checkpoint plan, on every rank: a rank whose box was given no --checkpoint-dir
-    (or another --checkpoint-every) would otherwise skip the collective of a save and hang the run.
-
-    A run that does not resume refuses a --checkpoint-dir that holds a checkpoint already: its
-    first save would replace the checkpoint of an earlier run (a forgotten --resume) without a word.
-    """
-    plan = coll.broadcast(CheckpointPlan.of(config))
-    found: tuple[str, str] | None = None
-    if coll.ranks.is_main and plan.path is not None and not plan.resume:
-        try:
-            there = existing_checkpoint(plan.path)
-        except CheckpointError as exc:
-            found = ("error", str(exc))
-        else:
-            found = ("there", there) if there is not None else None
-    found = coll.broadcast(found)  # every rank stops with rank 0's message
-    if found is not None and found[0] == "error":
-        raise CheckpointError(found[1])
-    if found is not None:
-        raise OptionError(
-            f"--checkpoint-dir already holds a checkpoint, {found[1]}, and this run (without --resume) would "
-            "start from scratch and overwrite it. Pass --resume to "
-            "continue it, or choose another --checkpoint-dir (or remove that checkpoint to start over)"
-        )
-    return plan
-
-
-def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:
-    """DDP hangs unless every rank runs the same steps: the daemon pads the ranks' shares, this checks it."""
-    mine = (len(train), len(val) if val is not None else None, epochs)
-    every = coll.all_gather(mine)
-    if any(other != mine for other in every):
-        table = "; ".join(f"rank {r}: {counted(t, 'train step')}, {counted(v or 0, 'val step')}, {counted(e, 'epoch')}"
-                          for r, (t, v, e) in enumerate(every))
-        raise SetupError(
-            f"the ranks would run different numbers of steps ({table}), and DDP would hang at the end; all ranks "
-            "must read streams of one daemon job per buffer (the same --world-size, dataset and --batch-size)"
-        )
 
 
 class Run:
@@ -669,8 +351,4 @@ class Run:
             write_metrics(self.config, metrics)
 
 
-__all__ = [
-    "TOP_K", "PassState", "PassStats", "Recover", "Run", "agree_on_checkpoints", "build_model", "build_optimizer", "cached_weights",
-    "check_equal_steps", "pass_stats", "resolve_device", "resolve_epochs", "run_pass", "timed_batches",
-    "warmup_cosine",
-]
+__all__ = ["Run"]

@@ -23,7 +23,7 @@ from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, MANIFEST_NAME, ow
 from prefetchd.launch import LaunchError, launch, start_argv, stop_daemon_process, wait_ready
 from prefetchd.locations import normalize
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.engine import Recover
+from prefetchd.trainer.passes import Recover
 from prefetchd.trainer.errors import DaemonRestartsExhausted, DaemonStuck, LoaderError, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Ranks

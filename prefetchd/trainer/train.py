@@ -45,7 +45,8 @@ import torch
 from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.options import click_options
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
-from prefetchd.trainer.engine import Run, agree_on_checkpoints, check_equal_steps, resolve_device, resolve_epochs
+from prefetchd.trainer.engine import Run
+from prefetchd.trainer.preflight import agree_on_checkpoints, check_equal_steps, resolve_device, resolve_epochs
 from prefetchd.trainer.errors import (CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, PeerFailed,
                                       SetupError)
 from prefetchd.trainer.gpu import PinMode

@@ -103,7 +103,7 @@ def test_a_checkpoint_of_another_world_size_is_refused(make_job: MakeJob, buffer
 
 
 def test_under_torchrun_cuda_means_the_local_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefetchd.trainer.engine import resolve_device
+    from prefetchd.trainer.preflight import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -118,7 +118,7 @@ def test_under_torchrun_cuda_means_the_local_ranks_gpu(monkeypatch: pytest.Monke
 def test_ranks_with_different_step_counts_are_refused_before_ddp_could_hang(make_job: MakeJob) -> None:
     from prefetchd.trainer import BufferLoader
     from prefetchd.trainer.ranks import Collective
-    from prefetchd.trainer.engine import check_equal_steps
+    from prefetchd.trainer.preflight import check_equal_steps
 
     class TwoRanks(Collective):
         def all_gather(self, obj: object) -> list[object]:

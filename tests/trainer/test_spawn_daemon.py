@@ -24,7 +24,7 @@ from torchvision.datasets import ImageFolder
 from prefetchd.buffer_protocol import Progress, ProtocolError, daemon_pid
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.engine import timed_batches
+from prefetchd.trainer.passes import timed_batches
 from prefetchd.trainer.spawn import SpawnedDaemon, restarter, spawn_daemon
 from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, main
 

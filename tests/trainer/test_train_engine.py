@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from prefetchd.buffer_protocol import Manifest, Progress
 from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.engine import build_model, cached_weights, check_last_batch, warmup_cosine
+from prefetchd.trainer.model import build_model, cached_weights, check_last_batch, warmup_cosine
 from prefetchd.trainer.errors import SetupError
 from prefetchd.trainer.train import EXIT_FAILED, main, train
 
@@ -335,7 +335,7 @@ def test_a_resumed_pass_counts_its_steps_from_the_epochs_start(make_job: MakeJob
     import io
 
     from prefetchd.trainer import BufferLoader
-    from prefetchd.trainer.engine import run_pass
+    from prefetchd.trainer.passes import run_pass
     from prefetchd.trainer.report import ProgressLine
 
     job = make_job(write=3)  # 10 samples in batches of 4: steps 0-2 of epoch 0

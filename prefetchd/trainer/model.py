@@ -1,0 +1,121 @@
+"""The model ``prefetchd-train`` trains and how: a torchvision model (pretrained weights from the
+local hub cache only), its optimizer (SGD or AdamW) and learning-rate schedule (linear warmup,
+then cosine), and a check that the job's last batch is one the model can train on."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import urllib.parse
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import click
+import torch
+import torchvision
+from torch import nn
+
+from prefetchd.buffer_protocol import Manifest
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.errors import SetupError
+
+logger = logging.getLogger(__name__)
+
+
+def cached_weights(model: str) -> tuple[str, Path]:
+    """torchvision's default weights for ``model``: their name and where the torch hub cache keeps them."""
+    try:
+        weights = torchvision.models.get_model_weights(model).DEFAULT
+    except (ValueError, KeyError, AttributeError):
+        raise SetupError(f"--pretrained: torchvision has no pretrained weights for --model {model}") from None
+    filename = os.path.basename(urllib.parse.urlparse(weights.url).path)
+    return f"{type(weights).__name__}.{weights.name}", Path(torch.hub.get_dir()) / "checkpoints" / filename
+
+
+def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[str], None] = click.echo) -> nn.Module:
+    """A torchvision model for ``num_classes``; with ``pretrained``, weights from the local hub cache only.
+
+    The classifier of the pretrained weights rarely has ``num_classes``
+    outputs: tensors whose shape differs stay freshly initialised.
+    """
+    try:
+        model: nn.Module = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    except ValueError as exc:
+        raise SetupError(f"--model {name}: {exc}") from None
+    if not pretrained:
+        return model
+    weights, path = cached_weights(name)
+    if not path.is_file():
+        raise SetupError(
+            f"--pretrained: {weights} is not in the local torch hub cache ({path}), and prefetchd-train never "
+            f"downloads. Fetch it once where there is network access, e.g. `python -c \"import torchvision; "
+            f"torchvision.models.get_model('{name}', weights='DEFAULT')\"`, and copy {path.name} to "
+            f"{path.parent} (or point TORCH_HOME at a cache that has it)"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise SetupError(f"--pretrained: cannot read {path} ({exc}); delete it and fetch it again") from None
+    own = model.state_dict()
+    if not isinstance(state, Mapping) or any(key not in state for key in own if not key.endswith("num_batches_tracked")):
+        missing = [key for key in own if not isinstance(state, Mapping) or key not in state][:5]
+        raise SetupError(
+            f"--pretrained: {path} does not hold weights for --model {name} (missing {missing}); delete it and "
+            "fetch it again"
+        )
+    fitting = {key: value for key, value in state.items() if key in own and own[key].shape == value.shape}
+    model.load_state_dict(fitting, strict=False)
+    fresh = [key for key in own if key not in fitting]
+    echo(
+        f"prefetchd-train: --pretrained: {weights} from {path}"
+        + (f"; kept freshly initialised for {num_classes} classes: {', '.join(fresh)}" if fresh else "")
+    )
+    return model
+
+
+def check_last_batch(name: str, num_classes: int, manifest: Manifest) -> None:
+    """Refuse, before the first step, a job whose epochs end in a batch of one image that the
+    model cannot train on: BatchNorm in training mode needs more than one value per channel,
+    and a batch of one after global pooling (a small image size) has one.  Found by running
+    the model once on the meta device, where only shapes are computed (milliseconds); a model
+    the meta device cannot run is left to the real first epoch."""
+    m = manifest
+    if m.steps_per_epoch < 1 or m.samples_per_epoch - (m.steps_per_epoch - 1) * m.batch_size != 1:
+        return
+    try:
+        with torch.device("meta"):
+            model = build_model(name, num_classes, pretrained=False)
+        model.train()
+        model(torch.empty(1, m.channels, m.image_size, m.image_size, device="meta"))
+    except ValueError as exc:
+        if "value per channel" not in str(exc):
+            return
+        raise SetupError(
+            f"every epoch ends in a batch of 1 image ({m.samples_per_epoch} samples in batches of {m.batch_size}), "
+            f"which {name} cannot train on at {m.image_size} px ({exc}). Start the daemon with --drop-last --reset "
+            "(with --spawn-daemon, add them here), or pick a --batch-size that leaves more than one image over"
+        ) from None
+    except Exception as exc:  # an operation without a meta kernel: no verdict here
+        logger.debug("cannot check a one-image batch of %s on the meta device: %s", name, exc)
+
+
+def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.peak_lr, weight_decay=config.decay)
+    return torch.optim.SGD(model.parameters(), lr=config.peak_lr, momentum=config.momentum, weight_decay=config.decay)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Learning-rate factor of step ``s``: linear from 1/warmup to 1, then half a cosine to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup_steps) / span)))
+
+    return factor
+
+
+__all__ = ["build_model", "build_optimizer", "cached_weights", "check_last_batch", "warmup_cosine"]

@@ -1,0 +1,95 @@
+"""What a ``prefetchd-train`` run settles before its first step, the same on every rank: the
+device, the number of epochs the daemons produce, the checkpoint plan (rank 0's), and that every
+rank runs the same steps (DDP hangs otherwise)."""
+
+from __future__ import annotations
+
+import torch
+
+from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
+from prefetchd.trainer.config import TrainConfig
+from prefetchd.trainer.errors import CheckpointError, OptionError, SetupError
+from prefetchd.trainer.loader import BufferLoader
+from prefetchd.trainer.ranks import Collective, Ranks
+from prefetchd.words import counted
+
+
+def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
+    """The device of ``--device``; under torchrun ``cuda`` (or ``auto`` with CUDA) means cuda:LOCAL_RANK."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SetupError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
+    if device.type == "cuda" and device.index is None and ranks is not None and ranks.distributed:
+        count = torch.cuda.device_count()
+        if ranks.local_rank >= count:
+            raise SetupError(
+                f"LOCAL_RANK {ranks.local_rank} needs a GPU of its own, but this machine has {count}; run at most "
+                f"{count} processes per node (torchrun --nproc-per-node {count}), or pass --device cpu"
+            )
+        device = torch.device("cuda", ranks.local_rank)
+    return device
+
+
+def resolve_epochs(config: TrainConfig, train: BufferLoader, val: BufferLoader | None) -> int:
+    produced = train.manifest.epochs
+    if config.epochs is None:
+        if produced is None:
+            raise OptionError(f"the daemon of {train.buffer} produces epochs without end; pass --epochs N")
+        return produced
+    if produced is not None and config.epochs > produced:
+        raise SetupError(
+            f"--epochs {config.epochs}, but the daemon of {train.buffer} produces only {counted(produced, 'epoch')}; "
+            f"restart it with --epochs {config.epochs} (or without --epochs), or train for fewer epochs"
+        )
+    if val is not None and val.manifest.epochs is not None and config.epochs > val.manifest.epochs:
+        raise SetupError(
+            f"--epochs {config.epochs}, but the daemon of {val.buffer} produces only "
+            f"{counted(val.manifest.epochs, 'validation epoch')}; restart it with a matching --epochs (or without --epochs)"
+        )
+    return config.epochs
+
+
+def agree_on_checkpoints(config: TrainConfig, coll: Collective) -> CheckpointPlan:
+    """Rank 0's checkpoint plan, on every rank: a rank whose box was given no --checkpoint-dir
+    (or another --checkpoint-every) would otherwise skip the collective of a save and hang the run.
+
+    A run that does not resume refuses a --checkpoint-dir that holds a checkpoint already: its
+    first save would replace the checkpoint of an earlier run (a forgotten --resume) without a word.
+    """
+    plan = coll.broadcast(CheckpointPlan.of(config))
+    found: tuple[str, str] | None = None
+    if coll.ranks.is_main and plan.path is not None and not plan.resume:
+        try:
+            there = existing_checkpoint(plan.path)
+        except CheckpointError as exc:
+            found = ("error", str(exc))
+        else:
+            found = ("there", there) if there is not None else None
+    found = coll.broadcast(found)  # every rank stops with rank 0's message
+    if found is not None and found[0] == "error":
+        raise CheckpointError(found[1])
+    if found is not None:
+        raise OptionError(
+            f"--checkpoint-dir already holds a checkpoint, {found[1]}, and this run (without --resume) would "
+            "start from scratch and overwrite it. Pass --resume to "
+            "continue it, or choose another --checkpoint-dir (or remove that checkpoint to start over)"
+        )
+    return plan
+
+
+def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:
+    """DDP hangs unless every rank runs the same steps: the daemon pads the ranks' shares, this checks it."""
+    mine = (len(train), len(val) if val is not None else None, epochs)
+    every = coll.all_gather(mine)
+    if any(other != mine for other in every):
+        table = "; ".join(f"rank {r}: {counted(t, 'train step')}, {counted(v or 0, 'val step')}, {counted(e, 'epoch')}"
+                          for r, (t, v, e) in enumerate(every))
+        raise SetupError(
+            f"the ranks would run different numbers of steps ({table}), and DDP would hang at the end; all ranks "
+            "must read streams of one daemon job per buffer (the same --world-size, dataset and --batch-size)"
+        )
+
+
+__all__ = ["agree_on_checkpoints", "check_equal_steps", "resolve_device", "resolve_epochs"]
