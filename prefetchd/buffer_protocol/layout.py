@@ -171,14 +171,22 @@ def list_temp_files(buffer: Dir) -> Iterator[Path]:
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Atomically replace ``path`` with ``doc`` (temp name in the same directory, then rename)."""
+    """Atomically replace ``path`` with ``doc`` (see ``replace_file``)."""
+    replace_file(path, json.dumps(doc, indent=1, sort_keys=True).encode())
+
+
+def replace_file(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Atomically replace ``path`` with ``data``: a temp name in the same directory, then a rename,
+    so a reader sees the old file or the new one, never part of one.  ``mode``: the file's
+    permission bits whatever the umask; without it, 0644 less the umask."""
     # pid + random suffix: two writers in one process (threads, two loaders) never share a temp file.
     tmp = path.with_name(f"{path.name}{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}")
-    data = json.dumps(doc, indent=1, sort_keys=True).encode()
     # O_EXCL: a name someone else planted (a link to a file of theirs) is never written through.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
+            if mode is not None:
+                os.fchmod(fd, mode)  # O_CREAT's mode is less the umask
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

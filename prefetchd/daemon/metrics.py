@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefetchd.buffer_protocol import Production, State, Status
+from prefetchd.buffer_protocol.layout import replace_file
 from prefetchd.daemon.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -159,27 +158,11 @@ def _remote_node_metrics(buffer: str, production: Production) -> Iterator[Metric
     yield latency
 
 
+# node-exporter runs as another user, and the service's UMask=0007 would make the file 0660,
+# unreadable to it (metrics are no secret).  prometheus_client's write_to_textfile renames too, but
+# creates its temp file with the umask's mode; the temp name does not end in .prom, so the
+# textfile collector never reads a half-written one.
 TEXTFILE_MODE = 0o644
-
-
-def write_textfile(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``, mode 0644 whatever the umask, by a rename: node-exporter
-    runs as another user, and the service's UMask=0007 would make the file 0660, unreadable to
-    it (metrics are no secret).  prometheus_client's write_to_textfile renames too, but creates
-    its temp file with the umask's mode; the temp name does not end in .prom, so the textfile
-    collector never reads a half-written one."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, TEXTFILE_MODE)
-    try:
-        try:
-            os.fchmod(fd, TEXTFILE_MODE)  # O_CREAT's mode is less the umask
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class Metrics:
@@ -203,7 +186,7 @@ class Metrics:
         self.latest = status
         if self.textfile is not None:
             try:
-                write_textfile(self.textfile, generate_latest(self.registry))
+                replace_file(self.textfile, generate_latest(self.registry), TEXTFILE_MODE)
             except OSError as exc:
                 log.warning("cannot write metrics to %s: %s", self.textfile, exc.strerror)
 
