@@ -24,7 +24,7 @@ from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, M
                                        TrainerStatus, daemon_pid, read_status)
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
-from prefetchd.daemon.main import JOB_FIELDS
+from prefetchd.daemon.main import FAILED_WHILE_PRODUCING, JOB_FIELDS
 from prefetchd.daemon.producer import STAGES
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.locations import is_url, normalize
@@ -383,7 +383,7 @@ def format_status(info: dict[str, Any]) -> str:
     job = st.job_result if st else None
     if job:
         # A job accepted that then failed while producing carries its own verb.
-        verdict = job.reason if job.reason.startswith("failed ") else \
+        verdict = job.reason if job.reason.startswith(FAILED_WHILE_PRODUCING) else \
             f"{'accepted' if job.accepted else 'refused'}: {job.reason}"
         lines.append(f"  last job  {job.job_id or '(unreadable)'} {verdict}")
     lines += info["problems"]

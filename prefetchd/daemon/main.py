@@ -204,6 +204,8 @@ MACHINE_FIELDS = frozenset({
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0
+# How the answer to a job that was accepted and then failed begins (`prefetchd status` shows it as such).
+FAILED_WHILE_PRODUCING = "failed while producing"
 WAIT_STATUS_SECONDS = 1.0
 
 
@@ -508,7 +510,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
                         raise
                     # A submitted job that fails while it runs (its hook, its data): the daemon serves the next
                     # one.  Exiting would only have a supervisor restart it into the same job.json, and fail again.
-                    inbox.answer(running_id, False, f"failed while producing {job.data}: {exc}")
+                    inbox.answer(running_id, False, f"{FAILED_WHILE_PRODUCING} {job.data}: {exc}")
                     job = None
                     continue
                 if producer.next_job is not None:
