@@ -415,6 +415,10 @@ class Producer:
     def _complete(self, task: Task, result: Filled | WriteFailed) -> None:
         build = self.task_build.pop(task.task_id)
         build.outstanding.discard(task.task_id)
+        if self.fatal is not None:
+            # The job stops: results that arrived in the same turn must not replace the verdict that
+            # stopped it (a budget of 2 reported as "4 files" where the third was the one).
+            return
         if isinstance(result, WriteFailed):
             if result.fatal is not None:
                 self.fatal, self.fatal_error = result.reason, result.fatal
