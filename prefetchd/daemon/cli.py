@@ -278,6 +278,11 @@ def describe_status(buffer: Path) -> dict[str, Any]:
         status = read_status(buffer)
     except ProtocolError as exc:
         problems.append(str(exc))
+    rank = None
+    if owner != buffer:  # one rank's stream directory: show that rank, not every rank of its daemon
+        rank = int(buffer.name.removeprefix(STREAM_PREFIX))
+        status, problem = _one_rank(status, rank, owner)
+        problems += [problem] if problem else []
     # With several ranks the manifests live in the stream directories; they share everything shown.
     for directory in [buffer, *sorted(buffer.glob(f"{STREAM_PREFIX}*"))]:
         try:
@@ -291,6 +296,8 @@ def describe_status(buffer: Path) -> dict[str, Any]:
     age = time.time() - status.heartbeat if status is not None else None
     return {
         "buffer": str(buffer),
+        "owner": str(owner),
+        "rank": rank,
         "running": pid is not None,
         "pid": pid,
         "heartbeat_age_s": round(age, 1) if age is not None else None,
@@ -299,6 +306,24 @@ def describe_status(buffer: Path) -> dict[str, Any]:
         "manifest": manifest,
         "problems": problems,
     }
+
+
+def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | None, str]:
+    """``status`` narrowed to rank ``rank``'s stream: its trainer, position and fill (the rates, memory
+    and errors stay the daemon's); with a problem line when the daemon serves no such rank now."""
+    pr = status.production if status is not None else None
+    if status is None or pr is None:
+        return status, ""
+    stream = next((s for s in pr.streams if s.rank == rank), None)
+    if stream is None:
+        served = rank_ranges([s.rank for s in pr.streams]) or "none"
+        return status, (f"the daemon on {owner} does not serve rank {rank} now (it serves {served}); "
+                        f"`prefetchd status --buffer {owner}` shows them")
+    share = len(pr.streams)
+    narrowed = dataclasses.replace(pr, streams=(stream,), progress=stream.progress, trainer=stream.trainer,
+                                   waiting=stream.waiting, building=stream.building,
+                                   high_water=pr.high_water // share, low_water=pr.low_water // share)
+    return dataclasses.replace(status, production=narrowed), ""
 
 
 def status_json(info: dict[str, Any], indent: int | None = 1) -> str:
@@ -320,6 +345,9 @@ def format_status(info: dict[str, Any]) -> str:
     state = st.state if st else "starting"
     meaning = " (every batch of the job's epochs is built; trainers may still be reading)" if state == State.DONE else ""
     lines = [f"prefetchd on {buffer}: running (pid {info['pid']}), state {state}{meaning}"]
+    if info.get("rank") is not None:
+        lines.append(f"  stream    rank {info['rank']} of the daemon on {info['owner']}: its trainer and fill; "
+                     "the rates, memory and errors are the whole daemon's")
     if info["stale"]:
         lines.append(f"  WARNING  no heartbeat for {info['heartbeat_age_s']:.0f} s: the daemon may be stuck")
     if st and st.message:

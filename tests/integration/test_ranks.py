@@ -84,17 +84,29 @@ def test_two_boxes_split_the_world_without_talking(shapes_data: Path, shm_dir: P
 
 
 def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
-    """A daemon serving rank 0 of 2: status names the world and its ranks; a rank directory it does
-    not write is no daemon's; stop on a rank directory, which would stop every rank, points to the buffer."""
+    """A daemon serving ranks 0-1 of 3: status names the world and its ranks, and on a rank's directory
+    shows that rank alone; a rank directory it does not write is no daemon's; stop on a rank directory,
+    which would stop every rank, points to the buffer."""
     buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", "2", "--ranks", "0")
-    daemon.wait_until(lambda: (p := production_of(buffer)) is not None and len(p.streams) == 1, 60, "its stream")
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", "3", "--ranks", "0-1")
+    daemon.wait_until(lambda: (p := production_of(buffer)) is not None and len(p.streams) == 2, 60, "its streams")
 
     def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "prefetchd", *map(str, args)], capture_output=True, text=True, timeout=60)
 
     shown = cli("status", "--buffer", buffer)
-    assert shown.returncode == 0 and f"ranks     0 of world size 2, each in {buffer}/rank-NNNNN" in shown.stdout, shown.stdout
+    assert shown.returncode == 0 and f"ranks     0-1 of world size 3, each in {buffer}/rank-NNNNN" in shown.stdout, shown.stdout
+    assert "rank 0 " in shown.stdout and "rank 1 " in shown.stdout, shown.stdout
+    one = cli("status", "--buffer", buffer / "rank-00001")
+    assert one.returncode == 0 and f"rank 1 of the daemon on {buffer}" in one.stdout, one.stdout
+    assert "ranks     1 of world size 3" in one.stdout and "rank 0 " not in one.stdout, one.stdout
+    doc = json.loads(cli("status", "--json", "--buffer", buffer / "rank-00001").stdout)
+    whole = production_of(buffer)
+    assert doc["rank"] == 1 and [s["rank"] for s in doc["status"]["streams"]] == [1], doc
+    assert whole is not None and doc["status"]["high_water"] == whole.high_water // 2
+    (buffer / "rank-00002").mkdir()  # a rank of the world this daemon leaves to another box
+    other = cli("status", "--buffer", buffer / "rank-00002")
+    assert f"does not serve rank 2 now (it serves 0-1); `prefetchd status --buffer {buffer}`" in other.stdout, other.stdout
     missing = cli("status", "--buffer", buffer / "rank-00007")
     assert missing.returncode == 3 and "running (pid" not in missing.stdout, missing.stdout
     assert f"{buffer / 'rank-00007'} does not exist" in missing.stdout and f"no such rank: the daemon on {buffer}" in missing.stdout
