@@ -11,6 +11,8 @@ from pathlib import Path
 
 from torchvision.datasets import ImageFolder
 
+import tests.torchrun
+
 from prefetchd.buffer_protocol import stream_dir
 from prefetchd.trainer import BufferLoader
 from tests.status_examples import production_of
@@ -42,10 +44,7 @@ def test_two_ranks_under_torchrun_cover_each_sample_once_per_epoch(shapes_data: 
     daemon = start_daemon(buffer, "--data", data, *SMALL, "--world-size", "2", "--epochs", "2")
     script, out = tmp_path / "ranks.py", tmp_path / "ranks.json"
     script.write_text(RANK_SCRIPT)
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(buffer), str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
+    run = tests.torchrun.run(["--standalone", "--nproc-per-node", "2", script, buffer, out], 300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + daemon.log
     ranks = json.loads(out.read_text())
     n = len(ImageFolder(str(data)).samples)

@@ -11,12 +11,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torchvision.datasets import ImageFolder
+
+import tests.torchrun
 
 from prefetchd.buffer_protocol import Progress, daemon_pid, stream_dir
 from prefetchd.trainer.checkpoint import LAST_CHECKPOINT, load_checkpoint
@@ -25,39 +26,21 @@ JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "2"]
 
 
 def torchrun(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "prefetchd.trainer.train", *map(str, args)],
-        capture_output=True, text=True, timeout=400,
-    )
+    return tests.torchrun.run(["--standalone", "--nproc-per-node", "2", "-m", "prefetchd.trainer.train", *args], 400)
 
 
 def two_boxes(box0: list[str | Path], box1: list[str | Path],
               timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
     """Two "boxes" of one rank each (torchrun --nnodes 2 on loopback), each with its own command line,
-    as two machines would run it; both are killed if they outlast ``timeout`` (a hang)."""
+    as two machines would run it; both are killed with their ranks if they outlast ``timeout`` (a hang)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-             "-m", "prefetchd.trainer.train", *map(str, args)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )
+    return tests.torchrun.finish([
+        tests.torchrun.start(["--nnodes", "2", "--node-rank", node, "--nproc-per-node", "1", "--master-addr",
+                              "127.0.0.1", "--master-port", port, "-m", "prefetchd.trainer.train", *args])
         for node, args in enumerate((box0, box1))
-    ]
-    done = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:  # torchrun and its ranks
-                os.killpg(p.pid, signal.SIGKILL)
-            raise AssertionError(f"the two boxes did not finish within {timeout} s (a hang)") from None
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return done
+    ], timeout)
 
 
 def test_prefetchd_train_under_torchrun_stops_and_resumes_every_rank(
@@ -173,13 +156,12 @@ def test_a_spawned_daemon_lost_under_torchrun_ends_the_run_saying_to_resume(shap
     """The loader's restart command names the job, not how --spawn-daemon started it; under torchrun
     the way on is the same command with --resume."""
     buffer = shm_dir / "bf"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "prefetchd.trainer.train", "--buffer", str(buffer), "--spawn-daemon", "--data", str(shapes_data / "train"),
+    run = tests.torchrun.start(
+        ["--standalone", "--nproc-per-node", "2",
+         "-m", "prefetchd.trainer.train", "--buffer", buffer, "--spawn-daemon", "--data", shapes_data / "train",
          "--batch-size", "8", "--image-size", "32", "--epochs", "50", "--workers", "1", "--device", "cpu",
          "--threads", "1", "--model", "mobilenet_v3_small", "--timeout", "60", "-q",
-         "--checkpoint-dir", str(tmp_path / "ckpt")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+         "--checkpoint-dir", tmp_path / "ckpt"])
     try:
         deadline = time.monotonic() + 120
         while Progress.read(stream_dir(buffer, 1, 2)) is None or daemon_pid(buffer) is None:
@@ -188,10 +170,10 @@ def test_a_spawned_daemon_lost_under_torchrun_ends_the_run_saying_to_resume(shap
         pid = daemon_pid(buffer)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        _out, err = run.communicate(timeout=120)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+    except BaseException:
+        tests.torchrun.kill_with_ranks(run)
+        raise
+    err = tests.torchrun.finish([run], 120)[0].stderr
     said = " ".join(err.split())
     assert run.returncode != 0
     assert "a lost daemon ends the run" in said and "run this same command again with --resume" in said, said[-3000:]
