@@ -158,6 +158,10 @@ def test_file_list_fingerprint_follows_the_list(tmp_path: Path) -> None:
     assert open_dataset(listing).fingerprint == first
     listing.write_text("a.jpg,cat\nb.jpg,cat\n")
     assert open_dataset(listing).fingerprint != first
+    elsewhere = tmp_path / "other" / "l.csv"  # the same bytes, naming the images of another folder
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(listing.read_bytes())
+    assert open_dataset(elsewhere).fingerprint != open_dataset(listing).fingerprint
 
 
 # -- packed shards ----------------------------------------------------------------

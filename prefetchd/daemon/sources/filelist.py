@@ -113,9 +113,10 @@ def read_file_list(location: str) -> SampleIndex:
         raise DatasetError(f"file list {location} names no samples; expected rows of 'path{_shown(delimiter)}label'")
     classes, labels = _labels(label_texts, lines, location)
     blob, offsets = pack_paths(paths)
-    # The list's bytes decide every sample and label; what is in the listed files
-    # is not stat-ed here (a list may name a million objects in a bucket).
-    digest = hashlib.sha256(b"file-list\0" + raw).hexdigest()[:32]
+    # The list's bytes and the folder its relative paths start from decide every sample and
+    # label (a copy of the list beside other images is another dataset); what is in the listed
+    # files is not stat-ed here (a list may name a million objects in a bucket).
+    digest = hashlib.sha256(b"file-list\0" + os.fsencode(root) + b"\0" + raw).hexdigest()[:32]
     index = SampleIndex(
         root=root, classes=classes, path_blob=blob,
         path_offsets=offsets, labels=labels, fingerprint=digest,
