@@ -66,6 +66,7 @@ from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import Read, SampleReader
+from prefetchd.daemon.sources.shards import ShardChanged
 from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.errors import BadDataError, ConfigError, DaemonError, DatasetError
@@ -132,7 +133,7 @@ class WriteFailed:
     written (ENOSPC, deleted after a rewind) and the batch is retried later.  Fatal:
     the error the job stops with, since retrying cannot help: the job's data
     (BadDataError: no sample near the failing one decodes; DatasetError: the store
-    refuses access), its settings (ConfigError: the transform hook failed), or a bug
+    refuses access, or the shards changed under the daemon), its settings (ConfigError: the transform hook failed), or a bug
     (DaemonError)."""
 
     task_id: int
@@ -166,7 +167,7 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
             return candidate, augment_bytes(data, name, job.image_size, job.train, rng, job.augment, times,
                                             job.max_pixels, TrackedFile(clean, candidate) if clean is not None else None,
                                             into)
-        except (HookError, StorageUnavailable, StorageDenied):  # not the sample's fault: no replacement
+        except (HookError, StorageUnavailable, StorageDenied, ShardChanged):  # not the sample's fault: no replacement
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
             failures.append((name, _reason(exc, name)))
@@ -253,7 +254,8 @@ def failure_of(task_id: int, exc: Exception) -> WriteFailed:
     """What a task that raised ``exc`` reports: retry later, or stop the job (see ``WriteFailed``)."""
     if isinstance(exc, StorageUnavailable):
         return WriteFailed(task_id, str(exc))
-    for cause, error in ((SampleUnrecoverable, BadDataError), (HookError, ConfigError), (StorageDenied, DatasetError)):
+    for cause, error in ((SampleUnrecoverable, BadDataError), (HookError, ConfigError), (StorageDenied, DatasetError),
+                         (ShardChanged, DatasetError)):
         if isinstance(exc, cause):
             return WriteFailed(task_id, str(exc), fatal=error)
     # A bug: report it with where it happened instead of dying silently.

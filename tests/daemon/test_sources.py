@@ -16,9 +16,9 @@ from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.cli import main as cli_main
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
-from prefetchd.daemon.sources.shards import INDEX_NAME, pack, parse_size
+from prefetchd.daemon.sources.shards import INDEX_NAME, ShardChanged, pack, parse_size
 from prefetchd.daemon.sources.storage import ImageRefused
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, run_task
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, failure_of, run_task
 
 
 @pytest.mark.parametrize(("location", "url"), [
@@ -27,35 +27,6 @@ from prefetchd.daemon.workers import Filled, Task, WorkerJob, run_task
 ])
 def test_urls_are_told_from_local_paths(location: str, url: bool) -> None:
     assert is_url(location) is url
-
-
-def packed_index(root: Path, files: list[str], members: list[tuple[int, int, int]]) -> SampleIndex:
-    names = [os.fsencode(f) for f in files]
-    offsets = np.zeros(len(names) + 1, dtype=np.int64)
-    np.cumsum([len(n) for n in names], out=offsets[1:])
-    return SampleIndex(
-        root=str(root), classes=("a",), path_blob=np.frombuffer(b"".join(names), dtype=np.uint8),
-        path_offsets=offsets, labels=np.zeros(len(members), dtype=np.int64), fingerprint="x",
-        member_files=np.array([m[0] for m in members], dtype=np.int32),
-        member_offsets=np.array([m[1] for m in members], dtype=np.int64),
-        member_sizes=np.array([m[2] for m in members], dtype=np.int64),
-    )
-
-
-def test_packed_samples_are_read_by_byte_range(tmp_path: Path) -> None:
-    (tmp_path / "s0.tar").write_bytes(b"0123456789")
-    (tmp_path / "s1.tar").write_bytes(b"abcdefghij")
-    index = packed_index(tmp_path, ["s0.tar", "s1.tar"], [(0, 2, 3), (1, 0, 10), (0, 9, 1)])
-    reader = SampleReader(index)
-    assert [bytes(reader.read(i)) for i in range(3)] == [b"234", b"abcdefghij", b"9"]
-    assert index.name(0) == f"{tmp_path}/s0.tar (bytes 2-5)"
-
-
-def test_a_member_past_the_end_of_its_shard_names_the_shard(tmp_path: Path) -> None:
-    (tmp_path / "s0.tar").write_bytes(b"0123")
-    reader = SampleReader(packed_index(tmp_path, ["s0.tar"], [(0, 2, 5)]))
-    with pytest.raises(OSError, match=r"s0\.tar ends at byte 4.*truncated or rewritten"):
-        reader.read(0)
 
 
 def test_unpacked_samples_are_whole_files_and_special_files_are_refused(tmp_path: Path) -> None:
@@ -311,6 +282,52 @@ def test_missing_and_undecodable_listed_files_are_replaced_and_counted(
         assert isinstance(result, Filled), result
         assert [s[1] for s in result.slots] == [0, 3, 3, 3]  # 1 and 2 replaced by the next sample that decodes
         assert len(result.failures) == 3  # gone.jpg, then c.jpg twice (as itself and as 1's first replacement)
+
+
+def test_a_missing_or_cut_shard_is_refused_at_start(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    """Neighbouring samples share a shard, so replacing them cannot get past a lost one: the start says so."""
+    out = tmp_path / "out"
+    assert pack(open_dataset(class_tree(tmp_path / "src", make_image)), out, shard_size=2000)["shards"] > 2
+    shard = out / "shard-000001.tar"
+    os.truncate(shard, 600)  # inside its first member (from byte 512)
+    with pytest.raises(DatasetError, match=r"shard-000001\.tar is 600 bytes, but .*prefetchd-index\.npz "
+                                           r"has members up to byte \d+: it was cut short.*pack SRC OUT --force"):
+        open_dataset(out)
+    shard.unlink()
+    with pytest.raises(DatasetError, match=r"shard-000001\.tar, named by .*prefetchd-index\.npz, is missing"):
+        open_dataset(out)
+
+
+def test_shards_changed_under_a_reader_stop_the_job_rather_than_serve_other_images(
+    tmp_path: Path, make_image: Callable[..., Path]
+) -> None:
+    """Packed again (shuffled) while indexed, or a shard removed: no read returns what the old index
+    calls sample i, and a task stops the job with a DatasetError instead of replacing samples."""
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    out = tmp_path / "out"
+    pack(source, out, shard_size=10**6)
+    index, reader = open_dataset(out), SampleReader(open_dataset(out))
+    pack(source, out, shard_size=10**6, shuffle_seed=3, force=True)
+    with np.load(out / INDEX_NAME) as npz:
+        moved = [i for i, src in enumerate(npz["source_index"].tolist()) if src != i]
+    refused = 0
+    for i in range(len(index)):
+        try:
+            got = bytes(reader.read(i))
+        except ShardChanged as exc:
+            assert f"not sample {i}'s" in str(exc) and "packed again" in str(exc) and "--reset" in str(exc), exc
+            refused += 1
+        else:  # the same member at the same place: still sample i
+            assert got == bytes(SampleReader(source).read(i)), i
+    assert moved and refused >= len(moved), (moved, refused)
+    batch, slot = tmp_path / "batch.tmp", 8 * 8 * 3
+    batch.write_bytes(bytes(len(index) * slot))
+    job = WorkerJob(index, np.arange(len(index), dtype=np.int64), 8, True, 1)
+    (out / "shard-000000.tar").unlink()
+    with pytest.raises(ShardChanged) as gone:  # the worker's loop makes it the task's failure
+        run_task(job, Task(0, str(batch), 0, slot, 0, ((0, 0),)))
+    failed = failure_of(0, gone.value)
+    assert failed.fatal is DatasetError and "shard-000000.tar: it is gone. The shards changed" in failed.reason
 
 
 def test_shards_repack_with_each_members_format(tmp_path: Path, make_image: Callable[..., Path]) -> None:

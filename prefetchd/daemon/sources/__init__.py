@@ -28,7 +28,7 @@ from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.filelist import is_file_list, read_file_list
 from prefetchd.daemon.sources.index_cache import cached_class_folders
-from prefetchd.daemon.sources.shards import has_shard_index, read_shard_index
+from prefetchd.daemon.sources.shards import has_shard_index, read_member, read_shard_index
 from prefetchd.daemon.sources.storage import FsspecStorage, Storage, StorageDenied, StorageUnavailable, storage_for
 from prefetchd.locations import is_url
 
@@ -101,8 +101,9 @@ class SampleReader:
         self._pool: ThreadPoolExecutor | None = None
 
     def read(self, i: int) -> bytearray:
-        rel, offset, size = self.index.location(i)
-        return self.storage.read(rel, offset, size)
+        if self.index.member_files is not None:
+            return read_member(self.storage, self.index, i)
+        return self.storage.read(self.index.file(i))
 
     def start(self, indices: Iterable[int]) -> list[Future[bytearray]]:
         """Queue a read of each of ``indices`` now (``readers`` run at once, in this order)."""

@@ -30,7 +30,8 @@ import numpy as np
 
 from prefetchd.daemon.dataset import SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
-from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable, is_url, storage_for
+from prefetchd.daemon.sources.storage import (ShortRead, Storage, StorageDenied, StorageUnavailable, is_url,
+                                              storage_for)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,60 @@ def parse_size(text: str) -> int:
 
 
 # -- reading ----------------------------------------------------------------------
+
+
+class ShardChanged(OSError):
+    """A shard is gone, cut short, or holds other members than the index says: the pack changed after
+    the daemon read its index (packed again with --force, a shard removed).  Not one sample's fault,
+    so not replaced: every neighbour is in the same shard, and one that still decodes would be
+    another sample's image under this one's label."""
+
+
+def read_member(storage: Storage, index: SampleIndex, i: int) -> bytearray:
+    """Sample ``i``'s bytes, with the tar header before them: the header must name sample ``i``'s
+    member and size, or the shard is not the one indexed (``ShardChanged``).  One read of 512 more
+    bytes; the header then costs nothing to check."""
+    rel, offset, size = index.location(i)
+    assert size is not None, "read_member reads packed samples"
+    try:
+        data = storage.read(rel, offset - BLOCK, size + BLOCK)
+    except (FileNotFoundError, ShortRead) as exc:
+        raise ShardChanged(_changed(index, rel, str(exc) if isinstance(exc, ShortRead) else "it is gone")) from None
+    header = bytes(data[:BLOCK])
+    name = header[:100].split(b"\0", 1)[0]
+    try:
+        stored = int(header[124:136].strip(b"\0 ") or b"-1", 8)
+    except ValueError:
+        stored = -1
+    if not name.startswith(KEY.format(i).encode() + b".") or stored != size:
+        found = (f"member {name.decode()!r} of {stored} bytes" if name.isascii() and name.decode().isprintable()
+                 and stored >= 0 else "no member")
+        raise ShardChanged(_changed(index, rel, f"{found} starts at byte {offset}, not sample {i}'s "
+                                                f"({KEY.format(i)}.*, {size} bytes)"))
+    del data[:BLOCK]  # a bytearray drops its head without copying the rest
+    return data
+
+
+def _changed(index: SampleIndex, rel: str, what: str) -> str:
+    return (f"{index.root.rstrip('/')}/{rel}: {what}. The shards changed after this daemon read their index "
+            "(packed again, or a shard removed or cut short?): restore them, or restart the daemon on the new "
+            "pack (with --reset: its batches were built from the old one)")
+
+
+def check_shards(index: SampleIndex, shards: list[str], where: str) -> None:
+    """Refuse a pack whose shards are missing or shorter than the members the index puts in them."""
+    assert index.member_files is not None and index.member_offsets is not None and index.member_sizes is not None
+    ends = np.zeros(len(shards), dtype=np.int64)
+    np.maximum.at(ends, index.member_files, index.member_offsets + index.member_sizes)
+    found = storage_for(index.root).sizes(shards)
+    for shard, end in zip(shards, ends.tolist()):
+        if shard not in found:
+            raise DatasetError(f"shard {index.root.rstrip('/')}/{shard}, named by {where}, is missing; restore it, "
+                               "or pack the dataset again with `prefetchd pack SRC OUT --force`")
+        if found[shard] < end:
+            raise DatasetError(f"shard {index.root.rstrip('/')}/{shard} is {found[shard]} bytes, but {where} has "
+                               f"members up to byte {end}: it was cut short or replaced; restore it, or pack the "
+                               "dataset again with `prefetchd pack SRC OUT --force`")
 
 
 def has_shard_index(location: str) -> bool:
@@ -115,6 +170,7 @@ def read_shard_index(location: str) -> SampleIndex:
         path_offsets=offsets, labels=label, fingerprint=fingerprint,
         member_files=shard, member_offsets=offset, member_sizes=size,
     )
+    check_shards(index, shards, where)
     log.info("indexed shards %s: %d samples in %d shards, %d classes (%.0f bytes of index per sample)",
              root, n, len(shards), len(classes), index.nbytes / n)
     return index

@@ -31,9 +31,17 @@ class ImageRefused(ValueError):
     """A file that is refused before decoding: not a regular file, or more pixels than allowed."""
 
 
+class ShortRead(OSError):
+    """A byte range past the end of its file: the file was cut short or rewritten after it was indexed."""
+
+
 class Storage(Protocol):
     def read(self, rel: str, offset: int = 0, size: int | None = None) -> bytearray:
         """``size`` bytes of ``rel`` from ``offset`` (``None``: the whole file), into a writable buffer."""
+        ...
+
+    def sizes(self, rels: list[str]) -> dict[str, int]:
+        """The size in bytes of each of ``rels`` that exists (a missing one is left out)."""
         ...
 
 
@@ -76,7 +84,7 @@ def read_range(path: Path | str, offset: int, size: int) -> bytearray:
         while got < size:
             n = os.preadv(fd, [view[got:]], offset + got)
             if not n:
-                raise OSError(f"{path} ends at byte {offset + got}, inside the member at {offset} of {size} "
+                raise ShortRead(f"{path} ends at byte {offset + got}, inside the member at {offset} of {size} "
                               "bytes; the file was truncated or rewritten after it was indexed")
             got += n
     finally:
@@ -92,6 +100,16 @@ class LocalStorage:
     def read(self, rel: str, offset: int = 0, size: int | None = None) -> bytearray:
         path = os.path.join(self.root, rel)  # an absolute rel (a file list's) stays as it is
         return read_bytes(path) if size is None else read_range(path, offset, size)
+
+    def sizes(self, rels: list[str]) -> dict[str, int]:
+        """The size of each of ``rels`` that exists."""
+        found = {}
+        for rel in rels:
+            try:
+                found[rel] = os.stat(os.path.join(self.root, rel)).st_size
+            except FileNotFoundError:
+                continue
+        return found
 
 
 class FsspecStorage:
@@ -155,9 +173,16 @@ class FsspecStorage:
             data = self.call(f"reading {url} bytes {offset}-{offset + size}",
                              lambda: self.fs.cat_file(path, start=offset, end=offset + size))
             if len(data) < size:
-                raise OSError(f"{url} ends at byte {offset + len(data)}, inside the member at {offset} of {size} "
+                raise ShortRead(f"{url} ends at byte {offset + len(data)}, inside the member at {offset} of {size} "
                               "bytes; the object was truncated or rewritten after it was indexed")
         return bytearray(data)
+
+    def sizes(self, rels: list[str]) -> dict[str, int]:
+        """The size of each of ``rels`` that exists, from one listing of the root (not a request each)."""
+        root = self.path()
+        listed = self.call(f"listing {self.url}", lambda: self.fs.ls(root, detail=True, refresh=True))
+        wanted = {self.path(rel): rel for rel in rels}
+        return {wanted[e["name"]]: int(e["size"]) for e in listed if e.get("name") in wanted}
 
 
 # One per URL and process: making an S3 client loads botocore's data (~0.5 s), and
