@@ -277,8 +277,9 @@ class BatchWaiter:
             status = None
         if status is not None and status.state == State.FAILED:
             return (f"It failed (the message in its status, above): fix that first, then restart it with the "
-                    f"flags it had, e.g. `{job_command(self.manifest, self.buffer)}` and its own --strict or "
-                    "--max-bad-* limits; it resumes from progress.json")
+                    f"flags it had: the job's are `{job_command(self.manifest, self.buffer)}`, to which add the "
+                    "daemon's own it was started with (such as --workers, --strict or --max-bad-*); it resumes "
+                    "from progress.json")
         return f"Restart it with `{job_command(self.manifest, self.buffer)}`: it resumes from progress.json"
 
     def _check_heartbeat(self, pid: int, name: str, epoch: int, step: int, waited: float) -> None:
