@@ -52,6 +52,8 @@ from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, check_val_s
 
 logger = logging.getLogger(__name__)
 
+DATA_ARGUMENT = {"train": "data", "val": "val_data"}  # the argument naming each split's dataset
+
 
 class _Epochs:
     """A BufferLoader as Lightning iterates it: each ``iter()`` is one epoch.
@@ -228,7 +230,8 @@ class BufferDataModule(pl.LightningDataModule):
             if split == "val":
                 check_val_split(loader, "val_buffer")
             if data is not None:  # a daemon already running there was used as it is: it must serve what data= asks
-                check_served_job(self._daemon_config, loader, data)
+                check_served_job(self._daemon_config, loader, data, f"BufferDataModule({DATA_ARGUMENT[split]}=...)",
+                                 "arguments")
         except BaseException:
             loader.close()
             raise

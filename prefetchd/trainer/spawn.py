@@ -174,8 +174,11 @@ def check_val_split(loader: BufferLoader, given: str = "--val-buffer") -> None:
         )
 
 
-def check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str | None) -> None:
-    """With --spawn-daemon a daemon that was already running must serve what the flags ask for."""
+def check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str | None,
+                     starter: str = "--spawn-daemon", options: str = "flags") -> None:
+    """With --spawn-daemon a daemon that was already running must serve what the flags ask for.
+    ``starter`` and ``options``: how the caller's user asks for a daemon and names its settings
+    (BufferDataModule's ``data=`` and arguments)."""
     m = loader.manifest
     wrong = []
     if data is not None and normalize(m.dataset_root) != normalize(data) and (
@@ -190,8 +193,8 @@ def check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str
     if wrong:
         raise SetupError(
             f"the daemon serving {loader.buffer} produces {'; '.join(wrong)}. Stop it (`prefetchd stop --buffer "
-            f"{owning_buffer(loader.buffer)}`) to let --spawn-daemon start the job asked for, or drop the differing "
-            "flags"
+            f"{owning_buffer(loader.buffer)}`) to let {starter} start the job asked for, or drop the differing "
+            f"{options}"
         )
 
 

@@ -129,7 +129,9 @@ def test_data_given_to_a_buffer_a_daemon_already_serves_must_match_its_job(make_
     job.claim(os.getpid())  # a live "daemon" owns the buffer: nothing is spawned
     dm = BufferDataModule(job.buffer, data="/data/other", batch_size=8, epochs=1, timeout=5)
     dm.prepare_data()
-    with pytest.raises(SetupError, match=r"produces dataset /data/fake, not /data/other; batch size 4, not 8"):
+    with pytest.raises(SetupError, match=r"produces dataset /data/fake, not /data/other; batch size 4, not 8\. "
+                                          r".*to let BufferDataModule\(data=\.\.\.\) start the job asked for, or drop "
+                                          r"the differing arguments$"):
         dm.train_dataloader()
     same = BufferDataModule(job.buffer, data="/data/fake", batch_size=4, epochs=1, timeout=5)
     same.prepare_data()

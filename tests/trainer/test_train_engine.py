@@ -290,7 +290,7 @@ def test_spawn_daemon_uses_a_running_daemon_only_if_it_serves_the_job(
     assert result.exit_code == 1
     assert f"served by the running daemon (pid {os.getpid()})" in result.stdout
     assert "produces dataset /data/fake" in result.stderr and "batch size 4, not 8" in result.stderr
-    assert "prefetchd stop --buffer" in result.stderr
+    assert "prefetchd stop --buffer" in result.stderr and "to let --spawn-daemon start the job asked for, or drop the differing flags" in " ".join(result.stderr.split())
     result = CliRunner().invoke(main, [*args, "--data", "/data/fake"])
     assert result.exit_code == 0, result.output
 
