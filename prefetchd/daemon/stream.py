@@ -158,12 +158,13 @@ class Stream:
 
     @property
     def produced_all(self) -> bool:
-        """Every batch up to the end of the last epoch that a window holds is published or being built."""
+        """Every batch up to the end of the last epoch that a window holds is published: the status says
+        "done" only then, not while a trainer may still wait for the last one being built."""
         if self.end is None:
             return False
         if any(c.position + c.window < self.end for c in self.holders):
             return False
-        return all(g in self.published or g in self.building for g in self.held)
+        return all(g in self.published for g in self.held)
 
     @property
     def active(self) -> int:

@@ -96,6 +96,17 @@ def test_nothing_is_built_past_the_last_epoch(tmp_path: Path) -> None:
     assert s.finished and s.next_missing() is None
 
 
+def test_all_is_produced_once_the_last_batch_is_published_not_while_it_is_built(tmp_path: Path) -> None:
+    s = stream(tmp_path)
+    move_to(s, 17)  # the window holds the job's last three batches: 17, 18, 19
+    publish(s, 17, 18)
+    s.building[19] = object()  # type: ignore[assignment]  # only its presence counts here
+    assert not s.produced_all, "a trainer may be waiting for batch 19"
+    del s.building[19]
+    publish(s, 19)
+    assert s.produced_all
+
+
 def test_a_batch_file_deleted_behind_the_daemons_back_is_noticed_and_rebuilt(tmp_path: Path) -> None:
     s = stream(tmp_path)
     for g in range(HIGH):
