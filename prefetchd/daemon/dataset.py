@@ -125,6 +125,13 @@ class Folder:
 MISSING = "missing"  # the stamp of a file or folder that could not be stat-ed
 
 
+def class_marker(cls: str) -> bytes:
+    """What a class adds to a fingerprint.  ``os.fsencode``: a class is a folder name, and one that is not
+    UTF-8 (Latin-1 ``caf\\xe9``, which ImageFolder accepts) lives in ``str`` as surrogate escapes that
+    ``str.encode()`` refuses; for UTF-8 names the bytes are the same."""
+    return b"class:" + os.fsencode(cls) + b"\0"
+
+
 def stat_stamp(st: os.stat_result) -> str:
     """Size and mtime: what the fingerprint and the index cache compare."""
     return f"{st.st_size}:{st.st_mtime_ns}"
@@ -242,7 +249,7 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
                 "add images or remove the folder"
             )
         counts.append(count)
-        digest.update(f"class:{cls}\0".encode())
+        digest.update(class_marker(cls))
     blob, offsets = pack_paths(rel_paths)
     del rel_paths
     index = SampleIndex(

@@ -17,6 +17,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS as TV_IMG_EXTENSIONS
 from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, scan_class_folders, split_folders_as_classes, split_members
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.index_cache import cached_class_folders, default_cache_dir
+from prefetchd.daemon.sources.shards import pack, read_shard_index
 
 NON_UTF8_NAME = b"latin1-\xe9t\xe9.jpg"  # not valid UTF-8: lives as surrogate escapes in str
 
@@ -382,3 +383,23 @@ def test_split_folders_taken_for_classes_are_warned_about() -> None:
     assert split_folders_as_classes(("cat", "dog"), "/d") is None
     assert split_folders_as_classes(("train",), "/d") is None  # one class: other troubles, said elsewhere
     assert split_folders_as_classes(("train", "val", "zebra"), "/d") is None
+
+
+def test_a_class_folder_named_in_latin1_is_indexed_cached_and_packed(
+    tmp_path: Path, make_image: Callable[..., Path]
+) -> None:
+    """ImageFolder takes any folder name as a class; a non-UTF-8 one lives in str as surrogate escapes."""
+    root = tmp_path / "data"
+    make_image(root / "dog" / "a.jpg")
+    latin = os.path.join(os.fsencode(root), b"caf\xe9")
+    os.makedirs(latin)
+    with open(os.path.join(latin, b"b.jpg"), "wb") as fh:
+        fh.write((root / "dog" / "a.jpg").read_bytes())
+    assert_same_as_imagefolder(root)
+    settle(root)
+    cache = tmp_path / "cache"
+    scanned = cached_class_folders(root, cache)
+    assert scanned.classes == ("caf\udce9", "dog") and len(cache_entries(cache)) == 1
+    assert same_index(cached_class_folders(root, cache), scanned)  # read back from the entry
+    pack(scanned, tmp_path / "shards", shard_size=10**6)
+    assert read_shard_index(str(tmp_path / "shards")).classes == scanned.classes

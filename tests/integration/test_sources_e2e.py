@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from torchvision.datasets import ImageFolder
 
+from prefetchd.buffer_protocol.layout import Manifest
 from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.sources.shards import pack
 from prefetchd.trainer import BufferLoader
@@ -66,6 +67,20 @@ def test_each_layout_gives_every_sample_once_and_the_class_folders_batches(
         assert summary["shards"] > 2
     batches = run_epochs(start_daemon, shm_dir / layout, data, targets)
     assert batches == reference["batches"]
+
+
+def test_a_class_folder_named_in_latin1_is_produced_and_named_in_the_manifest(
+    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon
+) -> None:
+    """ImageFolder takes a folder name that is not UTF-8 (caf\\xe9 in Latin-1) as a class; so does the daemon."""
+    data = tmp_path / "train"
+    shutil.copytree(shapes_data / "train", data)
+    first = sorted(p.name for p in data.iterdir())[0]
+    os.rename(os.path.join(os.fsencode(data), os.fsencode(first)), os.path.join(os.fsencode(data), b"caf\xe9"))
+    ref = ImageFolder(str(data))
+    assert "caf\udce9" in ref.classes
+    run_epochs(start_daemon, shm_dir / "bf", data, np.asarray(ref.targets))
+    assert Manifest.read(shm_dir / "bf").classes == ref.classes
 
 
 def test_a_restarted_daemon_takes_the_index_from_its_cache(shapes_data: Path, shm_dir: Path, tmp_path: Path,

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, pack_paths
+from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, class_marker, pack_paths
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.index_cache import cache_file, default_cache_dir, load_entry, save_entry
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageDenied, StorageUnavailable
@@ -86,7 +86,7 @@ def list_class_folders(storage: FsspecStorage, tick: Callable[[], object] = lamb
                     digest.update(rel_b + b"\0" + _stamp(info).encode() + b"\0")
                     rel_paths.append(rel_b)
                     labels.append(label)
-                digest.update(f"class:{cls}\0".encode())
+                digest.update(class_marker(cls))
     except (StorageDenied, StorageUnavailable) as exc:
         raise DatasetError(str(exc)) from None
     blob, offsets = pack_paths(rel_paths)
