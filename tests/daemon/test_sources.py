@@ -240,6 +240,24 @@ def test_pack_cli_writes_shards_from_a_file_list(tmp_path: Path, make_image: Cal
     assert bad.exit_code == 2 and "1GB, 500MB or 1GiB" in bad.output
 
 
+def test_a_listed_directory_or_fifo_is_packed_empty_with_a_warning_naming_it(
+    tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Neither is readable as an image: packed as an empty member, as a missing file is, not a traceback."""
+    make_image(tmp_path / "a.jpg")
+    (tmp_path / "folder.jpg").mkdir()
+    os.mkfifo(tmp_path / "pipe.jpg")
+    (tmp_path / "l.csv").write_text("a.jpg,0\nfolder.jpg,0\npipe.jpg,1\n")
+    with caplog.at_level("WARNING"):
+        summary = pack(open_dataset(tmp_path / "l.csv"), tmp_path / "out", shard_size=10**6)
+    assert summary["unreadable"] == 2
+    assert f"{tmp_path}/folder.jpg is a directory, not a regular file" in caplog.text
+    assert f"{tmp_path}/pipe.jpg is a FIFO, not a regular file" in caplog.text
+    assert "packed as an empty member" in caplog.text
+    shards = open_dataset(tmp_path / "out")
+    assert shards.member_sizes is not None and shards.member_sizes.tolist()[1:] == [0, 0]
+
+
 def test_pack_cli_refuses_an_out_inside_its_source_before_writing(tmp_path: Path, make_image: Callable[..., Path]) -> None:
     """Shards packed into the class folders would be a class without images there (or, with
     --force on the root itself, an index that turns the source into a shard folder)."""

@@ -30,8 +30,8 @@ import numpy as np
 
 from prefetchd.daemon.dataset import SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
-from prefetchd.daemon.sources.storage import (ShortRead, Storage, StorageDenied, StorageUnavailable, is_url,
-                                              storage_for)
+from prefetchd.daemon.sources.storage import (ImageRefused, ShortRead, Storage, StorageDenied, StorageUnavailable,
+                                              is_url, storage_for)
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +290,9 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
                 data = bytes(read.result())
             except (StorageDenied, StorageUnavailable) as exc:  # the store, not the sample: packing empty would lose it
                 raise DatasetError(f"cannot pack {index.root}: {exc}") from None
+            except ImageRefused as exc:  # a directory or FIFO listed as a sample: it names the file
+                log.warning("%s; packed as an empty member, which the daemon replaces", exc)
+                data, unreadable = b"", unreadable + 1
             except OSError as exc:
                 log.warning("cannot read %s (%s); packed as an empty member, which the daemon replaces",
                             index.name(src), exc.strerror or exc)

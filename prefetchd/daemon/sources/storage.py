@@ -45,6 +45,13 @@ class Storage(Protocol):
         ...
 
 
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, for the error that refuses it."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
 def read_bytes(path: Path | str) -> bytearray:
     """The whole file with one read, into a writable buffer that torch wraps without a copy.
 
@@ -55,8 +62,7 @@ def read_bytes(path: Path | str) -> bytearray:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
-            raise ImageRefused(f"{path} is a {kind}, not a regular file; remove it from the dataset")
+            raise ImageRefused(f"{path} is {_kind(st.st_mode)}, not a regular file; remove it from the dataset")
         size = st.st_size
         data = bytearray(size)
         view = memoryview(data)
