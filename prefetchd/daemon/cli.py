@@ -555,7 +555,9 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("--shuffle", is_flag=True, help="Pack the samples in a seeded random order (the index records each one's source).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None, help="Seed of --shuffle [default: 0].")
 @click.option("--force", is_flag=True, help="Replace the shards and index already in OUT.")
-def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, force: bool) -> None:
+@click_options(DaemonConfig, ("index_cache", "refresh_index"))  # start's: SRC is indexed as --data is
+def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, force: bool,
+         index_cache: Path | None, refresh_index: bool) -> None:
     """Pack the dataset at SRC (class folders or a file list) into tar shards in OUT.
 
     The shards follow WebDataset's naming (<key>.jpg + <key>.cls), so any tar
@@ -563,6 +565,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
     offset, so `prefetchd start --data OUT` reads each with one positioned read.
     """
     from prefetchd.daemon.sources import open_dataset
+    from prefetchd.daemon.sources.index_cache import default_cache_dir
     from prefetchd.daemon.sources.shards import check_pack_target
     from prefetchd.daemon.sources.shards import pack as pack_shards
 
@@ -571,7 +574,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
     setup_logging("info")
     try:
         check_pack_target(src, out, force)  # before the source is indexed, which can take long
-        index = open_dataset(src)
+        index = open_dataset(src, index_cache=index_cache or default_cache_dir(), refresh_index=refresh_index)
         with click.progressbar(length=len(index), label=f"packing {len(index)} samples", file=sys.stderr) as bar:
             def progress(items: Iterator[int]) -> Iterator[int]:
                 # click draws the bar only on a terminal; elsewhere (a job's log) a line every 10 s

@@ -210,8 +210,29 @@ def test_a_cached_index_whose_objects_are_gone_asks_for_a_refresh(s3: Any, tmp_p
     url = s3.url("gone")
     open_dataset(url, index_cache=tmp_path)
     s3.fs.rm(f"{s3.bucket}/gone/c0/a.jpg")
-    with pytest.raises(DatasetError, match=r"gone/c0/a.jpg in the cached index .* start with --refresh-index"):
+    with pytest.raises(DatasetError, match=r"gone/c0/a.jpg in the cached index .* again with --refresh-index"):
         open_dataset(url, index_cache=tmp_path)
+
+
+def test_pack_takes_the_index_cache_and_refresh_index_as_start_does(s3: Any, tmp_path: Path) -> None:
+    """The stale-listing error asks for --refresh-index, so the command it stops must have it."""
+    from click.testing import CliRunner
+
+    from prefetchd.cli import main as cli_main
+
+    for name in ("c0/a.jpg", "c0/b.jpg", "c1/c.jpg"):
+        s3.fs.pipe_file(f"{s3.bucket}/stale/{name}", b"x")
+    url, cache = s3.url("stale"), tmp_path / "cache"
+    first = CliRunner().invoke(cli_main, ["pack", url, str(tmp_path / "p1"), "--index-cache", str(cache)])
+    assert first.exit_code == 0, first.output
+    assert cache_file(cache, "objects", url).is_file()
+    s3.fs.rm(f"{s3.bucket}/stale/c0/a.jpg")
+    stale = CliRunner().invoke(cli_main, ["pack", url, str(tmp_path / "p2"), "--index-cache", str(cache)])
+    assert stale.exit_code == 1 and "again with --refresh-index" in stale.output
+    fresh = CliRunner().invoke(cli_main, ["pack", url, str(tmp_path / "p2"), "--index-cache", str(cache),
+                                          "--refresh-index"])
+    assert fresh.exit_code == 0, fresh.output
+    assert "packed 2 samples" in fresh.output
 
 
 # -- file lists and shards in object storage --------------------------------------------

@@ -127,7 +127,7 @@ def cached_url_class_folders(storage: FsspecStorage, cache_dir: Path | None = No
         raise DatasetError(str(exc)) from None
     except FileNotFoundError:
         raise DatasetError(f"{found.name(0)} in the cached index {cached} is gone; the data changed since it "
-                           "was listed: start with --refresh-index") from None
+                           "was listed: run the command again with --refresh-index (it lists the prefix anew)") from None
     except OSError as exc:  # unreachable now: the workers' reads retry, and say so if it lasts
         log.warning("cannot check %s (%s); going on with the cached index", storage.url, exc)
     return found
