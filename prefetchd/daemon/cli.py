@@ -547,9 +547,19 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
         raise click.BadParameter(str(exc)) from None
 
 
+def _pack_out(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    # Checked as typed: Path("s3://bkt/packed") is the local folder "s3:/bkt/packed", which pack would create.
+    if is_url(value):
+        raise click.BadParameter(
+            f"{value} is a URL, but pack writes shards to a local folder; pack into one (e.g. /data/packed), "
+            f"upload the folder to {value} with your storage's tools (aws s3 sync, gcloud storage rsync), then "
+            f"`prefetchd start --data {value}`")
+    return Path(value)
+
+
 @click.command()
 @click.argument("src")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", callback=_pack_out)
 @click.option("--shard-size", default="1GB", show_default=True, callback=_shard_size,
               help="Start a new shard past this size: 1GB (10^9 bytes), 500MB, 1GiB (2^30 bytes).")
 @click.option("--shuffle", is_flag=True, help="Pack the samples in a seeded random order (the index records each one's source).")

@@ -258,6 +258,18 @@ def test_a_listed_directory_or_fifo_is_packed_empty_with_a_warning_naming_it(
     assert shards.member_sizes is not None and shards.member_sizes.tolist()[1:] == [0, 0]
 
 
+def test_pack_cli_refuses_a_url_out_instead_of_writing_a_folder_named_after_it(
+    tmp_path: Path, make_image: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = class_tree(tmp_path / "src", make_image)
+    monkeypatch.chdir(tmp_path)  # where Path("s3://bkt/packed") would be created: s3:/bkt/packed
+    result = CliRunner().invoke(cli_main, ["pack", str(src), "s3://bkt/packed"])
+    assert result.exit_code == 2, result.output
+    assert "s3://bkt/packed is a URL, but pack writes shards to a local folder" in result.output
+    assert "then `prefetchd start --data s3://bkt/packed`" in result.output
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_pack_cli_refuses_an_out_inside_its_source_before_writing(tmp_path: Path, make_image: Callable[..., Path]) -> None:
     """Shards packed into the class folders would be a class without images there (or, with
     --force on the root itself, an index that turns the source into a shard folder)."""
