@@ -104,6 +104,8 @@ def test_a_first_row_naming_a_file_is_a_sample(tmp_path: Path, first: str) -> No
     ("a.jpg,1\nb.jpg,2\nc.jpg,dog\n", r"list\.csv:3: label 'dog' is a class name but the list's labels start as integers"),
     ("a.jpg,cat\nb.jpg,7\n", r"list\.csv:2: label '7' is an integer but the list's labels start as class names"),
     ("a.jpg,-1\n", r"list\.csv:1: label -1 is negative"),
+    ("a.jpg,3\nb.jpg,1_0\n", r"list\.csv:2: label '1_0' is a class name but the list's labels start as integers"),
+    ("a.jpg,3\nb.jpg,\u0663\n", r"list\.csv:2: label '\u0663' is a class name"),  # an Arabic-Indic 3
     ("path,label\n\n", r"names no samples"),
     ("path,label\na.jpg,1\npath,label\n", r"list\.csv:3: label 'label' is a class name"),  # a second header
 ])

@@ -52,12 +52,13 @@ def split_location(location: str) -> tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
+# Plain ASCII decimal digits, as a label column of class numbers holds them.  int() also takes
+# "1_0" (10), " 7", "٣" (Arabic-Indic 3) and "+5": a typo or another script becomes a class number.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
 def _int_label(text: str) -> int | None:
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value
+    return int(text) if _INTEGER.fullmatch(text) else None
 
 
 def read_file_list(location: str) -> SampleIndex:
