@@ -16,6 +16,7 @@ from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.cli import main as cli_main
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
+from prefetchd.daemon.sources.filelist import MAX_INT_CLASSES
 from prefetchd.daemon.sources.shards import INDEX_NAME, ShardChanged, pack, parse_size
 from prefetchd.daemon.sources.storage import ImageRefused
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, failure_of, run_task
@@ -114,6 +115,26 @@ def test_bad_file_lists_name_the_line(tmp_path: Path, text: str, message: str) -
     listing.write_text(text)
     with pytest.raises(DatasetError, match=message):
         open_dataset(listing)
+
+
+@pytest.mark.parametrize("label", ["10000000", "3000000000", "99999999999999999999999"])
+def test_an_integer_label_far_above_the_samples_is_refused_not_made_into_millions_of_classes(
+    tmp_path: Path, label: str
+) -> None:
+    listing = tmp_path / "list.csv"
+    listing.write_text(f"a.jpg,0\nb.jpg,{label}\nc.jpg,1\n")
+    with pytest.raises(DatasetError, match=rf"list\.csv:2: label {label} makes {int(label) + 1:,} classes .* "
+                                           r"for 3 samples with 3 distinct labels; number the classes from 0"):
+        open_dataset(listing)
+
+
+def test_integer_labels_up_to_a_million_classes_or_as_many_as_samples_are_taken(tmp_path: Path) -> None:
+    """A sparse list (a few samples of a large label space) is legitimate up to MAX_INT_CLASSES."""
+    listing = tmp_path / "list.csv"
+    listing.write_text(f"a.jpg,0\nb.jpg,{MAX_INT_CLASSES - 1}\n")
+    assert len(open_dataset(listing).classes) == MAX_INT_CLASSES
+    listing.write_text("".join(f"{k}.jpg,{k}\n" for k in range(MAX_INT_CLASSES + 1)))
+    assert len(open_dataset(listing).classes) == MAX_INT_CLASSES + 1  # more classes, but as many samples
 
 
 def test_missing_or_undecodable_file_lists_are_clear(tmp_path: Path) -> None:

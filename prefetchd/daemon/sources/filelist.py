@@ -26,6 +26,7 @@ import numpy as np
 from prefetchd.daemon.dataset import EXPECTED_DATA, SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.storage import ImageRefused, is_url, storage_for
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ LIST_SUFFIXES = (".csv", ".tsv", ".txt")
 # class and shift every label after it, with nothing but an unreadable file to show for it.
 PATH_WORDS = frozenset({"path", "paths", "file", "files", "filename", "filepath", "fname", "image", "images", "img",
                         "name", "location", "key", "url", "uri"})
+# Integer labels make classes "0".."max", each a string in the index and the manifest.  More
+# classes than this are taken only when there are as many samples (a dense label space, whose
+# names cost no more than its samples): a stray 3000000000 would otherwise be a MemoryError.
+MAX_INT_CLASSES = 1_000_000
 LABEL_WORDS = frozenset({"label", "labels", "class", "classes", "target", "targets", "category", "categories", "cls"})
 
 
@@ -166,13 +171,22 @@ def _rel(path: str, root: str, root_prefix: str, location: str, lineno: int) -> 
 def _labels(texts: list[str], lines: list[int], location: str) -> tuple[tuple[str, ...], np.ndarray]:
     ints = [_int_label(t) for t in texts]
     numeric = [v is not None for v in ints]
-    if all(numeric):
-        values = np.asarray(ints, dtype=np.int64)
+    numbers = [v for v in ints if v is not None]
+    if len(numbers) == len(ints):
+        top = max(range(len(numbers)), key=numbers.__getitem__)
+        count = numbers[top] + 1
+        if count > MAX_INT_CLASSES and count > len(numbers):
+            raise DatasetError(
+                f"{location}:{lines[top]}: label {texts[top]} makes {count:,} classes (integer labels are class "
+                f"numbers from 0 to the largest) for {counted(len(numbers), 'sample')} with "
+                f"{counted(len(set(numbers)), 'distinct label')}; number the classes from 0 without gaps, or "
+                "write class names instead of numbers")
+        values = np.asarray(numbers, dtype=np.int64)
         negative = int(np.argmax(values < 0)) if (values < 0).any() else -1
         if negative >= 0:
             raise DatasetError(f"{location}:{lines[negative]}: label {texts[negative]} is negative; "
                                "integer labels are class numbers from 0")
-        return tuple(str(c) for c in range(int(values.max()) + 1)), values
+        return tuple(str(c) for c in range(count)), values
     if any(numeric):
         odd = numeric.index(not numeric[0])
         kind = "an integer" if numeric[odd] else "a class name"
