@@ -99,7 +99,9 @@ def test_a_first_row_naming_a_file_is_a_sample(tmp_path: Path, first: str) -> No
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("a.jpg,cat\nb.jpg\n", r"list\.csv:2: expected 'path,label'"),
+    ("a.jpg,cat\nb.jpg\n", r"list\.csv:2: expected 'path,label'.*every row needs a path and a label"),
+    ("a.jpg 0\nb.jpg 1\n", r"list\.csv:1: expected 'path,label'.*with a comma or a tab .*not spaces"),
+    ("# made by hand\na.jpg,0\n", r"list\.csv:1: expected 'path,label'.*has no comments; remove the line"),
     ("a.jpg,cat\n,dog\n", r"list\.csv:2: the path is empty"),
     ("a.jpg,cat\nb.jpg, \n", r"list\.csv:2: the label of b\.jpg is empty"),
     ("a.jpg,1\nb.jpg,2\nc.jpg,dog\n", r"list\.csv:3: label 'dog' is a class name but the list's labels start as integers"),

@@ -5,7 +5,8 @@
     /data/extra/dog_17.jpg,dog      <- or absolute
     "with, comma.jpg",cat           <- quoted as csv does
 
-The delimiter is a tab when the first row has one, else a comma.  Labels are
+The delimiter is a tab when the first row has one, else a comma, whatever the
+suffix (a ``.txt`` list too); there are no comment lines.  Labels are
 either all integers (used as they are; classes are "0".."max") or all class
 names (classes sorted as ImageFolder sorts folder names, labels their
 positions).  Columns after the second are ignored.  The list is read through
@@ -103,7 +104,7 @@ def read_file_list(location: str) -> SampleIndex:
             seen_row = True
             if len(row) < 2:
                 raise DatasetError(f"{location}:{lineno}: expected 'path{_shown(delimiter)}label', got {row!r}; "
-                                   "every row needs a path and a label")
+                                   f"{_why_one_column(row[0])}")
             path, label = row[0].strip(), row[1].strip()
             if not path:
                 raise DatasetError(f"{location}:{lineno}: the path is empty; every row needs a file path")
@@ -130,6 +131,15 @@ def read_file_list(location: str) -> SampleIndex:
     log.info("indexed file list %s: %d samples in %d classes (%.0f bytes of index per sample)",
              location, len(index), len(classes), index.nbytes / len(index))
     return index
+
+
+def _why_one_column(cell: str) -> str:
+    """The fix for a row without a label, from what a list written for another reader looks like."""
+    if cell.lstrip().startswith("#"):
+        return "a file list has no comments; remove the line"
+    if len(cell.split()) > 1:  # `path label`, as some .txt lists are written
+        return "separate the path and the label with a comma or a tab (as CSV and TSV do), not spaces"
+    return "every row needs a path and a label"
 
 
 def _shown(delimiter: str) -> str:
