@@ -26,6 +26,7 @@ from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import FAILED_WHILE_PRODUCING, JOB_FIELDS
 from prefetchd.daemon.producer import STAGES
+from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import click_options
@@ -35,25 +36,6 @@ log = logging.getLogger("prefetchd")
 
 STALE_HEARTBEAT_SECONDS = 10.0
 SHOWN_BAD_FILES = 5  # undecodable files named in the text status
-
-
-class JournalFormatter(logging.Formatter):
-    """sd-daemon(3) priority prefixes, so journald files each line under its level;
-    no timestamp, journald adds its own."""
-
-    PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
-
-    def format(self, record: logging.LogRecord) -> str:
-        return f"<{self.PRIORITIES.get(record.levelno, 6)}>{super().format(record)}"
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("JOURNAL_STREAM"):  # set by systemd when stderr goes to the journal
-        handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
 
 
 def config_options(only: Collection[str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -8,6 +8,7 @@ holding at most ``TASKS_PER_WORKER`` so it never waits for the controller.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import selectors
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import psutil
 
 from prefetchd.daemon import jpeg_crop
+from prefetchd.daemon.logs import run_logged
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, forkserver_preload, worker_main
 
@@ -66,7 +68,9 @@ class WorkerPool:
 
     def _spawn(self) -> Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_main, args=(child, self.job, self._clean), name="prefetchd-worker", daemon=True)
+        level = logging.getLogger().getEffectiveLevel()
+        proc = self._ctx.Process(target=run_logged, args=(level, worker_main, child, self.job, self._clean),
+                                 name="prefetchd-worker", daemon=True)
         proc.start()
         child.close()
         worker = Worker(proc, parent, psutil.Process(proc.pid))

@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import logging
 import pickle
+import re
 import sys
 import threading
 import time
@@ -368,6 +369,10 @@ def test_a_daemon_serves_every_layout_from_s3_as_from_disk(s3: Any, proxy: Any, 
     assert again.wait_exit(60) == 0, again.log
     assert f"indexed {url} from the cache" in again.log and proxy.count("GET list") == listed, again.log
     assert proxy.fail_next == 0 and "Please reduce your request rate.; retry 1 of 5" in again.log
+    # Logged by the workers as every line of the daemon is: time, level, logger (not logging's bare last resort).
+    retry_lines = [line for line in again.log.splitlines() if "; retry " in line]
+    assert retry_lines and all(re.match(r"\d{4}-\d\d-\d\d [\d:,]+ WARNING +prefetchd\.locations: reading s3://", line)
+                               for line in retry_lines), retry_lines
     assert "still failing after 6 tries" in again.log and "retrying in 1 s" in again.log, again.log
     status = read_status(shm_dir / "s3-again")
     assert status is not None and status.production is not None

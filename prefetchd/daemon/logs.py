@@ -1,0 +1,45 @@
+"""How the daemon's processes log: one format for the controller and its workers.
+
+Configured only in entry points: ``prefetchd`` commands (``setup_logging``) and each
+worker process (``run_logged``).  A worker is forked from the forkserver, which never
+configured logging, so without this its warnings went out through logging's "last
+resort" handler as bare messages, without the time, level and logger every other
+line has (and without journald's priority under systemd).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+class JournalFormatter(logging.Formatter):
+    """sd-daemon(3) priority prefixes, so journald files each line under its level;
+    no timestamp, journald adds its own."""
+
+    PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self.PRIORITIES.get(record.levelno, 6)}>{super().format(record)}"
+
+
+def setup_logging(level: str | int) -> None:
+    """Log to stderr at ``level`` ("info", or a ``logging`` level number), as journald or a terminal wants it."""
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):  # set by systemd when stderr goes to the journal
+        handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()) if isinstance(level, str) else level, handlers=[handler])
+
+
+def run_logged(level: int, main: Callable[..., Any], *args: Any) -> None:
+    """A child process's target: ``main(*args)``, logging as its parent does at ``level``."""
+    setup_logging(level)
+    main(*args)
+
+
+__all__ = ["JournalFormatter", "run_logged", "setup_logging"]
