@@ -19,10 +19,13 @@ import errno
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,6 +33,11 @@ T = TypeVar("T")
 RETRY_ATTEMPTS = 6  # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s (x0.5-1.5 jitter): ~3 s before a read gives up
 RETRY_BASE_SECONDS = 0.1
 RETRY_MAX_SECONDS = 5.0
+# One outage fails every read in flight at once (16 per worker), and each retries 5 times: a line
+# per retry was ~540 lines in 20 s of a 2-worker daemon.  A process logs one retry line per this
+# many seconds and counts the others into the next; a read that gives up still raises
+# StorageUnavailable ("still failing after 6 tries"), which its caller reports.
+RETRY_LOG_SECONDS = 10.0
 # Exception type names of the backends' transient failures (botocore, aiohttp,
 # urllib3); by name so that no backend has to be imported to classify them.
 TRANSIENT_NAMES = frozenset({
@@ -178,6 +186,33 @@ def _endpoint() -> str:
     return f" at {url} (AWS_ENDPOINT_URL)" if url else ""
 
 
+class _RetryLog:
+    """The retry lines of one process: at most one per ``RETRY_LOG_SECONDS``, for all its threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: float | None = None
+        self._held = 0
+
+    def retrying(self, what: str, exc: Exception, attempt: int, attempts: int, delay: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._last is not None and now - self._last < RETRY_LOG_SECONDS:
+                self._held += 1
+                held = -1
+            else:
+                held, self._held, self._last = self._held, 0, now
+        if held < 0:
+            log.debug("%s: %s: %s; retry %d of %d in %.2f s", what, type(exc).__name__, exc, attempt, attempts, delay)
+            return
+        others = f" ({counted(held, 'other retry')} of this process since the last such line, not logged)" if held else ""
+        log.warning("%s: %s: %s; retry %d of %d in %.2f s%s", what, type(exc).__name__, exc, attempt, attempts, delay,
+                    others)
+
+
+_retry_log = _RetryLog()
+
+
 def with_retries(what: str, call: Callable[[], T], url: str, attempts: int = RETRY_ATTEMPTS) -> T:
     """``call()``, retried on transient errors with exponential backoff and jitter.
 
@@ -195,7 +230,6 @@ def with_retries(what: str, call: Callable[[], T], url: str, attempts: int = RET
                 raise StorageUnavailable(f"{what}: still failing after {attempts} tries "
                                          f"({type(exc).__name__}: {exc}); is the object store reachable{_endpoint()}?") from exc
             delay = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2**attempt) * random.uniform(0.5, 1.5)
-            log.warning("%s: %s: %s; retry %d of %d in %.2f s", what, type(exc).__name__, exc, attempt + 1,
-                        attempts - 1, delay)
+            _retry_log.retrying(what, exc, attempt + 1, attempts - 1, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")

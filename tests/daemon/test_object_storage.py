@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -121,7 +122,13 @@ def test_missing_credentials_say_where_credentials_come_from(s3: Any, monkeypatc
 # -- retries ----------------------------------------------------------------------------
 
 
-def test_transient_errors_are_retried_with_backoff(s3: Any, proxy: Any, fast_retries: None,
+@pytest.fixture
+def retry_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process's retry lines as if none had been logged yet (another test's would hold them back)."""
+    monkeypatch.setattr(locations, "_retry_log", locations._RetryLog())
+
+
+def test_transient_errors_are_retried_with_backoff(s3: Any, proxy: Any, fast_retries: None, retry_log: None,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     s3.fs.pipe_file(f"{s3.bucket}/d/x.jpg", b"abc")
     storage = FsspecStorage(s3.url("d"))
@@ -132,7 +139,31 @@ def test_transient_errors_are_retried_with_backoff(s3: Any, proxy: Any, fast_ret
         assert bytes(storage.read("x.jpg", 1, 2)) == b"bc"
     assert proxy.count("GET object") - before == 4  # three 503s, then the answer
     retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
-    assert len(retries) == 3 and "Please reduce your request rate.; retry 1 of 5" in retries[0], retries
+    assert len(retries) == 1 and "Please reduce your request rate.; retry 1 of 5" in retries[0], retries
+
+
+def test_an_outage_logs_one_retry_line_per_interval_and_counts_the_rest(
+    s3: Any, proxy: Any, fast_retries: None, retry_log: None, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every read in flight retries at once in an outage: a line for each was hundreds a minute."""
+    monkeypatch.setattr(locations, "RETRY_LOG_SECONDS", 1.0)
+    for k in range(8):
+        s3.fs.pipe_file(f"{s3.bucket}/o/{k}.jpg", b"x")
+    storage = FsspecStorage(s3.url("o"))
+    storage.read("0.jpg")  # connected
+    proxy.fail_next = 1000
+    reader = ThreadPoolExecutor(8)
+    with caplog.at_level(logging.WARNING):
+        failed = [f.exception() for f in [reader.submit(storage.read, f"{k}.jpg") for k in range(8)]]
+        assert all(isinstance(e, StorageUnavailable) for e in failed)  # 8 reads x 5 retries each
+        time.sleep(1.0)
+        proxy.fail_next = 1
+        storage.read("0.jpg")
+    reader.shutdown()
+    retries = [r.getMessage() for r in caplog.records if "; retry " in r.getMessage()]
+    assert 2 <= len(retries) <= 4, retries  # the outage's first, a late one (more only on a very slow machine)
+    assert "other retries of this process since the last such line, not logged" in retries[-1], retries
 
 
 def test_a_store_that_keeps_failing_gives_up_with_a_clear_error(s3: Any, proxy: Any, fast_retries: None) -> None:
