@@ -348,9 +348,15 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(
     with caplog.at_level("WARNING"):
         index = cached_class_folders(root, cache)
     assert same_index(index, scan_class_folders(root))
-    assert "unreadable" in caplog.text and str(entry) in caplog.text
+    assert f"index cache {entry} is damaged" in caplog.text and "rewriting it" in caplog.text
     assert same_index(cached_class_folders(root, cache), index)  # rewritten whole
     assert not list(cache.glob(".*.tmp"))
+    entry.write_bytes(b"\x80\x04 not an index")  # what numpy takes for a pickle
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert same_index(cached_class_folders(root, cache), index)
+    assert f"index cache {entry} is damaged (not a numpy .npz archive" in caplog.text
+    assert "unsafely" not in caplog.text
 
 
 def test_an_unwritable_cache_only_warns(tmp_path: Path, make_image: Callable[..., Path],

@@ -243,6 +243,11 @@ def test_a_damaged_or_foreign_shard_index_is_refused(tmp_path: Path, make_image:
     (out / INDEX_NAME).write_bytes(good[: len(good) // 2])
     with pytest.raises(DatasetError, match=r"prefetchd-index\.npz is damaged.*--force"):
         open_dataset(out)
+    # Bytes numpy would take for a pickle: damaged, and no advice to load it unsafely.
+    (out / INDEX_NAME).write_bytes(b"overwritten by something else\n")
+    with pytest.raises(DatasetError, match=r"prefetchd-index\.npz is damaged \(not a numpy \.npz archive.*--force") as err:
+        open_dataset(out)
+    assert "unsafely" not in str(err.value)
     with np.load(io.BytesIO(good)) as npz:
         arrays = {k: npz[k] for k in npz.files}
     arrays["version"] = np.array(99)

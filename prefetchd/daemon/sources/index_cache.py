@@ -29,7 +29,6 @@ import logging
 import os
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from prefetchd.daemon.dataset import MISSING, SampleIndex, pack_paths, scan_tree, stat_stamp
+from prefetchd.daemon.sources.npz import load_arrays
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +91,14 @@ def load_entry(path: Path, root: str, again: str,
     """The index saved in ``path`` for ``root`` and its ``extra`` arrays, or None with the reason logged
     (``again`` says what happens instead, e.g. "rescanning ROOT")."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
+        arrays = load_arrays(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        log.warning("index cache %s is unreadable (%s); %s and rewriting it", path, exc, again)
+    except OSError as exc:
+        log.warning("cannot read index cache %s (%s); %s and rewriting it", path, exc.strerror or exc, again)
+        return None
+    except ValueError as exc:
+        log.warning("index cache %s is damaged (%s); %s and rewriting it", path, exc, again)
         return None
     try:
         if str(arrays["format"]) != FORMAT or int(arrays["version"]) != VERSION or str(arrays["root"]) != root:

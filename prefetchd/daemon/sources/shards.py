@@ -30,6 +30,7 @@ import numpy as np
 
 from prefetchd.daemon.dataset import SampleIndex, pack_paths
 from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources.npz import load_arrays
 from prefetchd.daemon.sources.storage import (ImageRefused, ShortRead, Storage, StorageDenied, StorageUnavailable,
                                               is_url, storage_for)
 
@@ -136,8 +137,7 @@ def read_shard_index(location: str) -> SampleIndex:
     where = f"{root.rstrip('/')}/{INDEX_NAME}"
     try:
         raw = bytes(storage_for(root).read(INDEX_NAME))
-        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
+        arrays = load_arrays(io.BytesIO(raw))
     except OSError as exc:
         raise DatasetError(f"cannot read shard index {where}: {exc.strerror or exc}") from None
     except (ValueError, zipfile.BadZipFile, EOFError) as exc:
