@@ -582,7 +582,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
     except DaemonError as exc:
         raise click.ClickException(str(exc)) from None
     bad = f"; {summary['unreadable']} unreadable files packed empty (the daemon replaces them)" if summary["unreadable"] else ""
-    click.echo(f"packed {summary['samples']} samples of {index.root} into {counted(summary['shards'], 'shard')} "
+    click.echo(f"packed {summary['samples']} samples of {src} into {counted(summary['shards'], 'shard')} "
                f"({_mib(summary['bytes'])}) in {out}{bad}")
 
 

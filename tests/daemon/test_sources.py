@@ -262,7 +262,8 @@ def test_pack_cli_writes_shards_from_a_file_list(tmp_path: Path, make_image: Cal
     out = tmp_path / "out"
     result = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "src" / "list.csv"), str(out), "--shard-size", "1MB"])
     assert result.exit_code == 0, result.output
-    assert "packed 3 samples" in result.output and "1 unreadable" in result.output
+    assert f"packed 3 samples of {tmp_path / 'src' / 'list.csv'} into" in result.output  # the list, not its folder
+    assert "1 unreadable" in result.output
     shards = open_dataset(out)
     assert shards.labels.tolist() == [0, 1, 1] and shards.member_sizes is not None
     assert shards.member_sizes[2] == 0  # the missing file: an empty member the daemon replaces

@@ -23,7 +23,8 @@ EPOCHS = 2
 
 
 def run_epochs(start_daemon, buffer: Path, data: Path, labels: np.ndarray) -> list[tuple[int, int, str, list[int]]]:
-    """(epoch, step, image digest, indices) of every batch of two epochs, checking each epoch covers every sample once."""
+    """(epoch, step, image digest, indices) of every batch of two epochs, checking each epoch covers every sample once
+    and that the daemon's log names the dataset as given (a file list, not its folder)."""
     daemon = start_daemon(buffer, "--data", data, *ARGS)
     loader = BufferLoader(buffer, normalize=False, timeout=60)
     batches = []
@@ -39,6 +40,7 @@ def run_epochs(start_daemon, buffer: Path, data: Path, labels: np.ndarray) -> li
         assert sorted(seen) == list(range(len(labels))), f"{data}: epoch {epoch} does not hold every sample once"
     loader.close()
     assert daemon.wait_exit(30) == 0, daemon.log
+    assert f"producing train split of {data} into {buffer}" in daemon.log, daemon.log
     return batches
 
 
