@@ -4,10 +4,13 @@ from __future__ import annotations
 
 
 def counted(count: int, noun: str) -> str:
-    """``count`` and ``noun``, plural unless one: "1 worker", "2 workers", "0 epochs", "2 retries"."""
+    """``count`` and ``noun``, plural unless one: "1 worker", "2 workers", "0 epochs", "2 retries", "3 classes"."""
     if count == 1:
         return f"{count} {noun}"
-    return f"{count} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{count} {noun}s"
+    if noun.endswith("y") and noun[-2:-1] not in "aeiou":
+        return f"{count} {noun[:-1]}ies"
+    # "tch", not "ch": an epoch is counted in epochs, a batch in batches.
+    return f"{count} {noun}es" if noun.endswith(("s", "x", "sh", "tch")) else f"{count} {noun}s"
 
 
 __all__ = ["counted"]

@@ -336,7 +336,7 @@ def format_status(info: dict[str, Any]) -> str:
         lines.append(f"  note      {st.message}")
     if mf and state != State.WAITING_FOR_JOB:  # a finished job's manifest stays until the next job replaces it
         lines.append(
-            f"  dataset   {mf['dataset_root']} ({mf['num_samples']} samples, {len(mf['classes'])} classes), "
+            f"  dataset   {mf['dataset_root']} ({counted(mf['num_samples'], 'sample')}, {counted(len(mf['classes']), 'class')}), "
             f"split {mf['split']}, batch {mf['batch_size']} x {mf['image_size']}px, {mf['steps_per_epoch']} steps/epoch"
             + (" (short last batch left out)" if mf.get("drop_last") else "")
         )
@@ -581,8 +581,9 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
             summary = pack_shards(index, out, shard_size, (seed or 0) if shuffle else None, force, progress)
     except DaemonError as exc:
         raise click.ClickException(str(exc)) from None
-    bad = f"; {summary['unreadable']} unreadable files packed empty (the daemon replaces them)" if summary["unreadable"] else ""
-    click.echo(f"packed {summary['samples']} samples of {src} into {counted(summary['shards'], 'shard')} "
+    unreadable = counted(summary["unreadable"], "unreadable file")
+    bad = f"; {unreadable} packed empty (the daemon replaces them)" if summary["unreadable"] else ""
+    click.echo(f"packed {counted(summary['samples'], 'sample')} of {src} into {counted(summary['shards'], 'shard')} "
                f"({_mib(summary['bytes'])}) in {out}{bad}")
 
 

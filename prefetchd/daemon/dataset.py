@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from prefetchd.daemon.errors import DatasetError
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,11 @@ class SampleIndex:
         arrays = (self.path_blob, self.path_offsets, self.labels, self.member_files, self.member_offsets,
                   self.member_sizes)
         return sum(a.nbytes for a in arrays if a is not None)
+
+
+def sized(samples: int, classes: int) -> str:
+    """A dataset's size as the index logs give it: "5 samples in 2 classes", "1 sample in 1 class"."""
+    return f"{counted(samples, 'sample')} in {counted(classes, 'class')}"
 
 
 def pack_paths(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -260,10 +266,8 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
         labels=np.repeat(np.arange(len(classes), dtype=np.int64), counts),
         fingerprint=digest.hexdigest()[:32],
     )
-    log.info(
-        "indexed %s: %d samples in %d classes (%.0f bytes of index per sample)",
-        root, len(index), len(classes), index.nbytes / max(1, len(index)),
-    )
+    log.info("indexed %s: %s (%.0f bytes of index per sample)", root, sized(len(index), len(classes)),
+             index.nbytes / max(1, len(index)))
     return Scan(index, stamps)
 
 

@@ -411,9 +411,10 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         streams.append((directory, manifest))
     ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
     log.info(
-        "producing %s split of %s into %s: %d samples, %d steps of %d at %dpx per epoch%s, "
+        "producing %s split of %s into %s: %s, %s of %d at %dpx per epoch%s, "
         "%s, high/low water %d/%d per rank, epochs %s",
-        job.split, job.data, job.buffer, samples, streams[0][1].steps_per_epoch, job.batch_size, job.image_size,
+        job.split, job.data, job.buffer, counted(samples, "sample"), counted(streams[0][1].steps_per_epoch, "step"),
+        job.batch_size, job.image_size,
         ranks, counted(job.workers or 0, "worker"), job.high_water, job.low_water, job.epochs or "unbounded",
     )
     return Producer(job, index, members, streams, wake, poll_jobs=inbox.poll,

@@ -263,7 +263,7 @@ def test_pack_cli_writes_shards_from_a_file_list(tmp_path: Path, make_image: Cal
     result = CliRunner().invoke(cli_main, ["pack", str(tmp_path / "src" / "list.csv"), str(out), "--shard-size", "1MB"])
     assert result.exit_code == 0, result.output
     assert f"packed 3 samples of {tmp_path / 'src' / 'list.csv'} into" in result.output  # the list, not its folder
-    assert "1 unreadable" in result.output
+    assert "into 1 shard (" in result.output and "; 1 unreadable file packed empty" in result.output
     shards = open_dataset(out)
     assert shards.labels.tolist() == [0, 1, 1] and shards.member_sizes is not None
     assert shards.member_sizes[2] == 0  # the missing file: an empty member the daemon replaces
@@ -287,6 +287,16 @@ def test_a_listed_directory_or_fifo_is_packed_empty_with_a_warning_naming_it(
     assert "packed as an empty member" in caplog.text
     shards = open_dataset(tmp_path / "out")
     assert shards.member_sizes is not None and shards.member_sizes.tolist()[1:] == [0, 0]
+
+
+def test_index_logs_count_in_the_singular_where_one(tmp_path: Path, make_image: Callable[..., Path],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    make_image(tmp_path / "src" / "cat" / "a.jpg")
+    with caplog.at_level("INFO"):
+        pack(open_dataset(tmp_path / "src"), tmp_path / "out", shard_size=10**6)
+        open_dataset(tmp_path / "out")
+    assert f"indexed {tmp_path / 'src'}: 1 sample in 1 class (" in caplog.text
+    assert f"indexed shards {tmp_path / 'out'}: 1 sample in 1 class, 1 shard (" in caplog.text
 
 
 def test_pack_cli_refuses_a_url_out_instead_of_writing_a_folder_named_after_it(

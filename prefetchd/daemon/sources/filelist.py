@@ -24,7 +24,7 @@ import re
 
 import numpy as np
 
-from prefetchd.daemon.dataset import EXPECTED_DATA, SampleIndex, pack_paths
+from prefetchd.daemon.dataset import EXPECTED_DATA, SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.storage import ImageRefused, is_url, storage_for
 from prefetchd.words import counted
@@ -128,8 +128,8 @@ def read_file_list(location: str) -> SampleIndex:
         root=root, classes=classes, path_blob=blob,
         path_offsets=offsets, labels=labels, fingerprint=digest,
     )
-    log.info("indexed file list %s: %d samples in %d classes (%.0f bytes of index per sample)",
-             location, len(index), len(classes), index.nbytes / len(index))
+    log.info("indexed file list %s: %s (%.0f bytes of index per sample)", location, sized(len(index), len(classes)),
+             index.nbytes / len(index))
     return index
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import MISSING, SampleIndex, pack_paths, scan_tree, stat_stamp
+from prefetchd.daemon.dataset import MISSING, SampleIndex, pack_paths, scan_tree, sized, stat_stamp
 from prefetchd.daemon.sources.npz import load_arrays
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,8 @@ def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
     if not refresh:
         index = load(path, root)
         if index is not None:
-            log.info("indexed %s from the cache %s: %d samples in %d classes (--refresh-index rescans)",
-                     root, path, len(index), len(index.classes))
+            log.info("indexed %s from the cache %s: %s (--refresh-index rescans)",
+                     root, path, sized(len(index), len(index.classes)))
             return index
     started = time.time_ns()
     scan = scan_tree(root, tick)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, class_marker, pack_paths
+from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, class_marker, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.index_cache import cache_file, default_cache_dir, load_entry, save_entry
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageDenied, StorageUnavailable
@@ -98,8 +98,7 @@ def list_class_folders(storage: FsspecStorage, tick: Callable[[], object] = lamb
         labels=np.asarray(labels, dtype=np.int64),
         fingerprint=digest.hexdigest()[:32],
     )
-    log.info("listed %s: %d samples in %d classes in %.1f s", url, len(index), len(classes),
-             time.monotonic() - started)
+    log.info("listed %s: %s in %.1f s", url, sized(len(index), len(classes)), time.monotonic() - started)
     return index
 
 
@@ -117,8 +116,8 @@ def cached_url_class_folders(storage: FsspecStorage, cache_dir: Path | None = No
                         "DIR with a writable folder", cached, exc.strerror or exc, index.root)
         return index
     found = entry[0]
-    log.info("indexed %s from the cache %s: %d samples in %d classes (--refresh-index lists it again)",
-             storage.url, cached, len(found), len(found.classes))
+    log.info("indexed %s from the cache %s: %s (--refresh-index lists it again)",
+             storage.url, cached, sized(len(found), len(found.classes)))
     first = storage.path(found.file(0))
     storage.fs.invalidate_cache()  # info() answers from an earlier listing of this process otherwise
     try:

@@ -28,11 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import SampleIndex, pack_paths
+from prefetchd.daemon.dataset import SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.npz import load_arrays
 from prefetchd.daemon.sources.storage import (ImageRefused, ShortRead, Storage, StorageDenied, StorageUnavailable,
                                               is_url, storage_for)
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,8 @@ def read_shard_index(location: str) -> SampleIndex:
         member_files=shard, member_offsets=offset, member_sizes=size,
     )
     check_shards(index, shards, where)
-    log.info("indexed shards %s: %d samples in %d shards, %d classes (%.0f bytes of index per sample)",
-             root, n, len(shards), len(classes), index.nbytes / n)
+    log.info("indexed shards %s: %s, %s (%.0f bytes of index per sample)",
+             root, sized(n, len(classes)), counted(len(shards), "shard"), index.nbytes / n)
     return index
 
 
