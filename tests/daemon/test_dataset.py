@@ -337,6 +337,16 @@ def test_cached_index_is_reused_until_a_folder_changes(tmp_path: Path, make_imag
     assert len(cache_entries(cache)) == 1  # one entry per root, replaced
 
 
+def test_a_tree_written_just_now_is_not_cached_and_the_log_names_its_folder(
+    tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    root = small_tree(tmp_path, make_image)  # the root itself was modified just now
+    with caplog.at_level("INFO"):
+        cached_class_folders(root, tmp_path / "cache")
+    assert f"not caching the index of {root}: {root} changed less than 2 s before the scan" in caplog.text
+    assert f"{root}/ changed" not in caplog.text
+
+
 def test_a_damaged_cache_is_rebuilt_with_a_warning(
     tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -179,7 +179,7 @@ def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
     if racy:
         log.info("not caching the index of %s: %s changed less than %.0f s before the scan, too recently "
                  "for its mtime to prove later changes; the next start scans again",
-                 root, os.path.join(root, racy[0]), RACY_SECONDS)
+                 root, os.path.join(root, racy[0]) if racy[0] else root, RACY_SECONDS)  # "": the root itself
         return scan.index
     # Stamps taken before each folder was listed: an edit during the scan makes the
     # signature differ next time, so a half-seen change is never cached as current.
