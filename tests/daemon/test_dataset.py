@@ -375,9 +375,13 @@ def test_an_unwritable_cache_only_warns(tmp_path: Path, make_image: Callable[...
     settle(root)
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with caplog.at_level("WARNING"):
-        index = cached_class_folders(root, blocker / "cache")
-    assert len(index) == 8 and "cannot write the index cache" in caplog.text
+    for cache in (blocker, blocker / "cache"):  # --index-cache a file, or a folder below one
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            index = cached_class_folders(root, cache)
+        assert len(index) == 8 and "cannot write the index cache" in caplog.text
+        assert f"({blocker} is a file, not a folder)" in caplog.text, caplog.text
+        assert "cannot read" not in caplog.text  # one warning, the one that says what is wrong
 
 
 def test_default_cache_dir_follows_systemd_then_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ start is not cached; the next start scans again.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -92,7 +93,7 @@ def load_entry(path: Path, root: str, again: str,
     (``again`` says what happens instead, e.g. "rescanning ROOT")."""
     try:
         arrays = load_arrays(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no entry (the cache folder is a file: saving says so)
         return None
     except OSError as exc:
         log.warning("cannot read index cache %s (%s); %s and rewriting it", path, exc.strerror or exc, again)
@@ -126,7 +127,13 @@ def save_entry(path: Path, index: SampleIndex, **extra: np.ndarray) -> None:
         "classes": np.array(index.classes, dtype=str), "fingerprint": np.array(index.fingerprint),
         **{name: getattr(index, name) for name in INDEX_ARRAYS}, **extra,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # strerror "File exists" hides which path is in the way
+        blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is None:
+            raise
+        raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, not a folder") from None
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
