@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from prefetchd.daemon.config import usable_cpus
-from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process
+from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, stops_cleanly
 from prefetchd.synthetic import make_shapes_dataset
 
 CLASSES = 4
@@ -32,6 +32,7 @@ def _start_daemon(buffer: Path, data: Path, split: str, common: dict[str, int], 
     return launch(start_argv(buffer, {"data": data, "split": split, "reset": True, **common}), log=log)
 
 
+@stops_cleanly
 def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: int,
              train_per_class: int, keep: bool) -> int:
     started = time.monotonic()

@@ -15,21 +15,29 @@ Options are plain values keyed by the daemon's option names (``batch_size`` beco
 ``--batch-size``), not a DaemonConfig: the trainer launches daemons and must not import
 prefetchd.daemon, which pulls in the decoding stack.  The daemon validates them, so a
 wrong name or value fails where `prefetchd start` reports it.
+
+A launched daemon is not tied to the process that started it (the trainer's --spawn-daemon
+wants one that outlives a killed trainer).  A program that must not leave it behind (the
+bench, tools/) wraps its entry point in ``stops_cleanly``: SIGTERM and SIGHUP then unwind it as
+Ctrl-C does, through the ``finally`` blocks that stop its daemons and delete its temp files.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 from prefetchd.buffer_protocol import daemon_pid
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
@@ -38,6 +46,11 @@ READY_POLL_SECONDS = 0.05
 # File timestamps come from the kernel's coarse clock (a scheduler tick behind), so a manifest
 # written just after time.time() can carry an mtime a little before it.
 MTIME_SLACK_SECONDS = 0.05
+# What a scheduler, `timeout`, `kill PID` or a closed terminal sends; Ctrl-C's SIGINT already
+# raises KeyboardInterrupt.
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class LaunchError(Exception):
@@ -50,6 +63,51 @@ class DaemonExited(LaunchError):
 
 class DaemonNotReady(LaunchError):
     """The daemon still runs but did not serve its buffer in time."""
+
+
+class Terminated(KeyboardInterrupt):
+    """A termination signal reached a ``stops_cleanly`` entry point.  A KeyboardInterrupt, so
+    whatever cleans up after Ctrl-C cleans up after it too, and ``except Exception`` lets it by."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stops_cleanly(main: F) -> F:
+    """Decorate a program's entry point (a click command's function, or a plain ``main``) so that
+    SIGTERM and SIGHUP raise Terminated in it, unwinding its ``finally`` and ``with`` blocks (the
+    daemons it launched are stopped, its temp files deleted), and it then exits with 128 + the
+    signal's number, as a process the signal killed would.
+
+    Without it the default action ends the process on the spot: none of its cleanup runs, and
+    its daemons, not tied to it (see launch), keep running with their buffers.  Only the first
+    signal interrupts; more while it cleans up are ignored, so a scheduler's repeated SIGTERM
+    cannot cut the cleanup short (stop_daemon_process bounds it; SIGKILL still ends it at once).
+    """
+
+    @functools.wraps(main)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return main(*args, **kwargs)  # signal handlers can only be set from the main thread
+        received: list[int] = []
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            received.append(signum)
+            if len(received) == 1:
+                raise Terminated(signum)
+
+        previous = {s: signal.signal(s, on_signal) for s in TERMINATION_SIGNALS}
+        try:
+            return main(*args, **kwargs)
+        except Terminated as exc:
+            sys.stderr.write(f"stopped by {signal.Signals(exc.signum).name}\n")
+            raise SystemExit(128 + exc.signum) from None
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def buffer_root(need: int = 0) -> Path:
@@ -93,7 +151,7 @@ def launch(argv: Sequence[str], *, log: Path | None = None, stdout: int | None =
     stdout goes to ``stdout`` (None: ours, or subprocess.DEVNULL) and stderr is ours.  Its stdin
     is /dev/null: a daemon never reads it, and must not hold a terminal that is not its own.
     It is not tied to this process: if we are killed it keeps running, as a `prefetchd start`
-    in a shell would.
+    in a shell would (a program that must stop it on SIGTERM uses ``stops_cleanly``).
     """
     if log is None:
         return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=stdout)
@@ -166,5 +224,5 @@ def daemon_for_a_run(buffer: Path, extra: Sequence[str], log: Path, stop_seconds
         shutil.rmtree(buffer, ignore_errors=True)
 
 
-__all__ = ["DaemonExited", "DaemonNotReady", "LaunchError", "daemon_for_a_run", "launch", "option_args", "start_argv",
-           "stop_daemon_process", "wait_ready"]
+__all__ = ["DaemonExited", "DaemonNotReady", "LaunchError", "Terminated", "daemon_for_a_run", "launch", "option_args",
+           "start_argv", "stop_daemon_process", "stops_cleanly", "wait_ready"]

@@ -3,11 +3,13 @@ the graceful stop; with real processes and real signals."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prefetchd.launch import (
@@ -75,3 +77,37 @@ def test_wait_ready_gives_up_on_a_daemon_that_never_serves(tmp_path: Path) -> No
             wait_ready(proc, tmp_path / "bf", since=0.0, timeout=0.2, more_time="pass a larger --timeout")
     finally:
         stop_daemon_process(proc, 30)
+
+
+# A program wrapped in stops_cleanly that holds a temp folder and a child it must stop; says "ready"
+# with both paths once it is inside the wrapped function.
+STOPS_CLEANLY = ("import subprocess, sys, tempfile, time, shutil\n"
+                 "from prefetchd.launch import stops_cleanly\n"
+                 "@stops_cleanly\n"
+                 "def main():\n"
+                 "    work = tempfile.mkdtemp()\n"
+                 "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                 "    try:\n"
+                 "        print(work, child.pid, flush=True)\n"
+                 "        time.sleep(600)\n"
+                 "    finally:\n"
+                 "        child.kill(); child.wait()\n"
+                 "        shutil.rmtree(work)\n"
+                 "main()\n")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_stops_cleanly_unwinds_a_terminated_program_through_its_cleanup(signum: int, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", STOPS_CLEANLY], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        assert proc.stdout is not None
+        work, child = proc.stdout.readline().split()
+        assert Path(work).is_dir()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum
+    assert err == f"stopped by {signal.Signals(signum).name}\n"  # one line, no traceback
+    assert not Path(work).exists() and not psutil.pid_exists(int(child))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -230,6 +233,52 @@ def test_cold_start_times_real_daemons_to_their_first_batch(tmp_path: Path) -> N
     assert len(runs) == 2 and all(0 < s < 240 for s in runs), done.stdout
     assert re.search(rf"^cold first batch: median \d+\.\d\d s over 2 runs .*data {re.escape(str(tmp_path / 'data'))}$",
                      done.stdout, re.M), done.stdout
+
+
+def test_a_terminated_benchmark_stops_its_daemon_and_removes_its_files(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler, `timeout`) to a tool that started a daemon: the daemon and its workers
+    are stopped and the tool's buffer and temp folders removed, as after Ctrl-C (prefetchd.launch's
+    stops_cleanly; every tool that starts daemons uses it, idle_cpu.py is the cheapest to start)."""
+    import psutil
+
+    from prefetchd.buffer_protocol import daemon_pid
+    from tests.waiting import wait_for
+
+    err_path = tmp_path / "stderr.txt"
+    work = tmp_path / "tmp"
+    work.mkdir()
+    tree: list[psutil.Process] = []
+    buffer: Path | None = None
+    with open(err_path, "w") as err_file:
+        tool = subprocess.Popen([sys.executable, str(REPO / "tools" / "idle_cpu.py"), "--seconds", "300", "--workers",
+                                 "1", "--high-water", "2"], stdout=subprocess.DEVNULL, stderr=err_file,
+                                env={**os.environ, "TMPDIR": str(work)})
+    try:
+        def daemon() -> psutil.Process | None:
+            return next((p for p in psutil.Process(tool.pid).children() if "start" in p.cmdline()), None)
+
+        wait_for(lambda: daemon() is not None, 60, "idle_cpu.py to start its daemon", tool)
+        started = daemon()
+        assert started is not None
+        argv = started.cmdline()
+        buffer = Path(argv[argv.index("--buffer") + 1])
+        wait_for(lambda: daemon_pid(buffer) == started.pid, 120, f"the daemon to serve {buffer}", tool)
+        tree = [started, *started.children(recursive=True)]
+        tool.send_signal(signal.SIGTERM)
+        tool.wait(60)
+        _, alive = psutil.wait_procs(tree, timeout=10)
+    finally:
+        tool.kill()
+        for proc in tree:  # what the tool left behind, so that a failure leaks nothing either
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        if buffer is not None:
+            shutil.rmtree(buffer.parent, ignore_errors=True)
+    err = err_path.read_text()
+    assert tool.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert not alive, f"left running: {alive}"
+    assert not buffer.parent.exists()
+    assert list(work.iterdir()) == []
 
 
 def test_fetch_sample_photos_takes_each_photo_out_of_its_wheel(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
-from prefetchd.launch import launch, start_argv, stop_daemon_process, wait_ready
+from prefetchd.launch import launch, start_argv, stop_daemon_process, stops_cleanly, wait_ready
 from prefetchd.synthetic import make_imagenet_like
 
 CONSUMER = r'''
@@ -78,17 +78,16 @@ def run_scenario(name: str, data: Path, args: argparse.Namespace, work: Path) ->
                    "--reset", "--max-buffer-bytes", str(int(args.cap_factor * args.high_water * batch_bytes))]
     since = time.time()
     daemons = [launch(start_argv(b, extra=daemon_args), log=work / f"{b.name}.log") for b in buffers]
+    consumers: list[subprocess.Popen[bytes]] = []
     try:
         for proc, buffer in zip(daemons, buffers):
             wait_ready(proc, buffer, since=since, timeout=300, log=work / f"{buffer.name}.log")
         cpu_before = sum(tree_cpu(psutil.Process(d.pid)) for d in daemons)
         started = time.monotonic()
-        consumers = [
-            subprocess.Popen([sys.executable, "-c", CONSUMER, str(buffers[i if separate else 0]),
-                              "" if separate else f"trial-{i}", str(args.epochs), str(args.step_ms)],
-                             stdout=subprocess.PIPE)
-            for i in range(args.consumers)
-        ]
+        for i in range(args.consumers):
+            consumers.append(subprocess.Popen([sys.executable, "-c", CONSUMER, str(buffers[i if separate else 0]),
+                                               "" if separate else f"trial-{i}", str(args.epochs), str(args.step_ms)],
+                                              stdout=subprocess.PIPE))
         results = []
         for c in consumers:
             out, _ = c.communicate()
@@ -98,6 +97,10 @@ def run_scenario(name: str, data: Path, args: argparse.Namespace, work: Path) ->
         wall = time.monotonic() - started
         daemon_cpu = sum(tree_cpu(psutil.Process(d.pid)) for d in daemons) - cpu_before
     finally:
+        for c in consumers:  # still running only when we were stopped or one of them failed
+            if c.poll() is None:
+                c.kill()
+                c.wait()
         for d in daemons:
             stop_daemon_process(d, 30)
     images = sum(r["images"] for r in results)
@@ -110,6 +113,7 @@ def run_scenario(name: str, data: Path, args: argparse.Namespace, work: Path) ->
     }
 
 
+@stops_cleanly
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, help="a class-folder dataset [default: generate one]")

@@ -25,6 +25,7 @@ import click
 
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.sources.index_cache import cached_class_folders
+from prefetchd.launch import stops_cleanly
 
 T = TypeVar("T")
 
@@ -55,6 +56,7 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
               show_default=True, help="Where the tree is generated (removed afterwards unless --keep).")
 @click.option("--threads", type=click.IntRange(1), default=8, show_default=True, help="Threads of the parallel walk.")
 @click.option("--keep", is_flag=True, help="Keep the generated tree.")
+@stops_cleanly
 def main(files: int, classes: int, base: Path, threads: int, keep: bool) -> None:
     work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-index-", dir=base))
     root, cache = work / "tree", work / "cache"

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefetchd.daemon.dataset import SampleIndex  # noqa: E402
 from prefetchd.daemon.sources import SampleReader  # noqa: E402
 from prefetchd.daemon.sources.storage import FsspecStorage  # noqa: E402
+from prefetchd.launch import stops_cleanly  # noqa: E402
 
 
 def flat_index(url: str, names: list[str]) -> SampleIndex:
@@ -69,6 +70,7 @@ def serving(cmd: list[str], port: int) -> Iterator[str]:
 @click.option("--kib", type=int, default=110, show_default=True, help="Object size (an ImageNet JPEG is ~110 KiB).")
 @click.option("--latency", "latencies", default="0,20", show_default=True, help="Milliseconds added per request, comma-separated.")
 @click.option("--readers", "readers_list", default="1,4,16,32", show_default=True, help="Reads in flight, comma-separated.")
+@stops_cleanly
 def main(objects: int, kib: int, latencies: str, readers_list: str) -> None:
     port = free_port()
     with serving([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port) as upstream:

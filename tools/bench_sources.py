@@ -30,6 +30,7 @@ import numpy as np
 
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd.daemon.sources.shards import pack, parse_size
+from prefetchd.launch import stops_cleanly
 from prefetchd.synthetic import make_imagenet_like, make_shapes_dataset
 
 
@@ -98,6 +99,7 @@ def local_layouts(work: Path, images: int, shard_size: int, kind: str = "imagene
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Generate into this folder, keep it, and reuse what it holds [default: a temp folder in --dir].")
 @click.option("--keep", is_flag=True)
+@stops_cleanly
 def main(images: int, base: Path, seconds: float, shard_size: str, kind: str, cold: bool, work: Path | None,
          extra: tuple[str, ...], keep: bool) -> None:
     if work is not None:

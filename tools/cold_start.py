@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from prefetchd.launch import daemon_for_a_run
+from prefetchd.launch import daemon_for_a_run, stops_cleanly
 from prefetchd.trainer import BufferLoader
 
 
@@ -29,6 +29,7 @@ from prefetchd.trainer import BufferLoader
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--batch-size", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--image-size", default=224, show_default=True, type=click.IntRange(8))
+@stops_cleanly
 def main(data: Path, runs: int, workers: int, batch_size: int, image_size: int) -> None:
     seconds = []
     with tempfile.TemporaryDirectory(prefix="prefetchd-cold-", dir="/dev/shm") as work:

@@ -73,7 +73,7 @@ from gpu_report import write_outputs
 from host_use import CpuUse, HostSampler
 from prefetchd.bench import describe_machine, run_benchmark
 from prefetchd.buffer_protocol import batch_name, map_batch
-from prefetchd.launch import buffer_root
+from prefetchd.launch import buffer_root, stops_cleanly
 from prefetchd.synthetic import make_imagenet_like
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.config import TrainConfig
@@ -637,6 +637,7 @@ def _buffer_root(need: int) -> Path:
     return root
 
 
+@stops_cleanly
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="the JSON; GPU.md goes beside it [default: docs/gpu.json, "

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from prefetchd.buffer_protocol import Manifest, batch_name, map_batch, write_batch
+from prefetchd.launch import stops_cleanly
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.gpu import HOST_REGISTER_READ_ONLY
 
@@ -160,6 +161,7 @@ def loader_per_batch(buffer: Path, batches: int, device: torch.device, pin: str,
     return statistics.median(times[1:] or times)
 
 
+@stops_cleanly
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=16)

@@ -28,7 +28,7 @@ import click
 import psutil
 
 from prefetchd.buffer_protocol import State, read_status
-from prefetchd.launch import launch, start_argv, stop_daemon_process
+from prefetchd.launch import launch, start_argv, stop_daemon_process, stops_cleanly
 from prefetchd.synthetic import make_shapes_dataset
 
 
@@ -75,6 +75,7 @@ def role(proc: psutil.Process, daemon_pid: int) -> str:
 @click.option("--high-water", default=4, show_default=True, type=click.IntRange(min=1), help="The daemon's --high-water.")
 @click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=None, help="Class folders [default: a generated dataset].")
 @click.option("--settle", default=2.0, show_default=True, type=click.FloatRange(min=0), help="Seconds to wait after the buffer is full.")
+@stops_cleanly
 def main(seconds: float, workers: int, high_water: int, data: Path | None, settle: float) -> None:
     """Measure the idle cost of a daemon whose buffer is full and whose trainer is away."""
     work = Path(tempfile.mkdtemp(prefix="prefetchd-idle-"))

@@ -25,7 +25,7 @@ import click
 import psutil
 
 from prefetchd.buffer_protocol import read_status
-from prefetchd.launch import daemon_for_a_run
+from prefetchd.launch import daemon_for_a_run, stops_cleanly
 from prefetchd.trainer import BufferLoader
 
 
@@ -91,6 +91,7 @@ def one_run(data: Path, work: Path, name: str, args: list[str], batch_size: int,
 @click.option("--warmup", default=8, show_default=True, type=click.IntRange(0), help="Batches read before timing.")
 @click.option("--batches", default=80, show_default=True, type=click.IntRange(1), help="Batches timed.")
 @click.option("--by-process", is_flag=True, help="Also print each run's CPU per image by process name.")
+@stops_cleanly
 def main(data: Path, rounds: int, workers: int, batch_size: int, image_size: int, warmup: int, batches: int,
          by_process: bool) -> None:
     modes = {"local": ["--workers", str(workers)],

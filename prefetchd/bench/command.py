@@ -14,6 +14,7 @@ import click
 from prefetchd.bench.report import usable_cores
 from prefetchd.bench.results import ALL_CONTENDERS, CONTENDERS
 from prefetchd.bench.run import run_benchmark
+from prefetchd.launch import stops_cleanly
 
 DEFAULT_GENERATE = 1500
 
@@ -71,6 +72,7 @@ def _parse_contenders(_ctx: click.Context, _param: click.Parameter, value: str |
                    "cores (needs prefetchd[ray]; on a shared machine run the bench under `unshare -n` with loopback up).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True, help="Log level of the benchmark's own diagnostics.")
+@stops_cleanly
 def bench_command(
     data: Path | None,
     generate: int,
