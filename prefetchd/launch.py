@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,8 @@ READY_POLL_SECONDS = 0.05
 # File timestamps come from the kernel's coarse clock (a scheduler tick behind), so a manifest
 # written just after time.time() can carry an mtime a little before it.
 MTIME_SLACK_SECONDS = 0.05
+# An error line of the daemon's log, "TIME LEVEL LOGGER: MESSAGE" (prefetchd/daemon/cli.py's format).
+DAEMON_ERROR_LINE = re.compile(r" (?:ERROR|CRITICAL) +\S+: (.*)$")
 # What a scheduler, `timeout`, `kill PID` or a closed terminal sends; Ctrl-C's SIGINT already
 # raises KeyboardInterrupt.
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -58,7 +61,15 @@ class LaunchError(Exception):
 
 
 class DaemonExited(LaunchError):
-    """The daemon exited before it served its buffer."""
+    """The daemon exited before it served its buffer.  ``brief``: that, with what it said last (its
+    error, from its log), for a program that deletes the log and so must not point at it."""
+
+    def __init__(self, buffer: Path, code: int, said: str, log: Path | None, command: str) -> None:
+        self.code, self.said = code, said
+        self.brief = f"the daemon started for {buffer} exited with code {code} before serving it" + (
+            f": {said}" if said else "")
+        where = "its message is above" if log is None else f"its messages are in {log}"
+        super().__init__(f"{self.brief} ({where}); the command was: {command}")
 
 
 class DaemonNotReady(LaunchError):
@@ -174,9 +185,7 @@ def wait_ready(proc: subprocess.Popen[Any], buffer: Path, *, since: float, timeo
         code = proc.poll()
         if code is not None:
             command = " ".join(str(a) for a in proc.args) if isinstance(proc.args, list) else str(proc.args)
-            where = "its message is above" if log is None else f"its messages are in {log}"
-            raise DaemonExited(f"the daemon started for {buffer} exited with code {code} before serving it "
-                               f"({where}); the command was: {command}")
+            raise DaemonExited(buffer, code, last_words(log) if log is not None else "", log, command)
         try:
             fresh = all(m.stat().st_mtime >= since - MTIME_SLACK_SECONDS for m in manifests)
         except FileNotFoundError:
@@ -188,6 +197,18 @@ def wait_ready(proc: subprocess.Popen[Any], buffer: Path, *, since: float, timeo
             raise DaemonNotReady(f"the daemon started for {buffer} (pid {proc.pid}) wrote no manifest within "
                                  f"{timeout:g} s{logged}; it may still be indexing a large dataset: {more_time}")
         time.sleep(READY_POLL_SECONDS)
+
+
+def last_words(log: Path) -> str:
+    """What a daemon that exited said last in ``log``: its last ERROR or CRITICAL message (the
+    reason it refused to start), else the log's last line (a traceback's exception); "" when
+    there is no log."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    errors = [m.group(1) for m in map(DAEMON_ERROR_LINE.search, lines) if m]
+    return errors[-1] if errors else (lines[-1] if lines else "")
 
 
 def stop_daemon_process(proc: subprocess.Popen[Any], seconds: float) -> bool:
@@ -216,6 +237,8 @@ def daemon_for_a_run(buffer: Path, extra: Sequence[str], log: Path, stop_seconds
     proc = launch(start_argv(buffer, extra=extra), log=log)
     try:
         yield proc
+    except DaemonExited:
+        raise  # its message carries the daemon's error
     except BaseException:
         sys.stderr.write(log.read_text(errors="replace")[-3000:])
         raise
@@ -224,5 +247,5 @@ def daemon_for_a_run(buffer: Path, extra: Sequence[str], log: Path, stop_seconds
         shutil.rmtree(buffer, ignore_errors=True)
 
 
-__all__ = ["DaemonExited", "DaemonNotReady", "LaunchError", "Terminated", "daemon_for_a_run", "launch", "option_args",
-           "start_argv", "stop_daemon_process", "stops_cleanly", "wait_ready"]
+__all__ = ["DaemonExited", "DaemonNotReady", "LaunchError", "Terminated", "daemon_for_a_run", "last_words", "launch",
+           "option_args", "start_argv", "stop_daemon_process", "stops_cleanly", "wait_ready"]

@@ -15,6 +15,7 @@ import pytest
 from prefetchd.launch import (
     DaemonExited,
     DaemonNotReady,
+    last_words,
     launch,
     option_args,
     start_argv,
@@ -65,9 +66,19 @@ def test_a_daemon_that_ignores_sigterm_is_killed() -> None:
 def test_wait_ready_names_the_exit_code_the_log_and_the_command(tmp_path: Path) -> None:
     log = tmp_path / "daemon.log"
     proc = launch([sys.executable, "-c", "import sys; print('bad --data'); sys.exit(4)"], log=log)
-    with pytest.raises(DaemonExited, match=r"exited with code 4 .*its messages are in .*daemon\.log.*the command was: "):
+    with pytest.raises(DaemonExited, match=r"exited with code 4 .*its messages are in .*daemon\.log.*the command was: ") as got:
         wait_ready(proc, tmp_path / "bf", since=0.0, timeout=60, log=log)
     assert log.read_text() == "bad --data\n"
+    assert got.value.brief.endswith("exited with code 4 before serving it: bad --data")  # its last line
+
+
+def test_last_words_are_the_daemons_error_not_its_info(tmp_path: Path) -> None:
+    log = tmp_path / "daemon.log"
+    log.write_text("2026-01-01 10:00:00,001 INFO    prefetchd.daemon.main: default: readers = 1\n"
+                   "2026-01-01 10:00:00,002 ERROR   prefetchd: dataset root /d has no class folders; expected ...\n"
+                   "2026-01-01 10:00:00,003 INFO    prefetchd.daemon.main: stopped\n\n")
+    assert last_words(log) == "dataset root /d has no class folders; expected ..."
+    assert last_words(tmp_path / "missing.log") == ""
 
 
 def test_wait_ready_gives_up_on_a_daemon_that_never_serves(tmp_path: Path) -> None:

@@ -234,6 +234,14 @@ def test_cold_start_times_real_daemons_to_their_first_batch(tmp_path: Path) -> N
     assert re.search(rf"^cold first batch: median \d+\.\d\d s over 2 runs .*data {re.escape(str(tmp_path / 'data'))}$",
                      done.stdout, re.M), done.stdout
 
+    # A daemon that refuses the data: its own reason, at once (not the loader's timeout, 120 s).
+    (tmp_path / "no-classes").mkdir()
+    refused = subprocess.run([sys.executable, str(REPO / "tools" / "cold_start.py"), str(tmp_path / "no-classes"),
+                              "--runs", "1"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "exited with code 1 before serving it: dataset root" in refused.stderr
+    assert "has no class folders" in refused.stderr
+
 
 def test_a_terminated_benchmark_stops_its_daemon_and_removes_its_files(tmp_path: Path) -> None:
     """SIGTERM (a scheduler, `timeout`) to a tool that started a daemon: the daemon and its workers

@@ -2,12 +2,13 @@
 
     python tools/cold_start.py DATA [--runs 5] [--workers 2] [--batch-size 128] [--image-size 224]
 
-Each run starts a fresh daemon on a fresh buffer in /dev/shm with ``--data DATA`` and
-opens a BufferLoader at once, as a trainer launched beside the daemon does, and times
-its first batch: the daemon's imports, the index (cached after the first run), the
-worker server's imports (torch; torchvision where the crop-aware decoder is not
-built), and the first batch's decode.  Prints each run and the median.  A benchmark,
-not a test: the figures depend on the machine and its load.
+Each run starts a fresh daemon on a fresh buffer in /dev/shm with ``--data DATA``, opens a
+BufferLoader once its manifest is there, as a trainer launched beside the daemon does, and
+times its first batch: the daemon's imports, the index (cached after the first run), the
+worker server's imports (torch; torchvision where the crop-aware decoder is not built), and
+the first batch's decode.  Prints each run and the median; a daemon that refuses DATA ends
+the tool at once with its reason.  A benchmark, not a test: the figures depend on the
+machine and its load.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from pathlib import Path
 
 import click
 
-from prefetchd.launch import daemon_for_a_run, stops_cleanly
+from prefetchd.launch import DaemonExited, daemon_for_a_run, stops_cleanly, wait_ready
 from prefetchd.trainer import BufferLoader
+
+READY_SECONDS = 120.0  # to the manifest, then to the first batch
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -38,11 +41,19 @@ def main(data: Path, runs: int, workers: int, batch_size: int, image_size: int) 
             started = time.perf_counter()
             args = ["--data", str(data), "--workers", str(workers), "--batch-size", str(batch_size),
                     "--image-size", str(image_size), "--epochs", "1"]
-            with daemon_for_a_run(buffer, args, log):
-                loader = BufferLoader(buffer, normalize=False, timeout=120)
-                next(iter(loader))
-                seconds.append(time.perf_counter() - started)
-                loader.close()
+            since = time.time()
+            try:
+                with daemon_for_a_run(buffer, args, log) as proc:
+                    # Not the loader's own wait: it would sit out its whole timeout on a daemon that
+                    # died at start, then blame the buffer.
+                    wait_ready(proc, buffer, since=since, timeout=READY_SECONDS, log=log,
+                               more_time="index a smaller dataset")
+                    loader = BufferLoader(buffer, normalize=False, timeout=READY_SECONDS)
+                    next(iter(loader))
+                    seconds.append(time.perf_counter() - started)
+                    loader.close()
+            except DaemonExited as exc:  # its log goes with the temp folder: say what it said
+                raise click.ClickException(exc.brief) from None
             click.echo(f"run {run + 1}: first batch {seconds[-1]:.2f} s after prefetchd start")
     click.echo(f"cold first batch: median {statistics.median(seconds):.2f} s over {runs} runs "
                f"(min {min(seconds):.2f}, max {max(seconds):.2f}); {workers} workers, batch {batch_size} at "
