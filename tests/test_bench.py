@@ -124,6 +124,10 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
         run_benchmark(tmp_path / "missing", out_dir=tmp_path)
     result = CliRunner().invoke(bench_command, ["--workers", "0", "--data", str(shapes_data / "train")])
     assert result.exit_code == 2 and "worker counts must be 1 or more" in result.output
+    # Refused before the dataset is generated (1500 images by default: a minute), not after.
+    result = CliRunner().invoke(bench_command, ["--workers", "10000", "--generate", "40", "--out", str(tmp_path)])
+    assert result.exit_code == 1 and "workers 10000 is more than the" in result.output
+    assert "generating" not in result.output
 
 
 def test_contenders_picks_who_is_measured(tmp_path: Path, shapes_data: Path) -> None:

@@ -13,7 +13,7 @@ import click
 
 from prefetchd.bench.report import usable_cores
 from prefetchd.bench.results import ALL_CONTENDERS, CONTENDERS
-from prefetchd.bench.run import run_benchmark
+from prefetchd.bench.run import run_benchmark, worker_counts
 from prefetchd.launch import stops_cleanly
 
 DEFAULT_GENERATE = 1500
@@ -106,6 +106,7 @@ def bench_command(
 
     generated: Path | None = None
     try:
+        workers = worker_counts(workers)  # before a dataset that takes a minute to generate
         if data is None:
             generated = Path(tempfile.mkdtemp(prefix="prefetchd-bench-data-"))
             data = generated / "train"

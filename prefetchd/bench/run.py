@@ -68,16 +68,7 @@ def run_benchmark(
     if not data.is_dir():
         raise ValueError(f"--data {data} is not a directory; pass a class-folder dataset or use --generate")
     usable = sorted(usable_cores())
-    if workers_list is None:
-        workers_list = range(1, len(usable) + 1)
-    workers_list = sorted(set(int(k) for k in workers_list))
-    if not workers_list or workers_list[0] < 1:
-        raise ValueError(f"workers {workers_list}: pass worker counts of 1 or more")
-    if workers_list[-1] > len(usable):
-        raise ValueError(
-            f"workers {workers_list[-1]} is more than the {len(usable)} usable cores; every contender is pinned "
-            "to as many cores as it has workers, so pick counts up to the core count"
-        )
+    workers_list = worker_counts(workers_list)
     if batches is not None:
         seconds = None  # a batch count replaces the time window
     elif seconds is None:
@@ -181,6 +172,21 @@ def run_benchmark(
     results.machine["load_average_end"] = round(os.getloadavg()[0], 2)
     write_outputs(results, out_dir)
     return results
+
+
+def worker_counts(workers_list: Sequence[int] | None) -> list[int]:
+    """The worker counts to measure, sorted (default: 1 .. the usable cores); ValueError for a count
+    below 1 or above the usable cores.  `prefetchd bench` asks before it generates a dataset."""
+    usable = len(usable_cores())
+    counts = sorted(set(int(k) for k in (workers_list if workers_list is not None else range(1, usable + 1))))
+    if not counts or counts[0] < 1:
+        raise ValueError(f"workers {counts}: pass worker counts of 1 or more")
+    if counts[-1] > usable:
+        raise ValueError(
+            f"workers {counts[-1]} is more than the {usable} usable cores; every contender is pinned "
+            "to as many cores as it has workers, so pick counts up to the core count"
+        )
+    return counts
 
 
 def _measure_loops(data: Path, image_size: int, cores: list[int], window: Window,
