@@ -17,7 +17,9 @@ from PIL import Image
 
 from prefetchd.bench import CONTENDERS, BenchmarkResults, bench_command, run_benchmark
 from prefetchd.bench.dali import DALI_CONTENDERS, dali_batches
+from prefetchd.bench.measure import MIN_BATCHES
 from prefetchd.bench.report import LIBRARY_CONTENDERS, why_not_runnable
+from prefetchd.bench.results import Throughput, fill_ratios
 from prefetchd.daemon.mounts import pages_of
 from prefetchd.synthetic import IMAGENET_LIKE_SHORT_SIDE, make_imagenet_like
 
@@ -128,6 +130,23 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
     result = CliRunner().invoke(bench_command, ["--workers", "10000", "--generate", "40", "--out", str(tmp_path)])
     assert result.exit_code == 1 and "workers 10000 is more than the" in result.output
     assert "generating" not in result.output
+    # A batch window so short that it counts batches built before it.
+    with pytest.raises(ValueError, match=f"batches=3 .*at least {MIN_BATCHES}"):
+        run_benchmark(shapes_data / "train", batches=3, out_dir=tmp_path)
+    result = CliRunner().invoke(bench_command, ["--batches", "3", "--data", str(shapes_data / "train")])
+    assert result.exit_code == 2 and f"x>={MIN_BATCHES}" in result.output
+
+
+def test_a_rate_above_the_floor_is_flagged_in_the_report() -> None:
+    results = BenchmarkResults(machine={}, dataset={}, config={"batches": 20},
+                               floor={"images_per_s": 1000.0, "ms_per_image": 1.0, "files": 20, "rounds": [1000.0]})
+    results.throughput = [Throughput("prefetchd", 1, [0], images_per_s=1800.0, window_s=0.1),
+                          Throughput("prefetchd", 2, [0, 1], images_per_s=1900.0, window_s=0.2)]
+    fill_ratios(results)
+    warnings = [n for n in results.notes if n.startswith("WARNING")]
+    assert warnings == ["WARNING: prefetchd at 1 worker measured 180% of 1 x the floor, more than its workers can "
+                        "make: its window (20 batches) counted batches built before it, or the floor was measured on "
+                        "a busy core; measure longer (--seconds, --batches) on a quiet machine"]
 
 
 def test_contenders_picks_who_is_measured(tmp_path: Path, shapes_data: Path) -> None:

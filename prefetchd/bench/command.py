@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from prefetchd.bench.measure import MIN_BATCHES
 from prefetchd.bench.report import usable_cores
 from prefetchd.bench.results import ALL_CONTENDERS, CONTENDERS
 from prefetchd.bench.run import run_benchmark, worker_counts
@@ -56,7 +57,8 @@ def _parse_contenders(_ctx: click.Context, _param: click.Parameter, value: str |
 @click.option("--image-size", type=click.IntRange(min=8), default=224, show_default=True)
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=8.0, show_default=True,
               help="Length of each measurement after its first batch and warm-up.")
-@click.option("--batches", type=click.IntRange(min=1), help="Measure this many batches instead of --seconds.")
+@click.option("--batches", type=click.IntRange(min=MIN_BATCHES),
+              help=f"Measure this many batches instead of --seconds (at least {MIN_BATCHES}).")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Measure every contender this many times, taking turns, and report the medians: for a machine "
                    "whose speed drifts (a shared VM).")

@@ -7,6 +7,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from prefetchd.words import counted
+
 RESULTS_FORMAT = "prefetchd.bench"
 RESULTS_VERSION = 1
 
@@ -120,6 +122,10 @@ def take_medians(row: Throughput) -> None:
         row.first_batch_s = statistics.median(firsts)
 
 
+# prefetchd above this share of k x the floor is not a rate its k workers made (see fill_ratios).
+IMPOSSIBLE_VS_FLOOR = 1.1
+
+
 def fill_ratios(results: BenchmarkResults) -> None:
     for row in results.throughput:
         if row.images_per_s is None:
@@ -136,6 +142,14 @@ def fill_ratios(results: BenchmarkResults) -> None:
             row.scaling = round(row.images_per_s / (row.workers * one), 3)
         if row.contender == "prefetchd" and results.floor is not None:
             row.vs_floor = round(row.images_per_s / (row.workers * results.floor["images_per_s"]), 3)
+            if row.vs_floor > IMPOSSIBLE_VS_FLOOR:
+                batches = results.config.get("batches")
+                window = f"{batches} batches" if batches else f"{row.window_s:.2f} s"
+                results.notes.append(
+                    f"WARNING: prefetchd at {counted(row.workers, 'worker')} measured {row.vs_floor:.0%} of "
+                    f"{row.workers} x the floor, more than its workers can make: its window ({window}) counted "
+                    "batches built before it, or the floor was measured on a busy core; measure longer "
+                    "(--seconds, --batches) on a quiet machine")
         if row.loops:
             row.vs_loops = round(row.images_per_s / row.loops, 3)
             if results.floor is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prefetchd.bench.contenders import Run
-from prefetchd.bench.measure import Window, data_wait_doc, eval_every
+from prefetchd.bench.measure import MIN_BATCHES, WHY_MIN_BATCHES, Window, data_wait_doc, eval_every
 from prefetchd.bench.report import (
     core_list,
     describe_cpu,
@@ -52,7 +52,7 @@ def run_benchmark(
     ``data`` is a class-folder dataset (ImageFolder layout).  ``workers_list``
     defaults to 1 .. the usable cores.  Each measurement lasts ``seconds`` after
     its first batch and a warm-up of 15 % of that (at most 1 s), or, when
-    ``batches`` is given, that many batches after a warm-up of a fifth as many.
+    ``batches`` is given, that many batches (at least MIN_BATCHES) after a warm-up of a fifth as many.
     ``high_water`` (the daemon's, in batches) defaults to enough for the
     data-wait scenario: max(16, eval_every(max workers)).  ``floor``: also time the
     daemon's ``augment()`` alone on one core, once a round (``prefetchd.bench.floor``), and
@@ -73,6 +73,8 @@ def run_benchmark(
         seconds = None  # a batch count replaces the time window
     elif seconds is None:
         raise ValueError("pass seconds= (a time window per measurement) or batches= (a batch count)")
+    if batches is not None and batches < MIN_BATCHES:
+        raise ValueError(f"batches={batches} (--batches): measure at least {MIN_BATCHES}; {WHY_MIN_BATCHES}")
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: measure each contender at least once")
     if seconds is not None and seconds <= 0 or batches is not None and batches < 1:
