@@ -17,6 +17,7 @@ from __future__ import annotations
 import colorsys
 import logging
 import math
+import os
 import shutil
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -99,6 +100,7 @@ def make_shapes_dataset(
     if seed < 0:
         raise ValueError(f"seed is {seed}; use a non-negative integer")
 
+    _check_writable(root)
     per_split = {"train": train_per_class, "val": val_per_class}
     splits = [s for s in SPLITS if per_split[s] > 0]
     for split in splits:
@@ -135,6 +137,22 @@ def make_shapes_dataset(
     )
     log.info("wrote %s", summary.line())
     return summary
+
+
+class OutputError(OSError):
+    """The folder a dataset is to be written to cannot be written: not a folder, or not ours."""
+
+
+def _check_writable(root: Path) -> None:
+    """Create ``root`` (and its parents); OutputError, naming it, where that or writing into it fails."""
+    if root.exists() and not root.is_dir():
+        raise OutputError(f"{root} is a file, not a folder; pass a folder to write the dataset into")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {root} ({exc.strerror or exc}); pass a folder you can write to") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write into {root} (permission denied); pass a folder you can write to")
 
 
 def _render(
@@ -321,7 +339,8 @@ def make_imagenet_like(
         )
         if not photos:
             raise ValueError(f"source {source} holds no photos ({', '.join(_PHOTO_EXTENSIONS)}); pass another folder")
-    if root.exists() and any(root.iterdir()):
+    _check_writable(root)
+    if any(root.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{root} is not empty; pass overwrite=True (--overwrite) or choose another directory")
         shutil.rmtree(root)

@@ -42,6 +42,7 @@ def _load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO / "tools" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -219,6 +220,53 @@ def test_decode_floor_times_each_kernel_and_names_a_folder_without_jpegs(tmp_pat
     (tmp_path / "empty" / "cls").mkdir(parents=True)
     refused = subprocess.run([*script, str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "no .jpg/.jpeg files" in refused.stderr
+
+
+@pytest.mark.parametrize(("tool", "args", "says"), [
+    ("decode_floor", ["{missing}"], "does not exist"),
+    ("decode_floor", ["{data}", "--images", "0"], "x>=1"),
+    ("decode_floor", ["{data}", "--rounds", "0"], "x>=1"),
+    ("decode_floor", ["{data}", "--size", "0"], "x>=8"),
+    ("bench_consumers", ["--consumers", "0"], "x>=1"),
+    ("bench_consumers", ["--epochs", "0"], "x>=1"),
+    ("bench_consumers", ["--step-ms", "-5"], "x>=0"),
+    ("bench_consumers", ["--workers", "0"], "x>=1"),
+    ("bench_consumers", ["--batch-size", "0"], "x>=1"),
+    ("bench_consumers", ["--high-water", "0"], "x>=1"),
+    ("bench_consumers", ["--generate", "-5"], "x>=1"),
+    ("bench_consumers", ["--data", "{missing}"], "does not exist"),
+    ("bench_sources", ["--shard-size", "abc"], "'abc' is not a size"),
+    ("bench_sources", ["--shard-size", "0"], "less than one byte"),
+    ("bench_sources", ["--dir", "{missing}"], "does not exist"),
+    ("bench_sources", ["--location", "again"], "expected NAME=LOCATION"),
+    ("bench_index", ["--files", "5", "--classes", "10"], "5 files cannot fill 10 class folders"),
+])
+def test_tools_refuse_bad_arguments_in_one_line(tool: str, args: list[str], says: str, tmp_path: Path) -> None:
+    (tmp_path / "data" / "cls").mkdir(parents=True)
+    argv = [a.format(missing=tmp_path / "missing", data=tmp_path / "data") for a in args]
+    result = CliRunner().invoke(_load(tool).main, argv)
+    assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_tools_say_why_a_daemon_or_a_dataset_was_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "no-classes"
+    empty.mkdir()
+    # The daemon's own error, not a traceback pointing at a log in a deleted temp folder.
+    result = CliRunner().invoke(_load("bench_consumers").main, ["--data", str(empty), "--consumers", "1"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "exited with code 1 before serving it: dataset root" in result.output and "has no class folders" in result.output
+    result = CliRunner().invoke(_load("bench_sources").main, ["--images", "10", "--seconds", "0.01", "--dir", str(tmp_path),
+                                                              "--location", f"x={tmp_path / 'missing'}"])
+    assert result.exit_code == 1 and "--location x=" in result.output and "does not exist" in result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["no-classes"]  # its generated data removed
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for tool, args in (("make_dataset", ["--train-per-class", "1", "--val-per-class", "0"]),
+                       ("make_imagenet_like", ["--per-class", "1", "--workers", "1"])):
+        result = CliRunner().invoke(_load(tool).main, [str(a_file / "out"), *args])  # OUT cannot be created
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert f"cannot create {a_file / 'out'} (Not a directory)" in result.output
 
 
 def test_cold_start_times_real_daemons_to_their_first_batch(tmp_path: Path) -> None:

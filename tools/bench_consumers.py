@@ -19,19 +19,22 @@ See docs/BENCHMARKS.md ("Several trainers on one buffer").
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
-from prefetchd.launch import launch, start_argv, stop_daemon_process, stops_cleanly, wait_ready
+from prefetchd.launch import DaemonExited, launch, start_argv, stop_daemon_process, stops_cleanly, wait_ready
 from prefetchd.synthetic import make_imagenet_like
 
 CONSUMER = r'''
@@ -69,7 +72,24 @@ def tree_cpu(proc: psutil.Process) -> float:
     return total
 
 
-def run_scenario(name: str, data: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Options:
+    """The command line's values (see main)."""
+
+    data: Path | None
+    generate: int
+    consumers: int
+    epochs: int
+    batch_size: int
+    image_size: int
+    workers: int
+    step_ms: float
+    high_water: int
+    cap_factor: float
+    out: Path | None
+
+
+def run_scenario(name: str, data: Path, args: Options, work: Path) -> dict[str, Any]:
     separate = name == "separate"
     buffers = [work / f"{name}-{i}" for i in range(args.consumers if separate else 1)]
     batch_bytes = BatchLayout.plan(args.batch_size, args.image_size, args.image_size).file_len
@@ -113,29 +133,38 @@ def run_scenario(name: str, data: Path, args: argparse.Namespace, work: Path) ->
     }
 
 
+@click.command(help=__doc__.split("\n\n")[0] + "\n\nSee this script's docstring and docs/BENCHMARKS.md "
+               "(\"Several trainers on one buffer\").",
+               context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A class-folder dataset  [default: generate one]")
+@click.option("--generate", type=click.IntRange(min=1), default=400, show_default=True,
+              help="Images to generate without --data.")
+@click.option("--consumers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--image-size", type=click.IntRange(min=8), default=112, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="--workers of every daemon.")
+@click.option("--step-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="Each consumer's simulated training step.")
+@click.option("--high-water", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--cap-factor", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="--max-buffer-bytes as a multiple of high-water batches (1: the default cap).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Also write the results here as JSON.")
 @stops_cleanly
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, help="a class-folder dataset [default: generate one]")
-    parser.add_argument("--generate", type=int, default=400, help="images to generate without --data")
-    parser.add_argument("--consumers", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=112)
-    parser.add_argument("--workers", type=int, default=1, help="--workers of every daemon")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="each consumer's simulated training step")
-    parser.add_argument("--high-water", type=int, default=8)
-    parser.add_argument("--cap-factor", type=float, default=1.0,
-                        help="--max-buffer-bytes as a multiple of high-water batches (1: the default cap)")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON")
-    args = parser.parse_args()
+def main(**options: Any) -> None:
+    args = Options(**options)
     with tempfile.TemporaryDirectory(prefix="bench-consumers-", dir="/dev/shm") as tmp:
         work = Path(tmp)
         data = args.data
         if data is None:
             data = work / "data"
-            make_imagenet_like(data, classes=4, per_class=max(1, args.generate // 4), seed=0)
-        results = [run_scenario(name, data, args, work) for name in ("shared", "separate")]
+            classes = min(4, args.generate)
+            make_imagenet_like(data, classes=classes, per_class=math.ceil(args.generate / classes), seed=0)
+        try:
+            results = [run_scenario(name, data, args, work) for name in ("shared", "separate")]
+        except DaemonExited as exc:  # its log goes with the temp folder: say what it said
+            raise click.ClickException(exc.brief) from None
     shared, separate = results
     print(f"{args.consumers} consumers x {args.epochs} epochs, batch {args.batch_size} at {args.image_size}px, "
           f"--workers {args.workers} per daemon, {args.step_ms:g} ms per step, high-water {args.high_water}, "
@@ -151,7 +180,8 @@ def main() -> None:
     total = separate["total_cpu_ms_per_image"] / max(shared["total_cpu_ms_per_image"], 1e-9)
     print(f"separate / shared: {ratio:.2f}x the daemon CPU per consumed image, {total:.2f}x counting the consumers")
     if args.out is not None:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+        options = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(args).items()}
+        args.out.write_text(json.dumps({"args": options, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -51,13 +51,16 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--files", type=click.IntRange(1), default=1_000_000, show_default=True)
 @click.option("--classes", type=click.IntRange(1), default=1000, show_default=True)
-@click.option("--dir", "base", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--dir", "base", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
               default=Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()),
               show_default=True, help="Where the tree is generated (removed afterwards unless --keep).")
 @click.option("--threads", type=click.IntRange(1), default=8, show_default=True, help="Threads of the parallel walk.")
 @click.option("--keep", is_flag=True, help="Keep the generated tree.")
 @stops_cleanly
 def main(files: int, classes: int, base: Path, threads: int, keep: bool) -> None:
+    if files < classes:
+        raise click.BadParameter(f"{files} files cannot fill {classes} class folders (an empty class folder is "
+                                 "refused); pass at least as many files as classes", param_hint="--files")
     work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-index-", dir=base))
     root, cache = work / "tree", work / "cache"
     try:

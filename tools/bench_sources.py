@@ -28,6 +28,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd.daemon.sources.shards import pack, parse_size
 from prefetchd.launch import stops_cleanly
@@ -84,14 +85,31 @@ def local_layouts(work: Path, images: int, shard_size: int, kind: str = "imagene
             "shards": str(work / "shards")}
 
 
+def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _location(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    named = {}
+    for item in value:
+        name, sep, location = item.partition("=")
+        if not sep or not name or not location:
+            raise click.BadParameter(f"{item!r}: expected NAME=LOCATION")
+        named[name] = location
+    return named
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--images", type=click.IntRange(10), default=4000, show_default=True)
-@click.option("--dir", "base", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--dir", "base", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
               default=Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()),
               show_default=True, help="Where the data is generated (removed afterwards unless --keep).")
 @click.option("--seconds", type=click.FloatRange(0.01), default=5.0, show_default=True, help="Reading time per layout.")
-@click.option("--shard-size", default="64MB", show_default=True)
-@click.option("--location", "extra", multiple=True, metavar="NAME=LOCATION",
+@click.option("--shard-size", default="64MB", show_default=True, callback=_size, help="Shard size, e.g. 64MB or 1GiB.")
+@click.option("--location", "extra", multiple=True, metavar="NAME=LOCATION", callback=_location,
               help="Also read this copy of the data (any --data the daemon takes, e.g. s3://bucket/shards).")
 @click.option("--kind", type=click.Choice(["imagenet", "small"]), default="imagenet", show_default=True,
               help="ImageNet-like JPEGs (~100 KB) or small images (72-128 px, a few KB).")
@@ -100,20 +118,15 @@ def local_layouts(work: Path, images: int, shard_size: int, kind: str = "imagene
               help="Generate into this folder, keep it, and reuse what it holds [default: a temp folder in --dir].")
 @click.option("--keep", is_flag=True)
 @stops_cleanly
-def main(images: int, base: Path, seconds: float, shard_size: str, kind: str, cold: bool, work: Path | None,
-         extra: tuple[str, ...], keep: bool) -> None:
+def main(images: int, base: Path, seconds: float, shard_size: int, kind: str, cold: bool, work: Path | None,
+         extra: dict[str, str], keep: bool) -> None:
     if work is not None:
         work.mkdir(parents=True, exist_ok=True)
         keep = True
     else:
         work = Path(tempfile.mkdtemp(prefix="prefetchd-bench-sources-", dir=base))
     try:
-        layouts = local_layouts(work, images, parse_size(shard_size), kind)
-        for item in extra:
-            name, sep, location = item.partition("=")
-            if not sep:
-                raise click.BadParameter(f"{item!r}: expected NAME=LOCATION", param_hint="--location")
-            layouts[name] = location
+        layouts = {**local_layouts(work, images, shard_size, kind), **extra}
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
         click.echo(f"machine: {len(os.sched_getaffinity(0))} CPUs ({cpu}), Python {platform.python_version()}; "
                    f"data in {work}, random order, 1 reader thread, {seconds:g} s per layout, "
@@ -123,7 +136,10 @@ def main(images: int, base: Path, seconds: float, shard_size: str, kind: str, co
         for name, location in layouts.items():
             if cold:
                 evict(work)
-            rate, mbps, n = reads_per_second(location, seconds, one_pass=cold)
+            try:
+                rate, mbps, n = reads_per_second(location, seconds, one_pass=cold)
+            except DatasetError as exc:  # a --location that is not there, or not a dataset
+                raise click.ClickException(f"--location {name}={location}: {exc}") from None
             click.echo(f"| {name} | {n} | {rate:,.0f} | {mbps:,.0f} |")
     finally:
         if not keep:

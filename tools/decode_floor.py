@@ -26,13 +26,13 @@ This is the ceiling the daemon's workers can approach: images/s per core is abou
 
 from __future__ import annotations
 
-import argparse
 import io
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import click
 import torch
 from PIL import Image
 
@@ -56,22 +56,23 @@ def cpu_ms_per_item(n: int, fn: Callable[[int], object], rounds: int) -> float:
     return best / n * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", type=Path)
-    parser.add_argument("--images", type=int, default=375)
-    parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-
+@click.command(help=__doc__.split("\n\n")[0], context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("data", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--images", type=click.IntRange(min=1), default=375, show_default=True,
+              help="JPEGs to time, an even sample of DATA's.")
+@click.option("--size", type=click.IntRange(min=8), default=224, show_default=True,
+              help="Output side, as the daemon's --image-size.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Times each kernel runs; the best counts.")
+def main(data: Path, images: int, size: int, rounds: int) -> None:
     torch.set_num_threads(1)
     preload()
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    paths = sorted(p for p in args.data.glob("*/*") if p.suffix.lower() in (".jpg", ".jpeg"))
+    paths = sorted(p for p in data.glob("*/*") if p.suffix.lower() in (".jpg", ".jpeg"))
     if not paths:
-        raise SystemExit(f"{args.data}: no .jpg/.jpeg files in class folders; point it at a class-folder dataset")
-    paths = paths[:: max(1, len(paths) // args.images)][: args.images]
+        raise click.ClickException(f"{data}: no .jpg/.jpeg files in class folders; point it at a class-folder dataset")
+    paths = paths[:: max(1, len(paths) // images)][: images]
     datas = [p.read_bytes() for p in paths]
     buffers = [bytearray(data) for data in datas]  # what the daemon's header readers take
     boxes = []
@@ -79,7 +80,7 @@ def main() -> None:
         width, height = read_header(buffer, str(path), DEFAULT_MAX_IMAGE_PIXELS).oriented
         boxes.append(pixel_box(random_resized_crop_box(width, height, sample_rng(0, 0, i)), width, height))
 
-    n, rounds = len(datas), args.rounds
+    n = len(datas)
     rows: list[tuple[str, float]] = [
         ("header: Pillow's parser + orientation", cpu_ms_per_item(
             n, lambda i: exif_orientation(open_header(buffers[i], str(paths[i]))), rounds)),
@@ -94,17 +95,17 @@ def main() -> None:
         print("simplejpeg not installed: its rows are skipped (pip install simplejpeg)")
     else:
         def scaled(i: int) -> object:
-            data = datas[i]
-            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+            jpeg = datas[i]
+            height, width = simplejpeg.decode_jpeg_header(jpeg)[:2]
             left, top, right, bottom = boxes[i]
-            factor = min(right - left, bottom - top) / args.size
-            return simplejpeg.decode_jpeg(data, min_width=math.ceil(width / factor),
+            factor = min(right - left, bottom - top) / size
+            return simplejpeg.decode_jpeg(jpeg, min_width=math.ceil(width / factor),
                                           min_height=math.ceil(height / factor))
 
         rows.append(("simplejpeg full size", cpu_ms_per_item(n, lambda i: simplejpeg.decode_jpeg(datas[i]), rounds)))
         rows.append(("simplejpeg scaled to the crop", cpu_ms_per_item(n, scaled, rounds)))
     def train_augment(i: int) -> object:
-        return augment(paths[i], args.size, True, sample_rng(0, 0, i))
+        return augment(paths[i], size, True, sample_rng(0, 0, i))
 
     if jpeg_crop.available():
         rows.append(("header: plain_header (markers only)", cpu_ms_per_item(
@@ -119,7 +120,7 @@ def main() -> None:
         crops = [jpeg_crop.decode_box(datas[i], 1, *boxes[i]) for i in range(n)]
         if all(crop is not None for crop in crops):
             def resize(i: int) -> object:
-                return resample(crops[i], args.size, bool(i % 2))  # type: ignore[arg-type]
+                return resample(crops[i], size, bool(i % 2))  # type: ignore[arg-type]
 
             rows.append(("resize of the box (extension's kernel)", cpu_ms_per_item(n, resize, rounds)))
             with jpeg_crop.whole_image_only():
@@ -132,14 +133,14 @@ def main() -> None:
     if jpeg_crop.available():
         clean = CleanFiles(n, shared=False)
         for i in range(n):  # what a worker's first epoch learns
-            augment(paths[i], args.size, True, sample_rng(0, 0, i), tracked=TrackedFile(clean, i))
+            augment(paths[i], size, True, sample_rng(0, 0, i), tracked=TrackedFile(clean, i))
         rows.append(("prefetchd augment(), files known clean", cpu_ms_per_item(
-            n, lambda i: augment(paths[i], args.size, True, sample_rng(0, 0, i), tracked=TrackedFile(clean, i)),
+            n, lambda i: augment(paths[i], size, True, sample_rng(0, 0, i), tracked=TrackedFile(clean, i)),
             rounds)))
 
     mean_kb = sum(map(len, datas)) / len(datas) / 1024
-    print(f"{len(datas)} JPEGs from {args.data} (mean {mean_kb:.0f} KB), one thread, CPU ms per image, "
-          f"best of {args.rounds}:")
+    print(f"{len(datas)} JPEGs from {data} (mean {mean_kb:.0f} KB), one thread, CPU ms per image, "
+          f"best of {rounds}:")
     print(f"  ({jpeg_crop.decoder_summary()})")
     for name, ms in rows:
         print(f"  {name:<40} {ms:8.4f} ms   ({1000 / ms:5.0f} img/s per core)")

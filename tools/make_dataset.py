@@ -60,7 +60,7 @@ def main(
             progress=progress,
             overwrite=overwrite,
         )
-    except (ValueError, FileExistsError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: OUT cannot be written (synthetic.OutputError), or the disk is full
         raise click.ClickException(str(exc)) from None
     elapsed = time.perf_counter() - start
     click.echo(f"{summary.line()}; {summary.total} images in {elapsed:.1f} s")

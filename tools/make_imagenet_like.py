@@ -46,7 +46,7 @@ def main(out: Path, classes: int, per_class: int, seed: int, source: Path | None
                     out, classes=classes, per_class=per_class, seed=seed, source=source, workers=workers,
                     overwrite=overwrite, progress=lambda done, _total: bar.update(done - bar.pos),
                 )
-    except (ValueError, FileExistsError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: OUT cannot be written (synthetic.OutputError), or the disk is full
         raise click.ClickException(str(exc)) from None
     click.echo(f"{summary.line()}; {time.perf_counter() - start:.1f} s")
 
