@@ -302,7 +302,7 @@ def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path)
     measuring = [line for line in said if line.startswith("measuring")]
     # turns, not blocks; the floor ("measuring the floor") and the independent loops first in each round
     assert [line.split()[1] for line in measuring] == ["the", "1", "prefetchd", "dataloader"] * 3
-    assert measuring[1].startswith("measuring 1 independent augment() loops on cores")
+    assert measuring[1].startswith("measuring 1 independent augment() loop on cores")
     assert measuring[-1].endswith("round 3 of 3")
     for row in results.throughput:
         rates = [r["images_per_s"] for r in row.extra["rounds"]]
@@ -398,3 +398,4 @@ def test_disk_bytes_counts_batch_files_once_and_not_the_documents(tmp_path: Path
     assert _disk_bytes(tmp_path) == sum(
         (tmp_path / n).stat().st_blocks * 512 for n in ("e000000-s00000000.batch", "e000000-s00000001.tmp",
                                                           "spare-00000000.tmp"))
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -267,6 +268,26 @@ def test_tools_say_why_a_daemon_or_a_dataset_was_refused(tmp_path: Path) -> None
         result = CliRunner().invoke(_load(tool).main, [str(a_file / "out"), *args])  # OUT cannot be created
         assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
         assert f"cannot create {a_file / 'out'} (Not a directory)" in result.output
+
+
+def test_bench_consumers_runs_both_scenarios_and_keeps_its_arguments_typed(tmp_path: Path) -> None:
+    out = tmp_path / "consumers.json"
+    result = CliRunner().invoke(_load("bench_consumers").main, [
+        "--generate", "8", "--consumers", "1", "--epochs", "1", "--batch-size", "4", "--image-size", "32",
+        "--step-ms", "0", "--high-water", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("1 consumer x 1 epoch, batch 4 at 32px, --workers 1 per daemon")
+    assert [ln.split()[0] for ln in result.output.splitlines()[2:4]] == ["shared", "separate"]
+    doc = json.loads(out.read_text())
+    assert doc["args"] == {"data": None, "generate": 8, "consumers": 1, "epochs": 1, "batch_size": 4, "image_size": 32,
+                           "workers": 1, "step_ms": 0.0, "high_water": 2, "cap_factor": 1.0, "out": str(out)}
+    assert [r["images_consumed"] for r in doc["results"]] == [8, 8]
+
+
+def test_idle_cpu_headline_counts_its_workers() -> None:
+    idle_cpu = _load("idle_cpu")
+    assert idle_cpu.headline("2/2", "full", 1, 3.0).endswith("no trainer, 1 worker, over 3.0 s:")
+    assert "no trainer, 2 workers, over" in idle_cpu.headline("2/2", "full", 2, 3.0)
 
 
 def test_cold_start_times_real_daemons_to_their_first_batch(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ import psutil
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.launch import DaemonExited, launch, start_argv, stop_daemon_process, stops_cleanly, wait_ready
 from prefetchd.synthetic import make_imagenet_like
+from prefetchd.words import counted
 
 CONSUMER = r'''
 import json, sys, time
@@ -166,7 +167,7 @@ def main(**options: Any) -> None:
         except DaemonExited as exc:  # its log goes with the temp folder: say what it said
             raise click.ClickException(exc.brief) from None
     shared, separate = results
-    print(f"{args.consumers} consumers x {args.epochs} epochs, batch {args.batch_size} at {args.image_size}px, "
+    print(f"{counted(args.consumers, 'consumer')} x {counted(args.epochs, 'epoch')}, batch {args.batch_size} at {args.image_size}px, "
           f"--workers {args.workers} per daemon, {args.step_ms:g} ms per step, high-water {args.high_water}, "
           f"cap {args.cap_factor:g} x high-water, cores: {len(psutil.Process().cpu_affinity() or [])}")
     print(f"{'scenario':<10} {'daemons':>7} {'images':>7} {'wall s':>7} {'daemon CPU s':>12} {'consumer CPU s':>14} "

@@ -22,6 +22,7 @@ import click
 
 from prefetchd.launch import DaemonExited, daemon_for_a_run, stops_cleanly, wait_ready
 from prefetchd.trainer import BufferLoader
+from prefetchd.words import counted
 
 READY_SECONDS = 120.0  # to the manifest, then to the first batch
 
@@ -55,8 +56,8 @@ def main(data: Path, runs: int, workers: int, batch_size: int, image_size: int) 
             except DaemonExited as exc:  # its log goes with the temp folder: say what it said
                 raise click.ClickException(exc.brief) from None
             click.echo(f"run {run + 1}: first batch {seconds[-1]:.2f} s after prefetchd start")
-    click.echo(f"cold first batch: median {statistics.median(seconds):.2f} s over {runs} runs "
-               f"(min {min(seconds):.2f}, max {max(seconds):.2f}); {workers} workers, batch {batch_size} at "
+    click.echo(f"cold first batch: median {statistics.median(seconds):.2f} s over {counted(runs, 'run')} "
+               f"(min {min(seconds):.2f}, max {max(seconds):.2f}); {counted(workers, 'worker')}, batch {batch_size} at "
                f"{image_size} px, data {data}")
 
 

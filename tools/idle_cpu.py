@@ -30,6 +30,7 @@ import psutil
 from prefetchd.buffer_protocol import State, read_status
 from prefetchd.launch import launch, start_argv, stop_daemon_process, stops_cleanly
 from prefetchd.synthetic import make_shapes_dataset
+from prefetchd.words import counted
 
 
 @dataclass
@@ -67,6 +68,11 @@ def role(proc: psutil.Process, daemon_pid: int) -> str:
     if "resource_tracker" in cmd:
         return "resource tracker"
     return "worker"
+
+
+def headline(fill: str, state: object, workers: int, elapsed: float) -> str:
+    """The line above the table: the buffer's fill ("waiting/high-water"), its state, the workers."""
+    return f"idle daemon, buffer full ({fill} batches, state {state}), no trainer, {counted(workers, 'worker')}, over {elapsed:.1f} s:"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -115,8 +121,7 @@ def main(seconds: float, workers: int, high_water: int, data: Path | None, settl
                 continue
             rows.append((role(p, daemon.pid), p.pid, (b.cpu - a.cpu) / elapsed * 100, (b.switches - a.switches) / elapsed))
         fill = f"{production.waiting}/{production.high_water}" if production is not None else "?/?"
-        click.echo(f"idle daemon, buffer full ({fill} batches, state "
-                   f"{final.state if final is not None else None}), no trainer, {workers} workers, over {elapsed:.1f} s:")
+        click.echo(headline(fill, final.state if final is not None else None, workers, elapsed))
         click.echo(f"{'process':<18}{'pid':>8}{'CPU % of a core':>17}{'wake-ups/s':>12}")
         for name, pid, cpu, wakeups in rows:
             click.echo(f"{name:<18}{pid:>8}{cpu:>17.2f}{wakeups:>12.1f}")

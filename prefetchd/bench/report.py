@@ -21,6 +21,7 @@ from prefetchd.bench.results import ALL_CONTENDERS, BenchmarkResults
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.mounts import filesystem_of, huge_pages, pages_of
 from prefetchd.launch import buffer_root
+from prefetchd.words import counted
 
 def usable_cores() -> set[int]:
     return set(os.sched_getaffinity(0))
@@ -118,7 +119,7 @@ def _mib(n: int | None) -> str:
 
 
 def worker_count(k: int) -> str:
-    return f"{k} worker{'s' * (k != 1)}"
+    return counted(k, "worker")
 
 
 def _buffer_pages(machine: dict[str, Any]) -> str:

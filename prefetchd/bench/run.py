@@ -23,6 +23,7 @@ from prefetchd.bench.report import (
 )
 from prefetchd.bench.results import (ALL_CONTENDERS, BASELINE, CONTENDERS, BenchmarkResults, Throughput,
                                      add_round, fill_ratios, median_floor, take_medians)
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def _measure_loops(data: Path, image_size: int, cores: list[int], window: Window
     from prefetchd.bench.floor import measure_parallel_floor
 
     seconds = window.seconds if window.seconds is not None else LOOPS_SECONDS
-    say(f"measuring {len(cores)} independent augment() loops on cores {core_list(cores)} ({seconds:g} s)")
+    say(f"measuring {counted(len(cores), 'independent augment() loop')} on cores {core_list(cores)} ({seconds:g} s)")
     loops = measure_parallel_floor(data, image_size, cores, seconds)
     rate: float = loops["images_per_s"]
     say(f"  {rate:.0f} img/s (the processes were ready after {loops['start_s']:.1f} s)")
