@@ -217,6 +217,12 @@ def test_decode_floor_times_each_kernel_and_names_a_folder_without_jpegs(tmp_pat
                 "crop-aware decode, file known clean", "prefetchd augment(), files known clean"} <= set(rates)
     assert all(int(rate) > 0 for rate in rates.values())
     assert "4 JPEGs from" in done.stdout
+    # docs/BENCHMARKS.md quotes what it prints now: the same rows, in the same format.
+    doc = (REPO / "docs" / "BENCHMARKS.md").read_text()
+    quoted = doc[doc.index("It prints more now"):].split("```")[1]
+    row = r"^  (.+?)\s+\d+\.\d{4} ms\s+\(\s*\d+ img/s per core\)$"
+    if jpeg_crop.available() and "simplejpeg not installed" in done.stdout:
+        assert re.findall(row, quoted, re.M) == re.findall(row, done.stdout, re.M)
 
     (tmp_path / "empty" / "cls").mkdir(parents=True)
     refused = subprocess.run([*script, str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
