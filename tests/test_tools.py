@@ -408,6 +408,14 @@ def test_fetch_sample_photos_takes_each_photo_out_of_its_wheel(tmp_path: Path) -
     assert result.exit_code == 1 and f"no wheel of {spec} in {wheels}" in result.output
 
 
+@pytest.mark.parametrize("module", ["host_use", "gpu_report"])
+def test_gpu_checks_modules_say_they_are_not_tools(module: str) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "tools" / f"{module}.py"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr == f"{module}.py is a module of tools/gpu_check.py, not a tool: run python tools/gpu_check.py --help\n"
+
+
 def test_fetch_gpu_wheels_covers_every_dependency_the_gpu_image_lacks() -> None:
     script = ["bash", str(REPO / "tools" / "fetch_gpu_wheels.sh"), "--check"]
     env = {**os.environ, "PYTHON": sys.executable}

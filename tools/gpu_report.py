@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,9 @@ def write_outputs(doc: dict[str, Any], out: Path) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
         tmp.replace(path)
+
+
+if __name__ == "__main__":  # imported by tools/gpu_check.py; run alone it has nothing to do
+    print(f"{Path(__file__).name} is a module of tools/gpu_check.py, not a tool: run python tools/gpu_check.py --help",
+          file=sys.stderr)
+    sys.exit(2)

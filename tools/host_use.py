@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -120,3 +122,9 @@ def _tree_cpu(pid: int) -> float:
             t = proc.cpu_times()
             total += t.user + t.system + t.children_user + t.children_system
     return total
+
+
+if __name__ == "__main__":  # imported by tools/gpu_check.py; run alone it has nothing to do
+    print(f"{Path(__file__).name} is a module of tools/gpu_check.py, not a tool: run python tools/gpu_check.py --help",
+          file=sys.stderr)
+    sys.exit(2)
