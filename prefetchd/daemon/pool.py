@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
+import os
 import selectors
+import tempfile
 import threading
 import time
 from collections import deque
@@ -26,6 +29,8 @@ from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.logs import run_logged
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, forkserver_preload, worker_main
+
+log = logging.getLogger(__name__)
 
 WORKER_STOP_SECONDS = 5.0
 MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
@@ -209,8 +214,29 @@ def worker_context() -> multiprocessing.context.ForkServerContext:
     """
     ctx = multiprocessing.get_context("forkserver")
     assert isinstance(ctx, multiprocessing.context.ForkServerContext)
+    _short_socket_folder()
     ctx.set_forkserver_preload(forkserver_preload())
     return ctx
+
+
+# The forkserver listens on TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, a Unix socket, whose path holds at
+# most 107 bytes: a longer TMPDIR (a scheduler's per-job scratch folder) fails the bind with
+# "AF_UNIX path too long" (seen under pytest-xdist's deep temp folders).  Then its folder goes under /tmp.
+SOCKET_FOLDER_LIMIT = 107 - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def _short_socket_folder() -> None:
+    """Make multiprocessing's temp folder under /tmp when TMPDIR is too long for its socket."""
+    if len(os.fsencode(tempfile.gettempdir())) <= SOCKET_FOLDER_LIMIT:
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        # Made now and kept for the process, removed at its exit by multiprocessing as before.
+        folder = multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+    log.info("TMPDIR %s is too long for the worker server's socket; its socket is in %s", saved, folder)
 
 
 def start_worker_server() -> None:
