@@ -312,11 +312,9 @@ class SpareFiles:
 
     @property
     def bytes(self) -> int:
-        """What the spares hold that a batch can take: space a batch begun in one of them needs no
-        more of (or that deleting them frees).  A spare a trainer still maps is neither: only the
-        ``HANDED_PAST`` newest can be (``retire``), so only they are asked, two leases a call."""
-        held = sum(size for size, path in self._files[-self.HANDED_PAST:] if not _unshared(path))
-        return sum(size for size, _ in self._files) - held
+        """What the spares hold: space a batch begun in one of them needs no more of (or that
+        deleting them frees, once no trainer maps them)."""
+        return sum(size for size, _ in self._files)
 
     def retire(self, path: Path) -> None:
         """Keep the consumed batch ``path`` as a spare (delete it where spares cannot be kept)."""
