@@ -1,6 +1,7 @@
 """prefetchd.daemon.remote without a cluster: a remote slice is run_task into rows, and the bridge's
 write of those rows leaves the batch file byte for byte as a local worker leaves it; the samples a
-node is probed with are ones the daemon's box reads."""
+node is probed with are ones the daemon's box reads; a node of another prefetchd version, or without
+the transform hook's module, is told unable."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prefetchd import __version__
+from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.remote.bridge import write_rows
-from prefetchd.daemon.remote.task import Rows, probe_samples, unreadable
+from prefetchd.daemon.remote.task import Rows, Shipment, probe_samples, unable_here, unreadable
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, run_task
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
@@ -64,3 +67,16 @@ def test_a_node_that_cannot_read_names_each_file_and_the_error(tmp_path: Path) -
     failures = unreadable(job, SampleReader(index), probe)
     assert len(failures) == 2, failures
     assert failures[0].startswith(f"{index.name(probe[0])} (FileNotFoundError: "), failures
+
+
+def test_a_node_with_another_prefetchd_or_without_the_hook_cannot_build(tmp_path: Path) -> None:
+    index = _dataset(tmp_path / "data")
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    other = unable_here(Shipment(job, (), "0.0.0+other"))
+    assert other.startswith(f"runs prefetchd {__version__}, the daemon 0.0.0+other: "), other
+    assert "install prefetchd[ray]==0.0.0+other on every node" in other, other
+    hooked = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7,
+                       augment=AugmentOptions(transform="prefetchd_no_such_hook_module:augment"))
+    told = unable_here(Shipment(hooked, (), __version__))  # as on a node without the hook's module
+    assert "cannot import prefetchd_no_such_hook_module (ModuleNotFoundError: " in told, told
+    assert "install it or add its folder to PYTHONPATH" in told, told

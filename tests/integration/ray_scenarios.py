@@ -98,19 +98,24 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
     status = read_status(buffer)
     remote = status.remote if status is not None else None
     text = log.read_text()
-    about_nodes = [line for line in text.splitlines() if "reads --data" in line or "cannot read" in line]
+    about_nodes = [line for line in text.splitlines()
+                   if "reads --data" in line or "cannot read" in line or "cannot build" in line]
     return {"seconds": round(time.monotonic() - started, 1), "digests": digests, "indices": indices, "exit_code": code,
             "status_text": shown, "remote": dataclasses.asdict(remote) if remote is not None else None,
             "running": dataclasses.asdict(running) if running is not None else None, "log": text[-6000:],
             "about_nodes": about_nodes}
 
 
-def join_with_own_mounts(address: str, data: Path, log: Path, without_data: bool) -> subprocess.Popen[bytes]:
+def join_with_own_mounts(address: str, data: Path, log: Path, without_data: bool,
+                         without_hook: bool = False) -> subprocess.Popen[bytes]:
     """A node that joins the cluster at ``address`` as a user adds one (``ray start``), in a private
     mount namespace; ``without_data``: an empty tmpfs hides ``data`` there, as on a machine without
-    the dataset's mount (``hide_data`` does it later)."""
+    the dataset's mount (``hide_data`` does it later); ``without_hook``: one hides the package of
+    the jobs' transform hook (this repository's ``tests``), as on a machine where it is not installed."""
     ray = Path(sys.executable).parent / "ray"
     hide = f"mount -t tmpfs -o size=1m none {data} && " if without_data else ""
+    if without_hook:
+        hide += f"mount -t tmpfs -o size=1m none {Path(__file__).resolve().parents[1]} && "
     script = (f"{hide}exec {ray} start --address={address} --num-cpus=1 "
               f"--object-store-memory={NODE['object_store_memory']} --disable-usage-stats --block")
     return subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
@@ -162,19 +167,25 @@ def main() -> None:
     try:
         out["remote_only"] = read_job(data, work / "remote", work / "remote.log", [*ray, "--workers", "0"],
                                       connected=True, before=lose_node_a)
-        # Node C joins without the dataset: the probe names it, and it builds nothing.
+        # Node C joins without the dataset, node E without the hook's module: the probe names each, and they build
+        # nothing.
         node_c = join_with_own_mounts(cluster.address, data, work / "node-c.log", without_data=True)
+        # One at a time: two `ray start` at once may pick the same socket name in the session's folder.
+        wait_for(lambda: "Ray runtime started" in (work / "node-c.log").read_text(), 120, "node C to join", node_c)
+        node_e = join_with_own_mounts(cluster.address, data, work / "node-e.log", without_data=False,
+                                      without_hook=True)
         mixed = work / "mixed"
 
         def node_c_named(proc: Any) -> None:
-            wait_for(lambda: (r := remote_status(mixed)) is not None and bool(r.unfit_nodes), 180,
-                     "the daemon to name the node that cannot read --data", proc)
+            wait_for(lambda: (r := remote_status(mixed)) is not None and len(r.unfit_nodes) == 2, 180,
+                     "the daemon to name the nodes that cannot read --data or import the hook", proc)
 
         try:
             out["mixed"] = read_job(data, mixed, work / "mixed.log", [*ray, "--workers", "1"], connected=True,
                                     before=node_c_named)
         finally:
             stop_node(node_c)
+            stop_node(node_e)
         # Node D joins with the dataset, and its mount goes away once the trainer has a batch and no slice
         # is in flight: the slices it gets after that fail their samples, it reads the probe samples again,
         # and answers it cannot.

@@ -131,13 +131,18 @@ def test_mixed_job_matches_local_workers_and_a_node_without_the_data_builds_noth
     assert 0 < remote["images"], remote
     # Node C joined from a mount namespace where --data is hidden: the probe named it and the files it could
     # not read, and every slice went to the node that reads the data.
-    unfit = run["running"]["unfit_nodes"]
-    assert len(unfit) == 1 and "cannot read 8 of the 8 samples probed: " in unfit[0], unfit
+    unfit = [u for u in run["running"]["unfit_nodes"] if "cannot read" in u]
+    assert len(unfit) == 1 and "cannot read 8 of the 8 samples probed: " in unfit[0], run["running"]
     assert "FileNotFoundError" in unfit[0] and "mount --data at the same path on every node" in unfit[0], unfit
     node_c = unfit[0].split(":")[0]
     assert node_c not in {n["node"] for n in remote["nodes"]}, (node_c, remote["nodes"])
     assert any(f"node {node_c} cannot read" in line and "it gets no slices" in line for line in run["about_nodes"]), run
     assert any(" reads --data (8 samples checked)" in line for line in run["about_nodes"]), run
+    # Node E cannot import the jobs' transform hook (its package is hidden there): the probe named it with the
+    # import error, instead of its first slice failing the job.
+    hook = [u for u in run["running"]["unfit_nodes"] if "cannot build the job's slices: " in u]
+    assert len(hook) == 1 and "cannot import tests.integration.ray_scenarios (ModuleNotFoundError" in hook[0], hook
+    assert hook[0].split(":")[0] not in {n["node"] for n in remote["nodes"]}, (hook, remote["nodes"])
 
 
 def test_a_node_that_loses_the_dataset_mid_job_stops_building_and_no_batch_changes(scenarios: dict[str, Any]) -> None:

@@ -19,9 +19,10 @@ worker keeps the job it last read (``_job_here``).
 A node that cannot read the dataset builds nothing: when a node with CPUs joins,
 the bridge runs a task pinned to it (the node's ``ray.io/node-id`` label) that
 reads a few samples spread over the split, ones the daemon's box reads, and each
-Ray worker runs the same check before its first slice.  A node that fails (no
-mount, no credentials, no prefetchd) is named in a warning and in the status, and
-slices carry a label selector that excludes it.
+Ray worker runs the same check before its first slice; it also checks that the node
+runs the daemon's prefetchd version and imports the job's transform hook.  A node that
+fails (no mount, no credentials, no prefetchd or another version, no hook module) is
+named in a warning and in the status, and slices carry a label selector that excludes it.
 
 Why a bridge process and not Ray calls in the controller: a Ray driver whose
 cluster disappears blocks in its next call to the cluster (tried here: a 2-node

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from prefetchd import __version__
 from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.remote.task import NodeAnswer, Shipment, build_slice, node_label, probe_node, probe_samples
 from prefetchd.daemon.sources import SampleReader
@@ -110,9 +111,10 @@ class Bridge:
     """Submits the controller's tasks to Ray and answers with what came back.
 
     Slices stay off the nodes that failed the probe: a task pinned to each node that joins (its
-    label ``ray.io/node-id``) reads the job's probe samples there, so that a node without the
-    dataset's mount or credentials is named at once, and slices carry a label selector that
-    excludes it.  A slice that reaches such a node before its probe answered gets the same
+    label ``ray.io/node-id``) checks there that it runs the daemon's prefetchd, imports what the
+    job needs (the transform hook) and reads the job's probe samples, so that a node without the
+    dataset's mount, its credentials or the hook's module is named at once, and slices carry a
+    label selector that excludes it.  A slice that reaches such a node before its probe answered gets the same
     answer from ``build_slice`` and goes elsewhere: a node never builds a batch it cannot read.
     The selector excludes and never requires a node, so no slice waits for a node that died."""
 
@@ -122,7 +124,7 @@ class Bridge:
         self.ray: Any = ray
         self.conn = conn
         probe = probe_samples(job, SampleReader(job.index, job.readers))
-        self.box = [ray.put(Shipment(job, probe))]  # once per job
+        self.box = [ray.put(Shipment(job, probe, __version__))]  # once per job
         self.build = ray.remote(build_slice)
         self.probe = ray.remote(probe_node)
         self._build_on: tuple[frozenset[str], Any] = (frozenset(), self.build.options(num_cpus=1, max_retries=0))
@@ -185,7 +187,8 @@ class Bridge:
         unfit = frozenset(node_id for node_id, n in self.nodes.items() if n.reason)
         if unfit and unfit == self.nodes.keys():
             del self.slices[s.task.task_id]
-            self.conn.send(Returned(s.task.task_id, "no node of the cluster reads --data", s.attempts - 1))
+            self.conn.send(Returned(s.task.task_id, "no node of the cluster can build it (every one is unfit)",
+                                    s.attempts - 1))
             return
         if self._build_on[0] != unfit:
             # Retries are the bridge's own, counted.
@@ -219,7 +222,7 @@ class Bridge:
             return
         if isinstance(result, NodeAnswer):  # before its probe answered, or it lost its mount since
             self._answered(result.node_id, result)
-            self._again(s, ref, f"node {node} cannot read --data")
+            self._again(s, ref, f"node {node} is unfit")
             return
         del self.slices[task_id]
         for other in s.refs:
@@ -306,6 +309,9 @@ class Bridge:
     def _answered(self, node_id: str, answer: NodeAnswer) -> None:
         # A slice may answer for a node that joined since the last report: its CPUs come with the next.
         node = self.nodes.setdefault(node_id, _Node(answer.node, 0))
+        if answer.unable:
+            self._unfit(node, f"cannot build the job's slices: {answer.unable}")
+            return
         if not answer.failures:
             self.conn.send(Note(logging.INFO, f"node {node.label} reads --data ({answer.checked} samples checked): "
                                               f"it builds slices with its {node.cpus} CPUs"))

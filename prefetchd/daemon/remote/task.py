@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from prefetchd import __version__
 from prefetchd.daemon import jpeg_crop
+from prefetchd.daemon.hook import HookError, load_hook
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task
 
@@ -24,16 +26,23 @@ class Shipment:
 
     job: WorkerJob
     probe: tuple[int, ...]
+    version: str  # the daemon's prefetchd: a node must run the same for the batches to be the same bits
 
 
 @dataclass(frozen=True)
 class NodeAnswer:
-    """A node's answer to the probe; ``failures`` empty: it reads every probed sample."""
+    """A node's answer to the probe; ``failures`` and ``unable`` empty: it reads every probed sample
+    and can run the job."""
 
     node_id: str  # Ray's node id, for label selectors
     host: str
     checked: int
     failures: tuple[str, ...]  # "name (Error: text)" per sample it could not read
+    unable: str = ""  # why it cannot run the job at all, and what to install; then no sample is read
+
+    @property
+    def fit(self) -> bool:
+        return not self.failures and not self.unable
 
     @property
     def node(self) -> str:
@@ -56,6 +65,27 @@ def probe_samples(job: WorkerJob, reader: SampleReader, count: int = PROBE_SAMPL
 def unreadable(job: WorkerJob, reader: SampleReader, samples: tuple[int, ...]) -> tuple[str, ...]:
     """"name (Error: text)" for each of ``samples`` that ``reader`` cannot read here."""
     return tuple(f for f in (_failure(job, reader, i) for i in samples) if f)
+
+
+def unable_here(shipment: Shipment) -> str:
+    """Why this process cannot build ``shipment``'s slices, or "": it runs another prefetchd than the
+    daemon, or cannot import what the job needs (the transform hook, torch).  Run by every Ray worker
+    before its first slice of a job, and so by the probe: a node without the hook's module is named
+    as unfit when it joins, instead of failing the job with its first slice."""
+    if shipment.version != __version__:
+        return (f"runs prefetchd {__version__}, the daemon {shipment.version}: install prefetchd[ray]=="
+                f"{shipment.version} on every node (a batch must be the same bits wherever it is built)")
+    hook = shipment.job.augment.transform
+    try:
+        if hook is not None:  # before prepare_process: a hook that cannot be imported costs no torch import
+            load_hook(hook)
+        prepare_process(shipment.job)
+    except HookError as exc:
+        return str(exc)
+    except ImportError as exc:
+        return (f"cannot import what the job needs ({type(exc).__name__}: {exc}); install the daemon box's torch "
+                "and torchvision there")
+    return ""
 
 
 def _failure(job: WorkerJob, reader: SampleReader, index: int) -> str:
@@ -89,19 +119,19 @@ def _here(box: list[Any]) -> _JobHere:
     ref = box[0]
     if _job_here is None or _job_here.ref != ref.hex():
         shipment: Shipment = ray.get(ref)
-        prepare_process(shipment.job)
+        unable = unable_here(shipment)
         reader = SampleReader(shipment.job.index, shipment.job.readers)
         clean = jpeg_crop.CleanFiles(len(shipment.job.index), shared=False) if jpeg_crop.available() else None
-        _job_here = _JobHere(ref.hex(), shipment, reader, _probe(shipment, reader), clean)
+        _job_here = _JobHere(ref.hex(), shipment, reader, _probe(shipment, reader, unable), clean)
     return _job_here
 
 
-def _probe(shipment: Shipment, reader: SampleReader) -> NodeAnswer:
-    """Read the job's probe samples on this node, now."""
+def _probe(shipment: Shipment, reader: SampleReader, unable: str = "") -> NodeAnswer:
+    """Read the job's probe samples on this node, now (none where it cannot run the job)."""
     import ray
 
     return NodeAnswer(ray.get_runtime_context().get_node_id(), socket.gethostname(), len(shipment.probe),
-                      unreadable(shipment.job, reader, shipment.probe))
+                      () if unable else unreadable(shipment.job, reader, shipment.probe), unable)
 
 
 def probe_node(box: list[Any]) -> NodeAnswer:
@@ -116,11 +146,13 @@ def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | Node
     replace every sample as undecodable (or fail the job once no replacement reads), and so
     differ from a build on the daemon's box.  The probe runs before the process's first slice of
     the job, and again after a slice that replaced a sample or failed: a mount that went away
-    since is caught there, and the slice goes to another node.
+    since is caught there, and the slice goes to another node.  A node that cannot import the
+    transform hook is unfit from the start (``unable_here``), so a hook that raises here while it
+    runs is the hook's bug, as on the daemon's box: it stops the job (``failure_of``).
     """
     here = _here(box)
     answer = here.answer
-    if answer.failures:
+    if not answer.fit:
         return answer, None, answer.node
     rows = Rows(task.items)
     try:
@@ -151,4 +183,5 @@ class Rows:
         self.pixels[self.rows[slot]] = np.frombuffer(image, np.uint8)
 
 
-__all__ = ["NodeAnswer", "Rows", "Shipment", "build_slice", "node_label", "probe_node", "probe_samples", "unreadable"]
+__all__ = ["NodeAnswer", "Rows", "Shipment", "build_slice", "node_label", "probe_node", "probe_samples", "unable_here",
+           "unreadable"]
