@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -15,8 +19,13 @@ from prefetchd.daemon.cli import format_status, start
 from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.main import JOB_FIELDS, run_daemon
+from prefetchd.daemon.remote import RemotePool
+from prefetchd.daemon.remote import pool as pool_module
 from prefetchd.daemon.remote.bridge import connect_failure
+from prefetchd.daemon.workers import WorkerJob
+from tests.daemon.test_workers import SIZE, _dataset
 from tests.status_examples import REMOTE, production, status
+from tests.waiting import wait_for
 
 
 @pytest.mark.parametrize("address", ["local", "auto", "ray://head:10001", "10.0.0.5:6379", "127.0.0.1:40123"])
@@ -146,9 +155,58 @@ def test_no_cluster_for_auto_is_told_in_prefetchd_flags(monkeypatch: pytest.Monk
     ray_says = ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by "
                                "setting `--address` flag or `RAY_ADDRESS` environment variable.")
     told = connect_failure("auto", ray_says)
-    assert told.startswith("cannot connect to the Ray cluster at auto: no Ray cluster runs on this machine")
+    assert told.startswith("no Ray cluster runs on this machine"), told  # the warning names the address before it
     assert "--ray HOST:6379" in told and "--ray local" in told and "--address" not in told
-    assert connect_failure("10.0.0.5:6379", ConnectionError("Failed to connect")) == (
-        "cannot connect to the Ray cluster at 10.0.0.5:6379: ConnectionError: Failed to connect")
+    assert connect_failure("10.0.0.5:6379", ConnectionError("Failed to connect")).startswith(
+        "ConnectionError: Failed to connect")
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # auto followed it: Ray's message names that address
     assert "Failed to connect" in connect_failure("auto", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5"))
+
+
+def test_a_head_nobody_runs_is_told_at_once_and_local_workers_build_meanwhile(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """ray.init waits for minutes on an address where nothing listens: the bridge checks it first."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # free once closed: nothing listens there
+    index = _dataset(tmp_path / "data")
+    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), address, None, 1)
+    started = time.monotonic()
+    pool.start()
+    try:
+        wait_for(lambda: pool.handle(lambda _t, _r: None, lambda _t: None) or pool.process is None, 20,
+                 "the bridge to give up on the address")
+    finally:
+        pool.stop()
+    assert time.monotonic() - started < 15
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith(f"cannot use the Ray cluster at {address}: "), warned
+    assert "nothing answers there (ConnectionRefusedError: Connection refused)" in warned[0], warned
+    assert "1 local worker builds alone; trying again every 10 s" in warned[0], warned
+    shown = pool.status()
+    assert not shown.connected and "nothing answers there" in shown.message and "1 local worker builds alone" in shown.message
+
+
+def test_a_head_that_accepts_but_does_not_answer_is_warned_about_while_local_workers_build(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listener that never speaks Ray's protocol passes the bridge's check; ray.init then waits,
+    and the daemon says so instead of "connecting" for two minutes."""
+    monkeypatch.setattr(pool_module, "NO_ANSWER_SECONDS", 1.0)  # 15 s in the daemon
+    index = _dataset(tmp_path / "data")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), address, None, 2)
+        pool.start()
+        try:
+            wait_for(lambda: pool.handle(lambda _t, _r: None, lambda _t: None) or pool.told_no_answer, 10,
+                     "the warning that the cluster does not answer")
+            assert pool.process is not None and pool.process.is_alive(), "still trying"
+        finally:
+            pool.stop()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [f"the Ray cluster at {address} does not answer yet (1 s); 2 local workers build alone "
+                      "meanwhile; prefetchd waits up to 120 s for it, then tries again every 10 s"], warned
+    assert pool.status().message == "not connected: no answer after 1 s yet; 2 local workers build alone"

@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ STRAGGLER_MIN_SECONDS = 2.0  # ... but never before this, and only once STRAGGLE
 STRAGGLER_SAMPLES = 16
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 SHOWN_FAILURES = 3  # unreadable samples named in a node's warning
+REACH_SECONDS = 5.0  # the TCP check of a head's address before ray.init (``unreachable``)
 
 
 # -- messages from the bridge to the controller --------------------------------
@@ -351,20 +353,43 @@ def write_rows(task: Task, result: Filled, pixels: Sequence[np.ndarray]) -> Fill
     return result
 
 
+def unreachable(address: str) -> str:
+    """Why nothing accepts a connection at a ``HOST:PORT`` or ``ray://HOST:PORT`` address, or "".
+
+    ray.init does not fail for a head that is not there: it retries (tried with Ray 2.60, a port
+    nobody listens on: still trying after 200 s) while the daemon says only "connecting".  A TCP
+    connection to the same address fails at once for a refused port or an unknown host, and
+    within ``REACH_SECONDS`` for one that drops packets, and says why."""
+    if address in ("local", "auto"):
+        return ""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_SECONDS).close()
+    except OSError as exc:  # socket.gaierror (no such host) and TimeoutError included
+        return (f"nothing answers there ({type(exc).__name__}: {exc.strerror or exc}); start the head "
+                "(`ray start --head`), or check the address and that its port is open to this machine")
+    return ""
+
+
 def connect_failure(address: str, exc: Exception) -> str:
-    """Why ``connect`` failed, in prefetchd's terms: for ``auto`` with no cluster found, Ray's own
+    """Why ``connect`` failed, in prefetchd's terms (the daemon's warning names the address before it):
+    for ``auto`` with no cluster found, Ray's own
     hint names its CLI's ``--address`` flag, which prefetchd does not have.  (RAY_ADDRESS, which
     ``auto`` follows when set, leaves Ray's message as it is: it names that address.)"""
     why = f"{type(exc).__name__}: {exc}"
     if address == "auto" and isinstance(exc, ConnectionError) and not os.environ.get("RAY_ADDRESS"):
         why = ("no Ray cluster runs on this machine (--ray auto joins one that `ray start` started here); "
                "name a head with --ray HOST:6379, or use --ray local for a private one")
-    return f"cannot connect to the Ray cluster at {address}: {why}"
+    return why
 
 
 def bridge_main(conn: Connection, job: WorkerJob, address: str) -> None:
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    why = unreachable(address)  # before the import of Ray: seconds sooner
+    if why:
+        conn.send(Report(False, message=why))
+        return
     try:
         import ray
 
@@ -380,4 +405,4 @@ def bridge_main(conn: Connection, job: WorkerJob, address: str) -> None:
         ray.shutdown()
 
 
-__all__ = ["Bridge", "Done", "Note", "Report", "Returned", "bridge_main", "connect", "write_rows"]
+__all__ = ["Bridge", "Done", "Note", "Report", "Returned", "bridge_main", "connect", "unreachable", "write_rows"]

@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 
 SILENT_SECONDS = 15.0  # no report for this long while connected: the cluster is gone
 CONNECT_SECONDS = 120.0  # ray.init; a private local cluster starts in ~10 s on a busy 2-core box
+# ray.init after a failed one: a head that accepts connections (the bridge checks) and answers takes seconds, and a
+# head that never answers must not hold each attempt for minutes.
+RETRY_CONNECT_SECONDS = 30.0
+# A head that accepts connections but not yet ray.init (Ray gives up on one that refuses its token after 20 s) is
+# warned about after this long, once: the user hears within seconds that local workers build alone meanwhile.
+NO_ANSWER_SECONDS = 15.0
 RECONNECT_SECONDS = 10.0
 BRIDGE_STOP_SECONDS = 15.0  # ray.shutdown of a private cluster takes seconds
 RATE_WINDOW_SECONDS = 10.0
@@ -65,6 +71,7 @@ class RemotePool:
         self.retry_at = 0.0
         self.connected = False
         self.failed_attempts = 0
+        self.told_no_answer = False  # the warning that the cluster does not answer yet, once until it does
         self.refusal: str | None = None  # why the bridge could not connect, as it said before exiting
         self.nodes = 0
         self.cpus = 0  # of the nodes that get slices: all but the unfit ones
@@ -138,8 +145,25 @@ class RemotePool:
         elif self.connected and self.in_flight and self.cpus == 0 and now - self.cpus_seen > SILENT_SECONDS:
             # Its slices wait at Ray for a node with a CPU; the local workers can build them meanwhile.
             self._lose(f"no node with a CPU that reads --data for {SILENT_SECONDS:.0f} s", requeue)
-        elif not self.connected and now - self.started > CONNECT_SECONDS:
-            self._lose(f"could not connect within {CONNECT_SECONDS:.0f} s", requeue)
+        elif not self.connected and now - self.started > self._connect_seconds():
+            self._lose(f"could not connect within {self._connect_seconds():.0f} s", requeue)
+        elif (not self.connected and not self.told_no_answer and self.address != "local"
+              and now - self.started > NO_ANSWER_SECONDS):
+            # (A private cluster, --ray local, starts rather than answers; its ray.init fails, or ends, by itself.)
+            self.told_no_answer = True
+            self.message = f"not connected: no answer after {NO_ANSWER_SECONDS:.0f} s yet; {self._fallback()}"
+            log.warning("the Ray cluster at %s does not answer yet (%.0f s); %s meanwhile; prefetchd waits up to "
+                        "%.0f s for it, then tries again every %.0f s", self.address, NO_ANSWER_SECONDS,
+                        self._fallback(), self._connect_seconds(), RECONNECT_SECONDS)
+
+    def _connect_seconds(self) -> float:
+        return CONNECT_SECONDS if self.failed_attempts == 0 else RETRY_CONNECT_SECONDS
+
+    def _fallback(self) -> str:
+        """Who builds while the cluster does not."""
+        if not self.local_workers:
+            return "no local workers (--workers 0): production waits for the cluster"
+        return f"{counted(self.local_workers, 'local worker')} build{'s' if self.local_workers == 1 else ''} alone"
 
     def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None],
                  requeue: Callable[[list[Task]], None]) -> None:
@@ -195,6 +219,7 @@ class RemotePool:
             self.cpus_seen = time.monotonic()
         self.connected = True
         self.failed_attempts = 0
+        self.told_no_answer = False
         self.message = ""
         self.nodes, self.cpus, self.unfit = report.nodes, report.cpus, report.unfit
         self.last_report = time.monotonic()
@@ -212,9 +237,7 @@ class RemotePool:
     def _lose(self, reason: str, requeue: Callable[[list[Task]], None]) -> None:
         """Give up on this bridge: its slices go back to the queue, and a new one connects later."""
         lost = list(self.in_flight.values())
-        fallback = (f"{counted(self.local_workers, 'local worker')} build{'s' if self.local_workers == 1 else ''} "
-                    "alone" if self.local_workers
-                    else "no local workers (--workers 0): production waits for the cluster")
+        fallback = self._fallback()
         again = f"trying again every {RECONNECT_SECONDS:.0f} s"
         if self.connected:
             self.disconnects += 1
