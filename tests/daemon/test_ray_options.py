@@ -159,6 +159,19 @@ def test_no_cluster_for_auto_is_told_in_prefetchd_flags(monkeypatch: pytest.Monk
     assert "--ray HOST:6379" in told and "--ray local" in told and "--address" not in told
     assert connect_failure("10.0.0.5:6379", ConnectionError("Failed to connect")).startswith(
         "ConnectionError: Failed to connect")
+    assert connect_failure("local", RuntimeError("raylet died")) == "RuntimeError: raylet died"
+    # A head with token authentication refuses a driver without it with only this (Ray 2.60): the hint says how.
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    refused = connect_failure("10.0.0.5:6379", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379"))
+    assert "if the head uses token authentication" in refused and "RAY_AUTH_MODE=token" in refused, refused
+    assert "Token authentication" in refused and "~/.ray/auth_token" in refused, refused
+    no_token = connect_failure("auto", RuntimeError("Token authentication is enabled but no authentication token was "
+                                                    "found."))
+    assert no_token.endswith("start the daemon with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token "
+                             "(or RAY_AUTH_TOKEN_PATH); see docs/SCALE.md, 'Token authentication'"), no_token
+    client = connect_failure("ray://head:10001", ValueError("Ray Client requires pip package `ray[client]`. If you "
+                                                            "installed the minimal Ray (e.g. `pip install ray`), ..."))
+    assert "prefetchd[ray] does not install Ray's client: pip install 'ray[client]'" in client, client
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # auto followed it: Ray's message names that address
     assert "Failed to connect" in connect_failure("auto", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5"))
 

@@ -31,6 +31,8 @@ STRAGGLER_MIN_SECONDS = 2.0  # ... but never before this, and only once STRAGGLE
 STRAGGLER_SAMPLES = 16
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 SHOWN_FAILURES = 3  # unreadable samples named in a node's warning
+TOKEN_AUTH = ("start the daemon with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token (or "
+              "RAY_AUTH_TOKEN_PATH); see docs/SCALE.md, 'Token authentication'")
 REACH_SECONDS = 5.0  # the TCP check of a head's address before ray.init (``unreachable``)
 
 
@@ -377,9 +379,21 @@ def connect_failure(address: str, exc: Exception) -> str:
     hint names its CLI's ``--address`` flag, which prefetchd does not have.  (RAY_ADDRESS, which
     ``auto`` follows when set, leaves Ray's message as it is: it names that address.)"""
     why = f"{type(exc).__name__}: {exc}"
+    text = str(exc)
     if address == "auto" and isinstance(exc, ConnectionError) and not os.environ.get("RAY_ADDRESS"):
         why = ("no Ray cluster runs on this machine (--ray auto joins one that `ray start` started here); "
                "name a head with --ray HOST:6379, or use --ray local for a private one")
+    elif "ray[client]" in text:
+        why += ("; prefetchd[ray] does not install Ray's client: pip install 'ray[client]' (of the cluster's Ray "
+                "version) here, or join the head's GCS with --ray HOST:6379")
+    elif "auth" in text.lower():
+        why += f"; {TOKEN_AUTH}"
+    elif (isinstance(exc, ConnectionError) and address not in ("local", "auto")
+          and os.environ.get("RAY_AUTH_MODE", "").lower() != "token"):
+        # A head with token authentication refuses a driver without the token with only "Failed to connect to
+        # Ray cluster" after 20 s (Ray 2.60); its port answered (``unreachable``), so that is the likeliest cause.
+        why += ("; if the head uses token authentication (Ray 2.60 turns it on where a token exists when "
+                f"`ray start --head` runs): {TOKEN_AUTH}")
     return why
 
 
