@@ -427,7 +427,9 @@ def rank_ranges(ranks: list[int]) -> str:
 def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:
     """Where batches are built: the Ray cluster's share (--ray), a line per node that built some, and
     one per node that gets no slices because it cannot read --data."""
-    share = f" ({rm.images / samples:.0%} of all)" if samples else ""
+    # remote.images counts a slice when it arrives, samples a batch when it is committed: slices of batches
+    # still being built, or aborted (a rewind), can put the cluster's count ahead of all images by a few slices.
+    share = f" ({min(rm.images, samples) / samples:.0%} of all)" if samples else ""
     copy = f", copied in at {rm.copied_bytes / rm.copy_seconds / 2**20:.0f} MiB/s" if rm.copy_seconds > 0 else ""
     built = (f"{counted(rm.in_flight, 'slice')} in flight; {rm.images} img built there{share}{copy}, "
              f"{counted(rm.retries, 'retry')}, {counted(rm.stragglers, 'straggler')}, "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -106,6 +107,9 @@ def test_status_shows_where_batches_are_built() -> None:
             "there (50% of all), copied in at 1991 MiB/s, 2 retries, 1 straggler, 0 disconnects") in text, text
     assert "node      cpu-1/3f2a9c1d: 1664 img, 1900 img/s, slice p50 0.41 s" in text, text
     assert "UNFIT     cpu-2/77ab01c3: cannot read 8 of the 8 samples probed: n01/a.jpg" in text, text
+    # The cluster's slices are counted as they arrive, all images as batches commit: it may be ahead.
+    ahead = production(remote=REMOTE, totals=dataclasses.replace(production().totals, samples=REMOTE.images - 20))
+    assert "img built there (100% of all)" in format_status({**info, "status": status(production=ahead)})
     lost = REMOTE.__class__(**{**REMOTE.__dict__, "connected": False, "message": "lost: no answer; the 3 local workers build alone"})
     assert "NOT CONNECTED (lost: no answer; the 3 local workers build alone)" in format_status(
         {**info, "status": status(production=production(remote=lost))})
