@@ -435,7 +435,8 @@ def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:
              f"{counted(rm.retries, 'retry')}, {counted(rm.stragglers, 'straggler')}, "
              f"{counted(rm.disconnects, 'disconnect')}")
     if rm.connected:
-        head = f"  remote    ray {rm.address} connected: {rm.cluster_nodes} nodes, {rm.cluster_cpus} CPUs; {built}"
+        head = (f"  remote    ray {rm.address} connected: {counted(rm.cluster_nodes, 'node')}, "
+                f"{counted(rm.cluster_cpus, 'CPU')}; {built}")
     else:
         head = f"  remote    ray {rm.address} NOT CONNECTED ({rm.message.removeprefix('not connected: ')}); {built}"
     return ([head] + [f"  node      {n.node}: {n.images} img, {n.images_per_s:.0f} img/s, slice p50 "

@@ -72,7 +72,7 @@ def test_ray_builds_range_names_the_key(tmp_path: Path) -> None:
 
 def test_start_has_the_flags_and_jobs_cannot_set_them() -> None:
     shown = CliRunner().invoke(start, ["--help"]).output
-    assert "--ray local|auto|ray://HOST:PORT" in shown and "--ray-builds" in shown
+    assert "--ray local|auto|HOST:PORT|ray://HOST:PORT" in shown and "--ray-builds" in shown
     assert not {"ray", "ray_builds"} & JOB_FIELDS, "which machines build is the daemon's, not a job's"
 
 
@@ -106,6 +106,8 @@ def test_status_shows_where_batches_are_built() -> None:
     assert ("remote    ray ray://head:10001 connected: 3 nodes, 96 CPUs; 40 slices in flight; 1664 img built "
             "there (50% of all), copied in at 1991 MiB/s, 2 retries, 1 straggler, 0 disconnects") in text, text
     assert "node      cpu-1/3f2a9c1d: 1664 img, 1900 img/s, slice p50 0.41 s" in text, text
+    one = dataclasses.replace(REMOTE, cluster_nodes=1, cluster_cpus=1)
+    assert " connected: 1 node, 1 CPU; " in format_status({**info, "status": status(production=production(remote=one))})
     assert "UNFIT     cpu-2/77ab01c3: cannot read 8 of the 8 samples probed: n01/a.jpg" in text, text
     # The cluster's slices are counted as they arrive, all images as batches commit: it may be ahead.
     ahead = production(remote=REMOTE, totals=dataclasses.replace(production().totals, samples=REMOTE.images - 20))

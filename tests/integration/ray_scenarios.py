@@ -209,6 +209,9 @@ def main() -> None:
             cluster.shutdown()
             wait_for(lambda: (r := remote_status(lost)) is not None and not r.connected, 180, "the daemon to notice", proc)
             out["lost_status"] = dataclasses.asdict(remote_status(lost))
+            wait_for(lambda: (r := remote_status(lost)) is not None and "; reconnecting: " in r.message, 60,
+                     "the daemon to try again (every 10 s) and fail, the cluster being gone", proc)
+            out["reconnecting_status"] = dataclasses.asdict(remote_status(lost))
             cluster = Cluster(initialize_head=True, head_node_args={**NODE, "gcs_server_port": port})
             wait_for(lambda: building_there(lost), 180, "the daemon to reconnect and probe the node again", proc)
 

@@ -163,6 +163,10 @@ def test_job_goes_on_with_local_workers_when_the_cluster_disappears_and_returns(
     remote, lost = run["remote"], scenarios["lost_status"]
     assert not lost["connected"] and lost["message"].startswith("lost: "), lost
     assert "1 local worker builds alone" in lost["message"], lost  # the scenario's --workers 1
+    # A failed attempt to connect again keeps why the cluster was lost in the status, beside why it failed.
+    again = scenarios["reconnecting_status"]["message"]
+    assert again.startswith(lost["message"].removesuffix("; 1 local worker builds alone") + "; reconnecting: "), again
+    assert "nothing answers there (ConnectionRefusedError" in again and again.endswith("1 local worker builds alone"), again
     assert "Ray cluster at 127.0.0.1:" in run["log"] and " lost: " in run["log"], run["log"]
     # A cluster at the same address again: the daemon connected to it and built there once more.
     assert run["running"] is not None and run["running"]["connected"], run["running"]

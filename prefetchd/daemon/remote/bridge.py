@@ -23,6 +23,7 @@ from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.remote.task import NodeAnswer, Shipment, build_slice, node_label, probe_node, probe_samples
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, task_slots
+from prefetchd.words import counted
 
 REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
 MAX_ATTEMPTS = 3  # submissions of one slice at the cluster before it goes back to the controller
@@ -318,7 +319,7 @@ class Bridge:
             return
         if not answer.failures:
             self.conn.send(Note(logging.INFO, f"node {node.label} reads --data ({answer.checked} samples checked): "
-                                              f"it builds slices with its {node.cpus} CPUs"))
+                                              f"it builds slices" + (f" with its {counted(node.cpus, 'CPU')}" if node.cpus else "")))
             return
         more = len(answer.failures) - SHOWN_FAILURES
         named = "; ".join(answer.failures[:SHOWN_FAILURES]) + (f"; and {more} more" if more > 0 else "")

@@ -77,6 +77,7 @@ class RemotePool:
         self.cpus = 0  # of the nodes that get slices: all but the unfit ones
         self.unfit: tuple[str, ...] = ()
         self.message = "connecting"
+        self.lost = ""  # why the cluster was lost, kept in the status beside each failed reconnection until it is back
         self.in_flight: dict[int, Task] = {}
         self.paths: Counter[str] = Counter()  # batches (their temp files) with slices at the cluster
         self.images = self.slices = self.retries = self.stragglers = self.disconnects = self.returned = 0
@@ -151,13 +152,19 @@ class RemotePool:
               and now - self.started > NO_ANSWER_SECONDS):
             # (A private cluster, --ray local, starts rather than answers; its ray.init fails, or ends, by itself.)
             self.told_no_answer = True
-            self.message = f"not connected: no answer after {NO_ANSWER_SECONDS:.0f} s yet; {self._fallback()}"
+            self.message = self._not_connected(f"no answer after {NO_ANSWER_SECONDS:.0f} s yet")
             log.warning("the Ray cluster at %s does not answer yet (%.0f s); %s meanwhile; prefetchd waits up to "
                         "%.0f s for it, then tries again every %.0f s", self.address, NO_ANSWER_SECONDS,
                         self._fallback(), self._connect_seconds(), RECONNECT_SECONDS)
 
     def _connect_seconds(self) -> float:
         return CONNECT_SECONDS if self.failed_attempts == 0 else RETRY_CONNECT_SECONDS
+
+    def _not_connected(self, why: str) -> str:
+        """The status' message while an attempt to connect failed or waits: after a loss, the loss first."""
+        if self.lost:
+            return f"lost: {self.lost}; reconnecting: {why}; {self._fallback()}"
+        return f"not connected: {why}; {self._fallback()}"
 
     def _fallback(self) -> str:
         """Who builds while the cluster does not."""
@@ -220,7 +227,7 @@ class RemotePool:
         self.connected = True
         self.failed_attempts = 0
         self.told_no_answer = False
-        self.message = ""
+        self.message = self.lost = ""
         self.nodes, self.cpus, self.unfit = report.nodes, report.cpus, report.unfit
         self.last_report = time.monotonic()
         if self.cpus:
@@ -241,11 +248,12 @@ class RemotePool:
         again = f"trying again every {RECONNECT_SECONDS:.0f} s"
         if self.connected:
             self.disconnects += 1
+            self.lost = reason
             self.message = f"lost: {reason}; {fallback}"
             log.warning("Ray cluster at %s lost: %s; %s (%d slices queued again); %s", self.address, reason,
                         fallback, len(lost), again)
         else:
-            self.message = f"not connected: {reason}; {fallback}"
+            self.message = self._not_connected(reason)
             (log.warning if self.failed_attempts == 0 else log.debug)(
                 "cannot use the Ray cluster at %s: %s; %s; %s", self.address, reason, fallback, again)
             self.failed_attempts += 1
