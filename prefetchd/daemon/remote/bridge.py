@@ -227,7 +227,7 @@ class Bridge:
             return
         if isinstance(result, NodeAnswer):  # before its probe answered, or it lost its mount since
             self._answered(result.node_id, result)
-            self._again(s, ref, f"node {node} is unfit")
+            self._again(s, ref, f"node {node} is unfit", lost=False)
             return
         del self.slices[task_id]
         for other in s.refs:
@@ -242,12 +242,18 @@ class Bridge:
         self.latencies.append(latency)
         self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
 
-    def _again(self, s: _Slice, ref: Any, reason: str) -> None:
+    def _again(self, s: _Slice, ref: Any, reason: str, lost: bool = True) -> None:
         """``ref``, one copy of slice ``s``, failed for ``reason``: submit it again, up to MAX_ATTEMPTS,
-        then hand it back to the controller."""
+        then hand it back to the controller.  Not ``lost`` (a node answered that it is unfit, before its
+        probe did, say): submitted elsewhere and not counted as a retry, which the status keeps for
+        lost workers and nodes; the selector now excludes that node, so this ends with the nodes."""
         s.refs.remove(ref)
         if s.refs:
             return  # its other copy still runs
+        if not lost:
+            self.conn.send(Note(logging.INFO, f"slice {s.task.task_id}: {reason}; submitting it to another node"))
+            self._submit(s)
+            return
         if s.attempts >= MAX_ATTEMPTS:
             del self.slices[s.task.task_id]
             self.conn.send(Returned(s.task.task_id, reason, s.attempts))
