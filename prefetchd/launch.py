@@ -47,7 +47,7 @@ READY_POLL_SECONDS = 0.05
 # File timestamps come from the kernel's coarse clock (a scheduler tick behind), so a manifest
 # written just after time.time() can carry an mtime a little before it.
 MTIME_SLACK_SECONDS = 0.05
-# An error line of the daemon's log, "TIME LEVEL LOGGER: MESSAGE" (prefetchd/daemon/cli.py's format).
+# An error line of the daemon's log, "TIME LEVEL LOGGER: MESSAGE" (prefetchd/daemon/logs.py's setup_logging).
 DAEMON_ERROR_LINE = re.compile(r" (?:ERROR|CRITICAL) +\S+: (.*)$")
 # What a scheduler, `timeout`, `kill PID` or a closed terminal sends; Ctrl-C's SIGINT already
 # raises KeyboardInterrupt.
