@@ -1,0 +1,43 @@
+"""A checkpoint being written is finished before Ctrl-C or SIGTERM act."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefetchd.trainer.checkpoint import save_checkpoint
+
+
+class SignalsWhilePickled:
+    """Sends ``signum`` to this process while torch.save pickles it: a signal in mid-write, every time."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        os.kill(os.getpid(), self.signum)
+        return (dict, ())
+
+
+def test_ctrl_c_during_a_save_interrupts_after_the_checkpoint_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "last.pt"
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"step": 7, "model": torch.ones(1000), "late": SignalsWhilePickled(signal.SIGINT)})
+    assert torch.load(path, weights_only=False)["step"] == 7, "the checkpoint was written whole"
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"], "no temp file left"
+
+
+def test_sigterm_during_a_save_reaches_its_handler_once_the_checkpoint_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "last.pt"
+    seen: list[bool] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(path.exists()))
+    try:
+        save_checkpoint(path, {"step": 3, "late": SignalsWhilePickled(signal.SIGTERM)})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [True], "the handler ran once, after the file was in place"
