@@ -197,7 +197,10 @@ class Run:
                    "over the ranks" if self.ranks.distributed else "")
             )
         run_start = time.perf_counter()
-        stopped = False
+        # A resume of a run that --max-steps stopped, with the same limit: it has nothing more to train.
+        stopped = config.max_steps is not None and self.global_step >= config.max_steps
+        if stopped:
+            self.stop_reason = "--max-steps"
         while self.epoch < self.epochs and not stopped:
             stopped = self._epoch()
         total_s = time.perf_counter() - run_start

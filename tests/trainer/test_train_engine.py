@@ -108,6 +108,9 @@ def test_stop_and_resume_is_exact(make_job: MakeJob, buffer: Path, tmp_path: Pat
     assert stopped["loaders"]["train"]["epoch"] == 1 and stopped["loaders"]["train"]["step"] == 1
     assert stopped["loaders"]["val"]["epoch"] == 1 and stopped["loaders"]["val"]["step"] == 0
     assert stopped["partial"]["seen"] == 4
+    again = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", max_steps=4, resume=True, **settings),
+                  echo=quiet)  # the same limit, already reached: nothing more to train
+    assert again["global_steps"] == 4 and load_checkpoint(tmp_path / "b" / LAST_CHECKPOINT)["global_step"] == 4
 
     said.clear()
     resumed = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", resume=True, **settings), echo=said.append)
