@@ -250,7 +250,7 @@ def describe_status(buffer: Path) -> dict[str, Any]:
     owner = owning_buffer(buffer)
     if owner != buffer and not buffer.exists():  # the status read would be the parent's, of other ranks
         return {"buffer": str(buffer), "running": False, "pid": None, "heartbeat_age_s": None, "stale": False,
-                "status": None, "manifest": None,
+                "status": None, "manifest": None, "no_rank": True,
                 "problems": [f"no such rank: the daemon on {owner} writes no {buffer.name}; "
                              f"`prefetchd status --buffer {owner}` shows the ranks it serves"]}
     pid = daemon_pid(buffer)
@@ -319,6 +319,8 @@ def format_status(info: dict[str, Any]) -> str:
     """The text of `prefetchd status`; read_status has checked every field it shows."""
     buffer, mf = info["buffer"], info["manifest"]
     st: Status | None = info["status"]
+    if info.get("no_rank"):  # a rank directory no daemon writes: its buffer's daemon may well run
+        return "\n".join([f"prefetchd on {buffer}: no such rank", *info["problems"]])
     if not info["running"]:
         line = f"prefetchd on {buffer}: not running" + ("" if Path(buffer).exists() else f" ({buffer} does not exist)")
         if st:

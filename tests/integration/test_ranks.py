@@ -108,7 +108,8 @@ def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, s
     assert f"does not serve rank 2 now (it serves 0-1); `prefetchd status --buffer {buffer}`" in other.stdout, other.stdout
     missing = cli("status", "--buffer", buffer / "rank-00007")
     assert missing.returncode == 3 and "running (pid" not in missing.stdout, missing.stdout
-    assert f"{buffer / 'rank-00007'} does not exist" in missing.stdout and f"no such rank: the daemon on {buffer}" in missing.stdout
+    assert missing.stdout.startswith(f"prefetchd on {buffer / 'rank-00007'}: no such rank\n"), missing.stdout
+    assert "not running" not in missing.stdout and f"no such rank: the daemon on {buffer}" in missing.stdout
     refused = cli("stop", "--buffer", buffer / "rank-00000")
     assert refused.returncode == 2 and f"`prefetchd stop --buffer {buffer}`" in refused.stderr, refused
     assert daemon.proc.poll() is None, "stop on one rank's directory stopped the daemon of every rank"
