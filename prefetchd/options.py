@@ -7,7 +7,7 @@ knows neither role: each passes its own dataclass and its own error class.
 
 A field's metadata (see :func:`setting`):
 
-- ``help``, ``kind`` (``bool``, ``int``, ``float``, ``str`` or ``Path``);
+- ``help``, ``kind`` (``bool``, ``int``, ``float``, ``str`` or ``Path``; a float is always finite);
 - ``choices``; ``minimum`` / ``maximum`` (inclusive unless ``min_open`` /
   ``max_open``);
 - ``location``: a local path or an object-storage URL;
@@ -25,6 +25,7 @@ has no file, so its options carry the defaults and click checks the ranges.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -65,12 +66,32 @@ def _check_one(name: str, value: Any, meta: Any, error: type[Exception]) -> None
         ok = True
     if not ok:
         raise error(f"{name} = {value!r}: expected {kind.__name__}")
+    if kind is float and not math.isfinite(value):  # nan passes every comparison below
+        raise error(f"{name} = {value!r}: expected a finite number")
     if "choices" in meta and value not in meta["choices"]:
         raise error(f"{name} = {value!r}: allowed values are {', '.join(meta['choices'])}")
     if "minimum" in meta and (value <= meta["minimum"] if meta.get("min_open") else value < meta["minimum"]):
         raise error(f"{name} = {value!r}: must be {'above' if meta.get('min_open') else 'at least'} {meta['minimum']}")
     if "maximum" in meta and (value >= meta["maximum"] if meta.get("max_open") else value > meta["maximum"]):
         raise error(f"{name} = {value!r}: must be {'below' if meta.get('max_open') else 'at most'} {meta['maximum']}")
+
+
+class FiniteFloat(click.FloatRange):
+    """A float within optional bounds, refusing nan and ±inf: click's range checks let nan through
+    (every comparison with it is false), and no setting means "infinitely many seconds"."""
+
+    def __init__(self, min: float | None = None, max: float | None = None, **kw: Any) -> None:
+        super().__init__(min, max, **kw)
+        self.name = "float" if min is None and max is None else "float range"  # the metavar click shows
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+    def _describe_range(self) -> str:
+        return "" if self.min is None and self.max is None else super()._describe_range()
 
 
 class LocationParam(click.ParamType):  # type: ignore[type-arg]
@@ -136,12 +157,13 @@ def _param_type(meta: Any, ranged: bool) -> Any:
         where = meta.get("path")
         return click.Path(path_type=Path, **({"file_okay": False} if where == "dir" else
                                              {"dir_okay": False} if where == "file" else {}))
-    if ranged and kind in (int, float) and ("minimum" in meta or "maximum" in meta):
-        bounds = {"min": meta.get("minimum"), "max": meta.get("maximum")}
-        if kind is int:
-            return click.IntRange(**bounds)
-        return click.FloatRange(**bounds, min_open=meta.get("min_open", False), max_open=meta.get("max_open", False))
-    return {int: int, float: float, str: str}[kind]
+    bounds = {"min": meta.get("minimum"), "max": meta.get("maximum")} if ranged else {}
+    if kind is float:  # finite even where layered: a flag's nan fails as it is typed, a file's in check_value
+        return FiniteFloat(**bounds, min_open=ranged and meta.get("min_open", False),
+                           max_open=ranged and meta.get("max_open", False))
+    if ranged and kind is int and ("minimum" in meta or "maximum" in meta):
+        return click.IntRange(**bounds)
+    return {int: int, str: str}[kind]
 
 
-__all__ = ["LocationParam", "check_value", "click_options", "setting"]
+__all__ = ["FiniteFloat", "LocationParam", "check_value", "click_options", "setting"]

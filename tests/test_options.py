@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 from dataclasses import MISSING, dataclass
@@ -87,3 +88,44 @@ def test_the_trainer_never_imports_the_daemon_and_options_imports_neither() -> N
                                   check=True).stdout.strip()
               for mod in ("prefetchd.options", "prefetchd.trainer.train")}
     assert loaded == {"prefetchd.options": "[]", "prefetchd.trainer.train": "['trainer']"}
+
+
+@pytest.mark.parametrize("layered", [False, True])
+@pytest.mark.parametrize("text", ["nan", "inf"])
+def test_a_float_flag_refuses_nan_and_infinity(layered: bool, text: str) -> None:
+    # click's range checks compare, and every comparison with nan is false: `--lr nan` trained on.
+    cmd, seen = _command(layered=layered)
+    result = CliRunner().invoke(cmd, ["--out", "o", "--rate", text])
+    assert result.exit_code == 2 and f"Invalid value for '--rate': '{text}' is not a finite number" in result.output
+    assert not seen
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_check_value_refuses_nan_and_infinity_as_a_config_file_gives_them(value: float) -> None:
+    fields = {f.name: f for f in dataclasses.fields(Example)}
+    with pytest.raises(ValueError, match=rf"rate = {value!r}: expected a finite number"):
+        check_value(fields["rate"], value)
+
+
+def test_every_float_option_of_both_commands_refuses_nan() -> None:
+    from prefetchd.cli import main as prefetchd
+    from prefetchd.trainer.train import main as train
+
+    def commands(command: click.Command) -> list[click.Command]:
+        below = command.commands.values() if isinstance(command, click.Group) else ()
+        return [command, *(c for sub in below for c in commands(sub))]
+
+    floats = [p for c in commands(prefetchd) + [train] for p in c.params if isinstance(p.type, click.types.FloatParamType)]
+    assert {p.name for p in floats} >= {"lr", "momentum", "warmup_epochs", "timeout", "daemon_timeout",
+                                        "consumer_timeout", "val_fraction", "interval", "seconds"}
+    for param in floats:
+        with pytest.raises(click.BadParameter, match="is not a finite number"):
+            param.type.convert("nan", param, None)
+
+
+def test_a_daemon_config_file_with_nan_is_refused(tmp_path: Path) -> None:
+    from prefetchd.daemon.config import ConfigError, load_toml
+
+    (tmp_path / "d.toml").write_text("consumer-timeout = nan\n")
+    with pytest.raises(ConfigError, match=r"d.toml: consumer_timeout = nan: expected a finite number"):
+        load_toml(tmp_path / "d.toml")

@@ -16,6 +16,7 @@ from prefetchd.bench.report import usable_cores
 from prefetchd.bench.results import ALL_CONTENDERS, CONTENDERS
 from prefetchd.bench.run import run_benchmark, worker_counts
 from prefetchd.launch import stops_cleanly
+from prefetchd.options import FiniteFloat
 
 DEFAULT_GENERATE = 1500
 
@@ -55,7 +56,7 @@ def _parse_contenders(_ctx: click.Context, _param: click.Parameter, value: str |
               help="Worker counts to measure  [default: 1..usable cores]")
 @click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--image-size", type=click.IntRange(min=8), default=224, show_default=True)
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=8.0, show_default=True,
+@click.option("--seconds", type=FiniteFloat(min=0, min_open=True), default=8.0, show_default=True,
               help="Length of each measurement after its first batch and warm-up.")
 @click.option("--batches", type=click.IntRange(min=MIN_BATCHES),
               help=f"Measure this many batches instead of --seconds (at least {MIN_BATCHES}).")

@@ -29,7 +29,7 @@ from prefetchd.daemon.producer import STAGES
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.locations import is_url, normalize
-from prefetchd.options import click_options
+from prefetchd.options import FiniteFloat, click_options
 from prefetchd.words import counted
 
 log = logging.getLogger("prefetchd")
@@ -146,7 +146,7 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True, help="The daemon's buffer directory.")
 @CONFIG_FILE_OPTION
 @click.option("--replace", is_flag=True, help="Replace the running job even while a trainer consumes it.")
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for the daemon's answer.")
+@click.option("--timeout", type=FiniteFloat(), default=60.0, show_default=True, help="Seconds to wait for the daemon's answer.")
 @click.pass_context
 def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
     """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status)."""
@@ -185,7 +185,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
 
 @click.command()
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
+@click.option("--timeout", type=FiniteFloat(), default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(buffer: Path, timeout: float) -> None:
     """Stop the daemon that owns BUFFER gracefully (SIGTERM) and wait until it has exited."""
     pid = daemon_pid(buffer)
@@ -484,7 +484,7 @@ def fill_bar(waiting: int, high: int, width: int = 24) -> str:
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (with --watch: one document per line).")
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(0.1), default=1.0, show_default=True)
+@click.option("--interval", type=FiniteFloat(0.1), default=1.0, show_default=True)
 def status(buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
     """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER."""
     if not watch:
