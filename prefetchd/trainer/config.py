@@ -32,7 +32,8 @@ class TrainConfig:
     pretrained: bool = setting(False, "Start from torchvision's default weights, if they are in the local torch hub cache (never downloads).", bool)
     optimizer: str = setting("sgd", None, str, choices=OPTIMIZERS)
     lr: float | None = setting(None, "Peak learning rate  [default: 0.05 for sgd, 0.001 for adamw]", float, minimum=0, min_open=True)  # None: OPTIMIZER_DEFAULTS
-    momentum: float = setting(0.9, "SGD momentum.", float)
+    # torch.optim.SGD refuses a negative momentum; 1 and above make the step grow without end.
+    momentum: float = setting(0.9, "SGD momentum.", float, minimum=0, maximum=1, max_open=True)
     weight_decay: float | None = setting(None, "[default: 5e-4 for sgd, 0.05 for adamw]", float, minimum=0)  # None: OPTIMIZER_DEFAULTS
     warmup_epochs: float = setting(0.0, "Linear warmup to the peak lr, then cosine to 0 (per step).", float, minimum=0)
     label_smoothing: float = setting(0.0, None, float, minimum=0, maximum=1, max_open=True)

@@ -18,7 +18,12 @@ def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
     """The device of ``--device``; under torchrun ``cuda`` (or ``auto`` with CUDA) means cuda:LOCAL_RANK."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's own message is a list of every backend it was built to know
+        raise OptionError(f"--device {name}: not a device name; use auto, cpu, cuda or cuda:N (N: a GPU index)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise OptionError(f"--device {name}: prefetchd-train trains on the CPU or a CUDA GPU; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SetupError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
     if device.type == "cuda" and device.index is None and ranks is not None and ranks.distributed:

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import Progress
@@ -64,3 +65,18 @@ def test_more_epochs_than_the_daemon_produces(make_job: MakeJob) -> None:
     result = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--device", "cpu", "--epochs", "3"])
     assert result.exit_code == 1
     assert "produces only 1 epoch;" in result.stderr
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:x", "meta"])
+def test_an_unknown_device_is_one_usage_line(buffer: Path, device: str) -> None:
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", device])
+    assert result.exit_code == 2, result.output
+    assert f"Error: --device {device}: " in result.stderr and "use auto, cpu, cuda or cuda:N" in result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--momentum", "-5"), ("--momentum", "1"), ("--weight-decay", "-1"),
+                                             ("--label-smoothing", "1")])
+def test_optimizer_and_loss_settings_out_of_range_are_refused_at_parse_time(buffer: Path, flag: str, value: str) -> None:
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu", flag, value])
+    assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.stderr, result.output
