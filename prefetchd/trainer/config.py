@@ -44,8 +44,8 @@ class TrainConfig:
     timeout: float = setting(120.0, "Seconds to wait for the manifest and for each batch, whatever the daemon's state.", float, minimum=0, min_open=True)
     daemon_timeout: float = setting(60.0, "Seconds without a heartbeat from the daemon that owns a buffer before it counts as stuck (0: never); a dead daemon is noticed within 5 s.", float, minimum=0)
     daemon_restarts: int = setting(3, "With --spawn-daemon: restart a daemon that died or got stuck up to N times within 10 minutes, then stop with an error.", int, minimum=0)
-    metrics_json: Path | None = setting(None, "Write per-epoch and final metrics here (after every epoch).", Path, path="file")
-    metrics_csv: Path | None = setting(None, "Write one CSV row per epoch here (after every epoch).", Path, path="file")
+    metrics_json: Path | None = setting(None, "Write per-epoch and final metrics here (after every epoch); its folder must exist.", Path, path="file")
+    metrics_csv: Path | None = setting(None, "Write one CSV row per epoch here (after every epoch); its folder must exist.", Path, path="file")
     # A local Path, or a URL kept as a str: Path("s3://b/p") is "s3:/b/p".
     checkpoint_dir: Path | str | None = setting(None, "Save DIR/last.pt at every epoch's end (and see --checkpoint-every); DIR may be a URL such as s3://bucket/run1 (needs prefetchd[s3]; credentials from the standard AWS environment and files).", Path, location=True)
     checkpoint_every: int | None = setting(None, "Also save every N training steps.", int, minimum=1)

@@ -11,6 +11,7 @@ from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.errors import CheckpointError, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Collective, Ranks
+from prefetchd.trainer.report import metrics_unwritable
 from prefetchd.words import counted
 
 
@@ -84,6 +85,14 @@ def agree_on_checkpoints(config: TrainConfig, coll: Collective) -> CheckpointPla
     return plan
 
 
+def check_metrics_paths(config: TrainConfig, coll: Collective) -> None:
+    """Refuse, before any daemon is started, a --metrics-json or --metrics-csv that rank 0 (which writes
+    them) cannot write: without this the run failed after its first epoch, with a traceback."""
+    problem = coll.broadcast(metrics_unwritable(config) if coll.ranks.is_main else None)
+    if problem is not None:
+        raise SetupError(problem)
+
+
 def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:
     """DDP hangs unless every rank runs the same steps: the daemon pads the ranks' shares, this checks it."""
     mine = (len(train), len(val) if val is not None else None, epochs)
@@ -97,4 +106,4 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
         )
 
 
-__all__ = ["agree_on_checkpoints", "check_equal_steps", "resolve_device", "resolve_epochs"]
+__all__ = ["agree_on_checkpoints", "check_equal_steps", "check_metrics_paths", "resolve_device", "resolve_epochs"]

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -137,9 +138,29 @@ def write_metrics(config: TrainConfig, metrics: dict[str, Any]) -> None:
         write_csv(config.metrics_csv, metrics["epochs"])
 
 
+def metrics_unwritable(config: TrainConfig) -> str | None:
+    """Why ``--metrics-json`` or ``--metrics-csv`` cannot be written, found by creating and removing a
+    probe in its folder before the first step (not after an epoch of training); None when both can.
+
+    A missing folder is refused rather than created: a typo in it would otherwise make folders
+    anywhere the trainer may write (as root, anywhere at all)."""
+    for flag, path in (("--metrics-json", config.metrics_json), ("--metrics-csv", config.metrics_csv)):
+        if path is None:
+            continue
+        folder = path.parent
+        if not folder.is_dir():
+            return f"{flag} {path}: the folder {folder} does not exist; create it first, or pass a path in an existing folder"
+        try:
+            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            return f"{flag} {path}: cannot write in {folder} ({exc.strerror or exc}); pass a path in a folder you can write"
+    return None
+
+
 def _write_atomic(path: Path, text: str) -> None:
     # Atomic, so a dashboard polling the file never reads half a document.
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -160,4 +181,4 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     _write_atomic(path, out.getvalue())
 
 
-__all__ = ["METRICS_FORMAT", "METRICS_VERSION", "ProgressLine", "finite", "metrics_document", "write_metrics"]
+__all__ = ["METRICS_FORMAT", "METRICS_VERSION", "ProgressLine", "finite", "metrics_document", "metrics_unwritable", "write_metrics"]

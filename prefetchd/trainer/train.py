@@ -46,7 +46,8 @@ from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.options import click_options
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
 from prefetchd.trainer.engine import Run
-from prefetchd.trainer.preflight import agree_on_checkpoints, check_equal_steps, resolve_device, resolve_epochs
+from prefetchd.trainer.preflight import (agree_on_checkpoints, check_equal_steps, check_metrics_paths, resolve_device,
+                                        resolve_epochs)
 from prefetchd.trainer.errors import (CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, PeerFailed,
                                       SetupError)
 from prefetchd.trainer.gpu import PinMode
@@ -97,6 +98,7 @@ def train(
         coll = Collective.start(ranks, device)
         stack.callback(coll.close)  # registered first: the group outlives everything below
         plan = agree_on_checkpoints(config, coll)
+        check_metrics_paths(config, coll)
         config = dataclasses.replace(config, resume=plan.resume)  # the daemons local rank 0 starts resume too
         spawned: list[SpawnedDaemon] = []
         if config.spawn_daemon:

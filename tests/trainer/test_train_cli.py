@@ -80,3 +80,16 @@ def test_an_unknown_device_is_one_usage_line(buffer: Path, device: str) -> None:
 def test_optimizer_and_loss_settings_out_of_range_are_refused_at_parse_time(buffer: Path, flag: str, value: str) -> None:
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu", flag, value])
     assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("flag", ["--metrics-json", "--metrics-csv"])
+@pytest.mark.parametrize("where", ["/proc/m.out", "missing/m.out"])
+def test_an_unwritable_metrics_path_is_refused_before_the_first_step(buffer: Path, tmp_path: Path, flag: str,
+                                                                     where: str) -> None:
+    path = where if where.startswith("/") else str(tmp_path / where)
+    # No daemon serves the buffer: the check comes before any wait for one (and before a spawned daemon).
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu", flag, path])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"Error: {flag} {path}: ") and len(result.stderr.strip().splitlines()) == 1
+    assert ("does not exist; create it first" in result.stderr) == where.startswith("missing")
+    assert not (tmp_path / "missing").exists()  # a typo in the folder is refused, not created
