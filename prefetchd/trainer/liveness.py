@@ -39,8 +39,12 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
 from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout
+from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
+
+# How to wait longer, named for both ways in: prefetchd-train's flag and the loader's argument.
+MORE_TIME = "pass a larger --timeout (prefetchd-train; timeout= of the loader)"
 
 # Waiting for a batch starts with 1 ms sleeps (a daemon that keeps up publishes
 # within a few ms) and backs off to 20 ms, so a stalled daemon costs ~50 wake-ups
@@ -88,11 +92,11 @@ def _manifest_timeout_message(buffer: Path, timeout: float) -> str:
     return (
         f"{buffer} {where} after waiting {waited} for the daemon's manifest.json, and no prefetchd daemon "
         f"owns it. Start one with `prefetchd start --buffer {buffer} --data ROOT` (ROOT: the class-folder "
-        "dataset), or pass a larger timeout if one is still starting"
+        f"dataset), or {MORE_TIME} if one is still starting"
     )
 
 
-def why_no_manifest(buffer: Path, more_time: str = "pass a larger timeout") -> str:
+def why_no_manifest(buffer: Path, more_time: str = MORE_TIME) -> str:
     """What to do about a live daemon that has written no manifest for a trainer: give it a job, or
     wait for it (``buffer``: the daemon's, not a rank's stream; ``more_time``: how to wait longer)."""
     try:
@@ -260,7 +264,7 @@ class BatchWaiter:
                 raise LoaderTimeout(
                     f"{self.buffer}: waited {self.timeout:g} s for batch {name} (epoch {epoch}, step {step}) "
                     f"and it did not appear; {owner}; {status_summary(self.buffer)}. Check `prefetchd status "
-                    f"--buffer {self.buffer}`, or pass a larger timeout if the daemon is just slow"
+                    f"--buffer {self.buffer}`, or {MORE_TIME} if the daemon is just slow"
                 )
             if not warned and now - start >= SLOW_WAIT_WARNING:
                 warned = True
@@ -337,7 +341,7 @@ def _summary_parts(status: Status) -> list[str]:
     if p is not None:
         parts.append(f"it sees progress epoch {p.progress.epoch} step {p.progress.step}")
         ranks = f" for its {len(p.streams)} ranks together" if len(p.streams) > 1 else ""
-        parts.append(f"{p.waiting} batches waiting (high water {p.high_water}{ranks})")
+        parts.append(f"{counted(p.waiting, 'batch')} waiting (high water {p.high_water}{ranks})")
         e = p.errors
         # Only what went wrong: zero counters and empty fields are noise in an error message.
         bad = {
@@ -404,4 +408,4 @@ def _short(value: object, limit: int = 200) -> str:
 
 
 __all__ = ["BatchWaiter", "JobWatch", "job_command", "served_world", "status_summary", "wait_for_manifest",
-           "why_no_manifest"]
+           "MORE_TIME", "why_no_manifest"]

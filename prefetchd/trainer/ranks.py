@@ -34,7 +34,7 @@ import torch.distributed as dist
 from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, PeerFailed, SetupError
-from prefetchd.trainer.liveness import served_world, why_no_manifest
+from prefetchd.trainer.liveness import MORE_TIME, served_world, why_no_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -187,12 +187,12 @@ def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, sp
         extra = (f"; it may produce only other ranks: its --ranks must include {ranks.rank}"
                  if ranks.distributed else "")
         return (f"{own}: the daemon (pid {pid}) owns {buffer} but wrote no manifest.json there within "
-                f"{timeout:g} s{extra}; {why_no_manifest(buffer, 'pass a larger timeout')}")
+                f"{timeout:g} s{extra}; {why_no_manifest(buffer)}")
     where = "does not exist" if not own.exists() else "has no manifest.json"
     return (f"{own} {where} after waiting {timeout:g} s for the daemon's manifest.json, and no prefetchd daemon "
             f"owns {buffer}. Start one with `prefetchd start --buffer {buffer} --data ROOT{world}` (ROOT: the "
             f"{'validation ' if split == 'val' else ''}dataset: class folders, a file list or shards, local or at a "
-            "URL), or pass a larger timeout if one is still starting")
+            f"URL), or {MORE_TIME} if one is still starting")
 
 
 # -- what the ranks agree on --------------------------------------------------------------

@@ -141,7 +141,7 @@ def check_spawn_options(config: TrainConfig, ranks: Ranks | None = None) -> None
     if not config.spawn_daemon:
         given = ["--" + key.replace("_", "-") for key in SPAWN_ONLY if getattr(config, key) not in (None, False)]
         if given:
-            raise OptionError(f"{', '.join(given)} configure the daemon that --spawn-daemon starts; add "
+            raise OptionError(f"{', '.join(given)} {'configures' if len(given) == 1 else 'configure'} the daemon that --spawn-daemon starts; add "
                               "--spawn-daemon, or pass them to `prefetchd start`")
         return
     if config.data is None:

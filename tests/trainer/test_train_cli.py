@@ -93,3 +93,19 @@ def test_an_unwritable_metrics_path_is_refused_before_the_first_step(buffer: Pat
     assert result.stderr.startswith(f"Error: {flag} {path}: ") and len(result.stderr.strip().splitlines()) == 1
     assert ("does not exist; create it first" in result.stderr) == where.startswith("missing")
     assert not (tmp_path / "missing").exists()  # a typo in the folder is refused, not created
+
+
+def test_wording_of_the_option_and_wait_messages(buffer: Path) -> None:
+    from prefetchd.trainer.config import TrainConfig
+    from prefetchd.trainer.errors import OptionError
+    from prefetchd.trainer.liveness import _summary_parts
+    from prefetchd.trainer.spawn import check_spawn_options
+    from tests.status_examples import production, status
+
+    with pytest.raises(OptionError, match=r"^--workers configures the daemon that --spawn-daemon starts"):
+        check_spawn_options(TrainConfig(buffer=buffer, workers=2))
+    with pytest.raises(OptionError, match=r"^--workers, --reset configure the daemon"):
+        check_spawn_options(TrainConfig(buffer=buffer, workers=2, reset=True))
+    assert "1 batch waiting (high water 32)" in _summary_parts(status(production=production(waiting=1)))
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu"])
+    assert "or pass a larger --timeout" in result.stderr, result.output
