@@ -137,7 +137,12 @@ def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig
 
 def check_spawn_options(config: TrainConfig, ranks: Ranks | None = None) -> None:
     """The daemon flags need --spawn-daemon, and --spawn-daemon needs --data and --epochs, and --val-data
-    for a --val-buffer no daemon serves yet."""
+    for a --val-buffer no daemon serves yet; --val-buffer is never the training buffer."""
+    if config.val_buffer is not None and config.val_buffer.resolve() == config.buffer.resolve():
+        # Validating on the training batches measures nothing; with --spawn-daemon the second
+        # daemon would find the buffer owned by the first and blame it.
+        raise OptionError(f"--val-buffer {config.val_buffer} is the training --buffer {config.buffer}; a validation "
+                          "daemon (--split val) needs a buffer of its own: pass another --val-buffer, or leave it out")
     if not config.spawn_daemon:
         given = ["--" + key.replace("_", "-") for key in SPAWN_ONLY if getattr(config, key) not in (None, False)]
         if given:

@@ -109,3 +109,17 @@ def test_wording_of_the_option_and_wait_messages(buffer: Path) -> None:
     assert "1 batch waiting (high water 32)" in _summary_parts(status(production=production(waiting=1)))
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu"])
     assert "or pass a larger --timeout" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("spawn", [False, True])
+def test_a_val_buffer_that_is_the_training_buffer_is_refused(buffer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             spawn: bool) -> None:
+    from prefetchd.trainer.config import TrainConfig
+    from prefetchd.trainer.errors import OptionError
+    from prefetchd.trainer.spawn import check_spawn_options
+
+    monkeypatch.chdir(buffer.parent)
+    spawned = dict(spawn_daemon=True, data=tmp_path, val_data=tmp_path, epochs=1) if spawn else {}
+    same = Path("..") / buffer.parent.name / buffer.name  # another spelling of the same folder
+    with pytest.raises(OptionError, match=r"^--val-buffer .* is the training --buffer .*; a validation daemon"):
+        check_spawn_options(TrainConfig(buffer=buffer, val_buffer=same, **spawned))  # type: ignore[arg-type]
