@@ -39,6 +39,14 @@ def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[s
     The classifier of the pretrained weights rarely has ``num_classes``
     outputs: tensors whose shape differs stay freshly initialised.
     """
+    if name not in classification_models():
+        # Detection, segmentation, video and optical-flow models take other targets, and some of
+        # them download a backbone when built: neither fits a trainer that never downloads.
+        raise SetupError(
+            f"--model {name}: not a torchvision classification model; prefetchd-train trains those only, such as "
+            "resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, vit_b_16 (all of them: python -c \"import "
+            "torchvision; print(torchvision.models.list_models(module=torchvision.models))\")"
+        )
     try:
         model: nn.Module = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     except ValueError as exc:
@@ -74,30 +82,63 @@ def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[s
     return model
 
 
-def check_last_batch(name: str, num_classes: int, manifest: Manifest) -> None:
-    """Refuse, before the first step, a job whose epochs end in a batch of one image that the
-    model cannot train on: BatchNorm in training mode needs more than one value per channel,
-    and a batch of one after global pooling (a small image size) has one.  Found by running
-    the model once on the meta device, where only shapes are computed (milliseconds); a model
-    the meta device cannot run is left to the real first epoch."""
-    m = manifest
-    if m.steps_per_epoch < 1 or m.samples_per_epoch - (m.steps_per_epoch - 1) * m.batch_size != 1:
-        return
+def classification_models() -> list[str]:
+    """The names torchvision registers as classification models (those of ``torchvision.models`` itself)."""
+    return list(torchvision.models.list_models(module=torchvision.models))
+
+
+# Image sizes tried, on the meta device, to tell a user whose model cannot run at the job's size which one it
+# can: the usual ones of torchvision's recipes.
+USUAL_SIZES = (32, 64, 96, 128, 160, 192, 224, 256, 299, 320, 384, 448, 512)
+
+
+def _runs(name: str, num_classes: int, channels: int, size: int, batch: int) -> Exception | None:
+    """Run ``name`` once in training mode on the meta device, where only shapes are computed (milliseconds);
+    None if it ran, else what it raised."""
     try:
         with torch.device("meta"):
             model = build_model(name, num_classes, pretrained=False)
         model.train()
-        model(torch.empty(1, m.channels, m.image_size, m.image_size, device="meta"))
-    except ValueError as exc:
-        if "value per channel" not in str(exc):
+        model(torch.empty(batch, channels, size, size, device="meta"))
+    except Exception as exc:
+        return exc
+    return None
+
+
+def check_last_batch(name: str, num_classes: int, manifest: Manifest) -> None:
+    """Refuse, before the first step, a job whose images the model cannot take, and a job whose
+    epochs end in a batch of one image that the model cannot train on: BatchNorm in training mode
+    needs more than one value per channel, and a batch of one after global pooling (a small image
+    size) has one.  Found by running the model on the meta device; a model the meta device cannot
+    run (an operation without a meta kernel) is left to the real first epoch."""
+    m = manifest
+    problem = _runs(name, num_classes, m.channels, m.image_size, batch=2)
+    if problem is not None:
+        fits = [size for size in USUAL_SIZES if size != m.image_size
+                and _runs(name, num_classes, m.channels, size, batch=2) is None]
+        if not fits:  # it runs at no size: the meta device, not the size, is what it cannot take
+            logger.debug("cannot check %s at %d px on the meta device: %s", name, m.image_size, problem)
             return
+        exactly = len(fits) == 1
+        bigger = [size for size in fits if size > m.image_size]
+        size = bigger[0] if bigger else fits[-1]
+        told = " ".join(str(problem).split())[:200]
+        raise SetupError(
+            f"--model {name} cannot run on images of {m.image_size} px ({told}); it needs images of "
+            f"{'exactly' if exactly else 'at least' if bigger == fits else 'for example'} {size} px: start the daemon "
+            f"with --image-size {size} (with --spawn-daemon, pass --image-size {size} --reset here), or pick another --model"
+        )
+    if m.steps_per_epoch < 1 or m.samples_per_epoch - (m.steps_per_epoch - 1) * m.batch_size != 1:
+        return
+    problem = _runs(name, num_classes, m.channels, m.image_size, batch=1)
+    if isinstance(problem, ValueError) and "value per channel" in str(problem):
         raise SetupError(
             f"every epoch ends in a batch of 1 image ({m.samples_per_epoch} samples in batches of {m.batch_size}), "
-            f"which {name} cannot train on at {m.image_size} px ({exc}). Start the daemon with --drop-last --reset "
+            f"which {name} cannot train on at {m.image_size} px ({problem}). Start the daemon with --drop-last --reset "
             "(with --spawn-daemon, add them here), or pick a --batch-size that leaves more than one image over"
         ) from None
-    except Exception as exc:  # an operation without a meta kernel: no verdict here
-        logger.debug("cannot check a one-image batch of %s on the meta device: %s", name, exc)
+    if problem is not None:  # an operation without a meta kernel: no verdict here
+        logger.debug("cannot check a one-image batch of %s on the meta device: %s", name, problem)
 
 
 def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -118,4 +159,4 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
     return factor
 
 
-__all__ = ["build_model", "build_optimizer", "cached_weights", "check_last_batch", "warmup_cosine"]
+__all__ = ["build_model", "build_optimizer", "cached_weights", "check_last_batch", "classification_models", "warmup_cosine"]

@@ -349,3 +349,17 @@ def test_a_resumed_pass_counts_its_steps_from_the_epochs_start(make_job: MakeJob
     stats = run_pass(model, loader, torch.nn.CrossEntropyLoss(), ProgressLine(log, "epoch 1/2 val", len(loader), True))
     assert stats.images == 2  # the epoch's last, short batch alone
     assert "epoch 1/2 val 3/3" in log.getvalue(), log.getvalue()
+
+
+@pytest.mark.parametrize("name", ["fasterrcnn_resnet50_fpn", "raft_small", "fcn_resnet50", "r3d_18", "no_such_model"])
+def test_only_classification_models_are_accepted(name: str) -> None:
+    # fasterrcnn_resnet50_fpn downloaded a backbone when built; raft_small has no num_classes.
+    with pytest.raises(SetupError, match=rf"^--model {name}: not a torchvision classification model; .*list_models"):
+        build_model(name, 3, pretrained=False)
+
+
+@pytest.mark.parametrize(("name", "told"), [("vit_b_16", "exactly 224 px"), ("inception_v3", "at least 299 px")])
+def test_a_model_that_cannot_take_the_jobs_image_size_is_refused_before_the_first_step(name: str, told: str) -> None:
+    with pytest.raises(SetupError, match=rf"^--model {name} cannot run on images of 32 px \(.*\); it needs images of "
+                                         rf"{told}: start the daemon with --image-size"):
+        check_last_batch(name, 2, _epoch(16, 8, 32))
