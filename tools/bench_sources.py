@@ -28,9 +28,10 @@ from pathlib import Path
 import click
 import numpy as np
 
+from prefetchd.daemon.cli import shard_size_option
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, open_dataset
-from prefetchd.daemon.sources.shards import pack, parse_size
+from prefetchd.daemon.sources.shards import pack
 from prefetchd.launch import stops_cleanly
 from prefetchd.synthetic import make_imagenet_like, make_shapes_dataset
 
@@ -85,13 +86,6 @@ def local_layouts(work: Path, images: int, shard_size: int, kind: str = "imagene
             "shards": str(work / "shards")}
 
 
-def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
 def _location(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
     named = {}
     for item in value:
@@ -108,7 +102,7 @@ def _location(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ..
               default=Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()),
               show_default=True, help="Where the data is generated (removed afterwards unless --keep).")
 @click.option("--seconds", type=click.FloatRange(0.01), default=5.0, show_default=True, help="Reading time per layout.")
-@click.option("--shard-size", default="64MB", show_default=True, callback=_size, help="Shard size, e.g. 64MB or 1GiB.")
+@click.option("--shard-size", default="64MB", show_default=True, callback=shard_size_option, help="Shard size, e.g. 64MB or 1GiB.")
 @click.option("--location", "extra", multiple=True, metavar="NAME=LOCATION", callback=_location,
               help="Also read this copy of the data (any --data the daemon takes, e.g. s3://bucket/shards).")
 @click.option("--kind", type=click.Choice(["imagenet", "small"]), default="imagenet", show_default=True,

@@ -525,7 +525,8 @@ def show(buffer: Path, out: Path, max_images: int) -> None:
                f"{min(batch.meta.size, max_images)} of {batch.meta.size} images")
 
 
-def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+def shard_size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    """A --shard-size option's callback: ``parse_size``, its refusal as click's (also tools/bench_sources.py's)."""
     from prefetchd.daemon.sources.shards import parse_size
 
     try:
@@ -547,7 +548,7 @@ def _pack_out(ctx: click.Context, param: click.Parameter, value: str) -> Path:
 @click.command()
 @click.argument("src")
 @click.argument("out", callback=_pack_out)
-@click.option("--shard-size", default="1GB", show_default=True, callback=_shard_size,
+@click.option("--shard-size", default="1GB", show_default=True, callback=shard_size_option,
               help="Start a new shard past this size: 1GB (10^9 bytes), 500MB, 1GiB (2^30 bytes).")
 @click.option("--shuffle", is_flag=True, help="Pack the samples in a seeded random order (the index records each one's source).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None, help="Seed of --shuffle [default: 0].")
@@ -595,4 +596,4 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
 # The umbrella command (prefetchd/cli.py) adds these to bench and demo; the daemon knows neither.
 COMMANDS: tuple[click.Command, ...] = (start, config_command, submit, stop, status, show, pack)
 
-__all__ = ["COMMANDS", "FIELDS", "setup_logging"]
+__all__ = ["COMMANDS", "FIELDS", "setup_logging", "shard_size_option"]
