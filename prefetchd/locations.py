@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import random
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -83,6 +84,14 @@ def normalize(location: str | os.PathLike[str], base: Path | None = None) -> str
     if not path.is_absolute():
         path = (base or Path.cwd()) / path
     return os.path.normpath(path)
+
+
+def probe_folder(folder: Path, name: str) -> None:
+    """Create and remove a hidden file named after ``name`` in the local ``folder``: whether a file
+    can be written there, asked before the work that would write it.  OSError says why not."""
+    fd, probe = tempfile.mkstemp(prefix=f".{name}.probe-", dir=folder)
+    os.close(fd)
+    os.unlink(probe)
 
 
 def protocol(url: str) -> str:

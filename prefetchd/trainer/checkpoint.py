@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import signal
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -30,7 +29,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from prefetchd.locations import LocationError, StorageDenied, StorageUnavailable, filesystem, with_retries
+from prefetchd.locations import (LocationError, StorageDenied, StorageUnavailable, filesystem, probe_folder,
+                                 with_retries)
 from prefetchd.trainer.config import TrainConfig, plain_config
 from prefetchd.trainer.errors import CheckpointError
 from prefetchd.words import counted
@@ -233,9 +233,7 @@ class Checkpointer:
         directory = self.path.parent
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            fd, probe_path = tempfile.mkstemp(prefix=f".{self.path.name}.probe-", dir=directory)
-            os.close(fd)
-            os.unlink(probe_path)
+            probe_folder(directory, self.path.name)
         except OSError as exc:
             return (f"--checkpoint-dir {directory}: cannot write there ({exc.strerror or exc}); pass a folder "
                     "this user can write")

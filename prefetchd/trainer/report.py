@@ -13,7 +13,6 @@ import io
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import click
 import torch
 
+from prefetchd.locations import probe_folder
 from prefetchd.trainer.config import TrainConfig, plain_config
 
 if TYPE_CHECKING:
@@ -151,9 +151,7 @@ def metrics_unwritable(config: TrainConfig) -> str | None:
         if not folder.is_dir():
             return f"{flag} {path}: the folder {folder} does not exist; create it first, or pass a path in an existing folder"
         try:
-            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=folder)
-            os.close(fd)
-            os.unlink(probe)
+            probe_folder(folder, path.name)
         except OSError as exc:
             return f"{flag} {path}: cannot write in {folder} ({exc.strerror or exc}); pass a path in a folder you can write"
     return None
