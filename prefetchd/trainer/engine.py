@@ -196,6 +196,13 @@ class Run:
                 + (f"; {self.ranks.world_size} ranks ({self.coll.backend}), each on its own stream, figures summed "
                    "over the ranks" if self.ranks.distributed else "")
             )
+        if not self.ranks.distributed:
+            # One process stops at once when asked while it waits for a batch (a stalled daemon would hold it).
+            # Ranks cannot: a rank that stopped there would leave the others in the gradient all-reduce, so
+            # they stop together at the end of the step in progress (``after_step``).
+            for loader in (self.train_loader, self.val_loader):
+                if loader is not None:
+                    loader.stop_requested = self.should_stop
         run_start = time.perf_counter()
         # A resume of a run that --max-steps stopped, with the same limit: it has nothing more to train.
         stopped = config.max_steps is not None and self.global_step >= config.max_steps
@@ -259,6 +266,8 @@ class Run:
             tr = pass_stats(self.partial or PassState(), self.k)
         self.partial = None
         if tr.stopped:
+            if self.stop_reason is None:  # asked while it waited for a batch: no step's end saved it
+                self._stop_between_steps(tr.state)
             return True
         va = None
         if self.val_loader is not None:
@@ -270,6 +279,9 @@ class Run:
                 ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), self._progress_shown),
                 topk=self.k, amp=config.amp, recover=self.recover,
             )
+            if va.stopped:  # the train pass is whole: a resume runs this validation again
+                self._stop_between_steps(tr.state)
+                return True
         epoch_s = time.perf_counter() - wall + resumed_s
         wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)
         tr, va, epoch_s, wait_s, wait_share_max = self._over_ranks(tr, va, epoch_s, wait_s)
@@ -308,6 +320,10 @@ class Run:
         self._save(None)
         self._write_metrics(self._metrics(None, finished=False))
         return False
+
+    def _stop_between_steps(self, partial: PassState) -> None:
+        self.stop_reason = "SIGTERM"
+        self._save(partial)
 
     @property
     def _progress_shown(self) -> bool:

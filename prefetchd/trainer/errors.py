@@ -49,6 +49,12 @@ class OptionError(SetupError):
     """The options contradict each other or miss one another; ``prefetchd-train`` shows its usage, exit code 2."""
 
 
+class StopRequested(Exception):
+    """A wait for a batch ended because the run was asked to stop (``prefetchd-train``'s first SIGTERM).
+
+    Raised between steps, before the batch is handed over: the loader's position is unchanged."""
+
+
 class PeerFailed(RuntimeError):
     """Under torchrun another rank left (it failed, with its own message) while this one waited on it."""
 
@@ -60,5 +66,5 @@ class CheckpointError(ValueError):
 __all__ = [
     "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "JobReplaced", "LoaderError",
     "LoaderTimeout",
-    "OptionError", "PeerFailed", "SetupError", "StateMismatch",
+    "OptionError", "PeerFailed", "SetupError", "StateMismatch", "StopRequested",
 ]

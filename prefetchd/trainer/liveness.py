@@ -38,7 +38,7 @@ from prefetchd.buffer_protocol import (
     read_status,
 )
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
-from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout
+from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout, StopRequested
 from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
@@ -223,9 +223,12 @@ class BatchWaiter:
         # progress.json: ~0.5 ms) at every batch instead of every liveness_interval.
         self._next_look = 0.0
 
-    def wait(self, epoch: int, step: int, check_progress: Callable[[], None]) -> MappedBatch:
+    def wait(self, epoch: int, step: int, check_progress: Callable[[], None],
+             stop_requested: Callable[[], bool] | None = None) -> MappedBatch:
         """Map batch (epoch, step) once it is there; ``check_progress`` runs at each look at the daemon
-        (the loader makes sure progress.json still names what it waits for)."""
+        (the loader makes sure progress.json still names what it waits for).  ``stop_requested`` is
+        asked between tries: True raises :class:`StopRequested` (a stalled daemon would otherwise hold
+        a stop until the stall bound)."""
         name = batch_name(epoch, step)
         path = os.path.join(self.buffer, name)  # a str: a poll that finds nothing builds no Path
         start = time.monotonic()
@@ -266,6 +269,8 @@ class BatchWaiter:
                     f"and it did not appear; {owner}; {status_summary(self.buffer)}. Check `prefetchd status "
                     f"--buffer {self.buffer}`, or {MORE_TIME} if the daemon is just slow"
                 )
+            if stop_requested is not None and stop_requested():
+                raise StopRequested(f"asked to stop while waiting for {path}")
             if not warned and now - start >= SLOW_WAIT_WARNING:
                 warned = True
                 logger.warning("still waiting for %s after %.0f s; %s", path, now - start, status_summary(self.buffer))

@@ -51,7 +51,7 @@ import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -227,6 +227,8 @@ class BufferLoader:
         self._ahead: deque[Transfer] = deque()  # started, not yet handed out: consecutive positions
         self._handed: deque[Transfer] = deque()  # handed out, copy not yet known to be complete
         self._pin: PinMode = "none"
+        # Asked while a wait for a batch goes on; True ends it with StopRequested, the position unchanged.
+        self.stop_requested: Callable[[], bool] | None = None
         if self._device.type == "cuda":
             mode = "staging" if pin == "auto" else pin
             if mode != "none":
@@ -539,7 +541,7 @@ class BufferLoader:
         self.close()
 
     def _wait_for_batch(self, epoch: int, step: int) -> MappedBatch:
-        return self._waiter.wait(epoch, step, self._check_progress)
+        return self._waiter.wait(epoch, step, self._check_progress, self.stop_requested)
 
     # -- tensors -----------------------------------------------------------------
 

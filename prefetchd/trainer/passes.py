@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError
+from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError, StopRequested
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.report import ProgressLine
 
@@ -94,7 +94,9 @@ def run_pass(
 
     ``start`` continues the sums of a pass that a checkpoint interrupted.
     ``after_step`` is called after every optimizer step with a function that
-    snapshots the sums; returning True ends the pass there.  ``recover`` is
+    snapshots the sums; returning True ends the pass there.  A loader whose
+    ``stop_requested`` ends a wait ends the pass too, between two steps: the
+    result is ``stopped`` and its sums are the last step's.  ``recover`` is
     asked to replace a dead or stuck daemon (see ``timed_batches``).
     """
     training = optimizer is not None
@@ -120,27 +122,30 @@ def run_pass(
     stopped = False
     with progress, torch.set_grad_enabled(training):
         # Counted from the epoch's start, so a resumed pass shows "10/15", not "1/15" of a pass it never ends.
-        for done, (batch, waited) in enumerate(timed_batches(loader, recover), start=loader.position[1] + 1):
-            wait += waited
-            images, labels = batch
-            with autocast:
-                logits = model(images)
-                loss = criterion(logits, labels)
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                if scheduler is not None:
-                    scheduler.step()
-            n = labels.shape[0]
-            loss_sum += loss.detach().double() * n
-            correct1 += (logits.argmax(dim=1) == labels).sum()
-            correctk += (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum()
-            seen += n
-            progress.update(done, lambda: loss_sum.item() / max(seen, 1))
-            if after_step is not None and after_step(snapshot):
-                stopped = True
-                break
+        try:
+            for done, (batch, waited) in enumerate(timed_batches(loader, recover), start=loader.position[1] + 1):
+                wait += waited
+                images, labels = batch
+                with autocast:
+                    logits = model(images)
+                    loss = criterion(logits, labels)
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    if scheduler is not None:
+                        scheduler.step()
+                n = labels.shape[0]
+                loss_sum += loss.detach().double() * n
+                correct1 += (logits.argmax(dim=1) == labels).sum()
+                correctk += (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum()
+                seen += n
+                progress.update(done, lambda: loss_sum.item() / max(seen, 1))
+                if after_step is not None and after_step(snapshot):
+                    stopped = True
+                    break
+        except StopRequested:  # raised by a wait, between two steps: the sums are the last step's
+            stopped = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return pass_stats(snapshot(), k, stopped)

@@ -71,8 +71,9 @@ def train(
 ) -> dict[str, Any]:
     """Run the whole training; returns the metrics document (also written to ``metrics_json``).
 
-    ``should_stop`` is asked after every training step; True ends the run there,
-    with a checkpoint, as ``--max-steps`` does (``main`` wires it to SIGTERM).
+    ``should_stop`` is asked after every training step, and by one process (not under
+    torchrun) while it waits for a batch; True ends the run there, with a checkpoint, as
+    ``--max-steps`` does (``main`` wires it to SIGTERM).
     ``ranks`` defaults to what torchrun's environment says (one rank without it).
     """
     if config.optimizer not in OPTIMIZERS:
@@ -184,7 +185,7 @@ def main(verbose: bool, **options: Any) -> None:
     terminations: list[int] = []
 
     def on_sigterm(signum: int, frame: object) -> None:
-        # The first SIGTERM only asks: the run stops after the step in progress, with a
+        # The first SIGTERM only asks: the run stops after the step in progress (or the wait), with a
         # checkpoint, and spawned daemons are stopped on the way out. A second one does not wait.
         terminations.append(signum)
         if len(terminations) > 1:

@@ -333,6 +333,60 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Pa
     assert doc["global_step"] == step  # the checkpoint is of the step it stopped at
 
 
+@pytest.mark.parametrize("waiting_in", ["train", "val"])
+def test_a_stop_asked_while_waiting_for_a_batch_ends_the_run_there_and_resumes_exactly(
+    make_job: MakeJob, buffer: Path, tmp_path: Path, waiting_in: str
+) -> None:
+    """A daemon that has stalled holds no stop: the wait ends, the checkpoint is the last step's."""
+    import os
+    import threading
+    import time
+
+    settings = dict(warmup_epochs=0.5, checkpoint_every=100, epochs=2)
+    a_train, a_val = jobs(make_job, buffer / "a")
+    whole = train(config(a_train, a_val, checkpoint_dir=tmp_path / "a", **settings), echo=quiet)
+
+    b_train, b_val = jobs(make_job, buffer / "b", write=0)
+    for job in (b_train, b_val):
+        job.claim(os.getpid())  # an owner that is alive but writes nothing more: a stalled daemon
+    steps = b_train.manifest.steps_per_epoch
+    written = 2 if waiting_in == "train" else steps  # all of epoch 0's training batches, then no val batch
+    for step in range(written):
+        b_train.write(0, step)
+    asked = threading.Event()
+
+    def ask_once_it_waits() -> None:  # the trainer publishes the position it waits for before waiting
+        deadline = time.monotonic() + 30
+        while Progress.read(b_train.buffer) != Progress(*((0, 2) if waiting_in == "train" else (1, 0))):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+        asked.set()
+
+    asker = threading.Thread(target=ask_once_it_waits)
+    asker.start()
+    started = time.monotonic()
+    # --timeout 10 s: without the stop the wait would end in a LoaderTimeout.
+    first = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", **settings), echo=quiet,
+                  should_stop=asked.is_set)
+    asker.join()
+    assert time.monotonic() - started < 10
+    assert first["stopped_by"] == "SIGTERM" and first["finished"] is False and first["global_steps"] == written
+    doc = load_checkpoint(tmp_path / "b" / LAST_CHECKPOINT)
+    assert doc["global_step"] == written and doc["epoch"] == 0
+    assert (doc["loaders"]["train"]["epoch"], doc["loaders"]["train"]["step"]) == ((0, 2) if waiting_in == "train"
+                                                                                   else (1, 0))
+    assert doc["partial"]["seen"] == 4 * written
+
+    b_train.write_epochs(2)
+    b_val.write_epochs(2)
+    resumed = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", resume=True, **settings), echo=quiet)
+    assert resumed["finished"] is True
+    timing = {"train_s", "val_s", "images_per_s", "data_wait_s", "epoch_s", "data_wait_share"}
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    assert strip(resumed["epochs"]) == strip(whole["epochs"])
+
+
 def test_a_resumed_pass_counts_its_steps_from_the_epochs_start(make_job: MakeJob, buffer: Path) -> None:
     """A pass resumed at step 2 of 3 shows 3/3 when it ends, not 1/3."""
     import io
