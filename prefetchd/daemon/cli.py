@@ -352,7 +352,7 @@ def format_status(info: dict[str, Any]) -> str:
         share = p.trainer_wait_share
         fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
         lines += [
-            f"  progress  trainer at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer)}",
+            f"  progress  trainer at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, _all_left(pr))}",
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting"
             + (", " if state == State.DONE else f" (resume at {pr.low_water}), ") + f"{pr.building} building",
             *_cap_line(pr),
@@ -461,13 +461,20 @@ def _consumer_line(c: ConsumerStatus, rank: str) -> str:
             f"{held}")
 
 
-def _trainer_note(trainer: TrainerStatus) -> str:
+def _all_left(pr: Production) -> bool:
+    """Every consumer closed its loader: the trainers finished (or stopped) rather than went away."""
+    consumers = [c for s in pr.streams for c in s.consumers]
+    return bool(consumers) and all(c.closed for c in consumers)
+
+
+def _trainer_note(trainer: TrainerStatus, left: bool = False) -> str:
     """", trainer pid 123 alive, progress moved 4 s ago" from status.json's ``trainer``; "" when unknown."""
     if trainer.pid is None:
         return ""
     state = trainer.alive
     # Gone, it still holds its window (SPEC rule 8): the buffer may still be filling, not yet full.
-    gone = "GONE (the daemon fills the buffer to the high-water mark and keeps it for when one comes back)"
+    keeps = "the daemon fills the buffer to the high-water mark and keeps it for when one comes back"
+    gone = f"left (closed its loader; {keeps})" if left else f"GONE ({keeps})"
     alive = "alive" if state is True else gone if state is False else "?"
     age = trainer.progress_age_s
     moved = f", progress moved {age:.0f} s ago" if age is not None else ""

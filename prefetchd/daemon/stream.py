@@ -253,10 +253,11 @@ class Stream:
             g = min(g, self.end)
         before, was_seen, was_closed = consumer.position, consumer.seen, consumer.closed
         moved = consumer.take(progress, g)
-        if consumer.name != DEFAULT_CONSUMER and (not was_seen or was_closed != consumer.closed):
+        # The default consumer's first write is the trainer starting, no news; a named one joining is.
+        if was_closed != consumer.closed or (not was_seen and consumer.name != DEFAULT_CONSUMER):
             if consumer.closed:
-                log.info("%s of rank %d left at epoch %d step %d; it holds no batches until it writes again",
-                         consumer.label, self.rank, *self.key(g))
+                log.info("%s of rank %d left at epoch %d step %d; it holds no batches while another consumer reads, "
+                         "until it writes again", consumer.label, self.rank, *self.key(g))
             else:
                 log.info("%s joined rank %d at epoch %d step %d", consumer.label, self.rank, *self.key(g))
         elif moved and g < before:

@@ -518,15 +518,17 @@ class BufferLoader:
     # -- lifecycle ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Mark the batch handed over last as consumed and end all iterators."""
+        """Mark the batch handed over last as consumed, say in the progress file that this consumer left,
+        and end all iterators."""
         if self._closed:
             return
         self._drain(self._ahead)
         self._drain(self._handed)
         if self._published is not None:
             try:
-                # A named consumer leaves: the daemon stops holding batches for it until it writes again.
-                self._publish(force=self._consumer != DEFAULT_CONSUMER, closed=self._consumer != DEFAULT_CONSUMER)
+                # It leaves: the daemon stops holding batches for it while another consumer reads, until it
+                # writes again, and does not take a trainer that finished for one that went away.
+                self._publish(force=True, closed=True)
             except LoaderError as exc:
                 logger.warning("closing %s: %s", self._buffer, exc)
         self._closed = True

@@ -99,12 +99,12 @@ def test_killed_daemon_is_reported_gone_with_a_restart_that_resumes(shapes_data:
     assert restarted.proc.poll() in (None, 0)  # took the buffer over as the same job, no refusal
 
 
+# It exits without closing its loader, as a trainer that crashes does.
 TRAINER = """
 import sys
 from prefetchd.trainer import BufferLoader
-with BufferLoader(sys.argv[1], normalize=False, timeout=60) as loader:
-    it = iter(loader)
-    next(it), next(it)
+it = iter(BufferLoader(sys.argv[1], normalize=False, timeout=60))
+next(it), next(it)
 """
 
 
@@ -122,7 +122,7 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
     status = read_status(buffer)
     assert status is not None and status.production is not None
     assert status.production.trainer.pid == trainer_pid(buffer)
-    assert (status.production.progress.epoch, status.production.progress.step) == (0, 2)
+    assert (status.production.progress.epoch, status.production.progress.step) == (0, 1)  # the 2nd not yet consumed
     # It keeps the window full and then sleeps there.
     wait_for(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
     assert len(list_batches(buffer)) == 3
@@ -138,6 +138,17 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
         wait_for(lambda: trainer_is(True), 30, "the status to say the trainer is back")
         assert f"trainer is back (pid {os.getpid()})" in daemon.log
         assert f"trainer pid {os.getpid()} alive" in format_status(describe_status(buffer))
+
+    # One that closes its loader before the job's end left: no warning, said as such in the status.
+    trainer = subprocess.run([sys.executable, "-c", "import sys; from prefetchd.trainer import BufferLoader\n"
+                              "with BufferLoader(sys.argv[1], normalize=False, timeout=60) as l: next(iter(l))",
+                              str(buffer)], capture_output=True, text=True, timeout=120)
+    assert trainer.returncode == 0, trainer.stderr
+    wait_for(lambda: trainer_is(False), 30, "the status to say the trainer is not there")
+    wait_for(lambda: "the trainer of rank 0 left at epoch 0 step 1" in daemon.log, 30, "the log to say it left")
+    assert f"trainer pid {trainer_pid(buffer)} left (closed its loader" in format_status(describe_status(buffer))
+    time.sleep(2.5)  # a few more status periods
+    assert daemon.log.count("has gone away") == 1, daemon.log
     assert daemon.log.count("is back") == 1
 
 

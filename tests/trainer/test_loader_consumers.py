@@ -36,11 +36,11 @@ def test_each_consumer_writes_its_own_progress_file(make_job: MakeJob) -> None:
         assert Progress.read(job.buffer) == Progress(0, 0)
         assert list_consumers(job.buffer) == ["", "trial-3"]
         assert a.consumer == "trial-3" and default.consumer == ""
-    # The named consumer left: its file says so; the default consumer's never does.
+    # Both left, and their files say so: the daemon tells a trainer that finished from one that went away.
     left = Progress.read(job.buffer, "trial-3")
     assert left is not None and left.closed and (left.epoch, left.step) == (1, 0)
-    stayed = Progress.read(job.buffer)
-    assert stayed is not None and not stayed.closed and (stayed.epoch, stayed.step) == (0, 1)
+    default_left = Progress.read(job.buffer)
+    assert default_left is not None and default_left.closed and (default_left.epoch, default_left.step) == (0, 1)
 
 
 @pytest.mark.parametrize("name", ["a/b", "x" * 33, "sp ace", ".hidden", "ü"])
