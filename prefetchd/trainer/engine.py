@@ -86,6 +86,7 @@ class Run:
         self.should_stop: Callable[[], bool] = lambda: False
         self.recover: Recover | None = None  # replaces a dead or stuck daemon (--spawn-daemon)
         self.stop_reason: str | None = None
+        self.saved_step: int | None = None  # the global step of the last checkpoint saved or resumed from
 
     # -- checkpoint documents
 
@@ -107,6 +108,7 @@ class Run:
         states = self.coll.gather(self._rank_state(partial))
         if states is not None:
             self.checkpointer.save(self._doc(states))
+        self.saved_step = self.global_step
 
     def _doc(self, states: list[dict[str, Any]]) -> dict[str, Any]:
         doc = {
@@ -171,6 +173,7 @@ class Run:
         set_rng_state(mine["rng"], self.device)
         position = self.train_loader.position
         self.resumed_from = {"epoch": self.epoch, "global_step": self.global_step, "position": list(position)}
+        self.saved_step = self.global_step
         # Counted from 1 as the progress lines count; the batch file's name counts from 0.
         self.echo(f"prefetchd-train: resumed from {path}: epoch {self.epoch + 1}, global step {self.global_step}; "
                   f"the next training batch is step {position[1] + 1} of epoch {position[0] + 1} "
@@ -260,14 +263,15 @@ class Run:
                 self.model, self.train_loader, self.criterion,
                 ProgressLine(sys.stderr, f"{tag} train", len(self.train_loader), self._progress_shown),
                 self.optimizer, self.scheduler,
-                topk=self.k, amp=config.amp, start=self.partial, after_step=after_step, recover=self.recover,
+                topk=self.k, amp=config.amp, start=self.partial, after_step=after_step,
+                between_steps=lambda snapshot, error: self._save_between_steps(snapshot(), error),
+                recover=self.recover,
             )
         else:  # the checkpoint was taken after the pass's last step
             tr = pass_stats(self.partial or PassState(), self.k)
         self.partial = None
         if tr.stopped:
-            if self.stop_reason is None:  # asked while it waited for a batch: no step's end saved it
-                self._stop_between_steps(tr.state)
+            self.stop_reason = self.stop_reason or "SIGTERM"  # set by a step's end, else asked during a wait
             return True
         va = None
         if self.val_loader is not None:
@@ -278,9 +282,11 @@ class Run:
                 self.net, self.val_loader, self.criterion,
                 ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), self._progress_shown),
                 topk=self.k, amp=config.amp, recover=self.recover,
+                # The train pass is whole: a resume from it runs this validation again.
+                between_steps=lambda _, error: self._save_between_steps(tr.state, error),
             )
-            if va.stopped:  # the train pass is whole: a resume runs this validation again
-                self._stop_between_steps(tr.state)
+            if va.stopped:
+                self.stop_reason = "SIGTERM"
                 return True
         epoch_s = time.perf_counter() - wall + resumed_s
         wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)
@@ -321,9 +327,16 @@ class Run:
         self._write_metrics(self._metrics(None, finished=False))
         return False
 
-    def _stop_between_steps(self, partial: PassState) -> None:
-        self.stop_reason = "SIGTERM"
+    def _save_between_steps(self, partial: PassState, error: Exception | None) -> None:
+        """A wait for a batch ended without one (a stop asked for, or ``error``: the daemon lost): save the
+        last step's state unless the last checkpoint holds it.  One process only: ranks save together, at
+        a step's end (the others may be inside DDP's all-reduce)."""
+        if self.ranks.distributed or self.checkpointer.path is None or self.saved_step == self.global_step:
+            return
         self._save(partial)
+        if error is not None:  # a stop says where its checkpoint is in its own line
+            self.echo(f"prefetchd-train: saved a checkpoint of global step {self.global_step} before stopping on "
+                      f"the error below; continue from it with --resume ({self.checkpointer.path})")
 
     @property
     def _progress_shown(self) -> bool:

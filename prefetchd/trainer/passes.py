@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.trainer.errors import DaemonGone, DaemonStuck, LoaderError, StopRequested
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.report import ProgressLine
@@ -88,16 +89,19 @@ def run_pass(
     amp: bool = False,
     start: PassState | None = None,
     after_step: Callable[[Callable[[], PassState]], bool] | None = None,
+    between_steps: Callable[[Callable[[], PassState], Exception | None], None] | None = None,
     recover: Recover | None = None,
 ) -> PassStats:
     """Train (with an optimizer) or evaluate (without) over the rest of the loader's epoch.
 
     ``start`` continues the sums of a pass that a checkpoint interrupted.
     ``after_step`` is called after every optimizer step with a function that
-    snapshots the sums; returning True ends the pass there.  A loader whose
-    ``stop_requested`` ends a wait ends the pass too, between two steps: the
-    result is ``stopped`` and its sums are the last step's.  ``recover`` is
-    asked to replace a dead or stuck daemon (see ``timed_batches``).
+    snapshots the sums; returning True ends the pass there.  When the loader
+    gives no batch, between two steps, ``between_steps`` gets that function too
+    (to save the last step's state) and the loader's error, before the pass ends
+    with it; or None when the loader's ``stop_requested`` ended its wait, and the
+    pass ends as ``stopped``.
+    ``recover`` is asked to replace a dead or stuck daemon (see ``timed_batches``).
     """
     training = optimizer is not None
     model.train(training)
@@ -146,6 +150,12 @@ def run_pass(
                     break
         except StopRequested:  # raised by a wait, between two steps: the sums are the last step's
             stopped = True
+            if between_steps is not None:
+                between_steps(snapshot, None)
+        except (LoaderError, ProtocolError) as exc:  # the daemon lost, a damaged batch: also before the step
+            if between_steps is not None:
+                between_steps(snapshot, exc)
+            raise
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return pass_stats(snapshot(), k, stopped)

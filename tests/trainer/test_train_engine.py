@@ -45,6 +45,12 @@ def config(train_job: FakeJob, val_job: FakeJob | None, **kwargs: Any) -> TrainC
     )
 
 
+def untimed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-epoch metrics without the times, which differ from run to run."""
+    timing = {"train_s", "val_s", "images_per_s", "data_wait_s", "epoch_s", "data_wait_share"}
+    return [{k: v for k, v in r.items() if k not in timing} for r in rows]
+
+
 def test_warmup_then_cosine() -> None:
     f = warmup_cosine(4, 12)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -121,9 +127,7 @@ def test_stop_and_resume_is_exact(make_job: MakeJob, buffer: Path, tmp_path: Pat
                for line in said), said  # every epoch's images, only this process's time
     assert resumed["finished"] is True and resumed["resumed_from"]["global_step"] == 4
 
-    timing = {"train_s", "val_s", "images_per_s", "data_wait_s", "epoch_s", "data_wait_share"}
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
-    assert strip(resumed["epochs"]) == strip(whole["epochs"])
+    assert untimed(resumed["epochs"]) == untimed(whole["epochs"])
     a = load_checkpoint(tmp_path / "a" / LAST_CHECKPOINT)
     b = load_checkpoint(tmp_path / "b" / LAST_CHECKPOINT)
     assert a["global_step"] == b["global_step"] == 6
@@ -334,13 +338,18 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Pa
 
 
 @pytest.mark.parametrize("waiting_in", ["train", "val"])
-def test_a_stop_asked_while_waiting_for_a_batch_ends_the_run_there_and_resumes_exactly(
-    make_job: MakeJob, buffer: Path, tmp_path: Path, waiting_in: str
+@pytest.mark.parametrize("ended_by", ["a stop", "a stuck daemon"])
+def test_a_wait_that_ends_without_a_batch_saves_the_last_steps_checkpoint_and_resumes_exactly(
+    make_job: MakeJob, buffer: Path, tmp_path: Path, waiting_in: str, ended_by: str
 ) -> None:
-    """A daemon that has stalled holds no stop: the wait ends, the checkpoint is the last step's."""
+    """A stop asked for while the trainer waits (a stalled daemon would hold it until the stall bound),
+    or the daemon lost there (by default the last checkpoint is an epoch old): the run ends at once with
+    a checkpoint of the last step."""
     import os
     import threading
     import time
+
+    from prefetchd.trainer.errors import DaemonStuck
 
     settings = dict(warmup_epochs=0.5, checkpoint_every=100, epochs=2)
     a_train, a_val = jobs(make_job, buffer / "a")
@@ -353,38 +362,41 @@ def test_a_stop_asked_while_waiting_for_a_batch_ends_the_run_there_and_resumes_e
     written = 2 if waiting_in == "train" else steps  # all of epoch 0's training batches, then no val batch
     for step in range(written):
         b_train.write(0, step)
+    waits_at = Progress(*((0, 2) if waiting_in == "train" else (1, 0)))
     asked = threading.Event()
 
     def ask_once_it_waits() -> None:  # the trainer publishes the position it waits for before waiting
         deadline = time.monotonic() + 30
-        while Progress.read(b_train.buffer) != Progress(*((0, 2) if waiting_in == "train" else (1, 0))):
-            if time.monotonic() > deadline:
-                return
+        while Progress.read(b_train.buffer) != waits_at and time.monotonic() < deadline:
             time.sleep(0.005)
         asked.set()
 
-    asker = threading.Thread(target=ask_once_it_waits)
-    asker.start()
+    said: list[str] = []
     started = time.monotonic()
-    # --timeout 10 s: without the stop the wait would end in a LoaderTimeout.
-    first = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", **settings), echo=quiet,
-                  should_stop=asked.is_set)
-    asker.join()
+    # --timeout 10 s: without the stop (or the stall bound) the wait would end in a LoaderTimeout.
+    if ended_by == "a stop":
+        asker = threading.Thread(target=ask_once_it_waits)
+        asker.start()
+        first = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", **settings), echo=said.append,
+                      should_stop=asked.is_set)
+        asker.join()
+        assert first["stopped_by"] == "SIGTERM" and first["finished"] is False and first["global_steps"] == written
+    else:
+        with pytest.raises(DaemonStuck):
+            train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", daemon_timeout=0.5, **settings),
+                  echo=said.append)
+        assert any(f"saved a checkpoint of global step {written} before stopping" in line for line in said), said
     assert time.monotonic() - started < 10
-    assert first["stopped_by"] == "SIGTERM" and first["finished"] is False and first["global_steps"] == written
     doc = load_checkpoint(tmp_path / "b" / LAST_CHECKPOINT)
     assert doc["global_step"] == written and doc["epoch"] == 0
-    assert (doc["loaders"]["train"]["epoch"], doc["loaders"]["train"]["step"]) == ((0, 2) if waiting_in == "train"
-                                                                                   else (1, 0))
+    assert Progress(doc["loaders"]["train"]["epoch"], doc["loaders"]["train"]["step"]) == waits_at
     assert doc["partial"]["seen"] == 4 * written
 
     b_train.write_epochs(2)
     b_val.write_epochs(2)
     resumed = train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", resume=True, **settings), echo=quiet)
     assert resumed["finished"] is True
-    timing = {"train_s", "val_s", "images_per_s", "data_wait_s", "epoch_s", "data_wait_share"}
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
-    assert strip(resumed["epochs"]) == strip(whole["epochs"])
+    assert untimed(resumed["epochs"]) == untimed(whole["epochs"])
 
 
 def test_a_resumed_pass_counts_its_steps_from_the_epochs_start(make_job: MakeJob, buffer: Path) -> None:
