@@ -20,12 +20,12 @@ import logging
 import os
 import random
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prefetchd.throttle import Throttle
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
@@ -195,31 +195,7 @@ def _endpoint() -> str:
     return f" at {url} (AWS_ENDPOINT_URL)" if url else ""
 
 
-class _RetryLog:
-    """The retry lines of one process: at most one per ``RETRY_LOG_SECONDS``, for all its threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: float | None = None
-        self._held = 0
-
-    def retrying(self, what: str, exc: Exception, attempt: int, attempts: int, delay: float) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._last is not None and now - self._last < RETRY_LOG_SECONDS:
-                self._held += 1
-                held = -1
-            else:
-                held, self._held, self._last = self._held, 0, now
-        if held < 0:
-            log.debug("%s: %s: %s; retry %d of %d in %.2f s", what, type(exc).__name__, exc, attempt, attempts, delay)
-            return
-        others = f" ({counted(held, 'other retry')} of this process since the last such line, not logged)" if held else ""
-        log.warning("%s: %s: %s; retry %d of %d in %.2f s%s", what, type(exc).__name__, exc, attempt, attempts, delay,
-                    others)
-
-
-_retry_log = _RetryLog()
+_retry_log = Throttle(RETRY_LOG_SECONDS)  # the retry lines of this process, all its threads
 
 
 def with_retries(what: str, call: Callable[[], T], url: str, attempts: int = RETRY_ATTEMPTS) -> T:
@@ -239,6 +215,13 @@ def with_retries(what: str, call: Callable[[], T], url: str, attempts: int = RET
                 raise StorageUnavailable(f"{what}: still failing after {attempts} tries "
                                          f"({type(exc).__name__}: {exc}); is the object store reachable{_endpoint()}?") from exc
             delay = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2**attempt) * random.uniform(0.5, 1.5)
-            _retry_log.retrying(what, exc, attempt + 1, attempts - 1, delay)
+            held = _retry_log.let_through()
+            line = "%s: %s: %s; retry %d of %d in %.2f s"
+            if held is None:
+                log.debug(line, what, type(exc).__name__, exc, attempt + 1, attempts - 1, delay)
+            else:
+                others = (f" ({counted(held, 'other retry')} of this process since the last such line, not logged)"
+                          if held else "")
+                log.warning(line + "%s", what, type(exc).__name__, exc, attempt + 1, attempts - 1, delay, others)
             time.sleep(delay)
     raise AssertionError("unreachable")

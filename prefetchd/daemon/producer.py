@@ -49,6 +49,7 @@ from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.throttle import Throttle
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,9 @@ class Producer:
         self.state = State.STARTING
         self.message = ""
         self.last_failure: tuple[float, str] | None = None  # (time.monotonic(), why) of the last failed build
+        # An outage fails every build in flight, each once a RETRY_SECONDS: one log line per the time the
+        # status shows the last one (and counts the others) is enough.
+        self.failure_lines = Throttle(FAILURE_SHOWN_SECONDS)
         self.logged_failures: set[str] = set()
         self.bad_files: list[dict[str, str]] = []  # the first MAX_LISTED_BAD_FILES, for the status
         self.fatal: str | None = None
@@ -425,7 +429,12 @@ class Producer:
                 return
             self.stats.write_failures += 1
             self.last_failure = (time.monotonic(), f"batch {build.tmp.name}: {result.reason}")
-            log.warning("batch %s: %s; retrying in %.0f s", build.tmp.name, result.reason, RETRY_SECONDS)
+            held = self.failure_lines.let_through()
+            if held is None:
+                log.debug("batch %s: %s; retrying in %.0f s", build.tmp.name, result.reason, RETRY_SECONDS)
+            else:
+                others = f" ({counted(held, 'other failed build')} since the last such line, not logged)" if held else ""
+                log.warning("batch %s: %s; retrying in %.0f s%s", build.tmp.name, result.reason, RETRY_SECONDS, others)
             self.retry_at = time.monotonic() + RETRY_SECONDS
             if not build.cancelled:
                 self._cancel(build)

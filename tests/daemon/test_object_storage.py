@@ -28,6 +28,7 @@ from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd import locations
+from prefetchd.throttle import Throttle
 from prefetchd.daemon.sources.index_cache import cache_file
 from prefetchd.daemon.sources.objects import list_class_folders
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageUnavailable, storage_for
@@ -125,7 +126,7 @@ def test_missing_credentials_say_where_credentials_come_from(s3: Any, monkeypatc
 @pytest.fixture
 def retry_log(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process's retry lines as if none had been logged yet (another test's would hold them back)."""
-    monkeypatch.setattr(locations, "_retry_log", locations._RetryLog())
+    monkeypatch.setattr(locations, "_retry_log", Throttle(locations.RETRY_LOG_SECONDS))
 
 
 def test_transient_errors_are_retried_with_backoff(s3: Any, proxy: Any, fast_retries: None, retry_log: None,
@@ -147,7 +148,7 @@ def test_an_outage_logs_one_retry_line_per_interval_and_counts_the_rest(
     caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every read in flight retries at once in an outage: a line for each was hundreds a minute."""
-    monkeypatch.setattr(locations, "RETRY_LOG_SECONDS", 1.0)
+    monkeypatch.setattr(locations, "_retry_log", Throttle(1.0))
     for k in range(8):
         s3.fs.pipe_file(f"{s3.bucket}/o/{k}.jpg", b"x")
     storage = FsspecStorage(s3.url("o"))
