@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -372,8 +372,11 @@ class Run:
     # -- metrics
 
     def _metrics(self, total_s: float | None, finished: bool) -> dict[str, Any]:
+        # The values the run used, where the options left them to a default worked out at start.
+        used = replace(self.config, lr=self.config.peak_lr, weight_decay=self.config.decay, epochs=self.epochs,
+                       val_buffer=self.val_buffer)
         return metrics_document(
-            self.per_epoch, config=self.config, device=self.device, pin=self.train_loader.pin,
+            self.per_epoch, config=used, device=self.device, pin=self.train_loader.pin,
             world_size=self.ranks.world_size, num_epochs=self.epochs, k=self.k, finished=finished,
             resumed_from=self.resumed_from, stopped_by=self.stop_reason, global_steps=self.global_step, total_s=total_s,
         )

@@ -76,6 +76,9 @@ def test_adamw_warmup_smoothing_amp_csv_and_topk(make_job: MakeJob, buffer: Path
     metrics = json.loads(json_path.read_text())
     assert metrics["top_k"] == 3 and metrics["finished"] is True
     assert metrics["config"]["optimizer"] == "adamw" and metrics["config"]["amp"] is True
+    # The values used where the options left a default to work out: adamw's lr and decay, the manifest's epochs.
+    assert (metrics["config"]["lr"], metrics["config"]["weight_decay"], metrics["config"]["epochs"]) == (1e-3, 0.05, 2)
+    assert metrics["config"]["val_buffer"] == str(val_job.buffer)
     rows = list(csv.DictReader(csv_path.open()))
     assert [int(r["epoch"]) for r in rows] == [0, 1]
     for row, doc in zip(rows, metrics["epochs"]):
