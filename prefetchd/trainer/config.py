@@ -50,7 +50,7 @@ class TrainConfig:
     checkpoint_dir: Path | str | None = setting(None, "Save DIR/last.pt at every epoch's end (and see --checkpoint-every); DIR may be a URL such as s3://bucket/run1 (needs prefetchd[s3]; credentials from the standard AWS environment and files).", Path, location=True)
     checkpoint_every: int | None = setting(None, "Also save every N training steps.", int, minimum=1)
     resume: bool = setting(False, "Continue from DIR/last.pt of --checkpoint-dir (from scratch if there is none); without it a run refuses a DIR that holds one.", bool)
-    max_steps: int | None = setting(None, "Stop after this many training steps in all (resumed runs included), saving a checkpoint.", int, minimum=1)
+    max_steps: int | None = setting(None, "Stop after this many training steps in all (resumed runs included), saving a checkpoint; on an epoch's last step, after that epoch's validation.", int, minimum=1)
     spawn_daemon: bool = setting(False, "Start `prefetchd start` for the buffers no daemon serves, and stop it at the end.", bool)
     data: Path | str | None = setting(None, _SPAWN + "the training class folders (a folder or a URL).", Path, location=True)
     val_data: Path | str | None = setting(None, _SPAWN + "validation class folders (buffer: --val-buffer, else BUFFER-val).", Path, location=True)

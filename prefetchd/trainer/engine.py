@@ -208,7 +208,7 @@ class Run:
                     loader.stop_requested = self.should_stop
         run_start = time.perf_counter()
         # A resume of a run that --max-steps stopped, with the same limit: it has nothing more to train.
-        stopped = config.max_steps is not None and self.global_step >= config.max_steps
+        stopped = config.max_steps is not None and self.global_step >= config.max_steps and self.epoch < self.epochs
         if stopped:
             self.stop_reason = "--max-steps"
         while self.epoch < self.epochs and not stopped:
@@ -253,7 +253,10 @@ class Run:
                 self.stop_reason = "--max-steps"
             elif terminated:
                 self.stop_reason = "SIGTERM"
-            stop = self.stop_reason is not None
+            # --max-steps on an epoch's last step: that epoch's validation and line still come, and the run
+            # stops after them (the end of ``_epoch``); a SIGTERM does not wait for them.
+            epoch_trained = self.train_loader.position[0] != epoch
+            stop = self.stop_reason is not None and (terminated or not epoch_trained)
             if stop or self.checkpointer.due(self.global_step):
                 self._save(snapshot())
             return stop
@@ -325,7 +328,9 @@ class Run:
         )
         self._save(None)
         self._write_metrics(self._metrics(None, finished=False))
-        return False
+        if self.stop_reason is not None and self.epoch == self.epochs:
+            self.stop_reason = None  # --max-steps on the last epoch's last step: the run is simply done
+        return self.stop_reason is not None
 
     def _save_between_steps(self, partial: PassState, error: Exception | None) -> None:
         """A wait for a batch ended without one (a stop asked for, or ``error``: the daemon lost): save the

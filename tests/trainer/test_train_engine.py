@@ -148,13 +148,36 @@ def test_checkpoint_after_the_last_step_of_an_epoch_resumes_with_validation(
 ) -> None:
     train_job, val_job = jobs(make_job, buffer)
     ckpt = tmp_path / "ckpt"
-    train(config(train_job, val_job, epochs=2, checkpoint_dir=ckpt, max_steps=3), echo=quiet)  # stops at epoch 0's end
+    steps = iter(range(1, 100))
+    # A SIGTERM seen at epoch 0's last step (the third) stops before its validation.
+    stopped = train(config(train_job, val_job, epochs=2, checkpoint_dir=ckpt), echo=quiet,
+                    should_stop=lambda: next(steps) >= 3)
+    assert stopped["stopped_by"] == "SIGTERM" and stopped["epochs"] == []
     doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
     assert doc["epoch"] == 0 and doc["loaders"]["train"]["epoch"] == 1 and doc["metrics"] == []
     metrics = train(config(train_job, val_job, epochs=2, checkpoint_dir=ckpt, resume=True), echo=quiet)
     assert [r["epoch"] for r in metrics["epochs"]] == [0, 1]
     assert [r["train_images"] for r in metrics["epochs"]] == [12, 12]
     assert [r["val_images"] for r in metrics["epochs"]] == [12, 12]
+
+
+def test_max_steps_on_an_epochs_last_step_ends_that_epoch_with_its_validation_and_line(
+    make_job: MakeJob, buffer: Path, tmp_path: Path
+) -> None:
+    train_job, val_job = jobs(make_job, buffer)  # 3 steps per epoch, 2 epochs
+    ckpt = tmp_path / "ckpt"
+    said: list[str] = []
+    first = train(config(train_job, val_job, epochs=2, checkpoint_dir=ckpt, max_steps=3), echo=said.append)
+    assert first["stopped_by"] == "--max-steps" and first["finished"] is False and first["global_steps"] == 3
+    assert [(r["epoch"], r["val_images"]) for r in first["epochs"]] == [(0, 12)]
+    assert any(line.startswith("epoch 1/2 ") for line in said), said
+    doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
+    assert doc["epoch"] == 1 and doc["partial"] is None and len(doc["metrics"]) == 1  # the epoch-end checkpoint
+
+    # A limit on the run's last step: the run is simply done.
+    done = train(config(train_job, val_job, epochs=2, checkpoint_dir=ckpt, max_steps=6, resume=True), echo=said.append)
+    assert done["finished"] is True and done["stopped_by"] is None and len(done["epochs"]) == 2
+    assert said[-1].startswith("done: "), said
 
 
 def test_resume_without_a_checkpoint_starts_from_scratch(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
