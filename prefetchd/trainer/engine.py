@@ -17,6 +17,8 @@ and the checkpoint, which holds every rank's loader position (see ``ranks``).
 
 from __future__ import annotations
 
+import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +42,8 @@ from prefetchd.trainer.model import build_model, build_optimizer, check_last_bat
 from prefetchd.trainer.passes import TOP_K, PassState, PassStats, Recover, pass_stats, run_pass
 from prefetchd.trainer.ranks import Collective, Ranks
 from prefetchd.trainer.report import ProgressLine, metrics_document, write_metrics
+
+logger = logging.getLogger(__name__)
 
 
 class Run:
@@ -158,6 +162,7 @@ class Run:
             self.scheduler.load_state_dict(doc["scheduler"])
         except (KeyError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{path}: does not fit this run ({' '.join(str(exc).split())[:300]})") from None
+        self._follow_the_options(int(doc["global_step"]), warn=self.ranks.is_main)
         loaders = mine["loaders"]
         self.train_loader.load_state_dict(loaders["train"])
         if self.val_loader is not None:
@@ -178,6 +183,25 @@ class Run:
         self.echo(f"prefetchd-train: resumed from {path}: epoch {self.epoch + 1}, global step {self.global_step}; "
                   f"the next training batch is step {position[1] + 1} of epoch {position[0] + 1} "
                   f"({batch_name(*position)})")
+
+    def _follow_the_options(self, global_step: int, warn: bool) -> None:
+        """This run's --lr, --weight-decay, --momentum and schedule (--epochs, --warmup-epochs) at the step
+        reached, not the checkpoint's: loading an optimizer and a scheduler brings back the values they
+        were built with, and a changed option would be ignored after ``check_resumable`` named it."""
+        config, groups = self.config, self.optimizer.param_groups
+        saved = groups[0]["lr"]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [config.peak_lr] * len(groups)
+        for group in groups:
+            group["initial_lr"] = config.peak_lr
+            group["lr"] = config.peak_lr * factor  # as LambdaLR computes it: unchanged options resume bit-exact
+            group["weight_decay"] = config.decay
+            if "momentum" in group:
+                group["momentum"] = config.momentum
+        if warn and not math.isclose(saved, groups[0]["lr"], rel_tol=1e-6):
+            logger.warning("resuming at global step %d with a learning rate of %.4g, not the checkpoint's %.4g: "
+                           "this run's --lr, --epochs and --warmup-epochs set the schedule", global_step,
+                           groups[0]["lr"], saved)
 
     # -- the loop
 

@@ -143,6 +143,25 @@ def test_stop_and_resume_is_exact(make_job: MakeJob, buffer: Path, tmp_path: Pat
     assert Progress.read(b_train.buffer) == Progress(2, 0) and Progress.read(b_val.buffer) == Progress(2, 0)
 
 
+def test_a_resume_follows_this_runs_lr_decay_and_schedule_not_the_checkpoints(
+    make_job: MakeJob, buffer: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Loading the optimizer and scheduler brought back the checkpoint's lr and decay: a changed --lr was
+    named in the warning and then ignored."""
+    train_job, val_job = jobs(make_job, buffer, epochs=4, write=4)  # 3 steps per epoch
+    ckpt = tmp_path / "ckpt"
+    train(config(train_job, val_job, epochs=2, checkpoint_dir=ckpt, max_steps=4), echo=quiet)
+    with caplog.at_level("WARNING"):
+        train(config(train_job, val_job, epochs=4, lr=0.5, weight_decay=0.01, momentum=0.5, checkpoint_dir=ckpt,
+                     max_steps=5, resume=True), echo=quiet)
+    group = load_checkpoint(ckpt / LAST_CHECKPOINT)["optimizer"]["param_groups"][0]
+    assert group["lr"] == pytest.approx(0.5 * warmup_cosine(0, 4 * 3)(5))  # this run's peak and 4-epoch cosine
+    assert (group["initial_lr"], group["weight_decay"], group["momentum"]) == (0.5, 0.01, 0.5)
+    warned = [r.getMessage() for r in caplog.records if "resuming at global step 4 with a learning rate" in r.getMessage()]
+    assert warned and f"{0.5 * warmup_cosine(0, 12)(4):.4g}, not the checkpoint's {0.05 * warmup_cosine(0, 6)(4):.4g}" \
+        in warned[0], warned
+
+
 def test_checkpoint_after_the_last_step_of_an_epoch_resumes_with_validation(
     make_job: MakeJob, buffer: Path, tmp_path: Path
 ) -> None:
