@@ -229,3 +229,29 @@ def test_a_head_that_accepts_but_does_not_answer_is_warned_about_while_local_wor
     assert warned == [f"the Ray cluster at {address} does not answer yet (1 s); 2 local workers build alone "
                       "meanwhile; prefetchd waits up to 120 s for it, then tries again every 10 s"], warned
     assert pool.status().message == "not connected: no answer after 1 s yet; 2 local workers build alone"
+
+
+def test_a_warning_a_new_bridge_sends_again_is_not_logged_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each bridge (a new one after every reconnection) probes the nodes: an unfit node is warned about once."""
+    import multiprocessing
+
+    from prefetchd.daemon.remote.bridge import Note
+
+    index = _dataset(tmp_path / "data")
+    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), "local", None, 1)
+    unfit = "node 10.0.0.7 cannot read 3 of the 3 samples probed: ...; it gets no slices"
+    retried = "slice 4: node 10.0.0.7 died; submitting it to another node"
+    for _bridge in range(2):
+        parent, child = multiprocessing.Pipe()
+        pool.conn = parent
+        child.send(Note(logging.WARNING, unfit))
+        child.send(Note(logging.INFO, retried))
+        with caplog.at_level(logging.INFO, logger="prefetchd.daemon.remote.pool"):
+            pool._receive(lambda _t, _r: None, lambda _t: None)
+        parent.close()
+        child.close()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said.count((logging.WARNING, f"ray: {unfit}")) == 1, said
+    assert said.count((logging.INFO, f"ray: {retried}")) == 2, said  # news each time

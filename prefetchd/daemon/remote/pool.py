@@ -76,6 +76,9 @@ class RemotePool:
         self.nodes = 0
         self.cpus = 0  # of the nodes that get slices: all but the unfit ones
         self.unfit: tuple[str, ...] = ()
+        # The warnings the bridges sent: each new bridge (after a reconnection) probes the nodes again, and
+        # "node X cannot read --data" found again is no news.
+        self.warned: set[str] = set()
         self.message = "connecting"
         self.lost = ""  # why the cluster was lost, kept in the status beside each failed reconnection until it is back
         self.in_flight: dict[int, Task] = {}
@@ -185,7 +188,10 @@ class RemotePool:
             if isinstance(msg, Report):
                 self._on_report(msg)
             elif isinstance(msg, Note):
-                log.log(msg.level, "ray: %s", msg.text)
+                again = msg.level >= logging.WARNING and msg.text in self.warned
+                if msg.level >= logging.WARNING:
+                    self.warned.add(msg.text)
+                log.log(logging.DEBUG if again else msg.level, "ray: %s", msg.text)
             elif isinstance(msg, Done):
                 task = self._take(msg.result.task_id)
                 if task is None:
