@@ -90,15 +90,17 @@ class JobPolicy:
                           "config (or --allowed-data)")
 
 
-def check_files_inside(index: SampleIndex, roots: tuple[str, ...], tick: Callable[[], object] = lambda: None) -> None:
-    """Every file of a confined job's index resolves inside ``roots``: a file list may name any
-    path and class folders may hold links, which the walk follows."""
+def check_files_inside(index: SampleIndex, data: str, roots: tuple[str, ...],
+                       tick: Callable[[], object] = lambda: None) -> None:
+    """Every file of a confined job's index (of its ``data``: the file list or folder the message
+    names) resolves inside ``roots``: a file list may name any path and class folders may hold
+    links, which the walk follows."""
     for j in range(len(index.path_offsets) - 1):
         if j % TICK_FILES == 0:
             tick()
         name = index.file(j)
         real = os.path.realpath(os.path.join(index.root, name))
         if not any(inside(real, root) for root in roots):
-            raise ConfigError(f"{index.root}: sample file {name} resolves to {real}, outside allowed_data "
+            raise ConfigError(f"{data}: sample file {name} resolves to {real}, outside allowed_data "
                               f"({', '.join(roots)}); a job from another user reads only files inside "
                               "`allowed_data` of the daemon's config: add that root there, or drop the file or link")

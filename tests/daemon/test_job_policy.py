@@ -94,12 +94,12 @@ def test_a_file_list_naming_files_outside_the_roots_is_refused(tmp_path: Path) -
     roots = (str(tmp_path / "allowed"),)
     good = tmp_path / "allowed/good.csv"
     good.write_text("".join(f"{p},{p.parent.name}\n" for p in inner))
-    check_files_inside(read_file_list(str(good)), roots)
+    check_files_inside(read_file_list(str(good)), str(good), roots)
     bad = tmp_path / "allowed/bad.csv"
     bad.write_text("".join(f"{p},{p.parent.name}\n" for p in inner + outer[:1]))
     with pytest.raises(ConfigError, match="allowed_data") as exc:
-        check_files_inside(read_file_list(str(bad)), roots)
-    assert str(outer[0]) in str(exc.value)
+        check_files_inside(read_file_list(str(bad)), str(bad), roots)
+    assert str(outer[0]) in str(exc.value) and str(exc.value).startswith(f"{bad}: sample file ")  # the list, named
 
 
 def test_inside_compares_whole_components() -> None:
