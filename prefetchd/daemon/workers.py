@@ -145,6 +145,14 @@ class SampleUnrecoverable(RuntimeError):
     pass
 
 
+# The errors that are not the sample's fault, so no replacement sample can help: the fatal error each
+# stops the job as (see ``WriteFailed``), or None where the batch is retried later (the store may come back).
+NOT_THE_SAMPLES_FAULT: dict[type[Exception], type[DaemonError] | None] = {
+    StorageUnavailable: None, HookError: ConfigError, StorageDenied: DatasetError, ShardChanged: DatasetError,
+}
+_NOT_THE_SAMPLES_FAULT = tuple(NOT_THE_SAMPLES_FAULT)
+
+
 def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[str, str]],
              times: StageTimes, first: Read | None, clean: CleanFiles | None,
              into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
@@ -167,7 +175,7 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
             return candidate, augment_bytes(data, name, job.image_size, job.train, rng, job.augment, times,
                                             job.max_pixels, TrackedFile(clean, candidate) if clean is not None else None,
                                             into)
-        except (HookError, StorageUnavailable, StorageDenied, ShardChanged):  # not the sample's fault: no replacement
+        except _NOT_THE_SAMPLES_FAULT:
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
             failures.append((name, _reason(exc, name)))
@@ -252,10 +260,7 @@ def task_slots(task: Task) -> range:
 
 def failure_of(task_id: int, exc: Exception) -> WriteFailed:
     """What a task that raised ``exc`` reports: retry later, or stop the job (see ``WriteFailed``)."""
-    if isinstance(exc, StorageUnavailable):
-        return WriteFailed(task_id, str(exc))
-    for cause, error in ((SampleUnrecoverable, BadDataError), (HookError, ConfigError), (StorageDenied, DatasetError),
-                         (ShardChanged, DatasetError)):
+    for cause, error in ((SampleUnrecoverable, BadDataError), *NOT_THE_SAMPLES_FAULT.items()):
         if isinstance(exc, cause):
             return WriteFailed(task_id, str(exc), fatal=error)
     # A bug: report it with where it happened instead of dying silently.
