@@ -7,8 +7,9 @@ pixels to the group, and it imports and runs the ``transform`` hook.  So a job.j
 owned by anyone but the daemon's own user may only name
 
 - ``data`` inside a root of the config's ``allowed_data`` (local roots compared after
-  resolving symlinks and ``..``, URLs by prefix), and every file its index names must
-  resolve inside one too (a file list may name any path, a class folder may link out);
+  resolving symlinks and ``..``; URLs by whole prefix, and without ``.`` or ``..`` segments,
+  which an HTTP client resolves), and every file its index names must resolve inside one
+  too (a file list may name any path, a class folder may link out);
 - a ``transform`` listed exactly in ``allowed_transforms``.
 
 Both lists are empty by default, so such jobs are refused with the key to set.  Values
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +49,13 @@ def inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def dot_segments(location: str) -> bool:
+    """Whether a URL's path, or a relative name, has a ``.`` or ``..`` segment (percent-encoded too): an
+    HTTP client resolves them, so ``http://h/pub/../priv`` starts with ``http://h/pub/`` and is not in it."""
+    path = urllib.parse.urlsplit(location).path if is_url(location) else location
+    return any(urllib.parse.unquote(segment) in (".", "..") for segment in path.replace("\\", "/").split("/"))
+
+
 @dataclass(frozen=True)
 class JobPolicy:
     """The daemon's own configuration, which says what jobs of other users may name."""
@@ -60,8 +69,9 @@ class JobPolicy:
 
     def confine(self, job: DaemonConfig, owner: int | None) -> tuple[str, ...] | None:
         """Check a job that ``owner`` submitted: raise ConfigError saying why and which key to set
-        if it asks for more than that user may, else return the resolved local roots its files
-        must stay inside (None: not confined, it is the daemon's user or the daemon's own data)."""
+        if it asks for more than that user may, else return the roots its files must stay inside
+        (resolved local folders, or URLs; None: not confined, it is the daemon's user or the
+        daemon's own data)."""
         if owner == self.uid:
             return None
         who = (f"job.json belongs to {user_name(owner)}, not to {user_name(self.uid)} who runs the daemon, "
@@ -74,15 +84,18 @@ class JobPolicy:
         if job.data is None or job.data == self.own.data:
             return None
         if is_url(job.data):
-            if any(inside(job.data, root) for root in self.own.allowed_data if is_url(root)):
-                return None
-            real = job.data
+            if dot_segments(job.data):
+                raise ConfigError(f"{who}: its data {job.data!r} has a '.' or '..' segment, which would be resolved "
+                                  "past the roots of allowed_data; name the data by a plain URL under one of them")
+            roots = tuple(root for root in self.own.allowed_data if is_url(root))
+            if any(inside(job.data, root) for root in roots):
+                return roots
         else:
             roots = tuple(os.path.realpath(root) for root in self.own.allowed_data if not is_url(root))
-            real = os.path.realpath(job.data)
-            if any(inside(real, root) for root in roots):
+            if any(inside(os.path.realpath(job.data), root) for root in roots):
                 return roots
-        shown = f"{job.data!r}" + (f" (resolved: {real})" if real != job.data else "")
+        # Where a link points is not said: the daemon may resolve links in folders the group cannot read.
+        shown = f"{job.data!r}" + ("" if is_url(job.data) else " (after resolving symbolic links and '..')")
         allowed = ", ".join(self.own.allowed_data) or "none is set"
         raise ConfigError(f"{who}: its data {shown} is not inside a root of allowed_data ({allowed}). The daemon "
                           f"reads it with {user_name(self.uid)}'s files and credentials and shows the pixels to the "
@@ -95,12 +108,17 @@ def check_files_inside(index: SampleIndex, data: str, roots: tuple[str, ...],
     """Every file of a confined job's index (of its ``data``: the file list or folder the message
     names) resolves inside ``roots``: a file list may name any path and class folders may hold
     links, which the walk follows."""
+    url = is_url(index.root)
     for j in range(len(index.path_offsets) - 1):
         if j % TICK_FILES == 0:
             tick()
         name = index.file(j)
-        real = os.path.realpath(os.path.join(index.root, name))
-        if not any(inside(real, root) for root in roots):
-            raise ConfigError(f"{data}: sample file {name} resolves to {real}, outside allowed_data "
-                              f"({', '.join(roots)}); a job from another user reads only files inside "
+        if url:  # relative to the root, or read at a URL that the store's client may resolve past it
+            where = index.root.rstrip("/") + "/" + name
+            outside = dot_segments(name) or not any(inside(where, root) for root in roots)
+        else:  # where it resolves is not said: the link may be in a folder the group cannot read
+            outside = not any(inside(os.path.realpath(os.path.join(index.root, name)), root) for root in roots)
+        if outside:
+            raise ConfigError(f"{data}: sample file {name} is outside allowed_data ({', '.join(roots)}) once its "
+                              "symbolic links and '..' are resolved; a job from another user reads only files inside "
                               "`allowed_data` of the daemon's config: add that root there, or drop the file or link")

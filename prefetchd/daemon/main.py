@@ -228,7 +228,7 @@ class JobInbox:
         self._seen = self._stamp() if ignore_current else None
         self.result: JobResult | None = None
         self.pending_id: str | None = None
-        # Local roots the pending job's files must resolve inside (None: not confined).
+        # The roots the pending job's files must be inside (resolved local ones, or URLs; None: not confined).
         self.pending_confinement: tuple[str, ...] | None = None
 
     def _stamp(self) -> tuple[int, int, int] | None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prefetchd.buffer_protocol import JobRequest, ProtocolError
 from prefetchd.buffer_protocol.layout import JOB_NAME
 from prefetchd.daemon.config import DaemonConfig, load_toml
+from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, inside
 from prefetchd.daemon.sources.filelist import read_file_list
@@ -72,13 +74,27 @@ def test_a_linked_allowed_root_is_compared_resolved(tree: Path) -> None:
     assert rules.confine(job(tree, data=str(tree / "allowed/train")), OTHER) == (str(tree / "allowed"),)
 
 
-def test_urls_are_allowed_by_whole_prefix(tree: Path) -> None:
-    rules = policy(tree, allowed_data=("s3://bucket/data/", str(tree / "allowed")))
-    assert rules.confine(job(tree, data="s3://bucket/data/train"), OTHER) is None
-    assert rules.confine(job(tree, data="s3://bucket/data"), OTHER) is None
+def test_urls_are_allowed_by_whole_prefix_without_dot_segments(tree: Path) -> None:
+    rules = policy(tree, allowed_data=("s3://bucket/data/", "http://127.0.0.1:8099/pub", str(tree / "allowed")))
+    url_roots = ("s3://bucket/data", "http://127.0.0.1:8099/pub")  # as the config normalises them
+    assert rules.confine(job(tree, data="s3://bucket/data/train"), OTHER) == url_roots  # its files are checked too
+    assert rules.confine(job(tree, data="s3://bucket/data"), OTHER) == url_roots
     for data in ("s3://bucket/data2", "s3://bucket", "s3://other/data/train", "gs://bucket/data/train"):
         with pytest.raises(ConfigError, match="allowed_data"):
             rules.confine(job(tree, data=data), OTHER)
+    # An HTTP client resolves them: under the root by prefix, outside it once fetched.
+    for data in ("http://127.0.0.1:8099/pub/../priv/train", "http://127.0.0.1:8099/pub/%2e%2E/priv",
+                 "http://127.0.0.1:8099/pub/./x/../../priv", "s3://bucket/data/../secret"):
+        with pytest.raises(ConfigError, match="has a '.' or '..' segment"):
+            rules.confine(job(tree, data=data), OTHER)
+
+
+def test_a_refusal_does_not_say_where_a_link_points(tree: Path) -> None:
+    """The daemon may resolve a link in a folder the submitter cannot read: its target is not theirs to learn."""
+    (tree / "allowed2/hidden").symlink_to(tree / "secret/train")
+    with pytest.raises(ConfigError, match="after resolving symbolic links") as refused:
+        policy(tree, allowed_data=(str(tree / "allowed"),)).confine(job(tree, data=str(tree / "allowed2/hidden")), OTHER)
+    assert str(tree / "secret") not in str(refused.value)
 
 
 def test_the_daemons_own_data_and_hook_pass(tree: Path) -> None:
@@ -100,6 +116,22 @@ def test_a_file_list_naming_files_outside_the_roots_is_refused(tmp_path: Path) -
     with pytest.raises(ConfigError, match="allowed_data") as exc:
         check_files_inside(read_file_list(str(bad)), str(bad), roots)
     assert str(outer[0]) in str(exc.value) and str(exc.value).startswith(f"{bad}: sample file ")  # the list, named
+
+
+def test_a_url_file_list_naming_objects_past_its_root_is_refused(tree: Path) -> None:
+    """A list in a bucket names objects relative to its folder: '..' there is read past the allowed root."""
+    roots = ("http://127.0.0.1:8099/pub",)
+
+    def index(*names: str) -> SampleIndex:
+        blob = b"".join(n.encode() for n in names)
+        offsets = np.cumsum([0, *(len(n.encode()) for n in names)]).astype(np.int64)
+        return SampleIndex("http://127.0.0.1:8099/pub/lists", ("a",), np.frombuffer(blob, np.uint8), offsets,
+                           np.zeros(len(names), np.int64), "fp")
+
+    check_files_inside(index("a/1.jpg", "a/2.jpg"), "http://127.0.0.1:8099/pub/lists/l.csv", roots)
+    for bad in ("../../priv/x.jpg", "a/%2e%2e/%2e%2e/%2e%2e/priv/x.jpg"):
+        with pytest.raises(ConfigError, match="outside allowed_data"):
+            check_files_inside(index("a/1.jpg", bad), "http://127.0.0.1:8099/pub/lists/l.csv", roots)
 
 
 def test_inside_compares_whole_components() -> None:

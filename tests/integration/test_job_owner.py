@@ -175,8 +175,10 @@ def test_group_jobs_are_held_to_the_allow_lists(two_users: Users) -> None:
         assert code == 1 and "refused" in said and "allowed_data" in said, said
 
         # Symlinks are resolved: a link inside the allowed root to the secret data is the secret data.
+        # Where it points is not said (the daemon may resolve links in folders the trainer cannot read).
         code, said = submit("--data", allowed / "escape")
-        assert code == 1 and "allowed_data" in said and str(secret / "train") in said, said
+        assert code == 1 and "allowed_data" in said and "after resolving symbolic links" in said, said
+        assert str(secret) not in said, said
 
         # A file list inside the allowed root that names files outside it.
         code, said = submit("--data", allowed / "list.csv")
