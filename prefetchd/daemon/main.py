@@ -160,7 +160,10 @@ def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_s
     if old is not None:
         diff = (manifest.identity_diff(old) if manifest is not None else
                 [f"world_size: {old.world_size} -> {world_size} (a single-rank job is stored there)"])
-    streams = sorted(d for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir())
+    # Another job's per-rank streams: directories of this user with something in them. An empty one, a link
+    # or another user's is no job's stream (a group member can make any of them in a --group-access buffer)
+    # and must not stop the job.
+    streams = sorted(d for d in buffer.glob(f"{STREAM_PREFIX}*") if _holds_a_stream(d))
     if manifest is not None and manifest.world_size == 1 and streams:
         try:
             theirs = f"world_size: {Manifest.read(streams[0]).world_size} -> 1 "
@@ -175,6 +178,14 @@ def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_s
     if diff or (old is None and list_batches(buffer)):
         log.info("clearing %s: it held batches of another job", buffer)
         clear_buffer(buffer)
+
+
+def _holds_a_stream(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+        return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and any(path.iterdir())
+    except OSError:
+        return False
 
 
 def check_capacity(cfg: DaemonConfig) -> None:
@@ -485,6 +496,14 @@ def run_daemon(cfg: DaemonConfig) -> int:
                         goes_on = f"; still producing {replaced.data}" if replaced is not None else ""
                         inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}")
                         inbox.pending_id, job, reset, replaced = None, replaced, False, None
+                        continue
+                    if serve_jobs:
+                        # The job a refused one was to replace does not start again (its data went away meanwhile):
+                        # a daemon that serves jobs waits for the next one, rather than exit and leave the buffer's
+                        # group without a daemon until someone restarts it.
+                        log.error("cannot resume the job on %s after the refused one: %s; waiting for the next job",
+                                  job.data, exc)
+                        job = None
                         continue
                     # The job given at start, or the one resumed: as when its dataset goes away mid-run. The
                     # last status says why, not "starting" (status and trainers read it after the exit).

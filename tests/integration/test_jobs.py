@@ -72,6 +72,10 @@ def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_da
     loader = BufferLoader(buffer, normalize=False, timeout=30)
     batches = iter(loader)
     first = next(batches)
+    # What a member of a --group-access buffer's group can plant: an empty stream directory and a link to
+    # one. No job's streams: the running job, restarted after the refusal, must not take them for another's.
+    (buffer / "rank-00001").mkdir()
+    (buffer / "rank-00002").symlink_to(shapes_data)
 
     bad = submit(buffer, "--data", shm_dir / "missing", *JOB, "--replace")
     assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
@@ -83,6 +87,27 @@ def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_da
     assert steps == [(first.epoch, first.step + k) for k in range(1, 6)]
     assert Manifest.read(buffer).batch_size == 8 and daemon.proc.poll() is None
     loader.close()
+
+
+def test_a_job_that_cannot_resume_after_a_refused_one_leaves_the_daemon_waiting_for_jobs(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """Its data went away meanwhile: the daemon serving jobs says so and waits, rather than exit."""
+    import shutil
+
+    buffer, data = shm_dir / "bf", shm_dir / "copy"
+    shutil.copytree(shapes_data / "train", data)
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", data, *JOB).returncode == 0
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    next(iter(loader))
+    shutil.rmtree(data)
+    bad = submit(buffer, "--data", shm_dir / "missing", *JOB, "--replace")
+    assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for the next job")
+    assert daemon.proc.poll() is None and f"cannot resume the job on {data} after the refused one" in daemon.log
+    loader.close()
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--replace").returncode == 0
 
 
 def test_a_job_whose_epochs_were_all_consumed_is_refused_saying_how_to_produce_it_again(
