@@ -384,8 +384,8 @@ class Progress:
     waiting for batches, which the daemon reports as whether the GPU is fed.
     ``pid`` and ``time`` say which process wrote it and when (``write`` fills them
     in); the daemon tells from them whether the trainer is still there.  ``closed``:
-    a named consumer left (``BufferLoader.close``) and holds no batches until it
-    writes again.  ``job``: the ``Manifest.job_key`` of the job the position is in (None
+    the consumer left (``BufferLoader.close``) and holds no batches while another
+    reads, until it writes again.  ``job``: the ``Manifest.job_key`` of the job the position is in (None
     from writers that predate it); the daemon ignores a position in another job.
     ``consumer`` picks the file (see :func:`progress_name`).
     """

@@ -90,6 +90,7 @@ GRAY_STD = (0.226,)
 # progress.json may fail to be written for a while (a full tmpfs): the loader keeps delivering
 # the batches that are there and retries; only a failure that lasts this long is an error.
 _PROGRESS_WRITE_GRACE = 30.0
+ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, for another trainer's writes
 
 DeviceLike = str | torch.device
 
@@ -218,6 +219,7 @@ class BufferLoader:
         self._epoch, self._step = self._start_position(start)
         self._published: tuple[int, int] | None = None
         self._published_at = 0.0  # time.monotonic() of the last progress write
+        self._next_alone_check = 0.0  # when _publish next reads the progress file for another trainer's writes
         self._publish_failing_since: float | None = None
         self._waits = WaitMeter()
         self._generation = 0
@@ -416,6 +418,14 @@ class BufferLoader:
         position = self._consumed_until()
         if position == self._published and not force:
             return
+        now = time.monotonic()
+        if self._published is not None and now >= self._next_alone_check:
+            # A trainer that never waits never reaches _check_progress: look here too, once a second at most.
+            self._next_alone_check = now + ALONE_CHECK_SECONDS
+            try:
+                self._check_alone(Progress.read(self._buffer, self._consumer))
+            except (ProtocolError, OSError):
+                pass  # unreadable: overwritten below, and a wait looks again
         try:
             Progress(*position, wait_share=self._waits.share(), closed=closed,
                      job=self._manifest.job_key).write(self._buffer, self._consumer)
@@ -458,20 +468,25 @@ class BufferLoader:
                 self._publish(force=True)
             return
         if self._published is not None:
-            if current is not None and current.pid not in (None, os.getpid()) and \
-                    current.time is not None and alive_since(current.pid, current.time):
-                # Two trainers taking turns at one consumer's progress: each would make the daemon build
-                # the other's batches, and the first to finish would end the daemon's job under the other.
-                raise LoaderError(
-                    f"{self._progress_path}: another trainer (pid {current.pid}) reads {self._buffer} as "
-                    f"{'the default consumer' if not self._consumer else 'consumer ' + repr(self._consumer)} "
-                    f"too, at epoch {current.epoch} step {current.step} while this one is at epoch "
-                    f"{self._published[0]} step {self._published[1]}. Several trainers on one buffer each need a "
-                    "consumer name of their own: --consumer NAME (BufferLoader(consumer=NAME))"
-                )
+            self._check_alone(current)
             logger.warning("%s names %s, not this loader's position %s; writing it again",
                            self._progress_path, current and (current.epoch, current.step), self._published)
         self._publish(force=True)
+
+    def _check_alone(self, current: Progress | None) -> None:
+        """Raise when ``current``, this consumer's progress as read, was written by another trainer that is
+        still there and has not left.  Two trainers taking turns at one consumer's progress each make the
+        daemon build the other's batches, and the first to finish ends the daemon's job under the other."""
+        if current is None or current.pid in (None, os.getpid()) or current.closed or current.time is None \
+                or not alive_since(current.pid, current.time):
+            return
+        mine = f"epoch {self._published[0]} step {self._published[1]}" if self._published else "its start"
+        raise LoaderError(
+            f"{self._progress_path}: another trainer (pid {current.pid}) reads {self._buffer} as "
+            f"{'the default consumer' if not self._consumer else 'consumer ' + repr(self._consumer)} "
+            f"too, at epoch {current.epoch} step {current.step} while this one is at {mine}. Several trainers on "
+            "one buffer each need a consumer name of their own: --consumer NAME (BufferLoader(consumer=NAME))"
+        )
 
     def _check_open(self) -> None:
         if self._closed:

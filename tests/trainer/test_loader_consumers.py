@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from prefetchd.buffer_protocol import VERSION, Progress, list_consumers
 from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer import BufferLoader, LoaderError
+from prefetchd.trainer.loader import ALONE_CHECK_SECONDS
 from prefetchd.trainer.train import main
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -156,3 +157,33 @@ def test_a_second_live_trainer_on_the_same_consumer_is_refused(make_job: MakeJob
     assert raised and isinstance(raised[0], LoaderError), raised
     assert (f"another trainer (pid {other.pid}) reads {job.buffer} as the default consumer too, at epoch 0 step 2 "
             "while this one is at epoch 0 step 1") in str(raised[0]) and "--consumer NAME" in str(raised[0])
+
+
+def test_two_trainers_that_never_wait_are_caught_taking_turns_at_one_consumer(make_job: MakeJob) -> None:
+    """Every batch is there, so neither waits (where the check above runs): a publish looks too."""
+    job = make_job(samples=40, batch_size=4, epochs=1, write=1)
+    job.claim(os.getpid())
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        loader = BufferLoader(job.buffer, normalize=False, timeout=30, consumer="same")
+        batches = iter(loader)
+        assert next(batches).step == 0
+        next(batches)  # published: the batch before is consumed
+        def written_by_the_other(**more: object) -> None:
+            job.buffer.joinpath("progress.same.json").write_text(json.dumps(
+                {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 7, "pid": other.pid,
+                 "time": time.time(), **more}))
+
+        # The other trainer of consumer "same" writes its own position, then this one goes on.
+        written_by_the_other()
+        time.sleep(ALONE_CHECK_SECONDS)
+        with pytest.raises(LoaderError, match=rf"another trainer \(pid {other.pid}\) reads .* as consumer 'same' too"):
+            next(batches)
+        # One that left (closed its file) is no other trainer: this one takes the consumer over.
+        written_by_the_other(closed=True)
+        time.sleep(ALONE_CHECK_SECONDS)
+        assert next(iter(loader)).step >= 2
+    finally:
+        other.kill()
+        other.wait()
+
