@@ -256,8 +256,10 @@ class Stream:
         # The default consumer's first write is the trainer starting, no news; a named one joining is.
         if was_closed != consumer.closed or (not was_seen and consumer.name != DEFAULT_CONSUMER):
             if consumer.closed:
-                log.info("%s of rank %d left at epoch %d step %d; it holds no batches while another consumer reads, "
-                         "until it writes again", consumer.label, self.rank, *self.key(g))
+                others = any(c is not consumer and c.seen and not c.closed for c in self.consumers.values())
+                log.info("%s of rank %d left at epoch %d step %d; %s", consumer.label, self.rank, *self.key(g),
+                         "it holds no batches until it writes again" if others else
+                         "its window stays filled for whoever comes next")
             else:
                 log.info("%s joined rank %d at epoch %d step %d", consumer.label, self.rank, *self.key(g))
         elif moved and g < before:

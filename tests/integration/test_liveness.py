@@ -145,7 +145,8 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
                               str(buffer)], capture_output=True, text=True, timeout=120)
     assert trainer.returncode == 0, trainer.stderr
     wait_for(lambda: trainer_is(False), 30, "the status to say the trainer is not there")
-    wait_for(lambda: "the trainer of rank 0 left at epoch 0 step 1" in daemon.log, 30, "the log to say it left")
+    wait_for(lambda: "the trainer of rank 0 left at epoch 0 step 1; its window stays filled for whoever comes next"
+             in daemon.log, 30, "the log to say it left")
     assert f"trainer pid {trainer_pid(buffer)} left (closed its loader" in format_status(describe_status(buffer))
     time.sleep(2.5)  # a few more status periods
     assert daemon.log.count("has gone away") == 1, daemon.log
