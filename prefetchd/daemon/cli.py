@@ -354,7 +354,7 @@ def format_status(info: dict[str, Any]) -> str:
         lines += [
             f"  progress  trainer at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, _all_left(pr))}",
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting"
-            + (", " if state == State.DONE else f" (resume at {pr.low_water}), ") + f"{pr.building} building",
+            + (", " if state == State.DONE else f" (builds again at {pr.low_water} waiting), ") + f"{pr.building} building",
             *_cap_line(pr),
             f"  memory    {_mib(pr.buffer_bytes)} in the buffer, {_mib(pr.free_bytes)} free on its filesystem",
             f"  rates     produce {r.samples_per_s:.0f} img/s with {counted(pr.workers, 'worker')} "

@@ -378,7 +378,7 @@ def test_status_of_a_done_daemon_says_what_done_means() -> None:
     """Done: every batch built, while trainers may still read; it resumes nothing at the low-water mark."""
     done, filling = _running_status_text(State.DONE), _running_status_text(State.FILLING)
     assert "state done (every batch of the job's epochs is built; trainers may still be reading)" in done
-    assert "resume at" not in done and "resume at" in filling
+    assert "builds again at" not in done and "builds again at" in filling
     assert re.search(r"\d+/\d+ batches waiting, \d+ building", done), done
 
 
