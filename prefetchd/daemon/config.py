@@ -59,7 +59,7 @@ class DaemonConfig:
     low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)
     max_buffer_bytes: int | None = _opt(None, "Cap on the bytes of batches waiting and being built, all consumers of the buffer together (several trainers sharing it: see --consumer in prefetchd-train); when their windows do not fit, the slowest consumer's shrinks first [default: high-water batches per rank, so one trainer sees no difference].", int, minimum=1)
     consumer_timeout: float = _opt(300.0, "Seconds without a progress write after which one of several consumers counts as gone and stops holding batches (a gone process is noticed within a second); it may come back.", float, minimum=0, min_open=True)
-    min_free_mb: int | None = _opt(None, "Never let the buffer's filesystem fall below this many MiB free [default: 5% of it, at least 64, or a tenth of a filesystem smaller than 640 MiB].", int, minimum=0)
+    min_free_mb: int | None = _opt(None, "Never let the buffer's filesystem fall below this many MiB free [default: 5% of it, at least 64, or a tenth of a filesystem smaller than 640 MiB, at least 1].", int, minimum=0)
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
     epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)
     drop_last: bool = _opt(False, "Leave out each epoch's last batch where it would be short, as DataLoader(drop_last=True): every batch then holds --batch-size images, and which samples are left out changes from epoch to epoch with the shuffle. A model with BatchNorm cannot train on a batch of one image.", bool)
@@ -254,8 +254,8 @@ def nearest_existing(path: Path) -> Path:
 def default_min_free_mb(fs_bytes: int) -> int:
     """The free-space floor: 5% of the buffer's filesystem, at least 64 MiB -- but on a tmpfs
     so small that 64 MiB is most of it (Docker's /dev/shm is 64 MiB) a tenth of it, so the
-    defaults still leave room for batches."""
-    return max(min(64, int(fs_bytes * 0.1) >> 20), int(fs_bytes * 0.05) >> 20)
+    defaults still leave room for batches; never 0, which would let batches fill it to the last page."""
+    return max(1, min(64, int(fs_bytes * 0.1) >> 20), int(fs_bytes * 0.05) >> 20)
 
 
 def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:

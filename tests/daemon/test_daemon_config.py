@@ -215,6 +215,12 @@ def test_default_index_cache_is_shown_where_it_resolves(shm_buffer: Path, monkey
     assert cfg.index_cache == tmp_path / "mine" and not any(n.startswith("index_cache") for n in notes)
 
 
+def test_the_free_space_floor_by_filesystem_size() -> None:
+    mib = 1 << 20
+    # 5 % from 1.25 GiB up, 64 MiB below it, a tenth below 640 MiB, and never 0 (an 8 MiB tmpfs: 0.8 MiB).
+    assert [config_mod.default_min_free_mb(size * mib) for size in (8, 64, 600, 1000, 24 * 1024)] == [1, 6, 60, 64, 1228]
+
+
 def _expected_high(cfg: DaemonConfig, fs: os.statvfs_result, ram: int) -> tuple[int, int]:
     """(high_water, the cap that half the free tmpfs alone allows), by the documented rule."""
     total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
