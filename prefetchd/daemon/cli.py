@@ -25,6 +25,7 @@ from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, M
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import FAILED_WHILE_PRODUCING, JOB_FIELDS
+from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.producer import STAGES
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
@@ -36,6 +37,9 @@ log = logging.getLogger("prefetchd")
 
 STALE_HEARTBEAT_SECONDS = 10.0
 SHOWN_BAD_FILES = 5  # undecodable files named in the text status
+# Too little to rewrite status.json (it takes a few pages, its temp file as many again); the daemon's own
+# floor (--min-free-mb, 1 MiB at least by default) stops it well above this: something else took the rest.
+FULL_FILESYSTEM_BYTES = 256 << 10
 
 
 def config_options(only: Collection[str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -276,6 +280,12 @@ def describe_status(buffer: Path) -> dict[str, Any]:
             problems.append(str(exc))
             break
     age = time.time() - status.heartbeat if status is not None else None
+    free = _free_bytes(owner)
+    if pid is not None and free is not None and free < FULL_FILESYSTEM_BYTES:
+        # status.json cannot be rewritten (its mtime still beats, SPEC rule 8): what shows is the last that fitted.
+        problems.append(f"the buffer's filesystem is full ({free / 2**20:.1f} MiB free): the daemon can build no "
+                        "batch and cannot rewrite its status, so the figures above are from the last one written; "
+                        f"free space on {filesystem_of(owner).point} (what else fills it?)")
     return {
         "buffer": str(buffer),
         "owner": str(owner),
@@ -288,6 +298,14 @@ def describe_status(buffer: Path) -> dict[str, Any]:
         "manifest": manifest,
         "problems": problems,
     }
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize
 
 
 def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | None, str]:

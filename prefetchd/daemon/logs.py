@@ -13,7 +13,15 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from prefetchd.throttle import Throttle
+from prefetchd.words import counted
+
+log = logging.getLogger(__name__)
+# status.json is rewritten every second: a full filesystem would log a line each time.
+_STATUS_LINES = Throttle(60.0)
 
 
 class JournalFormatter(logging.Formatter):
@@ -43,3 +51,13 @@ def run_logged(level: int, main: Callable[..., Any], *args: Any) -> None:
 
 
 __all__ = ["JournalFormatter", "run_logged", "setup_logging"]
+
+
+def status_unwritten(buffer: Path, exc: OSError) -> None:
+    """Warn that ``buffer``'s status.json could not be rewritten: at most once a minute while it lasts."""
+    held = _STATUS_LINES.let_through()
+    if held is None:
+        return
+    others = f" ({counted(held, 'other failed write')} since the last such line)" if held else ""
+    log.warning("cannot write status to %s: %s%s; `prefetchd status` shows the last one written", buffer,
+                exc.strerror or exc, others)

@@ -34,6 +34,7 @@ from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
 from prefetchd.daemon.jpeg_crop import decoder_summary
+from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.metrics import Metrics
 from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of, huge_pages, huge_pages_hint
 from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id, start_worker_server, sweep_leftovers
@@ -360,7 +361,7 @@ class StartupBeat:
             write_status(self.buffer, Status(pid=os.getpid(), state=State.STARTING, heartbeat=time.time(),
                                              message=message, job_result=self.job_result()))
         except OSError as exc:
-            log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
+            status_unwritten(self.buffer, exc)
 
 
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,

@@ -42,6 +42,7 @@ from prefetchd.buffer_protocol.status import BadFile, Errors, JobResult, Product
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, DaemonError
+from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.sampler import batch_len, batch_slice
 from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server
 from prefetchd.daemon.remote import RemotePool
@@ -556,7 +557,7 @@ class Producer:
         try:
             write_status(self.buffer, status)
         except OSError as exc:
-            log.warning("cannot write status to %s: %s", self.buffer, exc.strerror)
+            status_unwritten(self.buffer, exc)
 
 
 def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:

@@ -3,6 +3,7 @@ the numbers and the fix, instead of a SIGBUS when a mapped batch's pages cannot 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from prefetchd.buffer_protocol import State, batch_name
+from prefetchd.daemon.cli import describe_status, format_status
 from prefetchd.daemon.config import DaemonConfig, fill_defaults
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.main import check_capacity
@@ -112,6 +114,14 @@ def test_a_pause_for_space_and_the_resumption_are_both_logged(shm_dir: Path, sha
             next(batches), next(batches)  # two consumed: below the low-water mark, a build is due
             daemon.wait_until(lambda: state_of(buffer) == State.PAUSED_LOW_SPACE, 30, "a pause for space")
             assert "paused: " in daemon.log and "resumed: " not in daemon.log
+            # Something else takes the last MiB: the status cannot be rewritten, and `prefetchd status` says so.
+            assert "filesystem is full" not in format_status(describe_status(buffer))
+            rest = mount / "rest"
+            with contextlib.suppress(OSError):
+                rest.write_bytes(b"\1" * free_bytes(mount))
+            assert "the buffer's filesystem is full (0.0 MiB free): the daemon can build no batch and cannot " \
+                   "rewrite its status" in format_status(describe_status(buffer))
+            rest.unlink()
             ballast.unlink()
             daemon.wait_until(lambda: "resumed: " in daemon.log, 30, "the resumption")
             assert f"resumed: {buffer} has room again above the floor of 2 MiB" in daemon.log

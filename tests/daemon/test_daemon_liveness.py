@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 
 from prefetchd.buffer_protocol import Rates, State, Status, TrainerStatus, read_status
+from prefetchd.daemon import logs
 from prefetchd.daemon.main import StartupBeat
 from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.producer import STATUS_SECONDS
 from prefetchd.daemon.sdnotify import Notifier, status_line
+from prefetchd.throttle import Throttle
 from tests.status_examples import production, stream
 from tests.status_examples import status as status_example
 
@@ -36,12 +38,17 @@ def test_startup_beat_writes_a_throttled_heartbeat(tmp_path: Path) -> None:
     assert later is not None and later.heartbeat > status.heartbeat
 
 
-def test_startup_beat_survives_an_unwritable_buffer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_startup_beat_survives_an_unwritable_buffer(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs, "_STATUS_LINES", Throttle(60.0))  # as in a daemon that has logged none yet
     missing = tmp_path / "missing"
     beat = StartupBeat(missing, Notifier(None))
-    with caplog.at_level(logging.WARNING, logger="prefetchd.daemon.main"):
+    with caplog.at_level(logging.WARNING, logger="prefetchd.daemon"):
         beat("indexing")  # logged, not raised: indexing goes on
-    assert [r.getMessage() for r in caplog.records] == [f"cannot write status to {missing}: No such file or directory"]
+        time.sleep(STATUS_SECONDS + 0.05)
+        beat("indexing")  # a write a status period later fails too: not logged again within the minute
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot write status to {missing}: No such file or directory; `prefetchd status` shows the last one written"]
     assert not missing.exists()  # it did not make the directory to write into it
 
 
