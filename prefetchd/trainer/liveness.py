@@ -289,7 +289,9 @@ class BatchWaiter:
                     f"flags it had: the job's are `{job_command(self.manifest, self.buffer)}`, to which add the "
                     "daemon's own it was started with (such as --workers, --strict or --max-bad-*); it resumes "
                     "from progress.json")
-        return f"Restart it with `{job_command(self.manifest, self.buffer)}`: it resumes from progress.json"
+        return (f"Restart it with `{job_command(self.manifest, self.buffer)}` and the daemon's own flags it was "
+                "started with (such as --workers or --high-water), or as it was started (its service): it resumes "
+                "from progress.json")
 
     def _check_heartbeat(self, pid: int, name: str, epoch: int, step: int, waited: float) -> None:
         """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall``.
@@ -407,9 +409,10 @@ def _served_ranks(m: Manifest, buffer: Path) -> str:
     return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
-def _short(value: object, limit: int = 200) -> str:
+def _short(value: object, limit: int = 300) -> str:
+    """``value`` as text, cut at a word before ``limit`` characters (status.json is written by others)."""
     text = str(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 4].rsplit(" ", 1)[0] + " ..."
 
 
 __all__ = ["BatchWaiter", "JobWatch", "job_command", "served_world", "status_summary", "wait_for_manifest",

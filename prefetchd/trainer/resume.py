@@ -47,8 +47,9 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
         raise StateMismatch(
             f"loader state is for dataset fingerprint {fingerprint!r}, but the daemon of {buffer} "
             f"serves {m.dataset_root!r} (fingerprint {m.fingerprint!r}): the checkpoint was taken on "
-            "another dataset. Start the daemon on the checkpoint's dataset, or train from scratch "
-            "without load_state_dict"
+            "another dataset (or its files changed since: a rewritten file changes the fingerprint). Start "
+            "the daemon on the checkpoint's dataset, or train from scratch (prefetchd-train without --resume, "
+            "or another --checkpoint-dir; your own loop without loader.load_state_dict)"
         )
     identity = state.get("identity")
     if isinstance(identity, Mapping):

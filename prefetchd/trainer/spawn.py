@@ -27,6 +27,7 @@ from prefetchd.trainer.passes import Recover
 from prefetchd.trainer.errors import DaemonRestartsExhausted, DaemonStuck, LoaderError, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Ranks
+from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class SpawnedDaemon:
         while self.restarts and now - self.restarts[0] > RESTART_WINDOW_SECONDS:
             self.restarts.popleft()
         if len(self.restarts) >= limit:
-            spent = (f"it was restarted {len(self.restarts)} times within {RESTART_WINDOW_SECONDS:.0f} s, the most "
+            spent = (f"it was restarted {counted(len(self.restarts), 'time')} within {RESTART_WINDOW_SECONDS:.0f} s, the most "
                      f"--daemon-restarts {limit} allows" if limit else "--daemon-restarts 0 allows no restart")
             raise DaemonRestartsExhausted(
                 f"the {self.split} daemon this trainer started for {self.buffer} (pid {self.proc.pid}) {what} and "
