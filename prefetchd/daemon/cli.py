@@ -20,7 +20,7 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, JobRequest, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
+from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, Errors, JobRequest, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
                                        TrainerStatus, daemon_pid, read_status)
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
@@ -343,7 +343,11 @@ def format_status(info: dict[str, Any]) -> str:
         line = f"prefetchd on {buffer}: not running" + ("" if Path(buffer).exists() else f" ({buffer} does not exist)")
         if st:
             line += f" (last state: {st.state}{': ' + st.message if st.message else ''})"
-        return "\n".join([line, *info["problems"]])
+        # What went wrong in the job it last produced (the bad files to mend) is not gone with it.
+        e = st.production.errors if st is not None and st.production is not None else None
+        told = [_errors_line(e), *_bad_file_lines(e)] if e is not None and (
+            e.replaced_samples or e.undecodable_files or e.worker_restarts or e.write_failures) else []
+        return "\n".join([line, *told, *info["problems"]])
     state = st.state if st else "starting"
     meaning = " (every batch of the job's epochs is built; trainers may still be reading)" if state == State.DONE else ""
     lines = [f"prefetchd on {buffer}: running (pid {info['pid']}), state {state}{meaning}"]
@@ -377,17 +381,11 @@ def format_status(info: dict[str, Any]) -> str:
             f"  memory    {_mib(pr.buffer_bytes)} in the buffer, {_mib(pr.free_bytes)} free on its filesystem",
             f"  rates     produce {r.samples_per_s:.0f} img/s with {counted(pr.workers, 'worker')} "
             f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",
-            f"  errors    {counted(e.replaced_samples, 'replaced sample')}, "
-            f"{counted(e.undecodable_files, 'undecodable file')}, {counted(e.worker_restarts, 'worker restart')}, "
-            f"{counted(e.write_failures, 'failed build')}",
+            _errors_line(e),
         ]
         if pr.remote is not None:
             lines += _remote_lines(pr.remote, pr.totals.samples)
-        bad = e.undecodable
-        lines += [f"  bad file  {b.path}: {b.reason}" for b in bad[:SHOWN_BAD_FILES]]
-        if e.undecodable_files > SHOWN_BAD_FILES:
-            lines.append(f"            and {e.undecodable_files - SHOWN_BAD_FILES} more: `--json` lists {len(bad)}, "
-                         "the daemon's log names every one")
+        lines += _bad_file_lines(e)
         stages = pr.stages
         if stages:
             lines.append("  per image " + ", ".join(
@@ -477,6 +475,21 @@ def _consumer_line(c: ConsumerStatus, rank: str) -> str:
     name = c.name or "(default)"
     return (f"  consumer  {name}{rank} at epoch {p.epoch} step {p.step}{share}; pid {c.trainer.pid} {alive}{wrote}; "
             f"{held}")
+
+
+def _errors_line(e: Errors) -> str:
+    return (f"  errors    {counted(e.replaced_samples, 'replaced sample')}, "
+            f"{counted(e.undecodable_files, 'undecodable file')}, {counted(e.worker_restarts, 'worker restart')}, "
+            f"{counted(e.write_failures, 'failed build')}")
+
+
+def _bad_file_lines(e: Errors) -> list[str]:
+    bad = e.undecodable
+    lines = [f"  bad file  {b.path}: {b.reason}" for b in bad[:SHOWN_BAD_FILES]]
+    if e.undecodable_files > SHOWN_BAD_FILES:
+        lines.append(f"            and {e.undecodable_files - SHOWN_BAD_FILES} more: `--json` lists {len(bad)}, "
+                     "the daemon's log names every one")
+    return lines
 
 
 def _all_left(pr: Production) -> bool:

@@ -408,6 +408,19 @@ def test_status_lists_the_first_undecodable_files() -> None:
     assert text.count("bad file") == cli.SHOWN_BAD_FILES and "and 2 more" in text
 
 
+def test_a_stopped_daemons_status_still_names_its_bad_files(tmp_path: Path) -> None:
+    """They are what to mend before the next run; the text showed them only while it ran."""
+    errors = Errors(replaced_samples=3, undecodable_files=3, undecodable=bad_files(3), worker_restarts=0,
+                    write_failures=0, progress_file="")
+    write_status(tmp_path, status_example(State.STOPPED, message="stopped: finished",
+                                          production=production(errors=errors)))
+    text = cli.format_status(cli.describe_status(tmp_path))
+    assert text.startswith(f"prefetchd on {tmp_path}: not running (last state: stopped: stopped: finished)"), text
+    assert "3 replaced samples, 3 undecodable files" in text and "bad file  /d/c/0.jpg: empty" in text
+    write_status(tmp_path, status_example(State.STOPPED, production=production()))  # nothing went wrong: no lines
+    assert "errors" not in cli.format_status(cli.describe_status(tmp_path))
+
+
 def test_status_counts_one_of_a_thing_in_the_singular() -> None:
     """A 2-core box runs 1 worker by default: `status` says "1 worker", not "1 workers"."""
     def text(n: int) -> str:
