@@ -19,6 +19,7 @@ import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -104,6 +105,8 @@ class Stats:
     recent: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=64))  # (t, samples, consumed)
     # Per-sample (read, decode, augment, write) seconds of the most recent samples.
     stage_times: deque[tuple[float, float, float, float]] = field(default_factory=lambda: deque(maxlen=STAGE_WINDOW))
+    stage_version: int = 0  # bumped when stage_times changes: the quantiles change only then
+    _quantiles: tuple[int, dict[str, dict[str, float]]] = (0, {})  # (stage_version, quantiles) last worked out
 
     def rates(self) -> tuple[float, float]:
         """Samples produced and batches consumed per second over the last ~10 s."""
@@ -115,14 +118,20 @@ class Stats:
             return 0.0, 0.0
         return (self.samples - old[1]) / dt, (self.consumed - old[2]) / dt
 
+    def add_stage_times(self, timings: Iterable[tuple[float, float, float, float]]) -> None:
+        self.stage_times.extend(timings)
+        self.stage_version += 1
+
     def stage_quantiles(self) -> dict[str, dict[str, float]]:
-        """p50/p90/p99 seconds per stage over the last ``STAGE_WINDOW`` samples; empty before the first."""
-        if not self.stage_times:
-            return {}
-        times = np.asarray(self.stage_times)
-        q = np.quantile(times, [0.5, 0.9, 0.99], axis=0)
-        return {stage: {"p50": float(q[0, i]), "p90": float(q[1, i]), "p99": float(q[2, i])}
-                for i, stage in enumerate(STAGES)}
+        """p50/p90/p99 seconds per stage over the last ``STAGE_WINDOW`` samples; empty before the first.
+        Worked out again only after new samples: an idle daemon asks every second, and the quantiles of
+        4096 samples took most of its CPU."""
+        if self._quantiles[0] != self.stage_version:
+            times = np.asarray(self.stage_times)
+            q = np.quantile(times, [0.5, 0.9, 0.99], axis=0)
+            self._quantiles = (self.stage_version, {stage: {"p50": float(q[0, i]), "p90": float(q[1, i]),
+                                                          "p99": float(q[2, i])} for i, stage in enumerate(STAGES)})
+        return self._quantiles[1]
 
 
 class Producer:
@@ -459,7 +468,7 @@ class Producer:
             build.indices[slot] = index
             build.labels[slot] = label
             build.replaced += index != requested[slot]
-        self.stats.stage_times.extend(result.timings)
+        self.stats.add_stage_times(result.timings)
         build.remaining -= len(result.slots)
         if build.remaining == 0:
             self._publish(build)
