@@ -104,8 +104,11 @@ def test_a_job_that_cannot_resume_after_a_refused_one_leaves_the_daemon_waiting_
     shutil.rmtree(data)
     bad = submit(buffer, "--data", shm_dir / "missing", *JOB, "--replace")
     assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
+    # The refusal is answered before the running job is started again: wait for that start to fail.
+    daemon.wait_until(lambda: f"cannot resume the job on {data} after the refused one" in daemon.log, 30,
+                      "the daemon to give up resuming the job")
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for the next job")
-    assert daemon.proc.poll() is None and f"cannot resume the job on {data} after the refused one" in daemon.log
+    assert daemon.proc.poll() is None
     loader.close()
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--replace").returncode == 0
 
