@@ -357,6 +357,63 @@ def status_mismatches(spec: str) -> list[str]:
     return out
 
 
+def _typed_rows(spec: str, title: str, written: dict[str, object]) -> list[str]:
+    """The keys of a document table against a document the code wrote: the same keys, each value of a listed type."""
+    rows = {literal(r["key"]): r for r in table(spec, title, "key")}
+    out = []
+    if sorted(rows) != sorted(written):
+        out.append(f"{title} keys: only in the spec {sorted(set(rows) - set(written))}, "
+                   f"only in the code {sorted(set(written) - set(rows))}")
+    for key, value in written.items():
+        if key in rows:
+            kinds = [_SPEC_TYPES.get(t.strip()) for t in rows[key]["type"].split(" or ")]
+            if not any(k is not None and isinstance(value, k) and not (k is int and isinstance(value, bool))
+                       for k in kinds):
+                out.append(f"{title} key {key}: spec says {rows[key]['type']!r}, the code writes {value!r}")
+    return out
+
+
+def _required(spec: str, title: str) -> list[str]:
+    return sorted(literal(r["key"]) for r in table(spec, title, "key") if r["required"] == "yes")
+
+
+_EXAMPLE_MANIFEST = layout.Manifest(
+    dataset_root="/data/train", fingerprint="9c1185a5", classes=["a", "b"], num_samples=10, split="train", seed=3,
+    batch_size=4, image_size=8, samples_per_epoch=10, steps_per_epoch=3, epochs=2, producer="p", val_fraction=0.1,
+    augmentation="flip", drop_last=False,
+)
+
+
+def manifest_mismatches(spec: str) -> list[str]:
+    """The Manifest document's table: the keys and types the daemon writes, and which a reader requires."""
+    doc = {k: v for k, v in _EXAMPLE_MANIFEST.to_doc().items() if k not in ("format", "version")}
+    out = _typed_rows(spec, "Manifest document", doc)
+    required = []
+    for key in doc:
+        try:
+            layout.Manifest.from_doc({k: v for k, v in _EXAMPLE_MANIFEST.to_doc().items() if k != key}, Path("m"))
+        except (layout.ProtocolError, KeyError, TypeError):
+            required.append(key)
+    if sorted(required) != _required(spec, "Manifest document"):
+        out.append(f"manifest keys a reader requires: spec {_required(spec, 'Manifest document')}, code {sorted(required)}")
+    return out
+
+
+def progress_mismatches(spec: str) -> list[str]:
+    """The Progress document's table: every key a writer may write, and those it always writes."""
+    with tempfile.TemporaryDirectory() as d:
+        layout.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287").write(d)
+        full = layout.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
+        layout.Progress(1, 2).write(d)
+        least = layout.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
+    drop = ("format", "version")
+    out = _typed_rows(spec, "Progress document", {k: v for k, v in full.items() if k not in drop})
+    always = sorted(k for k in least if k not in drop)
+    if always != _required(spec, "Progress document"):
+        out.append(f"progress keys always written: spec {_required(spec, 'Progress document')}, code {always}")
+    return out
+
+
 CHECKS: dict[str, Callable[[str], list[str]]] = {
     "constants": constant_mismatches,
     "limits": limit_mismatches,
@@ -369,6 +426,8 @@ CHECKS: dict[str, Callable[[str], list[str]]] = {
     "json temp names": json_temp_mismatches,
     "consumers": consumer_mismatches,
     "status": status_mismatches,
+    "manifest": manifest_mismatches,
+    "progress": progress_mismatches,
 }
 
 
@@ -388,6 +447,8 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Batch file", "name")) == 3
     assert len(table(SPEC, "Buffer directory", "file")) == 9
     assert len(table(SPEC, "Status document", "key")) >= 60
+    assert len(table(SPEC, "Manifest document", "key")) == 19
+    assert len(table(SPEC, "Progress document", "key")) == 7
     assert len(docstring_header(batch.__doc__ or "")) == 6
 
 
@@ -405,6 +466,7 @@ def _changed_docstring() -> str:
 
 
 _TO_DOC = status_module.Status.to_doc
+_MANIFEST_TO_DOC = layout.Manifest.to_doc
 
 # (check, edit of the spec text or None, (module, attribute, new value) or None)
 MUTATIONS = {
@@ -450,6 +512,12 @@ MUTATIONS = {
     "state in code": ("status", None, (status_module, "State", enum.Enum("State", {"STARTING": "starting"}, type=str))),
     "status key in code": ("status", None, (status_module.Status, "to_doc",
                                             lambda self: {**_TO_DOC(self), "fill": 3})),
+    "manifest key in spec": ("manifest", _replace("| `num_samples` | int |", "| `samples` | int |"), None),
+    "manifest type in spec": ("manifest", _replace("| `seed` | int |", "| `seed` | str |"), None),
+    "manifest requirement in spec": ("manifest", _replace("| `drop_last` | bool | no |", "| `drop_last` | bool | yes |"), None),
+    "manifest key in code": ("manifest", None, (layout.Manifest, "to_doc", lambda self: {**_MANIFEST_TO_DOC(self), "x": 1})),
+    "progress key in spec": ("progress", _replace("| `wait_share` | float |", "| `waiting` | float |"), None),
+    "progress requirement in spec": ("progress", _replace("| `job` | str | no |", "| `job` | str | yes |"), None),
 }
 
 
