@@ -20,7 +20,7 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, Errors, JobRequest, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
+from prefetchd.buffer_protocol import (BufferBusy, ConsumerStatus, Errors, JobRequest, Manifest, Production, ProtocolError, RemoteStatus, State, Status, StreamStatus,
                                        TrainerStatus, daemon_pid, read_status)
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
@@ -374,7 +374,7 @@ def format_status(info: dict[str, Any]) -> str:
         share = p.trainer_wait_share
         fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
         lines += [
-            f"  progress  trainer at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, _all_left(pr))}",
+            f"  progress  {_lead_name(pr)} at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, _all_left(pr))}",
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting"
             + (", " if state == State.DONE else f" (builds again at {pr.low_water} waiting), ") + f"{pr.building} building",
             *_cap_line(pr),
@@ -405,7 +405,7 @@ def format_status(info: dict[str, Any]) -> str:
                              f"waiting, trainer at epoch {sp.epoch} step {sp.step}{waits}")
         for s in streams:
             # Several trainers share the buffer (or one named consumer reads it): one line each.
-            if len(s.consumers) > 1 or any(c.name for c in s.consumers):
+            if _consumer_lines_shown(s):
                 rank = f" of rank {s.rank}" if len(streams) > 1 else ""
                 lines += [_consumer_line(c, rank) for c in s.consumers]
     job = st.job_result if st else None
@@ -490,6 +490,16 @@ def _bad_file_lines(e: Errors) -> list[str]:
         lines.append(f"            and {e.undecodable_files - SHOWN_BAD_FILES} more: `--json` lists {len(bad)}, "
                      "the daemon's log names every one")
     return lines
+
+
+def _consumer_lines_shown(s: StreamStatus) -> bool:
+    return len(s.consumers) > 1 or any(c.name for c in s.consumers)
+
+
+def _lead_name(pr: Production) -> str:
+    """Whom the progress line is about: with consumer lines below, the slowest consumer that holds batches
+    (status.json's ``progress``), which is one of them; else the one trainer."""
+    return "slowest consumer" if any(_consumer_lines_shown(s) for s in pr.streams) else "trainer"
 
 
 def _all_left(pr: Production) -> bool:

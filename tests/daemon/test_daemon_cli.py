@@ -408,6 +408,13 @@ def test_status_lists_the_first_undecodable_files() -> None:
     assert text.count("bad file") == cli.SHOWN_BAD_FILES and "and 2 more" in text
 
 
+def test_the_progress_line_names_the_slowest_consumer_when_consumers_are_listed() -> None:
+    alone = _running_status_text(streams=(stream(consumers=(dataclasses.replace(CONSUMER, name=""),)),))
+    assert "  progress  trainer at epoch" in alone and "  consumer  " not in alone
+    shared = _running_status_text(streams=(stream(consumers=(CONSUMER,)),))
+    assert "  progress  slowest consumer at epoch" in shared and "  consumer  trial-3 at epoch" in shared
+
+
 def test_a_stopped_daemons_status_still_names_its_bad_files(tmp_path: Path) -> None:
     """They are what to mend before the next run; the text showed them only while it ran."""
     errors = Errors(replaced_samples=3, undecodable_files=3, undecodable=bad_files(3), worker_restarts=0,
