@@ -34,6 +34,8 @@ How it fits Lightning's loops:
 
 from __future__ import annotations
 
+import atexit
+
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -93,7 +95,8 @@ class BufferDataModule(pl.LightningDataModule):
         val_buffer: the validation daemon's ``--buffer`` (``--split val``); None: no validation.
         data, val_data: class-folder datasets (or URLs) to start the daemons on, as
             ``prefetchd-train --spawn-daemon`` does, when no daemon serves the buffer yet; the
-            daemons this module started are stopped at the end of fit/validate. None: the
+            daemons this module started are stopped at the end of fit/validate (and when the
+            process exits, should fit raise: Lightning then calls no teardown). None: the
             daemons are started elsewhere (``prefetchd start``, systemd).
         epochs, seed, batch_size, image_size, workers, high_water: the started daemons' options
             (``prefetchd start --epochs ...``); None leaves the daemon's default.
@@ -151,6 +154,9 @@ class BufferDataModule(pl.LightningDataModule):
                 continue
             spawned = spawn_daemon(buffer, data, split, self._daemon_config, logger.info, ranks)
             if spawned is not None:
+                if not self._spawned:
+                    # Lightning calls no teardown when fit raises: the daemons would outlive the process.
+                    atexit.register(self._stop_spawned)
                 self._spawned.append(spawned)
         for spawned in self._spawned:
             spawned.wait_ready(self._timeout)
@@ -206,6 +212,9 @@ class BufferDataModule(pl.LightningDataModule):
             if loader is not None:
                 loader.close()
         self._train = self._val = None
+        self._stop_spawned()
+
+    def _stop_spawned(self) -> None:
         while self._spawned:
             self._spawned.pop().stop()
 

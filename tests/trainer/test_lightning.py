@@ -137,3 +137,34 @@ def test_data_given_to_a_buffer_a_daemon_already_serves_must_match_its_job(make_
     same.prepare_data()
     assert len(same.train_dataloader()) == job.manifest.steps_per_epoch
     same.teardown("fit")
+
+
+def test_daemons_the_module_started_are_stopped_when_fit_raises(shapes_data: Path, shm_dir: Path) -> None:
+    """Lightning calls no teardown then: the daemons outlived the process, reparented to init."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = (
+        "import sys\n"
+        "from prefetchd.buffer_protocol import daemon_pid\n"
+        "from prefetchd.lightning import BufferDataModule\n"
+        "dm = BufferDataModule(sys.argv[1], data=sys.argv[2], batch_size=4, image_size=16, workers=1, timeout=60)\n"
+        "dm.prepare_data()\n"
+        "print(daemon_pid(sys.argv[1]), flush=True)\n"
+        "raise RuntimeError('fit failed')\n"
+    )
+    buffer = shm_dir / "bf"
+    proc = subprocess.run([sys.executable, "-c", script, str(buffer), str(shapes_data / "train")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "fit failed" in proc.stderr, proc.stderr
+    pid = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        if time.monotonic() > deadline:
+            psutil.Process(pid).kill()
+            raise AssertionError(f"the daemon (pid {pid}) the module started outlived the failed fit")
+        time.sleep(0.05)
+
