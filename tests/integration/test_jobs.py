@@ -91,7 +91,8 @@ def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_da
 
 def test_a_job_that_cannot_resume_after_a_refused_one_leaves_the_daemon_waiting_for_jobs(
         shapes_data: Path, shm_dir: Path, start_daemon) -> None:
-    """Its data went away meanwhile: the daemon serving jobs says so and waits, rather than exit."""
+    """Its dataset cannot be opened any more (here a class folder without images appeared): the daemon
+    serving jobs says so and waits, rather than exit."""
     import shutil
 
     buffer, data = shm_dir / "bf", shm_dir / "copy"
@@ -101,7 +102,7 @@ def test_a_job_that_cannot_resume_after_a_refused_one_leaves_the_daemon_waiting_
     assert submit(buffer, "--data", data, *JOB).returncode == 0
     loader = BufferLoader(buffer, normalize=False, timeout=30)
     next(iter(loader))
-    shutil.rmtree(data)
+    (data / "empty-class").mkdir()  # refused when the dataset is opened again; the running job reads on
     bad = submit(buffer, "--data", shm_dir / "missing", *JOB, "--replace")
     assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
     # The refusal is answered before the running job is started again: wait for that start to fail.
