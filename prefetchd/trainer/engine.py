@@ -42,6 +42,7 @@ from prefetchd.trainer.model import build_model, build_optimizer, check_last_bat
 from prefetchd.trainer.passes import TOP_K, PassState, PassStats, Recover, pass_stats, run_pass
 from prefetchd.trainer.ranks import Collective, Ranks
 from prefetchd.trainer.report import ProgressLine, metrics_document, write_metrics
+from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +217,9 @@ class Run:
         m = self.train_loader.manifest
         if not config.quiet:
             echo(
-                f"prefetchd-train: {config.model} on {self.device}, {len(self.train_loader.classes)} classes, "
-                f"{len(self.train_loader)} steps of {m.batch_size} x {m.image_size}px per epoch, {self.epochs} epochs, "
+                f"prefetchd-train: {config.model} on {self.device}, {counted(len(self.train_loader.classes), 'class')}, "
+                f"{counted(len(self.train_loader), 'step')} of {m.batch_size} x {m.image_size}px per epoch, "
+                f"{counted(self.epochs, 'epoch')}, "
                 f"{config.optimizer} lr {config.peak_lr:g}, buffer {config.buffer} (pin {self.train_loader.pin})"
                 + (f", val buffer {self.val_buffer}" if self.val_buffer else "")
                 + (f"; {self.ranks.world_size} ranks ({self.coll.backend}), each on its own stream, figures summed "

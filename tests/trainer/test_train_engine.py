@@ -91,6 +91,14 @@ def test_adamw_warmup_smoothing_amp_csv_and_topk(make_job: MakeJob, buffer: Path
     assert metrics["epochs"][1]["lr"] == pytest.approx(1e-3)
 
 
+def test_the_start_line_counts_in_the_singular_where_it_is_one(make_job: MakeJob, buffer: Path) -> None:
+    train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
+    said: list[str] = []
+    train(TrainConfig(buffer=train_job.buffer, device="cpu", threads=1, timeout=10, epochs=1, model=SMALL_MODEL),
+          echo=said.append)
+    assert any(", 3 classes, 3 steps of 4 x 16px per epoch, 1 epoch, sgd" in line for line in said), said
+
+
 def test_top5_with_enough_classes(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
     train_job, _ = jobs(make_job, buffer, classes=6, epochs=1, write=1)
     metrics = train(config(train_job, None, epochs=1), echo=quiet)
