@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prefetchd.throttle import Throttle
-from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -215,13 +214,7 @@ def with_retries(what: str, call: Callable[[], T], url: str, attempts: int = RET
                 raise StorageUnavailable(f"{what}: still failing after {attempts} tries "
                                          f"({type(exc).__name__}: {exc}); is the object store reachable{_endpoint()}?") from exc
             delay = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2**attempt) * random.uniform(0.5, 1.5)
-            held = _retry_log.let_through()
-            line = "%s: %s: %s; retry %d of %d in %.2f s"
-            if held is None:
-                log.debug(line, what, type(exc).__name__, exc, attempt + 1, attempts - 1, delay)
-            else:
-                others = (f" ({counted(held, 'other retry')} of this process since the last such line, not logged)"
-                          if held else "")
-                log.warning(line + "%s", what, type(exc).__name__, exc, attempt + 1, attempts - 1, delay, others)
+            _retry_log.log(log, logging.WARNING, "%s: %s: %s; retry %d of %d in %.2f s", what, type(exc).__name__,
+                           exc, attempt + 1, attempts - 1, delay, others="other retry", scope=" of this process")
             time.sleep(delay)
     raise AssertionError("unreachable")

@@ -6,8 +6,11 @@ One outage fails many reads or builds at once, and each retries: a line for each
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+
+from prefetchd.words import counted
 
 
 class Throttle:
@@ -28,6 +31,17 @@ class Throttle:
                 return None
             held, self._held, self._last = self._held, 0, now
             return held
+
+    def log(self, logger: logging.Logger, level: int, message: str, *args: object, others: str,
+            scope: str = "") -> None:
+        """``message % args`` at ``level`` when let through, saying how many were held back since (counted
+        as ``others``, "other retry" say, then ``scope``); at DEBUG when held back itself."""
+        held = self.let_through()
+        if held is None:
+            logger.debug(message, *args)
+            return
+        note = f" ({counted(held, others)}{scope} since the last such line, not logged)" if held else ""
+        logger.log(level, message + "%s", *args, note)
 
 
 __all__ = ["Throttle"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from prefetchd.throttle import Throttle
 
 
@@ -36,3 +38,18 @@ def test_threads_share_it_and_no_line_is_lost_from_the_count() -> None:
     assert seen.count(0) == 1 and seen.count(None) == 3999
     throttle._last = time.monotonic() - 3601  # an hour later
     assert throttle.let_through() == 3999
+
+
+def test_log_says_how_many_lines_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    logger = logging.getLogger("prefetchd.test_throttle")
+    throttle = Throttle(3600.0)
+    with caplog.at_level(logging.DEBUG, logger=logger.name):
+        for k in range(3):
+            throttle.log(logger, logging.WARNING, "read %d failed", k, others="other read")
+        throttle._last = time.monotonic() - 3601
+        throttle.log(logger, logging.WARNING, "read %d failed", 3, others="other read", scope=" of this process")
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [(logging.WARNING, "read 0 failed"), (logging.DEBUG, "read 1 failed"), (logging.DEBUG, "read 2 failed"),
+                    (logging.WARNING, "read 3 failed (2 other reads of this process since the last such line, not logged)")]

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from prefetchd.throttle import Throttle
-from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 # status.json is rewritten every second: a full filesystem would log a line each time.
@@ -50,14 +49,11 @@ def run_logged(level: int, main: Callable[..., Any], *args: Any) -> None:
     main(*args)
 
 
-__all__ = ["JournalFormatter", "run_logged", "setup_logging"]
-
-
 def status_unwritten(buffer: Path, exc: OSError) -> None:
     """Warn that ``buffer``'s status.json could not be rewritten: at most once a minute while it lasts."""
-    held = _STATUS_LINES.let_through()
-    if held is None:
-        return
-    others = f" ({counted(held, 'other failed write')} since the last such line)" if held else ""
-    log.warning("cannot write status to %s: %s%s; `prefetchd status` shows the last one written", buffer,
-                exc.strerror or exc, others)
+    _STATUS_LINES.log(log, logging.WARNING, "cannot write status to %s: %s; `prefetchd status` shows the last one "
+                      "written", buffer, exc.strerror or exc, others="other failed write")
+
+
+__all__ = ["JournalFormatter", "run_logged", "setup_logging", "status_unwritten"]
+

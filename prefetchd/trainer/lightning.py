@@ -35,7 +35,6 @@ How it fits Lightning's loops:
 from __future__ import annotations
 
 import atexit
-
 import logging
 import os
 from collections.abc import Callable, Iterator
