@@ -35,6 +35,7 @@ import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.launch import DaemonExited, launch, start_argv, stop_daemon_process, stops_cleanly, wait_ready
+from prefetchd.options import FiniteFloat
 from prefetchd.synthetic import make_imagenet_like
 from prefetchd.words import counted
 
@@ -146,10 +147,10 @@ def run_scenario(name: str, data: Path, args: Options, work: Path) -> dict[str, 
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--image-size", type=click.IntRange(min=8), default=112, show_default=True)
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="--workers of every daemon.")
-@click.option("--step-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
+@click.option("--step-ms", type=FiniteFloat(min=0), default=20.0, show_default=True,
               help="Each consumer's simulated training step.")
 @click.option("--high-water", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--cap-factor", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--cap-factor", type=FiniteFloat(min=0, min_open=True), default=1.0, show_default=True,
               help="--max-buffer-bytes as a multiple of high-water batches (1: the default cap).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Also write the results here as JSON.")
 @stops_cleanly

@@ -29,6 +29,7 @@ import psutil
 
 from prefetchd.buffer_protocol import State, read_status
 from prefetchd.launch import launch, start_argv, stop_daemon_process, stops_cleanly
+from prefetchd.options import FiniteFloat
 from prefetchd.synthetic import make_shapes_dataset
 from prefetchd.words import counted
 
@@ -76,11 +77,11 @@ def headline(fill: str, state: object, workers: int, elapsed: float) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--seconds", default=20.0, show_default=True, type=click.FloatRange(min=1), help="Measuring time.")
+@click.option("--seconds", default=20.0, show_default=True, type=FiniteFloat(min=1), help="Measuring time.")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1), help="The daemon's --workers.")
 @click.option("--high-water", default=4, show_default=True, type=click.IntRange(min=1), help="The daemon's --high-water.")
 @click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=None, help="Class folders [default: a generated dataset].")
-@click.option("--settle", default=2.0, show_default=True, type=click.FloatRange(min=0), help="Seconds to wait after the buffer is full.")
+@click.option("--settle", default=2.0, show_default=True, type=FiniteFloat(min=0), help="Seconds to wait after the buffer is full.")
 @stops_cleanly
 def main(seconds: float, workers: int, high_water: int, data: Path | None, settle: float) -> None:
     """Measure the idle cost of a daemon whose buffer is full and whose trainer is away."""
