@@ -26,6 +26,12 @@ if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed h
     from conftest import MakeJob
 
 
+def write_progress_of(pid: int, path: Path, step: int, **more: object) -> None:
+    """A progress document at epoch 0 ``step`` as process ``pid`` would write it (Progress.write signs it as this one)."""
+    path.write_text(json.dumps({"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": step, "pid": pid,
+                                "time": time.time(), **more}))
+
+
 def test_each_consumer_writes_its_own_progress_file(make_job: MakeJob) -> None:
     job = make_job(samples=12, batch_size=4, write=1)
     with BufferLoader(job.buffer, normalize=False, consumer="trial-3", start=(0, 0)) as a, \
@@ -128,8 +134,7 @@ def test_a_second_live_trainer_on_the_same_consumer_is_refused(make_job: MakeJob
     gone.wait()
 
     def written_by(pid: int) -> None:
-        job.buffer.joinpath("progress.json").write_text(json.dumps(
-            {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 2, "pid": pid, "time": time.time()}))
+        write_progress_of(pid, job.buffer / "progress.json", step=2)
 
     raised: list[BaseException] = []
     try:
@@ -170,9 +175,7 @@ def test_two_trainers_that_never_wait_are_caught_taking_turns_at_one_consumer(ma
         assert next(batches).step == 0
         next(batches)  # published: the batch before is consumed
         def written_by_the_other(**more: object) -> None:
-            job.buffer.joinpath("progress.same.json").write_text(json.dumps(
-                {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 7, "pid": other.pid,
-                 "time": time.time(), **more}))
+            write_progress_of(other.pid, job.buffer / "progress.same.json", step=7, **more)
 
         # The other trainer of consumer "same" writes its own position, then this one goes on.
         written_by_the_other()
