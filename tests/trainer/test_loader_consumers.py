@@ -174,6 +174,7 @@ def test_two_trainers_that_never_wait_are_caught_taking_turns_at_one_consumer(ma
         batches = iter(loader)
         assert next(batches).step == 0
         next(batches)  # published: the batch before is consumed
+
         def written_by_the_other(**more: object) -> None:
             write_progress_of(other.pid, job.buffer / "progress.same.json", step=7, **more)
 
