@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -77,9 +78,13 @@ def test_consumed_batches_are_deleted_and_buffer_refills(shapes_data: Path, shm_
     next(it)  # asking for the next batch hands the first one over as consumed
     gone = buffer / "e000000-s00000000.batch"
     daemon.wait_until(lambda: not gone.exists(), 10, f"{gone.name} to be deleted after consumption")
-    next(it)
-    next(it)  # two consumed: waiting fell to the low-water mark, so production resumes
-    daemon.wait_until(lambda: (buffer / "e000000-s00000005.batch").exists(), 30, "the buffer to refill")
+    # Batches 1 and 2 wait, above the low-water mark: production stays paused (a heartbeat later too).
+    time.sleep(1.5)
+    assert not (buffer / "e000000-s00000003.batch").exists(), daemon.log
+    next(it)  # two consumed: only batch 2 waits, the low-water mark, so production resumes up to the high-water mark
+    daemon.wait_until(lambda: (buffer / "e000000-s00000004.batch").exists(), 30, "the buffer to refill")
+    # No fourth next(): had the trainer consumed batch 2 only after batches 3 and 4 were built, two would
+    # wait, above the low-water mark, and batch 5 rightly never come (a loaded CI host did that once).
     assert first.step == 0
 
 
