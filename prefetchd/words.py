@@ -13,4 +13,15 @@ def counted(count: int, noun: str) -> str:
     return f"{count} {noun}es" if noun.endswith(("s", "x", "sh", "tch")) else f"{count} {noun}s"
 
 
-__all__ = ["counted"]
+def rank_ranges(ranks: list[int]) -> str:
+    """"0-3,6" for [0, 1, 2, 3, 6]; how --ranks is written."""
+    parts: list[str] = []
+    for rank in sorted(set(ranks)):
+        if parts and rank == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{rank}"
+        else:
+            parts.append(str(rank))
+    return ",".join(parts)
+
+
+__all__ = ["counted", "rank_ranges"]

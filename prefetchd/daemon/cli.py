@@ -31,7 +31,7 @@ from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import FiniteFloat, click_options
-from prefetchd.words import counted
+from prefetchd.words import counted, rank_ranges
 
 log = logging.getLogger("prefetchd")
 
@@ -429,17 +429,6 @@ def _cap_line(pr: Production) -> list[str]:
     return [f"  capped    --max-buffer-bytes, not the high-water mark, limits the buffer: it keeps {min(capped)} of "
             f"{per_rank} batches ({_mib(pr.batch_bytes)} each) for {counted(len(capped), 'consumer')}; raise it for a "
             "deeper buffer"]
-
-
-def rank_ranges(ranks: list[int]) -> str:
-    """"0-3,6" for [0, 1, 2, 3, 6]; how --ranks is written."""
-    parts: list[str] = []
-    for rank in sorted(set(ranks)):
-        if parts and rank == int(parts[-1].rpartition("-")[2]) + 1:
-            parts[-1] = f"{parts[-1].partition('-')[0]}-{rank}"
-        else:
-            parts.append(str(rank))
-    return ",".join(parts)
 
 
 def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:

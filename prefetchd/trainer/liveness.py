@@ -39,7 +39,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
 from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout, StopRequested
-from prefetchd.words import counted
+from prefetchd.words import counted, rank_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             wrong = _rank_streams_instead(buffer)  # or no daemon has started on this buffer yet
             if wrong is not None:
                 raise wrong from None
+            unserved = unserved_rank(buffer)
+            if unserved is not None:
+                raise LoaderError(f"{unserved}: restart it with --ranks that include this rank") from None
         now = time.monotonic()
         if now >= deadline:
             raise LoaderTimeout(_manifest_timeout_message(buffer, timeout))
@@ -78,6 +81,28 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             logged = True
         time.sleep(min(delay, deadline - now))
         delay = min(delay * 1.5, MANIFEST_MAX_DELAY)
+
+
+def unserved_rank(stream: Path) -> str | None:
+    """Why ``stream``, a rank's stream directory, gets no manifest: the daemon holding its buffer
+    produces other ranks, says its status, and no other daemon can produce this one there while it
+    runs.  None when it does produce it, or while that is not known (no daemon, no job yet, a flat buffer)."""
+    buffer = owning_buffer(stream)
+    pid = daemon_pid(buffer) if buffer != stream else None
+    if pid is None:
+        return None
+    try:
+        status = read_status(buffer)
+    except (OSError, ProtocolError):
+        return None
+    if status is None or status.pid != pid or status.production is None or not status.production.streams:
+        return None  # starting, or serving no job yet
+    rank = int(stream.name.removeprefix(STREAM_PREFIX))
+    served = [s.rank for s in status.production.streams]
+    if rank in served:
+        return None
+    return (f"the daemon of {buffer} (pid {pid}) produces ranks {rank_ranges(served)}, not rank {rank}, so {stream} "
+            "gets no manifest while it runs: every rank of a box reads the box's one daemon")
 
 
 def _manifest_timeout_message(buffer: Path, timeout: float) -> str:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, PeerFailed, SetupError
-from prefetchd.trainer.liveness import MORE_TIME, served_world, why_no_manifest
+from prefetchd.trainer.liveness import MORE_TIME, served_world, unserved_rank, why_no_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
         raise LoaderError(f"{buffer} is not a directory; pass the daemon's --buffer directory")
     own = stream_dir(buffer, ranks.rank, ranks.world_size)
     deadline = time.monotonic() + timeout
+    next_look = time.monotonic()
     logged = False
     while True:
         served = served_world(buffer)
@@ -164,6 +165,14 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
             )
         if (own / MANIFEST_NAME).is_file():
             return own
+        if ranks.distributed and time.monotonic() >= next_look:
+            next_look = time.monotonic() + 1.0
+            unserved = unserved_rank(own)
+            if unserved is not None:
+                raise SetupError(
+                    f"{unserved}. Restart it with this box's ranks (`prefetchd stop --buffer {buffer}`, then `prefetchd "
+                    f"start --buffer {buffer} ... --world-size {ranks.world_size} --ranks {ranks.ranks_flag()}`), or "
+                    "point this box's ranks at a buffer of their own daemon")
         if time.monotonic() >= deadline:
             raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout, split))
         if not logged:

@@ -6,15 +6,19 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from torchvision.datasets import ImageFolder
 
 import tests.torchrun
 
 from prefetchd.buffer_protocol import stream_dir
 from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.errors import LoaderError, SetupError
+from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from tests.status_examples import production_of
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--high-water", "3"]
@@ -127,3 +131,22 @@ def test_a_buffer_of_another_world_size_is_refused_naming_both(shapes_data: Path
         second = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", after)
         assert second.wait_exit(30) == 2, second.log
         assert f"world_size: {before} -> {after} (" in second.log and "pass --reset" in second.log, second.log
+
+
+def test_a_rank_the_daemon_does_not_produce_is_refused_without_waiting_out_its_timeout(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """Box 0's daemon started with too few --ranks: its other local rank is told at once, not after the
+    timeout, by prefetchd-train's wait for its stream and by a BufferLoader on the stream directory."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", "4", "--ranks", "0")
+    daemon.wait_until(lambda: production_of(buffer) is not None, 60, "the job to run")
+    assert wait_for_stream(buffer, Ranks(0, 4, 0, 2), timeout=5) == stream_dir(buffer, 0, 4)
+    unserved = f"the daemon of {buffer} (pid {daemon.proc.pid}) produces ranks 0, not rank 1"
+    started = time.monotonic()
+    with pytest.raises(SetupError) as refused:
+        wait_for_stream(buffer, Ranks(1, 4, 1, 2), timeout=120)
+    assert unserved in str(refused.value) and "--world-size 4 --ranks 0-1`" in str(refused.value), refused.value
+    with pytest.raises(LoaderError) as refused_too:
+        BufferLoader(stream_dir(buffer, 1, 4), timeout=120)
+    assert unserved in str(refused_too.value), refused_too.value
+    assert time.monotonic() - started < 60, "refused only at the timeout"
