@@ -323,7 +323,7 @@ class Collective:
 def peer_failed(ranks: Ranks, what: str) -> PeerFailed:
     return PeerFailed(
         f"rank {ranks.rank}: another rank stopped while this one waited for it ({what}); that rank's own "
-        "message, above, says why"
+        "message, above, says why, or torchrun's summary names the signal that killed it"
     )
 
 

@@ -204,8 +204,8 @@ def main(verbose: bool, **options: Any) -> None:
         sys.exit(EXIT_BUFFER)
     except OptionError as exc:  # before SetupError, which it is
         raise click.UsageError(str(exc)) from None
-    except SetupError as exc:
-        raise click.ClickException(str(exc)) from None
+    except SetupError as exc:  # under torchrun every rank may say it: which one does
+        raise click.ClickException(f"rank {ranks.rank}: {exc}" if ranks.distributed else str(exc)) from None
     except (CheckpointError, PeerFailed) as exc:
         click.echo(f"{name}: {' '.join(str(exc).split())}", err=True)
         sys.exit(EXIT_FAILED)

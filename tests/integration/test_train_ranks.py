@@ -146,7 +146,9 @@ def test_a_rank_that_fails_cleanly_leaves_the_others_one_line(shapes_data: Path,
                    "--timeout", "3", "-q")
     assert run.returncode != 0
     said = " ".join(run.stderr.split())
-    assert "prefetchd-train[rank 1]: " in said  # rank 1's own reason: no stream of its own
+    # Rank 1's own reason, at once rather than after --timeout: the box's daemon does not produce its stream.
+    assert f"Error: rank 1: the daemon of {buffer} (pid {daemon.proc.pid}) produces ranks 0, not rank 1" in said, \
+        said[-3000:]
     assert "prefetchd-train[rank 0]: rank 0: another rank stopped while this one waited for it" in said, said[-3000:]
     assert "pair.cc" not in said and "Connection closed by peer" not in said
 
