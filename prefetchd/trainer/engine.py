@@ -210,10 +210,6 @@ class Run:
         config, echo = self.config, self.echo
         if self.plan.resume:
             self._restore()
-        # Rank 0 saves the checkpoints: a folder it cannot write fails every rank now, not after an epoch.
-        problem = self.checkpointer.unwritable() if self.ranks.is_main else None
-        if self.coll.any(problem is not None):
-            raise CheckpointError(problem or "rank 0 cannot write --checkpoint-dir (its message says why)")
         m = self.train_loader.manifest
         if not config.quiet:
             echo(

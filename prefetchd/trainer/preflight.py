@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
+from prefetchd.trainer.checkpoint import CheckpointPlan, Checkpointer, existing_checkpoint
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.errors import CheckpointError, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
@@ -63,16 +63,18 @@ def agree_on_checkpoints(config: TrainConfig, coll: Collective) -> CheckpointPla
 
     A run that does not resume refuses a --checkpoint-dir that holds a checkpoint already: its
     first save would replace the checkpoint of an earlier run (a forgotten --resume) without a word.
+    And one that rank 0 cannot write is refused before any daemon starts, not after an epoch.
     """
     plan = coll.broadcast(CheckpointPlan.of(config))
     found: tuple[str, str] | None = None
-    if coll.ranks.is_main and plan.path is not None and not plan.resume:
+    if coll.ranks.is_main and plan.path is not None:
         try:
-            there = existing_checkpoint(plan.path)
+            there = None if plan.resume else existing_checkpoint(plan.path)
         except CheckpointError as exc:
             found = ("error", str(exc))
         else:
-            found = ("there", there) if there is not None else None
+            problem = Checkpointer(plan).unwritable()
+            found = ("there", there) if there is not None else ("error", problem) if problem is not None else None
     found = coll.broadcast(found)  # every rank stops with rank 0's message
     if found is not None and found[0] == "error":
         raise CheckpointError(found[1])

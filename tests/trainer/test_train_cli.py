@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import Progress
-from prefetchd.trainer.train import EXIT_BUFFER, main
+from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, main
 
 if TYPE_CHECKING:
     from conftest import MakeJob
@@ -93,6 +93,18 @@ def test_an_unwritable_metrics_path_is_refused_before_the_first_step(buffer: Pat
     assert result.stderr.startswith(f"Error: {flag} {path}: ") and len(result.stderr.strip().splitlines()) == 1
     assert ("does not exist; create it first" in result.stderr) == where.startswith("missing")
     assert not (tmp_path / "missing").exists()  # a typo in the folder is refused, not created
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_any_daemon_starts(buffer: Path, tmp_path: Path) -> None:
+    """As the metrics paths: rank 0's probe of --checkpoint-dir comes before the daemons it would start."""
+    (tmp_path / "afile").write_text("")
+    target = tmp_path / "afile" / "ck"
+    buffer = buffer / "bf"  # none yet: a daemon started would make it
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--spawn-daemon", "--data", str(tmp_path), "--epochs",
+                                       "1", "--timeout", "60", "--device", "cpu", "--checkpoint-dir", str(target)])
+    assert result.exit_code == EXIT_FAILED, result.output
+    assert f"--checkpoint-dir {target}: cannot write there" in result.stderr, result.stderr
+    assert not buffer.exists(), "a daemon was started for a run that could not save its checkpoints"
 
 
 def test_wording_of_the_option_and_wait_messages(buffer: Path) -> None:
