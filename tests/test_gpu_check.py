@@ -274,7 +274,8 @@ def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypa
         assert [len(next(batches)[1]) for _ in range(9)] == [10] * 9
 
 
-def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the_time_limit(tmp_path: Path) -> None:
+def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the_time_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "gpu.json"
     env = tool_env()
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--skip-tests", "--skip-scaling",
@@ -289,7 +290,12 @@ def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the
     markdown = (tmp_path / "GPU.md").read_text()
     assert "**Cut short by `--time-limit`**: stopped before round 2's" in markdown
     assert "## The producer on more cores" not in markdown
-    for flag, value in (("--rounds", "0"), ("--time-limit", "0")):
-        bad = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", flag, value], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and f"{flag} 0: give" in bad.stderr, bad.stderr
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    for flag, value in (("--rounds", "0"), ("--time-limit", "0")):  # refused by argparse, before anything runs
+        with pytest.raises(SystemExit) as refused:
+            gpu_check.main(["--dry-run", flag, value, "--out", str(tmp_path / "refused" / "gpu.json")])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and f"{flag} 0: give" in err, err
+    assert not (tmp_path / "refused").exists()
