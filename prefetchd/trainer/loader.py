@@ -608,29 +608,33 @@ class BufferLoader:
         )
 
     def _check(self, mapped: MappedBatch, epoch: int, step: int) -> None:
-        """Raise ProtocolError unless ``mapped`` is batch (epoch, step) of this loader's job."""
+        """Raise ProtocolError unless ``mapped`` is batch (epoch, step) of this loader's job;
+        JobReplaced where the daemon serves another job now (its batches reuse the file names)."""
+        problem = self._mismatch(mapped, epoch, step)
+        # After the mapping: a batch mapped while the manifest still named our job is ours. And before a
+        # mismatch is blamed on the file: a batch of the job that replaced ours differs from the manifest we hold.
+        self._job.check()
+        if problem is not None:
+            raise ProtocolError(problem)
+
+    def _mismatch(self, mapped: MappedBatch, epoch: int, step: int) -> str | None:
+        """How ``mapped`` differs from batch (epoch, step) of the manifest this loader holds; None if it does not."""
         meta, m = mapped.meta, self._manifest
         path = mapped.path
         if (meta.epoch, meta.step) != (epoch, step):
-            raise ProtocolError(
-                f"{path}: holds epoch {meta.epoch} step {meta.step} but its name says epoch {epoch} step {step}; "
-                "delete it (the daemon regenerates missing batches)"
-            )
+            return (f"{path}: holds epoch {meta.epoch} step {meta.step} but its name says epoch {epoch} step {step}; "
+                    "delete it (the daemon regenerates missing batches)")
         n, h, w, c = mapped.images.shape
         if (h, w, c) != (m.image_size, m.image_size, m.channels) or not 1 <= n <= m.batch_size or meta.seed != m.seed:
-            raise ProtocolError(
-                f"{path}: {n} images of {h}x{w}x{c} with seed {meta.seed}, but manifest.json promises up to "
-                f"{m.batch_size} of {m.image_size}x{m.image_size}x{m.channels} with seed {m.seed}: the batch "
-                f"belongs to another job. Stop the daemon, delete the *.batch files in {self._buffer} and "
-                "restart it"
-            )
+            return (f"{path}: {n} images of {h}x{w}x{c} with seed {meta.seed}, but manifest.json promises up to "
+                    f"{m.batch_size} of {m.image_size}x{m.image_size}x{m.channels} with seed {m.seed}: the batch "
+                    f"belongs to another job. Stop the daemon, delete the *.batch files in {self._buffer} and "
+                    "restart it")
         labels_np = mapped.labels
         if n and (int(labels_np.min()) < 0 or int(labels_np.max()) >= len(m.classes)):
-            raise ProtocolError(
-                f"{path}: labels range over [{int(labels_np.min())}, {int(labels_np.max())}] but the manifest "
-                f"has {len(m.classes)} classes; delete it (the daemon regenerates missing batches)"
-            )
-        self._job.check()  # after the mapping: a batch mapped while the manifest still named our job is ours
+            return (f"{path}: labels range over [{int(labels_np.min())}, {int(labels_np.max())}] but the manifest "
+                    f"has {len(m.classes)} classes; delete it (the daemon regenerates missing batches)")
+        return None
 
 
 __all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]

@@ -219,6 +219,25 @@ def test_a_replaced_jobs_trainer_stops_and_the_new_job_starts_at_its_beginning(s
     assert state(buffer) == "stopped"  # its last word, not "waiting for a job: prefetchd submit ..."
 
 
+def test_a_trainer_whose_next_batch_is_the_replacing_jobs_is_told_its_job_was_replaced(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """The new job writes the batch names the old trainer reads next: a batch of another seed, mapped
+    there, is the replacement (JobReplaced), not a stray file to delete with the daemon stopped."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1", "--seed", "5").returncode == 0
+    old = BufferLoader(buffer, normalize=False, timeout=30)
+    batches = iter(old)
+    next(batches), next(batches)
+    forced = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1", "--seed", "6", "--replace")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    daemon.wait_until(lambda: (buffer / "e000000-s00000002.batch").exists() and Manifest.read(buffer).seed == 6, 30,
+                      "the new job's batch under the name the old trainer reads next")
+    with pytest.raises(JobReplaced, match=r"serves another job \(seed: 5 -> 6"):
+        next(batches)
+
+
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     out = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
