@@ -529,3 +529,14 @@ def test_check_can_fail(mutation: str, monkeypatch: pytest.MonkeyPatch) -> None:
         module, attr, value = patch
         monkeypatch.setattr(module, attr, value, raising=False)
     assert CHECKS[check](spec) != [], f"{check} check did not notice: {mutation}"
+
+
+def test_the_keys_status_json_adds_are_those_the_spec_lists(tmp_path: Path) -> None:
+    """`prefetchd status --json` wraps the status document: SPEC names the wrapper's keys."""
+    from prefetchd.daemon.cli import describe_status
+
+    text = " ".join(section(SPEC, "Status document").split())
+    said = re.search(r"under its `status` key, beside what the command found itself: (.*?`problems`)", text)
+    assert said is not None, "SPEC no longer says what `prefetchd status --json` wraps the document in"
+    listed = set(re.findall(r"`(\w+)`", said.group(1)))
+    assert listed | {"status"} == set(describe_status(tmp_path))
