@@ -216,6 +216,15 @@ def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None, th
     return scan_tree(root, tick, threads).index
 
 
+def _is_folder(entry: os.DirEntry[str]) -> bool:
+    """Whether a dataset root's entry is a (class) folder; a link that cannot be followed is refused by name."""
+    try:
+        return entry.is_dir()
+    except OSError as exc:  # ImageFolder fails on it too, with a traceback
+        raise DatasetError(f"{entry.path}: cannot tell whether it is a class folder ({exc.strerror or exc}); a "
+                           "symbolic link that leads round in a loop is: remove it, or point it at a folder") from None
+
+
 def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: int = SCAN_THREADS) -> Scan:
     root = Path(root)
     if not root.exists():
@@ -223,7 +232,7 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
     if not root.is_dir():
         raise DatasetError(f"dataset root {root} is not a directory; {EXPECTED_DATA}")
     root_stamp = stat_stamp(root.stat())
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    classes = sorted(e.name for e in os.scandir(root) if _is_folder(e))
     if not classes and any(root.glob("shard-*.tar")):
         raise DatasetError(f"{root} holds shards but no prefetchd-index.npz: `prefetchd pack` did not finish "
                            "(the index is written last); pack again with --force")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -327,6 +328,20 @@ def test_pack_cli_refuses_an_out_inside_its_source_before_writing(tmp_path: Path
     assert "--data" not in missing.output  # pack takes its source as SRC
     unshuffled = CliRunner().invoke(cli_main, ["pack", str(src), str(tmp_path / "out"), "--seed", "7"])
     assert unshuffled.exit_code == 2 and "--seed orders the samples of --shuffle" in unshuffled.output
+
+
+def test_a_symbolic_link_loop_in_the_dataset_is_one_line_naming_it(tmp_path: Path,
+                                                                    make_image: Callable[..., Path]) -> None:
+    """ImageFolder (and the index walk) met it as a traceback: a class entry that loops, or a root that does."""
+    src = class_tree(tmp_path / "src", make_image)
+    (src / "loop").symlink_to("loop")
+    (tmp_path / "root").symlink_to("root")
+    for data, named in ((src, src / "loop"), (tmp_path / "root", tmp_path / "root")):
+        with pytest.raises(DatasetError, match=rf"^{re.escape(str(named))}: .*symbolic link.* loop"):
+            open_dataset(data)
+        packed = CliRunner().invoke(cli_main, ["pack", str(data), str(tmp_path / "out")])
+        assert packed.exit_code == 1 and f"{named}: " in packed.output and "Traceback" not in packed.output, \
+            packed.output
 
 
 # -- bad samples in every layout ------------------------------------------------------

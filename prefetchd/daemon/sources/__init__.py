@@ -18,6 +18,8 @@ does not list again.
 
 from __future__ import annotations
 
+import errno
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +44,13 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
     cache looks current."""
     location = str(location)
     storage = storage_for(location)  # an unsupported URL is refused here, before any listing
+    if not is_url(location):
+        try:
+            os.stat(location)
+        except OSError as exc:  # a missing root is each layout's to name; a loop would surface as a traceback
+            if exc.errno == errno.ELOOP:
+                raise DatasetError(f"{location}: {exc.strerror}: a symbolic link on the way leads round in a loop; "
+                                   "name the dataset's own folder, file list or shards") from None
     if is_file_list(location):
         return read_file_list(location)
     try:
