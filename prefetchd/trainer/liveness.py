@@ -56,6 +56,39 @@ MANIFEST_MAX_DELAY = 0.050
 SLOW_WAIT_WARNING = 10.0
 
 
+class FailedDaemon:
+    """A wait for a manifest and the failure of the buffer's daemon (status.json's ``failed``, no daemon
+    owning the buffer since): one that failed while the wait went on ends it at once, with the daemon's
+    reason, as a daemon lost mid-run does; one that had failed before the wait began is said once, and
+    in the timeout's message, since a user or a service manager may be starting another."""
+
+    def __init__(self, buffer: Path) -> None:
+        self.buffer = buffer
+        self.since = time.time()
+        self.earlier = ""  # the reason of a failure from before the wait, once seen
+
+    def check(self) -> None:
+        if daemon_pid(self.buffer) is not None:
+            return
+        try:
+            status = read_status(self.buffer)
+        except (OSError, ProtocolError):
+            return
+        if status is None or status.state != State.FAILED:
+            return
+        reason = " ".join(status.message.split()) or "its status gives no reason"
+        if status.heartbeat >= self.since:
+            raise DaemonGone(f"{self.buffer}: the daemon failed before it wrote a manifest: {reason}. Start it again "
+                             f"once that is fixed (`prefetchd status --buffer {owning_buffer(self.buffer)}` shows it)")
+        if not self.earlier:
+            logger.warning("the daemon last on %s failed (%s); waiting for another to start", self.buffer, reason)
+        self.earlier = reason
+
+    def said(self) -> str:
+        """The earlier failure, for a timeout's message."""
+        return f"; the daemon last on it failed: {self.earlier}" if self.earlier else ""
+
+
 def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
     """``buffer``'s manifest, waiting up to ``timeout`` seconds for a daemon to write it."""
     if buffer.exists() and not buffer.is_dir():  # else the manifest's open says "Not a directory" about permissions
@@ -63,6 +96,7 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
     deadline = time.monotonic() + timeout
     delay = MANIFEST_FIRST_DELAY
     logged = False
+    failed = FailedDaemon(buffer)
     while True:
         try:
             return Manifest.read(buffer)
@@ -73,9 +107,10 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             unserved = unserved_rank(buffer)
             if unserved is not None:
                 raise LoaderError(f"{unserved}: restart it with --ranks that include this rank") from None
+            failed.check()
         now = time.monotonic()
         if now >= deadline:
-            raise LoaderTimeout(_manifest_timeout_message(buffer, timeout))
+            raise LoaderTimeout(_manifest_timeout_message(buffer, timeout) + failed.said())
         if not logged:
             logger.info("waiting up to %g s for %s", timeout, buffer / "manifest.json")
             logged = True

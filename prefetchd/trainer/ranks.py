@@ -34,7 +34,7 @@ import torch.distributed as dist
 from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, PeerFailed, SetupError
-from prefetchd.trainer.liveness import MORE_TIME, served_world, unserved_rank, why_no_manifest
+from prefetchd.trainer.liveness import MORE_TIME, FailedDaemon, served_world, unserved_rank, why_no_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
     deadline = time.monotonic() + timeout
     next_look = time.monotonic()
     logged = False
+    failed = FailedDaemon(buffer)
     while True:
         served = served_world(buffer)
         if served is not None and served[0] != ranks.world_size:
@@ -165,16 +166,17 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
             )
         if (own / MANIFEST_NAME).is_file():
             return own
-        if ranks.distributed and time.monotonic() >= next_look:
+        if time.monotonic() >= next_look:  # the daemon's status, once a second
             next_look = time.monotonic() + 1.0
-            unserved = unserved_rank(own)
+            unserved = unserved_rank(own) if ranks.distributed else None
             if unserved is not None:
                 raise SetupError(
                     f"{unserved}. Restart it with this box's ranks (`prefetchd stop --buffer {buffer}`, then `prefetchd "
                     f"start --buffer {buffer} ... --world-size {ranks.world_size} --ranks {ranks.ranks_flag()}`), or "
                     "point this box's ranks at a buffer of their own daemon")
+            failed.check()
         if time.monotonic() >= deadline:
-            raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout, split))
+            raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout, split) + failed.said())
         if not logged:
             logger.info("waiting up to %g s for %s", timeout, own / MANIFEST_NAME)
             logged = True

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import pytest
 
 from prefetchd.buffer_protocol import Progress, State, daemon_pid, list_batches, read_status
 from prefetchd.daemon.cli import describe_status, format_status
-from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck
+from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck, LoaderTimeout
 from tests.status_examples import production_of, state_of
 from tests.waiting import wait_for
 
@@ -156,3 +158,35 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
 def trainer_pid(buffer: Path) -> int | None:
     p = Progress.read(buffer)
     return p.pid if p is not None else None
+
+
+def test_a_daemon_that_fails_before_its_manifest_is_named_by_the_waiting_loader(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon) -> None:
+    """The daemon refuses a dataset with an empty class folder and exits: a loader waiting for its
+    manifest says so at once, with the daemon's reason (not after its timeout, as 'no daemon owns
+    it'); one that starts after that failure waits for another daemon and its timeout names it."""
+    data = tmp_path / "data"
+    shutil.copytree(shapes_data / "train", data)
+    (data / "empty").mkdir()
+    buffer = shm_dir / "bf"
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            BufferLoader(buffer, normalize=False, timeout=120)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    daemon = start_daemon(buffer, "--data", data, *SMALL)
+    assert daemon.wait_exit(60) == 1, daemon.log
+    started = time.monotonic()
+    waiting.join(60)
+    assert not waiting.is_alive() and time.monotonic() - started < 30, "the loader waited on after the failure"
+    [gone] = outcome
+    assert isinstance(gone, DaemonGone), gone
+    assert "the daemon failed before it wrote a manifest: " in str(gone) and f"{data / 'empty'}" in str(gone), gone
+    with pytest.raises(LoaderTimeout) as timed_out:
+        BufferLoader(buffer, normalize=False, timeout=2)
+    assert "; the daemon last on it failed: " in str(timed_out.value) and f"{data / 'empty'}" in str(timed_out.value)
