@@ -216,6 +216,9 @@ def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None, th
     return scan_tree(root, tick, threads).index
 
 
+APPLE_DOUBLE_PREFIX = "._"  # the metadata files macOS writes beside each file on a volume that lacks its attributes
+
+
 def _is_folder(entry: os.DirEntry[str]) -> bool:
     """Whether a dataset root's entry is a (class) folder; a link that cannot be followed is refused by name."""
     try:
@@ -248,6 +251,7 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
     rel_paths: list[bytes] = []
     counts: list[int] = []
     stamps: list[tuple[str, str]] = [("", root_stamp)]
+    apple_double: list[str] = []
     for cls, folders in zip(classes, walked):
         count = 0
         for folder in folders:
@@ -257,6 +261,8 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
                 rel = rel_dir + os.fsencode(name)
                 digest.update(rel + b"\0" + stamp.encode() + b"\0")
                 rel_paths.append(rel)
+                if name.startswith(APPLE_DOUBLE_PREFIX):
+                    apple_double.append(os.path.join(folder.path, name))
             count += len(folder.files)
         if count == 0:
             raise DatasetError(
@@ -277,6 +283,11 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
     )
     log.info("indexed %s: %s (%.0f bytes of index per sample)", root, sized(len(index), len(classes)),
              index.nbytes / max(1, len(index)))
+    if apple_double:
+        log.warning("%s named '._*' (macOS AppleDouble metadata, not images), e.g. %s, are samples here, as "
+                    "ImageFolder counts them too: each is replaced by the next sample that decodes, and a run of "
+                    "them ends the job. Delete them (`find %s -name '._*' -delete`) and start again with --reset",
+                    counted(len(apple_double), "file"), apple_double[0], root)
     return Scan(index, stamps)
 
 

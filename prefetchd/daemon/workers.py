@@ -62,7 +62,7 @@ import numpy as np
 from PIL import Image
 
 from prefetchd.buffer_protocol import SlotFiller
-from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.dataset import APPLE_DOUBLE_PREFIX, SampleIndex
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import Read, SampleReader
@@ -73,6 +73,7 @@ from prefetchd.daemon.errors import BadDataError, ConfigError, DaemonError, Data
 from prefetchd.daemon.hook import HookError
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.transforms import StageTimes, augment_bytes, needed_modules, preload
+from prefetchd.locations import is_url
 from prefetchd.words import counted
 
 if TYPE_CHECKING:
@@ -183,9 +184,22 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
         f"the {counted(tries - 1, 'sample')} after it" + (", the whole split," if tries == len(job.members) else ""))
     raise SampleUnrecoverable(
         f"sample {index} and {others} could not be decoded (last: {failures[-1][0]}: {failures[-1][1]}); "
-        f"a sample is replaced by one of the next {MAX_REPLACEMENT_TRIES - 1} that decodes, and none did: is the "
-        "dataset readable?"
+        f"a sample is replaced by one of the next {MAX_REPLACEMENT_TRIES - 1} that decodes, and none did: "
+        + _why_none_decoded(job.index.root, failures[-tries:])
     )
+
+
+def _why_none_decoded(root: str, failures: list[tuple[str, str]]) -> str:
+    """The likeliest cause of a run of samples none of which decoded, from their failures."""
+    if not is_url(root) and not os.path.isdir(root):
+        return f"the dataset root {root} is gone (unmounted, moved or deleted?); bring it back and start the daemon again"
+    if any(os.path.basename(name).startswith(APPLE_DOUBLE_PREFIX) for name, _ in failures):
+        return (f"files named '._*' are macOS metadata, not images: delete them (`find {root} -name '._*' -delete`) "
+                "and start again with --reset")
+    if all(reason.startswith(("FileNotFoundError", "PermissionError", "IsADirectoryError", "NotADirectoryError"))
+           for _, reason in failures):
+        return "is the dataset readable, and all still there?"
+    return "are these files images? Remove the ones that are not (or that are damaged)"
 
 
 def _reason(exc: Exception, name: str) -> str:

@@ -3,6 +3,7 @@ decoders and a worker; the policy of replacing, counting and stopping (bad_data_
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -154,6 +155,37 @@ def test_a_run_of_undecodable_samples_stops_the_job_as_bad_data_saying_how_many(
     result = failure_of(0, raised.value)  # what the worker reports to the controller
     assert result.fatal is BadDataError, result
     assert said in result.reason and "next 15 that decodes" in result.reason, result.reason
+    assert result.reason.endswith("are these files images? Remove the ones that are not (or that are damaged)")
+
+
+@pytest.mark.parametrize(("case", "hint"), [
+    ("root gone", "the dataset root {root} is gone (unmounted, moved or deleted?)"),
+    ("macOS metadata", "files named '._*' are macOS metadata, not images: delete them (`find {root} -name '._*' -delete`)"),
+    ("files gone", "is the dataset readable, and all still there?"),
+])
+def test_the_stop_for_a_run_of_undecodable_samples_says_the_likeliest_cause(tmp_path: Path, case: str,
+                                                                           hint: str) -> None:
+    """'Is the dataset readable?' was said of an unmounted dataset and of readable files that are not images."""
+    root = tmp_path / "data"
+    (root / "a").mkdir(parents=True)
+    for k in range(3):
+        name = f"._{k}.jpg" if case == "macOS metadata" else f"{k}.jpg"
+        if case == "macOS metadata":
+            (root / "a" / name).write_bytes(b"\x00\x05\x16\x07" + bytes(60))
+        else:
+            Image.new("RGB", (8, 8)).save(root / "a" / name)
+    index = scan_class_folders(root)
+    if case == "root gone":
+        shutil.rmtree(root)
+    elif case == "files gone":
+        for path in (root / "a").iterdir():
+            path.unlink()
+    path = tmp_path / "batch.tmp"
+    path.write_bytes(bytes(SIZE * SIZE * 3))
+    with pytest.raises(SampleUnrecoverable) as raised:
+        run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
+                 Task(0, str(path), 0, SIZE * SIZE * 3, 0, ((0, 0),)))
+    assert hint.format(root=root.resolve()) in str(raised.value), raised.value
 
 
 def _cfg(**kw: object) -> DaemonConfig:

@@ -423,3 +423,19 @@ def test_a_class_folder_named_in_latin1_is_indexed_cached_and_packed(
     assert same_index(cached_class_folders(root, cache), scanned)  # read back from the entry
     pack(scanned, tmp_path / "shards", shard_size=10**6)
     assert read_shard_index(str(tmp_path / "shards")).classes == scanned.classes
+
+
+def test_macos_metadata_files_are_indexed_as_imagefolder_does_and_named_in_a_warning(
+        tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture) -> None:
+    """Folders copied from macOS hold a '._NAME.jpg' beside each image: not images, and a run of them
+    ended the job later as 'undecodable samples'. Said at once, with the command that removes them."""
+    for cls in ("cat", "dog"):
+        for j in range(2):
+            make_image(tmp_path / "ds" / cls / f"{j}.jpg")
+            (tmp_path / "ds" / cls / f"._{j}.jpg").write_bytes(b"\x00\x05\x16\x07" + bytes(60))
+    with caplog.at_level("WARNING", logger="prefetchd.daemon.dataset"):
+        index = scan_class_folders(tmp_path / "ds")
+    assert len(index) == len(ImageFolder(str(tmp_path / "ds")).samples) == 8
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "4 files named '._*' (macOS AppleDouble metadata" in warning, warning
+    assert f"`find {tmp_path / 'ds'} -name '._*' -delete`" in warning, warning
