@@ -179,6 +179,11 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
         except _NOT_THE_SAMPLES_FAULT:
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
+            if isinstance(exc, OSError) and _dataset_gone(job.index.root):
+                # Not the sample's fault: the build waits for the dataset (retried each second, said in the log
+                # and status), as for an object store's outage, rather than replace every sample and stop the job.
+                raise StorageUnavailable(f"{name}: {_reason(exc, name)}; the dataset root {job.index.root} is gone "
+                                         "or empty (unmounted?): the batches wait for it to come back") from exc
             failures.append((name, _reason(exc, name)))
     others = "no other sample of the split" if tries == 1 else (
         f"the {counted(tries - 1, 'sample')} after it" + (", the whole split," if tries == len(job.members) else ""))
@@ -189,10 +194,19 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
     )
 
 
+def _dataset_gone(root: str) -> bool:
+    """A local dataset root that is no longer there, or empty: a mount that went away, or its bare mount point."""
+    if is_url(root):
+        return False
+    try:
+        with os.scandir(root) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return True
+
+
 def _why_none_decoded(root: str, failures: list[tuple[str, str]]) -> str:
     """The likeliest cause of a run of samples none of which decoded, from their failures."""
-    if not is_url(root) and not os.path.isdir(root):
-        return f"the dataset root {root} is gone (unmounted, moved or deleted?); bring it back and start the daemon again"
     if any(os.path.basename(name).startswith(APPLE_DOUBLE_PREFIX) for name, _ in failures):
         return (f"files named '._*' are macOS metadata, not images: delete them (`find {root} -name '._*' -delete`) "
                 "and start again with --reset")

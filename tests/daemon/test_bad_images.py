@@ -20,7 +20,7 @@ from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import BadDataError
 from prefetchd.daemon.producer import bad_data_verdict
 from prefetchd.daemon.decode import load_rgb
-from prefetchd.daemon.sources.storage import ImageRefused
+from prefetchd.daemon.sources.storage import ImageRefused, StorageUnavailable
 from prefetchd.daemon.transforms import augment
 from prefetchd.daemon.workers import Filled, SampleUnrecoverable, Task, WorkerJob, failure_of, run_task
 
@@ -159,7 +159,6 @@ def test_a_run_of_undecodable_samples_stops_the_job_as_bad_data_saying_how_many(
 
 
 @pytest.mark.parametrize(("case", "hint"), [
-    ("root gone", "the dataset root {root} is gone (unmounted, moved or deleted?)"),
     ("macOS metadata", "files named '._*' are macOS metadata, not images: delete them (`find {root} -name '._*' -delete`)"),
     ("files gone", "is the dataset readable, and all still there?"),
 ])
@@ -175,9 +174,7 @@ def test_the_stop_for_a_run_of_undecodable_samples_says_the_likeliest_cause(tmp_
         else:
             Image.new("RGB", (8, 8)).save(root / "a" / name)
     index = scan_class_folders(root)
-    if case == "root gone":
-        shutil.rmtree(root)
-    elif case == "files gone":
+    if case == "files gone":
         for path in (root / "a").iterdir():
             path.unlink()
     path = tmp_path / "batch.tmp"
@@ -186,6 +183,25 @@ def test_the_stop_for_a_run_of_undecodable_samples_says_the_likeliest_cause(tmp_
         run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
                  Task(0, str(path), 0, SIZE * SIZE * 3, 0, ((0, 0),)))
     assert hint.format(root=root.resolve()) in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize("gone", ["removed", "emptied"])
+def test_a_dataset_root_gone_makes_the_build_wait_rather_than_replace_samples(tmp_path: Path, gone: str) -> None:
+    """An unmounted dataset (its root gone, or its mount point left bare) is no sample's fault: the task
+    fails as an outage does, to be built again later, not with replaced samples or a stopped job."""
+    root = tmp_path / "data"
+    (root / "a").mkdir(parents=True)
+    for k in range(3):
+        Image.new("RGB", (8, 8)).save(root / "a" / f"{k}.jpg")
+    index = scan_class_folders(root)
+    shutil.rmtree(root if gone == "removed" else root / "a")
+    path = tmp_path / "batch.tmp"
+    path.write_bytes(bytes(SIZE * SIZE * 3))
+    with pytest.raises(StorageUnavailable) as raised:
+        run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
+                 Task(0, str(path), 0, SIZE * SIZE * 3, 0, ((0, 0),)))
+    assert f"the dataset root {root.resolve()} is gone or empty (unmounted?)" in str(raised.value), raised.value
+    assert failure_of(0, raised.value).fatal is None  # retried, the job goes on
 
 
 def _cfg(**kw: object) -> DaemonConfig:

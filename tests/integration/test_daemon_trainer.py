@@ -386,3 +386,44 @@ def test_drop_last_leaves_out_each_epoch_s_short_batch(shapes_data: Path, shm_di
                          "1", "--drop-last")
     assert empty.wait_exit(60) != 0
     assert "72 samples fill no batch of 100" in empty.log and "--drop-last" in empty.log
+
+
+@pytest.mark.root
+def test_a_dataset_whose_mount_goes_away_is_waited_for_and_every_batch_is_a_clean_runs(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon) -> None:
+    """A dataset on a mount that goes away mid-run (umount --lazy) and comes back: the daemon keeps
+    running, says what it waits for, and builds on once the files are back; no batch is lost,
+    repeated or built with replaced samples (it used to replace every sample and exit 4)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8)")
+    args = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7", "--epochs", "1",
+            "--high-water", "2", "--low-water", "1"]
+    start_daemon(shm_dir / "clean", "--data", shapes_data / "train", *args)
+    clean = [(b.step, digest(b.images)) for b in BufferLoader(shm_dir / "clean", normalize=False, timeout=60)]
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+
+    def mount_the_dataset() -> None:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
+        shutil.copytree(shapes_data / "train", mount / "ds")
+
+    mount_the_dataset()
+    try:
+        buffer = shm_dir / "bf"
+        daemon = start_daemon(buffer, "--data", mount / "ds", *args)
+        batches = iter(BufferLoader(buffer, normalize=False, timeout=120))
+        got = [next(batches)]
+        daemon.wait_until(lambda: batch_files(buffer) == 2, 60, "the window of 2 batches")
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
+        got.append(next(batches))  # hands batch 0 over: batch 2 is built with the dataset gone
+        daemon.wait_until(lambda: "is gone or empty (unmounted?): the batches wait for it" in daemon.log, 60,
+                          "the daemon to say it waits for the dataset")
+        time.sleep(2)  # a few retries
+        assert daemon.proc.poll() is None, daemon.log
+        mount_the_dataset()
+        got.extend(batches)
+        assert [(b.step, digest(b.images)) for b in got] == clean
+        assert all(b.replaced == 0 for b in got)
+        assert daemon.wait_exit(30) == 0, daemon.log
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], capture_output=True)
