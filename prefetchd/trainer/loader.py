@@ -73,10 +73,11 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.batch import Batch, WaitMeter
-from prefetchd.trainer.errors import LoaderError
+from prefetchd.trainer.errors import LoaderError, StateMismatch
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 from prefetchd.trainer.liveness import BatchWaiter, JobWatch, wait_for_manifest
 from prefetchd.trainer.resume import is_count, loader_state, resume_position
+from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +190,8 @@ class BufferLoader:
             raise ValueError(f"pin={pin!r}: expected one of {', '.join(map(repr, PIN_MODES))}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch={prefetch!r}: pass a non-negative number of batches")
-        if not timeout > 0:
-            raise ValueError(f"timeout={timeout!r}: pass a positive number of seconds")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: pass a positive number of seconds (math.inf: no limit)")
         if not daemon_grace >= 0:
             raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
         if stall_timeout is not None and not stall_timeout > 0:
@@ -198,12 +199,15 @@ class BufferLoader:
         if not normalize and (mean is not None or std is not None):
             raise ValueError("mean= and std= apply only with normalize=True, which normalize=False turns off; "
                              "leave them out, or normalize")
+        if (mean is None) != (std is None):  # one of a dataset's statistics beside ImageNet's other is neither's
+            raise ValueError("mean= and std= go together: pass both, or neither for the defaults (ImageNet's)")
         if (mean is not None and not all(0 <= m <= 1 for m in mean)) or (std is not None and not all(s <= 1 for s in std)):
             # The images become float in [0, 1] first, as after torchvision's ToTensor: 0-255 values shift everything.
             raise ValueError(f"mean={mean!r}, std={std!r}: pass them in [0, 1] units, as torchvision's Normalize "
                              "takes them after ToTensor (0-255 values: divide them by 255)")
         self._consumer = check_consumer(consumer if consumer is not None else DEFAULT_CONSUMER)
-        self._buffer = Path(buffer)
+        # Absolute: a notebook's later chdir must not move the buffer away from under the loader.
+        self._buffer = Path(buffer).expanduser().absolute()
         self._progress_path = self._buffer / progress_name(self._consumer)
         self._device = torch.device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
@@ -527,7 +531,13 @@ class BufferLoader:
         """
         if not is_count(epoch):
             raise ValueError(f"set_epoch({epoch!r}): pass a non-negative integer epoch (counted from 0)")
-        # The same checks (job's end) and the same repositioning as a checkpoint taken at that epoch's start.
+        epochs = self._manifest.epochs
+        if epochs is not None and epoch > epochs:  # said for this call, not as a checkpoint's state would be
+            raise StateMismatch(
+                f"set_epoch({epoch}) is past the end of the job of {self._buffer}: it has {counted(epochs, 'epoch')} "
+                f"(counted from 0, so set_epoch({epochs}) is its end, an empty epoch); loop over range({epochs}), or "
+                "restart the daemon with a larger --epochs")
+        # The same checks and the same repositioning as a checkpoint taken at that epoch's start.
         self.load_state_dict({**self.state_dict(), "epoch": epoch, "step": 0})
 
     # -- lifecycle ---------------------------------------------------------------
@@ -583,9 +593,9 @@ class BufferLoader:
                 "have that many channels) and positive std"
             )
         # x * scale - shift == (x / 255 - mean) / std, in two in-place passes.
-        std_t = torch.tensor(std, dtype=torch.float64)
+        std_t = torch.as_tensor(std, dtype=torch.float64).cpu()  # a list, or a tensor already (no copy warning)
         scale = (1.0 / (255.0 * std_t)).to(torch.float32).view(1, channels, 1, 1)
-        shift = (torch.tensor(mean, dtype=torch.float64) / std_t).to(torch.float32).view(1, channels, 1, 1)
+        shift = (torch.as_tensor(mean, dtype=torch.float64).cpu() / std_t).to(torch.float32).view(1, channels, 1, 1)
         return scale.to(self._device), shift.to(self._device)
 
     def _to_batch(self, mapped: MappedBatch) -> Batch:

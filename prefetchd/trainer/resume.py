@@ -36,6 +36,8 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
     """The (epoch, step) ``state`` resumes at; StateMismatch when it belongs to another dataset or
     job, or points past the end of ``manifest``'s job."""
     m = manifest
+    if not isinstance(state, Mapping):
+        raise StateMismatch(f"loader state {state!r:.60}: expected the dict BufferLoader.state_dict() returns")
     epoch, step = state.get("epoch"), state.get("step")
     if not (is_count(epoch) and is_count(step)):
         raise StateMismatch(

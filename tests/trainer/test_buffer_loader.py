@@ -4,6 +4,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -116,6 +117,35 @@ def test_custom_mean_and_std(make_job: MakeJob) -> None:
         BufferLoader(job.buffer, timeout=5, mean=(123.7, 116.3, 103.5), std=(58.4, 57.1, 57.4))
     with pytest.raises(ValueError, match="apply only with normalize=True"):
         BufferLoader(job.buffer, timeout=5, normalize=False, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    # One statistic of a dataset's beside ImageNet's other normalises by neither.
+    for half in ({"mean": (0.5, 0.5, 0.5)}, {"std": (0.5, 0.5, 0.5)}):
+        with pytest.raises(ValueError, match="mean= and std= go together"):
+            BufferLoader(job.buffer, timeout=5, **half)  # type: ignore[arg-type]
+    with warnings.catch_warnings():  # tensors as torchvision's Normalize takes them, without torch's copy warning
+        warnings.simplefilter("error")
+        tensors = next(iter(BufferLoader(job.buffer, timeout=5, mean=torch.full((3,), 0.5), std=torch.full((3,), 0.5))))
+    torch.testing.assert_close(tensors.images, want, atol=1e-5, rtol=1e-5)
+
+
+def test_what_a_dataloader_user_may_pass_is_refused_or_taken_as_meant(
+        make_job: MakeJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    job = make_job(write=2)
+    for timeout in (None, "5"):  # DataLoader's timeout=None habit, or a string from a config file
+        with pytest.raises(ValueError, match=rf"timeout={timeout!r}: pass a positive number of seconds"):
+            BufferLoader(job.buffer, timeout=timeout)  # type: ignore[arg-type]
+    # A relative buffer stays the same buffer after the process changes directory (a notebook's %cd);
+    # "~" is the home folder, as the `prefetchd start --buffer ~/...` a message suggests would take it.
+    monkeypatch.chdir(job.buffer.parent)
+    relative = BufferLoader(job.buffer.name, normalize=False, timeout=5)
+    monkeypatch.chdir(tmp_path)
+    assert relative.buffer == job.buffer and next(iter(relative)).step == 0
+    relative.close()
+    monkeypatch.setenv("HOME", str(job.buffer.parent))
+    assert BufferLoader(f"~/{job.buffer.name}", normalize=False, timeout=5).buffer == job.buffer
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+        for state in (None, "x", [("epoch", 0)]):
+            with pytest.raises(StateMismatch, match="expected the dict BufferLoader.state_dict"):
+                loader.load_state_dict(state)  # type: ignore[arg-type]
 
 
 def test_raw_uint8_equals_the_written_bytes(make_job: MakeJob) -> None:

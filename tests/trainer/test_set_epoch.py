@@ -67,7 +67,8 @@ def test_set_epoch_refuses_what_is_no_epoch_of_the_job(make_job: MakeJob) -> Non
         for bad in (-1, 1.0, True, "1"):
             with pytest.raises(ValueError, match="non-negative integer epoch"):
                 loader.set_epoch(bad)  # type: ignore[arg-type]
-        with pytest.raises(StateMismatch, match="past the end of the job.*larger --epochs"):
+        with pytest.raises(StateMismatch, match=r"^set_epoch\(3\) is past the end of the job .* it has 2 epochs .*"
+                                                r"set_epoch\(2\) is its end.*range\(2\).*larger --epochs"):
             loader.set_epoch(3)
         assert loader.position == (0, 0)
         loader.set_epoch(2)  # the job's end: an empty epoch, as iterating past the end is
