@@ -209,6 +209,10 @@ class BufferLoader:
         # Absolute: a notebook's later chdir must not move the buffer away from under the loader.
         self._buffer = Path(buffer).expanduser().absolute()
         self._progress_path = self._buffer / progress_name(self._consumer)
+        if isinstance(device, int) and not isinstance(device, bool) and not torch.cuda.is_available():
+            # BufferLoader(buffer, 64): DataLoader's second argument is the batch size, ours the device.
+            raise ValueError(f"device={device!r}: the second argument is the device (a CUDA index here), and CUDA is "
+                             "not available; the batch size is the daemon's (`prefetchd start --batch-size`)")
         self._device = torch.device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r} but CUDA is not available here; pass device='cpu'")

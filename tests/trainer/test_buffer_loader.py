@@ -130,6 +130,9 @@ def test_custom_mean_and_std(make_job: MakeJob) -> None:
 def test_what_a_dataloader_user_may_pass_is_refused_or_taken_as_meant(
         make_job: MakeJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     job = make_job(write=2)
+    if not torch.cuda.is_available():  # DataLoader(dataset, 64) is a batch size; ours would be cuda:64
+        with pytest.raises(ValueError, match=r"device=64: the second argument is the device .*`prefetchd start --batch-size`"):
+            BufferLoader(job.buffer, 64)
     for timeout in (None, "5"):  # DataLoader's timeout=None habit, or a string from a config file
         with pytest.raises(ValueError, match=rf"timeout={timeout!r}: pass a positive number of seconds"):
             BufferLoader(job.buffer, timeout=timeout)  # type: ignore[arg-type]
