@@ -87,10 +87,12 @@ def test_checkpoint_urls_without_credentials_fail_with_one_clear_line(s3: Any, m
     assert "no credentials found for s3://" in result.stderr and "Traceback" not in result.output
 
 
-def test_spawn_daemon_passes_a_data_url_unmangled(s3: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_spawn_daemon_passes_a_data_url_unmangled(s3: Any, shm_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """--data s3://... reaches the spawned daemon as given (a Path would make it s3:/...): its error names it."""
     url = s3.url("no/such/prefix")
-    buffer = tmp_path / "bf"
+    # On the tmpfs: under tmp_path, on a disk with under ~14 GB free, the default floor (5 % of the disk) and
+    # high-water mark were refused before the dataset was read.
+    buffer = shm_dir / "bf"
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--spawn-daemon", "--data", url + "/", "--epochs", "1",
                                        "--device", "cpu", "--timeout", "60"])
     assert result.exit_code == EXIT_FAILED
