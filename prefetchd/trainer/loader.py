@@ -81,6 +81,10 @@ from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
+# This process's loaders, to say when two open ones read one buffer as one consumer: the check against other
+# trainers' progress writes passes over this process's own pid.
+_LOADERS: weakref.WeakSet[BufferLoader] = weakref.WeakSet()
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # One-channel data: the mean of the three ImageNet channels, as torchvision's
@@ -232,6 +236,13 @@ class BufferLoader:
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
+        if any(o._buffer == self._buffer and o._consumer == self._consumer and not o._closed for o in _LOADERS):
+            logger.warning(
+                "%s: another BufferLoader of this process reads it as %s and is still open. Two loaders take turns "
+                "at one progress file, and the daemon builds again the batches each moves back to; close the other "
+                "first (loader.close(), or a with block), or give each a consumer= of its own", self._buffer,
+                "the default consumer" if self._consumer == DEFAULT_CONSUMER else f"consumer {self._consumer!r}")
+        _LOADERS.add(self)
         self._feeder: DeviceFeeder | None = None
         self._prefetch = 0
         self._ahead: deque[Transfer] = deque()  # started, not yet handed out: consecutive positions

@@ -127,6 +127,27 @@ def test_custom_mean_and_std(make_job: MakeJob) -> None:
     torch.testing.assert_close(tensors.images, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_second_open_loader_of_one_consumer_in_one_process_is_warned_about(
+        make_job: MakeJob, caplog: pytest.LogCaptureFixture) -> None:
+    """Two open loaders of one process on one buffer and consumer take turns moving its progress (the
+    check for another trainer's writes passes over its own pid): said once the second is made."""
+    job = make_job(write=1)
+    with caplog.at_level("WARNING", logger="prefetchd.trainer.loader"):
+        first = BufferLoader(job.buffer, normalize=False, timeout=5)
+        named = BufferLoader(job.buffer, normalize=False, timeout=5, consumer="other")  # a consumer of its own
+        assert not caplog.records
+        second = BufferLoader(job.buffer, normalize=False, timeout=5)
+        [warned] = [r.getMessage() for r in caplog.records]
+        assert f"{job.buffer}: another BufferLoader of this process reads it as the default consumer and is " \
+               "still open" in warned and "consumer= of its own" in warned, warned
+        first.close()
+        second.close()
+        caplog.clear()
+        BufferLoader(job.buffer, normalize=False, timeout=5).close()  # the others closed: nothing to say
+        assert not caplog.records
+        named.close()
+
+
 def test_what_a_dataloader_user_may_pass_is_refused_or_taken_as_meant(
         make_job: MakeJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     job = make_job(write=2)
