@@ -11,16 +11,15 @@ out a :class:`Batch`:
     indices  int64 [N], on the CPU (sample i is ``ImageFolder(root).samples[i]``)
 
 Progress (``progress.json``, read by the daemon, which deletes every batch
-before it) is the trainer's side of flow control:
+before it; written by ``prefetchd.trainer.progress_file``) is the trainer's side
+of flow control:
 
 - it is written when iteration starts and by ``load_state_dict``, so a trainer
   restarted at an older position makes the daemon regenerate from there;
 - after a batch is handed over, progress moves past it only when the consumer
   asks for the next batch, when the epoch's iterator is exhausted or when the
   loader is closed, so the file the consumer may still be reading is not
-  deleted under it;
-- the same position is not written twice in a row, except while waiting for a batch,
-  when the file is refreshed every ``PROGRESS_REFRESH_SECONDS`` (SPEC rule 9).
+  deleted under it.
 
 On a CUDA device the batch goes through ``prefetchd.trainer.gpu`` (``pin``):
 a pinned staging ring or a page-locked mapping, copied on a side stream and
@@ -37,7 +36,8 @@ rewrites its progress file every ``PROGRESS_REFRESH_SECONDS`` so that the daemon
 sees it is there, and ``close()`` marks the file closed so that it holds nothing.
 
 Waiting for the manifest and for each batch, and telling a slow daemon from a
-stuck or a gone one, is ``prefetchd.trainer.liveness``; the checkpoint state is
+stuck or a gone one, is ``prefetchd.trainer.liveness``; checking a mapped batch
+and normalising it, ``prefetchd.trainer.tensors``; the checkpoint state,
 ``prefetchd.trainer.resume``.
 
 The loader is not thread-safe; use one per consumer thread and buffer.
@@ -45,7 +45,6 @@ The loader is not thread-safe; use one per consumer thread and buffer.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -62,40 +61,22 @@ from prefetchd.buffer_protocol import (
     DEFAULT_CONSUMER,
     Manifest,
     MappedBatch,
-    Progress,
     ProtocolError,
-    alive_since,
     batch_name,
     check_consumer,
     list_batches,
     map_batch,
-    progress_name,
 )
-from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.batch import Batch, WaitMeter
 from prefetchd.trainer.errors import LoaderError, StateMismatch
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 from prefetchd.trainer.liveness import BatchWaiter, JobWatch, wait_for_manifest
+from prefetchd.trainer.progress_file import ProgressFile
 from prefetchd.trainer.resume import is_count, loader_state, resume_position
+from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD, check_statistics, mismatch, normalization, to_batch
 from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
-
-# This process's loaders, to say when two open ones read one buffer as one consumer: the check against other
-# trainers' progress writes passes over this process's own pid.
-_LOADERS: weakref.WeakSet[BufferLoader] = weakref.WeakSet()
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-# One-channel data: the mean of the three ImageNet channels, as torchvision's
-# grayscale recipes use.
-GRAY_MEAN = (0.449,)
-GRAY_STD = (0.226,)
-
-# progress.json may fail to be written for a while (a full tmpfs): the loader keeps delivering
-# the batches that are there and retries; only a failure that lasts this long is an error.
-_PROGRESS_WRITE_GRACE = 30.0
-ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, for another trainer's writes
 
 DeviceLike = str | torch.device
 
@@ -200,19 +181,10 @@ class BufferLoader:
             raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
         if stall_timeout is not None and not stall_timeout > 0:
             raise ValueError(f"stall_timeout={stall_timeout!r}: pass a positive number of seconds, or None to disable")
-        if not normalize and (mean is not None or std is not None):
-            raise ValueError("mean= and std= apply only with normalize=True, which normalize=False turns off; "
-                             "leave them out, or normalize")
-        if (mean is None) != (std is None):  # one of a dataset's statistics beside ImageNet's other is neither's
-            raise ValueError("mean= and std= go together: pass both, or neither for the defaults (ImageNet's)")
-        if (mean is not None and not all(0 <= m <= 1 for m in mean)) or (std is not None and not all(s <= 1 for s in std)):
-            # The images become float in [0, 1] first, as after torchvision's ToTensor: 0-255 values shift everything.
-            raise ValueError(f"mean={mean!r}, std={std!r}: pass them in [0, 1] units, as torchvision's Normalize "
-                             "takes them after ToTensor (0-255 values: divide them by 255)")
+        check_statistics(normalize, mean, std)
         self._consumer = check_consumer(consumer if consumer is not None else DEFAULT_CONSUMER)
         # Absolute: a notebook's later chdir must not move the buffer away from under the loader.
         self._buffer = Path(buffer).expanduser().absolute()
-        self._progress_path = self._buffer / progress_name(self._consumer)
         if isinstance(device, int) and not isinstance(device, bool) and not torch.cuda.is_available():
             # BufferLoader(buffer, 64): DataLoader's second argument is the batch size, ours the device.
             raise ValueError(f"device={device!r}: the second argument is the device (a CUDA index here), and CUDA is "
@@ -220,29 +192,18 @@ class BufferLoader:
         self._device = torch.device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r} but CUDA is not available here; pass device='cpu'")
-        self._non_blocking = self._device.type == "cuda"
-        self._normalize = normalize
         self._timeout = float(timeout)
         self._manifest = wait_for_manifest(self._buffer, self._timeout)
         self._job = JobWatch(self._buffer, self._manifest)
         self._waiter = BatchWaiter(self._buffer, self._manifest, self._timeout, float(daemon_grace),
                                    float(stall_timeout) if stall_timeout is not None else None)
-        self._scale, self._shift = self._normalization(mean, std)
+        self._normalized = (normalization(mean, std, self._manifest.channels, self._buffer, self._device)
+                            if normalize else None)
         self._epoch, self._step = self._start_position(start)
-        self._published: tuple[int, int] | None = None
-        self._published_at = 0.0  # time.monotonic() of the last progress write
-        self._next_alone_check = 0.0  # when _publish next reads the progress file for another trainer's writes
-        self._publish_failing_since: float | None = None
+        self._progress = ProgressFile(self._buffer, self._consumer, self._manifest.job_key)
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
-        if any(o._buffer == self._buffer and o._consumer == self._consumer and not o._closed for o in _LOADERS):
-            logger.warning(
-                "%s: another BufferLoader of this process reads it as %s and is still open. Two loaders take turns "
-                "at one progress file, and the daemon builds again the batches each moves back to; close the other "
-                "first (loader.close(), or a with block), or give each a consumer= of its own", self._buffer,
-                "the default consumer" if self._consumer == DEFAULT_CONSUMER else f"consumer {self._consumer!r}")
-        _LOADERS.add(self)
         self._feeder: DeviceFeeder | None = None
         self._prefetch = 0
         self._ahead: deque[Transfer] = deque()  # started, not yet handed out: consecutive positions
@@ -264,13 +225,14 @@ class BufferLoader:
         if mode != "staging" and mode != "register":
             raise ValueError(f"pin={mode!r}: a device feeder does 'staging' or 'register'")
         m = self._manifest
+        scale, shift = self._normalized or (None, None)
         self._feeder = DeviceFeeder(
             backend,
             mode,
             batch_size=m.batch_size,
             image_shape=(m.image_size, m.image_size, m.channels),
-            scale=self._scale,
-            shift=self._shift,
+            scale=scale,
+            shift=shift,
             # One slot for each batch ahead, one for the batch in use, one whose copy may not
             # have been confirmed yet; a slot is waited for only when the ring comes round.
             ring=prefetch + 2,
@@ -333,7 +295,7 @@ class BufferLoader:
 
     def __repr__(self) -> str:
         return (
-            f"BufferLoader({str(self._buffer)!r}, device={str(self._device)!r}, normalize={self._normalize}, "
+            f"BufferLoader({str(self._buffer)!r}, device={str(self._device)!r}, normalize={self._normalized is not None}, "
             f"pin={self._pin!r}, position={self.position}, steps_per_epoch={len(self)})"
         )
 
@@ -360,7 +322,10 @@ class BufferLoader:
             return None
         asked = time.monotonic()
         if self._feeder is None:
-            batch = self._to_batch(self._wait_for_batch(self._epoch, self._step))
+            key = (self._epoch, self._step)
+            mapped = self._wait_for_batch(*key)
+            self._check(mapped, *key)
+            batch = to_batch(mapped, *key, self._device, self._normalized)
         else:
             batch = self._next_on_device(self._feeder)
         self._waits.add(asked, time.monotonic())
@@ -434,78 +399,14 @@ class BufferLoader:
                 self._feeder.finish(transfer, wait=True)
 
     def _publish(self, force: bool = False, closed: bool = False) -> None:
-        position = self._consumed_until()
-        if position == self._published and not force:
-            return
-        now = time.monotonic()
-        if self._published is not None and now >= self._next_alone_check:
-            # A trainer that never waits never reaches _check_progress: look here too, once a second at most.
-            self._next_alone_check = now + ALONE_CHECK_SECONDS
-            try:
-                self._check_alone(Progress.read(self._buffer, self._consumer))
-            except (ProtocolError, OSError):
-                pass  # unreadable: overwritten below, and a wait looks again
-        try:
-            Progress(*position, wait_share=self._waits.share(), closed=closed,
-                     job=self._manifest.job_key).write(self._buffer, self._consumer)
-        except OSError as exc:
-            now = time.monotonic()
-            if self._publish_failing_since is None:
-                self._publish_failing_since = now
-            if now - self._publish_failing_since < _PROGRESS_WRITE_GRACE:
-                # Left unpublished, so the next call tries again.
-                logger.warning("cannot write %s (%s); trying again", self._progress_path, exc.strerror or exc)
-                return
-            fix = {errno.EISDIR: "remove the directory that took its name",
-                   errno.ENOSPC: "free space on the buffer's filesystem (what else fills it?)",
-                   errno.EACCES: "give this user write access to the buffer (its group, with --group-access)"}.get(
-                exc.errno or 0, "check that the buffer directory exists, is writable and has free space")
-            raise LoaderError(
-                f"{self._progress_path}: cannot write it ({exc.strerror or exc}) for "
-                f"{_PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete: {fix}"
-            ) from exc
-        self._publish_failing_since = None
-        self._published = position
-        self._published_at = time.monotonic()
+        self._progress.publish(self._consumed_until(), self._waits.share(), force=force, closed=closed)
 
     def _check_progress(self) -> None:
-        """While waiting: make the progress file name this loader's position again if it does not,
-        and refresh it every PROGRESS_REFRESH_SECONDS.
-
-        Someone else rewound or damaged it (or our last write failed), and the daemon now
-        builds other batches than the one this loader waits for; it would wait until its timeout.
-        The refresh tells a daemon serving several consumers that this one waits rather than
-        went silent (a silent consumer stops holding batches after --consumer-timeout).
-        """
+        """While waiting: write the progress file again where it does not name this loader's position,
+        or is due for a refresh (``ProgressFile.stale``)."""
         self._job.check()  # a position written back into a job that replaced ours would mislead its daemon
-        try:
-            current = Progress.read(self._buffer, self._consumer)
-        except (ProtocolError, OSError):
-            current = None
-        if current is not None and (current.epoch, current.step) == self._published:
-            if time.monotonic() - self._published_at >= PROGRESS_REFRESH_SECONDS:
-                self._publish(force=True)
-            return
-        if self._published is not None:
-            self._check_alone(current)
-            logger.warning("%s names %s, not this loader's position %s; writing it again",
-                           self._progress_path, current and (current.epoch, current.step), self._published)
-        self._publish(force=True)
-
-    def _check_alone(self, current: Progress | None) -> None:
-        """Raise when ``current``, this consumer's progress as read, was written by another trainer that is
-        still there and has not left.  Two trainers taking turns at one consumer's progress each make the
-        daemon build the other's batches, and the first to finish ends the daemon's job under the other."""
-        if current is None or current.pid in (None, os.getpid()) or current.closed or current.time is None \
-                or not alive_since(current.pid, current.time):
-            return
-        mine = f"epoch {self._published[0]} step {self._published[1]}" if self._published else "its start"
-        raise LoaderError(
-            f"{self._progress_path}: another trainer (pid {current.pid}) reads {self._buffer} as "
-            f"{'the default consumer' if not self._consumer else 'consumer ' + repr(self._consumer)} "
-            f"too, at epoch {current.epoch} step {current.step} while this one is at {mine}. Several trainers on "
-            "one buffer each need a consumer name of their own: --consumer NAME (BufferLoader(consumer=NAME))"
-        )
+        if self._progress.stale():
+            self._publish(force=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -564,14 +465,14 @@ class BufferLoader:
             return
         self._drain(self._ahead)
         self._drain(self._handed)
-        if self._published is not None:
+        if self._progress.published is not None:
             try:
                 # It leaves: the daemon stops holding batches for it while another consumer reads, until it
                 # writes again, and does not take a trainer that finished for one that went away.
                 self._publish(force=True, closed=True)
             except LoaderError as exc:
                 logger.warning("closing %s: %s", self._buffer, exc)
-        self._closed = True
+        self._closed = self._progress.closed = True
         self._generation += 1
 
     def __enter__(self) -> BufferLoader:
@@ -585,81 +486,15 @@ class BufferLoader:
     def _wait_for_batch(self, epoch: int, step: int) -> MappedBatch:
         return self._waiter.wait(epoch, step, self._check_progress, self.stop_requested)
 
-    # -- tensors -----------------------------------------------------------------
-
-    def _normalization(
-        self, mean: Sequence[float] | None, std: Sequence[float] | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not self._normalize:
-            return None, None
-        channels = self._manifest.channels
-        if mean is None or std is None:
-            defaults = {3: (IMAGENET_MEAN, IMAGENET_STD), 1: (GRAY_MEAN, GRAY_STD)}
-            if channels not in defaults:
-                raise ValueError(
-                    f"{self._buffer}: images have {channels} channels and normalize=True has defaults only for "
-                    "1 or 3; pass mean= and std= (one value per channel) or normalize=False"
-                )
-            mean = mean if mean is not None else defaults[channels][0]
-            std = std if std is not None else defaults[channels][1]
-        if len(mean) != channels or len(std) != channels or not all(s > 0 for s in std):
-            raise ValueError(
-                f"mean={tuple(mean)!r}, std={tuple(std)!r}: need {channels} values each (images in {self._buffer} "
-                "have that many channels) and positive std"
-            )
-        # x * scale - shift == (x / 255 - mean) / std, in two in-place passes.
-        std_t = torch.as_tensor(std, dtype=torch.float64).cpu()  # a list, or a tensor already (no copy warning)
-        scale = (1.0 / (255.0 * std_t)).to(torch.float32).view(1, channels, 1, 1)
-        shift = (torch.as_tensor(mean, dtype=torch.float64).cpu() / std_t).to(torch.float32).view(1, channels, 1, 1)
-        return scale.to(self._device), shift.to(self._device)
-
-    def _to_batch(self, mapped: MappedBatch) -> Batch:
-        epoch, step = self._epoch, self._step
-        self._check(mapped, epoch, step)
-        # HWC bytes seen as NCHW: a free permute whose strides are channels_last.
-        images = torch.from_numpy(mapped.images).permute(0, 3, 1, 2)
-        images = images.to(self._device, non_blocking=self._non_blocking)
-        labels = torch.from_numpy(mapped.labels).to(self._device, non_blocking=self._non_blocking)
-        if self._scale is not None and self._shift is not None:
-            # Convert after the move: uint8 crosses the bus, a quarter of float32's bytes.
-            images = images.to(torch.float32).mul_(self._scale).sub_(self._shift)
-        return Batch(
-            images=images,
-            labels=labels,
-            indices=torch.from_numpy(mapped.indices),
-            epoch=epoch,
-            step=step,
-            replaced=mapped.meta.replaced,
-        )
-
     def _check(self, mapped: MappedBatch, epoch: int, step: int) -> None:
         """Raise ProtocolError unless ``mapped`` is batch (epoch, step) of this loader's job;
         JobReplaced where the daemon serves another job now (its batches reuse the file names)."""
-        problem = self._mismatch(mapped, epoch, step)
+        problem = mismatch(mapped, epoch, step, self._manifest, self._buffer)
         # After the mapping: a batch mapped while the manifest still named our job is ours. And before a
         # mismatch is blamed on the file: a batch of the job that replaced ours differs from the manifest we hold.
         self._job.check()
         if problem is not None:
             raise ProtocolError(problem)
-
-    def _mismatch(self, mapped: MappedBatch, epoch: int, step: int) -> str | None:
-        """How ``mapped`` differs from batch (epoch, step) of the manifest this loader holds; None if it does not."""
-        meta, m = mapped.meta, self._manifest
-        path = mapped.path
-        if (meta.epoch, meta.step) != (epoch, step):
-            return (f"{path}: holds epoch {meta.epoch} step {meta.step} but its name says epoch {epoch} step {step}; "
-                    "delete it (the daemon regenerates missing batches)")
-        n, h, w, c = mapped.images.shape
-        if (h, w, c) != (m.image_size, m.image_size, m.channels) or not 1 <= n <= m.batch_size or meta.seed != m.seed:
-            return (f"{path}: {n} images of {h}x{w}x{c} with seed {meta.seed}, but manifest.json promises up to "
-                    f"{m.batch_size} of {m.image_size}x{m.image_size}x{m.channels} with seed {m.seed}: the batch "
-                    f"belongs to another job. Stop the daemon, delete the *.batch files in {self._buffer} and "
-                    "restart it")
-        labels_np = mapped.labels
-        if n and (int(labels_np.min()) < 0 or int(labels_np.max()) >= len(m.classes)):
-            return (f"{path}: labels range over [{int(labels_np.min())}, {int(labels_np.max())}] but the manifest "
-                    f"has {len(m.classes)} classes; delete it (the daemon regenerates missing batches)")
-        return None
 
 
 __all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]

@@ -18,7 +18,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
                                StateMismatch)
-from prefetchd.trainer.loader import IMAGENET_MEAN, IMAGENET_STD
+from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
 from tests.status_examples import ERRORS, production, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
@@ -132,7 +132,7 @@ def test_a_second_open_loader_of_one_consumer_in_one_process_is_warned_about(
     """Two open loaders of one process on one buffer and consumer take turns moving its progress (the
     check for another trainer's writes passes over its own pid): said once the second is made."""
     job = make_job(write=1)
-    with caplog.at_level("WARNING", logger="prefetchd.trainer.loader"):
+    with caplog.at_level("WARNING", logger="prefetchd.trainer.progress_file"):
         first = BufferLoader(job.buffer, normalize=False, timeout=5)
         named = BufferLoader(job.buffer, normalize=False, timeout=5, consumer="other")  # a consumer of its own
         assert not caplog.records

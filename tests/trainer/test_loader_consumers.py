@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from prefetchd.buffer_protocol import VERSION, Progress, list_consumers
 from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer import BufferLoader, LoaderError
-from prefetchd.trainer.loader import ALONE_CHECK_SECONDS
+from prefetchd.trainer.progress_file import ALONE_CHECK_SECONDS
 from prefetchd.trainer.train import main
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here

@@ -13,7 +13,7 @@ import pytest
 
 from prefetchd.buffer_protocol import Progress
 from prefetchd.trainer import BufferLoader, LoaderError
-from prefetchd.trainer import loader as loader_module
+from prefetchd.trainer import progress_file
 from tests.conftest import mounted_tmpfs
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -79,7 +79,7 @@ def test_a_progress_write_that_keeps_failing_says_what_to_do_about_its_cause(
         make_job: MakeJob, monkeypatch: pytest.MonkeyPatch) -> None:
     """After the grace the loader gives up, with the fix for the cause it met: here a directory
     under progress.json's name, not 'check the free space'."""
-    monkeypatch.setattr(loader_module, "_PROGRESS_WRITE_GRACE", 0.0)
+    monkeypatch.setattr(progress_file, "PROGRESS_WRITE_GRACE", 0.0)
     job = make_job(samples=16, batch_size=4, write=0)
     for step in range(2):
         job.write(0, step)

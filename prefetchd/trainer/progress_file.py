@@ -1,0 +1,143 @@
+"""A consumer's progress file in the buffer: the trainer's side of flow control.
+
+The daemon reads ``progress.json`` (``progress.NAME.json`` for a named consumer)
+and deletes every batch before the position it names.  A :class:`ProgressFile`
+writes it for one loader:
+
+- the same position is not written twice in a row (``publish``), except while the
+  loader waits for a batch, when ``stale`` asks for it to be written again every
+  ``PROGRESS_REFRESH_SECONDS`` (SPEC rule 9) or when someone else rewrote it;
+- a write that fails (a full tmpfs) is retried at the next publish, and is an
+  error only once it has kept failing for ``PROGRESS_WRITE_GRACE`` seconds;
+- another live trainer writing the same file is an error (each needs a consumer
+  name of its own), looked for at most every ``ALONE_CHECK_SECONDS`` while
+  publishing and at every look while waiting; a second open loader of this
+  process on the same file, which that check cannot tell apart, is warned about.
+
+Which position may be written (a batch still being copied to the GPU is not
+consumed) is the loader's to say.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+import weakref
+from pathlib import Path
+
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, progress_name
+from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
+from prefetchd.trainer.errors import LoaderError
+
+logger = logging.getLogger(__name__)
+
+# progress.json may fail to be written for a while (a full tmpfs): the loader keeps delivering
+# the batches that are there and retries; only a failure that lasts this long is an error.
+PROGRESS_WRITE_GRACE = 30.0
+ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, for another trainer's writes
+
+# This process's open progress files, to say when two loaders read one buffer as one consumer: the check
+# against other trainers' writes passes over this process's own pid.
+_OPEN: weakref.WeakSet[ProgressFile] = weakref.WeakSet()
+
+
+class ProgressFile:
+    """Where one loader tells the daemon which batch it needs next (see the module docstring)."""
+
+    def __init__(self, buffer: Path, consumer: str, job_key: str) -> None:
+        self.buffer = buffer
+        self.consumer = consumer
+        self.path = buffer / progress_name(consumer)
+        self.published: tuple[int, int] | None = None  # the position last written
+        self.closed = False
+        self._job_key = job_key
+        self._published_at = 0.0  # time.monotonic() of the last write
+        self._next_alone_check = 0.0  # when publish next reads the file for another trainer's writes
+        self._failing_since: float | None = None
+        if any(o.path == self.path and not o.closed for o in _OPEN):
+            logger.warning(
+                "%s: another BufferLoader of this process reads it as %s and is still open. Two loaders take turns "
+                "at one progress file, and the daemon builds again the batches each moves back to; close the other "
+                "first (loader.close(), or a with block), or give each a consumer= of its own", buffer, self.who)
+        _OPEN.add(self)
+
+    @property
+    def who(self) -> str:
+        """This consumer, as messages name it."""
+        return "the default consumer" if self.consumer == DEFAULT_CONSUMER else f"consumer {self.consumer!r}"
+
+    def publish(self, position: tuple[int, int], wait_share: float | None, force: bool = False,
+                closed: bool = False) -> None:
+        """Write ``position`` unless it is the one written last (``force``: all the same); ``closed``: the
+        loader leaves, and the file says so."""
+        if position == self.published and not force:
+            return
+        now = time.monotonic()
+        if self.published is not None and now >= self._next_alone_check:
+            # A trainer that never waits never reaches stale(): look here too, once a second at most.
+            self._next_alone_check = now + ALONE_CHECK_SECONDS
+            try:
+                self._check_alone(Progress.read(self.buffer, self.consumer))
+            except (ProtocolError, OSError):
+                pass  # unreadable: overwritten below, and a wait looks again
+        try:
+            Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key).write(self.buffer,
+                                                                                                self.consumer)
+        except OSError as exc:
+            now = time.monotonic()
+            if self._failing_since is None:
+                self._failing_since = now
+            if now - self._failing_since < PROGRESS_WRITE_GRACE:
+                # Left unpublished, so the next call tries again.
+                logger.warning("cannot write %s (%s); trying again", self.path, exc.strerror or exc)
+                return
+            fix = {errno.EISDIR: "remove the directory that took its name",
+                   errno.ENOSPC: "free space on the buffer's filesystem (what else fills it?)",
+                   errno.EACCES: "give this user write access to the buffer (its group, with --group-access)"}.get(
+                exc.errno or 0, "check that the buffer directory exists, is writable and has free space")
+            raise LoaderError(
+                f"{self.path}: cannot write it ({exc.strerror or exc}) for "
+                f"{PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete: {fix}"
+            ) from exc
+        self._failing_since = None
+        self.published = position
+        self._published_at = time.monotonic()
+
+    def stale(self) -> bool:
+        """While the loader waits: whether the file must be written again, because it does not name the
+        position written last or because PROGRESS_REFRESH_SECONDS have passed since.
+
+        Someone else rewound or damaged it (or the last write failed), and the daemon now builds
+        other batches than the one the loader waits for; it would wait until its timeout. The
+        refresh tells a daemon serving several consumers that this one waits rather than went
+        silent (a silent consumer stops holding batches after --consumer-timeout).
+        """
+        try:
+            current = Progress.read(self.buffer, self.consumer)
+        except (ProtocolError, OSError):
+            current = None
+        if current is not None and (current.epoch, current.step) == self.published:
+            return time.monotonic() - self._published_at >= PROGRESS_REFRESH_SECONDS
+        if self.published is not None:
+            self._check_alone(current)
+            logger.warning("%s names %s, not this loader's position %s; writing it again",
+                           self.path, current and (current.epoch, current.step), self.published)
+        return True
+
+    def _check_alone(self, current: Progress | None) -> None:
+        """Raise when ``current``, this consumer's progress as read, was written by another trainer that is
+        still there and has not left.  Two trainers taking turns at one consumer's progress each make the
+        daemon build the other's batches, and the first to finish ends the daemon's job under the other."""
+        if current is None or current.pid in (None, os.getpid()) or current.closed or current.time is None \
+                or not alive_since(current.pid, current.time):
+            return
+        mine = f"epoch {self.published[0]} step {self.published[1]}" if self.published else "its start"
+        raise LoaderError(
+            f"{self.path}: another trainer (pid {current.pid}) reads {self.buffer} as {self.who} too, at epoch {current.epoch} step {current.step} while this one is at {mine}. Several trainers on "
+            "one buffer each need a consumer name of their own: --consumer NAME (BufferLoader(consumer=NAME))"
+        )
+
+
+__all__ = ["ALONE_CHECK_SECONDS", "PROGRESS_WRITE_GRACE", "ProgressFile"]

@@ -1,0 +1,102 @@
+"""From a mapped batch file to tensors: is it the batch the manifest promises, and how its uint8
+pixels become the normalised floats a model takes.
+
+Normalisation is ``(x / 255 - mean) / std`` per channel, as torchvision's ``ToTensor`` then
+``Normalize``, done as ``x * scale - shift`` in two in-place passes after the move to the
+device (uint8 crosses the bus, a quarter of float32's bytes); the GPU path
+(``prefetchd.trainer.gpu``) takes the same ``scale`` and ``shift``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from prefetchd.buffer_protocol import Manifest, MappedBatch
+from prefetchd.trainer.batch import Batch
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# One-channel data: the mean of the three ImageNet channels, as torchvision's
+# grayscale recipes use.
+GRAY_MEAN = (0.449,)
+GRAY_STD = (0.226,)
+
+
+def check_statistics(normalize: bool, mean: Sequence[float] | None, std: Sequence[float] | None) -> None:
+    """Refuse ``mean`` and ``std`` that could not mean what was meant, before any buffer is read."""
+    if not normalize and (mean is not None or std is not None):
+        raise ValueError("mean= and std= apply only with normalize=True, which normalize=False turns off; "
+                         "leave them out, or normalize")
+    if (mean is None) != (std is None):  # one of a dataset's statistics beside ImageNet's other is neither's
+        raise ValueError("mean= and std= go together: pass both, or neither for the defaults (ImageNet's)")
+    if (mean is not None and not all(0 <= m <= 1 for m in mean)) or (std is not None and not all(s <= 1 for s in std)):
+        # The images become float in [0, 1] first, as after torchvision's ToTensor: 0-255 values shift everything.
+        raise ValueError(f"mean={mean!r}, std={std!r}: pass them in [0, 1] units, as torchvision's Normalize "
+                         "takes them after ToTensor (0-255 values: divide them by 255)")
+
+
+def normalization(mean: Sequence[float] | None, std: Sequence[float] | None, channels: int, buffer: Path,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scale`` and ``shift`` on ``device`` for images of ``channels`` channels (those in ``buffer``):
+    from ``mean`` and ``std``, or by default ImageNet's (one channel: their mean)."""
+    if mean is None or std is None:
+        defaults = {3: (IMAGENET_MEAN, IMAGENET_STD), 1: (GRAY_MEAN, GRAY_STD)}
+        if channels not in defaults:
+            raise ValueError(
+                f"{buffer}: images have {channels} channels and normalize=True has defaults only for "
+                "1 or 3; pass mean= and std= (one value per channel) or normalize=False"
+            )
+        mean = mean if mean is not None else defaults[channels][0]
+        std = std if std is not None else defaults[channels][1]
+    if len(mean) != channels or len(std) != channels or not all(s > 0 for s in std):
+        raise ValueError(
+            f"mean={tuple(mean)!r}, std={tuple(std)!r}: need {channels} values each (images in {buffer} "
+            "have that many channels) and positive std"
+        )
+    # x * scale - shift == (x / 255 - mean) / std.
+    std_t = torch.as_tensor(std, dtype=torch.float64).cpu()  # a list, or a tensor already (no copy warning)
+    scale = (1.0 / (255.0 * std_t)).to(torch.float32).view(1, channels, 1, 1)
+    shift = (torch.as_tensor(mean, dtype=torch.float64).cpu() / std_t).to(torch.float32).view(1, channels, 1, 1)
+    return scale.to(device), shift.to(device)
+
+
+def mismatch(mapped: MappedBatch, epoch: int, step: int, manifest: Manifest, buffer: Path) -> str | None:
+    """How ``mapped`` differs from batch (epoch, step) of ``manifest``'s job in ``buffer``; None if it does not."""
+    meta, m = mapped.meta, manifest
+    path = mapped.path
+    if (meta.epoch, meta.step) != (epoch, step):
+        return (f"{path}: holds epoch {meta.epoch} step {meta.step} but its name says epoch {epoch} step {step}; "
+                "delete it (the daemon regenerates missing batches)")
+    n, h, w, c = mapped.images.shape
+    if (h, w, c) != (m.image_size, m.image_size, m.channels) or not 1 <= n <= m.batch_size or meta.seed != m.seed:
+        return (f"{path}: {n} images of {h}x{w}x{c} with seed {meta.seed}, but manifest.json promises up to "
+                f"{m.batch_size} of {m.image_size}x{m.image_size}x{m.channels} with seed {m.seed}: the batch "
+                f"belongs to another job. Stop the daemon, delete the *.batch files in {buffer} and restart it")
+    labels_np = mapped.labels
+    if n and (int(labels_np.min()) < 0 or int(labels_np.max()) >= len(m.classes)):
+        return (f"{path}: labels range over [{int(labels_np.min())}, {int(labels_np.max())}] but the manifest "
+                f"has {len(m.classes)} classes; delete it (the daemon regenerates missing batches)")
+    return None
+
+
+def to_batch(mapped: MappedBatch, epoch: int, step: int, device: torch.device,
+             normalized: tuple[torch.Tensor, torch.Tensor] | None) -> Batch:
+    """``mapped`` as tensors on ``device`` (a plain copy there; CUDA's pinned path is ``gpu``), normalised
+    with ``normalized``'s ``(scale, shift)`` where given."""
+    non_blocking = device.type == "cuda"
+    # HWC bytes seen as NCHW: a free permute whose strides are channels_last.
+    images = torch.from_numpy(mapped.images).permute(0, 3, 1, 2).to(device, non_blocking=non_blocking)
+    labels = torch.from_numpy(mapped.labels).to(device, non_blocking=non_blocking)
+    if normalized is not None:
+        scale, shift = normalized
+        # Convert after the move: uint8 crosses the bus, a quarter of float32's bytes.
+        images = images.to(torch.float32).mul_(scale).sub_(shift)
+    return Batch(images=images, labels=labels, indices=torch.from_numpy(mapped.indices), epoch=epoch, step=step,
+                 replaced=mapped.meta.replaced)
+
+
+__all__ = ["GRAY_MEAN", "GRAY_STD", "IMAGENET_MEAN", "IMAGENET_STD", "check_statistics", "mismatch", "normalization",
+           "to_batch"]
