@@ -56,4 +56,3 @@ def status_unwritten(buffer: Path, exc: OSError) -> None:
 
 
 __all__ = ["JournalFormatter", "run_logged", "setup_logging", "status_unwritten"]
-
