@@ -56,6 +56,19 @@ MANIFEST_MAX_DELAY = 0.050
 SLOW_WAIT_WARNING = 10.0
 
 
+STATUS_LOOK_SECONDS = 1.0  # how often a wait for a manifest reads the daemon's status (it beats about that often)
+
+
+def owner_status(buffer: Path) -> tuple[int | None, Status | None]:
+    """The live daemon owning ``buffer`` (a rank's stream: its parent's), and the status last written
+    there; None for either that is not there (or, for the status, cannot be read)."""
+    pid = daemon_pid(buffer)
+    try:
+        return pid, read_status(buffer)
+    except (OSError, ProtocolError):
+        return pid, None
+
+
 class FailedDaemon:
     """A wait for a manifest and the failure of the buffer's daemon (status.json's ``failed``, no daemon
     owning the buffer since): one that failed while the wait went on ends it at once, with the daemon's
@@ -67,14 +80,9 @@ class FailedDaemon:
         self.since = time.time()
         self.earlier = ""  # the reason of a failure from before the wait, once seen
 
-    def check(self) -> None:
-        if daemon_pid(self.buffer) is not None:
-            return
-        try:
-            status = read_status(self.buffer)
-        except (OSError, ProtocolError):
-            return
-        if status is None or status.state != State.FAILED:
+    def check(self, pid: int | None, status: Status | None) -> None:
+        """``owner_status`` of the buffer, as just read."""
+        if pid is not None or status is None or status.state != State.FAILED:
             return
         reason = " ".join(status.message.split()) or "its status gives no reason"
         if status.heartbeat >= self.since:
@@ -97,6 +105,7 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
     delay = MANIFEST_FIRST_DELAY
     logged = False
     failed = FailedDaemon(buffer)
+    next_look = time.monotonic()
     while True:
         try:
             return Manifest.read(buffer)
@@ -104,11 +113,14 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             wrong = _rank_streams_instead(buffer)  # or no daemon has started on this buffer yet
             if wrong is not None:
                 raise wrong from None
-            unserved = unserved_rank(buffer)
-            if unserved is not None:
-                raise LoaderError(f"{unserved}: restart it with --ranks that include this rank") from None
-            failed.check()
         now = time.monotonic()
+        if now >= next_look:
+            next_look = now + STATUS_LOOK_SECONDS
+            pid, status = owner_status(buffer)
+            unserved = unserved_rank(buffer, pid, status)
+            if unserved is not None:
+                raise LoaderError(f"{unserved}: restart it with --ranks that include this rank")
+            failed.check(pid, status)
         if now >= deadline:
             raise LoaderTimeout(_manifest_timeout_message(buffer, timeout) + failed.said())
         if not logged:
@@ -118,19 +130,13 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
         delay = min(delay * 1.5, MANIFEST_MAX_DELAY)
 
 
-def unserved_rank(stream: Path) -> str | None:
+def unserved_rank(stream: Path, pid: int | None, status: Status | None) -> str | None:
     """Why ``stream``, a rank's stream directory, gets no manifest: the daemon holding its buffer
-    produces other ranks, says its status, and no other daemon can produce this one there while it
-    runs.  None when it does produce it, or while that is not known (no daemon, no job yet, a flat buffer)."""
+    (``owner_status``: ``pid`` and ``status``) produces other ranks, says its status, and no other daemon
+    can produce this one there while it runs.  None when it does produce it, or while that is not known
+    (no daemon, no job yet, a flat buffer)."""
     buffer = owning_buffer(stream)
-    pid = daemon_pid(buffer) if buffer != stream else None
-    if pid is None:
-        return None
-    try:
-        status = read_status(buffer)
-    except (OSError, ProtocolError):
-        return None
-    if status is None or status.pid != pid or status.production is None or not status.production.streams:
+    if buffer == stream or pid is None or status is None or status.pid != pid or status.production is None or not status.production.streams:
         return None  # starting, or serving no job yet
     rank = int(stream.name.removeprefix(STREAM_PREFIX))
     served = [s.rank for s in status.production.streams]

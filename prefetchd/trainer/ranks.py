@@ -34,7 +34,8 @@ import torch.distributed as dist
 from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, PeerFailed, SetupError
-from prefetchd.trainer.liveness import MORE_TIME, FailedDaemon, served_world, unserved_rank, why_no_manifest
+from prefetchd.trainer.liveness import (MORE_TIME, STATUS_LOOK_SECONDS, FailedDaemon, owner_status, served_world,
+                                         unserved_rank, why_no_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -166,15 +167,16 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
             )
         if (own / MANIFEST_NAME).is_file():
             return own
-        if time.monotonic() >= next_look:  # the daemon's status, once a second
-            next_look = time.monotonic() + 1.0
-            unserved = unserved_rank(own) if ranks.distributed else None
+        if time.monotonic() >= next_look:
+            next_look = time.monotonic() + STATUS_LOOK_SECONDS
+            pid, status = owner_status(own)
+            unserved = unserved_rank(own, pid, status) if ranks.distributed else None
             if unserved is not None:
                 raise SetupError(
                     f"{unserved}. Restart it with this box's ranks (`prefetchd stop --buffer {buffer}`, then `prefetchd "
                     f"start --buffer {buffer} ... --world-size {ranks.world_size} --ranks {ranks.ranks_flag()}`), or "
                     "point this box's ranks at a buffer of their own daemon")
-            failed.check()
+            failed.check(pid, status)
         if time.monotonic() >= deadline:
             raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout, split) + failed.said())
         if not logged:
