@@ -219,6 +219,11 @@ def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None, th
 APPLE_DOUBLE_PREFIX = "._"  # the metadata files macOS writes beside each file on a volume that lacks its attributes
 
 
+def apple_double_advice(root: str | Path) -> str:
+    """What to do about macOS's '._*' files in the dataset at ``root``."""
+    return f"delete them (`find {root} -name '{APPLE_DOUBLE_PREFIX}*' -delete`) and start again with --reset"
+
+
 def _is_folder(entry: os.DirEntry[str]) -> bool:
     """Whether a dataset root's entry is a (class) folder; a link that cannot be followed is refused by name."""
     try:
@@ -286,8 +291,8 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
     if apple_double:
         log.warning("%s named '._*' (macOS AppleDouble metadata, not images), e.g. %s, are samples here, as "
                     "ImageFolder counts them too: each is replaced by the next sample that decodes, and a run of "
-                    "them ends the job. Delete them (`find %s -name '._*' -delete`) and start again with --reset",
-                    counted(len(apple_double), "file"), apple_double[0], root)
+                    "them ends the job: %s", counted(len(apple_double), "file"), apple_double[0],
+                    apple_double_advice(root))
     return Scan(index, stamps)
 
 

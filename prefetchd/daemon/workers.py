@@ -62,7 +62,7 @@ import numpy as np
 from PIL import Image
 
 from prefetchd.buffer_protocol import SlotFiller
-from prefetchd.daemon.dataset import APPLE_DOUBLE_PREFIX, SampleIndex
+from prefetchd.daemon.dataset import APPLE_DOUBLE_PREFIX, SampleIndex, apple_double_advice
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import Read, SampleReader
@@ -208,8 +208,7 @@ def _dataset_gone(root: str) -> bool:
 def _why_none_decoded(root: str, failures: list[tuple[str, str]]) -> str:
     """The likeliest cause of a run of samples none of which decoded, from their failures."""
     if any(os.path.basename(name).startswith(APPLE_DOUBLE_PREFIX) for name, _ in failures):
-        return (f"files named '._*' are macOS metadata, not images: delete them (`find {root} -name '._*' -delete`) "
-                "and start again with --reset")
+        return f"files named '._*' are macOS metadata, not images: {apple_double_advice(root)}"
     if all(reason.startswith(("FileNotFoundError", "PermissionError", "IsADirectoryError", "NotADirectoryError"))
            for _, reason in failures):
         return "is the dataset readable, and all still there?"
