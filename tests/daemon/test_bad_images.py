@@ -16,7 +16,7 @@ from torchvision.datasets.folder import pil_loader
 
 from prefetchd.bad_images import Corpus, make_bad_images
 from prefetchd.daemon.config import DaemonConfig
-from prefetchd.daemon.dataset import scan_class_folders
+from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import BadDataError
 from prefetchd.daemon.producer import bad_data_verdict
 from prefetchd.daemon.decode import load_rgb
@@ -131,6 +131,14 @@ def test_a_worker_replaces_bad_samples_deterministically(corpus: Corpus, tmp_pat
     assert all(used[i] == i for i in range(len(index)) if i not in bad)
 
 
+def _build_first_slot(index: SampleIndex, tmp_path: Path) -> object:
+    """A worker's build of a one-slot batch from sample 0 of ``index`` (or its replacements)."""
+    path = tmp_path / "batch.tmp"
+    path.write_bytes(bytes(SIZE * SIZE * 3))
+    return run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
+                    Task(0, str(path), 0, SIZE * SIZE * 3, 0, ((0, 0),)))
+
+
 @pytest.mark.parametrize(("bad", "good", "said"), [
     (3, 0, "sample 0 and the 2 samples after it, the whole split, could not be decoded"),
     (1, 0, "sample 0 and no other sample of the split could not be decoded"),
@@ -147,11 +155,8 @@ def test_a_run_of_undecodable_samples_stops_the_job_as_bad_data_saying_how_many(
     for k in range(good):
         Image.new("RGB", (8, 8)).save(folder / f"ok-{k:03d}.png")  # after the bad ones
     index = scan_class_folders(tmp_path / "data")
-    path = tmp_path / "batch.tmp"
-    path.write_bytes(bytes(SIZE * SIZE * 3))
     with pytest.raises(SampleUnrecoverable) as raised:
-        run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
-                 Task(0, str(path), 0, SIZE * SIZE * 3, 0, ((0, 0),)))
+        _build_first_slot(index, tmp_path)
     result = failure_of(0, raised.value)  # what the worker reports to the controller
     assert result.fatal is BadDataError, result
     assert said in result.reason and "next 15 that decodes" in result.reason, result.reason
@@ -177,11 +182,8 @@ def test_the_stop_for_a_run_of_undecodable_samples_says_the_likeliest_cause(tmp_
     if case == "files gone":
         for path in (root / "a").iterdir():
             path.unlink()
-    path = tmp_path / "batch.tmp"
-    path.write_bytes(bytes(SIZE * SIZE * 3))
     with pytest.raises(SampleUnrecoverable) as raised:
-        run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
-                 Task(0, str(path), 0, SIZE * SIZE * 3, 0, ((0, 0),)))
+        _build_first_slot(index, tmp_path)
     assert hint.format(root=root.resolve()) in str(raised.value), raised.value
 
 
@@ -195,11 +197,8 @@ def test_a_dataset_root_gone_makes_the_build_wait_rather_than_replace_samples(tm
         Image.new("RGB", (8, 8)).save(root / "a" / f"{k}.jpg")
     index = scan_class_folders(root)
     shutil.rmtree(root if gone == "removed" else root / "a")
-    path = tmp_path / "batch.tmp"
-    path.write_bytes(bytes(SIZE * SIZE * 3))
     with pytest.raises(StorageUnavailable) as raised:
-        run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
-                 Task(0, str(path), 0, SIZE * SIZE * 3, 0, ((0, 0),)))
+        _build_first_slot(index, tmp_path)
     assert f"the dataset root {root.resolve()} is gone or empty (unmounted?)" in str(raised.value), raised.value
     assert failure_of(0, raised.value).fatal is None  # retried, the job goes on
 
