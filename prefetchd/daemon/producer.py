@@ -435,6 +435,8 @@ class Producer:
             return
         if isinstance(result, WriteFailed):
             if result.fatal is not None:
+                for path, reason in result.failures:  # the status counts the files that stopped the job too
+                    self._count_undecodable(path, reason)
                 self.fatal, self.fatal_error = result.reason, result.fatal
                 return
             self.stats.write_failures += 1
@@ -451,11 +453,8 @@ class Producer:
             self._maybe_drop(build)
             return
         for path, reason in result.failures:
-            if path in self.logged_failures:
+            if not self._count_undecodable(path, reason):
                 continue
-            self.logged_failures.add(path)
-            if len(self.bad_files) < MAX_LISTED_BAD_FILES:
-                self.bad_files.append({"path": path, "reason": reason})
             if self._over_budget(path, reason):  # named as the file that stopped the job, not as replaced
                 return
             log.warning("cannot decode %s (%s); replacing it with the next sample of the split", path, reason)
@@ -468,6 +467,15 @@ class Producer:
         build.remaining -= len(result.slots)
         if build.remaining == 0:
             self._publish(build)
+
+    def _count_undecodable(self, path: str, reason: str) -> bool:
+        """Add ``path`` to the status's undecodable files; False where it was there already."""
+        if path in self.logged_failures:
+            return False
+        self.logged_failures.add(path)
+        if len(self.bad_files) < MAX_LISTED_BAD_FILES:
+            self.bad_files.append({"path": path, "reason": reason})
+        return True
 
     def _over_budget(self, path: str, reason: str) -> bool:
         """Fail the job when --strict is on or the undecodable files exceed the budget."""

@@ -140,10 +140,15 @@ class WriteFailed:
     task_id: int
     reason: str
     fatal: type[DaemonError] | None = None
+    failures: tuple[tuple[str, str], ...] = ()  # (path, reason) of the samples that failed before it stopped
 
 
 class SampleUnrecoverable(RuntimeError):
-    pass
+    """No sample near a failing one decodes; ``failures``: (path, reason) of each that was tried."""
+
+    def __init__(self, message: str, failures: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 # The errors that are not the sample's fault, so no replacement sample can help: the fatal error each
@@ -190,7 +195,8 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
     raise SampleUnrecoverable(
         f"sample {index} and {others} could not be decoded (last: {failures[-1][0]}: {failures[-1][1]}); "
         f"a sample is replaced by one of the next {MAX_REPLACEMENT_TRIES - 1} that decodes, and none did: "
-        + _why_none_decoded(job.index.root, failures[-tries:])
+        + _why_none_decoded(job.index.root, failures[-tries:]),
+        tuple(failures),
     )
 
 
@@ -289,7 +295,7 @@ def failure_of(task_id: int, exc: Exception) -> WriteFailed:
     """What a task that raised ``exc`` reports: retry later, or stop the job (see ``WriteFailed``)."""
     for cause, error in ((SampleUnrecoverable, BadDataError), *NOT_THE_SAMPLES_FAULT.items()):
         if isinstance(exc, cause):
-            return WriteFailed(task_id, str(exc), fatal=error)
+            return WriteFailed(task_id, str(exc), fatal=error, failures=getattr(exc, "failures", ()))
     # A bug: report it with where it happened instead of dying silently.
     return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=DaemonError)
 

@@ -111,3 +111,19 @@ def test_a_bad_sample_budget_stops_the_job(corpus: Corpus, shm_dir: Path, start_
     assert stopped, daemon.log
     replaced = re.findall(r"cannot decode (\S+) \(.*; replacing it", daemon.log)
     assert len(set(replaced)) == 2 and stopped[1] not in replaced, daemon.log
+
+
+def test_a_run_no_replacement_survives_is_counted_in_the_status(tmp_path: Path, shm_dir: Path, start_daemon) -> None:
+    """The files of the run that stopped the job count as undecodable too: the status said 0 of a
+    job stopped by 16 of them (the error named only the last)."""
+    folder = tmp_path / "data" / "a"
+    folder.mkdir(parents=True)
+    for k in range(20):
+        (folder / f"{k:02d}.jpg").write_text("not an image")
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", tmp_path / "data", "--split", "val", "--batch-size", "4", "--image-size", "32", "--workers", "1")
+    assert daemon.wait_exit(120) == EXIT_BAD_DATA, daemon.log
+    assert "sample 0 and the 15 samples after it could not be decoded" in daemon.log, daemon.log
+    p = production_of(buffer)
+    assert p is not None and p.errors.undecodable_files == 16, p
+    assert [Path(b.path).name for b in p.errors.undecodable] == [f"{k:02d}.jpg" for k in range(16)]
