@@ -290,6 +290,16 @@ class BufferLoader:
         """(epoch, step) of the next batch to be delivered."""
         return (self._epoch, self._step)
 
+    @property
+    def batch_size(self) -> int:
+        """Images per batch, as the daemon builds them (the last of an epoch may hold fewer: ``drop_last``)."""
+        return self._manifest.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether the daemon leaves out each epoch's short last batch (``prefetchd start --drop-last``)."""
+        return self._manifest.drop_last
+
     def __len__(self) -> int:
         return self._manifest.steps_per_epoch
 

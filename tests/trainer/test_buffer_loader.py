@@ -48,6 +48,8 @@ def test_iterates_epochs_in_order_and_rolls_over(make_job: MakeJob) -> None:
     job = make_job(write=2)
     loader = BufferLoader(job.buffer, timeout=5)
     assert len(loader) == 3
+    # What a DataLoader user reads off the loader (a learning rate scaled by the batch, say): the daemon's.
+    assert (loader.batch_size, loader.drop_last) == (job.manifest.batch_size, False) and loader.batch_size > 1
     seen = []
     for epoch in range(2):
         assert loader.position == (epoch, 0)
