@@ -32,7 +32,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -278,6 +278,33 @@ def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     if not ok or (kind is int and value < 0):
         raise ProtocolError(f"{path}: field {key!r} is {value!r}, expected a {'non-negative ' if kind is int else ''}{kind.__name__}")
     return value
+
+
+def augmentation_text(options: Mapping[str, object]) -> str:
+    """The manifest's ``augmentation``: ``name=value`` of each augmentation a job sets beyond the
+    split's defaults, in the order given, joined by ``;`` ("" for none).  The names are `prefetchd
+    start`'s options (``color_jitter`` is ``--color-jitter``) and the values as it takes them, so a
+    reader can start the same job again (``augmentation_options``); floats are written exactly."""
+    parts = []
+    for name, value in options.items():
+        text = exact_number(value) if isinstance(value, float) else str(value)
+        if ";" in text or "=" in name:
+            raise ValueError(f"augmentation {name}={text!r}: a name holds no '=' and a value no ';'")
+        parts.append(f"{name}={text}")
+    return ";".join(parts)
+
+
+def augmentation_options(text: str) -> dict[str, str]:
+    """``augmentation_text``'s options back, by `prefetchd start` option name: "color_jitter=0.4" is
+    {"color_jitter": "0.4"}."""
+    return dict(part.partition("=")[::2] for part in text.split(";") if part)
+
+
+def exact_number(value: float) -> str:
+    """``value`` as short as ``:g`` writes it where that is exact, else every digit it needs: 0.4 is
+    "0.4" and 1.0 "1", but 1/3 "0.3333333333333333", not ``:g``'s "0.333333" (another value)."""
+    text = f"{value:g}"
+    return text if float(text) == value else repr(value)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ else:  # tomllib joined the standard library in 3.11; tomli is the same parser (
 import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
+from prefetchd.buffer_protocol.layout import augmentation_text
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import default_cache_dir
@@ -134,14 +135,14 @@ class DaemonConfig:
     def augmentation(self) -> str:
         """The optional augmentations as one canonical string for the manifest ("" when none is on)."""
         bounds = self.scale_jitter_bounds
-        parts = [
-            f"color_jitter={self.color_jitter:g}" if self.color_jitter is not None else "",
-            f"scale_jitter={bounds[0]},{bounds[1]}" if bounds is not None else "",
-            f"transform={self.transform}" if self.transform is not None else "",
+        options = {
+            "color_jitter": self.color_jitter,
+            "scale_jitter": f"{bounds[0]},{bounds[1]}" if bounds is not None else None,
+            "transform": self.transform,
             # It decides which samples are replaced, so it is part of what a batch holds.
-            f"max_image_pixels={self.max_image_pixels}" if self.max_image_pixels != DEFAULT_MAX_IMAGE_PIXELS else "",
-        ]
-        return ";".join(p for p in parts if p)
+            "max_image_pixels": self.max_image_pixels if self.max_image_pixels != DEFAULT_MAX_IMAGE_PIXELS else None,
+        }
+        return augmentation_text({name: value for name, value in options.items() if value is not None})
 
     @property
     def scale_jitter_bounds(self) -> tuple[int, int] | None:

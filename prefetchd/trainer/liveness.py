@@ -37,7 +37,8 @@ from prefetchd.buffer_protocol import (
     map_batch,
     read_status,
 )
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, augmentation_options, exact_number, owning_buffer
+from prefetchd.launch import option_args
 from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout, StopRequested
 from prefetchd.words import counted, rank_ranges
 
@@ -434,24 +435,20 @@ def job_command(m: Manifest, stream: Path, verb: str = "start") -> str:
     again: every flag of the job's identity (a daemon started with others would refuse the buffer
     as another job's) and its epochs, so that the daemon resumes from progress.json."""
     buffer = owning_buffer(stream)
-    args = ["prefetchd", verb, "--buffer", str(buffer), "--data", m.dataset_root]
-    if m.split != "train":
-        args += ["--split", m.split]
-    if m.val_fraction is not None:
-        args += ["--val-fraction", f"{m.val_fraction:g}"]
-    args += ["--batch-size", str(m.batch_size), "--image-size", str(m.image_size)]
-    if m.seed:
-        args += ["--seed", str(m.seed)]
-    if m.world_size > 1:
-        args += ["--world-size", str(m.world_size), "--ranks", _served_ranks(m, buffer)]
-    for part in filter(None, m.augmentation.split(";")):  # "color_jitter=0.4;transform=mod:fn": the flags' values
-        key, _, value = part.partition("=")
-        args += ["--" + key.replace("_", "-"), value]
-    if m.drop_last:
-        args.append("--drop-last")
-    if m.epochs is not None:
-        args += ["--epochs", str(m.epochs)]
-    return shlex.join(args)
+    options: dict[str, object] = {
+        "data": m.dataset_root,
+        "split": m.split if m.split != "train" else None,
+        "val_fraction": exact_number(m.val_fraction) if m.val_fraction is not None else None,
+        "batch_size": m.batch_size,
+        "image_size": m.image_size,
+        "seed": m.seed or None,
+        "world_size": m.world_size if m.world_size > 1 else None,
+        "ranks": _served_ranks(m, buffer) if m.world_size > 1 else None,
+        **augmentation_options(m.augmentation),
+        "drop_last": m.drop_last or None,
+        "epochs": m.epochs,
+    }
+    return shlex.join(["prefetchd", verb, "--buffer", str(buffer), *option_args(options)])
 
 
 def _served_ranks(m: Manifest, buffer: Path) -> str:
@@ -465,14 +462,7 @@ def _served_ranks(m: Manifest, buffer: Path) -> str:
             continue
         if other.producer == m.producer and other.rank != m.rank:
             ranks.append(other.rank)
-    ranks.sort()
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return rank_ranges(ranks)
 
 
 def _short(value: object, limit: int = 300) -> str:

@@ -672,3 +672,15 @@ def test_daemon_pid_without_a_live_owner(tmp_path: Path) -> None:
     assert daemon_pid(tmp_path) is None
     os.utime(lock)
     assert daemon_pid(tmp_path) == os.getpid()
+
+
+def test_the_augmentation_field_reads_back_as_start_options() -> None:
+    from prefetchd.buffer_protocol.layout import augmentation_options, augmentation_text
+
+    text = augmentation_text({"color_jitter": 1 / 3, "scale_jitter": "40,64", "transform": "pkg.mod:fn"})
+    assert text == "color_jitter=0.3333333333333333;scale_jitter=40,64;transform=pkg.mod:fn"
+    assert augmentation_options(text) == {"color_jitter": "0.3333333333333333", "scale_jitter": "40,64",
+                                          "transform": "pkg.mod:fn"}
+    assert augmentation_text({"color_jitter": 0.4}) == "color_jitter=0.4" and augmentation_options("") == {}
+    with pytest.raises(ValueError, match="no ';'"):
+        augmentation_text({"transform": "a;b"})

@@ -23,7 +23,7 @@ from click.testing import CliRunner, Result
 import prefetchd.cli as prefetchd_cli
 from prefetchd.buffer_protocol import DaemonLock, Errors, State, write_status
 from prefetchd.daemon import cli
-from prefetchd.daemon.config import DaemonConfig, tomllib  # the standard library's, or tomli before 3.11
+from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
 from tests.status_examples import CONSUMER, bad_files, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
@@ -526,3 +526,33 @@ def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_
     assert missing.exit_code == 0 and f"but data {tmp_path / 'nope'} does not exist (yet)" in missing.output
     there = runner.invoke(prefetchd_cli.main, [*args, str(tmp_path)])
     assert there.exit_code == 0 and there.output.strip() == "configuration is valid"
+
+
+def test_the_restart_command_a_trainer_prints_starts_the_same_job(runner: CliRunner, tmp_path: Path) -> None:
+    """The loader's "Restart it with `prefetchd start ...`" (``job_command``), from the manifest the
+    daemon wrote, read back by `prefetchd start`'s own flags: the same job identity. --val-fraction 1/3
+    was written as 0.333333 (another split, refused as another job), and color jitters that ``:g``
+    rounded to one string were one job's identity, though they make other images."""
+    from prefetchd.buffer_protocol import Manifest
+    from prefetchd.trainer.liveness import job_command
+
+    first = DaemonConfig(buffer=tmp_path / "bf", data=str(tmp_path / "data"), val_fraction=1 / 3,
+                         batch_size=48, image_size=40, seed=7, color_jitter=0.30000000000000004,
+                         scale_jitter="44,64", transform="pkg.mod:fn", max_image_pixels=10**8, drop_last=True,
+                         epochs=5)
+    assert first.augmentation != dataclasses.replace(first, color_jitter=0.3).augmentation
+    assert dataclasses.replace(first, color_jitter=1.0).augmentation.startswith("color_jitter=1;")  # as before
+
+    def manifest(cfg: DaemonConfig) -> Manifest:
+        return Manifest(dataset_root=str(cfg.data), fingerprint="f", classes=["a"], num_samples=90, split=cfg.split,
+                        seed=cfg.seed, batch_size=cfg.batch_size, image_size=cfg.image_size, samples_per_epoch=30,
+                        steps_per_epoch=1, epochs=cfg.epochs, producer="p", val_fraction=cfg.val_fraction,
+                        augmentation=cfg.augmentation, drop_last=cfg.drop_last)
+
+    command = job_command(manifest(first), tmp_path / "bf").split()
+    assert command[:4] == ["prefetchd", "start", "--buffer", str(tmp_path / "bf")]
+    result = runner.invoke(prefetchd_cli.main, ["config", "--show", *command[2:]])
+    assert result.exit_code == 0, result.output
+    (tmp_path / "shown.toml").write_text(result.output)
+    again = DaemonConfig(**load_toml(tmp_path / "shown.toml"))
+    assert manifest(again).identity_diff(manifest(first)) == [], command
