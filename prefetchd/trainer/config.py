@@ -14,6 +14,7 @@ from typing import Any
 from prefetchd.buffer_protocol import check_consumer
 from prefetchd.options import setting
 from prefetchd.trainer.gpu import PIN_MODES
+from prefetchd.trainer.liveness import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
 
 OPTIMIZERS = ("sgd", "adamw")
 # (peak learning rate, weight decay) when not given: the usual ResNet recipes for each.
@@ -41,8 +42,9 @@ class TrainConfig:
     seed: int = setting(0, "Model initialisation; also the --seed of spawned daemons.", int)
     device: str = setting("auto", "auto, cpu, cuda or cuda:N.", str)
     pin: str = setting("auto", "How batches reach a CUDA device (auto = staging).", str, choices=PIN_MODES)
-    timeout: float = setting(120.0, "Seconds to wait for the manifest and for each batch, whatever the daemon's state.", float, minimum=0, min_open=True)
-    daemon_timeout: float = setting(60.0, "Seconds without a heartbeat from the daemon that owns a buffer before it counts as stuck (0: never); a dead daemon is noticed within 5 s.", float, minimum=0)
+    timeout: float = setting(DEFAULT_TIMEOUT, "Seconds to wait for the manifest and for each batch, whatever the daemon's state.", float, minimum=0, min_open=True)
+    daemon_timeout: float = setting(DEFAULT_STALL_TIMEOUT, "Seconds without a heartbeat from the daemon that owns a buffer before it counts as stuck (0: never); a dead daemon is noticed within "
+                                    f"{DAEMON_GRACE:g} s.", float, minimum=0)
     daemon_restarts: int = setting(3, "With --spawn-daemon: restart a daemon that died or got stuck up to N times within 10 minutes, then stop with an error.", int, minimum=0)
     metrics_json: Path | None = setting(None, "Write per-epoch and final metrics here (after every epoch); its folder must exist.", Path, path="file")
     metrics_csv: Path | None = setting(None, "Write one CSV row per epoch here (after every epoch); its folder must exist.", Path, path="file")

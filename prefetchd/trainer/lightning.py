@@ -45,6 +45,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from prefetchd.trainer.liveness import DEFAULT_TIMEOUT
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import gather_states, own_state
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
@@ -116,7 +117,7 @@ class BufferDataModule(pl.LightningDataModule):
         workers: int | None = None,
         high_water: int | None = None,
         normalize: bool = True,
-        timeout: float = 120.0,
+        timeout: float = DEFAULT_TIMEOUT,
         **loader_options: Any,
     ) -> None:
         super().__init__()

@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 # How to wait longer, named for both ways in: prefetchd-train's flag and the loader's argument.
 MORE_TIME = "pass a larger --timeout (prefetchd-train; timeout= of the loader)"
+# The defaults of the waits, for BufferLoader, prefetchd-train's flags and the Lightning module alike.
+DEFAULT_TIMEOUT = 120.0  # seconds for the manifest and for each batch, whatever the daemon's state
+DEFAULT_STALL_TIMEOUT = 60.0  # seconds without a heartbeat before a live daemon counts as stuck
+DAEMON_GRACE = 5.0  # seconds with no daemon holding the lock before it counts as gone (a restart takes less)
 
 # Waiting for a batch starts with 1 ms sleeps (a daemon that keeps up publishes
 # within a few ms) and backs off to 20 ms, so a stalled daemon costs ~50 wake-ups

@@ -70,7 +70,8 @@ from prefetchd.buffer_protocol import (
 from prefetchd.trainer.batch import Batch, WaitMeter
 from prefetchd.trainer.errors import LoaderError, StateMismatch
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
-from prefetchd.trainer.liveness import BatchWaiter, JobWatch, wait_for_manifest
+from prefetchd.trainer.liveness import (DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT, BatchWaiter, JobWatch,
+                                        wait_for_manifest)
 from prefetchd.trainer.progress_file import ProgressFile
 from prefetchd.trainer.resume import is_count, loader_state, resume_position
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD, check_statistics, mismatch, normalization, to_batch
@@ -160,10 +161,10 @@ class BufferLoader:
         buffer: str | os.PathLike[str],
         device: DeviceLike = "cpu",
         normalize: bool = True,
-        timeout: float = 120.0,
+        timeout: float = DEFAULT_TIMEOUT,
         *,
-        daemon_grace: float = 5.0,
-        stall_timeout: float | None = 60.0,
+        daemon_grace: float = DAEMON_GRACE,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         pin: PinMode = "auto",

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, PeerFailed, SetupError
-from prefetchd.trainer.liveness import (MORE_TIME, STATUS_LOOK_SECONDS, FailedDaemon, owner_status, served_world,
+from prefetchd.trainer.liveness import (DEFAULT_TIMEOUT, MORE_TIME, STATUS_LOOK_SECONDS, FailedDaemon, owner_status, served_world,
                                          unserved_rank, why_no_manifest)
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
         time.sleep(_POLL_SECONDS)
 
 
-def rank_stream(buffer: str | os.PathLike[str], timeout: float = 120.0) -> Path:
+def rank_stream(buffer: str | os.PathLike[str], timeout: float = DEFAULT_TIMEOUT) -> Path:
     """The stream of ``buffer`` that this process reads: the buffer itself as one process, its
     rank's stream directory under torchrun, ``accelerate launch`` or any launcher that sets
     torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).  Pass it to BufferLoader."""
