@@ -137,10 +137,15 @@ def clear_buffer(buffer: Path) -> None:
         (buffer / name).unlink(missing_ok=True)
     for stream in buffer.glob(f"{STREAM_PREFIX}*"):
         if stream.is_dir() and not stream.is_symlink():
-            for path in list_temp_files(stream):
-                path.unlink(missing_ok=True)
-            clear_buffer(stream)
-            stream.rmdir()
+            remove_stream(stream)
+
+
+def remove_stream(stream: Path) -> None:
+    """Delete a per-rank stream directory with what its job left in it."""
+    for path in list_temp_files(stream):
+        path.unlink(missing_ok=True)
+    clear_buffer(stream)
+    stream.rmdir()
 
 
 def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_size: int = 1) -> None:
@@ -421,6 +426,12 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         adopt_manifest(directory, manifest, reset)
         manifest.write(directory)
         streams.append((directory, manifest))
+    # The streams of ranks this job does not produce here are an earlier job's (of a larger world, say): a loader
+    # opened there would read the replaced job's batches as if they were served.
+    for leftover in sorted(set(job.buffer.glob(f"{STREAM_PREFIX}*")) - {directory for directory, _ in streams}):
+        if _holds_a_stream(leftover):
+            log.info("removing %s: the stream of a rank this job does not produce here", leftover)
+            remove_stream(leftover)
     ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
     log.info(
         "producing %s split of %s into %s: %s, %s of %d at %dpx per epoch%s, "

@@ -177,6 +177,7 @@ class WorkerPool:
         if self._wake is not None:  # the daemon's, which outlives this job's pool
             self._selector.unregister(self._wake)
             self._wake = None
+        self._selector.close()  # its epoll descriptor: one more open for every job the daemon served
         if self._clean is not None:
             self._clean.close()
             self._clean = None

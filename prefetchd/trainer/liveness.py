@@ -251,19 +251,20 @@ class JobWatch:
         self._seen = (st.st_ino, st.st_mtime_ns)
 
     def _check_world(self) -> None:
-        """A rank's stream without a manifest: a job of another world size took the buffer (its
-        daemon removed this stream), or the stream is being set up again.  Only the first is an error."""
+        """A stream without a manifest: a job of another world size took the buffer (its daemon removed
+        this rank's stream, or the single-rank job's manifest for the new job's per-rank streams), or
+        the stream is being set up again.  Only the first is an error."""
         buffer = owning_buffer(self.buffer)
-        if buffer == self.buffer:
-            return
         try:
             served = served_world(buffer)
         except ProtocolError:
             return  # damaged: the next look decides
         if served is not None and served[0] != self.manifest.world_size:
+            removed = ("removed this rank's stream" if buffer != self.buffer else
+                       f"keeps one stream per rank in {STREAM_PREFIX}NNNNN directories there")
             raise JobReplaced(
                 f"{self.buffer}: the daemon now serves another job, for --world-size {served[0]} (this loader's "
-                f"was {self.manifest.world_size}), and removed this rank's stream. Start the trainer again "
+                f"was {self.manifest.world_size}), and {removed}. Start the trainer again "
                 f"for the new job, or submit this one again (`{job_command(self.manifest, self.buffer, 'submit')} "
                 "--replace`)"
             )

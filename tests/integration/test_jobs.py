@@ -327,3 +327,35 @@ def test_log_lines_carry_journald_priorities_under_systemd(shm_dir: Path, journa
     error_line = next(line for line in out.stderr.splitlines() if "does not exist" in line)
     assert error_line.startswith("<3>prefetchd: ") == journal
     assert ("ERROR" in error_line) != journal
+
+
+def _epoll_fds(pid: int) -> int:
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd) == "anon_inode:[eventpoll]")
+
+
+def test_replacing_a_job_by_one_of_another_world_size(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """World size 1 -> 3 -> 2 by `submit --replace`: the single-rank trainer is told at once (it waited
+    out its timeout for a LoaderTimeout), the third rank's stream goes with its job (it went on serving
+    the replaced job's batches to a loader opened there), and no job change leaves a descriptor open."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "5").returncode == 0
+    single = iter(BufferLoader(buffer, normalize=False, timeout=60))
+    next(single), next(single)
+    epolls = _epoll_fds(daemon.proc.pid)
+
+    wide = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "6", "--world-size", "3", "--replace")
+    assert wide.returncode == 0, wide.stdout + wide.stderr
+    with pytest.raises(JobReplaced, match=r"for --world-size 3 \(this loader's was 1\), and keeps one stream per rank"):
+        for _ in single:
+            pass
+    daemon.wait_until(lambda: len(list(buffer.glob("rank-*/e000000-s00000000.batch"))) == 3, 60, "three ranks' batches")
+
+    narrow = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "7", "--world-size", "2", "--replace")
+    assert narrow.returncode == 0, narrow.stdout + narrow.stderr
+    daemon.wait_until(lambda: (buffer / "rank-00001" / "e000000-s00000000.batch").exists()
+                      and Manifest.read(buffer / "rank-00001").seed == 7, 60, "the two-rank job's batches")
+    assert sorted(p.name for p in buffer.glob("rank-*")) == ["rank-00000", "rank-00001"]
+    assert _epoll_fds(daemon.proc.pid) == epolls, "a job change left the old pool's selector open"
