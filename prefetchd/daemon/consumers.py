@@ -56,12 +56,15 @@ class Consumer:
 
     def take(self, progress: Progress, g: int) -> bool:
         """Take a document read for this consumer, ``g`` being its global position; True when it moved."""
+        first = not self.seen
         self.seen, self.error = True, ""
         self.closed = progress.closed
         self.wait_share, self.pid, self.written = progress.wait_share, progress.pid, progress.time
         if g == self.position:
             return False
-        if g < self.position:
+        if first:
+            pass  # where it starts (a consumer joining, a trainer resuming under this daemon): nothing consumed here
+        elif g < self.position:
             self.rewinds += 1
         else:
             self.consumed += g - self.position

@@ -430,7 +430,12 @@ class BufferLoader:
         return loader_state(self._manifest, self._epoch, self._step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (a :meth:`state_dict`) and tell the daemon to produce from there.
+        """Continue from ``state`` (a :meth:`state_dict`); the daemon is told to produce from there when
+        the next iteration starts.
+
+        Not at once: a resume calls ``set_epoch(e)`` and then this, and the daemon, had it read the
+        position in between, would take step 0 for a rewind and delete the batches it kept for this
+        trainer (SPEC rule 8), to build them again once the second position came.
 
         Raises StateMismatch when the state belongs to another dataset or job (a
         different seed, batch size, split ... would give different batches) or
@@ -442,15 +447,14 @@ class BufferLoader:
         self._drain(self._handed)
         self._epoch, self._step = epoch, step
         self._generation += 1
-        self._publish()
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the first batch of ``epoch``, as ``DistributedSampler.set_epoch`` does for a sampler.
 
         A script that resumes by epoch (``for epoch in range(start_epoch, epochs):
         loader.set_epoch(epoch)``) gets that epoch's batches, bit-identical to an
-        uninterrupted run's: progress.json moves there and the daemon regenerates
-        from there if it has moved on.  Called at the top of every epoch of an
+        uninterrupted run's: progress.json moves there when the next iteration starts,
+        and the daemon regenerates from there if it has moved on.  Called at the top of every epoch of an
         uninterrupted run it changes nothing.  It always restarts the epoch, so a
         mid-epoch resume calls ``load_state_dict`` *after* ``set_epoch`` for the
         epoch it resumes into: ``set_epoch`` names the epoch, ``load_state_dict``

@@ -226,3 +226,16 @@ def test_a_cap_below_one_batch_per_consumer_makes_the_fastest_wait(tmp_path: Pat
     publish_held(s)
     move(s, "b", 9)  # b caught up with c: they share a batch, and both move again
     assert s.held == {0, 9}
+
+
+def test_a_consumer_counts_what_it_consumed_here_not_where_it_joined(tmp_path: Path) -> None:
+    """A named consumer joining at batch 12 (or a trainer resuming there under a new daemon) had consumed
+    12 batches by the status's count, and the consume rate jumped with every join."""
+    s = stream(tmp_path, cap=4 * HIGH)
+    move(s, "a", 12)
+    move(s, "b", 12)
+    assert s.consumed == 0 and s.consumers["a"].rewinds == 0
+    move(s, "a", 15)
+    move(s, "b", 13)
+    move(s, "b", 12)  # back one: a rewind, no consumption
+    assert s.consumed == 4 and s.consumers["b"].rewinds == 1

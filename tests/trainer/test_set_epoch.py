@@ -28,8 +28,10 @@ def test_set_epoch_yields_that_epochs_batches_from_its_first(make_job: MakeJob) 
         assert [[x[:2] for x in e] for e in uninterrupted] == [[(0, 0), (0, 1), (0, 2)], [(1, 0), (1, 1), (1, 2)]]
     with BufferLoader(job.buffer, normalize=False, timeout=5) as fresh:
         fresh.set_epoch(1)  # a script resumed with --start-epoch 1
-        assert fresh.position == (1, 0) and progress(job.buffer) == (1, 0)  # the daemon is told at once
-        resumed = [(b.epoch, b.step, b.indices.tolist(), b.images) for b in fresh]
+        assert fresh.position == (1, 0)
+        batches = iter(fresh)
+        assert progress(job.buffer) == (1, 0)  # the daemon is told as the epoch starts, before its first batch
+        resumed = [(b.epoch, b.step, b.indices.tolist(), b.images) for b in batches]
     assert [x[:3] for x in resumed] == [x[:3] for x in uninterrupted[1]]
     assert all(torch.equal(a[3], b[3]) for a, b in zip(resumed, uninterrupted[1]))
 
@@ -46,6 +48,7 @@ def test_set_epoch_restarts_a_begun_epoch_and_rewinds(make_job: MakeJob) -> None
         loader.set_epoch(1)  # at the top of the next epoch of an uninterrupted run: nothing changes
         assert loader.position == (1, 0) and progress(job.buffer) == (1, 0)
         loader.set_epoch(0)  # backwards: the daemon regenerates from there
+        iter(loader)
         assert progress(job.buffer) == (0, 0)
 
 
@@ -55,9 +58,12 @@ def test_mid_epoch_resume_is_set_epoch_then_load_state_dict(make_job: MakeJob) -
         it = iter(loader)
         next(it)
         state = loader.state_dict()  # a checkpoint at (0, 1)
+    Progress(0, 2).write(job.buffer)  # where the trainer was when it was killed: the daemon keeps batches from there
     with BufferLoader(job.buffer, normalize=False, timeout=5) as resumed:
         resumed.set_epoch(0)
         resumed.load_state_dict(state)  # the later call wins: the batch after the checkpoint
+        # Neither call wrote step 0, which a daemon would take for a rewind (deleting what it kept from step 2).
+        assert progress(job.buffer) == (0, 2)
         assert [b.step for b in resumed] == [1, 2]
 
 
