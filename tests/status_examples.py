@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefetchd.buffer_protocol import (
     BadFile,
@@ -27,6 +27,9 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.layout import STATUS_NAME
+
+if TYPE_CHECKING:  # the trainer's tests use these examples too, and the trainer is blind to the daemon
+    from prefetchd.daemon.status_view import StatusReport
 
 TRAINER = TrainerStatus(pid=777, alive=True, progress_age_s=0.4)
 POSITION = Position(epoch=1, step=40, trainer_wait_share=None)
@@ -69,6 +72,17 @@ def status(state: State = State.FILLING, **changes: Any) -> Status:
                   job_result=JobResult(job_id="0123456789ab", accepted=True, reason="producing /data", time=1700000000.0),
                   production=production())
     return dataclasses.replace(base, **changes)
+
+
+def report(status: Status | None, **changes: Any) -> StatusReport:
+    """`prefetchd status`'s report of a daemon running (pid 1) on /dev/shm/bf (or ``buffer=``, its own
+    owner) whose status.json is ``status``."""
+    from prefetchd.daemon.status_view import StatusReport
+
+    buffer = Path(changes.get("buffer", "/dev/shm/bf"))
+    base = StatusReport(buffer=buffer, owner=buffer, rank=None, running=True, pid=1, heartbeat_age_s=0.1, stale=False,
+                        status=status, manifest=None, problems=())
+    return dataclasses.replace(base, **{**changes, "buffer": buffer})
 
 
 def write_status_at_heartbeat(buffer: Path, written: Status) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 import re
 import struct
@@ -532,11 +533,16 @@ def test_check_can_fail(mutation: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_keys_status_json_adds_are_those_the_spec_lists(tmp_path: Path) -> None:
-    """`prefetchd status --json` wraps the status document: SPEC names the wrapper's keys."""
-    from prefetchd.daemon.cli import describe_status
+    """`prefetchd status --json` wraps the status document: SPEC names the wrapper's keys, the same for
+    a buffer and for a rank's directory its daemon does not write."""
+    from prefetchd.buffer_protocol.layout import LOCK_NAME
+    from prefetchd.daemon.status_view import describe_status, status_json
 
     text = " ".join(section(SPEC, "Status document").split())
     said = re.search(r"under its `status` key, beside what the command found itself: (.*?`problems`)", text)
     assert said is not None, "SPEC no longer says what `prefetchd status --json` wraps the document in"
     listed = set(re.findall(r"`(\w+)`", said.group(1)))
-    assert listed | {"status"} == set(describe_status(tmp_path))
+    (tmp_path / LOCK_NAME).touch()  # makes tmp_path/rank-00007 a rank's directory of tmp_path
+    assert describe_status(tmp_path / "rank-00007").no_rank
+    for buffer in (tmp_path, tmp_path / "rank-00007"):
+        assert listed | {"status"} == set(json.loads(status_json(describe_status(buffer)))), buffer

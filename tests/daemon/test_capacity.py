@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from prefetchd.buffer_protocol import State, batch_name
-from prefetchd.daemon.cli import describe_status, format_status
+from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.daemon.config import DaemonConfig, fill_defaults
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.main import check_capacity

@@ -4,6 +4,7 @@ stops holding batches while another is live (SPEC rule 9)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -16,10 +17,10 @@ import numpy as np
 from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_status, write_status
 from prefetchd.daemon.consumers import plan_windows, union_size
 from prefetchd.daemon.stream import Stream
-from prefetchd.daemon.cli import format_status
 from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.sdnotify import status_line
-from tests.status_examples import production
+from prefetchd.daemon.status_view import format_status
+from tests.status_examples import production, report
 from tests.status_examples import status as status_example
 
 HIGH, LOW = 4, 2
@@ -177,8 +178,7 @@ def test_prefetchd_status_lists_each_consumer(tmp_path: Path) -> None:
     move(s, "slow", 0)
     move(s, "gone", 3, closed=True)
     prod = production(streams=(s.status(),), high_water=HIGH)  # the stream's own mark, as a daemon writes it
-    info = {"buffer": str(tmp_path), "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
-            "status": status_example(production=prod), "manifest": None, "problems": []}
+    info = report(status_example(production=prod), buffer=tmp_path)
     lines = [x for x in format_status(info).splitlines() if x.startswith("  consumer")]
     assert len(lines) == 3
     fast, gone, slow = lines
@@ -189,7 +189,7 @@ def test_prefetchd_status_lists_each_consumer(tmp_path: Path) -> None:
     (tmp_path / "single").mkdir()
     single = stream(tmp_path / "single")
     move(single, "", 4)
-    info["status"] = status_example(production=production(streams=(single.status(),), high_water=HIGH))
+    info = dataclasses.replace(info, status=status_example(production=production(streams=(single.status(),), high_water=HIGH)))
     assert "consumer" not in format_status(info)
 
 

@@ -21,11 +21,11 @@ import pytest
 from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import DaemonLock, Errors, State, write_status
-from prefetchd.daemon import cli
+from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, write_status
+from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
-from tests.status_examples import CONSUMER, bad_files, production, stream, write_status_at_heartbeat
+from tests.status_examples import CONSUMER, bad_files, production, report, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 LOCK = "daemon.lock"
@@ -360,18 +360,14 @@ def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, sh
 
 
 def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
-    info = cli.describe_status(tmp_path)
-    assert info["running"] is False and info["pid"] is None and info["stale"] is False
-    assert info["status"] is None and info["manifest"] is None and info["problems"] == []
-    assert json.loads(json.dumps(info)) == info
+    assert json.loads(status_view.status_json(status_view.describe_status(tmp_path))) == {
+        "buffer": str(tmp_path), "owner": str(tmp_path), "rank": None, "running": False, "pid": None,
+        "heartbeat_age_s": None, "stale": False, "status": None, "manifest": None, "problems": [], "no_rank": False}
 
 
 def _running_status_text(state: State = State.FILLING, **production_changes: Any) -> str:
     """`prefetchd status` of a running daemon whose production is ``production(**production_changes)``."""
-    info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
-            "status": status_example(state, production=production(**production_changes)), "manifest": None,
-            "problems": []}
-    return cli.format_status(info)
+    return status_view.format_status(report(status_example(state, production=production(**production_changes))))
 
 
 def test_status_of_a_done_daemon_says_what_done_means() -> None:
@@ -392,12 +388,12 @@ def test_status_says_when_max_buffer_bytes_is_what_limits_the_buffer() -> None:
 
 
 def test_status_waiting_for_a_job_shows_no_finished_jobs_dataset() -> None:
-    manifest = {"dataset_root": "/data/old", "num_samples": 240, "classes": ["a", "b"], "split": "train",
-                "batch_size": 8, "image_size": 32, "steps_per_epoch": 30}
-    info = {"buffer": "/dev/shm/bf", "running": True, "pid": 1, "heartbeat_age_s": 0.1, "stale": False,
-            "status": status_example(State.WAITING_FOR_JOB, production=None), "manifest": manifest, "problems": []}
-    assert "240 samples" not in cli.format_status(info)
-    assert "240 samples" in cli.format_status({**info, "status": status_example(State.FILLING)})
+    manifest = Manifest(dataset_root="/data/old", fingerprint="f", classes=["a", "b"], num_samples=240, split="train",
+                        seed=0, batch_size=8, image_size=32, samples_per_epoch=240, steps_per_epoch=30, epochs=None,
+                        producer="test")
+    waiting = report(status_example(State.WAITING_FOR_JOB, production=None), manifest=manifest)
+    assert "240 samples" not in status_view.format_status(waiting)
+    assert "240 samples" in status_view.format_status(dataclasses.replace(waiting, status=status_example(State.FILLING)))
 
 
 def test_status_lists_the_first_undecodable_files() -> None:
@@ -405,7 +401,7 @@ def test_status_lists_the_first_undecodable_files() -> None:
                     write_failures=0, progress_file="")
     text = _running_status_text(errors=errors)
     assert "7 undecodable files" in text and "bad file  /d/c/0.jpg: empty" in text
-    assert text.count("bad file") == cli.SHOWN_BAD_FILES and "and 2 more" in text
+    assert text.count("bad file") == status_view.SHOWN_BAD_FILES and "and 2 more" in text
 
 
 def test_the_progress_line_names_the_slowest_consumer_when_consumers_are_listed() -> None:
@@ -421,11 +417,11 @@ def test_a_stopped_daemons_status_still_names_its_bad_files(tmp_path: Path) -> N
                     write_failures=0, progress_file="")
     write_status(tmp_path, status_example(State.STOPPED, message="stopped: finished",
                                           production=production(errors=errors)))
-    text = cli.format_status(cli.describe_status(tmp_path))
+    text = status_view.format_status(status_view.describe_status(tmp_path))
     assert text.startswith(f"prefetchd on {tmp_path}: not running (last state: stopped: stopped: finished)"), text
     assert "3 replaced samples, 3 undecodable files" in text and "bad file  /d/c/0.jpg: empty" in text
     write_status(tmp_path, status_example(State.STOPPED, production=production()))  # nothing went wrong: no lines
-    assert "errors" not in cli.format_status(cli.describe_status(tmp_path))
+    assert "errors" not in status_view.format_status(status_view.describe_status(tmp_path))
 
 
 def test_status_counts_one_of_a_thing_in_the_singular() -> None:
@@ -454,11 +450,11 @@ def test_a_damaged_status_document_is_reported_not_raised(tmp_path: Path) -> Non
     @given(damage=st.dictionaries(st.sampled_from(sorted(valid)), anything, max_size=3))
     def check(damage: dict[str, object]) -> None:
         (tmp_path / "status.json").write_text(json.dumps({**valid, **damage}))
-        info = cli.describe_status(tmp_path)
-        assert info["running"]
-        assert info["status"] is not None or any("status.json" in p for p in info["problems"])
-        assert cli.format_status(info).startswith(f"prefetchd on {tmp_path}: running")
-        json.loads(cli.status_json(info))
+        got = status_view.describe_status(tmp_path)
+        assert got.running
+        assert got.status is not None or any("status.json" in p for p in got.problems)
+        assert status_view.format_status(got).startswith(f"prefetchd on {tmp_path}: running")
+        json.loads(status_view.status_json(got))
 
     lock = DaemonLock(tmp_path)
     lock.acquire()  # this test process plays the daemon, so the whole report is drawn
@@ -471,7 +467,7 @@ def test_a_damaged_status_document_is_reported_not_raised(tmp_path: Path) -> Non
 @pytest.mark.parametrize(("waiting", "high"), [(-(10**10), 8), (10**12, 8), (3, 0), (3, -5)])
 def test_the_fill_bar_is_bounded_whatever_the_status_says(waiting: int, high: int) -> None:
     # Found by the fuzz test above: a waiting count of -2e10 made a 20 GB string (the OOM killer came).
-    assert len(cli.fill_bar(waiting, high)) == 26
+    assert len(status_view.fill_bar(waiting, high)) == 26
 
 
 def test_config_show_is_toml_that_reads_back(runner: CliRunner, tmp_path: Path) -> None:

@@ -16,16 +16,17 @@ import pytest
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import read_status, write_status
-from prefetchd.daemon.cli import format_status, start
+from prefetchd.daemon.cli import start
 from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.main import JOB_FIELDS, run_daemon
 from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.remote import pool as pool_module
 from prefetchd.daemon.remote.bridge import connect_failure
+from prefetchd.daemon.status_view import format_status
 from prefetchd.daemon.workers import WorkerJob
 from tests.daemon.test_workers import SIZE, _dataset
-from tests.status_examples import REMOTE, production, status
+from tests.status_examples import REMOTE, production, report, status
 from tests.waiting import wait_for
 
 
@@ -100,25 +101,25 @@ def test_a_remote_status_without_unfit_nodes_reads_as_none_unfit(tmp_path: Path)
 
 
 def test_status_shows_where_batches_are_built() -> None:
-    info = {"buffer": "/dev/shm/bf", "running": True, "pid": 4242, "heartbeat_age_s": 0.2, "stale": False,
-            "manifest": None, "problems": [], "status": status(production=production(remote=REMOTE))}
+    info = report(status(production=production(remote=REMOTE)), pid=4242, heartbeat_age_s=0.2)
     text = format_status(info)
     assert ("remote    ray ray://head:10001 connected: 3 nodes, 96 CPUs; 40 slices in flight; 1664 img built "
             "there (50% of all), copied in at 1991 MiB/s, 2 retries, 1 straggler, 0 disconnects") in text, text
     assert "node      cpu-1/3f2a9c1d: 1664 img, 1900 img/s, slice p50 0.41 s" in text, text
     one = dataclasses.replace(REMOTE, cluster_nodes=1, cluster_cpus=1)
-    assert " connected: 1 node, 1 CPU; " in format_status({**info, "status": status(production=production(remote=one))})
+    assert " connected: 1 node, 1 CPU; " in format_status(
+        dataclasses.replace(info, status=status(production=production(remote=one))))
     assert "UNFIT     cpu-2/77ab01c3: cannot read 8 of the 8 samples probed: n01/a.jpg" in text, text
     # The cluster's slices are counted as they arrive, all images as batches commit: it may be ahead.
     ahead = production(remote=REMOTE, totals=dataclasses.replace(production().totals, samples=REMOTE.images - 20))
-    assert "img built there (100% of all)" in format_status({**info, "status": status(production=ahead)})
+    assert "img built there (100% of all)" in format_status(dataclasses.replace(info, status=status(production=ahead)))
     lost = REMOTE.__class__(**{**REMOTE.__dict__, "connected": False, "message": "lost: no answer; the 3 local workers build alone"})
     assert "NOT CONNECTED (lost: no answer; the 3 local workers build alone)" in format_status(
-        {**info, "status": status(production=production(remote=lost))})
+        dataclasses.replace(info, status=status(production=production(remote=lost))))
     never = REMOTE.__class__(**{**REMOTE.__dict__, "connected": False,
                                 "message": "not connected: no cluster; 1 local worker builds alone"})
     assert "NOT CONNECTED (no cluster; 1 local worker builds alone)" in format_status(  # said once
-        {**info, "status": status(production=production(remote=never))})
+        dataclasses.replace(info, status=status(production=production(remote=never))))
 
 
 def test_metrics_say_where_batches_are_built(tmp_path: Path) -> None:

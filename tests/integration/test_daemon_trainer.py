@@ -18,7 +18,7 @@ import pytest
 from torchvision.datasets import ImageFolder
 
 from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of
-from prefetchd.daemon.cli import describe_status, format_status
+from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY
 from prefetchd.buffer_protocol import (DaemonLock, Progress, State, daemon_pid, list_batches, list_temp_files, map_batch,
                                        read_status)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from prefetchd.buffer_protocol import Progress, State, daemon_pid, list_batches, read_status
-from prefetchd.daemon.cli import describe_status, format_status
+from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck, LoaderTimeout
 from tests.status_examples import production_of, state_of
 from tests.waiting import wait_for
