@@ -14,7 +14,8 @@ from types import FrameType, TracebackType
 
 from prefetchd.daemon.watcher import BufferWatcher
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP too: a daemon started with & from an ssh session gets it at logout, and would die without a word.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Wakeup:

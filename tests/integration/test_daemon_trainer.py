@@ -140,15 +140,19 @@ def test_identical_batches_across_worker_counts_and_after_rewind(shapes_data: Pa
     assert runs["1"] == runs["2"]
 
 
-def test_sigterm_stops_cleanly(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_stops_cleanly(shapes_data: Path, shm_dir: Path, start_daemon, signum: signal.Signals) -> None:
+    """SIGHUP too, as a daemon started with & from an ssh session gets at logout: it died at once, without
+    a word in its log and with status.json still saying it produced."""
     buffer = shm_dir / "bf"
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "50")
     daemon.wait_until(lambda: batch_files(buffer) >= 2, 30, "a few batches")
-    daemon.proc.send_signal(signal.SIGTERM)  # mid-production: the high-water mark is far away
+    daemon.proc.send_signal(signum)  # mid-production: the high-water mark is far away
     assert daemon.wait_exit(15) == 0, daemon.log
     assert list(list_temp_files(buffer)) == [], "no half-written batch may be left behind"
     status = read_status(buffer)
-    assert status is not None and status.state == State.STOPPED and "SIGTERM" in status.message
+    assert status is not None and status.state == State.STOPPED and signum.name in status.message
+    assert f"stopped by {signum.name}" in daemon.log
     lock = DaemonLock(buffer)
     lock.acquire()  # released: a new owner can take the buffer
     lock.release()
