@@ -543,6 +543,7 @@ class DaemonLock:
     def __init__(self, buffer: Dir) -> None:
         self.path = Path(buffer) / LOCK_NAME
         self._fd: int | None = None
+        self._directory: tuple[int, int] | None = None  # (st_dev, st_ino) of the buffer when locked
 
     def acquire(self) -> None:
         fd = _open_regular(self.path, os.O_RDWR | os.O_CREAT, "the daemon's lock file", self.LOCK_MODE)
@@ -565,6 +566,8 @@ class DaemonLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        directory = os.stat(self.path.parent)
+        self._directory = (directory.st_dev, directory.st_ino)
 
     def _held_by(self, pid: int | None) -> str:
         buffer = self.path.parent
@@ -576,6 +579,26 @@ class DaemonLock:
         return (f"{buffer}: {self.path} is locked by a process that is not a running prefetchd daemon (pid "
                 "unknown: the file names no live daemon; any user who can read the file can lock it); find it "
                 f"with `fuser -v {self.path}` and end it, or pick another --buffer")
+
+    def lost(self) -> str | None:
+        """Why this lock no longer keeps the buffer to its holder, or None while it does: ``daemon.lock``
+        was removed, or the buffer directory removed or replaced (``rm -rf`` and ``mkdir``, another
+        buffer moved there), so the path's lock is another file, which another daemon may take."""
+        assert self._fd is not None, "acquire() first"
+        buffer = self.path.parent
+        try:
+            directory = os.stat(buffer)
+            if (directory.st_dev, directory.st_ino) != self._directory:
+                return f"{buffer}: the buffer directory was replaced by another"
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return f"{buffer}: " + ("the buffer directory was removed" if not buffer.exists() else f"{LOCK_NAME} was removed")
+        except OSError:
+            return None  # cannot tell now (EACCES, ENOMEM): asked again at the next look
+        mine = os.fstat(self._fd)
+        if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+            return f"{buffer}: {LOCK_NAME} was removed and made again"
+        return None
 
     def release(self) -> None:
         if self._fd is not None:

@@ -26,6 +26,16 @@ class DatasetError(DaemonError):
     """The dataset is missing, empty or unreadable."""
 
 
+class BufferLost(DaemonError):
+    """The buffer was removed or replaced under the running daemon: it stops rather than write into a
+    directory it no longer owns (another daemon may own it now)."""
+
+    @classmethod
+    def because(cls, why: str) -> BufferLost:
+        return cls(f"{why}; stopping, since this daemon no longer owns what is there (another one may): start it "
+                   "again, which makes the buffer anew")
+
+
 class BadDataError(DatasetError):
     """Too many samples could not be decoded (or one, with --strict): the data needs fixing."""
 

@@ -31,7 +31,7 @@ from prefetchd.buffer_protocol import (
 from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers, progress_name
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
-from prefetchd.daemon.errors import ConfigError, DatasetError
+from prefetchd.daemon.errors import BufferLost, ConfigError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.logs import status_unwritten
@@ -321,8 +321,9 @@ def trainer_idle_seconds(buffer: Path) -> float:
 
 
 def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[Status], None],
-                 notifier: Notifier) -> DaemonConfig | None:
-    """Sleep until job.json holds an acceptable job; None when a stop signal came first."""
+                 notifier: Notifier, lock: DaemonLock) -> DaemonConfig | None:
+    """Sleep until job.json holds an acceptable job; None when a stop signal came first.  BufferLost
+    when the buffer is removed or replaced meanwhile (``DaemonLock.lost``)."""
     message = f"waiting for a job: `prefetchd submit --buffer {buffer} --data ROOT`"
     log.info("%s", message)
     notifier.ready(message)  # the buffer is usable: trainers may submit now
@@ -334,6 +335,9 @@ def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[
             return job
         now = time.monotonic()
         if now - last_status >= WAIT_STATUS_SECONDS:
+            lost = lock.lost()
+            if lost is not None:
+                raise BufferLost.because(lost)
             publish(Status(pid=os.getpid(), state=State.WAITING_FOR_JOB, heartbeat=time.time(), message=message,
                            job_result=inbox.result))
             last_status = now
@@ -370,7 +374,7 @@ class StartupBeat:
 
 
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
-              publish: Callable[[Status], None], notifier: Notifier) -> Producer:
+              publish: Callable[[Status], None], notifier: Notifier, lock: DaemonLock) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
     beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result)
     beat(f"starting the job on {job.data}")
@@ -441,7 +445,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         ranks, counted(job.workers or 0, "worker"), job.high_water, job.low_water, job.epochs or "unbounded",
     )
     return Producer(job, index, members, streams, wake, poll_jobs=inbox.poll,
-                    job_result=lambda: inbox.result, on_status=publish, notifier=notifier)
+                    job_result=lambda: inbox.result, on_status=publish, notifier=notifier, lock_lost=lock.lost)
 
 
 def already_consumed(producer: Producer) -> str:
@@ -495,12 +499,12 @@ def run_daemon(cfg: DaemonConfig) -> int:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
                 if job is None:
-                    job = wait_for_job(buffer, inbox, wake, publish_waiting, notifier)
+                    job = wait_for_job(buffer, inbox, wake, publish_waiting, notifier, lock)
                     if job is None:
                         break
                     reset = True  # a submitted job is the instruction to replace what the buffer holds
                 try:
-                    producer = start_job(job, reset, wake, inbox, publish, notifier)
+                    producer = start_job(job, reset, wake, inbox, publish, notifier, lock)
                 except (DatasetError, ConfigError) as exc:
                     if submitted:
                         # Its dataset is opened only now, after the running job stopped for it. A refused

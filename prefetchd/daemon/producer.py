@@ -38,11 +38,11 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.layout import STREAM_PREFIX
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
 from prefetchd.buffer_protocol.status import BadFile, Errors, JobResult, Production, Quantiles, Rates, State, Status, Totals
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
-from prefetchd.daemon.errors import BadDataError, DaemonError
+from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
 from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.sampler import batch_len, batch_slice
 from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server
@@ -141,8 +141,10 @@ class Producer:
         job_result: Callable[[], JobResult | None] = lambda: None,
         on_status: Callable[[Status], None] = lambda _: None,
         notifier: Notifier | None = None,
+        lock_lost: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.cfg = cfg
+        self.lock_lost = lock_lost  # DaemonLock.lost: why the buffer is no longer this daemon's
         self.notifier = notifier or Notifier(None)
         self.buffer = Path(cfg.buffer)
         self.wake = wake
@@ -246,14 +248,20 @@ class Producer:
                 self._schedule()
                 self._dispatch()
                 if now - last_status >= STATUS_SECONDS:
-                    self._write_status()
+                    self._check_buffer()
+                    if self.fatal is None:
+                        self._write_status()
                     last_status = now
                 if self.finished:
                     log.info("the trainers consumed all %s", counted(self.streams[0].manifest.epochs or 0, "epoch"))
                     break
         except Exception as exc:  # a bug: leave a status that says so, not a silently stale heartbeat
-            log.exception("internal error in the controller")
-            self.fatal = f"internal error: {type(exc).__name__}: {exc} (see the log; please report it)"
+            lost = self.lock_lost() if isinstance(exc, FileNotFoundError) else None
+            if lost is not None:  # the buffer removed under the loop, no bug
+                self.fatal, self.fatal_error = str(BufferLost.because(lost)), BufferLost
+            else:
+                log.exception("internal error in the controller")
+                self.fatal = f"internal error: {type(exc).__name__}: {exc} (see the log; please report it)"
         finally:
             self.state = State.STOPPING
             if self.wake.stop_signal is not None or self.fatal is not None:
@@ -261,13 +269,30 @@ class Producer:
             self._shutdown()
         if self.fatal:
             self.state, self.message = State.FAILED, self.fatal
-            self._write_status()
+            if self.fatal_error is not BufferLost:  # not into a directory that is no longer this daemon's
+                self._write_status()
             raise self.fatal_error(self.fatal)
         if self.next_job is not None:
             self.state, self.message = State.SWITCHING, "replacing the job with the one in job.json"
         else:
             self.state, self.message = State.STOPPED, self.wake.stop_reason
         self._write_status()
+
+    def _check_buffer(self) -> None:
+        """Once a status period: the buffer is still the one this daemon locked (else it stops), and each
+        stream's manifest is still there (deleted, it is written again: trainers starting wait for it)."""
+        lost = self.lock_lost()
+        if lost is not None:
+            self.fatal, self.fatal_error = str(BufferLost.because(lost)), BufferLost
+            return
+        for stream in self.streams:
+            if (stream.dir / MANIFEST_NAME).exists():
+                continue
+            log.warning("%s was deleted while the daemon ran; writing it again", stream.dir / MANIFEST_NAME)
+            try:
+                stream.manifest.write(stream.dir)
+            except OSError as exc:
+                log.warning("cannot write %s again: %s", stream.dir / MANIFEST_NAME, exc.strerror)
 
     def _poll_interval(self) -> float:
         """How long the loop may sleep when nothing wakes it.

@@ -1,0 +1,73 @@
+"""The buffer changed under a running daemon by hand: removed, replaced, its lock or manifest deleted.
+The daemon stops with one line where the buffer is no longer its own, and writes a deleted manifest again."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefetchd.buffer_protocol import Manifest
+from prefetchd.daemon.errors import EXIT_FAILURE
+from prefetchd.trainer import BufferLoader
+
+JOB = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--high-water", "3"]
+STOPS = "stopping, since this daemon no longer owns what is there (another one may): start it again"
+
+
+def remove(buffer: Path) -> str:
+    shutil.rmtree(buffer)
+    return "the buffer directory was removed"
+
+
+def replace(buffer: Path) -> str:
+    buffer.rename(buffer.with_name("old"))  # another buffer (here the same, moved away) ...
+    buffer.mkdir()  # ... or a new one where it was: another daemon could lock it
+    return "the buffer directory was replaced by another"
+
+
+def unlock(buffer: Path) -> str:
+    (buffer / "daemon.lock").unlink()
+    return "daemon.lock was removed"
+
+
+@pytest.mark.parametrize("change", [remove, replace, unlock])
+@pytest.mark.parametrize("serving", ["a job", "jobs"])
+def test_a_buffer_that_is_no_longer_the_daemons_stops_it_in_one_line(
+        shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any], change: Callable[[Path], str],
+        serving: str) -> None:
+    """It went on writing batches and status.json into a directory it no longer locked (a second daemon
+    was let in, `prefetchd status` and `stop` no longer found it), or died of a FileNotFoundError with
+    two tracebacks when the directory was removed."""
+    buffer = shm_dir / "bf"
+    if serving == "a job":
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+        daemon.wait_until(lambda: (buffer / "e000000-s00000001.batch").exists(), 60, "batches")
+    else:
+        daemon = start_daemon(buffer, "--workers", "1")
+        daemon.wait_until(lambda: "waiting for a job" in daemon.log, 60, "the daemon to wait for a job")
+    said = change(buffer)
+    assert daemon.wait_exit(30) == EXIT_FAILURE, daemon.log
+    assert f"{buffer}: {said}; {STOPS}" in daemon.log and "Traceback" not in daemon.log, daemon.log
+    if change is replace:
+        assert not (buffer / "status.json").exists(), "it wrote into a buffer that is not its own"
+
+
+def test_a_deleted_manifest_is_written_again(shapes_data: Path, shm_dir: Path,
+                                             start_daemon: Callable[..., Any]) -> None:
+    """A trainer starting after it was deleted waited its whole timeout to be told the daemon 'may still be
+    indexing a large dataset'."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+    daemon.wait_until(lambda: (buffer / "e000000-s00000000.batch").exists(), 60, "batches")
+    job = Manifest.read(buffer)
+    (buffer / "manifest.json").unlink()
+    started = time.monotonic()
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    assert time.monotonic() - started < 10 and loader.manifest.identity_diff(job) == []
+    assert next(iter(loader)).step == 0
+    assert "manifest.json was deleted while the daemon ran; writing it again" in daemon.log
