@@ -430,17 +430,17 @@ class BufferLoader:
         return loader_state(self._manifest, self._epoch, self._step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (a :meth:`state_dict`); the daemon is told to produce from there when
-        the next iteration starts.
-
-        Not at once: a resume calls ``set_epoch(e)`` and then this, and the daemon, had it read the
-        position in between, would take step 0 for a rewind and delete the batches it kept for this
-        trainer (SPEC rule 8), to build them again once the second position came.
+        """Continue from ``state`` (a :meth:`state_dict`) and tell the daemon to produce from there.
 
         Raises StateMismatch when the state belongs to another dataset or job (a
         different seed, batch size, split ... would give different batches) or
         points past the job's end.
         """
+        self._move(state)
+        self._publish()
+
+    def _move(self, state: Mapping[str, Any]) -> None:
+        """Go to ``state``'s position, ending the iterators handed out before; progress.json is left alone."""
         self._check_open()
         epoch, step = resume_position(state, self._manifest, self._buffer)
         self._drain(self._ahead)
@@ -453,8 +453,10 @@ class BufferLoader:
 
         A script that resumes by epoch (``for epoch in range(start_epoch, epochs):
         loader.set_epoch(epoch)``) gets that epoch's batches, bit-identical to an
-        uninterrupted run's: progress.json moves there when the next iteration starts,
-        and the daemon regenerates from there if it has moved on.  Called at the top of every epoch of an
+        uninterrupted run's: progress.json moves there when the next iteration starts
+        (not at once: a mid-epoch resume, below, would have the daemon read step 0
+        first, take it for a rewind and delete the batches it kept for this trainer,
+        SPEC rule 8), and the daemon regenerates from there if it has moved on.  Called at the top of every epoch of an
         uninterrupted run it changes nothing.  It always restarts the epoch, so a
         mid-epoch resume calls ``load_state_dict`` *after* ``set_epoch`` for the
         epoch it resumes into: ``set_epoch`` names the epoch, ``load_state_dict``
@@ -469,7 +471,7 @@ class BufferLoader:
                 f"(counted from 0, so set_epoch({epochs}) is its end, an empty epoch); loop over range({epochs}), or "
                 "restart the daemon with a larger --epochs")
         # The same checks and the same repositioning as a checkpoint taken at that epoch's start.
-        self.load_state_dict({**self.state_dict(), "epoch": epoch, "step": 0})
+        self._move({**self.state_dict(), "epoch": epoch, "step": 0})
 
     # -- lifecycle ---------------------------------------------------------------
 

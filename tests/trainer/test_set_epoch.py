@@ -61,9 +61,10 @@ def test_mid_epoch_resume_is_set_epoch_then_load_state_dict(make_job: MakeJob) -
     Progress(0, 2).write(job.buffer)  # where the trainer was when it was killed: the daemon keeps batches from there
     with BufferLoader(job.buffer, normalize=False, timeout=5) as resumed:
         resumed.set_epoch(0)
-        resumed.load_state_dict(state)  # the later call wins: the batch after the checkpoint
-        # Neither call wrote step 0, which a daemon would take for a rewind (deleting what it kept from step 2).
         assert progress(job.buffer) == (0, 2)
+        resumed.load_state_dict(state)  # the later call wins: the batch after the checkpoint
+        # Never step 0, which the daemon would take for a rewind (deleting what it kept from step 2).
+        assert progress(job.buffer) == (0, 1)
         assert [b.step for b in resumed] == [1, 2]
 
 
