@@ -28,5 +28,7 @@ __all__ = ["counted", "rank_ranges"]
 
 
 def binary_size(n: float) -> str:
-    """"1.5 GiB" from 1.5 * 2**30 bytes, "12.0 MiB" below a GiB."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    """"1.5 GiB" from 1.5 * 2**30 bytes, "12.0 MiB" below a GiB, "48.0 KiB" below a MiB."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"

@@ -44,7 +44,7 @@ from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.hook import validate_hook
 from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.words import counted
+from prefetchd.words import binary_size, counted
 
 log = logging.getLogger(__name__)
 
@@ -204,10 +204,12 @@ def check_capacity(cfg: DaemonConfig) -> None:
     need = max(len(streams) * cfg.high_water * cfg.batch_bytes, cfg.max_buffer_bytes or 0) + (cfg.min_free_mb << 20)
     if need > available:
         per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
+        needed, has = binary_size(need), binary_size(available)
+        if needed == has:  # "need 1.0 MiB but has 1.0 MiB" says nothing
+            needed, has = f"{need} bytes", f"{available} bytes"
         raise ConfigError(
-            f"{per}high_water {cfg.high_water} x {cfg.batch_bytes / 2**20:.1f} MiB batches (or --max-buffer-bytes) plus the "
-            f"{cfg.min_free_mb} MiB floor (--min-free-mb) need {need / 2**20:.0f} MiB but {cfg.buffer} has "
-            f"{available / 2**20:.0f} MiB; lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs "
+            f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches (or --max-buffer-bytes) plus the "
+            f"{cfg.min_free_mb} MiB floor (--min-free-mb) need {needed} but {cfg.buffer} has {has}; lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs "
             f"(mount -o remount,size=... {filesystem_of(Path(cfg.buffer)).point})"
         )
 

@@ -521,7 +521,13 @@ class Producer:
         except OSError as exc:  # commit has removed the temp file
             final = build.pending.final
             self.stats.write_failures += 1
-            log.warning("could not publish %s: %s; retrying in %.0f s", final.name, exc.strerror, RETRY_SECONDS)
+            why = f"could not publish {final.name}: {exc.strerror}"
+            if final.is_dir() and not final.is_symlink():  # made by hand: nothing else makes one there
+                why += f" ({final} is a directory: remove it)"
+            # In the status too, as for a failed build: once a second, a count alone said nothing of why.
+            self.last_failure = (time.monotonic(), why)
+            self.failure_lines.log(log, logging.WARNING, "%s; retrying in %.0f s", why, RETRY_SECONDS,
+                                   others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return
         stream.published[build.g] = final

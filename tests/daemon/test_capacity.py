@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -51,6 +52,9 @@ def test_the_floor_and_the_job_own_batches_count(small_tmpfs: Path) -> None:
     with pytest.raises(ConfigError, match=r"plus the 1 MiB floor \(--min-free-mb\)") as info:
         check_capacity(config(small_tmpfs, 1, min_free_mb=1))
     assert f"(mount -o remount,size=... {small_tmpfs})" in str(info.value)  # its own mount, not /dev/shm
+    # Told apart however close: it said "need 1 MiB but ... has 1 MiB", of batches of "0.0 MiB".
+    said = re.search(r"x (.+) batches .* need (.+) but .* has (.+?);", str(info.value))
+    assert said is not None and said[2] != said[3] and not said[1].startswith("0.0 "), info.value
     # Batches of the job already there (a restart) are space the mark will reuse, not space lost.
     for step in range(fits - 1):
         (small_tmpfs / batch_name(0, step)).write_bytes(b"\0" * cfg.batch_bytes)

@@ -1,5 +1,6 @@
-"""The buffer changed under a running daemon by hand: removed, replaced, its lock or manifest deleted.
-The daemon stops with one line where the buffer is no longer its own, and writes a deleted manifest again."""
+"""The buffer changed under a running daemon by hand: removed, replaced, its lock or manifest deleted, a
+directory made under a batch's name.  The daemon stops with one line where the buffer is no longer its
+own, writes a deleted manifest again and says in its status what keeps a batch from being published."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from prefetchd.buffer_protocol import Manifest
+from prefetchd.buffer_protocol import Manifest, read_status
 from prefetchd.daemon.errors import EXIT_FAILURE
 from prefetchd.trainer import BufferLoader
 
@@ -71,3 +72,20 @@ def test_a_deleted_manifest_is_written_again(shapes_data: Path, shm_dir: Path,
     assert time.monotonic() - started < 10 and loader.manifest.identity_diff(job) == []
     assert next(iter(loader)).step == 0
     assert "manifest.json was deleted while the daemon ran; writing it again" in daemon.log
+
+
+def test_a_directory_under_a_batchs_name_is_named_in_the_status(shapes_data: Path, shm_dir: Path,
+                                                               start_daemon: Callable[..., Any]) -> None:
+    """The daemon retried it once a second for ever, logging each, while the status showed only a count."""
+    buffer = shm_dir / "bf"
+    planted = buffer / "e000000-s00000001.batch"
+    planted.mkdir(parents=True)
+    buffer.chmod(0o700)
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+    daemon.wait_until(lambda: (s := read_status(buffer)) is not None and planted.name in s.message, 60,
+                      "the status to name the directory")
+    assert f"({planted} is a directory: remove it)" in str(read_status(buffer))
+    time.sleep(3)  # three more tries
+    planted.rmdir()
+    daemon.wait_until(lambda: planted.is_file(), 60, "the batch once the name is free")
+    assert daemon.log.count("could not publish") <= 2, daemon.log  # one line a few seconds, not one a second
