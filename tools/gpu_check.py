@@ -79,6 +79,7 @@ from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.model import build_model
 from prefetchd.trainer.spawn import spawn_daemon
+from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger("gpu_check")
 
@@ -86,8 +87,6 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_FORMAT = "prefetchd.gpu_check"
 # 2: training rows are medians over rounds (rounds_images_per_s, failed_rounds); sizes.workers is a list.
 RESULTS_VERSION = 2
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
 # Every wait on another process is bounded; a stuck step fails with this in its message.
 WAIT_SECONDS = 180.0
 TESTS_SECONDS = 300.0
@@ -270,7 +269,7 @@ def dataloader_feed(data: Path, sizes: Sizes, workers: int, device: torch.device
     # What users run today: PIL decode, RandomResizedCrop, flip, float32 normalised in the workers.
     transform = transforms.Compose([
         transforms.RandomResizedCrop(sizes.image_size), transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(), transforms.Normalize(MEAN, STD),
+        transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])
     loader = DataLoader(datasets.ImageFolder(str(data), transform=transform), batch_size=sizes.batch_size,
                         shuffle=True, drop_last=True, num_workers=workers, persistent_workers=True,
@@ -324,7 +323,7 @@ def dali_feed(data: Path, sizes: Sizes, workers: int, device: torch.device) -> I
         images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB)
         images = fn.resize(images, resize_x=sizes.image_size, resize_y=sizes.image_size)
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="HWC",
-                                          mean=[m * 255 for m in MEAN], std=[s * 255 for s in STD],
+                                          mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD],
                                           mirror=fn.random.coin_flip())
         return images, labels.gpu()
 

@@ -149,11 +149,14 @@ class Run:
         from torch.utils.data import DataLoader, RandomSampler
         from torchvision import datasets, transforms
 
+        from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
+
         steps: list[Any] = [transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip()]
         if uint8:
             steps.append(transforms.PILToTensor())
         else:
-            steps += [transforms.ToTensor(), transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
+            # The statistics BufferLoader normalises with, so both sides do the same work.
+            steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
         dataset = datasets.ImageFolder(str(self.data), transform=transforms.Compose(steps))
         # shuffle=True, as one long epoch of fresh permutations (see the module docstring).
         sampler = RandomSampler(dataset, num_samples=len(dataset) * 100_000, generator=torch.Generator().manual_seed(0))

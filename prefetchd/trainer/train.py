@@ -1,11 +1,7 @@
 """The reference trainer behind ``prefetchd-train``: a torchvision model fed from a buffer.
 
-This module is the entry point and its wiring; the rooms behind it:
-``config`` (TrainConfig, from which the options are derived), ``engine``
-(passes, the epoch loop, model, optimizer, schedule), ``checkpoint``
-(format, save/load, RNG state), ``spawn`` (``--spawn-daemon``: start, restart,
-stop daemons), ``report`` (progress display, metrics files), ``ranks``
-(torchrun) and ``errors``.
+This module is the entry point and its wiring; the rooms behind it are those
+``prefetchd.trainer``'s docstring lists, each saying its own job.
 
 Per epoch it prints loss, top-1, top-5, images/s and the *data-wait share*,
 the fraction of the epoch spent inside the loaders' ``next()``: a share near
