@@ -24,6 +24,7 @@ from prefetchd.buffer_protocol.layout import augmentation_text
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import default_cache_dir
+from prefetchd.daemon.sources.storage import URL_READERS
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import check_value as check_field
 from prefetchd.options import setting as _opt
@@ -34,9 +35,11 @@ SPLITS = ("train", "val")
 TMPFS_SHARE = 0.5
 RAM_SHARE = 0.25
 MAX_DEFAULT_HIGH_WATER = 64
-# Reads in flight per worker: object storage answers each small object in tens of
-# milliseconds, mostly waiting (see docs/SOURCES.md, "Object storage").
-URL_READERS = 16
+# The free-space floor's default (default_min_free_mb): a share of the buffer's filesystem, at least a few MiB,
+# but only a tenth of a filesystem so small that those MiB would be most of it.
+MIN_FREE_SHARE, MIN_FREE_MB, SMALL_FS_SHARE = 0.05, 64, 0.1
+MIN_FREE_RULE = (f"{MIN_FREE_SHARE:.0%} of the buffer's filesystem, at least {MIN_FREE_MB} MiB, or {SMALL_FS_SHARE:.0%} "
+                 f"of a filesystem smaller than {MIN_FREE_MB / SMALL_FS_SHARE:.0f} MiB, at least 1")
 # What --ray accepts: a private local cluster, the machine's cluster, a client URL or a head's GCS address.
 RAY_ADDRESS = re.compile(r"local|auto|ray://[^\s/:]+:\d{1,5}|[^\s/:]+:\d{1,5}")
 
@@ -48,7 +51,7 @@ class DaemonConfig:
     buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path)
     # A location, not a Path: Path("s3://b/p") is "s3:/b/p".  Local paths are made absolute, URLs kept verbatim.
     data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`; local, or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True, metavar="PATH|URL")
-    readers: int | None = _opt(None, "Sample reads each worker keeps in flight [default: 16 for a URL, 1 for a local folder].", int, minimum=1, maximum=1024)
+    readers: int | None = _opt(None, f"Sample reads each worker keeps in flight [default: {URL_READERS} for a URL, 1 for a local folder].", int, minimum=1, maximum=1024)
     index_cache: Path | None = _opt(None, "Folder for cached dataset indexes, so a restart skips the walk when no folder changed, and never lists a URL again [default: $CACHE_DIRECTORY under systemd, else ~/.cache/prefetchd].", Path)
     refresh_index: bool = _opt(False, "Walk (or list) the dataset again even if the cached index looks current (after replacing files in place, or changing objects under a URL).", bool)
     split: str = _opt("train", "train: random resized crop + flip, shuffled; val: resize + center crop, in order.", str, choices=SPLITS)
@@ -60,7 +63,7 @@ class DaemonConfig:
     low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)
     max_buffer_bytes: int | None = _opt(None, "Cap on the bytes of batches waiting and being built, all consumers of the buffer together (several trainers sharing it: see --consumer in prefetchd-train); when their windows do not fit, the slowest consumer's shrinks first [default: high-water batches per rank, so one trainer sees no difference].", int, minimum=1)
     consumer_timeout: float = _opt(300.0, "Seconds without a progress write after which one of several consumers counts as gone and stops holding batches (a gone process is noticed within a second); it may come back.", float, minimum=0, min_open=True)
-    min_free_mb: int | None = _opt(None, "Never let the buffer's filesystem fall below this many MiB free [default: 5% of it, at least 64, or a tenth of a filesystem smaller than 640 MiB, at least 1].", int, minimum=0)
+    min_free_mb: int | None = _opt(None, f"Never let the buffer's filesystem fall below this many MiB free [default: {MIN_FREE_RULE}].", int, minimum=0)
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
     epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)
     drop_last: bool = _opt(False, "Leave out each epoch's last batch where it would be short, as DataLoader(drop_last=True): every batch then holds --batch-size images, and which samples are left out changes from epoch to epoch with the shuffle. A model with BatchNorm cannot train on a batch of one image.", bool)
@@ -253,10 +256,10 @@ def nearest_existing(path: Path) -> Path:
 
 
 def default_min_free_mb(fs_bytes: int) -> int:
-    """The free-space floor: 5% of the buffer's filesystem, at least 64 MiB -- but on a tmpfs
-    so small that 64 MiB is most of it (Docker's /dev/shm is 64 MiB) a tenth of it, so the
-    defaults still leave room for batches; never 0, which would let batches fill it to the last page."""
-    return max(1, min(64, int(fs_bytes * 0.1) >> 20), int(fs_bytes * 0.05) >> 20)
+    """The free-space floor (``MIN_FREE_RULE``): on a tmpfs so small that MIN_FREE_MB is most of it
+    (Docker's /dev/shm is 64 MiB) a share of it, so the defaults still leave room for batches; never 0,
+    which would let batches fill it to the last page."""
+    return max(1, min(MIN_FREE_MB, int(fs_bytes * SMALL_FS_SHARE) >> 20), int(fs_bytes * MIN_FREE_SHARE) >> 20)
 
 
 def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
@@ -272,8 +275,7 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
     fs_free = fs.f_bavail * fs.f_frsize
     if cfg.min_free_mb is None:
         changes["min_free_mb"] = default_min_free_mb(fs_total)
-        notes.append(f"min_free_mb = {changes['min_free_mb']} (5% of the buffer's filesystem, at least 64 MiB "
-                     "or a tenth of a smaller one)")
+        notes.append(f"min_free_mb = {changes['min_free_mb']} ({MIN_FREE_RULE})")
     min_free = (changes.get("min_free_mb", cfg.min_free_mb) or 0) << 20
     batch = cfg.batch_bytes
     if cfg.high_water is None:

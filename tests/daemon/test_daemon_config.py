@@ -400,3 +400,20 @@ def test_a_wrong_ranks_value_says_what_is_wrong_with_it(tmp_path: Path, world_si
     with pytest.raises(ConfigError) as raised:
         DaemonConfig(buffer=tmp_path, world_size=world_size, ranks=ranks)
     assert said in str(raised.value)
+
+
+def test_readmes_table_of_start_flags_names_each_flag_with_its_default() -> None:
+    """The table is written by hand beside DaemonConfig: every flag is in it once, a fixed default is the
+    dataclass's, and the machine-sized ones say what the help says."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("`prefetchd start` flags", 1)[1].split("\n\n", 2)[1]
+    rows = dict(re.findall(r"^\| `(--[a-z-]+)[^`]*` \| ([^|]+) \|", table, re.M))
+    flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(DaemonConfig)}
+    assert set(rows) - {"--config", "--log-level"} == set(flags)  # those two are start's own, not the config's
+    for flag, field in flags.items():
+        if isinstance(field.default, (int, float)) and not isinstance(field.default, bool):
+            assert rows[flag].strip() == str(field.default).removesuffix(".0"), flag
+    assert rows["--readers"].startswith(f"{config_mod.URL_READERS} for a URL")
+    assert rows["--min-free-mb"].startswith(f"{config_mod.MIN_FREE_SHARE:.0%} of the filesystem, ≥ {config_mod.MIN_FREE_MB}")

@@ -30,8 +30,8 @@ import numpy as np
 from prefetchd.daemon.dataset import SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.npz import load_arrays
-from prefetchd.daemon.sources.storage import (ImageRefused, ShortRead, Storage, StorageDenied, StorageUnavailable,
-                                              is_url, storage_for)
+from prefetchd.daemon.sources.storage import (URL_READERS, ImageRefused, ShortRead, Storage, StorageDenied,
+                                              StorageUnavailable, is_url, storage_for)
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ VERSION = 1
 SHARD_NAME = "shard-{:06d}.tar"
 KEY = "{:09d}"
 BLOCK = tarfile.BLOCKSIZE  # 512: tar pads every member's data to whole blocks
-PACK_URL_READERS = 16  # reads in flight when packing from object storage
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -275,7 +274,7 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
     order = (np.random.Generator(np.random.PCG64(shuffle_seed)).permutation(n) if shuffle_seed is not None
              else np.arange(n)).astype(np.int64)
     # From object storage, many small reads in flight (see docs/SOURCES.md); the order stays the pack's.
-    reader = SampleReader(index, PACK_URL_READERS if is_url(index.root) else 1)
+    reader = SampleReader(index, URL_READERS if is_url(index.root) else 1)  # as a worker reads
     writer = ShardWriter(out, shard_size)
     shard = np.zeros(n, dtype=np.int32)
     offset = np.zeros(n, dtype=np.int64)

@@ -25,6 +25,9 @@ from prefetchd.locations import (LocationError, StorageDenied, StorageUnavailabl
                                  with_retries)
 
 T = TypeVar("T")
+# Reads in flight per worker (and for `prefetchd pack`) from a URL: object storage answers each small object in
+# tens of milliseconds, mostly waiting (see docs/SOURCES.md, "Object storage").
+URL_READERS = 16
 
 
 class ImageRefused(ValueError):
