@@ -223,11 +223,17 @@ class Stream:
     def read_progress(self) -> bool:
         """Take every consumer's progress and plan the windows again; True when a position moved."""
         moved = False
-        for name in list_consumers(self.dir):
+        present = list_consumers(self.dir)
+        for name in present:
             consumer = self.consumers.get(name)
             if consumer is None:
                 consumer = self.consumers[name] = Consumer(name)
             moved |= self._read_consumer(consumer)
+        for name in set(self.consumers) - set(present) - {DEFAULT_CONSUMER}:
+            # Its file removed (by hand: a sweep member that will not come back): it holds nothing and is no
+            # longer listed; it went on holding its window, pinning where newcomers join, and the status grew.
+            log.info("%s of rank %d is forgotten: its progress file was removed", self.consumers[name].label, self.rank)
+            del self.consumers[name]
         self.check_trainer()
         self.plan()
         return moved

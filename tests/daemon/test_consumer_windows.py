@@ -239,3 +239,15 @@ def test_a_consumer_counts_what_it_consumed_here_not_where_it_joined(tmp_path: P
     move(s, "b", 13)
     move(s, "b", 12)  # back one: a rewind, no consumption
     assert s.consumed == 4 and s.consumers["b"].rewinds == 1
+
+
+def test_a_consumer_whose_progress_file_is_removed_is_forgotten(tmp_path: Path) -> None:
+    """The way to drop a consumer that will not come back: it held its window for ever (when none was live),
+    pinning where newcomers join, and stayed in the status."""
+    s = stream(tmp_path, cap=4 * HIGH)
+    move(s, "a", 2)
+    move(s, "b", 9)
+    assert set(s.consumers) == {"", "a", "b"} and 2 in s.held
+    (tmp_path / progress_name("a")).unlink()
+    s.read_progress()
+    assert set(s.consumers) == {"", "b"} and min(s.held) == 9
