@@ -307,12 +307,14 @@ class JobInbox:
 
 
 def trainer_idle_seconds(buffer: Path) -> float:
-    """Seconds since any consumer of ``buffer`` that has not left last wrote its progress file."""
+    """Seconds since any consumer of ``buffer`` (or of its ranks' streams) that has not left last wrote its
+    progress file."""
     idle = float("inf")
-    for consumer in list_consumers(buffer):
-        path = buffer / progress_name(consumer)
+    streams = [buffer, *(d for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir() and not d.is_symlink())]
+    for directory, consumer in ((d, c) for d in streams for c in list_consumers(d)):
+        path = directory / progress_name(consumer)
         try:
-            progress = Progress.read(buffer, consumer)
+            progress = Progress.read(directory, consumer)
         except ProtocolError:  # damaged: its writer may still be there, so it counts by its time
             progress = None
         if progress is not None and progress.closed:

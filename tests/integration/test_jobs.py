@@ -359,3 +359,14 @@ def test_replacing_a_job_by_one_of_another_world_size(shapes_data: Path, shm_dir
                       and Manifest.read(buffer / "rank-00001").seed == 7, 60, "the two-rank job's batches")
     assert sorted(p.name for p in buffer.glob("rank-*")) == ["rank-00000", "rank-00001"]
     assert _epoll_fds(daemon.proc.pid) == epolls, "a job change left the old pool's selector open"
+
+
+def test_a_trainer_of_one_rank_keeps_a_job_from_being_replaced_without_replace(tmp_path: Path) -> None:
+    """The guard looked only at the buffer's top, where a many-rank job has no progress file: a plain
+    submit replaced a job whose ranks' trainers were reading."""
+    from prefetchd.daemon.main import trainer_idle_seconds
+
+    (tmp_path / "rank-00001").mkdir()
+    assert trainer_idle_seconds(tmp_path) == float("inf")
+    Progress(0, 3).write(tmp_path / "rank-00001")
+    assert trainer_idle_seconds(tmp_path) < 5
