@@ -50,7 +50,7 @@ from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import gather_states, own_state
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, check_val_split, spawn_daemon
+from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, check_split, spawn_daemon
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +236,7 @@ class BufferDataModule(pl.LightningDataModule):
         loader = BufferLoader(stream, device=device, **self._loader_options)
         data = self._data[split]
         try:
-            if split == "val":
-                check_val_split(loader, "val_buffer")
+            check_split(loader, split, "val_buffer" if split == "val" else "buffer")
             if data is not None:  # a daemon already running there was used as it is: it must serve what data= asks
                 check_served_job(self._daemon_config, loader, data, f"BufferDataModule({DATA_ARGUMENT[split]}=...)",
                                  "arguments")

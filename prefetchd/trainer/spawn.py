@@ -165,19 +165,27 @@ def check_spawn_options(config: TrainConfig, ranks: Ranks | None = None) -> None
         )
 
 
-def check_val_split(loader: BufferLoader, given: str = "--val-buffer") -> None:
-    """A validation buffer must hold a --split val job: a train split's batches are random crops and
-    flips of the training data, and validating on them measures nothing.  ``given``: how the user named
-    the buffer (a flag, or BufferDataModule's argument)."""
+def check_split(loader: BufferLoader, split: str, given: str) -> None:
+    """A validation buffer must hold a --split val job, a training buffer a --split train one: a train
+    split's batches are random crops and flips of the training data, and validating on them measures
+    nothing; a val split's are centre crops in a fixed order, and training on them (held-out images, as
+    likely as not) learns without augmentation or shuffling.  ``given``: how the user named the buffer (a
+    flag, or BufferDataModule's argument)."""
     m = loader.manifest
-    if m.split != "val":
-        buffer = owning_buffer(loader.buffer)
-        raise SetupError(
-            f"{given} {buffer}: its daemon produces the {m.split} split of {m.dataset_root} (random crops and "
-            f"flips, {loader.buffer / MANIFEST_NAME}), not validation batches. Restart it with --split val "
-            f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} --data ROOT --split val "
-            "--reset ...`), or pass the buffer of your --split val daemon"
-        )
+    if m.split == split:
+        return
+    buffer = owning_buffer(loader.buffer)
+    made, wanted, restart = {
+        "val": ("random crops and flips", "validation batches", "with --split val"),
+        "train": ("centre crops in a fixed order", "training batches", "without --split val"),
+    }[split]
+    flag = " --split val" if split == "val" else ""
+    raise SetupError(
+        f"{given} {buffer}: its daemon produces the {m.split} split of {m.dataset_root} ({made}, "
+        f"{loader.buffer / MANIFEST_NAME}), not {wanted}. Restart it {restart} (`prefetchd stop --buffer {buffer}`, "
+        f"then `prefetchd start --buffer {buffer} --data ROOT{flag} --reset ...`), or pass the buffer of your "
+        f"--split {split} daemon"
+    )
 
 
 def check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str | None,
@@ -223,7 +231,7 @@ def restarter(spawned: list[SpawnedDaemon], config: TrainConfig, echo: Callable[
 
 
 __all__ = [
-    "DAEMON_STOP_SECONDS", "SPAWN_ONLY", "SpawnedDaemon", "check_served_job", "check_spawn_options", "check_val_split",
+    "DAEMON_STOP_SECONDS", "SPAWN_ONLY", "SpawnedDaemon", "check_served_job", "check_spawn_options", "check_split",
     "restarter",
     "spawn_daemon",
 ]

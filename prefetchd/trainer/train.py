@@ -50,7 +50,7 @@ from prefetchd.trainer.gpu import PinMode
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Collective, Ranks, is_peer_failure, peer_failed, wait_for_stream
 from prefetchd.trainer.spawn import (
-    SpawnedDaemon, check_served_job, check_spawn_options, check_val_split, restarter, spawn_daemon,
+    SpawnedDaemon, check_served_job, check_spawn_options, check_split, restarter, spawn_daemon,
 )
 
 EXIT_OK = 0
@@ -118,13 +118,14 @@ def train(
             wait_for_stream(config.buffer, ranks, config.timeout), device=device, timeout=config.timeout, pin=pin,
             stall_timeout=stall, consumer=config.consumer, start=(0, 0),
         ))
+        check_split(train_loader, "train", "--buffer")
         val_loader = None
         if val_buffer is not None:
             val_loader = stack.enter_context(BufferLoader(
                 wait_for_stream(val_buffer, ranks, config.timeout, "val"), device=device, timeout=config.timeout, pin=pin,
                 stall_timeout=stall, consumer=config.consumer, start=(0, 0),
             ))
-            check_val_split(val_loader)
+            check_split(val_loader, "val", "--val-buffer")
             if val_loader.classes != train_loader.classes:
                 raise SetupError(
                     f"{val_buffer} has classes {val_loader.classes[:5]}... but {config.buffer} has "

@@ -287,6 +287,13 @@ def test_a_val_buffer_is_checked_for_being_one(make_job: MakeJob, buffer: Path, 
     said = " ".join(result.stderr.split())
     assert f"--val-buffer {crops.buffer}: its daemon produces the train split" in said and "--split val" in said
     assert "train loss" not in result.output
+    # Nor is a val split's (held-out centre crops in a fixed order) a training set: it trained on it, silently.
+    held_out = make_job(buffer / "held-out", **{**TINY, "epochs": 1, "write": 1, "split": "val"})
+    result = CliRunner().invoke(main, ["--buffer", str(held_out.buffer), *base[2:]])
+    assert result.exit_code == EXIT_FAILED, result.output
+    said = " ".join(result.stderr.split())
+    assert f"--buffer {held_out.buffer}: its daemon produces the val split" in said and "without --split val" in said
+    assert "train loss" not in result.output
 
 
 def _epoch(samples: int, batch_size: int, image_size: int, drop_last: bool = False) -> Manifest:
