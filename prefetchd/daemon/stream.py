@@ -98,6 +98,7 @@ class Stream:
         # The default consumer is there from the start, at 0, as the single trainer always was:
         # its window is what a daemon builds before any trainer has written progress.
         self.consumers: dict[str, Consumer] = {DEFAULT_CONSUMER: Consumer(DEFAULT_CONSUMER)}
+        self.forgotten = Consumer("")  # the counts of consumers forgotten: the totals must not go back
         self.holders: list[Consumer] = []  # slowest first
         self.held: set[int] = set()
         self._starved: set[str] = set()  # holding consumers whose window the cap shrank to nothing
@@ -131,15 +132,18 @@ class Stream:
 
     @property
     def consumed(self) -> int:
-        return sum(c.consumed for c in self.consumers.values())
+        return sum(c.consumed for c in self._counted())
 
     @property
     def progress_rewinds(self) -> int:
-        return sum(c.rewinds for c in self.consumers.values())
+        return sum(c.rewinds for c in self._counted())
 
     @property
     def progress_rejected(self) -> int:
-        return sum(c.rejected for c in self.consumers.values())
+        return sum(c.rejected for c in self._counted())
+
+    def _counted(self) -> list[Consumer]:
+        return [*self.consumers.values(), self.forgotten]
 
     @property
     def progress_error(self) -> str:
@@ -233,7 +237,10 @@ class Stream:
             # Its file removed (by hand: a sweep member that will not come back): it holds nothing and is no
             # longer listed; it went on holding its window, pinning where newcomers join, and the status grew.
             log.info("%s of rank %d is forgotten: its progress file was removed", self.consumers[name].label, self.rank)
-            del self.consumers[name]
+            gone = self.consumers.pop(name)
+            self.forgotten.consumed += gone.consumed
+            self.forgotten.rewinds += gone.rewinds
+            self.forgotten.rejected += gone.rejected
         self.check_trainer()
         self.plan()
         return moved

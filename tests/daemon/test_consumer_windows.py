@@ -247,7 +247,10 @@ def test_a_consumer_whose_progress_file_is_removed_is_forgotten(tmp_path: Path) 
     s = stream(tmp_path, cap=4 * HIGH)
     move(s, "a", 2)
     move(s, "b", 9)
-    assert set(s.consumers) == {"", "a", "b"} and 2 in s.held
+    move(s, "a", 5)
+    move(s, "a", 4)
+    assert set(s.consumers) == {"", "a", "b"} and 4 in s.held
     (tmp_path / progress_name("a")).unlink()
     s.read_progress()
     assert set(s.consumers) == {"", "b"} and min(s.held) == 9
+    assert (s.consumed, s.progress_rewinds) == (3, 1), "the status's totals do not go back"
