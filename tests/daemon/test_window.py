@@ -146,3 +146,30 @@ def test_status_counts_rewinds_rejected_progress_and_vanished_batches(tmp_path: 
     (tmp_path / batch_name(*s.key(2))).unlink()
     assert s.reconcile() == [2]
     assert counts()["vanished_batches"] == 1
+
+
+def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) -> None:
+    """errors.write_failures is 'batch builds that failed and were retried' (SPEC): a batch of four tasks
+    on a full tmpfs counted four."""
+    from collections import deque
+
+    from prefetchd.buffer_protocol import BatchLayout, PendingBatch
+    from prefetchd.daemon.producer import FAILURE_SHOWN_SECONDS, Producer, Stats
+    from prefetchd.daemon.stream import Build
+    from prefetchd.daemon.workers import Task, WriteFailed
+    from prefetchd.throttle import Throttle
+
+    s = stream(tmp_path)
+    producer = Producer.__new__(Producer)  # the controller's books alone, no workers
+    producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
+    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_SHOWN_SECONDS)
+    pending = PendingBatch.begin(tmp_path / batch_name(0, 0), BatchLayout.plan(8, 8, 8))
+    build = Build(s, 0, 0, 0, pending, np.empty(8, np.int64), np.empty(8, np.int64), remaining=8)
+    s.building[0] = build
+    tasks = [Task(i, str(pending.tmp), 0, 0, 0, ((2 * i, 2 * i), (2 * i + 1, 2 * i + 1))) for i in range(4)]
+    for task in tasks:
+        producer.task_build[task.task_id] = build
+        build.outstanding.add(task.task_id)
+    for task in tasks:  # all four were at workers when the tmpfs filled up
+        producer._complete(task, WriteFailed(task.task_id, "cannot write: No space left on device"))
+    assert producer.stats.write_failures == 1 and 0 not in s.building
