@@ -65,7 +65,7 @@ class _Epochs:
     (``limit_train_batches``, ``max_steps``) is skipped to the next one's start.  Lightning's
     ``current_epoch`` is no guide there: right after a resume it can still name the epoch the
     checkpoint closed.  Validation (``whole_epochs=True``) is the whole of the stream's
-    ``current_epoch`` on every pass.  Deliberately without ``state_dict``: see the module docstring.
+    ``current_epoch`` on every pass (its last epoch past the job's end, as after fit).  Deliberately without ``state_dict``: see the module docstring.
     """
 
     def __init__(self, loader: BufferLoader, current_epoch: Callable[[], int], whole_epochs: bool) -> None:
@@ -80,7 +80,10 @@ class _Epochs:
     def __iter__(self) -> Iterator[Batch]:
         epoch, step = self.loader.position
         if self._whole_epochs:
-            self.loader.set_epoch(self._current_epoch())
+            # After fit, Lightning's current_epoch is the number of epochs trained: a val job of as many is at its
+            # end there, an empty epoch. A val split's epochs are all alike: the last one is validated instead.
+            epochs = self.loader.manifest.epochs
+            self.loader.set_epoch(min(self._current_epoch(), epochs - 1) if epochs else self._current_epoch())
         elif step != 0 and self._started is not None and (epoch, step) != self._started:
             self.loader.set_epoch(epoch + 1)
         self._started = self.loader.position

@@ -86,6 +86,26 @@ def test_an_epoch_cut_short_by_lightning_is_not_continued(make_job: MakeJob, tmp
     assert [t[:2] for t in module.trained] == [(0, 0), (1, 0)]
 
 
+class Validated(Recorder):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.trained.append((batch.epoch, batch.step, []))
+
+
+def test_validate_after_fit_validates(make_job: MakeJob, tmp_path: Path) -> None:
+    """After fit(max_epochs=2) Lightning's current_epoch is 2, the val job's end (its --epochs 2): a
+    trainer.validate() then ran over that empty epoch, silently (review). It validates the last epoch."""
+    train, val = make_job(tmp_path / "train", write=2, samples=8, batch_size=4), make_job(
+        tmp_path / "val", write=2, samples=8, batch_size=4, split="val")
+    module = Validated()
+    trainer = L.Trainer(max_epochs=2, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    dm = BufferDataModule(train.buffer, val_buffer=val.buffer, normalize=False, timeout=5)
+    trainer.fit(module, datamodule=dm)
+    module.trained.clear()
+    trainer.validate(module, datamodule=dm, verbose=False)
+    assert module.trained == [(1, 0, []), (1, 1, [])]
+
+
 def test_a_checkpoint_of_another_job_or_world_is_refused(make_job: MakeJob) -> None:
     job = make_job(write=1)
     dm = BufferDataModule(job.buffer, timeout=5)
