@@ -124,6 +124,7 @@ def run_pass(
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else nullcontext()
     stopped = False
+    asked = time.perf_counter()  # when the pass last asked the loader for a batch
     with progress, torch.set_grad_enabled(training):
         # Counted from the epoch's start, so a resumed pass shows "10/15", not "1/15" of a pass it never ends.
         try:
@@ -148,11 +149,14 @@ def run_pass(
                 if after_step is not None and after_step(snapshot):
                     stopped = True
                     break
+                asked = time.perf_counter()
         except StopRequested:  # raised by a wait, between two steps: the sums are the last step's
             stopped = True
+            wait += time.perf_counter() - asked  # that wait too: a stalled daemon's time is no compute
             if between_steps is not None:
                 between_steps(snapshot, None)
         except (LoaderError, ProtocolError) as exc:  # the daemon lost, a damaged batch: also before the step
+            wait += time.perf_counter() - asked
             if between_steps is not None:
                 between_steps(snapshot, exc)
             raise

@@ -477,6 +477,36 @@ def test_a_resumed_pass_counts_its_steps_from_the_epochs_start(make_job: MakeJob
     assert "epoch 1/2 val 3/3" in log.getvalue(), log.getvalue()
 
 
+def test_a_wait_a_stop_ends_counts_as_waiting(make_job: MakeJob) -> None:
+    """The seconds a stalled daemon held the pass before a SIGTERM ended its wait were left out of the
+    checkpoint's wait_seconds: after the resume the epoch's data-wait share blamed them on compute (review)."""
+    import io
+    import os
+    import time
+
+    from prefetchd.trainer import BufferLoader
+    from prefetchd.trainer.passes import PassState, run_pass
+    from prefetchd.trainer.report import ProgressLine
+
+    job = make_job(write=0)
+    job.write(0, 0)  # then nothing: an owner alive that builds nothing more
+    job.claim(os.getpid())
+    loader = BufferLoader(job.buffer, timeout=30)
+    first_asked: list[float] = []
+
+    def after_half_a_second() -> bool:  # a SIGTERM half a second into the wait
+        first_asked.append(time.monotonic())
+        return first_asked[-1] - first_asked[0] > 0.5
+
+    loader.stop_requested = after_half_a_second
+    saved: list[PassState] = []
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    stats = run_pass(model, loader, torch.nn.CrossEntropyLoss(), ProgressLine(io.StringIO(), "epoch 1/2 val", 3, True),
+                     between_steps=lambda snapshot, error: saved.append(snapshot()))
+    assert stats.stopped and stats.images == 4
+    assert saved and saved[0].wait_seconds >= 0.5 and stats.wait_seconds >= 0.5, (saved, stats)
+
+
 @pytest.mark.parametrize("name", ["fasterrcnn_resnet50_fpn", "raft_small", "fcn_resnet50", "r3d_18", "no_such_model"])
 def test_only_classification_models_are_accepted(name: str) -> None:
     # fasterrcnn_resnet50_fpn downloaded a backbone when built; raft_small has no num_classes.
