@@ -229,10 +229,11 @@ class Run:
                 if loader is not None:
                     loader.stop_requested = self.should_stop
         run_start = time.perf_counter()
-        # A resume of a run that --max-steps stopped, with the same limit: it has nothing more to train.
-        stopped = config.max_steps is not None and self.global_step >= config.max_steps and self.epoch < self.epochs
-        if stopped:
+        # A resume of a run that --max-steps stopped, with the same limit: it has nothing more to train, but
+        # an epoch whose training ended at the limit still gets its validation and row (it was stopped in it).
+        if config.max_steps is not None and self.global_step >= config.max_steps and self.epoch < self.epochs:
             self.stop_reason = "--max-steps"
+        stopped = self.stop_reason is not None and self.train_loader.position[0] == self.epoch
         while self.epoch < self.epochs and not stopped:
             stopped = self._epoch()
         total_s = time.perf_counter() - run_start
@@ -271,10 +272,10 @@ class Run:
             self.global_step += 1
             # A signal reaches the ranks at different steps; they stop together at the first step any saw it.
             terminated = self.coll.any(self.should_stop())
-            if config.max_steps is not None and self.global_step >= config.max_steps:
-                self.stop_reason = "--max-steps"
-            elif terminated:
+            if terminated:  # first: at the --max-steps step too, the exit is a SIGTERM's (the validation is skipped)
                 self.stop_reason = "SIGTERM"
+            elif config.max_steps is not None and self.global_step >= config.max_steps:
+                self.stop_reason = "--max-steps"
             # --max-steps on an epoch's last step: that epoch's validation and line still come, and the run
             # stops after them (the end of ``_epoch``); a SIGTERM does not wait for them.
             epoch_trained = self.train_loader.position[0] != epoch

@@ -459,6 +459,40 @@ def test_a_wait_that_ends_without_a_batch_saves_the_last_steps_checkpoint_and_re
     assert untimed(resumed["epochs"]) == untimed(whole["epochs"])
 
 
+def test_a_max_steps_run_stopped_in_its_last_validation_validates_on_resume(
+        make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    """--max-steps on epoch 0's last step, and a stop while that epoch's validation waits: the resume under
+    the same --max-steps took the run for done, and epoch 0 never got its validation or its row (review)."""
+    import os
+    import threading
+    import time
+
+    steps = TINY["samples"] // TINY["batch_size"]
+    b_train, b_val = jobs(make_job, buffer, write=0)
+    for job in (b_train, b_val):
+        job.claim(os.getpid())
+    for step in range(steps):
+        b_train.write(0, step)  # epoch 0 to train, no validation batch yet
+    settings = dict(max_steps=steps, checkpoint_dir=tmp_path / "ckpt")
+    asked = threading.Event()
+
+    def ask_once_it_validates() -> None:
+        deadline = time.monotonic() + 30
+        while Progress.read(b_val.buffer) != Progress(0, 0) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        asked.set()
+
+    asker = threading.Thread(target=ask_once_it_validates)
+    asker.start()
+    first = train(config(b_train, b_val, **settings), echo=quiet, should_stop=asked.is_set)
+    asker.join()
+    assert first["stopped_by"] == "SIGTERM" and first["epochs"] == [] and first["global_steps"] == steps
+    b_val.write_epochs(1)
+    resumed = train(config(b_train, b_val, resume=True, **settings), echo=quiet)
+    assert resumed["stopped_by"] == "--max-steps" and resumed["global_steps"] == steps
+    assert [row["epoch"] for row in resumed["epochs"]] == [0] and resumed["epochs"][0]["val_images"] == TINY["samples"]
+
+
 def test_a_resumed_pass_counts_its_steps_from_the_epochs_start(make_job: MakeJob, buffer: Path) -> None:
     """A pass resumed at step 2 of 3 shows 3/3 when it ends, not 1/3."""
     import io
