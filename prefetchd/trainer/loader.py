@@ -241,7 +241,7 @@ class BufferLoader:
         self._prefetch = prefetch
         self._pin = mode
         # A loader dropped without close() must still unpin before its mappings are unmapped.
-        weakref.finalize(self, self._feeder.close_quietly)
+        self._release_feeder = weakref.finalize(self, self._feeder.close_quietly)
 
     def _start_position(self, start: tuple[int, int] | None) -> tuple[int, int]:
         if start is not None:
@@ -477,11 +477,14 @@ class BufferLoader:
 
     def close(self) -> None:
         """Mark the batch handed over last as consumed, say in the progress file that this consumer left,
-        and end all iterators."""
+        end all iterators and release the pinned host memory of the device path."""
         if self._closed:
             return
         self._drain(self._ahead)
         self._drain(self._handed)
+        if self._feeder is not None:  # its page-locked staging ring goes now, not when the loader is collected
+            self._release_feeder()
+            self._feeder = None
         if self._progress.published is not None:
             try:
                 # It leaves: the daemon stops holding batches for it while another consumer reads, until it

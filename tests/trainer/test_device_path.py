@@ -303,3 +303,25 @@ def test_the_runtime_whose_last_error_is_cleared_is_torchs_own() -> None:
 class _DlInfo(ctypes.Structure):
     _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
                 ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def test_close_releases_the_pinned_staging_ring(make_job: MakeJob) -> None:
+    """It stayed page-locked (prefetch + 2 batches) for as long as the closed loader was referenced (review)."""
+    import weakref
+
+    pinned: list[weakref.ref[torch.Tensor]] = []
+
+    class Recording(FakeBackend):
+        def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+            tensor = super().pinned(numel, dtype)
+            pinned.append(weakref.ref(tensor))
+            return tensor
+
+    loader = BufferLoader(make_job(write=1).buffer, timeout=5, daemon_grace=0)
+    backend = Recording()
+    loader._attach_feeder(backend, "staging", 2)
+    next(iter(loader))
+    backend.complete()
+    assert pinned and any(ref() is not None for ref in pinned)
+    loader.close()
+    assert all(ref() is None for ref in pinned), "a closed loader still holds its staging buffers"
