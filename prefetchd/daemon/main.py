@@ -537,6 +537,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
                     producer.take_positions()
                     if producer.finished:
                         # Accepted, it would be "producing" nothing: its trainers' progress says every epoch is read.
+                        producer.shutdown()  # its pool's selector and shared file, never started
                         inbox.answer(inbox.pending_id, False, already_consumed(producer))
                         inbox.pending_id, job, reset, replaced = None, replaced, False, None
                         continue

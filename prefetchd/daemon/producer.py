@@ -266,7 +266,7 @@ class Producer:
             self.state = State.STOPPING
             if self.wake.stop_signal is not None or self.fatal is not None:
                 self.notifier.stopping(self.fatal or self.wake.stop_reason)
-            self._shutdown()
+            self.shutdown()
         if self.fatal:
             self.state, self.message = State.FAILED, self.fatal
             if self.fatal_error is not BufferLost:  # not into a directory that is no longer this daemon's
@@ -333,7 +333,9 @@ class Producer:
         if too_many is not None:
             self.fatal = too_many
 
-    def _shutdown(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the workers and the cluster's builds, drop the builds in progress and the spares; what
+        ``run`` ends with, and what a producer never run (a job refused) is given up with."""
         if self.remote is not None:
             self.remote.stop()
         self.pool.stop()
