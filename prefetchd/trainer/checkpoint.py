@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any, cast
 
 import numpy as np
+import psutil
 import torch
 
 from prefetchd.locations import (LocationError, StorageDenied, StorageUnavailable, filesystem, probe_folder,
@@ -97,6 +98,7 @@ def _save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
             raise CheckpointError(f"cannot save the checkpoint: {exc}") from None
         return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _remove_orphaned_temp_files(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
@@ -118,6 +120,15 @@ def _save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
         os.fsync(dir_fd)  # the rename itself survives a power cut
     finally:
         os.close(dir_fd)
+
+
+def _remove_orphaned_temp_files(path: Path) -> None:
+    """Delete what a save killed mid-write left (``.last.pt.tmp-PID``, a whole checkpoint's size): those of
+    processes that are gone.  A live writer's, another run's in the same folder, is left alone."""
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
 
 
 def _checkpoint_fs(url: str) -> tuple[Any, str]:

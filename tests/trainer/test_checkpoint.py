@@ -41,3 +41,16 @@ def test_sigterm_during_a_save_reaches_its_handler_once_the_checkpoint_is_writte
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert seen == [True], "the handler ran once, after the file was in place"
+
+
+def test_a_save_removes_what_a_killed_save_left(tmp_path: Path) -> None:
+    """A SIGKILL in torch.save left .last.pt.tmp-PID, a whole checkpoint's size, for ever (review)."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan, live = tmp_path / f".last.pt.tmp-{int(gone.stdout)}", tmp_path / f".last.pt.tmp-{os.getppid()}"
+    for left in (orphan, live):
+        left.write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path / "last.pt", {"step": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.pt", live.name]), "a live writer's is its own"
