@@ -151,14 +151,13 @@ class Stream:
 
     @property
     def finished(self) -> bool:
-        """Every consumer that may still come is at the end, and one got there: closed ones left, and
-        silent ones (past the consumer timeout) are not waited for, unless their process is known to live
-        (a long evaluation reads nothing for minutes)."""
+        """Every consumer that may still come is at the end, and one got there: closed ones left,
+        and silent ones (past the consumer timeout) are not waited for."""
         if self.end is None:
             return False
         now = time.time()
         seen = [c for c in self.consumers.values() if c.seen] or [self.consumers[DEFAULT_CONSUMER]]
-        expected = [c for c in seen if not c.closed and (c.alive is True or c.silent_for(now) <= self.consumer_timeout)]
+        expected = [c for c in seen if not c.closed and c.silent_for(now) <= self.consumer_timeout]
         return any(c.position >= self.end for c in seen) and all(c.position >= self.end for c in expected)
 
     @property

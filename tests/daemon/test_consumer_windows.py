@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from prefetchd.buffer_protocol import VERSION, Manifest, Progress, progress_name, read_status, write_status
+from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_status, write_status
 from prefetchd.daemon.consumers import plan_windows, union_size
 from prefetchd.daemon.stream import Stream
 from prefetchd.daemon.metrics import StatusCollector
@@ -149,24 +149,6 @@ def test_the_stream_is_finished_when_every_expected_consumer_is_at_the_end(tmp_p
     move(s, "c", 3, closed=True)  # left: not waited for
     move(s, "b", 20)
     assert s.finished and s.held == set()
-
-
-def test_a_silent_consumer_whose_process_lives_is_waited_for(tmp_path: Path) -> None:
-    """Five minutes of evaluation without a read: the daemon of an --epochs job exited under it (DaemonGone)
-    once another consumer reached the end. Only one whose process is gone is given up on after the timeout."""
-    s = stream(tmp_path, timeout=1.0)
-    move(s, "a", 20)
-
-    def written_by(pid: int) -> None:  # 5 s ago, past the timeout
-        doc = {"format": "prefetchd.progress", "version": VERSION, "epoch": 1, "step": 5, "pid": pid, "time": time.time() - 5}
-        (tmp_path / progress_name("b")).write_text(json.dumps(doc))
-        s.read_progress()
-
-    written_by(1)  # alive (init: started long before)
-    assert not s.finished and s.consumers["b"].alive is True
-    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    written_by(int(exited.stdout))  # gone
-    assert s.finished
 
 
 def test_status_lists_the_consumers_and_old_documents_read_without_them(tmp_path: Path) -> None:
