@@ -186,6 +186,16 @@ def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_s
         clear_buffer(buffer)
 
 
+def _another_jobs(stream: Path, ours: Manifest) -> bool:
+    """Whether the stream directory holds another job's batches than ``ours`` (any rank of it); an unreadable
+    manifest is no job's that can be told to be ours."""
+    try:
+        theirs = Manifest.read(stream)
+    except (OSError, ProtocolError):
+        return True
+    return any(not difference.startswith("rank:") for difference in ours.identity_diff(theirs))
+
+
 def _holds_a_stream(path: Path) -> bool:
     try:
         st = os.lstat(path)
@@ -434,12 +444,16 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         adopt_manifest(directory, manifest, reset)
         manifest.write(directory)
         streams.append((directory, manifest))
-    # The streams of ranks this job does not produce here are an earlier job's (of a larger world, say): a loader
-    # opened there would read the replaced job's batches as if they were served.
+    # Streams of ranks this job does not produce that another job wrote (one of a larger world, say): a loader
+    # opened there would read the replaced job's batches as if they were served. Those of this job (a restart
+    # with fewer --ranks) are left as they are, as the job's other data is.
     for leftover in sorted(set(job.buffer.glob(f"{STREAM_PREFIX}*")) - {directory for directory, _ in streams}):
-        if _holds_a_stream(leftover):
-            log.info("removing %s: the stream of a rank this job does not produce here", leftover)
-            remove_stream(leftover)
+        if _holds_a_stream(leftover) and _another_jobs(leftover, streams[0][1]):
+            log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
+            try:
+                remove_stream(leftover)
+            except OSError as exc:  # its trainer rewriting progress meanwhile, a file of someone else's
+                log.warning("could not remove %s: %s", leftover, exc)
     ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
     log.info(
         "producing %s split of %s into %s: %s, %s of %d at %dpx per epoch%s, "

@@ -374,3 +374,18 @@ def test_a_trainer_of_one_rank_keeps_a_job_from_being_replaced_without_replace(t
     assert trainer_idle_seconds(tmp_path) == float("inf")
     Progress(0, 3).write(tmp_path / "rank-00001")
     assert trainer_idle_seconds(tmp_path) < 5
+
+
+def test_a_restart_with_fewer_ranks_leaves_the_other_ranks_streams(shapes_data: Path, shm_dir: Path,
+                                                                   start_daemon) -> None:
+    """Only another job's streams go when a job starts: the same job's ranks another daemon (or a later
+    restart) may serve are its data, kept as the served ranks' batches are."""
+    buffer = shm_dir / "bf"
+    wide = ["--data", shapes_data / "train", *JOB, "--world-size", "2", "--workers", "1", "--high-water", "2"]
+    first = start_daemon(buffer, *wide)
+    first.wait_until(lambda: (buffer / "rank-00001" / "e000000-s00000001.batch").exists(), 60, "rank 1's batches")
+    first.terminate()
+    assert first.wait_exit() == 0
+    second = start_daemon(buffer, *wide, "--ranks", "0")
+    second.wait_until(lambda: "producing" in second.log, 60, "the job to start")
+    assert (buffer / "rank-00001" / "e000000-s00000001.batch").exists(), second.log
