@@ -587,18 +587,24 @@ class DaemonLock:
         assert self._fd is not None, "acquire() first"
         buffer = self.path.parent
         try:
-            directory = os.stat(buffer)
-            if (directory.st_dev, directory.st_ino) != self._directory:
-                return f"{buffer}: the buffer directory was replaced by another"
             there = os.stat(self.path)
+            mine = os.fstat(self._fd)
+            if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                return None  # the file locked, so the directory it is in: nothing else decides
+            what = f"{LOCK_NAME} was removed and made again"
         except FileNotFoundError:
-            return f"{buffer}: " + ("the buffer directory was removed" if not buffer.exists() else f"{LOCK_NAME} was removed")
+            what = f"{LOCK_NAME} was removed"
         except OSError:
             return None  # cannot tell now (EACCES, ENOMEM): asked again at the next look
-        mine = os.fstat(self._fd)
-        if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
-            return f"{buffer}: {LOCK_NAME} was removed and made again"
-        return None
+        # Only to say what happened: a directory's inode number is not stable on every filesystem (overlayfs).
+        try:
+            directory = os.stat(buffer)
+        except FileNotFoundError:
+            return f"{buffer}: the buffer directory was removed"
+        except OSError:
+            return f"{buffer}: {what}"
+        replaced = (directory.st_dev, directory.st_ino) != self._directory
+        return f"{buffer}: " + ("the buffer directory was replaced by another" if replaced else what)
 
     def release(self) -> None:
         if self._fd is not None:
