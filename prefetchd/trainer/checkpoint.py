@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -97,7 +98,7 @@ def _save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
         except (StorageDenied, StorageUnavailable) as exc:
             raise CheckpointError(f"cannot save the checkpoint: {exc}") from None
         return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}")
     _remove_orphaned_temp_files(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,11 +123,19 @@ def _save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
         os.close(dir_fd)
 
 
+def _temp_prefix(path: Path) -> str:
+    """A save's temp file is this plus the writer's pid: ``.last.pt.tmp-HOST-PID``.  The host, so that on a
+    folder shared between machines only this one's own orphans are told apart by their pid."""
+    return f".{path.name}.tmp-{socket.gethostname()}-"
+
+
 def _remove_orphaned_temp_files(path: Path) -> None:
-    """Delete what a save killed mid-write left (``.last.pt.tmp-PID``, a whole checkpoint's size): those of
-    processes that are gone.  A live writer's, another run's in the same folder, is left alone."""
-    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
-        pid = tmp.name.rpartition("-")[2]
+    """Delete what a save killed mid-write on this machine left (a whole checkpoint's size): those of
+    processes that are gone.  A live writer's, another run's in the same folder, is left alone, and so is
+    every other machine's."""
+    prefix = _temp_prefix(path)
+    for tmp in path.parent.glob(f"{prefix}*"):
+        pid = tmp.name.removeprefix(prefix)
         if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
             tmp.unlink(missing_ok=True)
 

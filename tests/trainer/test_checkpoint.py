@@ -48,9 +48,14 @@ def test_a_save_removes_what_a_killed_save_left(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan, live = tmp_path / f".last.pt.tmp-{int(gone.stdout)}", tmp_path / f".last.pt.tmp-{os.getppid()}"
-    for left in (orphan, live):
+    import socket
+
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    here = f".last.pt.tmp-{socket.gethostname()}-"
+    orphan, live, elsewhere = tmp_path / f"{here}{gone}", tmp_path / f"{here}{os.getppid()}", tmp_path / \
+        f".last.pt.tmp-another-host-{gone}"  # on a shared folder: a pid of another machine says nothing here
+    for left in (orphan, live, elsewhere):
         left.write_bytes(b"half a checkpoint")
     save_checkpoint(tmp_path / "last.pt", {"step": 1})
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.pt", live.name]), "a live writer's is its own"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.pt", live.name, elsewhere.name])
