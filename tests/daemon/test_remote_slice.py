@@ -47,6 +47,26 @@ def test_rows_for_a_batch_aborted_meanwhile_fail_the_write_not_the_job(tmp_path:
     assert isinstance(result, WriteFailed) and not result.fatal and str(gone) in result.reason
 
 
+def test_a_copy_into_a_batch_that_fails_counts_no_bytes_copied(tmp_path: Path) -> None:
+    """remote.copied_bytes (and the copy rate in the status) counted the pixels of copies that failed."""
+    from types import SimpleNamespace
+
+    from prefetchd.daemon.remote import bridge
+
+    sent: list[object] = []
+    b = object.__new__(bridge.Bridge)
+    b.conn, b.latencies = SimpleNamespace(send=sent.append), []
+    b.ray = SimpleNamespace(exceptions=SimpleNamespace(TaskCancelledError=KeyError, RayTaskError=KeyError,
+                                                       RayError=KeyError))
+    task = Task(3, str(tmp_path / "aborted.tmp"), OFFSET, SLOT, 0, ((0, 1),))
+    ref = object()
+    b.slices = {3: bridge._Slice(task, 0.0, refs=[ref])}
+    built = Filled(3, ((0, 1, 0),), (), 0.0)
+    b._finish(3, ref, SimpleNamespace(result=lambda: (built, [np.zeros(SLOT, np.uint8)], "node-1")))
+    (done,) = sent
+    assert isinstance(done, bridge.Done) and isinstance(done.result, WriteFailed) and done.copied == (0, 0.0)
+
+
 def test_nodes_are_probed_with_samples_spread_over_the_split_that_the_daemons_box_reads(tmp_path: Path) -> None:
     index = _dataset(tmp_path / "data")
     job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
@@ -80,3 +100,48 @@ def test_a_node_with_another_prefetchd_or_without_the_hook_cannot_build(tmp_path
     told = unable_here(Shipment(hooked, (), __version__))  # as on a node without the hook's module
     assert "cannot import prefetchd_no_such_hook_module (ModuleNotFoundError: " in told, told
     assert "install it or add its folder to PYTHONPATH" in told, told
+
+
+def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() -> None:
+    """A slice whose Ray worker died on each of its MAX_ATTEMPTS submissions was retried MAX_ATTEMPTS - 1
+    times; remote.retries counted MAX_ATTEMPTS, as did the log's 'after N attempts' (review)."""
+    from collections import Counter
+
+    from prefetchd.daemon.remote import bridge
+    from prefetchd.daemon.remote.pool import RemotePool
+
+    class Sent(list):  # type: ignore[type-arg]
+        def send(self, message: object) -> None:
+            self.append(message)
+
+        def poll(self) -> bool:
+            return bool(self)
+
+        def recv(self) -> object:
+            return self.pop(0)
+
+    conn = Sent()
+    b = object.__new__(bridge.Bridge)  # its books alone: no cluster
+    b.conn, b.nodes, b.slices = conn, {}, {}
+    submissions: list[int] = []
+
+    def submit(s: bridge._Slice) -> None:
+        submissions.append(s.task.task_id)
+        s.refs.append(object())
+
+    b._submit = submit  # type: ignore[method-assign]
+    task = Task(7, "/dev/shm/none/b.tmp", 0, SLOT, 0, ((0, 1),))
+    s = bridge._Slice(task, 0.0)
+    b.slices[7] = s
+    submit(s)
+    while 7 in b.slices:
+        b._again(s, s.refs[-1], "RayActorError: the worker died")
+    returned = [m for m in conn if isinstance(m, bridge.Returned)]
+    assert len(submissions) == bridge.MAX_ATTEMPTS and [m.retries for m in returned] == [bridge.MAX_ATTEMPTS - 1]
+
+    pool = object.__new__(RemotePool)
+    pool.in_flight, pool.paths, pool.retries, pool.returned = {7: task}, Counter({task.path: 1}), 0, 0
+    pool.conn = Sent(returned)  # type: ignore[assignment]
+    requeued: list[Task] = []
+    pool._receive(lambda *_: None, requeued.extend)
+    assert requeued == [task] and pool.retries == bridge.MAX_ATTEMPTS - 1

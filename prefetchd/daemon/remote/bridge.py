@@ -237,7 +237,8 @@ class Bridge:
         if isinstance(result, Filled):
             t0 = time.perf_counter()
             result = write_rows(s.task, result, pixels)
-            copied = (sum(int(p.nbytes) for p in pixels), time.perf_counter() - t0)
+            if isinstance(result, Filled):  # a copy that failed (ENOSPC) copied nothing
+                copied = (sum(int(p.nbytes) for p in pixels), time.perf_counter() - t0)
         latency = time.monotonic() - s.submitted
         self.latencies.append(latency)
         self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
@@ -256,7 +257,7 @@ class Bridge:
             return
         if s.attempts >= MAX_ATTEMPTS:
             del self.slices[s.task.task_id]
-            self.conn.send(Returned(s.task.task_id, reason, s.attempts))
+            self.conn.send(Returned(s.task.task_id, reason, s.attempts - 1))  # retries, as Done counts them
             return
         s.attempts += 1
         self.conn.send(Note(logging.INFO, f"slice {s.task.task_id}: {reason.splitlines()[0][:200]}; submitting it "

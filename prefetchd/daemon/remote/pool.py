@@ -212,12 +212,13 @@ class RemotePool:
                 on_result(task, msg.result)
             elif isinstance(msg, Returned):
                 task = self._take(msg.task_id)
-                self.retries += msg.retries
-                if task is not None:
+                if task is not None:  # counted as a Done is: a stale one's are no retries of this job's slices
+                    self.retries += msg.retries
                     self.returned += 1
                     (log.warning if self.returned <= LOGGED_RETURNS else log.debug)(
-                        "slice %d of %s came back from the cluster after %d attempts (%s); queuing it again%s",
-                        msg.task_id, os.path.basename(task.path), msg.retries, msg.reason.splitlines()[0][:300],
+                        "slice %d of %s came back from the cluster after %s (%s); queuing it again%s",
+                        msg.task_id, os.path.basename(task.path), counted(msg.retries + 1, "attempt"),
+                        msg.reason.splitlines()[0][:300],
                         "; further ones are logged at debug level" if self.returned == LOGGED_RETURNS else "")
                     requeue([task])
 
