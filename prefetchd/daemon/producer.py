@@ -466,15 +466,17 @@ class Producer:
                     self._count_undecodable(path, reason)
                 self.fatal, self.fatal_error = result.reason, result.fatal
                 return
-            if build.cancelled:  # another of its tasks failed first (counted then), or a rewind cancelled it
-                self._maybe_drop(build)
-                return
-            self.stats.write_failures += 1  # a failed build, not a failed task: SPEC's errors.write_failures
-            self.last_failure = (time.monotonic(), f"batch {build.tmp.name}: {result.reason}")
-            self.failure_lines.log(log, logging.WARNING, "batch %s: %s; retrying in %.0f s", build.tmp.name,
-                                   result.reason, RETRY_SECONDS, others="other failed build")
+            if not build.failed:  # a failed build, not a failed task (SPEC's errors.write_failures); also one a
+                build.failed = True  # rewind cancelled: the tmpfs is as full, and the status says so
+                self.stats.write_failures += 1
+                self.last_failure = (time.monotonic(), f"batch {build.tmp.name}: {result.reason}")
+                self.failure_lines.log(log, logging.WARNING, "batch %s: %s; retrying in %.0f s", build.tmp.name,
+                                       result.reason, RETRY_SECONDS, others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
-            self._cancel(build)
+            if not build.cancelled:
+                self._cancel(build)
+            else:
+                self._maybe_drop(build)
             return
         if build.cancelled:
             self._maybe_drop(build)

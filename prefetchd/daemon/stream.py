@@ -63,6 +63,7 @@ class Build:
     outstanding: set[int] = field(default_factory=set)  # task ids sent or queued
     replaced: int = 0
     cancelled: bool = False
+    failed: bool = False  # a task of it could not write (counted once: errors.write_failures)
 
     @property
     def tmp(self) -> Path:

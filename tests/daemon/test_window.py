@@ -173,3 +173,12 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     for task in tasks:  # all four were at workers when the tmpfs filled up
         producer._complete(task, WriteFailed(task.task_id, "cannot write: No space left on device"))
     assert producer.stats.write_failures == 1 and 0 not in s.building
+    # One a rewind cancelled before its task failed counts too: the tmpfs is as full (the fault suite's check).
+    pending = PendingBatch.begin(tmp_path / batch_name(0, 1), BatchLayout.plan(8, 8, 8))
+    cancelled = Build(s, 1, 0, 1, pending, np.empty(8, np.int64), np.empty(8, np.int64), remaining=8, cancelled=True)
+    s.building[1] = cancelled
+    task = Task(9, str(pending.tmp), 0, 0, 0, ((0, 0),))
+    producer.task_build[9] = cancelled
+    cancelled.outstanding.add(9)
+    producer._complete(task, WriteFailed(9, "cannot write: No space left on device"))
+    assert producer.stats.write_failures == 2 and 1 not in s.building
