@@ -145,8 +145,10 @@ def test_register_leaves_no_pinned_mapping_behind(make_job: MakeJob, monkeypatch
     loader = BufferLoader(job.buffer, device="cuda", pin="register", timeout=5, daemon_grace=0)
     for _ in range(2):
         list(loader)
+    feeder = loader._feeder
     loader.close()
-    assert loader._feeder is not None and loader._feeder.in_flight == 0
+    assert feeder is not None and feeder.in_flight == 0
+    assert loader._feeder is None, "close() lets the feeder (and its pinned memory) go"
     assert len(registered) == 2 * len(loader)
     # A registration still in place would let cudaHostUnregister succeed (and undo the leak); a new
     # mapping of the same file gets another address, so registering the files again would not tell.
