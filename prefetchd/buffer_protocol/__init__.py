@@ -17,18 +17,11 @@ from prefetchd.buffer_protocol.batch import (
     parse_batch,
 )
 from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.documents import BadJobRequest, JobRequest, Manifest, Progress
 from prefetchd.buffer_protocol.layout import (
-    BadJobRequest,
-    BufferBusy,
     DEFAULT_CONSUMER,
-    DaemonLock,
-    JobRequest,
-    Manifest,
-    Progress,
-    alive_since,
     batch_name,
     check_consumer,
-    daemon_pid,
     list_batches,
     list_consumers,
     list_temp_files,
@@ -36,6 +29,7 @@ from prefetchd.buffer_protocol.layout import (
     progress_name,
     stream_dir,
 )
+from prefetchd.buffer_protocol.ownership import BufferBusy, DaemonLock, alive_since, daemon_pid
 from prefetchd.buffer_protocol.status import (
     BadFile,
     ConsumerStatus,

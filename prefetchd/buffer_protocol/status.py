@@ -33,7 +33,8 @@ from typing import Any, NoReturn
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import ProtocolError
-from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, owning_buffer, read_json_stat, write_json
+from prefetchd.buffer_protocol.documents import read_json_stat, write_json
+from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, owning_buffer
 
 STATUS_FORMAT = "prefetchd.status"
 

@@ -20,7 +20,7 @@ else:  # tomllib joined the standard library in 3.11; tomli is the same parser (
 import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
-from prefetchd.buffer_protocol.layout import augmentation_text
+from prefetchd.buffer_protocol.documents import augmentation_text
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import default_cache_dir

@@ -37,7 +37,8 @@ from prefetchd.buffer_protocol import (
     map_batch,
     read_status,
 )
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, augmentation_options, exact_number, owning_buffer
+from prefetchd.buffer_protocol.documents import augmentation_options, exact_number
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
 from prefetchd.launch import option_args
 from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout, StopRequested
 from prefetchd.words import counted, rank_ranges

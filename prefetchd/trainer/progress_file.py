@@ -28,7 +28,7 @@ import weakref
 from pathlib import Path
 
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, progress_name
-from prefetchd.buffer_protocol.layout import PROGRESS_REFRESH_SECONDS
+from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import LoaderError
 
 logger = logging.getLogger(__name__)

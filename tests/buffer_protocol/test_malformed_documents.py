@@ -38,7 +38,8 @@ from prefetchd.buffer_protocol import (
     write_batch,
     write_status,
 )
-from prefetchd.buffer_protocol.layout import JOB_ID_RE, JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME, write_json
+from prefetchd.buffer_protocol.documents import JOB_ID_RE, write_json
+from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
 from tests.status_examples import ERRORS, bad_files, production, stream
 from tests.status_examples import status as status_example
 

@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from prefetchd.buffer_protocol import State, batch, layout
+from prefetchd.buffer_protocol import State, batch, documents, layout
 from prefetchd.buffer_protocol import status as status_module
 from tests.status_examples import REMOTE, bad_files, production
 from tests.status_examples import status as status_example
@@ -71,12 +71,12 @@ def literal(cell: str) -> str:
 
 
 def code_attr(name: str) -> object:
-    """The value of ``name`` in batch.py or layout.py; both must agree if both define it."""
-    values = [getattr(mod, name) for mod in (batch, layout) if hasattr(mod, name)]
+    """The value of ``name`` in batch.py, layout.py or documents.py; all must agree where several define it."""
+    values = [getattr(mod, name) for mod in (batch, layout, documents) if hasattr(mod, name)]
     if not values:
         raise LookupError(name)
     if any(v != values[0] for v in values[1:]):
-        raise LookupError(f"{name} differs between batch.py and layout.py: {values}")
+        raise LookupError(f"{name} differs between batch.py, layout.py and documents.py: {values}")
     return values[0]
 
 
@@ -279,8 +279,8 @@ def consumer_mismatches(spec: str) -> list[str]:
     if m is None or m[1] != layout.CONSUMER_NAME_RE.pattern:
         out.append(f"consumer name pattern: spec {m and m[1]!r}, code {layout.CONSUMER_NAME_RE.pattern!r}")
     m = re.search(r"`PROGRESS_REFRESH_SECONDS` \(([\d.]+) s\)", rules)
-    if m is None or float(m[1]) != layout.PROGRESS_REFRESH_SECONDS:
-        out.append(f"progress refresh: spec {m and m[1]!r}, code {layout.PROGRESS_REFRESH_SECONDS}")
+    if m is None or float(m[1]) != documents.PROGRESS_REFRESH_SECONDS:
+        out.append(f"progress refresh: spec {m and m[1]!r}, code {documents.PROGRESS_REFRESH_SECONDS}")
     for bad in ("", "a/b", "x" * 33, "sp ace", ".hidden"):
         try:
             name = layout.progress_name(bad)
@@ -299,7 +299,7 @@ def json_temp_mismatches(spec: str) -> list[str]:
     pattern = re.escape(m[1]).replace("NAME", re.escape(layout.PROGRESS_NAME)).replace("PID", str(os.getpid()))
     pattern = re.sub(r"[A-Z]{2,}", "[0-9A-Za-z]+", pattern)  # RANDOM, HEX, ...: any token
     with tempfile.TemporaryDirectory() as d, mock.patch.object(os, "replace", lambda src, dst: None):
-        layout.write_json(Path(d) / layout.PROGRESS_NAME, {"format": "prefetchd.progress"})
+        documents.write_json(Path(d) / layout.PROGRESS_NAME, {"format": "prefetchd.progress"})
         left = os.listdir(d)
         listed = [p.name for p in layout.list_temp_files(Path(d))]
     out = []
@@ -378,7 +378,7 @@ def _required(spec: str, title: str) -> list[str]:
     return sorted(literal(r["key"]) for r in table(spec, title, "key") if r["required"] == "yes")
 
 
-_EXAMPLE_MANIFEST = layout.Manifest(
+_EXAMPLE_MANIFEST = documents.Manifest(
     dataset_root="/data/train", fingerprint="9c1185a5", classes=["a", "b"], num_samples=10, split="train", seed=3,
     batch_size=4, image_size=8, samples_per_epoch=10, steps_per_epoch=3, epochs=2, producer="p", val_fraction=0.1,
     augmentation="flip", drop_last=False,
@@ -392,8 +392,8 @@ def manifest_mismatches(spec: str) -> list[str]:
     required = []
     for key in doc:
         try:
-            layout.Manifest.from_doc({k: v for k, v in _EXAMPLE_MANIFEST.to_doc().items() if k != key}, Path("m"))
-        except (layout.ProtocolError, KeyError, TypeError):
+            documents.Manifest.from_doc({k: v for k, v in _EXAMPLE_MANIFEST.to_doc().items() if k != key}, Path("m"))
+        except (documents.ProtocolError, KeyError, TypeError):
             required.append(key)
     if sorted(required) != _required(spec, "Manifest document"):
         out.append(f"manifest keys a reader requires: spec {_required(spec, 'Manifest document')}, code {sorted(required)}")
@@ -403,10 +403,10 @@ def manifest_mismatches(spec: str) -> list[str]:
 def progress_mismatches(spec: str) -> list[str]:
     """The Progress document's table: every key a writer may write, and those it always writes."""
     with tempfile.TemporaryDirectory() as d:
-        layout.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287").write(d)
-        full = layout.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
-        layout.Progress(1, 2).write(d)
-        least = layout.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
+        documents.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287").write(d)
+        full = documents.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
+        documents.Progress(1, 2).write(d)
+        least = documents.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
     drop = ("format", "version")
     out = _typed_rows(spec, "Progress document", {k: v for k, v in full.items() if k not in drop})
     always = sorted(k for k in least if k not in drop)
@@ -467,7 +467,7 @@ def _changed_docstring() -> str:
 
 
 _TO_DOC = status_module.Status.to_doc
-_MANIFEST_TO_DOC = layout.Manifest.to_doc
+_MANIFEST_TO_DOC = documents.Manifest.to_doc
 
 # (check, edit of the spec text or None, (module, attribute, new value) or None)
 MUTATIONS = {
@@ -502,7 +502,7 @@ MUTATIONS = {
     "document version in code": ("documents", None, (batch, "VERSION", 2)),
     "consumer file in spec": ("directory", _replace("| `progress.NAME.json` |", "| `progress-NAME.json` |"), None),
     "consumer pattern in spec": ("consumers", _replace("match `[A-Za-z0-9_-]{1,32}`", "match `[A-Za-z0-9_-]{1,64}`"), None),
-    "consumer refresh in code": ("consumers", None, (layout, "PROGRESS_REFRESH_SECONDS", 5.0)),
+    "consumer refresh in code": ("consumers", None, (documents, "PROGRESS_REFRESH_SECONDS", 5.0)),
     "consumer check in code": ("consumers", None, (layout, "check_consumer", lambda name: name)),
     "json temp name in spec": ("json temp names", _replace("`NAME.tmp-", "`NAME.partial-"), None),
     "json temp name in code": ("json temp names", None, (layout, "TEMP_MARK", ".part")),
@@ -516,7 +516,7 @@ MUTATIONS = {
     "manifest key in spec": ("manifest", _replace("| `num_samples` | int |", "| `samples` | int |"), None),
     "manifest type in spec": ("manifest", _replace("| `seed` | int |", "| `seed` | str |"), None),
     "manifest requirement in spec": ("manifest", _replace("| `drop_last` | bool | no |", "| `drop_last` | bool | yes |"), None),
-    "manifest key in code": ("manifest", None, (layout.Manifest, "to_doc", lambda self: {**_MANIFEST_TO_DOC(self), "x": 1})),
+    "manifest key in code": ("manifest", None, (documents.Manifest, "to_doc", lambda self: {**_MANIFEST_TO_DOC(self), "x": 1})),
     "progress key in spec": ("progress", _replace("| `wait_share` | float |", "| `waiting` | float |"), None),
     "progress requirement in spec": ("progress", _replace("| `job` | str | no |", "| `job` | str | yes |"), None),
 }

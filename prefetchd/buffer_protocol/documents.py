@@ -1,0 +1,386 @@
+"""The buffer's small JSON documents: how one is written (atomically, by rename) and read (bounded,
+checked field by field), and the documents trainers and daemons exchange there: ``Manifest``,
+``Progress`` and ``JobRequest``.  Their file names are ``layout``'s; ``status.json`` is ``status``'s."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import hashlib
+import json
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefetchd.buffer_protocol.batch import VERSION
+from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME, TEMP_MARK, Dir, progress_name
+
+
+MAX_DOCUMENT_LEN = 1 << 20
+
+
+# A malformed job's job_id is echoed in its refusal only when it looks like one (JobRequest's
+# are 12 hex digits); anything else could be a megabyte of control characters in a log.
+JOB_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}", re.ASCII)
+
+
+# A consumer waiting for a batch rewrites its progress file this often (same position, new
+# time), so that a daemon tells a waiting consumer from a silent one (--consumer-timeout).
+PROGRESS_REFRESH_SECONDS = 2.0
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Atomically replace ``path`` with ``doc`` (see ``replace_file``)."""
+    replace_file(path, json.dumps(doc, indent=1, sort_keys=True).encode())
+
+
+def replace_file(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Atomically replace ``path`` with ``data``: a temp name in the same directory, then a rename,
+    so a reader sees the old file or the new one, never part of one.  ``mode``: the file's
+    permission bits whatever the umask; without it, 0644 less the umask."""
+    # pid + random suffix: two writers in one process (threads, two loaders) never share a temp file.
+    tmp = path.with_name(f"{path.name}{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}")
+    # O_EXCL: a name someone else planted (a link to a file of theirs) is never written through.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            if mode is not None:
+                os.fchmod(fd, mode)  # O_CREAT's mode is less the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        # A writer that retries (a loader on a full tmpfs, every half second) must not leave a file each time.
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def open_regular(path: Path, flags: int, what: str, mode: int = 0o644) -> int:
+    """Open ``path`` only if it is a regular file: not through a symlink (O_NOFOLLOW), and
+    without waiting for a writer should it be a FIFO (O_NONBLOCK, then fstat).  ``mode``
+    (less the umask) is that of a file O_CREAT creates.
+    FileNotFoundError passes through; any other problem is a ProtocolError."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ProtocolError(f"{path}: is a symbolic link, not {what}; the buffer holds no links, remove it") from None
+        raise ProtocolError(f"{path}: cannot open {what} ({exc.strerror}); check the buffer's owner and "
+                            "permissions (`ls -la` the buffer)") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ProtocolError(f"{path}: is not a regular file, so not {what}; remove it from the buffer")
+    return fd
+
+
+def read_json(path: Path, kind: str) -> dict[str, Any]:
+    """Read a protocol document; FileNotFoundError passes through, anything malformed is a ProtocolError."""
+    return read_json_stat(path, kind)[0]
+
+
+def read_json_stat(path: Path, kind: str) -> tuple[dict[str, Any], os.stat_result]:
+    """``read_json``, with the fstat of the file it read: who wrote that very file, not
+    whatever a later look at the path would find after someone replaced it."""
+    if kind not in DOCUMENT_KINDS:
+        raise ValueError(f"unknown document kind {kind!r}")
+    fd = open_regular(path, os.O_RDONLY, f"a {kind} document")
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, MAX_DOCUMENT_LEN + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_DOCUMENT_LEN:
+        raise ProtocolError(f"{path}: larger than {MAX_DOCUMENT_LEN} bytes, not a {kind} document; delete it")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, absurd nesting or digit counts
+        raise ProtocolError(f"{path}: not valid JSON ({exc}); delete it and let its writer recreate it") from None
+    fmt = f"prefetchd.{kind}"
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise ProtocolError(f"{path}: format is {got!r}, expected {fmt!r}; delete it and let its writer recreate it")
+    if type(doc.get("version")) is not int or doc["version"] != VERSION:
+        raise ProtocolError(
+            f"{path}: written with buffer protocol version {doc.get('version')!r}, this prefetchd speaks "
+            f"version {VERSION}; run the same prefetchd version on both sides, or clear the buffer"
+        )
+    return doc, st
+
+
+def read_optional(path: Path, kind: str) -> dict[str, Any] | None:
+    """``read_json``, or None when the document has not been written yet."""
+    try:
+        return read_json(path, kind)
+    except FileNotFoundError:
+        return None
+
+
+def steps_per_epoch(samples: int, batch_size: int, drop_last: bool = False) -> int:
+    """Batches in an epoch of ``samples``: the last one short where they do not divide, or,
+    with ``drop_last``, left out (which samples it held changes from epoch to epoch with the
+    shuffle)."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
+    value: Any = doc.get(key)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
+    if not ok or (kind is int and value < 0):
+        raise ProtocolError(f"{path}: field {key!r} is {value!r}, expected a {'non-negative ' if kind is int else ''}{kind.__name__}")
+    return value
+
+
+def augmentation_text(options: Mapping[str, object]) -> str:
+    """The manifest's ``augmentation``: ``name=value`` of each augmentation a job sets beyond the
+    split's defaults, in the order given, joined by ``;`` ("" for none).  The names are `prefetchd
+    start`'s options (``color_jitter`` is ``--color-jitter``) and the values as it takes them, so a
+    reader can start the same job again (``augmentation_options``); floats are written exactly."""
+    parts = []
+    for name, value in options.items():
+        text = exact_number(value) if isinstance(value, float) else str(value)
+        if ";" in text or "=" in name:
+            raise ValueError(f"augmentation {name}={text!r}: a name holds no '=' and a value no ';'")
+        parts.append(f"{name}={text}")
+    return ";".join(parts)
+
+
+def augmentation_options(text: str) -> dict[str, str]:
+    """``augmentation_text``'s options back, by `prefetchd start` option name: "color_jitter=0.4" is
+    {"color_jitter": "0.4"}."""
+    return dict(part.partition("=")[::2] for part in text.split(";") if part)
+
+
+def exact_number(value: float) -> str:
+    """``value`` as short as ``:g`` writes it where that is exact, else every digit it needs: 0.4 is
+    "0.4" and 1.0 "1", but 1/3 "0.3333333333333333", not ``:g``'s "0.333333" (another value)."""
+    text = f"{value:g}"
+    return text if float(text) == value else repr(value)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a daemon produces into a buffer.  Written once per job, read by trainers."""
+
+    dataset_root: str
+    fingerprint: str
+    classes: list[str]
+    num_samples: int
+    split: str
+    seed: int
+    batch_size: int
+    image_size: int
+    samples_per_epoch: int
+    steps_per_epoch: int
+    epochs: int | None
+    producer: str
+    channels: int = 3
+    rank: int = 0
+    world_size: int = 1
+    val_fraction: float | None = None
+    # The augmentations beyond the split's defaults, as a canonical string ("" for none).
+    augmentation: str = ""
+    # Each epoch's short last batch left out: every batch holds batch_size images.
+    drop_last: bool = False
+    created: float = field(default_factory=time.time)
+
+    # Fields whose change makes already written batches wrong for the new job.
+    IDENTITY = (
+        "fingerprint", "split", "seed", "batch_size", "image_size", "channels",
+        "samples_per_epoch", "rank", "world_size", "val_fraction", "augmentation", "drop_last",
+    )
+
+    @functools.cached_property  # read at every progress write and read: a manifest never changes
+    def job_key(self) -> str:
+        """A short digest of the job's identity: the same for every run of one job (a restarted
+        daemon), different for any other.  Progress documents carry it (``Progress.job``), so a
+        daemon that replaced a job tells its trainer's position from a trainer of the old one."""
+        identity = json.dumps([getattr(self, k) for k in self.IDENTITY], sort_keys=True)
+        return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+    def identity_diff(self, other: Manifest) -> list[str]:
+        """Human-readable list of identity fields that differ from ``other``."""
+        diff = [
+            f"{k}: {getattr(other, k)!r} -> {getattr(self, k)!r}"
+            for k in self.IDENTITY
+            if getattr(self, k) != getattr(other, k)
+        ]
+        if self.fingerprint != other.fingerprint:  # a digest alone does not say which dataset, or that it changed
+            what = (f"dataset {other.dataset_root} -> {self.dataset_root}" if self.dataset_root != other.dataset_root
+                    else f"the files of {self.dataset_root} changed")
+            diff = [f"{d} ({what})" if d.startswith("fingerprint:") else d for d in diff]
+        return diff
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"format": "prefetchd.manifest", "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], path: Path) -> Manifest:
+        for key, kind in (
+            ("dataset_root", str), ("fingerprint", str), ("classes", list), ("num_samples", int),
+            ("split", str), ("seed", int), ("batch_size", int), ("image_size", int),
+            ("samples_per_epoch", int), ("steps_per_epoch", int), ("producer", str),
+            ("channels", int), ("rank", int), ("world_size", int), ("created", float),
+        ):
+            _field(doc, key, kind, path)
+        if doc["batch_size"] < 1 or doc["image_size"] < 1 or doc["world_size"] < 1:
+            raise ProtocolError(f"{path}: batch_size, image_size and world_size must be at least 1")
+        if not all(isinstance(c, str) for c in doc["classes"]):
+            raise ProtocolError(f"{path}: field 'classes' must be a list of class names")
+        if "drop_last" in doc:  # absent in manifests of daemons before it: False
+            _field(doc, "drop_last", bool, path)
+        samples, size = doc["samples_per_epoch"], doc["batch_size"]
+        if doc["steps_per_epoch"] != steps_per_epoch(samples, size, doc.get("drop_last", False)):
+            dropping = " with the short last batch left out" if doc.get("drop_last") else ""
+            raise ProtocolError(
+                f"{path}: steps_per_epoch {doc['steps_per_epoch']} does not match {samples} "
+                f"samples in batches of {size}{dropping}; delete it and restart the daemon"
+            )
+        for key, kind in (("epochs", int), ("val_fraction", float), ("augmentation", str)):
+            # null means "none" for epochs and val_fraction; augmentation is a string when present.
+            if doc.get(key) is not None or (key == "augmentation" and key in doc):
+                doc = {**doc, key: _field(doc, key, kind, path)}
+        # epochs may be left out as val_fraction may: null, run on (a missing key was a TypeError).
+        doc = {"epochs": None, **doc, "created": float(doc["created"])}
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in doc.items() if k in names})
+
+    def write(self, buffer: Dir) -> None:
+        write_json(Path(buffer) / MANIFEST_NAME, self.to_doc())
+
+    @classmethod
+    def read(cls, buffer: Dir) -> Manifest:
+        path = Path(buffer) / MANIFEST_NAME
+        return cls.from_doc(read_json(path, "manifest"), path)
+
+
+@dataclass(frozen=True, order=True)
+class Progress:
+    """The next (epoch, step) a consumer (trainer) needs; everything before it is consumed.
+
+    ``wait_share`` (optional) is the fraction of the trainer's recent time spent
+    waiting for batches, which the daemon reports as whether the GPU is fed.
+    ``pid`` and ``time`` say which process wrote it and when (``write`` fills them
+    in); the daemon tells from them whether the trainer is still there.  ``closed``:
+    the consumer left (``BufferLoader.close``) and holds no batches while another
+    reads, until it writes again.  ``job``: the ``Manifest.job_key`` of the job the position is in (None
+    from writers that predate it); the daemon ignores a position in another job.
+    ``consumer`` picks the file (see :func:`progress_name`).
+    """
+
+    epoch: int
+    step: int
+    wait_share: float | None = field(default=None, compare=False)
+    pid: int | None = field(default=None, compare=False)
+    time: float | None = field(default=None, compare=False)
+    closed: bool = field(default=False, compare=False)
+    job: str | None = field(default=None, compare=False)
+
+    def write(self, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> None:
+        doc: dict[str, Any] = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch,
+                               "step": self.step, "pid": os.getpid(), "time": time.time()}
+        if self.wait_share is not None:
+            doc["wait_share"] = round(self.wait_share, 4)
+        if self.closed:
+            doc["closed"] = True
+        if self.job is not None:
+            doc["job"] = self.job
+        write_json(Path(buffer) / progress_name(consumer), doc)
+
+    @classmethod
+    def read(cls, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> Progress | None:
+        """The consumer's progress, or None when it has not written one yet."""
+        path = Path(buffer) / progress_name(consumer)
+        doc = read_optional(path, "progress")
+        if doc is None:
+            return None
+        share = doc.get("wait_share")
+        if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1):
+            raise ProtocolError(f"{path}: field 'wait_share' is {share!r}, expected a fraction between 0 and 1")
+        closed = doc.get("closed", False)
+        if not isinstance(closed, bool):
+            raise ProtocolError(f"{path}: field 'closed' is {closed!r}, expected true or false")
+        # Optional for readers: documents of older writers have neither.
+        pid = _field(doc, "pid", int, path) if doc.get("pid") is not None else None
+        written = _field(doc, "time", float, path) if doc.get("time") is not None else None
+        job = _field(doc, "job", str, path) if doc.get("job") is not None else None
+        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written, closed, job)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """A trainer's request that the daemon produce ``settings``.
+
+    ``settings`` uses the names of `prefetchd start` flags with underscores
+    (data, split, batch_size, ...); the daemon validates them and answers in
+    status.json under ``job_result`` with the request's ``job_id``.
+
+    ``owner`` is not in the document: it is the uid owning the job.json that was
+    read (fstat of the opened file), which says who submitted it, since a writer
+    creates its temp file and renames it into place.  None for a request not read
+    from a buffer.
+    """
+
+    settings: dict[str, Any]
+    replace: bool = False
+    job_id: str = field(default_factory=lambda: secrets.token_hex(6))
+    submitted: float = field(default_factory=time.time)
+    owner: int | None = None
+
+    def write(self, buffer: Dir) -> None:
+        write_json(Path(buffer) / JOB_NAME, {"format": "prefetchd.job", "version": VERSION, "settings": self.settings,
+                                       "replace": self.replace, "job_id": self.job_id, "submitted": self.submitted})
+
+    @classmethod
+    def read(cls, buffer: Dir) -> JobRequest | None:
+        """The request in ``buffer``'s job.json, None when there is none.  A malformed one is a
+        ``BadJobRequest`` that carries the document's ``job_id`` where one can be read, so that
+        the refusal reaches whoever submitted it."""
+        path = Path(buffer) / JOB_NAME
+        try:
+            doc, st = read_json_stat(path, "job")
+        except FileNotFoundError:
+            return None
+        except ProtocolError as exc:  # not read at all (a link, not JSON, ...): no job_id to echo
+            raise BadJobRequest(str(exc), None) from None
+        job_id = doc.get("job_id")
+        try:
+            if st.st_nlink != 1:
+                # A hard link to someone else's file would pass for a job that user wrote.
+                raise ProtocolError(f"{path}: has {st.st_nlink} links, so its owner (uid {st.st_uid}) need not be "
+                                    "who put it there; remove it and submit the job again")
+            settings = _field(doc, "settings", dict, path)
+            for key, value in settings.items():
+                if not isinstance(value, (str, int, float, bool)) and value is not None:
+                    raise ProtocolError(f"{path}: setting {key!r} is {value!r}; settings are strings, numbers, "
+                                        "booleans or null")
+            return cls(settings, bool(doc.get("replace")), _field(doc, "job_id", str, path),
+                       _field(doc, "submitted", float, path), owner=st.st_uid)
+        except ProtocolError as exc:
+            echoed = job_id if isinstance(job_id, str) and JOB_ID_RE.fullmatch(job_id) else None
+            raise BadJobRequest(str(exc), echoed) from None
+
+
+class BadJobRequest(ProtocolError):
+    """A job.json that breaks the protocol.  ``job_id`` is the document's own (a short plain
+    name: it is echoed in logs and status.json), or None where none could be read."""
+
+    def __init__(self, message: str, job_id: str | None) -> None:
+        super().__init__(message)
+        self.job_id = job_id

@@ -1,0 +1,178 @@
+"""Who owns a buffer: the one daemon that holds ``daemon.lock`` (``DaemonLock``), and whether a pid
+named in a document is still the live process that wrote it (``alive_since``, ``daemon_pid``)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+import psutil
+
+from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.layout import LOCK_NAME, Dir, owning_buffer
+from prefetchd.buffer_protocol.documents import open_regular
+
+
+class BufferBusy(ProtocolError):
+    """Another live daemon owns the buffer."""
+
+
+class DaemonLock:
+    """One daemon per buffer: an flock on ``daemon.lock`` that holds the owner's pid.
+
+    The kernel drops an flock when its holder dies, so a SIGKILLed daemon never
+    leaves a stale lock behind.
+
+    The file is ``LOCK_MODE`` (less the umask): readers need its pid (``daemon_pid``), nobody
+    but the owner writes it, and nobody runs it.  flock(2) needs only a read-only descriptor, so
+    whoever may read the file can also hold the lock and keep a daemon from starting: with
+    --group-access that is any member of the buffer's group (systemd/README.md, "who it runs as").
+    """
+
+    LOCK_MODE = 0o644
+
+    def __init__(self, buffer: Dir) -> None:
+        self.path = Path(buffer) / LOCK_NAME
+        self._fd: int | None = None
+        self._directory: tuple[int, int] | None = None  # (st_dev, st_ino) of the buffer when locked
+
+    def acquire(self) -> None:
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, "the daemon's lock file", self.LOCK_MODE)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            # Another user's file (or a hard link to one) would get our pid written into it.
+            raise ProtocolError(f"{self.path}: belongs to uid {st.st_uid} or has {st.st_nlink} links, so this "
+                                f"daemon (uid {os.geteuid()}) did not create it; remove it, or pick another --buffer")
+        if stat.S_IMODE(st.st_mode) & ~self.LOCK_MODE:
+            # One made by an older daemon (0777 less the umask: group-writable under UMask=0007).
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & self.LOCK_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise BufferBusy(self._held_by(daemon_pid(self.path.parent))) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        directory = os.stat(self.path.parent)
+        self._directory = (directory.st_dev, directory.st_ino)
+
+    def _held_by(self, pid: int | None) -> str:
+        buffer = self.path.parent
+        if pid is not None:
+            return (f"{buffer}: buffer is owned by a running daemon (pid {pid}); stop it with "
+                    f"`prefetchd stop --buffer {buffer}` or pick another --buffer")
+        # No live pid in the file: whoever holds the flock is no prefetchd daemon (a daemon
+        # writes its pid right after it takes the lock and empties the file just before it lets go).
+        return (f"{buffer}: {self.path} is locked by a process that is not a running prefetchd daemon (pid "
+                "unknown: the file names no live daemon; any user who can read the file can lock it); find it "
+                f"with `fuser -v {self.path}` and end it, or pick another --buffer")
+
+    def lost(self) -> str | None:
+        """Why this lock no longer keeps the buffer to its holder, or None while it does: ``daemon.lock``
+        was removed, or the buffer directory removed or replaced (``rm -rf`` and ``mkdir``, another
+        buffer moved there), so the path's lock is another file, which another daemon may take."""
+        assert self._fd is not None, "acquire() first"
+        buffer = self.path.parent
+        try:
+            there = os.stat(self.path)
+            mine = os.fstat(self._fd)
+            if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                return None  # the file locked, so the directory it is in: nothing else decides
+            what = f"{LOCK_NAME} was removed and made again"
+        except FileNotFoundError:
+            what = f"{LOCK_NAME} was removed"
+        except OSError:
+            return None  # cannot tell now (EACCES, ENOMEM): asked again at the next look
+        # Only to say what happened: a directory's inode number is not stable on every filesystem (overlayfs).
+        try:
+            directory = os.stat(buffer)
+        except FileNotFoundError:
+            return f"{buffer}: the buffer directory was removed"
+        except OSError:
+            return f"{buffer}: {what}"
+        replaced = (directory.st_dev, directory.st_ino) != self._directory
+        return f"{buffer}: " + ("the buffer directory was replaced by another" if replaced else what)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def alive_since(pid: int, since: float) -> bool:
+    """Whether process ``pid`` exists, is no zombie and was started by ``since`` (a time.time()).
+
+    The start time rules out a pid the kernel reused for another process after the
+    one that wrote ``since`` (a lock, a progress file) died.  A process of another
+    user counts as alive when it exists, also where /proc hides it (hidepid, systemd's
+    ProtectProc=invisible: the service's sandbox), so its start time cannot be read.
+    """
+    try:
+        return _started_by(pid, since)
+    except psutil.AccessDenied:
+        return True
+
+
+def _started_by(pid: int, since: float) -> bool:
+    """``pid`` is a live process (a zombie has released its locks already) started by ``since``;
+    psutil.AccessDenied is left to the caller."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        started: float = proc.create_time()
+    except psutil.ZombieProcess:
+        return False
+    except psutil.NoSuchProcess:
+        return _hidden(pid)
+    # create_time() is derived from boot time and jiffies: a second of slack.
+    return started <= since + 1.0
+
+
+def _hidden(pid: int) -> bool:
+    """A pid /proc does not show that the kernel still has: signal 0 checks that it exists, and
+    fails with EPERM for another user's process, where ESRCH says it is gone."""
+    if pid <= 0:  # kill(0, ...) and kill(-1, ...) address process groups
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True  # ours to signal, yet not in /proc: it appeared as psutil looked (a zombie is ZombieProcess)
+
+
+def daemon_pid(buffer: Dir) -> int | None:
+    """Pid of the live daemon owning ``buffer``, or None.
+
+    Reads the pid the owner wrote and checks that process exists and is older
+    than the lock file, which rules out a pid reused after the owner died.
+    For a rank's stream directory the owner is the parent buffer's daemon.
+    """
+    path = owning_buffer(buffer) / LOCK_NAME
+    try:
+        fd = open_regular(path, os.O_RDONLY, "the daemon's lock file")
+    except (OSError, ProtocolError):  # missing, or not a lock a daemon made: nobody owns the buffer
+        return None
+    try:
+        text = os.read(fd, 64).decode("ascii", "replace").strip()
+        mtime = os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+    if not text.isdigit():
+        return None
+    pid = int(text)
+    try:
+        return pid if _started_by(pid, mtime) else None
+    except psutil.AccessDenied:
+        return None
