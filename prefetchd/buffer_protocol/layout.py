@@ -98,6 +98,11 @@ def stream_dir(buffer: Dir, rank: int, world_size: int) -> Path:
     return Path(buffer) if world_size == 1 else Path(buffer) / f"{STREAM_PREFIX}{rank:05d}"
 
 
+def stream_dirs(buffer: Dir) -> list[Path]:
+    """The rank stream directories in ``buffer``, in rank order; a link under such a name is none."""
+    return sorted(d for d in Path(buffer).glob(f"{STREAM_PREFIX}*") if d.is_dir() and not d.is_symlink())
+
+
 def owning_buffer(directory: Dir) -> Path:
     """The buffer whose daemon owns ``directory``: its parent for a rank's stream directory."""
     directory = Path(directory)

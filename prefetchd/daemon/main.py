@@ -28,7 +28,7 @@ from prefetchd.buffer_protocol import (
     stream_dir,
     write_status,
 )
-from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers, progress_name
+from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers, progress_name, stream_dirs
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import BufferLost, ConfigError, DatasetError
@@ -135,9 +135,8 @@ def clear_buffer(buffer: Path) -> None:
         path.unlink(missing_ok=True)
     for name in (*map(progress_name, list_consumers(buffer)), MANIFEST_NAME):
         (buffer / name).unlink(missing_ok=True)
-    for stream in buffer.glob(f"{STREAM_PREFIX}*"):
-        if stream.is_dir() and not stream.is_symlink():
-            remove_stream(stream)
+    for stream in stream_dirs(buffer):
+        remove_stream(stream)
 
 
 def remove_stream(stream: Path) -> None:
@@ -320,8 +319,7 @@ def trainer_idle_seconds(buffer: Path) -> float:
     """Seconds since any consumer of ``buffer`` (or of its ranks' streams) that has not left last wrote its
     progress file."""
     idle = float("inf")
-    streams = [buffer, *(d for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir() and not d.is_symlink())]
-    for directory, consumer in ((d, c) for d in streams for c in list_consumers(d)):
+    for directory, consumer in ((d, c) for d in [buffer, *stream_dirs(buffer)] for c in list_consumers(d)):
         path = directory / progress_name(consumer)
         try:
             progress = Progress.read(directory, consumer)

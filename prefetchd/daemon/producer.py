@@ -38,7 +38,7 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, stream_dirs
 from prefetchd.buffer_protocol.status import BadFile, Errors, JobResult, Production, Quantiles, Rates, State, Status, Totals
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
@@ -629,7 +629,7 @@ def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason:
 def sweep_leftovers(buffer: Path) -> int:
     """Delete what a killed daemon left half-written; only the lock holder may call this."""
     count = 0
-    for directory in [buffer, *(d for d in buffer.glob(f"{STREAM_PREFIX}*") if d.is_dir() and not d.is_symlink())]:
+    for directory in [buffer, *stream_dirs(buffer)]:
         for path in list_temp_files(directory):
             path.unlink(missing_ok=True)
             count += 1
