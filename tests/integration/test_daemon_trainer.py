@@ -409,7 +409,10 @@ def test_a_dataset_whose_mount_goes_away_is_waited_for_and_every_batch_is_a_clea
 
     def mount_the_dataset() -> None:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
-        shutil.copytree(shapes_data / "train", mount / "ds")
+        # Whole at once, as a mount that comes back is: copied in place, the daemon's retry could read the
+        # tree half-copied (the root there, files missing) and take them for undecodable (CI, once).
+        shutil.copytree(shapes_data / "train", mount / ".ds-copying")
+        (mount / ".ds-copying").rename(mount / "ds")
 
     mount_the_dataset()
     try:
