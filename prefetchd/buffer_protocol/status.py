@@ -175,7 +175,7 @@ class RemoteStatus:
     retries: int  # slices submitted again after their worker or node was lost
     stragglers: int  # slices started again because they took far longer than the median
     disconnects: int  # times the cluster was lost (its slices then went to the local workers)
-    message: str  # why it is not connected, or ""
+    message: str  # why it is not connected, or, connected, why no node gets slices; or ""
     copied_bytes: int = 0  # pixels copied from the object store into batch files
     copy_seconds: float = 0.0  # the time those copies took (copied_bytes / copy_seconds: the copy rate)
     nodes: tuple[RemoteNode, ...] = ()

@@ -241,7 +241,7 @@ def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:
              f"{counted(rm.disconnects, 'disconnect')}")
     if rm.connected:
         head = (f"  remote    ray {rm.address} connected: {counted(rm.cluster_nodes, 'node')}, "
-                f"{counted(rm.cluster_cpus, 'CPU')}; {built}")
+                f"{counted(rm.cluster_cpus, 'CPU')}{' (' + rm.message + ')' if rm.message else ''}; {built}")
     else:
         head = f"  remote    ray {rm.address} NOT CONNECTED ({rm.message.removeprefix('not connected: ')}); {built}"
     return ([head] + [f"  node      {n.node}: {n.images} img, {n.images_per_s:.0f} img/s, slice p50 "

@@ -256,3 +256,27 @@ def test_a_warning_a_new_bridge_sends_again_is_not_logged_again(
     said = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert said.count((logging.WARNING, f"ray: {unfit}")) == 1, said
     assert said.count((logging.INFO, f"ray: {retried}")) == 2, said  # news each time
+
+
+def test_a_cluster_whose_every_node_is_unfit_is_said_in_the_status_and_warned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With --workers 0 and every node unfit, production stopped with a connected cluster and an empty
+    message: the status said nothing of why no batch came (Ray review)."""
+    from prefetchd.daemon.remote.bridge import Report
+
+    index = _dataset(tmp_path / "data")
+    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), "10.0.0.5:6379", None, 0)
+    unfit = Report(True, nodes=2, cpus=0, unfit=("cpu-2/77ab01c3: could not use 1 sample ...",))
+    with caplog.at_level(logging.WARNING, logger="prefetchd.daemon.remote.pool"):
+        for said in (unfit, unfit, Report(True, nodes=2, cpus=4), unfit):
+            pool._on_report(said)
+            shown = pool.status().message
+            if said.cpus:
+                assert shown == "", "a node gets slices again"
+    assert shown == ("1 node with CPUs, each unfit (probed again every 30 s); no local workers (--workers 0): "
+                     "production waits for the cluster")
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [f"no node of the Ray cluster at 10.0.0.5:6379 gets slices: {shown}"] * 2, warned  # each time
+    info = report(status(production=production(remote=pool.status())), pid=4242, heartbeat_age_s=0.2)
+    assert f"connected: 2 nodes, 0 CPUs ({shown}); 0 slices in flight" in format_status(info)

@@ -5,7 +5,9 @@ the transform hook's module, is told unable."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from prefetchd import __version__
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.remote.bridge import write_rows
-from prefetchd.daemon.remote.task import Rows, Shipment, probe_samples, unable_here, unreadable
+from prefetchd.daemon.remote.task import Rows, Shipment, build_rows, probe_samples, unable_here, unreadable
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, run_task
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
@@ -49,22 +51,13 @@ def test_rows_for_a_batch_aborted_meanwhile_fail_the_write_not_the_job(tmp_path:
 
 def test_a_copy_into_a_batch_that_fails_counts_no_bytes_copied(tmp_path: Path) -> None:
     """remote.copied_bytes (and the copy rate in the status) counted the pixels of copies that failed."""
-    from types import SimpleNamespace
-
-    from prefetchd.daemon.remote import bridge
-
+    index = _dataset(tmp_path / "data")
     sent: list[object] = []
-    b = object.__new__(bridge.Bridge)
-    b.conn, b.latencies = SimpleNamespace(send=sent.append), []
-    b.ray = SimpleNamespace(exceptions=SimpleNamespace(TaskCancelledError=KeyError, RayTaskError=KeyError,
-                                                       RayError=KeyError))
+    b = _bridge_for(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), sent)
     task = Task(3, str(tmp_path / "aborted.tmp"), OFFSET, SLOT, 0, ((0, 1),))
-    ref = object()
-    b.slices = {3: bridge._Slice(task, 0.0, refs=[ref])}
-    built = Filled(3, ((0, 1, 0),), (), 0.0)
-    b._finish(3, ref, SimpleNamespace(result=lambda: (built, [np.zeros(SLOT, np.uint8)], "node-1")))
-    (done,) = sent
-    assert isinstance(done, bridge.Done) and isinstance(done.result, WriteFailed) and done.copied == (0, 0.0)
+    done = _finish_from_node(b, task, (Filled(3, ((0, 1, 0),), (), 0.0), [np.zeros(SLOT, np.uint8)]))
+    assert sent == [done] and isinstance(done.result, WriteFailed) and done.copied == (0, 0.0)
+    assert done.node == "node-1", "a slice without replaced samples is the node's, not built again"
 
 
 def test_nodes_are_probed_with_samples_spread_over_the_split_that_the_daemons_box_reads(tmp_path: Path) -> None:
@@ -145,3 +138,81 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
     requeued: list[Task] = []
     pool._receive(lambda *_: None, requeued.extend)
     assert requeued == [task] and pool.retries == bridge.MAX_ATTEMPTS - 1
+
+
+def _bridge_for(job: WorkerJob, sent: list[object]) -> Any:
+    """A Bridge's books for ``job``, with one node labelled "node-1": no cluster."""
+    from types import SimpleNamespace
+
+    from prefetchd.daemon.remote import bridge
+
+    b = object.__new__(bridge.Bridge)
+    b.conn, b.latencies, b.slices = SimpleNamespace(send=sent.append), [], {}
+    b.ray = SimpleNamespace(exceptions=SimpleNamespace(TaskCancelledError=KeyError, RayTaskError=KeyError,
+                                                       RayError=KeyError))
+    b.job, b.reader, b.prepared, b.failing_here = job, SampleReader(job.index), False, set()
+    b.nodes = {"id-1": bridge._Node("node-1", 1)}
+    return b
+
+
+def _finish_from_node(b: Any, task: Task, built: tuple[Any, Any]) -> Any:
+    """Hand ``b`` the node's ``built`` (result, pixels) for ``task``, as Ray's future would; the Done sent."""
+    from types import SimpleNamespace
+
+    from prefetchd.daemon.remote import bridge
+
+    ref = object()
+    b.slices[task.task_id] = bridge._Slice(task, 0.0, refs=[ref])
+    b._finish(task.task_id, ref, SimpleNamespace(result=lambda: (*built, "node-1")))
+    done = [m for m in b.conn.send.__self__ if isinstance(m, bridge.Done)]
+    return done[-1]
+
+
+def test_a_node_missing_a_file_the_box_reads_does_not_change_the_batch_and_gets_no_more_slices(tmp_path: Path) -> None:
+    """A node that passed the probe but lacks one file replaced that sample, and the bridge wrote its
+    slice: the batch differed from the box's build (Ray review).  The box now builds such a slice again."""
+    index = _dataset(tmp_path / "data")
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    items = ((0, 5), (1, 2), (2, 9))
+    local = _batch_file(tmp_path / "local.tmp", 3)
+    assert isinstance(by_worker := run_task(job, Task(1, str(local), OFFSET, SLOT, 3, items)), Filled)
+    missing = tmp_path / "data" / index.name(5)
+    hidden = missing.rename(tmp_path / "hidden")  # as on the node, whose copy of --data lacks it
+    on_node = build_rows(job, Task(2, "unused", OFFSET, SLOT, 3, items), SampleReader(index))
+    hidden.rename(missing)
+    assert isinstance(on_node[0], Filled) and on_node[0].slots != by_worker.slots, "the node replaced sample 5"
+
+    sent: list[object] = []
+    b = _bridge_for(job, sent)
+    remote = _batch_file(tmp_path / "remote.tmp", 3)
+    done = _finish_from_node(b, Task(2, str(remote), OFFSET, SLOT, 3, items), on_node)
+    assert isinstance(done.result, Filled) and done.result.slots == by_worker.slots and not done.result.failures
+    assert done.node == "the daemon's box"
+    assert remote.read_bytes() == local.read_bytes(), "the batch is the box's, byte for byte"
+    node = b.nodes["id-1"]
+    assert node.differs == (5,) and node.again, "its next probes read sample 5 too"
+    assert f"could not use 1 sample that the daemon's box reads: {index.name(5)} (FileNotFoundError: " in node.reason
+    (warned,) = [m.text for m in sent if getattr(m, "level", 0) == logging.WARNING]
+    assert warned.startswith("node node-1 could not use 1 sample") and warned.endswith("it gets no slices"), warned
+
+
+def test_a_sample_the_box_cannot_use_either_leaves_the_node_fit_and_is_checked_once(tmp_path: Path) -> None:
+    index = _dataset(tmp_path / "data", broken=(4,))
+    (bad,) = [i for i in range(len(index)) if index.name(i).endswith("04.jpg")]
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    items = ((0, bad), (1, 1))
+    local = _batch_file(tmp_path / "local.tmp", 2)
+    assert isinstance(by_worker := run_task(job, Task(1, str(local), OFFSET, SLOT, 0, items)), Filled)
+    assert by_worker.failures, "the broken file is replaced on the box too"
+    sent: list[object] = []
+    b = _bridge_for(job, sent)
+    built: list[Task] = []
+    build_here = b._build_here
+    b._build_here = lambda task: (built.append(task), build_here(task))[1]
+    for task_id in (2, 3):  # the same bad file in two slices: built again here the first time only
+        task = Task(task_id, str(_batch_file(tmp_path / f"{task_id}.tmp", 2)), OFFSET, SLOT, 0, items)
+        done = _finish_from_node(b, task, build_rows(job, task, SampleReader(index)))
+        assert isinstance(done.result, Filled) and done.result.slots == by_worker.slots
+        assert Path(task.path).read_bytes() == local.read_bytes()
+    assert [t.task_id for t in built] == [2] and b.failing_here == {index.name(bad)}
+    assert b.nodes["id-1"].reason == "" and not [m for m in sent if getattr(m, "level", 0) == logging.WARNING]

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,7 +100,7 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
     remote = status.remote if status is not None else None
     text = log.read_text()
     about_nodes = [line for line in text.splitlines()
-                   if "reads --data" in line or "cannot read" in line or "cannot build" in line]
+                   if any(said in line for said in ("reads --data", "cannot read", "cannot build", "could not use"))]
     return {"seconds": round(time.monotonic() - started, 1), "digests": digests, "indices": indices, "exit_code": code,
             "status_text": shown, "remote": dataclasses.asdict(remote) if remote is not None else None,
             "running": dataclasses.asdict(running) if running is not None else None, "log": text[-6000:],
@@ -107,15 +108,20 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
 
 
 def join_with_own_mounts(address: str, data: Path, log: Path, without_data: bool,
-                         without_hook: bool = False) -> subprocess.Popen[bytes]:
+                         without_hook: bool = False, emptied: Path | None = None) -> subprocess.Popen[bytes]:
     """A node that joins the cluster at ``address`` as a user adds one (``ray start``), in a private
     mount namespace; ``without_data``: an empty tmpfs hides ``data`` there, as on a machine without
     the dataset's mount (``hide_data`` does it later); ``without_hook``: one hides the package of
-    the jobs' transform hook (this repository's ``tests``), as on a machine where it is not installed."""
+    the jobs' transform hook (this repository's ``tests``), as on a machine where it is not installed;
+    ``emptied``: an empty file is mounted over that one, as on a machine whose copy of it is damaged."""
     ray = Path(sys.executable).parent / "ray"
     hide = f"mount -t tmpfs -o size=1m none {data} && " if without_data else ""
     if without_hook:
         hide += f"mount -t tmpfs -o size=1m none {Path(__file__).resolve().parents[1]} && "
+    if emptied is not None:
+        empty = log.with_suffix(".empty")
+        empty.write_bytes(b"")
+        hide += f"mount --bind {empty} {emptied} && "
     script = (f"{hide}exec {ray} start --address={address} --num-cpus=1 "
               f"--object-store-memory={NODE['object_store_memory']} --disable-usage-stats --block")
     return subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
@@ -138,9 +144,56 @@ def hide_data_when_idle(node: subprocess.Popen[bytes], data: Path, buffer: Path,
     hide_data(node, data)
 
 
+def mend_file(node: subprocess.Popen[bytes], path: Path) -> None:
+    """Undo ``join_with_own_mounts``' ``emptied``: the node reads the box's copy of ``path`` again."""
+    subprocess.run(["nsenter", "--target", str(node.pid), "--mount", "umount", str(path)], check=True)
+
+
 def stop_node(node: subprocess.Popen[bytes]) -> None:
     node.terminate()  # ray start drains and stops its node on SIGTERM
     node.wait(60)
+
+
+HIDDEN_SAMPLE = 5  # not one of the 8 probe samples of the 72 (0, 10, 20, ..., 71): the probe passes without it
+
+
+def file_differs(cluster: Any, node_b: Any, data: Path, work: Path, ray: list[str]) -> dict[str, Any]:
+    """Node B leaves; node F joins with one sample's file empty there, and is the only node with a CPU
+    of a remote-only job.  The slice it builds with that sample replaced is built again on the daemon's
+    box, F gets no more slices (production waits, and the status says why), and once the file is
+    mended there F's next probe passes and it builds the rest."""
+    from prefetchd.daemon.dataset import scan_class_folders
+
+    hidden = scan_class_folders(data).path(HIDDEN_SAMPLE)
+    cluster.remove_node(node_b)
+    node_f = join_with_own_mounts(cluster.address, data, work / "node-f.log", without_data=False, emptied=hidden)
+    buffer = work / "file-differs"
+    seen: dict[str, Any] = {}
+
+    def mend_once_unfit(proc: Any) -> None:
+        wait_for(lambda: (r := remote_status(buffer)) is not None and r.unfit_nodes and r.cluster_cpus == 0, 180,
+                 "node F to be found unfit", proc)
+        seen["status"] = dataclasses.asdict(remote_status(buffer))
+        mend_file(node_f, hidden)
+
+    def in_background(proc: Any) -> None:
+        def run() -> None:
+            try:
+                mend_once_unfit(proc)
+            except BaseException as exc:  # noqa: BLE001 - told in the result; the job then times out
+                seen["error"] = repr(exc)
+
+        seen["thread"] = threading.Thread(target=run, daemon=True)
+        seen["thread"].start()
+
+    try:
+        result = read_job(data, buffer, work / "file-differs.log", [*ray, "--workers", "0"], connected=True,
+                          before=in_background)
+        seen["thread"].join(10)
+    finally:
+        stop_node(node_f)
+        cluster.add_node(**NODE)  # a node with a CPU for the next scenario
+    return {**result, "unfit_status": seen.get("status"), "error": seen.get("error"), "hidden": str(hidden)}
 
 
 def main() -> None:
@@ -158,11 +211,14 @@ def main() -> None:
     out["cluster_start_seconds"] = round(time.monotonic() - started, 1)
     ray = ["--ray", cluster.address]
 
+    node_b: Any = None
+
     def lose_node_a(proc: Any) -> None:
         """Remove node A while it builds a slice (it has touched the marker and sleeps), then add node B."""
+        nonlocal node_b
         wait_for(marker.exists, 180, "node A to build a slice", proc)
         cluster.remove_node(node_a, allow_graceful=False)  # SIGKILL, as a machine that goes away
-        cluster.add_node(**NODE)
+        node_b = cluster.add_node(**NODE)
 
     try:
         out["remote_only"] = read_job(data, work / "remote", work / "remote.log", [*ray, "--workers", "0"],
@@ -199,6 +255,7 @@ def main() -> None:
                 after_first=lambda proc: hide_data_when_idle(node_d, data, mount_lost, proc))
         finally:
             stop_node(node_d)
+        out["file_differs"] = file_differs(cluster, node_b, data, work, ray)
         lost = work / "cluster-lost"
 
         def lose_cluster(proc: Any) -> None:

@@ -16,6 +16,9 @@ job's Ray workers import torch) and asserts on what it read:
 - in a remote-only job a fourth node joins with the dataset and loses its mount
   (``nsenter`` mounts an empty tmpfs over it) once the trainer has a batch: it is
   named, and every batch is still the local-only daemon's;
+- in a remote-only job whose only node has one sample's file empty (not one the probe reads), the
+  slice it builds with that sample replaced is built again on the daemon's box; the node gets no
+  more slices until the file is mended there and its next probe, which reads that sample, passes;
 - a job whose whole cluster is shut down mid-epoch goes on with its local worker,
   says so in its status, connects again to a cluster started at the same address,
   builds there again, and delivers the same batches.
@@ -158,6 +161,28 @@ def test_a_node_that_loses_the_dataset_mid_job_stops_building_and_no_batch_chang
     passed = re.findall(r"node (\S+) reads --data \(8 samples checked\)", about)
     failed = re.findall(r"node (\S+) cannot read 8 of the 8 samples probed: \S+ \(FileNotFoundError", about)
     assert len(passed) == 2 and len(failed) == 1 and failed[0] in passed, about
+
+
+def test_a_node_with_a_damaged_file_changes_no_batch_and_builds_again_once_it_is_mended(
+        scenarios: dict[str, Any]) -> None:
+    run = _check_delivery(scenarios, "file_differs")  # every batch the local-only daemon's, the damaged sample's too
+    assert run["error"] is None, run["error"]
+    remote, about = run["remote"], "\n".join(run["about_nodes"])
+    # Node F passed the probe, replaced the sample whose file is empty there, and the bridge built that slice
+    # again on the daemon's box instead of writing F's.
+    box = [n for n in remote["nodes"] if n["node"] == "the daemon's box"]
+    assert len(box) == 1 and box[0]["slices"] == 1, remote["nodes"]
+    hidden = run["hidden"].rsplit("/", 2)
+    told = re.findall(r"node (\S+) could not use 1 sample that the daemon's box reads: (\S+) \(", about)
+    assert len(told) == 1 and told[0][1].endswith("/".join(hidden[-2:])), about
+    # F was the only node with a CPU and --workers 0: production waited, and the status said why.
+    waited = run["unfit_status"]
+    assert waited["cluster_cpus"] == 0 and told[0][0] in waited["unfit_nodes"][0], waited
+    assert waited["message"] == ("1 node with CPUs, each unfit (probed again every 30 s); no local workers "
+                                 "(--workers 0): production waits for the cluster"), waited
+    # The file mended there, F's next probe (which reads that sample too) passed and it built the rest.
+    assert f"node {told[0][0]} reads --data again (9 samples checked): it builds slices again" in about, about
+    assert any(n["node"] == told[0][0] and n["slices"] > 1 for n in remote["nodes"]), remote["nodes"]
 
 
 def test_job_goes_on_with_local_workers_when_the_cluster_disappears_and_returns(scenarios: dict[str, Any]) -> None:

@@ -20,9 +20,10 @@ import numpy as np
 
 from prefetchd import __version__
 from prefetchd.buffer_protocol import SlotFiller
-from prefetchd.daemon.remote.task import NodeAnswer, Shipment, build_slice, node_label, probe_node, probe_samples
+from prefetchd.daemon.remote.task import (NodeAnswer, Shipment, build_rows, build_slice, node_label, probe_node,
+                                          probe_samples)
 from prefetchd.daemon.sources import SampleReader
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, task_slots
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, prepare_process, task_slots
 from prefetchd.words import counted
 
 REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
@@ -35,6 +36,7 @@ SHOWN_FAILURES = 3  # unreadable samples named in a node's warning
 TOKEN_AUTH = ("start the daemon with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token (or "
               "RAY_AUTH_TOKEN_PATH); see docs/SCALE.md, 'Token authentication'")
 REACH_SECONDS = 5.0  # the TCP check of a head's address before ray.init (``unreachable``)
+REPROBE_SECONDS = 30.0  # an unfit node that could read --data again (a mount back, files synced) is probed this often
 
 
 # -- messages from the bridge to the controller --------------------------------
@@ -110,6 +112,10 @@ class _Node:
     cpus: int
     probe: Any = None  # the probe's reference while it runs
     reason: str = ""  # why it is unfit; "" while it is probed, and once it passed
+    probed: float = 0.0  # when its last probe was started (time.monotonic)
+    # Samples it could not use although the daemon's box does: its next probes read them too.
+    differs: tuple[int, ...] = ()
+    again: bool = True  # unfit for what a probe can find mended: not its prefetchd version or hook module
 
 
 class Bridge:
@@ -121,14 +127,25 @@ class Bridge:
     dataset's mount, its credentials or the hook's module is named at once, and slices carry a
     label selector that excludes it.  A slice that reaches such a node before its probe answered gets the same
     answer from ``build_slice`` and goes elsewhere: a node never builds a batch it cannot read.
-    The selector excludes and never requires a node, so no slice waits for a node that died."""
+    The selector excludes and never requires a node, so no slice waits for a node that died.
+
+    A node that passed the probe may still lack a file, or hold a damaged copy: it replaces that
+    sample, as a local worker replaces one it cannot decode, and its slice would differ from the
+    box's.  So a slice that comes back with replaced samples is built again here, on the daemon's
+    box, unless the box itself failed each of them before; the box's build is the one written, and
+    a node that could not use a sample the box uses gets no more slices (``_checked_here``).
+    Unfit nodes are probed again every ``REPROBE_SECONDS``, with the samples they could not use."""
 
     def __init__(self, conn: Connection, job: WorkerJob) -> None:
         import ray
 
         self.ray: Any = ray
         self.conn = conn
-        probe = probe_samples(job, SampleReader(job.index, job.readers))
+        self.job = job
+        self.reader = SampleReader(job.index, job.readers)
+        self.prepared = False  # for building slices here (``_build_here``)
+        self.failing_here: set[str] = set()  # samples the box itself could not use: a node failing them is no news
+        probe = probe_samples(job, self.reader)
         self.box = [ray.put(Shipment(job, probe, __version__))]  # once per job
         self.build = ray.remote(build_slice)
         self.probe = ray.remote(probe_node)
@@ -233,8 +250,9 @@ class Bridge:
         for other in s.refs:
             if other is not ref:
                 self._cancel(other)
+        result, pixels, node = self._checked_here(s.task, result, pixels, node)
         copied = (0, 0.0)
-        if isinstance(result, Filled):
+        if isinstance(result, Filled) and pixels is not None:  # a Filled always has them
             t0 = time.perf_counter()
             result = write_rows(s.task, result, pixels)
             if isinstance(result, Filled):  # a copy that failed (ENOSPC) copied nothing
@@ -242,6 +260,37 @@ class Bridge:
         latency = time.monotonic() - s.submitted
         self.latencies.append(latency)
         self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
+
+    def _checked_here(self, task: Task, result: Filled | WriteFailed, pixels: list[np.ndarray] | None,
+                      node: str) -> tuple[Filled | WriteFailed, list[np.ndarray] | None, str]:
+        """``result``, a node's build of ``task``, as the daemon's box builds it: (result, pixels, who built it).
+
+        A slice without replaced samples, or whose replaced samples the box failed too, is the box's.
+        Otherwise the box builds it (a slice in one of these is rare: a bad file, and each is remembered
+        once the box failed it), and that build is the one written.  A replaced sample that the box
+        uses means the node's copy of --data differs from the box's: the node gets no slices until a
+        probe that reads that sample passes."""
+        failed = {name for name, _reason in result.failures}
+        if failed <= self.failing_here:
+            return result, pixels, node
+        here, rows = self._build_here(task)
+        self.failing_here.update(name for name, _reason in here.failures)
+        used = {self.job.index.name(i): i for _slot, i, _label in here.slots} if isinstance(here, Filled) else {}
+        differs = [(name, reason) for name, reason in result.failures if name in used]
+        builder = next((n for n in self.nodes.values() if n.label == node), None)
+        if differs and builder is not None:
+            builder.differs = tuple(sorted({*builder.differs, *(used[name] for name, _reason in differs)}))
+            shown = "; ".join(f"{name} ({reason})" for name, reason in differs[:SHOWN_FAILURES])
+            self._unfit(builder, f"could not use {counted(len(differs), 'sample')} that the daemon's box reads: "
+                                 f"{shown}; its copy of --data differs from the box's, and so would its batches: "
+                                 f"sync it (it is probed again every {REPROBE_SECONDS:.0f} s, with these samples)")
+        return here, rows, BOX_LABEL
+
+    def _build_here(self, task: Task) -> tuple[Filled | WriteFailed, list[np.ndarray] | None]:
+        if not self.prepared:
+            prepare_process(self.job)
+            self.prepared = True
+        return build_rows(self.job, task, self.reader)
 
     def _again(self, s: _Slice, ref: Any, reason: str, lost: bool = True) -> None:
         """``ref``, one copy of slice ``s``, failed for ``reason``: submit it again, up to MAX_ATTEMPTS,
@@ -289,18 +338,26 @@ class Bridge:
             if not cpus:
                 continue  # a head without CPUs, say: it never gets a slice
             seen.add(node_id)
-            if node_id in self.nodes:
-                self.nodes[node_id].cpus = cpus
+            known = self.nodes.get(node_id)
+            if known is not None:
+                known.cpus = cpus
+                if (known.reason and known.again and known.probe is None
+                        and time.monotonic() - known.probed >= REPROBE_SECONDS):
+                    self._start_probe(node_id, known)
                 continue
-            node = self.nodes[node_id] = _Node(node_label(n.get("NodeManagerHostname", "?"), node_id), cpus)
-            # No CPU: the probe never waits behind slices.
-            node.probe = self.probe.options(num_cpus=0, max_retries=0,
-                                            label_selector={NODE_ID_LABEL: node_id}).remote(self.box)
-            self._watch(node.probe, functools.partial(self._probed, node_id))
+            self._start_probe(node_id, self.nodes.setdefault(
+                node_id, _Node(node_label(n.get("NodeManagerHostname", "?"), node_id), cpus)))
         for node_id in set(self.nodes) - seen:
             if self.nodes[node_id].probe is not None:
                 self._cancel(self.nodes[node_id].probe)
             del self.nodes[node_id]
+
+    def _start_probe(self, node_id: str, node: _Node) -> None:
+        # No CPU: the probe never waits behind slices.
+        node.probed = time.monotonic()
+        node.probe = self.probe.options(num_cpus=0, max_retries=0,
+                                        label_selector={NODE_ID_LABEL: node_id}).remote(self.box, node.differs)
+        self._watch(node.probe, functools.partial(self._probed, node_id))
 
     def _probed(self, node_id: str, future: Any) -> None:
         node = self.nodes.get(node_id)
@@ -322,11 +379,15 @@ class Bridge:
         # A slice may answer for a node that joined since the last report: its CPUs come with the next.
         node = self.nodes.setdefault(node_id, _Node(answer.node, 0))
         if answer.unable:
+            node.again = False  # its prefetchd or the hook's module: a probe finds the same until the node restarts
             self._unfit(node, f"cannot build the job's slices: {answer.unable}")
             return
         if not answer.failures:
-            self.conn.send(Note(logging.INFO, f"node {node.label} reads --data ({answer.checked} samples checked): "
-                                              f"it builds slices" + (f" with its {counted(node.cpus, 'CPU')}" if node.cpus else "")))
+            again = " again" if node.reason else ""
+            node.reason = ""
+            self.conn.send(Note(logging.INFO, f"node {node.label} reads --data{again} ({answer.checked} samples "
+                                              f"checked): it builds slices{again}"
+                                              + (f" with its {counted(node.cpus, 'CPU')}" if node.cpus else "")))
             return
         more = len(answer.failures) - SHOWN_FAILURES
         named = "; ".join(answer.failures[:SHOWN_FAILURES]) + (f"; and {more} more" if more > 0 else "")
@@ -344,6 +405,9 @@ class Bridge:
         self._track(alive)
         return Report(True, len(alive), sum(n.cpus for n in self.nodes.values() if not n.reason),
                       unfit=tuple(f"{n.label}: {n.reason}" for n in self.nodes.values() if n.reason))
+
+
+BOX_LABEL = "the daemon's box"  # who built a slice that ``_checked_here`` built again there
 
 
 def _last_line(exc: BaseException) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 from prefetchd.buffer_protocol import RemoteNode, RemoteStatus
 from prefetchd.daemon.config import require_ray
 from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
-from prefetchd.daemon.remote.bridge import REPORT_SECONDS, Done, Note, Report, Returned, bridge_main
+from prefetchd.daemon.remote.bridge import REPORT_SECONDS, REPROBE_SECONDS, Done, Note, Report, Returned, bridge_main
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.words import counted
 
@@ -234,11 +234,22 @@ class RemotePool:
         self.connected = True
         self.failed_attempts = 0
         self.told_no_answer = False
-        self.message = self.lost = ""
+        self.lost = ""
+        idle = self._all_unfit(report)
+        if idle and idle != self.message:
+            log.warning("no node of the Ray cluster at %s gets slices: %s", self.address, idle)
+        self.message = idle
         self.nodes, self.cpus, self.unfit = report.nodes, report.cpus, report.unfit
         self.last_report = time.monotonic()
         if self.cpus:
             self.cpus_seen = self.last_report
+
+    def _all_unfit(self, report: Report) -> str:
+        """The status' message while connected: why no node gets slices (each one with CPUs is unfit), or ""."""
+        if report.cpus or not report.unfit:
+            return ""
+        return (f"{counted(len(report.unfit), 'node')} with CPUs, each unfit (probed again every "
+                f"{REPROBE_SECONDS:.0f} s); {self._fallback()}")
 
     def _take(self, task_id: int) -> Task | None:
         task = self.in_flight.pop(task_id, None)

@@ -103,6 +103,7 @@ class _JobHere:
     ref: str  # the shipment's object id
     shipment: Shipment
     reader: SampleReader
+    unable: str  # why this process cannot run the job at all (``unable_here``), or ""
     answer: NodeAnswer  # this node's answer to the probe, the latest
     clean: jpeg_crop.CleanFiles | None  # the files this process has decoded cleanly to the end
 
@@ -122,21 +123,26 @@ def _here(box: list[Any]) -> _JobHere:
         unable = unable_here(shipment)
         reader = SampleReader(shipment.job.index, shipment.job.readers)
         clean = jpeg_crop.CleanFiles(len(shipment.job.index), shared=False) if jpeg_crop.available() else None
-        _job_here = _JobHere(ref.hex(), shipment, reader, _probe(shipment, reader, unable), clean)
+        _job_here = _JobHere(ref.hex(), shipment, reader, unable, _probe(shipment, reader, unable), clean)
     return _job_here
 
 
-def _probe(shipment: Shipment, reader: SampleReader, unable: str = "") -> NodeAnswer:
-    """Read the job's probe samples on this node, now (none where it cannot run the job)."""
+def _probe(shipment: Shipment, reader: SampleReader, unable: str = "", also: tuple[int, ...] = ()) -> NodeAnswer:
+    """Read the job's probe samples, and ``also`` these, on this node, now (none where it cannot run the job)."""
     import ray
 
-    return NodeAnswer(ray.get_runtime_context().get_node_id(), socket.gethostname(), len(shipment.probe),
-                      () if unable else unreadable(shipment.job, reader, shipment.probe), unable)
+    samples = tuple(dict.fromkeys((*shipment.probe, *also)))
+    return NodeAnswer(ray.get_runtime_context().get_node_id(), socket.gethostname(), len(samples),
+                      () if unable else unreadable(shipment.job, reader, samples), unable)
 
 
-def probe_node(box: list[Any]) -> NodeAnswer:
-    """A Ray task pinned to one node: can it read the job's probe samples?"""
-    return _here(box).answer
+def probe_node(box: list[Any], also: tuple[int, ...] = ()) -> NodeAnswer:
+    """A Ray task pinned to one node: can it read the job's probe samples, and ``also`` these (ones it
+    could not use before although the daemon's box does)?  Read afresh each time: a node found unfit
+    is probed again, and its mount may be back."""
+    here = _here(box)
+    here.answer = _probe(here.shipment, here.reader, here.unable, also)
+    return here.answer
 
 
 def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | NodeAnswer, list[np.ndarray] | None, str]:
@@ -151,20 +157,30 @@ def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | Node
     runs is the hook's bug, as on the daemon's box: it stops the job (``failure_of``).
     """
     here = _here(box)
+    if not here.answer.fit:  # this process found the node unfit; the bridge sent this slice: look again
+        here.answer = _probe(here.shipment, here.reader, here.unable)
     answer = here.answer
     if not answer.fit:
         return answer, None, answer.node
-    rows = Rows(task.items)
-    try:
-        result = run_task(here.shipment.job, task, here.reader, sink=rows, clean=here.clean)
-    except Exception as exc:
-        result = failure_of(task.task_id, exc)
+    result, pixels = build_rows(here.shipment.job, task, here.reader, here.clean)
     if not isinstance(result, Filled) or result.failures:
         again = _probe(here.shipment, here.reader)
         if again.failures:
             here.answer = again
             return again, None, again.node
-    return result, rows.pixels if isinstance(result, Filled) else None, answer.node
+    return result, pixels, answer.node
+
+
+def build_rows(job: WorkerJob, task: Task, reader: SampleReader,
+               clean: jpeg_crop.CleanFiles | None = None) -> tuple[Filled | WriteFailed, list[np.ndarray] | None]:
+    """``task`` built by ``run_task`` into rows (an image per item, in order, None unless it filled):
+    on a node, and on the daemon's box where the bridge checks a node's slice."""
+    rows = Rows(task.items)
+    try:
+        result = run_task(job, task, reader, sink=rows, clean=clean)
+    except Exception as exc:
+        result = failure_of(task.task_id, exc)
+    return result, rows.pixels if isinstance(result, Filled) else None
 
 
 class Rows:
@@ -183,5 +199,5 @@ class Rows:
         self.pixels[self.rows[slot]] = np.frombuffer(image, np.uint8)
 
 
-__all__ = ["NodeAnswer", "Rows", "Shipment", "build_slice", "node_label", "probe_node", "probe_samples", "unable_here",
+__all__ = ["NodeAnswer", "Rows", "Shipment", "build_rows", "build_slice", "node_label", "probe_node", "probe_samples", "unable_here",
            "unreadable"]
