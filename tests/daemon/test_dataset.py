@@ -170,6 +170,33 @@ def test_root_without_class_folders(tmp_path: Path, make_image: Callable[..., Pa
     assert str(root) in str(exc.value)
 
 
+@pytest.mark.parametrize("link, target", [("cat/up", ".."), ("cat/sub/again", "../../cat"), ("dog", ".")])
+def test_a_link_back_into_a_folder_it_is_inside_is_refused_naming_it(
+        tmp_path: Path, make_image: Callable[..., Path], link: str, target: str) -> None:
+    """os.walk, like ImageFolder, went round such a loop until the path was too long: `cat/up -> ..` made
+    the 2 images of the dataset 246 samples, without a word."""
+    root = tmp_path / "ds"
+    make_image(root / "cat" / "a.jpg")
+    make_image(root / "cat" / "sub" / "b.jpg")
+    make_image(root / "fox" / "c.jpg")
+    os.symlink(target, root / link)
+    with pytest.raises(DatasetError) as exc:
+        scan_class_folders(root, threads=3)
+    assert str(exc.value).startswith(f"{root / link} links to "), exc.value
+    assert "a folder it is inside: a loop" in str(exc.value) and "remove that link" in str(exc.value)
+
+
+def test_a_link_to_another_folder_of_the_dataset_is_followed_as_imagefolder_does(
+        tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    root = tmp_path / "ds"
+    make_image(root / "cat" / "a.jpg")
+    make_image(root / "fox" / "c.jpg")
+    os.symlink("../fox", root / "cat" / "foxes")  # a sibling, not a folder above it: its images twice, no loop
+    index = scan_class_folders(root)
+    assert [index.name(i) for i in range(len(index))] == [p for p, _ in ImageFolder(str(root)).samples]
+    assert len(index) == 3
+
+
 def test_class_folder_without_images(tmp_path: Path, make_image: Callable[..., Path]) -> None:
     root = tmp_path / "ds"
     make_image(root / "good" / "a.jpg")
