@@ -316,8 +316,14 @@ class Producer:
         self.remote.handle(self._complete, self._requeue)
 
     def _requeue(self, tasks: list[Task]) -> None:
-        """Tasks the cluster lost go first to whoever has room (a cancelled batch's are built and ignored)."""
-        self.todo.extendleft(reversed(tasks))
+        """Tasks the cluster lost go first to whoever has room; a cancelled batch's (a rewind) are dropped."""
+        for task in tasks:
+            build = self.task_build.get(task.task_id)
+            if build is not None and build.cancelled:
+                del self.task_build[task.task_id]
+                build.outstanding.discard(task.task_id)
+                self._maybe_drop(build)
+        self.todo.extendleft(reversed([t for t in tasks if t.task_id in self.task_build]))
 
     # -- workers --------------------------------------------------------------
 

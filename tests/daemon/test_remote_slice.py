@@ -216,3 +216,30 @@ def test_a_sample_the_box_cannot_use_either_leaves_the_node_fit_and_is_checked_o
         assert Path(task.path).read_bytes() == local.read_bytes()
     assert [t.task_id for t in built] == [2] and b.failing_here == {index.name(bad)}
     assert b.nodes["id-1"].reason == "" and not [m for m in sent if getattr(m, "level", 0) == logging.WARNING]
+
+
+def test_slices_the_cluster_hands_back_of_a_cancelled_batch_are_dropped_not_built_again() -> None:
+    """A rewind cancels a batch; its slices at the cluster came back (lost, or no node fit) and were
+    queued first, to be built and thrown away (stop 42's Ray review)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from prefetchd.daemon.producer import Producer
+
+    aborted: list[int] = []
+
+    def build(g: int, cancelled: bool, task_ids: set[int]) -> Any:
+        stream = SimpleNamespace(building={})
+        b = SimpleNamespace(g=g, cancelled=cancelled, outstanding=set(task_ids), stream=stream,
+                            pending=SimpleNamespace(abort=lambda: aborted.append(g)))
+        stream.building[g] = b
+        return b
+
+    old, kept = build(3, True, {1, 2}), build(4, False, {5})
+    producer = object.__new__(Producer)
+    producer.todo = deque([Task(9, "queued", OFFSET, SLOT, 0, ((0, 0),))])
+    producer.task_build = {1: old, 2: old, 5: kept}
+    tasks = [Task(i, "b.tmp", OFFSET, SLOT, 0, ((0, i),)) for i in (1, 5, 2)]
+    producer._requeue(tasks)
+    assert [t.task_id for t in producer.todo] == [5, 9], "the live batch's slice first, the cancelled one's dropped"
+    assert aborted == [3] and 3 not in old.stream.building and producer.task_build == {5: kept}
