@@ -43,7 +43,7 @@ REMOTE = RemoteStatus(address="ray://head:10001", connected=True, cluster_nodes=
                       nodes=(RemoteNode(node="cpu-1/3f2a9c1d", images=1664, slices=104, images_per_s=1900.5,
                                         latency_p50_s=0.41),),
                       unfit_nodes=("cpu-2/77ab01c3: cannot read 8 of the 8 samples probed: n01/a.jpg (FileNotFoundError: "
-                                   "...); mount --data at the same path on every node",))
+                                   "...); mount the same --data at the same path on every node",))
 CONSUMER = ConsumerStatus(name="trial-3", progress=POSITION, trainer=TRAINER, holding=True, window=32)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from prefetchd import __version__
 from prefetchd.daemon.plan import AugmentOptions
@@ -65,21 +66,34 @@ def test_nodes_are_probed_with_samples_spread_over_the_split_that_the_daemons_bo
     job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
     reader = SampleReader(index)
     spread = probe_samples(job, reader, count=4)
-    assert spread == (0, 3, 6, 9), "first, last and evenly between"
+    assert [i for i, _digest in spread] == [0, 3, 6, 9], "first, last and evenly between"
     (tmp_path / "data" / index.name(3)).unlink()  # gone here too: a bad file, not a bad node
-    assert probe_samples(job, reader, count=4) == (0, 6, 9)
-    assert unreadable(job, reader, (0, 6, 9)) == ()
+    again = probe_samples(job, reader, count=4)
+    assert [i for i, _digest in again] == [0, 6, 9] and unreadable(job, reader, again) == ()
 
 
 def test_a_node_that_cannot_read_names_each_file_and_the_error(tmp_path: Path) -> None:
     index = _dataset(tmp_path / "data")
     job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
     probe = probe_samples(job, SampleReader(index))
-    for name in (index.name(probe[0]), index.name(probe[-1])):
+    first, last = index.name(probe[0][0]), index.name(probe[-1][0])
+    for name in (first, last):
         (tmp_path / "data" / name).unlink()  # as on a node where the mount lacks them
     failures = unreadable(job, SampleReader(index), probe)
     assert len(failures) == 2, failures
-    assert failures[0].startswith(f"{index.name(probe[0])} (FileNotFoundError: "), failures
+    assert failures[0].startswith(f"{first} (FileNotFoundError: "), failures
+
+
+def test_a_node_with_another_copy_of_a_file_names_it(tmp_path: Path) -> None:
+    """A node whose copy of --data is another version (a resized ImageNet, files re-encoded) read every
+    probe sample, so it built slices: every one of them other pixels than the box's."""
+    index = _dataset(tmp_path / "data")
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    probe = probe_samples(job, SampleReader(index))
+    other = tmp_path / "data" / index.name(probe[1][0])
+    Image.open(other).convert("RGB").save(other, quality=50)  # still an image, decodes: other bytes
+    (failure,) = unreadable(job, SampleReader(index), probe)
+    assert failure == f"{other} (its {other.stat().st_size} bytes here differ from the daemon's box's copy)"
 
 
 def test_a_node_with_another_prefetchd_or_without_the_hook_cannot_build(tmp_path: Path) -> None:
@@ -190,7 +204,8 @@ def test_a_node_missing_a_file_the_box_reads_does_not_change_the_batch_and_gets_
     assert done.node == "the daemon's box"
     assert remote.read_bytes() == local.read_bytes(), "the batch is the box's, byte for byte"
     node = b.nodes["id-1"]
-    assert node.differs == (5,) and node.again, "its next probes read sample 5 too"
+    assert [i for i, _digest in node.differs] == [5] and node.again, "its next probes read sample 5 too"
+    assert unreadable(job, SampleReader(index), node.differs) == (), "with the box's bytes"
     assert f"could not use 1 sample that the daemon's box reads: {index.name(5)} (FileNotFoundError: " in node.reason
     (warned,) = [m.text for m in sent if getattr(m, "level", 0) == logging.WARNING]
     assert warned.startswith("node node-1 could not use 1 sample") and warned.endswith("it gets no slices"), warned

@@ -138,7 +138,7 @@ def test_mixed_job_matches_local_workers_and_a_node_without_the_data_builds_noth
     # not read, and every slice went to the node that reads the data.
     unfit = [u for u in run["running"]["unfit_nodes"] if "cannot read" in u]
     assert len(unfit) == 1 and "cannot read 8 of the 8 samples probed: " in unfit[0], run["running"]
-    assert "FileNotFoundError" in unfit[0] and "mount --data at the same path on every node" in unfit[0], unfit
+    assert "FileNotFoundError" in unfit[0] and "mount the same --data at the same path on every node" in unfit[0], unfit
     node_c = unfit[0].split(":")[0]
     assert node_c not in {n["node"] for n in remote["nodes"]}, (node_c, remote["nodes"])
     assert any(f"node {node_c} cannot read" in line and "it gets no slices" in line for line in run["about_nodes"]), run

@@ -20,8 +20,8 @@ import numpy as np
 
 from prefetchd import __version__
 from prefetchd.buffer_protocol import SlotFiller
-from prefetchd.daemon.remote.task import (NodeAnswer, Shipment, build_rows, build_slice, node_label, probe_node,
-                                          probe_samples)
+from prefetchd.daemon.remote.task import (NodeAnswer, Sample, Shipment, build_rows, build_slice, node_label,
+                                          probe_node, probe_samples, sample_here)
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, prepare_process, task_slots
 from prefetchd.words import counted
@@ -114,7 +114,7 @@ class _Node:
     reason: str = ""  # why it is unfit; "" while it is probed, and once it passed
     probed: float = 0.0  # when its last probe was started (time.monotonic)
     # Samples it could not use although the daemon's box does: its next probes read them too.
-    differs: tuple[int, ...] = ()
+    differs: tuple[Sample, ...] = ()
     again: bool = True  # unfit for what a probe can find mended: not its prefetchd version or hook module
 
 
@@ -279,7 +279,8 @@ class Bridge:
         differs = [(name, reason) for name, reason in result.failures if name in used]
         builder = next((n for n in self.nodes.values() if n.label == node), None)
         if differs and builder is not None:
-            builder.differs = tuple(sorted({*builder.differs, *(used[name] for name, _reason in differs)}))
+            here_now = (sample_here(self.reader, used[name]) for name, _reason in differs)
+            builder.differs = tuple(sorted({*builder.differs, *(sample for sample in here_now if sample is not None)}))
             shown = "; ".join(f"{name} ({reason})" for name, reason in differs[:SHOWN_FAILURES])
             self._unfit(builder, f"could not use {counted(len(differs), 'sample')} that the daemon's box reads: "
                                  f"{shown}; its copy of --data differs from the box's, and so would its batches: "
@@ -392,8 +393,8 @@ class Bridge:
         more = len(answer.failures) - SHOWN_FAILURES
         named = "; ".join(answer.failures[:SHOWN_FAILURES]) + (f"; and {more} more" if more > 0 else "")
         self._unfit(node, f"cannot read {len(answer.failures)} of the {answer.checked} samples probed: {named}; "
-                          "mount --data at the same path on every node, or give every node credentials for its "
-                          "object storage")
+                          "mount the same --data at the same path on every node, or give every node credentials "
+                          "for its object storage")
 
     def _unfit(self, node: _Node, reason: str) -> None:
         if not node.reason:  # once: the probe and a slice may both answer

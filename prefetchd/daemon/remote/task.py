@@ -4,6 +4,8 @@ by the local workers' ``run_task``, into images that the task returns through th
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -15,17 +17,22 @@ from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.hook import HookError, load_hook
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task
+from prefetchd.words import counted
 
 PROBE_SAMPLES = 8  # samples spread over the split that a node must read before it gets slices
+
+# A sample as the daemon's box reads it: its index and the digest of its bytes there (``digest``).
+Sample = tuple[int, str]
 
 
 @dataclass(frozen=True)
 class Shipment:
-    """What goes to the object store once per job: the job, and the samples a node must read
-    (ones the daemon's own box reads, so that a bad file is not mistaken for a bad node)."""
+    """What goes to the object store once per job: the job, and the samples a node must read with
+    the same bytes as the daemon's own box (ones the box reads, so that a bad file is not mistaken
+    for a bad node; the same bytes, so that another version of the dataset is not taken for it)."""
 
     job: WorkerJob
-    probe: tuple[int, ...]
+    probe: tuple[Sample, ...]
     version: str  # the daemon's prefetchd: a node must run the same for the batches to be the same bits
 
 
@@ -54,17 +61,30 @@ def node_label(host: str, node_id: str) -> str:
     return f"{host}/{node_id[:8]}"
 
 
-def probe_samples(job: WorkerJob, reader: SampleReader, count: int = PROBE_SAMPLES) -> tuple[int, ...]:
+def probe_samples(job: WorkerJob, reader: SampleReader, count: int = PROBE_SAMPLES) -> tuple[Sample, ...]:
     """Up to ``count`` samples spread evenly over the split (its first and last included) that this
-    box reads; run by the bridge on the daemon's box."""
+    box reads, with their digests; run by the bridge on the daemon's box."""
     members = job.members
     picks = sorted({int(members[i]) for i in np.linspace(0, len(members) - 1, min(count, len(members))).astype(int)})
-    return tuple(i for i in picks if not _failure(job, reader, i))
+    return tuple(sample for sample in map(functools.partial(sample_here, reader), picks) if sample is not None)
 
 
-def unreadable(job: WorkerJob, reader: SampleReader, samples: tuple[int, ...]) -> tuple[str, ...]:
-    """"name (Error: text)" for each of ``samples`` that ``reader`` cannot read here."""
-    return tuple(f for f in (_failure(job, reader, i) for i in samples) if f)
+def sample_here(reader: SampleReader, index: int) -> Sample | None:
+    """Sample ``index`` as ``reader`` reads it here, or None where it cannot."""
+    try:
+        return index, digest(reader.read(index))
+    except Exception:
+        return None
+
+
+def digest(data: bytes | bytearray) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def unreadable(job: WorkerJob, reader: SampleReader, samples: tuple[Sample, ...]) -> tuple[str, ...]:
+    """"name (Error: text)" for each of ``samples`` that ``reader`` cannot read here, or reads with
+    other bytes than the daemon's box."""
+    return tuple(f for f in (_failure(job, reader, i, box) for i, box in samples) if f)
 
 
 def unable_here(shipment: Shipment) -> str:
@@ -88,11 +108,13 @@ def unable_here(shipment: Shipment) -> str:
     return ""
 
 
-def _failure(job: WorkerJob, reader: SampleReader, index: int) -> str:
+def _failure(job: WorkerJob, reader: SampleReader, index: int, box: str) -> str:
     try:
-        reader.read(index)
+        data = reader.read(index)
     except Exception as exc:
         return f"{job.index.name(index)} ({type(exc).__name__}: {exc})"
+    if digest(data) != box:
+        return f"{job.index.name(index)} (its {counted(len(data), 'byte')} here differ from the daemon's box's copy)"
     return ""
 
 
@@ -127,7 +149,7 @@ def _here(box: list[Any]) -> _JobHere:
     return _job_here
 
 
-def _probe(shipment: Shipment, reader: SampleReader, unable: str = "", also: tuple[int, ...] = ()) -> NodeAnswer:
+def _probe(shipment: Shipment, reader: SampleReader, unable: str = "", also: tuple[Sample, ...] = ()) -> NodeAnswer:
     """Read the job's probe samples, and ``also`` these, on this node, now (none where it cannot run the job)."""
     import ray
 
@@ -136,7 +158,7 @@ def _probe(shipment: Shipment, reader: SampleReader, unable: str = "", also: tup
                       () if unable else unreadable(shipment.job, reader, samples), unable)
 
 
-def probe_node(box: list[Any], also: tuple[int, ...] = ()) -> NodeAnswer:
+def probe_node(box: list[Any], also: tuple[Sample, ...] = ()) -> NodeAnswer:
     """A Ray task pinned to one node: can it read the job's probe samples, and ``also`` these (ones it
     could not use before although the daemon's box does)?  Read afresh each time: a node found unfit
     is probed again, and its mount may be back."""
@@ -199,5 +221,5 @@ class Rows:
         self.pixels[self.rows[slot]] = np.frombuffer(image, np.uint8)
 
 
-__all__ = ["NodeAnswer", "Rows", "Shipment", "build_rows", "build_slice", "node_label", "probe_node", "probe_samples", "unable_here",
-           "unreadable"]
+__all__ = ["NodeAnswer", "Rows", "Sample", "Shipment", "build_rows", "build_slice", "node_label", "probe_node",
+           "probe_samples", "sample_here", "unable_here", "unreadable"]
