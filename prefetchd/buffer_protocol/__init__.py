@@ -22,7 +22,9 @@ from prefetchd.buffer_protocol.layout import (
     DEFAULT_CONSUMER,
     batch_name,
     check_consumer,
+    consumer_lock_name,
     list_batches,
+    list_consumer_locks,
     list_consumers,
     list_temp_files,
     parse_batch_name,
@@ -53,7 +55,7 @@ from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, SpareFile
 
 __all__ = [
     "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
-    "DEFAULT_CONSUMER", "check_consumer", "list_consumers", "progress_name",
+    "DEFAULT_CONSUMER", "check_consumer", "consumer_lock_name", "list_consumer_locks", "list_consumers", "progress_name",
     "BadJobRequest", "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "daemon_pid", "list_batches",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",

@@ -9,6 +9,7 @@ buffer is ``ownership``'s.
       manifest.json               what the daemon produces (written by the daemon)
       progress.json               next (epoch, step) the trainer needs (written by the trainer)
       progress.NAME.json          the same for consumer NAME, when several trainers share the buffer
+      progress[.NAME].json.lock   flock()ed by the one trainer reading as that consumer
       status.json                 fill, rates, errors, heartbeat (written by the daemon)
       job.json                    a job a trainer asks the daemon to produce (written by trainers)
       e000000-s00000000.batch     finished batches, named by (epoch, step)
@@ -67,6 +68,18 @@ def progress_name(consumer: str = DEFAULT_CONSUMER) -> str:
     return PROGRESS_NAME if check_consumer(consumer) == DEFAULT_CONSUMER else f"progress.{consumer}.json"
 
 
+CONSUMER_LOCK_SUFFIX = ".lock"
+
+
+def consumer_lock_name(consumer: str = DEFAULT_CONSUMER) -> str:
+    """The file the trainer reading as ``consumer`` holds ``flock`` on: its progress file's name + .lock."""
+    return progress_name(consumer) + CONSUMER_LOCK_SUFFIX
+
+
+def is_consumer_lock(file_name: str) -> bool:
+    return file_name.endswith(CONSUMER_LOCK_SUFFIX) and consumer_of(file_name.removesuffix(CONSUMER_LOCK_SUFFIX)) is not None
+
+
 def consumer_of(file_name: str) -> str | None:
     """The consumer whose progress file is called ``file_name``; None for any other name."""
     if file_name == PROGRESS_NAME:
@@ -81,6 +94,12 @@ def list_consumers(directory: Dir) -> list[str]:
         return []
     with os.scandir(directory) as entries:
         return sorted(c for e in entries if (c := consumer_of(e.name)) is not None)
+
+
+def list_consumer_locks(directory: Dir) -> list[Path]:
+    """The consumers' lock files in ``directory`` (links and folders under their names left out)."""
+    with os.scandir(directory) as entries:
+        return sorted(Path(e.path) for e in entries if is_consumer_lock(e.name) and not e.is_dir(follow_symlinks=False))
 
 
 STREAM_PREFIX = "rank-"

@@ -28,7 +28,8 @@ from prefetchd.buffer_protocol import (
     stream_dir,
     write_status,
 )
-from prefetchd.buffer_protocol.layout import JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers, progress_name, stream_dirs
+from prefetchd.buffer_protocol.layout import (JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumer_locks, list_consumers,
+                                             progress_name, stream_dirs)
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import BufferLost, ConfigError, DatasetError
@@ -135,6 +136,8 @@ def clear_buffer(buffer: Path) -> None:
         path.unlink(missing_ok=True)
     for name in (*map(progress_name, list_consumers(buffer)), MANIFEST_NAME):
         (buffer / name).unlink(missing_ok=True)
+    for lock in list_consumer_locks(buffer):  # a stream directory must be empty to go
+        lock.unlink(missing_ok=True)
     for stream in stream_dirs(buffer):
         remove_stream(stream)
 

@@ -492,7 +492,8 @@ class BufferLoader:
                 self._publish(force=True, closed=True)
             except LoaderError as exc:
                 logger.warning("closing %s: %s", self._buffer, exc)
-        self._closed = self._progress.closed = True
+        self._closed = True
+        self._progress.release()
         self._generation += 1
 
     def __enter__(self) -> BufferLoader:

@@ -9,10 +9,14 @@ writes it for one loader:
   ``PROGRESS_REFRESH_SECONDS`` (SPEC rule 9) or when someone else rewrote it;
 - a write that fails (a full tmpfs) is retried at the next publish, and is an
   error only once it has kept failing for ``PROGRESS_WRITE_GRACE`` seconds;
-- another live trainer writing the same file is an error (each needs a consumer
-  name of its own), looked for at most every ``ALONE_CHECK_SECONDS`` while
-  publishing and at every look while waiting; a second open loader of this
-  process on the same file, which that check cannot tell apart, is warned about.
+- another trainer reading as the same consumer is an error (each needs a consumer
+  name of its own): the first holds ``flock`` on the consumer's lock file
+  (``progress.json.lock``) while its loader is open, and a second one's loader
+  refuses to start; the kernel lets go of a trainer that dies.  A trainer that
+  ignores the lock (an older prefetchd) is caught by its writes, looked for at
+  most every ``ALONE_CHECK_SECONDS`` while publishing and at every look while
+  waiting.  A second open loader of this process on the same file, which neither
+  can tell apart, is warned about.
 
 Which position may be written (a batch still being copied to the GPU is not
 consumed) is the loader's to say.
@@ -21,13 +25,16 @@ consumed) is the loader's to say.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
+import stat
 import time
 import weakref
 from pathlib import Path
 
-from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, progress_name
+from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
+                                      progress_name)
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import LoaderError
 
@@ -37,6 +44,7 @@ logger = logging.getLogger(__name__)
 # the batches that are there and retries; only a failure that lasts this long is an error.
 PROGRESS_WRITE_GRACE = 30.0
 ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, for another trainer's writes
+LOCK_FILE_MODE = 0o660  # a --group-access buffer's group shares its consumers (the umask narrows it)
 
 # This process's open progress files, to say when two loaders read one buffer as one consumer: the check
 # against other trainers' writes passes over this process's own pid.
@@ -56,12 +64,63 @@ class ProgressFile:
         self._published_at = 0.0  # time.monotonic() of the last write
         self._next_alone_check = 0.0  # when publish next reads the file for another trainer's writes
         self._failing_since: float | None = None
-        if any(o.path == self.path and not o.closed for o in _OPEN):
-            logger.warning(
-                "%s: another BufferLoader of this process reads it as %s and is still open. Two loaders take turns "
-                "at one progress file, and the daemon builds again the batches each moves back to; close the other "
-                "first (loader.close(), or a with block), or give each a consumer= of its own", buffer, self.who)
+        lock = self._take_lock()
+        # Closing the lock's descriptor lets go: at release(), or when a loader never closed is collected.
+        self._unlock = weakref.finalize(self, os.close, lock) if lock is not None else None
         _OPEN.add(self)
+
+    def _take_lock(self) -> int | None:
+        """Hold ``flock`` on the consumer's lock file: the descriptor that holds it, or None where another
+        open loader of this process holds it (a warning) or the file cannot be locked (a warning: then only
+        the writes tell another trainer); LoaderError where another trainer holds it."""
+        path = self.buffer / consumer_lock_name(self.consumer)
+        flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(path, os.O_RDWR | flags, LOCK_FILE_MODE)
+            except PermissionError:  # a group member's trainer made it: reading is enough to lock it
+                fd = os.open(path, os.O_RDONLY | flags)
+        except OSError as exc:
+            logger.warning("%s: cannot open it (%s); another trainer reading %s as %s is noticed only by its writes",
+                           path, exc.strerror or exc, self.buffer, self.who)
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                logger.warning("%s is not a regular file; another trainer reading %s as %s is noticed only by its "
+                               "writes: remove it", path, self.buffer, self.who)
+                return None
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if any(o.path == self.path and not o.closed for o in _OPEN):
+                logger.warning(
+                    "%s: another BufferLoader of this process reads it as %s and is still open. Two loaders take "
+                    "turns at one progress file, and the daemon builds again the batches each moves back to; close "
+                    "the other first (loader.close(), or a with block), or give each a consumer= of its own",
+                    self.buffer, self.who)
+                return None
+            raise LoaderError(
+                f"{self.buffer}: another trainer{self._holder()} reads it as {self.who} (it holds {path}). Several "
+                "trainers on one buffer each need a consumer name of their own: --consumer NAME "
+                "(BufferLoader(consumer=NAME))") from None
+        return fd
+
+    def _holder(self) -> str:
+        """" (pid N)" for the live writer of this consumer's progress, the likely holder of its lock, or ""."""
+        try:
+            current = Progress.read(self.buffer, self.consumer)
+        except (ProtocolError, OSError):
+            return ""
+        if current is None or current.pid is None or current.time is None or not alive_since(current.pid, current.time):
+            return ""
+        return f" (pid {current.pid})"
+
+    def release(self) -> None:
+        """The loader closed: another trainer may read as this consumer now."""
+        self.closed = True
+        if self._unlock is not None:
+            self._unlock()  # once: a finalizer runs at most once
 
     @property
     def who(self) -> str:

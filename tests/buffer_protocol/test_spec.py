@@ -181,8 +181,9 @@ def directory_mismatches(spec: str) -> list[str]:
     names = [literal(r["file"]) for r in rows]
     named = [n for n in names if "NAME" in n]  # a consumer's progress file: see consumer_mismatches
     names = [n for n in names if n not in named]
-    if [n.replace("NAME", "trial-3") for n in named] != [layout.progress_name("trial-3")]:
-        out.append(f"consumer progress files: spec {named}, code {layout.progress_name('trial-3')!r} for 'trial-3'")
+    consumer = [layout.progress_name("trial-3"), layout.consumer_lock_name("trial-3")]
+    if [n.replace("NAME", "trial-3") for n in named] != consumer:
+        out.append(f"consumer progress and lock files: spec {named}, code {consumer} for 'trial-3'")
     spares = [n for n in names if re.fullmatch(r"[a-z]+-N+\.\w+", n)]  # the daemon's spare files
     names = [n for n in names if n not in spares]
     for pattern in spares:
@@ -194,7 +195,8 @@ def directory_mismatches(spec: str) -> list[str]:
     if len(spares) != 1:
         out.append(f"spare files: spec names {spares}, expected one pattern")
     fixed = {n for n in names if not re.search(r"E+-s?S+", n)}
-    constants = {layout.LOCK_NAME, layout.MANIFEST_NAME, layout.PROGRESS_NAME, layout.STATUS_NAME, layout.JOB_NAME}
+    constants = {layout.LOCK_NAME, layout.MANIFEST_NAME, layout.PROGRESS_NAME, layout.consumer_lock_name(),
+                 layout.STATUS_NAME, layout.JOB_NAME}
     if fixed != constants:
         out.append(f"fixed file names: spec {sorted(fixed)}, code {sorted(constants)}")
 
@@ -446,7 +448,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Batch file", "offset")) == 6
     assert len(table(SPEC, "Batch file", "key")) == 7
     assert len(table(SPEC, "Batch file", "name")) == 3
-    assert len(table(SPEC, "Buffer directory", "file")) == 9
+    assert len(table(SPEC, "Buffer directory", "file")) == 11
     assert len(table(SPEC, "Status document", "key")) >= 60
     assert len(table(SPEC, "Manifest document", "key")) == 19
     assert len(table(SPEC, "Progress document", "key")) == 7

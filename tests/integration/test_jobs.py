@@ -356,13 +356,16 @@ def test_replacing_a_job_by_one_of_another_world_size(shapes_data: Path, shm_dir
         for _ in single:
             pass
     daemon.wait_until(lambda: len(list(buffer.glob("rank-*/e000000-s00000000.batch"))) == 3, 60, "three ranks' batches")
+    third = BufferLoader(buffer / "rank-00002", normalize=False, timeout=60)  # holds rank 2's consumer lock file
+    next(iter(third))
 
     narrow = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "7", "--world-size", "2", "--replace")
     assert narrow.returncode == 0, narrow.stdout + narrow.stderr
     daemon.wait_until(lambda: (buffer / "rank-00001" / "e000000-s00000000.batch").exists()
                       and Manifest.read(buffer / "rank-00001").seed == 7, 60, "the two-rank job's batches")
-    assert sorted(p.name for p in buffer.glob("rank-*")) == ["rank-00000", "rank-00001"]
+    assert sorted(p.name for p in buffer.glob("rank-*")) == ["rank-00000", "rank-00001"], daemon.log
     assert _epoll_fds(daemon.proc.pid) == epolls, "a job change left the old pool's selector open"
+    third.close()
 
 
 def test_a_trainer_of_one_rank_keeps_a_job_from_being_replaced_without_replace(tmp_path: Path) -> None:

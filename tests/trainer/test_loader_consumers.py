@@ -191,3 +191,53 @@ def test_two_trainers_that_never_wait_are_caught_taking_turns_at_one_consumer(ma
         other.kill()
         other.wait()
 
+
+
+OPEN_AND_HOLD = """
+import sys, time
+from prefetchd.trainer import BufferLoader, LoaderError
+try:
+    loader = BufferLoader(sys.argv[1], normalize=False, timeout=30, daemon_grace=30)
+except LoaderError as exc:
+    print("refused:", exc, flush=True)
+    sys.exit(3)
+next(iter(loader))
+print("reading", flush=True)
+if sys.argv[2] == "hold":
+    time.sleep(60)
+"""
+
+
+def _trainer(buffer: Path, then: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", OPEN_AND_HOLD, str(buffer), then], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_second_trainer_on_a_consumer_is_refused_at_once_and_a_dead_ones_consumer_is_free(make_job: MakeJob) -> None:
+    """The check by writes lets a second trainer read for up to a second, and two that start together both
+    read batches meant for one (stop 42's note).  The first holds the consumer's lock file while its loader
+    is open; the second's loader refuses to start, naming the first; a trainer that dies lets go."""
+    job = make_job(samples=12, batch_size=4, write=3)
+    job.claim(os.getpid())
+    first = _trainer(job.buffer, "hold")
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "reading\n", first.stderr
+        with pytest.raises(LoaderError) as refused:
+            BufferLoader(job.buffer, normalize=False, timeout=30)
+        assert str(refused.value) == (
+            f"{job.buffer}: another trainer (pid {first.pid}) reads it as the default consumer (it holds "
+            f"{job.buffer / 'progress.json.lock'}). Several trainers on one buffer each need a consumer name of "
+            "their own: --consumer NAME (BufferLoader(consumer=NAME))")
+        with BufferLoader(job.buffer, normalize=False, timeout=30, consumer="b") as named:  # another consumer
+            assert next(iter(named)).step == 0
+    finally:
+        first.kill()
+        first.wait()
+    with BufferLoader(job.buffer, normalize=False, timeout=30) as loader:  # SIGKILLed: its lock went with it
+        assert next(iter(loader)).step == 0
+        second = _trainer(job.buffer, "exit")
+        out, err = second.communicate(timeout=60)
+        assert second.returncode == 3 and out.startswith(f"refused: {job.buffer}: another trainer (pid {os.getpid()})"), (out, err)
+    third = _trainer(job.buffer, "exit")  # closed: the consumer is free
+    out, err = third.communicate(timeout=60)
+    assert third.returncode == 0 and out == "reading\n", (out, err)
