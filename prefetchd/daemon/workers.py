@@ -200,6 +200,21 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
     )
 
 
+def replaced_before(job: WorkerJob, index: int, used: int) -> list[int]:
+    """The samples ``_produce`` tried for ``index``, and could not use, before ``used``: none when it
+    used ``index`` itself.  The same walk, so the same samples wherever the slot was built."""
+    tried: list[int] = []
+    if used == index:
+        return tried
+    pos = int(np.searchsorted(job.members, index))
+    for k in range(min(MAX_REPLACEMENT_TRIES, len(job.members))):
+        candidate = int(job.members[(pos + k) % len(job.members)]) if k else index
+        if candidate == used:
+            break
+        tried.append(candidate)
+    return tried
+
+
 def _dataset_gone(root: str) -> bool:
     """A local dataset root that is no longer there, or empty: a mount that went away, or its bare mount point."""
     if is_url(root):

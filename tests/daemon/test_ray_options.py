@@ -274,8 +274,8 @@ def test_a_cluster_whose_every_node_is_unfit_is_said_in_the_status_and_warned_on
             shown = pool.status().message
             if said.cpus:
                 assert shown == "", "a node gets slices again"
-    assert shown == ("1 node with CPUs, each unfit (probed again every 30 s); no local workers (--workers 0): "
-                     "production waits for the cluster")
+    assert shown == ("1 node with CPUs, each unfit (one that cannot read --data is probed again every 30 s); "
+                     "no local workers (--workers 0): production waits for the cluster")
     warned = [r.getMessage() for r in caplog.records]
     assert warned == [f"no node of the Ray cluster at 10.0.0.5:6379 gets slices: {shown}"] * 2, warned  # each time
     info = report(status(production=production(remote=pool.status())), pid=4242, heartbeat_age_s=0.2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from PIL import Image
 
 from prefetchd import __version__
 from prefetchd.daemon.plan import AugmentOptions
+from prefetchd.daemon.remote import bridge
 from prefetchd.daemon.remote.bridge import write_rows
 from prefetchd.daemon.remote.task import Rows, Shipment, build_rows, probe_samples, unable_here, unreadable
 from prefetchd.daemon.sources import SampleReader
@@ -58,7 +60,7 @@ def test_a_copy_into_a_batch_that_fails_counts_no_bytes_copied(tmp_path: Path) -
     task = Task(3, str(tmp_path / "aborted.tmp"), OFFSET, SLOT, 0, ((0, 1),))
     done = _finish_from_node(b, task, (Filled(3, ((0, 1, 0),), (), 0.0), [np.zeros(SLOT, np.uint8)]))
     assert sent == [done] and isinstance(done.result, WriteFailed) and done.copied == (0, 0.0)
-    assert done.node == "node-1", "a slice without replaced samples is the node's, not built again"
+    assert done.node == NODE, "a slice without replaced samples is the node's, not built again"
 
 
 def test_nodes_are_probed_with_samples_spread_over_the_split_that_the_daemons_box_reads(tmp_path: Path) -> None:
@@ -114,7 +116,6 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
     times; remote.retries counted MAX_ATTEMPTS, as did the log's 'after N attempts' (review)."""
     from collections import Counter
 
-    from prefetchd.daemon.remote import bridge
     from prefetchd.daemon.remote.pool import RemotePool
 
     class Sent(list):  # type: ignore[type-arg]
@@ -154,30 +155,26 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
     assert requeued == [task] and pool.retries == bridge.MAX_ATTEMPTS - 1
 
 
+NODE_ID = "0123456789abcdef0123"
+NODE = f"worker-7/{NODE_ID[:8]}"  # as node_label names it; Ray's spelling of the host may differ
+
+
 def _bridge_for(job: WorkerJob, sent: list[object]) -> Any:
-    """A Bridge's books for ``job``, with one node labelled "node-1": no cluster."""
-    from types import SimpleNamespace
-
-    from prefetchd.daemon.remote import bridge
-
+    """A Bridge's books for ``job``, with one node, NODE_ID: no cluster."""
     b = object.__new__(bridge.Bridge)
     b.conn, b.latencies, b.slices = SimpleNamespace(send=sent.append), [], {}
     b.ray = SimpleNamespace(exceptions=SimpleNamespace(TaskCancelledError=KeyError, RayTaskError=KeyError,
                                                        RayError=KeyError))
     b.job, b.reader, b.prepared, b.failing_here = job, SampleReader(job.index), False, set()
-    b.nodes = {"id-1": bridge._Node("node-1", 1)}
+    b.nodes = {NODE_ID: bridge._Node(NODE, 1)}
     return b
 
 
 def _finish_from_node(b: Any, task: Task, built: tuple[Any, Any]) -> Any:
     """Hand ``b`` the node's ``built`` (result, pixels) for ``task``, as Ray's future would; the Done sent."""
-    from types import SimpleNamespace
-
-    from prefetchd.daemon.remote import bridge
-
     ref = object()
     b.slices[task.task_id] = bridge._Slice(task, 0.0, refs=[ref])
-    b._finish(task.task_id, ref, SimpleNamespace(result=lambda: (*built, "node-1")))
+    b._finish(task.task_id, ref, SimpleNamespace(result=lambda: (*built, NODE)))
     done = [m for m in b.conn.send.__self__ if isinstance(m, bridge.Done)]
     return done[-1]
 
@@ -203,12 +200,12 @@ def test_a_node_missing_a_file_the_box_reads_does_not_change_the_batch_and_gets_
     assert isinstance(done.result, Filled) and done.result.slots == by_worker.slots and not done.result.failures
     assert done.node == "the daemon's box"
     assert remote.read_bytes() == local.read_bytes(), "the batch is the box's, byte for byte"
-    node = b.nodes["id-1"]
+    node = b.nodes[NODE_ID]
     assert [i for i, _digest in node.differs] == [5] and node.again, "its next probes read sample 5 too"
     assert unreadable(job, SampleReader(index), node.differs) == (), "with the box's bytes"
-    assert f"could not use 1 sample that the daemon's box reads: {index.name(5)} (FileNotFoundError: " in node.reason
+    assert f"reads 1 sample otherwise than the daemon's box: {index.name(5)} (FileNotFoundError: " in node.reason
     (warned,) = [m.text for m in sent if getattr(m, "level", 0) == logging.WARNING]
-    assert warned.startswith("node node-1 could not use 1 sample") and warned.endswith("it gets no slices"), warned
+    assert warned.startswith(f"node {NODE} reads 1 sample otherwise") and warned.endswith("it gets no slices"), warned
 
 
 def test_a_sample_the_box_cannot_use_either_leaves_the_node_fit_and_is_checked_once(tmp_path: Path) -> None:
@@ -229,16 +226,14 @@ def test_a_sample_the_box_cannot_use_either_leaves_the_node_fit_and_is_checked_o
         done = _finish_from_node(b, task, build_rows(job, task, SampleReader(index)))
         assert isinstance(done.result, Filled) and done.result.slots == by_worker.slots
         assert Path(task.path).read_bytes() == local.read_bytes()
-    assert [t.task_id for t in built] == [2] and b.failing_here == {index.name(bad)}
-    assert b.nodes["id-1"].reason == "" and not [m for m in sent if getattr(m, "level", 0) == logging.WARNING]
+    assert [t.task_id for t in built] == [2] and b.failing_here == {bad}
+    assert b.nodes[NODE_ID].reason == "" and not [m for m in sent if getattr(m, "level", 0) == logging.WARNING]
 
 
 def test_slices_the_cluster_hands_back_of_a_cancelled_batch_are_dropped_not_built_again() -> None:
     """A rewind cancels a batch; its slices at the cluster came back (lost, or no node fit) and were
     queued first, to be built and thrown away (stop 42's Ray review)."""
     from collections import deque
-    from types import SimpleNamespace
-
     from prefetchd.daemon.producer import Producer
 
     aborted: list[int] = []
@@ -258,3 +253,65 @@ def test_slices_the_cluster_hands_back_of_a_cancelled_batch_are_dropped_not_buil
     producer._requeue(tasks)
     assert [t.task_id for t in producer.todo] == [5, 9], "the live batch's slice first, the cancelled one's dropped"
     assert aborted == [3] and 3 not in old.stream.building and producer.task_build == {5: kept}
+
+
+def test_a_node_using_a_sample_the_box_cannot_is_caught_once_the_box_failed_it(tmp_path: Path) -> None:
+    """A node whose copy of a file decodes where the box's does not built a slice with no replaced
+    sample, so it was written as it came: not the box's batch (review of this change)."""
+    index = _dataset(tmp_path / "data")
+    (bad,) = [i for i in range(len(index)) if index.name(i).endswith("04.jpg")]
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    items = ((0, bad), (1, 1))
+    good_copy = build_rows(job, Task(2, "unused", OFFSET, SLOT, 0, items), SampleReader(index))  # the node's
+    Path(index.name(bad)).write_bytes(b"\xff\xd8\xff\xe0 damaged here")  # the box's copy
+    assert isinstance(good_copy[0], Filled) and not good_copy[0].failures
+    sent: list[object] = []
+    b = _bridge_for(job, sent)
+    damaged_too = build_rows(job, Task(1, "unused", OFFSET, SLOT, 0, items), SampleReader(index))
+    first = _finish_from_node(b, Task(1, str(_batch_file(tmp_path / "1.tmp", 2)), OFFSET, SLOT, 0, items), damaged_too)
+    assert first.node == "the daemon's box" and b.failing_here == {bad} and b.nodes[NODE_ID].reason == ""
+    task = Task(2, str(_batch_file(tmp_path / "2.tmp", 2)), OFFSET, SLOT, 0, items)
+    done = _finish_from_node(b, task, good_copy)
+    assert done.node == "the daemon's box" and done.result.slots == first.result.slots != good_copy[0].slots
+    assert f"{index.name(bad)} (the node used it; the daemon's box cannot)" in b.nodes[NODE_ID].reason
+
+
+def test_a_node_found_reading_otherwise_has_its_next_such_slice_built_elsewhere_not_here(tmp_path: Path) -> None:
+    """Each such slice was built again on the bridge's one thread: a node sending many at once held the
+    bridge's reports back past SILENT_SECONDS, and the cluster was taken for lost (review)."""
+    index = _dataset(tmp_path / "data")
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    items = ((0, 5), (1, 2))
+    hidden = Path(index.name(5)).rename(tmp_path / "hidden")
+    on_node = [build_rows(job, Task(i, "unused", OFFSET, SLOT, 3, items), SampleReader(index)) for i in (1, 2)]
+    hidden.rename(index.name(5))
+    sent: list[object] = []
+    b = _bridge_for(job, sent)
+    built, submitted = [], []
+    build_here = b._build_here
+    b._build_here = lambda task: (built.append(task.task_id), build_here(task))[1]
+    b._submit = lambda s: submitted.append(s.task.task_id)
+    b.nodes["other-node-id-000"] = bridge._Node("other/other-no", 1)
+    _finish_from_node(b, Task(1, str(_batch_file(tmp_path / "1.tmp", 2)), OFFSET, SLOT, 3, items), on_node[0])
+    task = Task(2, str(_batch_file(tmp_path / "2.tmp", 2)), OFFSET, SLOT, 3, items)
+    ref = object()
+    b.slices[2] = bridge._Slice(task, 0.0, refs=[ref])
+    b._finish(2, ref, SimpleNamespace(result=lambda: (*on_node[1], NODE)))
+    assert built == [1] and submitted == [2] and 2 in b.slices, "the second went to another node, uncounted"
+    assert not [m for m in sent if isinstance(m, bridge.Done) and m.result.task_id == 2]
+
+
+def test_a_probe_begun_before_a_node_read_otherwise_does_not_clear_it() -> None:
+    from prefetchd.daemon.remote.task import NodeAnswer
+
+    sent: list[object] = []
+    b = object.__new__(bridge.Bridge)
+    b.conn = SimpleNamespace(send=sent.append)
+    b.nodes = {NODE_ID: bridge._Node(NODE, 1)}
+    node = b.nodes[NODE_ID]
+    node.reason, node.differs, node.covers, node.probed = "reads 1 sample otherwise ...", ((5, "d"),), (), 99.0
+    b._answered(NODE_ID, NodeAnswer(NODE_ID, "worker-7", 8, ()))  # the probe begun at the node's join
+    assert node.reason and node.probed == 0.0, "not cleared; probed again at the next report"
+    node.covers = node.differs
+    b._answered(NODE_ID, NodeAnswer(NODE_ID, "worker-7", 9, ()))  # one that read sample 5 too
+    assert node.reason == "" and sent[-1].text == f"node {NODE} reads --data again (9 samples checked): it builds slices again with its 1 CPU"

@@ -100,7 +100,7 @@ def read_job(data: Path, buffer: Path, log: Path, args: list[str], connected: bo
     remote = status.remote if status is not None else None
     text = log.read_text()
     about_nodes = [line for line in text.splitlines()
-                   if any(said in line for said in ("reads --data", "cannot read", "cannot build", "could not use"))]
+                   if any(said in line for said in ("reads --data", "cannot read", "cannot build", "otherwise than"))]
     return {"seconds": round(time.monotonic() - started, 1), "digests": digests, "indices": indices, "exit_code": code,
             "status_text": shown, "remote": dataclasses.asdict(remote) if remote is not None else None,
             "running": dataclasses.asdict(running) if running is not None else None, "log": text[-6000:],

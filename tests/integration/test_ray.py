@@ -173,13 +173,13 @@ def test_a_node_with_a_damaged_file_changes_no_batch_and_builds_again_once_it_is
     box = [n for n in remote["nodes"] if n["node"] == "the daemon's box"]
     assert len(box) == 1 and box[0]["slices"] == 1, remote["nodes"]
     hidden = run["hidden"].rsplit("/", 2)
-    told = re.findall(r"node (\S+) could not use 1 sample that the daemon's box reads: (\S+) \(", about)
+    told = re.findall(r"node (\S+) reads 1 sample otherwise than the daemon's box: (\S+) \(", about)
     assert len(told) == 1 and told[0][1].endswith("/".join(hidden[-2:])), about
     # F was the only node with a CPU and --workers 0: production waited, and the status said why.
     waited = run["unfit_status"]
     assert waited["cluster_cpus"] == 0 and told[0][0] in waited["unfit_nodes"][0], waited
-    assert waited["message"] == ("1 node with CPUs, each unfit (probed again every 30 s); no local workers "
-                                 "(--workers 0): production waits for the cluster"), waited
+    assert waited["message"] == ("1 node with CPUs, each unfit (one that cannot read --data is probed again every "
+                                 "30 s); no local workers (--workers 0): production waits for the cluster"), waited
     # The file mended there, F's next probe (which reads that sample too) passed and it built the rest.
     assert f"node {told[0][0]} reads --data again (9 samples checked): it builds slices again" in about, about
     assert any(n["node"] == told[0][0] and n["slices"] > 1 for n in remote["nodes"]), remote["nodes"]

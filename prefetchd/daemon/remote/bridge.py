@@ -23,7 +23,8 @@ from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.remote.task import (NodeAnswer, Sample, Shipment, build_rows, build_slice, node_label,
                                           probe_node, probe_samples, sample_here)
 from prefetchd.daemon.sources import SampleReader
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, prepare_process, task_slots
+from prefetchd.daemon.workers import (Filled, Task, WorkerJob, WriteFailed, prepare_process, replaced_before,
+                                     task_slots)
 from prefetchd.words import counted
 
 REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
@@ -113,8 +114,9 @@ class _Node:
     probe: Any = None  # the probe's reference while it runs
     reason: str = ""  # why it is unfit; "" while it is probed, and once it passed
     probed: float = 0.0  # when its last probe was started (time.monotonic)
-    # Samples it could not use although the daemon's box does: its next probes read them too.
+    # Samples it read otherwise than the daemon's box: its next probes read them too.
     differs: tuple[Sample, ...] = ()
+    covers: tuple[Sample, ...] = ()  # the ``differs`` its running probe reads: a pass clears only what it read
     again: bool = True  # unfit for what a probe can find mended: not its prefetchd version or hook module
 
 
@@ -131,10 +133,11 @@ class Bridge:
 
     A node that passed the probe may still lack a file, or hold a damaged copy: it replaces that
     sample, as a local worker replaces one it cannot decode, and its slice would differ from the
-    box's.  So a slice that comes back with replaced samples is built again here, on the daemon's
-    box, unless the box itself failed each of them before; the box's build is the one written, and
-    a node that could not use a sample the box uses gets no more slices (``_checked_here``).
-    Unfit nodes are probed again every ``REPROBE_SECONDS``, with the samples they could not use."""
+    box's.  So a slice that comes back with replaced samples (or using one the box cannot) is built
+    again here, on the daemon's box, unless the box replaced the same ones before; the box's build
+    is the one written, and a node that read a sample otherwise than the box gets no more slices
+    (``_checked_here``).  Unfit nodes are probed again every ``REPROBE_SECONDS``, with the samples
+    they read otherwise, against the box's bytes."""
 
     def __init__(self, conn: Connection, job: WorkerJob) -> None:
         import ray
@@ -144,7 +147,7 @@ class Bridge:
         self.job = job
         self.reader = SampleReader(job.index, job.readers)
         self.prepared = False  # for building slices here (``_build_here``)
-        self.failing_here: set[str] = set()  # samples the box itself could not use: a node failing them is no news
+        self.failing_here: set[int] = set()  # samples the box itself could not use: a node failing them is no news
         probe = probe_samples(job, self.reader)
         self.box = [ray.put(Shipment(job, probe, __version__))]  # once per job
         self.build = ray.remote(build_slice)
@@ -173,6 +176,9 @@ class Bridge:
             while self.done:
                 then, future = self.done.popleft()
                 then(future)
+                if time.monotonic() - last_report >= REPORT_SECONDS:  # a slice built here takes a while
+                    self.conn.send(self._report())
+                    last_report = time.monotonic()
             now = time.monotonic()
             self._relaunch_stragglers(now)
             if now - last_report >= REPORT_SECONDS:
@@ -246,11 +252,15 @@ class Bridge:
             self._answered(result.node_id, result)
             self._again(s, ref, f"node {node} is unfit", lost=False)
             return
+        checked = self._checked_here(s.task, result, pixels, node)
+        if checked is None:  # from a node already found to read --data otherwise: built elsewhere, not here again
+            self._again(s, ref, f"node {node} reads --data otherwise than the daemon's box", lost=False)
+            return
+        result, pixels, node = checked
         del self.slices[task_id]
         for other in s.refs:
             if other is not ref:
                 self._cancel(other)
-        result, pixels, node = self._checked_here(s.task, result, pixels, node)
         copied = (0, 0.0)
         if isinstance(result, Filled) and pixels is not None:  # a Filled always has them
             t0 = time.perf_counter()
@@ -262,30 +272,53 @@ class Bridge:
         self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
 
     def _checked_here(self, task: Task, result: Filled | WriteFailed, pixels: list[np.ndarray] | None,
-                      node: str) -> tuple[Filled | WriteFailed, list[np.ndarray] | None, str]:
-        """``result``, a node's build of ``task``, as the daemon's box builds it: (result, pixels, who built it).
+                      node: str) -> tuple[Filled | WriteFailed, list[np.ndarray] | None, str] | None:
+        """``result``, a node's build of ``task``, as the daemon's box builds it: (result, pixels, who built
+        it); None: the node is unfit already, and the slice is to be built elsewhere.
 
-        A slice without replaced samples, or whose replaced samples the box failed too, is the box's.
-        Otherwise the box builds it (a slice in one of these is rare: a bad file, and each is remembered
-        once the box failed it), and that build is the one written.  A replaced sample that the box
-        uses means the node's copy of --data differs from the box's: the node gets no slices until a
-        probe that reads that sample passes."""
-        failed = {name for name, _reason in result.failures}
-        if failed <= self.failing_here:
-            return result, pixels, node
+        A slice whose every sample is used or replaced as on the box (the box could not use the samples
+        the node replaced, and uses the ones the node used) is the box's.  Otherwise the box builds it
+        (rare: a bad file, each remembered once the box failed it), and that build is the one written.
+        Where the two differ, the node's copy of --data differs from the box's: it gets no slices until
+        a probe that reads those samples with the box's bytes passes."""
+        if isinstance(result, Filled):
+            tried = self._tried(task, result)
+            if not tried - self.failing_here and not {i for _slot, i, _label in result.slots} & self.failing_here:
+                return result, pixels, node
+        elif not result.failures:
+            return result, pixels, node  # not a sample's failure: the batch file's, or the store's
+        builder = self._node_labelled(node)
+        if builder is not None and builder.reason:
+            return None  # one build here per finding: a node that sends many such slices must not stall the bridge
         here, rows = self._build_here(task)
-        self.failing_here.update(name for name, _reason in here.failures)
-        used = {self.job.index.name(i): i for _slot, i, _label in here.slots} if isinstance(here, Filled) else {}
-        differs = [(name, reason) for name, reason in result.failures if name in used]
-        builder = next((n for n in self.nodes.values() if n.label == node), None)
+        used_here: set[int] = set()
+        if isinstance(here, Filled):
+            self.failing_here |= self._tried(task, here)
+            used_here = {i for _slot, i, _label in here.slots}
+        why = dict(result.failures)
+        # Samples the node could not use that the box uses, and samples the node used that the box cannot.
+        differs = {i: why[self.job.index.name(i)] for i in sorted(used_here) if self.job.index.name(i) in why}
+        if isinstance(result, Filled):
+            differs |= {i: "the node used it; the daemon's box cannot" for _slot, i, _label in result.slots
+                        if i in self.failing_here}
         if differs and builder is not None:
-            here_now = (sample_here(self.reader, used[name]) for name, _reason in differs)
+            here_now = (sample_here(self.reader, i) for i in differs)
             builder.differs = tuple(sorted({*builder.differs, *(sample for sample in here_now if sample is not None)}))
-            shown = "; ".join(f"{name} ({reason})" for name, reason in differs[:SHOWN_FAILURES])
-            self._unfit(builder, f"could not use {counted(len(differs), 'sample')} that the daemon's box reads: "
-                                 f"{shown}; its copy of --data differs from the box's, and so would its batches: "
-                                 f"sync it (it is probed again every {REPROBE_SECONDS:.0f} s, with these samples)")
+            shown = "; ".join(f"{self.job.index.name(i)} ({reason})" for i, reason in list(differs.items())[:SHOWN_FAILURES])
+            self._unfit(builder, f"reads {counted(len(differs), 'sample')} otherwise than the daemon's box: {shown}; "
+                                 "its copy of --data differs from the box's, and so would its batches: sync it (it "
+                                 f"is probed again every {REPROBE_SECONDS:.0f} s, with these samples)")
         return here, rows, BOX_LABEL
+
+    def _tried(self, task: Task, result: Filled) -> set[int]:
+        """The samples ``result`` tried and could not use."""
+        requested = dict(task.items)
+        return {i for slot, used, _label in result.slots for i in replaced_before(self.job, requested[slot], used)}
+
+    def _node_labelled(self, label: str) -> _Node | None:
+        """The node a slice says it was built on (``node_label``: by the start of its id, not its host name,
+        which Ray and the node's own ``gethostname`` may spell differently)."""
+        return next((n for node_id, n in self.nodes.items() if label.endswith("/" + node_id[:8])), None)
 
     def _build_here(self, task: Task) -> tuple[Filled | WriteFailed, list[np.ndarray] | None]:
         if not self.prepared:
@@ -356,8 +389,11 @@ class Bridge:
     def _start_probe(self, node_id: str, node: _Node) -> None:
         # No CPU: the probe never waits behind slices.
         node.probed = time.monotonic()
-        node.probe = self.probe.options(num_cpus=0, max_retries=0,
-                                        label_selector={NODE_ID_LABEL: node_id}).remote(self.box, node.differs)
+        node.covers = node.differs
+        # ``differs`` only when there are some: an older prefetchd's probe takes the box alone, and then
+        # says which version it runs.
+        node.probe = self.probe.options(num_cpus=0, max_retries=0, label_selector={NODE_ID_LABEL: node_id}).remote(
+            self.box, *((node.differs,) if node.differs else ()))
         self._watch(node.probe, functools.partial(self._probed, node_id))
 
     def _probed(self, node_id: str, future: Any) -> None:
@@ -384,6 +420,9 @@ class Bridge:
             self._unfit(node, f"cannot build the job's slices: {answer.unable}")
             return
         if not answer.failures:
+            if not set(node.differs) <= set(node.covers):
+                node.probed = 0.0  # begun before the node read samples otherwise: probed again, with them
+                return
             again = " again" if node.reason else ""
             node.reason = ""
             self.conn.send(Note(logging.INFO, f"node {node.label} reads --data{again} ({answer.checked} samples "
@@ -399,6 +438,7 @@ class Bridge:
     def _unfit(self, node: _Node, reason: str) -> None:
         if not node.reason:  # once: the probe and a slice may both answer
             self.conn.send(Note(logging.WARNING, f"node {node.label} {reason}; it gets no slices"))
+            node.probed = time.monotonic()  # probed again in REPROBE_SECONDS, not at once
         node.reason = reason
 
     def _report(self) -> Report:

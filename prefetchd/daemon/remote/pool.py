@@ -248,8 +248,8 @@ class RemotePool:
         """The status' message while connected: why no node gets slices (each one with CPUs is unfit), or ""."""
         if report.cpus or not report.unfit:
             return ""
-        return (f"{counted(len(report.unfit), 'node')} with CPUs, each unfit (probed again every "
-                f"{REPROBE_SECONDS:.0f} s); {self._fallback()}")
+        return (f"{counted(len(report.unfit), 'node')} with CPUs, each unfit (one that cannot read --data is "
+                f"probed again every {REPROBE_SECONDS:.0f} s); {self._fallback()}")
 
     def _take(self, task_id: int) -> Task | None:
         task = self.in_flight.pop(task_id, None)
