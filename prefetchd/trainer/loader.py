@@ -201,6 +201,10 @@ class BufferLoader:
         self._normalized = (normalization(mean, std, self._manifest.channels, self._buffer, self._device)
                             if normalize else None)
         self._epoch, self._step = self._start_position(start)
+        if self._device.type != "cuda" and pin not in ("auto", "none"):  # before the consumer is taken
+            raise ValueError(
+                f"pin={pin!r} needs a CUDA device, but device={str(device)!r}; pass pin='auto' or leave it out"
+            )
         self._progress = ProgressFile(self._buffer, self._consumer, self._manifest.job_key)
         self._waits = WaitMeter()
         self._generation = 0
@@ -215,11 +219,11 @@ class BufferLoader:
         if self._device.type == "cuda":
             mode = "staging" if pin == "auto" else pin
             if mode != "none":
-                self._attach_feeder(CudaBackend(self._device), mode, prefetch)
-        elif pin not in ("auto", "none"):
-            raise ValueError(
-                f"pin={pin!r} needs a CUDA device, but device={str(device)!r}; pass pin='auto' or leave it out"
-            )
+                try:
+                    self._attach_feeder(CudaBackend(self._device), mode, prefetch)
+                except BaseException:  # a loader that was never made holds no consumer
+                    self._progress.release()
+                    raise
 
     def _attach_feeder(self, backend: Backend, mode: PinMode, prefetch: int) -> None:
         """Send batches through a :class:`DeviceFeeder` on ``backend`` (also how tests fake CUDA)."""

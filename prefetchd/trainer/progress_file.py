@@ -15,8 +15,8 @@ writes it for one loader:
   refuses to start; the kernel lets go of a trainer that dies.  A trainer that
   ignores the lock (an older prefetchd) is caught by its writes, looked for at
   most every ``ALONE_CHECK_SECONDS`` while publishing and at every look while
-  waiting.  A second open loader of this process on the same file, which neither
-  can tell apart, is warned about.
+  waiting.  A second open loader of this process on the same consumer shares the
+  first one's lock, and is warned about: the two take turns at one file.
 
 Which position may be written (a batch still being copied to the GPU is not
 consumed) is the loader's to say.
@@ -29,6 +29,7 @@ import fcntl
 import logging
 import os
 import stat
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -46,9 +47,75 @@ PROGRESS_WRITE_GRACE = 30.0
 ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, for another trainer's writes
 LOCK_FILE_MODE = 0o660  # a --group-access buffer's group shares its consumers (the umask narrows it)
 
-# This process's open progress files, to say when two loaders read one buffer as one consumer: the check
-# against other trainers' writes passes over this process's own pid.
-_OPEN: weakref.WeakSet[ProgressFile] = weakref.WeakSet()
+
+
+class ConsumerHeld(Exception):
+    """Another process holds a consumer's lock file."""
+
+
+class _ConsumerLocks:
+    """The consumer lock files this process holds, by file identity (st_dev, st_ino), whatever the path's
+    spelling: this process's loaders of one consumer share one lock (a notebook cell run twice: warned
+    about), and it is let go when the last of them closes.
+
+    ``flock`` belongs to the open file, which a forked child shares: the child forgets the locks
+    (``os.register_at_fork``) and closes its copies, and the owner unlocks before it closes, so a
+    child that outlives a closed loader (a DataLoader worker) keeps nothing locked."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[int, int], list[int]] = {}  # identity -> [descriptor, loaders]
+        self._mutex = threading.Lock()
+
+    def take(self, path: Path) -> tuple[tuple[int, int], bool]:
+        """Lock ``path`` (made if missing; never through a link): (its identity, whether another loader of
+        this process holds it already).  ConsumerHeld where another process does; OSError where it cannot
+        be locked at all (not a regular file, no lock support)."""
+        flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        with self._mutex:
+            try:
+                fd = os.open(path, os.O_RDWR | flags, LOCK_FILE_MODE)
+            except PermissionError:  # a group member's trainer made it: a read-only descriptor locks too
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file: remove it")
+                key = (st.st_dev, st.st_ino)
+                if key in self._held:
+                    self._held[key][1] += 1
+                    os.close(fd)
+                    return key, True
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise ConsumerHeld(str(path)) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            self._held[key] = [fd, 1]
+            return key, False
+
+    def release(self, key: tuple[int, int]) -> None:
+        """One loader of ``key`` lets go; the last unlocks it."""
+        with self._mutex:
+            held = self._held.get(key)
+            if held is None:
+                return  # a forked child's copy, forgotten at the fork
+            held[1] -= 1
+            if held[1] == 0:
+                del self._held[key]
+                fcntl.flock(held[0], fcntl.LOCK_UN)
+                os.close(held[0])
+
+    def forget_in_child(self) -> None:
+        for fd, _loaders in self._held.values():
+            os.close(fd)  # the parent's lock stays: it holds the open file too
+        self._held.clear()
+        self._mutex = threading.Lock()  # one held by another thread at the fork would never be let go
+
+
+_LOCKS = _ConsumerLocks()
+os.register_at_fork(after_in_child=_LOCKS.forget_in_child)
 
 
 class ProgressFile:
@@ -65,46 +132,31 @@ class ProgressFile:
         self._next_alone_check = 0.0  # when publish next reads the file for another trainer's writes
         self._failing_since: float | None = None
         lock = self._take_lock()
-        # Closing the lock's descriptor lets go: at release(), or when a loader never closed is collected.
-        self._unlock = weakref.finalize(self, os.close, lock) if lock is not None else None
-        _OPEN.add(self)
+        # The lock is let go at release(), or when a loader never closed is collected.
+        self._unlock = weakref.finalize(self, _LOCKS.release, lock) if lock is not None else None
 
-    def _take_lock(self) -> int | None:
-        """Hold ``flock`` on the consumer's lock file: the descriptor that holds it, or None where another
-        open loader of this process holds it (a warning) or the file cannot be locked (a warning: then only
-        the writes tell another trainer); LoaderError where another trainer holds it."""
+    def _take_lock(self) -> tuple[int, int] | None:
+        """Hold the consumer's lock file (``_LOCKS``): its identity, or None where it cannot be locked (a
+        warning: then only the writes tell another trainer); LoaderError where another trainer holds it."""
         path = self.buffer / consumer_lock_name(self.consumer)
-        flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            try:
-                fd = os.open(path, os.O_RDWR | flags, LOCK_FILE_MODE)
-            except PermissionError:  # a group member's trainer made it: reading is enough to lock it
-                fd = os.open(path, os.O_RDONLY | flags)
-        except OSError as exc:
-            logger.warning("%s: cannot open it (%s); another trainer reading %s as %s is noticed only by its writes",
-                           path, exc.strerror or exc, self.buffer, self.who)
-            return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                logger.warning("%s is not a regular file; another trainer reading %s as %s is noticed only by its "
-                               "writes: remove it", path, self.buffer, self.who)
-                return None
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            if any(o.path == self.path and not o.closed for o in _OPEN):
-                logger.warning(
-                    "%s: another BufferLoader of this process reads it as %s and is still open. Two loaders take "
-                    "turns at one progress file, and the daemon builds again the batches each moves back to; close "
-                    "the other first (loader.close(), or a with block), or give each a consumer= of its own",
-                    self.buffer, self.who)
-                return None
+            key, shared = _LOCKS.take(path)
+        except ConsumerHeld:
             raise LoaderError(
                 f"{self.buffer}: another trainer{self._holder()} reads it as {self.who} (it holds {path}). Several "
                 "trainers on one buffer each need a consumer name of their own: --consumer NAME "
                 "(BufferLoader(consumer=NAME))") from None
-        return fd
+        except OSError as exc:
+            logger.warning("%s: cannot lock it (%s); another trainer reading %s as %s is noticed only by its writes",
+                           path, exc.strerror or exc, self.buffer, self.who)
+            return None
+        if shared:
+            logger.warning(
+                "%s: another BufferLoader of this process reads it as %s and is still open. Two loaders take "
+                "turns at one progress file, and the daemon builds again the batches each moves back to; close "
+                "the other first (loader.close(), or a with block), or give each a consumer= of its own",
+                self.buffer, self.who)
+        return key
 
     def _holder(self) -> str:
         """" (pid N)" for the live writer of this consumer's progress, the likely holder of its lock, or ""."""

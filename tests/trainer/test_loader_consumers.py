@@ -241,3 +241,75 @@ def test_a_second_trainer_on_a_consumer_is_refused_at_once_and_a_dead_ones_consu
     third = _trainer(job.buffer, "exit")  # closed: the consumer is free
     out, err = third.communicate(timeout=60)
     assert third.returncode == 0 and out == "reading\n", (out, err)
+
+
+def _refused(buffer: Path) -> bool:
+    """Whether a trainer in another process is refused the default consumer of ``buffer``."""
+    other = _trainer(buffer, "exit")
+    out, err = other.communicate(timeout=60)
+    assert other.returncode in (0, 3), (out, err)
+    return other.returncode == 3
+
+
+def test_this_processs_loaders_of_a_consumer_share_its_lock_until_the_last_lets_go(
+        make_job: MakeJob, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A notebook cell run twice: the second loader found the lock taken and held none, and once the
+    first was collected the consumer was free for another process while the second still read; by
+    another spelling of the buffer's path, the second was refused as if another trainer held it (review)."""
+    import gc
+
+    job = make_job(samples=12, batch_size=4, write=3)
+    job.claim(os.getpid())
+    link = tmp_path / "the-same-buffer"
+    link.symlink_to(job.buffer)
+    first = BufferLoader(job.buffer, normalize=False, timeout=30)
+    with caplog.at_level("WARNING", logger="prefetchd.trainer.progress_file"):
+        second = BufferLoader(link, normalize=False, timeout=30)
+    assert any("another BufferLoader of this process reads it" in r.getMessage() for r in caplog.records), caplog.text
+    del first
+    gc.collect()
+    assert _refused(job.buffer), "the second loader still holds the consumer"
+    second.close()
+    assert not _refused(job.buffer)
+
+
+def test_a_forked_child_keeps_no_consumer_locked_once_its_parent_closes(make_job: MakeJob) -> None:
+    """flock belongs to the open file, which a fork shares: a DataLoader worker forked while a loader was
+    open kept the consumer locked after the loader closed (review)."""
+    import multiprocessing
+
+    job = make_job(samples=12, batch_size=4, write=3)
+    job.claim(os.getpid())
+    loader = BufferLoader(job.buffer, normalize=False, timeout=30)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    try:
+        assert _refused(job.buffer)
+        loader.close()
+        assert not _refused(job.buffer), "the child's copy of the descriptor kept the lock"
+    finally:
+        child.kill()
+        child.join()
+
+
+def test_a_lock_file_that_cannot_be_locked_is_warned_about_and_the_loader_reads(
+        make_job: MakeJob, caplog: pytest.LogCaptureFixture) -> None:
+    job = make_job(samples=12, batch_size=4, write=3)
+    job.claim(os.getpid())
+    (job.buffer / "progress.json.lock").mkdir()  # planted, or left by something else
+    with caplog.at_level("WARNING", logger="prefetchd.trainer.progress_file"):
+        with BufferLoader(job.buffer, normalize=False, timeout=30) as loader:
+            assert next(iter(loader)).step == 0
+    assert f"{job.buffer / 'progress.json.lock'}: cannot lock it (" in caplog.text, caplog.text
+    assert "another trainer reading" in caplog.text and "is noticed only by its writes" in caplog.text
+
+
+def test_a_loader_refused_for_its_arguments_holds_no_consumer(make_job: MakeJob,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    job = make_job(samples=12, batch_size=4, write=3)
+    job.claim(os.getpid())
+    with pytest.raises(ValueError, match="needs a CUDA device") as refused:  # its traceback kept, as IPython keeps it
+        BufferLoader(job.buffer, normalize=False, timeout=30, pin="register")
+    with caplog.at_level("WARNING", logger="prefetchd.trainer.progress_file"):
+        BufferLoader(job.buffer, normalize=False, timeout=30).close()
+    assert "another BufferLoader of this process" not in caplog.text and refused.traceback
