@@ -18,6 +18,22 @@ from prefetchd.daemon.watcher import BufferWatcher
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+_deferred: int | None = None  # a stop signal that came before a Wakeup took the handlers over
+
+
+def _defer(signum: int, _frame: FrameType | None) -> None:
+    global _deferred
+    _deferred = signum
+
+
+def defer_stop_signals() -> None:
+    """From now until a ``Wakeup`` takes over, a stop signal is recorded, not acted on: the first loop
+    then stops at once, cleanly.  Its default action would end the process half set up, leaving the
+    worker server's socket folder in TMPDIR and no status saying it stopped."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, _defer)
+
+
 class Wakeup:
     """Context manager owning the wake-up pipe, the stop-signal handlers and the watcher."""
 
@@ -36,6 +52,9 @@ class Wakeup:
             os.set_blocking(fd, False)
         self._fds = (r, w)
         self._old_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        global _deferred
+        if _deferred is not None and self.stop_signal is None:
+            self.stop_signal, _deferred = _deferred, None
         self._old_wakeup = signal.set_wakeup_fd(w)
         self._watcher = BufferWatcher(self.buffer, w)
         return self

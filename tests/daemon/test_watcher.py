@@ -40,3 +40,24 @@ def test_stopping_while_progress_is_written_logs_no_error(shm_dir: Path, caplog:
     os.close(r)
     os.close(w)
     assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
+
+
+def test_a_stop_signal_before_the_loop_is_set_up_stops_its_first_turn(tmp_path: Path) -> None:
+    """SIGTERM between the daemon's lock and its loop (`prefetchd stop` just after a start, a tool
+    stopped at once) took the default action: the process died half set up, leaving the worker
+    server's socket folder in TMPDIR (a CI run's leftover pymp-*/listener-*)."""
+    import signal
+
+    from prefetchd.daemon.wakeup import STOP_SIGNALS, Wakeup, defer_stop_signals
+
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        defer_stop_signals()
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action would end this test process
+        with Wakeup(tmp_path) as wake:
+            assert wake.stop_signal == signal.SIGTERM and wake.stop_reason == "stopped by SIGTERM"
+        with Wakeup(tmp_path) as later:
+            assert later.stop_signal is None, "taken once"
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
