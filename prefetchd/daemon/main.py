@@ -44,7 +44,7 @@ from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.hook import validate_hook
 from prefetchd.daemon.resample import resize_summary
-from prefetchd.daemon.wakeup import Wakeup, defer_stop_signals
+from prefetchd.daemon.wakeup import Wakeup, stop_signals_deferred
 from prefetchd.words import binary_size, counted
 
 log = logging.getLogger(__name__)
@@ -482,7 +482,11 @@ def run_daemon(cfg: DaemonConfig) -> int:
     expected to exit when this returns: stop signals stay ignored from then on.
     """
     # Before anything is set up: a stop signal now (`prefetchd stop` just after the start) ends the first loop.
-    defer_stop_signals()
+    with stop_signals_deferred():
+        return _serve(cfg)
+
+
+def _serve(cfg: DaemonConfig) -> int:
     # First: the environment it reads must not reach the worker fork server.
     notifier = Notifier.from_env()
     if cfg.ray is not None:

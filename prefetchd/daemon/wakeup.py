@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType, TracebackType
 
@@ -26,12 +28,23 @@ def _defer(signum: int, _frame: FrameType | None) -> None:
     _deferred = signum
 
 
-def defer_stop_signals() -> None:
-    """From now until a ``Wakeup`` takes over, a stop signal is recorded, not acted on: the first loop
-    then stops at once, cleanly.  Its default action would end the process half set up, leaving the
-    worker server's socket folder in TMPDIR and no status saying it stopped."""
-    for s in STOP_SIGNALS:
-        signal.signal(s, _defer)
+@contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Within the block, until a ``Wakeup`` takes over, a stop signal is recorded, not acted on: the
+    first loop then stops at once, cleanly.  Its default action would end the process half set up,
+    leaving the worker server's socket folder in TMPDIR and no status saying it stopped.  A block
+    that ends before any Wakeup (a refused start) puts the handlers back and hands the signal on."""
+    global _deferred
+    previous = {s: signal.signal(s, _defer) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            if signal.getsignal(s) is _defer:
+                signal.signal(s, handler)
+        pending, _deferred = _deferred, None
+        if pending is not None:
+            os.kill(os.getpid(), pending)  # as if it came now
 
 
 class Wakeup:

@@ -48,16 +48,29 @@ def test_a_stop_signal_before_the_loop_is_set_up_stops_its_first_turn(tmp_path: 
     server's socket folder in TMPDIR (a CI run's leftover pymp-*/listener-*)."""
     import signal
 
-    from prefetchd.daemon.wakeup import STOP_SIGNALS, Wakeup, defer_stop_signals
+    from prefetchd.daemon.wakeup import STOP_SIGNALS, Wakeup, stop_signals_deferred
 
     saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    try:
-        defer_stop_signals()
+    with stop_signals_deferred():
         os.kill(os.getpid(), signal.SIGTERM)  # the default action would end this test process
         with Wakeup(tmp_path) as wake:
             assert wake.stop_signal == signal.SIGTERM and wake.stop_reason == "stopped by SIGTERM"
         with Wakeup(tmp_path) as later:
             assert later.stop_signal is None, "taken once"
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == saved, "the process's handlers back"
+
+
+def test_a_start_refused_before_its_loop_hands_a_deferred_signal_on_and_the_handlers_back() -> None:
+    """A refused start called in-process (tests, embedding) left the deferring handler: Ctrl-C no
+    longer raised KeyboardInterrupt there (a CI run's checkpoint test, on the same worker)."""
+    import signal
+
+    from prefetchd.daemon.wakeup import STOP_SIGNALS, stop_signals_deferred
+
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    with pytest.raises(KeyboardInterrupt):
+        with stop_signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised, until the block ends
+            handed_on = False
+        handed_on = True
+    assert not handed_on and {s: signal.getsignal(s) for s in STOP_SIGNALS} == saved
