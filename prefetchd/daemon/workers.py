@@ -44,6 +44,7 @@ extension most jobs need neither (``transforms.needed_modules``).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import math
 import os
@@ -164,10 +165,8 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
              into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
     """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic
     replacements; into ``into`` where given (the slot: each try overwrites what a failed one left)."""
-    pos = int(np.searchsorted(job.members, index))
     tries = min(MAX_REPLACEMENT_TRIES, len(job.members))  # past the split's end it wraps: each sample once
-    for k in range(tries):
-        candidate = int(job.members[(pos + k) % len(job.members)]) if k else index
+    for k, candidate in enumerate(_candidates(job, index)):
         name = job.index.name(candidate)
         rng = None
         if job.train:
@@ -200,19 +199,18 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
     )
 
 
+def _candidates(job: WorkerJob, index: int) -> Iterator[int]:
+    """The samples ``_produce`` tries for ``index``, in order: ``index``, then the split's next ones
+    (wrapping past its end), ``MAX_REPLACEMENT_TRIES`` in all at most."""
+    pos = int(np.searchsorted(job.members, index))
+    for k in range(min(MAX_REPLACEMENT_TRIES, len(job.members))):
+        yield int(job.members[(pos + k) % len(job.members)]) if k else index
+
+
 def replaced_before(job: WorkerJob, index: int, used: int) -> list[int]:
     """The samples ``_produce`` tried for ``index``, and could not use, before ``used``: none when it
     used ``index`` itself.  The same walk, so the same samples wherever the slot was built."""
-    tried: list[int] = []
-    if used == index:
-        return tried
-    pos = int(np.searchsorted(job.members, index))
-    for k in range(min(MAX_REPLACEMENT_TRIES, len(job.members))):
-        candidate = int(job.members[(pos + k) % len(job.members)]) if k else index
-        if candidate == used:
-            break
-        tried.append(candidate)
-    return tried
+    return list(itertools.takewhile(lambda candidate: candidate != used, _candidates(job, index)))
 
 
 def _dataset_gone(root: str) -> bool:
