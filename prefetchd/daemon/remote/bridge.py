@@ -176,14 +176,17 @@ class Bridge:
             while self.done:
                 then, future = self.done.popleft()
                 then(future)
-                if time.monotonic() - last_report >= REPORT_SECONDS:  # a slice built here takes a while
-                    self.conn.send(self._report())
-                    last_report = time.monotonic()
-            now = time.monotonic()
-            self._relaunch_stragglers(now)
-            if now - last_report >= REPORT_SECONDS:
-                self.conn.send(self._report())
-                last_report = now
+                last_report = self._report_if_due(last_report)  # a slice built here takes a while
+            self._relaunch_stragglers(time.monotonic())
+            last_report = self._report_if_due(last_report)
+
+    def _report_if_due(self, last: float) -> float:
+        """Report the cluster if ``REPORT_SECONDS`` have passed since ``last``; when it was last reported."""
+        now = time.monotonic()
+        if now - last < REPORT_SECONDS:
+            return last
+        self.conn.send(self._report())
+        return now
 
     def _receive(self) -> bool:
         """Submit every task the controller sent; False when it asks the bridge to stop."""

@@ -4,7 +4,6 @@ by the local workers' ``run_task``, into images that the task returns through th
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import socket
 from dataclasses import dataclass
@@ -66,7 +65,7 @@ def probe_samples(job: WorkerJob, reader: SampleReader, count: int = PROBE_SAMPL
     box reads, with their digests; run by the bridge on the daemon's box."""
     members = job.members
     picks = sorted({int(members[i]) for i in np.linspace(0, len(members) - 1, min(count, len(members))).astype(int)})
-    return tuple(sample for sample in map(functools.partial(sample_here, reader), picks) if sample is not None)
+    return tuple(sample for sample in (sample_here(reader, i) for i in picks) if sample is not None)
 
 
 def sample_here(reader: SampleReader, index: int) -> Sample | None:
