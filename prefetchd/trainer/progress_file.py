@@ -48,7 +48,6 @@ ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, 
 LOCK_FILE_MODE = 0o660  # a --group-access buffer's group shares its consumers (the umask narrows it)
 
 
-
 class ConsumerHeld(Exception):
     """Another process holds a consumer's lock file."""
 
@@ -70,12 +69,12 @@ class _ConsumerLocks:
         """Lock ``path`` (made if missing; never through a link): (its identity, whether another loader of
         this process holds it already).  ConsumerHeld where another process does; OSError where it cannot
         be locked at all (not a regular file, no lock support)."""
-        flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         with self._mutex:
             try:
-                fd = os.open(path, os.O_RDWR | flags, LOCK_FILE_MODE)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, LOCK_FILE_MODE)
             except PermissionError:  # a group member's trainer made it: a read-only descriptor locks too
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | flags)
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
@@ -112,6 +111,12 @@ class _ConsumerLocks:
             os.close(fd)  # the parent's lock stays: it holds the open file too
         self._held.clear()
         self._mutex = threading.Lock()  # one held by another thread at the fork would never be let go
+
+
+def _another_trainer(progress: Progress) -> bool:
+    """Whether ``progress`` was written by a live trainer of another process that has not left."""
+    return (progress.pid not in (None, os.getpid()) and not progress.closed and progress.time is not None
+            and alive_since(progress.pid, progress.time))
 
 
 _LOCKS = _ConsumerLocks()
@@ -164,9 +169,7 @@ class ProgressFile:
             current = Progress.read(self.buffer, self.consumer)
         except (ProtocolError, OSError):
             return ""
-        if current is None or current.pid is None or current.time is None or not alive_since(current.pid, current.time):
-            return ""
-        return f" (pid {current.pid})"
+        return f" (pid {current.pid})" if current is not None and _another_trainer(current) else ""
 
     def release(self) -> None:
         """The loader closed: another trainer may read as this consumer now."""
@@ -241,8 +244,7 @@ class ProgressFile:
         """Raise when ``current``, this consumer's progress as read, was written by another trainer that is
         still there and has not left.  Two trainers taking turns at one consumer's progress each make the
         daemon build the other's batches, and the first to finish ends the daemon's job under the other."""
-        if current is None or current.pid in (None, os.getpid()) or current.closed or current.time is None \
-                or not alive_since(current.pid, current.time):
+        if current is None or not _another_trainer(current):
             return
         mine = f"epoch {self.published[0]} step {self.published[1]}" if self.published else "its start"
         raise LoaderError(
