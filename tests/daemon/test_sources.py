@@ -344,6 +344,38 @@ def test_a_symbolic_link_loop_in_the_dataset_is_one_line_naming_it(tmp_path: Pat
             packed.output
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to user nobody in a forked child")
+def test_a_dataset_root_the_daemon_cannot_list_is_a_dataset_error(shm_dir: Path,
+                                                                  make_image: Callable[..., Path]) -> None:
+    """A folder the daemon's user may enter but not list (0711) was a PermissionError out of the scan: a daemon
+    serving jobs died on such a job, and again on the same job.json at every restart."""
+    shm_dir.chmod(0o755)
+    src = class_tree(shm_dir / "src", make_image)
+    src.chmod(0o711)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the modules are imported already: nobody needs no access to the interpreter's files
+        try:
+            os.close(read)
+            os.setgid(65534), os.setuid(65534)
+            try:
+                open_dataset(src)
+                said = "indexed"
+            except DatasetError as exc:
+                said = f"DatasetError: {exc}"
+            except BaseException as exc:
+                said = f"{type(exc).__name__}: {exc}"
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert said.startswith(f"DatasetError: cannot index {src}: {src}: Permission denied; give the user reading it "
+                           "(uid 65534) read access"), said
+
+
 # -- bad samples in every layout ------------------------------------------------------
 
 

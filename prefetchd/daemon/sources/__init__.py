@@ -51,6 +51,19 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
             if exc.errno == errno.ELOOP:
                 raise DatasetError(f"{location}: {exc.strerror}: a symbolic link on the way leads round in a loop; "
                                    "name the dataset's own folder, file list or shards") from None
+    try:
+        return _open_layout(location, storage, tick, index_cache, refresh_index)
+    except OSError as exc:
+        if is_url(location):
+            raise
+        # A folder the daemon may enter but not list (mode 0711): its user's to fix, not a crash (a daemon
+        # serving jobs that died on one would die again on the same job.json at every restart).
+        raise DatasetError(f"cannot index {location}: {exc.filename or location}: {exc.strerror or exc}; give the user "
+                           f"reading it (uid {os.geteuid()}) read access to the dataset's folders and files") from None
+
+
+def _open_layout(location: str, storage: Storage, tick: Callable[[], object], index_cache: Path | None,
+                 refresh_index: bool) -> SampleIndex:
     if is_file_list(location):
         return read_file_list(location)
     try:
