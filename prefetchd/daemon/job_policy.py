@@ -20,6 +20,7 @@ who created it: writers create a temp file and rename it into place.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pwd
 import urllib.parse
@@ -67,13 +68,17 @@ class JobPolicy:
     def of(cls, own: DaemonConfig) -> JobPolicy:
         return cls(own, os.geteuid())
 
-    def confine(self, job: DaemonConfig, owner: int | None) -> tuple[str, ...] | None:
+    def confine(self, job: DaemonConfig, owner: int | None) -> tuple[DaemonConfig, tuple[str, ...] | None]:
         """Check a job that ``owner`` submitted: raise ConfigError saying why and which key to set
-        if it asks for more than that user may, else return the roots its files must stay inside
-        (resolved local folders, or URLs; None: not confined, it is the daemon's user or the
-        daemon's own data)."""
+        if it asks for more than that user may, else return the job to run and the roots its files
+        must stay inside (resolved local folders, or URLs; None: not confined, it is the daemon's
+        user or the daemon's own data).
+
+        A confined local ``data`` is resolved here, once, and the job returned reads it by that path:
+        resolved again when the dataset is opened, a link the submitter owns (``data`` itself, or a
+        folder on the way to it) could be pointed elsewhere between the check and the read."""
         if owner == self.uid:
-            return None
+            return job, None
         who = (f"job.json belongs to {user_name(owner)}, not to {user_name(self.uid)} who runs the daemon, "
                "so it may use only what the daemon's config allows")
         if job.transform is not None and job.transform != self.own.transform and job.transform not in self.own.allowed_transforms:
@@ -82,18 +87,19 @@ class JobPolicy:
                               f"daemon would import and run it as {user_name(self.uid)}; if the buffer's group may "
                               "run it, add it to `allowed_transforms` in the daemon's config (or --allowed-transforms)")
         if job.data is None or job.data == self.own.data:
-            return None
+            return job, None
         if is_url(job.data):
             if dot_segments(job.data):
                 raise ConfigError(f"{who}: its data {job.data!r} has a '.' or '..' segment, which would be resolved "
                                   "past the roots of allowed_data; name the data by a plain URL under one of them")
             roots = tuple(root for root in self.own.allowed_data if is_url(root))
             if any(inside(job.data, root) for root in roots):
-                return roots
+                return job, roots
         else:
             roots = tuple(os.path.realpath(root) for root in self.own.allowed_data if not is_url(root))
-            if any(inside(os.path.realpath(job.data), root) for root in roots):
-                return roots
+            resolved = os.path.realpath(job.data)
+            if any(inside(resolved, root) for root in roots):
+                return dataclasses.replace(job, data=resolved), roots
         # Where a link points is not said: the daemon may resolve links in folders the group cannot read.
         shown = f"{job.data!r}" + ("" if is_url(job.data) else " (after resolving symbolic links and '..')")
         allowed = ", ".join(self.own.allowed_data) or "none is set"

@@ -288,7 +288,7 @@ class JobInbox:
             return None
         try:
             job = self._validate(request)
-            confinement = self.policy.confine(job, request.owner)
+            job, confinement = self.policy.confine(job, request.owner)
         except ConfigError as exc:
             self.answer(request.job_id, False, str(exc))
             return None

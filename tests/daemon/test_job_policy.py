@@ -37,7 +37,7 @@ def job(tree: Path, **settings: object) -> DaemonConfig:
 
 
 def test_the_daemons_own_user_is_not_limited(tree: Path) -> None:
-    assert policy(tree).confine(job(tree, data=str(tree / "secret"), transform="x.y:z"), os.geteuid()) is None
+    assert policy(tree).confine(job(tree, data=str(tree / "secret"), transform="x.y:z"), os.geteuid())[1] is None
 
 
 def test_by_default_another_users_job_may_name_no_data_and_no_hook(tree: Path) -> None:
@@ -51,7 +51,7 @@ def test_by_default_another_users_job_may_name_no_data_and_no_hook(tree: Path) -
 
 def test_hooks_are_allowed_by_exact_name_only(tree: Path) -> None:
     rules = policy(tree, allowed_transforms=("aug.ment:flip",), allowed_data=(str(tree / "allowed"),))
-    assert rules.confine(job(tree, data=str(tree / "allowed"), transform="aug.ment:flip"), OTHER) is not None
+    assert rules.confine(job(tree, data=str(tree / "allowed"), transform="aug.ment:flip"), OTHER)[1] is not None
     for near in ("aug.ment:flop", "aug.ment:flip2", "aug:flip"):
         with pytest.raises(ConfigError, match="allowed_transforms"):
             rules.confine(job(tree, data=str(tree / "allowed"), transform=near), OTHER)
@@ -59,7 +59,7 @@ def test_hooks_are_allowed_by_exact_name_only(tree: Path) -> None:
 
 def test_data_must_resolve_inside_an_allowed_root(tree: Path) -> None:
     rules = policy(tree, allowed_data=(str(tree / "allowed"),))
-    assert rules.confine(job(tree, data=str(tree / "allowed/train")), OTHER) == (str(tree / "allowed"),)
+    assert rules.confine(job(tree, data=str(tree / "allowed/train")), OTHER)[1] == (str(tree / "allowed"),)
     (tree / "allowed/escape").symlink_to(tree / "secret/train")
     refused = [str(tree / "allowed/escape"), str(tree / "allowed/train/../../secret/train"), str(tree / "allowed2"),
                str(tree)]
@@ -71,14 +71,30 @@ def test_data_must_resolve_inside_an_allowed_root(tree: Path) -> None:
 def test_a_linked_allowed_root_is_compared_resolved(tree: Path) -> None:
     (tree / "link-to-allowed").symlink_to(tree / "allowed")
     rules = policy(tree, allowed_data=(str(tree / "link-to-allowed"),))
-    assert rules.confine(job(tree, data=str(tree / "allowed/train")), OTHER) == (str(tree / "allowed"),)
+    assert rules.confine(job(tree, data=str(tree / "allowed/train")), OTHER)[1] == (str(tree / "allowed"),)
+
+
+def test_a_confined_job_reads_its_data_by_the_path_that_was_checked(tree: Path) -> None:
+    """A link the submitter owns, pointing into an allowed root at the check and at their own tree after it:
+    the daemon opened ``data`` by the link again, and indexed and published whatever it pointed at then."""
+    (tree / "mine").mkdir()
+    (tree / "mine/flip").symlink_to(tree / "allowed/train")
+    checked, roots = policy(tree, allowed_data=(str(tree / "allowed"),)).confine(
+        job(tree, data=str(tree / "mine/flip")), OTHER)
+    assert roots == (str(tree / "allowed"),) and checked.data == str(tree / "allowed/train")
+    (tree / "mine/flip").unlink()
+    (tree / "mine/flip").symlink_to(tree / "secret/train")
+    assert os.path.realpath(checked.data) == str(tree / "allowed/train")
+    # The daemon's own user and its own data are not confined: they run as given.
+    own = job(tree, data=str(tree / "mine/flip"))
+    assert policy(tree).confine(own, os.geteuid()) == (own, None)
 
 
 def test_urls_are_allowed_by_whole_prefix_without_dot_segments(tree: Path) -> None:
     rules = policy(tree, allowed_data=("s3://bucket/data/", "http://127.0.0.1:8099/pub", str(tree / "allowed")))
     url_roots = ("s3://bucket/data", "http://127.0.0.1:8099/pub")  # as the config normalises them
-    assert rules.confine(job(tree, data="s3://bucket/data/train"), OTHER) == url_roots  # its files are checked too
-    assert rules.confine(job(tree, data="s3://bucket/data"), OTHER) == url_roots
+    assert rules.confine(job(tree, data="s3://bucket/data/train"), OTHER)[1] == url_roots  # its files are checked too
+    assert rules.confine(job(tree, data="s3://bucket/data"), OTHER)[1] == url_roots
     for data in ("s3://bucket/data2", "s3://bucket", "s3://other/data/train", "gs://bucket/data/train"):
         with pytest.raises(ConfigError, match="allowed_data"):
             rules.confine(job(tree, data=data), OTHER)
@@ -99,7 +115,7 @@ def test_a_refusal_does_not_say_where_a_link_points(tree: Path) -> None:
 
 def test_the_daemons_own_data_and_hook_pass(tree: Path) -> None:
     rules = policy(tree, data=str(tree / "secret"), transform="x.y:z")
-    assert rules.confine(job(tree, data=str(tree / "secret"), transform="x.y:z", seed=3), OTHER) is None
+    assert rules.confine(job(tree, data=str(tree / "secret"), transform="x.y:z", seed=3), OTHER)[1] is None
 
 
 def test_a_file_list_naming_files_outside_the_roots_is_refused(tmp_path: Path) -> None:
