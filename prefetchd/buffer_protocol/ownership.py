@@ -155,8 +155,9 @@ def _hidden(pid: int) -> bool:
 def daemon_pid(buffer: Dir) -> int | None:
     """Pid of the live daemon owning ``buffer``, or None.
 
-    Reads the pid the owner wrote and checks that process exists and is older
-    than the lock file, which rules out a pid reused after the owner died.
+    Reads the pid the owner wrote and checks that process exists, is older than
+    the lock file (which rules out a pid reused after the owner died) and runs as
+    the file's owner.
     For a rank's stream directory the owner is the parent buffer's daemon.
     """
     path = owning_buffer(buffer) / LOCK_NAME
@@ -166,13 +167,24 @@ def daemon_pid(buffer: Dir) -> int | None:
         return None
     try:
         text = os.read(fd, 64).decode("ascii", "replace").strip()
-        mtime = os.fstat(fd).st_mtime
+        st = os.fstat(fd)
     finally:
         os.close(fd)
     if not text.isdigit():
         return None
     pid = int(text)
     try:
-        return pid if _started_by(pid, mtime) else None
+        return pid if _started_by(pid, st.st_mtime) and _runs_as(pid, st.st_uid) else None
     except psutil.AccessDenied:
         return None
+
+
+def _runs_as(pid: int, uid: int) -> bool:
+    """Whether ``pid`` runs as ``uid``, the owner of the lock file naming it.  A daemon creates its lock as
+    itself; one renamed into place by whoever may write the buffer (a group member) is theirs, and could
+    name any process, with an mtime to match: `prefetchd stop` run as root would SIGTERM it.  A process
+    /proc hides (hidepid) counts: the caller cannot signal it either."""
+    try:
+        return bool(psutil.Process(pid).uids().effective == uid)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return True

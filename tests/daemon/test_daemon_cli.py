@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, write_status
+from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemon_pid, write_status
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
@@ -344,6 +344,7 @@ def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, sh
     try:
         time.sleep(0.1)
         (shm_buffer / LOCK).write_text(f"{owner.pid}\n")  # written after the owner started: its lock
+        os.chown(shm_buffer / LOCK, 65534, 65534)  # as the owner made it
         os.seteuid(65533)  # without root's CAP_KILL, and another uid than the owner's
         try:
             result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(shm_buffer), "--timeout", "1"])
@@ -357,6 +358,27 @@ def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, sh
     finally:
         owner.kill()
         owner.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays a group member, who plants the lock, and root, who stops")
+def test_a_lock_planted_by_another_user_names_no_daemon_to_stop(runner: CliRunner, shm_buffer: Path) -> None:
+    """Anyone who may write the buffer (--group-access: the group) can rename their own daemon.lock into it,
+    naming any pid, with an mtime after that process started; root's `prefetchd stop` then SIGTERMed it."""
+    victim = subprocess.Popen(["sleep", "60"])  # root's
+    try:
+        planted = shm_buffer / LOCK
+        planted.write_text(f"{victim.pid}\n")
+        os.chown(planted, 65533, 65533)
+        os.utime(planted, (time.time() + 3600, time.time() + 3600))
+        result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(shm_buffer), "--timeout", "1"])
+        assert result.exit_code == 0 and f"no daemon is running on {shm_buffer}" in result.output, result.output
+        assert status_view.describe_status(shm_buffer).pid is None
+        assert victim.poll() is None
+        os.chown(planted, 0, 0)  # made by the process it names: that one is the daemon
+        assert daemon_pid(shm_buffer) == victim.pid
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
