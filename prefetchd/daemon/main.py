@@ -60,7 +60,7 @@ def prepare_buffer(buffer: Path, group_access: bool = False) -> None:
     try:
         buffer.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(buffer, mode)
-        os.chmod(buffer, mode)  # mkdir's mode goes through the umask and drops setgid
+        chmod_dir(buffer, mode)  # mkdir's mode goes through the umask and drops setgid
     except FileExistsError:
         pass
     except OSError as exc:
@@ -88,10 +88,23 @@ def make_stream_dir(directory: Path, group_access: bool) -> None:
     mode = GROUP_BUFFER_MODE if group_access else BUFFER_MODE
     try:
         os.mkdir(directory, mode)
-        os.chmod(directory, mode)
     except FileExistsError:
         pass
+    else:
+        with contextlib.suppress(OSError):  # replaced meanwhile (a link: ELOOP): check_private_dir says by what
+            chmod_dir(directory, mode)
     check_private_dir(directory, group_access)
+
+
+def chmod_dir(path: Path, mode: int) -> None:
+    """chmod the directory at ``path``, never through a link: a stream directory is made inside a buffer its
+    group may write, where a member could swap in a link between the mkdir and the chmod (chmod follows
+    links), and the daemon would open another of its user's folders to the group.  OSError (ELOOP) then."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def check_private_dir(path: Path, group_access: bool) -> None:
@@ -123,7 +136,7 @@ def check_private_dir(path: Path, group_access: bool) -> None:
         raise ConfigError(f"buffer directory {path} is writable by its group (mode {perms:04o}); pass --group-access "
                           f"if that group's trainers should use it, or `{hint}`")
     if group_access and perms & 0o770 != 0o770:
-        os.chmod(path, GROUP_BUFFER_MODE)  # ours, and the user asked for the group
+        chmod_dir(path, GROUP_BUFFER_MODE)  # ours, and the user asked for the group
         log.info("buffer directory %s: mode %04o -> %04o for --group-access", path, perms, GROUP_BUFFER_MODE)
     elif not group_access and perms & 0o077:
         log.warning("buffer directory %s has mode %04o: other users can list or read its batches; `chmod 700 %s` "

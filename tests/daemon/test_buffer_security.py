@@ -99,6 +99,29 @@ def test_symlinks_are_refused_as_buffer_and_as_stream(shm_buffer: Path) -> None:
         make_stream_dir(buffer / "rank-00000", group_access=False)
 
 
+def test_a_stream_directory_swapped_for_a_link_after_its_mkdir_is_not_chmodded_through(
+        shm_buffer: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group member may rename entries of a --group-access buffer: one who swapped in a link between the
+    stream directory's mkdir and its chmod (which follows links) had another folder of the daemon's user
+    opened to the group (2770)."""
+    private = shm_buffer / "private"
+    private.mkdir(mode=0o700)
+    buffer = shm_buffer / "bf"
+    prepare_buffer(buffer, group_access=True)
+    real_mkdir = os.mkdir
+
+    def mkdir_then_swap(path: str | os.PathLike[str], mode: int = 0o777) -> None:
+        real_mkdir(path, mode)
+        os.rename(path, f"{os.fspath(path)}.moved")
+        os.symlink(private, path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swap)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        make_stream_dir(buffer / "rank-00001", group_access=True)
+    monkeypatch.undo()
+    assert _mode(private) == 0o700
+
+
 @pytest.mark.parametrize("planted", ["symlink", "hardlink", "file"])
 def test_batch_temp_files_are_created_not_reused(shm_buffer: Path, planted: str, caplog: pytest.LogCaptureFixture) -> None:
     victim = shm_buffer / "victim"
