@@ -63,13 +63,14 @@ EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint
 
 def train(
     config: TrainConfig, echo: Callable[[str], None] = click.echo, should_stop: Callable[[], bool] | None = None,
-    ranks: Ranks | None = None,
+    ranks: Ranks | None = None, training: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Run the whole training; returns the metrics document (also written to ``metrics_json``).
 
     ``should_stop`` is asked after every training step, and by one process (not under
     torchrun) while it waits for a batch; True ends the run there, with a checkpoint, as
-    ``--max-steps`` does (``main`` wires it to SIGTERM).
+    ``--max-steps`` does (``main`` wires it to SIGTERM).  ``training`` is called once the
+    daemons, the loaders and the manifests are there, before the checkpoint is loaded.
     ``ranks`` defaults to what torchrun's environment says (one rank without it).
     """
     if config.optimizer not in OPTIMIZERS:
@@ -144,6 +145,7 @@ def train(
             # Under torchrun the other ranks would give up on the daemon while local rank 0 restarts it:
             # there a lost daemon ends the run, and --resume continues it.
             run.recover = restarter(spawned, config, echo)
+        training()
         metrics = run.run()
         if config.spawn_daemon and ranks.distributed:
             # Every rank has consumed its last batch before local rank 0 stops the daemon.
@@ -156,6 +158,11 @@ def train(
 
 def _silent(_: str) -> None:
     pass
+
+
+class TerminatedBeforeTraining(BaseException):
+    """SIGTERM came before the first step: ``main``'s handler raises it wherever the run waits then (a
+    BaseException, as KeyboardInterrupt is: no ``except Exception`` on the way swallows it)."""
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -180,17 +187,27 @@ def main(verbose: bool, **options: Any) -> None:
     except ValueError as exc:  # a value the option types cannot refuse, such as a bad --consumer name
         raise click.UsageError(str(exc)) from None
     terminations: list[int] = []
+    started: list[bool] = []
 
     def on_sigterm(signum: int, frame: object) -> None:
         # The first SIGTERM only asks: the run stops after the step in progress (or the wait), with a
         # checkpoint, and spawned daemons are stopped on the way out. A second one does not wait.
+        # Before training (daemons starting, a wait for the manifest of up to --timeout) there is
+        # nothing to save: it stops at once.
         terminations.append(signum)
+        if not started:
+            raise TerminatedBeforeTraining
         if len(terminations) > 1:
             raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        metrics = train(config, should_stop=lambda: bool(terminations), ranks=ranks)
+        metrics = train(config, should_stop=lambda: bool(terminations), ranks=ranks,
+                        training=lambda: started.append(True))
+    except TerminatedBeforeTraining:
+        click.echo(f"{name}: stopped by SIGTERM before training began; nothing was trained, so nothing to save",
+                   err=True)
+        sys.exit(EXIT_TERMINATED)
     except (LoaderError, ProtocolError) as exc:
         told = " ".join(str(exc).split())
         if isinstance(exc, (DaemonGone, DaemonStuck)) and config.spawn_daemon and ranks.distributed:

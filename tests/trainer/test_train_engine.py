@@ -397,6 +397,29 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Pa
     assert doc["global_step"] == step  # the checkpoint is of the step it stopped at
 
 
+def test_sigterm_before_training_stops_at_once_instead_of_waiting_out_the_timeout(tmp_path: Path) -> None:
+    """No daemon has written the manifest yet: a scheduler's SIGTERM waited the whole --timeout and ended in
+    a timeout error (exit 3) rather than the SIGTERM's 143."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from prefetchd.trainer.train import EXIT_TERMINATED
+
+    before = signal.getsignal(signal.SIGTERM)
+    killer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    killer.start()
+    started = time.monotonic()
+    result = CliRunner().invoke(main, ["--buffer", str(tmp_path / "no-daemon-yet"), "--device", "cpu", "-q",
+                                       "--timeout", "120"])
+    killer.join()
+    assert result.exit_code == EXIT_TERMINATED, result.output
+    assert "stopped by SIGTERM before training began" in result.output
+    assert time.monotonic() - started < 60  # not the 120 s of --timeout
+    assert signal.getsignal(signal.SIGTERM) == before, "the handler is put back"
+
+
 @pytest.mark.parametrize("waiting_in", ["train", "val"])
 @pytest.mark.parametrize("ended_by", ["a stop", "a stuck daemon"])
 def test_a_wait_that_ends_without_a_batch_saves_the_last_steps_checkpoint_and_resumes_exactly(
