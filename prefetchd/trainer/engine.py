@@ -308,6 +308,7 @@ class Run:
                 self.net, self.val_loader, self.criterion,
                 ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), self._progress_shown),
                 topk=self.k, amp=config.amp, recover=self.recover,
+                after_step=None if self.ranks.distributed else lambda _: self._stop_in_validation(tr.state),
                 # The train pass is whole: a resume from it runs this validation again.
                 between_steps=lambda _, error: self._save_between_steps(tr.state, error),
             )
@@ -354,6 +355,15 @@ class Run:
         if self.stop_reason is not None and self.epoch == self.epochs:
             self.stop_reason = None  # --max-steps on the last epoch's last step: the run is simply done
         return self.stop_reason is not None
+
+    def _stop_in_validation(self, trained: PassState) -> bool:
+        """After a validation step: whether a stop asked for ends the run there, with the checkpoint a stop
+        during a validation wait saves (the whole training pass: the resume validates again).  One process
+        only: ranks validate without a collective, so they stop together after the next training step."""
+        if not self.should_stop():
+            return False
+        self._save_between_steps(trained, None)
+        return True
 
     def _save_between_steps(self, partial: PassState, error: Exception | None) -> None:
         """A wait for a batch ended without one (a stop asked for, or ``error``: the daemon lost): save the

@@ -516,6 +516,28 @@ def test_a_max_steps_run_stopped_in_its_last_validation_validates_on_resume(
     assert [row["epoch"] for row in resumed["epochs"]] == [0] and resumed["epochs"][0]["val_images"] == TINY["samples"]
 
 
+def test_a_stop_during_a_validation_with_its_batches_there_stops_before_the_next_training_step(
+        make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    """Only the waits of a validation asked whether to stop: with its batches there, a SIGTERM during it
+    was seen after the next epoch's first training step (review: stopped at global step 10, not 9)."""
+    steps = TINY["samples"] // TINY["batch_size"]
+    settings = dict(checkpoint_dir=tmp_path / "ckpt", warmup_epochs=0.5)
+    whole = train(config(*jobs(make_job, buffer / "whole"), checkpoint_dir=tmp_path / "whole", warmup_epochs=0.5),
+                  echo=quiet)
+    b_train, b_val = jobs(make_job, buffer / "b", write=0)
+    b_train.write_epochs(2)
+    b_val.write_epochs(2)
+
+    def after_the_first_validation_step() -> bool:
+        return Progress.read(b_val.buffer) == Progress(0, 1)
+
+    first = train(config(b_train, b_val, **settings), echo=quiet, should_stop=after_the_first_validation_step)
+    assert first["stopped_by"] == "SIGTERM" and first["global_steps"] == steps and first["epochs"] == []
+    assert load_checkpoint(tmp_path / "ckpt" / LAST_CHECKPOINT)["global_step"] == steps
+    resumed = train(config(b_train, b_val, resume=True, **settings), echo=quiet)
+    assert resumed["finished"] is True and untimed(resumed["epochs"]) == untimed(whole["epochs"])
+
+
 def test_a_resumed_pass_counts_its_steps_from_the_epochs_start(make_job: MakeJob, buffer: Path) -> None:
     """A pass resumed at step 2 of 3 shows 3/3 when it ends, not 1/3."""
     import io
