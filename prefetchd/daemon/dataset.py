@@ -48,6 +48,7 @@ class SampleIndex:
     member_files: np.ndarray | None = None  # int32 per sample: the file it is packed in
     member_offsets: np.ndarray | None = None  # int64 per sample
     member_sizes: np.ndarray | None = None  # int64 per sample
+    member_stamp: str | None = None  # what every member's tar header names as its pack (None: not checked)
 
     def __len__(self) -> int:
         return len(self.labels)

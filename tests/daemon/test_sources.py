@@ -458,3 +458,71 @@ def test_shards_repack_with_each_members_format(tmp_path: Path, make_image: Call
     repacked = open_dataset(tmp_path / "b")
     assert [bytes(SampleReader(repacked).read(i)) for i in range(5)] == \
         [bytes(SampleReader(source).read(i)) for i in range(5)]
+
+
+def coloured_ppms(root: Path, per_class: int = 8) -> Path:
+    """Two classes of 32x32 PPMs whose class is their colour: every file is the same size, so a
+    header that only names member i and its size cannot tell one pack of them from another."""
+    for cls, rgb in (("blue", b"\x00\x00\xff"), ("red", b"\xff\x00\x00")):
+        (root / cls).mkdir(parents=True)
+        for k in range(per_class):
+            (root / cls / f"{k}.ppm").write_bytes(b"P6\n32 32\n255\n" + rgb * (32 * 32 - 1) + bytes([k, k, k]))
+    return root
+
+
+def test_a_shuffled_repack_of_same_sized_images_is_noticed_at_the_next_read(tmp_path: Path) -> None:
+    """Reviewer's case: 2 x 8 PPMs of 32x32 packed, read, then packed again with --force --shuffle --seed 3.
+    Member i of the new pack has the same name and size as in the old one, so only the pack's stamp
+    in the header tells them apart; a read must refuse rather than give a red image the label blue."""
+    src, out = coloured_ppms(tmp_path / "src"), tmp_path / "out"
+    assert CliRunner().invoke(cli_main, ["pack", str(src), str(out)]).exit_code == 0
+    index = open_dataset(out)
+    reader = SampleReader(index)
+    colour = {0: b"\x00\x00\xff", 1: b"\xff\x00\x00"}  # blue, red: the classes sorted
+    for i in range(len(index)):  # the daemon reading the pack as it was indexed
+        assert bytes(reader.read(i))[13:16] == colour[int(index.labels[i])]
+    repacked = CliRunner().invoke(cli_main, ["pack", str(src), str(out), "--force", "--shuffle", "--seed", "3"])
+    assert repacked.exit_code == 0, repacked.output
+    for i in range(len(index)):
+        with pytest.raises(ShardChanged, match=rf"^{re.escape(str(out))}/shard-000000\.tar: member '{i:09d}\.ppm' "
+                                               r"at byte \d+ is from pack 'pack-[0-9a-f]{26}', not from pack "
+                                               rf"'{index.member_stamp}' whose index.*packed again.*--reset"):
+            reader.read(i)
+    batch, slot = tmp_path / "batch.tmp", 8 * 8 * 3
+    batch.write_bytes(bytes(len(index) * slot))
+    job = WorkerJob(index, np.arange(len(index), dtype=np.int64), 8, True, 1)
+    with pytest.raises(ShardChanged) as stopped:  # a worker's task stops the job, it replaces nothing
+        run_task(job, Task(0, str(batch), 0, slot, 0, ((0, 0), (1, 1))))
+    assert failure_of(0, stopped.value).fatal is DatasetError
+
+
+def test_the_pack_stamp_tells_packs_apart_and_packing_twice_gives_the_same_bytes(tmp_path: Path) -> None:
+    """The stamp is known before writing: the same pack twice is byte for byte the same, while a
+    shuffled, differently seeded or differently sized pack of the same source, or a pack of the source
+    with a file renamed (the same sizes and labels, another order), names another pack."""
+    source = open_dataset(coloured_ppms(tmp_path / "src", per_class=2))
+    stamps = {}
+    for name, seed, size in (("a", None, 10**6), ("again", None, 10**6), ("shuffled", 3, 10**6),
+                             ("seed4", 4, 10**6), ("smaller", None, 10**5)):
+        pack(source, tmp_path / name, shard_size=size, shuffle_seed=seed)
+        stamps[name] = open_dataset(tmp_path / name).member_stamp
+    assert (tmp_path / "a" / "shard-000000.tar").read_bytes() == (tmp_path / "again" / "shard-000000.tar").read_bytes()
+    (tmp_path / "src" / "blue" / "0.ppm").rename(tmp_path / "src" / "blue" / "9.ppm")
+    pack(open_dataset(tmp_path / "src"), tmp_path / "renamed", shard_size=10**6)
+    stamps["renamed"] = open_dataset(tmp_path / "renamed").member_stamp
+    assert stamps["a"] == stamps["again"]
+    assert len({stamps[k] for k in ("a", "shuffled", "seed4", "smaller", "renamed")}) == 5
+    with tarfile.open(tmp_path / "shuffled" / "shard-000000.tar") as tar:  # what `tar tvf` shows as the owner
+        assert {m.uname for m in tar.getmembers()} == {stamps["shuffled"]} and len(str(stamps["shuffled"])) == 31
+
+
+def test_a_pack_indexed_before_the_stamp_is_read_without_it(tmp_path: Path) -> None:
+    """Version 1 indexes written before the stamp lack its array: they are read, and not checked for it."""
+    out = tmp_path / "out"
+    pack(open_dataset(coloured_ppms(tmp_path / "src", per_class=2)), out, shard_size=10**6)
+    with np.load(out / INDEX_NAME) as npz:
+        arrays = {k: npz[k] for k in npz.files if k != "stamp"}
+    np.savez(out / INDEX_NAME, **arrays)
+    index = open_dataset(out)
+    assert index.member_stamp is None
+    assert bytes(SampleReader(index).read(3))[13:16] == b"\xff\x00\x00"

@@ -2,12 +2,27 @@
 
     OUT/shard-000000.tar        000000000.jpg 000000000.cls 000000001.png 000000001.cls ...
     OUT/shard-000001.tar        (WebDataset's convention: members <key>.<ext>, the label as text in <key>.cls)
-    OUT/prefetchd-index.npz     format, version, classes, fingerprint, shards, and per sample:
-                                shard (int32), offset and size of its image member's data (int64), label (int64)
+    OUT/prefetchd-index.npz     format, version, classes, fingerprint, shards, stamp, and per sample:
+                                shard (int32), offset and size of its image member's data (int64), label (int64),
+                                source_index (int64)
 
 Any tar reader (``tar tf``, Python's tarfile, WebDataset) reads the shards; the
 daemon reads sample ``i`` with one positioned read of ``size[i]`` bytes at
-``offset[i]`` of its shard.  The index is written last, through a temporary
+``offset[i]`` of its shard, and the 512-byte USTAR header before them:
+
+    bytes 0-99     name      <key>.<ext>, the key sample i's (KEY)
+    bytes 124-135  size      octal, size[i]
+    bytes 265-296  uname     the pack's stamp (STAMP_FIELD), 31 characters and a NUL
+
+The stamp is a hash of what decides which sample lands where and with which
+label (format, version, the shuffle seed, the shard size, and the source index:
+classes, each sample's file relative to the root, its byte range, its label),
+known before the first byte is written.  Two packs of the same data with the same
+options are the same bytes, wherever the source was read from (a local folder or
+a bucket); a pack made otherwise (shuffled or not, another seed, files added,
+removed, renamed or relabelled) names another pack in every header, even where
+member ``i`` has the same name and size.  Indexes written before the stamp (no
+``stamp`` array) are read without it.  The index is written last, through a temporary
 name, so a folder whose pack was interrupted has no index and is not taken
 for a dataset.  Sample ``i`` of the shards is sample ``i`` of the source
 unless the pack was shuffled (then ``source_index[i]`` says which it was).
@@ -42,6 +57,8 @@ VERSION = 1
 SHARD_NAME = "shard-{:06d}.tar"
 KEY = "{:09d}"
 BLOCK = tarfile.BLOCKSIZE  # 512: tar pads every member's data to whole blocks
+STAMP_FIELD = slice(265, 297)  # USTAR's uname: 32 bytes, the stamp's 31 characters and a NUL
+STAMP_PREFIX = "pack-"  # what `tar tvf` shows as the owner: "pack-<26 hex digits>"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -70,10 +87,26 @@ class ShardChanged(OSError):
     another sample's image under this one's label."""
 
 
+def pack_stamp(index: SampleIndex, shuffle_seed: int | None, shard_size: int) -> str:
+    """The pack's name in every member's header: a function of what decides the layout, so the same
+    pack twice is the same bytes, and a shuffled or unshuffled pack, or one of changed data, differs.
+
+    Not the source's fingerprint: that covers where the files are and their mtimes, so the same
+    images read from a bucket would pack to other bytes than a local copy of them.  A file rewritten
+    in place under its name keeps the stamp: its member is still that file, under that file's label."""
+    digest = hashlib.sha256(f"{FORMAT}:{VERSION}:{shuffle_seed}:{shard_size}\0".encode())
+    digest.update(b"".join(os.fsencode(c) + b"\0" for c in index.classes))
+    for array, dtype in ((index.path_offsets, "<i8"), (index.path_blob, "u1"), (index.labels, "<i8"),
+                         (index.member_files, "<i4"), (index.member_offsets, "<i8"), (index.member_sizes, "<i8")):
+        if array is not None:
+            digest.update(np.ascontiguousarray(array, dtype=dtype).tobytes())
+    return STAMP_PREFIX + digest.hexdigest()[:STAMP_FIELD.stop - STAMP_FIELD.start - 1 - len(STAMP_PREFIX)]
+
+
 def read_member(storage: Storage, index: SampleIndex, i: int) -> bytearray:
     """Sample ``i``'s bytes, with the tar header before them: the header must name sample ``i``'s
-    member and size, or the shard is not the one indexed (``ShardChanged``).  One read of 512 more
-    bytes; the header then costs nothing to check."""
+    member and size, and the indexed pack's stamp where the index has one, or the shard is not the one
+    indexed (``ShardChanged``).  One read of 512 more bytes; the header then costs nothing to check."""
     rel, offset, size = index.location(i)
     assert size is not None, "read_member reads packed samples"
     try:
@@ -91,6 +124,13 @@ def read_member(storage: Storage, index: SampleIndex, i: int) -> bytearray:
                  and stored >= 0 else "no member")
         raise ShardChanged(_changed(index, rel, f"{found} starts at byte {offset}, not sample {i}'s "
                                                 f"({KEY.format(i)}.*, {size} bytes)"))
+    stamp = header[STAMP_FIELD].split(b"\0", 1)[0]
+    if index.member_stamp is not None and stamp != index.member_stamp.encode():
+        other = (f"pack {stamp.decode()!r}" if stamp.isascii() and stamp.decode().isprintable() and stamp
+                 else "a pack without a stamp")
+        raise ShardChanged(_changed(index, rel, f"member {name.decode()!r} at byte {offset} is from {other}, not "
+                                                f"from pack {index.member_stamp!r} whose index this daemon read, so "
+                                                f"it may not be sample {i}'s image"))
     del data[:BLOCK]  # a bytearray drops its head without copying the rest
     return data
 
@@ -155,6 +195,7 @@ def read_shard_index(location: str) -> SampleIndex:
         size = arrays["size"].astype(np.int64, copy=False)
         label = arrays["label"].astype(np.int64, copy=False)
         fingerprint = str(arrays["fingerprint"])
+        stamp = str(arrays["stamp"]) if "stamp" in arrays else None  # packs before the stamp: not checked
     except KeyError as exc:
         raise DatasetError(f"shard index {where} lacks {exc}; pack the dataset again") from None
     n = len(label)
@@ -163,11 +204,14 @@ def read_shard_index(location: str) -> SampleIndex:
     if shard.min() < 0 or shard.max() >= len(shards) or label.min() < 0 or label.max() >= len(classes) \
             or offset.min() < 0 or size.min() < 0:
         raise DatasetError(f"shard index {where}: a shard number, label, offset or size is out of range; pack again")
+    if stamp is not None and not (stamp.isascii() and stamp.isprintable()
+                                  and 0 < len(stamp) < STAMP_FIELD.stop - STAMP_FIELD.start):
+        raise DatasetError(f"shard index {where}: its stamp {stamp!r} is not one pack writes; pack again")
     blob, offsets = pack_paths([os.fsencode(s) for s in shards])
     index = SampleIndex(
         root=root, classes=classes, path_blob=blob,
         path_offsets=offsets, labels=label, fingerprint=fingerprint,
-        member_files=shard, member_offsets=offset, member_sizes=size,
+        member_files=shard, member_offsets=offset, member_sizes=size, member_stamp=stamp,
     )
     check_shards(index, shards, where)
     log.info("indexed shards %s: %s, %s (%.0f bytes of index per sample)",
@@ -178,10 +222,11 @@ def read_shard_index(location: str) -> SampleIndex:
 # -- writing ----------------------------------------------------------------------
 
 
-def _member(name: str, size: int) -> tarfile.TarInfo:
-    # Fixed owner, mode and time: packing the same data twice gives the same bytes.
+def _member(name: str, size: int, stamp: str) -> tarfile.TarInfo:
+    # Fixed owner, mode and time: packing the same data twice gives the same bytes.  The owner's name
+    # is the pack's stamp (uid 0 stays: tar extracting as root maps an unknown name to the uid).
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = size, 0o644, 0
+    info.size, info.mode, info.mtime, info.uname = size, 0o644, 0, stamp
     return info
 
 
@@ -202,8 +247,8 @@ def _extension(index: SampleIndex, i: int, data: bytes) -> str:
 class ShardWriter:
     """Appends samples to numbered tar shards, starting a new one past ``shard_size`` bytes."""
 
-    def __init__(self, out: Path, shard_size: int) -> None:
-        self.out, self.shard_size = out, shard_size
+    def __init__(self, out: Path, shard_size: int, stamp: str) -> None:
+        self.out, self.shard_size, self.stamp = out, shard_size, stamp
         self.shards: list[str] = []
         self.tar: tarfile.TarFile | None = None
 
@@ -216,10 +261,10 @@ class ShardWriter:
         if self.tar is None or (self.tar.offset > 0 and self.tar.offset + need > self.shard_size):
             self._next_shard()
         assert self.tar is not None
-        self.tar.addfile(_member(f"{key}.{ext}", len(data)), io.BytesIO(data))
+        self.tar.addfile(_member(f"{key}.{ext}", len(data), self.stamp), io.BytesIO(data))
         # After addfile the position is past the data and its padding to whole blocks.
         offset = self.tar.offset - -(-len(data) // BLOCK) * BLOCK
-        self.tar.addfile(_member(f"{key}.cls", len(cls)), io.BytesIO(cls))
+        self.tar.addfile(_member(f"{key}.cls", len(cls), self.stamp), io.BytesIO(cls))
         return len(self.shards) - 1, offset
 
     def _next_shard(self) -> None:
@@ -275,7 +320,8 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
              else np.arange(n)).astype(np.int64)
     # From object storage, many small reads in flight (see docs/SOURCES.md); the order stays the pack's.
     reader = SampleReader(index, URL_READERS if is_url(index.root) else 1)  # as a worker reads
-    writer = ShardWriter(out, shard_size)
+    stamp = pack_stamp(index, shuffle_seed, shard_size)
+    writer = ShardWriter(out, shard_size, stamp)
     shard = np.zeros(n, dtype=np.int32)
     offset = np.zeros(n, dtype=np.int64)
     size = np.zeros(n, dtype=np.int64)
@@ -306,7 +352,7 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
     arrays = dict(
         format=np.array(FORMAT), version=np.array(VERSION), classes=np.array(index.classes, dtype=str),
         shards=np.array(writer.shards, dtype=str), fingerprint=np.array(digest.hexdigest()[:32]),
-        shard=shard, offset=offset, size=size, label=labels, source_index=order,
+        shard=shard, offset=offset, size=size, label=labels, source_index=order, stamp=np.array(stamp),
     )
     tmp = out / f".{INDEX_NAME}.tmp"
     with open(tmp, "wb") as fh:
