@@ -526,3 +526,24 @@ def test_a_pack_indexed_before_the_stamp_is_read_without_it(tmp_path: Path) -> N
     index = open_dataset(out)
     assert index.member_stamp is None
     assert bytes(SampleReader(index).read(3))[13:16] == b"\xff\x00\x00"
+
+
+@pytest.mark.parametrize("url", [False, True], ids=["local", "fsspec"])
+def test_a_shard_cut_short_under_a_reader_says_its_size_and_the_members_bytes_once(tmp_path: Path, url: bool) -> None:
+    """Reviewer's case: a shard truncated to 8000 bytes was named twice, with the read's start as its
+    end and the header's offset as the member's."""
+    out = tmp_path / "out"
+    pack(open_dataset(coloured_ppms(tmp_path / "src", per_class=2)), out, shard_size=10**6)
+    index = open_dataset(f"file://{out}" if url else out)
+    reader = SampleReader(index)
+    assert index.member_offsets is not None and index.member_offsets[1] < 8000 < index.member_offsets[2]
+    os.truncate(out / "shard-000000.tar", 8000)
+    shard = f"{index.root.rstrip('/')}/shard-000000.tar"
+    for i in (1, 2):  # cut inside the member; cut before its header
+        start, size = int(index.member_offsets[i]), 32 * 32 * 3 + 13
+        with pytest.raises(ShardChanged) as cut:
+            reader.read(i)
+        assert str(cut.value).startswith(
+            f"{shard}: it is 8000 bytes, but the index puts sample {i} ({i:09d}.*, {size} bytes) at bytes "
+            f"{start}-{start + size}. The shards changed after this daemon read their index"), cut.value
+        assert str(cut.value).count("shard-000000.tar") == 1 and "--reset" in str(cut.value)

@@ -111,8 +111,12 @@ def read_member(storage: Storage, index: SampleIndex, i: int) -> bytearray:
     assert size is not None, "read_member reads packed samples"
     try:
         data = storage.read(rel, offset - BLOCK, size + BLOCK)
-    except (FileNotFoundError, ShortRead) as exc:
-        raise ShardChanged(_changed(index, rel, str(exc) if isinstance(exc, ShortRead) else "it is gone")) from None
+    except FileNotFoundError:
+        raise ShardChanged(_changed(index, rel, "it is gone")) from None
+    except ShortRead as exc:
+        raise ShardChanged(_changed(index, rel, f"it is {exc.file_size} bytes, but the index puts sample {i} "
+                                                f"({KEY.format(i)}.*, {size} bytes) at bytes {offset}-{offset + size}")
+                           ) from None
     header = bytes(data[:BLOCK])
     name = header[:100].split(b"\0", 1)[0]
     try:

@@ -35,7 +35,15 @@ class ImageRefused(ValueError):
 
 
 class ShortRead(OSError):
-    """A byte range past the end of its file: the file was cut short or rewritten after it was indexed."""
+    """A byte range past the end of its file: the file was cut short or rewritten after it was indexed.
+
+    Carries the file's size and the range asked for, so that a caller who knows what the range
+    was (a shard's member) can say so in its own words rather than wrap this message."""
+
+    def __init__(self, name: str, file_size: int, offset: int, size: int) -> None:
+        super().__init__(f"{name} is {file_size} bytes, too short for the {size} bytes at byte {offset} that "
+                         "were to be read; it was cut short or rewritten after it was indexed")
+        self.name, self.file_size, self.offset, self.size = name, file_size, offset, size
 
 
 class Storage(Protocol):
@@ -93,8 +101,7 @@ def read_range(path: Path | str, offset: int, size: int) -> bytearray:
         while got < size:
             n = os.preadv(fd, [view[got:]], offset + got)
             if not n:
-                raise ShortRead(f"{path} ends at byte {offset + got}, inside the member at {offset} of {size} "
-                              "bytes; the file was truncated or rewritten after it was indexed")
+                raise ShortRead(str(path), os.fstat(fd).st_size, offset, size)
             got += n
     finally:
         view.release()
@@ -178,13 +185,28 @@ class FsspecStorage:
         if size is None:
             data = self.call(f"reading {url}", lambda: self.fs.cat_file(path))
         else:
-            # Keywords: s3fs puts version_id between path and start.
-            data = self.call(f"reading {url} bytes {offset}-{offset + size}",
-                             lambda: self.fs.cat_file(path, start=offset, end=offset + size))
+            try:
+                # Keywords: s3fs puts version_id between path and start.
+                data = self.call(f"reading {url} bytes {offset}-{offset + size}",
+                                 lambda: self.fs.cat_file(path, start=offset, end=offset + size))
+            except (FileNotFoundError, StorageDenied, StorageUnavailable):
+                raise
+            except OSError:
+                # A range that starts past the end is an error of the store's own (S3: 416, "the requested
+                # range is not satisfiable", as EINVAL): a ShortRead if the object is too short for it.
+                self._check_size(path, url, offset, size)
+                raise
             if len(data) < size:
-                raise ShortRead(f"{url} ends at byte {offset + len(data)}, inside the member at {offset} of {size} "
-                              "bytes; the object was truncated or rewritten after it was indexed")
+                self._check_size(path, url, offset, size)
+                raise ShortRead(url, offset + len(data), offset, size)  # longer again by now: the size the read saw
         return bytearray(data)
+
+    def _check_size(self, path: str, url: str, offset: int, size: int) -> None:
+        """``ShortRead`` if the object ends before ``offset + size``; one more request, made only when a
+        ranged read failed or came back short."""
+        found = int(self.call(f"sizing {url}", lambda: self.fs.size(path)))
+        if found < offset + size:
+            raise ShortRead(url, found, offset, size) from None
 
     def sizes(self, rels: list[str]) -> dict[str, int]:
         """The size of each of ``rels`` that exists, from one listing of the root (not a request each)."""
