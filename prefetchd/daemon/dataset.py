@@ -49,6 +49,7 @@ class SampleIndex:
     member_offsets: np.ndarray | None = None  # int64 per sample
     member_sizes: np.ndarray | None = None  # int64 per sample
     member_stamp: str | None = None  # what every member's tar header names as its pack (None: not checked)
+    source_index: np.ndarray | None = None  # int64 per sample of a shuffled pack: its sample in the data packed
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -78,7 +79,7 @@ class SampleIndex:
     @property
     def nbytes(self) -> int:
         arrays = (self.path_blob, self.path_offsets, self.labels, self.member_files, self.member_offsets,
-                  self.member_sizes)
+                  self.member_sizes, self.source_index)
         return sum(a.nbytes for a in arrays if a is not None)
 
 
@@ -319,18 +320,30 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
     return Scan(index, stamps)
 
 
-def split_members(n: int, split: str, val_fraction: float | None) -> np.ndarray:
+def split_members(n: int, split: str, val_fraction: float | None,
+                  source_index: np.ndarray | None = None) -> np.ndarray:
     """Sorted sample indices that belong to ``split``.
 
     Without a validation fraction the whole dataset is the split.  With one, a
     fixed seeded permutation puts ``round(n * fraction)`` samples in val and the
     rest in train; the two never overlap.
+
+    The split is drawn over the data as it was before packing: where sample ``i``
+    is sample ``source_index[i]`` of the source (a shuffled pack), it is in val
+    when that source sample is, so every layout of the same data holds out the
+    same images.  Sorted either way (the workers find a sample's replacements by
+    bisection): the pack's order, not the source's.
     """
     if val_fraction is None:
         return np.arange(n, dtype=np.int64)
     n_val = int(round(n * val_fraction))
     perm = np.random.Generator(np.random.PCG64(SPLIT_SEED)).permutation(n)
-    chosen = perm[:n_val] if split == "val" else perm[n_val:]
+    if source_index is None:
+        chosen = perm[:n_val] if split == "val" else perm[n_val:]
+    else:
+        held_out = np.zeros(n, dtype=bool)
+        held_out[perm[:n_val]] = True
+        chosen = np.flatnonzero(held_out[source_index] == (split == "val"))
     if len(chosen) == 0:
         raise DatasetError(
             f"--val-fraction {val_fraction} leaves the {split} split of {n} samples empty; choose a fraction "

@@ -421,7 +421,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         log.warning("%s", mistaken)
     if inbox.pending_id is not None and inbox.pending_confinement is not None:
         check_files_inside(index, job.data, inbox.pending_confinement, tick=lambda: beat(f"checking the files of {job.data}"))
-    members = split_members(len(index), job.split, job.val_fraction)
+    members = split_members(len(index), job.split, job.val_fraction, index.source_index)
     samples = samples_per_rank(len(members), job.world_size)
     if job.drop_last and samples < job.batch_size:
         per_rank = " per rank" if job.world_size > 1 else ""

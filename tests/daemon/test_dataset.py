@@ -300,6 +300,24 @@ def test_split_depends_only_on_n_and_fraction() -> None:
     assert np.diff(val).max() > 1
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 500), fraction=st.floats(0.05, 0.95), seed=st.integers(0, 2**32 - 1))
+def test_a_reordered_datasets_split_holds_the_same_samples(n: int, fraction: float, seed: int) -> None:
+    """A shuffled pack: its sample i is sample source[i] of the data it was packed from.  Its val side
+    is the positions of the source's val samples, in the pack's order (sorted, as the workers' bisection
+    for replacements needs), whatever the shuffle; and with no reordering it is the plain split."""
+    if round(n * fraction) in (0, n):
+        return
+    source = np.random.default_rng(seed).permutation(n)
+    for split in ("train", "val"):
+        plain = split_members(n, split, fraction)
+        got = split_members(n, split, fraction, source)
+        assert got.dtype == np.int64 and np.all(np.diff(got) > 0)
+        assert sorted(source[got].tolist()) == plain.tolist()
+        assert np.array_equal(split_members(n, split, fraction, np.arange(n)), plain)
+    assert split_members(n, "val", None, source).tolist() == list(range(n))
+
+
 @pytest.mark.parametrize(
     ("n", "split", "fraction"),
     [(10, "val", 0.0), (10, "val", 0.01), (10, "train", 1.0), (10, "train", 0.99), (0, "train", 0.5)],

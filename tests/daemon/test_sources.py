@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.dataset import SampleIndex, split_members
 from prefetchd.cli import main as cli_main
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
@@ -547,3 +547,28 @@ def test_a_shard_cut_short_under_a_reader_says_its_size_and_the_members_bytes_on
             f"{shard}: it is 8000 bytes, but the index puts sample {i} ({i:09d}.*, {size} bytes) at bytes "
             f"{start}-{start + size}. The shards changed after this daemon read their index"), cut.value
         assert str(cut.value).count("shard-000000.tar") == 1 and "--reset" in str(cut.value)
+
+
+def test_val_fraction_holds_out_the_same_images_in_every_layout_of_the_data(tmp_path: Path) -> None:
+    """Reviewer's case: the held-out images of a shuffled pack were picked by shard position, so images
+    held out of the class folders landed in the pack's train split.  The split is drawn over the source,
+    through a pack of a shuffled pack too."""
+    folders = open_dataset(coloured_ppms(tmp_path / "src"))
+    pack(folders, tmp_path / "plain", shard_size=10**6)
+    pack(folders, tmp_path / "shuffled", shard_size=10**6, shuffle_seed=3)
+    pack(open_dataset(tmp_path / "shuffled"), tmp_path / "again", shard_size=10**6, shuffle_seed=5)
+    assert open_dataset(tmp_path / "plain").source_index is None  # sample i is the source's: no array kept
+
+    def images(index: SampleIndex, split: str) -> list[bytes]:
+        members = split_members(len(index), split, 0.25, index.source_index)
+        return sorted(bytes(SampleReader(index).read(int(i))) for i in members)
+
+    for split in ("val", "train"):
+        expected = images(folders, split)
+        assert len(set(expected)) == len(expected) == (4 if split == "val" else 12)
+        for layout in ("plain", "shuffled", "again"):
+            assert images(open_dataset(tmp_path / layout), split) == expected, (layout, split)
+    again = open_dataset(tmp_path / "again")
+    assert again.source_index is not None
+    for i, src in enumerate(again.source_index.tolist()):  # the folders' sample, not the shuffled pack's
+        assert bytes(SampleReader(again).read(i)) == bytes(SampleReader(folders).read(src))

@@ -105,3 +105,24 @@ def test_a_restarted_daemon_takes_the_index_from_its_cache(shapes_data: Path, sh
     third.wait_until(lambda: "indexed" in third.log, 60, "the index")
     third.terminate()
     assert "from the cache" not in third.log_path.read_text()
+
+
+def test_a_shuffled_packs_val_split_serves_the_class_folders_val_images(shapes_data: Path, shm_dir: Path,
+                                                                         tmp_path: Path, start_daemon) -> None:
+    """--split val --val-fraction of a pack shuffled when written holds out the images the class folders
+    hold out (the batches differ: a sample's place and augmentation follow its index in the pack)."""
+    folders = shapes_data / "train"
+    shards = tmp_path / "shards"
+    pack(open_dataset(folders), shards, shard_size=64 * 1024, shuffle_seed=3)
+    served = {}
+    for name, data in (("folders", folders), ("shards", shards)):
+        buffer = shm_dir / name
+        daemon = start_daemon(buffer, "--data", data, "--split", "val", "--val-fraction", "0.25", "--batch-size", "8",
+                              "--image-size", "32", "--workers", "1", "--epochs", "1", "--high-water", "4")
+        loader = BufferLoader(buffer, normalize=False, timeout=60)
+        served[name] = sorted(hashlib.sha256(image.numpy().tobytes()).hexdigest() + f":{int(label)}"
+                              for images, labels in loader for image, label in zip(images, labels))
+        loader.close()
+        assert daemon.wait_exit(30) == 0, daemon.log
+    assert len(served["folders"]) == 18 and len(set(served["folders"])) == 18
+    assert served["shards"] == served["folders"]

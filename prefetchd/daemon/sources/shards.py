@@ -25,7 +25,8 @@ member ``i`` has the same name and size.  Indexes written before the stamp (no
 ``stamp`` array) are read without it.  The index is written last, through a temporary
 name, so a folder whose pack was interrupted has no index and is not taken
 for a dataset.  Sample ``i`` of the shards is sample ``i`` of the source
-unless the pack was shuffled (then ``source_index[i]`` says which it was).
+unless the pack was shuffled (then ``source_index[i]`` says which sample of the
+data first packed it was, through packs of packs: what --val-fraction splits on).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def pack_stamp(index: SampleIndex, shuffle_seed: int | None, shard_size: int) ->
     digest = hashlib.sha256(f"{FORMAT}:{VERSION}:{shuffle_seed}:{shard_size}\0".encode())
     digest.update(b"".join(os.fsencode(c) + b"\0" for c in index.classes))
     for array, dtype in ((index.path_offsets, "<i8"), (index.path_blob, "u1"), (index.labels, "<i8"),
-                         (index.member_files, "<i4"), (index.member_offsets, "<i8"), (index.member_sizes, "<i8")):
+                         (index.member_files, "<i4"), (index.member_offsets, "<i8"), (index.member_sizes, "<i8"),
+                         (index.source_index, "<i8")):
         if array is not None:
             digest.update(np.ascontiguousarray(array, dtype=dtype).tobytes())
     return STAMP_PREFIX + digest.hexdigest()[:STAMP_FIELD.stop - STAMP_FIELD.start - 1 - len(STAMP_PREFIX)]
@@ -200,6 +202,7 @@ def read_shard_index(location: str) -> SampleIndex:
         label = arrays["label"].astype(np.int64, copy=False)
         fingerprint = str(arrays["fingerprint"])
         stamp = str(arrays["stamp"]) if "stamp" in arrays else None  # packs before the stamp: not checked
+        source = arrays["source_index"].astype(np.int64, copy=False) if "source_index" in arrays else None
     except KeyError as exc:
         raise DatasetError(f"shard index {where} lacks {exc}; pack the dataset again") from None
     n = len(label)
@@ -208,6 +211,11 @@ def read_shard_index(location: str) -> SampleIndex:
     if shard.min() < 0 or shard.max() >= len(shards) or label.min() < 0 or label.max() >= len(classes) \
             or offset.min() < 0 or size.min() < 0:
         raise DatasetError(f"shard index {where}: a shard number, label, offset or size is out of range; pack again")
+    if source is not None and (len(source) != n or source.min() < 0 or source.max() >= n
+                               or np.bincount(source, minlength=n).max() != 1):
+        raise DatasetError(f"shard index {where}: source_index is not an order of its {n} samples; pack again")
+    if source is not None and np.array_equal(source, np.arange(n)):
+        source = None  # an unshuffled pack: sample i is the source's, and the daemon keeps no array for it
     if stamp is not None and not (stamp.isascii() and stamp.isprintable()
                                   and 0 < len(stamp) < STAMP_FIELD.stop - STAMP_FIELD.start):
         raise DatasetError(f"shard index {where}: its stamp {stamp!r} is not one pack writes; pack again")
@@ -215,7 +223,7 @@ def read_shard_index(location: str) -> SampleIndex:
     index = SampleIndex(
         root=root, classes=classes, path_blob=blob,
         path_offsets=offsets, labels=label, fingerprint=fingerprint,
-        member_files=shard, member_offsets=offset, member_sizes=size, member_stamp=stamp,
+        member_files=shard, member_offsets=offset, member_sizes=size, member_stamp=stamp, source_index=source,
     )
     check_shards(index, shards, where)
     log.info("indexed shards %s: %s, %s (%.0f bytes of index per sample)",
@@ -356,7 +364,9 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
     arrays = dict(
         format=np.array(FORMAT), version=np.array(VERSION), classes=np.array(index.classes, dtype=str),
         shards=np.array(writer.shards, dtype=str), fingerprint=np.array(digest.hexdigest()[:32]),
-        shard=shard, offset=offset, size=size, label=labels, source_index=order, stamp=np.array(stamp),
+        shard=shard, offset=offset, size=size, label=labels, stamp=np.array(stamp),
+        # Of the data first packed, through a pack being packed again: what --val-fraction splits on.
+        source_index=order if index.source_index is None else index.source_index[order],
     )
     tmp = out / f".{INDEX_NAME}.tmp"
     with open(tmp, "wb") as fh:
