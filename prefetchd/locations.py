@@ -52,6 +52,9 @@ THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Re
 TRANSIENT_ERRNOS = frozenset({errno.EBUSY, errno.EAGAIN, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
                               errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
+# Where botocore sends S3 requests when the environment moves the store (MinIO, a proxy), most specific first.
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
 # The extra of ours that installs a backend, where we ship one.
 EXTRAS = {"s3": "prefetchd[s3]", "s3a": "prefetchd[s3]"}
 
@@ -190,7 +193,7 @@ def access_problem(exc: BaseException, url: str) -> str | None:
 
 def _endpoint() -> str:
     """Where the store was looked for, when the environment moved it (a local S3 server, a proxy)."""
-    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    url = next((os.environ[name] for name in ENDPOINT_VARIABLES if os.environ.get(name)), None)
     return f" at {url} (AWS_ENDPOINT_URL)" if url else ""
 
 

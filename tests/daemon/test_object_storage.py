@@ -29,8 +29,7 @@ from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd import locations
 from prefetchd.throttle import Throttle
-from prefetchd.daemon.sources.index_cache import cache_file
-from prefetchd.daemon.sources.objects import list_class_folders
+from prefetchd.daemon.sources.objects import cache_entry, list_class_folders
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageUnavailable, storage_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,7 +227,7 @@ def test_the_index_is_cached_and_a_restart_does_not_list_again(s3: Any, proxy: A
     url, cache = s3.url("cached"), tmp_path / "index-cache"
     first = open_dataset(url, index_cache=cache)
     assert proxy.count("GET list") >= 3  # the prefix, then each class
-    assert cache_file(cache, "objects", url).is_file()
+    assert cache_entry(FsspecStorage(url), cache).is_file()
     listed = proxy.count("GET list")
     again = open_dataset(url, index_cache=cache)
     assert proxy.count("GET list") == listed, "a cached index must not list again"
@@ -239,6 +238,51 @@ def test_the_index_is_cached_and_a_restart_does_not_list_again(s3: Any, proxy: A
     assert len(open_dataset(url, index_cache=cache, refresh_index=True)) == 4
     assert proxy.count("GET list") > listed
     assert len(open_dataset(url, index_cache=cache)) == 4  # the refreshed index replaced the old one
+
+
+@pytest.fixture
+def other_s3(s3: Any) -> Iterator[Any]:
+    """A second S3 server, in a process of its own (moto's stores are per process): the same bucket
+    name as ``s3``'s, holding other objects, as staging and production or MinIO and AWS would."""
+    import s3fs
+
+    bench = load_tool("bench_s3")
+    port = bench.free_port()
+    with bench.serving([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port) as endpoint:
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=endpoint)
+        fs.mkdir(s3.bucket)
+        yield type(s3)(endpoint, s3.bucket, fs)
+
+
+def test_the_index_cache_keeps_one_entry_per_endpoint(s3: Any, other_s3: Any, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("a/0.jpg", "a/1.jpg", "b/2.jpg"):
+        s3.fs.pipe_file(f"{s3.bucket}/ds/{name}", b"A")
+    for name in ("x/0.jpg", "y/1.jpg", "z/2.jpg", "z/3.jpg"):
+        other_s3.fs.pipe_file(f"{other_s3.bucket}/ds/{name}", b"BB")
+    url, cache = s3.url("ds"), tmp_path / "cache"
+    on_a = open_dataset(url, index_cache=cache)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", other_s3.endpoint)
+    on_b = open_dataset(url, index_cache=cache)
+    assert (on_a.classes, len(on_a)) == (("a", "b"), 3)
+    assert (on_b.classes, len(on_b)) == (("x", "y", "z"), 4), "endpoint B was given endpoint A's cached index"
+    assert on_b.fingerprint != on_a.fingerprint
+    assert bytes(SampleReader(on_b).read(0)) == b"BB"
+    assert len(list(cache.glob("objects-*.npz"))) == 2
+    # Each endpoint's entry is used again (nothing relisted: B's data changed, its index did not),
+    # AWS_ENDPOINT_URL_S3 is the more specific setting, as for botocore.
+    other_s3.fs.pipe_file(f"{other_s3.bucket}/ds/z/4.jpg", b"BB")
+    assert open_dataset(url, index_cache=cache).fingerprint == on_b.fingerprint
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
+    assert open_dataset(url, index_cache=cache).fingerprint == on_a.fingerprint
+    # An entry whose stored endpoint is not this one's (a copied cache folder, a hash clash) is not used.
+    entry_a = cache_entry(FsspecStorage(url), cache)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    entry_b = cache_entry(FsspecStorage(url), cache)
+    assert entry_b != entry_a
+    entry_b.write_bytes(entry_a.read_bytes())
+    relisted = open_dataset(url, index_cache=cache)
+    assert (relisted.classes, len(relisted)) == (("x", "y", "z"), 5)
 
 
 def test_a_cached_index_whose_objects_are_gone_asks_for_a_refresh(s3: Any, tmp_path: Path) -> None:
@@ -261,7 +305,7 @@ def test_pack_takes_the_index_cache_and_refresh_index_as_start_does(s3: Any, tmp
     url, cache = s3.url("stale"), tmp_path / "cache"
     first = CliRunner().invoke(cli_main, ["pack", url, str(tmp_path / "p1"), "--index-cache", str(cache)])
     assert first.exit_code == 0, first.output
-    assert cache_file(cache, "objects", url).is_file()
+    assert cache_entry(FsspecStorage(url), cache).is_file()
     s3.fs.rm(f"{s3.bucket}/stale/c0/a.jpg")
     stale = CliRunner().invoke(cli_main, ["pack", url, str(tmp_path / "p2"), "--index-cache", str(cache)])
     assert stale.exit_code == 1 and "again with --refresh-index" in stale.output

@@ -4,7 +4,7 @@
 Entries are ``.npz`` files (no pickle) written through a temporary name; an
 unreadable, damaged, other-version or other-dataset entry is ignored and
 rewritten.  ``objects.py`` keeps the index of class folders under a URL here as
-``objects-<hash of the URL>.npz``, trusted until ``--refresh-index``.
+``objects-<hash of the URL and the store's endpoint>.npz``, trusted until ``--refresh-index``.
 
 On disk there is one file per dataset root, ``<cache dir>/classfolders-<hash of the root>.npz``,
 holding the index and the stamp (size and mtime) of every folder it was built
@@ -30,7 +30,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +87,11 @@ def _unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
     return [os.fsdecode(raw[offsets[k]:offsets[k + 1]]) for k in range(len(offsets) - 1)]
 
 
-def load_entry(path: Path, root: str, again: str,
-               extra: tuple[str, ...] = ()) -> tuple[SampleIndex, dict[str, np.ndarray]] | None:
+def load_entry(path: Path, root: str, again: str, extra: tuple[str, ...] = (),
+               match: Mapping[str, str] | None = None) -> tuple[SampleIndex, dict[str, np.ndarray]] | None:
     """The index saved in ``path`` for ``root`` and its ``extra`` arrays, or None with the reason logged
-    (``again`` says what happens instead, e.g. "rescanning ROOT")."""
+    (``again`` says what happens instead, e.g. "rescanning ROOT").  ``match``: what else the entry must
+    have been saved for besides ``root`` (``objects.py``: the endpoint), as string arrays saved beside it."""
     try:
         arrays = load_arrays(path)
     except (FileNotFoundError, NotADirectoryError):  # no entry (the cache folder is a file: saving says so)
@@ -102,7 +103,8 @@ def load_entry(path: Path, root: str, again: str,
         log.warning("index cache %s is damaged (%s); %s and rewriting it", path, exc, again)
         return None
     try:
-        if str(arrays["format"]) != FORMAT or int(arrays["version"]) != VERSION or str(arrays["root"]) != root:
+        if (str(arrays["format"]) != FORMAT or int(arrays["version"]) != VERSION or str(arrays["root"]) != root
+                or any(name not in arrays or str(arrays[name]) != value for name, value in (match or {}).items())):
             log.info("index cache %s is from another version or dataset; %s", path, again)
             return None
         labels = arrays["labels"].astype(np.int64, copy=False)

@@ -7,8 +7,9 @@ directly under the prefix, files are taken per class in the order of a sorted
 case-insensitively.  Each class is listed by its own request stream in a thread
 pool: one flat listing per class prefix instead of one walk of the whole tree.
 
-The index is cached on disk (``<cache dir>/objects-<hash of the URL>.npz``) and
-a restart uses it without listing: telling whether a prefix changed would take
+The index is cached on disk (``<cache dir>/objects-<hash of the URL and the
+endpoint>.npz``: the same bucket on another endpoint is another store) and a
+restart uses it without listing: telling whether a prefix changed would take
 the listing the cache saves.  It is trusted as it is until ``--refresh-index``;
 one HEAD of its first object at start turns missing credentials, a deleted
 bucket or deleted objects into a clear error there rather than in every worker.
@@ -102,15 +103,25 @@ def list_class_folders(storage: FsspecStorage, tick: Callable[[], object] = lamb
     return index
 
 
+def cache_entry(storage: FsspecStorage, cache_dir: Path | None = None) -> Path:
+    """The index-cache file of the class folders under ``storage.url`` on the endpoint it reaches."""
+    return cache_file(cache_dir or default_cache_dir(), "objects", f"{storage.url}\0{storage.endpoint()}")
+
+
 def cached_url_class_folders(storage: FsspecStorage, cache_dir: Path | None = None, refresh: bool = False,
                              tick: Callable[[], object] = lambda: None) -> SampleIndex:
-    """The class-folder index under ``storage.url``: from the cache unless ``refresh``, else listed and cached."""
-    cached = cache_file(cache_dir or default_cache_dir(), "objects", storage.url)
-    entry = None if refresh else load_entry(cached, storage.url, f"listing {storage.url} again")
+    """The class-folder index under ``storage.url``: from the cache unless ``refresh``, else listed and cached.
+
+    An entry is the URL's on one endpoint: the same bucket and prefix on MinIO and on AWS (or on
+    staging and production) are different data, and one's index would give the other's samples."""
+    endpoint = storage.endpoint()
+    cached = cache_entry(storage, cache_dir)
+    entry = None if refresh else load_entry(cached, storage.url, f"listing {storage.url} again",
+                                            match={"endpoint": endpoint})
     if entry is None:
         index = list_class_folders(storage, tick=tick)
         try:
-            save_entry(cached, index)
+            save_entry(cached, index, endpoint=np.array(endpoint))
         except OSError as exc:
             log.warning("cannot write the index cache %s (%s); the next start lists %s again; pass --index-cache "
                         "DIR with a writable folder", cached, exc.strerror or exc, index.root)

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from prefetchd.locations import (LocationError, StorageDenied, StorageUnavailable, filesystem, is_transient, is_url,
-                                 with_retries)
+from prefetchd.locations import (ENDPOINT_VARIABLES, LocationError, StorageDenied, StorageUnavailable, filesystem,
+                                 is_transient, is_url, with_retries)
 
 T = TypeVar("T")
 # Reads in flight per worker (and for `prefetchd pack`) from a URL: object storage answers each small object in
@@ -174,6 +174,21 @@ class FsspecStorage:
         root = self._open()[1]
         return f"{root}/{rel}" if rel else root
 
+    def endpoint(self) -> str:
+        """The server this URL's requests go to, as the backend resolved it; "" where it names none.
+
+        The same ``s3://bucket/prefix`` on MinIO and on AWS, or on staging and production, is
+        different data.  For S3 this is the client's own endpoint: AWS_ENDPOINT_URL_S3,
+        AWS_ENDPOINT_URL or the config file's ``endpoint_url``, else AWS's for the region --
+        whatever botocore chose, rather than our reading of the same settings."""
+        fs = self.fs
+        client = fs.s3 if hasattr(type(fs), "s3") else None  # s3fs's botocore client, made here if not yet
+        found = getattr(getattr(client, "meta", None), "endpoint_url", None)
+        if found is None:  # another backend: an endpoint passed to it, if any
+            options = getattr(fs, "storage_options", {}) or {}
+            found = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+        return str(found or "").rstrip("/")
+
     def url_of(self, rel: str) -> str:
         return f"{self.url}/{rel}" if rel else self.url
 
@@ -217,19 +232,21 @@ class FsspecStorage:
 
 
 # One per URL and process: making an S3 client loads botocore's data (~0.5 s), and
-# indexing asks for the storage of the same root several times.
-_URL_STORAGES: dict[str, FsspecStorage] = {}
+# indexing asks for the storage of the same root several times.  Keyed by the endpoint
+# the environment names too: the same URL on another endpoint is another store.
+_URL_STORAGES: dict[tuple[str, tuple[str | None, ...]], FsspecStorage] = {}
 
 
 def storage_for(root: str) -> Storage:
     """The storage of a dataset root: ``FsspecStorage`` for a URL (its backend is checked here), else local."""
     if is_url(root):
         url = root.rstrip("/")
-        storage = _URL_STORAGES.get(url)
+        key = (url, tuple(os.environ.get(name) for name in ENDPOINT_VARIABLES))
+        storage = _URL_STORAGES.get(key)
         if storage is None:
             storage = FsspecStorage(url)
             storage.fs  # an unknown protocol or a missing package is refused now, with what to install
-            _URL_STORAGES[url] = storage
+            _URL_STORAGES[key] = storage
         return storage
     return LocalStorage(root)
 
