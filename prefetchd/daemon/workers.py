@@ -14,8 +14,10 @@ A sample that cannot be decoded is replaced by the next member of the split
 that can (a pure function of the index, so the batch stays deterministic and
 full); the controller logs and counts the replacement.  A failing user
 transform hook is not a bad image: it stops the daemon with the hook's error.
-Neither is object storage that cannot be reached (the batch is retried later)
-or that refuses us (the job stops with what to do).
+Neither is storage that cannot be reached (the batch is retried later): an
+object store's outage, a dataset root gone, or a local read error that says
+"try again" (``RETRY_LATER_ERRNOS``: EMFILE, ESTALE...); nor a store that
+refuses us (the job stops with what to do).
 
 With ``readers`` > 1 a worker keeps that many sample reads in flight on
 threads (object storage: many small requests, each mostly waiting) while it

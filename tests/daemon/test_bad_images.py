@@ -3,8 +3,15 @@ decoders and a worker; the policy of replacing, counting and stopping (bad_data_
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import resource
 import shutil
+import subprocess
+import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +27,11 @@ from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import BadDataError
 from prefetchd.daemon.producer import bad_data_verdict
 from prefetchd.daemon.decode import load_rgb
+from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.sources.storage import ImageRefused, StorageUnavailable
 from prefetchd.daemon.transforms import augment
-from prefetchd.daemon.workers import Filled, SampleUnrecoverable, Task, WorkerJob, failure_of, run_task
+from prefetchd.daemon.workers import (Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of,
+                                     run_task)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")]
@@ -201,6 +210,83 @@ def test_a_dataset_root_gone_makes_the_build_wait_rather_than_replace_samples(tm
         _build_first_slot(index, tmp_path)
     assert f"the dataset root {root.resolve()} is gone or empty (unmounted?)" in str(raised.value), raised.value
     assert failure_of(0, raised.value).fatal is None  # retried, the job goes on
+
+
+# Holds a write lease on argv[1] until its stdin closes: opening the file with O_NONBLOCK (as the
+# workers do) then fails with EAGAIN, as it does on a file whose lease knfsd or Samba holds for a client.
+LEASE_HOLDER = """
+import fcntl, os, signal, sys
+signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease-break notice
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+print("leased", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def _lease_held(path: Path) -> Iterator[None]:
+    holder = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "leased\n"
+        yield
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(10)
+
+
+@contextlib.contextmanager
+def _open_files_exhausted(path: Path) -> Iterator[None]:
+    """The open-file limit lowered to the descriptors this process holds, the free ones under it taken."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    taken: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1, hard))
+        while True:
+            try:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE
+                break
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize(("fault", "said"), [
+    (_lease_held, "Resource temporarily unavailable (EAGAIN; the filesystem's failure, not the file's)"),
+    (_open_files_exhausted, "Too many open files (EMFILE; the daemon's open-file limit is reached"),
+], ids=["EAGAIN", "EMFILE"])
+def test_a_filesystem_that_says_try_again_makes_the_build_wait_rather_than_replace_samples(
+        tmp_path: Path, fault: Callable[[Path], contextlib.AbstractContextManager[None]], said: str) -> None:
+    """EAGAIN or EMFILE, like ESTALE or ETIMEDOUT on NFS, says nothing of the file: replacing the sample
+    would make another batch for the same (seed, epoch, step) than the next run makes.  Real errors: a
+    lease another process holds on the sample, or every descriptor under a lowered limit taken.  The
+    images go to a ``Rows`` sink (a remote task's), which opens no file, so the sample's read is what fails."""
+    from prefetchd.daemon.remote.task import build_rows
+
+    root = tmp_path / "data"
+    (root / "a").mkdir(parents=True)
+    for k in range(3):
+        Image.new("RGB", (8, 8), (40 * k, 0, 0)).save(root / "a" / f"{k}.png")
+    index = scan_class_folders(root)
+    job = WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0)
+    task = Task(0, "unused", 0, SIZE * SIZE * 3, 0, ((0, 0), (1, 1)))
+    reader = SampleReader(index)
+    before, pixels = build_rows(job, task, reader)
+    assert isinstance(before, Filled) and pixels is not None
+    with fault(root / "a" / "0.png"):
+        during, _ = build_rows(job, task, reader)
+    assert isinstance(during, WriteFailed), f"a sample was replaced: {during}"
+    assert during.fatal is None and not during.failures  # retried later, the job goes on, nothing counted as bad
+    assert f"cannot read {root / 'a' / '0.png'}: {said}" in during.reason, during.reason
+    after, again = build_rows(job, task, reader)
+    assert isinstance(after, Filled) and after.slots == before.slots and not after.failures
+    assert again is not None and all(np.array_equal(x, y) for x, y in zip(again, pixels))
 
 
 def _cfg(**kw: object) -> DaemonConfig:

@@ -5,6 +5,8 @@ range of it (a member of a packed shard).  Layouts (class folders, file lists,
 shards) are written once against this seam and work wherever a storage exists:
 on a local filesystem (``LocalStorage``) or in object storage under an fsspec
 URL (``FsspecStorage``: ``s3://bucket/prefix`` with s3fs, ``gs://`` with gcsfs).
+A local read whose error says "try again" (``RETRY_LATER_ERRNOS``: EMFILE, ESTALE,
+ETIMEDOUT...) is ``StorageUnavailable`` too, as an object store's outage is.
 
 Object-storage errors are classified and retried in ``prefetchd.locations``
 (shared with the trainer's checkpoints): ``StorageUnavailable`` after the
@@ -14,6 +16,7 @@ help, and the backend's own errors (a missing object) otherwise.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -109,13 +112,44 @@ def read_range(path: Path | str, offset: int, size: int) -> bytearray:
     return data
 
 
+# Local read errors that say "try again", not "this file is bad": the process's or the system's
+# limits (EMFILE, ENFILE, ENOMEM, ENOBUFS), a network filesystem's server or link (ESTALE: the
+# file was replaced on the server and a fresh lookup finds it; ETIMEDOUT, ENOTCONN: a FUSE mount
+# whose daemon went away) or an interrupted call.  Replacing the sample would build another batch
+# for the same (seed, epoch, step) than the next run builds; the batch waits instead.  EIO, ENOENT,
+# EACCES and the rest are about the file, and replace it as an undecodable image is replaced.
+RETRY_LATER_ERRNOS = frozenset({
+    errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.ENOLCK,
+    errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN, errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED,
+    errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+})
+_RETRY_LATER_HINTS = {
+    errno.EMFILE: "the daemon's open-file limit is reached: raise it (LimitNOFILE= in its unit, ulimit -n)",
+    errno.ENFILE: "the system's open-file table is full (fs.file-max)",
+    errno.ESTALE: "a stale NFS handle: the file was replaced on the server",
+}
+
+
+def retry_later(path: str, exc: OSError) -> StorageUnavailable:
+    """``exc`` from reading ``path``, said as the failure of the filesystem it is: the batch waits."""
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    hint = _RETRY_LATER_HINTS.get(exc.errno or 0, "the filesystem's failure, not the file's")
+    return StorageUnavailable(f"cannot read {path}: {exc.strerror or exc} ({code}; {hint}); the batch is built again "
+                              "with the same samples once reads work")
+
+
 class LocalStorage:
     def __init__(self, root: str | Path) -> None:
         self.root = str(root)  # joined as a string per sample: a Path costs a worker ~5 us
 
     def read(self, rel: str, offset: int = 0, size: int | None = None) -> bytearray:
         path = os.path.join(self.root, rel)  # an absolute rel (a file list's) stays as it is
-        return read_bytes(path) if size is None else read_range(path, offset, size)
+        try:
+            return read_bytes(path) if size is None else read_range(path, offset, size)
+        except OSError as exc:
+            if exc.errno in RETRY_LATER_ERRNOS:
+                raise retry_later(path, exc) from exc
+            raise
 
     def sizes(self, rels: list[str]) -> dict[str, int]:
         """The size of each of ``rels`` that exists."""
