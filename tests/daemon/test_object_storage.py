@@ -333,6 +333,31 @@ def test_a_file_list_in_s3_names_objects_relative_to_its_folder_or_by_url(s3: An
         open_dataset(s3.url("ds/val.csv"))
 
 
+def test_a_file_list_in_s3_takes_paths_as_find_writes_them_and_refuses_climbing_out(s3: Any, proxy: Any) -> None:
+    """A key is a name: ``ds/./imgs/b1.jpg`` is not ``ds/imgs/b1.jpg``, so "./" (as `find .` writes
+    paths) and "a/.." are normalised; "../" would leave the list's folder and is refused."""
+    for name, body in (("imgs/b1.jpg", b"b1"), ("imgs/a1.png", b"a1"), ("imgs/ sp.jpg", b"sp")):
+        s3.fs.pipe_file(f"{s3.bucket}/ds/{name}", body)
+    s3.fs.pipe_file(f"{s3.bucket}/ds/train.csv",
+                    b'./imgs/b1.jpg,dog\nimgs/x/../a1.png,cat\n"./imgs/ sp.jpg", dog\n')
+    index = open_dataset(s3.url("ds/train.csv"))
+    assert [index.file(i) for i in range(3)] == ["imgs/b1.jpg", "imgs/a1.png", "imgs/ sp.jpg"]
+    assert index.labels.tolist() == [1, 0, 1]
+    reader = SampleReader(index, readers=3)
+    assert [bytes(f.result()) for f in reader.read_ahead(range(3))] == [b"b1", b"a1", b"sp"]
+    reader.close()
+    s3.fs.pipe_file(f"{s3.bucket}/ds/lists/val.csv", b"../imgs/b1.jpg,dog\n")
+    with pytest.raises(DatasetError, match=rf"{s3.url('ds/lists/val.csv')}:1: \.\./imgs/b1.jpg climbs out of "
+                                           rf"{s3.url('ds/lists')} with '\.\.'; .* put the list in a folder above"):
+        open_dataset(s3.url("ds/lists/val.csv"))
+    # An unknown header, found with a request for each of the first two paths and none for the rest.
+    s3.fs.pipe_file(f"{s3.bucket}/ds/kaggle.csv", b"Image,Id\n" + b"imgs/b1.jpg,w1\n" * 50)
+    before = proxy.count("HEAD"), proxy.count("GET list")
+    with pytest.raises(DatasetError, match=r"kaggle\.csv:1: 'Image','Id' looks like a header"):
+        open_dataset(s3.url("ds/kaggle.csv"))
+    assert proxy.count("HEAD") - before[0] <= 2 and proxy.count("GET list") - before[1] <= 1
+
+
 def test_shards_in_s3_are_read_with_one_ranged_get_per_sample(s3: Any, proxy: Any, tmp_path: Path,
                                                                 make_image: Any, fast_retries: None) -> None:
     from prefetchd.daemon.sources.shards import pack

@@ -110,6 +110,7 @@ def test_a_first_row_naming_a_file_is_a_sample(tmp_path: Path, first: str) -> No
     ("a.jpg,-1\n", r"list\.csv:1: label -1 is negative"),
     ("a.jpg,3\nb.jpg,1_0\n", r"list\.csv:2: label '1_0' is a class name but the list's labels start as integers"),
     ("a.jpg,3\nb.jpg,\u0663\n", r"list\.csv:2: label '\u0663' is a class name"),  # an Arabic-Indic 3
+    ("a.jpg,3\nb.jpg,+5\n", r"list\.csv:2: label '\+5' is a class name but the list's labels start as integers"),
     ("path,label\n\n", r"names no samples"),
     ("path,label\na.jpg,1\npath,label\n", r"list\.csv:3: label 'label' is a class name"),  # a second header
 ])
@@ -138,6 +139,38 @@ def test_integer_labels_up_to_a_million_classes_or_as_many_as_samples_are_taken(
     assert len(open_dataset(listing).classes) == MAX_INT_CLASSES
     listing.write_text("".join(f"{k}.jpg,{k}\n" for k in range(MAX_INT_CLASSES + 1)))
     assert len(open_dataset(listing).classes) == MAX_INT_CLASSES + 1  # more classes, but as many samples
+
+
+def test_paths_are_taken_as_csv_gives_them_spaces_after_the_delimiter_skipped(
+        tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture) -> None:
+    """A quoted name keeps its spaces (stripping made " lead.png" the missing "lead.png"); a list aligned by
+    hand ("plain.png, cat") still reads; "./" as `find .` writes it is dropped, the files the same."""
+    files = image_files(tmp_path, make_image, [" lead.png", "trail.png ", "plain.png", "cat/0.png"])
+    listing = tmp_path / "list.csv"
+    listing.write_text('" lead.png",cat\n"trail.png ",dog\nplain.png, cat\n./cat/0.png,\tdog\n')
+    with caplog.at_level("WARNING"):
+        index = open_dataset(listing)
+    assert [index.file(i) for i in range(4)] == [" lead.png", "trail.png ", "plain.png", "cat/0.png"]
+    assert index.classes == ("cat", "dog") and index.labels.tolist() == [0, 1, 0, 1]
+    reader = SampleReader(index)
+    assert [bytes(reader.read(i)) for i in range(4)] == [f.read_bytes() for f in files]
+    assert "2 paths with whitespace at an end, e.g. line 1: ' lead.png', taken as written" in caplog.text
+
+
+@pytest.mark.parametrize("header", ["Image,Id", "filename\tspecies", "img,whale"])
+def test_a_first_row_of_unknown_header_words_is_refused_when_its_file_is_missing_and_the_next_is_not(
+        tmp_path: Path, make_image: Callable[..., Path], header: str) -> None:
+    """Kaggle's "Image,Id": read as a sample it adds a class "Id" and shifts every label after it."""
+    make_image(tmp_path / "a.png")
+    sep = "\t" if "\t" in header else ","
+    listing = tmp_path / ("list.tsv" if sep == "\t" else "list.csv")
+    listing.write_text(f"{header}\na.png{sep}w1\nb.png{sep}w2\n")
+    first, second = header.split(sep)
+    with pytest.raises(DatasetError, match=rf"list\.(csv|tsv):1: '{first}','{second}' looks like a header, not a "
+                                           r"sample: no file .* and line 2's is; remove the line, or name the columns"):
+        open_dataset(listing)
+    make_image(tmp_path / first)  # a file of that name: a sample after all
+    assert len(open_dataset(listing)) == 3
 
 
 def test_missing_or_undecodable_file_lists_are_clear(tmp_path: Path) -> None:

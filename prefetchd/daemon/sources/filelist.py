@@ -1,9 +1,10 @@
 """File lists: a CSV or TSV of ``path,label`` rows, as many labelling tools write.
 
     path,label                      <- optional header (e.g. image_path,class_id: see PATH_WORDS)
-    cat/001.jpg,cat                 <- relative to the list's folder
+    cat/001.jpg,cat                 <- relative to the list's folder ("./cat/001.jpg" the same)
     /data/extra/dog_17.jpg,dog      <- or absolute
-    "with, comma.jpg",cat           <- quoted as csv does
+    "with, comma.jpg",cat           <- quoted as csv does (" lead.jpg" keeps its space)
+    cat/002.jpg, cat                <- spaces after the delimiter skipped
 
 The delimiter is a tab when the first row has one, else a comma, whatever the
 suffix (a ``.txt`` list too); there are no comment lines.  Labels are
@@ -20,13 +21,14 @@ import hashlib
 import io
 import logging
 import os
+import posixpath
 import re
 
 import numpy as np
 
 from prefetchd.daemon.dataset import EXPECTED_DATA, SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
-from prefetchd.daemon.sources.storage import ImageRefused, is_url, storage_for
+from prefetchd.daemon.sources.storage import ImageRefused, Storage, is_url, storage_for
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
@@ -58,9 +60,10 @@ def split_location(location: str) -> tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
-# Plain ASCII decimal digits, as a label column of class numbers holds them.  int() also takes
-# "1_0" (10), " 7", "٣" (Arabic-Indic 3) and "+5": a typo or another script becomes a class number.
-_INTEGER = re.compile(r"[+-]?[0-9]+")
+# Plain ASCII decimal digits, as a label column of class numbers holds them (a leading "-" too, to be
+# refused as a negative class number).  int() also takes "1_0" (10), " 7", "٣" (Arabic-Indic 3) and
+# "+5": a typo or another script becomes a class number; here they are class names.
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def _int_label(text: str) -> int | None:
@@ -87,11 +90,13 @@ def read_file_list(location: str) -> SampleIndex:
         raise DatasetError(f"{location}:{line}: not valid UTF-8 (byte {exc.start}); save the list as UTF-8") from None
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
     delimiter = "\t" if "\t" in first else ","
-    rows = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    # skipinitialspace: "cat/001.jpg, cat" as a list aligned by hand has it; a quoted path keeps its spaces.
+    rows = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True, skipinitialspace=True)
     paths: list[bytes] = []
     label_texts: list[str] = []
     lines: list[int] = []
-    seen_row = False
+    seen_row = header = False
+    spaced: list[tuple[int, str]] = []  # (line, path) of paths that begin or end with whitespace
     root_prefix = root.rstrip("/") + "/"
     try:
         for row in rows:
@@ -99,18 +104,21 @@ def read_file_list(location: str) -> SampleIndex:
             if not row or all(not f.strip() for f in row):
                 continue
             if not seen_row and _is_header(row):
-                seen_row = True
+                seen_row = header = True
                 continue
             seen_row = True
             if len(row) < 2:
                 raise DatasetError(f"{location}:{lineno}: expected 'path{_shown(delimiter)}label', got {row!r}; "
                                    f"{_why_one_column(row[0])}")
-            path, label = row[0].strip(), row[1].strip()
-            if not path:
+            # The path as CSV gives it: a name may begin or end with a space (quoted, as CSV quotes).
+            path, label = row[0], row[1].strip()
+            if not path.strip():
                 raise DatasetError(f"{location}:{lineno}: the path is empty; every row needs a file path")
             if not label:
                 raise DatasetError(f"{location}:{lineno}: the label of {path} is empty; every row needs a label")
             paths.append(_rel(path, root, root_prefix, location, lineno))
+            if path != path.strip():
+                spaced.append((lineno, path))
             label_texts.append(label)
             lines.append(lineno)
     except csv.Error as exc:
@@ -118,6 +126,12 @@ def read_file_list(location: str) -> SampleIndex:
                            "the delimiter or quotes as CSV does") from None
     if not paths:
         raise DatasetError(f"file list {location} names no samples; expected rows of 'path{_shown(delimiter)}label'")
+    if not header:
+        _refuse_unknown_header(storage, location, paths, lines, label_texts[0])
+    if spaced:
+        log.warning("%s: %s with whitespace at an end, e.g. line %d: %r, taken as written (a file's name may "
+                    "have it); if the spaces are not in the files' names, remove them from the list",
+                    location, counted(len(spaced), "path"), *spaced[0])
     classes, labels = _labels(label_texts, lines, location)
     blob, offsets = pack_paths(paths)
     # The list's bytes and the folder its relative paths start from decide every sample and
@@ -157,25 +171,55 @@ def _words(cell: str) -> set[str]:
     return {w for w in re.split(r"[^a-z0-9]+", cell.strip().lower()) if w}
 
 
+def _refuse_unknown_header(storage: Storage, location: str, paths: list[bytes], lines: list[int], label: str) -> None:
+    """Refuse a first row that is a header of words we do not know (Kaggle's ``Image,Id``), read as a
+    sample: it would add a class and shift every label after it, then be replaced as a missing file.
+
+    Asked only of a first path without a "." or "/" (an image's path nearly always has one), with at
+    most two checks: that it does not exist and the next row's file does."""
+    first = os.fsdecode(paths[0])
+    if len(paths) < 2 or "." in first or "/" in first:
+        return
+    try:
+        if storage.exists(first) or not storage.exists(os.fsdecode(paths[1])):
+            return
+    except OSError:  # the store cannot say now: the workers will, for every file
+        return
+    raise DatasetError(f"{location}:{lines[0]}: {first!r},{label!r} looks like a header, not a sample: no file "
+                       f"{first} is there, and line {lines[1]}'s is; remove the line, or name the columns "
+                       "path,label (a first row is skipped as a header when its words are such as path, file, "
+                       "image or key, and label, class, target or category)")
+
+
 def _rel(path: str, root: str, root_prefix: str, location: str, lineno: int) -> bytes:
-    """The path as the index stores it: relative to the list's folder where it can be.
+    """The path as the index stores it: relative to the list's folder where it can be, without "." parts.
 
     A local absolute path outside that folder stays absolute; ``root / rel`` is
-    then the path itself, so the local storage reads it unchanged."""
+    then the path itself, so the local storage reads it unchanged.  Under a URL a
+    key is a name, not a path: ``prefix/./cat/0.jpg`` is another key than
+    ``prefix/cat/0.jpg``, so relative paths are normalised there (``./`` as
+    ``find .`` writes it, ``a/../b``), and one that climbs out of the list's
+    folder is refused."""
     if is_url(root):
         if path.startswith(root_prefix):
-            return os.fsencode(path[len(root_prefix):])
-        if is_url(path) or path.startswith("/"):
+            path = path[len(root_prefix):]
+        elif is_url(path) or path.startswith("/"):
             raise DatasetError(f"{location}:{lineno}: {path} is not inside {root}; a list in object storage "
                                "names objects relative to its own folder (or by a URL under it)")
-        return os.fsencode(path)
+        rel = posixpath.normpath(path)
+        if rel == ".." or rel.startswith("../"):
+            raise DatasetError(f"{location}:{lineno}: {path} climbs out of {root} with '..'; a list in object "
+                               "storage names objects under its own folder: put the list in a folder above "
+                               "its objects and name them from there (or by a URL under it)")
+        return os.fsencode(rel)
     if is_url(path):
         raise DatasetError(f"{location}:{lineno}: {path} is a URL but the list is local; "
                            "put the list next to the objects or use paths")
     if os.path.isabs(path):
         norm = os.path.normpath(path)
         return os.fsencode(norm[len(root_prefix):] if norm.startswith(root_prefix) else norm)
-    return os.fsencode(path)
+    # Locally "a/../b" is left to the kernel (a link "a" leads elsewhere than normpath's "b").
+    return os.fsencode("/".join(part for part in path.split("/") if part not in ("", ".")) or path)
 
 
 def _labels(texts: list[str], lines: list[int], location: str) -> tuple[tuple[str, ...], np.ndarray]:

@@ -58,6 +58,10 @@ class Storage(Protocol):
         """The size in bytes of each of ``rels`` that exists (a missing one is left out)."""
         ...
 
+    def exists(self, rel: str) -> bool:
+        """Whether ``rel`` is there: one request in object storage, where ``sizes`` lists the root."""
+        ...
+
 
 def _kind(mode: int) -> str:
     """What a file that is not a regular file is, for the error that refuses it."""
@@ -161,6 +165,9 @@ class LocalStorage:
                 continue
         return found
 
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(os.path.join(self.root, rel))
+
 
 class FsspecStorage:
     """A dataset under an fsspec URL; pickles as its URL, so each worker process opens its own filesystem.
@@ -263,6 +270,10 @@ class FsspecStorage:
         listed = self.call(f"listing {self.url}", lambda: self.fs.ls(root, detail=True, refresh=True))
         wanted = {self.path(rel): rel for rel in rels}
         return {wanted[e["name"]]: int(e["size"]) for e in listed if e.get("name") in wanted}
+
+    def exists(self, rel: str) -> bool:
+        path = self.path(rel)
+        return bool(self.call(f"checking {self.url_of(rel)}", lambda: self.fs.exists(path)))
 
 
 # One per URL and process: making an S3 client loads botocore's data (~0.5 s), and
