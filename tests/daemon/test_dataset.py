@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -361,12 +362,12 @@ def test_cached_index_is_reused_until_a_folder_changes(tmp_path: Path, make_imag
     settle(root)
     first = cached_class_folders(root, cache)
     assert same_index(first, scan_class_folders(root)) and len(cache_entries(cache)) == 1
-    # A file rewritten in place with every folder's mtime kept is what the cache cannot see:
+    # A file rewritten in place (its folder untouched) is what the cache cannot see:
     # the cached fingerprint proves the index came from the cache, --refresh-index rescans.
     target = root / "a" / "img_1.jpg"
-    folder = (root / "a").stat()
-    target.write_bytes(target.read_bytes() + b"\0" * 5)
-    os.utime(root / "a", ns=(folder.st_atime_ns, folder.st_mtime_ns))
+    with open(target, "r+b") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.write(b"\0" * 5)
     assert cached_class_folders(root, cache).fingerprint == first.fingerprint
     refreshed = cached_class_folders(root, cache, refresh=True)
     assert refreshed.fingerprint != first.fingerprint
@@ -380,6 +381,28 @@ def test_cached_index_is_reused_until_a_folder_changes(tmp_path: Path, make_imag
         settle(root)
     assert index.classes == ("a", "b", "c")
     assert len(cache_entries(cache)) == 1  # one entry per root, replaced
+
+
+def test_a_file_renamed_into_place_with_the_folders_mtime_restored_is_seen(
+        tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    """What ``rsync -a`` does to an updated file: write a temporary file, rename it over the old one,
+    then set the folder's mtime back (here with ``touch -r``, as a script would).  The folder's ctime
+    cannot be set back, so the cache sees the change and the new fingerprint is used."""
+    root, cache = small_tree(tmp_path, make_image), tmp_path / "cache"
+    settle(root)
+    first = cached_class_folders(root, cache)
+    assert len(cache_entries(cache)) == 1
+    reference = tmp_path / "a-times"
+    subprocess.run(["touch", "-r", str(root / "a"), str(reference)], check=True)
+    target = root / "a" / "img_1.jpg"
+    temporary = root / "a" / ".img_1.jpg.Xa81f"
+    temporary.write_bytes(target.read_bytes() + b"\0" * 5)
+    os.rename(temporary, target)
+    subprocess.run(["touch", "-r", str(reference), str(root / "a")], check=True)
+    assert (root / "a").stat().st_mtime_ns == reference.stat().st_mtime_ns  # the mtime is as cached
+    again = cached_class_folders(root, cache)
+    assert again.fingerprint != first.fingerprint, "the cached index of the old files was used"
+    assert same_index(again, scan_class_folders(root))
 
 
 def test_a_tree_written_just_now_is_not_cached_and_the_log_names_its_folder(

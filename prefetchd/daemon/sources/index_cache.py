@@ -7,19 +7,20 @@ rewritten.  ``objects.py`` keeps the index of class folders under a URL here as
 ``objects-<hash of the URL and the store's endpoint>.npz``, trusted until ``--refresh-index``.
 
 On disk there is one file per dataset root, ``<cache dir>/classfolders-<hash of the root>.npz``,
-holding the index and the stamp (size and mtime) of every folder it was built
-from.  It is used only while every one of those folders still has its stamp:
-adding, removing or renaming an entry changes the folder's mtime, so such
-edits are seen at the cost of one stat per folder (about a thousand for
-ImageNet) instead of one per file.  Edits that leave every folder's mtime
-alone are not seen: a file rewritten in place (same name, new content) or
-a change inside a folder reached through a link whose own mtime was restored.
+holding the index and the stamp (size, mtime, ctime and inode) of every folder
+it was built from.  It is used only while every one of those folders still has
+its stamp: adding, removing or renaming an entry changes the folder's mtime and
+ctime, so such edits are seen at the cost of one stat per folder (about a
+thousand for ImageNet) instead of one per file.  The ctime catches what mtime
+alone misses: ``rsync -a`` renames a changed file into place and then sets the
+folder's mtime back, and no one can set a ctime back.  Edits that leave every
+folder alone are not seen: a file rewritten in place (same name, new content).
 ``--refresh-index`` rescans and rewrites the entry.
 
 Folder mtimes come from a coarse clock (a few ms), so a file added within the
 same tick as the scan could leave a folder's stamp unchanged.  As git does for
-its index, a scan that saw a folder modified within ``RACY_SECONDS`` of its
-start is not cached; the next start scans again.
+its index, a scan that saw a folder modified (by its mtime) within
+``RACY_SECONDS`` of its start is not cached; the next start scans again.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import MISSING, SampleIndex, pack_paths, scan_tree, sized, stat_stamp
+from prefetchd.daemon.dataset import MISSING, SampleIndex, folder_stamp, pack_paths, scan_tree, sized
 from prefetchd.daemon.sources.npz import load_arrays
 
 log = logging.getLogger(__name__)
 
 FORMAT = "prefetchd-index-cache"
-VERSION = 1
+VERSION = 2  # 2: folder stamps hold ctime and inode as well as size and mtime
 INDEX_ARRAYS = ("path_blob", "path_offsets", "labels")
 FOLDER_ARRAYS = ("dir_blob", "dir_offsets", "signature")  # what a class-folder entry adds
 RACY_SECONDS = 2.0
@@ -76,7 +77,7 @@ def _stamps_now(root: Path, rel_dirs: list[str]) -> list[tuple[str, str]]:
     stamps = []
     for rel in rel_dirs:
         try:
-            stamps.append((rel, stat_stamp(os.stat(os.path.join(root, rel) if rel else root))))
+            stamps.append((rel, folder_stamp(os.stat(os.path.join(root, rel) if rel else root))))
         except OSError:
             stamps.append((rel, MISSING))
     return stamps
@@ -159,7 +160,8 @@ def load(path: Path, root: Path) -> SampleIndex | None:
         log.warning("index cache %s is damaged (%s); %s and rewriting it", path, exc, again)
         return None
     if _signature(_stamps_now(root, rel_dirs)) != str(extra["signature"]):
-        log.info("%s changed since its index was cached (a folder's size or mtime differs); rescanning", root)
+        log.info("%s changed since its index was cached (a folder's size, mtime, ctime or inode differs); "
+                 "rescanning", root)
         return None
     return index
 
