@@ -13,7 +13,9 @@ How it fits Lightning's loops:
 
 - Every ``iter()`` Lightning makes over the training loader is the rest of the
   epoch the loader stands in (a checkpoint may have put it mid-epoch); an epoch
-  Lightning left unfinished (``limit_train_batches``) is not continued but skipped.
+  Lightning left unfinished (``limit_train_batches``) is not continued but skipped,
+  also by a resume from its checkpoint (saved as the next epoch's start) and by a
+  second ``fit`` of the same Trainer (whose ``current_epoch`` is past the new loader's).
   Every validation pass is the whole of the validation stream's ``current_epoch``
   (``set_epoch`` each time), so the sanity check's two batches take nothing away.
 - The checkpoint holds where the training loader stands after the last batch the
@@ -84,6 +86,11 @@ class _Epochs:
             # end there, an empty epoch. A val split's epochs are all alike: the last one is validated instead.
             epochs = self.loader.manifest.epochs
             self.loader.set_epoch(min(self._current_epoch(), epochs - 1) if epochs else self._current_epoch())
+        elif epoch < self._current_epoch():
+            # Lightning is past the loader's epoch: it cut that one short and closed it (limit_train_batches,
+            # then an epoch-end checkpoint resumed, which holds the position after its last batch), or this
+            # is a later fit of the same Trainer, with a new loader at (0, 0).
+            self.loader.set_epoch(self._current_epoch())
         elif step != 0 and self._started is not None and (epoch, step) != self._started:
             self.loader.set_epoch(epoch + 1)
         self._started = self.loader.position
@@ -197,6 +204,11 @@ class BufferDataModule(pl.LightningDataModule):
         own = self._train.state_dict()
         if self._handed is not None:
             own["epoch"], own["step"] = self._handed
+            trainer = self.trainer
+            if own["step"] and trainer is not None and trainer.training and own["step"] >= trainer.num_training_batches:
+                # Lightning has trained all of this epoch it will (limit_train_batches): a resume starts the next,
+                # as the run would have.  After it, Lightning's current_epoch still names this one for a while.
+                own["epoch"], own["step"] = own["epoch"] + 1, 0
         return gather_states(own)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

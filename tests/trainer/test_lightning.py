@@ -50,8 +50,8 @@ class Recorder(L.LightningModule):
 
 def fit(module: Recorder, dm: BufferDataModule, out: Path, ckpt_path: str | None = None, **kwargs: Any) -> None:
     trainer = L.Trainer(
-        max_epochs=2, default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=2)], **kwargs,
+        default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=2)], **{"max_epochs": 2, **kwargs},
     )
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
 
@@ -84,6 +84,37 @@ def test_an_epoch_cut_short_by_lightning_is_not_continued(make_job: MakeJob, tmp
     module = Recorder()
     fit(module, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path, limit_train_batches=1)
     assert [t[:2] for t in module.trained] == [(0, 0), (1, 0)]
+
+
+def test_a_resume_after_an_epoch_cut_short_starts_the_next_epoch(make_job: MakeJob, tmp_path: Path) -> None:
+    """limit_train_batches, and an epoch-end checkpoint: it held the position after the last batch handed
+    over, mid-epoch, and the resume trained the rest of that epoch as Lightning's next one (review)."""
+    job = make_job(write=3, samples=12, batch_size=4, epochs=3)  # 3 steps an epoch
+    whole = Recorder()
+    fit(whole, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path / "whole", limit_train_batches=2,
+        max_epochs=3)
+    assert [t[:2] for t in whole.trained] == [(e, s) for e in range(3) for s in range(2)]
+    first = Recorder()
+    fit(first, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path / "first", limit_train_batches=2,
+        max_epochs=1)
+    resumed = Recorder()
+    fit(resumed, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path / "resumed",
+        ckpt_path=str(tmp_path / "first" / "last.ckpt"), limit_train_batches=2, max_epochs=3)
+    assert first.trained + resumed.trained == whole.trained
+
+
+def test_a_second_fit_of_the_same_trainer_goes_on_with_the_next_epoch(make_job: MakeJob, tmp_path: Path) -> None:
+    """fit, then fit again with max_epochs raised: the module opened a new loader at (0, 0) and Lightning's
+    epoch 2 trained epoch 0's batches again (review)."""
+    job = make_job(write=3, samples=8, batch_size=4, epochs=3)
+    module = Recorder()
+    trainer = L.Trainer(max_epochs=2, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    dm = BufferDataModule(job.buffer, normalize=False, timeout=5)
+    trainer.fit(module, datamodule=dm)
+    trainer.fit_loop.max_epochs = 3
+    trainer.fit(module, datamodule=dm)
+    assert [t[:2] for t in module.trained] == [(e, s) for e in range(3) for s in range(2)]
 
 
 class Validated(Recorder):
