@@ -9,6 +9,7 @@ import errno
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -142,8 +143,11 @@ def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
-    if not ok or (kind is int and value < 0):
-        raise ProtocolError(f"{path}: field {key!r} is {value!r}, expected a {'non-negative ' if kind is int else ''}{kind.__name__}")
+    # Python's JSON reader takes NaN and Infinity; a time of -Infinity became a trainer silent for inf
+    # seconds, which status.json carried and its own readers refused.
+    if not ok or (kind is int and value < 0) or (kind is float and not math.isfinite(value)):
+        what = {int: "non-negative int", float: "finite number"}.get(kind, kind.__name__)
+        raise ProtocolError(f"{path}: field {key!r} is {value!r}, expected a {what}")
     return value
 
 

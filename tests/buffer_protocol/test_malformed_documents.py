@@ -235,6 +235,16 @@ def test_non_finite_numbers_do_not_pass_as_positions(tmp_path: Path) -> None:
             Progress.read(tmp_path)
 
 
+@pytest.mark.parametrize("value", [-math.inf, math.inf, math.nan])
+def test_non_finite_times_are_refused(value: float, tmp_path: Path) -> None:
+    """A progress time of -Infinity (which Python's JSON reader takes) made a trainer silent for inf
+    seconds: the daemon wrote that into status.json, whose readers then refused the whole status."""
+    _write(tmp_path / PROGRESS_NAME, {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 3,
+                                      "pid": os.getpid(), "time": value})
+    with pytest.raises(ProtocolError, match="field 'time' is .*, expected a finite number"):
+        Progress.read(tmp_path)
+
+
 # -- files of the wrong kind under a protocol name ----------------------------------------
 
 READERS: dict[str, Callable[[Path], object]] = {
