@@ -40,6 +40,7 @@ from prefetchd.buffer_protocol import (
     map_batch,
     progress_name,
 )
+from prefetchd.buffer_protocol.layout import MAX_EPOCH
 from prefetchd.buffer_protocol.status import Position, StreamStatus
 from prefetchd.daemon.consumers import Consumer, plan_windows
 from prefetchd.daemon.sampler import epoch_order
@@ -94,6 +95,8 @@ class Stream:
         self.consumer_timeout = consumer_timeout
         self.steps = manifest.steps_per_epoch
         self.end = manifest.epochs * self.steps if manifest.epochs is not None else None
+        # Where windows stop: the job's end, or for a job without one the first position a batch name cannot hold.
+        self.limit = self.end if self.end is not None else (MAX_EPOCH + 1) * self.steps
         self.published: dict[int, Path] = {}
         self.building: dict[int, Build] = {}
         # The default consumer is there from the start, at 0, as the single trainer always was:
@@ -262,6 +265,9 @@ class Stream:
         if progress.step >= self.steps:
             self._progress_problem(consumer, f"step {progress.step} is past the {self.steps} steps of an epoch")
             return False
+        if progress.epoch > MAX_EPOCH:
+            self._progress_problem(consumer, f"epoch {progress.epoch} is past {MAX_EPOCH}, the last a batch's name holds")
+            return False
         g = self.g((progress.epoch, progress.step))
         if self.end is not None:
             g = min(g, self.end)
@@ -302,13 +308,13 @@ class Stream:
         left = [] if len(unfinished) < len(known) else unfinished  # one at the end: the job is done (finished)
         holders = live or waiting or left or ([] if known else [self.consumers[DEFAULT_CONSUMER]])
         holders.sort(key=lambda c: (c.position, c.name))
-        widths = plan_windows([c.position for c in holders], self.high, self.cap, self.end)
+        widths = plan_windows([c.position for c in holders], self.high, self.cap, self.limit)
         for c in self.consumers.values():
             c.window = 0
         self.held = set()
         for c, w in zip(holders, widths):
             c.window = w
-            hi = c.position + w if self.end is None else min(c.position + w, self.end)
+            hi = min(c.position + w, self.limit)
             self.held.update(range(c.position, hi))
         # Only a cap below one batch per consumer leaves one without its next batch (plan_windows).
         starved = {c.name for c in holders if c.position not in self.held and (self.end is None or c.position < self.end)}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefetchd.buffer_protocol import Manifest, Progress, batch_name
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Manifest, Progress, batch_name
 from prefetchd.daemon.stream import Stream
 
 HIGH, LOW = 4, 2
@@ -94,6 +94,27 @@ def test_nothing_is_built_past_the_last_epoch(tmp_path: Path) -> None:
     assert s.next_missing() is None
     move_to(s, 20)
     assert s.finished and s.next_missing() is None
+
+
+def test_a_job_without_an_end_builds_nothing_a_batch_name_cannot_hold(tmp_path: Path) -> None:
+    """Without --epochs, a progress position at epoch 999999 (or past it: any group member may write one)
+    planned a window into epoch 1000000, whose batch name raised out of the controller: exit 1, and the
+    same again at every restart on the same progress file (review)."""
+    from prefetchd.buffer_protocol.layout import MAX_EPOCH
+
+    manifest = Manifest(
+        dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
+        batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=None, producer="test",
+    )
+    s = Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW)
+    move_to(s, s.g((MAX_EPOCH, 8)))
+    assert sorted(s.key(g) for g in s.held) == [(MAX_EPOCH, 8), (MAX_EPOCH, 9)]
+    for g in s.held:
+        batch_name(*s.key(g))  # every batch the windows hold has a name
+    Progress(MAX_EPOCH + 1, 0).write(s.dir)
+    s.read_progress()
+    assert "epoch 1000000 is past 999999" in s.progress_error
+    assert s.consumers[DEFAULT_CONSUMER].position == s.g((MAX_EPOCH, 8))  # the bad position is ignored
 
 
 def test_all_is_produced_once_the_last_batch_is_published_not_while_it_is_built(tmp_path: Path) -> None:
