@@ -220,23 +220,32 @@ def _holds_a_stream(path: Path) -> bool:
 
 
 def check_capacity(cfg: DaemonConfig) -> None:
-    """Refuse a high-water mark the filesystem cannot hold, instead of dying of SIGBUS later."""
+    """Refuse a high-water mark the filesystem can never hold, and warn of one it cannot hold now.
+
+    Only the filesystem's size refuses: space other files hold now (another job's buffer, a file
+    copied there) may be freed, and production pauses meanwhile (``--min-free-mb``).  A refusal is
+    final (exit 2, which the systemd unit does not restart), so a daemon restarted while the tmpfs
+    was briefly full would have stayed down."""
     assert cfg.high_water is not None and cfg.min_free_mb is not None
     fs = os.statvfs(cfg.buffer)
     streams = [stream_dir(cfg.buffer, r, cfg.world_size) for r in cfg.local_ranks]
     held = sum(p.stat().st_size for s in streams for p in list_batches(s).values())
-    available = fs.f_bavail * fs.f_frsize + held
     need = max(len(streams) * cfg.high_water * cfg.batch_bytes, cfg.max_buffer_bytes or 0) + (cfg.min_free_mb << 20)
-    if need > available:
-        per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
-        needed, has = binary_size(need), binary_size(available)
-        if needed == has:  # "need 1.0 MiB but has 1.0 MiB" says nothing
-            needed, has = f"{need} bytes", f"{available} bytes"
-        raise ConfigError(
-            f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches (or --max-buffer-bytes) plus the "
-            f"{cfg.min_free_mb} MiB floor (--min-free-mb) need {needed} but {cfg.buffer} has {has}; lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs "
-            f"(mount -o remount,size=... {filesystem_of(Path(cfg.buffer)).point})"
-        )
+    size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + held
+    if need <= available:
+        return
+    per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
+    needed, has = binary_size(need), binary_size(size if need > size else available)
+    if needed == has:  # "need 1.0 MiB but has 1.0 MiB" says nothing
+        needed, has = f"{need} bytes", f"{size if need > size else available} bytes"
+    what = (f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches (or --max-buffer-bytes) plus "
+            f"the {cfg.min_free_mb} MiB floor (--min-free-mb) need {needed}")
+    fix = (f"lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs (mount -o remount,size=... "
+           f"{filesystem_of(Path(cfg.buffer)).point})")
+    if need > size:
+        raise ConfigError(f"{what} but {cfg.buffer} has {has}; {fix}")
+    log.warning("%s but %s has %s free now: other files hold the rest. Production pauses whenever it would fall "
+                "below the floor, until they go; free that space, or %s", what, cfg.buffer, has, fix)
 
 
 # Fields that say how this machine produces, not what: a job cannot set them.

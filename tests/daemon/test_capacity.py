@@ -30,9 +30,14 @@ def free_bytes(path: Path) -> int:
     return fs.f_bavail * fs.f_frsize
 
 
-def test_a_high_water_mark_beyond_the_free_space_is_refused_with_the_numbers(shm_buffer: Path) -> None:
+def size_bytes(path: Path) -> int:
+    fs = os.statvfs(path)
+    return fs.f_blocks * fs.f_frsize
+
+
+def test_a_high_water_mark_beyond_the_filesystem_is_refused_with_the_numbers(shm_buffer: Path) -> None:
     batch = config(shm_buffer, 1).batch_bytes
-    too_many = free_bytes(shm_buffer) // batch + 1000
+    too_many = size_bytes(shm_buffer) // batch + 1000
     with pytest.raises(ConfigError) as info:
         check_capacity(config(shm_buffer, too_many))
     message = str(info.value)
@@ -60,6 +65,39 @@ def test_the_floor_and_the_job_own_batches_count(small_tmpfs: Path) -> None:
         (small_tmpfs / batch_name(0, step)).write_bytes(b"\0" * cfg.batch_bytes)
     assert free_bytes(small_tmpfs) < 2 * cfg.batch_bytes
     check_capacity(config(small_tmpfs, fits))
+
+
+def test_space_other_files_hold_now_is_warned_about_not_refused(small_tmpfs: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A refusal is exit 2, which the systemd unit does not restart: a daemon restarted (after a crash, a
+    watchdog kill) while someone else briefly filled the tmpfs stayed down, and its trainers lost it."""
+    cfg = config(small_tmpfs, 1)
+    fits = size_bytes(small_tmpfs) // cfg.batch_bytes - 1
+    (small_tmpfs / "ballast").write_bytes(b"\1" * (free_bytes(small_tmpfs) - cfg.batch_bytes))
+    with caplog.at_level("WARNING", logger="prefetchd.daemon.main"):
+        check_capacity(config(small_tmpfs, fits))
+    assert f"high_water {fits} x" in caplog.text and "free now: other files hold the rest" in caplog.text
+    assert "Production pauses whenever it would fall below the floor" in caplog.text
+
+
+def test_a_daemon_restarted_on_a_briefly_full_tmpfs_waits_for_room(shm_dir: Path, shapes_data: Path,
+                                                                  start_daemon) -> None:
+    with mounted_tmpfs(shm_dir / "t4", "size=4m") as mount:
+        buffer = mount / "bf"
+        flags = ["--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1",
+                 "--high-water", "4", "--min-free-mb", "1"]
+        ballast = mount / "ballast"
+        ballast.write_bytes(b"\1" * (free_bytes(mount) - (256 << 10)))
+        daemon = start_daemon(buffer, *flags)
+        try:
+            daemon.wait_until(lambda: state_of(buffer) == State.PAUSED_LOW_SPACE, 30, "a pause for space")
+            assert daemon.proc.poll() is None, daemon.log
+            ballast.unlink()
+            daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer once there is room")
+            with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+                assert next(iter(loader)).step == 0
+        finally:
+            daemon.terminate()  # before the tmpfs is unmounted
 
 
 def test_the_defaults_fit_a_64_mib_tmpfs(shm_dir: Path) -> None:
