@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from prefetchd.locations import (ENDPOINT_VARIABLES, LocationError, StorageDenied, StorageUnavailable, filesystem,
-                                 is_transient, is_url, with_retries)
+from prefetchd.locations import (ENDPOINT_VARIABLES, TRANSIENT_ERRNOS, LocationError, StorageDenied, StorageUnavailable,
+                                 filesystem, is_transient, is_url, with_retries)
 
 T = TypeVar("T")
 # Reads in flight per worker (and for `prefetchd pack`) from a URL: object storage answers each small object in
@@ -122,11 +122,10 @@ def read_range(path: Path | str, offset: int, size: int) -> bytearray:
 # whose daemon went away) or an interrupted call.  Replacing the sample would build another batch
 # for the same (seed, epoch, step) than the next run builds; the batch waits instead.  EIO, ENOENT,
 # EACCES and the rest are about the file, and replace it as an undecodable image is replaced.
-RETRY_LATER_ERRNOS = frozenset({
-    errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.ENOLCK,
-    errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN, errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED,
-    errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTDOWN, errno.EHOSTUNREACH,
-})
+RETRY_LATER_ERRNOS = TRANSIENT_ERRNOS | {  # the network's (an object store's too), and the filesystem's
+    errno.EINTR, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.ENOLCK, errno.ESTALE, errno.ENOTCONN,
+    errno.ENETDOWN, errno.EHOSTDOWN,
+}
 _RETRY_LATER_HINTS = {
     errno.EMFILE: "the daemon's open-file limit is reached: raise it (LimitNOFILE= in its unit, ulimit -n)",
     errno.ENFILE: "the system's open-file table is full (fs.file-max)",
