@@ -5,19 +5,23 @@ real daemon processes that are always cleaned up, and a real S3-compatible serve
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 from hypothesis import settings
 
+from prefetchd import locations
 from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.synthetic import make_shapes_dataset
 from tests.waiting import wait_for
@@ -28,6 +32,7 @@ settings.register_profile("untimed", deadline=None)
 settings.load_profile("untimed")
 
 SHM = Path("/dev/shm")
+REPO = Path(__file__).resolve().parents[1]
 SMALL_TMPFS = 1 << 20
 
 
@@ -140,6 +145,32 @@ def index_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def load_tool(name: str) -> ModuleType:
+    """A script of tools/ as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def proxy(s3: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A proxy in front of the loopback server; the environment (and daemons started now) go through it."""
+    proxy = load_tool("http_proxy").Proxy(s3.endpoint).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Object-storage retries a hundredth as long apart: an outage of N tries in milliseconds."""
+    monkeypatch.setattr(locations, "RETRY_BASE_SECONDS", 0.01)
+    monkeypatch.setattr(locations, "RETRY_MAX_SECONDS", 0.05)
 
 
 @dataclass

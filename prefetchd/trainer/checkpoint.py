@@ -21,7 +21,7 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = "prefetchd.train_checkpoint"
 CHECKPOINT_VERSION = 1
 LAST_CHECKPOINT = "last.pt"
+# A save at a URL is retried for about a minute (0.1 s doubling to 5 s between tries), not a read's ~3 s: it
+# holds the work since the last one, and a few seconds of throttling at an epoch's end would end the run.
+SAVE_RETRY_ATTEMPTS = 18
 # Settings a checkpoint cannot be resumed under when they changed (the state would not fit).
 _RESUME_FIXED = ("model", "optimizer")
 # Settings that may change between a run and its resume without a warning.
@@ -94,9 +97,9 @@ def _save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
         torch.save(dict(doc), data)
         fs, key = _checkpoint_fs(path)
         try:
-            with_retries(f"saving {path}", lambda: fs.pipe_file(key, data.getvalue()), path)
-        except (StorageDenied, StorageUnavailable) as exc:
-            raise CheckpointError(f"cannot save the checkpoint: {exc}") from None
+            with_retries(f"saving {path}", lambda: fs.pipe_file(key, data.getvalue()), path, SAVE_RETRY_ATTEMPTS)
+        except OSError as exc:  # StorageDenied, StorageUnavailable, or the store's refusal (a 400)
+            raise CheckpointError(f"cannot save the checkpoint {path}: {exc}") from None
         return
     tmp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}")
     _remove_orphaned_temp_files(path)
@@ -244,11 +247,10 @@ class Checkpointer:
             probe = f"{key}.probe-{os.getpid()}"
             try:
                 with_retries(f"writing a probe next to {self.path}", lambda: fs.pipe_file(probe, b""), self.path)
-                fs.rm(probe)
-            except (StorageDenied, StorageUnavailable) as exc:
-                return f"--checkpoint-dir: cannot write there: {exc}"
-            except OSError:
-                pass  # written, and only its removal failed: checkpoints can be saved
+            except Exception as exc:  # any refusal: denied, unreachable, a 400, a bucket name the client rejects
+                return f"--checkpoint-dir: cannot write there: {' '.join(str(exc).split()) or type(exc).__name__}"
+            with suppress(Exception):
+                fs.rm(probe)  # written, and only its removal failed: checkpoints can be saved
             return None
         directory = self.path.parent
         try:
@@ -262,13 +264,18 @@ class Checkpointer:
 
 def existing_checkpoint(path: Path | str) -> str | None:
     """What a run that does not resume would overwrite at ``path``, described for a message
-    ("PATH (global step 12, epoch 2)"); None where there is no checkpoint.  Where the object store
-    cannot be asked, None too: the write probe before the first step says what is wrong."""
+    ("PATH (global step 12, epoch 2)"); None where there is no checkpoint.  CheckpointError where the
+    object store cannot say now (unreachable, throttling, denied): taken for "none", a short outage let
+    the run overwrite an earlier run's checkpoint.  Other failures to ask give None: the write probe
+    before the first step says what is wrong."""
     if isinstance(path, str):
         fs, key = _checkpoint_fs(path)
         try:
             if not with_retries(f"looking for {path}", lambda: bool(fs.exists(key)), path):
                 return None
+        except (StorageDenied, StorageUnavailable) as exc:
+            raise CheckpointError(f"cannot tell whether --checkpoint-dir holds a checkpoint of an earlier run, which "
+                                  f"this run (without --resume) would overwrite: {exc}") from None
         except Exception:
             return None
     elif not path.is_file():

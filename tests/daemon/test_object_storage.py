@@ -6,7 +6,6 @@ which also counts the requests that reach the store."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import pickle
 import re
@@ -16,7 +15,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -31,32 +29,7 @@ from prefetchd import locations
 from prefetchd.throttle import Throttle
 from prefetchd.daemon.sources.objects import cache_entry, list_class_folders
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageUnavailable, storage_for
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_tool(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def proxy(s3: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A proxy in front of the loopback server; the environment (and daemons started now) go through it."""
-    proxy = load_tool("http_proxy").Proxy(s3.endpoint).start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    yield proxy
-    proxy.stop()
-
-
-@pytest.fixture
-def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(locations, "RETRY_BASE_SECONDS", 0.01)
-
+from tests.conftest import load_tool
 
 # -- reads ------------------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ import torch
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import Progress
-from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
+from prefetchd.trainer.checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST_CHECKPOINT, SAVE_RETRY_ATTEMPTS, CheckpointPlan,
+                                         Checkpointer, load_checkpoint, save_checkpoint)
+from prefetchd.trainer.errors import CheckpointError
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.train import EXIT_FAILED, main, train
 
@@ -113,3 +115,42 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_before_the_first_step(
     assert "--checkpoint-dir" in result.stderr and "cannot write there" in result.stderr, result.stderr
     assert "Traceback" not in result.output and "train loss" not in result.output  # no step ran
     assert Progress.read(job.buffer) in (None, Progress(0, 0))
+
+
+def test_a_store_that_cannot_say_whether_a_checkpoint_is_there_stops_a_run_without_resume(
+        s3: Any, proxy: Any, fast_retries: None, make_job: MakeJob, buffer: Path) -> None:
+    """The look for an earlier run's checkpoint took any failure for "none": a few seconds of 503s at the start
+    let a run without --resume overwrite that checkpoint at its first save (review)."""
+    job = make_job(buffer, **{**TINY, "epochs": 1, "write": 1})
+    url = s3.url("busy")
+    args = ["--buffer", str(job.buffer), "--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small", "-q",
+            "--checkpoint-dir", url, "--max-steps", "1"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    proxy.fail_next = 1000  # throttled beyond a read's six tries
+    result = CliRunner().invoke(main, args)
+    proxy.fail_next = 0
+    assert result.exit_code == EXIT_FAILED, result.output
+    said = " ".join(result.stderr.split())
+    assert "cannot tell whether --checkpoint-dir holds a checkpoint of an earlier run" in said and "Traceback" not in said
+    assert load_checkpoint(f"{url}/{LAST_CHECKPOINT}")["global_step"] == 1
+
+
+def test_a_save_outlasts_a_throttling_longer_than_a_reads_retries(s3: Any, proxy: Any, fast_retries: None) -> None:
+    """A save gave up after a read's six tries (~3 s): a few seconds of SlowDown at an epoch's end ended the run."""
+    url = f"{s3.url('slow')}/{LAST_CHECKPOINT}"
+    proxy.fail_next = SAVE_RETRY_ATTEMPTS - 1
+    save_checkpoint(url, {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "global_step": 5})
+    assert load_checkpoint(url)["global_step"] == 5
+    proxy.fail_next = SAVE_RETRY_ATTEMPTS
+    with pytest.raises(CheckpointError, match=f"cannot save the checkpoint {url}: .*still failing after"):
+        save_checkpoint(url, {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "global_step": 6})
+    proxy.fail_next = 0
+    assert load_checkpoint(url)["global_step"] == 5
+
+
+def test_a_probe_the_store_refuses_in_any_way_says_the_dir_cannot_be_written(s3: Any) -> None:
+    """Only denied or unreachable counted: any other refusal of the probe's PUT (a 400, a bucket name the
+    client rejects) passed it, and the first save died with a traceback after an epoch of training (review)."""
+    plan = CheckpointPlan.of(TrainConfig(buffer=Path("/unused"), checkpoint_dir="s3://Bad_Bucket!/run"))  # type: ignore[arg-type]
+    problem = Checkpointer(plan).unwritable()
+    assert problem is not None and problem.startswith("--checkpoint-dir: cannot write there: "), problem
