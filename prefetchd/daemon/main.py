@@ -201,14 +201,14 @@ def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_s
         clear_buffer(buffer)
 
 
-def _another_jobs(stream: Path, ours: Manifest) -> bool:
-    """Whether the stream directory holds another job's batches than ``ours`` (any rank of it); an unreadable
-    manifest is no job's that can be told to be ours."""
+def _another_jobs(stream: Path, ours: Manifest) -> list[str]:
+    """How the job whose batches the stream directory holds differs from ``ours`` (any rank of it); [] for the
+    same job.  An unreadable manifest is no job's that can be told to be ours."""
     try:
         theirs = Manifest.read(stream)
-    except (OSError, ProtocolError):
-        return True
-    return any(not difference.startswith("rank:") for difference in ours.identity_diff(theirs))
+    except (OSError, ProtocolError) as exc:
+        return [f"its manifest cannot be read: {exc}"]
+    return [difference for difference in ours.identity_diff(theirs) if not difference.startswith("rank:")]
 
 
 def _holds_a_stream(path: Path) -> bool:
@@ -444,7 +444,6 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         adopt_manifest(job.buffer, None, reset, job.world_size)
     for rank in job.local_ranks:
         directory = stream_dir(job.buffer, rank, job.world_size)
-        make_stream_dir(directory, job.group_access)
         manifest = Manifest(
             dataset_root=job.data,  # as given (a file list, not its folder), for status and restart hints
             fingerprint=index.fingerprint,
@@ -464,19 +463,31 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
             augmentation=job.augmentation,
             drop_last=job.drop_last,
         )
-        adopt_manifest(directory, manifest, reset)
-        manifest.write(directory)
         streams.append((directory, manifest))
     # Streams of ranks this job does not produce that another job wrote (one of a larger world, say): a loader
-    # opened there would read the replaced job's batches as if they were served. Those of this job (a restart
-    # with fewer --ranks) are left as they are, as the job's other data is.
-    for leftover in sorted(set(job.buffer.glob(f"{STREAM_PREFIX}*")) - {directory for directory, _ in streams}):
-        if _holds_a_stream(leftover) and _another_jobs(leftover, streams[0][1]):
-            log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
-            try:
-                remove_stream(leftover)
-            except OSError as exc:  # its trainer rewriting progress meanwhile, a file of someone else's
-                log.warning("could not remove %s: %s", leftover, exc)
+    # opened there would read that job's batches as if they were served, so they go, but only with --reset (a
+    # submitted job is one), as another job's streams of this job's ranks do. Those of this job (a restart with
+    # fewer --ranks) are left as they are, as the job's other data is.  (A single-rank job's adopt_manifest
+    # looks at them itself.)
+    others = [(leftover, differences)
+              for leftover in sorted(set(job.buffer.glob(f"{STREAM_PREFIX}*")) - {directory for directory, _ in streams})
+              if job.world_size > 1 and _holds_a_stream(leftover)
+              and (differences := _another_jobs(leftover, streams[0][1]))]
+    if others and not reset:
+        leftover, differences = others[0]
+        raise ConfigError(f"buffer {job.buffer} holds batches of a different job in {leftover.name}, a rank this job "
+                          f"does not produce ({'; '.join(differences)}); pass --reset to delete them, or use another "
+                          "--buffer")
+    for directory, manifest in streams:
+        make_stream_dir(directory, job.group_access)
+        adopt_manifest(directory, manifest, reset)
+        manifest.write(directory)
+    for leftover, _differences in others:
+        log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
+        try:
+            remove_stream(leftover)
+        except OSError as exc:  # its trainer rewriting progress meanwhile, a file of someone else's
+            log.warning("could not remove %s: %s", leftover, exc)
     ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
     log.info(
         "producing %s split of %s into %s: %s, %s of %d at %dpx per epoch%s, "

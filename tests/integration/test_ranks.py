@@ -133,6 +133,28 @@ def test_a_buffer_of_another_world_size_is_refused_naming_both(shapes_data: Path
         assert f"world_size: {before} -> {after} (" in second.log and "pass --reset" in second.log, second.log
 
 
+def test_another_jobs_stream_of_a_rank_this_job_leaves_out_is_kept_without_reset(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """--ranks 0 of one job, then --ranks 1 of another: rank 0's stream (its batches and its trainer's progress)
+    was deleted with an INFO line, where every other sign of another job is refused without --reset (review)."""
+    buffer = shm_dir / "bf"
+    first = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", "2", "--ranks", "0",
+                         "--seed", "3")
+    first.wait_until(lambda: production_of(buffer) is not None, 60, "the first job to run")
+    first.terminate()
+    kept = sorted(p.name for p in stream_dir(buffer, 0, 2).iterdir())
+    other = [*SMALL, "--world-size", "2", "--ranks", "1", "--seed", "4"]
+    second = start_daemon(buffer, "--data", shapes_data / "train", *other)
+    assert second.wait_exit(30) == 2, second.log
+    assert "holds batches of a different job in rank-00000, a rank this job does not produce (seed: 3 -> 4" in \
+        " ".join(second.log.split()) and "pass --reset" in second.log, second.log
+    assert sorted(p.name for p in stream_dir(buffer, 0, 2).iterdir()) == kept
+    assert not stream_dir(buffer, 1, 2).exists(), "refused before it changed anything"
+    third = start_daemon(buffer, "--data", shapes_data / "train", *other, "--reset")
+    third.wait_until(lambda: production_of(buffer) is not None, 60, "the job to run with --reset")
+    assert not stream_dir(buffer, 0, 2).exists()
+
+
 def test_a_rank_the_daemon_does_not_produce_is_refused_without_waiting_out_its_timeout(
         shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     """Box 0's daemon started with too few --ranks: its other local rank is told at once, not after the
