@@ -23,7 +23,7 @@ import tomli_w
 from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_pid, read_status
 from prefetchd.buffer_protocol.layout import owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
-from prefetchd.daemon.main import JOB_FIELDS
+from prefetchd.daemon.main import JOB_FIELDS, check_capacity
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.daemon.status_view import describe_status, format_status, status_json
@@ -107,8 +107,11 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
     try:
         cfg = build_config(ctx, config_file, params)
         filled, notes = fill_defaults(cfg)
+        short = check_capacity(filled)  # what `start` refuses (exit 2, which the unit does not restart) or warns of
     except DaemonError as exc:
         raise click.UsageError(str(exc)) from None
+    if short is not None:
+        click.echo(f"warning: {short}", err=True)
     # Values are checked; the dataset is opened only at start, so say now if a local one is not there.
     missing = filled.data is not None and not is_url(filled.data) and not Path(filled.data).exists()
     if not show:
@@ -141,7 +144,7 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True, help="The daemon's buffer directory.")
 @CONFIG_FILE_OPTION
 @click.option("--replace", is_flag=True, help="Replace the running job even while a trainer consumes it.")
-@click.option("--timeout", type=FiniteFloat(), default=60.0, show_default=True, help="Seconds to wait for the daemon's answer.")
+@click.option("--timeout", type=FiniteFloat(0), default=60.0, show_default=True, help="Seconds to wait for the daemon's answer.")
 @click.pass_context
 def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
     """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status)."""
@@ -180,7 +183,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
 
 @click.command()
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
-@click.option("--timeout", type=FiniteFloat(), default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
+@click.option("--timeout", type=FiniteFloat(0), default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(buffer: Path, timeout: float) -> None:
     """Stop the daemon that owns BUFFER gracefully (SIGTERM) and wait until it has exited."""
     pid = daemon_pid(buffer)

@@ -30,7 +30,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import (JOB_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumer_locks, list_consumers,
                                              progress_name, stream_dirs)
-from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
+from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, nearest_existing, require_ray
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import BufferLost, ConfigError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
@@ -219,21 +219,21 @@ def _holds_a_stream(path: Path) -> bool:
         return False
 
 
-def check_capacity(cfg: DaemonConfig) -> None:
-    """Refuse a high-water mark the filesystem can never hold, and warn of one it cannot hold now.
+def check_capacity(cfg: DaemonConfig) -> str | None:
+    """Refuse a high-water mark the filesystem can never hold; return a warning for one it cannot hold now.
 
     Only the filesystem's size refuses: space other files hold now (another job's buffer, a file
     copied there) may be freed, and production pauses meanwhile (``--min-free-mb``).  A refusal is
     final (exit 2, which the systemd unit does not restart), so a daemon restarted while the tmpfs
     was briefly full would have stayed down."""
     assert cfg.high_water is not None and cfg.min_free_mb is not None
-    fs = os.statvfs(cfg.buffer)
+    fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # `prefetchd config` checks a buffer not made yet
     streams = [stream_dir(cfg.buffer, r, cfg.world_size) for r in cfg.local_ranks]
     held = sum(p.stat().st_size for s in streams for p in list_batches(s).values())
     need = max(len(streams) * cfg.high_water * cfg.batch_bytes, cfg.max_buffer_bytes or 0) + (cfg.min_free_mb << 20)
     size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + held
     if need <= available:
-        return
+        return None
     per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
     needed, has = binary_size(need), binary_size(size if need > size else available)
     if needed == has:  # "need 1.0 MiB but has 1.0 MiB" says nothing
@@ -244,8 +244,8 @@ def check_capacity(cfg: DaemonConfig) -> None:
            f"{filesystem_of(Path(cfg.buffer)).point})")
     if need > size:
         raise ConfigError(f"{what} but {cfg.buffer} has {has}; {fix}")
-    log.warning("%s but %s has %s free now: other files hold the rest. Production pauses whenever it would fall "
-                "below the floor, until they go; free that space, or %s", what, cfg.buffer, has, fix)
+    return (f"{what} but {cfg.buffer} has {has} free now: other files hold the rest. Production pauses whenever it "
+            f"would fall below the floor, until they go; free that space, or {fix}")
 
 
 # Fields that say how this machine produces, not what: a job cannot set them.
@@ -381,23 +381,35 @@ def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[
         select.select([wake], [], [], WAIT_STATUS_SECONDS)
         wake.drain()
     # The last status says it stopped, not that it waits for a submit nobody will read.
+    notifier.stopping(wake.stop_reason)
     publish(Status(pid=os.getpid(), state=State.STOPPED, heartbeat=time.time(), message=wake.stop_reason,
                    job_result=inbox.result))
     return None
 
 
+class StoppedWhileStarting(Exception):
+    """A stop signal came while a job started: the start is given up where it was (``StartupBeat``)."""
+
+
 class StartupBeat:
     """The heartbeat while a job starts: indexing a large dataset takes minutes, and a daemon
-    whose status.json does not move in that time would look stuck to trainers (and systemd)."""
+    whose status.json does not move in that time would look stuck to trainers (and systemd).
+    It is where a stop signal is noticed meanwhile too (``wake``): waited for until the index
+    was done, a `systemctl stop` ended in SIGKILL and `prefetchd stop` in its timeout."""
 
-    def __init__(self, buffer: Path, notifier: Notifier, job_result: Callable[[], JobResult | None] = lambda: None) -> None:
+    def __init__(self, buffer: Path, notifier: Notifier, job_result: Callable[[], JobResult | None] = lambda: None,
+                 wake: Wakeup | None = None) -> None:
         self.buffer = buffer
         self.notifier = notifier
         self.job_result = job_result
+        self.wake = wake
         self._last: float | None = None
 
     def __call__(self, message: str) -> None:
-        """Write a "starting" status saying ``message``, at most once per STATUS_SECONDS; cheap to call often."""
+        """Write a "starting" status saying ``message``, at most once per STATUS_SECONDS; cheap to call often.
+        StoppedWhileStarting once a stop signal came."""
+        if self.wake is not None and self.wake.stop_signal is not None:
+            raise StoppedWhileStarting(self.wake.stop_reason)
         self.notifier.watchdog()
         now = time.monotonic()
         if self._last is not None and now - self._last < STATUS_SECONDS:
@@ -413,12 +425,14 @@ class StartupBeat:
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
               publish: Callable[[Status], None], notifier: Notifier, lock: DaemonLock) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
-    beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result)
+    beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result, wake)
     beat(f"starting the job on {job.data}")
     job, notes = fill_defaults(job)
     for note in notes:
         log.info("default: %s", note)
-    check_capacity(job)
+    short = check_capacity(job)
+    if short is not None:
+        log.warning("%s", short)
     if job.transform is not None:
         validate_hook(job.transform)  # a typo fails here, not in every worker
     assert job.data is not None
@@ -496,6 +510,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         job.batch_size, job.image_size,
         ranks, counted(job.workers or 0, "worker"), job.high_water, job.low_water, job.epochs or "unbounded",
     )
+    beat(f"starting the workers for {job.data}")  # the last look for a stop signal before they start
     return Producer(job, index, members, streams, wake, poll_jobs=inbox.poll,
                     job_result=lambda: inbox.result, on_status=publish, notifier=notifier, lock_lost=lock.lost)
 
@@ -563,6 +578,11 @@ def _serve(cfg: DaemonConfig) -> int:
                     reset = True  # a submitted job is the instruction to replace what the buffer holds
                 try:
                     producer = start_job(job, reset, wake, inbox, publish, notifier, lock)
+                except StoppedWhileStarting as stopped:
+                    notifier.stopping(str(stopped))
+                    publish_waiting(Status(pid=os.getpid(), state=State.STOPPED, heartbeat=time.time(),
+                                           message=str(stopped), job_result=inbox.result))
+                    break
                 except (DatasetError, ConfigError) as exc:
                     if submitted:
                         # Its dataset is opened only now, after the running job stopped for it. A refused

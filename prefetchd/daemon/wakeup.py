@@ -85,7 +85,8 @@ class Wakeup:
         self._fds = None
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.stop_signal = signum
+        if self.stop_signal is None:  # the first says why it stopped; another while it stops changes nothing
+            self.stop_signal = signum
 
     @property
     def watching(self) -> bool:

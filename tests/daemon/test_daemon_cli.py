@@ -546,6 +546,22 @@ def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_
     assert there.exit_code == 0 and there.output.strip() == "configuration is valid"
 
 
+def test_config_check_refuses_a_high_water_mark_start_refuses(runner: CliRunner, shm_buffer: Path) -> None:
+    """`prefetchd config` said "valid" for a config whose `start` then failed with exit 2, which the systemd unit
+    does not restart (review)."""
+    args = ["config", "--buffer", str(shm_buffer / "not" / "yet"), "--data", str(shm_buffer), "--batch-size", "4096",
+            "--image-size", "512", "--high-water", "100"]
+    refused = runner.invoke(prefetchd_cli.main, args)
+    assert refused.exit_code == 2 and "high_water 100 x 3.0 GiB batches" in refused.output, refused.output
+    assert "lower --high-water" in refused.output and not (shm_buffer / "not").exists()
+
+
+@pytest.mark.parametrize("command", ["stop", "submit"])
+def test_a_negative_timeout_is_refused(runner: CliRunner, shm_buffer: Path, command: str) -> None:
+    result = runner.invoke(prefetchd_cli.main, [command, "--buffer", str(shm_buffer), "--timeout", "-5"])
+    assert result.exit_code == 2 and "--timeout" in result.output and "-5" in result.output, result.output
+
+
 def test_the_restart_command_a_trainer_prints_starts_the_same_job(runner: CliRunner, tmp_path: Path) -> None:
     """The loader's "Restart it with `prefetchd start ...`" (``job_command``), from the manifest the
     daemon wrote, read back by `prefetchd start`'s own flags: the same job identity. --val-fraction 1/3

@@ -74,3 +74,16 @@ def test_a_start_refused_before_its_loop_hands_a_deferred_signal_on_and_the_hand
             handed_on = False
         handed_on = True
     assert not handed_on and {s: signal.getsignal(s) for s in STOP_SIGNALS} == saved
+
+
+def test_a_second_stop_signal_does_not_rename_the_first(tmp_path: Path) -> None:
+    """A second signal while the daemon stops (systemctl stop, then Ctrl-C) changes nothing but what the
+    log and status said stopped it."""
+    import signal
+
+    from prefetchd.daemon.wakeup import Wakeup
+
+    with Wakeup(tmp_path) as wake:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert wake.stop_reason == "stopped by SIGTERM"

@@ -84,3 +84,53 @@ def test_sigterm_while_a_finished_daemon_exits_still_exits_0(shapes_data: Path, 
     loader.close()
     assert code == 0, f"exit status {code}:\n{daemon.log}"
     assert errors_in(daemon.log) == [], daemon.log
+
+
+SLOW_INDEX = """
+import sys, time
+import prefetchd.daemon.main as main
+
+real = main.open_dataset
+
+
+def slow_open_dataset(location, tick=lambda: None, **options):
+    # A tree that takes a minute to walk: the walk calls tick() about once a second, as the real one does.
+    for _ in range(300):
+        tick()
+        time.sleep(0.2)
+    return real(location, tick=tick, **options)
+
+
+main.open_dataset = slow_open_dataset
+from prefetchd.cli import main as cli
+sys.exit(cli())
+"""
+
+
+def test_a_stop_signal_while_the_dataset_is_indexed_stops_the_daemon_then(shapes_data: Path, shm_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """Indexing a large tree takes minutes (the unit allows ten): a SIGTERM waited for its end, so
+    `systemctl stop` ended in SIGKILL and `prefetchd stop` in its timeout (review)."""
+    buffer = shm_dir / "bf"
+    script = tmp_path / "slow_index.py"
+    script.write_text(SLOW_INDEX)
+    proc = subprocess.Popen([sys.executable, str(script), "start", "--buffer", str(buffer), "--data",
+                             str(shapes_data / "train"), *JOB], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = read_status(buffer) if buffer.is_dir() else None
+            if status is not None and status.message.startswith("indexing"):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the daemon never said it indexes")
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=30)  # not the minute the index would take
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log
+    assert errors_in(log) == [], log
+    last = read_status(buffer)
+    assert last is not None and (last.state, last.message) == (State.STOPPED, "stopped by SIGTERM"), last

@@ -136,6 +136,31 @@ def test_daemon_notifies_ready_status_watchdog_and_stopping(
         log.close()
 
 
+def test_a_daemon_waiting_for_jobs_says_stopping_first(shm_dir: Path, fake_systemd: FakeSystemd, tmp_path: Path) -> None:
+    """Stopped while it waited for a job, STOPPING=1 came last, after the status saying it stopped, once the
+    lock was let go (review)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "SYSTEMD_EXEC_PID")}
+    env.update(NOTIFY_SOCKET=fake_systemd.path)
+    buffer = shm_dir / "bf"
+    with open(tmp_path / "daemon.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            fake_systemd.wait_for(lambda: fake_systemd.count("READY=1") > 0, proc, 60, "READY=1")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            for _ in range(10):
+                fake_systemd.pump(0.1)  # what it sent before it exited, one datagram a call
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stopping = [m for m in fake_systemd.messages() if "STOPPING=1" in m or "stopped by" in m]
+    assert stopping and stopping[0] == "STOPPING=1\nSTATUS=stopped by SIGTERM", fake_systemd.messages()
+    last = read_status(buffer)
+    assert last is not None and (last.state, last.message) == (State.STOPPED, "stopped by SIGTERM"), last
+
+
 def test_status_line_reads_a_real_daemons_status(shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any]) -> None:
     # Independent of the wiring: the formatter understands what a running daemon writes now.
     buffer = shm_dir / "bf"
