@@ -110,10 +110,11 @@ def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | N
     if status is None or pr is None:
         return status, ""
     stream = next((s for s in pr.streams if s.rank == rank), None)
-    if stream is None:
+    if stream is None:  # nor its fill or trainer: the other ranks' would be shown under this rank's heading
         served = rank_ranges([s.rank for s in pr.streams]) or "none"
-        return status, (f"the daemon on {owner} does not serve rank {rank} now (it serves {served}); "
-                        f"`prefetchd status --buffer {owner}` shows them")
+        return dataclasses.replace(status, production=None), (
+            f"the daemon on {owner} does not serve rank {rank} now (it serves {served}); "
+            f"`prefetchd status --buffer {owner}` shows them")
     share = len(pr.streams)
     narrowed = dataclasses.replace(pr, streams=(stream,), progress=stream.progress, trainer=stream.trainer,
                                    waiting=stream.waiting, building=stream.building,

@@ -114,18 +114,23 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
     next_look = time.monotonic()
     while True:
         try:
-            return Manifest.read(buffer)
+            manifest: Manifest | None = Manifest.read(buffer)
         except FileNotFoundError:
+            manifest = None
             wrong = _rank_streams_instead(buffer)  # or no daemon has started on this buffer yet
             if wrong is not None:
                 raise wrong from None
         now = time.monotonic()
-        if now >= next_look:
+        if manifest is not None and owning_buffer(buffer) == buffer:
+            return manifest
+        if manifest is not None or now >= next_look:
+            # Also once a rank's stream has a manifest: an earlier run of the job may have left it (its daemon
+            # restarted with fewer --ranks), and its batches would never come.
             next_look = now + STATUS_LOOK_SECONDS
             pid, status = owner_status(buffer)
-            unserved = unserved_rank(buffer, pid, status)
-            if unserved is not None:
-                raise LoaderError(f"{unserved}: restart it with --ranks that include this rank")
+            check_served(buffer, pid, status)
+            if manifest is not None:
+                return manifest
             failed.check(pid, status)
         if now >= deadline:
             raise LoaderTimeout(_manifest_timeout_message(buffer, timeout) + failed.said())
@@ -134,6 +139,13 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             logged = True
         time.sleep(min(delay, deadline - now))
         delay = min(delay * 1.5, MANIFEST_MAX_DELAY)
+
+
+def check_served(stream: Path, pid: int | None, status: Status | None) -> None:
+    """LoaderError where the daemon holding ``stream``'s buffer does not produce it (``unserved_rank``)."""
+    unserved = unserved_rank(stream, pid, status)
+    if unserved is not None:
+        raise LoaderError(f"{unserved}: restart it with --ranks that include this rank")
 
 
 def unserved_rank(stream: Path, pid: int | None, status: Status | None) -> str | None:
@@ -283,6 +295,7 @@ class BatchWaiter:
 
     def __init__(self, buffer: Path, manifest: Manifest, timeout: float, grace: float, stall: float | None) -> None:
         self.buffer = buffer
+        self._rank_stream = owning_buffer(buffer) != buffer
         self.manifest = manifest
         self.timeout = timeout
         self.grace = grace
@@ -324,7 +337,10 @@ class BatchWaiter:
                 pid = daemon_pid(self.buffer)
                 if pid is not None:
                     gone_since = None
-                    self._check_heartbeat(pid, name, epoch, step, now - start)
+                    status = self._status()
+                    if self._rank_stream:
+                        check_served(self.buffer, pid, status)  # its daemon restarted with fewer --ranks?
+                    self._check_heartbeat(pid, status, name, epoch, step, now - start)
                 elif gone_since is None:
                     gone_since = now
                 if gone_since is not None and now - gone_since >= self.grace:
@@ -366,18 +382,22 @@ class BatchWaiter:
                 "started with (such as --workers or --high-water), or as it was started (its service): it resumes "
                 "from progress.json")
 
-    def _check_heartbeat(self, pid: int, name: str, epoch: int, step: int, waited: float) -> None:
-        """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall``.
+    def _status(self) -> Status | None:
+        try:
+            return read_status(self.buffer)
+        except (ProtocolError, OSError):
+            return None  # being replaced, or damaged: judged as if absent
+
+    def _check_heartbeat(self, pid: int, status: Status | None, name: str, epoch: int, step: int,
+                         waited: float) -> None:
+        """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall`` (``status``:
+        the buffer's, as just read).
 
         A status written by another process (the previous daemon) is not this one's
         heartbeat; a daemon without one yet is timed from the loader's first look.
         """
         if self.stall is None:
             return
-        try:
-            status = read_status(self.buffer)
-        except (ProtocolError, OSError):
-            status = None  # being replaced, or damaged: judged as if absent
         wall = time.time()
         own = status if status is not None and status.pid == pid else None
         if own is not None:

@@ -165,9 +165,10 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
                 f"{Manifest.read(buffer).rank} of --world-size {served[0]}), not a buffer; every rank finds its own "
                 f"stream under the buffer: pass the daemon's --buffer, {buffer.parent}"
             )
-        if (own / MANIFEST_NAME).is_file():
-            return own
-        if time.monotonic() >= next_look:
+        there = (own / MANIFEST_NAME).is_file()
+        if there or time.monotonic() >= next_look:
+            # Also once the stream is there: an earlier run of the job may have left it (its daemon restarted
+            # with fewer --ranks), and the batches waited for would never come.
             next_look = time.monotonic() + STATUS_LOOK_SECONDS
             pid, status = owner_status(own)
             unserved = unserved_rank(own, pid, status) if ranks.distributed else None
@@ -176,6 +177,8 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
                     f"{unserved}. Restart it with this box's ranks (`prefetchd stop --buffer {buffer}`, then `prefetchd "
                     f"start --buffer {buffer} ... --world-size {ranks.world_size} --ranks {ranks.ranks_flag()}`), or "
                     "point this box's ranks at a buffer of their own daemon")
+            if there:
+                return own
             failed.check(pid, status)
         if time.monotonic() >= deadline:
             raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout, split) + failed.said())

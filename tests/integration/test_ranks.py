@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import re
 import textwrap
 import time
 from collections import Counter
@@ -110,6 +111,7 @@ def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, s
     (buffer / "rank-00002").mkdir()  # a rank of the world this daemon leaves to another box
     other = cli("status", "--buffer", buffer / "rank-00002")
     assert f"does not serve rank 2 now (it serves 0-1); `prefetchd status --buffer {buffer}`" in other.stdout, other.stdout
+    assert "batches waiting" not in other.stdout, "the served ranks' fill shown under rank 2's heading"
     missing = cli("status", "--buffer", buffer / "rank-00007")
     assert missing.returncode == 3 and "running (pid" not in missing.stdout, missing.stdout
     assert missing.stdout.startswith(f"prefetchd on {buffer / 'rank-00007'}: no such rank\n"), missing.stdout
@@ -153,6 +155,27 @@ def test_another_jobs_stream_of_a_rank_this_job_leaves_out_is_kept_without_reset
     third = start_daemon(buffer, "--data", shapes_data / "train", *other, "--reset")
     third.wait_until(lambda: production_of(buffer) is not None, 60, "the job to run with --reset")
     assert not stream_dir(buffer, 0, 2).exists()
+
+
+def test_a_rank_whose_stream_an_earlier_run_left_is_refused_without_waiting_out_its_timeout(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A daemon restarted with fewer --ranks keeps the job's other streams, manifests included: a trainer of
+    such a rank found its manifest, looked no further, and waited out its timeout (review)."""
+    buffer = shm_dir / "bf"
+    both = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", "2")
+    both.wait_until(lambda: production_of(buffer) is not None, 60, "the job to run")
+    both.terminate()
+    one = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", "2", "--ranks", "0")
+    one.wait_until(lambda: (p := production_of(buffer)) is not None and [s.rank for s in p.streams] == [0], 60,
+                   "the job to run again, for rank 0 alone")
+    assert (stream_dir(buffer, 1, 2) / "manifest.json").is_file()
+    unserved = f"the daemon of {buffer} (pid {one.proc.pid}) produces ranks 0, not rank 1"
+    started = time.monotonic()
+    with pytest.raises(SetupError, match=re.escape(unserved)):
+        wait_for_stream(buffer, Ranks(1, 2, 1, 2), timeout=120)
+    with pytest.raises(LoaderError, match=re.escape(unserved)):
+        BufferLoader(stream_dir(buffer, 1, 2), timeout=120)
+    assert time.monotonic() - started < 60, "refused only at the timeout"
 
 
 def test_a_rank_the_daemon_does_not_produce_is_refused_without_waiting_out_its_timeout(
