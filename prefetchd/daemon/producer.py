@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # progress is re-read at least this often even without a watch event
 STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
-FAILURE_SHOWN_SECONDS = 10.0  # the status message names the last failed build this long after it
+FAILURE_SHOWN_SECONDS = 10.0  # one log line per this long of failed builds (the others are counted)
 STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
 STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
 MAX_CHUNK = 32  # images per task for local workers
@@ -173,7 +173,7 @@ class Producer:
         self.retry_at = 0.0
         self.state = State.STARTING
         self.message = ""
-        self.last_failure: tuple[float, str] | None = None  # (time.monotonic(), why) of the last failed build
+        self.last_failure: str | None = None  # why a build failed since a batch was last published
         # An outage fails every build in flight, each once a RETRY_SECONDS: one log line per the time the
         # status shows the last one (and counts the others) is enough.
         self.failure_lines = Throttle(FAILURE_SHOWN_SECONDS)
@@ -475,7 +475,7 @@ class Producer:
             if not build.failed:  # a failed build, not a failed task (SPEC's errors.write_failures); also one a
                 build.failed = True  # rewind cancelled: the tmpfs is as full, and the status says so
                 self.stats.write_failures += 1
-                self.last_failure = (time.monotonic(), f"batch {build.tmp.name}: {result.reason}")
+                self.last_failure = f"batch {build.tmp.name}: {result.reason}"
                 self.failure_lines.log(log, logging.WARNING, "batch %s: %s; retrying in %.0f s", build.tmp.name,
                                        result.reason, RETRY_SECONDS, others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
@@ -535,12 +535,13 @@ class Producer:
             if final.is_dir() and not final.is_symlink():  # made by hand: nothing else makes one there
                 why += f" ({final} is a directory: remove it)"
             # In the status too, as for a failed build: once a second, a count alone said nothing of why.
-            self.last_failure = (time.monotonic(), why)
+            self.last_failure = why
             self.failure_lines.log(log, logging.WARNING, "%s; retrying in %.0f s", why, RETRY_SECONDS,
                                    others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return
         stream.published[build.g] = final
+        self.last_failure = None  # builds work again
         self.stats.batches += 1
         self.stats.samples += len(build.indices)
         self.stats.replaced += build.replaced
@@ -590,13 +591,20 @@ class Producer:
             ),
             remote=self.remote.status() if self.remote is not None else None,
         )
-        message = self.message
-        if not message and self.last_failure is not None and time.monotonic() - self.last_failure[0] < FAILURE_SHOWN_SECONDS:
-            message = f"retrying: {self.last_failure[1]}"  # a store that is down reads as such, not as a count alone
-        if not message and self.remote is not None and not self.remote.connected and not self.workers_wanted:
-            message = f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"  # why nothing is built
-        return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=message,
+        return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self._message(),
                       job_result=self.job_result(), production=production)
+
+    def _message(self) -> str:
+        """The status's message: the state's own, else why builds fail (a store that is down reads as such, not as
+        a count alone; until a batch is published again, since one try of a hung store's reads takes minutes),
+        else why nothing is built."""
+        if self.message:
+            return self.message
+        if self.last_failure is not None:
+            return f"retrying: {self.last_failure}"
+        if self.remote is not None and not self.remote.connected and not self.workers_wanted:
+            return f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"
+        return ""
 
     @staticmethod
     def _cpu_percent(worker: Worker) -> float:

@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Manifest, Progress, batch_name
+from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.stream import Stream
 
 HIGH, LOW = 4, 2
@@ -203,3 +205,44 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     cancelled.outstanding.add(9)
     producer._complete(task, WriteFailed(9, "cannot write: No space left on device"))
     assert producer.stats.write_failures == 2 and 1 not in s.building
+
+
+def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was named for 10 s after each failure: a hung object store, whose reads each try for minutes (six
+    tries of a 15 s read timeout), left the status blank nine tenths of the time (review)."""
+    from collections import deque
+
+    from prefetchd.buffer_protocol import BatchLayout, PendingBatch
+    from prefetchd.daemon.producer import FAILURE_SHOWN_SECONDS, Producer, Stats
+    from prefetchd.daemon.stream import Build
+    from prefetchd.daemon.workers import Filled, Task, WriteFailed
+    from prefetchd.throttle import Throttle
+
+    s = stream(tmp_path)
+    producer = Producer.__new__(Producer)  # the controller's books alone, no workers
+    producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
+    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_SHOWN_SECONDS)
+    producer.message, producer.remote, producer.cfg = "", None, DaemonConfig(buffer=tmp_path, seed=0)
+    producer.logged_failures = set()
+
+    def build(g: int, step: int) -> tuple[Build, Task]:
+        pending = PendingBatch.begin(tmp_path / batch_name(0, step), BatchLayout.plan(1, 8, 8))
+        b = Build(s, g, 0, step, pending, np.empty(1, np.int64), np.empty(1, np.int64), remaining=1)
+        s.building[g] = b
+        task = Task(g, str(pending.tmp), 0, 0, 0, ((0, step),))
+        producer.task_build[g] = b
+        b.outstanding.add(g)
+        return b, task
+
+    _, task = build(0, 0)
+    producer._complete(task, WriteFailed(0, "reading s3://b/x.jpg: still failing after 6 tries"))
+    said = "retrying: batch e000000-s00000000.tmp: reading s3://b/x.jpg: still failing after 6 tries"
+    assert producer._message() == said
+    from prefetchd.daemon import producer as controller
+
+    monkeypatch.setattr(controller, "FAILURE_SHOWN_SECONDS", 0.0)  # as if long after the failure: still named
+    assert producer._message() == said
+    _, task = build(1, 1)
+    producer._complete(task, Filled(1, ((0, 1, 0),), (), 0.0))
+    assert producer._message() == "" and 1 in s.published
