@@ -77,7 +77,7 @@ CONFIG_FILE_OPTION = click.option(
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.pass_context
 def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **params: Any) -> None:
-    """Run the daemon in the foreground until stopped (SIGTERM, SIGINT or `prefetchd stop`).
+    """Run the daemon in the foreground until stopped (SIGTERM, SIGINT, SIGHUP or `prefetchd stop`).
 
     Without a dataset (--data or `data` in the config) it waits for jobs from
     `prefetchd submit` and serves them one after another.

@@ -225,7 +225,7 @@ def load_toml(path: Path) -> dict[str, Any]:
         if name in values:  # batch_size and batch-size: which one was meant?
             raise ConfigError(f"{path}: {name!r} is set twice ({name} and {name.replace('_', '-')}); keep one")
         if FIELDS[name].metadata["kind"] is Path and isinstance(value, str):
-            value = (path.parent / value) if not os.path.isabs(value) else Path(value)
+            value = (path.parent.absolute() / value) if not os.path.isabs(value) else Path(value)
         if FIELDS[name].metadata.get("location"):  # relative to the file, as paths are
             base = path.parent.absolute()
             if isinstance(value, str):

@@ -136,10 +136,13 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path, monkey
 
 
 def test_relative_config_path_still_resolves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    write(tmp_path / "etc" / "prefetchd.toml", 'data = "imgs"\n')
+    """Absolute, as data always was: `config --show` printed index_cache = "etc/cache", relative to the working
+    directory, which read back from another folder's file names another folder (review)."""
+    write(tmp_path / "etc" / "prefetchd.toml", 'data = "imgs"\nindex_cache = "cache"\n')
     monkeypatch.chdir(tmp_path)
     values = load_toml(Path("etc/prefetchd.toml"))
-    assert (tmp_path / values["data"]).resolve() == (tmp_path / "etc" / "imgs").resolve()
+    assert values["data"] == str(tmp_path / "etc" / "imgs")
+    assert values["index_cache"] == tmp_path / "etc" / "cache"
 
 
 def test_absolute_paths_are_kept(tmp_path: Path) -> None:
