@@ -70,7 +70,7 @@ from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import Read, SampleReader
 from prefetchd.daemon.sources.shards import ShardChanged
-from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable
+from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable, storage_for
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.errors import BadDataError, ConfigError, DaemonError, DatasetError
 from prefetchd.daemon.hook import HookError
@@ -185,11 +185,12 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
         except _NOT_THE_SAMPLES_FAULT:
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
-            if isinstance(exc, OSError) and _dataset_gone(job.index.root):
+            if isinstance(exc, OSError) and _dataset_gone(job.index.root, exc):
                 # Not the sample's fault: the build waits for the dataset (retried each second, said in the log
                 # and status), as for an object store's outage, rather than replace every sample and stop the job.
                 raise StorageUnavailable(f"{name}: {_reason(exc, name)}; the dataset root {job.index.root} is gone "
-                                         "or empty (unmounted?): the batches wait for it to come back") from exc
+                                         f"or empty ({'deleted?' if is_url(job.index.root) else 'unmounted?'}): the "
+                                         "batches wait for it to come back") from exc
             failures.append((name, _reason(exc, name)))
     others = "no other sample of the split" if tries == 1 else (
         f"the {counted(tries - 1, 'sample')} after it" + (", the whole split," if tries == len(job.members) else ""))
@@ -215,15 +216,15 @@ def replaced_before(job: WorkerJob, index: int, used: int) -> list[int]:
     return list(itertools.takewhile(lambda candidate: candidate != used, _candidates(job, index)))
 
 
-def _dataset_gone(root: str) -> bool:
-    """A local dataset root that is no longer there, or empty: a mount that went away, or its bare mount point."""
-    if is_url(root):
-        return False
+def _dataset_gone(root: str, exc: OSError) -> bool:
+    """Whether ``exc``, a sample's read error, is the dataset's: its root no longer there, or empty (a mount
+    that went away, or its bare mount point; under a URL, a prefix deleted, perhaps to be uploaded again)."""
+    if is_url(root) and not isinstance(exc, FileNotFoundError):
+        return False  # the store's own errors are classified where it is read
     try:
-        with os.scandir(root) as entries:
-            return next(entries, None) is None
-    except OSError:
-        return True
+        return storage_for(root).is_empty()
+    except OSError:  # the store cannot say now: the sample is judged as it was read
+        return False
 
 
 def _why_none_decoded(root: str, failures: list[tuple[str, str]]) -> str:

@@ -62,6 +62,10 @@ class Storage(Protocol):
         """Whether ``rel`` is there: one request in object storage, where ``sizes`` lists the root."""
         ...
 
+    def is_empty(self) -> bool:
+        """Whether nothing is there under the root (gone, unmounted, a prefix deleted): no sample's fault."""
+        ...
+
 
 def _kind(mode: int) -> str:
     """What a file that is not a regular file is, for the error that refuses it."""
@@ -166,6 +170,13 @@ class LocalStorage:
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(os.path.join(self.root, rel))
+
+    def is_empty(self) -> bool:
+        try:
+            with os.scandir(self.root) as entries:
+                return next(entries, None) is None
+        except OSError:
+            return True
 
 
 class FsspecStorage:
@@ -273,6 +284,13 @@ class FsspecStorage:
     def exists(self, rel: str) -> bool:
         path = self.path(rel)
         return bool(self.call(f"checking {self.url_of(rel)}", lambda: self.fs.exists(path)))
+
+    def is_empty(self) -> bool:
+        root = self.path()
+        try:  # refresh: the listing cached at indexing would say the objects are still there
+            return not self.call(f"listing {self.url}", lambda: self.fs.ls(root, detail=False, refresh=True))
+        except FileNotFoundError:
+            return True
 
 
 # One per URL and process: making an S3 client loads botocore's data (~0.5 s), and
