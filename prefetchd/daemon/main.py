@@ -235,9 +235,10 @@ def check_capacity(cfg: DaemonConfig) -> str | None:
     if need <= available:
         return None
     per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
-    needed, has = binary_size(need), binary_size(size if need > size else available)
+    shown = size if need > size else available
+    needed, has = binary_size(need), binary_size(shown)
     if needed == has:  # "need 1.0 MiB but has 1.0 MiB" says nothing
-        needed, has = f"{need} bytes", f"{size if need > size else available} bytes"
+        needed, has = f"{need} bytes", f"{shown} bytes"
     what = (f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches (or --max-buffer-bytes) plus "
             f"the {cfg.min_free_mb} MiB floor (--min-free-mb) need {needed}")
     fix = (f"lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs (mount -o remount,size=... "
