@@ -25,6 +25,7 @@ module plans their layout and reads them.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
@@ -292,7 +293,9 @@ def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise ProtocolError(f"{path}: cannot open batch file ({exc.strerror}); check the buffer's permissions") from None
+        fix = ("a symbolic link, not a batch: remove it from the buffer" if exc.errno == errno.ELOOP
+               else "check the buffer's permissions")
+        raise ProtocolError(f"{path}: cannot open batch file ({exc.strerror}); {fix}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

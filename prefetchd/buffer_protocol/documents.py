@@ -138,6 +138,12 @@ def steps_per_epoch(samples: int, batch_size: int, drop_last: bool = False) -> i
     return samples // batch_size if drop_last else -(-samples // batch_size)
 
 
+def batch_len(step: int, batch_size: int, samples: int) -> int:
+    """Images in batch ``step`` of an epoch of ``samples``: the batch size, except for a short last batch
+    (which ``drop_last`` leaves out)."""
+    return min(batch_size, samples - step * batch_size)
+
+
 def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     value: Any = doc.get(key)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):

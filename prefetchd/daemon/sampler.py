@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefetchd.buffer_protocol.documents import steps_per_epoch
+from prefetchd.buffer_protocol.documents import batch_len, steps_per_epoch
 
 # Distinct streams derived from one user seed.
 _ORDER_STREAM = 1
@@ -43,11 +43,6 @@ def epoch_order(
 def batch_slice(step: int, batch_size: int, samples: int) -> slice:
     start = step * batch_size
     return slice(start, min(start + batch_size, samples))
-
-
-def batch_len(step: int, batch_size: int, samples: int) -> int:
-    """Images in batch ``step``: the batch size, except for a short last batch."""
-    return min(batch_size, samples - step * batch_size)
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:

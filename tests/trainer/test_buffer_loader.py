@@ -106,6 +106,19 @@ def test_normalize_matches_manual_computation(make_job: MakeJob) -> None:
         torch.testing.assert_close(batch.images, want, atol=1e-5, rtol=1e-5)
 
 
+def test_normalize_is_within_the_documented_bound_of_torchvisions_float32_order(make_job: MakeJob) -> None:
+    """The bound the docs give (5e-7), over every uint8 value of every channel, through the loader."""
+    job = make_job(write=0, samples=4, batch_size=4, image_size=16)
+    every = np.broadcast_to(np.arange(256, dtype=np.uint8).reshape(16, 16, 1), (4, 16, 16, 3)).copy()
+    _, labels, indices = job.arrays(0, 0)
+    write_batch(job.path(0, 0), every, labels, indices, epoch=0, step=0, seed=job.manifest.seed, producer="p")
+    got = next(iter(BufferLoader(job.buffer, timeout=5))).images
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    want = torch.from_numpy(every).permute(0, 3, 1, 2).float().div(255).sub(mean).div(std)  # ToTensor, Normalize
+    assert 0 < (got - want).abs().max().item() <= 5e-7  # not bit for bit, and within the bound
+
+
 def test_custom_mean_and_std(make_job: MakeJob) -> None:
     job = make_job(write=1)
     batch = next(iter(BufferLoader(job.buffer, timeout=5, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))))
@@ -574,6 +587,34 @@ def test_batch_of_another_job_raises_protocol_error(make_job: MakeJob) -> None:
     write_batch(job.path(0, 0), images, labels, indices, epoch=0, step=0, seed=7, producer="p")
     with pytest.raises(ProtocolError, match="16x16x3.*another job"):
         next(iter(BufferLoader(job.buffer, timeout=5)))
+
+
+def test_a_short_batch_before_the_epochs_last_and_indices_out_of_range_are_refused(make_job: MakeJob) -> None:
+    """Any N from 1 to the batch size passed: a 2-image batch in mid-epoch (or in a --drop-last job, whose every
+    batch is full) was handed out, and indices of -5 too (review)."""
+    job = make_job(write=0, samples=10, batch_size=4)  # steps of 4, 4, 2
+    images, labels, indices = job.arrays(0, 0)
+    write_batch(job.path(0, 0), images[:2], labels[:2], indices[:2], epoch=0, step=0, seed=job.manifest.seed,
+                producer="p")
+    with pytest.raises(ProtocolError, match="2 images of .* promises 4 of .* at step 0"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+    write_batch(job.path(0, 0), images, labels, np.full(4, -5), epoch=0, step=0, seed=job.manifest.seed, producer="p")
+    with pytest.raises(ProtocolError, match=r"indices range over \[-5, -5\] but the manifest has 10 samples"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+    job.write(0, 0), job.write(0, 1), job.write(0, 2)
+    assert [len(b.indices) for b in BufferLoader(job.buffer, timeout=5)] == [4, 4, 2]  # the last one short
+
+
+def test_a_batch_cut_short_after_it_was_handed_out_faults_no_normalised_batch(make_job: MakeJob) -> None:
+    """Labels and indices were views of the mapping even when the images were normalised into a tensor of their
+    own: a batch file truncated under the trainer (anyone who may write the buffer can) was a bus error at the
+    trainer's next look at its labels (review)."""
+    job = make_job(write=1)
+    batch = next(iter(BufferLoader(job.buffer, timeout=5)))
+    os.truncate(job.path(0, 0), 0)
+    assert batch.labels.tolist() == job.arrays(0, 0)[1].tolist()
+    assert batch.indices.tolist() == job.arrays(0, 0)[2].tolist()
+    assert torch.isfinite(batch.images).all()
 
 
 def test_bad_arguments(make_job: MakeJob) -> None:
