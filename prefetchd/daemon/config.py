@@ -52,7 +52,7 @@ class DaemonConfig:
     # A location, not a Path: Path("s3://b/p") is "s3:/b/p".  Local paths are made absolute, URLs kept verbatim.
     data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`; local, or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True, metavar="PATH|URL")
     readers: int | None = _opt(None, f"Sample reads each worker keeps in flight [default: {URL_READERS} for a URL, 1 for a local folder].", int, minimum=1, maximum=1024)
-    index_cache: Path | None = _opt(None, "Folder for cached dataset indexes, so a restart skips the walk when no folder changed, and never lists a URL again [default: $CACHE_DIRECTORY under systemd, else ~/.cache/prefetchd].", Path)
+    index_cache: Path | None = _opt(None, "Folder for cached dataset indexes, so a restart skips the walk when no folder changed, and never lists a URL again [default: $CACHE_DIRECTORY under systemd, else $XDG_CACHE_HOME/prefetchd, else ~/.cache/prefetchd].", Path)
     refresh_index: bool = _opt(False, "Walk (or list) the dataset again even if the cached index looks current (after replacing files in place, or changing objects under a URL).", bool)
     split: str = _opt("train", "train: random resized crop + flip, shuffled; val: resize + center crop, in order.", str, choices=SPLITS)
     val_fraction: float | None = _opt(None, "Hold out this fraction of --data as validation (a fixed seeded split); --split picks the side.", float, minimum=0.0, maximum=1.0)
