@@ -317,7 +317,9 @@ class Stream:
             hi = min(c.position + w, self.limit)
             self.held.update(range(c.position, hi))
         # Only a cap below one batch per consumer leaves one without its next batch (plan_windows).
-        starved = {c.name for c in holders if c.position not in self.held and (self.end is None or c.position < self.end)}
+        # One that left (closed) holds for whoever comes next, and waits for nothing.
+        starved = {c.name for c in holders if c.position not in self.held and not c.closed
+                   and (self.end is None or c.position < self.end)}
         for c in holders:
             if c.name in starved - self._starved:
                 log.info("rank %d's %s waits: the other consumers' windows fill the cap of %d batches "

@@ -228,6 +228,20 @@ def test_a_cap_below_one_batch_per_consumer_makes_the_fastest_wait(tmp_path: Pat
     assert s.held == {0, 9}
 
 
+def test_consumers_that_left_are_not_said_to_wait(tmp_path: Path, caplog: Any) -> None:
+    """Every consumer closed under a small cap: their windows stay for the next trainer, but the log said
+    "consumer 'b' waits" of consumers that had left (review)."""
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.stream")
+    s = stream(tmp_path, cap=2)
+    move(s, "a", 0)
+    move(s, "b", 5)
+    move(s, "c", 9)
+    caplog.clear()
+    for name, g in (("a", 1), ("b", 6), ("c", 10)):
+        move(s, name, g, closed=True)
+    assert "waits" not in caplog.text, caplog.text
+
+
 def test_a_consumer_counts_what_it_consumed_here_not_where_it_joined(tmp_path: Path) -> None:
     """A named consumer joining at batch 12 (or a trainer resuming there under a new daemon) had consumed
     12 batches by the status's count, and the consume rate jumped with every join."""
