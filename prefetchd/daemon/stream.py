@@ -48,6 +48,8 @@ from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
+STARVED_SAID_SECONDS = 60.0  # a consumer is said to wait for room under the cap at most this often
+
 
 @dataclass(eq=False)
 class Build:
@@ -106,6 +108,7 @@ class Stream:
         self.holders: list[Consumer] = []  # slowest first
         self.held: set[int] = set()
         self._starved: set[str] = set()  # holding consumers whose window the cap shrank to nothing
+        self._starved_said: dict[str, float] = {}  # time.monotonic() each was last said to wait
         self.filling = True
         # Counted for status.json, so that tools and tests see what the log says without parsing it.
         self.vanished_batches = 0  # published batches whose files someone else removed
@@ -320,8 +323,11 @@ class Stream:
         # One that left (closed) holds for whoever comes next, and waits for nothing.
         starved = {c.name for c in holders if c.position not in self.held and not c.closed
                    and (self.end is None or c.position < self.end)}
+        said_before = time.monotonic() - STARVED_SAID_SECONDS
         for c in holders:
-            if c.name in starved - self._starved:
+            # Consumers taking turns at a cap of a batch or two starve by turns, at every poll.
+            if c.name in starved - self._starved and self._starved_said.get(c.name, said_before) <= said_before:
+                self._starved_said[c.name] = time.monotonic()
                 log.info("rank %d's %s waits: the other consumers' windows fill the cap of %d batches "
                          "(raise --max-buffer-bytes to let it run)", self.rank, c.label.removeprefix("the "), self.cap)
         self._starved = starved

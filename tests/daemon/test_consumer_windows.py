@@ -228,6 +228,21 @@ def test_a_cap_below_one_batch_per_consumer_makes_the_fastest_wait(tmp_path: Pat
     assert s.held == {0, 9}
 
 
+def test_a_consumer_starved_by_turns_is_said_to_wait_once_a_minute(tmp_path: Path, caplog: Any) -> None:
+    """Three consumers at a cap of two batches starve by turns, at every poll: the line came four times in half
+    a second (review)."""
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.stream")
+    s = stream(tmp_path, cap=2)
+    move(s, "a", 0)
+    move(s, "b", 5)
+    move(s, "c", 9)
+    assert s.consumers["c"].window == 0
+    for b in (9, 12, 9, 12):  # b with c (both fed), then the fastest, past the cap (b waits), and again
+        publish_held(s)
+        move(s, "b", b)
+    assert caplog.text.count("'c' waits") == 1 and caplog.text.count("'b' waits") == 1, caplog.text
+
+
 def test_consumers_that_left_are_not_said_to_wait(tmp_path: Path, caplog: Any) -> None:
     """Every consumer closed under a small cap: their windows stay for the next trainer, but the log said
     "consumer 'b' waits" of consumers that had left (review)."""
