@@ -40,6 +40,7 @@ import torch
 
 from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.options import click_options
+from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
 from prefetchd.trainer.engine import Run
 from prefetchd.trainer.preflight import (agree_on_checkpoints, check_equal_steps, check_metrics_paths, resolve_device,
@@ -160,6 +161,20 @@ def _silent(_: str) -> None:
     pass
 
 
+def _resumable(config: TrainConfig) -> str:
+    """What ``--resume`` continues from after Ctrl-C, which (unlike SIGTERM) stops without saving."""
+    path = CheckpointPlan.of(config).path
+    if path is None:
+        return " (no --checkpoint-dir: nothing to resume from; SIGTERM instead stops after the step with a checkpoint)"
+    try:
+        there = existing_checkpoint(path)
+    except CheckpointError:
+        there = None
+    if there is None:
+        return f" before a checkpoint was saved in {config.checkpoint_dir}"
+    return f"; --resume continues from the last checkpoint, {there} (SIGTERM instead saves one first)"
+
+
 class TerminatedBeforeTraining(BaseException):
     """SIGTERM came before the first step: ``main``'s handler raises it wherever the run waits then (a
     BaseException, as KeyboardInterrupt is: no ``except Exception`` on the way swallows it)."""
@@ -230,7 +245,7 @@ def main(verbose: bool, **options: Any) -> None:
         click.echo(f"{name}: {peer_failed(ranks, 'in the gradient all-reduce of DDP')}", err=True)
         sys.exit(EXIT_FAILED)
     except KeyboardInterrupt:
-        click.echo(f"{name}: interrupted", err=True)
+        click.echo(f"{name}: interrupted{_resumable(config) if ranks.is_main else ''}", err=True)
         sys.exit(EXIT_INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -397,6 +397,38 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Pa
     assert doc["global_step"] == step  # the checkpoint is of the step it stopped at
 
 
+def test_ctrl_c_says_what_resume_continues_from(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    """Ctrl-C stops at once, without the checkpoint SIGTERM saves: it said only "interrupted" (review)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from prefetchd.trainer.train import EXIT_INTERRUPTED
+
+    train_job, _ = jobs(make_job, buffer, samples=80)
+    ckpt = tmp_path / "ckpt"
+
+    def interrupt_after_the_first_checkpoint() -> None:
+        deadline = time.monotonic() + 60
+        while not (ckpt / LAST_CHECKPOINT).exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    killer = threading.Thread(target=interrupt_after_the_first_checkpoint)
+    killer.start()
+    result = CliRunner().invoke(main, [
+        "--buffer", str(train_job.buffer), "--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q",
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--timeout", "10",
+    ])
+    killer.join()
+    assert result.exit_code == EXIT_INTERRUPTED, result.output
+    step = load_checkpoint(ckpt / LAST_CHECKPOINT)["global_step"]
+    said = " ".join(result.stderr.split())
+    assert f"interrupted; --resume continues from the last checkpoint, {ckpt / LAST_CHECKPOINT} (global step {step}," \
+        in said, said
+
+
 def test_sigterm_before_training_stops_at_once_instead_of_waiting_out_the_timeout(tmp_path: Path) -> None:
     """No daemon has written the manifest yet: a scheduler's SIGTERM waited the whole --timeout and ended in
     a timeout error (exit 3) rather than the SIGTERM's 143."""
