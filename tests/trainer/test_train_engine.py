@@ -362,31 +362,39 @@ def test_spawn_daemon_uses_a_running_daemon_only_if_it_serves_the_job(
     assert result.exit_code == 0, result.output
 
 
-def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+def signalled_after_the_first_checkpoint(make_job: MakeJob, buffer: Path, ckpt: Path, signum: int) -> Any:
+    """prefetchd-train's CLI on a 2-epoch job of 20 steps each, checkpointing every step, sent ``signum`` (handled
+    by main()'s handler in this, the main, thread) once the first checkpoint is there; its CliRunner result."""
     import os
-    import signal
     import threading
     import time
 
-    from prefetchd.trainer.train import EXIT_TERMINATED
+    train_job, _ = jobs(make_job, buffer, samples=80)
 
-    train_job, _ = jobs(make_job, buffer, samples=80)  # 20 steps per epoch, 2 epochs
-    ckpt = tmp_path / "ckpt"
-
-    def terminate_after_the_first_checkpoint() -> None:
+    def send_after_the_first_checkpoint() -> None:
         deadline = time.monotonic() + 60
         while not (ckpt / LAST_CHECKPOINT).exists() and time.monotonic() < deadline:
             time.sleep(0.002)
-        os.kill(os.getpid(), signal.SIGTERM)  # handled by main()'s handler in this (the main) thread
+        os.kill(os.getpid(), signum)
 
-    before = signal.getsignal(signal.SIGTERM)
-    killer = threading.Thread(target=terminate_after_the_first_checkpoint)
+    killer = threading.Thread(target=send_after_the_first_checkpoint)
     killer.start()
     result = CliRunner().invoke(main, [
         "--buffer", str(train_job.buffer), "--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q",
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--timeout", "10",
     ])
     killer.join()
+    return result
+
+
+def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+    import signal
+
+    from prefetchd.trainer.train import EXIT_TERMINATED
+
+    ckpt = tmp_path / "ckpt"
+    before = signal.getsignal(signal.SIGTERM)
+    result = signalled_after_the_first_checkpoint(make_job, buffer, ckpt, signal.SIGTERM)
     assert result.exit_code == EXIT_TERMINATED, result.output
     assert signal.getsignal(signal.SIGTERM) == before, "the handler is put back"
     line = [x for x in result.stdout.splitlines() if x.startswith("stopped after global step")]
@@ -399,29 +407,12 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Pa
 
 def test_ctrl_c_says_what_resume_continues_from(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
     """Ctrl-C stops at once, without the checkpoint SIGTERM saves: it said only "interrupted" (review)."""
-    import os
     import signal
-    import threading
-    import time
 
     from prefetchd.trainer.train import EXIT_INTERRUPTED
 
-    train_job, _ = jobs(make_job, buffer, samples=80)
     ckpt = tmp_path / "ckpt"
-
-    def interrupt_after_the_first_checkpoint() -> None:
-        deadline = time.monotonic() + 60
-        while not (ckpt / LAST_CHECKPOINT).exists() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    killer = threading.Thread(target=interrupt_after_the_first_checkpoint)
-    killer.start()
-    result = CliRunner().invoke(main, [
-        "--buffer", str(train_job.buffer), "--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q",
-        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--timeout", "10",
-    ])
-    killer.join()
+    result = signalled_after_the_first_checkpoint(make_job, buffer, ckpt, signal.SIGINT)
     assert result.exit_code == EXIT_INTERRUPTED, result.output
     step = load_checkpoint(ckpt / LAST_CHECKPOINT)["global_step"]
     said = " ".join(result.stderr.split())
