@@ -245,7 +245,8 @@ def _exited(pid: int) -> bool:
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
 @click.option("--interval", type=FiniteFloat(0.1), default=1.0, show_default=True)
 def status(buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
-    """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER."""
+    """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER (or it is a rank's
+    stream directory that is not there)."""
     if not watch:
         report = describe_status(buffer)
         click.echo(status_json(report) if as_json else format_status(report))
