@@ -244,3 +244,32 @@ def start_worker_server() -> None:
     """Start the forkserver now, so that its imports overlap whatever the daemon does next."""
     worker_context()
     multiprocessing.forkserver.ensure_running()
+
+
+MAX_CHUNK = 32  # images per task for local workers
+MIN_CHUNK = 16  # ... where the cap leaves room for enough batches at once (task_images)
+MAX_REMOTE_CHUNK = 64  # ... and when every task goes to a Ray cluster
+
+
+def task_images(batch_size: int, workers: int, cap: int) -> int:
+    """Images per task for ``workers`` local workers (0: every task goes to a Ray cluster), with
+    ``cap`` batches allowed per stream.
+
+    Every worker holds ``TASKS_PER_WORKER`` tasks, so the batches being built must hold
+    ``workers * TASKS_PER_WORKER`` tasks between them.  Each task costs the controller about
+    0.2 ms of CPU on top of its images (pickling, the pipes, the bookkeeping; measured in
+    docs/BENCHMARKS.md, "Tasks per batch"), so tasks take at least ``MIN_CHUNK`` images
+    where half the cap holds the batches that takes; below that, one batch spread over every
+    worker's slots; never more than ``MAX_CHUNK``.  The batch is then split evenly: 33
+    images go 11 + 11 + 11, not 16 + 16 + 1.  A Ray task costs ~3 ms over the worker,
+    raylet and bridge (docs/SCALE.md): remote-only tasks take up to ``MAX_REMOTE_CHUNK``.
+    """
+    if workers == 0:  # each batch in at least two slices, as if for one worker
+        largest = max(1, min(MAX_REMOTE_CHUNK, batch_size // TASKS_PER_WORKER))
+    else:
+        slots = workers * TASKS_PER_WORKER
+        spread = batch_size // slots
+        roomy = batch_size * max(1, cap // 2) // slots
+        largest = max(1, min(MAX_CHUNK, batch_size, max(spread, min(MIN_CHUNK, roomy))))
+    tasks = -(-batch_size // largest)
+    return -(-batch_size // tasks)

@@ -19,8 +19,6 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -39,13 +37,15 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, stream_dirs
-from prefetchd.buffer_protocol.status import BadFile, Errors, JobResult, Production, Quantiles, Rates, State, Status, Totals
+from prefetchd.buffer_protocol.status import Errors, JobResult, Production, Quantiles, Rates, State, Status, Totals
+from prefetchd.daemon.bad_samples import BadSamples
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
 from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.sampler import batch_len, batch_slice
-from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server
+from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server, task_images
+from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream
@@ -60,78 +60,6 @@ POLL_SECONDS = 0.25  # progress is re-read at least this often even without a wa
 STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
 FAILURE_SHOWN_SECONDS = 10.0  # one log line per this long of failed builds (the others are counted)
-STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
-STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
-MAX_CHUNK = 32  # images per task for local workers
-MIN_CHUNK = 16  # ... where the cap leaves room for enough batches at once (task_images)
-MAX_REMOTE_CHUNK = 64  # ... and when every task goes to a Ray cluster
-MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
-
-
-def task_images(batch_size: int, workers: int, cap: int) -> int:
-    """Images per task for ``workers`` local workers (0: every task goes to a Ray cluster), with
-    ``cap`` batches allowed per stream.
-
-    Every worker holds ``TASKS_PER_WORKER`` tasks, so the batches being built must hold
-    ``workers * TASKS_PER_WORKER`` tasks between them.  Each task costs the controller about
-    0.2 ms of CPU on top of its images (pickling, the pipes, the bookkeeping; measured in
-    docs/BENCHMARKS.md, "Tasks per batch"), so tasks take at least ``MIN_CHUNK`` images
-    where half the cap holds the batches that takes; below that, one batch spread over every
-    worker's slots; never more than ``MAX_CHUNK``.  The batch is then split evenly: 33
-    images go 11 + 11 + 11, not 16 + 16 + 1.  A Ray task costs ~3 ms over the worker,
-    raylet and bridge (docs/SCALE.md): remote-only tasks take up to ``MAX_REMOTE_CHUNK``.
-    """
-    if workers == 0:  # each batch in at least two slices, as if for one worker
-        largest = max(1, min(MAX_REMOTE_CHUNK, batch_size // TASKS_PER_WORKER))
-    else:
-        slots = workers * TASKS_PER_WORKER
-        spread = batch_size // slots
-        roomy = batch_size * max(1, cap // 2) // slots
-        largest = max(1, min(MAX_CHUNK, batch_size, max(spread, min(MIN_CHUNK, roomy))))
-    tasks = -(-batch_size // largest)
-    return -(-batch_size // tasks)
-
-
-@dataclass
-class Stats:
-    started: float = field(default_factory=time.time)
-    batches: int = 0
-    samples: int = 0
-    replaced: int = 0
-    consumed: int = 0
-    worker_restarts: int = 0
-    write_failures: int = 0
-    low_space_pauses: int = 0
-    recent: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=64))  # (t, samples, consumed)
-    # Per-sample (read, decode, augment, write) seconds of the most recent samples.
-    stage_times: deque[tuple[float, float, float, float]] = field(default_factory=lambda: deque(maxlen=STAGE_WINDOW))
-    stage_version: int = 0  # bumped when stage_times changes: the quantiles change only then
-    _quantiles: tuple[int, dict[str, dict[str, float]]] = (0, {})  # (stage_version, quantiles) last worked out
-
-    def rates(self) -> tuple[float, float]:
-        """Samples produced and batches consumed per second over the last ~10 s."""
-        now = time.monotonic()
-        self.recent.append((now, self.samples, self.consumed))
-        old = next((r for r in self.recent if now - r[0] <= 10.0), self.recent[0])
-        dt = now - old[0]
-        if dt <= 0:
-            return 0.0, 0.0
-        return (self.samples - old[1]) / dt, (self.consumed - old[2]) / dt
-
-    def add_stage_times(self, timings: Iterable[tuple[float, float, float, float]]) -> None:
-        self.stage_times.extend(timings)
-        self.stage_version += 1
-
-    def stage_quantiles(self) -> dict[str, dict[str, float]]:
-        """p50/p90/p99 seconds per stage over the last ``STAGE_WINDOW`` samples; empty before the first.
-        Worked out again only after new samples: an idle daemon asks every second, and the quantiles of
-        4096 samples take about 1 ms each time."""
-        if self._quantiles[0] != self.stage_version:
-            times = np.asarray(self.stage_times)
-            q = np.quantile(times, [0.5, 0.9, 0.99], axis=0)
-            self._quantiles = (self.stage_version, {stage: {"p50": float(q[0, i]), "p90": float(q[1, i]),
-                                                          "p99": float(q[2, i])} for i, stage in enumerate(STAGES)})
-        return self._quantiles[1]
 
 
 class Producer:
@@ -177,12 +105,11 @@ class Producer:
         # An outage fails every build in flight, each once a RETRY_SECONDS: one log line per the time the
         # status shows the last one (and counts the others) is enough.
         self.failure_lines = Throttle(FAILURE_SHOWN_SECONDS)
-        self.logged_failures: set[str] = set()
-        self.bad_files: list[dict[str, str]] = []  # the first MAX_LISTED_BAD_FILES, for the status
         self.fatal: str | None = None
         self._positioned = False  # take_positions() ran
         self.fatal_error: type[DaemonError] = DaemonError
         self._job = WorkerJob.from_config(index, members, cfg)
+        self.bad = BadSamples(cfg, len(members))
         self.pool = WorkerPool(self._job, self.workers_wanted)
         self.remote = RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted) if cfg.ray else None
         self.spares = SpareFiles()
@@ -469,7 +396,7 @@ class Producer:
         if isinstance(result, WriteFailed):
             if result.fatal is not None:
                 for path, reason in result.failures:  # the status counts the files that stopped the job too
-                    self._count_undecodable(path, reason)
+                    self.bad.count(path, reason)
                 self.fatal, self.fatal_error = result.reason, result.fatal
                 return
             if not build.failed:  # a failed build, not a failed task (SPEC's errors.write_failures); also one a
@@ -488,9 +415,11 @@ class Producer:
             self._maybe_drop(build)
             return
         for path, reason in result.failures:
-            if not self._count_undecodable(path, reason):
+            if not self.bad.count(path, reason):
                 continue
-            if self._over_budget(path, reason):  # named as the file that stopped the job, not as replaced
+            verdict = self.bad.verdict(path, reason)
+            if verdict is not None:  # named as the file that stopped the job, not as replaced
+                self.fatal, self.fatal_error = verdict, BadDataError
                 return
             log.warning("cannot decode %s (%s); replacing it with the next sample of the split", path, reason)
         requested = dict(task.items)
@@ -502,23 +431,6 @@ class Producer:
         build.remaining -= len(result.slots)
         if build.remaining == 0:
             self._publish(build)
-
-    def _count_undecodable(self, path: str, reason: str) -> bool:
-        """Add ``path`` to the status's undecodable files; False where it was there already."""
-        if path in self.logged_failures:
-            return False
-        self.logged_failures.add(path)
-        if len(self.bad_files) < MAX_LISTED_BAD_FILES:
-            self.bad_files.append({"path": path, "reason": reason})
-        return True
-
-    def _over_budget(self, path: str, reason: str) -> bool:
-        """Fail the job when --strict is on or the undecodable files exceed the budget."""
-        verdict = bad_data_verdict(self.cfg, len(self.logged_failures), len(self._job.members), path, reason)
-        if verdict is None:
-            return False
-        self.fatal, self.fatal_error = verdict, BadDataError
-        return True
 
     def _publish(self, build: Build) -> None:
         stream = build.stream
@@ -579,8 +491,8 @@ class Producer:
             totals=Totals(batches=self.stats.batches, samples=self.stats.samples, consumed_batches=self.stats.consumed),
             errors=Errors(
                 replaced_samples=self.stats.replaced,
-                undecodable_files=len(self.logged_failures),
-                undecodable=tuple(BadFile(**b) for b in self.bad_files),
+                undecodable_files=len(self.bad.files),
+                undecodable=self.bad.listed,
                 worker_restarts=self.stats.worker_restarts,
                 write_failures=self.stats.write_failures,
                 low_space_pauses=self.stats.low_space_pauses,
@@ -620,24 +532,6 @@ class Producer:
             write_status(self.buffer, status)
         except OSError as exc:
             status_unwritten(self.buffer, exc)
-
-
-def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:
-    """Why the job must stop now that ``bad`` distinct files of a ``split``-sample split could not be
-    decoded, the last being ``path`` (for ``reason``); None while the policy lets it replace them."""
-    if cfg.strict:
-        return (f"--strict: cannot decode {path} ({reason}); fix or remove the file, or start without "
-                "--strict to replace undecodable images with the next sample of the split")
-    exceeded = []
-    if cfg.max_bad_samples is not None and bad > cfg.max_bad_samples:
-        exceeded.append(f"--max-bad-samples {cfg.max_bad_samples}")
-    if cfg.max_bad_fraction is not None and bad > cfg.max_bad_fraction * split:
-        exceeded.append(f"--max-bad-fraction {cfg.max_bad_fraction:g} of {split} samples")
-    if not exceeded:
-        return None
-    return (f"{bad} files could not be decoded, more than {' and '.join(exceeded)} allows (the last: {path}: "
-            f"{reason}); the log names every one and `prefetchd status --json` the first {MAX_LISTED_BAD_FILES}; "
-            "repair or remove them, or raise the limit")
 
 
 def sweep_leftovers(buffer: Path) -> int:

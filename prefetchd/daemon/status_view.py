@@ -16,7 +16,7 @@ from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Product
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.main import FAILED_WHILE_PRODUCING
 from prefetchd.daemon.mounts import filesystem_of
-from prefetchd.daemon.producer import STAGES
+from prefetchd.daemon.production_stats import STAGES
 from prefetchd.words import binary_size, counted, rank_ranges
 
 STALE_HEARTBEAT_SECONDS = 10.0

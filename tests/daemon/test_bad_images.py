@@ -25,7 +25,7 @@ from prefetchd.bad_images import Corpus, make_bad_images
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import BadDataError
-from prefetchd.daemon.producer import bad_data_verdict
+from prefetchd.daemon.bad_samples import bad_data_verdict
 from prefetchd.daemon.decode import load_rgb
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.sources.storage import ImageRefused, StorageUnavailable

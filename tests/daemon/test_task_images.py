@@ -1,11 +1,11 @@
-"""How many images each worker task takes (``producer.task_images``)."""
+"""How many images each worker task takes (``pool.task_images``)."""
 
 from __future__ import annotations
 
 import itertools
 
 from prefetchd.daemon.pool import TASKS_PER_WORKER
-from prefetchd.daemon.producer import MAX_CHUNK, MAX_REMOTE_CHUNK, MIN_CHUNK, task_images
+from prefetchd.daemon.pool import MAX_CHUNK, MAX_REMOTE_CHUNK, MIN_CHUNK, task_images
 
 
 def _batches_to_fill_every_slot(batch_size: int, workers: int, chunk: int) -> int:

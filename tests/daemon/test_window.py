@@ -177,7 +177,8 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     from collections import deque
 
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
-    from prefetchd.daemon.producer import FAILURE_SHOWN_SECONDS, Producer, Stats
+    from prefetchd.daemon.producer import FAILURE_SHOWN_SECONDS, Producer
+    from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.stream import Build
     from prefetchd.daemon.workers import Task, WriteFailed
     from prefetchd.throttle import Throttle
@@ -214,7 +215,8 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
     from collections import deque
 
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
-    from prefetchd.daemon.producer import FAILURE_SHOWN_SECONDS, Producer, Stats
+    from prefetchd.daemon.producer import FAILURE_SHOWN_SECONDS, Producer
+    from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.stream import Build
     from prefetchd.daemon.workers import Filled, Task, WriteFailed
     from prefetchd.throttle import Throttle
@@ -224,7 +226,6 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
     producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
     producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_SHOWN_SECONDS)
     producer.message, producer.remote, producer.cfg = "", None, DaemonConfig(buffer=tmp_path, seed=0)
-    producer.logged_failures = set()
 
     def build(g: int, step: int) -> tuple[Build, Task]:
         pending = PendingBatch.begin(tmp_path / batch_name(0, step), BatchLayout.plan(1, 8, 8))

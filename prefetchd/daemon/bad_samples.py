@@ -1,0 +1,54 @@
+"""Samples that could not be decoded: the distinct files counted once each (and named in the status,
+the first ``MAX_LISTED_BAD_FILES``), and the policy that stops the job over them (--strict,
+--max-bad-samples, --max-bad-fraction)."""
+
+from __future__ import annotations
+
+from prefetchd.buffer_protocol.status import BadFile
+from prefetchd.daemon.config import DaemonConfig
+
+MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
+
+
+class BadSamples:
+    """The undecodable files of one job of a ``split``-sample split."""
+
+    def __init__(self, cfg: DaemonConfig, split: int) -> None:
+        self.cfg = cfg
+        self.split = split
+        self.files: set[str] = set()
+        self.listed: tuple[BadFile, ...] = ()  # the first MAX_LISTED_BAD_FILES, for the status
+
+    def count(self, path: str, reason: str) -> bool:
+        """Count ``path`` as undecodable; False where it was counted already."""
+        if path in self.files:
+            return False
+        self.files.add(path)
+        if len(self.listed) < MAX_LISTED_BAD_FILES:
+            self.listed += (BadFile(path=path, reason=reason),)
+        return True
+
+    def verdict(self, path: str, reason: str) -> str | None:
+        """Why the job must stop now that ``path`` (for ``reason``) was counted; None while it may go on."""
+        return bad_data_verdict(self.cfg, len(self.files), self.split, path, reason)
+
+
+def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:
+    """Why the job must stop now that ``bad`` distinct files of a ``split``-sample split could not be
+    decoded, the last being ``path`` (for ``reason``); None while the policy lets it replace them."""
+    if cfg.strict:
+        return (f"--strict: cannot decode {path} ({reason}); fix or remove the file, or start without "
+                "--strict to replace undecodable images with the next sample of the split")
+    exceeded = []
+    if cfg.max_bad_samples is not None and bad > cfg.max_bad_samples:
+        exceeded.append(f"--max-bad-samples {cfg.max_bad_samples}")
+    if cfg.max_bad_fraction is not None and bad > cfg.max_bad_fraction * split:
+        exceeded.append(f"--max-bad-fraction {cfg.max_bad_fraction:g} of {split} samples")
+    if not exceeded:
+        return None
+    return (f"{bad} files could not be decoded, more than {' and '.join(exceeded)} allows (the last: {path}: "
+            f"{reason}); the log names every one and `prefetchd status --json` the first {MAX_LISTED_BAD_FILES}; "
+            "repair or remove them, or raise the limit")
+
+
+__all__ = ["MAX_LISTED_BAD_FILES", "BadSamples", "bad_data_verdict"]
