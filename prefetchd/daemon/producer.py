@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # progress is re-read at least this often even without a watch event
 STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
-FAILURE_SHOWN_SECONDS = 10.0  # one log line per this long of failed builds (the others are counted)
+FAILURE_LOG_SECONDS = 10.0  # one log line per this long of failed builds (the others are counted)
 
 
 class Producer:
@@ -104,7 +104,7 @@ class Producer:
         self.last_failure: str | None = None  # why a build failed since a batch was last published
         # An outage fails every build in flight, each once a RETRY_SECONDS: one log line per the time the
         # status shows the last one (and counts the others) is enough.
-        self.failure_lines = Throttle(FAILURE_SHOWN_SECONDS)
+        self.failure_lines = Throttle(FAILURE_LOG_SECONDS)
         self.fatal: str | None = None
         self._positioned = False  # take_positions() ran
         self.fatal_error: type[DaemonError] = DaemonError

@@ -177,7 +177,7 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     from collections import deque
 
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
-    from prefetchd.daemon.producer import FAILURE_SHOWN_SECONDS, Producer
+    from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
     from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.stream import Build
     from prefetchd.daemon.workers import Task, WriteFailed
@@ -186,7 +186,7 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     s = stream(tmp_path)
     producer = Producer.__new__(Producer)  # the controller's books alone, no workers
     producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
-    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_SHOWN_SECONDS)
+    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
     pending = PendingBatch.begin(tmp_path / batch_name(0, 0), BatchLayout.plan(8, 8, 8))
     build = Build(s, 0, 0, 0, pending, np.empty(8, np.int64), np.empty(8, np.int64), remaining=8)
     s.building[0] = build
@@ -215,7 +215,7 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
     from collections import deque
 
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
-    from prefetchd.daemon.producer import FAILURE_SHOWN_SECONDS, Producer
+    from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
     from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.stream import Build
     from prefetchd.daemon.workers import Filled, Task, WriteFailed
@@ -224,7 +224,7 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
     s = stream(tmp_path)
     producer = Producer.__new__(Producer)  # the controller's books alone, no workers
     producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
-    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_SHOWN_SECONDS)
+    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
     producer.message, producer.remote, producer.cfg = "", None, DaemonConfig(buffer=tmp_path, seed=0)
 
     def build(g: int, step: int) -> tuple[Build, Task]:
@@ -242,7 +242,7 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
     assert producer._message() == said
     from prefetchd.daemon import producer as controller
 
-    monkeypatch.setattr(controller, "FAILURE_SHOWN_SECONDS", 0.0)  # as if long after the failure: still named
+    monkeypatch.setattr(controller, "FAILURE_LOG_SECONDS", 0.0)  # as if long after the failure: still named
     assert producer._message() == said
     _, task = build(1, 1)
     producer._complete(task, Filled(1, ((0, 1, 0),), (), 0.0))
