@@ -294,7 +294,7 @@ class Producer:
         """How many spares to keep: as many as the streams' caps leave room for, spares included
         (they hold tmpfs pages as batches do).  No fewer: a spare deleted for want of a place costs
         the pages' freeing, and the batch that would have used it is built in fresh ones."""
-        return sum(max(0, s.cap - len(s.published) - s.active) for s in self.streams)
+        return sum(max(0, s.cap - len(s.published) - len(s.building)) for s in self.streams)
 
     def _cancel(self, build: Build) -> None:
         """Stop building ``build``; tasks already at a worker finish and are ignored."""

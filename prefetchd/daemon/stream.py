@@ -82,7 +82,8 @@ class Stream:
     """One rank's stream: its directory, its consumers' progress and the windows of batches kept.
 
     ``high``: batches kept ahead of each consumer; ``low``: the hysteresis' low-water mark;
-    ``cap``: batches waiting and being built, all consumers together (default ``high``);
+    ``cap``: batches waiting and being built (cancelled builds too, until their files go), all
+    consumers together (default ``high``);
     ``consumer_timeout``: seconds without a progress write after which a consumer is silent.
     """
 
@@ -348,6 +349,10 @@ class Stream:
         if not self.filling and (self._running_low() or self._trainer_blocked() or self._unattended() and self._gap()):
             self.filling = True
         if not self.filling:
+            return None
+        if len(self.published) + len(self.building) >= self.cap:
+            # A rewind's cancelled builds keep their temp files until the tasks at workers end (tens of
+            # ms): counted too, or the tmpfs would hold more than --max-buffer-bytes meanwhile.
             return None
         best: tuple[int, int, int] | None = None  # (batches ready in its window, its position, g)
         for c in self.holders:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -79,6 +80,33 @@ def test_a_rewind_builds_the_batch_the_trainer_needs_despite_the_hysteresis(tmp_
     assert sorted(s.published) == [1, 2, 3]
     # Three waiting is above the low-water mark, but none of them is the one the trainer waits for.
     assert s.next_missing() == 0
+
+
+def test_a_rewinds_cancelled_builds_count_against_the_cap_until_their_files_go(tmp_path: Path) -> None:
+    """A rewind cancels the builds past the new window, but their tasks at workers finish first and
+    their temp files stay meanwhile: building the new window at once held cap + those on the tmpfs
+    (more than --max-buffer-bytes, review)."""
+    s = stream(tmp_path)
+    move_to(s, 10)
+    for g in range(10, 10 + HIGH):  # the whole window being built
+        s.building[g] = SimpleNamespace(g=g, cancelled=False)  # type: ignore[assignment]
+    move_to(s, 0)  # a trainer restarted from an older checkpoint
+    stale = s.outside_window()[1]
+    assert sorted(b.g for b in stale) == [10, 11, 12, 13]
+    for build in stale:
+        build.cancelled = True
+    assert s.next_missing() is None, "four files on the tmpfs already: the cap"
+    from prefetchd.daemon.producer import Producer
+
+    producer = Producer.__new__(Producer)  # the controller's books alone, no workers
+    producer.streams = [s]
+    assert producer._spare_room() == 0, "no spare kept beside them either"
+    del s.building[10], s.building[11]  # two builds' last tasks came back: their files went
+    assert s.next_missing() == 0
+    s.building[0] = SimpleNamespace(g=0, cancelled=False)  # type: ignore[assignment]
+    assert s.next_missing() == 1
+    s.building[1] = SimpleNamespace(g=1, cancelled=False)  # type: ignore[assignment]
+    assert s.next_missing() is None, "two cancelled and two new builds: the cap"
 
 
 def test_a_lost_waiting_batch_is_rebuilt_even_with_a_full_buffer(tmp_path: Path) -> None:
