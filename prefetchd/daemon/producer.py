@@ -243,7 +243,8 @@ class Producer:
         self.remote.handle(self._complete, self._requeue)
 
     def _requeue(self, tasks: list[Task]) -> None:
-        """Tasks the cluster lost go first to whoever has room; a cancelled batch's (a rewind) are dropped."""
+        """Tasks a dead worker or the cluster lost go first to whoever has room; a cancelled batch's (a
+        rewind) are dropped, so its file goes at once instead of holding a place under the cap."""
         for task in tasks:
             build = self.task_build.get(task.task_id)
             if build is not None and build.cancelled:
@@ -261,7 +262,7 @@ class Producer:
         self.stats.worker_restarts += 1
         log.error("worker pid %s died (exit code %s); requeuing its %d tasks and starting another",
                   worker.process.pid, worker.process.exitcode, len(worker.tasks))
-        self.todo.extendleft(reversed(list(worker.tasks.values())))
+        self._requeue(list(worker.tasks.values()))
         too_many = self.pool.replace(worker)
         if too_many is not None:
             self.fatal = too_many

@@ -230,11 +230,12 @@ def test_a_sample_the_box_cannot_use_either_leaves_the_node_fit_and_is_checked_o
     assert b.nodes[NODE_ID].reason == "" and not [m for m in sent if getattr(m, "level", 0) == logging.WARNING]
 
 
-def test_slices_the_cluster_hands_back_of_a_cancelled_batch_are_dropped_not_built_again() -> None:
-    """A rewind cancels a batch; its slices at the cluster came back (lost, or no node fit) and were
-    queued first, to be built and thrown away (stop 42's Ray review)."""
+def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() -> None:
+    """A rewind cancels a batch; its slices at the cluster came back (lost, or no node fit), or the worker
+    holding its task died, and they were queued first, to be built and thrown away (stop 42's Ray review)."""
     from collections import deque
     from prefetchd.daemon.producer import Producer
+    from prefetchd.daemon.production_stats import Stats
 
     aborted: list[int] = []
 
@@ -253,6 +254,16 @@ def test_slices_the_cluster_hands_back_of_a_cancelled_batch_are_dropped_not_buil
     producer._requeue(tasks)
     assert [t.task_id for t in producer.todo] == [5, 9], "the live batch's slice first, the cancelled one's dropped"
     assert aborted == [3] and 3 not in old.stream.building and producer.task_build == {5: kept}
+
+    # The same for the tasks a dead local worker held: they were built again, for nothing.
+    old = build(6, True, {7})
+    producer.task_build[7] = old
+    producer.wake, producer.stats, producer.fatal = SimpleNamespace(stop_signal=None), Stats(), None
+    producer.pool = SimpleNamespace(replace=lambda worker: None)
+    task = Task(7, "c.tmp", OFFSET, SLOT, 0, ((0, 7),))
+    dead = SimpleNamespace(process=SimpleNamespace(pid=1, exitcode=-9), tasks={7: task})
+    producer._replace_worker(dead)
+    assert [t.task_id for t in producer.todo] == [5, 9] and aborted == [3, 6] and 7 not in producer.task_build
 
 
 def test_a_node_using_a_sample_the_box_cannot_is_caught_once_the_box_failed_it(tmp_path: Path) -> None:
