@@ -16,6 +16,11 @@ of flow control:
 
 - it is written when iteration starts and by ``load_state_dict``, so a trainer
   restarted at an older position makes the daemon regenerate from there;
+- the job's end (every epoch of a job with ``epochs`` consumed) is written only by
+  a loader that read the job's last batch: the daemon takes that position for
+  the job done and ends it, which a loader put there by a state saved at the end
+  (a finished run's checkpoint, loaded to validate or to train more epochs) has
+  no say in.  It reads nothing and leaves the progress file as it was;
 - after a batch is handed over, progress moves past it only when the consumer
   asks for the next batch, when the epoch's iterator is exhausted or when the
   loader is closed, so the file the consumer may still be reading is not
@@ -209,6 +214,7 @@ class BufferLoader:
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
+        self._read_to_end = False  # this loader handed out the job's last batch since it last moved
         self._feeder: DeviceFeeder | None = None
         self._prefetch = 0
         self._ahead: deque[Transfer] = deque()  # started, not yet handed out: consecutive positions
@@ -333,6 +339,7 @@ class BufferLoader:
         if self._step >= self._manifest.steps_per_epoch:
             # Only reachable with an empty epoch (steps_per_epoch == 0).
             self._epoch, self._step = self._epoch + 1, 0
+            self._read_to_end = self._past_end()
             self._publish()
             return None
         asked = time.monotonic()
@@ -349,6 +356,7 @@ class BufferLoader:
         self._step += 1
         if self._step >= self._manifest.steps_per_epoch:
             self._epoch, self._step = self._epoch + 1, 0
+        self._read_to_end = self._past_end()
         return batch
 
     def _past_end(self) -> bool:
@@ -414,7 +422,18 @@ class BufferLoader:
                 self._feeder.finish(transfer, wait=True)
 
     def _publish(self, force: bool = False, closed: bool = False) -> None:
-        self._progress.publish(self._consumed_until(), self._waits.share(), force=force, closed=closed)
+        position = self._consumed_until()
+        if self._unread_end(position):
+            # Not this loader's to announce (the module docstring): only leaving is said, where it was written.
+            if not closed or self._progress.published is None:
+                return
+            position = self._progress.published
+        self._progress.publish(position, self._waits.share(), force=force, closed=closed)
+
+    def _unread_end(self, position: tuple[int, int]) -> bool:
+        """Whether ``position`` is the job's end and this loader got there without reading its last batch."""
+        epochs = self._manifest.epochs
+        return epochs is not None and position[0] >= epochs and not self._read_to_end
 
     def _check_progress(self) -> None:
         """While waiting: write the progress file again where it does not name this loader's position,
@@ -438,9 +457,19 @@ class BufferLoader:
 
         Raises StateMismatch when the state belongs to another dataset or job (a
         different seed, batch size, split ... would give different batches) or
-        points past the job's end.
+        points past the job's end.  A state at the job's end (saved after its last
+        epoch) is taken with a warning: there is nothing left to read, and the daemon
+        is not told so (its job would end, for this trainer and any other that reads
+        it: see the module docstring).
         """
         self._move(state)
+        if self._unread_end(self.position):
+            epochs = self._manifest.epochs
+            logger.warning(
+                "%s: the loader state is at the end of the job's %s: there is nothing left to read, and iterating "
+                "yields no batch. To train more epochs, restart the daemon with a larger --epochs (the job is the "
+                "same otherwise) and load the state again; to train again from epoch 0, do not load it",
+                self._buffer, counted(epochs or 0, "epoch"))
         self._publish()
 
     def _move(self, state: Mapping[str, Any]) -> None:
@@ -449,6 +478,8 @@ class BufferLoader:
         epoch, step = resume_position(state, self._manifest, self._buffer)
         self._drain(self._ahead)
         self._drain(self._handed)
+        if (epoch, step) != (self._epoch, self._step):
+            self._read_to_end = False
         self._epoch, self._step = epoch, step
         self._generation += 1
 

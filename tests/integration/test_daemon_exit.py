@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefetchd.buffer_protocol import State, read_status
+from prefetchd.buffer_protocol import Progress, State, list_batches, read_status
 from prefetchd.trainer import BufferLoader
 
 JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "1", "--workers", "1", "--high-water", "3"]
@@ -134,3 +134,26 @@ def test_a_stop_signal_while_the_dataset_is_indexed_stops_the_daemon_then(shapes
     assert errors_in(log) == [], log
     last = read_status(buffer)
     assert last is not None and (last.state, last.message) == (State.STOPPED, "stopped by SIGTERM"), last
+
+
+def test_a_state_saved_at_the_end_leaves_a_fresh_run_of_the_job_to_its_trainers(
+        shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any], caplog: Any) -> None:
+    """A finished run's checkpoint, loaded into a run of the same job (to validate, or by a script that always
+    restores the last one), wrote the job's end: the daemon deleted its batches, said its trainers had consumed
+    every epoch and exited, and the end left in progress.json made every later daemon on the job exit at once."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+    daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the buffer to fill")
+    with BufferLoader(buffer, normalize=False, timeout=60) as loader:
+        loader.load_state_dict({**loader.state_dict(), "epoch": 1, "step": 0})  # as a finished run saved it
+        assert loader.position == (1, 0) and list(loader) == []
+    try:
+        code: int | None = daemon.proc.wait(5)  # it reads progress at least every second
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code is None and FINISHED not in daemon.log, daemon.log
+    assert len(list_batches(buffer)) == 3 and Progress.read(buffer) is None
+    assert "at the end of the job's 1 epoch: there is nothing left to read" in caplog.text
+    assert "restart the daemon with a larger --epochs" in caplog.text
+    consume_everything(buffer)  # the job is still there for whoever reads it
+    assert daemon.wait_exit() == 0 and FINISHED in daemon.log, daemon.log
