@@ -291,6 +291,9 @@ class Progress:
     the consumer left (``BufferLoader.close``) and holds no batches while another
     reads, until it writes again.  ``job``: the ``Manifest.job_key`` of the job the position is in (None
     from writers that predate it); the daemon ignores a position in another job.
+    ``read_batches``: the batches its writer consumed by reading them since its loader was made (a move by
+    ``load_state_dict`` or ``set_epoch`` adds none), so that the daemon counts a jump over batches as no
+    consumption (None from writers that predate it: the daemon counts every move forward).
     ``consumer`` picks the file (see :func:`progress_name`).
     """
 
@@ -301,6 +304,7 @@ class Progress:
     time: float | None = field(default=None, compare=False)
     closed: bool = field(default=False, compare=False)
     job: str | None = field(default=None, compare=False)
+    read_batches: int | None = field(default=None, compare=False)
 
     def write(self, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> None:
         doc: dict[str, Any] = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch,
@@ -311,6 +315,8 @@ class Progress:
             doc["closed"] = True
         if self.job is not None:
             doc["job"] = self.job
+        if self.read_batches is not None:
+            doc["read_batches"] = self.read_batches
         write_json(Path(buffer) / progress_name(consumer), doc)
 
     @classmethod
@@ -330,7 +336,11 @@ class Progress:
         pid = _field(doc, "pid", int, path) if doc.get("pid") is not None else None
         written = _field(doc, "time", float, path) if doc.get("time") is not None else None
         job = _field(doc, "job", str, path) if doc.get("job") is not None else None
-        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written, closed, job)
+        read = _field(doc, "read_batches", int, path) if doc.get("read_batches") is not None else None
+        if read is not None and read < 0:
+            raise ProtocolError(f"{path}: field 'read_batches' is {read}, expected a count of batches (0 or more)")
+        return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written, closed, job,
+                   read)
 
 
 @dataclass(frozen=True)

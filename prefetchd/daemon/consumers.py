@@ -41,6 +41,7 @@ class Consumer:
     rewinds: int = 0
     rejected: int = 0
     error: str = ""
+    read_batches: int | None = None  # the ``read_batches`` of the document taken last
 
     @property
     def label(self) -> str:
@@ -57,17 +58,24 @@ class Consumer:
     def take(self, progress: Progress, g: int) -> bool:
         """Take a document read for this consumer, ``g`` being its global position; True when it moved."""
         first = not self.seen
+        writer = self.pid
         self.seen, self.error = True, ""
         self.closed = progress.closed
         self.wait_share, self.pid, self.written = progress.wait_share, progress.pid, progress.time
+        read, before = progress.read_batches, self.read_batches or 0
+        if read is not None:
+            # What its loader read: a jump forward (a later checkpoint loaded) consumed nothing. A count that went
+            # down, or another pid, is a new loader's, all of it read since; the first one read before this daemon.
+            if not first:
+                self.consumed += read - before if progress.pid == writer and read >= before else read
+        elif not first and g > self.position:
+            self.consumed += g - self.position  # a writer that predates ``read_batches``: each move forward, jumps too
+        self.read_batches = read
         if g == self.position:
             return False
-        if first:
-            pass  # where it starts (a consumer joining, a trainer resuming under this daemon): nothing consumed here
-        elif g < self.position:
+        if not first and g < self.position:
             self.rewinds += 1
-        else:
-            self.consumed += g - self.position
+        # The first position: where it starts (a consumer joining, a trainer resuming under this daemon).
         self.position = g
         return True
 

@@ -40,7 +40,7 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
     ("prefetchd_trainer_wait_share", lambda p: p.progress.trainer_wait_share, "Share of the trainer's recent time spent waiting for data."),
     ("prefetchd_produced_batches_total", lambda p: p.totals.batches, "Batches produced since the daemon started the job."),
     ("prefetchd_produced_samples_total", lambda p: p.totals.samples, "Samples produced since the daemon started the job."),
-    ("prefetchd_consumed_batches_total", lambda p: p.totals.consumed_batches, "Batches the trainers consumed: each consumer's, summed."),
+    ("prefetchd_consumed_batches_total", lambda p: p.totals.consumed_batches, "Batches the trainers consumed by reading them (not those a resume jumped over): each consumer's, summed."),
     ("prefetchd_replaced_samples_total", lambda p: p.errors.replaced_samples, "Samples replaced because their file could not be decoded."),
     ("prefetchd_undecodable_files", lambda p: p.errors.undecodable_files, "Distinct files that could not be decoded."),
     ("prefetchd_worker_restarts_total", lambda p: p.errors.worker_restarts, "Workers that died and were replaced."),

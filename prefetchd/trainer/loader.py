@@ -215,6 +215,7 @@ class BufferLoader:
         self._generation = 0
         self._closed = False
         self._read_to_end = False  # this loader handed out the job's last batch since it last moved
+        self._handed_out = 0  # since the loader was made; less those still being copied: progress' read_batches
         self._feeder: DeviceFeeder | None = None
         self._prefetch = 0
         self._ahead: deque[Transfer] = deque()  # started, not yet handed out: consecutive positions
@@ -351,6 +352,7 @@ class BufferLoader:
         else:
             batch = self._next_on_device(self._feeder)
         self._waits.add(asked, time.monotonic())
+        self._handed_out += 1
         # Handed over: the position moves now (state_dict reflects it), progress.json
         # only when the consumer comes back (see the module docstring).
         self._step += 1
@@ -428,7 +430,9 @@ class BufferLoader:
             if not closed or self._progress.published is None:
                 return
             position = self._progress.published
-        self._progress.publish(position, self._waits.share(), force=force, closed=closed)
+        # Counted, not taken from the position: a jump (load_state_dict, set_epoch) reads nothing.
+        read = self._handed_out - len(self._handed)
+        self._progress.publish(position, self._waits.share(), force=force, closed=closed, read_batches=read)
 
     def _unread_end(self, position: tuple[int, int]) -> bool:
         """Whether ``position`` is the job's end and this loader got there without reading its last batch."""

@@ -183,9 +183,9 @@ class ProgressFile:
         return "the default consumer" if self.consumer == DEFAULT_CONSUMER else f"consumer {self.consumer!r}"
 
     def publish(self, position: tuple[int, int], wait_share: float | None, force: bool = False,
-                closed: bool = False) -> None:
+                closed: bool = False, read_batches: int | None = None) -> None:
         """Write ``position`` unless it is the one written last (``force``: all the same); ``closed``: the
-        loader leaves, and the file says so."""
+        loader leaves, and the file says so; ``read_batches``: the batches the loader consumed by reading them."""
         if position == self.published and not force:
             return
         now = time.monotonic()
@@ -197,8 +197,8 @@ class ProgressFile:
             except (ProtocolError, OSError):
                 pass  # unreadable: overwritten below, and a wait looks again
         try:
-            Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key).write(self.buffer,
-                                                                                                self.consumer)
+            Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key, read_batches=read_batches).write(
+                self.buffer, self.consumer)
         except OSError as exc:
             now = time.monotonic()
             if self._failing_since is None:

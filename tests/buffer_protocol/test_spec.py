@@ -405,7 +405,7 @@ def manifest_mismatches(spec: str) -> list[str]:
 def progress_mismatches(spec: str) -> list[str]:
     """The Progress document's table: every key a writer may write, and those it always writes."""
     with tempfile.TemporaryDirectory() as d:
-        documents.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287").write(d)
+        documents.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287", read_batches=3).write(d)
         full = documents.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
         documents.Progress(1, 2).write(d)
         least = documents.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
@@ -451,7 +451,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Buffer directory", "file")) == 11
     assert len(table(SPEC, "Status document", "key")) >= 60
     assert len(table(SPEC, "Manifest document", "key")) == 19
-    assert len(table(SPEC, "Progress document", "key")) == 7
+    assert len(table(SPEC, "Progress document", "key")) == 8
     assert len(docstring_header(batch.__doc__ or "")) == 6
 
 
