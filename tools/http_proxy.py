@@ -1,7 +1,8 @@
 """A loopback HTTP proxy in front of an object store, for tests and benchmarks.
 
 It forwards every request to ``upstream`` and can add latency (``delay``),
-answer the next N requests with 503 SlowDown (``fail_next``), and counts the
+answer the next N requests with an error (``fail_next``; 503 SlowDown unless
+``error`` names another status and S3 error code), and counts the
 requests it saw by method and query, so a test can tell "listed" from "read"
 over real sockets.  Point a client at it with ``AWS_ENDPOINT_URL``.
 
@@ -20,8 +21,13 @@ from urllib.parse import urlsplit
 import click
 
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
+SLOW_DOWN = (503, "SlowDown", "Please reduce your request rate.")
+
+
+def error_body(code: str, message: str) -> bytes:
+    """An S3 error document, as botocore parses it into ``ClientError.response["Error"]``."""
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>{message}</Message></Error>").encode()
 
 
 class Proxy:
@@ -30,6 +36,7 @@ class Proxy:
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.delay = delay
         self.fail_next = 0
+        self.error = SLOW_DOWN  # (HTTP status, S3 error code, message) of the failed answers
         self.requests: Counter[str] = Counter()  # "GET list", "GET object", "HEAD", "PUT", ...
         self.lock = threading.Lock()
         proxy = self
@@ -54,7 +61,8 @@ class Proxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 if fail:
-                    self._reply(503, [("Content-Type", "application/xml")], SLOW_DOWN)
+                    status, code, message = proxy.error
+                    self._reply(status, [("Content-Type", "application/xml")], error_body(code, message))
                     return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 try:
