@@ -47,6 +47,14 @@ TRANSIENT_NAMES = frozenset({
 })
 CREDENTIAL_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                               "DefaultCredentialsError", "RefreshError"})
+# Error codes of temporary credentials that ran out (S3 and STS: ExpiredToken, 400; other services:
+# ExpiredTokenException, RequestExpired; S3: TokenRefreshRequired).  Not retried, as a denial is not:
+# botocore reads static credentials (the environment's, ~/.aws/credentials) once per client and never
+# again, and our clients live as long as the process, so the same expired token would be sent forever.
+EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired"})
+# Credentials that botocore renews before they expire, named in the advice on an expired token.
+RENEWING_CREDENTIALS = ("an instance or container role, or a profile with role_arn or credential_process, which "
+                        "botocore renews before they expire")
 THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                             "TooManyRequestsException", "RequestTimeout", "ServiceUnavailable", "InternalError"})
 TRANSIENT_ERRNOS = frozenset({errno.EBUSY, errno.EAGAIN, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
@@ -179,6 +187,18 @@ def access_problem(exc: BaseException, url: str) -> str | None:
                      "instance role)" if proto in ("s3", "s3a") else f"the {proto} library's standard credentials")
             return (f"{url}: no credentials found for {proto}:// ({e}); set {where} in the daemon's environment; "
                     "prefetchd reads credentials only from the storage library's standard environment and files")
+    for e in _chain(exc):  # before the PermissionError that s3fs makes of them, ahead in the chain
+        code = _status(e)[1]
+        message = str((getattr(e, "response", None) or {}).get("Error", {}).get("Message", "")) or str(e)
+        restart = "restart the daemon (prefetchd-train, for its checkpoints): credentials are read once, at start"
+        if code in EXPIRED_CODES:
+            return (f"{url}: the temporary credentials expired ({code}: {message}); refresh them (a new "
+                    f"AWS_SESSION_TOKEN with its key, or ~/.aws/credentials) and {restart}; or use {RENEWING_CREDENTIALS}")
+        if code == "InvalidToken":
+            return (f"{url}: the session token is not valid ({code}: {message}); AWS_SESSION_TOKEN (or "
+                    "aws_session_token) must come with the same temporary credentials as AWS_ACCESS_KEY_ID: set the "
+                    f"three from one source and {restart}")
+    for e in _chain(exc):
         status, code = _status(e)
         if code == "NoSuchBucket" or "bucket does not exist" in str(e).lower():
             bucket = url.partition("://")[2].split("/", 1)[0]

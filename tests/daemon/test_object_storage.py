@@ -28,7 +28,7 @@ from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd import locations
 from prefetchd.throttle import Throttle
 from prefetchd.daemon.sources.objects import cache_entry, list_class_folders
-from prefetchd.daemon.sources.storage import FsspecStorage, StorageUnavailable, storage_for
+from prefetchd.daemon.sources.storage import FsspecStorage, StorageDenied, StorageUnavailable, storage_for
 from tests.conftest import load_tool
 
 # -- reads ------------------------------------------------------------------------------
@@ -93,6 +93,36 @@ def test_missing_credentials_say_where_credentials_come_from(s3: Any, monkeypatc
     with pytest.raises(DatasetError, match=r"no credentials found for s3://.*AWS_ACCESS_KEY_ID and "
                                            r"AWS_SECRET_ACCESS_KEY.*standard environment"):
         open_dataset(s3.url("d"))
+
+
+@pytest.mark.parametrize("status, code", [(400, "ExpiredToken"), (400, "TokenRefreshRequired"),
+                                          (400, "RequestExpired"), (403, "ExpiredTokenException")])
+def test_expired_credentials_are_said_as_expired_not_denied(s3: Any, proxy: Any, status: int, code: str) -> None:
+    """S3 answers 400 ExpiredToken when temporary credentials ran out; s3fs raises it as PermissionError,
+    which read as "access denied": the user checked the bucket policy instead of refreshing the token."""
+    s3.fs.pipe_file(f"{s3.bucket}/d/x.jpg", b"abc")
+    storage = FsspecStorage(s3.url("d"))
+    storage.read("x.jpg")  # connected
+    before = proxy.count("GET object")
+    proxy.error, proxy.fail_next = (status, code, "The provided token has expired."), 1000
+    with pytest.raises(StorageDenied) as raised:
+        storage.read("x.jpg")
+    message = str(raised.value)
+    assert message.startswith(f"{s3.url('d')}: the temporary credentials expired ({code}: The provided token has "
+                              "expired.); refresh them"), message
+    assert "access denied" not in message and "restart the daemon" in message, message
+    assert proxy.count("GET object") - before == 1  # not retried: the same credentials stay expired
+
+
+def test_an_invalid_session_token_is_a_credentials_problem_not_a_bad_sample(s3: Any, proxy: Any) -> None:
+    """InvalidToken (a session token that is not the key's, or cut short) was raised as EINVAL, which a
+    worker takes for the sample's fault: every sample was replaced until the job stopped as bad data."""
+    s3.fs.pipe_file(f"{s3.bucket}/d/x.jpg", b"abc")
+    storage = FsspecStorage(s3.url("d"))
+    storage.read("x.jpg")
+    proxy.error, proxy.fail_next = (400, "InvalidToken", "The provided token is malformed or otherwise invalid."), 1
+    with pytest.raises(StorageDenied, match=rf"^{s3.url('d')}: the session token is not valid \(InvalidToken"):
+        storage.read("x.jpg")
 
 
 # -- retries ----------------------------------------------------------------------------
