@@ -38,6 +38,18 @@ RETRY_MAX_SECONDS = 5.0
 # many seconds and counts the others into the next; a read that gives up still raises
 # StorageUnavailable ("still failing after 6 tries"), which its caller reports.
 RETRY_LOG_SECONDS = 10.0
+# Object-storage timeouts, set here rather than left to s3fs's (connect 5 s, read 15 s, as of s3fs 2026.9),
+# which can change under us.  Connecting takes milliseconds in a region and under a second across the
+# internet; 5 s is a SYN lost twice.  The read timeout is how long a socket may go without a byte: a
+# GET's first byte comes in tens of milliseconds (hundreds under load), so 15 s of silence is a store
+# that hangs, and the try ends to be retried on a new connection.  Each is per try (RETRY_ATTEMPTS).
+CONNECT_TIMEOUT_SECONDS = 5.0
+READ_TIMEOUT_SECONDS = 15.0
+# Nothing above bounds a body that keeps trickling in (a byte every few seconds: measured, a 1000-byte
+# answer at 5 bytes/s held a read 200 s).  A sample -- an image, a shard's member -- is a few MB at
+# most; at 1 MB/s, slower than any link that can feed a decoder, that is seconds: a sample's read
+# still going after a minute is ended and retried.  Not for checkpoints, whose GBs take minutes.
+SAMPLE_READ_SECONDS = 60.0
 # Exception type names of the backends' transient failures (botocore, aiohttp,
 # urllib3); by name so that no backend has to be imported to classify them.
 TRANSIENT_NAMES = frozenset({
@@ -128,7 +140,8 @@ def filesystem(url: str) -> tuple[Any, str]:
     if proto in ("s3", "s3a"):
         # Retries are ours (with backoff, jitter and a log line); botocore's own
         # would multiply them and hide the outage.
-        options["config_kwargs"] = {"retries": {"total_max_attempts": 1}}
+        options["config_kwargs"] = {"retries": {"total_max_attempts": 1}, "connect_timeout": CONNECT_TIMEOUT_SECONDS,
+                                    "read_timeout": READ_TIMEOUT_SECONDS}
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:

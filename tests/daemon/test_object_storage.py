@@ -198,6 +198,85 @@ def test_missing_objects_are_not_retried(s3: Any, proxy: Any) -> None:
     assert sum(proxy.requests.values()) - before == 1  # one GET: no HEAD before it, no retries
 
 
+class StallingStore:
+    """A loopback HTTP server that answers every request with 200, a 1000-byte length and 10 bytes of the
+    body, then either stops sending (``trickle=None``) or sends one byte every ``trickle`` seconds: a store
+    that hangs mid-body, and one too slow to ever finish."""
+
+    def __init__(self, trickle: float | None = None) -> None:
+        import socket
+
+        self.trickle = trickle
+        self.done = threading.Event()
+        self.connections = 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: Any) -> None:
+        with conn:
+            try:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nContent-Type: image/jpeg\r\n\r\n"
+                if request.startswith(b"HEAD"):  # the size, where s3fs asks for it first
+                    conn.sendall(head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+                    return
+                conn.sendall(head + b"x" * 10)
+                while not self.done.wait(self.trickle or 1.0):
+                    if self.trickle is not None:
+                        conn.sendall(b"x")
+            except OSError:
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.server.close()
+
+
+@pytest.fixture
+def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Object-storage timeouts of a second or two, and retries a hundredth as long apart."""
+    monkeypatch.setattr(locations, "CONNECT_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(locations, "READ_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(locations, "SAMPLE_READ_SECONDS", 2.0)
+    monkeypatch.setattr(locations, "RETRY_BASE_SECONDS", 0.01)
+    monkeypatch.setattr(locations, "RETRY_MAX_SECONDS", 0.05)
+
+
+@pytest.mark.parametrize("trickle", [None, 0.2], ids=["hangs", "trickles"])
+def test_a_store_that_hangs_mid_body_fails_the_read_in_bounded_time(s3: Any, short_timeouts: None,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    trickle: float | None) -> None:
+    """s3fs's defaults: 15 s without a byte ends a request, but nothing bounds a body that trickles in (a byte
+    each 0.2 s: 1000 bytes in 200 s); a worker's reads hung there while the status said nothing."""
+    store = StallingStore(trickle)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.url)
+    storage = FsspecStorage(f"s3://{s3.bucket}/d")
+    reading = ThreadPoolExecutor(1)
+    try:
+        started = time.monotonic()
+        read = reading.submit(storage.read, "x.jpg")
+        error = read.exception(timeout=40)  # 6 tries of about 1 s (hangs) or 2 s (trickles), on a slow machine
+        assert isinstance(error, StorageUnavailable), error
+        assert re.search(rf"reading s3://{s3.bucket}/d/x.jpg: still failing after 6 tries \((\w*Timeout\w*)", str(error)), error
+        assert store.connections >= 6, store.connections  # each try on a connection of its own
+        assert time.monotonic() - started < 40
+    finally:
+        store.stop()
+        reading.shutdown(wait=False, cancel_futures=True)
+
+
 # -- class folders ----------------------------------------------------------------------
 
 

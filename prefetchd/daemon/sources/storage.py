@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from prefetchd import locations
 from prefetchd.locations import (ENDPOINT_VARIABLES, TRANSIENT_ERRNOS, LocationError, StorageDenied, StorageUnavailable,
                                  filesystem, is_transient, is_url, with_retries)
 
@@ -246,15 +247,20 @@ class FsspecStorage:
     def call(self, what: str, fn: Callable[[], T]) -> T:
         return with_retries(what, fn, self.url)
 
+    def _bounded(self) -> dict[str, float]:
+        """The keyword that ends a sample's read after ``SAMPLE_READ_SECONDS`` (fsspec's sync wrapper cancels
+        it), for an async backend; a sync one takes no such keyword."""
+        return {"timeout": locations.SAMPLE_READ_SECONDS} if getattr(self.fs, "async_impl", False) else {}
+
     def read(self, rel: str, offset: int = 0, size: int | None = None) -> bytearray:
         path, url = self.path(rel), self.url_of(rel)
         if size is None:
-            data = self.call(f"reading {url}", lambda: self.fs.cat_file(path))
+            data = self.call(f"reading {url}", lambda: self.fs.cat_file(path, **self._bounded()))
         else:
             try:
                 # Keywords: s3fs puts version_id between path and start.
                 data = self.call(f"reading {url} bytes {offset}-{offset + size}",
-                                 lambda: self.fs.cat_file(path, start=offset, end=offset + size))
+                                 lambda: self.fs.cat_file(path, start=offset, end=offset + size, **self._bounded()))
             except (FileNotFoundError, StorageDenied, StorageUnavailable):
                 raise
             except OSError:
