@@ -33,17 +33,24 @@ def stop_signals_deferred() -> Iterator[None]:
     """Within the block, until a ``Wakeup`` takes over, a stop signal is recorded, not acted on: the
     first loop then stops at once, cleanly.  Its default action would end the process half set up,
     leaving the worker server's socket folder in TMPDIR and no status saying it stopped.  A block
-    that ends before any Wakeup (a refused start) puts the handlers back and hands the signal on."""
+    that ends before any Wakeup (a refused start) puts the handlers back and hands the signal on,
+    unless the start's error is on its way out and the signal's action is the default: the error
+    ends the process as the signal would have, but with its message logged and the socket folder
+    removed at exit, neither of which a death by the signal allows."""
     global _deferred
     previous = {s: signal.signal(s, _defer) for s in STOP_SIGNALS}
+    refused = False
     try:
         yield
+    except BaseException:
+        refused = True
+        raise
     finally:
         for s, handler in previous.items():
             if signal.getsignal(s) is _defer:
                 signal.signal(s, handler)
         pending, _deferred = _deferred, None
-        if pending is not None:
+        if pending is not None and not (refused and signal.getsignal(pending) == signal.SIG_DFL):
             os.kill(os.getpid(), pending)  # as if it came now
 
 

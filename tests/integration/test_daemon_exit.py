@@ -157,3 +157,45 @@ def test_a_state_saved_at_the_end_leaves_a_fresh_run_of_the_job_to_its_trainers(
     assert "restart the daemon with a larger --epochs" in caplog.text
     consume_everything(buffer)  # the job is still there for whoever reads it
     assert daemon.wait_exit() == 0 and FINISHED in daemon.log, daemon.log
+
+
+# `prefetchd start` whose metrics port is taken, stopped while it starts: SIGTERM arrives just before the
+# metrics server is opened, after the worker server started (and made its socket folder in TMPDIR).
+STOPPED_THEN_REFUSED = """
+import os, signal, sys
+import prefetchd.daemon.main as main
+
+real = main.Metrics
+
+
+def stopped_then_metrics(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+
+
+main.Metrics = stopped_then_metrics
+from prefetchd.cli import main as cli
+sys.exit(cli())
+"""
+
+
+def test_a_start_refused_after_a_stop_signal_says_why_and_leaves_no_temp_folder(shapes_data: Path, shm_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    """The deferred SIGTERM was handed back to its default action once the refused start left its block: the
+    daemon died by it, its error never logged and the worker server's pymp-*/listener-* left in TMPDIR."""
+    import socket
+
+    script = tmp_path / "stopped_then_refused.py"
+    script.write_text(STOPPED_THEN_REFUSED)
+    scratch = shm_dir / "tmp"  # short: the socket's path must fit in 107 bytes, or it goes to /tmp
+    scratch.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, str(script), "start", "--buffer", str(shm_dir / "bf"), "--data",
+                              str(shapes_data / "train"), *JOB, "--metrics-port", str(port)],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(scratch)})
+    assert out.returncode == 2, out.stdout + out.stderr  # the refused option's code, not death by SIGTERM (-15)
+    assert f"cannot serve metrics on 127.0.0.1:{port}: it is in use" in out.stderr, out.stderr
+    assert sorted(p.name for p in scratch.iterdir()) == [], out.stderr
