@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -42,6 +43,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     first one starts them at once and the others share out the rest beside it.  Collected in place,
     they began at 241 s and ended the run alone."""
     items.sort(key=lambda item: item.get_closest_marker("ray") is None)
+
+
+@pytest.fixture(autouse=True)
+def child_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A TMPDIR of its own for the processes each test starts, removed after it.
+
+    A daemon SIGKILLed by a test (test_killed_*, the faults suite) cannot remove its worker server's
+    pymp-*/listener-*, and torchrun never removes its torchelastic_* log folder: a full run left a few
+    dozen of them in TMPDIR.  The exits the daemon controls (a finished job, SIGTERM, a refused start)
+    are checked to leave none in test_daemon_exit.py.  Not under tmp_path: a TMPDIR past 75 bytes (as
+    pytest-xdist's can be) has the daemon put its socket folder in /tmp instead (pool.py)."""
+    tempfile.gettempdir()  # this process's own temp folder stays what it was (cached by tempfile)
+    tmp_path_factory.getbasetemp()  # ... and pytest's, which it finds there on first use
+    path = Path(tempfile.mkdtemp(prefix="pfd-t-"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -33,12 +33,14 @@ def errors_in(log: str) -> list[str]:
 
 
 def test_finished_daemon_exits_cleanly_and_a_restart_on_it_exits_at_once(shapes_data: Path, shm_dir: Path,
-                                                                          start_daemon: Callable[..., Any]) -> None:
+                                                                          start_daemon: Callable[..., Any],
+                                                                          child_tmpdir: Path) -> None:
     buffer = shm_dir / "bf"
     first = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
     consume_everything(buffer)
     assert first.wait_exit() == 0, first.log
     assert FINISHED in first.log and errors_in(first.log) == [], first.log
+    assert list(child_tmpdir.glob("pymp-*")) == [], "the worker server's socket folder is removed at exit"
 
     again = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
     assert again.wait_exit() == 0, again.log
@@ -108,7 +110,7 @@ sys.exit(cli())
 
 
 def test_a_stop_signal_while_the_dataset_is_indexed_stops_the_daemon_then(shapes_data: Path, shm_dir: Path,
-                                                                         tmp_path: Path) -> None:
+                                                                         tmp_path: Path, child_tmpdir: Path) -> None:
     """Indexing a large tree takes minutes (the unit allows ten): a SIGTERM waited for its end, so
     `systemctl stop` ended in SIGKILL and `prefetchd stop` in its timeout (review)."""
     buffer = shm_dir / "bf"
@@ -132,6 +134,7 @@ def test_a_stop_signal_while_the_dataset_is_indexed_stops_the_daemon_then(shapes
         proc.kill()
     assert proc.returncode == 0, log
     assert errors_in(log) == [], log
+    assert list(child_tmpdir.glob("pymp-*")) == [], "the worker server's socket folder is removed at exit"
     last = read_status(buffer)
     assert last is not None and (last.state, last.message) == (State.STOPPED, "stopped by SIGTERM"), last
 
