@@ -72,10 +72,10 @@ def open_regular(path: Path, flags: int, what: str, mode: int = 0o644) -> int:
     """Open ``path`` only if it is a regular file: not through a symlink (O_NOFOLLOW), and
     without waiting for a writer should it be a FIFO (O_NONBLOCK, then fstat).  ``mode``
     (less the umask) is that of a file O_CREAT creates.
-    FileNotFoundError passes through; any other problem is a ProtocolError."""
+    FileNotFoundError passes through, as FileExistsError does (with O_EXCL); any other problem is a ProtocolError."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    except FileNotFoundError:
+    except (FileNotFoundError, FileExistsError):
         raise
     except OSError as exc:
         if exc.errno == errno.ELOOP:

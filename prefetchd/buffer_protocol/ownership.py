@@ -3,6 +3,7 @@ named in a document is still the live process that wrote it (``alive_since``, ``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -38,9 +39,27 @@ class DaemonLock:
         self.path = Path(buffer) / LOCK_NAME
         self._fd: int | None = None
         self._directory: tuple[int, int] | None = None  # (st_dev, st_ino) of the buffer when locked
+        self._created = False  # acquire() made the file, so nothing else had been there
 
     def acquire(self) -> None:
-        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, "the daemon's lock file", self.LOCK_MODE)
+        """Take the buffer, or raise BufferBusy.  A lock file removed by the holder that let go (``remove``)
+        after this opened it is tried again: a lock on a file no longer at the path keeps nobody out."""
+        for _ in range(10):
+            if self._take():
+                return
+        raise ProtocolError(f"{self.path}: replaced again and again while this daemon locked it; find who removes "
+                            f"it (`fuser -v {self.path}`), or pick another --buffer")
+
+    def _take(self) -> bool:
+        try:  # O_EXCL first, to know whether this daemon made the file (``remove`` deletes only such a one)
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, "the daemon's lock file", self.LOCK_MODE)
+            created = True
+        except FileExistsError:
+            try:
+                fd = open_regular(self.path, os.O_RDWR, "the daemon's lock file")
+            except FileNotFoundError:  # removed since: made again at the next try
+                return False
+            created = False
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_nlink != 1:
             os.close(fd)
@@ -57,11 +76,20 @@ class DaemonLock:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise BufferBusy(self._held_by(daemon_pid(self.path.parent))) from None
             raise
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            there = None
+        if there is None or (there.st_dev, there.st_ino) != (st.st_dev, st.st_ino):
+            os.close(fd)  # its holder removed it after this opened it
+            return False
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        self._created = created
         directory = os.stat(self.path.parent)
         self._directory = (directory.st_dev, directory.st_ino)
+        return True
 
     def _held_by(self, pid: int | None) -> str:
         buffer = self.path.parent
@@ -99,6 +127,17 @@ class DaemonLock:
             return f"{buffer}: {what}"
         replaced = (directory.st_dev, directory.st_ino) != self._directory
         return f"{buffer}: " + ("the buffer directory was replaced by another" if replaced else what)
+
+    def remove(self) -> None:
+        """Let go and delete the lock file, if acquire() made it (a refused start leaves the buffer as it
+        found it).  Deleted while still locked, and only while the path is still the file locked: a daemon
+        that opened it meanwhile finds it gone once it has the lock, and makes a new one."""
+        if self._fd is not None and self._created:
+            with contextlib.suppress(OSError):
+                there, mine = os.stat(self.path), os.fstat(self._fd)
+                if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                    os.unlink(self.path)
+        self.release()
 
     def release(self) -> None:
         if self._fd is not None:

@@ -53,13 +53,16 @@ BUFFER_MODE = 0o700  # batches are the user's data; the trainer runs as the same
 GROUP_BUFFER_MODE = 0o2770  # --group-access: setgid, so files trainers create there get the buffer's group
 
 
-def prepare_buffer(buffer: Path, group_access: bool = False) -> None:
+def prepare_buffer(buffer: Path, group_access: bool = False) -> bool:
     """Create the buffer directory for this user alone (or its group, when asked), or check
-    that an existing one is safe to use; refuse it otherwise, saying how to fix it."""
+    that an existing one is safe to use; refuse it otherwise, saying how to fix it.  True when
+    this created it."""
     mode = GROUP_BUFFER_MODE if group_access else BUFFER_MODE
+    created = False
     try:
         buffer.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(buffer, mode)
+        created = True
         chmod_dir(buffer, mode)  # mkdir's mode goes through the umask and drops setgid
     except FileExistsError:
         pass
@@ -68,6 +71,7 @@ def prepare_buffer(buffer: Path, group_access: bool = False) -> None:
     check_private_dir(buffer, group_access)
     if not os.access(buffer, os.W_OK | os.X_OK):
         raise ConfigError(f"buffer directory {buffer} is not writable by this user; fix its permissions or pick another --buffer")
+    return created
 
 
 def note_buffer_filesystem(buffer: Path) -> None:
@@ -541,15 +545,16 @@ def _serve(cfg: DaemonConfig) -> int:
     if cfg.ray is not None:
         require_ray()  # now, not after indexing the dataset
     buffer = Path(cfg.buffer)
-    prepare_buffer(buffer, cfg.group_access)
+    created = prepare_buffer(buffer, cfg.group_access)
     lock = DaemonLock(buffer)
     lock.acquire()
-    note_buffer_filesystem(buffer)
-    # The worker server imports what workers need (seconds where that is torch); it runs while we index.
-    start_worker_server()
-    # Once: whether the crop-aware decoder is built (how to get it if not), and what resizes.
-    log.info("%s; %s", decoder_summary(), resize_summary())
+    served = False  # until it waits for a job or produces one, a failure is a refused start
     try:
+        note_buffer_filesystem(buffer)
+        # The worker server imports what workers need (seconds where that is torch); it runs while we index.
+        start_worker_server()
+        # Once: whether the crop-aware decoder is built (how to get it if not), and what resizes.
+        log.info("%s; %s", decoder_summary(), resize_summary())
         swept = sweep_leftovers(buffer)
         if swept:
             log.info("deleted %d half-written files left by an earlier daemon", swept)
@@ -573,6 +578,7 @@ def _serve(cfg: DaemonConfig) -> int:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
                 if job is None:
+                    served = True
                     job = wait_for_job(buffer, inbox, wake, publish_waiting, notifier, lock)
                     if job is None:
                         break
@@ -619,6 +625,7 @@ def _serve(cfg: DaemonConfig) -> int:
                     inbox.answer(inbox.pending_id, True, f"producing {job.data}")
                     running_id, inbox.pending_id = inbox.pending_id, None
                 replaced = None
+                served = True
                 try:
                     producer.run()
                 except (ConfigError, DatasetError) as exc:
@@ -639,6 +646,13 @@ def _serve(cfg: DaemonConfig) -> int:
                 log.info("%s", wake.stop_reason)
         metrics.close()
         return 0
+    except Exception:
+        if not served:  # a refused start leaves the buffer as it found it, but for the status saying why
+            lock.remove()
+            if created:
+                with contextlib.suppress(OSError):  # not empty: that status, or what someone put there meanwhile
+                    buffer.rmdir()
+        raise
     finally:
         notifier.stopping()
         lock.release()

@@ -649,6 +649,34 @@ def test_lock_in_the_same_process_is_exclusive_too(tmp_path: Path) -> None:
     second.release()  # idempotent
 
 
+def test_remove_deletes_only_a_lock_file_it_made(tmp_path: Path) -> None:
+    """A refused start takes back the lock file it made, and leaves one it found (an earlier daemon's)."""
+    lock = DaemonLock(tmp_path)
+    lock.acquire()
+    lock.remove()
+    assert not (tmp_path / LOCK_NAME).exists()
+    (tmp_path / LOCK_NAME).write_text("")
+    found = DaemonLock(tmp_path)
+    found.acquire()
+    found.remove()
+    assert (tmp_path / LOCK_NAME).read_text() == ""  # kept, and let go
+    again = DaemonLock(tmp_path)
+    again.acquire()
+    again.release()
+
+
+def test_remove_never_deletes_the_lock_of_another_daemon(tmp_path: Path) -> None:
+    """The file was removed while this held it and another daemon made and took a new one: that one stays."""
+    lock = DaemonLock(tmp_path)
+    lock.acquire()
+    (tmp_path / LOCK_NAME).unlink()
+    with lock_holder(tmp_path) as holder:
+        lock.remove()
+        assert daemon_pid(tmp_path) == holder.pid
+        with pytest.raises(BufferBusy, match=rf"pid {holder.pid}\b"):
+            DaemonLock(tmp_path).acquire()
+
+
 def test_daemon_pid_without_a_live_owner(tmp_path: Path) -> None:
     assert daemon_pid(tmp_path) is None  # no lock file
     assert daemon_pid(tmp_path / "missing") is None

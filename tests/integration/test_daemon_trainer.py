@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -182,6 +183,7 @@ def test_second_daemon_on_the_same_buffer_is_refused(shapes_data: Path, shm_dir:
     # Notes on the buffer's file system (no huge pages on /dev/shm here) are the owner's to give.
     assert "huge pages" not in second.log and "RAM disk" not in second.log, second.log
     assert first.proc.poll() is None, "the owner must keep running"
+    assert daemon_pid(buffer) == first.proc.pid  # its lock file is left to it
 
 
 def test_trainer_started_before_the_daemon_waits(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
@@ -275,6 +277,30 @@ def test_bad_dataset_gets_a_clear_error(tmp_path: Path, shm_dir: Path, start_dae
     assert expected in daemon.log and str(root) in daemon.log
     status = read_status(shm_dir / "bf")  # its last word is why, not "starting the job"
     assert status is not None and status.state == State.FAILED and expected in status.message
+
+
+def test_a_refused_start_leaves_the_buffer_as_it_found_it(tmp_path: Path, shm_dir: Path, start_daemon) -> None:
+    """The lock file (and folder) a refused start made go again; its status saying why stays, and so do a
+    lock file and folder that were there before."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", tmp_path / "missing", *SMALL)
+    assert daemon.wait_exit(30) == 1
+    assert sorted(p.name for p in buffer.iterdir()) == ["status.json"], daemon.log
+    status = read_status(buffer)
+    assert status is not None and status.state == State.FAILED and "does not exist" in status.message
+
+    (buffer / "daemon.lock").write_text("")  # an earlier daemon's, which it left when it stopped
+    again = start_daemon(buffer, "--data", tmp_path / "missing", *SMALL)
+    assert again.wait_exit(30) == 1
+    assert (buffer / "daemon.lock").read_text() == "" and daemon_pid(buffer) is None
+
+    with socket.socket() as busy:  # refused before it writes a status: nothing of it is left
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        fresh = shm_dir / "fresh"
+        refused = start_daemon(fresh, "--data", tmp_path / "missing", *SMALL, "--metrics-port", busy.getsockname()[1])
+        assert refused.wait_exit(30) == 2
+    assert "cannot serve metrics" in refused.log and not fresh.exists(), refused.log
 
 
 def test_buffer_of_another_job_is_refused_until_reset(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
