@@ -53,13 +53,15 @@ def build_config(ctx: click.Context, config_file: Path | None, params: dict[str,
 
 def where_it_came_from(message: str, flags: dict[str, Any], config_file: Path | None, from_file: set[str]) -> str:
     """A config error's ``key = value`` as the user gave it: each value from a flag as that flag
-    ("--val-fraction -0.1: must be at least 0.0"), and an error that starts with a key of the
+    ("--val-fraction -0.1: must be at least 0.0"), an item of a repeated flag as that flag given it
+    ("--allowed-transforms nocolon: expected ..."), and an error that starts with a key of the
     config file under the file's name ("prefetchd.toml: workers = 0 leaves ...")."""
     for key, value in flags.items():
-        forms = {repr(value), str(value)} | ({repr(os.fspath(value))} if isinstance(value, os.PathLike) else set())
-        for written in sorted(forms, key=len, reverse=True):
-            message = re.sub(rf"(?<![\w-]){key} = {re.escape(written)}(?![\w.])",
-                             lambda _: f"--{key.replace('_', '-')} {value}", message)
+        for one in value if isinstance(value, tuple) else (value,):
+            forms = {repr(one), str(one)} | ({repr(os.fspath(one))} if isinstance(one, os.PathLike) else set())
+            typed = f"--{key.replace('_', '-')} {one}"
+            for written in sorted(forms, key=len, reverse=True):
+                message = re.sub(rf"(?<![\w-]){key} = {re.escape(written)}(?![\w.])", lambda _: typed, message)
     if config_file is not None and message.partition(" = ")[0] in from_file:
         return f"{config_file}: {message}"
     return message

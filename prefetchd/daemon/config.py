@@ -119,7 +119,7 @@ class DaemonConfig:
                 module, sep, attr = hook.partition(":")
                 if not sep or not module.strip() or not attr.strip():
                     key = "transform" if hook == self.transform else "allowed_transforms"
-                    raise ConfigError(f"{key}: {hook!r} is not 'package.module:callable', "
+                    raise ConfigError(f"{key} = {hook!r}: expected 'package.module:callable', "
                                       "for example 'mytraining.augment:randaugment'")
 
     def _check_ray(self) -> None:

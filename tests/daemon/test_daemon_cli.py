@@ -143,6 +143,9 @@ def test_unknown_key_in_config_exits_2(
         ("", ["--workers", "0"], "--workers 0 leaves nobody to build batches"),
         ("", ["--val-fraction", "-0.1"], "--val-fraction -0.1: must be at least 0.0"),
         ("", ["--ray", "remote"], "--ray remote: expected 'local'"),
+        ("", ["--transform", "nocolon"], "--transform nocolon: expected 'package.module:callable'"),
+        ("transform = 'nocolon'\n", [], "c.toml: transform = 'nocolon': expected 'package.module:callable'"),
+        ("", ["--allowed-transforms", "a:b", "--allowed-transforms", "nocolon"], "--allowed-transforms nocolon: expected"),
         ("[[[\n", [], "not valid TOML"),
     ],
 )
