@@ -21,6 +21,7 @@ import psutil
 import tomli_w
 
 from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_pid, read_status
+from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS, check_capacity
@@ -59,12 +60,17 @@ def where_it_came_from(message: str, flags: dict[str, Any], config_file: Path | 
     for key, value in flags.items():
         for one in value if isinstance(value, tuple) else (value,):
             forms = {repr(one), str(one)} | ({repr(os.fspath(one))} if isinstance(one, os.PathLike) else set())
-            typed = f"--{key.replace('_', '-')} {one}"
+            typed = f"--{key.replace('_', '-')} {shown(one)}"
             for written in sorted(forms, key=len, reverse=True):
                 message = re.sub(rf"(?<![\w-]){key} = {re.escape(written)}(?![\w.])", lambda _: typed, message)
     if config_file is not None and message.partition(" = ")[0] in from_file:
         return f"{config_file}: {message}"
     return message
+
+
+def shown(value: Any) -> str:
+    """A flag's value as it is typed: click makes ``--consumer-timeout 0`` the float 0.0, shown as 0."""
+    return exact_number(value) if isinstance(value, float) else str(value)
 
 
 CONFIG_FILE_OPTION = click.option(

@@ -142,6 +142,8 @@ def test_unknown_key_in_config_exits_2(
         ("workers = 0\n", [], "c.toml: workers = 0 leaves nobody to build batches"),
         ("", ["--workers", "0"], "--workers 0 leaves nobody to build batches"),
         ("", ["--val-fraction", "-0.1"], "--val-fraction -0.1: must be at least 0.0"),
+        ("", ["--consumer-timeout", "0"], "--consumer-timeout 0: must be above 0"),  # not "0.0", which was not typed
+        ("", ["--color-jitter", "-1"], "--color-jitter -1: must be at least 0.0"),
         ("", ["--ray", "remote"], "--ray remote: expected 'local'"),
         ("", ["--transform", "nocolon"], "--transform nocolon: expected 'package.module:callable'"),
         ("transform = 'nocolon'\n", [], "c.toml: transform = 'nocolon': expected 'package.module:callable'"),
