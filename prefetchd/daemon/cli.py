@@ -23,7 +23,7 @@ import tomli_w
 from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_pid, read_status
 from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import owning_buffer
-from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml
+from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, load_toml
 from prefetchd.daemon.main import JOB_FIELDS, check_capacity
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
@@ -156,10 +156,18 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 @click.pass_context
 def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
     """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status)."""
+    flags = {k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
     settings: dict[str, Any] = {}
-    if config_file:
-        settings.update({k: v for k, v in load_toml(config_file).items() if k in JOB_FIELDS})
-    settings.update({k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE})
+    from_file: set[str] = set()
+    try:
+        if config_file:
+            settings.update({k: v for k, v in load_toml(config_file).items() if k in JOB_FIELDS})
+        from_file = set(settings) - set(flags)
+        settings.update(flags)
+        for key, value in settings.items():  # now, not after the daemon has read the job
+            check_job_setting(key, value)
+    except ConfigError as exc:
+        raise click.UsageError(where_it_came_from(str(exc), flags, config_file, from_file)) from None
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")
                 and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
     created = not buffer.exists()

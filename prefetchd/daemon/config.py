@@ -114,13 +114,10 @@ class DaemonConfig:
         if bounds is not None and bounds[0] < self.image_size:
             raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: the shorter side must be at least image_size "
                               f"({self.image_size}) for an image_size crop to fit; raise MIN to {self.image_size} or more")
-        for hook in (self.transform, *self.allowed_transforms):
-            if hook is not None:
-                module, sep, attr = hook.partition(":")
-                if not sep or not module.strip() or not attr.strip():
-                    key = "transform" if hook == self.transform else "allowed_transforms"
-                    raise ConfigError(f"{key} = {hook!r}: expected 'package.module:callable', "
-                                      "for example 'mytraining.augment:randaugment'")
+        if self.transform is not None:
+            check_hook_name("transform", self.transform)
+        for hook in self.allowed_transforms:
+            check_hook_name("allowed_transforms", hook)
 
     def _check_ray(self) -> None:
         if self.ray is not None:
@@ -200,6 +197,24 @@ def require_ray() -> None:
 def check_value(name: str, value: Any) -> None:
     """Refuse a value of the wrong type or range, naming the key and what is allowed."""
     check_field(FIELDS[name], value, ConfigError)
+
+
+def check_hook_name(key: str, hook: str) -> None:
+    """Refuse a transform hook that is not written 'package.module:callable' (whether it imports is
+    ``hook.validate_hook``'s, where it runs)."""
+    module, sep, attr = hook.partition(":")
+    if not sep or not module.strip() or not attr.strip():
+        raise ConfigError(f"{key} = {hook!r}: expected 'package.module:callable', "
+                          "for example 'mytraining.augment:randaugment'")
+
+
+def check_job_setting(name: str, value: Any) -> None:
+    """What `prefetchd submit` can check of one job setting before it writes the job: the daemon's own
+    rules for it alone.  Those that weigh one setting against another (scale_jitter against image_size)
+    the daemon checks, since a job takes the settings it leaves out from the daemon's flags."""
+    check_value(name, value)
+    if name == "transform" and isinstance(value, str):
+        check_hook_name(name, value)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}

@@ -561,6 +561,29 @@ def test_config_check_refuses_a_high_water_mark_start_refuses(runner: CliRunner,
     assert "lower --high-water" in refused.output and not (shm_buffer / "not").exists()
 
 
+@pytest.mark.parametrize(
+    ("toml", "args", "needle"),
+    [
+        ("", ["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+        ("", ["--val-fraction", "2"], "--val-fraction 2: must be at most 1.0"),
+        ("", ["--transform", "nocolon"], "--transform nocolon: expected 'package.module:callable'"),
+        ("batch_size = 0\n", [], "j.toml: batch_size = 0: must be at least 1"),
+        ("transform = 'nocolon'\n", [], "j.toml: transform = 'nocolon': expected"),
+    ],
+)
+def test_submit_refuses_a_bad_setting_before_it_writes_the_job(
+    runner: CliRunner, tmp_path: Path, toml: str, args: list[str], needle: str,
+) -> None:
+    """By the daemon's rule, at once: the daemon used to be the first to refuse it, or nobody while none ran."""
+    job = tmp_path / "j.toml"
+    job.write_text(toml)
+    buffer = tmp_path / "bf"
+    result = runner.invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--config", str(job),
+                                                "--data", str(tmp_path), *args])
+    assert result.exit_code == EXIT_USAGE and needle in result.output, result.output
+    assert not buffer.exists()  # no job.json, no buffer made for it
+
+
 @pytest.mark.parametrize("command", ["stop", "submit"])
 def test_a_negative_timeout_is_refused(runner: CliRunner, shm_buffer: Path, command: str) -> None:
     result = runner.invoke(prefetchd_cli.main, [command, "--buffer", str(shm_buffer), "--timeout", "-5"])
