@@ -24,11 +24,14 @@ def rank_ranges(ranks: list[int]) -> str:
     return ",".join(parts)
 
 
-__all__ = ["counted", "rank_ranges"]
-
-
 def binary_size(n: float) -> str:
-    """"1.5 GiB" from 1.5 * 2**30 bytes, "12.0 MiB" below a GiB, "48.0 KiB" below a MiB."""
+    """"1.5 GiB" from 1.5 * 2**30 bytes, "12.0 MiB" below a GiB, "48.0 KiB" below a MiB, "200 bytes" below
+    a KiB: the unit of every size said in a message, so that a small one never reads "0.0 MiB"."""
     if n >= 2**30:
         return f"{n / 2**30:.1f} GiB"
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else counted(int(n), "byte")
+
+
+__all__ = ["binary_size", "counted", "rank_ranges"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefetchd.words import counted
+from prefetchd.words import binary_size, counted
 
 
 @pytest.mark.parametrize(("count", "noun", "expected"), [
@@ -15,3 +15,12 @@ from prefetchd.words import counted
 ])
 def test_counted_nouns_are_plural_unless_one(count: int, noun: str, expected: str) -> None:
     assert counted(count, noun) == expected
+
+
+@pytest.mark.parametrize(("n", "expected"), [
+    (0, "0 bytes"), (1, "1 byte"), (200, "200 bytes"), (1023, "1023 bytes"), (1024, "1.0 KiB"),
+    (48 * 2**10, "48.0 KiB"), (12 * 2**20, "12.0 MiB"), (1.5 * 2**30, "1.5 GiB"),
+])
+def test_a_size_is_said_in_the_unit_that_shows_it(n: float, expected: str) -> None:
+    """Never "0.0 MiB" or "0.0 KiB": below a KiB, bytes."""
+    assert binary_size(n) == expected

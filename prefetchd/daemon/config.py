@@ -28,6 +28,7 @@ from prefetchd.daemon.sources.storage import URL_READERS
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import check_value as check_field
 from prefetchd.options import setting as _opt
+from prefetchd.words import binary_size
 
 SPLITS = ("train", "val")
 # Defaults never plan more than these shares of what is free, so the trainer,
@@ -301,7 +302,7 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
             high = cfg.low_water + 1  # an explicit low-water mark wins; check_capacity still guards the space
         changes["high_water"] = high
         notes.append(
-            f"high_water = {high} (batches of {batch / 2**20:.1f} MiB: at most half the free tmpfs, a quarter of "
+            f"high_water = {high} (batches of {binary_size(batch)}: at most half the free tmpfs, a quarter of "
             f"available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
         )
     if cfg.index_cache is None:

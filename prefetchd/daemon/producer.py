@@ -52,7 +52,7 @@ from prefetchd.daemon.stream import Build, Stream
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.throttle import Throttle
-from prefetchd.words import counted
+from prefetchd.words import binary_size, counted
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class Producer:
             pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
             free = self._free_bytes() + self.spares.bytes - pending - layout.file_len
             if free < self.min_free:
-                msg = (f"paused: {self.buffer} would fall to {max(free, 0) >> 20} MiB free, below the floor of "
+                msg = (f"paused: {self.buffer} would fall to {binary_size(max(free, 0))} free, below the floor of "
                        f"{self.min_free >> 20} MiB; free space there or lower --high-water")
                 if self.state != State.PAUSED_LOW_SPACE:
                     log.warning(msg)

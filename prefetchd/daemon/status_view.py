@@ -78,7 +78,7 @@ def describe_status(buffer: Path) -> StatusReport:
     free = _free_bytes(owner)
     if pid is not None and free is not None and free < FULL_FILESYSTEM_BYTES:
         # status.json cannot be rewritten (its mtime still beats, SPEC rule 8): what shows is the last that fitted.
-        problems.append(f"the buffer's filesystem is full ({free / 2**20:.1f} MiB free): the daemon can build no "
+        problems.append(f"the buffer's filesystem is full ({binary_size(free)} free): the daemon can build no "
                         "batch and cannot rewrite its status, so the figures above are from the last one written; "
                         f"free space on {filesystem_of(owner).point} (what else fills it?)")
     return StatusReport(

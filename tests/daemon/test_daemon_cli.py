@@ -513,6 +513,14 @@ def test_config_show_is_toml_that_reads_back(runner: CliRunner, tmp_path: Path) 
     assert "# default: batches of " in lines["high_water"] and "MiB: at most half the free tmpfs" in lines["high_water"]
 
 
+def test_the_size_of_a_tiny_batch_is_said_in_its_own_unit(runner: CliRunner, tmp_path: Path) -> None:
+    """It said "batches of 0.0 MiB"."""
+    result = runner.invoke(prefetchd_cli.main, ["config", "--show", "--batch-size", "1", "--image-size", "8",
+                                                "--buffer", str(tmp_path / "bf")])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"# default: batches of [\d.]+ KiB: at most half", result.output), result.output
+
+
 def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_path: Path) -> None:
     """A suffix Pillow has no format for, an --out it cannot write, a buffer of rank streams."""
     import numpy as np
