@@ -24,7 +24,8 @@ from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, dae
 from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, load_toml
-from prefetchd.daemon.main import JOB_FIELDS, check_capacity
+from prefetchd.daemon.buffer_dir import check_capacity
+from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.daemon.status_view import describe_status, format_status, status_json

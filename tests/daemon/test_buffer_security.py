@@ -14,7 +14,7 @@ import pytest
 
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
-from prefetchd.daemon.main import make_stream_dir, prepare_buffer
+from prefetchd.daemon.buffer_dir import make_stream_dir, prepare_buffer
 
 
 def _mode(path: Path) -> int:

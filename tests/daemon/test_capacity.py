@@ -15,7 +15,7 @@ from prefetchd.buffer_protocol import State, batch_name
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.daemon.config import DaemonConfig, fill_defaults
 from prefetchd.daemon.errors import ConfigError
-from prefetchd.daemon.main import check_capacity
+from prefetchd.daemon.buffer_dir import check_capacity
 from prefetchd.trainer import BufferLoader
 from tests.conftest import mounted_tmpfs
 from tests.status_examples import production_of, state_of

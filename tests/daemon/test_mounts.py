@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetchd.daemon.main import note_buffer_filesystem
+from prefetchd.daemon.buffer_dir import note_buffer_filesystem
 from prefetchd.daemon.mounts import SHMEM_ENABLED, Mount, filesystem_of, huge_pages, pages_of
 from tests.conftest import mounted_tmpfs
 
@@ -59,7 +59,7 @@ def test_the_systems_setting_overrides_a_mounts_option(tmp_path: Path) -> None:
 def test_the_daemon_says_once_how_to_get_huge_pages(shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     if _system_setting() is not None:
         pytest.skip("this system forces or denies huge pages on every tmpfs")
-    caplog.set_level(logging.INFO, logger="prefetchd.daemon.main")
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.buffer_dir")
     with mounted_tmpfs(shm_dir / "huge", "size=64m,huge=within_size") as huge, \
             mounted_tmpfs(shm_dir / "plain", "size=64m") as plain:
         note_buffer_filesystem(plain)

@@ -19,7 +19,7 @@ from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.cli import start
 from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.errors import EXIT_BAD_DATA, EXIT_BUFFER_BUSY, EXIT_USAGE
-from prefetchd.daemon.main import prepare_buffer
+from prefetchd.daemon.buffer_dir import prepare_buffer
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD / "prefetchd@.service"

@@ -1,0 +1,224 @@
+"""The buffer directory: made for this user (or its group) and checked before use, its rank
+streams made alike, another job's batches cleared, and whether its filesystem holds the job."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from pathlib import Path
+
+from prefetchd.buffer_protocol import Manifest, ProtocolError, list_batches, list_temp_files, stream_dir
+from prefetchd.buffer_protocol.layout import (MANIFEST_NAME, STREAM_PREFIX, list_consumer_locks, list_consumers,
+                                             progress_name, stream_dirs)
+from prefetchd.daemon.config import DaemonConfig, nearest_existing
+from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.job_policy import user_name
+from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of, huge_pages, huge_pages_hint
+from prefetchd.words import binary_size
+
+log = logging.getLogger(__name__)
+
+BUFFER_MODE = 0o700  # batches are the user's data; the trainer runs as the same user
+GROUP_BUFFER_MODE = 0o2770  # --group-access: setgid, so files trainers create there get the buffer's group
+
+
+def prepare_buffer(buffer: Path, group_access: bool = False) -> bool:
+    """Create the buffer directory for this user alone (or its group, when asked), or check
+    that an existing one is safe to use; refuse it otherwise, saying how to fix it.  True when
+    this created it."""
+    mode = GROUP_BUFFER_MODE if group_access else BUFFER_MODE
+    created = False
+    try:
+        buffer.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(buffer, mode)
+        created = True
+        chmod_dir(buffer, mode)  # mkdir's mode goes through the umask and drops setgid
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot create buffer directory {buffer}: {exc.strerror}; pick a writable path such as /dev/shm/bf") from None
+    check_private_dir(buffer, group_access)
+    if not os.access(buffer, os.W_OK | os.X_OK):
+        raise ConfigError(f"buffer directory {buffer} is not writable by this user; fix its permissions or pick another --buffer")
+    return created
+
+
+def note_buffer_filesystem(buffer: Path) -> None:
+    """Say once where the buffer's pages live: a disk (every batch goes through it), or a tmpfs
+    that could use huge pages.  After the lock: a second daemon on the buffer only says it is taken."""
+    mount = filesystem_of(buffer)
+    if mount.fstype not in RAM_FILESYSTEMS:
+        log.warning(
+            "buffer %s is on %s (mounted at %s), not a RAM disk: every batch goes through that disk; "
+            "use a directory under /dev/shm or another tmpfs", buffer, mount.fstype, mount.point,
+        )
+    elif huge_pages(mount) is False:
+        log.info("%s", huge_pages_hint(buffer, mount))
+
+
+def make_stream_dir(directory: Path, group_access: bool) -> None:
+    """A rank's stream directory, with the buffer's mode and the same checks."""
+    mode = GROUP_BUFFER_MODE if group_access else BUFFER_MODE
+    try:
+        os.mkdir(directory, mode)
+    except FileExistsError:
+        pass
+    else:
+        with contextlib.suppress(OSError):  # replaced meanwhile (a link: ELOOP): check_private_dir says by what
+            chmod_dir(directory, mode)
+    check_private_dir(directory, group_access)
+
+
+def chmod_dir(path: Path, mode: int) -> None:
+    """chmod the directory at ``path``, never through a link: a stream directory is made inside a buffer its
+    group may write, where a member could swap in a link between the mkdir and the chmod (chmod follows
+    links), and the daemon would open another of its user's folders to the group.  OSError (ELOOP) then."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def check_private_dir(path: Path, group_access: bool) -> None:
+    """Refuse a directory others could plant files in: the trainer maps what it finds there.
+
+    It must be a real directory (not a symlink) owned by this user, writable by nobody
+    else, except its group with ``group_access``.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot use buffer directory {path}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"buffer {path} is a symbolic link (to {os.readlink(path)}); the daemon does not follow "
+                          "links to its buffer: pass the real directory as --buffer")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"buffer {path} exists and is not a directory; pick a directory such as /dev/shm/bf")
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ConfigError(f"buffer directory {path} belongs to {user_name(st.st_uid)}, not to {user_name(me)} who runs the "
+                          "daemon; another user could change what the trainer reads: remove it "
+                          "(or chown it) or pick another --buffer")
+    perms = stat.S_IMODE(st.st_mode)
+    hint = f"chmod {GROUP_BUFFER_MODE:o} {path}" if group_access else f"chmod 700 {path}"
+    if perms & stat.S_IWOTH:
+        raise ConfigError(f"buffer directory {path} is writable by every user (mode {perms:04o}), who could plant "
+                          f"files the trainer reads; `{hint}`, or remove it")
+    if perms & stat.S_IWGRP and not group_access:
+        raise ConfigError(f"buffer directory {path} is writable by its group (mode {perms:04o}); pass --group-access "
+                          f"if that group's trainers should use it, or `{hint}`")
+    if group_access and perms & 0o770 != 0o770:
+        chmod_dir(path, GROUP_BUFFER_MODE)  # ours, and the user asked for the group
+        log.info("buffer directory %s: mode %04o -> %04o for --group-access", path, perms, GROUP_BUFFER_MODE)
+    elif not group_access and perms & 0o077:
+        log.warning("buffer directory %s has mode %04o: other users can list or read its batches; `chmod 700 %s` "
+                    "(a new buffer is created 0700)", path, perms, path)
+
+
+def clear_buffer(buffer: Path) -> None:
+    """Remove another job's batches, manifests and progress, including per-rank stream directories."""
+    for path in list_batches(buffer).values():
+        path.unlink(missing_ok=True)
+    for name in (*map(progress_name, list_consumers(buffer)), MANIFEST_NAME):
+        (buffer / name).unlink(missing_ok=True)
+    for lock in list_consumer_locks(buffer):  # a stream directory must be empty to go
+        lock.unlink(missing_ok=True)
+    for stream in stream_dirs(buffer):
+        remove_stream(stream)
+
+
+def remove_stream(stream: Path) -> None:
+    """Delete a per-rank stream directory with what its job left in it."""
+    for path in list_temp_files(stream):
+        path.unlink(missing_ok=True)
+    clear_buffer(stream)
+    stream.rmdir()
+
+
+def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_size: int = 1) -> None:
+    """Keep the batches of an earlier run of the same job; refuse (or with ``reset``, clear) others.
+
+    ``manifest`` None: the directory should hold no job at all, being the top of a job of
+    ``world_size`` ranks, which keep their streams below it.
+    """
+    try:
+        old: Manifest | None = Manifest.read(buffer)
+    except FileNotFoundError:
+        old = None
+    except ProtocolError as exc:
+        if not reset:
+            raise ConfigError(f"{exc}. Pass --reset to clear the buffer, or use another --buffer") from None
+        old = None
+    diff: list[str] = []
+    if old is not None:
+        diff = (manifest.identity_diff(old) if manifest is not None else
+                [f"world_size: {old.world_size} -> {world_size} (a single-rank job is stored there)"])
+    # Another job's per-rank streams: directories of this user with something in them. An empty one, a link
+    # or another user's is no job's stream (a group member can make any of them in a --group-access buffer)
+    # and must not stop the job.
+    streams = sorted(d for d in buffer.glob(f"{STREAM_PREFIX}*") if holds_a_stream(d))
+    if manifest is not None and manifest.world_size == 1 and streams:
+        try:
+            theirs = f"world_size: {Manifest.read(streams[0]).world_size} -> 1 "
+        except (OSError, ProtocolError):
+            theirs = ""
+        diff.append(f"{theirs}(per-rank streams of another job are stored there)")
+    if diff and not reset:
+        raise ConfigError(
+            f"buffer {buffer} holds batches of a different job ({'; '.join(diff)}); pass --reset to "
+            f"delete them, or use another --buffer"
+        )
+    if diff or (old is None and list_batches(buffer)):
+        log.info("clearing %s: it held batches of another job", buffer)
+        clear_buffer(buffer)
+
+
+def another_jobs(stream: Path, ours: Manifest) -> list[str]:
+    """How the job whose batches the stream directory holds differs from ``ours`` (any rank of it); [] for the
+    same job.  An unreadable manifest is no job's that can be told to be ours."""
+    try:
+        theirs = Manifest.read(stream)
+    except (OSError, ProtocolError) as exc:
+        return [f"its manifest cannot be read: {exc}"]
+    return [difference for difference in ours.identity_diff(theirs) if not difference.startswith("rank:")]
+
+
+def holds_a_stream(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+        return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and any(path.iterdir())
+    except OSError:
+        return False
+
+
+def check_capacity(cfg: DaemonConfig) -> str | None:
+    """Refuse a high-water mark the filesystem can never hold; return a warning for one it cannot hold now.
+
+    Only the filesystem's size refuses: space other files hold now (another job's buffer, a file
+    copied there) may be freed, and production pauses meanwhile (``--min-free-mb``).  A refusal is
+    final (exit 2, which the systemd unit does not restart), so a daemon restarted while the tmpfs
+    was briefly full would have stayed down."""
+    assert cfg.high_water is not None and cfg.min_free_mb is not None
+    fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # `prefetchd config` checks a buffer not made yet
+    streams = [stream_dir(cfg.buffer, r, cfg.world_size) for r in cfg.local_ranks]
+    held = sum(p.stat().st_size for s in streams for p in list_batches(s).values())
+    need = max(len(streams) * cfg.high_water * cfg.batch_bytes, cfg.max_buffer_bytes or 0) + (cfg.min_free_mb << 20)
+    size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + held
+    if need <= available:
+        return None
+    per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
+    shown = size if need > size else available
+    needed, has = binary_size(need), binary_size(shown)
+    if needed == has:  # "need 1.0 MiB but has 1.0 MiB" says nothing
+        needed, has = f"{need} bytes", f"{shown} bytes"
+    what = (f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches (or --max-buffer-bytes) plus "
+            f"the {cfg.min_free_mb} MiB floor (--min-free-mb) need {needed}")
+    fix = (f"lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs (mount -o remount,size=... "
+           f"{filesystem_of(Path(cfg.buffer)).point})")
+    if need > size:
+        raise ConfigError(f"{what} but {cfg.buffer} has {has}; {fix}")
+    return (f"{what} but {cfg.buffer} has {has} free now: other files hold the rest. Production pauses whenever it "
+            f"would fall below the floor, until they go; free that space, or {fix}")
