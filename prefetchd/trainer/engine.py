@@ -221,13 +221,12 @@ class Run:
                 + (f"; {self.ranks.world_size} ranks ({self.coll.backend}), each on its own stream, figures summed "
                    "over the ranks" if self.ranks.distributed else "")
             )
-        if not self.ranks.distributed:
-            # One process stops at once when asked while it waits for a batch (a stalled daemon would hold it).
-            # Ranks cannot: a rank that stopped there would leave the others in the gradient all-reduce, so
-            # they stop together at the end of the step in progress (``after_step``).
-            for loader in (self.train_loader, self.val_loader):
-                if loader is not None:
-                    loader.stop_requested = self.should_stop
+        # A stop asked while the run waits for a batch ends the wait (a stalled daemon would hold it). Ranks
+        # also end it when another rank announced a stop, and take no step before they agree (``_before_step``):
+        # a rank that stopped alone would leave the others in the gradient all-reduce.
+        for loader in (self.train_loader, self.val_loader):
+            if loader is not None:
+                loader.stop_requested = self._stop_requested
         run_start = time.perf_counter()
         # A resume of a run that --max-steps stopped, with the same limit: it has nothing more to train, but
         # an epoch whose training ended at the limit still gets its validation and row (it was stopped in it).
@@ -291,7 +290,7 @@ class Run:
                 self.optimizer, self.scheduler,
                 topk=self.k, amp=config.amp, start=self.partial, after_step=after_step,
                 between_steps=lambda snapshot, error: self._save_between_steps(snapshot(), error),
-                recover=self.recover,
+                recover=self.recover, before_step=self._before_step,
             )
         else:  # the checkpoint was taken after the pass's last step
             tr = pass_stats(self.partial or PassState(), self.k)
@@ -303,7 +302,7 @@ class Run:
         if self.val_loader is not None:
             if self.val_loader.position != (epoch, 0):
                 self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": epoch, "step": 0})
-            # The bare model: evaluation needs no gradient averaging, so no collective runs in it.
+            # The bare model: evaluation needs no gradient averaging; the ranks only agree before each step.
             va = run_pass(
                 self.net, self.val_loader, self.criterion,
                 ProgressLine(sys.stderr, f"{tag} val", len(self.val_loader), self._progress_shown),
@@ -311,6 +310,7 @@ class Run:
                 after_step=None if self.ranks.distributed else lambda _: self._stop_in_validation(tr.state),
                 # The train pass is whole: a resume from it runs this validation again.
                 between_steps=lambda _, error: self._save_between_steps(tr.state, error),
+                before_step=self._before_step,
             )
             if va.stopped:
                 self.stop_reason = "SIGTERM"
@@ -359,17 +359,30 @@ class Run:
     def _stop_in_validation(self, trained: PassState) -> bool:
         """After a validation step: whether a stop asked for ends the run there, with the checkpoint a stop
         during a validation wait saves (the whole training pass: the resume validates again).  One process
-        only: ranks validate without a collective, so they stop together after the next training step."""
+        only: ranks stop together before their next step (``_before_step``)."""
         if not self.should_stop():
             return False
         self._save_between_steps(trained, None)
         return True
 
+    def _stop_requested(self) -> bool:
+        return self.should_stop() or self.coll.stop_announced()
+
+    @property
+    def _before_step(self) -> Callable[[bool], bool] | None:
+        """Under torchrun: whether the ranks stop before the next step, all of them agreeing (see
+        ``Collective.agree_to_stop``); None with one process, whose own wait ends at a stop."""
+        if not self.ranks.distributed:
+            return None
+        return lambda stopping: self.coll.agree_to_stop(stopping or self.should_stop(), self.should_stop)
+
     def _save_between_steps(self, partial: PassState, error: Exception | None) -> None:
         """A wait for a batch ended without one (a stop asked for, or ``error``: the daemon lost): save the
-        last step's state unless the last checkpoint holds it.  One process only: ranks save together, at
-        a step's end (the others may be inside DDP's all-reduce)."""
-        if self.ranks.distributed or self.checkpointer.path is None or self.saved_step == self.global_step:
+        last step's state unless the last checkpoint holds it.  Ranks save on a stop, which they agreed on
+        before the step (``_before_step``), not on an error of one rank's loader: the others are not here."""
+        if self.checkpointer.path is None or self.saved_step == self.global_step:
+            return
+        if self.ranks.distributed and error is not None:
             return
         self._save(partial)
         if error is not None:  # a stop says where its checkpoint is in its own line

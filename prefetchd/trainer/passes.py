@@ -91,6 +91,7 @@ def run_pass(
     after_step: Callable[[Callable[[], PassState]], bool] | None = None,
     between_steps: Callable[[Callable[[], PassState], Exception | None], None] | None = None,
     recover: Recover | None = None,
+    before_step: Callable[[bool], bool] | None = None,
 ) -> PassStats:
     """Train (with an optimizer) or evaluate (without) over the rest of the loader's epoch.
 
@@ -101,6 +102,11 @@ def run_pass(
     (to save the last step's state) and the loader's error, before the pass ends
     with it; or None when the loader's ``stop_requested`` ended its wait, and the
     pass ends as ``stopped``.
+    ``before_step`` (the ranks under torchrun) is asked before every step whether the
+    pass stops there: with False once the batch is in hand, with True when a stop ended
+    the wait for it.  True ends the pass as a stop during a wait does: the batch in hand
+    is given back to the loader (the checkpoint and a resume start with it), and
+    ``between_steps`` gets the snapshot.
     ``recover`` is asked to replace a dead or stuck daemon (see ``timed_batches``).
     """
     training = optimizer is not None
@@ -124,12 +130,17 @@ def run_pass(
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else nullcontext()
     stopped = False
+    between = False  # stopped before a step (in its wait, or as the ranks agreed): the sums are the last step's
     asked = time.perf_counter()  # when the pass last asked the loader for a batch
     with progress, torch.set_grad_enabled(training):
         # Counted from the epoch's start, so a resumed pass shows "10/15", not "1/15" of a pass it never ends.
         try:
             for done, (batch, waited) in enumerate(timed_batches(loader, recover), start=loader.position[1] + 1):
                 wait += waited
+                if before_step is not None and before_step(False):
+                    loader.load_state_dict({**loader.state_dict(), "epoch": batch.epoch, "step": batch.step})
+                    stopped = between = True
+                    break
                 images, labels = batch
                 with autocast:
                     logits = model(images)
@@ -151,15 +162,17 @@ def run_pass(
                     break
                 asked = time.perf_counter()
         except StopRequested:  # raised by a wait, between two steps: the sums are the last step's
-            stopped = True
+            stopped = between = True
             wait += time.perf_counter() - asked  # that wait too: a stalled daemon's time is no compute
-            if between_steps is not None:
-                between_steps(snapshot, None)
+            if before_step is not None:
+                before_step(True)  # the other ranks stop before this step too, rather than wait in it for this one
         except (LoaderError, ProtocolError) as exc:  # the daemon lost, a damaged batch: also before the step
             wait += time.perf_counter() - asked
             if between_steps is not None:
                 between_steps(snapshot, exc)
             raise
+        if between and between_steps is not None:
+            between_steps(snapshot, None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return pass_stats(snapshot(), k, stopped)

@@ -11,7 +11,12 @@ collectives always pair up.
 :class:`Collective` is everything the trainer asks of the other ranks besides
 DDP's gradient all-reduce: a stop flag after every step, the epoch's sums, the
 per-rank states of a checkpoint, the checkpoint read by rank 0, barriers.
-These go through a gloo group even when the gradients go through NCCL: they are
+Before every step the ranks also agree whether to take it (``agree_to_stop``): a
+rank that a stop found waiting for a batch must not leave the others in DDP's
+all-reduce, and a rank that holds its batch must not keep the others waiting for
+theirs from a stalled daemon.  A stop is also announced in the process group's
+store, where ranks still waiting for a batch look (``stop_announced``) without a
+collective.  These go through a gloo group even when the gradients go through NCCL: they are
 a few numbers on the CPU, and a CPU all-reduce makes no step wait for the GPU.
 With one rank every operation is local and nothing is initialised.
 """
@@ -22,7 +27,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
@@ -41,6 +48,13 @@ logger = logging.getLogger(__name__)
 
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 _POLL_SECONDS = 0.05
+# How often a rank waiting for a batch asks the store whether another rank stopped (a round trip to
+# torchrun's store: too often for every 1 ms poll of the wait, and a stop may wait this long).
+STOP_LOOK_SECONDS = 0.1
+# The longest sleep between two looks at the before-step agreement: a rank that holds its batch
+# while another waits for the daemon starts its step this much late at most.
+_AGREE_POLL_MAX = 0.01
+_STOP_KEY = "stop"
 
 T = TypeVar("T")
 
@@ -217,10 +231,13 @@ def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, sp
 class Collective:
     """Cross-rank operations of the trainer, on a CPU (gloo) group; local with one rank."""
 
-    def __init__(self, ranks: Ranks, group: Any = None, owned: bool = False) -> None:
+    def __init__(self, ranks: Ranks, group: Any = None, owned: bool = False, store: Any = None) -> None:
         self.ranks = ranks
         self._group = group
         self._owned = owned
+        self._store = store  # where a stop is announced (None with one rank)
+        self._announced = False
+        self._next_stop_look = 0.0
 
     @classmethod
     def start(cls, ranks: Ranks, device: torch.device) -> Collective:
@@ -242,7 +259,12 @@ class Collective:
                                     device_id=device if device.type == "cuda" else None)
             owned = True
         group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        return cls(ranks, group, owned)
+        coll = cls(ranks, group, owned)
+        # Keys of this run alone: the store outlives a run when a script calls train() twice in one group.
+        # The default group's store is the one torchrun's rendezvous made; torch has no public getter for it.
+        run = coll.broadcast(uuid.uuid4().hex)
+        coll._store = distributed_c10d.PrefixStore(f"prefetchd-train/{run}/", distributed_c10d._get_default_store())
+        return coll
 
     @property
     def backend(self) -> str | None:
@@ -260,6 +282,54 @@ class Collective:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         with self._peers():
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(t.item())
+
+    def announce_stop(self) -> None:
+        """Tell the ranks still waiting for a batch that this one stops (``stop_announced``)."""
+        if self._store is not None and not self._announced:
+            with self._peers("announcing a stop"):
+                self._store.set(_STOP_KEY, "1")
+            self._announced = True
+
+    def stop_announced(self) -> bool:
+        """Whether any rank announced a stop; no collective, so a rank waiting for a batch may ask (the store
+        is asked every ``STOP_LOOK_SECONDS`` at most)."""
+        if self._store is None:
+            return False
+        if self._announced:
+            return True
+        now = time.monotonic()
+        if now < self._next_stop_look:
+            return False
+        self._next_stop_look = now + STOP_LOOK_SECONDS
+        with self._peers("looking whether another rank stops"):
+            self._announced = bool(self._store.check([_STOP_KEY]))
+        return self._announced
+
+    def agree_to_stop(self, stopping: bool, should_stop: Callable[[], bool]) -> bool:
+        """Before a step: True on every rank if any rank stops there (``stopping``, or ``should_stop()`` while
+        this rank waits for the others).
+
+        A rank here holds its batch, or a stop ended its wait for one; the others may still wait for
+        theirs. A stop asked meanwhile is announced in the store, where those waits look, so they end and
+        come here too: the agreement never waits on a stalled daemon once any rank is asked to stop. The
+        wait polls rather than blocks, because a signal's Python handler runs only between bytecodes.
+        """
+        if not self.ranks.distributed:
+            return stopping or should_stop()
+        if stopping:
+            self.announce_stop()
+        t = torch.tensor([1 if stopping else 0], dtype=torch.int32)
+        with self._peers("before a step, agreeing whether to stop"):
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            delay = 0.0005
+            while not work.is_completed():
+                if not stopping and should_stop():
+                    stopping = True
+                    self.announce_stop()
+                time.sleep(delay)
+                delay = min(delay * 2, _AGREE_POLL_MAX)
+            work.wait()
         return bool(t.item())
 
     def reduce(self, sums: Sequence[float], maxima: Sequence[float]) -> tuple[list[float], list[float]]:

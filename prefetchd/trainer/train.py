@@ -68,8 +68,8 @@ def train(
 ) -> dict[str, Any]:
     """Run the whole training; returns the metrics document (also written to ``metrics_json``).
 
-    ``should_stop`` is asked after every training step, and by one process (not under
-    torchrun) while it waits for a batch; True ends the run there, with a checkpoint, as
+    ``should_stop`` is asked after every training step and while the run waits for a batch
+    (under torchrun: on any rank, and the ranks stop together); True ends the run there, with a checkpoint, as
     ``--max-steps`` does (``main`` wires it to SIGTERM).  ``training`` is called once the
     daemons, the loaders and the manifests are there, before the checkpoint is loaded.
     ``ranks`` defaults to what torchrun's environment says (one rank without it).

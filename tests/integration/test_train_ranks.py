@@ -14,12 +14,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from torchvision.datasets import ImageFolder
 
 import tests.torchrun
 
-from prefetchd.buffer_protocol import Progress, daemon_pid, stream_dir
+from prefetchd.buffer_protocol import Progress, batch_name, daemon_pid, stream_dir
 from prefetchd.trainer.checkpoint import LAST_CHECKPOINT, load_checkpoint
 
 JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "2"]
@@ -180,3 +181,108 @@ def test_a_spawned_daemon_lost_under_torchrun_ends_the_run_saying_to_resume(shap
     assert run.returncode != 0
     assert "a lost daemon ends the run" in said and "run this same command again with --resume" in said, said[-3000:]
     assert "for its 2 ranks together" in said, said[-3000:]
+
+
+def _rank_processes(run: subprocess.Popen[str]) -> list[psutil.Process]:
+    """The trainer processes torchrun ``run`` started, in the order it started them."""
+    return sorted((p for p in psutil.Process(run.pid).children(recursive=True)
+                   if "prefetchd.trainer.train" in " ".join(p.cmdline())), key=lambda p: p.pid)
+
+
+def _stalled_at(buffers: list[Path], runs: list[subprocess.Popen[str]], quiet: float = 3.0) -> int:
+    """The step every rank's progress names once none has moved for ``quiet`` seconds: the ranks wait."""
+    last, since = None, time.monotonic()
+    deadline = since + 120
+    while True:
+        now = [Progress.read(stream_dir(b, rank, 2)) for rank, b in enumerate(buffers)]
+        steps = [p.step if p is not None else None for p in now]
+        if steps != last:
+            last, since = steps, time.monotonic()
+        elif time.monotonic() - since >= quiet and None not in steps:
+            assert len(set(steps)) == 1, steps
+            return int(steps[0])  # type: ignore[arg-type]
+        assert all(r.poll() is None for r in runs) and time.monotonic() < deadline, "the ranks should be training"
+        time.sleep(0.1)
+
+
+def _train_until(buffers: list[Path], runs: list[subprocess.Popen[str]], step: int) -> None:
+    deadline = time.monotonic() + 120
+    while not all((p := Progress.read(stream_dir(b, rank, 2))) is not None and p.step >= step
+                  for rank, b in enumerate(buffers)):
+        assert all(r.poll() is None for r in runs) and time.monotonic() < deadline, "the ranks should be training"
+        time.sleep(0.1)
+
+
+def _assert_saved_at(ckpt: Path, step: int) -> None:
+    doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
+    assert doc["global_step"] == step
+    # A rank that held its next batch when the ranks agreed to stop gave it back: a resume starts with it.
+    assert [(s["loaders"]["train"]["epoch"], s["loaders"]["train"]["step"]) for s in doc["ranks"]] == [(0, step)] * 2
+
+
+def test_a_sigterm_while_the_ranks_wait_for_a_batch_saves_the_steps_done(
+    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon
+) -> None:
+    """The daemon stalls (SIGSTOP) and both ranks wait for their next batch: torchrun's SIGTERM, which it
+    passes to the ranks, stopped nothing; after 30 s torchrun killed them, and the steps since the last
+    checkpoint were lost (review). Now the ranks stop at once, together, with the checkpoint a stop
+    during a step saves."""
+    buffer, ckpt = shm_dir / "bf", tmp_path / "ckpt"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
+                          "--epochs", "2", "--world-size", "2", "--workers", "1", "--high-water", "2")
+    run = tests.torchrun.start(
+        ["--standalone", "--nproc-per-node", "2", "-m", "prefetchd.trainer.train", "--buffer", buffer,
+         "--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small", "--timeout", "300",
+         "--daemon-timeout", "0", "-q", "--checkpoint-dir", ckpt])
+    try:
+        _train_until([buffer, buffer], [run], 2)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        step = _stalled_at([buffer, buffer], [run])
+        os.kill(run.pid, signal.SIGTERM)
+        done = tests.torchrun.finish([run], 25)[0]  # torchrun kills its ranks 30 s after passing the SIGTERM
+    finally:
+        tests.torchrun.kill_with_ranks(run)
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert f"stopped after global step {step} (SIGTERM, checkpoint" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "forcefully exiting" not in done.stderr
+    _assert_saved_at(ckpt, step)
+
+
+def test_a_sigterm_to_the_rank_that_holds_its_batch_stops_the_rank_that_waits(
+    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon
+) -> None:
+    """Two boxes: box 1's daemon stalls, so rank 1 waits for a batch while rank 0 holds its own. Only rank 0
+    gets the SIGTERM: it used to sit in the step's gradient all-reduce, its handler never ran, and rank 1
+    waited for the stalled daemon for ever. Now both stop before that step, with its checkpoint, and
+    each exits as a SIGTERM during a step does (143)."""
+    ckpt = tmp_path / "ckpt"
+    buffers = [shm_dir / "box0", shm_dir / "box1"]
+    job = ["--batch-size", "4", "--image-size", "32", "--epochs", "2", "--world-size", "2", "--workers", "1"]
+    daemons = [start_daemon(b, "--data", shapes_data / "train", *job, "--ranks", str(rank), "--high-water", "3")
+               for rank, b in enumerate(buffers)]
+    common = ["--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small", "--timeout", "300",
+              "--daemon-timeout", "0", "-q"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = [tests.torchrun.start(["--nnodes", "2", "--node-rank", node, "--nproc-per-node", "1", "--master-addr",
+                                  "127.0.0.1", "--master-port", port, "-m", "prefetchd.trainer.train", *args])
+            for node, args in enumerate([["--buffer", buffers[0], *common, "--checkpoint-dir", ckpt],
+                                         ["--buffer", buffers[1], *common]])]
+    try:
+        _train_until(buffers, runs, 2)
+        os.kill(daemons[1].proc.pid, signal.SIGSTOP)
+        step = _stalled_at(buffers, runs)
+        assert (stream_dir(buffers[0], 0, 2) / batch_name(0, step)).is_file(), "rank 0 has its next batch"
+        (rank0,) = _rank_processes(runs[0])
+        rank0.send_signal(signal.SIGTERM)
+        done = tests.torchrun.finish(runs, 60)
+    finally:
+        for run in runs:
+            tests.torchrun.kill_with_ranks(run)
+        os.kill(daemons[1].proc.pid, signal.SIGCONT)
+    said = done[0].stdout + done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    assert f"stopped after global step {step} (SIGTERM, checkpoint" in done[0].stdout, said
+    for box in done:  # torchrun's summary of a rank that exited 143
+        assert "exitcode  : 143" in box.stderr, said
+    _assert_saved_at(ckpt, step)
