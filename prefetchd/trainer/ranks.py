@@ -262,8 +262,11 @@ class Collective:
         coll = cls(ranks, group, owned)
         # Keys of this run alone: the store outlives a run when a script calls train() twice in one group.
         # The default group's store is the one torchrun's rendezvous made; torch has no public getter for it.
+        # Without it (another torch), a rank waiting for a batch learns of a stop only from its own signal.
         run = coll.broadcast(uuid.uuid4().hex)
-        coll._store = distributed_c10d.PrefixStore(f"prefetchd-train/{run}/", distributed_c10d._get_default_store())
+        default_store = getattr(distributed_c10d, "_get_default_store", None)
+        if default_store is not None:
+            coll._store = distributed_c10d.PrefixStore(f"prefetchd-train/{run}/", default_store())
         return coll
 
     @property
