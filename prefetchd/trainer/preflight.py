@@ -4,6 +4,10 @@ rank runs the same steps (DDP hangs otherwise)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from prefetchd.trainer.checkpoint import CheckpointPlan, Checkpointer, existing_checkpoint
@@ -87,6 +91,48 @@ def agree_on_checkpoints(config: TrainConfig, coll: Collective) -> CheckpointPla
     return plan
 
 
+@dataclass(frozen=True)
+class Alike:
+    """An option every rank must be given alike: ``value`` is what is compared, ``shown`` how a rank's is said."""
+
+    name: str
+    value: Callable[[TrainConfig, bool], Any]  # (config, validation on) -> a picklable value
+    shown: Callable[[Any], str]
+    fix: str
+
+
+# The options that decide which collectives a rank takes, and when: a rank given another value takes one
+# the others do not, and the run hangs or fails with a peer's error in the wrong place.
+#   --max-steps: the step at which the ranks stop and gather the checkpoint, while the others would go on
+#     into the next step's agreement (Collective.agree_to_stop) and DDP's gradient all-reduce;
+#   --spawn-daemon: the barriers while local rank 0 starts the daemons and before it stops them;
+#   validation: each validation step is preceded by the ranks' agreement whether to stop.
+# Not here: --checkpoint-dir, --checkpoint-every and --resume are rank 0's on every rank
+# (agree_on_checkpoints); --epochs is compared once the daemons' manifests resolve it (check_equal_steps).
+ALIKE = (
+    Alike("--max-steps", lambda c, _: c.max_steps, lambda v: "not given" if v is None else str(v),
+          "pass the same value to every rank"),
+    Alike("--spawn-daemon", lambda c, _: c.spawn_daemon, lambda v: "given" if v else "not given",
+          "pass it to every rank or to none"),
+    Alike("validation", lambda _, val: val, lambda v: "on" if v else "off",
+          "give every rank a validation buffer (--val-buffer, or --val-data with --spawn-daemon), or none"),
+)
+
+
+def agree_on_options(config: TrainConfig, validation: bool, coll: Collective) -> None:
+    """Refuse, on every rank and before any daemon is started, options of ``ALIKE`` that differ between
+    ranks (two boxes launched by hand with different command lines); one gather, at the start."""
+    mine = [option.value(config, validation) for option in ALIKE]
+    every = coll.all_gather(mine)
+    differ = []
+    for i, option in enumerate(ALIKE):
+        if any(theirs[i] != mine[i] for theirs in every):
+            values = ", ".join(f"rank {rank}: {option.shown(theirs[i])}" for rank, theirs in enumerate(every))
+            differ.append(f"{option.name} differs between ranks ({values}); {option.fix}")
+    if differ:  # all of them at once: the next launch fixes every one
+        raise OptionError(". ".join(differ))
+
+
 def check_metrics_paths(config: TrainConfig, coll: Collective) -> None:
     """Refuse, before any daemon is started, a --metrics-json or --metrics-csv that rank 0 (which writes
     them) cannot write: without this the run failed after its first epoch, with a traceback."""
@@ -108,4 +154,4 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
         )
 
 
-__all__ = ["agree_on_checkpoints", "check_equal_steps", "check_metrics_paths", "resolve_device", "resolve_epochs"]
+__all__ = ["ALIKE", "Alike", "agree_on_checkpoints", "agree_on_options", "check_equal_steps", "check_metrics_paths", "resolve_device", "resolve_epochs"]

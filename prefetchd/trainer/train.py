@@ -43,8 +43,8 @@ from prefetchd.options import click_options
 from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
 from prefetchd.trainer.engine import Run
-from prefetchd.trainer.preflight import (agree_on_checkpoints, check_equal_steps, check_metrics_paths, resolve_device,
-                                        resolve_epochs)
+from prefetchd.trainer.preflight import (agree_on_checkpoints, agree_on_options, check_equal_steps,
+                                        check_metrics_paths, resolve_device, resolve_epochs)
 from prefetchd.trainer.errors import (CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, PeerFailed,
                                       SetupError)
 from prefetchd.trainer.gpu import PinMode
@@ -96,6 +96,7 @@ def train(
     with ExitStack() as stack:
         coll = Collective.start(ranks, device)
         stack.callback(coll.close)  # registered first: the group outlives everything below
+        agree_on_options(config, val_buffer is not None, coll)
         plan = agree_on_checkpoints(config, coll)
         check_metrics_paths(config, coll)
         config = dataclasses.replace(config, resume=plan.resume)  # the daemons local rank 0 starts resume too

@@ -286,3 +286,38 @@ def test_a_sigterm_to_the_rank_that_holds_its_batch_stops_the_rank_that_waits(
     for box in done:  # torchrun's summary of a rank that exited 143
         assert "exitcode  : 143" in box.stderr, said
     _assert_saved_at(ckpt, step)
+
+
+def test_ranks_given_different_max_steps_refuse_at_start(shapes_data: Path, shm_dir: Path, tmp_path: Path,
+                                                         start_daemon) -> None:
+    """Two boxes launched by hand with different --max-steps: rank 0 stopped at its limit and began the
+    checkpoint's gather while rank 1 went on into the next step's agreement, and the run hung (or one rank
+    failed on the other's collective). Now every rank refuses before the first step, naming the option."""
+    ckpt = tmp_path / "ckpt"
+    buffers = [shm_dir / "box0", shm_dir / "box1"]
+    job = ["--batch-size", "4", "--image-size", "32", "--epochs", "1", "--world-size", "2", "--workers", "1"]
+    daemons = [start_daemon(b, "--data", shapes_data / "train", *job, "--ranks", str(rank))
+               for rank, b in enumerate(buffers)]
+    common = ["--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small", "--timeout", "120", "-q"]
+    done = two_boxes(["--buffer", buffers[0], *common, "--checkpoint-dir", ckpt, "--max-steps", "3"],
+                     ["--buffer", buffers[1], *common, "--max-steps", "5"], 120)
+    said = [" ".join(box.stderr.split()) for box in done]
+    logs = "\n".join(s[-3000:] for s in said) + daemons[0].log[-2000:]
+    for rank, box in enumerate(done):
+        assert "--max-steps differs between ranks (rank 0: 3, rank 1: 5); pass the same value to every rank" \
+            in said[rank], logs
+        assert "exitcode  : 2" in box.stderr, logs  # torchrun's summary: the usage error's code
+    assert not (ckpt / LAST_CHECKPOINT).exists(), "refused before the first step"
+
+
+def test_validation_on_one_rank_only_is_refused_at_start(shm_dir: Path, tmp_path: Path) -> None:
+    """Each validation step begins with the ranks' agreement whether to stop: a rank without a validation
+    buffer would pair its next training step's with it. Refused before any stream is waited for."""
+    common = ["--device", "cpu", "--threads", "1", "--timeout", "5", "--max-steps", "2", "-q"]
+    done = two_boxes(["--buffer", shm_dir / "bf", "--val-buffer", shm_dir / "bf-val", *common],
+                     ["--buffer", shm_dir / "bf", *common], 120)
+    for box in done:
+        said = " ".join(box.stderr.split())
+        assert "validation differs between ranks (rank 0: on, rank 1: off); give every rank a validation buffer" \
+            in said, said[-3000:]
+        assert "--max-steps differs" not in said and "exitcode  : 2" in box.stderr, said[-3000:]
