@@ -145,6 +145,10 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
     """DDP hangs unless every rank runs the same steps: the daemon pads the ranks' shares, this checks it."""
     mine = (len(train), len(val) if val is not None else None, epochs)
     every = coll.all_gather(mine)
+    if any(other[:2] == mine[:2] and other[2] != mine[2] for other in every):
+        values = ", ".join(f"rank {r}: {e}" for r, (_, _, e) in enumerate(every))
+        raise OptionError(f"--epochs differs between ranks ({values}, where not given the daemon's); pass the same "
+                          "--epochs to every rank")
     if any(other != mine for other in every):
         table = "; ".join(f"rank {r}: {counted(t, 'train step')}, {counted(v or 0, 'val step')}, {counted(e, 'epoch')}"
                           for r, (t, v, e) in enumerate(every))

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import stream_dir
-from prefetchd.trainer.errors import LoaderTimeout, SetupError
+from prefetchd.trainer.errors import LoaderTimeout, OptionError, SetupError
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.checkpoint import LAST_CHECKPOINT
 from prefetchd.trainer.train import EXIT_FAILED, main
@@ -128,6 +128,21 @@ def test_ranks_with_different_step_counts_are_refused_before_ddp_could_hang(make
     with BufferLoader(job.buffer, timeout=5) as loader:
         check_equal_steps(Collective(Ranks()), loader, None, 2)  # one rank: nothing to compare
         with pytest.raises(SetupError, match=r"rank 0: 2 train steps.*rank 1: 3 train steps.*DDP would hang"):
+            check_equal_steps(TwoRanks(Ranks(0, 2, 0, 2)), loader, None, 2)
+
+
+def test_ranks_resolving_different_epochs_are_told_to_pass_the_same_epochs(make_job: MakeJob) -> None:
+    from prefetchd.trainer import BufferLoader
+    from prefetchd.trainer.ranks import Collective
+    from prefetchd.trainer.preflight import check_equal_steps
+
+    class TwoRanks(Collective):
+        def all_gather(self, obj: object) -> list[object]:
+            return [obj, (len(loader), None, 3)]  # rank 1 was given --epochs 3
+
+    job = make_job(samples=8, batch_size=4)
+    with BufferLoader(job.buffer, timeout=5) as loader:
+        with pytest.raises(OptionError, match=r"--epochs differs between ranks \(rank 0: 2, rank 1: 3"):
             check_equal_steps(TwoRanks(Ranks(0, 2, 0, 2)), loader, None, 2)
 
 
