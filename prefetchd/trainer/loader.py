@@ -17,10 +17,11 @@ of flow control:
 - it is written when iteration starts and by ``load_state_dict``, so a trainer
   restarted at an older position makes the daemon regenerate from there;
 - the job's end (every epoch of a job with ``epochs`` consumed) is written only by
-  a loader that read the job's last batch: the daemon takes that position for
-  the job done and ends it, which a loader put there by a state saved at the end
-  (a finished run's checkpoint, loaded to validate or to train more epochs) has
-  no say in.  It reads nothing and leaves the progress file as it was;
+  a loader that read the job's last batch, or that continues (``load_state_dict``)
+  one whose progress file says it did: the daemon takes that position for the job
+  done and ends it, which a loader put there by a state saved at the end (a finished
+  run's checkpoint, loaded to validate or to train more epochs) has no say in.  It
+  reads nothing and leaves the progress file as it was;
 - after a batch is handed over, progress moves past it only when the consumer
   asks for the next batch, when the epoch's iterator is exhausted or when the
   loader is closed, so the file the consumer may still be reading is not
@@ -66,6 +67,7 @@ from prefetchd.buffer_protocol import (
     DEFAULT_CONSUMER,
     Manifest,
     MappedBatch,
+    Progress,
     ProtocolError,
     batch_name,
     check_consumer,
@@ -464,9 +466,13 @@ class BufferLoader:
         points past the job's end.  A state at the job's end (saved after its last
         epoch) is taken with a warning: there is nothing left to read, and the daemon
         is not told so (its job would end, for this trainer and any other that reads
-        it: see the module docstring).
+        it: see the module docstring); unless the progress file says the trainer it
+        continues read the last batch (it died before asking for the next one), whose
+        end this loader then says.
         """
         self._move(state)
+        if self._unread_end(self.position) and self._last_batch_handed_before():
+            self._read_to_end = True  # the loader it continues read the job's last batch: the end is said
         if self._unread_end(self.position):
             epochs = self._manifest.epochs
             logger.warning(
@@ -475,6 +481,19 @@ class BufferLoader:
                 "same otherwise) and load the state again; to train again from epoch 0, do not load it",
                 self._buffer, counted(epochs or 0, "epoch"))
         self._publish()
+
+    def _last_batch_handed_before(self) -> bool:
+        """Whether this consumer's progress file says the job's last batch was handed out: it names the last
+        step (its trainer died after reading that batch, before asking for the next one, with a state saved at
+        the end) or the end.  Not a fresh run's file, which is elsewhere or absent."""
+        try:
+            found = Progress.read(self._buffer, self._consumer)
+        except (ProtocolError, OSError):
+            return False
+        if found is None or found.job not in (None, self._manifest.job_key):
+            return False
+        epochs, steps = self._manifest.epochs or 0, self._manifest.steps_per_epoch
+        return (found.epoch, found.step) >= (epochs - 1, steps - 1)
 
     def _move(self, state: Mapping[str, Any]) -> None:
         """Go to ``state``'s position, ending the iterators handed out before; progress.json is left alone."""

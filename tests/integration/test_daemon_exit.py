@@ -162,6 +162,41 @@ def test_a_state_saved_at_the_end_leaves_a_fresh_run_of_the_job_to_its_trainers(
     assert daemon.wait_exit() == 0 and FINISHED in daemon.log, daemon.log
 
 
+# A trainer handed the job's last batch that dies before it asks for the next one: its progress.json
+# names the last step, the state it saved (state_dict moves at hand-out) names the end.
+READ_ALL_THEN_DIE = """
+import json, os, sys
+from prefetchd.trainer import BufferLoader
+loader = BufferLoader(sys.argv[1], normalize=False, timeout=60)
+batches = iter(loader)
+for _ in range(len(loader)):
+    next(batches)
+print(json.dumps(loader.state_dict()), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_trainer_that_died_after_the_last_batch_is_resumed_to_the_end_and_the_job_ends(
+        shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any], caplog: Any) -> None:
+    """Only a loader that read the job's last batch says the end; the one resuming a trainer that read it and
+    died before asking again said nothing, and the daemon kept that batch and stayed up for good (review)."""
+    import json
+
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+    out = subprocess.run([sys.executable, "-c", READ_ALL_THEN_DIE, str(buffer)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    state = json.loads(out.stdout)
+    found = Progress.read(buffer)
+    assert (state["epoch"], state["step"]) == (1, 0) and found is not None and (found.epoch, found.step) == (0, 8)
+    with BufferLoader(buffer, normalize=False, timeout=60) as loader:
+        loader.load_state_dict(state)
+        assert list(loader) == []
+    assert daemon.wait_exit() == 0 and FINISHED in daemon.log, daemon.log
+    assert "nothing left to read" not in caplog.text
+
+
 # `prefetchd start` whose metrics port is taken, stopped while it starts: SIGTERM arrives just before the
 # metrics server is opened, after the worker server started (and made its socket folder in TMPDIR).
 STOPPED_THEN_REFUSED = """
