@@ -20,6 +20,7 @@ from prefetchd.buffer_protocol import (
     RemoteStatus,
     State,
     Status,
+    StorageWait,
     StreamStatus,
     Totals,
     TrainerStatus,
@@ -44,6 +45,9 @@ REMOTE = RemoteStatus(address="ray://head:10001", connected=True, cluster_nodes=
                                         latency_p50_s=0.41),),
                       unfit_nodes=("cpu-2/77ab01c3: cannot read 8 of the 8 samples probed: n01/a.jpg (FileNotFoundError: "
                                    "...); mount the same --data at the same path on every node",))
+# A daemon whose builds wait for the store (what a loader waits on past its timeout).
+STORAGE_WAIT = StorageWait(since=1700000050.25, reason="batch e000001-s00000041.tmp: reading s3://b/d/x.jpg: still "
+                           "failing after 6 tries (OSError: [Errno 16] Please reduce your request rate.)")
 CONSUMER = ConsumerStatus(name="trial-3", progress=POSITION, trainer=TRAINER, holding=True, window=32)
 
 

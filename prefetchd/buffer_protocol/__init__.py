@@ -45,6 +45,7 @@ from prefetchd.buffer_protocol.status import (
     RemoteStatus,
     State,
     Status,
+    StorageWait,
     StreamStatus,
     Totals,
     TrainerStatus,
@@ -61,5 +62,5 @@ __all__ = [
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
     "stream_dir", "write_batch", "write_status",
     "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "State",
-    "Status", "StreamStatus", "Totals", "TrainerStatus",
+    "Status", "StorageWait", "StreamStatus", "Totals", "TrainerStatus",
 ]

@@ -193,6 +193,16 @@ class JobResult:
 
 
 @dataclass(frozen=True)
+class StorageWait:
+    """The daemon's builds wait for the dataset's storage: an object store that does not answer after its
+    retries, a local root gone (unmounted).  Nothing is wrong with the data or the daemon, and the
+    batches come once the storage is back, so a trainer waits on rather than time out (SPEC)."""
+
+    since: float  # time.time() of the first such failure since a batch was last published
+    reason: str  # the latest failure, as the status's message says it
+
+
+@dataclass(frozen=True)
 class Production:
     """The fields of a daemon producing a job; for one rank ``progress`` and ``trainer`` are its stream's."""
 
@@ -215,6 +225,9 @@ class Production:
     totals: Totals
     errors: Errors
     remote: RemoteStatus | None = None  # None without --ray
+    # Set from a build's failure to read the dataset until a batch is published; None when absent
+    # (a daemon of an earlier 0.1 build did not write it).
+    storage_wait: StorageWait | None = None
 
 
 @dataclass(frozen=True)
@@ -270,6 +283,7 @@ class Status:
                 totals=_totals(top.map("totals")),
                 errors=_errors(top.map("errors")),
                 remote=_remote(remote) if (remote := top.optional_map("remote")) is not None else None,
+                storage_wait=_storage_wait(wait) if (wait := top.optional_map("storage_wait")) is not None else None,
             )
         return cls(
             pid=top.nat("pid"),
@@ -467,6 +481,10 @@ def _errors(f: _Fields) -> Errors:
         progress_rejected=f.count("progress_rejected"),
         progress_rewinds=f.count("progress_rewinds"),
     )
+
+
+def _storage_wait(f: _Fields) -> StorageWait:
+    return StorageWait(since=f.num("since"), reason=f.text("reason"))
 
 
 def _remote(f: _Fields) -> RemoteStatus:

@@ -37,7 +37,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, stream_dirs
-from prefetchd.buffer_protocol.status import Errors, JobResult, Production, Quantiles, Rates, State, Status, Totals
+from prefetchd.buffer_protocol.status import Errors, JobResult, Production, Quantiles, Rates, State, Status, StorageWait, Totals
 from prefetchd.daemon.bad_samples import BadSamples
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
@@ -102,6 +102,7 @@ class Producer:
         self.state = State.STARTING
         self.message = ""
         self.last_failure: str | None = None  # why a build failed since a batch was last published
+        self.storage_wait: StorageWait | None = None  # builds failed to read the dataset since a batch was published
         # An outage fails every build in flight, each once a RETRY_SECONDS: one log line per the time the
         # status shows the last one (and counts the others) is enough.
         self.failure_lines = Throttle(FAILURE_LOG_SECONDS)
@@ -404,6 +405,9 @@ class Producer:
                 build.failed = True  # rewind cancelled: the tmpfs is as full, and the status says so
                 self.stats.write_failures += 1
                 self.last_failure = f"batch {build.tmp.name}: {result.reason}"
+                if result.storage:  # the trainers' loaders wait on while this is in the status
+                    since = self.storage_wait.since if self.storage_wait is not None else time.time()
+                    self.storage_wait = StorageWait(since=since, reason=self.last_failure)
                 self.failure_lines.log(log, logging.WARNING, "batch %s: %s; retrying in %.0f s", build.tmp.name,
                                        result.reason, RETRY_SECONDS, others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
@@ -454,7 +458,7 @@ class Producer:
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return
         stream.published[build.g] = final
-        self.last_failure = None  # builds work again
+        self.last_failure = self.storage_wait = None  # builds work again
         self.stats.batches += 1
         self.stats.samples += len(build.indices)
         self.stats.replaced += build.replaced
@@ -503,6 +507,7 @@ class Producer:
                 progress_file="; ".join(s.progress_file for s in streams if s.progress_file),
             ),
             remote=self.remote.status() if self.remote is not None else None,
+            storage_wait=self.storage_wait,
         )
         return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self._message(),
                       job_result=self.job_result(), production=production)

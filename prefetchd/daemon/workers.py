@@ -144,6 +144,7 @@ class WriteFailed:
     reason: str
     fatal: type[DaemonError] | None = None
     failures: tuple[tuple[str, str], ...] = ()  # (path, reason) of the samples that failed before it stopped
+    storage: bool = False  # not fatal because the dataset's storage failed (StorageUnavailable): it waits for that
 
 
 class SampleUnrecoverable(RuntimeError):
@@ -311,7 +312,8 @@ def failure_of(task_id: int, exc: Exception) -> WriteFailed:
     """What a task that raised ``exc`` reports: retry later, or stop the job (see ``WriteFailed``)."""
     for cause, error in ((SampleUnrecoverable, BadDataError), *NOT_THE_SAMPLES_FAULT.items()):
         if isinstance(exc, cause):
-            return WriteFailed(task_id, str(exc), fatal=error, failures=getattr(exc, "failures", ()))
+            return WriteFailed(task_id, str(exc), fatal=error, failures=getattr(exc, "failures", ()),
+                               storage=isinstance(exc, StorageUnavailable))
     # A bug: report it with where it happened instead of dying silently.
     return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=DaemonError)
 

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +41,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.documents import JOB_ID_RE, write_json
 from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
-from tests.status_examples import ERRORS, bad_files, production, stream
+from tests.status_examples import ERRORS, STORAGE_WAIT, bad_files, production, stream
 from tests.status_examples import status as status_example
 
 FUZZ = settings(max_examples=120, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -147,7 +148,8 @@ def test_a_job_id_that_is_no_plain_name_is_not_echoed(tmp_path: Path) -> None:
 
 
 VALID_STATUS = status_example(production=production(streams=(stream(0), stream(1)),
-                                                    errors=dataclasses.replace(ERRORS, undecodable=bad_files(2)))).to_doc()
+                                                    errors=dataclasses.replace(ERRORS, undecodable=bad_files(2)),
+                                                    storage_wait=STORAGE_WAIT)).to_doc()
 
 
 def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -216,6 +218,24 @@ def test_status_errors_name_the_field_and_the_value(tmp_path: Path) -> None:
     _write(tmp_path / STATUS_NAME, doc)
     with pytest.raises(ProtocolError, match="field 'state' is 'sleeping', expected one of waiting-for-job, starting"):
         read_status(tmp_path)
+
+
+def test_a_storage_wait_is_read_back_and_an_older_status_without_one_is_read_as_none(tmp_path: Path) -> None:
+    """What a loader waits on past its timeout: typed, checked, and absent from a daemon of an earlier build."""
+    _write(tmp_path / STATUS_NAME, VALID_STATUS)
+    status = read_status(tmp_path)
+    assert status is not None and status.production is not None and status.production.storage_wait == STORAGE_WAIT
+    assert VALID_STATUS["storage_wait"] == {"since": STORAGE_WAIT.since, "reason": STORAGE_WAIT.reason}
+    for older in ({k: v for k, v in VALID_STATUS.items() if k != "storage_wait"}, {**VALID_STATUS, "storage_wait": None}):
+        _write(tmp_path / STATUS_NAME, older)
+        status = read_status(tmp_path)
+        assert status is not None and status.production is not None and status.production.storage_wait is None
+    for bad, field, expected in (({"since": "now", "reason": ""}, "storage_wait.since", "a finite number"),
+                                 ({"since": 1.0}, "storage_wait.reason", "a string"),
+                                 ("storage", "storage_wait", "an object")):
+        _write(tmp_path / STATUS_NAME, {**VALID_STATUS, "storage_wait": bad})
+        with pytest.raises(ProtocolError, match=rf"field '{re.escape(field)}' is .*, expected {expected}"):
+            read_status(tmp_path)
 
 
 @FUZZ
