@@ -157,6 +157,10 @@ def format_status(report: StatusReport) -> str:
         lines.append(f"  WARNING  no heartbeat for {report.heartbeat_age_s:.0f} s: the daemon may be stuck")
     if st and st.message:
         lines.append(f"  note      {st.message}")
+    outage = st.production.storage_wait if st is not None and st.production is not None else None
+    if outage is not None:  # the note says why; this, what it means for the trainers
+        lines.append(f"  storage   the builds have waited {max(0.0, time.time() - outage.since):.0f} s for the dataset's "
+                     "storage; they resume when it is back, and trainers wait on past their --timeout meanwhile")
     if mf and state != State.WAITING_FOR_JOB:  # a finished job's manifest stays until the next job replaces it
         lines.append(
             f"  dataset   {mf.dataset_root} ({counted(mf.num_samples, 'sample')}, {counted(len(mf.classes), 'class')}), "

@@ -25,7 +25,7 @@ from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemo
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
-from tests.status_examples import CONSUMER, bad_files, production, report, stream, write_status_at_heartbeat
+from tests.status_examples import CONSUMER, STORAGE_WAIT, bad_files, production, report, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 LOCK = "daemon.lock"
@@ -412,6 +412,13 @@ def test_status_says_when_max_buffer_bytes_is_what_limits_the_buffer() -> None:
     assert "--max-buffer-bytes, not the high-water mark, limits the buffer: it keeps 5 of 6 batches (1.0 MiB each) " \
            "for 1 consumer" in capped
     assert "capped" not in _running_status_text(State.FULL)  # window 32 of 32
+
+
+def test_status_says_the_builds_wait_for_the_storage_and_what_that_means_for_trainers() -> None:
+    waiting = _running_status_text(storage_wait=dataclasses.replace(STORAGE_WAIT, since=time.time() - 95))
+    assert re.search(r"storage   the builds have waited 9\d s for the dataset's storage; they resume when it is "
+                     r"back, and trainers wait on past their --timeout meanwhile", waiting), waiting
+    assert "storage " not in _running_status_text()
 
 
 def test_status_waiting_for_a_job_shows_no_finished_jobs_dataset() -> None:
