@@ -15,6 +15,12 @@ Only the heartbeat counts, never the batch rate: a daemon that is slow (a huge
 batch, a cold network filesystem) but alive rewrites status.json about once a
 second and is never called stuck.  Every message carries the daemon's own account
 of itself from status.json (:func:`status_summary`).
+
+A daemon whose builds wait for the dataset's storage (status.json's
+``storage_wait``: an object store's outage, a dataset's mount gone) will resume by
+itself once it is back, so while the owner beats and says so, ``timeout`` does not
+run out: it counts from the last look that found it waiting.  A daemon gone or
+stuck meanwhile still ends the wait as above.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ logger = logging.getLogger(__name__)
 # How to wait longer, named for both ways in: prefetchd-train's flag and the loader's argument.
 MORE_TIME = "pass a larger --timeout (prefetchd-train; timeout= of the loader)"
 # The defaults of the waits, for BufferLoader, prefetchd-train's flags and the Lightning module alike.
-DEFAULT_TIMEOUT = 120.0  # seconds for the manifest and for each batch, whatever the daemon's state
+DEFAULT_TIMEOUT = 120.0  # seconds for the manifest and for each batch, but one waiting on its storage (BatchWaiter)
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds without a heartbeat before a live daemon counts as stuck
 DAEMON_GRACE = 5.0  # seconds with no daemon holding the lock before it counts as gone (a restart takes less)
 
@@ -60,6 +66,7 @@ MAX_DELAY = 0.020
 MANIFEST_FIRST_DELAY = 0.010
 MANIFEST_MAX_DELAY = 0.050
 SLOW_WAIT_WARNING = 10.0
+STORAGE_WAIT_LOG_SECONDS = 60.0  # a wait on the daemon's storage is said at once, then this often at most
 
 
 STATUS_LOOK_SECONDS = 1.0  # how often a wait for a manifest reads the daemon's status (it beats about that often)
@@ -308,6 +315,8 @@ class BatchWaiter:
         # little for most batches would otherwise look at it (the lock's process, status.json,
         # progress.json: ~0.5 ms) at every batch instead of every liveness_interval.
         self._next_look = 0.0
+        # When the daemon's storage wait was last logged (monotonic); None while it is not waiting.
+        self._storage_said: float | None = None
 
     def wait(self, epoch: int, step: int, check_progress: Callable[[], None],
              stop_requested: Callable[[], bool] | None = None) -> MappedBatch:
@@ -324,6 +333,7 @@ class BatchWaiter:
         pid: int | None = None
         looked = False  # at the daemon, in this wait (the last look may belong to the wait before)
         warned = False
+        stored = False  # the daemon said it waited for its storage, which moved the deadline
         while True:
             try:
                 return map_batch(path)
@@ -341,6 +351,9 @@ class BatchWaiter:
                     if self._rank_stream:
                         check_served(self.buffer, pid, status)  # its daemon restarted with fewer --ranks?
                     self._check_heartbeat(pid, status, name, epoch, step, now - start)
+                    if self._waits_on_storage(pid, status, name, now):
+                        deadline = max(deadline, now + self.timeout)
+                        stored = True
                 elif gone_since is None:
                     gone_since = now
                 if gone_since is not None and now - gone_since >= self.grace:
@@ -353,8 +366,10 @@ class BatchWaiter:
                 if not looked:  # a timeout shorter than the liveness interval: the message names the owner
                     pid = daemon_pid(self.buffer)
                 owner = f"the daemon (pid {pid}) owns the buffer" if pid is not None else "no daemon owns the buffer"
+                waited = (f"{now - start:.0f} s, the last {self.timeout:g} s of it since the daemon last said it "
+                          "waited for its storage,") if stored else f"{self.timeout:g} s"
                 raise LoaderTimeout(
-                    f"{self.buffer}: waited {self.timeout:g} s for batch {name} (epoch {epoch}, step {step}) "
+                    f"{self.buffer}: waited {waited} for batch {name} (epoch {epoch}, step {step}) "
                     f"and it did not appear; {owner}; {status_summary(self.buffer)}. Check `prefetchd status "
                     f"--buffer {self.buffer}`, or {MORE_TIME} if the daemon is just slow"
                 )
@@ -365,6 +380,26 @@ class BatchWaiter:
                 logger.warning("still waiting for %s after %.0f s; %s", path, now - start, status_summary(self.buffer))
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, MAX_DELAY)
+
+    def _waits_on_storage(self, pid: int, status: Status | None, name: str, now: float) -> bool:
+        """Whether daemon ``pid``, beating, says its builds wait for the dataset's storage (then logged: at
+        once, and once a ``STORAGE_WAIT_LOG_SECONDS`` after).  A heartbeat older than the stall bound (the
+        default one when the check is off) is no word of the daemon's now: a stopped daemon's last status
+        would hold the wait for ever."""
+        own = status if status is not None and status.pid == pid else None
+        wait = own.production.storage_wait if own is not None and own.production is not None else None
+        fresh = self.stall if self.stall is not None else DEFAULT_STALL_TIMEOUT
+        if own is None or wait is None or time.time() - own.heartbeat > fresh:
+            self._storage_said = None
+            return False
+        if self._storage_said is None or now - self._storage_said >= STORAGE_WAIT_LOG_SECONDS:
+            self._storage_said = now
+            logger.warning(
+                "the daemon (pid %d) of %s has waited %.0f s for its dataset's storage (%s); batch %s comes once "
+                "that is back, so this loader waits on past its timeout of %g s (a daemon gone or stuck still ends "
+                "the wait; `prefetchd status --buffer %s` shows it)", pid, self.buffer,
+                max(0.0, time.time() - wait.since), _short(wait.reason), name, self.timeout, owning_buffer(self.buffer))
+        return True
 
     def _restart_hint(self) -> str:
         """How to bring the daemon back: the command that resumes the job, unless it failed, where that

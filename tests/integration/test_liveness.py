@@ -6,6 +6,7 @@ Timings are bounds with generous slack, never speeds: the machine is shared."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
@@ -14,11 +15,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from prefetchd.buffer_protocol import Progress, State, daemon_pid, list_batches, read_status
+from prefetchd.buffer_protocol import Progress, State, batch_name, daemon_pid, list_batches, read_status
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck, LoaderTimeout
 from tests.status_examples import production_of, state_of
@@ -190,3 +193,83 @@ def test_a_daemon_that_fails_before_its_manifest_is_named_by_the_waiting_loader(
     with pytest.raises(LoaderTimeout) as timed_out:
         BufferLoader(buffer, normalize=False, timeout=2)
     assert "; the daemon last on it failed: " in str(timed_out.value) and f"{data / 'empty'}" in str(timed_out.value)
+
+
+# -- a store's outage longer than the loader's timeout ------------------------------------------
+
+OUTAGE_TIMEOUT = 3.0  # the loader's; the store stays down well past it
+
+
+def _into_the_outage(s3: Any, proxy: Any, shapes_data: Path, buffer: Path, start_daemon: Any
+                     ) -> tuple[Any, BufferLoader, Iterator[Any], list[int]]:
+    """A daemon reading the bucket through ``proxy``, and a loader (timeout OUTAGE_TIMEOUT) that has taken
+    every batch published before the store went down, the daemon's builds failing since: the next batch
+    is waited for only once the daemon has failed to read the store (the first failure takes the reads'
+    retries, ~3 s, which would race a wait of 3 s)."""
+    url = s3.upload(shapes_data / "train", "outage/train")
+    daemon = start_daemon(buffer, "--data", url, *SMALL, "--epochs", "1", "--high-water", "2", "--low-water", "1")
+    wait_running(buffer, daemon.proc.pid)
+    loader = BufferLoader(buffer, normalize=False, timeout=OUTAGE_TIMEOUT, daemon_grace=1.0)
+    it = iter(loader)
+    steps = [next(it).step]
+    proxy.fail_next = 10**9  # every request answered 503 SlowDown from now on
+
+    def failing() -> bool:
+        p = production_of(buffer)
+        return p is not None and p.storage_wait is not None
+
+    while not failing():  # take what is published (no wait), so that the daemon builds, and fails
+        if (buffer / batch_name(0, steps[-1] + 1)).exists():
+            steps.append(next(it).step)
+        time.sleep(0.05)
+        assert daemon.proc.poll() is None, daemon.log
+    while (buffer / batch_name(0, steps[-1] + 1)).exists():
+        steps.append(next(it).step)
+    return daemon, loader, it, steps
+
+
+@pytest.mark.timeout(180)
+def test_a_loader_waits_out_an_object_store_outage_longer_than_its_timeout(
+        s3: Any, proxy: Any, shapes_data: Path, shm_dir: Path, start_daemon: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon waits for the store and resumes when it answers; the trainer, its status saying so, waits
+    with it past its timeout (it raised LoaderTimeout after 3 s, ending the training: review), and gets
+    every batch once the store is back, said once in its log."""
+    buffer = shm_dir / "bf"
+    daemon, loader, it, steps = _into_the_outage(s3, proxy, shapes_data, buffer, start_daemon)
+    wait = production_of(buffer)
+    assert wait is not None and wait.storage_wait is not None and "is the object store reachable" in wait.storage_wait.reason
+    outage = 3 * OUTAGE_TIMEOUT
+    back = threading.Timer(outage, lambda: setattr(proxy, "fail_next", 0))
+    back.start()
+    start = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, "prefetchd.trainer.liveness"):
+            steps.append(next(it).step)
+    finally:
+        back.cancel()
+        proxy.fail_next = 0
+    assert time.monotonic() - start > outage - 1.0
+    said = [r.getMessage() for r in caplog.records if "for its dataset's storage" in r.getMessage()]
+    assert len(said) == 1 and f"pid {daemon.proc.pid}" in said[0] and "past its timeout of 3 s" in said[0], said
+    steps += [b.step for b in it]
+    assert steps == list(range(len(loader)))
+    assert daemon.wait_exit(60) == 0, daemon.log
+    p = production_of(buffer)  # its last status, written as it exited
+    assert p is not None and p.storage_wait is None and p.errors.replaced_samples == 0, p
+
+
+@pytest.mark.timeout(180)
+def test_a_daemon_killed_during_an_outage_still_ends_the_wait(s3: Any, proxy: Any, shapes_data: Path, shm_dir: Path,
+                                                               start_daemon: Any) -> None:
+    """Waiting on past the timeout is for a daemon that beats: one killed meanwhile is gone, as ever."""
+    buffer = shm_dir / "bf"
+    daemon, _loader, it, _steps = _into_the_outage(s3, proxy, shapes_data, buffer, start_daemon)
+    kill = threading.Timer(2 * OUTAGE_TIMEOUT, daemon.proc.send_signal, (signal.SIGKILL,))
+    kill.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(DaemonGone, match="no prefetchd daemon owns this buffer"):
+            next(it)
+    finally:
+        kill.cancel()
+    assert 2 * OUTAGE_TIMEOUT - 0.5 < time.monotonic() - start < 2 * OUTAGE_TIMEOUT + 1.0 + SLACK
