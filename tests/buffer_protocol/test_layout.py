@@ -677,6 +677,13 @@ def test_remove_never_deletes_the_lock_of_another_daemon(tmp_path: Path) -> None
             DaemonLock(tmp_path).acquire()
 
 
+def test_a_buffer_folder_removed_before_the_lock_is_taken_is_said_so(tmp_path: Path) -> None:
+    """A daemon started beside another on a folder the other made sees it go when the other's start is refused
+    (it removes what it made): a bare FileNotFoundError escaped (review)."""
+    with pytest.raises(ProtocolError, match="the buffer folder went away while this daemon took it"):
+        DaemonLock(tmp_path / "gone").acquire()
+
+
 def test_daemon_pid_without_a_live_owner(tmp_path: Path) -> None:
     assert daemon_pid(tmp_path) is None  # no lock file
     assert daemon_pid(tmp_path / "missing") is None
