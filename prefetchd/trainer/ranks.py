@@ -51,9 +51,14 @@ _POLL_SECONDS = 0.05
 # How often a rank waiting for a batch asks the store whether another rank stopped (a round trip to
 # torchrun's store: too often for every 1 ms poll of the wait, and a stop may wait this long).
 STOP_LOOK_SECONDS = 0.1
-# The longest sleep between two looks at the before-step agreement: a rank that holds its batch
-# while another waits for the daemon starts its step this much late at most.
-_AGREE_POLL_MAX = 0.01
+# How the before-step agreement is polled: checked at once a few hundred times (ranks in step agree
+# within ~0.5 ms on gloo), then with sleeps from 0.1 ms doubling to 2 ms, so a rank that holds its batch
+# while another waits starts its step at most 2 ms late.  Measured on the 2-core EPYC, 2 ranks on gloo,
+# 1000 agreements: a blocking all-reduce 0.48 ms each, this 0.47, sleeps of 0.5 ms doubling to 10 ms
+# without the spin 0.73.
+_AGREE_SPINS = 200
+_AGREE_POLL_FIRST = 0.0001
+_AGREE_POLL_MAX = 0.002
 _STOP_KEY = "stop"
 
 T = TypeVar("T")
@@ -325,7 +330,10 @@ class Collective:
         t = torch.tensor([1 if stopping else 0], dtype=torch.int32)
         with self._peers("before a step, agreeing whether to stop"):
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-            delay = 0.0005
+            for _ in range(_AGREE_SPINS):  # ranks in step agree within a fraction of a millisecond
+                if work.is_completed():
+                    break
+            delay = _AGREE_POLL_FIRST
             while not work.is_completed():
                 if not stopping and should_stop():
                     stopping = True
