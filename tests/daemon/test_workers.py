@@ -153,6 +153,16 @@ def test_replaced_samples_keep_their_timings(tmp_path: Path) -> None:
     assert len(result.timings) == 2 and all(min(t) >= 0 for t in result.timings)
 
 
+def test_a_replacement_from_the_next_class_carries_its_own_label(tmp_path: Path) -> None:
+    # 08.jpg is the last file of class c0: the next member of the split, its replacement, is c1's first.
+    index = _dataset(tmp_path / "data", broken=(8,))
+    broken = next(i for i in range(len(index)) if index.path(i).name == "08.jpg")
+    assert int(index.labels[broken]) != int(index.labels[broken + 1])
+    result = run_task(_job(index), _task(_batch_file(tmp_path / "b.tmp", 2), [(0, 0), (1, broken)]))
+    assert isinstance(result, Filled)
+    assert result.slots[1] == (1, broken + 1, int(index.labels[broken + 1])), "the label is the replacement's"
+
+
 def test_unwritable_batch_is_a_write_failure(index: SampleIndex, tmp_path: Path) -> None:
     result = run_task(_job(index), _task(tmp_path / "gone.tmp", [(0, 0)]))
     assert isinstance(result, WriteFailed) and not result.fatal and "gone.tmp" in result.reason
