@@ -605,6 +605,23 @@ def test_a_short_batch_before_the_epochs_last_and_indices_out_of_range_are_refus
     assert [len(b.indices) for b in BufferLoader(job.buffer, timeout=5)] == [4, 4, 2]  # the last one short
 
 
+def test_a_label_or_index_one_past_the_manifests_last_is_refused(make_job: MakeJob) -> None:
+    """The bounds are exclusive: a label equal to the number of classes would reach the loss (on CUDA, a
+    device-side assert far from its cause), an index equal to the number of samples names no sample."""
+    job = make_job(write=0, samples=10, batch_size=4, classes=3)
+    images, labels, indices = job.arrays(0, 0)
+    seed = job.manifest.seed
+    write_batch(job.path(0, 0), images, np.full(4, 3), indices, epoch=0, step=0, seed=seed, producer="p")
+    with pytest.raises(ProtocolError, match=r"labels range over \[3, 3\] but the manifest has 3 classes"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+    write_batch(job.path(0, 0), images, labels, np.full(4, 10), epoch=0, step=0, seed=seed, producer="p")
+    with pytest.raises(ProtocolError, match=r"indices range over \[10, 10\] but the manifest has 10 samples"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+    write_batch(job.path(0, 0), images, np.full(4, 2), np.full(4, 9), epoch=0, step=0, seed=seed, producer="p")
+    batch = next(iter(BufferLoader(job.buffer, timeout=5)))  # the last class and sample are in range
+    assert batch.labels.tolist() == [2] * 4 and batch.indices.tolist() == [9] * 4
+
+
 def test_a_batch_cut_short_after_it_was_handed_out_faults_no_normalised_batch(make_job: MakeJob) -> None:
     """Labels and indices were views of the mapping even when the images were normalised into a tensor of their
     own: a batch file truncated under the trainer (anyone who may write the buffer can) was a bus error at the
