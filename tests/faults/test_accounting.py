@@ -72,3 +72,11 @@ def test_a_consumer_that_joined_later_is_held_to_its_own_positions() -> None:
     # Resumed one past its checkpoint: the batch it missed is lost.
     acc = account([start(0, 2), line(0, 2), start(1, 4), line(1, 4)], REF, STEPS, 5, SAMPLES, first=2)
     assert acc["lost"] == 1, acc
+
+
+def test_a_run_that_stops_short_loses_its_last_batches() -> None:
+    # The last position is the one a trainer that exits one step early never asks for.
+    acc = account([start(0, 0), *(line(0, g) for g in range(POSITIONS - 1))], REF, STEPS, POSITIONS, SAMPLES)
+    assert acc["lost"] == 1 and acc["committed"] == POSITIONS - 1, acc
+    acc = account([start(0, 2), line(0, 2), line(0, 3)], REF, STEPS, 5, SAMPLES, first=2)
+    assert acc["lost"] == 1, acc  # 4, the joined consumer's last
