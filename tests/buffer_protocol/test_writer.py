@@ -164,6 +164,20 @@ def test_a_spare_another_process_maps_is_not_reused_until_it_lets_go(tmp_path: P
     assert _begin_and_commit(tmp_path, 2, spares, other) and len(spares) == 0  # let go: reused
 
 
+def test_a_spare_with_another_name_is_not_reused(tmp_path: Path) -> None:
+    # A batch someone hard-linked to keep it (``ln``, a backup tool): writing the next batch into its
+    # spare would rewrite the kept copy too, which no lease shows since nobody has it open.
+    spares = SpareFiles()
+    images, _, _ = _arrays(3)
+    old = _begin_and_commit(tmp_path, 0, spares, images)
+    kept = tmp_path / "kept-elsewhere"
+    os.link(old, kept)
+    before = kept.read_bytes()
+    spares.retire(old)
+    built = _begin_and_commit(tmp_path, 1, spares, np.full_like(images, 9))
+    assert built.stat().st_ino != kept.stat().st_ino and kept.read_bytes() == before
+
+
 def test_the_newest_free_spare_is_taken_first(tmp_path: Path) -> None:
     # Its pages are the likeliest to be in the caches still; the oldest waits.
     spares = SpareFiles()
