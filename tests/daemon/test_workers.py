@@ -18,15 +18,15 @@ from PIL import Image
 
 from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.config import DaemonConfig
-from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.errors import ConfigError, DaemonError
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.transforms import augment
-from prefetchd.daemon.workers import (Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, limit_threads,
-                                     run_task, worker_main)
+from prefetchd.daemon.workers import (Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of,
+                                     limit_threads, run_task, worker_main)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
@@ -161,6 +161,20 @@ def test_a_replacement_from_the_next_class_carries_its_own_label(tmp_path: Path)
     result = run_task(_job(index), _task(_batch_file(tmp_path / "b.tmp", 2), [(0, 0), (1, broken)]))
     assert isinstance(result, Filled)
     assert result.slots[1] == (1, broken + 1, int(index.labels[broken + 1])), "the label is the replacement's"
+
+
+def test_a_bug_in_a_task_stops_the_job_with_its_traceback_instead_of_being_retried(
+        index: SampleIndex, tmp_path: Path) -> None:
+    # A sample the index does not have: no file's fault and no outage, so retrying fails the same way for
+    # ever (a daemon that says "retrying" while nothing is built); the job stops, saying where it happened.
+    try:
+        run_task(_job(index), _task(_batch_file(tmp_path / "b.tmp", 1), [(0, len(index) + 100)]))
+    except IndexError as exc:
+        result = failure_of(0, exc)  # as the worker's loop reports it, in its except clause
+    else:
+        pytest.fail("a sample past the index's end was built")
+    assert isinstance(result, WriteFailed) and result.fatal is DaemonError, result
+    assert "IndexError" in result.reason and "Traceback" in result.reason, result.reason
 
 
 def test_unwritable_batch_is_a_write_failure(index: SampleIndex, tmp_path: Path) -> None:
