@@ -315,7 +315,8 @@ def failure_of(task_id: int, exc: Exception) -> WriteFailed:
             return WriteFailed(task_id, str(exc), fatal=error, failures=getattr(exc, "failures", ()),
                                storage=isinstance(exc, StorageUnavailable))
     # A bug: report it with where it happened instead of dying silently.
-    return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{traceback.format_exc()}", fatal=DaemonError)
+    trace = "".join(traceback.format_exception(exc))  # ``exc``'s own, wherever this is called
+    return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{trace}", fatal=DaemonError)
 
 
 def prepare_process(job: WorkerJob) -> None:
