@@ -8,7 +8,8 @@ every line, replays included, must equal the fault-free run's batch (indices,
 labels, sha256 of the image and label bytes).  The one accepted difference is
 a sample the bad-sample policy replaced while the harness had its file moved
 away (``dataset_delete``): that slot must hold the next sample of the split,
-every other slot must be identical, and the batch must say ``replaced``.
+every other slot must be identical, every slot must carry its sample's label, and the batch
+must say ``replaced``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def account(records: list[dict[str, Any]], ref: dict[int, dict[str, Any]], steps
     """Compare the trainer's log with the reference (see the module docstring for the rules): positions
     ``first`` .. ``positions - 1`` (a consumer that joined later starts at ``first``)."""
     starts = {r["run"]: r["epoch"] * steps + r["step"] for r in records if r.get("event") == "start"}
+    label_of = labels_by_sample(ref)
     runs = sorted(starts)
     problems: list[str] = []
     committed: list[int] = []
@@ -70,7 +72,7 @@ def account(records: list[dict[str, Any]], ref: dict[int, dict[str, Any]], steps
             if r.get("run") != run or "sha" not in r:
                 continue
             g = r["epoch"] * steps + r["step"]
-            verdict = compare(r, ref.get(g), samples, deleted)
+            verdict = compare(r, ref.get(g), samples, deleted, label_of)
             if verdict == "replaced":
                 replaced += 1
             elif verdict != "same":
@@ -99,16 +101,27 @@ def account(records: list[dict[str, Any]], ref: dict[int, dict[str, Any]], steps
     }
 
 
-def compare(got: dict[str, Any], want: dict[str, Any] | None, n: int, deleted: frozenset[int] = frozenset()) -> str:
-    """"same", "replaced" (allowed: a sample replaced by the bad-sample policy) or what differs."""
+def labels_by_sample(ref: dict[int, dict[str, Any]]) -> dict[int, int]:
+    """Each sample's label, as the fault-free run's batches give it."""
+    return {i: label for batch in ref.values() for i, label in zip(batch["indices"], batch["labels"])}
+
+
+def compare(got: dict[str, Any], want: dict[str, Any] | None, n: int, deleted: frozenset[int] = frozenset(),
+            label_of: dict[int, int] | None = None) -> str:
+    """"same", "replaced" (allowed: a sample replaced by the bad-sample policy) or what differs.  ``label_of``:
+    each sample's label (``labels_by_sample``), which a replaced batch's slots must carry, the swapped
+    ones too; without it, the reference batch's own."""
     if want is None:
         return "position not in the reference run"
     if got["sha"] == want["sha"] and got["indices"] == want["indices"] and got["labels"] == want["labels"]:
         return "same"
     if not got.get("replaced") or len(got["indices"]) != len(want["indices"]):
         return "different content"
+    label_of = label_of if label_of is not None else labels_by_sample({0: want})
     swapped = 0
-    for gi, wi, gs, ws in zip(got["indices"], want["indices"], got["slots"], want["slots"]):
+    for gi, wi, gl, gs, ws in zip(got["indices"], want["indices"], got["labels"], got["slots"], want["slots"]):
+        if gi in label_of and gl != label_of[gi]:  # the slots' hashes are of images: labels are checked here
+            return f"sample {gi} is labelled {gl}, not {label_of[gi]}"
         if gi == wi:
             if gs != ws:
                 return f"sample {gi}'s image differs"

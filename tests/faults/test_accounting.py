@@ -54,9 +54,14 @@ def test_a_replay_must_match_too_and_a_resume_too_far_back_is_reported() -> None
 
 def test_only_the_bad_sample_policy_may_change_a_batch() -> None:
     want = line(-1, 1)  # indices 2, 3
-    replaced = {**line(0, 1, sha="x"), "indices": [2, 4], "slots": ["s2", "other"], "replaced": 1}
+    replaced = {**line(0, 1, sha="x"), "indices": [2, 4], "labels": [0, 0], "slots": ["s2", "other"], "replaced": 1}
     gone = frozenset({3})  # the harness moved sample 3's file away
-    assert compare(replaced, want, SAMPLES, gone) == "replaced"
+    labels = {i: i % 2 for i in range(SAMPLES)}  # as the reference run's batches give them (line())
+    assert compare(replaced, want, SAMPLES, gone, labels) == "replaced"
+    # The replacement under the replaced sample's label (a worker's or the controller's slip): the slots'
+    # hashes are of images alone, so only the labels tell (mutation review).
+    assert compare({**replaced, "labels": [0, 1]}, want, SAMPLES, gone, labels) == "sample 4 is labelled 1, not 0"
+    assert compare({**replaced, "labels": [1, 0]}, want, SAMPLES, gone, labels) == "sample 2 is labelled 1, not 0"
     assert "not its replacement" in compare(replaced, want, SAMPLES)  # nothing was moved away
     assert compare({**replaced, "replaced": 0}, want, SAMPLES, gone) == "different content"
     assert "not its replacement" in compare({**replaced, "indices": [2, 9]}, want, SAMPLES, gone)
