@@ -197,6 +197,51 @@ def test_a_trainer_that_died_after_the_last_batch_is_resumed_to_the_end_and_the_
     assert "nothing left to read" not in caplog.text
 
 
+# `prefetchd start` whose controller meets a bug once the buffer holds two batches: what any bug in the loop
+# does (an exception no branch expects).
+BUG_IN_THE_LOOP = """
+import sys
+import prefetchd.daemon.stream as stream
+from prefetchd.buffer_protocol import list_batches
+
+real = stream.Stream.next_missing
+
+
+def next_missing(self):
+    if len(list_batches(self.dir)) >= 2:
+        raise RuntimeError("a bug planted by the test")
+    return real(self)
+
+
+stream.Stream.next_missing = next_missing
+if __name__ == "__main__":  # not in the workers, which the fork server starts from this script too
+    from prefetchd.cli import main as cli
+    sys.exit(cli())
+"""
+
+
+def test_a_bug_in_the_controller_fails_the_job_saying_so_and_leaves_no_half_written_batch(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
+    """The loop's last resort: a status that says the daemon failed and asks for a report, the traceback in
+    the log, exit 1, the finished batches kept for the next daemon and no .tmp left (mutation review: no test
+    reached it)."""
+    from prefetchd.buffer_protocol import list_temp_files
+
+    script = tmp_path / "bug_in_the_loop.py"
+    script.write_text(BUG_IN_THE_LOOP)
+    buffer = shm_dir / "bf"
+    out = subprocess.run([sys.executable, str(script), "start", "--buffer", str(buffer), "--data",
+                          str(shapes_data / "train"), *JOB], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "internal error in the controller" in out.stderr and "a bug planted by the test" in out.stderr
+    assert "Traceback" in out.stderr, out.stderr
+    status = read_status(buffer)
+    assert status is not None and status.state is State.FAILED, status
+    assert status.message.startswith("internal error: RuntimeError: a bug planted by the test")
+    assert "please report it" in status.message
+    assert len(list_batches(buffer)) >= 2 and list(list_temp_files(buffer)) == []
+
+
 # `prefetchd start` whose metrics port is taken, stopped while it starts: SIGTERM arrives just before the
 # metrics server is opened, after the worker server started (and made its socket folder in TMPDIR).
 STOPPED_THEN_REFUSED = """
