@@ -33,6 +33,7 @@ import signal
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import click
@@ -60,6 +61,21 @@ EXIT_USAGE = 2  # options that contradict each other (OptionError); click's own 
 EXIT_BUFFER = 3  # the buffer could not deliver: LoaderError / ProtocolError
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint
+
+
+logger = logging.getLogger(__name__)
+
+
+def warn_of_another_size(train_buffer: Path, train: BufferLoader, val_buffer: Path, val: BufferLoader) -> None:
+    """Say so when validation batches are not the size training's are: a model validated at 224 px after
+    training at 32 px scores chance, with nothing else to tell why (a val daemon started without the train
+    daemon's --image-size).  Not refused: validating at a larger size on purpose is a known gain."""
+    trained, validated = train.manifest.image_size, val.manifest.image_size
+    if trained != validated:
+        logger.warning(
+            "%s serves %d x %d images but %s trains at %d x %d: the model is validated at another size than it "
+            "is trained at. If that is not on purpose, start the validation daemon with --image-size %d",
+            val_buffer, validated, validated, train_buffer, trained, trained, trained)
 
 
 def train(
@@ -134,6 +150,7 @@ def train(
                     f"{val_buffer} has classes {val_loader.classes[:5]}... but {config.buffer} has "
                     f"{train_loader.classes[:5]}...; both daemons must serve the same class folders"
                 )
+            warn_of_another_size(config.buffer, train_loader, val_buffer, val_loader)
         if config.spawn_daemon:
             check_served_job(config, train_loader, config.data)
             if val_loader is not None and config.val_data is not None:

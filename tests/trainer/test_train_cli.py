@@ -44,6 +44,22 @@ def test_trains_one_epoch_and_writes_metrics(make_job: MakeJob, buffer: Path, tm
     assert Progress.read(val.buffer) == Progress(1, 0)
 
 
+def test_validation_at_another_size_than_training_is_warned_of(make_job: MakeJob, buffer: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A val daemon started without the train daemon's --image-size served 224 px to a model trained at 32:
+    it validated at chance, with nothing to say why (walkthrough review)."""
+    tiny = dict(classes=2, samples=8, batch_size=4, epochs=1, write=1)
+    train = make_job(buffer / "train", image_size=32, **tiny)
+    val = make_job(buffer / "val", seed=8, split="val", image_size=48, **tiny)
+    args = ["--buffer", str(train.buffer), "--val-buffer", str(val.buffer), "--threads", "1", "--device", "cpu",
+            "--timeout", "10"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output  # validating at a larger size can be on purpose
+    said = [r.getMessage() for r in caplog.records if "validated at another size" in r.getMessage()]
+    assert len(said) == 1 and f"{val.buffer} serves 48 x 48 images but {train.buffer} trains at 32 x 32" in said[0]
+    assert said[0].endswith("start the validation daemon with --image-size 32")
+
+
 def test_missing_daemon_is_one_clear_line(buffer: Path) -> None:
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu"])
     assert result.exit_code == EXIT_BUFFER
