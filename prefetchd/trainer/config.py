@@ -43,8 +43,8 @@ class TrainConfig:
     device: str = setting("auto", "auto, cpu, cuda or cuda:N.", str)
     pin: str = setting("auto", "How batches reach a CUDA device (auto = staging).", str, choices=PIN_MODES)
     timeout: float = setting(DEFAULT_TIMEOUT, "Seconds to wait for the manifest and for each batch; while the daemon beats and says its builds wait for the dataset's storage (an object store's outage, a mount gone), counted from when it last said so.", float, minimum=0, min_open=True)
-    daemon_timeout: float = setting(DEFAULT_STALL_TIMEOUT, "Seconds without a heartbeat from the daemon that owns a buffer before it counts as stuck (0: never); a dead daemon is noticed within "
-                                    f"{DAEMON_GRACE:g} s.", float, minimum=0)
+    daemon_timeout: float = setting(DEFAULT_STALL_TIMEOUT, "Seconds without a heartbeat from the daemon that owns a buffer before it counts as stuck (0: never); a dead daemon is noticed "
+                                    f"within {DAEMON_GRACE:g} s of waiting for a batch it had not made.", float, minimum=0)
     daemon_restarts: int = setting(3, "With --spawn-daemon: restart a daemon that died or got stuck up to N times within 10 minutes, then stop with an error.", int, minimum=0)
     metrics_json: Path | None = setting(None, "Write per-epoch and final metrics here (after every epoch); its folder must exist.", Path, path="file")
     metrics_csv: Path | None = setting(None, "Write one CSV row per epoch here (after every epoch); its folder must exist.", Path, path="file")

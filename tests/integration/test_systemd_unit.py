@@ -81,7 +81,7 @@ def test_required_directives(unit: dict[str, dict[str, list[str]]]) -> None:
         assert value(unit, key) == want, key
     # Exits that a restart cannot mend: bad configuration, bad data, a buffer another daemon owns.
     assert set(value(unit, "RestartPreventExitStatus").split()) == {str(c) for c in (EXIT_USAGE, EXIT_BAD_DATA, EXIT_BUFFER_BUSY)}
-    assert int(value(unit, "WatchdogSec")) >= 10  # the loop wakes every 0.25 s; leave room for a slow turn
+    assert int(value(unit, "WatchdogSec")) >= 10  # the loop wakes every second; leave room for a slow turn
     # '-': the daemon creates the buffer; a missing path would fail the start with 226/NAMESPACE.
     assert "-/dev/shm/%i" in unit["Service"]["ReadWritePaths"]
     assert re.fullmatch(r"\d+[KMGT]?", value(unit, "MemoryMax"))
