@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -342,6 +343,37 @@ def test_the_floor_counts_what_it_is_asked_and_leaves_the_process_as_it_was(shap
         measure_floor(shapes_data / "train", 32, core, seconds=1.0, images=10)
     with pytest.raises(ValueError, match="not both"):
         measure_floor(shapes_data / "train", 32, core)
+
+
+def test_the_floor_counts_its_own_threads_cpu_not_the_processes(shapes_data: Path) -> None:
+    # gpu_check measures the floor in a process with CUDA's and an executor's threads: their CPU
+    # is not the floor's.  hashlib lets go of the GIL on large inputs, so these threads burn CPU
+    # beside the floor's; the floor's own thread cannot have used more CPU than the wall-clock
+    # time the whole call took, whatever the load, where the process's CPU can (and did).
+    import threading
+
+    from prefetchd.bench.floor import measure_floor
+
+    stop = threading.Event()
+    block = bytes(1 << 22)
+
+    def burn() -> None:
+        while not stop.is_set():
+            hashlib.sha256(block).digest()
+
+    burners = [threading.Thread(target=burn, daemon=True) for _ in range(2)]
+    for thread in burners:
+        thread.start()
+    try:
+        started = time.perf_counter()
+        floor = measure_floor(shapes_data / "train", 32, max(os.sched_getaffinity(0)), images=400)
+        wall = time.perf_counter() - started
+    finally:
+        stop.set()
+        for thread in burners:
+            thread.join(10.0)
+    cpu = floor["ms_per_image"] * floor["images"] / 1e3
+    assert cpu <= wall, f"the floor reported {cpu:.2f} s of CPU in {wall:.2f} s of wall-clock time"
 
 
 def test_the_parallel_floor_runs_one_pinned_loop_per_core_and_names_one_that_dies(
