@@ -215,14 +215,16 @@ def test_cpu_use_counts_children_in_the_tree_and_a_detached_process_as_another(m
     subprocess.run([sys.executable, "-c", BURN.format(seconds=0.5)], check=True, timeout=60)
     assert host_use._tree_cpu(os.getpid()) - before >= 0.45
 
-    # A process outside the tree (its parent exits at once: it is re-parented away from us) is
-    # another's CPU, and only the machine's figure sees it.
-    done = tmp_path / "done"
-    script = BURN.format(seconds=0.5) + f"open({str(done)!r}, 'w').close()\n"
-    use, started = host_use.CpuUse(), time.perf_counter()
-    mine = host_use._tree_cpu(os.getpid())
+    # A process outside the tree (its parent exits at once: it is re-parented away from us, and
+    # waits for its go until then) is another's CPU, and only the machine's figure sees it.
+    done, go = tmp_path / "done", tmp_path / "go"
+    script = (f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+              + BURN.format(seconds=0.5) + f"open({str(done)!r}, 'w').close()\n")
     subprocess.run([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
                     f"{script!r}], start_new_session=True)"], check=True, timeout=60)
+    use, started = host_use.CpuUse(), time.perf_counter()
+    mine = host_use._tree_cpu(os.getpid())
+    go.touch()
     deadline = time.monotonic() + 60
     while not done.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -233,6 +235,41 @@ def test_cpu_use_counts_children_in_the_tree_and_a_detached_process_as_another(m
     assert tree < 0.4, "the detached process was counted as ours"
     assert got["cpu_other_cores"] * span >= 0.45
     assert 0 <= got["cpu_steal_share"] < 1
+
+
+def test_cpu_use_keeps_counting_a_process_of_the_tree_that_outlives_its_parent(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    # A daemon that stops leaves its worker server and workers to another reaper: their CPU time
+    # never reaches our children_* times, and they were booked as other processes' CPU.
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import host_use
+
+    ready, go, done = tmp_path / "ready", tmp_path / "go", tmp_path / "done"
+    wait_for = "import os, time\nwhile not os.path.exists({path!r}): time.sleep(0.01)\n"
+    grandchild = (f"open({str(ready)!r}, 'w').close()\n" + wait_for.format(path=str(go))
+                  + BURN.format(seconds=0.5) + f"open({str(done)!r}, 'w').close()\n")
+    child = ("import subprocess, sys\n"
+             f"subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n" + wait_for.format(path=str(go)))
+    use = host_use.CpuUse()
+    proc = subprocess.Popen([sys.executable, "-c", child])
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists()
+        use._sample()  # what the thread does every SAMPLE_SECONDS: both are in the tree now
+        go.touch()
+        proc.wait(60)  # the child leaves first, reaped by us; the grandchild burns and exits unreaped by us
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done.exists()
+        time.sleep(2 * host_use.SAMPLE_SECONDS)  # it exits after its file; let it go
+    finally:
+        proc.kill()
+        proc.wait()
+    got = use.stop()
+    span = time.perf_counter() - use._begin[0]
+    assert got["cpu_tree_cores"] * span >= 0.45, "the grandchild's CPU left the tree with its parent"
 
 
 def test_a_round_s_timeline_shows_where_its_time_went(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -371,7 +371,8 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
     opens: list[bool] = []  # whether each measured step's batch opened an epoch
     first_batch_s = wall = 0.0
     loss = torch.zeros(())
-    cpu, cpu_use = CpuUse(), {}  # measured again from the first measured step
+    cpu: CpuUse | None = None  # from the first measured step
+    cpu_use: dict[str, float] = {}
     try:
         started = time.perf_counter()
         with feed() as batches:
@@ -413,8 +414,11 @@ def train_with(name: str, feed: Feed, sizes: Sizes, classes: int, device: torch.
                 torch.cuda.synchronize(device)
             marks.append(time.perf_counter())
             wall = marks[-1] - measured_from
-            cpu_use = cpu.stop()
+            if cpu is not None:
+                cpu_use = cpu.stop()
     finally:
+        if cpu is not None:
+            cpu.close()
         host = sampler.stop()
     row: dict[str, Any] = {
         "feed": name, "steps": sizes.steps, "warmup_steps": sizes.warmup_steps, "batch_size": sizes.batch_size,
@@ -576,11 +580,15 @@ def scaling_counts(cores: int) -> list[int]:
 
 
 def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> dict[str, Any]:
-    cpu = CpuUse()
-    results = run_benchmark(data, workers_list=counts, batch_size=sizes.scaling_batch_size,
-                            image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
-                            contenders=("prefetchd",), warm_start=False, data_wait=False,
-                            report=lambda line: log.info("  %s", line))
+    cpu = CpuUse()  # follows each daemon's worker server and workers after the daemon stops
+    try:
+        results = run_benchmark(data, workers_list=counts, batch_size=sizes.scaling_batch_size,
+                                image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
+                                contenders=("prefetchd",), warm_start=False, data_wait=False,
+                                report=lambda line: log.info("  %s", line))
+    except BaseException:
+        cpu.close()
+        raise
     rows = [{"workers": r.workers, "images_per_s": r.images_per_s, "scaling": r.scaling, "vs_floor": r.vs_floor,
              "first_batch_s": r.first_batch_s, "note": r.note, "independent_loops_per_s": r.loops,
              "loops_vs_floor": r.loops_vs_floor, "vs_loops": r.vs_loops, "cpu": r.extra.get("cpu")}

@@ -93,20 +93,74 @@ class CpuUse:
     (trainer, daemon, workers), every other process, and the share the hypervisor took (steal).
     Written for the first daemon-fed round, the slowest in every lease (1689, 2625, 2479 and
     2878 img/s against up to 4344, 3539, 4298 and 4002 later): on the H100 it showed no other
-    process and no steal, which sent the search inside the run (``timeline``, ``prefetchd_feed``)."""
+    process and no steal, which sent the search inside the run (``timeline``, ``prefetchd_feed``).
+
+    A process seen in the tree stays the tree's after it leaves it.  A daemon that stops leaves
+    its worker server (and the workers it has not reaped) to another reaper, so their CPU time
+    never reaches this process's ``children_*`` times: counted from the tree at ``stop()``
+    alone, step 5's daemons' workers were booked as other processes' CPU.  So a thread samples
+    every process of the tree every ``SAMPLE_SECONDS`` and keeps following it; one that dies
+    while its parent is outside the tree counts with its last sample (what it ran after that
+    sample is lost, as is a process that lived and left between two samples, and a child that
+    dies with its parent between two samples is taken to have died unreaped)."""
 
     def __init__(self) -> None:
+        self._seen: dict[tuple[int, float], _Seen] = {}
+        self._lost = 0.0  # CPU seconds of followed processes that died where no follower sees it
+        self._lock = threading.Lock()
+        self._sample(baseline=True)
         self._begin = self._now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gpu-check-cpu-use", daemon=True)
+        self._thread.start()
 
-    @staticmethod
-    def _now() -> tuple[float, float, float, float, float]:
+    def _now(self) -> tuple[float, float, float, float, float]:
         t = psutil.cpu_times()
         steal = getattr(t, "steal", 0.0)
         busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
         total = busy + t.idle + getattr(t, "iowait", 0.0) + steal
-        return time.perf_counter(), busy, steal, total, _tree_cpu(os.getpid())
+        with self._lock:
+            followed = self._lost + sum(seen.last - seen.base for seen in self._seen.values() if seen.alive)
+        return time.perf_counter(), busy, steal, total, _tree_cpu(os.getpid(), own=True) + followed
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            self._sample()
+
+    def _sample(self, baseline: bool = False) -> None:
+        me = os.getpid()
+        with self._lock:
+            for proc in process_tree(me)[1:]:
+                with contextlib.suppress(psutil.Error):
+                    key = (proc.pid, proc.create_time())
+                    if key not in self._seen:
+                        self._seen[key] = _Seen(proc, 0.0, 0.0, proc.ppid())
+            alive = {seen.proc.pid for seen in self._seen.values() if seen.alive and seen.proc.is_running()}
+            for seen in self._seen.values():
+                if not seen.alive:
+                    continue
+                try:
+                    with seen.proc.oneshot():
+                        seen.last, seen.parent = _cpu(seen.proc), seen.proc.ppid()
+                    if baseline:
+                        seen.base = seen.last
+                except psutil.Error:
+                    seen.alive = False
+                    # Reaped by a parent this object follows (or this process): its time is in that
+                    # parent's children_* now, its time before creation included; else it is gone.
+                    if seen.parent == me or seen.parent in alive:
+                        self._lost -= seen.base
+                    else:
+                        self._lost += seen.last - seen.base
+
+    def close(self) -> None:
+        """End the sampling thread without a result (``stop()`` does it too)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
 
     def stop(self) -> dict[str, float]:
+        self.close()
+        self._sample()
         (t0, busy0, steal0, total0, tree0), (t1, busy1, steal1, total1, tree1) = self._begin, self._now()
         span, tree = max(t1 - t0, 1e-9), tree1 - tree0
         others = max(busy1 - busy0 - tree, 0.0)
@@ -114,13 +168,25 @@ class CpuUse:
                 "cpu_steal_share": round((steal1 - steal0) / max(total1 - total0, 1e-9), 4)}
 
 
-def _tree_cpu(pid: int) -> float:
-    """CPU seconds of ``pid`` and its descendants, those already reaped included (``children_*``)."""
+class _Seen:
+    """A process ``CpuUse`` follows: its CPU seconds at the start (or 0, born after) and at its last sample."""
+
+    def __init__(self, proc: psutil.Process, base: float, last: float, parent: int) -> None:
+        self.proc, self.base, self.last, self.parent, self.alive = proc, base, last, parent, True
+
+
+def _cpu(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system + t.children_user + t.children_system)
+
+
+def _tree_cpu(pid: int, own: bool = False) -> float:
+    """CPU seconds of ``pid`` and its descendants, those already reaped included (``children_*``);
+    with ``own``, of ``pid`` alone (with those it reaped)."""
     total = 0.0
-    for proc in process_tree(pid):
+    for proc in process_tree(pid)[:1] if own else process_tree(pid):
         with contextlib.suppress(psutil.Error):
-            t = proc.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
+            total += _cpu(proc)
     return total
 
 
