@@ -155,7 +155,9 @@ class Run:
         if uint8:
             steps.append(transforms.PILToTensor())
         else:
-            # The statistics BufferLoader normalises with, so both sides do the same work.
+            # The classic recipe's float32 normalised batches, with the statistics BufferLoader
+            # would use; the prefetchd contender reads uint8 (normalize=False), so this row does
+            # more work than it: dataloader-uint8 is the like-for-like one.
             steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
         dataset = datasets.ImageFolder(str(self.data), transform=transforms.Compose(steps))
         # shuffle=True, as one long epoch of fresh permutations (see the module docstring).
