@@ -150,6 +150,27 @@ def test_a_rate_above_the_floor_is_flagged_in_the_report() -> None:
                         "a busy core; measure longer (--seconds, --batches) on a quiet machine"]
 
 
+def test_two_rounds_give_the_lower_rounds_figures_for_everything() -> None:
+    # The floor and the CPU split are the lower middle round's: a mean of two rates set against
+    # them overstated vs_floor, and the warning named the rounds' summed window as the row's.
+    from prefetchd.bench.results import add_round, take_medians
+
+    results = BenchmarkResults(machine={}, dataset={}, config={"batches": None, "rounds": 2},
+                               floor={"images_per_s": 1000.0, "ms_per_image": 1.0, "files": 20, "rounds": [1000.0]})
+    slow = Throughput("prefetchd", 1, [0], images_per_s=1150.0, images=1150, window_s=1.0, first_batch_s=2.0,
+                      extra={"cpu": {"workers_cores": 0.9}})
+    fast = Throughput("prefetchd", 1, [0], images_per_s=1500.0, images=2250, window_s=1.5, first_batch_s=1.0,
+                      extra={"cpu": {"workers_cores": 1.0}})
+    add_round(slow, fast)
+    take_medians(slow)
+    results.throughput = [slow]
+    fill_ratios(results)
+    assert (slow.images_per_s, slow.images, slow.window_s, slow.first_batch_s) == (1150.0, 1150, 1.0, 1.0)
+    assert slow.extra["cpu"] == {"workers_cores": 0.9} and slow.vs_floor == 1.15
+    [warning] = [note for note in results.notes if note.startswith("WARNING")]
+    assert "its median round's window (1.00 s)" in warning
+
+
 def test_contenders_picks_who_is_measured(tmp_path: Path, shapes_data: Path) -> None:
     result = CliRunner().invoke(bench_command, ["--data", str(shapes_data / "train"), "--workers", "1",
                                                 "--batch-size", "8", "--image-size", "32", "--seconds", "0.5",
@@ -308,7 +329,9 @@ def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path)
     for row in results.throughput:
         rates = [r["images_per_s"] for r in row.extra["rounds"]]
         assert len(rates) == 3 and all(rate > 0 for rate in rates)
-        assert row.images_per_s == round(sorted(rates)[1], 1)
+        middle = sorted(row.extra["rounds"], key=lambda r: r["images_per_s"])[1]
+        assert row.images_per_s == round(middle["images_per_s"], 1)
+        assert (row.images, row.window_s) == (middle["images"], round(middle["window_s"], 2))  # not summed
         assert row.first_batch_s == round(sorted(r["first_batch_s"] for r in row.extra["rounds"])[1], 3)
     prefetchd, dataloader = results.throughput
     # (the ratio is taken before the rates are rounded for the table)
@@ -323,7 +346,7 @@ def test_rounds_take_turns_and_report_medians(tmp_path: Path, shapes_data: Path)
     table = results.table()
     low, high = min(r["images_per_s"] for r in prefetchd.extra["rounds"]), max(
         r["images_per_s"] for r in prefetchd.extra["rounds"])
-    assert f"{prefetchd.images_per_s:.0f} ({low:.0f}-{high:.0f})" in table and "median of 3 rounds" in table
+    assert f"{prefetchd.images_per_s:.0f} ({low:.0f}-{high:.0f})" in table and "median round's of 3" in table
     with pytest.raises(ValueError, match="rounds=0"):
         run_benchmark(shapes_data / "train", rounds=0, out_dir=tmp_path)
 

@@ -162,8 +162,9 @@ def format_table(results: BenchmarkResults) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += [fmt.format(*row) for row in rows]
     if c.get("rounds", 1) > 1:
-        lines.append(f"img/s: the median of {c['rounds']} rounds (lowest-highest), the contenders taking turns; "
-                     "vs dataloader: medians compared (bench.json has each round's ratio); first batch: median")
+        lines.append(f"img/s: the median round's of {c['rounds']} (the lower of two middle ones; lowest-highest), "
+                     "the contenders taking turns; vs dataloader: medians compared (bench.json has each round's "
+                     "ratio); first batch: median (the lower of two middle ones)")
     fl = results.floor
     if fl is not None:
         shares = [f"{r.vs_floor:.0%} of {r.workers} x that at {worker_count(r.workers)}" for r in results.throughput

@@ -84,21 +84,23 @@ class BenchmarkResults:
 
 def add_round(row: Throughput, later: Throughput) -> None:
     """Fold a later round of ``row``'s contender at its worker count into ``row`` (its first round):
-    ``extra["rounds"]`` lists every round's rate and first batch; ``take_medians`` sums them up."""
+    ``extra["rounds"]`` lists every round's figures; ``take_medians`` picks the row's from them."""
     rounds = row.extra.setdefault("rounds", [_round(row)])
     rounds.append(_round(later))
-    row.images += later.images
-    row.window_s += later.window_s
     if later.note and later.note not in row.note:
         row.note = "; ".join(n for n in (row.note, later.note) if n)
 
 
 def _round(row: Throughput) -> dict[str, Any]:
-    return {"images_per_s": row.images_per_s, "first_batch_s": row.first_batch_s, "cpu": row.extra.get("cpu")}
+    return {"images_per_s": row.images_per_s, "images": row.images, "window_s": row.window_s,
+            "first_batch_s": row.first_batch_s, "cpu": row.extra.get("cpu")}
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round with the median rate (the lower of two middle ones); ``rounds`` all measured one."""
+    """The round with the median rate (the lower of two middle ones); ``rounds`` all measured one.
+    One rule for every figure taken over rounds (a row's rate, images, window and CPU split, the
+    floor, the independent loops): a rate and the window, floor or CPU it is set against are then
+    one round's, where a mean of two middle rates beside the lower one's floor was not."""
     return sorted(rounds, key=lambda r: r["images_per_s"])[(len(rounds) - 1) // 2]
 
 
@@ -108,18 +110,19 @@ def median_floor(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def take_medians(row: Throughput) -> None:
-    """The row's rate and first batch become the medians of its rounds (those that measured one),
-    and its CPU split that of the round with the median rate (the lower of two middle ones)."""
+    """The row's rate, images, window and CPU split become the median round's (``median_round``:
+    the lower of two middle ones), of the rounds that measured a rate; its first batch the median
+    of the rounds' first batches, the lower of two middle ones likewise."""
     rounds = row.extra.get("rounds", [])
     measured = [r for r in rounds if r["images_per_s"] is not None]
     firsts = [r["first_batch_s"] for r in rounds if r["first_batch_s"] is not None]
     if measured:
-        row.images_per_s = statistics.median(r["images_per_s"] for r in measured)
-        cpu = median_round(measured).get("cpu")
-        if cpu is not None:
-            row.extra["cpu"] = cpu
+        middle = median_round(measured)
+        row.images_per_s, row.images, row.window_s = middle["images_per_s"], middle["images"], middle["window_s"]
+        if middle.get("cpu") is not None:
+            row.extra["cpu"] = middle["cpu"]
     if firsts:
-        row.first_batch_s = statistics.median(firsts)
+        row.first_batch_s = statistics.median_low(firsts)
 
 
 # prefetchd above this share of k x the floor is not a rate its k workers made (see fill_ratios).
@@ -145,9 +148,10 @@ def fill_ratios(results: BenchmarkResults) -> None:
             if row.vs_floor > IMPOSSIBLE_VS_FLOOR:
                 batches = results.config.get("batches")
                 window = f"{batches} batches" if batches else f"{row.window_s:.2f} s"
+                whose = "its median round's window" if len(row.extra.get("rounds", [])) > 1 else "its window"
                 results.notes.append(
                     f"WARNING: prefetchd at {counted(row.workers, 'worker')} measured {row.vs_floor:.0%} of "
-                    f"{row.workers} x the floor, more than its workers can make: its window ({window}) counted "
+                    f"{row.workers} x the floor, more than its workers can make: {whose} ({window}) counted "
                     "batches built before it, or the floor was measured on a busy core; measure longer "
                     "(--seconds, --batches) on a quiet machine")
         if row.loops:
