@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -27,13 +28,30 @@ from prefetchd.synthetic import IMAGENET_LIKE_SHORT_SIDE, make_imagenet_like
 REPO = Path(__file__).resolve().parents[1]
 
 
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+SMOKE_WARNINGS = _Warnings()  # what the smoke run logged at WARNING and above, from prefetchd's loggers
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory, shapes_data: Path) -> tuple[BenchmarkResults, Path]:
     out = tmp_path_factory.mktemp("bench-out")
-    results = run_benchmark(
-        shapes_data / "train", workers_list=(1,), batch_size=8, image_size=32, seconds=1.0, out_dir=out,
-        high_water=6,
-    )
+    logger = logging.getLogger("prefetchd")
+    logger.addHandler(SMOKE_WARNINGS)
+    try:
+        results = run_benchmark(
+            shapes_data / "train", workers_list=(1,), batch_size=8, image_size=32, seconds=1.0, out_dir=out,
+            high_water=6,
+        )
+    finally:
+        logger.removeHandler(SMOKE_WARNINGS)
     return results, out
 
 
@@ -82,6 +100,9 @@ def test_warm_start_data_wait_and_memory(smoke: tuple[BenchmarkResults, Path]) -
     assert ws is not None and "error" not in ws, ws
     assert len(ws["first_batch_ms"]) == 5 and all(t > 0 for t in ws["first_batch_ms"])
     assert ws["target_ms"] == 20.0 and isinstance(ws["ok"], bool)
+    # Five loaders open at once on one consumer took turns at its progress file (a WARNING each
+    # after the first, and batches built again): each has a consumer of its own.
+    assert not [m for m in SMOKE_WARNINGS.messages if "progress file" in m or "consumer" in m], SMOKE_WARNINGS.messages
 
     dw = results.data_wait
     assert dw is not None and set(dw["contenders"]) == {"prefetchd", "dataloader"}

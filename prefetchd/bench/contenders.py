@@ -119,17 +119,24 @@ class Run:
                             f"the daemon to fill {daemon.buffer} to {self.high_water} batches (status state 'full')")
             filled_s = time.perf_counter() - fill_started
             times_ms = []
-            for _ in range(WARM_START_REPEATS):
-                # Loaders are left open: closing one would move progress past batch
-                # (0, 0) and the next loader would have to wait for it to be rebuilt.
+            loaders = []
+            for i in range(WARM_START_REPEATS):
+                # The first is a trainer's plain loader (the default consumer); each later one a
+                # consumer of its own, left open: closing one would move progress past batch
+                # (0, 0), and two open on one consumer take turns at its progress file (a WARNING,
+                # and the daemon builds again the batches each moves back to).
                 t0 = time.perf_counter()
-                loader = BufferLoader(daemon.buffer, normalize=False, timeout=WAIT_SECONDS)
+                loader = BufferLoader(daemon.buffer, normalize=False, timeout=WAIT_SECONDS,
+                                      consumer=None if i == 0 else f"warm-start-{i}")
                 next(iter(loader))
                 times_ms.append((time.perf_counter() - t0) * 1e3)
+                loaders.append(loader)
             daemon.monitor.mark_start()
             time.sleep(2 * MONITOR_SECONDS)
             daemon.monitor.mark_end()
             memory = daemon.monitor.summary()
+            for loader in loaders:
+                loader.close()
         median = statistics.median(times_ms)
         return {
             "workers": k,
