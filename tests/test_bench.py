@@ -441,6 +441,19 @@ def test_the_parallel_floor_runs_one_pinned_loop_per_core_and_names_one_that_die
     assert os.sched_getaffinity(0) == mask
 
 
+def test_the_independent_loops_start_at_different_files() -> None:
+    # From file 0 each, k loops read the same file with the same crop at the same moment.
+    import itertools
+
+    from prefetchd.bench.floor import _walk
+
+    walks = [list(itertools.islice(_walk(10, first, 4), 12)) for first in range(4)]
+    assert [walk[0] for walk in walks] == [(1, 0), (1, 2), (1, 5), (1, 7)]
+    for walk in walks:  # each goes on over every file, into the next epoch
+        assert sorted(i for _, i in walk[:10]) == list(range(10))
+    assert walks[0][10:] == [(2, 0), (2, 1)] and walks[3][3] == (2, 0)
+
+
 def test_the_parallel_floor_does_not_import_the_callers_script_again(shapes_data: Path, tmp_path: Path) -> None:
     # multiprocessing's spawn would import it in every process (gpu_check: torch and torchvision).
     marker = tmp_path / "imported-again"

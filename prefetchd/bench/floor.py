@@ -19,7 +19,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -181,6 +181,17 @@ class _LoopJob(NamedTuple):
     seconds: float
 
 
+def _walk(files: int, first: int, every: int) -> Iterator[tuple[int, int]]:
+    """(epoch, file) for the ``first``-th of ``every`` loops, from epoch 1 on: each starts its own
+    share of the way into the files, as the daemon's workers are each at a batch of their own.
+    All from file 0 would read the same file with the same crop at the same moment."""
+    position = first * files // every
+    while True:
+        epoch, i = divmod(position, files)
+        yield epoch + 1, i
+        position += 1
+
+
 _LOOP_MAIN = "from prefetchd.bench.floor import _parallel_loop; _parallel_loop()"
 
 
@@ -196,9 +207,8 @@ def _parallel_loop() -> None:
     print(json.dumps("ready"), flush=True)
     sys.stdin.buffer.read()  # until the parent closes it
     done, start = 0, time.perf_counter()
-    while True:
-        epoch, i = divmod(done, len(paths))
-        one(epoch + 1, i)
+    for epoch, i in _walk(len(paths), job.first, job.every):
+        one(epoch, i)
         done += 1
         elapsed = time.perf_counter() - start
         if elapsed >= job.seconds:
