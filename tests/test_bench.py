@@ -144,8 +144,12 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
         run_benchmark(shapes_data / "train", workers_list=(10_000,), out_dir=tmp_path)
     with pytest.raises(ValueError, match="or batches="):
         run_benchmark(shapes_data / "train", seconds=None, out_dir=tmp_path)
-    with pytest.raises(ValueError, match="not a directory"):
+    # --generate applies only without --data: the way out is to leave --data out.
+    with pytest.raises(ValueError, match="not a directory.*leave out --data"):
         run_benchmark(tmp_path / "missing", out_dir=tmp_path)
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no images in class folders.*leave out --data"):
+        run_benchmark(tmp_path / "empty", out_dir=tmp_path / "out")
     result = CliRunner().invoke(bench_command, ["--workers", "0", "--data", str(shapes_data / "train")])
     assert result.exit_code == 2 and "worker counts must be 1 or more" in result.output
     # Refused before the dataset is generated (1500 images by default: a minute), not after.

@@ -430,3 +430,11 @@ def test_fetch_gpu_wheels_covers_every_dependency_the_gpu_image_lacks() -> None:
     assert "needs tomli-w" in proc.stderr and "WHEELS" in proc.stderr
     assert not proc.stdout
 
+
+
+@pytest.mark.parametrize("batches", ["0", "1"])
+def test_h2d_bench_refuses_fewer_than_two_batches(batches: str) -> None:
+    # The first batch of each pass is left out: 0 crashed in statistics.median, 1 printed "median of 0 batches".
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "h2d_bench.py"), "--batches", batches],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and f"--batches: {batches}: pass 2 or more" in proc.stderr, proc.stderr

@@ -8,7 +8,8 @@ Over JPEGs of the class-folder dataset DATA (every file, or an even sample of
 
 * the header: Pillow's parser with the EXIF orientation (what the daemon read for every
   file before ``plain_header``, and still reads for any other) and ``jpeg_crop.plain_header``;
-* torchvision ``decode_jpeg`` (what the daemon's fast path runs);
+* torchvision ``decode_jpeg`` (what the daemon runs for a plain JPEG at full scale where the
+  crop-aware decode below is not built or refuses the file; the fast path is that crop-aware decode);
 * Pillow ``Image.open().convert("RGB")`` (what ImageFolder's loader runs);
 * simplejpeg at full size and at the smallest libjpeg-turbo scale (M/8) that keeps the
   sample's RandomResizedCrop box at least ``--size`` pixels — if ``simplejpeg`` is installed;

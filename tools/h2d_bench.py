@@ -161,10 +161,24 @@ def loader_per_batch(buffer: Path, batches: int, device: torch.device, pin: str,
     return statistics.median(times[1:] or times)
 
 
+def batch_count(text: str) -> int:
+    """``--batches``: 2 or more, for the first of each pass (page faults, cuDNN and allocator warm-up) is not
+    counted, and the median of none is no figure."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if count < 2:
+        raise argparse.ArgumentTypeError(f"{count}: pass 2 or more; the first batch of each pass is left out of "
+                                         "the median, so fewer leave nothing to measure")
+    return count
+
+
 @stops_cleanly
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--batches", type=batch_count, default=16,
+                        help="batch files to write and read (at least 2: the first of each pass is left out)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--step-ms", default="0,30", help="comma-separated simulated GPU step times")

@@ -102,7 +102,8 @@ def describe_dataset(root: Path) -> dict[str, Any]:
                 if f.lower().endswith(IMG_EXTENSIONS):
                     sizes.append(os.path.getsize(os.path.join(dirpath, f)))
     if not sizes:
-        raise ValueError(f"{root} holds no images in class folders; pass an ImageFolder-style dataset or use --generate")
+        raise ValueError(f"{root} holds no images in class folders; pass an ImageFolder-style dataset, or leave "
+                         "out --data and `prefetchd bench` generates an ImageNet-like one (--generate N images)")
     return {
         "root": str(root),
         "classes": len(classes),

@@ -67,7 +67,8 @@ def run_benchmark(
     say = report or log.info
     data = Path(data).resolve()
     if not data.is_dir():
-        raise ValueError(f"--data {data} is not a directory; pass a class-folder dataset or use --generate")
+        raise ValueError(f"--data {data} is not a directory; pass a class-folder dataset, or leave out --data "
+                         "and `prefetchd bench` generates an ImageNet-like one (--generate N images)")
     usable = sorted(usable_cores())
     workers_list = worker_counts(workers_list)
     if batches is not None:
