@@ -156,7 +156,9 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 @click.option("--timeout", type=FiniteFloat(0), default=60.0, show_default=True, help="Seconds to wait for the daemon's answer.")
 @click.pass_context
 def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
-    """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status)."""
+    """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status).  Exit code 0:
+    accepted; 1: refused, or no answer within --timeout; 2: a bad setting (nothing written); 3: no daemon owns
+    BUFFER (the job waits in job.json for one to start)."""
     flags = {k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
     settings: dict[str, Any] = {}
     from_file: set[str] = set()
@@ -176,11 +178,13 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
     request = JobRequest(settings, replace)
     request.write(buffer)
     if daemon_pid(buffer) is None:
+        # Exit 3, not 0: nothing has accepted the job, and a mistyped --buffer looks just like this. job.json
+        # stays, since a daemon started on the buffer later adopts it (README, "Jobs").
         made = (f" (this created {buffer}: if you meant a running daemon's buffer, check the path; a service's "
                 "daemon refuses a buffer another user made)") if created else ""
         click.echo(f"submitted job {request.job_id}; no daemon owns {buffer} yet, the job waits in job.json until "
                    f"one starts{made}")
-        return
+        sys.exit(EXIT_NOT_RUNNING)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -193,6 +197,10 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
             click.echo(f"job {request.job_id} {verdict}: {result.reason}")
             sys.exit(0 if result.accepted else EXIT_FAILURE)
         time.sleep(0.1)
+    if daemon_pid(buffer) is None:  # it stopped while we waited
+        click.echo(f"the daemon on {buffer} stopped before it answered job {request.job_id}; the job waits in "
+                   "job.json until one starts", err=True)
+        sys.exit(EXIT_NOT_RUNNING)
     click.echo(f"the daemon on {buffer} did not answer job {request.job_id} within {timeout:.0f} s; "
                f"see `prefetchd status --buffer {buffer}`", err=True)
     sys.exit(EXIT_FAILURE)

@@ -599,6 +599,16 @@ def test_submit_refuses_a_bad_setting_before_it_writes_the_job(
     assert not buffer.exists()  # no job.json, no buffer made for it
 
 
+def test_a_submit_no_daemon_answers_exits_3_and_leaves_the_job_for_one(runner: CliRunner, tmp_path: Path) -> None:
+    """A mistyped --buffer used to exit 0, as an accepted job does: a script could not tell them apart."""
+    buffer = tmp_path / "mistyped"
+    result = runner.invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data", str(tmp_path),
+                                                "--timeout", "2"])
+    assert result.exit_code == EXIT_NOT_RUNNING == 3, result.output
+    assert f"no daemon owns {buffer} yet" in result.output and "check the path" in result.output, result.output
+    assert (buffer / "job.json").is_file()  # for a daemon started on it later, which adopts it
+
+
 @pytest.mark.parametrize("command", ["stop", "submit"])
 def test_a_negative_timeout_is_refused(runner: CliRunner, shm_buffer: Path, command: str) -> None:
     result = runner.invoke(prefetchd_cli.main, [command, "--buffer", str(shm_buffer), "--timeout", "-5"])
