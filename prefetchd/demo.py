@@ -21,7 +21,8 @@ import click
 
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, stops_cleanly
-from prefetchd.synthetic import make_shapes_dataset
+from prefetchd.synthetic import DatasetSummary, make_shapes_dataset
+from prefetchd.words import counted
 
 CLASSES = 4
 VAL_PER_CLASS = 40
@@ -30,6 +31,21 @@ DAEMON_STOP_SECONDS = 30.0
 
 def _start_daemon(buffer: Path, data: Path, split: str, common: dict[str, int], log: Path) -> subprocess.Popen[bytes]:
     return launch(start_argv(buffer, {"data": data, "split": split, "reset": True, **common}), log=log)
+
+
+def generate_data(data: Path, train_per_class: int) -> DatasetSummary:
+    """Step 1, with a progress bar on a terminal.  The count is in the bar's label, not only in the bar:
+    written elsewhere (a pipe, a log), click prints the label alone, once."""
+    click.echo(f"[1/3] generating {CLASSES} classes of coloured shapes in {data}")
+    total = CLASSES * (train_per_class + VAL_PER_CLASS)
+    with click.progressbar(length=total, label=f"      {counted(total, 'image')}") as bar:
+        summary = make_shapes_dataset(
+            data, classes=CLASSES, train_per_class=train_per_class, val_per_class=VAL_PER_CLASS, seed=0,
+            progress=lambda done, total: bar.update(done - bar.pos),
+        )
+    counts = ", ".join(f"{split} {n}" for split, n in summary.counts.items())
+    click.echo(f"      classes: {', '.join(summary.classes)} ({counts})")
+    return summary
 
 
 @stops_cleanly
@@ -42,13 +58,7 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
     data = work / "data"
     daemons: list[subprocess.Popen[bytes]] = []
     try:
-        click.echo(f"[1/3] generating {CLASSES} classes of coloured shapes in {data}")
-        with click.progressbar(length=CLASSES * (train_per_class + VAL_PER_CLASS), label="      images") as bar:
-            summary = make_shapes_dataset(
-                data, classes=CLASSES, train_per_class=train_per_class, val_per_class=VAL_PER_CLASS, seed=0,
-                progress=lambda done, total: bar.update(done - bar.pos),
-            )
-        click.echo(f"      classes: {', '.join(summary.classes)}")
+        generate_data(data, train_per_class)
 
         # On a small machine the trainer needs most of the cores; the buffers are
         # pre-filled before it starts, so one worker per daemon keeps up.

@@ -1,0 +1,43 @@
+"""`prefetchd demo`'s first step: what it prints to a pipe and to a terminal."""
+
+from __future__ import annotations
+
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GENERATE = "import sys; from pathlib import Path; from prefetchd.demo import generate_data; generate_data(Path(sys.argv[1]), 2)"
+TOTAL = 4 * (2 + 40)  # CLASSES * (train_per_class + VAL_PER_CLASS)
+
+
+def test_the_image_count_is_printed_when_output_is_not_a_terminal(tmp_path: Path) -> None:
+    """click prints a progress bar's label alone there: a bare '      images' line, no count."""
+    out = subprocess.run([sys.executable, "-c", GENERATE, str(tmp_path / "data")], capture_output=True, text=True,
+                         timeout=120, check=True)
+    lines = out.stdout.splitlines()
+    assert f"      {TOTAL} images" in lines, out.stdout
+    assert "(train 8, val 160)" in out.stdout, out.stdout
+
+
+def test_the_image_count_is_in_the_progress_bar_on_a_terminal(tmp_path: Path) -> None:
+    main, child = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", GENERATE, str(tmp_path / "data")], stdout=child, stderr=child)
+    os.close(child)
+    said = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        said += chunk
+    os.close(main)
+    assert proc.wait(timeout=120) == 0, said
+    if b"[" not in said:
+        pytest.skip("click drew no bar on this pseudo-terminal")
+    assert f"{TOTAL} images".encode() in said and b"100%" in said, said
