@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the trainer's tests use these examples too, and the trainer
     from prefetchd.daemon.status_view import StatusReport
 
 TRAINER = TrainerStatus(pid=777, alive=True, progress_age_s=0.4)
+NO_TRAINER = TrainerStatus(pid=None, alive=None, progress_age_s=None)  # no progress file read yet
 POSITION = Position(epoch=1, step=40, trainer_wait_share=None)
 ERRORS = Errors(replaced_samples=0, undecodable_files=0, undecodable=(), worker_restarts=0, write_failures=0,
                 progress_file="")
@@ -55,6 +56,13 @@ def stream(rank: int = 0, **changes: Any) -> StreamStatus:
     base = StreamStatus(rank=rank, trainer=TRAINER, progress=POSITION, waiting=12, building=2, progress_file="",
                         consumers=(CONSUMER,))
     return dataclasses.replace(base, **changes)
+
+
+def production_without_trainer(ranks: int = 1, **changes: Any) -> Production:
+    """What a daemon writes before any trainer has written progress: its start position, no pid, no consumers."""
+    start = Position(epoch=0, step=0, trainer_wait_share=None)
+    streams = tuple(stream(r, trainer=NO_TRAINER, progress=start, consumers=()) for r in range(ranks))
+    return production(**{"progress": start, "trainer": NO_TRAINER, "streams": streams, **changes})
 
 
 def production(**changes: Any) -> Production:

@@ -176,8 +176,10 @@ def format_status(report: StatusReport) -> str:
         p, r, e = pr.progress, pr.rates, pr.errors
         share = p.trainer_wait_share
         fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
+        where = (f"no trainer yet (the buffer starts at epoch {p.epoch} step {p.step})" if _no_trainer_yet(pr) else
+                 f"{_lead_name(pr)} at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, _all_left(pr))}")
         lines += [
-            f"  progress  {_lead_name(pr)} at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, _all_left(pr))}",
+            f"  progress  {where}",
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting"
             + (", " if state == State.DONE else f" (builds again at {pr.low_water} waiting), ") + f"{pr.building} building",
             *_cap_line(pr),
@@ -204,8 +206,9 @@ def format_status(report: StatusReport) -> str:
                 sp = s.progress
                 share = sp.trainer_wait_share
                 waits = f", waiting for data {share:.1%}" if share is not None else ""
+                where = "no trainer yet" if _stream_has_no_trainer(s) else f"trainer at epoch {sp.epoch} step {sp.step}"
                 lines.append(f"  rank {s.rank:<5} {fill_bar(s.waiting, per_rank, 12)} {s.waiting}/{per_rank} "
-                             f"waiting, trainer at epoch {sp.epoch} step {sp.step}{waits}")
+                             f"waiting, {where}{waits}")
         for s in streams:
             # Several trainers share the buffer (or one named consumer reads it): one line each.
             if _consumer_lines_shown(s):
@@ -292,6 +295,17 @@ def _lead_name(pr: Production) -> str:
     """Whom the progress line is about: with consumer lines below, the slowest consumer that holds batches
     (status.json's ``progress``), which is one of them; else the one trainer."""
     return "slowest consumer" if any(_consumer_lines_shown(s) for s in pr.streams) else "trainer"
+
+
+def _stream_has_no_trainer(s: StreamStatus) -> bool:
+    """No progress file of this rank was ever read: its position is where the daemon starts, no trainer's.
+    A trainer that wrote one has a pid or a progress age (its writer predating ``pid``), or is a consumer."""
+    return not s.consumers and s.trainer.pid is None and s.trainer.progress_age_s is None
+
+
+def _no_trainer_yet(pr: Production) -> bool:
+    return (pr.trainer.pid is None and pr.trainer.progress_age_s is None
+            and all(_stream_has_no_trainer(s) for s in pr.streams))
 
 
 def _all_left(pr: Production) -> bool:

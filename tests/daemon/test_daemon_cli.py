@@ -25,7 +25,8 @@ from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemo
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
-from tests.status_examples import CONSUMER, STORAGE_WAIT, bad_files, production, report, stream, write_status_at_heartbeat
+from tests.status_examples import CONSUMER, STORAGE_WAIT, bad_files, production, production_without_trainer, report, stream
+from tests.status_examples import write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 LOCK = "daemon.lock"
@@ -443,6 +444,18 @@ def test_the_progress_line_names_the_slowest_consumer_when_consumers_are_listed(
     assert "  progress  trainer at epoch" in alone and "  consumer  " not in alone
     shared = _running_status_text(streams=(stream(consumers=(CONSUMER,)),))
     assert "  progress  slowest consumer at epoch" in shared and "  consumer  trial-3 at epoch" in shared
+
+
+def test_status_says_no_trainer_yet_before_any_trainer_wrote_progress() -> None:
+    """It said 'trainer at epoch 0 step 0', as if one were there, stuck at the start."""
+    text = status_view.format_status(report(status_example(production=production_without_trainer())))
+    assert "  progress  no trainer yet (the buffer starts at epoch 0 step 0)" in text, text
+    assert "trainer at epoch" not in text, text
+    rank_1_only = production_without_trainer(2).streams[1]
+    ranks = status_view.format_status(report(status_example(production=production_without_trainer(
+        2, high_water=8, streams=(stream(0), rank_1_only), progress=stream(0).progress, trainer=stream(0).trainer))))
+    assert "  progress  slowest consumer at epoch 1 step 40" in ranks, ranks  # rank 0 has one
+    assert re.search(r"rank 1 .* waiting, no trainer yet", ranks) and "rank 0     [" in ranks, ranks
 
 
 def test_a_stopped_daemons_status_still_names_its_bad_files(tmp_path: Path) -> None:
