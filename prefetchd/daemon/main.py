@@ -57,6 +57,7 @@ JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
 TRAINER_ACTIVE_SECONDS = 30.0
 # How the answer to a job that was accepted and then failed begins (`prefetchd status` shows it as such).
 FAILED_WHILE_PRODUCING = "failed while producing"
+FINISHED_PRODUCING = "finished producing"  # an accepted job's answer once its epochs are consumed
 WAIT_STATUS_SECONDS = 1.0
 
 
@@ -90,7 +91,9 @@ class JobInbox:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def answer(self, job_id: str | None, accepted: bool, reason: str) -> None:
-        (log.info if accepted else log.warning)("job %s %s: %s", job_id or "(unreadable)", "accepted" if accepted else "refused", reason)
+        verdict = reason if reason.startswith((FAILED_WHILE_PRODUCING, FINISHED_PRODUCING)) else \
+            f"{'accepted' if accepted else 'refused'}: {reason}"
+        (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", verdict)
         self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
@@ -432,6 +435,10 @@ def _serve(cfg: DaemonConfig) -> int:
                 if producer.next_job is not None:
                     replaced, job, reset = job, producer.next_job, True
                 elif serve_jobs and producer.finished:
+                    # Its answer said "producing" next to the state waiting-for-job. Only the running job's
+                    # answer is replaced: one refused meanwhile stays for its submitter to read.
+                    if running_id is not None and inbox.result is not None and inbox.result.job_id == running_id:
+                        inbox.answer(running_id, True, f"{FINISHED_PRODUCING} {job.data}: every epoch was read")
                     job = None
                 else:
                     break

@@ -127,6 +127,12 @@ def test_a_job_whose_epochs_were_all_consumed_is_refused_saying_how_to_produce_i
     assert len(list(loader)) == len(loader) > 0
     loader.close()
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to finish the job")
+    # Its answer says so: "accepted: producing ..." beside waiting-for-job read as if it were still running.
+    done = job_result_of(buffer)
+    assert done is not None and done.accepted and done.reason == \
+        f"finished producing {shapes_data / 'val'}: every epoch was read", done
+    shown = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True, timeout=60).stdout
+    assert f"  last job  {done.job_id} finished producing {shapes_data / 'val'}" in shown, shown
 
     fds = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
     for _ in range(3):
