@@ -33,7 +33,7 @@ import torch
 
 from prefetchd.locations import (LocationError, StorageDenied, StorageUnavailable, filesystem, probe_folder,
                                  with_retries)
-from prefetchd.trainer.config import TrainConfig, plain_config
+from prefetchd.trainer.config import TrainConfig, plain_config, setting_value, shown_setting
 from prefetchd.trainer.errors import CheckpointError
 from prefetchd.words import counted
 
@@ -307,8 +307,10 @@ def check_resumable(path: Path | str, doc: Mapping[str, Any], config: TrainConfi
                 f"{path}: the checkpoint was taken with --{key} {saved[key]}, this run has --{key} "
                 f"{getattr(config, key)}; resume with the checkpoint's settings or use another --checkpoint-dir"
             )
-    changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in plain_config(config).items()
-               if k in saved and saved[k] != v and k not in _RESUME_FREE]
+    now = plain_config(config)
+    # Compared and shown as used: a None in either is the optimizer's default, not a value of its own.
+    changed = [f"{k}: {shown_setting(saved, k)} -> {shown_setting(now, k)}" for k in now
+               if k in saved and setting_value(saved, k) != setting_value(now, k) and k not in _RESUME_FREE]
     if changed and warn:
         logger.warning("resuming %s with changed settings: %s", path, "; ".join(changed))
 

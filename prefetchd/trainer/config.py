@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import MISSING, dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from prefetchd.buffer_protocol import check_consumer
@@ -79,10 +80,29 @@ class TrainConfig:
         return self.weight_decay if self.weight_decay is not None else OPTIMIZER_DEFAULTS[self.optimizer][1]
 
 
+# The settings whose None stands for OPTIMIZER_DEFAULTS[optimizer][i].
+OPTIMIZER_DEFAULTED = {"lr": 0, "weight_decay": 1}
+
+
+def setting_value(settings: Mapping[str, Any], key: str) -> Any:
+    """``settings[key]`` of a ``plain_config`` (a checkpoint's, say), with None resolved where it stands for
+    the optimizer's default: the value the run used."""
+    value = settings[key]
+    if value is None and key in OPTIMIZER_DEFAULTED and settings.get("optimizer") in OPTIMIZER_DEFAULTS:
+        return OPTIMIZER_DEFAULTS[settings["optimizer"]][OPTIMIZER_DEFAULTED[key]]
+    return value
+
+
+def shown_setting(settings: Mapping[str, Any], key: str) -> str:
+    """``settings[key]`` for a message: "default (0.0005)" where None stood for the optimizer's default."""
+    value = setting_value(settings, key)
+    return f"default ({value:g})" if settings[key] is None and value is not None else repr(value)
+
+
 def plain_config(config: TrainConfig) -> dict[str, Any]:
     """The config as JSON-ready values (paths as strings), for metrics and checkpoints."""
     return {f.name: (str(v) if isinstance(v := getattr(config, f.name), Path) else v)
             for f in dataclasses.fields(config)}
 
 
-__all__ = ["OPTIMIZERS", "OPTIMIZER_DEFAULTS", "TrainConfig", "plain_config"]
+__all__ = ["OPTIMIZERS", "OPTIMIZER_DEFAULTED", "OPTIMIZER_DEFAULTS", "TrainConfig", "plain_config", "setting_value", "shown_setting"]

@@ -168,6 +168,21 @@ def test_a_resume_follows_this_runs_lr_decay_and_schedule_not_the_checkpoints(
     warned = [r.getMessage() for r in caplog.records if "resuming at global step 4 with a learning rate" in r.getMessage()]
     assert warned and f"{0.5 * warmup_cosine(0, 12)(4):.4g}, not the checkpoint's {0.05 * warmup_cosine(0, 6)(4):.4g}" \
         in warned[0], warned
+    # The checkpoint's None for --lr and --weight-decay is the optimizer's default: say which, not "None".
+    changed = [r.getMessage() for r in caplog.records if "with changed settings" in r.getMessage()]
+    assert changed and "lr: default (0.05) -> 0.5" in changed[0] and "None" not in changed[0], changed
+    assert "weight_decay: default (0.0005) -> 0.01" in changed[0] and "momentum: 0.9 -> 0.5" in changed[0], changed
+
+
+def test_a_resume_that_names_the_default_a_checkpoint_left_to_the_optimizer_changes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from prefetchd.trainer.checkpoint import check_resumable
+    from prefetchd.trainer.config import plain_config
+    saved = plain_config(TrainConfig(buffer=tmp_path))
+    with caplog.at_level("WARNING"):
+        check_resumable(tmp_path / "last.pt", {"config": saved}, TrainConfig(buffer=tmp_path, lr=0.05, weight_decay=5e-4), 1)
+    assert not [r for r in caplog.records if "changed settings" in r.getMessage()]  # sgd's defaults, written out
 
 
 def test_checkpoint_after_the_last_step_of_an_epoch_resumes_with_validation(
