@@ -402,8 +402,9 @@ class BatchWaiter:
         return True
 
     def _restart_hint(self) -> str:
-        """How to bring the daemon back: the command that resumes the job, unless it failed, where that
-        command (which names the job, not the daemon's own policy flags) would fail the same way."""
+        """How to bring the daemon back, for DaemonGone and DaemonStuck alike: the command that resumes the
+        job, which names the job only, so the daemon's own flags (--high-water, --workers) are to be added;
+        unless it failed, where that command would fail the same way."""
         try:
             status = read_status(self.buffer)
         except (ProtocolError, OSError):
@@ -450,10 +451,9 @@ class BatchWaiter:
             f"{self.buffer}: the daemon (pid {pid}) owns this buffer but has written no {what} for {age:.1f} s "
             f"(stall_timeout {self.stall:g} s; last state {state}) "
             f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
-            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then restart it "
-            f"(`kill {pid}`, `kill -9 {pid}` if it does not go, then `{job_command(self.manifest, self.buffer)}`): "
-            "the new daemon resumes from "
-            "progress.json. If it is only slow, pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
+            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then stop it "
+            f"(`kill {pid}`, `kill -9 {pid}` if it does not go). {self._restart_hint()}. If it is only slow, pass a "
+            "larger stall_timeout (prefetchd-train --daemon-timeout)"
         )
 
 

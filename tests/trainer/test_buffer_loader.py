@@ -546,8 +546,12 @@ def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> Non
     job = make_job()
     job.claim(os.getpid())
     write_status_at_heartbeat(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
-    with pytest.raises(DaemonStuck, match=r"no heartbeat for 10\d\.\d s.*last state filling"):
+    with pytest.raises(DaemonStuck, match=r"no heartbeat for 10\d\.\d s.*last state filling") as info:
         next(iter(BufferLoader(job.buffer, timeout=30, stall_timeout=60)))
+    # The restart DaemonGone suggests, caveat included: the command names the job, not --high-water & co.
+    msg = str(info.value)
+    assert f"Restart it with `prefetchd start --buffer {job.buffer} --data /data/fake" in msg, msg
+    assert "and the daemon's own flags it was started with (such as --workers or --high-water)" in msg, msg
 
 
 def test_stall_timeout_none_disables_the_check(make_job: MakeJob) -> None:
