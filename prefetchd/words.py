@@ -13,6 +13,12 @@ def counted(count: int, noun: str) -> str:
     return f"{count} {noun}es" if noun.endswith(("s", "x", "sh", "tch")) else f"{count} {noun}s"
 
 
+def agreeing(count: int, one: str, many: str) -> str:
+    """``one`` when ``count`` is 1, else ``many``: the words that agree with ``counted(count, ...)``,
+    as in f"{counted(n, 'file')} {agreeing(n, 'is', 'are')} ..."."""
+    return one if count == 1 else many
+
+
 def rank_ranges(ranks: list[int]) -> str:
     """"0-3,6" for [0, 1, 2, 3, 6]; how --ranks is written."""
     parts: list[str] = []
@@ -34,4 +40,4 @@ def binary_size(n: float) -> str:
     return f"{n / 2**10:.1f} KiB" if n >= 2**10 else counted(int(n), "byte")
 
 
-__all__ = ["binary_size", "counted", "rank_ranges"]
+__all__ = ["agreeing", "binary_size", "counted", "rank_ranges"]

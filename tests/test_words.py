@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefetchd.words import binary_size, counted
+from prefetchd.words import agreeing, binary_size, counted
 
 
 @pytest.mark.parametrize(("count", "noun", "expected"), [
@@ -24,3 +24,7 @@ def test_counted_nouns_are_plural_unless_one(count: int, noun: str, expected: st
 def test_a_size_is_said_in_the_unit_that_shows_it(n: float, expected: str) -> None:
     """Never "0.0 MiB" or "0.0 KiB": below a KiB, bytes."""
     assert binary_size(n) == expected
+
+
+def test_agreeing_words_follow_the_count() -> None:
+    assert [agreeing(n, "is", "are") for n in (0, 1, 2)] == ["are", "is", "are"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from prefetchd.daemon.errors import DatasetError
-from prefetchd.words import counted
+from prefetchd.words import agreeing, counted
 
 log = logging.getLogger(__name__)
 
@@ -251,9 +251,10 @@ def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None, th
 APPLE_DOUBLE_PREFIX = "._"  # the metadata files macOS writes beside each file on a volume that lacks its attributes
 
 
-def apple_double_advice(root: str | Path) -> str:
-    """What to do about macOS's '._*' files in the dataset at ``root``."""
-    return f"delete them (`find {root} -name '{APPLE_DOUBLE_PREFIX}*' -delete`) and start again with --reset"
+def apple_double_advice(root: str | Path, count: int = 2) -> str:
+    """What to do about macOS's '._*' files (``count`` of them) in the dataset at ``root``."""
+    return (f"delete {agreeing(count, 'it', 'them')} (`find {root} -name '{APPLE_DOUBLE_PREFIX}*' -delete`) and "
+            "start again with --reset")
 
 
 def _is_folder(entry: os.DirEntry[str]) -> bool:
@@ -321,10 +322,12 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
     log.info("indexed %s: %s (%.0f bytes of index per sample)", root, sized(len(index), len(classes)),
              index.nbytes / max(1, len(index)))
     if apple_double:
-        log.warning("%s named '._*' (macOS AppleDouble metadata, not images), e.g. %s, are samples here, as "
-                    "ImageFolder counts them too: each is replaced by the next sample that decodes, and a run of "
-                    "them ends the job: %s", counted(len(apple_double), "file"), apple_double[0],
-                    apple_double_advice(root))
+        n = len(apple_double)
+        log.warning("%s named '._*' (macOS AppleDouble metadata, not %s), %s %s, %s here, as ImageFolder counts %s "
+                    "too: %s replaced by the next sample that decodes%s: %s", counted(n, "file"),
+                    agreeing(n, "an image", "images"), agreeing(n, "namely", "e.g."), apple_double[0],
+                    agreeing(n, "is a sample", "are samples"), agreeing(n, "it", "them"), agreeing(n, "it is", "each is"),
+                    agreeing(n, "", ", and a run of them ends the job"), apple_double_advice(root, n))
     return Scan(index, stamps)
 
 

@@ -507,3 +507,16 @@ def test_macos_metadata_files_are_indexed_as_imagefolder_does_and_named_in_a_war
     [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "4 files named '._*' (macOS AppleDouble metadata" in warning, warning
     assert f"`find {tmp_path / 'ds'} -name '._*' -delete`" in warning, warning
+
+
+def test_one_macos_metadata_file_is_said_in_the_singular(
+        tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture) -> None:
+    """It read "1 file named '._*' ..., e.g. X, are samples here"."""
+    make_image(tmp_path / "ds" / "cat" / "0.jpg")
+    (tmp_path / "ds" / "cat" / "._0.jpg").write_bytes(b"\x00\x05\x16\x07" + bytes(60))
+    with caplog.at_level("WARNING", logger="prefetchd.daemon.dataset"):
+        scan_class_folders(tmp_path / "ds")
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert (f"1 file named '._*' (macOS AppleDouble metadata, not an image), namely {tmp_path / 'ds' / 'cat' / '._0.jpg'}, "
+            "is a sample here, as ImageFolder counts it too: it is replaced by the next sample that decodes: delete it "
+            "(`find") in warning, warning
