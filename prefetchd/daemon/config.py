@@ -222,6 +222,13 @@ FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
 LIST_FIELDS = tuple(name for name, f in FIELDS.items() if f.metadata.get("multiple"))
 
 
+# `prefetchd start`'s options that are not DaemonConfig fields, and where they are set instead.
+COMMAND_LINE_ONLY = {
+    "log_level": "set it with --log-level on the command line (a service's: in its unit's ExecStart)",
+    "config": "a config file cannot name another; the one read is the command line's --config",
+}
+
+
 def load_toml(path: Path) -> dict[str, Any]:
     """Read a config file; keys are the CLI flag names with '-' or '_'."""
     try:
@@ -236,6 +243,9 @@ def load_toml(path: Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in COMMAND_LINE_ONLY:
+            raise ConfigError(f"{path}: {key!r} is not a config key: {COMMAND_LINE_ONLY[name]}; allowed keys are "
+                              f"{', '.join(sorted(FIELDS))}")
         if name not in FIELDS:
             raise ConfigError(f"{path}: unknown key {key!r}; allowed keys are {', '.join(sorted(FIELDS))}")
         if name in values:  # batch_size and batch-size: which one was meant?

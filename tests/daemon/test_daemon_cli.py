@@ -132,6 +132,24 @@ def test_unknown_key_in_config_exits_2(
     assert captured == []
 
 
+@pytest.mark.parametrize(("key", "needle"), [
+    ("log_level", "'log_level' is not a config key: set it with --log-level on the command line (a service's: in its "
+                  "unit's ExecStart)"),
+    ("log-level", "'log-level' is not a config key: set it with --log-level"),
+    ("config", "'config' is not a config key: a config file cannot name another"),
+])
+def test_a_command_line_only_option_in_a_config_file_says_where_it_is_set(
+    runner: CliRunner, captured: list[DaemonConfig], caplog: pytest.LogCaptureFixture, tmp_path: Path, key: str,
+    needle: str,
+) -> None:
+    """It was refused as an unknown key, with the list of allowed ones, which does not have it either."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f"{key} = 'debug'\n")
+    code, text = _start_error(runner, caplog, ["--config", str(bad), "--buffer", str(tmp_path / "bf")])
+    assert code == EXIT_USAGE and needle in " ".join(text.split()) and "allowed keys are" in text, text
+    assert captured == []
+
+
 @pytest.mark.parametrize(
     ("toml", "args", "needle"),
     [
