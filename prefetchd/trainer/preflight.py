@@ -135,10 +135,11 @@ def agree_on_options(config: TrainConfig, validation: bool, coll: Collective) ->
 
 def check_metrics_paths(config: TrainConfig, coll: Collective) -> None:
     """Refuse, before any daemon is started, a --metrics-json or --metrics-csv that rank 0 (which writes
-    them) cannot write: without this the run failed after its first epoch, with a traceback."""
+    them) cannot write: without this the run failed after its first epoch, with a traceback.  A bad
+    argument, as click's own path checks are: exit code 2, naming the flag and the path."""
     problem = coll.broadcast(metrics_unwritable(config) if coll.ranks.is_main else None)
     if problem is not None:
-        raise SetupError(problem)
+        raise OptionError(problem)
 
 
 def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader | None, epochs: int) -> None:

@@ -105,8 +105,8 @@ def test_an_unwritable_metrics_path_is_refused_before_the_first_step(buffer: Pat
     path = where if where.startswith("/") else str(tmp_path / where)
     # No daemon serves the buffer: the check comes before any wait for one (and before a spawned daemon).
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu", flag, path])
-    assert result.exit_code == 1, result.output
-    assert result.stderr.startswith(f"Error: {flag} {path}: ") and len(result.stderr.strip().splitlines()) == 1
+    assert result.exit_code == 2, result.output  # a bad argument, as every other one (it was 1)
+    assert f"\nError: {flag} {path}: " in result.stderr and result.stderr.strip().splitlines()[-1].startswith("Error: ")
     assert ("does not exist; create it first" in result.stderr) == where.startswith("missing")
     assert not (tmp_path / "missing").exists()  # a typo in the folder is refused, not created
 
