@@ -348,6 +348,7 @@ class Producer:
                     log.warning(msg)
                     self.stats.low_space_pauses += 1
                 self.state, self.message = State.PAUSED_LOW_SPACE, msg
+                self.storage_wait = None  # what holds production now is the tmpfs, not the dataset's storage
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
             if self.state == State.PAUSED_LOW_SPACE:  # said, as the pause was: a log's last word is not "paused"
@@ -366,6 +367,7 @@ class Producer:
             pending = PendingBatch.begin(final, layout, self.spares)
         except OSError as exc:  # e.g. a directory planted under the name, out of inodes
             self.stats.write_failures += 1
+            self._failing(f"cannot create {temp_name(final).name}: {exc.strerror}")
             log.warning("cannot create %s: %s; retrying in %.0f s", temp_name(final), exc.strerror, RETRY_SECONDS)
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return False
@@ -404,10 +406,7 @@ class Producer:
             if not build.failed:  # a failed build, not a failed task (SPEC's errors.write_failures); also one a
                 build.failed = True  # rewind cancelled: the tmpfs is as full, and the status says so
                 self.stats.write_failures += 1
-                self.last_failure = f"batch {build.tmp.name}: {result.reason}"
-                if result.storage:  # the trainers' loaders wait on while this is in the status
-                    since = self.storage_wait.since if self.storage_wait is not None else time.time()
-                    self.storage_wait = StorageWait(since=since, reason=self.last_failure)
+                self._failing(f"batch {build.tmp.name}: {result.reason}", storage=result.storage)
                 self.failure_lines.log(log, logging.WARNING, "batch %s: %s; retrying in %.0f s", build.tmp.name,
                                        result.reason, RETRY_SECONDS, others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
@@ -437,6 +436,17 @@ class Producer:
         if build.remaining == 0:
             self._publish(build)
 
+    def _failing(self, why: str, storage: bool = False) -> None:
+        """Builds fail, and ``why`` (the status says it until a batch is published).  ``storage``: for the
+        dataset's storage, which the trainers' loaders wait on while the status says so; any other failure
+        ends that wait, or a loader would wait on for good behind a daemon that storage no longer holds up."""
+        self.last_failure = why
+        if not storage:
+            self.storage_wait = None
+        else:
+            since = self.storage_wait.since if self.storage_wait is not None else time.time()
+            self.storage_wait = StorageWait(since=since, reason=why)
+
     def _publish(self, build: Build) -> None:
         stream = build.stream
         del stream.building[build.g]
@@ -452,7 +462,7 @@ class Producer:
             if final.is_dir() and not final.is_symlink():  # made by hand: nothing else makes one there
                 why += f" ({final} is a directory: remove it)"
             # In the status too, as for a failed build: once a second, a count alone said nothing of why.
-            self.last_failure = why
+            self._failing(why)
             self.failure_lines.log(log, logging.WARNING, "%s; retrying in %.0f s", why, RETRY_SECONDS,
                                    others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS

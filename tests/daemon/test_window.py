@@ -275,3 +275,49 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
     _, task = build(1, 1)
     producer._complete(task, Filled(1, ((0, 1, 0),), (), 0.0))
     assert producer._message() == "" and 1 in s.published
+
+
+def test_a_wait_on_storage_ends_when_something_else_holds_production(tmp_path: Path) -> None:
+    """storage_wait keeps the trainers' loaders waiting past --timeout. Set by an outage, only a publish
+    cleared it: a daemon held up by something else once the store was back (a temp file it cannot create,
+    a failed write) kept them waiting for good, its status still naming the outage (review)."""
+    from collections import deque
+
+    from prefetchd.buffer_protocol import BatchLayout, PendingBatch, SpareFiles
+    from prefetchd.buffer_protocol.batch import temp_name
+    from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
+    from prefetchd.daemon.production_stats import Stats
+    from prefetchd.daemon.stream import Build
+    from prefetchd.daemon.workers import Task, WriteFailed
+    from prefetchd.throttle import Throttle
+
+    s = stream(tmp_path)
+    producer = Producer.__new__(Producer)  # the controller's books alone, no workers
+    producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
+    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
+    producer.message, producer.remote, producer.storage_wait = "", None, None
+    producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
+
+    def fail(g: int, reason: str, storage: bool) -> None:
+        pending = PendingBatch.begin(tmp_path / batch_name(0, g), BatchLayout.plan(1, 8, 8))
+        build = Build(s, g, 0, g, pending, np.empty(1, np.int64), np.empty(1, np.int64), remaining=1)
+        s.building[g] = build
+        producer.task_build[g] = build
+        build.outstanding.add(g)
+        producer._complete(Task(g, str(pending.tmp), 0, 0, 0, ((0, g),)), WriteFailed(g, reason, storage=storage))
+
+    fail(0, "reading s3://b/x.jpg: still failing after 6 tries", storage=True)
+    wait = producer.storage_wait
+    assert wait is not None
+    assert wait.reason == "batch e000000-s00000000.tmp: reading s3://b/x.jpg: still failing after 6 tries"
+    fail(1, "reading s3://b/y.jpg: still failing after 6 tries", storage=True)
+    assert producer.storage_wait is not None and producer.storage_wait.since == wait.since, "one wait, since its start"
+    # The store is back, but the next batch's temp file cannot be made (a directory planted under its name).
+    (tmp_path / temp_name(tmp_path / batch_name(0, 2))).mkdir()
+    assert not producer._start_build(s, 2, BatchLayout.plan(8, 32, 32))
+    assert producer.storage_wait is None
+    assert producer._message() == "retrying: cannot create e000000-s00000002.tmp: Is a directory"
+    fail(3, "reading s3://b/z.jpg: still failing after 6 tries", storage=True)
+    assert producer.storage_wait is not None
+    fail(4, "cannot write e000000-s00000004.tmp: No space left on device", storage=False)
+    assert producer.storage_wait is None, "a full tmpfs is no wait on storage"
