@@ -55,9 +55,9 @@ class DaemonLock:
             fd = open_regular(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, "the daemon's lock file", self.LOCK_MODE)
             created = True
         except FileNotFoundError:  # the folder itself: made by another daemon whose start was refused, and removed
-            raise ProtocolError(f"{self.path.parent}: the buffer folder went away while this daemon took it (a "
-                                "daemon started beside this one, and refused, removes the folder it made); start "
-                                "again") from None
+            raise ProtocolError(f"{self.path.parent}: the buffer folder was removed while this daemon took it "
+                                "(by hand, or by another daemon's refused start, which removes a folder it made); "
+                                "start again") from None
         except FileExistsError:
             try:
                 fd = open_regular(self.path, os.O_RDWR, "the daemon's lock file")

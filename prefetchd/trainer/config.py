@@ -43,7 +43,7 @@ class TrainConfig:
     seed: int = setting(0, "Model initialisation; also the --seed of spawned daemons.", int)
     device: str = setting("auto", "auto, cpu, cuda or cuda:N.", str)
     pin: str = setting("auto", "How batches reach a CUDA device (auto = staging).", str, choices=PIN_MODES)
-    timeout: float = setting(DEFAULT_TIMEOUT, "Seconds to wait for the manifest and for each batch; while the daemon beats and says its builds wait for the dataset's storage (an object store's outage, a mount gone), counted from when it last said so.", float, minimum=0, min_open=True)
+    timeout: float = setting(DEFAULT_TIMEOUT, "Seconds to wait for the manifest and for each batch; for a batch, while the daemon beats and says its builds wait for the dataset's storage (an object store's outage, a mount gone), counted from when it last said so.", float, minimum=0, min_open=True)
     daemon_timeout: float = setting(DEFAULT_STALL_TIMEOUT, "Seconds without a heartbeat from the daemon that owns a buffer before it counts as stuck (0: never); a dead daemon is noticed "
                                     f"within {DAEMON_GRACE:g} s of waiting for a batch it had not made.", float, minimum=0)
     daemon_restarts: int = setting(3, "With --spawn-daemon: restart a daemon that died or got stuck up to N times within 10 minutes, then stop with an error.", int, minimum=0)

@@ -680,7 +680,7 @@ def test_remove_never_deletes_the_lock_of_another_daemon(tmp_path: Path) -> None
 def test_a_buffer_folder_removed_before_the_lock_is_taken_is_said_so(tmp_path: Path) -> None:
     """A daemon started beside another on a folder the other made sees it go when the other's start is refused
     (it removes what it made): a bare FileNotFoundError escaped (review)."""
-    with pytest.raises(ProtocolError, match="the buffer folder went away while this daemon took it"):
+    with pytest.raises(ProtocolError, match="the buffer folder was removed while this daemon took it"):
         DaemonLock(tmp_path / "gone").acquire()
 
 
