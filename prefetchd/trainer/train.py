@@ -150,7 +150,8 @@ def train(
                     f"{val_buffer} has classes {val_loader.classes[:5]}... but {config.buffer} has "
                     f"{train_loader.classes[:5]}...; both daemons must serve the same class folders"
                 )
-            warn_of_another_size(config.buffer, train_loader, val_buffer, val_loader)
+            if ranks.is_main:  # once, not once a rank
+                warn_of_another_size(config.buffer, train_loader, val_buffer, val_loader)
         if config.spawn_daemon:
             check_served_job(config, train_loader, config.data)
             if val_loader is not None and config.val_data is not None:
