@@ -37,7 +37,8 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, stream_dirs
-from prefetchd.buffer_protocol.status import Errors, JobResult, Production, Quantiles, Rates, State, Status, StorageWait, Totals
+from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, State, Status, StorageWait,
+                                              Totals)
 from prefetchd.daemon.bad_samples import BadSamples
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
