@@ -390,7 +390,9 @@ class JobRequest:
                 if not isinstance(value, (str, int, float, bool)) and value is not None:
                     raise ProtocolError(f"{path}: setting {key!r} is {value!r}; settings are strings, numbers, "
                                         "booleans or null")
-            return cls(settings, bool(doc.get("replace")), _field(doc, "job_id", str, path),
+            # A JSON boolean or absent: "replace": "no" was true, and replaced a job a trainer was reading.
+            replace = _field(doc, "replace", bool, path) if doc.get("replace") is not None else False
+            return cls(settings, replace, _field(doc, "job_id", str, path),
                        _field(doc, "submitted", float, path), owner=st.st_uid)
         except ProtocolError as exc:
             echoed = job_id if isinstance(job_id, str) and JOB_ID_RE.fullmatch(job_id) else None

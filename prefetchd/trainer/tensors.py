@@ -78,7 +78,8 @@ def mismatch(mapped: MappedBatch, epoch: int, step: int, manifest: Manifest, buf
     if (h, w, c) != (m.image_size, m.image_size, m.channels) or n != expected or meta.seed != m.seed:
         return (f"{path}: {n} images of {h}x{w}x{c} with seed {meta.seed}, but manifest.json promises {expected} "
                 f"of {m.image_size}x{m.image_size}x{m.channels} with seed {m.seed} at step {step}: the batch "
-                f"belongs to another job. Stop the daemon, delete the *.batch files in {buffer} and restart it")
+                f"belongs to another job (or its writer does not follow SPEC.md's sizes). Stop the daemon, delete "
+                f"the *.batch files in {buffer} and restart it")
     for name, values, end in (("labels", mapped.labels, len(m.classes)), ("indices", mapped.indices, m.num_samples)):
         if int(values.min()) < 0 or int(values.max()) >= end:
             return (f"{path}: {name} range over [{int(values.min())}, {int(values.max())}] but the manifest has "

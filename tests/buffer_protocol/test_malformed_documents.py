@@ -124,6 +124,20 @@ def test_a_mutated_job_is_refused_or_well_typed(doc: Any, tmp_path: Path) -> Non
     assert isinstance(job.job_id, str) and isinstance(job.submitted, float)
 
 
+@pytest.mark.parametrize("value", ["no", 0, 1, "true"])
+def test_replace_is_a_json_boolean_or_absent(value: Any, tmp_path: Path) -> None:
+    """"replace": "no" read as true, and replaced a job whose trainer was reading (SPEC review)."""
+    _write(tmp_path / JOB_NAME, {**VALID_JOB, "replace": value})
+    with pytest.raises(BadJobRequest, match=r"field 'replace' is .*, expected a bool") as info:
+        JobRequest.read(tmp_path)
+    assert info.value.job_id == VALID_JOB["job_id"]
+    absent = {k: v for k, v in VALID_JOB.items() if k != "replace"}
+    for doc, replace in ((absent, False), ({**VALID_JOB, "replace": True}, True), ({**VALID_JOB, "replace": None}, False)):
+        _write(tmp_path / JOB_NAME, doc)
+        job = JobRequest.read(tmp_path)
+        assert job is not None and job.replace is replace
+
+
 @pytest.mark.parametrize("how", ["list setting", "hard link", "symlink"])
 def test_a_malformed_job_is_refused_under_its_job_id(how: str, tmp_path: Path) -> None:
     """'job ? refused' / 'last job None refused': whoever submitted it could not tell it was theirs."""
