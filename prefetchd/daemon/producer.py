@@ -246,7 +246,8 @@ class Producer:
 
     def _requeue(self, tasks: list[Task]) -> None:
         """Tasks a dead worker or the cluster lost go first to whoever has room; a cancelled batch's (a
-        rewind) are dropped, so its file goes at once instead of holding a place under the cap."""
+        rewind; the cluster hands those back unbuilt, ``RemotePool.cancel``) are dropped, so its file goes
+        at once instead of holding a place under the cap."""
         for task in tasks:
             build = self.task_build.get(task.task_id)
             if build is not None and build.cancelled:
@@ -300,13 +301,16 @@ class Producer:
         return sum(max(0, s.cap - len(s.published) - len(s.building)) for s in self.streams)
 
     def _cancel(self, build: Build) -> None:
-        """Stop building ``build``; tasks already at a worker finish and are ignored."""
+        """Stop building ``build``; tasks already at a worker finish and are ignored, and the cluster
+        answers its slices there at once, unbuilt (the build keeps its place under the cap until then)."""
         build.cancelled = True
         queued = {t.task_id for t in self.todo if t.task_id in build.outstanding}
         self.todo = deque(t for t in self.todo if t.task_id not in queued)
         for task_id in queued:
             del self.task_build[task_id]
         build.outstanding -= queued
+        if self.remote is not None:
+            self.remote.cancel(build.outstanding)
         self._maybe_drop(build)
 
     def _maybe_drop(self, build: Build) -> None:

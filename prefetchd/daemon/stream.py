@@ -352,7 +352,8 @@ class Stream:
             return None
         if len(self.published) + len(self.building) >= self.cap:
             # A rewind's cancelled builds keep their temp files until the tasks at workers end (tens of
-            # ms): counted too, or the tmpfs would hold more than --max-buffer-bytes meanwhile.
+            # ms; the cluster answers its slices at once, unbuilt): counted too, or the tmpfs would hold
+            # more than --max-buffer-bytes meanwhile.
             return None
         best: tuple[int, int, int] | None = None  # (batches ready in its window, its position, g)
         for c in self.holders:

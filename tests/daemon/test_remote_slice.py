@@ -6,6 +6,8 @@ the transform hook's module, is told unable."""
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -326,3 +328,144 @@ def test_a_probe_begun_before_a_node_read_otherwise_does_not_clear_it() -> None:
     node.covers = node.differs
     b._answered(NODE_ID, NodeAnswer(NODE_ID, "worker-7", 9, ()))  # one that read sample 5 too
     assert node.reason == "" and sent[-1].text == f"node {NODE} reads --data again (9 samples checked): it builds slices again with its 1 CPU"
+
+
+class _Wired:
+    """A controller's books (``Producer``), its ``RemotePool`` and a ``Bridge`` on a real pipe, with stand-ins
+    for Ray, and one build of batch 3 in two slices (1 and 2) at the cluster."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        from collections import Counter, deque
+        from multiprocessing import Pipe
+
+        from prefetchd.daemon.producer import Producer
+        from prefetchd.daemon.remote.pool import RemotePool
+
+        index = _dataset(tmp_path / "data")
+        self.job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+        self.path = _batch_file(tmp_path / "b.tmp", 4)
+        self.tasks = [Task(1, str(self.path), OFFSET, SLOT, 0, ((0, 5), (1, 2))),
+                      Task(2, str(self.path), OFFSET, SLOT, 0, ((2, 9), (3, 0)))]
+        controller_end, bridge_end = Pipe()
+        self.bridge_end = bridge_end
+        self.answers: list[object] = []  # what the bridge sent the controller
+        self.aborted: list[bytes] = []  # the temp file's bytes when the controller dropped the build
+
+        pool = object.__new__(RemotePool)
+        pool.conn, pool.process, pool.in_flight, pool.paths = controller_end, None, {}, Counter()
+        pool.connected, pool.cpus, pool.builds, pool.local_workers, pool.address = True, 4, None, 1, "local"
+        pool.retries = pool.returned = pool.images = pool.slices = pool.stragglers = pool.disconnects = 0
+        pool.copied_bytes, pool.copy_seconds, pool.node_books, pool.warned = 0, 0.0, {}, set()
+        self.pool = pool
+
+        stream = SimpleNamespace(building={})
+        self.build = SimpleNamespace(g=3, cancelled=False, failed=False, outstanding={1, 2}, stream=stream,
+                                     pending=SimpleNamespace(abort=self._abort))
+        stream.building[3] = self.build
+        producer = object.__new__(Producer)
+        producer.todo, producer.fatal, producer.remote = deque(self.tasks), None, pool
+        producer.task_build = {t.task_id: self.build for t in self.tasks}
+        self.producer = producer
+
+        b = _bridge_for(self.job, self.answers)
+        answers = self.answers
+
+        class Conn:  # the bridge's end, keeping what it sends
+            poll, recv = bridge_end.poll, bridge_end.recv
+
+            def send(self, message: object) -> None:
+                answers.append(message)
+                bridge_end.send(message)
+
+        b.conn = Conn()
+        self.submitted: list[int] = []
+        self.refs: dict[int, object] = {}
+        self.cancelled_refs: list[object] = []
+        b.ray.cancel = self.cancelled_refs.append
+        b.latencies = [0.01] * bridge.STRAGGLER_SAMPLES  # stragglers are relaunched after 2 s
+
+        def submit(s: bridge._Slice) -> None:
+            self.submitted.append(s.task.task_id)
+            s.refs.append(self.refs.setdefault(s.task.task_id, object()))
+
+        b._submit = submit
+        self.bridge = b
+        pool.dispatch(producer.todo)
+        b._receive()
+        assert self.submitted == [1, 2] and not producer.todo
+
+    def _abort(self) -> None:  # as PendingBatch.abort: the temp file goes
+        self.aborted.append(self.path.read_bytes())
+        self.path.unlink()
+
+    def built(self, task: Task) -> SimpleNamespace:
+        """Ray's future of ``task`` built on the node."""
+        result, pixels = build_rows(self.job, task, SampleReader(self.job.index))
+        assert isinstance(result, Filled)
+        return SimpleNamespace(result=lambda: (result, pixels, NODE))
+
+    def controller_turn(self) -> None:
+        self.pool._receive(self.producer._complete, self.producer._requeue)
+
+
+def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never_relaunched(tmp_path: Path,
+                                                                                          caplog: Any) -> None:
+    """A rewind cancelled a build whose slices were at the cluster: it kept its place under the cap until the
+    cluster built them (production waited), and the bridge even relaunched them as stragglers."""
+    w = _Wired(tmp_path)
+    w.producer._cancel(w.build)  # a rewind
+    w.bridge._receive()
+    with caplog.at_level(logging.DEBUG):
+        w.controller_turn()
+    assert len(w.aborted) == 1 and not w.build.stream.building, "the build dropped at the bridge's answer"
+    assert not w.producer.task_build and not w.pool.in_flight and not w.pool.paths
+    assert [type(m).__name__ for m in w.answers] == ["Cancelled"] and w.answers[0].task_ids == (1, 2)
+    assert w.cancelled_refs == [w.refs[1], w.refs[2]], "their Ray tasks cancelled: the cluster's CPUs are free"
+    assert w.pool.returned == w.pool.retries == 0 and not caplog.records, "no news: not a slice the cluster lost"
+    w.bridge._relaunch_stragglers(time.monotonic() + 100.0)
+    assert w.submitted == [1, 2], "not relaunched"
+
+    # The next cancellation meets a bridge that died: no error; the loss hands its slices back, and they are dropped.
+    w.pool.dispatch(deque([Task(4, str(tmp_path / "c.tmp"), OFFSET, SLOT, 0, ((0, 1),))]))
+    other = SimpleNamespace(g=4, cancelled=False, outstanding={4}, stream=SimpleNamespace(building={}),
+                            pending=SimpleNamespace(abort=lambda: w.aborted.append(b"other")))
+    other.stream.building[4] = other
+    w.producer.task_build[4] = other
+    w.bridge_end.close()
+    w.producer._cancel(other)
+    assert w.aborted[1:] == [] and 4 in w.pool.in_flight, "its file stays until the slice is answered"
+    w.pool._lose("the bridge process exited (code -9)", w.producer._requeue)
+    assert w.aborted[1:] == [b"other"] and not w.producer.task_build and not w.pool.in_flight
+
+
+def test_a_late_result_of_a_cancelled_slice_never_reaches_the_next_build_of_its_batch(tmp_path: Path) -> None:
+    """The controller unlinks a cancelled build's temp file once its slices are answered, and the next build
+    of the same batch makes a file of the same name: a slice the cluster finished after the cancellation
+    must not be written there."""
+    w = _Wired(tmp_path)
+    w.producer._cancel(w.build)
+    w.bridge._receive()
+    w.controller_turn()
+    w.path.write_bytes(bytes(OFFSET + 4 * SLOT))  # the batch built again, in a file of the same name
+    for task in w.tasks:  # the cancelled copies' results arrive
+        w.bridge._finish(task.task_id, w.refs[task.task_id], w.built(task))
+    assert w.path.read_bytes() == bytes(OFFSET + 4 * SLOT), "nothing written into the new build's file"
+    assert not [m for m in w.answers if isinstance(m, bridge.Done)] and len(w.aborted) == 1
+
+
+def test_a_slice_written_before_its_build_was_cancelled_is_reported_as_built(tmp_path: Path) -> None:
+    """The bridge wrote slice 1 and sent its Done while the controller cancelled the build: the bridge
+    answers only slice 2 (1 it does not hold any more), and the controller counts slice 1 as built."""
+    w = _Wired(tmp_path)
+    w.bridge._finish(1, w.refs[1], w.built(w.tasks[0]))  # written, and its Done sent ...
+    written = w.path.read_bytes()
+    assert written != bytes(len(written))
+    w.producer._cancel(w.build)  # ... before the controller read it: it cancels both
+    w.bridge._receive()
+    w.controller_turn()
+    assert w.aborted == [written], "dropped once both were answered, slice 1 in the file"
+    assert [type(m).__name__ for m in w.answers] == ["Done", "Cancelled"] and w.answers[1].task_ids == (2,)
+    assert w.pool.slices == 1 and w.pool.images == 2 and not w.pool.in_flight and not w.producer.task_build
+    assert w.cancelled_refs == [w.refs[2]]
+    w.bridge._forget((99,))  # an id the bridge never held, or answered already: nothing to answer
+    assert len(w.answers) == 2

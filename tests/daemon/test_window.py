@@ -214,6 +214,7 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     s = stream(tmp_path)
     producer = Producer.__new__(Producer)  # the controller's books alone, no workers
     producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
+    producer.remote = None  # no --ray
     producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
     pending = PendingBatch.begin(tmp_path / batch_name(0, 0), BatchLayout.plan(8, 8, 8))
     build = Build(s, 0, 0, 0, pending, np.empty(8, np.int64), np.empty(8, np.int64), remaining=8)

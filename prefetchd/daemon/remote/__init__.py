@@ -38,9 +38,12 @@ Faults.  A slice whose Ray worker or node died is submitted again by the bridge
 for whoever has room); a slice outstanding ``STRAGGLER_FACTOR`` times longer
 than the median is started a second time, and the first result wins.  Since a
 batch is a pure function of (seed, epoch, step, rank) nothing is lost or
-duplicated.  A bridge that dies, or reports nothing for ``SILENT_SECONDS``
-(the cluster is gone), is replaced every ``RECONNECT_SECONDS``; meanwhile its
-slices go back to the queue and the local workers build them alone.
+duplicated.  The slices of a build the controller cancels (a rewind) are
+forgotten by the bridge at its word (``Cancel``): answered at once and never
+written after, since the build's temp file goes once they are answered.  A
+bridge that dies, or reports nothing for ``SILENT_SECONDS`` (the cluster is
+gone), is replaced every ``RECONNECT_SECONDS``; meanwhile its slices go back
+to the queue and the local workers build them alone.
 """
 
 from prefetchd.daemon.remote.pool import RemotePool

@@ -76,11 +76,37 @@ class Returned:
 
 
 @dataclass(frozen=True)
+class Cancelled:
+    """Slices of a cancelled build (``Cancel``) that the bridge forgot: nothing of them was written into the
+    batch's temp file, nor will be.  Each is answered once: with ``Done`` (or ``Returned``) where that went
+    first, else with this, at once."""
+
+    task_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Note:
     """A line for the daemon's log (the bridge has no logging set up of its own)."""
 
     level: int
     text: str
+
+
+# -- messages from the controller to the bridge --------------------------------
+# (besides a ``Task`` to build, and None: stop)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The controller cancelled a build (a rewind, or a failed write): its slices that it sent the bridge and
+    has no answer for.
+
+    The controller unlinks the build's temp file once every slice of it is answered, and a later build of
+    the same batch creates a file of the same name; so the bridge answers each slice it still holds with
+    ``Cancelled`` and never writes it after that.  A slice it answered already (``Done``: written, or
+    ``Returned``) is not answered again: the controller drops that answer as the build's."""
+
+    task_ids: tuple[int, ...]
 
 
 def connect(address: str) -> None:
@@ -189,7 +215,8 @@ class Bridge:
         return now
 
     def _receive(self) -> bool:
-        """Submit every task the controller sent; False when it asks the bridge to stop."""
+        """Submit every task the controller sent, forget the ones it cancelled; False when it asks the bridge
+        to stop."""
         while self.conn.poll():
             try:
                 task = self.conn.recv()
@@ -197,9 +224,26 @@ class Bridge:
                 return False
             if task is None:
                 return False
+            if isinstance(task, Cancel):
+                self._forget(task.task_ids)
+                continue
             self.slices[task.task_id] = _Slice(task, time.monotonic())
             self._submit(self.slices[task.task_id])
         return True
+
+    def _forget(self, task_ids: tuple[int, ...]) -> None:
+        """Drop the slices of a cancelled build: answered at once, never relaunched, and a result that comes
+        later finds no slice (``_finish``), so it is not written into a file that is another build's by then.
+        An id not held was answered already (the pipe is ordered: its task came before the cancellation)."""
+        forgotten = tuple(task_id for task_id in task_ids if task_id in self.slices)
+        for task_id in forgotten:
+            for ref in self.slices.pop(task_id).refs:
+                # Frees the cluster's CPUs for the new window: a copy not started yet never runs, a running one
+                # gets a KeyboardInterrupt (Ray's cancel without force), as a straggler's losing copy does; its
+                # Ray worker lives on, and what it keeps of the job is set only once complete (``_here``).
+                self._cancel(ref)
+        if forgotten:
+            self.conn.send(Cancelled(forgotten))
 
     def _watch(self, ref: Any, then: Callable[[Any], None]) -> None:
         """Call ``then(future)`` on the bridge's loop when ``ref`` completes."""
@@ -232,7 +276,7 @@ class Bridge:
     def _finish(self, task_id: int, ref: Any, future: Any) -> None:
         s = self.slices.get(task_id)
         if s is None or ref not in s.refs:
-            return  # the other copy of a straggler won
+            return  # the other copy of a straggler won, or its build was cancelled
         exceptions = self.ray.exceptions
         try:
             result, pixels, node = future.result()
@@ -535,4 +579,5 @@ def bridge_main(conn: Connection, job: WorkerJob, address: str) -> None:
         ray.shutdown()
 
 
-__all__ = ["Bridge", "Done", "Note", "Report", "Returned", "bridge_main", "connect", "unreachable", "write_rows"]
+__all__ = ["Bridge", "Cancel", "Cancelled", "Done", "Note", "Report", "Returned", "bridge_main", "connect",
+           "unreachable", "write_rows"]

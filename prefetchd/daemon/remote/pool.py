@@ -8,7 +8,7 @@ import math
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -18,7 +18,8 @@ import numpy as np
 from prefetchd.buffer_protocol import RemoteNode, RemoteStatus
 from prefetchd.daemon.config import require_ray
 from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
-from prefetchd.daemon.remote.bridge import REPORT_SECONDS, REPROBE_SECONDS, Done, Note, Report, Returned, bridge_main
+from prefetchd.daemon.remote.bridge import (REPORT_SECONDS, REPROBE_SECONDS, Cancel, Cancelled, Done, Note, Report,
+                                            Returned, bridge_main)
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.words import counted
 
@@ -210,6 +211,8 @@ class RemotePool:
                     books.recent.append((time.monotonic(), n))
                     books.latencies.append(msg.latency)
                 on_result(task, msg.result)
+            elif isinstance(msg, Cancelled):  # no news: the slices of a build the controller cancelled
+                requeue([t for t in map(self._take, msg.task_ids) if t is not None])  # which it drops
             elif isinstance(msg, Returned):
                 task = self._take(msg.task_id)
                 if task is not None:  # counted as a Done is: a stale one's are no retries of this job's slices
@@ -289,6 +292,18 @@ class RemotePool:
         self.retry_at = time.monotonic() + RECONNECT_SECONDS
         if lost:
             requeue(lost)
+
+    def cancel(self, task_ids: Iterable[int]) -> None:
+        """A build was cancelled: tell the bridge of its slices that it holds, so that it frees their nodes and
+        answers each at once (``Cancel``).  They stay in flight until answered: the build's temp file goes
+        only then, and no late copy of a slice can reach the file of a later build of the same batch."""
+        held = tuple(sorted(task_id for task_id in task_ids if task_id in self.in_flight))
+        if not held or self.conn is None:
+            return
+        try:
+            self.conn.send(Cancel(held))
+        except OSError:  # the bridge died: handle() notices, and hands back what it held
+            pass
 
     def dispatch(self, todo: deque[Task]) -> None:
         """Send tasks from the front of ``todo`` while the cluster has room: ``TASKS_PER_WORKER`` per
