@@ -417,6 +417,25 @@ def progress_mismatches(spec: str) -> list[str]:
     return out
 
 
+def job_mismatches(spec: str) -> list[str]:
+    """The Job document's table: the keys and types a writer writes, and which the daemon requires."""
+    request = documents.JobRequest({"data": "/data/train", "batch_size": 8, "reset": True}, replace=True)
+    with tempfile.TemporaryDirectory() as d:
+        request.write(d)
+        doc = documents.read_json(Path(d) / layout.JOB_NAME, "job")
+        out = _typed_rows(spec, "Job document", {k: v for k, v in doc.items() if k not in ("format", "version")})
+        required = []
+        for key in (k for k in doc if k not in ("format", "version")):
+            documents.write_json(Path(d) / layout.JOB_NAME, {k: v for k, v in doc.items() if k != key})
+            try:
+                documents.JobRequest.read(d)
+            except documents.BadJobRequest:
+                required.append(key)
+    if sorted(required) != _required(spec, "Job document"):
+        out.append(f"job keys the daemon requires: spec {_required(spec, 'Job document')}, code {sorted(required)}")
+    return out
+
+
 CHECKS: dict[str, Callable[[str], list[str]]] = {
     "constants": constant_mismatches,
     "limits": limit_mismatches,
@@ -431,6 +450,7 @@ CHECKS: dict[str, Callable[[str], list[str]]] = {
     "status": status_mismatches,
     "manifest": manifest_mismatches,
     "progress": progress_mismatches,
+    "job": job_mismatches,
 }
 
 
@@ -452,6 +472,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Status document", "key")) >= 60
     assert len(table(SPEC, "Manifest document", "key")) == 19
     assert len(table(SPEC, "Progress document", "key")) == 8
+    assert len(table(SPEC, "Job document", "key")) == 4
     assert len(docstring_header(batch.__doc__ or "")) == 6
 
 
@@ -521,6 +542,9 @@ MUTATIONS = {
     "manifest key in code": ("manifest", None, (documents.Manifest, "to_doc", lambda self: {**_MANIFEST_TO_DOC(self), "x": 1})),
     "progress key in spec": ("progress", _replace("| `wait_share` | float |", "| `waiting` | float |"), None),
     "progress requirement in spec": ("progress", _replace("| `job` | str | no |", "| `job` | str | yes |"), None),
+    "job key in spec": ("job", _replace("| `submitted` | float |", "| `sent` | float |"), None),
+    "job requirement in spec": ("job", _replace("| `replace` | bool or null | no |", "| `replace` | bool or null | yes |"), None),
+    "job type in spec": ("job", _replace("| `job_id` | str |", "| `job_id` | int |"), None),
 }
 
 
