@@ -113,8 +113,9 @@ def test_consumed_batch_files_are_reused_but_never_one_a_trainer_still_holds(
     assert len(kept) >= 3
     assert all(digest(images) == seen for images, seen in kept), "a batch a trainer still held was overwritten"
     # tmpfs numbers its inodes from a counter: a file number seen twice is a file built in twice.
-    # How many depends on whether the controller or the trainer's release comes first (11-16 of 27 here).
-    assert len(inodes) - len(set(inodes)) >= 5, "consumed batch files were not reused"
+    # How many depends on whether the controller or the trainer's release comes first: 11-13 of 27 on a quiet
+    # 2-core machine, 5-13 beside two busy loops, 4 in a fresh CI run. None would mean no reuse at all.
+    assert len(inodes) - len(set(inodes)) >= 3, "consumed batch files were not reused"
     assert most_files <= high
     assert daemon.wait_exit(30) == 0, daemon.log  # all epochs consumed: it leaves, and takes its spares along
     assert list(list_temp_files(buffer)) == []
