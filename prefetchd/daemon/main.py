@@ -58,6 +58,16 @@ TRAINER_ACTIVE_SECONDS = 30.0
 # How the answer to a job that was accepted and then failed begins (`prefetchd status` shows it as such).
 FAILED_WHILE_PRODUCING = "failed while producing"
 FINISHED_PRODUCING = "finished producing"  # an accepted job's answer once its epochs are consumed
+
+
+def job_verdict(accepted: bool, reason: str) -> str:
+    """A job's answer as the log and `prefetchd status` say it: "accepted: ..." or "refused: ...", but for
+    an accepted job's answer replaced once it failed or finished, which carries its own verb."""
+    if reason.startswith((FAILED_WHILE_PRODUCING, FINISHED_PRODUCING)):
+        return reason
+    return f"{'accepted' if accepted else 'refused'}: {reason}"
+
+
 WAIT_STATUS_SECONDS = 1.0
 
 
@@ -91,9 +101,7 @@ class JobInbox:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def answer(self, job_id: str | None, accepted: bool, reason: str) -> None:
-        verdict = reason if reason.startswith((FAILED_WHILE_PRODUCING, FINISHED_PRODUCING)) else \
-            f"{'accepted' if accepted else 'refused'}: {reason}"
-        (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", verdict)
+        (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", job_verdict(accepted, reason))
         self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
                                        StreamStatus, TrainerStatus, daemon_pid, read_status)
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
-from prefetchd.daemon.main import FAILED_WHILE_PRODUCING, FINISHED_PRODUCING
+from prefetchd.daemon.main import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.production_stats import STAGES
 from prefetchd.words import binary_size, counted, rank_ranges
@@ -216,10 +216,7 @@ def format_status(report: StatusReport) -> str:
                 lines += [_consumer_line(c, rank) for c in s.consumers]
     job = st.job_result if st else None
     if job:
-        # A job accepted that then failed while producing, or finished, carries its own verb.
-        verdict = job.reason if job.reason.startswith((FAILED_WHILE_PRODUCING, FINISHED_PRODUCING)) else \
-            f"{'accepted' if job.accepted else 'refused'}: {job.reason}"
-        lines.append(f"  last job  {job.job_id or '(unreadable)'} {verdict}")
+        lines.append(f"  last job  {job.job_id or '(unreadable)'} {job_verdict(job.accepted, job.reason)}")
     lines += report.problems
     return "\n".join(lines)
 
