@@ -474,15 +474,15 @@ class BufferLoader:
         end this loader then says.
         """
         self._move(state)
-        if self._unread_end(self.position) and self._last_batch_handed_before():
-            self._read_to_end = True  # the loader it continues read the job's last batch: the end is said
-        if self._unread_end(self.position):
-            epochs = self._manifest.epochs
-            logger.warning(
-                "%s: the loader state is at the end of the job's %s: there is nothing left to read, and iterating "
-                "yields no batch. To train more epochs, restart the daemon with a larger --epochs (the job is the "
-                "same otherwise) and load the state again; to train again from epoch 0, do not load it",
-                self._buffer, counted(epochs or 0, "epoch"))
+        if self._unread_end(self.position):  # the progress file read once, only at the end
+            if self._last_batch_handed_before():
+                self._read_to_end = True  # the loader it continues read the job's last batch: the end is said
+            else:
+                logger.warning(
+                    "%s: the loader state is at the end of the job's %s: there is nothing left to read, and "
+                    "iterating yields no batch. To train more epochs, restart the daemon with a larger --epochs (the "
+                    "job is the same otherwise) and load the state again; to train again from epoch 0, do not load it",
+                    self._buffer, counted(self._manifest.epochs or 0, "epoch"))
         self._publish()
 
     def _last_batch_handed_before(self) -> bool:
