@@ -81,10 +81,10 @@ class DaemonLock:
                 raise BufferBusy(self._held_by(daemon_pid(self.path.parent))) from None
             raise
         try:
-            there = os.stat(self.path)
+            ours = self._names(fd)
         except FileNotFoundError:
-            there = None
-        if there is None or (there.st_dev, there.st_ino) != (st.st_dev, st.st_ino):
+            ours = False
+        if not ours:
             os.close(fd)  # its holder removed it after this opened it
             return False
         os.ftruncate(fd, 0)
@@ -113,9 +113,7 @@ class DaemonLock:
         assert self._fd is not None, "acquire() first"
         buffer = self.path.parent
         try:
-            there = os.stat(self.path)
-            mine = os.fstat(self._fd)
-            if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+            if self._names(self._fd):
                 return None  # the file locked, so the directory it is in: nothing else decides
             what = f"{LOCK_NAME} was removed and made again"
         except FileNotFoundError:
@@ -138,10 +136,15 @@ class DaemonLock:
         that opened it meanwhile finds it gone once it has the lock, and makes a new one."""
         if self._fd is not None and self._created:
             with contextlib.suppress(OSError):
-                there, mine = os.stat(self.path), os.fstat(self._fd)
-                if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                if self._names(self._fd):
                     os.unlink(self.path)
         self.release()
+
+    def _names(self, fd: int) -> bool:
+        """Whether the lock's path still names the file open as ``fd``; OSError where it cannot be looked
+        at (FileNotFoundError: nothing there)."""
+        there, mine = os.stat(self.path), os.fstat(fd)
+        return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
     def release(self) -> None:
         if self._fd is not None:
