@@ -119,16 +119,20 @@ ALIKE = (
 )
 
 
+def differs_between_ranks(name: str, each: list[str], fix: str, aside: str = "") -> str:
+    """The refusal of option ``name`` given other values on other ranks: each rank's value as ``each`` says
+    it (``aside`` after them), then ``fix``."""
+    values = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(each))
+    return f"{name} differs between ranks ({values}{aside}); {fix}"
+
+
 def agree_on_options(config: TrainConfig, validation: bool, coll: Collective) -> None:
     """Refuse, on every rank and before any daemon is started, options of ``ALIKE`` that differ between
     ranks (two boxes launched by hand with different command lines); one gather, at the start."""
     mine = [option.value(config, validation) for option in ALIKE]
     every = coll.all_gather(mine)
-    differ = []
-    for i, option in enumerate(ALIKE):
-        if any(theirs[i] != mine[i] for theirs in every):
-            values = ", ".join(f"rank {rank}: {option.shown(theirs[i])}" for rank, theirs in enumerate(every))
-            differ.append(f"{option.name} differs between ranks ({values}); {option.fix}")
+    differ = [differs_between_ranks(option.name, [option.shown(theirs[i]) for theirs in every], option.fix)
+              for i, option in enumerate(ALIKE) if any(theirs[i] != mine[i] for theirs in every)]
     if differ:  # all of them at once: the next launch fixes every one
         raise OptionError(". ".join(differ))
 
@@ -147,9 +151,8 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
     mine = (len(train), len(val) if val is not None else None, epochs)
     every = coll.all_gather(mine)
     if any(other[:2] == mine[:2] and other[2] != mine[2] for other in every):
-        values = ", ".join(f"rank {r}: {e}" for r, (_, _, e) in enumerate(every))
-        raise OptionError(f"--epochs differs between ranks ({values}, where not given the daemon's); pass the same "
-                          "--epochs to every rank")
+        raise OptionError(differs_between_ranks("--epochs", [str(e) for _, _, e in every],
+                                                "pass the same --epochs to every rank", ", where not given the daemon's"))
     if any(other != mine for other in every):
         table = "; ".join(f"rank {r}: {counted(t, 'train step')}, {counted(v or 0, 'val step')}, {counted(e, 'epoch')}"
                           for r, (t, v, e) in enumerate(every))
@@ -159,4 +162,5 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
         )
 
 
-__all__ = ["ALIKE", "Alike", "agree_on_checkpoints", "agree_on_options", "check_equal_steps", "check_metrics_paths", "resolve_device", "resolve_epochs"]
+__all__ = ["ALIKE", "Alike", "agree_on_checkpoints", "agree_on_options", "check_equal_steps", "check_metrics_paths",
+           "differs_between_ranks", "resolve_device", "resolve_epochs"]
