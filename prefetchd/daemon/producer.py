@@ -244,17 +244,20 @@ class Producer:
             self._replace_worker(worker)
         self.remote.handle(self._complete, self._requeue)
 
-    def _requeue(self, tasks: list[Task]) -> None:
+    def _requeue(self, tasks: list[Task]) -> list[Task]:
         """Tasks a dead worker or the cluster lost go first to whoever has room; a cancelled batch's (a
         rewind; the cluster hands those back unbuilt, ``RemotePool.cancel``) are dropped, so its file goes
-        at once instead of holding a place under the cap."""
+        at once instead of holding a place under the cap.  Returns the tasks queued again: what the
+        cluster's log says of a slice it handed back is decided here, where the cancellations are kept."""
         for task in tasks:
             build = self.task_build.get(task.task_id)
             if build is not None and build.cancelled:
                 del self.task_build[task.task_id]
                 build.outstanding.discard(task.task_id)
                 self._maybe_drop(build)
-        self.todo.extendleft(reversed([t for t in tasks if t.task_id in self.task_build]))
+        queued = [t for t in tasks if t.task_id in self.task_build]
+        self.todo.extendleft(reversed(queued))
+        return queued
 
     # -- workers --------------------------------------------------------------
 

@@ -153,7 +153,12 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
     pool.in_flight, pool.paths, pool.retries, pool.returned = {7: task}, Counter({task.path: 1}), 0, 0
     pool.conn = Sent(returned)  # type: ignore[assignment]
     requeued: list[Task] = []
-    pool._receive(lambda *_: None, requeued.extend)
+
+    def requeue(tasks: list[Task]) -> list[Task]:  # as the producer's, for a live build
+        requeued.extend(tasks)
+        return tasks
+
+    pool._receive(lambda *_: None, requeue)
     assert requeued == [task] and pool.retries == bridge.MAX_ATTEMPTS - 1
 
 
@@ -469,3 +474,32 @@ def test_a_slice_written_before_its_build_was_cancelled_is_reported_as_built(tmp
     assert w.cancelled_refs == [w.refs[2]]
     w.bridge._forget((99,))  # an id the bridge never held, or answered already: nothing to answer
     assert len(w.answers) == 2
+
+
+def test_a_slice_the_cluster_gives_back_after_its_build_was_cancelled_is_dropped_and_not_said_queued_again(
+        tmp_path: Path, caplog: Any) -> None:
+    """The bridge gave up on a slice (its workers kept dying) as a rewind cancelled its build: the controller
+    dropped it, but warned that it was "queuing it again"."""
+    w = _Wired(tmp_path)
+    lost = "RayActorError: the worker died"
+    for s in w.bridge.slices.values():
+        s.attempts = bridge.MAX_ATTEMPTS  # its last attempt runs
+    with caplog.at_level(logging.DEBUG):
+        w.bridge._again(w.bridge.slices[2], w.refs[2], lost)  # handed back while its build is live ...
+        w.controller_turn()
+        assert [t.task_id for t in w.producer.todo] == [2], "... it is queued again, for the local workers"
+        w.bridge._again(w.bridge.slices[1], w.refs[1], lost)  # handed back ...
+        w.producer._cancel(w.build)  # ... as a rewind cancels its build, before the controller read it
+        w.bridge._receive()
+        w.controller_turn()
+    assert [type(m).__name__ for m in w.answers] == ["Returned", "Returned"], "the bridge held neither any more"
+    assert len(w.aborted) == 1 and not w.build.stream.building, "the build dropped at the bridge's answer"
+    assert not w.producer.todo and not w.producer.task_build and not w.pool.in_flight and not w.pool.paths
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [
+        (logging.WARNING, f"slice 2 of b.tmp came back from the cluster after 3 attempts ({lost}); queuing it again"),
+        (logging.DEBUG, f"slice 1 of b.tmp came back from the cluster after 3 attempts ({lost}); dropped: its batch "
+                        "was cancelled"),
+    ], said
+    # Both were retried at the cluster; only the live one counts against the warnings' budget.
+    assert w.pool.retries == 2 * (bridge.MAX_ATTEMPTS - 1) and w.pool.returned == 1

@@ -36,7 +36,13 @@ NO_ANSWER_SECONDS = 15.0
 RECONNECT_SECONDS = 10.0
 BRIDGE_STOP_SECONDS = 15.0  # ray.shutdown of a private cluster takes seconds
 RATE_WINDOW_SECONDS = 10.0
-LOGGED_RETURNS = 10  # slices handed back by the cluster that are logged as warnings; the rest at debug level
+# Slices handed back by the cluster and queued again that are logged as warnings; the rest at debug level, as is
+# a cancelled batch's slice handed back (dropped: nothing is lost to the job).
+LOGGED_RETURNS = 10
+
+# The producer's ``_requeue``: queues lost tasks again, first, and returns those it queued; it drops a cancelled
+# build's (only the producer keeps which builds are cancelled).
+Requeue = Callable[[list[Task]], list[Task]]
 
 
 @dataclass
@@ -133,8 +139,7 @@ class RemotePool:
             return max(0.0, min(timeout, self.retry_at - time.monotonic()))
         return min(timeout, REPORT_SECONDS)
 
-    def handle(self, on_result: Callable[[Task, Filled | WriteFailed], None],
-               requeue: Callable[[list[Task]], None]) -> None:
+    def handle(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue) -> None:
         """Hand on what the bridge sent; notice a dead or silent one; reconnect when it is time."""
         now = time.monotonic()
         if self.process is None:
@@ -176,8 +181,7 @@ class RemotePool:
             return "no local workers (--workers 0): production waits for the cluster"
         return f"{counted(self.local_workers, 'local worker')} build{'s' if self.local_workers == 1 else ''} alone"
 
-    def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None],
-                 requeue: Callable[[list[Task]], None]) -> None:
+    def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue) -> None:
         assert self.conn is not None
         while True:
             try:
@@ -215,15 +219,23 @@ class RemotePool:
                 requeue([t for t in map(self._take, msg.task_ids) if t is not None])  # which it drops
             elif isinstance(msg, Returned):
                 task = self._take(msg.task_id)
-                if task is not None:  # counted as a Done is: a stale one's are no retries of this job's slices
-                    self.retries += msg.retries
-                    self.returned += 1
-                    (log.warning if self.returned <= LOGGED_RETURNS else log.debug)(
-                        "slice %d of %s came back from the cluster after %s (%s); queuing it again%s",
-                        msg.task_id, os.path.basename(task.path), counted(msg.retries + 1, "attempt"),
-                        msg.reason.splitlines()[0][:300],
-                        "; further ones are logged at debug level" if self.returned == LOGGED_RETURNS else "")
-                    requeue([task])
+                if task is not None:  # a stale one's are no retries of this job's slices
+                    self._on_returned(task, msg, requeue)
+
+    def _on_returned(self, task: Task, msg: Returned, requeue: Requeue) -> None:
+        """A slice the cluster gave up on: queued again, unless its build was cancelled (a rewind, a failed
+        write) before the controller read this, which only the producer knows: ``requeue`` then drops it."""
+        self.retries += msg.retries  # as a Done's are, its batch cancelled or not: the cluster did submit it again
+        said = (msg.task_id, os.path.basename(task.path), counted(msg.retries + 1, "attempt"),
+                msg.reason.splitlines()[0][:300])
+        if not requeue([task]):  # no slice lost to the job: its batch is thrown away
+            log.debug("slice %d of %s came back from the cluster after %s (%s); dropped: its batch was cancelled",
+                      *said)
+            return
+        self.returned += 1
+        (log.warning if self.returned <= LOGGED_RETURNS else log.debug)(
+            "slice %d of %s came back from the cluster after %s (%s); queuing it again%s", *said,
+            "; further ones are logged at debug level" if self.returned == LOGGED_RETURNS else "")
 
     def _on_report(self, report: Report) -> None:
         if not report.connected:
@@ -262,7 +274,7 @@ class RemotePool:
                 del self.paths[task.path]
         return task
 
-    def _lose(self, reason: str, requeue: Callable[[list[Task]], None]) -> None:
+    def _lose(self, reason: str, requeue: Requeue) -> None:
         """Give up on this bridge: its slices go back to the queue, and a new one connects later."""
         lost = list(self.in_flight.values())
         fallback = self._fallback()
