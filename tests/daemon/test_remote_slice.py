@@ -439,8 +439,11 @@ def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never
     w.bridge_end.close()
     w.producer._cancel(other)
     assert w.aborted[1:] == [] and 4 in w.pool.in_flight, "its file stays until the slice is answered"
+    caplog.clear()
     w.pool._lose("the bridge process exited (code -9)", w.producer._requeue)
     assert w.aborted[1:] == [b"other"] and not w.producer.task_build and not w.pool.in_flight
+    lost = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert len(lost) == 1 and "(0 slices queued again, 1 slice of cancelled batches dropped)" in lost[0], lost
 
 
 def test_a_late_result_of_a_cancelled_slice_never_reaches_the_next_build_of_its_batch(tmp_path: Path) -> None:

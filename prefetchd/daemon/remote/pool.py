@@ -275,21 +275,12 @@ class RemotePool:
         return task
 
     def _lose(self, reason: str, requeue: Requeue) -> None:
-        """Give up on this bridge: its slices go back to the queue, and a new one connects later."""
+        """Give up on this bridge: its slices go back to the queue (a cancelled batch's are dropped), and a
+        new one connects later."""
         lost = list(self.in_flight.values())
         fallback = self._fallback()
         again = f"trying again every {RECONNECT_SECONDS:.0f} s"
-        if self.connected:
-            self.disconnects += 1
-            self.lost = reason
-            self.message = f"lost: {reason}; {fallback}"
-            log.warning("Ray cluster at %s lost: %s; %s (%d slices queued again); %s", self.address, reason,
-                        fallback, len(lost), again)
-        else:
-            self.message = self._not_connected(reason)
-            (log.warning if self.failed_attempts == 0 else log.debug)(
-                "cannot use the Ray cluster at %s: %s; %s; %s", self.address, reason, fallback, again)
-            self.failed_attempts += 1
+        was_connected = self.connected
         self.connected = False
         self.unfit = ()
         self.in_flight.clear()
@@ -302,8 +293,20 @@ class RemotePool:
             self.conn.close()
         self.process = self.conn = None
         self.retry_at = time.monotonic() + RECONNECT_SECONDS
-        if lost:
-            requeue(lost)
+        queued = requeue(lost) if lost else []
+        if was_connected:
+            self.disconnects += 1
+            self.lost = reason
+            self.message = f"lost: {reason}; {fallback}"
+            dropped = len(lost) - len(queued)
+            dropped_said = f", {counted(dropped, 'slice')} of cancelled batches dropped" if dropped else ""
+            log.warning("Ray cluster at %s lost: %s; %s (%s queued again%s); %s", self.address, reason,
+                        fallback, counted(len(queued), "slice"), dropped_said, again)
+        else:
+            self.message = self._not_connected(reason)
+            (log.warning if self.failed_attempts == 0 else log.debug)(
+                "cannot use the Ray cluster at %s: %s; %s; %s", self.address, reason, fallback, again)
+            self.failed_attempts += 1
 
     def cancel(self, task_ids: Iterable[int]) -> None:
         """A build was cancelled: tell the bridge of its slices that it holds, so that it frees their nodes and
