@@ -33,6 +33,13 @@ MAX_DOCUMENT_LEN = 1 << 20
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}", re.ASCII)
 
 
+# What a manifest's split and channels may be (SPEC.md's Manifest table); the daemon's --split takes
+# SPLITS.  The daemon writes 3 channels (it decodes a grayscale file to three equal ones), but a reader
+# takes 1 as well, as SPEC does: the trainer has grayscale defaults for normalize=True.
+SPLITS = ("train", "val")
+CHANNELS = (3, 1)
+
+
 # A consumer waiting for a batch rewrites its progress file this often (same position, new
 # time), so that a daemon tells a waiting consumer from a silent one (--consumer-timeout).
 PROGRESS_REFRESH_SECONDS = 2.0
@@ -157,6 +164,13 @@ def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     return value
 
 
+def _one_of(doc: dict[str, Any], key: str, allowed: tuple[object, ...], path: Path) -> None:
+    """Refuse ``doc[key]``, of its type already (``_field``), unless it is one of ``allowed``."""
+    if doc[key] not in allowed:
+        listed = " or ".join(repr(v) for v in allowed)
+        raise ProtocolError(f"{path}: field {key!r} is {doc[key]!r}, expected {listed}; delete it and restart the daemon")
+
+
 def augmentation_text(options: Mapping[str, object]) -> str:
     """The manifest's ``augmentation``: ``name=value`` of each augmentation a job sets beyond the
     split's defaults, in the order given, joined by ``;`` ("" for none).  The names are `prefetchd
@@ -249,6 +263,8 @@ class Manifest:
             ("channels", int), ("rank", int), ("world_size", int), ("created", float),
         ):
             _field(doc, key, kind, path)
+        _one_of(doc, "split", SPLITS, path)
+        _one_of(doc, "channels", CHANNELS, path)
         if doc["batch_size"] < 1 or doc["image_size"] < 1 or doc["world_size"] < 1:
             raise ProtocolError(f"{path}: batch_size, image_size and world_size must be at least 1")
         if not all(isinstance(c, str) for c in doc["classes"]):

@@ -20,7 +20,7 @@ else:  # tomllib joined the standard library in 3.11; tomli is the same parser (
 import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
-from prefetchd.buffer_protocol.documents import augmentation_text
+from prefetchd.buffer_protocol.documents import SPLITS, augmentation_text
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import default_cache_dir
@@ -30,7 +30,6 @@ from prefetchd.options import check_value as check_field
 from prefetchd.options import setting as _opt
 from prefetchd.words import binary_size
 
-SPLITS = ("train", "val")
 # Defaults never plan more than these shares of what is free, so the trainer,
 # its pinned memory and the page cache keep the rest.
 TMPFS_SHARE = 0.5

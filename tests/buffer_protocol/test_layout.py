@@ -47,7 +47,7 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.documents import MAX_DOCUMENT_LEN, write_json
+from prefetchd.buffer_protocol.documents import CHANNELS, MAX_DOCUMENT_LEN, SPLITS, write_json
 from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
 from tests.status_examples import ERRORS, bad_files, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
@@ -199,12 +199,12 @@ def manifests(draw: st.DrawFn) -> Manifest:
     drop_last = draw(st.booleans())
     return Manifest(
         dataset_root=draw(_json_text), fingerprint=draw(_json_text), classes=draw(st.lists(_json_text, max_size=5)),
-        num_samples=draw(st.integers(0, 2**53)), split=draw(st.sampled_from(["train", "val"])),
+        num_samples=draw(st.integers(0, 2**53)), split=draw(st.sampled_from(SPLITS)),
         seed=draw(st.integers(0, 2**63 - 1)), batch_size=batch_size, image_size=draw(st.integers(1, 1024)),
         samples_per_epoch=samples, steps_per_epoch=samples // batch_size if drop_last else -(-samples // batch_size),
         drop_last=drop_last,
         epochs=draw(st.none() | st.integers(0, 10**6)), producer=draw(_json_text),
-        channels=draw(st.sampled_from([1, 3])), rank=draw(st.integers(0, 63)), world_size=draw(st.integers(1, 64)),
+        channels=draw(st.sampled_from(CHANNELS)), rank=draw(st.integers(0, 63)), world_size=draw(st.integers(1, 64)),
         val_fraction=draw(st.none() | st.floats(0, 0.99)), augmentation=draw(st.text(max_size=40)), created=draw(st.floats(0, 4e9)),
     )
 
@@ -259,6 +259,19 @@ def test_manifest_refuses_wrong_field_types(tmp_path: Path, field: str, value: A
     with pytest.raises(ProtocolError, match=MANIFEST_NAME) as info:
         Manifest.read(tmp_path)
     assert field in str(info.value) or field in ("batch_size", "image_size", "world_size")
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("split", "bogus", "'train' or 'val'"), ("split", "Train", "'train' or 'val'"), ("split", "", "'train' or 'val'"),
+    ("channels", 7, "3 or 1"), ("channels", 0, "3 or 1"), ("channels", 4, "3 or 1"),
+])
+def test_manifest_refuses_a_split_or_channels_the_spec_does_not_name(tmp_path: Path, field: str, value: Any,
+                                                                       allowed: str) -> None:
+    """Well typed, but no value a daemon writes: a trainer would read batches it cannot tell how to use."""
+    _write_doc(tmp_path / MANIFEST_NAME, {**_manifest().to_doc(), field: value})
+    with pytest.raises(ProtocolError) as info:
+        Manifest.read(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / MANIFEST_NAME}: field {field!r} is {value!r}, expected {allowed}")
 
 
 @pytest.mark.parametrize("field", ["fingerprint", "seed", "classes", "created", "producer"])

@@ -39,7 +39,7 @@ from prefetchd.buffer_protocol import (
     write_batch,
     write_status,
 )
-from prefetchd.buffer_protocol.documents import JOB_ID_RE, write_json
+from prefetchd.buffer_protocol.documents import CHANNELS, JOB_ID_RE, SPLITS, write_json
 from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
 from tests.status_examples import ERRORS, STORAGE_WAIT, bad_files, production, stream
 from tests.status_examples import status as status_example
@@ -102,6 +102,7 @@ def test_a_mutated_manifest_is_refused_or_well_typed(doc: Any, tmp_path: Path) -
     assert m.steps_per_epoch == -(-m.samples_per_epoch // m.batch_size)
     assert all(isinstance(c, str) for c in m.classes)
     assert all(isinstance(getattr(m, s), str) for s in ("dataset_root", "fingerprint", "split", "producer", "augmentation"))
+    assert m.split in SPLITS and m.channels in CHANNELS
     assert m.epochs is None or (type(m.epochs) is int and m.epochs >= 0)
     assert m.val_fraction is None or _is_number(m.val_fraction)
     assert isinstance(m.created, float)

@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from prefetchd.buffer_protocol import State, batch, documents, layout
+from prefetchd.buffer_protocol import ProtocolError, State, batch, documents, layout
 from prefetchd.buffer_protocol import status as status_module
 from tests.status_examples import REMOTE, STORAGE_WAIT, bad_files, production
 from tests.status_examples import status as status_example
@@ -402,6 +402,34 @@ def manifest_mismatches(spec: str) -> list[str]:
     return out
 
 
+def _manifest_refusal(key: str, value: object) -> str | None:
+    """Why a reader refuses the example manifest with ``key`` set to ``value``; None when it takes it."""
+    try:
+        documents.Manifest.from_doc({**_EXAMPLE_MANIFEST.to_doc(), key: value}, Path("m"))
+    except ProtocolError as exc:
+        return str(exc)
+    return None
+
+
+def manifest_value_mismatches(spec: str) -> list[str]:
+    """The values the Manifest table's rows name for `split` and `channels` (the backquoted ones) are
+    those the code allows, and a reader takes each of them and refuses another."""
+    rows = {literal(r["key"]): r for r in table(spec, "Manifest document", "key")}
+    out = []
+    for key, allowed in (("split", documents.SPLITS), ("channels", documents.CHANNELS)):
+        named = re.findall(r"`([^`]+)`", rows[key]["meaning"]) if key in rows else []
+        if sorted(named) != sorted(str(v) for v in allowed):
+            out.append(f"manifest {key}: spec names {named}, code allows {list(allowed)}")
+        for text in named:
+            refusal = _manifest_refusal(key, int(text) if key == "channels" and text.isdigit() else text)
+            if refusal is not None:
+                out.append(f"manifest {key}: spec names {text!r}, a reader refuses it ({refusal})")
+        other = max(documents.CHANNELS) + 1 if key == "channels" else "-".join(documents.SPLITS) + "-other"
+        if _manifest_refusal(key, other) is None:
+            out.append(f"manifest {key}: a reader takes {other!r}, which the spec does not name")
+    return out
+
+
 def progress_mismatches(spec: str) -> list[str]:
     """The Progress document's table: every key a writer may write, and those it always writes."""
     with tempfile.TemporaryDirectory() as d:
@@ -449,6 +477,7 @@ CHECKS: dict[str, Callable[[str], list[str]]] = {
     "consumers": consumer_mismatches,
     "status": status_mismatches,
     "manifest": manifest_mismatches,
+    "manifest values": manifest_value_mismatches,
     "progress": progress_mismatches,
     "job": job_mismatches,
 }
@@ -540,6 +569,10 @@ MUTATIONS = {
     "manifest type in spec": ("manifest", _replace("| `seed` | int |", "| `seed` | str |"), None),
     "manifest requirement in spec": ("manifest", _replace("| `drop_last` | bool | no |", "| `drop_last` | bool | yes |"), None),
     "manifest key in code": ("manifest", None, (documents.Manifest, "to_doc", lambda self: {**_MANIFEST_TO_DOC(self), "x": 1})),
+    "manifest split in spec": ("manifest values", _replace("| `train` or `val` |", "| `train`, `val` or `test` |"), None),
+    "manifest channels in spec": ("manifest values", _replace("`3`, or `1` for grayscale", "`3`"), None),
+    "manifest channels in code": ("manifest values", None, (documents, "CHANNELS", (3, 1, 4))),
+    "manifest value check in code": ("manifest values", None, (documents, "_one_of", lambda doc, key, allowed, path: None)),
     "progress key in spec": ("progress", _replace("| `wait_share` | float |", "| `waiting` | float |"), None),
     "progress requirement in spec": ("progress", _replace("| `job` | str | no |", "| `job` | str | yes |"), None),
     "job key in spec": ("job", _replace("| `submitted` | float |", "| `sent` | float |"), None),
