@@ -43,6 +43,10 @@ CHANNELS = (3, 1)
 # A consumer waiting for a batch rewrites its progress file this often (same position, new
 # time), so that a daemon tells a waiting consumer from a silent one (--consumer-timeout).
 PROGRESS_REFRESH_SECONDS = 2.0
+# A daemon asks whether a trainer of another pid namespace is there by taking its consumer's lock for a
+# moment (ownership.consumer_held: microseconds); a trainer refused the lock tries again this long before
+# it takes the holder for another trainer.
+CONSUMER_LOCK_RETRY_SECONDS = 0.5
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -310,6 +314,10 @@ class Progress:
     ``read_batches``: the batches its writer consumed by reading them since its loader was made (a move by
     ``load_state_dict`` or ``set_epoch`` adds none), so that the daemon counts a jump over batches as no
     consumption (None from writers that predate it: the daemon counts every move forward).
+    ``pid_namespace``: the writer's pid namespace (``pid_namespace()``, filled in by ``write``; None from
+    writers that predate it or cannot read it), which says whether ``pid`` means anything to a reader.
+    ``locked``: the writer holds the consumer's lock file (SPEC rule 9), by which a reader in another pid
+    namespace tells whether it is still there (``ownership.writer_alive``).
     ``consumer`` picks the file (see :func:`progress_name`).
     """
 
@@ -321,10 +329,17 @@ class Progress:
     closed: bool = field(default=False, compare=False)
     job: str | None = field(default=None, compare=False)
     read_batches: int | None = field(default=None, compare=False)
+    pid_namespace: int | None = field(default=None, compare=False)
+    locked: bool = field(default=False, compare=False)
 
     def write(self, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> None:
         doc: dict[str, Any] = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch,
                                "step": self.step, "pid": os.getpid(), "time": time.time()}
+        namespace = pid_namespace()
+        if namespace is not None:
+            doc["pid_namespace"] = namespace
+        if self.locked:
+            doc["locked"] = True
         if self.wait_share is not None:
             doc["wait_share"] = round(self.wait_share, 4)
         if self.closed:
@@ -345,9 +360,10 @@ class Progress:
         share = doc.get("wait_share")
         if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1):
             raise ProtocolError(f"{path}: field 'wait_share' is {share!r}, expected a fraction between 0 and 1")
-        closed = doc.get("closed", False)
-        if not isinstance(closed, bool):
-            raise ProtocolError(f"{path}: field 'closed' is {closed!r}, expected true or false")
+        closed, locked = doc.get("closed", False), doc.get("locked", False)
+        for key, flag in (("closed", closed), ("locked", locked)):
+            if not isinstance(flag, bool):
+                raise ProtocolError(f"{path}: field {key!r} is {flag!r}, expected true or false")
         # Optional for readers: documents of older writers have neither.
         pid = _field(doc, "pid", int, path) if doc.get("pid") is not None else None
         written = _field(doc, "time", float, path) if doc.get("time") is not None else None
@@ -355,8 +371,19 @@ class Progress:
         read = _field(doc, "read_batches", int, path) if doc.get("read_batches") is not None else None
         if read is not None and read < 0:
             raise ProtocolError(f"{path}: field 'read_batches' is {read}, expected a count of batches (0 or more)")
+        namespace = _field(doc, "pid_namespace", int, path) if doc.get("pid_namespace") is not None else None
         return cls(_field(doc, "epoch", int, path), _field(doc, "step", int, path), share, pid, written, closed, job,
-                   read)
+                   read, namespace, locked)
+
+
+def pid_namespace() -> int | None:
+    """This process's pid namespace: the inode number of ``/proc/self/ns/pid`` (what `lsns` lists); None
+    where /proc does not say (no /proc, or one of another namespace that does not show this process).
+    Asked at each use: a process may fork into a namespace it unshared (``unshare --pid --fork``)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Who owns a buffer: the one daemon that holds ``daemon.lock`` (``DaemonLock``), and whether a pid
-named in a document is still the live process that wrote it (``alive_since``, ``daemon_pid``)."""
+named in a document is still the live process that wrote it (``alive_since``, ``daemon_pid``), or, for a
+consumer's progress, whether its writer is still there (``writer_alive``), also from another pid namespace."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 import psutil
 
 from prefetchd.buffer_protocol.errors import ProtocolError
-from prefetchd.buffer_protocol.layout import LOCK_NAME, Dir, owning_buffer
-from prefetchd.buffer_protocol.documents import open_regular
+from prefetchd.buffer_protocol.layout import LOCK_NAME, Dir, consumer_lock_name, owning_buffer
+from prefetchd.buffer_protocol.documents import Progress, open_regular, pid_namespace
 
 
 class BufferBusy(ProtocolError):
@@ -196,6 +197,61 @@ def _hidden(pid: int) -> bool:
     except (ProcessLookupError, OverflowError):
         return False
     return True  # ours to signal, yet not in /proc: it appeared as psutil looked (a zombie is ZombieProcess)
+
+
+def same_pid_namespace(namespace: int | None) -> bool:
+    """Whether a pid a process of ``namespace`` wrote (a ``Progress.pid_namespace``) names the same process
+    here: ``namespace`` is this process's, or one of the two is unknown (a writer that predates the field, no
+    /proc), where a pid is taken as it always was."""
+    ours = pid_namespace()
+    return namespace is None or ours is None or namespace == ours
+
+
+def writer_alive(directory: Dir, consumer: str, progress: Progress) -> bool | None:
+    """Whether the process that wrote ``progress``, ``consumer``'s document in ``directory``, is still there;
+    None when it cannot be told (SPEC rule 8).
+
+    A writer of this pid namespace is judged by its ``pid`` and ``time`` (``alive_since``).  The pid of a
+    writer in another pid namespace (a trainer in another container sharing the tmpfs) names nobody here,
+    or an unrelated process: pid 1 of a container is the host's init.  Such a writer is judged by the
+    consumer's lock file instead, when its document says it holds it (``locked``): an flock is one lock
+    of the kernel's, seen from every namespace, held while the writer's loader is open and let go by
+    the kernel when it dies.  Without the lock, whether it is there is unknown: the consumer timeout
+    (its ``time``) alone ends its hold.
+    """
+    if not same_pid_namespace(progress.pid_namespace):
+        return consumer_held(directory, consumer) if progress.locked else None
+    if progress.pid is None or progress.time is None:
+        return None
+    return alive_since(progress.pid, progress.time)
+
+
+def consumer_held(directory: Dir, consumer: str) -> bool | None:
+    """Whether a process holds ``consumer``'s lock file in ``directory`` (SPEC rule 9); None when that cannot
+    be told: the file is missing (its holder may lock one unlinked since), not a regular file, not readable
+    by this user, or on a filesystem without flock.
+
+    There is no asking the kernel who holds an flock without taking it (/proc/locks hides a holder of
+    another pid namespace), so this takes a shared lock and lets go at once.  A trainer locking the file
+    in those microseconds is refused and tries again (CONSUMER_LOCK_RETRY_SECONDS)."""
+    path = Path(directory) / consumer_lock_name(consumer)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def daemon_pid(buffer: Dir) -> int | None:

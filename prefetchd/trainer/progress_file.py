@@ -12,7 +12,9 @@ writes it for one loader:
 - another trainer reading as the same consumer is an error (each needs a consumer
   name of its own): the first holds ``flock`` on the consumer's lock file
   (``progress.json.lock``) while its loader is open, and a second one's loader
-  refuses to start; the kernel lets go of a trainer that dies.  A trainer that
+  refuses to start; the kernel lets go of a trainer that dies.  The file says it
+  holds the lock (``locked``), which is how a daemon in another pid namespace, to
+  which its pid means nothing, tells it is still there.  A trainer that
   ignores the lock (an older prefetchd) is caught by its writes, looked for at
   most every ``ALONE_CHECK_SECONDS`` while publishing and at every look while
   waiting.  A second open loader of this process on the same consumer shares the
@@ -36,7 +38,7 @@ from pathlib import Path
 
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
                                       progress_name)
-from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
+from prefetchd.buffer_protocol.documents import CONSUMER_LOCK_RETRY_SECONDS, PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import LoaderError
 
 logger = logging.getLogger(__name__)
@@ -84,10 +86,7 @@ class _ConsumerLocks:
                     self._held[key][1] += 1
                     os.close(fd)
                     return key, True
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise ConsumerHeld(str(path)) from None
+                _lock(fd, path)
             except BaseException:
                 os.close(fd)
                 raise
@@ -111,6 +110,20 @@ class _ConsumerLocks:
             os.close(fd)  # the parent's lock stays: it holds the open file too
         self._held.clear()
         self._mutex = threading.Lock()  # one held by another thread at the fork would never be let go
+
+
+def _lock(fd: int, path: Path) -> None:
+    """flock ``fd`` exclusively, trying again for CONSUMER_LOCK_RETRY_SECONDS (a daemon may be asking for it
+    for a moment); ConsumerHeld where it stays held."""
+    deadline = time.monotonic() + CONSUMER_LOCK_RETRY_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise ConsumerHeld(str(path)) from None
+        time.sleep(0.01)
 
 
 def _another_trainer(progress: Progress) -> bool:
@@ -197,8 +210,8 @@ class ProgressFile:
             except (ProtocolError, OSError):
                 pass  # unreadable: overwritten below, and a wait looks again
         try:
-            Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key, read_batches=read_batches).write(
-                self.buffer, self.consumer)
+            Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key, read_batches=read_batches,
+                     locked=self._unlock is not None and self._unlock.alive).write(self.buffer, self.consumer)
         except OSError as exc:
             now = time.monotonic()
             if self._failing_since is None:

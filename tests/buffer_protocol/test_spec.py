@@ -283,6 +283,9 @@ def consumer_mismatches(spec: str) -> list[str]:
     m = re.search(r"`PROGRESS_REFRESH_SECONDS` \(([\d.]+) s\)", rules)
     if m is None or float(m[1]) != documents.PROGRESS_REFRESH_SECONDS:
         out.append(f"progress refresh: spec {m and m[1]!r}, code {documents.PROGRESS_REFRESH_SECONDS}")
+    m = re.search(r"`CONSUMER_LOCK_RETRY_SECONDS` \(([\d.]+) s", rules)
+    if m is None or float(m[1]) != documents.CONSUMER_LOCK_RETRY_SECONDS:
+        out.append(f"consumer lock retry: spec {m and m[1]!r}, code {documents.CONSUMER_LOCK_RETRY_SECONDS}")
     for bad in ("", "a/b", "x" * 33, "sp ace", ".hidden"):
         try:
             name = layout.progress_name(bad)
@@ -433,9 +436,11 @@ def manifest_value_mismatches(spec: str) -> list[str]:
 def progress_mismatches(spec: str) -> list[str]:
     """The Progress document's table: every key a writer may write, and those it always writes."""
     with tempfile.TemporaryDirectory() as d:
-        documents.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287", read_batches=3).write(d)
+        documents.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287", read_batches=3,
+                           locked=True).write(d)
         full = documents.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
-        documents.Progress(1, 2).write(d)
+        with mock.patch.object(documents, "pid_namespace", lambda: None):  # a writer without /proc
+            documents.Progress(1, 2).write(d)
         least = documents.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
     drop = ("format", "version")
     out = _typed_rows(spec, "Progress document", {k: v for k, v in full.items() if k not in drop})
@@ -500,7 +505,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Buffer directory", "file")) == 11
     assert len(table(SPEC, "Status document", "key")) >= 60
     assert len(table(SPEC, "Manifest document", "key")) == 19
-    assert len(table(SPEC, "Progress document", "key")) == 8
+    assert len(table(SPEC, "Progress document", "key")) == 10
     assert len(table(SPEC, "Job document", "key")) == 4
     assert len(docstring_header(batch.__doc__ or "")) == 6
 
@@ -556,6 +561,9 @@ MUTATIONS = {
     "consumer pattern in spec": ("consumers", _replace("match `[A-Za-z0-9_-]{1,32}`", "match `[A-Za-z0-9_-]{1,64}`"), None),
     "consumer refresh in code": ("consumers", None, (documents, "PROGRESS_REFRESH_SECONDS", 5.0)),
     "consumer check in code": ("consumers", None, (layout, "check_consumer", lambda name: name)),
+    "consumer lock retry in code": ("consumers", None, (documents, "CONSUMER_LOCK_RETRY_SECONDS", 2.0)),
+    "progress namespace in spec": ("progress", _replace("| `pid_namespace` | int | no |", "| `pid_namespace` | str | no |"), None),
+    "progress namespace requirement in spec": ("progress", _replace("| `pid_namespace` | int | no |", "| `pid_namespace` | int | yes |"), None),
     "json temp name in spec": ("json temp names", _replace("`NAME.tmp-", "`NAME.partial-"), None),
     "json temp name in code": ("json temp names", None, (layout, "TEMP_MARK", ".part")),
     "status key in spec": ("status", _replace("| `rates.samples_per_s` |", "| `rates.images_per_s` |"), None),

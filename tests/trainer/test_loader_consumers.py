@@ -193,6 +193,35 @@ def test_two_trainers_that_never_wait_are_caught_taking_turns_at_one_consumer(ma
 
 
 
+HOLD_FOR_A_MOMENT = """
+import fcntl, sys, time
+fd = open(sys.argv[1], "a")
+fcntl.flock(fd, fcntl.LOCK_SH)
+print("held", flush=True)
+time.sleep(0.1)
+fcntl.flock(fd, fcntl.LOCK_UN)
+time.sleep(60)
+"""
+
+
+def test_a_trainer_starting_while_the_daemon_asks_for_its_lock_is_not_refused(make_job: MakeJob) -> None:
+    """A daemon asks a trainer of another pid namespace for its lock (a shared flock, let go at once): a loader
+    starting in that moment tries again rather than take the daemon for another trainer.  Here the question
+    is held for 0.1 s by another process, longer than the daemon's microseconds."""
+    job = make_job(samples=12, batch_size=4, write=3)
+    job.claim(os.getpid())
+    asking = subprocess.Popen([sys.executable, "-c", HOLD_FOR_A_MOMENT, str(job.buffer / "progress.json.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert asking.stdout is not None and asking.stdout.readline() == "held\n"
+        with BufferLoader(job.buffer, normalize=False, timeout=30) as loader:
+            assert next(iter(loader)).step == 0
+    finally:
+        asking.kill()
+        asking.wait()
+    progress = Progress.read(job.buffer)
+    assert progress is not None and progress.locked and progress.closed
+
 OPEN_AND_HOLD = """
 import sys, time
 from prefetchd.trainer import BufferLoader, LoaderError
