@@ -37,7 +37,7 @@ import weakref
 from pathlib import Path
 
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
-                                      progress_name)
+                                      progress_name, same_pid_namespace)
 from prefetchd.buffer_protocol.documents import CONSUMER_LOCK_RETRY_SECONDS, PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import LoaderError
 
@@ -127,9 +127,21 @@ def _lock(fd: int, path: Path) -> None:
 
 
 def _another_trainer(progress: Progress) -> bool:
-    """Whether ``progress`` was written by a live trainer of another process that has not left."""
-    return (progress.pid not in (None, os.getpid()) and not progress.closed and progress.time is not None
-            and alive_since(progress.pid, progress.time))
+    """Whether ``progress`` was written by a live trainer of another process that has not left.
+
+    A pid of another pid namespace names nothing here (or an unrelated process, even this one): such a
+    document is another process's, and is taken for a live trainer's.  The callers ask about a document
+    that was written after this loader's first write, or while another process holds the consumer's lock."""
+    if progress.closed or progress.pid is None or progress.time is None:
+        return False
+    if not same_pid_namespace(progress.pid_namespace):
+        return True
+    return progress.pid != os.getpid() and alive_since(progress.pid, progress.time)
+
+
+def _writer(progress: Progress) -> str:
+    """"pid N" of the document's writer, saying so where N is of another pid namespace."""
+    return f"pid {progress.pid}" + ("" if same_pid_namespace(progress.pid_namespace) else " of another pid namespace")
 
 
 _LOCKS = _ConsumerLocks()
@@ -182,7 +194,7 @@ class ProgressFile:
             current = Progress.read(self.buffer, self.consumer)
         except (ProtocolError, OSError):
             return ""
-        return f" (pid {current.pid})" if current is not None and _another_trainer(current) else ""
+        return f" ({_writer(current)})" if current is not None and _another_trainer(current) else ""
 
     def release(self) -> None:
         """The loader closed: another trainer may read as this consumer now."""
@@ -261,7 +273,7 @@ class ProgressFile:
             return
         mine = f"epoch {self.published[0]} step {self.published[1]}" if self.published else "its start"
         raise LoaderError(
-            f"{self.path}: another trainer (pid {current.pid}) reads {self.buffer} as {self.who} too, at epoch {current.epoch} step {current.step} while this one is at {mine}. Several trainers on "
+            f"{self.path}: another trainer ({_writer(current)}) reads {self.buffer} as {self.who} too, at epoch {current.epoch} step {current.step} while this one is at {mine}. Several trainers on "
             "one buffer each need a consumer name of their own: --consumer NAME (BufferLoader(consumer=NAME))"
         )
 

@@ -193,6 +193,23 @@ def test_two_trainers_that_never_wait_are_caught_taking_turns_at_one_consumer(ma
 
 
 
+def test_a_trainer_of_another_pid_namespace_is_caught_whatever_its_pid_names_here(make_job: MakeJob) -> None:
+    """A trainer in another container writing without the lock (it could not take it): its pid means nothing
+    here, even where it is this process's own, so its writes are another trainer's."""
+    job = make_job(samples=40, batch_size=4, epochs=1, write=1)
+    job.claim(os.getpid())
+    elsewhere = os.stat("/proc/self/ns/pid").st_ino + 1
+    loader = BufferLoader(job.buffer, normalize=False, timeout=30, consumer="same")
+    batches = iter(loader)
+    assert next(batches).step == 0
+    next(batches)
+    write_progress_of(os.getpid(), job.buffer / "progress.same.json", step=7, pid_namespace=elsewhere)
+    time.sleep(ALONE_CHECK_SECONDS)
+    with pytest.raises(LoaderError, match=rf"another trainer \(pid {os.getpid()} of another pid namespace\) reads "):
+        next(batches)
+    loader.close()
+
+
 HOLD_FOR_A_MOMENT = """
 import fcntl, sys, time
 fd = open(sys.argv[1], "a")
