@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, alive_since
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, same_pid_namespace, writer_alive
 from prefetchd.buffer_protocol.status import ConsumerStatus, Position, TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class Consumer:
     rejected: int = 0
     error: str = ""
     read_batches: int | None = None  # the ``read_batches`` of the document taken last
+    document: Progress | None = None  # the document taken last
 
     @property
     def label(self) -> str:
@@ -58,16 +60,18 @@ class Consumer:
     def take(self, progress: Progress, g: int) -> bool:
         """Take a document read for this consumer, ``g`` being its global position; True when it moved."""
         first = not self.seen
-        writer = self.pid
+        writer = self.document
         self.seen, self.error = True, ""
+        self.document = progress
         self.closed = progress.closed
         self.wait_share, self.pid, self.written = progress.wait_share, progress.pid, progress.time
         read, before = progress.read_batches, self.read_batches or 0
         if read is not None:
             # What its loader read: a jump forward (a later checkpoint loaded) consumed nothing. A count that went
-            # down, or another pid, is a new loader's, all of it read since; the first one read before this daemon.
+            # down, or another pid (or pid namespace), is a new loader's, all of it read since; the first one read before this daemon.
+            same = writer is not None and (progress.pid, progress.pid_namespace) == (writer.pid, writer.pid_namespace)
             if not first:
-                self.consumed += read - before if progress.pid == writer and read >= before else read
+                self.consumed += read - before if same and read >= before else read
         elif not first and g > self.position:
             self.consumed += g - self.position  # a writer that predates ``read_batches``: each move forward, jumps too
         self.read_batches = read
@@ -87,10 +91,16 @@ class Consumer:
         self.rejected += 1
         return True
 
-    def writer_alive(self) -> bool | None:
-        """Whether the process that wrote its progress file is still there; None when unknown."""
-        pid, since = self.pid, self.written
-        return alive_since(pid, since) if pid is not None and since is not None else None
+    def writer_alive(self, directory: Path) -> bool | None:
+        """Whether the process that wrote its progress file in ``directory`` is still there, by its pid or, from
+        another pid namespace, by its lock file (``buffer_protocol.writer_alive``); None when unknown."""
+        return writer_alive(directory, self.name, self.document) if self.document is not None else None
+
+    @property
+    def writer(self) -> str:
+        """Its writer, as the log names it: "pid N", and where N is of another pid namespace, says so."""
+        foreign = self.document is not None and not same_pid_namespace(self.document.pid_namespace)
+        return f"pid {self.pid}" + (" of another pid namespace" if foreign else "")
 
     def trainer_status(self, now: float) -> TrainerStatus:
         age = round(self.silent_for(now), 1) if self.written is not None else None

@@ -413,7 +413,7 @@ class Stream:
         for c in self.consumers.values():
             if not c.seen:
                 continue
-            alive = c.writer_alive()
+            alive = c.writer_alive(self.dir)
             if c.closed or (self.end is not None and c.position >= self.end):
                 # It left, or consumed every epoch: it exits, as it should, which is no news to log; the
                 # status and metrics still say whether its process is there.
@@ -424,12 +424,12 @@ class Stream:
                 if not alive:
                     keep = ("It stops holding batches while other consumers read" if several else
                             f"Keeping the buffer at the high-water mark ({self.high} batches) for when a trainer comes back")
-                    log.warning("%s: rank %d's %s (pid %d) has gone away; progress last moved %.0f s ago, at epoch %d "
-                                "step %d. %s", self.dir, self.rank, c.label.removeprefix("the "), c.pid, c.silent_for(now),
-                                epoch, step, keep)
+                    log.warning("%s: rank %d's %s (%s) has gone away; progress last moved %.0f s ago, at epoch %d "
+                                "step %d. %s", self.dir, self.rank, c.label.removeprefix("the "), c.writer,
+                                c.silent_for(now), epoch, step, keep)
                 elif c.alive is False:
-                    log.info("rank %d's %s is back (pid %d) at epoch %d step %d", self.rank,
-                             c.label.removeprefix("the "), c.pid, epoch, step)
+                    log.info("rank %d's %s is back (%s) at epoch %d step %d", self.rank,
+                             c.label.removeprefix("the "), c.writer, epoch, step)
                 c.alive = alive
             silent = c.silent_for(now) > self.consumer_timeout
             if several and silent and not c.silent and c.alive is not False:

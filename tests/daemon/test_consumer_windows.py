@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_status, write_status
 from prefetchd.daemon.consumers import plan_windows, union_size
 from prefetchd.daemon.stream import Stream
 from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.sdnotify import status_line
 from prefetchd.daemon.status_view import format_status
+from tests.pid_namespace import foreign_writer, free_pid, unavailable
 from tests.status_examples import production, report
 from tests.status_examples import status as status_example
 
@@ -119,6 +121,24 @@ def test_gone_silent_and_closed_consumers_stop_holding_while_another_is_live(tmp
     assert s.held == {4, 5, 6, 7}, "closed and silent consumers hold nothing while 'live' reads"
     status = {c.name: c for c in s.status().consumers}
     assert not status["quiet"].holding and status["gone"].closed and status["live"].holding
+
+
+@pytest.mark.skipif(bool(unavailable), reason=unavailable)
+@pytest.mark.parametrize("numbered", ["as init here", "as nobody here"])
+def test_a_consumer_in_another_pid_namespace_holds_while_it_runs_and_not_after(shm_dir: Path, numbered: str) -> None:
+    """A trainer in another container that shares the tmpfs: its pid names another process here, init (pid 1,
+    there for ever: it held batches after it died) or none (it was taken for gone while it read). It holds
+    its window while it runs, and stops once it is killed, as a consumer of the daemon's namespace does."""
+    s = stream(shm_dir, cap=3 * HIGH)
+    move(s, "near", 8)  # a consumer of this namespace, so that one gone stops holding
+    with foreign_writer(shm_dir, "boxed", s.manifest.job_key, pid=1 if numbered == "as init here" else free_pid()) as writer:
+        s.read_progress()
+        boxed = s.consumers["boxed"]
+        assert boxed.alive is True and s.held == set(range(1, 1 + HIGH)) | set(range(8, 8 + HIGH))
+        writer.kill()
+        s.read_progress()
+        assert boxed.alive is False and s.held == set(range(8, 8 + HIGH))
+    assert not {c.name: c for c in s.status().consumers}["boxed"].holding
 
 
 def test_a_single_trainer_that_goes_away_keeps_its_window(tmp_path: Path) -> None:
