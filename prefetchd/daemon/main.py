@@ -355,7 +355,8 @@ def run_as_batch() -> None:
     Its nice value and its share of the CPU do not change.  Measured on the 2-core EPYC (a 2-worker
     daemon read by a `BufferLoader`, 2 MiB pages, docs/BENCHMARKS.md "The daemon under
     SCHED_BATCH"): the workers were preempted ~300 times a second instead of ~410; `prefetchd bench`
-    made 1515 img/s at 2 workers against 1475–1480."""
+    at 2 workers, alternating with the code before, made 1515, 1515 and 1493 img/s against 1475,
+    1480 and 1491."""
     try:
         threads = [int(tid) for tid in os.listdir("/proc/self/task")]  # a thread started at import too
         for tid in threads:
