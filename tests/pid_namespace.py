@@ -1,8 +1,8 @@
 """A consumer in another pid namespace, as a trainer in another container sharing the buffer's tmpfs is.
 
 ``unshare --pid --fork --mount-proc`` starts a Python process that is pid 1 of a new pid namespace;
-it writes a consumer's progress through the trainer's own ``ProgressFile`` (which holds the
-consumer's lock file) and lives until the test kills it.  Its pid means nothing in the test's
+it holds the consumer's lock file and writes its progress saying so, as the trainer's
+``ProgressFile`` does (SPEC rule 9), and lives until the test kills it.  Its pid means nothing in the test's
 namespace: pid 1 is the test machine's init (there, started long ago), and ``pid=N`` makes the writer
 a child with pid N of the new namespace (set through its ``ns_last_pid``), a number the caller picks
 free in its own namespace.  Needs root and util-linux's unshare: ``unavailable`` says why not.
@@ -35,9 +35,13 @@ if os.getpid() != pid:
     Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
     child = subprocess.Popen(sys.orig_argv)
     sys.exit(child.wait())
-from prefetchd.trainer.progress_file import ProgressFile
-progress = ProgressFile(buffer, consumer, job)
-progress.publish((0, 1), None)
+import fcntl
+from prefetchd.buffer_protocol import Progress, consumer_lock_name
+# As the trainer's ProgressFile does (SPEC rule 9), with the protocol alone: the buffer_protocol tests run
+# where torch, which the trainer package imports, is not installed (.ci/run's Python 3.10 venv).
+lock = open(buffer / consumer_lock_name(consumer), "a")
+fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+Progress(0, 1, job=job, locked=True).write(buffer, consumer)
 print(os.getpid(), flush=True)
 time.sleep(600)
 """
