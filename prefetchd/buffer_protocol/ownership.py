@@ -234,20 +234,17 @@ def consumer_held(directory: Dir, consumer: str) -> bool | None:
     There is no asking the kernel who holds an flock without taking it (/proc/locks hides a holder of
     another pid namespace), so this takes a shared lock and lets go at once.  A trainer locking the file
     in those microseconds is refused and tries again (CONSUMER_LOCK_RETRY_SECONDS)."""
-    path = Path(directory) / consumer_lock_name(consumer)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        fd = open_regular(Path(directory) / consumer_lock_name(consumer), os.O_RDONLY, "a consumer's lock file")
+    except (OSError, ProtocolError):
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    else:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
     finally:
