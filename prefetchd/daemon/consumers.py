@@ -30,11 +30,8 @@ class Consumer:
 
     name: str
     position: int = 0
-    seen: bool = False  # a progress document of it has been read (the default one exists before that)
-    closed: bool = False
-    wait_share: float | None = None
-    pid: int | None = None
-    written: float | None = None  # the document's ``time``: when its writer last wrote it
+    # The progress document taken last; None before any (the default consumer exists before that).
+    document: Progress | None = None
     alive: bool | None = None  # None: unknown (no pid, or not looked at yet)
     silent: bool = False  # its writer wrote nothing for longer than the consumer timeout, when last looked at
     window: int = 0  # batches the plan holds for it from its position
@@ -42,8 +39,28 @@ class Consumer:
     rewinds: int = 0
     rejected: int = 0
     error: str = ""
-    read_batches: int | None = None  # the ``read_batches`` of the document taken last
-    document: Progress | None = None  # the document taken last
+
+    @property
+    def seen(self) -> bool:
+        """A progress document of it has been read."""
+        return self.document is not None
+
+    @property
+    def closed(self) -> bool:
+        return self.document is not None and self.document.closed
+
+    @property
+    def wait_share(self) -> float | None:
+        return self.document.wait_share if self.document is not None else None
+
+    @property
+    def pid(self) -> int | None:
+        return self.document.pid if self.document is not None else None
+
+    @property
+    def written(self) -> float | None:
+        """The document's ``time``: when its writer last wrote it."""
+        return self.document.time if self.document is not None else None
 
     @property
     def label(self) -> str:
@@ -59,25 +76,20 @@ class Consumer:
 
     def take(self, progress: Progress, g: int) -> bool:
         """Take a document read for this consumer, ``g`` being its global position; True when it moved."""
-        first = not self.seen
-        writer = self.document
-        self.seen, self.error = True, ""
-        self.document = progress
-        self.closed = progress.closed
-        self.wait_share, self.pid, self.written = progress.wait_share, progress.pid, progress.time
-        read, before = progress.read_batches, self.read_batches or 0
-        if read is not None:
+        writer = self.document  # None: the first of its documents this daemon reads, read before it
+        self.document, self.error = progress, ""
+        read = progress.read_batches
+        if writer is not None and read is not None:
             # What its loader read: a jump forward (a later checkpoint loaded) consumed nothing. A count that went
-            # down, or another pid (or pid namespace), is a new loader's, all of it read since; the first one read before this daemon.
-            same = writer is not None and (progress.pid, progress.pid_namespace) == (writer.pid, writer.pid_namespace)
-            if not first:
-                self.consumed += read - before if same and read >= before else read
-        elif not first and g > self.position:
+            # down, or another pid (or pid namespace), is a new loader's, all of it read since.
+            same = (progress.pid, progress.pid_namespace) == (writer.pid, writer.pid_namespace)
+            before = writer.read_batches or 0
+            self.consumed += read - before if same and read >= before else read
+        elif writer is not None and g > self.position:
             self.consumed += g - self.position  # a writer that predates ``read_batches``: each move forward, jumps too
-        self.read_batches = read
         if g == self.position:
             return False
-        if not first and g < self.position:
+        if writer is not None and g < self.position:
             self.rewinds += 1
         # The first position: where it starts (a consumer joining, a trainer resuming under this daemon).
         self.position = g
