@@ -207,6 +207,11 @@ def same_pid_namespace(namespace: int | None) -> bool:
     return namespace is None or ours is None or namespace == ours
 
 
+def writer_named(progress: Progress) -> str:
+    """"pid N" of ``progress``'s writer, as messages name it, saying so where N is of another pid namespace."""
+    return f"pid {progress.pid}" + ("" if same_pid_namespace(progress.pid_namespace) else " of another pid namespace")
+
+
 def writer_alive(directory: Dir, consumer: str, progress: Progress) -> bool | None:
     """Whether the process that wrote ``progress``, ``consumer``'s document in ``directory``, is still there;
     None when it cannot be told (SPEC rule 8).

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, same_pid_namespace, writer_alive
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, writer_alive, writer_named
 from prefetchd.buffer_protocol.status import ConsumerStatus, Position, TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -110,9 +110,8 @@ class Consumer:
 
     @property
     def writer(self) -> str:
-        """Its writer, as the log names it: "pid N", and where N is of another pid namespace, says so."""
-        foreign = self.document is not None and not same_pid_namespace(self.document.pid_namespace)
-        return f"pid {self.pid}" + (" of another pid namespace" if foreign else "")
+        """Its writer, as the log names it (``buffer_protocol.writer_named``)."""
+        return writer_named(self.document) if self.document is not None else "no writer yet"
 
     def trainer_status(self, now: float) -> TrainerStatus:
         age = round(self.silent_for(now), 1) if self.written is not None else None

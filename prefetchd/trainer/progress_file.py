@@ -37,7 +37,7 @@ import weakref
 from pathlib import Path
 
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
-                                      progress_name, same_pid_namespace)
+                                      progress_name, same_pid_namespace, writer_named)
 from prefetchd.buffer_protocol.documents import CONSUMER_LOCK_RETRY_SECONDS, PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import LoaderError
 
@@ -139,11 +139,6 @@ def _another_trainer(progress: Progress) -> bool:
     return progress.pid != os.getpid() and alive_since(progress.pid, progress.time)
 
 
-def _writer(progress: Progress) -> str:
-    """"pid N" of the document's writer, saying so where N is of another pid namespace."""
-    return f"pid {progress.pid}" + ("" if same_pid_namespace(progress.pid_namespace) else " of another pid namespace")
-
-
 _LOCKS = _ConsumerLocks()
 os.register_at_fork(after_in_child=_LOCKS.forget_in_child)
 
@@ -194,7 +189,7 @@ class ProgressFile:
             current = Progress.read(self.buffer, self.consumer)
         except (ProtocolError, OSError):
             return ""
-        return f" ({_writer(current)})" if current is not None and _another_trainer(current) else ""
+        return f" ({writer_named(current)})" if current is not None and _another_trainer(current) else ""
 
     def release(self) -> None:
         """The loader closed: another trainer may read as this consumer now."""
@@ -273,7 +268,7 @@ class ProgressFile:
             return
         mine = f"epoch {self.published[0]} step {self.published[1]}" if self.published else "its start"
         raise LoaderError(
-            f"{self.path}: another trainer ({_writer(current)}) reads {self.buffer} as {self.who} too, at epoch {current.epoch} step {current.step} while this one is at {mine}. Several trainers on "
+            f"{self.path}: another trainer ({writer_named(current)}) reads {self.buffer} as {self.who} too, at epoch {current.epoch} step {current.step} while this one is at {mine}. Several trainers on "
             "one buffer each need a consumer name of their own: --consumer NAME (BufferLoader(consumer=NAME))"
         )
 
