@@ -294,15 +294,19 @@ def _lead_name(pr: Production) -> str:
     return "slowest consumer" if any(_consumer_lines_shown(s) for s in pr.streams) else "trainer"
 
 
+def _never_wrote(trainer: TrainerStatus) -> bool:
+    """A trainer that wrote a progress file has a pid or a progress age (its writer predating ``pid``)."""
+    return trainer.pid is None and trainer.progress_age_s is None
+
+
 def _stream_has_no_trainer(s: StreamStatus) -> bool:
-    """No progress file of this rank was ever read: its position is where the daemon starts, no trainer's.
-    A trainer that wrote one has a pid or a progress age (its writer predating ``pid``), or is a consumer."""
-    return not s.consumers and s.trainer.pid is None and s.trainer.progress_age_s is None
+    """No progress file of this rank was ever read: its position is where the daemon starts, no trainer's
+    (a consumer has written one)."""
+    return not s.consumers and _never_wrote(s.trainer)
 
 
 def _no_trainer_yet(pr: Production) -> bool:
-    return (pr.trainer.pid is None and pr.trainer.progress_age_s is None
-            and all(_stream_has_no_trainer(s) for s in pr.streams))
+    return _never_wrote(pr.trainer) and all(_stream_has_no_trainer(s) for s in pr.streams)
 
 
 def _all_left(pr: Production) -> bool:
