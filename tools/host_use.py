@@ -108,6 +108,7 @@ class CpuUse:
         self._seen: dict[tuple[int, float], _Seen] = {}
         self._lost = 0.0  # CPU seconds of followed processes that died where no follower sees it
         self._lock = threading.Lock()
+        self._me = psutil.Process()  # its own CPU, with that of the children it reaped
         self._sample(baseline=True)
         self._begin = self._now()
         self._stop = threading.Event()
@@ -121,7 +122,7 @@ class CpuUse:
         total = busy + t.idle + getattr(t, "iowait", 0.0) + steal
         with self._lock:
             followed = self._lost + sum(seen.last - seen.base for seen in self._seen.values() if seen.alive)
-        return time.perf_counter(), busy, steal, total, _tree_cpu(os.getpid(), own=True) + followed
+        return time.perf_counter(), busy, steal, total, _cpu(self._me) + followed
 
     def _loop(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
@@ -178,16 +179,6 @@ class _Seen:
 def _cpu(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return float(t.user + t.system + t.children_user + t.children_system)
-
-
-def _tree_cpu(pid: int, own: bool = False) -> float:
-    """CPU seconds of ``pid`` and its descendants, those already reaped included (``children_*``);
-    with ``own``, of ``pid`` alone (with those it reaped)."""
-    total = 0.0
-    for proc in process_tree(pid)[:1] if own else process_tree(pid):
-        with contextlib.suppress(psutil.Error):
-            total += _cpu(proc)
-    return total
 
 
 if __name__ == "__main__":  # imported by tools/gpu_check.py; run alone it has nothing to do
