@@ -28,13 +28,15 @@ checkpoint, which holds every rank's loader position (see ``ranks``).
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import torch
@@ -208,6 +210,10 @@ def main(verbose: bool, **options: Any) -> None:
     Under torchrun (`torchrun --nproc-per-node N -m prefetchd.trainer.train ...`) each rank reads its own
     stream of the buffers, which the daemons produce with --world-size.
     """
+    # A crash in native code (a signal such as SIGSEGV or SIGABRT) prints where each Python thread was;
+    # to the process's own stderr, which a caller's replacement (click's test runner) may not have.
+    if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+        faulthandler.enable(sys.__stderr__)
     try:
         ranks = Ranks.from_env()
     except SetupError as exc:
@@ -241,7 +247,7 @@ def main(verbose: bool, **options: Any) -> None:
     except TerminatedBeforeTraining:
         click.echo(f"{name}: stopped by SIGTERM before training began; nothing was trained, so nothing to save",
                    err=True)
-        sys.exit(EXIT_TERMINATED)
+        _leave(EXIT_TERMINATED, ranks)
     except (LoaderError, ProtocolError) as exc:
         told = " ".join(str(exc).split())
         if isinstance(exc, (DaemonGone, DaemonStuck)) and config.spawn_daemon and ranks.distributed:
@@ -249,27 +255,45 @@ def main(verbose: bool, **options: Any) -> None:
             told += (". Under torchrun a lost daemon ends the run (local rank 0 does not restart it while the other "
                      "ranks wait): run this same command again with --resume to go on from the last checkpoint")
         click.echo(f"{name}: {told}", err=True)
-        sys.exit(EXIT_BUFFER)
+        _leave(EXIT_BUFFER, ranks)
     except OptionError as exc:  # before SetupError, which it is
         raise click.UsageError(str(exc)) from None
     except SetupError as exc:  # under torchrun every rank may say it: which one does
         raise click.ClickException(f"rank {ranks.rank}: {exc}" if ranks.distributed else str(exc)) from None
     except (CheckpointError, PeerFailed) as exc:
         click.echo(f"{name}: {' '.join(str(exc).split())}", err=True)
-        sys.exit(EXIT_FAILED)
+        _leave(EXIT_FAILED, ranks)
     except RuntimeError as exc:
         if not (ranks.distributed and is_peer_failure(exc)):
             raise
         # DDP's gradient all-reduce lost a rank that left; that rank said why.
         click.echo(f"{name}: {peer_failed(ranks, 'in the gradient all-reduce of DDP')}", err=True)
-        sys.exit(EXIT_FAILED)
+        _leave(EXIT_FAILED, ranks)
     except KeyboardInterrupt:
         click.echo(f"{name}: interrupted{_resumable(config) if ranks.is_main else ''}", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        _leave(EXIT_INTERRUPTED, ranks)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if metrics["stopped_by"] == "SIGTERM":
-        sys.exit(EXIT_TERMINATED)
+    _leave(EXIT_TERMINATED if metrics["stopped_by"] == "SIGTERM" else EXIT_OK, ranks)
+
+
+def _leave(code: int, ranks: Ranks) -> NoReturn:
+    """Exit with ``code``; a rank under torchrun without tearing the interpreter down.
+
+    DistributedDataParallel keeps its process group alive after ``destroy_process_group``, and with it
+    gloo's worker and transport threads: they still run once the model is deleted and collected
+    (torch's reducer is never freed). Python's shutdown and the C++ destructors of ``exit()`` then run
+    beside them. In CI a rank that had stopped cleanly, the checkpoint saved, died of SIGABRT on its way
+    out ("terminate called without an active exception"), and torchrun reported that rank as failed.
+    Everything a rank writes is closed by now (loaders, checkpoint, metrics, spawned daemons), so it
+    flushes its output and leaves with its code, past both.
+    """
+    if not ranks.distributed:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 __all__ = [
