@@ -4,7 +4,7 @@ One typed document, written by :func:`write_status` and read by :func:`read_stat
 only.  On disk it is flat, as `prefetchd status --json` shows it::
 
     {"format": "prefetchd.status", "version": 1,
-     "pid": 4242, "state": "filling", "message": "", "heartbeat": 1700000000.5,
+     "pid": 4242, "pid_namespace": 4026531836, "state": "filling", "message": "", "heartbeat": 1700000000.5,
      "job_result": null,                          <- every state
      "producer": "0123456789ab", "progress": {...}, "rates": {...}, ...
                                                   <- only while a job is produced (Production)
@@ -26,14 +26,14 @@ import errno
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, NoReturn
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import ProtocolError
-from prefetchd.buffer_protocol.documents import read_json_stat, write_json
+from prefetchd.buffer_protocol.documents import pid_namespace as this_pid_namespace, read_json_stat, write_json
 from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, owning_buffer
 
 STATUS_FORMAT = "prefetchd.status"
@@ -232,7 +232,13 @@ class Production:
 
 @dataclass(frozen=True)
 class Status:
-    """status.json."""
+    """status.json.
+
+    ``pid_namespace``: the writer's pid namespace, by which a reader of another one (a trainer in another
+    container sharing the tmpfs) knows that ``pid`` names no process of its own (SPEC rule 8).  A Status is
+    made by the daemon that writes it, so it is this process's by default; None where /proc does not say,
+    and read from a daemon that predates the field.
+    """
 
     pid: int
     state: State
@@ -240,6 +246,7 @@ class Status:
     message: str = ""
     job_result: JobResult | None = None
     production: Production | None = None
+    pid_namespace: int | None = field(default_factory=this_pid_namespace)
 
     @property
     def remote(self) -> RemoteStatus | None:
@@ -252,6 +259,8 @@ class Status:
             "format": STATUS_FORMAT, "version": VERSION, "pid": self.pid, "state": str(self.state),
             "message": self.message, "heartbeat": self.heartbeat, "job_result": _plain(self.job_result),
         }
+        if self.pid_namespace is not None:
+            doc["pid_namespace"] = self.pid_namespace
         if self.production is not None:
             doc.update(_plain(self.production))
         return doc
@@ -293,6 +302,7 @@ class Status:
             job_result=JobResult(job.optional_text("job_id"), job.flag("accepted"), job.text("reason"), job.num("time"))
             if job is not None else None,
             production=production,
+            pid_namespace=top.optional_nat("pid_namespace"),
         )
 
 

@@ -562,6 +562,8 @@ MUTATIONS = {
     "consumer refresh in code": ("consumers", None, (documents, "PROGRESS_REFRESH_SECONDS", 5.0)),
     "consumer check in code": ("consumers", None, (layout, "check_consumer", lambda name: name)),
     "consumer lock retry in code": ("consumers", None, (documents, "CONSUMER_LOCK_RETRY_SECONDS", 2.0)),
+    "status namespace in spec": ("status", _replace("| `pid_namespace` | int | always |", "| `pid_namespace` | str | always |"),
+                                 None),
     "progress namespace in spec": ("progress", _replace("| `pid_namespace` | int | no |", "| `pid_namespace` | str | no |"), None),
     "progress namespace requirement in spec": ("progress", _replace("| `pid_namespace` | int | no |", "| `pid_namespace` | int | yes |"), None),
     "json temp name in spec": ("json temp names", _replace("`NAME.tmp-", "`NAME.partial-"), None),
