@@ -43,10 +43,11 @@ CHANNELS = (3, 1)
 # A consumer waiting for a batch rewrites its progress file this often (same position, new
 # time), so that a daemon tells a waiting consumer from a silent one (--consumer-timeout).
 PROGRESS_REFRESH_SECONDS = 2.0
-# A daemon asks whether a trainer of another pid namespace is there by taking its consumer's lock for a
-# moment (ownership.consumer_held: microseconds); a trainer refused the lock tries again this long before
-# it takes the holder for another trainer.
-CONSUMER_LOCK_RETRY_SECONDS = 0.5
+# Whether a process of another pid namespace is there is asked of its lock, by taking it for a moment
+# (microseconds): the daemon asks a consumer's lock file (ownership.consumer_held), a reader asks daemon.lock
+# (ownership.daemon_owner).  Whoever takes such a lock and is refused tries again this long
+# (ownership.take_lock) before it takes the holder for another trainer, or another daemon.
+LOCK_RETRY_SECONDS = 0.5
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:

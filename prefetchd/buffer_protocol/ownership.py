@@ -1,21 +1,27 @@
-"""Who owns a buffer: the one daemon that holds ``daemon.lock`` (``DaemonLock``), and whether a pid
-named in a document is still the live process that wrote it (``alive_since``, ``daemon_pid``), or, for a
-consumer's progress, whether its writer is still there (``writer_alive``), also from another pid namespace."""
+"""Who owns a buffer: the one daemon that holds ``daemon.lock`` (``DaemonLock``), which live daemon that is
+(``daemon_owner``, ``daemon_pid``), and whether a pid named in a document is still the live process that wrote
+it (``alive_since``), or, for a consumer's progress, whether its writer is still there (``writer_alive``).
+
+Across pid namespaces (the daemon and a trainer in different containers sharing the tmpfs) a pid names no
+process of the reader's, or an unrelated one, so a process of another namespace is judged by a lock it holds
+instead, asked for a moment (``_held``): the daemon by ``daemon.lock``, a trainer by its consumer's lock file."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import stat
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import LOCK_NAME, Dir, consumer_lock_name, owning_buffer
-from prefetchd.buffer_protocol.documents import Progress, open_regular, pid_namespace
+from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS, Progress, open_regular, pid_namespace
+from prefetchd.buffer_protocol.status import Status, read_status
 
 
 class BufferBusy(ProtocolError):
@@ -28,10 +34,12 @@ class DaemonLock:
     The kernel drops an flock when its holder dies, so a SIGKILLed daemon never
     leaves a stale lock behind.
 
-    The file is ``LOCK_MODE`` (less the umask): readers need its pid (``daemon_pid``), nobody
+    The file is ``LOCK_MODE`` (less the umask): readers need its pid (``daemon_owner``), nobody
     but the owner writes it, and nobody runs it.  flock(2) needs only a read-only descriptor, so
     whoever may read the file can also hold the lock and keep a daemon from starting: with
     --group-access that is any member of the buffer's group (systemd/README.md, "who it runs as").
+    A reader of another pid namespace than the daemon's asks whether the lock is held by taking it
+    shared for a moment (``daemon_owner``), so a daemon refused it tries again briefly (``take_lock``).
     """
 
     LOCK_MODE = 0o644
@@ -75,12 +83,13 @@ class DaemonLock:
             # One made by an older daemon (0777 less the umask: group-writable under UMask=0007).
             os.fchmod(fd, stat.S_IMODE(st.st_mode) & self.LOCK_MODE)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+            taken = take_lock(fd)
+        except OSError:
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise BufferBusy(self._held_by(daemon_pid(self.path.parent))) from None
             raise
+        if not taken:
+            os.close(fd)
+            raise BufferBusy(self._held_by(daemon_owner(self.path.parent)))
         try:
             ours = self._names(fd)
         except FileNotFoundError:
@@ -96,11 +105,11 @@ class DaemonLock:
         self._directory = (directory.st_dev, directory.st_ino)
         return True
 
-    def _held_by(self, pid: int | None) -> str:
+    def _held_by(self, owner: DaemonOwner | None) -> str:
         buffer = self.path.parent
-        if pid is not None:
-            return (f"{buffer}: buffer is owned by a running daemon (pid {pid}); stop it with "
-                    f"`prefetchd stop --buffer {buffer}` or pick another --buffer")
+        if owner is not None:
+            return (f"{buffer}: buffer is owned by a running daemon ({owner}); stop it with {owner.how_to_stop(buffer)}, "
+                    "or pick another --buffer")
         # No live pid in the file: whoever holds the flock is no prefetchd daemon (a daemon
         # writes its pid right after it takes the lock and empties the file just before it lets go).
         return (f"{buffer}: {self.path} is locked by a process that is not a running prefetchd daemon (pid "
@@ -200,16 +209,22 @@ def _hidden(pid: int) -> bool:
 
 
 def same_pid_namespace(namespace: int | None) -> bool:
-    """Whether a pid a process of ``namespace`` wrote (a ``Progress.pid_namespace``) names the same process
-    here: ``namespace`` is this process's, or one of the two is unknown (a writer that predates the field, no
-    /proc), where a pid is taken as it always was."""
+    """Whether a pid a process of ``namespace`` wrote (a ``Progress.pid_namespace``, a ``Status.pid_namespace``)
+    names the same process here: ``namespace`` is this process's, or one of the two is unknown (a writer that
+    predates the field, no /proc), where a pid is taken as it always was."""
     ours = pid_namespace()
     return namespace is None or ours is None or namespace == ours
 
 
+def pid_named(pid: int | None, here: bool) -> str:
+    """"pid N", as messages name a process, saying so where N is its number in another pid namespace than this
+    process's (``here`` false): there it names no process, or an unrelated one."""
+    return f"pid {pid}" + ("" if here else " of another pid namespace")
+
+
 def writer_named(progress: Progress) -> str:
-    """"pid N" of ``progress``'s writer, as messages name it, saying so where N is of another pid namespace."""
-    return f"pid {progress.pid}" + ("" if same_pid_namespace(progress.pid_namespace) else " of another pid namespace")
+    """``pid_named`` for ``progress``'s writer."""
+    return pid_named(progress.pid, same_pid_namespace(progress.pid_namespace))
 
 
 def writer_alive(directory: Dir, consumer: str, progress: Progress) -> bool | None:
@@ -231,56 +246,144 @@ def writer_alive(directory: Dir, consumer: str, progress: Progress) -> bool | No
     return alive_since(progress.pid, progress.time)
 
 
+def take_lock(fd: int) -> bool:
+    """flock ``fd`` exclusively; False where another holds it, still after trying again for LOCK_RETRY_SECONDS:
+    a reader may be asking whether it is held, for a moment (``consumer_held``, ``daemon_owner``).  OSError
+    where it cannot be locked at all (a filesystem without flock)."""
+    deadline = time.monotonic() + LOCK_RETRY_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(0.01)
+
+
 def consumer_held(directory: Dir, consumer: str) -> bool | None:
     """Whether a process holds ``consumer``'s lock file in ``directory`` (SPEC rule 9); None when that cannot
     be told: the file is missing (its holder may lock one unlinked since), not a regular file, not readable
-    by this user, or on a filesystem without flock.
-
-    There is no asking the kernel who holds an flock without taking it (/proc/locks hides a holder of
-    another pid namespace), so this takes a shared lock and lets go at once.  A trainer locking the file
-    in those microseconds is refused and tries again (CONSUMER_LOCK_RETRY_SECONDS)."""
+    by this user, or on a filesystem without flock (``_held``)."""
     try:
         fd = open_regular(Path(directory) / consumer_lock_name(consumer), os.O_RDONLY, "a consumer's lock file")
     except (OSError, ProtocolError):
         return None
+    try:
+        return _held(fd)
+    finally:
+        os.close(fd)
+
+
+def _held(fd: int) -> bool | None:
+    """Whether another open file holds an flock on ``fd``'s file; None on a filesystem without flock.
+
+    There is no asking the kernel who holds an flock without taking it (/proc/locks hides a holder of
+    another pid namespace), so this takes a shared lock and lets go at once.  Whoever locks the file in
+    those microseconds is refused and tries again (``take_lock``)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     except OSError:
         return None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
-def daemon_pid(buffer: Dir) -> int | None:
-    """Pid of the live daemon owning ``buffer``, or None.
+@dataclass(frozen=True)
+class DaemonOwner:
+    """The live daemon owning a buffer (``daemon_owner``)."""
 
-    Reads the pid the owner wrote and checks that process exists, is older than
-    the lock file (which rules out a pid reused after the owner died) and runs as
-    the file's owner.
-    For a rank's stream directory the owner is the parent buffer's daemon.
+    pid: int  # as daemon.lock and status.json name it: the daemon's pid in its own pid namespace
+    # The daemon's pid namespace where it is another than this process's (its status.json says so): then ``pid``
+    # names no process here, or an unrelated one, never to be looked at or signalled.  None: this process's.
+    pid_namespace: int | None = None
+
+    @property
+    def here(self) -> bool:
+        """Whether ``pid`` names the daemon in this process's pid namespace, to be looked at or signalled."""
+        return self.pid_namespace is None
+
+    @property
+    def where(self) -> str:
+        """What follows a command that looks at or signals this daemon by its pid, for messages: "" for a daemon of
+        this pid namespace, where it runs otherwise."""
+        if self.here:
+            return ""
+        return " where it runs (its container, or the host), not here, where its pid names no process of its"
+
+    def how_to_stop(self, buffer: Dir) -> str:
+        """How to stop this daemon, owning ``buffer``, as messages say it."""
+        command = f"`prefetchd stop --buffer {owning_buffer(Path(buffer))}`"
+        if self.here:
+            return command
+        return f"{command}{self.where} (or stop its service or container there: `systemctl stop`, `docker stop`)"
+
+    def __str__(self) -> str:
+        return pid_named(self.pid, self.here)
+
+    def wrote(self, status: Status | None) -> bool:
+        """Whether ``status`` is this daemon's own, its heartbeat this daemon's: written by its pid in its pid
+        namespace, not by an earlier daemon (two daemons' own pids are compared, whichever namespace they are of)."""
+        return (status is not None and status.pid == self.pid
+                and _other_namespace(status.pid_namespace) == self.pid_namespace)
+
+
+def _other_namespace(namespace: int | None) -> int | None:
+    """``namespace``, a writer's, where it is known to be another than this process's; None otherwise."""
+    return None if same_pid_namespace(namespace) else namespace
+
+
+def daemon_owner(buffer: Dir) -> DaemonOwner | None:
+    """The live daemon owning ``buffer``, or None (SPEC rules 4 and 8).  For a rank's stream directory the owner
+    is the parent buffer's daemon.
+
+    daemon.lock names the owner's pid.  Where status.json, written by that pid, says it is of another pid
+    namespace than this process's (a daemon on the host or in another container sharing the tmpfs), the pid
+    names no process here, or an unrelated one (pid 1 of a container is the host's init): that daemon runs
+    while the lock is held (``_held``; an flock is the kernel's, one for every namespace).  Otherwise it runs
+    when a process has the pid, started before the lock file's mtime (which rules out a pid reused after the
+    owner died) and runs as the file's owner.
     """
-    path = owning_buffer(buffer) / LOCK_NAME
+    buffer = owning_buffer(buffer)
     try:
-        fd = open_regular(path, os.O_RDONLY, "the daemon's lock file")
+        fd = open_regular(buffer / LOCK_NAME, os.O_RDONLY, "the daemon's lock file")
     except (OSError, ProtocolError):  # missing, or not a lock a daemon made: nobody owns the buffer
         return None
     try:
         text = os.read(fd, 64).decode("ascii", "replace").strip()
         st = os.fstat(fd)
+        if not text.isdigit():
+            return None
+        pid = int(text)
+        namespace = _namespace_of(buffer, pid)
+        if namespace is not None:
+            return DaemonOwner(pid, namespace) if _held(fd) else None
     finally:
         os.close(fd)
-    if not text.isdigit():
-        return None
-    pid = int(text)
     try:
-        return pid if _started_by(pid, st.st_mtime) and _runs_as(pid, st.st_uid) else None
+        return DaemonOwner(pid) if _started_by(pid, st.st_mtime) and _runs_as(pid, st.st_uid) else None
     except psutil.AccessDenied:
         return None
+
+
+def _namespace_of(buffer: Path, pid: int) -> int | None:
+    """The pid namespace of daemon ``pid`` of ``buffer`` as its status.json says, where it is another than this
+    process's; None where it is this one's or cannot be told (no status of that pid yet, one of a daemon that
+    predates the field, one that cannot be read): the pid is then looked up here, as it always was."""
+    try:
+        status = read_status(buffer)
+    except (OSError, ProtocolError):
+        return None
+    return _other_namespace(status.pid_namespace) if status is not None and status.pid == pid else None
+
+
+def daemon_pid(buffer: Dir) -> int | None:
+    """Pid of the live daemon owning ``buffer`` where that pid names it here, to be looked at or signalled; None
+    where no daemon owns it, and for one of another pid namespace (``daemon_owner`` tells of that one)."""
+    owner = daemon_owner(buffer)
+    return owner.pid if owner is not None and owner.here else None
 
 
 def _runs_as(pid: int, uid: int) -> bool:

@@ -37,8 +37,8 @@ import weakref
 from pathlib import Path
 
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
-                                      progress_name, same_pid_namespace, writer_named)
-from prefetchd.buffer_protocol.documents import CONSUMER_LOCK_RETRY_SECONDS, PROGRESS_REFRESH_SECONDS
+                                      progress_name, same_pid_namespace, take_lock, writer_named)
+from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import LoaderError
 
 logger = logging.getLogger(__name__)
@@ -113,17 +113,10 @@ class _ConsumerLocks:
 
 
 def _lock(fd: int, path: Path) -> None:
-    """flock ``fd`` exclusively, trying again for CONSUMER_LOCK_RETRY_SECONDS (a daemon may be asking for it
-    for a moment); ConsumerHeld where it stays held."""
-    deadline = time.monotonic() + CONSUMER_LOCK_RETRY_SECONDS
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise ConsumerHeld(str(path)) from None
-        time.sleep(0.01)
+    """flock ``fd`` exclusively (``take_lock``: a daemon may be asking for it for a moment); ConsumerHeld
+    where it stays held."""
+    if not take_lock(fd):
+        raise ConsumerHeld(str(path))
 
 
 def _another_trainer(progress: Progress) -> bool:

@@ -283,9 +283,9 @@ def consumer_mismatches(spec: str) -> list[str]:
     m = re.search(r"`PROGRESS_REFRESH_SECONDS` \(([\d.]+) s\)", rules)
     if m is None or float(m[1]) != documents.PROGRESS_REFRESH_SECONDS:
         out.append(f"progress refresh: spec {m and m[1]!r}, code {documents.PROGRESS_REFRESH_SECONDS}")
-    m = re.search(r"`CONSUMER_LOCK_RETRY_SECONDS` \(([\d.]+) s", rules)
-    if m is None or float(m[1]) != documents.CONSUMER_LOCK_RETRY_SECONDS:
-        out.append(f"consumer lock retry: spec {m and m[1]!r}, code {documents.CONSUMER_LOCK_RETRY_SECONDS}")
+    said = re.findall(r"`LOCK_RETRY_SECONDS` \(([\d.]+) s", rules)  # rule 4 (daemon.lock) and rule 9 (consumers)
+    if len(said) < 2 or any(float(v) != documents.LOCK_RETRY_SECONDS for v in said):
+        out.append(f"lock retry: spec {said}, code {documents.LOCK_RETRY_SECONDS}")
     for bad in ("", "a/b", "x" * 33, "sp ace", ".hidden"):
         try:
             name = layout.progress_name(bad)
@@ -561,7 +561,9 @@ MUTATIONS = {
     "consumer pattern in spec": ("consumers", _replace("match `[A-Za-z0-9_-]{1,32}`", "match `[A-Za-z0-9_-]{1,64}`"), None),
     "consumer refresh in code": ("consumers", None, (documents, "PROGRESS_REFRESH_SECONDS", 5.0)),
     "consumer check in code": ("consumers", None, (layout, "check_consumer", lambda name: name)),
-    "consumer lock retry in code": ("consumers", None, (documents, "CONSUMER_LOCK_RETRY_SECONDS", 2.0)),
+    "lock retry in code": ("consumers", None, (documents, "LOCK_RETRY_SECONDS", 2.0)),
+    "daemon lock retry in spec": ("consumers", _replace("`LOCK_RETRY_SECONDS` (0.5 s) when", "`LOCK_RETRY_SECONDS` (1 s) when"),
+                                  None),
     "status namespace in spec": ("status", _replace("| `pid_namespace` | int | always |", "| `pid_namespace` | str | always |"),
                                  None),
     "progress namespace in spec": ("progress", _replace("| `pid_namespace` | int | no |", "| `pid_namespace` | str | no |"), None),
