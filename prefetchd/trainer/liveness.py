@@ -5,7 +5,7 @@ each batch file.  Every wait is bounded by ``timeout``; while a batch is waited
 for, the daemon is looked at every ``liveness_interval`` (a quarter of the
 shortest bound, at most 1 s)::
 
-    no process holds daemon.lock  for daemon_grace     -> DaemonGone   (restart it)
+    no daemon owns daemon.lock    for daemon_grace     -> DaemonGone   (restart it)
     the holder's status.json heartbeat older than
                                   stall_timeout        -> DaemonStuck  (py-spy, kill, restart)
     nothing of the above, the batch still missing after
@@ -14,7 +14,9 @@ shortest bound, at most 1 s)::
 Only the heartbeat counts, never the batch rate: a daemon that is slow (a huge
 batch, a cold network filesystem) but alive rewrites status.json about once a
 second and is never called stuck.  Every message carries the daemon's own account
-of itself from status.json (:func:`status_summary`).
+of itself from status.json (:func:`status_summary`).  Whether a daemon owns the
+buffer is ``daemon_owner``'s to say, also of one in another pid namespace (another
+container sharing the tmpfs), whose heartbeat counts the same.
 
 A daemon whose builds wait for the dataset's storage (status.json's
 ``storage_wait``: an object store's outage, a dataset's mount gone) will resume by
@@ -39,7 +41,8 @@ from prefetchd.buffer_protocol import (
     State,
     Status,
     batch_name,
-    daemon_pid,
+    DaemonOwner,
+    daemon_owner,
     map_batch,
     read_status,
 )
@@ -72,14 +75,14 @@ STORAGE_WAIT_LOG_SECONDS = 60.0  # a wait on the daemon's storage is said at onc
 STATUS_LOOK_SECONDS = 1.0  # how often a wait for a manifest reads the daemon's status (it beats about that often)
 
 
-def owner_status(buffer: Path) -> tuple[int | None, Status | None]:
+def owner_status(buffer: Path) -> tuple[DaemonOwner | None, Status | None]:
     """The live daemon owning ``buffer`` (a rank's stream: its parent's), and the status last written
     there; None for either that is not there (or, for the status, cannot be read)."""
-    pid = daemon_pid(buffer)
+    owner = daemon_owner(buffer)
     try:
-        return pid, read_status(buffer)
+        return owner, read_status(buffer)
     except (OSError, ProtocolError):
-        return pid, None
+        return owner, None
 
 
 class FailedDaemon:
@@ -93,9 +96,9 @@ class FailedDaemon:
         self.since = time.time()
         self.earlier = ""  # the reason of a failure from before the wait, once seen
 
-    def check(self, pid: int | None, status: Status | None) -> None:
+    def check(self, owner: DaemonOwner | None, status: Status | None) -> None:
         """``owner_status`` of the buffer, as just read."""
-        if pid is not None or status is None or status.state != State.FAILED:
+        if owner is not None or status is None or status.state != State.FAILED:
             return
         reason = " ".join(status.message.split()) or "its status gives no reason"
         if status.heartbeat >= self.since:
@@ -134,11 +137,11 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             # Also once a rank's stream has a manifest: an earlier run of the job may have left it (its daemon
             # restarted with fewer --ranks), and its batches would never come.
             next_look = now + STATUS_LOOK_SECONDS
-            pid, status = owner_status(buffer)
-            check_served(buffer, pid, status)
+            owner, status = owner_status(buffer)
+            check_served(buffer, owner, status)
             if manifest is not None:
                 return manifest
-            failed.check(pid, status)
+            failed.check(owner, status)
         if now >= deadline:
             raise LoaderTimeout(_manifest_timeout_message(buffer, timeout) + failed.said())
         if not logged:
@@ -148,35 +151,36 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
         delay = min(delay * 1.5, MANIFEST_MAX_DELAY)
 
 
-def check_served(stream: Path, pid: int | None, status: Status | None) -> None:
+def check_served(stream: Path, owner: DaemonOwner | None, status: Status | None) -> None:
     """LoaderError where the daemon holding ``stream``'s buffer does not produce it (``unserved_rank``)."""
-    unserved = unserved_rank(stream, pid, status)
+    unserved = unserved_rank(stream, owner, status)
     if unserved is not None:
         raise LoaderError(f"{unserved}: restart it with --ranks that include this rank")
 
 
-def unserved_rank(stream: Path, pid: int | None, status: Status | None) -> str | None:
+def unserved_rank(stream: Path, owner: DaemonOwner | None, status: Status | None) -> str | None:
     """Why ``stream``, a rank's stream directory, gets no manifest: the daemon holding its buffer
-    (``owner_status``: ``pid`` and ``status``) produces other ranks, says its status, and no other daemon
+    (``owner_status``: ``owner`` and ``status``) produces other ranks, says its status, and no other daemon
     can produce this one there while it runs.  None when it does produce it, or while that is not known
     (no daemon, no job yet, a flat buffer)."""
     buffer = owning_buffer(stream)
-    if buffer == stream or pid is None or status is None or status.pid != pid or status.production is None or not status.production.streams:
+    if (buffer == stream or owner is None or status is None or not owner.wrote(status) or status.production is None
+            or not status.production.streams):
         return None  # starting, or serving no job yet
     rank = int(stream.name.removeprefix(STREAM_PREFIX))
     served = [s.rank for s in status.production.streams]
     if rank in served:
         return None
-    return (f"the daemon of {buffer} (pid {pid}) produces ranks {rank_ranges(served)}, not rank {rank}, so {stream} "
+    return (f"the daemon of {buffer} ({owner}) produces ranks {rank_ranges(served)}, not rank {rank}, so {stream} "
             "gets no manifest while it runs: every rank of a box reads the box's one daemon")
 
 
 def _manifest_timeout_message(buffer: Path, timeout: float) -> str:
     waited = f"{timeout:g} s"
-    pid = daemon_pid(buffer)
-    if pid is not None:
+    owner = daemon_owner(buffer)
+    if owner is not None:
         return (
-            f"{buffer}: the daemon (pid {pid}) owns this buffer but wrote no manifest.json within {waited} "
+            f"{buffer}: the daemon ({owner}) owns this buffer but wrote no manifest.json within {waited} "
             f"({status_summary(buffer)}); {why_no_manifest(buffer)}"
         )
     where = "does not exist" if not buffer.exists() else "has no manifest.json"
@@ -309,8 +313,8 @@ class BatchWaiter:
         self.stall = stall
         # Often enough that the grace period and the stall bound are honoured to ~25 %.
         self.liveness_interval = min(1.0, max(0.01, grace / 4), max(0.01, (stall or 4.0) / 4))
-        # (pid, wall time) of the first look at a daemon that had written no heartbeat of its own yet.
-        self._beatless: tuple[int, float] | None = None
+        # (owner, wall time) of the first look at a daemon that had written no heartbeat of its own yet.
+        self._beatless: tuple[DaemonOwner, float] | None = None
         # When the daemon is next looked at, kept from one wait to the next: a trainer that waits a
         # little for most batches would otherwise look at it (the lock's process, status.json,
         # progress.json: ~0.5 ms) at every batch instead of every liveness_interval.
@@ -330,7 +334,7 @@ class BatchWaiter:
         deadline = start + self.timeout
         delay = FIRST_DELAY
         gone_since: float | None = None
-        pid: int | None = None
+        owner: DaemonOwner | None = None
         looked = False  # at the daemon, in this wait (the last look may belong to the wait before)
         warned = False
         stored = False  # the daemon said it waited for its storage, which moved the deadline
@@ -344,14 +348,14 @@ class BatchWaiter:
                 self._next_look = now + self.liveness_interval
                 looked = True
                 check_progress()
-                pid = daemon_pid(self.buffer)
-                if pid is not None:
+                owner = daemon_owner(self.buffer)
+                if owner is not None:
                     gone_since = None
                     status = self._status()
                     if self._rank_stream:
-                        check_served(self.buffer, pid, status)  # its daemon restarted with fewer --ranks?
-                    self._check_heartbeat(pid, status, name, epoch, step, now - start)
-                    if self._waits_on_storage(pid, status, name, now):
+                        check_served(self.buffer, owner, status)  # its daemon restarted with fewer --ranks?
+                    self._check_heartbeat(owner, status, name, epoch, step, now - start)
+                    if self._waits_on_storage(owner, status, name, now):
                         deadline = max(deadline, now + self.timeout)
                         stored = True
                 elif gone_since is None:
@@ -364,13 +368,13 @@ class BatchWaiter:
                     )
             if now >= deadline:
                 if not looked:  # a timeout shorter than the liveness interval: the message names the owner
-                    pid = daemon_pid(self.buffer)
-                owner = f"the daemon (pid {pid}) owns the buffer" if pid is not None else "no daemon owns the buffer"
+                    owner = daemon_owner(self.buffer)
+                owned = f"the daemon ({owner}) owns the buffer" if owner is not None else "no daemon owns the buffer"
                 waited = (f"{now - start:.0f} s, the last {self.timeout:g} s of it since the daemon last said it "
                           "waited for its storage,") if stored else f"{self.timeout:g} s"
                 raise LoaderTimeout(
                     f"{self.buffer}: waited {waited} for batch {name} (epoch {epoch}, step {step}) "
-                    f"and it did not appear; {owner}; {status_summary(self.buffer)}. Check `prefetchd status "
+                    f"and it did not appear; {owned}; {status_summary(self.buffer)}. Check `prefetchd status "
                     f"--buffer {self.buffer}`, or {MORE_TIME} if the daemon is just slow"
                 )
             if stop_requested is not None and stop_requested():
@@ -381,12 +385,12 @@ class BatchWaiter:
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, MAX_DELAY)
 
-    def _waits_on_storage(self, pid: int, status: Status | None, name: str, now: float) -> bool:
-        """Whether daemon ``pid``, beating, says its builds wait for the dataset's storage (then logged: at
+    def _waits_on_storage(self, owner: DaemonOwner, status: Status | None, name: str, now: float) -> bool:
+        """Whether daemon ``owner``, beating, says its builds wait for the dataset's storage (then logged: at
         once, and once a ``STORAGE_WAIT_LOG_SECONDS`` after).  A heartbeat older than the stall bound (the
         default one when the check is off) is no word of the daemon's now: a stopped daemon's last status
         would hold the wait for ever."""
-        own = status if status is not None and status.pid == pid else None
+        own = status if owner.wrote(status) else None
         wait = own.production.storage_wait if own is not None and own.production is not None else None
         fresh = self.stall if self.stall is not None else DEFAULT_STALL_TIMEOUT
         if own is None or wait is None or time.time() - own.heartbeat > fresh:
@@ -395,9 +399,9 @@ class BatchWaiter:
         if self._storage_said is None or now - self._storage_said >= STORAGE_WAIT_LOG_SECONDS:
             self._storage_said = now
             logger.warning(
-                "the daemon (pid %d) of %s has waited %.0f s for its dataset's storage (%s); batch %s comes once "
+                "the daemon (%s) of %s has waited %.0f s for its dataset's storage (%s); batch %s comes once "
                 "that is back, so this loader waits on past its timeout of %g s (a daemon gone or stuck still ends "
-                "the wait; `prefetchd status --buffer %s` shows it)", pid, self.buffer,
+                "the wait; `prefetchd status --buffer %s` shows it)", owner, self.buffer,
                 max(0.0, time.time() - wait.since), _short(wait.reason), name, self.timeout, owning_buffer(self.buffer))
         return True
 
@@ -424,36 +428,37 @@ class BatchWaiter:
         except (ProtocolError, OSError):
             return None  # being replaced, or damaged: judged as if absent
 
-    def _check_heartbeat(self, pid: int, status: Status | None, name: str, epoch: int, step: int,
+    def _check_heartbeat(self, owner: DaemonOwner, status: Status | None, name: str, epoch: int, step: int,
                          waited: float) -> None:
-        """Raise DaemonStuck when daemon ``pid`` owns the buffer but has not beaten for ``stall`` (``status``:
+        """Raise DaemonStuck when daemon ``owner`` owns the buffer but has not beaten for ``stall`` (``status``:
         the buffer's, as just read).
 
         A status written by another process (the previous daemon) is not this one's
-        heartbeat; a daemon without one yet is timed from the loader's first look.
+        heartbeat (``DaemonOwner.wrote``); a daemon without one yet is timed from the loader's first look.
         """
         if self.stall is None:
             return
         wall = time.time()
-        own = status if status is not None and status.pid == pid else None
+        own = status if owner.wrote(status) else None
         if own is not None:
             last, what = own.heartbeat, "heartbeat"
             self._beatless = None
         else:
-            if self._beatless is None or self._beatless[0] != pid:
-                self._beatless = (pid, wall)
+            if self._beatless is None or self._beatless[0] != owner:
+                self._beatless = (owner, wall)
             last, what = self._beatless[1], "heartbeat at all since the loader first saw it"
         age = wall - last
         if age <= self.stall:
             return
         state = _short(own.state) if own is not None else "unknown"
+        pid = owner.pid
         raise DaemonStuck(
-            f"{self.buffer}: the daemon (pid {pid}) owns this buffer but has written no {what} for {age:.1f} s "
+            f"{self.buffer}: the daemon ({owner}) owns this buffer but has written no {what} for {age:.1f} s "
             f"(stall_timeout {self.stall:g} s; last state {state}) "
             f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
-            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`; then stop it "
-            f"(`kill {pid}`, `kill -9 {pid}` if it does not go). {self._restart_hint()}. If it is only slow, pass a "
-            "larger stall_timeout (prefetchd-train --daemon-timeout)"
+            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`{owner.where}; then "
+            f"stop it (`kill {pid}`, `kill -9 {pid}` if it does not go). {self._restart_hint()}. If it is only slow, "
+            "pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
         )
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from prefetchd.buffer_protocol import Manifest, daemon_pid, stream_dir
+from prefetchd.buffer_protocol import Manifest, daemon_owner, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, PeerFailed, SetupError
 from prefetchd.trainer.liveness import (DEFAULT_TIMEOUT, MORE_TIME, STATUS_LOOK_SECONDS, FailedDaemon, owner_status, served_world,
@@ -189,8 +189,8 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
             # Also once the stream is there: an earlier run of the job may have left it (its daemon restarted
             # with fewer --ranks), and the batches waited for would never come.
             next_look = time.monotonic() + STATUS_LOOK_SECONDS
-            pid, status = owner_status(own)
-            unserved = unserved_rank(own, pid, status) if ranks.distributed else None
+            owner, status = owner_status(own)
+            unserved = unserved_rank(own, owner, status) if ranks.distributed else None
             if unserved is not None:
                 raise SetupError(
                     f"{unserved}. Restart it with this box's ranks (`prefetchd stop --buffer {buffer}`, then `prefetchd "
@@ -198,7 +198,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
                     "point this box's ranks at a buffer of their own daemon")
             if there:
                 return own
-            failed.check(pid, status)
+            failed.check(owner, status)
         if time.monotonic() >= deadline:
             raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout, split) + failed.said())
         if not logged:
@@ -217,11 +217,11 @@ def rank_stream(buffer: str | os.PathLike[str], timeout: float = DEFAULT_TIMEOUT
 def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, split: str = "train") -> str:
     world = (" --split val" if split == "val" else "") + (f" --world-size {ranks.world_size}" if ranks.distributed
                                                           else "")
-    pid = daemon_pid(buffer)
-    if pid is not None:
+    owner = daemon_owner(buffer)
+    if owner is not None:
         extra = (f"; it may produce only other ranks: its --ranks must include {ranks.rank}"
                  if ranks.distributed else "")
-        return (f"{own}: the daemon (pid {pid}) owns {buffer} but wrote no manifest.json there within "
+        return (f"{own}: the daemon ({owner}) owns {buffer} but wrote no manifest.json there within "
                 f"{timeout:g} s{extra}; {why_no_manifest(buffer)}")
     where = "does not exist" if not own.exists() else "has no manifest.json"
     return (f"{own} {where} after waiting {timeout:g} s for the daemon's manifest.json, and no prefetchd daemon "

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefetchd.buffer_protocol import daemon_pid, stream_dir
+from prefetchd.buffer_protocol import daemon_owner, stream_dir
 from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, MANIFEST_NAME, owning_buffer, progress_name
 from prefetchd.launch import LaunchError, launch, start_argv, stop_daemon_process, wait_ready
 from prefetchd.locations import normalize
@@ -103,9 +103,9 @@ def spawn_daemon(buffer: Path, data: Path | str, split: str, config: TrainConfig
     (``--world-size``, ``--ranks``) with one worker pool.  Returns at once, so
     several daemons start up side by side; then :meth:`SpawnedDaemon.wait_ready`.
     """
-    pid = daemon_pid(buffer)
-    if pid is not None:
-        echo(f"prefetchd-train: {buffer} is served by the running daemon (pid {pid}); not starting another")
+    owner = daemon_owner(buffer)
+    if owner is not None:
+        echo(f"prefetchd-train: {buffer} is served by the running daemon ({owner}); not starting another")
         return None
     options: dict[str, object] = {"data": data, "split": split, "seed": config.seed, "log_level": "warning",
                                   "epochs": config.epochs}
@@ -156,7 +156,7 @@ def check_spawn_options(config: TrainConfig, ranks: Ranks | None = None) -> None
     if config.epochs is None:
         raise OptionError("--spawn-daemon needs --epochs N (the daemon produces that many epochs)")
     val = config.val_buffer
-    if val is not None and config.val_data is None and daemon_pid(val) is None:
+    if val is not None and config.val_data is None and daemon_owner(val) is None:
         world = f" --world-size {ranks.world_size} --ranks {ranks.ranks_flag()}" if ranks and ranks.distributed else ""
         raise OptionError(
             f"--val-buffer {val}: no daemon serves it, and --spawn-daemon starts one only with --val-data ROOT "
@@ -221,8 +221,8 @@ def restarter(spawned: list[SpawnedDaemon], config: TrainConfig, echo: Callable[
         daemon = ours.get(buffer)
         if daemon is None:
             return False  # served by a daemon someone else runs: theirs to restart
-        owner = daemon_pid(buffer)
-        if owner is not None and owner != daemon.proc.pid:
+        owner = daemon_owner(buffer)
+        if owner is not None and (not owner.here or owner.pid != daemon.proc.pid):
             return False  # another daemon took the buffer over; never kill what is not ours
         daemon.restart(exc, config.daemon_restarts, config.timeout, echo)
         return True

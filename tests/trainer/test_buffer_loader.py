@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from prefetchd.buffer_protocol import (
-    Position, Progress, ProtocolError, State, Status, daemon_pid, write_batch, write_status,
+    DaemonOwner, Position, Progress, ProtocolError, State, Status, daemon_owner, write_batch, write_status,
 )
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
                                StateMismatch)
@@ -412,11 +412,11 @@ def test_looks_at_the_daemon_every_liveness_interval_not_at_every_wait(make_job:
 
     looks: list[float] = []
 
-    def counted(buffer: Path) -> int | None:
+    def counted(buffer: Path) -> DaemonOwner | None:
         looks.append(time.monotonic())
-        return daemon_pid(buffer)
+        return daemon_owner(buffer)
 
-    monkeypatch.setattr(liveness, "daemon_pid", counted)
+    monkeypatch.setattr(liveness, "daemon_owner", counted)
     job = make_job(samples=40, epochs=1)  # 10 batches
     job.claim(os.getpid())
     loader = BufferLoader(job.buffer, timeout=5, daemon_grace=60.0, stall_timeout=None)
