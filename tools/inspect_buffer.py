@@ -21,7 +21,7 @@ from prefetchd.buffer_protocol import (
     Manifest,
     Progress,
     ProtocolError,
-    daemon_pid,
+    daemon_owner,
     list_batches,
     list_temp_files,
     map_batch,
@@ -75,8 +75,8 @@ def describe_buffer(buffer: str | os.PathLike[str]) -> str:
     """
     buffer = Path(buffer)
     lines = [f"buffer: {buffer}"]
-    pid = daemon_pid(buffer)
-    lines.append(f"daemon: pid {pid}" if pid is not None else "daemon: none running")
+    owner = daemon_owner(buffer)
+    lines.append(f"daemon: {owner}" if owner is not None else "daemon: none running")
 
     try:
         m = Manifest.read(buffer)

@@ -20,7 +20,7 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_pid, read_status
+from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, read_status
 from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, load_toml
@@ -177,7 +177,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
     buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
     request = JobRequest(settings, replace)
     request.write(buffer)
-    if daemon_pid(buffer) is None:
+    if daemon_owner(buffer) is None:
         # Exit 3, not 0: nothing has accepted the job, and a mistyped --buffer looks just like this. job.json
         # stays, since a daemon started on the buffer later adopts it (README, "Jobs").
         made = (f" (this created {buffer}: if you meant a running daemon's buffer, check the path; a service's "
@@ -197,7 +197,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
             click.echo(f"job {request.job_id} {verdict}: {result.reason}")
             sys.exit(0 if result.accepted else EXIT_FAILURE)
         time.sleep(0.1)
-    if daemon_pid(buffer) is None:  # it stopped while we waited
+    if daemon_owner(buffer) is None:  # it stopped while we waited
         click.echo(f"the daemon on {buffer} stopped before it answered job {request.job_id}; the job waits in "
                    "job.json until one starts", err=True)
         sys.exit(EXIT_NOT_RUNNING)
@@ -210,15 +210,21 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
 @click.option("--timeout", type=FiniteFloat(0), default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(buffer: Path, timeout: float) -> None:
-    """Stop the daemon that owns BUFFER gracefully (SIGTERM) and wait until it has exited."""
-    pid = daemon_pid(buffer)
-    if pid is None:
+    """Stop the daemon that owns BUFFER gracefully (SIGTERM) and wait until it has exited.  One of another pid
+    namespace (another container, or the host) is not signalled: stop it where it runs."""
+    owner = daemon_owner(buffer)
+    if owner is None:
         click.echo(f"no daemon is running on {buffer}")
         return
-    owner = owning_buffer(buffer)
-    if owner != buffer:  # stopping it would stop every rank's stream, not just this one
-        click.echo(f"{buffer} is a rank's stream directory of the daemon on {owner} (pid {pid}), which serves all "
-                   f"its ranks; to stop it, run `prefetchd stop --buffer {owner}`", err=True)
+    if not owner.here:  # its pid names no process here, or another one: never signalled
+        click.echo(f"cannot stop the daemon on {buffer} ({owner}) from here, and signalled nothing: stop it with "
+                   f"{owner.how_to_stop(buffer)}", err=True)
+        sys.exit(EXIT_FAILURE)
+    pid = owner.pid
+    top = owning_buffer(buffer)
+    if top != buffer:  # stopping it would stop every rank's stream, not just this one
+        click.echo(f"{buffer} is a rank's stream directory of the daemon on {top} (pid {pid}), which serves all "
+                   f"its ranks; to stop it, run `prefetchd stop --buffer {top}`", err=True)
         sys.exit(EXIT_USAGE)
     try:
         os.kill(pid, signal.SIGTERM)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
-                                       StreamStatus, TrainerStatus, daemon_pid, read_status)
+                                       StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status)
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.main import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
@@ -41,6 +41,9 @@ class StatusReport:
     manifest: Manifest | None
     problems: tuple[str, ...]
     no_rank: bool = False  # ``buffer`` is a rank's directory its daemon does not write: nothing else was read
+    # ``pid`` is the owner's in another pid namespace (a daemon in another container, or on the host): it names no
+    # process here (SPEC rule 8).
+    other_pid_namespace: bool = False
 
 
 def describe_status(buffer: Path) -> StatusReport:
@@ -51,7 +54,7 @@ def describe_status(buffer: Path) -> StatusReport:
                             pid=None, heartbeat_age_s=None, stale=False, status=None, manifest=None, no_rank=True,
                             problems=(f"no such rank: the daemon on {owner} writes no {buffer.name}; "
                                       f"`prefetchd status --buffer {owner}` shows the ranks it serves",))
-    pid = daemon_pid(buffer)
+    daemon = daemon_owner(buffer)
     status: Status | None = None
     manifest: Manifest | None = None
     problems = []
@@ -76,7 +79,7 @@ def describe_status(buffer: Path) -> StatusReport:
             break
     age = time.time() - status.heartbeat if status is not None else None
     free = _free_bytes(owner)
-    if pid is not None and free is not None and free < FULL_FILESYSTEM_BYTES:
+    if daemon is not None and free is not None and free < FULL_FILESYSTEM_BYTES:
         # status.json cannot be rewritten (its mtime still beats, SPEC rule 8): what shows is the last that fitted.
         problems.append(f"the buffer's filesystem is full ({binary_size(free)} free): the daemon can build no "
                         "batch and cannot rewrite its status, so the figures above are from the last one written; "
@@ -85,13 +88,14 @@ def describe_status(buffer: Path) -> StatusReport:
         buffer=buffer,
         owner=owner,
         rank=rank,
-        running=pid is not None,
-        pid=pid,
+        running=daemon is not None,
+        pid=daemon.pid if daemon is not None else None,
         heartbeat_age_s=round(age, 1) if age is not None else None,
-        stale=pid is not None and age is not None and age > STALE_HEARTBEAT_SECONDS,
+        stale=daemon is not None and age is not None and age > STALE_HEARTBEAT_SECONDS,
         status=status,
         manifest=manifest,
         problems=tuple(problems),
+        other_pid_namespace=daemon is not None and not daemon.here,
     )
 
 
@@ -149,7 +153,8 @@ def format_status(report: StatusReport) -> str:
         return "\n".join([line, *told, *report.problems])
     state = st.state if st else "starting"
     meaning = " (every batch of the job's epochs is built; trainers may still be reading)" if state == State.DONE else ""
-    lines = [f"prefetchd on {buffer}: running (pid {report.pid}), state {state}{meaning}"]
+    pid = pid_named(report.pid, not report.other_pid_namespace)
+    lines = [f"prefetchd on {buffer}: running ({pid}), state {state}{meaning}"]
     if report.rank is not None:
         lines.append(f"  stream    rank {report.rank} of the daemon on {report.owner}: its trainer and fill; "
                      "the rates, memory and errors are the whole daemon's")
