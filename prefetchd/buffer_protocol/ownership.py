@@ -311,7 +311,7 @@ class DaemonOwner:
         this pid namespace, where it runs otherwise."""
         if self.here:
             return ""
-        return " where it runs (its container, or the host), not here, where its pid names no process of its"
+        return " where it runs (its container, or the host): here its pid names another process, or none"
 
     def how_to_stop(self, buffer: Dir) -> str:
         """How to stop this daemon, owning ``buffer``, as messages say it."""
