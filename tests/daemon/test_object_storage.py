@@ -30,6 +30,7 @@ from prefetchd.throttle import Throttle
 from prefetchd.daemon.sources.objects import cache_entry, list_class_folders
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageDenied, StorageUnavailable, storage_for
 from tests.conftest import load_tool
+from tests.waiting import wait_for
 
 # -- reads ------------------------------------------------------------------------------
 
@@ -270,7 +271,9 @@ def test_a_store_that_hangs_mid_body_fails_the_read_in_bounded_time(s3: Any, sho
         error = read.exception(timeout=40)  # 6 tries of about 1 s (hangs) or 2 s (trickles), on a slow machine
         assert isinstance(error, StorageUnavailable), error
         assert re.search(rf"reading s3://{s3.bucket}/d/x.jpg: still failing after 6 tries \((\w*Timeout\w*)", str(error)), error
-        assert store.connections >= 6, store.connections  # each try on a connection of its own
+        # Each try on a connection of its own; the last may still wait in the listen backlog for the store's
+        # accept thread, late on a loaded machine (5 counted, in a full run).
+        wait_for(lambda: store.connections >= 6, 10, f"6 connections to the store ({store.connections} so far)")
         assert time.monotonic() - started < 40
     finally:
         store.stop()
