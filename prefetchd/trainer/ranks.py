@@ -16,8 +16,10 @@ rank that a stop found waiting for a batch must not leave the others in DDP's
 all-reduce, and a rank that holds its batch must not keep the others waiting for
 theirs from a stalled daemon.  A stop is also announced in the process group's
 store, where ranks still waiting for a batch look (``stop_announced``) without a
-collective.  These go through a gloo group even when the gradients go through NCCL: they are
-a few numbers on the CPU, and a CPU all-reduce makes no step wait for the GPU.
+collective.  These go through a gloo group of their own even when the gradients go through NCCL:
+they are a few numbers on the CPU, and a CPU all-reduce makes no step wait for the GPU.  That
+group's timeout is long (``RANK_WAIT_TIMEOUT``): a rank may wait there while another's daemon
+waits for its storage.
 With one rank every operation is local and nothing is initialised.
 """
 
@@ -48,6 +50,12 @@ logger = logging.getLogger(__name__)
 
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 _POLL_SECONDS = 0.05
+# How long a rank waits for the others in the trainer's own collectives (``Collective``'s group, not DDP's): as
+# long as another rank's daemon may wait for its dataset's storage, which the loader waits for past its timeout.
+# torch's default, 30 minutes, ended a run whose one box waited that long, saying a rank had left. A rank that
+# fails or dies closes its connections, which ends these waits at once; only one that hangs (stopped, in a
+# debugger) is waited for this long.
+RANK_WAIT_TIMEOUT = timedelta(days=7)
 # How often a rank waiting for a batch asks the store whether another rank stopped (a round trip to
 # torchrun's store: too often for every 1 ms poll of the wait, and a stop may wait this long).
 STOP_LOOK_SECONDS = 0.1
@@ -263,7 +271,7 @@ class Collective:
             dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size,
                                     device_id=device if device.type == "cuda" else None)
             owned = True
-        group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        group = dist.new_group(backend="gloo", timeout=RANK_WAIT_TIMEOUT)
         coll = cls(ranks, group, owned)
         # Keys of this run alone: the store outlives a run when a script calls train() twice in one group.
         # The default group's store is the one torchrun's rendezvous made; torch has no public getter for it.
