@@ -14,6 +14,7 @@ does all the work.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -103,7 +104,9 @@ class Producer:
         self.state = State.STARTING
         self.message = ""
         self.last_failure: str | None = None  # why a build failed since a batch was last published
-        self.storage_wait: StorageWait | None = None  # builds failed to read the dataset since a batch was published
+        self.storage_wait: StorageWait | None = None  # builds wait for the dataset's storage: see _failing
+        # Why each batch (rank, g) failed for the storage, of those not published since; the latest last.
+        self.storage_failed: dict[tuple[int, int], str] = {}
         # An outage fails every build in flight, each once a RETRY_SECONDS: one log line per the time the
         # status shows the last one (and counts the others) is enough.
         self.failure_lines = Throttle(FAILURE_LOG_SECONDS)
@@ -296,6 +299,7 @@ class Producer:
             for build in builds:
                 self._cancel(build)
             stream.reconcile()
+        self._storage_wait_left()
 
     def _spare_room(self) -> int:
         """How many spares to keep: as many as the streams' caps leave room for, spares included
@@ -356,7 +360,7 @@ class Producer:
                     log.warning(msg)
                     self.stats.low_space_pauses += 1
                 self.state, self.message = State.PAUSED_LOW_SPACE, msg
-                self.storage_wait = None  # what holds production now is the tmpfs, not the dataset's storage
+                self._end_storage_wait()  # what holds production now is the tmpfs, not the dataset's storage
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
             if self.state == State.PAUSED_LOW_SPACE:  # said, as the pause was: a log's last word is not "paused"
@@ -414,7 +418,7 @@ class Producer:
             if not build.failed:  # a failed build, not a failed task (SPEC's errors.write_failures); also one a
                 build.failed = True  # rewind cancelled: the tmpfs is as full, and the status says so
                 self.stats.write_failures += 1
-                self._failing(f"batch {build.tmp.name}: {result.reason}", storage=result.storage)
+                self._failing(f"batch {build.tmp.name}: {result.reason}", storage=build if result.storage else None)
                 self.failure_lines.log(log, logging.WARNING, "batch %s: %s; retrying in %.0f s", build.tmp.name,
                                        result.reason, RETRY_SECONDS, others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
@@ -444,16 +448,39 @@ class Producer:
         if build.remaining == 0:
             self._publish(build)
 
-    def _failing(self, why: str, storage: bool = False) -> None:
-        """Builds fail, and ``why`` (the status says it until a batch is published).  ``storage``: for the
-        dataset's storage, which the trainers' loaders wait on while the status says so; any other failure
-        ends that wait, or a loader would wait on for good behind a daemon that storage no longer holds up."""
+    def _failing(self, why: str, storage: Build | None = None) -> None:
+        """Builds fail, and ``why`` (the status says it until a batch is published).  ``storage``: the build
+        that failed for the dataset's storage, which the trainers' loaders wait on while the status says so.
+
+        The wait lasts until each batch that failed so is published, or no window holds it any more: in a
+        partial outage the batches of other objects publish meanwhile, and the trainer that needs the
+        failing one next would time out if those ended the wait.  Any other failure ends it, or a loader
+        would wait on for good behind a daemon that storage no longer holds up."""
         self.last_failure = why
-        if not storage:
-            self.storage_wait = None
-        else:
-            since = self.storage_wait.since if self.storage_wait is not None else time.time()
-            self.storage_wait = StorageWait(since=since, reason=why)
+        if storage is None:
+            self._end_storage_wait()
+            return
+        key = (storage.stream.rank, storage.g)
+        self.storage_failed.pop(key, None)
+        self.storage_failed[key] = why
+        if self.storage_wait is None:
+            self.storage_wait = StorageWait(since=time.time(), reason=why)
+        self._storage_wait_left()  # a rewind may have cancelled it before its task failed
+
+    def _end_storage_wait(self) -> None:
+        self.storage_failed.clear()
+        self.storage_wait = None
+
+    def _storage_wait_left(self) -> None:
+        """Drop the failed batches no window holds now (the trainers moved past them, or back before them:
+        they will not be built, and a wait on them would keep the loaders waiting for good); the wait names
+        the latest failure of those left, and ends with the last."""
+        held = {stream.rank: stream.held for stream in self.streams}
+        self.storage_failed = {key: why for key, why in self.storage_failed.items() if key[1] in held.get(key[0], ())}
+        if not self.storage_failed or self.storage_wait is None:
+            self._end_storage_wait()
+            return
+        self.storage_wait = dataclasses.replace(self.storage_wait, reason=next(reversed(self.storage_failed.values())))
 
     def _publish(self, build: Build) -> None:
         stream = build.stream
@@ -476,7 +503,10 @@ class Producer:
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return
         stream.published[build.g] = final
-        self.last_failure = self.storage_wait = None  # builds work again
+        self.storage_failed.pop((stream.rank, build.g), None)
+        self._storage_wait_left()
+        # Builds work again, or the message keeps saying why the batches left still fail.
+        self.last_failure = self.storage_wait.reason if self.storage_wait is not None else None
         self.stats.batches += 1
         self.stats.samples += len(build.indices)
         self.stats.replaced += build.replaced
@@ -532,8 +562,8 @@ class Producer:
 
     def _message(self) -> str:
         """The status's message: the state's own, else why builds fail (a store that is down reads as such, not as
-        a count alone; until a batch is published again, since one try of a hung store's reads takes minutes),
-        else why nothing is built."""
+        a count alone; until a batch is published again, or for the storage until the batches it failed are,
+        since one try of a hung store's reads takes minutes), else why nothing is built."""
         if self.message:
             return self.message
         if self.last_failure is not None:

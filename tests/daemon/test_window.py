@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -15,6 +17,10 @@ import pytest
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Manifest, Progress, batch_name
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.stream import Stream
+
+if TYPE_CHECKING:
+    from prefetchd.daemon.producer import Producer
+    from prefetchd.daemon.workers import Task
 
 HIGH, LOW = 4, 2
 
@@ -25,6 +31,39 @@ def stream(tmp_path: Path) -> Stream:
         batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=2, producer="test",
     )
     return Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW)
+
+
+def books(tmp_path: Path, *streams: Stream) -> Producer:
+    """The controller's books alone, no workers: what ``Producer._complete`` and what it calls use."""
+    from collections import deque
+
+    from prefetchd.buffer_protocol import SpareFiles
+    from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
+    from prefetchd.daemon.production_stats import Stats
+    from prefetchd.throttle import Throttle
+
+    producer = Producer.__new__(Producer)
+    producer.streams, producer.task_build, producer.fatal = list(streams), {}, None
+    producer.stats, producer.todo = Stats(), deque()
+    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
+    producer.message, producer.remote, producer.storage_wait, producer.storage_failed = "", None, None, {}
+    producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
+    return producer
+
+
+def one_slot_build(producer: Producer, s: Stream, g: int) -> Task:
+    """Begin batch ``g`` of ``s`` as ``_start_build`` does, with one slot in one task; returns the task."""
+    from prefetchd.buffer_protocol import BatchLayout, PendingBatch
+    from prefetchd.daemon.stream import Build
+    from prefetchd.daemon.workers import Task
+
+    epoch, step = s.key(g)
+    pending = PendingBatch.begin(s.dir / batch_name(epoch, step), BatchLayout.plan(1, 8, 8))
+    build = Build(s, g, epoch, step, pending, np.empty(1, np.int64), np.empty(1, np.int64), remaining=1)
+    s.building[g] = build
+    producer.task_build[g] = build
+    build.outstanding.add(g)
+    return Task(g, str(pending.tmp), 0, 0, epoch, ((0, g),))
 
 
 def publish(s: Stream, *positions: int) -> None:
@@ -202,20 +241,12 @@ def test_status_counts_rewinds_rejected_progress_and_vanished_batches(tmp_path: 
 def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) -> None:
     """errors.write_failures is 'batch builds that failed and were retried' (SPEC): a batch of four tasks
     on a full tmpfs counted four."""
-    from collections import deque
-
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
-    from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
-    from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.stream import Build
     from prefetchd.daemon.workers import Task, WriteFailed
-    from prefetchd.throttle import Throttle
 
     s = stream(tmp_path)
-    producer = Producer.__new__(Producer)  # the controller's books alone, no workers
-    producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
-    producer.remote = None  # no --ray
-    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
+    producer = books(tmp_path, s)
     pending = PendingBatch.begin(tmp_path / batch_name(0, 0), BatchLayout.plan(8, 8, 8))
     build = Build(s, 0, 0, 0, pending, np.empty(8, np.int64), np.empty(8, np.int64), remaining=8)
     s.building[0] = build
@@ -241,20 +272,12 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """It was named for 10 s after each failure: a hung object store, whose reads each try for minutes (six
     tries of a 15 s read timeout), left the status blank nine tenths of the time (review)."""
-    from collections import deque
-
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
-    from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
-    from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.stream import Build
     from prefetchd.daemon.workers import Filled, Task, WriteFailed
-    from prefetchd.throttle import Throttle
 
     s = stream(tmp_path)
-    producer = Producer.__new__(Producer)  # the controller's books alone, no workers
-    producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
-    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
-    producer.message, producer.remote, producer.cfg = "", None, DaemonConfig(buffer=tmp_path, seed=0)
+    producer = books(tmp_path, s)
 
     def build(g: int, step: int) -> tuple[Build, Task]:
         pending = PendingBatch.begin(tmp_path / batch_name(0, step), BatchLayout.plan(1, 8, 8))
@@ -282,30 +305,15 @@ def test_a_wait_on_storage_ends_when_something_else_holds_production(tmp_path: P
     """storage_wait keeps the trainers' loaders waiting past --timeout. Set by an outage, only a publish
     cleared it: a daemon held up by something else once the store was back (a temp file it cannot create,
     a failed write) kept them waiting for good, its status still naming the outage (review)."""
-    from collections import deque
-
-    from prefetchd.buffer_protocol import BatchLayout, PendingBatch, SpareFiles
+    from prefetchd.buffer_protocol import BatchLayout
     from prefetchd.buffer_protocol.batch import temp_name
-    from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
-    from prefetchd.daemon.production_stats import Stats
-    from prefetchd.daemon.stream import Build
-    from prefetchd.daemon.workers import Task, WriteFailed
-    from prefetchd.throttle import Throttle
+    from prefetchd.daemon.workers import WriteFailed
 
     s = stream(tmp_path)
-    producer = Producer.__new__(Producer)  # the controller's books alone, no workers
-    producer.task_build, producer.fatal, producer.stats, producer.todo = {}, None, Stats(), deque()
-    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
-    producer.message, producer.remote, producer.storage_wait = "", None, None
-    producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
+    producer = books(tmp_path, s)
 
     def fail(g: int, reason: str, storage: bool) -> None:
-        pending = PendingBatch.begin(tmp_path / batch_name(0, g), BatchLayout.plan(1, 8, 8))
-        build = Build(s, g, 0, g, pending, np.empty(1, np.int64), np.empty(1, np.int64), remaining=1)
-        s.building[g] = build
-        producer.task_build[g] = build
-        build.outstanding.add(g)
-        producer._complete(Task(g, str(pending.tmp), 0, 0, 0, ((0, g),)), WriteFailed(g, reason, storage=storage))
+        producer._complete(one_slot_build(producer, s, g), WriteFailed(g, reason, storage=storage))
 
     fail(0, "reading s3://b/x.jpg: still failing after 6 tries", storage=True)
     wait = producer.storage_wait
@@ -322,3 +330,51 @@ def test_a_wait_on_storage_ends_when_something_else_holds_production(tmp_path: P
     assert producer.storage_wait is not None
     fail(4, "cannot write e000000-s00000004.tmp: No space left on device", storage=False)
     assert producer.storage_wait is None, "a full tmpfs is no wait on storage"
+
+
+OUTAGE = "reading s3://b/x.jpg: still failing after 6 tries"
+
+
+def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_path: Path) -> None:
+    """In a partial outage the batches of other objects publish while the trainer's next one fails: any
+    publish ended the wait, and the trainer, which needs the failing batch, timed out after its --timeout
+    though the daemon still retried it for the storage."""
+    from prefetchd.daemon.workers import Filled, WriteFailed
+
+    (tmp_path / "r0").mkdir(), (tmp_path / "r1").mkdir()
+    s, t = stream(tmp_path / "r0"), stream(tmp_path / "r1")
+    t.manifest = dataclasses.replace(t.manifest, rank=1)
+    producer = books(tmp_path, s, t)
+    producer._complete(one_slot_build(producer, s, 0), WriteFailed(0, OUTAGE, storage=True))
+    wait = producer.storage_wait
+    assert wait is not None and wait.reason == f"batch e000000-s00000000.tmp: {OUTAGE}"
+    for g in (1, 2):  # batches of other objects, and the same position of another rank
+        producer._complete(one_slot_build(producer, s, g), Filled(g, ((0, g, 0),), (), 0.0))
+    producer._complete(one_slot_build(producer, t, 0), Filled(0, ((0, 0, 0),), (), 0.0))
+    assert sorted(s.published) == [1, 2] and sorted(t.published) == [0]
+    assert producer.storage_wait == wait, "batch 0 of rank 0 still waits for the storage"
+    assert producer._message() == f"retrying: {wait.reason}"
+    producer._complete(one_slot_build(producer, s, 0), Filled(0, ((0, 0, 0),), (), 0.0))
+    assert producer.storage_wait is None and producer._message() == ""
+
+
+def test_a_wait_on_storage_ends_when_no_window_holds_the_batches_that_failed(tmp_path: Path) -> None:
+    """A failed batch the trainers moved past (or back before) is not built again: a wait on it kept the
+    loaders waiting for good behind a daemon their storage no longer held up."""
+    from prefetchd.daemon.workers import WriteFailed
+
+    s = stream(tmp_path)
+    producer = books(tmp_path, s)
+    for g in (1, 2):
+        producer._complete(one_slot_build(producer, s, g), WriteFailed(g, OUTAGE, storage=True))
+    wait = producer.storage_wait
+    assert wait is not None and wait.reason == f"batch e000000-s00000002.tmp: {OUTAGE}"
+    Progress(*s.key(2)).write(s.dir)
+    producer._read_progress()  # batch 1 is behind the trainer now
+    assert producer.storage_wait == wait and list(producer.storage_failed) == [(0, 2)]
+    Progress(*s.key(7)).write(s.dir)
+    producer._read_progress()
+    assert producer.storage_wait is None
+    # Nor does a failure start one for a batch no window holds (its build cancelled as the trainer moved on).
+    producer._complete(one_slot_build(producer, s, 3), WriteFailed(3, OUTAGE, storage=True))
+    assert producer.storage_wait is None and producer._message() == f"retrying: batch e000000-s00000003.tmp: {OUTAGE}"
