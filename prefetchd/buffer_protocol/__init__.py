@@ -52,6 +52,7 @@ from prefetchd.buffer_protocol.status import (
     Totals,
     TrainerStatus,
     read_status,
+    readable_status,
     write_status,
 )
 from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, SpareFiles, write_batch
@@ -63,7 +64,7 @@ __all__ = [
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "consumer_held",
     "DaemonOwner", "daemon_owner", "daemon_pid", "list_batches", "pid_named", "same_pid_namespace", "take_lock",
     "writer_alive", "writer_named",
-    "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status",
+    "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status", "readable_status",
     "stream_dir", "write_batch", "write_status",
     "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "State",
     "Status", "StorageWait", "StreamStatus", "Totals", "TrainerStatus",

@@ -21,7 +21,7 @@ import psutil
 from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import LOCK_NAME, Dir, consumer_lock_name, owning_buffer
 from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS, Progress, open_regular, pid_namespace
-from prefetchd.buffer_protocol.status import Status, read_status
+from prefetchd.buffer_protocol.status import Status, readable_status
 
 
 class BufferBusy(ProtocolError):
@@ -335,9 +335,10 @@ def _other_namespace(namespace: int | None) -> int | None:
     return None if same_pid_namespace(namespace) else namespace
 
 
-def daemon_owner(buffer: Dir) -> DaemonOwner | None:
+def daemon_owner(buffer: Dir, status: Status | None = None) -> DaemonOwner | None:
     """The live daemon owning ``buffer``, or None (SPEC rules 4 and 8).  For a rank's stream directory the owner
-    is the parent buffer's daemon.
+    is the parent buffer's daemon.  ``status``: the buffer's status.json where the caller has just read it (it is
+    read here otherwise).
 
     daemon.lock names the owner's pid.  Where status.json, written by that pid, says it is of another pid
     namespace than this process's (a daemon on the host or in another container sharing the tmpfs), the pid
@@ -357,7 +358,7 @@ def daemon_owner(buffer: Dir) -> DaemonOwner | None:
         if not text.isdigit():
             return None
         pid = int(text)
-        namespace = _namespace_of(buffer, pid)
+        namespace = _namespace_of(buffer, pid, status)
         if namespace is not None:
             return DaemonOwner(pid, namespace) if _held(fd) else None
     finally:
@@ -368,14 +369,13 @@ def daemon_owner(buffer: Dir) -> DaemonOwner | None:
         return None
 
 
-def _namespace_of(buffer: Path, pid: int) -> int | None:
-    """The pid namespace of daemon ``pid`` of ``buffer`` as its status.json says, where it is another than this
-    process's; None where it is this one's or cannot be told (no status of that pid yet, one of a daemon that
-    predates the field, one that cannot be read): the pid is then looked up here, as it always was."""
-    try:
-        status = read_status(buffer)
-    except (OSError, ProtocolError):
-        return None
+def _namespace_of(buffer: Path, pid: int, status: Status | None) -> int | None:
+    """The pid namespace of daemon ``pid`` of ``buffer`` as its status.json (``status``, or read now) says, where it
+    is another than this process's; None where it is this one's or cannot be told (no status of that pid yet, one
+    of a daemon that predates the field, one that cannot be read): the pid is then looked up here, as it always
+    was."""
+    if status is None:
+        status = readable_status(buffer)
     return _other_namespace(status.pid_namespace) if status is not None and status.pid == pid else None
 
 

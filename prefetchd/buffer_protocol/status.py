@@ -333,6 +333,14 @@ def read_status(buffer: Dir) -> Status | None:
     return replace(status, heartbeat=st.st_mtime) if st.st_mtime > status.heartbeat + 1.0 else status
 
 
+def readable_status(buffer: Dir) -> Status | None:
+    """``read_status``, None where it cannot be read (being replaced, or damaged: judged as if absent)."""
+    try:
+        return read_status(buffer)
+    except (OSError, ProtocolError):
+        return None
+
+
 # -- checking a document ------------------------------------------------------
 
 

@@ -54,7 +54,6 @@ def describe_status(buffer: Path) -> StatusReport:
                             pid=None, heartbeat_age_s=None, stale=False, status=None, manifest=None, no_rank=True,
                             problems=(f"no such rank: the daemon on {owner} writes no {buffer.name}; "
                                       f"`prefetchd status --buffer {owner}` shows the ranks it serves",))
-    daemon = daemon_owner(buffer)
     status: Status | None = None
     manifest: Manifest | None = None
     problems = []
@@ -62,6 +61,7 @@ def describe_status(buffer: Path) -> StatusReport:
         status = read_status(buffer)
     except ProtocolError as exc:
         problems.append(str(exc))
+    daemon = daemon_owner(buffer, status)
     rank = None
     if owner != buffer:  # one rank's stream directory: show that rank, not every rank of its daemon
         rank = int(buffer.name.removeprefix(STREAM_PREFIX))

@@ -45,6 +45,7 @@ from prefetchd.buffer_protocol import (
     daemon_owner,
     map_batch,
     read_status,
+    readable_status,
 )
 from prefetchd.buffer_protocol.documents import augmentation_options, exact_number
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
@@ -78,11 +79,8 @@ STATUS_LOOK_SECONDS = 1.0  # how often a wait for a manifest reads the daemon's 
 def owner_status(buffer: Path) -> tuple[DaemonOwner | None, Status | None]:
     """The live daemon owning ``buffer`` (a rank's stream: its parent's), and the status last written
     there; None for either that is not there (or, for the status, cannot be read)."""
-    owner = daemon_owner(buffer)
-    try:
-        return owner, read_status(buffer)
-    except (OSError, ProtocolError):
-        return owner, None
+    status = readable_status(buffer)
+    return daemon_owner(buffer, status), status
 
 
 class FailedDaemon:
@@ -194,10 +192,7 @@ def _manifest_timeout_message(buffer: Path, timeout: float) -> str:
 def why_no_manifest(buffer: Path, more_time: str = MORE_TIME) -> str:
     """What to do about a live daemon that has written no manifest for a trainer: give it a job, or
     wait for it (``buffer``: the daemon's, not a rank's stream; ``more_time``: how to wait longer)."""
-    try:
-        status = read_status(buffer)
-    except (ProtocolError, OSError):
-        status = None
+    status = readable_status(buffer)
     if status is not None and status.state == State.WAITING_FOR_JOB:
         return (f"it is waiting for a job: give it one with `prefetchd submit --buffer {buffer} --data ROOT` "
                 "(and this run's batch and image size)")
@@ -348,10 +343,10 @@ class BatchWaiter:
                 self._next_look = now + self.liveness_interval
                 looked = True
                 check_progress()
-                owner = daemon_owner(self.buffer)
+                status = readable_status(self.buffer)
+                owner = daemon_owner(self.buffer, status)
                 if owner is not None:
                     gone_since = None
-                    status = self._status()
                     if self._rank_stream:
                         check_served(self.buffer, owner, status)  # its daemon restarted with fewer --ranks?
                     self._check_heartbeat(owner, status, name, epoch, step, now - start)
@@ -409,10 +404,7 @@ class BatchWaiter:
         """How to bring the daemon back, for DaemonGone and DaemonStuck alike: the command that resumes the
         job, which names the job only, so the daemon's own flags (--high-water, --workers) are to be added;
         unless it failed, where that command would fail the same way."""
-        try:
-            status = read_status(self.buffer)
-        except (ProtocolError, OSError):
-            status = None
+        status = readable_status(self.buffer)
         if status is not None and status.state == State.FAILED:
             return (f"It failed (the message in its status, above): fix that first, then restart it with the "
                     f"flags it had: the job's are `{job_command(self.manifest, self.buffer)}`, to which add the "
@@ -421,12 +413,6 @@ class BatchWaiter:
         return (f"Restart it with `{job_command(self.manifest, self.buffer)}` and the daemon's own flags it was "
                 "started with (such as --workers or --high-water), or as it was started (its service): it resumes "
                 "from progress.json")
-
-    def _status(self) -> Status | None:
-        try:
-            return read_status(self.buffer)
-        except (ProtocolError, OSError):
-            return None  # being replaced, or damaged: judged as if absent
 
     def _check_heartbeat(self, owner: DaemonOwner, status: Status | None, name: str, epoch: int, step: int,
                          waited: float) -> None:

@@ -412,9 +412,9 @@ def test_looks_at_the_daemon_every_liveness_interval_not_at_every_wait(make_job:
 
     looks: list[float] = []
 
-    def counted(buffer: Path) -> DaemonOwner | None:
+    def counted(buffer: Path, status: Status | None = None) -> DaemonOwner | None:
         looks.append(time.monotonic())
-        return daemon_owner(buffer)
+        return daemon_owner(buffer, status)
 
     monkeypatch.setattr(liveness, "daemon_owner", counted)
     job = make_job(samples=40, epochs=1)  # 10 batches
