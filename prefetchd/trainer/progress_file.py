@@ -86,7 +86,8 @@ class _ConsumerLocks:
                     self._held[key][1] += 1
                     os.close(fd)
                     return key, True
-                _lock(fd, path)
+                if not take_lock(fd):  # tried again for a moment: a daemon may be asking whether it is held
+                    raise ConsumerHeld(str(path))
             except BaseException:
                 os.close(fd)
                 raise
@@ -110,13 +111,6 @@ class _ConsumerLocks:
             os.close(fd)  # the parent's lock stays: it holds the open file too
         self._held.clear()
         self._mutex = threading.Lock()  # one held by another thread at the fork would never be let go
-
-
-def _lock(fd: int, path: Path) -> None:
-    """flock ``fd`` exclusively (``take_lock``: a daemon may be asking for it for a moment); ConsumerHeld
-    where it stays held."""
-    if not take_lock(fd):
-        raise ConsumerHeld(str(path))
 
 
 def _another_trainer(progress: Progress) -> bool:
