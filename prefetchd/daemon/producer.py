@@ -103,7 +103,9 @@ class Producer:
         self.retry_at = 0.0
         self.state = State.STARTING
         self.message = ""
-        self.last_failure: str | None = None  # why a build failed since a batch was last published
+        # Why builds fail: the latest failure, until a batch is published (for the storage, until the batches it
+        # failed are: _publish).
+        self.last_failure: str | None = None
         self.storage_wait: StorageWait | None = None  # builds wait for the dataset's storage: see _failing
         # Why each batch (rank, g) failed for the storage, of those not published since; the latest last.
         self.storage_failed: dict[tuple[int, int], str] = {}
