@@ -32,8 +32,8 @@ from prefetchd.buffer_protocol.layout import (
     stream_dir,
 )
 from prefetchd.buffer_protocol.ownership import (BufferBusy, DaemonLock, DaemonOwner, alive_since, consumer_held,
-                                                 daemon_owner, daemon_pid, pid_named, same_pid_namespace, take_lock,
-                                                 writer_alive, writer_named)
+                                                 daemon_owner, daemon_pid, lock_holders, pid_named, same_pid_namespace,
+                                                 take_lock, writer_alive, writer_named)
 from prefetchd.buffer_protocol.status import (
     BadFile,
     ConsumerStatus,
@@ -62,7 +62,7 @@ __all__ = [
     "DEFAULT_CONSUMER", "check_consumer", "consumer_lock_name", "list_consumer_locks", "list_consumers", "progress_name",
     "BadJobRequest", "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "consumer_held",
-    "DaemonOwner", "daemon_owner", "daemon_pid", "list_batches", "pid_named", "same_pid_namespace", "take_lock",
+    "DaemonOwner", "daemon_owner", "daemon_pid", "list_batches", "lock_holders", "pid_named", "same_pid_namespace", "take_lock",
     "writer_alive", "writer_named",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status", "readable_status",
     "stream_dir", "write_batch", "write_status",

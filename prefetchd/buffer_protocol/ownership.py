@@ -291,6 +291,35 @@ def _held(fd: int) -> bool | None:
     return False
 
 
+def lock_holders(path: Path) -> set[int] | None:
+    """Pids of the processes holding an flock on ``path``'s file, as this process's /proc numbers them (the process
+    that took each lock); an empty set where ``path`` is gone; None where /proc/locks cannot be read (no /proc).
+
+    For `prefetchd stop`, before it signals the pid daemon.lock names: from a daemon taking the lock until it writes
+    its first status.json, which says its pid namespace, a reader of another namespace takes that pid for one of its
+    own (``daemon_owner``), and a process with that number here (pid 1 of a container is the host's init) is no
+    daemon.  A holder the reading /proc's pid namespace does not see, the kernel leaves out (older kernels show 0).
+    A lock's file is named by device (major:minor in hex) and inode, which stat(2) gives the same on a tmpfs (on a
+    btrfs subvolume or an overlayfs its device may be another one: no holder is found, and `prefetchd stop` refuses)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return set()
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    holders = set()
+    for line in lines:
+        # "1: FLOCK  ADVISORY  WRITE 4957 00:1b:1091607 0 EOF"; a process waiting for it: "1: -> FLOCK ..."
+        fields = line.split()
+        if fields[1:2] == ["FLOCK"] and fields[5:6] == [file] and fields[4].isdigit() and int(fields[4]) > 0:
+            holders.add(int(fields[4]))
+    return holders
+
+
 @dataclass(frozen=True)
 class DaemonOwner:
     """The live daemon owning a buffer (``daemon_owner``)."""

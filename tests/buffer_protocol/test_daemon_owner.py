@@ -5,6 +5,7 @@ tests/integration/test_daemon_pid_namespace.py."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from prefetchd.buffer_protocol import (BufferBusy, DaemonLock, DaemonOwner, ProtocolError, State, Status, daemon_owner,
-                                      daemon_pid, read_status, write_status)
+                                      daemon_pid, lock_holders, read_status, write_status)
 from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS
 from prefetchd.buffer_protocol.layout import LOCK_NAME, STATUS_NAME
 from tests.pid_namespace import foreign_lock_holder, free_pid, unavailable
@@ -122,6 +123,31 @@ def test_a_daemon_starting_while_a_reader_asks_for_its_lock_is_not_refused(shm_d
         held.wait()
 
 
+def test_lock_holders_are_the_processes_holding_that_files_flock(shm_dir: Path) -> None:
+    """/proc/locks, as `prefetchd stop` reads it before it signals the pid daemon.lock names: the pids holding the
+    flock on that file (its device and inode), not on another one, and none once the lock is let go."""
+    lock, other = shm_dir / LOCK_NAME, shm_dir / "other"
+    lock.touch()
+    other.touch()
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert lock_holders(lock) == {os.getpid()}
+        assert lock_holders(other) == set()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert lock_holders(lock) == set()
+    finally:
+        os.close(fd)
+    shared = [hold(lock, "shared"), hold(lock, "shared")]
+    try:
+        assert lock_holders(lock) == {p.pid for p in shared}
+    finally:
+        for p in shared:
+            p.kill()
+            p.wait()
+    assert lock_holders(shm_dir / "gone") == set()
+
+
 @pytest.mark.skipif(bool(unavailable), reason=unavailable)
 @pytest.mark.parametrize("numbered", ["as init here", "as nobody here"])
 def test_a_daemon_in_another_pid_namespace_owns_the_buffer_while_it_runs(shm_dir: Path, numbered: str) -> None:
@@ -135,6 +161,8 @@ def test_a_daemon_in_another_pid_namespace_owns_the_buffer_while_it_runs(shm_dir
         owner = daemon_owner(shm_dir)
         assert owner == DaemonOwner(pid, status.pid_namespace) and owner.wrote(status)
         assert daemon_pid(shm_dir) is None
+        # /proc/locks numbers the holder as this namespace does: not the pid its lock file names.
+        assert lock_holders(shm_dir / LOCK_NAME) == {daemon.here().pid} != {pid}
         with pytest.raises(BufferBusy, match=rf"pid {pid} of another pid namespace\).* where it runs"):
             DaemonLock(shm_dir).acquire()
         daemon.kill()
