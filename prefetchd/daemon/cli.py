@@ -20,9 +20,9 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, read_status
+from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, lock_holders, read_status
 from prefetchd.buffer_protocol.documents import exact_number
-from prefetchd.buffer_protocol.layout import owning_buffer
+from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, load_toml
 from prefetchd.daemon.buffer_dir import check_capacity
 from prefetchd.daemon.main import JOB_FIELDS
@@ -31,7 +31,7 @@ from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUN
 from prefetchd.daemon.status_view import describe_status, format_status, status_json
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import FiniteFloat, click_options
-from prefetchd.words import binary_size, counted
+from prefetchd.words import agreeing, binary_size, counted
 
 log = logging.getLogger("prefetchd")
 
@@ -222,6 +222,12 @@ def stop(buffer: Path, timeout: float) -> None:
         sys.exit(EXIT_FAILURE)
     pid = owner.pid
     top = owning_buffer(buffer)
+    lock = top / LOCK_NAME
+    holders = lock_holders(lock)
+    if holders is not None and pid not in holders:  # without /proc, the pid is trusted as it always was
+        click.echo(f"cannot stop the daemon on {buffer}, and signalled nothing: {not_the_holder(lock, pid, holders)}",
+                   err=True)
+        sys.exit(EXIT_FAILURE)
     if top != buffer:  # stopping it would stop every rank's stream, not just this one
         click.echo(f"{buffer} is a rank's stream directory of the daemon on {top} (pid {pid}), which serves all "
                    f"its ranks; to stop it, run `prefetchd stop --buffer {top}`", err=True)
@@ -243,6 +249,19 @@ def stop(buffer: Path, timeout: float) -> None:
         time.sleep(0.05)
     click.echo(f"the daemon on {buffer} (pid {pid}) did not exit within {timeout:.0f} s; `kill -9 {pid}` ends it", err=True)
     sys.exit(EXIT_FAILURE)
+
+
+def not_the_holder(lock: Path, pid: int, holders: set[int]) -> str:
+    """Why `prefetchd stop` may not SIGTERM ``pid``, which ``lock`` names though here its lock is held by
+    ``holders`` (``lock_holders``) instead, and what to do."""
+    if holders:
+        holder = f"{agreeing(len(holders), 'pid', 'pids')} {', '.join(map(str, sorted(holders)))}"
+    else:
+        holder = "a process not visible from this pid namespace"
+    return (f"{lock} names pid {pid}, but here its lock is held by {holder}, not by pid {pid}: most likely a daemon "
+            "of another pid namespace (another container, or the host) that has not written its first status yet, "
+            "which will say so; otherwise something that is not a prefetchd daemon; try again in a moment, stop the "
+            f"daemon where it runs, or find the holder with `fuser -v {lock}`")
 
 
 def not_ours_to_signal(pid: int) -> str:

@@ -364,11 +364,15 @@ def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, sh
     """A trainer user running `prefetchd stop` on the service's buffer: no PermissionError
     traceback, but whose daemon it is and how to stop it."""
     os.chmod(shm_buffer, 0o755)  # the stopper, not root, reads the lock
-    owner = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "sleep", "60"])
+    (shm_buffer / LOCK).touch()
+    os.chown(shm_buffer / LOCK, 65534, 65534)  # as the owner made it
+    holding = ("import fcntl, sys, time; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); "
+               "time.sleep(60)")
+    owner = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c",
+                              holding, shm_buffer / LOCK], stdout=subprocess.PIPE)
     try:
-        time.sleep(0.1)
+        assert owner.stdout is not None and owner.stdout.readline() == b"\n"  # it holds the lock, as a daemon does
         (shm_buffer / LOCK).write_text(f"{owner.pid}\n")  # written after the owner started: its lock
-        os.chown(shm_buffer / LOCK, 65534, 65534)  # as the owner made it
         os.seteuid(65533)  # without root's CAP_KILL, and another uid than the owner's
         try:
             result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(shm_buffer), "--timeout", "1"])

@@ -22,7 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prefetchd.buffer_protocol import State, daemon_owner, read_status
+from prefetchd.buffer_protocol import DaemonOwner, State, daemon_owner, read_status
+from prefetchd.buffer_protocol.layout import LOCK_NAME, STATUS_NAME
 from prefetchd.launch import start_argv
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck
 from tests.pid_namespace import ForeignProcess, free_pid, in_new_pid_namespace, unavailable
@@ -34,6 +35,12 @@ OURS = os.stat("/proc/self/ns/pid").st_ino
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7"]
 GRACE = 1.0
 SLACK = 4.0  # the loader looks every GRACE / 4; the daemon beats every second
+
+
+def prefetchd(buffer: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`prefetchd ARGS --buffer BUFFER`, run to its end."""
+    return subprocess.run([sys.executable, "-m", "prefetchd", *args, "--buffer", str(buffer)],
+                          capture_output=True, text=True, timeout=120)
 
 
 @contextmanager
@@ -121,19 +128,15 @@ def test_status_and_stop_of_a_daemon_of_another_pid_namespace(shapes_data: Path,
     buffer = shm_dir / "bf"
     try:
         with foreign_daemon(buffer, victim.pid, tmp_path / "daemon.log", "--data", shapes_data / "train", *SMALL):
-            def prefetchd(*args: str) -> subprocess.CompletedProcess[str]:
-                return subprocess.run([sys.executable, "-m", "prefetchd", *args, "--buffer", str(buffer)],
-                                      capture_output=True, text=True, timeout=120)
-
-            shown = prefetchd("status")
+            shown = prefetchd(buffer, "status")
             assert shown.returncode == 0, shown.stdout + shown.stderr
             assert f"running (pid {victim.pid} of another pid namespace)" in shown.stdout
-            doc = json.loads(prefetchd("status", "--json").stdout)
+            doc = json.loads(prefetchd(buffer, "status", "--json").stdout)
             assert doc["running"] is True and doc["pid"] == victim.pid and doc["other_pid_namespace"] is True
             assert doc["status"]["pid_namespace"] not in (None, OURS)
 
             asked = time.time()
-            stop = prefetchd("stop", "--timeout", "5")
+            stop = prefetchd(buffer, "stop", "--timeout", "5")
             assert stop.returncode == 1, stop.stdout + stop.stderr
             assert f"cannot stop the daemon on {buffer} (pid {victim.pid} of another pid namespace) from here, and " \
                    "signalled nothing" in stop.stderr
@@ -144,6 +147,40 @@ def test_status_and_stop_of_a_daemon_of_another_pid_namespace(shapes_data: Path,
             assert victim.poll() is None
             owner = daemon_owner(buffer)
             assert owner is not None and owner.pid == victim.pid and not owner.here
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_stop_before_a_daemon_of_another_pid_namespace_writes_its_status(shapes_data: Path, shm_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """From taking daemon.lock until it writes its first status.json, which says its pid namespace, a daemon is judged
+    by the lock's pid as one of the reader's namespace: here a process of the test's (root's, older than the lock),
+    which `prefetchd stop` SIGTERMed.  The daemon, stopped (SIGSTOP) and its status removed, is in that moment."""
+    victim = subprocess.Popen(["sleep", "300"])
+    buffer = shm_dir / "bf"
+    try:
+        with foreign_daemon(buffer, victim.pid, tmp_path / "daemon.log", "--data", shapes_data / "train",
+                            *SMALL) as daemon:
+            process = daemon.here()
+            process.suspend()
+            try:
+                (buffer / STATUS_NAME).unlink()
+                assert daemon_owner(buffer) == DaemonOwner(victim.pid), "taken for a daemon of this namespace"
+                stop = prefetchd(buffer, "stop", "--timeout", "5")
+                assert stop.returncode == 1, stop.stdout + stop.stderr
+                lock = buffer / LOCK_NAME
+                assert (f"cannot stop the daemon on {buffer}, and signalled nothing: {lock} names pid {victim.pid}, "
+                        f"but here its lock is held by pid {process.pid}, not by pid {victim.pid}: most likely a "
+                        "daemon of another pid namespace") in stop.stderr, stop.stderr
+                assert "try again in a moment" in stop.stderr and f"`fuser -v {lock}`" in stop.stderr
+                assert victim.poll() is None
+            finally:
+                process.resume()
+            # Its next status says its namespace: judged by its lock from then on.
+            wait_for(lambda: (owner := daemon_owner(buffer)) is not None and not owner.here, 30,
+                     "the resumed daemon's status")
+            assert victim.poll() is None
     finally:
         victim.kill()
         victim.wait()
