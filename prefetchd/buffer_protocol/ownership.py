@@ -299,8 +299,10 @@ def lock_holders(path: Path) -> set[int] | None:
     its first status.json, which says its pid namespace, a reader of another namespace takes that pid for one of its
     own (``daemon_owner``), and a process with that number here (pid 1 of a container is the host's init) is no
     daemon.  A holder the reading /proc's pid namespace does not see, the kernel leaves out (older kernels show 0).
-    A lock's file is named by device (major:minor in hex) and inode, which stat(2) gives the same on a tmpfs (on a
-    btrfs subvolume or an overlayfs its device may be another one: no holder is found, and `prefetchd stop` refuses)."""
+    A lock's file is matched by its inode number alone: the device /proc/locks prints is the kernel's superblock's,
+    which stat(2) reports otherwise on a btrfs subvolume or an overlayfs, where `prefetchd stop` would then always
+    refuse.  Another file of the same number on another filesystem, locked by the very pid daemon.lock names, is
+    the one confusion left."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -310,12 +312,13 @@ def lock_holders(path: Path) -> set[int] | None:
             lines = f.read().splitlines()
     except OSError:
         return None
-    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    inode = f":{st.st_ino}"
     holders = set()
     for line in lines:
         # "1: FLOCK  ADVISORY  WRITE 4957 00:1b:1091607 0 EOF"; a process waiting for it: "1: -> FLOCK ..."
         fields = line.split()
-        if fields[1:2] == ["FLOCK"] and fields[5:6] == [file] and fields[4].isdigit() and int(fields[4]) > 0:
+        if (fields[1:2] == ["FLOCK"] and len(fields) > 5 and fields[5].endswith(inode) and fields[4].isdigit()
+                and int(fields[4]) > 0):
             holders.add(int(fields[4]))
     return holders
 

@@ -125,7 +125,7 @@ def test_a_daemon_starting_while_a_reader_asks_for_its_lock_is_not_refused(shm_d
 
 def test_lock_holders_are_the_processes_holding_that_files_flock(shm_dir: Path) -> None:
     """/proc/locks, as `prefetchd stop` reads it before it signals the pid daemon.lock names: the pids holding the
-    flock on that file (its device and inode), not on another one, and none once the lock is let go."""
+    flock on that file (its inode), not on another one, and none once the lock is let go."""
     lock, other = shm_dir / LOCK_NAME, shm_dir / "other"
     lock.touch()
     other.touch()
