@@ -200,6 +200,9 @@ class StorageWait:
 
     since: float  # time.time() of the first such failure since a batch was last published
     reason: str  # the latest failure, as the status's message says it
+    # The ranks whose failed batches hold the wait, sorted: only their loaders wait on.  None: every rank's
+    # (a daemon of an earlier 0.1 build did not say which, and its wait was the whole daemon's).
+    ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -443,6 +446,13 @@ class _Fields:
         return tuple(self._get(key, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                                "a list of strings"))
 
+    def optional_nats(self, key: str) -> tuple[int, ...] | None:
+        """A list of non-negative integers; None when absent or null (a list added within a version: the
+        caller says what its absence means)."""
+        value = self._get(key, lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v),
+                          "a list of non-negative integers or null", optional=True)
+        return None if value is None else tuple(int(x) for x in value)
+
     def items_as_maps(self) -> list[tuple[str, _Fields]]:
         return [(k, _Fields(v, self.path, f"{self.where}{k}.")) for k, v in self.doc.items()]
 
@@ -502,7 +512,7 @@ def _errors(f: _Fields) -> Errors:
 
 
 def _storage_wait(f: _Fields) -> StorageWait:
-    return StorageWait(since=f.num("since"), reason=f.text("reason"))
+    return StorageWait(since=f.num("since"), reason=f.text("reason"), ranks=f.optional_nats("ranks"))
 
 
 def _remote(f: _Fields) -> RemoteStatus:

@@ -32,6 +32,7 @@ from prefetchd.buffer_protocol import (
     Progress,
     ProtocolError,
     State,
+    StorageWait,
     batch_name,
     daemon_pid,
     map_batch,
@@ -240,14 +241,24 @@ def test_a_storage_wait_is_read_back_and_an_older_status_without_one_is_read_as_
     _write(tmp_path / STATUS_NAME, VALID_STATUS)
     status = read_status(tmp_path)
     assert status is not None and status.production is not None and status.production.storage_wait == STORAGE_WAIT
-    assert VALID_STATUS["storage_wait"] == {"since": STORAGE_WAIT.since, "reason": STORAGE_WAIT.reason}
+    assert VALID_STATUS["storage_wait"] == {"since": STORAGE_WAIT.since, "reason": STORAGE_WAIT.reason, "ranks": [0]}
     for older in ({k: v for k, v in VALID_STATUS.items() if k != "storage_wait"}, {**VALID_STATUS, "storage_wait": None}):
         _write(tmp_path / STATUS_NAME, older)
         status = read_status(tmp_path)
         assert status is not None and status.production is not None and status.production.storage_wait is None
+    # A daemon of a build before the ranks were named: its wait is every rank's.
+    _write(tmp_path / STATUS_NAME, {**VALID_STATUS, "storage_wait": {"since": 1.0, "reason": "down"}})
+    status = read_status(tmp_path)
+    assert status is not None and status.production is not None
+    assert status.production.storage_wait == StorageWait(since=1.0, reason="down", ranks=None)
+    ranks = "a list of non-negative integers or null"
     for bad, field, expected in (({"since": "now", "reason": ""}, "storage_wait.since", "a finite number"),
                                  ({"since": 1.0}, "storage_wait.reason", "a string"),
-                                 ("storage", "storage_wait", "an object")):
+                                 ("storage", "storage_wait", "an object"),
+                                 ({"since": 1.0, "reason": "", "ranks": 0}, "storage_wait.ranks", ranks),
+                                 ({"since": 1.0, "reason": "", "ranks": [0, -1]}, "storage_wait.ranks", ranks),
+                                 ({"since": 1.0, "reason": "", "ranks": [True]}, "storage_wait.ranks", ranks),
+                                 ({"since": 1.0, "reason": "", "ranks": ["0"]}, "storage_wait.ranks", ranks)):
         _write(tmp_path / STATUS_NAME, {**VALID_STATUS, "storage_wait": bad})
         with pytest.raises(ProtocolError, match=rf"field '{re.escape(field)}' is .*, expected {expected}"):
             read_status(tmp_path)
