@@ -452,7 +452,7 @@ class Producer:
 
     def _failing(self, why: str, storage: Build | None = None) -> None:
         """Builds fail, and ``why`` (the status says it until a batch is published).  ``storage``: the build
-        that failed for the dataset's storage, which the trainers' loaders wait on while the status says so.
+        that failed for the dataset's storage, which its rank's loaders wait on while the status says so.
 
         The wait lasts until each batch that failed so is published, or no window holds it any more: in a
         partial outage the batches of other objects publish meanwhile, and the trainer that needs the
@@ -476,13 +476,15 @@ class Producer:
     def _storage_wait_left(self) -> None:
         """Drop the failed batches no window holds now (the trainers moved past them, or back before them:
         they will not be built, and a wait on them would keep the loaders waiting for good); the wait names
-        the latest failure of those left, and ends with the last."""
+        the latest failure of those left and their ranks (only those ranks' loaders wait on: another rank's
+        late batch is late for another reason), and ends with the last."""
         held = {stream.rank: stream.held for stream in self.streams}
         self.storage_failed = {key: why for key, why in self.storage_failed.items() if key[1] in held.get(key[0], ())}
         if not self.storage_failed or self.storage_wait is None:
             self._end_storage_wait()
             return
-        self.storage_wait = dataclasses.replace(self.storage_wait, reason=next(reversed(self.storage_failed.values())))
+        self.storage_wait = dataclasses.replace(self.storage_wait, reason=next(reversed(self.storage_failed.values())),
+                                                ranks=tuple(sorted({rank for rank, _ in self.storage_failed})))
 
     def _publish(self, build: Build) -> None:
         stream = build.stream

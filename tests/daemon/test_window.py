@@ -358,6 +358,32 @@ def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_pa
     assert producer.storage_wait is None and producer._message() == ""
 
 
+def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) -> None:
+    """Only the loaders of those ranks wait on past their timeout: as one wait for the whole daemon, it kept
+    the loader of a rank none of whose batches failed waiting on, though its batch was late for another reason."""
+    from prefetchd.daemon.workers import Filled, WriteFailed
+
+    (tmp_path / "r0").mkdir(), (tmp_path / "r1").mkdir()
+    s, t = stream(tmp_path / "r0"), stream(tmp_path / "r1")
+    t.manifest = dataclasses.replace(t.manifest, rank=1)
+    producer = books(tmp_path, s, t)
+
+    def ranks() -> tuple[int, ...] | None:
+        assert producer.storage_wait is not None
+        return producer.storage_wait.ranks
+
+    producer._complete(one_slot_build(producer, s, 0), WriteFailed(0, OUTAGE, storage=True))
+    assert ranks() == (0,)
+    producer._complete(one_slot_build(producer, t, 1), WriteFailed(1, OUTAGE, storage=True))
+    assert ranks() == (0, 1)
+    producer._complete(one_slot_build(producer, s, 0), WriteFailed(0, OUTAGE, storage=True))  # retried, failing again
+    assert ranks() == (0, 1), "sorted, whichever failed last"
+    producer._complete(one_slot_build(producer, s, 0), Filled(0, ((0, 0, 0),), (), 0.0))
+    assert ranks() == (1,)
+    producer._complete(one_slot_build(producer, t, 1), Filled(1, ((0, 1, 0),), (), 0.0))
+    assert producer.storage_wait is None
+
+
 def test_a_wait_on_storage_ends_when_no_window_holds_the_batches_that_failed(tmp_path: Path) -> None:
     """A failed batch the trainers moved past (or back before) is not built again: a wait on it kept the
     loaders waiting for good behind a daemon their storage no longer held up."""
