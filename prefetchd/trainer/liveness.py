@@ -20,9 +20,9 @@ container sharing the tmpfs), whose heartbeat counts the same.
 
 A daemon whose builds wait for the dataset's storage (status.json's
 ``storage_wait``: an object store's outage, a dataset's mount gone) will resume by
-itself once it is back, so while the owner beats and says so, ``timeout`` does not
-run out: it counts from the last look that found it waiting.  A daemon gone or
-stuck meanwhile still ends the wait as above.
+itself once it is back, so while the owner beats and says so of this loader's rank,
+``timeout`` does not run out: it counts from the last look that found it waiting.
+A daemon gone or stuck meanwhile still ends the wait as above.
 """
 
 from __future__ import annotations
@@ -381,14 +381,17 @@ class BatchWaiter:
             delay = min(delay * 2, MAX_DELAY)
 
     def _waits_on_storage(self, owner: DaemonOwner, status: Status | None, name: str, now: float) -> bool:
-        """Whether daemon ``owner``, beating, says its builds wait for the dataset's storage (then logged: at
-        once, and once a ``STORAGE_WAIT_LOG_SECONDS`` after).  A heartbeat older than the stall bound (the
+        """Whether daemon ``owner``, beating, says this stream's builds wait for the dataset's storage (then
+        logged: at once, and once a ``STORAGE_WAIT_LOG_SECONDS`` after).  The stream is named by its manifest's
+        rank, as the daemon names it (a flat buffer's is rank 0); a wait on other ranks' batches only is none
+        of this loader's: its batch is late for another reason.  A heartbeat older than the stall bound (the
         default one when the check is off) is no word of the daemon's now: a stopped daemon's last status
         would hold the wait for ever."""
         own = status if owner.wrote(status) else None
         wait = own.production.storage_wait if own is not None and own.production is not None else None
         fresh = self.stall if self.stall is not None else DEFAULT_STALL_TIMEOUT
-        if own is None or wait is None or time.time() - own.heartbeat > fresh:
+        if (own is None or wait is None or time.time() - own.heartbeat > fresh
+                or (wait.ranks is not None and self.manifest.rank not in wait.ranks)):  # None: every rank's
             self._storage_said = None
             return False
         if self._storage_said is None or now - self._storage_said >= STORAGE_WAIT_LOG_SECONDS:

@@ -129,9 +129,9 @@ class BufferLoader:
             (ImageNet statistics unless ``mean``/``std`` are given); False gives
             the raw uint8 images.
         timeout: seconds to wait for the manifest at construction, and for each batch;
-            while the daemon beats and its status says its builds wait for the
-            dataset's storage (``storage_wait``), counted from the last look that
-            found it so (an outage waits with the daemon, however long).
+            while the daemon beats and its status says its builds of this stream's
+            rank wait for the dataset's storage (``storage_wait``), counted from the
+            last look that found it so (an outage waits with the daemon, however long).
         daemon_grace: seconds a missing batch is waited for while no daemon owns
             the buffer before :class:`DaemonGone` is raised.
         stall_timeout: seconds without a heartbeat (the daemon rewrites

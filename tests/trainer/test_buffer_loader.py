@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from prefetchd.buffer_protocol import (
-    DaemonOwner, Position, Progress, ProtocolError, State, Status, daemon_owner, write_batch, write_status,
+    DaemonOwner, Position, Progress, ProtocolError, State, Status, StorageWait, daemon_owner, write_batch,
+    write_status,
 )
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
                                StateMismatch)
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
-from tests.status_examples import ERRORS, production, write_status_at_heartbeat
+from tests.status_examples import ERRORS, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -562,6 +563,53 @@ def test_stall_timeout_none_disables_the_check(make_job: MakeJob) -> None:
         next(iter(BufferLoader(job.buffer, timeout=0.5, stall_timeout=None)))
     with pytest.raises(ValueError, match="stall_timeout"):
         BufferLoader(job.buffer, timeout=1, stall_timeout=0)
+
+
+# -- a daemon waiting for its storage (a real outage: tests/integration/test_liveness.py)
+
+
+def test_only_the_loaders_of_the_ranks_whose_batches_wait_for_the_storage_wait_on(make_job: MakeJob,
+                                                                                buffer: Path) -> None:
+    """The daemon (this process, beating) says rank 0's builds wait for the storage: rank 1's loader, whose
+    batch is late for another reason, times out at its timeout (one wait for the whole daemon held it past
+    its timeout too), while rank 0's waits on past its own for its batch."""
+    jobs = [make_job(buffer / f"rank-0000{rank}") for rank in (0, 1)]
+    for rank, job in enumerate(jobs):
+        job.manifest = dataclasses.replace(job.manifest, rank=rank, world_size=2)
+        job.manifest.write(job.buffer)
+    (buffer / "daemon.lock").write_text(f"{os.getpid()}\n")
+    outage = StorageWait(since=time.time(), reason="batch e000000-s00000000.tmp: reading s3://b/x.jpg: still failing "
+                         "after 6 tries", ranks=(0,))
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            write_status(buffer, status_example(pid=os.getpid(), heartbeat=time.time(), production=production(
+                streams=(stream(0), stream(1)), storage_wait=outage)))
+            stop.wait(0.2)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        rank1 = BufferLoader(jobs[1].buffer, timeout=1.0, stall_timeout=5.0)
+        timer = threading.Timer(3.0, lambda: jobs[1].write(0, 0))  # were it waited on: a batch, not LoaderTimeout
+        timer.start()
+        start = time.monotonic()
+        try:
+            with pytest.raises(LoaderTimeout, match=r"waited 1 s for batch e000000-s00000000\.batch"):
+                next(iter(rank1))
+        finally:
+            timer.cancel()
+        assert time.monotonic() - start < 2.5
+        rank0 = BufferLoader(jobs[0].buffer, timeout=1.0, stall_timeout=5.0)
+        timer = threading.Timer(2.5, lambda: jobs[0].write(0, 0))
+        timer.start()
+        start = time.monotonic()
+        assert next(iter(rank0)).step == 0
+        assert time.monotonic() - start >= 2.0
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_leftover_batches_are_served_without_a_daemon(make_job: MakeJob) -> None:
