@@ -162,17 +162,21 @@ def format_status(report: StatusReport) -> str:
         lines.append(f"  WARNING  no heartbeat for {report.heartbeat_age_s:.0f} s: the daemon may be stuck")
     if st and st.message:
         lines.append(f"  note      {st.message}")
-    outage = st.production.storage_wait if st is not None and st.production is not None else None
-    if outage is not None:  # the note says why; this, what it means for the trainers
-        lines.append(f"  storage   the builds have waited {max(0.0, time.time() - outage.since):.0f} s for the dataset's "
-                     "storage; they resume when it is back, and trainers wait on past their --timeout meanwhile")
+    pr = st.production if st else None
+    outage = pr.storage_wait if pr is not None else None
+    if pr is not None and outage is not None:  # the note says why; this, what it means for the trainers
+        whose = ""  # every rank's: one stream, or a daemon of an earlier build that did not say which
+        if outage.ranks is not None and len(pr.streams) > 1:
+            whose = f" of {'rank' if len(outage.ranks) == 1 else 'ranks'} {rank_ranges(list(outage.ranks))}"
+        lines.append(f"  storage   the builds{whose} have waited {max(0.0, time.time() - outage.since):.0f} s for the "
+                     f"dataset's storage; they resume when it is back, and trainers{whose} wait on past their "
+                     "--timeout meanwhile")
     if mf and state != State.WAITING_FOR_JOB:  # a finished job's manifest stays until the next job replaces it
         lines.append(
             f"  dataset   {mf.dataset_root} ({counted(mf.num_samples, 'sample')}, {counted(len(mf.classes), 'class')}), "
             f"split {mf.split}, batch {mf.batch_size} x {mf.image_size}px, {mf.steps_per_epoch} steps/epoch"
             + (" (short last batch left out)" if mf.drop_last else "")
         )
-    pr = st.production if st else None
     world = mf.world_size if mf else 1
     if world > 1:  # one stream directory per rank: say which of the world's ranks are here
         served = rank_ranges([s.rank for s in pr.streams]) if pr is not None and pr.streams else "some"

@@ -445,6 +445,18 @@ def test_status_says_the_builds_wait_for_the_storage_and_what_that_means_for_tra
     assert "storage " not in _running_status_text()
 
 
+def test_status_names_the_ranks_whose_builds_wait_for_the_storage() -> None:
+    """With several streams only the named ranks' trainers wait on; a daemon of an earlier build named none."""
+    streams = (stream(0), stream(1), stream(2))
+    one = _running_status_text(streams=streams, storage_wait=dataclasses.replace(STORAGE_WAIT, ranks=(1,)))
+    assert "the builds of rank 1 have waited" in one, one
+    assert "and trainers of rank 1 wait on past their --timeout" in one, one
+    two = _running_status_text(streams=streams, storage_wait=dataclasses.replace(STORAGE_WAIT, ranks=(0, 2)))
+    assert "the builds of ranks 0,2 have waited" in two and "trainers of ranks 0,2 wait on" in two, two
+    every = _running_status_text(streams=streams, storage_wait=dataclasses.replace(STORAGE_WAIT, ranks=None))
+    assert "the builds have waited" in every and "and trainers wait on" in every, every
+
+
 def test_status_waiting_for_a_job_shows_no_finished_jobs_dataset() -> None:
     manifest = Manifest(dataset_root="/data/old", fingerprint="f", classes=["a", "b"], num_samples=240, split="train",
                         seed=0, batch_size=8, image_size=32, samples_per_epoch=240, steps_per_epoch=30, epochs=None,
