@@ -14,7 +14,7 @@ from prefetchd.trainer.checkpoint import CheckpointPlan, Checkpointer, existing_
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.errors import CheckpointError, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
-from prefetchd.trainer.ranks import Collective, Ranks
+from prefetchd.trainer.ranks import Collective, Ranks, differs_between_ranks
 from prefetchd.trainer.report import metrics_unwritable
 from prefetchd.words import counted
 
@@ -119,13 +119,6 @@ ALIKE = (
 )
 
 
-def differs_between_ranks(name: str, each: list[str], fix: str, aside: str = "") -> str:
-    """The refusal of option ``name`` given other values on other ranks: each rank's value as ``each`` says
-    it (``aside`` after them), then ``fix``."""
-    values = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(each))
-    return f"{name} differs between ranks ({values}{aside}); {fix}"
-
-
 def agree_on_options(config: TrainConfig, validation: bool, coll: Collective) -> None:
     """Refuse, on every rank and before any daemon is started, options of ``ALIKE`` that differ between
     ranks (two boxes launched by hand with different command lines); one gather, at the start."""
@@ -163,4 +156,4 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
 
 
 __all__ = ["ALIKE", "Alike", "agree_on_checkpoints", "agree_on_options", "check_equal_steps", "check_metrics_paths",
-           "differs_between_ranks", "resolve_device", "resolve_epochs"]
+           "resolve_device", "resolve_epochs"]

@@ -241,6 +241,13 @@ def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, sp
 # -- what the ranks agree on --------------------------------------------------------------
 
 
+def differs_between_ranks(name: str, each: list[str], fix: str, aside: str = "") -> str:
+    """The refusal of option ``name`` given other values on other ranks: each rank's value as ``each`` says
+    it (``aside`` after them), then ``fix``."""
+    values = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(each))
+    return f"{name} differs between ranks ({values}{aside}); {fix}"
+
+
 class Collective:
     """Cross-rank operations of the trainer, on a CPU (gloo) group; local with one rank."""
 
@@ -430,4 +437,5 @@ def is_peer_failure(exc: BaseException) -> bool:
         mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "gloo/transport"))
 
 
-__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "is_peer_failure", "peer_failed", "wait_for_stream"]
+__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "differs_between_ranks", "is_peer_failure", "peer_failed",
+           "wait_for_stream"]
