@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+from torch.distributed.constants import default_pg_timeout
 
 from prefetchd.buffer_protocol import Manifest, daemon_owner, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
@@ -68,6 +69,12 @@ _AGREE_SPINS = 200
 _AGREE_POLL_FIRST = 0.0001
 _AGREE_POLL_MAX = 0.002
 _STOP_KEY = "stop"
+# How long a rank waits for every rank's device before the process group: as long as init_process_group's
+# own rendezvous would wait for a rank that does not come (torch's default, 30 minutes), so no run is refused
+# that would have started before.  The ranks come together (torchrun starts them at once, and each comes here
+# first), so only a rank that hangs before it (a stuck CUDA driver) is waited for this long: one that fails
+# or dies makes torchrun end the others.
+DEVICE_WAIT_TIMEOUT = default_pg_timeout
 
 T = TypeVar("T")
 
@@ -242,10 +249,56 @@ def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, sp
 
 
 def differs_between_ranks(name: str, each: list[str], fix: str, aside: str = "") -> str:
-    """The refusal of option ``name`` given other values on other ranks: each rank's value as ``each`` says
-    it (``aside`` after them), then ``fix``."""
+    """The refusal of ``name`` (an option, or the device it resolves to) given other values on other ranks: each
+    rank's value as ``each`` says it (``aside`` after them), then ``fix``."""
     values = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(each))
     return f"{name} differs between ranks ({values}{aside}); {fix}"
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group's backend for ranks on ``device``: nccl on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def agree_on_backend(ranks: Ranks, device: torch.device, environ: Mapping[str, str] | None = None,
+                     timeout: timedelta = DEVICE_WAIT_TIMEOUT) -> None:
+    """Refuse, on every rank, ranks whose devices need different backends, before the process group is made.
+
+    Ranks that init_process_group with gloo and nccl wait for each other there until torch's timeout, then
+    fail with a message that names neither (``--device auto`` across a box with a GPU and one without).  So
+    each rank first says its device in torchrun's store and waits for the others'.  That store is the agent's
+    (``TORCHELASTIC_USE_AGENT_STORE``), serving at MASTER_ADDR:MASTER_PORT before any rank starts.  Without
+    it (a launcher that sets MASTER_* itself), rank 0 makes the store inside init_process_group, and there is
+    nothing to talk through before it: the ranks are not compared.
+    """
+    env = os.environ if environ is None else environ
+    if not ranks.distributed or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    # The agent's store lives as long as torchrun: keys of this attempt alone, so that a group torchrun
+    # restarts (--max-restarts: the next restart count) or grows (--nnodes MIN:MAX: the same restart count, a
+    # new world size) reads no device of the last attempt.
+    attempt = "/".join(env.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                                      "WORLD_SIZE"))
+    # A client of its own, dropped on return; init_process_group connects its own.  (torch.distributed imports
+    # TCPStore, its public class, without re-exporting it, so strict mypy does not take it from there.)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    keys = [f"prefetchd-train/device/{attempt}/{rank}" for rank in range(ranks.world_size)]
+    store.set(keys[ranks.rank], str(device))
+    try:
+        store.wait(keys)
+    except dist.DistStoreError:
+        missing = ", ".join(f"rank {rank}" for rank, key in enumerate(keys) if not store.check([key]))
+        raise SetupError(
+            f"rank {ranks.rank} waited {timeout.total_seconds():g} s for every rank's device before making the "
+            f"process group, and these never said theirs: {missing}; the output of their boxes says why"
+        ) from None
+    every = [torch.device(store.get(key).decode()) for key in keys]  # a name: no rank's CUDA is touched
+    if any(theirs.type != device.type for theirs in every):
+        raise SetupError(differs_between_ranks(
+            "the device", [f"{theirs} ({backend_for(theirs)})" for theirs in every],
+            "gloo and nccl ranks cannot form one process group (--device auto is cuda only on a box with a GPU): "
+            "give every box the same --device, e.g. --device cpu, or a GPU to every rank"))
 
 
 class Collective:
@@ -272,7 +325,8 @@ class Collective:
                 )
             owned = False
         else:
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            agree_on_backend(ranks, device)  # where gloo and nccl ranks would wait for each other
+            backend = backend_for(device)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size,
@@ -437,5 +491,5 @@ def is_peer_failure(exc: BaseException) -> bool:
         mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "gloo/transport"))
 
 
-__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "differs_between_ranks", "is_peer_failure", "peer_failed",
-           "wait_for_stream"]
+__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "agree_on_backend", "backend_for", "differs_between_ranks",
+           "is_peer_failure", "peer_failed", "wait_for_stream"]
