@@ -87,3 +87,27 @@ def test_without_torchruns_agent_store_nothing_is_exchanged() -> None:
     with pytest.raises(RuntimeError):  # the same rank under torchrun's agent store does ask
         agree_on_backend(rank_1, torch.device("cuda", 0), {**env, "TORCHELASTIC_USE_AGENT_STORE": "True"},
                          timeout=timedelta(seconds=1))
+
+
+TRAINER = r"""
+import os, sys
+from prefetchd.trainer.train import main
+# torchrun gives every rank one command line: the boxes' --device auto differing is played by the local rank.
+device = sys.argv[2].split(",")[int(os.environ["LOCAL_RANK"])]
+main(["--buffer", sys.argv[1], "--device", device, "--epochs", "1"])
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefetchd_train_on_a_gpu_rank_and_a_cpu_rank_refuses_on_both(tmp_path: Path) -> None:
+    """The real mixture, on a box with a GPU: `prefetchd-train` with rank 0 on CUDA (nccl) and rank 1 on the
+    CPU (gloo), which waited in init_process_group until torch's 30 minutes.  Both ranks exit 1 at once, naming
+    each rank's device, before any buffer is looked at (there is none)."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    run = tests.torchrun.run(["--standalone", "--nproc-per-node", "2", script, tmp_path / "no-buffer", "cuda,cpu"], 180)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-3000:]
+    assert "the device differs between ranks (rank 0: cuda:0 (nccl), rank 1: cpu (gloo))" in out, out[-3000:]
+    assert "exitcode  : 1" in out, out[-3000:]  # torchrun's summary: a SetupError's code (the other may be its SIGTERM)
