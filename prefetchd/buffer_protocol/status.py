@@ -62,11 +62,17 @@ class State(str, Enum):
 
 @dataclass(frozen=True)
 class TrainerStatus:
-    """Whether the process that wrote progress.json is still there (SPEC rule 8)."""
+    """Whether the process that wrote progress.json is still there (SPEC rule 8).
+
+    ``pid`` is the trainer's in its own pid namespace, ``pid_namespace`` (its progress document's): by it a reader
+    tells whether ``pid`` names a process of its own (``ownership.writer_named``), whichever namespace the daemon
+    is in.  None: a progress without it, or a daemon that predates the field.
+    """
 
     pid: int | None
     alive: bool | None  # None: unknown (no progress yet, or one without a pid)
     progress_age_s: float | None
+    pid_namespace: int | None = None
 
 
 @dataclass(frozen=True)
@@ -469,7 +475,8 @@ def _position(f: _Fields) -> Position:
 
 
 def _trainer(f: _Fields) -> TrainerStatus:
-    return TrainerStatus(f.optional_nat("pid"), f.optional_flag("alive"), f.optional_num("progress_age_s"))
+    return TrainerStatus(f.optional_nat("pid"), f.optional_flag("alive"), f.optional_num("progress_age_s"),
+                         f.optional_nat("pid_namespace"))
 
 
 def _stream(f: _Fields) -> StreamStatus:

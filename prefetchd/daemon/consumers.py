@@ -115,7 +115,8 @@ class Consumer:
 
     def trainer_status(self, now: float) -> TrainerStatus:
         age = round(self.silent_for(now), 1) if self.written is not None else None
-        return TrainerStatus(pid=self.pid, alive=self.alive, progress_age_s=age)
+        namespace = self.document.pid_namespace if self.document is not None else None
+        return TrainerStatus(pid=self.pid, alive=self.alive, progress_age_s=age, pid_namespace=namespace)
 
     def status(self, epoch: int, step: int, now: float, holding: bool) -> ConsumerStatus:
         return ConsumerStatus(

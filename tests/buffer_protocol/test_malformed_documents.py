@@ -42,7 +42,8 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.documents import CHANNELS, JOB_ID_RE, SPLITS, write_json
 from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
-from tests.status_examples import ERRORS, STORAGE_WAIT, bad_files, production, stream
+from tests.status_examples import CONSUMER, ERRORS, STORAGE_WAIT, TRAINER, bad_files, production, stream
+from tests.status_examples import write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 FUZZ = settings(max_examples=120, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -262,6 +263,42 @@ def test_a_storage_wait_is_read_back_and_an_older_status_without_one_is_read_as_
         _write(tmp_path / STATUS_NAME, {**VALID_STATUS, "storage_wait": bad})
         with pytest.raises(ProtocolError, match=rf"field '{re.escape(field)}' is .*, expected {expected}"):
             read_status(tmp_path)
+
+
+def test_a_trainers_pid_namespace_is_read_back_and_one_a_status_lacks_is_read_as_none(tmp_path: Path) -> None:
+    """The namespace the trainer's pid is of, for the lead trainer, a rank's and a consumer's: without it a reader
+    of another namespace than the trainer's took the pid for one of its own processes."""
+    trainer = dataclasses.replace(TRAINER, pid_namespace=4026532001)
+    written = status_example(production=production(
+        trainer=trainer, streams=(stream(0, trainer=trainer, consumers=(dataclasses.replace(CONSUMER, trainer=trainer),)),)))
+    write_status_at_heartbeat(tmp_path, written)
+    assert read_status(tmp_path) == written
+
+    def trainers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+        rank = doc["streams"][0]
+        return [doc["trainer"], rank["trainer"], rank["consumers"][0]["trainer"]]
+
+    assert [t["pid_namespace"] for t in trainers(written.to_doc())] == [4026532001] * 3
+    for predates in (True, False):  # absent: a daemon that predates the field; null: a progress document without it
+        doc = written.to_doc()
+        for t in trainers(doc):
+            if predates:
+                del t["pid_namespace"]
+            else:
+                t["pid_namespace"] = None
+        _write(tmp_path / STATUS_NAME, doc)
+        status = read_status(tmp_path)
+        assert status is not None and status.production is not None
+        p = status.production
+        assert [p.trainer, p.streams[0].trainer, p.streams[0].consumers[0].trainer] == [TRAINER] * 3, predates
+    for i, field in enumerate(("trainer", "streams[0].trainer", "streams[0].consumers[0].trainer")):
+        for bad in ("4026532001", -1, 1.5, True, [1]):
+            doc = written.to_doc()
+            trainers(doc)[i]["pid_namespace"] = bad
+            _write(tmp_path / STATUS_NAME, doc)
+            with pytest.raises(ProtocolError, match=rf"field '{re.escape(field)}\.pid_namespace' is .*, expected a "
+                                                    "non-negative integer or null"):
+                read_status(tmp_path)
 
 
 @FUZZ
