@@ -21,7 +21,7 @@ import psutil
 from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import LOCK_NAME, Dir, consumer_lock_name, owning_buffer
 from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS, Progress, open_regular, pid_namespace
-from prefetchd.buffer_protocol.status import Status, readable_status
+from prefetchd.buffer_protocol.status import Status, TrainerStatus, readable_status
 
 
 class BufferBusy(ProtocolError):
@@ -222,9 +222,10 @@ def pid_named(pid: int | None, here: bool) -> str:
     return f"pid {pid}" + ("" if here else " of another pid namespace")
 
 
-def writer_named(progress: Progress) -> str:
-    """``pid_named`` for ``progress``'s writer."""
-    return pid_named(progress.pid, same_pid_namespace(progress.pid_namespace))
+def writer_named(writer: Progress | TrainerStatus) -> str:
+    """``pid_named`` for the writer of a progress document: ``writer`` is the document, or what the daemon's
+    status says of its writer."""
+    return pid_named(writer.pid, same_pid_namespace(writer.pid_namespace))
 
 
 def writer_alive(directory: Dir, consumer: str, progress: Progress) -> bool | None:

@@ -8,11 +8,12 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
-                                       StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status)
+                                       StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status, writer_named)
+from prefetchd.buffer_protocol.documents import pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.main import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
@@ -44,6 +45,10 @@ class StatusReport:
     # ``pid`` is the owner's in another pid namespace (a daemon in another container, or on the host): it names no
     # process here (SPEC rule 8).
     other_pid_namespace: bool = False
+    # This command's pid namespace (None where /proc does not say), for `--json`: a trainer's pid in ``status`` names
+    # a process here only where the trainer's ``pid_namespace`` is this one, or either is unknown (as the text's
+    # ``writer_named`` says it, SPEC rule 8).
+    command_pid_namespace: int | None = field(default_factory=pid_namespace)
 
 
 def describe_status(buffer: Path) -> StatusReport:
@@ -274,7 +279,7 @@ def _consumer_line(c: ConsumerStatus, rank: str) -> str:
     wrote = f", wrote {age:.0f} s ago" if age is not None else ""
     held = f"window {c.window}" if c.holding else "holds nothing"
     name = c.name or "(default)"
-    return (f"  consumer  {name}{rank} at epoch {p.epoch} step {p.step}{share}; pid {c.trainer.pid} {alive}{wrote}; "
+    return (f"  consumer  {name}{rank} at epoch {p.epoch} step {p.step}{share}; {writer_named(c.trainer)} {alive}{wrote}; "
             f"{held}")
 
 
@@ -325,7 +330,7 @@ def _all_left(pr: Production) -> bool:
 
 
 def _trainer_note(trainer: TrainerStatus, left: bool = False) -> str:
-    """", trainer pid 123 alive, progress moved 4 s ago" from status.json's ``trainer``; "" when unknown."""
+    """"; trainer pid 123 alive, progress moved 4 s ago" from status.json's ``trainer``; "" when unknown."""
     if trainer.pid is None:
         return ""
     state = trainer.alive
@@ -335,7 +340,7 @@ def _trainer_note(trainer: TrainerStatus, left: bool = False) -> str:
     alive = "alive" if state is True else gone if state is False else "?"
     age = trainer.progress_age_s
     moved = f", progress moved {age:.0f} s ago" if age is not None else ""
-    return f"; trainer pid {trainer.pid} {alive}{moved}"
+    return f"; trainer {writer_named(trainer)} {alive}{moved}"
 
 
 def fill_bar(waiting: int, high: int, width: int = 24) -> str:

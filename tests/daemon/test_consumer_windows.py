@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from tests.status_examples import production, report
 from tests.status_examples import status as status_example
 
 HIGH, LOW = 4, 2
+OURS = os.stat("/proc/self/ns/pid").st_ino  # this process's pid namespace
 
 
 def stream(tmp_path: Path, cap: int | None = None, timeout: float = 300.0) -> Stream:
@@ -139,6 +141,25 @@ def test_a_consumer_in_another_pid_namespace_holds_while_it_runs_and_not_after(s
         s.read_progress()
         assert boxed.alive is False and s.held == set(range(8, 8 + HIGH))
     assert not {c.name: c for c in s.status().consumers}["boxed"].holding
+
+
+@pytest.mark.skipif(bool(unavailable), reason=unavailable)
+def test_prefetchd_status_says_that_a_consumers_pid_is_of_another_pid_namespace(shm_dir: Path) -> None:
+    """A trainer in another container that shares the tmpfs: status.json carried its pid alone, which `prefetchd
+    status` showed bare, as if it named a process of the reader's (here the daemon's namespace)."""
+    s = stream(shm_dir, cap=3 * HIGH)
+    move(s, "near", 8)
+    pid = free_pid()
+    with foreign_writer(shm_dir, "boxed", s.manifest.job_key, pid=pid) as writer:
+        s.read_progress()
+        theirs = os.stat(f"/proc/{writer.here().pid}/ns/pid").st_ino
+        written = s.status()
+    trainers = {c.name: c.trainer for c in written.consumers}
+    assert (trainers["boxed"].pid, trainers["boxed"].pid_namespace) == (pid, theirs) and theirs != OURS
+    assert (trainers["near"].pid, trainers["near"].pid_namespace) == (os.getpid(), OURS)
+    text = format_status(report(status_example(production=production(streams=(written,), high_water=HIGH))))
+    assert f"consumer  boxed at epoch 0 step 1; pid {pid} of another pid namespace alive" in text, text
+    assert f"consumer  near at epoch 0 step 8; pid {os.getpid()} alive" in text, text
 
 
 def test_a_single_trainer_that_goes_away_keeps_its_window(tmp_path: Path) -> None:

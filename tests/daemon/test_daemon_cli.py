@@ -25,11 +25,13 @@ from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemo
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
-from tests.status_examples import CONSUMER, STORAGE_WAIT, bad_files, production, production_without_trainer, report, stream
+from tests.status_examples import CONSUMER, STORAGE_WAIT, TRAINER, bad_files, production, production_without_trainer, report
+from tests.status_examples import stream
 from tests.status_examples import write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
 LOCK = "daemon.lock"
+OURS = os.stat("/proc/self/ns/pid").st_ino  # this process's pid namespace
 
 
 @pytest.fixture
@@ -413,7 +415,7 @@ def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     assert json.loads(status_view.status_json(status_view.describe_status(tmp_path))) == {
         "buffer": str(tmp_path), "owner": str(tmp_path), "rank": None, "running": False, "pid": None,
         "heartbeat_age_s": None, "stale": False, "status": None, "manifest": None, "problems": [], "no_rank": False,
-        "other_pid_namespace": False}
+        "other_pid_namespace": False, "command_pid_namespace": OURS}
 
 
 def _running_status_text(state: State = State.FILLING, **production_changes: Any) -> str:
@@ -491,6 +493,33 @@ def test_status_says_no_trainer_yet_before_any_trainer_wrote_progress() -> None:
         2, high_water=8, streams=(stream(0), rank_1_only), progress=stream(0).progress, trainer=stream(0).trainer))))
     assert "  progress  slowest consumer at epoch 1 step 40" in ranks, ranks  # rank 0 has one
     assert re.search(r"rank 1 .* waiting, no trainer yet", ranks) and "rank 0     [" in ranks, ranks
+
+
+@pytest.mark.parametrize(("namespace", "named"), [(OURS, "pid 777"), (OURS + 1, "pid 777 of another pid namespace"),
+                                                 (None, "pid 777")])
+def test_status_says_whether_a_trainers_pid_is_of_this_pid_namespace(runner: CliRunner, tmp_path: Path,
+                                                                     namespace: int | None, named: str) -> None:
+    """The trainer's pid is its own namespace's, whichever the daemon's is: shown bare to a reader of another one
+    (in a third container, or the daemon's), it named no process there, or an unrelated one.  A status without
+    the trainer's namespace (an older daemon, a progress document without it) shows the pid as it always did."""
+    trainer = dataclasses.replace(TRAINER, pid_namespace=namespace)
+    consumer = dataclasses.replace(CONSUMER, trainer=trainer)
+    lock = DaemonLock(tmp_path)
+    lock.acquire()  # this test process plays the daemon
+    try:
+        write_status_at_heartbeat(tmp_path, status_example(pid=os.getpid(), production=production(
+            trainer=trainer, streams=(stream(trainer=trainer, consumers=(consumer,)),))))
+        text = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
+        doc = json.loads(runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"]).output)
+    finally:
+        lock.release()
+    assert text.exit_code == 0, text.output
+    assert f"; trainer {named} alive, progress moved 0 s ago" in text.output, text.output
+    assert f"  consumer  trial-3 at epoch 1 step 40; {named} alive, wrote 0 s ago; window 32" in text.output, text.output
+    assert "of another pid namespace" not in text.output.replace(named, ""), text.output  # nothing else said so
+    assert doc["command_pid_namespace"] == OURS
+    assert doc["status"]["trainer"]["pid_namespace"] == doc["status"]["streams"][0]["consumers"][0]["trainer"][
+        "pid_namespace"] == namespace
 
 
 def test_a_stopped_daemons_status_still_names_its_bad_files(tmp_path: Path) -> None:
