@@ -10,7 +10,8 @@ started long ago).  The namespace lives until the command exits or the test kill
 trainer's ``ProgressFile`` does (SPEC rule 9); ``foreign_lock_holder`` a daemon that holds ``daemon.lock`` and
 writes its status, as ``prefetchd start`` does (SPEC rules 4 and 8), with the protocol alone: the
 buffer_protocol tests run where torch, which the trainer and the daemon's workers import, is not installed
-(.ci/run's Python 3.10 venv).  A real daemon is ``in_new_pid_namespace`` of its command.
+(.ci/run's Python 3.10 venv).  A real daemon is ``in_new_pid_namespace`` of its command; a real loader is
+``started_in_new_pid_namespace``, a command that prints its pid once it has read a batch.
 Needs root and util-linux's unshare: ``unavailable`` says why not.
 """
 
@@ -113,8 +114,9 @@ def in_new_pid_namespace(argv: Sequence[str], pid: int = 1, **popen: Any) -> For
 
 
 @contextmanager
-def _started(argv: Sequence[str], pid: int, what: str) -> Iterator[ForeignProcess]:
-    """``argv`` as ``pid`` of a new pid namespace, once it has printed that pid; killed at the block's end."""
+def started_in_new_pid_namespace(argv: Sequence[str], pid: int, what: str) -> Iterator[ForeignProcess]:
+    """``argv`` as ``pid`` of a new pid namespace, once it has printed that pid (when it is set up: a trainer that
+    has written its progress, say); killed at the block's end.  ``what`` it is, for the message when it fails."""
     foreign = in_new_pid_namespace(argv, pid, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = foreign.proc
     try:
@@ -133,7 +135,8 @@ def _started(argv: Sequence[str], pid: int, what: str) -> Iterator[ForeignProces
 def foreign_writer(buffer: Path, consumer: str, job: str, pid: int = 1) -> Iterator[ForeignProcess]:
     """A trainer of another pid namespace that has written ``consumer``'s progress at (0, 1) for ``job``
     (a manifest's job key) and holds its lock file, until ``kill`` or the block's end."""
-    with _started([sys.executable, "-c", WRITER, str(buffer), consumer, job], pid, "the writer") as writer:
+    argv = [sys.executable, "-c", WRITER, str(buffer), consumer, job]
+    with started_in_new_pid_namespace(argv, pid, "the writer") as writer:
         yield writer
 
 
@@ -141,7 +144,8 @@ def foreign_writer(buffer: Path, consumer: str, job: str, pid: int = 1) -> Itera
 def foreign_lock_holder(buffer: Path, pid: int = 1) -> Iterator[ForeignProcess]:
     """A daemon of another pid namespace, as the protocol sees one: it holds ``buffer``'s daemon.lock and has
     written its status (waiting for a job), until ``kill`` or the block's end."""
-    with _started([sys.executable, "-c", LOCK_HOLDER, str(buffer)], pid, "the lock holder") as holder:
+    argv = [sys.executable, "-c", LOCK_HOLDER, str(buffer)]
+    with started_in_new_pid_namespace(argv, pid, "the lock holder") as holder:
         yield holder
 
 
@@ -151,5 +155,5 @@ def free_pid() -> int:
     return next(p for p in range(20000, 30000) if p not in taken and p - 1 not in taken)
 
 
-__all__ = ["ForeignProcess", "foreign_lock_holder", "foreign_writer", "free_pid", "in_new_pid_namespace", "unavailable",
-           "wait_for"]
+__all__ = ["ForeignProcess", "foreign_lock_holder", "foreign_writer", "free_pid", "in_new_pid_namespace",
+           "started_in_new_pid_namespace", "unavailable", "wait_for"]

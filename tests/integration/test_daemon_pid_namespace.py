@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from prefetchd.buffer_protocol import DaemonOwner, State, daemon_owner, read_sta
 from prefetchd.buffer_protocol.layout import LOCK_NAME, STATUS_NAME
 from prefetchd.launch import start_argv
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck
-from tests.pid_namespace import ForeignProcess, free_pid, in_new_pid_namespace, unavailable
+from tests.pid_namespace import ForeignProcess, free_pid, in_new_pid_namespace, started_in_new_pid_namespace, unavailable
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(bool(unavailable), reason=unavailable)
@@ -35,6 +36,17 @@ OURS = os.stat("/proc/self/ns/pid").st_ino
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7"]
 GRACE = 1.0
 SLACK = 4.0  # the loader looks every GRACE / 4; the daemon beats every second
+# A trainer of yet another pid namespace: a loader that has read a batch as consumer ``boxed``, prints its pid, and
+# keeps the loader (and with it the consumer's lock) until killed.
+LOADER = r"""
+import os, sys, time
+from prefetchd.trainer import BufferLoader
+loader = BufferLoader(sys.argv[1], consumer="boxed", normalize=False, timeout=120)
+batches = iter(loader)
+next(batches)
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
 
 
 def prefetchd(buffer: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -184,3 +196,34 @@ def test_stop_before_a_daemon_of_another_pid_namespace_writes_its_status(shapes_
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_status_from_a_third_pid_namespace_says_whose_pids_are_its_own(shapes_data: Path, shm_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """The daemon, a trainer and `prefetchd status` each in a namespace of their own, and a trainer in the command's:
+    status.json carried the trainers' pids alone, shown bare.  The boxed trainer is pid 1 of its namespace, which
+    here is init."""
+    buffer = shm_dir / "bf"
+    with foreign_daemon(buffer, free_pid(), tmp_path / "daemon.log", "--data", shapes_data / "train", *SMALL):
+        argv = [sys.executable, "-c", LOADER, str(buffer)]
+        with started_in_new_pid_namespace(argv, 1, "the boxed loader") as boxed, \
+                BufferLoader(buffer, normalize=False, timeout=120) as ours:
+            next(iter(ours))
+            theirs = os.stat(f"/proc/{boxed.here().pid}/ns/pid").st_ino
+
+            def both_seen() -> bool:
+                status = read_status(buffer)
+                consumers = status.production.streams[0].consumers if status is not None and status.production else ()
+                return {(c.name, c.trainer.alive) for c in consumers} == {("", True), ("boxed", True)}
+            wait_for(both_seen, 60, "the daemon's status of both trainers")
+            shown = prefetchd(buffer, "status")
+            doc = json.loads(prefetchd(buffer, "status", "--json").stdout)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert re.search(r"consumer  boxed at epoch \d+ step \d+; pid 1 of another pid namespace alive", shown.stdout), \
+        shown.stdout
+    assert re.search(rf"consumer  \(default\) at epoch \d+ step \d+; pid {os.getpid()} alive", shown.stdout), shown.stdout
+    assert doc["command_pid_namespace"] == OURS
+    trainers = {c["name"]: c["trainer"] for c in doc["status"]["streams"][0]["consumers"]}
+    assert (trainers["boxed"]["pid"], trainers["boxed"]["pid_namespace"]) == (1, theirs)
+    assert (trainers[""]["pid"], trainers[""]["pid_namespace"]) == (os.getpid(), OURS)
+    assert len({doc["status"]["pid_namespace"], theirs, OURS}) == 3
