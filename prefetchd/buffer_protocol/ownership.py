@@ -218,7 +218,10 @@ def same_pid_namespace(namespace: int | None) -> bool:
 
 def pid_named(pid: int | None, here: bool) -> str:
     """"pid N", as messages name a process, saying so where N is its number in another pid namespace than this
-    process's (``here`` false): there it names no process, or an unrelated one."""
+    process's (``here`` false): there it names no process, or an unrelated one.  "pid unknown" for None (a progress
+    document of an older writer has none)."""
+    if pid is None:
+        return "pid unknown"
     return f"pid {pid}" + ("" if here else " of another pid namespace")
 
 

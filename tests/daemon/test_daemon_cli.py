@@ -522,6 +522,20 @@ def test_status_says_whether_a_trainers_pid_is_of_this_pid_namespace(runner: Cli
         "pid_namespace"] == namespace
 
 
+def test_a_consumer_whose_progress_names_no_pid_is_shown_so(runner: CliRunner, tmp_path: Path) -> None:
+    """A progress document of an older writer has no pid: "pid unknown", not "pid None"."""
+    consumer = dataclasses.replace(CONSUMER, trainer=dataclasses.replace(TRAINER, pid=None, alive=None))
+    lock = DaemonLock(tmp_path)
+    lock.acquire()  # this test process plays the daemon
+    try:
+        write_status_at_heartbeat(tmp_path, status_example(pid=os.getpid(), production=production(
+            streams=(stream(consumers=(consumer,)),))))
+        text = status_view.format_status(status_view.describe_status(tmp_path))
+    finally:
+        lock.release()
+    assert "  consumer  trial-3 at epoch 1 step 40; pid unknown alive?, wrote 0 s ago; window 32" in text, text
+
+
 def test_a_stopped_daemons_status_still_names_its_bad_files(tmp_path: Path) -> None:
     """They are what to mend before the next run; the text showed them only while it ran."""
     errors = Errors(replaced_samples=3, undecodable_files=3, undecodable=bad_files(3), worker_restarts=0,
