@@ -211,9 +211,15 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
 @click.option("--timeout", type=FiniteFloat(0), default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(buffer: Path, timeout: float) -> None:
     """Stop the daemon that owns BUFFER gracefully (SIGTERM) and wait until it has exited.  One of another pid
-    namespace (another container, or the host) is not signalled: stop it where it runs."""
+    namespace (another container, or the host) is not signalled: stop it where it runs.  Exit code 0: stopped,
+    or no daemon runs on BUFFER; 1: it could not be stopped; 2: BUFFER is a rank's stream directory (stop its
+    buffer's daemon); 3: BUFFER does not exist."""
     owner = daemon_owner(buffer)
     if owner is None:
+        if not buffer.exists():  # most likely a typo: `stop --buffer X && ...` must not go on as if it stopped one
+            click.echo(f"{buffer} does not exist, so no daemon runs on it; check the path", err=True)
+            sys.exit(EXIT_NOT_RUNNING)
+        # Stopping what is stopped is done (as `systemctl stop` of a stopped unit): exit 0.
         click.echo(f"no daemon is running on {buffer}")
         return
     if not owner.here:  # its pid names no process here, or another one: never signalled

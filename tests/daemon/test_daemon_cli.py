@@ -315,6 +315,15 @@ def test_stop_without_a_daemon(runner: CliRunner, tmp_path: Path) -> None:
     assert "no daemon is running" in result.output
 
 
+def test_stop_of_a_buffer_that_does_not_exist_exits_3(runner: CliRunner, tmp_path: Path) -> None:
+    """A typo'd --buffer said "no daemon is running" and exited 0, so `stop --buffer X && echo stopped` went on."""
+    typo = tmp_path / "typo"
+    result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(typo)])
+    assert result.exit_code == EXIT_NOT_RUNNING == 3, result.output
+    assert f"{typo} does not exist, so no daemon runs on it; check the path" in result.stderr
+    assert not typo.exists()
+
+
 def _owner(buffer: Path, ignore_term: bool) -> tuple[subprocess.Popen[bytes], threading.Thread]:
     """A child process that owns ``buffer``'s lock, reaped by a thread as soon as it exits."""
     code = (
