@@ -116,6 +116,17 @@ def probe_folder(folder: Path, name: str) -> None:
     os.unlink(probe)
 
 
+def missing_folder(flag: str, path: Path) -> str | None:
+    """Why ``flag``'s file ``path`` cannot be written where its folder does not exist; None where it does.
+
+    A missing folder is refused rather than created: a typo in it would otherwise make folders
+    anywhere the command may write (as root, anywhere at all)."""
+    folder = path.parent
+    if folder.exists():  # a file there is not "missing": writing into it says what it is
+        return None
+    return f"{flag} {path}: the folder {folder} does not exist; create it first, or pass a path in an existing folder"
+
+
 def protocol(url: str) -> str:
     return url.partition("://")[0]
 

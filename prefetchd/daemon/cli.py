@@ -29,7 +29,7 @@ from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.daemon.status_view import describe_status, format_status, status_json
-from prefetchd.locations import is_url, normalize
+from prefetchd.locations import is_url, missing_folder, normalize
 from prefetchd.options import FiniteFloat, click_options
 from prefetchd.words import agreeing, binary_size, counted
 
@@ -333,6 +333,8 @@ def show(buffer: Path, out: Path, max_images: int) -> None:
     """Render the next waiting batch as a labelled image grid, to check augmentations by eye."""
     from prefetchd.daemon.show import render_next_batch
 
+    if (missing := missing_folder("--out", out)) is not None:
+        raise click.UsageError(missing)
     try:
         batch = render_next_batch(buffer, out, max_images)
     except (ProtocolError, DaemonError) as exc:

@@ -28,7 +28,8 @@ def next_batch(buffer: Path) -> MappedBatch:
 
 
 def render_next_batch(buffer: Path, out: Path, max_images: int = 64) -> MappedBatch:
-    """Write the grid of the next waiting batch to ``out``, whose suffix picks the image format."""
+    """Write the grid of the next waiting batch to ``out``, whose suffix picks the image format, in its
+    folder, which is not created (`prefetchd show` refuses a missing one: ``missing_folder``)."""
     if out.suffix.lower() not in Image.registered_extensions():
         raise DaemonError(f"--out {out}: name an image file such as batch.png or batch.jpg (the suffix picks the "
                           "format)")
@@ -50,7 +51,6 @@ def render_next_batch(buffer: Path, out: Path, max_images: int = 64) -> MappedBa
         name = manifest.classes[label] if 0 <= label < len(manifest.classes) else str(label)
         draw.text((x + 2, y + h * scale + 1), f"{name} #{int(batch.indices[i])}", fill="black")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         grid.save(out)
     except OSError as exc:
         raise DaemonError(f"cannot write {out}: {exc.strerror or exc}; pass --out with a writable path") from None

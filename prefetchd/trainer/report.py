@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import click
 import torch
 
-from prefetchd.locations import probe_folder
+from prefetchd.locations import missing_folder, probe_folder
 from prefetchd.trainer.config import TrainConfig, plain_config
 
 if TYPE_CHECKING:
@@ -141,15 +141,13 @@ def write_metrics(config: TrainConfig, metrics: dict[str, Any]) -> None:
 def metrics_unwritable(config: TrainConfig) -> str | None:
     """Why ``--metrics-json`` or ``--metrics-csv`` cannot be written, found by creating and removing a
     probe in its folder before the first step (not after an epoch of training); None when both can.
-
-    A missing folder is refused rather than created: a typo in it would otherwise make folders
-    anywhere the trainer may write (as root, anywhere at all)."""
+    A missing folder is refused (``missing_folder``), not created."""
     for flag, path in (("--metrics-json", config.metrics_json), ("--metrics-csv", config.metrics_csv)):
         if path is None:
             continue
+        if (missing := missing_folder(flag, path)) is not None:
+            return missing
         folder = path.parent
-        if not folder.is_dir():
-            return f"{flag} {path}: the folder {folder} does not exist; create it first, or pass a path in an existing folder"
         try:
             probe_folder(folder, path.name)
         except OSError as exc:

@@ -629,7 +629,8 @@ def test_the_size_of_a_tiny_batch_is_said_in_its_own_unit(runner: CliRunner, tmp
 
 
 def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_path: Path) -> None:
-    """A suffix Pillow has no format for, an --out it cannot write, a buffer of rank streams."""
+    """A suffix Pillow has no format for, an --out it cannot write or whose folder is missing, a buffer of rank
+    streams."""
     import numpy as np
 
     from prefetchd.buffer_protocol import Manifest
@@ -655,6 +656,13 @@ def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_p
     assert result.exit_code == 1 and f"pass one: --buffer {ranks / 'rank-00000'}" in result.output
     good = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(tmp_path / "g.jpg")])
     assert good.exit_code == 0 and (tmp_path / "g.jpg").stat().st_size > 0, good.output
+    # A typo in the folder made it (and any folders above it): refused, as prefetchd-train's --metrics-csv is.
+    missing = tmp_path / "nonexist" / "deeper"
+    result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(missing / "x.png")])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert (f"Error: --out {missing / 'x.png'}: the folder {missing} does not exist; create it first, or pass a "
+            "path in an existing folder") in result.output
+    assert not (tmp_path / "nonexist").exists()
 
 
 def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_path: Path) -> None:
