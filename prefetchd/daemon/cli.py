@@ -299,10 +299,14 @@ def _exited(pid: int) -> bool:
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (with --watch: one document per line).")
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
-@click.option("--interval", type=FiniteFloat(0.1), default=1.0, show_default=True)
-def status(buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
+@click.option("--interval", type=FiniteFloat(0.1), default=1.0, show_default=True, help="Seconds between redraws of --watch.")
+@click.pass_context
+def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
     """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER (or it is a rank's
     stream directory that is not there)."""
+    if not watch and ctx.get_parameter_source("interval") is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError(f"--interval {interval:g} sets how often --watch redraws; add --watch, or leave "
+                               "--interval out")
     if not watch:
         report = describe_status(buffer)
         click.echo(status_json(report) if as_json else format_status(report))

@@ -259,6 +259,13 @@ def test_status_watch_json_prints_one_document_per_line(tmp_path: Path) -> None:
     assert "Ctrl-C to leave" in err
 
 
+def test_status_refuses_an_interval_without_watch(runner: CliRunner, tmp_path: Path) -> None:
+    """`status --interval 5` printed one status and exited, as if the interval were taken."""
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--interval", "5"])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "Error: --interval 5 sets how often --watch redraws; add --watch, or leave --interval out" in result.output
+
+
 def test_status_with_a_live_owner(runner: CliRunner, tmp_path: Path) -> None:
     lock = DaemonLock(tmp_path)
     lock.acquire()  # this test process plays the daemon
