@@ -179,7 +179,7 @@ def format_status(report: StatusReport) -> str:
     if mf and state != State.WAITING_FOR_JOB:  # a finished job's manifest stays until the next job replaces it
         lines.append(
             f"  dataset   {mf.dataset_root} ({counted(mf.num_samples, 'sample')}, {counted(len(mf.classes), 'class')}), "
-            f"split {mf.split}, batch {mf.batch_size} x {mf.image_size}px, {mf.steps_per_epoch} steps/epoch"
+            f"split {mf.split}, batch {mf.batch_size} x {mf.image_size}px, {counted(mf.steps_per_epoch, 'step')}/epoch"
             + (" (short last batch left out)" if mf.drop_last else "")
         )
     world = mf.world_size if mf else 1

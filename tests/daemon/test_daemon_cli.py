@@ -434,6 +434,14 @@ def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
         "other_pid_namespace": False, "command_pid_namespace": OURS}
 
 
+def _manifest(**changes: Any) -> Manifest:
+    """A train job's manifest: 1500 samples of 10 classes, 64 a batch."""
+    base = Manifest(dataset_root="/data", fingerprint="f", classes=[f"c{i}" for i in range(10)], num_samples=1500,
+                    split="train", seed=0, batch_size=64, image_size=224, samples_per_epoch=1500, steps_per_epoch=24,
+                    epochs=None, producer="t")
+    return dataclasses.replace(base, **changes)
+
+
 def _running_status_text(state: State = State.FILLING, **production_changes: Any) -> str:
     """`prefetchd status` of a running daemon whose production is ``production(**production_changes)``."""
     return status_view.format_status(report(status_example(state, production=production(**production_changes))))
@@ -576,6 +584,9 @@ def test_status_counts_one_of_a_thing_in_the_singular() -> None:
     assert "img/s with 1 worker (" in one and "img/s with 2 workers (" in two
     assert ("1 replaced sample, 1 undecodable file, 1 worker restart, 1 failed build\n" in one
             and "2 replaced samples, 2 undecodable files, 2 worker restarts, 2 failed builds\n" in two)
+    for steps, said in [(1, ", 1 step/epoch"), (2, ", 2 steps/epoch")]:  # a dataset of one batch: "1 steps/epoch"
+        manifest = _manifest(steps_per_epoch=steps)
+        assert said in status_view.format_status(report(status_example(), manifest=manifest))
 
 
 def test_a_damaged_status_document_is_reported_not_raised(tmp_path: Path) -> None:
