@@ -331,6 +331,11 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
     return Scan(index, stamps)
 
 
+def held_out_count(n: int, val_fraction: float) -> int:
+    """How many of ``n`` samples ``val_fraction`` holds out as the val split (``split_members``); the rest are train's."""
+    return int(round(n * val_fraction))
+
+
 def split_members(n: int, split: str, val_fraction: float | None,
                   source_index: np.ndarray | None = None) -> np.ndarray:
     """Sorted sample indices that belong to ``split``.
@@ -347,7 +352,7 @@ def split_members(n: int, split: str, val_fraction: float | None,
     """
     if val_fraction is None:
         return np.arange(n, dtype=np.int64)
-    n_val = int(round(n * val_fraction))
+    n_val = held_out_count(n, val_fraction)
     perm = np.random.Generator(np.random.PCG64(SPLIT_SEED)).permutation(n)
     if source_index is None:
         chosen = perm[:n_val] if split == "val" else perm[n_val:]

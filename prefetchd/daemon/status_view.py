@@ -13,8 +13,9 @@ from pathlib import Path
 
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
                                        StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status, writer_named)
-from prefetchd.buffer_protocol.documents import pid_namespace
+from prefetchd.buffer_protocol.documents import exact_number, pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
+from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.main import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.production_stats import STAGES
@@ -179,7 +180,7 @@ def format_status(report: StatusReport) -> str:
     if mf and state != State.WAITING_FOR_JOB:  # a finished job's manifest stays until the next job replaces it
         lines.append(
             f"  dataset   {mf.dataset_root} ({counted(mf.num_samples, 'sample')}, {counted(len(mf.classes), 'class')}), "
-            f"split {mf.split}, batch {mf.batch_size} x {mf.image_size}px, {counted(mf.steps_per_epoch, 'step')}/epoch"
+            f"split {_split_size(mf)}, batch {mf.batch_size} x {mf.image_size}px, {counted(mf.steps_per_epoch, 'step')}/epoch"
             + (" (short last batch left out)" if mf.drop_last else "")
         )
     world = mf.world_size if mf else 1
@@ -233,6 +234,18 @@ def format_status(report: StatusReport) -> str:
         lines.append(f"  last job  {job.job_id or '(unreadable)'} {job_verdict(job.accepted, job.reason)}")
     lines += report.problems
     return "\n".join(lines)
+
+
+def _split_size(mf: Manifest) -> str:
+    """"train of 1350 samples (--val-fraction 0.1 holds out 150)": the split and, where --val-fraction cut it
+    from the dataset, its own count (the dataset's is all splits'); just "train" where it is the whole dataset."""
+    if mf.val_fraction is None:
+        return mf.split
+    val = held_out_count(mf.num_samples, mf.val_fraction)
+    fraction = f"--val-fraction {exact_number(mf.val_fraction)}"
+    if mf.split == "val":
+        return f"val of {counted(val, 'sample')} (held out by {fraction})"
+    return f"{mf.split} of {counted(mf.num_samples - val, 'sample')} ({fraction} holds out {val})"
 
 
 def _cap_line(pr: Production) -> list[str]:

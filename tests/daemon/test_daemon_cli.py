@@ -24,6 +24,7 @@ import prefetchd.cli as prefetchd_cli
 from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemon_pid, write_status
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
+from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
 from tests.status_examples import CONSUMER, STORAGE_WAIT, TRAINER, bad_files, production, production_without_trainer, report
 from tests.status_examples import stream
@@ -445,6 +446,23 @@ def _manifest(**changes: Any) -> Manifest:
 def _running_status_text(state: State = State.FILLING, **production_changes: Any) -> str:
     """`prefetchd status` of a running daemon whose production is ``production(**production_changes)``."""
     return status_view.format_status(report(status_example(state, production=production(**production_changes))))
+
+
+def test_status_says_how_many_samples_the_split_holds_where_val_fraction_cut_it() -> None:
+    """`--val-fraction 0.1` trains on 1350 of 1500 samples; the status showed only the 1500."""
+    def dataset_line(**changes: Any) -> str:
+        text = status_view.format_status(report(status_example(), manifest=_manifest(**changes)))
+        return next(line for line in text.splitlines() if line.startswith("  dataset "))
+
+    assert dataset_line(val_fraction=0.1) == ("  dataset   /data (1500 samples, 10 classes), split train of 1350 samples "
+                                              "(--val-fraction 0.1 holds out 150), batch 64 x 224px, 24 steps/epoch")
+    assert ("split val of 150 samples (held out by --val-fraction 0.1), batch"
+            in dataset_line(split="val", val_fraction=0.1))
+    # The counts are the daemon's own split's (split_members), rounding and all.
+    members = {split: len(split_members(1500, split, 1 / 3)) for split in ("train", "val")}
+    assert f"split train of {members['train']} samples (--val-fraction {1 / 3!r} holds out {members['val']})" in \
+        dataset_line(val_fraction=1 / 3)
+    assert "(1500 samples, 10 classes), split train, batch" in dataset_line()  # no --val-fraction: the whole dataset
 
 
 def test_status_of_a_done_daemon_says_what_done_means() -> None:
