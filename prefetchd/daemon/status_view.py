@@ -164,8 +164,10 @@ def format_status(report: StatusReport) -> str:
     if report.rank is not None:
         lines.append(f"  stream    rank {report.rank} of the daemon on {report.owner}: its trainer and fill; "
                      "the rates, memory and errors are the whole daemon's")
-    if report.stale:
-        lines.append(f"  WARNING  no heartbeat for {report.heartbeat_age_s:.0f} s: the daemon may be stuck")
+    if report.stale:  # then nothing below is of now: "alive", "moved 2 s ago" and the rates are as the daemon last saw
+        age = f"{report.heartbeat_age_s:.0f} s"
+        lines.append(f"  WARNING  no heartbeat for {age}: the daemon may be stuck, and the figures below are its last "
+                     f"status's, {age} old or more")
     if st and st.message:
         lines.append(f"  note      {st.message}")
     pr = st.production if st else None
