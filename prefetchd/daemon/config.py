@@ -4,6 +4,7 @@ the TOML keys are derived, and the machine-sized defaults."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import os
 import re
@@ -246,7 +247,7 @@ def load_toml(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: {key!r} is not a config key: {COMMAND_LINE_ONLY[name]}; allowed keys are "
                               f"{', '.join(sorted(FIELDS))}")
         if name not in FIELDS:
-            raise ConfigError(f"{path}: unknown key {key!r}; allowed keys are {', '.join(sorted(FIELDS))}")
+            raise ConfigError(f"{path}: unknown key {key!r}{_meant(key)}; allowed keys are {', '.join(sorted(FIELDS))}")
         if name in values:  # batch_size and batch-size: which one was meant?
             raise ConfigError(f"{path}: {name!r} is set twice ({name} and {name.replace('_', '-')}); keep one")
         if FIELDS[name].metadata["kind"] is Path and isinstance(value, str):
@@ -263,6 +264,16 @@ def load_toml(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: {exc}") from None
         values[name] = value
     return values
+
+
+def _meant(key: str) -> str:
+    """" (did you mean 'batch_size'?)" for the unknown ``key`` 'batch_sise': the closest config key, written
+    with '-' where ``key`` is; "" where none is close."""
+    close = difflib.get_close_matches(key.replace("-", "_"), FIELDS, n=1)
+    if not close:
+        return ""
+    meant = close[0].replace("_", "-") if "-" in key else close[0]
+    return f" (did you mean {meant!r}?)"
 
 
 def usable_cpus() -> int:

@@ -131,7 +131,7 @@ def test_unknown_key_in_config_exits_2(
     bad.write_text("batch_size = 64\nhigh_watermark = 10\n")
     code, text = _start_error(runner, caplog, ["--config", str(bad), "--buffer", str(tmp_path / "bf")])
     assert code == EXIT_USAGE == 2
-    assert "high_watermark" in text and str(bad) in text
+    assert "unknown key 'high_watermark' (did you mean 'high_water'?)" in text and str(bad) in text
     assert captured == []
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -101,6 +102,18 @@ def test_unknown_key_lists_allowed_keys(tmp_path: Path) -> None:
     assert "batchsize" in msg and str(cfg) in msg
     for name in FIELDS:
         assert name in msg
+
+
+@pytest.mark.parametrize(("line", "hint"), [
+    ("batch_sise = 64", " unknown key 'batch_sise' (did you mean 'batch_size'?); allowed keys are "),
+    ("batch-sise = 64", " unknown key 'batch-sise' (did you mean 'batch-size'?); allowed keys are "),  # as it was written
+    ("high_watermark = 8", " unknown key 'high_watermark' (did you mean 'high_water'?); allowed keys are "),
+    ("zzzz = 1", " unknown key 'zzzz'; allowed keys are "),  # nothing close: no guess
+])
+def test_an_unknown_key_names_the_closest_config_key(tmp_path: Path, line: str, hint: str) -> None:
+    """A typo'd key was answered with the 36 allowed keys alone, to look through for the one meant."""
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        load_toml(write(tmp_path / "c.toml", line + "\n"))
 
 
 @pytest.mark.parametrize("text", ["batch_size = 8\nbatch-size = 9\n", "batch-size = 9\nbatch_size = 8\n"])
