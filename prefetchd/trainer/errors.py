@@ -46,7 +46,8 @@ class SetupError(ValueError):
 
 
 class OptionError(SetupError):
-    """The options contradict each other or miss one another; ``prefetchd-train`` shows its usage, exit code 2."""
+    """An option's value is refused (an unknown --model, --device cuda without CUDA), or the options contradict
+    each other or miss one another; ``prefetchd-train`` shows its usage, exit code 2, as click does for a bad flag."""
 
 
 class StopRequested(Exception):

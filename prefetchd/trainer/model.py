@@ -18,7 +18,7 @@ from torch import nn
 
 from prefetchd.buffer_protocol import Manifest
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.errors import SetupError
+from prefetchd.trainer.errors import OptionError, SetupError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[s
     if name not in classification_models():
         # Detection, segmentation, video and optical-flow models take other targets, and some of
         # them download a backbone when built: neither fits a trainer that never downloads.
-        raise SetupError(
+        raise OptionError(
             f"--model {name}: not a torchvision classification model; prefetchd-train trains those only, such as "
             "resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, vit_b_16 (all of them: python -c \"import "
             "torchvision; print(torchvision.models.list_models(module=torchvision.models))\")"

@@ -29,8 +29,9 @@ def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
         raise OptionError(f"--device {name}: not a device name; use auto, cpu, cuda or cuda:N (N: a GPU index)") from None
     if device.type not in ("cpu", "cuda"):
         raise OptionError(f"--device {name}: prefetchd-train trains on the CPU or a CUDA GPU; use auto, cpu, cuda or cuda:N")
+    # A bad value on this machine, as a missing file is to click's path checks: exit code 2.
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SetupError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
+        raise OptionError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
     if device.type == "cuda" and device.index is None and ranks is not None and ranks.distributed:
         count = torch.cuda.device_count()
         if ranks.local_rank >= count:

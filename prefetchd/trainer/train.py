@@ -59,7 +59,7 @@ from prefetchd.trainer.spawn import (
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a configuration problem found before training (SetupError), a bad checkpoint
-EXIT_USAGE = 2  # options that contradict each other (OptionError); click's own code for bad flags
+EXIT_USAGE = 2  # a bad option value, options that contradict each other (OptionError); click's code for bad flags
 EXIT_BUFFER = 3  # the buffer could not deliver: LoaderError / ProtocolError
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import Progress
-from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, main
+from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, EXIT_USAGE, main
 
 if TYPE_CHECKING:
     from conftest import MakeJob
@@ -88,6 +88,20 @@ def test_an_unknown_device_is_one_usage_line(buffer: Path, device: str) -> None:
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", device])
     assert result.exit_code == 2, result.output
     assert f"Error: --device {device}: " in result.stderr and "use auto, cpu, cuda or cuda:N" in result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("refused", [["--model", "resnet181"], ["--device", "cuda"]])
+def test_a_model_or_device_the_trainer_refuses_is_a_usage_error(make_job: MakeJob, monkeypatch: pytest.MonkeyPatch,
+                                                               refused: list[str]) -> None:
+    """Both exited 1, as a failed setup does, where every other bad option value exits 2 (new-user review)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, whatever this one has
+    job = make_job(epochs=1)
+    result = CliRunner().invoke(main, ["--buffer", str(job.buffer), "--timeout", "10", "--threads", "1", *refused])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "Usage: " in result.stderr and f"\nError: {' '.join(refused)}: " in result.stderr, result.stderr
     assert "Traceback" not in result.output
 
 

@@ -18,7 +18,7 @@ from prefetchd.buffer_protocol import Manifest, Progress
 from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.model import build_model, cached_weights, check_last_batch, warmup_cosine
-from prefetchd.trainer.errors import SetupError
+from prefetchd.trainer.errors import OptionError, SetupError
 from prefetchd.trainer.train import EXIT_FAILED, main, train
 
 if TYPE_CHECKING:
@@ -627,7 +627,7 @@ def test_a_wait_a_stop_ends_counts_as_waiting(make_job: MakeJob) -> None:
 @pytest.mark.parametrize("name", ["fasterrcnn_resnet50_fpn", "raft_small", "fcn_resnet50", "r3d_18", "no_such_model"])
 def test_only_classification_models_are_accepted(name: str) -> None:
     # fasterrcnn_resnet50_fpn downloaded a backbone when built; raft_small has no num_classes.
-    with pytest.raises(SetupError, match=rf"^--model {name}: not a torchvision classification model; .*list_models"):
+    with pytest.raises(OptionError, match=rf"^--model {name}: not a torchvision classification model; .*list_models"):
         build_model(name, 3, pretrained=False)
 
 
