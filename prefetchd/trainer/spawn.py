@@ -27,7 +27,7 @@ from prefetchd.trainer.passes import Recover
 from prefetchd.trainer.errors import DaemonRestartsExhausted, DaemonStuck, LoaderError, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Ranks
-from prefetchd.words import counted
+from prefetchd.words import agreeing, counted
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +147,9 @@ def check_spawn_options(config: TrainConfig, ranks: Ranks | None = None) -> None
     if not config.spawn_daemon:
         given = ["--" + key.replace("_", "-") for key in SPAWN_ONLY if getattr(config, key) not in (None, False)]
         if given:
-            raise OptionError(f"{', '.join(given)} {'configures' if len(given) == 1 else 'configure'} the daemon that --spawn-daemon starts; add "
-                              "--spawn-daemon, or pass them to `prefetchd start`")
+            raise OptionError(f"{', '.join(given)} {agreeing(len(given), 'configures', 'configure')} the daemon that "
+                              f"--spawn-daemon starts; add --spawn-daemon, or pass {agreeing(len(given), 'it', 'them')} "
+                              "to `prefetchd start`")
         return
     if config.data is None:
         raise OptionError("--spawn-daemon needs --data ROOT (the dataset to serve: class folders, a file list, "

@@ -144,9 +144,10 @@ def test_wording_of_the_option_and_wait_messages(buffer: Path) -> None:
     from prefetchd.trainer.spawn import check_spawn_options
     from tests.status_examples import production, status
 
-    with pytest.raises(OptionError, match=r"^--workers configures the daemon that --spawn-daemon starts"):
+    with pytest.raises(OptionError, match=r"^--workers configures the daemon that --spawn-daemon starts; add "
+                                          r"--spawn-daemon, or pass it to `prefetchd start`$"):
         check_spawn_options(TrainConfig(buffer=buffer, workers=2))
-    with pytest.raises(OptionError, match=r"^--workers, --reset configure the daemon"):
+    with pytest.raises(OptionError, match=r"^--workers, --reset configure the daemon .* pass them to `prefetchd start`$"):
         check_spawn_options(TrainConfig(buffer=buffer, workers=2, reset=True))
     assert "1 batch waiting (high water 32)" in _summary_parts(status(production=production(waiting=1)))
     result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu"])
