@@ -318,32 +318,14 @@ class Run:
         epoch_s = time.perf_counter() - wall + resumed_s
         wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)
         tr, va, epoch_s, wait_s, wait_share_max = self._over_ranks(tr, va, epoch_s, wait_s)
-        k = self.k
-        row: dict[str, Any] = {
-            "epoch": epoch,
-            "lr": self.epoch_lr,
-            "train_loss": tr.loss,
-            "train_top1": tr.top1,
-            f"train_top{k}": tr.topk,
-            "train_images": tr.images,
-            "train_s": tr.seconds,
-            "val_loss": va.loss if va else None,
-            "val_top1": va.top1 if va else None,
-            f"val_top{k}": va.topk if va else None,
-            "val_images": va.images if va else None,
-            "val_s": va.seconds if va else None,
-            "images_per_s": tr.images / tr.seconds if tr.seconds > 0 else 0.0,
-            "data_wait_s": wait_s,
-            "epoch_s": epoch_s,
-            "data_wait_share": min(1.0, wait_s / epoch_s) if epoch_s > 0 else 0.0,
-            "cuda_max_memory_mib": (torch.cuda.max_memory_allocated(device) / 2**20
-                                    if device.type == "cuda" else None),
-            "global_step": self.global_step,
-        }
-        if self.ranks.distributed:
-            row["data_wait_share_max"] = wait_share_max
+        row = epoch_row(
+            epoch, self.epoch_lr, tr, va, wait_s=wait_s, epoch_s=epoch_s,
+            cuda_max_memory_mib=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+            global_step=self.global_step, wait_share_max=wait_share_max if self.ranks.distributed else None,
+        )
         self.per_epoch.append(row)
         self.epoch += 1
+        k = self.k
         val_text = f"val loss {va.loss:.4f} top-1 {va.top1:6.2%} top-{k} {va.topk:6.2%}" if va else "val -"
         memory = f"  cuda max {row['cuda_max_memory_mib']:.0f} MiB" if row["cuda_max_memory_mib"] is not None else ""
         self.echo(
@@ -434,7 +416,46 @@ class Run:
 
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
         if self.ranks.is_main:
-            write_metrics(self.config, metrics)
+            write_metrics(self.config, metrics, csv_columns(self.k, self.ranks.distributed))
 
 
-__all__ = ["Run"]
+def epoch_row(epoch: int, lr: float | None, tr: PassStats, va: PassStats | None, *, wait_s: float, epoch_s: float,
+              cuda_max_memory_mib: float | None, global_step: int, wait_share_max: float | None) -> dict[str, Any]:
+    """An epoch's row of the metrics files, over all ranks; ``wait_share_max`` (the most starved rank's
+    data-wait share) under torchrun only, None leaves its column out."""
+    k = tr.k
+    row: dict[str, Any] = {
+        "epoch": epoch,
+        "lr": lr,
+        "train_loss": tr.loss,
+        "train_top1": tr.top1,
+        f"train_top{k}": tr.topk,
+        "train_images": tr.images,
+        "train_s": tr.seconds,
+        "val_loss": va.loss if va else None,
+        "val_top1": va.top1 if va else None,
+        f"val_top{k}": va.topk if va else None,
+        "val_images": va.images if va else None,
+        "val_s": va.seconds if va else None,
+        "images_per_s": tr.images / tr.seconds if tr.seconds > 0 else 0.0,
+        "data_wait_s": wait_s,
+        "epoch_s": epoch_s,
+        "data_wait_share": min(1.0, wait_s / epoch_s) if epoch_s > 0 else 0.0,
+        "cuda_max_memory_mib": cuda_max_memory_mib,
+        "global_step": global_step,
+    }
+    if wait_share_max is not None:
+        row["data_wait_share_max"] = wait_share_max
+    return row
+
+
+def csv_columns(k: int, distributed: bool) -> list[str]:
+    """The header of --metrics-csv: the keys of an epoch's row (here an empty epoch's, so the two never
+    differ), known before the first epoch ends, so that a run stopped before it (--max-steps, SIGTERM)
+    leaves a file of every column and no row, not one of ``epoch`` alone."""
+    empty = pass_stats(PassState(), k)
+    return list(epoch_row(0, None, empty, None, wait_s=0.0, epoch_s=0.0, cuda_max_memory_mib=None, global_step=0,
+                          wait_share_max=0.0 if distributed else None))
+
+
+__all__ = ["Run", "csv_columns", "epoch_row"]

@@ -130,12 +130,12 @@ def metrics_document(
     }
 
 
-def write_metrics(config: TrainConfig, metrics: dict[str, Any]) -> None:
-    """Write the document to ``--metrics-json`` and its rows to ``--metrics-csv``, where given."""
+def write_metrics(config: TrainConfig, metrics: dict[str, Any], csv_columns: list[str]) -> None:
+    """Write the document to ``--metrics-json`` and its rows, under ``csv_columns``, to ``--metrics-csv``, where given."""
     if config.metrics_json is not None:
         write_json(config.metrics_json, metrics)
     if config.metrics_csv is not None:
-        write_csv(config.metrics_csv, metrics["epochs"])
+        write_csv(config.metrics_csv, metrics["epochs"], csv_columns)
 
 
 def metrics_unwritable(config: TrainConfig) -> str | None:
@@ -166,10 +166,10 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     _write_atomic(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    """One row per finished epoch, rewritten whole after each (a resumed run's file continues the same rows)."""
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """One row per finished epoch under a header of every column (without a row too), rewritten whole after
+    each (a resumed run's file continues the same rows)."""
     out = io.StringIO()
-    columns = list(rows[0]) if rows else ["epoch"]
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for row in rows:

@@ -91,6 +91,22 @@ def test_adamw_warmup_smoothing_amp_csv_and_topk(make_job: MakeJob, buffer: Path
     assert metrics["epochs"][1]["lr"] == pytest.approx(1e-3)
 
 
+def test_a_run_stopped_before_its_first_epoch_ends_leaves_a_csv_of_every_column(make_job: MakeJob, buffer: Path,
+                                                                                tmp_path: Path) -> None:
+    """Such a run (--max-steps, a SIGTERM) left a --metrics-csv of the one column ``epoch`` (new-user review):
+    it has the header of a finished run's file, without a row."""
+    train_job, val_job = jobs(make_job, buffer, epochs=1, write=1)  # 3 steps an epoch
+    stopped, whole = tmp_path / "stopped.csv", tmp_path / "whole.csv"
+    assert train(config(train_job, val_job, max_steps=2, metrics_csv=stopped), echo=quiet)["epochs"] == []
+    train(config(train_job, val_job, metrics_csv=whole), echo=quiet)
+    header = whole.read_text().splitlines()[0]
+    assert stopped.read_text() == header + "\n" and ",val_top3," in header
+    # Under torchrun a row holds the most starved rank's share too: a column known before the first row as well.
+    from prefetchd.trainer.engine import csv_columns
+
+    assert csv_columns(3, distributed=True) == [*header.split(","), "data_wait_share_max"]
+
+
 def test_the_start_line_counts_in_the_singular_where_it_is_one(make_job: MakeJob, buffer: Path) -> None:
     train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
     said: list[str] = []
