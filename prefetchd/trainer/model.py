@@ -39,14 +39,7 @@ def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[s
     The classifier of the pretrained weights rarely has ``num_classes``
     outputs: tensors whose shape differs stay freshly initialised.
     """
-    if name not in classification_models():
-        # Detection, segmentation, video and optical-flow models take other targets, and some of
-        # them download a backbone when built: neither fits a trainer that never downloads.
-        raise OptionError(
-            f"--model {name}: not a torchvision classification model; prefetchd-train trains those only, such as "
-            "resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, vit_b_16 (all of them: python -c \"import "
-            "torchvision; print(torchvision.models.list_models(module=torchvision.models))\")"
-        )
+    check_model_name(name)
     try:
         model: nn.Module = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     except ValueError as exc:
@@ -80,6 +73,19 @@ def build_model(name: str, num_classes: int, pretrained: bool, echo: Callable[[s
         + (f"; kept freshly initialised for {num_classes} classes: {', '.join(fresh)}" if fresh else "")
     )
     return model
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a --model that is no torchvision classification model (OptionError).  ``train`` asks first, before
+    it waits for a buffer or starts a daemon: a typo is told at once, not after the manifest's --timeout."""
+    if name not in classification_models():
+        # Detection, segmentation, video and optical-flow models take other targets, and some of
+        # them download a backbone when built: neither fits a trainer that never downloads.
+        raise OptionError(
+            f"--model {name}: not a torchvision classification model; prefetchd-train trains those only, such as "
+            "resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, vit_b_16 (all of them: python -c \"import "
+            "torchvision; print(torchvision.models.list_models(module=torchvision.models))\")"
+        )
 
 
 def classification_models() -> list[str]:
@@ -159,4 +165,4 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
     return factor
 
 
-__all__ = ["build_model", "build_optimizer", "cached_weights", "check_last_batch", "classification_models", "warmup_cosine"]
+__all__ = ["build_model", "build_optimizer", "cached_weights", "check_last_batch", "check_model_name", "classification_models", "warmup_cosine"]

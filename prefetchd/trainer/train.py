@@ -45,6 +45,7 @@ from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.options import click_options
 from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
+from prefetchd.trainer.model import check_model_name
 from prefetchd.trainer.engine import Run
 from prefetchd.trainer.preflight import (agree_on_checkpoints, agree_on_options, check_equal_steps,
                                         check_metrics_paths, resolve_device, resolve_epochs)
@@ -94,6 +95,7 @@ def train(
     """
     if config.optimizer not in OPTIMIZERS:
         raise OptionError(f"--optimizer {config.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
+    check_model_name(config.model)
     ranks = ranks if ranks is not None else Ranks.from_env()
     check_spawn_options(config, ranks)
     if config.resume and config.checkpoint_dir is None and ranks.is_main:  # the other ranks follow rank 0's

@@ -105,6 +105,16 @@ def test_a_model_or_device_the_trainer_refuses_is_a_usage_error(make_job: MakeJo
     assert "Traceback" not in result.output
 
 
+def test_an_unknown_model_is_refused_before_any_daemon_is_started(tmp_path: Path) -> None:
+    """A typo in --model was told only once the model was built: after the buffers' --timeout without a daemon,
+    and with --spawn-daemon after the daemons started (here: the missing dataset's failure said instead)."""
+    result = CliRunner().invoke(main, ["--buffer", str(tmp_path / "bf"), "--spawn-daemon", "--data",
+                                       str(tmp_path / "no-such-data"), "--epochs", "1", "--model", "resnet181"])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "--model resnet181: not a torchvision classification model" in result.stderr, result.output
+    assert not (tmp_path / "bf").exists()  # no daemon was started on it
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--momentum", "-5"), ("--momentum", "1"), ("--weight-decay", "-1"),
                                              ("--label-smoothing", "1")])
 def test_optimizer_and_loss_settings_out_of_range_are_refused_at_parse_time(buffer: Path, flag: str, value: str) -> None:
