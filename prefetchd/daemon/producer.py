@@ -149,7 +149,9 @@ class Producer:
             return
         for stream in self.streams:
             stream.adopt_published()
-        self._read_progress()
+        self._read_progress()  # deletes the adopted batches no window holds
+        for stream in self.streams:
+            stream.say_adopted()
         self._positioned = True
 
     def run(self) -> None:

@@ -113,6 +113,7 @@ class Stream:
         self.filling = True
         # Counted for status.json, so that tools and tests see what the log says without parsing it.
         self.vanished_batches = 0  # published batches whose files someone else removed
+        self._adopted: set[int] = set()  # the positions of the batches an earlier run left, until said
         self._orders: dict[int, np.ndarray] = {}
         self.plan()
 
@@ -208,11 +209,30 @@ class Stream:
                 redo += 1
                 continue
             self.published[self.g(key)] = path
-        if self.published:
-            log.info("kept %d finished batches of rank %d from an earlier run of the same job", len(self.published), self.rank)
+        self._adopted = set(self.published)  # said by ``say_adopted`` once the windows decide which stay
         if redo:
             log.info("building %s of rank %d again: %s replaced samples or could not be read",
                      counted(redo, "kept batch"), self.rank, "it had" if redo == 1 else "they had")
+
+    def say_adopted(self) -> None:
+        """Log how many adopted batches stay, once the controller deleted those no window holds: a
+        restart with a lower --high-water than the earlier run's keeps fewer than it found."""
+        if not self._adopted:
+            return
+        kept = len(self._adopted & self.published.keys())
+        dropped = [g for g in self._adopted if g not in self.published]
+        first = min((c.position for c in self.holders), default=self.limit)
+        consumed = sum(g < first for g in dropped)
+        why = []
+        if len(dropped) > consumed:
+            capped = self.cap < self.high * len(self.holders)  # --max-buffer-bytes shrank the windows
+            why.append(f"{len(dropped) - consumed} beyond --high-water {self.high}"
+                       + (f" and the --max-buffer-bytes cap of {counted(self.cap, 'batch')}" if capped else ""))
+        if consumed:
+            why.append(f"{consumed} already consumed")
+        log.info("kept %s of rank %d from an earlier run of the same job%s", counted(kept, "finished batch"),
+                 self.rank, f" (deleted {', '.join(why)})" if why else "")
+        self._adopted = set()
 
     def reconcile(self) -> list[int]:
         """Forget published batches whose files are gone, so that they are built again.

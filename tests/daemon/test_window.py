@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -25,12 +26,12 @@ if TYPE_CHECKING:
 HIGH, LOW = 4, 2
 
 
-def stream(tmp_path: Path) -> Stream:
+def stream(tmp_path: Path, cap: int | None = None) -> Stream:
     manifest = Manifest(
         dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
         batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=2, producer="test",
     )
-    return Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW)
+    return Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW, cap=cap)
 
 
 def books(tmp_path: Path, *streams: Stream) -> Producer:
@@ -404,3 +405,35 @@ def test_a_wait_on_storage_ends_when_no_window_holds_the_batches_that_failed(tmp
     # Nor does a failure start one for a batch no window holds (its build cancelled as the trainer moved on).
     producer._complete(one_slot_build(producer, s, 3), WriteFailed(3, OUTAGE, storage=True))
     assert producer.storage_wait is None and producer._message() == f"retrying: batch e000000-s00000003.tmp: {OUTAGE}"
+
+
+def test_a_restart_says_which_batches_of_an_earlier_run_it_kept_after_the_windows_deleted_the_rest(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """"kept N finished batches" counted the batches found, before the controller deleted those the
+    trainer had passed and those a lower --high-water than the earlier run's leaves out (review)."""
+    from prefetchd.buffer_protocol import list_batches, write_batch
+
+    def restart(buffer: Path, cap: int | None = None) -> Stream:
+        """A stream over 8 batches an earlier run left, its trainer needing batch 2 next, taken as a start does."""
+        buffer.mkdir()
+        s = stream(buffer, cap)
+        for g in range(8):
+            epoch, step = s.key(g)
+            write_batch(buffer / batch_name(epoch, step), np.zeros((8, 8, 8, 3), np.uint8), np.zeros(8, np.int64),
+                        np.arange(8), epoch=epoch, step=step, seed=0, producer="test")
+        Progress(*s.key(2)).write(buffer)
+        producer = books(buffer, s)
+        producer._positioned = False
+        producer.take_positions()
+        return s
+
+    with caplog.at_level(logging.INFO, logger="prefetchd.daemon.stream"):
+        s = restart(tmp_path / "a")
+    assert (f"kept 4 finished batches of rank 0 from an earlier run of the same job (deleted 2 beyond --high-water "
+            f"{HIGH}, 2 already consumed)") in caplog.text, caplog.text
+    assert sorted(list_batches(tmp_path / "a")) == [s.key(g) for g in range(2, 6)]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="prefetchd.daemon.stream"):
+        restart(tmp_path / "b", cap=3)
+    assert (f"kept 3 finished batches of rank 0 from an earlier run of the same job (deleted 3 beyond --high-water "
+            f"{HIGH} and the --max-buffer-bytes cap of 3 batches, 2 already consumed)") in caplog.text, caplog.text

@@ -220,6 +220,22 @@ def test_killed_daemon_leftovers_are_swept_and_batches_kept(shapes_data: Path, s
     assert {k: digest(p.read_bytes()) for k, p in list_batches(buffer).items()} == kept
 
 
+def test_a_restart_with_a_lower_high_water_says_how_many_batches_it_kept_and_deleted(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """Reviewer's case: restarted with --high-water 4 over 64 batches, the daemon logged "kept 64",
+    then deleted 60 of them without a word."""
+    buffer = shm_dir / "bf"
+    first = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "6")
+    first.wait_until(lambda: batch_files(buffer) == 6, 30, "a full buffer")
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait_exit(10)
+    second = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2")
+    second.wait_until(lambda: "from an earlier run" in second.log, 30, "the restart to adopt the old batches")
+    assert ("kept 2 finished batches of rank 0 from an earlier run of the same job (deleted 4 beyond "
+            "--high-water 2)") in second.log, second.log
+    assert batch_files(buffer) == 2
+
+
 def test_kept_batches_with_replaced_samples_are_built_again_from_the_mended_data(
         shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon) -> None:
     """A daemon restarted after the files it could not read were mended: the batches built meanwhile
