@@ -6,21 +6,25 @@ from __future__ import annotations
 
 from prefetchd.buffer_protocol.status import BadFile
 from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.dataset import SampleIndex
 
 MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
 
 
 class BadSamples:
-    """The undecodable files of one job of a ``split``-sample split."""
+    """The undecodable files of one job of a ``split``-sample split of ``index``."""
 
-    def __init__(self, cfg: DaemonConfig, split: int) -> None:
+    def __init__(self, cfg: DaemonConfig, index: SampleIndex, split: int) -> None:
         self.cfg = cfg
+        self.index = index
         self.split = split
         self.files: set[str] = set()
         self.listed: tuple[BadFile, ...] = ()  # the first MAX_LISTED_BAD_FILES, for the status
 
-    def count(self, path: str, reason: str) -> bool:
-        """Count ``path`` as undecodable; False where it was counted already."""
+    def count(self, sample: int, reason: str) -> bool:
+        """Count ``sample``'s file as undecodable; False where it was counted already (a list may name a
+        file twice: counted by its name, not by sample)."""
+        path = self.index.name(sample)
         if path in self.files:
             return False
         self.files.add(path)
@@ -28,9 +32,9 @@ class BadSamples:
             self.listed += (BadFile(path=path, reason=reason),)
         return True
 
-    def verdict(self, path: str, reason: str) -> str | None:
-        """Why the job must stop now that ``path`` (for ``reason``) was counted; None while it may go on."""
-        return bad_data_verdict(self.cfg, len(self.files), self.split, path, reason)
+    def verdict(self, sample: int, reason: str) -> str | None:
+        """Why the job must stop now that ``sample`` (for ``reason``) was counted; None while it may go on."""
+        return bad_data_verdict(self.cfg, len(self.files), self.split, self.index.name(sample), reason)
 
 
 def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:

@@ -116,7 +116,7 @@ class Producer:
         self._positioned = False  # take_positions() ran
         self.fatal_error: type[DaemonError] = DaemonError
         self._job = WorkerJob.from_config(index, members, cfg)
-        self.bad = BadSamples(cfg, len(members))
+        self.bad = BadSamples(cfg, index, len(members))
         self.pool = WorkerPool(self._job, self.workers_wanted)
         self.remote = RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted) if cfg.ray else None
         self.spares = SpareFiles()
@@ -415,8 +415,8 @@ class Producer:
             return
         if isinstance(result, WriteFailed):
             if result.fatal is not None:
-                for path, reason in result.failures:  # the status counts the files that stopped the job too
-                    self.bad.count(path, reason)
+                for sample, reason in result.failures:  # the status counts the files that stopped the job too
+                    self.bad.count(sample, reason)
                 self.fatal, self.fatal_error = result.reason, result.fatal
                 return
             if not build.failed:  # a failed build, not a failed task (SPEC's errors.write_failures); also one a
@@ -434,14 +434,15 @@ class Producer:
         if build.cancelled:
             self._maybe_drop(build)
             return
-        for path, reason in result.failures:
-            if not self.bad.count(path, reason):
+        for sample, reason in result.failures:
+            if not self.bad.count(sample, reason):
                 continue
-            verdict = self.bad.verdict(path, reason)
+            verdict = self.bad.verdict(sample, reason)
             if verdict is not None:  # named as the file that stopped the job, not as replaced
                 self.fatal, self.fatal_error = verdict, BadDataError
                 return
-            log.warning("cannot decode %s (%s); replacing it with the next sample of the split", path, reason)
+            log.warning("cannot decode %s (%s); replacing it with the next sample of the split",
+                        self.index.name(sample), reason)
         requested = dict(task.items)
         for slot, index, label in result.slots:
             build.indices[slot] = index

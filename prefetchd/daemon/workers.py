@@ -123,7 +123,9 @@ class Filled:
 
     task_id: int
     slots: tuple[tuple[int, int, int], ...]  # (slot, sample index used, label)
-    failures: tuple[tuple[str, str], ...]  # (path, reason) of samples that were replaced
+    # (sample, reason) of samples that were replaced: the sample, not its name, which the controller words
+    # as it shows it (BadSamples), with what the workers do not hold
+    failures: tuple[tuple[int, str], ...]
     seconds: float
     # Per slot, in the order of ``slots``: seconds spent reading, decoding,
     # augmenting and writing it (read/decode include the tries of replaced samples;
@@ -143,14 +145,14 @@ class WriteFailed:
     task_id: int
     reason: str
     fatal: type[DaemonError] | None = None
-    failures: tuple[tuple[str, str], ...] = ()  # (path, reason) of the samples that failed before it stopped
+    failures: tuple[tuple[int, str], ...] = ()  # (sample, reason) of those that failed before it stopped
     storage: bool = False  # not fatal because the dataset's storage failed (StorageUnavailable): it waits for that
 
 
 class SampleUnrecoverable(RuntimeError):
-    """No sample near a failing one decodes; ``failures``: (path, reason) of each that was tried."""
+    """No sample near a failing one decodes; ``failures``: (sample, reason) of each that was tried."""
 
-    def __init__(self, message: str, failures: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, message: str, failures: tuple[tuple[int, str], ...] = ()) -> None:
         super().__init__(message)
         self.failures = failures
 
@@ -163,7 +165,7 @@ NOT_THE_SAMPLES_FAULT: dict[type[Exception], type[DaemonError] | None] = {
 _NOT_THE_SAMPLES_FAULT = tuple(NOT_THE_SAMPLES_FAULT)
 
 
-def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[str, str]],
+def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[int, str]],
              times: StageTimes, first: Read | None, clean: CleanFiles | None,
              into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
     """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic
@@ -192,13 +194,13 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
                 raise StorageUnavailable(f"{name}: {_reason(exc, name)}; the dataset root {job.index.root} is gone "
                                          f"or empty ({'deleted?' if is_url(job.index.root) else 'unmounted?'}): the "
                                          "batches wait for it to come back") from exc
-            failures.append((name, _reason(exc, name)))
+            failures.append((candidate, _reason(exc, name)))
     others = "no other sample of the split" if tries == 1 else (
         f"the {counted(tries - 1, 'sample')} after it" + (", the whole split," if tries == len(job.members) else ""))
     raise SampleUnrecoverable(
-        f"sample {index} and {others} could not be decoded (last: {failures[-1][0]}: {failures[-1][1]}); "
-        f"a sample is replaced by one of the next {MAX_REPLACEMENT_TRIES - 1} that decodes, and none did: "
-        + _why_none_decoded(job.index.root, failures[-tries:]),
+        f"sample {index} and {others} could not be decoded (last: {job.index.name(failures[-1][0])}: "
+        f"{failures[-1][1]}); a sample is replaced by one of the next {MAX_REPLACEMENT_TRIES - 1} that decodes, "
+        "and none did: " + _why_none_decoded(job.index, failures[-tries:]),
         tuple(failures),
     )
 
@@ -228,10 +230,10 @@ def _dataset_gone(root: str, exc: OSError) -> bool:
         return False
 
 
-def _why_none_decoded(root: str, failures: list[tuple[str, str]]) -> str:
+def _why_none_decoded(index: SampleIndex, failures: list[tuple[int, str]]) -> str:
     """The likeliest cause of a run of samples none of which decoded, from their failures."""
-    if any(os.path.basename(name).startswith(APPLE_DOUBLE_PREFIX) for name, _ in failures):
-        return f"files named '._*' are macOS metadata, not images: {apple_double_advice(root)}"
+    if any(os.path.basename(index.name(sample)).startswith(APPLE_DOUBLE_PREFIX) for sample, _ in failures):
+        return f"files named '._*' are macOS metadata, not images: {apple_double_advice(index.root)}"
     if all(reason.startswith(("FileNotFoundError", "PermissionError", "IsADirectoryError", "NotADirectoryError"))
            for _, reason in failures):
         return "is the dataset readable, and all still there?"
@@ -279,7 +281,7 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
     start = time.perf_counter()
     slots: list[tuple[int, int, int]] = []
     timings: list[tuple[float, float, float, float]] = []
-    failures: list[tuple[str, str]] = []
+    failures: list[tuple[int, str]] = []
     ahead: Iterator[Read] = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
     shape = (job.image_size, job.image_size, 3)
     if task.slot_bytes != math.prod(shape):  # the job and the batch's layout disagree: no sample can fit

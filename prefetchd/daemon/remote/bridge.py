@@ -344,7 +344,7 @@ class Bridge:
             used_here = {i for _slot, i, _label in here.slots}
         why = dict(result.failures)
         # Samples the node could not use that the box uses, and samples the node used that the box cannot.
-        differs = {i: why[self.job.index.name(i)] for i in sorted(used_here) if self.job.index.name(i) in why}
+        differs = {i: why[i] for i in sorted(used_here) if i in why}
         if isinstance(result, Filled):
             differs |= {i: "the node used it; the daemon's box cannot" for _slot, i, _label in result.slots
                         if i in self.failing_here}
