@@ -4,9 +4,15 @@ the first ``MAX_LISTED_BAD_FILES``), and the policy that stops the job over them
 
 from __future__ import annotations
 
+import logging
+
 from prefetchd.buffer_protocol.status import BadFile
 from prefetchd.daemon.config import DaemonConfig
-from prefetchd.daemon.dataset import SampleIndex
+from prefetchd.daemon.dataset import PackedFrom, SampleIndex
+from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources.shards import read_packed_from
+
+log = logging.getLogger(__name__)
 
 MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
 
@@ -20,6 +26,8 @@ class BadSamples:
         self.split = split
         self.files: set[str] = set()
         self.listed: tuple[BadFile, ...] = ()  # the first MAX_LISTED_BAD_FILES, for the status
+        self._packed_from: PackedFrom | None = None
+        self._packed_from_read = False
 
     def count(self, sample: int, reason: str) -> bool:
         """Count ``sample``'s file as undecodable; False where it was counted already (a list may name a
@@ -29,12 +37,24 @@ class BadSamples:
             return False
         self.files.add(path)
         if len(self.listed) < MAX_LISTED_BAD_FILES:
-            self.listed += (BadFile(path=path, reason=reason),)
+            self.listed += (BadFile(path=self.shown(sample), reason=reason),)
         return True
 
     def verdict(self, sample: int, reason: str) -> str | None:
         """Why the job must stop now that ``sample`` (for ``reason``) was counted; None while it may go on."""
-        return bad_data_verdict(self.cfg, len(self.files), self.split, self.index.name(sample), reason)
+        return bad_data_verdict(self.cfg, len(self.files), self.split, self.shown(sample), reason)
+
+    def shown(self, sample: int) -> str:
+        """``sample`` as a failure is shown to the user: a packed one with the file it was packed from,
+        to be mended there, where the pack recorded it.  Those are read at the first failure shown."""
+        if not self._packed_from_read:
+            self._packed_from_read = True
+            if self.index.member_files is not None:  # a pack: unpacked samples are named by their own files
+                try:
+                    self._packed_from = read_packed_from(self.index)
+                except DatasetError as exc:  # a name to add, not the job's concern: the shard and bytes remain
+                    log.debug("not naming the files %s was packed from: %s", self.index.root, exc)
+        return self.index.name(sample, self._packed_from)
 
 
 def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:

@@ -56,8 +56,7 @@ class SampleIndex:
 
     def file(self, j: int) -> str:
         """File ``j``'s path relative to the root."""
-        lo, hi = self.path_offsets[j], self.path_offsets[j + 1]
-        return os.fsdecode(self.path_blob[lo:hi].tobytes())
+        return blob_path(self.path_blob, self.path_offsets, j)
 
     def location(self, i: int) -> tuple[str, int, int | None]:
         """(file relative to the root, byte offset, size or ``None`` for the whole file) of sample ``i``."""
@@ -66,11 +65,16 @@ class SampleIndex:
         assert self.member_offsets is not None and self.member_sizes is not None
         return self.file(int(self.member_files[i])), int(self.member_offsets[i]), int(self.member_sizes[i])
 
-    def name(self, i: int) -> str:
-        """Sample ``i`` as a user finds it: its file, and the byte range within a shard."""
+    def name(self, i: int, packed_from: PackedFrom | None = None) -> str:
+        """Sample ``i`` as a user finds it: its file, and within a shard its byte range and, given the
+        pack's ``packed_from``, the file it was packed from (to show a failure: without it the name is
+        the sample's identity, one per sample, which counting and deduplication key on)."""
         rel, offset, size = self.location(i)
-        where = rel if rel.startswith("/") else f"{self.root.rstrip('/')}/{rel}"  # a listed absolute path stays one
-        return where if size is None else f"{where} (bytes {offset}-{offset + size})"
+        notes = [] if size is None else [f"bytes {offset}-{offset + size}"]
+        if packed_from is not None:
+            notes.append(f"packed from {_under(packed_from.root, packed_from.file(i))}")
+        where = _under(self.root, rel)
+        return f"{where} ({', '.join(notes)})" if notes else where
 
     def path(self, i: int) -> Path:
         """The local file of sample ``i`` in an unpacked local layout."""
@@ -81,6 +85,32 @@ class SampleIndex:
         arrays = (self.path_blob, self.path_offsets, self.labels, self.member_files, self.member_offsets,
                   self.member_sizes, self.source_index)
         return sum(a.nbytes for a in arrays if a is not None)
+
+
+@dataclass(frozen=True)
+class PackedFrom:
+    """The files a pack's samples were packed from, as its index records them: the folder (or URL) first
+    packed, and each sample's file relative to it, as ``SampleIndex`` keeps paths.  Not part of the
+    ``SampleIndex`` that the controller and every worker hold (some 36 bytes per sample, for a name
+    shown only when a sample fails): read from the pack's index when a failure is shown."""
+
+    root: str
+    path_blob: np.ndarray
+    path_offsets: np.ndarray  # int64, len samples + 1
+
+    def file(self, i: int) -> str:
+        """The file sample ``i`` was packed from, relative to the root."""
+        return blob_path(self.path_blob, self.path_offsets, i)
+
+
+def blob_path(blob: np.ndarray, offsets: np.ndarray, j: int) -> str:
+    """Path ``j`` of paths kept as ``pack_paths`` keeps them."""
+    return os.fsdecode(blob[offsets[j]:offsets[j + 1]].tobytes())
+
+
+def _under(root: str, rel: str) -> str:
+    """File ``rel`` of the dataset at ``root``: a listed absolute path stays one."""
+    return rel if rel.startswith("/") else f"{root.rstrip('/')}/{rel}"
 
 
 def sized(samples: int, classes: int) -> str:

@@ -442,7 +442,7 @@ class Producer:
                 self.fatal, self.fatal_error = verdict, BadDataError
                 return
             log.warning("cannot decode %s (%s); replacing it with the next sample of the split",
-                        self.index.name(sample), reason)
+                        self.bad.shown(sample), reason)
         requested = dict(task.items)
         for slot, index, label in result.slots:
             build.indices[slot] = index

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import resource
 import shutil
@@ -25,9 +26,10 @@ from prefetchd.bad_images import Corpus, make_bad_images
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import BadDataError
-from prefetchd.daemon.bad_samples import bad_data_verdict
+from prefetchd.daemon.bad_samples import BadSamples, bad_data_verdict
 from prefetchd.daemon.decode import load_rgb
-from prefetchd.daemon.sources import SampleReader
+from prefetchd.daemon.sources import SampleReader, open_dataset
+from prefetchd.daemon.sources.shards import INDEX_NAME, pack
 from prefetchd.daemon.sources.storage import ImageRefused, StorageUnavailable
 from prefetchd.daemon.transforms import augment
 from prefetchd.daemon.workers import (Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of,
@@ -305,6 +307,34 @@ def test_replacing_is_the_default_and_limits_stop_the_job() -> None:
     assert both is not None and "--max-bad-samples 1 and --max-bad-fraction" in both
     strict = bad_data_verdict(_cfg(strict=True), 1, 100, "/d/y.jpg", "empty")
     assert strict is not None and strict.startswith("--strict: cannot decode /d/y.jpg (empty)")
+
+
+def test_a_packed_bad_sample_is_counted_by_its_shard_and_shown_with_its_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The status and the verdict show the file a packed sample was packed from, read from the pack's
+    index at the first failure shown (the workers' index holds none); counting keys on the shard and
+    bytes.  An index that cannot be read then leaves the shard and bytes, said once in the debug log."""
+    (tmp_path / "data" / "a").mkdir(parents=True)
+    for name in ("x.jpg", "y.jpg"):
+        (tmp_path / "data" / "a" / name).write_bytes(b"not an image")
+    pack(scan_class_folders(tmp_path / "data"), tmp_path / "packed", shard_size=10**6)
+    shards = open_dataset(tmp_path / "packed")
+    unread = BadSamples(_cfg(), shards, len(shards))
+    bad = BadSamples(_cfg(strict=True), shards, len(shards))
+    assert bad.count(1, "OSError: truncated") and not bad.count(1, "OSError: truncated")
+    assert bad.files == {shards.name(1)}
+    shown = f"{shards.name(1)[:-1]}, packed from {(tmp_path / 'data' / 'a' / 'y.jpg').resolve()})"
+    assert bad.listed[0].path == shown
+    verdict = bad.verdict(1, "OSError: truncated")
+    assert verdict is not None and verdict.startswith(f"--strict: cannot decode {shown} (OSError: truncated)")
+
+    (tmp_path / "packed" / INDEX_NAME).unlink()  # not read before the first failure shown: now it cannot be
+    with caplog.at_level(logging.DEBUG, logger="prefetchd.daemon.bad_samples"):
+        assert unread.count(0, "r") and unread.count(1, "r")
+    assert [b.path for b in unread.listed] == [shards.name(0), shards.name(1)]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"not naming the files {shards.root} was packed from: cannot read shard index "
+        f"{shards.root}/{INDEX_NAME}: No such file or directory"]
 
 
 def test_a_non_default_pixel_limit_is_part_of_the_jobs_identity() -> None:

@@ -445,7 +445,7 @@ def test_a_file_list_in_s3_takes_paths_as_find_writes_them_and_refuses_climbing_
 
 def test_shards_in_s3_are_read_with_one_ranged_get_per_sample(s3: Any, proxy: Any, tmp_path: Path,
                                                                 make_image: Any, fast_retries: None) -> None:
-    from prefetchd.daemon.sources.shards import pack
+    from prefetchd.daemon.sources.shards import pack, read_packed_from
 
     for k, name in enumerate(["a/1.jpg", "a/2.png", "b/3.jpg", "b/4.jpg", "c/5.png"]):
         make_image(tmp_path / "src" / name, seed=k)
@@ -455,6 +455,9 @@ def test_shards_in_s3_are_read_with_one_ranged_get_per_sample(s3: Any, proxy: An
     shards = open_dataset(url)
     assert shards.root == url and shards.member_files is not None
     assert shards.classes == local.classes and shards.labels.tolist() == local.labels.tolist()
+    # The files packed, shown beside a sample that does not decode, are read from the index in the bucket.
+    packed_from = read_packed_from(shards)
+    assert packed_from is not None and shards.name(4, packed_from).endswith(f", packed from {local.name(4)})")
     reader, source = SampleReader(shards), SampleReader(local)
     before = dict(proxy.requests)
     got = [bytes(reader.read(i)) for i in range(len(shards))]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
 import tarfile
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from prefetchd.cli import main as cli_main
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
 from prefetchd.daemon.sources.filelist import MAX_INT_CLASSES
-from prefetchd.daemon.sources.shards import INDEX_NAME, ShardChanged, pack, parse_size
+from prefetchd.daemon.sources.shards import INDEX_NAME, ShardChanged, pack, parse_size, read_packed_from
 from prefetchd.daemon.sources.storage import ImageRefused
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, failure_of, run_task
 
@@ -253,6 +254,77 @@ def test_shuffled_pack_records_the_source_of_each_sample(tmp_path: Path, make_im
     for i, src in enumerate(order.tolist()):
         assert bytes(SampleReader(shards).read(i)) == bytes(reader.read(src))
         assert shards.labels[i] == source.labels[src]
+
+
+def _as_packed_before_source_paths(out: Path) -> None:
+    """Rewrite the index of the pack at ``out`` as packs wrote it before they recorded the files packed."""
+    with np.load(out / INDEX_NAME) as npz:
+        arrays = {k: npz[k] for k in npz.files if not k.startswith("source_path") and k != "source_root"}
+    np.savez(out / INDEX_NAME, **arrays)
+
+
+def test_a_packed_sample_is_shown_with_the_file_it_was_packed_from(tmp_path: Path,
+                                                                   make_image: Callable[..., Path]) -> None:
+    """Reviewer's case: a broken image in a pack was logged and listed in the status by shard and byte
+    range alone, so the file to mend could not be found.  The pack records each sample's file, through
+    a shuffle and a pack of that pack, for the names a failure is shown with; the sample's identity (its
+    name without them) stays the shard and bytes.  An index packed before it records none, as it did."""
+    source = open_dataset(class_tree(tmp_path / "src", make_image))
+    pack(source, tmp_path / "shuffled", shard_size=2000, shuffle_seed=3)
+    pack(open_dataset(tmp_path / "shuffled"), tmp_path / "again", shard_size=10**6, shuffle_seed=5)
+    for layout in ("shuffled", "again"):
+        shards = open_dataset(tmp_path / layout)
+        packed_from = read_packed_from(shards)
+        assert shards.source_index is not None and packed_from is not None
+        for i, src in enumerate(shards.source_index.tolist()):
+            shard, offset, size = shards.location(i)
+            assert shards.name(i) == f"{tmp_path / layout / shard} (bytes {offset}-{offset + size})", (layout, i)
+            assert shards.name(i, packed_from) == (f"{tmp_path / layout / shard} (bytes {offset}-{offset + size}, "
+                                                   f"packed from {source.name(src)})"), (layout, i)
+
+    # A file list's absolute paths stay as listed.
+    make_image(tmp_path / "listed" / "x.jpg", size=(8, 6))
+    (tmp_path / "list.csv").write_text(f"{tmp_path / 'listed' / 'x.jpg'},0\n")
+    pack(open_dataset(tmp_path / "list.csv"), tmp_path / "from-list", shard_size=10**6)
+    from_list = open_dataset(tmp_path / "from-list")
+    assert from_list.name(0, read_packed_from(from_list)).endswith(f", packed from {tmp_path / 'listed' / 'x.jpg'})")
+
+    _as_packed_before_source_paths(tmp_path / "shuffled")
+    old = open_dataset(tmp_path / "shuffled")
+    assert read_packed_from(old) is None
+    pack(old, tmp_path / "of-old", shard_size=10**6)  # nothing to pass on: named as the old pack's samples are
+    assert read_packed_from(open_dataset(tmp_path / "of-old")) is None
+
+
+def test_the_files_packed_are_not_held_by_the_daemon_or_its_workers(tmp_path: Path) -> None:
+    """The index every worker is sent (and the controller holds) is the one of a pack that recorded no
+    files: those are read from the pack's index only to show a failure.  Some 36 bytes per sample held
+    by each of 16 workers would be 0.8 GB at ImageNet's size, for a name seldom shown."""
+    pack(open_dataset(coloured_ppms(tmp_path / "src", per_class=2)), tmp_path / "out", shard_size=10**6)
+    recorded = open_dataset(tmp_path / "out")
+    assert read_packed_from(recorded) is not None
+    _as_packed_before_source_paths(tmp_path / "out")
+    old = open_dataset(tmp_path / "out")
+    assert recorded.nbytes == old.nbytes
+    assert len(pickle.dumps(recorded)) == len(pickle.dumps(old))
+
+
+def test_files_packed_that_do_not_fit_the_pack_are_refused(tmp_path: Path) -> None:
+    """Shown beside another pack's samples, the files would send the user to mend the wrong ones."""
+    out = tmp_path / "out"
+    pack(open_dataset(coloured_ppms(tmp_path / "src", per_class=2)), out, shard_size=10**6)
+    shards = open_dataset(out)
+    with np.load(out / INDEX_NAME) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    np.savez(out / INDEX_NAME, **{**arrays, "source_path_offsets": arrays["source_path_offsets"][:-1]})
+    with pytest.raises(DatasetError, match="source_path_offsets do not delimit a source path for each of its 4 "
+                                           "samples; pack again"):
+        read_packed_from(shards)
+    with pytest.raises(DatasetError, match="source_path_offsets do not delimit"):  # nor packed again from
+        pack(shards, tmp_path / "again", shard_size=10**6)
+    np.savez(out / INDEX_NAME, **{**arrays, "stamp": np.array("pack-another")})
+    with pytest.raises(DatasetError, match=f"{out / INDEX_NAME} is no longer the index of the pack read before"):
+        read_packed_from(shards)
 
 
 def test_pack_refuses_a_non_empty_folder_and_an_unfinished_pack_is_no_dataset(

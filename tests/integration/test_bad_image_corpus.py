@@ -17,6 +17,7 @@ from prefetchd.bad_images import Corpus, make_bad_images
 from prefetchd.buffer_protocol import State, read_status, stream_dir
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import EXIT_BAD_DATA
+from prefetchd.daemon.sources.shards import pack
 from prefetchd.trainer import BufferLoader
 from tests.status_examples import production_of, state_of
 
@@ -87,6 +88,28 @@ def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path
     logged = Counter(m for m in re.findall(r"cannot decode (\S+) \(", daemon.log))
     assert {Path(p).relative_to(Path(index.root)).as_posix() for p in logged} == set(corpus.undecodable)
     assert set(logged.values()) == {1}, "each bad file is logged once"
+
+
+def test_a_packed_bad_image_is_shown_with_the_file_it_was_packed_from(corpus: Corpus, tmp_path: Path,
+                                                                      shm_dir: Path, start_daemon) -> None:
+    """Reviewer's case: `cannot decode .../packed/shard-000000.tar (bytes 512-2512) (OSError: image file is
+    truncated ...)`, the source file never named.  The log and the status name it beside the shard and
+    bytes, each bad sample still logged once and counted once."""
+    packed = tmp_path / "packed"
+    pack(scan_class_folders(corpus.root), packed, shard_size=100_000)
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", packed, *SMALL, "--high-water", "64")
+    daemon.wait_until(lambda: state_of(buffer) == State.DONE, 120, "the whole epoch produced")
+    p = production_of(buffer)
+    assert p is not None
+    named = re.compile(rf"{re.escape(str(packed))}/shard-\d{{6}}\.tar \(bytes \d+-\d+, packed from (.+)\)")
+    listed: dict[str, str] = {}
+    for b in p.errors.undecodable:
+        found = named.fullmatch(b.path)
+        assert found, b.path
+        listed[Path(found[1]).relative_to(corpus.root.resolve()).as_posix()] = b.path
+        assert daemon.log.count(f"cannot decode {b.path} (") == 1, daemon.log
+    assert set(listed) == set(corpus.undecodable) and p.errors.undecodable_files == len(listed)
 
 
 def test_strict_fails_the_job_naming_the_file(corpus: Corpus, shm_dir: Path, start_daemon) -> None:

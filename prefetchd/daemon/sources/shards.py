@@ -4,7 +4,8 @@
     OUT/shard-000001.tar        (WebDataset's convention: members <key>.<ext>, the label as text in <key>.cls)
     OUT/prefetchd-index.npz     format, version, classes, fingerprint, shards, stamp, and per sample:
                                 shard (int32), offset and size of its image member's data (int64), label (int64),
-                                source_index (int64)
+                                source_index (int64), and the file it was packed from (source_root, and
+                                source_path_blob and source_path_offsets as SampleIndex keeps paths)
 
 Any tar reader (``tar tf``, Python's tarfile, WebDataset) reads the shards; the
 daemon reads sample ``i`` with one positioned read of ``size[i]`` bytes at
@@ -27,6 +28,9 @@ name, so a folder whose pack was interrupted has no index and is not taken
 for a dataset.  Sample ``i`` of the shards is sample ``i`` of the source
 unless the pack was shuffled (then ``source_index[i]`` says which sample of the
 data first packed it was, through packs of packs: what --val-fraction splits on).
+Its file there is recorded too, so that a sample that does not decode is shown with
+the file to mend (``read_packed_from``: read only then, not held by the daemon's
+workers); indexes written before that (no ``source_root``) are read without it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import SampleIndex, pack_paths, sized
+from prefetchd.daemon.dataset import PackedFrom, SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.npz import load_arrays
 from prefetchd.daemon.sources.storage import (URL_READERS, ImageRefused, ShortRead, Storage, StorageDenied,
@@ -176,18 +180,24 @@ def has_shard_index(location: str) -> bool:
     return True
 
 
-def read_shard_index(location: str) -> SampleIndex:
-    """The index of a packed dataset, checked before it is trusted."""
-    root = location if is_url(location) else str(Path(location).resolve())
+def _index_arrays(root: str) -> tuple[dict[str, np.ndarray], str]:
+    """The arrays of the shard index of the pack at ``root`` (a resolved folder or a URL), and its path."""
     where = f"{root.rstrip('/')}/{INDEX_NAME}"
     try:
         raw = bytes(storage_for(root).read(INDEX_NAME))
-        arrays = load_arrays(io.BytesIO(raw))
+        return load_arrays(io.BytesIO(raw)), where
     except OSError as exc:
         raise DatasetError(f"cannot read shard index {where}: {exc.strerror or exc}") from None
     except ValueError as exc:  # load_arrays says what is wrong with the file, zip and npy errors included
         raise DatasetError(f"shard index {where} is damaged ({exc}); pack the dataset again with "
                            "`prefetchd pack SRC OUT --force`") from None
+
+
+def read_shard_index(location: str) -> SampleIndex:
+    """The index of a packed dataset, checked before it is trusted.  Without the files it was packed
+    from: ``read_packed_from`` reads those when they are wanted."""
+    root = location if is_url(location) else str(Path(location).resolve())
+    arrays, where = _index_arrays(root)
     fmt = str(arrays.get("format", ""))
     version = int(arrays["version"]) if "version" in arrays else None
     if fmt != FORMAT or version != VERSION:
@@ -229,6 +239,29 @@ def read_shard_index(location: str) -> SampleIndex:
     log.info("indexed shards %s: %s, %s (%.0f bytes of index per sample)",
              root, sized(n, len(classes)), counted(len(shards), "shard"), index.nbytes / n)
     return index
+
+
+def read_packed_from(index: SampleIndex) -> PackedFrom | None:
+    """The files the samples of pack ``index`` were packed from, read again from its index; None where
+    it recorded none (packed before packs recorded them, or from a pack that recorded none).  A
+    ``DatasetError`` where the index cannot be read, or is no longer the one ``index`` was read from."""
+    arrays, where = _index_arrays(index.root)
+    if "source_root" not in arrays:
+        return None
+    stamp = str(arrays["stamp"]) if "stamp" in arrays else None
+    if len(arrays.get("label", ())) != len(index) or stamp != index.member_stamp:
+        raise DatasetError(f"{where} is no longer the index of the pack read before (packed again?)")
+    try:
+        packed_from = PackedFrom(str(arrays["source_root"]), arrays["source_path_blob"].astype(np.uint8, copy=False),
+                                 arrays["source_path_offsets"].astype(np.int64, copy=False))
+    except KeyError as exc:
+        raise DatasetError(f"shard index {where} lacks {exc}; pack the dataset again") from None
+    offsets = packed_from.path_offsets
+    if (len(offsets) != len(index) + 1 or offsets[0] != 0 or (np.diff(offsets) < 0).any()
+            or offsets[-1] != len(packed_from.path_blob)):
+        raise DatasetError(f"shard index {where}: source_path_offsets do not delimit a source path for each of its "
+                           f"{len(index)} samples; pack again")
+    return packed_from
 
 
 # -- writing ----------------------------------------------------------------------
@@ -289,6 +322,20 @@ class ShardWriter:
         if self.tar is not None:
             self.tar.close()
             self.tar = None
+
+
+def _source_paths(index: SampleIndex, order: np.ndarray) -> dict[str, np.ndarray]:
+    """The index arrays naming the file each sample of a pack of ``index`` (in ``order``) was packed from,
+    so that the daemon can show it beside a sample that does not decode: ``index``'s own files, or those
+    a pack being packed again recorded (none where it recorded none)."""
+    packed_from = PackedFrom(index.root, index.path_blob, index.path_offsets) if index.member_files is None \
+        else read_packed_from(index)  # unpacked: sample i is file i
+    if packed_from is None:
+        return {}
+    blob, offsets = packed_from.path_blob, packed_from.path_offsets
+    packed_blob, packed_offsets = pack_paths([blob[offsets[i]:offsets[i + 1]].tobytes() for i in order.tolist()])
+    return {"source_root": np.array(packed_from.root), "source_path_blob": packed_blob,
+            "source_path_offsets": packed_offsets}
 
 
 def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> None:
@@ -367,6 +414,7 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
         shard=shard, offset=offset, size=size, label=labels, stamp=np.array(stamp),
         # Of the data first packed, through a pack being packed again: what --val-fraction splits on.
         source_index=order if index.source_index is None else index.source_index[order],
+        **_source_paths(index, order),
     )
     tmp = out / f".{INDEX_NAME}.tmp"
     with open(tmp, "wb") as fh:
