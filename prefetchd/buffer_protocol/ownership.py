@@ -312,16 +312,17 @@ def lock_holders(path: Path) -> set[int] | None:
     except FileNotFoundError:
         return set()
     try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+        # Bytes, parsed as bytes: no codec to look up, which a process that dropped root's euid may not import.
+        with open("/proc/locks", "rb") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    inode = f":{st.st_ino}"
+    inode = b":%d" % st.st_ino
     holders = set()
     for line in lines:
         # "1: FLOCK  ADVISORY  WRITE 4957 00:1b:1091607 0 EOF"; a process waiting for it: "1: -> FLOCK ..."
         fields = line.split()
-        if (fields[1:2] == ["FLOCK"] and len(fields) > 5 and fields[5].endswith(inode) and fields[4].isdigit()
+        if (fields[1:2] == [b"FLOCK"] and len(fields) > 5 and fields[5].endswith(inode) and fields[4].isdigit()
                 and int(fields[4]) > 0):
             holders.add(int(fields[4]))
     return holders
