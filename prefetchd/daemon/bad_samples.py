@@ -4,6 +4,7 @@ the first ``MAX_LISTED_BAD_FILES``), and the policy that stops the job over them
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from prefetchd.buffer_protocol.status import BadFile
@@ -26,8 +27,6 @@ class BadSamples:
         self.split = split
         self.files: set[str] = set()
         self.listed: tuple[BadFile, ...] = ()  # the first MAX_LISTED_BAD_FILES, for the status
-        self._packed_from: PackedFrom | None = None
-        self._packed_from_read = False
 
     def count(self, sample: int, reason: str) -> bool:
         """Count ``sample``'s file as undecodable; False where it was counted already (a list may name a
@@ -47,14 +46,17 @@ class BadSamples:
     def shown(self, sample: int) -> str:
         """``sample`` as a failure is shown to the user: a packed one with the file it was packed from,
         to be mended there, where the pack recorded it.  Those are read at the first failure shown."""
-        if not self._packed_from_read:
-            self._packed_from_read = True
-            if self.index.member_files is not None:  # a pack: unpacked samples are named by their own files
-                try:
-                    self._packed_from = read_packed_from(self.index)
-                except DatasetError as exc:  # a name to add, not the job's concern: the shard and bytes remain
-                    log.debug("not naming the files %s was packed from: %s", self.index.root, exc)
         return self.index.name(sample, self._packed_from)
+
+    @functools.cached_property
+    def _packed_from(self) -> PackedFrom | None:
+        if self.index.member_files is None:  # not a pack: its samples are named by their own files
+            return None
+        try:
+            return read_packed_from(self.index)
+        except DatasetError as exc:  # a name to add, not the job's concern: the shard and bytes remain
+            log.debug("not naming the files %s was packed from: %s", self.index.root, exc)
+            return None
 
 
 def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:
