@@ -19,7 +19,7 @@ from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.main import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.production_stats import STAGES
-from prefetchd.words import binary_size, counted, rank_ranges
+from prefetchd.words import agreeing, binary_size, counted, rank_ranges
 
 STALE_HEARTBEAT_SECONDS = 10.0
 SHOWN_BAD_FILES = 5  # undecodable files named in the text status
@@ -175,7 +175,7 @@ def format_status(report: StatusReport) -> str:
     if pr is not None and outage is not None:  # the note says why; this, what it means for the trainers
         whose = ""  # every rank's: one stream, or a daemon of an earlier build that did not say which
         if outage.ranks is not None and len(pr.streams) > 1:
-            whose = f" of {'rank' if len(outage.ranks) == 1 else 'ranks'} {rank_ranges(list(outage.ranks))}"
+            whose = f" of {agreeing(len(outage.ranks), 'rank', 'ranks')} {rank_ranges(list(outage.ranks))}"
         lines.append(f"  storage   the builds{whose} have waited {max(0.0, time.time() - outage.since):.0f} s for the "
                      f"dataset's storage; they resume when it is back, and trainers{whose} wait on past their "
                      "--timeout meanwhile")
