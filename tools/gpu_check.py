@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import re
