@@ -48,7 +48,8 @@ REMOTE = RemoteStatus(address="ray://head:10001", connected=True, cluster_nodes=
                                    "...); mount the same --data at the same path on every node",))
 # A daemon whose builds of rank 0 wait for the store (what its loader waits on past its timeout).
 STORAGE_WAIT = StorageWait(since=1700000050.25, reason="batch e000001-s00000041.tmp: reading s3://b/d/x.jpg: still "
-                           "failing after 6 tries (OSError: [Errno 16] Please reduce your request rate.)", ranks=(0,))
+                           "failing after 6 tries (OSError: [Errno 16] Please reduce your request rate.)", ranks=(0,),
+                           ranks_since=(1700000050.25,))
 CONSUMER = ConsumerStatus(name="trial-3", progress=POSITION, trainer=TRAINER, holding=True, window=32)
 
 

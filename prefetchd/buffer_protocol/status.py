@@ -204,11 +204,22 @@ class StorageWait:
     retries, a local root gone (unmounted).  Nothing is wrong with the data or the daemon, and the
     batches come once the storage is back, so a trainer waits on rather than time out (SPEC)."""
 
-    since: float  # time.time() of the first such failure since a batch was last published
+    since: float  # time.time() the longest wait of the ranks that hold it began: the earliest of ranks_since
     reason: str  # the latest failure, as the status's message says it
     # The ranks whose failed batches hold the wait, sorted: only their loaders wait on.  None: every rank's
     # (a daemon of an earlier 0.1 build did not say which, and its wait was the whole daemon's).
     ranks: tuple[int, ...] | None = None
+    # Beside ``ranks``, one each: when that rank's wait began (one rank's batches may fail minutes after
+    # another's).  None: ``since`` for each (a daemon of an earlier 0.1 build kept one time).
+    ranks_since: tuple[float, ...] | None = None
+
+    def since_of(self, rank: int) -> float | None:
+        """When the builds of rank ``rank`` began to wait; None when none of its batches holds the wait."""
+        if self.ranks is None:
+            return self.since
+        if rank not in self.ranks:
+            return None
+        return self.ranks_since[self.ranks.index(rank)] if self.ranks_since is not None else self.since
 
 
 @dataclass(frozen=True)
@@ -459,6 +470,12 @@ class _Fields:
                           "a list of non-negative integers or null", optional=True)
         return None if value is None else tuple(int(x) for x in value)
 
+    def optional_nums(self, key: str) -> tuple[float, ...] | None:
+        """A list of finite numbers; None when absent or null (as ``optional_nats``)."""
+        value = self._get(key, lambda v: isinstance(v, list) and all(_is_finite(x) for x in v),
+                          "a list of finite numbers or null", optional=True)
+        return None if value is None else tuple(float(x) for x in value)
+
     def items_as_maps(self) -> list[tuple[str, _Fields]]:
         return [(k, _Fields(v, self.path, f"{self.where}{k}.")) for k, v in self.doc.items()]
 
@@ -519,7 +536,10 @@ def _errors(f: _Fields) -> Errors:
 
 
 def _storage_wait(f: _Fields) -> StorageWait:
-    return StorageWait(since=f.num("since"), reason=f.text("reason"), ranks=f.optional_nats("ranks"))
+    ranks, since = f.optional_nats("ranks"), f.optional_nums("ranks_since")
+    if since is not None and (ranks is None or len(since) != len(ranks)):
+        f.fail("ranks_since", list(since), f"one time for each of ranks {None if ranks is None else list(ranks)}")
+    return StorageWait(since=f.num("since"), reason=f.text("reason"), ranks=ranks, ranks_since=since)
 
 
 def _remote(f: _Fields) -> RemoteStatus:

@@ -14,7 +14,6 @@ does all the work.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -480,14 +479,19 @@ class Producer:
         """Drop the failed batches no window holds now (the trainers moved past them, or back before them:
         they will not be built, and a wait on them would keep the loaders waiting for good); the wait names
         the latest failure of those left and their ranks (only those ranks' loaders wait on: another rank's
-        late batch is late for another reason), and ends with the last."""
+        late batch is late for another reason), each since its own wait began (a rank new to the wait: now,
+        as its batch just failed), and ends with the last."""
         held = {stream.rank: stream.held for stream in self.streams}
         self.storage_failed = {key: why for key, why in self.storage_failed.items() if key[1] in held.get(key[0], ())}
-        if not self.storage_failed or self.storage_wait is None:
+        wait = self.storage_wait
+        if not self.storage_failed or wait is None:
             self._end_storage_wait()
             return
-        self.storage_wait = dataclasses.replace(self.storage_wait, reason=next(reversed(self.storage_failed.values())),
-                                                ranks=tuple(sorted({rank for rank, _ in self.storage_failed})))
+        now = time.time()
+        ranks = tuple(sorted({rank for rank, _ in self.storage_failed}))
+        since = tuple(began if (began := wait.since_of(rank)) is not None else now for rank in ranks)
+        self.storage_wait = StorageWait(since=min(since), reason=next(reversed(self.storage_failed.values())),
+                                        ranks=ranks, ranks_since=since)
 
     def _publish(self, build: Build) -> None:
         stream = build.stream

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
-                                       StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status, writer_named)
+                                       StorageWait, StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status, writer_named)
 from prefetchd.buffer_protocol.documents import exact_number, pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.dataset import held_out_count
@@ -114,8 +114,9 @@ def _free_bytes(path: Path) -> int | None:
 
 
 def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | None, str]:
-    """``status`` narrowed to rank ``rank``'s stream: its trainer, position and fill (the rates, memory
-    and errors stay the daemon's); with a problem line when the daemon serves no such rank now."""
+    """``status`` narrowed to rank ``rank``'s stream: its trainer, position, fill and wait for the storage
+    (the rates, memory and errors stay the daemon's); with a problem line when the daemon serves no such
+    rank now."""
     pr = status.production if status is not None else None
     if status is None or pr is None:
         return status, ""
@@ -128,8 +129,30 @@ def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | N
     share = len(pr.streams)
     narrowed = dataclasses.replace(pr, streams=(stream,), progress=stream.progress, trainer=stream.trainer,
                                    waiting=stream.waiting, building=stream.building,
-                                   high_water=pr.high_water // share, low_water=pr.low_water // share)
+                                   high_water=pr.high_water // share, low_water=pr.low_water // share,
+                                   storage_wait=_rank_storage_wait(pr.storage_wait, rank))
     return dataclasses.replace(status, production=narrowed), ""
+
+
+def _storage_waited(wait: StorageWait) -> str:
+    """How long the builds have waited: one figure, or the shortest and the longest of the ranks' own waits
+    (one rank's batches may fail minutes after another's)."""
+    now = time.time()
+    began = sorted(zip(wait.ranks_since, wait.ranks)) if wait.ranks and wait.ranks_since else [(wait.since, None)]
+    (first, eldest), (last, youngest) = began[0], began[-1]
+    longest, shortest = f"{max(0.0, now - first):.0f} s", f"{max(0.0, now - last):.0f} s"
+    return longest if longest == shortest else f"{shortest} (rank {youngest}) to {longest} (rank {eldest})"
+
+
+def _rank_storage_wait(wait: StorageWait | None, rank: int) -> StorageWait | None:
+    """``wait`` as rank ``rank``'s trainer sees it: none when no batch of the rank's holds it (its trainer
+    times out as ever), else since the rank's own wait began."""
+    since = wait.since_of(rank) if wait is not None else None
+    if wait is None or since is None:
+        return None
+    if wait.ranks is None:  # a daemon of an earlier build: one wait for every rank, and no rank named
+        return wait
+    return dataclasses.replace(wait, since=since, ranks=(rank,), ranks_since=(since,))
 
 
 def status_json(report: StatusReport, indent: int | None = 1) -> str:
@@ -176,7 +199,7 @@ def format_status(report: StatusReport) -> str:
         whose = ""  # every rank's: one stream, or a daemon of an earlier build that did not say which
         if outage.ranks is not None and len(pr.streams) > 1:
             whose = f" of {agreeing(len(outage.ranks), 'rank', 'ranks')} {rank_ranges(list(outage.ranks))}"
-        lines.append(f"  storage   the builds{whose} have waited {max(0.0, time.time() - outage.since):.0f} s for the "
+        lines.append(f"  storage   the builds{whose} have waited {_storage_waited(outage)} for the "
                      f"dataset's storage; they resume when it is back, and trainers{whose} wait on past their "
                      "--timeout meanwhile")
     if mf and state != State.WAITING_FOR_JOB:  # a finished job's manifest stays until the next job replaces it

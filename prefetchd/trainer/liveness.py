@@ -389,18 +389,20 @@ class BatchWaiter:
         would hold the wait for ever."""
         own = status if owner.wrote(status) else None
         wait = own.production.storage_wait if own is not None and own.production is not None else None
+        since = wait.since_of(self.manifest.rank) if wait is not None else None
         fresh = self.stall if self.stall is not None else DEFAULT_STALL_TIMEOUT
-        if (own is None or wait is None or time.time() - own.heartbeat > fresh
-                or (wait.ranks is not None and self.manifest.rank not in wait.ranks)):  # None: every rank's
+        if own is None or wait is None or since is None or time.time() - own.heartbeat > fresh:
             self._storage_said = None
             return False
         if self._storage_said is None or now - self._storage_said >= STORAGE_WAIT_LOG_SECONDS:
             self._storage_said = now
+            # Since this rank's batches began to fail: another rank's may have failed long before.
+            whose = f" to build rank {self.manifest.rank}'s batches" if self.manifest.world_size > 1 else ""
             logger.warning(
-                "the daemon (%s) of %s has waited %.0f s for its dataset's storage (%s); batch %s comes once "
-                "that is back, so this loader waits on past its timeout of %g s (a daemon gone or stuck still ends "
-                "the wait; `prefetchd status --buffer %s` shows it)", owner, self.buffer,
-                max(0.0, time.time() - wait.since), _short(wait.reason), name, self.timeout, owning_buffer(self.buffer))
+                "the daemon (%s) of %s has waited %.0f s for its dataset's storage%s (%s); batch %s comes once that "
+                "is back, so this loader waits on past its timeout of %g s (a daemon gone or stuck still ends the "
+                "wait; `prefetchd status --buffer %s` shows it)", owner, self.buffer, max(0.0, time.time() - since),
+                whose, _short(wait.reason), name, self.timeout, owning_buffer(self.buffer))
         return True
 
     def _restart_hint(self) -> str:

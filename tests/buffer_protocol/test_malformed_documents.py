@@ -242,7 +242,8 @@ def test_a_storage_wait_is_read_back_and_an_older_status_without_one_is_read_as_
     _write(tmp_path / STATUS_NAME, VALID_STATUS)
     status = read_status(tmp_path)
     assert status is not None and status.production is not None and status.production.storage_wait == STORAGE_WAIT
-    assert VALID_STATUS["storage_wait"] == {"since": STORAGE_WAIT.since, "reason": STORAGE_WAIT.reason, "ranks": [0]}
+    assert VALID_STATUS["storage_wait"] == {"since": STORAGE_WAIT.since, "reason": STORAGE_WAIT.reason, "ranks": [0],
+                                            "ranks_since": [STORAGE_WAIT.since]}
     for older in ({k: v for k, v in VALID_STATUS.items() if k != "storage_wait"}, {**VALID_STATUS, "storage_wait": None}):
         _write(tmp_path / STATUS_NAME, older)
         status = read_status(tmp_path)
@@ -252,8 +253,29 @@ def test_a_storage_wait_is_read_back_and_an_older_status_without_one_is_read_as_
     status = read_status(tmp_path)
     assert status is not None and status.production is not None
     assert status.production.storage_wait == StorageWait(since=1.0, reason="down", ranks=None)
-    ranks = "a list of non-negative integers or null"
+    assert status.production.storage_wait.since_of(3) == 1.0
+    # One after the ranks were named and before each had its own time: `since` for each of them.
+    _write(tmp_path / STATUS_NAME, {**VALID_STATUS, "storage_wait": {"since": 1.0, "reason": "down", "ranks": [0, 2]}})
+    status = read_status(tmp_path)
+    assert status is not None and status.production is not None and status.production.storage_wait is not None
+    wait = status.production.storage_wait
+    assert wait.ranks_since is None and (wait.since_of(0), wait.since_of(1), wait.since_of(2)) == (1.0, None, 1.0)
+    _write(tmp_path / STATUS_NAME, {**VALID_STATUS, "storage_wait": {"since": 1.0, "reason": "down", "ranks": [0, 2],
+                                                                     "ranks_since": [1.0, 301.5]}})
+    status = read_status(tmp_path)
+    assert status is not None and status.production is not None and status.production.storage_wait is not None
+    wait = status.production.storage_wait
+    assert wait.ranks_since == (1.0, 301.5) and (wait.since_of(0), wait.since_of(1), wait.since_of(2)) == (1.0, None, 301.5)
+    ranks, times = "a list of non-negative integers or null", "a list of finite numbers or null"
     for bad, field, expected in (({"since": "now", "reason": ""}, "storage_wait.since", "a finite number"),
+                                 ({"since": 1.0, "reason": "", "ranks": [0], "ranks_since": 1.0},
+                                  "storage_wait.ranks_since", times),
+                                 ({"since": 1.0, "reason": "", "ranks": [0], "ranks_since": ["1.0"]},
+                                  "storage_wait.ranks_since", times),
+                                 ({"since": 1.0, "reason": "", "ranks": [0, 1], "ranks_since": [1.0]},
+                                  "storage_wait.ranks_since", re.escape("one time for each of ranks [0, 1]")),
+                                 ({"since": 1.0, "reason": "", "ranks_since": [1.0]},
+                                  "storage_wait.ranks_since", "one time for each of ranks None"),
                                  ({"since": 1.0}, "storage_wait.reason", "a string"),
                                  ("storage", "storage_wait", "an object"),
                                  ({"since": 1.0, "reason": "", "ranks": 0}, "storage_wait.ranks", ranks),

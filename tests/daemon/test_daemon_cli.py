@@ -491,7 +491,8 @@ def test_status_says_when_max_buffer_bytes_is_what_limits_the_buffer() -> None:
 
 
 def test_status_says_the_builds_wait_for_the_storage_and_what_that_means_for_trainers() -> None:
-    waiting = _running_status_text(storage_wait=dataclasses.replace(STORAGE_WAIT, since=time.time() - 95))
+    began = time.time() - 95
+    waiting = _running_status_text(storage_wait=dataclasses.replace(STORAGE_WAIT, since=began, ranks_since=(began,)))
     assert re.search(r"storage   the builds have waited 9\d s for the dataset's storage; they resume when it is "
                      r"back, and trainers wait on past their --timeout meanwhile", waiting), waiting
     assert "storage " not in _running_status_text()
@@ -503,10 +504,45 @@ def test_status_names_the_ranks_whose_builds_wait_for_the_storage() -> None:
     one = _running_status_text(streams=streams, storage_wait=dataclasses.replace(STORAGE_WAIT, ranks=(1,)))
     assert "the builds of rank 1 have waited" in one, one
     assert "and trainers of rank 1 wait on past their --timeout" in one, one
-    two = _running_status_text(streams=streams, storage_wait=dataclasses.replace(STORAGE_WAIT, ranks=(0, 2)))
+    two = _running_status_text(streams=streams, storage_wait=dataclasses.replace(STORAGE_WAIT, ranks=(0, 2),
+                                                                                 ranks_since=(STORAGE_WAIT.since,) * 2))
     assert "the builds of ranks 0,2 have waited" in two and "trainers of ranks 0,2 wait on" in two, two
-    every = _running_status_text(streams=streams, storage_wait=dataclasses.replace(STORAGE_WAIT, ranks=None))
+    every = _running_status_text(streams=streams, storage_wait=dataclasses.replace(STORAGE_WAIT, ranks=None,
+                                                                                   ranks_since=None))
     assert "the builds have waited" in every and "and trainers wait on" in every, every
+
+
+def test_status_says_since_when_each_ranks_builds_wait_for_the_storage(tmp_path: Path) -> None:
+    """Rank 0's batches failed 10 minutes ago, rank 2's one: the status said both had waited 10 minutes, and so did
+    the view of rank 2's own stream directory, whose trainer's log said otherwise."""
+    now = time.time()
+    outage = dataclasses.replace(STORAGE_WAIT, since=now - 600, ranks=(0, 2), ranks_since=(now - 600, now - 60))
+    streams = (stream(0), stream(1), stream(2))
+    whole = _running_status_text(streams=streams, storage_wait=outage)
+    assert "the builds of ranks 0,2 have waited 60 s (rank 2) to 600 s (rank 0) for the dataset's storage" in whole, whole
+    lock = DaemonLock(tmp_path)
+    lock.acquire()  # this test process plays the daemon
+    try:
+        for rank in range(3):
+            (tmp_path / f"rank-0000{rank}").mkdir()
+        write_status_at_heartbeat(tmp_path, status_example(pid=os.getpid(), production=production(
+            streams=streams, storage_wait=outage)))
+
+        def rank_view(rank: int) -> tuple[str, object]:
+            got = status_view.describe_status(tmp_path / f"rank-0000{rank}")
+            return status_view.format_status(got), json.loads(status_view.status_json(got))["status"]["storage_wait"]
+
+        text, doc = rank_view(2)
+        assert "  storage   the builds have waited 60 s for the dataset's storage" in text, text
+        assert doc == {"since": now - 60, "reason": STORAGE_WAIT.reason, "ranks": [2], "ranks_since": [now - 60]}
+        text, doc = rank_view(1)  # none of its batches failed: its trainer times out as ever
+        assert "  storage " not in text and doc is None, text
+        # A daemon of an earlier build kept one time and named no ranks: every rank's wait, since then.
+        write_status_at_heartbeat(tmp_path, status_example(pid=os.getpid(), production=production(
+            streams=streams, storage_wait=dataclasses.replace(outage, ranks=None, ranks_since=None))))
+        assert "  storage   the builds have waited 600 s for the dataset's storage" in rank_view(1)[0]
+    finally:
+        lock.release()
 
 
 def test_status_waiting_for_a_job_shows_no_finished_jobs_dataset() -> None:

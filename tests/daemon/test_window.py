@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Manifest, Progress, batch_name
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Manifest, Progress, StorageWait, batch_name
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.stream import Stream
 
@@ -383,6 +383,40 @@ def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) 
     assert ranks() == (1,)
     producer._complete(one_slot_build(producer, t, 1), Filled(1, ((0, 1, 0),), (), 0.0))
     assert producer.storage_wait is None
+
+
+def test_a_wait_on_storage_says_since_when_each_rank_waits(tmp_path: Path) -> None:
+    """One time for the whole daemon said rank 1's builds had waited since rank 0's first failed, minutes
+    before rank 1's did, and still did once rank 0's batches were built."""
+    from prefetchd.daemon.workers import Filled, WriteFailed
+
+    (tmp_path / "r0").mkdir(), (tmp_path / "r1").mkdir()
+    s, t = stream(tmp_path / "r0"), stream(tmp_path / "r1")
+    t.manifest = dataclasses.replace(t.manifest, rank=1)
+    producer = books(tmp_path, s, t)
+
+    def wait() -> StorageWait:
+        assert producer.storage_wait is not None
+        return producer.storage_wait
+
+    producer._complete(one_slot_build(producer, s, 0), WriteFailed(0, OUTAGE, storage=True))
+    first = wait().since
+    assert wait().ranks_since == (first,)
+    time.sleep(0.01)
+    producer._complete(one_slot_build(producer, t, 1), WriteFailed(1, OUTAGE, storage=True))
+    later = wait().since_of(1)
+    assert later is not None and later > first
+    assert wait().ranks_since == (first, later) and wait().since == first
+    producer._complete(one_slot_build(producer, s, 0), WriteFailed(0, OUTAGE, storage=True))  # retried, failing again
+    assert wait().ranks_since == (first, later), "each rank's wait runs on from its first failure"
+    producer._complete(one_slot_build(producer, s, 0), Filled(0, ((0, 0, 0),), (), 0.0))
+    assert wait().ranks == (1,) and wait().ranks_since == (later,)
+    assert wait().since == later, "the daemon's time is that of the ranks still waiting: older readers show it"
+    time.sleep(0.01)
+    producer._complete(one_slot_build(producer, s, 2), WriteFailed(2, OUTAGE, storage=True))
+    again = wait().since_of(0)
+    assert again is not None and again > later, "rank 0's wait ended with its batch: a new one begins now"
+    assert wait().ranks_since == (again, later) and wait().since == later
 
 
 def test_a_wait_on_storage_ends_when_no_window_holds_the_batches_that_failed(tmp_path: Path) -> None:

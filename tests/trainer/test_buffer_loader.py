@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -610,6 +611,31 @@ def test_only_the_loaders_of_the_ranks_whose_batches_wait_for_the_storage_wait_o
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_loader_waiting_for_the_storage_says_since_when_its_own_ranks_builds_wait(
+        make_job: MakeJob, buffer: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0's batches failed 10 minutes ago, rank 1's one: rank 1's trainer logged that the daemon had waited
+    10 minutes for its batches."""
+    jobs = [make_job(buffer / f"rank-0000{rank}") for rank in (0, 1)]
+    for rank, job in enumerate(jobs):
+        job.manifest = dataclasses.replace(job.manifest, rank=rank, world_size=2)
+        job.manifest.write(job.buffer)
+    (buffer / "daemon.lock").write_text(f"{os.getpid()}\n")
+    now = time.time()
+    outage = StorageWait(since=now - 600, reason="batch e000000-s00000000.tmp: reading s3://b/x.jpg: still failing "
+                         "after 6 tries", ranks=(0, 1), ranks_since=(now - 600, now - 60))
+    write_status(buffer, status_example(pid=os.getpid(), heartbeat=time.time(), production=production(
+        streams=(stream(0), stream(1)), storage_wait=outage)))
+    timer = threading.Timer(0.5, lambda: jobs[1].write(0, 0))
+    timer.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.liveness"):
+            assert next(iter(BufferLoader(jobs[1].buffer, timeout=5.0, stall_timeout=5.0))).step == 0
+    finally:
+        timer.cancel()
+    said = [r.getMessage() for r in caplog.records if "for its dataset's storage" in r.getMessage()]
+    assert said and "has waited 60 s for its dataset's storage to build rank 1's batches" in said[0], said
 
 
 def test_leftover_batches_are_served_without_a_daemon(make_job: MakeJob) -> None:
