@@ -29,7 +29,7 @@ from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
 from prefetchd.daemon.status_view import describe_status, format_status, status_json
-from prefetchd.locations import is_url, missing_folder, normalize
+from prefetchd.locations import is_url, normalize
 from prefetchd.options import FiniteFloat, click_options
 from prefetchd.words import agreeing, binary_size, counted
 
@@ -331,14 +331,15 @@ def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, inte
 
 @click.command()
 @click.option("--buffer", type=click.Path(path_type=Path, file_okay=False, exists=True), required=True)
-@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=Path("batch.png"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False, writable=True), default=Path("batch.png"),
+              show_default=True)
 @click.option("--max-images", type=click.IntRange(1), default=64, show_default=True)
 def show(buffer: Path, out: Path, max_images: int) -> None:
     """Render the next waiting batch as a labelled image grid, to check augmentations by eye."""
-    from prefetchd.daemon.show import render_next_batch
+    from prefetchd.daemon.show import render_next_batch, unwritable_out
 
-    if (missing := missing_folder("--out", out)) is not None:
-        raise click.UsageError(missing)
+    if (problem := unwritable_out(out)) is not None:  # a bad value, as click's own are: exit 2
+        raise click.UsageError(problem)
     try:
         batch = render_next_batch(buffer, out, max_images)
     except (ProtocolError, DaemonError) as exc:

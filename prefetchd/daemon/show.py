@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import math
+import warnings
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -10,6 +13,7 @@ from PIL import Image, ImageDraw
 from prefetchd.buffer_protocol import Manifest, MappedBatch, Progress, list_batches, map_batch
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX
 from prefetchd.daemon.errors import DaemonError
+from prefetchd.locations import missing_folder, probe_folder
 
 LABEL_HEIGHT = 14
 MIN_TILE = 96  # small images are scaled up so labels stay readable
@@ -27,12 +31,58 @@ def next_batch(buffer: Path) -> MappedBatch:
     return map_batch(list_batches(buffer)[waiting[0]])
 
 
+@functools.cache
+def _writes_rgb(suffix: str) -> bool:
+    """Whether Pillow here writes an RGB image in the format ``suffix`` names.  Asked by writing a pixel:
+    a registered suffix may name a format Pillow only reads (.psd), one whose writer is a plugin not
+    installed (.wmf, .h5) or one without RGB (.xbm), each a traceback at the save."""
+    form = Image.registered_extensions().get(suffix.lower())
+    if form is None or form not in Image.SAVE:
+        return False
+    try:
+        with warnings.catch_warnings():  # a deprecated format's warning is for who writes in it
+            warnings.simplefilter("ignore")
+            Image.new("RGB", (1, 1)).save(io.BytesIO(), format=form)
+    except (OSError, ValueError, KeyError):
+        return False
+    return True
+
+
+def writable_suffixes() -> list[str]:
+    """The suffixes ``--out`` may end in: the formats Pillow here writes an RGB grid in (its plugins vary)."""
+    return sorted(s for s in Image.registered_extensions() if _writes_rgb(s))
+
+
+def bad_suffix(out: Path) -> str | None:
+    """Why ``--out`` ``out`` names no image format the grid can be written in; None when it names one."""
+    if _writes_rgb(out.suffix):
+        return None
+    what = f"Pillow writes no RGB image as {out.suffix!r}" if out.suffix else "no suffix"
+    return (f"--out {out}: {what}, and the suffix picks the image format; name a file such as batch.png or "
+            f"batch.jpg (the suffixes Pillow writes here: {' '.join(writable_suffixes())})")
+
+
+def unwritable_out(out: Path) -> str | None:
+    """Why the grid cannot be written to ``out``, found before the batch is read (`prefetchd show`'s bad
+    --out value): a suffix of no format it can be written in, a missing folder (not created:
+    ``missing_folder``), a folder this user cannot create the file in; None when it can be.  An existing
+    file is written in place, whatever its folder allows (click's ``writable`` asks whether it may be)."""
+    if (problem := bad_suffix(out) or missing_folder("--out", out)) is not None:
+        return problem
+    if out.exists():
+        return None
+    try:
+        probe_folder(out.parent, out.name)
+    except OSError as exc:
+        return f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc}); pass a path in a folder you can write"
+    return None
+
+
 def render_next_batch(buffer: Path, out: Path, max_images: int = 64) -> MappedBatch:
     """Write the grid of the next waiting batch to ``out``, whose suffix picks the image format, in its
-    folder, which is not created (`prefetchd show` refuses a missing one: ``missing_folder``)."""
-    if out.suffix.lower() not in Image.registered_extensions():
-        raise DaemonError(f"--out {out}: name an image file such as batch.png or batch.jpg (the suffix picks the "
-                          "format)")
+    folder, which is not created (`prefetchd show` refuses a missing one up front: ``unwritable_out``)."""
+    if (problem := bad_suffix(out)) is not None:
+        raise DaemonError(problem)
     batch = next_batch(buffer)
     manifest = Manifest.read(buffer)
     images = batch.images[:max_images]

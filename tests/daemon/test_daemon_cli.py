@@ -709,26 +709,8 @@ def test_the_size_of_a_tiny_batch_is_said_in_its_own_unit(runner: CliRunner, tmp
 
 
 def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_path: Path) -> None:
-    """A suffix Pillow has no format for, an --out it cannot write or whose folder is missing, a buffer of rank
-    streams."""
-    import numpy as np
-
-    from prefetchd.buffer_protocol import Manifest
-    from prefetchd.buffer_protocol.writer import write_batch
-
-    buffer = tmp_path / "bf"
-    buffer.mkdir()
-    Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=4, split="train", seed=0,
-             batch_size=4, image_size=8, samples_per_epoch=4, steps_per_epoch=1, epochs=1, producer="t").write(buffer)
-    write_batch(buffer / "e000000-s00000000.batch", np.zeros((4, 8, 8, 3), np.uint8), np.zeros(4, np.int64),
-                np.arange(4, dtype=np.int64), epoch=0, step=0, seed=0, producer="t")
-    (tmp_path / "afile").write_text("")
-    for out, message in [("grid", "name an image file such as batch.png"), ("b.xyz", "name an image file"),
-                         (str(tmp_path / "afile" / "x.png"), "cannot write")]:
-        result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", out])
-        # A ClickException: exit code 1 and its message, where a traceback's exception would be kept.
-        assert result.exit_code == 1 and message in result.output, (out, result.output)
-        assert isinstance(result.exception, SystemExit), result.exception
+    """A buffer of rank streams, an --out whose folder is missing (more of --out: the test below)."""
+    buffer = _show_buffer(tmp_path / "bf")
     ranks = tmp_path / "ranks"
     (ranks / "rank-00000").mkdir(parents=True)
     (ranks / "rank-00001").mkdir()
@@ -743,6 +725,97 @@ def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_p
     assert (f"Error: --out {missing / 'x.png'}: the folder {missing} does not exist; create it first, or pass a "
             "path in an existing folder") in result.output
     assert not (tmp_path / "nonexist").exists()
+
+
+def _show_buffer(buffer: Path) -> Path:
+    """``buffer`` with a manifest and one waiting batch of 4 images, for `prefetchd show`."""
+    import numpy as np
+
+    from prefetchd.buffer_protocol import Manifest
+    from prefetchd.buffer_protocol.writer import write_batch
+
+    buffer.mkdir()
+    Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=4, split="train", seed=0,
+             batch_size=4, image_size=8, samples_per_epoch=4, steps_per_epoch=1, epochs=1, producer="t").write(buffer)
+    write_batch(buffer / "e000000-s00000000.batch", np.zeros((4, 8, 8, 3), np.uint8), np.zeros(4, np.int64),
+                np.arange(4, dtype=np.int64), epoch=0, step=0, seed=0, producer="t")
+    return buffer
+
+
+def test_show_refuses_an_out_it_cannot_write_as_a_bad_value_before_reading_the_batch(tmp_path: Path) -> None:
+    """A bad suffix and an unwritable --out exited 1 once the batch was read and drawn (a suffix Pillow only reads,
+    .psd, with a traceback), where a missing folder of --out, a bad value as click's own, exits 2 up front."""
+    buffer = _show_buffer(tmp_path / "bf")
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir.png").mkdir()
+    writes = "(the suffixes Pillow writes here: "
+    for out, message in [
+        ("grid", "--out grid: no suffix, and the suffix picks the image format; name a file such as batch.png or "
+                 f"batch.jpg {writes}"),
+        ("b.xyz", "--out b.xyz: Pillow writes no RGB image as '.xyz', and the suffix picks the image format"),
+        ("b.psd", "--out b.psd: Pillow writes no RGB image as '.psd'"),  # read, not written
+        ("b.xbm", "--out b.xbm: Pillow writes no RGB image as '.xbm'"),  # 1-bit images only
+        (str(tmp_path / "afile" / "x.png"), f"--out {tmp_path / 'afile' / 'x.png'}: cannot write in "
+                                            f"{tmp_path / 'afile'} (Not a directory); pass a path in a folder you can write"),
+        (str(tmp_path / "adir.png"), f"Invalid value for '--out': File '{tmp_path / 'adir.png'}' is a directory"),
+    ]:
+        result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", out])
+        assert result.exit_code == EXIT_USAGE and f"Error: {message}" in result.output, (out, result.output)
+        assert isinstance(result.exception, SystemExit), result.exception
+    said = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", "grid"]).output
+    listed = said.partition(writes)[2].partition(")")[0].split()
+    assert {".png", ".jpg", ".jpeg", ".webp", ".tif"} <= set(listed) and ".psd" not in listed, said
+    # Up front: an empty buffer's "no waiting batch" (exit 1) comes only for an --out that can be written.
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(cli.show, ["--buffer", str(tmp_path / "empty"), "--out", str(tmp_path / "b.xyz")])
+    assert result.exit_code == EXIT_USAGE and "Pillow writes no RGB image as '.xyz'" in result.output, result.output
+    result = CliRunner().invoke(cli.show, ["--buffer", str(tmp_path / "empty"), "--out", str(tmp_path / "g.png")])
+    assert result.exit_code == 1 and "has no waiting batch" in result.output, result.output
+    for suffix in (".png", ".tif"):
+        good = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(tmp_path / f"g{suffix}")])
+        assert good.exit_code == 0 and (tmp_path / f"g{suffix}").stat().st_size > 0, good.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir.png", "afile", "bf", "empty", "g.png", "g.tif"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to user nobody in a forked child")
+def test_show_refuses_an_out_in_a_folder_its_user_cannot_write_before_reading_the_batch(shm_buffer: Path) -> None:
+    """A folder without write permission was found only at the save, once the batch was drawn: exit 1.  A file
+    there that the user may write is written in place, as ever."""
+    os.chmod(shm_buffer, 0o755)
+    buffer = _show_buffer(shm_buffer / "bf")
+    for path in (buffer, *buffer.iterdir()):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    locked = shm_buffer / "locked"
+    locked.mkdir(mode=0o555)
+    (locked / "theirs.png").write_bytes(b"")
+    os.chmod(locked / "theirs.png", 0o666)
+    # Drawn once here, so that what it imports (the command's module, Pillow's plugins and font) is imported
+    # before the fork: nobody may not read where the interpreter and its packages live (CI's, under root's home).
+    warm = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(shm_buffer / "warm.png")])
+    assert warm.exit_code == 0, warm.output
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the modules are imported already: nobody needs no access to the interpreter's files
+        try:
+            os.close(read)
+            os.setgid(65534), os.setuid(65534)
+            said = []
+            for out in (locked / "g.png", locked / "theirs.png"):
+                result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(out)])
+                said.append({"code": result.exit_code, "output": result.output})
+            os.write(write, json.dumps(said).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = json.loads(pipe.read().decode() or "[]")
+    os.waitpid(pid, 0)
+    assert len(said) == 2, said
+    assert said[0]["code"] == EXIT_USAGE, said
+    assert (f"Error: --out {locked / 'g.png'}: cannot write in {locked} (Permission denied); pass a path in a folder "
+            "you can write") in said[0]["output"], said
+    assert said[1]["code"] == 0 and (locked / "theirs.png").stat().st_size > 0, said
+    assert sorted(p.name for p in locked.iterdir()) == ["theirs.png"]
 
 
 def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_path: Path) -> None:
