@@ -71,10 +71,12 @@ _AGREE_POLL_MAX = 0.002
 _STOP_KEY = "stop"
 # How long a rank waits for every rank's device before the process group: as long as init_process_group's
 # own rendezvous would wait for a rank that does not come (torch's default, 30 minutes), so no run is refused
-# that would have started before.  The ranks come together (torchrun starts them at once, and each comes here
-# first), so only a rank that hangs before it (a stuck CUDA driver) is waited for this long: one that fails
-# or dies makes torchrun end the others.
+# that would have started before.  The ranks come together (their launcher starts them at once, and each comes
+# here first), so only a rank that hangs before it (a stuck CUDA driver) is waited for this long: one that fails
+# or dies makes torchrun (srun, mp.spawn) end the others.
 DEVICE_WAIT_TIMEOUT = default_pg_timeout
+# How long rank 0, refusing the ranks' devices, waits for the others to have read them all before it leaves.
+_READ_WAIT = timedelta(seconds=10)
 
 T = TypeVar("T")
 
@@ -260,33 +262,91 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def agent_store_serves(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torchrun's agent serves the ranks' store at MASTER_ADDR:MASTER_PORT (``TORCHELASTIC_USE_AGENT_STORE``),
+    before any rank starts; without it rank 0 serves it (``make_store``)."""
+    env = os.environ if environ is None else environ
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def make_store(ranks: Ranks, environ: Mapping[str, str] | None = None,
+               timeout: timedelta = DEVICE_WAIT_TIMEOUT) -> distributed_c10d.Store:
+    """The ranks' store when no torchrun agent serves one: rank 0 serves it at MASTER_ADDR:MASTER_PORT, the other
+    ranks connect to it, as init_process_group's ``env://`` does (SLURM scripts, mpirun, torch.multiprocessing.spawn).
+
+    Made before the process group, so the ranks can compare their devices in it (``agree_on_backend``); the group
+    is then made in it (``store=``), and torch does not bind MASTER_PORT again.  ``timeout`` is how long a rank
+    waits to reach rank 0's server, and then for a key: init_process_group's own (30 minutes), as a rank 0 that
+    starts late (a box still starting) is waited for as long as before.
+    """
+    env = os.environ if environ is None else environ
+    addr, port_text = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    unset = [name for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port_text)) if not value]
+    if unset:
+        raise SetupError(
+            f"RANK, WORLD_SIZE and LOCAL_RANK are set but {' and '.join(unset)} not: set MASTER_ADDR to the address "
+            "of rank 0's box and MASTER_PORT to a free port there, the same on every rank, or launch with torchrun, "
+            "which sets them"
+        )
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 2**16:
+        raise SetupError(f"MASTER_PORT={port_text!r} in the environment is not a port (1-65535): set it to a free "
+                         "port of rank 0's box, the same on every rank")
+    try:
+        # multi_tenant, as torch's env:// store: a second group in this process (train() run again, while DDP
+        # keeps the first group and its store alive) serves from the same server rather than failing to bind.
+        # (torch.distributed imports TCPStore, its public class, without re-exporting it, so strict mypy does
+        # not take it from there.)
+        return dist.TCPStore(addr, port, is_master=ranks.is_main, timeout=timeout,  # type: ignore[attr-defined]
+                             multi_tenant=True)
+    except dist.DistNetworkError as exc:
+        told = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if ranks.is_main:
+            raise SetupError(
+                f"rank 0 could not serve the ranks' store at MASTER_ADDR:MASTER_PORT {addr}:{port} ({told}); "
+                "MASTER_PORT must be free on rank 0's box (a run still going there holds it: pick another) and "
+                "MASTER_ADDR one of its addresses, the same on every rank"
+            ) from None
+        raise SetupError(
+            f"rank {ranks.rank} could not reach the ranks' store at MASTER_ADDR:MASTER_PORT {addr}:{port} within "
+            f"{timeout.total_seconds():g} s ({told}); rank 0 serves it: MASTER_ADDR must be the address of rank 0's "
+            "box, reachable from this one, and MASTER_PORT the same on every rank; rank 0's output says whether it "
+            "started"
+        ) from None
+
+
 def agree_on_backend(ranks: Ranks, device: torch.device, environ: Mapping[str, str] | None = None,
-                     timeout: timedelta = DEVICE_WAIT_TIMEOUT) -> None:
+                     timeout: timedelta = DEVICE_WAIT_TIMEOUT, store: distributed_c10d.Store | None = None) -> None:
     """Refuse, on every rank, ranks whose devices need different backends, before the process group is made.
 
     Ranks that init_process_group with gloo and nccl wait for each other there until torch's timeout, then
     fail with a message that names neither (``--device auto`` across a box with a GPU and one without).  So
-    each rank first says its device in torchrun's store and waits for the others'.  That store is the agent's
-    (``TORCHELASTIC_USE_AGENT_STORE``), serving at MASTER_ADDR:MASTER_PORT before any rank starts.  Without
-    it (a launcher that sets MASTER_* itself), rank 0 makes the store inside init_process_group, and there is
-    nothing to talk through before it: the ranks are not compared.
+    each rank first says its device in the ranks' store and waits up to ``timeout`` for the others'.  That store
+    is ``store`` (``make_store``'s, which rank 0 serves), or else torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``),
+    serving at MASTER_ADDR:MASTER_PORT before any rank starts.  With neither there is nothing to talk through: the
+    ranks are not compared (``Collective.start`` passes ``make_store``'s store when no agent serves one).
     """
     env = os.environ if environ is None else environ
-    if not ranks.distributed or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not ranks.distributed:
         return
+    if store is None:
+        if not agent_store_serves(env):
+            return
+        # A client of its own, dropped on return; init_process_group connects its own.
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     # The agent's store lives as long as torchrun: keys of this attempt alone, so that a group torchrun
     # restarts (--max-restarts: the next restart count) or grows (--nnodes MIN:MAX: the same restart count, a
-    # new world size) reads no device of the last attempt.
+    # new world size) reads no device of the last attempt.  (A store of make_store's lives as long as its run.)
     attempt = "/".join(env.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                                                       "WORLD_SIZE"))
-    # A client of its own, dropped on return; init_process_group connects its own.  (torch.distributed imports
-    # TCPStore, its public class, without re-exporting it, so strict mypy does not take it from there.)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     keys = [f"prefetchd-train/device/{attempt}/{rank}" for rank in range(ranks.world_size)]
     store.set(keys[ranks.rank], str(device))
     try:
-        store.wait(keys)
+        store.wait(keys, timeout)
     except dist.DistStoreError:
         missing = ", ".join(f"rank {rank}" for rank, key in enumerate(keys) if not store.check([key]))
         raise SetupError(
@@ -295,6 +355,14 @@ def agree_on_backend(ranks: Ranks, device: torch.device, environ: Mapping[str, s
         ) from None
     every = [torch.device(store.get(key).decode()) for key in keys]  # a name: no rank's CUDA is touched
     if any(theirs.type != device.type for theirs in every):
+        # Rank 0 may serve the store (make_store's) and leaves with this refusal: only once every rank has read
+        # every device, so that none is cut off mid-read and each refuses naming them all.  They have all come,
+        # so the reads take milliseconds: the bound is for a rank killed meanwhile.
+        read = [f"{key}/read" for key in keys]
+        store.set(read[ranks.rank], "1")
+        if ranks.is_main:
+            with contextlib.suppress(dist.DistStoreError):
+                store.wait(read, _READ_WAIT)
         raise SetupError(differs_between_ranks(
             "the device", [f"{theirs} ({backend_for(theirs)})" for theirs in every],
             "gloo and nccl ranks cannot form one process group (--device auto is cuda only on a box with a GPU): "
@@ -314,7 +382,12 @@ class Collective:
 
     @classmethod
     def start(cls, ranks: Ranks, device: torch.device) -> Collective:
-        """Join the process group torchrun set up (gloo on the CPU, nccl on CUDA); nothing with one rank."""
+        """Join the ranks' process group (gloo on the CPU, nccl on CUDA), once they agree on that backend
+        (``agree_on_backend``); nothing with one rank.
+
+        The group's store is torchrun's agent's, or, launched without it (MASTER_ADDR, MASTER_PORT, RANK,
+        WORLD_SIZE and LOCAL_RANK set by a SLURM script, mpirun or torch.multiprocessing.spawn), one rank 0
+        serves (``make_store``).  A group the caller made is joined as it is."""
         if not ranks.distributed:
             return cls(ranks)
         if dist.is_initialized():  # the caller's own group (train() called from a script)
@@ -325,17 +398,21 @@ class Collective:
                 )
             owned = False
         else:
-            agree_on_backend(ranks, device)  # where gloo and nccl ranks would wait for each other
+            store = None if agent_store_serves() else make_store(ranks)
+            agree_on_backend(ranks, device, store=store)  # where gloo and nccl ranks would wait for each other
             backend = backend_for(device)
-            if device.type == "cuda":
+            if device.type == "cuda":  # after the agreement: a CPU rank's peer on "cuda" is refused, not set up
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size,
-                                    device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend, rank=ranks.rank, world_size=ranks.world_size,
+                device_id=device if device.type == "cuda" else None,
+                # Under the prefix torch's env:// puts the group's keys under, beside the devices' keys.
+                store=None if store is None else distributed_c10d.PrefixStore("default_pg", store))
             owned = True
         group = dist.new_group(backend="gloo", timeout=RANK_WAIT_TIMEOUT)
         coll = cls(ranks, group, owned)
         # Keys of this run alone: the store outlives a run when a script calls train() twice in one group.
-        # The default group's store is the one torchrun's rendezvous made; torch has no public getter for it.
+        # The default group's store (torchrun's rendezvous's or make_store's); torch has no public getter for it.
         # Without it (another torch), a rank waiting for a batch learns of a stop only from its own signal.
         run = coll.broadcast(uuid.uuid4().hex)
         default_store = getattr(distributed_c10d, "_get_default_store", None)
@@ -491,5 +568,5 @@ def is_peer_failure(exc: BaseException) -> bool:
         mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "gloo/transport"))
 
 
-__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "agree_on_backend", "backend_for", "differs_between_ranks",
-           "is_peer_failure", "peer_failed", "wait_for_stream"]
+__all__ = ["Collective", "Ranks", "TORCHRUN_VARS", "agent_store_serves", "agree_on_backend", "backend_for",
+           "differs_between_ranks", "is_peer_failure", "make_store", "peer_failed", "wait_for_stream"]

@@ -1,11 +1,18 @@
 """Ranks whose devices need different backends (gloo on a box without a GPU, nccl on one with) waited for each
 other inside init_process_group until torch's timeout.  Before the group the ranks compare their devices through
-torchrun's store (``agree_on_backend``), and every rank refuses at once, naming each rank's device.  Two real
-ranks under torchrun; the devices are given to the exchange, as no box here has a GPU to resolve one from."""
+the ranks' store (``agree_on_backend``), and every rank refuses at once, naming each rank's device.  Two real
+ranks under torchrun (its agent serves the store), and two started by hand with MASTER_ADDR/MASTER_PORT as SLURM
+scripts and mp.spawn start them (rank 0 serves it, ``make_store``); the devices are given to the exchange, as no
+box here has a GPU to resolve one from."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,7 +21,8 @@ import torch
 
 import tests.torchrun
 
-from prefetchd.trainer.ranks import Ranks, agree_on_backend
+from prefetchd.trainer.errors import SetupError
+from prefetchd.trainer.ranks import Collective, Ranks, agree_on_backend, make_store
 
 SCRIPT = r"""
 import sys, time
@@ -78,15 +86,128 @@ def test_a_rank_that_never_says_its_device_is_named_after_the_timeout(tmp_path: 
                        "never said theirs: rank 1; the output of their boxes says why")
 
 
-def test_without_torchruns_agent_store_nothing_is_exchanged() -> None:
-    """MASTER_* set by hand: rank 0 makes the store inside init_process_group, so there is none to ask
-    before it.  Here MASTER_PORT names no server: a rank that asked would fail to connect."""
+def test_without_torchruns_agent_store_and_a_store_given_nothing_is_exchanged() -> None:
+    """MASTER_* set by hand and no store given: no agent serves one to ask (Collective.start makes one and
+    passes it, below).  Here MASTER_PORT names no server: a rank that asked would fail to connect."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}
     rank_1 = Ranks(rank=1, world_size=2, local_world_size=1)
     agree_on_backend(rank_1, torch.device("cuda", 0), env, timeout=timedelta(seconds=1))
     with pytest.raises(RuntimeError):  # the same rank under torchrun's agent store does ask
         agree_on_backend(rank_1, torch.device("cuda", 0), {**env, "TORCHELASTIC_USE_AGENT_STORE": "True"},
                          timeout=timedelta(seconds=1))
+
+
+HAND_LAUNCHED = r"""
+import sys, time
+import torch, torch.distributed as dist
+from prefetchd.trainer.errors import SetupError
+from prefetchd.trainer.ranks import Collective, Ranks
+ranks = Ranks.from_env()
+device = sys.argv[1].split(",")[ranks.rank]
+started = time.monotonic()
+try:
+    coll = Collective.start(ranks, torch.device(device))
+except SetupError as exc:
+    print(f"rank {ranks.rank} refused after {time.monotonic() - started:.1f} s: {exc}", flush=True)
+    sys.exit(1)
+sums, _ = coll.reduce([ranks.rank + 1.0], [0.0])
+word = coll.broadcast(f"from rank {ranks.rank}")
+if ranks.rank == 1:  # through the default group's store, where ranks waiting for a batch look
+    coll.announce_stop()
+coll.barrier("after the announcement", 10)
+print(f"rank {ranks.rank} joined {coll.backend}: sum {sums[0]:g}, {word}, stop announced {coll.stop_announced()}",
+      flush=True)
+coll.close()
+"""
+
+
+def hand_launched(tmp_path: Path, devices: str, timeout: float = 30) -> tuple[list[int], str]:
+    """Two ranks started as SLURM scripts or mp.spawn start them: MASTER_*, RANK, WORLD_SIZE, LOCAL_RANK set by
+    hand, no torchrun agent.  Their exit codes and output; past ``timeout`` seconds both are killed (a hang)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "hand_launched.py"
+    script.write_text(HAND_LAUNCHED)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("TORCHELASTIC_")}
+    procs = [subprocess.Popen([sys.executable, script, devices],
+                              env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                                   "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    deadline = time.monotonic() + timeout
+    try:
+        outs = [proc.communicate(timeout=max(0.1, deadline - time.monotonic()))[0] for proc in procs]
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the hand-launched ranks did not finish within {timeout} s (a hang)") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return [proc.returncode for proc in procs], "".join(outs)
+
+
+def test_hand_launched_ranks_on_cpu_and_cuda_both_refuse_at_once_naming_each_device(tmp_path: Path) -> None:
+    """Without torchrun's agent rank 0 made the store inside init_process_group, the devices were not compared,
+    and the CPU rank waited there for the nccl one until torch's 30 minutes.  The CUDA rank refuses before it
+    touches CUDA (no box here has it), as it must on a box that has one, lest it set up a GPU to wait on."""
+    codes, out = hand_launched(tmp_path, "cpu,cuda:0")
+    refused = refusals(out)
+    assert codes == [1, 1] and sorted(refused) == [0, 1], out[-3000:]
+    for seconds, message in refused.values():
+        assert seconds < 10, "the exchange ends when both devices are known, not at a timeout"
+        assert message.startswith("the device differs between ranks (rank 0: cpu (gloo), rank 1: cuda:0 (nccl)); ")
+    assert "joined" not in out
+
+
+def test_hand_launched_ranks_on_the_cpu_form_a_gloo_group_in_rank_0s_store(tmp_path: Path) -> None:
+    """The group is made in the store the devices were compared in (torch binds MASTER_PORT no second time),
+    its collectives work, and a stop announced in the default group's store is seen by the other rank."""
+    codes, out = hand_launched(tmp_path, "cpu,cpu")
+    assert codes == [0, 0], out[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} joined gloo: sum 3, from rank 0, stop announced True" in out, out[-3000:]
+
+
+def test_a_hand_launch_without_master_addr_or_port_says_which_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch said "Error initializing torch.distributed using env:// rendezvous: environment variable
+    MASTER_ADDR expected, but not set", a ValueError that prefetchd-train showed as a traceback."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(SetupError, match=r"^RANK, WORLD_SIZE and LOCAL_RANK are set but MASTER_ADDR not: set "
+                                         r"MASTER_ADDR to the address of rank 0's box"):
+        Collective.start(Ranks(rank=1, world_size=2, local_world_size=1), torch.device("cpu"))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "http")
+    with pytest.raises(SetupError, match=r"^MASTER_PORT='http' in the environment is not a port \(1-65535\)"):
+        Collective.start(Ranks(rank=1, world_size=2, local_world_size=1), torch.device("cpu"))
+
+
+def test_rank_0_on_a_port_another_process_holds_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch raised its DistNetworkError ("... EADDRINUSE ...") from inside init_process_group."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(SetupError) as refused:
+            Collective.start(Ranks(rank=0, world_size=2, local_world_size=1), torch.device("cpu"))
+    message = str(refused.value)
+    assert message.startswith(f"rank 0 could not serve the ranks' store at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} (")
+    assert "address already in use" in message and "pick another" in message
+
+
+def test_a_rank_that_cannot_reach_rank_0s_store_names_the_address() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed: nothing serves it
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with pytest.raises(SetupError, match=rf"^rank 1 could not reach the ranks' store at MASTER_ADDR:MASTER_PORT "
+                                         rf"127\.0\.0\.1:{port} within 1 s \(.*\); rank 0 serves it"):
+        make_store(Ranks(rank=1, world_size=2, local_world_size=1), env, timeout=timedelta(seconds=1))
 
 
 TRAINER = r"""
