@@ -70,8 +70,9 @@ class Proxy:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
-                    self._reply(resp.status, [(k, v) for k, v in resp.getheaders()
-                                              if k.lower() not in HOP_HEADERS | {"content-length"}], data)
+                    # A HEAD's length is the object's, as the store said it: its body is none.
+                    dropped = HOP_HEADERS | ({"content-length"} if self.command != "HEAD" else set())
+                    self._reply(resp.status, [(k, v) for k, v in resp.getheaders() if k.lower() not in dropped], data)
                 finally:
                     conn.close()
 
@@ -79,7 +80,8 @@ class Proxy:
                 self.send_response(status)
                 for k, v in headers:
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                if not any(k.lower() == "content-length" for k, _ in headers):
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
