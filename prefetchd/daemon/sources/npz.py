@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Collection
 from typing import IO
 
 import numpy as np
 
 
-def load_arrays(file: str | os.PathLike[str] | IO[bytes]) -> dict[str, np.ndarray]:
-    """Every array in ``file``; a ``ValueError`` saying what is wrong with one prefetchd cannot have written.
+def load_arrays(file: str | os.PathLike[str] | IO[bytes],
+                names: Collection[str] | None = None) -> dict[str, np.ndarray]:
+    """Every array in ``file``, or those of ``names`` it holds (the others' bytes are not read, from a
+    seekable file); a ``ValueError`` saying what is wrong with one prefetchd cannot have written.
 
     numpy takes any bytes that are neither a zip nor a ``.npy`` for a pickle, and its refusal
     says "If you trust the file you can load it unsafely": the wrong advice for an index
@@ -29,7 +32,7 @@ def load_arrays(file: str | os.PathLike[str] | IO[bytes]) -> dict[str, np.ndarra
         raise ValueError("a single numpy array (.npy), not the .npz archive of arrays prefetchd writes")
     with loaded as npz:
         try:
-            return {k: npz[k] for k in npz.files}
+            return {k: npz[k] for k in npz.files if names is None or k in names}
         except ValueError as exc:
             if "allow_pickle" not in str(exc):
                 raise
