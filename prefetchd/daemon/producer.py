@@ -51,7 +51,7 @@ from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, none_decoded
 from prefetchd.throttle import Throttle
 from prefetchd.words import binary_size, counted
 
@@ -417,6 +417,8 @@ class Producer:
                 for sample, reason in result.failures:  # the status counts the files that stopped the job too
                     self.bad.count(sample, reason)
                 self.fatal, self.fatal_error = result.reason, result.fatal
+                if result.run:  # worded again, naming the files that packed samples were packed from
+                    self.fatal = none_decoded(self.index, self.bad.split, result.failures[-result.run:], self.bad.shown)
                 return
             if not build.failed:  # a failed build, not a failed task (SPEC's errors.write_failures); also one a
                 build.failed = True  # rewind cancelled: the tmpfs is as full, and the status says so

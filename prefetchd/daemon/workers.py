@@ -55,7 +55,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -147,14 +147,20 @@ class WriteFailed:
     fatal: type[DaemonError] | None = None
     failures: tuple[tuple[int, str], ...] = ()  # (sample, reason) of those that failed before it stopped
     storage: bool = False  # not fatal because the dataset's storage failed (StorageUnavailable): it waits for that
+    # SampleUnrecoverable's: the last ``run`` failures are a sample and those tried after it, none of which decoded;
+    # the controller words ``reason`` again from them (``none_decoded``), naming the files packed samples were
+    # packed from, which the workers do not hold.
+    run: int = 0
 
 
 class SampleUnrecoverable(RuntimeError):
-    """No sample near a failing one decodes; ``failures``: (sample, reason) of each that was tried."""
+    """No sample near a failing one decodes; ``failures``: (sample, reason) of each that failed in the task,
+    the last ``run`` of them the failing one and those tried after it (``WriteFailed.run``)."""
 
-    def __init__(self, message: str, failures: tuple[tuple[int, str], ...] = ()) -> None:
+    def __init__(self, message: str, failures: tuple[tuple[int, str], ...] = (), run: int = 0) -> None:
         super().__init__(message)
         self.failures = failures
+        self.run = run
 
 
 # The errors that are not the sample's fault, so no replacement sample can help: the fatal error each
@@ -195,14 +201,19 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
                                          f"or empty ({'deleted?' if is_url(job.index.root) else 'unmounted?'}): the "
                                          "batches wait for it to come back") from exc
             failures.append((candidate, _reason(exc, name)))
-    others = "no other sample of the split" if tries == 1 else (
-        f"the {counted(tries - 1, 'sample')} after it" + (", the whole split," if tries == len(job.members) else ""))
-    raise SampleUnrecoverable(
-        f"sample {index} and {others} could not be decoded (last: {job.index.name(failures[-1][0])}: "
-        f"{failures[-1][1]}); a sample is replaced by one of the next {MAX_REPLACEMENT_TRIES - 1} that decodes, "
-        "and none did: " + _why_none_decoded(job.index, failures[-tries:]),
-        tuple(failures),
-    )
+    raise SampleUnrecoverable(none_decoded(job.index, len(job.members), failures[-tries:], job.index.name),
+                              tuple(failures), tries)
+
+
+def none_decoded(index: SampleIndex, split: int, run: Sequence[tuple[int, str]], name: Callable[[int], str]) -> str:
+    """Why the job stops when none of ``run`` decoded: (sample, reason) of a sample of a ``split``-sample
+    split and of each tried after it, in order.  ``name`` words a sample: ``index.name`` in a worker; in
+    the controller ``BadSamples.shown``, which adds the file a packed sample was packed from."""
+    others = "no other sample of the split" if len(run) == 1 else (
+        f"the {counted(len(run) - 1, 'sample')} after it" + (", the whole split," if len(run) == split else ""))
+    return (f"sample {run[0][0]} and {others} could not be decoded (last: {name(run[-1][0])}: {run[-1][1]}); a "
+            f"sample is replaced by one of the next {MAX_REPLACEMENT_TRIES - 1} that decodes, and none did: "
+            + _why_none_decoded(index, run))
 
 
 def _candidates(job: WorkerJob, index: int) -> Iterator[int]:
@@ -230,7 +241,7 @@ def _dataset_gone(root: str, exc: OSError) -> bool:
         return False
 
 
-def _why_none_decoded(index: SampleIndex, failures: list[tuple[int, str]]) -> str:
+def _why_none_decoded(index: SampleIndex, failures: Sequence[tuple[int, str]]) -> str:
     """The likeliest cause of a run of samples none of which decoded, from their failures."""
     if any(os.path.basename(index.name(sample)).startswith(APPLE_DOUBLE_PREFIX) for sample, _ in failures):
         return f"files named '._*' are macOS metadata, not images: {apple_double_advice(index.root)}"
@@ -315,7 +326,7 @@ def failure_of(task_id: int, exc: Exception) -> WriteFailed:
     for cause, error in ((SampleUnrecoverable, BadDataError), *NOT_THE_SAMPLES_FAULT.items()):
         if isinstance(exc, cause):
             return WriteFailed(task_id, str(exc), fatal=error, failures=getattr(exc, "failures", ()),
-                               storage=isinstance(exc, StorageUnavailable))
+                               storage=isinstance(exc, StorageUnavailable), run=getattr(exc, "run", 0))
     # A bug: report it with where it happened instead of dying silently.
     trace = "".join(traceback.format_exception(exc))  # ``exc``'s own, wherever this is called
     return WriteFailed(task_id, f"worker {os.getpid()} failed:\n{trace}", fatal=DaemonError)

@@ -150,3 +150,26 @@ def test_a_run_no_replacement_survives_is_counted_in_the_status(tmp_path: Path, 
     p = production_of(buffer)
     assert p is not None and p.errors.undecodable_files == 16, p
     assert [Path(b.path).name for b in p.errors.undecodable] == [f"{k:02d}.jpg" for k in range(16)]
+
+
+def test_a_packed_run_no_replacement_survives_names_the_files_it_was_packed_from(tmp_path: Path, shm_dir: Path,
+                                                                                 start_daemon) -> None:
+    """The stop for such a run named a packed sample by its shard and bytes alone: worded in the worker,
+    which holds no files packed.  The controller words it, as it shows every failure, with the file to mend."""
+    folder = tmp_path / "data" / "a"
+    folder.mkdir(parents=True)
+    for k in range(20):
+        (folder / f"{k:02d}.jpg").write_text("not an image")
+    packed = tmp_path / "packed"
+    pack(scan_class_folders(tmp_path / "data"), packed, shard_size=10**6)
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", packed, "--split", "val", "--batch-size", "4", "--image-size", "32",
+                          "--workers", "1")
+    assert daemon.wait_exit(120) == EXIT_BAD_DATA, daemon.log
+    stop = re.compile(rf"sample 0 and the 15 samples after it could not be decoded \(last: {re.escape(str(packed))}/"
+                      rf"shard-000000\.tar \(bytes \d+-\d+, packed from {re.escape(str((folder / '15.jpg').resolve()))}\)"
+                      r": \w+: .*; a sample is replaced by one of the next 15 that decodes, and none did: are "
+                      r"these files images\?")
+    assert stop.search(daemon.log), daemon.log
+    status = read_status(buffer)
+    assert status is not None and status.state == State.FAILED and stop.search(status.message), status
