@@ -49,6 +49,7 @@ from prefetchd.buffer_protocol import (
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.documents import CHANNELS, MAX_DOCUMENT_LEN, SPLITS, write_json
 from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
+from tests.owners import owned
 from tests.status_examples import ERRORS, bad_files, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
@@ -700,20 +701,20 @@ def test_a_buffer_folder_removed_before_the_lock_is_taken_is_said_so(tmp_path: P
 def test_daemon_pid_without_a_live_owner(tmp_path: Path) -> None:
     assert daemon_pid(tmp_path) is None  # no lock file
     assert daemon_pid(tmp_path / "missing") is None
-    lock = tmp_path / LOCK_NAME
-    for text in ("", "garbage\n", "-5\n"):
-        lock.write_text(text)
-        assert daemon_pid(tmp_path) is None, text
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait(WAIT_S)
-    lock.write_text(f"{dead.pid}\n")
-    assert daemon_pid(tmp_path) is None
-    # A live process that started after the lock was written cannot be its owner (pid reuse).
-    lock.write_text(f"{os.getpid()}\n")
-    os.utime(lock, (0, 0))
-    assert daemon_pid(tmp_path) is None
-    os.utime(lock)
-    assert daemon_pid(tmp_path) == os.getpid()
+    with owned(tmp_path) as lock:  # held throughout, as by a live daemon: the pid in it decides
+        for text in ("", "garbage\n", "-5\n"):
+            lock.write_text(text)
+            assert daemon_pid(tmp_path) is None, text
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait(WAIT_S)
+        lock.write_text(f"{dead.pid}\n")
+        assert daemon_pid(tmp_path) is None
+        # A live process that started after the lock was written cannot be its owner (pid reuse).
+        lock.write_text(f"{os.getpid()}\n")
+        os.utime(lock, (0, 0))
+        assert daemon_pid(tmp_path) is None
+        os.utime(lock)
+        assert daemon_pid(tmp_path) == os.getpid()
 
 
 def test_the_augmentation_field_reads_back_as_start_options() -> None:

@@ -26,6 +26,7 @@ from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
+from tests.owners import owned
 from tests.status_examples import CONSUMER, STORAGE_WAIT, TRAINER, bad_files, production, production_without_trainer, report
 from tests.status_examples import stream
 from tests.status_examples import write_status_at_heartbeat
@@ -412,17 +413,18 @@ def test_a_lock_planted_by_another_user_names_no_daemon_to_stop(runner: CliRunne
     """Anyone who may write the buffer (--group-access: the group) can rename their own daemon.lock into it,
     naming any pid, with an mtime after that process started; root's `prefetchd stop` then SIGTERMed it."""
     victim = subprocess.Popen(["sleep", "60"])  # root's
+    # The member holds the planted lock too (flock(2) needs only read access), as a daemon would: the file's
+    # owner alone rules the pid out.
     try:
-        planted = shm_buffer / LOCK
-        planted.write_text(f"{victim.pid}\n")
-        os.chown(planted, 65533, 65533)
-        os.utime(planted, (time.time() + 3600, time.time() + 3600))
-        result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(shm_buffer), "--timeout", "1"])
-        assert result.exit_code == 0 and f"no daemon is running on {shm_buffer}" in result.output, result.output
-        assert status_view.describe_status(shm_buffer).pid is None
-        assert victim.poll() is None
-        os.chown(planted, 0, 0)  # made by the process it names: that one is the daemon
-        assert daemon_pid(shm_buffer) == victim.pid
+        with owned(shm_buffer, victim.pid) as planted:
+            os.chown(planted, 65533, 65533)
+            os.utime(planted, (time.time() + 3600, time.time() + 3600))
+            result = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(shm_buffer), "--timeout", "1"])
+            assert result.exit_code == 0 and f"no daemon is running on {shm_buffer}" in result.output, result.output
+            assert status_view.describe_status(shm_buffer).pid is None
+            assert victim.poll() is None
+            os.chown(planted, 0, 0)  # made by the process it names: that one is the daemon
+            assert daemon_pid(shm_buffer) == victim.pid
     finally:
         victim.kill()
         victim.wait()

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from prefetchd.buffer_protocol import Manifest, batch_name, write_batch
-from prefetchd.buffer_protocol.layout import LOCK_NAME
+from tests.owners import owned
 
 
 def _tmpfs_root() -> str | None:
@@ -38,6 +39,8 @@ class FakeJob:
 
     buffer: Path
     manifest: Manifest
+    # The lock ``claim`` holds, let go when the test ends.
+    owner: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, compare=False, repr=False)
 
     def arrays(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         m = self.manifest
@@ -65,16 +68,20 @@ class FakeJob:
             for step in range(self.manifest.steps_per_epoch):
                 self.write(epoch, step)
 
-    def claim(self, pid: int) -> None:
-        """Make ``daemon_pid`` see ``pid`` as the buffer's owner (if that process is alive)."""
-        (self.buffer / LOCK_NAME).write_text(f"{pid}\n")
+    def claim(self, buffer: Path | None = None) -> None:
+        """This test process plays the daemon owning the job's buffer, or ``buffer`` (of which the job's is a
+        rank's stream): its daemon.lock names this process and is held until the test ends (``owned``).  A dead
+        daemon's lock is its pid, held by nobody."""
+        self.owner.enter_context(owned(self.buffer if buffer is None else buffer))
 
 
 MakeJob = Callable[..., FakeJob]
 
 
 @pytest.fixture
-def make_job(buffer: Path) -> MakeJob:
+def make_job(buffer: Path) -> Iterator[MakeJob]:
+    made: list[FakeJob] = []
+
     def make(
         path: Path | None = None,
         *,
@@ -111,9 +118,12 @@ def make_job(buffer: Path) -> MakeJob:
             m.write(target)
         job = FakeJob(target, m)
         job.write_epochs(write)
+        made.append(job)
         return job
 
-    return make
+    yield make
+    for job in made:
+        job.owner.close()
 
 
 @pytest.fixture(scope="session")

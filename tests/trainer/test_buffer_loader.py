@@ -360,7 +360,7 @@ def test_a_job_of_another_world_size_that_removed_the_stream_stops_its_reader(ma
 
     job = make_job(buffer / "rank-00000", write=1)
     dataclasses.replace(job.manifest, world_size=2).write(job.buffer)
-    (buffer / "daemon.lock").write_text(f"{os.getpid()}\n")  # a live "daemon" owns the buffer
+    job.claim(buffer)  # a live "daemon" owns the buffer
     loader = BufferLoader(job.buffer, timeout=30, daemon_grace=0.5, stall_timeout=None)
     batches = iter(loader)
     next(batches)
@@ -395,7 +395,7 @@ def test_waits_for_a_manifest_that_appears_later(make_job: MakeJob, buffer: Path
 
 def test_waits_for_a_batch_that_appears_later(make_job: MakeJob) -> None:
     job = make_job()
-    job.claim(os.getpid())  # a live "daemon"
+    job.claim()  # a live "daemon"
     job.write(0, 0)
     loader = BufferLoader(job.buffer, timeout=5, daemon_grace=0.5)
     it = iter(loader)
@@ -420,7 +420,7 @@ def test_looks_at_the_daemon_every_liveness_interval_not_at_every_wait(make_job:
 
     monkeypatch.setattr(liveness, "daemon_owner", counted)
     job = make_job(samples=40, epochs=1)  # 10 batches
-    job.claim(os.getpid())
+    job.claim()
     loader = BufferLoader(job.buffer, timeout=5, daemon_grace=60.0, stall_timeout=None)
     assert loader._waiter.liveness_interval == 1.0
     steps = []
@@ -438,7 +438,7 @@ def test_a_timeout_shorter_than_the_liveness_interval_still_names_the_daemon(mak
     """The wait that times out right after another wait looked at the daemon (so without a look of
     its own) names the live owner, not "no daemon"."""
     job = make_job()
-    job.claim(os.getpid())
+    job.claim()
     loader = BufferLoader(job.buffer, timeout=0.3, daemon_grace=60.0, stall_timeout=None)
     assert loader._waiter.liveness_interval == 1.0
     it = iter(loader)
@@ -451,7 +451,7 @@ def test_a_timeout_shorter_than_the_liveness_interval_still_names_the_daemon(mak
 
 def test_batch_timeout_names_the_batch_and_the_daemon_state(make_job: MakeJob) -> None:
     job = make_job()
-    job.claim(os.getpid())
+    job.claim()
     write_status(job.buffer, status_example(
         State.PAUSED_LOW_SPACE, pid=os.getpid(), message="low tmpfs space: 12 MiB free", heartbeat=time.time(),
         production=production(progress=Position(0, 0), waiting=0, high_water=4,
@@ -472,7 +472,7 @@ def test_batch_timeout_names_the_batch_and_the_daemon_state(make_job: MakeJob) -
 
 def test_daemon_gone_when_the_lock_names_a_dead_pid(make_job: MakeJob, dead_pid: int) -> None:
     job = make_job()
-    job.claim(dead_pid)
+    (job.buffer / "daemon.lock").write_text(f"{dead_pid}\n")  # its daemon died: the kernel let go of its lock
     loader = BufferLoader(job.buffer, timeout=30, daemon_grace=0.2)
     start = time.monotonic()
     with pytest.raises(DaemonGone) as info:
@@ -487,7 +487,7 @@ def test_a_daemon_that_failed_is_not_simply_to_be_restarted(make_job: MakeJob, d
     """Its restart command names the job, not its --max-bad-* limits: followed as it is, it would
     silently change the policy, or fail again for the same cause."""
     job = make_job()
-    job.claim(dead_pid)
+    (job.buffer / "daemon.lock").write_text(f"{dead_pid}\n")  # its daemon died: the kernel let go of its lock
     write_status(job.buffer, Status(pid=dead_pid, state=State.FAILED, heartbeat=time.time(),
                                     message="12 undecodable files, more than --max-bad-samples 10"))
     with pytest.raises(DaemonGone) as info:
@@ -511,7 +511,7 @@ def test_slow_but_beating_daemon_is_not_stuck(make_job: MakeJob) -> None:
     """A "daemon" (this process) that beats but publishes a batch only after more than
     stall_timeout is waited for, not called stuck."""
     job = make_job()
-    job.claim(os.getpid())
+    job.claim()
     stop = threading.Event()
 
     def beat() -> None:
@@ -535,7 +535,7 @@ def test_status_of_another_pid_is_no_heartbeat(make_job: MakeJob) -> None:
     """A fresh-looking status.json left by the previous daemon (another pid) does not vouch for the
     current owner: without a heartbeat of its own it is stuck after stall_timeout."""
     job = make_job()
-    job.claim(os.getpid())
+    job.claim()
     write_status(job.buffer, Status(pid=os.getpid() + 1, state=State.FILLING, heartbeat=time.time() + 3600))
     loader = BufferLoader(job.buffer, timeout=30, stall_timeout=0.5)
     start = time.monotonic()
@@ -546,7 +546,7 @@ def test_status_of_another_pid_is_no_heartbeat(make_job: MakeJob) -> None:
 
 def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> None:
     job = make_job()
-    job.claim(os.getpid())
+    job.claim()
     write_status_at_heartbeat(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
     with pytest.raises(DaemonStuck, match=r"no heartbeat for 10\d\.\d s.*last state filling") as info:
         next(iter(BufferLoader(job.buffer, timeout=30, stall_timeout=60)))
@@ -558,7 +558,7 @@ def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> Non
 
 def test_stall_timeout_none_disables_the_check(make_job: MakeJob) -> None:
     job = make_job()
-    job.claim(os.getpid())
+    job.claim()
     write_status_at_heartbeat(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
     with pytest.raises(LoaderTimeout):
         next(iter(BufferLoader(job.buffer, timeout=0.5, stall_timeout=None)))
@@ -578,7 +578,7 @@ def test_only_the_loaders_of_the_ranks_whose_batches_wait_for_the_storage_wait_o
     for rank, job in enumerate(jobs):
         job.manifest = dataclasses.replace(job.manifest, rank=rank, world_size=2)
         job.manifest.write(job.buffer)
-    (buffer / "daemon.lock").write_text(f"{os.getpid()}\n")
+    jobs[0].claim(buffer)
     outage = StorageWait(since=time.time(), reason="batch e000000-s00000000.tmp: reading s3://b/x.jpg: still failing "
                          "after 6 tries", ranks=(0,))
     stop = threading.Event()

@@ -154,17 +154,15 @@ def test_val_data_needs_somewhere_to_go(tmp_path: Path) -> None:
 
 def test_a_val_buffer_of_a_train_split_is_refused(make_job: MakeJob, tmp_path: Path) -> None:
     """Validating on random crops and flips of the training data measures nothing."""
-    import os
-
     train, val = make_job(tmp_path / "train", write=1), make_job(tmp_path / "val", write=1)  # both split "train"
     for job in (train, val):
-        job.claim(os.getpid())
+        job.claim()
     dm = BufferDataModule(train.buffer, val_buffer=val.buffer, timeout=5)
     dm.prepare_data()
     with pytest.raises(SetupError, match=rf"val_buffer {val.buffer}: its daemon produces the train split"):
         dm.val_dataloader()
     ok = make_job(tmp_path / "val-ok", write=1, split="val")
-    ok.claim(os.getpid())
+    ok.claim()
     good = BufferDataModule(train.buffer, val_buffer=ok.buffer, timeout=5)
     good.prepare_data()
     assert len(good.val_dataloader()) == ok.manifest.steps_per_epoch
@@ -174,10 +172,8 @@ def test_a_val_buffer_of_a_train_split_is_refused(make_job: MakeJob, tmp_path: P
 def test_data_given_to_a_buffer_a_daemon_already_serves_must_match_its_job(make_job: MakeJob, tmp_path: Path) -> None:
     """data= with a daemon already running there: its job is used, so it must be the one asked for (as
     prefetchd-train --spawn-daemon checks), not silently another dataset or batch size."""
-    import os
-
     job = make_job(write=1, batch_size=4)  # dataset_root /data/fake
-    job.claim(os.getpid())  # a live "daemon" owns the buffer: nothing is spawned
+    job.claim()  # a live "daemon" owns the buffer: nothing is spawned
     dm = BufferDataModule(job.buffer, data="/data/other", batch_size=8, epochs=1, timeout=5)
     dm.prepare_data()
     with pytest.raises(SetupError, match=r"produces dataset /data/fake, not /data/other; batch size 4, not 8\. "

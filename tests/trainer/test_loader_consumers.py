@@ -74,7 +74,7 @@ def test_a_named_consumer_joins_at_the_oldest_batch_still_there(make_job: MakeJo
 
 def test_a_waiting_consumer_refreshes_its_progress_file(make_job: MakeJob) -> None:
     job = make_job(samples=12, batch_size=4, write=0)
-    job.claim(os.getpid())  # a live owner: the loader waits instead of raising DaemonGone
+    job.claim()  # a live owner: the loader waits instead of raising DaemonGone
     loader = BufferLoader(job.buffer, normalize=False, timeout=30, daemon_grace=30, consumer="w", start=(0, 0))
     got: list[Any] = []
     waiter = threading.Thread(target=lambda: got.append(next(iter(loader))))
@@ -128,7 +128,7 @@ def test_a_second_live_trainer_on_the_same_consumer_is_refused(make_job: MakeJob
     a position written by a writer that is gone it still puts right."""
     job = make_job(samples=12, batch_size=4, write=0)
     job.write(0, 0)  # and no more: the loader waits for step 1
-    job.claim(os.getpid())  # a live owner: the loader waits instead of raising DaemonGone
+    job.claim()  # a live owner: the loader waits instead of raising DaemonGone
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -167,7 +167,7 @@ def test_a_second_live_trainer_on_the_same_consumer_is_refused(make_job: MakeJob
 def test_two_trainers_that_never_wait_are_caught_taking_turns_at_one_consumer(make_job: MakeJob) -> None:
     """Every batch is there, so neither waits (where the check above runs): a publish looks too."""
     job = make_job(samples=40, batch_size=4, epochs=1, write=1)
-    job.claim(os.getpid())
+    job.claim()
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         loader = BufferLoader(job.buffer, normalize=False, timeout=30, consumer="same")
@@ -197,7 +197,7 @@ def test_a_trainer_of_another_pid_namespace_is_caught_whatever_its_pid_names_her
     """A trainer in another container writing without the lock (it could not take it): its pid means nothing
     here, even where it is this process's own, so its writes are another trainer's."""
     job = make_job(samples=40, batch_size=4, epochs=1, write=1)
-    job.claim(os.getpid())
+    job.claim()
     elsewhere = os.stat("/proc/self/ns/pid").st_ino + 1
     loader = BufferLoader(job.buffer, normalize=False, timeout=30, consumer="same")
     batches = iter(loader)
@@ -226,7 +226,7 @@ def test_a_trainer_starting_while_the_daemon_asks_for_its_lock_is_not_refused(ma
     starting in that moment tries again rather than take the daemon for another trainer.  Here the question
     is held for 0.1 s by another process, longer than the daemon's microseconds."""
     job = make_job(samples=12, batch_size=4, write=3)
-    job.claim(os.getpid())
+    job.claim()
     asking = subprocess.Popen([sys.executable, "-c", HOLD_FOR_A_MOMENT, str(job.buffer / "progress.json.lock")],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -264,7 +264,7 @@ def test_a_second_trainer_on_a_consumer_is_refused_at_once_and_a_dead_ones_consu
     read batches meant for one (stop 42's note).  The first holds the consumer's lock file while its loader
     is open; the second's loader refuses to start, naming the first; a trainer that dies lets go."""
     job = make_job(samples=12, batch_size=4, write=3)
-    job.claim(os.getpid())
+    job.claim()
     first = _trainer(job.buffer, "hold")
     try:
         assert first.stdout is not None and first.stdout.readline() == "reading\n", first.stderr
@@ -305,7 +305,7 @@ def test_this_processs_loaders_of_a_consumer_share_its_lock_until_the_last_lets_
     import gc
 
     job = make_job(samples=12, batch_size=4, write=3)
-    job.claim(os.getpid())
+    job.claim()
     link = tmp_path / "the-same-buffer"
     link.symlink_to(job.buffer)
     first = BufferLoader(job.buffer, normalize=False, timeout=30)
@@ -325,7 +325,7 @@ def test_a_forked_child_keeps_no_consumer_locked_once_its_parent_closes(make_job
     import multiprocessing
 
     job = make_job(samples=12, batch_size=4, write=3)
-    job.claim(os.getpid())
+    job.claim()
     loader = BufferLoader(job.buffer, normalize=False, timeout=30)
     child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
     child.start()
@@ -341,7 +341,7 @@ def test_a_forked_child_keeps_no_consumer_locked_once_its_parent_closes(make_job
 def test_a_lock_file_that_cannot_be_locked_is_warned_about_and_the_loader_reads(
         make_job: MakeJob, caplog: pytest.LogCaptureFixture) -> None:
     job = make_job(samples=12, batch_size=4, write=3)
-    job.claim(os.getpid())
+    job.claim()
     (job.buffer / "progress.json.lock").mkdir()  # planted, or left by something else
     with caplog.at_level("WARNING", logger="prefetchd.trainer.progress_file"):
         with BufferLoader(job.buffer, normalize=False, timeout=30) as loader:
@@ -353,7 +353,7 @@ def test_a_lock_file_that_cannot_be_locked_is_warned_about_and_the_loader_reads(
 def test_a_loader_refused_for_its_arguments_holds_no_consumer(make_job: MakeJob,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     job = make_job(samples=12, batch_size=4, write=3)
-    job.claim(os.getpid())
+    job.claim()
     with pytest.raises(ValueError, match="needs a CUDA device") as refused:  # its traceback kept, as IPython keeps it
         BufferLoader(job.buffer, normalize=False, timeout=30, pin="register")
     with caplog.at_level("WARNING", logger="prefetchd.trainer.progress_file"):

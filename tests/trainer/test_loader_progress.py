@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed h
 
 def test_a_rewound_progress_file_is_written_again_while_the_loader_waits(make_job: MakeJob) -> None:
     job = make_job(samples=12, batch_size=4, write=0)
-    job.claim(os.getpid())  # a live owner: the loader waits instead of raising DaemonGone
+    job.claim()  # a live owner: the loader waits instead of raising DaemonGone
     for step in range(2):
         job.write(0, step)
     loader = BufferLoader(job.buffer, normalize=False, timeout=20, daemon_grace=20)

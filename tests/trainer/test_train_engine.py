@@ -381,7 +381,7 @@ def test_spawn_daemon_uses_a_running_daemon_only_if_it_serves_the_job(
     import os
 
     train_job, _ = jobs(make_job, buffer, epochs=1, write=1)
-    train_job.claim(os.getpid())  # a live "daemon" owns the buffer: nothing is spawned
+    train_job.claim()  # a live "daemon" owns the buffer: nothing is spawned
     args = ["--buffer", str(train_job.buffer), "--spawn-daemon", "--epochs", "1", "--device", "cpu", "-q",
             "--model", SMALL_MODEL, "--threads", "1"]
     result = CliRunner().invoke(main, [*args, "--data", str(tmp_path), "--batch-size", "8"])
@@ -482,7 +482,6 @@ def test_a_wait_that_ends_without_a_batch_saves_the_last_steps_checkpoint_and_re
     """A stop asked for while the trainer waits (a stalled daemon would hold it until the stall bound),
     or the daemon lost there (by default the last checkpoint is an epoch old): the run ends at once with
     a checkpoint of the last step."""
-    import os
     import threading
     import time
 
@@ -494,7 +493,7 @@ def test_a_wait_that_ends_without_a_batch_saves_the_last_steps_checkpoint_and_re
 
     b_train, b_val = jobs(make_job, buffer / "b", write=0)
     for job in (b_train, b_val):
-        job.claim(os.getpid())  # an owner that is alive but writes nothing more: a stalled daemon
+        job.claim()  # an owner that is alive but writes nothing more: a stalled daemon
     steps = b_train.manifest.steps_per_epoch
     written = 2 if waiting_in == "train" else steps  # all of epoch 0's training batches, then no val batch
     for step in range(written):
@@ -540,14 +539,13 @@ def test_a_max_steps_run_stopped_in_its_last_validation_validates_on_resume(
         make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
     """--max-steps on epoch 0's last step, and a stop while that epoch's validation waits: the resume under
     the same --max-steps took the run for done, and epoch 0 never got its validation or its row (review)."""
-    import os
     import threading
     import time
 
     steps = TINY["samples"] // TINY["batch_size"]
     b_train, b_val = jobs(make_job, buffer, write=0)
     for job in (b_train, b_val):
-        job.claim(os.getpid())
+        job.claim()
     for step in range(steps):
         b_train.write(0, step)  # epoch 0 to train, no validation batch yet
     settings = dict(max_steps=steps, checkpoint_dir=tmp_path / "ckpt")
@@ -614,7 +612,6 @@ def test_a_wait_a_stop_ends_counts_as_waiting(make_job: MakeJob) -> None:
     """The seconds a stalled daemon held the pass before a SIGTERM ended its wait were left out of the
     checkpoint's wait_seconds: after the resume the epoch's data-wait share blamed them on compute (review)."""
     import io
-    import os
     import time
 
     from prefetchd.trainer import BufferLoader
@@ -623,7 +620,7 @@ def test_a_wait_a_stop_ends_counts_as_waiting(make_job: MakeJob) -> None:
 
     job = make_job(write=0)
     job.write(0, 0)  # then nothing: an owner alive that builds nothing more
-    job.claim(os.getpid())
+    job.claim()
     loader = BufferLoader(job.buffer, timeout=30)
     first_asked: list[float] = []
 
