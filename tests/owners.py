@@ -1,9 +1,9 @@
 """A daemon owning a buffer, faked for the tests of its readers: daemon.lock naming a pid, and held.
 
-A live daemon holds daemon.lock while its pid is in it (SPEC rule 4): a fake that only writes a pid is a daemon
-that died (the kernel let go of its lock), or one of another pid namespace that died before it said so.  flock
-locks belong to the open file, so this process holding one makes a reader's shared lock on another descriptor,
-its own included, refused.
+A live daemon holds daemon.lock while its pid is in it, and readers take the pid for the buffer's daemon only
+while the file is locked (SPEC rule 4): a fake that only writes a pid is a daemon that died (the kernel let go
+of its lock), or one of another pid namespace that died before it said so.  flock locks belong to the open
+file, so this process holding one makes a reader's shared lock on another descriptor, its own included, refused.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ it (``alive_since``), or, for a consumer's progress, whether its writer is still
 
 Across pid namespaces (the daemon and a trainer in different containers sharing the tmpfs) a pid names no
 process of the reader's, or an unrelated one, so a process of another namespace is judged by a lock it holds
-instead, asked for a moment (``_held``): the daemon by ``daemon.lock``, a trainer by its consumer's lock file."""
+instead, asked for a moment (``_held``): the daemon by ``daemon.lock``, a trainer by its consumer's lock file.
+A daemon of the reader's namespace is judged by both its pid and its lock."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ class DaemonLock:
     but the owner writes it, and nobody runs it.  flock(2) needs only a read-only descriptor, so
     whoever may read the file can also hold the lock and keep a daemon from starting: with
     --group-access that is any member of the buffer's group (systemd/README.md, "who it runs as").
-    A reader of another pid namespace than the daemon's asks whether the lock is held by taking it
-    shared for a moment (``daemon_owner``), so a daemon refused it tries again briefly (``take_lock``).
+    A reader asks whether the lock is held by taking it shared for a moment (``daemon_owner``), so a
+    daemon refused it tries again briefly (``take_lock``).
     """
 
     LOCK_MODE = 0o644
@@ -381,8 +382,11 @@ def daemon_owner(buffer: Dir, status: Status | None = None) -> DaemonOwner | Non
     namespace than this process's (a daemon on the host or in another container sharing the tmpfs), the pid
     names no process here, or an unrelated one (pid 1 of a container is the host's init): that daemon runs
     while the lock is held (``_held``; an flock is the kernel's, one for every namespace).  Otherwise it runs
-    when a process has the pid, started before the lock file's mtime (which rules out a pid reused after the
-    owner died) and runs as the file's owner.
+    while the lock is held too, and a process has the pid, started before the lock file's mtime (which rules
+    out a pid reused after the owner died) and runs as the file's owner.  The lock alone would let whoever
+    can read the file pass for a daemon (``DaemonLock``); the pid alone took the host's init for a daemon of
+    another namespace killed before its first status said so, which leaves its own pid 1 in the file.  On a
+    filesystem without flock the pid alone decides.
     """
     buffer = owning_buffer(buffer)
     try:
@@ -396,10 +400,13 @@ def daemon_owner(buffer: Dir, status: Status | None = None) -> DaemonOwner | Non
             return None
         pid = int(text)
         namespace = _namespace_of(buffer, pid, status)
+        held = _held(fd)
         if namespace is not None:
-            return DaemonOwner(pid, namespace) if _held(fd) else None
+            return DaemonOwner(pid, namespace) if held else None
     finally:
         os.close(fd)
+    if held is False:  # let go: whatever process has that pid here now, no daemon owns the buffer
+        return None
     try:
         return DaemonOwner(pid) if _started_by(pid, st.st_mtime) and _runs_as(pid, st.st_uid) else None
     except psutil.AccessDenied:

@@ -1,6 +1,6 @@
-"""Which daemon owns a buffer (SPEC rules 4 and 8): by the pid in daemon.lock in the reader's own pid namespace,
-by the lock itself where the daemon's status says it is of another one (the daemon on the host or in another
-container sharing the tmpfs, the reader in this one).  Real daemons in another pid namespace:
+"""Which daemon owns a buffer (SPEC rules 4 and 8): while daemon.lock is held, by the pid in it in the reader's own
+pid namespace, by the lock alone where the daemon's status says it is of another one (the daemon on the host or in
+another container sharing the tmpfs, the reader in this one).  Real daemons in another pid namespace:
 tests/integration/test_daemon_pid_namespace.py."""
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prefetchd.buffer_protocol import (BufferBusy, DaemonLock, DaemonOwner, ProtocolError, State, Status, daemon_owner,
                                       daemon_pid, lock_holders, read_status, write_status)
 from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS
 from prefetchd.buffer_protocol.layout import LOCK_NAME, STATUS_NAME
+from tests.owners import owned
 from tests.pid_namespace import foreign_lock_holder, free_pid, unavailable
 from tests.status_examples import status as status_example
 
@@ -83,6 +85,26 @@ def test_a_daemon_of_another_pid_namespace_is_judged_by_its_lock_not_its_pid(shm
     assert daemon_owner(shm_dir) is None
     taken = DaemonLock(shm_dir)
     taken.acquire()  # the questions kept nothing locked
+    taken.release()
+
+
+@pytest.mark.parametrize("named", ["init", "this test's process"])
+def test_a_lock_nobody_holds_names_no_daemon_whatever_process_has_its_pid(shm_dir: Path, named: str) -> None:
+    """A daemon of another pid namespace killed before its first status.json said so leaves daemon.lock naming its
+    own pid there (1, its namespace's init), let go.  Here that pid is a live process older than the file, run as
+    the file's owner (the host's init, for root): it was taken for the daemon, so `prefetchd status` said running.
+    Nobody holds the lock: no daemon runs, whatever has the pid."""
+    pid = 1 if named == "init" else os.getpid()
+    if psutil.Process(pid).uids().effective != os.geteuid():
+        pytest.skip(f"pid {pid} runs as another user than this test: the pid alone rules it out")
+    lock = shm_dir / LOCK_NAME
+    lock.write_text(f"{pid}\n")
+    assert daemon_owner(shm_dir) is None and daemon_pid(shm_dir) is None
+    with owned(shm_dir, pid):  # the same file, held: the pid passes every other check
+        assert daemon_owner(shm_dir) == DaemonOwner(pid) and daemon_pid(shm_dir) == pid
+    assert lock.read_text() == f"{pid}\n" and daemon_owner(shm_dir) is None
+    taken = DaemonLock(shm_dir)
+    taken.acquire()  # a daemon starting there takes it, and the questions kept nothing locked
     taken.release()
 
 

@@ -715,6 +715,7 @@ def test_daemon_pid_without_a_live_owner(tmp_path: Path) -> None:
         assert daemon_pid(tmp_path) is None
         os.utime(lock)
         assert daemon_pid(tmp_path) == os.getpid()
+    assert daemon_pid(tmp_path) is None, "let go: whatever the pid in it names, no daemon holds the buffer"
 
 
 def test_the_augmentation_field_reads_back_as_start_options() -> None:

@@ -304,6 +304,17 @@ def test_status_ignores_a_stale_pid(runner: CliRunner, tmp_path: Path) -> None:
     assert runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)]).exit_code == 3
 
 
+def test_status_of_a_lock_nobody_holds_is_not_running(runner: CliRunner, tmp_path: Path) -> None:
+    """daemon.lock naming a live process older than it, of its owner, held by nobody: what a daemon of another pid
+    namespace killed before its first status leaves, naming its pid 1 there, the host's init (SPEC rule 4)."""
+    (tmp_path / LOCK).write_text(f"{os.getpid()}\n")
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"])
+    assert result.exit_code == 3 and json.loads(result.output)["running"] is False, result.output
+    with owned(tmp_path):  # held, by the process it names: running
+        result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
+        assert result.exit_code == 0 and f"running (pid {os.getpid()})" in result.output, result.output
+
+
 def test_status_reports_a_corrupt_status_file(runner: CliRunner, tmp_path: Path) -> None:
     (tmp_path / "status.json").write_text("{not json")
     result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"])
