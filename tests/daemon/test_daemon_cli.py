@@ -398,9 +398,10 @@ def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, sh
     (shm_buffer / LOCK).touch()
     os.chown(shm_buffer / LOCK, 65534, 65534)  # as the owner made it
     # util-linux's flock, not this interpreter, which nobody may not run where it lives under root's home (CI's
-    # Python 3.10); its child says when the lock is held, and setpriv execs it: the pid holds the lock.
+    # Python 3.10); its command says when the lock is held, and setpriv and flock (--no-fork) exec: the pid holds the lock,
+    # and its kill lets go of it.
     owner = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "flock", "--exclusive",
-                              shm_buffer / LOCK, "sh", "-c", "echo; exec sleep 60"], stdout=subprocess.PIPE)
+                              "--no-fork", shm_buffer / LOCK, "sh", "-c", "echo; exec sleep 60"], stdout=subprocess.PIPE)
     try:
         assert owner.stdout is not None and owner.stdout.readline() == b"\n"  # it holds the lock, as a daemon does
         (shm_buffer / LOCK).write_text(f"{owner.pid}\n")  # written after the owner started: its lock
