@@ -2,7 +2,8 @@
 
 ``BufferLoader`` (in ``loader``) is the reader; ``train`` is the entry point of the
 reference trainer behind the ``prefetchd-train`` command (its rooms: ``config``,
-``preflight``, ``engine``, ``passes``, ``model``, ``checkpoint``, ``spawn``, ``report``, ``ranks``).
+``preflight``, ``engine``, ``passes``, ``model``, ``checkpoint``, ``spawn``, ``report``, ``ranks``,
+``rank_store``, ``collective``).
 """
 
 from prefetchd.trainer.errors import (

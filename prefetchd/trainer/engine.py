@@ -35,12 +35,13 @@ from prefetchd.trainer.checkpoint import (
     CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointPlan, Checkpointer, check_resumable, load_checkpoint, rng_state,
     set_rng_state,
 )
+from prefetchd.trainer.collective import Collective
 from prefetchd.trainer.config import TrainConfig, plain_config
 from prefetchd.trainer.errors import CheckpointError
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.model import build_model, build_optimizer, check_last_batch, warmup_cosine
 from prefetchd.trainer.passes import TOP_K, PassState, PassStats, Recover, pass_stats, run_pass
-from prefetchd.trainer.ranks import Collective, Ranks
+from prefetchd.trainer.ranks import Ranks
 from prefetchd.trainer.report import ProgressLine, metrics_document, write_metrics
 from prefetchd.words import counted
 

@@ -11,10 +11,12 @@ from typing import Any
 import torch
 
 from prefetchd.trainer.checkpoint import CheckpointPlan, Checkpointer, existing_checkpoint
+from prefetchd.trainer.collective import Collective
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.errors import CheckpointError, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
-from prefetchd.trainer.ranks import Collective, Ranks, differs_between_ranks
+from prefetchd.trainer.rank_store import differs_between_ranks
+from prefetchd.trainer.ranks import Ranks
 from prefetchd.trainer.report import metrics_unwritable
 from prefetchd.words import counted
 

@@ -44,6 +44,7 @@ import torch
 from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.options import click_options
 from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
+from prefetchd.trainer.collective import Collective, is_peer_failure, peer_failed
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
 from prefetchd.trainer.model import check_model_name
 from prefetchd.trainer.engine import Run
@@ -53,7 +54,7 @@ from prefetchd.trainer.errors import (CheckpointError, DaemonGone, DaemonStuck, 
                                       SetupError)
 from prefetchd.trainer.gpu import PinMode
 from prefetchd.trainer.loader import BufferLoader
-from prefetchd.trainer.ranks import Collective, Ranks, is_peer_failure, peer_failed, wait_for_stream
+from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.spawn import (
     SpawnedDaemon, check_served_job, check_spawn_options, check_split, restarter, spawn_daemon,
 )

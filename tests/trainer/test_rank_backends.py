@@ -21,15 +21,18 @@ import torch
 
 import tests.torchrun
 
+from prefetchd.trainer.collective import Collective
 from prefetchd.trainer.errors import SetupError
-from prefetchd.trainer.ranks import Collective, Ranks, agree_on_backend, make_store
+from prefetchd.trainer.rank_store import agree_on_backend, make_store
+from prefetchd.trainer.ranks import Ranks
 
 SCRIPT = r"""
 import sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 from prefetchd.trainer.errors import SetupError
-from prefetchd.trainer.ranks import Ranks, agree_on_backend
+from prefetchd.trainer.rank_store import agree_on_backend
+from prefetchd.trainer.ranks import Ranks
 ranks = Ranks.from_env()
 device = sys.argv[1].split(",")[ranks.rank]
 if device == "absent":  # a rank that never comes to the exchange
@@ -100,8 +103,9 @@ def test_without_torchruns_agent_store_and_a_store_given_nothing_is_exchanged() 
 HAND_LAUNCHED = r"""
 import sys, time
 import torch, torch.distributed as dist
+from prefetchd.trainer.collective import Collective
 from prefetchd.trainer.errors import SetupError
-from prefetchd.trainer.ranks import Collective, Ranks
+from prefetchd.trainer.ranks import Ranks
 ranks = Ranks.from_env()
 device = sys.argv[1].split(",")[ranks.rank]
 started = time.monotonic()

@@ -117,7 +117,7 @@ def test_under_torchrun_cuda_means_the_local_ranks_gpu(monkeypatch: pytest.Monke
 
 def test_ranks_with_different_step_counts_are_refused_before_ddp_could_hang(make_job: MakeJob) -> None:
     from prefetchd.trainer import BufferLoader
-    from prefetchd.trainer.ranks import Collective
+    from prefetchd.trainer.collective import Collective
     from prefetchd.trainer.preflight import check_equal_steps
 
     class TwoRanks(Collective):
@@ -133,7 +133,7 @@ def test_ranks_with_different_step_counts_are_refused_before_ddp_could_hang(make
 
 def test_ranks_resolving_different_epochs_are_told_to_pass_the_same_epochs(make_job: MakeJob) -> None:
     from prefetchd.trainer import BufferLoader
-    from prefetchd.trainer.ranks import Collective
+    from prefetchd.trainer.collective import Collective
     from prefetchd.trainer.preflight import check_equal_steps
 
     class TwoRanks(Collective):

@@ -15,7 +15,8 @@ SCRIPT = r"""
 import sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from prefetchd.trainer.ranks import Collective, Ranks
+from prefetchd.trainer.collective import Collective
+from prefetchd.trainer.ranks import Ranks
 # The caller's own process group, with a default timeout far shorter than the other rank's wait below.
 dist.init_process_group("gloo", timeout=timedelta(seconds=float(sys.argv[1])))
 coll = Collective.start(Ranks.from_env(), torch.device("cpu"))
