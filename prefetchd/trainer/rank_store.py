@@ -131,8 +131,16 @@ def agree_on_backend(ranks: Ranks, device: torch.device, environ: Mapping[str, s
     store.set(keys[ranks.rank], str(device))
     try:
         store.wait(keys, timeout)
-    except dist.DistStoreError:
-        missing = ", ".join(f"rank {rank}" for rank, key in enumerate(keys) if not store.check([key]))
+    except dist.DistError as exc:  # out of time (DistStoreError), or the store's server gone (DistNetworkError)
+        try:
+            missing = ", ".join(f"rank {rank}" for rank, key in enumerate(keys) if not store.check([key]))
+        except dist.DistError:  # rank 0, serving make_store's store, failed or ran out of waiting first
+            told = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise SetupError(
+                f"rank {ranks.rank} lost the ranks' store while it waited for every rank's device before making the "
+                f"process group ({told}); its server is rank 0's (launched without torchrun) or torchrun's agent's "
+                "on rank 0's box, whose output says why it left"
+            ) from None
         raise SetupError(
             f"rank {ranks.rank} waited {timeout.total_seconds():g} s for every rank's device before making the "
             f"process group, and these never said theirs: {missing}; the output of their boxes says why"

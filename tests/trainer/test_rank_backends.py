@@ -214,6 +214,35 @@ def test_a_rank_that_cannot_reach_rank_0s_store_names_the_address() -> None:
         make_store(Ranks(rank=1, world_size=2, local_world_size=1), env, timeout=timedelta(seconds=1))
 
 
+def test_a_rank_whose_store_server_leaves_mid_wait_says_so_not_a_traceback() -> None:
+    """Rank 0 serves make_store's store and may leave first (it failed, or ran out of waiting for a rank that
+    never came): a rank still waiting got torch's DistNetworkError "Failed to recv" from the wait, and again from
+    asking which ranks had said theirs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, torch.distributed as dist\n"
+        f"store = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
+        "print('serving', flush=True)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "serving\n"
+        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        assert server.stdin is not None
+        server.stdin.close()  # rank 0 leaves now, while rank 1 waits below for rank 0's device
+        started = time.monotonic()
+        with pytest.raises(SetupError) as refused:
+            agree_on_backend(Ranks(rank=1, world_size=2, local_world_size=1), torch.device("cpu"), {},
+                             timeout=timedelta(seconds=30), store=store)
+        assert time.monotonic() - started < 20, "told when the server left, not at the timeout"
+    finally:
+        server.kill()
+        server.wait()
+    assert str(refused.value).startswith("rank 1 lost the ranks' store while it waited for every rank's device ")
+    assert "rank 0's box" in str(refused.value)
+
+
 TRAINER = r"""
 import os, sys
 from prefetchd.trainer.train import main
