@@ -349,14 +349,18 @@ class BufferLoader:
             self._publish()
             return None
         asked = time.monotonic()
-        if self._feeder is None:
-            key = (self._epoch, self._step)
-            mapped = self._wait_for_batch(*key)
-            self._check(mapped, *key)
-            batch = to_batch(mapped, *key, self._device, self._normalized)
-        else:
-            batch = self._next_on_device(self._feeder)
-        self._waits.add(asked, time.monotonic())
+        # Counted while it goes on: the progress file rewritten during the wait says the trainer waits.
+        self._waits.begin(asked)
+        try:
+            if self._feeder is None:
+                key = (self._epoch, self._step)
+                mapped = self._wait_for_batch(*key)
+                self._check(mapped, *key)
+                batch = to_batch(mapped, *key, self._device, self._normalized)
+            else:
+                batch = self._next_on_device(self._feeder)
+        finally:  # a wait that ended in an error (a timeout, a stop) was time spent waiting all the same
+            self._waits.add(asked, time.monotonic())
         self._handed_out += 1
         # Handed over: the position moves now (state_dict reflects it), progress.json
         # only when the consumer comes back (see the module docstring).

@@ -753,6 +753,27 @@ def test_wait_meter_share_of_recent_time() -> None:
     assert old.share() == pytest.approx(2 / 3, abs=0.01)  # 1 s waited in the 1.5 s since the kept span began
 
 
+def test_wait_meter_counts_the_wait_going_on_once() -> None:
+    """A wait not yet ended counts up to now (a stuck trainer reads as waiting), and once it ends
+    the share is the same as it was just before: the wait is counted once, not twice."""
+    from prefetchd.trainer.batch import WaitMeter
+
+    meter = WaitMeter(window=30.0)
+    now = time.monotonic()
+    meter.begin(now - 10)  # the first wait alone tells nothing
+    assert meter.share() is None
+    meter.add(now - 10, now - 9)
+    meter.begin(now - 8)  # still waiting: 1 s + 8 s of the 10 s since the first wait
+    assert meter.share() == pytest.approx(0.9, abs=0.01)
+    meter.add(now - 8, time.monotonic())
+    assert meter.share() == pytest.approx(0.9, abs=0.01)
+    stuck = WaitMeter(window=2.0)
+    stuck.add(now - 10, now - 9.9)
+    stuck.add(now - 9.8, now - 9.7)
+    stuck.begin(now - 9.6)  # waiting for longer than the window: all of it
+    assert stuck.share() == pytest.approx(1.0)
+
+
 def test_wait_meter_running_total_matches_a_full_pass() -> None:
     """The share kept by a running total equals the sum over every span, through thousands of spans
     that enter and leave the window (a span straddling its edge counts in part)."""

@@ -1,5 +1,6 @@
 """progress.json as the loader keeps it under faults: rewritten while waiting when someone else
-rewound or damaged it, and retried (not fatal) while the tmpfs is full."""
+rewound or damaged it, retried (not fatal) while the tmpfs is full, and saying that the trainer
+waits while it waits."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from prefetchd.buffer_protocol import Progress
+from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer import BufferLoader, LoaderError
 from prefetchd.trainer import progress_file
 from tests.conftest import mounted_tmpfs
@@ -47,6 +49,39 @@ def test_a_rewound_progress_file_is_written_again_while_the_loader_waits(make_jo
     assert restored == Progress(0, 2), "the waiting loader must put its position back"
     assert got and got[0].step == 2
     loader.close()
+
+
+def test_a_trainer_stuck_waiting_for_a_batch_reads_as_waiting_while_it_waits(make_job: MakeJob) -> None:
+    """The wait share written while the loader waits (a storage outage) counts the wait going on:
+    the daemon's status and prefetchd_trainer_wait_share say near 100 %, not the 0 % of the
+    batches that came at once, and the share written once the batch came is not counted twice."""
+    job = make_job(samples=12, batch_size=4, write=0)
+    job.claim(os.getpid())  # a live owner: the loader waits instead of raising DaemonGone
+    for step in range(2):
+        job.write(0, step)
+    loader = BufferLoader(job.buffer, normalize=False, timeout=30, daemon_grace=30, stall_timeout=None)
+    it = iter(loader)
+    next(it)
+    next(it)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(next(it)))
+    waiter.start()  # publishes (0, 2) and waits for that batch, rewriting progress.json as it waits
+    shares: list[float] = []  # as written while it waits, each once
+    deadline = time.monotonic() + 3 * PROGRESS_REFRESH_SECONDS + 2
+    while time.monotonic() < deadline and not (shares and shares[-1] >= 0.9):
+        time.sleep(0.05)
+        written = Progress.read(job.buffer)
+        share = written.wait_share if written is not None and (written.epoch, written.step) == (0, 2) else None
+        if share is not None and share not in shares[-1:]:
+            shares.append(share)
+    job.write(0, 2)
+    waiter.join(20)
+    assert got and got[0].step == 2
+    assert shares and shares[-1] >= 0.9, \
+        f"the shares written while the loader waited were {shares}: a stuck trainer must read as waiting"
+    loader.close()  # publishes the share with the wait ended: one span, counted once
+    after = Progress.read(job.buffer)
+    assert after is not None and after.wait_share is not None and 0.9 <= after.wait_share <= 1.0
 
 
 @pytest.mark.root
