@@ -40,6 +40,7 @@ batch until no consumer's window holds it.  A named consumer starts, unless told
 where, at the oldest batch still in the buffer; while it waits for a batch it
 rewrites its progress file every ``PROGRESS_REFRESH_SECONDS`` so that the daemon
 sees it is there, and ``close()`` marks the file closed so that it holds nothing.
+A loader still open when the interpreter exits closes then (``_close_at_exit``).
 
 Waiting for the manifest and for each batch, and telling a slow daemon from a
 stuck or a gone one, is ``prefetchd.trainer.liveness``; checking a mapped batch
@@ -109,6 +110,22 @@ class _EpochIterator:
             self._done = True
             raise StopIteration
         return batch
+
+
+def _close_at_exit(ref: weakref.ReferenceType[BufferLoader], pid: int) -> None:
+    """Close a loader still open when the interpreter exits (a ``weakref.finalize``, which atexit runs;
+    through a weak reference, so it keeps no loader alive): a script that ends without ``close()``
+    leaves as one that closed, rather than looking like a trainer that went away.  A trainer killed
+    (SIGKILL, a segfault, ``os._exit``) runs no atexit, and the daemon still sees it gone."""
+    loader = ref()
+    if loader is None or os.getpid() != pid:  # collected (a call from its own finalizer), or a forked child's copy
+        return
+    if not loader.buffer.is_dir():  # removed meanwhile: no daemon to tell; the loader's finalizers let go
+        return
+    try:
+        loader.close()
+    except Exception as exc:  # nothing is left to raise it to; the daemon may take the trainer for gone
+        logger.warning("closing the BufferLoader for %s at exit: %s", loader.buffer, exc)
 
 
 class BufferLoader:
@@ -236,6 +253,8 @@ class BufferLoader:
                 except BaseException:  # a loader that was never made holds no consumer
                     self._progress.release()
                     raise
+        # Made last, so that at exit it runs before the feeder's and the lock's finalizers (newest first).
+        self._exit_close = weakref.finalize(self, _close_at_exit, weakref.ref(self), os.getpid())
 
     def _attach_feeder(self, backend: Backend, mode: PinMode, prefetch: int) -> None:
         """Send batches through a :class:`DeviceFeeder` on ``backend`` (also how tests fake CUDA)."""
@@ -542,7 +561,11 @@ class BufferLoader:
 
     def close(self) -> None:
         """Mark the batch handed over last as consumed, say in the progress file that this consumer left,
-        end all iterators and release the pinned host memory of the device path."""
+        end all iterators and release the pinned host memory of the device path.
+
+        A loader still open when the interpreter exits (a script's end, also by an uncaught exception, as
+        a ``with`` block would on it) is closed then, so that the daemon says the trainer left, not that
+        it went away; one whose process is killed is not, and is gone to the daemon."""
         if self._closed:
             return
         self._drain(self._ahead)
@@ -560,6 +583,7 @@ class BufferLoader:
         self._closed = True
         self._progress.release()
         self._generation += 1
+        self._exit_close.detach()
 
     def __enter__(self) -> BufferLoader:
         return self

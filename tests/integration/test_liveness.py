@@ -104,12 +104,26 @@ def test_killed_daemon_is_reported_gone_with_a_restart_that_resumes(shapes_data:
     assert restarted.proc.poll() in (None, 0)  # took the buffer over as the same job, no refusal
 
 
-# It exits without closing its loader, as a trainer that crashes does.
+# It dies without closing its loader, as a trainer that crashes (OOM-killed, a segfault) does.
 TRAINER = """
-import sys
+import os, signal, sys
 from prefetchd.trainer import BufferLoader
 it = iter(BufferLoader(sys.argv[1], normalize=False, timeout=60))
 next(it), next(it)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+# A stock training script (docs/DROP_IN.md): it reads and ends, without loader.close(); argv[2], when
+# given, ends it with an uncaught exception instead.
+DROP_IN_TRAINER = """
+import sys
+from prefetchd.trainer import BufferLoader
+loader = BufferLoader(sys.argv[1], normalize=False, timeout=60)
+for step, (images, labels) in enumerate(loader):
+    if step == 1:
+        break
+if len(sys.argv) > 2:
+    raise RuntimeError(sys.argv[2])
 """
 
 
@@ -117,7 +131,7 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
     buffer = shm_dir / "bf"
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "3", "--low-water", "1")
     trainer = subprocess.run([sys.executable, "-c", TRAINER, str(buffer)], capture_output=True, text=True, timeout=120)
-    assert trainer.returncode == 0, trainer.stderr
+    assert trainer.returncode == -signal.SIGKILL, trainer.stderr
 
     def trainer_is(alive: bool) -> bool:
         p = production_of(buffer)
@@ -156,6 +170,41 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
     time.sleep(2.5)  # a few more status periods
     assert daemon.log.count("has gone away") == 1, daemon.log
     assert daemon.log.count("is back") == 1
+
+
+def test_a_script_that_ends_without_closing_its_loader_left_and_is_not_gone(shapes_data: Path, shm_dir: Path,
+                                                                             start_daemon) -> None:
+    """A loader still open at the interpreter's exit closes then: the daemon says the trainer left (an
+    INFO line), not that it went away, and so does a script ended by an uncaught exception (as its
+    loader would have in a with block)."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "3", "--low-water", "1")
+
+    def script(*args: str) -> tuple[int, int, str]:
+        """(pid, exit code, stderr) of DROP_IN_TRAINER run to its end."""
+        proc = subprocess.Popen([sys.executable, "-c", DROP_IN_TRAINER, str(buffer), *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _, stderr = proc.communicate(timeout=120)
+        return proc.pid, proc.returncode, stderr
+
+    def left(pid: int) -> bool:
+        p = production_of(buffer)
+        return (p is not None and p.trainer.pid == pid and p.trainer.alive is False
+                and f"trainer pid {pid} left (closed its loader" in format_status(describe_status(buffer)))
+
+    pid, code, stderr = script()
+    assert code == 0 and stderr == "", stderr
+    wait_for(lambda: left(pid), 30, "the status to say the trainer left")
+    written = Progress.read(buffer)
+    assert written is not None and written.closed and (written.epoch, written.step) == (0, 2)  # both consumed
+    wait_for(lambda: "the trainer of rank 0 left at epoch 0 step 2" in daemon.log, 30, "the log to say it left")
+
+    pid, code, stderr = script("a bug in the training step")
+    assert code == 1 and "RuntimeError: a bug in the training step" in stderr, stderr
+    assert stderr.count("Traceback") == 1 and "at exit" not in stderr, stderr  # closing at exit said nothing
+    wait_for(lambda: left(pid), 30, "the status to say the second trainer left")
+    time.sleep(2.5)  # a few more status periods
+    assert "gone away" not in daemon.log, daemon.log
 
 
 def trainer_pid(buffer: Path) -> int | None:

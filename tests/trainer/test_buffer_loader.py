@@ -3,6 +3,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -261,6 +263,33 @@ def test_close_marks_the_last_batch_consumed(make_job: MakeJob) -> None:
     assert progress(job.buffer) == (0, 2)
     with pytest.raises(LoaderError, match="closed"):
         iter(loader)
+
+
+# A script that never closes its loader; the child it forks ends its interpreter normally, atexit and all.
+FORKS_AND_ENDS = """
+import os, sys
+from prefetchd.buffer_protocol import Progress
+from prefetchd.trainer import BufferLoader
+loader = BufferLoader(sys.argv[1], normalize=False, timeout=5)
+it = iter(loader)
+next(it)
+if os.fork() == 0:
+    sys.exit(0)
+os.wait()
+print(Progress.read(sys.argv[1]).closed)
+"""
+
+
+def test_a_loader_still_open_at_exit_closes_in_its_own_process_only(make_job: MakeJob) -> None:
+    """The interpreter's exit closes a loader the script left open, as close() would (the batch handed
+    over last consumed, the file saying it left); a forked child's exit leaves its parent's loader alone."""
+    job = make_job(write=1)
+    ended = subprocess.run([sys.executable, "-c", FORKS_AND_ENDS, str(job.buffer)], capture_output=True, text=True,
+                           timeout=120)
+    assert ended.returncode == 0 and ended.stderr == "", ended.stderr
+    assert ended.stdout == "False\n", "the forked child's exit closed its parent's loader"
+    written = Progress.read(job.buffer)
+    assert written is not None and written.closed and (written.epoch, written.step) == (0, 1)
 
 
 # -- resume ---------------------------------------------------------------------------
