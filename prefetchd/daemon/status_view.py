@@ -187,7 +187,7 @@ def format_status(report: StatusReport) -> str:
     if report.rank is not None:
         lines.append(f"  stream    rank {report.rank} of the daemon on {report.owner}: its trainer and fill; "
                      "the rates, memory and errors are the whole daemon's")
-    if report.stale:  # then nothing below is of now: "alive", "moved 2 s ago" and the rates are as the daemon last saw
+    if report.stale:  # then nothing below is of now: "alive", "written 2 s ago" and the rates are as the daemon last saw
         age = f"{report.heartbeat_age_s:.0f} s"
         lines.append(f"  WARNING  no heartbeat for {age}: the daemon may be stuck, and the figures below are its last "
                      f"status's, {age} old or more")
@@ -368,7 +368,7 @@ def _all_left(pr: Production) -> bool:
 
 
 def _trainer_note(trainer: TrainerStatus, left: bool = False) -> str:
-    """"; trainer pid 123 alive, progress moved 4 s ago" from status.json's ``trainer``; "" when unknown."""
+    """"; trainer pid 123 alive, progress written 4 s ago" from status.json's ``trainer``; "" when unknown."""
     if trainer.pid is None:
         return ""
     state = trainer.alive
@@ -377,8 +377,8 @@ def _trainer_note(trainer: TrainerStatus, left: bool = False) -> str:
     gone = f"left (closed its loader; {keeps})" if left else f"GONE ({keeps})"
     alive = "alive" if state is True else gone if state is False else "?"
     age = trainer.progress_age_s
-    moved = f", progress moved {age:.0f} s ago" if age is not None else ""
-    return f"; trainer {writer_named(trainer)} {alive}{moved}"
+    wrote = f", progress written {age:.0f} s ago" if age is not None else ""
+    return f"; trainer {writer_named(trainer)} {alive}{wrote}"
 
 
 def fill_bar(waiting: int, high: int, width: int = 24) -> str:

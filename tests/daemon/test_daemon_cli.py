@@ -480,7 +480,7 @@ def test_status_says_how_many_samples_the_split_holds_where_val_fraction_cut_it(
 
 
 def test_a_stale_status_says_its_figures_are_as_old_as_its_last_heartbeat() -> None:
-    """A SIGSTOPped daemon's status said "trainer pid 777 alive, progress moved 0 s ago" as if of now."""
+    """A SIGSTOPped daemon's status said "trainer pid 777 alive, progress written 0 s ago" as if of now."""
     stale = status_view.format_status(report(status_example(), stale=True, heartbeat_age_s=13.2))
     assert stale.splitlines()[1] == ("  WARNING  no heartbeat for 13 s: the daemon may be stuck, and the figures below "
                                      "are its last status's, 13 s old or more")
@@ -614,7 +614,7 @@ def test_status_says_whether_a_trainers_pid_is_of_this_pid_namespace(runner: Cli
     finally:
         lock.release()
     assert text.exit_code == 0, text.output
-    assert f"; trainer {named} alive, progress moved 0 s ago" in text.output, text.output
+    assert f"; trainer {named} alive, progress written 0 s ago" in text.output, text.output
     assert f"  consumer  trial-3 at epoch 1 step 40; {named} alive, wrote 0 s ago; window 32" in text.output, text.output
     assert "of another pid namespace" not in text.output.replace(named, ""), text.output  # nothing else said so
     assert doc["command_pid_namespace"] == OURS

@@ -146,7 +146,7 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
     wait_for(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
     assert len(list_batches(buffer)) == 3
     text = format_status(describe_status(buffer))
-    assert f"trainer pid {trainer_pid(buffer)} GONE (the daemon fills the buffer" in text and "progress moved" in text
+    assert f"trainer pid {trainer_pid(buffer)} GONE (the daemon fills the buffer" in text and "progress written" in text
     time.sleep(2.5)  # a few more status periods: still one message
     assert daemon.log.count("has gone away") == 1, daemon.log
     assert f"trainer (pid {trainer_pid(buffer)}) has gone away" in daemon.log
