@@ -495,23 +495,32 @@ def test_accelerate_diff_resumes_mid_epoch_exactly(
     pytest.importorskip("accelerate")
     after = write_after("ACCELERATE_BEFORE", ACCELERATE_BEFORE, tmp_path)
     train_buffer, val_buffer = shm_dir / "train", shm_dir / "val"
-    start_daemon(train_buffer, "--data", shapes_data / "train", "--seed", "5", *DAEMON)
-    start_daemon(val_buffer, "--data", shapes_data / "val", "--split", "val", "--seed", "5", *DAEMON)
-    args = ["--train-buffer", str(train_buffer), "--val-buffer", str(val_buffer), "--epochs", "2",
+    daemons = [start_daemon(train_buffer, "--data", shapes_data / "train", "--seed", "5", *DAEMON),
+               start_daemon(val_buffer, "--data", shapes_data / "val", "--split", "val", "--seed", "5", *DAEMON)]
+    args = ["--train-buffer", str(train_buffer), "--val-buffer", str(val_buffer),
             "--num-classes", "3", "--cpu", "--checkpointing-steps", "4"]
     spy = Spy(monkeypatch)
-    result = run_script(after, [*args, "--output-dir", str(tmp_path / "full")], capsys)
+    result = run_script(after, [*args, "--epochs", "2", "--output-dir", str(tmp_path / "full")], capsys)
     n_train = len(ImageFolder(str(shapes_data / "train")).samples)
     assert result["train_samples"] == n_train and math.isfinite(result["train_loss"])
     uninterrupted = received_since(spy, train_buffer, 0)
 
-    # Killed at step 4 of epoch 1 (global step 13); step_12 was saved after epoch 1's step 2.
+    # Killed at step 4 of epoch 1 (global step 13); step_12 was saved after epoch 1's step 2.  The
+    # resumed run trains on to the daemons' last epoch, 2, as the first run's --epochs 3 would have.
     out = tmp_path / "killed"
     spy.kill = (str(train_buffer), KILL_AT)
     with pytest.raises(Killed):
-        run_script(after, [*args, "--output-dir", str(out)], capsys)
+        run_script(after, [*args, "--epochs", "2", "--output-dir", str(out)], capsys)
     start = count(spy, train_buffer)
-    result = run_script(after, [*args, "--output-dir", str(out), "--resume-from-checkpoint", str(out / "step_12")],
-                        capsys)
+    result = run_script(after, [*args, "--epochs", "3", "--output-dir", str(out),
+                                "--resume-from-checkpoint", str(out / "step_12")], capsys)
+    assert result["epoch"] == 2
     steps = -(-n_train // 8)
-    check_resume_is_exact(uninterrupted, received_since(spy, train_buffer, start), (1, 3), steps)
+    resumed = received_since(spy, train_buffer, start)
+    check_resume_is_exact(uninterrupted, resumed[: 2 * steps - 12], (1, 3), steps)
+    assert epoch_steps(resumed[2 * steps - 12:]) == [(2, s) for s in range(steps)]
+    # eval_dataloader.set_epoch(epoch) told the val daemon each epoch: the resumed run validated its epochs
+    # 1 and 2 (not the daemon's 0 and 1 again), so both daemons reached their --epochs 3 and ended.
+    assert Progress.read(val_buffer) == Progress(3, 0), Progress.read(val_buffer)
+    for daemon in daemons:
+        assert daemon.wait_exit(60) == 0, daemon.log
