@@ -1,25 +1,31 @@
-"""Samples that could not be decoded: the distinct files counted once each (and named in the status,
-the first ``MAX_LISTED_BAD_FILES``), and the policy that stops the job over them (--strict,
---max-bad-samples, --max-bad-fraction)."""
+"""Samples that could not be used: the distinct files counted once each (and named in the status,
+the first ``MAX_LISTED_BAD_FILES``), how each is said (missing, unreadable or undecodable, and what to
+do about it), and the policy that stops the job over them (--strict, --max-bad-samples,
+--max-bad-fraction)."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 from prefetchd.buffer_protocol.status import BadFile
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import PackedFrom, SampleIndex
 from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.sources import is_url
+from prefetchd.daemon.sources.filelist import is_file_list
 from prefetchd.daemon.sources.shards import read_packed_from
+from prefetchd.daemon.workers import MISSING_REASONS, UNREADABLE_REASONS
 
 log = logging.getLogger(__name__)
 
-MAX_LISTED_BAD_FILES = 100  # undecodable files named in status.json; all are counted, and logged once
+MAX_LISTED_BAD_FILES = 100  # bad files named in status.json; all are counted, and logged once
 
 
 class BadSamples:
-    """The undecodable files of one job of a ``split``-sample split of ``index``."""
+    """The files of one job of a ``split``-sample split of ``index`` that could not be used: undecodable,
+    missing or unreadable (the status counts them all as ``undecodable_files``, each with its reason)."""
 
     def __init__(self, cfg: DaemonConfig, index: SampleIndex, split: int) -> None:
         self.cfg = cfg
@@ -29,19 +35,65 @@ class BadSamples:
         self.listed: tuple[BadFile, ...] = ()  # the first MAX_LISTED_BAD_FILES, for the status
 
     def count(self, sample: int, reason: str) -> bool:
-        """Count ``sample``'s file as undecodable; False where it was counted already (a list may name a
+        """Count ``sample``'s file as bad; False where it was counted already (a list may name a
         file twice: counted by its name, not by sample)."""
         path = self.index.name(sample)
         if path in self.files:
             return False
         self.files.add(path)
         if len(self.listed) < MAX_LISTED_BAD_FILES:
-            self.listed += (BadFile(path=self.shown(sample), reason=reason),)
+            self.listed += (BadFile(path=self.shown(sample), reason=self.reason(sample, reason)),)
         return True
 
     def verdict(self, sample: int, reason: str) -> str | None:
         """Why the job must stop now that ``sample`` (for ``reason``) was counted; None while it may go on."""
-        return bad_data_verdict(self.cfg, len(self.files), self.split, self.shown(sample), reason)
+        return bad_data_verdict(self.cfg, len(self.files), self.split, self.failure(sample, reason),
+                                *self._fixes(sample, reason))
+
+    def failure(self, sample: int, reason: str) -> str:
+        """What is wrong with ``sample``'s file, ``reason`` being a worker's ("OSError: ..."), as the log and
+        a stop say it: "PATH is missing (...)", "cannot read PATH (...)" or "cannot decode PATH (...)"."""
+        if reason.startswith(MISSING_REASONS):
+            return f"{self.shown(sample)} is {self.reason(sample, reason)}"
+        verb = "read" if reason.startswith(UNREADABLE_REASONS) else "decode"
+        return f"cannot {verb} {self.shown(sample)} ({reason})"
+
+    def reason(self, sample: int, reason: str) -> str:
+        """``reason`` as the status lists it beside the path: a missing file's says where it was named."""
+        if not reason.startswith(MISSING_REASONS):
+            return reason
+        if self.index.member_files is None and not is_url(self.index.root):
+            path = self.index.path(sample)
+            try:
+                return f"a link to {os.readlink(path)}, which is missing"
+            except OSError:  # not a link (or gone since): the file itself is missing
+                pass
+        return f"missing ({self._named_in()}; deleted or moved since?)"
+
+    def _named_in(self) -> str:
+        if self.index.member_files is not None:
+            return f"in the pack {self.index.root}"
+        if self.cfg.data is not None and is_file_list(self.cfg.data):
+            return f"listed in {self.cfg.data}"
+        return f"indexed under {self.index.root}"
+
+    def _fixes(self, sample: int, reason: str) -> tuple[str, str]:
+        """What to do about ``sample``'s file, and about all those counted, for a stop's message."""
+        if self.index.member_files is not None:
+            # Mending the shard's bytes in place is not a fix the pack supports: the file packed from is.
+            packed_from = self._packed_from
+            source = (f"mend {packed_from.where(sample)}" if packed_from is not None
+                      else "mend the file it was packed from")
+            again = (f"pack again (`prefetchd pack SRC {self.index.root} --force`, SRC the class folders or file "
+                     "list packed, then start with --reset: the buffer's batches are the old pack's)")
+            return f"{source} and {again}", f"mend them where they were packed from and {again}"
+        if reason.startswith(MISSING_REASONS):
+            if self.cfg.data is not None and is_file_list(self.cfg.data):
+                return f"restore the file or take its row out of {self.cfg.data}", FIX_FILES
+            if is_url(self.index.root):
+                return "restore the object, or restart with --refresh-index to list the dataset without it", FIX_FILES
+            return "restore the file, or restart to index the folders without it", FIX_FILES
+        return FIX_FILE, FIX_FILES
 
     def shown(self, sample: int) -> str:
         """``sample`` as a failure is shown to the user: a packed one with the file it was packed from,
@@ -59,12 +111,18 @@ class BadSamples:
             return None
 
 
-def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason: str) -> str | None:
+FIX_FILE = "fix or remove the file"
+FIX_FILES = "repair or remove them"
+
+
+def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, failure: str, fix_file: str = FIX_FILE,
+                     fix_files: str = FIX_FILES) -> str | None:
     """Why the job must stop now that ``bad`` distinct files of a ``split``-sample split could not be
-    decoded, the last being ``path`` (for ``reason``); None while the policy lets it replace them."""
+    used, ``failure`` saying what was wrong with the last (``BadSamples.failure``); None while the
+    policy lets it replace them.  ``fix_file``, ``fix_files``: what to do about that file, and all."""
     if cfg.strict:
-        return (f"--strict: cannot decode {path} ({reason}); fix or remove the file, or start without "
-                "--strict to replace undecodable images with the next sample of the split")
+        return (f"--strict: {failure}; {fix_file}, or start without --strict to replace such files with the next "
+                "sample of the split")
     exceeded = []
     if cfg.max_bad_samples is not None and bad > cfg.max_bad_samples:
         exceeded.append(f"--max-bad-samples {cfg.max_bad_samples}")
@@ -72,9 +130,9 @@ def bad_data_verdict(cfg: DaemonConfig, bad: int, split: int, path: str, reason:
         exceeded.append(f"--max-bad-fraction {cfg.max_bad_fraction:g} of {split} samples")
     if not exceeded:
         return None
-    return (f"{bad} files could not be decoded, more than {' and '.join(exceeded)} allows (the last: {path}: "
-            f"{reason}); the log names every one and `prefetchd status --json` the first {MAX_LISTED_BAD_FILES}; "
-            "repair or remove them, or raise the limit")
+    return (f"{bad} files could not be decoded (or read), more than {' and '.join(exceeded)} allows (the last: "
+            f"{failure}); the log names every one and `prefetchd status --json` the first {MAX_LISTED_BAD_FILES}; "
+            f"{fix_files}, or raise the limit")
 
 
-__all__ = ["MAX_LISTED_BAD_FILES", "BadSamples", "bad_data_verdict"]
+__all__ = ["FIX_FILE", "FIX_FILES", "MAX_LISTED_BAD_FILES", "BadSamples", "bad_data_verdict"]

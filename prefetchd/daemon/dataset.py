@@ -72,7 +72,7 @@ class SampleIndex:
         rel, offset, size = self.location(i)
         notes = [] if size is None else [f"bytes {offset}-{offset + size}"]
         if packed_from is not None:
-            notes.append(f"packed from {_under(packed_from.root, packed_from.file(i))}")
+            notes.append(f"packed from {packed_from.where(i)}")
         where = _under(self.root, rel)
         return f"{where} ({', '.join(notes)})" if notes else where
 
@@ -101,6 +101,10 @@ class PackedFrom:
     def file(self, i: int) -> str:
         """The file sample ``i`` was packed from, relative to the root."""
         return blob_path(self.path_blob, self.path_offsets, i)
+
+    def where(self, i: int) -> str:
+        """The file sample ``i`` was packed from, as the user finds it."""
+        return _under(self.root, self.file(i))
 
 
 def blob_path(blob: np.ndarray, offsets: np.ndarray, j: int) -> str:

@@ -442,8 +442,7 @@ class Producer:
             if verdict is not None:  # named as the file that stopped the job, not as replaced
                 self.fatal, self.fatal_error = verdict, BadDataError
                 return
-            log.warning("cannot decode %s (%s); replacing it with the next sample of the split",
-                        self.bad.shown(sample), reason)
+            log.warning("%s; replacing it with the next sample of the split", self.bad.failure(sample, reason))
         requested = dict(task.items)
         for slot, index, label in result.slots:
             build.indices[slot] = index

@@ -245,7 +245,7 @@ def status_line(status: Status) -> str:
         _trainers(p),
     ]
     for count, noun in (
-        (p.errors.undecodable_files, "undecodable file"),
+        (p.errors.undecodable_files, "bad file"),
         (p.errors.worker_restarts, "worker restart"),
         (p.errors.write_failures, "failed build"),
     ):

@@ -22,7 +22,7 @@ from prefetchd.daemon.production_stats import STAGES
 from prefetchd.words import agreeing, binary_size, counted, rank_ranges
 
 STALE_HEARTBEAT_SECONDS = 10.0
-SHOWN_BAD_FILES = 5  # undecodable files named in the text status
+SHOWN_BAD_FILES = 5  # bad files (undecodable, missing, unreadable) named in the text status
 # Too little to rewrite status.json (it takes a few pages, its temp file as many again); the daemon's own
 # floor (--min-free-mb, 1 MiB at least by default) stops it well above this: something else took the rest.
 FULL_FILESYSTEM_BYTES = 256 << 10
@@ -323,7 +323,7 @@ def _consumer_line(c: ConsumerStatus, rank: str) -> str:
 
 def _errors_line(e: Errors) -> str:
     return (f"  errors    {counted(e.replaced_samples, 'replaced sample')}, "
-            f"{counted(e.undecodable_files, 'undecodable file')}, {counted(e.worker_restarts, 'worker restart')}, "
+            f"{counted(e.undecodable_files, 'bad file')}, {counted(e.worker_restarts, 'worker restart')}, "
             f"{counted(e.write_failures, 'failed build')}")
 
 

@@ -245,10 +245,15 @@ def _why_none_decoded(index: SampleIndex, failures: Sequence[tuple[int, str]]) -
     """The likeliest cause of a run of samples none of which decoded, from their failures."""
     if any(os.path.basename(index.name(sample)).startswith(APPLE_DOUBLE_PREFIX) for sample, _ in failures):
         return f"files named '._*' are macOS metadata, not images: {apple_double_advice(index.root)}"
-    if all(reason.startswith(("FileNotFoundError", "PermissionError", "IsADirectoryError", "NotADirectoryError"))
-           for _, reason in failures):
+    if all(reason.startswith(MISSING_REASONS + UNREADABLE_REASONS) for _, reason in failures):
         return "is the dataset readable, and all still there?"
     return "are these files images? Remove the ones that are not (or that are damaged)"
+
+
+# How ``_reason`` begins for a file that is not there (or a folder on its path), and for one that is there but
+# cannot be read: the controller words those as missing and unreadable rather than undecodable (BadSamples).
+MISSING_REASONS = ("FileNotFoundError", "NotADirectoryError")
+UNREADABLE_REASONS = ("PermissionError", "IsADirectoryError")
 
 
 def _reason(exc: Exception, name: str) -> str:

@@ -23,6 +23,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import pil_loader
 
 from prefetchd.bad_images import Corpus, make_bad_images
+from prefetchd.buffer_protocol.status import BadFile
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import BadDataError
@@ -296,17 +297,18 @@ def _cfg(**kw: object) -> DaemonConfig:
 
 
 def test_replacing_is_the_default_and_limits_stop_the_job() -> None:
-    assert bad_data_verdict(_cfg(), 10**6, 10, "p", "r") is None
-    assert bad_data_verdict(_cfg(max_bad_samples=3), 3, 100, "p", "r") is None
-    verdict = bad_data_verdict(_cfg(max_bad_samples=3), 4, 100, "/d/x.jpg", "OSError: truncated")
+    assert bad_data_verdict(_cfg(), 10**6, 10, "p") is None
+    assert bad_data_verdict(_cfg(max_bad_samples=3), 3, 100, "p") is None
+    verdict = bad_data_verdict(_cfg(max_bad_samples=3), 4, 100, "cannot decode /d/x.jpg (OSError: truncated)")
     assert verdict is not None and "4 files" in verdict and "--max-bad-samples 3" in verdict and "/d/x.jpg" in verdict
-    assert bad_data_verdict(_cfg(max_bad_fraction=0.05), 5, 100, "p", "r") is None
-    verdict = bad_data_verdict(_cfg(max_bad_fraction=0.05), 6, 100, "p", "r")
+    assert bad_data_verdict(_cfg(max_bad_fraction=0.05), 5, 100, "p") is None
+    verdict = bad_data_verdict(_cfg(max_bad_fraction=0.05), 6, 100, "p")
     assert verdict is not None and "--max-bad-fraction 0.05 of 100 samples" in verdict
-    both = bad_data_verdict(_cfg(max_bad_samples=1, max_bad_fraction=0.01), 2, 100, "p", "r")
+    both = bad_data_verdict(_cfg(max_bad_samples=1, max_bad_fraction=0.01), 2, 100, "p")
     assert both is not None and "--max-bad-samples 1 and --max-bad-fraction" in both
-    strict = bad_data_verdict(_cfg(strict=True), 1, 100, "/d/y.jpg", "empty")
-    assert strict is not None and strict.startswith("--strict: cannot decode /d/y.jpg (empty)")
+    strict = bad_data_verdict(_cfg(strict=True), 1, 100, "cannot decode /d/y.jpg (empty)")
+    assert strict == ("--strict: cannot decode /d/y.jpg (empty); fix or remove the file, or start without --strict "
+                      "to replace such files with the next sample of the split")
 
 
 def test_a_packed_bad_sample_is_counted_by_its_shard_and_shown_with_its_file(
@@ -335,6 +337,83 @@ def test_a_packed_bad_sample_is_counted_by_its_shard_and_shown_with_its_file(
     assert [r.getMessage() for r in caplog.records] == [
         f"not naming the files {shards.root} was packed from: cannot read shard index "
         f"{shards.root}/{INDEX_NAME}: No such file or directory"]
+
+
+def test_a_packed_bad_samples_stop_says_to_mend_the_file_packed_and_pack_again(tmp_path: Path) -> None:
+    """`--strict` on a pack said "fix or remove the file" of the file it was packed from, which changes
+    nothing the daemon reads until the pack is made again: the stops say so, with the command."""
+    (tmp_path / "data" / "a").mkdir(parents=True)
+    for name in ("x.jpg", "y.jpg"):
+        (tmp_path / "data" / "a" / name).write_bytes(b"not an image")
+    pack(scan_class_folders(tmp_path / "data"), tmp_path / "packed", shard_size=10**6)
+    shards = open_dataset(tmp_path / "packed")
+    source = (tmp_path / "data" / "a" / "y.jpg").resolve()
+    again = (f"pack again (`prefetchd pack SRC {shards.root} --force`, SRC the class folders or file list packed, "
+             "then start with --reset: the buffer's batches are the old pack's)")
+    strict = BadSamples(_cfg(strict=True), shards, len(shards))
+    assert strict.count(1, "OSError: truncated")
+    assert strict.verdict(1, "OSError: truncated") == (
+        f"--strict: cannot decode {shards.name(1)[:-1]}, packed from {source}) (OSError: truncated); mend {source} "
+        f"and {again}, or start without --strict to replace such files with the next sample of the split")
+    budget = BadSamples(_cfg(max_bad_samples=1), shards, len(shards))
+    assert budget.count(0, "OSError: truncated") and budget.verdict(0, "OSError: truncated") is None
+    assert budget.count(1, "OSError: truncated")
+    verdict = budget.verdict(1, "OSError: truncated")
+    assert verdict is not None and verdict.endswith(f"; mend them where they were packed from and {again}, or raise "
+                                                    "the limit"), verdict
+    (tmp_path / "packed" / INDEX_NAME).unlink()  # the files packed from cannot be named now: the advice stands
+    unnamed = BadSamples(_cfg(strict=True), shards, len(shards))
+    assert unnamed.count(0, "OSError: truncated")
+    assert f"; mend the file it was packed from and {again}, or start without --strict" in str(unnamed.verdict(0, "r"))
+
+
+def _failures(index: SampleIndex, tmp_path: Path) -> dict[int, str]:
+    """(sample: reason) of each sample of ``index`` a worker could not use, as it reports them."""
+    path = tmp_path / "batch.tmp"
+    slot = SIZE * SIZE * 3
+    path.write_bytes(bytes(len(index) * slot))
+    result = run_task(WorkerJob(index, np.arange(len(index), dtype=np.int64), SIZE, False, 0),
+                      Task(0, str(path), 0, slot, 0, tuple((i, i) for i in range(len(index)))))
+    assert isinstance(result, Filled), result
+    return dict(result.failures)
+
+
+def test_a_missing_file_is_said_missing_with_where_it_was_named(tmp_path: Path) -> None:
+    """It was "cannot decode /d/gone.jpg (FileNotFoundError: No such file or directory)", counted as an
+    undecodable file: the log, the status and --strict now say it is missing, and where it was named."""
+    data = tmp_path / "data"
+    (data / "a").mkdir(parents=True)
+    for name in ("0.png", "gone.png", "2.png"):
+        Image.new("RGB", (40, 40), (200, 30, 30)).save(data / "a" / name)
+    os.symlink("nowhere.png", data / "a" / "link.png")
+    (tmp_path / "l.csv").write_text("data/a/0.png,0\ndata/a/gone.png,0\ndata/a/2.png,1\n")
+    listed, folders = open_dataset(tmp_path / "l.csv"), scan_class_folders(data)
+    (data / "a" / "gone.png").unlink()  # after the list was written and the folders indexed
+    gone = listed.name(1)
+
+    bad = BadSamples(_cfg(data=str(tmp_path / "l.csv"), strict=True), listed, len(listed))
+    reason = _failures(listed, tmp_path)[1]
+    assert bad.count(1, reason)
+    said = f"missing (listed in {tmp_path / 'l.csv'}; deleted or moved since?)"
+    assert bad.listed[0] == BadFile(gone, said) and bad.failure(1, reason) == f"{gone} is {said}"
+    assert bad.verdict(1, reason) == (
+        f"--strict: {gone} is {said}; restore the file or take its row out of {tmp_path / 'l.csv'}, or start "
+        "without --strict to replace such files with the next sample of the split")
+
+    bad = BadSamples(_cfg(data=str(data), strict=True), folders, len(folders))
+    failures = _failures(folders, tmp_path)
+    link, gone = (next(i for i in range(len(folders)) if folders.path(i).name == name) for name in ("link.png", "gone.png"))
+    assert set(failures) == {link, gone}
+    assert bad.failure(gone, failures[gone]) == (f"{folders.name(gone)} is missing (indexed under {folders.root}; deleted "
+                                                 "or moved since?)")
+    assert bad.failure(link, failures[link]) == f"{folders.name(link)} is a link to nowhere.png, which is missing"
+    assert str(bad.verdict(gone, failures[gone])).startswith(
+        f"--strict: {folders.name(gone)} is missing (indexed under {folders.root}; deleted or moved since?); restore "
+        "the file, or restart to index the folders without it, or start without --strict")
+    # A file there but not readable is said so, a damaged one as before.
+    assert bad.failure(0, "PermissionError: Permission denied") == (f"cannot read {folders.name(0)} "
+                                                                    "(PermissionError: Permission denied)")
+    assert bad.failure(0, "OSError: truncated") == f"cannot decode {folders.name(0)} (OSError: truncated)"
 
 
 def test_a_non_default_pixel_limit_is_part_of_the_jobs_identity() -> None:

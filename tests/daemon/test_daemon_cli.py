@@ -572,8 +572,8 @@ def test_status_lists_the_first_undecodable_files() -> None:
     errors = Errors(replaced_samples=7, undecodable_files=7, undecodable=bad_files(7), worker_restarts=0,
                     write_failures=0, progress_file="")
     text = _running_status_text(errors=errors)
-    assert "7 undecodable files" in text and "bad file  /d/c/0.jpg: empty" in text
-    assert text.count("bad file") == status_view.SHOWN_BAD_FILES and "and 2 more" in text
+    assert "7 bad files" in text and "bad file  /d/c/0.jpg: empty" in text
+    assert text.count("  bad file  ") == status_view.SHOWN_BAD_FILES and "and 2 more" in text
 
 
 def test_the_progress_line_names_the_slowest_consumer_when_consumers_are_listed() -> None:
@@ -644,7 +644,7 @@ def test_a_stopped_daemons_status_still_names_its_bad_files(tmp_path: Path) -> N
                                           production=production(errors=errors)))
     text = status_view.format_status(status_view.describe_status(tmp_path))
     assert text.startswith(f"prefetchd on {tmp_path}: not running (last state: stopped: stopped: finished)"), text
-    assert "3 replaced samples, 3 undecodable files" in text and "bad file  /d/c/0.jpg: empty" in text
+    assert "3 replaced samples, 3 bad files" in text and "bad file  /d/c/0.jpg: empty" in text
     write_status(tmp_path, status_example(State.STOPPED, production=production()))  # nothing went wrong: no lines
     assert "errors" not in status_view.format_status(status_view.describe_status(tmp_path))
 
@@ -658,8 +658,8 @@ def test_status_counts_one_of_a_thing_in_the_singular() -> None:
 
     one, two = text(1), text(2)
     assert "img/s with 1 worker (" in one and "img/s with 2 workers (" in two
-    assert ("1 replaced sample, 1 undecodable file, 1 worker restart, 1 failed build\n" in one
-            and "2 replaced samples, 2 undecodable files, 2 worker restarts, 2 failed builds\n" in two)
+    assert ("1 replaced sample, 1 bad file, 1 worker restart, 1 failed build\n" in one
+            and "2 replaced samples, 2 bad files, 2 worker restarts, 2 failed builds\n" in two)
     for steps, said in [(1, ", 1 step/epoch"), (2, ", 2 steps/epoch")]:  # a dataset of one batch: "1 steps/epoch"
         manifest = _manifest(steps_per_epoch=steps)
         assert said in status_view.format_status(report(status_example(), manifest=manifest))

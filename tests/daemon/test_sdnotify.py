@@ -338,7 +338,7 @@ def test_status_line_with_consumption_errors_and_a_message() -> None:
     )
     assert status_line(status) == (
         "paused-low-space 12/32 batches, 0 img/s, trainer at epoch 1 step 40 (3.2 batches/s, waits 2% for data), "
-        "1 undecodable file, 2 worker restarts, progress file ignored; paused: /dev/shm/bf would fall to 10 MiB free"
+        "1 bad file, 2 worker restarts, progress file ignored; paused: /dev/shm/bf would fall to 10 MiB free"
     )
 
 

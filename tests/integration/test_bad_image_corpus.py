@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from prefetchd.bad_images import Corpus, make_bad_images
 from prefetchd.buffer_protocol import State, read_status, stream_dir
@@ -23,6 +24,14 @@ from tests.status_examples import production_of, state_of
 
 SMALL = ["--split", "val", "--batch-size", "4", "--image-size", "32", "--workers", "2", "--epochs", "1"]
 TOLERANCE = 12
+# A bad file as the log says it: "cannot decode PATH (...)", "cannot read PATH (...)", "PATH is missing (...)" or
+# "PATH is a link to TARGET, which is missing".
+BAD_FILE = r"(?:cannot (?:decode|read) (?P<said>\S+) \(|(?P<missing>\S+) is (?:missing \(|a link to ))"
+
+
+def bad_files(text: str, after: str = "") -> list[str]:
+    """The paths of the bad files ``text`` names (each followed by ``after``, a pattern), in order."""
+    return [found["said"] or found["missing"] for found in re.finditer(BAD_FILE + after, text)]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +60,7 @@ def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path
     daemon.wait_until(lambda: state_of(buffer) == State.DONE, 120, "the whole epoch produced")
     shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)],
                            capture_output=True, text=True, timeout=60).stdout
-    assert f"{len(bad)} undecodable files" in shown, shown
+    assert f"{len(bad)} bad files" in shown, shown
     assert len(re.findall(r"^  bad file  ", shown, re.M)) == 5 and f"and {len(bad) - 5} more" in shown, shown
 
     per_rank = []
@@ -85,7 +94,8 @@ def test_the_corpus_runs_through_with_replacements(corpus: Corpus, shm_dir: Path
     assert set(listed) == set(corpus.undecodable)
     assert "not a regular file" in listed["class_b/fifo.jpg"] and "max_image_pixels" in listed["class_b/bomb.jpg"]
     assert not [b.path for b in errors.undecodable if b.path in b.reason], "the path stands beside its reason, once"
-    logged = Counter(m for m in re.findall(r"cannot decode (\S+) \(", daemon.log))
+    assert listed["class_b/broken_link.jpg"] == "a link to does-not-exist.jpg, which is missing", listed
+    logged = Counter(bad_files(daemon.log))
     assert {Path(p).relative_to(Path(index.root)).as_posix() for p in logged} == set(corpus.undecodable)
     assert set(logged.values()) == {1}, "each bad file is logged once"
 
@@ -116,9 +126,9 @@ def test_strict_fails_the_job_naming_the_file(corpus: Corpus, shm_dir: Path, sta
     buffer = shm_dir / "bf"
     daemon = start_daemon(buffer, "--data", corpus.root, *SMALL, "--strict")
     assert daemon.wait_exit(120) == EXIT_BAD_DATA, daemon.log
-    message = re.search(r"--strict: cannot decode (\S+) \(", daemon.log)
-    assert message, daemon.log
-    assert Path(message[1]).relative_to(corpus.root.resolve()).as_posix() in corpus.undecodable
+    message = bad_files(daemon.log, after=".*, or start without --strict to replace such files")
+    assert message and "--strict: " in daemon.log, daemon.log
+    assert Path(message[0]).relative_to(corpus.root.resolve()).as_posix() in corpus.undecodable
     assert "replacing it" not in daemon.log  # the first bad file stops the job; none is replaced
     status = read_status(buffer)
     assert status is not None and status.state == State.FAILED and "--strict" in status.message
@@ -129,11 +139,11 @@ def test_a_bad_sample_budget_stops_the_job(corpus: Corpus, shm_dir: Path, start_
     daemon = start_daemon(buffer, "--data", corpus.root, *SMALL, "--max-bad-samples", "2")
     assert daemon.wait_exit(120) == EXIT_BAD_DATA, daemon.log
     # The third distinct file stops it, named as the last; the two before it were replaced.
-    stopped = re.search(r"3 files could not be decoded, more than --max-bad-samples 2 allows \(the last: (\S+):",
+    stopped = re.search(r"3 files could not be decoded \(or read\), more than --max-bad-samples 2 allows \(the last: (.*)",
                         daemon.log)
-    assert stopped, daemon.log
-    replaced = re.findall(r"cannot decode (\S+) \(.*; replacing it", daemon.log)
-    assert len(set(replaced)) == 2 and stopped[1] not in replaced, daemon.log
+    assert stopped and bad_files(stopped[1]), daemon.log
+    replaced = bad_files(daemon.log, after=".*; replacing it")
+    assert len(set(replaced)) == 2 and bad_files(stopped[1])[0] not in replaced, daemon.log
 
 
 def test_a_run_no_replacement_survives_is_counted_in_the_status(tmp_path: Path, shm_dir: Path, start_daemon) -> None:
@@ -173,3 +183,27 @@ def test_a_packed_run_no_replacement_survives_names_the_files_it_was_packed_from
     assert stop.search(daemon.log), daemon.log
     status = read_status(buffer)
     assert status is not None and status.state == State.FAILED and stop.search(status.message), status
+
+
+def test_a_listed_file_that_is_gone_is_said_missing_in_the_log_and_the_status(tmp_path: Path, shm_dir: Path,
+                                                                               start_daemon) -> None:
+    """It was logged "cannot decode /d/gone.png (FileNotFoundError: No such file or directory)" and counted
+    as an undecodable file: it is said missing, with the list that names it, and counted as a bad file."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rows = []
+    for k in range(6):
+        Image.new("RGB", (40, 40), (40 * k, 20, 200)).save(folder / f"{k}.png")
+        rows.append(f"{folder / f'{k}.png'},{k % 2}")
+    gone = folder / "gone.png"
+    rows.insert(2, f"{gone},0")
+    listed = tmp_path / "train.csv"
+    listed.write_text("\n".join(rows) + "\n")
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", listed, *SMALL)
+    daemon.wait_until(lambda: state_of(buffer) == State.DONE, 120, "the whole epoch produced")
+    said = f"missing (listed in {listed}; deleted or moved since?)"
+    assert f"{gone} is {said}; replacing it with the next sample of the split" in daemon.log, daemon.log
+    shown = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "1 replaced sample, 1 bad file, " in shown and f"bad file  {gone}: {said}" in shown, shown
