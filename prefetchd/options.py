@@ -11,7 +11,7 @@ A field's metadata (see :func:`setting`):
 - ``choices``; ``minimum`` / ``maximum`` (inclusive unless ``min_open`` /
   ``max_open``);
 - ``location``: a local path or an object-storage URL;
-- ``path``: ``"dir"`` or ``"file"`` when only one of them makes sense;
+- ``path``: ``"dir"`` or ``"file"`` when only one of them makes sense (a ``location``: ``"dir"`` only);
 - ``metavar``; ``short``, a one-letter alias such as ``-q``;
 - ``multiple``: a list of ``kind`` (a TOML array, a repeated flag), held as a tuple.
 
@@ -95,15 +95,17 @@ class FiniteFloat(click.FloatRange):
 
 
 class LocationParam(click.ParamType):  # type: ignore[type-arg]
-    """A local folder (a Path) or an object-storage URL (kept as a string: Path would fold its '//')."""
+    """A local path (a Path) or an object-storage URL (kept as a string: Path would fold its '//'); with
+    ``dir_only``, a local one must not be a file."""
 
-    name = "DIR|URL"
-    _dir = click.Path(file_okay=False, path_type=Path)
+    def __init__(self, dir_only: bool = False) -> None:
+        self.name = "DIR|URL" if dir_only else "PATH|URL"
+        self._local = click.Path(file_okay=not dir_only, path_type=Path)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
         if isinstance(value, (str, os.PathLike)) and is_url(os.fspath(value)):
             return normalize(value)
-        path: Path = self._dir.convert(value, param, ctx)
+        path: Path = self._local.convert(value, param, ctx)
         return path
 
 
@@ -153,7 +155,7 @@ def _param_type(meta: Any, ranged: bool) -> Any:
         return click.Choice(meta["choices"])
     if kind is Path:
         if meta.get("location"):
-            return LocationParam()
+            return LocationParam(dir_only=meta.get("path") == "dir")
         where = meta.get("path")
         return click.Path(path_type=Path, **({"file_okay": False} if where == "dir" else
                                              {"dir_okay": False} if where == "file" else {}))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -134,6 +135,24 @@ def test_an_unwritable_metrics_path_is_refused_before_the_first_step(buffer: Pat
     assert ("does not exist; create it first" in result.stderr) == where.startswith("missing")
     assert not (tmp_path / "missing").exists()  # a typo in the folder is refused, not created
 
+
+def test_data_and_val_data_take_every_form_of_dataset_and_say_so(tmp_path: Path) -> None:
+    """--help said "the training class folders (a folder or a URL)", and a file list was refused as it was
+    parsed ("Directory 'l.csv' is a file"), though `prefetchd start --data` takes lists and packs too."""
+    shown = CliRunner().invoke(main, ["--help"], terminal_width=200).output
+    # Each option's entry: its line and the lines it wraps onto, joined.
+    entries = re.split(r"\n(?=  -)", shown)
+    lines = {entry.split()[0]: " ".join(entry.split()) for entry in entries if entry.startswith("  -")}
+    assert "class folders, a .csv/.tsv/.txt file list" in lines["--data"] and "`prefetchd pack`" in lines["--data"]
+    assert lines["--data"].startswith("--data PATH|URL") and "any of --data's forms" in lines["--val-data"], lines
+    listed = tmp_path / "train.csv"
+    listed.write_text("a.jpg,0\n")
+    for flag in ("--data", "--val-data"):  # refused for the model, which is checked before a daemon is started
+        result = CliRunner().invoke(main, ["--buffer", str(tmp_path / "bf"), "--spawn-daemon", "--data", str(tmp_path),
+                                           flag, str(listed), "--epochs", "1", "--model", "resnet181"])
+        assert result.exit_code == EXIT_USAGE and "--model resnet181" in result.stderr, result.output
+    result = CliRunner().invoke(main, ["--buffer", str(tmp_path / "bf"), "--checkpoint-dir", str(listed)])
+    assert result.exit_code == EXIT_USAGE and "is a file" in result.stderr, result.output  # that one is a folder
 
 def test_an_unwritable_checkpoint_dir_is_refused_before_any_daemon_starts(buffer: Path, tmp_path: Path) -> None:
     """As the metrics paths: rank 0's probe of --checkpoint-dir comes before the daemons it would start."""
