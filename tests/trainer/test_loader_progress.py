@@ -56,7 +56,7 @@ def test_a_trainer_stuck_waiting_for_a_batch_reads_as_waiting_while_it_waits(mak
     the daemon's status and prefetchd_trainer_wait_share say near 100 %, not the 0 % of the
     batches that came at once, and the share written once the batch came is not counted twice."""
     job = make_job(samples=12, batch_size=4, write=0)
-    job.claim(os.getpid())  # a live owner: the loader waits instead of raising DaemonGone
+    job.claim()  # a live owner: the loader waits instead of raising DaemonGone
     for step in range(2):
         job.write(0, step)
     loader = BufferLoader(job.buffer, normalize=False, timeout=30, daemon_grace=30, stall_timeout=None)
