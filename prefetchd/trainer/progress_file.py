@@ -8,7 +8,10 @@ writes it for one loader:
   loader waits for a batch, when ``stale`` asks for it to be written again every
   ``PROGRESS_REFRESH_SECONDS`` (SPEC rule 9) or when someone else rewrote it;
 - a write that fails (a full tmpfs) is retried at the next publish, and is an
-  error only once it has kept failing for ``PROGRESS_WRITE_GRACE`` seconds;
+  error only once it has kept failing for ``PROGRESS_WRITE_GRACE`` seconds.  The
+  log says so when the trouble starts, again every ``PROGRESS_WRITE_WARN_SECONDS``
+  while it lasts, and when a write goes through again: not at every try (a waiting
+  loader tries about once a second);
 - another trainer reading as the same consumer is an error (each needs a consumer
   name of its own): the first holds ``flock`` on the consumer's lock file
   (``progress.json.lock``) while its loader is open, and a second one's loader
@@ -40,12 +43,14 @@ from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError
                                       progress_name, same_pid_namespace, take_lock, writer_named)
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import LoaderError
+from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
 # progress.json may fail to be written for a while (a full tmpfs): the loader keeps delivering
 # the batches that are there and retries; only a failure that lasts this long is an error.
 PROGRESS_WRITE_GRACE = 30.0
+PROGRESS_WRITE_WARN_SECONDS = 10.0  # while the writes keep failing, said again this often at most
 ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, for another trainer's writes
 LOCK_FILE_MODE = 0o660  # a --group-access buffer's group shares its consumers (the umask narrows it)
 
@@ -142,7 +147,9 @@ class ProgressFile:
         self._job_key = job_key
         self._published_at = 0.0  # time.monotonic() of the last write
         self._next_alone_check = 0.0  # when publish next reads the file for another trainer's writes
-        self._failing_since: float | None = None
+        self._failing_since: float | None = None  # monotonic time of the first of the writes failing now
+        self._failures = 0  # writes failed since then
+        self._failure_said: tuple[float, str] | None = None  # when the failure was last logged, and its error
         lock = self._take_lock()
         # The lock is let go at release(), or when a loader never closed is collected.
         self._unlock = weakref.finalize(self, _LOCKS.release, lock) if lock is not None else None
@@ -207,13 +214,8 @@ class ProgressFile:
             Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key, read_batches=read_batches,
                      locked=self._unlock is not None and self._unlock.alive).write(self.buffer, self.consumer)
         except OSError as exc:
-            now = time.monotonic()
-            if self._failing_since is None:
-                self._failing_since = now
-            if now - self._failing_since < PROGRESS_WRITE_GRACE:
-                # Left unpublished, so the next call tries again.
-                logger.warning("cannot write %s (%s); trying again", self.path, exc.strerror or exc)
-                return
+            if self._keep_trying(exc):
+                return  # left unpublished, so the next call tries again
             fix = {errno.EISDIR: "remove the directory that took its name",
                    errno.ENOSPC: "free space on the buffer's filesystem (what else fills it?)",
                    errno.EACCES: "give this user write access to the buffer (its group, with --group-access)"}.get(
@@ -222,9 +224,38 @@ class ProgressFile:
                 f"{self.path}: cannot write it ({exc.strerror or exc}) for "
                 f"{PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete: {fix}"
             ) from exc
-        self._failing_since = None
+        if self._failing_since is not None:
+            logger.warning("wrote %s again after %.0f s (%s failed)", self.path,
+                           time.monotonic() - self._failing_since, counted(self._failures, "write"))
+            self._failing_since, self._failures, self._failure_said = None, 0, None
         self.published = position
         self._published_at = time.monotonic()
+
+    def _keep_trying(self, exc: OSError) -> bool:
+        """A write failed with ``exc``: whether to try again at the next publish (within the grace), said when
+        the failing starts, when its error changes and every ``PROGRESS_WRITE_WARN_SECONDS`` while it lasts."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        self._failures += 1
+        failing = now - self._failing_since
+        if failing >= PROGRESS_WRITE_GRACE:
+            return False
+        error = exc.strerror or str(exc)
+        if self._failure_said is None or self._failure_said[1] != error:
+            until = time.strftime("%H:%M:%S", time.localtime(time.time() + PROGRESS_WRITE_GRACE - failing))
+            logger.warning(
+                "cannot write %s (%s); the loader goes on with the batches that are there and tries again at "
+                "each batch and while it waits; still failing at %s (%.0f s from now), it stops with an error",
+                self.path, error, until, PROGRESS_WRITE_GRACE - failing)
+        elif now - self._failure_said[0] >= PROGRESS_WRITE_WARN_SECONDS:
+            logger.warning("still cannot write %s (%s) after %.0f s (%s failed); an error in %.0f s unless a "
+                           "write goes through", self.path, error, failing, counted(self._failures, "write"),
+                           PROGRESS_WRITE_GRACE - failing)
+        else:
+            return True
+        self._failure_said = (now, error)
+        return True
 
     def stale(self) -> bool:
         """While the loader waits: whether the file must be written again, because it does not name the
@@ -260,4 +291,4 @@ class ProgressFile:
         )
 
 
-__all__ = ["ALONE_CHECK_SECONDS", "PROGRESS_WRITE_GRACE", "ProgressFile"]
+__all__ = ["ALONE_CHECK_SECONDS", "PROGRESS_WRITE_GRACE", "PROGRESS_WRITE_WARN_SECONDS", "ProgressFile"]

@@ -4,7 +4,9 @@ waits while it waits."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from prefetchd.buffer_protocol import Progress
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer import BufferLoader, LoaderError
 from prefetchd.trainer import progress_file
@@ -108,6 +110,58 @@ def test_a_full_tmpfs_delays_progress_instead_of_killing_the_trainer(make_job: M
         filler.unlink()
         loader.close()  # the retry goes through once there is room
         assert Progress.read(job.buffer) == Progress(1, 0)
+
+
+def _fill(mount: Path) -> Path:
+    """Every free block of ``mount`` taken by one file, which is returned: nothing can be written there."""
+    filler = mount / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+@pytest.mark.root
+def test_progress_failing_on_a_full_tmpfs_is_said_when_it_starts_now_and_then_and_when_it_ends(
+        shm_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each failed try was a warning of its own (34 alike lines in the 30 s grace of a waiting trainer).
+    Now: one when the writes start failing, saying what the loader does and until when; one each
+    PROGRESS_WRITE_WARN_SECONDS (1 s here) while they fail; one when a write goes through again."""
+    monkeypatch.setattr(progress_file, "PROGRESS_WRITE_WARN_SECONDS", 1.0)
+    with mounted_tmpfs(shm_dir / "enospc", "size=1m") as mnt:
+        buffer = mnt / "bf"
+        buffer.mkdir()
+        writer = progress_file.ProgressFile(buffer, DEFAULT_CONSUMER, "job")
+        try:
+            writer.publish((0, 0), wait_share=None)
+            filler = _fill(mnt)
+            failing = 2.5
+            start = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.progress_file"):
+                tries = 0
+                while time.monotonic() - start < failing:
+                    writer.publish((0, 1), wait_share=None)  # a loader tries at each batch and look
+                    tries += 1
+                    time.sleep(0.02)
+                assert Progress.read(buffer) == Progress(0, 0)
+                filler.unlink()
+                writer.publish((0, 1), wait_share=None)
+            assert Progress.read(buffer) == Progress(0, 1)
+        finally:
+            writer.release()
+    said = [r.getMessage() for r in caplog.records]
+    path = buffer / "progress.json"
+    assert tries > 50 and 3 <= len(said) <= 4, (tries, said)
+    assert said[0].startswith(f"cannot write {path} (No space left on device); the loader goes on with the batches "
+                              "that are there and tries again"), said
+    assert "from now), it stops with an error" in said[0], said
+    assert all(line.startswith(f"still cannot write {path} (No space left on device) after ") for line in said[1:-1])
+    assert re.fullmatch(rf"wrote {re.escape(str(path))} again after [23] s \(\d+ writes failed\)", said[-1]), said
 
 
 def test_a_progress_write_that_keeps_failing_says_what_to_do_about_its_cause(
