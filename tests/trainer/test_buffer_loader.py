@@ -650,7 +650,7 @@ def test_a_loader_waiting_for_the_storage_says_since_when_its_own_ranks_builds_w
     for rank, job in enumerate(jobs):
         job.manifest = dataclasses.replace(job.manifest, rank=rank, world_size=2)
         job.manifest.write(job.buffer)
-    (buffer / "daemon.lock").write_text(f"{os.getpid()}\n")
+    jobs[0].claim(buffer)  # this process plays the daemon: it holds daemon.lock
     now = time.time()
     outage = StorageWait(since=now - 600, reason="batch e000000-s00000000.tmp: reading s3://b/x.jpg: still failing "
                          "after 6 tries", ranks=(0, 1), ranks_since=(now - 600, now - 60))
