@@ -22,7 +22,9 @@ A daemon whose builds wait for the dataset's storage (status.json's
 ``storage_wait``: an object store's outage, a dataset's mount gone) will resume by
 itself once it is back, so while the owner beats and says so of this loader's rank,
 ``timeout`` does not run out: it counts from the last look that found it waiting.
-A daemon gone or stuck meanwhile still ends the wait as above.
+A daemon gone or stuck meanwhile still ends the wait as above.  The loader's
+messages then say that its builds wait for the storage, and why, before the
+``write_failures`` those builds add to (which a full tmpfs adds to as well).
 """
 
 from __future__ import annotations
@@ -359,7 +361,7 @@ class BatchWaiter:
                     raise DaemonGone(
                         f"{self.buffer}: no prefetchd daemon owns this buffer (none seen for {self.grace:g} s) "
                         f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
-                        f"{status_summary(self.buffer)}. {self._restart_hint()}"
+                        f"{status_summary(self.buffer, self.manifest.rank)}. {self._restart_hint()}"
                     )
             if now >= deadline:
                 if not looked:  # a timeout shorter than the liveness interval: the message names the owner
@@ -369,14 +371,15 @@ class BatchWaiter:
                           "waited for its storage,") if stored else f"{self.timeout:g} s"
                 raise LoaderTimeout(
                     f"{self.buffer}: waited {waited} for batch {name} (epoch {epoch}, step {step}) "
-                    f"and it did not appear; {owned}; {status_summary(self.buffer)}. Check `prefetchd status "
-                    f"--buffer {self.buffer}`, or {MORE_TIME} if the daemon is just slow"
+                    f"and it did not appear; {owned}; {status_summary(self.buffer, self.manifest.rank)}. Check "
+                    f"`prefetchd status --buffer {self.buffer}`, or {MORE_TIME} if the daemon is just slow"
                 )
             if stop_requested is not None and stop_requested():
                 raise StopRequested(f"asked to stop while waiting for {path}")
             if not warned and now - start >= SLOW_WAIT_WARNING:
                 warned = True
-                logger.warning("still waiting for %s after %.0f s; %s", path, now - start, status_summary(self.buffer))
+                logger.warning("still waiting for %s after %.0f s; %s", path, now - start,
+                               status_summary(self.buffer, self.manifest.rank))
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, MAX_DELAY)
 
@@ -453,22 +456,32 @@ class BatchWaiter:
         )
 
 
-def status_summary(buffer: Path) -> str:
-    """The daemon's own account of itself from status.json, for wait messages."""
+def status_summary(buffer: Path, rank: int | None = None) -> str:
+    """The daemon's own account of itself from status.json, for wait messages; ``rank``: the waiting loader's,
+    whose batches' builds the daemon may say wait for the dataset's storage (None: any rank's)."""
     try:
         status = read_status(buffer)
     except (ProtocolError, OSError) as exc:
         return f"its status.json is unreadable ({exc})"
     if status is None:
         return "the daemon has written no status.json"
-    return "daemon status: " + ", ".join(_summary_parts(status))
+    return "daemon status: " + ", ".join(_summary_parts(status, rank))
 
 
-def _summary_parts(status: Status) -> list[str]:
+def _summary_parts(status: Status, rank: int | None = None) -> list[str]:
     parts = [f"state={_short(status.state)}"]
-    if status.message:
-        parts.append(f"message={_short(status.message)}")
     p = status.production
+    wait = p.storage_wait if p is not None else None
+    since = (wait.since if rank is None else wait.since_of(rank)) if wait is not None else None
+    said = None  # the storage's failure, where said
+    if wait is not None and since is not None:
+        # Said before the errors: the failed builds it counts are then the storage's, not a full tmpfs.
+        whose = f" of rank {rank}'s batches" if rank is not None and p is not None and len(p.streams) > 1 else ""
+        said = wait.reason
+        parts.append(f"its builds{whose} have waited {max(0.0, time.time() - since):.0f} s for the dataset's "
+                     f"storage and resume once it is back ({_short(said)})")
+    if status.message and status.message != said:
+        parts.append(f"message={_short(status.message)}")
     if p is not None:
         parts.append(f"it sees progress epoch {p.progress.epoch} step {p.progress.step}")
         ranks = f" for its {len(p.streams)} ranks together" if len(p.streams) > 1 else ""
@@ -482,9 +495,13 @@ def _summary_parts(status: Status) -> list[str]:
         }
         shown = {k: v for k, v in bad.items() if v}
         if shown:
-            parts.append("errors: " + ", ".join(f"{k}={_short(v)}" for k, v in shown.items()))
+            parts.append("errors: " + ", ".join(f"{k}={_short(v)}{_MEANING.get(k, '')}" for k, v in shown.items()))
     parts.append(f"last heartbeat {max(0.0, time.time() - status.heartbeat):.1f} s ago")
     return parts
+
+
+# What a counter's name does not say: write_failures counts failed reads of the dataset too.
+_MEANING = {"write_failures": " (builds retried: a failed write of the batch, or a failed read of the dataset)"}
 
 
 def job_command(m: Manifest, stream: Path, verb: str = "start") -> str:

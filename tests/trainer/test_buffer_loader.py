@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
                                StateMismatch)
+from prefetchd.trainer import liveness
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
 from tests.status_examples import ERRORS, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
@@ -665,6 +667,40 @@ def test_a_loader_waiting_for_the_storage_says_since_when_its_own_ranks_builds_w
         timer.cancel()
     said = [r.getMessage() for r in caplog.records if "for its dataset's storage" in r.getMessage()]
     assert said and "has waited 60 s for its dataset's storage to build rank 1's batches" in said[0], said
+
+
+def test_a_loader_waiting_for_the_storage_words_the_daemons_state_as_that_not_as_write_failures(
+        make_job: MakeJob, buffer: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dataset's root moved away: the waiting trainer's message read `errors: write_failures=18`, a tmpfs
+    problem to the eye.  Rank 0's, whose builds wait, says they wait for the storage and why; rank 1's, whose
+    batch is late for another reason, does not; both say what write_failures counts."""
+    monkeypatch.setattr(liveness, "SLOW_WAIT_WARNING", 0.3)
+    jobs = [make_job(buffer / f"rank-0000{rank}") for rank in (0, 1)]
+    for rank, job in enumerate(jobs):
+        job.manifest = dataclasses.replace(job.manifest, rank=rank, world_size=2)
+        job.manifest.write(job.buffer)
+    jobs[0].claim(buffer)
+    why = "batch e000000-s00000000.tmp: reading /data/train/a/1.jpg: No such file or directory"
+    write_status(buffer, status_example(
+        pid=os.getpid(), heartbeat=time.time(), message=why, production=production(
+            streams=(stream(0), stream(1)), errors=dataclasses.replace(ERRORS, write_failures=18),
+            storage_wait=StorageWait(since=time.time() - 40, reason=why, ranks=(0,), ranks_since=(time.time() - 40,)))))
+    timer = threading.Timer(1.0, lambda: jobs[0].write(0, 0))
+    timer.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.liveness"):
+            assert next(iter(BufferLoader(jobs[0].buffer, timeout=5.0, stall_timeout=None))).step == 0
+    finally:
+        timer.cancel()
+    [waiting] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still waiting for ")]
+    assert re.search(r"its builds of rank 0's batches have waited 4[01] s for the dataset's storage and resume once "
+                     rf"it is back \({re.escape(why)}\)", waiting) and "message=" not in waiting, waiting
+    retried = "write_failures=18 (builds retried: a failed write of the batch, or a failed read of the dataset)"
+    assert retried in waiting, waiting
+    with pytest.raises(LoaderTimeout) as info:
+        next(iter(BufferLoader(jobs[1].buffer, timeout=0.5, stall_timeout=None)))
+    late = str(info.value)  # the daemon's message says why builds fail, as ever
+    assert "for the dataset's storage" not in late and f"message={why}" in late and retried in late, late
 
 
 def test_leftover_batches_are_served_without_a_daemon(make_job: MakeJob) -> None:
