@@ -26,6 +26,7 @@ from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
+from tests.as_nobody import as_nobody
 from tests.owners import owned
 from tests.status_examples import CONSUMER, STORAGE_WAIT, TRAINER, bad_files, production, production_without_trainer, report
 from tests.status_examples import stream
@@ -807,23 +808,15 @@ def test_show_refuses_an_out_in_a_folder_its_user_cannot_write_before_reading_th
     # before the fork: nobody may not read where the interpreter and its packages live (CI's, under root's home).
     warm = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(shm_buffer / "warm.png")])
     assert warm.exit_code == 0, warm.output
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the modules are imported already: nobody needs no access to the interpreter's files
-        try:
-            os.close(read)
-            os.setgid(65534), os.setuid(65534)
-            said = []
-            for out in (locked / "g.png", locked / "theirs.png"):
-                result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(out)])
-                said.append({"code": result.exit_code, "output": result.output})
-            os.write(write, json.dumps(said).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        said = json.loads(pipe.read().decode() or "[]")
-    os.waitpid(pid, 0)
+
+    def show_both() -> str:
+        said = []
+        for out in (locked / "g.png", locked / "theirs.png"):
+            result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(out)])
+            said.append({"code": result.exit_code, "output": result.output})
+        return json.dumps(said)
+
+    said = json.loads(as_nobody(show_both) or "[]")
     assert len(said) == 2, said
     assert said[0]["code"] == EXIT_USAGE, said
     assert (f"Error: --out {locked / 'g.png'}: cannot write in {locked} (Permission denied); pass a path in a folder "

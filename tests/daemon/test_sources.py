@@ -24,6 +24,7 @@ from prefetchd.daemon.sources.filelist import MAX_INT_CLASSES
 from prefetchd.daemon.sources.shards import INDEX_NAME, ShardChanged, pack, parse_size, read_packed_from
 from prefetchd.daemon.sources.storage import ImageRefused
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, failure_of, run_task
+from tests.as_nobody import as_nobody
 
 
 @pytest.mark.parametrize(("location", "url"), [
@@ -484,26 +485,12 @@ def test_a_dataset_root_the_daemon_cannot_list_is_a_dataset_error(shm_dir: Path,
     shm_dir.chmod(0o755)
     src = class_tree(shm_dir / "src", make_image)
     src.chmod(0o711)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the modules are imported already: nobody needs no access to the interpreter's files
-        try:
-            os.close(read)
-            os.setgid(65534), os.setuid(65534)
-            try:
-                open_dataset(src)
-                said = "indexed"
-            except DatasetError as exc:
-                said = f"DatasetError: {exc}"
-            except BaseException as exc:
-                said = f"{type(exc).__name__}: {exc}"
-            os.write(write, said.encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        said = pipe.read().decode()
-    os.waitpid(pid, 0)
+
+    def index() -> str:
+        open_dataset(src)
+        return "indexed"
+
+    said = as_nobody(index)
     assert said.startswith(f"DatasetError: cannot index {src}: {src}: Permission denied; give the user reading it "
                            "(uid 65534) read access"), said
 

@@ -95,15 +95,7 @@ def test_a_full_tmpfs_delays_progress_instead_of_killing_the_trainer(make_job: M
         loader = BufferLoader(job.buffer, normalize=False, timeout=10, daemon_grace=10)
         it = iter(loader)
         next(it)
-        filler = mnt / "filler"
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:  # every free block, so progress.json cannot be replaced
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        filler = _fill(mnt)  # so progress.json cannot be replaced
         steps = [next(it).step for _ in range(3)]  # each publishes, and each write fails
         assert steps == [1, 2, 3]
         assert Progress.read(job.buffer) == Progress(0, 0)
