@@ -98,8 +98,15 @@ class DaemonLock:
         if not ours:
             os.close(fd)  # its holder removed it after this opened it
             return False
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            _write_pid(fd)
+        except OSError:  # no page for it (ENOSPC): the start is refused, leaving no lock file it made
+            if created:
+                with contextlib.suppress(OSError):
+                    if self._names(fd):
+                        os.unlink(self.path)
+            os.close(fd)
+            raise
         self._fd = fd
         self._created = created
         directory = os.stat(self.path.parent)
@@ -112,7 +119,7 @@ class DaemonLock:
             return (f"{buffer}: buffer is owned by a running daemon ({owner}); stop it with {owner.how_to_stop(buffer)}, "
                     "or pick another --buffer")
         # No live pid in the file: whoever holds the flock is no prefetchd daemon (a daemon
-        # writes its pid right after it takes the lock and empties the file just before it lets go).
+        # writes its pid right after it takes the lock and blanks it just before it lets go).
         return (f"{buffer}: {self.path} is locked by a process that is not a running prefetchd daemon (pid "
                 "unknown: the file names no live daemon; any user who can read the file can lock it); find it "
                 f"with `fuser -v {self.path}` and end it, or pick another --buffer")
@@ -158,11 +165,35 @@ class DaemonLock:
         return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
     def release(self) -> None:
+        """Let go, the pid blanked first (``_blank_pid``): the file names no daemon from then on."""
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
+            _blank_pid(self._fd)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _write_pid(fd: int) -> None:
+    """Write this process's pid into the lock file ``fd`` over what it holds (the blanks of a daemon that let go,
+    the pid of one that died): at offset 0, then cut to its length.  A file that holds anything has its page, and
+    a write into it needs no other: a daemon restarted on a full tmpfs can still say who owns the buffer.  Only an
+    empty file (new, or emptied by a daemon of an earlier 0.1 build) needs a page: OSError (ENOSPC) where there is
+    none.  A reader between the two steps may find the pid with the end of a longer one after it: no pid, as in
+    an empty file, while a daemon that is taking the lock is not one yet."""
+    data = f"{os.getpid()}\n".encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+
+
+def _blank_pid(fd: int) -> None:
+    """Overwrite the lock file's pid with spaces, its length kept, so that it names no daemon (SPEC rule 4) and
+    keeps its page for the next daemon's pid (``_write_pid``): a daemon stopped and started again while the tmpfs is
+    full would otherwise find no page to write its pid in.  Where the write fails, the file is emptied instead,
+    which takes no space."""
+    try:
+        os.pwrite(fd, b" " * os.fstat(fd).st_size, 0)
+    except OSError:
+        os.ftruncate(fd, 0)
 
 
 def alive_since(pid: int, since: float) -> bool:

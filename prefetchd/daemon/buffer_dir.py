@@ -4,6 +4,7 @@ streams made alike, another job's batches cleared, and whether its filesystem ho
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -192,6 +193,15 @@ def holds_a_stream(path: Path) -> bool:
         return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and any(path.iterdir())
     except OSError:
         return False
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of ``path``'s filesystem, as an unprivileged writer may use them."""
+    fs = os.statvfs(path)
+    return fs.f_bavail * fs.f_frsize
+
+
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of space (a tmpfs full, a quota reached)
 
 
 def check_capacity(cfg: DaemonConfig) -> str | None:

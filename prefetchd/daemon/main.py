@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import select
@@ -25,12 +26,14 @@ from prefetchd.buffer_protocol import (
     stream_dir,
     write_status,
 )
-from prefetchd.buffer_protocol.layout import JOB_NAME, STREAM_PREFIX, list_consumers, progress_name, stream_dirs
-from prefetchd.daemon.buffer_dir import (adopt_manifest, another_jobs, check_capacity, holds_a_stream, make_stream_dir,
-                                         note_buffer_filesystem, prepare_buffer, remove_stream)
+from prefetchd.buffer_protocol.layout import (JOB_NAME, LOCK_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers,
+                                             progress_name, stream_dirs)
+from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
+                                         holds_a_stream, make_stream_dir, note_buffer_filesystem, prepare_buffer,
+                                         remove_stream)
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
-from prefetchd.daemon.errors import BufferLost, ConfigError, DatasetError
+from prefetchd.daemon.errors import BufferLost, ConfigError, DaemonError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.logs import status_unwritten
@@ -42,7 +45,7 @@ from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.hook import validate_hook
 from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.wakeup import Wakeup, stop_signals_deferred
-from prefetchd.words import counted
+from prefetchd.words import binary_size, counted
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +234,51 @@ class StartupBeat:
             status_unwritten(self.buffer, exc)
 
 
+ROOM_RETRY_SECONDS = 1.0  # a write refused for want of space is tried again this often while a job starts
+
+
+def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat) -> None:
+    """``write`` (the document at ``path``), waited for while the buffer's filesystem has no room for it, as
+    production waits at the --min-free-mb floor: a daemon restarted while the tmpfs is full goes on once space
+    is freed there, instead of exiting.  The log says so when the wait begins and when it ends; the status
+    too where a page is free for it (a filesystem without one keeps the last status, its mtime the heartbeat:
+    SPEC rule 8); a stop signal ends the wait (``beat``)."""
+    since: float | None = None
+    while True:
+        try:
+            write()
+        except OSError as exc:
+            if exc.errno not in NO_ROOM_ERRNOS:
+                raise
+            why = (f"no room to write {path} ({exc.strerror}; {binary_size(free_bytes(path.parent))} free on its "
+                   "filesystem)")
+            if since is None:
+                since = time.monotonic()
+                log.warning("waiting for room: %s; free space there, and the daemon goes on by itself", why)
+                beat.notifier.status(f"waiting for room to write {path}")
+            beat(f"waiting for room: {why}")
+            time.sleep(ROOM_RETRY_SECONDS)
+            continue
+        if since is not None:
+            log.info("wrote %s after waiting %.0f s for room; going on", path, time.monotonic() - since)
+        return
+
+
+def lock_buffer(lock: DaemonLock, buffer: Path) -> None:
+    """``lock.acquire()``, a filesystem without room for the pid refused in a line that says what to do.  The lock
+    file of a daemon that stopped or died keeps its page (``DaemonLock``); only a new one, or one an earlier 0.1
+    build emptied, needs a page, and no status can say that a daemon waits without its pid in the lock: it exits."""
+    try:
+        lock.acquire()
+    except OSError as exc:
+        if exc.errno not in NO_ROOM_ERRNOS:
+            raise
+        raise DaemonError(f"{buffer / LOCK_NAME}: no room to write this daemon's pid in it ({exc.strerror}; "
+                          f"{binary_size(free_bytes(buffer))} free on {buffer}'s filesystem); free space there "
+                          f"(`df -h {buffer}`) and start the daemon again (a systemd unit restarts it by "
+                          "itself)") from None
+
+
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
               publish: Callable[[Status], None], notifier: Notifier, lock: DaemonLock) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
@@ -304,7 +352,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     for directory, manifest in streams:
         make_stream_dir(directory, job.group_access)
         adopt_manifest(directory, manifest, reset)
-        manifest.write(directory)
+        write_when_room(functools.partial(manifest.write, directory), directory / MANIFEST_NAME, beat)
     for leftover, _differences in others:
         log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
         try:
@@ -384,7 +432,13 @@ def _serve(cfg: DaemonConfig) -> int:
     buffer = Path(cfg.buffer)
     created = prepare_buffer(buffer, cfg.group_access)
     lock = DaemonLock(buffer)
-    lock.acquire()
+    try:
+        lock_buffer(lock, buffer)
+    except DaemonError:
+        if created:  # a refused start leaves the buffer as it found it
+            with contextlib.suppress(OSError):
+                buffer.rmdir()
+        raise
     served = False  # until it waits for a job or produces one, a failure is a refused start
     try:
         note_buffer_filesystem(buffer)
@@ -404,7 +458,10 @@ def _serve(cfg: DaemonConfig) -> int:
 
         def publish_waiting(status: Status) -> None:
             publish(status)
-            write_status(buffer, status)
+            try:
+                write_status(buffer, status)
+            except OSError as exc:  # a full tmpfs: the one there beats on (SPEC rule 8), the log says why
+                status_unwritten(buffer, exc)
         serve_jobs = cfg.data is None
         inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
         job: DaemonConfig | None = cfg if not serve_jobs else None

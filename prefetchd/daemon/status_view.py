@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
-                                       StorageWait, StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status, writer_named)
+                                       StorageWait, StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status,
+                                       same_pid_namespace, writer_named)
 from prefetchd.buffer_protocol.documents import exact_number, pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.dataset import held_out_count
@@ -83,13 +84,23 @@ def describe_status(buffer: Path) -> StatusReport:
         except ProtocolError as exc:
             problems.append(str(exc))
             break
-    age = time.time() - status.heartbeat if status is not None else None
     free = _free_bytes(owner)
-    if daemon is not None and free is not None and free < FULL_FILESYSTEM_BYTES:
+    full = free if daemon is not None and free is not None and free < FULL_FILESYSTEM_BYTES else None  # bytes left
+    if daemon is not None and status is not None and not daemon.wrote(status):
+        # The one a daemon before it left (stopped, killed): shown as this one's, a daemon that starts (on a full
+        # filesystem: that waits for room to write its manifest) read as "stopped".
+        earlier = pid_named(status.pid, same_pid_namespace(status.pid_namespace))
+        said = f"{status.state}: {status.message}" if status.message else str(status.state)
+        problems.append(f"status.json is the one an earlier daemon ({earlier}) left, {said}; this daemon has written "
+                        "none yet" + (", having no room for it" if full is not None else ""))
+        status = None
+    age = time.time() - status.heartbeat if status is not None else None
+    if full is not None:
         # status.json cannot be rewritten (its mtime still beats, SPEC rule 8): what shows is the last that fitted.
-        problems.append(f"the buffer's filesystem is full ({binary_size(free)} free): the daemon can build no "
-                        "batch and cannot rewrite its status, so the figures above are from the last one written; "
-                        f"free space on {filesystem_of(owner).point} (what else fills it?)")
+        figures = "so the figures above are from the last one written" if status is not None else "its log says more"
+        problems.append(f"the buffer's filesystem is full ({binary_size(full)} free): the daemon can build no "
+                        f"batch and cannot rewrite its status, {figures}; free space on {filesystem_of(owner).point} "
+                        "(what else fills it?)")
     return StatusReport(
         buffer=buffer,
         owner=owner,

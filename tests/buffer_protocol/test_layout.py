@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -656,7 +657,7 @@ def test_lock_in_the_same_process_is_exclusive_too(tmp_path: Path) -> None:
             DaemonLock(tmp_path).acquire()
     finally:
         first.release()
-    assert (tmp_path / LOCK_NAME).read_text() == ""
+    assert (tmp_path / LOCK_NAME).read_text().strip() == ""  # blanked: it names no daemon
     second = DaemonLock(tmp_path)
     second.acquire()
     second.release()
@@ -673,10 +674,37 @@ def test_remove_deletes_only_a_lock_file_it_made(tmp_path: Path) -> None:
     found = DaemonLock(tmp_path)
     found.acquire()
     found.remove()
-    assert (tmp_path / LOCK_NAME).read_text() == ""  # kept, and let go
+    assert (tmp_path / LOCK_NAME).read_text().strip() == ""  # kept, and let go
     again = DaemonLock(tmp_path)
     again.acquire()
     again.release()
+
+
+def test_a_lock_let_go_keeps_its_page_for_the_next_daemons_pid(small_tmpfs: Path) -> None:
+    """A daemon stopped cleanly emptied daemon.lock, which freed its page: started again while the tmpfs was full,
+    the next one had nowhere to write its pid, and crashed.  Blanked instead, the file keeps its page."""
+    lock = small_tmpfs / LOCK_NAME
+    first = DaemonLock(small_tmpfs)
+    first.acquire()
+    first.release()
+    assert lock.stat().st_size > 0 and lock.read_text().strip() == "" and daemon_pid(small_tmpfs) is None
+    fill_up(small_tmpfs / "ballast")
+    again = DaemonLock(small_tmpfs)
+    again.acquire()  # into the page it kept
+    try:
+        assert lock.read_text() == f"{os.getpid()}\n" and daemon_pid(small_tmpfs) == os.getpid()
+    finally:
+        again.release()
+    # An empty file (new, or emptied by an earlier build) has no page: refused, and one it made is gone again.
+    lock.unlink()
+    fill_up(small_tmpfs / "the page it had")
+    with pytest.raises(OSError) as made:
+        DaemonLock(small_tmpfs).acquire()
+    assert made.value.errno == errno.ENOSPC and not lock.exists()
+    lock.touch()
+    with pytest.raises(OSError):
+        DaemonLock(small_tmpfs).acquire()
+    assert lock.exists() and lock.read_text() == "" and _lock_is_free(small_tmpfs)
 
 
 def test_remove_never_deletes_the_lock_of_another_daemon(tmp_path: Path) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from prefetchd.buffer_protocol import State, batch_name
+from prefetchd.buffer_protocol import State, Status, batch_name, read_status
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.daemon.config import DaemonConfig, fill_defaults
 from prefetchd.daemon.errors import ConfigError
@@ -97,6 +98,73 @@ def test_a_daemon_restarted_on_a_briefly_full_tmpfs_waits_for_room(shm_dir: Path
                 assert next(iter(loader)).step == 0
         finally:
             daemon.terminate()  # before the tmpfs is unmounted
+
+
+PAGE = 4096
+
+
+def fill_leaving(mount: Path, pages: int) -> Path:
+    """Fill ``mount`` to the last page, as `dd if=/dev/zero of=FILE bs=4k` does, then give ``pages`` back."""
+    filler = mount / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with contextlib.suppress(OSError):  # ENOSPC: full
+            while True:
+                os.write(fd, b"\1" * PAGE)
+        os.ftruncate(fd, os.fstat(fd).st_size - pages * PAGE)
+    finally:
+        os.close(fd)
+    assert free_bytes(mount) == pages * PAGE, free_bytes(mount)
+    return filler
+
+
+@pytest.mark.parametrize("stop, pages", [("SIGTERM", 0), ("SIGTERM", 1), ("SIGKILL", 0)])
+def test_a_daemon_restarted_on_a_full_tmpfs_comes_back_once_there_is_room(
+        shm_dir: Path, shapes_data: Path, start_daemon, stop: str, pages: int) -> None:
+    """README: "a daemon restarted while the tmpfs is briefly full comes back".  It crashed with a traceback:
+    stopped cleanly, the daemon had emptied daemon.lock, so the next one had no page to write its pid in; killed,
+    the next one had none for its manifest.  Now the lock keeps its page, and the manifest waits for room."""
+    with mounted_tmpfs(shm_dir / "t4", "size=4m") as mount:
+        buffer = mount / "bf"
+        flags = ["--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1",
+                 "--high-water", "4", "--min-free-mb", "1", "--epochs", "1"]
+        first = start_daemon(buffer, *flags)
+        try:
+            first.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+        finally:
+            first.proc.send_signal(getattr(signal, stop))
+            first.wait_exit()
+        filler = fill_leaving(mount, pages)
+        again = start_daemon(buffer, *flags)
+        try:
+            if pages:  # room for its documents, one page at a time: it starts, paused at the floor
+                again.wait_until(lambda: own_status(buffer, again) is not None, 30, "its first status")
+            else:  # no room even for its manifest: it waits, says so, and the status says whose status is there
+                again.wait_until(lambda: "waiting for room: " in again.log, 30, "the wait for room")
+                assert f"waiting for room: no room to write {buffer / 'manifest.json'} (No space left on device; " \
+                       "0 bytes free on its filesystem)" in again.log, again.log
+                shown = format_status(describe_status(buffer))
+                assert f"running (pid {again.proc.pid}), state starting" in shown, shown
+                assert "status.json is the one an earlier daemon" in shown and "having no room for it" in shown, shown
+            time.sleep(2)  # as long again: it waits, it does not exit
+            assert again.proc.poll() is None and "Traceback" not in again.log, again.log
+            filler.unlink()
+            again.wait_until(lambda: (status := own_status(buffer, again)) is not None and status.state == State.FULL,
+                             30, "a full buffer once there is room")
+            with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+                batches = list(loader)
+            assert [b.step for b in batches] == list(range(len(loader))), [b.step for b in batches]
+            seen = sorted(i for b in batches for i in b.indices.tolist())
+            assert seen == list(range(len(seen))) and len(seen) == 72  # every sample of the epoch, once
+            assert again.wait_exit() == 0, again.log  # its one epoch read
+        finally:
+            again.terminate()  # before the tmpfs is unmounted
+
+
+def own_status(buffer: Path, daemon) -> Status | None:
+    """``buffer``'s status where ``daemon`` wrote it, not an earlier daemon."""
+    status = read_status(buffer)
+    return status if status is not None and status.pid == daemon.proc.pid else None
 
 
 def test_the_defaults_fit_a_64_mib_tmpfs(shm_dir: Path) -> None:

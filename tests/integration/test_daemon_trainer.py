@@ -309,7 +309,7 @@ def test_a_refused_start_leaves_the_buffer_as_it_found_it(tmp_path: Path, shm_di
     (buffer / "daemon.lock").write_text("")  # an earlier daemon's, which it left when it stopped
     again = start_daemon(buffer, "--data", tmp_path / "missing", *SMALL)
     assert again.wait_exit(30) == 1
-    assert (buffer / "daemon.lock").read_text() == "" and daemon_pid(buffer) is None
+    assert (buffer / "daemon.lock").read_text().strip() == "" and daemon_pid(buffer) is None
 
     with socket.socket() as busy:  # refused before it writes a status: nothing of it is left
         busy.bind(("127.0.0.1", 0))
