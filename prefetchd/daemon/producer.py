@@ -100,6 +100,9 @@ class Producer:
         self.task_build: dict[int, Build] = {}
         self.next_task_id = 0
         self.retry_at = 0.0
+        # A pause for space (``_schedule``): from the first batch held back at the --min-free-mb floor until the
+        # filesystem has room above it again, however many batches are built in spares meanwhile.
+        self.paused = False
         self.state = State.STARTING
         self.message = ""
         # Why builds fail: the latest failure, until a batch is published (for the storage, until the batches it
@@ -348,29 +351,54 @@ class Producer:
                     # "full" only once the last batch up to the high-water mark is published.
                     busy = any(s.filling or s.building for s in self.streams)
                     self.state = State.FILLING if busy else State.FULL
+                self._resume_if_room(0)  # nothing to build: room above the floor is all a pause waits for
                 return
             _, _, stream, g = candidates[0]
             size = batch_len(stream.key(g)[1], self.cfg.batch_size, stream.manifest.samples_per_epoch)
             layout = BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
-            # Batches being built in fresh files take space as they fill; a spare's is taken already,
-            # and a new batch will reuse it: count it free, as the batch it once was would be.
-            pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
-            free = self._free_bytes() + self.spares.bytes - pending - layout.file_len
+            self._resume_if_room(layout.file_len)
+            # A spare counts as free, as the consumed batch it was would: a batch begun in one takes no new page,
+            # and spares beyond the room the cap leaves are deleted (SpareFiles.fit, .take).
+            free = self._left_free(layout.file_len) + self.spares.bytes
             if free < self.min_free:
                 msg = (f"paused: {self.buffer} would fall to {binary_size(max(free, 0))} free, below the floor of "
                        f"{self.min_free >> 20} MiB; free space there or lower --high-water")
-                if self.state != State.PAUSED_LOW_SPACE:
+                if not self.paused:  # one shortage, one pause: not one for each batch built in a spare meanwhile
                     log.warning(msg)
                     self.stats.low_space_pauses += 1
+                    self.paused = True
                 self.state, self.message = State.PAUSED_LOW_SPACE, msg
                 self._end_storage_wait()  # what holds production now is the tmpfs, not the dataset's storage
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
-            if self.state == State.PAUSED_LOW_SPACE:  # said, as the pause was: a log's last word is not "paused"
-                log.info("resumed: %s has room again above the floor of %d MiB", self.buffer, self.min_free >> 20)
             if not self._start_build(stream, g, layout):
                 return
-            self.state, self.message = State.FILLING, ""
+            if not self.paused:  # else still paused: that batch went into a consumed one's file (a spare)
+                self.state, self.message = State.FILLING, ""
+
+    def _left_free(self, file_len: int) -> int:
+        """Free bytes of the buffer's filesystem once the batches being built in fresh files are filled (a spare's
+        pages are there already) and one more of ``file_len`` bytes is, in fresh pages too."""
+        pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
+        return self._free_bytes() - pending - file_len
+
+    def _resume_if_room(self, file_len: int) -> None:
+        """End a pause for space once the filesystem itself has room above the floor for the batches being built
+        and one more of ``file_len`` bytes (0: none is due), its free space alone: spares do not count here.  A
+        consumed batch's spare lets one batch be built in it while the tmpfs is as full as before: counted as the
+        end of the pause, every batch the trainer read was logged as "resumed" and then "paused" again."""
+        if not self.paused:
+            return
+        free = self._left_free(file_len)
+        if free < self.min_free:
+            return
+        self.paused = False
+        self.message = ""  # the pause's, which a full buffer's state kept meanwhile
+        if self.state == State.PAUSED_LOW_SPACE:
+            self.state = State.FILLING
+        # Said, as the pause was: a log's last word is not "paused".
+        log.info("resumed: %s has room again above the floor of %d MiB (%s free)", self.buffer, self.min_free >> 20,
+                 binary_size(free + file_len))
 
     def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> bool:
         """Create the batch's temp file and queue its tasks; False (retry later) if it cannot be created."""

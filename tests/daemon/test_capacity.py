@@ -240,3 +240,45 @@ def test_a_pause_for_space_and_the_resumption_are_both_logged(shm_dir: Path, sha
             loader.close()
         finally:
             daemon.terminate()  # before the tmpfs is unmounted
+
+
+def test_one_shortage_is_one_pause_while_batches_are_built_in_spares(shm_dir: Path, shapes_data: Path,
+                                                                     start_daemon) -> None:
+    """Below the floor, a batch the trainer consumed leaves its file (a spare) to build the next one in, which takes
+    no new space: the trainer is fed while the tmpfs stays as full.  Each such build ended the pause: the log said
+    "resumed: ... has room again above the floor" then "paused" in the same millisecond for every batch read, and
+    errors.low_space_pauses counted one shortage many times."""
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        buffer = mount / "bf"
+        batch = DaemonConfig(buffer=buffer, batch_size=4, image_size=64).batch_bytes
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "64",
+                              "--workers", "1", "--high-water", "8", "--min-free-mb", "2", "--epochs", "2")
+        try:
+            daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+            # 2.5 batches short of the floor: a build goes ahead once four spares count as room, as in the report.
+            ballast = mount / "ballast"
+            ballast.write_bytes(b"\1" * (free_bytes(mount) - (2 << 20) + batch * 5 // 2))
+            steps: list[tuple[int, int]] = []
+            seen: list[list[int]] = []
+            with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+                for epoch in range(2):
+                    seen.append([])
+                    for b in loader:
+                        steps.append((b.epoch, b.step))
+                        seen[-1] += b.indices.tolist()
+                        time.sleep(0.05)
+                    if epoch == 0:  # a whole epoch read below the floor: built in spares, one pause
+                        production = production_of(buffer)
+                        assert production is not None and production.errors.low_space_pauses == 1, daemon.log
+                        assert daemon.log.count("paused: ") == 1 and "resumed: " not in daemon.log, daemon.log
+                        ballast.unlink()
+                        daemon.wait_until(lambda: "resumed: " in daemon.log, 30, "the resumption")
+                        assert re.search(rf"resumed: {re.escape(str(buffer))} has room again above the floor of "
+                                         r"2 MiB \([\d.]+ MiB free\)", daemon.log), daemon.log
+            assert steps == [(e, s) for e in range(2) for s in range(len(loader))], steps  # every batch, once
+            assert all(sorted(indices) == list(range(72)) for indices in seen)
+            production = production_of(buffer)
+            assert production is not None and production.errors.low_space_pauses == 1, daemon.log
+            assert daemon.log.count("paused: ") == 1 and daemon.log.count("resumed: ") == 1, daemon.log
+        finally:
+            daemon.terminate()  # before the tmpfs is unmounted
