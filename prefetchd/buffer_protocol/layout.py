@@ -103,7 +103,7 @@ def list_consumer_locks(directory: Dir) -> list[Path]:
 
 
 STREAM_PREFIX = "rank-"
-_STREAM_RE = re.compile(r"rank-\d{5}", re.ASCII)
+STREAM_RE = re.compile(r"rank-\d{5}", re.ASCII)
 
 
 def stream_dir(buffer: Dir, rank: int, world_size: int) -> Path:
@@ -125,7 +125,7 @@ def stream_dirs(buffer: Dir) -> list[Path]:
 def owning_buffer(directory: Dir) -> Path:
     """The buffer whose daemon owns ``directory``: its parent for a rank's stream directory."""
     directory = Path(directory)
-    if _STREAM_RE.fullmatch(directory.name) and (directory.parent / LOCK_NAME).exists():
+    if STREAM_RE.fullmatch(directory.name) and (directory.parent / LOCK_NAME).exists():
         return directory.parent
     return directory
 
@@ -161,10 +161,15 @@ def list_batches(buffer: Dir) -> dict[tuple[int, int], Path]:
     return found
 
 
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one a write in progress uses (``list_temp_files``)."""
+    return TEMP_MARK in name and _TEMP_RE.match(name) is not None
+
+
 def list_temp_files(buffer: Dir) -> Iterator[Path]:
     """Leftovers of writes that never finished (a killed daemon's)."""
     with os.scandir(buffer) as entries:
         for entry in entries:
             # Not a directory: unlinking one fails, and a directory is nobody's half-written file.
-            if TEMP_MARK in entry.name and _TEMP_RE.match(entry.name) and not entry.is_dir(follow_symlinks=False):
+            if is_temp_name(entry.name) and not entry.is_dir(follow_symlinks=False):
                 yield Path(entry.path)

@@ -10,9 +10,9 @@ import os
 import stat
 from pathlib import Path
 
-from prefetchd.buffer_protocol import Manifest, ProtocolError, list_batches, list_temp_files, stream_dir
-from prefetchd.buffer_protocol.layout import (MANIFEST_NAME, STREAM_PREFIX, list_consumer_locks, list_consumers,
-                                             progress_name, stream_dirs)
+from prefetchd.buffer_protocol import Manifest, ProtocolError, list_batches, stream_dir
+from prefetchd.buffer_protocol.layout import (MANIFEST_NAME, STREAM_PREFIX, STREAM_RE, consumer_of, is_consumer_lock,
+                                             is_temp_name, parse_batch_name)
 from prefetchd.daemon.config import DaemonConfig, nearest_existing
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.job_policy import user_name
@@ -119,24 +119,131 @@ def check_private_dir(path: Path, group_access: bool) -> None:
                     "(a new buffer is created 0700)", path, perms, path)
 
 
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_own_dir(path: str | os.PathLike[str], dir_fd: int | None = None, shown: str | None = None) -> int | None:
+    """An fd of the directory at ``path`` (relative to ``dir_fd``), opened without following a link; None
+    (said in one log line) when it is a link, gone, or not the daemon's user's: a group member may make
+    ``rank-*`` folders in a --group-access buffer and swap them for links, and what is theirs is theirs
+    to clean.  Work below it goes through the fd, never the path again."""
+    shown = shown or os.fspath(path)
+    try:
+        fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            log.warning("leaving %s alone: it is not a directory (a link a group member put there?)", shown)
+        elif exc.errno != errno.ENOENT:
+            log.warning("leaving %s alone: cannot open it (%s)", shown, exc.strerror)
+        return None
+    owner = os.fstat(fd).st_uid
+    if owner != os.geteuid():
+        os.close(fd)
+        log.warning("leaving %s alone: it belongs to %s, not to %s who runs the daemon; its owner may remove it",
+                    shown, user_name(owner), user_name(os.geteuid()))
+        return None
+    return fd
+
+
 def clear_buffer(buffer: Path) -> None:
-    """Remove another job's batches, manifests and progress, including per-rank stream directories."""
-    for path in list_batches(buffer).values():
-        path.unlink(missing_ok=True)
-    for name in (*map(progress_name, list_consumers(buffer)), MANIFEST_NAME):
-        (buffer / name).unlink(missing_ok=True)
-    for lock in list_consumer_locks(buffer):  # a stream directory must be empty to go
-        lock.unlink(missing_ok=True)
-    for stream in stream_dirs(buffer):
-        remove_stream(stream)
+    """Remove another job's batches, manifests and progress, including per-rank stream directories.
+
+    Every deletion is relative to a directory fd opened without following links and checked to be the
+    daemon's user's (``open_own_dir``): a group member who swaps a folder for a link to another of that
+    user's folders meanwhile has nothing deleted there.  What cannot be deleted (a folder someone put
+    files in) is logged and left, never raised: a refused clear must not stop the daemon."""
+    fd = open_own_dir(buffer)
+    if fd is not None:
+        try:
+            _clear(fd, str(buffer))
+        finally:
+            os.close(fd)
 
 
 def remove_stream(stream: Path) -> None:
-    """Delete a per-rank stream directory with what its job left in it."""
-    for path in list_temp_files(stream):
-        path.unlink(missing_ok=True)
-    clear_buffer(stream)
-    stream.rmdir()
+    """Delete a per-rank stream directory with what its job left in it (see ``clear_buffer``)."""
+    fd = open_own_dir(stream.parent)
+    if fd is not None:
+        try:
+            _remove_stream(fd, stream.name, str(stream))
+        finally:
+            os.close(fd)
+
+
+def sweep_temp_files(buffer: Path) -> int:
+    """Delete what a killed daemon left half-written in ``buffer`` and its ranks' stream directories (through
+    fds, as ``clear_buffer``); how many went.  Only the lock holder may call this."""
+    fd = open_own_dir(buffer)
+    if fd is None:
+        return 0
+    try:
+        count = _unlink_temp_files(fd, str(buffer))
+        with os.scandir(fd) as scan:
+            names = [e.name for e in scan if STREAM_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        for name in names:
+            stream_fd = open_own_dir(name, dir_fd=fd, shown=f"{buffer}/{name}")
+            if stream_fd is not None:
+                try:
+                    count += _unlink_temp_files(stream_fd, f"{buffer}/{name}")
+                finally:
+                    os.close(stream_fd)
+        return count
+    finally:
+        os.close(fd)
+
+
+def _unlink_temp_files(fd: int, shown: str) -> int:
+    count = 0
+    with os.scandir(fd) as scan:
+        names = [e.name for e in scan if is_temp_name(e.name) and not e.is_dir(follow_symlinks=False)]
+    for name in names:
+        try:
+            os.unlink(name, dir_fd=fd)
+            count += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not delete %s/%s: %s", shown, name, exc.strerror)
+    return count
+
+
+def _clear(fd: int, shown: str) -> None:
+    with os.scandir(fd) as scan:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in scan]
+    for name, is_dir in entries:
+        if is_dir and STREAM_RE.fullmatch(name):
+            continue
+        if (parse_batch_name(name) is not None or consumer_of(name) is not None or name == MANIFEST_NAME
+                or is_consumer_lock(name) or is_temp_name(name)) and not is_dir:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not delete %s/%s: %s", shown, name, exc.strerror)
+    for name, is_dir in entries:
+        if is_dir and STREAM_RE.fullmatch(name):
+            _remove_stream(fd, name, f"{shown}/{name}")
+
+
+def _remove_stream(parent_fd: int, name: str, shown: str) -> None:
+    fd = open_own_dir(name, dir_fd=parent_fd, shown=shown)
+    if fd is None:
+        return
+    try:
+        opened = os.fstat(fd)
+        _clear(fd, shown)
+        now = os.lstat(name, dir_fd=parent_fd)
+        if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+            log.warning("leaving %s: it was replaced while being cleared (by a group member?)", shown)
+            return
+        os.rmdir(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # something else in it (a folder a member made), or replaced meanwhile
+        log.warning("could not remove %s: %s; remove it by hand when no job uses it", shown, exc.strerror)
+    finally:
+        os.close(fd)
 
 
 def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_size: int = 1) -> None:

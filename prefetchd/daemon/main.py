@@ -30,7 +30,7 @@ from prefetchd.buffer_protocol.layout import (JOB_NAME, LOCK_NAME, MANIFEST_NAME
                                              progress_name, stream_dirs)
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
                                          holds_a_stream, make_stream_dir, note_buffer_filesystem, prepare_buffer,
-                                         remove_stream)
+                                         remove_stream, sweep_temp_files)
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import BufferLost, ConfigError, DaemonError, DatasetError
@@ -38,7 +38,7 @@ from prefetchd.daemon.job_policy import JobPolicy, check_files_inside
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.metrics import Metrics
-from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id, start_worker_server, sweep_leftovers
+from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id, start_worker_server
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.sources import open_dataset
@@ -355,10 +355,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         write_when_room(functools.partial(manifest.write, directory), directory / MANIFEST_NAME, beat)
     for leftover, _differences in others:
         log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
-        try:
-            remove_stream(leftover)
-        except OSError as exc:  # its trainer rewriting progress meanwhile, a file of someone else's
-            log.warning("could not remove %s: %s", leftover, exc)
+        remove_stream(leftover)  # logs what it cannot remove: a file of someone else's, a folder put there
     ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
     log.info(
         "producing %s split of %s into %s: %s, %s of %d at %dpx per epoch%s, "
@@ -446,7 +443,7 @@ def _serve(cfg: DaemonConfig) -> int:
         start_worker_server()
         # Once: whether the crop-aware decoder is built (how to get it if not), and what resizes.
         log.info("%s; %s", decoder_summary(), resize_summary())
-        swept = sweep_leftovers(buffer)
+        swept = sweep_temp_files(buffer)
         if swept:
             log.info("deleted %d half-written files left by an earlier daemon", swept)
         metrics = Metrics(buffer, cfg.metrics_port, cfg.metrics_address, cfg.metrics_textfile)

@@ -32,11 +32,10 @@ from prefetchd.buffer_protocol import (
     PendingBatch,
     SpareFiles,
     batch_name,
-    list_temp_files,
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, stream_dirs
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, State, Status, StorageWait,
                                               Totals)
 from prefetchd.daemon.bad_samples import BadSamples
@@ -216,6 +215,14 @@ class Producer:
             self.state, self.message = State.STOPPED, self.wake.stop_reason
         self._write_status()
 
+    def _stream_lost(self, stream: Stream) -> bool:
+        """Whether ``stream``'s folder was replaced since the daemon made it; then the daemon stops, as for a
+        replaced buffer, rather than write batches (or a manifest) into whatever folder is there now."""
+        replaced = stream.replaced()
+        if replaced is not None:
+            self.fatal, self.fatal_error = str(BufferLost.because(replaced)), BufferLost
+        return replaced is not None
+
     def _check_buffer(self) -> None:
         """Once a status period: the buffer is still the one this daemon locked (else it stops), and each
         stream's manifest is still there (deleted, it is written again: trainers starting wait for it)."""
@@ -224,6 +231,8 @@ class Producer:
             self.fatal, self.fatal_error = str(BufferLost.because(lost)), BufferLost
             return
         for stream in self.streams:
+            if self._stream_lost(stream):
+                return
             if (stream.dir / MANIFEST_NAME).exists():
                 continue
             log.warning("%s was deleted while the daemon ran; writing it again", stream.dir / MANIFEST_NAME)
@@ -402,6 +411,8 @@ class Producer:
 
     def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> bool:
         """Create the batch's temp file and queue its tasks; False (retry later) if it cannot be created."""
+        if self._stream_lost(stream):
+            return False
         epoch, step = stream.key(g)
         order = stream.order(epoch)
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
@@ -525,6 +536,8 @@ class Producer:
     def _publish(self, build: Build) -> None:
         stream = build.stream
         del stream.building[build.g]
+        if self._stream_lost(stream):
+            return
         try:
             final = build.pending.commit(
                 build.labels, build.indices, epoch=build.epoch, step=build.step, seed=self.cfg.seed,
@@ -628,18 +641,8 @@ class Producer:
             status_unwritten(self.buffer, exc)
 
 
-def sweep_leftovers(buffer: Path) -> int:
-    """Delete what a killed daemon left half-written; only the lock holder may call this."""
-    count = 0
-    for directory in [buffer, *stream_dirs(buffer)]:
-        for path in list_temp_files(directory):
-            path.unlink(missing_ok=True)
-            count += 1
-    return count
-
-
 def new_producer_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-__all__ = ["DaemonLock", "Producer", "new_producer_id", "start_worker_server", "sweep_leftovers"]
+__all__ = ["DaemonLock", "Producer", "new_producer_id", "start_worker_server"]

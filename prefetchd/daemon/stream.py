@@ -22,6 +22,8 @@ books; the controller (``producer.py``) creates, deletes and publishes files.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +92,10 @@ class Stream:
     def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int,
                  cap: int | None = None, consumer_timeout: float = 300.0) -> None:
         self.dir = directory
+        # What the folder was when the daemon made (or checked) it: a group member can rename entries of a
+        # --group-access buffer and put a link to another folder of the daemon's user under this name.
+        st = os.lstat(directory)
+        self.identity = (st.st_dev, st.st_ino)
         self.manifest = manifest
         self.members = members
         self.shuffle = shuffle
@@ -192,6 +198,18 @@ class Stream:
                 rank=self.manifest.rank, world_size=self.manifest.world_size,
             )
         return self._orders[epoch]
+
+    def replaced(self) -> str | None:
+        """Why the stream's folder is no longer the one the daemon made (gone, a link, another folder), or None."""
+        try:
+            st = os.lstat(self.dir)
+        except OSError as exc:
+            return f"stream folder {self.dir} of rank {self.rank} is gone ({exc.strerror})"
+        if (st.st_dev, st.st_ino) == self.identity and not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid():
+            return None
+        what = f"a link to {os.readlink(self.dir)}" if stat.S_ISLNK(st.st_mode) else "another folder"
+        return (f"stream folder {self.dir} of rank {self.rank} was replaced by {what}: a member of the buffer's group "
+                "(who may rename its entries) moved it away")
 
     def adopt_published(self) -> None:
         """Keep the finished batches an earlier daemon of the same job left, but those with replaced

@@ -14,7 +14,7 @@ import pytest
 
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
-from prefetchd.daemon.buffer_dir import make_stream_dir, prepare_buffer
+from prefetchd.daemon.buffer_dir import clear_buffer, make_stream_dir, prepare_buffer
 
 
 def _mode(path: Path) -> int:
@@ -149,3 +149,69 @@ def test_the_cli_refuses_a_world_writable_buffer(shm_buffer: Path) -> None:
     assert run.returncode == EXIT_USAGE, run.stderr
     assert "writable by every user" in run.stderr and f"chmod 700 {buffer}" in run.stderr
     assert not (buffer / "daemon.lock").exists()  # refused before touching it
+
+
+def _private_folder(root: Path) -> Path:
+    """A folder of the daemon's user outside the buffer, with what a buffer holds."""
+    private = root / "private"
+    (private / "rank-00000").mkdir(parents=True, mode=0o700)
+    for name in ("e000000-s00000000.batch", "manifest.json", "progress.json", "progress.json.lock",
+                 "rank-00000/e000000-s00000000.batch"):
+        (private / name).write_bytes(b"precious")
+    return private
+
+
+def _contents(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_clearing_the_buffer_never_deletes_through_a_stream_folder_a_member_swapped_for_a_link(
+        shm_buffer: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A group member may rename entries of a --group-access buffer: one who swapped a stream folder for a link
+    to another folder of the daemon's user while the daemon cleared it had that folder's files deleted (the
+    daemon went on by path).  Here the swap happens at the clear's first deletion: the folder being cleared
+    and one not reached yet both become links; a member's own folder is left to them."""
+    private = _private_folder(shm_buffer)
+    before = _contents(private)
+    buffer = shm_buffer / "bf"
+    prepare_buffer(buffer, group_access=True)
+    for rank in ("rank-00005", "rank-00006", "rank-00007"):
+        make_stream_dir(buffer / rank, group_access=True)
+        for step in range(3):
+            (buffer / rank / f"e000000-s{step:08d}.batch").write_bytes(b"old job")
+    if os.geteuid() == 0:  # a member's own folder (and its files) is theirs to clean
+        for path in (buffer / "rank-00007", *(buffer / "rank-00007").iterdir()):
+            os.chown(path, 65534, 65534)
+    real_unlink = os.unlink
+    swapped = []
+
+    def unlink_then_swap(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+        real_unlink(path, dir_fd=dir_fd)
+        if not swapped:
+            swapped.append(path)
+            for rank in ("rank-00005", "rank-00006"):
+                os.rename(buffer / rank, buffer / f"{rank}.moved")
+                os.symlink(private, buffer / rank)
+
+    monkeypatch.setattr(os, "unlink", unlink_then_swap)
+    clear_buffer(buffer)
+    monkeypatch.undo()
+    assert swapped, "the clear deleted nothing"
+    assert _contents(private) == before
+    assert (buffer / "rank-00005").is_symlink() and (buffer / "rank-00006").is_symlink()
+    if os.geteuid() == 0:
+        assert len(list((buffer / "rank-00007").iterdir())) == 3
+        assert "rank-00007 alone: it belongs to nobody" in caplog.text
+
+
+def test_a_folder_put_in_a_stream_folder_is_logged_not_raised(shm_buffer: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A member's folder inside a stream folder of the daemon's keeps it from going; the clear goes on."""
+    buffer = shm_buffer / "bf"
+    prepare_buffer(buffer, group_access=True)
+    make_stream_dir(buffer / "rank-00009", group_access=True)
+    (buffer / "rank-00009" / "sub").mkdir()
+    (buffer / "rank-00009" / "e000000-s00000000.batch").write_bytes(b"old job")
+    (buffer / "e000000-s00000000.batch").write_bytes(b"old job")
+    clear_buffer(buffer)
+    assert os.listdir(buffer) == ["rank-00009"] and os.listdir(buffer / "rank-00009") == ["sub"]
+    assert f"could not remove {buffer}/rank-00009" in caplog.text
