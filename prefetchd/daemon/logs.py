@@ -23,7 +23,22 @@ log = logging.getLogger(__name__)
 _STATUS_LINES = Throttle(60.0)
 
 
-class JournalFormatter(logging.Formatter):
+def one_line(text: str) -> str:
+    """``text`` with its control characters (newlines, escapes, line separators) written as Python escapes: a
+    job's fields come from any member of the buffer's group and reach log messages, where a newline would start
+    a line of their own making (a forged timestamp and level, in the journal or the log file)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class OneLineFormatter(logging.Formatter):
+    """Each record's message on one line (``one_line``); a traceback after it keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = one_line(record.message)
+        return super().formatMessage(record)
+
+
+class JournalFormatter(OneLineFormatter):
     """sd-daemon(3) priority prefixes, so journald files each line under its level;
     no timestamp, journald adds its own."""
 
@@ -39,7 +54,7 @@ def setup_logging(level: str | int) -> None:
     if os.environ.get("JOURNAL_STREAM"):  # set by systemd when stderr goes to the journal
         handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+        handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(logging, level.upper()) if isinstance(level, str) else level, handlers=[handler])
 
 
@@ -55,4 +70,4 @@ def status_unwritten(buffer: Path, exc: OSError) -> None:
                       "written", buffer, exc.strerror or exc, others="other failed write")
 
 
-__all__ = ["JournalFormatter", "run_logged", "setup_logging", "status_unwritten"]
+__all__ = ["JournalFormatter", "OneLineFormatter", "one_line", "run_logged", "setup_logging", "status_unwritten"]

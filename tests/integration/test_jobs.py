@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from prefetchd.buffer_protocol import JobRequest, Manifest, Progress
+from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches
 from prefetchd.trainer import BufferLoader, JobReplaced, LoaderTimeout
 from tests.status_examples import job_result_of, state_of
 
@@ -403,3 +403,57 @@ def test_a_restart_with_fewer_ranks_leaves_the_other_ranks_streams(shapes_data: 
     second = start_daemon(buffer, *wide, "--ranks", "0")
     second.wait_until(lambda: "producing" in second.log, 60, "the job to start")
     assert (buffer / "rank-00001" / "e000000-s00000001.batch").exists(), second.log
+
+
+def test_a_folder_put_in_an_old_stream_folder_does_not_stop_a_job_switch(shapes_data: Path, shm_dir: Path,
+                                                                         start_daemon) -> None:
+    """A group member who made a folder inside a stream folder of the daemon's (`mkdir rank-00009/sub`) made
+    every job switch crash the daemon (rmdir: not empty), and each restart again on the same job.json."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3", "--group-access")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB).returncode == 0
+    daemon.wait_until(lambda: (buffer / "manifest.json").exists(), 30, "the first job's manifest")
+    (buffer / "rank-00009" / "sub").mkdir(parents=True)
+    (buffer / "rank-00009" / "e000000-s00000000.batch").write_bytes(b"an old job's")
+    forced = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "1", "--replace")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    daemon.wait_until(lambda: Manifest.read(buffer).seed == 1, 30, "the new job's manifest")
+    assert daemon.proc.poll() is None, daemon.log
+    assert "could not remove" in daemon.log and "rank-00009" in daemon.log
+
+
+def test_a_newline_in_a_jobs_fields_forges_no_log_line(shm_dir: Path, start_daemon) -> None:
+    """Any member of the buffer's group may submit a job: its data echoed in the refusal must not start a line
+    of its own making in the daemon's log."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    forged = "2026-01-01 00:00:00,000 WARNING prefetchd.daemon.main: FORGED LINE"
+    bad = submit(buffer, "--data", f"{shm_dir}/nope\n{forged}", *JOB)
+    assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
+    daemon.wait_until(lambda: "FORGED LINE" in daemon.log, 30, "the refusal in the log")
+    assert not any(line.startswith("2026-01-01") for line in daemon.log.splitlines()), daemon.log
+    assert r"nope\n2026-01-01" in daemon.log
+
+
+def test_a_stream_folder_swapped_for_a_link_while_a_job_runs_gets_no_file(shapes_data: Path, shm_dir: Path,
+                                                                         start_daemon) -> None:
+    """A group member who renamed a running job's stream folder away and put a link to another folder of the
+    daemon's user in its place had the daemon write its manifest and batches there ("vanished ... building it
+    again").  The daemon stops instead, naming the folder."""
+    private = shm_dir / "private"
+    private.mkdir(mode=0o700)
+    (private / "e000000-s00000000.batch").write_bytes(b"precious")
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB, "--world-size", "2", "--workers", "1",
+                          "--high-water", "3", "--group-access")
+    daemon.wait_until(lambda: len(list_batches(buffer / "rank-00001")) >= 1, 60, "rank 1's first batch")
+    os.rename(buffer / "rank-00001", buffer / "moved-away")
+    os.symlink(private, buffer / "rank-00001")
+    for path in list_batches(buffer / "moved-away").values():  # consumed: the daemon builds them again
+        path.unlink()
+    assert daemon.proc.wait(timeout=30) != 0
+    assert sorted(os.listdir(private)) == ["e000000-s00000000.batch"]
+    assert (private / "e000000-s00000000.batch").read_bytes() == b"precious"
+    assert f"stream folder {buffer}/rank-00001 of rank 1 was replaced by a link to {private}" in daemon.log
