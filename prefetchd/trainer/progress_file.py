@@ -29,6 +29,7 @@ consumed) is the loader's to say.
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import logging
@@ -71,40 +72,66 @@ class _ConsumerLocks:
     def __init__(self) -> None:
         self._held: dict[tuple[int, int], list[int]] = {}  # identity -> [descriptor, loaders]
         self._mutex = threading.Lock()
+        # Releases not done yet (``release``): a loader's finalizer may run inside ``take`` on the thread that
+        # holds the mutex (the garbage collector runs at any allocation), and must not wait for it.
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()
 
     def take(self, path: Path) -> tuple[tuple[int, int], bool]:
         """Lock ``path`` (made if missing; never through a link): (its identity, whether another loader of
         this process holds it already).  ConsumerHeld where another process does; OSError where it cannot
         be locked at all (not a regular file, no lock support)."""
+        try:
+            with self._mutex:
+                self._release_now()  # a loader of this file collected since is not counted as holding it
+                return self._take(path)
+        finally:
+            self._release_pending()
+
+    def _take(self, path: Path) -> tuple[tuple[int, int], bool]:
         flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        with self._mutex:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, LOCK_FILE_MODE)
-            except PermissionError:  # a group member's trainer made it: a read-only descriptor locks too
-                fd = os.open(path, os.O_RDONLY | flags)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise OSError(errno.EINVAL, "not a regular file: remove it")
-                key = (st.st_dev, st.st_ino)
-                if key in self._held:
-                    self._held[key][1] += 1
-                    os.close(fd)
-                    return key, True
-                if not take_lock(fd):  # tried again for a moment: a daemon may be asking whether it is held
-                    raise ConsumerHeld(str(path))
-            except BaseException:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, LOCK_FILE_MODE)
+        except PermissionError:  # a group member's trainer made it: a read-only descriptor locks too
+            fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file: remove it")
+            key = (st.st_dev, st.st_ino)
+            if key in self._held:
+                self._held[key][1] += 1
                 os.close(fd)
-                raise
-            self._held[key] = [fd, 1]
-            return key, False
+                return key, True
+            if not take_lock(fd):  # tried again for a moment: a daemon may be asking whether it is held
+                raise ConsumerHeld(str(path))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._held[key] = [fd, 1]
+        return key, False
 
     def release(self, key: tuple[int, int]) -> None:
-        """One loader of ``key`` lets go; the last unlocks it."""
-        with self._mutex:
+        """One loader of ``key`` lets go; the last unlocks it.  From a finalizer run while this thread holds the
+        mutex (in ``take``), once ``take`` lets go of it: waiting for it there would wait for ever."""
+        self._pending.append(key)
+        self._release_pending()
+
+    def _release_pending(self) -> None:
+        # Whoever holds the mutex looks again once it lets go (``take``'s finally, this loop): a release that
+        # found it taken, by this thread or another, is not left behind.
+        while self._pending and self._mutex.acquire(blocking=False):
+            try:
+                self._release_now()
+            finally:
+                self._mutex.release()
+
+    def _release_now(self) -> None:
+        """The pending releases, the mutex held."""
+        while self._pending:
+            key = self._pending.popleft()
             held = self._held.get(key)
             if held is None:
-                return  # a forked child's copy, forgotten at the fork
+                continue  # a forked child's copy, forgotten at the fork
             held[1] -= 1
             if held[1] == 0:
                 del self._held[key]
@@ -115,6 +142,7 @@ class _ConsumerLocks:
         for fd, _loaders in self._held.values():
             os.close(fd)  # the parent's lock stays: it holds the open file too
         self._held.clear()
+        self._pending.clear()
         self._mutex = threading.Lock()  # one held by another thread at the fork would never be let go
 
 

@@ -4,6 +4,7 @@ refreshes it while it waits.  The default consumer keeps progress.json exactly a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from click.testing import CliRunner
 from prefetchd.buffer_protocol import VERSION, Progress, list_consumers
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer import BufferLoader, LoaderError
-from prefetchd.trainer.progress_file import ALONE_CHECK_SECONDS
+from prefetchd.trainer.progress_file import _LOCKS, ALONE_CHECK_SECONDS
 from prefetchd.trainer.train import main
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -359,3 +360,41 @@ def test_a_loader_refused_for_its_arguments_holds_no_consumer(make_job: MakeJob,
     with caplog.at_level("WARNING", logger="prefetchd.trainer.progress_file"):
         BufferLoader(job.buffer, normalize=False, timeout=30).close()
     assert "another BufferLoader of this process" not in caplog.text and refused.traceback
+
+
+def test_a_loader_collected_while_another_takes_its_lock_lets_go_without_a_deadlock(
+        make_job: MakeJob, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader's consumer lock is let go by a finalizer, which the garbage collector may run at any allocation,
+    also inside another loader's ``take`` on the thread that holds the locks' mutex.  The release waited there
+    for that mutex for ever: a full run of the suite hung in BufferLoader() for pytest's 300 s."""
+    job = make_job(samples=8, batch_size=4, write=1)
+    first = BufferLoader(job.buffer, normalize=False, timeout=5)
+    next(iter(first))  # its first write takes the consumer's lock
+    real_fstat = os.fstat
+    collected = threading.Event()
+
+    def fstat_collecting_first(fd: int) -> os.stat_result:  # as the collector would, inside take()
+        if _LOCKS._mutex.locked() and not collected.is_set():  # inside take()
+            collected.set()
+            first._progress.release()
+        return real_fstat(fd)
+
+    made: list[BufferLoader] = []
+    monkeypatch.setattr(os, "fstat", fstat_collecting_first)
+
+    def read_as_another_consumer() -> None:
+        loader = BufferLoader(job.buffer, normalize=False, consumer="other", start=(0, 0), timeout=5)
+        next(iter(loader))  # its first write takes its lock: take(), where the first loader is collected
+        made.append(loader)
+
+    second = threading.Thread(target=read_as_another_consumer, daemon=True)
+    second.start()
+    second.join(10)
+    monkeypatch.undo()
+    assert collected.is_set() and len(made) == 1, "the release waited for the mutex its own thread held"
+    fd = os.open(job.buffer / "progress.json.lock", os.O_RDONLY)
+    try:  # the first loader's lock was let go once take() was done: another trainer may take the consumer
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    made[0].close()
