@@ -244,7 +244,7 @@ class Collective:
 def peer_failed(ranks: Ranks, what: str) -> PeerFailed:
     return PeerFailed(
         f"rank {ranks.rank}: another rank stopped while this one waited for it ({what}); that rank's own "
-        "message, above, says why, or torchrun's summary names the signal that killed it"
+        "message says why, or its launcher's (torchrun's summary) names the signal that killed it"
     )
 
 

@@ -110,15 +110,29 @@ class Alike:
 #     into the next step's agreement (Collective.agree_to_stop) and DDP's gradient all-reduce;
 #   --spawn-daemon: the barriers while local rank 0 starts the daemons and before it stops them;
 #   validation: each validation step is preceded by the ranks' agreement whether to stop.
+# And the options of the model and of its training: DDP averages the gradients, but each rank's optimizer
+# applies them, so ranks given another --lr (--optimizer, --momentum, ...) train apart without a word, and
+# another --model failed in DDP's constructor with a traceback.
 # Not here: --checkpoint-dir, --checkpoint-every and --resume are rank 0's on every rank
-# (agree_on_checkpoints); --epochs is compared once the daemons' manifests resolve it (check_equal_steps).
+# (agree_on_checkpoints); --epochs is compared once the daemons' manifests resolve it (check_equal_steps);
+# --seed only seeds a rank's initial weights, which DDP replaces with rank 0's.
+SAME_VALUE = "pass the same value to every rank"
+
+
+def _same(flag: str) -> Alike:
+    """``flag`` (``--lr``: TrainConfig's ``lr``), whose value every rank must be given alike."""
+    attr = flag.removeprefix("--").replace("-", "_")
+    return Alike(flag, lambda c, _: getattr(c, attr), lambda v: "not given" if v is None else str(v), SAME_VALUE)
+
+
 ALIKE = (
-    Alike("--max-steps", lambda c, _: c.max_steps, lambda v: "not given" if v is None else str(v),
-          "pass the same value to every rank"),
+    _same("--max-steps"),
     Alike("--spawn-daemon", lambda c, _: c.spawn_daemon, lambda v: "given" if v else "not given",
           "pass it to every rank or to none"),
     Alike("validation", lambda _, val: val, lambda v: "on" if v else "off",
           "give every rank a validation buffer (--val-buffer, or --val-data with --spawn-daemon), or none"),
+    *map(_same, ("--model", "--pretrained", "--optimizer", "--lr", "--momentum", "--weight-decay",
+                 "--warmup-epochs", "--label-smoothing", "--amp")),
 )
 
 

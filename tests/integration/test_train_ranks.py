@@ -305,14 +305,19 @@ def test_ranks_given_different_max_steps_refuse_at_start(shapes_data: Path, shm_
     job = ["--batch-size", "4", "--image-size", "32", "--epochs", "1", "--world-size", "2", "--workers", "1"]
     daemons = [start_daemon(b, "--data", shapes_data / "train", *job, "--ranks", str(rank))
                for rank, b in enumerate(buffers)]
-    common = ["--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small", "--timeout", "120", "-q"]
-    done = two_boxes(["--buffer", buffers[0], *common, "--checkpoint-dir", ckpt, "--max-steps", "3"],
-                     ["--buffer", buffers[1], *common, "--max-steps", "5"], 120)
+    common = ["--device", "cpu", "--threads", "1", "--timeout", "120", "-q"]
+    # And a model and a learning rate of their own: DDP failed on the model in its constructor, with a
+    # traceback, and ranks of different --lr trained apart without a word.
+    done = two_boxes(["--buffer", buffers[0], *common, "--checkpoint-dir", ckpt, "--max-steps", "3",
+                      "--model", "mobilenet_v3_small", "--lr", "0.1"],
+                     ["--buffer", buffers[1], *common, "--max-steps", "5", "--model", "resnet18", "--lr", "0.001"], 120)
     said = [" ".join(box.stderr.split()) for box in done]
     logs = "\n".join(s[-3000:] for s in said) + daemons[0].log[-2000:]
     for rank, box in enumerate(done):
         assert "--max-steps differs between ranks (rank 0: 3, rank 1: 5); pass the same value to every rank" \
             in said[rank], logs
+        assert "--model differs between ranks (rank 0: mobilenet_v3_small, rank 1: resnet18)" in said[rank], logs
+        assert "--lr differs between ranks (rank 0: 0.1, rank 1: 0.001)" in said[rank], logs
         assert "exitcode  : 2" in box.stderr, logs  # torchrun's summary: the usage error's code
     assert not (ckpt / LAST_CHECKPOINT).exists(), "refused before the first step"
 
