@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -95,7 +96,9 @@ def test_without_torchruns_agent_store_and_a_store_given_nothing_is_exchanged() 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}
     rank_1 = Ranks(rank=1, world_size=2, local_world_size=1)
     agree_on_backend(rank_1, torch.device("cuda", 0), env, timeout=timedelta(seconds=1))
-    with pytest.raises(RuntimeError):  # the same rank under torchrun's agent store does ask
+    # The same rank under torchrun's agent store does ask.
+    with pytest.raises(SetupError, match=r"^rank 1 could not reach torchrun's agent's store at MASTER_ADDR:MASTER_PORT "
+                                         r"127\.0\.0\.1:1 within 1 s \("):
         agree_on_backend(rank_1, torch.device("cuda", 0), {**env, "TORCHELASTIC_USE_AGENT_STORE": "True"},
                          timeout=timedelta(seconds=1))
 
@@ -265,3 +268,57 @@ def test_prefetchd_train_on_a_gpu_rank_and_a_cpu_rank_refuses_on_both(tmp_path: 
     assert run.returncode != 0, out[-3000:]
     assert "the device differs between ranks (rank 0: cuda:0 (nccl), rank 1: cpu (gloo))" in out, out[-3000:]
     assert "exitcode  : 1" in out, out[-3000:]  # torchrun's summary: a SetupError's code (the other may be its SIGTERM)
+
+
+def stopped_while_waiting(tmp_path: Path, rank: int, notice: str) -> tuple[int | None, float, str]:
+    """`prefetchd-train` started by hand as ``rank`` of a world of 2 whose other rank never comes (rank 1's
+    MASTER_PORT serves nothing): once it says ``notice`` (or after 15 s), SIGTERM.  Its exit code (None: still
+    running 5 s later, then killed), the seconds from the SIGTERM to its exit, and its output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {name: value for name, value in os.environ.items() if not name.startswith("TORCHELASTIC_")}
+    log = tmp_path / f"rank-{rank}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefetchd.trainer.train", "--buffer", str(tmp_path / "no-buffer"),
+             "--device", "cpu", "--threads", "1", "--epochs", "1"],
+            env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2",
+                 "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"},
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 15
+        while notice not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        termed = time.monotonic()
+        try:
+            code: int | None = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        return code, time.monotonic() - termed, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_hand_launched_rank_0_waiting_for_a_rank_that_never_comes_stops_at_once_on_sigterm(tmp_path: Path) -> None:
+    """It waited in TCPStore's wait, in C++, where Python's SIGTERM handler never ran: for up to 30 minutes,
+    saying nothing.  Now it says, once, whom it waits for, and SIGTERM stops it as before training: 143."""
+    code, seconds, out = stopped_while_waiting(tmp_path, 0, "rank 0 waits for rank 1 to start")
+    assert code == 143, f"still running {seconds:.1f} s after SIGTERM: {out[-3000:]}"
+    assert "stopped by SIGTERM before training began" in out, out[-3000:]
+    assert ("rank 0 waits for rank 1 to start (it has not said its device after 10 s); it waits up to 1800 s in "
+            "all") in out, out[-3000:]
+
+
+def test_a_hand_launched_rank_1_whose_rank_0_never_serves_stops_at_once_on_sigterm(tmp_path: Path) -> None:
+    """It connected to rank 0's store inside TCPStore, in C++, retrying for 30 minutes; a SIGTERM printed a
+    C++ stack trace ("Interrupted system call") and it went on retrying."""
+    code, seconds, out = stopped_while_waiting(tmp_path, 1, "rank 1 waits for rank 0 to serve the ranks' store")
+    assert code == 143, f"still running {seconds:.1f} s after SIGTERM: {out[-3000:]}"
+    assert "stopped by SIGTERM before training began" in out, out[-3000:]
+    assert "frame #" not in out and "Exception raised from" not in out, out[-3000:]
+    assert "rank 1 waits for rank 0 to serve the ranks' store at MASTER_ADDR:MASTER_PORT 127.0.0.1:" in out
