@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefetchd.buffer_protocol import Manifest, ProtocolError, list_batches, stream_dir
@@ -145,6 +146,17 @@ def open_own_dir(path: str | os.PathLike[str], dir_fd: int | None = None, shown:
     return fd
 
 
+@contextlib.contextmanager
+def _own_dir(path: str | os.PathLike[str], dir_fd: int | None = None, shown: str | None = None) -> Iterator[int | None]:
+    """``open_own_dir``'s fd (None where it is not the daemon's), closed at the block's end."""
+    fd = open_own_dir(path, dir_fd, shown)
+    try:
+        yield fd
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def clear_buffer(buffer: Path) -> None:
     """Remove another job's batches, manifests and progress, including per-rank stream directories.
 
@@ -152,50 +164,52 @@ def clear_buffer(buffer: Path) -> None:
     daemon's user's (``open_own_dir``): a group member who swaps a folder for a link to another of that
     user's folders meanwhile has nothing deleted there.  What cannot be deleted (a folder someone put
     files in) is logged and left, never raised: a refused clear must not stop the daemon."""
-    fd = open_own_dir(buffer)
-    if fd is not None:
-        try:
+    with _own_dir(buffer) as fd:
+        if fd is not None:
             _clear(fd, str(buffer))
-        finally:
-            os.close(fd)
 
 
 def remove_stream(stream: Path) -> None:
     """Delete a per-rank stream directory with what its job left in it (see ``clear_buffer``)."""
-    fd = open_own_dir(stream.parent)
-    if fd is not None:
-        try:
+    with _own_dir(stream.parent) as fd:
+        if fd is not None:
             _remove_stream(fd, stream.name, str(stream))
-        finally:
-            os.close(fd)
 
 
 def sweep_temp_files(buffer: Path) -> int:
     """Delete what a killed daemon left half-written in ``buffer`` and its ranks' stream directories (through
     fds, as ``clear_buffer``); how many went.  Only the lock holder may call this."""
-    fd = open_own_dir(buffer)
-    if fd is None:
-        return 0
-    try:
-        count = _unlink_temp_files(fd, str(buffer))
-        with os.scandir(fd) as scan:
-            names = [e.name for e in scan if STREAM_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        for name in names:
-            stream_fd = open_own_dir(name, dir_fd=fd, shown=f"{buffer}/{name}")
-            if stream_fd is not None:
-                try:
-                    count += _unlink_temp_files(stream_fd, f"{buffer}/{name}")
-                finally:
-                    os.close(stream_fd)
+    with _own_dir(buffer) as fd:
+        if fd is None:
+            return 0
+        entries = _entries(fd)
+        count = _unlink(fd, _temp_files(entries), str(buffer))
+        for name in _stream_folders(entries):
+            shown = f"{buffer}/{name}"
+            with _own_dir(name, fd, shown) as stream_fd:
+                if stream_fd is not None:
+                    count += _unlink(stream_fd, _temp_files(_entries(stream_fd)), shown)
         return count
-    finally:
-        os.close(fd)
 
 
-def _unlink_temp_files(fd: int, shown: str) -> int:
-    count = 0
+def _entries(fd: int) -> list[tuple[str, bool]]:
+    """(name, whether a directory, links not followed) of each entry of the directory ``fd``."""
     with os.scandir(fd) as scan:
-        names = [e.name for e in scan if is_temp_name(e.name) and not e.is_dir(follow_symlinks=False)]
+        return [(e.name, e.is_dir(follow_symlinks=False)) for e in scan]
+
+
+def _stream_folders(entries: list[tuple[str, bool]]) -> list[str]:
+    return [name for name, is_dir in entries if is_dir and STREAM_RE.fullmatch(name)]
+
+
+def _temp_files(entries: list[tuple[str, bool]]) -> list[str]:
+    return [name for name, is_dir in entries if not is_dir and is_temp_name(name)]
+
+
+def _unlink(fd: int, names: list[str], shown: str) -> int:
+    """Delete ``names`` from the directory ``fd`` (``shown``, for the log); how many went.  One that cannot
+    be deleted is logged, not raised."""
+    count = 0
     for name in names:
         try:
             os.unlink(name, dir_fd=fd)
@@ -208,42 +222,30 @@ def _unlink_temp_files(fd: int, shown: str) -> int:
 
 
 def _clear(fd: int, shown: str) -> None:
-    with os.scandir(fd) as scan:
-        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in scan]
-    for name, is_dir in entries:
-        if is_dir and STREAM_RE.fullmatch(name):
-            continue
-        if (parse_batch_name(name) is not None or consumer_of(name) is not None or name == MANIFEST_NAME
-                or is_consumer_lock(name) or is_temp_name(name)) and not is_dir:
-            try:
-                os.unlink(name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("could not delete %s/%s: %s", shown, name, exc.strerror)
-    for name, is_dir in entries:
-        if is_dir and STREAM_RE.fullmatch(name):
-            _remove_stream(fd, name, f"{shown}/{name}")
+    entries = _entries(fd)
+    _unlink(fd, [name for name, is_dir in entries if not is_dir and (
+        parse_batch_name(name) is not None or consumer_of(name) is not None or name == MANIFEST_NAME
+        or is_consumer_lock(name) or is_temp_name(name))], shown)
+    for name in _stream_folders(entries):
+        _remove_stream(fd, name, f"{shown}/{name}")
 
 
 def _remove_stream(parent_fd: int, name: str, shown: str) -> None:
-    fd = open_own_dir(name, dir_fd=parent_fd, shown=shown)
-    if fd is None:
-        return
-    try:
-        opened = os.fstat(fd)
-        _clear(fd, shown)
-        now = os.lstat(name, dir_fd=parent_fd)
-        if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
-            log.warning("leaving %s: it was replaced while being cleared (by a group member?)", shown)
+    with _own_dir(name, parent_fd, shown) as fd:
+        if fd is None:
             return
-        os.rmdir(name, dir_fd=parent_fd)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:  # something else in it (a folder a member made), or replaced meanwhile
-        log.warning("could not remove %s: %s; remove it by hand when no job uses it", shown, exc.strerror)
-    finally:
-        os.close(fd)
+        try:
+            opened = os.fstat(fd)
+            _clear(fd, shown)
+            now = os.lstat(name, dir_fd=parent_fd)
+            if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+                log.warning("leaving %s: it was replaced while being cleared (by a group member?)", shown)
+                return
+            os.rmdir(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # something else in it (a folder a member made), or replaced meanwhile
+            log.warning("could not remove %s: %s; remove it by hand when no job uses it", shown, exc.strerror)
 
 
 def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_size: int = 1) -> None:
