@@ -39,6 +39,7 @@ from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, State, Status, StorageWait,
                                               Totals)
 from prefetchd.daemon.bad_samples import BadSamples
+from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
@@ -342,10 +343,6 @@ class Producer:
 
     # -- building -------------------------------------------------------------
 
-    def _free_bytes(self) -> int:
-        fs = os.statvfs(self.buffer)
-        return fs.f_bavail * fs.f_frsize
-
     def _schedule(self) -> None:
         if time.monotonic() < self.retry_at:
             return
@@ -389,7 +386,7 @@ class Producer:
         """Free bytes of the buffer's filesystem once the batches being built in fresh files are filled (a spare's
         pages are there already) and one more of ``file_len`` bytes is, in fresh pages too."""
         pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
-        return self._free_bytes() - pending - file_len
+        return free_bytes(self.buffer) - pending - file_len
 
     def _resume_if_room(self, file_len: int) -> None:
         """End a pause for space once the filesystem itself has room above the floor for the batches being built
@@ -589,7 +586,7 @@ class Producer:
             batch_bytes=self.cfg.batch_bytes,
             buffer_bytes=sum(b.layout.file_len for s in self.streams for b in s.building.values())
             + waiting * self.cfg.batch_bytes,
-            free_bytes=self._free_bytes(),
+            free_bytes=free_bytes(self.buffer),
             workers=len(self.workers),
             workers_cpu_percent=round(sum(self._cpu_percent(w) for w in self.workers), 1),
             rates=Rates(samples_per_s=round(produce_rate, 1), consumed_batches_per_s=round(consume_rate, 2)),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Product
                                        same_pid_namespace, writer_named)
 from prefetchd.buffer_protocol.documents import exact_number, pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
+from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.main import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
@@ -118,10 +118,9 @@ def describe_status(buffer: Path) -> StatusReport:
 
 def _free_bytes(path: Path) -> int | None:
     try:
-        fs = os.statvfs(path)
+        return free_bytes(path)
     except OSError:
         return None
-    return fs.f_bavail * fs.f_frsize
 
 
 def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | None, str]:
