@@ -73,8 +73,8 @@ class BadSamples:
     def _named_in(self) -> str:
         if self.index.member_files is not None:
             return f"in the pack {self.index.root}"
-        if self.cfg.data is not None and is_file_list(self.cfg.data):
-            return f"listed in {self.cfg.data}"
+        if self._file_list is not None:
+            return f"listed in {self._file_list}"
         return f"indexed under {self.index.root}"
 
     def _fixes(self, sample: int, reason: str) -> tuple[str, str]:
@@ -88,8 +88,8 @@ class BadSamples:
                      "list packed, then start with --reset: the buffer's batches are the old pack's)")
             return f"{source} and {again}", f"mend them where they were packed from and {again}"
         if reason.startswith(MISSING_REASONS):
-            if self.cfg.data is not None and is_file_list(self.cfg.data):
-                return f"restore the file or take its row out of {self.cfg.data}", FIX_FILES
+            if self._file_list is not None:
+                return f"restore the file or take its row out of {self._file_list}", FIX_FILES
             if is_url(self.index.root):
                 return "restore the object, or restart with --refresh-index to list the dataset without it", FIX_FILES
             return "restore the file, or restart to index the folders without it", FIX_FILES
@@ -99,6 +99,12 @@ class BadSamples:
         """``sample`` as a failure is shown to the user: a packed one with the file it was packed from,
         to be mended there, where the pack recorded it.  Those are read at the first failure shown."""
         return self.index.name(sample, self._packed_from)
+
+    @functools.cached_property
+    def _file_list(self) -> str | None:
+        """The file list the job's samples come from (--data), or None (class folders, a pack)."""
+        data = self.cfg.data
+        return str(data) if data is not None and is_file_list(data) else None
 
     @functools.cached_property
     def _packed_from(self) -> PackedFrom | None:

@@ -112,12 +112,17 @@ def make_store(ranks: Ranks, environ: Mapping[str, str] | None = None,
         return dist.TCPStore(addr, port, is_master=True, timeout=timeout,  # type: ignore[attr-defined]
                              multi_tenant=True)
     except dist.DistNetworkError as exc:
-        told = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        told = _told(exc)
         raise SetupError(
             f"rank 0 could not serve the ranks' store at MASTER_ADDR:MASTER_PORT {addr}:{port} ({told}); "
             "MASTER_PORT must be free on rank 0's box (a run still going there holds it: pick another) and "
             "MASTER_ADDR one of its addresses, the same on every rank"
         ) from None
+
+
+def _told(exc: BaseException) -> str:
+    """The first line of torch's ``exc`` (a C++ stack trace may follow it), or its type where it says nothing."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 class _Unreachable(Exception):
@@ -146,7 +151,7 @@ def _connect(addr: str, port: int, timeout: timedelta, waiting: str) -> distribu
                 store = dist.TCPStore(addr, port, is_master=False,  # type: ignore[attr-defined]
                                       timeout=timedelta(seconds=max(0.01, min(_CONNECT_SECONDS, left))))
             except dist.DistNetworkError as exc:  # the server left since it answered
-                told = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                told = _told(exc)
             else:
                 store.set_timeout(timeout)
                 return store
@@ -229,10 +234,9 @@ def agree_on_backend(ranks: Ranks, device: torch.device, environ: Mapping[str, s
         came = _wait(store, keys, timeout, lambda missing: _not_started(ranks.rank, missing, timeout))
         missing = "" if came else ", ".join(f"rank {rank}" for rank, key in enumerate(keys) if not store.check([key]))
     except dist.DistError as exc:  # the store's server gone (DistNetworkError): rank 0, serving make_store's
-        told = str(exc).splitlines()[0] if str(exc) else type(exc).__name__  # store, failed or ran out first
-        raise SetupError(
+        raise SetupError(  # store, failed or ran out first
             f"rank {ranks.rank} lost the ranks' store while it waited for every rank's device before making the "
-            f"process group ({told}); its server is rank 0's (launched without torchrun) or torchrun's agent's "
+            f"process group ({_told(exc)}); its server is rank 0's (launched without torchrun) or torchrun's agent's "
             "on rank 0's box, whose output says why it left"
         ) from None
     if not came:
