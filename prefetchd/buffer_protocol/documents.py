@@ -22,7 +22,7 @@ from typing import Any
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import ProtocolError
-from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME, TEMP_MARK, Dir, progress_name
+from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, at, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME, TEMP_MARK, Dir, progress_name
 
 
 MAX_DOCUMENT_LEN = 1 << 20
@@ -50,19 +50,21 @@ PROGRESS_REFRESH_SECONDS = 2.0
 LOCK_RETRY_SECONDS = 0.5
 
 
-def write_json(path: Path, doc: dict[str, Any]) -> None:
+def write_json(path: Path, doc: dict[str, Any], dir_fd: int | None = None) -> None:
     """Atomically replace ``path`` with ``doc`` (see ``replace_file``)."""
-    replace_file(path, json.dumps(doc, indent=1, sort_keys=True).encode())
+    replace_file(path, json.dumps(doc, indent=1, sort_keys=True).encode(), dir_fd=dir_fd)
 
 
-def replace_file(path: Path, data: bytes, mode: int | None = None) -> None:
+def replace_file(path: Path, data: bytes, mode: int | None = None, dir_fd: int | None = None) -> None:
     """Atomically replace ``path`` with ``data``: a temp name in the same directory, then a rename,
     so a reader sees the old file or the new one, never part of one.  ``mode``: the file's
-    permission bits whatever the umask; without it, 0644 less the umask."""
+    permission bits whatever the umask; without it, 0644 less the umask.  ``dir_fd``: the folder's
+    fd, through which both names are looked up (``layout.at``); ``path`` is then what errors show."""
     # pid + random suffix: two writers in one process (threads, two loaders) never share a temp file.
     tmp = path.with_name(f"{path.name}{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp_at, path_at = at(tmp, dir_fd), at(path, dir_fd)
     # O_EXCL: a name someone else planted (a link to a file of theirs) is never written through.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp_at, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
     try:
         try:
             if mode is not None:
@@ -72,11 +74,11 @@ def replace_file(path: Path, data: bytes, mode: int | None = None) -> None:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp_at, path_at, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         # A writer that retries (a loader on a full tmpfs, every half second) must not leave a file each time.
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            os.unlink(tmp_at, dir_fd=dir_fd)
         raise
 
 
@@ -292,8 +294,9 @@ class Manifest:
         names = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in names})
 
-    def write(self, buffer: Dir) -> None:
-        write_json(Path(buffer) / MANIFEST_NAME, self.to_doc())
+    def write(self, buffer: Dir, dir_fd: int | None = None) -> None:
+        """Write the manifest into ``buffer`` (through the folder's fd ``dir_fd`` where given: ``replace_file``)."""
+        write_json(Path(buffer) / MANIFEST_NAME, self.to_doc(), dir_fd)
 
     @classmethod
     def read(cls, buffer: Dir) -> Manifest:

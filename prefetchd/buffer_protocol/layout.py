@@ -32,6 +32,17 @@ from pathlib import Path
 # What the public functions take for a directory: a str as well as a Path.
 Dir = str | os.PathLike[str]
 
+
+def at(path: Path, dir_fd: int | None) -> str | Path:
+    """What to pass to an ``os`` call with ``dir_fd``: the name in that folder where an fd is given, else the path.
+
+    The daemon goes through a stream folder's fd (``Stream``): with --group-access a member of the group may
+    rename the buffer's entries and put a link to a folder of the daemon's user under a ``rank-*`` name, and a
+    path looked up again would then lead there, where a name looked up in the fd's folder cannot.
+    ``path`` stays what messages show."""
+    return path.name if dir_fd is not None else path
+
+
 LOCK_NAME = "daemon.lock"
 MANIFEST_NAME = "manifest.json"
 PROGRESS_NAME = "progress.json"

@@ -27,6 +27,7 @@ and a batch lost in a crash is rebuilt bit-identical from (epoch, step).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -43,7 +44,7 @@ from types import TracebackType
 import numpy as np
 
 from prefetchd.buffer_protocol.batch import DTYPES, BatchLayout, temp_name
-from prefetchd.buffer_protocol.layout import spare_name
+from prefetchd.buffer_protocol.layout import at, spare_name
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ _FILL_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC  # a shared writable mapp
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
-def create_exclusive(path: Path) -> int:
-    """Create ``path`` for writing, never opening what is already there.
+def create_exclusive(path: Path, dir_fd: int | None = None) -> int:
+    """Create ``path`` (in the folder of ``dir_fd``: ``at``) for writing, never opening what is already there.
 
     Nothing should be: the sweep at start and every cancelled build delete their
     temp files.  A name that exists anyway was put there by someone else (with
@@ -63,12 +64,23 @@ def create_exclusive(path: Path) -> int:
     O_TRUNC cut, and the workers write into, a file the daemon never created.
     Unlinking removes only the name in our directory, not what it points to.
     """
+    name = at(path, dir_fd)
     try:
-        return os.open(path, _CREATE_FLAGS, 0o644)
+        return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
     except FileExistsError:
         log.warning("%s exists though this daemon did not create it; removing the name and creating its own", path)
-        path.unlink()
-        return os.open(path, _CREATE_FLAGS, 0o644)
+        os.unlink(name, dir_fd=dir_fd)
+        return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
+
+
+def _unlink(path: Path, dir_fd: int | None) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(at(path, dir_fd), dir_fd=dir_fd)
+
+
+def _file_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _zero_outside_tensors(fd: int, layout: BatchLayout) -> None:
@@ -91,49 +103,59 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 @dataclass(frozen=True)
 class PendingBatch:
-    """A batch begun under its temp name; ``commit`` publishes it, ``abort`` removes it."""
+    """A batch begun under its temp name; ``commit`` publishes it, ``abort`` removes it.
+
+    ``dir_fd``: the folder's fd, through which every name is looked up (``at``); ``file_id``: the temp
+    file's (st_dev, st_ino), which whoever fills or commits it checks (``SlotFiller``): the workers open it
+    by its path, and write only into the file begun here."""
 
     final: Path
     layout: BatchLayout
     reused: bool = False  # begun in a spare: its pages are already the file system's
+    dir_fd: int | None = None
+    file_id: tuple[int, int] | None = None
 
     @property
     def tmp(self) -> Path:
         return temp_name(self.final)
 
     @classmethod
-    def begin(cls, final: str | os.PathLike[str], layout: BatchLayout, spares: SpareFiles | None = None) -> PendingBatch:
+    def begin(cls, final: str | os.PathLike[str], layout: BatchLayout, spares: SpareFiles | None = None,
+              dir_fd: int | None = None) -> PendingBatch:
         """Create the temp file sized for ``layout`` (from one of ``spares`` where one has its
         size); on OSError nothing is left behind."""
         final = Path(final)
-        fd = spares.take(layout.file_len, temp_name(final)) if spares is not None else None
-        pending = cls(final, layout, reused=fd is not None)
+        tmp = temp_name(final)
+        fd = spares.take(layout.file_len, tmp, dir_fd) if spares is not None else None
+        reused = fd is not None
         try:
             if fd is None:
-                fd = create_exclusive(pending.tmp)
+                fd = create_exclusive(tmp, dir_fd)
                 os.ftruncate(fd, layout.file_len)
             else:
                 _zero_outside_tensors(fd, layout)
+            file_id = _file_id(fd)
         except BaseException:
-            pending.abort()
+            _unlink(tmp, dir_fd)
             raise
         finally:
             if fd is not None:
                 os.close(fd)
-        return pending
+        return cls(final, layout, reused, dir_fd, file_id)
 
     def slots(self) -> SlotFiller:
         """The fill side, opened in this process (a worker opens its own from the path)."""
         images = self.layout.tensors["images"]
-        return SlotFiller(self.tmp, images.offset, self.layout.slot_bytes, range(images.shape[0]))
+        return SlotFiller(self.tmp, images.offset, self.layout.slot_bytes, range(images.shape[0]), self.file_id)
 
     def commit(self, labels: np.ndarray, indices: np.ndarray, *, epoch: int, step: int, seed: int,
                producer: str, replaced: int = 0) -> Path:
         """Write labels, indices and the header, and publish under the final name; aborts on any failure."""
         layout = self.layout
         try:
-            fd = os.open(self.tmp, _OPEN_FLAGS)
+            fd = os.open(at(self.tmp, self.dir_fd), _OPEN_FLAGS, dir_fd=self.dir_fd)
             try:
+                _check_file(fd, self.file_id, self.tmp)
                 for name, array in (("labels", labels), ("indices", indices)):
                     data = np.ascontiguousarray(array, dtype=DTYPES["int64"]).tobytes()  # N * 8 bytes: copying is free
                     _pwrite_all(fd, memoryview(data), layout.tensors[name].offset)
@@ -142,14 +164,23 @@ class PendingBatch:
                 _pwrite_all(fd, memoryview(header), 0)
             finally:
                 os.close(fd)
-            os.rename(self.tmp, self.final)
+            os.rename(at(self.tmp, self.dir_fd), at(self.final, self.dir_fd), src_dir_fd=self.dir_fd,
+                      dst_dir_fd=self.dir_fd)
         except BaseException:
             self.abort()
             raise
         return self.final
 
     def abort(self) -> None:
-        self.tmp.unlink(missing_ok=True)
+        _unlink(self.tmp, self.dir_fd)
+
+
+def _check_file(fd: int, file_id: tuple[int, int] | None, path: str | os.PathLike[str]) -> None:
+    """Refuse to write ``fd`` unless it is the file ``file_id`` names (where one is given): the temp file
+    the daemon began, not one a replaced folder holds under its name."""
+    if file_id is not None and _file_id(fd) != file_id:
+        raise PermissionError(errno.EPERM, "not the file begun for this batch (its folder was replaced?); "
+                              "refusing to write it", os.fspath(path))
 
 
 class SlotFiller:
@@ -168,12 +199,13 @@ class SlotFiller:
     saved: 56 us per image against 28-41 with ``pwrite`` (``docs/BENCHMARKS.md``, "Images made
     in their slots").
 
-    The file must be a regular file of this user, long enough for the slots: a name planted in
-    a group-writable buffer, or a file cut short, is an OSError, never a crash.
+    The file must be a regular file of this user, long enough for the slots, and where ``file_id``
+    is given the file it names (``PendingBatch``): a name planted in a group-writable buffer, a
+    replaced folder's file, or a file cut short, is an OSError, never a crash.
     """
 
     def __init__(self, path: str | os.PathLike[str], images_offset: int, slot_bytes: int,
-                 slots: range | None = None) -> None:
+                 slots: range | None = None, file_id: tuple[int, int] | None = None) -> None:
         self.path = path
         self.images_offset = images_offset
         self.slot_bytes = slot_bytes
@@ -185,6 +217,7 @@ class SlotFiller:
             st = os.fstat(self._fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise PermissionError(errno.EPERM, "not a regular file of this user; refusing to write it", os.fspath(path))
+            _check_file(self._fd, file_id, path)
             if slots is None:
                 slots = range(max(0, st.st_size - images_offset) // slot_bytes if slot_bytes else 0)
             self.slots = slots
@@ -303,7 +336,7 @@ class SpareFiles:
 
     def __init__(self) -> None:
         self._names = itertools.count()
-        self._files: list[tuple[int, Path]] = []  # (size, path), oldest first
+        self._files: list[tuple[int, Path, int | None]] = []  # (size, path, its folder's fd: ``at``), oldest first
         self._room = 1 << 30  # until the first fit()
         self.enabled = _ignore_lease_breaks()
 
@@ -314,33 +347,34 @@ class SpareFiles:
     def bytes(self) -> int:
         """What the spares hold: space a batch begun in one of them needs no more of (or that
         deleting them frees, once no trainer maps them)."""
-        return sum(size for size, _ in self._files)
+        return sum(size for size, _, _ in self._files)
 
-    def retire(self, path: Path) -> None:
-        """Keep the consumed batch ``path`` as a spare (delete it where spares cannot be kept)."""
+    def retire(self, path: Path, dir_fd: int | None = None) -> None:
+        """Keep the consumed batch ``path`` (in the folder of ``dir_fd``: ``at``) as a spare (delete it where
+        spares cannot be kept).  The fd must stay open while the spare is kept (``fit(0)`` drops them all)."""
         if not self.enabled:
-            path.unlink(missing_ok=True)
+            _unlink(path, dir_fd)
             return
         spare = path.with_name(spare_name(next(self._names)))
         try:
-            os.rename(path, spare)
-            size = os.stat(spare, follow_symlinks=False).st_size
+            os.rename(at(path, dir_fd), at(spare, dir_fd), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            size = os.stat(at(spare, dir_fd), dir_fd=dir_fd, follow_symlinks=False).st_size
         except FileNotFoundError:
             return
         except OSError:
-            path.unlink(missing_ok=True)
+            _unlink(path, dir_fd)
             return
-        self._files.append((size, spare))
+        self._files.append((size, spare, dir_fd))
         # The spare this one pushed past the HANDED_PAST newest: if a trainer still maps it, it keeps
         # that batch; deleted (its pages stay the trainer's), so that ``bytes`` does not count it as
         # room.  Looked at once: a spare nobody maps never gets a reader again (none opens spares).
         if len(self._files) > self.HANDED_PAST:
             aged = self._files[-1 - self.HANDED_PAST]
-            if not _unshared(aged[1]):
+            if not _unshared(aged[1], aged[2]):
                 self._files.remove(aged)
-                aged[1].unlink(missing_ok=True)
+                _unlink(aged[1], aged[2])
 
-    def take(self, size: int, tmp: Path) -> int | None:
+    def take(self, size: int, tmp: Path, dir_fd: int | None = None) -> int | None:
         """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and
         opened for writing: the newest such, whose pages the caches are likeliest to hold still.
         None when there is none: the caller creates a fresh file, and the oldest spares go if it
@@ -354,16 +388,16 @@ class SpareFiles:
         A spare still in use is passed over (it is among the ``HANDED_PAST`` newest: ``retire``
         deletes older ones a trainer keeps)."""
         for entry in reversed(self._files):
-            spare_size, spare = entry
-            if spare_size != size or not _unshared(spare):
+            spare_size, spare, spare_dir_fd = entry
+            if spare_size != size or not _unshared(spare, spare_dir_fd):
                 continue
             self._files.remove(entry)
             try:
-                os.rename(spare, tmp)
-                fd = os.open(tmp, _OPEN_FLAGS | os.O_CLOEXEC)
+                os.rename(at(spare, spare_dir_fd), at(tmp, dir_fd), src_dir_fd=spare_dir_fd, dst_dir_fd=dir_fd)
+                fd = os.open(at(tmp, dir_fd), _OPEN_FLAGS | os.O_CLOEXEC, dir_fd=dir_fd)
             except OSError:  # someone removed or replaced it: create a fresh file instead
-                spare.unlink(missing_ok=True)
-                tmp.unlink(missing_ok=True)
+                _unlink(spare, spare_dir_fd)
+                _unlink(tmp, dir_fd)
                 break
             self._room -= 1  # the batch takes the spare's place
             return fd
@@ -379,13 +413,14 @@ class SpareFiles:
 
     def _trim(self) -> None:
         while len(self._files) > max(0, self._room):
-            self._files.pop(0)[1].unlink(missing_ok=True)
+            _size, spare, dir_fd = self._files.pop(0)
+            _unlink(spare, dir_fd)
 
 
-def _unshared(path: Path) -> bool:
+def _unshared(path: Path, dir_fd: int | None) -> bool:
     """True if ``path`` is a regular file with one name and no other open file (or mapping) on it."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(at(path, dir_fd), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return False
     try:

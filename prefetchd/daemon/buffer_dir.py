@@ -60,8 +60,10 @@ def note_buffer_filesystem(buffer: Path) -> None:
         log.info("%s", huge_pages_hint(buffer, mount))
 
 
-def make_stream_dir(directory: Path, group_access: bool) -> None:
-    """A rank's stream directory, with the buffer's mode and the same checks."""
+def make_stream_dir(directory: Path, group_access: bool) -> int:
+    """A rank's stream directory, with the buffer's mode and the same checks: its fd (``DIR_FLAGS``), which
+    the caller closes.  Work in it goes through the fd (``Stream``): a group member may rename entries of
+    a --group-access buffer, and the path may lead elsewhere the next time it is looked up."""
     mode = GROUP_BUFFER_MODE if group_access else BUFFER_MODE
     try:
         os.mkdir(directory, mode)
@@ -71,6 +73,17 @@ def make_stream_dir(directory: Path, group_access: bool) -> None:
         with contextlib.suppress(OSError):  # replaced meanwhile (a link: ELOOP): check_private_dir says by what
             chmod_dir(directory, mode)
     check_private_dir(directory, group_access)
+    try:
+        fd = os.open(directory, DIR_FLAGS)
+    except OSError as exc:
+        why = (": it was replaced while the daemon made it; a member of the buffer's group renames its entries?"
+               if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT) else "")
+        raise ConfigError(f"cannot open stream folder {directory} ({exc.strerror}){why}") from None
+    if os.fstat(fd).st_uid != os.geteuid():
+        os.close(fd)
+        raise ConfigError(f"stream folder {directory} was replaced by someone else's while the daemon made it; a "
+                          "member of the buffer's group renames its entries?")
+    return fd
 
 
 def chmod_dir(path: Path, mode: int) -> None:

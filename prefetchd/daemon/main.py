@@ -349,24 +349,32 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         raise ConfigError(f"buffer {job.buffer} holds batches of a different job in {leftover.name}, a rank this job "
                           f"does not produce ({'; '.join(differences)}); pass --reset to delete them, or use another "
                           "--buffer")
-    for directory, manifest in streams:
-        make_stream_dir(directory, job.group_access)
-        adopt_manifest(directory, manifest, reset)
-        write_when_room(functools.partial(manifest.write, directory), directory / MANIFEST_NAME, beat)
-    for leftover, _differences in others:
-        log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
-        remove_stream(leftover)  # logs what it cannot remove: a file of someone else's, a folder put there
-    ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
-    log.info(
-        "producing %s split of %s into %s: %s, %s of %d at %dpx per epoch%s, "
-        "%s, high/low water %d/%d per rank, epochs %s",
-        job.split, job.data, job.buffer, counted(samples, "sample"), counted(streams[0][1].steps_per_epoch, "step"),
-        job.batch_size, job.image_size,
-        ranks, counted(job.workers or 0, "worker"), job.high_water, job.low_water, job.epochs or "unbounded",
-    )
-    beat(f"starting the workers for {job.data}")  # the last look for a stop signal before they start
-    return Producer(job, index, members, streams, wake, poll_jobs=inbox.poll,
-                    job_result=lambda: inbox.result, on_status=publish, notifier=notifier, lock_lost=lock.lost)
+    folders: list[int] = []  # each stream folder's fd, which its Stream keeps (and closes)
+    try:
+        for directory, manifest in streams:
+            folders.append(make_stream_dir(directory, job.group_access))
+            adopt_manifest(directory, manifest, reset)
+            write_when_room(functools.partial(manifest.write, directory, folders[-1]), directory / MANIFEST_NAME,
+                            beat)
+        for leftover, _differences in others:
+            log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
+            remove_stream(leftover)  # logs what it cannot remove: a file of someone else's, a folder put there
+        ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
+        log.info(
+            "producing %s split of %s into %s: %s, %s of %d at %dpx per epoch%s, "
+            "%s, high/low water %d/%d per rank, epochs %s",
+            job.split, job.data, job.buffer, counted(samples, "sample"), counted(streams[0][1].steps_per_epoch, "step"),
+            job.batch_size, job.image_size,
+            ranks, counted(job.workers or 0, "worker"), job.high_water, job.low_water, job.epochs or "unbounded",
+        )
+        beat(f"starting the workers for {job.data}")  # the last look for a stop signal before they start
+        return Producer(job, index, members, [(d, m, fd) for (d, m), fd in zip(streams, folders, strict=True)], wake,
+                        poll_jobs=inbox.poll, job_result=lambda: inbox.result, on_status=publish, notifier=notifier,
+                        lock_lost=lock.lost)
+    except BaseException:
+        for fd in folders:
+            os.close(fd)
+        raise
 
 
 def already_consumed(producer: Producer) -> str:

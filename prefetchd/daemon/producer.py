@@ -65,7 +65,7 @@ FAILURE_LOG_SECONDS = 10.0  # one log line per this long of failed builds (the o
 
 class Producer:
     def __init__(
-        self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, streams: list[tuple[Path, Manifest]],
+        self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, streams: list[tuple[Path, Manifest, int]],
         wake: Wakeup, poll_jobs: Callable[[DaemonConfig], DaemonConfig | None] = lambda _: None,
         job_result: Callable[[], JobResult | None] = lambda: None,
         on_status: Callable[[Status], None] = lambda _: None,
@@ -88,8 +88,8 @@ class Producer:
         if cap < 1:
             log.warning("--max-buffer-bytes %d holds no %d-byte batch per rank; keeping one", cfg.max_buffer_bytes,
                         cfg.batch_bytes)
-        self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout)
-                        for d, m in streams]
+        self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout, fd)
+                        for d, m, fd in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
         self.chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))
@@ -234,11 +234,11 @@ class Producer:
         for stream in self.streams:
             if self._stream_lost(stream):
                 return
-            if (stream.dir / MANIFEST_NAME).exists():
+            if stream.holds(MANIFEST_NAME):
                 continue
             log.warning("%s was deleted while the daemon ran; writing it again", stream.dir / MANIFEST_NAME)
             try:
-                stream.manifest.write(stream.dir)
+                stream.manifest.write(stream.dir, stream.fd)
             except OSError as exc:
                 log.warning("cannot write %s again: %s", stream.dir / MANIFEST_NAME, exc.strerror)
 
@@ -303,6 +303,8 @@ class Producer:
                 build.pending.abort()
             stream.building.clear()
         self.spares.fit(0)
+        for stream in self.streams:  # after the spares, which are named through their folders' fds
+            stream.close()
 
     # -- progress and deletion -----------------------------------------------
 
@@ -311,7 +313,7 @@ class Producer:
             stream.read_progress()
             stale, builds = stream.outside_window()
             for g in stale:
-                self.spares.retire(stream.published.pop(g))
+                self.spares.retire(stream.published.pop(g), stream.fd)
             for build in builds:
                 self._cancel(build)
             stream.reconcile()
@@ -415,7 +417,7 @@ class Producer:
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
         final = stream.dir / batch_name(epoch, step)
         try:
-            pending = PendingBatch.begin(final, layout, self.spares)
+            pending = PendingBatch.begin(final, layout, self.spares, stream.fd)
         except OSError as exc:  # e.g. a directory planted under the name, out of inodes
             self.stats.write_failures += 1
             self._failing(f"cannot create {temp_name(final).name}: {exc.strerror}")
@@ -429,7 +431,8 @@ class Producer:
         for start in range(0, n, self.chunk):
             end = min(n, start + self.chunk)
             items = tuple(zip(range(start, end), samples[start:end]))
-            task = Task(self.next_task_id, str(pending.tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items)
+            task = Task(self.next_task_id, str(pending.tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items,
+                        pending.file_id)
             self.next_task_id += 1
             self.task_build[task.task_id] = build
             build.outstanding.add(task.task_id)

@@ -21,10 +21,12 @@ books; the controller (``producer.py``) creates, deletes and publishes files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +46,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import MAX_EPOCH
 from prefetchd.buffer_protocol.status import Position, StreamStatus
+from prefetchd.daemon.buffer_dir import DIR_FLAGS
 from prefetchd.daemon.consumers import Consumer, plan_windows
 from prefetchd.daemon.sampler import epoch_order
 from prefetchd.words import counted
@@ -90,11 +93,15 @@ class Stream:
     """
 
     def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int,
-                 cap: int | None = None, consumer_timeout: float = 300.0) -> None:
-        self.dir = directory
-        # What the folder was when the daemon made (or checked) it: a group member can rename entries of a
-        # --group-access buffer and put a link to another folder of the daemon's user under this name.
-        st = os.lstat(directory)
+                 cap: int | None = None, consumer_timeout: float = 300.0, dir_fd: int | None = None) -> None:
+        self.dir = directory  # what messages show; files are created, renamed and deleted through ``fd``
+        # The folder the daemon made (or checked), held open: a group member can rename entries of a --group-access
+        # buffer and put a link to another folder of the daemon's user under this name, and a path looked up again
+        # would lead there.  ``replaced`` tells when the name no longer leads to it (the daemon then stops).
+        # ``dir_fd``: the folder's fd, opened by whoever made it (now the stream's to close); else it is opened here.
+        self.fd = dir_fd if dir_fd is not None else os.open(directory, DIR_FLAGS)
+        self._closer = weakref.finalize(self, os.close, self.fd)  # a Stream dropped unclosed (a test's) leaks no fd
+        st = os.fstat(self.fd)
         self.identity = (st.st_dev, st.st_ino)
         self.manifest = manifest
         self.members = members
@@ -126,6 +133,19 @@ class Stream:
     @property
     def rank(self) -> int:
         return self.manifest.rank
+
+    def holds(self, name: str) -> bool:
+        """Whether the stream's folder has an entry ``name`` (looked up through its fd)."""
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close the folder's fd (once its builds and spares are gone: they are named through it)."""
+        self._closer()
+        self.fd = -1
 
     def key(self, g: int) -> tuple[int, int]:
         return divmod(g, self.steps)
@@ -223,7 +243,8 @@ class Stream:
             except (ProtocolError, FileNotFoundError):
                 replaced = -1
             if replaced:
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path.name, dir_fd=self.fd)
                 redo += 1
                 continue
             self.published[self.g(key)] = path

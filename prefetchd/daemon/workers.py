@@ -115,6 +115,7 @@ class Task:
     slot_bytes: int
     epoch: int
     items: tuple[tuple[int, int], ...]  # (slot, sample index)
+    file_id: tuple[int, int] | None = None  # the temp file's (st_dev, st_ino): only that file is written (SlotFiller)
 
 
 @dataclass(frozen=True)
@@ -285,7 +286,7 @@ def run_task(job: WorkerJob, task: Task, reader: SampleReader | None = None,
     if sink is not None:
         return _fill(job, task, reader, reads, sink, clean)
     try:
-        batch = SlotFiller(task.path, task.images_offset, task.slot_bytes, task_slots(task))
+        batch = SlotFiller(task.path, task.images_offset, task.slot_bytes, task_slots(task), task.file_id)
     except OSError as exc:
         return WriteFailed(task.task_id, f"cannot open {task.path}: {exc.strerror}")
     with batch:

@@ -112,7 +112,7 @@ def _interrupted_json_write(path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """Name of the temp file write_json leaves when it dies before its rename."""
     left: list[str] = []
     with monkeypatch.context() as m:
-        m.setattr(os, "replace", lambda src, dst: left.append(Path(src).name))
+        m.setattr(os, "replace", lambda src, dst, **_: left.append(Path(src).name))
         write_json(path, {"format": "prefetchd.test"})
     assert len(left) == 1 and (path.parent / left[0]).exists()
     return left[0]

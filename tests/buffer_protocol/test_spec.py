@@ -303,7 +303,7 @@ def json_temp_mismatches(spec: str) -> list[str]:
         return ["rule 2 names no `NAME.tmp-...` temp file"]
     pattern = re.escape(m[1]).replace("NAME", re.escape(layout.PROGRESS_NAME)).replace("PID", str(os.getpid()))
     pattern = re.sub(r"[A-Z]{2,}", "[0-9A-Za-z]+", pattern)  # RANDOM, HEX, ...: any token
-    with tempfile.TemporaryDirectory() as d, mock.patch.object(os, "replace", lambda src, dst: None):
+    with tempfile.TemporaryDirectory() as d, mock.patch.object(os, "replace", lambda src, dst, **_: None):
         documents.write_json(Path(d) / layout.PROGRESS_NAME, {"format": "prefetchd.progress"})
         left = os.listdir(d)
         listed = [p.name for p in layout.list_temp_files(Path(d))]

@@ -302,6 +302,36 @@ def test_a_file_cut_short_or_not_the_users_is_refused(tmp_path: Path) -> None:
         SlotFiller(pending.tmp, offset, layout.slot_bytes)
 
 
+def test_the_fill_and_the_commit_write_only_the_file_begun_for_the_batch(tmp_path: Path) -> None:
+    """A member of a --group-access buffer's group may rename its entries: with the folders of two ranks
+    swapped, rank 0's temp path leads to rank 1's file of the same name (the same epoch and step).  Workers
+    open by path, so they check the file is the one begun (``file_id``); the commit goes through the
+    folder's fd, so it publishes the batch where it was begun."""
+    layout = BatchLayout.plan(2, 4, 4)
+    offset = layout.tensors["images"].offset
+    ranks = [tmp_path / "rank-00000", tmp_path / "rank-00001"]
+    fds = []
+    for folder in ranks:
+        folder.mkdir()
+        fds.append(os.open(folder, os.O_RDONLY | os.O_DIRECTORY))
+    try:
+        pending = [PendingBatch.begin(folder / batch_name(0, 0), layout, dir_fd=fd) for folder, fd in zip(ranks, fds)]
+        os.rename(ranks[0], tmp_path / "moving")
+        os.rename(ranks[1], ranks[0])
+        os.rename(tmp_path / "moving", ranks[1])
+        for begun in pending:  # each path now leads to the other rank's file
+            with pytest.raises(PermissionError, match="not the file begun for this batch"):
+                SlotFiller(begun.tmp, offset, layout.slot_bytes, range(2), begun.file_id)
+        final = pending[1].commit(np.array([5, 6]), np.arange(2), **FIELDS)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert final == tmp_path / "rank-00001" / batch_name(0, 0)  # as shown: the name it was begun under
+    published = tmp_path / "rank-00000" / batch_name(0, 0)  # where rank 1's folder is now
+    assert map_batch(published).labels.tolist() == [5, 6]
+    assert not (tmp_path / "rank-00001" / batch_name(0, 0)).exists()
+
+
 def test_a_slot_is_written_in_place_and_a_view_kept_past_close_keeps_only_its_own_mapping(tmp_path: Path) -> None:
     layout = BatchLayout.plan(2, 4, 4)
     pending = PendingBatch.begin(tmp_path / batch_name(0, 0), layout)

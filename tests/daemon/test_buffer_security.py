@@ -10,11 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from prefetchd.buffer_protocol import BatchLayout, Manifest, SlotFiller, batch_name
+from prefetchd.buffer_protocol.batch import temp_name
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
 from prefetchd.daemon.buffer_dir import clear_buffer, make_stream_dir, prepare_buffer
+from prefetchd.daemon.stream import Stream
 
 
 def _mode(path: Path) -> int:
@@ -34,7 +39,7 @@ def test_group_access_is_setgid_group_rw(shm_buffer: Path) -> None:
     old = os.umask(0o077)  # nor does a strict one close it
     try:
         prepare_buffer(shm_buffer / "bf", group_access=True)
-        make_stream_dir(shm_buffer / "bf" / "rank-00001", group_access=True)
+        os.close(make_stream_dir(shm_buffer / "bf" / "rank-00001", group_access=True))
     finally:
         os.umask(old)
     for path in (shm_buffer / "bf", shm_buffer / "bf" / "rank-00001"):
@@ -176,7 +181,7 @@ def test_clearing_the_buffer_never_deletes_through_a_stream_folder_a_member_swap
     buffer = shm_buffer / "bf"
     prepare_buffer(buffer, group_access=True)
     for rank in ("rank-00005", "rank-00006", "rank-00007"):
-        make_stream_dir(buffer / rank, group_access=True)
+        os.close(make_stream_dir(buffer / rank, group_access=True))
         for step in range(3):
             (buffer / rank / f"e000000-s{step:08d}.batch").write_bytes(b"old job")
     if os.geteuid() == 0:  # a member's own folder (and its files) is theirs to clean
@@ -208,10 +213,58 @@ def test_a_folder_put_in_a_stream_folder_is_logged_not_raised(shm_buffer: Path, 
     """A member's folder inside a stream folder of the daemon's keeps it from going; the clear goes on."""
     buffer = shm_buffer / "bf"
     prepare_buffer(buffer, group_access=True)
-    make_stream_dir(buffer / "rank-00009", group_access=True)
+    os.close(make_stream_dir(buffer / "rank-00009", group_access=True))
     (buffer / "rank-00009" / "sub").mkdir()
     (buffer / "rank-00009" / "e000000-s00000000.batch").write_bytes(b"old job")
     (buffer / "e000000-s00000000.batch").write_bytes(b"old job")
     clear_buffer(buffer)
     assert os.listdir(buffer) == ["rank-00009"] and os.listdir(buffer / "rank-00009") == ["sub"]
     assert f"could not remove {buffer}/rank-00009" in caplog.text
+
+
+def test_a_stream_folder_swapped_for_a_link_just_after_the_check_gets_no_file(
+        shm_buffer: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller checks a stream's folder before it begins or publishes a batch (and each second), and
+    stops once a member swapped it for a link; a swap landing just after the check used to have the batch's
+    temp file, its fill, its publish, a spare's reuse and a manifest rewrite go by path into the folder the
+    link leads to.  They go through the folder's fd now (the fill checks it opened the file begun), into the
+    daemon's own folder wherever it was moved, and the link's folder gets nothing."""
+    from tests.daemon.test_window import books
+
+    private = _private_folder(shm_buffer)
+    (private / "rank-00000" / "e000000-s00000001.batch").write_bytes(b"precious")  # a spare's reuse could land here
+    before = _contents(private)
+    buffer = shm_buffer / "bf"
+    prepare_buffer(buffer, group_access=True)
+    folder, moved = buffer / "rank-00000", buffer / "moved"
+    manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
+                        batch_size=8, image_size=8, samples_per_epoch=40, steps_per_epoch=5, epochs=2,
+                        producer="test", rank=0, world_size=2)
+    stream = Stream(folder, manifest, np.arange(80), shuffle=False, high=4, low=2,
+                    dir_fd=make_stream_dir(folder, group_access=True))
+    producer = books(buffer, stream)
+    producer.chunk, producer.next_task_id = 8, 0
+    layout = BatchLayout.plan(8, 8, 8)
+
+    def checked_then_swapped(self: Stream) -> None:
+        if not moved.exists():
+            os.rename(folder, moved)
+            os.symlink(private / "rank-00000", folder)
+
+    monkeypatch.setattr(Stream, "replaced", checked_then_swapped)
+    assert producer._start_build(stream, 0, layout)
+    task = producer.todo.popleft()
+    with pytest.raises(FileNotFoundError):  # a worker opens the temp file by its path, which leads elsewhere now
+        SlotFiller(task.path, task.images_offset, task.slot_bytes, range(8), task.file_id)
+    producer._publish(stream.building[0])
+    assert sorted(os.listdir(moved)) == [batch_name(0, 0)]
+    producer.spares.retire(stream.published.pop(0), stream.fd)  # consumed: kept as a spare, as _read_progress does
+    assert producer._start_build(stream, 1, layout)
+    assert stream.building[1].pending.reused == producer.spares.enabled
+    stream.manifest.write(stream.dir, stream.fd)  # as _check_buffer writes a deleted manifest again
+    assert stream.holds(MANIFEST_NAME)
+    assert sorted(os.listdir(moved)) == sorted([MANIFEST_NAME, temp_name(folder / batch_name(0, 1)).name])
+    assert _contents(private) == before
+    monkeypatch.undo()
+    assert f"stream folder {folder} of rank 0 was replaced by a link to {private}" in (stream.replaced() or "")
+    stream.close()

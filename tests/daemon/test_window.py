@@ -59,12 +59,12 @@ def one_slot_build(producer: Producer, s: Stream, g: int) -> Task:
     from prefetchd.daemon.workers import Task
 
     epoch, step = s.key(g)
-    pending = PendingBatch.begin(s.dir / batch_name(epoch, step), BatchLayout.plan(1, 8, 8))
+    pending = PendingBatch.begin(s.dir / batch_name(epoch, step), BatchLayout.plan(1, 8, 8), dir_fd=s.fd)
     build = Build(s, g, epoch, step, pending, np.empty(1, np.int64), np.empty(1, np.int64), remaining=1)
     s.building[g] = build
     producer.task_build[g] = build
     build.outstanding.add(g)
-    return Task(g, str(pending.tmp), 0, 0, epoch, ((0, g),))
+    return Task(g, str(pending.tmp), 0, 0, epoch, ((0, g),), pending.file_id)
 
 
 def publish(s: Stream, *positions: int) -> None:

@@ -507,7 +507,7 @@ def write_rows(task: Task, result: Filled, pixels: Sequence[np.ndarray]) -> Fill
     """Write a remote slice's images (one per item, in order) into the slots of its batch's temp file,
     as a local worker would have."""
     try:
-        with SlotFiller(task.path, task.images_offset, task.slot_bytes, task_slots(task)) as slots:
+        with SlotFiller(task.path, task.images_offset, task.slot_bytes, task_slots(task), task.file_id) as slots:
             for row, (slot, _index) in enumerate(task.items):
                 slots.fill(slot, pixels[row].data)
     except OSError as exc:  # no space, or the batch was aborted meanwhile
