@@ -36,6 +36,8 @@ from prefetchd.words import binary_size
 TMPFS_SHARE = 0.5
 RAM_SHARE = 0.25
 MAX_DEFAULT_HIGH_WATER = 64
+# Ranks one daemon produces (a box has a few GPUs; each rank is a folder and an fd the daemon holds).
+MAX_LOCAL_RANKS = 256
 # The free-space floor's default (default_min_free_mb): a share of the buffer's filesystem, at least a few MiB,
 # but only a tenth of a filesystem so small that those MiB would be most of it.
 MIN_FREE_SHARE, MIN_FREE_MB, SMALL_FS_SHARE = 0.05, 64, 0.1
@@ -162,23 +164,33 @@ class DaemonConfig:
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
-        """The ranks whose streams this daemon produces."""
+        """The ranks whose streams this daemon produces: at most MAX_LOCAL_RANKS."""
         if self.ranks is None:
-            return tuple(range(self.world_size))
-        chosen: set[int] = set()
-        try:
-            for part in self.ranks.split(","):
-                lo, _, hi = part.strip().partition("-")
-                first, last = int(lo), int(hi or lo)
-                if last < first:
-                    raise ConfigError(f"ranks = {self.ranks!r}: the range {part.strip()} runs backwards; write {last}-{first}")
-                chosen.update(range(first, last + 1))
-        except ValueError:
-            raise ConfigError(f"ranks = {self.ranks!r}: expected ranks and ranges such as 0-3 or 0,2,4") from None
-        if not chosen or min(chosen) < 0 or max(chosen) >= self.world_size:
-            world = (f"world_size {self.world_size}" if self.world_size > 1 else
-                     "world_size 1, the default: set --world-size to the job's number of ranks")
-            raise ConfigError(f"ranks = {self.ranks!r}: every rank must be in 0-{self.world_size - 1} ({world})")
+            chosen = set(range(min(self.world_size, MAX_LOCAL_RANKS + 1)))
+        else:
+            chosen = set()
+            try:
+                for part in self.ranks.split(","):
+                    lo, _, hi = part.strip().partition("-")
+                    first, last = int(lo), int(hi or lo)
+                    if last < first:
+                        raise ConfigError(f"ranks = {self.ranks!r}: the range {part.strip()} runs backwards; write "
+                                          f"{last}-{first}")
+                    if first < 0 or last >= self.world_size:  # before the set: 0-999999999 would fill the memory
+                        world = (f"world_size {self.world_size}" if self.world_size > 1 else
+                                 "world_size 1, the default: set --world-size to the job's number of ranks")
+                        raise ConfigError(f"ranks = {self.ranks!r}: every rank must be in 0-{self.world_size - 1} "
+                                          f"({world})")
+                    chosen.update(range(first, min(last, first + MAX_LOCAL_RANKS) + 1))
+            except ValueError:
+                raise ConfigError(f"ranks = {self.ranks!r}: expected ranks and ranges such as 0-3 or 0,2,4") from None
+        # Each rank is a folder, an fd and a stream the daemon keeps: a job.json of a group member asking for
+        # world_size 65536 made 65,536 folders, and the heartbeat stopped while it did.
+        if len(chosen) > MAX_LOCAL_RANKS:
+            given = "" if self.ranks is None else f"ranks = {self.ranks!r} name more than that; "
+            raise ConfigError(f"one daemon produces at most {MAX_LOCAL_RANKS} ranks (a box's): {given}with world_size "
+                              f"{self.world_size}, pass --ranks with this box's ranks (for example 0-7) and start a "
+                              "daemon on each box")
         return tuple(sorted(chosen))
 
     @property

@@ -418,6 +418,26 @@ def test_a_wrong_ranks_value_says_what_is_wrong_with_it(tmp_path: Path, world_si
     assert said in str(raised.value)
 
 
+@pytest.mark.parametrize(("world_size", "ranks"), [(65536, None), (1024, "0-256"), (1024, "0-99,200-399"),
+                                               (65536, "0-65535")])
+def test_one_daemon_produces_at_most_a_boxs_ranks(tmp_path: Path, world_size: int, ranks: str | None) -> None:
+    """Each rank is a folder and an fd the daemon keeps: a group member's job.json with world_size 65536 made
+    65,536 folders and stalled the heartbeat.  A daemon takes at most MAX_LOCAL_RANKS, and says how to split."""
+    from prefetchd.daemon.config import MAX_LOCAL_RANKS
+
+    with pytest.raises(ConfigError) as raised:
+        DaemonConfig(buffer=tmp_path, world_size=world_size, ranks=ranks)
+    assert f"at most {MAX_LOCAL_RANKS} ranks" in str(raised.value) and "pass --ranks with this box's ranks" in str(raised.value)
+    assert len(DaemonConfig(buffer=tmp_path, world_size=world_size, ranks=f"0-{MAX_LOCAL_RANKS - 1}").local_ranks) == MAX_LOCAL_RANKS
+    assert DaemonConfig(buffer=tmp_path, world_size=MAX_LOCAL_RANKS).local_ranks == tuple(range(MAX_LOCAL_RANKS))
+
+
+def test_a_rank_range_past_the_world_is_refused_before_it_is_counted(tmp_path: Path) -> None:
+    """A range is checked against the world before its ranks are listed: 0-999999999 would fill the memory."""
+    with pytest.raises(ConfigError, match=r"every rank must be in 0-7 \(world_size 8\)"):
+        DaemonConfig(buffer=tmp_path, world_size=8, ranks="0-999999999999")
+
+
 def test_readmes_table_of_start_flags_names_each_flag_with_its_default() -> None:
     """The table is written by hand beside DaemonConfig: every flag is in it once, a fixed default is the
     dataclass's, and the machine-sized ones say what the help says."""
