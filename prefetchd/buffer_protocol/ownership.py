@@ -49,6 +49,9 @@ class DaemonLock:
         self.path = Path(buffer) / LOCK_NAME
         self._fd: int | None = None
         self._directory: tuple[int, int] | None = None  # (st_dev, st_ino) of the buffer when locked
+        # The buffer folder the lock file is in, held open: what the daemon writes at its top (status.json) goes
+        # there, never into another folder made under the buffer's name once this one was removed or replaced.
+        self.dir_fd: int | None = None
         self._created = False  # acquire() made the file, so nothing else had been there
 
     def acquire(self) -> None:
@@ -92,11 +95,17 @@ class DaemonLock:
             os.close(fd)
             raise BufferBusy(self._held_by(daemon_owner(self.path.parent)))
         try:
-            ours = self._names(fd)
+            dir_fd: int | None = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            dir_fd = None
+        try:
+            ours = dir_fd is not None and self._names(fd, dir_fd)
         except FileNotFoundError:
             ours = False
-        if not ours:
-            os.close(fd)  # its holder removed it after this opened it
+        if dir_fd is None or not ours:  # its holder removed it after this opened it, or the folder was replaced
+            if dir_fd is not None:
+                os.close(dir_fd)
+            os.close(fd)
             return False
         try:
             _write_pid(fd)
@@ -106,10 +115,11 @@ class DaemonLock:
                     if self._names(fd):
                         os.unlink(self.path)
             os.close(fd)
+            os.close(dir_fd)
             raise
-        self._fd = fd
+        self._fd, self.dir_fd = fd, dir_fd
         self._created = created
-        directory = os.stat(self.path.parent)
+        directory = os.fstat(dir_fd)
         self._directory = (directory.st_dev, directory.st_ino)
         return True
 
@@ -158,10 +168,11 @@ class DaemonLock:
                     os.unlink(self.path)
         self.release()
 
-    def _names(self, fd: int) -> bool:
-        """Whether the lock's path still names the file open as ``fd``; OSError where it cannot be looked
-        at (FileNotFoundError: nothing there)."""
-        there, mine = os.stat(self.path), os.fstat(fd)
+    def _names(self, fd: int, dir_fd: int | None = None) -> bool:
+        """Whether the lock's path (its name in the folder of ``dir_fd`` where given) still names the file open
+        as ``fd``; OSError where it cannot be looked at (FileNotFoundError: nothing there)."""
+        there = os.stat(LOCK_NAME if dir_fd is not None else self.path, dir_fd=dir_fd, follow_symlinks=False)
+        mine = os.fstat(fd)
         return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
     def release(self) -> None:
@@ -171,6 +182,9 @@ class DaemonLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
 
 
 def _write_pid(fd: int) -> None:

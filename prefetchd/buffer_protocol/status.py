@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.documents import pid_namespace as this_pid_namespace, read_json_stat, write_json
-from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, owning_buffer
+from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, at, owning_buffer
 
 STATUS_FORMAT = "prefetchd.status"
 
@@ -326,17 +326,18 @@ class Status:
         )
 
 
-def write_status(buffer: Dir, status: Status) -> None:
-    """Replace ``buffer``'s status.json atomically with ``status``.  On a full filesystem the new
-    document cannot be written: the one there gets the time as its mtime instead, which takes no
-    space and which readers count as the heartbeat (SPEC rule 8).  The OSError is raised either way."""
+def write_status(buffer: Dir, status: Status, dir_fd: int | None = None) -> None:
+    """Replace ``buffer``'s status.json atomically with ``status`` (through the buffer folder's fd ``dir_fd``
+    where given: ``layout.at``).  On a full filesystem the new document cannot be written: the one there
+    gets the time as its mtime instead, which takes no space and which readers count as the heartbeat
+    (SPEC rule 8).  The OSError is raised either way."""
     path = Path(buffer) / STATUS_NAME
     try:
-        write_json(path, status.to_doc())
+        write_json(path, status.to_doc(), dir_fd)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             with contextlib.suppress(OSError):
-                os.utime(path, follow_symlinks=False)
+                os.utime(at(path, dir_fd), dir_fd=dir_fd, follow_symlinks=False)
         raise
 
 

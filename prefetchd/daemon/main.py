@@ -210,8 +210,9 @@ class StartupBeat:
     was done, a `systemctl stop` ended in SIGKILL and `prefetchd stop` in its timeout."""
 
     def __init__(self, buffer: Path, notifier: Notifier, job_result: Callable[[], JobResult | None] = lambda: None,
-                 wake: Wakeup | None = None) -> None:
+                 wake: Wakeup | None = None, buffer_fd: int | None = None) -> None:
         self.buffer = buffer
+        self.buffer_fd = buffer_fd  # the locked buffer folder's fd (DaemonLock.dir_fd), which status.json goes into
         self.notifier = notifier
         self.job_result = job_result
         self.wake = wake
@@ -229,7 +230,7 @@ class StartupBeat:
         self._last = now
         try:
             write_status(self.buffer, Status(pid=os.getpid(), state=State.STARTING, heartbeat=time.time(),
-                                             message=message, job_result=self.job_result()))
+                                             message=message, job_result=self.job_result()), self.buffer_fd)
         except OSError as exc:
             status_unwritten(self.buffer, exc)
 
@@ -282,7 +283,7 @@ def lock_buffer(lock: DaemonLock, buffer: Path) -> None:
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
               publish: Callable[[Status], None], notifier: Notifier, lock: DaemonLock) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
-    beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result, wake)
+    beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result, wake, lock.dir_fd)
     beat(f"starting the job on {job.data}")
     job, notes = fill_defaults(job)
     for note in notes:
@@ -370,7 +371,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         beat(f"starting the workers for {job.data}")  # the last look for a stop signal before they start
         return Producer(job, index, members, [(d, m, fd) for (d, m), fd in zip(streams, folders, strict=True)], wake,
                         poll_jobs=inbox.poll, job_result=lambda: inbox.result, on_status=publish, notifier=notifier,
-                        lock_lost=lock.lost)
+                        lock_lost=lock.lost, buffer_fd=lock.dir_fd)
     except BaseException:
         for fd in folders:
             os.close(fd)
@@ -464,7 +465,7 @@ def _serve(cfg: DaemonConfig) -> int:
         def publish_waiting(status: Status) -> None:
             publish(status)
             try:
-                write_status(buffer, status)
+                write_status(buffer, status, lock.dir_fd)
             except OSError as exc:  # a full tmpfs: the one there beats on (SPEC rule 8), the log says why
                 status_unwritten(buffer, exc)
         serve_jobs = cfg.data is None

@@ -71,11 +71,13 @@ class Producer:
         on_status: Callable[[Status], None] = lambda _: None,
         notifier: Notifier | None = None,
         lock_lost: Callable[[], str | None] = lambda: None,
+        buffer_fd: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.lock_lost = lock_lost  # DaemonLock.lost: why the buffer is no longer this daemon's
         self.notifier = notifier or Notifier(None)
         self.buffer = Path(cfg.buffer)
+        self.buffer_fd = buffer_fd  # the locked buffer folder (DaemonLock.dir_fd): status.json goes into it, not by path
         self.wake = wake
         self.poll_jobs = poll_jobs
         self.job_result = job_result
@@ -636,7 +638,7 @@ class Producer:
         status = self.status()
         self.on_status(status)
         try:
-            write_status(self.buffer, status)
+            write_status(self.buffer, status, self.buffer_fd)
         except OSError as exc:
             status_unwritten(self.buffer, exc)
 

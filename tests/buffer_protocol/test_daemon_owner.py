@@ -189,3 +189,24 @@ def test_a_daemon_in_another_pid_namespace_owns_the_buffer_while_it_runs(shm_dir
             DaemonLock(shm_dir).acquire()
         daemon.kill()
         assert daemon_owner(shm_dir) is None, "its lock went with it"
+
+
+def test_the_status_goes_into_the_locked_folder_not_one_made_under_its_name(tmp_path: Path) -> None:
+    """The daemon notices a replaced buffer once a second (``DaemonLock.lost``) and stops; a status written
+    by path in between went into the new folder, where another daemon may be starting (a test of the
+    daemon's saw it now and then).  Written through the lock's folder fd, it goes where the lock is."""
+    buffer = tmp_path / "bf"
+    buffer.mkdir()
+    lock = DaemonLock(buffer)
+    lock.acquire()
+    try:
+        os.rename(buffer, tmp_path / "moved")
+        buffer.mkdir()  # `rm -rf` and `mkdir`, or another buffer moved there
+        status = status_example(State.FILLING, pid=os.getpid())
+        write_status(buffer, status, lock.dir_fd)
+        assert not (buffer / STATUS_NAME).exists()
+        assert json.loads((tmp_path / "moved" / STATUS_NAME).read_text())["state"] == State.FILLING.value
+        assert lock.lost() == f"{buffer}: the buffer directory was replaced by another"
+    finally:
+        lock.release()
+    assert lock.dir_fd is None
