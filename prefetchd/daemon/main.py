@@ -369,13 +369,14 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
             ranks, counted(job.workers or 0, "worker"), job.high_water, job.low_water, job.epochs or "unbounded",
         )
         beat(f"starting the workers for {job.data}")  # the last look for a stop signal before they start
-        return Producer(job, index, members, [(d, m, fd) for (d, m), fd in zip(streams, folders, strict=True)], wake,
-                        poll_jobs=inbox.poll, job_result=lambda: inbox.result, on_status=publish, notifier=notifier,
-                        lock_lost=lock.lost, buffer_fd=lock.dir_fd)
     except BaseException:
         for fd in folders:
             os.close(fd)
         raise
+    # Its streams take the fds (and close them, or their finalizers do should the producer not be made).
+    return Producer(job, index, members, [(d, m, fd) for (d, m), fd in zip(streams, folders, strict=True)], wake,
+                    poll_jobs=inbox.poll, job_result=lambda: inbox.result, on_status=publish, notifier=notifier,
+                    lock_lost=lock.lost, buffer_fd=lock.dir_fd)
 
 
 def already_consumed(producer: Producer) -> str:
