@@ -7,10 +7,15 @@ its property tests exercise the path production takes::
                         final name and size it to the layout's file_len
     fill    workers     write each image into its slot: through a mapping where the file's
                         pages are all there (a spare's), else with pwrite; needs only the
-                        temp path and the layout's offsets, so it runs in other processes
+                        temp path, the file's identity and the layout's offsets, so it runs
+                        in other processes
     commit  controller  pwrite labels and indices, then the header and metadata
                         last, then rename to the .batch name
     abort   controller  remove the temp file
+
+The controller's steps take the folder's fd (``dir_fd``), through which the daemon names
+every file of a stream (``layout.at``): a member of a --group-access buffer's group may
+swap a ``rank-*`` folder for a link, and a path looked up again would follow it.
 
 A consumed batch file that no other process has open or mapped can be kept as a spare
 (``SpareFiles``) and renamed to the next temp name of its size instead of creating one:
