@@ -27,12 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import click
 
+from prefetchd.buffer_protocol.errors import MAX_INT, shown
 from prefetchd.locations import is_url, normalize
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -50,7 +52,7 @@ def check_value(f: dataclasses.Field[Any], value: Any, error: type[Exception] = 
         return
     if meta.get("multiple"):
         if not isinstance(value, (list, tuple)):
-            raise error(f"{name} = {value!r}: expected a list of {meta['kind'].__name__}")
+            raise error(f"{name} = {shown(value)}: expected a list of {meta['kind'].__name__}")
         for item in value:
             _check_one(name, item, meta, error)
         return
@@ -58,6 +60,9 @@ def check_value(f: dataclasses.Field[Any], value: Any, error: type[Exception] = 
 
 
 def _check_one(name: str, value: Any, meta: Any, error: type[Exception]) -> None:
+    """Check one setting.  Its value may come from a job.json any member of a --group-access buffer's group
+    wrote: every way it can be wrong is ``error``, never another exception (10**400 for a float overflowed,
+    a NUL in a path stopped the daemon), and the message quotes it cut short (``shown``)."""
     kind = meta["kind"]
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if meta.get("location") and isinstance(value, os.PathLike):
@@ -65,15 +70,19 @@ def _check_one(name: str, value: Any, meta: Any, error: type[Exception]) -> None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise error(f"{name} = {value!r}: expected {kind.__name__}")
-    if kind is float and not math.isfinite(value):  # nan passes every comparison below
-        raise error(f"{name} = {value!r}: expected a finite number")
+        raise error(f"{name} = {shown(value)}: expected {kind.__name__}")
+    if kind is float and not abs(value) <= sys.float_info.max:  # nan and inf too (nan passes every comparison below)
+        raise error(f"{name} = {shown(value)}: expected a finite number")
+    if kind is int and not -MAX_INT <= value <= MAX_INT:
+        raise error(f"{name} = {shown(value)}: expected a number below 2**63")
+    if isinstance(value, (str, os.PathLike)) and "\x00" in os.fspath(value):
+        raise error(f"{name} = {shown(value)}: contains a NUL character, which no path or name may hold")
     if "choices" in meta and value not in meta["choices"]:
-        raise error(f"{name} = {value!r}: allowed values are {', '.join(meta['choices'])}")
+        raise error(f"{name} = {shown(value)}: allowed values are {', '.join(meta['choices'])}")
     if "minimum" in meta and (value <= meta["minimum"] if meta.get("min_open") else value < meta["minimum"]):
-        raise error(f"{name} = {value!r}: must be {'above' if meta.get('min_open') else 'at least'} {meta['minimum']}")
+        raise error(f"{name} = {shown(value)}: must be {'above' if meta.get('min_open') else 'at least'} {meta['minimum']}")
     if "maximum" in meta and (value >= meta["maximum"] if meta.get("max_open") else value > meta["maximum"]):
-        raise error(f"{name} = {value!r}: must be {'below' if meta.get('max_open') else 'at most'} {meta['maximum']}")
+        raise error(f"{name} = {shown(value)}: must be {'below' if meta.get('max_open') else 'at most'} {meta['maximum']}")
 
 
 class FiniteFloat(click.FloatRange):

@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError
 
 MAGIC = b"PFDBATCH"
 VERSION = 1
@@ -160,7 +160,7 @@ def _fail(name: str, what: str) -> ProtocolError:
     )
 
 
-def _int(meta: Mapping[str, Any], key: str, name: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+def _int(meta: Mapping[str, Any], key: str, name: str, lo: int = 0, hi: int = MAX_INT) -> int:
     value = meta.get(key)
     if type(value) is not int or not lo <= value <= hi:
         raise _fail(name, f"metadata field {key!r} is {value!r}, expected an integer in [{lo}, {hi}]")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prefetchd.buffer_protocol.batch import VERSION
-from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
 from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, at, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME, TEMP_MARK, Dir, progress_name
 
 
@@ -165,9 +165,10 @@ def _field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
     # Python's JSON reader takes NaN and Infinity; a time of -Infinity became a trainer silent for inf
     # seconds, which status.json carried and its own readers refused.
-    if not ok or (kind is int and value < 0) or (kind is float and not math.isfinite(value)):
-        what = {int: "non-negative int", float: "finite number"}.get(kind, kind.__name__)
-        raise ProtocolError(f"{path}: field {key!r} is {value!r}, expected a {what}")
+    # An int past int64 (10**4000 in a progress file's read_batches) overflowed the daemon's float arithmetic.
+    if not ok or (kind is int and not 0 <= value <= MAX_INT) or (kind is float and not math.isfinite(value)):
+        what = {int: "non-negative int below 2**63", float: "finite number"}.get(kind, kind.__name__)
+        raise ProtocolError(f"{path}: field {key!r} is {shown(value)}, expected a {what}")
     return value
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from prefetchd.buffer_protocol.batch import VERSION
-from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
 from prefetchd.buffer_protocol.documents import pid_namespace as this_pid_namespace, read_json_stat, write_json
 from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, at, owning_buffer
 
@@ -393,10 +393,8 @@ class _Fields:
 
     @staticmethod
     def _fail(path: Path, name: str, value: Any, expected: str) -> NoReturn:
-        shown = repr(value)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise ProtocolError(
-            f"{path}: field {name!r} is {shown}, expected {expected}; the daemon rewrites status.json about once a "
+            f"{path}: field {name!r} is {shown(value)}, expected {expected}; the daemon rewrites status.json about once a "
             "second, so if this stays, another program or another prefetchd version writes it: check who can write the buffer"
         )
 
@@ -410,14 +408,15 @@ class _Fields:
         self.fail(key, value, expected)
 
     def nat(self, key: str) -> int:
-        return int(self._get(key, lambda v: type(v) is int and v >= 0, "a non-negative integer"))
+        return int(self._get(key, lambda v: type(v) is int and 0 <= v <= MAX_INT, "a non-negative integer"))
 
     def count(self, key: str) -> int:
         """A counter; 0 when absent (counters added within a version)."""
         return self.nat(key) if key in self.doc else 0
 
     def optional_nat(self, key: str) -> int | None:
-        value = self._get(key, lambda v: type(v) is int and v >= 0, "a non-negative integer or null", optional=True)
+        value = self._get(key, lambda v: type(v) is int and 0 <= v <= MAX_INT, "a non-negative integer or null",
+                          optional=True)
         return None if value is None else int(value)
 
     def num(self, key: str) -> float:

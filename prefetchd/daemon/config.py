@@ -22,6 +22,7 @@ import psutil
 
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.buffer_protocol.documents import SPLITS, augmentation_text
+from prefetchd.buffer_protocol.errors import shown
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import default_cache_dir
@@ -111,11 +112,11 @@ class DaemonConfig:
         if self.split != "train":
             for name in ("color_jitter", "scale_jitter"):
                 if getattr(self, name) is not None:
-                    raise ConfigError(f"{name} = {getattr(self, name)!r} applies to the train split only; "
+                    raise ConfigError(f"{name} = {shown(getattr(self, name))} applies to the train split only; "
                                       f"leave it out for --split {self.split}")
         bounds = self.scale_jitter_bounds
         if bounds is not None and bounds[0] < self.image_size:
-            raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: the shorter side must be at least image_size "
+            raise ConfigError(f"scale_jitter = {shown(self.scale_jitter)}: the shorter side must be at least image_size "
                               f"({self.image_size}) for an image_size crop to fit; raise MIN to {self.image_size} or more")
         if self.transform is not None:
             check_hook_name("transform", self.transform)
@@ -125,7 +126,7 @@ class DaemonConfig:
     def _check_ray(self) -> None:
         if self.ray is not None:
             if not RAY_ADDRESS.fullmatch(self.ray):
-                raise ConfigError(f"ray = {self.ray!r}: expected 'local', 'auto', 'ray://HOST:PORT' (a Ray client "
+                raise ConfigError(f"ray = {shown(self.ray)}: expected 'local', 'auto', 'ray://HOST:PORT' (a Ray client "
                                   "server, port 10001 by default) or 'HOST:PORT' (the head's GCS, port 6379 by default)")
         if self.ray is None:
             if self.workers == 0:
@@ -156,10 +157,10 @@ class DaemonConfig:
         try:
             lo, hi = (int(v) for v in parts)
         except ValueError:
-            raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: expected 'MIN,MAX' shorter-side lengths in "
+            raise ConfigError(f"scale_jitter = {shown(self.scale_jitter)}: expected 'MIN,MAX' shorter-side lengths in "
                               "pixels, for example '256,480'") from None
         if not 1 <= lo <= hi:
-            raise ConfigError(f"scale_jitter = {self.scale_jitter!r}: need MIN <= MAX, both at least the image size, for example '256,480'")
+            raise ConfigError(f"scale_jitter = {shown(self.scale_jitter)}: need MIN <= MAX, both at least the image size, for example '256,480'")
         return (lo, hi)
 
     @property
@@ -174,20 +175,20 @@ class DaemonConfig:
                     lo, _, hi = part.strip().partition("-")
                     first, last = int(lo), int(hi or lo)
                     if last < first:
-                        raise ConfigError(f"ranks = {self.ranks!r}: the range {part.strip()} runs backwards; write "
+                        raise ConfigError(f"ranks = {shown(self.ranks)}: the range {part.strip()} runs backwards; write "
                                           f"{last}-{first}")
                     if first < 0 or last >= self.world_size:  # before the set: 0-999999999 would fill the memory
                         world = (f"world_size {self.world_size}" if self.world_size > 1 else
                                  "world_size 1, the default: set --world-size to the job's number of ranks")
-                        raise ConfigError(f"ranks = {self.ranks!r}: every rank must be in 0-{self.world_size - 1} "
+                        raise ConfigError(f"ranks = {shown(self.ranks)}: every rank must be in 0-{self.world_size - 1} "
                                           f"({world})")
                     chosen.update(range(first, min(last, first + MAX_LOCAL_RANKS) + 1))
             except ValueError:
-                raise ConfigError(f"ranks = {self.ranks!r}: expected ranks and ranges such as 0-3 or 0,2,4") from None
+                raise ConfigError(f"ranks = {shown(self.ranks)}: expected ranks and ranges such as 0-3 or 0,2,4") from None
         # Each rank is a folder, an fd and a stream the daemon keeps: a job.json of a group member asking for
         # world_size 65536 made 65,536 folders, and the heartbeat stopped while it did.
         if len(chosen) > MAX_LOCAL_RANKS:
-            given = "" if self.ranks is None else f"ranks = {self.ranks!r} name more than that; "
+            given = "" if self.ranks is None else f"ranks = {shown(self.ranks)} name more than that; "
             raise ConfigError(f"one daemon produces at most {MAX_LOCAL_RANKS} ranks (a box's): {given}with world_size "
                               f"{self.world_size}, pass --ranks with this box's ranks (for example 0-7) and start a "
                               "daemon on each box")
@@ -217,7 +218,7 @@ def check_hook_name(key: str, hook: str) -> None:
     ``hook.validate_hook``'s, where it runs)."""
     module, sep, attr = hook.partition(":")
     if not sep or not module.strip() or not attr.strip():
-        raise ConfigError(f"{key} = {hook!r}: expected 'package.module:callable', "
+        raise ConfigError(f"{key} = {shown(hook)}: expected 'package.module:callable', "
                           "for example 'mytraining.augment:randaugment'")
 
 

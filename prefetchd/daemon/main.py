@@ -26,6 +26,7 @@ from prefetchd.buffer_protocol import (
     stream_dir,
     write_status,
 )
+from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.layout import (JOB_NAME, LOCK_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers,
                                              progress_name, stream_dirs)
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
@@ -125,6 +126,11 @@ class JobInbox:
             job, confinement = self.policy.confine(job, request.owner)
         except ConfigError as exc:
             self.answer(request.job_id, False, str(exc))
+            return None
+        except Exception as exc:  # any member of the buffer's group writes job.json: no job stops the daemon
+            log.exception("internal error while checking job %s", request.job_id)
+            self.answer(request.job_id, False, f"internal error while checking the job ({type(exc).__name__}: "
+                        f"{shown(str(exc))}); the daemon goes on; please report it with its log")
             return None
         if running is not None and job_settings(job) == job_settings(running):
             self.answer(request.job_id, True, "already producing this job")

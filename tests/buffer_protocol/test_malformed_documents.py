@@ -340,6 +340,20 @@ def test_non_finite_numbers_do_not_pass_as_positions(tmp_path: Path) -> None:
             Progress.read(tmp_path)
 
 
+@pytest.mark.parametrize("key", ["epoch", "step", "read_batches", "pid"])
+def test_integers_past_int64_are_refused_quoted_short(key: str, tmp_path: Path) -> None:
+    """A trainer's (or a group member's) progress.json with read_batches 10**4000 stopped the daemon: its
+    rates turned the count into a float (OverflowError).  Every integer of a document fits an int64."""
+    doc = {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 3, "pid": os.getpid()}
+    _write(tmp_path / PROGRESS_NAME, {**doc, key: 10**4000})
+    with pytest.raises(ProtocolError, match=rf"field '{key}' is 10{{59}}\.\.\. \(4001 characters\), expected a "
+                                            r"non-negative int below 2\*\*63"):
+        Progress.read(tmp_path)
+    if key in ("read_batches", "pid"):  # an epoch and a step have bounds of their own
+        _write(tmp_path / PROGRESS_NAME, {**doc, key: 2**63 - 1})
+        assert getattr(Progress.read(tmp_path), key) == 2**63 - 1
+
+
 @pytest.mark.parametrize("value", [-math.inf, math.inf, math.nan])
 def test_non_finite_times_are_refused(value: float, tmp_path: Path) -> None:
     """A progress time of -Infinity (which Python's JSON reader takes) made a trainer silent for inf

@@ -287,6 +287,28 @@ def test_malformed_and_unknown_job_settings_are_refused(shm_dir: Path, start_dae
     assert daemon.proc.poll() is None
 
 
+def test_a_job_with_values_no_setting_can_hold_is_refused_and_the_daemon_goes_on(shm_dir: Path, start_daemon) -> None:
+    """Any member of the buffer's group writes job.json: a float of 10**400 (OverflowError) and a NUL in
+    its data (ValueError) each stopped the daemon with "internal error", and again at each restart on the
+    same job.json.  A megabyte-long value was quoted whole in the refusal, and status.json outgrew what its
+    readers take."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "waiting")
+    for settings, said in (({"data": "/x", "val_fraction": 10**400}, "expected a finite number"),
+                           ({"data": "/x", "epochs": 10**30}, "expected a number below 2**63"),
+                           ({"data": "/x\x00y"}, "contains a NUL character"),
+                           ({"data": "/x", "ranks": "0-1," * 250_000}, "(1000002 characters)")):
+        request = JobRequest(settings)  # type: ignore[arg-type]
+        request.write(buffer)
+        daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and r.job_id == request.job_id, 30,
+                          f"the refusal of {list(settings)}")
+        reason = reason_of(buffer)
+        assert said in reason and len(reason) < 1000, reason[:2000]
+        assert daemon.proc.poll() is None, daemon.log
+    assert "Traceback" not in daemon.log and "internal error" not in daemon.log, daemon.log
+
+
 def reason_of(buffer: Path) -> str:
     result = job_result_of(buffer)
     assert result is not None
