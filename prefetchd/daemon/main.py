@@ -37,7 +37,7 @@ from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import BufferLost, ConfigError, DaemonError, DatasetError
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside
 from prefetchd.daemon.jpeg_crop import decoder_summary
-from prefetchd.daemon.logs import status_unwritten
+from prefetchd.daemon.logs import one_line, status_unwritten
 from prefetchd.daemon.metrics import Metrics
 from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id, start_worker_server
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
@@ -105,6 +105,10 @@ class JobInbox:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def answer(self, job_id: str | None, accepted: bool, reason: str) -> None:
+        # The reason quotes job.json's fields, which any member of the buffer's group wrote: `prefetchd submit`
+        # and `prefetchd status` print it to whoever runs them, so its newlines and terminal escapes are
+        # written out as the log writes them.
+        reason = one_line(reason)
         (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", job_verdict(accepted, reason))
         self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
 

@@ -459,6 +459,23 @@ def test_a_newline_in_a_jobs_fields_forges_no_log_line(shm_dir: Path, start_daem
     assert r"nope\n2026-01-01" in daemon.log
 
 
+def test_a_refusals_reason_shows_a_jobs_control_characters_escaped(shm_dir: Path, start_daemon) -> None:
+    """The reason quotes the job's data, which any member of the buffer's group wrote: `prefetchd submit` and
+    `prefetchd status` (whoever runs them) show its newline and terminal escape as the log does, never as such."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    bad = submit(buffer, "--data", f"{shm_dir}/nope\nFORGED LINE\x1b[2J", *JOB)
+    assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
+    assert bad.stdout.count("\n") == 1 and "\x1b" not in bad.stdout, repr(bad.stdout)
+    assert r"nope\nFORGED LINE\x1b[2J" in bad.stdout, bad.stdout
+    reason = reason_of(buffer)
+    assert reason.isprintable() and r"nope\nFORGED LINE\x1b[2J" in reason, reason
+    out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True)
+    assert "\x1b" not in out.stdout and not any(line.startswith("FORGED") for line in out.stdout.splitlines())
+    assert r"refused: " in out.stdout and r"nope\nFORGED LINE\x1b[2J" in out.stdout, out.stdout
+
+
 def test_a_stream_folder_swapped_for_a_link_while_a_job_runs_gets_no_file(shapes_data: Path, shm_dir: Path,
                                                                          start_daemon) -> None:
     """A group member who renamed a running job's stream folder away and put a link to another folder of the
