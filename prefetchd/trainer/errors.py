@@ -32,7 +32,8 @@ class DaemonRestartsExhausted(LoaderError):
 
 class JobReplaced(LoaderError):
     """The daemon now serves another job on the loader's buffer (``prefetchd submit --replace``): the
-    batches there are not this loader's job's."""
+    batches there are not this loader's job's; or the same job for other ``--epochs``, whose end is not
+    this loader's."""
 
 
 class StateMismatch(LoaderError, ValueError):

@@ -262,12 +262,26 @@ class JobWatch:
         except (ProtocolError, OSError):
             return  # half-replaced or damaged: the next look decides
         diff = current.identity_diff(self.manifest)
+        epochs = current.epochs != self.manifest.epochs
+        again = job_command(self.manifest, self.buffer, "submit") if diff or epochs else ""
         if diff:
+            ends = [f"epochs: {self.manifest.epochs!r} -> {current.epochs!r}"] if epochs else []
             raise JobReplaced(
-                f"{self.buffer}: the daemon now serves another job ({'; '.join(diff)}): someone replaced this "
+                f"{self.buffer}: the daemon now serves another job ({'; '.join(diff + ends)}): someone replaced this "
                 f"loader's job (`prefetchd submit --replace`, or a daemon started with --reset), so the batches "
                 f"there are not its own. Start the trainer again for the new job, or submit this one again "
-                f"(`{job_command(self.manifest, self.buffer, 'submit')} --replace`)"
+                f"(`{again} --replace`)"
+            )
+        if epochs:
+            # Not the job's identity: its batches stay, and the daemon goes on from this loader's position. But
+            # this loader would end where the daemon does not: read on past the new end, it waited out its
+            # timeout for a batch never written; stopped short of it, the daemon waits for it.
+            raise JobReplaced(
+                f"{self.buffer}: the daemon now serves this loader's job with {_epochs(current.epochs)} (this "
+                f"loader's had {_epochs(self.manifest.epochs)}): someone submitted it again (`prefetchd submit "
+                "--replace`) or restarted its daemon so. Its batches are this job's, kept, but this loader's end "
+                "is not the daemon's. To train to the new end, start the trainer again from its checkpoint (the "
+                f"daemon goes on from its position); to keep the old end, submit the job again (`{again} --replace`)"
             )
         self._seen = (st.st_ino, st.st_mtime_ns)
 
@@ -289,6 +303,10 @@ class JobWatch:
                 f"for the new job, or submit this one again (`{job_command(self.manifest, self.buffer, 'submit')} "
                 "--replace`)"
             )
+
+
+def _epochs(epochs: int | None) -> str:
+    return f"--epochs {epochs}" if epochs is not None else "no --epochs (no end)"
 
 
 class BatchWaiter:

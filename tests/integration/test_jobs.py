@@ -213,7 +213,8 @@ def test_a_replaced_jobs_trainer_stops_and_the_new_job_starts_at_its_beginning(s
                     "--epochs", "1", "--replace")
     assert forced.returncode == 0, forced.stdout + forced.stderr
     Progress(1, 2, job=old_key).write(buffer)  # the old trainer's position, as it would write it back
-    with pytest.raises(JobReplaced, match=r"serves another job \(batch_size: 8 -> 4.*prefetchd submit --buffer"):
+    with pytest.raises(JobReplaced,
+                       match=r"serves another job \(batch_size: 8 -> 4; epochs: 3 -> 1\).*prefetchd submit --buffer"):
         for batch in batches:
             sizes.append(batch.images.shape[0])
     assert set(sizes) == {8}, "the old trainer got a batch of the new job"
@@ -246,6 +247,30 @@ def test_a_trainer_whose_next_batch_is_the_replacing_jobs_is_told_its_job_was_re
                       "the new job's batch under the name the old trainer reads next")
     with pytest.raises(JobReplaced, match=r"serves another job \(seed: 5 -> 6"):
         next(batches)
+
+
+def test_a_trainer_whose_job_is_submitted_again_for_other_epochs_is_told_so(shapes_data: Path, shm_dir: Path,
+                                                                           start_daemon) -> None:
+    """--epochs is not the job's identity (its batches stay, the daemon goes on from the trainer's position), but
+    the trainer's end is no longer the daemon's: it read on past the new one and waited out its timeout for a
+    batch the daemon, done, would never write ("waiting for a job").  It stops at its next batch, naming the
+    epochs and what to do."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "3").returncode == 0
+    old = BufferLoader(buffer, normalize=False, timeout=10)
+    batches = (batch for _ in range(3) for batch in old)  # its 3 epochs, one iter() each
+    next(batches), next(batches)
+    forced = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1", "--replace")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    with pytest.raises(JobReplaced) as told:
+        for _ in batches:
+            pass
+    message = str(told.value)
+    assert "--epochs 1 (this loader's had --epochs 3)" in message, message
+    assert "start the trainer again" in message and "--epochs 3 --replace" in message, message
+    assert "kept" in daemon.log, "the batches of the same job stay"
 
 
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
