@@ -48,9 +48,8 @@ def _writes_rgb(suffix: str) -> bool:
     return True
 
 
-def writable_suffixes() -> list[str]:
-    """The suffixes ``--out`` may end in: the formats Pillow here writes an RGB grid in (its plugins vary)."""
-    return sorted(s for s in Image.registered_extensions() if _writes_rgb(s))
+# What a refused --out suggests: all ~40 suffixes Pillow writes (.jpe, .jfif, .vst, ...) buried the one to use.
+COMMON_SUFFIXES = (".png", ".jpg", ".webp", ".tif", ".bmp")
 
 
 def bad_suffix(out: Path) -> str | None:
@@ -58,8 +57,9 @@ def bad_suffix(out: Path) -> str | None:
     if _writes_rgb(out.suffix):
         return None
     what = f"Pillow writes no RGB image as {out.suffix!r}" if out.suffix else "no suffix"
-    return (f"--out {out}: {what}, and the suffix picks the image format; name a file such as batch.png or "
-            f"batch.jpg (the suffixes Pillow writes here: {' '.join(writable_suffixes())})")
+    common = " ".join(s for s in COMMON_SUFFIXES if _writes_rgb(s))  # a Pillow without WebP, say
+    return (f"--out {out}: {what}, and the suffix picks the image format; name a file such as batch.png "
+            f"(common suffixes: {common}, or any other suffix Pillow can write RGB images in)")
 
 
 def unwritable_out(out: Path) -> str | None:
