@@ -15,7 +15,7 @@ from prefetchd.daemon.dataset import PackedFrom, SampleIndex
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import is_url
 from prefetchd.daemon.sources.filelist import is_file_list
-from prefetchd.daemon.sources.shards import read_packed_from
+from prefetchd.daemon.sources.shards import pack_again, read_packed_from
 from prefetchd.daemon.workers import MISSING_REASONS, UNREADABLE_REASONS
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,7 @@ class BadSamples:
             packed_from = self._packed_from
             source = (f"mend {packed_from.where(sample)}" if packed_from is not None
                       else "mend the file it was packed from")
-            again = (f"pack again (`prefetchd pack SRC {self.index.root} --force`, SRC the class folders or file "
-                     "list packed, then start with --reset: the buffer's batches are the old pack's)")
+            again = f"{pack_again(self.index.root)}, then start with --reset (the buffer's batches are the old pack's)"
             return f"{source} and {again}", f"mend them where they were packed from and {again}"
         if reason.startswith(MISSING_REASONS):
             if self._file_list is not None:

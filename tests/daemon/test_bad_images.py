@@ -348,8 +348,8 @@ def test_a_packed_bad_samples_stop_says_to_mend_the_file_packed_and_pack_again(t
     pack(scan_class_folders(tmp_path / "data"), tmp_path / "packed", shard_size=10**6)
     shards = open_dataset(tmp_path / "packed")
     source = (tmp_path / "data" / "a" / "y.jpg").resolve()
-    again = (f"pack again (`prefetchd pack SRC {shards.root} --force`, SRC the class folders or file list packed, "
-             "then start with --reset: the buffer's batches are the old pack's)")
+    again = (f"pack it again from the class folders or file list it was made from: `prefetchd pack <that folder or "
+             f"list> {shards.root} --force`, then start with --reset (the buffer's batches are the old pack's)")
     strict = BadSamples(_cfg(strict=True), shards, len(shards))
     assert strict.count(1, "OSError: truncated")
     assert strict.verdict(1, "OSError: truncated") == (

@@ -471,8 +471,13 @@ def test_shards_in_s3_are_read_with_one_ranged_get_per_sample(s3: Any, proxy: An
     for tar in sorted((tmp_path / "packed").glob("shard-*.tar")):
         assert (tmp_path / "from-s3" / tar.name).read_bytes() == tar.read_bytes(), tar.name
     s3.fs.rm(f"{s3.bucket}/packed/shard-000001.tar")  # found missing from one listing, at start
-    with pytest.raises(DatasetError, match=rf"shard {url}/shard-000001\.tar, named by .*, is missing; restore it"):
+    with pytest.raises(DatasetError,
+                       match=rf"shard {url}/shard-000001\.tar, named by .*, is missing; restore it") as gone:
         open_dataset(url)
+    # pack writes only to a local folder: the advice packs there and uploads, not `prefetchd pack ... s3://`.
+    assert str(gone.value).endswith(
+        "pack it again from the class folders or file list it was made from, into a local folder (`prefetchd pack "
+        f"<that folder or list> <local folder> --force`), and upload that folder to {url}"), gone.value
     proxy.fail_next = 1000  # a store that keeps failing stops the pack instead of packing empty members
     with pytest.raises(DatasetError, match=r"cannot pack s3://.*still failing after 6 tries"):
         pack(remote, tmp_path / "outage", shard_size=2000)

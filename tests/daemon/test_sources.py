@@ -528,7 +528,9 @@ def test_a_missing_or_cut_shard_is_refused_at_start(tmp_path: Path, make_image: 
     shard = out / "shard-000001.tar"
     os.truncate(shard, 600)  # inside its first member (from byte 512)
     with pytest.raises(DatasetError, match=r"shard-000001\.tar is 600 bytes, but .*prefetchd-index\.npz "
-                                           r"has members up to byte \d+: it was cut short.*pack SRC OUT --force"):
+                                           r"has members up to byte \d+: it was cut short or replaced; restore it, or "
+                                           r"pack it again from the class folders or file list it was made from: "
+                                           rf"`prefetchd pack <that folder or list> {re.escape(str(out))} --force`"):
         open_dataset(out)
     shard.unlink()
     with pytest.raises(DatasetError, match=r"shard-000001\.tar, named by .*prefetchd-index\.npz, is missing"):

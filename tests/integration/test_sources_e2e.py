@@ -126,3 +126,24 @@ def test_a_shuffled_packs_val_split_serves_the_class_folders_val_images(shapes_d
         assert daemon.wait_exit(30) == 0, daemon.log
     assert len(served["folders"]) == 18 and len(set(served["folders"])) == 18
     assert served["shards"] == served["folders"]
+
+
+def test_a_cut_shard_refuses_the_start_saying_how_to_pack_again(shapes_data: Path, shm_dir: Path, tmp_path: Path,
+                                                                 start_daemon) -> None:
+    """The advice said `prefetchd pack SRC OUT --force`, OUT the pack the user had just named and SRC a word the
+    pack cannot fill in (it records no source, which was class folders or a file list): the command names the
+    pack and says in words what goes first."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "packed"
+    packed = subprocess.run([sys.executable, "-m", "prefetchd", "pack", str(shapes_data / "train"), str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert packed.returncode == 0, packed.stdout + packed.stderr
+    os.truncate(out / "shard-000000.tar", 600)  # inside its first member (from byte 512)
+    daemon = start_daemon(shm_dir / "bf", "--data", out, *ARGS)
+    assert daemon.wait_exit(60) != 0, daemon.log
+    said = (f"restore it, or pack it again from the class folders or file list it was made from: "
+            f"`prefetchd pack <that folder or list> {out} --force`")
+    assert said in daemon.log and "SRC" not in daemon.log, daemon.log
+

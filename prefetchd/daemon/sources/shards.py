@@ -151,6 +151,18 @@ def _changed(index: SampleIndex, rel: str, what: str) -> str:
             "pack (with --reset: its batches were built from the old one)")
 
 
+def pack_again(root: str) -> str:
+    """What to do to write the pack at ``root`` again.  Its index records no source to put in the command
+    (class folders or a file list: only the folder of their files, where it records any), so the command
+    says in words what goes first.  A pack in object storage was packed locally and uploaded: pack writes
+    only to a local folder."""
+    made = "pack it again from the class folders or file list it was made from"
+    if is_url(root):
+        return (f"{made}, into a local folder (`prefetchd pack <that folder or list> <local folder> --force`), "
+                f"and upload that folder to {root.rstrip('/')}")
+    return f"{made}: `prefetchd pack <that folder or list> {root.rstrip('/')} --force`"
+
+
 def check_shards(index: SampleIndex, shards: list[str], where: str) -> None:
     """Refuse a pack whose shards are missing or shorter than the members the index puts in them."""
     assert index.member_files is not None and index.member_offsets is not None and index.member_sizes is not None
@@ -160,11 +172,11 @@ def check_shards(index: SampleIndex, shards: list[str], where: str) -> None:
     for shard, end in zip(shards, ends.tolist()):
         if shard not in found:
             raise DatasetError(f"shard {index.root.rstrip('/')}/{shard}, named by {where}, is missing; restore it, "
-                               "or pack the dataset again with `prefetchd pack SRC OUT --force`")
+                               f"or {pack_again(index.root)}")
         if found[shard] < end:
             raise DatasetError(f"shard {index.root.rstrip('/')}/{shard} is {found[shard]} bytes, but {where} has "
-                               f"members up to byte {end}: it was cut short or replaced; restore it, or pack the "
-                               "dataset again with `prefetchd pack SRC OUT --force`")
+                               f"members up to byte {end}: it was cut short or replaced; restore it, or "
+                               f"{pack_again(index.root)}")
 
 
 def has_shard_index(location: str) -> bool:
@@ -199,8 +211,7 @@ def _index_arrays(root: str, names: tuple[str, ...]) -> tuple[dict[str, np.ndarr
     except OSError as exc:
         raise DatasetError(f"cannot read shard index {where}: {exc.strerror or exc}") from None
     except ValueError as exc:  # load_arrays says what is wrong with the file, zip and npy errors included
-        raise DatasetError(f"shard index {where} is damaged ({exc}); pack the dataset again with "
-                           "`prefetchd pack SRC OUT --force`") from None
+        raise DatasetError(f"shard index {where} is damaged ({exc}); {pack_again(root)}") from None
 
 
 def read_shard_index(location: str) -> SampleIndex:
