@@ -262,26 +262,29 @@ class JobWatch:
         except (ProtocolError, OSError):
             return  # half-replaced or damaged: the next look decides
         diff = current.identity_diff(self.manifest)
-        epochs = current.epochs != self.manifest.epochs
-        again = job_command(self.manifest, self.buffer, "submit") if diff or epochs else ""
+        # An end before this loader's: it would read on past it and wait out its timeout for a batch the daemon,
+        # done, never writes.  A later one costs this loader nothing: it ends where its trainer counted on.
+        earlier = current.epochs is not None and (self.manifest.epochs is None or current.epochs < self.manifest.epochs)
+        again = job_command(self.manifest, self.buffer, "submit") if diff or earlier else ""
         if diff:
-            ends = [f"epochs: {self.manifest.epochs!r} -> {current.epochs!r}"] if epochs else []
+            ends = ([f"epochs: {self.manifest.epochs!r} -> {current.epochs!r}"]
+                    if current.epochs != self.manifest.epochs else [])
             raise JobReplaced(
                 f"{self.buffer}: the daemon now serves another job ({'; '.join(diff + ends)}): someone replaced this "
                 f"loader's job (`prefetchd submit --replace`, or a daemon started with --reset), so the batches "
                 f"there are not its own. Start the trainer again for the new job, or submit this one again "
                 f"(`{again} --replace`)"
             )
-        if epochs:
-            # Not the job's identity: its batches stay, and the daemon goes on from this loader's position. But
-            # this loader would end where the daemon does not: read on past the new end, it waited out its
-            # timeout for a batch never written; stopped short of it, the daemon waits for it.
+        if earlier:
+            # Not the job's identity: its batches stay, and the daemon goes on from this loader's position, to the
+            # new end, which comes before this loader's.
             raise JobReplaced(
                 f"{self.buffer}: the daemon now serves this loader's job with {_epochs(current.epochs)} (this "
                 f"loader's had {_epochs(self.manifest.epochs)}): someone submitted it again (`prefetchd submit "
-                "--replace`) or restarted its daemon so. Its batches are this job's, kept, but this loader's end "
-                "is not the daemon's. To train to the new end, start the trainer again from its checkpoint (the "
-                f"daemon goes on from its position); to keep the old end, submit the job again (`{again} --replace`)"
+                "--replace`) or restarted its daemon so. Its batches are this job's, kept, but the daemon ends "
+                "before this loader does, which would wait for batches never built. To stop at the new end, start "
+                "the trainer again from its checkpoint with the new --epochs (the daemon goes on from its position); "
+                f"to keep the old end, submit the job again (`{again} --replace`)"
             )
         self._seen = (st.st_ino, st.st_mtime_ns)
 

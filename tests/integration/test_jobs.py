@@ -273,6 +273,21 @@ def test_a_trainer_whose_job_is_submitted_again_for_other_epochs_is_told_so(shap
     assert "kept" in daemon.log, "the batches of the same job stay"
 
 
+def test_a_trainer_whose_job_is_submitted_again_for_more_epochs_reads_on_to_its_own_end(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A later end costs the running trainer nothing: it ends where it counted on, not with an error."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "2").returncode == 0
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    read = [next(iter(loader))]
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "4", "--replace").returncode == 0
+    read += [batch for batch in loader] + [batch for batch in loader]  # the rest of epoch 0, then epoch 1
+    assert len(read) == 2 * len(loader) and loader.position == (2, 0)  # its 2 epochs, to the end
+    loader.close()
+
+
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     out = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
