@@ -55,8 +55,11 @@ log = logging.getLogger(__name__)
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # The fill and commit sides never create: a batch aborted meanwhile makes them fail, not leave a stray file.
-_OPEN_FLAGS = os.O_WRONLY | os.O_NOFOLLOW
-_FILL_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC  # a shared writable mapping needs a readable descriptor
+# O_NONBLOCK: a file someone renamed over a temp name while holding a lease on it (a member of a --group-access
+# buffer's group may) would block the open until the kernel breaks the lease (lease-break-time, 45 s), past the
+# service's watchdog; it is EWOULDBLOCK at once instead, and the batch is retried.
+_OPEN_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_FILL_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a shared writable mapping needs it readable
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
@@ -399,7 +402,7 @@ class SpareFiles:
             self._files.remove(entry)
             try:
                 os.rename(at(spare, spare_dir_fd), at(tmp, dir_fd), src_dir_fd=spare_dir_fd, dst_dir_fd=dir_fd)
-                fd = os.open(at(tmp, dir_fd), _OPEN_FLAGS | os.O_CLOEXEC, dir_fd=dir_fd)
+                fd = os.open(at(tmp, dir_fd), _OPEN_FLAGS, dir_fd=dir_fd)
             except OSError:  # someone removed or replaced it: create a fresh file instead
                 _unlink(spare, spare_dir_fd)
                 _unlink(tmp, dir_fd)

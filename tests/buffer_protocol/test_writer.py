@@ -332,6 +332,38 @@ def test_the_fill_and_the_commit_write_only_the_file_begun_for_the_batch(tmp_pat
     assert not (tmp_path / "rank-00001" / batch_name(0, 0)).exists()
 
 
+# Holds a write lease on argv[1] (its owner may), ignoring the SIGIO of a break, so the kernel keeps a conflicting
+# open waiting until lease-break-time (45 s) has passed.
+_LEASE_HOLDER = ("import fcntl, os, signal, sys, time\n"
+                 "signal.signal(signal.SIGIO, signal.SIG_IGN)\n"
+                 "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+                 "fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n"
+                 "print('held', flush=True)\n"
+                 "time.sleep(120)\n")
+
+
+def test_a_leased_file_renamed_over_the_temp_name_fails_the_fill_and_commit_at_once(tmp_path: Path) -> None:
+    """A member of a --group-access buffer's group may rename a file of their own, on which they hold a lease,
+    over a batch's temp name: the commit's and the workers' opens then waited for the kernel to break the lease
+    (45 s, past the service's 30 s watchdog).  They fail at once now (EWOULDBLOCK), and the build is retried."""
+    layout = BatchLayout.plan(2, 4, 4)
+    pending = PendingBatch.begin(tmp_path / batch_name(0, 0), layout)
+    theirs = tmp_path / "theirs"
+    theirs.write_bytes(bytes(layout.file_len))
+    holder = subprocess.Popen([sys.executable, "-c", _LEASE_HOLDER, str(theirs)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        os.rename(theirs, pending.tmp)
+        with pytest.raises(BlockingIOError):
+            SlotFiller(pending.tmp, layout.tensors["images"].offset, layout.slot_bytes, range(2), pending.file_id)
+        with pytest.raises(BlockingIOError):
+            pending.commit(np.arange(2), np.arange(2), **FIELDS)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not pending.tmp.exists() and not pending.final.exists()  # the commit aborted: nothing published
+
+
 def test_a_slot_is_written_in_place_and_a_view_kept_past_close_keeps_only_its_own_mapping(tmp_path: Path) -> None:
     layout = BatchLayout.plan(2, 4, 4)
     pending = PendingBatch.begin(tmp_path / batch_name(0, 0), layout)
