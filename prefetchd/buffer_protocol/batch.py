@@ -300,6 +300,12 @@ def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ProtocolError(f"{path}: not a regular file; remove it from the buffer")
+        # Only the daemon writes batches, as the owner of the buffer's folders: a member of a --group-access
+        # buffer's group may rename a file of their own in under a batch's name, for the other members' trainers.
+        folder = os.stat(os.path.dirname(path) or ".").st_uid
+        if st.st_uid != folder:
+            raise ProtocolError(f"{path}: belongs to uid {st.st_uid}, not to uid {folder} who owns the buffer and "
+                                "writes its batches: someone else put it there; remove it")
         if st.st_size < HEADER_SIZE:
             raise _fail(str(path), f"file is {st.st_size} bytes, shorter than the {HEADER_SIZE}-byte header")
         buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -483,6 +483,22 @@ def test_a_batch_file_cut_or_grown_on_disk_is_refused_by_the_mapper(size: int, t
             map_batch(path)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file another owner")
+def test_a_batch_someone_else_owns_is_refused_by_the_mapper(tmp_path: Path) -> None:
+    """Only the daemon writes batches, as the owner of the buffer's folders; a member of a --group-access
+    buffer's group may rename a file of their own in under a batch's name, to be read by others' trainers."""
+    import numpy as np
+
+    path = tmp_path / batch_name(0, 0)
+    write_batch(path, np.ones((2, 8, 8, 3), np.uint8), np.zeros(2, np.int64), np.arange(2), epoch=0, step=0,
+                seed=0, producer="p")
+    assert map_batch(path).images.shape == (2, 8, 8, 3)  # the folder's owner wrote it
+    os.chown(path, 65534, -1)
+    with pytest.raises(ProtocolError, match=rf"{batch_name(0, 0)}: belongs to uid 65534, not to uid 0 who owns the "
+                                            r"buffer and writes its batches: someone else put it there; remove it"):
+        map_batch(path)
+
+
 def test_the_sweep_lists_no_directory_as_a_leftover(tmp_path: Path) -> None:
     from prefetchd.buffer_protocol import list_temp_files
 
