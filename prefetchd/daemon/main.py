@@ -80,6 +80,10 @@ def job_settings(cfg: DaemonConfig) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items() if k in JOB_FIELDS}
 
 
+# The longest answer to a job kept in status.json (which readers take up to MAX_DOCUMENT_LEN) and printed by submit.
+MAX_REASON_CHARS = 2000
+
+
 class JobInbox:
     """Turns a changed job.json into a validated config, or a refusal the submitter can read.
 
@@ -109,6 +113,8 @@ class JobInbox:
         # and `prefetchd status` print it to whoever runs them, so its newlines and terminal escapes are
         # written out as the log writes them.
         reason = one_line(reason)
+        if len(reason) > MAX_REASON_CHARS:  # a megabyte-long `data` quoted whole would outgrow status.json
+            reason = f"{reason[:MAX_REASON_CHARS - 40]}... ({len(reason)} characters in all)"
         (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", job_verdict(accepted, reason))
         self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
 

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches
+from prefetchd.daemon.main import MAX_REASON_CHARS
 from prefetchd.trainer import BufferLoader, JobReplaced, LoaderTimeout
 from tests.status_examples import job_result_of, state_of
 
@@ -338,13 +339,14 @@ def test_a_job_with_values_no_setting_can_hold_is_refused_and_the_daemon_goes_on
     for settings, said in (({"data": "/x", "val_fraction": 10**400}, "expected a finite number"),
                            ({"data": "/x", "epochs": 10**30}, "expected a number below 2**63"),
                            ({"data": "/x\x00y"}, "contains a NUL character"),
-                           ({"data": "/x", "ranks": "0-1," * 250_000}, "(1000002 characters)")):
+                           ({"data": "/x", "ranks": "0-1," * 250_000}, "(1000002 characters)"),
+                           ({"data": "/" + "x" * 1_000_000}, "characters in all)")):
         request = JobRequest(settings)  # type: ignore[arg-type]
         request.write(buffer)
         daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and r.job_id == request.job_id, 30,
                           f"the refusal of {list(settings)}")
         reason = reason_of(buffer)
-        assert said in reason and len(reason) < 1000, reason[:2000]
+        assert said in reason and len(reason) <= MAX_REASON_CHARS, reason[:3000]
         assert daemon.proc.poll() is None, daemon.log
     assert "Traceback" not in daemon.log and "internal error" not in daemon.log, daemon.log
 
