@@ -527,7 +527,7 @@ def _serve(cfg: DaemonConfig) -> int:
                     # last status says why, not "starting" (status and trainers read it after the exit).
                     try:
                         publish_waiting(Status(pid=os.getpid(), state=State.FAILED, heartbeat=time.time(),
-                                               message=str(exc), job_result=inbox.result))
+                                               message=one_line(str(exc)), job_result=inbox.result))
                     except OSError:
                         pass
                     raise
