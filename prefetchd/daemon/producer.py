@@ -44,7 +44,7 @@ from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
 from prefetchd.daemon.logs import status_unwritten
-from prefetchd.daemon.sampler import batch_len, batch_slice
+from prefetchd.daemon.sampler import EpochOrders, batch_len, batch_slice
 from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server, task_images
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
@@ -90,8 +90,10 @@ class Producer:
         if cap < 1:
             log.warning("--max-buffer-bytes %d holds no %d-byte batch per rank; keeping one", cfg.max_buffer_bytes,
                         cfg.batch_bytes)
-        self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout, fd)
-                        for d, m, fd in streams]
+        # One epoch's global order for all the ranks: each takes its share (sampler.EpochOrders).
+        orders = EpochOrders(members, cfg.split == "train")
+        self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout, fd,
+                               orders) for d, m, fd in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
         self.chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))

@@ -48,7 +48,7 @@ from prefetchd.buffer_protocol.layout import MAX_EPOCH
 from prefetchd.buffer_protocol.status import Position, StreamStatus
 from prefetchd.daemon.buffer_dir import DIR_FLAGS
 from prefetchd.daemon.consumers import Consumer, plan_windows
-from prefetchd.daemon.sampler import epoch_order
+from prefetchd.daemon.sampler import EpochOrders
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
@@ -89,11 +89,13 @@ class Stream:
     ``high``: batches kept ahead of each consumer; ``low``: the hysteresis' low-water mark;
     ``cap``: batches waiting and being built (cancelled builds too, until their files go), all
     consumers together (default ``high``);
-    ``consumer_timeout``: seconds without a progress write after which a consumer is silent.
+    ``consumer_timeout``: seconds without a progress write after which a consumer is silent;
+    ``orders``: the global epoch orders of ``members``, shared by the streams of one daemon (else its own).
     """
 
     def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int,
-                 cap: int | None = None, consumer_timeout: float = 300.0, dir_fd: int | None = None) -> None:
+                 cap: int | None = None, consumer_timeout: float = 300.0, dir_fd: int | None = None,
+                 orders: EpochOrders | None = None) -> None:
         self.dir = directory  # what messages show; files are created, renamed and deleted through ``fd``
         # The folder the daemon made (or checked), held open: a group member can rename entries of a --group-access
         # buffer and put a link to another folder of the daemon's user under this name, and a path looked up again
@@ -104,8 +106,7 @@ class Stream:
         st = os.fstat(self.fd)
         self.identity = (st.st_dev, st.st_ino)
         self.manifest = manifest
-        self.members = members
-        self.shuffle = shuffle
+        self.orders = orders if orders is not None else EpochOrders(members, shuffle)
         self.high, self.low = high, low
         self.cap = max(1, cap if cap is not None else high)
         self.consumer_timeout = consumer_timeout
@@ -127,7 +128,7 @@ class Stream:
         # Counted for status.json, so that tools and tests see what the log says without parsing it.
         self.vanished_batches = 0  # published batches whose files someone else removed
         self._adopted: set[int] = set()  # the positions of the batches an earlier run left, until said
-        self._orders: dict[int, np.ndarray] = {}
+        self._orders: dict[int, np.ndarray] = {}  # this rank's share of recent epochs: 1/world_size of each
         self.plan()
 
     @property
@@ -213,10 +214,8 @@ class Stream:
         if epoch not in self._orders:
             if len(self._orders) > 4:
                 self._orders.pop(min(self._orders))
-            self._orders[epoch] = epoch_order(
-                self.members, self.manifest.seed, epoch, shuffle=self.shuffle,
-                rank=self.manifest.rank, world_size=self.manifest.world_size,
-            )
+            self._orders[epoch] = self.orders.rank_order(self.manifest.seed, epoch, self.manifest.rank,
+                                                         self.manifest.world_size)
         return self._orders[epoch]
 
     def replaced(self) -> str | None:

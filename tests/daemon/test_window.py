@@ -471,3 +471,55 @@ def test_a_restart_says_which_batches_of_an_earlier_run_it_kept_after_the_window
         restart(tmp_path / "b", cap=3)
     assert (f"kept 3 finished batches of rank 0 from an earlier run of the same job (deleted 3 beyond --high-water "
             f"{HIGH} and the --max-buffer-bytes cap of 3 batches, 2 already consumed)") in caplog.text, caplog.text
+
+
+def test_the_streams_of_a_daemon_share_each_epochs_order_and_keep_their_share_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stream computed the epoch's permutation of every member again (256 ranks of a 65536-rank job
+    at ImageNet size: ~70 ms each at every epoch boundary, the controller stalled for seconds) and kept
+    a view of the whole padded order for its share of it (~20 MB a rank and epoch, 15 GB for 256 ranks x
+    3 epochs: past the unit's MemoryMax).  Batches must not change: each share is the sampler's."""
+    import os
+
+    from prefetchd.daemon.buffer_dir import DIR_FLAGS
+    from prefetchd.daemon.dataset import SampleIndex, pack_paths
+    from prefetchd.daemon.producer import Producer
+    from prefetchd.daemon.sampler import epoch_order, samples_per_rank, steps_per_epoch
+    from prefetchd.daemon.wakeup import Wakeup
+
+    n, world, seed = 1000, 8, 5
+    members = np.arange(0, 2 * n, 2, dtype=np.int64)
+    blob, offsets = pack_paths([f"a/{i}.jpg".encode() for i in range(2 * n)])
+    index = SampleIndex(str(tmp_path), ("a",), blob, offsets, np.zeros(2 * n, np.int64), "f")
+    per = samples_per_rank(n, world)
+    cfg = DaemonConfig(buffer=tmp_path, data=str(tmp_path), split="train", seed=seed, batch_size=8, image_size=32,
+                       workers=1, high_water=HIGH, low_water=LOW, world_size=world, ranks="0-2")
+    streams = []
+    for rank in range(3):
+        folder = tmp_path / f"rank-{rank:05d}"
+        folder.mkdir()
+        manifest = Manifest(dataset_root=str(tmp_path), fingerprint="f", classes=["a"], num_samples=2 * n,
+                            split="train", seed=seed, batch_size=8, image_size=32, samples_per_epoch=per,
+                            steps_per_epoch=steps_per_epoch(per, 8), epochs=3, producer="test", rank=rank,
+                            world_size=world)
+        streams.append((folder, manifest, os.open(folder, DIR_FLAGS)))
+    producer = Producer(cfg, index, members, streams, Wakeup(tmp_path))
+    try:
+        expected = {(e, r): epoch_order(members, seed, e, shuffle=True, rank=r, world_size=world)
+                    for e in range(2) for r in range(3)}
+        permutations: list[int] = []
+
+        class Counting(np.random.Generator):
+            def permutation(self, x: int, axis: int = 0) -> np.ndarray:  # type: ignore[override]
+                permutations.append(x)
+                return super().permutation(x, axis)
+
+        monkeypatch.setattr(np.random, "Generator", Counting)
+        for epoch in range(2):
+            for s in producer.streams:
+                order = s.order(epoch)
+                assert np.array_equal(order, expected[epoch, s.rank]), "a rank's samples changed"
+                assert order.base is None and order.nbytes == per * 8, "a rank's order keeps more than its share"
+        assert permutations == [n, n], "one permutation per epoch, for every stream of the daemon"
+    finally:
+        producer.shutdown()
