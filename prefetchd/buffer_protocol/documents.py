@@ -128,10 +128,10 @@ def read_json_stat(path: Path, kind: str) -> tuple[dict[str, Any], os.stat_resul
     fmt = f"prefetchd.{kind}"
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise ProtocolError(f"{path}: format is {got!r}, expected {fmt!r}; delete it and let its writer recreate it")
+        raise ProtocolError(f"{path}: format is {shown(got)}, expected {fmt!r}; delete it and let its writer recreate it")
     if type(doc.get("version")) is not int or doc["version"] != VERSION:
         raise ProtocolError(
-            f"{path}: written with buffer protocol version {doc.get('version')!r}, this prefetchd speaks "
+            f"{path}: written with buffer protocol version {shown(doc.get('version'))}, this prefetchd speaks "
             f"version {VERSION}; run the same prefetchd version on both sides, or clear the buffer"
         )
     return doc, st
@@ -176,7 +176,7 @@ def _one_of(doc: dict[str, Any], key: str, allowed: tuple[object, ...], path: Pa
     """Refuse ``doc[key]``, of its type already (``_field``), unless it is one of ``allowed``."""
     if doc[key] not in allowed:
         listed = " or ".join(repr(v) for v in allowed)
-        raise ProtocolError(f"{path}: field {key!r} is {doc[key]!r}, expected {listed}; delete it and restart the daemon")
+        raise ProtocolError(f"{path}: field {key!r} is {shown(doc[key])}, expected {listed}; delete it and restart the daemon")
 
 
 def augmentation_text(options: Mapping[str, object]) -> str:
@@ -364,11 +364,11 @@ class Progress:
             return None
         share = doc.get("wait_share")
         if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1):
-            raise ProtocolError(f"{path}: field 'wait_share' is {share!r}, expected a fraction between 0 and 1")
+            raise ProtocolError(f"{path}: field 'wait_share' is {shown(share)}, expected a fraction between 0 and 1")
         closed, locked = doc.get("closed", False), doc.get("locked", False)
         for key, flag in (("closed", closed), ("locked", locked)):
             if not isinstance(flag, bool):
-                raise ProtocolError(f"{path}: field {key!r} is {flag!r}, expected true or false")
+                raise ProtocolError(f"{path}: field {key!r} is {shown(flag)}, expected true or false")
         # Optional for readers: documents of older writers have neither.
         pid = _field(doc, "pid", int, path) if doc.get("pid") is not None else None
         written = _field(doc, "time", float, path) if doc.get("time") is not None else None
@@ -436,7 +436,7 @@ class JobRequest:
             settings = _field(doc, "settings", dict, path)
             for key, value in settings.items():
                 if not isinstance(value, (str, int, float, bool)) and value is not None:
-                    raise ProtocolError(f"{path}: setting {key!r} is {value!r}; settings are strings, numbers, "
+                    raise ProtocolError(f"{path}: setting {shown(key)} is {shown(value)}; settings are strings, numbers, "
                                         "booleans or null")
             # A JSON boolean or absent: "replace": "no" was true, and replaced a job a trainer was reading.
             replace = _field(doc, "replace", bool, path) if doc.get("replace") is not None else False

@@ -157,7 +157,7 @@ class JobInbox:
     def _validate(self, request: JobRequest) -> DaemonConfig:
         unknown = set(request.settings) - JOB_FIELDS
         if unknown:
-            raise ConfigError(f"unknown job settings {sorted(unknown)}; allowed: {', '.join(sorted(JOB_FIELDS))}")
+            raise ConfigError(f"unknown job settings {shown(sorted(unknown))}; allowed: {', '.join(sorted(JOB_FIELDS))}")
         values: dict[str, Any] = {
             k: Path(v) if FIELDS[k].metadata["kind"] is Path and isinstance(v, str) else v
             for k, v in request.settings.items()

@@ -462,6 +462,31 @@ def test_pathological_json_is_a_protocol_error(tmp_path: Path, text: str) -> Non
         Progress.read(tmp_path)
 
 
+HUGE = "x" * (MAX_DOCUMENT_LEN // 2)  # a field of half a document: two in status.json outgrew it
+
+
+@pytest.mark.parametrize("kind,doc", [
+    ("progress", {"format": HUGE}),
+    ("progress", {"format": "prefetchd.progress", "version": HUGE}),
+    ("progress", {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 0, "wait_share": HUGE}),
+    ("progress", {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 0, "closed": HUGE}),
+    ("progress", {"format": "prefetchd.progress", "version": VERSION, "epoch": 0, "step": 0, "locked": HUGE}),
+    ("job", {"format": "prefetchd.job", "version": VERSION, "settings": {"data": [HUGE]}}),
+    ("job", {"format": "prefetchd.job", "version": VERSION, "settings": {HUGE: [1]}}),
+    ("manifest", {**_manifest().__dict__, "format": "prefetchd.manifest", "version": VERSION, "split": HUGE}),
+], ids=["format", "version", "wait_share", "closed", "locked", "job-value", "job-key", "manifest-split"])
+def test_a_refusal_quotes_a_megabyte_field_cut_short(tmp_path: Path, kind: str, doc: dict[str, Any]) -> None:
+    """Any member of a --group-access buffer's group writes progress files and job.json: a refusal quoted
+    such a field whole, and status.json, which carries it (a stream's progress_file, the job's answer),
+    outgrew the MAX_DOCUMENT_LEN its readers take, so every trainer read the daemon as gone."""
+    name = {"progress": PROGRESS_NAME, "job": "job.json", "manifest": MANIFEST_NAME}[kind]
+    _write_doc(tmp_path / name, doc)
+    read = {"progress": Progress.read, "job": JobRequest.read, "manifest": Manifest.read}[kind]
+    with pytest.raises(ProtocolError, match=name) as info:
+        read(tmp_path)
+    assert len(str(info.value)) < 500 and "characters)" in str(info.value), str(info.value)[:1000]
+
+
 def test_boolean_version_is_refused(tmp_path: Path) -> None:
     _write_doc(tmp_path / PROGRESS_NAME, {"format": "prefetchd.progress", "version": True, "epoch": 0, "step": 0})
     with pytest.raises(ProtocolError, match="version"):

@@ -340,7 +340,8 @@ def test_a_job_with_values_no_setting_can_hold_is_refused_and_the_daemon_goes_on
                            ({"data": "/x", "epochs": 10**30}, "expected a number below 2**63"),
                            ({"data": "/x\x00y"}, "contains a NUL character"),
                            ({"data": "/x", "ranks": "0-1," * 250_000}, "(1000002 characters)"),
-                           ({"data": "/" + "x" * 1_000_000}, "characters in all)")):
+                           ({"data": "/" + "x" * 1_000_000}, "characters in all)"),
+                           ({"data": "/x", "k" * 500_000: 1}, "unknown job settings ['kkk")):
         request = JobRequest(settings)  # type: ignore[arg-type]
         request.write(buffer)
         daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and r.job_id == request.job_id, 30,
