@@ -49,7 +49,7 @@ from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_wo
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.sdnotify import Notifier
-from prefetchd.daemon.stream import Build, Stream
+from prefetchd.daemon.stream import Build, Stream, consumer_cap
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, none_decoded
 from prefetchd.throttle import Throttle
@@ -93,7 +93,7 @@ class Producer:
         # One epoch's global order for all the ranks: each takes its share (sampler.EpochOrders).
         orders = EpochOrders(members, cfg.split == "train")
         self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout, fd,
-                               orders) for d, m, fd in streams]
+                               orders, consumer_cap(len(streams))) for d, m, fd in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
         self.chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))

@@ -55,6 +55,23 @@ log = logging.getLogger(__name__)
 
 STARVED_SAID_SECONDS = 60.0  # a consumer is said to wait for room under the cap at most this often
 
+# Consumers a stream takes, the default one included (a sweep on one box is a few to tens of trainers), and over
+# all the streams of a daemon.  Any member of a --group-access buffer's group may write progress files, and a
+# stream took every one: 20,000 planted progress.NAME.json made each poll take seconds, logged 20,000 warnings
+# and made status.json megabytes, past the MAX_DOCUMENT_LEN (1 MiB) its readers take, so every trainer read the
+# daemon as gone.  A consumer is a status.json row of ~350 bytes at most (32-character name, every number at its
+# widest), 1024 of them ~365 KiB; the status of 256 ranks (MAX_LOCAL_RANKS) with 4 such consumers each, every
+# one's document refused as well (progress_file), measured 614 KiB: within the 1 MiB, with room for a longer
+# buffer path.  So 64 per stream for up to 16 ranks, 4 per stream at 256.
+MAX_CONSUMERS = 64
+MAX_DAEMON_CONSUMERS = 1024
+IGNORED_SAID_SECONDS = 300.0  # the progress files left out for the cap are said at most this often per stream
+
+
+def consumer_cap(streams: int) -> int:
+    """Consumers each of a daemon's ``streams`` takes."""
+    return max(1, min(MAX_CONSUMERS, MAX_DAEMON_CONSUMERS // max(1, streams)))
+
 
 @dataclass(eq=False)
 class Build:
@@ -90,12 +107,14 @@ class Stream:
     ``cap``: batches waiting and being built (cancelled builds too, until their files go), all
     consumers together (default ``high``);
     ``consumer_timeout``: seconds without a progress write after which a consumer is silent;
-    ``orders``: the global epoch orders of ``members``, shared by the streams of one daemon (else its own).
+    ``orders``: the global epoch orders of ``members``, shared by the streams of one daemon (else its own);
+    ``max_consumers``: consumers it takes, the default one included (``consumer_cap``); the progress files of
+    any more are left alone.
     """
 
     def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int,
                  cap: int | None = None, consumer_timeout: float = 300.0, dir_fd: int | None = None,
-                 orders: EpochOrders | None = None) -> None:
+                 orders: EpochOrders | None = None, max_consumers: int = MAX_CONSUMERS) -> None:
         self.dir = directory  # what messages show; files are created, renamed and deleted through ``fd``
         # The folder the daemon made (or checked), held open: a group member can rename entries of a --group-access
         # buffer and put a link to another folder of the daemon's user under this name, and a path looked up again
@@ -120,6 +139,9 @@ class Stream:
         # its window is what a daemon builds before any trainer has written progress.
         self.consumers: dict[str, Consumer] = {DEFAULT_CONSUMER: Consumer(DEFAULT_CONSUMER)}
         self.forgotten = Consumer("")  # the counts of consumers forgotten: the totals must not go back
+        self.max_consumers = max(1, max_consumers)
+        self.ignored = 0  # progress files of consumers past the cap, at the last read
+        self._ignored_said: float | None = None  # time.monotonic() they were last said
         self.holders: list[Consumer] = []  # slowest first
         self.held: set[int] = set()
         self._starved: set[str] = set()  # holding consumers whose window the cap shrank to nothing
@@ -183,7 +205,20 @@ class Stream:
 
     @property
     def progress_error(self) -> str:
-        return "; ".join(c.error for c in self.consumers.values() if c.error)
+        """Why progress files are ignored: the first consumer's problem (status.json carries it, for each rank,
+        twice: its size stays bounded however many consumers have one; each is in the log), how many others
+        have one, and the files left out for the cap."""
+        problems = [c.error for c in self.consumers.values() if c.error]
+        said = problems[:1]
+        if len(problems) > 1:
+            said.append(f"and {counted(len(problems) - 1, 'other consumer')} of rank {self.rank} (see the log)")
+        if self.ignored:
+            said.append(self._ignored_text())
+        return "; ".join(said)
+
+    def _ignored_text(self) -> str:
+        return (f"{counted(self.ignored, 'progress file')} in {self.dir} ignored: a stream of this daemon takes "
+                f"{counted(self.max_consumers, 'consumer')} at most, the default one included")
 
     @property
     def finished(self) -> bool:
@@ -291,15 +326,29 @@ class Stream:
         return lost
 
     def read_progress(self) -> bool:
-        """Take every consumer's progress and plan the windows again; True when a position moved."""
+        """Take every consumer's progress and plan the windows again; True when a position moved.
+
+        New consumers join while there is room under ``max_consumers``, in the order of their names;
+        one already taken is never dropped for a newcomer, and the progress files of the rest are
+        not read (``_ignore``)."""
         moved = False
         present = list_consumers(self.dir)
+        self._forget(set(self.consumers) - set(present) - {DEFAULT_CONSUMER})
+        new = [name for name in present if name not in self.consumers]
+        room = max(0, self.max_consumers - len(self.consumers))
+        for name in new[:room]:
+            self.consumers[name] = Consumer(name)
+        self._ignore(new[room:])
         for name in present:
             consumer = self.consumers.get(name)
-            if consumer is None:
-                consumer = self.consumers[name] = Consumer(name)
-            moved |= self._read_consumer(consumer)
-        for name in set(self.consumers) - set(present) - {DEFAULT_CONSUMER}:
+            if consumer is not None:
+                moved |= self._read_consumer(consumer)
+        self.check_trainer()
+        self.plan()
+        return moved
+
+    def _forget(self, names: set[str]) -> None:
+        for name in sorted(names):
             # Its file removed (by hand: a sweep member that will not come back): it holds nothing and is no
             # longer listed; it went on holding its window, pinning where newcomers join, and the status grew.
             log.info("%s of rank %d is forgotten: its progress file was removed", self.consumers[name].label, self.rank)
@@ -307,9 +356,22 @@ class Stream:
             self.forgotten.consumed += gone.consumed
             self.forgotten.rewinds += gone.rewinds
             self.forgotten.rejected += gone.rejected
-        self.check_trainer()
-        self.plan()
-        return moved
+
+    def _ignore(self, names: list[str]) -> None:
+        """Leave out the progress files of ``names``, past the cap: said in one line (at most every
+        IGNORED_SAID_SECONDS while there are some) and in the status's progress_file."""
+        self.ignored = len(names)
+        now = time.monotonic()
+        # By time alone: files planted and removed by turns would be said at every poll.
+        if not names or self._ignored_said is not None and now - self._ignored_said < IGNORED_SAID_SECONDS:
+            return
+        self._ignored_said = now
+        example = ", ".join(progress_name(name) for name in names[:2]) + (", ..." if len(names) > 2 else "")
+        log.warning("ignoring %s in %s (%s): a stream of this daemon takes %s at most, the default one included, "
+                    "and no batches are kept for their trainers. Remove the progress files of consumers that will "
+                    "not come back (they are forgotten and the next ones join), or give the others a buffer of "
+                    "their own", counted(len(names), "progress file"), self.dir, example,
+                    counted(self.max_consumers, "consumer"))
 
     def _read_consumer(self, consumer: Consumer) -> bool:
         try:

@@ -324,3 +324,89 @@ def test_a_consumer_whose_progress_file_is_removed_is_forgotten(tmp_path: Path) 
     s.read_progress()
     assert set(s.consumers) == {"", "b"} and min(s.held) == 9
     assert (s.consumed, s.progress_rewinds) == (3, 1), "the status's totals do not go back"
+
+
+def test_a_stream_takes_its_cap_of_consumers_keeps_those_it_has_and_says_the_rest_once(
+        tmp_path: Path, caplog: Any) -> None:
+    """Any member of a --group-access buffer's group writes progress files: a stream took every one, and
+    20,000 planted ones made each poll take seconds, 20,000 warnings and a status.json past what its
+    readers take.  Now it takes MAX_CONSUMERS (the default one included), never drops one it has for a
+    newcomer, and says the files it leaves alone in one line, at most every IGNORED_SAID_SECONDS."""
+    from prefetchd.daemon.stream import MAX_CONSUMERS
+
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.stream")
+    s = stream(tmp_path, cap=4 * HIGH)
+    move(s, "trial-a", 3)
+    move(s, "trial-b", 3)
+    planted = [f"c{i:05d}" for i in range(MAX_CONSUMERS + 100)]  # names that sort before the trials'
+    for name in planted:
+        Progress(0, 0, pid=1).write(s.dir, name)
+    Progress(0, 5).write(s.dir)  # the default consumer: there from the start, never crowded out
+    s.read_progress()
+    taken = MAX_CONSUMERS - 3
+    assert set(s.consumers) == {"", "trial-a", "trial-b", *planted[:taken]}
+    assert s.consumers[""].position == 5 and s.consumers["trial-a"].position == 3
+    ignored = len(planted) - taken
+    said = f"ignoring {ignored} progress files in {s.dir}"
+    assert caplog.text.count("progress files in") == 1 and said in caplog.text, caplog.text
+    assert f"{ignored} progress files in {s.dir} ignored" in s.status().progress_file
+    assert len(s.status().consumers) == MAX_CONSUMERS
+    move(s, "trial-a", 4)
+    s.read_progress()
+    assert s.consumers["trial-a"].position == 4 and caplog.text.count("progress files in") == 1, "said once"
+    (tmp_path / progress_name("trial-b")).unlink()  # a consumer forgotten: the next planted one takes its place
+    s.read_progress()
+    assert "trial-b" not in s.consumers and planted[taken] in s.consumers and s.ignored == ignored - 1
+    for name in planted[taken:]:
+        (tmp_path / progress_name(name)).unlink()
+    s.read_progress()
+    assert s.ignored == 0 and s.status().progress_file == ""
+
+
+def test_a_status_of_the_most_ranks_and_consumers_stays_within_what_readers_take(tmp_path: Path) -> None:
+    """256 ranks (MAX_LOCAL_RANKS), each with more consumers than it takes, every one refused after it
+    was read (both a row and a problem in the status): status.json stays under MAX_DOCUMENT_LEN, or
+    every trainer reads the daemon as gone."""
+    from prefetchd.buffer_protocol.documents import MAX_DOCUMENT_LEN
+    from prefetchd.buffer_protocol.layout import STATUS_NAME
+    from prefetchd.daemon.buffer_dir import DIR_FLAGS
+    from prefetchd.daemon.config import MAX_LOCAL_RANKS, DaemonConfig
+    from prefetchd.daemon.dataset import SampleIndex, pack_paths
+    from prefetchd.daemon.producer import Producer
+    from prefetchd.daemon.wakeup import Wakeup
+
+    n, ranks, per_rank = 1000, MAX_LOCAL_RANKS, 20
+    blob, offsets = pack_paths([f"a/{i}.jpg".encode() for i in range(n)])
+    index = SampleIndex(str(tmp_path), ("a",), blob, offsets, np.zeros(n, np.int64), "f")
+    cfg = DaemonConfig(buffer=tmp_path, data=str(tmp_path), split="train", seed=5, batch_size=8, image_size=32,
+                       workers=1, high_water=HIGH, low_water=LOW, world_size=ranks)
+    streams = []
+    for rank in range(ranks):
+        folder = tmp_path / f"rank-{rank:05d}"
+        folder.mkdir()
+        manifest = Manifest(dataset_root=str(tmp_path), fingerprint="f", classes=["a"], num_samples=n,
+                            split="train", seed=5, batch_size=8, image_size=32, samples_per_epoch=4,
+                            steps_per_epoch=1, epochs=None, producer="test", rank=rank, world_size=ranks)
+        streams.append((folder, manifest, os.open(folder, DIR_FLAGS)))
+    producer = Producer(cfg, index, np.arange(n), streams, Wakeup(tmp_path))
+    try:
+        widest = {"format": "prefetchd.progress", "version": 1, "epoch": 999_999, "step": 0, "pid": 4_194_304,
+                  "time": time.time(), "wait_share": 0.1234, "pid_namespace": 4_026_531_836,
+                  "read_batches": 2**62, "locked": True}
+        for s in producer.streams:
+            for i in range(per_rank):
+                (s.dir / progress_name(f"{i:02d}{'x' * 30}")).write_text(json.dumps(widest))
+        for s in producer.streams:
+            s.read_progress()
+        for s in producer.streams:
+            for path in s.dir.glob("progress.*.json"):
+                path.write_text(json.dumps({**widest, "version": "v" * 100_000}))
+            s.read_progress()
+        write_status(tmp_path, producer.status())
+        size = (tmp_path / STATUS_NAME).stat().st_size
+        assert size < MAX_DOCUMENT_LEN * 0.8, f"{size} bytes"
+        status = read_status(tmp_path)
+        assert status is not None and status.production is not None
+        assert all(s.consumers and s.progress_file for s in status.production.streams)
+    finally:
+        producer.shutdown()

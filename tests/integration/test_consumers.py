@@ -240,3 +240,45 @@ def test_a_consumer_that_left_shows_its_process_gone_once_it_exits(shapes_data: 
                  15, "the status to show the leaver's process gone")
     finally:
         stayer.close()
+
+
+def test_a_flood_of_progress_files_leaves_the_status_readable_and_the_consumers_served(
+        shapes_data: Path, shm_dir: Path, start_daemon: Any) -> None:
+    """Any member of a --group-access buffer's group writes progress files: 20,000 planted ones made
+    status.json 6.3 MB (its readers take 1 MiB: every trainer read the daemon as gone), each heartbeat
+    3.5-4 s and the log 20,000 warnings.  The daemon takes its cap of consumers, keeps the one it had,
+    and says the rest in one line."""
+    import os
+    import re
+
+    from prefetchd.buffer_protocol.documents import MAX_DOCUMENT_LEN
+    from prefetchd.buffer_protocol.layout import STATUS_NAME
+    from prefetchd.daemon.stream import MAX_CONSUMERS
+
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS)
+    with BufferLoader(buffer, normalize=False, timeout=60, consumer="early", start=(0, 0)) as loader:
+        batches = iter(loader)
+        next(batches)
+        planted = 20_000
+        doc = json.dumps({"format": "prefetchd.progress", "version": 1, "epoch": 0, "step": 0, "pid": os.getpid(),
+                          "time": time.time()})
+        for i in range(planted):  # names that sort before "early"
+            (buffer / f"progress.c{i:05d}.json").write_text(doc)
+        ignored = planted - (MAX_CONSUMERS - 2)  # the default consumer and "early" are known
+        said = f"{ignored} progress files in {buffer} ignored"
+
+        def ignored_said() -> bool:
+            status = read_status(buffer)
+            return status is not None and status.production is not None and said in status.production.errors.progress_file
+
+        daemon.wait_until(ignored_said, 20, "the status to say the progress files left alone")
+        assert (buffer / STATUS_NAME).stat().st_size < MAX_DOCUMENT_LEN // 10
+        assert consumer_status(buffer, "early") is not None
+        for _ in range(3):
+            next(batches)  # still served
+        for _ in range(4):  # the heartbeat keeps its pace (STATUS_SECONDS = 1)
+            time.sleep(0.5)
+            status = read_status(buffer)
+            assert status is not None and time.time() - status.heartbeat < 3.0, status
+    assert len(re.findall(r"ignoring \d+ progress files in", daemon.log)) == 1, daemon.log[-3000:]
