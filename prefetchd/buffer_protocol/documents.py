@@ -22,7 +22,8 @@ from typing import Any
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
-from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, at, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME, TEMP_MARK, Dir, progress_name
+from prefetchd.buffer_protocol.layout import (DEFAULT_CONSUMER, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME, TEMP_MARK, Dir, at,
+                                             progress_name)
 
 
 MAX_DOCUMENT_LEN = 1 << 20
@@ -82,13 +83,14 @@ def replace_file(path: Path, data: bytes, mode: int | None = None, dir_fd: int |
         raise
 
 
-def open_regular(path: Path, flags: int, what: str, mode: int = 0o644) -> int:
+def open_regular(path: Path, flags: int, what: str, mode: int = 0o644, dir_fd: int | None = None) -> int:
     """Open ``path`` only if it is a regular file: not through a symlink (O_NOFOLLOW), and
     without waiting for a writer should it be a FIFO (O_NONBLOCK, then fstat).  ``mode``
     (less the umask) is that of a file O_CREAT creates.
-    FileNotFoundError passes through, as FileExistsError does (with O_EXCL); any other problem is a ProtocolError."""
+    FileNotFoundError passes through, as FileExistsError does (with O_EXCL); any other problem is a ProtocolError.
+    ``dir_fd``: the folder's fd, through which the name is looked up (``layout.at``)."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        fd = os.open(at(path, dir_fd), flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except (FileNotFoundError, FileExistsError):
         raise
     except OSError as exc:
@@ -108,12 +110,13 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
     return read_json_stat(path, kind)[0]
 
 
-def read_json_stat(path: Path, kind: str) -> tuple[dict[str, Any], os.stat_result]:
+def read_json_stat(path: Path, kind: str, dir_fd: int | None = None) -> tuple[dict[str, Any], os.stat_result]:
     """``read_json``, with the fstat of the file it read: who wrote that very file, not
-    whatever a later look at the path would find after someone replaced it."""
+    whatever a later look at the path would find after someone replaced it.  ``dir_fd``: as
+    ``open_regular``'s."""
     if kind not in DOCUMENT_KINDS:
         raise ValueError(f"unknown document kind {kind!r}")
-    fd = open_regular(path, os.O_RDONLY, f"a {kind} document")
+    fd = open_regular(path, os.O_RDONLY, f"a {kind} document", dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         data = os.read(fd, MAX_DOCUMENT_LEN + 1)
@@ -137,10 +140,10 @@ def read_json_stat(path: Path, kind: str) -> tuple[dict[str, Any], os.stat_resul
     return doc, st
 
 
-def read_optional(path: Path, kind: str) -> dict[str, Any] | None:
-    """``read_json``, or None when the document has not been written yet."""
+def read_optional(path: Path, kind: str, dir_fd: int | None = None) -> dict[str, Any] | None:
+    """``read_json`` (through ``dir_fd`` where given), or None when the document has not been written yet."""
     try:
-        return read_json(path, kind)
+        return read_json_stat(path, kind, dir_fd)[0]
     except FileNotFoundError:
         return None
 
@@ -356,10 +359,11 @@ class Progress:
         write_json(Path(buffer) / progress_name(consumer), doc)
 
     @classmethod
-    def read(cls, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> Progress | None:
-        """The consumer's progress, or None when it has not written one yet."""
+    def read(cls, buffer: Dir, consumer: str = DEFAULT_CONSUMER, dir_fd: int | None = None) -> Progress | None:
+        """The consumer's progress (read through ``buffer``'s fd ``dir_fd`` where given), or None when it has
+        not written one yet."""
         path = Path(buffer) / progress_name(consumer)
-        doc = read_optional(path, "progress")
+        doc = read_optional(path, "progress", dir_fd)
         if doc is None:
             return None
         share = doc.get("wait_share")

@@ -99,11 +99,12 @@ def consumer_of(file_name: str) -> str | None:
     return m[1] if m else None
 
 
-def list_consumers(directory: Dir) -> list[str]:
-    """The consumers with a progress file in ``directory`` (a stream directory), sorted."""
-    if not os.path.isdir(directory):
+def list_consumers(directory: Dir, dir_fd: int | None = None) -> list[str]:
+    """The consumers with a progress file in ``directory`` (a stream directory; listed through its fd
+    ``dir_fd`` where given), sorted."""
+    if dir_fd is None and not os.path.isdir(directory):
         return []
-    with os.scandir(directory) as entries:
+    with os.scandir(directory if dir_fd is None else dir_fd) as entries:
         return sorted(c for e in entries if (c := consumer_of(e.name)) is not None)
 
 
@@ -157,18 +158,18 @@ def parse_batch_name(name: str) -> tuple[int, int] | None:
     return (int(m[1]), int(m[2])) if m else None
 
 
-def list_batches(buffer: Dir) -> dict[tuple[int, int], Path]:
-    """Finished batch files in ``buffer`` by (epoch, step)."""
+def list_batches(buffer: Dir, dir_fd: int | None = None) -> dict[tuple[int, int], Path]:
+    """Finished batch files in ``buffer`` (listed through its fd ``dir_fd`` where given) by (epoch, step)."""
     found: dict[tuple[int, int], Path] = {}
-    if not os.path.isdir(buffer):
+    if dir_fd is None and not os.path.isdir(buffer):
         return found
-    with os.scandir(buffer) as entries:
+    with os.scandir(buffer if dir_fd is None else dir_fd) as entries:
         for entry in entries:
             key = parse_batch_name(entry.name)
             # Only regular files: a directory, FIFO or link under a batch's name is never one,
             # and deleting it as a consumed batch would fail.
             if key is not None and entry.is_file(follow_symlinks=False):
-                found[key] = Path(entry.path)
+                found[key] = Path(buffer) / entry.name
     return found
 
 

@@ -277,7 +277,7 @@ def writer_named(writer: Progress | TrainerStatus) -> str:
     return pid_named(writer.pid, same_pid_namespace(writer.pid_namespace))
 
 
-def writer_alive(directory: Dir, consumer: str, progress: Progress) -> bool | None:
+def writer_alive(directory: Dir, consumer: str, progress: Progress, dir_fd: int | None = None) -> bool | None:
     """Whether the process that wrote ``progress``, ``consumer``'s document in ``directory``, is still there;
     None when it cannot be told (SPEC rule 8).
 
@@ -290,7 +290,7 @@ def writer_alive(directory: Dir, consumer: str, progress: Progress) -> bool | No
     (its ``time``) alone ends its hold.
     """
     if not same_pid_namespace(progress.pid_namespace):
-        return consumer_held(directory, consumer) if progress.locked else None
+        return consumer_held(directory, consumer, dir_fd) if progress.locked else None
     if progress.pid is None or progress.time is None:
         return None
     return alive_since(progress.pid, progress.time)
@@ -311,12 +311,13 @@ def take_lock(fd: int) -> bool:
         time.sleep(0.01)
 
 
-def consumer_held(directory: Dir, consumer: str) -> bool | None:
+def consumer_held(directory: Dir, consumer: str, dir_fd: int | None = None) -> bool | None:
     """Whether a process holds ``consumer``'s lock file in ``directory`` (SPEC rule 9); None when that cannot
     be told: the file is missing (its holder may lock one unlinked since), not a regular file, not readable
     by this user, or on a filesystem without flock (``_held``)."""
     try:
-        fd = open_regular(Path(directory) / consumer_lock_name(consumer), os.O_RDONLY, "a consumer's lock file")
+        fd = open_regular(Path(directory) / consumer_lock_name(consumer), os.O_RDONLY, "a consumer's lock file",
+                          dir_fd=dir_fd)
     except (OSError, ProtocolError):
         return None
     try:

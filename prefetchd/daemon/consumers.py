@@ -103,10 +103,11 @@ class Consumer:
         self.rejected += 1
         return True
 
-    def writer_alive(self, directory: Path) -> bool | None:
-        """Whether the process that wrote its progress file in ``directory`` is still there, by its pid or, from
-        another pid namespace, by its lock file (``buffer_protocol.writer_alive``); None when unknown."""
-        return writer_alive(directory, self.name, self.document) if self.document is not None else None
+    def writer_alive(self, directory: Path, dir_fd: int | None = None) -> bool | None:
+        """Whether the process that wrote its progress file in ``directory`` (whose fd is ``dir_fd``) is still
+        there, by its pid or, from another pid namespace, by its lock file (``buffer_protocol.writer_alive``);
+        None when unknown."""
+        return writer_alive(directory, self.name, self.document, dir_fd) if self.document is not None else None
 
     @property
     def writer(self) -> str:

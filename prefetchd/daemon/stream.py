@@ -271,7 +271,7 @@ class Stream:
         asks for) would make them differ from the batches built now.  Built again, each is what the
         data gives today.  Headers that do not parse go too."""
         redo = 0
-        for key, path in list_batches(self.dir).items():
+        for key, path in list_batches(self.dir, self.fd).items():
             try:
                 replaced = map_batch(path).meta.replaced
             except (ProtocolError, FileNotFoundError):
@@ -317,7 +317,7 @@ class Stream:
         """
         if not self.published:
             return []
-        present = list_batches(self.dir)
+        present = list_batches(self.dir, self.fd)
         lost = [g for g in self.published if self.key(g) not in present]
         for g in lost:
             path = self.published.pop(g)
@@ -332,7 +332,7 @@ class Stream:
         one already taken is never dropped for a newcomer, and the progress files of the rest are
         not read (``_ignore``)."""
         moved = False
-        present = list_consumers(self.dir)
+        present = list_consumers(self.dir, self.fd)
         self._forget(set(self.consumers) - set(present) - {DEFAULT_CONSUMER})
         new = [name for name in present if name not in self.consumers]
         room = max(0, self.max_consumers - len(self.consumers))
@@ -375,7 +375,7 @@ class Stream:
 
     def _read_consumer(self, consumer: Consumer) -> bool:
         try:
-            progress = Progress.read(self.dir, consumer.name)
+            progress = Progress.read(self.dir, consumer.name, self.fd)
         except ProtocolError as exc:
             self._progress_problem(consumer, str(exc))
             return False
@@ -533,7 +533,7 @@ class Stream:
         for c in self.consumers.values():
             if not c.seen:
                 continue
-            alive = c.writer_alive(self.dir)
+            alive = c.writer_alive(self.dir, self.fd)
             if c.closed or (self.end is not None and c.position >= self.end):
                 # It left, or consumed every epoch: it exits, as it should, which is no news to log; the
                 # status and metrics still say whether its process is there.

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefetchd.buffer_protocol import BatchLayout, Manifest, SlotFiller, batch_name
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, BatchLayout, Manifest, Progress, SlotFiller, batch_name
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_NAME
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
 from prefetchd.daemon.buffer_dir import clear_buffer, make_stream_dir, prepare_buffer
@@ -233,6 +233,7 @@ def test_a_stream_folder_swapped_for_a_link_just_after_the_check_gets_no_file(
 
     private = _private_folder(shm_buffer)
     (private / "rank-00000" / "e000000-s00000001.batch").write_bytes(b"precious")  # a spare's reuse could land here
+    (private / "rank-00000" / "progress.json").write_bytes(b"precious")  # read by path, it moved the window
     before = _contents(private)
     buffer = shm_buffer / "bf"
     prepare_buffer(buffer, group_access=True)
@@ -258,6 +259,11 @@ def test_a_stream_folder_swapped_for_a_link_just_after_the_check_gets_no_file(
         SlotFiller(task.path, task.images_offset, task.slot_bytes, range(8), task.file_id)
     producer._publish(stream.building[0])
     assert sorted(os.listdir(moved)) == [batch_name(0, 0)]
+    Progress(0, 0).write(moved)  # the trainer's, in the daemon's own folder wherever it was moved
+    stream.read_progress()
+    assert stream.consumers[DEFAULT_CONSUMER].document == Progress.read(moved) and not stream.progress_error
+    assert stream.reconcile() == [] and 0 in stream.published
+    os.unlink(moved / PROGRESS_NAME)
     producer.spares.retire(stream.published.pop(0), stream.fd)  # consumed: kept as a spare, as _read_progress does
     assert producer._start_build(stream, 1, layout)
     assert stream.building[1].pending.reused == producer.spares.enabled
