@@ -86,8 +86,7 @@ def _unlink(path: Path, dir_fd: int | None) -> None:
         os.unlink(at(path, dir_fd), dir_fd=dir_fd)
 
 
-def _file_id(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
+def _file_id(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
@@ -142,7 +141,7 @@ class PendingBatch:
                 os.ftruncate(fd, layout.file_len)
             else:
                 _zero_outside_tensors(fd, layout)
-            file_id = _file_id(fd)
+            file_id = _file_id(os.fstat(fd))
         except BaseException:
             _unlink(tmp, dir_fd)
             raise
@@ -163,7 +162,7 @@ class PendingBatch:
         try:
             fd = os.open(at(self.tmp, self.dir_fd), _OPEN_FLAGS, dir_fd=self.dir_fd)
             try:
-                _check_file(fd, self.file_id, self.tmp)
+                _check_file(os.fstat(fd), self.file_id, self.tmp)
                 for name, array in (("labels", labels), ("indices", indices)):
                     data = np.ascontiguousarray(array, dtype=DTYPES["int64"]).tobytes()  # N * 8 bytes: copying is free
                     _pwrite_all(fd, memoryview(data), layout.tensors[name].offset)
@@ -183,10 +182,10 @@ class PendingBatch:
         _unlink(self.tmp, self.dir_fd)
 
 
-def _check_file(fd: int, file_id: tuple[int, int] | None, path: str | os.PathLike[str]) -> None:
-    """Refuse to write ``fd`` unless it is the file ``file_id`` names (where one is given): the temp file
-    the daemon began, not one a replaced folder holds under its name."""
-    if file_id is not None and _file_id(fd) != file_id:
+def _check_file(st: os.stat_result, file_id: tuple[int, int] | None, path: str | os.PathLike[str]) -> None:
+    """Refuse to write the file of ``st`` (its fstat) unless it is the one ``file_id`` names (where one is
+    given): the temp file the daemon began, not one a replaced folder holds under its name."""
+    if file_id is not None and _file_id(st) != file_id:
         raise PermissionError(errno.EPERM, "not the file begun for this batch (its folder was replaced?); "
                               "refusing to write it", os.fspath(path))
 
@@ -225,7 +224,7 @@ class SlotFiller:
             st = os.fstat(self._fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise PermissionError(errno.EPERM, "not a regular file of this user; refusing to write it", os.fspath(path))
-            _check_file(self._fd, file_id, path)
+            _check_file(st, file_id, path)
             if slots is None:
                 slots = range(max(0, st.st_size - images_offset) // slot_bytes if slot_bytes else 0)
             self.slots = slots
