@@ -23,6 +23,7 @@ from prefetchd.buffer_protocol import (
     ProtocolError,
     State,
     Status,
+    readable_status,
     stream_dir,
     write_status,
 )
@@ -117,6 +118,34 @@ class JobInbox:
             reason = f"{reason[:MAX_REASON_CHARS - 40]}... ({len(reason)} characters in all)"
         (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", job_verdict(accepted, reason))
         self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
+
+    def resumable(self, last: Status | None) -> DaemonConfig | None:
+        """The job in job.json where the daemon that ran here last was producing it (its last answer accepted
+        that very request), to start with instead of the configured one; None otherwise.
+
+        A job submitted to a daemon with its own ``data`` replaces that job until it ends.  Started with the
+        configured job after a restart (a crash, the watchdog), the daemon found the submitted job's batches
+        and refused them as another job's (exit 2, which the unit does not restart), while that job's trainers
+        waited for it to come back.  Called before the daemon writes its first status: ``last`` is the one
+        the earlier daemon left."""
+        result = last.job_result if last is not None else None
+        if result is None or not result.accepted or result.job_id is None:
+            return None
+        try:
+            request = JobRequest.read(self.buffer)
+        except ProtocolError:
+            return None
+        if request is None or request.job_id != result.job_id:
+            return None
+        try:
+            job = self._validate(request)
+            job, confinement = self.policy.confine(job, request.owner)
+        except ConfigError as exc:  # the config's allow-lists changed since it was accepted
+            log.warning("not resuming job %s from job.json, which the earlier daemon was producing: %s",
+                        request.job_id, exc)
+            return None
+        self.pending_id, self.pending_confinement = request.job_id, confinement
+        return job
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
         """A new job to switch to, or None (nothing new, or refused: see ``result``)."""
@@ -485,11 +514,25 @@ def _serve(cfg: DaemonConfig) -> int:
                 write_status(buffer, status, lock.dir_fd)
             except OSError as exc:  # a full tmpfs: the one there beats on (SPEC rule 8), the log says why
                 status_unwritten(buffer, exc)
+        last_status = readable_status(buffer)  # the earlier daemon's: this one has written none yet
         serve_jobs = cfg.data is None
         inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
         job: DaemonConfig | None = cfg if not serve_jobs else None
         reset = cfg.reset
         replaced: DaemonConfig | None = None  # the job a submitted one stopped, until that one has started
+        # With the configured job coming back after a resumed one is refused: its batches are not the buffer's.
+        reset_back = False
+        if not serve_jobs:
+            resumed = inbox.resumable(last_status)
+            if resumed is not None and not cfg.reset:
+                log.info("resuming job %s from job.json, which replaced the configured job on %s before this restart "
+                         "(its trainers read on); submit the configured job, or remove job.json and restart, to "
+                         "produce that one again", inbox.pending_id, cfg.data)
+                job, replaced, reset, reset_back = resumed, cfg, True, True
+            elif resumed is not None:
+                log.info("not resuming job %s from job.json, which replaced the configured job before this restart: "
+                         "reset = true clears the buffer for the configured job on %s", inbox.pending_id, cfg.data)
+                inbox.pending_id = inbox.pending_confinement = None
         running_id: str | None = None  # the submitted job being produced
         with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
@@ -513,7 +556,7 @@ def _serve(cfg: DaemonConfig) -> int:
                         # job replaces nothing: that one resumes from progress.json, its batches kept.
                         goes_on = f"; still producing {replaced.data}" if replaced is not None else ""
                         inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}")
-                        inbox.pending_id, job, reset, replaced = None, replaced, False, None
+                        inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
                         continue
                     if serve_jobs:
                         # The job a refused one was to replace does not start again (its data went away meanwhile):
@@ -537,11 +580,11 @@ def _serve(cfg: DaemonConfig) -> int:
                         # Accepted, it would be "producing" nothing: its trainers' progress says every epoch is read.
                         producer.shutdown()  # its pool's selector and shared file, never started
                         inbox.answer(inbox.pending_id, False, already_consumed(producer))
-                        inbox.pending_id, job, reset, replaced = None, replaced, False, None
+                        inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
                         continue
                     inbox.answer(inbox.pending_id, True, f"producing {job.data}")
                     running_id, inbox.pending_id = inbox.pending_id, None
-                replaced = None
+                replaced, reset_back = None, False
                 served = True
                 try:
                     producer.run()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches
+from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches, read_status
 from prefetchd.daemon.main import MAX_REASON_CHARS
 from prefetchd.trainer import BufferLoader, JobReplaced, LoaderTimeout
 from tests.status_examples import job_result_of, state_of
@@ -60,6 +60,36 @@ def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: P
     daemon.wait_until(lambda: Manifest.read(buffer).split == "val", 30, "the new job's manifest")
     fresh = BufferLoader(buffer, normalize=False, timeout=30)
     assert next(iter(fresh)).images.shape[0] == 4
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_restarted_daemon_with_data_resumes_the_job_submitted_to_it(shapes_data: Path, shm_dir: Path,
+                                                                     start_daemon, reset: bool) -> None:
+    """A job submitted to a daemon with its own --data (a service's config) replaces the configured job.  After
+    a crash the daemon started with the configured job, found the submitted one's batches and exited 2 (another
+    job's: which the unit does not restart), while that job's trainers waited.  It resumes the submitted job now;
+    with --reset (reset = true) the configured job clears the buffer, and the log says the other was dropped."""
+    buffer = shm_dir / "bf"
+    configured = [*JOB, "--data", shapes_data / "train", "--workers", "1", "--high-water", "3"]
+    daemon = start_daemon(buffer, *configured)
+    daemon.wait_until(lambda: state(buffer) in ("filling", "full"), 60, "the configured job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "7").returncode == 0
+    daemon.wait_until(lambda: Manifest.read(buffer).seed == 7 and state(buffer) in ("filling", "full"), 60,
+                      "the submitted job")
+    job_id = JobRequest.read(buffer).job_id  # type: ignore[union-attr]
+    daemon.proc.kill()
+    daemon.proc.wait()
+    again = start_daemon(buffer, *configured, *(["--reset"] if reset else []))
+    again.wait_until(lambda: (status := read_status(buffer)) is not None and status.pid == again.proc.pid
+                     and status.state in ("filling", "full"), 60, "the restarted daemon to produce")
+    if reset:
+        assert Manifest.read(buffer).seed == 0
+        assert f"not resuming job {job_id} from job.json" in again.log and "reset = true" in again.log
+    else:
+        assert Manifest.read(buffer).seed == 7 and f"resuming job {job_id} from job.json" in again.log
+        result = job_result_of(buffer)
+        assert result is not None and result.job_id == job_id and result.accepted, result
+    assert again.proc.poll() is None and "Traceback" not in again.log, again.log
 
 
 def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_data: Path, shm_dir: Path,
