@@ -273,7 +273,7 @@ def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_s
         old = None
     except ProtocolError as exc:
         if not reset:
-            raise ConfigError(f"{exc}. Pass --reset to clear the buffer, or use another --buffer") from None
+            raise ConfigError(f"{exc}. Pass --reset (reset = true in a config) to clear the buffer, or use another --buffer") from None
         old = None
     diff: list[str] = []
     if old is not None:
@@ -291,7 +291,7 @@ def adopt_manifest(buffer: Path, manifest: Manifest | None, reset: bool, world_s
         diff.append(f"{theirs}(per-rank streams of another job are stored there)")
     if diff and not reset:
         raise ConfigError(
-            f"buffer {buffer} holds batches of a different job ({'; '.join(diff)}); pass --reset to "
+            f"buffer {buffer} holds batches of a different job ({'; '.join(diff)}); pass --reset (reset = true in a config) to "
             f"delete them, or use another --buffer"
         )
     if diff or (old is None and list_batches(buffer)):

@@ -393,7 +393,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     if others and not reset:
         leftover, differences = others[0]
         raise ConfigError(f"buffer {job.buffer} holds batches of a different job in {leftover.name}, a rank this job "
-                          f"does not produce ({'; '.join(differences)}); pass --reset to delete them, or use another "
+                          f"does not produce ({'; '.join(differences)}); pass --reset (reset = true in a config) to delete them, or use another "
                           "--buffer")
     folders: list[int] = []  # each stream folder's fd, which its Stream keeps (and closes)
     try:
