@@ -8,12 +8,14 @@ position (the daemon's batches are a pure function of the job and the position).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from prefetchd.buffer_protocol import Manifest
 from prefetchd.trainer.errors import StateMismatch
+from prefetchd.trainer.liveness import job_command
 
 STATE_FORMAT = "prefetchd.loader_state"
 STATE_VERSION = 1
@@ -55,15 +57,12 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
         )
     identity = state.get("identity")
     if isinstance(identity, Mapping):
-        diffs = [
-            f"{key}: checkpoint {identity[key]!r}, buffer {getattr(m, key)!r}"
-            for key in Manifest.IDENTITY
-            if key in identity and identity[key] != getattr(m, key)
-        ]
-        if diffs:
+        differ = [key for key in Manifest.IDENTITY if key in identity and identity[key] != getattr(m, key)]
+        if differ:
+            diffs = [f"{key}: checkpoint {identity[key]!r}, buffer {getattr(m, key)!r}" for key in differ]
             raise StateMismatch(
                 f"loader state does not fit the job in {buffer} ({'; '.join(diffs)}), so resuming "
-                "would not see the same batches; restart the daemon with the checkpoint's settings"
+                f"would not see the same batches; {_serve_again(m, identity, differ, buffer)}"
             )
     spe = m.steps_per_epoch
     if step >= max(spe, 1):
@@ -74,6 +73,26 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
             f"({m.epochs} epochs); restart the daemon with a larger --epochs"
         )
     return epoch, step
+
+
+# What a submitted job sets (samples_per_epoch follows from the split and val_fraction): a daemon serving jobs,
+# such as a service's, is given the checkpoint's by `prefetchd submit`, which a trainer user may run.
+SUBMITTABLE = {"split", "seed", "batch_size", "image_size", "val_fraction", "augmentation", "drop_last",
+               "samples_per_epoch"}
+
+
+def _serve_again(m: Manifest, identity: Mapping[str, Any], differ: list[str], buffer: Path) -> str:
+    """How to have the checkpoint's job served: the daemon restarted with its settings, or (where a job
+    can set every one that differs) that job submitted."""
+    restart = "restart the daemon with the checkpoint's settings"
+    if not set(differ) <= SUBMITTABLE:
+        return restart
+    try:
+        wanted = dataclasses.replace(m, **{key: identity[key] for key in differ})
+        command = job_command(wanted, buffer, "submit")
+    except (TypeError, ValueError):  # a checkpoint's value of another type: the restart advice alone
+        return restart
+    return f"{restart}, or submit them as a job (a service's daemon takes one from trainer users): `{command} --replace`"
 
 
 def is_count(value: object) -> TypeGuard[int]:

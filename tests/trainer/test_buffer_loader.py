@@ -349,8 +349,13 @@ def test_load_state_dict_refuses_another_dataset(make_job: MakeJob) -> None:
     state = loader.state_dict()
     with pytest.raises(StateMismatch, match="fingerprint 'other'.*another dataset"):
         loader.load_state_dict({**state, "fingerprint": "other"})
-    with pytest.raises(StateMismatch, match="seed: checkpoint 8, buffer 7"):
+    with pytest.raises(StateMismatch, match="seed: checkpoint 8, buffer 7") as mismatch:
         loader.load_state_dict({**state, "identity": {**state["identity"], "seed": 8}})
+    # A trainer user cannot restart a service's daemon, but may submit the checkpoint's job.
+    assert f"or submit them as a job (a service's daemon takes one from trainer users): `prefetchd submit --buffer " \
+           f"{job.buffer} " in str(mismatch.value) and " --seed 8 " in str(mismatch.value), str(mismatch.value)
+    with pytest.raises(StateMismatch, match="restart the daemon with the checkpoint's settings$"):
+        loader.load_state_dict({**state, "identity": {**state["identity"], "rank": 1}})  # no job sets another rank
     with pytest.raises(StateMismatch, match="past the end"):
         loader.load_state_dict({**state, "epoch": 2, "step": 1})
     with pytest.raises(StateMismatch, match="has 3 steps"):
