@@ -76,7 +76,7 @@ from prefetchd.buffer_protocol import (
     map_batch,
 )
 from prefetchd.trainer.batch import Batch, WaitMeter
-from prefetchd.trainer.errors import LoaderError, StateMismatch
+from prefetchd.trainer.errors import LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
 from prefetchd.trainer.liveness import (DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT, BatchWaiter, JobWatch,
                                         wait_for_manifest)
@@ -594,7 +594,14 @@ class BufferLoader:
         self.close()
 
     def _wait_for_batch(self, epoch: int, step: int) -> MappedBatch:
-        return self._waiter.wait(epoch, step, self._check_progress, self.stop_requested)
+        try:
+            return self._waiter.wait(epoch, step, self._check_progress, self.stop_requested)
+        except LoaderTimeout as exc:
+            # The waiter judges the daemon; a daemon that was never told the position builds nothing new.
+            failing = self._progress.failing()
+            if failing is None:
+                raise
+            raise LoaderTimeout(f"{exc}. But the daemon may not know this loader needs that batch: {failing}") from None
 
     def _check(self, mapped: MappedBatch, epoch: int, step: int) -> None:
         """Raise ProtocolError unless ``mapped`` is batch (epoch, step) of this loader's job;

@@ -259,6 +259,13 @@ class ProgressFile:
         self.published = position
         self._published_at = time.monotonic()
 
+    def failing(self) -> str | None:
+        """Since when, and why, this loader cannot write its progress file; None while it can."""
+        if self._failing_since is None:
+            return None
+        why = f" ({self._failure_said[1]})" if self._failure_said is not None else ""
+        return f"it has not written {self.path} for {time.monotonic() - self._failing_since:.0f} s{why}"
+
     def _keep_trying(self, exc: OSError) -> bool:
         """A write failed with ``exc``: whether to try again at the next publish (within the grace), said when
         the failing starts, when its error changes and every ``PROGRESS_WRITE_WARN_SECONDS`` while it lasts."""

@@ -16,7 +16,7 @@ import pytest
 
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
-from prefetchd.trainer import BufferLoader, LoaderError
+from prefetchd.trainer import BufferLoader, LoaderError, LoaderTimeout
 from prefetchd.trainer import progress_file
 from tests.conftest import mounted_tmpfs
 
@@ -102,6 +102,29 @@ def test_a_full_tmpfs_delays_progress_instead_of_killing_the_trainer(make_job: M
         filler.unlink()
         loader.close()  # the retry goes through once there is room
         assert Progress.read(job.buffer) == Progress(1, 0)
+
+
+@pytest.mark.root
+def test_a_timeout_while_progress_cannot_be_written_says_so(make_job: MakeJob, shm_dir: Path) -> None:
+    """A loader that cannot write progress.json (a full tmpfs) timed out blaming a slow daemon, which had
+    not been told where the loader was."""
+    with mounted_tmpfs(shm_dir / "enospc", "size=1m") as mnt:
+        job = make_job(mnt / "bf", samples=16, batch_size=4, write=0)
+        job.write(0, 0)
+        job.write(0, 1)
+        loader = BufferLoader(job.buffer, normalize=False, timeout=2, daemon_grace=30)
+        it = iter(loader)
+        next(it)
+        filler = _fill(mnt)
+        next(it)  # its progress write fails
+        with pytest.raises(LoaderTimeout) as timed_out:
+            next(it)  # batch 2 is never written
+        filler.unlink()
+        loader.close()
+    said = str(timed_out.value)
+    assert "did not appear" in said and re.search(
+        rf"But the daemon may not know this loader needs that batch: it has not written "
+        rf"{re.escape(str(job.buffer / 'progress.json'))} for \d+ s \(No space left on device\)$", said), said
 
 
 def _fill(mount: Path) -> Path:
