@@ -384,7 +384,9 @@ class Stream:
         if progress.job is not None and progress.job != self.manifest.job_key:
             # A trainer of the job this one replaced, writing its position back before it notices.
             self._progress_problem(consumer, f"pid {progress.pid} wrote it for another job (key {progress.job}, "
-                                             f"this job's is {self.manifest.job_key})")
+                                             f"this job's is {self.manifest.job_key}): a trainer of the job this "
+                                             "one replaced; this job's trainer writes its own over it, or remove it "
+                                             "if no trainer of this job reads here")
             return False
         if progress.step >= self.steps:
             self._progress_problem(consumer, f"step {progress.step} is past the {self.steps} steps of an epoch")
