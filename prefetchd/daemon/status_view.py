@@ -217,6 +217,7 @@ def format_status(report: StatusReport) -> str:
             f"  dataset   {mf.dataset_root} ({counted(mf.num_samples, 'sample')}, {counted(len(mf.classes), 'class')}), "
             f"split {_split_size(mf)}, batch {mf.batch_size} x {mf.image_size}px, {counted(mf.steps_per_epoch, 'step')}/epoch"
             + (" (short last batch left out)" if mf.drop_last else "")
+            + f", seed {mf.seed}"  # jobs that differ in their seed alone are told apart
         )
     world = mf.world_size if mf else 1
     if world > 1:  # one stream directory per rank: say which of the world's ranks are here

@@ -470,7 +470,9 @@ def test_status_says_how_many_samples_the_split_holds_where_val_fraction_cut_it(
         return next(line for line in text.splitlines() if line.startswith("  dataset "))
 
     assert dataset_line(val_fraction=0.1) == ("  dataset   /data (1500 samples, 10 classes), split train of 1350 samples "
-                                              "(--val-fraction 0.1 holds out 150), batch 64 x 224px, 24 steps/epoch")
+                                              "(--val-fraction 0.1 holds out 150), batch 64 x 224px, 24 steps/epoch, "
+                                              "seed 0")
+    assert dataset_line(seed=7).endswith(", seed 7")  # jobs that differ in their seed alone are told apart
     assert ("split val of 150 samples (held out by --val-fraction 0.1), batch"
             in dataset_line(split="val", val_fraction=0.1))
     # The counts are the daemon's own split's (split_members), rounding and all.
