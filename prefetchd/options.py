@@ -12,6 +12,8 @@ A field's metadata (see :func:`setting`):
   ``max_open``);
 - ``location``: a local path or an object-storage URL;
 - ``path``: ``"dir"`` or ``"file"`` when only one of them makes sense (a ``location``: ``"dir"`` only);
+- ``readable``: False where what uses the path checks it and says more than click's "is not readable"
+  (the daemon's buffer: whose it is, and what to do);
 - ``metavar``; ``short``, a one-letter alias such as ``-q``;
 - ``multiple``: a list of ``kind`` (a TOML array, a repeated flag), held as a tuple.
 
@@ -166,8 +168,8 @@ def _param_type(meta: Any, ranged: bool) -> Any:
         if meta.get("location"):
             return LocationParam(dir_only=meta.get("path") == "dir")
         where = meta.get("path")
-        return click.Path(path_type=Path, **({"file_okay": False} if where == "dir" else
-                                             {"dir_okay": False} if where == "file" else {}))
+        return click.Path(path_type=Path, readable=meta.get("readable", True),
+                          **({"file_okay": False} if where == "dir" else {"dir_okay": False} if where == "file" else {}))
     bounds = {"min": meta.get("minimum"), "max": meta.get("maximum")} if ranged else {}
     if kind is float:  # finite even where layered: a flag's nan fails as it is typed, a file's in check_value
         return FiniteFloat(**bounds, min_open=ranged and meta.get("min_open", False),

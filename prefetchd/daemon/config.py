@@ -52,7 +52,8 @@ RAY_ADDRESS = re.compile(r"local|auto|ray://[^\s/:]+:\d{1,5}|[^\s/:]+:\d{1,5}")
 class DaemonConfig:
     """What a daemon produces and how.  ``None`` means "size it from the machine"."""
 
-    buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path)
+    # Not readable by click: another user's buffer is refused at start by buffer_dir.check_private_dir, naming its owner.
+    buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path, readable=False)
     # A location, not a Path: Path("s3://b/p") is "s3:/b/p".  Local paths are made absolute, URLs kept verbatim.
     data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`; local, or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True, metavar="PATH|URL")
     readers: int | None = _opt(None, f"Sample reads each worker keeps in flight [default: {URL_READERS} for a URL, 1 for a local folder].", int, minimum=1, maximum=1024)

@@ -4,6 +4,8 @@ name someone else put there."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import stat
 import subprocess
@@ -12,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+import prefetchd.cli as prefetchd_cli
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, BatchLayout, Manifest, Progress, SlotFiller, batch_name
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_NAME
@@ -20,6 +24,7 @@ from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
 from prefetchd.daemon.buffer_dir import clear_buffer, make_stream_dir, prepare_buffer
 from prefetchd.daemon.stream import Stream
+from tests.as_nobody import as_nobody
 
 
 def _mode(path: Path) -> int:
@@ -154,6 +159,35 @@ def test_the_cli_refuses_a_world_writable_buffer(shm_buffer: Path) -> None:
     assert run.returncode == EXIT_USAGE, run.stderr
     assert "writable by every user" in run.stderr and f"chmod 700 {buffer}" in run.stderr
     assert not (buffer / "daemon.lock").exists()  # refused before touching it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays a trainer user, who makes the buffer, and the service's user")
+def test_start_on_a_buffer_another_user_made_and_keeps_to_itself_names_its_owner(shm_buffer: Path) -> None:
+    """`prefetchd submit` before the service first ran leaves /dev/shm/bf 0700, the trainer user's: `start` as
+    the service's user said only click's "Path '...' is not readable" (exit 2), never whose it is or what to do."""
+    os.chmod(shm_buffer, 0o755)
+    buffer = shm_buffer / "bf"
+    buffer.mkdir(mode=0o700)
+    os.chown(buffer, 65533, 65533)
+
+    def start() -> str:
+        said: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("prefetchd").addHandler(handler)
+        result = CliRunner().invoke(prefetchd_cli.main, ["start", "--buffer", str(buffer), "--data", str(shm_buffer)])
+        # `config` sized the job with the batches the buffer holds, which this user may not list.
+        checked = CliRunner().invoke(prefetchd_cli.main, ["config", "--buffer", str(buffer), "--data", str(shm_buffer)])
+        return json.dumps({"code": result.exit_code, "output": result.output, "log": said,
+                           "config": [checked.exit_code, checked.output, repr(checked.exception)]})
+
+    said = json.loads(as_nobody(start) or "{}")
+    assert said.get("code") == EXIT_USAGE, said
+    assert "not readable" not in said["output"], said
+    assert said["config"][:2] == [0, "configuration is valid\n"], said
+    assert any(f"buffer directory {buffer} belongs to uid 65533, not to nobody (uid 65534) who runs the daemon" in line
+               and "remove it" in line for line in said["log"]), said
+    assert sorted(os.listdir(buffer)) == []  # refused before touching it
 
 
 def _private_folder(root: Path) -> Path:
