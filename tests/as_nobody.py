@@ -11,14 +11,15 @@ from collections.abc import Callable
 NOBODY = 65534
 
 
-def as_nobody(work: Callable[[], str]) -> str:
-    """What ``work`` returns, run as nobody; an exception it raises comes back as "TypeName: message"."""
+def as_nobody(work: Callable[[], str], gid: int = NOBODY) -> str:
+    """What ``work`` returns, run as nobody (in group ``gid``: another than its own plays a session that began before
+    nobody joined its own); an exception it raises comes back as "TypeName: message"."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(read)
-            os.setgid(NOBODY), os.setuid(NOBODY)
+            os.setgroups([]), os.setgid(gid), os.setuid(NOBODY)
             try:
                 said = work()
             except BaseException as exc:

@@ -24,10 +24,11 @@ from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, dae
 from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, load_toml
-from prefetchd.daemon.buffer_dir import check_capacity
+from prefetchd.daemon.buffer_dir import check_capacity, no_access
 from prefetchd.daemon.main import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
-from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError, DaemonError
+from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
+                                     DaemonError)
 from prefetchd.daemon.status_view import describe_status, format_status, status_json
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import FiniteFloat, click_options
@@ -73,6 +74,10 @@ def shown(value: Any) -> str:
     """A flag's value as it is typed: click makes ``--consumer-timeout 0`` the float 0.0, shown as 0."""
     return exact_number(value) if isinstance(value, float) else str(value)
 
+
+# Not readable=True (click's default): a user outside a --group-access buffer's group got only click's "Directory
+# ... is not readable" (exit 2, which `stop` documents for a rank's directory); the commands say whose it is (no_access).
+BUFFER = click.Path(path_type=Path, file_okay=False, readable=False)
 
 CONFIG_FILE_OPTION = click.option(
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
@@ -150,7 +155,7 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 
 @click.command()
 @config_options(only=JOB_FIELDS)
-@click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True, help="The daemon's buffer directory.")
+@click.option("--buffer", type=BUFFER, required=True, help="The daemon's buffer directory.")
 @CONFIG_FILE_OPTION
 @click.option("--replace", is_flag=True, help="Replace the running job even while a trainer consumes it.")
 @click.option("--timeout", type=FiniteFloat(0), default=60.0, show_default=True, help="Seconds to wait for the daemon's answer.")
@@ -158,7 +163,7 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
     """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status).  Exit code 0:
     accepted; 1: refused, or no answer within --timeout; 2: a bad setting (nothing written); 3: no daemon owns
-    BUFFER (the job waits in job.json for one to start)."""
+    BUFFER (the job waits in job.json for one to start); 4: this user may not write BUFFER (nothing written)."""
     flags = {k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
     settings: dict[str, Any] = {}
     from_file: set[str] = set()
@@ -173,6 +178,10 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         raise click.UsageError(where_it_came_from(str(exc), flags, config_file, from_file)) from None
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")
                 and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
+    denied = no_access(buffer, write=True)
+    if denied is not None:
+        click.echo(f"cannot submit a job to {buffer} (nothing written): {denied}", err=True)
+        sys.exit(EXIT_NO_ACCESS)
     created = not buffer.exists()
     buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
     request = JobRequest(settings, replace)
@@ -207,13 +216,18 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
 
 
 @click.command()
-@click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
+@click.option("--buffer", type=BUFFER, required=True)
 @click.option("--timeout", type=FiniteFloat(0), default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(buffer: Path, timeout: float) -> None:
     """Stop the daemon that owns BUFFER gracefully (SIGTERM) and wait until it has exited.  One of another pid
     namespace (another container, or the host) is not signalled: stop it where it runs.  Exit code 0: stopped,
-    or no daemon runs on BUFFER; 1: it could not be stopped; 2: BUFFER is a rank's stream directory (stop its
-    buffer's daemon); 3: BUFFER does not exist."""
+    or no daemon runs on BUFFER; 1: it could not be stopped (this user may not signal it, or not read BUFFER); 2:
+    BUFFER is a rank's stream directory (stop its buffer's daemon); 3: BUFFER does not exist."""
+    denied = no_access(buffer)
+    if denied is not None:  # daemon.lock cannot be read: "no daemon is running" would be a guess
+        click.echo(f"cannot stop the daemon on {buffer}, if one runs: {denied}; a service's daemon stops with "
+                   "`systemctl stop` of its unit", err=True)
+        sys.exit(EXIT_FAILURE)
     owner = daemon_owner(buffer)
     if owner is None:
         if not buffer.exists():  # most likely a typo: `stop --buffer X && ...` must not go on as if it stopped one
@@ -296,20 +310,22 @@ def _exited(pid: int) -> bool:
 
 
 @click.command()
-@click.option("--buffer", type=click.Path(path_type=Path, file_okay=False), required=True)
+@click.option("--buffer", type=BUFFER, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (with --watch: one document per line).")
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
 @click.option("--interval", type=FiniteFloat(0.1), default=1.0, show_default=True, help="Seconds between redraws of --watch.")
 @click.pass_context
 def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
     """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER (or it is a rank's
-    stream directory that is not there)."""
+    stream directory that is not there); 4 when this user may not read BUFFER, so whether one runs is unknown."""
     if not watch and ctx.get_parameter_source("interval") is click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError(f"--interval {interval:g} sets how often --watch redraws; add --watch, or leave "
                                "--interval out")
     if not watch:
         report = describe_status(buffer)
         click.echo(status_json(report) if as_json else format_status(report))
+        if not report.readable:
+            sys.exit(EXIT_NO_ACCESS)
         if not report.running:
             sys.exit(EXIT_NOT_RUNNING)
         return

@@ -21,6 +21,7 @@ who created it: writers create a temp file and rename it into place.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
 import pwd
 import urllib.parse
@@ -43,6 +44,14 @@ def user_name(uid: int | None) -> str:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
         return f"uid {uid}"
+
+
+def group_name(gid: int) -> str:
+    """``prefetchd`` for messages, or ``gid 1001`` when the group has no name."""
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"
 
 
 def inside(path: str, root: str) -> bool:

@@ -15,7 +15,7 @@ from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Product
                                        same_pid_namespace, writer_named)
 from prefetchd.buffer_protocol.documents import exact_number, pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
-from prefetchd.daemon.buffer_dir import free_bytes
+from prefetchd.daemon.buffer_dir import free_bytes, no_access
 from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.main import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
@@ -51,10 +51,17 @@ class StatusReport:
     # a process here only where the trainer's ``pid_namespace`` is this one, or either is unknown (as the text's
     # ``writer_named`` says it, SPEC rule 8).
     command_pid_namespace: int | None = field(default_factory=pid_namespace)
+    # False: this user may not read ``buffer`` (a --group-access buffer of a group it is not in); ``problems`` says
+    # whose it is and what to do, nothing else was read, and ``running`` is false only for want of knowing.
+    readable: bool = True
 
 
 def describe_status(buffer: Path) -> StatusReport:
     """What `prefetchd status` shows (``format_status`` as text, ``status_json`` as JSON)."""
+    denied = no_access(buffer)
+    if denied is not None:
+        return StatusReport(buffer=buffer, owner=buffer, rank=None, running=False, pid=None, heartbeat_age_s=None,
+                            stale=False, status=None, manifest=None, problems=(denied,), readable=False)
     owner = owning_buffer(buffer)
     if owner != buffer and not buffer.exists():  # the status read would be the parent's, of other ranks
         return StatusReport(buffer=buffer, owner=owner, rank=int(buffer.name.removeprefix(STREAM_PREFIX)), running=False,
@@ -179,6 +186,9 @@ def status_json(report: StatusReport, indent: int | None = 1) -> str:
 def format_status(report: StatusReport) -> str:
     """The text of `prefetchd status`; read_status has checked every field it shows."""
     buffer, mf, st = report.buffer, report.manifest, report.status
+    if not report.readable:
+        return "\n".join([f"prefetchd on {buffer}: cannot be read by this user, so whether a daemon runs is unknown",
+                          *report.problems])
     if report.no_rank:  # a rank directory no daemon writes: its buffer's daemon may well run
         return "\n".join([f"prefetchd on {buffer}: no such rank", *report.problems])
     if not report.running:

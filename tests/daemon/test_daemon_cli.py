@@ -4,6 +4,7 @@ stop/status commands, driven through click's CliRunner (no daemon is started her
 from __future__ import annotations
 
 import dataclasses
+import grp
 import json
 import re
 import logging
@@ -25,8 +26,8 @@ from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemo
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.dataset import split_members
-from prefetchd.daemon.errors import EXIT_NOT_RUNNING, EXIT_USAGE
-from tests.as_nobody import as_nobody
+from prefetchd.daemon.errors import EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE
+from tests.as_nobody import NOBODY, as_nobody
 from tests.owners import owned
 from tests.status_examples import CONSUMER, STORAGE_WAIT, TRAINER, bad_files, production, production_without_trainer, report
 from tests.status_examples import stream
@@ -447,7 +448,7 @@ def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     assert json.loads(status_view.status_json(status_view.describe_status(tmp_path))) == {
         "buffer": str(tmp_path), "owner": str(tmp_path), "rank": None, "running": False, "pid": None,
         "heartbeat_age_s": None, "stale": False, "status": None, "manifest": None, "problems": [], "no_rank": False,
-        "other_pid_namespace": False, "command_pid_namespace": OURS}
+        "other_pid_namespace": False, "command_pid_namespace": OURS, "readable": True}
 
 
 def _manifest(**changes: Any) -> Manifest:
@@ -877,6 +878,59 @@ def test_a_submit_no_daemon_answers_exits_3_and_leaves_the_job_for_one(runner: C
     assert result.exit_code == EXIT_NOT_RUNNING == 3, result.output
     assert f"no daemon owns {buffer} yet" in result.output and "check the path" in result.output, result.output
     assert (buffer / "job.json").is_file()  # for a daemon started on it later, which adopts it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays the service, whose buffer it is, and a user not in its group")
+def test_a_user_outside_the_buffers_group_is_told_whose_it_is_and_how_to_join(shm_buffer: Path) -> None:
+    """A --group-access buffer (2770) read by a user not in its group: click's "Directory ... is not readable"
+    with exit 2, which `stop` documents for a rank's stream directory, and `status --json` printed no JSON.
+    `stop` said nothing of the daemon that holds the lock.  Each now says whose the buffer is and what to do."""
+    os.chmod(shm_buffer, 0o755)
+    buffer = shm_buffer / "bf"
+    buffer.mkdir()
+    os.chmod(buffer, 0o2770)
+    os.chown(buffer, 0, 65533)  # as the service's: its user, its group, which nobody is not in
+    name = _group_name(65533)
+    commands = {"status": ["status"], "json": ["status", "--json"], "stop": ["stop", "--timeout", "1"],
+                "submit": ["submit", "--data", str(shm_buffer), "--timeout", "1"]}
+
+    def as_outsider() -> str:
+        said = {}
+        for name, args in commands.items():
+            result = CliRunner().invoke(prefetchd_cli.main, [*args, "--buffer", str(buffer)])
+            said[name] = {"code": result.exit_code, "output": result.output, "exception": repr(result.exception)}
+        return json.dumps(said)
+
+    with owned(buffer):  # a daemon runs on it
+        said = json.loads(as_nobody(as_outsider) or "{}")
+    assert set(said) == set(commands), said
+    why = (f"{buffer}: permission denied: it belongs to root (uid 0) and group {name or 'gid 65533'} (mode 2770), and "
+           f"nobody (uid 65534) is not in that group; join it (`sudo usermod -aG {name or 65533} nobody`, which takes "
+           "effect at the next login), or ask root (uid 0) for access")
+    for name, expected in (("status", EXIT_NO_ACCESS), ("json", EXIT_NO_ACCESS), ("stop", 1), ("submit", EXIT_NO_ACCESS)):
+        assert said[name]["code"] == expected, (name, said[name])
+        assert why in " ".join(said[name]["output"].split()), (name, said[name])
+        assert "not readable" not in said[name]["output"], (name, said[name])
+    assert said["status"]["output"].startswith(f"prefetchd on {buffer}: cannot be read by this user"), said["status"]
+    doc = json.loads(said["json"]["output"])
+    assert doc["readable"] is False and doc["buffer"] == str(buffer) and doc["status"] is None, doc
+    assert [why in " ".join(p.split()) for p in doc["problems"]] == [True], doc
+    assert said["stop"]["output"].startswith(f"cannot stop the daemon on {buffer}, if one runs:"), said["stop"]
+    assert said["submit"]["output"].startswith(f"cannot submit a job to {buffer} (nothing written):"), said["submit"]
+    assert sorted(os.listdir(buffer)) == [LOCK]  # no job.json
+    # One added to the group (here: nobody's own) after the session began reads it only once logged in again.
+    os.chown(buffer, 0, NOBODY)
+    said = json.loads(as_nobody(as_outsider, gid=65533) or "{}")
+    assert [said[name]["code"] for name in commands] == [EXIT_NO_ACCESS, EXIT_NO_ACCESS, 1, EXIT_NO_ACCESS], said
+    assert (f"nobody (uid 65534) joined that group after this session began: log in again (or run "
+            f"`newgrp {_group_name(NOBODY) or NOBODY}`)") in " ".join(said["status"]["output"].split()), said
+
+
+def _group_name(gid: int) -> str | None:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return None
 
 
 @pytest.mark.parametrize("command", ["stop", "submit"])
