@@ -74,6 +74,11 @@ class TrainerStatus:
     progress_age_s: float | None
     pid_namespace: int | None = None
 
+    @property
+    def wrote(self) -> bool:
+        """Whether a trainer wrote a progress file: it has a pid or a progress age (its writer predating ``pid``)."""
+        return self.pid is not None or self.progress_age_s is not None
+
 
 @dataclass(frozen=True)
 class Position:
@@ -112,6 +117,16 @@ class StreamStatus:
     progress_rejected: int = 0  # distinct problems with progress.json, each ignored
     progress_rewinds: int = 0  # times the trainer's position moved back
     consumers: tuple[ConsumerStatus, ...] = ()  # every consumer with a progress file; () when absent
+
+    @property
+    def no_trainer_yet(self) -> bool:
+        """No progress file of this rank was ever read: ``progress`` is where the daemon starts, no trainer's."""
+        return not self.consumers and not self.trainer.wrote
+
+    @property
+    def all_left(self) -> bool:
+        """Every consumer closed its loader: its trainers finished (or stopped) rather than went away."""
+        return bool(self.consumers) and all(c.closed for c in self.consumers)
 
 
 @dataclass(frozen=True)
@@ -248,6 +263,18 @@ class Production:
     # Set from a build's failure to read the dataset until a batch is published; None when absent
     # (a daemon of an earlier 0.1 build did not write it).
     storage_wait: StorageWait | None = None
+
+    # How `prefetchd status` and systemd's status line say where the trainers are: from these, alike.
+    @property
+    def no_trainer_yet(self) -> bool:
+        """No trainer of any rank has written progress: ``progress`` is where the daemon starts."""
+        return not self.trainer.wrote and all(s.no_trainer_yet for s in self.streams)
+
+    @property
+    def all_left(self) -> bool:
+        """Every consumer of every rank closed its loader."""
+        with_consumers = [s for s in self.streams if s.consumers]
+        return bool(with_consumers) and all(s.all_left for s in with_consumers)
 
 
 @dataclass(frozen=True)

@@ -258,20 +258,27 @@ def status_line(status: Status) -> str:
 
 
 def _trainers(p: Production) -> str:
-    """Where the trainer is (the slowest one of a daemon serving several ranks) and how it fares."""
-    ranks = [s.progress for s in p.streams]
+    """Where the trainer is (the slowest one of a daemon serving several ranks) and how it fares, in the words of
+    `prefetchd status` (status_view): "no trainer yet" before one wrote progress, "left" once it closed its loader."""
+    if p.no_trainer_yet:
+        return f"no trainer yet (the buffer starts at epoch {p.progress.epoch} step {p.progress.step})"
+    served = [s for s in p.streams if not s.no_trainer_yet]  # ranks whose trainer has written progress
+    ranks = [s.progress for s in served]
     slowest = min(ranks or [p.progress], key=lambda pos: (pos.epoch, pos.step))
     where = f"epoch {slowest.epoch} step {slowest.step}"
-    text = f"{len(ranks)} trainers, slowest at {where}" if len(ranks) > 1 else f"trainer at {where}"
+    count = f"{len(served)} of {len(p.streams)}" if len(served) < len(p.streams) else f"{len(served)}"
+    text = f"{count} trainers, slowest at {where}" if len(p.streams) > 1 else f"trainer at {where}"
     consumed = p.rates.consumed_batches_per_s
     details = [f"{consumed:.1f} batches/s"] if consumed > 0 else []
     shares = [pos.trainer_wait_share for pos in ranks or [slowest] if pos.trainer_wait_share is not None]
     if shares:
         details.append(f"waits {max(shares):.0%} for data")
-    trainers = [s.trainer for s in p.streams] or [p.trainer]
-    gone = sum(t.alive is False for t in trainers)
-    if gone:
-        details.append("gone" if len(trainers) == 1 else f"{gone} gone")
+    away = [s for s in served if s.trainer.alive is False]
+    left = sum(s.all_left for s in away)  # closed its loader; the others went without
+    gone = len(away) - left if p.streams else int(p.trainer.alive is False)  # a status without streams
+    for n, word in ((left, "left"), (gone, "gone")):
+        if n:
+            details.append(word if len(p.streams) <= 1 else f"{n} {word}")
     consumers = [c for st in p.streams for c in st.consumers]
     if any(len(st.consumers) > 1 for st in p.streams):  # trainers share a stream: how many, how many hold batches
         details.append(f"{len(consumers)} consumers, {sum(c.holding for c in consumers)} holding")

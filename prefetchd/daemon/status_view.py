@@ -237,8 +237,8 @@ def format_status(report: StatusReport) -> str:
         p, r, e = pr.progress, pr.rates, pr.errors
         share = p.trainer_wait_share
         fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
-        where = (f"no trainer yet (the buffer starts at epoch {p.epoch} step {p.step})" if _no_trainer_yet(pr) else
-                 f"{_lead_name(pr)} at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, _all_left(pr))}")
+        where = (f"no trainer yet (the buffer starts at epoch {p.epoch} step {p.step})" if pr.no_trainer_yet else
+                 f"{_lead_name(pr)} at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, pr.all_left)}")
         lines += [
             f"  progress  {where}",
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting"
@@ -267,7 +267,7 @@ def format_status(report: StatusReport) -> str:
                 sp = s.progress
                 share = sp.trainer_wait_share
                 waits = f", waiting for data {share:.1%}" if share is not None else ""
-                where = "no trainer yet" if _stream_has_no_trainer(s) else f"trainer at epoch {sp.epoch} step {sp.step}"
+                where = "no trainer yet" if s.no_trainer_yet else f"trainer at epoch {sp.epoch} step {sp.step}"
                 lines.append(f"  rank {s.rank:<5} {fill_bar(s.waiting, per_rank, 12)} {s.waiting}/{per_rank} "
                              f"waiting, {where}{waits}")
         for s in streams:
@@ -365,27 +365,6 @@ def _lead_name(pr: Production) -> str:
     """Whom the progress line is about: with consumer lines below, the slowest consumer that holds batches
     (status.json's ``progress``), which is one of them; else the one trainer."""
     return "slowest consumer" if any(_consumer_lines_shown(s) for s in pr.streams) else "trainer"
-
-
-def _never_wrote(trainer: TrainerStatus) -> bool:
-    """A trainer that wrote a progress file has a pid or a progress age (its writer predating ``pid``)."""
-    return trainer.pid is None and trainer.progress_age_s is None
-
-
-def _stream_has_no_trainer(s: StreamStatus) -> bool:
-    """No progress file of this rank was ever read: its position is where the daemon starts, no trainer's
-    (a consumer has written one)."""
-    return not s.consumers and _never_wrote(s.trainer)
-
-
-def _no_trainer_yet(pr: Production) -> bool:
-    return _never_wrote(pr.trainer) and all(_stream_has_no_trainer(s) for s in pr.streams)
-
-
-def _all_left(pr: Production) -> bool:
-    """Every consumer closed its loader: the trainers finished (or stopped) rather than went away."""
-    consumers = [c for s in pr.streams for c in s.consumers]
-    return bool(consumers) and all(c.closed for c in consumers)
 
 
 def _trainer_note(trainer: TrainerStatus, left: bool = False) -> str:

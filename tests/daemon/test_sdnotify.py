@@ -22,7 +22,8 @@ import pytest
 
 from prefetchd.buffer_protocol import Errors, Position, Rates, State, Status, TrainerStatus
 from prefetchd.daemon.sdnotify import Notifier, status_line
-from tests.status_examples import production, stream
+from prefetchd.daemon.status_view import format_status
+from tests.status_examples import CONSUMER, production, production_without_trainer, report, stream
 from tests.status_examples import status as status_example
 
 LOGGER = "prefetchd.daemon.sdnotify"
@@ -350,6 +351,35 @@ def test_status_line_for_several_ranks_names_the_slowest() -> None:
     )
     status = status_example(production=production(progress=ranks[0].progress, streams=ranks, waiting=40, high_water=96))
     assert status_line(status) == "filling 40/96 batches, 850 img/s, 3 trainers, slowest at epoch 1 step 90 (waits 20% for data)"
+
+
+def test_status_line_says_no_trainer_yet_as_prefetchd_status_does() -> None:
+    """It said "trainer at epoch 0 step 0" before any trainer had connected."""
+    status = status_example(production=production_without_trainer())
+    said = "no trainer yet (the buffer starts at epoch 0 step 0)"
+    assert status_line(status) == f"filling 12/32 batches, 850 img/s, {said}"
+    assert f"  progress  {said}" in format_status(report(status))
+    # One rank of two has a trainer: the slowest is that one, not the other's start position.
+    ranks = production_without_trainer(2, streams=(stream(0), production_without_trainer(2).streams[1]),
+                                       progress=stream(0).progress, trainer=stream(0).trainer)
+    assert status_line(status_example(production=ranks)).endswith(", 1 of 2 trainers, slowest at epoch 1 step 40")
+
+
+def test_status_line_says_a_trainer_that_closed_its_loader_left_as_prefetchd_status_does() -> None:
+    """It said "gone" where `prefetchd status` (and the log) said the trainer left."""
+    away = TrainerStatus(pid=12, alive=False, progress_age_s=42.0)
+    closed = dataclasses.replace(CONSUMER, name="", trainer=away, closed=True)
+    one = production(trainer=away, streams=(stream(trainer=away, consumers=(closed,)),), waiting=32)
+    status = status_example(State.FULL, production=one)
+    assert status_line(status) == "full 32/32 batches, 850 img/s, trainer at epoch 1 step 40 (left)"
+    assert "; trainer pid 12 left (closed its loader;" in format_status(report(status))
+    killed = dataclasses.replace(closed, closed=False)  # went without closing it
+    status = dataclasses.replace(status, production=dataclasses.replace(one, streams=(stream(trainer=away, consumers=(killed,)),)))
+    assert status_line(status).endswith("trainer at epoch 1 step 40 (gone)")
+    assert "; trainer pid 12 GONE (" in format_status(report(status))
+    ranks = tuple(stream(r, trainer=away, consumers=(closed if r else killed,)) for r in range(3))
+    assert status_line(status_example(production=production(streams=ranks))).endswith(
+        "3 trainers, slowest at epoch 1 step 40 (2 left, 1 gone)")
 
 
 def test_status_line_while_waiting_for_a_job() -> None:
