@@ -36,7 +36,7 @@ from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, require_ray
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import BufferLost, ConfigError, DaemonError, DatasetError
-from prefetchd.daemon.job_policy import JobPolicy, check_files_inside
+from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, user_name
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.logs import one_line, status_unwritten
 from prefetchd.daemon.metrics import Metrics
@@ -91,6 +91,8 @@ class JobInbox:
     The answer for the last request is published in status.json as ``job_result``.
     A job from another user than the daemon's is held to ``JobPolicy``.
     """
+
+    pending_owner: int | None = None  # the pending job's submitter: its job.json's owner (uid), which the log names
 
     def __init__(self, buffer: Path, machine: DaemonConfig, ignore_current: bool) -> None:
         self.buffer = buffer
@@ -174,13 +176,13 @@ class JobInbox:
         if running is not None and job_settings(job) == job_settings(running):
             self.answer(request.job_id, True, "already producing this job")
             return None
-        idle = trainer_idle_seconds(self.buffer)
+        idle, writer = freshest_progress(self.buffer)
         if running is not None and idle < TRAINER_ACTIVE_SECONDS and not request.replace:
             self.answer(request.job_id, False,
-                        f"a trainer is consuming the running job (progress written {idle:.0f} s ago); "
-                        "submit with --replace to replace it anyway")
+                        f"a trainer of {user_name(writer)} is consuming the running job on {running.data} (progress "
+                        f"written {idle:.0f} s ago); submit with --replace to replace it anyway")
             return None
-        self.pending_id, self.pending_confinement = request.job_id, confinement
+        self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
         return job
 
     def _validate(self, request: JobRequest) -> DaemonConfig:
@@ -197,10 +199,10 @@ class JobInbox:
         return job
 
 
-def trainer_idle_seconds(buffer: Path) -> float:
+def freshest_progress(buffer: Path) -> tuple[float, int | None]:
     """Seconds since any consumer of ``buffer`` (or of its ranks' streams) that has not left last wrote its
-    progress file."""
-    idle = float("inf")
+    progress file, and that file's owner (the trainer's user; None where there is none)."""
+    idle, writer = float("inf"), None
     for directory, consumer in ((d, c) for d in [buffer, *stream_dirs(buffer)] for c in list_consumers(d)):
         path = directory / progress_name(consumer)
         try:
@@ -210,8 +212,11 @@ def trainer_idle_seconds(buffer: Path) -> float:
         if progress is not None and progress.closed:
             continue  # it left (BufferLoader.close): a job that replaces this one takes nothing from it
         with contextlib.suppress(FileNotFoundError):  # gone meanwhile
-            idle = min(idle, time.time() - path.lstat().st_mtime)
-    return idle
+            st = path.lstat()
+            age = time.time() - st.st_mtime
+            if age < idle:
+                idle, writer = age, st.st_uid
+    return idle, writer
 
 
 def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[Status], None],
@@ -582,7 +587,10 @@ def _serve(cfg: DaemonConfig) -> int:
                         inbox.answer(inbox.pending_id, False, already_consumed(producer))
                         inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
                         continue
-                    inbox.answer(inbox.pending_id, True, f"producing {job.data}")
+                    # Who asked for it, and what it stopped: a --replace took the buffer from someone's trainer.
+                    replacing = f", replacing the running job on {replaced.data}" if replaced is not None else ""
+                    inbox.answer(inbox.pending_id, True,
+                                 f"producing {job.data} for {user_name(inbox.pending_owner)}{replacing}")
                     running_id, inbox.pending_id = inbox.pending_id, None
                 replaced, reset_back = None, False
                 served = True

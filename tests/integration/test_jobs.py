@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches, read_status
+from prefetchd.daemon.job_policy import user_name
 from prefetchd.daemon.main import MAX_REASON_CHARS
 from prefetchd.trainer import BufferLoader, JobReplaced, LoaderTimeout
 from tests.status_examples import job_result_of, state_of
@@ -51,12 +52,18 @@ def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: P
     next(iter(loader))  # the trainer is now active: progress.json was just written
 
     other = submit(buffer, "--data", shapes_data / "val", "--split", "val", "--batch-size", "4", "--image-size", "32")
+    me = user_name(os.getuid())
     assert other.returncode == 1 and "--replace" in other.stdout
+    # Whose trainer it would take the buffer from, and which job.
+    assert f"a trainer of {me} is consuming the running job on {shapes_data / 'train'} (progress" in other.stdout
     assert Manifest.read(buffer).batch_size == 8, "a refused job leaves the running one alone"
 
     forced = submit(buffer, "--data", shapes_data / "val", "--split", "val", "--batch-size", "4",
                     "--image-size", "32", "--replace")
     assert forced.returncode == 0, forced.stdout + forced.stderr
+    # The log (and the answer) name who submitted it, and what it replaced: it said only "producing ROOT".
+    said = f"producing {shapes_data / 'val'} for {me}, replacing the running job on {shapes_data / 'train'}"
+    assert said in forced.stdout and f"accepted: {said}" in daemon.log, forced.stdout
     daemon.wait_until(lambda: Manifest.read(buffer).split == "val", 30, "the new job's manifest")
     fresh = BufferLoader(buffer, normalize=False, timeout=30)
     assert next(iter(fresh)).images.shape[0] == 4
@@ -477,12 +484,13 @@ def test_replacing_a_job_by_one_of_another_world_size(shapes_data: Path, shm_dir
 def test_a_trainer_of_one_rank_keeps_a_job_from_being_replaced_without_replace(tmp_path: Path) -> None:
     """The guard looked only at the buffer's top, where a many-rank job has no progress file: a plain
     submit replaced a job whose ranks' trainers were reading."""
-    from prefetchd.daemon.main import trainer_idle_seconds
+    from prefetchd.daemon.main import freshest_progress
 
     (tmp_path / "rank-00001").mkdir()
-    assert trainer_idle_seconds(tmp_path) == float("inf")
+    assert freshest_progress(tmp_path) == (float("inf"), None)
     Progress(0, 3).write(tmp_path / "rank-00001")
-    assert trainer_idle_seconds(tmp_path) < 5
+    idle, writer = freshest_progress(tmp_path)
+    assert idle < 5 and writer == os.getuid()
 
 
 def test_a_restart_with_fewer_ranks_leaves_the_other_ranks_streams(shapes_data: Path, shm_dir: Path,
