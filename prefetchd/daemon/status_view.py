@@ -302,9 +302,9 @@ def _cap_line(pr: Production) -> list[str]:
     capped = [c.window for s in pr.streams for c in s.consumers if c.holding and c.window < per_rank]
     if not capped:
         return []
-    return [f"  capped    --max-buffer-bytes, not the high-water mark, limits the buffer: it keeps {min(capped)} of "
-            f"{per_rank} batches ({binary_size(pr.batch_bytes)} each) for {counted(len(capped), 'consumer')}; raise it for a "
-            "deeper buffer"]
+    return [f"  capped    --max-buffer-bytes (max_buffer_bytes in the config), not the high-water mark, limits the "
+            f"buffer: it keeps {min(capped)} of {per_rank} batches ({binary_size(pr.batch_bytes)} each) for "
+            f"{counted(len(capped), 'consumer')}; raise it for a deeper buffer"]
 
 
 def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:

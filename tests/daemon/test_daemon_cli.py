@@ -503,8 +503,8 @@ def test_status_says_when_max_buffer_bytes_is_what_limits_the_buffer() -> None:
     """'5/6 batches waiting, state full' left the reader guessing why not 6."""
     narrowed = stream(consumers=(dataclasses.replace(CONSUMER, window=5),), waiting=5)
     capped = _running_status_text(State.FULL, streams=(narrowed,), waiting=5, high_water=6)
-    assert "--max-buffer-bytes, not the high-water mark, limits the buffer: it keeps 5 of 6 batches (1.0 MiB each) " \
-           "for 1 consumer" in capped
+    assert "--max-buffer-bytes (max_buffer_bytes in the config), not the high-water mark, limits the buffer: it keeps " \
+           "5 of 6 batches (1.0 MiB each) for 1 consumer" in capped  # a service's operator sets the key
     assert "capped" not in _running_status_text(State.FULL)  # window 32 of 32
 
 
