@@ -92,8 +92,6 @@ class JobInbox:
     A job from another user than the daemon's is held to ``JobPolicy``.
     """
 
-    pending_owner: int | None = None  # the pending job's submitter: its job.json's owner (uid), which the log names
-
     def __init__(self, buffer: Path, machine: DaemonConfig, ignore_current: bool) -> None:
         self.buffer = buffer
         self.machine = machine  # the user's machine settings, defaults not yet filled
@@ -103,6 +101,7 @@ class JobInbox:
         self.pending_id: str | None = None
         # The roots the pending job's files must be inside (resolved local ones, or URLs; None: not confined).
         self.pending_confinement: tuple[str, ...] | None = None
+        self.pending_owner: int | None = None  # the pending job's submitter: its job.json's owner (uid), which the log names
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -146,7 +145,7 @@ class JobInbox:
             log.warning("not resuming job %s from job.json, which the earlier daemon was producing: %s",
                         request.job_id, exc)
             return None
-        self.pending_id, self.pending_confinement = request.job_id, confinement
+        self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
         return job
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
@@ -588,7 +587,8 @@ def _serve(cfg: DaemonConfig) -> int:
                         inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
                         continue
                     # Who asked for it, and what it stopped: a --replace took the buffer from someone's trainer.
-                    replacing = f", replacing the running job on {replaced.data}" if replaced is not None else ""
+                    replacing = (", resumed after a restart" if reset_back else
+                                 f", replacing the running job on {replaced.data}" if replaced is not None else "")
                     inbox.answer(inbox.pending_id, True,
                                  f"producing {job.data} for {user_name(inbox.pending_owner)}{replacing}")
                     running_id, inbox.pending_id = inbox.pending_id, None

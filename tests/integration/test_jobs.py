@@ -96,6 +96,7 @@ def test_a_restarted_daemon_with_data_resumes_the_job_submitted_to_it(shapes_dat
         assert Manifest.read(buffer).seed == 7 and f"resuming job {job_id} from job.json" in again.log
         result = job_result_of(buffer)
         assert result is not None and result.job_id == job_id and result.accepted, result
+        assert result.reason.endswith(", resumed after a restart"), result.reason
     assert again.proc.poll() is None and "Traceback" not in again.log, again.log
 
 
