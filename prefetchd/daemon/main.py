@@ -606,9 +606,11 @@ def _serve(cfg: DaemonConfig) -> int:
                     continue
                 if producer.next_job is not None:
                     replaced, job, reset = job, producer.next_job, True
-                elif serve_jobs and producer.finished:
-                    # Its answer said "producing" next to the state waiting-for-job. Only the running job's
-                    # answer is replaced: one refused meanwhile stays for its submitter to read.
+                elif (serve_jobs or running_id is not None) and producer.finished:
+                    # A submitted job's end: the daemon waits for the next, also one started with its own data (a
+                    # service's config), which exited here and, exit code 0, was not restarted: its group had no
+                    # daemon to submit to.  Its answer said "producing" next to the state waiting-for-job. Only the
+                    # running job's answer is replaced: one refused meanwhile stays for its submitter to read.
                     if running_id is not None and inbox.result is not None and inbox.result.job_id == running_id:
                         inbox.answer(running_id, True, f"{FINISHED_PRODUCING} {job.data}: every epoch was read")
                     job = None

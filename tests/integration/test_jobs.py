@@ -100,6 +100,25 @@ def test_a_restarted_daemon_with_data_resumes_the_job_submitted_to_it(shapes_dat
     assert again.proc.poll() is None and "Traceback" not in again.log, again.log
 
 
+def test_a_daemon_with_data_waits_for_the_next_job_once_a_submitted_one_ends(shapes_data: Path, shm_dir: Path,
+                                                                            start_daemon) -> None:
+    """A service's daemon (data in its config) that produced a job a trainer submitted exited once that job's
+    epochs were read, with code 0, which the unit does not restart: its group had no daemon to submit to."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, *JOB, "--data", shapes_data / "train", "--workers", "1", "--high-water", "3",
+                          "--epochs", "1")
+    daemon.wait_until(lambda: state(buffer) in ("filling", "full"), 60, "the configured job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "5", "--epochs", "1").returncode == 0
+    daemon.wait_until(lambda: Manifest.read(buffer).seed == 5, 60, "the submitted job")
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    read = sum(1 for _ in loader)
+    loader.close()
+    assert read == len(loader)
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 60, "the daemon to wait for the next job")
+    assert "finished producing" in reason_of(buffer) and daemon.proc.poll() is None, daemon.log
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "6", "--epochs", "1").returncode == 0
+
+
 def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_data: Path, shm_dir: Path,
                                                                        start_daemon) -> None:
     """The dataset is opened only after the running job stops for the new one: a missing root
