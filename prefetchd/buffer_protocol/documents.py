@@ -22,8 +22,8 @@ from typing import Any
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
-from prefetchd.buffer_protocol.layout import (DEFAULT_CONSUMER, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME, TEMP_MARK, Dir, at,
-                                             progress_name)
+from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DEFAULT_CONSUMER, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME,
+                                             TEMP_MARK, Dir, at, progress_name)
 
 
 MAX_DOCUMENT_LEN = 1 << 20
@@ -406,7 +406,8 @@ class JobRequest:
     ``owner`` is not in the document: it is the uid owning the job.json that was
     read (fstat of the opened file), which says who submitted it, since a writer
     creates its temp file and renames it into place.  None for a request not read
-    from a buffer.
+    from a buffer.  The daemon's copy of the request it accepted (``record``,
+    ``job.accepted.json``) carries it, the file being the daemon's own.
     """
 
     settings: dict[str, Any]
@@ -416,8 +417,33 @@ class JobRequest:
     owner: int | None = None
 
     def write(self, buffer: Dir) -> None:
-        write_json(Path(buffer) / JOB_NAME, {"format": "prefetchd.job", "version": VERSION, "settings": self.settings,
-                                       "replace": self.replace, "job_id": self.job_id, "submitted": self.submitted})
+        write_json(Path(buffer) / JOB_NAME, self._doc())
+
+    def _doc(self) -> dict[str, Any]:
+        return {"format": "prefetchd.job", "version": VERSION, "settings": self.settings, "replace": self.replace,
+                "job_id": self.job_id, "submitted": self.submitted}
+
+    def record(self, buffer: Dir, dir_fd: int | None = None) -> None:
+        """Keep this request, which the daemon accepted, as ``job.accepted.json``, with its submitter: the job a
+        restarted daemon resumes (``recorded``).  job.json itself is no record of it: the next request, refused
+        or not, replaces it."""
+        write_json(Path(buffer) / ACCEPTED_JOB_NAME, {**self._doc(), "owner": self.owner}, dir_fd)
+
+    @classmethod
+    def recorded(cls, buffer: Dir) -> JobRequest | None:
+        """The request the daemon last accepted (``record``); None when none is kept.  ProtocolError for a file
+        that is not the daemon's own: any member of a --group-access buffer's group may put one there, and would
+        have it resumed over the job another member's trainer reads."""
+        path = Path(buffer) / ACCEPTED_JOB_NAME
+        try:
+            doc, st = read_json_stat(path, "job")
+        except FileNotFoundError:
+            return None
+        if st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise ProtocolError(f"{path}: belongs to uid {st.st_uid} (or has {st.st_nlink} links), so the daemon "
+                                f"(uid {os.geteuid()}) did not write it; remove it")
+        owner = _field(doc, "owner", int, path) if doc.get("owner") is not None else None
+        return cls._from_doc(doc, path, owner)
 
     @classmethod
     def read(cls, buffer: Dir) -> JobRequest | None:
@@ -437,18 +463,23 @@ class JobRequest:
                 # A hard link to someone else's file would pass for a job that user wrote.
                 raise ProtocolError(f"{path}: has {st.st_nlink} links, so its owner (uid {st.st_uid}) need not be "
                                     "who put it there; remove it and submit the job again")
-            settings = _field(doc, "settings", dict, path)
-            for key, value in settings.items():
-                if not isinstance(value, (str, int, float, bool)) and value is not None:
-                    raise ProtocolError(f"{path}: setting {shown(key)} is {shown(value)}; settings are strings, numbers, "
-                                        "booleans or null")
-            # A JSON boolean or absent: "replace": "no" was true, and replaced a job a trainer was reading.
-            replace = _field(doc, "replace", bool, path) if doc.get("replace") is not None else False
-            return cls(settings, replace, _field(doc, "job_id", str, path),
-                       _field(doc, "submitted", float, path), owner=st.st_uid)
+            return cls._from_doc(doc, path, st.st_uid)
         except ProtocolError as exc:
             echoed = job_id if isinstance(job_id, str) and JOB_ID_RE.fullmatch(job_id) else None
             raise BadJobRequest(str(exc), echoed) from None
+
+
+    @classmethod
+    def _from_doc(cls, doc: dict[str, Any], path: Path, owner: int | None) -> JobRequest:
+        settings = _field(doc, "settings", dict, path)
+        for key, value in settings.items():
+            if not isinstance(value, (str, int, float, bool)) and value is not None:
+                raise ProtocolError(f"{path}: setting {shown(key)} is {shown(value)}; settings are strings, numbers, "
+                                    "booleans or null")
+        # A JSON boolean or absent: "replace": "no" was true, and replaced a job a trainer was reading.
+        replace = _field(doc, "replace", bool, path) if doc.get("replace") is not None else False
+        return cls(settings, replace, _field(doc, "job_id", str, path), _field(doc, "submitted", float, path),
+                   owner=owner)
 
 
 class BadJobRequest(ProtocolError):

@@ -12,6 +12,7 @@ buffer is ``ownership``'s.
       progress[.NAME].json.lock   flock()ed by the one trainer reading as that consumer
       status.json                 fill, rates, errors, heartbeat (written by the daemon)
       job.json                    a job a trainer asks the daemon to produce (written by trainers)
+      job.accepted.json           the daemon's copy of the job it accepted, which a restart resumes
       e000000-s00000000.batch     finished batches, named by (epoch, step)
       e000000-s00000001.tmp       a batch being built; never read
       rank-00001/                 with world_size > 1: one stream directory per rank, each holding
@@ -48,6 +49,7 @@ MANIFEST_NAME = "manifest.json"
 PROGRESS_NAME = "progress.json"
 STATUS_NAME = "status.json"
 JOB_NAME = "job.json"
+ACCEPTED_JOB_NAME = "job.accepted.json"  # the daemon's copy of the request it accepted last
 DOCUMENT_KINDS = ("manifest", "progress", "status", "job")  # each document's format is prefetchd.<kind>
 BATCH_SUFFIX = ".batch"
 TEMP_MARK = ".tmp"

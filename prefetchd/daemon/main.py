@@ -23,13 +23,12 @@ from prefetchd.buffer_protocol import (
     ProtocolError,
     State,
     Status,
-    readable_status,
     stream_dir,
     write_status,
 )
 from prefetchd.buffer_protocol.errors import shown
-from prefetchd.buffer_protocol.layout import (JOB_NAME, LOCK_NAME, MANIFEST_NAME, STREAM_PREFIX, list_consumers,
-                                             progress_name, stream_dirs)
+from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, JOB_NAME, LOCK_NAME, MANIFEST_NAME, STREAM_PREFIX,
+                                             list_consumers, progress_name, stream_dirs)
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
                                          holds_a_stream, make_stream_dir, note_buffer_filesystem, prepare_buffer,
                                          remove_stream, sweep_temp_files)
@@ -92,8 +91,9 @@ class JobInbox:
     A job from another user than the daemon's is held to ``JobPolicy``.
     """
 
-    def __init__(self, buffer: Path, machine: DaemonConfig, ignore_current: bool) -> None:
+    def __init__(self, buffer: Path, machine: DaemonConfig, ignore_current: bool, dir_fd: int | None = None) -> None:
         self.buffer = buffer
+        self.dir_fd = dir_fd  # the locked buffer folder's (DaemonLock.dir_fd), which the accepted job's record goes into
         self.machine = machine  # the user's machine settings, defaults not yet filled
         self.policy = JobPolicy.of(machine)
         self._seen = self._stamp() if ignore_current else None
@@ -102,6 +102,7 @@ class JobInbox:
         # The roots the pending job's files must be inside (resolved local ones, or URLs; None: not confined).
         self.pending_confinement: tuple[str, ...] | None = None
         self.pending_owner: int | None = None  # the pending job's submitter: its job.json's owner (uid), which the log names
+        self.pending_request: JobRequest | None = None  # what ``accepted`` records
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -120,33 +121,45 @@ class JobInbox:
         (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", job_verdict(accepted, reason))
         self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
 
-    def resumable(self, last: Status | None) -> DaemonConfig | None:
-        """The job in job.json where the daemon that ran here last was producing it (its last answer accepted
-        that very request), to start with instead of the configured one; None otherwise.
-
-        A job submitted to a daemon with its own ``data`` replaces that job until it ends.  Started with the
-        configured job after a restart (a crash, the watchdog), the daemon found the submitted job's batches
-        and refused them as another job's (exit 2, which the unit does not restart), while that job's trainers
-        waited for it to come back.  Called before the daemon writes its first status: ``last`` is the one
-        the earlier daemon left."""
-        result = last.job_result if last is not None else None
-        if result is None or not result.accepted or result.job_id is None:
-            return None
+    def resumable(self) -> DaemonConfig | None:
+        """The submitted job an earlier daemon here accepted and had not finished (``accepted``'s record), to start
+        with after a restart; None where there is none.  Not job.json: the next request, refused or not, replaces
+        that file, and a restart then ran a refused job over the one its trainers read (without --replace); and a
+        daemon with its own ``data`` started the configured job, refused the submitted one's batches as another
+        job's and exited 2, which the unit does not restart."""
         try:
-            request = JobRequest.read(self.buffer)
-        except ProtocolError:
+            request = JobRequest.recorded(self.buffer)
+        except ProtocolError as exc:
+            log.warning("not resuming the job an earlier daemon accepted: %s", exc)
             return None
-        if request is None or request.job_id != result.job_id:
+        if request is None:
             return None
         try:
             job = self._validate(request)
             job, confinement = self.policy.confine(job, request.owner)
         except ConfigError as exc:  # the config's allow-lists changed since it was accepted
-            log.warning("not resuming job %s from job.json, which the earlier daemon was producing: %s",
-                        request.job_id, exc)
+            log.warning("not resuming job %s, which the earlier daemon was producing: %s", request.job_id, exc)
+            self.forget_accepted()
             return None
         self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
+        self.pending_request = request
         return job
+
+    def accepted(self) -> None:
+        """Keep the pending request, now produced, for a restarted daemon to resume (``JobRequest.record``)."""
+        if self.pending_request is None:
+            return
+        try:
+            self.pending_request.record(self.buffer, self.dir_fd)
+        except OSError as exc:  # a full tmpfs: a restart then waits for a job, or starts the configured one
+            log.warning("cannot keep job %s for a restart to resume (%s): a restart would not resume it",
+                        self.pending_request.job_id, exc.strerror)
+
+    def forget_accepted(self) -> None:
+        """Drop the record of the accepted job: it ended, or cannot be resumed."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ACCEPTED_JOB_NAME if self.dir_fd is not None else self.buffer / ACCEPTED_JOB_NAME,
+                      dir_fd=self.dir_fd)
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
         """A new job to switch to, or None (nothing new, or refused: see ``result``)."""
@@ -182,6 +195,7 @@ class JobInbox:
                         f"written {idle:.0f} s ago); submit with --replace to replace it anyway")
             return None
         self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
+        self.pending_request = request
         return job
 
     def _validate(self, request: JobRequest) -> DaemonConfig:
@@ -518,25 +532,28 @@ def _serve(cfg: DaemonConfig) -> int:
                 write_status(buffer, status, lock.dir_fd)
             except OSError as exc:  # a full tmpfs: the one there beats on (SPEC rule 8), the log says why
                 status_unwritten(buffer, exc)
-        last_status = readable_status(buffer)  # the earlier daemon's: this one has written none yet
         serve_jobs = cfg.data is None
-        inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs)
+        inbox = JobInbox(buffer, cfg, ignore_current=not serve_jobs, dir_fd=lock.dir_fd)
         job: DaemonConfig | None = cfg if not serve_jobs else None
         reset = cfg.reset
         replaced: DaemonConfig | None = None  # the job a submitted one stopped, until that one has started
         # With the configured job coming back after a resumed one is refused: its batches are not the buffer's.
         reset_back = False
-        if not serve_jobs:
-            resumed = inbox.resumable(last_status)
-            if resumed is not None and not cfg.reset:
-                log.info("resuming job %s from job.json, which replaced the configured job on %s before this restart "
-                         "(its trainers read on); submit the configured job, or remove job.json and restart, to "
-                         "produce that one again", inbox.pending_id, cfg.data)
-                job, replaced, reset, reset_back = resumed, cfg, True, True
-            elif resumed is not None:
-                log.info("not resuming job %s from job.json, which replaced the configured job before this restart: "
-                         "reset = true clears the buffer for the configured job on %s", inbox.pending_id, cfg.data)
-                inbox.pending_id = inbox.pending_confinement = None
+        resuming = False  # the job starting is the submitted one an earlier daemon here was producing
+        resumed = inbox.resumable()
+        if resumed is not None and (serve_jobs or not cfg.reset):
+            instead = f", in place of the configured job on {cfg.data}" if not serve_jobs else ""
+            log.info("resuming job %s on %s, which the earlier daemon here was producing%s (its trainers read on)%s",
+                     inbox.pending_id, resumed.data, instead,
+                     "; submit the configured job to produce that one again" if not serve_jobs else "")
+            job, reset, resuming = resumed, True, True
+            if not serve_jobs:
+                replaced, reset_back = cfg, True
+        elif resumed is not None:
+            log.info("not resuming job %s, which the earlier daemon here was producing: reset = true clears the "
+                     "buffer for the configured job on %s", inbox.pending_id, cfg.data)
+            inbox.forget_accepted()
+            inbox.pending_id = inbox.pending_confinement = inbox.pending_request = None
         running_id: str | None = None  # the submitted job being produced
         with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
@@ -560,7 +577,10 @@ def _serve(cfg: DaemonConfig) -> int:
                         # job replaces nothing: that one resumes from progress.json, its batches kept.
                         goes_on = f"; still producing {replaced.data}" if replaced is not None else ""
                         inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}")
+                        if resuming:
+                            inbox.forget_accepted()
                         inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
+                        resuming = False
                         continue
                     if serve_jobs:
                         # The job a refused one was to replace does not start again (its data went away meanwhile):
@@ -584,15 +604,19 @@ def _serve(cfg: DaemonConfig) -> int:
                         # Accepted, it would be "producing" nothing: its trainers' progress says every epoch is read.
                         producer.shutdown()  # its pool's selector and shared file, never started
                         inbox.answer(inbox.pending_id, False, already_consumed(producer))
+                        if resuming:
+                            inbox.forget_accepted()
                         inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
+                        resuming = False
                         continue
                     # Who asked for it, and what it stopped: a --replace took the buffer from someone's trainer.
-                    replacing = (", resumed after a restart" if reset_back else
+                    replacing = (", resumed after a restart" if resuming else
                                  f", replacing the running job on {replaced.data}" if replaced is not None else "")
                     inbox.answer(inbox.pending_id, True,
                                  f"producing {job.data} for {user_name(inbox.pending_owner)}{replacing}")
+                    inbox.accepted()
                     running_id, inbox.pending_id = inbox.pending_id, None
-                replaced, reset_back = None, False
+                replaced, reset_back, resuming = None, False, False
                 served = True
                 try:
                     producer.run()
@@ -602,6 +626,7 @@ def _serve(cfg: DaemonConfig) -> int:
                     # A submitted job that fails while it runs (its hook, its data): the daemon serves the next
                     # one.  Exiting would only have a supervisor restart it into the same job.json, and fail again.
                     inbox.answer(running_id, False, f"{FAILED_WHILE_PRODUCING} {job.data}: {exc}")
+                    inbox.forget_accepted()
                     job = None
                     continue
                 if producer.next_job is not None:
@@ -613,6 +638,7 @@ def _serve(cfg: DaemonConfig) -> int:
                     # running job's answer is replaced: one refused meanwhile stays for its submitter to read.
                     if running_id is not None and inbox.result is not None and inbox.result.job_id == running_id:
                         inbox.answer(running_id, True, f"{FINISHED_PRODUCING} {job.data}: every epoch was read")
+                    inbox.forget_accepted()
                     job = None
                 else:
                     break

@@ -196,7 +196,7 @@ def directory_mismatches(spec: str) -> list[str]:
         out.append(f"spare files: spec names {spares}, expected one pattern")
     fixed = {n for n in names if not re.search(r"E+-s?S+", n)}
     constants = {layout.LOCK_NAME, layout.MANIFEST_NAME, layout.PROGRESS_NAME, layout.consumer_lock_name(),
-                 layout.STATUS_NAME, layout.JOB_NAME}
+                 layout.STATUS_NAME, layout.JOB_NAME, layout.ACCEPTED_JOB_NAME}
     if fixed != constants:
         out.append(f"fixed file names: spec {sorted(fixed)}, code {sorted(constants)}")
 
@@ -502,7 +502,7 @@ def test_spec_tables_are_read() -> None:
     assert len(table(SPEC, "Batch file", "offset")) == 6
     assert len(table(SPEC, "Batch file", "key")) == 7
     assert len(table(SPEC, "Batch file", "name")) == 3
-    assert len(table(SPEC, "Buffer directory", "file")) == 11
+    assert len(table(SPEC, "Buffer directory", "file")) == 12
     assert len(table(SPEC, "Status document", "key")) >= 60
     assert len(table(SPEC, "Manifest document", "key")) == 19
     assert len(table(SPEC, "Progress document", "key")) == 10

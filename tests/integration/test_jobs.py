@@ -91,13 +91,40 @@ def test_a_restarted_daemon_with_data_resumes_the_job_submitted_to_it(shapes_dat
                      and status.state in ("filling", "full"), 60, "the restarted daemon to produce")
     if reset:
         assert Manifest.read(buffer).seed == 0
-        assert f"not resuming job {job_id} from job.json" in again.log and "reset = true" in again.log
+        assert f"not resuming job {job_id}, which the earlier daemon here was producing: reset = true" in again.log
     else:
-        assert Manifest.read(buffer).seed == 7 and f"resuming job {job_id} from job.json" in again.log
+        assert Manifest.read(buffer).seed == 7 and f"resuming job {job_id} on " in again.log
         result = job_result_of(buffer)
         assert result is not None and result.job_id == job_id and result.accepted, result
         assert result.reason.endswith(", resumed after a restart"), result.reason
     assert again.proc.poll() is None and "Traceback" not in again.log, again.log
+
+
+def test_a_refused_job_is_not_run_by_a_restarted_daemon(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A refused request stays in job.json (the submitter wrote it over the accepted one): a restarted daemon
+    ran it, replacing the job a trainer was reading without --replace.  It resumes the job it had accepted
+    (its own record, job.accepted.json) and refuses the other again."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "8").returncode == 0
+    accepted = JobRequest.recorded(buffer)
+    assert accepted is not None and accepted.settings["seed"] == 8 and accepted.owner == os.geteuid()
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    batches = iter(loader)
+    next(batches)  # a trainer reads: another job needs --replace
+    refused = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "9")
+    assert refused.returncode == 1 and "submit with --replace" in refused.stdout, refused.stdout
+    daemon.proc.kill()
+    daemon.proc.wait()
+    again = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    again.wait_until(lambda: (status := read_status(buffer)) is not None and status.pid == again.proc.pid
+                     and status.state in ("filling", "full"), 60, "the restarted daemon to produce")
+    assert Manifest.read(buffer).seed == 8 and f"resuming job {accepted.job_id} on " in again.log, again.log
+    next(batches)  # the trainer reads on
+    again.wait_until(lambda: (r := job_result_of(buffer)) is not None and not r.accepted, 30, "the other refused again")
+    assert Manifest.read(buffer).seed == 8
+    loader.close()
 
 
 def test_a_daemon_with_data_waits_for_the_next_job_once_a_submitted_one_ends(shapes_data: Path, shm_dir: Path,
