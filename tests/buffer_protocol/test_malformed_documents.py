@@ -499,6 +499,19 @@ def test_a_batch_someone_else_owns_is_refused_by_the_mapper(tmp_path: Path) -> N
         map_batch(path)
 
 
+def test_the_accepted_job_is_read_back_with_its_submitter_and_only_from_the_daemons_own_file(tmp_path: Path) -> None:
+    """``job.accepted.json`` is what a restarted daemon resumes: a member of a --group-access buffer's group
+    who could put one there would have their job run over the one another member's trainer reads."""
+    request = JobRequest({"data": "/data", "seed": 3}, owner=1234)
+    request.record(tmp_path)
+    assert JobRequest.recorded(tmp_path) == request  # the submitter (owner) kept, though the file is the daemon's
+    if os.geteuid() != 0:
+        return
+    os.chown(tmp_path / "job.accepted.json", 65534, -1)
+    with pytest.raises(ProtocolError, match="belongs to uid 65534 .* so the daemon .* did not write it; remove it"):
+        JobRequest.recorded(tmp_path)
+
+
 def test_the_sweep_lists_no_directory_as_a_leftover(tmp_path: Path) -> None:
     from prefetchd.buffer_protocol import list_temp_files
 
