@@ -53,7 +53,12 @@ def no_access(buffer: Path, write: bool = False) -> str | None:
     """Why this user may not read (``write``: nor write) ``buffer``, a --group-access buffer of a group it is
     not in say, naming its owner, group and mode and what to do; None where it may, or where it is not there
     (the commands say that themselves).  A rank's stream directory is reached through its buffer: one this
-    user may not enter is the one named."""
+    user may not enter is the one named.  With ``write``, a ``buffer`` that is not there is one to create: the
+    nearest folder above it that is must let this user write in it."""
+    if write and not buffer.exists():
+        above = nearest_existing(buffer)
+        if above.is_dir() and not os.access(above, os.W_OK | os.X_OK):
+            return f"cannot create it: {_denied(above, os.stat(above), os.W_OK | os.X_OK)}"
     for path, need in ((buffer.parent, os.X_OK), (buffer, os.R_OK | os.X_OK | (os.W_OK if write else 0))):
         try:
             st = os.stat(path)

@@ -163,7 +163,8 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
     """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status).  Exit code 0:
     accepted; 1: refused, or no answer within --timeout; 2: a bad setting (nothing written); 3: no daemon owns
-    BUFFER (the job waits in job.json for one to start); 4: this user may not write BUFFER (nothing written)."""
+    BUFFER (the job waits in job.json for one to start); 4: this user may not write BUFFER, or not create it
+    (nothing written)."""
     flags = {k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
     settings: dict[str, Any] = {}
     from_file: set[str] = set()
@@ -183,7 +184,12 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         click.echo(f"cannot submit a job to {buffer} (nothing written): {denied}", err=True)
         sys.exit(EXIT_NO_ACCESS)
     created = not buffer.exists()
-    buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
+    try:
+        buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
+    except OSError as exc:  # what no_access cannot foresee: a read-only filesystem, a file in the path
+        click.echo(f"cannot submit a job to {buffer} (nothing written): cannot create it: {exc.filename}: "
+                   f"{exc.strerror}", err=True)
+        sys.exit(EXIT_NO_ACCESS)
     request = JobRequest(settings, replace)
     request.write(buffer)
     if daemon_owner(buffer) is None:

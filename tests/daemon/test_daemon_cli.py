@@ -880,6 +880,42 @@ def test_a_submit_no_daemon_answers_exits_3_and_leaves_the_job_for_one(runner: C
     assert (buffer / "job.json").is_file()  # for a daemon started on it later, which adopts it
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to user nobody in a forked child")
+def test_submit_to_a_buffer_it_may_not_create_says_so_and_exits_4(shm_buffer: Path) -> None:
+    """A mistyped --buffer under a folder the user may not write ended in mkdir's PermissionError traceback, exit 1."""
+    os.chmod(shm_buffer, 0o755)
+    theirs = shm_buffer / "theirs"
+    theirs.mkdir(mode=0o755)
+    targets = (theirs / "typo", theirs / "typo" / "deeper")
+
+    def submit_both() -> str:
+        said = []
+        for buffer in targets:
+            result = CliRunner().invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data",
+                                                             str(shm_buffer), "--timeout", "1"])
+            said.append({"code": result.exit_code, "output": result.output, "exception": repr(result.exception)})
+        return json.dumps(said)
+
+    said = json.loads(as_nobody(submit_both) or "[]")
+    assert len(said) == 2, said
+    why = (f"cannot create it: {theirs}: permission denied: it belongs to root (uid 0) and group "
+           f"{_group_name(0) or 'gid 0'} (mode 0755): its group may not write it either; ask root (uid 0) for access")
+    for buffer, answer in zip(targets, said):
+        assert answer["code"] == EXIT_NO_ACCESS, answer
+        assert answer["output"].startswith(f"cannot submit a job to {buffer} (nothing written): "), answer
+        assert why in " ".join(answer["output"].split()), answer
+        assert "Traceback" not in answer["output"] and "PermissionError" not in answer["exception"], answer
+    assert list(theirs.iterdir()) == []
+    # What no access check foresees (a file where a folder would be made; a read-only filesystem) is said alike.
+    (shm_buffer / "afile").write_bytes(b"")
+    buffer = shm_buffer / "afile" / "x" / "bf"
+    result = CliRunner().invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data", str(shm_buffer),
+                                                     "--timeout", "1"])
+    assert result.exit_code == EXIT_NO_ACCESS, result.output
+    assert (f"cannot submit a job to {buffer} (nothing written): cannot create it: {buffer}: Not a "
+            "directory") in result.output, result.output
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays the service, whose buffer it is, and a user not in its group")
 def test_a_user_outside_the_buffers_group_is_told_whose_it_is_and_how_to_join(shm_buffer: Path) -> None:
     """A --group-access buffer (2770) read by a user not in its group: click's "Directory ... is not readable"
