@@ -7,14 +7,14 @@ reference trainer behind the ``prefetchd-train`` command (its rooms: ``config``,
 """
 
 from prefetchd.trainer.errors import (
-    CheckpointError, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout, OptionError, SetupError,
-    StateMismatch,
+    CheckpointError, DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout, OptionError,
+    SetupError, StateMismatch,
 )
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import EveryRank
 from prefetchd.trainer.ranks import rank_stream
 
 __all__ = [
-    "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "EveryRank", "JobReplaced", "LoaderError",
-    "LoaderTimeout", "OptionError", "SetupError", "StateMismatch", "rank_stream",
+    "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "EveryRank", "JobEnded", "JobReplaced",
+    "LoaderError", "LoaderTimeout", "OptionError", "SetupError", "StateMismatch", "rank_stream",
 ]

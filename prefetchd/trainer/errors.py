@@ -36,6 +36,11 @@ class JobReplaced(LoaderError):
     this loader's."""
 
 
+class JobEnded(LoaderError):
+    """The daemon is done with the loader's job (it finished it, or stopped producing it) and waits for another:
+    the batch the trainer needs will not be built unless the job is submitted again."""
+
+
 class StateMismatch(LoaderError, ValueError):
     """A loader state (from a checkpoint) does not fit the buffer's job."""
 
@@ -66,7 +71,8 @@ class CheckpointError(ValueError):
 
 
 __all__ = [
-    "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "JobReplaced", "LoaderError",
+    "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "JobEnded", "JobReplaced",
+    "LoaderError",
     "LoaderTimeout",
     "OptionError", "PeerFailed", "SetupError", "StateMismatch", "StopRequested",
 ]

@@ -8,6 +8,8 @@ shortest bound, at most 1 s)::
     no daemon owns daemon.lock    for daemon_grace     -> DaemonGone   (restart it)
     the holder's status.json heartbeat older than
                                   stall_timeout        -> DaemonStuck  (py-spy, kill, restart)
+    the holder's status.json says it waits for a job while
+    the manifest is this loader's job at once              -> JobEnded     (submit it again)
     nothing of the above, the batch still missing after
                                   timeout              -> LoaderTimeout
 
@@ -52,7 +54,8 @@ from prefetchd.buffer_protocol import (
 from prefetchd.buffer_protocol.documents import augmentation_options, exact_number
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
 from prefetchd.launch import option_args
-from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout, StopRequested
+from prefetchd.trainer.errors import (DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout,
+                                      StopRequested)
 from prefetchd.words import counted, rank_ranges
 
 logger = logging.getLogger(__name__)
@@ -373,6 +376,7 @@ class BatchWaiter:
                     if self._rank_stream:
                         check_served(self.buffer, owner, status)  # its daemon restarted with fewer --ranks?
                     self._check_heartbeat(owner, status, name, epoch, step, now - start)
+                    self._check_job_ended(owner, status, name, epoch, step)
                     if self._waits_on_storage(owner, status, name, now):
                         deadline = max(deadline, now + self.timeout)
                         stored = True
@@ -403,6 +407,30 @@ class BatchWaiter:
                                status_summary(self.buffer, self.manifest.rank))
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, MAX_DELAY)
+
+    def _check_job_ended(self, owner: DaemonOwner, status: Status | None, name: str, epoch: int, step: int) -> None:
+        """Raise JobEnded when daemon ``owner`` says it waits for a job while the buffer's manifest is still this
+        loader's job: it finished it (or stopped producing it), and builds none of its batches until the job is
+        submitted again.  A manifest of another job, or none, is JobWatch's to tell."""
+        own = status if owner.wrote(status) else None
+        if own is None or own.state != State.WAITING_FOR_JOB:
+            return
+        try:
+            current = Manifest.read(self.buffer)
+        except (ProtocolError, OSError):
+            return
+        if current.identity_diff(self.manifest) or current.epochs != self.manifest.epochs:
+            return
+        answer = f" (its last answer to a job: {_short(own.job_result.reason)})" if own.job_result is not None else ""
+        progress = owning_buffer(self.buffer) / "progress*.json" if not self._rank_stream else \
+            owning_buffer(self.buffer) / f"{STREAM_PREFIX}*" / "progress*.json"
+        raise JobEnded(
+            f"{self.buffer}: the daemon ({owner}) is done with this loader's job{answer} and waits for a job, so "
+            f"batch {name} (epoch {epoch}, step {step}) will not be built. To have the job produced again, submit it "
+            f"(`{job_command(self.manifest, self.buffer, 'submit')}`); where its trainers read all its epochs the "
+            f"daemon refuses it (\"nothing to produce\") until their progress files ({progress}) are removed, and "
+            "then produces it from epoch 0"
+        )
 
     def _waits_on_storage(self, owner: DaemonOwner, status: Status | None, name: str, now: float) -> bool:
         """Whether daemon ``owner``, beating, says this stream's builds wait for the dataset's storage (then

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from PIL import Image
 from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches, read_status
 from prefetchd.daemon.job_policy import user_name
 from prefetchd.daemon.main import MAX_REASON_CHARS
-from prefetchd.trainer import BufferLoader, JobReplaced, LoaderTimeout
+from prefetchd.trainer import BufferLoader, JobEnded, JobReplaced, LoaderTimeout
 from tests.status_examples import job_result_of, state_of
 
 CLI = [sys.executable, "-m", "prefetchd"]
@@ -231,6 +232,32 @@ def test_a_job_whose_epochs_were_all_consumed_is_refused_saying_how_to_produce_i
         progress.unlink()
     assert submit(buffer, *job).returncode == 0
     assert next(iter(BufferLoader(buffer, normalize=False, timeout=30))).step == 0
+
+
+def test_a_trainer_started_after_its_job_finished_is_told_so_at_once(shapes_data: Path, shm_dir: Path,
+                                                                     start_daemon) -> None:
+    """The finished job's manifest stays in the buffer: a trainer started then waited its whole --timeout for a
+    batch never to be built, and was told to wait longer "if the daemon is just slow"."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    job = ["--data", shapes_data / "val", "--split", "val", *JOB, "--epochs", "1"]
+    assert submit(buffer, *job).returncode == 0
+    with BufferLoader(buffer, normalize=False, timeout=30) as first:
+        assert len(list(first)) == len(first) > 0
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to finish the job")
+    late = BufferLoader(buffer, normalize=False, timeout=60, consumer="late")
+    began = time.monotonic()
+    with pytest.raises(JobEnded) as ended:
+        next(iter(late))
+    late.close()
+    assert time.monotonic() - began < 10
+    said = " ".join(str(ended.value).split())
+    again = f"prefetchd submit --buffer {buffer} --data {shapes_data / 'val'} --split val --batch-size 8"
+    assert "is done with this loader's job (its last answer to a job: finished producing" in said, said
+    assert "and waits for a job, so batch" in said and f"`{again}" in said and "--epochs 1`" in said, said
+    assert f'refuses it ("nothing to produce") until their progress files ({buffer / "progress*.json"}) are ' \
+        "removed" in said, said
 
 
 def test_a_consumer_that_left_does_not_hold_the_job_against_a_new_one(shapes_data: Path, shm_dir: Path,
