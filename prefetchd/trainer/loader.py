@@ -40,7 +40,8 @@ batch until no consumer's window holds it.  A named consumer starts, unless told
 where, at the oldest batch still in the buffer; while it waits for a batch it
 rewrites its progress file every ``PROGRESS_REFRESH_SECONDS`` so that the daemon
 sees it is there, and ``close()`` marks the file closed so that it holds nothing.
-A loader still open when the interpreter exits closes then (``_close_at_exit``).
+A loader still open when the interpreter exits closes then, and one collected unclosed (made in a
+function that returned) says in its progress file that it left (``_close_at_exit``).
 
 Waiting for the manifest and for each batch, and telling a slow daemon from a
 stuck or a gone one, is ``prefetchd.trainer.liveness``; checking a mapped batch
@@ -58,6 +59,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -112,20 +114,60 @@ class _EpochIterator:
         return batch
 
 
-def _close_at_exit(ref: weakref.ReferenceType[BufferLoader], pid: int) -> None:
-    """Close a loader still open when the interpreter exits (a ``weakref.finalize``, which atexit runs;
-    through a weak reference, so it keeps no loader alive): a script that ends without ``close()``
-    leaves as one that closed, rather than looking like a trainer that went away.  A trainer killed
-    (SIGKILL, a segfault, ``os._exit``) runs no atexit, and the daemon still sees it gone."""
-    loader = ref()
-    if loader is None or os.getpid() != pid:  # collected (a call from its own finalizer), or a forked child's copy
+@dataclass
+class _Where:
+    """A loader's position and what it read, kept apart from the loader so that the progress file can say
+    the loader left after it was collected (``_close_at_exit``)."""
+
+    epoch: int
+    step: int
+    read_to_end: bool = False  # the loader handed out the job's last batch since it last moved
+    handed_out: int = 0  # since the loader was made; less those still being copied: progress' read_batches
+
+
+def _unread_end(position: tuple[int, int], at: _Where, epochs: int | None) -> bool:
+    """Whether ``position`` is the job's end and the loader got there without reading its last batch."""
+    return epochs is not None and position[0] >= epochs and not at.read_to_end
+
+
+def _say_left(progress: ProgressFile, at: _Where, waits: WaitMeter, epochs: int | None) -> None:
+    """Write the progress file a last time, marked closed, every batch handed out counted as consumed (the
+    loader's at ``at``; its job has ``epochs``): the daemon then says the trainer left, and holds nothing for
+    it.  Nothing where the loader never wrote it."""
+    if progress.published is None:
         return
-    if not loader.buffer.is_dir():  # removed meanwhile: no daemon to tell; the loader's finalizers let go
+    position = (at.epoch, at.step)
+    if _unread_end(position, at, epochs):  # not this loader's to announce (the module docstring)
+        position = progress.published
+    progress.publish(position, waits.share(), force=True, closed=True, read_batches=at.handed_out)
+
+
+def _close_at_exit(ref: weakref.ReferenceType[BufferLoader], pid: int, progress: ProgressFile, at: _Where,
+                   waits: WaitMeter, epochs: int | None) -> None:
+    """Close a loader still open when the interpreter exits, or say in its progress file that it left once it is
+    collected unclosed (a ``weakref.finalize``, which atexit runs for a loader still there; it holds what
+    ``_say_left`` needs, never the loader): a script that ends without ``close()``, also one whose loader
+    was made in a function that returned (``def main(): ...``), leaves as one that closed, rather than
+    looking like a trainer that went away.  A trainer killed (SIGKILL, a segfault, ``os._exit``) runs
+    no atexit, and the daemon still sees it gone."""
+    loader = ref()
+    if os.getpid() != pid:  # a forked child's copy
+        return
+    if not progress.buffer.is_dir():  # removed meanwhile: no daemon to tell; the loader's finalizers let go
         return
     try:
-        loader.close()
+        if loader is not None:
+            loader.close()
+            return
+        try:
+            current = Progress.read(progress.buffer, progress.consumer)
+            # Unless another loader of this consumer wrote since (one that replaced it in a variable, say).
+            if current is not None and (current.epoch, current.step) == progress.published:
+                _say_left(progress, at, waits, epochs)
+        finally:
+            progress.release()
     except Exception as exc:  # nothing is left to raise it to; the daemon may take the trainer for gone
-        logger.warning("closing the BufferLoader for %s at exit: %s", loader.buffer, exc)
+        logger.warning("closing the BufferLoader for %s at exit: %s", progress.buffer, exc)
 
 
 class BufferLoader:
@@ -227,7 +269,7 @@ class BufferLoader:
                                    float(stall_timeout) if stall_timeout is not None else None)
         self._normalized = (normalization(mean, std, self._manifest.channels, self._buffer, self._device)
                             if normalize else None)
-        self._epoch, self._step = self._start_position(start)
+        self._at = _Where(*self._start_position(start))
         if self._device.type != "cuda" and pin not in ("auto", "none"):  # before the consumer is taken
             raise ValueError(
                 f"pin={pin!r} needs a CUDA device, but device={str(device)!r}; pass pin='auto' or leave it out"
@@ -236,8 +278,6 @@ class BufferLoader:
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
-        self._read_to_end = False  # this loader handed out the job's last batch since it last moved
-        self._handed_out = 0  # since the loader was made; less those still being copied: progress' read_batches
         self._feeder: DeviceFeeder | None = None
         self._prefetch = 0
         self._ahead: deque[Transfer] = deque()  # started, not yet handed out: consecutive positions
@@ -254,7 +294,9 @@ class BufferLoader:
                     self._progress.release()
                     raise
         # Made last, so that at exit it runs before the feeder's and the lock's finalizers (newest first).
-        self._exit_close = weakref.finalize(self, _close_at_exit, weakref.ref(self), os.getpid())
+        # It holds what says the loader left, never the loader: a loader dropped without close() is collected.
+        self._exit_close = weakref.finalize(self, _close_at_exit, weakref.ref(self), os.getpid(), self._progress,
+                                            self._at, self._waits, self._manifest.epochs)
 
     def _attach_feeder(self, backend: Backend, mode: PinMode, prefetch: int) -> None:
         """Send batches through a :class:`DeviceFeeder` on ``backend`` (also how tests fake CUDA)."""
@@ -324,7 +366,7 @@ class BufferLoader:
     @property
     def position(self) -> tuple[int, int]:
         """(epoch, step) of the next batch to be delivered."""
-        return (self._epoch, self._step)
+        return (self._at.epoch, self._at.step)
 
     @property
     def batch_size(self) -> int:
@@ -351,7 +393,7 @@ class BufferLoader:
         self._check_open()
         self._generation += 1
         self._publish()
-        return _EpochIterator(self, self._generation, self._epoch)
+        return _EpochIterator(self, self._generation, self._at.epoch)
 
     def _next(self, generation: int, epoch: int) -> Batch | None:
         """The batch at the current position, or None when ``epoch``'s iterator is over."""
@@ -359,12 +401,12 @@ class BufferLoader:
             return None
         # The consumer is back for more, so the batch handed over last is done with.
         self._publish()
-        if self._epoch != epoch or self._past_end():
+        if self._at.epoch != epoch or self._past_end():
             return None
-        if self._step >= self._manifest.steps_per_epoch:
+        if self._at.step >= self._manifest.steps_per_epoch:
             # Only reachable with an empty epoch (steps_per_epoch == 0).
-            self._epoch, self._step = self._epoch + 1, 0
-            self._read_to_end = self._past_end()
+            self._at.epoch, self._at.step = self._at.epoch + 1, 0
+            self._at.read_to_end = self._past_end()
             self._publish()
             return None
         asked = time.monotonic()
@@ -372,7 +414,7 @@ class BufferLoader:
         self._waits.begin(asked)
         try:
             if self._feeder is None:
-                key = (self._epoch, self._step)
+                key = (self._at.epoch, self._at.step)
                 mapped = self._wait_for_batch(*key)
                 self._check(mapped, *key)
                 batch = to_batch(mapped, *key, self._device, self._normalized)
@@ -380,23 +422,23 @@ class BufferLoader:
                 batch = self._next_on_device(self._feeder)
         finally:  # a wait that ended in an error (a timeout, a stop) was time spent waiting all the same
             self._waits.add(asked, time.monotonic())
-        self._handed_out += 1
+        self._at.handed_out += 1
         # Handed over: the position moves now (state_dict reflects it), progress.json
         # only when the consumer comes back (see the module docstring).
-        self._step += 1
-        if self._step >= self._manifest.steps_per_epoch:
-            self._epoch, self._step = self._epoch + 1, 0
-        self._read_to_end = self._past_end()
+        self._at.step += 1
+        if self._at.step >= self._manifest.steps_per_epoch:
+            self._at.epoch, self._at.step = self._at.epoch + 1, 0
+        self._at.read_to_end = self._past_end()
         return batch
 
     def _past_end(self) -> bool:
         epochs = self._manifest.epochs
-        return epochs is not None and self._epoch >= epochs
+        return epochs is not None and self._at.epoch >= epochs
 
     # -- the device path -----------------------------------------------------------
 
     def _next_on_device(self, feeder: DeviceFeeder) -> Batch:
-        key = (self._epoch, self._step)
+        key = (self._at.epoch, self._at.step)
         transfer = self._take_ahead(key)
         if transfer is None:
             mapped = self._wait_for_batch(*key)
@@ -438,7 +480,7 @@ class BufferLoader:
 
     def _consumed_until(self) -> tuple[int, int]:
         """The position progress.json may name: handed-out batches still being copied are not consumed."""
-        position = (self._epoch, self._step)
+        position = (self._at.epoch, self._at.step)
         if self._feeder is None:
             return position
         while self._handed and self._feeder.finish(self._handed[0], wait=False):
@@ -459,13 +501,12 @@ class BufferLoader:
                 return
             position = self._progress.published
         # Counted, not taken from the position: a jump (load_state_dict, set_epoch) reads nothing.
-        read = self._handed_out - len(self._handed)
+        read = self._at.handed_out - len(self._handed)
         self._progress.publish(position, self._waits.share(), force=force, closed=closed, read_batches=read)
 
     def _unread_end(self, position: tuple[int, int]) -> bool:
         """Whether ``position`` is the job's end and this loader got there without reading its last batch."""
-        epochs = self._manifest.epochs
-        return epochs is not None and position[0] >= epochs and not self._read_to_end
+        return _unread_end(position, self._at, self._manifest.epochs)
 
     def _check_progress(self) -> None:
         """While waiting: write the progress file again where it does not name this loader's position,
@@ -482,7 +523,7 @@ class BufferLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the (epoch, step) of the next batch, and the job it belongs to."""
-        return loader_state(self._manifest, self._epoch, self._step)
+        return loader_state(self._manifest, self._at.epoch, self._at.step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (a :meth:`state_dict`) and tell the daemon to produce from there.
@@ -499,7 +540,7 @@ class BufferLoader:
         self._move(state)
         if self._unread_end(self.position):  # the progress file read once, only at the end
             if self._last_batch_handed_before():
-                self._read_to_end = True  # the loader it continues read the job's last batch: the end is said
+                self._at.read_to_end = True  # the loader it continues read the job's last batch: the end is said
             else:
                 logger.warning(
                     "%s: the loader state is at the end of the job's %s: there is nothing left to read, and "
@@ -527,9 +568,9 @@ class BufferLoader:
         epoch, step = resume_position(state, self._manifest, self._buffer)
         self._drain(self._ahead)
         self._drain(self._handed)
-        if (epoch, step) != (self._epoch, self._step):
-            self._read_to_end = False
-        self._epoch, self._step = epoch, step
+        if (epoch, step) != (self._at.epoch, self._at.step):
+            self._at.read_to_end = False
+        self._at.epoch, self._at.step = epoch, step
         self._generation += 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -573,13 +614,12 @@ class BufferLoader:
         if self._feeder is not None:  # its page-locked staging ring goes now, not when the loader is collected
             self._release_feeder()
             self._feeder = None
-        if self._progress.published is not None:
-            try:
-                # It leaves: the daemon stops holding batches for it while another consumer reads, until it
-                # writes again, and does not take a trainer that finished for one that went away.
-                self._publish(force=True, closed=True)
-            except LoaderError as exc:
-                logger.warning("closing %s: %s", self._buffer, exc)
+        try:
+            # It leaves: the daemon stops holding batches for it while another consumer reads, until it
+            # writes again, and does not take a trainer that finished for one that went away.
+            _say_left(self._progress, self._at, self._waits, self._manifest.epochs)
+        except LoaderError as exc:
+            logger.warning("closing %s: %s", self._buffer, exc)
         self._closed = True
         self._progress.release()
         self._generation += 1

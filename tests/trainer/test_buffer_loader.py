@@ -294,6 +294,35 @@ def test_a_loader_still_open_at_exit_closes_in_its_own_process_only(make_job: Ma
     assert written is not None and written.closed and (written.epoch, written.step) == (0, 1)
 
 
+# pytorch/examples' layout: the loader is made in main(), which returns without closing it.
+LOADER_IN_MAIN = """
+import sys, weakref
+from prefetchd.buffer_protocol import Progress
+from prefetchd.trainer import BufferLoader
+def main():
+    loader = BufferLoader(sys.argv[1], normalize=False, timeout=5)
+    next(iter(loader))
+    return weakref.ref(loader)
+gone = main()
+written = Progress.read(sys.argv[1])
+print(gone() is None, written.closed, written.epoch, written.step)
+"""
+
+
+def test_a_loader_collected_unclosed_says_it_left_as_close_would(make_job: MakeJob) -> None:
+    """A loader made in a function that returned was collected before the interpreter's exit, whose close then
+    did nothing: the daemon took the trainer for gone, not left."""
+    job = make_job(write=1)
+    ended = subprocess.run([sys.executable, "-c", LOADER_IN_MAIN, str(job.buffer)], capture_output=True, text=True,
+                           timeout=120)
+    assert ended.returncode == 0 and ended.stderr == "", ended.stderr
+    # Collected (nothing keeps it alive), and its file said it left at once, the batch handed over consumed.
+    assert ended.stdout == "True True 0 1\n", ended.stdout
+    written = Progress.read(job.buffer)
+    assert written is not None and written.closed and (written.epoch, written.step) == (0, 1)
+    assert written.read_batches == 1
+
+
 # -- resume ---------------------------------------------------------------------------
 
 
