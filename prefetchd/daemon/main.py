@@ -135,15 +135,21 @@ class JobInbox:
         if request is None:
             return None
         try:
-            job = self._validate(request)
-            job, confinement = self.policy.confine(job, request.owner)
+            job, confinement = self._checked(request)
         except ConfigError as exc:  # the config's allow-lists changed since it was accepted
             log.warning("not resuming job %s, which the earlier daemon was producing: %s", request.job_id, exc)
             self.forget_accepted()
             return None
+        self._pend(request, confinement)
+        return job
+
+    def _checked(self, request: JobRequest) -> tuple[DaemonConfig, tuple[str, ...] | None]:
+        """The job ``request`` asks for, held to what its submitter may ask (``JobPolicy.confine``)."""
+        return self.policy.confine(self._validate(request), request.owner)
+
+    def _pend(self, request: JobRequest, confinement: tuple[str, ...] | None) -> None:
         self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
         self.pending_request = request
-        return job
 
     def accepted(self) -> None:
         """Keep the pending request, now produced, for a restarted daemon to resume (``JobRequest.record``)."""
@@ -175,8 +181,7 @@ class JobInbox:
         if request is None:
             return None
         try:
-            job = self._validate(request)
-            job, confinement = self.policy.confine(job, request.owner)
+            job, confinement = self._checked(request)
         except ConfigError as exc:
             self.answer(request.job_id, False, str(exc))
             return None
@@ -194,8 +199,7 @@ class JobInbox:
                         f"a trainer of {user_name(writer)} is consuming the running job on {running.data} (progress "
                         f"written {idle:.0f} s ago); submit with --replace to replace it anyway")
             return None
-        self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
-        self.pending_request = request
+        self._pend(request, confinement)
         return job
 
     def _validate(self, request: JobRequest) -> DaemonConfig:
