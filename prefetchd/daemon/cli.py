@@ -25,7 +25,7 @@ from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, load_toml
 from prefetchd.daemon.buffer_dir import check_capacity, no_access
-from prefetchd.daemon.main import JOB_FIELDS
+from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
                                      DaemonError)

@@ -17,7 +17,7 @@ from prefetchd.buffer_protocol.documents import exact_number, pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
 from prefetchd.daemon.buffer_dir import free_bytes, no_access
 from prefetchd.daemon.dataset import held_out_count
-from prefetchd.daemon.main import job_verdict
+from prefetchd.daemon.job_inbox import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.production_stats import STAGES
 from prefetchd.words import agreeing, binary_size, counted, rank_ranges

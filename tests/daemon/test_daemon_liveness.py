@@ -12,7 +12,7 @@ import pytest
 
 from prefetchd.buffer_protocol import Rates, State, Status, TrainerStatus, read_status
 from prefetchd.daemon import logs
-from prefetchd.daemon.main import StartupBeat
+from prefetchd.daemon.job_start import StartupBeat
 from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.producer import STATUS_SECONDS
 from prefetchd.daemon.sdnotify import Notifier, status_line

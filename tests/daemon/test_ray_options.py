@@ -19,7 +19,8 @@ from prefetchd.buffer_protocol import read_status, write_status
 from prefetchd.daemon.cli import start
 from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.errors import ConfigError
-from prefetchd.daemon.main import JOB_FIELDS, run_daemon
+from prefetchd.daemon.job_inbox import JOB_FIELDS
+from prefetchd.daemon.main import run_daemon
 from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.remote import pool as pool_module
 from prefetchd.daemon.remote.bridge import connect_failure

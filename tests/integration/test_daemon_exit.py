@@ -90,9 +90,9 @@ def test_sigterm_while_a_finished_daemon_exits_still_exits_0(shapes_data: Path, 
 
 SLOW_INDEX = """
 import sys, time
-import prefetchd.daemon.main as main
+import prefetchd.daemon.job_start as job_start
 
-real = main.open_dataset
+real = job_start.open_dataset
 
 
 def slow_open_dataset(location, tick=lambda: None, **options):
@@ -103,7 +103,7 @@ def slow_open_dataset(location, tick=lambda: None, **options):
     return real(location, tick=tick, **options)
 
 
-main.open_dataset = slow_open_dataset
+job_start.open_dataset = slow_open_dataset
 from prefetchd.cli import main as cli
 sys.exit(cli())
 """

@@ -15,7 +15,7 @@ from PIL import Image
 
 from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches, read_status
 from prefetchd.daemon.job_policy import user_name
-from prefetchd.daemon.main import MAX_REASON_CHARS
+from prefetchd.daemon.job_inbox import MAX_REASON_CHARS
 from prefetchd.trainer import BufferLoader, JobEnded, JobReplaced, LoaderTimeout
 from tests.status_examples import job_result_of, state_of
 
@@ -558,7 +558,7 @@ def test_replacing_a_job_by_one_of_another_world_size(shapes_data: Path, shm_dir
 def test_a_trainer_of_one_rank_keeps_a_job_from_being_replaced_without_replace(tmp_path: Path) -> None:
     """The guard looked only at the buffer's top, where a many-rank job has no progress file: a plain
     submit replaced a job whose ranks' trainers were reading."""
-    from prefetchd.daemon.main import freshest_progress
+    from prefetchd.daemon.job_inbox import freshest_progress
 
     (tmp_path / "rank-00001").mkdir()
     assert freshest_progress(tmp_path) == (float("inf"), None)

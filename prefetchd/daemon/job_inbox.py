@@ -1,0 +1,242 @@
+"""Jobs submitted through job.json: which settings a job may set, checking a request and answering it
+(``JobInbox``), keeping the accepted one for a restart to resume, and waiting for the next job."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import select
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, JobResult, Progress, ProtocolError, State,
+                                       Status)
+from prefetchd.buffer_protocol.errors import shown
+from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, list_consumers, progress_name, stream_dirs
+from prefetchd.daemon.config import FIELDS, DaemonConfig
+from prefetchd.daemon.errors import BufferLost, ConfigError
+from prefetchd.daemon.job_policy import JobPolicy, user_name
+from prefetchd.daemon.logs import one_line
+from prefetchd.daemon.sdnotify import Notifier
+from prefetchd.daemon.wakeup import Wakeup
+
+log = logging.getLogger(__name__)
+
+# Fields that say how this machine produces, not what: a job cannot set them.
+MACHINE_FIELDS = frozenset({
+    "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
+    "max_buffer_bytes", "consumer_timeout",
+    "metrics_port", "metrics_address", "metrics_textfile", "readers", "allowed_data", "allowed_transforms",
+    "ray", "ray_builds",
+})
+JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
+TRAINER_ACTIVE_SECONDS = 30.0
+# How the answer to a job that was accepted and then failed begins (`prefetchd status` shows it as such).
+FAILED_WHILE_PRODUCING = "failed while producing"
+FINISHED_PRODUCING = "finished producing"  # an accepted job's answer once its epochs are consumed
+
+
+def job_verdict(accepted: bool, reason: str) -> str:
+    """A job's answer as the log and `prefetchd status` say it: "accepted: ..." or "refused: ...", but for
+    an accepted job's answer replaced once it failed or finished, which carries its own verb."""
+    if reason.startswith((FAILED_WHILE_PRODUCING, FINISHED_PRODUCING)):
+        return reason
+    return f"{'accepted' if accepted else 'refused'}: {reason}"
+
+
+WAIT_STATUS_SECONDS = 1.0
+
+
+def job_settings(cfg: DaemonConfig) -> dict[str, Any]:
+    """What a job asks for, in job.json's terms."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items() if k in JOB_FIELDS}
+
+
+# The longest answer to a job kept in status.json (which readers take up to MAX_DOCUMENT_LEN) and printed by submit.
+MAX_REASON_CHARS = 2000
+
+
+class JobInbox:
+    """Turns a changed job.json into a validated config, or a refusal the submitter can read.
+
+    The answer for the last request is published in status.json as ``job_result``.
+    A job from another user than the daemon's is held to ``JobPolicy``.
+    """
+
+    def __init__(self, buffer: Path, machine: DaemonConfig, ignore_current: bool, dir_fd: int | None = None) -> None:
+        self.buffer = buffer
+        self.dir_fd = dir_fd  # the locked buffer folder's (DaemonLock.dir_fd), which the accepted job's record goes into
+        self.machine = machine  # the user's machine settings, defaults not yet filled
+        self.policy = JobPolicy.of(machine)
+        self._seen = self._stamp() if ignore_current else None
+        self.result: JobResult | None = None
+        self.pending_id: str | None = None
+        # The roots the pending job's files must be inside (resolved local ones, or URLs; None: not confined).
+        self.pending_confinement: tuple[str, ...] | None = None
+        self.pending_owner: int | None = None  # the pending job's submitter: its job.json's owner (uid), which the log names
+        self.pending_request: JobRequest | None = None  # what ``accepted`` records
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = (self.buffer / JOB_NAME).stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def answer(self, job_id: str | None, accepted: bool, reason: str) -> None:
+        # The reason quotes job.json's fields, which any member of the buffer's group wrote: `prefetchd submit`
+        # and `prefetchd status` print it to whoever runs them, so its newlines and terminal escapes are
+        # written out as the log writes them.
+        reason = one_line(reason)
+        if len(reason) > MAX_REASON_CHARS:  # a megabyte-long `data` quoted whole would outgrow status.json
+            reason = f"{reason[:MAX_REASON_CHARS - 40]}... ({len(reason)} characters in all)"
+        (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", job_verdict(accepted, reason))
+        self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
+
+    def resumable(self) -> DaemonConfig | None:
+        """The submitted job an earlier daemon here accepted and had not finished (``accepted``'s record), to start
+        with after a restart; None where there is none.  Not job.json: the next request, refused or not, replaces
+        that file, and a restart then ran a refused job over the one its trainers read (without --replace); and a
+        daemon with its own ``data`` started the configured job, refused the submitted one's batches as another
+        job's and exited 2, which the unit does not restart."""
+        try:
+            request = JobRequest.recorded(self.buffer)
+        except ProtocolError as exc:
+            log.warning("not resuming the job an earlier daemon accepted: %s", exc)
+            return None
+        if request is None:
+            return None
+        try:
+            job, confinement = self._checked(request)
+        except ConfigError as exc:  # the config's allow-lists changed since it was accepted
+            log.warning("not resuming job %s, which the earlier daemon was producing: %s", request.job_id, exc)
+            self.forget_accepted()
+            return None
+        self._pend(request, confinement)
+        return job
+
+    def _checked(self, request: JobRequest) -> tuple[DaemonConfig, tuple[str, ...] | None]:
+        """The job ``request`` asks for, held to what its submitter may ask (``JobPolicy.confine``)."""
+        return self.policy.confine(self._validate(request), request.owner)
+
+    def _pend(self, request: JobRequest, confinement: tuple[str, ...] | None) -> None:
+        self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
+        self.pending_request = request
+
+    def accepted(self) -> None:
+        """Keep the pending request, now produced, for a restarted daemon to resume (``JobRequest.record``)."""
+        if self.pending_request is None:
+            return
+        try:
+            self.pending_request.record(self.buffer, self.dir_fd)
+        except OSError as exc:  # a full tmpfs: a restart then waits for a job, or starts the configured one
+            log.warning("cannot keep job %s for a restart to resume (%s): a restart would not resume it",
+                        self.pending_request.job_id, exc.strerror)
+
+    def forget_accepted(self) -> None:
+        """Drop the record of the accepted job: it ended, or cannot be resumed."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ACCEPTED_JOB_NAME if self.dir_fd is not None else self.buffer / ACCEPTED_JOB_NAME,
+                      dir_fd=self.dir_fd)
+
+    def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
+        """A new job to switch to, or None (nothing new, or refused: see ``result``)."""
+        stamp = self._stamp()
+        if stamp is None or stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            request = JobRequest.read(self.buffer)
+        except ProtocolError as exc:  # under the document's job_id where it has one, so its submitter sees the answer
+            self.answer(exc.job_id if isinstance(exc, BadJobRequest) else None, False, str(exc))
+            return None
+        if request is None:
+            return None
+        try:
+            job, confinement = self._checked(request)
+        except ConfigError as exc:
+            self.answer(request.job_id, False, str(exc))
+            return None
+        except Exception as exc:  # any member of the buffer's group writes job.json: no job stops the daemon
+            log.exception("internal error while checking job %s", request.job_id)
+            self.answer(request.job_id, False, f"internal error while checking the job ({type(exc).__name__}: "
+                        f"{shown(str(exc))}); the daemon goes on; please report it with its log")
+            return None
+        if running is not None and job_settings(job) == job_settings(running):
+            self.answer(request.job_id, True, "already producing this job")
+            return None
+        idle, writer = freshest_progress(self.buffer)
+        if running is not None and idle < TRAINER_ACTIVE_SECONDS and not request.replace:
+            self.answer(request.job_id, False,
+                        f"a trainer of {user_name(writer)} is consuming the running job on {running.data} (progress "
+                        f"written {idle:.0f} s ago); submit with --replace to replace it anyway")
+            return None
+        self._pend(request, confinement)
+        return job
+
+    def _validate(self, request: JobRequest) -> DaemonConfig:
+        unknown = set(request.settings) - JOB_FIELDS
+        if unknown:
+            raise ConfigError(f"unknown job settings {shown(sorted(unknown))}; allowed: {', '.join(sorted(JOB_FIELDS))}")
+        values: dict[str, Any] = {
+            k: Path(v) if FIELDS[k].metadata["kind"] is Path and isinstance(v, str) else v
+            for k, v in request.settings.items()
+        }
+        job = dataclasses.replace(self.machine, **values)
+        if job.data is None:
+            raise ConfigError("the job names no dataset: set `data` to a folder of class folders, a file list or a folder of shards")
+        return job
+
+
+def freshest_progress(buffer: Path) -> tuple[float, int | None]:
+    """Seconds since any consumer of ``buffer`` (or of its ranks' streams) that has not left last wrote its
+    progress file, and that file's owner (the trainer's user; None where there is none)."""
+    idle, writer = float("inf"), None
+    for directory, consumer in ((d, c) for d in [buffer, *stream_dirs(buffer)] for c in list_consumers(d)):
+        path = directory / progress_name(consumer)
+        try:
+            progress = Progress.read(directory, consumer)
+        except ProtocolError:  # damaged: its writer may still be there, so it counts by its time
+            progress = None
+        if progress is not None and progress.closed:
+            continue  # it left (BufferLoader.close): a job that replaces this one takes nothing from it
+        with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+            st = path.lstat()
+            age = time.time() - st.st_mtime
+            if age < idle:
+                idle, writer = age, st.st_uid
+    return idle, writer
+
+
+def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[Status], None],
+                 notifier: Notifier, lock: DaemonLock) -> DaemonConfig | None:
+    """Sleep until job.json holds an acceptable job; None when a stop signal came first.  BufferLost
+    when the buffer is removed or replaced meanwhile (``DaemonLock.lost``)."""
+    message = f"waiting for a job: `prefetchd submit --buffer {buffer} --data ROOT`"
+    log.info("%s", message)
+    notifier.ready(message)  # the buffer is usable: trainers may submit now
+    last_status = 0.0
+    while wake.stop_signal is None:
+        notifier.watchdog()
+        job = inbox.poll(None)
+        if job is not None:
+            return job
+        now = time.monotonic()
+        if now - last_status >= WAIT_STATUS_SECONDS:
+            lost = lock.lost()
+            if lost is not None:
+                raise BufferLost.because(lost)
+            publish(Status(pid=os.getpid(), state=State.WAITING_FOR_JOB, heartbeat=time.time(), message=message,
+                           job_result=inbox.result))
+            last_status = now
+        select.select([wake], [], [], WAIT_STATUS_SECONDS)
+        wake.drain()
+    # The last status says it stopped, not that it waits for a submit nobody will read.
+    notifier.stopping(wake.stop_reason)
+    publish(Status(pid=os.getpid(), state=State.STOPPED, heartbeat=time.time(), message=wake.stop_reason,
+                   job_result=inbox.result))
+    return None

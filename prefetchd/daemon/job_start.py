@@ -1,0 +1,203 @@
+"""Starting a job: index its dataset, take over the buffer for it (its stream folders and manifests) and
+make its producer, with a heartbeat all along (``StartupBeat``), since indexing can take minutes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from prefetchd.buffer_protocol import DaemonLock, JobResult, Manifest, State, Status, stream_dir, write_status
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
+from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
+                                         holds_a_stream, make_stream_dir, remove_stream)
+from prefetchd.daemon.config import DaemonConfig, fill_defaults
+from prefetchd.daemon.dataset import split_folders_as_classes, split_members
+from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.hook import validate_hook
+from prefetchd.daemon.job_inbox import JobInbox
+from prefetchd.daemon.job_policy import check_files_inside
+from prefetchd.daemon.logs import status_unwritten
+from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id
+from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
+from prefetchd.daemon.sdnotify import Notifier
+from prefetchd.daemon.sources import open_dataset
+from prefetchd.daemon.wakeup import Wakeup
+from prefetchd.words import binary_size, counted
+
+log = logging.getLogger(__name__)
+
+
+class StoppedWhileStarting(Exception):
+    """A stop signal came while a job started: the start is given up where it was (``StartupBeat``)."""
+
+
+class StartupBeat:
+    """The heartbeat while a job starts: indexing a large dataset takes minutes, and a daemon
+    whose status.json does not move in that time would look stuck to trainers (and systemd).
+    It is where a stop signal is noticed meanwhile too (``wake``): waited for until the index
+    was done, a `systemctl stop` ended in SIGKILL and `prefetchd stop` in its timeout."""
+
+    def __init__(self, buffer: Path, notifier: Notifier, job_result: Callable[[], JobResult | None] = lambda: None,
+                 wake: Wakeup | None = None, buffer_fd: int | None = None) -> None:
+        self.buffer = buffer
+        self.buffer_fd = buffer_fd  # the locked buffer folder's fd (DaemonLock.dir_fd), which status.json goes into
+        self.notifier = notifier
+        self.job_result = job_result
+        self.wake = wake
+        self._last: float | None = None
+
+    def __call__(self, message: str) -> None:
+        """Write a "starting" status saying ``message``, at most once per STATUS_SECONDS; cheap to call often.
+        StoppedWhileStarting once a stop signal came."""
+        if self.wake is not None and self.wake.stop_signal is not None:
+            raise StoppedWhileStarting(self.wake.stop_reason)
+        self.notifier.watchdog()
+        now = time.monotonic()
+        if self._last is not None and now - self._last < STATUS_SECONDS:
+            return
+        self._last = now
+        try:
+            write_status(self.buffer, Status(pid=os.getpid(), state=State.STARTING, heartbeat=time.time(),
+                                             message=message, job_result=self.job_result()), self.buffer_fd)
+        except OSError as exc:
+            status_unwritten(self.buffer, exc)
+
+
+ROOM_RETRY_SECONDS = 1.0  # a write refused for want of space is tried again this often while a job starts
+
+
+def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat) -> None:
+    """``write`` (the document at ``path``), waited for while the buffer's filesystem has no room for it, as
+    production waits at the --min-free-mb floor: a daemon restarted while the tmpfs is full goes on once space
+    is freed there, instead of exiting.  The log says so when the wait begins and when it ends; the status
+    too where a page is free for it (a filesystem without one keeps the last status, its mtime the heartbeat:
+    SPEC rule 8); a stop signal ends the wait (``beat``)."""
+    since: float | None = None
+    while True:
+        try:
+            write()
+        except OSError as exc:
+            if exc.errno not in NO_ROOM_ERRNOS:
+                raise
+            why = (f"no room to write {path} ({exc.strerror}; {binary_size(free_bytes(path.parent))} free on its "
+                   "filesystem)")
+            if since is None:
+                since = time.monotonic()
+                log.warning("waiting for room: %s; free space there, and the daemon goes on by itself", why)
+                beat.notifier.status(f"waiting for room to write {path}")
+            beat(f"waiting for room: {why}")
+            time.sleep(ROOM_RETRY_SECONDS)
+            continue
+        if since is not None:
+            log.info("wrote %s after waiting %.0f s for room; going on", path, time.monotonic() - since)
+        return
+
+
+def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
+              publish: Callable[[Status], None], notifier: Notifier, lock: DaemonLock) -> Producer:
+    """Index the job's dataset, take over the buffer for it and return its producer."""
+    beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result, wake, lock.dir_fd)
+    beat(f"starting the job on {job.data}")
+    job, notes = fill_defaults(job)
+    for note in notes:
+        log.info("default: %s", note)
+    short = check_capacity(job)
+    if short is not None:
+        log.warning("%s", short)
+    if job.transform is not None:
+        validate_hook(job.transform)  # a typo fails here, not in every worker
+    assert job.data is not None
+    notifier.status(f"indexing {job.data}")
+    index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"),
+                         index_cache=job.index_cache, refresh_index=job.refresh_index)
+    mistaken = split_folders_as_classes(index.classes, job.data)
+    if mistaken is not None:
+        log.warning("%s", mistaken)
+    if inbox.pending_id is not None and inbox.pending_confinement is not None:
+        check_files_inside(index, job.data, inbox.pending_confinement, tick=lambda: beat(f"checking the files of {job.data}"))
+    members = split_members(len(index), job.split, job.val_fraction, index.source_index)
+    samples = samples_per_rank(len(members), job.world_size)
+    if job.drop_last and samples < job.batch_size:
+        per_rank = " per rank" if job.world_size > 1 else ""
+        raise ConfigError(f"drop_last: the {job.split} split's {samples} samples{per_rank} fill no batch of "
+                          f"{job.batch_size}, so every batch would be left out; lower --batch-size or leave out "
+                          "--drop-last")
+    producer_id = new_producer_id()
+    streams = []
+    if job.world_size > 1:
+        # A flat single-rank job left in the top directory is another job.
+        adopt_manifest(job.buffer, None, reset, job.world_size)
+    for rank in job.local_ranks:
+        directory = stream_dir(job.buffer, rank, job.world_size)
+        manifest = Manifest(
+            dataset_root=job.data,  # as given (a file list, not its folder), for status and restart hints
+            fingerprint=index.fingerprint,
+            classes=list(index.classes),
+            num_samples=len(index),
+            split=job.split,
+            seed=job.seed,
+            batch_size=job.batch_size,
+            image_size=job.image_size,
+            samples_per_epoch=samples,
+            steps_per_epoch=steps_per_epoch(samples, job.batch_size, job.drop_last),
+            epochs=job.epochs,
+            producer=producer_id,
+            rank=rank,
+            world_size=job.world_size,
+            val_fraction=job.val_fraction,
+            augmentation=job.augmentation,
+            drop_last=job.drop_last,
+        )
+        streams.append((directory, manifest))
+    # Streams of ranks this job does not produce that another job wrote (one of a larger world, say): a loader
+    # opened there would read that job's batches as if they were served, so they go, but only with --reset (a
+    # submitted job is one), as another job's streams of this job's ranks do. Those of this job (a restart with
+    # fewer --ranks) are left as they are, as the job's other data is.  (A single-rank job's adopt_manifest
+    # looks at them itself.)
+    others = [(leftover, differences)
+              for leftover in sorted(set(job.buffer.glob(f"{STREAM_PREFIX}*")) - {directory for directory, _ in streams})
+              if job.world_size > 1 and holds_a_stream(leftover)
+              and (differences := another_jobs(leftover, streams[0][1]))]
+    if others and not reset:
+        leftover, differences = others[0]
+        raise ConfigError(f"buffer {job.buffer} holds batches of a different job in {leftover.name}, a rank this job "
+                          f"does not produce ({'; '.join(differences)}); pass --reset (reset = true in a config) to delete them, or use another "
+                          "--buffer")
+    folders: list[int] = []  # each stream folder's fd, which its Stream keeps (and closes)
+    try:
+        for directory, manifest in streams:
+            folders.append(make_stream_dir(directory, job.group_access))
+            adopt_manifest(directory, manifest, reset)
+            write_when_room(functools.partial(manifest.write, directory, folders[-1]), directory / MANIFEST_NAME,
+                            beat)
+        for leftover, _differences in others:
+            log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
+            remove_stream(leftover)  # logs what it cannot remove: a file of someone else's, a folder put there
+        ranks = f", ranks {job.ranks or f'0-{job.world_size - 1}'} of {job.world_size}" if job.world_size > 1 else ""
+        log.info(
+            "producing %s split of %s into %s: %s, %s of %d at %dpx per epoch%s, "
+            "%s, high/low water %d/%d per rank, epochs %s",
+            job.split, job.data, job.buffer, counted(samples, "sample"), counted(streams[0][1].steps_per_epoch, "step"),
+            job.batch_size, job.image_size,
+            ranks, counted(job.workers or 0, "worker"), job.high_water, job.low_water, job.epochs or "unbounded",
+        )
+        beat(f"starting the workers for {job.data}")  # the last look for a stop signal before they start
+    except BaseException:
+        for fd in folders:
+            os.close(fd)
+        raise
+    # Its streams take the fds (and close them, or their finalizers do should the producer not be made).
+    return Producer(job, index, members, [(d, m, fd) for (d, m), fd in zip(streams, folders, strict=True)], wake,
+                    poll_jobs=inbox.poll, job_result=lambda: inbox.result, on_status=publish, notifier=notifier,
+                    lock_lost=lock.lost, buffer_fd=lock.dir_fd)
+
+
+def already_consumed(producer: Producer) -> str:
+    """Why a submitted job has nothing to produce, and how to have it produced again."""
+    epochs = counted(producer.streams[0].manifest.epochs or 0, "epoch")
+    return (f"nothing to produce: this job's trainers already consumed all {epochs} (their progress: "
+            f"{producer.progress_files}); to produce it again from epoch 0, remove those files and submit it again")
