@@ -4,6 +4,7 @@ name someone else put there."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -181,6 +182,9 @@ def test_start_on_a_buffer_another_user_made_and_keeps_to_itself_names_its_owner
         return json.dumps({"code": result.exit_code, "output": result.output, "log": said,
                            "config": [checked.exit_code, checked.output, repr(checked.exception)]})
 
+    # `start` imports the daemon lazily: imported here, so that the forked child need not read the interpreter's
+    # files (as_nobody); the CLI no longer imports the producer (and multiprocessing) on its own.
+    importlib.import_module("prefetchd.daemon.main")
     said = json.loads(as_nobody(start) or "{}")
     assert said.get("code") == EXIT_USAGE, said
     assert "not readable" not in said["output"], said
