@@ -34,6 +34,10 @@ from pathlib import Path
 Dir = str | os.PathLike[str]
 
 
+# How a folder is opened to work in it through its fd (``at``): never through a link.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def at(path: Path, dir_fd: int | None) -> str | Path:
     """What to pass to an ``os`` call with ``dir_fd``: the name in that folder where an fd is given, else the path.
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from prefetchd.buffer_protocol.errors import ProtocolError
-from prefetchd.buffer_protocol.layout import LOCK_NAME, Dir, consumer_lock_name, owning_buffer
+from prefetchd.buffer_protocol.layout import DIR_FLAGS, LOCK_NAME, Dir, consumer_lock_name, owning_buffer
 from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS, Progress, open_regular, pid_namespace
 from prefetchd.buffer_protocol.status import Status, TrainerStatus, readable_status
 
@@ -95,7 +95,7 @@ class DaemonLock:
             os.close(fd)
             raise BufferBusy(self._held_by(daemon_owner(self.path.parent)))
         try:
-            dir_fd: int | None = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            dir_fd: int | None = os.open(self.path.parent, DIR_FLAGS)
         except OSError:
             dir_fd = None
         try:

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prefetchd.buffer_protocol import Manifest, ProtocolError, list_batches, stream_dir
-from prefetchd.buffer_protocol.layout import (MANIFEST_NAME, STREAM_PREFIX, STREAM_RE, consumer_of, is_consumer_lock,
-                                             is_temp_name, parse_batch_name)
+from prefetchd.buffer_protocol.layout import (DIR_FLAGS, MANIFEST_NAME, STREAM_PREFIX, STREAM_RE, consumer_of,
+                                             is_consumer_lock, is_temp_name, parse_batch_name)
 from prefetchd.daemon.config import DaemonConfig, nearest_existing
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.job_policy import group_name, user_name
@@ -139,7 +139,7 @@ def chmod_dir(path: Path, mode: int) -> None:
     """chmod the directory at ``path``, never through a link: a stream directory is made inside a buffer its
     group may write, where a member could swap in a link between the mkdir and the chmod (chmod follows
     links), and the daemon would open another of its user's folders to the group.  OSError (ELOOP) then."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, DIR_FLAGS)
     try:
         os.fchmod(fd, mode)
     finally:
@@ -180,9 +180,6 @@ def check_private_dir(path: Path, group_access: bool) -> None:
     elif not group_access and perms & 0o077:
         log.warning("buffer directory %s has mode %04o: other users can list or read its batches; `chmod 700 %s` "
                     "(a new buffer is created 0700)", path, perms, path)
-
-
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def open_own_dir(path: str | os.PathLike[str], dir_fd: int | None = None, shown: str | None = None) -> int | None:

@@ -16,7 +16,7 @@ from typing import Any
 from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, JobResult, Progress, ProtocolError, State,
                                        Status)
 from prefetchd.buffer_protocol.errors import shown
-from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, list_consumers, progress_name, stream_dirs
+from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, at, list_consumers, progress_name, stream_dirs
 from prefetchd.daemon.config import FIELDS, DaemonConfig
 from prefetchd.daemon.errors import BufferLost, ConfigError
 from prefetchd.daemon.job_policy import JobPolicy, user_name
@@ -140,8 +140,7 @@ class JobInbox:
     def forget_accepted(self) -> None:
         """Drop the record of the accepted job: it ended, or cannot be resumed."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(ACCEPTED_JOB_NAME if self.dir_fd is not None else self.buffer / ACCEPTED_JOB_NAME,
-                      dir_fd=self.dir_fd)
+            os.unlink(at(self.buffer / ACCEPTED_JOB_NAME, self.dir_fd), dir_fd=self.dir_fd)
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
         """A new job to switch to, or None (nothing new, or refused: see ``result``)."""

@@ -44,9 +44,8 @@ from prefetchd.buffer_protocol import (
     map_batch,
     progress_name,
 )
-from prefetchd.buffer_protocol.layout import MAX_EPOCH
+from prefetchd.buffer_protocol.layout import DIR_FLAGS, MAX_EPOCH
 from prefetchd.buffer_protocol.status import Position, StreamStatus
-from prefetchd.daemon.buffer_dir import DIR_FLAGS
 from prefetchd.daemon.consumers import Consumer, plan_windows
 from prefetchd.daemon.sampler import EpochOrders
 from prefetchd.words import counted

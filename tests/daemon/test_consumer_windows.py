@@ -369,7 +369,7 @@ def test_a_status_of_the_most_ranks_and_consumers_stays_within_what_readers_take
     every trainer reads the daemon as gone."""
     from prefetchd.buffer_protocol.documents import MAX_DOCUMENT_LEN
     from prefetchd.buffer_protocol.layout import STATUS_NAME
-    from prefetchd.daemon.buffer_dir import DIR_FLAGS
+    from prefetchd.buffer_protocol.layout import DIR_FLAGS
     from prefetchd.daemon.config import MAX_LOCAL_RANKS, DaemonConfig
     from prefetchd.daemon.dataset import SampleIndex, pack_paths
     from prefetchd.daemon.producer import Producer

@@ -481,7 +481,7 @@ def test_the_streams_of_a_daemon_share_each_epochs_order_and_keep_their_share_al
     3 epochs: past the unit's MemoryMax).  Batches must not change: each share is the sampler's."""
     import os
 
-    from prefetchd.daemon.buffer_dir import DIR_FLAGS
+    from prefetchd.buffer_protocol.layout import DIR_FLAGS
     from prefetchd.daemon.dataset import SampleIndex, pack_paths
     from prefetchd.daemon.producer import Producer
     from prefetchd.daemon.sampler import epoch_order, samples_per_rank, steps_per_epoch
