@@ -225,7 +225,10 @@ class Producer:
         replaced buffer, rather than write batches (or a manifest) into whatever folder is there now."""
         replaced = stream.replaced()
         if replaced is not None:
-            self.fatal, self.fatal_error = str(BufferLost.because(replaced)), BufferLost
+            # A stream folder inside a replaced buffer (or the buffer itself, serving one rank) is the
+            # buffer's loss, and said as the status period's check says it, whichever looks first.
+            lost = self.lock_lost() or replaced
+            self.fatal, self.fatal_error = str(BufferLost.because(lost)), BufferLost
         return replaced is not None
 
     def _check_buffer(self) -> None:

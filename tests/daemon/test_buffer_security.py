@@ -312,3 +312,32 @@ def test_a_stream_folder_swapped_for_a_link_just_after_the_check_gets_no_file(
     monkeypatch.undo()
     assert f"stream folder {folder} of rank 0 was replaced by a link to {private}" in (stream.replaced() or "")
     stream.close()
+
+
+def test_a_replaced_buffer_that_is_its_ranks_stream_folder_is_said_as_the_buffers_loss(shm_buffer: Path) -> None:
+    """Serving one rank, the stream folder is the buffer: which of the two checks saw the replacement first
+    decided whether the daemon said the buffer was replaced or that a group member moved a stream folder
+    away (fresh CI, `test_a_buffer_that_is_no_longer_the_daemons_stops_it_in_one_line[a job]`)."""
+    from prefetchd.buffer_protocol.ownership import DaemonLock
+    from tests.daemon.test_window import books
+
+    buffer = shm_buffer / "bf"
+    prepare_buffer(buffer)
+    lock = DaemonLock(buffer)
+    lock.acquire()
+    manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=40, split="all", seed=0,
+                        batch_size=8, image_size=8, samples_per_epoch=40, steps_per_epoch=5, epochs=1,
+                        producer="test", rank=0, world_size=1)
+    stream = Stream(buffer, manifest, np.arange(40), shuffle=False, high=4, low=2,
+                    dir_fd=make_stream_dir(buffer, group_access=False))
+    producer = books(buffer, stream)
+    producer.lock_lost = lock.lost
+    os.rename(buffer, shm_buffer / "old")
+    buffer.mkdir(mode=0o700)
+    try:
+        assert not producer._start_build(stream, 0, BatchLayout.plan(8, 8, 8))
+        assert producer.fatal is not None and f"{buffer}: the buffer directory was replaced by another" in producer.fatal
+        assert os.listdir(buffer) == []
+    finally:
+        stream.close()
+        lock.release()
