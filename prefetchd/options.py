@@ -13,7 +13,7 @@ A field's metadata (see :func:`setting`):
 - ``location``: a local path or an object-storage URL;
 - ``path``: ``"dir"`` or ``"file"`` when only one of them makes sense (a ``location``: ``"dir"`` only);
 - ``readable``: False where what uses the path checks it and says more than click's "is not readable"
-  (the daemon's buffer: whose it is, and what to do);
+  (a buffer, the daemon's or the trainer's: whose it is, and what to do);
 - ``metavar``; ``short``, a one-letter alias such as ``-q``;
 - ``multiple``: a list of ``kind`` (a TOML array, a repeated flag), held as a tuple.
 

@@ -24,7 +24,8 @@ from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, dae
 from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
 from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, load_toml
-from prefetchd.daemon.buffer_dir import check_capacity, no_access
+from prefetchd.access import no_access
+from prefetchd.daemon.buffer_dir import check_capacity
 from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
@@ -76,7 +77,8 @@ def shown(value: Any) -> str:
 
 
 # Not readable=True (click's default): a user outside a --group-access buffer's group got only click's "Directory
-# ... is not readable" (exit 2, which `stop` documents for a rank's directory); the commands say whose it is (no_access).
+# ... is not readable" (exit 2, which `stop` documents for a rank's directory); the commands say whose it is (no_access,
+# as prefetchd-train does).
 BUFFER = click.Path(path_type=Path, file_okay=False, readable=False)
 
 CONFIG_FILE_OPTION = click.option(
@@ -352,14 +354,21 @@ def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, inte
 
 
 @click.command()
-@click.option("--buffer", type=click.Path(path_type=Path, file_okay=False, exists=True), required=True)
+@click.option("--buffer", type=BUFFER, required=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False, writable=True), default=Path("batch.png"),
               show_default=True)
 @click.option("--max-images", type=click.IntRange(1), default=64, show_default=True)
 def show(buffer: Path, out: Path, max_images: int) -> None:
-    """Render the next waiting batch as a labelled image grid, to check augmentations by eye."""
+    """Render the next waiting batch as a labelled image grid, to check augmentations by eye.  Exit code 1: no
+    batch to show; 2: a bad --out, or no BUFFER; 4: this user may not read BUFFER."""
     from prefetchd.daemon.show import render_next_batch, unwritable_out
 
+    denied = no_access(buffer)
+    if denied is not None:
+        click.echo(f"cannot show a batch of {buffer}: {denied}", err=True)
+        sys.exit(EXIT_NO_ACCESS)
+    if not buffer.exists():  # click's exists=True would say so of a buffer in a folder this user may not enter
+        raise click.BadParameter(f"{buffer} does not exist; pass the daemon's --buffer", param_hint="'--buffer'")
     if (problem := unwritable_out(out)) is not None:  # a bad value, as click's own are: exit 2
         raise click.UsageError(problem)
     try:

@@ -20,6 +20,7 @@ else:  # tomllib joined the standard library in 3.11; tomli is the same parser (
 
 import psutil
 
+from prefetchd.access import nearest_existing
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.buffer_protocol.documents import SPLITS, augmentation_text
 from prefetchd.buffer_protocol.errors import shown
@@ -295,14 +296,6 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def nearest_existing(path: Path) -> Path:
-    """``path`` or its closest ancestor that exists: the filesystem a new directory there would be on."""
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def default_min_free_mb(fs_bytes: int) -> int:

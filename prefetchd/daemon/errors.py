@@ -8,8 +8,8 @@ EXIT_USAGE = 2  # click's own code for bad flags; we use it for bad configuratio
 EXIT_NOT_RUNNING = 3  # `prefetchd status` when no daemon owns the buffer (LSB convention)
 EXIT_BAD_DATA = 4  # `prefetchd start`: --strict or the bad-sample budget stopped the job; a restart fails again
 EXIT_BUFFER_BUSY = 5  # `prefetchd start`: another live daemon owns the buffer; this one changed nothing
-# `prefetchd status` and `submit`: this user may not read (or write) the buffer; for status LSB's "status unknown",
-# and no number the two use for anything else (4 is EXIT_BAD_DATA only for `start`).
+# `prefetchd status`, `show` and `submit`: this user may not read (or write) the buffer; for status LSB's "status
+# unknown", and no number they use for anything else (4 is EXIT_BAD_DATA only for `start`); prefetchd-train's too.
 EXIT_NO_ACCESS = 4
 
 

@@ -19,7 +19,8 @@ from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, at, list_consumers, progress_name, stream_dirs
 from prefetchd.daemon.config import FIELDS, DaemonConfig
 from prefetchd.daemon.errors import BufferLost, ConfigError
-from prefetchd.daemon.job_policy import JobPolicy, user_name
+from prefetchd.access import user_name
+from prefetchd.daemon.job_policy import JobPolicy
 from prefetchd.daemon.logs import one_line
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.wakeup import Wakeup

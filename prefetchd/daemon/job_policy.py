@@ -21,37 +21,18 @@ who created it: writers create a temp file and rename it into place.
 from __future__ import annotations
 
 import dataclasses
-import grp
 import os
-import pwd
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prefetchd.access import user_name
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.locations import is_url
 
 TICK_FILES = 4096  # resolving a large index takes seconds: keep the heartbeat going every this many files
-
-
-def user_name(uid: int | None) -> str:
-    """``alice (uid 1001)`` for messages, or just the uid when it has no name."""
-    if uid is None:
-        return "an unknown user"
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def group_name(gid: int) -> str:
-    """``prefetchd`` for messages, or ``gid 1001`` when the group has no name."""
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return f"gid {gid}"
 
 
 def inside(path: str, root: str) -> bool:

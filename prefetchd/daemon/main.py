@@ -14,7 +14,7 @@ from prefetchd.daemon.buffer_dir import NO_ROOM_ERRNOS, free_bytes, note_buffer_
 from prefetchd.daemon.config import DaemonConfig, require_ray
 from prefetchd.daemon.errors import ConfigError, DaemonError, DatasetError
 from prefetchd.daemon.job_inbox import FAILED_WHILE_PRODUCING, FINISHED_PRODUCING, JobInbox, wait_for_job
-from prefetchd.daemon.job_policy import user_name
+from prefetchd.access import user_name
 from prefetchd.daemon.job_start import StoppedWhileStarting, already_consumed, start_job
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.logs import one_line, status_unwritten

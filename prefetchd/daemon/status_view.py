@@ -15,7 +15,8 @@ from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Product
                                        same_pid_namespace, writer_named)
 from prefetchd.buffer_protocol.documents import exact_number, pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
-from prefetchd.daemon.buffer_dir import free_bytes, no_access
+from prefetchd.access import no_access
+from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.job_inbox import job_verdict
 from prefetchd.daemon.mounts import filesystem_of

@@ -27,8 +27,10 @@ _SPAWN = "With --spawn-daemon: "
 class TrainConfig:
     """Everything a run depends on; ``prefetchd-train``'s options and their defaults come from here."""
 
-    buffer: Path = setting(MISSING, "Training buffer (the daemon's --buffer).", Path)
-    val_buffer: Path | None = setting(None, "Buffer of a --split val daemon; evaluated after every epoch.", Path)
+    # Not readable by click: ``train`` says whose a buffer this user may not read is, and how to join its group.
+    buffer: Path = setting(MISSING, "Training buffer (the daemon's --buffer).", Path, readable=False)
+    val_buffer: Path | None = setting(None, "Buffer of a --split val daemon; evaluated after every epoch.", Path,
+                                      readable=False)
     epochs: int | None = setting(None, "Epochs to train  [default: the manifest's epochs]", int, minimum=1)
     model: str = setting("resnet18", "A torchvision classification model name.", str)
     pretrained: bool = setting(False, "Start from torchvision's default weights, if they are in the local torch hub cache (never downloads).", bool)

@@ -51,6 +51,12 @@ class SetupError(ValueError):
     ``prefetchd-train`` reports it as ``Error: <message>`` with exit code 1 (EXIT_FAILED)."""
 
 
+class NoAccess(SetupError):
+    """This user may not read a buffer (a --group-access buffer of a group it is not in, say); the message says
+    whose it is and how to join its group.  ``prefetchd-train`` exits 4 (EXIT_NO_ACCESS), as `prefetchd status`
+    and `show` do."""
+
+
 class OptionError(SetupError):
     """An option's value is refused (an unknown --model, --device cuda without CUDA), or the options contradict
     each other or miss one another; ``prefetchd-train`` shows its usage, exit code 2, as click does for a bad flag."""
@@ -74,5 +80,5 @@ __all__ = [
     "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "JobEnded", "JobReplaced",
     "LoaderError",
     "LoaderTimeout",
-    "OptionError", "PeerFailed", "SetupError", "StateMismatch", "StopRequested",
+    "NoAccess", "OptionError", "PeerFailed", "SetupError", "StateMismatch", "StopRequested",
 ]

@@ -1,24 +1,35 @@
-"""What a ``prefetchd-train`` run settles before its first step, the same on every rank: the
-device, the number of epochs the daemons produce, the checkpoint plan (rank 0's), and that every
-rank runs the same steps (DDP hangs otherwise)."""
+"""What a ``prefetchd-train`` run settles before its first step, the same on every rank: that this
+user may read the buffers, the device, the number of epochs the daemons produce, the checkpoint plan
+(rank 0's), and that every rank runs the same steps (DDP hangs otherwise)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from prefetchd.access import no_access
 from prefetchd.trainer.checkpoint import CheckpointPlan, Checkpointer, existing_checkpoint
 from prefetchd.trainer.collective import Collective
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.errors import CheckpointError, OptionError, SetupError
+from prefetchd.trainer.errors import CheckpointError, NoAccess, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.rank_store import differs_between_ranks
 from prefetchd.trainer.ranks import Ranks
 from prefetchd.trainer.report import metrics_unwritable
 from prefetchd.words import counted
+
+
+def check_access(buffer: Path, val_buffer: Path | None) -> None:
+    """Refuse a buffer this user may not read, saying whose it is and how to join its group (``no_access``, the
+    words of `prefetchd status`); one not there yet is a daemon's to make, and waited for."""
+    for flag, path in (("--buffer", buffer), ("--val-buffer", val_buffer)):
+        denied = None if path is None else no_access(path)
+        if denied is not None:
+            raise NoAccess(f"cannot read {flag} {path}: {denied}")
 
 
 def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
@@ -172,5 +183,5 @@ def check_equal_steps(coll: Collective, train: BufferLoader, val: BufferLoader |
         )
 
 
-__all__ = ["ALIKE", "Alike", "agree_on_checkpoints", "agree_on_options", "check_equal_steps", "check_metrics_paths",
-           "resolve_device", "resolve_epochs"]
+__all__ = ["ALIKE", "Alike", "agree_on_checkpoints", "agree_on_options", "check_access", "check_equal_steps",
+           "check_metrics_paths", "resolve_device", "resolve_epochs"]

@@ -48,10 +48,10 @@ from prefetchd.trainer.collective import Collective, is_peer_failure, peer_faile
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
 from prefetchd.trainer.model import check_model_name
 from prefetchd.trainer.engine import Run
-from prefetchd.trainer.preflight import (agree_on_checkpoints, agree_on_options, check_equal_steps,
+from prefetchd.trainer.preflight import (agree_on_checkpoints, agree_on_options, check_access, check_equal_steps,
                                         check_metrics_paths, resolve_device, resolve_epochs)
-from prefetchd.trainer.errors import (CheckpointError, DaemonGone, DaemonStuck, LoaderError, OptionError, PeerFailed,
-                                      SetupError)
+from prefetchd.trainer.errors import (CheckpointError, DaemonGone, DaemonStuck, LoaderError, NoAccess, OptionError,
+                                      PeerFailed, SetupError)
 from prefetchd.trainer.gpu import PinMode
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
@@ -63,6 +63,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # a configuration problem found before training (SetupError), a bad checkpoint
 EXIT_USAGE = 2  # a bad option value, options that contradict each other (OptionError); click's code for bad flags
 EXIT_BUFFER = 3  # the buffer could not deliver: LoaderError / ProtocolError
+EXIT_NO_ACCESS = 4  # this user may not read --buffer or --val-buffer (NoAccess): as `prefetchd status` and `show`
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint
 
@@ -99,6 +100,10 @@ def train(
     check_model_name(config.model)
     ranks = ranks if ranks is not None else Ranks.from_env()
     check_spawn_options(config, ranks)
+    val_buffer = config.val_buffer
+    if config.spawn_daemon and config.val_data is not None and val_buffer is None:
+        val_buffer = config.buffer.with_name(config.buffer.name + "-val")
+    check_access(config.buffer, val_buffer)
     if config.resume and config.checkpoint_dir is None and ranks.is_main:  # the other ranks follow rank 0's
         raise OptionError("--resume continues from DIR/last.pt: pass --checkpoint-dir DIR")
     if not ranks.is_main:
@@ -110,9 +115,6 @@ def train(
         torch.backends.cudnn.benchmark = True
     pin: PinMode = "none" if device.type != "cuda" else config.pin  # type: ignore[assignment]
     torch.manual_seed(config.seed)
-    val_buffer = config.val_buffer
-    if config.spawn_daemon and config.val_data is not None and val_buffer is None:
-        val_buffer = config.buffer.with_name(config.buffer.name + "-val")
 
     with ExitStack() as stack:
         coll = Collective.start(ranks, device)
@@ -259,6 +261,9 @@ def main(verbose: bool, **options: Any) -> None:
                      "ranks wait): run this same command again with --resume to go on from the last checkpoint")
         click.echo(f"{name}: {told}", err=True)
         _leave(EXIT_BUFFER, ranks)
+    except NoAccess as exc:  # before SetupError, which it is; under torchrun every rank says it alike
+        click.echo(f"{name}: {exc}", err=True)
+        _leave(EXIT_NO_ACCESS, ranks)
     except OptionError as exc:  # before SetupError, which it is
         raise click.UsageError(str(exc)) from None
     except SetupError as exc:  # under torchrun every rank may say it: which one does
@@ -300,7 +305,7 @@ def _leave(code: int, ranks: Ranks) -> NoReturn:
 
 
 __all__ = [
-    "EXIT_BUFFER", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE", "main", "train",
+    "EXIT_BUFFER", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_NO_ACCESS", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE", "main", "train",
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import importlib
 import json
 import re
 import logging
@@ -789,6 +790,9 @@ def test_show_refuses_an_out_it_cannot_write_as_a_bad_value_before_reading_the_b
     assert result.exit_code == EXIT_USAGE and "Pillow writes no RGB image as '.xyz'" in result.output, result.output
     result = CliRunner().invoke(cli.show, ["--buffer", str(tmp_path / "empty"), "--out", str(tmp_path / "g.png")])
     assert result.exit_code == 1 and "has no waiting batch" in result.output, result.output
+    missing = CliRunner().invoke(cli.show, ["--buffer", str(tmp_path / "typo"), "--out", str(tmp_path / "g.png")])
+    assert missing.exit_code == EXIT_USAGE, missing.output
+    assert f"Invalid value for '--buffer': {tmp_path / 'typo'} does not exist" in missing.output, missing.output
     for suffix in (".png", ".tif"):
         good = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(tmp_path / f"g{suffix}")])
         assert good.exit_code == 0 and (tmp_path / f"g{suffix}").stat().st_size > 0, good.output
@@ -920,30 +924,36 @@ def test_submit_to_a_buffer_it_may_not_create_says_so_and_exits_4(shm_buffer: Pa
 def test_a_user_outside_the_buffers_group_is_told_whose_it_is_and_how_to_join(shm_buffer: Path) -> None:
     """A --group-access buffer (2770) read by a user not in its group: click's "Directory ... is not readable"
     with exit 2, which `stop` documents for a rank's stream directory, and `status --json` printed no JSON.
-    `stop` said nothing of the daemon that holds the lock.  Each now says whose the buffer is and what to do."""
+    `stop` said nothing of the daemon that holds the lock.  Each now says whose the buffer is and what to do;
+    `show` too, of the buffer and of a rank's stream directory in it (which click said did not exist)."""
+    importlib.import_module("prefetchd.daemon.show")  # before the fork (as_nobody): `show` imports it when it runs
+
     os.chmod(shm_buffer, 0o755)
     buffer = shm_buffer / "bf"
     buffer.mkdir()
+    (buffer / "rank-00000").mkdir()
     os.chmod(buffer, 0o2770)
     os.chown(buffer, 0, 65533)  # as the service's: its user, its group, which nobody is not in
     name = _group_name(65533)
     commands = {"status": ["status"], "json": ["status", "--json"], "stop": ["stop", "--timeout", "1"],
-                "submit": ["submit", "--data", str(shm_buffer), "--timeout", "1"]}
+                "submit": ["submit", "--data", str(shm_buffer), "--timeout", "1"],
+                "show": ["show", "--out", str(shm_buffer / "g.png")]}
 
     def as_outsider() -> str:
         said = {}
-        for name, args in commands.items():
-            result = CliRunner().invoke(prefetchd_cli.main, [*args, "--buffer", str(buffer)])
+        for name, args in [*commands.items(), ("rank", ["show", "--buffer", str(buffer / "rank-00000")])]:
+            result = CliRunner().invoke(prefetchd_cli.main, [*args, "--buffer", str(buffer)] if name != "rank" else args)
             said[name] = {"code": result.exit_code, "output": result.output, "exception": repr(result.exception)}
         return json.dumps(said)
 
     with owned(buffer):  # a daemon runs on it
         said = json.loads(as_nobody(as_outsider) or "{}")
-    assert set(said) == set(commands), said
+    assert set(said) == {*commands, "rank"}, said
     why = (f"{buffer}: permission denied: it belongs to root (uid 0) and group {name or 'gid 65533'} (mode 2770), and "
            f"nobody (uid 65534) is not in that group; join it (`sudo usermod -aG {name or 65533} nobody`, which takes "
            "effect at the next login), or ask root (uid 0) for access")
-    for name, expected in (("status", EXIT_NO_ACCESS), ("json", EXIT_NO_ACCESS), ("stop", 1), ("submit", EXIT_NO_ACCESS)):
+    for name, expected in (("status", EXIT_NO_ACCESS), ("json", EXIT_NO_ACCESS), ("stop", 1), ("submit", EXIT_NO_ACCESS),
+                           ("show", EXIT_NO_ACCESS), ("rank", EXIT_NO_ACCESS)):
         assert said[name]["code"] == expected, (name, said[name])
         assert why in " ".join(said[name]["output"].split()), (name, said[name])
         assert "not readable" not in said[name]["output"], (name, said[name])
@@ -953,11 +963,15 @@ def test_a_user_outside_the_buffers_group_is_told_whose_it_is_and_how_to_join(sh
     assert [why in " ".join(p.split()) for p in doc["problems"]] == [True], doc
     assert said["stop"]["output"].startswith(f"cannot stop the daemon on {buffer}, if one runs:"), said["stop"]
     assert said["submit"]["output"].startswith(f"cannot submit a job to {buffer} (nothing written):"), said["submit"]
-    assert sorted(os.listdir(buffer)) == [LOCK]  # no job.json
+    assert said["show"]["output"].startswith(f"cannot show a batch of {buffer}:"), said["show"]
+    assert said["rank"]["output"].startswith(f"cannot show a batch of {buffer / 'rank-00000'}:"), said["rank"]
+    assert sorted(os.listdir(buffer)) == [LOCK, "rank-00000"]  # no job.json
+    assert not (shm_buffer / "g.png").exists()
     # One added to the group (here: nobody's own) after the session began reads it only once logged in again.
     os.chown(buffer, 0, NOBODY)
     said = json.loads(as_nobody(as_outsider, gid=65533) or "{}")
-    assert [said[name]["code"] for name in commands] == [EXIT_NO_ACCESS, EXIT_NO_ACCESS, 1, EXIT_NO_ACCESS], said
+    assert [said[name]["code"] for name in commands] == [EXIT_NO_ACCESS, EXIT_NO_ACCESS, 1, EXIT_NO_ACCESS,
+                                                         EXIT_NO_ACCESS], said
     assert (f"nobody (uid 65534) joined that group after this session began: log in again (or run "
             f"`newgrp {_group_name(NOBODY) or NOBODY}`)") in " ".join(said["status"]["output"].split()), said
 

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches, read_status
-from prefetchd.daemon.job_policy import user_name
+from prefetchd.access import user_name
 from prefetchd.daemon.job_inbox import MAX_REASON_CHARS
 from prefetchd.trainer import BufferLoader, JobEnded, JobReplaced, LoaderTimeout
 from tests.status_examples import job_result_of, state_of

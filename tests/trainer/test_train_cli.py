@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import grp
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import Progress
-from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, EXIT_USAGE, main
+from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, EXIT_NO_ACCESS, EXIT_USAGE, main
+from tests.as_nobody import as_nobody
 
 if TYPE_CHECKING:
     from conftest import MakeJob
@@ -68,6 +71,49 @@ def test_missing_daemon_is_one_clear_line(buffer: Path) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("prefetchd-train: ") and "prefetchd start --buffer" in lines[0]
     assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays the service, whose buffers they are, and a user not in their group")
+def test_a_buffer_this_user_may_not_read_says_whose_it_is_and_exits_4(make_job: MakeJob, buffer: Path) -> None:
+    """A --group-access buffer of a group the user is not in: click's bare "Directory ... is not readable" (exit 2),
+    where `prefetchd status` says whose it is and how to join its group (exit 4); now the trainer says that too, of
+    --val-buffer as of --buffer."""
+    os.chmod(buffer, 0o755)
+    train, val = make_job(buffer / "train"), make_job(buffer / "val", split="val")
+    for job in (train, val):
+        for path in (job.buffer, *job.buffer.iterdir()):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    os.chmod(val.buffer, 0o2770)
+    os.chown(val.buffer, 0, 65533)  # as the service's: its user, its group, which nobody is not in
+    # Once here, before the fork (as_nobody), so that what the run imports is imported: no daemon serves it.
+    warm = CliRunner().invoke(main, ["--buffer", str(buffer / "none"), "--timeout", "0.1", "--device", "cpu"])
+    assert warm.exit_code == EXIT_BUFFER, warm.output
+
+    def as_outsider() -> str:
+        said = []
+        for args in (["--buffer", str(val.buffer)], ["--buffer", str(train.buffer), "--val-buffer", str(val.buffer)]):
+            result = CliRunner().invoke(main, [*args, "--timeout", "1", "--device", "cpu"])
+            said.append({"code": result.exit_code, "stderr": result.stderr})
+        return json.dumps(said)
+
+    said = json.loads(as_nobody(as_outsider) or "[]")
+    assert len(said) == 2, said
+    group = _group_name(65533) or "gid 65533"
+    why = (f"{val.buffer}: permission denied: it belongs to root (uid 0) and group {group} (mode 2770), and nobody "
+           f"(uid 65534) is not in that group; join it (`sudo usermod -aG {group.removeprefix('gid ')} nobody`, which "
+           "takes effect at the next login), or ask root (uid 0) for access")
+    for flag, answer in zip(("--buffer", "--val-buffer"), said):
+        assert answer["code"] == EXIT_NO_ACCESS == 4, answer
+        assert answer["stderr"].startswith(f"prefetchd-train: cannot read {flag} {val.buffer}: "), answer
+        assert why in " ".join(answer["stderr"].split()) and "not readable" not in answer["stderr"], answer
+    assert not (train.buffer / "progress.json").exists()  # refused before it read or wrote anything
+
+
+def _group_name(gid: int) -> str | None:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return None
 
 
 def test_epochs_required_for_an_endless_job(make_job: MakeJob) -> None:
