@@ -128,15 +128,22 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
         raise click.UsageError(str(exc)) from None
     if short is not None:
         click.echo(f"warning: {short}", err=True)
-    # Values are checked; the dataset is opened only at start, so say now if a local one is not there.
-    missing = filled.data is not None and not is_url(filled.data) and not Path(filled.data).exists()
+    # Values are checked; the dataset is opened only at start, so say now if a local one is not there.  Both are
+    # said, not refused (exit 0): the values are valid, and the user who checks a service's config is not the one
+    # it runs as (the unit's User=), who may well have the data and the buffer.
+    caveats = []
+    if filled.data is not None and not is_url(filled.data) and not Path(filled.data).exists():
+        caveats.append(f"data {filled.data} does not exist (yet): `prefetchd start` would stop at it")
+    denied = no_access(filled.buffer, write=True)
+    if denied is not None:
+        caveats.append(f"this user may not use buffer {filled.buffer}, so `prefetchd start` run by this user would "
+                       f"stop at it (a service's daemon runs as its unit's User=): {denied}")
     if not show:
-        click.echo(f"configuration is valid, but data {filled.data} does not exist (yet): `prefetchd start` would "
-                   "stop at it" if missing else "configuration is valid")
+        click.echo("configuration is valid" + (", but " + "; and ".join(caveats) if caveats else ""))
         return
     click.echo(format_toml(filled, dict(note.split(" = ", 1) for note in notes)))
-    if missing:
-        click.echo(f"# note: data {filled.data} does not exist (yet)", err=True)
+    for caveat in caveats:
+        click.echo(f"# note: {caveat}", err=True)
 
 
 def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:

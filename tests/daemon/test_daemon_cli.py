@@ -841,6 +841,53 @@ def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_
     assert there.exit_code == 0 and there.output.strip() == "configuration is valid"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays the service, whose buffer it is, and a user not in its group")
+def test_config_check_says_when_this_user_may_not_use_the_buffer(shm_buffer: Path) -> None:
+    """`prefetchd config` said "configuration is valid" to a user outside the buffer's group, whose `start` then
+    stopped at it.  Said as `status` says it, and not refused (exit 0): the service runs as another user."""
+    os.chmod(shm_buffer, 0o755)
+    theirs, readable = shm_buffer / "bf", shm_buffer / "ro"
+    theirs.mkdir(mode=0o2770)
+    os.chmod(theirs, 0o2770)
+    os.chown(theirs, 0, 65533)  # as the service's: its user, its group, which nobody is not in
+    readable.mkdir(mode=0o755)  # nobody may read it, not write it
+    toml = shm_buffer / "bf.toml"
+    toml.write_text(f'buffer = "{theirs}"\ndata = "{shm_buffer}"\n')
+    os.chmod(toml, 0o644)
+    runs = {"flag": ["--buffer", str(theirs), "--data", str(shm_buffer)], "file": ["--config", str(toml)],
+            "show": ["--config", str(toml), "--show"], "ro": ["--buffer", str(readable), "--data", str(shm_buffer)],
+            "missing": ["--buffer", str(theirs), "--data", str(shm_buffer / "nope")]}
+    warm = CliRunner().invoke(prefetchd_cli.main, ["config", *runs["show"]])  # imported before the fork (as_nobody)
+    assert warm.exit_code == 0 and warm.stdout.startswith("# effective prefetchd configuration"), warm.output
+
+    def check_all() -> str:
+        said = {}
+        for name, args in runs.items():
+            result = CliRunner().invoke(prefetchd_cli.main, ["config", *args])
+            said[name] = {"code": result.exit_code, "stdout": result.stdout, "stderr": result.stderr}
+        return json.dumps(said)
+
+    said = json.loads(as_nobody(check_all) or "{}")
+    assert set(said) == set(runs), said
+    assert all(answer["code"] == 0 for answer in said.values()), said
+    group = _group_name(65533) or "gid 65533"
+    why = (f"{theirs}: permission denied: it belongs to root (uid 0) and group {group} (mode 2770), and nobody "
+           f"(uid 65534) is not in that group; join it (`sudo usermod -aG {group.removeprefix('gid ')} nobody`, which "
+           "takes effect at the next login), or ask root (uid 0) for access")
+    caveat = (f"this user may not use buffer {theirs}, so `prefetchd start` run by this user would stop at it (a "
+              f"service's daemon runs as its unit's User=): {why}")
+    for name in ("flag", "file"):
+        assert " ".join(said[name]["stdout"].split()) == f"configuration is valid, but {caveat}", said[name]
+    assert said["show"]["stdout"].startswith("# effective prefetchd configuration"), said["show"]
+    assert f"# note: {caveat}" in " ".join(said["show"]["stderr"].split()), said["show"]
+    assert said["ro"]["stdout"].startswith(f"configuration is valid, but this user may not use buffer {readable}"), said
+    assert (f"{readable}: permission denied: it belongs to root (uid 0) and group {_group_name(0) or 'gid 0'} (mode "
+            "0755): its group may not write it either; ask root (uid 0) for access") in said["ro"]["stdout"], said["ro"]
+    assert " ".join(said["missing"]["stdout"].split()) == (
+        f"configuration is valid, but data {shm_buffer / 'nope'} does not exist (yet): `prefetchd start` would stop "
+        f"at it; and {caveat}"), said["missing"]
+
+
 def test_config_check_refuses_a_high_water_mark_start_refuses(runner: CliRunner, shm_buffer: Path) -> None:
     """`prefetchd config` said "valid" for a config whose `start` then failed with exit 2, which the systemd unit
     does not restart (review)."""
