@@ -156,8 +156,9 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
             lines.append(f"# {f.name} = (unset)")
             continue
         pair = tomli_w.dumps({f.name: str(value) if isinstance(value, Path) else value}).rstrip("\n")
-        # A note reads "VALUE (why)": the comment is the why.
-        note = f"  # default: {sized[f.name].split(' ', 1)[1].removeprefix('(').removesuffix(')')}" if f.name in sized else ""
+        # A note reads "VALUE (why)": the comment is the why (a VALUE may hold spaces: a path under /home/Jo Doe).
+        why = sized[f.name].removeprefix(f"{value} ").removeprefix("(").removesuffix(")") if f.name in sized else ""
+        note = f"  # default: {why}" if why else ""
         lines.append(f"{pair}{note}")
     return "\n".join(lines)
 

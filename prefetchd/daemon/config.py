@@ -26,7 +26,7 @@ from prefetchd.buffer_protocol.documents import SPLITS, augmentation_text
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
-from prefetchd.daemon.sources.index_cache import default_cache_dir
+from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY, default_cache_dir
 from prefetchd.daemon.sources.storage import URL_READERS
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import check_value as check_field
@@ -334,7 +334,10 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
         )
     if cfg.index_cache is None:
         changes["index_cache"] = default_cache_dir()
-        where = "$CACHE_DIRECTORY, from systemd" if os.environ.get("CACHE_DIRECTORY") else "the user's cache folder"
+        # Outside the unit (`config --show` by the admin) the default is the caller's, not the service's: say so.
+        where = ("$CACHE_DIRECTORY, from systemd" if os.environ.get("CACHE_DIRECTORY") else
+                 f"this user's cache folder; the systemd unit's daemon uses $CACHE_DIRECTORY instead, which its "
+                 f"CacheDirectory= sets to {UNIT_CACHE_DIRECTORY}")
         notes.append(f"index_cache = {changes['index_cache']} ({where})")
     if cfg.readers is None and cfg.data is not None:
         changes["readers"] = URL_READERS if is_url(cfg.data) else 1

@@ -888,6 +888,24 @@ def test_config_check_says_when_this_user_may_not_use_the_buffer(shm_buffer: Pat
         f"at it; and {caveat}"), said["missing"]
 
 
+def test_config_show_says_the_index_cache_default_is_the_callers_not_the_services(
+        runner: CliRunner, shm_buffer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`config --show` of a service's config, run by its admin, showed the admin's ~/.cache as the default
+    index_cache, where the unit's daemon uses $CACHE_DIRECTORY (/var/cache/prefetchd): now labelled so.  A path
+    with a space lost its first word from the comment."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "Jo Doe"))
+    args = ["config", "--show", "--buffer", str(shm_buffer)]
+    outside = runner.invoke(prefetchd_cli.main, args)
+    assert outside.exit_code == 0, outside.output
+    line = next(line for line in outside.stdout.splitlines() if line.startswith("index_cache = "))
+    assert line == (f'index_cache = "{tmp_path / "Jo Doe" / "prefetchd"}"  # default: this user\'s cache folder; the '
+                    "systemd unit's daemon uses $CACHE_DIRECTORY instead, which its CacheDirectory= sets to "
+                    "/var/cache/prefetchd"), line
+    monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/prefetchd")  # as the unit sets it
+    inside = runner.invoke(prefetchd_cli.main, args)
+    assert 'index_cache = "/var/cache/prefetchd"  # default: $CACHE_DIRECTORY, from systemd\n' in inside.stdout
+
+
 def test_config_check_refuses_a_high_water_mark_start_refuses(runner: CliRunner, shm_buffer: Path) -> None:
     """`prefetchd config` said "valid" for a config whose `start` then failed with exit 2, which the systemd unit
     does not restart (review)."""

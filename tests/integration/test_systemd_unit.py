@@ -20,6 +20,7 @@ from prefetchd.daemon.cli import start
 from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.errors import EXIT_BAD_DATA, EXIT_BUFFER_BUSY, EXIT_USAGE
 from prefetchd.daemon.buffer_dir import prepare_buffer
+from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD / "prefetchd@.service"
@@ -87,6 +88,11 @@ def test_required_directives(unit: dict[str, dict[str, list[str]]]) -> None:
     assert re.fullmatch(r"\d+[KMGT]?", value(unit, "MemoryMax"))
     assert "DynamicUser" not in unit["Service"]  # implies RemoveIPC=yes, which deletes the buffer on stop
     assert value(unit, "WantedBy", "Install") == "multi-user.target"
+
+
+def test_the_cache_directory_config_show_names_is_the_units(unit: dict[str, dict[str, list[str]]]) -> None:
+    """`prefetchd config --show` run outside the unit names where the unit's daemon keeps its index cache."""
+    assert Path("/var/cache") / value(unit, "CacheDirectory") == UNIT_CACHE_DIRECTORY
 
 
 def test_exec_start_names_the_instance_buffer_and_config_with_real_flags(unit: dict[str, dict[str, list[str]]]) -> None:

@@ -49,6 +49,12 @@ FOLDER_ARRAYS = ("dir_blob", "dir_offsets", "signature")  # what a class-folder 
 RACY_SECONDS = 2.0
 
 
+# Where systemd/prefetchd@.service's `CacheDirectory=prefetchd` puts the cache (a system unit's is under /var/cache),
+# which it passes in $CACHE_DIRECTORY: named where the default is shown outside the unit (`prefetchd config --show`).
+# tests/integration/test_systemd_unit.py keeps the two equal.
+UNIT_CACHE_DIRECTORY = Path("/var/cache/prefetchd")
+
+
 def default_cache_dir() -> Path:
     """systemd's ``CacheDirectory=`` (it sets $CACHE_DIRECTORY), else the user's cache folder."""
     systemd = os.environ.get("CACHE_DIRECTORY")
