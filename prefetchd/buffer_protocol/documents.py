@@ -51,9 +51,14 @@ PROGRESS_REFRESH_SECONDS = 2.0
 LOCK_RETRY_SECONDS = 0.5
 
 
+def encode_json(doc: dict[str, Any]) -> bytes:
+    """A document as its file holds it."""
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
 def write_json(path: Path, doc: dict[str, Any], dir_fd: int | None = None) -> None:
     """Atomically replace ``path`` with ``doc`` (see ``replace_file``)."""
-    replace_file(path, json.dumps(doc, indent=1, sort_keys=True).encode(), dir_fd=dir_fd)
+    replace_file(path, encode_json(doc), dir_fd=dir_fd)
 
 
 def replace_file(path: Path, data: bytes, mode: int | None = None, dir_fd: int | None = None) -> None:
@@ -81,6 +86,32 @@ def replace_file(path: Path, data: bytes, mode: int | None = None, dir_fd: int |
         with contextlib.suppress(OSError):
             os.unlink(tmp_at, dir_fd=dir_fd)
         raise
+
+
+def rewrite_in_place(path: Path, data: bytes, dir_fd: int | None = None) -> None:
+    """Write ``data`` over the file at ``path`` (through ``dir_fd``: ``layout.at``), in the pages it has: for a full
+    filesystem, where ``replace_file`` gets no page for a new file.  A tmpfs allocates nothing to overwrite a page a
+    file has, so this goes through while ``data`` fits the file's pages (its ``st_blocks``); a shorter ``data`` is
+    padded with spaces to the file's length, which JSON reads past and which keeps the pages for the next time.
+
+    Not atomic: a reader may find the file half rewritten for the moment the write takes, a document it cannot
+    parse, which readers of status.json take for one being replaced (``readable_status``).  Only a regular file of
+    this user with one link is written: with --group-access a member of the buffer's group may have put a file of
+    theirs, or a second name of another file, there.  OSError otherwise: ENOSPC where ``data`` does not fit."""
+    fd = os.open(at(path, dir_fd), os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise PermissionError(errno.EPERM, f"not a regular file of uid {os.geteuid()} with one link; not "
+                                  "written in place", str(path))
+        room = st.st_blocks * 512  # st_blocks counts 512-byte units, whatever the filesystem's block size
+        if len(data) > room:
+            raise OSError(errno.ENOSPC, f"{len(data)} bytes do not fit the {room} its pages hold", str(path))
+        padded = data.ljust(st.st_size, b" ")
+        if os.pwrite(fd, padded, 0) != len(padded):  # a filesystem that allocates anew to overwrite (copy on write)
+            raise OSError(errno.ENOSPC, "written in part only", str(path))
+    finally:
+        os.close(fd)
 
 
 def open_regular(path: Path, flags: int, what: str, mode: int = 0o644, dir_fd: int | None = None) -> int:

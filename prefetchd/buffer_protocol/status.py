@@ -33,7 +33,8 @@ from typing import Any, NoReturn
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
-from prefetchd.buffer_protocol.documents import pid_namespace as this_pid_namespace, read_json_stat, write_json
+from prefetchd.buffer_protocol.documents import (encode_json, pid_namespace as this_pid_namespace, read_json_stat,
+                                                 rewrite_in_place, write_json)
 from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, at, owning_buffer
 
 STATUS_FORMAT = "prefetchd.status"
@@ -355,16 +356,28 @@ class Status:
 
 def write_status(buffer: Dir, status: Status, dir_fd: int | None = None) -> None:
     """Replace ``buffer``'s status.json atomically with ``status`` (through the buffer folder's fd ``dir_fd``
-    where given: ``layout.at``).  On a full filesystem the new document cannot be written: the one there
-    gets the time as its mtime instead, which takes no space and which readers count as the heartbeat
-    (SPEC rule 8).  The OSError is raised either way."""
+    where given: ``layout.at``).
+
+    On a full filesystem there is no page for a new file: the document is written over the one there, in that
+    file's own pages, which a tmpfs overwrites without allocating (``rewrite_in_place``).  So a daemon restarted
+    on a full tmpfs says at once that it is the buffer's (its pid, its state, its heartbeat), where the earlier
+    daemon's document would have stayed and a waiting trainer taken the new daemon for stuck.  Where it does not
+    fit those pages (a document grown past them), or the file is not the daemon's own, the file gets the time as
+    its mtime instead, which takes no space and which readers count as the heartbeat (SPEC rule 8), and the
+    OSError is raised."""
     path = Path(buffer) / STATUS_NAME
     try:
         write_json(path, status.to_doc(), dir_fd)
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            with contextlib.suppress(OSError):
-                os.utime(at(path, dir_fd), dir_fd=dir_fd, follow_symlinks=False)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        try:
+            rewrite_in_place(path, encode_json(status.to_doc()), dir_fd)
+            return
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            os.utime(at(path, dir_fd), dir_fd=dir_fd, follow_symlinks=False)
         raise
 
 

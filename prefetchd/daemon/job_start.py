@@ -50,8 +50,8 @@ class StartupBeat:
         self.wake = wake
         self._last: float | None = None
 
-    def __call__(self, message: str) -> None:
-        """Write a "starting" status saying ``message``, at most once per STATUS_SECONDS; cheap to call often.
+    def __call__(self, message: str, state: State = State.STARTING) -> None:
+        """Write a status of ``state`` saying ``message``, at most once per STATUS_SECONDS; cheap to call often.
         StoppedWhileStarting once a stop signal came."""
         if self.wake is not None and self.wake.stop_signal is not None:
             raise StoppedWhileStarting(self.wake.stop_reason)
@@ -61,7 +61,7 @@ class StartupBeat:
             return
         self._last = now
         try:
-            write_status(self.buffer, Status(pid=os.getpid(), state=State.STARTING, heartbeat=time.time(),
+            write_status(self.buffer, Status(pid=os.getpid(), state=state, heartbeat=time.time(),
                                              message=message, job_result=self.job_result()), self.buffer_fd)
         except OSError as exc:
             status_unwritten(self.buffer, exc)
@@ -73,9 +73,10 @@ ROOM_RETRY_SECONDS = 1.0  # a write refused for want of space is tried again thi
 def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat) -> None:
     """``write`` (the document at ``path``), waited for while the buffer's filesystem has no room for it, as
     production waits at the --min-free-mb floor: a daemon restarted while the tmpfs is full goes on once space
-    is freed there, instead of exiting.  The log says so when the wait begins and when it ends; the status
-    too where a page is free for it (a filesystem without one keeps the last status, its mtime the heartbeat:
-    SPEC rule 8); a stop signal ends the wait (``beat``)."""
+    is freed there, instead of exiting.  The log says so when the wait begins and when it ends, and the status
+    meanwhile, as a pause for space (``State.PAUSED_LOW_SPACE``): with no page free it is written over the
+    earlier daemon's, in that file's pages (``write_status``), so a trainer waiting on the buffer sees this daemon
+    alive and waiting for room, not stuck.  A stop signal ends the wait (``beat``)."""
     since: float | None = None
     while True:
         try:
@@ -89,7 +90,8 @@ def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat) ->
                 since = time.monotonic()
                 log.warning("waiting for room: %s; free space there, and the daemon goes on by itself", why)
                 beat.notifier.status(f"waiting for room to write {path}")
-            beat(f"waiting for room: {why}")
+            beat(f"waiting for room: {why}; free space there, and the daemon goes on by itself",
+                 State.PAUSED_LOW_SPACE)
             time.sleep(ROOM_RETRY_SECONDS)
             continue
         if since is not None:

@@ -25,7 +25,7 @@ from prefetchd.words import agreeing, binary_size, counted, rank_ranges
 
 STALE_HEARTBEAT_SECONDS = 10.0
 SHOWN_BAD_FILES = 5  # bad files (undecodable, missing, unreadable) named in the text status
-# Too little to rewrite status.json (it takes a few pages, its temp file as many again); the daemon's own
+# Too little to replace status.json (a new file of a few pages beside the old); the daemon's own
 # floor (--min-free-mb, 1 MiB at least by default) stops it well above this: something else took the rest.
 FULL_FILESYSTEM_BYTES = 256 << 10
 
@@ -95,8 +95,8 @@ def describe_status(buffer: Path) -> StatusReport:
     free = _free_bytes(owner)
     full = free if daemon is not None and free is not None and free < FULL_FILESYSTEM_BYTES else None  # bytes left
     if daemon is not None and status is not None and not daemon.wrote(status):
-        # The one a daemon before it left (stopped, killed): shown as this one's, a daemon that starts (on a full
-        # filesystem: that waits for room to write its manifest) read as "stopped".
+        # The one a daemon before it left (stopped, killed): shown as this one's, a daemon that starts read as
+        # "stopped".  On a full filesystem too, where it was not this daemon's to write over (write_status).
         earlier = pid_named(status.pid, same_pid_namespace(status.pid_namespace))
         said = f"{status.state}: {status.message}" if status.message else str(status.state)
         problems.append(f"status.json is the one an earlier daemon ({earlier}) left, {said}; this daemon has written "
@@ -104,11 +104,12 @@ def describe_status(buffer: Path) -> StatusReport:
         status = None
     age = time.time() - status.heartbeat if status is not None else None
     if full is not None:
-        # status.json cannot be rewritten (its mtime still beats, SPEC rule 8): what shows is the last that fitted.
-        figures = "so the figures above are from the last one written" if status is not None else "its log says more"
+        # status.json is rewritten in its own pages; one grown past them, only its mtime beats (SPEC rule 8).
+        figures = ("; a status grown past them leaves the figures above as last written" if status is not None
+                   else "; its log says more")
         problems.append(f"the buffer's filesystem is full ({binary_size(full)} free): the daemon can build no "
-                        f"batch and cannot rewrite its status, {figures}; free space on {filesystem_of(owner).point} "
-                        "(what else fills it?)")
+                        f"batch, and rewrites its status only within the pages status.json has{figures}; free space "
+                        f"on {filesystem_of(owner).point} (what else fills it?)")
     return StatusReport(
         buffer=buffer,
         owner=owner,

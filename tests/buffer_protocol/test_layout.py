@@ -159,6 +159,29 @@ def test_a_daemon_on_a_full_filesystem_keeps_its_heartbeat(small_tmpfs: Path) ->
     assert before - 1 <= status.heartbeat <= time.time()  # but alive as of now
 
 
+def test_on_a_full_filesystem_a_status_is_written_over_the_one_there(small_tmpfs: Path) -> None:
+    """A daemon restarted on a full tmpfs has no page for a new status.json: written over the earlier daemon's, in
+    that file's pages, it says its own pid and state at once.  Only the mtime of the earlier one's was set: a
+    trainer waiting on the buffer then found a status of another pid than the lock's, so no heartbeat of the new
+    daemon's, and called it stuck."""
+    write_status(small_tmpfs, status_example(State.FULL, pid=os.getpid() + 1, heartbeat=time.time() - 100))
+    fill_up(small_tmpfs / "ballast")
+    waiting = Status(pid=os.getpid(), state=State.PAUSED_LOW_SPACE, heartbeat=time.time(),
+                     message="waiting for room: no room to write manifest.json")
+    write_status(small_tmpfs, waiting)  # shorter than the one there: padded with blanks to its length
+    assert read_status(small_tmpfs) == waiting
+    grown = dataclasses.replace(waiting, message="x" * 3000)  # longer than the one there, within its page
+    write_status(small_tmpfs, grown)
+    assert read_status(small_tmpfs) == grown
+    assert os.statvfs(small_tmpfs).f_bavail == 0  # in no new page
+    # A second name of status.json (a group member's link): not written through, which would change that file too.
+    os.link(small_tmpfs / STATUS_NAME, small_tmpfs / "second-name")
+    with pytest.raises(OSError, match="No space left"):
+        write_status(small_tmpfs, waiting)
+    kept = read_status(small_tmpfs)
+    assert kept is not None and kept.message == grown.message  # as it was; its mtime beats
+
+
 def test_a_failed_json_write_leaves_no_temp_file(tmp_path: Path, small_tmpfs: Path) -> None:
     """A loader retries its progress write every half second: a failure must not leave a file each time."""
     (tmp_path / "doc.json").mkdir()  # replaced by someone with a directory

@@ -7,12 +7,13 @@ import contextlib
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from prefetchd.buffer_protocol import State, Status, batch_name, read_status
+from prefetchd.buffer_protocol import DaemonOwner, State, Status, batch_name, daemon_owner, read_status
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.daemon.config import DaemonConfig, fill_defaults
 from prefetchd.daemon.errors import ConfigError
@@ -139,13 +140,16 @@ def test_a_daemon_restarted_on_a_full_tmpfs_comes_back_once_there_is_room(
         try:
             if pages:  # room for its documents, one page at a time: it starts, paused at the floor
                 again.wait_until(lambda: own_status(buffer, again) is not None, 30, "its first status")
-            else:  # no room even for its manifest: it waits, says so, and the status says whose status is there
+            else:  # no room even for its manifest: it waits, says so in its log and in its status
                 again.wait_until(lambda: "waiting for room: " in again.log, 30, "the wait for room")
                 assert f"waiting for room: no room to write {buffer / 'manifest.json'} (No space left on device; " \
                        "0 bytes free on its filesystem)" in again.log, again.log
+                again.wait_until(lambda: (status := own_status(buffer, again)) is not None
+                                 and status.state == State.PAUSED_LOW_SPACE, 10, "its status of the wait")
                 shown = format_status(describe_status(buffer))
-                assert f"running (pid {again.proc.pid}), state starting" in shown, shown
-                assert "status.json is the one an earlier daemon" in shown and "having no room for it" in shown, shown
+                assert f"running (pid {again.proc.pid}), state paused-low-space" in shown, shown
+                assert f"note      waiting for room: no room to write {buffer / 'manifest.json'}" in shown, shown
+                assert "status.json is the one an earlier daemon" not in shown, shown
             time.sleep(2)  # as long again: it waits, it does not exit
             assert again.proc.poll() is None and "Traceback" not in again.log, again.log
             filler.unlink()
@@ -158,6 +162,61 @@ def test_a_daemon_restarted_on_a_full_tmpfs_comes_back_once_there_is_room(
             assert seen == list(range(len(seen))) and len(seen) == 72  # every sample of the epoch, once
             assert again.wait_exit() == 0, again.log  # its one epoch read
         finally:
+            again.terminate()  # before the tmpfs is unmounted
+
+
+STALL = 3.0  # the waiting loader's stall_timeout: well under how long the test keeps the tmpfs full
+
+
+def test_a_trainer_waiting_on_a_daemon_restarted_on_a_full_tmpfs_sees_it_wait_for_room(
+        shm_dir: Path, shapes_data: Path, start_daemon) -> None:
+    """A daemon restarted while the tmpfs has no page free (a crash, then systemd) waits for room, and is healthy.
+    It could not replace status.json, so the earlier daemon's stayed there: its pid was not the lock's, so its
+    mtime heartbeat was not the new daemon's either, and a trainer waiting for a batch raised DaemonStuck after its
+    stall_timeout.  Now the status is written over the earlier one's, in its pages: the new pid, paused for space."""
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        buffer = mount / "bf"
+        flags = ["--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1",
+                 "--high-water", "4", "--min-free-mb", "1", "--epochs", "1"]
+        first = start_daemon(buffer, *flags)
+        try:
+            first.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+        finally:
+            first.proc.send_signal(signal.SIGKILL)
+            first.wait_exit()
+        filler = fill_leaving(mount, 0)
+        again = start_daemon(buffer, *flags)
+        seen: list[tuple[Status | None, DaemonOwner | None, float]] = []
+
+        def look_then_free() -> None:
+            """What a trainer's liveness check reads while it waits past its stall bound; then room is made."""
+            time.sleep(3 * STALL)
+            status = read_status(buffer)
+            seen.append((status, daemon_owner(buffer, status), time.time()))
+            filler.unlink()
+
+        freeing = threading.Thread(target=look_then_free)
+        try:
+            again.wait_until(lambda: "waiting for room: " in again.log, 30, "the wait for room")
+            with BufferLoader(buffer, normalize=False, timeout=60, stall_timeout=STALL) as loader:
+                batches = iter(loader)
+                steps = [next(batches).step for _ in range(4)]  # the earlier daemon's, still there
+                freeing.start()
+                began = time.monotonic()
+                steps.append(next(batches).step)  # the new daemon's first: built once there is room
+                waited = time.monotonic() - began
+            freeing.join()
+            assert steps == [0, 1, 2, 3, 4] and waited >= 3 * STALL, (steps, waited)
+            [(status, owner, looked)] = seen
+            assert owner is not None and owner.pid == again.proc.pid, (owner, again.proc.pid)
+            assert status is not None and owner.wrote(status), status  # its own heartbeat, not the earlier daemon's
+            assert status.state == State.PAUSED_LOW_SPACE, status
+            assert status.message.startswith(f"waiting for room: no room to write {buffer / 'manifest.json'}"), status
+            assert looked - status.heartbeat < STALL, (looked, status)  # beating, about once a second
+        finally:
+            if freeing.is_alive():
+                freeing.join()
+            filler.unlink(missing_ok=True)
             again.terminate()  # before the tmpfs is unmounted
 
 
@@ -231,7 +290,8 @@ def test_a_pause_for_space_and_the_resumption_are_both_logged(shm_dir: Path, sha
             with contextlib.suppress(OSError):
                 rest.write_bytes(b"\1" * free_bytes(mount))
             assert re.search(r"the buffer's filesystem is full \((\d+ bytes?|[\d.]+ KiB) free\): the daemon can build no "
-                             "batch and cannot rewrite its status", format_status(describe_status(buffer)))
+                             "batch, and rewrites its status only within the pages status.json has",
+                             format_status(describe_status(buffer)))
             rest.unlink()
             ballast.unlink()
             daemon.wait_until(lambda: "resumed: " in daemon.log, 30, "the resumption")
