@@ -171,10 +171,20 @@ class JobInbox:
             return None
         idle, writer = freshest_progress(self.buffer)
         if running is not None and idle < TRAINER_ACTIVE_SECONDS and not request.replace:
-            self.answer(request.job_id, False,
-                        f"a trainer of {user_name(writer)} is consuming the running job on {running.data} (progress "
-                        f"written {idle:.0f} s ago); submit with --replace to replace it anyway")
-            return None
+            consuming = (f"a trainer of {user_name(writer)} is consuming the running job on {running.data} (progress "
+                         f"written {idle:.0f} s ago)")
+            end = new_end(running, job)
+            if end is None:
+                self.answer(request.job_id, False, f"{consuming}; submit with --replace to replace it anyway")
+                return None
+            if not end.later:
+                self.answer(request.job_id, False,
+                            f"{consuming}, and this job is that one with an earlier end ({end}): its trainers would "
+                            "stop at their next batch (JobReplaced), short of the end they count on; submit with "
+                            "--replace to end it there anyway")
+                return None
+            # The same job to a later end takes nothing from its trainers: they read on to their own end, and
+            # the daemon keeps the job's batches and goes on from their positions.
         self._pend(request, confinement)
         return job
 
@@ -190,6 +200,52 @@ class JobInbox:
         if job.data is None:
             raise ConfigError("the job names no dataset: set `data` to a folder of class folders, a file list or a folder of shards")
         return job
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochsChange:
+    """A job that is the running one but for ``epochs`` (None: no end): the same batches, another end."""
+
+    old: int | None
+    new: int | None
+
+    @property
+    def later(self) -> bool:
+        """Whether the new end comes after the old: a loader of the running job then reads on to its own end
+        (the trainer's ``JobWatch`` stops only one whose end the new one comes before)."""
+        return self.new is None or (self.old is not None and self.new > self.old)
+
+    def __str__(self) -> str:
+        return f"{_epochs(self.new)} instead of {_epochs(self.old)}"
+
+
+def _epochs(epochs: int | None) -> str:
+    return f"--epochs {epochs}" if epochs is not None else "no --epochs (no end)"
+
+
+def new_end(running: DaemonConfig, job: DaemonConfig) -> EpochsChange | None:
+    """How ``job`` changes the end of ``running``, where it differs from it in ``epochs`` alone; else None."""
+    old, new = job_settings(running), job_settings(job)
+    if old["epochs"] == new["epochs"] or {**old, "epochs": None} != {**new, "epochs": None}:
+        return None
+    return EpochsChange(running.epochs, job.epochs)
+
+
+def settings_changed(old: DaemonConfig, new: DaemonConfig) -> str:
+    """What a job changes of the one it replaces, for its answer: "batch_size: 8 -> 4; epochs: 3 -> 1"."""
+    before, after = job_settings(old), job_settings(new)
+    return "; ".join(f"{key}: {before[key]!r} -> {after[key]!r}" for key in sorted(before) if before[key] != after[key])
+
+
+def replacing_answer(replaced: DaemonConfig, job: DaemonConfig) -> str:
+    """What a submitted job did to the one it stopped, as its answer goes on after "producing ROOT for USER"."""
+    end = new_end(replaced, job)
+    if end is None:
+        changed = settings_changed(replaced, job)
+        return f", replacing the running job on {replaced.data}" + (f" ({changed})" if changed else "")
+    readers = ("its trainers read on to their own end" if end.later else
+               "a trainer reading to the old end stops at its next batch (JobReplaced)")
+    return f", the running job with {end}: its batches kept, {readers}"
 
 
 def freshest_progress(buffer: Path) -> tuple[float, int | None]:

@@ -13,7 +13,8 @@ from prefetchd.buffer_protocol.layout import LOCK_NAME
 from prefetchd.daemon.buffer_dir import NO_ROOM_ERRNOS, free_bytes, note_buffer_filesystem, prepare_buffer, sweep_temp_files
 from prefetchd.daemon.config import DaemonConfig, require_ray
 from prefetchd.daemon.errors import ConfigError, DaemonError, DatasetError
-from prefetchd.daemon.job_inbox import FAILED_WHILE_PRODUCING, FINISHED_PRODUCING, JobInbox, wait_for_job
+from prefetchd.daemon.job_inbox import (FAILED_WHILE_PRODUCING, FINISHED_PRODUCING, JobInbox, replacing_answer,
+                                        wait_for_job)
 from prefetchd.access import user_name
 from prefetchd.daemon.job_start import StoppedWhileStarting, already_consumed, start_job
 from prefetchd.daemon.jpeg_crop import decoder_summary
@@ -205,7 +206,7 @@ def _serve(cfg: DaemonConfig) -> int:
                         continue
                     # Who asked for it, and what it stopped: a --replace took the buffer from someone's trainer.
                     replacing = (", resumed after a restart" if resuming else
-                                 f", replacing the running job on {replaced.data}" if replaced is not None else "")
+                                 replacing_answer(replaced, job) if replaced is not None else "")
                     inbox.answer(inbox.pending_id, True,
                                  f"producing {job.data} for {user_name(inbox.pending_owner)}{replacing}")
                     inbox.accepted()

@@ -65,6 +65,7 @@ def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: P
     # The log (and the answer) name who submitted it, and what it replaced: it said only "producing ROOT".
     said = f"producing {shapes_data / 'val'} for {me}, replacing the running job on {shapes_data / 'train'}"
     assert said in forced.stdout and f"accepted: {said}" in daemon.log, forced.stdout
+    assert "(batch_size: 8 -> 4; data: " in forced.stdout and "split: 'train' -> 'val')" in forced.stdout, forced.stdout
     daemon.wait_until(lambda: Manifest.read(buffer).split == "val", 30, "the new job's manifest")
     fresh = BufferLoader(buffer, normalize=False, timeout=30)
     assert next(iter(fresh)).images.shape[0] == 4
@@ -396,6 +397,36 @@ def test_a_trainer_whose_job_is_submitted_again_for_more_epochs_reads_on_to_its_
     read = [next(iter(loader))]
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "4", "--replace").returncode == 0
     read += [batch for batch in loader] + [batch for batch in loader]  # the rest of epoch 0, then epoch 1
+    assert len(read) == 2 * len(loader) and loader.position == (2, 0)  # its 2 epochs, to the end
+    loader.close()
+
+
+def test_the_running_job_to_a_later_end_needs_no_replace_but_to_an_earlier_one_does(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A resubmit that changes only --epochs gives a reading trainer the same batches: to a later end it costs that
+    trainer nothing and is accepted without --replace (it was refused, even to the trainer's own user), saying what
+    changed; to an earlier end it would stop that trainer short of its end (JobReplaced), so it still needs
+    --replace, and the refusal says why."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    job = ["--data", shapes_data / "train", *JOB]
+    assert submit(buffer, *job, "--epochs", "2").returncode == 0
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    batches = iter(loader)
+    read = [next(batches), next(batches)]  # the trainer reads: its progress is fresh
+
+    earlier = submit(buffer, *job, "--epochs", "1")
+    assert earlier.returncode == 1, earlier.stdout + earlier.stderr
+    assert "this job is that one with an earlier end (--epochs 1 instead of --epochs 2)" in earlier.stdout, earlier.stdout
+    assert "stop at their next batch (JobReplaced)" in earlier.stdout and "--replace" in earlier.stdout, earlier.stdout
+
+    later = submit(buffer, *job, "--epochs", "4")
+    assert later.returncode == 0, later.stdout + later.stderr
+    assert (f"producing {shapes_data / 'train'} for {user_name(os.getuid())}, the running job with --epochs 4 "
+            "instead of --epochs 2: its batches kept, its trainers read on to their own end") in later.stdout, later.stdout
+    daemon.wait_until(lambda: Manifest.read(buffer).epochs == 4, 30, "the later end's manifest")
+    read += list(batches) + list(loader)  # the rest of epoch 0, then epoch 1: no JobReplaced
     assert len(read) == 2 * len(loader) and loader.position == (2, 0)  # its 2 epochs, to the end
     loader.close()
 
