@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 
 def counted(count: int, noun: str) -> str:
     """``count`` and ``noun``, plural unless one: "1 worker", "2 workers", "0 epochs", "2 retries", "3 classes"."""
@@ -40,4 +42,9 @@ def binary_size(n: float) -> str:
     return f"{n / 2**10:.1f} KiB" if n >= 2**10 else counted(int(n), "byte")
 
 
-__all__ = ["agreeing", "binary_size", "counted", "rank_ranges"]
+def moment(when: float) -> str:
+    """``when`` (a time.time()) as local time, "2025-03-01 14:02:07", for messages."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+
+
+__all__ = ["agreeing", "binary_size", "counted", "moment", "rank_ranges"]

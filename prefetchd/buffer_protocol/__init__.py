@@ -45,6 +45,7 @@ from prefetchd.buffer_protocol.status import (
     Rates,
     RemoteNode,
     RemoteStatus,
+    RunningJob,
     State,
     Status,
     StorageWait,
@@ -66,6 +67,6 @@ __all__ = [
     "writer_alive", "writer_named",
     "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status", "readable_status",
     "stream_dir", "write_batch", "write_status",
-    "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "State",
+    "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "RunningJob", "State",
     "Status", "StorageWait", "StreamStatus", "Totals", "TrainerStatus",
 ]

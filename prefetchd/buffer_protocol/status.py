@@ -5,7 +5,7 @@ only.  On disk it is flat, as `prefetchd status --json` shows it::
 
     {"format": "prefetchd.status", "version": 1,
      "pid": 4242, "pid_namespace": 4026531836, "state": "filling", "message": "", "heartbeat": 1700000000.5,
-     "job_result": null,                          <- every state
+     "job_result": null, "running_job": null,     <- every state
      "producer": "0123456789ab", "progress": {...}, "rates": {...}, ...
                                                   <- only while a job is produced (Production)
     }
@@ -215,6 +215,18 @@ class JobResult:
 
 
 @dataclass(frozen=True)
+class RunningJob:
+    """The submitted job the daemon starts or produces (SPEC rule 5), from its start until it ends or another
+    replaces it.  ``Status.job_result`` answers the latest job.json instead: a request refused meanwhile, or one
+    of the same job ("already producing this job"), leaves this one running."""
+
+    job_id: str
+    submitter: int | None  # the uid owning the job.json it came from (JobRequest.owner); None: not known
+    submitted: float  # the request's ``submitted``: time.time() when its submitter wrote it
+    answer: str  # the daemon's answer accepting it ("producing ROOT for USER ..."); "" while it starts
+
+
+@dataclass(frozen=True)
 class StorageWait:
     """The daemon's builds wait for the dataset's storage: an object store that does not answer after its
     retries, a local root gone (unmounted).  Nothing is wrong with the data or the daemon, and the
@@ -295,6 +307,8 @@ class Status:
     job_result: JobResult | None = None
     production: Production | None = None
     pid_namespace: int | None = field(default_factory=this_pid_namespace)
+    # None while the daemon waits for a job, and while it runs the job it was started with (its own --data).
+    running_job: RunningJob | None = None
 
     @property
     def remote(self) -> RemoteStatus | None:
@@ -306,6 +320,7 @@ class Status:
         doc: dict[str, Any] = {
             "format": STATUS_FORMAT, "version": VERSION, "pid": self.pid, "state": str(self.state),
             "message": self.message, "heartbeat": self.heartbeat, "job_result": _plain(self.job_result),
+            "running_job": _plain(self.running_job),
         }
         if self.pid_namespace is not None:
             doc["pid_namespace"] = self.pid_namespace
@@ -318,6 +333,7 @@ class Status:
         """Check and convert a document read_json has accepted (format and version are checked there)."""
         top = _Fields(doc, path)
         job = top.optional_map("job_result")
+        running = top.optional_map("running_job")  # absent from a daemon of an earlier 0.1 build
         production = None
         if "progress" in doc:  # absent while waiting for a job and while starting one
             production = Production(
@@ -351,6 +367,8 @@ class Status:
             if job is not None else None,
             production=production,
             pid_namespace=top.optional_nat("pid_namespace"),
+            running_job=RunningJob(running.text("job_id"), running.optional_nat("submitter"), running.num("submitted"),
+                                   running.text("answer")) if running is not None else None,
         )
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, JobResult, Progress, ProtocolError, State,
-                                       Status)
+from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, JobResult, Progress, ProtocolError,
+                                       RunningJob, State, Status)
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, at, list_consumers, progress_name, stream_dirs
 from prefetchd.daemon.config import FIELDS, DaemonConfig
@@ -80,6 +80,7 @@ class JobInbox:
         self.pending_confinement: tuple[str, ...] | None = None
         self.pending_owner: int | None = None  # the pending job's submitter: its job.json's owner (uid), which the log names
         self.pending_request: JobRequest | None = None  # what ``accepted`` records
+        self.running: RunningJob | None = None  # the submitted job accepted and produced, until it ends
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -128,10 +129,23 @@ class JobInbox:
         self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
         self.pending_request = request
 
+    def running_job(self) -> RunningJob | None:
+        """The submitted job status.json names as the one that runs: the pending one from its start (before its
+        manifests replace the running job's, so that a trainer stopped by them reads who submitted it), else
+        the one accepted and produced."""
+        request = self.pending_request
+        if self.pending_id is not None and request is not None and request.job_id == self.pending_id:
+            return RunningJob(request.job_id, request.owner, request.submitted, "")
+        return self.running
+
     def accepted(self) -> None:
-        """Keep the pending request, now produced, for a restarted daemon to resume (``JobRequest.record``)."""
+        """Keep the pending request, now produced and answered, as the running job, and for a restarted daemon
+        to resume (``JobRequest.record``)."""
         if self.pending_request is None:
             return
+        request, result = self.pending_request, self.result
+        answer = result.reason if result is not None and result.job_id == request.job_id else ""
+        self.running = RunningJob(request.job_id, request.owner, request.submitted, answer)
         try:
             self.pending_request.record(self.buffer, self.dir_fd)
         except OSError as exc:  # a full tmpfs: a restart then waits for a job, or starts the configured one
@@ -140,6 +154,7 @@ class JobInbox:
 
     def forget_accepted(self) -> None:
         """Drop the record of the accepted job: it ended, or cannot be resumed."""
+        self.running = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(at(self.buffer / ACCEPTED_JOB_NAME, self.dir_fd), dir_fd=self.dir_fd)
 
@@ -287,12 +302,12 @@ def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[
             if lost is not None:
                 raise BufferLost.because(lost)
             publish(Status(pid=os.getpid(), state=State.WAITING_FOR_JOB, heartbeat=time.time(), message=message,
-                           job_result=inbox.result))
+                           job_result=inbox.result, running_job=inbox.running_job()))
             last_status = now
         select.select([wake], [], [], WAIT_STATUS_SECONDS)
         wake.drain()
     # The last status says it stopped, not that it waits for a submit nobody will read.
     notifier.stopping(wake.stop_reason)
     publish(Status(pid=os.getpid(), state=State.STOPPED, heartbeat=time.time(), message=wake.stop_reason,
-                   job_result=inbox.result))
+                   job_result=inbox.result, running_job=inbox.running_job()))
     return None

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from prefetchd.buffer_protocol import DaemonLock, JobResult, Manifest, State, Status, stream_dir, write_status
+from prefetchd.buffer_protocol import DaemonLock, JobResult, Manifest, RunningJob, State, Status, stream_dir, write_status
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
                                          holds_a_stream, make_stream_dir, remove_stream)
@@ -42,11 +42,13 @@ class StartupBeat:
     was done, a `systemctl stop` ended in SIGKILL and `prefetchd stop` in its timeout."""
 
     def __init__(self, buffer: Path, notifier: Notifier, job_result: Callable[[], JobResult | None] = lambda: None,
-                 wake: Wakeup | None = None, buffer_fd: int | None = None) -> None:
+                 wake: Wakeup | None = None, buffer_fd: int | None = None,
+                 running_job: Callable[[], RunningJob | None] = lambda: None) -> None:
         self.buffer = buffer
         self.buffer_fd = buffer_fd  # the locked buffer folder's fd (DaemonLock.dir_fd), which status.json goes into
         self.notifier = notifier
         self.job_result = job_result
+        self.running_job = running_job
         self.wake = wake
         self._last: float | None = None
 
@@ -62,7 +64,8 @@ class StartupBeat:
         self._last = now
         try:
             write_status(self.buffer, Status(pid=os.getpid(), state=state, heartbeat=time.time(),
-                                             message=message, job_result=self.job_result()), self.buffer_fd)
+                                             message=message, job_result=self.job_result(),
+                                             running_job=self.running_job()), self.buffer_fd)
         except OSError as exc:
             status_unwritten(self.buffer, exc)
 
@@ -102,7 +105,8 @@ def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat) ->
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
               publish: Callable[[Status], None], notifier: Notifier, lock: DaemonLock) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
-    beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result, wake, lock.dir_fd)
+    # Its first status, written now, names the job that starts (``running_job``): before its manifests do.
+    beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result, wake, lock.dir_fd, inbox.running_job)
     beat(f"starting the job on {job.data}")
     job, notes = fill_defaults(job)
     for note in notes:
@@ -194,7 +198,8 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         raise
     # Its streams take the fds (and close them, or their finalizers do should the producer not be made).
     return Producer(job, index, members, [(d, m, fd) for (d, m), fd in zip(streams, folders, strict=True)], wake,
-                    poll_jobs=inbox.poll, job_result=lambda: inbox.result, on_status=publish, notifier=notifier,
+                    poll_jobs=inbox.poll, job_result=lambda: inbox.result, running_job=inbox.running_job,
+                    on_status=publish, notifier=notifier,
                     lock_lost=lock.lost, buffer_fd=lock.dir_fd)
 
 

@@ -164,7 +164,8 @@ def _serve(cfg: DaemonConfig) -> int:
                 except StoppedWhileStarting as stopped:
                     notifier.stopping(str(stopped))
                     publish_waiting(Status(pid=os.getpid(), state=State.STOPPED, heartbeat=time.time(),
-                                           message=str(stopped), job_result=inbox.result))
+                                           message=str(stopped), job_result=inbox.result,
+                                           running_job=inbox.running_job()))
                     break
                 except (DatasetError, ConfigError) as exc:
                     if submitted:
@@ -189,7 +190,8 @@ def _serve(cfg: DaemonConfig) -> int:
                     # last status says why, not "starting" (status and trainers read it after the exit).
                     try:
                         publish_waiting(Status(pid=os.getpid(), state=State.FAILED, heartbeat=time.time(),
-                                               message=one_line(str(exc)), job_result=inbox.result))
+                                               message=one_line(str(exc)), job_result=inbox.result,
+                                               running_job=inbox.running_job()))
                     except OSError:
                         pass
                     raise

@@ -36,8 +36,8 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
-from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, State, Status, StorageWait,
-                                              Totals)
+from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, RunningJob, State, Status,
+                                              StorageWait, Totals)
 from prefetchd.daemon.bad_samples import BadSamples
 from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.config import DaemonConfig
@@ -68,6 +68,7 @@ class Producer:
         self, cfg: DaemonConfig, index: SampleIndex, members: np.ndarray, streams: list[tuple[Path, Manifest, int]],
         wake: Wakeup, poll_jobs: Callable[[DaemonConfig], DaemonConfig | None] = lambda _: None,
         job_result: Callable[[], JobResult | None] = lambda: None,
+        running_job: Callable[[], RunningJob | None] = lambda: None,
         on_status: Callable[[Status], None] = lambda _: None,
         notifier: Notifier | None = None,
         lock_lost: Callable[[], str | None] = lambda: None,
@@ -81,6 +82,7 @@ class Producer:
         self.wake = wake
         self.poll_jobs = poll_jobs
         self.job_result = job_result
+        self.running_job = running_job
         self.on_status = on_status
         self.next_job: DaemonConfig | None = None
         self.index = index
@@ -618,7 +620,7 @@ class Producer:
             storage_wait=self.storage_wait,
         )
         return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self._message(),
-                      job_result=self.job_result(), production=production)
+                      job_result=self.job_result(), running_job=self.running_job(), production=production)
 
     def _message(self) -> str:
         """The status's message: the state's own, else why builds fail (a store that is down reads as such, not as

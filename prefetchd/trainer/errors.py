@@ -33,7 +33,8 @@ class DaemonRestartsExhausted(LoaderError):
 class JobReplaced(LoaderError):
     """The daemon now serves another job on the loader's buffer (``prefetchd submit --replace``): the
     batches there are not this loader's job's; or the same job for other ``--epochs``, whose end is not
-    this loader's."""
+    this loader's.  It names who submitted the job now served, where the daemon's status.json says
+    (``running_job``): a job the daemon was started with has no submitter."""
 
 
 class JobEnded(LoaderError):

@@ -56,7 +56,8 @@ from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, ownin
 from prefetchd.launch import option_args
 from prefetchd.trainer.errors import (DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout,
                                       StopRequested)
-from prefetchd.words import counted, rank_ranges
+from prefetchd.access import user_name
+from prefetchd.words import counted, moment, rank_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -269,24 +270,29 @@ class JobWatch:
         # done, never writes.  A later one costs this loader nothing: it ends where its trainer counted on.
         earlier = current.epochs is not None and (self.manifest.epochs is None or current.epochs < self.manifest.epochs)
         again = job_command(self.manifest, self.buffer, "submit") if diff or earlier else ""
+        who = submitted_by(self.buffer) if diff or earlier else None
         if diff:
             ends = ([f"epochs: {self.manifest.epochs!r} -> {current.epochs!r}"]
                     if current.epochs != self.manifest.epochs else [])
+            replaced = (f"{who[0]} replaced this loader's job ({who[1]})" if who is not None else
+                        "someone replaced this loader's job (`prefetchd submit --replace`, or a daemon started with "
+                        "--reset)")
             raise JobReplaced(
-                f"{self.buffer}: the daemon now serves another job ({'; '.join(diff + ends)}): someone replaced this "
-                f"loader's job (`prefetchd submit --replace`, or a daemon started with --reset), so the batches "
-                f"there are not its own. Start the trainer again for the new job, or submit this one again "
+                f"{self.buffer}: the daemon now serves another job ({'; '.join(diff + ends)}): {replaced}, so the "
+                f"batches there are not its own. Start the trainer again for the new job, or submit this one again "
                 f"(`{again} --replace`)"
             )
         if earlier:
             # Not the job's identity: its batches stay, and the daemon goes on from this loader's position, to the
             # new end, which comes before this loader's.
+            again_by = (f"{who[0]} submitted it again ({who[1]})" if who is not None else
+                        "someone submitted it again (`prefetchd submit --replace`) or restarted its daemon so")
             raise JobReplaced(
                 f"{self.buffer}: the daemon now serves this loader's job with {_epochs(current.epochs)} (this "
-                f"loader's had {_epochs(self.manifest.epochs)}): someone submitted it again (`prefetchd submit "
-                "--replace`) or restarted its daemon so. Its batches are this job's, kept, but the daemon ends "
-                "before this loader does, which would wait for batches never built. To stop at the new end, start "
-                "the trainer again from its checkpoint with the new --epochs (the daemon goes on from its position); "
+                f"loader's had {_epochs(self.manifest.epochs)}): {again_by}. Its batches are this job's, kept, "
+                "but the daemon ends before this loader does, which would wait for batches never built. To stop at "
+                "the new end, start the trainer again from its checkpoint with the new --epochs (the daemon goes on "
+                "from its position); "
                 f"to keep the old end, submit the job again (`{again} --replace`)"
             )
         self._seen = (st.st_ino, st.st_mtime_ns)
@@ -303,12 +309,26 @@ class JobWatch:
         if served is not None and served[0] != self.manifest.world_size:
             removed = ("removed this rank's stream" if buffer != self.buffer else
                        f"keeps one stream per rank in {STREAM_PREFIX}NNNNN directories there")
+            who = submitted_by(buffer)
+            by = f", which {who[0]} submitted ({who[1]})" if who is not None else ""
             raise JobReplaced(
                 f"{self.buffer}: the daemon now serves another job, for --world-size {served[0]} (this loader's "
-                f"was {self.manifest.world_size}), and {removed}. Start the trainer again "
+                f"was {self.manifest.world_size}){by}, and {removed}. Start the trainer again "
                 f"for the new job, or submit this one again (`{job_command(self.manifest, self.buffer, 'submit')} "
                 "--replace`)"
             )
+
+
+def submitted_by(buffer: Path) -> tuple[str, str] | None:
+    """Who submitted the job the daemon of ``buffer`` (or of its rank's stream) runs now, as its status.json says
+    (``running_job``), and which: ("alice (uid 1001)", "job 0123456789ab, submitted 2025-03-01 14:02:07").  None
+    where it does not say: the job it was started with, a daemon of an earlier build, a status that cannot be
+    read.  The daemon writes it before the manifests of a job that starts, so a loader those stop reads it."""
+    status = readable_status(buffer)
+    job = status.running_job if status is not None else None
+    if job is None or job.submitter is None:
+        return None
+    return user_name(job.submitter), f"job {job.job_id}, submitted {moment(job.submitted)}"
 
 
 def _epochs(epochs: int | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -327,9 +328,12 @@ def test_a_replaced_jobs_trainer_stops_and_the_new_job_starts_at_its_beginning(s
     assert forced.returncode == 0, forced.stdout + forced.stderr
     Progress(1, 2, job=old_key).write(buffer)  # the old trainer's position, as it would write it back
     with pytest.raises(JobReplaced,
-                       match=r"serves another job \(batch_size: 8 -> 4; epochs: 3 -> 1\).*prefetchd submit --buffer"):
+                       match=r"serves another job \(batch_size: 8 -> 4; epochs: 3 -> 1\).*prefetchd submit --buffer") as told:
         for batch in batches:
             sizes.append(batch.images.shape[0])
+    # Who did it, from the daemon's status (running_job), where it said "someone".
+    job_id = forced.stdout.split()[1]
+    assert f"{user_name(os.getuid())} replaced this loader's job (job {job_id}, submitted 20" in str(told.value), told.value
     assert set(sizes) == {8}, "the old trainer got a batch of the new job"
     # Seen before the new trainer writes its own position over it (a busy daemon may read later).
     daemon.wait_until(lambda: "wrote it for another job" in daemon.log, 30, "the old position to be set aside")
@@ -382,6 +386,7 @@ def test_a_trainer_whose_job_is_submitted_again_for_other_epochs_is_told_so(shap
             pass
     message = str(told.value)
     assert "--epochs 1 (this loader's had --epochs 3)" in message, message
+    assert f"{user_name(os.getuid())} submitted it again (job {forced.stdout.split()[1]}, submitted 20" in message, message
     assert "start the trainer again" in message and "--epochs 3 --replace" in message, message
     assert "kept" in daemon.log, "the batches of the same job stay"
 
@@ -570,7 +575,10 @@ def test_replacing_a_job_by_one_of_another_world_size(shapes_data: Path, shm_dir
 
     wide = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "6", "--world-size", "3", "--replace")
     assert wide.returncode == 0, wide.stdout + wide.stderr
-    with pytest.raises(JobReplaced, match=r"for --world-size 3 \(this loader's was 1\), and keeps one stream per rank"):
+    # Who submitted it, from the daemon's status (running_job).
+    who = rf"which {re.escape(user_name(os.getuid()))} submitted \(job {wide.stdout.split()[1]}, submitted 20[-0-9: ]+\)"
+    with pytest.raises(JobReplaced, match=rf"for --world-size 3 \(this loader's was 1\), {who}, and keeps "
+                                          "one stream per rank"):
         for _ in single:
             pass
     daemon.wait_until(lambda: len(list(buffer.glob("rank-*/e000000-s00000000.batch"))) == 3, 60, "three ranks' batches")

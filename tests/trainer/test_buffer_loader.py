@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from prefetchd.buffer_protocol import (
-    DaemonOwner, Position, Progress, ProtocolError, State, Status, StorageWait, daemon_owner, write_batch,
+    DaemonOwner, Position, Progress, ProtocolError, RunningJob, State, Status, StorageWait, daemon_owner, write_batch,
     write_status,
 )
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
@@ -430,11 +430,26 @@ def test_a_job_of_another_world_size_that_removed_the_stream_stops_its_reader(ma
     batches = iter(loader)
     next(batches)
     shutil.rmtree(job.buffer)  # the new job's daemon cleared the streams and serves one
+    # Its status names who submitted the job: a uid without a name here (a trainer in a container, say) as a uid.
+    nameless = next(uid for uid in range(2**31 - 2, 0, -1) if not _has_name(uid))
+    write_status(buffer, Status(pid=os.getpid(), state=State.STARTING, heartbeat=time.time(), running_job=RunningJob(
+        job_id="a1b2c3d4e5f6", submitter=nameless, submitted=time.time(), answer="")))
     dataclasses.replace(job.manifest, world_size=1, producer="other").write(buffer)
     start = time.monotonic()
-    with pytest.raises(JobReplaced, match=r"another job, for --world-size 1 \(this loader's was 2\)"):
+    with pytest.raises(JobReplaced, match=rf"another job, for --world-size 1 \(this loader's was 2\), which uid {nameless} "
+                                          r"submitted \(job a1b2c3d4e5f6, submitted 20"):
         next(batches)
     assert time.monotonic() - start < 10
+
+
+def _has_name(uid: int) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
 
 
 def test_manifest_timeout_for_a_missing_directory(tmp_path: Path) -> None:
