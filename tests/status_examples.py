@@ -83,7 +83,8 @@ def production(**changes: Any) -> Production:
 def status(state: State = State.FILLING, **changes: Any) -> Status:
     """A producing daemon's status (pass ``production=None`` for one waiting for a job or starting)."""
     base = Status(pid=4242, state=state, heartbeat=1700000100.5, message="",
-                  job_result=JobResult(job_id="0123456789ab", accepted=True, reason="producing /data", time=1700000000.0),
+                  job_result=JobResult(job_id="0123456789ab", accepted=True, reason="producing /data", time=1700000000.0,
+                                       submitter=1001),
                   running_job=RunningJob(job_id="0123456789ab", submitter=1001, submitted=1699999999.5,
                                          answer="producing /data"),
                   production=production())

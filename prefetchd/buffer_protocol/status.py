@@ -212,6 +212,9 @@ class JobResult:
     accepted: bool
     reason: str
     time: float
+    # Who submitted it: the uid owning the job.json answered (JobRequest.owner); None where it could not be read,
+    # and from a daemon of an earlier 0.1 build.
+    submitter: int | None = None
 
 
 @dataclass(frozen=True)
@@ -363,8 +366,8 @@ class Status:
             state=top.state("state"),
             heartbeat=top.num("heartbeat"),
             message=top.text("message", default=""),
-            job_result=JobResult(job.optional_text("job_id"), job.flag("accepted"), job.text("reason"), job.num("time"))
-            if job is not None else None,
+            job_result=JobResult(job.optional_text("job_id"), job.flag("accepted"), job.text("reason"), job.num("time"),
+                                 job.optional_nat("submitter")) if job is not None else None,
             production=production,
             pid_namespace=top.optional_nat("pid_namespace"),
             running_job=RunningJob(running.text("job_id"), running.optional_nat("submitter"), running.num("submitted"),

@@ -89,7 +89,9 @@ class JobInbox:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def answer(self, job_id: str | None, accepted: bool, reason: str) -> None:
+    def answer(self, job_id: str | None, accepted: bool, reason: str, submitter: int | None = None) -> None:
+        """Publish the answer to request ``job_id`` (as ``result``), and log it.  ``submitter``: the request's
+        owner; by default the pending job's or the running job's, where ``job_id`` is theirs."""
         # The reason quotes job.json's fields, which any member of the buffer's group wrote: `prefetchd submit`
         # and `prefetchd status` print it to whoever runs them, so its newlines and terminal escapes are
         # written out as the log writes them.
@@ -97,7 +99,11 @@ class JobInbox:
         if len(reason) > MAX_REASON_CHARS:  # a megabyte-long `data` quoted whole would outgrow status.json
             reason = f"{reason[:MAX_REASON_CHARS - 40]}... ({len(reason)} characters in all)"
         (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", job_verdict(accepted, reason))
-        self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time())
+        if submitter is None and job_id is not None:
+            running = self.running
+            submitter = (self.pending_owner if job_id == self.pending_id else
+                         running.submitter if running is not None and running.job_id == job_id else None)
+        self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time(), submitter=submitter)
 
     def resumable(self) -> DaemonConfig | None:
         """The submitted job an earlier daemon here accepted and had not finished (``accepted``'s record), to start
@@ -174,15 +180,15 @@ class JobInbox:
         try:
             job, confinement = self._checked(request)
         except ConfigError as exc:
-            self.answer(request.job_id, False, str(exc))
+            self.answer(request.job_id, False, str(exc), request.owner)
             return None
         except Exception as exc:  # any member of the buffer's group writes job.json: no job stops the daemon
             log.exception("internal error while checking job %s", request.job_id)
             self.answer(request.job_id, False, f"internal error while checking the job ({type(exc).__name__}: "
-                        f"{shown(str(exc))}); the daemon goes on; please report it with its log")
+                        f"{shown(str(exc))}); the daemon goes on; please report it with its log", request.owner)
             return None
         if running is not None and job_settings(job) == job_settings(running):
-            self.answer(request.job_id, True, "already producing this job")
+            self.answer(request.job_id, True, "already producing this job", request.owner)
             return None
         idle, writer = freshest_progress(self.buffer)
         if running is not None and idle < TRAINER_ACTIVE_SECONDS and not request.replace:
@@ -190,13 +196,14 @@ class JobInbox:
                          f"written {idle:.0f} s ago)")
             end = new_end(running, job)
             if end is None:
-                self.answer(request.job_id, False, f"{consuming}; submit with --replace to replace it anyway")
+                self.answer(request.job_id, False, f"{consuming}; submit with --replace to replace it anyway",
+                            request.owner)
                 return None
             if not end.later:
                 self.answer(request.job_id, False,
                             f"{consuming}, and this job is that one with an earlier end ({end}): its trainers would "
                             "stop at their next batch (JobReplaced), short of the end they count on; submit with "
-                            "--replace to end it there anyway")
+                            "--replace to end it there anyway", request.owner)
                 return None
             # The same job to a later end takes nothing from its trainers: they read on to their own end, and
             # the daemon keeps the job's batches and goes on from their positions.

@@ -21,7 +21,8 @@ from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.job_inbox import job_verdict
 from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.production_stats import STAGES
-from prefetchd.words import agreeing, binary_size, counted, rank_ranges
+from prefetchd.access import user_name
+from prefetchd.words import agreeing, binary_size, counted, moment, rank_ranges
 
 STALE_HEARTBEAT_SECONDS = 10.0
 SHOWN_BAD_FILES = 5  # bad files (undecodable, missing, unreadable) named in the text status
@@ -277,11 +278,31 @@ def format_status(report: StatusReport) -> str:
             if _consumer_lines_shown(s):
                 rank = f" of rank {s.rank}" if len(streams) > 1 else ""
                 lines += [_consumer_line(c, rank) for c in s.consumers]
-    job = st.job_result if st else None
-    if job:
-        lines.append(f"  last job  {job.job_id or '(unreadable)'} {job_verdict(job.accepted, job.reason)}")
+    lines += _job_lines(st) if st else []
     lines += report.problems
     return "\n".join(lines)
+
+
+def _job_lines(st: Status) -> list[str]:
+    """The submitted job that runs (who submitted it, when, and the daemon's answer), and apart from it the answer to
+    a later request: "last job" alone showed that answer, a refusal, say, as if the refused job ran."""
+    run, last = st.running_job, st.job_result
+    lines = []
+    if run is not None:
+        lines.append(f"  job       {run.job_id} submitted by {user_name(run.submitter)} at {moment(run.submitted)}: "
+                     f"{run.answer or 'starting'}")
+    if last is None or (run is not None and last.job_id == run.job_id):
+        return lines
+    job_id = last.job_id or "(unreadable)"
+    if run is None and st.production is None:  # no job runs (waiting, stopped, starting the job it was given)
+        return [*lines, f"  last job  {job_id} {job_verdict(last.accepted, last.reason)}"]
+    # A request answered while the job above (or the one the daemon was started with) runs on: "already producing
+    # this job", or a refusal, which its submitter looks for here.
+    who = f" submitted by {user_name(last.submitter)}" if last.submitter is not None else ""
+    goes_on = "the job above runs on" if run is not None else "the job being produced runs on"
+    said = f"  REFUSED   {job_id}{who}, answered at {moment(last.time)} ({goes_on}): {last.reason}" if not last.accepted \
+        else f"  later     {job_id}{who}, answered at {moment(last.time)} ({goes_on}): accepted: {last.reason}"
+    return [*lines, said]
 
 
 def _split_size(mf: Manifest) -> str:

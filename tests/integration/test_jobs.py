@@ -436,6 +436,48 @@ def test_the_running_job_to_a_later_end_needs_no_replace_but_to_an_earlier_one_d
     loader.close()
 
 
+def test_status_shows_the_job_that_runs_and_apart_from_it_a_later_refusal(shapes_data: Path, shm_dir: Path,
+                                                                            start_daemon) -> None:
+    """`prefetchd status` said "last job" of the latest answer: a request refused while another job ran read as the
+    job there.  It shows the job that runs (who submitted it, when) and, on a line of its own, a later answer."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    running = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "5")
+    assert running.returncode == 0, running.stdout + running.stderr
+    running_id, me = running.stdout.split()[1], user_name(os.getuid())
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    batches = iter(loader)
+    next(batches), next(batches)  # a trainer reads: another job needs --replace
+    refused = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "6")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    refused_id = refused.stdout.split()[1]
+
+    def status_text() -> str:
+        out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    shown = status_text()
+    assert re.search(rf"^  job       {running_id} submitted by {re.escape(me)} at 20[-0-9: ]+: producing "
+                     rf"{re.escape(str(shapes_data / 'train'))} for ", shown, re.M), shown
+    assert re.search(rf"^  REFUSED   {refused_id} submitted by {re.escape(me)}, answered at 20[-0-9: ]+ \(the job above "
+                     rf"runs on\): a trainer of {re.escape(me)} is consuming the running job", shown, re.M), shown
+    assert "last job" not in shown, shown
+    status = read_status(buffer)
+    assert status is not None and status.running_job is not None and status.job_result is not None
+    assert (status.running_job.job_id, status.running_job.submitter) == (running_id, os.geteuid())
+    assert (status.job_result.job_id, status.job_result.submitter) == (refused_id, os.geteuid())
+
+    same = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "5")  # the running job, again
+    assert same.returncode == 0 and "already producing this job" in same.stdout, same.stdout + same.stderr
+    shown = status_text()
+    assert f"  job       {running_id} submitted by {me}" in shown, shown
+    assert f"  later     {same.stdout.split()[1]} submitted by {me}, answered at " in shown, shown
+    assert "(the job above runs on): accepted: already producing this job" in shown and "REFUSED" not in shown, shown
+    loader.close()
+
+
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     out = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
