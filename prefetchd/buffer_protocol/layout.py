@@ -108,10 +108,16 @@ def consumer_of(file_name: str) -> str | None:
 def list_consumers(directory: Dir, dir_fd: int | None = None) -> list[str]:
     """The consumers with a progress file in ``directory`` (a stream directory; listed through its fd
     ``dir_fd`` where given), sorted."""
+    return list(consumer_files(directory, dir_fd))
+
+
+def consumer_files(directory: Dir, dir_fd: int | None = None) -> dict[str, int]:
+    """``list_consumers``, each with its progress file's inode number as the listing gives it (no stat): a
+    writer replaces the file by a rename (``documents.replace_file``), which gives it a new one."""
     if dir_fd is None and not os.path.isdir(directory):
-        return []
+        return {}
     with os.scandir(directory if dir_fd is None else dir_fd) as entries:
-        return sorted(c for e in entries if (c := consumer_of(e.name)) is not None)
+        return dict(sorted((c, e.inode()) for e in entries if (c := consumer_of(e.name)) is not None))
 
 
 def list_consumer_locks(directory: Dir) -> list[Path]:

@@ -22,6 +22,7 @@ books; the controller (``producer.py``) creates, deletes and publishes files.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import os
 import stat
@@ -40,14 +41,14 @@ from prefetchd.buffer_protocol import (
     Progress,
     ProtocolError,
     list_batches,
-    list_consumers,
     map_batch,
     progress_name,
 )
-from prefetchd.buffer_protocol.layout import DIR_FLAGS, MAX_EPOCH
+from prefetchd.buffer_protocol.layout import DIR_FLAGS, MAX_EPOCH, consumer_files
 from prefetchd.buffer_protocol.status import Position, StreamStatus
-from prefetchd.daemon.consumers import Consumer, plan_windows
+from prefetchd.daemon.consumers import MAX_PROGRESS_READS, Consumer, Newcomer, plan_windows, progress_stats
 from prefetchd.daemon.sampler import EpochOrders
+from prefetchd.throttle import Throttle
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ STARVED_SAID_SECONDS = 60.0  # a consumer is said to wait for room under the cap
 # buffer path.  So 64 per stream for up to 16 ranks, 4 per stream at 256.
 MAX_CONSUMERS = 64
 MAX_DAEMON_CONSUMERS = 1024
-IGNORED_SAID_SECONDS = 300.0  # the progress files left out for the cap are said at most this often per stream
+# The progress files left out for the cap, and those refused before their consumers were taken, are each said
+# at most this often per stream.
+IGNORED_SAID_SECONDS = 300.0
 
 
 def consumer_cap(streams: int) -> int:
@@ -108,7 +111,8 @@ class Stream:
     ``consumer_timeout``: seconds without a progress write after which a consumer is silent;
     ``orders``: the global epoch orders of ``members``, shared by the streams of one daemon (else its own);
     ``max_consumers``: consumers it takes, the default one included (``consumer_cap``); the progress files of
-    any more are left alone.
+    any more are left alone.  A poll reads at most MAX_PROGRESS_READS progress files at that cap, fewer in
+    proportion below it (``read_progress``).
     """
 
     def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int,
@@ -139,8 +143,14 @@ class Stream:
         self.consumers: dict[str, Consumer] = {DEFAULT_CONSUMER: Consumer(DEFAULT_CONSUMER)}
         self.forgotten = Consumer("")  # the counts of consumers forgotten: the totals must not go back
         self.max_consumers = max(1, max_consumers)
+        self.max_reads = max(self.max_consumers, MAX_PROGRESS_READS * self.max_consumers // MAX_CONSUMERS)
         self.ignored = 0  # progress files of consumers past the cap, at the last read
         self._ignored_said: float | None = None  # time.monotonic() they were last said
+        self.newcomers: dict[str, Newcomer] = {}  # the progress files of consumers not taken (``_join``)
+        self._listed: dict[str, int] = {}  # the listing they are of
+        self._refusals = 0  # counted in progress_rejected
+        self._refused_latest = ""  # the problem of the latest one
+        self._refused_lines = Throttle(IGNORED_SAID_SECONDS)
         self.holders: list[Consumer] = []  # slowest first
         self.held: set[int] = set()
         self._starved: set[str] = set()  # holding consumers whose window the cap shrank to nothing
@@ -197,7 +207,7 @@ class Stream:
 
     @property
     def progress_rejected(self) -> int:
-        return sum(c.rejected for c in self._counted())
+        return sum(c.rejected for c in self._counted()) + self._refusals
 
     def _counted(self) -> list[Consumer]:
         return [*self.consumers.values(), self.forgotten]
@@ -206,11 +216,16 @@ class Stream:
     def progress_error(self) -> str:
         """Why progress files are ignored: the first consumer's problem (status.json carries it, for each rank,
         twice: its size stays bounded however many consumers have one; each is in the log), how many others
-        have one, and the files left out for the cap."""
+        have one, the files refused before a consumer was taken for them, and the files left out for the cap."""
         problems = [c.error for c in self.consumers.values() if c.error]
         said = problems[:1]
         if len(problems) > 1:
             said.append(f"and {counted(len(problems) - 1, 'other consumer')} of rank {self.rank} (see the log)")
+        refused = self.refused
+        if refused:
+            latest = f" (the latest: {self._refused_latest})" if not problems else " (see the log)"
+            said.append(f"{counted(refused, 'progress file')} in {self.dir} refused, so no consumer is taken for "
+                        f"them{latest}")
         if self.ignored:
             said.append(self._ignored_text())
         return "; ".join(said)
@@ -218,6 +233,11 @@ class Stream:
     def _ignored_text(self) -> str:
         return (f"{counted(self.ignored, 'progress file')} in {self.dir} ignored: a stream of this daemon takes "
                 f"{counted(self.max_consumers, 'consumer')} at most, the default one included")
+
+    @property
+    def refused(self) -> int:
+        """Progress files refused before a consumer was taken for them, as the last poll listed them."""
+        return sum(n.refused for n in self.newcomers.values())
 
     @property
     def finished(self) -> bool:
@@ -327,24 +347,74 @@ class Stream:
     def read_progress(self) -> bool:
         """Take every consumer's progress and plan the windows again; True when a position moved.
 
-        New consumers join while there is room under ``max_consumers``, in the order of their names;
-        one already taken is never dropped for a newcomer, and the progress files of the rest are
-        not read (``_ignore``)."""
+        The consumers taken are read at each poll, then new ones join while there is room under
+        ``max_consumers`` (``_join``); one already taken is never dropped for a newcomer.  A poll reads at
+        most ``max_reads`` progress files."""
         moved = False
-        present = list_consumers(self.dir, self.fd)
-        self._forget(set(self.consumers) - set(present) - {DEFAULT_CONSUMER})
-        new = [name for name in present if name not in self.consumers]
-        room = max(0, self.max_consumers - len(self.consumers))
-        for name in new[:room]:
-            self.consumers[name] = Consumer(name)
-        self._ignore(new[room:])
-        for name in present:
-            consumer = self.consumers.get(name)
-            if consumer is not None:
-                moved |= self._read_consumer(consumer)
+        present = consumer_files(self.dir, self.fd)
+        self._forget(set(self.consumers) - present.keys() - {DEFAULT_CONSUMER})
+        taken = [self.consumers[name] for name in present if name in self.consumers]
+        for consumer in taken:
+            moved |= self._read_consumer(consumer)
+        moved |= self._join(present, self.max_reads - len(taken))
         self.check_trainer()
         self.plan()
         return moved
+
+    def _join(self, present: dict[str, int], reads: int) -> bool:
+        """Read the progress files of consumers not taken yet (of ``present``, the consumers listed with their
+        files' inode numbers), at most ``reads`` of them, and take the consumers of those that give a position,
+        in the order of their names, while there is room under ``max_consumers``; when more are to be read
+        than ``reads``, those written last.  True when a consumer joined.
+
+        Any member of a --group-access buffer's group may put files there under progress names: one that
+        gives no position (no progress document, a link, one of another job) takes no consumer's place,
+        or a member's junk put there first shut a trainer out until it was removed.  It is said in a
+        throttled line, counted once, and not read again until it is replaced (a new inode number, as a
+        writer's rename gives): each poll read every such file otherwise, 1.1 s for 20,000.  When the
+        stream is full, the files of the rest are not read (``_ignore``)."""
+        book = self.newcomers
+        if present != self._listed:  # else each is the file it was: 20,000 planted, a poll took 34 ms, not 45
+            book = self.newcomers = {name: book[name].listed(ino) if name in book else Newcomer(ino)
+                                     for name, ino in present.items() if name not in self.consumers}
+            self._listed = present
+        unread = [name for name, seen in book.items() if not seen.refused]
+        room = self.max_consumers - len(self.consumers)
+        order = unread
+        if room > 0 and len(unread) > reads:
+            # A stat of each, once (a rewrite renames another file in): 20,000 took 100 ms.
+            unseen = [name for name in unread if book[name].mtime_ns is None]
+            for name, st in progress_stats(self.dir, unseen, self.fd).items():
+                book[name].mtime_ns = st.st_mtime_ns
+            chosen = set(heapq.nlargest(max(0, reads), unread, key=lambda name: book[name].mtime_ns or 0))
+            order = [name for name in unread if name in chosen]
+        joined, read = False, set()
+        for name in order:
+            if room <= 0:
+                break
+            read.add(name)
+            got = self._read(name)
+            if isinstance(got, Progress):
+                del book[name]
+                self._listed = {}  # the listing no longer says which are newcomers
+                consumer = self.consumers[name] = Consumer(name)
+                room -= 1
+                joined |= self._take(consumer, got)
+            elif got is not None:
+                self._refuse(name, book[name], got)
+        self._ignore([name for name in unread if name not in read] if room <= 0 else [])
+        return joined
+
+    def _refuse(self, name: str, seen: Newcomer, problem: str) -> None:
+        """The progress file of ``name``, whose consumer is not taken, was read and refused for ``problem``."""
+        seen.refused = True
+        if seen.problem == hash(problem):
+            return  # rewritten with the same problem (a trainer of the job this one replaced, say): said already
+        seen.problem = hash(problem)
+        self._refusals += 1
+        self._refused_latest = problem
+        self._refused_lines.log(log, logging.WARNING, "ignoring %s: %s", self.dir / progress_name(name), problem,
+                                others="other refused progress file", scope=f" in {self.dir}")
 
     def _forget(self, names: set[str]) -> None:
         for name in sorted(names):
@@ -373,26 +443,34 @@ class Stream:
                     counted(self.max_consumers, "consumer"))
 
     def _read_consumer(self, consumer: Consumer) -> bool:
+        got = self._read(consumer.name)
+        if isinstance(got, str):
+            self._progress_problem(consumer, got)
+            return False
+        return got is not None and self._take(consumer, got)
+
+    def _read(self, name: str) -> Progress | str | None:
+        """The progress document of consumer ``name`` if it gives a position this stream takes, else why not;
+        None when there is none."""
         try:
-            progress = Progress.read(self.dir, consumer.name, self.fd)
+            progress = Progress.read(self.dir, name, self.fd)
         except ProtocolError as exc:
-            self._progress_problem(consumer, str(exc))
-            return False
+            return str(exc)
         if progress is None:
-            return False
+            return None
         if progress.job is not None and progress.job != self.manifest.job_key:
             # A trainer of the job this one replaced, writing its position back before it notices.
-            self._progress_problem(consumer, f"pid {progress.pid} wrote it for another job (key {progress.job}, "
-                                             f"this job's is {self.manifest.job_key}): a trainer of the job this "
-                                             "one replaced; this job's trainer writes its own over it, or remove it "
-                                             "if no trainer of this job reads here")
-            return False
+            return (f"pid {progress.pid} wrote it for another job (key {progress.job}, this job's is "
+                    f"{self.manifest.job_key}): a trainer of the job this one replaced; this job's trainer writes "
+                    "its own over it, or remove it if no trainer of this job reads here")
         if progress.step >= self.steps:
-            self._progress_problem(consumer, f"step {progress.step} is past the {self.steps} steps of an epoch")
-            return False
+            return f"step {progress.step} is past the {self.steps} steps of an epoch"
         if progress.epoch > MAX_EPOCH:
-            self._progress_problem(consumer, f"epoch {progress.epoch} is past {MAX_EPOCH}, the last a batch's name holds")
-            return False
+            return f"epoch {progress.epoch} is past {MAX_EPOCH}, the last a batch's name holds"
+        return progress
+
+    def _take(self, consumer: Consumer, progress: Progress) -> bool:
+        """Take ``progress``, read for ``consumer``; True when its position moved."""
         g = self.g((progress.epoch, progress.step))
         if self.end is not None:
             g = min(g, self.end)

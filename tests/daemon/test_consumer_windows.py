@@ -363,6 +363,48 @@ def test_a_stream_takes_its_cap_of_consumers_keeps_those_it_has_and_says_the_res
     assert s.ignored == 0 and s.status().progress_file == ""
 
 
+def test_files_that_give_no_position_take_no_consumers_place_and_a_poll_reads_a_bounded_number(
+        tmp_path: Path, caplog: Any) -> None:
+    """Any member of a --group-access buffer's group may put files under progress names.  Those that were no
+    progress document took the places of consumers as well, and a trainer that came after them was shut out
+    until they were removed.  Now they take none; a poll reads at most ``max_reads`` files, those written last
+    first, so the trainer joins at the first poll however many there are; each is refused once, said in one
+    line, and read again only when it is replaced."""
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.stream")
+    s = stream(tmp_path, cap=4 * HIGH)
+    move(s, "trial-a", 3)
+    junk = [f"c{i:05d}" for i in range(1000)]  # more than the stream takes, and names that sort before the trials'
+    old = time.time_ns() - 10**10
+    for i, name in enumerate(junk):
+        path = tmp_path / progress_name(name)
+        if i % 2:
+            path.symlink_to(tmp_path / progress_name("trial-a"))  # never read through
+        else:
+            path.write_text("not a progress document")
+        os.utime(path, ns=(old, old), follow_symlinks=False)
+    move(s, "trial-b", 5)
+    assert s.consumers["trial-b"].position == 5 and set(s.consumers) == {"", "trial-a", "trial-b"}
+    assert s.refused == s.max_reads - 2, "a poll read more than max_reads files (trial-a's and trial-b's among them)"
+    polls = 1
+    while s.refused < len(junk):
+        before = s.refused
+        s.read_progress()
+        polls += 1
+        assert s.refused - before <= s.max_reads - 2
+    assert polls == -(-len(junk) // (s.max_reads - 2))
+    rejected = s.progress_rejected
+    assert rejected == len(junk)
+    s.read_progress()
+    assert s.progress_rejected == rejected, "a file refused was read and counted again"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ignoring")]
+    assert len(said) == 1 and ("symbolic link" in said[0] or "not valid JSON" in said[0]), said
+    assert f"{len(junk)} progress files in {s.dir} refused" in s.status().progress_file
+    assert [c.name for c in s.status().consumers] == ["trial-a", "trial-b"]
+    Progress(*s.key(7)).write(s.dir, junk[0])  # renamed over the junk: read again, and taken
+    s.read_progress()
+    assert s.consumers[junk[0]].position == 7 and s.refused == len(junk) - 1
+
+
 def test_a_status_of_the_most_ranks_and_consumers_stays_within_what_readers_take(tmp_path: Path) -> None:
     """256 ranks (MAX_LOCAL_RANKS), each with more consumers than it takes, every one refused after it
     was read (both a row and a problem in the status): status.json stays under MAX_DOCUMENT_LEN, or
