@@ -382,10 +382,11 @@ class Stream:
         room = self.max_consumers - len(self.consumers)
         order = unread
         if room > 0 and len(unread) > reads:
-            # A stat of each, once (a rewrite renames another file in): 20,000 took 100 ms.
-            unseen = [name for name in unread if book[name].mtime_ns is None]
-            for name, st in progress_stats(self.dir, unseen, self.fd).items():
-                book[name].mtime_ns = st.st_mtime_ns
+            # A stat of each, once (a rewrite renames another file in): 20,000 took 95 ms.
+            unseen = {name for name in unread if book[name].mtime_ns is None}
+            if unseen:
+                for name, st in progress_stats(self.dir, self.fd, unseen).items():
+                    book[name].mtime_ns = st.st_mtime_ns
             chosen = set(heapq.nlargest(max(0, reads), unread, key=lambda name: book[name].mtime_ns or 0))
             order = [name for name in unread if name in chosen]
         joined, read = False, set()

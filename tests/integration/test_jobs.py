@@ -648,6 +648,31 @@ def test_a_trainer_of_one_rank_keeps_a_job_from_being_replaced_without_replace(t
     assert idle < 5 and writer == os.getuid()
 
 
+def test_a_flood_of_progress_files_costs_a_submission_a_bounded_number_of_reads(tmp_path: Path) -> None:
+    """Any member of a --group-access buffer's group may put progress files there, and each job.json read every
+    one to see whether its consumer had left: 20,000 made a submission wait a second.  At most
+    MAX_PROGRESS_READS are read, the freshest first; past them the next counts whether or not its consumer left."""
+    from prefetchd.daemon.consumers import MAX_PROGRESS_READS
+    from prefetchd.daemon.job_inbox import freshest_progress
+
+    (tmp_path / "rank-00001").mkdir()
+    Progress(0, 3).write(tmp_path / "rank-00001")  # a trainer, last heard of an hour ago
+    now = time.time()
+    os.utime(tmp_path / "rank-00001" / "progress.json", (now - 3600, now - 3600))
+    for i in range(MAX_PROGRESS_READS + 10):  # consumers that left, newer than it
+        Progress(0, 0, closed=True).write(tmp_path, f"c{i:05d}")
+        os.utime(tmp_path / f"progress.c{i:05d}.json", (now - 10 - i, now - 10 - i))
+    for i in range(1000):  # and older junk, never read
+        (tmp_path / f"progress.j{i:05d}.json").write_text("not a progress document")
+        os.utime(tmp_path / f"progress.j{i:05d}.json", (now - 7200, now - 7200))
+    idle, writer = freshest_progress(tmp_path)
+    assert idle == pytest.approx(10 + MAX_PROGRESS_READS, abs=5) and writer == os.getuid()
+    for i in range(MAX_PROGRESS_READS, MAX_PROGRESS_READS + 10):
+        os.unlink(tmp_path / f"progress.c{i:05d}.json")
+    idle, _ = freshest_progress(tmp_path)
+    assert idle == pytest.approx(3600, abs=5), "within the bound, consumers that left do not count"
+
+
 def test_a_restart_with_fewer_ranks_leaves_the_other_ranks_streams(shapes_data: Path, shm_dir: Path,
                                                                    start_daemon) -> None:
     """Only another job's streams go when a job starts: the same job's ranks another daemon (or a later
