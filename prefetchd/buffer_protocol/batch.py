@@ -279,17 +279,21 @@ def _view(buf: mmap.mmap, spec: TensorSpec) -> np.ndarray:
     )
 
 
-def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
+def map_batch(path: str | os.PathLike[str], dir_fd: int | None = None) -> MappedBatch:
     """Map a finished batch file and return validated zero-copy views of it.
 
     The file is opened read-only and mapped privately (copy-on-write): the
     shared file can never change through the mapping, and a consumer that
     modifies the arrays in place gets private pages instead of a crash.
+    ``dir_fd``: the fd of the folder that holds it, through which its name is
+    looked up (``layout.at``: no link put in the folder's place is followed);
+    ``path`` is then what errors show.
     """
     try:
         # O_NONBLOCK: a FIFO named like a batch must not block the open; fstat refuses it below.
         # Before any Path is made: a loader polls for a batch not there yet with this call.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(os.path.basename(path) if dir_fd is not None else path,
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -302,7 +306,7 @@ def map_batch(path: str | os.PathLike[str]) -> MappedBatch:
             raise ProtocolError(f"{path}: not a regular file; remove it from the buffer")
         # Only the daemon writes batches, as the owner of the buffer's folders: a member of a --group-access
         # buffer's group may rename a file of their own in under a batch's name, for the other members' trainers.
-        folder = os.stat(os.path.dirname(path) or ".").st_uid
+        folder = (os.fstat(dir_fd) if dir_fd is not None else os.stat(os.path.dirname(path) or ".")).st_uid
         if st.st_uid != folder:
             raise ProtocolError(f"{path}: belongs to uid {st.st_uid}, not to uid {folder} who owns the buffer and "
                                 "writes its batches: someone else put it there; remove it")

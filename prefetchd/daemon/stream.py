@@ -288,11 +288,13 @@ class Stream:
         """Keep the finished batches an earlier daemon of the same job left, but those with replaced
         samples: built while a file could not be read, and a file since mended (the fix a log line
         asks for) would make them differ from the batches built now.  Built again, each is what the
-        data gives today.  Headers that do not parse go too."""
+        data gives today.  Headers that do not parse go too.  Each is read through the folder's fd, as
+        everything else in it: a member of a --group-access buffer's group may put a link to another
+        folder in its place, and that folder's files would decide which batches stay."""
         redo = 0
         for key, path in list_batches(self.dir, self.fd).items():
             try:
-                replaced = map_batch(path).meta.replaced
+                replaced = map_batch(path, self.fd).meta.replaced
             except (ProtocolError, FileNotFoundError):
                 replaced = -1
             if replaced:

@@ -341,3 +341,38 @@ def test_a_replaced_buffer_that_is_its_ranks_stream_folder_is_said_as_the_buffer
     finally:
         stream.close()
         lock.release()
+
+
+def test_the_batches_an_earlier_daemon_left_are_read_through_the_stream_folders_fd(shm_buffer: Path) -> None:
+    """A group member may rename entries of a --group-access buffer: a stream folder swapped for a link to another
+    folder of the daemon's user after the daemon opened it had the batches it found there read by path, through
+    the link (``adopt_published``), and that folder's files decided which of them were kept: one there that was
+    no batch, or none at all, had the daemon's deleted.  They are read through the folder's fd now, and a link
+    planted under a batch's name before the daemon started is neither adopted nor followed."""
+    from prefetchd.buffer_protocol import write_batch
+
+    private = _private_folder(shm_buffer)
+    before = _contents(private)
+    buffer = shm_buffer / "bf"
+    prepare_buffer(buffer, group_access=True)
+    folder, moved = buffer / "rank-00000", buffer / "moved"
+    fd = make_stream_dir(folder, group_access=True)
+    images = np.zeros((8, 8, 8, 3), np.uint8)
+    for step in (0, 1):  # what an earlier daemon of the same job left
+        write_batch(folder / batch_name(0, step), images, np.zeros(8, np.int64), np.arange(8), epoch=0, step=step,
+                    seed=0, producer="earlier")
+    os.symlink(private / "e000000-s00000000.batch", folder / batch_name(0, 2))
+    manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
+                        batch_size=8, image_size=8, samples_per_epoch=40, steps_per_epoch=5, epochs=2,
+                        producer="test", rank=0, world_size=2)
+    stream = Stream(folder, manifest, np.arange(80), shuffle=False, high=4, low=2, dir_fd=fd)
+    os.rename(folder, moved)
+    os.symlink(private / "rank-00000", folder)
+    try:
+        stream.adopt_published()
+        assert sorted(stream.published) == [0, 1]
+        assert sorted(os.listdir(moved)) == [batch_name(0, 0), batch_name(0, 1), batch_name(0, 2)]
+        assert (moved / batch_name(0, 2)).is_symlink()
+        assert _contents(private) == before
+    finally:
+        stream.close()
