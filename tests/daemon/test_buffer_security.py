@@ -188,7 +188,10 @@ def test_start_on_a_buffer_another_user_made_and_keeps_to_itself_names_its_owner
     said = json.loads(as_nobody(start) or "{}")
     assert said.get("code") == EXIT_USAGE, said
     assert "not readable" not in said["output"], said
-    assert said["config"][:2] == [0, "configuration is valid\n"], said
+    # Valid values (exit 0), and what `start` by this user stops at: whose the buffer is.
+    assert said["config"][0] == 0 and said["config"][1].startswith(
+        f"configuration is valid, but this user may not use buffer {buffer}"), said
+    assert "belongs to uid 65533" in said["config"][1], said
     assert any(f"buffer directory {buffer} belongs to uid 65533, not to nobody (uid 65534) who runs the daemon" in line
                and "remove it" in line for line in said["log"]), said
     assert sorted(os.listdir(buffer)) == []  # refused before touching it
