@@ -42,19 +42,36 @@ def no_access(buffer: Path, write: bool = False) -> str | None:
     not in say, naming its owner, group and mode and what to do; None where it may, or where it is not there
     (the commands say that themselves).  A rank's stream directory is reached through its buffer: one this
     user may not enter is the one named.  With ``write``, a ``buffer`` that is not there is one to create: the
-    nearest folder above it that is must let this user write in it."""
+    nearest folder above it that is must let this user write in it.  A filesystem mounted read-only (a
+    container's volume with ``:ro``) is said as such, not as a permission its owner could grant."""
     if write and not buffer.exists():
         above = nearest_existing(buffer)
         if above.is_dir() and not os.access(above, os.W_OK | os.X_OK):
-            return f"cannot create it: {_denied(above, os.stat(above), os.W_OK | os.X_OK)}"
+            return f"cannot create it: {_read_only(above) or _denied(above, os.stat(above), os.W_OK | os.X_OK)}"
     for path, need in ((buffer.parent, os.X_OK), (buffer, os.R_OK | os.X_OK | (os.W_OK if write else 0))):
         try:
             st = os.stat(path)
         except OSError:
             return None
         if not os.access(path, need):
-            return _denied(path, st, need)
+            # access(2) refuses a write on a read-only mount (EROFS) to the owner, root too.
+            read_only = _read_only(path) if need & os.W_OK and os.access(path, need & ~os.W_OK) else None
+            return read_only or _denied(path, st, need)
     return None
+
+
+def _read_only(path: Path) -> str | None:
+    """Why nobody may write in ``path``, a folder on a filesystem mounted read-only; None where it is not."""
+    try:
+        if not os.statvfs(path).f_flag & os.ST_RDONLY:
+            return None
+        mount, device = path.absolute(), os.stat(path).st_dev
+        while mount != mount.parent and os.stat(mount.parent).st_dev == device:
+            mount = mount.parent
+    except OSError:
+        return None
+    return (f"{path} is on a filesystem mounted read-only (at {mount}), where no user may write; mount it "
+            "read-write (in a container: the volume without :ro)")
 
 
 def _denied(path: Path, st: os.stat_result, need: int) -> str:

@@ -7,7 +7,7 @@ reference trainer behind the ``prefetchd-train`` command (its rooms: ``config``,
 """
 
 from prefetchd.trainer.errors import (
-    CheckpointError, DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout, OptionError,
+    CheckpointError, DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout, NoAccess, OptionError,
     SetupError, StateMismatch,
 )
 from prefetchd.trainer.loader import Batch, BufferLoader
@@ -16,5 +16,5 @@ from prefetchd.trainer.ranks import rank_stream
 
 __all__ = [
     "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "EveryRank", "JobEnded", "JobReplaced",
-    "LoaderError", "LoaderTimeout", "OptionError", "SetupError", "StateMismatch", "rank_stream",
+    "LoaderError", "LoaderTimeout", "NoAccess", "OptionError", "SetupError", "StateMismatch", "rank_stream",
 ]

@@ -53,9 +53,10 @@ class SetupError(ValueError):
 
 
 class NoAccess(SetupError):
-    """This user may not read a buffer (a --group-access buffer of a group it is not in, say); the message says
-    whose it is and how to join its group.  ``prefetchd-train`` exits 4 (EXIT_NO_ACCESS), as `prefetchd status`
-    and `show` do."""
+    """This user may not read a buffer (a --group-access buffer of a group it is not in, say), or a
+    :class:`BufferLoader` may not write its progress file in the stream folder it reads (another user's buffer it
+    may only read, a read-only mount), raised when the loader is made; the message says whose it is and what to
+    do.  ``prefetchd-train`` exits 4 (EXIT_NO_ACCESS), as `prefetchd status` and `show` do."""
 
 
 class OptionError(SetupError):

@@ -22,6 +22,9 @@ of flow control:
   done and ends it, which a loader put there by a state saved at the end (a finished
   run's checkpoint, loaded to validate or to train more epochs) has no say in.  It
   reads nothing and leaves the progress file as it was;
+- a loader that may not write it is refused when it is made (``NoAccess``), and one
+  whose writes fail later goes on for a while and then stops, saying why
+  (``prefetchd.trainer.progress_file``);
 - after a batch is handed over, progress moves past it only when the consumer
   asks for the next batch, when the epoch's iterator is exhausted or when the
   loader is closed, so the file the consumer may still be reading is not
@@ -223,6 +226,10 @@ class BufferLoader:
         start: (epoch, step) to begin at; ``load_state_dict`` moves it later.  Default:
             (0, 0) for the default consumer, the oldest batch still in the buffer for
             a named one (it joins where the others are).
+
+    Raises :class:`NoAccess` when this user may not write its progress file in ``buffer``
+    (a buffer of another user that it may only read, a --group-access buffer whose group may
+    not write, a read-only mount): the daemon would never learn what it consumed.
     """
 
     def __init__(

@@ -7,7 +7,12 @@ writes it for one loader:
 - the same position is not written twice in a row (``publish``), except while the
   loader waits for a batch, when ``stale`` asks for it to be written again every
   ``PROGRESS_REFRESH_SECONDS`` (SPEC rule 9) or when someone else rewrote it;
-- a write that fails (a full tmpfs) is retried at the next publish, and is an
+- a folder this user may not write in (another user's buffer it may only read, a
+  --group-access buffer whose group lost its write bit, a read-only mount) is refused
+  when the loader is made (:class:`NoAccess`, the words of ``prefetchd.access``): its
+  trainer would read the batches that are there while the daemon, never told, deletes
+  none and builds no more;
+- a write that fails later (a full tmpfs) is retried at the next publish, and is an
   error only once it has kept failing for ``PROGRESS_WRITE_GRACE`` seconds.  The
   log says so when the trouble starts, again every ``PROGRESS_WRITE_WARN_SECONDS``
   while it lasts, and when a write goes through again: not at every try (a waiting
@@ -40,10 +45,11 @@ import time
 import weakref
 from pathlib import Path
 
+from prefetchd.access import no_access
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
                                       progress_name, same_pid_namespace, take_lock, writer_named)
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
-from prefetchd.trainer.errors import LoaderError
+from prefetchd.trainer.errors import LoaderError, NoAccess
 from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
@@ -178,6 +184,12 @@ class ProgressFile:
         self._failing_since: float | None = None  # monotonic time of the first of the writes failing now
         self._failures = 0  # writes failed since then
         self._failure_said: tuple[float, str] | None = None  # when the failure was last logged, and its error
+        denied = no_access(buffer, write=True)
+        if denied is not None:  # before the lock, which it would fail to make and warn of in other words
+            raise NoAccess(
+                f"cannot write {self.path.name} in {buffer}: a trainer reading it tells the daemon there which "
+                "batches it has consumed, without which the daemon deletes none and builds no further than its "
+                f"high-water mark: {denied}")
         lock = self._take_lock()
         # The lock is let go at release(), or when a loader never closed is collected.
         self._unlock = weakref.finalize(self, _LOCKS.release, lock) if lock is not None else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
-from prefetchd.trainer import BufferLoader, LoaderError, LoaderTimeout
+from prefetchd.trainer import BufferLoader, LoaderError, LoaderTimeout, NoAccess
 from prefetchd.trainer import progress_file
 from tests.conftest import mounted_tmpfs
 
@@ -192,3 +193,26 @@ def test_a_progress_write_that_keeps_failing_says_what_to_do_about_its_cause(
                                           r"remove the directory that took its name"):
         for _batch in BufferLoader(job.buffer, normalize=False, timeout=10, daemon_grace=10):
             pass
+
+
+@pytest.mark.root
+def test_a_buffer_mounted_read_only_is_refused_when_the_loader_is_made(make_job: MakeJob, shm_dir: Path) -> None:
+    """A trainer's container given the buffer as a read-only volume read the batches there, while the daemon,
+    never told, deleted none and built no more. Now the loader stops at once, saying it is the mount, not a
+    permission its owner could grant (root, who may write anything else, is refused too)."""
+    with mounted_tmpfs(shm_dir / "rw", "size=4m") as mnt:
+        job = make_job(mnt / "bf", samples=8, batch_size=4, write=1)
+        volume = shm_dir / "ro"
+        volume.mkdir()
+        subprocess.run(["mount", "--bind", "-o", "ro", str(mnt), str(volume)], check=True)
+        try:
+            with pytest.raises(NoAccess) as refused:
+                BufferLoader(volume / "bf", normalize=False, timeout=5)
+        finally:
+            subprocess.run(["umount", str(volume)], check=True)
+        assert str(refused.value) == (
+            f"cannot write progress.json in {volume / 'bf'}: a trainer reading it tells the daemon there which batches "
+            "it has consumed, without which the daemon deletes none and builds no further than its high-water mark: "
+            f"{volume / 'bf'} is on a filesystem mounted read-only (at {volume}), where no user may write; mount it "
+            "read-write (in a container: the volume without :ro)")
+        assert not (job.buffer / "progress.json").exists() and not (job.buffer / "progress.json.lock").exists()

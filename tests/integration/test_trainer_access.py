@@ -1,0 +1,94 @@
+"""A trainer that may read a real daemon's buffer but not write its progress file there, run as user nobody
+(``as_nobody``): it read the batches the daemon had built, never told the daemon, which deleted none and built
+no more, and waited 30 s (or finished, exit 0, where the buffer held the whole run).  Now BufferLoader and
+prefetchd-train stop at once, saying whose the folder is and what to do (exit 4)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from prefetchd.buffer_protocol import list_batches
+from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.train import EXIT_BUFFER, EXIT_NO_ACCESS, main
+from tests.as_nobody import NOBODY, as_nobody
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plays the daemon's user and another one, nobody")
+
+ARGS = ["--batch-size", "8", "--image-size", "32", "--workers", "1", "--seed", "7", "--epochs", "2",
+        "--high-water", "3", "--low-water", "1"]
+
+
+def _buffer_of(shm_dir: Path, group_access: bool) -> Path:
+    """A buffer folder of root's, in nobody's group (``group_access``) or in root's."""
+    os.chmod(shm_dir, 0o755)
+    buffer = shm_dir / "bf"
+    buffer.mkdir()
+    os.chown(buffer, 0, NOBODY if group_access else 0)
+    os.chmod(buffer, 0o2770 if group_access else 0o755)  # a daemon without --group-access keeps 0755, with a warning
+    return buffer
+
+
+def _warm_up(shm_dir: Path) -> None:
+    """What a run imports, imported before the fork (``as_nobody``): no daemon serves this buffer."""
+    warm = CliRunner().invoke(main, ["--buffer", str(shm_dir / "none"), "--timeout", "0.1", "--device", "cpu"])
+    assert warm.exit_code == EXIT_BUFFER, warm.output
+
+
+def _logged(work: Callable[[], object]) -> dict[str, object]:
+    """``work``'s result (or error) and the warnings logged meanwhile, for a forked child to hand back."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("prefetchd").addHandler(handler)
+    try:
+        result = {"result": work()}
+    except Exception as exc:
+        result = {"error": type(exc).__name__, "message": " ".join(str(exc).split())}
+    finally:
+        logging.getLogger("prefetchd").removeHandler(handler)
+    return {**result, "warnings": said}
+
+
+@pytest.mark.parametrize("group_access", [True, False], ids=["group-lost-write", "others-world-readable"])
+def test_a_trainer_that_may_read_the_buffer_but_not_write_it_stops_at_once(
+        shapes_data: Path, shm_dir: Path, start_daemon, group_access: bool) -> None:
+    """A --group-access buffer whose group lost its write bit (nobody is in that group), and the buffer of another
+    user that every user may read (nobody is not in its group): the loader is refused when it is made, and
+    prefetchd-train before its first step with exit 4, naming the folder, whose it is and what to do."""
+    buffer = _buffer_of(shm_dir, group_access)
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS, *(["--group-access"] if group_access else []))
+    daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the high-water mark")
+    if group_access:
+        os.chmod(buffer, 0o2750)
+    _warm_up(shm_dir)
+
+    def as_reader() -> str:
+        start = time.monotonic()
+        loader = _logged(lambda: BufferLoader(buffer, timeout=10).close())
+        made = time.monotonic() - start
+        run = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "10", "--device", "cpu", "--threads", "1"])
+        return json.dumps({"loader": loader, "made_in": made, "code": run.exit_code, "stderr": run.stderr,
+                           "trained_in": time.monotonic() - start - made})
+
+    said = json.loads(as_nobody(as_reader) or "{}")
+    mode, group = ("2750", "nogroup") if group_access else ("0755", "root")
+    whose = (f"{buffer}: permission denied: it belongs to root (uid 0) and group {group} (mode {mode}): its group may "
+             "not write it either; ask root (uid 0) for access")
+    why = (f"cannot write progress.json in {buffer}: a trainer reading it tells the daemon there which batches it has "
+           f"consumed, without which the daemon deletes none and builds no further than its high-water mark: {whose}")
+    assert said["loader"] == {"error": "NoAccess", "message": why, "warnings": []}, said
+    assert said["made_in"] < 5, said
+    assert said["code"] == EXIT_NO_ACCESS == 4, said
+    assert " ".join(said["stderr"].split()) == f"prefetchd-train: {why}", said
+    assert said["trained_in"] < 10, said
+    assert not (buffer / "progress.json").exists() and not (buffer / "progress.json.lock").exists()
+    assert sorted(list_batches(buffer)) == [(0, 0), (0, 1), (0, 2)]  # the daemon was told nothing, deleted nothing
+
