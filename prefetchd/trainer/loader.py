@@ -136,8 +136,12 @@ def _unread_end(position: tuple[int, int], at: _Where, epochs: int | None) -> bo
 def _say_left(progress: ProgressFile, at: _Where, waits: WaitMeter, epochs: int | None) -> None:
     """Write the progress file a last time, marked closed, every batch handed out counted as consumed (the
     loader's at ``at``; its job has ``epochs``): the daemon then says the trainer left, and holds nothing for
-    it.  Nothing where the loader never wrote it."""
+    it.  Nothing where the loader never wrote it; LoaderError where this write fails, or where it never wrote it
+    because its writes failed (``ProgressFile.untold``): the daemon was not told."""
     if progress.published is None:
+        untold = progress.untold()
+        if untold is not None:
+            raise LoaderError(untold)
         return
     position = (at.epoch, at.step)
     if _unread_end(position, at, epochs):  # not this loader's to announce (the module docstring)

@@ -14,9 +14,12 @@ writes it for one loader:
   none and builds no more;
 - a write that fails later (a full tmpfs) is retried at the next publish, and is an
   error only once it has kept failing for ``PROGRESS_WRITE_GRACE`` seconds.  The
-  log says so when the trouble starts, again every ``PROGRESS_WRITE_WARN_SECONDS``
-  while it lasts, and when a write goes through again: not at every try (a waiting
-  loader tries about once a second);
+  log says so when the trouble starts, with what to do, again every
+  ``PROGRESS_WRITE_WARN_SECONDS`` while it lasts, and when a write goes through
+  again: not at every try (a waiting loader tries about once a second).  The last
+  write, as the loader closes, has no next try: its failing is said at once
+  (``LoaderError``, which ``close`` logs), as is a loader that closes while its
+  writes fail: the daemon was not told where it stopped;
 - another trainer reading as the same consumer is an error (each needs a consumer
   name of its own): the first holds ``flock`` on the consumer's lock file
   (``progress.json.lock``) while its loader is open, and a second one's loader
@@ -184,6 +187,7 @@ class ProgressFile:
         self._failing_since: float | None = None  # monotonic time of the first of the writes failing now
         self._failures = 0  # writes failed since then
         self._failure_said: tuple[float, str] | None = None  # when the failure was last logged, and its error
+        self._failure: OSError | None = None  # the error of the last write that failed
         denied = no_access(buffer, write=True)
         if denied is not None:  # before the lock, which it would fail to make and warn of in other words
             raise NoAccess(
@@ -254,20 +258,20 @@ class ProgressFile:
             Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key, read_batches=read_batches,
                      locked=self._unlock is not None and self._unlock.alive).write(self.buffer, self.consumer)
         except OSError as exc:
+            if closed:  # the loader leaves: no next publish will try again
+                self._failing_since = self._failing_since if self._failing_since is not None else now
+                self._failure = exc
+                raise LoaderError(self.untold()) from exc
             if self._keep_trying(exc):
                 return  # left unpublished, so the next call tries again
-            fix = {errno.EISDIR: "remove the directory that took its name",
-                   errno.ENOSPC: "free space on the buffer's filesystem (what else fills it?)",
-                   errno.EACCES: "give this user write access to the buffer (its group, with --group-access)"}.get(
-                exc.errno or 0, "check that the buffer directory exists, is writable and has free space")
             raise LoaderError(
                 f"{self.path}: cannot write it ({exc.strerror or exc}) for "
-                f"{PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete: {fix}"
+                f"{PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete: {self._fix(exc)}"
             ) from exc
         if self._failing_since is not None:
             logger.warning("wrote %s again after %.0f s (%s failed)", self.path,
                            time.monotonic() - self._failing_since, counted(self._failures, "write"))
-            self._failing_since, self._failures, self._failure_said = None, 0, None
+            self._failing_since, self._failures, self._failure_said, self._failure = None, 0, None, None
         self.published = position
         self._published_at = time.monotonic()
 
@@ -278,6 +282,28 @@ class ProgressFile:
         why = f" ({self._failure_said[1]})" if self._failure_said is not None else ""
         return f"it has not written {self.path} for {time.monotonic() - self._failing_since:.0f} s{why}"
 
+    def untold(self) -> str | None:
+        """What a loader that leaves while its writes fail did not tell the daemon, and what to do; None where
+        its last write went through (or it never tried one)."""
+        if self._failing_since is None or self._failure is None:
+            return None
+        told = (f"epoch {self.published[0]} step {self.published[1]}, the last position this loader wrote"
+                if self.published is not None else "no position of this loader's, which never wrote it")
+        return (f"{self.path}: cannot write it ({self._failure.strerror or self._failure}, for "
+                f"{time.monotonic() - self._failing_since:.0f} s) as the loader closes, so the daemon was not told "
+                f"where this trainer stopped nor that it left: it goes by {told}; {self._fix(self._failure)}")
+
+    def _fix(self, exc: OSError) -> str:
+        """What to do about writes failing with ``exc``; for a permission, whose the folder is (``no_access``)."""
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            denied = no_access(self.buffer, write=True)
+            if denied is not None:
+                return denied
+        return {errno.EISDIR: "remove the directory that took its name",
+                errno.ENOSPC: "free space on the buffer's filesystem (what else fills it?)",
+                errno.EACCES: "give this user write access to the buffer (its group, with --group-access)"}.get(
+            exc.errno or 0, "check that the buffer directory exists, is writable and has free space")
+
     def _keep_trying(self, exc: OSError) -> bool:
         """A write failed with ``exc``: whether to try again at the next publish (within the grace), said when
         the failing starts, when its error changes and every ``PROGRESS_WRITE_WARN_SECONDS`` while it lasts."""
@@ -285,6 +311,7 @@ class ProgressFile:
         if self._failing_since is None:
             self._failing_since = now
         self._failures += 1
+        self._failure = exc
         failing = now - self._failing_since
         if failing >= PROGRESS_WRITE_GRACE:
             return False
@@ -293,8 +320,8 @@ class ProgressFile:
             until = time.strftime("%H:%M:%S", time.localtime(time.time() + PROGRESS_WRITE_GRACE - failing))
             logger.warning(
                 "cannot write %s (%s); the loader goes on with the batches that are there and tries again at "
-                "each batch and while it waits; still failing at %s (%.0f s from now), it stops with an error",
-                self.path, error, until, PROGRESS_WRITE_GRACE - failing)
+                "each batch and while it waits; still failing at %s (%.0f s from now), it stops with an error; %s",
+                self.path, error, until, PROGRESS_WRITE_GRACE - failing, self._fix(exc))
         elif now - self._failure_said[0] >= PROGRESS_WRITE_WARN_SECONDS:
             logger.warning("still cannot write %s (%s) after %.0f s (%s failed); an error in %.0f s unless a "
                            "write goes through", self.path, error, failing, counted(self._failures, "write"),

@@ -1,13 +1,17 @@
 """A trainer that may read a real daemon's buffer but not write its progress file there, run as user nobody
 (``as_nobody``): it read the batches the daemon had built, never told the daemon, which deleted none and built
 no more, and waited 30 s (or finished, exit 0, where the buffer held the whole run).  Now BufferLoader and
-prefetchd-train stop at once, saying whose the folder is and what to do (exit 4)."""
+prefetchd-train stop at once, saying whose the folder is and what to do (exit 4); a write refused mid-run is
+said with the same words, and as the loader closes."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from prefetchd.buffer_protocol import list_batches
-from prefetchd.trainer import BufferLoader
+from prefetchd.buffer_protocol import Progress, list_batches
+from prefetchd.trainer import BufferLoader, progress_file
 from prefetchd.trainer.train import EXIT_BUFFER, EXIT_NO_ACCESS, main
 from tests.as_nobody import NOBODY, as_nobody
 
@@ -91,4 +95,56 @@ def test_a_trainer_that_may_read_the_buffer_but_not_write_it_stops_at_once(
     assert said["trained_in"] < 10, said
     assert not (buffer / "progress.json").exists() and not (buffer / "progress.json.lock").exists()
     assert sorted(list_batches(buffer)) == [(0, 0), (0, 1), (0, 2)]  # the daemon was told nothing, deleted nothing
+
+
+def test_write_access_lost_mid_run_is_said_with_whose_the_folder_is_and_again_as_the_loader_closes(
+        shapes_data: Path, shm_dir: Path, start_daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group's write bit removed while nobody's loader reads: the writes are retried for the grace (a
+    permission put back in time lets it go on), said with whose the folder is, then an error with those words;
+    closing, the loader says where the daemon still thinks it is."""
+    monkeypatch.setattr(progress_file, "PROGRESS_WRITE_GRACE", 2.0)  # the child, forked, has it too
+    buffer = _buffer_of(shm_dir, group_access=True)
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS, "--group-access")
+    daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the high-water mark")
+    _warm_up(shm_dir)
+    # A process of root's takes the write bit away once the loader has written step 1 (nobody cannot).
+    watcher = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from prefetchd.buffer_protocol import Progress\n"
+        "buffer = sys.argv[1]\n"
+        "while Progress.read(buffer) != Progress(0, 1): time.sleep(0.01)\n"
+        "os.chmod(buffer, 0o2750)\n"), str(buffer)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+    def as_reader() -> str:
+        def read() -> int:
+            loader = BufferLoader(buffer, normalize=False, timeout=30)
+            try:
+                it = iter(loader)
+                next(it), next(it)  # progress names step 1
+                while os.stat(buffer).st_mode & 0o020:
+                    time.sleep(0.01)
+                return sum(1 for _ in it)
+            finally:
+                loader.close()
+        return json.dumps(_logged(read))
+
+    try:
+        said = json.loads(as_nobody(as_reader) or "{}")
+        assert watcher.wait(10) == 0
+    finally:
+        watcher.kill()
+    path = buffer / "progress.json"
+    whose = (f"{buffer}: permission denied: it belongs to root (uid 0) and group nogroup (mode 2750): its group may "
+             "not write it either; ask root (uid 0) for access")
+    assert said["error"] == "LoaderError", said
+    assert said["message"] == (f"{path}: cannot write it (Permission denied) for 2 s; the daemon needs it to know what "
+                               f"to produce and delete: {whose}"), said
+    warnings = said["warnings"]
+    assert warnings[0].startswith(f"cannot write {path} (Permission denied); the loader goes on with the batches"), said
+    assert warnings[0].endswith(f"it stops with an error; {whose}"), said
+    assert re.fullmatch(re.escape(f"closing {buffer}: {path}: cannot write it (Permission denied, for ") + r"[234]" +
+                        re.escape(" s) as the loader closes, so the daemon was not told where this trainer stopped nor "
+                                  "that it left: it goes by epoch 0 step 1, the last position this loader wrote; "
+                                  f"{whose}"), warnings[-1]), said
+    assert Progress.read(buffer) == Progress(0, 1)
 

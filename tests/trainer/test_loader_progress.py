@@ -195,6 +195,40 @@ def test_a_progress_write_that_keeps_failing_says_what_to_do_about_its_cause(
             pass
 
 
+@pytest.mark.parametrize("written_first", [True, False], ids=["after-a-write", "never-written"])
+def test_a_loader_that_closes_while_its_progress_writes_fail_says_the_daemon_was_not_told(
+        make_job: MakeJob, caplog: pytest.LogCaptureFixture, written_first: bool) -> None:
+    """Within the grace a failing write is retried at the next publish; closing there is none. The loader
+    closed without a word, and a run that read the batches already there ended with exit 0 while the daemon
+    still went by an old position (or none) and never saw it leave. Now closing says so, and what to do."""
+    job = make_job(samples=16, batch_size=4, write=1)
+    path = job.buffer / "progress.json"
+    loader = BufferLoader(job.buffer, normalize=False, timeout=10, daemon_grace=10)
+
+    def fail_from_now() -> None:  # every write: a directory took its name
+        path.unlink(missing_ok=True)
+        path.mkdir()
+        (path / "keep").touch()
+
+    with caplog.at_level(logging.WARNING):
+        if not written_first:
+            fail_from_now()
+        it = iter(loader)  # writes step 0
+        if written_first:
+            next(it), next(it)  # writes step 1
+            fail_from_now()
+        assert sum(1 for _ in it) == (2 if written_first else 4)
+        loader.close()
+    said = [r.getMessage() for r in caplog.records]
+    told = "epoch 0 step 1, the last position this loader wrote" if written_first else \
+        "no position of this loader's, which never wrote it"
+    assert said[-1] == (f"closing {job.buffer}: {path}: cannot write it (Is a directory, for 0 s) as the loader "
+                        "closes, so the daemon was not told where this trainer stopped nor that it left: it goes by "
+                        f"{told}; remove the directory that took its name"), said
+    assert said[0].startswith(f"cannot write {path} (Is a directory); the loader goes on"), said
+    assert said[0].endswith("it stops with an error; remove the directory that took its name"), said
+
+
 @pytest.mark.root
 def test_a_buffer_mounted_read_only_is_refused_when_the_loader_is_made(make_job: MakeJob, shm_dir: Path) -> None:
     """A trainer's container given the buffer as a read-only volume read the batches there, while the daemon,
