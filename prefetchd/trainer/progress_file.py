@@ -48,7 +48,7 @@ import time
 import weakref
 from pathlib import Path
 
-from prefetchd.access import no_access
+from prefetchd.access import no_access, user_name
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
                                       progress_name, same_pid_namespace, take_lock, writer_named)
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
@@ -210,8 +210,8 @@ class ProgressFile:
                 "trainers on one buffer each need a consumer name of their own: --consumer NAME "
                 "(BufferLoader(consumer=NAME))") from None
         except OSError as exc:
-            logger.warning("%s: cannot lock it (%s); another trainer reading %s as %s is noticed only by its writes",
-                           path, exc.strerror or exc, self.buffer, self.who)
+            logger.warning("%s: cannot lock it (%s)%s; another trainer reading %s as %s is noticed only by its writes",
+                           path, exc.strerror or exc, self._lock_denied(path, exc), self.buffer, self.who)
             return None
         if shared:
             logger.warning(
@@ -220,6 +220,20 @@ class ProgressFile:
                 "the other first (loader.close(), or a with block), or give each a consumer= of its own",
                 self.buffer, self.who)
         return key
+
+    def _lock_denied(self, path: Path, exc: OSError) -> str:
+        """Whose the lock file this user may not open is, and what to do, for the warning; "" for another error.
+        The folder is writable (checked first): another user's trainer made the file, under a umask that
+        narrowed its ``LOCK_FILE_MODE``."""
+        if not isinstance(exc, PermissionError):
+            return ""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return ""
+        return (f": it belongs to {user_name(st.st_uid)} and has mode {stat.S_IMODE(st.st_mode):04o} (a trainer "
+                f"under a umask that takes the group's bits makes it so). Remove it while no trainer reads as {self.who} "
+                f"(`rm {path}`), and run the trainers of a --group-access buffer with umask 007 or 002")
 
     def _holder(self) -> str:
         """" (pid N)" for the live writer of this consumer's progress, the likely holder of its lock, or ""."""

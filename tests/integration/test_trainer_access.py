@@ -2,7 +2,7 @@
 (``as_nobody``): it read the batches the daemon had built, never told the daemon, which deleted none and built
 no more, and waited 30 s (or finished, exit 0, where the buffer held the whole run).  Now BufferLoader and
 prefetchd-train stop at once, saying whose the folder is and what to do (exit 4); a write refused mid-run is
-said with the same words, and as the loader closes."""
+said with the same words, and as the loader closes; a lock file it may not open is said with whose it is."""
 
 from __future__ import annotations
 
@@ -148,3 +148,31 @@ def test_write_access_lost_mid_run_is_said_with_whose_the_folder_is_and_again_as
                                   f"{whose}"), warnings[-1]), said
     assert Progress.read(buffer) == Progress(0, 1)
 
+
+def test_a_lock_file_the_trainer_may_not_open_is_said_with_whose_it_is_and_the_run_goes_on(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """progress.json.lock left 0600 by another user's trainer (a umask of 077) in a --group-access buffer: the
+    loader cannot lock it, warns naming its owner and what to do, and reads the whole job, which the daemon
+    deletes behind it and ends: the folder is writable, so the progress is written."""
+    buffer = _buffer_of(shm_dir, group_access=True)
+    lock = buffer / "progress.json.lock"
+    lock.touch(0o600)
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS, "--group-access")
+    daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the high-water mark")
+    _warm_up(shm_dir)
+
+    def as_reader() -> str:
+        def read() -> int:
+            with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+                return sum(1 for _ in loader) + sum(1 for _ in loader)
+        return json.dumps(_logged(read))
+
+    said = json.loads(as_nobody(as_reader) or "{}")
+    assert said["result"] == 18, said  # 72 images, 8 a batch, 2 epochs
+    assert said["warnings"] == [
+        f"{lock}: cannot lock it (Permission denied): it belongs to root (uid 0) and has mode 0600 (a trainer under a "
+        "umask that takes the group's bits makes it so). Remove it while no trainer reads as the default consumer "
+        f"(`rm {lock}`), and run the trainers of a --group-access buffer with umask 007 or 002; another trainer "
+        f"reading {buffer} as the default consumer is noticed only by its writes"], said
+    assert Progress.read(buffer) == Progress(2, 0)
+    daemon.wait_until(lambda: not list_batches(buffer), 30, "the consumed batches to be deleted")
