@@ -73,13 +73,15 @@ class StartupBeat:
 ROOM_RETRY_SECONDS = 1.0  # a write refused for want of space is tried again this often while a job starts
 
 
-def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat) -> None:
+def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat,
+                    meanwhile: Callable[[], None] = lambda: None) -> None:
     """``write`` (the document at ``path``), waited for while the buffer's filesystem has no room for it, as
     production waits at the --min-free-mb floor: a daemon restarted while the tmpfs is full goes on once space
-    is freed there, instead of exiting.  The log says so when the wait begins and when it ends, and the status
-    meanwhile, as a pause for space (``State.PAUSED_LOW_SPACE``): with no page free it is written over the
-    earlier daemon's, in that file's pages (``write_status``), so a trainer waiting on the buffer sees this daemon
-    alive and waiting for room, not stuck.  A stop signal ends the wait (``beat``)."""
+    is freed there, instead of exiting.  ``meanwhile`` runs at each try (``Producer.free_consumed``: the
+    batches a trainer consumes meanwhile make the room).  The log says so when the wait begins and when it
+    ends, and the status meanwhile, as a pause for space (``State.PAUSED_LOW_SPACE``): with no page free it is
+    written over the earlier daemon's, in that file's pages (``write_status``), so a trainer waiting on the
+    buffer sees this daemon alive and waiting for room, not stuck.  A stop signal ends the wait (``beat``)."""
     since: float | None = None
     while True:
         try:
@@ -95,6 +97,7 @@ def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat) ->
                 beat.notifier.status(f"waiting for room to write {path}")
             beat(f"waiting for room: {why}; free space there, and the daemon goes on by itself",
                  State.PAUSED_LOW_SPACE)
+            meanwhile()
             time.sleep(ROOM_RETRY_SECONDS)
             continue
         if since is not None:
@@ -178,8 +181,20 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         for directory, manifest in streams:
             folders.append(make_stream_dir(directory, job.group_access))
             adopt_manifest(directory, manifest, reset)
-            write_when_room(functools.partial(manifest.write, directory, folders[-1]), directory / MANIFEST_NAME,
-                            beat)
+    except BaseException:
+        for fd in folders:
+            os.close(fd)
+        raise
+    # Its streams take the fds (and close them, or their finalizers do should the producer not be made).  Made
+    # before the manifests are written: waiting for room to write them, it deletes what the trainers consume.
+    producer = Producer(job, index, members, [(d, m, fd) for (d, m), fd in zip(streams, folders, strict=True)], wake,
+                        poll_jobs=inbox.poll, job_result=lambda: inbox.result, running_job=inbox.running_job,
+                        on_status=publish, notifier=notifier,
+                        lock_lost=lock.lost, buffer_fd=lock.dir_fd)
+    try:
+        for (directory, manifest), fd in zip(streams, folders, strict=True):
+            write_when_room(functools.partial(manifest.write, directory, fd), directory / MANIFEST_NAME, beat,
+                            producer.free_consumed)
         for leftover, _differences in others:
             log.info("removing %s: another job's stream, of a rank this job does not produce", leftover)
             remove_stream(leftover)  # logs what it cannot remove: a file of someone else's, a folder put there
@@ -193,14 +208,9 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         )
         beat(f"starting the workers for {job.data}")  # the last look for a stop signal before they start
     except BaseException:
-        for fd in folders:
-            os.close(fd)
+        producer.shutdown()  # its pool never started; its streams close their folders
         raise
-    # Its streams take the fds (and close them, or their finalizers do should the producer not be made).
-    return Producer(job, index, members, [(d, m, fd) for (d, m), fd in zip(streams, folders, strict=True)], wake,
-                    poll_jobs=inbox.poll, job_result=lambda: inbox.result, running_job=inbox.running_job,
-                    on_status=publish, notifier=notifier,
-                    lock_lost=lock.lost, buffer_fd=lock.dir_fd)
+    return producer
 
 
 def already_consumed(producer: Producer) -> str:

@@ -162,6 +162,20 @@ class Producer:
             stream.say_adopted()
         self._positioned = True
 
+    def free_consumed(self) -> None:
+        """Delete the batches the trainers consumed, files and all (no spares kept, whose pages a new file cannot
+        use): what a daemon restarted on a full tmpfs does while its manifests wait for room (``start_job``), so
+        that a trainer reading the batches an earlier run left makes that room, where the two waited on each
+        other.  It is ``run``'s deletion, done before the manifests are written, which changes nothing it goes
+        by: the batches there are this job's (``adopt_manifest`` cleared another job's), and the trainers'
+        progress says which are consumed, naming the job by its identity (``Manifest.job_key``), the same in
+        the manifest there and in this one.  Nothing is built until the manifests are written (``run``)."""
+        if self._positioned:
+            self._read_progress()
+        else:
+            self.take_positions()
+        self.spares.fit(0)
+
     def run(self) -> None:
         """Produce until stopped by a signal, finished, replaced by another job, or failed."""
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -217,6 +218,57 @@ def test_a_trainer_waiting_on_a_daemon_restarted_on_a_full_tmpfs_sees_it_wait_fo
             if freeing.is_alive():
                 freeing.join()
             filler.unlink(missing_ok=True)
+            again.terminate()  # before the tmpfs is unmounted
+
+
+def many_classes(root: Path, images: Path, classes: int) -> Path:
+    """A class-folder dataset of ``classes`` classes of one image each, from ``images``, whose long class names
+    make its manifest span several pages, as ImageNet's 1000 make one of 20 KiB."""
+    files = sorted(p for p in images.rglob("*") if p.is_file())[:classes]
+    for i, image in enumerate(files):
+        folder = root / f"{i:03d}-{'x' * 240}"
+        folder.mkdir(parents=True)
+        shutil.copyfile(image, folder / image.name)
+    return root
+
+
+def test_a_daemon_restarted_on_a_full_tmpfs_frees_what_its_trainer_reads_and_goes_on(
+        shm_dir: Path, shapes_data: Path, tmp_path: Path, start_daemon) -> None:
+    """A daemon restarted on a tmpfs that something else filled, up to a page or two (room for a trainer's
+    progress.json, none for the new daemon's manifest of several), deleted no batch until it had written its
+    manifest: the trainer read the batches the earlier daemon left, which freed nothing, and then waited on the
+    daemon, which waited for room, until the loader's timeout.  Now the daemon deletes what the trainer consumes
+    while it waits, and that is the room: the trainer reads its epoch to the end, each batch once, the tmpfs
+    full all along."""
+    data = many_classes(tmp_path / "many-classes", shapes_data / "train", 64)
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        buffer = mount / "bf"
+        flags = ["--data", data, "--batch-size", "4", "--image-size", "32", "--workers", "1",
+                 "--high-water", "4", "--min-free-mb", "0", "--epochs", "1"]
+        first = start_daemon(buffer, *flags)
+        try:
+            first.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+        finally:
+            first.proc.send_signal(signal.SIGKILL)
+            first.wait_exit()
+        pages = 2
+        assert (buffer / "manifest.json").stat().st_size > 2 * pages * PAGE  # a new one cannot fit what is free
+        filler = fill_leaving(mount, pages)
+        again = start_daemon(buffer, *flags)
+        try:
+            again.wait_until(lambda: "waiting for room: " in again.log, 30, "the wait for room")
+            read: list[tuple[int, list[int]]] = []
+            with BufferLoader(buffer, normalize=False, timeout=20) as loader:
+                for batch in loader:  # past the 4 the earlier daemon left: those the new one builds
+                    read.append((batch.step, batch.indices.tolist()))
+                    del batch  # unmapped: the pages of a batch the daemon deleted go back to the tmpfs
+                steps = len(loader)
+            assert [step for step, _ in read] == list(range(steps)) and steps == 16, read
+            seen = sorted(i for _, indices in read for i in indices)
+            assert seen == list(range(64)), seen  # every sample of the epoch, once
+            assert f"wrote {buffer / 'manifest.json'} after waiting" in again.log, again.log
+            assert filler.exists() and again.wait_exit() == 0, again.log  # its one epoch read
+        finally:
             again.terminate()  # before the tmpfs is unmounted
 
 
