@@ -207,6 +207,14 @@ def _private_folder(root: Path) -> Path:
     return private
 
 
+def _stream(folder: Path, world_size: int, dir_fd: int) -> Stream:
+    """A stream of rank 0 of ``world_size`` over 40 samples a rank, 5 steps of 8 an epoch, 2 epochs."""
+    manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=40 * world_size, split="all",
+                        seed=0, batch_size=8, image_size=8, samples_per_epoch=40, steps_per_epoch=5, epochs=2,
+                        producer="test", rank=0, world_size=world_size)
+    return Stream(folder, manifest, np.arange(40 * world_size), shuffle=False, high=4, low=2, dir_fd=dir_fd)
+
+
 def _contents(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
@@ -279,11 +287,7 @@ def test_a_stream_folder_swapped_for_a_link_just_after_the_check_gets_no_file(
     buffer = shm_buffer / "bf"
     prepare_buffer(buffer, group_access=True)
     folder, moved = buffer / "rank-00000", buffer / "moved"
-    manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
-                        batch_size=8, image_size=8, samples_per_epoch=40, steps_per_epoch=5, epochs=2,
-                        producer="test", rank=0, world_size=2)
-    stream = Stream(folder, manifest, np.arange(80), shuffle=False, high=4, low=2,
-                    dir_fd=make_stream_dir(folder, group_access=True))
+    stream = _stream(folder, 2, make_stream_dir(folder, group_access=True))
     producer = books(buffer, stream)
     producer.chunk, producer.next_task_id = 8, 0
     layout = BatchLayout.plan(8, 8, 8)
@@ -328,11 +332,7 @@ def test_a_replaced_buffer_that_is_its_ranks_stream_folder_is_said_as_the_buffer
     prepare_buffer(buffer)
     lock = DaemonLock(buffer)
     lock.acquire()
-    manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=40, split="all", seed=0,
-                        batch_size=8, image_size=8, samples_per_epoch=40, steps_per_epoch=5, epochs=1,
-                        producer="test", rank=0, world_size=1)
-    stream = Stream(buffer, manifest, np.arange(40), shuffle=False, high=4, low=2,
-                    dir_fd=make_stream_dir(buffer, group_access=False))
+    stream = _stream(buffer, 1, make_stream_dir(buffer, group_access=False))
     producer = books(buffer, stream)
     producer.lock_lost = lock.lost
     os.rename(buffer, shm_buffer / "old")
@@ -365,10 +365,7 @@ def test_the_batches_an_earlier_daemon_left_are_read_through_the_stream_folders_
         write_batch(folder / batch_name(0, step), images, np.zeros(8, np.int64), np.arange(8), epoch=0, step=step,
                     seed=0, producer="earlier")
     os.symlink(private / "e000000-s00000000.batch", folder / batch_name(0, 2))
-    manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
-                        batch_size=8, image_size=8, samples_per_epoch=40, steps_per_epoch=5, epochs=2,
-                        producer="test", rank=0, world_size=2)
-    stream = Stream(folder, manifest, np.arange(80), shuffle=False, high=4, low=2, dir_fd=fd)
+    stream = _stream(folder, 2, fd)
     os.rename(folder, moved)
     os.symlink(private / "rank-00000", folder)
     try:

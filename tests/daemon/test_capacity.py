@@ -120,6 +120,16 @@ def fill_leaving(mount: Path, pages: int) -> Path:
     return filler
 
 
+def fill_then_stop(start_daemon, buffer: Path, flags: list, stop: str) -> None:
+    """A first daemon fills ``buffer`` to its high-water mark and is stopped with the signal ``stop``."""
+    first = start_daemon(buffer, *flags)
+    try:
+        first.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+    finally:
+        first.proc.send_signal(getattr(signal, stop))
+        first.wait_exit()
+
+
 @pytest.mark.parametrize("stop, pages", [("SIGTERM", 0), ("SIGTERM", 1), ("SIGKILL", 0)])
 def test_a_daemon_restarted_on_a_full_tmpfs_comes_back_once_there_is_room(
         shm_dir: Path, shapes_data: Path, start_daemon, stop: str, pages: int) -> None:
@@ -130,12 +140,7 @@ def test_a_daemon_restarted_on_a_full_tmpfs_comes_back_once_there_is_room(
         buffer = mount / "bf"
         flags = ["--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1",
                  "--high-water", "4", "--min-free-mb", "1", "--epochs", "1"]
-        first = start_daemon(buffer, *flags)
-        try:
-            first.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
-        finally:
-            first.proc.send_signal(getattr(signal, stop))
-            first.wait_exit()
+        fill_then_stop(start_daemon, buffer, flags, stop)
         filler = fill_leaving(mount, pages)
         again = start_daemon(buffer, *flags)
         try:
@@ -179,12 +184,7 @@ def test_a_trainer_waiting_on_a_daemon_restarted_on_a_full_tmpfs_sees_it_wait_fo
         buffer = mount / "bf"
         flags = ["--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1",
                  "--high-water", "4", "--min-free-mb", "1", "--epochs", "1"]
-        first = start_daemon(buffer, *flags)
-        try:
-            first.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
-        finally:
-            first.proc.send_signal(signal.SIGKILL)
-            first.wait_exit()
+        fill_then_stop(start_daemon, buffer, flags, "SIGKILL")
         filler = fill_leaving(mount, 0)
         again = start_daemon(buffer, *flags)
         seen: list[tuple[Status | None, DaemonOwner | None, float]] = []
@@ -245,12 +245,7 @@ def test_a_daemon_restarted_on_a_full_tmpfs_frees_what_its_trainer_reads_and_goe
         buffer = mount / "bf"
         flags = ["--data", data, "--batch-size", "4", "--image-size", "32", "--workers", "1",
                  "--high-water", "4", "--min-free-mb", "0", "--epochs", "1"]
-        first = start_daemon(buffer, *flags)
-        try:
-            first.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
-        finally:
-            first.proc.send_signal(signal.SIGKILL)
-            first.wait_exit()
+        fill_then_stop(start_daemon, buffer, flags, "SIGKILL")
         pages = 2
         assert (buffer / "manifest.json").stat().st_size > 2 * pages * PAGE  # a new one cannot fit what is free
         filler = fill_leaving(mount, pages)
