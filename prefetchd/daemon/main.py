@@ -232,8 +232,11 @@ def _serve(cfg: DaemonConfig) -> int:
                     # A submitted job's end: the daemon waits for the next, also one started with its own data (a
                     # service's config), which exited here and, exit code 0, was not restarted: its group had no
                     # daemon to submit to.  Its answer said "producing" next to the state waiting-for-job. Only the
-                    # running job's answer is replaced: one refused meanwhile stays for its submitter to read.
-                    if running_id is not None and inbox.result is not None and inbox.result.job_id == running_id:
+                    # running job's answer is replaced, or an accepted one after it, which is about that job too
+                    # ("already producing this job": status then said that beside waiting-for-job): one refused
+                    # meanwhile stays for its submitter to read.
+                    result = inbox.result
+                    if running_id is not None and result is not None and (result.job_id == running_id or result.accepted):
                         inbox.answer(running_id, True, f"{FINISHED_PRODUCING} {job.data}: every epoch was read")
                     inbox.forget_accepted()
                     job = None

@@ -236,6 +236,33 @@ def test_a_job_whose_epochs_were_all_consumed_is_refused_saying_how_to_produce_i
     assert next(iter(BufferLoader(buffer, normalize=False, timeout=30))).step == 0
 
 
+def test_a_job_submitted_again_while_it_ran_is_answered_finished_once_it_ends(shapes_data: Path, shm_dir: Path,
+                                                                             start_daemon) -> None:
+    """A trainer that resubmits its running job (resuming after a crash: "already producing this job", status's
+    `later`) left that answer as the last one: once the job ended, status said "last job ... accepted: already
+    producing this job" beside waiting-for-job, as if it still ran.  That answer is about the running job too."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    job = ["--data", shapes_data / "val", "--split", "val", *JOB, "--epochs", "1"]
+    running = submit(buffer, *job)
+    assert running.returncode == 0, running.stdout + running.stderr
+    loader = BufferLoader(buffer, normalize=False, timeout=30)
+    batches = iter(loader)
+    read = [next(batches)]
+    same = submit(buffer, *job)
+    assert same.returncode == 0 and "already producing this job" in same.stdout, same.stdout + same.stderr
+    read += list(batches)
+    loader.close()
+    assert len(read) == len(loader)
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to finish the job")
+    done = job_result_of(buffer)
+    assert done is not None and done.job_id == running.stdout.split()[1] and done.reason == \
+        f"finished producing {shapes_data / 'val'}: every epoch was read", done
+    shown = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True, timeout=60).stdout
+    assert f"  last job  {done.job_id} finished producing" in shown and "already producing" not in shown, shown
+
+
 def test_a_trainer_started_after_its_job_finished_is_told_so_at_once(shapes_data: Path, shm_dir: Path,
                                                                      start_daemon) -> None:
     """The finished job's manifest stays in the buffer: a trainer started then waited its whole --timeout for a
