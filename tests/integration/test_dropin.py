@@ -17,6 +17,8 @@ import json
 import math
 import re
 import runpy
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,9 @@ from typing import Any
 import pytest
 from torchvision.datasets import ImageFolder
 
-from prefetchd.buffer_protocol import Progress, daemon_pid
+from prefetchd.buffer_protocol import Manifest, Progress, daemon_pid
 from prefetchd.trainer import loader as loader_module
+from tests.status_examples import job_result_of, state_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "DROP_IN.md"
 
@@ -307,6 +310,25 @@ def documented_diffs() -> dict[str, str]:
     return {name: str(diff) for name, diff in blocks}
 
 
+def service_commands(data: Path, train_buffer: Path, val_buffer: Path) -> tuple[list[list[str]], list[str]]:
+    """The `prefetchd submit` command lines of DROP_IN's section 6 (its block "run by test_dropin.py") for this
+    test's data, buffers and sizes, and the arguments of its `python main.py` line."""
+    block = re.search(r"<!-- run by test_dropin\.py -->\n```bash\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert block, f"{DOC}: no bash block run by test_dropin.py"
+    text = block[1].replace("\\\n", " ")
+    for documented, here in (("/dev/shm/imagenet-train", train_buffer), ("/dev/shm/imagenet-val", val_buffer),
+                             ("/data/imagenet", data), ("--batch-size 256", "--batch-size 8"),
+                             ("--image-size 224", "--image-size 32"), ("--epochs 90", "--epochs 2"),
+                             ("--arch resnet50", "--arch mobilenet_v3_small")):
+        assert documented in text, f"{DOC}: {documented!r} is not in its service block:\n{text}"
+        text = text.replace(documented, str(here))
+    lines = [shlex.split(line) for line in text.splitlines() if line.strip()]
+    submits = [line for line in lines if line[:2] == ["prefetchd", "submit"]]
+    script = [line for line in lines if line[:2] == ["python", "main.py"]]
+    assert len(submits) == 2 and len(script) == 1 and len(lines) == 3, lines
+    return submits, script[0][2:]
+
+
 def apply_diff(text: str, diff: str) -> str:
     """Apply unified-diff hunks by their content (hunk headers are labels, not line numbers)."""
     hunks = [h for h in re.split(r"^@@.*\n", diff, flags=re.M) if h.strip()]
@@ -524,3 +546,79 @@ def test_accelerate_diff_resumes_mid_epoch_exactly(
     assert Progress.read(val_buffer) == Progress(3, 0), Progress.read(val_buffer)
     for daemon in daemons:
         assert daemon.wait_exit(60) == 0, daemon.log
+
+
+def test_stock_script_on_a_service_with_the_documented_submits_resumes_exactly(
+    shapes_data: Path, shm_dir: Path, start_daemon: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Section 6: daemons as a service runs them (--group-access, no data) are given their jobs by the documented
+    `prefetchd submit` lines; the script of section 2 trains on them, is killed in its second epoch, and another
+    user's job replaces the training one meanwhile (--replace).  Submitted again, the validation job answers
+    "already producing this job" (status's `later` line) and the training one is started again, and the run resumed
+    with --resume gets the batches the killed run had of that epoch."""
+    train_buffer, val_buffer = shm_dir / "imagenet-train", shm_dir / "imagenet-val"
+    daemons = [start_daemon(buffer, "--group-access", "--workers", "1", "--high-water", "3")
+               for buffer in (train_buffer, val_buffer)]
+    for daemon, buffer in zip(daemons, (train_buffer, val_buffer)):
+        daemon.wait_until(lambda b=buffer: state_of(b) == "waiting-for-job", 30, "the daemon to wait for a job")
+    submits, script_args = service_commands(shapes_data, train_buffer, val_buffer)
+
+    def submit(line: list[str]) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([sys.executable, "-m", "prefetchd", *line[1:]], capture_output=True, text=True,
+                              timeout=120)
+        assert "Traceback" not in done.stderr, done.stderr
+        return done
+
+    def status(buffer: Path) -> str:
+        out = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--buffer", str(buffer)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    for line in submits:
+        answer = submit(line)
+        assert answer.returncode == 0 and " accepted: producing " in answer.stdout, answer.stdout + answer.stderr
+    after = write_after("BEFORE", BEFORE, tmp_path)
+    checkpoint = str(tmp_path / "checkpoint.pth.tar")
+    args = [*script_args, "--train-buffer", str(train_buffer), "--val-buffer", str(val_buffer), "--lr", "0.05",
+            "--checkpoint", checkpoint]
+    spy = Spy(monkeypatch)
+    spy.kill = (str(train_buffer), KILL_AT)
+    with pytest.raises(Killed):
+        run_script(after, args, capsys)
+    killed = received_since(spy, train_buffer, 0)
+    steps = -(-len(ImageFolder(str(shapes_data / "train")).samples) // 8)
+    assert epoch_steps(killed) == [(e, s) for e in range(2) for s in range(steps)][: steps + KILL_AT[1]]
+
+    other = submit([*submits[0], "--seed", "9", "--replace"])  # another user's job, meanwhile
+    assert other.returncode == 0, other.stdout + other.stderr
+    daemons[0].wait_until(lambda: Manifest.read(train_buffer).seed == 9, 30, "the other job's manifest")
+
+    again = [submit(line) for line in submits]  # the same two lines, then --resume
+    assert again[0].returncode == 0, again[0].stdout + again[0].stderr
+    assert f"accepted: producing {shapes_data / 'train'} for " in again[0].stdout, again[0].stdout
+    assert f", replacing the running job on {shapes_data / 'train'} (seed: 9 -> 0)" in again[0].stdout, again[0].stdout
+    assert again[1].returncode == 0 and "accepted: already producing this job" in again[1].stdout, again[1].stdout
+    later_id = again[1].stdout.split()[1]
+    shown = status(val_buffer)
+    assert re.search(r"^  job       \w+ submitted by .* at 20[-0-9: ]+: producing ", shown, re.M), shown
+    assert f"  later     {later_id} submitted by " in shown and "accepted: already producing this job" in shown, shown
+    assert f"  job       {again[0].stdout.split()[1]} submitted by " in status(train_buffer)
+
+    start = count(spy, train_buffer)
+    result = run_script(after, [*args, "--resume", checkpoint], capsys)
+    assert result["epoch"] == 1 and result["train_samples"] == len(ImageFolder(str(shapes_data / "train")).samples)
+    assert result["val_samples"] == len(ImageFolder(str(shapes_data / "val")).samples)
+    assert Manifest.read(val_buffer).split == "val", "the validation job is the val split, in order"
+    resumed = received_since(spy, train_buffer, start)
+    assert epoch_steps(resumed) == [(1, s) for s in range(steps)]
+    assert resumed[: KILL_AT[1]] == killed[steps:], "the killed run's batches of epoch 1: indices and images"
+
+    # Both jobs' epochs are read: each daemon waits for the next, and says so of the job it finished, also
+    # the val daemon, whose last answer was the `later` one.
+    for daemon, buffer in zip(daemons, (train_buffer, val_buffer)):
+        daemon.wait_until(lambda b=buffer: state_of(b) == "waiting-for-job", 60, "the job to be read to its end")
+        done = job_result_of(buffer)
+        assert done is not None and done.reason.startswith("finished producing "), done
+        assert "  last job  " in status(buffer) and "already producing" not in status(buffer)
