@@ -5,6 +5,7 @@ checked field by field), and the documents trainers and daemons exchange there: 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -371,12 +372,14 @@ class Progress:
     pid_namespace: int | None = field(default=None, compare=False)
     locked: bool = field(default=False, compare=False)
 
-    def write(self, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> None:
+    def write(self, buffer: Dir, consumer: str = DEFAULT_CONSUMER) -> Progress:
+        """Replace the consumer's progress file with this position; the document as written (``pid``, ``time``
+        and ``pid_namespace`` filled in), by which its writer tells that file from one written since."""
+        written = dataclasses.replace(self, pid=os.getpid(), time=time.time(), pid_namespace=pid_namespace())
         doc: dict[str, Any] = {"format": "prefetchd.progress", "version": VERSION, "epoch": self.epoch,
-                               "step": self.step, "pid": os.getpid(), "time": time.time()}
-        namespace = pid_namespace()
-        if namespace is not None:
-            doc["pid_namespace"] = namespace
+                               "step": self.step, "pid": written.pid, "time": written.time}
+        if written.pid_namespace is not None:
+            doc["pid_namespace"] = written.pid_namespace
         if self.locked:
             doc["locked"] = True
         if self.wait_share is not None:
@@ -388,6 +391,7 @@ class Progress:
         if self.read_batches is not None:
             doc["read_batches"] = self.read_batches
         write_json(Path(buffer) / progress_name(consumer), doc)
+        return written
 
     @classmethod
     def read(cls, buffer: Dir, consumer: str = DEFAULT_CONSUMER, dir_fd: int | None = None) -> Progress | None:

@@ -156,7 +156,15 @@ def _close_at_exit(ref: weakref.ReferenceType[BufferLoader], pid: int, progress:
     ``_say_left`` needs, never the loader): a script that ends without ``close()``, also one whose loader
     was made in a function that returned (``def main(): ...``), leaves as one that closed, rather than
     looking like a trainer that went away.  A trainer killed (SIGKILL, a segfault, ``os._exit``) runs
-    no atexit, and the daemon still sees it gone."""
+    no atexit, and the daemon still sees it gone.
+
+    Collected, it writes only where the progress file is still the one it wrote last (``written_since``).  On
+    the device path it counts the batches handed out as consumed without waiting for their copies, as close()
+    does after it: the feeder's own finalizer keeps their host memory until they are done, whenever it runs, and
+    the daemon deleting those batches takes nothing from under them.  A staging copy reads its pinned slot, the
+    file having been copied into it before the batch was handed out; pin='register' reads the file's mapping,
+    whose pages an unlink leaves in place and which the daemon does not reuse as a spare while it is mapped
+    (SPEC rule 1's lease)."""
     loader = ref()
     if os.getpid() != pid:  # a forked child's copy
         return
@@ -167,9 +175,9 @@ def _close_at_exit(ref: weakref.ReferenceType[BufferLoader], pid: int, progress:
             loader.close()
             return
         try:
-            current = Progress.read(progress.buffer, progress.consumer)
-            # Unless another loader of this consumer wrote since (one that replaced it in a variable, say).
-            if current is not None and (current.epoch, current.step) == progress.published:
+            # Unless another loader of this consumer wrote since (one that replaced it in a variable, while an
+            # iterator kept this one), if only the same position: that one reads on, and its file is its own.
+            if not progress.written_since():
                 _say_left(progress, at, waits, epochs)
         finally:
             progress.release()

@@ -180,6 +180,7 @@ class ProgressFile:
         self.consumer = consumer
         self.path = buffer / progress_name(consumer)
         self.published: tuple[int, int] | None = None  # the position last written
+        self._written: Progress | None = None  # the document last written (its writer's pid and time filled in)
         self.closed = False
         self._job_key = job_key
         self._published_at = 0.0  # time.monotonic() of the last write
@@ -269,8 +270,9 @@ class ProgressFile:
             except (ProtocolError, OSError):
                 pass  # unreadable: overwritten below, and a wait looks again
         try:
-            Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key, read_batches=read_batches,
-                     locked=self._unlock is not None and self._unlock.alive).write(self.buffer, self.consumer)
+            written = Progress(*position, wait_share=wait_share, closed=closed, job=self._job_key,
+                               read_batches=read_batches, locked=self._unlock is not None and self._unlock.alive,
+                               ).write(self.buffer, self.consumer)
         except OSError as exc:
             if closed:  # the loader leaves: no next publish will try again
                 self._failing_since = self._failing_since if self._failing_since is not None else now
@@ -287,7 +289,22 @@ class ProgressFile:
                            time.monotonic() - self._failing_since, counted(self._failures, "write"))
             self._failing_since, self._failures, self._failure_said, self._failure = None, 0, None, None
         self.published = position
+        self._written = written
         self._published_at = time.monotonic()
+
+    def written_since(self) -> bool:
+        """Whether the progress file is no longer the document this loader wrote last: another writer of this
+        consumer wrote it since (a second loader of this process, or a trainer of another that ignores the lock),
+        removed it or left it unreadable; also True before this loader wrote.  By the writer's pid and time, not
+        by the position, which the other writer may have written too."""
+        try:
+            current = Progress.read(self.buffer, self.consumer)
+        except (ProtocolError, OSError):
+            return True
+        mine = self._written
+        return (mine is None or current is None or
+                (current.epoch, current.step, current.pid, current.time, current.pid_namespace) !=
+                (mine.epoch, mine.step, mine.pid, mine.time, mine.pid_namespace))
 
     def failing(self) -> str | None:
         """Since when, and why, this loader cannot write its progress file; None while it can."""

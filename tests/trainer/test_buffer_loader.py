@@ -323,6 +323,56 @@ def test_a_loader_collected_unclosed_says_it_left_as_close_would(make_job: MakeJ
     assert written.read_batches == 1
 
 
+# A loader collected unclosed while a second one reads as the same consumer: a notebook's cell run again (the first
+# still held by its iterator), or another process that writes the consumer's progress (a trainer that ignores the
+# lock: an older prefetchd, a reader written from the SPEC).  argv[2]: the second's position (the first wrote
+# (0, 1) last), argv[3]: "loader" (this process) or "process".
+SECOND_WRITER = """
+import subprocess, sys, weakref
+from prefetchd.buffer_protocol import Progress
+from prefetchd.trainer import BufferLoader
+buffer, start, who = sys.argv[1], (0, int(sys.argv[2])), sys.argv[3]
+loader = BufferLoader(buffer, normalize=False, timeout=5)
+first = weakref.ref(loader)
+batches = iter(loader)
+next(batches), next(batches)
+if who == "loader":
+    loader = BufferLoader(buffer, normalize=False, timeout=5, start=start)
+    next(iter(loader))
+else:
+    subprocess.run([sys.executable, "-c", "import sys; from prefetchd.buffer_protocol import Progress; "
+                    f"Progress(*{start}).write(sys.argv[1])", buffer], check=True)
+    loader = None
+batches = None
+written = Progress.read(buffer)
+print(first() is None, written.pid == __import__("os").getpid(), written.closed, written.epoch, written.step)
+if who == "loader":
+    loader.close()
+    written = Progress.read(buffer)
+    print(written.closed, written.epoch, written.step)
+"""
+
+
+@pytest.mark.parametrize("who", ["loader", "process"])
+@pytest.mark.parametrize("start", [0, 1])
+def test_a_loader_collected_unclosed_leaves_a_later_writers_progress_alone(make_job: MakeJob, who: str,
+                                                                           start: int) -> None:
+    """The first loader, collected after a second writer of its consumer wrote, must not write over that
+    writer's progress that it left: the daemon would take the second trainer for gone, and delete the batch it
+    reads next.  The second may write the very position the first wrote last (start 1): the first then wrote
+    its own over it, `closed`, a batch further."""
+    job = make_job(write=1)
+    ended = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(job.buffer), str(start), who],
+                           capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 0 and "Traceback" not in ended.stderr and "at exit" not in ended.stderr, ended.stderr
+    lines = ended.stdout.splitlines()
+    # Collected, and the file is the second writer's still: its position, not marked closed.
+    assert lines[0] == f"True {who == 'loader'} False 0 {start}", ended.stdout
+    if who == "loader":
+        assert lines[1] == f"True 0 {start + 1}", "the second loader's own close says it left, where it was"
+
+
+# -- resume ---------------------------------------------------------------------------
 # -- resume ---------------------------------------------------------------------------
 
 
