@@ -42,9 +42,14 @@ def binary_size(n: float) -> str:
     return f"{n / 2**10:.1f} KiB" if n >= 2**10 else counted(int(n), "byte")
 
 
+def epochs_flag(epochs: int | None) -> str:
+    """A job's end as its flag says it: "--epochs 3", or "no --epochs (no end)"."""
+    return f"--epochs {epochs}" if epochs is not None else "no --epochs (no end)"
+
+
 def moment(when: float) -> str:
     """``when`` (a time.time()) as local time, "2025-03-01 14:02:07", for messages."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
 
 
-__all__ = ["agreeing", "binary_size", "counted", "moment", "rank_ranges"]
+__all__ = ["agreeing", "binary_size", "counted", "epochs_flag", "moment", "rank_ranges"]

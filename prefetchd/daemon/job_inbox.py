@@ -25,6 +25,7 @@ from prefetchd.daemon.job_policy import JobPolicy
 from prefetchd.daemon.logs import one_line
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.wakeup import Wakeup
+from prefetchd.words import epochs_flag
 
 log = logging.getLogger(__name__)
 
@@ -239,11 +240,7 @@ class EpochsChange:
         return self.new is None or (self.old is not None and self.new > self.old)
 
     def __str__(self) -> str:
-        return f"{_epochs(self.new)} instead of {_epochs(self.old)}"
-
-
-def _epochs(epochs: int | None) -> str:
-    return f"--epochs {epochs}" if epochs is not None else "no --epochs (no end)"
+        return f"{epochs_flag(self.new)} instead of {epochs_flag(self.old)}"
 
 
 def new_end(running: DaemonConfig, job: DaemonConfig) -> EpochsChange | None:

@@ -57,7 +57,7 @@ from prefetchd.launch import option_args
 from prefetchd.trainer.errors import (DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout,
                                       StopRequested)
 from prefetchd.access import user_name
-from prefetchd.words import counted, moment, rank_ranges
+from prefetchd.words import counted, epochs_flag, moment, rank_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -288,8 +288,8 @@ class JobWatch:
             again_by = (f"{who[0]} submitted it again ({who[1]})" if who is not None else
                         "someone submitted it again (`prefetchd submit --replace`) or restarted its daemon so")
             raise JobReplaced(
-                f"{self.buffer}: the daemon now serves this loader's job with {_epochs(current.epochs)} (this "
-                f"loader's had {_epochs(self.manifest.epochs)}): {again_by}. Its batches are this job's, kept, "
+                f"{self.buffer}: the daemon now serves this loader's job with {epochs_flag(current.epochs)} (this "
+                f"loader's had {epochs_flag(self.manifest.epochs)}): {again_by}. Its batches are this job's, kept, "
                 "but the daemon ends before this loader does, which would wait for batches never built. To stop at "
                 "the new end, start the trainer again from its checkpoint with the new --epochs (the daemon goes on "
                 "from its position); "
@@ -329,10 +329,6 @@ def submitted_by(buffer: Path) -> tuple[str, str] | None:
     if job is None or job.submitter is None:
         return None
     return user_name(job.submitter), f"job {job.job_id}, submitted {moment(job.submitted)}"
-
-
-def _epochs(epochs: int | None) -> str:
-    return f"--epochs {epochs}" if epochs is not None else "no --epochs (no end)"
 
 
 class BatchWaiter:
