@@ -85,6 +85,9 @@ def progress_name(consumer: str = DEFAULT_CONSUMER) -> str:
     return PROGRESS_NAME if check_consumer(consumer) == DEFAULT_CONSUMER else f"progress.{consumer}.json"
 
 
+# Every consumer's progress file of a stream folder, as a shell pattern for messages ("remove those files").
+PROGRESS_PATTERN = "progress*.json"
+
 CONSUMER_LOCK_SUFFIX = ".lock"
 
 

@@ -35,7 +35,7 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_PATTERN
 from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, RunningJob, State, Status,
                                               StorageWait, Totals)
 from prefetchd.daemon.bad_samples import BadSamples
@@ -148,7 +148,7 @@ class Producer:
     @property
     def progress_files(self) -> str:
         """Where the trainers' progress documents are: the buffer's, or each rank stream's."""
-        return ", ".join(sorted({str(stream.dir / "progress*.json") for stream in self.streams}))
+        return ", ".join(sorted({str(stream.dir / PROGRESS_PATTERN) for stream in self.streams}))
 
     def take_positions(self) -> None:
         """Adopt the batches the buffer holds and read where the trainers are: what ``finished``

@@ -52,7 +52,7 @@ from prefetchd.buffer_protocol import (
     readable_status,
 )
 from prefetchd.buffer_protocol.documents import augmentation_options, exact_number
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_PATTERN, STREAM_PREFIX, owning_buffer
 from prefetchd.launch import option_args
 from prefetchd.trainer.errors import (DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout,
                                       StopRequested)
@@ -438,8 +438,8 @@ class BatchWaiter:
         if current.identity_diff(self.manifest) or current.epochs != self.manifest.epochs:
             return
         answer = f" (its last answer to a job: {_short(own.job_result.reason)})" if own.job_result is not None else ""
-        progress = owning_buffer(self.buffer) / "progress*.json" if not self._rank_stream else \
-            owning_buffer(self.buffer) / f"{STREAM_PREFIX}*" / "progress*.json"
+        progress = owning_buffer(self.buffer) / PROGRESS_PATTERN if not self._rank_stream else \
+            owning_buffer(self.buffer) / f"{STREAM_PREFIX}*" / PROGRESS_PATTERN
         raise JobEnded(
             f"{self.buffer}: the daemon ({owner}) is done with this loader's job{answer} and waits for a job, so "
             f"batch {name} (epoch {epoch}, step {step}) will not be built. To have the job produced again, submit it "
