@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from prefetchd.buffer_protocol.errors import ProtocolError
-from prefetchd.buffer_protocol.layout import DIR_FLAGS, LOCK_NAME, Dir, consumer_lock_name, owning_buffer
+from prefetchd.buffer_protocol.layout import DIR_FLAGS, LOCK_NAME, Dir, at, consumer_lock_name, owning_buffer
 from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS, Progress, open_regular, pid_namespace
 from prefetchd.buffer_protocol.status import Status, TrainerStatus, readable_status
 
@@ -171,7 +171,7 @@ class DaemonLock:
     def _names(self, fd: int, dir_fd: int | None = None) -> bool:
         """Whether the lock's path (its name in the folder of ``dir_fd`` where given) still names the file open
         as ``fd``; OSError where it cannot be looked at (FileNotFoundError: nothing there)."""
-        there = os.stat(LOCK_NAME if dir_fd is not None else self.path, dir_fd=dir_fd, follow_symlinks=False)
+        there = os.stat(at(self.path, dir_fd), dir_fd=dir_fd, follow_symlinks=False)
         mine = os.fstat(fd)
         return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
