@@ -89,22 +89,28 @@ def replace_file(path: Path, data: bytes, mode: int | None = None, dir_fd: int |
         raise
 
 
-def rewrite_in_place(path: Path, data: bytes, dir_fd: int | None = None) -> None:
-    """Write ``data`` over the file at ``path`` (through ``dir_fd``: ``layout.at``), in the pages it has: for a full
-    filesystem, where ``replace_file`` gets no page for a new file.  A tmpfs allocates nothing to overwrite a page a
-    file has, so this goes through while ``data`` fits the file's pages (its ``st_blocks``); a shorter ``data`` is
-    padded with spaces to the file's length, which JSON reads past and which keeps the pages for the next time.
+def rewrite_in_place(path: Path, data: bytes, kind: str, dir_fd: int | None = None) -> None:
+    """Write ``data`` over the ``kind`` document at ``path`` (through ``dir_fd``: ``layout.at``), in the pages it has:
+    for a full filesystem, where ``replace_file`` gets no page for a new file.  A tmpfs allocates nothing to overwrite
+    a page a file has, so this goes through while ``data`` fits the file's pages (its ``st_blocks``); a shorter
+    ``data`` is padded with spaces to the file's length, which JSON reads past and which keeps the pages for the
+    next time.
 
     Not atomic: a reader may find the file half rewritten for the moment the write takes, a document it cannot
     parse, which readers of status.json take for one being replaced (``readable_status``).  Only a regular file of
-    this user with one link is written: with --group-access a member of the buffer's group may have put a file of
-    theirs, or a second name of another file, there.  OSError otherwise: ENOSPC where ``data`` does not fit."""
-    fd = os.open(at(path, dir_fd), os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    this user with one link that holds a ``kind`` document now is written: with --group-access a member of the
+    buffer's group may have put a file of theirs, or a second name of another file, there, or renamed another of
+    this user's files to that name (a batch that trainers have mapped, whose pages would change under them).
+    OSError otherwise: ENOSPC where ``data`` does not fit."""
+    # O_RDWR: what the file holds is read through the very fd written, never a name looked up again.
+    fd = os.open(at(path, dir_fd), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
             raise PermissionError(errno.EPERM, f"not a regular file of uid {os.geteuid()} with one link; not "
                                   "written in place", str(path))
+        if not _holds_document(fd, st, kind):
+            raise PermissionError(errno.EPERM, f"holds no {kind} document; not written in place", str(path))
         room = st.st_blocks * 512  # st_blocks counts 512-byte units, whatever the filesystem's block size
         if len(data) > room:
             raise OSError(errno.ENOSPC, f"{len(data)} bytes do not fit the {room} its pages hold", str(path))
@@ -113,6 +119,17 @@ def rewrite_in_place(path: Path, data: bytes, dir_fd: int | None = None) -> None
             raise OSError(errno.ENOSPC, "written in part only", str(path))
     finally:
         os.close(fd)
+
+
+def _holds_document(fd: int, st: os.stat_result, kind: str) -> bool:
+    """Whether the file open at ``fd`` (``st``: its fstat) is a ``kind`` document, as far as its format field says."""
+    if st.st_size > MAX_DOCUMENT_LEN:
+        return False
+    try:
+        doc = json.loads(os.pread(fd, MAX_DOCUMENT_LEN, 0))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == f"prefetchd.{kind}"
 
 
 def open_regular(path: Path, flags: int, what: str, mode: int = 0o644, dir_fd: int | None = None) -> int:

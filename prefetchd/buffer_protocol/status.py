@@ -383,9 +383,9 @@ def write_status(buffer: Dir, status: Status, dir_fd: int | None = None) -> None
     file's own pages, which a tmpfs overwrites without allocating (``rewrite_in_place``).  So a daemon restarted
     on a full tmpfs says at once that it is the buffer's (its pid, its state, its heartbeat), where the earlier
     daemon's document would have stayed and a waiting trainer taken the new daemon for stuck.  Where it does not
-    fit those pages (a document grown past them), or the file is not the daemon's own, the file gets the time as
-    its mtime instead, which takes no space and which readers count as the heartbeat (SPEC rule 8), and the
-    OSError is raised."""
+    fit those pages (a document grown past them), or the file is no status document of the daemon's own, the
+    file gets the time as its mtime instead, which takes no space and which readers count as the heartbeat (SPEC
+    rule 8), and the OSError is raised."""
     path = Path(buffer) / STATUS_NAME
     try:
         write_json(path, status.to_doc(), dir_fd)
@@ -393,7 +393,7 @@ def write_status(buffer: Dir, status: Status, dir_fd: int | None = None) -> None
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         try:
-            rewrite_in_place(path, encode_json(status.to_doc()), dir_fd)
+            rewrite_in_place(path, encode_json(status.to_doc()), "status", dir_fd)
             return
         except OSError:
             pass

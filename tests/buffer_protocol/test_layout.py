@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 from hypothesis import given, settings
@@ -42,9 +43,11 @@ from prefetchd.buffer_protocol import (
     daemon_pid,
     list_batches,
     list_temp_files,
+    map_batch,
     parse_batch_name,
     read_status,
     stream_dir,
+    write_batch,
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
@@ -180,6 +183,31 @@ def test_on_a_full_filesystem_a_status_is_written_over_the_one_there(small_tmpfs
         write_status(small_tmpfs, waiting)
     kept = read_status(small_tmpfs)
     assert kept is not None and kept.message == grown.message  # as it was; its mtime beats
+
+
+@pytest.mark.parametrize("renamed", ["batch", "lock"])
+def test_on_a_full_filesystem_no_other_file_of_the_daemon_renamed_to_status_json_is_written_over(
+        small_tmpfs: Path, renamed: str) -> None:
+    """A member of a --group-access buffer's group may rename any file of the buffer's folders, the daemon's too:
+    one of its batches that a trainer has mapped, renamed to status.json, had its pages written over (images of
+    spaces, labels 0x2020202020202020) in the trainer's private mapping once the member filled the tmpfs; its
+    daemon.lock, renamed back after, named no pid.  Only a status document is written in place."""
+    if renamed == "batch":
+        victim = small_tmpfs / batch_name(0, 0)
+        write_batch(victim, np.full((2, 8, 8, 3), 7, np.uint8), np.arange(2), np.arange(2), epoch=0, step=0, seed=0,
+                    producer="0123456789ab")
+    else:
+        victim = small_tmpfs / LOCK_NAME
+        victim.write_text(f"{os.getpid()}\n")
+    before = victim.read_bytes()
+    mapped = map_batch(victim) if renamed == "batch" else None
+    victim.rename(small_tmpfs / STATUS_NAME)
+    fill_up(small_tmpfs / "ballast")
+    with pytest.raises(OSError, match="No space left"):
+        write_status(small_tmpfs, Status(pid=os.getpid(), state=State.PAUSED_LOW_SPACE, heartbeat=time.time()))
+    assert (small_tmpfs / STATUS_NAME).read_bytes() == before
+    if mapped is not None:
+        assert (mapped.images == 7).all() and mapped.labels.tolist() == [0, 1]
 
 
 def test_a_failed_json_write_leaves_no_temp_file(tmp_path: Path, small_tmpfs: Path) -> None:
