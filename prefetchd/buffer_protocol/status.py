@@ -404,13 +404,22 @@ def write_status(buffer: Dir, status: Status, dir_fd: int | None = None) -> None
 
 def read_status(buffer: Dir) -> Status | None:
     """The status of the daemon owning ``buffer`` (a rank's stream directory reads its parent's);
-    None before the first is written; ProtocolError when it is malformed.  Its heartbeat is the
-    later of the document's and the file's mtime (``write_status`` on a full filesystem)."""
-    path = owning_buffer(Path(buffer)) / STATUS_NAME
+    None before the first is written; ProtocolError when it is malformed, or not the daemon's: only the
+    owner of the buffer's folder writes its status.json, and a member of a --group-access buffer's group
+    may rename a file of theirs to that name (a pid, a state, a `running_job.submitter` of their choosing).
+    Its heartbeat is the later of the document's and the file's mtime (``write_status`` on a full
+    filesystem)."""
+    folder = owning_buffer(Path(buffer))
+    path = folder / STATUS_NAME
     try:
         doc, st = read_json_stat(path, "status")
+        writer = os.stat(folder).st_uid
     except FileNotFoundError:
         return None
+    if st.st_uid != writer:
+        raise ProtocolError(f"{path}: belongs to uid {st.st_uid}, not to uid {writer} who owns the buffer and writes "
+                            "its status: someone else put it there; remove it (the daemon writes its own within a "
+                            "second)")
     status = Status.from_doc(doc, path)
     return replace(status, heartbeat=st.st_mtime) if st.st_mtime > status.heartbeat + 1.0 else status
 

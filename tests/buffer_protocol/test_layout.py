@@ -36,6 +36,7 @@ from prefetchd.buffer_protocol import (
     Position,
     Progress,
     ProtocolError,
+    RunningJob,
     State,
     Status,
     alive_since,
@@ -46,6 +47,7 @@ from prefetchd.buffer_protocol import (
     map_batch,
     parse_batch_name,
     read_status,
+    readable_status,
     stream_dir,
     write_batch,
     write_status,
@@ -577,6 +579,22 @@ def test_status_round_trip(tmp_path: Path, written: Status) -> None:
     (tmp_path / STATUS_NAME).write_text('{"format": "prefetchd.manifest", "version": 1}')
     with pytest.raises(ProtocolError, match=STATUS_NAME):
         read_status(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file another owner")
+def test_a_status_json_not_of_the_buffers_owner_is_not_the_daemons(tmp_path: Path) -> None:
+    """A member of a --group-access buffer's group may rename a file of theirs to status.json: a pid and state of
+    their choosing (a trainer's DaemonStuck or JobEnded), or a running job another user submitted, which a trainer
+    stopped by it names (JobReplaced: "bob replaced this loader's job").  Only the buffer folder's owner writes it."""
+    forged = dataclasses.replace(status_example(), running_job=RunningJob("0123456789ab", 1002, 5.0, "producing"))
+    write_status_at_heartbeat(tmp_path, forged)
+    os.chown(tmp_path / STATUS_NAME, 65534, 65534)
+    with pytest.raises(ProtocolError, match=f"status.json: belongs to uid 65534, not to uid {os.getuid()} who owns "
+                                            "the buffer"):
+        read_status(tmp_path)
+    assert readable_status(tmp_path) is None
+    os.chown(tmp_path / STATUS_NAME, os.getuid(), os.getgid())
+    assert read_status(tmp_path) == forged
 
 
 # -- the one-daemon lock ------------------------------------------------------
