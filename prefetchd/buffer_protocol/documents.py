@@ -518,7 +518,7 @@ class JobRequest:
             return cls._from_doc(doc, path, st.st_uid)
         except ProtocolError as exc:
             echoed = job_id if isinstance(job_id, str) and JOB_ID_RE.fullmatch(job_id) else None
-            raise BadJobRequest(str(exc), echoed) from None
+            raise BadJobRequest(str(exc), echoed, st.st_uid if st.st_nlink == 1 else None) from None
 
 
     @classmethod
@@ -536,8 +536,11 @@ class JobRequest:
 
 class BadJobRequest(ProtocolError):
     """A job.json that breaks the protocol.  ``job_id`` is the document's own (a short plain
-    name: it is echoed in logs and status.json), or None where none could be read."""
+    name: it is echoed in logs and status.json), or None where none could be read; ``owner``: who
+    submitted it, as ``JobRequest.owner``, or None where that is not known.  Whoever writes job.json
+    may give it another's job_id: its refusal is theirs, not that job's submitter's."""
 
-    def __init__(self, message: str, job_id: str | None) -> None:
+    def __init__(self, message: str, job_id: str | None, owner: int | None = None) -> None:
         super().__init__(message)
         self.job_id = job_id
+        self.owner = owner

@@ -91,9 +91,10 @@ class JobInbox:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def answer(self, job_id: str | None, accepted: bool, reason: str, submitter: int | None = None) -> None:
-        """Publish the answer to request ``job_id`` (as ``result``), and log it.  ``submitter``: the request's
-        owner; by default the pending job's or the running job's, where ``job_id`` is theirs."""
+    def answer(self, job_id: str | None, accepted: bool, reason: str, submitter: int | None) -> None:
+        """Publish the answer to request ``job_id`` (as ``result``), and log it.  ``submitter``: the owner of the
+        job.json answered (None: not known), never looked up by ``job_id``, which whoever writes job.json
+        chooses: a malformed one under the running job's id was said to be that job's submitter's."""
         # The reason quotes job.json's fields, which any member of the buffer's group wrote: `prefetchd submit`
         # and `prefetchd status` print it to whoever runs them, so its newlines and terminal escapes are
         # written out as the log writes them.
@@ -101,10 +102,6 @@ class JobInbox:
         if len(reason) > MAX_REASON_CHARS:  # a megabyte-long `data` quoted whole would outgrow status.json
             reason = f"{reason[:MAX_REASON_CHARS - 40]}... ({len(reason)} characters in all)"
         (log.info if accepted else log.warning)("job %s %s", job_id or "(unreadable)", job_verdict(accepted, reason))
-        if submitter is None and job_id is not None:
-            running = self.running
-            submitter = (self.pending_owner if job_id == self.pending_id else
-                         running.submitter if running is not None and running.job_id == job_id else None)
         self.result = JobResult(job_id=job_id, accepted=accepted, reason=reason, time=time.time(), submitter=submitter)
 
     def resumable(self) -> DaemonConfig | None:
@@ -160,6 +157,10 @@ class JobInbox:
             log.warning("cannot keep job %s for a restart to resume (%s): a restart would not resume it",
                         self.pending_request.job_id, exc.strerror)
 
+    def running_submitter(self) -> int | None:
+        """Who submitted the running job (``running``), for the daemon's answers about it."""
+        return self.running.submitter if self.running is not None else None
+
     def forget_accepted(self) -> None:
         """Drop the record of the accepted job: it ended, or cannot be resumed."""
         self.running = None
@@ -175,7 +176,8 @@ class JobInbox:
         try:
             request = JobRequest.read(self.buffer)
         except ProtocolError as exc:  # under the document's job_id where it has one, so its submitter sees the answer
-            self.answer(exc.job_id if isinstance(exc, BadJobRequest) else None, False, str(exc))
+            bad = exc if isinstance(exc, BadJobRequest) else BadJobRequest(str(exc), None)
+            self.answer(bad.job_id, False, str(exc), bad.owner)
             return None
         if request is None:
             return None

@@ -172,7 +172,7 @@ def _serve(cfg: DaemonConfig) -> int:
                         # Its dataset is opened only now, after the running job stopped for it. A refused
                         # job replaces nothing: that one resumes from progress.json, its batches kept.
                         goes_on = f"; still producing {replaced.data}" if replaced is not None else ""
-                        inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}")
+                        inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}", inbox.pending_owner)
                         if resuming:
                             inbox.forget_accepted()
                         inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
@@ -200,7 +200,7 @@ def _serve(cfg: DaemonConfig) -> int:
                     if producer.finished:
                         # Accepted, it would be "producing" nothing: its trainers' progress says every epoch is read.
                         producer.shutdown()  # its pool's selector and shared file, never started
-                        inbox.answer(inbox.pending_id, False, already_consumed(producer))
+                        inbox.answer(inbox.pending_id, False, already_consumed(producer), inbox.pending_owner)
                         if resuming:
                             inbox.forget_accepted()
                         inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
@@ -210,7 +210,8 @@ def _serve(cfg: DaemonConfig) -> int:
                     replacing = (", resumed after a restart" if resuming else
                                  replacing_answer(replaced, job) if replaced is not None else "")
                     inbox.answer(inbox.pending_id, True,
-                                 f"producing {job.data} for {user_name(inbox.pending_owner)}{replacing}")
+                                 f"producing {job.data} for {user_name(inbox.pending_owner)}{replacing}",
+                                 inbox.pending_owner)
                     inbox.accepted()
                     running_id, inbox.pending_id = inbox.pending_id, None
                 replaced, reset_back, resuming = None, False, False
@@ -222,7 +223,8 @@ def _serve(cfg: DaemonConfig) -> int:
                         raise
                     # A submitted job that fails while it runs (its hook, its data): the daemon serves the next
                     # one.  Exiting would only have a supervisor restart it into the same job.json, and fail again.
-                    inbox.answer(running_id, False, f"{FAILED_WHILE_PRODUCING} {job.data}: {exc}")
+                    inbox.answer(running_id, False, f"{FAILED_WHILE_PRODUCING} {job.data}: {exc}",
+                                 inbox.running_submitter())
                     inbox.forget_accepted()
                     job = None
                     continue
@@ -237,7 +239,8 @@ def _serve(cfg: DaemonConfig) -> int:
                     # meanwhile stays for its submitter to read.
                     result = inbox.result
                     if running_id is not None and result is not None and (result.job_id == running_id or result.accepted):
-                        inbox.answer(running_id, True, f"{FINISHED_PRODUCING} {job.data}: every epoch was read")
+                        inbox.answer(running_id, True, f"{FINISHED_PRODUCING} {job.data}: every epoch was read",
+                                     inbox.running_submitter())
                     inbox.forget_accepted()
                     job = None
                 else:

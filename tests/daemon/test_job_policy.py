@@ -3,17 +3,19 @@ the protocol reads from job.json.  (tests/integration/test_job_owner.py runs it 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from prefetchd.buffer_protocol import JobRequest, ProtocolError
+from prefetchd.buffer_protocol import VERSION, JobRequest, ProtocolError
 from prefetchd.buffer_protocol.layout import JOB_NAME
 from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.job_inbox import JobInbox
 from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, inside
 from prefetchd.daemon.sources.filelist import read_file_list
 from prefetchd.synthetic import make_shapes_dataset
@@ -178,3 +180,30 @@ def test_job_request_reads_its_files_owner_and_refuses_hard_links(tmp_path: Path
     os.link(tmp_path / JOB_NAME, tmp_path / "other-name")
     with pytest.raises(ProtocolError, match="2 links"):
         JobRequest.read(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give job.json another owner")
+def test_a_malformed_job_json_under_the_running_jobs_id_is_answered_as_its_writers(shapes_data: Path,
+                                                                                   tmp_path: Path) -> None:
+    """Any member of the buffer's group may write job.json, under any job_id: status.json names the running job's
+    id.  A malformed one under it was answered with that job's submitter as its own (job_result.submitter), as if
+    the user whose job runs had sent it."""
+    buffer = tmp_path / "bf"
+    buffer.mkdir()
+    inbox = JobInbox(buffer, DaemonConfig(buffer=buffer), ignore_current=False)
+    request = JobRequest({"data": str(shapes_data / "train"), "batch_size": 4})
+    request.write(buffer)
+    running = inbox.poll(None)
+    assert running is not None and inbox.pending_owner == os.geteuid()
+    inbox.answer(inbox.pending_id, True, "producing", inbox.pending_owner)  # as the daemon does once it starts
+    inbox.accepted()
+    inbox.pending_id = None
+    (buffer / JOB_NAME).write_text(json.dumps({"format": "prefetchd.job", "version": VERSION,
+                                               "job_id": request.job_id, "settings": 5}))
+    os.chown(buffer / JOB_NAME, OTHER, OTHER)
+    assert inbox.poll(running) is None
+    result = inbox.result
+    assert result is not None and (result.job_id, result.accepted) == (request.job_id, False), result
+    assert result.submitter == OTHER, result
+    running_job = inbox.running_job()
+    assert running_job is not None and running_job.submitter == os.geteuid()  # the job that runs is still its own
