@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 # takes (``job_inbox.freshest_progress``).  Any member of a --group-access buffer's group may put files there
 # under progress names, and one that is no progress document takes no consumer's place, so the reads and not the
 # consumers have to bound a look: a refused file took 54 us to open, read and parse (2-core EPYC, tmpfs), 20,000
-# of them 1.1 s, 256 of them 14 ms.  Listing 20,000 took 20 ms, with an lstat of each (``progress_stats``) 95 ms.
+# of them 1.1 s, 256 of them 14 ms; one of MAX_PROGRESS_LEN (4 KiB) of numbers, the most a reader takes, 0.21 ms,
+# 256 of them 54 ms.  Listing 20,000 took 20 ms, with an lstat of each (``progress_stats``) 95 ms.
 MAX_PROGRESS_READS = 256
 
 
