@@ -9,28 +9,21 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import sysconfig
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 import prefetchd
 from prefetchd.buffer_protocol import State, list_batches
+from tests.group_users import NEEDS_ROOT_AND_USERADD, Users, chown_tree, python_for, service_users
 from tests.status_examples import job_result_of, state_of
 from prefetchd.synthetic import make_shapes_dataset
 
-pytestmark = [
-    pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
-                       reason="creates users and runs the daemon as one of them: needs root"),
-    pytest.mark.skipif(shutil.which("useradd") is None or shutil.which("groupadd") is None,
-                       reason="needs useradd and groupadd"),
-]
+pytestmark = NEEDS_ROOT_AND_USERADD
 
 SOURCE_ROOT = Path(prefetchd.__file__).resolve().parents[1]
 HOOK = '''"""A transform hook that leaves a mark when it is imported."""
@@ -44,75 +37,10 @@ def identity(image, rng):
 '''
 
 
-@dataclass(frozen=True)
-class Users:
-    group: str
-    gid: int
-    daemon: str  # runs the daemon
-    daemon_uid: int
-    trainer: str  # another member of the buffer's group
-    trainer_uid: int
-
-
 @pytest.fixture
 def two_users() -> Iterator[Users]:
-    """Two fresh users sharing a fresh primary group, removed after the test."""
-    tag = uuid.uuid4().hex[:8]
-    group, daemon, trainer = f"pfg{tag}", f"pfd{tag}", f"pft{tag}"
-    subprocess.run(["groupadd", group], check=True)
-    made: list[str] = []
-    try:
-        for name in (daemon, trainer):
-            subprocess.run(["useradd", "--no-create-home", "--no-user-group", "--gid", group,
-                            "--shell", "/usr/sbin/nologin", name], check=True)
-            made.append(name)
-        ids = {name: int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True).stdout)
-               for name in made}
-        gid = int(subprocess.run(["getent", "group", group], capture_output=True, text=True, check=True)
-                  .stdout.split(":")[2])
-        yield Users(group, gid, daemon, ids[daemon], trainer, ids[trainer])
-    finally:
-        for name in made:
-            remove_user(name)
-        subprocess.run(["groupdel", group], check=False)
-
-
-def remove_user(name: str) -> None:
-    """userdel refuses a user with live processes: the daemon's worker server outlives it by a
-    moment, so wait for them to go, and end the ones this test started that do not."""
-    uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True).stdout)
-    deadline = time.monotonic() + 15
-    while subprocess.run(["userdel", name], capture_output=True).returncode != 0:
-        left = [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
-        if time.monotonic() > deadline:
-            for proc in left:
-                proc.kill()
-            psutil.wait_procs(left, timeout=5)
-            subprocess.run(["userdel", name], check=False)
-            return
-        time.sleep(0.1)
-
-
-def python_for(user: str, env: dict[str, str]) -> str:
-    """An interpreter that ``user`` can run with prefetchd importable: this one, or the system's
-    of the same version when this one lives where other users cannot reach (a root-only pyenv)."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for exe in [sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}"]:
-        if not os.path.exists(exe):
-            continue
-        probe = subprocess.run(["runuser", "-u", user, "--", exe, "-c", "import prefetchd.daemon.main"],
-                               env=env, capture_output=True, text=True)
-        if probe.returncode == 0:
-            return exe
-    pytest.skip(f"no {version} with prefetchd's dependencies that user {user} can run")
-
-
-def chown_tree(path: Path, uid: int, gid: int, mode: int) -> None:
-    for root, dirs, files in os.walk(path):
-        os.chown(root, uid, gid)
-        os.chmod(root, mode)
-        for name in files:
-            os.chown(os.path.join(root, name), uid, gid)
+    with service_users() as users:
+        yield users
 
 
 def test_group_jobs_are_held_to_the_allow_lists(two_users: Users) -> None:
