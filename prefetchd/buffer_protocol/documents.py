@@ -24,7 +24,7 @@ from typing import Any
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
 from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DEFAULT_CONSUMER, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME,
-                                             TEMP_MARK, Dir, at, progress_name)
+                                             TEMP_MARK, TRAINER_FILE_MODE, Dir, at, progress_name)
 
 
 MAX_DOCUMENT_LEN = 1 << 20
@@ -61,9 +61,9 @@ def encode_json(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, indent=1, sort_keys=True).encode()
 
 
-def write_json(path: Path, doc: dict[str, Any], dir_fd: int | None = None) -> None:
+def write_json(path: Path, doc: dict[str, Any], dir_fd: int | None = None, mode: int | None = None) -> None:
     """Atomically replace ``path`` with ``doc`` (see ``replace_file``)."""
-    replace_file(path, encode_json(doc), dir_fd=dir_fd)
+    replace_file(path, encode_json(doc), mode, dir_fd)
 
 
 def replace_file(path: Path, data: bytes, mode: int | None = None, dir_fd: int | None = None) -> None:
@@ -412,7 +412,7 @@ class Progress:
             doc["job"] = self.job
         if self.read_batches is not None:
             doc["read_batches"] = self.read_batches
-        write_json(Path(buffer) / progress_name(consumer), doc)
+        write_json(Path(buffer) / progress_name(consumer), doc, mode=TRAINER_FILE_MODE)
         return written
 
     @classmethod
@@ -474,7 +474,7 @@ class JobRequest:
     owner: int | None = None
 
     def write(self, buffer: Dir) -> None:
-        write_json(Path(buffer) / JOB_NAME, self._doc())
+        write_json(Path(buffer) / JOB_NAME, self._doc(), mode=TRAINER_FILE_MODE)
 
     def _doc(self) -> dict[str, Any]:
         return {"format": "prefetchd.job", "version": VERSION, "settings": self.settings, "replace": self.replace,

@@ -58,6 +58,13 @@ DOCUMENT_KINDS = ("manifest", "progress", "status", "job")  # each document's fo
 BATCH_SUFFIX = ".batch"
 TEMP_MARK = ".tmp"
 SPARE_PREFIX = "spare-"  # a consumed batch file kept for reuse (writer.SpareFiles)
+# The mode of what a trainer (or `prefetchd submit`) writes in a buffer: its progress, its consumer lock,
+# job.json.  The daemon, the buffer's owner, reads them: through the buffer's group where they are another
+# member's (--group-access: the folder's setgid gives them its group), or as others where a root trainer
+# made them.  Set whatever the writer's umask: under 077 they were 0600, and a service daemon could read
+# none, so it never saw a trainer move.  Only the owner writes them (a lock file is locked read-only); the
+# buffer's own mode (0700, or 2770) keeps everyone else out.
+TRAINER_FILE_MODE = 0o644
 
 _BATCH_RE = re.compile(r"e(\d{6})-s(\d{8})\.batch", re.ASCII)
 MAX_EPOCH = 10**6 - 1

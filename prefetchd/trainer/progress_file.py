@@ -52,6 +52,7 @@ from prefetchd.access import no_access, user_name
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
                                       progress_name, same_pid_namespace, take_lock, writer_named)
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
+from prefetchd.buffer_protocol.layout import TRAINER_FILE_MODE
 from prefetchd.trainer.errors import LoaderError, NoAccess
 from prefetchd.words import counted
 
@@ -62,7 +63,6 @@ logger = logging.getLogger(__name__)
 PROGRESS_WRITE_GRACE = 30.0
 PROGRESS_WRITE_WARN_SECONDS = 10.0  # while the writes keep failing, said again this often at most
 ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, for another trainer's writes
-LOCK_FILE_MODE = 0o660  # a --group-access buffer's group shares its consumers (the umask narrows it)
 
 
 class ConsumerHeld(Exception):
@@ -97,15 +97,16 @@ class _ConsumerLocks:
             self._release_pending()
 
     def _take(self, path: Path) -> tuple[tuple[int, int], bool]:
-        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, LOCK_FILE_MODE)
-        except PermissionError:  # a group member's trainer made it: a read-only descriptor locks too
-            fd = os.open(path, os.O_RDONLY | flags)
+        # Read-only: flock takes such a descriptor, and a lock file a group member's trainer made is one to read.
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, TRAINER_FILE_MODE)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file: remove it")
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != TRAINER_FILE_MODE:
+                # O_CREAT's mode is less the umask: the daemon and the next member's trainer must read it (one
+                # this user's older trainer left 0600 is opened up too).
+                os.fchmod(fd, TRAINER_FILE_MODE)
             key = (st.st_dev, st.st_ino)
             if key in self._held:
                 self._held[key][1] += 1
@@ -224,17 +225,17 @@ class ProgressFile:
 
     def _lock_denied(self, path: Path, exc: OSError) -> str:
         """Whose the lock file this user may not open is, and what to do, for the warning; "" for another error.
-        The folder is writable (checked first): another user's trainer made the file, under a umask that
-        narrowed its ``LOCK_FILE_MODE``."""
+        The folder is writable (checked first): another user's trainer made the file, an older one that left
+        its mode to the umask (``TRAINER_FILE_MODE``)."""
         if not isinstance(exc, PermissionError):
             return ""
         try:
             st = os.stat(path)
         except OSError:
             return ""
-        return (f": it belongs to {user_name(st.st_uid)} and has mode {stat.S_IMODE(st.st_mode):04o} (a trainer "
-                f"under a umask that takes the group's bits makes it so). Remove it while no trainer reads as {self.who} "
-                f"(`rm {path}`), and run the trainers of a --group-access buffer with umask 007 or 002")
+        return (f": it belongs to {user_name(st.st_uid)} and has mode {stat.S_IMODE(st.st_mode):04o} (a trainer of "
+                f"an older prefetchd, under a umask that takes the group's bits, makes it so). Remove it while no "
+                f"trainer reads as {self.who} (`rm {path}`), and update that user's prefetchd")
 
     def _holder(self) -> str:
         """" (pid N)" for the live writer of this consumer's progress, the likely holder of its lock, or ""."""

@@ -398,6 +398,20 @@ def test_progress_names_its_writer(tmp_path: Path) -> None:
     assert old == Progress(1, 2) and old is not None and old.pid is None and old.time is None
 
 
+@pytest.mark.parametrize("umask", [0o077, 0o000])
+def test_what_a_trainer_writes_is_0644_whatever_its_umask(tmp_path: Path, umask: int) -> None:
+    """A service's daemon reads progress and job.json through the buffer's group: under umask 077 they were 0600."""
+    old = os.umask(umask)
+    try:
+        Progress(0, 1).write(tmp_path)
+        Progress(0, 1).write(tmp_path, "trial-3")
+        JobRequest({"batch_size": 8}).write(tmp_path)
+    finally:
+        os.umask(old)
+    for name in ("progress.json", "progress.trial-3.json", "job.json"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o644, name
+
+
 def test_alive_since_rules_out_dead_and_reused_pids() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

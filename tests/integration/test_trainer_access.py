@@ -151,7 +151,7 @@ def test_write_access_lost_mid_run_is_said_with_whose_the_folder_is_and_again_as
 
 def test_a_lock_file_the_trainer_may_not_open_is_said_with_whose_it_is_and_the_run_goes_on(
         shapes_data: Path, shm_dir: Path, start_daemon) -> None:
-    """progress.json.lock left 0600 by another user's trainer (a umask of 077) in a --group-access buffer: the
+    """progress.json.lock left 0600 by another user's older trainer (a umask of 077) in a --group-access buffer: the
     loader cannot lock it, warns naming its owner and what to do, and reads the whole job, which the daemon
     deletes behind it and ends: the folder is writable, so the progress is written."""
     buffer = _buffer_of(shm_dir, group_access=True)
@@ -170,9 +170,9 @@ def test_a_lock_file_the_trainer_may_not_open_is_said_with_whose_it_is_and_the_r
     said = json.loads(as_nobody(as_reader) or "{}")
     assert said["result"] == 18, said  # 72 images, 8 a batch, 2 epochs
     assert said["warnings"] == [
-        f"{lock}: cannot lock it (Permission denied): it belongs to root (uid 0) and has mode 0600 (a trainer under a "
-        "umask that takes the group's bits makes it so). Remove it while no trainer reads as the default consumer "
-        f"(`rm {lock}`), and run the trainers of a --group-access buffer with umask 007 or 002; another trainer "
-        f"reading {buffer} as the default consumer is noticed only by its writes"], said
+        f"{lock}: cannot lock it (Permission denied): it belongs to root (uid 0) and has mode 0600 (a trainer of an "
+        "older prefetchd, under a umask that takes the group's bits, makes it so). Remove it while no trainer reads "
+        f"as the default consumer (`rm {lock}`), and update that user's prefetchd; another trainer reading {buffer} "
+        "as the default consumer is noticed only by its writes"], said
     assert Progress.read(buffer) == Progress(2, 0)
     daemon.wait_until(lambda: not list_batches(buffer), 30, "the consumed batches to be deleted")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -349,6 +350,24 @@ def test_a_lock_file_that_cannot_be_locked_is_warned_about_and_the_loader_reads(
             assert next(iter(loader)).step == 0
     assert f"{job.buffer / 'progress.json.lock'}: cannot lock it (" in caplog.text, caplog.text
     assert "another trainer reading" in caplog.text and "is noticed only by its writes" in caplog.text
+
+
+def test_the_consumer_lock_is_0644_whatever_the_umask(make_job: MakeJob) -> None:
+    """A service's daemon asks whether the lock is held, another member's trainer locks it: both need to read it,
+    which a trainer under umask 077 did not let them; one this user's older trainer left 0600 is opened up."""
+    job = make_job(samples=12, batch_size=4, write=3)
+    job.claim()
+    lock = job.buffer / "progress.json.lock"
+    old = os.umask(0o077)
+    try:
+        with BufferLoader(job.buffer, normalize=False, timeout=30) as loader:
+            assert next(iter(loader)).step == 0
+        assert stat.S_IMODE(lock.stat().st_mode) == 0o644
+        lock.chmod(0o600)
+        with BufferLoader(job.buffer, normalize=False, timeout=30):
+            assert stat.S_IMODE(lock.stat().st_mode) == 0o644
+    finally:
+        os.umask(old)
 
 
 def test_a_loader_refused_for_its_arguments_holds_no_consumer(make_job: MakeJob,
