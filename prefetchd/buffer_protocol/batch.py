@@ -40,6 +40,7 @@ import msgpack
 import numpy as np
 
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError
+from prefetchd.buffer_protocol.layout import check_owned
 
 MAGIC = b"PFDBATCH"
 VERSION = 1
@@ -306,10 +307,14 @@ def map_batch(path: str | os.PathLike[str], dir_fd: int | None = None) -> Mapped
             raise ProtocolError(f"{path}: not a regular file; remove it from the buffer")
         # Only the daemon writes batches, as the owner of the buffer's folders: a member of a --group-access
         # buffer's group may rename a file of their own in under a batch's name, for the other members' trainers.
-        folder = (os.fstat(dir_fd) if dir_fd is not None else os.stat(os.path.dirname(path) or ".")).st_uid
-        if st.st_uid != folder:
-            raise ProtocolError(f"{path}: belongs to uid {st.st_uid}, not to uid {folder} who owns the buffer and "
-                                "writes its batches: someone else put it there; remove it")
+        # A reader by path checks it against the owner of the buffer (layout.check_owned), not of the folder it is
+        # in: a member may rename a whole rank-NNNNN folder of theirs in.  One through ``dir_fd`` checked that folder
+        # when it opened it (the daemon made it).
+        if dir_fd is None:
+            check_owned(os.path.abspath(path), st.st_uid, "batches")
+        elif st.st_uid != os.fstat(dir_fd).st_uid:
+            raise ProtocolError(f"{path}: belongs to uid {st.st_uid}, not to uid {os.fstat(dir_fd).st_uid} who owns "
+                                "its folder and writes its batches: someone else put it there; remove it")
         if st.st_size < HEADER_SIZE:
             raise _fail(str(path), f"file is {st.st_size} bytes, shorter than the {HEADER_SIZE}-byte header")
         buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)

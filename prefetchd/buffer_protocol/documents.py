@@ -24,7 +24,7 @@ from typing import Any
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
 from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DEFAULT_CONSUMER, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME,
-                                             TEMP_MARK, TRAINER_FILE_MODE, Dir, at, progress_name)
+                                             TEMP_MARK, TRAINER_FILE_MODE, Dir, at, check_owned, progress_name)
 
 
 MAX_DOCUMENT_LEN = 1 << 20
@@ -358,8 +358,11 @@ class Manifest:
 
     @classmethod
     def read(cls, buffer: Dir) -> Manifest:
+        """The manifest of stream folder ``buffer``: only one of the buffer's owner (``layout.check_owned``)."""
         path = Path(buffer) / MANIFEST_NAME
-        return cls.from_doc(read_json(path, "manifest"), path)
+        doc, st = read_json_stat(path, "manifest")
+        check_owned(path, st.st_uid, "manifests")
+        return cls.from_doc(doc, path)
 
 
 @dataclass(frozen=True, order=True)

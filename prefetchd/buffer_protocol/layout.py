@@ -26,9 +26,13 @@ document, never a mix.
 from __future__ import annotations
 
 import os
+import pwd
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+
+from prefetchd.buffer_protocol.errors import ProtocolError
 
 # What the public functions take for a directory: a str as well as a Path.
 Dir = str | os.PathLike[str]
@@ -162,6 +166,58 @@ def owning_buffer(directory: Dir) -> Path:
     if STREAM_RE.fullmatch(directory.name) and (directory.parent / LOCK_NAME).exists():
         return directory.parent
     return directory
+
+
+# -- whose files a reader takes ------------------------------------------------------------------------------------
+# Only the daemon writes manifests, status and batches, as the owner of the buffer's folder.  With --group-access a
+# member of the buffer's group may rename files and folders of their own in under those names (also a whole
+# rank-NNNNN folder of theirs, with a manifest and batches in it), so a reader takes a file, and a stream folder,
+# from the buffer folder's owner only (SPEC rule 7).
+
+
+def _who(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def buffer_owner(directory: Dir) -> int:
+    """The uid owning the buffer of ``directory`` (a rank's stream: its parent): the daemon's user."""
+    return os.stat(owning_buffer(directory)).st_uid
+
+
+def check_stream_folder(folder: Dir, owner: int | None = None) -> os.stat_result:
+    """The lstat of stream folder ``folder``; ProtocolError unless it is a folder (not a link) of ``owner`` (by
+    default the owner of its buffer), naming both owners and what to do."""
+    folder = Path(folder)
+    buffer = owning_buffer(folder)
+    owner = os.stat(buffer).st_uid if owner is None else owner
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ProtocolError(f"{folder}: is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a folder'}, not "
+                            f"the stream folder {_who(owner)} (the daemon's user, owner of {buffer}) made; remove it "
+                            "and restart the daemon, which makes its own")
+    if st.st_uid != owner:
+        raise ProtocolError(f"{folder}: belongs to {_who(st.st_uid)}, not to {_who(owner)} who owns the buffer "
+                            f"{buffer} and makes its stream folders: someone else (a member of the buffer's group?) "
+                            f"put it there, and the trainer reads nothing from it; remove it (`rm -r {folder}`) and "
+                            "restart the daemon, which makes its own")
+    return st
+
+
+def check_owned(path: Dir, uid: int, what: str) -> None:
+    """ProtocolError unless ``uid`` (the owner of the file at ``path`` that a reader opened: its fstat) is the owner
+    of the buffer's folder, who writes its ``what``; one in a stream folder of someone else names that folder."""
+    path = Path(path)
+    buffer = owning_buffer(path.parent)
+    owner = os.stat(buffer).st_uid
+    if uid == owner:
+        return
+    if path.parent != buffer:
+        check_stream_folder(path.parent, owner)
+    raise ProtocolError(f"{path}: belongs to {_who(uid)}, not to {_who(owner)} who owns the buffer {buffer} and "
+                        f"writes its {what}: someone else (a member of the buffer's group?) put it there; remove it")
 
 
 def batch_name(epoch: int, step: int) -> str:

@@ -35,7 +35,7 @@ from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
 from prefetchd.buffer_protocol.documents import (encode_json, pid_namespace as this_pid_namespace, read_json_stat,
                                                  rewrite_in_place, write_json)
-from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, at, owning_buffer
+from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, at, check_owned, owning_buffer
 
 STATUS_FORMAT = "prefetchd.status"
 
@@ -409,17 +409,12 @@ def read_status(buffer: Dir) -> Status | None:
     may rename a file of theirs to that name (a pid, a state, a `running_job.submitter` of their choosing).
     Its heartbeat is the later of the document's and the file's mtime (``write_status`` on a full
     filesystem)."""
-    folder = owning_buffer(Path(buffer))
-    path = folder / STATUS_NAME
+    path = owning_buffer(Path(buffer)) / STATUS_NAME
     try:
         doc, st = read_json_stat(path, "status")
-        writer = os.stat(folder).st_uid
+        check_owned(path, st.st_uid, "status (it writes its own within a second)")
     except FileNotFoundError:
         return None
-    if st.st_uid != writer:
-        raise ProtocolError(f"{path}: belongs to uid {st.st_uid}, not to uid {writer} who owns the buffer and writes "
-                            "its status: someone else put it there; remove it (the daemon writes its own within a "
-                            "second)")
     status = Status.from_doc(doc, path)
     return replace(status, heartbeat=st.st_mtime) if st.st_mtime > status.heartbeat + 1.0 else status
 

@@ -52,7 +52,8 @@ from prefetchd.buffer_protocol import (
     readable_status,
 )
 from prefetchd.buffer_protocol.documents import augmentation_options, exact_number
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_PATTERN, STREAM_PREFIX, owning_buffer
+from prefetchd.buffer_protocol.layout import (MANIFEST_NAME, PROGRESS_PATTERN, STREAM_PREFIX, check_stream_folder,
+                                             owning_buffer)
 from prefetchd.launch import option_args
 from prefetchd.trainer.errors import (DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout,
                                       StopRequested)
@@ -344,6 +345,10 @@ class BatchWaiter:
     def __init__(self, buffer: Path, manifest: Manifest, timeout: float, grace: float, stall: float | None) -> None:
         self.buffer = buffer
         self._rank_stream = owning_buffer(buffer) != buffer
+        # A rank's stream folder, as the loader found it (SPEC rule 7): the buffer's owner's, no link.  A member of a
+        # --group-access buffer's group may rename a folder of theirs in under its name, with their manifest and
+        # batches; those are refused by their owner, and a folder changed under the loader is looked at again.
+        self._folder = check_stream_folder(buffer) if self._rank_stream else None
         self.manifest = manifest
         self.timeout = timeout
         self.grace = grace
@@ -377,9 +382,12 @@ class BatchWaiter:
         stored = False  # the daemon said it waited for its storage, which moved the deadline
         while True:
             try:
-                return map_batch(path)
+                mapped = map_batch(path)
             except FileNotFoundError:
                 pass  # not produced yet, or deleted to be regenerated after a rewind
+            else:
+                self.check_folder()
+                return mapped
             now = time.monotonic()
             if now >= self._next_look:
                 self._next_look = now + self.liveness_interval
@@ -423,6 +431,21 @@ class BatchWaiter:
                                status_summary(self.buffer, self.manifest.rank))
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, MAX_DELAY)
+
+    def check_folder(self) -> None:
+        """ProtocolError where the rank's stream folder is not the one the loader started on (one lstat, ~1 us
+        per batch of ~19 MiB): someone else's, a link, or one the daemon made again since (--reset, a job of another
+        world size), which JobWatch tells by its manifest."""
+        if self._folder is None:
+            return
+        now = os.lstat(self.buffer)
+        if (now.st_dev, now.st_ino, now.st_uid, now.st_mode) == (self._folder.st_dev, self._folder.st_ino,
+                                                                 self._folder.st_uid, self._folder.st_mode):
+            return
+        now = check_stream_folder(self.buffer)  # says whose, or what, it is now
+        if (now.st_dev, now.st_ino) != (self._folder.st_dev, self._folder.st_ino):
+            raise LoaderError(f"{self.buffer}: the daemon made this stream folder again since this loader started "
+                              "(`prefetchd start --reset`, or a job of another --world-size); start the trainer again")
 
     def _check_job_ended(self, owner: DaemonOwner, status: Status | None, name: str, epoch: int, step: int) -> None:
         """Raise JobEnded when daemon ``owner`` says it waits for a job while the buffer's manifest is still this

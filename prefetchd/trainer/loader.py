@@ -490,6 +490,7 @@ class BufferLoader:
                 return
             try:
                 mapped = map_batch(self._buffer / batch_name(epoch, step))
+                self._waiter.check_folder()
                 self._check(mapped, epoch, step)
             except (FileNotFoundError, ProtocolError, ValueError):
                 # Not produced yet, or broken: its own turn waits for it or reports it.

@@ -965,3 +965,63 @@ def test_wait_meter_running_total_matches_a_full_pass() -> None:
     lo = max(kept[0][0], time.monotonic() - 3.0)
     expected = sum(max(0.0, b - max(a, lo)) for a, b in kept) / (time.monotonic() - lo)
     assert meter.share() == pytest.approx(expected, rel=1e-3)
+
+
+def _give(folder: Path, uid: int) -> None:
+    """``folder`` and every file in it to ``uid``: what a member of a --group-access buffer's group makes."""
+    for path in [folder, *folder.iterdir()]:
+        os.chown(path, uid, uid)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder another owner")
+def test_a_loader_reads_no_stream_folder_of_another_user_than_the_buffers(make_job: MakeJob, buffer: Path) -> None:
+    """A member of a --group-access buffer's group may rename a rank-NNNNN folder of theirs in under a rank's name,
+    with their own manifest and batches (the batch check compared a batch with its own folder, theirs too): the
+    loader refuses it, before it starts and when it is swapped in under a loader that reads, naming the folder, both
+    owners and what to do."""
+    real = make_job(buffer / "rank-00001", write=1)
+    real.manifest = dataclasses.replace(real.manifest, rank=1, world_size=2)
+    real.manifest.write(real.buffer)
+    real.claim(buffer)
+    forged = make_job(buffer / "forged", write=2)
+    forged.manifest = real.manifest
+    forged.manifest.write(forged.buffer)
+    _give(forged.buffer, 65534)
+    refused = (rf"{buffer}/rank-00001: belongs to \S+ \(uid 65534\), not to \S+ \(uid 0\) who owns the buffer {buffer} "
+               r"and makes its stream folders: .*remove it \(`rm -r ")
+    loader = BufferLoader(real.buffer, timeout=5, stall_timeout=None)
+    batches = iter(loader)
+    assert next(batches).step == 0
+    real.buffer.rename(buffer / "away")
+    forged.buffer.rename(buffer / "rank-00001")
+    with pytest.raises(ProtocolError, match=refused):
+        next(batches)
+    loader.close()
+    with pytest.raises(ProtocolError, match=refused):
+        BufferLoader(buffer / "rank-00001", timeout=5, stall_timeout=None)
+    # A link to a folder of the buffer's owner under the rank's name is refused too.
+    (buffer / "rank-00001").rename(buffer / "forged")
+    (buffer / "rank-00001").symlink_to(buffer / "away")
+    with pytest.raises(ProtocolError, match=rf"{buffer}/rank-00001: is a symbolic link"):
+        BufferLoader(buffer / "rank-00001", timeout=5, stall_timeout=None)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file another owner")
+def test_a_loader_reads_no_manifest_or_batch_of_another_user_than_the_buffers(make_job: MakeJob, buffer: Path) -> None:
+    """Files of a member in the daemon's own stream folder: a manifest is refused, and a batch, by the owner of the
+    buffer (the daemon's user), not of the folder they are in."""
+    job = make_job(buffer / "rank-00000", write=2)
+    job.manifest = dataclasses.replace(job.manifest, rank=0, world_size=2)
+    job.manifest.write(job.buffer)
+    job.claim(buffer)
+    os.chown(job.path(0, 1), 65534, 65534)
+    loader = BufferLoader(job.buffer, timeout=5, stall_timeout=None)
+    batches = iter(loader)
+    assert next(batches).step == 0
+    with pytest.raises(ProtocolError, match=rf"{job.path(0, 1)}: belongs to \S+ \(uid 65534\), not to \S+ \(uid 0\) "
+                                            rf"who owns the buffer {buffer} and writes its batches"):
+        next(batches)
+    loader.close()
+    os.chown(job.buffer / "manifest.json", 65534, 65534)
+    with pytest.raises(ProtocolError, match=r"manifest.json: belongs to \S+ \(uid 65534\), not to \S+ \(uid 0\)"):
+        BufferLoader(job.buffer, timeout=5, stall_timeout=None)
