@@ -83,7 +83,7 @@ class DaemonConfig:
     world_size: int = _opt(1, "Ranks (trainer processes) in the whole job, over all boxes.", int, minimum=1, maximum=65536)
     ranks: str | None = _opt(None, "Ranks this daemon produces, e.g. 0-7 or 8,9 [default: all of --world-size].", str)
     reset: bool = _opt(False, "Delete what the buffer holds from a different job instead of refusing to start.", bool)
-    group_access: bool = _opt(False, "Let the buffer directory's group read batches and write progress (mode 2770 instead of 0700), for trainers running as other users of that group, as under the systemd unit.", bool)
+    group_access: bool = _opt(False, "Let the buffer directory's group read batches and write progress (mode 2770 instead of 0700; the group may read what the daemon writes whatever its umask), for trainers running as other users of that group, as under the systemd unit.", bool)
     # Who may ask for what: a job.json owned by another user (the buffer's group, with --group-access)
     # makes the daemon read its data and import its transform with the service's files and credentials.
     allowed_data: tuple[str, ...] = _opt((), "Dataset roots (local folders or URL prefixes) that jobs submitted by other users, such as the buffer's group with --group-access, may read: their `data` must lie inside one (symlinks and '..' resolved). Repeat the flag for several. Jobs of the daemon's own user are not limited [default: none, so such jobs may not name a dataset].", str, multiple=True, location=True, metavar="ROOT|URL")

@@ -88,10 +88,31 @@ def run_as_batch() -> None:
             return
 
 
+GROUP_READ = 0o040
+
+
+def let_group_read() -> None:
+    """With --group-access, take the group's read bit out of the umask: the buffer's group reads what the daemon
+    and its workers create there (batches, manifest.json, status.json, daemon.lock), whatever umask it was started
+    under.  A daemon started by hand under umask 077 made them 0600, and a member's trainer failed with
+    "manifest.json: cannot open a manifest document (Permission denied)"; the systemd unit's UMask=0007 had hidden
+    that.  The umask rather than a mode on each file: no file the daemon creates is left out, and the processes it
+    starts inherit it.  Only read: members never write the daemon's files, and what the umask keeps from others
+    stays kept."""
+    old = os.umask(0o077)  # the only way to read it; strict for the moment it is set
+    new = old & ~GROUP_READ
+    os.umask(new)
+    if new != old:
+        log.info("umask %04o -> %04o: --group-access lets the buffer's group read what the daemon writes there",
+                 old, new)
+
+
 def _serve(cfg: DaemonConfig) -> int:
     # First: the environment it reads must not reach the worker fork server.
     notifier = Notifier.from_env()
     run_as_batch()  # before the worker server and any thread, which inherit it
+    if cfg.group_access:
+        let_group_read()  # before it creates a file, and before the worker server, which inherits it
     if cfg.ray is not None:
         require_ray()  # now, not after indexing the dataset
     buffer = Path(cfg.buffer)

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,14 +19,17 @@ import pytest
 from click.testing import CliRunner
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import DEFAULT_CONSUMER, BatchLayout, Manifest, Progress, SlotFiller, batch_name
+from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, BatchLayout, Manifest, Progress, SlotFiller, State, batch_name,
+                                       list_batches)
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_NAME
+from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
 from prefetchd.daemon.buffer_dir import clear_buffer, make_stream_dir, prepare_buffer
 from prefetchd.daemon.stream import Stream
 from tests.as_nobody import as_nobody
+from tests.conftest import Daemon
+from tests.status_examples import state_of
 
 
 def _mode(path: Path) -> int:
@@ -376,3 +380,24 @@ def test_the_batches_an_earlier_daemon_left_are_read_through_the_stream_folders_
         assert _contents(private) == before
     finally:
         stream.close()
+
+
+@pytest.mark.parametrize(("group_access", "mode"), [(True, 0o640), (False, 0o600)])
+def test_a_daemon_under_umask_077_lets_its_group_read_with_group_access(
+        shm_buffer: Path, shapes_data: Path, start_daemon: Callable[..., Daemon], group_access: bool,
+        mode: int) -> None:
+    """Started by hand under umask 077 (not the unit's UMask=0007), a --group-access daemon made its batches,
+    manifest.json, status.json and daemon.lock 0600, which the group's trainers could not read.  Without
+    --group-access they stay the daemon's user's alone."""
+    buffer = shm_buffer / "bf"
+    flags = ["--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1",
+             "--high-water", "2", *(["--group-access"] if group_access else [])]
+    old = os.umask(0o077)  # the daemon inherits it
+    try:
+        daemon = start_daemon(buffer, *flags)
+    finally:
+        os.umask(old)
+    daemon.wait_until(lambda: state_of(buffer) == State.FULL, 60, "a full buffer")
+    written = [buffer / name for name in (LOCK_NAME, STATUS_NAME, MANIFEST_NAME)] + list(list_batches(buffer).values())
+    assert {path.name: _mode(path) for path in written} == {path.name: mode for path in written}, daemon.log
+    assert ("umask 0077 -> 0037" in daemon.log) == group_access, daemon.log

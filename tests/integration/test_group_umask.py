@@ -3,7 +3,11 @@ with real users.  What the member wrote in the buffer was 0600, which the daemon
 job.json of `prefetchd submit` unread, under no job id, and the submit waited out its --timeout; and it ignored
 the trainer's progress.json ("cannot open a progress document (Permission denied)"), so it deleted nothing and
 built no further than its high-water mark while the trainer waited for the next batch until its timeout.  Now
-those files are 0644 whatever the writer's umask."""
+those files are 0644 whatever the writer's umask.
+
+The daemon started by hand under umask 077 (not the unit's UMask=0007) made its batches, manifest.json, status.json
+and daemon.lock 0600, and the member's submit and trainer could read none of them ("manifest.json: cannot open a
+manifest document (Permission denied)").  Now a --group-access daemon gives its group read whatever its umask."""
 
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ def users() -> Iterator[Users]:
         yield made
 
 
-def test_a_trainer_under_umask_077_is_read_by_the_service(users: Users) -> None:
+@pytest.mark.parametrize("daemon_umask", [0o007, 0o077], ids=["unit-umask", "daemon-umask-077"])
+def test_a_trainer_under_umask_077_is_read_by_the_service(users: Users, daemon_umask: int) -> None:
     base = Path("/dev/shm") / f"prefetchd-test-umask-{uuid.uuid4().hex[:10]}"
     base.mkdir()
     daemon: subprocess.Popen[bytes] | None = None
@@ -63,7 +68,7 @@ def test_a_trainer_under_umask_077_is_read_by_the_service(users: Users) -> None:
             daemon = subprocess.Popen(
                 [python, "-m", "prefetchd", "start", "--buffer", str(buffer), "--group-access", "--workers", "1",
                  "--high-water", "2", "--index-cache", str(base / "cache"), "--allowed-data", str(data)],
-                user=users.daemon_uid, group=users.gid, extra_groups=[], umask=0o007,  # the unit's UMask
+                user=users.daemon_uid, group=users.gid, extra_groups=[], umask=daemon_umask,
                 env=env, cwd=base, stdout=out, stderr=subprocess.STDOUT)
 
         def said() -> str:
@@ -87,7 +92,14 @@ def test_a_trainer_under_umask_077_is_read_by_the_service(users: Users) -> None:
                 assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (users.trainer_uid, users.gid, 0o644), \
                     f"{name}: mode {stat.S_IMODE(st.st_mode):04o}\n{said()}"
 
+        def written_by_the_daemon(*paths: Path) -> None:
+            for path in paths:
+                st = os.stat(path)
+                assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (users.daemon_uid, users.gid, 0o640), \
+                    f"{path.name}: mode {stat.S_IMODE(st.st_mode):04o}\n{said()}"
+
         wait(lambda: state_of(buffer) == State.WAITING_FOR_JOB, 60, "the daemon to wait for a job")
+        written_by_the_daemon(buffer / "daemon.lock", buffer / "status.json")
         submitted = as_trainer(trainer_python, "-m", "prefetchd", "submit", "--buffer", str(buffer), "--data",
                                str(data / "train"), "--batch-size", "4", "--image-size", "32", "--epochs", "2",
                                "--timeout", "20")
@@ -95,6 +107,7 @@ def test_a_trainer_under_umask_077_is_read_by_the_service(users: Users) -> None:
             f"{submitted.stdout}{submitted.stderr}\n{said()}"
         written_by_the_trainer("job.json")
         wait(lambda: len(list_batches(buffer)) == 2, 60, "the high-water mark")
+        written_by_the_daemon(buffer / "manifest.json", *list_batches(buffer).values())
 
         read = as_trainer(trainer_python, "-c", READ, str(buffer))
         assert read.returncode == 0 and read.stdout.split() == ["8"], f"{read.stdout}{read.stderr}\n{said()}"
@@ -102,6 +115,7 @@ def test_a_trainer_under_umask_077_is_read_by_the_service(users: Users) -> None:
         assert Progress.read(buffer) == Progress(2, 0)
         wait(lambda: not list_batches(buffer), 30, "the daemon to delete the consumed batches")
         assert "Permission denied" not in log.read_text(), said()
+        assert ("umask 0077 -> 0037" in log.read_text()) == (daemon_umask == 0o077), said()
 
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(30) == 0, said()
