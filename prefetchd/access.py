@@ -10,15 +10,7 @@ import pwd
 import stat
 from pathlib import Path
 
-
-def user_name(uid: int | None) -> str:
-    """``alice (uid 1001)`` for messages, or just the uid when it has no name."""
-    if uid is None:
-        return "an unknown user"
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
+from prefetchd.buffer_protocol.errors import user_name
 
 
 def group_name(gid: int) -> str:

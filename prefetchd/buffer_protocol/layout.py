@@ -26,13 +26,12 @@ document, never a mix.
 from __future__ import annotations
 
 import os
-import pwd
 import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from prefetchd.buffer_protocol.errors import ProtocolError
+from prefetchd.buffer_protocol.errors import ProtocolError, user_name
 
 # What the public functions take for a directory: a str as well as a Path.
 Dir = str | os.PathLike[str]
@@ -175,13 +174,6 @@ def owning_buffer(directory: Dir) -> Path:
 # from the buffer folder's owner only (SPEC rule 7).
 
 
-def _who(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
 def buffer_owner(directory: Dir) -> int:
     """The uid owning the buffer of ``directory`` (a rank's stream: its parent): the daemon's user."""
     return os.stat(owning_buffer(directory)).st_uid
@@ -196,10 +188,10 @@ def check_stream_folder(folder: Dir, owner: int | None = None) -> os.stat_result
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise ProtocolError(f"{folder}: is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a folder'}, not "
-                            f"the stream folder {_who(owner)} (the daemon's user, owner of {buffer}) made; remove it "
+                            f"the stream folder {user_name(owner)} (the daemon's user, owner of {buffer}) made; remove it "
                             "and restart the daemon, which makes its own")
     if st.st_uid != owner:
-        raise ProtocolError(f"{folder}: belongs to {_who(st.st_uid)}, not to {_who(owner)} who owns the buffer "
+        raise ProtocolError(f"{folder}: belongs to {user_name(st.st_uid)}, not to {user_name(owner)} who owns the buffer "
                             f"{buffer} and makes its stream folders: someone else (a member of the buffer's group?) "
                             f"put it there, and the trainer reads nothing from it; remove it (`rm -r {folder}`) and "
                             "restart the daemon, which makes its own")
@@ -216,7 +208,7 @@ def check_owned(path: Dir, uid: int, what: str) -> None:
         return
     if path.parent != buffer:
         check_stream_folder(path.parent, owner)
-    raise ProtocolError(f"{path}: belongs to {_who(uid)}, not to {_who(owner)} who owns the buffer {buffer} and "
+    raise ProtocolError(f"{path}: belongs to {user_name(uid)}, not to {user_name(owner)} who owns the buffer {buffer} and "
                         f"writes its {what}: someone else (a member of the buffer's group?) put it there; remove it")
 
 
