@@ -132,6 +132,7 @@ class Stream:
         self.high, self.low = high, low
         self.cap = max(1, cap if cap is not None else high)
         self.consumer_timeout = consumer_timeout
+        self.started = time.time()  # progress written before it was for an earlier daemon (check_trainer)
         self.steps = manifest.steps_per_epoch
         self.end = manifest.epochs * self.steps if manifest.epochs is not None else None
         # Where windows stop: the job's end, or for a job without one the first position a batch name cannot hold.
@@ -623,7 +624,18 @@ class Stream:
                 continue
             epoch, step = self.key(c.position)
             if alive is not None and alive != c.alive:
-                if not alive:
+                if not alive and c.alive is None and c.written is not None and c.written < self.started:
+                    # Found so at the first look, its progress older than this daemon: the trainer of a run
+                    # killed with its daemon (a job scheduler ends both), whose restart (--spawn-daemon
+                    # --resume) started this daemon and writes progress within moments: no news to warn of.
+                    # status.json calls it gone until a trainer writes, so one that is not coming back shows.
+                    keep = ("it holds no batches while other consumers read" if several else
+                            f"the buffer fills from there to the high-water mark ({self.high} batches) for a trainer "
+                            "that resumes it")
+                    log.info("%s: rank %d's %s (%s) is not running: it wrote its progress (epoch %d step %d) %.0f s "
+                             "ago, before this daemon started; %s", self.dir, self.rank, c.label.removeprefix("the "),
+                             c.writer, epoch, step, c.silent_for(now), keep)
+                elif not alive:
                     keep = ("It stops holding batches while other consumers read" if several else
                             f"Keeping the buffer at the high-water mark ({self.high} batches) for when a trainer comes back")
                     log.warning("%s: rank %d's %s (%s) has gone away; progress last moved %.0f s ago, at epoch %d "

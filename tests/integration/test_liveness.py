@@ -207,6 +207,39 @@ def test_a_script_that_ends_without_closing_its_loader_left_and_is_not_gone(shap
     assert "gone away" not in daemon.log, daemon.log
 
 
+def test_a_daemon_started_after_its_trainer_died_says_so_calmly_and_its_status_still_calls_it_gone(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A run killed with its daemon (a job scheduler ends both) leaves a progress file whose trainer is gone;
+    the daemon started next (by the run's restart, --spawn-daemon --resume) finds it so at its first look.
+    That is an INFO line saying the trainer was gone before this daemon started, not the warning that it went
+    away, which the daemon that watched it die gives; the status still calls it GONE until a trainer writes."""
+    buffer = shm_dir / "bf"
+    args = ["--data", shapes_data / "train", *SMALL, "--high-water", "3", "--low-water", "1"]
+    first = start_daemon(buffer, *args)
+    trainer = subprocess.run([sys.executable, "-c", TRAINER, str(buffer)], capture_output=True, text=True, timeout=120)
+    assert trainer.returncode == -signal.SIGKILL, trainer.stderr
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    pid = trainer_pid(buffer)
+    assert pid is not None
+
+    second = start_daemon(buffer, *args)
+
+    def said_gone() -> bool:
+        status = read_status(buffer)  # the new daemon's, not the one the killed daemon left
+        p = status.production if status is not None and status.pid == second.proc.pid else None
+        return p is not None and p.trainer.pid == pid and p.trainer.alive is False
+
+    wait_for(said_gone, 60, "the new daemon's status to say the trainer is gone", second.proc)
+    assert f"trainer pid {pid} GONE (the daemon fills the buffer" in format_status(describe_status(buffer))
+    said = f"rank 0's trainer (pid {pid}) is not running: it wrote its progress (epoch 0 step 1) "  # the 2nd: unconsumed
+    wait_for(lambda: said in second.log, 30, "the log to say the trainer was gone before the daemon started")
+    line = next(line for line in second.log.splitlines() if said in line)
+    assert "INFO" in line and "before this daemon started; the buffer fills from there" in line, line
+    time.sleep(2.5)  # a few more status periods: nothing more said of it
+    assert "gone away" not in second.log and second.log.count(said) == 1, second.log
+
+
 def trainer_pid(buffer: Path) -> int | None:
     p = Progress.read(buffer)
     return p.pid if p is not None else None

@@ -23,10 +23,12 @@ from torchvision.datasets import ImageFolder
 
 from prefetchd.buffer_protocol import Progress, ProtocolError, daemon_pid
 from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.checkpoint import LAST_CHECKPOINT
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.passes import timed_batches
 from prefetchd.trainer.spawn import SpawnedDaemon, restarter, spawn_daemon
 from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, main
+from tests.waiting import wait_for
 
 
 def test_spawn_daemon_end_to_end(shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
@@ -220,3 +222,35 @@ def test_prefetchd_train_gives_up_when_restarts_are_spent(shapes_data: Path, shm
     assert f"(pid {killed}) is gone and --daemon-restarts 0 allows no restart; giving up" in out
     assert "; restarting it (" not in out and "Traceback" not in out
     assert daemon_pid(buffer) is None
+
+
+def test_a_run_killed_with_its_daemon_resumes_without_a_warning_about_its_own_dead_trainer(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
+    """A job scheduler ends a run's trainer and the daemon it started alike. The restart (--resume) starts a
+    daemon that finds the killed trainer's progress: the previous run of this same trainer, which takes over
+    at once, is no warning on the restarted run's stderr (the daemon's INFO line is below --spawn-daemon's
+    log level)."""
+    buffer, ckpt = shm_dir / "bf", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "prefetchd.trainer.train", "--buffer", str(buffer), "--spawn-daemon",
+           "--data", str(shapes_data / "train"), "--epochs", "1", "--batch-size", "8", "--image-size", "32",
+           "--workers", "1", "--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small",
+           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    # A session of its own: the daemon it starts is in its process group, and the kill takes both.
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for((ckpt / LAST_CHECKPOINT).exists, 120, "the first checkpoint", first)
+        killed = Progress.read(buffer)
+        assert killed is not None and daemon_pid(buffer) is not None
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        wait_for(lambda: daemon_pid(buffer) is None, 30, "the killed run's daemon to be gone")
+
+        second = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "starting the train daemon" in second.stdout and "resumed from" in second.stdout
+        assert "gone away" not in second.stderr and f"pid {killed.pid}" not in second.stderr, second.stderr
+    finally:
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
