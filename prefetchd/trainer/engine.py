@@ -211,6 +211,11 @@ class Run:
         config, echo = self.config, self.echo
         if self.plan.resume:
             self._restore()
+        if self.val_loader is not None and self.resumed_from is None:
+            # Its progress file says where the first validation pass begins from now, not once it begins a
+            # training epoch later: until then `prefetchd status` of the val buffer showed an earlier run's
+            # position (its pid GONE), or no trainer.  A resume's checkpoint told it already (_restore).
+            self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": self.epoch, "step": 0})
         m = self.train_loader.manifest
         if not config.quiet:
             echo(

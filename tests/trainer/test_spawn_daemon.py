@@ -22,12 +22,13 @@ from click.testing import CliRunner
 from torchvision.datasets import ImageFolder
 
 from prefetchd.buffer_protocol import Progress, ProtocolError, daemon_pid
+from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.checkpoint import LAST_CHECKPOINT
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.passes import timed_batches
 from prefetchd.trainer.spawn import SpawnedDaemon, restarter, spawn_daemon
-from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, main
+from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, main, train
 from tests.waiting import wait_for
 
 
@@ -254,3 +255,56 @@ def test_a_run_killed_with_its_daemon_resumes_without_a_warning_about_its_own_de
             os.killpg(first.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_the_val_buffer_shows_this_run_from_its_first_training_step(shapes_data: Path, shm_dir: Path) -> None:
+    """`prefetchd status` of the validation buffer names this run's trainer, at the first validation batch it
+    will read, from the start of training: not a killed earlier run's position, its pid GONE, until this run's
+    first validation pass a training epoch later."""
+    buffer, val_buffer = shm_dir / "bf", shm_dir / "bf-val"
+    config = TrainConfig(buffer=buffer, spawn_daemon=True, data=shapes_data / "train", val_data=shapes_data / "val",
+                         epochs=3, batch_size=8, image_size=32, workers=1, device="cpu", threads=1,
+                         model="mobilenet_v3_small", timeout=60, quiet=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "prefetchd.trainer.train", "--buffer", str(buffer), "--spawn-daemon", "--data",
+         str(config.data), "--val-data", str(config.val_data), "--epochs", "3", "--batch-size", "8", "--image-size",
+         "32", "--workers", "1", "--device", "cpu", "--threads", "1", "--model", "mobilenet_v3_small", "-q"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    orphans: list[int] = []
+
+    def validated() -> bool:
+        try:
+            p = Progress.read(val_buffer)
+        except (ProtocolError, OSError):
+            return False
+        return p is not None and p.epoch == 1
+
+    try:
+        # Killed in its second epoch, past its first validation pass; its daemons serve on.
+        wait_for(validated, 120, "the first run's first validation pass", first)
+        orphans += [pid for pid in (daemon_pid(buffer), daemon_pid(val_buffer)) if pid is not None]
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        shown: list[str] = []
+
+        def look() -> bool:
+            """Once this run trains (asked after each step and while it waits for one): what status shows of
+            the val buffer; then stop."""
+            def current() -> bool:
+                shown[:] = [format_status(describe_status(val_buffer))]
+                return "trainer at epoch 0 step 0" in shown[0] and f"trainer pid {os.getpid()} alive" in shown[0]
+
+            wait_for(current, 30, "the val buffer's status to show this run")
+            return True
+
+        metrics = train(config, echo=lambda _: None, should_stop=look)
+        assert metrics["stopped_by"] == "SIGTERM" and metrics["epochs"] == []  # stopped before any validation
+        assert "GONE" not in shown[0], shown[0]
+    finally:
+        if first.poll() is None:
+            first.kill()
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -552,8 +552,9 @@ def test_a_max_steps_run_stopped_in_its_last_validation_validates_on_resume(
     asked = threading.Event()
 
     def ask_once_it_validates() -> None:
+        # The training pass's end: the val progress names (0, 0) from the run's start, and this comes just before.
         deadline = time.monotonic() + 30
-        while Progress.read(b_val.buffer) != Progress(0, 0) and time.monotonic() < deadline:
+        while Progress.read(b_train.buffer) != Progress(1, 0) and time.monotonic() < deadline:
             time.sleep(0.005)
         asked.set()
 
