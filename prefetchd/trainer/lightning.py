@@ -178,6 +178,7 @@ class BufferDataModule(pl.LightningDataModule):
             if self._pending is not None:
                 self._train.load_state_dict(self._pending)
                 self._pending = None
+            self._name_first_validation()
         return _Epochs(self._train, self._current_epoch, whole_epochs=False)
 
     def val_dataloader(self) -> _Epochs | list[Any]:
@@ -234,6 +235,27 @@ class BufferDataModule(pl.LightningDataModule):
             self._spawned.pop().stop()
 
     # -- helpers -------------------------------------------------------------------
+
+    def _name_first_validation(self) -> None:
+        """As fit begins training: the val loader's progress file names where its first validation pass begins.
+
+        Lightning opens the val loader only when it first validates, unless a sanity check ran (that loader is left
+        as it is) or the first epoch validates (its iterability check names that epoch); with
+        ``check_val_every_n_epoch`` > 1 and no sanity check, `prefetchd status` of the val buffer showed an earlier
+        run's position, its pid GONE, or no trainer, for whole epochs.  A resume too: the checkpoint holds no val
+        position.
+        """
+        trainer = self.trainer
+        if self.val_buffer is None or self._val is not None or trainer is None or not trainer.enable_validation:
+            return
+        self._val = self._open("val", self.val_buffer)
+        epoch, every = trainer.current_epoch, trainer.check_val_every_n_epoch
+        if every:
+            epoch += -(epoch + 1) % every
+        epochs = self._val.manifest.epochs
+        if epochs:
+            epoch = min(epoch, epochs - 1)  # as _Epochs validates past the job's end
+        self._val.load_state_dict({**self._val.state_dict(), "epoch": epoch, "step": 0})
 
     def _ranks(self) -> Ranks:
         trainer = self.trainer

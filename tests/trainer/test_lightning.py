@@ -215,3 +215,29 @@ def test_daemons_the_module_started_are_stopped_when_fit_raises(shapes_data: Pat
             raise AssertionError(f"the daemon (pid {pid}) the module started outlived the failed fit")
         time.sleep(0.05)
 
+
+
+def test_the_val_progress_names_this_run_from_its_first_training_step(make_job: MakeJob, tmp_path: Path) -> None:
+    """check_val_every_n_epoch=2 and no sanity check: Lightning opened the val loader only at its first
+    validation, an epoch into training, and until then the val buffer's progress file was an earlier run's (its
+    pid GONE in `prefetchd status`), or absent.  It names this run's first pass (epoch 1) from the first step."""
+    import os
+
+    from prefetchd.buffer_protocol import Progress
+
+    train, val = make_job(tmp_path / "train", write=2, samples=8, batch_size=4), make_job(
+        tmp_path / "val", write=2, samples=8, batch_size=4, split="val")
+    seen: list[Progress | None] = []
+
+    class Looks(Validated):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if not seen:
+                seen.append(Progress.read(val.buffer))
+            return super().training_step(batch, batch_idx)
+
+    module = Looks()
+    trainer = L.Trainer(max_epochs=2, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=2)
+    trainer.fit(module, datamodule=BufferDataModule(train.buffer, val_buffer=val.buffer, normalize=False, timeout=5))
+    assert seen[0] is not None and (seen[0].epoch, seen[0].step, seen[0].pid) == (1, 0, os.getpid()), seen
+    assert [t for t in module.trained if not t[2]] == [(1, 0, []), (1, 1, [])]  # validated epoch 1, whole
