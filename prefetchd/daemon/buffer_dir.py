@@ -15,7 +15,7 @@ from prefetchd.buffer_protocol import Manifest, ProtocolError, list_batches, str
 from prefetchd.buffer_protocol.layout import (DIR_FLAGS, MANIFEST_NAME, STREAM_PREFIX, STREAM_RE, consumer_of,
                                              is_consumer_lock, is_temp_name, parse_batch_name)
 from prefetchd.access import nearest_existing, user_name
-from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.config import DaemonConfig, held_bytes
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of, huge_pages, huge_pages_hint
 from prefetchd.words import binary_size
@@ -323,15 +323,6 @@ def free_bytes(path: Path) -> int:
 NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of space (a tmpfs full, a quota reached)
 
 
-def _held_bytes(stream: Path) -> int:
-    """Bytes of the finished batches in ``stream``, which a restarted daemon of the same job keeps; 0 where
-    this user may not list it (`prefetchd config` run by another user than the buffer's: `start` says whose)."""
-    try:
-        return sum(p.stat().st_size for p in list_batches(stream).values())
-    except PermissionError:
-        return 0
-
-
 def check_capacity(cfg: DaemonConfig) -> str | None:
     """Refuse a high-water mark the filesystem can never hold; return a warning for one it cannot hold now.
 
@@ -342,7 +333,7 @@ def check_capacity(cfg: DaemonConfig) -> str | None:
     assert cfg.high_water is not None and cfg.min_free_mb is not None
     fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # `prefetchd config` checks a buffer not made yet
     streams = [stream_dir(cfg.buffer, r, cfg.world_size) for r in cfg.local_ranks]
-    held = sum(_held_bytes(s) for s in streams)
+    held = held_bytes(cfg)
     need = max(len(streams) * cfg.high_water * cfg.batch_bytes, cfg.max_buffer_bytes or 0) + (cfg.min_free_mb << 20)
     size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + held
     if need <= available:

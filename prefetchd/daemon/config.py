@@ -3,6 +3,7 @@ the TOML keys are derived, and the machine-sized defaults."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -21,7 +22,7 @@ else:  # tomllib joined the standard library in 3.11; tomli is the same parser (
 import psutil
 
 from prefetchd.access import nearest_existing
-from prefetchd.buffer_protocol import BatchLayout
+from prefetchd.buffer_protocol import BatchLayout, list_batches, stream_dir
 from prefetchd.buffer_protocol.documents import SPLITS, augmentation_text
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.daemon.errors import ConfigError
@@ -298,6 +299,22 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def held_bytes(cfg: DaemonConfig) -> int:
+    """Bytes of the finished batches in the streams of ``cfg``'s ranks: this buffer's room, not space other files
+    hold, since a start keeps them (the same job's) or deletes them (another's, with --reset).  A stream this user
+    may not list counts 0 (`prefetchd config` run by another user than the buffer's: `start` says whose)."""
+    total = 0
+    for rank in cfg.local_ranks:
+        try:
+            batches = list_batches(stream_dir(cfg.buffer, rank, cfg.world_size))
+        except PermissionError:
+            continue
+        for path in batches.values():
+            with contextlib.suppress(FileNotFoundError):  # consumed meanwhile (`config --show` beside a daemon)
+                total += path.stat().st_size
+    return total
+
+
 def default_min_free_mb(fs_bytes: int) -> int:
     """The free-space floor (``MIN_FREE_RULE``): on a tmpfs so small that MIN_FREE_MB is most of it
     (Docker's /dev/shm is 64 MiB) a share of it, so the defaults still leave room for batches; never 0,
@@ -315,7 +332,9 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
         notes.append(f"workers = {changes['workers']} ({cpus} usable CPUs, one left for the trainer)")
     fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # the daemon creates the buffer; config --show may not
     fs_total = fs.f_blocks * fs.f_frsize
-    fs_free = fs.f_bavail * fs.f_frsize
+    # The buffer's own batches are its room: counted as used, a restart sized a lower mark than the start before
+    # it and deleted the batches beyond it, on a tmpfs that sizes the mark (Docker's 64 MiB /dev/shm) each time.
+    fs_free = fs.f_bavail * fs.f_frsize + held_bytes(cfg)
     if cfg.min_free_mb is None:
         changes["min_free_mb"] = default_min_free_mb(fs_total)
         notes.append(f"min_free_mb = {changes['min_free_mb']} ({MIN_FREE_RULE})")

@@ -283,6 +283,21 @@ def test_the_defaults_fit_a_64_mib_tmpfs(shm_dir: Path) -> None:
         assert filled.min_free_mb == 6 and filled.high_water == 2
 
 
+def test_a_restart_sizes_the_high_water_mark_its_start_did(shm_dir: Path) -> None:
+    """The buffer's own batches are its room.  Counted as used, a daemon restarted on a 64 MiB tmpfs sized a
+    mark of 3 where its start had sized 6, and deleted 3 of the batches it found ("beyond --high-water 3")."""
+    with mounted_tmpfs(shm_dir / "docker-shm", "size=64m") as mount:
+        cfg = DaemonConfig(buffer=mount / "bf", batch_size=32, image_size=224)
+        first, _notes = fill_defaults(cfg)
+        assert first.high_water == 6
+        (mount / "bf").mkdir()
+        for step in range(first.high_water):  # what the first daemon leaves
+            (mount / "bf" / batch_name(0, step)).write_bytes(b"\0" * cfg.batch_bytes)
+        again, notes = fill_defaults(cfg)
+        assert (again.high_water, again.low_water) == (first.high_water, first.low_water), notes
+        assert check_capacity(again) is None
+
+
 JSON_ROOM = 24 << 10  # manifest, status and progress documents (20 KiB measured), and a page to spare
 
 
