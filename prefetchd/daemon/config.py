@@ -343,13 +343,14 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
     if cfg.high_water is None:
         ram = psutil.virtual_memory().available
         budget = min(TMPFS_SHARE * max(0, fs_free - min_free), RAM_SHARE * ram)
-        high = int(max(2, min(MAX_DEFAULT_HIGH_WATER, budget // batch)))
+        ranks = len(cfg.local_ranks)  # the mark is each rank's: they share the budget
+        high = int(max(2, min(MAX_DEFAULT_HIGH_WATER, budget // (batch * ranks))))
         if cfg.low_water is not None and high <= cfg.low_water:
             high = cfg.low_water + 1  # an explicit low-water mark wins; check_capacity still guards the space
         changes["high_water"] = high
         notes.append(
-            f"high_water = {high} (batches of {binary_size(batch)}: at most half the free tmpfs, a quarter of "
-            f"available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
+            f"high_water = {high} (batches of {binary_size(batch)}{f' for each of {ranks} ranks' if ranks > 1 else ''}: "
+            f"at most half the free tmpfs, a quarter of available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
         )
     if cfg.index_cache is None:
         changes["index_cache"] = default_cache_dir()

@@ -283,6 +283,18 @@ def test_the_defaults_fit_a_64_mib_tmpfs(shm_dir: Path) -> None:
         assert filled.min_free_mb == 6 and filled.high_water == 2
 
 
+@pytest.mark.parametrize("world_size, high", [(2, 3), (4, 2)])
+def test_the_default_high_water_mark_is_shared_by_the_ranks(shm_dir: Path, world_size: int, high: int) -> None:
+    """The mark is each rank's: sized as if one rank had the tmpfs, it was refused by the daemon that chose it
+    ("4 ranks x high_water 6 x 4.6 MiB batches ... need 116.5 MiB but ... has 64.0 MiB; lower --high-water")."""
+    with mounted_tmpfs(shm_dir / "docker-shm", "size=64m") as mount:
+        cfg = DaemonConfig(buffer=mount / "bf", batch_size=32, image_size=224, world_size=world_size)
+        filled, notes = fill_defaults(cfg)
+        assert filled.high_water == high, notes
+        assert f"batches of 4.6 MiB for each of {world_size} ranks: at most half the free tmpfs" in " ".join(notes)
+        assert check_capacity(filled) is None
+
+
 def test_a_restart_sizes_the_high_water_mark_its_start_did(shm_dir: Path) -> None:
     """The buffer's own batches are its room.  Counted as used, a daemon restarted on a 64 MiB tmpfs sized a
     mark of 3 where its start had sized 6, and deleted 3 of the batches it found ("beyond --high-water 3")."""
