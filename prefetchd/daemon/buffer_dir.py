@@ -11,7 +11,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from prefetchd.buffer_protocol import Manifest, ProtocolError, list_batches, stream_dir
+from prefetchd.buffer_protocol import BatchLayout, Manifest, ProtocolError, list_batches
 from prefetchd.buffer_protocol.layout import (DIR_FLAGS, MANIFEST_NAME, STREAM_PREFIX, STREAM_RE, consumer_of,
                                              is_consumer_lock, is_temp_name, parse_batch_name)
 from prefetchd.access import nearest_existing, user_name
@@ -332,22 +332,57 @@ def check_capacity(cfg: DaemonConfig) -> str | None:
     was briefly full would have stayed down."""
     assert cfg.high_water is not None and cfg.min_free_mb is not None
     fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # `prefetchd config` checks a buffer not made yet
-    streams = [stream_dir(cfg.buffer, r, cfg.world_size) for r in cfg.local_ranks]
-    held = held_bytes(cfg)
-    need = max(len(streams) * cfg.high_water * cfg.batch_bytes, cfg.max_buffer_bytes or 0) + (cfg.min_free_mb << 20)
-    size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + held
+    ranks, floor = len(cfg.local_ranks), cfg.min_free_mb << 20
+    batches = ranks * cfg.high_water * cfg.batch_bytes
+    capped = (cfg.max_buffer_bytes or 0) > batches  # the cap, not the mark, is what needs the room
+    need = max(batches, cfg.max_buffer_bytes or 0) + floor
+    size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + held_bytes(cfg)
     if need <= available:
         return None
-    per = f"{len(streams)} ranks x " if len(streams) > 1 else ""
     shown = size if need > size else available
     needed, has = binary_size(need), binary_size(shown)
     if needed == has:  # "need 1.0 MiB but has 1.0 MiB" says nothing
         needed, has = f"{need} bytes", f"{shown} bytes"
-    what = (f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches (or --max-buffer-bytes) plus "
-            f"the {cfg.min_free_mb} MiB floor (--min-free-mb) need {needed}")
-    fix = (f"lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs (mount -o remount,size=... "
-           f"{filesystem_of(Path(cfg.buffer)).point})")
+    floor_text = f"plus the {cfg.min_free_mb} MiB floor (--min-free-mb) need {needed}"
+    why = ""
+    if capped:
+        what = f"--max-buffer-bytes {cfg.max_buffer_bytes} {floor_text}"
+        lower = "lower --max-buffer-bytes or --min-free-mb"
+    else:
+        per = f"{ranks} ranks x " if ranks > 1 else ""
+        what = f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches {floor_text}"
+        why, lower = _what_fits(cfg, ranks, shown - floor)
+    fix = f"{lower}, or enlarge the tmpfs ({_enlarge(filesystem_of(Path(cfg.buffer)).point)})"
     if need > size:
-        raise ConfigError(f"{what} but {cfg.buffer} has {has}; {fix}")
+        raise ConfigError(f"{what} but {cfg.buffer} has {has}; {why + ': ' if why else ''}{fix}")
     return (f"{what} but {cfg.buffer} has {has} free now: other files hold the rest. Production pauses whenever it "
             f"would fall below the floor, until they go; free that space, or {fix}")
+
+
+def _what_fits(cfg: DaemonConfig, ranks: int, room: int) -> tuple[str, str]:
+    """Why no mark fits in ``room`` bytes ("" where one does), and which flags to lower, with the value that fits:
+    "lower --high-water" alone misled where not one batch fits (--batch-size 512 at 224 px, 73.5 MiB, on
+    Docker's 64 MiB /dev/shm), and the mark was the default, which the user had not set."""
+    assert cfg.high_water is not None
+    high = room // (ranks * cfg.batch_bytes)
+    if high >= 1:
+        return "", f"lower --high-water (at most {high} fits), --batch-size or --min-free-mb"
+    per_batch = room // (ranks * cfg.high_water)
+    lo, hi = 0, cfg.batch_size - 1  # the largest batch size whose file fits per_batch (file_len grows with it)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if BatchLayout.plan(mid, cfg.image_size, cfg.image_size).file_len <= per_batch:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        return "the floor leaves no room for a batch", "lower --min-free-mb, --batch-size or --image-size"
+    return (f"not one batch of {binary_size(cfg.batch_bytes)} fits",
+            f"lower --batch-size (at most {lo} fits high_water {cfg.high_water} at {cfg.image_size} px), --image-size "
+            "or --min-free-mb")
+
+
+def _enlarge(point: str) -> str:
+    """How to make the tmpfs at ``point`` larger; /dev/shm is small where a container runtime made it (64 MiB)."""
+    how = f"mount -o remount,size=... {point}"
+    return f"{how}; in a container, docker run --shm-size=..." if point == "/dev/shm" else how

@@ -4,6 +4,7 @@ the numbers and the fix, instead of a SIGBUS when a mapped batch's pages cannot 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -45,7 +46,8 @@ def test_a_high_water_mark_beyond_the_filesystem_is_refused_with_the_numbers(shm
         check_capacity(config(shm_buffer, too_many))
     message = str(info.value)
     assert f"high_water {too_many} x" in message and str(shm_buffer) in message
-    assert "lower --high-water, --batch-size or --min-free-mb, or enlarge the tmpfs" in message
+    fits = size_bytes(shm_buffer) // batch
+    assert f"lower --high-water (at most {fits} fits), --batch-size or --min-free-mb, or enlarge the tmpfs" in message
     check_capacity(config(shm_buffer, 2))  # what fits is accepted
 
 
@@ -281,6 +283,37 @@ def test_the_defaults_fit_a_64_mib_tmpfs(shm_dir: Path) -> None:
         (mount / "bf").mkdir()
         check_capacity(filled)
         assert filled.min_free_mb == 6 and filled.high_water == 2
+
+
+def test_a_refusal_names_what_fits(shm_dir: Path) -> None:
+    """"lower --high-water" was the first fix named for a batch of which not one fits (--batch-size 512 at 224 px
+    on Docker's 64 MiB /dev/shm), where the mark was the default, which no flag had set."""
+    with mounted_tmpfs(shm_dir / "docker-shm", "size=64m") as mount:
+        cfg, _notes = fill_defaults(DaemonConfig(buffer=mount / "bf", batch_size=512, image_size=224))
+        assert cfg.high_water == 2
+        with pytest.raises(ConfigError) as info:
+            check_capacity(cfg)
+        message = str(info.value)
+        assert ("high_water 2 x 73.5 MiB batches plus the 6 MiB floor (--min-free-mb) need 153.0 MiB but "
+                f"{mount / 'bf'} has 64.0 MiB; not one batch of 73.5 MiB fits: lower --batch-size (at most 201 fits "
+                "high_water 2 at 224 px), --image-size or --min-free-mb, or enlarge the tmpfs") in message, message
+        assert check_capacity(dataclasses.replace(cfg, batch_size=201)) is None
+        with pytest.raises(ConfigError):
+            check_capacity(dataclasses.replace(cfg, batch_size=202))
+        # Where a lower mark fits, the one that does is named.
+        with pytest.raises(ConfigError, match=r"lower --high-water \(at most 1 fits\), --batch-size"):
+            check_capacity(dataclasses.replace(cfg, batch_size=256))
+        assert check_capacity(dataclasses.replace(cfg, batch_size=256, high_water=1, low_water=0)) is None
+        # A cap larger than the mark's batches is what needs the room, and the one named.
+        with pytest.raises(ConfigError) as info:
+            check_capacity(dataclasses.replace(cfg, batch_size=4, max_buffer_bytes=100 << 20))
+        assert str(info.value).startswith(f"--max-buffer-bytes {100 << 20} plus the 6 MiB floor"), info.value
+        assert "lower --max-buffer-bytes or --min-free-mb" in str(info.value)
+        # Another file takes the room one batch needs now: a warning, and its fix reads as one.
+        (mount / "ballast").write_bytes(b"\1" * (40 << 20))
+        short = check_capacity(dataclasses.replace(cfg, batch_size=128))
+        assert short is not None and re.search(r"has 24\.0 MiB free now: .*; free that space, or lower --batch-size "
+                                               r"\(at most \d+ fits high_water 2 at 224 px\)", short), short
 
 
 @pytest.mark.parametrize("world_size, high", [(2, 3), (4, 2)])
