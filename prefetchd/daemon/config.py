@@ -32,13 +32,14 @@ from prefetchd.daemon.sources.storage import URL_READERS
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import check_value as check_field
 from prefetchd.options import setting as _opt
-from prefetchd.words import binary_size
+from prefetchd.words import binary_size, counted
 
 # Defaults never plan more than these shares of what is free, so the trainer,
 # its pinned memory and the page cache keep the rest.
 TMPFS_SHARE = 0.5
 RAM_SHARE = 0.25
 MAX_DEFAULT_HIGH_WATER = 64
+MIN_DEFAULT_HIGH_WATER = 2  # the least a default is, whatever the tmpfs holds (check_capacity judges it)
 # Ranks one daemon produces (a box has a few GPUs; each rank is a folder and an fd the daemon holds).
 MAX_LOCAL_RANKS = 256
 # The free-space floor's default (default_min_free_mb): a share of the buffer's filesystem, at least a few MiB,
@@ -322,6 +323,20 @@ def default_min_free_mb(fs_bytes: int) -> int:
     return max(1, min(MIN_FREE_MB, int(fs_bytes * SMALL_FS_SHARE) >> 20), int(fs_bytes * MIN_FREE_SHARE) >> 20)
 
 
+def _min_free_rule_applied(fs_bytes: int, floor: int) -> str:
+    """Which part of MIN_FREE_RULE gave ``floor`` MiB on a filesystem of ``fs_bytes``: the whole rule, with
+    numbers to work out, left the user of a 64 MiB tmpfs to find why the floor was 6."""
+    fs = f"the buffer's {binary_size(fs_bytes)} filesystem"
+    if floor > MIN_FREE_MB:
+        return f"{MIN_FREE_SHARE:.0%} of {fs}"
+    if floor == MIN_FREE_MB:
+        return f"at least {MIN_FREE_MB} MiB: {MIN_FREE_SHARE:.0%} of {fs} is less"
+    if floor > 1:
+        return (f"{SMALL_FS_SHARE:.0%} of {fs}: under {MIN_FREE_MB / SMALL_FS_SHARE:.0f} MiB, {MIN_FREE_MB} MiB "
+                "would be most of it")
+    return f"at least 1 MiB: {SMALL_FS_SHARE:.0%} of {fs} is less"
+
+
 def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
     """Size every ``None`` field from this machine; return the config and a note per default."""
     notes: list[str] = []
@@ -337,21 +352,27 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
     fs_free = fs.f_bavail * fs.f_frsize + held_bytes(cfg)
     if cfg.min_free_mb is None:
         changes["min_free_mb"] = default_min_free_mb(fs_total)
-        notes.append(f"min_free_mb = {changes['min_free_mb']} ({MIN_FREE_RULE})")
+        notes.append(f"min_free_mb = {changes['min_free_mb']} ({_min_free_rule_applied(fs_total, changes['min_free_mb'])})")
     min_free = (changes.get("min_free_mb", cfg.min_free_mb) or 0) << 20
     batch = cfg.batch_bytes
     if cfg.high_water is None:
         ram = psutil.virtual_memory().available
         budget = min(TMPFS_SHARE * max(0, fs_free - min_free), RAM_SHARE * ram)
         ranks = len(cfg.local_ranks)  # the mark is each rank's: they share the budget
-        high = int(max(2, min(MAX_DEFAULT_HIGH_WATER, budget // (batch * ranks))))
+        sized = int(min(MAX_DEFAULT_HIGH_WATER, budget // (batch * ranks)))
+        high = max(MIN_DEFAULT_HIGH_WATER, sized)
         if cfg.low_water is not None and high <= cfg.low_water:
             high = cfg.low_water + 1  # an explicit low-water mark wins; check_capacity still guards the space
         changes["high_water"] = high
-        notes.append(
-            f"high_water = {high} (batches of {binary_size(batch)}{f' for each of {ranks} ranks' if ranks > 1 else ''}: "
-            f"at most half the free tmpfs, a quarter of available RAM, {MAX_DEFAULT_HIGH_WATER} batches)"
-        )
+        what = f"batches of {binary_size(batch)}{f' for each of {ranks} ranks' if ranks > 1 else ''}"
+        if sized < MIN_DEFAULT_HIGH_WATER:  # "at most half the free tmpfs" is not true of this one: say what is
+            binding = ("half the free tmpfs above the --min-free-mb floor" if budget < RAM_SHARE * ram
+                       else "a quarter of available RAM")
+            notes.append(f"high_water = {high} ({what}: the least a default is, though {binding} holds "
+                         f"{counted(sized, 'batch')})")
+        else:
+            notes.append(f"high_water = {high} ({what}: at most half the free tmpfs, a quarter of available RAM, "
+                         f"{MAX_DEFAULT_HIGH_WATER} batches)")
     if cfg.index_cache is None:
         changes["index_cache"] = default_cache_dir()
         # Outside the unit (`config --show` by the admin) the default is the caller's, not the service's: say so.

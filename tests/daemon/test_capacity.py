@@ -279,10 +279,16 @@ def test_the_defaults_fit_a_64_mib_tmpfs(shm_dir: Path) -> None:
     """Docker's /dev/shm is 64 MiB: the default floor and high-water mark must fit it, at the
     default batch (128 x 224 px, 18.4 MiB)."""
     with mounted_tmpfs(shm_dir / "docker-shm", "size=64m") as mount:
-        filled, _notes = fill_defaults(DaemonConfig(buffer=mount / "bf"))
+        filled, notes = fill_defaults(DaemonConfig(buffer=mount / "bf"))
         (mount / "bf").mkdir()
         check_capacity(filled)
         assert filled.min_free_mb == 6 and filled.high_water == 2
+        # Each note says the rule that gave the value: it said "at most half the free tmpfs" of 2 batches that
+        # are more than half, and left the floor of 6 to be worked out from the whole rule.
+        assert ("min_free_mb = 6 (10% of the buffer's 64.0 MiB filesystem: under 640 MiB, 64 MiB would be most of "
+                "it)") in notes, notes
+        assert ("high_water = 2 (batches of 18.4 MiB: the least a default is, though half the free tmpfs above the "
+                "--min-free-mb floor holds 1 batch)") in notes, notes
 
 
 def test_a_refusal_names_what_fits(shm_dir: Path) -> None:
@@ -324,7 +330,7 @@ def test_the_default_high_water_mark_is_shared_by_the_ranks(shm_dir: Path, world
         cfg = DaemonConfig(buffer=mount / "bf", batch_size=32, image_size=224, world_size=world_size)
         filled, notes = fill_defaults(cfg)
         assert filled.high_water == high, notes
-        assert f"batches of 4.6 MiB for each of {world_size} ranks: at most half the free tmpfs" in " ".join(notes)
+        assert f"high_water = {high} (batches of 4.6 MiB for each of {world_size} ranks: " in " ".join(notes)
         assert check_capacity(filled) is None
 
 
