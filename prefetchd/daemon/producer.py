@@ -385,8 +385,7 @@ class Producer:
                 self._resume_if_room(0)  # nothing to build: room above the floor is all a pause waits for
                 return
             _, _, stream, g = candidates[0]
-            size = batch_len(stream.key(g)[1], self.cfg.batch_size, stream.manifest.samples_per_epoch)
-            layout = BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
+            layout = self._layout(stream, g)
             self._resume_if_room(layout.file_len)
             # A spare counts as free, as the consumed batch it was would: a batch begun in one takes no new page,
             # and spares beyond the room the cap leaves are deleted (SpareFiles.fit, .take).
@@ -406,6 +405,11 @@ class Producer:
                 return
             if not self.paused:  # else still paused: that batch went into a consumed one's file (a spare)
                 self.state, self.message = State.FILLING, ""
+
+    def _layout(self, stream: Stream, g: int) -> BatchLayout:
+        """The layout of ``stream``'s batch ``g``: an epoch's short last batch is a smaller file."""
+        size = batch_len(stream.key(g)[1], self.cfg.batch_size, stream.manifest.samples_per_epoch)
+        return BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
 
     def _left_free(self, file_len: int) -> int:
         """Free bytes of the buffer's filesystem once the batches being built in fresh files are filled (a spare's
@@ -610,8 +614,10 @@ class Producer:
             high_water=self.streams[0].high * len(self.streams),
             low_water=self.streams[0].low * len(self.streams),
             batch_bytes=self.cfg.batch_bytes,
+            # Each file's own length: counted as full batches, an epoch's short last ones made the buffer and the
+            # free space together more than a small tmpfs holds (36.8 MiB in it and 35.2 MiB free on 64 MiB).
             buffer_bytes=sum(b.layout.file_len for s in self.streams for b in s.building.values())
-            + waiting * self.cfg.batch_bytes,
+            + sum(self._layout(s, g).file_len for s in self.streams for g in s.published),
             free_bytes=free_bytes(self.buffer),
             workers=len(self.workers),
             workers_cpu_percent=round(sum(self._cpu_percent(w) for w in self.workers), 1),

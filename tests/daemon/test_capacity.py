@@ -455,3 +455,17 @@ def test_one_shortage_is_one_pause_while_batches_are_built_in_spares(shm_dir: Pa
             assert daemon.log.count("paused: ") == 1 and daemon.log.count("resumed: ") == 1, daemon.log
         finally:
             daemon.terminate()  # before the tmpfs is unmounted
+
+
+def test_the_status_counts_the_bytes_of_each_batch_file(shm_buffer: Path, shapes_data: Path, start_daemon) -> None:
+    """`prefetchd status`'s "in the buffer" counted every waiting batch as a full one: an epoch's short last batch
+    made the buffer and the free space together more than a 64 MiB tmpfs holds (36.8 MiB in it, 35.2 MiB free)."""
+    # 72 samples in batches of 32: 32, 32 and 8 images, all three waiting.
+    daemon = start_daemon(shm_buffer, "--data", shapes_data / "train", "--batch-size", "32", "--image-size", "32",
+                          "--workers", "1", "--high-water", "3", "--low-water", "1")
+    daemon.wait_until(lambda: state_of(shm_buffer) == State.FULL, 30, "a full buffer")
+    production = production_of(shm_buffer)
+    assert production is not None and production.waiting == 3 and production.building == 0
+    files = sorted(p.stat().st_size for p in shm_buffer.glob("*.batch"))
+    assert len(files) == 3 and files[0] < files[1] == production.batch_bytes, files
+    assert production.buffer_bytes == sum(files), (production.buffer_bytes, files)
