@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -492,3 +493,39 @@ def test_disk_bytes_counts_batch_files_once_and_not_the_documents(tmp_path: Path
         (tmp_path / n).stat().st_blocks * 512 for n in ("e000000-s00000000.batch", "e000000-s00000001.tmp",
                                                           "spare-00000000.tmp"))
 
+
+
+def _bench_on_docker_shm(*args: str) -> subprocess.CompletedProcess[str]:
+    """`prefetchd bench` in a mount namespace of its own whose /dev/shm is a 64 MiB tmpfs, as Docker makes it."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a /dev/shm of its own")
+    mount_then_run = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
+    return subprocess.run(["unshare", "-m", "sh", "-c", mount_then_run, "sh", sys.executable, "-m", "prefetchd",
+                           "bench", *args], capture_output=True, text=True, timeout=240)
+
+
+def test_a_buffer_the_daemon_would_refuse_is_refused_before_anything_is_measured(
+        tmp_path: Path, shapes_data: Path) -> None:
+    """The default --high-water (16 batches of 18.4 MiB) does not fit Docker's /dev/shm: every prefetchd row
+    failed in turn, after the floor and the other contenders had been measured."""
+    out = tmp_path / "out"
+    proc = _bench_on_docker_shm("--data", str(shapes_data / "train"), "--workers", "1", "--out", str(out))
+    assert proc.returncode == 1, proc.stderr
+    assert ("the daemon's buffer goes in /dev/shm: high_water 16 x 18.4 MiB batches plus the 6 MiB floor "
+            "(--min-free-mb) need 300.2 MiB but /dev/shm/prefetchd-bench has 64.0 MiB; lower --high-water (at most 3 "
+            "fits)") in proc.stderr, proc.stderr
+    assert "measuring" not in proc.stderr and not out.exists()
+
+
+def test_a_contender_that_fails_takes_one_line_of_the_table(tmp_path: Path, shapes_data: Path) -> None:
+    """The DataLoader's workers pass each batch through /dev/shm (88 MiB at 72 images of 320 px): it fails on
+    Docker's 64 MiB one with its worker's whole traceback in the error, which filled the table's row."""
+    out = tmp_path / "out"
+    proc = _bench_on_docker_shm("--data", str(shapes_data / "train"), "--workers", "1", "--image-size", "320",
+                                "--contenders", "dataloader", "--batches", str(MIN_BATCHES), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    table = (out / "bench.txt").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("dataloader "))
+    assert "failed: RuntimeError: Caught RuntimeError in DataLoader worker process 0. RuntimeError: " in row, table
+    assert "No space left on device" in row and "(/dev/shm holds 64.0 MiB: DataLoader workers pass" in row, row
+    assert "Traceback" not in table, table

@@ -19,11 +19,25 @@ from prefetchd.bench.dali import DALI_CONTENDERS, dali_batches
 from prefetchd.bench.measure import WAIT_SECONDS, Window, trainer_with_pauses
 from prefetchd.bench.monitor import MONITOR_SECONDS, BenchDaemon, CpuSplit
 from prefetchd.bench.results import Throughput
+from prefetchd.words import binary_size
 
 log = logging.getLogger(__name__)
 
 WARM_START_TARGET_MS = 20.0
 WARM_START_REPEATS = 5
+
+
+def failure(exc: BaseException) -> str:
+    """One line for a contender that failed, for its row of the table: the DataLoader hands a worker's error on
+    with the worker's whole traceback in its message, which filled the table with it (and widened every row to
+    its longest line).  Its first line and its last, the error itself; --log-level debug logs the rest."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+    if "shared memory" in text and "No space left" in text and os.path.isdir("/dev/shm"):
+        size = os.statvfs("/dev/shm")
+        text += (f" (/dev/shm holds {binary_size(size.f_blocks * size.f_frsize)}: DataLoader workers pass each batch "
+                 "through it; a container's is enlarged with docker run --shm-size=...)")
+    return f"{type(exc).__name__}: {text}"
 
 
 @dataclass
@@ -61,7 +75,7 @@ class Run:
         except Exception as exc:  # one failing contender must not lose the others' numbers
             log.debug("%s with %d workers failed", name, k, exc_info=True)
             row.images_per_s = None
-            row.note = f"failed: {type(exc).__name__}: {exc}"
+            row.note = f"failed: {failure(exc)}"
             self.say(f"  {row.note}")
         finally:
             torch.set_num_threads(threads)

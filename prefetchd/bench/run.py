@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefetchd.bench.contenders import Run
+from prefetchd.bench.contenders import Run, failure
 from prefetchd.bench.measure import MIN_BATCHES, WHY_MIN_BATCHES, Window, data_wait_doc, eval_every
 from prefetchd.bench.report import (
     core_list,
@@ -23,12 +23,31 @@ from prefetchd.bench.report import (
 )
 from prefetchd.bench.results import (ALL_CONTENDERS, BASELINE, CONTENDERS, BenchmarkResults, Throughput,
                                      add_round, fill_ratios, median_floor, take_medians)
+from prefetchd.launch import buffer_root
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HIGH_WATER = 16
 LOOPS_SECONDS = 5.0  # the independent loops' window when the contenders are measured by batch count
+
+
+def check_buffer_room(batch_size: int, image_size: int, high_water: int) -> None:
+    """Refuse at once settings whose daemon would refuse its buffer: on Docker's 64 MiB /dev/shm the default
+    --high-water of 16 batches of 18.4 MiB failed each prefetchd row in turn, after the floor and the other
+    contenders had been measured, and the table held the daemon's message in every one of them."""
+    from prefetchd.daemon.buffer_dir import check_capacity
+    from prefetchd.daemon.config import DaemonConfig, fill_defaults
+    from prefetchd.daemon.errors import ConfigError
+
+    root = buffer_root()
+    cfg, _notes = fill_defaults(DaemonConfig(buffer=root / "prefetchd-bench", batch_size=batch_size,
+                                             image_size=image_size, high_water=high_water, workers=1))
+    try:
+        check_capacity(cfg)
+    except ConfigError as exc:
+        raise ValueError(f"the daemon's buffer goes in {root}: {exc} (the bench takes --high-water, at least 2, and "
+                         "--batch-size)") from None
 
 
 def run_benchmark(
@@ -88,6 +107,8 @@ def run_benchmark(
         high_water = max(DEFAULT_HIGH_WATER, eval_every(workers_list[-1]))
     if high_water < 2:
         raise ValueError(f"high_water={high_water}: the daemon needs at least 2 batches of buffer")
+    if any(name.startswith("prefetchd") for name in contenders):
+        check_buffer_room(batch_size, image_size, high_water)
 
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -160,7 +181,7 @@ def run_benchmark(
                 results.warm_start = run.warm_start(k_max, usable[:k_max])
             except Exception as exc:  # keep the throughput numbers
                 log.debug("warm start failed", exc_info=True)
-                results.warm_start = {"workers": k_max, "error": f"{type(exc).__name__}: {exc}"}
+                results.warm_start = {"workers": k_max, "error": failure(exc)}
                 say(f"  failed: {results.warm_start['error']}")
             mem = results.warm_start.pop("memory", None)
             if mem:
