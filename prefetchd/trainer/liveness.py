@@ -93,11 +93,13 @@ def owner_status(buffer: Path) -> tuple[DaemonOwner | None, Status | None]:
 class FailedDaemon:
     """A wait for a manifest and the failure of the buffer's daemon (status.json's ``failed``, no daemon
     owning the buffer since): one that failed while the wait went on ends it at once, with the daemon's
-    reason, as a daemon lost mid-run does; one that had failed before the wait began is said once, and
-    in the timeout's message, since a user or a service manager may be starting another."""
+    reason, as a daemon lost mid-run does; one that had failed before the wait began does not, since a
+    user or a service manager may be starting another: the wait goes on to its ``timeout``, said at
+    once with the reason and what to do, and the timeout's message leads with that failure."""
 
-    def __init__(self, buffer: Path) -> None:
+    def __init__(self, buffer: Path, timeout: float) -> None:
         self.buffer = buffer
+        self.timeout = timeout
         self.since = time.time()
         self.earlier = ""  # the reason of a failure from before the wait, once seen
 
@@ -106,16 +108,25 @@ class FailedDaemon:
         if owner is not None or status is None or status.state != State.FAILED:
             return
         reason = " ".join(status.message.split()) or "its status gives no reason"
+        shows = f"`prefetchd status --buffer {owning_buffer(self.buffer)}` shows it"
         if status.heartbeat >= self.since:
             raise DaemonGone(f"{self.buffer}: the daemon failed before it wrote a manifest: {reason}. Start it again "
-                             f"once that is fixed (`prefetchd status --buffer {owning_buffer(self.buffer)}` shows it)")
+                             f"once that is fixed ({shows})")
         if not self.earlier:
-            logger.warning("the daemon last on %s failed (%s); waiting for another to start", self.buffer, reason)
+            logger.warning("the daemon last on %s failed before this loader started, and none runs there now: %s. "
+                           "Waiting up to %g s in case another starts (its service restarting it, or you); fix that "
+                           "first, then start it again (%s)", self.buffer, reason, self.timeout, shows)
         self.earlier = reason
 
-    def said(self) -> str:
-        """The earlier failure, for a timeout's message."""
-        return f"; the daemon last on it failed: {self.earlier}" if self.earlier else ""
+    def timed_out(self, message: str) -> str:
+        """The timeout's ``message``, led by the earlier failure where no daemon owns the buffer now (one that
+        does was started since, and the message is about it; the failure then follows)."""
+        if not self.earlier:
+            return message
+        if daemon_owner(self.buffer) is not None:
+            return f"{message}; the daemon last on it failed: {self.earlier}"
+        return (f"{self.buffer}: the daemon last on it failed before this loader started ({self.earlier}), and no "
+                f"other started within the {self.timeout:g} s waited: fix that first, then start it again. {message}")
 
 
 def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
@@ -125,7 +136,7 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
     deadline = time.monotonic() + timeout
     delay = MANIFEST_FIRST_DELAY
     logged = False
-    failed = FailedDaemon(buffer)
+    failed = FailedDaemon(buffer, timeout)
     next_look = time.monotonic()
     while True:
         try:
@@ -148,7 +159,7 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
                 return manifest
             failed.check(owner, status)
         if now >= deadline:
-            raise LoaderTimeout(_manifest_timeout_message(buffer, timeout) + failed.said())
+            raise LoaderTimeout(failed.timed_out(_manifest_timeout_message(buffer, timeout)))
         if not logged:
             logger.info("waiting up to %g s for %s", timeout, buffer / "manifest.json")
             logged = True

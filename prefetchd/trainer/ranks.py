@@ -141,7 +141,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
     deadline = time.monotonic() + timeout
     next_look = time.monotonic()
     logged = False
-    failed = FailedDaemon(buffer)
+    failed = FailedDaemon(buffer, timeout)
     while True:
         served = served_world(buffer)
         if served is not None and served[0] != ranks.world_size:
@@ -169,7 +169,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
                 return own
             failed.check(owner, status)
         if time.monotonic() >= deadline:
-            raise LoaderTimeout(_no_stream_message(buffer, own, ranks, timeout, split) + failed.said())
+            raise LoaderTimeout(failed.timed_out(_no_stream_message(buffer, own, ranks, timeout, split)))
         if not logged:
             logger.info("waiting up to %g s for %s", timeout, own / MANIFEST_NAME)
             logged = True

@@ -246,10 +246,12 @@ def trainer_pid(buffer: Path) -> int | None:
 
 
 def test_a_daemon_that_fails_before_its_manifest_is_named_by_the_waiting_loader(
-        shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon) -> None:
+        shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon, caplog: pytest.LogCaptureFixture) -> None:
     """The daemon refuses a dataset with an empty class folder and exits: a loader waiting for its
     manifest says so at once, with the daemon's reason (not after its timeout, as 'no daemon owns
-    it'); one that starts after that failure waits for another daemon and its timeout names it."""
+    it').  One that starts after that failure waits its timeout for another daemon (a service may be
+    restarting it), and says so at once: the failure, how long it waits, and to fix it first; its
+    timeout leads with the failure, where it said "no daemon owns it" with a bare start command first."""
     data = tmp_path / "data"
     shutil.copytree(shapes_data / "train", data)
     (data / "empty").mkdir()
@@ -272,9 +274,21 @@ def test_a_daemon_that_fails_before_its_manifest_is_named_by_the_waiting_loader(
     [gone] = outcome
     assert isinstance(gone, DaemonGone), gone
     assert "the daemon failed before it wrote a manifest: " in str(gone) and f"{data / 'empty'}" in str(gone), gone
-    with pytest.raises(LoaderTimeout) as timed_out:
+    reason = str(gone).split("the daemon failed before it wrote a manifest: ", 1)[1].split(". Start it again")[0]
+    assert f"{data / 'empty'}" in reason, reason
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.liveness"), \
+            pytest.raises(LoaderTimeout) as timed_out:
         BufferLoader(buffer, normalize=False, timeout=2)
-    assert "; the daemon last on it failed: " in str(timed_out.value) and f"{data / 'empty'}" in str(timed_out.value)
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"the daemon last on {buffer} failed before this loader started, and none runs there "
+                           f"now: ") and reason in said, said
+    assert ("Waiting up to 2 s in case another starts (its service restarting it, or you); fix that first, then "
+            f"start it again (`prefetchd status --buffer {buffer}` shows it)") in said, said
+    message = str(timed_out.value)
+    assert message.startswith(f"{buffer}: the daemon last on it failed before this loader started ({reason}"), message
+    assert "and no other started within the 2 s waited: fix that first, then start it again. " in message, message
+    assert f"Start one with `prefetchd start --buffer {buffer} --data ROOT`" in message, message
 
 
 # -- a store's outage longer than the loader's timeout ------------------------------------------
