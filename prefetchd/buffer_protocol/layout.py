@@ -160,11 +160,24 @@ def stream_dirs(buffer: Dir) -> list[Path]:
 
 
 def owning_buffer(directory: Dir) -> Path:
-    """The buffer whose daemon owns ``directory``: its parent for a rank's stream directory."""
+    """The buffer whose daemon owns ``directory``: its parent for a rank's stream directory, one with a daemon.lock,
+    or, without one, one that others than its owner may write without a sticky bit (a --group-access buffer, 2770):
+    a member of its group may remove the lock, and the rank-NNNNN folder of theirs beside it was taken for a buffer
+    of their own, whose manifest and batches the readers' owner checks (``check_owned``) then passed."""
     directory = Path(directory)
-    if STREAM_RE.fullmatch(directory.name) and (directory.parent / LOCK_NAME).exists():
+    if STREAM_RE.fullmatch(directory.name) and ((directory.parent / LOCK_NAME).exists()
+                                                or _shared_folder(directory.parent)):
         return directory.parent
     return directory
+
+
+def _shared_folder(folder: Path) -> bool:
+    """Whether others than the owner of ``folder`` may rename, and remove, what is in it."""
+    try:
+        mode = os.stat(folder).st_mode
+    except OSError:
+        return False
+    return bool(mode & (stat.S_IWGRP | stat.S_IWOTH)) and not mode & stat.S_ISVTX
 
 
 # -- whose files a reader takes ------------------------------------------------------------------------------------

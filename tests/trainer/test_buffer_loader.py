@@ -1025,3 +1025,27 @@ def test_a_loader_reads_no_manifest_or_batch_of_another_user_than_the_buffers(ma
     os.chown(job.buffer / "manifest.json", 65534, 65534)
     with pytest.raises(ProtocolError, match=r"manifest.json: belongs to \S+ \(uid 65534\), not to \S+ \(uid 0\)"):
         BufferLoader(job.buffer, timeout=5, stall_timeout=None)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder another owner")
+def test_a_loader_reads_no_stream_folder_of_a_member_who_removed_the_daemons_lock(make_job: MakeJob,
+                                                                                   buffer: Path) -> None:
+    """A member of a --group-access buffer's group (2770, no sticky bit) may remove its daemon.lock too: the rank's
+    folder of theirs beside it was then taken for a buffer of its own, and the loader read their manifest and
+    batches.  It is refused as without the lock."""
+    real = make_job(buffer / "rank-00001", write=1)
+    real.manifest = dataclasses.replace(real.manifest, rank=1, world_size=2)
+    real.manifest.write(real.buffer)
+    real.claim(buffer)
+    os.chmod(buffer, 0o2770)
+    forged = make_job(buffer / "forged", write=2)
+    forged.manifest = real.manifest
+    forged.manifest.write(forged.buffer)
+    _give(forged.buffer, 65534)
+    real.buffer.rename(buffer / "away")
+    forged.buffer.rename(buffer / "rank-00001")
+    (buffer / "daemon.lock").rename(buffer / "lock-away")
+    with pytest.raises(ProtocolError, match=rf"{buffer}/rank-00001: belongs to \S+ \(uid 65534\), not to \S+ "
+                                            rf"\(uid 0\) who owns the buffer {buffer} "):
+        BufferLoader(buffer / "rank-00001", timeout=5, stall_timeout=None)
+    (buffer / "lock-away").rename(buffer / "daemon.lock")
