@@ -303,7 +303,13 @@ def usable_cpus() -> int:
 def held_bytes(cfg: DaemonConfig) -> int:
     """Bytes of the finished batches in the streams of ``cfg``'s ranks: this buffer's room, not space other files
     hold, since a start keeps them (the same job's) or deletes them (another's, with --reset).  A stream this user
-    may not list counts 0 (`prefetchd config` run by another user than the buffer's: `start` says whose)."""
+    may not list counts 0 (`prefetchd config` run by another user than the buffer's: `start` says whose).  Only the
+    buffer owner's files count, by the pages they hold: a member of a --group-access buffer's group may put a sparse
+    file of theirs (`truncate -s 1T`) under a batch's name, which would have raised the default mark."""
+    try:
+        owner = os.stat(cfg.buffer).st_uid
+    except OSError:  # not made yet: nothing held
+        return 0
     total = 0
     for rank in cfg.local_ranks:
         try:
@@ -312,7 +318,9 @@ def held_bytes(cfg: DaemonConfig) -> int:
             continue
         for path in batches.values():
             with contextlib.suppress(FileNotFoundError):  # consumed meanwhile (`config --show` beside a daemon)
-                total += path.stat().st_size
+                st = path.lstat()
+                if st.st_uid == owner:
+                    total += min(st.st_size, st.st_blocks * 512)
     return total
 
 

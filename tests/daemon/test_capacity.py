@@ -347,6 +347,14 @@ def test_a_restart_sizes_the_high_water_mark_its_start_did(shm_dir: Path) -> Non
         again, notes = fill_defaults(cfg)
         assert (again.high_water, again.low_water) == (first.high_water, first.low_water), notes
         assert check_capacity(again) is None
+        # Only the buffer owner's files, by their pages: a member's sparse file under a batch's name is no room.
+        planted = mount / "bf" / batch_name(1, 0)
+        with open(planted, "wb") as f:
+            f.truncate(1 << 40)
+        os.chown(planted, 65534, 65534)
+        assert fill_defaults(cfg)[0].high_water == first.high_water
+        os.chown(planted, os.geteuid(), os.getegid())  # the daemon's own, yet sparse: its pages count, not its size
+        assert fill_defaults(cfg)[0].high_water == first.high_water
 
 
 JSON_ROOM = 24 << 10  # manifest, status and progress documents (20 KiB measured), and a page to spare
