@@ -103,9 +103,10 @@ class _ConsumerLocks:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file: remove it")
-            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != TRAINER_FILE_MODE:
+            if st.st_uid == os.geteuid() and st.st_nlink == 1 and stat.S_IMODE(st.st_mode) != TRAINER_FILE_MODE:
                 # O_CREAT's mode is less the umask: the daemon and the next member's trainer must read it (one
-                # this user's older trainer left 0600 is opened up too).
+                # this user's older trainer left 0600 is opened up too).  One link: not another file of this
+                # user's that a member hard-linked under the lock's name.
                 os.fchmod(fd, TRAINER_FILE_MODE)
             key = (st.st_dev, st.st_ino)
             if key in self._held:

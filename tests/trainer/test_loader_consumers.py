@@ -366,6 +366,15 @@ def test_the_consumer_lock_is_0644_whatever_the_umask(make_job: MakeJob) -> None
         lock.chmod(0o600)
         with BufferLoader(job.buffer, normalize=False, timeout=30):
             assert stat.S_IMODE(lock.stat().st_mode) == 0o644
+        # Another file of this user's, which a member of the buffer's group hard-linked under the lock's name
+        # (a tmpfs holds both): locked as it is, never opened up to the group.
+        private = job.buffer.parent / "private-key"
+        private.write_bytes(b"secret")
+        private.chmod(0o600)
+        lock.unlink()
+        os.link(private, lock)
+        with BufferLoader(job.buffer, normalize=False, timeout=30):
+            assert stat.S_IMODE(private.stat().st_mode) == 0o600
     finally:
         os.umask(old)
 
