@@ -312,6 +312,9 @@ class Status:
     pid_namespace: int | None = field(default_factory=this_pid_namespace)
     # None while the daemon waits for a job, and while it runs the job it was started with (its own --data).
     running_job: RunningJob | None = None
+    # False: read from a daemon of an earlier 0.1 build, whose status has no running_job, so that whether a
+    # submitted job runs, and which, is not known (not written: every document written now has the key).
+    running_job_known: bool = True
 
     @property
     def remote(self) -> RemoteStatus | None:
@@ -323,8 +326,9 @@ class Status:
         doc: dict[str, Any] = {
             "format": STATUS_FORMAT, "version": VERSION, "pid": self.pid, "state": str(self.state),
             "message": self.message, "heartbeat": self.heartbeat, "job_result": _plain(self.job_result),
-            "running_job": _plain(self.running_job),
         }
+        if self.running_job_known:
+            doc["running_job"] = _plain(self.running_job)
         if self.pid_namespace is not None:
             doc["pid_namespace"] = self.pid_namespace
         if self.production is not None:
@@ -372,6 +376,7 @@ class Status:
             pid_namespace=top.optional_nat("pid_namespace"),
             running_job=RunningJob(running.text("job_id"), running.optional_nat("submitter"), running.num("submitted"),
                                    running.text("answer")) if running is not None else None,
+            running_job_known="running_job" in doc,
         )
 
 

@@ -294,7 +294,10 @@ def _job_lines(st: Status) -> list[str]:
     if last is None or (run is not None and last.job_id == run.job_id):
         return lines
     job_id = last.job_id or "(unreadable)"
-    if run is None and st.production is None:  # no job runs (waiting, stopped, starting the job it was given)
+    # No job runs (waiting, stopped, starting the job it was given), or a daemon of an earlier 0.1 build did not say
+    # which: the answer to its latest request is all there is ("later ... the job being produced runs on" would say
+    # that the job it runs is another than the one it accepted).
+    if run is None and (st.production is None or not st.running_job_known):
         return [*lines, f"  last job  {job_id} {job_verdict(last.accepted, last.reason)}"]
     # A request answered while the job above (or the one the daemon was started with) runs on: "already producing
     # this job", or a refusal, which its submitter looks for here.

@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemon_pid, write_status
+from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemon_pid, read_status, write_status
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.dataset import split_members
@@ -463,6 +463,22 @@ def _manifest(**changes: Any) -> Manifest:
 def _running_status_text(state: State = State.FILLING, **production_changes: Any) -> str:
     """`prefetchd status` of a running daemon whose production is ``production(**production_changes)``."""
     return status_view.format_status(report(status_example(state, production=production(**production_changes))))
+
+
+def test_status_of_an_earlier_builds_daemon_shows_its_submitted_job_as_the_last_one(tmp_path: Path) -> None:
+    """A daemon of an earlier 0.1 build (still running while the package is upgraded, systemd/README.md) writes no
+    running_job: `prefetchd status` took its absence for a daemon producing its own --data and showed the job it
+    had accepted and produced as "later ..., answered at ... (the job being produced runs on)"."""
+    doc = status_example(running_job=None).to_doc()
+    del doc["running_job"], doc["job_result"]["submitter"]
+    (tmp_path / "status.json").write_text(json.dumps(doc))
+    earlier = read_status(tmp_path)
+    assert earlier is not None and not earlier.running_job_known
+    text = status_view.format_status(report(earlier))
+    assert "  last job  0123456789ab accepted: producing /data" in text and "later" not in text, text
+    assert "running_job" not in json.loads(status_view.status_json(report(earlier)))["status"]  # not "none runs"
+    # One of this build's that names no running job runs the job it was started with: the answer is to a later one.
+    assert "  later     0123456789ab submitted by " in status_view.format_status(report(status_example(running_job=None)))
 
 
 def test_status_says_how_many_samples_the_split_holds_where_val_fraction_cut_it() -> None:
