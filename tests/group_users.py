@@ -98,3 +98,11 @@ def chown_tree(path: Path, uid: int, gid: int, mode: int) -> None:
 
 
 __all__ = ["NEEDS_ROOT_AND_USERADD", "Users", "chown_tree", "python_for", "remove_user", "service_users"]
+
+
+def stop_and_clean(daemon: subprocess.Popen[bytes] | None, base: Path) -> None:
+    """A test's last step: kill its daemon where it is still running (a failed assertion left it), remove its folder."""
+    if daemon is not None and daemon.poll() is None:
+        daemon.kill()
+        daemon.wait()
+    shutil.rmtree(base, ignore_errors=True)

@@ -12,7 +12,6 @@ manifest document (Permission denied)").  Now a --group-access daemon gives its 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -26,7 +25,7 @@ import pytest
 import prefetchd
 from prefetchd.buffer_protocol import Progress, State, list_batches
 from prefetchd.synthetic import make_shapes_dataset
-from tests.group_users import NEEDS_ROOT_AND_USERADD, Users, chown_tree, python_for, service_users
+from tests.group_users import NEEDS_ROOT_AND_USERADD, Users, chown_tree, python_for, service_users, stop_and_clean
 from tests.status_examples import state_of
 from tests.waiting import wait_for
 
@@ -120,8 +119,5 @@ def test_a_trainer_under_umask_077_is_read_by_the_service(users: Users, daemon_u
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(30) == 0, said()
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.kill()
-            daemon.wait()
-        shutil.rmtree(base, ignore_errors=True)
+        stop_and_clean(daemon, base)
 

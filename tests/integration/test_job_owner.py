@@ -6,7 +6,6 @@ one that stays inside them."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sysconfig
@@ -19,7 +18,7 @@ import pytest
 
 import prefetchd
 from prefetchd.buffer_protocol import State, list_batches
-from tests.group_users import NEEDS_ROOT_AND_USERADD, Users, chown_tree, python_for, service_users
+from tests.group_users import NEEDS_ROOT_AND_USERADD, Users, chown_tree, python_for, service_users, stop_and_clean
 from tests.status_examples import job_result_of, state_of
 from prefetchd.synthetic import make_shapes_dataset
 
@@ -129,7 +128,4 @@ def test_group_jobs_are_held_to_the_allow_lists(two_users: Users) -> None:
         daemon_proc.send_signal(signal.SIGTERM)
         assert daemon_proc.wait(30) == 0, daemon_log()
     finally:
-        if daemon_proc is not None and daemon_proc.poll() is None:
-            daemon_proc.kill()
-            daemon_proc.wait()
-        shutil.rmtree(base, ignore_errors=True)
+        stop_and_clean(daemon_proc, base)
