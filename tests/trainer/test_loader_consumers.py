@@ -368,7 +368,7 @@ def test_the_consumer_lock_is_0644_whatever_the_umask(make_job: MakeJob) -> None
             assert stat.S_IMODE(lock.stat().st_mode) == 0o644
         # Another file of this user's, which a member of the buffer's group hard-linked under the lock's name
         # (a tmpfs holds both): locked as it is, never opened up to the group.
-        private = job.buffer.parent / "private-key"
+        private = job.buffer / "private-key"  # in the buffer folder, removed with it: the same tmpfs as the lock
         private.write_bytes(b"secret")
         private.chmod(0o600)
         lock.unlink()
