@@ -44,10 +44,12 @@ where, at the oldest batch still in the buffer; while it waits for a batch it
 rewrites its progress file every ``PROGRESS_REFRESH_SECONDS`` so that the daemon
 sees it is there, and ``close()`` marks the file closed so that it holds nothing.
 A loader still open when the interpreter exits closes then, and one collected unclosed (made in a
-function that returned) says in its progress file that it left (``_close_at_exit``).
+function that returned) says in its progress file that it left (``prefetchd.trainer.leaving``).
 
 Waiting for the manifest and for each batch, and telling a slow daemon from a
-stuck or a gone one, is ``prefetchd.trainer.liveness``; checking a mapped batch
+stuck or a gone one, is ``prefetchd.trainer.liveness``; the copies to the device in
+flight, ``prefetchd.trainer.device_path``; what a loader says as it leaves,
+``prefetchd.trainer.leaving``; checking a mapped batch
 and normalising it, ``prefetchd.trainer.tensors``; the checkpoint state,
 ``prefetchd.trainer.resume``.
 
@@ -60,9 +62,7 @@ import logging
 import os
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -82,7 +82,9 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.trainer.batch import Batch, WaitMeter
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, StateMismatch
-from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode, Transfer
+from prefetchd.trainer.device_path import DevicePath
+from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode
+from prefetchd.trainer.leaving import Where, close_at_exit, say_left, unread_end
 from prefetchd.trainer.liveness import (DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT, BatchWaiter, JobWatch,
                                         wait_for_manifest)
 from prefetchd.trainer.progress_file import ProgressFile
@@ -115,74 +117,6 @@ class _EpochIterator:
             self._done = True
             raise StopIteration
         return batch
-
-
-@dataclass
-class _Where:
-    """A loader's position and what it read, kept apart from the loader so that the progress file can say
-    the loader left after it was collected (``_close_at_exit``)."""
-
-    epoch: int
-    step: int
-    read_to_end: bool = False  # the loader handed out the job's last batch since it last moved
-    handed_out: int = 0  # since the loader was made; less those still being copied: progress' read_batches
-
-
-def _unread_end(position: tuple[int, int], at: _Where, epochs: int | None) -> bool:
-    """Whether ``position`` is the job's end and the loader got there without reading its last batch."""
-    return epochs is not None and position[0] >= epochs and not at.read_to_end
-
-
-def _say_left(progress: ProgressFile, at: _Where, waits: WaitMeter, epochs: int | None) -> None:
-    """Write the progress file a last time, marked closed, every batch handed out counted as consumed (the
-    loader's at ``at``; its job has ``epochs``): the daemon then says the trainer left, and holds nothing for
-    it.  Nothing where the loader never wrote it; LoaderError where this write fails, or where it never wrote it
-    because its writes failed (``ProgressFile.untold``): the daemon was not told."""
-    if progress.published is None:
-        untold = progress.untold()
-        if untold is not None:
-            raise LoaderError(untold)
-        return
-    position = (at.epoch, at.step)
-    if _unread_end(position, at, epochs):  # not this loader's to announce (the module docstring)
-        position = progress.published
-    progress.publish(position, waits.share(), force=True, closed=True, read_batches=at.handed_out)
-
-
-def _close_at_exit(ref: weakref.ReferenceType[BufferLoader], pid: int, progress: ProgressFile, at: _Where,
-                   waits: WaitMeter, epochs: int | None) -> None:
-    """Close a loader still open when the interpreter exits, or say in its progress file that it left once it is
-    collected unclosed (a ``weakref.finalize``, which atexit runs for a loader still there; it holds what
-    ``_say_left`` needs, never the loader): a script that ends without ``close()``, also one whose loader
-    was made in a function that returned (``def main(): ...``), leaves as one that closed, rather than
-    looking like a trainer that went away.  A trainer killed (SIGKILL, a segfault, ``os._exit``) runs
-    no atexit, and the daemon still sees it gone.
-
-    Collected, it writes only where the progress file is still the one it wrote last (``written_since``).  On
-    the device path it counts the batches handed out as consumed without waiting for their copies, as close()
-    does after it: the feeder's own finalizer keeps their host memory until they are done, whenever it runs, and
-    the daemon deleting those batches takes nothing from under them.  A staging copy reads its pinned slot, the
-    file having been copied into it before the batch was handed out; pin='register' reads the file's mapping,
-    whose pages an unlink leaves in place and which the daemon does not reuse as a spare while it is mapped
-    (SPEC rule 1's lease)."""
-    loader = ref()
-    if os.getpid() != pid:  # a forked child's copy
-        return
-    if not progress.buffer.is_dir():  # removed meanwhile: no daemon to tell; the loader's finalizers let go
-        return
-    try:
-        if loader is not None:
-            loader.close()
-            return
-        try:
-            # Unless another loader of this consumer wrote since (one that replaced it in a variable, while an
-            # iterator kept this one), if only the same position: that one reads on, and its file is its own.
-            if not progress.written_since():
-                _say_left(progress, at, waits, epochs)
-        finally:
-            progress.release()
-    except Exception as exc:  # nothing is left to raise it to; the daemon may take the trainer for gone
-        logger.warning("closing the BufferLoader for %s at exit: %s", progress.buffer, exc)
 
 
 class BufferLoader:
@@ -288,7 +222,7 @@ class BufferLoader:
                                    float(stall_timeout) if stall_timeout is not None else None)
         self._normalized = (normalization(mean, std, self._manifest.channels, self._buffer, self._device)
                             if normalize else None)
-        self._at = _Where(*self._start_position(start))
+        self._at = Where(*self._start_position(start))
         if self._device.type != "cuda" and pin not in ("auto", "none"):  # before the consumer is taken
             raise ValueError(
                 f"pin={pin!r} needs a CUDA device, but device={str(device)!r}; pass pin='auto' or leave it out"
@@ -297,10 +231,7 @@ class BufferLoader:
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
-        self._feeder: DeviceFeeder | None = None
-        self._prefetch = 0
-        self._ahead: deque[Transfer] = deque()  # started, not yet handed out: consecutive positions
-        self._handed: deque[Transfer] = deque()  # handed out, copy not yet known to be complete
+        self._device_path: DevicePath | None = None  # on a CUDA device: the copies in flight
         self._pin: PinMode = "none"
         # Asked while a wait for a batch goes on; True ends it with StopRequested, the position unchanged.
         self.stop_requested: Callable[[], bool] | None = None
@@ -314,7 +245,7 @@ class BufferLoader:
                     raise
         # Made last, so that at exit it runs before the feeder's and the lock's finalizers (newest first).
         # It holds what says the loader left, never the loader: a loader dropped without close() is collected.
-        self._exit_close = weakref.finalize(self, _close_at_exit, weakref.ref(self), os.getpid(), self._progress,
+        self._exit_close = weakref.finalize(self, close_at_exit, weakref.ref(self), os.getpid(), self._progress,
                                             self._at, self._waits, self._manifest.epochs)
 
     def _attach_feeder(self, backend: Backend, mode: PinMode, prefetch: int) -> None:
@@ -323,7 +254,7 @@ class BufferLoader:
             raise ValueError(f"pin={mode!r}: a device feeder does 'staging' or 'register'")
         m = self._manifest
         scale, shift = self._normalized or (None, None)
-        self._feeder = DeviceFeeder(
+        feeder = DeviceFeeder(
             backend,
             mode,
             batch_size=m.batch_size,
@@ -334,10 +265,10 @@ class BufferLoader:
             # have been confirmed yet; a slot is waited for only when the ring comes round.
             ring=prefetch + 2,
         )
-        self._prefetch = prefetch
+        self._device_path = DevicePath(feeder, prefetch, m)
         self._pin = mode
         # A loader dropped without close() must still unpin before its mappings are unmapped.
-        self._release_feeder = weakref.finalize(self, self._feeder.close_quietly)
+        self._release_feeder = weakref.finalize(self, feeder.close_quietly)
 
     def _start_position(self, start: tuple[int, int] | None) -> tuple[int, int]:
         if start is not None:
@@ -432,13 +363,11 @@ class BufferLoader:
         # Counted while it goes on: the progress file rewritten during the wait says the trainer waits.
         self._waits.begin(asked)
         try:
-            if self._feeder is None:
-                key = (self._at.epoch, self._at.step)
-                mapped = self._wait_for_batch(*key)
-                self._check(mapped, *key)
-                batch = to_batch(mapped, *key, self._device, self._normalized)
+            key = (self._at.epoch, self._at.step)
+            if self._device_path is None:
+                batch = to_batch(self._checked_batch(*key), *key, self._device, self._normalized)
             else:
-                batch = self._next_on_device(self._feeder)
+                batch = self._device_path.next(key, self._checked_batch, self._checked_if_there)
         finally:  # a wait that ended in an error (a timeout, a stop) was time spent waiting all the same
             self._waits.add(asked, time.monotonic())
         self._at.handed_out += 1
@@ -454,64 +383,24 @@ class BufferLoader:
         epochs = self._manifest.epochs
         return epochs is not None and self._at.epoch >= epochs
 
-    # -- the device path -----------------------------------------------------------
+    def _checked_batch(self, epoch: int, step: int) -> MappedBatch:
+        """Batch (epoch, step), waited for and checked (``_check``)."""
+        mapped = self._wait_for_batch(epoch, step)
+        self._check(mapped, epoch, step)
+        return mapped
 
-    def _next_on_device(self, feeder: DeviceFeeder) -> Batch:
-        key = (self._at.epoch, self._at.step)
-        transfer = self._take_ahead(key)
-        if transfer is None:
-            mapped = self._wait_for_batch(*key)
-            self._check(mapped, *key)
-            transfer = feeder.start(mapped, key)
-        images, labels = feeder.hand_out(transfer)
-        self._handed.append(transfer)
-        # Double buffering: the next batch's copy overlaps the consumer's work on this one.
-        self._fill_ahead(feeder, key)
-        return Batch(
-            images=images, labels=labels, indices=transfer.indices, epoch=key[0], step=key[1],
-            replaced=transfer.replaced,
-        )
-
-    def _take_ahead(self, key: tuple[int, int]) -> Transfer | None:
-        if self._ahead and self._ahead[0].key == key:
-            return self._ahead.popleft()
-        self._drain(self._ahead)  # started for positions the consumer no longer asks for
-        return None
-
-    def _fill_ahead(self, feeder: DeviceFeeder, key: tuple[int, int]) -> None:
-        """Start the copies of the next ``prefetch`` batches whose files are already there."""
-        last = self._ahead[-1].key if self._ahead else key
-        while len(self._ahead) < self._prefetch:
-            epoch, step = last[0], last[1] + 1
-            if step >= self._manifest.steps_per_epoch:
-                epoch, step = epoch + 1, 0
-            epochs = self._manifest.epochs
-            if epochs is not None and epoch >= epochs:
-                return
-            try:
-                mapped = map_batch(self._buffer / batch_name(epoch, step))
-                self._waiter.check_folder()
-                self._check(mapped, epoch, step)
-            except (FileNotFoundError, ProtocolError, ValueError):
-                # Not produced yet, or broken: its own turn waits for it or reports it.
-                return
-            self._ahead.append(feeder.start(mapped, (epoch, step)))
-            last = (epoch, step)
+    def _checked_if_there(self, epoch: int, step: int) -> MappedBatch:
+        """Batch (epoch, step) where its file is there already (FileNotFoundError where not), checked: the device
+        path starts its copy ahead."""
+        mapped = map_batch(self._buffer / batch_name(epoch, step))
+        self._waiter.check_folder()
+        self._check(mapped, epoch, step)
+        return mapped
 
     def _consumed_until(self) -> tuple[int, int]:
         """The position progress.json may name: handed-out batches still being copied are not consumed."""
         position = (self._at.epoch, self._at.step)
-        if self._feeder is None:
-            return position
-        while self._handed and self._feeder.finish(self._handed[0], wait=False):
-            self._handed.popleft()
-        return min(position, self._handed[0].key) if self._handed else position
-
-    def _drain(self, transfers: deque[Transfer]) -> None:
-        while transfers:
-            transfer = transfers.popleft()
-            if self._feeder is not None:
-                self._feeder.finish(transfer, wait=True)
+        return position if self._device_path is None else self._device_path.consumed_until(position)
 
     def _publish(self, force: bool = False, closed: bool = False) -> None:
         position = self._consumed_until()
@@ -521,12 +410,12 @@ class BufferLoader:
                 return
             position = self._progress.published
         # Counted, not taken from the position: a jump (load_state_dict, set_epoch) reads nothing.
-        read = self._at.handed_out - len(self._handed)
+        read = self._at.handed_out - (len(self._device_path.handed) if self._device_path is not None else 0)
         self._progress.publish(position, self._waits.share(), force=force, closed=closed, read_batches=read)
 
     def _unread_end(self, position: tuple[int, int]) -> bool:
         """Whether ``position`` is the job's end and this loader got there without reading its last batch."""
-        return _unread_end(position, self._at, self._manifest.epochs)
+        return unread_end(position, self._at, self._manifest.epochs)
 
     def _check_progress(self) -> None:
         """While waiting: write the progress file again where it does not name this loader's position,
@@ -586,8 +475,8 @@ class BufferLoader:
         """Go to ``state``'s position, ending the iterators handed out before; progress.json is left alone."""
         self._check_open()
         epoch, step = resume_position(state, self._manifest, self._buffer)
-        self._drain(self._ahead)
-        self._drain(self._handed)
+        if self._device_path is not None:
+            self._device_path.drain()
         if (epoch, step) != (self._at.epoch, self._at.step):
             self._at.read_to_end = False
         self._at.epoch, self._at.step = epoch, step
@@ -629,15 +518,14 @@ class BufferLoader:
         it went away; one whose process is killed is not, and is gone to the daemon."""
         if self._closed:
             return
-        self._drain(self._ahead)
-        self._drain(self._handed)
-        if self._feeder is not None:  # its page-locked staging ring goes now, not when the loader is collected
+        if self._device_path is not None:  # its page-locked staging ring goes now, not when the loader is collected
+            self._device_path.drain()
             self._release_feeder()
-            self._feeder = None
+            self._device_path = None
         try:
             # It leaves: the daemon stops holding batches for it while another consumer reads, until it
             # writes again, and does not take a trainer that finished for one that went away.
-            _say_left(self._progress, self._at, self._waits, self._manifest.epochs)
+            say_left(self._progress, self._at, self._waits, self._manifest.epochs)
         except LoaderError as exc:
             logger.warning("closing %s: %s", self._buffer, exc)
         self._closed = True

@@ -20,6 +20,7 @@ import torch
 from prefetchd.buffer_protocol import Progress
 from prefetchd.trainer import BufferLoader, DaemonGone, LoaderError
 from prefetchd.trainer import gpu
+from prefetchd.trainer.device_path import DevicePath
 from prefetchd.trainer.gpu import PIN_MODES, CopyEvent
 
 if TYPE_CHECKING:
@@ -99,6 +100,12 @@ class FakeBackend:
             event.done = True
 
 
+def in_flight(loader: BufferLoader) -> DevicePath:
+    """The loader's device path (its copies ahead and handed out); the loader must have one."""
+    assert loader._device_path is not None, "no device path: a CPU loader"
+    return loader._device_path
+
+
 def progress(buffer: Path) -> tuple[int, int] | None:
     p = Progress.read(buffer)
     return None if p is None else (p.epoch, p.step)
@@ -173,8 +180,8 @@ def test_next_batch_is_already_copying_while_the_consumer_works(make_job: MakeJo
     it = iter(loader)
     first = next(it)
     assert first.step == 0
-    assert [t.key for t in loader._ahead] == [(0, 1), (0, 2)]  # two more batches in flight
-    assert loader._feeder is not None and loader._feeder.in_flight == 3
+    assert [t.key for t in in_flight(loader).ahead] == [(0, 1), (0, 2)]  # two more batches in flight
+    assert in_flight(loader).feeder.in_flight == 3
     assert not any(e.done for e in backend.events)
     # Their files may go now (a lost buffer; the daemon itself never deletes at or after
     # progress): what was started still arrives, intact, without waiting for a daemon.
@@ -192,7 +199,7 @@ def test_without_prefetch_a_missing_file_is_waited_for(make_job: MakeJob) -> Non
     loader, _ = device_loader(job, prefetch=0)
     it = iter(loader)
     next(it)
-    assert len(loader._ahead) == 0
+    assert len(in_flight(loader).ahead) == 0
     job.path(0, 1).unlink()
     with pytest.raises(DaemonGone, match="e000000-s00000001.batch"):
         next(it)
@@ -203,10 +210,10 @@ def test_prefetch_crosses_epochs_but_not_the_jobs_end(make_job: MakeJob) -> None
     loader, backend = device_loader(job, prefetch=2)
     it = iter(loader)
     next(it), next(it)
-    assert [t.key for t in loader._ahead] == [(0, 2), (1, 0)]
+    assert [t.key for t in in_flight(loader).ahead] == [(0, 2), (1, 0)]
     assert [b.step for b in it] == [2]
     assert [(b.epoch, b.step) for b in loader] == [(1, 0), (1, 1), (1, 2)]
-    assert list(loader._ahead) == []  # nothing past epoch 2 of a 2-epoch job
+    assert list(in_flight(loader).ahead) == []  # nothing past epoch 2 of a 2-epoch job
     assert list(loader) == []
 
 
@@ -216,7 +223,7 @@ def test_rewind_drops_what_was_started_and_delivers_the_right_batches(make_job: 
     start = loader.state_dict()
     it = iter(loader)
     next(it)
-    started = list(loader._ahead)
+    started = list(in_flight(loader).ahead)
     loader.load_state_dict(start)
     assert all(t.released for t in started), "dropped transfers are waited for and released"
     assert progress(job.buffer) == (0, 0)
@@ -264,7 +271,7 @@ def test_the_cpu_path_is_untouched(make_job: MakeJob) -> None:
     job = make_job(write=1)
     loader = BufferLoader(job.buffer, timeout=5, normalize=False)
     batch = next(iter(loader))
-    assert loader._feeder is None
+    assert loader._device_path is None
     # Zero-copy on the CPU: the indices still view the mapped file.
     assert not batch.indices.numpy().flags.owndata
 

@@ -14,6 +14,7 @@ import torch
 from prefetchd.buffer_protocol import Progress
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.gpu import CudaBackend, _clear_last_cuda_error
+from tests.trainer.test_device_path import in_flight
 
 if TYPE_CHECKING:
     from conftest import MakeJob
@@ -36,8 +37,7 @@ def progress(buffer: Path) -> tuple[int, int] | None:
 
 def block_side_stream(loader: BufferLoader, cycles: int = BLOCK_CYCLES) -> None:
     """Hold up everything issued on the loader's copy stream from now on."""
-    assert loader._feeder is not None
-    backend = loader._feeder.backend
+    backend = in_flight(loader).feeder.backend
     assert isinstance(backend, CudaBackend)
     with torch.cuda.stream(backend.stream):
         torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
@@ -83,7 +83,7 @@ def test_progress_moves_only_after_the_copy_completed(make_job: MakeJob, pin: st
     it = iter(loader)
     block_side_stream(loader)
     first = next(it)  # issued behind the sleep: its copy cannot have completed
-    assert loader._handed and not loader._handed[0].copied.query()
+    assert in_flight(loader).handed and not in_flight(loader).handed[0].copied.query()
     assert next(it).step == 1
     assert progress(job.buffer) == (0, 0), "batch 0 is still being copied, so it is not consumed"
     torch.cuda.synchronize()
@@ -101,7 +101,7 @@ def test_two_batches_in_flight_while_the_consumer_works(make_job: MakeJob, pin: 
     it = iter(loader)
     block_side_stream(loader)
     assert next(it).step == 0
-    ahead = list(loader._ahead)
+    ahead = list(in_flight(loader).ahead)
     assert [t.key for t in ahead] == [(0, 1), (0, 2)]
     assert not any(t.copied.query() for t in ahead), "both copies are queued behind the blocked stream"
     # Started means the host side is done with the files (staging) or holds them pinned (register):
@@ -145,10 +145,10 @@ def test_register_leaves_no_pinned_mapping_behind(make_job: MakeJob, monkeypatch
     loader = BufferLoader(job.buffer, device="cuda", pin="register", timeout=5, daemon_grace=0)
     for _ in range(2):
         list(loader)
-    feeder = loader._feeder
+    feeder = in_flight(loader).feeder
     loader.close()
-    assert feeder is not None and feeder.in_flight == 0
-    assert loader._feeder is None, "close() lets the feeder (and its pinned memory) go"
+    assert feeder.in_flight == 0
+    assert loader._device_path is None, "close() lets the feeder (and its pinned memory) go"
     assert len(registered) == 2 * len(loader)
     # A registration still in place would let cudaHostUnregister succeed (and undo the leak); a new
     # mapping of the same file gets another address, so registering the files again would not tell.
