@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
 from prefetchd.buffer_protocol.documents import (encode_json, pid_namespace as this_pid_namespace, read_json_stat,
-                                                 rewrite_in_place, write_json)
+                                                 replace_file, rewrite_in_place)
 from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, at, check_owned, owning_buffer
 
 STATUS_FORMAT = "prefetchd.status"
@@ -392,13 +392,14 @@ def write_status(buffer: Dir, status: Status, dir_fd: int | None = None) -> None
     file gets the time as its mtime instead, which takes no space and which readers count as the heartbeat (SPEC
     rule 8), and the OSError is raised."""
     path = Path(buffer) / STATUS_NAME
+    data = encode_json(status.to_doc())  # once: on a full filesystem it is written over the file there too
     try:
-        write_json(path, status.to_doc(), dir_fd)
+        replace_file(path, data, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         try:
-            rewrite_in_place(path, encode_json(status.to_doc()), "status", dir_fd)
+            rewrite_in_place(path, data, "status", dir_fd)
             return
         except OSError:
             pass
