@@ -355,9 +355,6 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
         notes.append(f"workers = {changes['workers']} ({cpus} usable CPUs, one left for the trainer)")
     fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # the daemon creates the buffer; config --show may not
     fs_total = fs.f_blocks * fs.f_frsize
-    # The buffer's own batches are its room: counted as used, a restart sized a lower mark than the start before
-    # it and deleted the batches beyond it, on a tmpfs that sizes the mark (Docker's 64 MiB /dev/shm) each time.
-    fs_free = fs.f_bavail * fs.f_frsize + held_bytes(cfg)
     if cfg.min_free_mb is None:
         changes["min_free_mb"] = default_min_free_mb(fs_total)
         notes.append(f"min_free_mb = {changes['min_free_mb']} ({_min_free_rule_applied(fs_total, changes['min_free_mb'])})")
@@ -365,6 +362,9 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
     batch = cfg.batch_bytes
     if cfg.high_water is None:
         ram = psutil.virtual_memory().available
+        # The buffer's own batches are its room: counted as used, a restart sized a lower mark than the start before
+        # it and deleted the batches beyond it, on a tmpfs that sizes the mark (Docker's 64 MiB /dev/shm) each time.
+        fs_free = fs.f_bavail * fs.f_frsize + held_bytes(cfg)
         budget = min(TMPFS_SHARE * max(0, fs_free - min_free), RAM_SHARE * ram)
         ranks = len(cfg.local_ranks)  # the mark is each rank's: they share the budget
         sized = int(min(MAX_DEFAULT_HIGH_WATER, budget // (batch * ranks)))
