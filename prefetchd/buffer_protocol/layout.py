@@ -127,10 +127,19 @@ def list_consumers(directory: Dir, dir_fd: int | None = None) -> list[str]:
 def consumer_files(directory: Dir, dir_fd: int | None = None) -> dict[str, int]:
     """``list_consumers``, each with its progress file's inode number as the listing gives it (no stat): a
     writer replaces the file by a rename (``documents.replace_file``), which gives it a new one."""
+    return dict(sorted((consumer, entry.inode()) for consumer, entry in consumer_entries(directory, dir_fd)))
+
+
+def consumer_entries(directory: Dir, dir_fd: int | None = None) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """Each consumer with a progress file in ``directory`` (listed through its fd ``dir_fd`` where given), with
+    the file's entry in the listing, in the listing's order; nothing where ``directory`` is not there."""
     if dir_fd is None and not os.path.isdir(directory):
-        return {}
+        return
     with os.scandir(directory if dir_fd is None else dir_fd) as entries:
-        return dict(sorted((c, e.inode()) for e in entries if (c := consumer_of(e.name)) is not None))
+        for entry in entries:
+            consumer = consumer_of(entry.name)
+            if consumer is not None:
+                yield consumer, entry
 
 
 def list_consumer_locks(directory: Dir) -> list[Path]:
@@ -185,11 +194,6 @@ def _shared_folder(folder: Path) -> bool:
 # member of the buffer's group may rename files and folders of their own in under those names (also a whole
 # rank-NNNNN folder of theirs, with a manifest and batches in it), so a reader takes a file, and a stream folder,
 # from the buffer folder's owner only (SPEC rule 7).
-
-
-def buffer_owner(directory: Dir) -> int:
-    """The uid owning the buffer of ``directory`` (a rank's stream: its parent): the daemon's user."""
-    return os.stat(owning_buffer(directory)).st_uid
 
 
 def check_stream_folder(folder: Dir, owner: int | None = None) -> os.stat_result:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, writer_alive, writer_named
-from prefetchd.buffer_protocol.layout import consumer_of
+from prefetchd.buffer_protocol.layout import consumer_entries
 from prefetchd.buffer_protocol.status import ConsumerStatus, Position, TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,12 @@ def progress_stats(directory: Path, dir_fd: int | None = None, only: Container[s
     those written last, as a trainer rewrites its own every PROGRESS_REFRESH_SECONDS while it waits, and at each
     batch it reads, where files planted and left there grow old."""
     found: dict[str, os.stat_result] = {}
-    if dir_fd is None and not os.path.isdir(directory):
-        return found
     # From the listing: a path made for each file, then a stat by it, took three times as long.
-    with os.scandir(directory if dir_fd is None else dir_fd) as entries:
-        for entry in entries:
-            consumer = consumer_of(entry.name)
-            if consumer is None or only is not None and consumer not in only:
-                continue
-            with contextlib.suppress(FileNotFoundError):  # gone meanwhile
-                found[consumer] = entry.stat(follow_symlinks=False)
+    for consumer, entry in consumer_entries(directory, dir_fd):
+        if only is not None and consumer not in only:
+            continue
+        with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+            found[consumer] = entry.stat(follow_symlinks=False)
     return found
 
 
