@@ -77,11 +77,11 @@ class JobInbox:
         self.policy = JobPolicy.of(machine)
         self._seen = self._stamp() if ignore_current else None
         self.result: JobResult | None = None
-        self.pending_id: str | None = None
+        # The request taken from job.json (or resumed), from its check until the daemon has answered it (``settle``):
+        # what ``accepted`` records.
+        self.pending_request: JobRequest | None = None
         # The roots the pending job's files must be inside (resolved local ones, or URLs; None: not confined).
         self.pending_confinement: tuple[str, ...] | None = None
-        self.pending_owner: int | None = None  # the pending job's submitter: its job.json's owner (uid), which the log names
-        self.pending_request: JobRequest | None = None  # what ``accepted`` records
         self.running: RunningJob | None = None  # the submitted job accepted and produced, until it ends
 
     def _stamp(self) -> tuple[int, int, int] | None:
@@ -131,15 +131,27 @@ class JobInbox:
         return self.policy.confine(self._validate(request), request.owner)
 
     def _pend(self, request: JobRequest, confinement: tuple[str, ...] | None) -> None:
-        self.pending_id, self.pending_confinement, self.pending_owner = request.job_id, confinement, request.owner
-        self.pending_request = request
+        self.pending_request, self.pending_confinement = request, confinement
+
+    def settle(self) -> None:
+        """The pending request is answered (accepted and started, or refused): none is pending."""
+        self.pending_request = self.pending_confinement = None
+
+    @property
+    def pending_id(self) -> str | None:
+        return self.pending_request.job_id if self.pending_request is not None else None
+
+    @property
+    def pending_owner(self) -> int | None:
+        """The pending job's submitter: its job.json's owner (uid), which the log names."""
+        return self.pending_request.owner if self.pending_request is not None else None
 
     def running_job(self) -> RunningJob | None:
         """The submitted job status.json names as the one that runs: the pending one from its start (before its
         manifests replace the running job's, so that a trainer stopped by them reads who submitted it), else
         the one accepted and produced."""
         request = self.pending_request
-        if self.pending_id is not None and request is not None and request.job_id == self.pending_id:
+        if request is not None:
             return RunningJob(request.job_id, request.owner, request.submitted, "")
         return self.running
 

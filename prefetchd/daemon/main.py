@@ -169,7 +169,7 @@ def _serve(cfg: DaemonConfig) -> int:
             log.info("not resuming job %s, which the earlier daemon here was producing: reset = true clears the "
                      "buffer for the configured job on %s", inbox.pending_id, cfg.data)
             inbox.forget_accepted()
-            inbox.pending_id = inbox.pending_confinement = inbox.pending_request = None
+            inbox.settle()
         running_id: str | None = None  # the submitted job being produced
         with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
@@ -196,7 +196,8 @@ def _serve(cfg: DaemonConfig) -> int:
                         inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}", inbox.pending_owner)
                         if resuming:
                             inbox.forget_accepted()
-                        inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
+                        inbox.settle()
+                        job, reset, replaced, reset_back = replaced, reset_back, None, False
                         resuming = False
                         continue
                     if serve_jobs:
@@ -224,7 +225,8 @@ def _serve(cfg: DaemonConfig) -> int:
                         inbox.answer(inbox.pending_id, False, already_consumed(producer), inbox.pending_owner)
                         if resuming:
                             inbox.forget_accepted()
-                        inbox.pending_id, job, reset, replaced, reset_back = None, replaced, reset_back, None, False
+                        inbox.settle()
+                        job, reset, replaced, reset_back = replaced, reset_back, None, False
                         resuming = False
                         continue
                     # Who asked for it, and what it stopped: a --replace took the buffer from someone's trainer.
@@ -234,7 +236,8 @@ def _serve(cfg: DaemonConfig) -> int:
                                  f"producing {job.data} for {user_name(inbox.pending_owner)}{replacing}",
                                  inbox.pending_owner)
                     inbox.accepted()
-                    running_id, inbox.pending_id = inbox.pending_id, None
+                    running_id = inbox.pending_id
+                    inbox.settle()
                 replaced, reset_back, resuming = None, False, False
                 served = True
                 try:
