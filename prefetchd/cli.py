@@ -10,11 +10,13 @@ from pathlib import Path
 import click
 
 from prefetchd.bench import bench_command
+from prefetchd.buffer_protocol import VERSION
 from prefetchd.daemon.cli import COMMANDS, setup_logging
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="prefetchd")
+# The buffer protocol's version is what a trainer and a daemon must share (SPEC.md rule 2), not the package's.
+@click.version_option(package_name="prefetchd", message=f"%(prog)s, version %(version)s, buffer protocol {VERSION}")
 def main() -> None:
     """Decode and augment images ahead of the trainer into a RAM-disk buffer."""
 

@@ -210,7 +210,8 @@ def parse_batch(buf: bytes | memoryview | mmap.mmap, name: str = "<batch>") -> B
     if version != VERSION:
         raise ProtocolError(
             f"{name}: written with buffer protocol version {version}, this prefetchd speaks version "
-            f"{VERSION}; run the same prefetchd version for daemon and trainer, or clear the buffer "
+            f"{VERSION}; run prefetchd versions of one buffer protocol for daemon and trainer (`prefetchd --version` "
+            "says which), or clear the buffer "
             "and restart the daemon"
         )
     if flags != 0:

@@ -189,7 +189,8 @@ def read_json_stat(path: Path, kind: str, dir_fd: int | None = None) -> tuple[di
     if type(doc.get("version")) is not int or doc["version"] != VERSION:
         raise ProtocolError(
             f"{path}: written with buffer protocol version {shown(doc.get('version'))}, this prefetchd speaks "
-            f"version {VERSION}; run the same prefetchd version on both sides, or clear the buffer"
+            f"version {VERSION}; run prefetchd versions of one buffer protocol on both sides (`prefetchd --version` "
+            "says which), or clear the buffer"
         )
     return doc, st
 

@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import DaemonLock, Errors, Manifest, State, daemon_pid, read_status, write_status
+from prefetchd.buffer_protocol import VERSION, DaemonLock, Errors, Manifest, State, daemon_pid, read_status, write_status
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.dataset import split_members
@@ -221,6 +221,13 @@ def test_the_command_runs_as_either_module(module: str, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", module, "status", "--buffer", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == EXIT_NOT_RUNNING and f"prefetchd on {tmp_path}: not running" in out.stdout, out
+
+
+def test_version_names_the_buffer_protocol(runner: CliRunner) -> None:
+    """A trainer needs the daemon's buffer protocol version, not its package version (systemd/README.md,
+    "Upgrading"): `prefetchd --version` says both."""
+    out = runner.invoke(prefetchd_cli.main, ["--version"])
+    assert out.exit_code == 0 and out.output.endswith(f", buffer protocol {VERSION}\n"), out.output
 
 
 def test_status_not_running(runner: CliRunner, tmp_path: Path) -> None:
