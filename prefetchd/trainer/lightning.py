@@ -67,7 +67,10 @@ class _Epochs:
     (``limit_train_batches``, ``max_steps``) is skipped to the next one's start.  Lightning's
     ``current_epoch`` is no guide there: right after a resume it can still name the epoch the
     checkpoint closed.  Validation (``whole_epochs=True``) is the whole of the stream's
-    ``current_epoch`` on every pass (its last epoch past the job's end, as after fit).  Deliberately without ``state_dict``: see the module docstring.
+    ``current_epoch`` on every pass (its last epoch past the job's end, as after fit), chosen as the pass
+    fetches its first batch: Lightning also ``iter()``s the loader it loads to check that it is iterable,
+    and on a resume it loads it for the epoch that ``current_epoch`` still names.  Deliberately without
+    ``state_dict``: see the module docstring.
     """
 
     def __init__(self, loader: BufferLoader, current_epoch: Callable[[], int], whole_epochs: bool) -> None:
@@ -80,13 +83,10 @@ class _Epochs:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
-        epoch, step = self.loader.position
         if self._whole_epochs:
-            # After fit, Lightning's current_epoch is the number of epochs trained: a val job of as many is at its
-            # end there, an empty epoch. A val split's epochs are all alike: the last one is validated instead.
-            epochs = self.loader.manifest.epochs
-            self.loader.set_epoch(min(self._current_epoch(), epochs - 1) if epochs else self._current_epoch())
-        elif epoch < self._current_epoch():
+            return self._whole_epoch()
+        epoch, step = self.loader.position
+        if epoch < self._current_epoch():
             # Lightning is past the loader's epoch: it cut that one short and closed it (limit_train_batches,
             # then an epoch-end checkpoint resumed, which holds the position after its last batch), or this
             # is a later fit of the same Trainer, with a new loader at (0, 0).
@@ -95,6 +95,15 @@ class _Epochs:
             self.loader.set_epoch(epoch + 1)
         self._started = self.loader.position
         return iter(self.loader)
+
+    def _whole_epoch(self) -> Iterator[Batch]:
+        # A generator: an iter() that fetches nothing moves nothing, so the loader keeps the epoch
+        # BufferDataModule named for the first pass (a checkpoint's closed epoch would otherwise replace it).
+        # After fit, Lightning's current_epoch is the number of epochs trained: a val job of as many is at its
+        # end there, an empty epoch. A val split's epochs are all alike: the last one is validated instead.
+        epochs = self.loader.manifest.epochs
+        self.loader.set_epoch(min(self._current_epoch(), epochs - 1) if epochs else self._current_epoch())
+        yield from self.loader
 
 
 class BufferDataModule(pl.LightningDataModule):
@@ -178,7 +187,7 @@ class BufferDataModule(pl.LightningDataModule):
             if self._pending is not None:
                 self._train.load_state_dict(self._pending)
                 self._pending = None
-            self._name_first_validation()
+            self._name_first_validation(self._train.position[0])
         return _Epochs(self._train, self._current_epoch, whole_epochs=False)
 
     def val_dataloader(self) -> _Epochs | list[Any]:
@@ -236,20 +245,22 @@ class BufferDataModule(pl.LightningDataModule):
 
     # -- helpers -------------------------------------------------------------------
 
-    def _name_first_validation(self) -> None:
-        """As fit begins training: the val loader's progress file names where its first validation pass begins.
+    def _name_first_validation(self, trained: int) -> None:
+        """As fit begins training ``trained``, the training loader's epoch: the val loader's progress file names
+        where its first validation pass begins.
 
-        Lightning opens the val loader only when it first validates, unless a sanity check ran (that loader is left
-        as it is) or the first epoch validates (its iterability check names that epoch); with
+        Lightning opens the val loader only when it first validates, or loads it as the first epoch that validates
+        begins, unless a sanity check ran (that loader is left as it is); with
         ``check_val_every_n_epoch`` > 1 and no sanity check, `prefetchd status` of the val buffer showed an earlier
         run's position, its pid GONE, or no trainer, for whole epochs.  A resume too: the checkpoint holds no val
-        position.
+        position, and right after a resume from an epoch-end checkpoint Lightning's ``current_epoch`` can still name
+        the epoch the checkpoint closed (see ``_Epochs``), which is not validated again: ``trained`` is ahead then.
         """
         trainer = self.trainer
         if self.val_buffer is None or self._val is not None or trainer is None or not trainer.enable_validation:
             return
         self._val = self._open("val", self.val_buffer)
-        epoch, every = trainer.current_epoch, trainer.check_val_every_n_epoch
+        epoch, every = max(trainer.current_epoch, trained), trainer.check_val_every_n_epoch
         if every:
             epoch += -(epoch + 1) % every
         epochs = self._val.manifest.epochs

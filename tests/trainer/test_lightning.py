@@ -241,3 +241,61 @@ def test_the_val_progress_names_this_run_from_its_first_training_step(make_job: 
     trainer.fit(module, datamodule=BufferDataModule(train.buffer, val_buffer=val.buffer, normalize=False, timeout=5))
     assert seen[0] is not None and (seen[0].epoch, seen[0].step, seen[0].pid) == (1, 0, os.getpid()), seen
     assert [t for t in module.trained if not t[2]] == [(1, 0, []), (1, 1, [])]  # validated epoch 1, whole
+
+
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("resume", [None, "epoch end", "mid-epoch"])
+def test_the_val_progress_names_the_first_pass_after_a_resume(
+    make_job: MakeJob, tmp_path: Path, resume: str | None, every: int
+) -> None:
+    """check_val_every_n_epoch=every.  Right after a resume from an epoch-end checkpoint Lightning's current_epoch
+    can still name the epoch the checkpoint closed: train_dataloader named that one in the val progress, an epoch
+    before the first pass (with every=2 Lightning then also loaded the val loader, and its iterability check named
+    that epoch again), and the val daemon prefetched an epoch never validated until a pass named its own (review).
+    A fresh start and a mid-epoch resume named the first pass already, and still do."""
+    from prefetchd.buffer_protocol import Progress
+
+    train, val = make_job(tmp_path / "train", write=4, samples=8, batch_size=4, epochs=4), make_job(
+        tmp_path / "val", write=4, samples=8, batch_size=4, epochs=4, split="val")  # 2 steps an epoch
+    named: list[tuple[int, int]] = []  # the val progress as train_dataloader left it, then at the first step
+
+    def looked() -> None:
+        progress = Progress.read(val.buffer)
+        assert progress is not None
+        named.append((progress.epoch, progress.step))
+
+    class Looks(Validated):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if len(named) == 1:
+                looked()
+            return super().training_step(batch, batch_idx)
+
+    def trainer(out: Path, **kwargs: Any) -> L.Trainer:
+        return L.Trainer(default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, check_val_every_n_epoch=every, **kwargs)
+
+    ckpt_path = None
+    if resume is not None:
+        first = tmp_path / "first"
+        saves = ModelCheckpoint(dirpath=first, save_last=True, every_n_train_steps=1 if resume == "mid-epoch" else None)
+        stop = {"max_epochs": 2} if resume == "epoch end" else {"max_steps": 5}  # after (2, 0), before (2, 1)
+        trainer(first, callbacks=[saves], **stop).fit(
+            Validated(), datamodule=BufferDataModule(train.buffer, val_buffer=val.buffer, normalize=False, timeout=5))
+        ckpt_path = str(first / "last.ckpt")
+        state = torch.load(ckpt_path, weights_only=False)["BufferDataModule"]
+        assert [(r["epoch"], r["step"]) for r in state["ranks"]] == [(2, 0) if resume == "epoch end" else (2, 1)]
+    dm = BufferDataModule(train.buffer, val_buffer=val.buffer, normalize=False, timeout=5)
+    opened = dm.train_dataloader
+
+    def train_dataloader() -> Any:  # on the instance: a subclass's checkpoint key would not be BufferDataModule's
+        loader = opened()
+        looked()
+        return loader
+
+    dm.train_dataloader = train_dataloader  # type: ignore[method-assign]
+    module = Looks()
+    trainer(tmp_path / "resumed", max_epochs=4).fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    validated = [t[0] for t in module.trained if not t[2]]
+    start = 0 if resume is None else 2  # the first epoch trained
+    assert validated[0] == (start if every == 1 else start + 1)  # every=2 validates epochs 1 and 3
+    assert named == [(validated[0], 0)] * 2
