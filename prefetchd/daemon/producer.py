@@ -94,8 +94,8 @@ class Producer:
                         cfg.batch_bytes)
         # One epoch's global order for all the ranks: each takes its share (sampler.EpochOrders).
         orders = EpochOrders(members, cfg.split == "train")
-        self.streams = [Stream(d, m, members, cfg.split == "train", high, low, max(1, cap), cfg.consumer_timeout, fd,
-                               orders, consumer_cap(len(streams))) for d, m, fd in streams]
+        self.streams = [Stream(d, m, orders, high, low, max(1, cap), cfg.consumer_timeout, fd,
+                               consumer_cap(len(streams))) for d, m, fd in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
         self._layouts: dict[int, BatchLayout] = {}  # by batch length: _layout
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)

@@ -105,19 +105,20 @@ class Build:
 class Stream:
     """One rank's stream: its directory, its consumers' progress and the windows of batches kept.
 
+    ``orders``: the global epoch orders of the job's members and whether they are shuffled, shared by the streams
+    of one daemon;
     ``high``: batches kept ahead of each consumer; ``low``: the hysteresis' low-water mark;
     ``cap``: batches waiting and being built (cancelled builds too, until their files go), all
     consumers together (default ``high``);
     ``consumer_timeout``: seconds without a progress write after which a consumer is silent;
-    ``orders``: the global epoch orders of ``members``, shared by the streams of one daemon (else its own);
     ``max_consumers``: consumers it takes, the default one included (``consumer_cap``); the progress files of
     any more are left alone.  A poll reads at most MAX_PROGRESS_READS progress files at that cap, fewer in
     proportion below it (``read_progress``).
     """
 
-    def __init__(self, directory: Path, manifest: Manifest, members: np.ndarray, shuffle: bool, high: int, low: int,
+    def __init__(self, directory: Path, manifest: Manifest, orders: EpochOrders, high: int, low: int,
                  cap: int | None = None, consumer_timeout: float = 300.0, dir_fd: int | None = None,
-                 orders: EpochOrders | None = None, max_consumers: int = MAX_CONSUMERS) -> None:
+                 max_consumers: int = MAX_CONSUMERS) -> None:
         self.dir = directory  # what messages show; files are created, renamed and deleted through ``fd``
         # The folder the daemon made (or checked), held open: a group member can rename entries of a --group-access
         # buffer and put a link to another folder of the daemon's user under this name, and a path looked up again
@@ -128,7 +129,7 @@ class Stream:
         st = os.fstat(self.fd)
         self.identity = (st.st_dev, st.st_ino)
         self.manifest = manifest
-        self.orders = orders if orders is not None else EpochOrders(members, shuffle)
+        self.orders = orders
         self.high, self.low = high, low
         self.cap = max(1, cap if cap is not None else high)
         self.consumer_timeout = consumer_timeout

@@ -26,6 +26,7 @@ from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, PROGRESS_
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
 from prefetchd.daemon.buffer_dir import clear_buffer, make_stream_dir, prepare_buffer
+from prefetchd.daemon.sampler import EpochOrders
 from prefetchd.daemon.stream import Stream
 from tests.as_nobody import as_nobody
 from tests.conftest import Daemon
@@ -216,7 +217,8 @@ def _stream(folder: Path, world_size: int, dir_fd: int) -> Stream:
     manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=40 * world_size, split="all",
                         seed=0, batch_size=8, image_size=8, samples_per_epoch=40, steps_per_epoch=5, epochs=2,
                         producer="test", rank=0, world_size=world_size)
-    return Stream(folder, manifest, np.arange(40 * world_size), shuffle=False, high=4, low=2, dir_fd=dir_fd)
+    return Stream(folder, manifest, EpochOrders(np.arange(40 * world_size), shuffle=False), high=4, low=2,
+                  dir_fd=dir_fd)
 
 
 def _contents(folder: Path) -> list[str]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_status, write_status
 from prefetchd.daemon.consumers import plan_windows, union_size
+from prefetchd.daemon.sampler import EpochOrders
 from prefetchd.daemon.stream import Stream
 from prefetchd.daemon.metrics import StatusCollector
 from prefetchd.daemon.sdnotify import status_line
@@ -35,7 +36,7 @@ def stream(tmp_path: Path, cap: int | None = None, timeout: float = 300.0) -> St
         dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
         batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=2, producer="test",
     )
-    return Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW, cap=cap,
+    return Stream(tmp_path, manifest, EpochOrders(np.arange(80), shuffle=False), high=HIGH, low=LOW, cap=cap,
                   consumer_timeout=timeout)
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Manifest, Progress, StorageWait, batch_name
 from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.sampler import EpochOrders
 from prefetchd.daemon.stream import Stream
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def stream(tmp_path: Path, cap: int | None = None) -> Stream:
         dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
         batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=2, producer="test",
     )
-    return Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW, cap=cap)
+    return Stream(tmp_path, manifest, EpochOrders(np.arange(80), shuffle=False), high=HIGH, low=LOW, cap=cap)
 
 
 def books(tmp_path: Path, *streams: Stream) -> Producer:
@@ -176,7 +177,7 @@ def test_a_job_without_an_end_builds_nothing_a_batch_name_cannot_hold(tmp_path: 
         dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all", seed=0,
         batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=None, producer="test",
     )
-    s = Stream(tmp_path, manifest, np.arange(80), shuffle=False, high=HIGH, low=LOW)
+    s = Stream(tmp_path, manifest, EpochOrders(np.arange(80), shuffle=False), high=HIGH, low=LOW)
     move_to(s, s.g((MAX_EPOCH, 8)))
     assert sorted(s.key(g) for g in s.held) == [(MAX_EPOCH, 8), (MAX_EPOCH, 9)]
     for g in s.held:
