@@ -118,10 +118,9 @@ def consumer_of(file_name: str) -> str | None:
     return m[1] if m else None
 
 
-def list_consumers(directory: Dir, dir_fd: int | None = None) -> list[str]:
-    """The consumers with a progress file in ``directory`` (a stream directory; listed through its fd
-    ``dir_fd`` where given), sorted."""
-    return list(consumer_files(directory, dir_fd))
+def list_consumers(directory: Dir) -> list[str]:
+    """The consumers with a progress file in ``directory`` (a stream directory), sorted."""
+    return list(consumer_files(directory))
 
 
 def consumer_files(directory: Dir, dir_fd: int | None = None) -> dict[str, int]:
