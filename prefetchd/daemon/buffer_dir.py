@@ -323,20 +323,21 @@ def free_bytes(path: Path) -> int:
 NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of space (a tmpfs full, a quota reached)
 
 
-def check_capacity(cfg: DaemonConfig) -> str | None:
+def check_capacity(cfg: DaemonConfig, held: int | None = None) -> str | None:
     """Refuse a high-water mark the filesystem can never hold; return a warning for one it cannot hold now.
 
     Only the filesystem's size refuses: space other files hold now (another job's buffer, a file
     copied there) may be freed, and production pauses meanwhile (``--min-free-mb``).  A refusal is
     final (exit 2, which the systemd unit does not restart), so a daemon restarted while the tmpfs
-    was briefly full would have stayed down."""
+    was briefly full would have stayed down.  ``held``: ``held_bytes(cfg)`` where the caller has it (it passed
+    the same to ``fill_defaults``), else listed here."""
     assert cfg.high_water is not None and cfg.min_free_mb is not None
     fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # `prefetchd config` checks a buffer not made yet
     ranks, floor = len(cfg.local_ranks), cfg.min_free_mb << 20
     batches = ranks * cfg.high_water * cfg.batch_bytes
     capped = (cfg.max_buffer_bytes or 0) > batches  # the cap, not the mark, is what needs the room
     need = max(batches, cfg.max_buffer_bytes or 0) + floor
-    size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + held_bytes(cfg)
+    size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + (held_bytes(cfg) if held is None else held)
     if need <= available:
         return None
     shown = size if need > size else available

@@ -23,7 +23,7 @@ import tomli_w
 from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, lock_holders, read_status
 from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
-from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, load_toml
+from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, held_bytes, load_toml
 from prefetchd.access import no_access
 from prefetchd.daemon.buffer_dir import check_capacity
 from prefetchd.daemon.job_inbox import JOB_FIELDS
@@ -122,8 +122,10 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
     """Check a configuration: defaults < --config file < flags, with machine-sized defaults filled in."""
     try:
         cfg = build_config(ctx, config_file, params)
-        filled, notes = fill_defaults(cfg)
-        short = check_capacity(filled)  # what `start` refuses (exit 2, which the unit does not restart) or warns of
+        held = held_bytes(cfg)  # one listing of the buffer's batches for both
+        filled, notes = fill_defaults(cfg, held)
+        # What `start` refuses (exit 2, which the unit does not restart) or warns of.
+        short = check_capacity(filled, held)
     except DaemonError as exc:
         raise click.UsageError(str(exc)) from None
     if short is not None:

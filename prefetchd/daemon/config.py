@@ -345,8 +345,9 @@ def _min_free_rule_applied(fs_bytes: int, floor: int) -> str:
     return f"at least 1 MiB: {SMALL_FS_SHARE:.0%} of {fs} is less"
 
 
-def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
-    """Size every ``None`` field from this machine; return the config and a note per default."""
+def fill_defaults(cfg: DaemonConfig, held: int | None = None) -> tuple[DaemonConfig, list[str]]:
+    """Size every ``None`` field from this machine; return the config and a note per default.  ``held``:
+    ``held_bytes(cfg)`` where the caller has it (it passes the same to ``check_capacity``), else listed here."""
     notes: list[str] = []
     changes: dict[str, Any] = {}
     if cfg.workers is None:
@@ -364,7 +365,7 @@ def fill_defaults(cfg: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
         ram = psutil.virtual_memory().available
         # The buffer's own batches are its room: counted as used, a restart sized a lower mark than the start before
         # it and deleted the batches beyond it, on a tmpfs that sizes the mark (Docker's 64 MiB /dev/shm) each time.
-        fs_free = fs.f_bavail * fs.f_frsize + held_bytes(cfg)
+        fs_free = fs.f_bavail * fs.f_frsize + (held_bytes(cfg) if held is None else held)
         budget = min(TMPFS_SHARE * max(0, fs_free - min_free), RAM_SHARE * ram)
         ranks = len(cfg.local_ranks)  # the mark is each rank's: they share the budget
         sized = int(min(MAX_DEFAULT_HIGH_WATER, budget // (batch * ranks)))

@@ -14,7 +14,7 @@ from prefetchd.buffer_protocol import DaemonLock, JobResult, Manifest, RunningJo
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
                                          holds_a_stream, make_stream_dir, remove_stream)
-from prefetchd.daemon.config import DaemonConfig, fill_defaults
+from prefetchd.daemon.config import DaemonConfig, fill_defaults, held_bytes
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.hook import validate_hook
@@ -111,10 +111,11 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     # Its first status, written now, names the job that starts (``running_job``): before its manifests do.
     beat = StartupBeat(Path(job.buffer), notifier, lambda: inbox.result, wake, lock.dir_fd, inbox.running_job)
     beat(f"starting the job on {job.data}")
-    job, notes = fill_defaults(job)
+    held = held_bytes(job)  # one listing of the buffer's batches for both
+    job, notes = fill_defaults(job, held)
     for note in notes:
         log.info("default: %s", note)
-    short = check_capacity(job)
+    short = check_capacity(job, held)
     if short is not None:
         log.warning("%s", short)
     if job.transform is not None:
