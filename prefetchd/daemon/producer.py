@@ -392,8 +392,7 @@ class Producer:
             # and spares beyond the room the cap leaves are deleted (SpareFiles.fit, .take).
             free = self._left_free(layout.file_len) + self.spares.bytes
             if free < self.min_free:
-                msg = (f"paused: {self.buffer} would fall to {binary_size(max(free, 0))} free, below the floor of "
-                       f"{self.min_free >> 20} MiB; free space there or lower --high-water")
+                msg = self._pause_message(free, layout.file_len)
                 if not self.paused:  # one shortage, one pause: not one for each batch built in a spare meanwhile
                     log.warning(msg)
                     self.stats.low_space_pauses += 1
@@ -416,6 +415,34 @@ class Producer:
         if layout is None:
             layout = self._layouts[size] = BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
         return layout
+
+    def _pause_message(self, free: int, file_len: int) -> str:
+        """Why production pauses with ``free`` bytes left once the next batch, of ``file_len`` bytes, is built, and
+        what makes room: "lower --high-water" only where the daemon's batches hold most of what the filesystem
+        holds then.  Said also where another process's file filled the tmpfs beside a few batches, it sent the
+        user to lower a mark that was not what took the space.  The daemon's share counts its waiting batches,
+        those being built and the next one, and not its spares, which ``free`` counts as room; the rest of the
+        filesystem beyond ``free`` is the other files'."""
+        left = max(free, 0)
+        fs = os.statvfs(self.buffer)
+        size = fs.f_blocks * fs.f_frsize
+        own = self._held_bytes() + file_len
+        others = max(0, size - left - own)
+        head = (f"paused: {self.buffer} would fall to {binary_size(left)} free, below the floor of "
+                f"{self.min_free >> 20} MiB")
+        if own >= others:
+            return (f"{head}; this daemon's batches would hold {binary_size(own)} of the filesystem's "
+                    f"{binary_size(size)}, other files {binary_size(others)}: free space there or lower --high-water")
+        return (f"{head}; other files hold {binary_size(others)} of the filesystem's {binary_size(size)}, this "
+                f"daemon's batches only {binary_size(own)}: free those files (`df -h {self.buffer}` names the "
+                "filesystem), and production resumes by itself")
+
+    def _held_bytes(self) -> int:
+        """Bytes of the batches waiting and being built, each file's own length: counted as full batches, an
+        epoch's short last ones made the buffer and the free space together more than a small tmpfs holds (36.8 MiB
+        in it and 35.2 MiB free on 64 MiB)."""
+        return (sum(b.layout.file_len for s in self.streams for b in s.building.values())
+                + sum(self._layout(s, g).file_len for s in self.streams for g in s.published))
 
     def _left_free(self, file_len: int) -> int:
         """Free bytes of the buffer's filesystem once the batches being built in fresh files are filled (a spare's
@@ -620,10 +647,7 @@ class Producer:
             high_water=self.streams[0].high * len(self.streams),
             low_water=self.streams[0].low * len(self.streams),
             batch_bytes=self.cfg.batch_bytes,
-            # Each file's own length: counted as full batches, an epoch's short last ones made the buffer and the
-            # free space together more than a small tmpfs holds (36.8 MiB in it and 35.2 MiB free on 64 MiB).
-            buffer_bytes=sum(b.layout.file_len for s in self.streams for b in s.building.values())
-            + sum(self._layout(s, g).file_len for s in self.streams for g in s.published),
+            buffer_bytes=self._held_bytes(),
             free_bytes=free_bytes(self.buffer),
             workers=len(self.workers),
             workers_cpu_percent=round(sum(self._cpu_percent(w) for w in self.workers), 1),

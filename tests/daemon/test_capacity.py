@@ -465,6 +465,34 @@ def test_one_shortage_is_one_pause_while_batches_are_built_in_spares(shm_dir: Pa
             daemon.terminate()  # before the tmpfs is unmounted
 
 
+@pytest.mark.parametrize(("ballast_mib", "advice"), [
+    (5, r"other files hold 5\.\d MiB of the filesystem's 8\.0 MiB, this daemon's batches only [\d.]+ (KiB|MiB): "
+        r"free those files \(`df -h \S+` names the filesystem\), and production resumes by itself$"),
+    (2, r"this daemon's batches would hold [34]\.\d MiB of the filesystem's 8\.0 MiB, other files 2\.\d MiB: free "
+        r"space there or lower --high-water$"),
+])
+def test_a_pause_for_space_advises_what_took_it(shm_dir: Path, shapes_data: Path, start_daemon, ballast_mib: int,
+                                                advice: str) -> None:
+    """The pause said "free space there or lower --high-water" also where another process's file took most of the
+    tmpfs beside a few batches: lowering the mark frees little there.  It says whose the space is, and advises
+    lowering the mark only where the daemon's batches hold most of it."""
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        (mount / "ballast").write_bytes(b"\1" * (ballast_mib << 20))
+        buffer = mount / "bf"
+        # 24 batches of 204 KiB (4.8 MiB) and the 2 MiB floor fit 8 MiB: the start warns of the ballast, not refuses.
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "128",
+                              "--workers", "1", "--high-water", "24", "--min-free-mb", "2")
+        try:
+            daemon.wait_until(lambda: state_of(buffer) == State.PAUSED_LOW_SPACE, 60, "a pause for space")
+            paused = re.search(r"paused: .*", daemon.log)
+            assert paused is not None and re.search(advice, paused[0]), daemon.log
+            status = read_status(buffer)
+            assert status is not None and status.message.startswith("paused: "), status
+            assert re.search(advice, status.message), status.message
+        finally:
+            daemon.terminate()  # before the tmpfs is unmounted
+
+
 def test_the_status_counts_the_bytes_of_each_batch_file(shm_buffer: Path, shapes_data: Path, start_daemon) -> None:
     """`prefetchd status`'s "in the buffer" counted every waiting batch as a full one: an epoch's short last batch
     made the buffer and the free space together more than a 64 MiB tmpfs holds (36.8 MiB in it, 35.2 MiB free)."""
