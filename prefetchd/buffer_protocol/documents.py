@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from prefetchd.buffer_protocol.batch import VERSION
-from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
+from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown, user_name
 from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DEFAULT_CONSUMER, DOCUMENT_KINDS, JOB_NAME, MANIFEST_NAME,
                                              TEMP_MARK, TRAINER_FILE_MODE, Dir, at, check_owned, progress_name)
 
@@ -54,6 +54,13 @@ PROGRESS_REFRESH_SECONDS = 2.0
 # (ownership.daemon_owner).  Whoever takes such a lock and is refused tries again this long
 # (ownership.take_lock) before it takes the holder for another trainer, or another daemon.
 LOCK_RETRY_SECONDS = 0.5
+# A writer of job.json renames its temp file into place as soon as it has written it (``replace_file``: microseconds
+# apart), and a rename sets the file's ctime to the moment, where its mtime, which only its owner (or root) may set,
+# stays when it was written.  Any member of a --group-access buffer's group may rename the files there (the folder
+# is group-writable and not sticky): one that kept another user's job.json aside and renamed it back had the daemon
+# run that old request again, as that user's.  A job.json put in place more than this long after it was written is
+# refused (``JobRequest.read``); the margin is for a writer stalled between its write and its rename on a loaded box.
+MAX_JOB_RENAME_SECONDS = 10.0
 
 
 def encode_json(doc: dict[str, Any]) -> bytes:
@@ -468,7 +475,9 @@ class JobRequest:
     read (fstat of the opened file), which says who submitted it, since a writer
     creates its temp file and renames it into place.  None for a request not read
     from a buffer.  The daemon's copy of the request it accepted (``record``,
-    ``job.accepted.json``) carries it, the file being the daemon's own.
+    ``job.accepted.json``) carries it, the file being the daemon's own.  ``written_ns``, not in the document
+    either: that file's mtime (ns), when its owner wrote it, which no one else can set and a rename keeps; the
+    daemon refuses a request older than one it answered (``JobInbox``).
     """
 
     settings: dict[str, Any]
@@ -476,6 +485,7 @@ class JobRequest:
     job_id: str = field(default_factory=lambda: secrets.token_hex(6))
     submitted: float = field(default_factory=time.time)
     owner: int | None = None
+    written_ns: int | None = None
 
     def write(self, buffer: Dir) -> None:
         write_json(Path(buffer) / JOB_NAME, self._doc(), mode=TRAINER_FILE_MODE)
@@ -510,7 +520,9 @@ class JobRequest:
     def read(cls, buffer: Dir) -> JobRequest | None:
         """The request in ``buffer``'s job.json, None when there is none.  A malformed one is a
         ``BadJobRequest`` that carries the document's ``job_id`` where one can be read, so that
-        the refusal reaches whoever submitted it."""
+        the refusal reaches whoever submitted it.  So is one that others than its owner may have written: with
+        more than one hard link, writable by others, or renamed into place long after it was written (an old
+        request put back, ``MAX_JOB_RENAME_SECONDS``)."""
         path = Path(buffer) / JOB_NAME
         try:
             doc, st = read_json_stat(path, "job")
@@ -524,14 +536,23 @@ class JobRequest:
                 # A hard link to someone else's file would pass for a job that user wrote.
                 raise ProtocolError(f"{path}: has {st.st_nlink} links, so its owner (uid {st.st_uid}) need not be "
                                     "who put it there; remove it and submit the job again")
-            return cls._from_doc(doc, path, st.st_uid)
+            if st.st_mode & 0o022:  # anyone it is writable by could have written its request, or freshened its mtime
+                raise ProtocolError(f"{path}: is writable by others than its owner, {user_name(st.st_uid)} (mode "
+                                    f"{stat.S_IMODE(st.st_mode):04o}), so they may have written it; submit the job "
+                                    f"with `prefetchd submit --buffer {path.parent} ...`, which writes it 0644")
+            late = (st.st_ctime_ns - st.st_mtime_ns) / 1e9
+            if late > MAX_JOB_RENAME_SECONDS:
+                raise ProtocolError(put_back(path, st.st_uid, st.st_mtime_ns, f"was put in place {late:.0f} s after "
+                                             "it was written (a writer renames it there at once; or it was moved in "
+                                             "from elsewhere)"))
+            return cls._from_doc(doc, path, st.st_uid, st.st_mtime_ns)
         except ProtocolError as exc:
             echoed = job_id if isinstance(job_id, str) and JOB_ID_RE.fullmatch(job_id) else None
             raise BadJobRequest(str(exc), echoed, st.st_uid if st.st_nlink == 1 else None) from None
 
 
     @classmethod
-    def _from_doc(cls, doc: dict[str, Any], path: Path, owner: int | None) -> JobRequest:
+    def _from_doc(cls, doc: dict[str, Any], path: Path, owner: int | None, written_ns: int | None = None) -> JobRequest:
         settings = _field(doc, "settings", dict, path)
         for key, value in settings.items():
             if not isinstance(value, (str, int, float, bool)) and value is not None:
@@ -540,7 +561,21 @@ class JobRequest:
         # A JSON boolean or absent: "replace": "no" was true, and replaced a job a trainer was reading.
         replace = _field(doc, "replace", bool, path) if doc.get("replace") is not None else False
         return cls(settings, replace, _field(doc, "job_id", str, path), _field(doc, "submitted", float, path),
-                   owner=owner)
+                   owner=owner, written_ns=written_ns)
+
+
+def put_back(path: Path, owner: int | None, mtime_ns: int, how: str) -> str:
+    """The refusal of a job.json (``path``) that is an old request renamed back into place: whose it is, when it was
+    written, ``how`` that shows, and how to have it run."""
+    return (f"{path}: {user_name(owner)}'s request, written {when_written(mtime_ns)}, {how}: an old request renamed back "
+            "(any member of the buffer's group may rename the files there), which is not run; to run it, submit it "
+            f"again: `prefetchd submit --buffer {path.parent} ...`")
+
+
+def when_written(mtime_ns: int) -> str:
+    """When a file was written, for messages: "2025-03-01 14:02:07 (3725 s ago)"."""
+    seconds = mtime_ns / 1e9
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(seconds))} ({time.time() - seconds:.0f} s ago)"
 
 
 class BadJobRequest(ProtocolError):

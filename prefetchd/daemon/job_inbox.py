@@ -15,6 +15,7 @@ from typing import Any
 
 from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, JobResult, Progress, ProtocolError,
                                        RunningJob, State, Status)
+from prefetchd.buffer_protocol.documents import put_back, when_written
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, at, stream_dirs
 from prefetchd.daemon.config import FIELDS, DaemonConfig
@@ -76,6 +77,9 @@ class JobInbox:
         self.machine = machine  # the user's machine settings, defaults not yet filled
         self.policy = JobPolicy.of(machine)
         self._seen = self._stamp() if ignore_current else None
+        # The request of the newest job.json answered (by its mtime): one renamed back into place soon enough for
+        # JobRequest.read to let it through is still older than that, where a new one is not.
+        self._newest: JobRequest | None = None
         self.result: JobResult | None = None
         # The request taken from job.json (or resumed), from its check until the daemon has answered it (``settle``):
         # what ``accepted`` records.
@@ -193,6 +197,10 @@ class JobInbox:
             return None
         if request is None:
             return None
+        old = self._put_back(request)
+        if old is not None:
+            self.answer(request.job_id, False, old, request.owner)
+            return None
         try:
             job, confinement = self._checked(request)
         except ConfigError as exc:
@@ -225,6 +233,23 @@ class JobInbox:
             # the daemon keeps the job's batches and goes on from their positions.
         self._pend(request, confinement)
         return job
+
+    def _put_back(self, request: JobRequest) -> str | None:
+        """Why ``request`` is an old one renamed back into place, not run (its job.json's mtime is older than that
+        of a request answered already); None for a new one, which becomes the newest answered.  An equal mtime is
+        a new one: two writes in one tick of the filesystem's clock."""
+        mtime, now = request.written_ns, time.time_ns()
+        if mtime is None:
+            return None
+        newest = self._newest
+        bar = newest.written_ns if newest is not None else None
+        if newest is not None and bar is not None and mtime < bar <= now:  # past now: the clock was set back since
+            return put_back(self.buffer / JOB_NAME, request.owner, mtime,
+                            f"is older than job {newest.job_id} of {user_name(newest.owner)}, written {when_written(bar)}, "
+                            "which this daemon answered already")
+        if mtime <= now:  # one written in the future (its owner set that mtime) raises no bar for anyone else's
+            self._newest = request
+        return None
 
     def _validate(self, request: JobRequest) -> DaemonConfig:
         unknown = set(request.settings) - JOB_FIELDS

@@ -54,7 +54,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.documents import CHANNELS, MAX_DOCUMENT_LEN, MAX_PROGRESS_LEN, SPLITS, write_json
-from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, MAX_EPOCH, MAX_STEP, PROGRESS_NAME, STATUS_NAME
+from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, MAX_EPOCH, MAX_STEP, PROGRESS_NAME, STATUS_NAME
 from tests.owners import owned
 from tests.status_examples import ERRORS, bad_files, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
@@ -671,7 +671,8 @@ def test_every_directory_may_be_given_as_a_string(tmp_path: Path) -> None:
     buffer = str(tmp_path)
     request = JobRequest({"batch_size": 8})
     request.write(buffer)
-    assert JobRequest.read(buffer) == dataclasses.replace(request, owner=os.getuid())
+    assert JobRequest.read(buffer) == dataclasses.replace(request, owner=os.getuid(),
+                                                          written_ns=(tmp_path / JOB_NAME).stat().st_mtime_ns)
     manifest = _manifest()
     manifest.write(buffer)
     assert Manifest.read(buffer) == manifest

@@ -164,6 +164,45 @@ def test_a_job_id_that_is_no_plain_name_is_not_echoed(tmp_path: Path) -> None:
     assert info.value.job_id is None
 
 
+def test_a_job_json_renamed_back_long_after_it_was_written_is_refused(tmp_path: Path) -> None:
+    """Any member of a --group-access buffer's group may rename its files: one kept another user's job.json aside
+    and renamed it back later, and the daemon ran that old request again as that user's.  The rename sets the
+    file's ctime; its mtime, which only the owner may set, still says when it was written."""
+    request = JobRequest({"data": "/data", "batch_size": 64})
+    request.write(tmp_path)
+    read = JobRequest.read(tmp_path)
+    assert read is not None and read.written_ns == os.stat(tmp_path / JOB_NAME).st_mtime_ns
+    hour_ago = (tmp_path / JOB_NAME).stat().st_mtime_ns - 3600 * 10**9
+    (tmp_path / JOB_NAME).rename(tmp_path / "kept.json")
+    os.utime(tmp_path / "kept.json", ns=(hour_ago, hour_ago))  # as its owner wrote it, an hour ago
+    (tmp_path / "kept.json").rename(tmp_path / JOB_NAME)
+    with pytest.raises(BadJobRequest) as info:
+        JobRequest.read(tmp_path)
+    said = str(info.value)
+    assert str(tmp_path / JOB_NAME) in said and "renamed back" in said and re.search(r"\(36\d\d s ago\)", said), said
+    assert re.search(r"put in place 36\d\d s after it was written", said), said
+    assert f"uid {os.geteuid()}" in said and f"prefetchd submit --buffer {tmp_path}" in said, said
+    # Answered under its own id, as its owner's: the refusal reaches whoever wrote it.
+    assert (info.value.job_id, info.value.owner) == (request.job_id, os.geteuid())
+
+    # Its owner submits it again: a new file, read.
+    JobRequest(request.settings).write(tmp_path)
+    assert JobRequest.read(tmp_path) is not None
+
+
+def test_a_job_json_others_may_write_is_refused(tmp_path: Path) -> None:
+    """Whoever may write a job.json may write its request, or give it a fresh mtime (a request put back would pass
+    for a new one): its owner need not have written it."""
+    JobRequest({"data": "/data"}).write(tmp_path)
+    assert (tmp_path / JOB_NAME).stat().st_mode & 0o777 == 0o644
+    for mode in (0o664, 0o646):
+        os.chmod(tmp_path / JOB_NAME, mode)
+        with pytest.raises(BadJobRequest, match=rf"writable by others than its owner.*\(mode 0{mode:o}\)"):
+            JobRequest.read(tmp_path)
+    os.chmod(tmp_path / JOB_NAME, 0o600)
+    assert JobRequest.read(tmp_path) is not None
+
+
 VALID_STATUS = status_example(production=production(streams=(stream(0), stream(1)),
                                                     errors=dataclasses.replace(ERRORS, undecodable=bad_files(2)),
                                                     storage_wait=STORAGE_WAIT)).to_doc()

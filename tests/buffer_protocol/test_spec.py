@@ -466,6 +466,9 @@ def job_mismatches(spec: str) -> list[str]:
                 required.append(key)
     if sorted(required) != _required(spec, "Job document"):
         out.append(f"job keys the daemon requires: spec {_required(spec, 'Job document')}, code {sorted(required)}")
+    m = re.search(r"`MAX_JOB_RENAME_SECONDS` \(([\d.]+) s\)", section(spec, "Buffer directory"))  # rule 5
+    if m is None or float(m[1]) != documents.MAX_JOB_RENAME_SECONDS:
+        out.append(f"job rename delay: spec {m and m[1]!r}, code {documents.MAX_JOB_RENAME_SECONDS}")
     return out
 
 
@@ -590,6 +593,8 @@ MUTATIONS = {
     "job key in spec": ("job", _replace("| `submitted` | float |", "| `sent` | float |"), None),
     "job requirement in spec": ("job", _replace("| `replace` | bool or null | no |", "| `replace` | bool or null | yes |"), None),
     "job type in spec": ("job", _replace("| `job_id` | str |", "| `job_id` | int |"), None),
+    "job rename delay in spec": ("job", _replace("`MAX_JOB_RENAME_SECONDS` (10 s)", "`MAX_JOB_RENAME_SECONDS` (60 s)"), None),
+    "job rename delay in code": ("job", None, (documents, "MAX_JOB_RENAME_SECONDS", 60.0)),
 }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import prefetchd
-from prefetchd.buffer_protocol import State, list_batches
+from prefetchd.buffer_protocol import JobResult, Manifest, State, list_batches, read_status
 from tests.group_users import NEEDS_ROOT_AND_USERADD, Users, chown_tree, python_for, service_users, stop_and_clean
 from tests.status_examples import job_result_of, state_of
 from prefetchd.synthetic import make_shapes_dataset
@@ -124,6 +124,113 @@ def test_group_jobs_are_held_to_the_allow_lists(two_users: Users) -> None:
         assert (markers / "pfd_allowed_hook").exists()
         # The refused hook's module was never imported, by the daemon nor by any worker.
         assert not (markers / "pfd_denied_hook").exists(), daemon_log()
+
+        daemon_proc.send_signal(signal.SIGTERM)
+        assert daemon_proc.wait(30) == 0, daemon_log()
+    finally:
+        stop_and_clean(daemon_proc, base)
+
+
+def test_another_users_old_job_json_renamed_back_by_a_member_is_not_run_again(two_users: Users) -> None:
+    """The buffer's folder is writable by its group and not sticky, so a member may rename any file there: the
+    trainer kept the daemon's user's job.json aside (a job on data no member may name) before its own replaced it,
+    and renamed it back.  The daemon ran that old job again, as the daemon's user's, and so beyond the allow-list.
+    Renamed back at once it is older than the request answered since; renamed back to a restarted daemon, which
+    knows of no such request, it was put in place an hour after it was written."""
+    users = two_users
+    base = Path("/dev/shm") / f"prefetchd-replay-{uuid.uuid4().hex[:10]}"
+    base.mkdir()
+    daemon_proc: subprocess.Popen[bytes] | None = None
+    try:
+        allowed, secret = base / "allowed", base / "secret"
+        make_shapes_dataset(allowed, classes=2, train_per_class=8, val_per_class=2, seed=1)
+        make_shapes_dataset(secret, classes=2, train_per_class=8, val_per_class=2, seed=2)
+        (base / "cache").mkdir()
+        chown_tree(base, users.daemon_uid, users.gid, 0o750)
+        chown_tree(secret, users.daemon_uid, users.gid, 0o700)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base), "LANG": "C.UTF-8",
+               "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), sysconfig.get_paths()["purelib"]])}
+        python = python_for(users.daemon, env)
+        buffer, log = base / "bf", base / "daemon.log"
+
+        def daemon_log() -> str:
+            return log.read_text(errors="replace")
+
+        def start_daemon() -> subprocess.Popen[bytes]:
+            with open(log, "ab") as out:
+                return subprocess.Popen(
+                    [python, "-m", "prefetchd", "start", "--buffer", str(buffer), "--group-access", "--workers", "1",
+                     "--high-water", "2", "--index-cache", str(base / "cache"), "--allowed-data", str(allowed)],
+                    user=users.daemon_uid, group=users.gid, extra_groups=[], env=env, cwd=base, stdout=out,
+                    stderr=subprocess.STDOUT)
+
+        def as_user(user: str, *command: str | Path) -> None:
+            done = subprocess.run(["runuser", "-u", user, "--", *map(str, command)], env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, f"{done.stdout}{done.stderr}{daemon_log()}"
+
+        def submit(user: str, data: Path) -> str:
+            """`prefetchd submit` as ``user``, accepted: the id of its job."""
+            out = subprocess.run(["runuser", "-u", user, "--", python, "-m", "prefetchd", "submit", "--buffer",
+                                  str(buffer), "--batch-size", "4", "--image-size", "32", "--data", str(data)],
+                                 env=env, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0 and " accepted: " in out.stdout, f"{out.stdout}{out.stderr}{daemon_log()}"
+            return out.stdout.split()[1]
+
+        def answer_to(job_id: str) -> JobResult:
+            deadline = time.monotonic() + 30
+            while (result := job_result_of(buffer)) is None or result.job_id != job_id:
+                assert daemon_proc is not None and daemon_proc.poll() is None and time.monotonic() < deadline, \
+                    daemon_log()
+                time.sleep(0.05)
+            return result
+
+        def running_job() -> str | None:
+            status = read_status(buffer)
+            return status.running_job.job_id if status is not None and status.running_job is not None else None
+
+        def refused_as_put_back(result: JobResult, *said: str) -> None:
+            assert not result.accepted, f"the old job ran again: {result}\n{daemon_log()}"
+            assert result.submitter == users.daemon_uid, result
+            for words in (str(buffer / "job.json"), users.daemon, "renamed back", f"prefetchd submit --buffer {buffer}",
+                          *said):
+                assert words in result.reason, result.reason
+            assert running_job() == theirs and Manifest.read(buffer).dataset_root == str(allowed / "train")
+
+        daemon_proc = start_daemon()
+        deadline = time.monotonic() + 60
+        while state_of(buffer) != State.WAITING_FOR_JOB:
+            assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
+            time.sleep(0.05)
+
+        mine = submit(users.daemon, secret / "train")  # the daemon's user may name any data
+        as_user(users.trainer, "mv", buffer / "job.json", buffer / "kept.json")
+        theirs = submit(users.trainer, allowed / "train")
+        assert Manifest.read(buffer).dataset_root == str(allowed / "train")
+        as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.json")
+        assert os.stat(buffer / "job.json").st_uid == users.daemon_uid  # the daemon's user's file, as it was
+        refused_as_put_back(answer_to(mine))
+
+        # Kept again, and renamed back to the next daemon (a restart: the unit's, an upgrade), an hour later.
+        as_user(users.trainer, "mv", buffer / "job.json", buffer / "kept.json")
+        daemon_proc.send_signal(signal.SIGTERM)
+        assert daemon_proc.wait(30) == 0, daemon_log()
+        hour_ago = os.stat(buffer / "kept.json").st_mtime_ns - 3600 * 10**9
+        os.utime(buffer / "kept.json", ns=(hour_ago, hour_ago))  # as its owner wrote it, an hour before
+        daemon_proc = start_daemon()
+        deadline = time.monotonic() + 60
+        while running_job() != theirs or state_of(buffer) in (State.STOPPED, State.STARTING):  # resumed
+            assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
+            time.sleep(0.05)
+        as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.json")
+        refused_as_put_back(answer_to(mine), "s after it was written")
+
+        # A new request is taken however soon it follows another: the trainer's own job again, twice at once,
+        # and the daemon's user's old job, submitted again by that user.
+        submit(users.trainer, allowed / "train")
+        submit(users.trainer, allowed / "train")
+        again = submit(users.daemon, secret / "train")
+        assert running_job() == again and Manifest.read(buffer).dataset_root == str(secret / "train")
 
         daemon_proc.send_signal(signal.SIGTERM)
         assert daemon_proc.wait(30) == 0, daemon_log()

@@ -1,0 +1,102 @@
+"""JobInbox against requests put back: job.json renamed aside and back by whoever may rename the buffer's files
+(any member of a --group-access buffer's group) is an old request, not a new one, while a new one is taken
+however soon it follows the last.  (tests/integration/test_job_owner.py does it with real users and a daemon.)"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from prefetchd.buffer_protocol import JobRequest
+from prefetchd.buffer_protocol.layout import JOB_NAME
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.job_inbox import JobInbox
+
+
+def answered(inbox: JobInbox) -> DaemonConfig | None:
+    """``inbox.poll`` of a waiting daemon, and what the daemon does with a job it takes: starts it, answers, settles."""
+    job = inbox.poll(None)
+    if job is not None:
+        inbox.answer(inbox.pending_id, True, f"producing {job.data}", inbox.pending_owner)
+        inbox.accepted()
+        inbox.settle()
+    return job
+
+
+def test_a_request_renamed_back_after_a_newer_one_was_answered_is_refused(shm_buffer: Path) -> None:
+    """Renamed back within seconds: JobRequest.read takes it (its ctime is close to its mtime), and only the
+    newer request answered meanwhile tells it is old."""
+    inbox = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    old = JobRequest({"data": "/data/old", "batch_size": 4})
+    old.write(shm_buffer)
+    assert answered(inbox) is not None
+    (shm_buffer / JOB_NAME).rename(shm_buffer / "kept.json")  # kept aside before the next request replaces it
+    assert answered(inbox) is None
+    time.sleep(0.02)  # past the filesystem clock's tick (jiffies: 4 ms at HZ=250)
+    new = JobRequest({"data": "/data/new", "batch_size": 4})
+    new.write(shm_buffer)
+    job = answered(inbox)
+    assert job is not None and str(job.data) == "/data/new"
+    assert os.stat(shm_buffer / "kept.json").st_mtime_ns < os.stat(shm_buffer / JOB_NAME).st_mtime_ns
+
+    (shm_buffer / "kept.json").rename(shm_buffer / JOB_NAME)
+    assert answered(inbox) is None, "the old request was taken again"
+    result = inbox.result
+    assert result is not None and (result.job_id, result.accepted, result.submitter) == (old.job_id, False,
+                                                                                         os.geteuid()), result
+    reason = result.reason
+    assert str(shm_buffer / JOB_NAME) in reason and f"uid {os.geteuid()}" in reason and "renamed back" in reason, reason
+    assert f"older than job {new.job_id}" in reason and f"prefetchd submit --buffer {shm_buffer}" in reason, reason
+    running = inbox.running_job()
+    assert running is not None and running.job_id == new.job_id
+
+    # Its owner submits it again: a new file, taken.
+    again = JobRequest(old.settings)
+    again.write(shm_buffer)
+    job = answered(inbox)
+    assert job is not None and str(job.data) == "/data/old"
+
+
+def test_requests_written_in_one_clock_tick_are_each_taken(shm_buffer: Path) -> None:
+    """Two submits within a tick of the filesystem's clock have the same mtime: neither is older."""
+    inbox = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    first = JobRequest({"data": "/data/a", "batch_size": 4})
+    first.write(shm_buffer)
+    tick = os.stat(shm_buffer / JOB_NAME).st_mtime_ns
+    assert answered(inbox) is not None
+    second = JobRequest({"data": "/data/b", "batch_size": 4})
+    second.write(shm_buffer)
+    os.utime(shm_buffer / JOB_NAME, ns=(tick, tick))  # written in the same tick as the first
+    job = answered(inbox)
+    assert job is not None and str(job.data) == "/data/b", inbox.result
+    # And the very same job again, at once, by the same user: a new request like any other.
+    third = JobRequest(second.settings)
+    third.write(shm_buffer)
+    assert answered(inbox) is not None, inbox.result
+    result = inbox.result
+    assert result is not None and (result.job_id, result.accepted) == (third.job_id, True), result
+
+
+def test_a_request_written_in_the_future_neither_bars_new_requests_nor_lets_old_ones_back(shm_buffer: Path) -> None:
+    """Only its owner can give a job.json an mtime in the future.  Taken for the newest answered, it made every
+    later request look old, or, the daemon taking it for a clock set back, let any old one be renamed back."""
+    inbox = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    old = JobRequest({"data": "/data/old"})
+    old.write(shm_buffer)
+    assert answered(inbox) is not None
+    (shm_buffer / JOB_NAME).rename(shm_buffer / "kept.json")
+    time.sleep(0.02)  # past the filesystem clock's tick
+    JobRequest({"data": "/data/new"}).write(shm_buffer)
+    assert answered(inbox) is not None
+    JobRequest({"data": "/data/future"}).write(shm_buffer)
+    later = time.time_ns() + 3600 * 10**9
+    os.utime(shm_buffer / JOB_NAME, ns=(later, later))
+    assert answered(inbox) is not None
+
+    (shm_buffer / "kept.json").rename(shm_buffer / JOB_NAME)
+    assert answered(inbox) is None, "the old request was taken again"
+    assert inbox.result is not None and inbox.result.job_id == old.job_id and not inbox.result.accepted
+    JobRequest({"data": "/data/next"}).write(shm_buffer)
+    job = answered(inbox)
+    assert job is not None and str(job.data) == "/data/next", inbox.result
