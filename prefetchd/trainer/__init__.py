@@ -7,7 +7,7 @@ reference trainer behind the ``prefetchd-train`` command (its rooms: ``config``,
 """
 
 from prefetchd.trainer.errors import (
-    CheckpointError, DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout, NoAccess, OptionError,
+    AccessLost, CheckpointError, DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout, NoAccess, OptionError,
     SetupError, StateMismatch,
 )
 from prefetchd.trainer.loader import Batch, BufferLoader
@@ -15,6 +15,6 @@ from prefetchd.trainer.rank_state import EveryRank
 from prefetchd.trainer.ranks import rank_stream
 
 __all__ = [
-    "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "EveryRank", "JobEnded", "JobReplaced",
+    "AccessLost", "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "EveryRank", "JobEnded", "JobReplaced",
     "LoaderError", "LoaderTimeout", "NoAccess", "OptionError", "SetupError", "StateMismatch", "rank_stream",
 ]

@@ -56,7 +56,16 @@ class NoAccess(SetupError):
     """This user may not read a buffer (a --group-access buffer of a group it is not in, say), or a
     :class:`BufferLoader` may not write its progress file in the stream folder it reads (another user's buffer it
     may only read, a read-only mount), raised when the loader is made; the message says whose it is and what to
-    do.  ``prefetchd-train`` exits 4 (EXIT_NO_ACCESS), as `prefetchd status` and `show` do."""
+    do.  ``prefetchd-train`` exits 4 (EXIT_NO_ACCESS), as `prefetchd status` and `show` do.  The same lost
+    mid-run is :class:`AccessLost`."""
+
+
+class AccessLost(NoAccess, LoaderError):
+    """A :class:`BufferLoader` lost the right to write its progress file mid-run (the buffer's group lost its write
+    bit, the folder was made read-only) and its writes kept failing for ``PROGRESS_WRITE_GRACE`` seconds.  A
+    ``NoAccess``, as at the start (``prefetchd-train`` exits 4); a ``LoaderError`` too, raised where the loader
+    gives a batch or waits for one, so ``prefetchd-train`` saves the last step's checkpoint first, as for the
+    loader's other errors.  The progress file keeps the last position written: the daemon goes by it."""
 
 
 class OptionError(SetupError):
@@ -79,7 +88,7 @@ class CheckpointError(ValueError):
 
 
 __all__ = [
-    "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "JobEnded", "JobReplaced",
+    "AccessLost", "CheckpointError", "DaemonGone", "DaemonRestartsExhausted", "DaemonStuck", "JobEnded", "JobReplaced",
     "LoaderError",
     "LoaderTimeout",
     "NoAccess", "OptionError", "PeerFailed", "SetupError", "StateMismatch", "StopRequested",

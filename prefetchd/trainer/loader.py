@@ -23,8 +23,8 @@ of flow control:
   run's checkpoint, loaded to validate or to train more epochs) has no say in.  It
   reads nothing and leaves the progress file as it was;
 - a loader that may not write it is refused when it is made (``NoAccess``), and one
-  whose writes fail later goes on for a while and then stops, saying why
-  (``prefetchd.trainer.progress_file``);
+  whose writes fail later goes on for a while and then stops, saying why (``AccessLost``
+  for a permission lost; ``prefetchd.trainer.progress_file``);
 - after a batch is handed over, progress moves past it only when the consumer
   asks for the next batch, when the epoch's iterator is exhausted or when the
   loader is closed, so the file the consumer may still be reading is not
@@ -175,7 +175,9 @@ class BufferLoader:
 
     Raises :class:`NoAccess` when this user may not write its progress file in ``buffer``
     (a buffer of another user that it may only read, a --group-access buffer whose group may
-    not write, a read-only mount): the daemon would never learn what it consumed.
+    not write, a read-only mount): the daemon would never learn what it consumed; iterating raises
+    :class:`AccessLost` (a ``NoAccess`` and a ``LoaderError``) once that right, lost mid-run, has
+    stayed lost for ``PROGRESS_WRITE_GRACE`` seconds.
     """
 
     def __init__(

@@ -12,8 +12,9 @@ writes it for one loader:
   when the loader is made (:class:`NoAccess`, the words of ``prefetchd.access``): its
   trainer would read the batches that are there while the daemon, never told, deletes
   none and builds no more;
-- a write that fails later (a full tmpfs) is retried at the next publish, and is an
-  error only once it has kept failing for ``PROGRESS_WRITE_GRACE`` seconds.  The
+- a write that fails later (a full tmpfs, a permission taken away) is retried at the next
+  publish, and is an error only once it has kept failing for ``PROGRESS_WRITE_GRACE``
+  seconds: for a permission :class:`AccessLost`, a ``NoAccess`` as at the start.  The
   log says so when the trouble starts, with what to do, again every
   ``PROGRESS_WRITE_WARN_SECONDS`` while it lasts, and when a write goes through
   again: not at every try (a waiting loader tries about once a second).  The last
@@ -53,7 +54,7 @@ from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError
                                       progress_name, same_pid_namespace, take_lock, writer_named)
 from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.buffer_protocol.layout import TRAINER_FILE_MODE
-from prefetchd.trainer.errors import LoaderError, NoAccess
+from prefetchd.trainer.errors import AccessLost, LoaderError, NoAccess
 from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ logger = logging.getLogger(__name__)
 PROGRESS_WRITE_GRACE = 30.0
 PROGRESS_WRITE_WARN_SECONDS = 10.0  # while the writes keep failing, said again this often at most
 ALONE_CHECK_SECONDS = 1.0  # how often a publish reads the progress file first, for another trainer's writes
+DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)  # a write refused for a permission, or a read-only mount
 
 
 class ConsumerHeld(Exception):
@@ -282,10 +284,7 @@ class ProgressFile:
                 raise LoaderError(self.untold()) from exc
             if self._keep_trying(exc):
                 return  # left unpublished, so the next call tries again
-            raise LoaderError(
-                f"{self.path}: cannot write it ({exc.strerror or exc}) for "
-                f"{PROGRESS_WRITE_GRACE:g} s; the daemon needs it to know what to produce and delete: {self._fix(exc)}"
-            ) from exc
+            raise self._gave_up(exc) from exc
         if self._failing_since is not None:
             logger.warning("wrote %s again after %.0f s (%s failed)", self.path,
                            time.monotonic() - self._failing_since, counted(self._failures, "write"))
@@ -315,20 +314,34 @@ class ProgressFile:
         why = f" ({self._failure_said[1]})" if self._failure_said is not None else ""
         return f"it has not written {self.path} for {time.monotonic() - self._failing_since:.0f} s{why}"
 
+    def _gave_up(self, exc: OSError) -> LoaderError:
+        """The error of writes that kept failing with ``exc`` for the grace: for a permission (the buffer's group lost
+        its write bit, a folder made read-only), ``AccessLost``, a ``NoAccess`` as at the start, which names what
+        the daemon still goes by (the file keeps the last position written) and whose the folder is."""
+        failed = f"{self.path}: cannot write it ({exc.strerror or exc}) for {PROGRESS_WRITE_GRACE:g} s"
+        if exc.errno in DENIED:
+            return AccessLost(
+                f"{failed}, so the daemon still goes by {self._told()} (it deletes no batch from there on and builds "
+                f"no further than its high-water mark): {self._fix(exc)}; then resume from the last checkpoint")
+        return LoaderError(f"{failed}; the daemon needs it to know what to produce and delete: {self._fix(exc)}")
+
+    def _told(self) -> str:
+        """What the progress file tells the daemon while this loader's writes fail."""
+        return (f"epoch {self.published[0]} step {self.published[1]}, the last position this loader wrote"
+                if self.published is not None else "no position of this loader's, which never wrote it")
+
     def untold(self) -> str | None:
         """What a loader that leaves while its writes fail did not tell the daemon, and what to do; None where
         its last write went through (or it never tried one)."""
         if self._failing_since is None or self._failure is None:
             return None
-        told = (f"epoch {self.published[0]} step {self.published[1]}, the last position this loader wrote"
-                if self.published is not None else "no position of this loader's, which never wrote it")
         return (f"{self.path}: cannot write it ({self._failure.strerror or self._failure}, for "
                 f"{time.monotonic() - self._failing_since:.0f} s) as the loader closes, so the daemon was not told "
-                f"where this trainer stopped nor that it left: it goes by {told}; {self._fix(self._failure)}")
+                f"where this trainer stopped nor that it left: it goes by {self._told()}; {self._fix(self._failure)}")
 
     def _fix(self, exc: OSError) -> str:
         """What to do about writes failing with ``exc``; for a permission, whose the folder is (``no_access``)."""
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if exc.errno in DENIED:
             denied = no_access(self.buffer, write=True)
             if denied is not None:
                 return denied

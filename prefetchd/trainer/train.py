@@ -63,7 +63,8 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # a configuration problem found before training (SetupError), a bad checkpoint
 EXIT_USAGE = 2  # a bad option value, options that contradict each other (OptionError); click's code for bad flags
 EXIT_BUFFER = 3  # the buffer could not deliver: LoaderError / ProtocolError
-EXIT_NO_ACCESS = 4  # this user may not read --buffer or --val-buffer (NoAccess): as `prefetchd status` and `show`
+EXIT_NO_ACCESS = 4  # this user may not read --buffer or --val-buffer, nor write its progress there (NoAccess, at the
+# start or mid-run: AccessLost): as `prefetchd status` and `show`
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint
 
@@ -253,6 +254,9 @@ def main(verbose: bool, **options: Any) -> None:
         click.echo(f"{name}: stopped by SIGTERM before training began; nothing was trained, so nothing to save",
                    err=True)
         _leave(EXIT_TERMINATED, ranks)
+    except NoAccess as exc:  # before LoaderError (AccessLost is both) and SetupError; every rank says it alike
+        click.echo(f"{name}: {exc}", err=True)
+        _leave(EXIT_NO_ACCESS, ranks)
     except (LoaderError, ProtocolError) as exc:
         told = " ".join(str(exc).split())
         if isinstance(exc, (DaemonGone, DaemonStuck)) and config.spawn_daemon and ranks.distributed:
@@ -261,9 +265,6 @@ def main(verbose: bool, **options: Any) -> None:
                      "ranks wait): run this same command again with --resume to go on from the last checkpoint")
         click.echo(f"{name}: {told}", err=True)
         _leave(EXIT_BUFFER, ranks)
-    except NoAccess as exc:  # before SetupError, which it is; under torchrun every rank says it alike
-        click.echo(f"{name}: {exc}", err=True)
-        _leave(EXIT_NO_ACCESS, ranks)
     except OptionError as exc:  # before SetupError, which it is
         raise click.UsageError(str(exc)) from None
     except SetupError as exc:  # under torchrun every rank may say it: which one does

@@ -2,7 +2,9 @@
 (``as_nobody``): it read the batches the daemon had built, never told the daemon, which deleted none and built
 no more, and waited 30 s (or finished, exit 0, where the buffer held the whole run).  Now BufferLoader and
 prefetchd-train stop at once, saying whose the folder is and what to do (exit 4); a write refused mid-run is
-said with the same words, and as the loader closes; a lock file it may not open is said with whose it is."""
+said with the same words, and as the loader closes; refused past the grace, it is a NoAccess too (AccessLost: it
+was a LoaderError, and prefetchd-train exited 3), after the last step's checkpoint; a lock file it may not open is
+said with whose it is."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import Progress, list_batches
 from prefetchd.trainer import BufferLoader, progress_file
+from prefetchd.trainer.checkpoint import load_checkpoint
 from prefetchd.trainer.train import EXIT_BUFFER, EXIT_NO_ACCESS, main
 from tests.as_nobody import NOBODY, as_nobody
 
@@ -136,9 +139,11 @@ def test_write_access_lost_mid_run_is_said_with_whose_the_folder_is_and_again_as
     path = buffer / "progress.json"
     whose = (f"{buffer}: permission denied: it belongs to root (uid 0) and group nogroup (mode 2750): its group may "
              "not write it either; ask root (uid 0) for access")
-    assert said["error"] == "LoaderError", said
-    assert said["message"] == (f"{path}: cannot write it (Permission denied) for 2 s; the daemon needs it to know what "
-                               f"to produce and delete: {whose}"), said
+    assert said["error"] == "AccessLost", said  # a NoAccess, as at the start
+    assert said["message"] == (f"{path}: cannot write it (Permission denied) for 2 s, so the daemon still goes by "
+                               "epoch 0 step 1, the last position this loader wrote (it deletes no batch from there "
+                               f"on and builds no further than its high-water mark): {whose}; then resume from the "
+                               "last checkpoint"), said
     warnings = said["warnings"]
     assert warnings[0].startswith(f"cannot write {path} (Permission denied); the loader goes on with the batches"), said
     assert warnings[0].endswith(f"it stops with an error; {whose}"), said
@@ -147,6 +152,56 @@ def test_write_access_lost_mid_run_is_said_with_whose_the_folder_is_and_again_as
                                   "that it left: it goes by epoch 0 step 1, the last position this loader wrote; "
                                   f"{whose}"), warnings[-1]), said
     assert Progress.read(buffer) == Progress(0, 1)
+
+
+def test_prefetchd_train_that_loses_write_access_mid_run_exits_4_with_its_checkpoint_saved(
+        shapes_data: Path, shm_dir: Path, start_daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group's write bit removed while nobody's prefetchd-train runs: once the writes have failed for the
+    grace it stops with exit 4 (NoAccess, as one refused at the start; it was 3, a buffer error), saying which
+    position the daemon still goes by, which the progress file keeps, and whose the folder is; the last step's
+    checkpoint is saved first."""
+    monkeypatch.setattr(progress_file, "PROGRESS_WRITE_GRACE", 2.0)  # the child, forked, has it too
+    buffer = _buffer_of(shm_dir, group_access=True)
+    checkpoints = shm_dir / "ckpt"
+    checkpoints.mkdir()
+    os.chown(checkpoints, NOBODY, NOBODY)
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS, "--group-access")
+    daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the high-water mark")
+    _warm_up(shm_dir)
+    watcher = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from prefetchd.buffer_protocol import Progress\n"
+        "buffer = sys.argv[1]\n"
+        "while Progress.read(buffer) != Progress(0, 1): time.sleep(0.01)\n"
+        "os.chmod(buffer, 0o2750)\n"), str(buffer)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+    def as_trainer() -> str:
+        run = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "30", "--device", "cpu", "--threads",
+                                        "1", "--checkpoint-dir", str(checkpoints), "--quiet"])
+        return json.dumps({"code": run.exit_code, "stdout": run.stdout, "stderr": run.stderr})
+
+    try:
+        said = json.loads(as_nobody(as_trainer) or "{}")
+        assert watcher.wait(10) == 0
+    finally:
+        watcher.kill()
+    stderr = " ".join(said["stderr"].split())
+    assert said["code"] == EXIT_NO_ACCESS == 4, said
+    written = Progress.read(buffer)
+    assert written is not None and written.epoch == 0 and written.step >= 1, said
+    whose = (f"{buffer}: permission denied: it belongs to root (uid 0) and group nogroup (mode 2750): its group may "
+             "not write it either; ask root (uid 0) for access")
+    assert stderr.endswith(
+        f"prefetchd-train: {buffer / 'progress.json'}: cannot write it (Permission denied) for 2 s, so the daemon still "
+        f"goes by epoch 0 step {written.step}, the last position this loader wrote (it deletes no batch from there on "
+        f"and builds no further than its high-water mark): {whose}; then resume from the last checkpoint"), said
+    saved = re.search(r"saved a checkpoint of global step (\d+) before stopping on the error below", said["stdout"])
+    assert saved is not None, said
+    checkpoint = load_checkpoint(checkpoints / "last.pt")
+    trained = int(saved[1])
+    assert trained >= written.step and checkpoint["global_step"] == trained, said
+    assert checkpoint["loaders"]["train"]["step"] == trained, said  # resumed, it asks for the batch after the last
+    assert sorted(list_batches(buffer))[0] == (0, written.step)  # the daemon kept what it was told was not consumed
 
 
 def test_a_lock_file_the_trainer_may_not_open_is_said_with_whose_it_is_and_the_run_goes_on(
