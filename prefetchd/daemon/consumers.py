@@ -16,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress, writer_alive, writer_named
-from prefetchd.buffer_protocol.layout import consumer_entries
+from prefetchd.access import user_name
+from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, consumer_lock_name, progress_name, writer_alive,
+                                      writer_named)
+from prefetchd.buffer_protocol.layout import at, consumer_entries
 from prefetchd.buffer_protocol.status import ConsumerStatus, Position, TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,57 @@ def progress_stats(directory: Path, dir_fd: int | None = None, only: Container[s
     return found
 
 
+class Unreadable(str):
+    """What ``unreadable`` says: a problem of the file's mode, which its owner's chmod mends without a rewrite, so a
+    stream reads such a file again now and then (``Stream._join``), where another refused file is read again only
+    once replaced."""
+
+
+def unreadable(directory: Path, consumer: str, dir_fd: int | None = None) -> Unreadable | None:
+    """Why the daemon may not read ``consumer``'s progress file in ``directory`` (through its fd ``dir_fd`` where
+    given), nor perhaps its lock: whose they are, their mode and what to do; None where its mode lets the daemon
+    read it (another problem, then).  A trainer of an older prefetchd under umask 077 left them 0600, which the
+    daemon, another user, may not read (``TRAINER_FILE_MODE``): it said "cannot open a progress document
+    (Permission denied)", and nobody knew whose the file was, nor that an update would do."""
+    found: list[tuple[Path, os.stat_result]] = []
+    for name in (progress_name(consumer), consumer_lock_name(consumer)):
+        path = directory / name
+        try:
+            st = os.stat(at(path, dir_fd), dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and not _may_read(st):
+            found.append((path, st))
+    if not found or found[0][0].name != progress_name(consumer):
+        return None  # the lock alone is read only for a trainer of another pid namespace, whose progress says so
+
+    def whose(st: os.stat_result) -> str:
+        return f"belongs to {user_name(st.st_uid)} and has mode {stat.S_IMODE(st.st_mode):04o}"
+
+    files = " ".join(str(path) for path, _st in found)
+    them = "them" if len(found) > 1 else "it"
+    lock = f"; nor its lock {found[1][0].name}, which {whose(found[1][1])}" if len(found) > 1 else ""
+    who = "the default consumer" if consumer == DEFAULT_CONSUMER else f"consumer {consumer!r}"
+    return Unreadable(
+        f"the daemon's user, {user_name(os.geteuid())}, may not read it: it {whose(found[0][1])}{lock}. A trainer of "
+        f"an older prefetchd leaves {them} so under a umask such as 077 (this version's make {them} 0644 whatever "
+        f"the umask); meanwhile the daemon cannot tell where that trainer is, and keeps no batches for it. The owner "
+        f"makes {them} readable (`chmod 644 {files}`), or remove {them} while no trainer reads as {who} "
+        f"(`rm {files}`); and update that user's prefetchd")
+
+
+def _may_read(st: os.stat_result) -> bool:
+    """Whether this process may read a file of ``st`` by its permission bits (root may read any)."""
+    me = os.geteuid()
+    if me == 0:
+        return True
+    if st.st_uid == me:
+        return bool(st.st_mode & stat.S_IRUSR)
+    if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
+        return bool(st.st_mode & stat.S_IRGRP)
+    return bool(st.st_mode & stat.S_IROTH)
+
+
 @dataclass(slots=True)
 class Newcomer:
     """What a stream knows of the progress file of a consumer it has not taken: a poll reads only those not refused
@@ -61,12 +115,17 @@ class Newcomer:
     mtime_ns: int | None = None  # that file's, once looked at (a stat)
     refused: bool = False  # that file was read, and gave no position the stream takes
     problem: int = 0  # the hash of the last problem said of its files: a rewrite with the same one is not said again
+    retry_at: float | None = None  # time.monotonic() when a file refused as ``Unreadable`` is to be read again
 
     def listed(self, inode: int) -> Newcomer:
         """This consumer's, its file listed now with ``inode``: another file (renamed over it) is to be read again."""
         if inode != self.inode:
-            self.inode, self.mtime_ns, self.refused = inode, None, False
+            self.inode, self.mtime_ns, self.refused, self.retry_at = inode, None, False, None
         return self
+
+    def to_read(self, now: float) -> bool:
+        """Whether a poll at ``now`` is to read its file: one not refused yet, or refused for its mode a while ago."""
+        return not self.refused or self.retry_at is not None and self.retry_at <= now
 
 
 @dataclass(eq=False)
@@ -223,4 +282,5 @@ def plan_windows(positions: Sequence[int], high: int, cap: int, end: int | None)
     return widths
 
 
-__all__ = ["MAX_PROGRESS_READS", "Consumer", "Newcomer", "plan_windows", "progress_stats", "union_size"]
+__all__ = ["MAX_PROGRESS_READS", "Consumer", "Newcomer", "plan_windows", "progress_stats", "union_size",
+           "Unreadable", "unreadable"]
