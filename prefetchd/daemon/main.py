@@ -10,7 +10,8 @@ from pathlib import Path
 
 from prefetchd.buffer_protocol import DaemonLock, State, Status, write_status
 from prefetchd.buffer_protocol.layout import LOCK_NAME
-from prefetchd.daemon.buffer_dir import NO_ROOM_ERRNOS, free_bytes, note_buffer_filesystem, prepare_buffer, sweep_temp_files
+from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, free_bytes, let_group_read_files, note_buffer_filesystem,
+                                        prepare_buffer, sweep_temp_files)
 from prefetchd.daemon.config import DaemonConfig, require_ray
 from prefetchd.daemon.errors import ConfigError, DaemonError, DatasetError
 from prefetchd.daemon.job_inbox import (FAILED_WHILE_PRODUCING, FINISHED_PRODUCING, JobInbox, replacing_answer,
@@ -24,7 +25,7 @@ from prefetchd.daemon.producer import start_worker_server
 from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.wakeup import Wakeup, stop_signals_deferred
-from prefetchd.words import binary_size
+from prefetchd.words import binary_size, counted
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,11 @@ def _serve(cfg: DaemonConfig) -> int:
         swept = sweep_temp_files(buffer)
         if swept:
             log.info("deleted %d half-written files left by an earlier daemon", swept)
+        opened = let_group_read_files(buffer) if cfg.group_access else 0
+        if opened:
+            log.info("gave the buffer's group read access to %s of the daemon's in %s, which an earlier daemon left "
+                     "without it (started under umask 077, or without --group-access): the group's trainers read them",
+                     counted(opened, "file"), buffer)
         metrics = Metrics(buffer, cfg.metrics_port, cfg.metrics_address, cfg.metrics_textfile)
 
         def publish(status: Status) -> None:

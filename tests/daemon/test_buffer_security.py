@@ -25,7 +25,7 @@ from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
-from prefetchd.daemon.buffer_dir import clear_buffer, make_stream_dir, prepare_buffer
+from prefetchd.daemon.buffer_dir import clear_buffer, let_group_read_files, make_stream_dir, prepare_buffer
 from prefetchd.daemon.sampler import EpochOrders
 from prefetchd.daemon.stream import Stream
 from tests.as_nobody import as_nobody
@@ -403,3 +403,34 @@ def test_a_daemon_under_umask_077_lets_its_group_read_with_group_access(
     written = [buffer / name for name in (LOCK_NAME, STATUS_NAME, MANIFEST_NAME)] + list(list_batches(buffer).values())
     assert {path.name: _mode(path) for path in written} == {path.name: mode for path in written}, daemon.log
     assert ("umask 0077 -> 0037" in daemon.log) == group_access, daemon.log
+
+
+def test_the_files_an_earlier_daemon_left_0600_are_opened_up_to_the_group_never_through_a_link(
+        shm_buffer: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A --group-access daemon's start gives the group read on its own files at the buffer's top and in its rank
+    folders that lack it (``let_group_read_files``, what the integration test runs with real users); a link to a
+    file or to a folder is not followed, a file with a second name elsewhere is left and warned of, and (as root,
+    which could chmod it) another user's file is left as it is."""
+    buffer, elsewhere = shm_buffer / "bf", shm_buffer / "elsewhere"
+    (buffer / "rank-00001").mkdir(parents=True)
+    elsewhere.mkdir()
+    closed = [buffer / "e000000-s00000000.batch", buffer / "rank-00001" / "e000000-s00000000.batch"]
+    kept = [elsewhere / "private", elsewhere / "linked", buffer / "theirs"]
+    for path in closed + kept:
+        path.write_bytes(b"x")
+        path.chmod(0o600)
+    (buffer / "manifest.json").write_bytes(b"{}")
+    (buffer / "manifest.json").chmod(0o644)  # has it already
+    (buffer / "rank-00002").symlink_to(elsewhere)
+    (buffer / "link").symlink_to(elsewhere / "private")
+    os.link(elsewhere / "linked", buffer / "hard")
+    if os.geteuid() == 0:
+        os.chown(buffer / "theirs", 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger="prefetchd.daemon.buffer_dir"):
+        assert let_group_read_files(buffer) == 2
+    assert [_mode(path) for path in closed] == [0o640, 0o640]
+    assert [_mode(path) for path in kept] == [0o600, 0o600, 0o600]
+    assert _mode(buffer / "manifest.json") == 0o644
+    assert [r.getMessage() for r in caplog.records] == [
+        f"leaving {buffer}/hard as it is (mode 0600): it has 2 names, so it is also a file elsewhere, whose mode is "
+        "not the buffer's to set; remove it if it is none of the daemon's"]

@@ -3,7 +3,12 @@ trainer of another member of its group), with real users.
 
 A trainer of an older prefetchd under umask 077 left its progress.json and progress.json.lock 0600: the daemon said
 only "cannot open a progress document (Permission denied); check the buffer's owner and permissions".  Now it says
-whose the file is, its mode and what to do, once, and goes on serving the other trainers."""
+whose the file is, its mode and what to do, once, and goes on serving the other trainers.
+
+A daemon started under umask 077 without --group-access (or by an older prefetchd) left its batches, manifest and
+lock 0600, and a later daemon started with --group-access on the same job kept them so: the member's trainer
+failed on the first of them.  Now a --group-access daemon gives the group read on its own files at start, never
+through a link nor on a file with another name elsewhere."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import prefetchd
-from prefetchd.buffer_protocol import Progress, list_batches
+from prefetchd.buffer_protocol import Progress, ProtocolError, list_batches, read_status
 from prefetchd.synthetic import make_shapes_dataset
 from tests.group_users import NEEDS_ROOT_AND_USERADD, Users, chown_tree, python_for, service_users, stop_and_clean
 from tests.waiting import wait_for
@@ -98,6 +103,14 @@ def service() -> Iterator[Service]:
             stop_and_clean(made.daemon if made is not None else None, base)
 
 
+def _status_pid(buffer: Path) -> int | None:
+    try:
+        status = read_status(buffer)
+    except ProtocolError:  # being replaced
+        return None
+    return status.pid if status is not None else None
+
+
 def _mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
@@ -136,4 +149,41 @@ def test_an_older_trainers_0600_files_are_said_with_whose_they_are_and_the_other
     for path in (progress, lock):
         os.chmod(path, 0o644)
     service.wait(lambda: "consumer 'old' joined rank 0" in service.log.read_text(), 30, "the daemon to read it")
+    service.stop()
+
+
+def test_a_group_access_daemon_lets_its_group_read_the_files_an_earlier_one_left_0600(service: Service) -> None:
+    """A daemon under umask 077 without --group-access builds the job's first batches, 0600; the service's daemon
+    (--group-access) on the same job keeps them and gives its group read on them and its other files, so the
+    member's trainer reads the whole job.  A link and a second name of another file of the daemon's user, and
+    a file of the trainer's, are left as they are."""
+    users, buffer, base = service.users, service.buffer, service.base
+    service.start("--epochs", "2", umask=0o077)
+    service.wait(lambda: len(list_batches(buffer)) == 2, 60, "the high-water mark")
+    service.stop()
+    kept = sorted(list_batches(buffer).values())
+    assert [_mode(path) for path in kept] == [0o600, 0o600], service.said()
+    os.chmod(buffer, 0o2770)  # as an admin would have; the daemon does that itself too
+    secret = base / "secret"
+    secret.write_text("the daemon user's")
+    os.chown(secret, users.daemon_uid, users.gid)
+    os.chmod(secret, 0o600)
+    (buffer / "linked").symlink_to(secret)
+    os.link(secret, buffer / "hard")
+    theirs = buffer / "theirs"
+    theirs.touch(0o600)
+    os.chown(theirs, users.trainer_uid, users.gid)
+
+    daemon = service.start("--epochs", "2", "--group-access")
+    service.wait(lambda: _status_pid(buffer) == daemon.pid, 60, "the daemon to start")
+    assert [_mode(path) for path in kept] == [0o640, 0o640], service.said()
+    assert _mode(buffer / "daemon.lock") == 0o640, service.said()
+    read = service.read_job()
+    assert read.returncode == 0 and read.stdout.split() == ["8"], f"{read.stdout}{read.stderr}\n{service.said()}"
+    assert _mode(secret) == 0o600 and _mode(theirs) == 0o600, service.said()
+    log = service.log.read_text()
+    assert (f"gave the buffer's group read access to 5 files of the daemon's in {buffer}, which an earlier daemon "
+            "left without it (started under umask 077, or without --group-access): the group's trainers read them"
+            in log), service.said()  # daemon.lock, manifest.json, status.json and the two batches
+    assert f"leaving {buffer}/hard as it is (mode 0600): it has 2 names" in log, service.said()
     service.stop()

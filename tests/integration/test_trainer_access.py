@@ -192,9 +192,10 @@ def test_prefetchd_train_that_loses_write_access_mid_run_exits_4_with_its_checkp
     whose = (f"{buffer}: permission denied: it belongs to root (uid 0) and group nogroup (mode 2750): its group may "
              "not write it either; ask root (uid 0) for access")
     assert stderr.endswith(
-        f"prefetchd-train: {buffer / 'progress.json'}: cannot write it (Permission denied) for 2 s, so the daemon still "
-        f"goes by epoch 0 step {written.step}, the last position this loader wrote (it deletes no batch from there on "
-        f"and builds no further than its high-water mark): {whose}; then resume from the last checkpoint"), said
+        f"prefetchd-train: {buffer / 'progress.json'}: cannot write it (Permission denied) for 2 s, so the daemon "
+        f"still goes by epoch 0 step {written.step}, the last position this loader wrote (it deletes no batch from "
+        f"there on and builds no further than its high-water mark): {whose}; then resume from the last checkpoint"), \
+        said
     saved = re.search(r"saved a checkpoint of global step (\d+) before stopping on the error below", said["stdout"])
     assert saved is not None, said
     checkpoint = load_checkpoint(checkpoints / "last.pt")
@@ -210,10 +211,11 @@ def test_a_lock_file_the_trainer_may_not_open_is_said_with_whose_it_is_and_the_r
     loader cannot lock it, warns naming its owner and what to do, and reads the whole job, which the daemon
     deletes behind it and ends: the folder is writable, so the progress is written."""
     buffer = _buffer_of(shm_dir, group_access=True)
-    lock = buffer / "progress.json.lock"
-    lock.touch(0o600)
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS, "--group-access")
     daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the high-water mark")
+    # Once the daemon runs: root's, it gives its group read on its own files that lack it when it starts.
+    lock = buffer / "progress.json.lock"
+    lock.touch(0o600)
     _warm_up(shm_dir)
 
     def as_reader() -> str:
