@@ -46,8 +46,8 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import DIR_FLAGS, MAX_EPOCH, consumer_files
 from prefetchd.buffer_protocol.status import Position, StreamStatus
-from prefetchd.daemon.consumers import (MAX_PROGRESS_READS, Consumer, Newcomer, Unreadable, plan_windows, progress_stats,
-                                       unreadable)
+from prefetchd.daemon.consumers import (MAX_PROGRESS_READS, Consumer, Newcomer, Unreadable, plan_windows,
+                                       progress_stats, unreadable)
 from prefetchd.daemon.sampler import EpochOrders
 from prefetchd.throttle import Throttle
 from prefetchd.words import counted

@@ -7,14 +7,15 @@ reference trainer behind the ``prefetchd-train`` command (its rooms: ``config``,
 """
 
 from prefetchd.trainer.errors import (
-    AccessLost, CheckpointError, DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout, NoAccess, OptionError,
-    SetupError, StateMismatch,
+    AccessLost, CheckpointError, DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout, NoAccess,
+    OptionError, SetupError, StateMismatch,
 )
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import EveryRank
 from prefetchd.trainer.ranks import rank_stream
 
 __all__ = [
-    "AccessLost", "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "EveryRank", "JobEnded", "JobReplaced",
-    "LoaderError", "LoaderTimeout", "NoAccess", "OptionError", "SetupError", "StateMismatch", "rank_stream",
+    "AccessLost", "Batch", "BufferLoader", "CheckpointError", "DaemonGone", "DaemonStuck", "EveryRank", "JobEnded",
+    "JobReplaced", "LoaderError", "LoaderTimeout", "NoAccess", "OptionError", "SetupError", "StateMismatch",
+    "rank_stream",
 ]
