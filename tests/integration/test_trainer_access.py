@@ -100,6 +100,17 @@ def test_a_trainer_that_may_read_the_buffer_but_not_write_it_stops_at_once(
     assert sorted(list_batches(buffer)) == [(0, 0), (0, 1), (0, 2)]  # the daemon was told nothing, deleted nothing
 
 
+def _take_group_write_at_step_1(buffer: Path) -> subprocess.Popen[bytes]:
+    """A process of root's that takes the group's write bit off ``buffer`` once its trainer has written step 1
+    (nobody cannot)."""
+    return subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from prefetchd.buffer_protocol import Progress\n"
+        "buffer = sys.argv[1]\n"
+        "while Progress.read(buffer) != Progress(0, 1): time.sleep(0.01)\n"
+        "os.chmod(buffer, 0o2750)\n"), str(buffer)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
 def test_write_access_lost_mid_run_is_said_with_whose_the_folder_is_and_again_as_the_loader_closes(
         shapes_data: Path, shm_dir: Path, start_daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """The group's write bit removed while nobody's loader reads: the writes are retried for the grace (a
@@ -110,13 +121,7 @@ def test_write_access_lost_mid_run_is_said_with_whose_the_folder_is_and_again_as
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS, "--group-access")
     daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the high-water mark")
     _warm_up(shm_dir)
-    # A process of root's takes the write bit away once the loader has written step 1 (nobody cannot).
-    watcher = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time\n"
-        "from prefetchd.buffer_protocol import Progress\n"
-        "buffer = sys.argv[1]\n"
-        "while Progress.read(buffer) != Progress(0, 1): time.sleep(0.01)\n"
-        "os.chmod(buffer, 0o2750)\n"), str(buffer)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    watcher = _take_group_write_at_step_1(buffer)
 
     def as_reader() -> str:
         def read() -> int:
@@ -168,12 +173,7 @@ def test_prefetchd_train_that_loses_write_access_mid_run_exits_4_with_its_checkp
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS, "--group-access")
     daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the high-water mark")
     _warm_up(shm_dir)
-    watcher = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time\n"
-        "from prefetchd.buffer_protocol import Progress\n"
-        "buffer = sys.argv[1]\n"
-        "while Progress.read(buffer) != Progress(0, 1): time.sleep(0.01)\n"
-        "os.chmod(buffer, 0o2750)\n"), str(buffer)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    watcher = _take_group_write_at_step_1(buffer)
 
     def as_trainer() -> str:
         run = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "30", "--device", "cpu", "--threads",
