@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -120,40 +121,53 @@ class LocationParam(click.ParamType):  # type: ignore[type-arg]
         return path
 
 
-def click_options(cls: type, only: Collection[str] | None = None, *, layered: bool = False) -> Decorator:
+def click_options(cls: type, only: Collection[str] | None = None, *, layered: bool = False,
+                  defaults_from: str | None = None) -> Decorator:
     """Click options for the fields of dataclass ``cls`` (or the ``only`` ones), in declaration order.
 
     ``layered``: every flag defaults to None, so the command can tell a given flag
     from an absent one and put it over a config file; the field's default is named
     in the help, booleans get a ``--no-`` form, and ranges are left to ``check_value``.
+    ``defaults_from`` (layered only): where an absent flag's value comes from, when that is not
+    the dataclass default (`prefetchd submit`: the daemon's own settings); the help names it
+    instead of the field's default.
     """
     chosen = [f for f in dataclasses.fields(cls) if only is None or f.name in only]
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         for f in reversed(chosen):
-            func = _option(f, layered)(func)
+            func = _option(f, layered, defaults_from)(func)
         return func
 
     return decorate
 
 
-def _option(f: dataclasses.Field[Any], layered: bool) -> Decorator:
+# A default a field's help names itself ("Stop after this many epochs [default: run on].").
+DEFAULT_NOTE = re.compile(r" ?\[default: [^\]]*\]")
+
+
+def _option(f: dataclasses.Field[Any], layered: bool, defaults_from: str | None = None) -> Decorator:
     meta = f.metadata
     flag = "--" + f.name.replace("_", "-")
     names = [flag, meta["short"]] if "short" in meta else [flag]
     kind = meta["kind"]
+    layered_help = meta["help"]
+    if defaults_from is not None:
+        layered_help = f"{DEFAULT_NOTE.sub('', layered_help)} [default: {defaults_from}]"
+    elif kind is not bool and f.default is not None and not meta.get("multiple"):
+        # default=None lets the command tell a given flag from an absent one; the
+        # dataclass default is shown in the help instead (a list's help says its own).
+        layered_help = f"{layered_help} [default: {f.default}]"
     if kind is bool:
         if layered:
-            return click.option(f"{flag}/--no-{flag[2:]}", default=False, help=meta["help"])
+            return click.option(f"{flag}/--no-{flag[2:]}", default=False, help=layered_help)
         return click.option(*names, is_flag=True, help=meta["help"])
     ptype = _param_type(meta, ranged=not layered)
     required = f.default is dataclasses.MISSING
     if layered:
-        # default=None lets the command tell a given flag from an absent one; the
-        # dataclass default is shown in the help instead (a list's help says its own).
         multiple = bool(meta.get("multiple"))
-        shown = meta["help"] if f.default is None or multiple else f"{meta['help']} [default: {f.default}]"
-        return click.option(*names, type=ptype, default=None, multiple=multiple, help=shown, metavar=meta.get("metavar"))
+        return click.option(*names, type=ptype, default=None, multiple=multiple, help=layered_help,
+                            metavar=meta.get("metavar"))
     if required:
         return click.option(*names, type=ptype, required=True, help=meta["help"], metavar=meta.get("metavar"))
     extra: dict[str, Any] = {"show_default": True} if f.default is not None else {}

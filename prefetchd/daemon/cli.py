@@ -37,9 +37,15 @@ from prefetchd.words import agreeing, binary_size, counted
 
 log = logging.getLogger("prefetchd")
 
-def config_options(only: Collection[str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def config_options(only: Collection[str] | None = None,
+                   defaults_from: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Click options for DaemonConfig's fields (or the ``only`` ones), in declaration order; layered over --config."""
-    return click_options(DaemonConfig, only, layered=True)
+    return click_options(DaemonConfig, only, layered=True, defaults_from=defaults_from)
+
+
+# A job leaves unset what the daemon's own flags and config file decide (JobInbox.config): `prefetchd start`'s
+# defaults in submit's help ("[default: 128]") told a user of a service configured for batch 256 the wrong value.
+SUBMIT_DEFAULTS = "the daemon's own setting"
 
 
 def build_config(ctx: click.Context, config_file: Path | None, params: dict[str, Any]) -> DaemonConfig:
@@ -166,14 +172,15 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 
 
 @click.command()
-@config_options(only=JOB_FIELDS)
+@config_options(only=JOB_FIELDS, defaults_from=SUBMIT_DEFAULTS)
 @click.option("--buffer", type=BUFFER, required=True, help="The daemon's buffer directory.")
 @CONFIG_FILE_OPTION
 @click.option("--replace", is_flag=True, help="Replace the running job even while a trainer consumes it.")
 @click.option("--timeout", type=FiniteFloat(0), default=60.0, show_default=True, help="Seconds to wait for the daemon's answer.")
 @click.pass_context
 def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
-    """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status).  Exit code 0:
+    """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status).  A setting left
+    out is the daemon's own (its flags and --config), not `prefetchd start`'s default.  Exit code 0:
     accepted; 1: refused, or no answer within --timeout; 2: a bad setting (nothing written); 3: no daemon owns
     BUFFER (the job waits in job.json for one to start); 4: this user may not write BUFFER, or not create it
     (nothing written)."""

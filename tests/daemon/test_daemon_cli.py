@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import click
 import psutil
 import pytest
 from click.testing import CliRunner, Result
@@ -28,6 +29,7 @@ from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.dataset import split_members
 from prefetchd.daemon.errors import EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE
+from prefetchd.daemon.job_inbox import JOB_FIELDS
 from tests.as_nobody import NOBODY, as_nobody
 from tests.owners import owned
 from tests.status_examples import CONSUMER, STORAGE_WAIT, TRAINER, bad_files, production, production_without_trainer, report
@@ -120,6 +122,21 @@ def test_submit_offers_job_settings_but_not_the_allow_lists(runner: CliRunner) -
     assert result.exit_code == 0
     assert "--transform" in result.output and "--data" in result.output
     assert "--allowed-data" not in result.output and "--allowed-transforms" not in result.output
+
+
+def test_submit_help_names_the_daemons_settings_as_the_defaults_not_starts(runner: CliRunner) -> None:
+    """A job leaves unset what the daemon's own flags and config decide: `start`'s "[default: 128]" (or
+    "[default: run on]") in submit's help told the user of a service configured otherwise the wrong value."""
+    job_options = [p for p in cli.submit.params if isinstance(p, click.Option) and p.name in JOB_FIELDS]
+    assert {p.name for p in job_options} == JOB_FIELDS
+    for option in job_options:
+        assert option.help is not None and option.help.endswith("[default: the daemon's own setting]"), option.help
+        assert option.help.count("[default:") == 1, option.help
+    shown = " ".join(runner.invoke(prefetchd_cli.main, ["submit", "--help"]).output.split())
+    assert "[default: 128]" not in shown and "[default: run on]" not in shown
+    assert "Images per batch. [default: the daemon's own setting]" in shown
+    # start's help still names its own defaults.
+    assert "Images per batch. [default: 128]" in " ".join(runner.invoke(prefetchd_cli.main, ["start", "--help"]).output.split())
 
 
 def _start_error(runner: CliRunner, caplog: pytest.LogCaptureFixture, args: list[str]) -> tuple[int, str]:
