@@ -58,7 +58,7 @@ class DaemonConfig:
     # Not readable by click: another user's buffer is refused at start by buffer_dir.check_private_dir, naming its owner.
     buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path, readable=False)
     # A location, not a Path: Path("s3://b/p") is "s3:/b/p".  Local paths are made absolute, URLs kept verbatim.
-    data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv file list of path,label rows, or a folder of shards written by `prefetchd pack`; local, or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True, metavar="PATH|URL")
+    data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv/.txt file list of path,label rows, or a folder of shards written by `prefetchd pack`; local, or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True, metavar="PATH|URL")
     readers: int | None = _opt(None, f"Sample reads each worker keeps in flight [default: {URL_READERS} for a URL, 1 for a local folder].", int, minimum=1, maximum=1024)
     index_cache: Path | None = _opt(None, "Folder for cached dataset indexes, so a restart skips the walk when no folder changed, and never lists a URL again [default: $CACHE_DIRECTORY under systemd, else $XDG_CACHE_HOME/prefetchd, else ~/.cache/prefetchd].", Path)
     refresh_index: bool = _opt(False, "Walk (or list) the dataset again even if the cached index looks current (after replacing files in place, or changing objects under a URL).", bool)

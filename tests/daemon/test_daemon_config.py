@@ -453,3 +453,10 @@ def test_readmes_table_of_start_flags_names_each_flag_with_its_default() -> None
             assert rows[flag].strip() == str(field.default).removesuffix(".0"), flag
     assert rows["--readers"].startswith(f"{config_mod.URL_READERS} for a URL")
     assert rows["--min-free-mb"].startswith(f"{config_mod.MIN_FREE_SHARE:.0%} of the filesystem, ≥ {config_mod.MIN_FREE_MB}")
+
+
+def test_the_data_help_names_every_file_list_suffix() -> None:
+    """A .txt list is read as a file list too (docs/SOURCES.md); --data's help named .csv/.tsv alone."""
+    from prefetchd.daemon.sources.filelist import LIST_SUFFIXES
+
+    assert f"a {'/'.join(LIST_SUFFIXES)} file list" in FIELDS["data"].metadata["help"]
