@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 # How to wait longer, named for both ways in: prefetchd-train's flag and the loader's argument.
 MORE_TIME = "pass a larger --timeout (prefetchd-train; timeout= of the loader)"
+# What `prefetchd start --data ROOT` takes, as the loaders' "start one" advice names it: not class folders alone.
+DATA_FORMS = "dataset: class folders, a file list or shards, local or at a URL"
 # The defaults of the waits, for BufferLoader, prefetchd-train's flags and the Lightning module alike.
 DEFAULT_TIMEOUT = 120.0  # seconds for the manifest and for each batch, but one waiting on its storage (BatchWaiter)
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds without a heartbeat before a live daemon counts as stuck
@@ -202,8 +204,8 @@ def _manifest_timeout_message(buffer: Path, timeout: float) -> str:
     where = "does not exist" if not buffer.exists() else "has no manifest.json"
     return (
         f"{buffer} {where} after waiting {waited} for the daemon's manifest.json, and no prefetchd daemon "
-        f"owns it. Start one with `prefetchd start --buffer {buffer} --data ROOT` (ROOT: the class-folder "
-        f"dataset), or {MORE_TIME} if one is still starting"
+        f"owns it. Start one with `prefetchd start --buffer {buffer} --data ROOT` (ROOT: the {DATA_FORMS}), "
+        f"or {MORE_TIME} if one is still starting"
     )
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from prefetchd.buffer_protocol import Manifest, daemon_owner, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, SetupError
-from prefetchd.trainer.liveness import (DEFAULT_TIMEOUT, MORE_TIME, STATUS_LOOK_SECONDS, FailedDaemon, owner_status, served_world,
-                                         unserved_rank, why_no_manifest)
+from prefetchd.trainer.liveness import (DATA_FORMS, DEFAULT_TIMEOUT, MORE_TIME, STATUS_LOOK_SECONDS, FailedDaemon, owner_status,
+                                         served_world, unserved_rank, why_no_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -195,8 +195,7 @@ def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, sp
     where = "does not exist" if not own.exists() else "has no manifest.json"
     return (f"{own} {where} after waiting {timeout:g} s for the daemon's manifest.json, and no prefetchd daemon "
             f"owns {buffer}. Start one with `prefetchd start --buffer {buffer} --data ROOT{world}` (ROOT: the "
-            f"{'validation ' if split == 'val' else ''}dataset: class folders, a file list or shards, local or at a "
-            f"URL), or {MORE_TIME} if one is still starting")
+            f"{'validation ' if split == 'val' else ''}{DATA_FORMS}), or {MORE_TIME} if one is still starting")
 
 
 __all__ = ["Ranks", "TORCHRUN_VARS", "wait_for_stream"]

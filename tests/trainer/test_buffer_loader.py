@@ -503,8 +503,10 @@ def _has_name(uid: int) -> bool:
 
 
 def test_manifest_timeout_for_a_missing_directory(tmp_path: Path) -> None:
+    """Its advice names every --data a daemon takes: it said "the class-folder dataset" to users of file lists and packs."""
     missing = tmp_path / "nope"
-    with pytest.raises(LoaderTimeout, match="does not exist.*prefetchd start"):
+    with pytest.raises(LoaderTimeout, match=r"does not exist.*`prefetchd start --buffer \S+ --data ROOT` \(ROOT: the "
+                       r"dataset: class folders, a file list or shards, local or at a URL\)"):
         BufferLoader(missing, timeout=0.05)
 
 
