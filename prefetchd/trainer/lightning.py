@@ -112,7 +112,7 @@ class BufferDataModule(pl.LightningDataModule):
     Args:
         train_buffer: the training daemon's ``--buffer``.
         val_buffer: the validation daemon's ``--buffer`` (``--split val``); None: no validation.
-        data, val_data: class-folder datasets (or URLs) to start the daemons on, as
+        data, val_data: the datasets to start the daemons on (anything ``prefetchd start --data`` takes), as
             ``prefetchd-train --spawn-daemon`` does, when no daemon serves the buffer yet; the
             daemons this module started are stopped at the end of fit/validate (and when the
             process exits, should fit raise: Lightning then calls no teardown). None: the
