@@ -69,7 +69,7 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
         daemons.append(_start_daemon(buffers / "train", data / "train", "train", common, work / "daemon-train.log"))
         daemons.append(_start_daemon(buffers / "val", data / "val", "val", common, work / "daemon-val.log"))
 
-        click.echo(f"[3/3] training ResNet-18 for {epochs} epochs at {image_size}px alongside the daemons")
+        click.echo(f"[3/3] training ResNet-18 for {counted(epochs, 'epoch')} at {image_size}px alongside the daemons")
         metrics = work / "metrics.json"
         code = subprocess.call([
             sys.executable, "-m", "prefetchd.trainer.train", "--buffer", str(buffers / "train"),

@@ -21,6 +21,11 @@ def agreeing(count: int, one: str, many: str) -> str:
     return one if count == 1 else many
 
 
+def all_epochs(epochs: int) -> str:
+    """A job's every epoch: "all 90 epochs", but "the 1 epoch" ("all 1 epoch" read wrong)."""
+    return f"{agreeing(epochs, 'the', 'all')} {counted(epochs, 'epoch')}"
+
+
 def rank_ranges(ranks: list[int]) -> str:
     """"0-3,6" for [0, 1, 2, 3, 6]; how --ranks is written."""
     parts: list[str] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefetchd.words import agreeing, binary_size, counted
+from prefetchd.words import agreeing, all_epochs, binary_size, counted
 
 
 @pytest.mark.parametrize(("count", "noun", "expected"), [
@@ -28,3 +28,8 @@ def test_a_size_is_said_in_the_unit_that_shows_it(n: float, expected: str) -> No
 
 def test_agreeing_words_follow_the_count() -> None:
     assert [agreeing(n, "is", "are") for n in (0, 1, 2)] == ["are", "is", "are"]
+
+
+def test_all_epochs_of_a_one_epoch_job_read_as_english() -> None:
+    """"the trainers consumed all 1 epoch" read wrong (the demo's one-epoch run, docs walk)."""
+    assert [all_epochs(n) for n in (1, 90)] == ["the 1 epoch", "all 90 epochs"]

@@ -26,7 +26,7 @@ from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.words import binary_size, counted
+from prefetchd.words import all_epochs, binary_size, counted
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,6 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
 
 def already_consumed(producer: Producer) -> str:
     """Why a submitted job has nothing to produce, and how to have it produced again."""
-    epochs = counted(producer.streams[0].manifest.epochs or 0, "epoch")
-    return (f"nothing to produce: this job's trainers already consumed all {epochs} (their progress: "
+    epochs = all_epochs(producer.streams[0].manifest.epochs or 0)
+    return (f"nothing to produce: this job's trainers already consumed {epochs} (their progress: "
             f"{producer.progress_files}); to produce it again from epoch 0, remove those files and submit it again")

@@ -53,7 +53,7 @@ from prefetchd.daemon.stream import Build, Stream, consumer_cap
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, none_decoded
 from prefetchd.throttle import Throttle
-from prefetchd.words import binary_size, counted
+from prefetchd.words import all_epochs, binary_size
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +185,9 @@ class Producer:
                 # Restarted after the trainers consumed the last epoch: nothing to build, so no
                 # workers to start and no reason to wait for a progress that will not move.
                 # A warning: under --log-level warning (prefetchd-train --spawn-daemon) it is why the daemon exits.
-                log.warning("the trainers had consumed all %s before this daemon started; nothing to produce "
+                log.warning("the trainers had consumed %s before this daemon started; nothing to produce "
                             "(to produce them again, from epoch 0, remove %s)",
-                            counted(self.streams[0].manifest.epochs or 0, "epoch"), self.progress_files)
+                            all_epochs(self.streams[0].manifest.epochs or 0), self.progress_files)
             else:
                 self.pool.start(heartbeat=self._write_status, every=STATUS_SECONDS)
                 if self.remote is not None:  # the bridge connects in the background
@@ -212,7 +212,7 @@ class Producer:
                         self._write_status()
                     last_status = now
                 if self.finished:
-                    log.info("the trainers consumed all %s", counted(self.streams[0].manifest.epochs or 0, "epoch"))
+                    log.info("the trainers consumed %s", all_epochs(self.streams[0].manifest.epochs or 0))
                     break
         except Exception as exc:  # a bug: leave a status that says so, not a silently stale heartbeat
             lost = self.lock_lost() if isinstance(exc, FileNotFoundError) else None

@@ -16,7 +16,7 @@ from prefetchd.buffer_protocol import Progress, State, list_batches, read_status
 from prefetchd.trainer import BufferLoader
 
 JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "1", "--workers", "1", "--high-water", "3"]
-FINISHED = "the trainers consumed all 1 epoch"
+FINISHED = "the trainers consumed the 1 epoch"
 
 
 def consume_everything(buffer: Path, samples: int = 72) -> None:
@@ -46,7 +46,7 @@ def test_finished_daemon_exits_cleanly_and_a_restart_on_it_exits_at_once(shapes_
     assert again.wait_exit() == 0, again.log
     # It saw the consumed progress and left without starting workers or waiting on the trainer,
     # which finished and exited: that trainer is done, not "gone away".
-    assert "consumed all 1 epoch before this daemon started" in again.log, again.log
+    assert "consumed the 1 epoch before this daemon started" in again.log, again.log
     assert "gone away" not in again.log and errors_in(again.log) == [], again.log
     status = read_status(buffer)
     assert status is not None and status.state == State.STOPPED and status.pid == again.proc.pid

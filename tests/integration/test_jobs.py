@@ -225,7 +225,7 @@ def test_a_job_whose_epochs_were_all_consumed_is_refused_saying_how_to_produce_i
     fds = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
     for _ in range(3):
         again = submit(buffer, *job)
-        assert again.returncode == 1 and "nothing to produce: this job's trainers already consumed all 1 epoch" in \
+        assert again.returncode == 1 and "nothing to produce: this job's trainers already consumed the 1 epoch" in \
             again.stdout, again.stdout + again.stderr
     assert f"{buffer / 'progress*.json'}" in again.stdout and daemon.proc.poll() is None
     # Each refused job's worker pool had made its selector and shared file, and nothing closed them (review).
