@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError
+from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, user_name
 from prefetchd.buffer_protocol.layout import check_owned
 
 MAGIC = b"PFDBATCH"
@@ -313,9 +313,10 @@ def map_batch(path: str | os.PathLike[str], dir_fd: int | None = None) -> Mapped
         # when it opened it (the daemon made it).
         if dir_fd is None:
             check_owned(os.path.abspath(path), st.st_uid, "batches")
-        elif st.st_uid != os.fstat(dir_fd).st_uid:
-            raise ProtocolError(f"{path}: belongs to uid {st.st_uid}, not to uid {os.fstat(dir_fd).st_uid} who owns "
-                                "its folder and writes its batches: someone else put it there; remove it")
+        elif st.st_uid != (owner := os.fstat(dir_fd).st_uid):
+            raise ProtocolError(f"{path}: belongs to {user_name(st.st_uid)}, not to {user_name(owner)} who owns its "
+                                f"folder {os.path.dirname(path)} and writes its batches: someone else (a member of the "
+                                "buffer's group?) put it there; remove it")
         if st.st_size < HEADER_SIZE:
             raise _fail(str(path), f"file is {st.st_size} bytes, shorter than the {HEADER_SIZE}-byte header")
         buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -537,6 +537,14 @@ def test_a_batch_someone_else_owns_is_refused_by_the_mapper(tmp_path: Path) -> N
                                             rf"who owns the buffer {tmp_path} and writes its batches: someone else "
                                             r"\(a member of the buffer's group\?\) put it there; remove it"):
         map_batch(path)
+    # Looked up in a folder's fd (the daemon's, a loader's), it is refused by that folder's owner, who is named.
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(ProtocolError, match=rf"{batch_name(0, 0)}: belongs to \S+ \(uid 65534\), not to \S+ "
+                                                rf"\(uid 0\) who owns its folder {tmp_path} and writes its batches"):
+            map_batch(path, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def test_the_accepted_job_is_read_back_with_its_submitter_and_only_from_the_daemons_own_file(tmp_path: Path) -> None:
