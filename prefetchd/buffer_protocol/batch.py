@@ -310,7 +310,7 @@ def map_batch(path: str | os.PathLike[str], dir_fd: int | None = None) -> Mapped
         # buffer's group may rename a file of their own in under a batch's name, for the other members' trainers.
         # A reader by path checks it against the owner of the buffer (layout.check_owned), not of the folder it is
         # in: a member may rename a whole rank-NNNNN folder of theirs in.  One through ``dir_fd`` checked that folder
-        # when it opened it (the daemon made it).
+        # when it opened it (the daemon, which made it; a loader, against the buffer's owner).
         if dir_fd is None:
             check_owned(os.path.abspath(path), st.st_uid, "batches")
         elif st.st_uid != (owner := os.fstat(dir_fd).st_uid):

@@ -31,10 +31,12 @@ messages then say that its builds wait for the storage, and why, before the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,8 +54,8 @@ from prefetchd.buffer_protocol import (
     readable_status,
 )
 from prefetchd.buffer_protocol.documents import augmentation_options, exact_number
-from prefetchd.buffer_protocol.layout import (MANIFEST_NAME, PROGRESS_PATTERN, STREAM_PREFIX, check_stream_folder,
-                                             owning_buffer)
+from prefetchd.buffer_protocol.layout import (DIR_FLAGS, MANIFEST_NAME, PROGRESS_PATTERN, STREAM_PREFIX,
+                                             check_stream_folder, owning_buffer)
 from prefetchd.launch import option_args
 from prefetchd.trainer.errors import (DaemonGone, DaemonStuck, JobEnded, JobReplaced, LoaderError, LoaderTimeout,
                                       StopRequested)
@@ -345,8 +347,38 @@ def submitted_by(buffer: Path) -> tuple[str, str] | None:
     return user_name(job.submitter), f"job {job.job_id}, submitted {moment(job.submitted)}"
 
 
+def open_stream_folder(folder: Path, rank_stream: bool) -> int:
+    """An fd of the folder a loader reads its batches from, which the caller closes.  A rank's stream folder
+    (``rank_stream``) is checked first (``check_stream_folder``: the buffer owner's, no link) and opened without
+    following a link; the fd is taken only where it is the very folder checked, which a member of a --group-access
+    buffer's group may have swapped for one of theirs in between.  A buffer that is its own stream is opened as its
+    path leads, as it was read before: a link to it is its user's to make."""
+    checked = check_stream_folder(folder) if rank_stream else None
+    try:
+        fd = os.open(folder, DIR_FLAGS if rank_stream else DIR_FLAGS & ~os.O_NOFOLLOW)
+    except OSError as exc:
+        if checked is not None:
+            _say_what(folder)
+        raise LoaderError(f"{folder}: cannot open the folder to read its batches ({exc.strerror}); check that it is "
+                          "the daemon's --buffer (or a rank's stream in it) and that this user may read it") from None
+    opened = os.fstat(fd)
+    if checked is None or (opened.st_dev, opened.st_ino) == (checked.st_dev, checked.st_ino):
+        return fd
+    os.close(fd)
+    _say_what(folder)
+    raise LoaderError(f"{folder}: was replaced while the loader opened it (by the daemon making it again, or a member "
+                      "of the buffer's group renaming its entries); start the trainer again")
+
+
+def _say_what(folder: Path) -> None:
+    """ProtocolError where stream folder ``folder`` is someone else's, or a link (``check_stream_folder``)."""
+    with contextlib.suppress(FileNotFoundError):  # gone: the caller says it changed
+        check_stream_folder(folder)
+
+
 class BatchWaiter:
-    """Waits for the batch files of one buffer's job, watching the daemon that owns it.
+    """Waits for the batch files of one buffer's job, watching the daemon that owns it; looks them up in the
+    folder it opened when it was made, which it holds open until :meth:`close`.
 
     Args:
         buffer, manifest: the stream directory and its job (named in restart commands).
@@ -358,10 +390,11 @@ class BatchWaiter:
     def __init__(self, buffer: Path, manifest: Manifest, timeout: float, grace: float, stall: float | None) -> None:
         self.buffer = buffer
         self._rank_stream = owning_buffer(buffer) != buffer
-        # A rank's stream folder, as the loader found it (SPEC rule 7): the buffer's owner's, no link.  A member of a
-        # --group-access buffer's group may rename a folder of theirs in under its name, with their manifest and
-        # batches; those are refused by their owner, and a folder changed under the loader is looked at again.
-        self._folder = check_stream_folder(buffer) if self._rank_stream else None
+        # The folder the loader reads its batches from, open for its life (``close``, or a finalizer for a waiter
+        # dropped unclosed): a batch is looked up in it (``map_batch``'s dir_fd), never by a path that a member of
+        # a --group-access buffer's group could lead, between the open and a check, to a folder of theirs.
+        self.fd = open_stream_folder(buffer, self._rank_stream)
+        self._closer = weakref.finalize(self, os.close, self.fd)
         self.manifest = manifest
         self.timeout = timeout
         self.grace = grace
@@ -395,17 +428,17 @@ class BatchWaiter:
         stored = False  # the daemon said it waited for its storage, which moved the deadline
         while True:
             try:
-                mapped = map_batch(path)
+                return self._map(path)
             except FileNotFoundError:
                 pass  # not produced yet, or deleted to be regenerated after a rewind
-            else:
-                self.check_folder()
-                return mapped
             now = time.monotonic()
             if now >= self._next_look:
                 self._next_look = now + self.liveness_interval
                 looked = True
                 check_progress()
+                # A folder the daemon made again gets the batches, never the one open here: said now, not at the
+                # timeout.
+                self.check_folder()
                 status = readable_status(self.buffer)
                 owner = daemon_owner(self.buffer, status)
                 if owner is not None:
@@ -445,20 +478,48 @@ class BatchWaiter:
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, MAX_DELAY)
 
+    def map_if_there(self, epoch: int, step: int) -> MappedBatch:
+        """Batch (epoch, step) where its file is there (FileNotFoundError where not), without waiting."""
+        return self._map(os.path.join(self.buffer, batch_name(epoch, step)))
+
+    def _map(self, path: str) -> MappedBatch:
+        """The batch file at ``path``, looked up in the folder open here; then the folder at the path is checked."""
+        if self.fd < 0:
+            raise LoaderError(f"the BufferLoader for {self.buffer} is closed; create a new one")
+        mapped = map_batch(path, dir_fd=self.fd)
+        # The manifest and the progress file are still read and written by path, where a member may have renamed a
+        # folder of theirs in.  A buffer that is its own stream only its user (or its parent's owner) can replace.
+        if self._rank_stream:
+            self.check_folder()
+        return mapped
+
     def check_folder(self) -> None:
-        """ProtocolError where the rank's stream folder is not the one the loader started on (one lstat, ~1 us
-        per batch of ~19 MiB): someone else's, a link, or one the daemon made again since (--reset, a job of another
-        world size), which JobWatch tells by its manifest."""
-        if self._folder is None:
+        """LoaderError where the folder at the loader's path is not the one it reads its batches from: one the daemon
+        made again since (--reset, a job of another world size), whose batches never come in the folder open here, or
+        a buffer removed and made again; a rank's stream folder of someone else, or a link, is a ProtocolError
+        (``check_stream_folder``).  An lstat and an fstat, a few us.  A folder gone is let be: JobWatch tells a job of
+        another world size, and a folder being made again is found at a later look."""
+        try:
+            now = os.lstat(self.buffer) if self._rank_stream else os.stat(self.buffer)
+        except FileNotFoundError:
             return
-        now = os.lstat(self.buffer)
-        if (now.st_dev, now.st_ino, now.st_uid, now.st_mode) == (self._folder.st_dev, self._folder.st_ino,
-                                                                 self._folder.st_uid, self._folder.st_mode):
+        held = os.fstat(self.fd)
+        # A folder removed has no links left: a new one of the same inode number (ext4 reuses them) is not it.
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) and held.st_nlink:
             return
-        now = check_stream_folder(self.buffer)  # says whose, or what, it is now
-        if (now.st_dev, now.st_ino) != (self._folder.st_dev, self._folder.st_ino):
+        if self._rank_stream:
+            if not os.path.lexists(self.buffer):
+                return
+            _say_what(self.buffer)
             raise LoaderError(f"{self.buffer}: the daemon made this stream folder again since this loader started "
                               "(`prefetchd start --reset`, or a job of another --world-size); start the trainer again")
+        raise LoaderError(f"{self.buffer}: is not the buffer folder this loader started on (removed and made again "
+                          "since, or a link that leads to another now); start the trainer again")
+
+    def close(self) -> None:
+        """Close the folder's fd; a later map raises LoaderError."""
+        self._closer()
+        self.fd = -1
 
     def _check_job_ended(self, owner: DaemonOwner, status: Status | None, name: str, epoch: int, step: int) -> None:
         """Raise JobEnded when daemon ``owner`` says it waits for a job while the buffer's manifest is still this

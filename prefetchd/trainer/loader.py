@@ -2,8 +2,9 @@
 
 A :class:`BufferLoader` walks the (epoch, step) positions of the daemon's job in
 order.  For each one it waits for the finished batch file, maps it (zero-copy
-numpy views over a private mapping, see ``buffer_protocol.map_batch``) and hands
-out a :class:`Batch`:
+numpy views over a private mapping, see ``buffer_protocol.map_batch``, looked up
+in the stream folder the loader checked and opened when it started, see
+``liveness.BatchWaiter``) and hands out a :class:`Batch`:
 
     images   NCHW, channels_last strides (the file's HWC bytes, permuted for free);
              float32 normalised with the ImageNet statistics, or raw uint8
@@ -75,10 +76,8 @@ from prefetchd.buffer_protocol import (
     MappedBatch,
     Progress,
     ProtocolError,
-    batch_name,
     check_consumer,
     list_batches,
-    map_batch,
 )
 from prefetchd.trainer.batch import Batch, WaitMeter
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, StateMismatch
@@ -220,16 +219,20 @@ class BufferLoader:
         self._timeout = float(timeout)
         self._manifest = wait_for_manifest(self._buffer, self._timeout)
         self._job = JobWatch(self._buffer, self._manifest)
-        self._waiter = BatchWaiter(self._buffer, self._manifest, self._timeout, float(daemon_grace),
-                                   float(stall_timeout) if stall_timeout is not None else None)
         self._normalized = (normalization(mean, std, self._manifest.channels, self._buffer, self._device)
                             if normalize else None)
-        self._at = Where(*self._start_position(start))
         if self._device.type != "cuda" and pin not in ("auto", "none"):  # before the consumer is taken
             raise ValueError(
                 f"pin={pin!r} needs a CUDA device, but device={str(device)!r}; pass pin='auto' or leave it out"
             )
-        self._progress = ProgressFile(self._buffer, self._consumer, self._manifest.job_key)
+        self._waiter = BatchWaiter(self._buffer, self._manifest, self._timeout, float(daemon_grace),
+                                   float(stall_timeout) if stall_timeout is not None else None)
+        try:
+            self._at = Where(*self._start_position(start))
+            self._progress = ProgressFile(self._buffer, self._consumer, self._manifest.job_key)
+        except BaseException:  # a loader that was never made holds no folder open (a mount it was refused on can go)
+            self._waiter.close()
+            raise
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
@@ -242,8 +245,9 @@ class BufferLoader:
             if mode != "none":
                 try:
                     self._attach_feeder(CudaBackend(self._device), mode, prefetch)
-                except BaseException:  # a loader that was never made holds no consumer
+                except BaseException:  # a loader that was never made holds no consumer, nor its folder open
                     self._progress.release()
+                    self._waiter.close()
                     raise
         # Made last, so that at exit it runs before the feeder's and the lock's finalizers (newest first).
         # It holds what says the loader left, never the loader: a loader dropped without close() is collected.
@@ -279,7 +283,7 @@ class BufferLoader:
         if self._consumer == DEFAULT_CONSUMER:
             return (0, 0)
         # Join where the others are: the oldest batch the daemon still holds.
-        waiting = list_batches(self._buffer)
+        waiting = list_batches(self._buffer, self._waiter.fd)
         return min(waiting) if waiting else (0, 0)
 
     # -- read-only views ---------------------------------------------------------
@@ -394,8 +398,7 @@ class BufferLoader:
     def _checked_if_there(self, epoch: int, step: int) -> MappedBatch:
         """Batch (epoch, step) where its file is there already (FileNotFoundError where not), checked: the device
         path starts its copy ahead."""
-        mapped = map_batch(self._buffer / batch_name(epoch, step))
-        self._waiter.check_folder()
+        mapped = self._waiter.map_if_there(epoch, step)
         self._check(mapped, epoch, step)
         return mapped
 
@@ -532,6 +535,7 @@ class BufferLoader:
             logger.warning("closing %s: %s", self._buffer, exc)
         self._closed = True
         self._progress.release()
+        self._waiter.close()
         self._generation += 1
         self._exit_close.detach()
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -18,13 +19,15 @@ import pytest
 import torch
 
 from prefetchd.buffer_protocol import (
-    DaemonOwner, Position, Progress, ProtocolError, RunningJob, State, Status, StorageWait, daemon_owner, write_batch,
-    write_status,
+    DaemonOwner, Position, Progress, ProtocolError, RunningJob, State, Status, StorageWait, batch_name, daemon_owner,
+    write_batch, write_status,
 )
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
                                StateMismatch)
 from prefetchd.trainer import liveness
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
+from tests import open_gate
+from tests.open_gate import OpenGate
 from tests.status_examples import ERRORS, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
@@ -1008,10 +1011,97 @@ def test_a_loader_reads_no_stream_folder_of_another_user_than_the_buffers(make_j
         BufferLoader(buffer / "rank-00001", timeout=5, stall_timeout=None)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder another owner")
+@pytest.mark.skipif(open_gate.unavailable() is not None,
+                    reason=f"holds an open with fanotify: {open_gate.unavailable()}")
+def test_a_loader_reads_its_batches_from_the_stream_folder_it_checked(make_job: MakeJob, buffer: Path) -> None:
+    """A member of a --group-access buffer's group may rename a folder of theirs in under a rank's name, and out
+    again, while a loader opens a batch there: one of the daemon's user's (renamed from another rank's folder), which
+    no owner check of the file refuses.  The loader opened the batch by path and then lstat'ed the folder, by then
+    the daemon's again, and handed out the member's choice.  The swap back is made here while the open is held: the
+    loader looks its batches up in the folder it checked when it started, never opens theirs, and refuses the
+    folder at its path."""
+    real = make_job(buffer / "rank-00001", write=1)
+    real.manifest = dataclasses.replace(real.manifest, rank=1, world_size=2)
+    real.manifest.write(real.buffer)
+    real.claim(buffer)
+    member = buffer / "member"
+    member.mkdir()
+    images, labels, indices = real.arrays(0, 1)
+    planted = member / batch_name(0, 1)
+    write_batch(planted, np.zeros_like(images), labels, indices, epoch=0, step=1, seed=real.manifest.seed,
+                producer=real.manifest.producer)
+    os.chown(member, 65534, 65534)
+    loader = BufferLoader(real.buffer, normalize=False, timeout=5, stall_timeout=None)
+    batches = iter(loader)
+    assert next(batches).step == 0
+
+    def out_again() -> None:
+        (buffer / "rank-00001").rename(member)
+        (buffer / "away").rename(buffer / "rank-00001")
+
+    with OpenGate(planted, out_again) as gate:
+        real.buffer.rename(buffer / "away")
+        member.rename(buffer / "rank-00001")
+        with pytest.raises(ProtocolError, match=rf"{buffer}/rank-00001: belongs to \S+ \(uid 65534\), not to \S+ "
+                                                r"\(uid 0\) who owns the buffer"):
+            handed = next(batches)
+            pytest.fail(f"handed out {'the planted batch' if not handed.images.any() else 'a batch'}, the planted "
+                        f"file opened {gate.opened} times")
+    assert gate.opened == 0
+    loader.close()
+
+
+def test_a_loader_waiting_in_a_stream_folder_the_daemon_made_again_says_so_at_once(make_job: MakeJob,
+                                                                                   buffer: Path) -> None:
+    """The daemon makes a rank's stream folder again (`prefetchd start --reset`, a job of another world size), the
+    same job's manifest in it: the batches go there, never to the folder the loader reads, which says so within a
+    look at the daemon, not at its timeout."""
+    job = make_job(buffer / "rank-00001", write=0)
+    job.manifest = dataclasses.replace(job.manifest, rank=1, world_size=2)
+    job.manifest.write(job.buffer)
+    job.write(0, 0)
+    job.claim(buffer)
+    loader = BufferLoader(job.buffer, normalize=False, timeout=30, stall_timeout=None)
+    batches = iter(loader)
+    assert next(batches).step == 0
+    job.buffer.rename(buffer / "removed")  # kept, so that the new folder cannot reuse its inode number
+    job.buffer.mkdir()
+    job.manifest.write(job.buffer)
+    job.write(0, 1)
+    began = time.monotonic()
+    with pytest.raises(LoaderError, match=rf"{job.buffer}: the daemon made this stream folder again since this "
+                                          r"loader started \(`prefetchd start --reset`"):
+        next(batches)
+    assert time.monotonic() - began < 10 * loader._waiter.liveness_interval
+    loader.close()
+
+
+def test_a_loader_reads_through_one_folder_fd_closed_with_it_or_once_collected(make_job: MakeJob) -> None:
+    """The folder a loader reads its batches from is open for the loader's life: close() closes it, and so does
+    collecting a loader never closed."""
+    job = make_job(write=1)
+
+    def folder_fds() -> int:
+        return sum(os.path.realpath(f"/proc/self/fd/{fd}") == str(job.buffer) for fd in os.listdir("/proc/self/fd"))
+
+    loader = BufferLoader(job.buffer, normalize=False, timeout=5, stall_timeout=None)
+    batches = iter(loader)
+    assert [next(batches).step, next(batches).step] == [0, 1]
+    assert folder_fds() == 1
+    loader.close()
+    assert folder_fds() == 0
+    loader = BufferLoader(job.buffer, normalize=False, timeout=5, stall_timeout=None)
+    assert folder_fds() == 1
+    del loader
+    gc.collect()
+    assert folder_fds() == 0
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file another owner")
 def test_a_loader_reads_no_manifest_or_batch_of_another_user_than_the_buffers(make_job: MakeJob, buffer: Path) -> None:
-    """Files of a member in the daemon's own stream folder: a manifest is refused, and a batch, by the owner of the
-    buffer (the daemon's user), not of the folder they are in."""
+    """Files of a member in the daemon's own stream folder: a manifest is refused by the owner of the buffer (the
+    daemon's user), and a batch by the owner of the folder the loader reads, which it checked is the buffer's."""
     job = make_job(buffer / "rank-00000", write=2)
     job.manifest = dataclasses.replace(job.manifest, rank=0, world_size=2)
     job.manifest.write(job.buffer)
@@ -1021,7 +1111,7 @@ def test_a_loader_reads_no_manifest_or_batch_of_another_user_than_the_buffers(ma
     batches = iter(loader)
     assert next(batches).step == 0
     with pytest.raises(ProtocolError, match=rf"{job.path(0, 1)}: belongs to \S+ \(uid 65534\), not to \S+ \(uid 0\) "
-                                            rf"who owns the buffer {buffer} and writes its batches"):
+                                            rf"who owns its folder {job.buffer} and writes its batches"):
         next(batches)
     loader.close()
     os.chown(job.buffer / "manifest.json", 65534, 65534)
