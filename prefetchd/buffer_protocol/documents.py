@@ -497,7 +497,9 @@ class JobRequest:
     def record(self, buffer: Dir, dir_fd: int | None = None) -> None:
         """Keep this request, which the daemon accepted, as ``job.accepted.json``, with its submitter: the job a
         restarted daemon resumes (``recorded``).  job.json itself is no record of it: the next request, refused
-        or not, replaces it."""
+        or not, replaces it.  Its ``owner`` field tells it from a request: this file is the daemon's own, and renamed
+        to job.json (a member of the buffer's group may) it would pass for a request of the daemon's user (``read``
+        refuses it)."""
         write_json(Path(buffer) / ACCEPTED_JOB_NAME, {**self._doc(), "owner": self.owner}, dir_fd)
 
     @classmethod
@@ -522,7 +524,7 @@ class JobRequest:
         ``BadJobRequest`` that carries the document's ``job_id`` where one can be read, so that
         the refusal reaches whoever submitted it.  So is one that others than its owner may have written: with
         more than one hard link, writable by others, or renamed into place long after it was written (an old
-        request put back, ``MAX_JOB_RENAME_SECONDS``)."""
+        request put back, ``MAX_JOB_RENAME_SECONDS``); and the daemon's record of a job (``record``) renamed there."""
         path = Path(buffer) / JOB_NAME
         try:
             doc, st = read_json_stat(path, "job")
@@ -540,6 +542,11 @@ class JobRequest:
                 raise ProtocolError(f"{path}: is writable by others than its owner, {user_name(st.st_uid)} (mode "
                                     f"{stat.S_IMODE(st.st_mode):04o}), so they may have written it; submit the job "
                                     f"with `prefetchd submit --buffer {path.parent} ...`, which writes it 0644")
+            if "owner" in doc:  # only the daemon's record has it: a request the daemon's user never made
+                raise ProtocolError(f"{path}: is the daemon's record of the job it accepted ({ACCEPTED_JOB_NAME}, "
+                                    "which has an 'owner' field) renamed to a request (any member of the buffer's "
+                                    "group may rename the files there), not a request; it is not run. Submit the job "
+                                    f"with `prefetchd submit --buffer {path.parent} ...`")
             late = (st.st_ctime_ns - st.st_mtime_ns) / 1e9
             if late > MAX_JOB_RENAME_SECONDS:
                 raise ProtocolError(put_back(path, st.st_uid, st.st_mtime_ns, f"was put in place {late:.0f} s after "

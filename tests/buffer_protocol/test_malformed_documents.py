@@ -41,7 +41,7 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.documents import CHANNELS, JOB_ID_RE, SPLITS, write_json
-from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
+from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
 from tests.status_examples import CONSUMER, ERRORS, STORAGE_WAIT, TRAINER, bad_files, production, stream
 from tests.status_examples import write_status_at_heartbeat
 from tests.status_examples import status as status_example
@@ -201,6 +201,20 @@ def test_a_job_json_others_may_write_is_refused(tmp_path: Path) -> None:
             JobRequest.read(tmp_path)
     os.chmod(tmp_path / JOB_NAME, 0o600)
     assert JobRequest.read(tmp_path) is not None
+
+
+def test_the_daemons_record_of_an_accepted_job_renamed_to_job_json_is_no_request(tmp_path: Path) -> None:
+    """The daemon's record of the job it accepted (job.accepted.json) is its own file, in the job document's format:
+    any member of the buffer's group may rename it to job.json at once, where it passed for a request of the
+    daemon's user, held to no allow-list (tests/integration/test_job_owner.py does it with real users)."""
+    request = JobRequest({"data": "/data", "batch_size": 64}, owner=12345)
+    request.record(tmp_path)
+    (tmp_path / ACCEPTED_JOB_NAME).rename(tmp_path / JOB_NAME)
+    with pytest.raises(BadJobRequest) as info:
+        JobRequest.read(tmp_path)
+    said = str(info.value)
+    assert str(tmp_path / JOB_NAME) in said and ACCEPTED_JOB_NAME in said and "not run" in said, said
+    assert f"prefetchd submit --buffer {tmp_path}" in said, said
 
 
 VALID_STATUS = status_example(production=production(streams=(stream(0), stream(1)),

@@ -236,3 +236,71 @@ def test_another_users_old_job_json_renamed_back_by_a_member_is_not_run_again(tw
         assert daemon_proc.wait(30) == 0, daemon_log()
     finally:
         stop_and_clean(daemon_proc, base)
+
+
+def test_the_daemons_record_of_a_members_job_renamed_to_job_json_is_not_the_daemons_users_job(two_users: Users) -> None:
+    """The daemon keeps the job it accepted as job.accepted.json, its own file, in the job document's format: a member
+    renamed it to job.json at once, and the daemon read it as a request of its own user's, held to no allow-list.
+    The member's job named a link of theirs to allowed data, which the member then pointed at data only the daemon
+    may read: run as the daemon's user's, that job produced those pixels for the member's group."""
+    users = two_users
+    base = Path("/dev/shm") / f"prefetchd-record-{uuid.uuid4().hex[:10]}"
+    base.mkdir()
+    daemon_proc: subprocess.Popen[bytes] | None = None
+    try:
+        allowed, secret, mine = base / "allowed", base / "secret", base / "mine"
+        make_shapes_dataset(allowed, classes=2, train_per_class=8, val_per_class=2, seed=1)
+        make_shapes_dataset(secret, classes=2, train_per_class=8, val_per_class=2, seed=2)
+        (base / "cache").mkdir()
+        chown_tree(base, users.daemon_uid, users.gid, 0o750)
+        chown_tree(secret, users.daemon_uid, users.gid, 0o700)
+        mine.mkdir()
+        os.chown(mine, users.trainer_uid, users.gid)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base), "LANG": "C.UTF-8",
+               "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), sysconfig.get_paths()["purelib"]])}
+        python = python_for(users.daemon, env)
+        buffer, log = base / "bf", base / "daemon.log"
+
+        def daemon_log() -> str:
+            return log.read_text(errors="replace")
+
+        def as_trainer(*command: str | Path) -> str:
+            done = subprocess.run(["runuser", "-u", users.trainer, "--", *map(str, command)], env=env,
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, f"{done.stdout}{done.stderr}{daemon_log()}"
+            return done.stdout
+
+        with open(log, "wb") as out:
+            daemon_proc = subprocess.Popen(
+                [python, "-m", "prefetchd", "start", "--buffer", str(buffer), "--group-access", "--workers", "1",
+                 "--high-water", "2", "--index-cache", str(base / "cache"), "--allowed-data", str(allowed)],
+                user=users.daemon_uid, group=users.gid, extra_groups=[], env=env, cwd=base, stdout=out,
+                stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while state_of(buffer) != State.WAITING_FOR_JOB:
+            assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
+            time.sleep(0.05)
+
+        as_trainer("ln", "-s", allowed / "train", mine / "data")
+        said = as_trainer(python, "-m", "prefetchd", "submit", "--buffer", buffer, "--batch-size", "4",
+                          "--image-size", "32", "--data", mine / "data")
+        assert " accepted: " in said, said + daemon_log()
+        assert (buffer / "job.accepted.json").stat().st_uid == users.daemon_uid
+        as_trainer("ln", "-sfn", secret / "train", mine / "data")
+        as_trainer("mv", buffer / "job.accepted.json", buffer / "job.json")
+        deadline = time.monotonic() + 10
+        while (result := job_result_of(buffer)) is None or result.submitter != users.daemon_uid:
+            assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
+            time.sleep(0.05)
+        assert not result.accepted, f"the member's job ran as the daemon's user's: {result}\n{daemon_log()}"
+        for words in ("job.accepted.json", "record", "prefetchd submit"):
+            assert words in result.reason, result.reason
+        time.sleep(2)
+        manifest = Manifest.read(buffer)
+        assert manifest is not None and manifest.dataset_root == str(allowed / "train"), daemon_log()
+
+        daemon_proc.send_signal(signal.SIGTERM)
+        assert daemon_proc.wait(30) == 0, daemon_log()
+    finally:
+        stop_and_clean(daemon_proc, base)
+
