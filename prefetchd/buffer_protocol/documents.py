@@ -61,6 +61,12 @@ LOCK_RETRY_SECONDS = 0.5
 # run that old request again, as that user's.  A job.json put in place more than this long after it was written is
 # refused (``JobRequest.read``); the margin is for a writer stalled between its write and its rename on a loaded box.
 MAX_JOB_RENAME_SECONDS = 10.0
+# The daemon's record of the job it accepted (job.accepted.json) is written and renamed into place at once, by the
+# daemon (microseconds apart), and is never changed after: one its ctime puts this far past its mtime was renamed since
+# (or its mode changed), and is not resumed (``JobRequest.recorded``).  A record replaced while the daemon runs is
+# emptied through the fd it keeps (``JobInbox``), so only a record kept aside across a restart needs this check; a
+# restart takes longer than this (the daemon's start alone, before it can accept another job to record).
+MAX_RECORD_RENAME_SECONDS = 1.0
 
 
 def encode_json(doc: dict[str, Any]) -> bytes:
@@ -78,26 +84,31 @@ def replace_file(path: Path, data: bytes, mode: int | None = None, dir_fd: int |
     so a reader sees the old file or the new one, never part of one.  ``mode``: the file's
     permission bits whatever the umask; without it, 0644 less the umask.  ``dir_fd``: the folder's
     fd, through which both names are looked up (``layout.at``); ``path`` is then what errors show."""
+    os.close(replace_file_kept(path, data, mode, dir_fd))
+
+
+def replace_file_kept(path: Path, data: bytes, mode: int | None = None, dir_fd: int | None = None) -> int:
+    """``replace_file``, and an fd of the file written, open for writing, which the caller closes: whoever may rename
+    the files of the folder may move that file elsewhere, and its writer still reaches it through that fd."""
     # pid + random suffix: two writers in one process (threads, two loaders) never share a temp file.
     tmp = path.with_name(f"{path.name}{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}")
     tmp_at, path_at = at(tmp, dir_fd), at(path, dir_fd)
     # O_EXCL: a name someone else planted (a link to a file of theirs) is never written through.
     fd = os.open(tmp_at, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
     try:
-        try:
-            if mode is not None:
-                os.fchmod(fd, mode)  # O_CREAT's mode is less the umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        if mode is not None:
+            os.fchmod(fd, mode)  # O_CREAT's mode is less the umask
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
         os.replace(tmp_at, path_at, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
+        os.close(fd)
         # A writer that retries (a loader on a full tmpfs, every half second) must not leave a file each time.
         with contextlib.suppress(OSError):
             os.unlink(tmp_at, dir_fd=dir_fd)
         raise
+    return fd
 
 
 def rewrite_in_place(path: Path, data: bytes, kind: str, dir_fd: int | None = None) -> None:
@@ -494,27 +505,50 @@ class JobRequest:
         return {"format": "prefetchd.job", "version": VERSION, "settings": self.settings, "replace": self.replace,
                 "job_id": self.job_id, "submitted": self.submitted}
 
-    def record(self, buffer: Dir, dir_fd: int | None = None) -> None:
+    def record(self, buffer: Dir, dir_fd: int | None = None) -> int:
         """Keep this request, which the daemon accepted, as ``job.accepted.json``, with its submitter: the job a
         restarted daemon resumes (``recorded``).  job.json itself is no record of it: the next request, refused
         or not, replaces it.  Its ``owner`` field tells it from a request: this file is the daemon's own, and renamed
         to job.json (a member of the buffer's group may) it would pass for a request of the daemon's user (``read``
-        refuses it)."""
-        write_json(Path(buffer) / ACCEPTED_JOB_NAME, {**self._doc(), "owner": self.owner}, dir_fd)
+        refuses it).
+
+        Returns an fd of the record, open for writing, through which the daemon empties it once it records no running
+        job (``JobInbox``): a member may rename the record aside and back over a later one, and a restart then
+        resumed the old job."""
+        doc = {**self._doc(), "owner": self.owner}
+        return replace_file_kept(Path(buffer) / ACCEPTED_JOB_NAME, encode_json(doc), dir_fd=dir_fd)
 
     @classmethod
     def recorded(cls, buffer: Dir) -> JobRequest | None:
         """The request the daemon last accepted (``record``); None when none is kept.  ProtocolError for a file
         that is not the daemon's own: any member of a --group-access buffer's group may put one there, and would
-        have it resumed over the job another member's trainer reads."""
+        have it resumed over the job another member's trainer reads; and for one renamed since it was written (its
+        ctime past its mtime, as ``read`` tells a request put back): a member may keep the record of an old job
+        aside and rename it back over the newer one."""
         path = Path(buffer) / ACCEPTED_JOB_NAME
         try:
             doc, st = read_json_stat(path, "job")
         except FileNotFoundError:
             return None
+        except ProtocolError:
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_size == 0:
+                    raise ProtocolError(f"{path}: is empty: the daemon empties its record of a job once that job ended "
+                                        "or another replaced it, so this one was renamed away and back (any member of "
+                                        "the buffer's group may rename the files there); it is not resumed") from None
+            raise
         if st.st_uid != os.geteuid() or st.st_nlink != 1:
             raise ProtocolError(f"{path}: belongs to uid {st.st_uid} (or has {st.st_nlink} links), so the daemon "
                                 f"(uid {os.geteuid()}) did not write it; remove it")
+        # The daemon renames it into place as soon as it is written and never changes it after, but to empty it
+        # through the fd it keeps (``JobInbox``), which a member's rename does not escape: one renamed since (kept
+        # aside by a member and put back after a restart, which no fd outlives) would resume a job nobody asks for.
+        late = (st.st_ctime_ns - st.st_mtime_ns) / 1e9
+        if late > MAX_RECORD_RENAME_SECONDS:
+            raise ProtocolError(f"{path}: written {when_written(st.st_mtime_ns)}, was renamed or changed {late:.1f} s "
+                                "after the daemon wrote it: perhaps an old record put back (any member of the "
+                                "buffer's group may rename the files there), which is not resumed; submit the job "
+                                f"again: `prefetchd submit --buffer {path.parent} ...`")
         owner = _field(doc, "owner", int, path) if doc.get("owner") is not None else None
         return cls._from_doc(doc, path, owner)
 

@@ -8,12 +8,12 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 from prefetchd.buffer_protocol import BatchLayout, Manifest, ProtocolError, list_batches
-from prefetchd.buffer_protocol.layout import (DIR_FLAGS, MANIFEST_NAME, STREAM_PREFIX, STREAM_RE, consumer_of,
-                                             is_consumer_lock, is_temp_name, parse_batch_name)
+from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DIR_FLAGS, MANIFEST_NAME, STREAM_PREFIX, STREAM_RE,
+                                             consumer_of, is_consumer_lock, is_temp_name, parse_batch_name)
 from prefetchd.access import nearest_existing, user_name
 from prefetchd.daemon.config import DaemonConfig, held_bytes
 from prefetchd.daemon.errors import ConfigError
@@ -214,12 +214,13 @@ def let_group_read_files(buffer: Path) -> int:
     Through fds, as ``clear_buffer``: never through a link (the listing's lstat, then O_NOFOLLOW, then the fstat of
     what was opened), never another user's file (a member's progress file is its owner's to chmod), nor a file
     with another name elsewhere (a hard link a member made to a file of the daemon's user: its mode is not the
-    buffer's to set)."""
+    buffer's to set).  Nor job.accepted.json, which only the daemon reads: a chmod sets its ctime, by which the
+    daemon tells a record renamed back (``JobRequest.recorded``), and the job it records would not be resumed."""
     with _own_dir(buffer) as fd:
         if fd is None:
             return 0
         entries = _entries(fd)
-        count = _let_group_read(fd, str(buffer))
+        count = _let_group_read(fd, str(buffer), leave={ACCEPTED_JOB_NAME})
         for name in _stream_folders(entries):
             shown = f"{buffer}/{name}"
             with _own_dir(name, fd, shown) as stream_fd:
@@ -228,11 +229,13 @@ def let_group_read_files(buffer: Path) -> int:
         return count
 
 
-def _let_group_read(fd: int, shown: str) -> int:
-    """``let_group_read_files`` in the folder ``fd`` (``shown``, for the log); how many files it opened up."""
+def _let_group_read(fd: int, shown: str, leave: Container[str] = ()) -> int:
+    """``let_group_read_files`` in the folder ``fd`` (``shown``, for the log), but for the files named in ``leave``;
+    how many files it opened up."""
     me, count = os.geteuid(), 0
     with os.scandir(fd) as scan:
-        closed = [e.name for e in scan if e.is_file(follow_symlinks=False) and _lacks_group_read(e, me)]
+        closed = [e.name for e in scan
+                  if e.name not in leave and e.is_file(follow_symlinks=False) and _lacks_group_read(e, me)]
     for name in closed:
         try:
             file_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)

@@ -87,6 +87,9 @@ class JobInbox:
         # The roots the pending job's files must be inside (resolved local ones, or URLs; None: not confined).
         self.pending_confinement: tuple[str, ...] | None = None
         self.running: RunningJob | None = None  # the submitted job accepted and produced, until it ends
+        # An fd of the record of the running job that this daemon wrote (``JobRequest.record``), open for writing: it
+        # is emptied through it once it records no running job, wherever a member of the group has renamed it.
+        self._record_fd: int | None = None
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -167,8 +170,9 @@ class JobInbox:
         request, result = self.pending_request, self.result
         answer = result.reason if result is not None and result.job_id == request.job_id else ""
         self.running = RunningJob(request.job_id, request.owner, request.submitted, answer)
+        self._void_record()
         try:
-            self.pending_request.record(self.buffer, self.dir_fd)
+            self._record_fd = self.pending_request.record(self.buffer, self.dir_fd)
         except OSError as exc:  # a full tmpfs: a restart then waits for a job, or starts the configured one
             log.warning("cannot keep job %s for a restart to resume (%s): a restart would not resume it",
                         self.pending_request.job_id, exc.strerror)
@@ -180,8 +184,26 @@ class JobInbox:
     def forget_accepted(self) -> None:
         """Drop the record of the accepted job: it ended, or cannot be resumed."""
         self.running = None
+        self._void_record()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(at(self.buffer / ACCEPTED_JOB_NAME, self.dir_fd), dir_fd=self.dir_fd)
+
+    def _void_record(self) -> None:
+        """Empty the record this daemon wrote last, through its fd: it records no running job any more (replaced by
+        another, ended, failed).  Any member of the buffer's group may rename it aside, and renamed back over the
+        next one, a restart resumed a job that was over; empty, it is refused as no record, as is one the daemon did
+        not write."""
+        fd, self._record_fd = self._record_fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+        except OSError as exc:  # a file of its own, open for writing: not expected, but then said
+            log.warning("cannot empty %s, the record of the job accepted before (%s): a member of the buffer's group "
+                        "who kept it aside could have a restarted daemon resume that job",
+                        self.buffer / ACCEPTED_JOB_NAME, exc.strerror)
+        finally:
+            os.close(fd)
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
         """A new job to switch to, or None (nothing new, or refused: see ``result``)."""

@@ -208,7 +208,7 @@ def test_the_daemons_record_of_an_accepted_job_renamed_to_job_json_is_no_request
     any member of the buffer's group may rename it to job.json at once, where it passed for a request of the
     daemon's user, held to no allow-list (tests/integration/test_job_owner.py does it with real users)."""
     request = JobRequest({"data": "/data", "batch_size": 64}, owner=12345)
-    request.record(tmp_path)
+    os.close(request.record(tmp_path))
     (tmp_path / ACCEPTED_JOB_NAME).rename(tmp_path / JOB_NAME)
     with pytest.raises(BadJobRequest) as info:
         JobRequest.read(tmp_path)
@@ -565,7 +565,7 @@ def test_the_accepted_job_is_read_back_with_its_submitter_and_only_from_the_daem
     """``job.accepted.json`` is what a restarted daemon resumes: a member of a --group-access buffer's group
     who could put one there would have their job run over the one another member's trainer reads."""
     request = JobRequest({"data": "/data", "seed": 3}, owner=1234)
-    request.record(tmp_path)
+    os.close(request.record(tmp_path))
     assert JobRequest.recorded(tmp_path) == request  # the submitter (owner) kept, though the file is the daemon's
     if os.geteuid() != 0:
         return

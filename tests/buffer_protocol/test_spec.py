@@ -469,6 +469,9 @@ def job_mismatches(spec: str) -> list[str]:
     m = re.search(r"`MAX_JOB_RENAME_SECONDS` \(([\d.]+) s\)", section(spec, "Buffer directory"))  # rule 5
     if m is None or float(m[1]) != documents.MAX_JOB_RENAME_SECONDS:
         out.append(f"job rename delay: spec {m and m[1]!r}, code {documents.MAX_JOB_RENAME_SECONDS}")
+    m = re.search(r"`MAX_RECORD_RENAME_SECONDS` \(([\d.]+) s\)", section(spec, "Buffer directory"))  # job.accepted.json
+    if m is None or float(m[1]) != documents.MAX_RECORD_RENAME_SECONDS:
+        out.append(f"record rename delay: spec {m and m[1]!r}, code {documents.MAX_RECORD_RENAME_SECONDS}")
     return out
 
 
@@ -595,6 +598,9 @@ MUTATIONS = {
     "job type in spec": ("job", _replace("| `job_id` | str |", "| `job_id` | int |"), None),
     "job rename delay in spec": ("job", _replace("`MAX_JOB_RENAME_SECONDS` (10 s)", "`MAX_JOB_RENAME_SECONDS` (60 s)"), None),
     "job rename delay in code": ("job", None, (documents, "MAX_JOB_RENAME_SECONDS", 60.0)),
+    "record rename delay in spec": ("job", _replace("`MAX_RECORD_RENAME_SECONDS` (1 s)", "`MAX_RECORD_RENAME_SECONDS` (5 s)"),
+                                    None),
+    "record rename delay in code": ("job", None, (documents, "MAX_RECORD_RENAME_SECONDS", 5.0)),
 }
 
 

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,13 +20,16 @@ import pytest
 from click.testing import CliRunner
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, BatchLayout, Manifest, Progress, SlotFiller, State, batch_name,
-                                       list_batches)
+from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, BatchLayout, JobRequest, Manifest, Progress, SlotFiller, State,
+                                       batch_name, list_batches)
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
+from prefetchd.buffer_protocol.documents import MAX_RECORD_RENAME_SECONDS
+from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
 from prefetchd.daemon.buffer_dir import clear_buffer, let_group_read_files, make_stream_dir, prepare_buffer
+from prefetchd.daemon.config import DaemonConfig
+from prefetchd.daemon.job_inbox import JobInbox
 from prefetchd.daemon.sampler import EpochOrders
 from prefetchd.daemon.stream import Stream
 from tests.as_nobody import as_nobody
@@ -403,6 +407,21 @@ def test_a_daemon_under_umask_077_lets_its_group_read_with_group_access(
     written = [buffer / name for name in (LOCK_NAME, STATUS_NAME, MANIFEST_NAME)] + list(list_batches(buffer).values())
     assert {path.name: _mode(path) for path in written} == {path.name: mode for path in written}, daemon.log
     assert ("umask 0077 -> 0037" in daemon.log) == group_access, daemon.log
+
+
+def test_the_record_of_an_accepted_job_an_earlier_daemon_left_0600_is_left_as_it_is_and_resumed(
+        shm_buffer: Path) -> None:
+    """Only the daemon reads job.accepted.json, and a chmod sets its ctime, by which a record renamed back is told
+    (``JobRequest.recorded``): opened up to the group at start, it was refused, and the job not resumed."""
+    buffer = shm_buffer / "bf"
+    buffer.mkdir()
+    os.close(JobRequest({"data": "/data/theirs", "batch_size": 4}, owner=os.geteuid()).record(buffer))
+    (buffer / ACCEPTED_JOB_NAME).chmod(0o600)  # at once, as an earlier daemon's umask 077 left it
+    time.sleep(MAX_RECORD_RENAME_SECONDS + 0.1)
+    assert let_group_read_files(buffer) == 0
+    assert _mode(buffer / ACCEPTED_JOB_NAME) == 0o600
+    job = JobInbox(buffer, DaemonConfig(buffer=buffer), ignore_current=False).resumable()
+    assert job is not None and str(job.data) == "/data/theirs"
 
 
 def test_the_files_an_earlier_daemon_left_0600_are_opened_up_to_the_group_never_through_a_link(

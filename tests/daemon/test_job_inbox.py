@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from prefetchd.buffer_protocol import JobRequest
-from prefetchd.buffer_protocol.layout import JOB_NAME
+from prefetchd.buffer_protocol.documents import MAX_RECORD_RENAME_SECONDS
+from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.job_inbox import JobInbox
 
@@ -100,3 +101,30 @@ def test_a_request_written_in_the_future_neither_bars_new_requests_nor_lets_old_
     JobRequest({"data": "/data/next"}).write(shm_buffer)
     job = answered(inbox)
     assert job is not None and str(job.data) == "/data/next", inbox.result
+
+
+def test_a_record_renamed_aside_and_back_over_a_later_one_is_no_record(shm_buffer: Path) -> None:
+    """The daemon's record of the job it accepted (job.accepted.json) is what a restart resumes.  A member kept it
+    aside while the daemon accepted another job, and renamed it back over that one's record: the restarted daemon
+    resumed the job that had been replaced.  The daemon empties its record, wherever it was renamed, once it records
+    no running job; and a record renamed long after it was written is refused."""
+    inbox = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    JobRequest({"data": "/data/old", "batch_size": 4}).write(shm_buffer)
+    assert answered(inbox) is not None
+    (shm_buffer / ACCEPTED_JOB_NAME).rename(shm_buffer / "kept.json")
+    time.sleep(0.02)  # past the filesystem clock's tick
+    JobRequest({"data": "/data/new", "batch_size": 4}).write(shm_buffer)
+    assert answered(inbox) is not None
+    (shm_buffer / "kept.json").rename(shm_buffer / ACCEPTED_JOB_NAME)
+    restarted = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    assert restarted.resumable() is None, "the replaced job was resumed"
+
+    # One the daemon no longer holds (written by a daemon since restarted), renamed aside and back a while later.
+    JobRequest({"data": "/data/next", "batch_size": 4}).write(shm_buffer)
+    assert answered(restarted) is not None
+    job = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False).resumable()
+    assert job is not None and str(job.data) == "/data/next"
+    time.sleep(MAX_RECORD_RENAME_SECONDS + 0.1)
+    (shm_buffer / ACCEPTED_JOB_NAME).rename(shm_buffer / "kept.json")
+    (shm_buffer / "kept.json").rename(shm_buffer / ACCEPTED_JOB_NAME)
+    assert JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False).resumable() is None

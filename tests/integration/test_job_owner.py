@@ -304,3 +304,75 @@ def test_the_daemons_record_of_a_members_job_renamed_to_job_json_is_not_the_daem
     finally:
         stop_and_clean(daemon_proc, base)
 
+
+def test_an_old_record_of_an_accepted_job_renamed_back_is_not_resumed(two_users: Users) -> None:
+    """A restarted daemon resumes the job its record (job.accepted.json) names.  A member kept the record of the
+    daemon's user's job (on data no member may name) aside while that job ran, let their own job replace it and
+    renamed the old record back over the new one: the next daemon (a restart: the unit's, an upgrade) ran the
+    daemon's user's old job again, and published that data to the group."""
+    users = two_users
+    base = Path("/dev/shm") / f"prefetchd-resume-{uuid.uuid4().hex[:10]}"
+    base.mkdir()
+    daemon_proc: subprocess.Popen[bytes] | None = None
+    try:
+        allowed, secret = base / "allowed", base / "secret"
+        make_shapes_dataset(allowed, classes=2, train_per_class=8, val_per_class=2, seed=1)
+        make_shapes_dataset(secret, classes=2, train_per_class=8, val_per_class=2, seed=2)
+        (base / "cache").mkdir()
+        chown_tree(base, users.daemon_uid, users.gid, 0o750)
+        chown_tree(secret, users.daemon_uid, users.gid, 0o700)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base), "LANG": "C.UTF-8",
+               "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), sysconfig.get_paths()["purelib"]])}
+        python = python_for(users.daemon, env)
+        buffer, log = base / "bf", base / "daemon.log"
+
+        def daemon_log() -> str:
+            return log.read_text(errors="replace")
+
+        def start_daemon() -> subprocess.Popen[bytes]:
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(
+                    [python, "-m", "prefetchd", "start", "--buffer", str(buffer), "--group-access", "--workers", "1",
+                     "--high-water", "2", "--index-cache", str(base / "cache"), "--allowed-data", str(allowed)],
+                    user=users.daemon_uid, group=users.gid, extra_groups=[], env=env, cwd=base, stdout=out,
+                    stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 60
+            while (status := read_status(buffer)) is None or status.pid != proc.pid or status.state in (
+                    State.STOPPED, State.STARTING):
+                assert proc.poll() is None and time.monotonic() < deadline, daemon_log()
+                time.sleep(0.05)
+            return proc
+
+        def as_user(user: str, *command: str | Path) -> str:
+            done = subprocess.run(["runuser", "-u", user, "--", *map(str, command)], env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, f"{done.stdout}{done.stderr}{daemon_log()}"
+            return done.stdout
+
+        def submit(user: str, data: Path) -> None:
+            said = as_user(user, python, "-m", "prefetchd", "submit", "--buffer", buffer, "--batch-size", "4",
+                           "--image-size", "32", "--data", data)
+            assert " accepted: " in said, said + daemon_log()
+
+        daemon_proc = start_daemon()
+        submit(users.daemon, secret / "train")
+        as_user(users.trainer, "mv", buffer / "job.accepted.json", buffer / "kept.json")
+        submit(users.trainer, allowed / "train")
+        daemon_proc.send_signal(signal.SIGTERM)
+        assert daemon_proc.wait(30) == 0, daemon_log()
+        as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.accepted.json")
+        as_user(users.trainer, "rm", buffer / "job.json")  # which a daemon reads at start: it would run it instead
+
+        daemon_proc = start_daemon()
+        time.sleep(1)
+        status = read_status(buffer)
+        assert status is not None and status.state == State.WAITING_FOR_JOB, daemon_log()
+        manifest = Manifest.read(buffer)
+        assert manifest is None or manifest.dataset_root != str(secret / "train"), daemon_log()
+        said = daemon_log().split("not resuming the job an earlier daemon accepted: ")[-1]
+        assert said.startswith(str(buffer / "job.accepted.json")) and "renamed away and back" in said, daemon_log()
+
+        daemon_proc.send_signal(signal.SIGTERM)
+        assert daemon_proc.wait(30) == 0, daemon_log()
+    finally:
+        stop_and_clean(daemon_proc, base)
