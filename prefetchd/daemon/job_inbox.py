@@ -258,8 +258,8 @@ class JobInbox:
 
     def _put_back(self, request: JobRequest) -> str | None:
         """Why ``request`` is an old one renamed back into place, not run (its job.json's mtime is older than that
-        of a request answered already); None for a new one, which becomes the newest answered.  An equal mtime is
-        a new one: two writes in one tick of the filesystem's clock."""
+        of a request answered already, or it is that request); None for a new one, which becomes the newest answered.
+        An equal mtime is a new one (two writes in one tick of the filesystem's clock) but for the same job_id."""
         mtime, now = request.written_ns, time.time_ns()
         if mtime is None:
             return None
@@ -269,6 +269,11 @@ class JobInbox:
             return put_back(self.buffer / JOB_NAME, request.owner, mtime,
                             f"is older than job {newest.job_id} of {user_name(newest.owner)}, written {when_written(bar)}, "
                             "which this daemon answered already")
+        if newest is not None and (mtime, request.job_id, request.owner) == (bar, newest.job_id, newest.owner):
+            # The newest answered itself, renamed back after a request that raised no bar (refused as unreadable,
+            # or with an mtime its owner set back): written in one tick with another, it would have another job_id.
+            return put_back(self.buffer / JOB_NAME, request.owner, mtime,
+                            f"is job {newest.job_id}, which this daemon answered already")
         if mtime <= now:  # one written in the future (its owner set that mtime) raises no bar for anyone else's
             self._newest = request
         return None

@@ -128,3 +128,28 @@ def test_a_record_renamed_aside_and_back_over_a_later_one_is_no_record(shm_buffe
     (shm_buffer / ACCEPTED_JOB_NAME).rename(shm_buffer / "kept.json")
     (shm_buffer / "kept.json").rename(shm_buffer / ACCEPTED_JOB_NAME)
     assert JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False).resumable() is None
+
+
+def test_the_request_answered_last_renamed_back_after_a_refused_one_is_not_answered_again(shm_buffer: Path) -> None:
+    """Renamed aside, and back within MAX_JOB_RENAME_SECONDS after a request that raised no bar (a member's own, its
+    mtime set a second back, refused as older): its mtime equals that of the newest answered, which let it pass for
+    another request written in the same tick, and the daemon answered the same request again."""
+    inbox = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    theirs = JobRequest({"data": "/data/theirs", "batch_size": 4})
+    theirs.write(shm_buffer)
+    written = os.stat(shm_buffer / JOB_NAME).st_mtime_ns
+    assert answered(inbox) is not None
+    (shm_buffer / JOB_NAME).rename(shm_buffer / "kept.json")
+    assert answered(inbox) is None
+    JobRequest({"data": "/data/mine", "batch_size": 4}).write(shm_buffer)
+    os.utime(shm_buffer / JOB_NAME, ns=(written - 10**9, written - 10**9))
+    assert answered(inbox) is None and inbox.result is not None and "older than job" in inbox.result.reason
+    (shm_buffer / "kept.json").rename(shm_buffer / JOB_NAME)
+    assert answered(inbox) is None, "the request was answered again"
+    result = inbox.result
+    assert result is not None and (result.job_id, result.accepted) == (theirs.job_id, False), result
+    assert f"is job {theirs.job_id}, which this daemon answered already" in result.reason, result.reason
+    # Submitted again, it is a new request.
+    JobRequest(theirs.settings).write(shm_buffer)
+    assert answered(inbox) is not None, inbox.result
+
