@@ -15,7 +15,7 @@ from typing import Any
 from prefetchd.buffer_protocol import check_consumer
 from prefetchd.options import setting
 from prefetchd.trainer.gpu import PIN_MODES
-from prefetchd.trainer.liveness import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
+from prefetchd.trainer.wait_bounds import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
 
 OPTIMIZERS = ("sgd", "adamw")
 # (peak learning rate, weight decay) when not given: the usual ResNet recipes for each.

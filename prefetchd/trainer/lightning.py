@@ -47,12 +47,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from prefetchd.trainer.liveness import DEFAULT_TIMEOUT
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import gather_states, own_state
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, check_split, spawn_daemon
+from prefetchd.trainer.wait_bounds import DEFAULT_TIMEOUT
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A :class:`BufferLoader` walks the (epoch, step) positions of the daemon's job in
 order.  For each one it waits for the finished batch file, maps it (zero-copy
 numpy views over a private mapping, see ``buffer_protocol.map_batch``, looked up
 in the stream folder the loader checked and opened when it started, see
-``liveness.BatchWaiter``) and hands out a :class:`Batch`:
+``batch_waiter.BatchWaiter``) and hands out a :class:`Batch`:
 
     images   NCHW, channels_last strides (the file's HWC bytes, permuted for free);
              float32 normalised with the ImageNet statistics, or raw uint8
@@ -47,8 +47,9 @@ sees it is there, and ``close()`` marks the file closed so that it holds nothing
 A loader still open when the interpreter exits closes then, and one collected unclosed (made in a
 function that returned) says in its progress file that it left (``prefetchd.trainer.leaving``).
 
-Waiting for the manifest and for each batch, and telling a slow daemon from a
-stuck or a gone one, is ``prefetchd.trainer.liveness``; the copies to the device in
+Waiting for the manifest is ``prefetchd.trainer.manifest_wait``; for each batch, and
+telling a slow daemon from a stuck or a gone one, ``prefetchd.trainer.batch_waiter``; a
+job replaced under the loader, ``prefetchd.trainer.job_watch``; the copies to the device in
 flight, ``prefetchd.trainer.device_path``; what a loader says as it leaves,
 ``prefetchd.trainer.leaving``; checking a mapped batch
 and normalising it, ``prefetchd.trainer.tensors``; the checkpoint state,
@@ -80,15 +81,17 @@ from prefetchd.buffer_protocol import (
     list_batches,
 )
 from prefetchd.trainer.batch import Batch, WaitMeter
+from prefetchd.trainer.batch_waiter import BatchWaiter
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, StateMismatch
 from prefetchd.trainer.device_path import DevicePath
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode
+from prefetchd.trainer.job_watch import JobWatch
 from prefetchd.trainer.leaving import Where, close_at_exit, say_left, unread_end
-from prefetchd.trainer.liveness import (DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT, BatchWaiter, JobWatch,
-                                        wait_for_manifest)
+from prefetchd.trainer.manifest_wait import wait_for_manifest
 from prefetchd.trainer.progress_file import ProgressFile
 from prefetchd.trainer.resume import is_count, loader_state, resume_position
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD, check_statistics, mismatch, normalization, to_batch
+from prefetchd.trainer.wait_bounds import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
 from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,9 @@ from pathlib import Path
 from prefetchd.buffer_protocol import Manifest, daemon_owner, stream_dir
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, SetupError
-from prefetchd.trainer.liveness import (DATA_FORMS, DEFAULT_TIMEOUT, MORE_TIME, STATUS_LOOK_SECONDS, FailedDaemon, owner_status,
-                                         served_world, unserved_rank, why_no_manifest)
+from prefetchd.trainer.daemon_status import owner_status, served_world, unserved_rank
+from prefetchd.trainer.manifest_wait import DATA_FORMS, STATUS_LOOK_SECONDS, FailedDaemon, why_no_manifest
+from prefetchd.trainer.wait_bounds import DEFAULT_TIMEOUT, MORE_TIME
 
 logger = logging.getLogger(__name__)
 

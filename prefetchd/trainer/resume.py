@@ -15,7 +15,7 @@ from typing import Any, TypeGuard
 
 from prefetchd.buffer_protocol import Manifest
 from prefetchd.trainer.errors import StateMismatch
-from prefetchd.trainer.liveness import job_command
+from prefetchd.trainer.job_command import job_command
 
 STATE_FORMAT = "prefetchd.loader_state"
 STATE_VERSION = 1

@@ -1101,7 +1101,7 @@ def test_the_restart_command_a_trainer_prints_starts_the_same_job(runner: CliRun
     rounded to one string were one job's identity, though they make other images."""
     pytest.importorskip("torch")  # the trainer package imports it (CI's Python 3.10 stage has none)
     from prefetchd.buffer_protocol import Manifest
-    from prefetchd.trainer.liveness import job_command
+    from prefetchd.trainer.job_command import job_command
 
     first = DaemonConfig(buffer=tmp_path / "bf", data=str(tmp_path / "data"), val_fraction=1 / 3,
                          batch_size=48, image_size=40, seed=7, color_jitter=0.30000000000000004,

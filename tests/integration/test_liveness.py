@@ -277,7 +277,7 @@ def test_a_daemon_that_fails_before_its_manifest_is_named_by_the_waiting_loader(
     reason = str(gone).split("the daemon failed before it wrote a manifest: ", 1)[1].split(". Start it again")[0]
     assert f"{data / 'empty'}" in reason, reason
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.liveness"), \
+    with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.manifest_wait"), \
             pytest.raises(LoaderTimeout) as timed_out:
         BufferLoader(buffer, normalize=False, timeout=2)
     [said] = [r.getMessage() for r in caplog.records]
@@ -339,7 +339,7 @@ def test_a_loader_waits_out_an_object_store_outage_longer_than_its_timeout(
     back.start()
     start = time.monotonic()
     try:
-        with caplog.at_level(logging.WARNING, "prefetchd.trainer.liveness"):
+        with caplog.at_level(logging.WARNING, "prefetchd.trainer.batch_waiter"):
             steps.append(next(it).step)
     finally:
         back.cancel()

@@ -24,7 +24,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
                                StateMismatch)
-from prefetchd.trainer import liveness
+from prefetchd.trainer import batch_waiter
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
 from tests import open_gate
 from tests.open_gate import OpenGate
@@ -545,15 +545,13 @@ def test_looks_at_the_daemon_every_liveness_interval_not_at_every_wait(make_job:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A trainer that waits a little for each batch looks at the daemon (its lock's process,
     status.json) once a liveness interval, not once a batch."""
-    from prefetchd.trainer import liveness
-
     looks: list[float] = []
 
     def counted(buffer: Path, status: Status | None = None) -> DaemonOwner | None:
         looks.append(time.monotonic())
         return daemon_owner(buffer, status)
 
-    monkeypatch.setattr(liveness, "daemon_owner", counted)
+    monkeypatch.setattr(batch_waiter, "daemon_owner", counted)
     job = make_job(samples=40, epochs=1)  # 10 batches
     job.claim()
     loader = BufferLoader(job.buffer, timeout=5, daemon_grace=60.0, stall_timeout=None)
@@ -765,7 +763,7 @@ def test_a_loader_waiting_for_the_storage_says_since_when_its_own_ranks_builds_w
     timer = threading.Timer(0.5, lambda: jobs[1].write(0, 0))
     timer.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.liveness"):
+        with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.batch_waiter"):
             assert next(iter(BufferLoader(jobs[1].buffer, timeout=5.0, stall_timeout=5.0))).step == 0
     finally:
         timer.cancel()
@@ -778,7 +776,7 @@ def test_a_loader_waiting_for_the_storage_words_the_daemons_state_as_that_not_as
     """The dataset's root moved away: the waiting trainer's message read `errors: write_failures=18`, a tmpfs
     problem to the eye.  Rank 0's, whose builds wait, says they wait for the storage and why; rank 1's, whose
     batch is late for another reason, does not; both say what write_failures counts."""
-    monkeypatch.setattr(liveness, "SLOW_WAIT_WARNING", 0.3)
+    monkeypatch.setattr(batch_waiter, "SLOW_WAIT_WARNING", 0.3)
     jobs = [make_job(buffer / f"rank-0000{rank}") for rank in (0, 1)]
     for rank, job in enumerate(jobs):
         job.manifest = dataclasses.replace(job.manifest, rank=rank, world_size=2)
@@ -792,7 +790,7 @@ def test_a_loader_waiting_for_the_storage_words_the_daemons_state_as_that_not_as
     timer = threading.Timer(1.0, lambda: jobs[0].write(0, 0))
     timer.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.liveness"):
+        with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.batch_waiter"):
             assert next(iter(BufferLoader(jobs[0].buffer, timeout=5.0, stall_timeout=None))).step == 0
     finally:
         timer.cancel()

@@ -215,7 +215,7 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_any_daemon_starts(buffer
 def test_wording_of_the_option_and_wait_messages(buffer: Path) -> None:
     from prefetchd.trainer.config import TrainConfig
     from prefetchd.trainer.errors import OptionError
-    from prefetchd.trainer.liveness import _summary_parts
+    from prefetchd.trainer.daemon_status import _summary_parts
     from prefetchd.trainer.spawn import check_spawn_options
     from tests.status_examples import production, status
 
