@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches, read_status
+from prefetchd.buffer_protocol import JobRequest, Manifest, Progress, list_batches, map_batch, read_status
 from prefetchd.access import user_name
 from prefetchd.daemon.job_inbox import MAX_REASON_CHARS
 from prefetchd.trainer import BufferLoader, JobEnded, JobReplaced, LoaderTimeout
@@ -518,6 +519,69 @@ def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, sh
     loader.close()
     # A job's epochs consumed: a daemon serving jobs goes back to waiting instead of exiting.
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for the next job")
+
+
+def seeds_waiting(buffer: Path) -> set[int]:
+    """The seeds of the finished batches in ``buffer``, read from their headers."""
+    return {map_batch(path).meta.seed for path in list_batches(buffer).values()}
+
+
+def test_a_submit_answered_accepted_leaves_only_the_new_jobs_manifest_and_batches(shapes_data: Path, shm_dir: Path,
+                                                                                  start_daemon) -> None:
+    """DROP_IN.md section 6: exit 0 means "your job runs (its manifest is written); start the script". A script
+    `prefetchd submit ... && python main.py` opens its loader at once: had the answer come before the job it
+    replaced was cleared (while the new job's dataset is indexed: minutes for ImageNet's first walk), the loader
+    would take that job's manifest and hand out its batches, which a batch of the same shape passes every reader
+    check with (the seed aside, which tells them apart here). So the answer is watched for as submit waits: from
+    the first status that says accepted, the manifest and the batches are the new job's."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3", "--low-water", "1")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "5").returncode == 0
+    daemon.wait_until(lambda: state(buffer) == "full" and seeds_waiting(buffer) == {5}, 60, "the first job's batches")
+    # No trainer read it: the new job needs no --replace, and takes the buffer.
+    submitting = subprocess.Popen([*CLI, "submit", "--buffer", str(buffer), "--data", str(shapes_data / "train"),
+                                   *JOB, "--seed", "6"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen_then: tuple[int, set[int]] | None = None  # the manifest's seed and the batches' when "accepted" shows
+    while seen_then is None and submitting.poll() is None:
+        request = JobRequest.read(buffer)
+        result = job_result_of(buffer)
+        if request is not None and request.settings.get("seed") == 6 and result is not None and result.job_id == request.job_id:
+            assert result.accepted, result
+            seen_then = Manifest.read(buffer).seed, seeds_waiting(buffer)
+    said = submitting.communicate(timeout=90)[0]
+    assert submitting.returncode == 0 and "accepted" in said, said
+    if seen_then is not None:  # else submit saw the answer first and left: the checks below then stand alone
+        assert seen_then[0] == 6, "the status said accepted while the manifest a loader would open was the old job's"
+        assert seen_then[1] <= {6}, "the status said accepted while the old job's batches were there to be read"
+    assert Manifest.read(buffer).seed == 6 and seeds_waiting(buffer) <= {6}
+    with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+        assert loader.manifest.seed == 6
+        first = next(iter(loader))
+    assert (first.epoch, first.step) == (0, 0)
+
+
+def test_a_submit_the_daemon_does_not_answer_within_its_timeout_exits_1(shapes_data: Path, shm_dir: Path,
+                                                                         start_daemon) -> None:
+    """README: exit code 1 when no answer comes within --timeout. Exit 0 would have `prefetchd submit ... &&
+    python main.py` train on whatever job the buffer serves. A SIGSTOPped daemon (one indexing a large dataset
+    looks the same to submit) owns the buffer and answers nothing; continued, it answers the same request."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "2")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        unanswered = submit(buffer, "--data", shapes_data / "train", *JOB, "--timeout", "2")
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert unanswered.returncode == 1, unanswered.stdout + unanswered.stderr
+    job_id = JobRequest.read(buffer).job_id  # type: ignore[union-attr]
+    assert (f"the daemon on {buffer} did not answer job {job_id} within 2 s; see `prefetchd status --buffer "
+            f"{buffer}`") in unanswered.stderr, unanswered.stderr
+    assert "accepted" not in unanswered.stdout
+    # The request was not lost: the daemon, running again, takes it.
+    daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and r.job_id == job_id and r.accepted, 60,
+                      "the answer to the request submit gave up on")
 
 
 def test_malformed_and_unknown_job_settings_are_refused(shm_dir: Path, start_daemon) -> None:
