@@ -24,6 +24,7 @@ import pytest
 from prefetchd.buffer_protocol import Progress, State, batch_name, daemon_pid, list_batches, read_status
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck, LoaderTimeout
+from tests import slow_hook
 from tests.status_examples import production_of, state_of
 from tests.waiting import wait_for
 
@@ -73,6 +74,32 @@ def test_stopped_daemon_is_reported_stuck_within_the_stall_timeout(shapes_data: 
     # Running again it beats again, and the same iterator goes on from the batch it waited for.
     steps += [b.step for b in it]
     assert steps == list(range(len(loader)))
+
+
+def test_a_daemon_whose_workers_take_seconds_per_image_still_beats(shapes_data: Path, shm_dir: Path,
+                                                                   start_daemon) -> None:
+    """RELIABILITY.md, Liveness: the controller loop never blocks on the workers, so a daemon whose workers are
+    busy with huge images still beats. One that waited for a worker's result would miss its heartbeat for as long
+    as a task takes: a loader would call a healthy daemon stuck after its stall_timeout (and --spawn-daemon kill
+    it and start it again on the same images), and the unit's watchdog (WatchdogSec=30) kill it. Here each image
+    takes its worker 2.5 s (a hook), so each batch of 2 takes 5 s; no trainer writes progress meanwhile (a write
+    wakes the controller, which would hide a blocked wait)."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "2", "--image-size", "32",
+                          "--workers", "1", "--high-water", "2", "--low-water", "1", "--transform",
+                          "tests.slow_hook:slow")
+    wait_running(buffer, daemon.proc.pid)
+    oldest, looks_while_building = 0.0, 0
+    deadline = time.monotonic() + 2 * 2 * slow_hook.SECONDS  # both batches of the high-water mark built meanwhile
+    while time.monotonic() < deadline:
+        status = read_status(buffer)
+        assert status is not None and status.pid == daemon.proc.pid and status.production is not None, status
+        oldest = max(oldest, time.time() - status.heartbeat)
+        looks_while_building += status.production.building > 0
+        time.sleep(0.05)
+    assert looks_while_building > 20, "the test looked while no batch was built"
+    assert oldest < STALL - 0.5, f"the heartbeat went {oldest:.1f} s old while a worker was busy: {daemon.log}"
+    assert daemon.proc.poll() is None
 
 
 def test_killed_daemon_is_reported_gone_with_a_restart_that_resumes(shapes_data: Path, shm_dir: Path,
