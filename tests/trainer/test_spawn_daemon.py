@@ -225,6 +225,37 @@ def test_prefetchd_train_gives_up_when_restarts_are_spent(shapes_data: Path, shm
     assert daemon_pid(buffer) is None
 
 
+def test_a_restart_that_fails_before_serving_ends_the_run_at_once_with_the_daemons_message(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
+    """RELIABILITY.md, prefetchd-train: a restarted daemon that exits before serving (a bad dataset, say) ends the
+    run at once with its own message, exit code 1: no restart loop, and no wait of --timeout (60 s here) for a
+    daemon that is not there. The dataset is moved away before the daemon is killed: its restart fails at the
+    index."""
+    root = tmp_path / "data"
+    shutil.copytree(shapes_data / "train", root / "train")
+    buffer = shm_dir / "bf"
+    trainer = _train_cli(root, buffer, tmp_path / "metrics.json")
+    try:
+        deadline = time.monotonic() + 120
+        while (pid := daemon_pid(buffer)) is None or (progress := Progress.read(buffer)) is None or \
+                (progress.epoch, progress.step) < (0, 2):
+            assert trainer.poll() is None and time.monotonic() < deadline, "the trainer never got to step 2"
+            time.sleep(0.01)
+        (root / "train").rename(root / "moved")
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        out = trainer.communicate(timeout=120)[0]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == EXIT_FAILED, out
+    assert time.monotonic() - start < 40, f"took {time.monotonic() - start:.0f} s: {out}"
+    assert out.count("; restarting it (") == 1 and f"(pid {pid}) is gone; restarting it (1 of at most 3" in out, out
+    assert str(root / "train") in out, "the restarted daemon's own message, about its dataset"
+    assert "giving up" not in out and "Traceback" not in out, out
+    assert daemon_pid(buffer) is None
+
+
 def test_a_run_killed_with_its_daemon_resumes_without_a_warning_about_its_own_dead_trainer(
         shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
     """A job scheduler ends a run's trainer and the daemon it started alike. The restart (--resume) starts a
