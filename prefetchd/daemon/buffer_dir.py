@@ -12,8 +12,8 @@ from collections.abc import Container, Iterator
 from pathlib import Path
 
 from prefetchd.buffer_protocol import BatchLayout, Manifest, ProtocolError, list_batches
-from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DIR_FLAGS, MANIFEST_NAME, STREAM_PREFIX, STREAM_RE,
-                                             consumer_of, is_consumer_lock, is_temp_name, parse_batch_name)
+from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DIR_FLAGS, JOB_NAME, MANIFEST_NAME, STREAM_PREFIX,
+                                             STREAM_RE, consumer_of, is_consumer_lock, is_temp_name, parse_batch_name)
 from prefetchd.access import nearest_existing, user_name
 from prefetchd.daemon.config import DaemonConfig, held_bytes
 from prefetchd.daemon.errors import ConfigError
@@ -214,13 +214,14 @@ def let_group_read_files(buffer: Path) -> int:
     Through fds, as ``clear_buffer``: never through a link (the listing's lstat, then O_NOFOLLOW, then the fstat of
     what was opened), never another user's file (a member's progress file is its owner's to chmod), nor a file
     with another name elsewhere (a hard link a member made to a file of the daemon's user: its mode is not the
-    buffer's to set).  Nor job.accepted.json, which only the daemon reads: a chmod sets its ctime, by which the
-    daemon tells a record renamed back (``JobRequest.recorded``), and the job it records would not be resumed."""
+    buffer's to set).  Nor job.json and job.accepted.json, which only the daemon reads: a chmod sets a file's ctime,
+    by which the daemon tells a request or a record renamed back (``JobRequest.read``, ``JobRequest.recorded``): the
+    request an older submit left 0600 was refused as an old one put back, and the job a record names not resumed."""
     with _own_dir(buffer) as fd:
         if fd is None:
             return 0
         entries = _entries(fd)
-        count = _let_group_read(fd, str(buffer), leave={ACCEPTED_JOB_NAME})
+        count = _let_group_read(fd, str(buffer), leave={JOB_NAME, ACCEPTED_JOB_NAME})
         for name in _stream_folders(entries):
             shown = f"{buffer}/{name}"
             with _own_dir(name, fd, shown) as stream_fd:

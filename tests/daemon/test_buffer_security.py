@@ -23,8 +23,10 @@ import prefetchd.cli as prefetchd_cli
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, BatchLayout, JobRequest, Manifest, Progress, SlotFiller, State,
                                        batch_name, list_batches)
 from prefetchd.buffer_protocol.batch import temp_name
+from prefetchd.buffer_protocol import documents
 from prefetchd.buffer_protocol.documents import MAX_RECORD_RENAME_SECONDS
-from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
+from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME,
+                                             STATUS_NAME)
 from prefetchd.buffer_protocol.writer import create_exclusive
 from prefetchd.daemon.errors import EXIT_USAGE, ConfigError
 from prefetchd.daemon.buffer_dir import clear_buffer, let_group_read_files, make_stream_dir, prepare_buffer
@@ -422,6 +424,25 @@ def test_the_record_of_an_accepted_job_an_earlier_daemon_left_0600_is_left_as_it
     assert _mode(buffer / ACCEPTED_JOB_NAME) == 0o600
     job = JobInbox(buffer, DaemonConfig(buffer=buffer), ignore_current=False).resumable()
     assert job is not None and str(job.data) == "/data/theirs"
+
+
+def test_a_job_json_an_earlier_submit_left_0600_is_left_as_it_is_and_still_read(
+        shm_buffer: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the daemon reads job.json, and a chmod sets its ctime, by which a request renamed back is told
+    (``JobRequest.read``): opened up to the group at start, the request an older `prefetchd submit` of the daemon's
+    user left 0600 was refused at the restarted daemon's first look as "put in place N s after it was written: an
+    old request renamed back", also where the job it asked for was the one resumed."""
+    monkeypatch.setattr(documents, "MAX_JOB_RENAME_SECONDS", 1.0)  # 10 s: not worth waiting for here
+    buffer = shm_buffer / "bf"
+    buffer.mkdir()
+    request = JobRequest({"data": "/data/mine", "batch_size": 4})
+    request.write(buffer)
+    (buffer / JOB_NAME).chmod(0o600)  # at once, as an older submit under umask 077 left it
+    time.sleep(documents.MAX_JOB_RENAME_SECONDS + 0.1)
+    assert let_group_read_files(buffer) == 0
+    assert _mode(buffer / JOB_NAME) == 0o600
+    read = JobRequest.read(buffer)
+    assert read is not None and read.job_id == request.job_id
 
 
 def test_the_files_an_earlier_daemon_left_0600_are_opened_up_to_the_group_never_through_a_link(
