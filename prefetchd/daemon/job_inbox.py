@@ -170,12 +170,14 @@ class JobInbox:
         request, result = self.pending_request, self.result
         answer = result.reason if result is not None and result.job_id == request.job_id else ""
         self.running = RunningJob(request.job_id, request.owner, request.submitted, answer)
-        self._void_record()
+        voided = self._void_record()
         try:
             self._record_fd = self.pending_request.record(self.buffer, self.dir_fd)
         except OSError as exc:  # a full tmpfs: a restart then waits for a job, or starts the configured one
             log.warning("cannot keep job %s for a restart to resume (%s): a restart would not resume it",
                         self.pending_request.job_id, exc.strerror)
+            if voided:  # the job before's record, emptied: left there, a restart said a member had renamed it back
+                self._remove_record()
 
     def running_submitter(self) -> int | None:
         """Who submitted the running job (``running``), for the daemon's answers about it."""
@@ -185,17 +187,20 @@ class JobInbox:
         """Drop the record of the accepted job: it ended, or cannot be resumed."""
         self.running = None
         self._void_record()
+        self._remove_record()
+
+    def _remove_record(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(at(self.buffer / ACCEPTED_JOB_NAME, self.dir_fd), dir_fd=self.dir_fd)
 
-    def _void_record(self) -> None:
+    def _void_record(self) -> bool:
         """Empty the record this daemon wrote last, through its fd: it records no running job any more (replaced by
         another, ended, failed).  Any member of the buffer's group may rename it aside, and renamed back over the
         next one, a restart resumed a job that was over; empty, it is refused as no record, as is one the daemon did
-        not write."""
+        not write.  Whether there was one (a record a restart resumed, this daemon did not write: none)."""
         fd, self._record_fd = self._record_fd, None
         if fd is None:
-            return
+            return False
         try:
             os.ftruncate(fd, 0)
         except OSError as exc:  # a file of its own, open for writing: not expected, but then said
@@ -204,6 +209,7 @@ class JobInbox:
                         self.buffer / ACCEPTED_JOB_NAME, exc.strerror)
         finally:
             os.close(fd)
+        return True
 
     def poll(self, running: DaemonConfig | None) -> DaemonConfig | None:
         """A new job to switch to, or None (nothing new, or refused: see ``result``)."""

@@ -4,9 +4,13 @@ however soon it follows the last.  (tests/integration/test_job_owner.py does it 
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 import time
 from pathlib import Path
+
+import pytest
 
 from prefetchd.buffer_protocol import JobRequest
 from prefetchd.buffer_protocol.documents import MAX_RECORD_RENAME_SECONDS
@@ -153,3 +157,41 @@ def test_the_request_answered_last_renamed_back_after_a_refused_one_is_not_answe
     JobRequest(theirs.settings).write(shm_buffer)
     assert answered(inbox) is not None, inbox.result
 
+
+
+def test_a_record_the_daemon_could_not_replace_is_removed_not_left_empty(
+        shm_buffer: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Accepting the next job empties the record of the one before; where the new record cannot be written (a full
+    tmpfs, here a file size limit), the emptied one stayed, and the restarted daemon said it was "renamed away and
+    back (any member of the buffer's group may rename the files there)", blaming a member for a write that failed."""
+    inbox = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    JobRequest({"data": "/data/old", "batch_size": 4}).write(shm_buffer)
+    assert answered(inbox) is not None
+    time.sleep(0.02)  # past the filesystem clock's tick
+    new = JobRequest({"data": "/data/new", "batch_size": 4})
+    new.write(shm_buffer)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))  # Python ignores SIGXFSZ: the write fails with EFBIG
+    try:
+        with caplog.at_level(logging.WARNING, logger="prefetchd.daemon.job_inbox"):
+            assert answered(inbox) is not None
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert f"cannot keep job {new.job_id} for a restart to resume" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="prefetchd.daemon.job_inbox"):
+        assert JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False).resumable() is None
+    assert not (shm_buffer / ACCEPTED_JOB_NAME).exists() and caplog.text == "", caplog.text
+
+    # A record a restart resumed, which its daemon did not write (nor empty), is kept where rewriting it fails.
+    JobRequest({"data": "/data/next", "batch_size": 4}).write(shm_buffer)
+    assert answered(inbox) is not None
+    restarted = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    assert restarted.resumable() is not None
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
+    try:
+        restarted.accepted()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    job = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False).resumable()
+    assert job is not None and str(job.data) == "/data/next"
