@@ -88,10 +88,10 @@ def unreadable(directory: Path, consumer: str, dir_fd: int | None = None) -> Unr
     who = "the default consumer" if consumer == DEFAULT_CONSUMER else f"consumer {consumer!r}"
     return Unreadable(
         f"the daemon's user, {user_name(os.geteuid())}, may not read it: it {whose(found[0][1])}{lock}. A trainer of "
-        f"an older prefetchd leaves {them} so under a umask such as 077 (this version's make {them} 0644 whatever "
-        f"the umask); meanwhile the daemon cannot tell where that trainer is, and keeps no batches for it. The owner "
-        f"makes {them} readable (`chmod 644 {files}`), or remove {them} while no trainer reads as {who} "
-        f"(`rm {files}`); and update that user's prefetchd")
+        f"an older prefetchd leaves {them} so under a umask such as 077 (trainers of this version write {them} 0644 "
+        f"whatever the umask); meanwhile the daemon cannot tell where that trainer is, and keeps no batches for it. "
+        f"Their owner can make {them} readable (`chmod 644 {files}`) or remove {them} while no trainer reads as {who} "
+        f"(`rm {files}`), and should update their prefetchd")
 
 
 def _may_read(st: os.stat_result) -> bool:

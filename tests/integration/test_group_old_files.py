@@ -141,10 +141,10 @@ def test_an_older_trainers_0600_files_are_said_with_whose_they_are_and_the_other
     assert said == [
         f"ignoring {progress}: the daemon's user, {users.daemon} (uid {users.daemon_uid}), may not read it: it belongs "
         f"to {trainer} and has mode 0600; nor its lock {lock.name}, which belongs to {trainer} and has mode 0600. A "
-        "trainer of an older prefetchd leaves them so under a umask such as 077 (this version's make them 0644 "
-        "whatever the umask); meanwhile the daemon cannot tell where that trainer is, and keeps no batches for it. "
-        f"The owner makes them readable (`chmod 644 {progress} {lock}`), or remove them while no trainer reads as "
-        f"consumer 'old' (`rm {progress} {lock}`); and update that user's prefetchd"], service.said()
+        "trainer of an older prefetchd leaves them so under a umask such as 077 (trainers of this version write them "
+        "0644 whatever the umask); meanwhile the daemon cannot tell where that trainer is, and keeps no batches for "
+        f"it. Their owner can make them readable (`chmod 644 {progress} {lock}`) or remove them while no trainer reads "
+        f"as consumer 'old' (`rm {progress} {lock}`), and should update their prefetchd"], service.said()
 
     for path in (progress, lock):
         os.chmod(path, 0o644)
