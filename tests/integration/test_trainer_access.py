@@ -101,13 +101,14 @@ def test_a_trainer_that_may_read_the_buffer_but_not_write_it_stops_at_once(
 
 
 def _take_group_write_at_step_1(buffer: Path) -> subprocess.Popen[bytes]:
-    """A process of root's that takes the group's write bit off ``buffer`` once its trainer has written step 1
-    (nobody cannot)."""
+    """A process of root's that takes the group's write bit off ``buffer`` once its trainer has written step 1 or
+    later (nobody cannot): a trainer that does not wait for it may be past step 1 at the watcher's look."""
     return subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time\n"
         "from prefetchd.buffer_protocol import Progress\n"
         "buffer = sys.argv[1]\n"
-        "while Progress.read(buffer) != Progress(0, 1): time.sleep(0.01)\n"
+        "def at(): p = Progress.read(buffer); return (p.epoch, p.step) if p is not None else (0, 0)\n"
+        "while at() < (0, 1): time.sleep(0.01)\n"
         "os.chmod(buffer, 0o2750)\n"), str(buffer)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
