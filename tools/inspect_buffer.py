@@ -47,7 +47,7 @@ def describe_batch(path: str | os.PathLike[str]) -> str:
         f"header: magic={magic.decode('ascii', 'replace')} version={version} meta_len={meta_len} "
         f"header_len={header_len} file_len={file_len}" + (f" flags={flags:#06x}" if flags else ""),
         f"meta: epoch={meta.epoch} step={meta.step} seed={meta.seed} producer={meta.producer!r} "
-        f"replaced={meta.replaced}",
+        f"replaced={meta.replaced}" + (f" job={meta.job} rank={meta.rank}" if (meta.job, meta.rank) != (None, None) else ""),
     ]
     specs = sorted(meta.tensors.items(), key=lambda item: (item[1].offset, item[0]))
     shapes = {name: str(list(spec.shape)) for name, spec in specs}

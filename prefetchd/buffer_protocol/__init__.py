@@ -14,6 +14,7 @@ from prefetchd.buffer_protocol.batch import (
     BatchMeta,
     MappedBatch,
     map_batch,
+    not_of_stream,
     parse_batch,
 )
 from prefetchd.buffer_protocol.errors import ProtocolError
@@ -65,7 +66,7 @@ __all__ = [
     "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "consumer_held",
     "DaemonOwner", "daemon_owner", "daemon_pid", "list_batches", "lock_holders", "pid_named", "same_pid_namespace", "take_lock",
     "writer_alive", "writer_named",
-    "list_temp_files", "map_batch", "parse_batch", "parse_batch_name", "read_status", "readable_status",
+    "list_temp_files", "map_batch", "not_of_stream", "parse_batch", "parse_batch_name", "read_status", "readable_status",
     "stream_dir", "write_batch", "write_status",
     "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "RunningJob", "State",
     "Status", "StorageWait", "StreamStatus", "Totals", "TrainerStatus",

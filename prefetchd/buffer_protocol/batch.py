@@ -14,7 +14,8 @@ payloads, so each payload can be memory-mapped and handed to the GPU as is::
     32      ...   metadata (msgpack map), zero padding, payloads
 
 The metadata map holds ``format``, ``epoch``, ``step``, ``seed``, ``producer``,
-``replaced`` (samples substituted because they could not be decoded) and
+``replaced`` (samples substituted because they could not be decoded), ``job`` and
+``rank`` (the stream it belongs to: its manifest's ``job_key`` and ``rank``) and
 ``tensors``: name -> {dtype, shape, offset, length}.  Every batch carries
 ``images`` (uint8, N x H x W x C), ``labels`` and ``indices`` (int64, N).
 
@@ -116,21 +117,26 @@ class BatchLayout:
         return self.tensors["images"].offset + slot * self.slot_bytes
 
     def encode_header(
-        self, *, epoch: int, step: int, seed: int, producer: str, replaced: int = 0
+        self, *, epoch: int, step: int, seed: int, producer: str, replaced: int = 0,
+        job: str | None = None, rank: int | None = None,
     ) -> bytes:
-        """Header, metadata and padding: exactly ``header_len`` bytes."""
-        meta: bytes = msgpack.packb(
-            {
-                "format": BATCH_FORMAT,
-                "epoch": epoch,
-                "step": step,
-                "seed": seed,
-                "producer": producer,
-                "replaced": replaced,
-                "tensors": {name: spec.as_meta() for name, spec in self.tensors.items()},
-            },
-            use_bin_type=True,
-        )
+        """Header, metadata and padding: exactly ``header_len`` bytes.  ``job`` and ``rank``: the stream's (its
+        manifest's ``job_key`` and ``rank``), which the daemon always gives; left out where None, as a daemon
+        before them wrote its batches (tests and tools write such batches too)."""
+        fields: dict[str, Any] = {
+            "format": BATCH_FORMAT,
+            "epoch": epoch,
+            "step": step,
+            "seed": seed,
+            "producer": producer,
+            "replaced": replaced,
+        }
+        if job is not None:
+            fields["job"] = job
+        if rank is not None:
+            fields["rank"] = rank
+        fields["tensors"] = {name: spec.as_meta() for name, spec in self.tensors.items()}
+        meta: bytes = msgpack.packb(fields, use_bin_type=True)
         if HEADER_SIZE + len(meta) > self.header_len:
             raise ProtocolError(
                 f"batch metadata is {len(meta)} bytes, more than the {self.header_len - HEADER_SIZE} "
@@ -148,10 +154,30 @@ class BatchMeta:
     producer: str
     replaced: int
     tensors: Mapping[str, TensorSpec]
+    # The stream the daemon wrote it for: its manifest's job_key and rank.  None in a batch of a daemon before
+    # them (a reader requires them where the manifest says ``keyed_batches``: ``not_of_stream``).
+    job: str | None = None
+    rank: int | None = None
 
     @property
     def size(self) -> int:
         return self.tensors["images"].shape[0]
+
+    @property
+    def stream(self) -> str:
+        """The stream it names, for messages: "rank 1 of job 7ce11fc278a4f287"."""
+        return f"rank {self.rank} of job {self.job}"
+
+
+def not_of_stream(meta: BatchMeta, job: str, rank: int, *, keyed: bool) -> bool:
+    """Whether ``meta`` is not a batch of the stream of job key ``job`` and rank ``rank`` (SPEC "What readers
+    check"): it names another job or rank, or, where ``keyed`` (its manifest says the daemon writes them:
+    ``Manifest.keyed_batches``), none.  A batch is a pure function of its job and position, not of its file:
+    a member of a --group-access buffer's group may rename another rank's batch of the same position, or one
+    kept from an earlier job of the same seed and sizes, to its name, and only these fields tell them apart."""
+    if meta.job is None and meta.rank is None:
+        return keyed
+    return (meta.job, meta.rank) != (job, rank)
 
 
 def _fail(name: str, what: str) -> ProtocolError:
@@ -254,6 +280,9 @@ def parse_batch(buf: bytes | memoryview | mmap.mmap, name: str = "<batch>") -> B
     producer = meta.get("producer")
     if not isinstance(producer, str):
         raise _fail(name, f"metadata field 'producer' is {producer!r}, expected a string")
+    job = meta.get("job")
+    if "job" in meta and not isinstance(job, str):
+        raise _fail(name, f"metadata field 'job' is {job!r}, expected a string")
     return BatchMeta(
         epoch=_int(meta, "epoch", name),
         step=_int(meta, "step", name),
@@ -261,6 +290,8 @@ def parse_batch(buf: bytes | memoryview | mmap.mmap, name: str = "<batch>") -> B
         producer=producer,
         replaced=_int(meta, "replaced", name),
         tensors=tensors,
+        job=job,
+        rank=_int(meta, "rank", name) if "rank" in meta else None,
     )
 
 

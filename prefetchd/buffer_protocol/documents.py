@@ -307,6 +307,10 @@ class Manifest:
     # Each epoch's short last batch left out: every batch holds batch_size images.
     drop_last: bool = False
     created: float = field(default_factory=time.time)
+    # The daemon's batches name their stream (``job`` and ``rank`` in their metadata), and a reader refuses one
+    # that does not: ``batch.not_of_stream``.  False where absent: a daemon before them, whose batches it reads
+    # as ever (tests and tools that write batches without them leave it so).
+    keyed_batches: bool = False
 
     # Fields whose change makes already written batches wrong for the new job.
     IDENTITY = (
@@ -353,8 +357,9 @@ class Manifest:
             raise ProtocolError(f"{path}: batch_size, image_size and world_size must be at least 1")
         if not all(isinstance(c, str) for c in doc["classes"]):
             raise ProtocolError(f"{path}: field 'classes' must be a list of class names")
-        if "drop_last" in doc:  # absent in manifests of daemons before it: False
-            _field(doc, "drop_last", bool, path)
+        for flag in ("drop_last", "keyed_batches"):  # absent in manifests of daemons before them: False
+            if flag in doc:
+                _field(doc, flag, bool, path)
         samples, size = doc["samples_per_epoch"], doc["batch_size"]
         if doc["steps_per_epoch"] != steps_per_epoch(samples, size, doc.get("drop_last", False)):
             dropping = " with the short last batch left out" if doc.get("drop_last") else ""

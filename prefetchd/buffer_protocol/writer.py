@@ -156,8 +156,9 @@ class PendingBatch:
         return SlotFiller(self.tmp, images.offset, self.layout.slot_bytes, range(images.shape[0]), self.file_id)
 
     def commit(self, labels: np.ndarray, indices: np.ndarray, *, epoch: int, step: int, seed: int,
-               producer: str, replaced: int = 0) -> Path:
-        """Write labels, indices and the header, and publish under the final name; aborts on any failure."""
+               producer: str, replaced: int = 0, job: str | None = None, rank: int | None = None) -> Path:
+        """Write labels, indices and the header, and publish under the final name; aborts on any failure.
+        ``job``, ``rank``: the stream's (``BatchLayout.encode_header``)."""
         layout = self.layout
         try:
             fd = os.open(at(self.tmp, self.dir_fd), _OPEN_FLAGS, dir_fd=self.dir_fd)
@@ -166,7 +167,8 @@ class PendingBatch:
                 for name, array in (("labels", labels), ("indices", indices)):
                     data = np.ascontiguousarray(array, dtype=DTYPES["int64"]).tobytes()  # N * 8 bytes: copying is free
                     _pwrite_all(fd, memoryview(data), layout.tensors[name].offset)
-                header = layout.encode_header(epoch=epoch, step=step, seed=seed, producer=producer, replaced=replaced)
+                header = layout.encode_header(epoch=epoch, step=step, seed=seed, producer=producer, replaced=replaced,
+                                              job=job, rank=rank)
                 # The header goes last: a file without its magic is never mistaken for a batch.
                 _pwrite_all(fd, memoryview(header), 0)
             finally:
@@ -300,10 +302,13 @@ def write_batch(
     seed: int,
     producer: str,
     replaced: int = 0,
+    job: str | None = None,
+    rank: int | None = None,
 ) -> None:
     """Write a whole batch from arrays: begin, fill every slot, commit (abort on failure).
 
-    The daemon takes the same steps with the fill spread over its workers.
+    The daemon takes the same steps with the fill spread over its workers.  ``job``, ``rank``: the stream's
+    (its manifest's ``job_key`` and ``rank``); without them the batch is one of a daemon before them.
     """
     if images.ndim != 4 or labels.shape != (len(images),) or indices.shape != (len(images),):
         raise ValueError(
@@ -319,7 +324,8 @@ def write_batch(
     except BaseException:
         pending.abort()
         raise
-    pending.commit(labels, indices, epoch=epoch, step=step, seed=seed, producer=producer, replaced=replaced)
+    pending.commit(labels, indices, epoch=epoch, step=step, seed=seed, producer=producer, replaced=replaced, job=job,
+                   rank=rank)
 
 
 class SpareFiles:

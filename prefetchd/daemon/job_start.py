@@ -161,6 +161,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
             val_fraction=job.val_fraction,
             augmentation=job.augmentation,
             drop_last=job.drop_last,
+            keyed_batches=True,
         )
         streams.append((directory, manifest))
     # Streams of ranks this job does not produce that another job wrote (one of a larger world, say): a loader
@@ -193,6 +194,10 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
                         on_status=publish, notifier=notifier,
                         lock_lost=lock.lost, buffer_fd=lock.dir_fd)
     try:
+        # The batches an earlier daemon of the job left are judged before its manifests say that its batches name
+        # their stream (``Manifest.keyed_batches``): one of a daemon before them, kept until the adoption, would
+        # stop a trainer that read it meanwhile as not its stream's.
+        producer.take_positions()
         for (directory, manifest), fd in zip(streams, folders, strict=True):
             write_when_room(functools.partial(manifest.write, directory, fd), directory / MANIFEST_NAME, beat,
                             producer.free_consumed)

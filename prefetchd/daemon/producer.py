@@ -601,7 +601,8 @@ class Producer:
         try:
             final = build.pending.commit(
                 build.labels, build.indices, epoch=build.epoch, step=build.step, seed=self.cfg.seed,
-                producer=stream.manifest.producer, replaced=build.replaced,
+                producer=stream.manifest.producer, replaced=build.replaced, job=stream.manifest.job_key,
+                rank=stream.manifest.rank,
             )
         except OSError as exc:  # commit has removed the temp file
             final = build.pending.final

@@ -42,6 +42,7 @@ from prefetchd.buffer_protocol import (
     ProtocolError,
     list_batches,
     map_batch,
+    not_of_stream,
     progress_name,
 )
 from prefetchd.buffer_protocol.layout import DIR_FLAGS, MAX_EPOCH, consumer_files
@@ -295,25 +296,41 @@ class Stream:
         """Keep the finished batches an earlier daemon of the same job left, but those with replaced
         samples: built while a file could not be read, and a file since mended (the fix a log line
         asks for) would make them differ from the batches built now.  Built again, each is what the
-        data gives today.  Headers that do not parse go too.  Each is read through the folder's fd, as
-        everything else in it: a member of a --group-access buffer's group may put a link to another
-        folder in its place, and that folder's files would decide which batches stay."""
-        redo = 0
+        data gives today.  Headers that do not parse go too, and batches that are not this stream's at
+        their name's position (``not_of_stream``): a daemon before batches named their stream wrote none
+        that are (this daemon's manifest says its batches do, and its trainers refuse one that does not), and
+        a member of a --group-access buffer's group may rename another rank's batch, or one kept from an
+        earlier job, to a name here while no daemon runs.  Each is read through the folder's fd, as
+        everything else in it: a member may put a link to another folder in its place, and that folder's
+        files would decide which batches stay."""
+        redo = older = 0
+        manifest = self.manifest
         for key, path in list_batches(self.dir, self.fd).items():
             try:
-                replaced = map_batch(path, self.fd).meta.replaced
+                meta = map_batch(path, self.fd).meta
             except (ProtocolError, FileNotFoundError):
-                replaced = -1
-            if replaced:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path.name, dir_fd=self.fd)
+                meta = None
+            if meta is None or meta.replaced:
                 redo += 1
+            elif meta.job is None and meta.rank is None:
+                older += 1
+            elif (meta.epoch, meta.step) != key or not_of_stream(meta, manifest.job_key, manifest.rank, keyed=True):
+                log.warning("%s holds epoch %d step %d of %s, where its name says epoch %d step %d of rank %d of job "
+                            "%s: someone who may rename the buffer's files (a member of its group?) put it there; "
+                            "building it again", path, meta.epoch, meta.step, meta.stream, *key, manifest.rank,
+                            manifest.job_key)
+            else:
+                self.published[self.g(key)] = path
                 continue
-            self.published[self.g(key)] = path
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path.name, dir_fd=self.fd)
         self._adopted = set(self.published)  # said by ``say_adopted`` once the windows decide which stay
         if redo:
             log.info("building %s of rank %d again: %s replaced samples or could not be read",
                      counted(redo, "kept batch"), self.rank, "it had" if redo == 1 else "they had")
+        if older:
+            log.info("building %s of rank %d again: written by a prefetchd before batches named their job and rank",
+                     counted(older, "kept batch"), self.rank)
 
     def say_adopted(self) -> None:
         """Log how many adopted batches stay, once the controller deleted those no window holds: a

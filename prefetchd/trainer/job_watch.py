@@ -27,6 +27,9 @@ class JobWatch:
         self.buffer = buffer
         self.manifest = manifest
         self._seen: tuple[int, int] | None = None  # the first look reads the file: it may have changed since
+        # Whether the job's daemon names the stream in its batches (``Manifest.keyed_batches``), as the manifest
+        # last read says: a daemon of another prefetchd restarted on the job may write it otherwise.
+        self.keyed = manifest.keyed_batches
 
     def check(self) -> None:
         path = self.buffer / MANIFEST_NAME
@@ -71,6 +74,7 @@ class JobWatch:
                 "from its position); "
                 f"to keep the old end, submit the job again (`{again} --replace`)"
             )
+        self.keyed = current.keyed_batches
         self._seen = (st.st_ino, st.st_mtime_ns)
 
     def _check_world(self) -> None:

@@ -563,10 +563,12 @@ class BufferLoader:
     def _check(self, mapped: MappedBatch, epoch: int, step: int) -> None:
         """Raise ProtocolError unless ``mapped`` is batch (epoch, step) of this loader's job;
         JobReplaced where the daemon serves another job now (its batches reuse the file names)."""
-        problem = mismatch(mapped, epoch, step, self._manifest, self._buffer)
         # After the mapping: a batch mapped while the manifest still named our job is ours. And before a
         # mismatch is blamed on the file: a batch of the job that replaced ours differs from the manifest we hold.
         self._job.check()
+        # Whether its batches must name their stream, as the manifest there now says: a daemon of an earlier
+        # prefetchd, restarted on the job, writes batches that name none.
+        problem = mismatch(mapped, epoch, step, self._manifest, self._buffer, keyed=self._job.keyed)
         if problem is not None:
             raise ProtocolError(problem)
 

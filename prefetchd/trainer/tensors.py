@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from prefetchd.buffer_protocol import Manifest, MappedBatch
+from prefetchd.buffer_protocol import Manifest, MappedBatch, not_of_stream
 from prefetchd.buffer_protocol.documents import batch_len
 from prefetchd.trainer.batch import Batch
 
@@ -66,10 +66,20 @@ def normalization(mean: Sequence[float] | None, std: Sequence[float] | None, cha
     return scale.to(device), shift.to(device)
 
 
-def mismatch(mapped: MappedBatch, epoch: int, step: int, manifest: Manifest, buffer: Path) -> str | None:
-    """How ``mapped`` differs from batch (epoch, step) of ``manifest``'s job in ``buffer``; None if it does not."""
+def mismatch(mapped: MappedBatch, epoch: int, step: int, manifest: Manifest, buffer: Path, *,
+             keyed: bool | None = None) -> str | None:
+    """How ``mapped`` differs from batch (epoch, step) of ``manifest``'s job in ``buffer``; None if it does not.
+    ``keyed``: whether the daemon's batches name their stream (``not_of_stream``); the manifest's
+    ``keyed_batches`` where None."""
     meta, m = mapped.meta, manifest
     path = mapped.path
+    if not_of_stream(meta, m.job_key, m.rank, keyed=m.keyed_batches if keyed is None else keyed):
+        what = (f"names no job and rank (a batch of a prefetchd before batches named them, as {buffer}'s daemon's do)"
+                if meta.job is None and meta.rank is None else f"is a batch of {meta.stream}")
+        return (f"{path}: {what}, at epoch {meta.epoch} step {meta.step}, but this stream is rank {m.rank} of job "
+                f"{m.job_key} (its manifest.json): the daemon writes only this stream's batches here, so someone who "
+                "may rename the buffer's files (a member of its group?) renamed it there, from another rank's folder "
+                "or kept from an earlier job. Remove it (the daemon builds that batch again)")
     if (meta.epoch, meta.step) != (epoch, step):
         return (f"{path}: holds epoch {meta.epoch} step {meta.step} but its name says epoch {epoch} step {step}; "
                 "delete it (the daemon regenerates missing batches)")

@@ -37,6 +37,7 @@ from prefetchd.buffer_protocol import (
     batch_name,
     list_temp_files,
     map_batch,
+    not_of_stream,
     parse_batch,
     write_batch,
 )
@@ -64,7 +65,7 @@ def _fresh_dir(base: Path) -> Path:
 def _valid_batch(n: int = 2, h: int = 8, w: int = 8, c: int = 3) -> bytes:
     layout = BatchLayout.plan(n, h, w, c)
     buf = bytearray(layout.file_len)
-    head = layout.encode_header(epoch=3, step=5, seed=7, producer="test")
+    head = layout.encode_header(epoch=3, step=5, seed=7, producer="test", job="7ce11fc278a4f287", rank=1)
     buf[: len(head)] = head
     rng = np.random.default_rng(0)
     for name, spec in layout.tensors.items():
@@ -130,6 +131,8 @@ def check_parse(data: bytes, workdir: Path | None = None) -> BatchMeta | None:
     for value in (meta.epoch, meta.step, meta.seed, meta.replaced):
         assert type(value) is int and 0 <= value <= INT63
     assert isinstance(meta.producer, str)
+    assert meta.job is None or isinstance(meta.job, str)
+    assert meta.rank is None or type(meta.rank) is int and 0 <= meta.rank <= INT63
     if workdir is not None:
         path = _write(workdir, data, f"{os.getpid()}-fuzz.batch")
         mapped = map_batch(path)
@@ -156,6 +159,8 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
         "seed": draw(st.integers(0, INT63)),
         "replaced": draw(st.integers(0, INT63)),
         "producer": draw(st.text(max_size=64)),
+        "job": draw(st.none() | st.text(max_size=16)),
+        "rank": draw(st.none() | st.integers(0, INT63)),
     }
 
 
@@ -166,7 +171,7 @@ def test_write_then_map_round_trips(b: dict[str, Any], workdir: Path) -> None:
     try:
         path = d / batch_name(b["epoch"] % 10**6, b["step"] % 10**8)
         write_batch(path, b["images"], b["labels"], b["indices"], epoch=b["epoch"], step=b["step"],
-                    seed=b["seed"], producer=b["producer"], replaced=b["replaced"])
+                    seed=b["seed"], producer=b["producer"], replaced=b["replaced"], job=b["job"], rank=b["rank"])
         assert os.listdir(d) == [path.name] and path.name.endswith(".batch")
         assert list(list_temp_files(d)) == []
         mapped = map_batch(path)
@@ -175,8 +180,8 @@ def test_write_then_map_round_trips(b: dict[str, Any], workdir: Path) -> None:
             assert got.dtype == DTYPES[REQUIRED_TENSORS[name]] and got.shape == want.shape
             assert got.tobytes() == want.tobytes(), name
         m = mapped.meta
-        assert (m.epoch, m.step, m.seed, m.replaced, m.producer) == (
-            b["epoch"], b["step"], b["seed"], b["replaced"], b["producer"])
+        assert (m.epoch, m.step, m.seed, m.replaced, m.producer, m.job, m.rank) == (
+            b["epoch"], b["step"], b["seed"], b["replaced"], b["producer"], b["job"], b["rank"])
         assert m.size == len(b["labels"])
         assert path.stat().st_size == BatchLayout.plan(*b["images"].shape).file_len
     finally:
@@ -191,6 +196,29 @@ def test_parse_accepts_bytes_memoryview_and_mmap(tmp_path: Path) -> None:
         metas = [parse_batch(VALID), parse_batch(memoryview(VALID)), parse_batch(mm)]
     assert metas[0] == metas[1] == metas[2]
     assert (metas[0].epoch, metas[0].step, metas[0].seed, metas[0].producer) == (3, 5, 7, "test")
+
+
+def test_a_batch_names_its_stream_and_one_of_an_earlier_daemon_names_none() -> None:
+    """``job`` and ``rank`` tell a batch of another rank or job renamed to a stream's name from its own
+    (``not_of_stream``); a batch of a daemon before them has neither, and is one only where its manifest does not
+    say that the daemon's batches name their stream."""
+    meta = parse_batch(VALID)
+    assert (meta.job, meta.rank) == ("7ce11fc278a4f287", 1)
+    assert not not_of_stream(meta, "7ce11fc278a4f287", 1, keyed=True)
+    assert not_of_stream(meta, "7ce11fc278a4f287", 0, keyed=False), "another rank's, whatever the manifest says"
+    assert not_of_stream(meta, "0123456789abcdef", 1, keyed=False), "another job's"
+    older = copy.deepcopy(VALID_META)
+    del older["job"], older["rank"]
+    old = parse_batch(_with_meta(older))
+    assert (old.job, old.rank) == (None, None)
+    assert not not_of_stream(old, "7ce11fc278a4f287", 1, keyed=False)
+    assert not_of_stream(old, "7ce11fc278a4f287", 1, keyed=True)
+    half = copy.deepcopy(VALID_META)
+    del half["rank"]
+    assert not_of_stream(parse_batch(_with_meta(half)), "7ce11fc278a4f287", 1, keyed=False)
+    for key, value in (("job", 5), ("job", None), ("rank", -1), ("rank", "1")):
+        with pytest.raises(ProtocolError, match=f"metadata field '{key}'"):
+            parse_batch(_with_meta({**VALID_META, key: value}))
 
 
 def test_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:

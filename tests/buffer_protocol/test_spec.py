@@ -157,7 +157,7 @@ def metadata_mismatches(spec: str) -> list[str]:
     rows = table(spec, "Batch file", "key")
     spec_keys = [literal(r["key"]) for r in rows]
     layout_ = batch.BatchLayout.plan(2, 3, 4, 3)
-    raw = layout_.encode_header(epoch=1, step=2, seed=3, producer="p")
+    raw = layout_.encode_header(epoch=1, step=2, seed=3, producer="p", job="7ce11fc278a4f287", rank=0)  # as the daemon
     magic, version, flags, meta_len, header_len, file_len = batch.HEADER.unpack_from(raw)
     meta = msgpack.unpackb(raw[batch.HEADER_SIZE : batch.HEADER_SIZE + meta_len])
     if sorted(spec_keys) != sorted(meta):
@@ -386,7 +386,7 @@ def _required(spec: str, title: str) -> list[str]:
 _EXAMPLE_MANIFEST = documents.Manifest(
     dataset_root="/data/train", fingerprint="9c1185a5", classes=["a", "b"], num_samples=10, split="train", seed=3,
     batch_size=4, image_size=8, samples_per_epoch=10, steps_per_epoch=3, epochs=2, producer="p", val_fraction=0.1,
-    augmentation="flip", drop_last=False,
+    augmentation="flip", drop_last=False, keyed_batches=True,
 )
 
 
@@ -506,11 +506,11 @@ def test_spec_tables_are_read() -> None:
     """Guards the parser: an empty table would make every check pass vacuously."""
     assert len(table(SPEC, "Constants", "name")) >= 9
     assert len(table(SPEC, "Batch file", "offset")) == 6
-    assert len(table(SPEC, "Batch file", "key")) == 7
+    assert len(table(SPEC, "Batch file", "key")) == 9
     assert len(table(SPEC, "Batch file", "name")) == 3
     assert len(table(SPEC, "Buffer directory", "file")) == 12
     assert len(table(SPEC, "Status document", "key")) >= 60
-    assert len(table(SPEC, "Manifest document", "key")) == 19
+    assert len(table(SPEC, "Manifest document", "key")) == 20
     assert len(table(SPEC, "Progress document", "key")) == 10
     assert len(table(SPEC, "Job document", "key")) == 4
     assert len(docstring_header(batch.__doc__ or "")) == 6

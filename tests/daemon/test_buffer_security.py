@@ -4,6 +4,7 @@ name someone else put there."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -373,11 +374,11 @@ def test_the_batches_an_earlier_daemon_left_are_read_through_the_stream_folders_
     folder, moved = buffer / "rank-00000", buffer / "moved"
     fd = make_stream_dir(folder, group_access=True)
     images = np.zeros((8, 8, 8, 3), np.uint8)
+    stream = _stream(folder, 2, fd)
     for step in (0, 1):  # what an earlier daemon of the same job left
         write_batch(folder / batch_name(0, step), images, np.zeros(8, np.int64), np.arange(8), epoch=0, step=step,
-                    seed=0, producer="earlier")
+                    seed=0, producer="earlier", job=stream.manifest.job_key, rank=0)
     os.symlink(private / "e000000-s00000000.batch", folder / batch_name(0, 2))
-    stream = _stream(folder, 2, fd)
     os.rename(folder, moved)
     os.symlink(private / "rank-00000", folder)
     try:
@@ -386,6 +387,41 @@ def test_the_batches_an_earlier_daemon_left_are_read_through_the_stream_folders_
         assert sorted(os.listdir(moved)) == [batch_name(0, 0), batch_name(0, 1), batch_name(0, 2)]
         assert (moved / batch_name(0, 2)).is_symlink()
         assert _contents(private) == before
+    finally:
+        stream.close()
+
+
+def test_a_restart_builds_again_the_batches_left_that_are_not_its_streams(
+        shm_buffer: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A member of a --group-access buffer's group may rename the daemon's batches while no daemon runs: another
+    rank's over this rank's, one kept from an earlier job, one of another position.  A restart kept them as its own
+    and published them to its trainers.  It builds them again now, with a warning that names each, and so it does
+    the batches of an earlier prefetchd that name no stream (its manifests say that its batches do)."""
+    from prefetchd.buffer_protocol import write_batch
+
+    buffer = shm_buffer / "bf"
+    prepare_buffer(buffer, group_access=True)
+    folder = buffer / "rank-00000"
+    stream = _stream(folder, 2, make_stream_dir(folder, group_access=True))
+    ours = stream.manifest
+    rank_1, earlier = dataclasses.replace(ours, rank=1), dataclasses.replace(ours, fingerprint="earlier")
+    written = {0: (ours, 0), 1: (rank_1, 1), 2: (earlier, 2), 3: (ours, 4), 4: (None, 4)}  # step: as whose, at
+    for step, (manifest, holds) in written.items():
+        write_batch(folder / batch_name(0, step), np.zeros((8, 8, 8, 3), np.uint8), np.zeros(8, np.int64),
+                    np.arange(8), epoch=0, step=holds, seed=0, producer="earlier",
+                    job=None if manifest is None else manifest.job_key, rank=None if manifest is None else manifest.rank)
+    try:
+        with caplog.at_level(logging.INFO, logger="prefetchd.daemon.stream"):
+            stream.adopt_published()
+        assert sorted(stream.published) == [0]
+        assert sorted(os.listdir(folder)) == [batch_name(0, 0)]
+        for step, (manifest, holds) in list(written.items())[1:4]:
+            assert (f"{folder / batch_name(0, step)} holds epoch 0 step {holds} of rank {manifest.rank} of job "
+                    f"{manifest.job_key}, where its name says epoch 0 step {step} of rank 0 of job {ours.job_key}: "
+                    "someone who may rename the buffer's files (a member of its group?) put it there; building it "
+                    "again") in caplog.text
+        assert ("building 1 kept batch of rank 0 again: written by a prefetchd before batches named their job and "
+                "rank") in caplog.text
     finally:
         stream.close()
 

@@ -455,7 +455,8 @@ def test_a_restart_says_which_batches_of_an_earlier_run_it_kept_after_the_window
         for g in range(8):
             epoch, step = s.key(g)
             write_batch(buffer / batch_name(epoch, step), np.zeros((8, 8, 8, 3), np.uint8), np.zeros(8, np.int64),
-                        np.arange(8), epoch=epoch, step=step, seed=0, producer="test")
+                        np.arange(8), epoch=epoch, step=step, seed=0, producer="test", job=s.manifest.job_key,
+                        rank=s.manifest.rank)
         Progress(*s.key(2)).write(buffer)
         producer = books(buffer, s)
         producer._positioned = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import re
@@ -16,7 +17,7 @@ from torchvision.datasets import ImageFolder
 
 import tests.torchrun
 
-from prefetchd.buffer_protocol import stream_dir
+from prefetchd.buffer_protocol import Manifest, ProtocolError, batch_name, stream_dir
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.errors import LoaderError, SetupError
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
@@ -85,6 +86,44 @@ def test_two_boxes_split_the_world_without_talking(shapes_data: Path, shm_dir: P
     n = len(ImageFolder(str(data)).samples)
     assert counts == [n // 4] * 4
     assert sorted(seen) == list(range(n)) and set(seen.values()) == {1}
+
+
+def test_a_batch_renamed_in_from_another_rank_or_kept_from_an_earlier_job_is_refused(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A member of a --group-access buffer's group may rename the daemon's files (here the test's user renames
+    its own daemon's): rank 1's batch over rank 0's of the same position, or one of rank 0 kept aside and put back
+    once a job of the same seed and sizes (one rank, this time) runs.  The batch passed every check (position,
+    sizes, seed, label and index ranges, the daemon's user's file) and rank 0's trainer trained on it."""
+    data, buffer = shapes_data / "train", shm_dir / "bf"
+    first = start_daemon(buffer, "--data", data, *SMALL, "--world-size", "2", "--seed", "3")
+    rank_0, rank_1 = stream_dir(buffer, 0, 2), stream_dir(buffer, 1, 2)
+    first.wait_until(lambda: all((d / batch_name(0, s)).exists() for d in (rank_0, rank_1) for s in (0, 1)), 60,
+                     "two batches of each rank")
+    ours, theirs = Manifest.read(rank_0).job_key, Manifest.read(rank_1).job_key
+    kept = shm_dir / "kept.batch"
+    os.rename(rank_0 / batch_name(0, 1), kept)
+    os.rename(rank_1 / batch_name(0, 0), rank_0 / batch_name(0, 0))
+    loader = BufferLoader(rank_0, normalize=False, timeout=60)
+    with pytest.raises(ProtocolError) as refused:
+        next(iter(loader))
+    loader.close()
+    assert str(refused.value).startswith(
+        f"{rank_0 / batch_name(0, 0)}: is a batch of rank 1 of job {theirs}, at epoch 0 step 0, but this stream is "
+        f"rank 0 of job {ours} (its manifest.json)"), refused.value
+    first.terminate()
+    second = start_daemon(buffer, "--data", data, *SMALL, "--seed", "3", "--reset")
+    second.wait_until(lambda: (buffer / batch_name(0, 1)).exists(), 60, "the one-rank job's second batch")
+    os.rename(kept, buffer / batch_name(0, 1))
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    it = iter(loader)
+    assert next(it).step == 0
+    with pytest.raises(ProtocolError) as refused:
+        next(it)
+    loader.close()
+    assert str(refused.value).startswith(
+        f"{buffer / batch_name(0, 1)}: is a batch of rank 0 of job {ours}, at epoch 0 step 1, but this stream is "
+        f"rank 0 of job {Manifest.read(buffer).job_key} (its manifest.json)"), refused.value
+    assert "(a member of its group?) renamed it there" in str(refused.value)
 
 
 def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, start_daemon) -> None:

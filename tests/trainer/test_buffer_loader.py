@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from prefetchd.buffer_protocol import (
-    DaemonOwner, Position, Progress, ProtocolError, RunningJob, State, Status, StorageWait, batch_name, daemon_owner,
+    DaemonOwner, Manifest, Position, Progress, ProtocolError, RunningJob, State, Status, StorageWait, batch_name, daemon_owner,
     write_batch, write_status,
 )
 from prefetchd.trainer import (Batch, BufferLoader, DaemonGone, DaemonStuck, JobReplaced, LoaderError, LoaderTimeout,
@@ -32,7 +32,7 @@ from tests.status_examples import ERRORS, production, stream, write_status_at_he
 from tests.status_examples import status as status_example
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
-    from conftest import MakeJob
+    from conftest import FakeJob, MakeJob
 
 
 def progress(buffer: Path) -> tuple[int, int] | None:
@@ -865,6 +865,69 @@ def test_a_label_or_index_one_past_the_manifests_last_is_refused(make_job: MakeJ
     write_batch(job.path(0, 0), images, np.full(4, 2), np.full(4, 9), epoch=0, step=0, seed=seed, producer="p")
     batch = next(iter(BufferLoader(job.buffer, timeout=5)))  # the last class and sample are in range
     assert batch.labels.tolist() == [2] * 4 and batch.indices.tolist() == [9] * 4
+
+
+def _keyed(job: FakeJob, **changes: object) -> Manifest:
+    """``job``'s manifest as a daemon that names the stream in its batches writes it (with ``changes``), written."""
+    job.manifest = dataclasses.replace(job.manifest, keyed_batches=True, **changes)  # type: ignore[arg-type]
+    job.manifest.write(job.buffer)
+    return job.manifest
+
+
+def _write_as(job: FakeJob, epoch: int, step: int, manifest: Manifest | None) -> None:
+    """Batch (epoch, step) of ``job``, which passes every other check, named as ``manifest``'s stream's (none: as a
+    daemon before ``job`` and ``rank`` wrote it)."""
+    images, labels, indices = job.arrays(epoch, step)
+    write_batch(job.path(epoch, step), images, labels, indices, epoch=epoch, step=step, seed=job.manifest.seed,
+                producer="p", job=None if manifest is None else manifest.job_key,
+                rank=None if manifest is None else manifest.rank)
+
+
+def test_a_batch_of_another_rank_or_an_earlier_job_renamed_to_a_streams_name_is_refused(make_job: MakeJob) -> None:
+    """A member of a --group-access buffer's group may rename the daemon's files: rank 1's batch of the same
+    position over rank 0's, or one kept from an earlier job of the same seed and sizes, passed every check (the
+    same position, sizes, seed, label and index ranges, the daemon's user's file) and was handed out."""
+    job = make_job()
+    ours = _keyed(job, rank=0, world_size=2)
+    rank_1 = dataclasses.replace(ours, rank=1)
+    earlier = dataclasses.replace(ours, fingerprint="fp-earlier")
+    for theirs in (rank_1, earlier):
+        _write_as(job, 0, 0, theirs)
+        with pytest.raises(ProtocolError) as refused:
+            next(iter(BufferLoader(job.buffer, timeout=5)))
+        assert str(refused.value).startswith(
+            f"{job.path(0, 0)}: is a batch of rank {theirs.rank} of job {theirs.job_key}, at epoch 0 step 0, but this "
+            f"stream is rank 0 of job {ours.job_key} (its manifest.json)"), str(refused.value)
+        assert "(a member of its group?) renamed it there" in str(refused.value)
+        assert "Remove it (the daemon builds that batch again)" in str(refused.value)
+    _write_as(job, 0, 0, None)  # one of a daemon before them: this daemon's manifest says its batches name them
+    with pytest.raises(ProtocolError, match=r"e000000-s00000000.batch: names no job and rank \(a batch of a prefetchd "
+                       r"before batches named them"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+    _write_as(job, 0, 0, ours)
+    assert next(iter(BufferLoader(job.buffer, timeout=5))).step == 0
+
+
+def test_batches_that_name_no_stream_are_read_where_the_manifest_says_its_daemon_writes_none(
+        make_job: MakeJob) -> None:
+    """A daemon of an earlier build writes neither its batches' ``job`` and ``rank`` nor the manifest's
+    ``keyed_batches``, and a trainer reads on: at its start, and once such a daemon is started on its job again in
+    place of one that named them (a loader goes by the manifest there now).  A batch that names a stream is checked
+    whatever the manifest."""
+    job = make_job(write=1)
+    assert not job.manifest.keyed_batches
+    assert [b.step for b in BufferLoader(job.buffer, timeout=5)] == [0, 1, 2]
+    _write_as(job, 0, 0, dataclasses.replace(job.manifest, rank=1))
+    with pytest.raises(ProtocolError, match="is a batch of rank 1 of job"):
+        next(iter(BufferLoader(job.buffer, timeout=5)))
+    ours = _keyed(job)
+    _write_as(job, 0, 0, ours)
+    loader = BufferLoader(job.buffer, timeout=5)
+    it = iter(loader)
+    assert next(it).step == 0
+    dataclasses.replace(ours, keyed_batches=False, producer="earlier-build").write(job.buffer)
+    assert [b.step for b in it] == [1, 2]  # written without job and rank
+    loader.close()
 
 
 def test_a_batch_cut_short_after_it_was_handed_out_faults_no_normalised_batch(make_job: MakeJob) -> None:
