@@ -93,7 +93,10 @@ class JobInbox:
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
-            st = (self.buffer / JOB_NAME).stat()
+            # Not through a link: any member of a --group-access buffer's group may make job.json one, to a path that
+            # hangs a stat (an unanswering network mount) or to nothing, and one to nothing was no request at all,
+            # never answered.  A link is stamped as itself, and its read refused (O_NOFOLLOW: "a symbolic link").
+            st = (self.buffer / JOB_NAME).lstat()
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)

@@ -195,3 +195,16 @@ def test_a_record_the_daemon_could_not_replace_is_removed_not_left_empty(
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     job = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False).resumable()
     assert job is not None and str(job.data) == "/data/next"
+
+
+def test_a_job_json_that_is_a_link_is_refused_as_one_and_never_followed(shm_buffer: Path) -> None:
+    """The daemon looked at job.json through a link (a stat) to see whether it changed: a member of the buffer's
+    group could point one at a path whose stat hangs the daemon (an unanswering mount), and one to nothing was no
+    request at all, left unanswered.  A link is refused now, without a look at where it leads."""
+    inbox = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
+    os.symlink(shm_buffer / "nothing-here", shm_buffer / JOB_NAME)
+    assert answered(inbox) is None
+    result = inbox.result
+    assert result is not None and (result.job_id, result.accepted) == (None, False), result
+    assert f"{shm_buffer / JOB_NAME}: is a symbolic link, not" in result.reason, result.reason
+    assert answered(inbox) is None and inbox.result is result, "the same link is answered once"
