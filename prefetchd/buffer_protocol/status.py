@@ -170,6 +170,7 @@ class Errors:
     vanished_batches: int = 0  # the streams' counters, summed
     progress_rejected: int = 0
     progress_rewinds: int = 0
+    worker_hangs: int = 0  # workers killed because one image took longer than --task-timeout (in worker_restarts too)
 
 
 @dataclass(frozen=True)
@@ -603,6 +604,7 @@ def _errors(f: _Fields) -> Errors:
         vanished_batches=f.count("vanished_batches"),
         progress_rejected=f.count("progress_rejected"),
         progress_rewinds=f.count("progress_rewinds"),
+        worker_hangs=f.count("worker_hangs"),
     )
 
 

@@ -71,6 +71,11 @@ class DaemonConfig:
     low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)
     max_buffer_bytes: int | None = _opt(None, "Cap on the bytes of batches waiting and being built, all consumers of the buffer together (several trainers sharing it: see --consumer in prefetchd-train); when their windows do not fit, the slowest consumer's shrinks first [default: high-water batches per rank, so one trainer sees no difference].", int, minimum=1)
     consumer_timeout: float = _opt(300.0, "Seconds without a progress write after which one of several consumers counts as gone and stops holding batches (a gone process is noticed within a second); it may come back.", float, minimum=0, min_open=True)
+    # 600 s: above the longest a healthy image can take, so that only a hang is killed.  The slowest is an object
+    # store's read through its retries (locations: 6 tries of up to SAMPLE_READ_SECONDS = 60 s and ~5 s of
+    # backoff, ~6 min), which must end in StorageUnavailable and the status's storage_wait, not in a kill; a
+    # worker's start (importing torch for a hook) is not timed at all.  A tighter bound is the user's to set.
+    task_timeout: float = _opt(600.0, "Seconds a local worker may spend on one image (its read, decode and augmentation, a --transform hook's call included) before it counts as hung: it is then killed, the log names it, the batch and the file, and its task is retried on a new worker; a task that hangs 3 times stops the job. Keep it above the longest one image may take: an object store's read through its retries takes up to about 6 minutes.", float, minimum=0, min_open=True)
     min_free_mb: int | None = _opt(None, f"Never let the buffer's filesystem fall below this many MiB free [default: {MIN_FREE_RULE}].", int, minimum=0)
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
     epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)

@@ -44,6 +44,7 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
     ("prefetchd_replaced_samples_total", lambda p: p.errors.replaced_samples, "Samples replaced because their file could not be decoded (or read: missing or unreadable)."),
     ("prefetchd_undecodable_files", lambda p: p.errors.undecodable_files, "Distinct files that could not be decoded, or read (missing or unreadable)."),
     ("prefetchd_worker_restarts_total", lambda p: p.errors.worker_restarts, "Workers that died and were replaced."),
+    ("prefetchd_worker_hangs_total", lambda p: p.errors.worker_hangs, "Workers killed because one image took longer than --task-timeout."),
     ("prefetchd_write_failures_total", lambda p: p.errors.write_failures, "Batch builds that failed and were retried: a write (no space) or a read of the dataset (an unreachable store)."),
     ("prefetchd_trainer_progress_age_seconds", lambda p: p.trainer.progress_age_s,
      "Seconds since the trainer last moved its progress (a trainer that is gone keeps it growing); of several consumers, the slowest one that holds batches."),

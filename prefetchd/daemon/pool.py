@@ -1,9 +1,11 @@
 """The worker pool: processes forked from a preloaded forkserver, the tasks each
-holds, and a replacement for each one that dies.
+holds, and a replacement for each one that dies or hangs.
 
-The controller owns the queue of tasks and decides what a result or a death
-means; the pool only moves tasks to workers and results back, each worker
-holding at most ``TASKS_PER_WORKER`` so it never waits for the controller.
+The controller owns the queue of tasks and decides what a result, a death or a
+hang means; the pool only moves tasks to workers and results back, each worker
+holding at most ``TASKS_PER_WORKER`` so it never waits for the controller.  It
+also watches where each worker is (``workers.Whereabouts``), so that the
+controller can tell one that has not moved for long (``stalled``) and kill it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import psutil
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.logs import run_logged
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, forkserver_preload, worker_main
+from prefetchd.daemon.workers import (Filled, Task, Whereabouts, WorkerJob, WriteFailed, forkserver_preload,
+                                     worker_main)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,11 @@ WORKER_STOP_SECONDS = 5.0
 MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
 RESTART_WINDOW_SECONDS = 60.0
 TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
+# Of the time between two looks at the workers (``stalled``), at most this much counts as time a worker made no
+# progress: a controller that was itself stopped (SIGSTOP, a debugger, swapped out) for a minute while its workers
+# went on must not find them all a minute older and kill them.  Looks come about once a second.
+MAX_LOOK_GAP_SECONDS = 5.0
+KILL_WAIT_SECONDS = 1.0  # for a killed worker to exit (one in a read of a hung NFS mount goes when the read ends)
 T = TypeVar("T")
 
 
@@ -44,7 +52,11 @@ class Worker:
     process: Any  # multiprocessing.Process
     conn: Connection
     ps: psutil.Process
+    where: Whereabouts
     tasks: dict[int, Task] = field(default_factory=dict)
+    seen: int = -1  # its moves at the last look (``stalled``)
+    still: float = 0.0  # seconds it has held tasks without a move, as the looks counted them
+    noted: bool = False  # the controller said it makes no progress (once per stall)
 
 
 class WorkerPool:
@@ -53,6 +65,7 @@ class WorkerPool:
         self.size = size
         self.workers: list[Worker] = []
         self.restart_times: deque[float] = deque()
+        self._looked = 0.0  # when ``stalled`` last looked (monotonic); 0: never
         self._ctx = worker_context()
         # Each worker's pipe and exit sentinel, registered once: at 16 workers and 1000 tasks a
         # second, building a fresh selector of 33 descriptors for every wait (what
@@ -74,11 +87,12 @@ class WorkerPool:
     def _spawn(self) -> Worker:
         parent, child = self._ctx.Pipe()
         level = logging.getLogger().getEffectiveLevel()
-        proc = self._ctx.Process(target=run_logged, args=(level, worker_main, child, self.job, self._clean),
+        where = self._ctx.RawArray("q", [-1, -1, -1])  # Whereabouts: not ready, no task, no sample
+        proc = self._ctx.Process(target=run_logged, args=(level, worker_main, child, self.job, self._clean, where),
                                  name="prefetchd-worker", daemon=True)
         proc.start()
         child.close()
-        worker = Worker(proc, parent, psutil.Process(proc.pid))
+        worker = Worker(proc, parent, psutil.Process(proc.pid), Whereabouts(where))
         self._selector.register(parent, selectors.EVENT_READ, (worker, False))
         self._selector.register(proc.sentinel, selectors.EVENT_READ, (worker, True))
         return worker
@@ -146,6 +160,33 @@ class WorkerPool:
         if task is not None:
             on_result(task, result)
         return True
+
+    def stalled(self) -> list[Worker]:
+        """Look where each worker is; return those that hold tasks and have not moved since the last look,
+        their ``still`` grown by the time since then (at most ``MAX_LOOK_GAP_SECONDS``).  A worker that is
+        idle, moved, or not ready yet (still importing what its job needs) starts again from 0."""
+        now = time.monotonic()
+        gap = min(now - self._looked, MAX_LOOK_GAP_SECONDS) if self._looked else 0.0
+        self._looked = now
+        stalled = []
+        for worker in self.workers:
+            moves = worker.where.moves
+            if moves < 0 or not worker.tasks or moves != worker.seen:
+                worker.seen, worker.still, worker.noted = moves, 0.0, False
+            else:
+                worker.still += gap
+                stalled.append(worker)
+        return stalled
+
+    def kill(self, worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> None:
+        """SIGKILL ``worker`` (one that hangs) and remove it from the pool once the results it sent before
+        are handed to ``on_result``; its unfinished tasks are left in ``worker.tasks``."""
+        worker.process.kill()
+        worker.process.join(KILL_WAIT_SECONDS)
+        while worker.conn.poll():  # a task it finished just before still counts
+            if not self._receive_one(worker, on_result):
+                break
+        self._forget(worker)
 
     def replace(self, dead: Worker) -> str | None:
         """Start a worker in place of ``dead``; or, when too many died lately, why the job must stop."""

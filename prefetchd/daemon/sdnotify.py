@@ -247,6 +247,7 @@ def status_line(status: Status) -> str:
     for count, noun in (
         (p.errors.undecodable_files, "bad file"),
         (p.errors.worker_restarts, "worker restart"),
+        (p.errors.worker_hangs, "hung worker"),
         (p.errors.write_failures, "failed build"),
     ):
         if count:

@@ -201,7 +201,7 @@ def format_status(report: StatusReport) -> str:
         # What went wrong in the job it last produced (the bad files to mend) is not gone with it.
         e = st.production.errors if st is not None and st.production is not None else None
         told = [_errors_line(e), *_bad_file_lines(e)] if e is not None and (
-            e.replaced_samples or e.undecodable_files or e.worker_restarts or e.write_failures) else []
+            e.replaced_samples or e.undecodable_files or e.worker_restarts or e.worker_hangs or e.write_failures) else []
         return "\n".join([line, *told, *report.problems])
     state = st.state if st else "starting"
     meaning = " (every batch of the job's epochs is built; trainers may still be reading)" if state == State.DONE else ""
@@ -369,8 +369,10 @@ def _consumer_line(c: ConsumerStatus, rank: str) -> str:
 
 
 def _errors_line(e: Errors) -> str:
+    # Hung workers only once there was one: the daemon's log names the worker, batch and file of each.
+    hung = f", {counted(e.worker_hangs, 'hung worker')} killed" if e.worker_hangs else ""
     return (f"  errors    {counted(e.replaced_samples, 'replaced sample')}, "
-            f"{counted(e.undecodable_files, 'bad file')}, {counted(e.worker_restarts, 'worker restart')}, "
+            f"{counted(e.undecodable_files, 'bad file')}, {counted(e.worker_restarts, 'worker restart')}{hung}, "
             f"{counted(e.write_failures, 'failed build')}")
 
 

@@ -19,6 +19,10 @@ object store's outage, a dataset root gone, or a local read error that says
 "try again" (``RETRY_LATER_ERRNOS``: EMFILE, ESTALE...); nor a store that
 refuses us (the job stops with what to do).
 
+A worker says where it is, in a few words of shared memory (``Whereabouts``): the task and the
+sample it is on, and a count of its moves.  The controller reads them to tell a worker that hangs
+(a read that never returns, a hook that loops) from one that is slow, and to name the file.
+
 With ``readers`` > 1 a worker keeps that many sample reads in flight on
 threads (object storage: many small requests, each mostly waiting) while it
 decodes in order, so the output does not depend on which read finishes first.
@@ -59,7 +63,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from PIL import Image
@@ -85,6 +89,53 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_REPLACEMENT_TRIES = 16
+
+
+class Whereabouts:
+    """Where a local worker is, for the controller's hang check (``pool.WorkerPool.stalled``): three words of
+    shared memory the worker writes and the controller only reads::
+
+        [0] moves   bumped when the worker begins a task and each sample of it (each replacement tried too);
+                    -1 until it is ready for its first task (a hook's module, torch, imported)
+        [1] task    the id of the task it is on
+        [2] sample  the sample it is on; -1 before the task's first
+
+    No lock: a read torn between the worker's writes is of a worker that moves, which is no hang."""
+
+    MOVES, TASK, SAMPLE = range(3)
+
+    def __init__(self, cells: Any) -> None:
+        self.cells = cells  # a RawArray('q', 3) from the pool's multiprocessing context
+
+    @property
+    def moves(self) -> int:
+        return int(self.cells[self.MOVES])
+
+    @property
+    def task(self) -> int:
+        return int(self.cells[self.TASK])
+
+    @property
+    def sample(self) -> int:
+        return int(self.cells[self.SAMPLE])
+
+    def ready(self) -> None:
+        self.cells[self.MOVES] = 0
+
+    def begin(self, task: int, sample: int = -1) -> None:
+        """The worker begins ``sample`` of ``task`` (-1: the task itself); the move is written last."""
+        self.cells[self.TASK] = task
+        self.cells[self.SAMPLE] = sample
+        self.cells[self.MOVES] += 1
+
+
+# This process's, in a local worker (``worker_main``); None elsewhere (a Ray worker, the bridge, a test).
+_whereabouts: Whereabouts | None = None
+
+
+def _begin(task: int, sample: int = -1) -> None:
+    if _whereabouts is not None:
+        _whereabouts.begin(task, sample)
 
 
 @dataclass(frozen=True)
@@ -174,11 +225,12 @@ _NOT_THE_SAMPLES_FAULT = tuple(NOT_THE_SAMPLES_FAULT)
 
 def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[int, str]],
              times: StageTimes, first: Read | None, clean: CleanFiles | None,
-             into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+             into: np.ndarray | None = None, task_id: int = -1) -> tuple[int, np.ndarray]:
     """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic
     replacements; into ``into`` where given (the slot: each try overwrites what a failed one left)."""
     tries = min(MAX_REPLACEMENT_TRIES, len(job.members))  # past the split's end it wraps: each sample once
     for k, candidate in enumerate(_candidates(job, index)):
+        _begin(task_id, candidate)
         name = job.index.name(candidate)
         rng = None
         if job.train:
@@ -308,7 +360,7 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
         target = sink.slot(slot)
         # The slot itself where the sink has one: the resize writes the file's pages, no copy after.
         into = np.frombuffer(target, np.uint8).reshape(shape) if target is not None else None
-        used, image = _produce(job, reader, task.epoch, index, failures, times, read, clean, into)
+        used, image = _produce(job, reader, task.epoch, index, failures, times, read, clean, into, task.task_id)
         t0 = time.perf_counter()
         if image is not into:  # a size x size x 3 array (augment_bytes; a hook's shape is checked): it fits
             try:
@@ -399,10 +451,15 @@ def limit_threads() -> None:
         pass
 
 
-def worker_main(conn: Connection, job: WorkerJob, clean: CleanFiles | None = None) -> None:
+def worker_main(conn: Connection, job: WorkerJob, clean: CleanFiles | None = None, where: Any = None) -> None:
+    """A local worker's loop; ``where``: its ``Whereabouts`` cells, which the controller watches."""
+    global _whereabouts
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     prepare_process(job)
+    if where is not None:
+        _whereabouts = Whereabouts(where)
+        _whereabouts.ready()  # not timed until here: importing torch for a hook takes seconds on a busy box
     reader = SampleReader(job.index, job.readers)
     queued: deque[tuple[Task, list[Future[bytearray]] | None]] = deque()
     stopping = False
@@ -422,6 +479,7 @@ def worker_main(conn: Connection, job: WorkerJob, clean: CleanFiles | None = Non
         if not queued:
             return
         task, reads = queued.popleft()
+        _begin(task.task_id)
         try:
             result: Filled | WriteFailed = run_task(job, task, reader, reads, clean=clean)
         except Exception as exc:

@@ -110,6 +110,7 @@ def _summary_parts(status: Status, rank: int | None = None) -> list[str]:
         bad = {
             "replaced_samples": e.replaced_samples, "undecodable_files": e.undecodable_files,
             "undecodable": [f"{b.path}: {b.reason}" for b in e.undecodable], "worker_restarts": e.worker_restarts,
+            "worker_hangs": e.worker_hangs,
             "write_failures": e.write_failures, "progress_file": e.progress_file,
         }
         shown = {k: v for k, v in bad.items() if v}
