@@ -58,6 +58,10 @@ consumer_kill       a second, named consumer (``extra``, a driver run     status
                     resumes from its checkpoint                           (exactly once, identical)
 worker_kill         SIGKILL one of the daemon's workers (half the time     ``errors.worker_restarts`` rose
                     while a batch is being built)
+worker_stop         SIGSTOP one of the daemon's workers (half the time     ``errors.worker_hangs`` rose: the
+                    while a batch is being built) and leave it stopped:   daemon killed it after its
+                    a hang (daemons run with ``--task-timeout``           ``--task-timeout`` and built its
+                    ``Settings.task_timeout`` when the kind is planned)   tasks on a new worker
 remote_node_lost    (``RAY_KINDS``, asked for by name) SIGKILL the Ray    the status names the node that
                     node that builds the daemon's remote slices (the      joined as one that built slices
                     head has no CPUs), then add another                   (``remote.nodes``)
@@ -121,7 +125,7 @@ DRIVER = Path(__file__).resolve().with_name("driver.py")
 KINDS = (
     "daemon_kill", "trainer_kill", "trainer_stop", "enospc", "batch_corrupt", "batch_truncate",
     "batch_delete", "progress_garbage", "progress_rewind", "second_daemon", "dataset_delete",
-    "daemon_stuck", "progress_planted", "batch_planted", "bad_start", "consumer_kill", "worker_kill",
+    "daemon_stuck", "progress_planted", "batch_planted", "bad_start", "consumer_kill", "worker_kill", "worker_stop",
 )
 # Faults that need a Ray cluster, which the harness then starts (2 nodes: a head without CPUs and one
 # 1-CPU node) and the daemons build on with --ray beside their local worker.  Asked for by name only:
@@ -148,12 +152,13 @@ TITLES = {
     "bad_start": "bad dataset/buffer starts",
     "consumer_kill": "2nd consumer SIGKILL+resume",
     "worker_kill": "worker SIGKILL",
+    "worker_stop": "worker SIGSTOP (a hang)",
     "remote_node_lost": "Ray node SIGKILL + new node",
     "trainer_crash": "trainer SIGTERM (self-test)",
 }
 # The counters a daemon keeps in status.json (read through read_status) that the checks compare.
 COUNTERS = ("write_failures", "low_space_pauses", "vanished_batches", "progress_rejected", "progress_rewinds",
-            "undecodable_files", "worker_restarts")
+            "undecodable_files", "worker_restarts", "worker_hangs")
 STATUS_POLL = 0.05  # seconds between looks at status.json; the daemon rewrites it about once a second
 LOG_TAIL = 12  # lines of a process's log quoted when it exits unexpectedly
 RECOVERY_TIMEOUT = 90.0  # no batch for this long after a fault is a hang
@@ -181,6 +186,9 @@ class Settings:
     # The trainer's stall_timeout: short, so that daemon_stuck is quick, long enough that a daemon on a
     # loaded machine (the status is rewritten about once a second) never looks stuck when it is not.
     stall_timeout: float = 10.0
+    # The daemons' --task-timeout where worker_stop is planned (else their default, 600 s): short, so that a
+    # stopped worker is killed soon; far above the milliseconds a task of 4 small images takes, even on a loaded box.
+    task_timeout: float = 5.0
     python: str = sys.executable
 
 
@@ -414,6 +422,7 @@ class Harness:
         return ["--data", str(self.data), "--batch-size", str(s.batch_size), "--image-size", str(s.image_size),
                 "--workers", str(s.workers), "--seed", "7", "--epochs", str(self.epochs),
                 "--high-water", str(s.high_water), "--low-water", str(s.low_water), "--min-free-mb", "0",
+                *(["--task-timeout", str(s.task_timeout)] if "worker_stop" in s.kinds else []),
                 *(["--ray", self.cluster.address] if self.cluster is not None else [])]
 
     def spawn(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -754,6 +763,37 @@ class Harness:
     def inject_worker_kill(self, fault: Fault, rng: random.Random) -> None:
         """SIGKILL one of the daemon's workers, half the time while a batch is being built: the
         daemon requeues its tasks and starts another, and the batches stay the same."""
+        victim, base = self._signal_worker(fault, rng, signal.SIGKILL)
+        fault.detail = "no worker to kill" if victim is None else fault.detail
+        fault.check = counter_rose("worker_restarts", base)
+        # Until a status counts it (about a second): a next fault that kills or stops the daemon
+        # would otherwise leave no status of this one's daemon that could.
+        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 5.0)
+
+    def inject_worker_stop(self, fault: Fault, rng: random.Random) -> None:
+        """SIGSTOP one of the daemon's workers, half the time while a batch is being built, and leave it
+        stopped, as a worker hangs: the daemon kills it once it has made no progress for --task-timeout
+        (one stopped while idle gets the next tasks: the least busy worker does) and builds its tasks on
+        a new one, and the batches stay the same."""
+        victim, base = self._signal_worker(fault, rng, signal.SIGSTOP)
+        fault.detail = "no worker to stop" if victim is None else fault.detail
+        fault.check = counter_rose("worker_hangs", base)
+        # Until a status counts it: the timeout, a look (about a second) and a status write, on a loaded box.
+        if not self.wait_until(lambda: fault.check is not None and fault.check(fault, self), self.s.task_timeout + 30):
+            with contextlib.suppress(psutil.Error):  # not noticed: the run goes on, and the fault counts as missed
+                if victim is not None:
+                    victim.send_signal(signal.SIGCONT)
+            return
+        # How long the stopped worker held its tasks: to the first status that counts it killed (the same look).
+        assert base is not None
+        counted_at = min(x.heartbeat for x in self.statuses if x.pid == base.pid and x.heartbeat > base.heartbeat
+                         and x.counters["worker_hangs"] > base.counters["worker_hangs"])
+        fault.detail += f", killed within {counted_at - fault.t_inject:.1f} s"
+
+    def _signal_worker(self, fault: Fault, rng: random.Random,
+                       sig: signal.Signals) -> tuple[psutil.Process | None, StatusSample | None]:
+        """Send ``sig`` to one of the daemon's workers, half the time while a batch is being built (said in
+        ``fault.detail``); the worker (None: none was there) and a status from just before."""
         assert self.daemon is not None
         daemon = self.daemon
         workers: list[psutil.Process] = []
@@ -773,14 +813,13 @@ class Harness:
         victim = rng.choice(workers) if workers else None
         try:
             if victim is not None:
-                victim.send_signal(signal.SIGKILL)
+                victim.send_signal(sig)
         except psutil.NoSuchProcess:
             victim = None
-        fault.detail = "no worker to kill" if victim is None else ("mid-build" if mid else "idle")
-        fault.check = counter_rose("worker_restarts", base)
-        # Until a status counts it (about a second): a next fault that kills or stops the daemon
-        # would otherwise leave no status of this one's daemon that could.
-        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 5.0)
+        fault.detail = "mid-build" if mid else "idle"
+        if victim is not None:
+            fault.data["pid"] = victim.pid
+        return victim, base
 
     def inject_trainer_kill(self, fault: Fault, rng: random.Random) -> None:
         assert self.driver is not None
