@@ -18,7 +18,7 @@ from prefetchd.buffer_protocol.batch import (
     parse_batch,
 )
 from prefetchd.buffer_protocol.errors import ProtocolError
-from prefetchd.buffer_protocol.documents import BadJobRequest, JobRequest, Manifest, Progress
+from prefetchd.buffer_protocol.job_request import BadJobRequest, JobRequest
 from prefetchd.buffer_protocol.layout import (
     DEFAULT_CONSUMER,
     batch_name,
@@ -32,9 +32,11 @@ from prefetchd.buffer_protocol.layout import (
     progress_name,
     stream_dir,
 )
+from prefetchd.buffer_protocol.manifest import Manifest
 from prefetchd.buffer_protocol.ownership import (BufferBusy, DaemonLock, DaemonOwner, alive_since, consumer_held,
                                                  daemon_owner, daemon_pid, lock_holders, pid_named, same_pid_namespace,
                                                  take_lock, writer_alive, writer_named)
+from prefetchd.buffer_protocol.progress import Progress
 from prefetchd.buffer_protocol.status import (
     BadFile,
     ConsumerStatus,

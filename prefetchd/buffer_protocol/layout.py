@@ -1,6 +1,6 @@
 """The buffer directory: its fixed file names, how they are listed and parsed, and where each rank's
-stream lives.  The JSON documents in it are ``documents``'s (and ``status``'s); who owns the
-buffer is ``ownership``'s.
+stream lives.  The JSON documents in it are ``manifest``'s, ``progress``'s, ``job_request``'s and
+``status``'s, each written and read through ``json_files``; who owns the buffer is ``ownership``'s.
 
 ::
 
@@ -19,7 +19,7 @@ buffer is ``ownership``'s.
                                   that rank's manifest.json, progress.json and batches
 
 Every JSON document carries ``format`` and ``version`` and is replaced
-atomically (``documents.write_json``), so a reader sees the old or the new
+atomically (``json_files.write_json``), so a reader sees the old or the new
 document, never a mix.
 """
 
@@ -125,7 +125,7 @@ def list_consumers(directory: Dir) -> list[str]:
 
 def consumer_files(directory: Dir, dir_fd: int | None = None) -> dict[str, int]:
     """``list_consumers``, each with its progress file's inode number as the listing gives it (no stat): a
-    writer replaces the file by a rename (``documents.replace_file``), which gives it a new one."""
+    writer replaces the file by a rename (``json_files.replace_file``), which gives it a new one."""
     return dict(sorted((consumer, entry.inode()) for consumer, entry in consumer_entries(directory, dir_fd)))
 
 

@@ -21,8 +21,16 @@ import psutil
 
 from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import DIR_FLAGS, LOCK_NAME, Dir, at, consumer_lock_name, owning_buffer
-from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS, Progress, open_regular, pid_namespace
+from prefetchd.buffer_protocol.json_files import open_regular
+from prefetchd.buffer_protocol.progress import Progress, pid_namespace
 from prefetchd.buffer_protocol.status import Status, TrainerStatus, readable_status
+
+
+# Whether a process of another pid namespace is there is asked of its lock, by taking it for a moment
+# (microseconds): the daemon asks a consumer's lock file (``consumer_held``), a reader asks daemon.lock
+# (``daemon_owner``).  Whoever takes such a lock and is refused tries again this long
+# (``take_lock``) before it takes the holder for another trainer, or another daemon.
+LOCK_RETRY_SECONDS = 0.5
 
 
 class BufferBusy(ProtocolError):

@@ -33,9 +33,9 @@ from typing import Any, NoReturn
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
-from prefetchd.buffer_protocol.documents import (encode_json, pid_namespace as this_pid_namespace, read_json_stat,
-                                                 replace_file, rewrite_in_place)
+from prefetchd.buffer_protocol.json_files import encode_json, read_json_stat, replace_file, rewrite_in_place
 from prefetchd.buffer_protocol.layout import STATUS_NAME, Dir, at, check_owned, owning_buffer
+from prefetchd.buffer_protocol.progress import pid_namespace as this_pid_namespace
 
 STATUS_FORMAT = "prefetchd.status"
 

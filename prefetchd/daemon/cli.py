@@ -21,8 +21,8 @@ import psutil
 import tomli_w
 
 from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, lock_holders, read_status
-from prefetchd.buffer_protocol.documents import exact_number
 from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
+from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, held_bytes, load_toml
 from prefetchd.access import no_access
 from prefetchd.daemon.buffer_dir import check_capacity

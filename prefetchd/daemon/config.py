@@ -23,8 +23,8 @@ import psutil
 
 from prefetchd.access import nearest_existing
 from prefetchd.buffer_protocol import BatchLayout, list_batches, stream_dir
-from prefetchd.buffer_protocol.documents import SPLITS, augmentation_text
 from prefetchd.buffer_protocol.errors import shown
+from prefetchd.buffer_protocol.manifest import SPLITS, augmentation_text
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY, default_cache_dir

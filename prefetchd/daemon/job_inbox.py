@@ -15,8 +15,8 @@ from typing import Any
 
 from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, JobResult, Progress, ProtocolError,
                                        RunningJob, State, Status)
-from prefetchd.buffer_protocol.documents import put_back, when_written
 from prefetchd.buffer_protocol.errors import shown
+from prefetchd.buffer_protocol.job_request import put_back, when_written
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, at, stream_dirs
 from prefetchd.daemon.config import FIELDS, DaemonConfig
 from prefetchd.daemon.consumers import MAX_PROGRESS_READS, progress_stats

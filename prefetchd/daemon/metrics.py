@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefetchd.buffer_protocol import Production, State, Status
-from prefetchd.buffer_protocol.documents import replace_file
+from prefetchd.buffer_protocol.json_files import replace_file
 from prefetchd.daemon.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefetchd.buffer_protocol.documents import batch_len, steps_per_epoch
+from prefetchd.buffer_protocol.manifest import batch_len, steps_per_epoch
 
 # Distinct streams derived from one user seed.
 _ORDER_STREAM = 1

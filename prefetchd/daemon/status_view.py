@@ -13,8 +13,9 @@ from pathlib import Path
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
                                        StorageWait, StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status,
                                        same_pid_namespace, writer_named)
-from prefetchd.buffer_protocol.documents import exact_number, pid_namespace
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
+from prefetchd.buffer_protocol.manifest import exact_number
+from prefetchd.buffer_protocol.progress import pid_namespace
 from prefetchd.access import no_access
 from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.dataset import held_out_count

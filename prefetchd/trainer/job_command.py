@@ -8,8 +8,8 @@ import shlex
 from pathlib import Path
 
 from prefetchd.buffer_protocol import Manifest, ProtocolError
-from prefetchd.buffer_protocol.documents import augmentation_options, exact_number
 from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
+from prefetchd.buffer_protocol.manifest import augmentation_options, exact_number
 from prefetchd.launch import option_args
 from prefetchd.words import rank_ranges
 

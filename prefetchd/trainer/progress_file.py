@@ -52,8 +52,8 @@ from pathlib import Path
 from prefetchd.access import no_access, user_name
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
                                       progress_name, same_pid_namespace, take_lock, writer_named)
-from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
 from prefetchd.buffer_protocol.layout import TRAINER_FILE_MODE
+from prefetchd.buffer_protocol.progress import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import AccessLost, LoaderError, NoAccess
 from prefetchd.words import counted
 

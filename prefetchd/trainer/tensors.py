@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from prefetchd.buffer_protocol import Manifest, MappedBatch, not_of_stream
-from prefetchd.buffer_protocol.documents import batch_len
+from prefetchd.buffer_protocol.manifest import batch_len
 from prefetchd.trainer.batch import Batch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

@@ -18,8 +18,8 @@ import pytest
 
 from prefetchd.buffer_protocol import (BufferBusy, DaemonLock, DaemonOwner, ProtocolError, State, Status, daemon_owner,
                                       daemon_pid, lock_holders, read_status, write_status)
-from prefetchd.buffer_protocol.documents import LOCK_RETRY_SECONDS
 from prefetchd.buffer_protocol.layout import LOCK_NAME, STATUS_NAME
+from prefetchd.buffer_protocol.ownership import LOCK_RETRY_SECONDS
 from tests.owners import owned
 from tests.pid_namespace import foreign_lock_holder, free_pid, unavailable
 from tests.status_examples import status as status_example

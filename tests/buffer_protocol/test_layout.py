@@ -53,8 +53,9 @@ from prefetchd.buffer_protocol import (
     write_status,
 )
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol.documents import CHANNELS, MAX_DOCUMENT_LEN, MAX_PROGRESS_LEN, SPLITS, write_json
+from prefetchd.buffer_protocol.json_files import MAX_DOCUMENT_LEN, MAX_PROGRESS_LEN, write_json
 from prefetchd.buffer_protocol.layout import JOB_NAME, LOCK_NAME, MANIFEST_NAME, MAX_EPOCH, MAX_STEP, PROGRESS_NAME, STATUS_NAME
+from prefetchd.buffer_protocol.manifest import CHANNELS, SPLITS
 from tests.owners import owned
 from tests.status_examples import ERRORS, bad_files, production, stream, write_status_at_heartbeat
 from tests.status_examples import status as status_example
@@ -871,7 +872,7 @@ def test_daemon_pid_without_a_live_owner(tmp_path: Path) -> None:
 
 
 def test_the_augmentation_field_reads_back_as_start_options() -> None:
-    from prefetchd.buffer_protocol.documents import augmentation_options, augmentation_text
+    from prefetchd.buffer_protocol.manifest import augmentation_options, augmentation_text
 
     text = augmentation_text({"color_jitter": 1 / 3, "scale_jitter": "40,64", "transform": "pkg.mod:fn"})
     assert text == "color_jitter=0.3333333333333333;scale_jitter=40,64;transform=pkg.mod:fn"

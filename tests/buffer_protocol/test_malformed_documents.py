@@ -40,8 +40,10 @@ from prefetchd.buffer_protocol import (
     write_batch,
     write_status,
 )
-from prefetchd.buffer_protocol.documents import CHANNELS, JOB_ID_RE, SPLITS, write_json
+from prefetchd.buffer_protocol.job_request import JOB_ID_RE
+from prefetchd.buffer_protocol.json_files import write_json
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
+from prefetchd.buffer_protocol.manifest import CHANNELS, SPLITS
 from tests.status_examples import CONSUMER, ERRORS, STORAGE_WAIT, TRAINER, bad_files, production, stream
 from tests.status_examples import write_status_at_heartbeat
 from tests.status_examples import status as status_example

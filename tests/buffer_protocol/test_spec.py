@@ -23,7 +23,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from prefetchd.buffer_protocol import ProtocolError, State, batch, documents, layout
+from prefetchd.buffer_protocol import (ProtocolError, State, batch, job_request, json_files, layout, manifest, ownership,
+                                      progress)
 from prefetchd.buffer_protocol import status as status_module
 from tests.status_examples import REMOTE, STORAGE_WAIT, bad_files, production
 from tests.status_examples import status as status_example
@@ -71,12 +72,12 @@ def literal(cell: str) -> str:
 
 
 def code_attr(name: str) -> object:
-    """The value of ``name`` in batch.py, layout.py or documents.py; all must agree where several define it."""
-    values = [getattr(mod, name) for mod in (batch, layout, documents) if hasattr(mod, name)]
+    """The value of ``name`` in batch.py, layout.py or json_files.py; all must agree where several define it."""
+    values = [getattr(mod, name) for mod in (batch, layout, json_files) if hasattr(mod, name)]
     if not values:
         raise LookupError(name)
     if any(v != values[0] for v in values[1:]):
-        raise LookupError(f"{name} differs between batch.py, layout.py and documents.py: {values}")
+        raise LookupError(f"{name} differs between batch.py, layout.py and json_files.py: {values}")
     return values[0]
 
 
@@ -281,11 +282,11 @@ def consumer_mismatches(spec: str) -> list[str]:
     if m is None or m[1] != layout.CONSUMER_NAME_RE.pattern:
         out.append(f"consumer name pattern: spec {m and m[1]!r}, code {layout.CONSUMER_NAME_RE.pattern!r}")
     m = re.search(r"`PROGRESS_REFRESH_SECONDS` \(([\d.]+) s\)", rules)
-    if m is None or float(m[1]) != documents.PROGRESS_REFRESH_SECONDS:
-        out.append(f"progress refresh: spec {m and m[1]!r}, code {documents.PROGRESS_REFRESH_SECONDS}")
+    if m is None or float(m[1]) != progress.PROGRESS_REFRESH_SECONDS:
+        out.append(f"progress refresh: spec {m and m[1]!r}, code {progress.PROGRESS_REFRESH_SECONDS}")
     said = re.findall(r"`LOCK_RETRY_SECONDS` \(([\d.]+) s", rules)  # rule 4 (daemon.lock) and rule 9 (consumers)
-    if len(said) < 2 or any(float(v) != documents.LOCK_RETRY_SECONDS for v in said):
-        out.append(f"lock retry: spec {said}, code {documents.LOCK_RETRY_SECONDS}")
+    if len(said) < 2 or any(float(v) != ownership.LOCK_RETRY_SECONDS for v in said):
+        out.append(f"lock retry: spec {said}, code {ownership.LOCK_RETRY_SECONDS}")
     for bad in ("", "a/b", "x" * 33, "sp ace", ".hidden"):
         try:
             name = layout.progress_name(bad)
@@ -304,7 +305,7 @@ def json_temp_mismatches(spec: str) -> list[str]:
     pattern = re.escape(m[1]).replace("NAME", re.escape(layout.PROGRESS_NAME)).replace("PID", str(os.getpid()))
     pattern = re.sub(r"[A-Z]{2,}", "[0-9A-Za-z]+", pattern)  # RANDOM, HEX, ...: any token
     with tempfile.TemporaryDirectory() as d, mock.patch.object(os, "replace", lambda src, dst, **_: None):
-        documents.write_json(Path(d) / layout.PROGRESS_NAME, {"format": "prefetchd.progress"})
+        json_files.write_json(Path(d) / layout.PROGRESS_NAME, {"format": "prefetchd.progress"})
         left = os.listdir(d)
         listed = [p.name for p in layout.list_temp_files(Path(d))]
     out = []
@@ -383,7 +384,7 @@ def _required(spec: str, title: str) -> list[str]:
     return sorted(literal(r["key"]) for r in table(spec, title, "key") if r["required"] == "yes")
 
 
-_EXAMPLE_MANIFEST = documents.Manifest(
+_EXAMPLE_MANIFEST = manifest.Manifest(
     dataset_root="/data/train", fingerprint="9c1185a5", classes=["a", "b"], num_samples=10, split="train", seed=3,
     batch_size=4, image_size=8, samples_per_epoch=10, steps_per_epoch=3, epochs=2, producer="p", val_fraction=0.1,
     augmentation="flip", drop_last=False, keyed_batches=True,
@@ -397,8 +398,8 @@ def manifest_mismatches(spec: str) -> list[str]:
     required = []
     for key in doc:
         try:
-            documents.Manifest.from_doc({k: v for k, v in _EXAMPLE_MANIFEST.to_doc().items() if k != key}, Path("m"))
-        except (documents.ProtocolError, KeyError, TypeError):
+            manifest.Manifest.from_doc({k: v for k, v in _EXAMPLE_MANIFEST.to_doc().items() if k != key}, Path("m"))
+        except (ProtocolError, KeyError, TypeError):
             required.append(key)
     if sorted(required) != _required(spec, "Manifest document"):
         out.append(f"manifest keys a reader requires: spec {_required(spec, 'Manifest document')}, code {sorted(required)}")
@@ -408,7 +409,7 @@ def manifest_mismatches(spec: str) -> list[str]:
 def _manifest_refusal(key: str, value: object) -> str | None:
     """Why a reader refuses the example manifest with ``key`` set to ``value``; None when it takes it."""
     try:
-        documents.Manifest.from_doc({**_EXAMPLE_MANIFEST.to_doc(), key: value}, Path("m"))
+        manifest.Manifest.from_doc({**_EXAMPLE_MANIFEST.to_doc(), key: value}, Path("m"))
     except ProtocolError as exc:
         return str(exc)
     return None
@@ -419,7 +420,7 @@ def manifest_value_mismatches(spec: str) -> list[str]:
     those the code allows, and a reader takes each of them and refuses another."""
     rows = {literal(r["key"]): r for r in table(spec, "Manifest document", "key")}
     out = []
-    for key, allowed in (("split", documents.SPLITS), ("channels", documents.CHANNELS)):
+    for key, allowed in (("split", manifest.SPLITS), ("channels", manifest.CHANNELS)):
         named = re.findall(r"`([^`]+)`", rows[key]["meaning"]) if key in rows else []
         if sorted(named) != sorted(str(v) for v in allowed):
             out.append(f"manifest {key}: spec names {named}, code allows {list(allowed)}")
@@ -427,7 +428,7 @@ def manifest_value_mismatches(spec: str) -> list[str]:
             refusal = _manifest_refusal(key, int(text) if key == "channels" and text.isdigit() else text)
             if refusal is not None:
                 out.append(f"manifest {key}: spec names {text!r}, a reader refuses it ({refusal})")
-        other = max(documents.CHANNELS) + 1 if key == "channels" else "-".join(documents.SPLITS) + "-other"
+        other = max(manifest.CHANNELS) + 1 if key == "channels" else "-".join(manifest.SPLITS) + "-other"
         if _manifest_refusal(key, other) is None:
             out.append(f"manifest {key}: a reader takes {other!r}, which the spec does not name")
     return out
@@ -436,12 +437,12 @@ def manifest_value_mismatches(spec: str) -> list[str]:
 def progress_mismatches(spec: str) -> list[str]:
     """The Progress document's table: every key a writer may write, and those it always writes."""
     with tempfile.TemporaryDirectory() as d:
-        documents.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287", read_batches=3,
+        progress.Progress(1, 2, wait_share=0.5, closed=True, job="7ce11fc278a4f287", read_batches=3,
                            locked=True).write(d)
-        full = documents.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
-        with mock.patch.object(documents, "pid_namespace", lambda: None):  # a writer without /proc
-            documents.Progress(1, 2).write(d)
-        least = documents.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
+        full = json_files.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
+        with mock.patch.object(progress, "pid_namespace", lambda: None):  # a writer without /proc
+            progress.Progress(1, 2).write(d)
+        least = json_files.read_json(Path(d) / layout.PROGRESS_NAME, "progress")
     drop = ("format", "version")
     out = _typed_rows(spec, "Progress document", {k: v for k, v in full.items() if k not in drop})
     always = sorted(k for k in least if k not in drop)
@@ -452,26 +453,26 @@ def progress_mismatches(spec: str) -> list[str]:
 
 def job_mismatches(spec: str) -> list[str]:
     """The Job document's table: the keys and types a writer writes, and which the daemon requires."""
-    request = documents.JobRequest({"data": "/data/train", "batch_size": 8, "reset": True}, replace=True)
+    request = job_request.JobRequest({"data": "/data/train", "batch_size": 8, "reset": True}, replace=True)
     with tempfile.TemporaryDirectory() as d:
         request.write(d)
-        doc = documents.read_json(Path(d) / layout.JOB_NAME, "job")
+        doc = json_files.read_json(Path(d) / layout.JOB_NAME, "job")
         out = _typed_rows(spec, "Job document", {k: v for k, v in doc.items() if k not in ("format", "version")})
         required = []
         for key in (k for k in doc if k not in ("format", "version")):
-            documents.write_json(Path(d) / layout.JOB_NAME, {k: v for k, v in doc.items() if k != key})
+            json_files.write_json(Path(d) / layout.JOB_NAME, {k: v for k, v in doc.items() if k != key})
             try:
-                documents.JobRequest.read(d)
-            except documents.BadJobRequest:
+                job_request.JobRequest.read(d)
+            except job_request.BadJobRequest:
                 required.append(key)
     if sorted(required) != _required(spec, "Job document"):
         out.append(f"job keys the daemon requires: spec {_required(spec, 'Job document')}, code {sorted(required)}")
     m = re.search(r"`MAX_JOB_RENAME_SECONDS` \(([\d.]+) s\)", section(spec, "Buffer directory"))  # rule 5
-    if m is None or float(m[1]) != documents.MAX_JOB_RENAME_SECONDS:
-        out.append(f"job rename delay: spec {m and m[1]!r}, code {documents.MAX_JOB_RENAME_SECONDS}")
+    if m is None or float(m[1]) != job_request.MAX_JOB_RENAME_SECONDS:
+        out.append(f"job rename delay: spec {m and m[1]!r}, code {job_request.MAX_JOB_RENAME_SECONDS}")
     m = re.search(r"`MAX_RECORD_RENAME_SECONDS` \(([\d.]+) s\)", section(spec, "Buffer directory"))  # job.accepted.json
-    if m is None or float(m[1]) != documents.MAX_RECORD_RENAME_SECONDS:
-        out.append(f"record rename delay: spec {m and m[1]!r}, code {documents.MAX_RECORD_RENAME_SECONDS}")
+    if m is None or float(m[1]) != job_request.MAX_RECORD_RENAME_SECONDS:
+        out.append(f"record rename delay: spec {m and m[1]!r}, code {job_request.MAX_RECORD_RENAME_SECONDS}")
     return out
 
 
@@ -530,7 +531,7 @@ def _changed_docstring() -> str:
 
 
 _TO_DOC = status_module.Status.to_doc
-_MANIFEST_TO_DOC = documents.Manifest.to_doc
+_MANIFEST_TO_DOC = manifest.Manifest.to_doc
 
 # (check, edit of the spec text or None, (module, attribute, new value) or None)
 MUTATIONS = {
@@ -565,9 +566,9 @@ MUTATIONS = {
     "document version in code": ("documents", None, (batch, "VERSION", 2)),
     "consumer file in spec": ("directory", _replace("| `progress.NAME.json` |", "| `progress-NAME.json` |"), None),
     "consumer pattern in spec": ("consumers", _replace("match `[A-Za-z0-9_-]{1,32}`", "match `[A-Za-z0-9_-]{1,64}`"), None),
-    "consumer refresh in code": ("consumers", None, (documents, "PROGRESS_REFRESH_SECONDS", 5.0)),
+    "consumer refresh in code": ("consumers", None, (progress, "PROGRESS_REFRESH_SECONDS", 5.0)),
     "consumer check in code": ("consumers", None, (layout, "check_consumer", lambda name: name)),
-    "lock retry in code": ("consumers", None, (documents, "LOCK_RETRY_SECONDS", 2.0)),
+    "lock retry in code": ("consumers", None, (ownership, "LOCK_RETRY_SECONDS", 2.0)),
     "daemon lock retry in spec": ("consumers", _replace("`LOCK_RETRY_SECONDS` (0.5 s) when", "`LOCK_RETRY_SECONDS` (1 s) when"),
                                   None),
     "status namespace in spec": ("status", _replace("| `pid_namespace` | int | always |", "| `pid_namespace` | str | always |"),
@@ -586,21 +587,21 @@ MUTATIONS = {
     "manifest key in spec": ("manifest", _replace("| `num_samples` | int |", "| `samples` | int |"), None),
     "manifest type in spec": ("manifest", _replace("| `seed` | int |", "| `seed` | str |"), None),
     "manifest requirement in spec": ("manifest", _replace("| `drop_last` | bool | no |", "| `drop_last` | bool | yes |"), None),
-    "manifest key in code": ("manifest", None, (documents.Manifest, "to_doc", lambda self: {**_MANIFEST_TO_DOC(self), "x": 1})),
+    "manifest key in code": ("manifest", None, (manifest.Manifest, "to_doc", lambda self: {**_MANIFEST_TO_DOC(self), "x": 1})),
     "manifest split in spec": ("manifest values", _replace("| `train` or `val` |", "| `train`, `val` or `test` |"), None),
     "manifest channels in spec": ("manifest values", _replace("`3`, or `1` for grayscale", "`3`"), None),
-    "manifest channels in code": ("manifest values", None, (documents, "CHANNELS", (3, 1, 4))),
-    "manifest value check in code": ("manifest values", None, (documents, "_one_of", lambda doc, key, allowed, path: None)),
+    "manifest channels in code": ("manifest values", None, (manifest, "CHANNELS", (3, 1, 4))),
+    "manifest value check in code": ("manifest values", None, (manifest, "_one_of", lambda doc, key, allowed, path: None)),
     "progress key in spec": ("progress", _replace("| `wait_share` | float |", "| `waiting` | float |"), None),
     "progress requirement in spec": ("progress", _replace("| `job` | str | no |", "| `job` | str | yes |"), None),
     "job key in spec": ("job", _replace("| `submitted` | float |", "| `sent` | float |"), None),
     "job requirement in spec": ("job", _replace("| `replace` | bool or null | no |", "| `replace` | bool or null | yes |"), None),
     "job type in spec": ("job", _replace("| `job_id` | str |", "| `job_id` | int |"), None),
     "job rename delay in spec": ("job", _replace("`MAX_JOB_RENAME_SECONDS` (10 s)", "`MAX_JOB_RENAME_SECONDS` (60 s)"), None),
-    "job rename delay in code": ("job", None, (documents, "MAX_JOB_RENAME_SECONDS", 60.0)),
+    "job rename delay in code": ("job", None, (job_request, "MAX_JOB_RENAME_SECONDS", 60.0)),
     "record rename delay in spec": ("job", _replace("`MAX_RECORD_RENAME_SECONDS` (1 s)", "`MAX_RECORD_RENAME_SECONDS` (5 s)"),
                                     None),
-    "record rename delay in code": ("job", None, (documents, "MAX_RECORD_RENAME_SECONDS", 5.0)),
+    "record rename delay in code": ("job", None, (job_request, "MAX_RECORD_RENAME_SECONDS", 5.0)),
 }
 
 

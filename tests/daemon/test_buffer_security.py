@@ -24,8 +24,8 @@ import prefetchd.cli as prefetchd_cli
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, BatchLayout, JobRequest, Manifest, Progress, SlotFiller, State,
                                        batch_name, list_batches)
 from prefetchd.buffer_protocol.batch import temp_name
-from prefetchd.buffer_protocol import documents
-from prefetchd.buffer_protocol.documents import MAX_RECORD_RENAME_SECONDS
+from prefetchd.buffer_protocol import job_request
+from prefetchd.buffer_protocol.job_request import MAX_RECORD_RENAME_SECONDS
 from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME,
                                              STATUS_NAME)
 from prefetchd.buffer_protocol.writer import create_exclusive
@@ -468,13 +468,13 @@ def test_a_job_json_an_earlier_submit_left_0600_is_left_as_it_is_and_still_read(
     (``JobRequest.read``): opened up to the group at start, the request an older `prefetchd submit` of the daemon's
     user left 0600 was refused at the restarted daemon's first look as "put in place N s after it was written: an
     old request renamed back", also where the job it asked for was the one resumed."""
-    monkeypatch.setattr(documents, "MAX_JOB_RENAME_SECONDS", 1.0)  # 10 s: not worth waiting for here
+    monkeypatch.setattr(job_request, "MAX_JOB_RENAME_SECONDS", 1.0)  # 10 s: not worth waiting for here
     buffer = shm_buffer / "bf"
     buffer.mkdir()
     request = JobRequest({"data": "/data/mine", "batch_size": 4})
     request.write(buffer)
     (buffer / JOB_NAME).chmod(0o600)  # at once, as an older submit under umask 077 left it
-    time.sleep(documents.MAX_JOB_RENAME_SECONDS + 0.1)
+    time.sleep(job_request.MAX_JOB_RENAME_SECONDS + 0.1)
     assert let_group_read_files(buffer) == 0
     assert _mode(buffer / JOB_NAME) == 0o600
     read = JobRequest.read(buffer)

@@ -410,7 +410,7 @@ def test_a_status_of_the_most_ranks_and_consumers_stays_within_what_readers_take
     """256 ranks (MAX_LOCAL_RANKS), each with more consumers than it takes, every one refused after it
     was read (both a row and a problem in the status): status.json stays under MAX_DOCUMENT_LEN, or
     every trainer reads the daemon as gone."""
-    from prefetchd.buffer_protocol.documents import MAX_DOCUMENT_LEN
+    from prefetchd.buffer_protocol.json_files import MAX_DOCUMENT_LEN
     from prefetchd.buffer_protocol.layout import STATUS_NAME
     from prefetchd.buffer_protocol.layout import DIR_FLAGS
     from prefetchd.daemon.config import MAX_LOCAL_RANKS, DaemonConfig

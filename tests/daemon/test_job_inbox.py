@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from prefetchd.buffer_protocol import JobRequest
-from prefetchd.buffer_protocol.documents import MAX_RECORD_RENAME_SECONDS
+from prefetchd.buffer_protocol.job_request import MAX_RECORD_RENAME_SECONDS
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.job_inbox import JobInbox

@@ -251,7 +251,7 @@ def test_a_flood_of_progress_files_leaves_the_status_readable_and_the_consumers_
     import os
     import re
 
-    from prefetchd.buffer_protocol.documents import MAX_DOCUMENT_LEN
+    from prefetchd.buffer_protocol.json_files import MAX_DOCUMENT_LEN
     from prefetchd.buffer_protocol.layout import STATUS_NAME
     from prefetchd.daemon.stream import MAX_CONSUMERS
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from torchvision.datasets import ImageFolder
 
-from prefetchd.buffer_protocol.documents import Manifest
+from prefetchd.buffer_protocol.manifest import Manifest
 from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.sources.shards import pack
 from prefetchd.trainer import BufferLoader

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from prefetchd.buffer_protocol import VERSION, Progress, list_consumers
-from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
+from prefetchd.buffer_protocol.progress import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer import BufferLoader, LoaderError
 from prefetchd.trainer.progress_file import _LOCKS, ALONE_CHECK_SECONDS
 from prefetchd.trainer.train import main

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Progress
-from prefetchd.buffer_protocol.documents import PROGRESS_REFRESH_SECONDS
+from prefetchd.buffer_protocol.progress import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer import BufferLoader, LoaderError, LoaderTimeout, NoAccess
 from prefetchd.trainer import progress_file
 from tests.conftest import mounted_tmpfs
