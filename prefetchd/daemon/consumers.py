@@ -7,8 +7,8 @@ its position, whether its writer is still there and whether it went silent.
 position the stream keeps: up to ``high`` each, all of them together within
 ``cap``; when they do not fit the slowest consumer's window shrinks first.
 
-This module reads progress files and logs; the stream (``stream.py``) turns the
-plan into batches to build and delete.
+This module reads progress files and logs; the stream (``stream.py``, its windows
+``stream_windows.py``) turns the plan into batches to build and delete.
 """
 
 from __future__ import annotations
