@@ -49,6 +49,7 @@ def books(tmp_path: Path, *streams: Stream) -> Producer:
     producer.stats, producer.todo = Stats(), deque()
     producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
     producer.message, producer.remote, producer.storage_wait, producer.storage_failed = "", None, None, {}
+    producer.stall_note = None
     producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
     return producer
 
