@@ -1,11 +1,12 @@
 """The worker pool: processes forked from a preloaded forkserver, the tasks each
 holds, and a replacement for each one that dies or hangs.
 
-The controller owns the queue of tasks and decides what a result, a death or a
-hang means; the pool only moves tasks to workers and results back, each worker
-holding at most ``TASKS_PER_WORKER`` so it never waits for the controller.  It
-also watches where each worker is (``workers.Whereabouts``), so that the
-controller can tell one that has not moved for long (``stalled``) and kill it.
+The controller owns the queue of tasks and decides what a result means, and
+``worker_health`` what a death or a hang does; the pool only moves tasks to
+workers and results back, each worker holding at most ``TASKS_PER_WORKER`` so it
+never waits for the controller.  It also watches where each worker is
+(``workers.Whereabouts``), so that the controller can tell one that has not
+moved for long (``stalled``) and kill it.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from prefetchd.daemon.workers import (Filled, Task, Whereabouts, WorkerJob, Writ
 log = logging.getLogger(__name__)
 
 WORKER_STOP_SECONDS = 5.0
-MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
-RESTART_WINDOW_SECONDS = 60.0
 TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
 # Of the time between two looks at the workers (``stalled``), at most this much counts as time a worker made no
 # progress: a controller that was itself stopped (SIGSTOP, a debugger, swapped out) for a minute while its workers
@@ -64,7 +63,6 @@ class WorkerPool:
         self.job = job
         self.size = size
         self.workers: list[Worker] = []
-        self.restart_times: deque[float] = deque()
         self._looked = 0.0  # when ``stalled`` last looked (monotonic); 0: never
         self._ctx = worker_context()
         # Each worker's pipe and exit sentinel, registered once: at 16 workers and 1000 tasks a
@@ -188,17 +186,9 @@ class WorkerPool:
                 break
         self._forget(worker)
 
-    def replace(self, dead: Worker) -> str | None:
-        """Start a worker in place of ``dead``; or, when too many died lately, why the job must stop."""
-        now = time.monotonic()
-        self.restart_times.append(now)
-        while self.restart_times and now - self.restart_times[0] > RESTART_WINDOW_SECONDS:
-            self.restart_times.popleft()
-        if len(self.restart_times) > MAX_WORKER_RESTARTS:
-            return (f"{len(self.restart_times)} workers died within {RESTART_WINDOW_SECONDS:.0f} s "
-                    f"(last exit code {dead.process.exitcode}); check the log and `dmesg` for the cause (out of memory?)")
+    def add_worker(self) -> None:
+        """Start one more worker: in place of one that died or was killed (``worker_health``)."""
         self.workers.append(self._spawn())
-        return None
 
     def stop(self) -> None:
         """Ask every worker to finish its tasks and exit; kill those still there after WORKER_STOP_SECONDS."""

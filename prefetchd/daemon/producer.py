@@ -10,9 +10,9 @@ fill its slots, the controller commits it, or aborts it when the window moves on
 
 A worker that dies is replaced and its tasks go to others.  So is one that
 hangs: a worker that has made no progress on one image for ``--task-timeout``
-(``_check_hangs``; a read of a hung mount, a hook that never returns) is
-killed, after a warning that names it, the batch and the file; a task that
-hangs ``MAX_TASK_HANGS`` times stops the job, as workers that keep dying do.
+(a read of a hung mount, a hook that never returns) is killed, after a warning
+that names it, the batch and the file.  ``worker_health`` judges both; the
+controller queues the tasks again and stops the job when it says so.
 
 Signal handlers only set a flag and wake the loop through a pipe; the loop
 does all the work.
@@ -57,9 +57,10 @@ from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream, consumer_cap
 from prefetchd.daemon.wakeup import Wakeup
+from prefetchd.daemon.worker_health import WorkerHealth
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, none_decoded
 from prefetchd.throttle import Throttle
-from prefetchd.words import all_epochs, binary_size, counted
+from prefetchd.words import all_epochs, binary_size
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,6 @@ POLL_SECONDS = 0.25  # progress is re-read at least this often even without a wa
 STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
 FAILURE_LOG_SECONDS = 10.0  # one log line per this long of failed builds (the others are counted)
-# A task that hangs this many times (each time on a new worker, killed after --task-timeout) stops the job: what
-# hangs again is the file or the hook, not the worker.  As many tries as the Ray bridge gives a slice (MAX_ATTEMPTS).
-MAX_TASK_HANGS = 3
-# A worker without progress this long (or a quarter of --task-timeout, if less) is said to, in the log and the
-# status's message, before it is killed: a trainer's LoaderTimeout (120 s by default) quotes that message, so
-# it names the worker and the file even where --task-timeout is longer than the trainer waits.
-STALL_NOTE_SECONDS = 60.0
-SHOWN_TASK_FILES = 4  # a task's files named in a hang's warning; the file the worker is on always is
 
 
 class Producer:
@@ -132,7 +125,6 @@ class Producer:
         self.storage_wait: StorageWait | None = None  # builds wait for the dataset's storage: see _failing
         # Why each batch (rank, g) failed for the storage, of those not published since; the latest last.
         self.storage_failed: dict[tuple[int, int], str] = {}
-        self.stall_note: str | None = None  # a worker that makes no progress, said before it is killed
         # An outage fails every build in flight, each once a RETRY_SECONDS: one log line per the time the
         # status shows the last one (and counts the others) is enough.
         self.failure_lines = Throttle(FAILURE_LOG_SECONDS)
@@ -142,6 +134,8 @@ class Producer:
         self._job = WorkerJob.from_config(index, members, cfg)
         self.bad = BadSamples(cfg, index, len(members))
         self.pool = WorkerPool(self._job, self.workers_wanted)
+        self.health = WorkerHealth(self.pool, self.stats, cfg.task_timeout, self.task_build, self.bad.shown,
+                                   len(self.streams))
         self.remote = RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted) if cfg.ray else None
         self.spares = SpareFiles()
 
@@ -321,96 +315,27 @@ class Producer:
     # -- workers --------------------------------------------------------------
 
     def _replace_worker(self, worker: Worker, hung: bool = False) -> None:
-        """Requeue a dead (or ``hung``, killed: said already) worker's tasks and start another, unless stopping or
-        too many died lately."""
+        """Requeue a dead (or ``hung``, killed) worker's tasks and start another, unless stopping or too many
+        died lately (``WorkerHealth.replace``)."""
         if self.wake.stop_signal is not None:
             return
-        self.stats.worker_restarts += 1
         if not hung:
-            log.error("worker pid %s died (exit code %s); requeuing its %d tasks and starting another",
-                      worker.process.pid, worker.process.exitcode, len(worker.tasks))
+            self.health.died(worker)
         self._requeue(list(worker.tasks.values()))
-        too_many = self.pool.replace(worker)
+        too_many = self.health.replace(worker)
         if too_many is not None:
             self.fatal = too_many
 
     def _check_hangs(self) -> None:
-        """Kill each worker that has made no progress (begun no image, finished no task) for --task-timeout, and
-        retry its tasks on a new one (``_replace_worker``), so that its batch is built as ever; a task that hangs
-        MAX_TASK_HANGS times stops the job.  One that has made none for a while, not that long yet, is said to
-        (``stall_note``)."""
-        limit = self.cfg.task_timeout
-        notes = []
-        for worker in self.pool.stalled():
-            if worker.still < min(STALL_NOTE_SECONDS, limit / 4):
-                continue
-            task, sample = self._stuck_on(worker)
-            place = self._hang_place(task, sample)
-            if worker.still < limit:
-                notes.append(f"worker pid {worker.process.pid} has made no progress for {worker.still:.0f} s on "
-                             f"{place}; at {limit:g} s (--task-timeout) it is killed and its task retried")
-                if not worker.noted:
-                    worker.noted = True
-                    log.warning("%s", notes[-1])
-                continue
-            self.stats.worker_hangs += 1
-            build = self.task_build.get(task.task_id)
-            hangs = build.hangs.setdefault(task.task_id, []) if build is not None else []
-            hangs.append(self.bad.shown(sample) if sample is not None else "before its first file")
-            self.pool.kill(worker, self._complete)
-            # Held still after the kill (not finished as it came) and of a build still wanted: hung for good?
-            final = (len(hangs) >= MAX_TASK_HANGS and task.task_id in worker.tasks and build is not None
-                     and not build.cancelled)
-            then = (f"that task hung {counted(len(hangs), 'time')}: the job stops" if final else
-                    f"its {'task goes' if len(worker.tasks) == 1 else f'{len(worker.tasks)} tasks go'} to a new worker "
-                    f"(hang {len(hangs)} of {MAX_TASK_HANGS} for that task)")
-            log.warning("worker pid %d made no progress for %.0f s (--task-timeout %g) on %s: killed it; %s",
-                        worker.process.pid, worker.still, limit, place, then)
-            if final and self.fatal is None:
-                self.fatal = self._hung_for_good(task, hangs)
-            if self.fatal is not None:
+        """Kill each worker that has made no progress for --task-timeout and retry its tasks on a new one, so
+        that its batch is built as ever; or stop the job, where that task hung too often (``WorkerHealth``)."""
+        for worker in self.health.hung():
+            why = self.health.kill(worker, self._complete)
+            if why is not None and self.fatal is None:
+                self.fatal = why
+            if self.fatal is not None:  # that, or a result the worker sent before it was killed
                 return
             self._replace_worker(worker, hung=True)
-        self.stall_note = notes[0] if notes else None
-
-    @staticmethod
-    def _stuck_on(worker: Worker) -> tuple[Task, int | None]:
-        """The task ``worker`` makes no progress on, and the sample (None: before its first)."""
-        where = worker.where
-        task = worker.tasks.get(where.task)
-        if task is None:  # it did not begin the next one it holds
-            return next(iter(worker.tasks.values())), None
-        return task, where.sample if where.sample >= 0 else None
-
-    def _batch_of(self, task: Task) -> str:
-        build = self.task_build.get(task.task_id)
-        if build is None:
-            return f"task {task.task_id}"
-        rank = f", rank {build.stream.rank}" if len(self.streams) > 1 else ""
-        return f"batch {batch_name(build.epoch, build.step)} (epoch {build.epoch}, step {build.step}{rank})"
-
-    def _hang_place(self, task: Task, sample: int | None) -> str:
-        """Where a worker makes no progress, for the log and the status: the batch, the file, the task's files."""
-        files = [self.bad.shown(index) for _slot, index in task.items]
-        shown = ", ".join(files[:SHOWN_TASK_FILES]) + (f" and {len(files) - SHOWN_TASK_FILES} more"
-                                                        if len(files) > SHOWN_TASK_FILES else "")
-        samples = [index for _slot, index in task.items]
-        if sample is None:
-            on = f"before the first of its task's {counted(len(files), 'file')}"
-        elif sample in samples:
-            on = f"{self.bad.shown(sample)} (file {samples.index(sample) + 1} of its task's {len(files)})"
-        else:  # a replacement for a file of the task that could not be decoded
-            on = f"{self.bad.shown(sample)} (a replacement for a file of its task that could not be decoded)"
-        return f"{self._batch_of(task)}, {on}; the task's files: {shown}"
-
-    def _hung_for_good(self, task: Task, hangs: list[str]) -> str:
-        """Why the job stops: ``task`` hung MAX_TASK_HANGS times, on ``hangs``."""
-        where = (f"each time on {hangs[0]}" if len(set(hangs)) == 1 else f"on {', then '.join(hangs)}")
-        return (f"{self._batch_of(task)} cannot be built: its task hung {counted(len(hangs), 'time')}, each worker "
-                f"killed after {self.cfg.task_timeout:g} s without progress (--task-timeout), {where}. "
-                "Something never returns there: a read of a hung mount or storage (is it readable, "
-                "`cat` it?), or the --transform hook; fix that and start the daemon again (it resumes), or raise "
-                "--task-timeout if an image can take that long")
 
     def shutdown(self) -> None:
         """Stop the workers and the cluster's builds, drop the builds in progress and the spares; what
@@ -778,8 +703,8 @@ class Producer:
             return self.message
         if self.last_failure is not None:
             return f"retrying: {self.last_failure}"
-        if self.stall_note is not None:
-            return self.stall_note
+        if self.health.stall_note is not None:
+            return self.health.stall_note
         if self.remote is not None and not self.remote.connected and not self.workers_wanted:
             return f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"
         return ""

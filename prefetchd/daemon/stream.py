@@ -88,7 +88,6 @@ class Build:
     replaced: int = 0
     cancelled: bool = False
     failed: bool = False  # a task of it could not write (counted once: errors.write_failures)
-    hangs: dict[int, list[str]] = field(default_factory=dict)  # by task id: the file of each hang of that task
 
     @property
     def tmp(self) -> Path:

@@ -243,6 +243,7 @@ def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() ->
     from collections import deque
     from prefetchd.daemon.producer import Producer
     from prefetchd.daemon.production_stats import Stats
+    from prefetchd.daemon.worker_health import WorkerHealth
 
     aborted: list[int] = []
 
@@ -265,8 +266,9 @@ def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() ->
     # The same for the tasks a dead local worker held: they were built again, for nothing.
     old = build(6, True, {7})
     producer.task_build[7] = old
-    producer.wake, producer.stats, producer.fatal = SimpleNamespace(stop_signal=None), Stats(), None
-    producer.pool = SimpleNamespace(replace=lambda worker: None)
+    producer.wake, producer.fatal = SimpleNamespace(stop_signal=None), None
+    producer.health = WorkerHealth(SimpleNamespace(add_worker=lambda: None), Stats(), 600.0,  # type: ignore[arg-type]
+                                   producer.task_build, str, 1)
     task = Task(7, "c.tmp", OFFSET, SLOT, 0, ((0, 7),))
     dead = SimpleNamespace(process=SimpleNamespace(pid=1, exitcode=-9), tasks={7: task})
     producer._replace_worker(dead)

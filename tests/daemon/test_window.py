@@ -42,6 +42,7 @@ def books(tmp_path: Path, *streams: Stream) -> Producer:
     from prefetchd.buffer_protocol import SpareFiles
     from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
     from prefetchd.daemon.production_stats import Stats
+    from prefetchd.daemon.worker_health import WorkerHealth
     from prefetchd.throttle import Throttle
 
     producer = Producer.__new__(Producer)
@@ -51,6 +52,7 @@ def books(tmp_path: Path, *streams: Stream) -> Producer:
     producer.message, producer.remote, producer.storage_wait, producer.storage_failed = "", None, None, {}
     producer.stall_note = None
     producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
+    producer.health = WorkerHealth(None, producer.stats, 600.0, producer.task_build, str, len(streams))  # type: ignore[arg-type]
     return producer
 
 

@@ -20,7 +20,7 @@ from PIL import Image
 
 from prefetchd.buffer_protocol import ProtocolError, State, Status, read_status
 from prefetchd.daemon.errors import EXIT_FAILURE
-from prefetchd.daemon.producer import MAX_TASK_HANGS
+from prefetchd.daemon.worker_health import MAX_TASK_HANGS
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.synthetic import make_shapes_dataset
 from prefetchd.trainer import BufferLoader
