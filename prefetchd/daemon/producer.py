@@ -43,9 +43,10 @@ from prefetchd.buffer_protocol import (
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_PATTERN
 from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, RunningJob, State, Status,
-                                              StorageWait, Totals)
+                                              Totals)
 from prefetchd.daemon.bad_samples import BadSamples
 from prefetchd.daemon.buffer_dir import free_bytes
+from prefetchd.daemon.build_failures import BuildFailures
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
@@ -120,11 +121,8 @@ class Producer:
         self.state = State.STARTING
         self.message = ""
         # Why builds fail: the latest failure, until a batch is published (for the storage, until the batches it
-        # failed are: _publish).
-        self.last_failure: str | None = None
-        self.storage_wait: StorageWait | None = None  # builds wait for the dataset's storage: see _failing
-        # Why each batch (rank, g) failed for the storage, of those not published since; the latest last.
-        self.storage_failed: dict[tuple[int, int], str] = {}
+        # failed are), and the wait on the dataset's storage.
+        self.failures = BuildFailures()
         # An outage fails every build in flight, each once a RETRY_SECONDS: one log line per the time the
         # status shows the last one (and counts the others) is enough.
         self.failure_lines = Throttle(FAILURE_LOG_SECONDS)
@@ -362,7 +360,7 @@ class Producer:
             for build in builds:
                 self._cancel(build)
             stream.reconcile()
-        self._storage_wait_left()
+        self.failures.left(self._held())
 
     def _spare_room(self) -> int:
         """How many spares to keep: as many as the streams' caps leave room for, spares included
@@ -419,7 +417,7 @@ class Producer:
                     self.stats.low_space_pauses += 1
                     self.paused = True
                 self.state, self.message = State.PAUSED_LOW_SPACE, msg
-                self._end_storage_wait()  # what holds production now is the tmpfs, not the dataset's storage
+                self.failures.end_wait()  # what holds production now is the tmpfs, not the dataset's storage
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
             if not self._start_build(stream, g, layout):
@@ -501,7 +499,7 @@ class Producer:
             pending = PendingBatch.begin(final, layout, self.spares, stream.fd)
         except OSError as exc:  # e.g. a directory planted under the name, out of inodes
             self.stats.write_failures += 1
-            self._failing(f"cannot create {temp_name(final).name}: {exc.strerror}")
+            self.failures.failing(f"cannot create {temp_name(final).name}: {exc.strerror}", self._held())
             log.warning("cannot create %s: %s; retrying in %.0f s", temp_name(final), exc.strerror, RETRY_SECONDS)
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return False
@@ -543,7 +541,8 @@ class Producer:
             if not build.failed:  # a failed build, not a failed task (SPEC's errors.write_failures); also one a
                 build.failed = True  # rewind cancelled: the tmpfs is as full, and the status says so
                 self.stats.write_failures += 1
-                self._failing(f"batch {build.tmp.name}: {result.reason}", storage=build if result.storage else None)
+                self.failures.failing(f"batch {build.tmp.name}: {result.reason}", self._held(),
+                                      (build.stream.rank, build.g) if result.storage else None)
                 self.failure_lines.log(log, logging.WARNING, "batch %s: %s; retrying in %.0f s", build.tmp.name,
                                        result.reason, RETRY_SECONDS, others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
@@ -573,46 +572,9 @@ class Producer:
         if build.remaining == 0:
             self._publish(build)
 
-    def _failing(self, why: str, storage: Build | None = None) -> None:
-        """Builds fail, and ``why`` (the status says it until a batch is published).  ``storage``: the build
-        that failed for the dataset's storage, which its rank's loaders wait on while the status says so.
-
-        The wait lasts until each batch that failed so is published, or no window holds it any more: in a
-        partial outage the batches of other objects publish meanwhile, and the trainer that needs the
-        failing one next would time out if those ended the wait.  Any other failure ends it, or a loader
-        would wait on for good behind a daemon that storage no longer holds up."""
-        self.last_failure = why
-        if storage is None:
-            self._end_storage_wait()
-            return
-        key = (storage.stream.rank, storage.g)
-        self.storage_failed.pop(key, None)
-        self.storage_failed[key] = why
-        if self.storage_wait is None:
-            self.storage_wait = StorageWait(since=time.time(), reason=why)
-        self._storage_wait_left()  # a rewind may have cancelled it before its task failed
-
-    def _end_storage_wait(self) -> None:
-        self.storage_failed.clear()
-        self.storage_wait = None
-
-    def _storage_wait_left(self) -> None:
-        """Drop the failed batches no window holds now (the trainers moved past them, or back before them:
-        they will not be built, and a wait on them would keep the loaders waiting for good); the wait names
-        the latest failure of those left and their ranks (only those ranks' loaders wait on: another rank's
-        late batch is late for another reason), each since its own wait began (a rank new to the wait: now,
-        as its batch just failed), and ends with the last."""
-        held = {stream.rank: stream.held for stream in self.streams}
-        self.storage_failed = {key: why for key, why in self.storage_failed.items() if key[1] in held.get(key[0], ())}
-        wait = self.storage_wait
-        if not self.storage_failed or wait is None:
-            self._end_storage_wait()
-            return
-        now = time.time()
-        ranks = tuple(sorted({rank for rank, _ in self.storage_failed}))
-        since = tuple(began if (began := wait.since_of(rank)) is not None else now for rank in ranks)
-        self.storage_wait = StorageWait(since=min(since), reason=next(reversed(self.storage_failed.values())),
-                                        ranks=ranks, ranks_since=since)
+    def _held(self) -> dict[int, set[int]]:
+        """By rank, the positions its stream's windows hold (``BuildFailures``)."""
+        return {stream.rank: stream.held for stream in self.streams}
 
     def _publish(self, build: Build) -> None:
         stream = build.stream
@@ -632,16 +594,13 @@ class Producer:
             if final.is_dir() and not final.is_symlink():  # made by hand: nothing else makes one there
                 why += f" ({final} is a directory: remove it)"
             # In the status too, as for a failed build: once a second, a count alone said nothing of why.
-            self._failing(why)
+            self.failures.failing(why, self._held())
             self.failure_lines.log(log, logging.WARNING, "%s; retrying in %.0f s", why, RETRY_SECONDS,
                                    others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return
         stream.published[build.g] = final
-        self.storage_failed.pop((stream.rank, build.g), None)
-        self._storage_wait_left()
-        # Builds work again, or the message keeps saying why the batches left still fail.
-        self.last_failure = self.storage_wait.reason if self.storage_wait is not None else None
+        self.failures.published((stream.rank, build.g), self._held())
         self.stats.batches += 1
         self.stats.samples += len(build.indices)
         self.stats.replaced += build.replaced
@@ -690,7 +649,7 @@ class Producer:
                 progress_file="; ".join(s.progress_file for s in streams if s.progress_file),
             ),
             remote=self.remote.status() if self.remote is not None else None,
-            storage_wait=self.storage_wait,
+            storage_wait=self.failures.wait,
         )
         return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self._message(),
                       job_result=self.job_result(), running_job=self.running_job(), production=production)
@@ -701,8 +660,8 @@ class Producer:
         since one try of a hung store's reads takes minutes), else why nothing is built."""
         if self.message:
             return self.message
-        if self.last_failure is not None:
-            return f"retrying: {self.last_failure}"
+        if self.failures.last is not None:
+            return f"retrying: {self.failures.last}"
         if self.health.stall_note is not None:
             return self.health.stall_note
         if self.remote is not None and not self.remote.connected and not self.workers_wanted:

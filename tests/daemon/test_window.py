@@ -40,6 +40,7 @@ def books(tmp_path: Path, *streams: Stream) -> Producer:
     from collections import deque
 
     from prefetchd.buffer_protocol import SpareFiles
+    from prefetchd.daemon.build_failures import BuildFailures
     from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
     from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.worker_health import WorkerHealth
@@ -48,9 +49,8 @@ def books(tmp_path: Path, *streams: Stream) -> Producer:
     producer = Producer.__new__(Producer)
     producer.streams, producer.task_build, producer.fatal = list(streams), {}, None
     producer.stats, producer.todo = Stats(), deque()
-    producer.last_failure, producer.retry_at, producer.failure_lines = None, 0.0, Throttle(FAILURE_LOG_SECONDS)
-    producer.message, producer.remote, producer.storage_wait, producer.storage_failed = "", None, None, {}
-    producer.stall_note = None
+    producer.failures, producer.retry_at, producer.failure_lines = BuildFailures(), 0.0, Throttle(FAILURE_LOG_SECONDS)
+    producer.message, producer.remote = "", None
     producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
     producer.health = WorkerHealth(None, producer.stats, 600.0, producer.task_build, str, len(streams))  # type: ignore[arg-type]
     return producer
@@ -321,20 +321,20 @@ def test_a_wait_on_storage_ends_when_something_else_holds_production(tmp_path: P
         producer._complete(one_slot_build(producer, s, g), WriteFailed(g, reason, storage=storage))
 
     fail(0, "reading s3://b/x.jpg: still failing after 6 tries", storage=True)
-    wait = producer.storage_wait
+    wait = producer.failures.wait
     assert wait is not None
     assert wait.reason == "batch e000000-s00000000.tmp: reading s3://b/x.jpg: still failing after 6 tries"
     fail(1, "reading s3://b/y.jpg: still failing after 6 tries", storage=True)
-    assert producer.storage_wait is not None and producer.storage_wait.since == wait.since, "one wait, since its start"
+    assert producer.failures.wait is not None and producer.failures.wait.since == wait.since, "one wait, since its start"
     # The store is back, but the next batch's temp file cannot be made (a directory planted under its name).
     (tmp_path / temp_name(tmp_path / batch_name(0, 2))).mkdir()
     assert not producer._start_build(s, 2, BatchLayout.plan(8, 32, 32))
-    assert producer.storage_wait is None
+    assert producer.failures.wait is None
     assert producer._message() == "retrying: cannot create e000000-s00000002.tmp: Is a directory"
     fail(3, "reading s3://b/z.jpg: still failing after 6 tries", storage=True)
-    assert producer.storage_wait is not None
+    assert producer.failures.wait is not None
     fail(4, "cannot write e000000-s00000004.tmp: No space left on device", storage=False)
-    assert producer.storage_wait is None, "a full tmpfs is no wait on storage"
+    assert producer.failures.wait is None, "a full tmpfs is no wait on storage"
 
 
 OUTAGE = "reading s3://b/x.jpg: still failing after 6 tries"
@@ -351,16 +351,16 @@ def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_pa
     t.manifest = dataclasses.replace(t.manifest, rank=1)
     producer = books(tmp_path, s, t)
     producer._complete(one_slot_build(producer, s, 0), WriteFailed(0, OUTAGE, storage=True))
-    wait = producer.storage_wait
+    wait = producer.failures.wait
     assert wait is not None and wait.reason == f"batch e000000-s00000000.tmp: {OUTAGE}"
     for g in (1, 2):  # batches of other objects, and the same position of another rank
         producer._complete(one_slot_build(producer, s, g), Filled(g, ((0, g, 0),), (), 0.0))
     producer._complete(one_slot_build(producer, t, 0), Filled(0, ((0, 0, 0),), (), 0.0))
     assert sorted(s.published) == [1, 2] and sorted(t.published) == [0]
-    assert producer.storage_wait == wait, "batch 0 of rank 0 still waits for the storage"
+    assert producer.failures.wait == wait, "batch 0 of rank 0 still waits for the storage"
     assert producer._message() == f"retrying: {wait.reason}"
     producer._complete(one_slot_build(producer, s, 0), Filled(0, ((0, 0, 0),), (), 0.0))
-    assert producer.storage_wait is None and producer._message() == ""
+    assert producer.failures.wait is None and producer._message() == ""
 
 
 def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) -> None:
@@ -374,8 +374,8 @@ def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) 
     producer = books(tmp_path, s, t)
 
     def ranks() -> tuple[int, ...] | None:
-        assert producer.storage_wait is not None
-        return producer.storage_wait.ranks
+        assert producer.failures.wait is not None
+        return producer.failures.wait.ranks
 
     producer._complete(one_slot_build(producer, s, 0), WriteFailed(0, OUTAGE, storage=True))
     assert ranks() == (0,)
@@ -386,7 +386,7 @@ def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) 
     producer._complete(one_slot_build(producer, s, 0), Filled(0, ((0, 0, 0),), (), 0.0))
     assert ranks() == (1,)
     producer._complete(one_slot_build(producer, t, 1), Filled(1, ((0, 1, 0),), (), 0.0))
-    assert producer.storage_wait is None
+    assert producer.failures.wait is None
 
 
 def test_a_wait_on_storage_says_since_when_each_rank_waits(tmp_path: Path) -> None:
@@ -400,8 +400,8 @@ def test_a_wait_on_storage_says_since_when_each_rank_waits(tmp_path: Path) -> No
     producer = books(tmp_path, s, t)
 
     def wait() -> StorageWait:
-        assert producer.storage_wait is not None
-        return producer.storage_wait
+        assert producer.failures.wait is not None
+        return producer.failures.wait
 
     producer._complete(one_slot_build(producer, s, 0), WriteFailed(0, OUTAGE, storage=True))
     first = wait().since
@@ -432,17 +432,17 @@ def test_a_wait_on_storage_ends_when_no_window_holds_the_batches_that_failed(tmp
     producer = books(tmp_path, s)
     for g in (1, 2):
         producer._complete(one_slot_build(producer, s, g), WriteFailed(g, OUTAGE, storage=True))
-    wait = producer.storage_wait
+    wait = producer.failures.wait
     assert wait is not None and wait.reason == f"batch e000000-s00000002.tmp: {OUTAGE}"
     Progress(*s.key(2)).write(s.dir)
     producer._read_progress()  # batch 1 is behind the trainer now
-    assert producer.storage_wait == wait and list(producer.storage_failed) == [(0, 2)]
+    assert producer.failures.wait == wait and list(producer.failures.storage_failed) == [(0, 2)]
     Progress(*s.key(7)).write(s.dir)
     producer._read_progress()
-    assert producer.storage_wait is None
+    assert producer.failures.wait is None
     # Nor does a failure start one for a batch no window holds (its build cancelled as the trainer moved on).
     producer._complete(one_slot_build(producer, s, 3), WriteFailed(3, OUTAGE, storage=True))
-    assert producer.storage_wait is None and producer._message() == f"retrying: batch e000000-s00000003.tmp: {OUTAGE}"
+    assert producer.failures.wait is None and producer._message() == f"retrying: batch e000000-s00000003.tmp: {OUTAGE}"
 
 
 def test_a_restart_says_which_batches_of_an_earlier_run_it_kept_after_the_windows_deleted_the_rest(
