@@ -1,7 +1,7 @@
 """Samples that could not be used: the distinct files counted once each (and named in the status,
-the first ``MAX_LISTED_BAD_FILES``), how each is said (missing, unreadable or undecodable, and what to
-do about it), and the policy that stops the job over them (--strict, --max-bad-samples,
---max-bad-fraction)."""
+the first ``MAX_LISTED_BAD_FILES``), how each is said (missing, unreadable, undecodable or fatal to the
+workers that decoded it, and what to do about it), and the policy that stops the job over them
+(--strict, --max-bad-samples, --max-bad-fraction)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import is_url
 from prefetchd.daemon.sources.filelist import is_file_list
 from prefetchd.daemon.sources.shards import pack_again, read_packed_from
-from prefetchd.daemon.workers import MISSING_REASONS, UNREADABLE_REASONS
+from prefetchd.daemon.workers import CRASHED_REASON, MISSING_REASONS, UNREADABLE_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,16 @@ class BadSamples:
             self.listed += (BadFile(path=self.shown(sample), reason=self.reason(sample, reason)),)
         return True
 
+    def replaced(self, sample: int, reason: str) -> str | None:
+        """Count ``sample``'s file as bad (``count``) and say, once, that it is replaced; or why the job must
+        stop over it (``verdict``: the file is named there, not as replaced)."""
+        if not self.count(sample, reason):
+            return None
+        verdict = self.verdict(sample, reason)
+        if verdict is None:
+            log.warning("%s; replacing it with the next sample of the split", self.failure(sample, reason))
+        return verdict
+
     def verdict(self, sample: int, reason: str) -> str | None:
         """Why the job must stop now that ``sample`` (for ``reason``) was counted; None while it may go on."""
         return bad_data_verdict(self.cfg, len(self.files), self.split, self.failure(sample, reason),
@@ -52,9 +62,12 @@ class BadSamples:
 
     def failure(self, sample: int, reason: str) -> str:
         """What is wrong with ``sample``'s file, ``reason`` being a worker's ("OSError: ..."), as the log and
-        a stop say it: "PATH is missing (...)", "cannot read PATH (...)" or "cannot decode PATH (...)"."""
+        a stop say it: "PATH is missing (...)", "cannot read PATH (...)", "cannot decode PATH (...)" or
+        "PATH crashed its worker 2 times (signal SIGSEGV)"."""
         if reason.startswith(MISSING_REASONS):
             return f"{self.shown(sample)} is {self.reason(sample, reason)}"
+        if reason.startswith(CRASHED_REASON):
+            return f"{self.shown(sample)} {reason}"
         verb = "read" if reason.startswith(UNREADABLE_REASONS) else "decode"
         return f"cannot {verb} {self.shown(sample)} ({reason})"
 

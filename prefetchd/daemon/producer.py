@@ -314,12 +314,16 @@ class Producer:
 
     def _replace_worker(self, worker: Worker, hung: bool = False) -> None:
         """Requeue a dead (or ``hung``, killed) worker's tasks and start another, unless stopping or too many
-        died lately (``WorkerHealth.replace``)."""
+        died lately (``WorkerHealth.replace``).  A file that killed workers again and again is a bad sample
+        (``WorkerHealth.died``): replaced, or the job stops over it."""
         if self.wake.stop_signal is not None:
             return
-        if not hung:
-            self.health.died(worker)
+        crashed = None if hung else self.health.died(worker)
         self._requeue(list(worker.tasks.values()))
+        self.todo = self.health.told(self.todo)  # those queued before a file was found out, the dead one's too
+        if crashed is not None and (verdict := self.bad.replaced(*crashed)) is not None:
+            self.fatal, self.fatal_error = verdict, BadDataError
+            return
         too_many = self.health.replace(worker)
         if too_many is not None:
             self.fatal = too_many
@@ -511,7 +515,7 @@ class Producer:
             end = min(n, start + self.chunk)
             items = tuple(zip(range(start, end), samples[start:end]))
             task = Task(self.next_task_id, str(pending.tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items,
-                        pending.file_id)
+                        pending.file_id, self.health.crashed_items)
             self.next_task_id += 1
             self.task_build[task.task_id] = build
             build.outstanding.add(task.task_id)
@@ -555,13 +559,9 @@ class Producer:
             self._maybe_drop(build)
             return
         for sample, reason in result.failures:
-            if not self.bad.count(sample, reason):
-                continue
-            verdict = self.bad.verdict(sample, reason)
-            if verdict is not None:  # named as the file that stopped the job, not as replaced
+            if (verdict := self.bad.replaced(sample, reason)) is not None:
                 self.fatal, self.fatal_error = verdict, BadDataError
                 return
-            log.warning("%s; replacing it with the next sample of the split", self.bad.failure(sample, reason))
         requested = dict(task.items)
         for slot, index, label in result.slots:
             build.indices[slot] = index

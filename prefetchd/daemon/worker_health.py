@@ -1,8 +1,14 @@
 """Worker health: what the controller makes of a local worker that dies or hangs.
 
 A worker that dies (its exit seen by ``pool.WorkerPool.wait``) is replaced, and its tasks go to
-others; more than ``MAX_WORKER_RESTARTS`` ends within ``RESTART_WINDOW_SECONDS`` stop the job.  One
-that hangs never dies: a worker that holds tasks and has begun no image for ``--task-timeout`` (a
+others; more than ``MAX_WORKER_RESTARTS`` ends within ``RESTART_WINDOW_SECONDS`` stop the job.  Where
+it died is in the ``workers.Whereabouts`` it left: a file that kills whatever decodes it (a decoder's
+segfault, the OOM killer on one huge image) kills the worker that retries the task too, on the same
+file; at ``CRASHES_TO_BLAME`` such deaths the file is taken for an undecodable one (``crashed``: the
+controller counts it as a bad sample, and the workers fail it unread, ``workers.Task.crashed``), and
+those deaths no longer count towards the restart limit, which is for workers that die for their own
+reasons: the bad-sample limits (--strict, --max-bad-samples) are the ones for bad files.  One that
+hangs never dies: a worker that holds tasks and has begun no image for ``--task-timeout`` (a
 read of a hung mount, a hook that never returns, a SIGSTOP; ``pool.WorkerPool.stalled``, from the
 ``workers.Whereabouts`` it writes) is killed after a warning that names it, the batch and the file,
 and replaced the same way; a task that hangs ``MAX_TASK_HANGS`` times stops the job.
@@ -10,9 +16,10 @@ and replaced the same way; a task that hangs ``MAX_TASK_HANGS`` times stops the 
 The controller (``producer.Producer``) keeps the task queue and the job's verdict::
 
     for dead in pool.wait(...):             for worker in health.hung():
-        health.died(dead)                       why = health.kill(worker, on_result)  # or the job stops
+        bad = health.died(dead)                 why = health.kill(worker, on_result)  # or the job stops
         requeue(dead.tasks)                     requeue(worker.tasks)
-        why = health.replace(dead)              why = health.replace(worker)
+        count bad as a bad sample               why = health.replace(worker)
+        why = health.replace(dead)
 
 ``WorkerHealth`` counts, names and judges; it reads the builds the controller keeps, by task id,
 only to name a task's batch and to tell one still wanted.
@@ -20,7 +27,9 @@ only to name a task's batch and to tell one still wanted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -29,13 +38,20 @@ from prefetchd.buffer_protocol import batch_name
 from prefetchd.daemon.pool import Worker, WorkerPool
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
-from prefetchd.daemon.workers import Filled, Task, WriteFailed
+from prefetchd.daemon.workers import CRASHED_REASON, Filled, Task, WriteFailed
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
 MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
 RESTART_WINDOW_SECONDS = 60.0
+# Workers that died on one sample of one task (a worker that dies and the one that runs its task again, from its
+# first image), after which that sample's file is taken for one that kills its worker.  A segfault in a decoder
+# or an image too big for memory is deterministic: the second death on it is the proof.  A death that is not the
+# file's (a worker killed by hand, the OOM killer picking it for memory others use) falls on the same image of
+# the same task again only by chance: a task's image takes milliseconds.  A third try would cost one more
+# worker start per such file, and bring the restart limit closer for nothing.
+CRASHES_TO_BLAME = 2
 # A task that hangs this many times (each time on a new worker, killed after --task-timeout) stops the job: what
 # hangs again is the file or the hook, not the worker.  As many tries as the Ray bridge gives a slice (MAX_ATTEMPTS).
 MAX_TASK_HANGS = 3
@@ -64,27 +80,78 @@ class WorkerHealth:
         self.shown = shown
         self.ranks = ranks
         self.ends: deque[float] = deque()  # when workers died or were killed, within RESTART_WINDOW_SECONDS
+        # By (task id, sample), of tasks still wanted: when each worker died on that sample, and how it ended.
+        self.deaths: dict[tuple[int, int], list[tuple[float, int | None]]] = {}
+        self.crashed: dict[int, str] = {}  # the samples taken for ones that kill their worker, and why
+        self.crashed_items: tuple[tuple[int, str], ...] = ()  # the same, for tasks (``Task.crashed``)
         self.hangs: dict[int, list[str]] = {}  # by task id, of tasks still wanted: the file of each hang
         self.stall_note: str | None = None  # a worker that makes no progress, said before it is killed
 
     # -- deaths ---------------------------------------------------------------
 
-    def died(self, worker: Worker) -> None:
-        """Say that ``worker`` died (one killed for a hang was said when it was)."""
-        log.error("worker pid %s died (exit code %s); requeuing its %d tasks and starting another",
-                  worker.process.pid, worker.process.exitcode, len(worker.tasks))
+    def died(self, worker: Worker) -> tuple[int, str] | None:
+        """Say that ``worker`` died (one killed for a hang was said when it was), and where; the sample it
+        died on and why that sample's file is bad, when that file has now killed ``CRASHES_TO_BLAME``
+        workers running the same task (it is in ``crashed`` from now on), else None."""
+        now = time.monotonic()
+        how = ended(worker.process.exitcode)
+        task, sample = self._died_on(worker)
+        then = f"requeuing its {counted(len(worker.tasks), 'task')} and starting another"
+        if task is None or sample is None:  # between tasks or images: none is to blame
+            log.error("worker pid %s died (%s); %s", worker.process.pid, how, then)
+            self.ends.append(now)
+            return None
+        place = self._place(task, sample, with_files=False)
+        if sample in self.crashed:  # sent before the file was found out: its death is the file's too
+            log.error("worker pid %s died (%s) on %s, a file that crashed workers before; %s", worker.process.pid, how,
+                      place, then)
+            return None
+        self.deaths = {key: ends for key, ends in self.deaths.items() if key[0] in self.builds}
+        deaths = self.deaths.setdefault((task.task_id, sample), []) if task.task_id in self.builds else []
+        deaths.append((now, worker.process.exitcode))
+        self.ends.append(now)
+        if len(deaths) < CRASHES_TO_BLAME:
+            log.error("worker pid %s died (%s) on %s; %s (death %d on that file: at %d it is replaced as undecodable)",
+                      worker.process.pid, how, place, then, len(deaths), CRASHES_TO_BLAME)
+            return None
+        hows = list(dict.fromkeys(ended(code) for _, code in deaths))
+        reason = f"{CRASHED_REASON} {counted(len(deaths), 'time')} ({', then '.join(hows)})"
+        self.crashed[sample] = reason
+        self.crashed_items = tuple(sorted(self.crashed.items()))
+        for at, _ in deaths:  # the file's deaths, not the workers' own: the bad-sample limits judge them now
+            if at in self.ends:
+                self.ends.remove(at)
+        log.error("worker pid %s died (%s) on %s, death %d on that file: it is replaced as undecodable; %s",
+                  worker.process.pid, how, place, len(deaths), then)
+        return sample, reason
+
+    def told(self, tasks: deque[Task]) -> deque[Task]:
+        """``tasks``, each told the samples found to kill their worker (``crashed``), where it was made before."""
+        if not self.crashed:
+            return tasks
+        return deque(t if t.crashed == self.crashed_items else dataclasses.replace(t, crashed=self.crashed_items)
+                     for t in tasks)
+
+    @staticmethod
+    def _died_on(worker: Worker) -> tuple[Task | None, int | None]:
+        """The task ``worker`` died on, of those it held unfinished, and the sample (None: before its first);
+        (None, None) where it died holding none it had begun."""
+        where = worker.where
+        task = worker.tasks.get(where.task) if where.moves >= 0 else None
+        if task is None:
+            return None, None
+        return task, where.sample if where.sample >= 0 else None
 
     def replace(self, worker: Worker) -> str | None:
         """Start a worker in place of ``worker``, which died or was killed; or, when too many ended lately,
         why the job must stop.  Its tasks are the controller's to queue again."""
         self.stats.worker_restarts += 1
         now = time.monotonic()
-        self.ends.append(now)
         while self.ends and now - self.ends[0] > RESTART_WINDOW_SECONDS:
             self.ends.popleft()
         if len(self.ends) > MAX_WORKER_RESTARTS:
-            return (f"{len(self.ends)} workers died within {RESTART_WINDOW_SECONDS:.0f} s "
-                    f"(last exit code {worker.process.exitcode}); check the log and `dmesg` for the cause (out of memory?)")
+            return (f"{len(self.ends)} workers died within {RESTART_WINDOW_SECONDS:.0f} s (the last: "
+                    f"{ended(worker.process.exitcode)}); check the log and `dmesg` for the cause (out of memory?)")
         self.pool.add_worker()
         return None
 
@@ -127,6 +194,7 @@ class WorkerHealth:
             hangs = self.hangs.setdefault(task.task_id, [])
         hangs.append(self.shown(sample) if sample is not None else "before its first file")
         self.pool.kill(worker, on_result)
+        self.ends.append(time.monotonic())
         # Held still after the kill (not finished as it came) and of a build still wanted: hung for good?
         final = (len(hangs) >= MAX_TASK_HANGS and task.task_id in worker.tasks and build is not None
                  and not build.cancelled)
@@ -155,8 +223,9 @@ class WorkerHealth:
         rank = f", rank {build.stream.rank}" if self.ranks > 1 else ""
         return f"batch {batch_name(build.epoch, build.step)} (epoch {build.epoch}, step {build.step}{rank})"
 
-    def _place(self, task: Task, sample: int | None) -> str:
-        """Where a worker makes no progress, for the log and the status: the batch, the file, the task's files."""
+    def _place(self, task: Task, sample: int | None, with_files: bool = True) -> str:
+        """Where a worker makes no progress (or died), for the log and the status: the batch, the file, and
+        ``with_files`` the task's files."""
         files = [self.shown(index) for _slot, index in task.items]
         shown = ", ".join(files[:SHOWN_TASK_FILES]) + (f" and {len(files) - SHOWN_TASK_FILES} more"
                                                         if len(files) > SHOWN_TASK_FILES else "")
@@ -167,7 +236,7 @@ class WorkerHealth:
             on = f"{self.shown(sample)} (file {samples.index(sample) + 1} of its task's {len(files)})"
         else:  # a replacement for a file of the task that could not be decoded
             on = f"{self.shown(sample)} (a replacement for a file of its task that could not be decoded)"
-        return f"{self._batch_of(task)}, {on}; the task's files: {shown}"
+        return f"{self._batch_of(task)}, {on}" + (f"; the task's files: {shown}" if with_files else "")
 
     def _hung_for_good(self, task: Task, hangs: list[str]) -> str:
         """Why the job stops: ``task`` hung MAX_TASK_HANGS times, on ``hangs``."""
@@ -179,4 +248,17 @@ class WorkerHealth:
                 "--task-timeout if an image can take that long")
 
 
-__all__ = ["MAX_TASK_HANGS", "MAX_WORKER_RESTARTS", "RESTART_WINDOW_SECONDS", "WorkerHealth"]
+def ended(exitcode: int | None) -> str:
+    """How a worker process ended, from its exit code (-N: signal N)."""
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+__all__ = ["CRASHES_TO_BLAME", "MAX_TASK_HANGS", "MAX_WORKER_RESTARTS", "RESTART_WINDOW_SECONDS", "WorkerHealth",
+           "ended"]

@@ -12,7 +12,8 @@ commits it once every slot is filled.
 
 A sample that cannot be decoded is replaced by the next member of the split
 that can (a pure function of the index, so the batch stays deterministic and
-full); the controller logs and counts the replacement.  A failing user
+full); the controller logs and counts the replacement.  So is a sample that
+killed the workers that decoded it (``Task.crashed``), without being read again.  A failing user
 transform hook is not a bad image: it stops the daemon with the hook's error.
 Neither is storage that cannot be reached (the batch is retried later): an
 object store's outage, a dataset root gone, or a local read error that says
@@ -59,7 +60,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -167,6 +168,9 @@ class Task:
     epoch: int
     items: tuple[tuple[int, int], ...]  # (slot, sample index)
     file_id: tuple[int, int] | None = None  # the temp file's (st_dev, st_ino): only that file is written (SlotFiller)
+    # (sample, reason) of the samples known to kill the worker that decodes them (``worker_health``): each is
+    # failed for that reason, unread, where it comes up, as if its decode had failed, so it is replaced alike.
+    crashed: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -225,11 +229,16 @@ _NOT_THE_SAMPLES_FAULT = tuple(NOT_THE_SAMPLES_FAULT)
 
 def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failures: list[tuple[int, str]],
              times: StageTimes, first: Read | None, clean: CleanFiles | None,
-             into: np.ndarray | None = None, task_id: int = -1) -> tuple[int, np.ndarray]:
+             into: np.ndarray | None = None, task_id: int = -1,
+             crashed: Mapping[int, str] | None = None) -> tuple[int, np.ndarray]:
     """Decode ``index`` (its bytes from ``first`` when read ahead) or, failing that, its deterministic
-    replacements; into ``into`` where given (the slot: each try overwrites what a failed one left)."""
+    replacements; into ``into`` where given (the slot: each try overwrites what a failed one left).
+    ``crashed``: samples failed unread, with their reason (``Task.crashed``)."""
     tries = min(MAX_REPLACEMENT_TRIES, len(job.members))  # past the split's end it wraps: each sample once
     for k, candidate in enumerate(_candidates(job, index)):
+        if crashed and candidate in crashed:
+            failures.append((candidate, crashed[candidate]))
+            continue
         _begin(task_id, candidate)
         name = job.index.name(candidate)
         rng = None
@@ -307,6 +316,8 @@ def _why_none_decoded(index: SampleIndex, failures: Sequence[tuple[int, str]]) -
 # cannot be read: the controller words those as missing and unreadable rather than undecodable (BadSamples).
 MISSING_REASONS = ("FileNotFoundError", "NotADirectoryError")
 UNREADABLE_REASONS = ("PermissionError", "IsADirectoryError")
+# How the reason of a file that killed the workers decoding it begins (``worker_health``, ``Task.crashed``).
+CRASHED_REASON = "crashed its worker"
 
 
 def _reason(exc: Exception, name: str) -> str:
@@ -352,6 +363,7 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
     timings: list[tuple[float, float, float, float]] = []
     failures: list[tuple[int, str]] = []
     ahead: Iterator[Read] = iter(reads) if reads is not None else reader.read_ahead(index for _slot, index in task.items)
+    crashed = dict(task.crashed)
     shape = (job.image_size, job.image_size, 3)
     if task.slot_bytes != math.prod(shape):  # the job and the batch's layout disagree: no sample can fit
         raise SampleUnrecoverable(f"slots of {task.slot_bytes} bytes for {job.image_size} x {job.image_size} x 3 images")
@@ -360,7 +372,8 @@ def _fill(job: WorkerJob, task: Task, reader: SampleReader, reads: list[Future[b
         target = sink.slot(slot)
         # The slot itself where the sink has one: the resize writes the file's pages, no copy after.
         into = np.frombuffer(target, np.uint8).reshape(shape) if target is not None else None
-        used, image = _produce(job, reader, task.epoch, index, failures, times, read, clean, into, task.task_id)
+        used, image = _produce(job, reader, task.epoch, index, failures, times, read, clean, into, task.task_id,
+                               crashed)
         t0 = time.perf_counter()
         if image is not into:  # a size x size x 3 array (augment_bytes; a hook's shape is checked): it fits
             try:

@@ -6,6 +6,7 @@ the transform hook's module, is told unable."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
 from collections import deque
 from pathlib import Path
@@ -22,7 +23,7 @@ from prefetchd.daemon.remote import bridge
 from prefetchd.daemon.remote.bridge import write_rows
 from prefetchd.daemon.remote.task import Rows, Shipment, build_rows, probe_samples, unable_here, unreadable
 from prefetchd.daemon.sources import SampleReader
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, run_task
+from prefetchd.daemon.workers import Filled, Task, Whereabouts, WorkerJob, WriteFailed, run_task
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -270,7 +271,8 @@ def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() ->
     producer.health = WorkerHealth(SimpleNamespace(add_worker=lambda: None), Stats(), 600.0,  # type: ignore[arg-type]
                                    producer.task_build, str, 1)
     task = Task(7, "c.tmp", OFFSET, SLOT, 0, ((0, 7),))
-    dead = SimpleNamespace(process=SimpleNamespace(pid=1, exitcode=-9), tasks={7: task})
+    where = Whereabouts(multiprocessing.RawArray("q", [-1, -1, -1]))  # died before its first task
+    dead = SimpleNamespace(process=SimpleNamespace(pid=1, exitcode=-9), tasks={7: task}, where=where)
     producer._replace_worker(dead)
     assert [t.task_id for t in producer.todo] == [5, 9] and aborted == [3, 6] and 7 not in producer.task_build
 

@@ -16,18 +16,15 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
-from PIL import Image
 
 from prefetchd.buffer_protocol import ProtocolError, State, Status, read_status
 from prefetchd.daemon.errors import EXIT_FAILURE
 from prefetchd.daemon.worker_health import MAX_TASK_HANGS
 from prefetchd.daemon.status_view import describe_status, format_status
-from prefetchd.synthetic import make_shapes_dataset
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.errors import DaemonGone
 from prefetchd.words import counted
 from tests.daemon_workers import daemon_workers
-from tests.integration.hung_hook import MAGENTA
 
 JOB = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1"]
 
@@ -90,16 +87,6 @@ def test_a_stopped_worker_is_killed_and_replaced_and_every_batch_arrives_once_th
     # Said before it is killed (at a quarter of --task-timeout), and when it is, with the pid and the batch.
     assert f"worker pid {victim.pid} has made no progress for" in daemon.log, daemon.log
     assert f"worker pid {victim.pid} made no progress for" in daemon.log and "killed it;" in daemon.log, daemon.log
-
-
-@pytest.fixture
-def magenta_data(shm_dir: Path) -> tuple[Path, Path]:
-    """A small class-folder dataset with one image that is magenta all over; and that image."""
-    make_shapes_dataset(shm_dir / "data", classes=3, train_per_class=8, val_per_class=0, seed=1)
-    train = shm_dir / "data" / "train"
-    magenta = sorted(p for p in train.iterdir())[1] / "zz_magenta.jpg"
-    Image.new("RGB", (64, 48), MAGENTA).save(magenta, quality=95)
-    return train, magenta
 
 
 def test_a_hook_that_never_returns_on_one_file_is_named_and_its_task_tried_3_times_before_the_job_stops(

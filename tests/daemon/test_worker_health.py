@@ -1,0 +1,56 @@
+"""What a dead worker's whereabouts make of its death (worker_health.WorkerHealth.died): a file is blamed
+only where workers died on it running the same task again, never for deaths that fell elsewhere."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+from prefetchd.daemon.pool import Worker
+from prefetchd.daemon.production_stats import Stats
+from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, WorkerHealth
+from prefetchd.daemon.workers import Task, Whereabouts
+
+TASKS = {task_id: Task(task_id, "b.tmp", 4096, 3072, 0, ((0, 10 * task_id), (1, 10 * task_id + 1)))
+         for task_id in (1, 2)}
+
+
+def dead(task: int, sample: int, exitcode: int = -11, begun: bool = True) -> Worker:
+    """A worker that died holding both tasks, its whereabouts left as a worker writes them."""
+    where = Whereabouts(multiprocessing.RawArray("q", [-1, -1, -1]))
+    if begun:
+        where.ready()
+        where.begin(task)
+        if sample >= 0:
+            where.begin(task, sample)
+    process: Any = SimpleNamespace(pid=4242, exitcode=exitcode)  # a multiprocessing.Process that has exited
+    return Worker(process, None, None, where, dict(TASKS))  # type: ignore[arg-type]
+
+
+def health() -> WorkerHealth:
+    return WorkerHealth(None, Stats(), 600.0, dict.fromkeys(TASKS), str, 1)  # type: ignore[arg-type]
+
+
+def test_a_file_is_blamed_once_workers_died_on_it_in_the_same_task() -> None:
+    h = health()
+    for _ in range(CRASHES_TO_BLAME - 1):
+        assert h.died(dead(1, 11)) is None
+    assert h.died(dead(1, 11, exitcode=-9)) == (11, f"crashed its worker {CRASHES_TO_BLAME} times "
+                                                   "(signal SIGSEGV, then signal SIGKILL)")
+    assert h.crashed_items == ((11, h.crashed[11]),)
+    assert not h.ends, "the file's deaths leave the restart window: the bad-sample limits judge them"
+    # A task queued before that is told of it; one told already is left as it is.
+    queued = h.told(deque(TASKS.values()))
+    assert [t.crashed for t in queued] == [h.crashed_items] * 2 and h.told(queued)[0] is queued[0]
+    # A task sent before the file was found out kills one more worker: no new verdict, nor a count.
+    assert h.died(dead(2, 11)) is None and not h.ends
+
+
+def test_deaths_that_fall_on_different_files_or_tasks_or_between_images_blame_none() -> None:
+    h = health()
+    # Another file of the task, the same file in another task, before the task's first image, before any task.
+    deaths = [dead(1, 10), dead(1, 11), dead(2, 11), dead(2, 21), dead(1, -1), dead(2, -1), dead(2, 20, begun=False)]
+    assert [h.died(worker) for worker in deaths] == [None] * len(deaths)
+    assert not h.crashed and len(h.ends) == len(deaths), "each counts towards the restart limit"

@@ -1,0 +1,93 @@
+"""A local worker that dies on one image (a decoder that segfaults on it, the OOM killer on one huge file):
+the file kills the worker that retries its task too, and is then taken for an undecodable one: replaced,
+counted and named as a file whose decode fails is, in the same batch, so the run goes on to its end."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefetchd.buffer_protocol import read_status
+from prefetchd.buffer_protocol.status import BadFile
+from prefetchd.daemon.dataset import scan_class_folders
+from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_WORKER_RESTARTS
+from prefetchd.trainer import BufferLoader
+
+BASE = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1",
+        "--workers", "2", "--transform", "tests.integration.crash_hook:segfaults_on_magenta"]
+JOB = [*BASE, "--epochs", "2"]
+
+
+def received(batch: Any) -> tuple[int, int, list[int], int, str]:
+    images = np.ascontiguousarray(batch.images.numpy())
+    return batch.epoch, batch.step, batch.indices.tolist(), batch.replaced, hashlib.sha256(images.tobytes()).hexdigest()
+
+
+def read_all(buffer: Path) -> list[tuple[int, int, list[int], int, str]]:
+    loader = BufferLoader(buffer, normalize=False, timeout=60)  # the code before: DaemonGone, workers kept dying
+    try:
+        return [received(batch) for _epoch in range(2) for batch in loader]
+    finally:
+        loader.close()
+
+
+def test_a_file_that_segfaults_its_worker_is_replaced_as_one_that_cannot_be_decoded(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any) -> None:
+    data, magenta = magenta_data
+    # The reference: the same dataset with that file not an image at all, found bad by its decode.
+    undecodable = shm_dir / "undecodable"
+    shutil.copytree(data, undecodable)
+    (undecodable / magenta.relative_to(data)).write_bytes(b"not a JPEG")
+    ref = start_daemon(shm_dir / "ref", *JOB, "--data", undecodable)
+    reference = read_all(shm_dir / "ref")
+    assert ref.wait_exit(30) == 0, ref.log
+
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, *JOB, "--data", data)
+    got = read_all(buffer)
+    assert got == reference, daemon.log  # each (epoch, step) once, in order, the same samples and pixels
+    index = scan_class_folders(data)
+    (sample,) = [i for i in range(len(index)) if index.path(i) == magenta]
+    with_it = [b for b in got if b[3]]
+    assert len(with_it) == 2 and all(sample not in b[2] and b[3] == 1 for b in with_it), "replaced, once an epoch"
+    assert daemon.wait_exit(30) == 0, daemon.log
+
+    final = read_status(buffer)
+    assert final.production is not None, daemon.log
+    errors = final.production.errors
+    reason = f"crashed its worker {CRASHES_TO_BLAME} times (signal SIGSEGV)"
+    assert errors.undecodable == (BadFile(path=str(magenta), reason=reason),), errors.undecodable
+    assert errors.undecodable_files == 1 and errors.replaced_samples == 2, errors
+    assert errors.worker_restarts >= CRASHES_TO_BLAME, errors
+    # Each death said with the file it was on, and the file once, as a bad file is.
+    assert daemon.log.count("died (signal SIGSEGV) on batch") >= CRASHES_TO_BLAME, daemon.log
+    assert daemon.log.count(f"{magenta} {reason}; replacing it with the next sample of the split") == 1, daemon.log
+
+
+def test_files_that_crash_workers_count_as_bad_files_not_towards_the_restart_limit(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any) -> None:
+    """Six such files cost at least 12 worker deaths within seconds, more than the restart limit allows
+    (MAX_WORKER_RESTARTS in RESTART_WINDOW_SECONDS), which is for workers that die for their own reasons:
+    the bad-sample limits judge bad files, and --max-bad-samples 6 lets the job end."""
+    data, magenta = magenta_data
+    for n, folder in enumerate(sorted(p for p in data.iterdir()) * 2):
+        if n:
+            shutil.copy(magenta, folder / f"zz_magenta{n}.jpg")
+    crashing = sorted(data.glob("*/zz_magenta*.jpg"))
+    assert len(crashing) == 6
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, *BASE, "--epochs", "1", "--data", data, "--max-bad-samples", "6")
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    try:
+        got = [received(batch) for batch in loader]
+    finally:
+        loader.close()
+    assert [b[:2] for b in got] == [(0, step) for step in range(4)] and sum(b[3] for b in got) == 6, daemon.log
+    assert daemon.wait_exit(30) == 0, daemon.log
+    errors = read_status(buffer).production.errors  # type: ignore[union-attr]
+    assert sorted(Path(bad.path) for bad in errors.undecodable) == crashing, errors.undecodable
+    assert errors.worker_restarts >= 2 * len(crashing) > MAX_WORKER_RESTARTS, errors
