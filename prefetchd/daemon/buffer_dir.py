@@ -386,6 +386,26 @@ def free_bytes(path: Path) -> int:
     return fs.f_bavail * fs.f_frsize
 
 
+def pause_message(buffer: Path, free: int, own: int, floor: int) -> str:
+    """Why production pauses with ``free`` bytes left on ``buffer``'s filesystem once the next batch is built,
+    below the ``floor`` (--min-free-mb, in bytes), and what makes room: "lower --high-water" only where the
+    daemon's batches, ``own`` bytes, hold most of what the filesystem holds then.  Said also where another
+    process's file filled the tmpfs beside a few batches, it sent the user to lower a mark that was not what
+    took the space.  ``own`` counts the batches waiting, those being built and the next one, and not the
+    spares, which ``free`` counts as room; the rest of the filesystem beyond ``free`` is the other files'."""
+    left = max(free, 0)
+    fs = os.statvfs(buffer)
+    size = fs.f_blocks * fs.f_frsize
+    others = max(0, size - left - own)
+    head = f"paused: {buffer} would fall to {binary_size(left)} free, below the floor of {floor >> 20} MiB"
+    if own >= others:
+        return (f"{head}; this daemon's batches would hold {binary_size(own)} of the filesystem's "
+                f"{binary_size(size)}, other files {binary_size(others)}: free space there or lower --high-water")
+    return (f"{head}; other files hold {binary_size(others)} of the filesystem's {binary_size(size)}, this "
+            f"daemon's batches only {binary_size(own)}: free those files (`df -h {buffer}` names the "
+            "filesystem), and production resumes by itself")
+
+
 NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of space (a tmpfs full, a quota reached)
 
 

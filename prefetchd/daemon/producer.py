@@ -45,7 +45,7 @@ from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_PATTERN
 from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, RunningJob, State, Status,
                                               Totals)
 from prefetchd.daemon.bad_samples import BadSamples
-from prefetchd.daemon.buffer_dir import free_bytes
+from prefetchd.daemon.buffer_dir import free_bytes, pause_message
 from prefetchd.daemon.build_failures import BuildFailures
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
@@ -415,7 +415,7 @@ class Producer:
             # and spares beyond the room the cap leaves are deleted (SpareFiles.fit, .take).
             free = self._left_free(layout.file_len) + self.spares.bytes
             if free < self.min_free:
-                msg = self._pause_message(free, layout.file_len)
+                msg = pause_message(self.buffer, free, self._held_bytes() + layout.file_len, self.min_free)
                 if not self.paused:  # one shortage, one pause: not one for each batch built in a spare meanwhile
                     log.warning(msg)
                     self.stats.low_space_pauses += 1
@@ -438,27 +438,6 @@ class Producer:
         if layout is None:
             layout = self._layouts[size] = BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
         return layout
-
-    def _pause_message(self, free: int, file_len: int) -> str:
-        """Why production pauses with ``free`` bytes left once the next batch, of ``file_len`` bytes, is built, and
-        what makes room: "lower --high-water" only where the daemon's batches hold most of what the filesystem
-        holds then.  Said also where another process's file filled the tmpfs beside a few batches, it sent the
-        user to lower a mark that was not what took the space.  The daemon's share counts its waiting batches,
-        those being built and the next one, and not its spares, which ``free`` counts as room; the rest of the
-        filesystem beyond ``free`` is the other files'."""
-        left = max(free, 0)
-        fs = os.statvfs(self.buffer)
-        size = fs.f_blocks * fs.f_frsize
-        own = self._held_bytes() + file_len
-        others = max(0, size - left - own)
-        head = (f"paused: {self.buffer} would fall to {binary_size(left)} free, below the floor of "
-                f"{self.min_free >> 20} MiB")
-        if own >= others:
-            return (f"{head}; this daemon's batches would hold {binary_size(own)} of the filesystem's "
-                    f"{binary_size(size)}, other files {binary_size(others)}: free space there or lower --high-water")
-        return (f"{head}; other files hold {binary_size(others)} of the filesystem's {binary_size(size)}, this "
-                f"daemon's batches only {binary_size(own)}: free those files (`df -h {self.buffer}` names the "
-                "filesystem), and production resumes by itself")
 
     def _held_bytes(self) -> int:
         """Bytes of the batches waiting and being built, each file's own length: counted as full batches, an
