@@ -5,13 +5,14 @@ one that stays inside them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sysconfig
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,77 @@ def test_group_jobs_are_held_to_the_allow_lists(two_users: Users) -> None:
         stop_and_clean(daemon_proc, base)
 
 
+class Scene:
+    """The daemon's user's tree for the tests of requests and records renamed by a member: data the group may name
+    (``allowed``, the daemon's allow-list), data only the daemon's user may read (``secret``), the buffer and its
+    daemon's log; the daemon started as the daemon's user, commands run as either user."""
+
+    def __init__(self, users: Users, base: Path) -> None:
+        self.users, self.base = users, base
+        self.allowed, self.secret = base / "allowed", base / "secret"
+        self.buffer, self.log = base / "bf", base / "daemon.log"
+        self.daemon: subprocess.Popen[bytes] | None = None
+        make_shapes_dataset(self.allowed, classes=2, train_per_class=8, val_per_class=2, seed=1)
+        make_shapes_dataset(self.secret, classes=2, train_per_class=8, val_per_class=2, seed=2)
+        (base / "cache").mkdir()
+        chown_tree(base, users.daemon_uid, users.gid, 0o750)
+        chown_tree(self.secret, users.daemon_uid, users.gid, 0o700)
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base), "LANG": "C.UTF-8",
+                    "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), sysconfig.get_paths()["purelib"]])}
+        self.python = python_for(users.daemon, self.env)
+
+    @classmethod
+    @contextlib.contextmanager
+    def made(cls, users: Users, name: str) -> Iterator[Scene]:
+        base = Path("/dev/shm") / f"prefetchd-{name}-{uuid.uuid4().hex[:10]}"
+        base.mkdir()
+        scene: Scene | None = None
+        try:
+            scene = cls(users, base)
+            yield scene
+        finally:
+            stop_and_clean(scene.daemon if scene is not None else None, base)
+
+    def daemon_log(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def start_daemon(self) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as out:
+            self.daemon = subprocess.Popen(
+                [self.python, "-m", "prefetchd", "start", "--buffer", str(self.buffer), "--group-access", "--workers",
+                 "1", "--high-water", "2", "--index-cache", str(self.base / "cache"), "--allowed-data",
+                 str(self.allowed)],
+                user=self.users.daemon_uid, group=self.users.gid, extra_groups=[], env=self.env, cwd=self.base,
+                stdout=out, stderr=subprocess.STDOUT)
+        return self.daemon
+
+    def stop_daemon(self) -> None:
+        assert self.daemon is not None
+        self.daemon.send_signal(signal.SIGTERM)
+        assert self.daemon.wait(30) == 0, self.daemon_log()
+
+    def wait(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Until ``done()``, while the daemon runs."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert self.daemon is not None and self.daemon.poll() is None and time.monotonic() < deadline, \
+                self.daemon_log()
+            time.sleep(0.05)
+
+    def as_user(self, user: str, *command: str | Path) -> str:
+        done = subprocess.run(["runuser", "-u", user, "--", *map(str, command)], env=self.env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, f"{done.stdout}{done.stderr}{self.daemon_log()}"
+        return done.stdout
+
+    def submit(self, user: str, data: Path) -> str:
+        """`prefetchd submit` as ``user``, accepted: the id of its job."""
+        said = self.as_user(user, self.python, "-m", "prefetchd", "submit", "--buffer", self.buffer, "--batch-size",
+                            "4", "--image-size", "32", "--data", data)
+        assert " accepted: " in said, said + self.daemon_log()
+        return said.split()[1]
+
+
 def test_another_users_old_job_json_renamed_back_by_a_member_is_not_run_again(two_users: Users) -> None:
     """The buffer's folder is writable by its group and not sticky, so a member may rename any file there: the
     trainer kept the daemon's user's job.json aside (a job on data no member may name) before its own replaced it,
@@ -138,51 +210,18 @@ def test_another_users_old_job_json_renamed_back_by_a_member_is_not_run_again(tw
     Renamed back at once it is older than the request answered since; renamed back to a restarted daemon, which
     knows of no such request, it was put in place an hour after it was written."""
     users = two_users
-    base = Path("/dev/shm") / f"prefetchd-replay-{uuid.uuid4().hex[:10]}"
-    base.mkdir()
-    daemon_proc: subprocess.Popen[bytes] | None = None
-    try:
-        allowed, secret = base / "allowed", base / "secret"
-        make_shapes_dataset(allowed, classes=2, train_per_class=8, val_per_class=2, seed=1)
-        make_shapes_dataset(secret, classes=2, train_per_class=8, val_per_class=2, seed=2)
-        (base / "cache").mkdir()
-        chown_tree(base, users.daemon_uid, users.gid, 0o750)
-        chown_tree(secret, users.daemon_uid, users.gid, 0o700)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base), "LANG": "C.UTF-8",
-               "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), sysconfig.get_paths()["purelib"]])}
-        python = python_for(users.daemon, env)
-        buffer, log = base / "bf", base / "daemon.log"
-
-        def daemon_log() -> str:
-            return log.read_text(errors="replace")
-
-        def start_daemon() -> subprocess.Popen[bytes]:
-            with open(log, "ab") as out:
-                return subprocess.Popen(
-                    [python, "-m", "prefetchd", "start", "--buffer", str(buffer), "--group-access", "--workers", "1",
-                     "--high-water", "2", "--index-cache", str(base / "cache"), "--allowed-data", str(allowed)],
-                    user=users.daemon_uid, group=users.gid, extra_groups=[], env=env, cwd=base, stdout=out,
-                    stderr=subprocess.STDOUT)
-
-        def as_user(user: str, *command: str | Path) -> None:
-            done = subprocess.run(["runuser", "-u", user, "--", *map(str, command)], env=env, capture_output=True,
-                                  text=True, timeout=120)
-            assert done.returncode == 0, f"{done.stdout}{done.stderr}{daemon_log()}"
-
-        def submit(user: str, data: Path) -> str:
-            """`prefetchd submit` as ``user``, accepted: the id of its job."""
-            out = subprocess.run(["runuser", "-u", user, "--", python, "-m", "prefetchd", "submit", "--buffer",
-                                  str(buffer), "--batch-size", "4", "--image-size", "32", "--data", str(data)],
-                                 env=env, capture_output=True, text=True, timeout=120)
-            assert out.returncode == 0 and " accepted: " in out.stdout, f"{out.stdout}{out.stderr}{daemon_log()}"
-            return out.stdout.split()[1]
+    with Scene.made(users, "replay") as scene:
+        buffer, allowed, secret = scene.buffer, scene.allowed, scene.secret
 
         def answer_to(job_id: str) -> JobResult:
-            deadline = time.monotonic() + 30
-            while (result := job_result_of(buffer)) is None or result.job_id != job_id:
-                assert daemon_proc is not None and daemon_proc.poll() is None and time.monotonic() < deadline, \
-                    daemon_log()
-                time.sleep(0.05)
+            result: JobResult | None = None
+
+            def answered() -> bool:
+                nonlocal result
+                result = job_result_of(buffer)
+                return result is not None and result.job_id == job_id
+            scene.wait(answered, 30)
+            assert result is not None
             return result
 
         def running_job() -> str | None:
@@ -190,52 +229,41 @@ def test_another_users_old_job_json_renamed_back_by_a_member_is_not_run_again(tw
             return status.running_job.job_id if status is not None and status.running_job is not None else None
 
         def refused_as_put_back(result: JobResult, *said: str) -> None:
-            assert not result.accepted, f"the old job ran again: {result}\n{daemon_log()}"
+            assert not result.accepted, f"the old job ran again: {result}\n{scene.daemon_log()}"
             assert result.submitter == users.daemon_uid, result
             for words in (str(buffer / "job.json"), users.daemon, "renamed back", f"prefetchd submit --buffer {buffer}",
                           *said):
                 assert words in result.reason, result.reason
             assert running_job() == theirs and Manifest.read(buffer).dataset_root == str(allowed / "train")
 
-        daemon_proc = start_daemon()
-        deadline = time.monotonic() + 60
-        while state_of(buffer) != State.WAITING_FOR_JOB:
-            assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
-            time.sleep(0.05)
+        scene.start_daemon()
+        scene.wait(lambda: state_of(buffer) == State.WAITING_FOR_JOB)
 
-        mine = submit(users.daemon, secret / "train")  # the daemon's user may name any data
-        as_user(users.trainer, "mv", buffer / "job.json", buffer / "kept.json")
-        theirs = submit(users.trainer, allowed / "train")
+        mine = scene.submit(users.daemon, secret / "train")  # the daemon's user may name any data
+        scene.as_user(users.trainer, "mv", buffer / "job.json", buffer / "kept.json")
+        theirs = scene.submit(users.trainer, allowed / "train")
         assert Manifest.read(buffer).dataset_root == str(allowed / "train")
-        as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.json")
+        scene.as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.json")
         assert os.stat(buffer / "job.json").st_uid == users.daemon_uid  # the daemon's user's file, as it was
         refused_as_put_back(answer_to(mine))
 
         # Kept again, and renamed back to the next daemon (a restart: the unit's, an upgrade), an hour later.
-        as_user(users.trainer, "mv", buffer / "job.json", buffer / "kept.json")
-        daemon_proc.send_signal(signal.SIGTERM)
-        assert daemon_proc.wait(30) == 0, daemon_log()
+        scene.as_user(users.trainer, "mv", buffer / "job.json", buffer / "kept.json")
+        scene.stop_daemon()
         hour_ago = os.stat(buffer / "kept.json").st_mtime_ns - 3600 * 10**9
         os.utime(buffer / "kept.json", ns=(hour_ago, hour_ago))  # as its owner wrote it, an hour before
-        daemon_proc = start_daemon()
-        deadline = time.monotonic() + 60
-        while running_job() != theirs or state_of(buffer) in (State.STOPPED, State.STARTING):  # resumed
-            assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
-            time.sleep(0.05)
-        as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.json")
+        scene.start_daemon()
+        scene.wait(lambda: running_job() == theirs and state_of(buffer) not in (State.STOPPED, State.STARTING))
+        scene.as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.json")
         refused_as_put_back(answer_to(mine), "s after it was written")
 
         # A new request is taken however soon it follows another: the trainer's own job again, twice at once,
         # and the daemon's user's old job, submitted again by that user.
-        submit(users.trainer, allowed / "train")
-        submit(users.trainer, allowed / "train")
-        again = submit(users.daemon, secret / "train")
+        scene.submit(users.trainer, allowed / "train")
+        scene.submit(users.trainer, allowed / "train")
+        again = scene.submit(users.daemon, secret / "train")
         assert running_job() == again and Manifest.read(buffer).dataset_root == str(secret / "train")
-
-        daemon_proc.send_signal(signal.SIGTERM)
-        assert daemon_proc.wait(30) == 0, daemon_log()
-    finally:
-        stop_and_clean(daemon_proc, base)
+        scene.stop_daemon()
 
 
 def test_the_daemons_record_of_a_members_job_renamed_to_job_json_is_not_the_daemons_users_job(two_users: Users) -> None:
@@ -244,65 +272,28 @@ def test_the_daemons_record_of_a_members_job_renamed_to_job_json_is_not_the_daem
     The member's job named a link of theirs to allowed data, which the member then pointed at data only the daemon
     may read: run as the daemon's user's, that job produced those pixels for the member's group."""
     users = two_users
-    base = Path("/dev/shm") / f"prefetchd-record-{uuid.uuid4().hex[:10]}"
-    base.mkdir()
-    daemon_proc: subprocess.Popen[bytes] | None = None
-    try:
-        allowed, secret, mine = base / "allowed", base / "secret", base / "mine"
-        make_shapes_dataset(allowed, classes=2, train_per_class=8, val_per_class=2, seed=1)
-        make_shapes_dataset(secret, classes=2, train_per_class=8, val_per_class=2, seed=2)
-        (base / "cache").mkdir()
-        chown_tree(base, users.daemon_uid, users.gid, 0o750)
-        chown_tree(secret, users.daemon_uid, users.gid, 0o700)
+    with Scene.made(users, "record") as scene:
+        buffer, allowed, secret, mine = scene.buffer, scene.allowed, scene.secret, scene.base / "mine"
         mine.mkdir()
         os.chown(mine, users.trainer_uid, users.gid)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base), "LANG": "C.UTF-8",
-               "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), sysconfig.get_paths()["purelib"]])}
-        python = python_for(users.daemon, env)
-        buffer, log = base / "bf", base / "daemon.log"
+        scene.start_daemon()
+        scene.wait(lambda: state_of(buffer) == State.WAITING_FOR_JOB)
 
-        def daemon_log() -> str:
-            return log.read_text(errors="replace")
-
-        def as_trainer(*command: str | Path) -> str:
-            done = subprocess.run(["runuser", "-u", users.trainer, "--", *map(str, command)], env=env,
-                                  capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0, f"{done.stdout}{done.stderr}{daemon_log()}"
-            return done.stdout
-
-        with open(log, "wb") as out:
-            daemon_proc = subprocess.Popen(
-                [python, "-m", "prefetchd", "start", "--buffer", str(buffer), "--group-access", "--workers", "1",
-                 "--high-water", "2", "--index-cache", str(base / "cache"), "--allowed-data", str(allowed)],
-                user=users.daemon_uid, group=users.gid, extra_groups=[], env=env, cwd=base, stdout=out,
-                stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while state_of(buffer) != State.WAITING_FOR_JOB:
-            assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
-            time.sleep(0.05)
-
-        as_trainer("ln", "-s", allowed / "train", mine / "data")
-        said = as_trainer(python, "-m", "prefetchd", "submit", "--buffer", buffer, "--batch-size", "4",
-                          "--image-size", "32", "--data", mine / "data")
-        assert " accepted: " in said, said + daemon_log()
+        scene.as_user(users.trainer, "ln", "-s", allowed / "train", mine / "data")
+        scene.submit(users.trainer, mine / "data")
         assert (buffer / "job.accepted.json").stat().st_uid == users.daemon_uid
-        as_trainer("ln", "-sfn", secret / "train", mine / "data")
-        as_trainer("mv", buffer / "job.accepted.json", buffer / "job.json")
-        deadline = time.monotonic() + 10
-        while (result := job_result_of(buffer)) is None or result.submitter != users.daemon_uid:
-            assert daemon_proc.poll() is None and time.monotonic() < deadline, daemon_log()
-            time.sleep(0.05)
-        assert not result.accepted, f"the member's job ran as the daemon's user's: {result}\n{daemon_log()}"
+        scene.as_user(users.trainer, "ln", "-sfn", secret / "train", mine / "data")
+        scene.as_user(users.trainer, "mv", buffer / "job.accepted.json", buffer / "job.json")
+        scene.wait(lambda: (r := job_result_of(buffer)) is not None and r.submitter == users.daemon_uid, 10)
+        result = job_result_of(buffer)
+        assert result is not None and not result.accepted, \
+            f"the member's job ran as the daemon's user's: {result}\n{scene.daemon_log()}"
         for words in ("job.accepted.json", "record", "prefetchd submit"):
             assert words in result.reason, result.reason
         time.sleep(2)
         manifest = Manifest.read(buffer)
-        assert manifest is not None and manifest.dataset_root == str(allowed / "train"), daemon_log()
-
-        daemon_proc.send_signal(signal.SIGTERM)
-        assert daemon_proc.wait(30) == 0, daemon_log()
-    finally:
-        stop_and_clean(daemon_proc, base)
+        assert manifest is not None and manifest.dataset_root == str(allowed / "train"), scene.daemon_log()
+        scene.stop_daemon()
 
 
 def test_an_old_record_of_an_accepted_job_renamed_back_is_not_resumed(two_users: Users) -> None:
@@ -311,68 +302,29 @@ def test_an_old_record_of_an_accepted_job_renamed_back_is_not_resumed(two_users:
     renamed the old record back over the new one: the next daemon (a restart: the unit's, an upgrade) ran the
     daemon's user's old job again, and published that data to the group."""
     users = two_users
-    base = Path("/dev/shm") / f"prefetchd-resume-{uuid.uuid4().hex[:10]}"
-    base.mkdir()
-    daemon_proc: subprocess.Popen[bytes] | None = None
-    try:
-        allowed, secret = base / "allowed", base / "secret"
-        make_shapes_dataset(allowed, classes=2, train_per_class=8, val_per_class=2, seed=1)
-        make_shapes_dataset(secret, classes=2, train_per_class=8, val_per_class=2, seed=2)
-        (base / "cache").mkdir()
-        chown_tree(base, users.daemon_uid, users.gid, 0o750)
-        chown_tree(secret, users.daemon_uid, users.gid, 0o700)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base), "LANG": "C.UTF-8",
-               "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), sysconfig.get_paths()["purelib"]])}
-        python = python_for(users.daemon, env)
-        buffer, log = base / "bf", base / "daemon.log"
+    with Scene.made(users, "resume") as scene:
+        buffer = scene.buffer
 
-        def daemon_log() -> str:
-            return log.read_text(errors="replace")
+        def start_serving() -> None:
+            proc = scene.start_daemon()
+            scene.wait(lambda: (status := read_status(buffer)) is not None and status.pid == proc.pid
+                       and status.state not in (State.STOPPED, State.STARTING))
 
-        def start_daemon() -> subprocess.Popen[bytes]:
-            with open(log, "ab") as out:
-                proc = subprocess.Popen(
-                    [python, "-m", "prefetchd", "start", "--buffer", str(buffer), "--group-access", "--workers", "1",
-                     "--high-water", "2", "--index-cache", str(base / "cache"), "--allowed-data", str(allowed)],
-                    user=users.daemon_uid, group=users.gid, extra_groups=[], env=env, cwd=base, stdout=out,
-                    stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + 60
-            while (status := read_status(buffer)) is None or status.pid != proc.pid or status.state in (
-                    State.STOPPED, State.STARTING):
-                assert proc.poll() is None and time.monotonic() < deadline, daemon_log()
-                time.sleep(0.05)
-            return proc
+        start_serving()
+        scene.submit(users.daemon, scene.secret / "train")
+        scene.as_user(users.trainer, "mv", buffer / "job.accepted.json", buffer / "kept.json")
+        scene.submit(users.trainer, scene.allowed / "train")
+        scene.stop_daemon()
+        scene.as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.accepted.json")
+        scene.as_user(users.trainer, "rm", buffer / "job.json")  # which a daemon reads at start: it would run it instead
 
-        def as_user(user: str, *command: str | Path) -> str:
-            done = subprocess.run(["runuser", "-u", user, "--", *map(str, command)], env=env, capture_output=True,
-                                  text=True, timeout=120)
-            assert done.returncode == 0, f"{done.stdout}{done.stderr}{daemon_log()}"
-            return done.stdout
-
-        def submit(user: str, data: Path) -> None:
-            said = as_user(user, python, "-m", "prefetchd", "submit", "--buffer", buffer, "--batch-size", "4",
-                           "--image-size", "32", "--data", data)
-            assert " accepted: " in said, said + daemon_log()
-
-        daemon_proc = start_daemon()
-        submit(users.daemon, secret / "train")
-        as_user(users.trainer, "mv", buffer / "job.accepted.json", buffer / "kept.json")
-        submit(users.trainer, allowed / "train")
-        daemon_proc.send_signal(signal.SIGTERM)
-        assert daemon_proc.wait(30) == 0, daemon_log()
-        as_user(users.trainer, "mv", buffer / "kept.json", buffer / "job.accepted.json")
-        as_user(users.trainer, "rm", buffer / "job.json")  # which a daemon reads at start: it would run it instead
-
-        daemon_proc = start_daemon()
+        start_serving()
         time.sleep(1)
         status = read_status(buffer)
-        assert status is not None and status.state == State.WAITING_FOR_JOB, daemon_log()
+        assert status is not None and status.state == State.WAITING_FOR_JOB, scene.daemon_log()
         manifest = Manifest.read(buffer)
-        assert manifest is None or manifest.dataset_root != str(secret / "train"), daemon_log()
-        said = daemon_log().split("not resuming the job an earlier daemon accepted: ")[-1]
-        assert said.startswith(str(buffer / "job.accepted.json")) and "renamed away and back" in said, daemon_log()
-
-        daemon_proc.send_signal(signal.SIGTERM)
-        assert daemon_proc.wait(30) == 0, daemon_log()
-    finally:
-        stop_and_clean(daemon_proc, base)
+        assert manifest is None or manifest.dataset_root != str(scene.secret / "train"), scene.daemon_log()
+        said = scene.daemon_log().split("not resuming the job an earlier daemon accepted: ")[-1]
+        assert said.startswith(str(buffer / "job.accepted.json")) and "renamed away and back" in said, \
+            scene.daemon_log()
+        scene.stop_daemon()
