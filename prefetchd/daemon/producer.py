@@ -14,6 +14,10 @@ hangs: a worker that has made no progress on one image for ``--task-timeout``
 that names it, the batch and the file.  ``worker_health`` judges both; the
 controller queues the tasks again and stops the job when it says so.
 
+The space the batches take, which a pause for a full tmpfs is judged by, is
+``buffer_space``'s to count; the status document is ``producer_status``'s to
+assemble from these books.
+
 Signal handlers only set a flag and wake the loop through a pipe; the loop
 does all the work.
 """
@@ -21,7 +25,6 @@ does all the work.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import deque
@@ -29,7 +32,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import psutil
 
 from prefetchd.buffer_protocol import (
     BatchLayout,
@@ -42,17 +44,18 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_PATTERN
-from prefetchd.buffer_protocol.status import (Errors, JobResult, Production, Quantiles, Rates, RunningJob, State, Status,
-                                              Totals)
+from prefetchd.buffer_protocol.status import JobResult, RunningJob, State, Status
 from prefetchd.daemon.bad_samples import BadSamples
-from prefetchd.daemon.buffer_dir import free_bytes, pause_message
+from prefetchd.daemon.buffer_dir import pause_message
+from prefetchd.daemon.buffer_space import BufferSpace
 from prefetchd.daemon.build_failures import BuildFailures
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
 from prefetchd.daemon.logs import status_unwritten
-from prefetchd.daemon.sampler import EpochOrders, batch_len, batch_slice
+from prefetchd.daemon.sampler import EpochOrders, batch_slice
 from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server, task_images
+from prefetchd.daemon.producer_status import production_status
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.sdnotify import Notifier
@@ -105,7 +108,7 @@ class Producer:
         self.streams = [Stream(d, m, orders, high, low, max(1, cap), cfg.consumer_timeout, fd,
                                consumer_cap(len(streams))) for d, m, fd in streams]
         self.min_free = int(cfg.min_free_mb or 0) << 20
-        self._layouts: dict[int, BatchLayout] = {}  # by batch length: _layout
+        self.space = BufferSpace(self.buffer, self.streams, cfg.batch_size, cfg.image_size)
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
         self.chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))
         self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
@@ -409,13 +412,13 @@ class Producer:
                 self._resume_if_room(0)  # nothing to build: room above the floor is all a pause waits for
                 return
             _, _, stream, g = candidates[0]
-            layout = self._layout(stream, g)
+            layout = self.space.layout(stream, g)
             self._resume_if_room(layout.file_len)
             # A spare counts as free, as the consumed batch it was would: a batch begun in one takes no new page,
             # and spares beyond the room the cap leaves are deleted (SpareFiles.fit, .take).
-            free = self._left_free(layout.file_len) + self.spares.bytes
+            free = self.space.left_free(layout.file_len) + self.spares.bytes
             if free < self.min_free:
-                msg = pause_message(self.buffer, free, self._held_bytes() + layout.file_len, self.min_free)
+                msg = pause_message(self.buffer, free, self.space.held_bytes() + layout.file_len, self.min_free)
                 if not self.paused:  # one shortage, one pause: not one for each batch built in a spare meanwhile
                     log.warning(msg)
                     self.stats.low_space_pauses += 1
@@ -429,29 +432,6 @@ class Producer:
             if not self.paused:  # else still paused: that batch went into a consumed one's file (a spare)
                 self.state, self.message = State.FILLING, ""
 
-    def _layout(self, stream: Stream, g: int) -> BatchLayout:
-        """The layout of ``stream``'s batch ``g``: an epoch's short last batch is a smaller file.  Planned once per
-        batch length (the full one and an epoch's short last one): the status sums every waiting batch's file
-        each second, and planning each again took 3.8 ms a second for 8 ranks of 64 waiting batches (0.4 ms now)."""
-        size = batch_len(stream.key(g)[1], self.cfg.batch_size, stream.manifest.samples_per_epoch)
-        layout = self._layouts.get(size)
-        if layout is None:
-            layout = self._layouts[size] = BatchLayout.plan(size, self.cfg.image_size, self.cfg.image_size)
-        return layout
-
-    def _held_bytes(self) -> int:
-        """Bytes of the batches waiting and being built, each file's own length: counted as full batches, an
-        epoch's short last ones made the buffer and the free space together more than a small tmpfs holds (36.8 MiB
-        in it and 35.2 MiB free on 64 MiB)."""
-        return (sum(b.layout.file_len for s in self.streams for b in s.building.values())
-                + sum(self._layout(s, g).file_len for s in self.streams for g in s.published))
-
-    def _left_free(self, file_len: int) -> int:
-        """Free bytes of the buffer's filesystem once the batches being built in fresh files are filled (a spare's
-        pages are there already) and one more of ``file_len`` bytes is, in fresh pages too."""
-        pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
-        return free_bytes(self.buffer) - pending - file_len
-
     def _resume_if_room(self, file_len: int) -> None:
         """End a pause for space once the filesystem itself has room above the floor for the batches being built
         and one more of ``file_len`` bytes (0: none is due), its free space alone: spares do not count here.  A
@@ -459,7 +439,7 @@ class Producer:
         end of the pause, every batch the trainer read was logged as "resumed" and then "paused" again."""
         if not self.paused:
             return
-        free = self._left_free(file_len)
+        free = self.space.left_free(file_len)
         if free < self.min_free:
             return
         self.paused = False
@@ -587,53 +567,10 @@ class Producer:
     # -- status ---------------------------------------------------------------
 
     def status(self) -> Status:
-        """The daemon's state; for one rank its stream's fields are also at the top level."""
-        self.stats.consumed = sum(s.consumed for s in self.streams)
-        for stream in self.streams:
-            stream.check_trainer()
-        produce_rate, consume_rate = self.stats.rates()
-        streams = [s.status() for s in self.streams]
-        first = streams[0]
-        waiting = sum(s.waiting for s in streams)
-        building = sum(s.building for s in streams)
-        production = Production(
-            producer=self.streams[0].manifest.producer,
-            started=self.stats.started,
-            progress=first.progress,
-            trainer=first.trainer,
-            streams=tuple(streams),
-            waiting=waiting,
-            building=building,
-            high_water=self.streams[0].high * len(self.streams),
-            low_water=self.streams[0].low * len(self.streams),
-            batch_bytes=self.cfg.batch_bytes,
-            buffer_bytes=self._held_bytes(),
-            free_bytes=free_bytes(self.buffer),
-            workers=len(self.workers),
-            workers_cpu_percent=round(sum(self._cpu_percent(w) for w in self.workers), 1),
-            rates=Rates(samples_per_s=round(produce_rate, 1), consumed_batches_per_s=round(consume_rate, 2)),
-            stages={stage: Quantiles(**q) for stage, q in self.stats.stage_quantiles().items()},
-            totals=Totals(batches=self.stats.batches, samples=self.stats.samples, consumed_batches=self.stats.consumed),
-            errors=Errors(
-                replaced_samples=self.stats.replaced,
-                undecodable_files=len(self.bad.files),
-                undecodable=self.bad.listed,
-                worker_restarts=self.stats.worker_restarts,
-                worker_hangs=self.stats.worker_hangs,
-                write_failures=self.stats.write_failures,
-                low_space_pauses=self.stats.low_space_pauses,
-                vanished_batches=sum(s.vanished_batches for s in streams),
-                progress_rejected=sum(s.progress_rejected for s in streams),
-                progress_rewinds=sum(s.progress_rewinds for s in streams),
-                progress_file="; ".join(s.progress_file for s in streams if s.progress_file),
-            ),
-            remote=self.remote.status() if self.remote is not None else None,
-            storage_wait=self.failures.wait,
-        )
-        return Status(pid=os.getpid(), state=State(self.state), heartbeat=time.time(), message=self._message(),
-                      job_result=self.job_result(), running_job=self.running_job(), production=production)
+        """The daemon's state (``producer_status``)."""
+        return production_status(self)
 
-    def _message(self) -> str:
+    def status_message(self) -> str:
         """The status's message: the state's own, else why builds fail (a store that is down reads as such, not as
         a count alone; until a batch is published again, or for the storage until the batches it failed are,
         since one try of a hung store's reads takes minutes), else why nothing is built."""
@@ -646,13 +583,6 @@ class Producer:
         if self.remote is not None and not self.remote.connected and not self.workers_wanted:
             return f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"
         return ""
-
-    @staticmethod
-    def _cpu_percent(worker: Worker) -> float:
-        try:
-            return float(worker.ps.cpu_percent(None))  # since the previous call: one status period
-        except psutil.Error:
-            return 0.0
 
     def _write_status(self) -> None:
         status = self.status()

@@ -296,14 +296,14 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
     _, task = build(0, 0)
     producer._complete(task, WriteFailed(0, "reading s3://b/x.jpg: still failing after 6 tries"))
     said = "retrying: batch e000000-s00000000.tmp: reading s3://b/x.jpg: still failing after 6 tries"
-    assert producer._message() == said
+    assert producer.status_message() == said
     from prefetchd.daemon import producer as controller
 
     monkeypatch.setattr(controller, "FAILURE_LOG_SECONDS", 0.0)  # as if long after the failure: still named
-    assert producer._message() == said
+    assert producer.status_message() == said
     _, task = build(1, 1)
     producer._complete(task, Filled(1, ((0, 1, 0),), (), 0.0))
-    assert producer._message() == "" and 1 in s.published
+    assert producer.status_message() == "" and 1 in s.published
 
 
 def test_a_wait_on_storage_ends_when_something_else_holds_production(tmp_path: Path) -> None:
@@ -330,7 +330,7 @@ def test_a_wait_on_storage_ends_when_something_else_holds_production(tmp_path: P
     (tmp_path / temp_name(tmp_path / batch_name(0, 2))).mkdir()
     assert not producer._start_build(s, 2, BatchLayout.plan(8, 32, 32))
     assert producer.failures.wait is None
-    assert producer._message() == "retrying: cannot create e000000-s00000002.tmp: Is a directory"
+    assert producer.status_message() == "retrying: cannot create e000000-s00000002.tmp: Is a directory"
     fail(3, "reading s3://b/z.jpg: still failing after 6 tries", storage=True)
     assert producer.failures.wait is not None
     fail(4, "cannot write e000000-s00000004.tmp: No space left on device", storage=False)
@@ -358,9 +358,9 @@ def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_pa
     producer._complete(one_slot_build(producer, t, 0), Filled(0, ((0, 0, 0),), (), 0.0))
     assert sorted(s.published) == [1, 2] and sorted(t.published) == [0]
     assert producer.failures.wait == wait, "batch 0 of rank 0 still waits for the storage"
-    assert producer._message() == f"retrying: {wait.reason}"
+    assert producer.status_message() == f"retrying: {wait.reason}"
     producer._complete(one_slot_build(producer, s, 0), Filled(0, ((0, 0, 0),), (), 0.0))
-    assert producer.failures.wait is None and producer._message() == ""
+    assert producer.failures.wait is None and producer.status_message() == ""
 
 
 def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) -> None:
@@ -442,7 +442,7 @@ def test_a_wait_on_storage_ends_when_no_window_holds_the_batches_that_failed(tmp
     assert producer.failures.wait is None
     # Nor does a failure start one for a batch no window holds (its build cancelled as the trainer moved on).
     producer._complete(one_slot_build(producer, s, 3), WriteFailed(3, OUTAGE, storage=True))
-    assert producer.failures.wait is None and producer._message() == f"retrying: batch e000000-s00000003.tmp: {OUTAGE}"
+    assert producer.failures.wait is None and producer.status_message() == f"retrying: batch e000000-s00000003.tmp: {OUTAGE}"
 
 
 def test_a_restart_says_which_batches_of_an_earlier_run_it_kept_after_the_windows_deleted_the_rest(

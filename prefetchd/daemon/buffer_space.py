@@ -1,0 +1,51 @@
+"""How much of the buffer's filesystem the controller's batches take, and what is left: the sizes of batch files
+(planned once per length), the bytes the streams' batches hold, and the free space once the builds in flight are
+filled.  The controller (``producer.Producer``) pauses production on it, and its status reports it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from prefetchd.buffer_protocol import BatchLayout
+from prefetchd.daemon.buffer_dir import free_bytes
+from prefetchd.daemon.sampler import batch_len
+from prefetchd.daemon.stream import Stream
+
+
+class BufferSpace:
+    """The space of ``buffer``'s filesystem as ``streams``' batches of ``batch_size`` images of ``image_size``
+    pixels use it."""
+
+    def __init__(self, buffer: Path, streams: Sequence[Stream], batch_size: int, image_size: int) -> None:
+        self.buffer = buffer
+        self.streams = streams
+        self.batch_size = batch_size
+        self.image_size = image_size
+        self._layouts: dict[int, BatchLayout] = {}  # by batch length: layout
+
+    def layout(self, stream: Stream, g: int) -> BatchLayout:
+        """The layout of ``stream``'s batch ``g``: an epoch's short last batch is a smaller file.  Planned once per
+        batch length (the full one and an epoch's short last one): the status sums every waiting batch's file
+        each second, and planning each again took 3.8 ms a second for 8 ranks of 64 waiting batches (0.4 ms now)."""
+        size = batch_len(stream.key(g)[1], self.batch_size, stream.manifest.samples_per_epoch)
+        layout = self._layouts.get(size)
+        if layout is None:
+            layout = self._layouts[size] = BatchLayout.plan(size, self.image_size, self.image_size)
+        return layout
+
+    def held_bytes(self) -> int:
+        """Bytes of the batches waiting and being built, each file's own length: counted as full batches, an
+        epoch's short last ones made the buffer and the free space together more than a small tmpfs holds (36.8 MiB
+        in it and 35.2 MiB free on 64 MiB)."""
+        return (sum(b.layout.file_len for s in self.streams for b in s.building.values())
+                + sum(self.layout(s, g).file_len for s in self.streams for g in s.published))
+
+    def left_free(self, file_len: int) -> int:
+        """Free bytes of the buffer's filesystem once the batches being built in fresh files are filled (a spare's
+        pages are there already) and one more of ``file_len`` bytes is, in fresh pages too."""
+        pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
+        return free_bytes(self.buffer) - pending - file_len
+
+
+__all__ = ["BufferSpace"]
