@@ -74,7 +74,8 @@ def unreadable(directory: Path, consumer: str, dir_fd: int | None = None) -> Unr
             st = os.stat(at(path, dir_fd), dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and not _may_read(st):
+        # The kernel's own check (faccessat), as the open that failed made it: groups, ACLs, root.
+        if stat.S_ISREG(st.st_mode) and not os.access(at(path, dir_fd), os.R_OK, dir_fd=dir_fd, effective_ids=True):
             found.append((path, st))
     if not found or found[0][0].name != progress_name(consumer):
         return None  # the lock alone is read only for a trainer of another pid namespace, whose progress says so
@@ -92,18 +93,6 @@ def unreadable(directory: Path, consumer: str, dir_fd: int | None = None) -> Unr
         f"whatever the umask); meanwhile the daemon cannot tell where that trainer is, and keeps no batches for it. "
         f"Their owner can make {them} readable (`chmod 644 {files}`) or remove {them} while no trainer reads as {who} "
         f"(`rm {files}`), and should update their prefetchd")
-
-
-def _may_read(st: os.stat_result) -> bool:
-    """Whether this process may read a file of ``st`` by its permission bits (root may read any)."""
-    me = os.geteuid()
-    if me == 0:
-        return True
-    if st.st_uid == me:
-        return bool(st.st_mode & stat.S_IRUSR)
-    if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
-        return bool(st.st_mode & stat.S_IRGRP)
-    return bool(st.st_mode & stat.S_IROTH)
 
 
 @dataclass(slots=True)
