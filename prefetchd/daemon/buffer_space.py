@@ -1,6 +1,7 @@
 """How much of the buffer's filesystem the controller's batches take, and what is left: the sizes of batch files
 (planned once per length), the bytes the streams' batches hold, and the free space once the builds in flight are
-filled.  The controller (``producer.Producer``) pauses production on it, and its status reports it."""
+filled; and the pause for space that holds production at the --min-free-mb floor until there is room again.  The
+controller (``producer.Producer``) asks it before each batch, and its status reports it."""
 
 from __future__ import annotations
 
@@ -8,21 +9,26 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefetchd.buffer_protocol import BatchLayout
-from prefetchd.daemon.buffer_dir import free_bytes
+from prefetchd.daemon.buffer_dir import free_bytes, pause_message
 from prefetchd.daemon.sampler import batch_len
 from prefetchd.daemon.stream import Stream
 
 
 class BufferSpace:
     """The space of ``buffer``'s filesystem as ``streams``' batches of ``batch_size`` images of ``image_size``
-    pixels use it."""
+    pixels use it, above a floor of ``min_free`` bytes."""
 
-    def __init__(self, buffer: Path, streams: Sequence[Stream], batch_size: int, image_size: int) -> None:
+    def __init__(self, buffer: Path, streams: Sequence[Stream], batch_size: int, image_size: int,
+                 min_free: int) -> None:
         self.buffer = buffer
         self.streams = streams
         self.batch_size = batch_size
         self.image_size = image_size
+        self.min_free = min_free
         self._layouts: dict[int, BatchLayout] = {}  # by batch length: layout
+        # A pause for space: from the first batch held back at the floor until the filesystem has room above it
+        # again (``room_again``), however many batches are built in spares meanwhile.
+        self.paused = False
 
     def layout(self, stream: Stream, g: int) -> BatchLayout:
         """The layout of ``stream``'s batch ``g``: an epoch's short last batch is a smaller file.  Planned once per
@@ -46,6 +52,36 @@ class BufferSpace:
         pages are there already) and one more of ``file_len`` bytes is, in fresh pages too."""
         pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
         return free_bytes(self.buffer) - pending - file_len
+
+    def shortage(self, file_len: int, spare_bytes: int) -> str | None:
+        """Why the next batch, of ``file_len`` bytes, must wait (the pause's message, ``pause_message``): the free
+        space once it is built falls below the floor; None where it may be built.  A spare (``spare_bytes`` in
+        all) counts as free, as the consumed batch it was would: a batch begun in one takes no new page, and spares
+        beyond the room the cap leaves are deleted (SpareFiles.fit, .take)."""
+        free = self.left_free(file_len) + spare_bytes
+        if free >= self.min_free:
+            return None
+        return pause_message(self.buffer, free, self.held_bytes() + file_len, self.min_free)
+
+    def pause(self) -> bool:
+        """Production waits for space; whether that begins a pause: one shortage, one pause, not one for each
+        batch built in a spare meanwhile."""
+        begun, self.paused = not self.paused, True
+        return begun
+
+    def room_again(self, file_len: int) -> int | None:
+        """End a pause once the filesystem itself has room above the floor for the batches being built and one
+        more of ``file_len`` bytes (0: none is due), its free space alone: spares do not count here; the free
+        bytes then, else None (no pause, or no room yet).  A consumed batch's spare lets one batch be built in it
+        while the tmpfs is as full as before: counted as the end of the pause, every batch the trainer read was
+        logged as "resumed" and then "paused" again."""
+        if not self.paused:
+            return None
+        free = self.left_free(file_len)
+        if free < self.min_free:
+            return None
+        self.paused = False
+        return free
 
 
 __all__ = ["BufferSpace"]

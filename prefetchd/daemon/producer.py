@@ -46,7 +46,6 @@ from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, PROGRESS_PATTERN
 from prefetchd.buffer_protocol.status import JobResult, RunningJob, State, Status
 from prefetchd.daemon.bad_samples import BadSamples
-from prefetchd.daemon.buffer_dir import pause_message
 from prefetchd.daemon.buffer_space import BufferSpace
 from prefetchd.daemon.build_failures import BuildFailures
 from prefetchd.daemon.config import DaemonConfig
@@ -107,8 +106,8 @@ class Producer:
         orders = EpochOrders(members, cfg.split == "train")
         self.streams = [Stream(d, m, orders, high, low, max(1, cap), cfg.consumer_timeout, fd,
                                consumer_cap(len(streams))) for d, m, fd in streams]
-        self.min_free = int(cfg.min_free_mb or 0) << 20
-        self.space = BufferSpace(self.buffer, self.streams, cfg.batch_size, cfg.image_size)
+        self.space = BufferSpace(self.buffer, self.streams, cfg.batch_size, cfg.image_size,
+                                 int(cfg.min_free_mb or 0) << 20)
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
         self.chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))
         self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
@@ -118,9 +117,6 @@ class Producer:
         self.task_build: dict[int, Build] = {}
         self.next_task_id = 0
         self.retry_at = 0.0
-        # A pause for space (``_schedule``): from the first batch held back at the --min-free-mb floor until the
-        # filesystem has room above it again, however many batches are built in spares meanwhile.
-        self.paused = False
         self.state = State.STARTING
         self.message = ""
         # Why builds fail: the latest failure, until a batch is published (for the storage, until the batches it
@@ -414,41 +410,32 @@ class Producer:
             _, _, stream, g = candidates[0]
             layout = self.space.layout(stream, g)
             self._resume_if_room(layout.file_len)
-            # A spare counts as free, as the consumed batch it was would: a batch begun in one takes no new page,
-            # and spares beyond the room the cap leaves are deleted (SpareFiles.fit, .take).
-            free = self.space.left_free(layout.file_len) + self.spares.bytes
-            if free < self.min_free:
-                msg = pause_message(self.buffer, free, self.space.held_bytes() + layout.file_len, self.min_free)
-                if not self.paused:  # one shortage, one pause: not one for each batch built in a spare meanwhile
+            msg = self.space.shortage(layout.file_len, self.spares.bytes)
+            if msg is not None:
+                if self.space.pause():
                     log.warning(msg)
                     self.stats.low_space_pauses += 1
-                    self.paused = True
                 self.state, self.message = State.PAUSED_LOW_SPACE, msg
                 self.failures.end_wait()  # what holds production now is the tmpfs, not the dataset's storage
                 self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
             if not self._start_build(stream, g, layout):
                 return
-            if not self.paused:  # else still paused: that batch went into a consumed one's file (a spare)
+            if not self.space.paused:  # else still paused: that batch went into a consumed one's file (a spare)
                 self.state, self.message = State.FILLING, ""
 
     def _resume_if_room(self, file_len: int) -> None:
-        """End a pause for space once the filesystem itself has room above the floor for the batches being built
-        and one more of ``file_len`` bytes (0: none is due), its free space alone: spares do not count here.  A
-        consumed batch's spare lets one batch be built in it while the tmpfs is as full as before: counted as the
-        end of the pause, every batch the trainer read was logged as "resumed" and then "paused" again."""
-        if not self.paused:
+        """End a pause for space where there is room again for the batches being built and one more of
+        ``file_len`` bytes (``BufferSpace.room_again``)."""
+        free = self.space.room_again(file_len)
+        if free is None:
             return
-        free = self.space.left_free(file_len)
-        if free < self.min_free:
-            return
-        self.paused = False
         self.message = ""  # the pause's, which a full buffer's state kept meanwhile
         if self.state == State.PAUSED_LOW_SPACE:
             self.state = State.FILLING
         # Said, as the pause was: a log's last word is not "paused".
-        log.info("resumed: %s has room again above the floor of %d MiB (%s free)", self.buffer, self.min_free >> 20,
-                 binary_size(free + file_len))
+        log.info("resumed: %s has room again above the floor of %d MiB (%s free)", self.buffer,
+                 self.space.min_free >> 20, binary_size(free + file_len))
 
     def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> bool:
         """Create the batch's temp file and queue its tasks; False (retry later) if it cannot be created."""
