@@ -6,13 +6,16 @@ ahead of its trainer's progress, and the books of what is published and being
 built.  One worker pool serves all streams, always feeding the stream with the
 fewest batches waiting first.  A batch is written by the one batch writer
 (``prefetchd.buffer_protocol.writer``): the controller begins it, the workers
-fill its slots, the controller commits it, or aborts it when the window moves on.
+fill its slots, the controller commits it.  The tasks a batch is cut into, and
+its cancellation when the window moves off it (its file aborted once no task of
+it is at work), are ``builds.Builds``' books; the controller decides which
+batches to build and what each answer means.
 
 A worker that dies is replaced and its tasks go to others.  So is one that
 hangs: a worker that has made no progress on one image for ``--task-timeout``
 (a read of a hung mount, a hook that never returns) is killed, after a warning
 that names it, the batch and the file.  ``worker_health`` judges both; the
-controller queues the tasks again and stops the job when it says so.
+controller has ``Builds`` queue the tasks again, and stops the job when it says so.
 
 The space the batches take, which a pause for a full tmpfs is judged by, is
 ``buffer_space``'s to count; the status document is ``producer_status``'s to
@@ -27,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +50,7 @@ from prefetchd.buffer_protocol.status import JobResult, RunningJob, State, Statu
 from prefetchd.daemon.bad_samples import BadSamples
 from prefetchd.daemon.buffer_space import BufferSpace
 from prefetchd.daemon.build_failures import BuildFailures
+from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
@@ -109,13 +112,10 @@ class Producer:
         self.space = BufferSpace(self.buffer, self.streams, cfg.batch_size, cfg.image_size,
                                  int(cfg.min_free_mb or 0) << 20)
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
-        self.chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))
-        self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * self.chunk // cfg.batch_size) + 1)
+        chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))
+        self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * chunk // cfg.batch_size) + 1)
                                if self.workers_wanted else 0)
         self.stats = Stats()
-        self.todo: deque[Task] = deque()
-        self.task_build: dict[int, Build] = {}
-        self.next_task_id = 0
         self.retry_at = 0.0
         self.state = State.STARTING
         self.message = ""
@@ -131,15 +131,16 @@ class Producer:
         self._job = WorkerJob.from_config(index, members, cfg)
         self.bad = BadSamples(cfg, index, len(members))
         self.pool = WorkerPool(self._job, self.workers_wanted)
-        self.health = WorkerHealth(self.pool, self.stats, cfg.task_timeout, self.task_build, self.bad.shown,
-                                   len(self.streams))
         self.remote = RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted) if cfg.ray else None
+        self.builds = Builds(chunk, self.remote)
+        self.health = WorkerHealth(self.pool, self.stats, cfg.task_timeout, self.builds.by_task, self.bad.shown,
+                                   len(self.streams))
         self.spares = SpareFiles()
 
     @property
     def max_building(self) -> int:
         """Batches built at once: enough to keep the local workers' and the cluster's queues full."""
-        remote = self.remote.builds_wanted(self.chunk, self.cfg.batch_size) if self.remote is not None else 0
+        remote = self.remote.builds_wanted(self.builds.chunk, self.cfg.batch_size) if self.remote is not None else 0
         return max(1, self.local_building + remote)
 
     @property
@@ -281,7 +282,8 @@ class Producer:
         watcher wakes it for those at once: it sleeps until the next heartbeat is due.
         Without a working watcher it polls the files every POLL_SECONDS.
         """
-        idle = self.wake.watching and all(not s.filling and not s.building for s in self.streams) and not self.todo
+        idle = (self.wake.watching and all(not s.filling and not s.building for s in self.streams)
+                and not self.builds.queue)
         return STATUS_SECONDS if idle else POLL_SECONDS
 
     def _wait(self, timeout: float) -> None:
@@ -292,22 +294,7 @@ class Producer:
         timeout = self.remote.poll_interval(timeout)
         for worker in self.pool.wait(timeout, self.wake, self._complete, also=self.remote.waitables()):
             self._replace_worker(worker)
-        self.remote.handle(self._complete, self._requeue)
-
-    def _requeue(self, tasks: list[Task]) -> list[Task]:
-        """Tasks a dead worker or the cluster lost go first to whoever has room; a cancelled batch's (a
-        rewind; the cluster hands those back unbuilt, ``RemotePool.cancel``) are dropped, so its file goes
-        at once instead of holding a place under the cap.  Returns the tasks queued again: what the
-        cluster's log says of a slice it handed back is decided here, where the cancellations are kept."""
-        for task in tasks:
-            build = self.task_build.get(task.task_id)
-            if build is not None and build.cancelled:
-                del self.task_build[task.task_id]
-                build.outstanding.discard(task.task_id)
-                self._maybe_drop(build)
-        queued = [t for t in tasks if t.task_id in self.task_build]
-        self.todo.extendleft(reversed(queued))
-        return queued
+        self.remote.handle(self._complete, self.builds.requeue)
 
     # -- workers --------------------------------------------------------------
 
@@ -318,8 +305,8 @@ class Producer:
         if self.wake.stop_signal is not None:
             return
         crashed = None if hung else self.health.died(worker)
-        self._requeue(list(worker.tasks.values()))
-        self.todo = self.health.told(self.todo)  # those queued before a file was found out, the dead one's too
+        self.builds.requeue(list(worker.tasks.values()))
+        self.builds.tell_queued(self.health.crashed_items)  # the dead one's tasks, queued again, too
         if crashed is not None and (verdict := self.bad.replaced(*crashed)) is not None:
             self.fatal, self.fatal_error = verdict, BadDataError
             return
@@ -361,7 +348,7 @@ class Producer:
             for g in stale:
                 self.spares.retire(stream.published.pop(g), stream.fd)
             for build in builds:
-                self._cancel(build)
+                self.builds.cancel(build)
             stream.reconcile()
         self.failures.left(self._held())
 
@@ -370,24 +357,6 @@ class Producer:
         (they hold tmpfs pages as batches do).  No fewer: a spare deleted for want of a place costs
         the pages' freeing, and the batch that would have used it is built in fresh ones."""
         return sum(max(0, s.cap - len(s.published) - len(s.building)) for s in self.streams)
-
-    def _cancel(self, build: Build) -> None:
-        """Stop building ``build``; tasks already at a worker finish and are ignored, and the cluster
-        answers its slices there at once, unbuilt (the build keeps its place under the cap until then)."""
-        build.cancelled = True
-        queued = {t.task_id for t in self.todo if t.task_id in build.outstanding}
-        self.todo = deque(t for t in self.todo if t.task_id not in queued)
-        for task_id in queued:
-            del self.task_build[task_id]
-        build.outstanding -= queued
-        if self.remote is not None:
-            self.remote.cancel(build.outstanding)
-        self._maybe_drop(build)
-
-    def _maybe_drop(self, build: Build) -> None:
-        if build.cancelled and not build.outstanding:
-            build.pending.abort()
-            del build.stream.building[build.g]
 
     # -- building -------------------------------------------------------------
 
@@ -453,29 +422,16 @@ class Producer:
             log.warning("cannot create %s: %s; retrying in %.0f s", temp_name(final), exc.strerror, RETRY_SECONDS)
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return False
-        n = len(chosen)
-        build = Build(stream, g, epoch, step, pending, np.empty(n, np.int64), np.empty(n, np.int64), remaining=n)
-        stream.building[g] = build
-        samples = chosen.tolist()  # Python ints for the tasks' pickles, converted at once
-        for start in range(0, n, self.chunk):
-            end = min(n, start + self.chunk)
-            items = tuple(zip(range(start, end), samples[start:end]))
-            task = Task(self.next_task_id, str(pending.tmp), layout.tensors["images"].offset, layout.slot_bytes, epoch, items,
-                        pending.file_id, self.health.crashed_items)
-            self.next_task_id += 1
-            self.task_build[task.task_id] = build
-            build.outstanding.add(task.task_id)
-            self.todo.append(task)
+        self.builds.start(stream, g, epoch, step, pending, chosen, self.health.crashed_items)
         return True
 
     def _dispatch(self) -> None:
-        self.pool.dispatch(self.todo)
+        self.pool.dispatch(self.builds.queue)
         if self.remote is not None:
-            self.remote.dispatch(self.todo)
+            self.remote.dispatch(self.builds.queue)
 
     def _complete(self, task: Task, result: Filled | WriteFailed) -> None:
-        build = self.task_build.pop(task.task_id)
-        build.outstanding.discard(task.task_id)
+        build = self.builds.answered(task)
         if self.fatal is not None:
             # The job stops: results that arrived in the same turn must not replace the verdict that
             # stopped it (a budget of 2 reported as "4 files" where the third was the one).
@@ -496,13 +452,10 @@ class Producer:
                 self.failure_lines.log(log, logging.WARNING, "batch %s: %s; retrying in %.0f s", build.tmp.name,
                                        result.reason, RETRY_SECONDS, others="other failed build")
             self.retry_at = time.monotonic() + RETRY_SECONDS
-            if not build.cancelled:
-                self._cancel(build)
-            else:
-                self._maybe_drop(build)
+            self.builds.cancel(build)  # or, cancelled already, dropped if that was its last task
             return
-        if build.cancelled:
-            self._maybe_drop(build)
+        if build.cancelled:  # a task that was at work when its build was cancelled: its answer is ignored
+            self.builds.drop_if_answered(build)
             return
         for sample, reason in result.failures:
             if (verdict := self.bad.replaced(sample, reason)) is not None:

@@ -13,21 +13,21 @@ read of a hung mount, a hook that never returns, a SIGSTOP; ``pool.WorkerPool.st
 ``workers.Whereabouts`` it writes) is killed after a warning that names it, the batch and the file,
 and replaced the same way; a task that hangs ``MAX_TASK_HANGS`` times stops the job.
 
-The controller (``producer.Producer``) keeps the task queue and the job's verdict::
+The controller (``producer.Producer``) keeps the job's verdict, and its ``builds.Builds`` the task queue::
 
     for dead in pool.wait(...):             for worker in health.hung():
         bad = health.died(dead)                 why = health.kill(worker, on_result)  # or the job stops
-        requeue(dead.tasks)                     requeue(worker.tasks)
-        count bad as a bad sample               why = health.replace(worker)
+        builds.requeue(dead.tasks)              builds.requeue(worker.tasks)
+        builds.tell_queued(crashed_items)       why = health.replace(worker)
+        count bad as a bad sample
         why = health.replace(dead)
 
-``WorkerHealth`` counts, names and judges; it reads the builds the controller keeps, by task id,
-only to name a task's batch and to tell one still wanted.
+``WorkerHealth`` counts, names and judges; it reads the builds of the tasks not yet answered
+(``Builds.by_task``) only to name a task's batch and to tell one still wanted.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import time
@@ -66,7 +66,7 @@ class WorkerHealth:
     """The deaths and hangs of ``pool``'s workers, counted in ``stats``.
 
     ``task_timeout``: seconds a worker may go without beginning an image (--task-timeout);
-    ``builds``: the controller's build of each task it has queued or sent, by task id (the tasks of a
+    ``builds``: the build of each task queued or at work, by task id (``Builds.by_task``; the tasks of a
     dropped build are not there); ``shown``: a sample as the log shows it (``BadSamples.shown``);
     ``ranks``: the streams the controller serves (with more than one, a batch is named with its rank).
     """
@@ -124,13 +124,6 @@ class WorkerHealth:
         log.error("worker pid %s died (%s) on %s, death %d on that file: it is replaced as undecodable; %s",
                   worker.process.pid, how, place, len(deaths), then)
         return sample, reason
-
-    def told(self, tasks: deque[Task]) -> deque[Task]:
-        """``tasks``, each told the samples found to kill their worker (``crashed``), where it was made before."""
-        if not self.crashed:
-            return tasks
-        return deque(t if t.crashed == self.crashed_items else dataclasses.replace(t, crashed=self.crashed_items)
-                     for t in tasks)
 
     @staticmethod
     def _died_on(worker: Worker) -> tuple[Task | None, int | None]:

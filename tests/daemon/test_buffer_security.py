@@ -302,7 +302,6 @@ def test_a_stream_folder_swapped_for_a_link_just_after_the_check_gets_no_file(
     folder, moved = buffer / "rank-00000", buffer / "moved"
     stream = _stream(folder, 2, make_stream_dir(folder, group_access=True))
     producer = books(buffer, stream)
-    producer.chunk, producer.next_task_id = 8, 0
     layout = BatchLayout.plan(8, 8, 8)
 
     def checked_then_swapped(self: Stream) -> None:
@@ -312,7 +311,7 @@ def test_a_stream_folder_swapped_for_a_link_just_after_the_check_gets_no_file(
 
     monkeypatch.setattr(Stream, "replaced", checked_then_swapped)
     assert producer._start_build(stream, 0, layout)
-    task = producer.todo.popleft()
+    task = producer.builds.queue.popleft()
     with pytest.raises(FileNotFoundError):  # a worker opens the temp file by its path, which leads elsewhere now
         SlotFiller(task.path, task.images_offset, task.slot_bytes, range(8), task.file_id)
     producer._publish(stream.building[0])

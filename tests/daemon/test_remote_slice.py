@@ -241,7 +241,7 @@ def test_a_sample_the_box_cannot_use_either_leaves_the_node_fit_and_is_checked_o
 def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() -> None:
     """A rewind cancels a batch; its slices at the cluster came back (lost, or no node fit), or the worker
     holding its task died, and they were queued first, to be built and thrown away (stop 42's Ray review)."""
-    from collections import deque
+    from prefetchd.daemon.builds import Builds
     from prefetchd.daemon.producer import Producer
     from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.worker_health import WorkerHealth
@@ -257,24 +257,25 @@ def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() ->
 
     old, kept = build(3, True, {1, 2}), build(4, False, {5})
     producer = object.__new__(Producer)
-    producer.todo = deque([Task(9, "queued", OFFSET, SLOT, 0, ((0, 0),))])
-    producer.task_build = {1: old, 2: old, 5: kept}
+    producer.builds = builds = Builds(1)
+    builds.queue.append(Task(9, "queued", OFFSET, SLOT, 0, ((0, 0),)))
+    builds.by_task.update({1: old, 2: old, 5: kept})
     tasks = [Task(i, "b.tmp", OFFSET, SLOT, 0, ((0, i),)) for i in (1, 5, 2)]
-    producer._requeue(tasks)
-    assert [t.task_id for t in producer.todo] == [5, 9], "the live batch's slice first, the cancelled one's dropped"
-    assert aborted == [3] and 3 not in old.stream.building and producer.task_build == {5: kept}
+    builds.requeue(tasks)
+    assert [t.task_id for t in builds.queue] == [5, 9], "the live batch's slice first, the cancelled one's dropped"
+    assert aborted == [3] and 3 not in old.stream.building and builds.by_task == {5: kept}
 
     # The same for the tasks a dead local worker held: they were built again, for nothing.
     old = build(6, True, {7})
-    producer.task_build[7] = old
+    builds.by_task[7] = old
     producer.wake, producer.fatal = SimpleNamespace(stop_signal=None), None
     producer.health = WorkerHealth(SimpleNamespace(add_worker=lambda: None), Stats(), 600.0,  # type: ignore[arg-type]
-                                   producer.task_build, str, 1)
+                                   builds.by_task, str, 1)
     task = Task(7, "c.tmp", OFFSET, SLOT, 0, ((0, 7),))
     where = Whereabouts(multiprocessing.RawArray("q", [-1, -1, -1]))  # died before its first task
     dead = SimpleNamespace(process=SimpleNamespace(pid=1, exitcode=-9), tasks={7: task}, where=where)
     producer._replace_worker(dead)
-    assert [t.task_id for t in producer.todo] == [5, 9] and aborted == [3, 6] and 7 not in producer.task_build
+    assert [t.task_id for t in builds.queue] == [5, 9] and aborted == [3, 6] and 7 not in builds.by_task
 
 
 def test_a_node_using_a_sample_the_box_cannot_is_caught_once_the_box_failed_it(tmp_path: Path) -> None:
@@ -344,9 +345,10 @@ class _Wired:
     for Ray, and one build of batch 3 in two slices (1 and 2) at the cluster."""
 
     def __init__(self, tmp_path: Path) -> None:
-        from collections import Counter, deque
+        from collections import Counter
         from multiprocessing import Pipe
 
+        from prefetchd.daemon.builds import Builds
         from prefetchd.daemon.producer import Producer
         from prefetchd.daemon.remote.pool import RemotePool
 
@@ -372,9 +374,11 @@ class _Wired:
                                      pending=SimpleNamespace(abort=self._abort))
         stream.building[3] = self.build
         producer = object.__new__(Producer)
-        producer.todo, producer.fatal, producer.remote = deque(self.tasks), None, pool
-        producer.task_build = {t.task_id: self.build for t in self.tasks}
+        producer.fatal, producer.remote, producer.builds = None, pool, Builds(2, pool)
+        producer.builds.queue.extend(self.tasks)
+        producer.builds.by_task.update({t.task_id: self.build for t in self.tasks})
         self.producer = producer
+        self.builds = producer.builds
 
         b = _bridge_for(self.job, self.answers)
         answers = self.answers
@@ -399,9 +403,9 @@ class _Wired:
 
         b._submit = submit
         self.bridge = b
-        pool.dispatch(producer.todo)
+        pool.dispatch(self.builds.queue)
         b._receive()
-        assert self.submitted == [1, 2] and not producer.todo
+        assert self.submitted == [1, 2] and not self.builds.queue
 
     def _abort(self) -> None:  # as PendingBatch.abort: the temp file goes
         self.aborted.append(self.path.read_bytes())
@@ -414,7 +418,7 @@ class _Wired:
         return SimpleNamespace(result=lambda: (result, pixels, NODE))
 
     def controller_turn(self) -> None:
-        self.pool._receive(self.producer._complete, self.producer._requeue)
+        self.pool._receive(self.producer._complete, self.builds.requeue)
 
 
 def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never_relaunched(tmp_path: Path,
@@ -422,12 +426,12 @@ def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never
     """A rewind cancelled a build whose slices were at the cluster: it kept its place under the cap until the
     cluster built them (production waited), and the bridge even relaunched them as stragglers."""
     w = _Wired(tmp_path)
-    w.producer._cancel(w.build)  # a rewind
+    w.builds.cancel(w.build)  # a rewind
     w.bridge._receive()
     with caplog.at_level(logging.DEBUG):
         w.controller_turn()
     assert len(w.aborted) == 1 and not w.build.stream.building, "the build dropped at the bridge's answer"
-    assert not w.producer.task_build and not w.pool.in_flight and not w.pool.paths
+    assert not w.builds.by_task and not w.pool.in_flight and not w.pool.paths
     assert [type(m).__name__ for m in w.answers] == ["Cancelled"] and w.answers[0].task_ids == (1, 2)
     assert w.cancelled_refs == [w.refs[1], w.refs[2]], "their Ray tasks cancelled: the cluster's CPUs are free"
     assert w.pool.returned == w.pool.retries == 0 and not caplog.records, "no news: not a slice the cluster lost"
@@ -439,13 +443,13 @@ def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never
     other = SimpleNamespace(g=4, cancelled=False, outstanding={4}, stream=SimpleNamespace(building={}),
                             pending=SimpleNamespace(abort=lambda: w.aborted.append(b"other")))
     other.stream.building[4] = other
-    w.producer.task_build[4] = other
+    w.builds.by_task[4] = other
     w.bridge_end.close()
-    w.producer._cancel(other)
+    w.builds.cancel(other)
     assert w.aborted[1:] == [] and 4 in w.pool.in_flight, "its file stays until the slice is answered"
     caplog.clear()
-    w.pool._lose("the bridge process exited (code -9)", w.producer._requeue)
-    assert w.aborted[1:] == [b"other"] and not w.producer.task_build and not w.pool.in_flight
+    w.pool._lose("the bridge process exited (code -9)", w.builds.requeue)
+    assert w.aborted[1:] == [b"other"] and not w.builds.by_task and not w.pool.in_flight
     lost = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
     assert len(lost) == 1 and "(0 slices queued again, 1 slice of cancelled batches dropped)" in lost[0], lost
 
@@ -455,7 +459,7 @@ def test_a_late_result_of_a_cancelled_slice_never_reaches_the_next_build_of_its_
     of the same batch makes a file of the same name: a slice the cluster finished after the cancellation
     must not be written there."""
     w = _Wired(tmp_path)
-    w.producer._cancel(w.build)
+    w.builds.cancel(w.build)
     w.bridge._receive()
     w.controller_turn()
     w.path.write_bytes(bytes(OFFSET + 4 * SLOT))  # the batch built again, in a file of the same name
@@ -472,12 +476,12 @@ def test_a_slice_written_before_its_build_was_cancelled_is_reported_as_built(tmp
     w.bridge._finish(1, w.refs[1], w.built(w.tasks[0]))  # written, and its Done sent ...
     written = w.path.read_bytes()
     assert written != bytes(len(written))
-    w.producer._cancel(w.build)  # ... before the controller read it: it cancels both
+    w.builds.cancel(w.build)  # ... before the controller read it: it cancels both
     w.bridge._receive()
     w.controller_turn()
     assert w.aborted == [written], "dropped once both were answered, slice 1 in the file"
     assert [type(m).__name__ for m in w.answers] == ["Done", "Cancelled"] and w.answers[1].task_ids == (2,)
-    assert w.pool.slices == 1 and w.pool.images == 2 and not w.pool.in_flight and not w.producer.task_build
+    assert w.pool.slices == 1 and w.pool.images == 2 and not w.pool.in_flight and not w.builds.by_task
     assert w.cancelled_refs == [w.refs[2]]
     w.bridge._forget((99,))  # an id the bridge never held, or answered already: nothing to answer
     assert len(w.answers) == 2
@@ -494,14 +498,14 @@ def test_a_slice_the_cluster_gives_back_after_its_build_was_cancelled_is_dropped
     with caplog.at_level(logging.DEBUG):
         w.bridge._again(w.bridge.slices[2], w.refs[2], lost)  # handed back while its build is live ...
         w.controller_turn()
-        assert [t.task_id for t in w.producer.todo] == [2], "... it is queued again, for the local workers"
+        assert [t.task_id for t in w.builds.queue] == [2], "... it is queued again, for the local workers"
         w.bridge._again(w.bridge.slices[1], w.refs[1], lost)  # handed back ...
-        w.producer._cancel(w.build)  # ... as a rewind cancels its build, before the controller read it
+        w.builds.cancel(w.build)  # ... as a rewind cancels its build, before the controller read it
         w.bridge._receive()
         w.controller_turn()
     assert [type(m).__name__ for m in w.answers] == ["Returned", "Returned"], "the bridge held neither any more"
     assert len(w.aborted) == 1 and not w.build.stream.building, "the build dropped at the bridge's answer"
-    assert not w.producer.todo and not w.producer.task_build and not w.pool.in_flight and not w.pool.paths
+    assert not w.builds.queue and not w.builds.by_task and not w.pool.in_flight and not w.pool.paths
     said = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert said == [
         (logging.WARNING, f"slice 2 of b.tmp came back from the cluster after 3 attempts ({lost}); queuing it again"),

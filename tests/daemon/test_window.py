@@ -37,22 +37,21 @@ def stream(tmp_path: Path, cap: int | None = None) -> Stream:
 
 def books(tmp_path: Path, *streams: Stream) -> Producer:
     """The controller's books alone, no workers: what ``Producer._complete`` and what it calls use."""
-    from collections import deque
-
     from prefetchd.buffer_protocol import SpareFiles
     from prefetchd.daemon.build_failures import BuildFailures
+    from prefetchd.daemon.builds import Builds
     from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
     from prefetchd.daemon.production_stats import Stats
     from prefetchd.daemon.worker_health import WorkerHealth
     from prefetchd.throttle import Throttle
 
     producer = Producer.__new__(Producer)
-    producer.streams, producer.task_build, producer.fatal = list(streams), {}, None
-    producer.stats, producer.todo = Stats(), deque()
+    producer.streams, producer.builds, producer.fatal = list(streams), Builds(8), None
+    producer.stats = Stats()
     producer.failures, producer.retry_at, producer.failure_lines = BuildFailures(), 0.0, Throttle(FAILURE_LOG_SECONDS)
     producer.message, producer.remote = "", None
     producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
-    producer.health = WorkerHealth(None, producer.stats, 600.0, producer.task_build, str, len(streams))  # type: ignore[arg-type]
+    producer.health = WorkerHealth(None, producer.stats, 600.0, producer.builds.by_task, str, len(streams))  # type: ignore[arg-type]
     return producer
 
 
@@ -66,7 +65,7 @@ def one_slot_build(producer: Producer, s: Stream, g: int) -> Task:
     pending = PendingBatch.begin(s.dir / batch_name(epoch, step), BatchLayout.plan(1, 8, 8), dir_fd=s.fd)
     build = Build(s, g, epoch, step, pending, np.empty(1, np.int64), np.empty(1, np.int64), remaining=1)
     s.building[g] = build
-    producer.task_build[g] = build
+    producer.builds.by_task[g] = build
     build.outstanding.add(g)
     return Task(g, str(pending.tmp), 0, 0, epoch, ((0, g),), pending.file_id)
 
@@ -257,7 +256,7 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     s.building[0] = build
     tasks = [Task(i, str(pending.tmp), 0, 0, 0, ((2 * i, 2 * i), (2 * i + 1, 2 * i + 1))) for i in range(4)]
     for task in tasks:
-        producer.task_build[task.task_id] = build
+        producer.builds.by_task[task.task_id] = build
         build.outstanding.add(task.task_id)
     for task in tasks:  # all four were at workers when the tmpfs filled up
         producer._complete(task, WriteFailed(task.task_id, "cannot write: No space left on device"))
@@ -267,7 +266,7 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     cancelled = Build(s, 1, 0, 1, pending, np.empty(8, np.int64), np.empty(8, np.int64), remaining=8, cancelled=True)
     s.building[1] = cancelled
     task = Task(9, str(pending.tmp), 0, 0, 0, ((0, 0),))
-    producer.task_build[9] = cancelled
+    producer.builds.by_task[9] = cancelled
     cancelled.outstanding.add(9)
     producer._complete(task, WriteFailed(9, "cannot write: No space left on device"))
     assert producer.stats.write_failures == 2 and 1 not in s.building
@@ -289,7 +288,7 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
         b = Build(s, g, 0, step, pending, np.empty(1, np.int64), np.empty(1, np.int64), remaining=1)
         s.building[g] = b
         task = Task(g, str(pending.tmp), 0, 0, 0, ((0, step),))
-        producer.task_build[g] = b
+        producer.builds.by_task[g] = b
         b.outstanding.add(g)
         return b, task
 

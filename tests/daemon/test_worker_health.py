@@ -4,10 +4,10 @@ only where workers died on it running the same task again, never for deaths that
 from __future__ import annotations
 
 import multiprocessing
-from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
+from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.pool import Worker
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, WorkerHealth
@@ -42,8 +42,12 @@ def test_a_file_is_blamed_once_workers_died_on_it_in_the_same_task() -> None:
     assert h.crashed_items == ((11, h.crashed[11]),)
     assert not h.ends, "the file's deaths leave the restart window: the bad-sample limits judge them"
     # A task queued before that is told of it; one told already is left as it is.
-    queued = h.told(deque(TASKS.values()))
-    assert [t.crashed for t in queued] == [h.crashed_items] * 2 and h.told(queued)[0] is queued[0]
+    builds = Builds(2)
+    builds.queue.extend(TASKS.values())
+    builds.tell_queued(h.crashed_items)
+    told = builds.queue[0]
+    builds.tell_queued(h.crashed_items)
+    assert [t.crashed for t in builds.queue] == [h.crashed_items] * 2 and builds.queue[0] is told
     # A task sent before the file was found out kills one more worker: no new verdict, nor a count.
     assert h.died(dead(2, 11)) is None and not h.ends
 

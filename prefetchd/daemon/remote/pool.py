@@ -40,8 +40,8 @@ RATE_WINDOW_SECONDS = 10.0
 # a cancelled batch's slice handed back (dropped: nothing is lost to the job).
 LOGGED_RETURNS = 10
 
-# The producer's ``_requeue``: queues lost tasks again, first, and returns those it queued; it drops a cancelled
-# build's (only the producer keeps which builds are cancelled).
+# ``Builds.requeue`` (the controller's): queues lost tasks again, first, and returns those it queued; it drops a
+# cancelled build's (only the controller's builds know which are cancelled).
 Requeue = Callable[[list[Task]], list[Task]]
 
 
@@ -224,7 +224,7 @@ class RemotePool:
 
     def _on_returned(self, task: Task, msg: Returned, requeue: Requeue) -> None:
         """A slice the cluster gave up on: queued again, unless its build was cancelled (a rewind, a failed
-        write) before the controller read this, which only the producer knows: ``requeue`` then drops it."""
+        write) before the controller read this, which only the controller knows: ``requeue`` then drops it."""
         self.retries += msg.retries  # as a Done's are, its batch cancelled or not: the cluster did submit it again
         said = (msg.task_id, os.path.basename(task.path), counted(msg.retries + 1, "attempt"),
                 msg.reason.splitlines()[0][:300])
