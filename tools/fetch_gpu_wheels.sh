@@ -12,6 +12,8 @@
 # that image's package list has none, and without them `pip install -e .` skips the crop-aware
 # decoder there and the figures measure the whole-image path (README "On a GPU"). Its C
 # compiler built the extension from them on the first H200 run (2026-11-26).
+# And setuptools: the install there runs without build isolation (no registry to fetch a build
+# backend from), and pyproject.toml needs setuptools >= 77, which the image's may not be.
 # Not fetched: nvidia-dali (its wheel is far over the 64 MiB a call may carry), so the DALI
 # step records itself as skipped; s3fs and moto (the object-storage tests, not marked gpu).
 #
@@ -21,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-WHEELS=${WHEELS:-"watchdog==7.1.0 tomli_w==1.2.0"}
+WHEELS=${WHEELS:-"watchdog==7.1.0 tomli_w==1.2.0 setuptools==80.9.0"}
 IMAGE_HAS="torch torchvision pillow numpy psutil msgpack click prometheus-client"
 "$PYTHON" - "$WHEELS" "$IMAGE_HAS" <<'PY'
 import re, sys, tomllib
