@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -211,6 +212,7 @@ def test_from_config_carries_the_augmentation(index: SampleIndex, tmp_path: Path
 def test_limit_threads_leaves_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored afterwards, as limit_threads sets it
     before = torch.get_num_threads()
+    torch.set_num_threads(2)  # as torch starts on 2 cores; the suite's processes run with one (conftest)
     try:
         limit_threads()
         assert torch.get_num_threads() == 1
@@ -239,9 +241,11 @@ def hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return module
 
 
-def _in_worker(job: WorkerJob, task: Task, clean: CleanFiles | None) -> Filled | WriteFailed:
-    """``task`` run by a worker process started as the pool starts them (forkserver), with ``clean``."""
-    ctx = multiprocessing.get_context("forkserver")
+def _in_worker(job: WorkerJob, task: Task, clean: CleanFiles | None,
+               method: Literal["forkserver", "spawn"] = "forkserver") -> Filled | WriteFailed:
+    """``task`` run by a worker process started as the pool starts them (forkserver, unless ``method``), with
+    ``clean``."""
+    ctx = multiprocessing.get_context(method)
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=worker_main, args=(child, job, clean), daemon=True)
     proc.start()
@@ -260,13 +264,17 @@ def _in_worker(job: WorkerJob, task: Task, clean: CleanFiles | None) -> Filled |
     return result
 
 
-def test_spawned_worker_matches_in_process_with_one_thread(index: SampleIndex, tmp_path: Path, hooks: str) -> None:
+def test_spawned_worker_matches_in_process_with_one_thread(index: SampleIndex, tmp_path: Path, hooks: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     items = [(0, 3), (1, 8), (2, 0)]
     local = _batch_file(tmp_path / "local.tmp", 3)
     run_task(_job(index), _task(local, items))
     remote = _batch_file(tmp_path / "remote.tmp", 3)
     job = _job(index, augment=AugmentOptions(transform=f"{hooks}:single_thread_or_invert"))
-    result = _in_worker(job, _task(remote, items), None)
+    # A fresh interpreter whose torch starts on 2 threads (the suite's own processes run on one, conftest), so
+    # that only the worker's limit gives the hook one; a forkserver started earlier would hand down one.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    result = _in_worker(job, _task(remote, items), None, method="spawn")
     assert isinstance(result, Filled) and len(result.timings) == 3
     assert remote.read_bytes() == local.read_bytes()
 
