@@ -27,7 +27,6 @@ job's Ray workers import torch) and asserts on what it read:
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import re
@@ -39,31 +38,14 @@ from typing import Any
 
 import pytest
 
+from tests.integration.ray_namespace import namespace_problem
+
 # The scenarios take 2 min on the 2 quiet cores, 5-9 when both are saturated (each Ray worker's start, a
 # probe's answer, then takes a minute): beside the rest of the suite they must not meet its 300 s.
 SCENARIOS_SECONDS = 560
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(SCENARIOS_SECONDS + 40)]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _namespace_problem() -> str | None:
-    """Why Ray cannot be tested here, or None."""
-    if importlib.util.find_spec("ray") is None:
-        return "Ray is not installed: pip install -e '.[ray]'"
-    if os.geteuid() != 0:
-        return "needs root for `unshare -n` (Ray must run in a loopback-only network namespace here)"
-    for tool in ("unshare", "nsenter", "ip"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is missing: apt-get install util-linux iproute2"
-    try:
-        probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, text=True,
-                               timeout=30)
-    except subprocess.TimeoutExpired:
-        return "`unshare -n` did not return within 30 s"
-    if probe.returncode != 0:
-        return f"cannot make a network namespace here: {probe.stderr.strip()}"
-    return None
 
 
 def _shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -93,7 +75,7 @@ def scenarios(shapes_data: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     to several processes (all of them when it has fewer tests than 2 per process), and each
     would start its own cluster and jobs (three at once took 150 s instead of 70 on 2 cores).
     The first to take the lock runs them; the others read what it wrote."""
-    problem = _namespace_problem()
+    problem = namespace_problem()
     if problem:
         pytest.skip(problem)
     shared = _shared_dir(tmp_path_factory)
