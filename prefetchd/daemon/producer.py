@@ -60,6 +60,7 @@ from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_wo
 from prefetchd.daemon.producer_status import production_status
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
+from prefetchd.daemon.remote.bridge import Died, Hung
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream, consumer_cap
 from prefetchd.daemon.wakeup import Wakeup
@@ -131,7 +132,8 @@ class Producer:
         self._job = WorkerJob.from_config(index, members, cfg)
         self.bad = BadSamples(cfg, index, len(members))
         self.pool = WorkerPool(self._job, self.workers_wanted)
-        self.remote = RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted) if cfg.ray else None
+        self.remote = (RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted, cfg.task_timeout)
+                       if cfg.ray else None)
         self.builds = Builds(chunk, self.remote)
         self.health = WorkerHealth(self.pool, self.stats, cfg.task_timeout, self.builds.by_task, self.bad.shown,
                                    len(self.streams))
@@ -294,7 +296,7 @@ class Producer:
         timeout = self.remote.poll_interval(timeout)
         for worker in self.pool.wait(timeout, self.wake, self._complete, also=self.remote.waitables()):
             self._replace_worker(worker)
-        self.remote.handle(self._complete, self.builds.requeue)
+        self.remote.handle(self._complete, self.builds.requeue, self._remote_fault)
 
     # -- workers --------------------------------------------------------------
 
@@ -313,6 +315,23 @@ class Producer:
         too_many = self.health.replace(worker)
         if too_many is not None:
             self.fatal = too_many
+
+    def _remote_fault(self, task: Task, fault: Hung | Died) -> None:
+        """A slice the cluster handed back because it hung there (its Ray workers killed), or because it killed the
+        Ray worker building it: judged and queued again as a local worker's task is (``_check_hangs``,
+        ``_replace_worker``), unless its task hung too often or its file is one too many bad ones."""
+        if isinstance(fault, Hung):
+            why = self.health.hung_remotely(task, fault.sample, fault.seconds)
+            if why is not None and self.fatal is None:
+                self.fatal = why
+            if self.fatal is None:
+                self.builds.requeue([task])
+            return
+        crashed = self.health.died_remotely(task, fault.sample, fault.how)
+        self.builds.requeue([task])
+        self.builds.tell_queued(self.health.crashed_items)
+        if crashed is not None and (verdict := self.bad.replaced(*crashed)) is not None and self.fatal is None:
+            self.fatal, self.fatal_error = verdict, BadDataError
 
     def _check_hangs(self) -> None:
         """Kill each worker that has made no progress for --task-timeout and retry its tasks on a new one, so

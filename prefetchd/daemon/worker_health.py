@@ -22,6 +22,13 @@ The controller (``producer.Producer``) keeps the job's verdict, and its ``builds
         count bad as a bad sample
         why = health.replace(dead)
 
+A slice built on a Ray cluster (``--ray``) is judged the same way, from what the bridge hands back
+(``remote.bridge``): one that made no progress there for ``--task-timeout`` had its Ray workers
+killed (``hung_remotely``: a hang of its task, counted towards ``MAX_TASK_HANGS`` with its local
+ones), and one built an item at a time whose Ray worker died says the sample it died on
+(``died_remotely``: a death on that file, counted towards ``CRASHES_TO_BLAME`` with local ones).
+Ray starts its workers again itself: neither counts towards the restart limit.
+
 ``WorkerHealth`` counts, names and judges; it reads the builds of the tasks not yet answered
 (``Builds.by_task``) only to name a task's batch and to tell one still wanted.
 """
@@ -81,7 +88,7 @@ class WorkerHealth:
         self.ranks = ranks
         self.ends: deque[float] = deque()  # when workers died or were killed, within RESTART_WINDOW_SECONDS
         # By (task id, sample), of tasks still wanted: when each worker died on that sample, and how it ended.
-        self.deaths: dict[tuple[int, int], list[tuple[float, int | None]]] = {}
+        self.deaths: dict[tuple[int, int], list[tuple[float, str]]] = {}
         self.crashed: dict[int, str] = {}  # the samples taken for ones that kill their worker, and why
         self.crashed_items: tuple[tuple[int, str], ...] = ()  # the same, for tasks (``Task.crashed``)
         self.hangs: dict[int, list[str]] = {}  # by task id, of tasks still wanted: the file of each hang
@@ -97,32 +104,45 @@ class WorkerHealth:
         how = ended(worker.process.exitcode)
         task, sample = self._died_on(worker)
         then = f"requeuing its {counted(len(worker.tasks), 'task')} and starting another"
+        who = f"worker pid {worker.process.pid}"
         if task is None or sample is None:  # between tasks or images: none is to blame
-            log.error("worker pid %s died (%s); %s", worker.process.pid, how, then)
+            log.error("%s died (%s); %s", who, how, then)
             self.ends.append(now)
             return None
+        return self._death(task, sample, who, how, then, now, restarts=True)
+
+    def died_remotely(self, task: Task, sample: int, how: str) -> tuple[int, str] | None:
+        """Say that a Ray worker died building ``task``'s item of ``sample`` (``how``: the Ray error's name),
+        and judge that file as ``died`` does; Ray starts another worker itself."""
+        return self._death(task, sample, "a Ray worker", f"Ray: {how}", "its task is queued again", time.monotonic(),
+                           restarts=False)
+
+    def _death(self, task: Task, sample: int, who: str, how: str, then: str, now: float,
+               restarts: bool) -> tuple[int, str] | None:
+        """A death of ``who`` on ``sample`` of ``task``: said, and counted on that file (``restarts``: towards
+        the restart limit too, until the file is to blame); the file's verdict when it is."""
         place = self._place(task, sample, with_files=False)
         if sample in self.crashed:  # sent before the file was found out: its death is the file's too
-            log.error("worker pid %s died (%s) on %s, a file that crashed workers before; %s", worker.process.pid, how,
-                      place, then)
+            log.error("%s died (%s) on %s, a file that crashed workers before; %s", who, how, place, then)
             return None
         self.deaths = {key: ends for key, ends in self.deaths.items() if key[0] in self.builds}
         deaths = self.deaths.setdefault((task.task_id, sample), []) if task.task_id in self.builds else []
-        deaths.append((now, worker.process.exitcode))
-        self.ends.append(now)
+        deaths.append((now, how))
+        if restarts:
+            self.ends.append(now)
         if len(deaths) < CRASHES_TO_BLAME:
-            log.error("worker pid %s died (%s) on %s; %s (death %d on that file: at %d it is replaced as undecodable)",
-                      worker.process.pid, how, place, then, len(deaths), CRASHES_TO_BLAME)
+            log.error("%s died (%s) on %s; %s (death %d on that file: at %d it is replaced as undecodable)",
+                      who, how, place, then, len(deaths), CRASHES_TO_BLAME)
             return None
-        hows = list(dict.fromkeys(ended(code) for _, code in deaths))
+        hows = list(dict.fromkeys(how for _, how in deaths))
         reason = f"{CRASHED_REASON} {counted(len(deaths), 'time')} ({', then '.join(hows)})"
         self.crashed[sample] = reason
         self.crashed_items = tuple(sorted(self.crashed.items()))
         for at, _ in deaths:  # the file's deaths, not the workers' own: the bad-sample limits judge them now
             if at in self.ends:
                 self.ends.remove(at)
-        log.error("worker pid %s died (%s) on %s, death %d on that file: it is replaced as undecodable; %s",
-                  worker.process.pid, how, place, len(deaths), then)
+        log.error("%s died (%s) on %s, death %d on that file: it is replaced as undecodable; %s",
+                  who, how, place, len(deaths), then)
         return sample, reason
 
     @staticmethod
@@ -178,25 +198,48 @@ class WorkerHealth:
         why the job must stop when the task it was on hung ``MAX_TASK_HANGS`` times, else None: then its
         tasks (``worker.tasks``) are the controller's to queue again, and ``replace(worker)``."""
         task, sample = self._stuck_on(worker)
-        place = self._place(task, sample)
-        self.stats.worker_hangs += 1
-        build = self.builds.get(task.task_id)
-        hangs: list[str] = []
-        if build is not None:  # a task still wanted: its hangs are kept until it is done or dropped
-            self.hangs = {task_id: files for task_id, files in self.hangs.items() if task_id in self.builds}
-            hangs = self.hangs.setdefault(task.task_id, [])
-        hangs.append(self.shown(sample) if sample is not None else "before its first file")
+        hangs = self._hang(task, self.shown(sample) if sample is not None else "before its first file")
         self.pool.kill(worker, on_result)
         self.ends.append(time.monotonic())
         # Held still after the kill (not finished as it came) and of a build still wanted: hung for good?
-        final = (len(hangs) >= MAX_TASK_HANGS and task.task_id in worker.tasks and build is not None
-                 and not build.cancelled)
+        final = self._final(task, hangs) and task.task_id in worker.tasks
         then = (f"that task hung {counted(len(hangs), 'time')}: the job stops" if final else
                 f"its {'task goes' if len(worker.tasks) == 1 else f'{len(worker.tasks)} tasks go'} to a new worker "
                 f"(hang {len(hangs)} of {MAX_TASK_HANGS} for that task)")
         log.warning("worker pid %d made no progress for %.0f s (--task-timeout %g) on %s: killed it; %s",
-                    worker.process.pid, worker.still, self.task_timeout, place, then)
+                    worker.process.pid, worker.still, self.task_timeout, self._place(task, sample), then)
         return self._hung_for_good(task, hangs) if final else None
+
+    def hung_remotely(self, task: Task, sample: int | None, seconds: float) -> str | None:
+        """Say that ``task`` made no progress on the Ray cluster for ``seconds`` (--task-timeout), its Ray
+        workers killed; ``sample``: the one it was on, where the bridge knows (it built the task an item at
+        a time).  Why the job must stop when that task hung ``MAX_TASK_HANGS`` times (here and on local
+        workers), else None: then it is the controller's to queue again."""
+        files = len(task.items)
+        hangs = self._hang(task, self.shown(sample) if sample is not None else f"one of its task's {files} files")
+        final = self._final(task, hangs)
+        then = (f"that task hung {counted(len(hangs), 'time')}: the job stops" if final else
+                f"its task is queued again (hang {len(hangs)} of {MAX_TASK_HANGS} for that task)")
+        place = self._place(task, sample) if sample is not None else (
+            f"{self._batch_of(task)}, one of its task's {counted(files, 'file')}: {self._files(task)}")
+        log.warning("a Ray worker made no progress for %.0f s (--task-timeout %g) on %s: cancelled its slice, killing "
+                    "the worker; %s", seconds, self.task_timeout, place, then)
+        return self._hung_for_good(task, hangs) if final else None
+
+    def _hang(self, task: Task, where: str) -> list[str]:
+        """Count a hang of ``task`` on ``where`` (a file as the log shows it); the task's hangs so far."""
+        self.stats.worker_hangs += 1
+        hangs: list[str] = []
+        if task.task_id in self.builds:  # a task still wanted: its hangs are kept until it is done or dropped
+            self.hangs = {task_id: files for task_id, files in self.hangs.items() if task_id in self.builds}
+            hangs = self.hangs.setdefault(task.task_id, [])
+        hangs.append(where)
+        return hangs
+
+    def _final(self, task: Task, hangs: list[str]) -> bool:
+        """Whether ``task``, of a build still wanted, has hung for good."""
+        build = self.builds.get(task.task_id)
+        return len(hangs) >= MAX_TASK_HANGS and build is not None and not build.cancelled
 
     # -- naming ---------------------------------------------------------------
 
@@ -216,20 +259,23 @@ class WorkerHealth:
         rank = f", rank {build.stream.rank}" if self.ranks > 1 else ""
         return f"batch {batch_name(build.epoch, build.step)} (epoch {build.epoch}, step {build.step}{rank})"
 
+    def _files(self, task: Task) -> str:
+        """``task``'s files, the first ``SHOWN_TASK_FILES`` named."""
+        files = [self.shown(index) for _slot, index in task.items]
+        return ", ".join(files[:SHOWN_TASK_FILES]) + (f" and {len(files) - SHOWN_TASK_FILES} more"
+                                                       if len(files) > SHOWN_TASK_FILES else "")
+
     def _place(self, task: Task, sample: int | None, with_files: bool = True) -> str:
         """Where a worker makes no progress (or died), for the log and the status: the batch, the file, and
         ``with_files`` the task's files."""
-        files = [self.shown(index) for _slot, index in task.items]
-        shown = ", ".join(files[:SHOWN_TASK_FILES]) + (f" and {len(files) - SHOWN_TASK_FILES} more"
-                                                        if len(files) > SHOWN_TASK_FILES else "")
         samples = [index for _slot, index in task.items]
         if sample is None:
-            on = f"before the first of its task's {counted(len(files), 'file')}"
+            on = f"before the first of its task's {counted(len(samples), 'file')}"
         elif sample in samples:
-            on = f"{self.shown(sample)} (file {samples.index(sample) + 1} of its task's {len(files)})"
+            on = f"{self.shown(sample)} (file {samples.index(sample) + 1} of its task's {len(samples)})"
         else:  # a replacement for a file of the task that could not be decoded
             on = f"{self.shown(sample)} (a replacement for a file of its task that could not be decoded)"
-        return f"{self._batch_of(task)}, {on}" + (f"; the task's files: {shown}" if with_files else "")
+        return f"{self._batch_of(task)}, {on}" + (f"; the task's files: {self._files(task)}" if with_files else "")
 
     def _hung_for_good(self, task: Task, hangs: list[str]) -> str:
         """Why the job stops: ``task`` hung MAX_TASK_HANGS times, on ``hangs``."""

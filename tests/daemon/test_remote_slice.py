@@ -21,7 +21,8 @@ from prefetchd import __version__
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.remote import bridge
 from prefetchd.daemon.remote.bridge import write_rows
-from prefetchd.daemon.remote.task import Rows, Shipment, build_rows, probe_samples, unable_here, unreadable
+from prefetchd.daemon.remote.task import (Rows, Shipment, build_rows, build_rows_tracked, probe_samples, unable_here,
+                                         unreadable)
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, Whereabouts, WorkerJob, WriteFailed, run_task
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
@@ -46,6 +47,30 @@ def test_rows_written_by_the_bridge_equal_a_local_workers_batch(tmp_path: Path) 
     assert remote.read_bytes() == bytes(remote.stat().st_size), "a remote task never touches the batch file"
     assert write_rows(task, in_rows, pixels) is in_rows
     assert remote.read_bytes() == local.read_bytes()
+
+
+def test_a_slice_built_an_item_at_a_time_says_each_sample_first_and_is_the_same_as_built_whole(tmp_path: Path) -> None:
+    """A slice that hung or killed its Ray worker is built an item at a time, yielding each item's sample
+    before it begins it (the bridge then knows the file it hangs or dies on): the same images and result,
+    a replacement included, so the batch is the same bits however it was built."""
+    index = _dataset(tmp_path / "data", broken=(4,))
+    job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
+    bad = next(i for i in range(len(index)) if index.name(i).endswith("04.jpg"))  # not an image: replaced
+    samples = [5, bad, 9, 0]
+    task = Task(2, "unused", OFFSET, SLOT, 3, tuple(enumerate(samples)))
+    whole, rows = build_rows(job, task, SampleReader(index))
+    steps = build_rows_tracked(job, task, SampleReader(index))
+    said = []
+    while True:
+        try:
+            said.append(next(steps))
+        except StopIteration as end:
+            tracked, tracked_rows = end.value
+            break
+    assert said == samples
+    assert isinstance(whole, Filled) and isinstance(tracked, Filled) and rows is not None and tracked_rows is not None
+    assert tracked.slots == whole.slots and tracked.failures == whole.failures and len(whole.failures) == 1
+    assert [r.tobytes() for r in tracked_rows] == [r.tobytes() for r in rows]
 
 
 def test_rows_for_a_batch_aborted_meanwhile_fail_the_write_not_the_job(tmp_path: Path) -> None:
@@ -133,7 +158,7 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
 
     conn = Sent()
     b = object.__new__(bridge.Bridge)  # its books alone: no cluster
-    b.conn, b.nodes, b.slices = conn, {}, {}
+    b.conn, b.nodes, b.slices, b.track = conn, {}, {}, set()
     submissions: list[int] = []
 
     def submit(s: bridge._Slice) -> None:
@@ -159,7 +184,7 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
         requeued.extend(tasks)
         return tasks
 
-    pool._receive(lambda *_: None, requeue)
+    pool._receive(lambda *_: None, requeue, lambda *_: None)
     assert requeued == [task] and pool.retries == bridge.MAX_ATTEMPTS - 1
 
 
@@ -175,6 +200,7 @@ def _bridge_for(job: WorkerJob, sent: list[object]) -> Any:
                                                        RayError=KeyError))
     b.job, b.reader, b.prepared, b.failing_here = job, SampleReader(job.index), False, set()
     b.nodes = {NODE_ID: bridge._Node(NODE, 1)}
+    b.track = set()
     return b
 
 
@@ -394,7 +420,7 @@ class _Wired:
         self.submitted: list[int] = []
         self.refs: dict[int, object] = {}
         self.cancelled_refs: list[object] = []
-        b.ray.cancel = self.cancelled_refs.append
+        b.ray.cancel = lambda ref, force=False: self.cancelled_refs.append(ref)
         b.latencies = [0.01] * bridge.STRAGGLER_SAMPLES  # stragglers are relaunched after 2 s
 
         def submit(s: bridge._Slice) -> None:
@@ -418,7 +444,7 @@ class _Wired:
         return SimpleNamespace(result=lambda: (result, pixels, NODE))
 
     def controller_turn(self) -> None:
-        self.pool._receive(self.producer._complete, self.builds.requeue)
+        self.pool._receive(self.producer._complete, self.builds.requeue, self.producer._remote_fault)
 
 
 def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never_relaunched(tmp_path: Path,

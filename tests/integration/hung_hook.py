@@ -1,8 +1,10 @@
-"""A transform hook for test_worker_hangs.py, imported by the daemon's workers: the identity, but on the
-one image of the dataset that is magenta all over it never returns, as a hook that loops on one image would."""
+"""Transform hooks for test_worker_hangs.py and test_ray_faults.py, imported by the daemon's workers (and Ray
+workers): the identity, but on the one image of the dataset that is magenta all over it never returns, as a
+hook that loops on one image would (or does so once)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -18,4 +20,21 @@ def is_magenta(image: Any) -> bool:
 def never_returns_on_magenta(image: Any, rng: Any) -> Any:
     while is_magenta(image):
         time.sleep(1)
+    return image
+
+
+HANG_ONCE = "PREFETCHD_TEST_HANG_ONCE"  # a path: the first process to create it hangs, the others do not
+
+
+def hangs_once_on_magenta(image: Any, rng: Any) -> Any:
+    """The identity, but the first call on the magenta image (of all processes: the one that creates the
+    file ``$PREFETCHD_TEST_HANG_ONCE`` names) never returns, as a read of a mount that hangs for a while."""
+    marker = os.environ.get(HANG_ONCE)
+    if marker and is_magenta(image):
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return image
+        while True:
+            time.sleep(1)
     return image

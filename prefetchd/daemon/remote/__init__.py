@@ -36,7 +36,13 @@ does: it is the fill side of the batch writer (``buffer_protocol.writer``).
 Faults.  A slice whose Ray worker or node died is submitted again by the bridge
 (``MAX_ATTEMPTS`` times, then handed back to the controller, which queues it
 for whoever has room); a slice outstanding ``STRAGGLER_FACTOR`` times longer
-than the median is started a second time, and the first result wins.  Since a
+than the median is started a second time, and the first result wins.  The
+local workers' guarantees hold here too (``worker_health``): each slice is a
+streaming Ray task that says when it has begun, and one that has not come back
+--task-timeout after that is cancelled, its Ray workers killed, and handed back
+as hung (``Hung``); one that hung or lost its worker is built an item at a
+time from then on, saying each item's sample first, so that its next hang
+names the file and its next death is counted on that file (``Died``).  Since a
 batch is a pure function of (seed, epoch, step, rank) nothing is lost or
 duplicated.  The slices of a build the controller cancels (a rewind) are
 forgotten by the bridge at its word (``Cancel``): answered at once and never

@@ -1,6 +1,7 @@
 """The bridge process: the Ray driver.  It submits the controller's slices to the cluster, writes
 what comes back into the batches' temp files, resubmits what the cluster lost, relaunches
-stragglers, and reports the cluster's nodes and CPUs (see ``prefetchd.daemon.remote``)."""
+stragglers, hands back the slices that hang or kill their Ray workers, and reports the cluster's
+nodes and CPUs (see ``prefetchd.daemon.remote``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from prefetchd import __version__
 from prefetchd.buffer_protocol import SlotFiller
-from prefetchd.daemon.remote.task import (NodeAnswer, Sample, Shipment, build_rows, build_slice, node_label,
+from prefetchd.daemon.remote.task import (Answer, NodeAnswer, Sample, Shipment, build_rows, build_slice, node_label,
                                           probe_node, probe_samples, sample_here)
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import (Filled, Task, WorkerJob, WriteFailed, prepare_process, replaced_before,
@@ -28,6 +29,7 @@ from prefetchd.daemon.workers import (Filled, Task, WorkerJob, WriteFailed, prep
 from prefetchd.words import counted
 
 REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
+TRACK_POLL_SECONDS = 0.02  # a slice built an item at a time waits for the bridge to take each item: looked at this often
 MAX_ATTEMPTS = 3  # submissions of one slice at the cluster before it goes back to the controller
 STRAGGLER_FACTOR = 4.0  # a slice outstanding this many times the median is started again
 STRAGGLER_MIN_SECONDS = 2.0  # ... but never before this, and only once STRAGGLER_SAMPLES are known
@@ -72,6 +74,31 @@ class Returned:
 
     task_id: int
     reason: str
+    retries: int
+
+
+@dataclass(frozen=True)
+class Hung:
+    """A slice that made no progress at the cluster for --task-timeout: its Ray tasks were cancelled, their
+    workers killed (``ray.cancel(force=True)``), and the controller judges it as a local worker's hang.
+    ``sample``: the one it was on, where the slice was built an item at a time (it had hung or killed
+    its worker before), else None."""
+
+    task_id: int
+    sample: int | None
+    seconds: float  # since it last moved on (began, or began an item)
+    retries: int
+
+
+@dataclass(frozen=True)
+class Died:
+    """A slice whose Ray worker died while it built the item of ``sample`` (the slice was built an item at
+    a time, having killed a worker before): the controller counts that death on the file, as a local
+    worker's (``CRASHES_TO_BLAME``), and queues the slice again."""
+
+    task_id: int
+    sample: int
+    how: str  # the Ray error's name: WorkerCrashedError, OutOfMemoryError (Ray's memory monitor), ...
     retries: int
 
 
@@ -123,11 +150,51 @@ def connect(address: str) -> None:
 
 
 @dataclass
+class _Copy:
+    """One submission of a slice: the stream of its Ray task (``build_slice``) and how far it got."""
+
+    gen: Any  # the ObjectRefGenerator
+    track: bool  # built an item at a time, each item's sample yielded first
+    moved: float | None = None  # when it last moved on (began, or began an item); None: not begun yet
+    on: int | None = None  # tracked: the sample of the item it is on
+    answer: Answer | None = None  # taken from the stream while polling it
+    error: Exception | None = None  # ... or the error it holds instead
+
+    def poll(self, ray: Any, now: float) -> None:
+        """Take what the slice has yielded since the last look (what it is on; its answer, if it came)."""
+        while self.error is None and self.answer is None and self.gen.next_ready():
+            try:
+                self._took(ray.get(next(self.gen)), now)
+            except StopIteration:
+                return
+            except Exception as exc:  # the task's failure, raised again by ``outcome``
+                self.error = exc
+
+    def outcome(self, ray: Any, completed: Any) -> Answer:
+        """The slice's answer once its task completed (``completed``: the future of ``gen.completed()``);
+        raises what ended it otherwise: its worker's death, a cancellation, an error there."""
+        completed.result()
+        for ref in self.gen:
+            self._took(ray.get(ref), time.monotonic())
+        if self.error is not None:
+            raise self.error
+        if self.answer is None:
+            raise RuntimeError("a slice's Ray task ended without an answer")
+        return self.answer
+
+    def _took(self, value: Any, now: float) -> None:
+        if isinstance(value, tuple):
+            self.answer = value
+            return
+        self.moved, self.on = now, value if value is not None else self.on
+
+
+@dataclass
 class _Slice:
     task: Task
     submitted: float
     attempts: int = 1
-    refs: list[Any] = field(default_factory=list)
+    refs: list[Any] = field(default_factory=list)  # a _Copy each
     straggler: bool = False
 
 
@@ -165,12 +232,13 @@ class Bridge:
     (``_checked_here``).  Unfit nodes are probed again every ``REPROBE_SECONDS``, with the samples
     they read otherwise, against the box's bytes."""
 
-    def __init__(self, conn: Connection, job: WorkerJob) -> None:
+    def __init__(self, conn: Connection, job: WorkerJob, task_timeout: float) -> None:
         import ray
 
         self.ray: Any = ray
         self.conn = conn
         self.job = job
+        self.task_timeout = task_timeout  # --task-timeout: a slice without progress this long is hung
         self.reader = SampleReader(job.index, job.readers)
         self.prepared = False  # for building slices here (``_build_here``)
         self.failing_here: set[int] = set()  # samples the box itself could not use: a node failing them is no news
@@ -178,9 +246,11 @@ class Bridge:
         self.box = [ray.put(Shipment(job, probe, __version__))]  # once per job
         self.build = ray.remote(build_slice)
         self.probe = ray.remote(probe_node)
-        self._build_on: tuple[frozenset[str], Any] = (frozenset(), self.build.options(num_cpus=1, max_retries=0))
+        self._build_on: tuple[frozenset[str], dict[bool, Any]] = (frozenset(), self._builds())
         self.nodes: dict[str, _Node] = {}  # by Ray's node id
         self.slices: dict[int, _Slice] = {}
+        # The slices that hung or killed their Ray worker here: built an item at a time from then on (``_Copy``).
+        self.track: set[int] = set()
         self.latencies: deque[float] = deque(maxlen=256)
         self.errors: set[str] = set()  # errors of Ray workers that could not run a slice, each warned once
         # (what to call with the future, the future) of each completed task; appended by Ray's thread
@@ -194,7 +264,8 @@ class Bridge:
     def run(self) -> None:
         last_report = 0.0
         while True:
-            ready = wait([self.conn, self._r], REPORT_SECONDS)
+            tracking = any(c.track for s in self.slices.values() for c in s.refs if isinstance(c, _Copy))
+            ready = wait([self.conn, self._r], TRACK_POLL_SECONDS if tracking else REPORT_SECONDS)
             if self._r in ready:
                 os.read(self._r, 4096)
             if self.conn in ready and not self._receive():
@@ -204,6 +275,7 @@ class Bridge:
                 then(future)
                 last_report = self._report_if_due(last_report)  # a slice built here takes a while
             self._relaunch_stragglers(time.monotonic())
+            self._hand_back_hung(time.monotonic())
             last_report = self._report_if_due(last_report)
 
     def _report_if_due(self, last: float) -> float:
@@ -237,6 +309,7 @@ class Bridge:
         An id not held was answered already (the pipe is ordered: its task came before the cancellation)."""
         forgotten = tuple(task_id for task_id in task_ids if task_id in self.slices)
         for task_id in forgotten:
+            self.track.discard(task_id)
             for ref in self.slices.pop(task_id).refs:
                 # Frees the cluster's CPUs for the new window: a copy not started yet never runs, a running one
                 # gets a KeyboardInterrupt (Ray's cancel without force), as a straggler's losing copy does; its
@@ -268,15 +341,25 @@ class Bridge:
         if self._build_on[0] != unfit:
             # Retries are the bridge's own, counted.
             selector = {"label_selector": {NODE_ID_LABEL: f"!in({','.join(sorted(unfit))})"}} if unfit else {}
-            self._build_on = (unfit, self.build.options(num_cpus=1, max_retries=0, **selector))
-        ref = self._build_on[1].remote(self.box, s.task)
-        s.refs.append(ref)
-        self._watch(ref, lambda future: self._finish(s.task.task_id, ref, future))
+            self._build_on = (unfit, self._builds(selector))
+        track = s.task.task_id in self.track
+        copy = _Copy(self._build_on[1][track].remote(self.box, s.task, *((True,) if track else ())), track)
+        s.refs.append(copy)
+        self._watch(copy.gen.completed(),
+                    lambda future: self._finish(s.task.task_id, copy, _Streamed(self.ray, copy, future)))
+
+    def _builds(self, selector: dict[str, Any] | None = None) -> dict[bool, Any]:
+        """The slice task with its options, by whether it is tracked: a tracked one's every yield waits until
+        the bridge took it (Ray's backpressure), so that what it was on when its worker died is not lost on
+        the way (without, the sample yielded just before a SIGKILL never arrived: 10 times in 10 here)."""
+        return {track: self.build.options(**SLICE_OPTIONS, **(selector or {}),
+                                          **({"_generator_backpressure_num_objects": 1} if track else {}))
+                for track in (False, True)}
 
     def _finish(self, task_id: int, ref: Any, future: Any) -> None:
         s = self.slices.get(task_id)
         if s is None or ref not in s.refs:
-            return  # the other copy of a straggler won, or its build was cancelled
+            return  # the other copy of a straggler won, its build was cancelled, or it hung
         exceptions = self.ray.exceptions
         try:
             result, pixels, node = future.result()
@@ -293,7 +376,7 @@ class Bridge:
             self._again(s, ref, text)
             return
         except exceptions.RayError as exc:  # its worker or node was lost: build it again
-            self._again(s, ref, f"{type(exc).__name__}: {exc}")
+            self._died(s, ref, exc)
             return
         if isinstance(result, NodeAnswer):  # before its probe answered, or it lost its mount since
             self._answered(result.node_id, result)
@@ -305,6 +388,7 @@ class Bridge:
             return
         result, pixels, node = checked
         del self.slices[task_id]
+        self.track.discard(task_id)
         for other in s.refs:
             if other is not ref:
                 self._cancel(other)
@@ -329,7 +413,8 @@ class Bridge:
         Where the two differ, the node's copy of --data differs from the box's: it gets no slices until
         a probe that reads those samples with the box's bytes passes."""
         if isinstance(result, Filled):
-            tried = self._tried(task, result)
+            # Less the samples found to kill their workers, which every build fails unread (``Task.crashed``).
+            tried = self._tried(task, result) - {i for i, _reason in task.crashed}
             if not tried - self.failing_here and not {i for _slot, i, _label in result.slots} & self.failing_here:
                 return result, pixels, node
         elif not result.failures:
@@ -394,9 +479,48 @@ class Bridge:
                                           f"again (attempt {s.attempts} of {MAX_ATTEMPTS})"))
         self._submit(s)
 
-    def _cancel(self, ref: Any) -> None:
+    def _died(self, s: _Slice, copy: Any, exc: Exception) -> None:
+        """``copy`` of slice ``s`` ended with its Ray worker or node.  Built an item at a time, it says the
+        sample it died on: handed back (``Died``) for the controller to count that death on the file.
+        Else it is submitted again (``_again``), an item at a time from now on, so that a file that kills
+        whatever decodes it is named by its next death."""
+        if isinstance(copy, _Copy) and copy.track:
+            copy.poll(self.ray, time.monotonic())  # the items it began before it died
+        if isinstance(copy, _Copy) and copy.track and copy.on is not None:
+            del self.slices[s.task.task_id]
+            for other in s.refs:
+                if other is not copy:
+                    self._cancel(other)
+            self.conn.send(Died(s.task.task_id, copy.on, type(exc).__name__, s.attempts - 1))
+            return
+        self.track.add(s.task.task_id)
+        self._again(s, copy, f"{type(exc).__name__}: {exc}")
+
+    def _hand_back_hung(self, now: float) -> None:
+        """Cancel each slice that has made no progress for --task-timeout, killing the Ray workers that
+        hold it (a hook that never returns, a read of a hung mount there), and hand it back (``Hung``)."""
+        for s in list(self.slices.values()):
+            copies = [c for c in s.refs if isinstance(c, _Copy)]
+            for c in copies:
+                if c.moved is None or c.track:  # not begun (queued, or its worker starting), or tracked
+                    c.poll(self.ray, now)
+            begun = [c for c in copies if c.moved is not None]
+            if not begun:
+                continue  # queued at Ray, or its worker starts (importing torch for a hook): not timed
+            latest = max(begun, key=lambda c: c.moved or 0.0)
+            still = now - (latest.moved or now)
+            if still < self.task_timeout or any(c.answer is not None or c.error is not None for c in copies):
+                continue  # moving, or answered: its completion is on the way
+            del self.slices[s.task.task_id]
+            for c in copies:
+                self._cancel(c, force=True)
+            self.track.add(s.task.task_id)
+            self.conn.send(Hung(s.task.task_id, latest.on, still, s.attempts - 1))
+
+    def _cancel(self, ref: Any, force: bool = False) -> None:
+        """Cancel a Ray task (a slice's ``_Copy``, or a probe's reference); ``force``: kill its worker too."""
         try:
-            self.ray.cancel(ref)
+            self.ray.cancel(ref.gen if isinstance(ref, _Copy) else ref, force=force)
         except Exception:  # already finished or its node gone: nothing to stop
             pass
 
@@ -496,6 +620,18 @@ class Bridge:
 
 
 BOX_LABEL = "the daemon's box"  # who built a slice that ``_checked_here`` built again there
+# Each slice a streaming task: it says when it begins (and, tracked, each item), which the hang check times.
+SLICE_OPTIONS: dict[str, Any] = {"num_cpus": 1, "max_retries": 0, "num_returns": "streaming"}
+
+
+class _Streamed:
+    """A slice's completion as ``Bridge._finish`` takes it: ``result()`` is its answer, or raises."""
+
+    def __init__(self, ray: Any, copy: _Copy, completed: Any) -> None:
+        self.ray, self.copy, self.completed = ray, copy, completed
+
+    def result(self) -> Answer:
+        return self.copy.outcome(self.ray, self.completed)
 
 
 def _last_line(exc: BaseException) -> str:
@@ -557,7 +693,7 @@ def connect_failure(address: str, exc: Exception) -> str:
     return why
 
 
-def bridge_main(conn: Connection, job: WorkerJob, address: str) -> None:
+def bridge_main(conn: Connection, job: WorkerJob, address: str, task_timeout: float) -> None:
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     why = unreachable(address)  # before the import of Ray: seconds sooner
@@ -572,12 +708,12 @@ def bridge_main(conn: Connection, job: WorkerJob, address: str) -> None:
         conn.send(Report(False, message=connect_failure(address, exc)))
         return
     try:
-        Bridge(conn, job).run()
+        Bridge(conn, job, task_timeout).run()
     except (EOFError, OSError):  # the controller went away
         pass
     finally:
         ray.shutdown()
 
 
-__all__ = ["Bridge", "Cancel", "Cancelled", "Done", "Note", "Report", "Returned", "bridge_main", "connect",
-           "unreachable", "write_rows"]
+__all__ = ["Bridge", "Cancel", "Cancelled", "Died", "Done", "Hung", "Note", "Report", "Returned", "bridge_main",
+           "connect", "unreachable", "write_rows"]

@@ -18,8 +18,8 @@ import numpy as np
 from prefetchd.buffer_protocol import RemoteNode, RemoteStatus
 from prefetchd.daemon.config import require_ray
 from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
-from prefetchd.daemon.remote.bridge import (REPORT_SECONDS, REPROBE_SECONDS, Cancel, Cancelled, Done, Note, Report,
-                                            Returned, bridge_main)
+from prefetchd.daemon.remote.bridge import (REPORT_SECONDS, REPROBE_SECONDS, Cancel, Cancelled, Died, Done, Hung, Note,
+                                            Report, Returned, bridge_main)
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.words import counted
 
@@ -43,6 +43,9 @@ LOGGED_RETURNS = 10
 # ``Builds.requeue`` (the controller's): queues lost tasks again, first, and returns those it queued; it drops a
 # cancelled build's (only the controller's builds know which are cancelled).
 Requeue = Callable[[list[Task]], list[Task]]
+# The producer's ``_remote_fault``: a slice that hung at the cluster, or killed the Ray worker building it, judged as
+# a local worker's hang or death is (``worker_health``); it queues the slice again unless the job stops.
+OnFault = Callable[[Task, "Hung | Died"], None]
 
 
 @dataclass
@@ -63,9 +66,11 @@ class RemotePool:
     """The Ray cluster as the controller sees it: a pool beside ``WorkerPool`` that takes tasks
     from the same queue while it is connected, and hands back the ones it loses."""
 
-    def __init__(self, job: WorkerJob, address: str, builds: int | None, local_workers: int) -> None:
+    def __init__(self, job: WorkerJob, address: str, builds: int | None, local_workers: int,
+                 task_timeout: float) -> None:
         require_ray()
         self.job = job
+        self.task_timeout = task_timeout
         self.address = address
         self.builds = builds
         self.local_workers = local_workers
@@ -101,7 +106,7 @@ class RemotePool:
         """Start a bridge; it connects in the background and reports when it is ready.  The first start
         may wait seconds for the fork server (``heartbeat`` runs meanwhile), later ones do not."""
         parent, child = self._ctx.Pipe()
-        self.process = self._ctx.Process(target=bridge_main, args=(child, self.job, self.address),
+        self.process = self._ctx.Process(target=bridge_main, args=(child, self.job, self.address, self.task_timeout),
                                          name="prefetchd-ray-bridge", daemon=True)
         with_heartbeat(self.process.start, heartbeat, every)
         child.close()
@@ -139,16 +144,17 @@ class RemotePool:
             return max(0.0, min(timeout, self.retry_at - time.monotonic()))
         return min(timeout, REPORT_SECONDS)
 
-    def handle(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue) -> None:
+    def handle(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
+               on_fault: OnFault) -> None:
         """Hand on what the bridge sent; notice a dead or silent one; reconnect when it is time."""
         now = time.monotonic()
         if self.process is None:
             if now >= self.retry_at:
                 self.start()
             return
-        self._receive(on_result, requeue)
+        self._receive(on_result, requeue, on_fault)
         if not self.process.is_alive():
-            self._receive(on_result, requeue)  # what it sent before it exited still counts
+            self._receive(on_result, requeue, on_fault)  # what it sent before it exited still counts
             self._lose(self.refusal or f"the bridge process exited (code {self.process.exitcode})", requeue)
         elif self.connected and now - self.last_report > SILENT_SECONDS:
             self._lose(f"no answer from the cluster for {SILENT_SECONDS:.0f} s", requeue)
@@ -181,7 +187,8 @@ class RemotePool:
             return "no local workers (--workers 0): production waits for the cluster"
         return f"{counted(self.local_workers, 'local worker')} build{'s' if self.local_workers == 1 else ''} alone"
 
-    def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue) -> None:
+    def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
+                 on_fault: OnFault) -> None:
         assert self.conn is not None
         while True:
             try:
@@ -221,6 +228,11 @@ class RemotePool:
                 task = self._take(msg.task_id)
                 if task is not None:  # a stale one's are no retries of this job's slices
                     self._on_returned(task, msg, requeue)
+            elif isinstance(msg, (Hung, Died)):
+                task = self._take(msg.task_id)
+                if task is not None:
+                    self.retries += msg.retries
+                    on_fault(task, msg)
 
     def _on_returned(self, task: Task, msg: Returned, requeue: Requeue) -> None:
         """A slice the cluster gave up on: queued again, unless its build was cancelled (a rewind, a failed

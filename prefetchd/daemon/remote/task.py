@@ -4,8 +4,10 @@ by the local workers' ``run_task``, into images that the task returns through th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import socket
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,8 +168,21 @@ def probe_node(box: list[Any], also: tuple[Sample, ...] = ()) -> NodeAnswer:
     return here.answer
 
 
-def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | NodeAnswer, list[np.ndarray] | None, str]:
-    """A Ray task: run ``task`` with the local workers' code and return its pixels, an image per item.
+# What ``build_slice`` yields before its answer: that it has begun (its Ray worker started, the job loaded), and
+# when tracked, the sample of each item as it begins it.  The bridge times a slice from these (--task-timeout).
+Progress = int | None
+Answer = tuple[Filled | WriteFailed | NodeAnswer, list[np.ndarray] | None, str]
+
+
+def build_slice(box: list[Any], task: Task, track: bool = False) -> Iterator[Progress | Answer]:
+    """A Ray task (a streaming one): run ``task`` with the local workers' code; its last item is the
+    answer, (result, pixels: an image per item, node), and the items before it say how far it got.
+
+    It yields None once it has begun: a Ray worker's start (importing torch for a hook, seconds) is not
+    the slice's time, as a local worker's is not.  ``track``: a slice that hung or killed its Ray
+    worker before is built an item at a time, each item's sample yielded as it begins, so that the
+    bridge knows the file it hangs on or dies on (a yield per image costs the object store a report
+    to the bridge each: kept for those).
 
     A node that fails the probe answers with the probe's result instead: building there would
     replace every sample as undecodable (or fail the job once no replacement reads), and so
@@ -178,18 +193,46 @@ def build_slice(box: list[Any], task: Task) -> tuple[Filled | WriteFailed | Node
     runs is the hook's bug, as on the daemon's box: it stops the job (``failure_of``).
     """
     here = _here(box)
+    yield None
     if not here.answer.fit:  # this process found the node unfit; the bridge sent this slice: look again
         here.answer = _probe(here.shipment, here.reader, here.unable)
     answer = here.answer
     if not answer.fit:
-        return answer, None, answer.node
-    result, pixels = build_rows(here.shipment.job, task, here.reader, here.clean)
+        yield answer, None, answer.node
+        return
+    if track:
+        result, pixels = yield from build_rows_tracked(here.shipment.job, task, here.reader, here.clean)
+    else:
+        result, pixels = build_rows(here.shipment.job, task, here.reader, here.clean)
     if not isinstance(result, Filled) or result.failures:
         again = _probe(here.shipment, here.reader)
         if again.failures:
             here.answer = again
-            return again, None, again.node
-    return result, pixels, answer.node
+            yield again, None, again.node
+            return
+    yield result, pixels, answer.node
+
+
+def build_rows_tracked(job: WorkerJob, task: Task, reader: SampleReader, clean: jpeg_crop.CleanFiles | None = None
+                       ) -> Generator[int, None, tuple[Filled | WriteFailed, list[np.ndarray] | None]]:
+    """``build_rows``, an item at a time, yielding each item's sample before it builds it: the same
+    images and result (each sample's draws are its own), the build's progress told as it goes."""
+    slots: list[tuple[int, int, int]] = []
+    failures: list[tuple[int, str]] = []
+    timings: list[tuple[float, float, float, float]] = []
+    pixels: list[np.ndarray] = []
+    seconds = 0.0
+    for item in task.items:
+        yield item[1]
+        result, rows = build_rows(job, dataclasses.replace(task, items=(item,)), reader, clean)
+        if not isinstance(result, Filled):
+            return dataclasses.replace(result, failures=(*failures, *result.failures)), None
+        slots += result.slots
+        failures += result.failures
+        timings += result.timings
+        pixels += rows or []  # a Filled has its rows
+        seconds += result.seconds
+    return Filled(task.task_id, tuple(slots), tuple(failures), seconds, tuple(timings)), pixels
 
 
 def build_rows(job: WorkerJob, task: Task, reader: SampleReader,
@@ -220,5 +263,5 @@ class Rows:
         self.pixels[self.rows[slot]] = np.frombuffer(image, np.uint8)
 
 
-__all__ = ["NodeAnswer", "Rows", "Sample", "Shipment", "build_rows", "build_slice", "node_label", "probe_node",
-           "probe_samples", "sample_here", "unable_here", "unreadable"]
+__all__ = ["Answer", "NodeAnswer", "Progress", "Rows", "Sample", "Shipment", "build_rows", "build_rows_tracked",
+           "build_slice", "node_label", "probe_node", "probe_samples", "sample_here", "unable_here", "unreadable"]

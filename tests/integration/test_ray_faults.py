@@ -1,0 +1,152 @@
+"""A slice that hangs on a Ray cluster, or kills the Ray worker building it, is judged as a local worker's task
+is (``worker_health``): after --task-timeout without progress its Ray worker is killed and the slice built again
+(3 hangs stop the job, naming the file); a file that kills its Ray worker twice is replaced as undecodable.
+
+Each test runs a remote-only daemon (``--workers 0 --ray local``: a private cluster of its own) in a
+loopback-only network namespace (``ray_namespace``), beside a trainer outside it that reads the buffer,
+and compares every batch with a local daemon's.  Before, such a slice stayed in flight for good (a hang)
+or went round between the bridge and the controller for good (a crash): the trainer timed out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prefetchd.buffer_protocol import State, read_status
+from prefetchd.buffer_protocol.status import BadFile
+from prefetchd.daemon.errors import EXIT_FAILURE
+from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_TASK_HANGS
+from prefetchd.launch import launch, start_argv
+from prefetchd.trainer import BufferLoader
+from prefetchd.trainer.errors import DaemonGone
+from tests.conftest import Daemon
+from tests.integration.hung_hook import HANG_ONCE
+from tests.integration.ray_namespace import in_namespace, namespace_problem
+
+# A private cluster starts in ~8 s here, and each Ray worker imports torch for the hook (seconds on 2 busy cores).
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1",
+       "--epochs", "1"]
+# The trainer's wait for a batch: past a cluster's start and three hangs (3 s each, and a Ray worker's start
+# after each kill); before, the hung batch never came and this is what the test failed with.
+LOADER_TIMEOUT = 90
+
+
+class RayDaemon(Daemon):
+    """A remote-only daemon on a private Ray cluster, in a network namespace with loopback only."""
+
+    def __init__(self, buffer: Path, args: list[str], log: Path) -> None:
+        self.buffer = buffer
+        self.log_path = log
+        self.proc = launch(in_namespace(start_argv(buffer, extra=[*args, "--workers", "0", "--ray", "local"])),
+                           log=log)
+
+
+@pytest.fixture
+def start_ray_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    problem = namespace_problem()
+    if problem:
+        pytest.skip(problem)
+    # The hooks' module, for the Ray workers, which the daemon's private cluster starts with its environment.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    started: list[Daemon] = []
+
+    def start(buffer: Path, *args: str | os.PathLike[str]) -> Daemon:
+        daemon = RayDaemon(buffer, [str(a) for a in args], tmp_path / f"ray-daemon-{len(started)}.log")
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.terminate()
+
+
+def received(batch: Any) -> tuple[int, int, list[int], int, str]:
+    images = np.ascontiguousarray(batch.images.numpy())
+    return batch.epoch, batch.step, batch.indices.tolist(), batch.replaced, hashlib.sha256(images.tobytes()).hexdigest()
+
+
+def read_all(buffer: Path) -> list[tuple[int, int, list[int], int, str]]:
+    loader = BufferLoader(buffer, normalize=False, timeout=LOADER_TIMEOUT)
+    try:
+        return [received(batch) for batch in loader]
+    finally:
+        loader.close()
+
+
+def reference(start_daemon: Callable[..., Daemon], buffer: Path, *args: str | os.PathLike[str]) -> list[Any]:
+    """Every batch of the job as a local worker builds it."""
+    daemon = start_daemon(buffer, *JOB, "--workers", "1", *args)
+    batches = read_all(buffer)
+    assert daemon.wait_exit(30) == 0, daemon.log
+    return batches
+
+
+def test_a_slice_that_hangs_once_on_the_cluster_is_built_again_and_every_batch_arrives_once_the_same(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    data, magenta = magenta_data
+    hook = ["--transform", "tests.integration.hung_hook:hangs_once_on_magenta", "--data", data]
+    expected = reference(start_daemon, shm_dir / "ref", *hook)  # no marker named: it never hangs
+    monkeypatch.setenv(HANG_ONCE, str(shm_dir / "hung-once"))
+    daemon = start_ray_daemon(shm_dir / "bf", *JOB, *hook, "--task-timeout", "3")
+    assert read_all(shm_dir / "bf") == expected, daemon.log  # each (epoch, step) once, bit-identical
+    assert daemon.wait_exit(30) == 0, daemon.log
+    assert (shm_dir / "hung-once").exists(), "it did hang"
+    final = read_status(shm_dir / "bf")
+    assert final.production is not None and final.production.errors.worker_hangs == 1, daemon.log
+    kill = [line for line in daemon.log.splitlines() if "a Ray worker made no progress for" in line]
+    assert len(kill) == 1 and "(--task-timeout 3) on batch" in kill[0] and str(magenta) in kill[0], daemon.log
+    assert "cancelled its slice, killing the worker; its task is queued again (hang 1 of 3" in kill[0], kill[0]
+
+
+def test_a_slice_that_hangs_on_the_cluster_every_time_stops_the_job_naming_the_file(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_ray_daemon: Any) -> None:
+    data, magenta = magenta_data
+    buffer = shm_dir / "bf"
+    daemon = start_ray_daemon(buffer, *JOB, "--data", data, "--task-timeout", "3",
+                              "--transform", "tests.integration.hung_hook:never_returns_on_magenta")
+    with pytest.raises(DaemonGone) as gone:
+        read_all(buffer)
+    assert f"its task hung {MAX_TASK_HANGS} times" in str(gone.value) and str(magenta) in str(gone.value), gone.value
+    assert daemon.wait_exit(30) == EXIT_FAILURE, daemon.log
+    final = read_status(buffer)
+    assert final.state == State.FAILED and final.production is not None, daemon.log
+    assert final.production.errors.worker_hangs == MAX_TASK_HANGS, daemon.log
+    # The first hang's slice was built whole, so which of its files hung was not known; the slice was then
+    # built an item at a time, and each later hang names the file.
+    assert final.message.count(str(magenta)) >= MAX_TASK_HANGS - 1, final.message
+    kills = [line for line in daemon.log.splitlines() if "a Ray worker made no progress for" in line]
+    assert len(kills) == MAX_TASK_HANGS and "that task hung 3 times: the job stops" in kills[-1], daemon.log
+    assert all(f"{magenta} (file " in line for line in kills[1:]), kills
+
+
+def test_a_file_that_kills_its_ray_worker_is_replaced_as_one_that_cannot_be_decoded(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any) -> None:
+    data, magenta = magenta_data
+    # The reference: the same dataset with that file not an image at all, found bad by its decode.
+    undecodable = shm_dir / "undecodable"
+    shutil.copytree(data, undecodable)
+    (undecodable / magenta.relative_to(data)).write_bytes(b"not a JPEG")
+    hook = ["--transform", "tests.integration.crash_hook:killed_on_magenta"]
+    expected = reference(start_daemon, shm_dir / "ref", *hook, "--data", undecodable)
+    daemon = start_ray_daemon(shm_dir / "bf", *JOB, *hook, "--data", data)
+    got = read_all(shm_dir / "bf")
+    assert got == expected, daemon.log  # each (epoch, step) once, the same samples and pixels
+    assert [b[3] for b in got].count(1) == 1, "replaced once"
+    assert daemon.wait_exit(30) == 0, daemon.log
+    errors = read_status(shm_dir / "bf").production.errors  # type: ignore[union-attr]
+    reason = f"crashed its worker {CRASHES_TO_BLAME} times (Ray: WorkerCrashedError)"
+    assert errors.undecodable == (BadFile(path=str(magenta), reason=reason),), daemon.log
+    deaths = [line for line in daemon.log.splitlines() if "a Ray worker died (Ray: WorkerCrashedError) on batch" in line]
+    assert len(deaths) == CRASHES_TO_BLAME and all(str(magenta) in line for line in deaths), daemon.log
