@@ -55,10 +55,8 @@ from prefetchd.buffer_protocol.status import (
     StreamStatus,
     Totals,
     TrainerStatus,
-    read_status,
-    readable_status,
-    write_status,
 )
+from prefetchd.buffer_protocol.status_file import read_status, readable_status, write_status
 from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, SpareFiles, write_batch
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The buffer's small JSON documents as files: how one is written (atomically, by rename; on a full
 filesystem, in place) and read (bounded, its format and version checked, then field by field:
-``checked_field``).  The documents are ``manifest``'s, ``progress``'s, ``job_request``'s and ``status``'s;
-their file names are ``layout``'s."""
+``checked_field``; status.json's many fields by ``status_fields``).  The documents are ``manifest``'s,
+``progress``'s, ``job_request``'s and ``status``'s (its file ``status_file``'s); their file names are ``layout``'s."""
 
 from __future__ import annotations
 

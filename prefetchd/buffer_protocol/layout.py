@@ -1,6 +1,7 @@
 """The buffer directory: its fixed file names, how they are listed and parsed, and where each rank's
 stream lives.  The JSON documents in it are ``manifest``'s, ``progress``'s, ``job_request``'s and
-``status``'s, each written and read through ``json_files``; who owns the buffer is ``ownership``'s.
+``status``'s (its file ``status_file``'s), each written and read through ``json_files``; who owns the buffer is
+``ownership``'s.
 
 ::
 

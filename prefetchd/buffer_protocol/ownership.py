@@ -23,7 +23,8 @@ from prefetchd.buffer_protocol.errors import ProtocolError
 from prefetchd.buffer_protocol.layout import DIR_FLAGS, LOCK_NAME, Dir, at, consumer_lock_name, owning_buffer
 from prefetchd.buffer_protocol.json_files import open_regular
 from prefetchd.buffer_protocol.progress import Progress, pid_namespace
-from prefetchd.buffer_protocol.status import Status, TrainerStatus, readable_status
+from prefetchd.buffer_protocol.status import Status, TrainerStatus
+from prefetchd.buffer_protocol.status_file import readable_status
 
 
 # Whether a process of another pid namespace is there is asked of its lock, by taking it for a moment
