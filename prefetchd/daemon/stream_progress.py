@@ -190,7 +190,10 @@ class StreamProgress:
                 joined |= self._take(consumer, got)
             elif got is not None:
                 self._refuse(name, book[name], got)
-        self._ignore([name for name in unread if name not in read] if room <= 0 else [])
+        # Left unread for the cap: not one refused already (for its mode, read again now and then), which the status
+        # counts as refused, with why, and the log said so: it was counted twice, in a line that told its owner to
+        # remove the files of consumers that will not come back where a chmod was what it needed.
+        self._ignore([name for name in unread if name not in read and not book[name].refused] if room <= 0 else [])
         return joined
 
     def _refuse(self, name: str, seen: Newcomer, problem: str) -> None:

@@ -406,6 +406,46 @@ def test_files_that_give_no_position_take_no_consumers_place_and_a_poll_reads_a_
     assert s.consumers[junk[0]].position == 7 and s.refused == len(junk) - 1
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="plants a file the daemon's user (nobody) may not read: needs root")
+def test_a_progress_file_refused_for_its_mode_is_counted_once_not_again_as_ignored_for_the_cap(
+        shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A progress file the daemon may not read (an older trainer's, 0600) is refused, and read again now and then
+    (its owner's chmod gives it no new inode).  Once the stream was full, each such look found it left unread for
+    the cap, and the status counted it twice, refused and ignored, with the cap's advice (remove the files of
+    consumers that will not come back) beside the chmod it needs.  A readable file past the cap is still ignored."""
+    from prefetchd.daemon import stream_progress
+    from tests.as_nobody import NOBODY, as_nobody
+
+    monkeypatch.setattr(stream_progress, "UNREADABLE_RETRY_SECONDS", 0.0)  # read again at each poll
+    os.chown(shm_dir, NOBODY, NOBODY)  # the daemon's user's buffer
+    Progress(0, 0).write(shm_dir, "old")  # root's, 0600: an older trainer's under umask 077
+    os.chmod(shm_dir / progress_name("old"), 0o600)
+
+    def daemon() -> str:
+        manifest = Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=80, split="all",
+                            seed=0, batch_size=8, image_size=32, samples_per_epoch=80, steps_per_epoch=10, epochs=2,
+                            producer="test")
+        s = Stream(shm_dir, manifest, EpochOrders(np.arange(80), shuffle=False), high=HIGH, low=LOW, cap=4 * HIGH,
+                   max_consumers=2)  # the default consumer and one more
+        s.read_progress()
+        said = [(s.refused, s.ignored)]
+        Progress(0, 1).write(shm_dir, "a")  # takes the last place
+        for _ in range(3):
+            s.read_progress()
+            said.append((s.refused, s.ignored))
+        joined = sorted(s.consumers)
+        refused_only = s.progress_error
+        Progress(0, 2).write(shm_dir, "b")  # readable, past the cap
+        s.read_progress()
+        return json.dumps([said, joined, refused_only, s.refused, s.ignored, s.progress_error])
+
+    said, joined, refused_only, refused, ignored, error = json.loads(as_nobody(daemon))
+    assert joined == ["", "a"]
+    assert said == [[1, 0]] * 4, "refused once, and never counted again as left out for the cap"
+    assert "may not read it" in refused_only and "ignored" not in refused_only, refused_only
+    assert (refused, ignored) == (1, 1) and f"1 progress file in {shm_dir} ignored" in error, error
+
+
 def test_a_status_of_the_most_ranks_and_consumers_stays_within_what_readers_take(tmp_path: Path) -> None:
     """256 ranks (MAX_LOCAL_RANKS), each with more consumers than it takes, every one refused after it
     was read (both a row and a problem in the status): status.json stays under MAX_DOCUMENT_LEN, or
