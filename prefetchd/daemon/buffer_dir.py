@@ -13,10 +13,11 @@ from pathlib import Path
 
 from prefetchd.buffer_protocol import BatchLayout, Manifest, ProtocolError, list_batches
 from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DIR_FLAGS, JOB_NAME, MANIFEST_NAME, STREAM_PREFIX,
-                                             STREAM_RE, consumer_of, is_consumer_lock, is_temp_name, parse_batch_name)
+                                             STATUS_NAME, STREAM_RE, consumer_of, is_consumer_lock, is_temp_name,
+                                             parse_batch_name)
 from prefetchd.access import nearest_existing, user_name
 from prefetchd.daemon.config import DaemonConfig, held_bytes
-from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.errors import ConfigError, DaemonError
 from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of, huge_pages, huge_pages_hint
 from prefetchd.words import binary_size
 
@@ -216,7 +217,9 @@ def let_group_read_files(buffer: Path) -> int:
     with another name elsewhere (a hard link a member made to a file of the daemon's user: its mode is not the
     buffer's to set).  Nor job.json and job.accepted.json, which only the daemon reads: a chmod sets a file's ctime,
     by which the daemon tells a request or a record renamed back (``JobRequest.read``, ``JobRequest.recorded``): the
-    request an older submit left 0600 was refused as an old one put back, and the job a record names not resumed."""
+    request an older submit left 0600 was refused as an old one put back, and the job a record names not resumed.
+    A file whose mode cannot be changed (immutable) is warned of and left, but status.json or a manifest
+    (``REWRITTEN_AT_START``): DaemonError, naming it."""
     with _own_dir(buffer) as fd:
         if fd is None:
             return 0
@@ -253,11 +256,33 @@ def _let_group_read(fd: int, shown: str, leave: Container[str] = ()) -> int:
                             "whose mode is not the buffer's to set; remove it if it is none of the daemon's", shown,
                             name, stat.S_IMODE(st.st_mode), st.st_nlink)
                 continue
-            os.fchmod(file_fd, stat.S_IMODE(st.st_mode) | stat.S_IRGRP)
+            try:
+                os.fchmod(file_fd, stat.S_IMODE(st.st_mode) | stat.S_IRGRP)
+            except OSError as exc:  # an immutable file (chattr +i: EPERM), a filesystem that keeps its own modes
+                refused = (f"cannot give the group read access to {shown}/{name} (mode {stat.S_IMODE(st.st_mode):04o}):"
+                           f" {exc.strerror}")
+                if name in REWRITTEN_AT_START:
+                    raise DaemonError(
+                        f"{refused}. The daemon replaces that file as it runs, which what refuses the chmod refuses "
+                        "too (an immutable or append-only flag, which `lsattr` shows and `chattr -i -a` as root "
+                        "clears; a read-only filesystem): clear that, and start again") from None
+                log.warning("%s; the group's trainers cannot read it, so it is left as it is. Make it readable "
+                            "(`chmod g+r`, once what refuses it is cleared: `lsattr` shows an immutable flag) or remove "
+                            "it: a batch removed is built again", refused)
+                continue
             count += 1
         finally:
             os.close(file_fd)
     return count
+
+
+# The daemon's documents that it replaces while it runs (status.json every second, a stream's manifest at each job
+# start): one whose mode cannot be changed at start (an immutable file: chattr +i refuses fchmod and rename over it
+# alike) stops the start, naming it, where the daemon went on to fail the job with a traceback (the manifest) or to
+# beat where nobody sees it (status.json).  daemon.lock never gets here: the lock opens it read-write first, which
+# such a file refuses with its own message.  Any other file refused is warned of and left: a batch the group cannot
+# read fails only the group's trainer that reads it, and is built again once removed.
+REWRITTEN_AT_START = frozenset({STATUS_NAME, MANIFEST_NAME})
 
 
 def _lacks_group_read(entry: os.DirEntry[str], me: int) -> bool:

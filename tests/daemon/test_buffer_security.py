@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 import prefetchd.cli as prefetchd_cli
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, BatchLayout, JobRequest, Manifest, Progress, SlotFiller, State,
-                                       batch_name, list_batches)
+                                       batch_name, list_batches, readable_status)
 from prefetchd.buffer_protocol.batch import temp_name
 from prefetchd.buffer_protocol import job_request
 from prefetchd.buffer_protocol.job_request import MAX_RECORD_RENAME_SECONDS
@@ -509,3 +509,49 @@ def test_the_files_an_earlier_daemon_left_0600_are_opened_up_to_the_group_never_
     assert [r.getMessage() for r in caplog.records] == [
         f"leaving {buffer}/hard as it is (mode 0600): it has 2 names, so it is also a file elsewhere, whose mode is "
         "not the buffer's to set; remove it if it is none of the daemon's"]
+
+
+def _immutable(path: Path, on: bool) -> None:
+    subprocess.run(["chattr", "+i" if on else "-i", str(path)], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("which", ["batch", STATUS_NAME])
+def test_a_file_whose_mode_cannot_be_changed_is_left_with_a_warning_unless_the_daemon_replaces_it(
+        shm_buffer: Path, shapes_data: Path, start_daemon: Callable[..., Daemon], which: str) -> None:
+    """A --group-access daemon opens up to its group the files an earlier daemon left 0600; a file it may not chmod
+    (an immutable one: EPERM) stopped its start with a traceback.  A batch is left as it is, with a warning naming
+    it, and the daemon serves; status.json, which it replaces every second (and an immutable file refuses that
+    too), stops the start with the file named and what to do."""
+    probe = shm_buffer / "probe"
+    probe.touch()
+    if os.geteuid() != 0 or subprocess.run(["chattr", "+i", str(probe)], capture_output=True).returncode != 0:
+        pytest.skip("needs root and a filesystem that takes chattr +i")
+    _immutable(probe, False)
+    buffer = shm_buffer / "bf"
+    flags = ["--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32", "--workers", "1",
+             "--high-water", "2"]
+    old = os.umask(0o077)  # the earlier daemon's files are 0600
+    try:
+        earlier = start_daemon(buffer, *flags)
+    finally:
+        os.umask(old)
+    earlier.wait_until(lambda: state_of(buffer) == State.FULL, 60, "a full buffer")
+    earlier.terminate()
+    batches = sorted(list_batches(buffer).values())
+    fixed = batches[0] if which == "batch" else buffer / which
+    _immutable(fixed, True)
+    try:
+        daemon = start_daemon(buffer, *flags, "--group-access")
+        refused = f"cannot give the group read access to {fixed} (mode 0600): Operation not permitted"
+        if which == STATUS_NAME:
+            assert daemon.wait_exit(60) == 1, daemon.log
+            assert f"ERROR   prefetchd: {refused}. The daemon replaces that file as it runs" in daemon.log, daemon.log
+            return
+        daemon.wait_until(lambda: refused in daemon.log, 60, "the warning")
+        daemon.wait_until(lambda: (s := readable_status(buffer)) is not None and s.pid == daemon.proc.pid
+                          and s.state == State.FULL, 60, "a full buffer")
+        assert f"WARNING prefetchd.daemon.buffer_dir: {refused}; the group's trainers cannot read it" in daemon.log
+        assert _mode(fixed) == 0o600 and [_mode(path) for path in batches[1:]] == [0o640], daemon.log
+        assert _mode(buffer / MANIFEST_NAME) & stat.S_IRGRP and daemon.proc.poll() is None, daemon.log
+    finally:
+        _immutable(fixed, False)
