@@ -163,7 +163,9 @@ class Errors:
     vanished_batches: int = 0  # the streams' counters, summed
     progress_rejected: int = 0
     progress_rewinds: int = 0
-    worker_hangs: int = 0  # workers killed because one image took longer than --task-timeout (in worker_restarts too)
+    # Workers killed because one image took longer than --task-timeout, or their start than --worker-start-timeout
+    # (in worker_restarts too).
+    worker_hangs: int = 0
 
 
 @dataclass(frozen=True)

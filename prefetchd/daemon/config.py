@@ -73,9 +73,13 @@ class DaemonConfig:
     consumer_timeout: float = _opt(300.0, "Seconds without a progress write after which one of several consumers counts as gone and stops holding batches (a gone process is noticed within a second); it may come back.", float, minimum=0, min_open=True)
     # 600 s: above the longest a healthy image can take, so that only a hang is killed.  The slowest is an object
     # store's read through its retries (locations: 6 tries of up to SAMPLE_READ_SECONDS = 60 s and ~5 s of
-    # backoff, ~6 min), which must end in StorageUnavailable and the status's storage_wait, not in a kill; a
-    # worker's start (importing torch for a hook) is not timed at all.  A tighter bound is the user's to set.
+    # backoff, ~6 min), which must end in StorageUnavailable and the status's storage_wait, not in a kill.  A
+    # tighter bound is the user's to set; a worker's start has a bound of its own (worker_start_timeout).
     task_timeout: float = _opt(600.0, "Seconds a local worker may spend on one image (its read, decode and augmentation, a --transform hook's call included) before it counts as hung: it is then killed, the log names it, the batch and the file, and its task is retried on a new worker; a task that hangs 3 times stops the job. With --ray, a slice that has not come back this long after it began on the cluster is hung alike (its Ray worker killed, the slice queued again). Keep it above the longest one image (on the cluster, one slice) may take: an object store's read through its retries takes up to about 6 minutes.", float, minimum=0, min_open=True)
+    # Not --task-timeout: that is set to seconds where images are fast (the tests', the fault harness' 2-5 s), and a
+    # worker that imports torch for a hook took over 3 s to get ready on the 2-core box under a test run's load.
+    # 600 s as for an image: only a start that hangs is killed (a hook's module that blocks when imported).
+    worker_start_timeout: float = _opt(600.0, "Seconds a local worker may take to get ready for its first task (importing torch and the --transform hook's module, opening the dataset's storage) before it counts as hung: it is then killed, the log and the status's message say what it was doing, and another starts in its place; 3 in a row in one place stop the job. The daemon's own import of the hook's module, when a job starts, has as long.", float, minimum=0, min_open=True)
     min_free_mb: int | None = _opt(None, f"Never let the buffer's filesystem fall below this many MiB free [default: {MIN_FREE_RULE}].", int, minimum=0)
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
     epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)

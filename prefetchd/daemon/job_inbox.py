@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # Fields that say how this machine produces, not what: a job cannot set them.
 MACHINE_FIELDS = frozenset({
     "buffer", "workers", "high_water", "low_water", "min_free_mb", "reset", "group_access", "index_cache",
-    "max_buffer_bytes", "consumer_timeout", "task_timeout",
+    "max_buffer_bytes", "consumer_timeout", "task_timeout", "worker_start_timeout",
     "metrics_port", "metrics_address", "metrics_textfile", "readers", "allowed_data", "allowed_transforms",
     "ray", "ray_builds",
 })

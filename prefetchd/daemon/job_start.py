@@ -17,7 +17,7 @@ from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another
 from prefetchd.daemon.config import DaemonConfig, fill_defaults, held_bytes
 from prefetchd.daemon.dataset import split_folders_as_classes, split_members
 from prefetchd.daemon.errors import ConfigError
-from prefetchd.daemon.hook import validate_hook
+from prefetchd.daemon.hook import validate_hook_within
 from prefetchd.daemon.job_inbox import JobInbox
 from prefetchd.daemon.job_policy import check_files_inside
 from prefetchd.daemon.logs import status_unwritten
@@ -26,6 +26,7 @@ from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.sources import open_dataset
 from prefetchd.daemon.wakeup import Wakeup
+from prefetchd.daemon.worker_health import STALL_NOTE_SECONDS
 from prefetchd.words import all_epochs, binary_size, counted
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     short = check_capacity(job, held)
     if short is not None:
         log.warning("%s", short)
-    if job.transform is not None:
-        validate_hook(job.transform)  # a typo fails here, not in every worker
+    if job.transform is not None:  # a typo fails here, not in every worker; a module that blocks, in bounded time
+        validate_hook_within(job.transform, job.worker_start_timeout, beat,
+                             note_after=min(STALL_NOTE_SECONDS, job.worker_start_timeout / 4))
     assert job.data is not None
     notifier.status(f"indexing {job.data}")
     index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"),

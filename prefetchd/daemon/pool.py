@@ -53,9 +53,12 @@ class Worker:
     ps: psutil.Process
     where: Whereabouts
     tasks: dict[int, Task] = field(default_factory=dict)
-    seen: int = -1  # its moves at the last look (``stalled``)
-    still: float = 0.0  # seconds it has held tasks without a move, as the looks counted them
+    seen: int = -2  # its moves at the last look (``stalled``); -2: not looked at yet
+    still: float = 0.0  # seconds it has held tasks without a move (or not got ready), as the looks counted them
     noted: bool = False  # the controller said it makes no progress (once per stall)
+    # The step of its start (``workers.START_STEPS``) each worker before it in its place was killed on for not
+    # getting ready in --worker-start-timeout, those in a row up to it (and it too, once killed so: ``worker_health``).
+    start_hangs: tuple[int, ...] = ()
 
 
 class WorkerPool:
@@ -82,15 +85,15 @@ class WorkerPool:
         """
         self.workers.extend(with_heartbeat(lambda: [self._spawn() for _ in range(self.size)], heartbeat, every))
 
-    def _spawn(self) -> Worker:
+    def _spawn(self, start_hangs: tuple[int, ...] = ()) -> Worker:
         parent, child = self._ctx.Pipe()
         level = logging.getLogger().getEffectiveLevel()
-        where = self._ctx.RawArray("q", [-1, -1, -1])  # Whereabouts: not ready, no task, no sample
+        where = self._ctx.RawArray("q", Whereabouts.INITIAL)
         proc = self._ctx.Process(target=run_logged, args=(level, worker_main, child, self.job, self._clean, where),
                                  name="prefetchd-worker", daemon=True)
         proc.start()
         child.close()
-        worker = Worker(proc, parent, psutil.Process(proc.pid), Whereabouts(where))
+        worker = Worker(proc, parent, psutil.Process(proc.pid), Whereabouts(where), start_hangs=start_hangs)
         self._selector.register(parent, selectors.EVENT_READ, (worker, False))
         self._selector.register(proc.sentinel, selectors.EVENT_READ, (worker, True))
         return worker
@@ -160,16 +163,17 @@ class WorkerPool:
         return True
 
     def stalled(self) -> list[Worker]:
-        """Look where each worker is; return those that hold tasks and have not moved since the last look,
-        their ``still`` grown by the time since then (at most ``MAX_LOOK_GAP_SECONDS``).  A worker that is
-        idle, moved, or not ready yet (still importing what its job needs) starts again from 0."""
+        """Look where each worker is; return those that hold tasks and have not moved since the last look, and
+        those not ready yet (still starting: importing what its job needs), their ``still`` grown by the time
+        since then (at most ``MAX_LOOK_GAP_SECONDS``): a start is timed from the first look at the worker.  A
+        worker that is idle or moved (became ready: a move) starts again from 0."""
         now = time.monotonic()
         gap = min(now - self._looked, MAX_LOOK_GAP_SECONDS) if self._looked else 0.0
         self._looked = now
         stalled = []
         for worker in self.workers:
             moves = worker.where.moves
-            if moves < 0 or not worker.tasks or moves != worker.seen:
+            if moves != worker.seen or (moves >= 0 and not worker.tasks):
                 worker.seen, worker.still, worker.noted = moves, 0.0, False
             else:
                 worker.still += gap
@@ -186,9 +190,10 @@ class WorkerPool:
                 break
         self._forget(worker)
 
-    def add_worker(self) -> None:
-        """Start one more worker: in place of one that died or was killed (``worker_health``)."""
-        self.workers.append(self._spawn())
+    def add_worker(self, start_hangs: tuple[int, ...] = ()) -> None:
+        """Start one more worker: in place of one that died or was killed (``worker_health``), after
+        ``start_hangs`` (``Worker.start_hangs``)."""
+        self.workers.append(self._spawn(start_hangs))
 
     def stop(self) -> None:
         """Ask every worker to finish its tasks and exit; kill those still there after WORKER_STOP_SECONDS."""

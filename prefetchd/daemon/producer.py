@@ -14,7 +14,8 @@ batches to build and what each answer means.
 A worker that dies is replaced and its tasks go to others.  So is one that
 hangs: a worker that has made no progress on one image for ``--task-timeout``
 (a read of a hung mount, a hook that never returns) is killed, after a warning
-that names it, the batch and the file.  ``worker_health`` judges both; the
+that names it, the batch and the file; so is one that does not get ready in
+``--worker-start-timeout`` (a hook's module that never finishes importing).  ``worker_health`` judges both; the
 controller has ``Builds`` queue the tasks again, and stops the job when it says so.
 
 The space the batches take, which a pause for a full tmpfs is judged by, is
@@ -136,7 +137,7 @@ class Producer:
                        if cfg.ray else None)
         self.builds = Builds(chunk, self.remote)
         self.health = WorkerHealth(self.pool, self.stats, cfg.task_timeout, self.builds.by_task, self.bad.shown,
-                                   len(self.streams))
+                                   len(self.streams), cfg.worker_start_timeout)
         self.spares = SpareFiles()
 
     @property

@@ -24,7 +24,7 @@ class Stats:
     replaced: int = 0
     consumed: int = 0
     worker_restarts: int = 0
-    worker_hangs: int = 0  # of those restarts, the workers killed for a hang (--task-timeout)
+    worker_hangs: int = 0  # of those restarts, the workers killed for a hang (--task-timeout, --worker-start-timeout)
     write_failures: int = 0
     low_space_pauses: int = 0
     recent: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=64))  # (t, samples, consumed)

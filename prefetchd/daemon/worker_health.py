@@ -11,7 +11,10 @@ reasons: the bad-sample limits (--strict, --max-bad-samples) are the ones for ba
 hangs never dies: a worker that holds tasks and has begun no image for ``--task-timeout`` (a
 read of a hung mount, a hook that never returns, a SIGSTOP; ``pool.WorkerPool.stalled``, from the
 ``workers.Whereabouts`` it writes) is killed after a warning that names it, the batch and the file,
-and replaced the same way; a task that hangs ``MAX_TASK_HANGS`` times stops the job.
+and replaced the same way; a task that hangs ``MAX_TASK_HANGS`` times stops the job.  So is one that does not
+get ready for its first task in ``--worker-start-timeout`` (a hook's module that blocks when imported, torch on
+a hung mount: the step of its start is in its whereabouts too, and named); ``MAX_TASK_HANGS`` such workers in a
+row in one place stop the job.
 
 The controller (``producer.Producer``) keeps the job's verdict, and its ``builds.Builds`` the task queue::
 
@@ -45,7 +48,7 @@ from prefetchd.buffer_protocol import batch_name
 from prefetchd.daemon.pool import Worker, WorkerPool
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
-from prefetchd.daemon.workers import CRASHED_REASON, Filled, Task, WriteFailed
+from prefetchd.daemon.workers import CRASHED_REASON, START_HOOK, Filled, Task, WriteFailed, start_step
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
@@ -79,10 +82,11 @@ class WorkerHealth:
     """
 
     def __init__(self, pool: WorkerPool, stats: Stats, task_timeout: float, builds: Mapping[int, Build],
-                 shown: Callable[[int], str], ranks: int) -> None:
+                 shown: Callable[[int], str], ranks: int, start_timeout: float) -> None:
         self.pool = pool
         self.stats = stats
         self.task_timeout = task_timeout
+        self.start_timeout = start_timeout
         self.builds = builds
         self.shown = shown
         self.ranks = ranks
@@ -106,7 +110,8 @@ class WorkerHealth:
         then = f"requeuing its {counted(len(worker.tasks), 'task')} and starting another"
         who = f"worker pid {worker.process.pid}"
         if task is None or sample is None:  # between tasks or images: none is to blame
-            log.error("%s died (%s); %s", who, how, then)
+            before = "" if worker.where.ready_yet else f" before it was ready, {self._start_step(worker)}"
+            log.error("%s died (%s)%s; %s", who, how, before, then)
             self.ends.append(now)
             return None
         return self._death(task, sample, who, how, then, now, restarts=True)
@@ -165,28 +170,36 @@ class WorkerHealth:
         if len(self.ends) > MAX_WORKER_RESTARTS:
             return (f"{len(self.ends)} workers died within {RESTART_WINDOW_SECONDS:.0f} s (the last: "
                     f"{ended(worker.process.exitcode)}); check the log and `dmesg` for the cause (out of memory?)")
-        self.pool.add_worker()
+        # One that never got ready hands its place's row of hung starts on (``kill``; a death keeps the row as it
+        # was, a ready worker ends it).
+        self.pool.add_worker(worker.start_hangs if not worker.where.ready_yet else ())
         return None
 
     # -- hangs ----------------------------------------------------------------
 
     def hung(self) -> list[Worker]:
-        """The workers that have made no progress (begun no image, finished no task) for --task-timeout,
-        to be killed (``kill``).  One that has made none for a while, not that long yet, is said to, once
-        in the log and in ``stall_note`` while it lasts."""
-        limit = self.task_timeout
+        """The workers that have made no progress (begun no image, finished no task) for --task-timeout, or not
+        got ready in --worker-start-timeout since they started, to be killed (``kill``).  One that has made none
+        for a while, not that long yet, is said to, once in the log and in ``stall_note`` while it lasts."""
         notes = []
         hung = []
         for worker in self.pool.stalled():
+            ready = worker.where.ready_yet
+            limit = self.task_timeout if ready else self.start_timeout
             if worker.still < min(STALL_NOTE_SECONDS, limit / 4):
                 continue
             if worker.still >= limit:
                 hung.append(worker)
                 continue
-            task, sample = self._stuck_on(worker)
-            notes.append(f"worker pid {worker.process.pid} has made no progress for {worker.still:.0f} s on "
-                         f"{self._place(task, sample)}; at {limit:g} s (--task-timeout) it is killed and its task "
-                         "retried")
+            if not ready:
+                notes.append(f"worker pid {worker.process.pid} has not got ready in {worker.still:.0f} s since it "
+                             f"started: it is {self._start_step(worker)}; at {limit:g} s (--worker-start-timeout) it "
+                             "is killed and another started")
+            else:
+                task, sample = self._stuck_on(worker)
+                notes.append(f"worker pid {worker.process.pid} has made no progress for {worker.still:.0f} s on "
+                             f"{self._place(task, sample)}; at {limit:g} s (--task-timeout) it is killed and its "
+                             "task retried")
             if not worker.noted:
                 worker.noted = True
                 log.warning("%s", notes[-1])
@@ -196,7 +209,10 @@ class WorkerHealth:
     def kill(self, worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> str | None:
         """Kill ``worker``, one of ``hung``'s, handing what it sent before to ``on_result``, and say so;
         why the job must stop when the task it was on hung ``MAX_TASK_HANGS`` times, else None: then its
-        tasks (``worker.tasks``) are the controller's to queue again, and ``replace(worker)``."""
+        tasks (``worker.tasks``) are the controller's to queue again, and ``replace(worker)``.  One that never got
+        ready: ``MAX_TASK_HANGS`` in a row in its place stop the job (``_kill_unready``)."""
+        if not worker.where.ready_yet:
+            return self._kill_unready(worker, on_result)
         task, sample = self._stuck_on(worker)
         hangs = self._hang(task, self.shown(sample) if sample is not None else "before its first file")
         self.pool.kill(worker, on_result)
@@ -240,6 +256,41 @@ class WorkerHealth:
         """Whether ``task``, of a build still wanted, has hung for good."""
         build = self.builds.get(task.task_id)
         return len(hangs) >= MAX_TASK_HANGS and build is not None and not build.cancelled
+
+    def _kill_unready(self, worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> str | None:
+        """``kill`` of a worker that did not get ready in --worker-start-timeout: its tasks were never begun, so no task
+        hangs; its place's row of such starts (``Worker.start_hangs``) grows, and at ``MAX_TASK_HANGS`` the job
+        stops.  Not a death for the restart limit either: every worker of a job whose hook never imports is
+        killed at once, and "N workers died within 60 s (out of memory?)" would say nothing of why."""
+        step = worker.where.step
+        self.stats.worker_hangs += 1
+        self.pool.kill(worker, on_result)
+        worker.start_hangs += (step,)
+        final = len(worker.start_hangs) >= MAX_TASK_HANGS
+        held = (f"; its {counted(len(worker.tasks), 'task')} go{'es' if len(worker.tasks) == 1 else ''} to others"
+                if worker.tasks else "")
+        then = (f"{len(worker.start_hangs)} workers in a row in its place did not get ready: the job stops" if final
+                else f"another starts in its place (hang {len(worker.start_hangs)} of {MAX_TASK_HANGS} in a row "
+                     f"there){held}")
+        log.warning("worker pid %d did not get ready in %.0f s (--worker-start-timeout %g): it was %s; killed it; %s",
+                    worker.process.pid, worker.still, self.start_timeout, start_step(self.pool.job, step), then)
+        return self._start_hung_for_good(worker.start_hangs) if final else None
+
+    def _start_hung_for_good(self, steps: tuple[int, ...]) -> str:
+        """Why the job stops: ``MAX_TASK_HANGS`` workers in a row in one place did not get ready, on ``steps``."""
+        said = [start_step(self.pool.job, step) for step in steps]
+        where = (f"each {said[0]}" if len(set(said)) == 1 else f"{', then '.join(said)}")
+        hook = self.pool.job.augment.transform
+        what = (f"the --transform hook's module when it is imported (does `python -c 'import "
+                f"{hook.partition(':')[0]}'` return?)" if hook is not None and START_HOOK in steps else
+                "a read of a hung mount or storage (of the dataset, or of the Python packages imported)")
+        return (f"no worker gets ready: {counted(len(steps), 'worker')} in a row, each killed after "
+                f"{self.start_timeout:g} s without getting ready (--worker-start-timeout), were {where}. Something "
+                f"never returns there: {what}; fix that and start the daemon again (it resumes), or raise "
+                "--worker-start-timeout if a worker's start can take that long")
+
+    def _start_step(self, worker: Worker) -> str:
+        return start_step(self.pool.job, worker.where.step)
 
     # -- naming ---------------------------------------------------------------
 

@@ -21,8 +21,9 @@ object store's outage, a dataset root gone, or a local read error that says
 refuses us (the job stops with what to do).
 
 A worker says where it is, in a few words of shared memory (``Whereabouts``): the task and the
-sample it is on, and a count of its moves.  The controller reads them to tell a worker that hangs
-(a read that never returns, a hook that loops) from one that is slow, and to name the file.
+sample it is on, a count of its moves, and before it is ready the step of its start
+(``START_STEPS``).  The controller reads them to tell a worker that hangs (a read that never
+returns, a hook that loops, a start that never ends) from one that is slow, and to name the file.
 
 With ``readers`` > 1 a worker keeps that many sample reads in flight on
 threads (object storage: many small requests, each mostly waiting) while it
@@ -50,6 +51,7 @@ extension most jobs need neither (``transforms.needed_modules``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -78,7 +80,7 @@ from prefetchd.daemon.sources.shards import ShardChanged
 from prefetchd.daemon.sources.storage import StorageDenied, StorageUnavailable, storage_for
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.errors import BadDataError, ConfigError, DaemonError, DatasetError
-from prefetchd.daemon.hook import HookError
+from prefetchd.daemon.hook import HookError, load_hook
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.transforms import StageTimes, augment_bytes, needed_modules, preload
 from prefetchd.locations import is_url
@@ -93,24 +95,30 @@ MAX_REPLACEMENT_TRIES = 16
 
 
 class Whereabouts:
-    """Where a local worker is, for the controller's hang check (``pool.WorkerPool.stalled``): three words of
+    """Where a local worker is, for the controller's hang check (``pool.WorkerPool.stalled``): four words of
     shared memory the worker writes and the controller only reads::
 
         [0] moves   bumped when the worker begins a task and each sample of it (each replacement tried too);
                     -1 until it is ready for its first task (a hook's module, torch, imported)
         [1] task    the id of the task it is on
         [2] sample  the sample it is on; -1 before the task's first
+        [3] step    until it is ready, what it does to get there: an index into ``START_STEPS``
 
     No lock: a read torn between the worker's writes is of a worker that moves, which is no hang."""
 
-    MOVES, TASK, SAMPLE = range(3)
+    MOVES, TASK, SAMPLE, STEP = range(4)
+    INITIAL = (-1, -1, -1, 0)  # not ready, no task, no sample, step 0 (``START_STEPS``)
 
     def __init__(self, cells: Any) -> None:
-        self.cells = cells  # a RawArray('q', 3) from the pool's multiprocessing context
+        self.cells = cells  # a RawArray('q', INITIAL) from the pool's multiprocessing context
 
     @property
     def moves(self) -> int:
         return int(self.cells[self.MOVES])
+
+    @property
+    def ready_yet(self) -> bool:
+        return self.moves >= 0
 
     @property
     def task(self) -> int:
@@ -120,6 +128,14 @@ class Whereabouts:
     def sample(self) -> int:
         return int(self.cells[self.SAMPLE])
 
+    @property
+    def step(self) -> int:
+        return int(self.cells[self.STEP])
+
+    def starting(self, step: int) -> None:
+        """The worker, not ready yet, goes on to ``step`` of ``START_STEPS``."""
+        self.cells[self.STEP] = step
+
     def ready(self) -> None:
         self.cells[self.MOVES] = 0
 
@@ -128,6 +144,26 @@ class Whereabouts:
         self.cells[self.TASK] = task
         self.cells[self.SAMPLE] = sample
         self.cells[self.MOVES] += 1
+
+
+# START_STEPS: what a local worker does before it is ready for its first task (``Whereabouts.step``), in order: the
+# controller names the step a worker that does not get ready is stuck on (``start_step``).  Each may hang where
+# nothing else would: a hook's module that blocks when imported, torch imported from a hung filesystem, an object
+# store's client.
+START_FORKED, START_IMPORTS, START_HOOK, START_STORAGE = range(4)
+
+
+def start_step(job: WorkerJob, step: int) -> str:
+    """What a worker of ``job`` does at ``step`` of its start, as the log and the status say it."""
+    if step == START_IMPORTS:
+        modules = needed_modules(job.augment)
+        return f"importing {' and '.join(modules)}" if modules else "setting up its decoder"
+    if step == START_HOOK:
+        module = (job.augment.transform or "").partition(":")[0]
+        return f"importing the --transform hook's module {module}"
+    if step == START_STORAGE:
+        return f"opening the dataset's storage ({job.index.root})"
+    return "starting: made by the worker server, it has not begun the worker's code"
 
 
 # This process's, in a local worker (``worker_main``); None elsewhere (a Ray worker, the bridge, a test).
@@ -469,11 +505,21 @@ def worker_main(conn: Connection, job: WorkerJob, clean: CleanFiles | None = Non
     global _whereabouts
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    whereabouts = Whereabouts(where) if where is not None else None
+    step: Callable[[int], None] = whereabouts.starting if whereabouts is not None else (lambda _step: None)
+    # Each step of the start is said, and the start timed as a whole (--worker-start-timeout, ``worker_health``): one
+    # that never ends (a hook's module that blocks when imported) is killed and another started in its place.
+    step(START_IMPORTS)
     prepare_process(job)
-    if where is not None:
-        _whereabouts = Whereabouts(where)
-        _whereabouts.ready()  # not timed until here: importing torch for a hook takes seconds on a busy box
+    if job.augment.transform is not None:
+        step(START_HOOK)  # now, not in the first image: a hang there is the hook's import, not that image's
+        with contextlib.suppress(HookError):  # its first call raises it again, and the job stops with it
+            load_hook(job.augment.transform)
+    step(START_STORAGE)
     reader = SampleReader(job.index, job.readers)
+    if whereabouts is not None:
+        _whereabouts = whereabouts
+        whereabouts.ready()
     queued: deque[tuple[Task, list[Future[bytearray]] | None]] = deque()
     stopping = False
     while True:

@@ -295,11 +295,11 @@ def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() ->
     old = build(6, True, {7})
     builds.by_task[7] = old
     producer.wake, producer.fatal = SimpleNamespace(stop_signal=None), None
-    producer.health = WorkerHealth(SimpleNamespace(add_worker=lambda: None), Stats(), 600.0,  # type: ignore[arg-type]
-                                   builds.by_task, str, 1)
+    pool: Any = SimpleNamespace(add_worker=lambda start_hangs: None, job=None)
+    producer.health = WorkerHealth(pool, Stats(), 600.0, builds.by_task, str, 1, 600.0)
     task = Task(7, "c.tmp", OFFSET, SLOT, 0, ((0, 7),))
-    where = Whereabouts(multiprocessing.RawArray("q", [-1, -1, -1]))  # died before its first task
-    dead = SimpleNamespace(process=SimpleNamespace(pid=1, exitcode=-9), tasks={7: task}, where=where)
+    where = Whereabouts(multiprocessing.RawArray("q", Whereabouts.INITIAL))  # died before its first task
+    dead = SimpleNamespace(process=SimpleNamespace(pid=1, exitcode=-9), tasks={7: task}, where=where, start_hangs=())
     producer._replace_worker(dead)
     assert [t.task_id for t in builds.queue] == [5, 9] and aborted == [3, 6] and 7 not in builds.by_task
 

@@ -11,7 +11,7 @@ from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.pool import Worker
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, WorkerHealth
-from prefetchd.daemon.workers import Task, Whereabouts
+from prefetchd.daemon.workers import START_HOOK, Task, Whereabouts
 
 TASKS = {task_id: Task(task_id, "b.tmp", 4096, 3072, 0, ((0, 10 * task_id), (1, 10 * task_id + 1)))
          for task_id in (1, 2)}
@@ -19,7 +19,7 @@ TASKS = {task_id: Task(task_id, "b.tmp", 4096, 3072, 0, ((0, 10 * task_id), (1, 
 
 def dead(task: int, sample: int, exitcode: int = -11, begun: bool = True) -> Worker:
     """A worker that died holding both tasks, its whereabouts left as a worker writes them."""
-    where = Whereabouts(multiprocessing.RawArray("q", [-1, -1, -1]))
+    where = Whereabouts(multiprocessing.RawArray("q", Whereabouts.INITIAL))
     if begun:
         where.ready()
         where.begin(task)
@@ -30,7 +30,8 @@ def dead(task: int, sample: int, exitcode: int = -11, begun: bool = True) -> Wor
 
 
 def health() -> WorkerHealth:
-    return WorkerHealth(None, Stats(), 600.0, dict.fromkeys(TASKS), str, 1)  # type: ignore[arg-type]
+    pool: Any = SimpleNamespace(job=None)  # read only to word a start's step, which a worker not begun (0) needs not
+    return WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
 
 
 def test_a_file_is_blamed_once_workers_died_on_it_in_the_same_task() -> None:
@@ -58,3 +59,16 @@ def test_deaths_that_fall_on_different_files_or_tasks_or_between_images_blame_no
     deaths = [dead(1, 10), dead(1, 11), dead(2, 11), dead(2, 21), dead(1, -1), dead(2, -1), dead(2, 20, begun=False)]
     assert [h.died(worker) for worker in deaths] == [None] * len(deaths)
     assert not h.crashed and len(h.ends) == len(deaths), "each counts towards the restart limit"
+
+
+def test_a_worker_that_died_before_it_was_ready_is_said_with_the_step_it_was_on(caplog: Any) -> None:
+    """A hook's module that kills the worker importing it (a segfault in its extension) was said as a death
+    between tasks, with nothing of the import: now the step of the start is named."""
+    pool: Any = SimpleNamespace(job=SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug")))
+    h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
+    worker = dead(1, -1, begun=False)
+    worker.where.starting(START_HOOK)
+    with caplog.at_level("ERROR", logger="prefetchd.daemon.worker_health"):
+        assert h.died(worker) is None
+    assert ("worker pid 4242 died (signal SIGSEGV) before it was ready, importing the --transform hook's module "
+            "users.hooks; requeuing its 2 tasks and starting another") in caplog.text, caplog.text

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from prefetchd.buffer_protocol import ProtocolError, State, Status, read_status
-from prefetchd.daemon.errors import EXIT_FAILURE
+from prefetchd.daemon.errors import EXIT_FAILURE, EXIT_USAGE
 from prefetchd.daemon.worker_health import MAX_TASK_HANGS
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.trainer import BufferLoader
@@ -123,3 +123,107 @@ def test_a_hook_that_never_returns_on_one_file_is_named_and_its_task_tried_3_tim
     hung = [int(re.search(r"worker pid (\d+) made", line).group(1)) for line in kills]  # type: ignore[union-attr]
     assert len(set(hung)) == MAX_TASK_HANGS, "a new worker each time"
     assert not [pid for pid in hung if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+HUNG_IMPORT = "tests.integration.hung_import_hook"
+
+
+@pytest.fixture
+def import_gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The file whose presence holds hung_import_hook's import (the daemons started inherit the environment)."""
+    gate = tmp_path / "import-gate"
+    gate.touch()
+    monkeypatch.setenv("PREFETCHD_TEST_IMPORT_GATE", str(gate))
+    return gate
+
+
+def test_a_worker_that_never_gets_ready_is_said_and_killed_and_the_next_one_builds_every_batch(
+        shapes_data: Path, shm_dir: Path, start_daemon: Any, import_gate: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's start (importing torch and the hook's module, opening the dataset's storage) was not timed: one
+    whose hook's module never finished importing held its tasks for good, with nothing said, and the trainer timed
+    out.  Now its start is timed (--worker-start-timeout): the status says what it is stuck on, the log too, and it is
+    killed and another started in its place; once that one gets ready, the job is built as ever."""
+    monkeypatch.setenv("PREFETCHD_TEST_IMPORT_WHERE", "workers")
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, *JOB, "--data", shapes_data / "train", "--epochs", "1", "--workers", "1",
+                          "--worker-start-timeout", "10", "--transform", f"{HUNG_IMPORT}:identity")
+    notes: list[str] = []
+
+    def noted() -> bool:
+        st = status(buffer)
+        if st is not None and "has not got ready in" in st.message and "hook" in st.message:  # past torch's import
+            notes.append(st.message)
+        return bool(notes)
+
+    daemon.wait_until(noted, 120, "the status to say that the worker does not get ready")
+    assert f"it is importing the --transform hook's module {HUNG_IMPORT}" in notes[0], notes[0]
+    assert "(--worker-start-timeout) it is killed and another started" in notes[0], notes[0]
+    daemon.wait_until(lambda: "did not get ready in" in daemon.log, 60, "the worker to be killed")
+    import_gate.unlink()  # what the module waited for is there: the next worker gets ready
+    loader = BufferLoader(buffer, normalize=False, timeout=60)
+    try:
+        steps = [(batch.epoch, batch.step) for batch in loader]
+    finally:
+        loader.close()
+    assert steps == [(0, step) for step in range(len(loader))], daemon.log
+    assert daemon.wait_exit(30) == 0, daemon.log
+    final = status(buffer)
+    assert final is not None and final.production is not None and final.production.errors.worker_hangs >= 1
+    kill = next(line for line in daemon.log.splitlines() if "did not get ready in" in line)
+    assert (f"(--worker-start-timeout 10): it was importing the --transform hook's module {HUNG_IMPORT}; killed it; "
+            f"another starts in its place (hang 1 of {MAX_TASK_HANGS} in a row there)") in kill, kill
+    pid = int(re.search(r"worker pid (\d+) did not", kill).group(1))  # type: ignore[union-attr]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "killed"
+
+
+def test_workers_that_never_get_ready_stop_the_job_naming_what_they_were_stuck_on(
+        shapes_data: Path, shm_dir: Path, start_daemon: Any, import_gate: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX_TASK_HANGS workers in a row in one place that never get ready stop the job, as a task that hangs that
+    often does: the trainer's DaemonGone and the status say what they were doing and what to run."""
+    monkeypatch.setenv("PREFETCHD_TEST_IMPORT_WHERE", "workers")
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, *JOB, "--data", shapes_data / "train", "--epochs", "1", "--workers", "1",
+                          "--worker-start-timeout", "10", "--transform", f"{HUNG_IMPORT}:identity")
+    with pytest.raises(DaemonGone) as gone:
+        for _batch in BufferLoader(buffer, normalize=False, timeout=120):
+            pass
+    # 10 s: more than importing torch takes a worker on a busy 2-core box (over 3 s), which a start's time counts.
+    said = (f"no worker gets ready: {MAX_TASK_HANGS} workers in a row, each killed after 10 s without getting ready "
+            f"(--worker-start-timeout), were each importing the --transform hook's module {HUNG_IMPORT}. Something "
+            "never returns there: the --transform hook's module when it is imported (does "
+            f"`python -c 'import {HUNG_IMPORT}'` return?)")
+    assert said[:100] in str(gone.value), str(gone.value)
+    assert daemon.wait_exit(30) == EXIT_FAILURE, daemon.log
+    final = status(buffer)
+    assert final is not None and final.state == State.FAILED and said in final.message, daemon.log
+    assert final.production is not None and final.production.errors.worker_hangs == MAX_TASK_HANGS, daemon.log
+    kills = [line for line in daemon.log.splitlines() if "did not get ready in" in line]
+    assert len(kills) == MAX_TASK_HANGS and "the job stops" in kills[-1], daemon.log
+
+
+def test_the_daemons_own_import_of_a_hook_that_never_returns_is_bounded_and_heeds_a_stop(
+        shapes_data: Path, shm_dir: Path, start_daemon: Any, import_gate: Path) -> None:
+    """The daemon imports the hook's module itself when a job starts, to say a typo at once.  One that never
+    returned held the daemon there for good: status.json stood still, SIGTERM (whose handler only sets a flag)
+    did not stop it, and nothing said why.  Now the start beats on and says what it waits for, a stop stops it,
+    and at --worker-start-timeout the job is refused with the line the import is at."""
+    job = [*JOB, "--data", shapes_data / "train", "--epochs", "1", "--workers", "1",
+           "--transform", f"{HUNG_IMPORT}:identity"]
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, *job)
+    waiting = f"importing the --transform hook's module {HUNG_IMPORT}"
+    daemon.wait_until(lambda: (st := status(buffer)) is not None and waiting in st.message, 60, "the status to say so")
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.wait_exit(30) == 0, daemon.log
+    assert "stopped by SIGTERM" in daemon.log, daemon.log
+
+    daemon = start_daemon(shm_dir / "bf2", *job, "--worker-start-timeout", "3")
+    assert daemon.wait_exit(60) == EXIT_USAGE, daemon.log
+    hook_file = Path(__file__).with_name("hung_import_hook.py")
+    said = (f"transform = '{HUNG_IMPORT}:identity': importing {HUNG_IMPORT} did not return in 3 s "
+            f"(--worker-start-timeout); it is at {hook_file}:")
+    assert said in daemon.log and "(`time.sleep(0.1)`)" in daemon.log, daemon.log
+    final = status(shm_dir / "bf2")
+    assert final is not None and final.state == State.FAILED and said in final.message, daemon.log
