@@ -25,6 +25,7 @@ from prefetchd.buffer_protocol import (
     StreamStatus,
     Totals,
     TrainerStatus,
+    WorkerStall,
     read_status,
     write_status,
 )
@@ -51,6 +52,10 @@ REMOTE = RemoteStatus(address="ray://head:10001", connected=True, cluster_nodes=
 STORAGE_WAIT = StorageWait(since=1700000050.25, reason="batch e000001-s00000041.tmp: reading s3://b/d/x.jpg: still "
                            "failing after 6 tries (OSError: [Errno 16] Please reduce your request rate.)", ranks=(0,),
                            ranks_since=(1700000050.25,))
+WORKER_STALL = WorkerStall(since=1700000040.5, timeout=600.0, starting=False,
+                           reason="worker pid 4321 has made no progress for 75 s on batch e000001-s00000041.batch "
+                                  "(epoch 1, step 41), /data/train/a/x.jpg (file 3 of its task's 32); at 600 s "
+                                  "(--task-timeout) it is killed and its task retried; the task's files: ...")
 CONSUMER = ConsumerStatus(name="trial-3", progress=POSITION, trainer=TRAINER, holding=True, window=32)
 
 

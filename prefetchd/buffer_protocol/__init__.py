@@ -55,6 +55,7 @@ from prefetchd.buffer_protocol.status import (
     StreamStatus,
     Totals,
     TrainerStatus,
+    WorkerStall,
 )
 from prefetchd.buffer_protocol.status_file import read_status, readable_status, write_status
 from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, SpareFiles, write_batch
@@ -69,5 +70,5 @@ __all__ = [
     "list_temp_files", "map_batch", "not_of_stream", "parse_batch", "parse_batch_name", "read_status", "readable_status",
     "stream_dir", "write_batch", "write_status",
     "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "RunningJob", "State",
-    "Status", "StorageWait", "StreamStatus", "Totals", "TrainerStatus",
+    "Status", "StorageWait", "StreamStatus", "Totals", "TrainerStatus", "WorkerStall",
 ]

@@ -250,6 +250,18 @@ class StorageWait:
 
 
 @dataclass(frozen=True)
+class WorkerStall:
+    """A local worker of the daemon has made no progress for a while (or not got ready since it started): the
+    daemon kills it once ``timeout`` seconds have passed since ``since`` and builds its tasks on another, so a
+    trainer waits on rather than time out before that (SPEC).  The longest such stall, where there are several."""
+
+    since: float  # time.time() when the worker last made progress (or started)
+    timeout: float  # the seconds of no progress at which the daemon kills it: its --task-timeout, or
+    starting: bool  # ... not ready yet: its --worker-start-timeout
+    reason: str  # the daemon's words: the worker's pid, the batch and the file, or the step of its start
+
+
+@dataclass(frozen=True)
 class Production:
     """The fields of a daemon producing a job; for one rank ``progress`` and ``trainer`` are its stream's."""
 
@@ -275,6 +287,8 @@ class Production:
     # Set from a build's failure to read the dataset until a batch is published; None when absent
     # (a daemon of an earlier 0.1 build did not write it).
     storage_wait: StorageWait | None = None
+    # Set while a worker has made no progress past the daemon's note of it; None when absent (an earlier 0.1 build).
+    worker_stall: WorkerStall | None = None
 
     # How `prefetchd status` and systemd's status line say where the trainers are: from these, alike.
     @property

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from prefetchd.buffer_protocol.errors import MAX_INT, ProtocolError, shown
 from prefetchd.buffer_protocol.status import (BadFile, ConsumerStatus, Errors, JobResult, Position, Production, Quantiles,
                                               Rates, RemoteNode, RemoteStatus, RunningJob, State, Status, StorageWait,
-                                              StreamStatus, Totals, TrainerStatus)
+                                              StreamStatus, Totals, TrainerStatus, WorkerStall)
 
 
 def status_from_doc(doc: dict[str, Any], path: Path) -> Status:
@@ -46,6 +46,7 @@ def status_from_doc(doc: dict[str, Any], path: Path) -> Status:
             errors=_errors(top.map("errors")),
             remote=_remote(remote) if (remote := top.optional_map("remote")) is not None else None,
             storage_wait=_storage_wait(wait) if (wait := top.optional_map("storage_wait")) is not None else None,
+            worker_stall=_worker_stall(stall) if (stall := top.optional_map("worker_stall")) is not None else None,
         )
     return Status(
         pid=top.nat("pid"),
@@ -225,6 +226,11 @@ def _storage_wait(f: _Fields) -> StorageWait:
     if since is not None and (ranks is None or len(since) != len(ranks)):
         f.fail("ranks_since", list(since), f"one time for each of ranks {None if ranks is None else list(ranks)}")
     return StorageWait(since=f.num("since"), reason=f.text("reason"), ranks=ranks, ranks_since=since)
+
+
+def _worker_stall(f: _Fields) -> WorkerStall:
+    return WorkerStall(since=f.num("since"), timeout=f.num("timeout"), starting=f.flag("starting"),
+                       reason=f.text("reason"))
 
 
 def _remote(f: _Fields) -> RemoteStatus:

@@ -58,6 +58,7 @@ def production_status(p: Producer) -> Status:
         ),
         remote=p.remote.status() if p.remote is not None else None,
         storage_wait=p.failures.wait,
+        worker_stall=p.health.stall,
     )
     return Status(pid=os.getpid(), state=State(p.state), heartbeat=time.time(), message=p.status_message(),
                   job_result=p.job_result(), running_job=p.running_job(), production=production)

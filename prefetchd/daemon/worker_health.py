@@ -44,7 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from prefetchd.buffer_protocol import batch_name
+from prefetchd.buffer_protocol import WorkerStall, batch_name
 from prefetchd.daemon.pool import Worker, WorkerPool
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
@@ -66,8 +66,8 @@ CRASHES_TO_BLAME = 2
 # hangs again is the file or the hook, not the worker.  As many tries as the Ray bridge gives a slice (MAX_ATTEMPTS).
 MAX_TASK_HANGS = 3
 # A worker without progress this long (or a quarter of --task-timeout, if less) is said to, in the log and the
-# status's message, before it is killed: a trainer's LoaderTimeout (120 s by default) quotes that message, so
-# it names the worker and the file even where --task-timeout is longer than the trainer waits.
+# status (its message and worker_stall), before it is killed: a trainer waiting meanwhile (120 s by default, less
+# than --task-timeout) waits on until the kill while the status says so, its timeout counted from there after.
 STALL_NOTE_SECONDS = 60.0
 SHOWN_TASK_FILES = 4  # a task's files named in a hang's warning; the file the worker is on always is
 
@@ -97,6 +97,7 @@ class WorkerHealth:
         self.crashed_items: tuple[tuple[int, str], ...] = ()  # the same, for tasks (``Task.crashed``)
         self.hangs: dict[int, list[str]] = {}  # by task id, of tasks still wanted: the file of each hang
         self.stall_note: str | None = None  # a worker that makes no progress, said before it is killed
+        self.stall: WorkerStall | None = None  # the same, for the status's worker_stall: the longest such stall
 
     # -- deaths ---------------------------------------------------------------
 
@@ -182,6 +183,7 @@ class WorkerHealth:
         got ready in --worker-start-timeout since they started, to be killed (``kill``).  One that has made none
         for a while, not that long yet, is said to, once in the log and in ``stall_note`` while it lasts."""
         notes = []
+        stalls: list[tuple[float, float, bool, int]] = []  # (still, limit, starting, note) of those said
         hung = []
         for worker in self.pool.stalled():
             ready = worker.where.ready_yet
@@ -197,13 +199,18 @@ class WorkerHealth:
                              "is killed and another started")
             else:
                 task, sample = self._stuck_on(worker)
+                # The bound before the task's files: a trainer's message quotes the start of it.
                 notes.append(f"worker pid {worker.process.pid} has made no progress for {worker.still:.0f} s on "
-                             f"{self._place(task, sample)}; at {limit:g} s (--task-timeout) it is killed and its "
-                             "task retried")
+                             f"{self._place(task, sample, with_files=False)}; at {limit:g} s (--task-timeout) it is "
+                             f"killed and its task retried; the task's files: {self._files(task)}")
+            stalls.append((worker.still, limit, not ready, len(notes) - 1))
             if not worker.noted:
                 worker.noted = True
                 log.warning("%s", notes[-1])
         self.stall_note = notes[0] if notes else None
+        longest = max(stalls, default=None)
+        self.stall = (WorkerStall(since=time.time() - longest[0], timeout=longest[1], starting=longest[2],
+                                  reason=notes[longest[3]]) if longest is not None else None)
         return hung
 
     def kill(self, worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> str | None:

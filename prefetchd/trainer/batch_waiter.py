@@ -26,6 +26,14 @@ itself once it is back, so while the owner beats and says so of this loader's ra
 A daemon gone or stuck meanwhile still ends the wait as above.  The loader's
 messages then say that its builds wait for the storage, and why, before the
 ``write_failures`` those builds add to (which a full tmpfs adds to as well).
+
+So does a daemon whose status says one of its workers is stalled
+(``worker_stall``: a read of a hung mount, a hook that never returns, a worker
+that never gets ready): it kills that worker at its ``--task-timeout`` (600 s by
+default, five times the loader's default ``timeout``) and builds its tasks on
+another, and a loader that gave up first ended a run the daemon would have
+carried on.  That bound is the daemon's, and a task that hangs 3 times stops the
+job, which ends the wait as a daemon gone does, with the daemon's reason.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from prefetchd.buffer_protocol import (
     ProtocolError,
     State,
     Status,
+    WorkerStall,
     batch_name,
     DaemonOwner,
     daemon_owner,
@@ -65,6 +74,7 @@ FIRST_DELAY = 0.001
 MAX_DELAY = 0.020
 SLOW_WAIT_WARNING = 10.0
 STORAGE_WAIT_LOG_SECONDS = 60.0  # a wait on the daemon's storage is said at once, then this often at most
+WORKER_STALL_LOG_SECONDS = 60.0  # a wait on a stalled worker of the daemon, likewise
 
 
 def open_stream_folder(folder: Path, rank_stream: bool) -> int:
@@ -129,6 +139,9 @@ class BatchWaiter:
         self._next_look = 0.0
         # When the daemon's storage wait was last logged (monotonic); None while it is not waiting.
         self._storage_said: float | None = None
+        # When a stalled worker of the daemon was last logged (monotonic), and that stall; None while none is.
+        self._stall_said: float | None = None
+        self._stall: WorkerStall | None = None
 
     def wait(self, epoch: int, step: int, check_progress: Callable[[], None],
              stop_requested: Callable[[], bool] | None = None) -> MappedBatch:
@@ -146,6 +159,7 @@ class BatchWaiter:
         looked = False  # at the daemon, in this wait (the last look may belong to the wait before)
         warned = False
         stored = False  # the daemon said it waited for its storage, which moved the deadline
+        stalled: WorkerStall | None = None  # the last stalled worker the daemon said it would kill, which moved it too
         while True:
             try:
                 return self._map(path)
@@ -170,6 +184,10 @@ class BatchWaiter:
                     if self._waits_on_storage(owner, status, name, now):
                         deadline = max(deadline, now + self.timeout)
                         stored = True
+                    stall = self._stalled_worker(owner, status, name, now)
+                    if stall is not None:
+                        deadline = max(deadline, now + self.timeout)
+                        stalled = stall
                 elif gone_since is None:
                     gone_since = now
                 if gone_since is not None and now - gone_since >= self.grace:
@@ -182,8 +200,10 @@ class BatchWaiter:
                 if not looked:  # a timeout shorter than the liveness interval: the message names the owner
                     owner = daemon_owner(self.buffer)
                 owned = f"the daemon ({owner}) owns the buffer" if owner is not None else "no daemon owns the buffer"
-                waited = (f"{now - start:.0f} s, the last {self.timeout:g} s of it since the daemon last said it "
-                          "waited for its storage,") if stored else f"{self.timeout:g} s"
+                held = [*(["it waited for its storage"] if stored else []),
+                        *([f"a worker was stalled ({short(stalled.reason)})"] if stalled is not None else [])]
+                waited = (f"{now - start:.0f} s, the last {self.timeout:g} s of it since the daemon last said "
+                          f"{' and '.join(held)},") if held else f"{self.timeout:g} s"
                 raise LoaderTimeout(
                     f"{self.buffer}: waited {waited} for batch {name} (epoch {epoch}, step {step}) "
                     f"and it did not appear; {owned}; {status_summary(self.buffer, self.manifest.rank)}. Check "
@@ -289,6 +309,31 @@ class BatchWaiter:
                 "wait; `prefetchd status --buffer %s` shows it)", owner, self.buffer, max(0.0, time.time() - since),
                 whose, short(wait.reason), name, self.timeout, owning_buffer(self.buffer))
         return True
+
+    def _stalled_worker(self, owner: DaemonOwner, status: Status | None, name: str, now: float) -> WorkerStall | None:
+        """The stalled worker daemon ``owner``, beating, says it will kill (``worker_stall``), then logged: at once,
+        and once a ``WORKER_STALL_LOG_SECONDS`` after; None when it says none.  Any rank's loader waits on: the
+        workers serve every rank, and a stalled one holds tasks of any rank's batches (this one's among them, or
+        queued behind them).  A heartbeat older than the stall bound is no word of the daemon's now."""
+        own = status if owner.wrote(status) else None
+        stall = own.production.worker_stall if own is not None and own.production is not None else None
+        fresh = self.stall if self.stall is not None else DEFAULT_STALL_TIMEOUT
+        if own is None or stall is None or time.time() - own.heartbeat > fresh:
+            self._stall_said = None
+            return None
+        if self._stall_said is None or now - self._stall_said >= WORKER_STALL_LOG_SECONDS or (
+                self._stall is not None and self._stall.since != stall.since):
+            self._stall_said = now
+            bound = "--worker-start-timeout" if stall.starting else "--task-timeout"
+            left = max(0.0, stall.since + stall.timeout - time.time())
+            logger.warning(
+                "the daemon (%s) of %s says that one of its workers is stalled (%s); it kills that worker at its %s "
+                "of %g s, in %.0f s, and builds its tasks on another, so batch %s may come then: this loader waits on "
+                "past its timeout of %g s (a daemon gone, stuck, or that stops the job still ends the wait; "
+                "`prefetchd status --buffer %s` shows it)", owner, self.buffer, short(stall.reason), bound, stall.timeout, left,
+                name, self.timeout, owning_buffer(self.buffer))
+        self._stall = stall
+        return stall
 
     def _restart_hint(self) -> str:
         """How to bring the daemon back, for DaemonGone and DaemonStuck alike: the command that resumes the

@@ -17,6 +17,7 @@ from pathlib import Path
 from prefetchd.buffer_protocol import (
     Manifest,
     ProtocolError,
+    State,
     Status,
     DaemonOwner,
     daemon_owner,
@@ -92,15 +93,24 @@ def _summary_parts(status: Status, rank: int | None = None) -> list[str]:
     p = status.production
     wait = p.storage_wait if p is not None else None
     since = (wait.since if rank is None else wait.since_of(rank)) if wait is not None else None
-    said = None  # the storage's failure, where said
+    said: set[str] = set()  # the storage's failure and a stalled worker's note, where said
     if wait is not None and since is not None:
         # Said before the errors: the failed builds it counts are then the storage's, not a full tmpfs.
         whose = f" of rank {rank}'s batches" if rank is not None and p is not None and len(p.streams) > 1 else ""
-        said = wait.reason
+        said.add(wait.reason)
         parts.append(f"its builds{whose} have waited {max(0.0, time.time() - since):.0f} s for the dataset's "
-                     f"storage and resume once it is back ({short(said)})")
-    if status.message and status.message != said:
-        parts.append(f"message={short(status.message)}")
+                     f"storage and resume once it is back ({short(wait.reason)})")
+    stall = p.worker_stall if p is not None else None
+    if stall is not None and status.state != State.FAILED:
+        # Said before the message, which carries the same words last: the bound and its option come first.
+        bound, what = (("--worker-start-timeout", "not got ready") if stall.starting else
+                       ("--task-timeout", "made no progress"))
+        parts.append(f"a worker of it has {what} for {max(0.0, time.time() - stall.since):.0f} s and is killed at "
+                     f"its {bound} of {stall.timeout:g} s, its tasks built on another ({short(stall.reason)})")
+        said.add(stall.reason)
+    if status.message and status.message not in said:
+        # A failed daemon's message is why it stopped and what to do, the whole of which the reader needs.
+        parts.append(f"message={short(status.message, FAILED_MESSAGE_LIMIT if status.state == State.FAILED else 300)}")
     if p is not None:
         parts.append(f"it sees progress epoch {p.progress.epoch} step {p.progress.step}")
         ranks = f" for its {len(p.streams)} ranks together" if len(p.streams) > 1 else ""
@@ -120,6 +130,9 @@ def _summary_parts(status: Status, rank: int | None = None) -> list[str]:
     return parts
 
 
+# status.json is the daemon's own (read_status checks its owner), and one document: a failed daemon's message, its
+# verdict with the file, the option and the command to run (600 characters and more), is shown whole up to this.
+FAILED_MESSAGE_LIMIT = 4000
 # What a counter's name does not say: write_failures counts failed reads of the dataset too.
 _MEANING = {"write_failures": " (builds retried: a failed write of the batch, or a failed read of the dataset)"}
 

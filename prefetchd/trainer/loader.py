@@ -140,8 +140,10 @@ class BufferLoader:
             the raw uint8 images.
         timeout: seconds to wait for the manifest at construction, and for each batch;
             while the daemon beats and its status says its builds of this stream's
-            rank wait for the dataset's storage (``storage_wait``), counted from the
-            last look that found it so (an outage waits with the daemon, however long).
+            rank wait for the dataset's storage (``storage_wait``), or that one of its
+            workers is stalled, which it kills at its --task-timeout (``worker_stall``),
+            counted from the last look that found it so (an outage waits with the
+            daemon, however long; a stall, until the daemon's bound ends it).
         daemon_grace: seconds a missing batch is waited for while no daemon owns
             the buffer before :class:`DaemonGone` is raised.
         stall_timeout: seconds without a heartbeat (the daemon rewrites

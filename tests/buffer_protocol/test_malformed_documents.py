@@ -44,7 +44,7 @@ from prefetchd.buffer_protocol.job_request import JOB_ID_RE
 from prefetchd.buffer_protocol.json_files import write_json
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, STATUS_NAME
 from prefetchd.buffer_protocol.manifest import CHANNELS, SPLITS
-from tests.status_examples import CONSUMER, ERRORS, STORAGE_WAIT, TRAINER, bad_files, production, stream
+from tests.status_examples import CONSUMER, ERRORS, STORAGE_WAIT, TRAINER, WORKER_STALL, bad_files, production, stream
 from tests.status_examples import write_status_at_heartbeat
 from tests.status_examples import status as status_example
 
@@ -221,7 +221,7 @@ def test_the_daemons_record_of_an_accepted_job_renamed_to_job_json_is_no_request
 
 VALID_STATUS = status_example(production=production(streams=(stream(0), stream(1)),
                                                     errors=dataclasses.replace(ERRORS, undecodable=bad_files(2)),
-                                                    storage_wait=STORAGE_WAIT)).to_doc()
+                                                    storage_wait=STORAGE_WAIT, worker_stall=WORKER_STALL)).to_doc()
 
 
 def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -338,6 +338,28 @@ def test_a_storage_wait_is_read_back_and_an_older_status_without_one_is_read_as_
                                  ({"since": 1.0, "reason": "", "ranks": [True]}, "storage_wait.ranks", ranks),
                                  ({"since": 1.0, "reason": "", "ranks": ["0"]}, "storage_wait.ranks", ranks)):
         _write(tmp_path / STATUS_NAME, {**VALID_STATUS, "storage_wait": bad})
+        with pytest.raises(ProtocolError, match=rf"field '{re.escape(field)}' is .*, expected {expected}"):
+            read_status(tmp_path)
+
+
+def test_a_worker_stall_is_read_back_and_an_older_status_without_one_is_read_as_none(tmp_path: Path) -> None:
+    """What a loader waits on past its timeout while the daemon is to kill a stalled worker: typed, checked, and
+    absent from a daemon of an earlier build."""
+    _write(tmp_path / STATUS_NAME, VALID_STATUS)
+    status = read_status(tmp_path)
+    assert status is not None and status.production is not None and status.production.worker_stall == WORKER_STALL
+    without = {k: v for k, v in VALID_STATUS.items() if k != "worker_stall"}
+    for older in (without, {**VALID_STATUS, "worker_stall": None}):
+        _write(tmp_path / STATUS_NAME, older)
+        status = read_status(tmp_path)
+        assert status is not None and status.production is not None and status.production.worker_stall is None
+    good = VALID_STATUS["worker_stall"]
+    for bad, field, expected in (({**good, "since": "now"}, "worker_stall.since", "a finite number"),
+                                 ({**good, "timeout": math.inf}, "worker_stall.timeout", "a finite number"),
+                                 ({**good, "starting": 1}, "worker_stall.starting", "true or false"),
+                                 ({k: v for k, v in good.items() if k != "reason"}, "worker_stall.reason", "a string"),
+                                 ("stalled", "worker_stall", "an object")):
+        _write(tmp_path / STATUS_NAME, {**VALID_STATUS, "worker_stall": bad})
         with pytest.raises(ProtocolError, match=rf"field '{re.escape(field)}' is .*, expected {expected}"):
             read_status(tmp_path)
 

@@ -26,7 +26,7 @@ import pytest
 from prefetchd.buffer_protocol import (ProtocolError, State, batch, job_request, json_files, layout, manifest, ownership,
                                       progress)
 from prefetchd.buffer_protocol import status as status_module
-from tests.status_examples import REMOTE, STORAGE_WAIT, bad_files, production
+from tests.status_examples import REMOTE, STORAGE_WAIT, WORKER_STALL, bad_files, production
 from tests.status_examples import status as status_example
 
 SPEC_PATH = Path(batch.__file__).with_name("SPEC.md")
@@ -341,7 +341,8 @@ def status_mismatches(spec: str) -> list[str]:
     out = []
     rows = {literal(r["key"]): r for r in table(spec, "Status document", "key")}
     errors = dataclasses.replace(production().errors, undecodable=bad_files(1))
-    producing = status_example(production=production(errors=errors, remote=REMOTE, storage_wait=STORAGE_WAIT)).to_doc()
+    producing = status_example(production=production(errors=errors, remote=REMOTE, storage_wait=STORAGE_WAIT,
+                                                     worker_stall=WORKER_STALL)).to_doc()
     waiting = status_example(State.WAITING_FOR_JOB, production=None).to_doc()
     written = _flatten(producing)
     if sorted(rows) != sorted(written):

@@ -1202,3 +1202,28 @@ def test_a_loader_reads_no_stream_folder_of_a_member_who_removed_the_daemons_loc
                                             rf"\(uid 0\) who owns the buffer {buffer} "):
         BufferLoader(buffer / "rank-00001", timeout=5, stall_timeout=None)
     (buffer / "lock-away").rename(buffer / "daemon.lock")
+
+
+def test_a_wait_message_says_a_stalled_worker_with_its_bound_first_and_a_failed_daemons_message_whole() -> None:
+    """The daemon's note of a stalled worker (its message) names the task's files before the --task-timeout that
+    ends the stall, and a wait message cut it at 300 characters, before the option; a failed daemon's verdict
+    (the file, the option, what to run: 500 characters and more) was cut alike."""
+    import dataclasses
+
+    from prefetchd.buffer_protocol import State
+    from prefetchd.trainer.daemon_status import _summary_parts
+    from tests.status_examples import WORKER_STALL, production, status
+
+    note = WORKER_STALL.reason + ", /data/train/b/y.jpg" * 20
+    stall = dataclasses.replace(WORKER_STALL, reason=note)
+    parts = _summary_parts(status(message=note, production=production(worker_stall=stall)))
+    said = [p for p in parts if "is killed at its" in p]
+    assert len(said) == 1 and said[0].startswith("a worker of it has made no progress for"), parts
+    assert "is killed at its --task-timeout of 600 s, its tasks built on another (worker pid 4321" in said[0], said
+    assert not [p for p in parts if p.startswith("message=")], "the note is said once"
+    starting = dataclasses.replace(stall, starting=True, timeout=300.0)
+    parts = _summary_parts(status(message=note, production=production(worker_stall=starting)))
+    assert any("has not got ready for" in p and "its --worker-start-timeout of 300 s" in p for p in parts), parts
+    verdict = "no worker gets ready: " + "x" * 600 + " or raise --worker-start-timeout if a start can take that long"
+    parts = _summary_parts(status(State.FAILED, message=verdict, production=production(worker_stall=stall)))
+    assert f"message={verdict}" in parts and not [p for p in parts if "is killed at its" in p], parts
