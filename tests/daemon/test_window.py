@@ -51,7 +51,7 @@ def books(tmp_path: Path, *streams: Stream) -> Producer:
     producer.failures, producer.retry_at, producer.failure_lines = BuildFailures(), 0.0, Throttle(FAILURE_LOG_SECONDS)
     producer.message, producer.remote = "", None
     producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
-    producer.health = WorkerHealth(None, producer.stats, 600.0, producer.builds.by_task, str, len(streams))  # type: ignore[arg-type]
+    producer.health = WorkerHealth(None, producer.stats, 600.0, producer.builds.by_task, str, len(streams), 600.0)  # type: ignore[arg-type]
     return producer
 
 
