@@ -1,6 +1,7 @@
 """The contract between the daemon (writer) and the trainer (reader).
 
-Stdlib, numpy and msgpack only; no pickle anywhere.  SPEC.md is the normative text.
+Stdlib, numpy, msgpack and psutil (is a pid the live daemon: ownership.py) only; no torch, no pickle
+anywhere.  SPEC.md is the normative text.
 """
 
 from prefetchd.buffer_protocol.batch import (

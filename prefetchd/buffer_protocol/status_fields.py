@@ -19,7 +19,8 @@ from prefetchd.buffer_protocol.status import (BadFile, ConsumerStatus, Errors, J
 
 
 def status_from_doc(doc: dict[str, Any], path: Path) -> Status:
-    """Check and convert a document read_json has accepted (format and version are checked there)."""
+    """Check and convert a document ``json_files.read_json_stat`` has accepted (format and version are checked
+    there)."""
     top = _Fields(doc, path)
     job = top.optional_map("job_result")
     running = top.optional_map("running_job")  # absent from a daemon of an earlier 0.1 build
