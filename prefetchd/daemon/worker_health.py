@@ -11,7 +11,8 @@ reasons: the bad-sample limits (--strict, --max-bad-samples) are the ones for ba
 hangs never dies: a worker that holds tasks and has begun no image for ``--task-timeout`` (a
 read of a hung mount, a hook that never returns, a SIGSTOP; ``pool.WorkerPool.stalled``, from the
 ``workers.Whereabouts`` it writes) is killed after a warning that names it, the batch and the file,
-and replaced the same way; a task that hangs ``MAX_TASK_HANGS`` times stops the job.  So is one that does not
+and replaced the same way; a task that hangs ``MAX_TASK_HANGS`` times stops the job (those kills are
+no ends for the restart limit: a hung mount stalls every worker at once).  So is one that does not
 get ready for its first task in ``--worker-start-timeout`` (a hook's module that blocks when imported, torch on
 a hung mount: the step of its start is in its whereabouts too, and named); ``MAX_TASK_HANGS`` such workers in a
 row in one place stop the job.
@@ -223,7 +224,8 @@ class WorkerHealth:
         task, sample = self._stuck_on(worker)
         hangs = self._hang(task, self.shown(sample) if sample is not None else "before its first file")
         self.pool.kill(worker, on_result)
-        self.ends.append(time.monotonic())
+        # Not one of the restart limit's ends: a hung mount stalls every worker at once, and 11 killed together
+        # stopped the job as "11 workers died within 60 s (out of memory?)"; the hangs' own bound is per task.
         # Held still after the kill (not finished as it came) and of a build still wanted: hung for good?
         final = self._final(task, hangs) and task.task_id in worker.tasks
         then = (f"that task hung {counted(len(hangs), 'time')}: the job stops" if final else

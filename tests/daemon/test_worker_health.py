@@ -10,7 +10,7 @@ from typing import Any
 from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.pool import Worker
 from prefetchd.daemon.production_stats import Stats
-from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, WorkerHealth
+from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_WORKER_RESTARTS, WorkerHealth
 from prefetchd.daemon.workers import START_HOOK, Task, Whereabouts
 
 TASKS = {task_id: Task(task_id, "b.tmp", 4096, 3072, 0, ((0, 10 * task_id), (1, 10 * task_id + 1)))
@@ -72,3 +72,23 @@ def test_a_worker_that_died_before_it_was_ready_is_said_with_the_step_it_was_on(
         assert h.died(worker) is None
     assert ("worker pid 4242 died (signal SIGSEGV) before it was ready, importing the --transform hook's module "
             "users.hooks; requeuing its 2 tasks and starting another") in caplog.text, caplog.text
+
+
+def test_workers_killed_together_for_a_hang_do_not_trip_the_restart_limit() -> None:
+    """A hung mount stalls every worker at once: 11 of them killed at --task-timeout stopped the job as "11
+    workers died within 60 s (out of memory?)", where each task had hung once of the 3 times that stop it."""
+    killed, started = [], []
+    pool: Any = SimpleNamespace(job=None, kill=lambda worker, on_result: killed.append(worker),
+                                add_worker=lambda start_hangs=(): started.append(start_hangs))
+    h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
+    workers = [dead(1 + i % 2, -1) for i in range(MAX_WORKER_RESTARTS + 2)]  # alive, stuck: only whereabouts read
+    for worker in workers:
+        assert h.kill(worker, lambda task, result: None) is None
+        assert h.replace(worker) is None
+    assert len(killed) == len(started) == len(workers) and h.stats.worker_hangs == len(workers)
+    # Deaths still count: the limit is for workers that die for their own reasons.
+    for worker in workers[:MAX_WORKER_RESTARTS]:
+        h.died(worker)
+        assert h.replace(worker) is None
+    h.died(workers[-1])
+    assert f"{MAX_WORKER_RESTARTS + 1} workers died within" in (h.replace(workers[-1]) or "")
