@@ -7,12 +7,12 @@ shape it got.
 from __future__ import annotations
 
 import importlib
+import linecache
 import logging
 import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -95,22 +95,55 @@ def validate_hook_within(name: str, timeout: float, tick: Callable[[str], None],
 
 def _where(thread: threading.Thread) -> str:
     """Where ``thread``, importing a hook's module, is: its innermost frame past the import machinery and, where
-    that is in another module, the hook's module's line it came from; "" where no such frame is (in C code)."""
+    that is in another module, the hook's module's line it came from; "" where no such frame is (in C code).
+
+    The frames are walked without a look at their files (``traceback.extract_stack`` reads each one's source, and
+    stats those read before): an import that waits on a hung mount is often of a module on that mount, whose read
+    would hold the daemon's thread for good, deaf to SIGTERM, as the import itself did before it ran on a thread.
+    Their lines are read on threads of their own (``_lines``) and left out where they do not come in time."""
     frame = sys._current_frames().get(thread.ident or -1)
-    if frame is None:
-        return ""
-    stack = traceback.extract_stack(frame)
-    inside = [i for i, f in enumerate(stack) if f.filename == __file__ and f.name == "validate_hook"]
-    ours = [f for f in stack[inside[-1] + 1:] if not f.filename.startswith("<frozen")
-            and os.path.dirname(f.filename) != os.path.dirname(importlib.__file__)] if inside else []
+    stack: list[tuple[str, int, str]] = []  # (file, line number, function), outermost first
+    while frame is not None:
+        stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    stack.reverse()
+    inside = [i for i, (filename, _, name) in enumerate(stack) if filename == __file__ and name == "validate_hook"]
+    ours = [f for f in stack[inside[-1] + 1:] if not f[0].startswith("<frozen")
+            and os.path.dirname(f[0]) != os.path.dirname(importlib.__file__)] if inside else []
     if not ours:
         return ""
+    shown = [ours[-1], *ours[:1]] if len(ours) > 1 else [ours[-1]]
+    lines = _lines([(filename, lineno) for filename, lineno, _ in shown])
 
-    def at(f: traceback.FrameSummary) -> str:
-        return f"{f.filename}:{f.lineno} (`{f.line}`)" if f.line else f"{f.filename}:{f.lineno}"
+    def at(i: int) -> str:
+        filename, lineno, _ = shown[i]
+        return f"{filename}:{lineno} (`{lines[i]}`)" if lines.get(i) else f"{filename}:{lineno}"
 
-    came = f", called from {at(ours[0])}" if len(ours) > 1 else ""
-    return f"; it is at {at(ours[-1])}{came}"
+    came = f", called from {at(1)}" if len(shown) > 1 else ""
+    return f"; it is at {at(0)}{came}"
+
+
+# How long the daemon waits for a source line of a hook's import to show it: a local file's comes in microseconds.
+LINE_READ_SECONDS = 1.0
+
+
+def _lines(places: list[tuple[str, int]]) -> dict[int, str]:
+    """The source line of each (file, line number) of ``places``, by its index, read with ``linecache`` on a thread
+    each for at most ``LINE_READ_SECONDS`` in all; one that did not come is left out.  A thread whose read never
+    returns (a file on a hung mount) stays, asleep, as the import's does."""
+    got: dict[int, str] = {}
+
+    def read(i: int, filename: str, lineno: int) -> None:
+        got[i] = linecache.getline(filename, lineno).strip()
+
+    readers = [threading.Thread(target=read, args=(i, *place), name="prefetchd-hook-source", daemon=True)
+               for i, place in enumerate(places)]
+    end = time.monotonic() + LINE_READ_SECONDS
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(max(0.0, end - time.monotonic()))
+    return dict(got)
 
 
 @lru_cache(maxsize=8)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -161,6 +163,7 @@ def test_a_hook_that_never_returns_on_one_file_is_named_and_its_task_tried_3_tim
 
 
 HUNG_IMPORT = "tests.integration.hung_import_hook"
+FIFO_IMPORT = "tests.integration.fifo_import_hook"
 
 
 @pytest.fixture
@@ -261,4 +264,34 @@ def test_the_daemons_own_import_of_a_hook_that_never_returns_is_bounded_and_heed
             f"(--worker-start-timeout); it is at {hook_file}:")
     assert said in daemon.log and "(`time.sleep(0.1)`)" in daemon.log, daemon.log
     final = status(shm_dir / "bf2")
+    assert final is not None and final.state == State.FAILED and said in final.message, daemon.log
+
+
+def test_the_daemons_own_import_is_bounded_where_the_hooks_source_cannot_be_read_either(
+        shapes_data: Path, shm_dir: Path, start_daemon: Any, import_gate: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the daemon says of an import that does not return names the line it is at, which it read from the
+    module's file on the daemon's own thread: where the import waits on a hung mount, a module there (the hook's
+    own) cannot be read either, and that read held the daemon for good (status.json still, deaf to SIGTERM), as
+    the import itself did before it ran on a thread.  A FIFO stands for such a file here: opened for its lines, it
+    blocks.  Now the lines are read on a thread of their own, for a moment, and left out where they do not come."""
+    fifo = tmp_path / "on-a-hung-mount.py"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("PREFETCHD_TEST_IMPORT_FIFO", str(fifo))
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, *JOB, "--data", shapes_data / "train", "--epochs", "1", "--workers", "1",
+                          "--worker-start-timeout", "3", "--transform", f"{FIFO_IMPORT}:identity")
+    try:
+        code = daemon.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        with contextlib.suppress(OSError):  # a reader blocked on it (the code before) gets an end of file
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert code == EXIT_USAGE, daemon.log
+    said = (f"transform = '{FIFO_IMPORT}:identity': importing {FIFO_IMPORT} did not return in 3 s "
+            f"(--worker-start-timeout); it is at {fifo}:")
+    came = f", called from {Path(__file__).with_name('fifo_import_hook.py')}:"
+    assert said in daemon.log and came in daemon.log, daemon.log
+    final = status(buffer)
     assert final is not None and final.state == State.FAILED and said in final.message, daemon.log
