@@ -75,6 +75,10 @@ MAX_DELAY = 0.020
 SLOW_WAIT_WARNING = 10.0
 STORAGE_WAIT_LOG_SECONDS = 60.0  # a wait on the daemon's storage is said at once, then this often at most
 WORKER_STALL_LOG_SECONDS = 60.0  # a wait on a stalled worker of the daemon, likewise
+# ... but another stall is said at once: one whose ``since`` is this far from the last one's.  A stall's own moves by
+# microseconds from one status to the next (the daemon's wall clock less the seconds it counted), and each status
+# was said as a new stall, once a second.
+ANOTHER_STALL_SECONDS = 1.0
 
 
 def open_stream_folder(folder: Path, rank_stream: bool) -> int:
@@ -322,7 +326,7 @@ class BatchWaiter:
             self._stall_said = None
             return None
         if self._stall_said is None or now - self._stall_said >= WORKER_STALL_LOG_SECONDS or (
-                self._stall is not None and self._stall.since != stall.since):
+                self._stall is not None and abs(self._stall.since - stall.since) >= ANOTHER_STALL_SECONDS):
             self._stall_said = now
             bound = "--worker-start-timeout" if stall.starting else "--task-timeout"
             left = max(0.0, stall.since + stall.timeout - time.time())

@@ -124,6 +124,9 @@ def test_a_trainer_waits_on_past_its_timeout_while_the_daemon_says_a_worker_is_s
     assert said and f"(worker pid {victim.pid} has made no progress for" in said[0], caplog.text
     assert "it kills that worker at its --task-timeout of 16 s" in said[0], said[0]
     assert "this loader waits on past its timeout of 8 s" in said[0], said[0]
+    # Once: the stall lasts 12 s, under WORKER_STALL_LOG_SECONDS.  Its `since` (the daemon's wall clock less the
+    # seconds it counted) moves by microseconds from one status to the next, and each was said as a new stall.
+    assert len(said) == 1, said
 
 
 def test_a_hook_that_never_returns_on_one_file_is_named_and_its_task_tried_3_times_before_the_job_stops(
