@@ -59,6 +59,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -170,9 +171,23 @@ def start_step(job: WorkerJob, step: int) -> str:
 _whereabouts: Whereabouts | None = None
 
 
+# Whom each sample a thread begins is told to (``tell_begun``): a Ray slice built an item at a time (``remote.task``),
+# whose Ray worker writes no whereabouts.  Per thread: a build a cancellation left behind tells none of a later one's.
+_told = threading.local()
+
+
 def _begin(task: int, sample: int = -1) -> None:
     if _whereabouts is not None:
         _whereabouts.begin(task, sample)
+    tell: Callable[[int], None] | None = getattr(_told, "tell", None)
+    if tell is not None and sample >= 0:
+        tell(sample)
+
+
+def tell_begun(tell: Callable[[int], None] | None) -> None:
+    """Have each sample that this thread's tasks begin, a replacement tried too, handed to ``tell`` before it is
+    read (None: to nobody), as a local worker's whereabouts say it."""
+    _told.tell = tell
 
 
 @dataclass(frozen=True)

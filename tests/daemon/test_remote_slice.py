@@ -50,9 +50,10 @@ def test_rows_written_by_the_bridge_equal_a_local_workers_batch(tmp_path: Path) 
 
 
 def test_a_slice_built_an_item_at_a_time_says_each_sample_first_and_is_the_same_as_built_whole(tmp_path: Path) -> None:
-    """A slice that hung or killed its Ray worker is built an item at a time, yielding each item's sample
-    before it begins it (the bridge then knows the file it hangs or dies on): the same images and result,
-    a replacement included, so the batch is the same bits however it was built."""
+    """A slice that hung or killed its Ray worker is built an item at a time, yielding each sample it begins
+    before it reads it, a replacement tried for one that did not decode too (the bridge then knows the file it
+    hangs or dies on: the replacement, where that is what kills its worker): the same images and result, a
+    replacement included, so the batch is the same bits however it was built."""
     index = _dataset(tmp_path / "data", broken=(4,))
     job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
     bad = next(i for i in range(len(index)) if index.name(i).endswith("04.jpg"))  # not an image: replaced
@@ -67,7 +68,9 @@ def test_a_slice_built_an_item_at_a_time_says_each_sample_first_and_is_the_same_
         except StopIteration as end:
             tracked, tracked_rows = end.value
             break
-    assert said == samples
+    assert isinstance(whole, Filled)
+    replacement = next(used for slot, used, _label in whole.slots if slot == 1)
+    assert replacement not in samples and said == [5, bad, replacement, 9, 0], said
     assert isinstance(whole, Filled) and isinstance(tracked, Filled) and rows is not None and tracked_rows is not None
     assert tracked.slots == whole.slots and tracked.failures == whole.failures and len(whole.failures) == 1
     assert [r.tobytes() for r in tracked_rows] == [r.tobytes() for r in rows]

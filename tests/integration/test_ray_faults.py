@@ -150,3 +150,46 @@ def test_a_file_that_kills_its_ray_worker_is_replaced_as_one_that_cannot_be_deco
     assert errors.undecodable == (BadFile(path=str(magenta), reason=reason),), daemon.log
     deaths = [line for line in daemon.log.splitlines() if "a Ray worker died (Ray: WorkerCrashedError) on batch" in line]
     assert len(deaths) == CRASHES_TO_BLAME and all(str(magenta) in line for line in deaths), daemon.log
+
+
+def test_a_replacement_that_kills_its_ray_worker_is_the_file_found_out_not_the_sample_it_replaces(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any) -> None:
+    """A slice built an item at a time said each item's own sample before it built it, not the replacements it
+    tried once that sample failed to decode.  Where the file that kills its Ray worker is such a replacement (the
+    split's next sample after an undecodable one), each death was counted on the undecodable sample, which was
+    then taken for one that crashes workers, and the slice went round for good, dying on the same replacement:
+    the trainer's batch never came.  Now every sample begun is said, a replacement too, as a local worker's
+    whereabouts say it, and the file that kills is the one found out."""
+    from torchvision.datasets import ImageFolder
+
+    data, magenta = magenta_data
+    paths = [Path(p) for p, _label in ImageFolder(str(data)).samples]
+    killer = paths.index(magenta)
+    bad = paths[killer - 1]  # tried before the killer: its replacement is the split's next sample, the killer
+    assert bad.parent == magenta.parent
+    # A seed whose first batch holds the undecodable sample and whose last (short) batch the killer: with
+    # --high-water 3 that batch is not built while the first waits, so the killer is met as a replacement only.
+    seed = next(s for s in range(10_000) if bad_first_killer_last(s, len(paths), paths.index(bad), killer))
+    job = [*JOB, "--seed", str(seed)]
+    undecodable = shm_dir / "undecodable"  # the reference: both files not images at all
+    shutil.copytree(data, undecodable)
+    for path in (bad, magenta):
+        (undecodable / path.relative_to(data)).write_bytes(b"not a JPEG")
+    bad.write_bytes(b"not a JPEG")
+    hook = ["--transform", "tests.integration.crash_hook:killed_on_magenta"]
+    daemon = start_daemon(shm_dir / "ref", *job, "--workers", "1", *hook, "--data", undecodable)
+    expected = read_all(shm_dir / "ref")
+    assert daemon.wait_exit(30) == 0, daemon.log
+    daemon = start_ray_daemon(shm_dir / "bf", *job, *hook, "--data", data)
+    assert read_all(shm_dir / "bf") == expected, daemon.log  # each (epoch, step) once, the same samples and pixels
+    assert daemon.wait_exit(30) == 0, daemon.log
+    errors = {b.path: b.reason for b in read_status(shm_dir / "bf").production.errors.undecodable}  # type: ignore[union-attr]
+    assert errors.get(str(magenta)) == f"crashed its worker {CRASHES_TO_BLAME} times (Ray: WorkerCrashedError)", errors
+    assert str(bad) in errors and not errors[str(bad)].startswith("crashed"), errors
+
+
+def bad_first_killer_last(seed: int, samples: int, bad: int, killer: int) -> bool:
+    from prefetchd.daemon.sampler import global_order
+
+    order = global_order(np.arange(samples), seed, 0, shuffle=True)
+    return bad in order[:8] and order[-1] == killer and samples % 8 == 1

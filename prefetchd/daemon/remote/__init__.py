@@ -41,7 +41,7 @@ local workers' guarantees hold here too (``worker_health``): each slice is a
 streaming Ray task that says when it has begun, and one that has not come back
 --task-timeout after that is cancelled, its Ray workers killed, and handed back
 as hung (``Hung``); one that hung or lost its worker is built an item at a
-time from then on, saying each item's sample first, so that its next hang
+time from then on, saying each sample first (a replacement too), so that its next hang
 names the file and its next death is counted on that file (``Died``).  Since a
 batch is a pure function of (seed, epoch, step, rank) nothing is lost or
 duplicated.  The slices of a build the controller cancels (a rewind) are

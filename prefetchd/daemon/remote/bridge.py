@@ -154,7 +154,7 @@ class _Copy:
     """One submission of a slice: the stream of its Ray task (``build_slice``) and how far it got."""
 
     gen: Any  # the ObjectRefGenerator
-    track: bool  # built an item at a time, each item's sample yielded first
+    track: bool  # built an item at a time, each sample it begins (a replacement too) yielded first
     moved: float | None = None  # when it last moved on (began, or began an item); None: not begun yet
     on: int | None = None  # tracked: the sample of the item it is on
     answer: Answer | None = None  # taken from the stream while polling it

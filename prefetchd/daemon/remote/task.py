@@ -4,9 +4,10 @@ by the local workers' ``run_task``, into images that the task returns through th
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import queue
 import socket
+import threading
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,8 @@ from prefetchd import __version__
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.hook import HookError, load_hook
 from prefetchd.daemon.sources import SampleReader
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task
+from prefetchd.daemon.workers import (Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task,
+                                      tell_begun)
 from prefetchd.words import counted
 
 PROBE_SAMPLES = 8  # samples spread over the split that a node must read before it gets slices
@@ -169,7 +171,7 @@ def probe_node(box: list[Any], also: tuple[Sample, ...] = ()) -> NodeAnswer:
 
 
 # What ``build_slice`` yields before its answer: that it has begun (its Ray worker started, the job loaded), and
-# when tracked, the sample of each item as it begins it.  The bridge times a slice from these (--task-timeout).
+# when tracked, each sample it begins (a replacement too) before it reads it.  The bridge times a slice from these (--task-timeout).
 Progress = int | None
 Answer = tuple[Filled | WriteFailed | NodeAnswer, list[np.ndarray] | None, str]
 
@@ -179,8 +181,8 @@ def build_slice(box: list[Any], task: Task, track: bool = False) -> Iterator[Pro
     answer, (result, pixels: an image per item, node), and the items before it say how far it got.
 
     It yields None once it has begun: a Ray worker's start (importing torch for a hook, seconds) is not
-    the slice's time, as a local worker's is not.  ``track``: a slice that hung or killed its Ray
-    worker before is built an item at a time, each item's sample yielded as it begins, so that the
+    the slice's time (it is Ray's: ``--worker-start-timeout`` bounds a local worker's only).  ``track``: a slice that hung or killed its Ray
+    worker before is built an item at a time, each sample it begins (a replacement too) yielded first, so that the
     bridge knows the file it hangs on or dies on (a yield per image costs the object store a report
     to the bridge each: kept for those).
 
@@ -215,24 +217,34 @@ def build_slice(box: list[Any], task: Task, track: bool = False) -> Iterator[Pro
 
 def build_rows_tracked(job: WorkerJob, task: Task, reader: SampleReader, clean: jpeg_crop.CleanFiles | None = None
                        ) -> Generator[int, None, tuple[Filled | WriteFailed, list[np.ndarray] | None]]:
-    """``build_rows``, an item at a time, yielding each item's sample before it builds it: the same
-    images and result (each sample's draws are its own), the build's progress told as it goes."""
-    slots: list[tuple[int, int, int]] = []
-    failures: list[tuple[int, str]] = []
-    timings: list[tuple[float, float, float, float]] = []
-    pixels: list[np.ndarray] = []
-    seconds = 0.0
-    for item in task.items:
-        yield item[1]
-        result, rows = build_rows(job, dataclasses.replace(task, items=(item,)), reader, clean)
-        if not isinstance(result, Filled):
-            return dataclasses.replace(result, failures=(*failures, *result.failures)), None
-        slots += result.slots
-        failures += result.failures
-        timings += result.timings
-        pixels += rows or []  # a Filled has its rows
-        seconds += result.seconds
-    return Filled(task.task_id, tuple(slots), tuple(failures), seconds, tuple(timings)), pixels
+    """``build_rows``, yielding each sample it begins before it reads it: each item's, and each replacement it
+    tries for one that did not decode, so that the sample a death or a hang is on is the one said last, as a
+    local worker's whereabouts say it (an item's own sample alone blamed an undecodable file for the death of
+    its replacement, and the slice went round for good).  The build runs on a thread that waits at each sample
+    until this generator has yielded it (``tell_begun``), and so until the bridge took it; the same images and
+    result as ``build_rows``'s."""
+    begun: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    taken = threading.Semaphore(0)
+    built: list[tuple[Filled | WriteFailed, list[np.ndarray] | None]] = []
+
+    def tell(sample: int) -> None:
+        begun.put(sample)
+        taken.acquire()  # for good where this slice was cancelled: its thread builds no more
+
+    def build() -> None:
+        tell_begun(tell)
+        try:
+            built.append(build_rows(job, task, reader, clean))
+        finally:
+            begun.put(None)
+
+    thread = threading.Thread(target=build, name="prefetchd-tracked-slice", daemon=True)
+    thread.start()
+    while (sample := begun.get()) is not None:
+        yield sample
+        taken.release()
+    thread.join()
+    return built[0]
 
 
 def build_rows(job: WorkerJob, task: Task, reader: SampleReader,
