@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prefetchd.daemon.errors import ConfigError
-from prefetchd.daemon.hook import HookError, load_hook, validate_hook
+from prefetchd.daemon.hook import HookError, load_hook, validate_hook, validate_hook_within
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.transforms import augment
@@ -128,3 +128,21 @@ def test_hook_failures_are_hook_errors(tmp_path: Path, hook_module: str, hook: s
     assert f"{hook_module}:{hook}" in str(exc.value)
     for word in words:
         assert word in str(exc.value)
+
+
+def test_a_hook_module_that_sets_a_signal_handler_when_imported_is_accepted(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's bounded check imports the hook on a thread, where signal.signal raises ValueError; the
+    workers import it in their main threads, where it works, so the daemon must accept it too."""
+    name = f"prefetchd_test_signal_hook_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        "import signal\nsignal.signal(signal.SIGUSR2, signal.getsignal(signal.SIGUSR2))\n"
+        "def same(image, rng):\n    return image\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ticks: list[str] = []
+    hook = validate_hook_within(f"{name}:same", 60.0, ticks.append)
+    assert hook.__name__ == "same"
+    # A module that fails otherwise is still refused, with its error.
+    (tmp_path / f"{name}_bad.py").write_text("raise ValueError('not this one')\n")
+    with pytest.raises(ConfigError, match="not this one"):
+        validate_hook_within(f"{name}_bad:same", 60.0, ticks.append)
