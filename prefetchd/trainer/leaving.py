@@ -51,7 +51,7 @@ def say_left(progress: ProgressFile, at: Where, waits: WaitMeter, epochs: int | 
             raise LoaderError(untold)
         return
     position = (at.epoch, at.step)
-    if unread_end(position, at, epochs):  # not this loader's to announce (the module docstring)
+    if unread_end(position, at, epochs):  # not this loader's to announce (loader_progress.py's docstring)
         position = progress.published
     progress.publish(position, waits.share(), force=True, closed=True, read_batches=at.handed_out)
 

@@ -1,49 +1,21 @@
 """Where a batch is read: batch files in the buffer -> tensors on the trainer's device.
 
-A :class:`BufferLoader` walks the (epoch, step) positions of the daemon's job in
-order.  For each one it waits for the finished batch file, maps it (zero-copy
-numpy views over a private mapping, see ``buffer_protocol.map_batch``, looked up
-in the stream folder the loader checked and opened when it started, see
-``batch_waiter.BatchWaiter``) and hands out a :class:`Batch`:
-
-    images   NCHW, channels_last strides (the file's HWC bytes, permuted for free);
-             float32 normalised with the ImageNet statistics, or raw uint8
-    labels   int64 [N], on the device
-    indices  int64 [N], on the CPU (sample i is ``ImageFolder(root).samples[i]``)
-
-Progress (``progress.json``, read by the daemon, which deletes every batch
-before it; written by ``prefetchd.trainer.progress_file``) is the trainer's side
-of flow control:
-
-- it is written when iteration starts and by ``load_state_dict``, so a trainer
-  restarted at an older position makes the daemon regenerate from there;
-- the job's end (every epoch of a job with ``epochs`` consumed) is written only by
-  a loader that read the job's last batch, or that continues (``load_state_dict``)
-  one whose progress file says it did: the daemon takes that position for the job
-  done and ends it, which a loader put there by a state saved at the end (a finished
-  run's checkpoint, loaded to validate or to train more epochs) has no say in.  It
-  reads nothing and leaves the progress file as it was;
-- a loader that may not write it is refused when it is made (``NoAccess``), and one
-  whose writes fail later goes on for a while and then stops, saying why (``AccessLost``
-  for a permission lost; ``prefetchd.trainer.progress_file``);
-- after a batch is handed over, progress moves past it only when the consumer
-  asks for the next batch, when the epoch's iterator is exhausted or when the
-  loader is closed, so the file the consumer may still be reading is not
-  deleted under it.
+A :class:`BufferLoader` hands out the batches of the daemon's job, position after position, each a
+:class:`Batch` (images, labels, indices).  It is made, looked at and closed here, and is three parts besides,
+each a module: its epochs, each batch waited for, checked and handed out (``loader_iteration.py``); its
+progress file, the trainer's side of flow control (``loader_progress.py``); the state it resumes from, and
+its moves to a position (``loader_resume.py``).
 
 On a CUDA device the batch goes through ``prefetchd.trainer.gpu`` (``pin``):
 a pinned staging ring or a page-locked mapping, copied on a side stream and
 converted on the device, with the next ``prefetch`` batches already on their way
-while the consumer works on this one.  There a batch counts as consumed only
-once the consumer has come back for the next one *and* its copy has completed,
-so progress.json may trail the position by a batch the copy engine still reads.
+while the consumer works on this one.
 
 Several trainers may read one buffer (a sweep, an ensemble): each passes its own
 ``consumer`` name and writes ``progress.NAME.json`` instead; the daemon keeps every
 batch until no consumer's window holds it.  A named consumer starts, unless told
-where, at the oldest batch still in the buffer; while it waits for a batch it
-rewrites its progress file every ``PROGRESS_REFRESH_SECONDS`` so that the daemon
-sees it is there, and ``close()`` marks the file closed so that it holds nothing.
+where, at the oldest batch still in the buffer, and ``close()`` marks the file closed
+so that it holds nothing.
 A loader still open when the interpreter exits closes then, and one collected unclosed (made in a
 function that returned) says in its progress file that it left (``prefetchd.trainer.leaving``).
 
@@ -62,66 +34,36 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import torch
 
-from prefetchd.buffer_protocol import (
-    DEFAULT_CONSUMER,
-    Manifest,
-    MappedBatch,
-    Progress,
-    ProtocolError,
-    check_consumer,
-    list_batches,
-)
+from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Manifest, check_consumer, list_batches
 from prefetchd.trainer.batch import Batch, WaitMeter
 from prefetchd.trainer.batch_waiter import BatchWaiter
-from prefetchd.trainer.errors import LoaderError, LoaderTimeout, StateMismatch
+from prefetchd.trainer.errors import LoaderError
 from prefetchd.trainer.device_path import DevicePath
 from prefetchd.trainer.gpu import PIN_MODES, Backend, CudaBackend, DeviceFeeder, PinMode
 from prefetchd.trainer.job_watch import JobWatch
-from prefetchd.trainer.leaving import Where, close_at_exit, say_left, unread_end
+from prefetchd.trainer.leaving import Where, close_at_exit, say_left
+from prefetchd.trainer.loader_iteration import LoaderIteration
+from prefetchd.trainer.loader_progress import LoaderProgress
+from prefetchd.trainer.loader_resume import LoaderResume
 from prefetchd.trainer.manifest_wait import wait_for_manifest
 from prefetchd.trainer.progress_file import ProgressFile
-from prefetchd.trainer.resume import is_count, loader_state, resume_position
-from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD, check_statistics, mismatch, normalization, to_batch
+from prefetchd.trainer.resume import resume_position
+from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD, check_statistics, normalization
 from prefetchd.trainer.wait_bounds import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
-from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
 DeviceLike = str | torch.device
 
 
-class _EpochIterator:
-    """The rest of one epoch; ends early when the loader is re-iterated, rewound or closed."""
-
-    def __init__(self, loader: BufferLoader, generation: int, epoch: int) -> None:
-        self._loader = loader
-        self._generation = generation
-        self._epoch = epoch
-        self._done = False
-
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __next__(self) -> Batch:
-        if self._done:
-            raise StopIteration
-        batch = self._loader._next(self._generation, self._epoch)
-        if batch is None:
-            self._done = True
-            raise StopIteration
-        return batch
-
-
-class BufferLoader:
+class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
     """Iterate over the batches a prefetchd daemon writes into ``buffer``.
 
     Each ``iter(loader)`` yields the rest of the current epoch (from
@@ -348,175 +290,6 @@ class BufferLoader:
             f"pin={self._pin!r}, position={self.position}, steps_per_epoch={len(self)})"
         )
 
-    # -- iteration ---------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[Batch]:
-        self._check_open()
-        self._generation += 1
-        self._publish()
-        return _EpochIterator(self, self._generation, self._at.epoch)
-
-    def _next(self, generation: int, epoch: int) -> Batch | None:
-        """The batch at the current position, or None when ``epoch``'s iterator is over."""
-        if generation != self._generation or self._closed:
-            return None
-        # The consumer is back for more, so the batch handed over last is done with.
-        self._publish()
-        if self._at.epoch != epoch or self._past_end():
-            return None
-        if self._at.step >= self._manifest.steps_per_epoch:
-            # Only reachable with an empty epoch (steps_per_epoch == 0).
-            self._at.epoch, self._at.step = self._at.epoch + 1, 0
-            self._at.read_to_end = self._past_end()
-            self._publish()
-            return None
-        asked = time.monotonic()
-        # Counted while it goes on: the progress file rewritten during the wait says the trainer waits.
-        self._waits.begin(asked)
-        try:
-            key = (self._at.epoch, self._at.step)
-            if self._device_path is None:
-                batch = to_batch(self._checked_batch(*key), *key, self._device, self._normalized)
-            else:
-                batch = self._device_path.next(key, self._checked_batch, self._checked_if_there)
-        finally:  # a wait that ended in an error (a timeout, a stop) was time spent waiting all the same
-            self._waits.add(asked, time.monotonic())
-        self._at.handed_out += 1
-        # Handed over: the position moves now (state_dict reflects it), progress.json
-        # only when the consumer comes back (see the module docstring).
-        self._at.step += 1
-        if self._at.step >= self._manifest.steps_per_epoch:
-            self._at.epoch, self._at.step = self._at.epoch + 1, 0
-        self._at.read_to_end = self._past_end()
-        return batch
-
-    def _past_end(self) -> bool:
-        epochs = self._manifest.epochs
-        return epochs is not None and self._at.epoch >= epochs
-
-    def _checked_batch(self, epoch: int, step: int) -> MappedBatch:
-        """Batch (epoch, step), waited for and checked (``_check``)."""
-        mapped = self._wait_for_batch(epoch, step)
-        self._check(mapped, epoch, step)
-        return mapped
-
-    def _checked_if_there(self, epoch: int, step: int) -> MappedBatch:
-        """Batch (epoch, step) where its file is there already (FileNotFoundError where not), checked: the device
-        path starts its copy ahead."""
-        mapped = self._waiter.map_if_there(epoch, step)
-        self._check(mapped, epoch, step)
-        return mapped
-
-    def _consumed_until(self) -> tuple[int, int]:
-        """The position progress.json may name: handed-out batches still being copied are not consumed."""
-        position = (self._at.epoch, self._at.step)
-        return position if self._device_path is None else self._device_path.consumed_until(position)
-
-    def _publish(self, force: bool = False, closed: bool = False) -> None:
-        position = self._consumed_until()
-        if self._unread_end(position):
-            # Not this loader's to announce (the module docstring): only leaving is said, where it was written.
-            if not closed or self._progress.published is None:
-                return
-            position = self._progress.published
-        # Counted, not taken from the position: a jump (load_state_dict, set_epoch) reads nothing.
-        read = self._at.handed_out - (len(self._device_path.handed) if self._device_path is not None else 0)
-        self._progress.publish(position, self._waits.share(), force=force, closed=closed, read_batches=read)
-
-    def _unread_end(self, position: tuple[int, int]) -> bool:
-        """Whether ``position`` is the job's end and this loader got there without reading its last batch."""
-        return unread_end(position, self._at, self._manifest.epochs)
-
-    def _check_progress(self) -> None:
-        """While waiting: write the progress file again where it does not name this loader's position,
-        or is due for a refresh (``ProgressFile.stale``)."""
-        self._job.check()  # a position written back into a job that replaced ours would mislead its daemon
-        if self._progress.stale():
-            self._publish(force=True)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LoaderError(f"the BufferLoader for {self._buffer} is closed; create a new one")
-
-    # -- resume ------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where to resume: the (epoch, step) of the next batch, and the job it belongs to."""
-        return loader_state(self._manifest, self._at.epoch, self._at.step)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (a :meth:`state_dict`) and tell the daemon to produce from there.
-
-        Raises StateMismatch when the state belongs to another dataset or job (a
-        different seed, batch size, split ... would give different batches) or
-        points past the job's end.  A state at the job's end (saved after its last
-        epoch) is taken with a warning: there is nothing left to read, and the daemon
-        is not told so (its job would end, for this trainer and any other that reads
-        it: see the module docstring); unless the progress file says the trainer it
-        continues read the last batch (it died before asking for the next one), whose
-        end this loader then says.
-        """
-        self._move(state)
-        if self._unread_end(self.position):  # the progress file read once, only at the end
-            if self._last_batch_handed_before():
-                self._at.read_to_end = True  # the loader it continues read the job's last batch: the end is said
-            else:
-                logger.warning(
-                    "%s: the loader state is at the end of the job's %s: there is nothing left to read, and "
-                    "iterating yields no batch. To train more epochs, restart the daemon with a larger --epochs (the "
-                    "job is the same otherwise) and load the state again; to train again from epoch 0, do not load it",
-                    self._buffer, counted(self._manifest.epochs or 0, "epoch"))
-        self._publish()
-
-    def _last_batch_handed_before(self) -> bool:
-        """Whether this consumer's progress file says the job's last batch was handed out: it names the last
-        step (its trainer died after reading that batch, before asking for the next one, with a state saved at
-        the end) or the end.  Not a fresh run's file, which is elsewhere or absent."""
-        try:
-            found = Progress.read(self._buffer, self._consumer)
-        except (ProtocolError, OSError):
-            return False
-        if found is None or found.job not in (None, self._manifest.job_key):
-            return False
-        epochs, steps = self._manifest.epochs or 0, self._manifest.steps_per_epoch
-        return (found.epoch, found.step) >= (epochs - 1, steps - 1)
-
-    def _move(self, state: Mapping[str, Any]) -> None:
-        """Go to ``state``'s position, ending the iterators handed out before; progress.json is left alone."""
-        self._check_open()
-        epoch, step = resume_position(state, self._manifest, self._buffer)
-        if self._device_path is not None:
-            self._device_path.drain()
-        if (epoch, step) != (self._at.epoch, self._at.step):
-            self._at.read_to_end = False
-        self._at.epoch, self._at.step = epoch, step
-        self._generation += 1
-
-    def set_epoch(self, epoch: int) -> None:
-        """Go to the first batch of ``epoch``, as ``DistributedSampler.set_epoch`` does for a sampler.
-
-        A script that resumes by epoch (``for epoch in range(start_epoch, epochs):
-        loader.set_epoch(epoch)``) gets that epoch's batches, bit-identical to an
-        uninterrupted run's: progress.json moves there when the next iteration starts
-        (not at once: a mid-epoch resume, below, would have the daemon read step 0
-        first, take it for a rewind and delete the batches it kept for this trainer,
-        SPEC rule 8), and the daemon regenerates from there if it has moved on.  Called at the top of every epoch of an
-        uninterrupted run it changes nothing.  It always restarts the epoch, so a
-        mid-epoch resume calls ``load_state_dict`` *after* ``set_epoch`` for the
-        epoch it resumes into: ``set_epoch`` names the epoch, ``load_state_dict``
-        the batch, and the later call wins.
-        """
-        if not is_count(epoch):
-            raise ValueError(f"set_epoch({epoch!r}): pass a non-negative integer epoch (counted from 0)")
-        epochs = self._manifest.epochs
-        if epochs is not None and epoch > epochs:  # said for this call, not as a checkpoint's state would be
-            raise StateMismatch(
-                f"set_epoch({epoch}) is past the end of the job of {self._buffer}: it has {counted(epochs, 'epoch')} "
-                f"(counted from 0, so set_epoch({epochs}) is its end, an empty epoch); loop over range({epochs}), or "
-                "restart the daemon with a larger --epochs")
-        # The same checks and the same repositioning as a checkpoint taken at that epoch's start.
-        self._move({**self.state_dict(), "epoch": epoch, "step": 0})
-
     # -- lifecycle ---------------------------------------------------------------
 
     def close(self) -> None:
@@ -551,28 +324,6 @@ class BufferLoader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-    def _wait_for_batch(self, epoch: int, step: int) -> MappedBatch:
-        try:
-            return self._waiter.wait(epoch, step, self._check_progress, self.stop_requested)
-        except LoaderTimeout as exc:
-            # The waiter judges the daemon; a daemon that was never told the position builds nothing new.
-            failing = self._progress.failing()
-            if failing is None:
-                raise
-            raise LoaderTimeout(f"{exc}. But the daemon may not know this loader needs that batch: {failing}") from None
-
-    def _check(self, mapped: MappedBatch, epoch: int, step: int) -> None:
-        """Raise ProtocolError unless ``mapped`` is batch (epoch, step) of this loader's job;
-        JobReplaced where the daemon serves another job now (its batches reuse the file names)."""
-        # After the mapping: a batch mapped while the manifest still named our job is ours. And before a
-        # mismatch is blamed on the file: a batch of the job that replaced ours differs from the manifest we hold.
-        self._job.check()
-        # Whether its batches must name their stream, as the manifest there now says: a daemon of an earlier
-        # prefetchd, restarted on the job, writes batches that name none.
-        problem = mismatch(mapped, epoch, step, self._manifest, self._buffer, keyed=self._job.keyed)
-        if problem is not None:
-            raise ProtocolError(problem)
 
 
 __all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]

@@ -27,7 +27,7 @@ import pytest
 from torchvision.datasets import ImageFolder
 
 from prefetchd.buffer_protocol import Manifest, Progress, daemon_pid
-from prefetchd.trainer import loader as loader_module
+from prefetchd.trainer import loader_iteration
 from tests.status_examples import job_result_of, state_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "DROP_IN.md"
@@ -380,7 +380,7 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.received: dict[str, list[Received]] = {}
         self.kill: tuple[str, tuple[int, int]] | None = None
-        real_next = loader_module._EpochIterator.__next__
+        real_next = loader_iteration._EpochIterator.__next__
         spy = self
 
         def spying_next(it: Any) -> Any:
@@ -394,7 +394,7 @@ class Spy:
                 (batch.epoch, batch.step, tuple(batch.indices.tolist()), digest))
             return batch
 
-        monkeypatch.setattr(loader_module._EpochIterator, "__next__", spying_next)
+        monkeypatch.setattr(loader_iteration._EpochIterator, "__next__", spying_next)
 
 
 def received_since(spy: Spy, buffer: Path, start: int) -> list[Received]:
