@@ -334,6 +334,8 @@ def _into_the_outage(s3: Any, proxy: Any, shapes_data: Path, buffer: Path, start
     wait_running(buffer, daemon.proc.pid)
     loader = BufferLoader(buffer, normalize=False, timeout=OUTAGE_TIMEOUT, daemon_grace=1.0)
     it = iter(loader)
+    # The first batch, read from the store, took over OUTAGE_TIMEOUT once under a full suite's load: waited for here.
+    wait_for(lambda: (buffer / batch_name(0, 0)).exists(), 60, "the first batch", daemon.proc)
     steps = [next(it).step]
     proxy.fail_next = 10**9  # every request answered 503 SlowDown from now on
 
