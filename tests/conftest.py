@@ -142,19 +142,26 @@ class Daemon:
         stop_daemon_process(self.proc, 15)
 
 
-@pytest.fixture
-def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
-    """Start real daemons; each is stopped (and killed if need be) after the test."""
+def started_daemons(kind: Callable[[Path, list[str], Path], Daemon], logs: Path,
+                    prefix: str = "daemon") -> Iterator[Callable[..., Daemon]]:
+    """A fixture's body: a function that starts ``kind`` daemons, their logs in ``logs``; each is stopped (and
+    killed if need be) after the test."""
     started: list[Daemon] = []
 
     def start(buffer: Path, *args: str | os.PathLike[str]) -> Daemon:
-        daemon = Daemon(buffer, [str(a) for a in args], tmp_path / f"daemon-{len(started)}.log")
+        daemon = kind(buffer, [str(a) for a in args], logs / f"{prefix}-{len(started)}.log")
         started.append(daemon)
         return daemon
 
     yield start
     for daemon in started:
         daemon.terminate()
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Start real daemons; each is stopped (and killed if need be) after the test."""
+    yield from started_daemons(Daemon, tmp_path)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,7 +27,7 @@ from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_TASK_HANGS
 from prefetchd.launch import launch, start_argv
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.errors import DaemonGone
-from tests.conftest import Daemon
+from tests.conftest import Daemon, started_daemons
 from tests.integration.hung_hook import HANG_ONCE
 from tests.integration.ray_namespace import in_namespace, namespace_problem
 
@@ -59,16 +59,7 @@ def start_ray_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         pytest.skip(problem)
     # The hooks' module, for the Ray workers, which the daemon's private cluster starts with its environment.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    started: list[Daemon] = []
-
-    def start(buffer: Path, *args: str | os.PathLike[str]) -> Daemon:
-        daemon = RayDaemon(buffer, [str(a) for a in args], tmp_path / f"ray-daemon-{len(started)}.log")
-        started.append(daemon)
-        return daemon
-
-    yield start
-    for daemon in started:
-        daemon.terminate()
+    yield from started_daemons(RayDaemon, tmp_path, "ray-daemon")
 
 
 def received(batch: Any) -> tuple[int, int, list[int], int, str]:
