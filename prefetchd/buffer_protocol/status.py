@@ -251,9 +251,10 @@ class StorageWait:
 
 @dataclass(frozen=True)
 class WorkerStall:
-    """A local worker of the daemon has made no progress for a while (or not got ready since it started): the
-    daemon kills it once ``timeout`` seconds have passed since ``since`` and builds its tasks on another, so a
-    trainer waits on rather than time out before that (SPEC).  The longest such stall, where there are several."""
+    """A local worker of the daemon has made no progress for a while (or not got ready since it started), or a
+    slice at its Ray cluster has not: the daemon kills that worker (cancels that slice, killing its Ray worker)
+    once ``timeout`` seconds have passed since ``since`` and builds its tasks on another, so a trainer waits on
+    rather than time out before that (SPEC).  The longest such stall, where there are several."""
 
     since: float  # time.time() when the worker last made progress (or started)
     timeout: float  # the seconds of no progress at which the daemon kills it: its --task-timeout, or

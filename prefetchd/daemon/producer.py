@@ -336,8 +336,9 @@ class Producer:
 
     def _check_hangs(self) -> None:
         """Kill each worker that has made no progress for --task-timeout and retry its tasks on a new one, so
-        that its batch is built as ever; or stop the job, where that task hung too often (``WorkerHealth``)."""
-        for worker in self.health.hung():
+        that its batch is built as ever; or stop the job, where that task hung too often (``WorkerHealth``).
+        A slice at the Ray cluster that makes no progress is said alike; the bridge hands it back itself."""
+        for worker in self.health.hung(self.remote.stalled_slice() if self.remote is not None else None):
             why = self.health.kill(worker, self._complete)
             if why is not None and self.fatal is None:
                 self.fatal = why

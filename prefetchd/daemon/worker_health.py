@@ -19,7 +19,7 @@ row in one place stop the job.
 
 The controller (``producer.Producer``) keeps the job's verdict, and its ``builds.Builds`` the task queue::
 
-    for dead in pool.wait(...):             for worker in health.hung():
+    for dead in pool.wait(...):             for worker in health.hung(remote.stalled_slice()):
         bad = health.died(dead)                 why = health.kill(worker, on_result)  # or the job stops
         builds.requeue(dead.tasks)              builds.requeue(worker.tasks)
         builds.tell_queued(crashed_items)       why = health.replace(worker)
@@ -31,7 +31,10 @@ A slice built on a Ray cluster (``--ray``) is judged the same way, from what the
 killed (``hung_remotely``: a hang of its task, counted towards ``MAX_TASK_HANGS`` with its local
 ones), and one built an item at a time whose Ray worker died says the sample it died on
 (``died_remotely``: a death on that file, counted towards ``CRASHES_TO_BLAME`` with local ones).
-Ray starts its workers again itself: neither counts towards the restart limit.
+Ray starts its workers again itself: neither counts towards the restart limit.  A slice at the cluster
+that has made no progress for a quarter of --task-timeout (at most 60 s) is said as a local worker's stall
+is (``hung``'s ``remote``, from the bridge's report: ``stall_note`` and ``stall``), so that a trainer waits
+on until it is handed back.
 
 ``WorkerHealth`` counts, names and judges; it reads the builds of the tasks not yet answered
 (``Builds.by_task``) only to name a task's batch and to tell one still wanted.
@@ -44,6 +47,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from prefetchd.buffer_protocol import WorkerStall, batch_name
 from prefetchd.daemon.pool import Worker, WorkerPool
@@ -73,6 +77,22 @@ STALL_NOTE_SECONDS = 60.0
 SHOWN_TASK_FILES = 4  # a task's files named in a hang's warning; the file the worker is on always is
 
 
+def stall_noted_after(limit: float) -> float:
+    """Seconds without progress after which a stall is said (a local worker's, or a Ray slice's, which the
+    bridge reports from then on), of one killed at ``limit`` seconds."""
+    return min(STALL_NOTE_SECONDS, limit / 4)
+
+
+@dataclass(frozen=True)
+class SliceStall:
+    """A slice at the Ray cluster that has made no progress for a while (``remote.bridge.Stalled``): its task,
+    the sample it is on where the bridge knows it, and when it last moved on (``time.monotonic()``)."""
+
+    task: Task
+    sample: int | None
+    moved: float
+
+
 class WorkerHealth:
     """The deaths and hangs of ``pool``'s workers, counted in ``stats``.
 
@@ -99,6 +119,7 @@ class WorkerHealth:
         self.hangs: dict[int, list[str]] = {}  # by task id, of tasks still wanted: the file of each hang
         self.stall_note: str | None = None  # a worker that makes no progress, said before it is killed
         self.stall: WorkerStall | None = None  # the same, for the status's worker_stall: the longest such stall
+        self.slice_noted: tuple[int, float] | None = None  # (task id, moved) of the Ray slice's stall said last
 
     # -- deaths ---------------------------------------------------------------
 
@@ -179,17 +200,27 @@ class WorkerHealth:
 
     # -- hangs ----------------------------------------------------------------
 
-    def hung(self) -> list[Worker]:
+    def hung(self, remote: SliceStall | None = None) -> list[Worker]:
         """The workers that have made no progress (begun no image, finished no task) for --task-timeout, or not
         got ready in --worker-start-timeout since they started, to be killed (``kill``).  One that has made none
-        for a while, not that long yet, is said to, once in the log and in ``stall_note`` while it lasts."""
+        for a while, not that long yet, is said to, once in the log and in ``stall_note`` while it lasts; so is
+        ``remote``, the slice at the Ray cluster that has made none the longest (the bridge hands it back at
+        --task-timeout: ``hung_remotely``).  ``stall_note`` and ``stall`` say the longest of them."""
         notes = []
         stalls: list[tuple[float, float, bool, int]] = []  # (still, limit, starting, note) of those said
         hung = []
+        if remote is not None:
+            still = time.monotonic() - remote.moved
+            if still >= stall_noted_after(self.task_timeout):  # said until the bridge hands it back
+                notes.append(self._slice_note(remote, still))
+                stalls.append((still, self.task_timeout, False, 0))
+                if self.slice_noted != (remote.task.task_id, remote.moved):
+                    self.slice_noted = (remote.task.task_id, remote.moved)
+                    log.warning("%s", notes[-1])
         for worker in self.pool.stalled():
             ready = worker.where.ready_yet
             limit = self.task_timeout if ready else self.start_timeout
-            if worker.still < min(STALL_NOTE_SECONDS, limit / 4):
+            if worker.still < stall_noted_after(limit):
                 continue
             if worker.still >= limit:
                 hung.append(worker)
@@ -208,11 +239,20 @@ class WorkerHealth:
             if not worker.noted:
                 worker.noted = True
                 log.warning("%s", notes[-1])
-        self.stall_note = notes[0] if notes else None
         longest = max(stalls, default=None)
+        self.stall_note = notes[longest[3]] if longest is not None else None
         self.stall = (WorkerStall(since=time.time() - longest[0], timeout=longest[1], starting=longest[2],
                                   reason=notes[longest[3]]) if longest is not None else None)
         return hung
+
+    def _slice_note(self, remote: SliceStall, still: float) -> str:
+        """A Ray slice's stall, said as a local worker's is (the bound before the task's files)."""
+        task, sample = remote.task, remote.sample
+        place = (self._place(task, sample, with_files=False) if sample is not None else
+                 f"{self._batch_of(task)}, one of its task's {counted(len(task.items), 'file')}")
+        return (f"a slice on the Ray cluster has made no progress for {still:.0f} s on {place}; at "
+                f"{self.task_timeout:g} s (--task-timeout) it is cancelled, its Ray worker killed, and its task "
+                f"retried; the task's files: {self._files(task)}")
 
     def kill(self, worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> str | None:
         """Kill ``worker``, one of ``hung``'s, handing what it sent before to ``on_result``, and say so;
@@ -359,5 +399,5 @@ def ended(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-__all__ = ["CRASHES_TO_BLAME", "MAX_TASK_HANGS", "MAX_WORKER_RESTARTS", "RESTART_WINDOW_SECONDS", "WorkerHealth",
-           "ended"]
+__all__ = ["CRASHES_TO_BLAME", "MAX_TASK_HANGS", "MAX_WORKER_RESTARTS", "RESTART_WINDOW_SECONDS", "SliceStall",
+           "WorkerHealth", "ended", "stall_noted_after"]

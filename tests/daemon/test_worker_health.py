@@ -1,16 +1,18 @@
 """What a dead worker's whereabouts make of its death (worker_health.WorkerHealth.died): a file is blamed
-only where workers died on it running the same task again, never for deaths that fell elsewhere."""
+only where workers died on it running the same task again, never for deaths that fell elsewhere; and what the
+controller makes of a Ray slice's stall."""
 
 from __future__ import annotations
 
 import multiprocessing
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.pool import Worker
 from prefetchd.daemon.production_stats import Stats
-from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_WORKER_RESTARTS, WorkerHealth
+from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_WORKER_RESTARTS, SliceStall, WorkerHealth
 from prefetchd.daemon.workers import START_HOOK, Task, Whereabouts
 
 TASKS = {task_id: Task(task_id, "b.tmp", 4096, 3072, 0, ((0, 10 * task_id), (1, 10 * task_id + 1)))
@@ -92,3 +94,23 @@ def test_workers_killed_together_for_a_hang_do_not_trip_the_restart_limit() -> N
         assert h.replace(worker) is None
     h.died(workers[-1])
     assert f"{MAX_WORKER_RESTARTS + 1} workers died within" in (h.replace(workers[-1]) or "")
+
+
+def test_a_ray_slice_without_progress_is_said_as_a_local_workers_stall(caplog: Any) -> None:
+    """The bridge knew how long a slice had gone without progress, but the status said nothing of it until the
+    slice was handed back at --task-timeout, and a trainer with a shorter timeout gave up first."""
+    pool: Any = SimpleNamespace(job=None, stalled=lambda: [])
+    h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
+    h.hung(SliceStall(TASKS[1], None, time.monotonic() - 59))  # under a quarter of 600 s, at most 60 s
+    assert h.stall_note is None and h.stall is None
+    stalled = SliceStall(TASKS[1], 11, time.monotonic() - 200)
+    with caplog.at_level("WARNING", logger="prefetchd.daemon.worker_health"):
+        for _look in range(2):
+            assert h.hung(stalled) == []  # the bridge hands it back itself
+    assert h.stall is not None and h.stall.reason == h.stall_note and h.stall.timeout == 600 and not h.stall.starting
+    assert abs(h.stall.since - (time.time() - 200)) < 5, h.stall
+    assert h.stall_note.startswith("a slice on the Ray cluster has made no progress for 200 s on task 1, 11 (file 2 of "
+                                   "its task's 2); at 600 s (--task-timeout) it is cancelled"), h.stall_note
+    assert caplog.text.count("a slice on the Ray cluster has made no progress") == 1, "said once in the log"
+    h.hung(None)  # handed back: the bridge reports it no more
+    assert h.stall_note is None and h.stall is None

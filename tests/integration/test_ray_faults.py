@@ -1,6 +1,7 @@
 """A slice that hangs on a Ray cluster, or kills the Ray worker building it, is judged as a local worker's task
 is (``worker_health``): after --task-timeout without progress its Ray worker is killed and the slice built again
-(3 hangs stop the job, naming the file); a file that kills its Ray worker twice is replaced as undecodable.
+(3 hangs stop the job, naming the file), and a quarter of the way there the status says the stall, so that a
+trainer waits on; a file that kills its Ray worker twice is replaced as undecodable.
 
 Each test runs a remote-only daemon (``--workers 0 --ray local``: a private cluster of its own) in a
 loopback-only network namespace (``ray_namespace``), beside a trainer outside it that reads the buffer,
@@ -11,6 +12,7 @@ or went round between the bridge and the controller for good (a crash): the trai
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -184,3 +186,36 @@ def bad_first_killer_last(seed: int, samples: int, bad: int, killer: int) -> boo
 
     order = global_order(np.arange(samples), seed, 0, shuffle=True)
     return bad in order[:8] and order[-1] == killer and samples % 8 == 1
+
+
+def test_a_slice_that_hangs_on_the_cluster_is_said_as_a_stall_and_the_trainer_waits_on_past_its_timeout(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_ray_daemon: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A slice hung on the cluster put nothing in the status until the bridge handed it back at --task-timeout,
+    so a trainer whose timeout is shorter (the defaults: 120 s and 600 s) raised LoaderTimeout first (here 12 s
+    into its wait, the slice handed back at 24 s).  Now the bridge reports it a quarter of the way there, and
+    the daemon says it as a local worker's stall (its message and worker_stall): the trainer waits on."""
+    data, magenta = magenta_data
+    monkeypatch.setenv(HANG_ONCE, str(shm_dir / "hung-once"))
+    buffer = shm_dir / "bf"
+    daemon = start_ray_daemon(buffer, *JOB, "--data", data, "--task-timeout", "24",
+                              "--transform", "tests.integration.hung_hook:hangs_once_on_magenta")
+    # The cluster's start (seconds) is not what this trainer's timeout is about: it starts once a batch is there.
+    daemon.wait_until(lambda: any(buffer.glob("*.batch")), 120, "published no batch")
+    loader = BufferLoader(buffer, normalize=False, timeout=12)
+    with caplog.at_level(logging.WARNING):
+        try:
+            got = [(batch.epoch, batch.step, batch.indices.tolist()) for batch in loader]
+        finally:
+            loader.close()
+    assert [(epoch, step) for epoch, step, _ in got] == [(0, step) for step in range(4)], daemon.log  # each once
+    assert sorted(i for *_, indices in got for i in indices) == list(range(25)), got
+    assert daemon.wait_exit(30) == 0, daemon.log
+    assert (shm_dir / "hung-once").exists(), "it did hang"
+    notes = [line for line in daemon.log.splitlines() if "a slice on the Ray cluster has made no progress for" in line]
+    assert len(notes) == 1 and " on batch " in notes[0] and "at 24 s (--task-timeout) it is cancelled" in notes[0], \
+        daemon.log
+    said = [r.getMessage() for r in caplog.records if "says that one of its workers is stalled" in r.getMessage()]
+    assert said and "a slice on the Ray cluster has made no progress" in said[0], said
+    final = read_status(buffer)
+    assert final.production is not None and final.production.errors.worker_hangs == 1, daemon.log

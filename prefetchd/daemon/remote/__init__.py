@@ -40,7 +40,10 @@ than the median is started a second time, and the first result wins.  The
 local workers' guarantees hold here too (``worker_health``): each slice is a
 streaming Ray task that says when it has begun, and one that has not come back
 --task-timeout after that is cancelled, its Ray workers killed, and handed back
-as hung (``Hung``); one that hung or lost its worker is built an item at a
+as hung (``Hung``); the one that has gone longest without progress is
+reported a quarter of the way there (``Stalled``, in the bridge's ``Report``),
+and the controller says it as a local worker's stall (the status's
+``worker_stall``: a trainer waits on).  One that hung or lost its worker is built an item at a
 time from then on, saying each sample first (a replacement too), so that its next hang
 names the file and its next death is counted on that file (``Died``).  Since a
 batch is a pure function of (seed, epoch, step, rank) nothing is lost or

@@ -1,7 +1,7 @@
 """The bridge process: the Ray driver.  It submits the controller's slices to the cluster, writes
 what comes back into the batches' temp files, resubmits what the cluster lost, relaunches
 stragglers, hands back the slices that hang or kill their Ray workers, and reports the cluster's
-nodes and CPUs (see ``prefetchd.daemon.remote``)."""
+nodes and CPUs and the slice that has gone longest without progress (see ``prefetchd.daemon.remote``)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.remote.task import (Answer, NodeAnswer, Sample, Shipment, build_rows, build_slice, node_label,
                                           probe_node, probe_samples, sample_here)
 from prefetchd.daemon.sources import SampleReader
+from prefetchd.daemon.worker_health import stall_noted_after
 from prefetchd.daemon.workers import (Filled, Task, WorkerJob, WriteFailed, prepare_process, replaced_before,
                                      task_slots)
 from prefetchd.words import counted
@@ -46,6 +47,20 @@ REPROBE_SECONDS = 30.0  # an unfit node that could read --data again (a mount ba
 
 
 @dataclass(frozen=True)
+class Stalled:
+    """The slice at the cluster that has gone longest without progress, once that is long enough to be said
+    (``worker_health.stall_noted_after`` of --task-timeout), as a local worker's stall is: the controller
+    says it in the status (its message and ``worker_stall``), so that a trainer waits on until the bridge
+    hands the slice back (``Hung``) rather than give up first."""
+
+    task_id: int
+    sample: int | None  # the one it is on, where it is built an item at a time (``_Copy.track``), else None
+    # time.monotonic() when it last moved on (began, or began an item): the bridge is a process of the daemon's
+    # box, and CLOCK_MONOTONIC is one clock for all of its processes, so the controller counts the seconds itself.
+    moved: float
+
+
+@dataclass(frozen=True)
 class Report:
     """The cluster as the bridge sees it; ``connected`` False: it could not connect and exits."""
 
@@ -54,6 +69,7 @@ class Report:
     cpus: int = 0  # of the alive nodes that get slices: all but the unfit ones
     message: str = ""
     unfit: tuple[str, ...] = ()  # "node: why" for each alive node that cannot build slices
+    stalled: Stalled | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +255,8 @@ class Bridge:
         self.conn = conn
         self.job = job
         self.task_timeout = task_timeout  # --task-timeout: a slice without progress this long is hung
+        self.stall_noted = stall_noted_after(task_timeout)  # ... and one without for this long is said (``Stalled``)
+        self.stalled: Stalled | None = None  # the slice longest without progress, past ``stall_noted``
         self.reader = SampleReader(job.index, job.readers)
         self.prepared = False  # for building slices here (``_build_here``)
         self.failing_here: set[int] = set()  # samples the box itself could not use: a node failing them is no news
@@ -498,7 +516,9 @@ class Bridge:
 
     def _hand_back_hung(self, now: float) -> None:
         """Cancel each slice that has made no progress for --task-timeout, killing the Ray workers that
-        hold it (a hook that never returns, a read of a hung mount there), and hand it back (``Hung``)."""
+        hold it (a hook that never returns, a read of a hung mount there), and hand it back (``Hung``).
+        The one of the others that has made none the longest, past ``stall_noted``, is ``stalled``."""
+        stalled: Stalled | None = None
         for s in list(self.slices.values()):
             copies = [c for c in s.refs if isinstance(c, _Copy)]
             for c in copies:
@@ -509,13 +529,18 @@ class Bridge:
                 continue  # queued at Ray, or its worker starts (importing torch for a hook): not timed
             latest = max(begun, key=lambda c: c.moved or 0.0)
             still = now - (latest.moved or now)
-            if still < self.task_timeout or any(c.answer is not None or c.error is not None for c in copies):
-                continue  # moving, or answered: its completion is on the way
+            if any(c.answer is not None or c.error is not None for c in copies):
+                continue  # answered: its completion is on the way
+            if still < self.task_timeout:
+                if still >= self.stall_noted and (stalled is None or (latest.moved or now) < stalled.moved):
+                    stalled = Stalled(s.task.task_id, latest.on, latest.moved or now)
+                continue
             del self.slices[s.task.task_id]
             for c in copies:
                 self._cancel(c, force=True)
             self.track.add(s.task.task_id)
             self.conn.send(Hung(s.task.task_id, latest.on, still, s.attempts - 1))
+        self.stalled = stalled
 
     def _cancel(self, ref: Any, force: bool = False) -> None:
         """Cancel a Ray task (a slice's ``_Copy``, or a probe's reference); ``force``: kill its worker too."""
@@ -615,8 +640,9 @@ class Bridge:
     def _report(self) -> Report:
         alive = [n for n in self.ray.nodes() if n.get("Alive")]
         self._track(alive)
+        stalled = self.stalled if self.stalled is not None and self.stalled.task_id in self.slices else None
         return Report(True, len(alive), sum(n.cpus for n in self.nodes.values() if not n.reason),
-                      unfit=tuple(f"{n.label}: {n.reason}" for n in self.nodes.values() if n.reason))
+                      unfit=tuple(f"{n.label}: {n.reason}" for n in self.nodes.values() if n.reason), stalled=stalled)
 
 
 BOX_LABEL = "the daemon's box"  # who built a slice that ``_checked_here`` built again there
@@ -715,5 +741,5 @@ def bridge_main(conn: Connection, job: WorkerJob, address: str, task_timeout: fl
         ray.shutdown()
 
 
-__all__ = ["Bridge", "Cancel", "Cancelled", "Died", "Done", "Hung", "Note", "Report", "Returned", "bridge_main",
-           "connect", "unreachable", "write_rows"]
+__all__ = ["Bridge", "Cancel", "Cancelled", "Died", "Done", "Hung", "Note", "Report", "Returned", "Stalled",
+           "bridge_main", "connect", "unreachable", "write_rows"]

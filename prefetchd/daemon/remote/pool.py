@@ -19,7 +19,8 @@ from prefetchd.buffer_protocol import RemoteNode, RemoteStatus
 from prefetchd.daemon.config import require_ray
 from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
 from prefetchd.daemon.remote.bridge import (REPORT_SECONDS, REPROBE_SECONDS, Cancel, Cancelled, Died, Done, Hung, Note,
-                                            Report, Returned, bridge_main)
+                                            Report, Returned, Stalled, bridge_main)
+from prefetchd.daemon.worker_health import SliceStall
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.words import counted
 
@@ -92,6 +93,7 @@ class RemotePool:
         # "node X cannot read --data" found again is no news.
         self.warned: set[str] = set()
         self.message = "connecting"
+        self.stalled: Stalled | None = None  # the bridge's slice longest without progress, as it last reported
         self.lost = ""  # why the cluster was lost, kept in the status beside each failed reconnection until it is back
         self.in_flight: dict[int, Task] = {}
         self.paths: Counter[str] = Counter()  # batches (their temp files) with slices at the cluster
@@ -267,6 +269,8 @@ class RemotePool:
             log.warning("no node of the Ray cluster at %s gets slices: %s", self.address, idle)
         self.message = idle
         self.nodes, self.cpus, self.unfit = report.nodes, report.cpus, report.unfit
+        stalled = report.stalled
+        self.stalled = stalled if stalled is not None and stalled.task_id in self.in_flight else None
         self.last_report = time.monotonic()
         if self.cpus:
             self.cpus_seen = self.last_report
@@ -277,6 +281,13 @@ class RemotePool:
             return ""
         return (f"{counted(len(report.unfit), 'node')} with CPUs, each unfit (one that cannot read --data is "
                 f"probed again every {REPROBE_SECONDS:.0f} s); {self._fallback()}")
+
+    def stalled_slice(self) -> SliceStall | None:
+        """The slice at the cluster that has made no progress the longest, once that is long enough to be said
+        (the bridge's ``Stalled``), until the bridge answers for it (hands it back as hung, say)."""
+        if self.stalled is None or self.stalled.task_id not in self.in_flight:
+            return None
+        return SliceStall(self.in_flight[self.stalled.task_id], self.stalled.sample, self.stalled.moved)
 
     def _take(self, task_id: int) -> Task | None:
         task = self.in_flight.pop(task_id, None)
@@ -295,6 +306,7 @@ class RemotePool:
         was_connected = self.connected
         self.connected = False
         self.unfit = ()
+        self.stalled = None
         self.in_flight.clear()
         self.paths.clear()
         if self.process is not None:
