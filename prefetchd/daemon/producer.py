@@ -61,7 +61,7 @@ from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_wo
 from prefetchd.daemon.producer_status import production_status
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
-from prefetchd.daemon.remote.bridge import Died, Hung
+from prefetchd.daemon.remote.bridge import Died, Hung, StartDied
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream, consumer_cap
 from prefetchd.daemon.wakeup import Wakeup
@@ -297,7 +297,7 @@ class Producer:
         timeout = self.remote.poll_interval(timeout)
         for worker in self.pool.wait(timeout, self.wake, self._complete, also=self.remote.waitables()):
             self._replace_worker(worker)
-        self.remote.handle(self._complete, self.builds.requeue, self._remote_fault)
+        self.remote.handle(self._complete, self.builds.requeue, self._remote_fault, self._ray_start_died)
 
     # -- workers --------------------------------------------------------------
 
@@ -333,6 +333,14 @@ class Producer:
         self.builds.tell_queued(self.health.crashed_items)
         if crashed is not None and (verdict := self.bad.replaced(*crashed)) is not None and self.fatal is None:
             self.fatal, self.fatal_error = verdict, BadDataError
+
+    def _ray_start_died(self, fault: StartDied, task: Task | None) -> None:
+        """A Ray worker died before its first image (the bridge submits its slice again): counted, and the job
+        stops where the cluster's workers all die so (``WorkerHealth.ray_start_died``)."""
+        built = self.remote.slices if self.remote is not None else 0
+        why = self.health.ray_start_died(task, fault.node, fault.how, fault.text, built)
+        if why is not None and self.fatal is None:
+            self.fatal = why
 
     def _check_hangs(self) -> None:
         """Kill each worker that has made no progress for --task-timeout and retry its tasks on a new one, so

@@ -34,7 +34,10 @@ ones), and one built an item at a time whose Ray worker died says the sample it 
 Ray starts its workers again itself: neither counts towards the restart limit.  A slice at the cluster
 that has made no progress for a quarter of --task-timeout (at most 60 s) is said as a local worker's stall
 is (``hung``'s ``remote``, from the bridge's report: ``stall_note`` and ``stall``), so that a trainer waits
-on until it is handed back.
+on until it is handed back.  A Ray worker that dies before its first image (in its start: a hook's module
+that kills the process when imported, say) blames no file, and the bridge submits its slice again; more
+than ``MAX_WORKER_RESTARTS`` such deaths within ``RESTART_WINDOW_SECONDS``, with no slice built on the
+cluster since the first, stop the job (``ray_start_died``), as the restart limit does for local workers.
 
 ``WorkerHealth`` counts, names and judges; it reads the builds of the tasks not yet answered
 (``Builds.by_task``) only to name a task's batch and to tell one still wanted.
@@ -120,6 +123,10 @@ class WorkerHealth:
         self.stall_note: str | None = None  # a worker that makes no progress, said before it is killed
         self.stall: WorkerStall | None = None  # the same, for the status's worker_stall: the longest such stall
         self.slice_noted: tuple[int, float] | None = None  # (task id, moved) of the Ray slice's stall said last
+        # When Ray workers died before their first image, within RESTART_WINDOW_SECONDS, since the cluster last
+        # built a slice; and how many it had built then (``ray_start_died``).
+        self.ray_start_deaths: deque[float] = deque()
+        self.ray_built = 0
 
     # -- deaths ---------------------------------------------------------------
 
@@ -290,6 +297,41 @@ class WorkerHealth:
         log.warning("a Ray worker made no progress for %.0f s (--task-timeout %g) on %s: cancelled its slice, killing "
                     "the worker; %s", seconds, self.task_timeout, place, then)
         return self._hung_for_good(task, hangs) if final else None
+
+    def ray_start_died(self, task: Task | None, node: str, how: str, text: str, built: int) -> str | None:
+        """Say that a Ray worker died before its first image (``remote.bridge.StartDied``): before ``task``'s
+        slice began (or its first sample), or running the probe of ``node`` (``task`` None); ``how``: the Ray
+        error's name, ``text`` its message; ``built``: the slices the cluster has built so far.  Why the job
+        must stop when more than ``MAX_WORKER_RESTARTS`` died so within ``RESTART_WINDOW_SECONDS`` and the
+        cluster built no slice since the first, else None: the bridge submits the slice again (a probe runs
+        again), as ever.  A slice built shows that its workers do start: the count begins again from there,
+        so a large cluster's own churn (OOM kills, a node's workers lost) never adds up to a stop."""
+        now = time.monotonic()
+        if built != self.ray_built:
+            self.ray_built = built
+            self.ray_start_deaths.clear()
+        self.ray_start_deaths.append(now)
+        while now - self.ray_start_deaths[0] > RESTART_WINDOW_SECONDS:
+            self.ray_start_deaths.popleft()
+        deaths = len(self.ray_start_deaths)
+        where = (f"running the probe of node {node}" if task is None else
+                 f"before the first image of its slice of {self._batch_of(task)}")
+        if deaths <= MAX_WORKER_RESTARTS:
+            log.warning("a Ray worker died (Ray: %s: %s) %s; Ray starts another and the %s again (Ray workers dead "
+                        "before their first image: %d within %.0f s, no slice built on the cluster since; more than %d "
+                        "stop the job)", how, text, where, "node is probed" if task is None else "slice is submitted",
+                        deaths, RESTART_WINDOW_SECONDS, MAX_WORKER_RESTARTS)
+            return None
+        hook = self.pool.job.augment.transform
+        tried = (f", and whether `python -c 'import {hook.partition(':')[0]}'` returns there (in the daemon's "
+                 "environment)" if hook is not None else "")
+        return (f"the Ray cluster's workers die before their first image: {deaths} within "
+                f"{RESTART_WINDOW_SECONDS:.0f} s, and the cluster built no slice since (the last: Ray: {how}, "
+                f"{where}). "
+                "Such a worker dies as it starts: importing prefetchd, torch or the --transform hook's module, or "
+                "loading the job (out of memory?), before any file is read. Look at the Ray worker logs on the "
+                f"nodes (`ray logs`, or /tmp/ray/session_latest/logs/worker-*.err there){tried}; fix that and "
+                "start the daemon again (it resumes)")
 
     def _hang(self, task: Task, where: str) -> list[str]:
         """Count a hang of ``task`` on ``where`` (a file as the log shows it); the task's hangs so far."""

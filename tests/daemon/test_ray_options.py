@@ -195,7 +195,8 @@ def test_a_head_nobody_runs_is_told_at_once_and_local_workers_build_meanwhile(
     started = time.monotonic()
     pool.start()
     try:
-        wait_for(lambda: pool.handle(lambda _t, _r: None, lambda t: t, lambda _t, _f: None) or pool.process is None, 20,
+        wait_for(lambda: pool.handle(lambda _t, _r: None, lambda t: t, lambda _t, _f: None, lambda _f, _t: None)
+                 or pool.process is None, 20,
                  "the bridge to give up on the address")
     finally:
         pool.stop()
@@ -222,7 +223,8 @@ def test_a_head_that_accepts_but_does_not_answer_is_warned_about_while_local_wor
         pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), address, None, 2, 600.0)
         pool.start()
         try:
-            wait_for(lambda: pool.handle(lambda _t, _r: None, lambda t: t, lambda _t, _f: None) or pool.told_no_answer, 10,
+            wait_for(lambda: pool.handle(lambda _t, _r: None, lambda t: t, lambda _t, _f: None, lambda _f, _t: None)
+                     or pool.told_no_answer, 10,
                      "the warning that the cluster does not answer")
             assert pool.process is not None and pool.process.is_alive(), "still trying"
         finally:
@@ -251,7 +253,7 @@ def test_a_warning_a_new_bridge_sends_again_is_not_logged_again(
         child.send(Note(logging.WARNING, unfit))
         child.send(Note(logging.INFO, retried))
         with caplog.at_level(logging.INFO, logger="prefetchd.daemon.remote.pool"):
-            pool._receive(lambda _t, _r: None, lambda t: t, lambda _t, _f: None)
+            pool._receive(lambda _t, _r: None, lambda t: t, lambda _t, _f: None, lambda _f, _t: None)
         parent.close()
         child.close()
     said = [(r.levelno, r.getMessage()) for r in caplog.records]

@@ -187,7 +187,7 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
         requeued.extend(tasks)
         return tasks
 
-    pool._receive(lambda *_: None, requeue, lambda *_: None)
+    pool._receive(lambda *_: None, requeue, lambda *_: None, lambda *_: None)
     assert requeued == [task] and pool.retries == bridge.MAX_ATTEMPTS - 1
 
 
@@ -447,7 +447,8 @@ class _Wired:
         return SimpleNamespace(result=lambda: (result, pixels, NODE))
 
     def controller_turn(self) -> None:
-        self.pool._receive(self.producer._complete, self.builds.requeue, self.producer._remote_fault)
+        self.pool._receive(self.producer._complete, self.builds.requeue, self.producer._remote_fault,
+                           self.producer._ray_start_died)
 
 
 def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never_relaunched(tmp_path: Path,

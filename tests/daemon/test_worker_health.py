@@ -1,6 +1,6 @@
 """What a dead worker's whereabouts make of its death (worker_health.WorkerHealth.died): a file is blamed
 only where workers died on it running the same task again, never for deaths that fell elsewhere; and what the
-controller makes of a Ray slice's stall."""
+controller makes of a Ray slice's stall and of Ray workers that die before their first image."""
 
 from __future__ import annotations
 
@@ -114,3 +114,21 @@ def test_a_ray_slice_without_progress_is_said_as_a_local_workers_stall(caplog: A
     assert caplog.text.count("a slice on the Ray cluster has made no progress") == 1, "said once in the log"
     h.hung(None)  # handed back: the bridge reports it no more
     assert h.stall_note is None and h.stall is None
+
+
+def test_ray_workers_that_die_before_their_first_image_stop_the_job_unless_the_cluster_builds_meanwhile() -> None:
+    """Such a death blames no file, and the bridge submits the slice again: where every Ray worker dies so (a
+    hook's module that kills the process importing it), the slice went round for good."""
+    pool: Any = SimpleNamespace(job=SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug")))
+    h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
+    for death in range(MAX_WORKER_RESTARTS):
+        task = TASKS[1] if death % 2 else None  # a slice's, or a probe's
+        assert h.ray_start_died(task, "cpu-2/77ab01c3", "WorkerCrashedError", "...", 0) is None
+    # A slice the cluster built: its workers do start, and the count begins again (a big cluster's own churn).
+    for _death in range(MAX_WORKER_RESTARTS):
+        assert h.ray_start_died(TASKS[2], "", "WorkerCrashedError", "...", 1) is None
+    why = h.ray_start_died(TASKS[2], "", "OutOfMemoryError", "...", 1)
+    assert why is not None and why.startswith(f"the Ray cluster's workers die before their first image: "
+                                              f"{MAX_WORKER_RESTARTS + 1} within 60 s"), why
+    assert "(the last: Ray: OutOfMemoryError, before the first image of its slice of task 2)" in why, why
+    assert "Ray worker logs" in why and "`python -c 'import users.hooks'`" in why, why

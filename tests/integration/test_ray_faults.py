@@ -1,7 +1,8 @@
 """A slice that hangs on a Ray cluster, or kills the Ray worker building it, is judged as a local worker's task
 is (``worker_health``): after --task-timeout without progress its Ray worker is killed and the slice built again
 (3 hangs stop the job, naming the file), and a quarter of the way there the status says the stall, so that a
-trainer waits on; a file that kills its Ray worker twice is replaced as undecodable.
+trainer waits on; a file that kills its Ray worker twice is replaced as undecodable; Ray workers that all die
+before their first image stop the job, saying so.
 
 Each test runs a remote-only daemon (``--workers 0 --ray local``: a private cluster of its own) in a
 loopback-only network namespace (``ray_namespace``), beside a trainer outside it that reads the buffer,
@@ -25,7 +26,7 @@ import pytest
 from prefetchd.buffer_protocol import State, read_status
 from prefetchd.buffer_protocol.status import BadFile
 from prefetchd.daemon.errors import EXIT_FAILURE
-from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_TASK_HANGS
+from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_TASK_HANGS, MAX_WORKER_RESTARTS
 from prefetchd.launch import launch, start_argv
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.errors import DaemonGone
@@ -219,3 +220,26 @@ def test_a_slice_that_hangs_on_the_cluster_is_said_as_a_stall_and_the_trainer_wa
     assert said and "a slice on the Ray cluster has made no progress" in said[0], said
     final = read_status(buffer)
     assert final.production is not None and final.production.errors.worker_hangs == 1, daemon.log
+
+
+def test_ray_workers_that_die_before_their_first_image_stop_the_job_saying_where_to_look(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_ray_daemon: Any) -> None:
+    """A Ray worker that died before its first image (here the hook's module kills it when imported) blamed no
+    file, so its slice went round for good: 3 attempts at the bridge, back to the daemon's queue, to the bridge
+    again, and with --workers 0 the trainer timed out.  Now such deaths are counted as the
+    restart limit counts a local worker's: more than 10 within 60 s, with no slice built on the cluster since,
+    stop the job with what to look at."""
+    data, _magenta = magenta_data
+    buffer = shm_dir / "bf"
+    hook = "tests.integration.killing_import_hook"
+    daemon = start_ray_daemon(buffer, *JOB, "--data", data, "--transform", f"{hook}:identity")
+    with pytest.raises(DaemonGone) as gone:
+        read_all(buffer)
+    assert "the Ray cluster's workers die before their first image" in str(gone.value), gone.value
+    assert f"`python -c 'import {hook}'`" in str(gone.value) and "Ray worker logs" in str(gone.value), gone.value
+    assert daemon.wait_exit(30) == EXIT_FAILURE, daemon.log
+    final = read_status(buffer)
+    assert final.state == State.FAILED and "die before their first image" in final.message, daemon.log
+    deaths = [line for line in daemon.log.splitlines() if "a Ray worker died (Ray: " in line]
+    assert len(deaths) == MAX_WORKER_RESTARTS, daemon.log  # each said; the next one stops the job
+    assert any("before the first image of its slice of batch " in line for line in deaths), deaths

@@ -45,7 +45,11 @@ reported a quarter of the way there (``Stalled``, in the bridge's ``Report``),
 and the controller says it as a local worker's stall (the status's
 ``worker_stall``: a trainer waits on).  One that hung or lost its worker is built an item at a
 time from then on, saying each sample first (a replacement too), so that its next hang
-names the file and its next death is counted on that file (``Died``).  Since a
+names the file and its next death is counted on that file (``Died``).  A Ray
+worker that dies before its first image blames no file: the bridge submits its
+slice again and tells the controller (``StartDied``), which stops the job when
+more than ``MAX_WORKER_RESTARTS`` die so within a minute while the cluster
+builds nothing, as the restart limit does for local workers.  Since a
 batch is a pure function of (seed, epoch, step, rank) nothing is lost or
 duplicated.  The slices of a build the controller cancels (a rewind) are
 forgotten by the bridge at its word (``Cancel``): answered at once and never

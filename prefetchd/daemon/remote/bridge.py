@@ -1,7 +1,8 @@
 """The bridge process: the Ray driver.  It submits the controller's slices to the cluster, writes
 what comes back into the batches' temp files, resubmits what the cluster lost, relaunches
 stragglers, hands back the slices that hang or kill their Ray workers, and reports the cluster's
-nodes and CPUs and the slice that has gone longest without progress (see ``prefetchd.daemon.remote``)."""
+nodes and CPUs, the slice that has gone longest without progress, and the Ray workers that die before their
+first image (see ``prefetchd.daemon.remote``)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,21 @@ class Died:
     sample: int
     how: str  # the Ray error's name: WorkerCrashedError, OutOfMemoryError (Ray's memory monitor), ...
     retries: int
+
+
+@dataclass(frozen=True)
+class StartDied:
+    """A Ray worker died before the first image of what it ran: before a slice began (in the worker's start:
+    importing prefetchd, torch or the --transform hook's module; loading the job), or, for a slice built an item
+    at a time, before its first sample; or running a node's probe (``task_id`` None).  No file is to blame, so
+    the bridge submits the slice again as ever (``_again``); the controller counts these deaths
+    (``WorkerHealth.ray_start_died``): where the cluster's workers all die so, the job stops instead of sending
+    the slices round for good.  Not for a node's death (Ray's NodeDiedError): that is a node leaving."""
+
+    task_id: int | None
+    how: str  # the Ray error's name: WorkerCrashedError, OutOfMemoryError, ...
+    text: str  # the first line of Ray's message
+    node: str = ""  # the node's label, for a probe (pinned to it); "" for a slice (not known where it ran)
 
 
 @dataclass(frozen=True)
@@ -501,7 +517,10 @@ class Bridge:
         """``copy`` of slice ``s`` ended with its Ray worker or node.  Built an item at a time, it says the
         sample it died on: handed back (``Died``) for the controller to count that death on the file.
         Else it is submitted again (``_again``), an item at a time from now on, so that a file that kills
-        whatever decodes it is named by its next death."""
+        whatever decodes it is named by its next death.  One that died before its first image (before it
+        began, or built an item at a time, before its first sample) is told to the controller too
+        (``StartDied``): no file killed it, and where every Ray worker dies so the slice would go round for
+        good."""
         if isinstance(copy, _Copy) and copy.track:
             copy.poll(self.ray, time.monotonic())  # the items it began before it died
         if isinstance(copy, _Copy) and copy.track and copy.on is not None:
@@ -511,8 +530,16 @@ class Bridge:
                     self._cancel(other)
             self.conn.send(Died(s.task.task_id, copy.on, type(exc).__name__, s.attempts - 1))
             return
+        if isinstance(copy, _Copy) and (copy.moved is None or copy.track):
+            self._start_died(s.task.task_id, exc)
         self.track.add(s.task.task_id)
         self._again(s, copy, f"{type(exc).__name__}: {exc}")
+
+    def _start_died(self, task_id: int | None, exc: Exception, node: str = "") -> None:
+        """Tell the controller of a Ray worker that died before its first image (``StartDied``), unless its
+        node died: a node that leaves takes its workers with it, however far they got."""
+        if not isinstance(exc, self.ray.exceptions.NodeDiedError):
+            self.conn.send(StartDied(task_id, type(exc).__name__, _first_line(exc), node))
 
     def _hand_back_hung(self, now: float) -> None:
         """Cancel each slice that has made no progress for --task-timeout, killing the Ray workers that
@@ -603,8 +630,9 @@ class Bridge:
             self._unfit(node, f"cannot run prefetchd's tasks ({_last_line(exc)}); install prefetchd[ray], at the "
                               "daemon's version, on every node")
             return
-        except self.ray.exceptions.RayError:
+        except self.ray.exceptions.RayError as exc:
             del self.nodes[node_id]  # its worker died: probed again at the next report if it is alive
+            self._start_died(None, exc, node.label)
             return
         self._answered(node_id, answer)
 
@@ -663,6 +691,11 @@ class _Streamed:
 def _last_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[-1][:300] if text else type(exc).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def write_rows(task: Task, result: Filled, pixels: Sequence[np.ndarray]) -> Filled | WriteFailed:
@@ -742,4 +775,4 @@ def bridge_main(conn: Connection, job: WorkerJob, address: str, task_timeout: fl
 
 
 __all__ = ["Bridge", "Cancel", "Cancelled", "Died", "Done", "Hung", "Note", "Report", "Returned", "Stalled",
-           "bridge_main", "connect", "unreachable", "write_rows"]
+           "StartDied", "bridge_main", "connect", "unreachable", "write_rows"]

@@ -19,7 +19,7 @@ from prefetchd.buffer_protocol import RemoteNode, RemoteStatus
 from prefetchd.daemon.config import require_ray
 from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
 from prefetchd.daemon.remote.bridge import (REPORT_SECONDS, REPROBE_SECONDS, Cancel, Cancelled, Died, Done, Hung, Note,
-                                            Report, Returned, Stalled, bridge_main)
+                                            Report, Returned, Stalled, StartDied, bridge_main)
 from prefetchd.daemon.worker_health import SliceStall
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.words import counted
@@ -47,6 +47,9 @@ Requeue = Callable[[list[Task]], list[Task]]
 # The producer's ``_remote_fault``: a slice that hung at the cluster, or killed the Ray worker building it, judged as
 # a local worker's hang or death is (``worker_health``); it queues the slice again unless the job stops.
 OnFault = Callable[[Task, "Hung | Died"], None]
+# The producer's ``_ray_start_died``: a Ray worker died before its first image (``StartDied``), with the task of
+# the slice it ran (None: a probe), counted towards the bound that stops a job whose Ray workers all die so.
+OnStartDied = Callable[[StartDied, "Task | None"], None]
 
 
 @dataclass
@@ -147,16 +150,16 @@ class RemotePool:
         return min(timeout, REPORT_SECONDS)
 
     def handle(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
-               on_fault: OnFault) -> None:
+               on_fault: OnFault, on_start_died: OnStartDied) -> None:
         """Hand on what the bridge sent; notice a dead or silent one; reconnect when it is time."""
         now = time.monotonic()
         if self.process is None:
             if now >= self.retry_at:
                 self.start()
             return
-        self._receive(on_result, requeue, on_fault)
+        self._receive(on_result, requeue, on_fault, on_start_died)
         if not self.process.is_alive():
-            self._receive(on_result, requeue, on_fault)  # what it sent before it exited still counts
+            self._receive(on_result, requeue, on_fault, on_start_died)  # what it sent before it exited still counts
             self._lose(self.refusal or f"the bridge process exited (code {self.process.exitcode})", requeue)
         elif self.connected and now - self.last_report > SILENT_SECONDS:
             self._lose(f"no answer from the cluster for {SILENT_SECONDS:.0f} s", requeue)
@@ -190,7 +193,7 @@ class RemotePool:
         return f"{counted(self.local_workers, 'local worker')} build{'s' if self.local_workers == 1 else ''} alone"
 
     def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
-                 on_fault: OnFault) -> None:
+                 on_fault: OnFault, on_start_died: OnStartDied) -> None:
         assert self.conn is not None
         while True:
             try:
@@ -235,6 +238,10 @@ class RemotePool:
                 if task is not None:
                     self.retries += msg.retries
                     on_fault(task, msg)
+            elif isinstance(msg, StartDied):
+                task = self.in_flight.get(msg.task_id) if msg.task_id is not None else None
+                if msg.task_id is None or task is not None:  # a stale one's is no death of this job's slices
+                    on_start_died(msg, task)
 
     def _on_returned(self, task: Task, msg: Returned, requeue: Requeue) -> None:
         """A slice the cluster gave up on: queued again, unless its build was cancelled (a rewind, a failed

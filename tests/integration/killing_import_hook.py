@@ -1,0 +1,24 @@
+"""A --transform hook for test_ray_faults.py whose module kills the Ray worker that imports it (SIGKILL), as a
+module whose native extension segfaults when imported on a node, or one the OOM killer stops there, would: every
+Ray worker dies before its first image.  The daemon's own check of the hook (its main process) and the bridge (a
+Ray driver, not a worker) import it unharmed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+
+def _in_a_ray_worker() -> bool:
+    worker = sys.modules.get("ray._private.worker")
+    return worker is not None and getattr(worker.global_worker, "mode", None) == worker.WORKER_MODE
+
+
+if _in_a_ray_worker():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def identity(image: Any, rng: Any) -> Any:
+    return image
