@@ -61,7 +61,7 @@ from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_wo
 from prefetchd.daemon.producer_status import production_status
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
-from prefetchd.daemon.remote.bridge import Died, Hung, StartDied
+from prefetchd.daemon.remote.messages import Died, Hung, StartDied
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream, consumer_cap
 from prefetchd.daemon.wakeup import Wakeup

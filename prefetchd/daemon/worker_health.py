@@ -27,7 +27,7 @@ The controller (``producer.Producer``) keeps the job's verdict, and its ``builds
         why = health.replace(dead)
 
 A slice built on a Ray cluster (``--ray``) is judged the same way, from what the bridge hands back
-(``remote.bridge``): one that made no progress there for ``--task-timeout`` had its Ray workers
+(``Hung``, ``Died``: ``remote.messages``): one that made no progress there for ``--task-timeout`` had its Ray workers
 killed (``hung_remotely``: a hang of its task, counted towards ``MAX_TASK_HANGS`` with its local
 ones), and one built an item at a time whose Ray worker died says the sample it died on
 (``died_remotely``: a death on that file, counted towards ``CRASHES_TO_BLAME`` with local ones).
@@ -88,7 +88,7 @@ def stall_noted_after(limit: float) -> float:
 
 @dataclass(frozen=True)
 class SliceStall:
-    """A slice at the Ray cluster that has made no progress for a while (``remote.bridge.Stalled``): its task,
+    """A slice at the Ray cluster that has made no progress for a while (``remote.messages.Stalled``): its task,
     the sample it is on where the bridge knows it, and when it last moved on (``time.monotonic()``)."""
 
     task: Task
@@ -299,7 +299,7 @@ class WorkerHealth:
         return self._hung_for_good(task, hangs) if final else None
 
     def ray_start_died(self, task: Task | None, node: str, how: str, text: str, built: int) -> str | None:
-        """Say that a Ray worker died before its first image (``remote.bridge.StartDied``): before ``task``'s
+        """Say that a Ray worker died before its first image (``remote.messages.StartDied``): before ``task``'s
         slice began (or its first sample), or running the probe of ``node`` (``task`` None); ``how``: the Ray
         error's name, ``text`` its message; ``built``: the slices the cluster has built so far.  Why the job
         must stop when more than ``MAX_WORKER_RESTARTS`` died so within ``RESTART_WINDOW_SECONDS`` and the

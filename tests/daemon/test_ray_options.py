@@ -23,7 +23,7 @@ from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.main import run_daemon
 from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.remote import pool as pool_module
-from prefetchd.daemon.remote.bridge import connect_failure
+from prefetchd.daemon.remote.connect import connect_failure
 from prefetchd.daemon.status_view import format_status
 from prefetchd.daemon.workers import WorkerJob
 from tests.daemon.test_workers import SIZE, _dataset
@@ -241,7 +241,7 @@ def test_a_warning_a_new_bridge_sends_again_is_not_logged_again(
     """Each bridge (a new one after every reconnection) probes the nodes: an unfit node is warned about once."""
     import multiprocessing
 
-    from prefetchd.daemon.remote.bridge import Note
+    from prefetchd.daemon.remote.messages import Note
 
     index = _dataset(tmp_path / "data")
     pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), "local", None, 1, 600.0)
@@ -266,7 +266,7 @@ def test_a_cluster_whose_every_node_is_unfit_is_said_in_the_status_and_warned_on
 ) -> None:
     """With --workers 0 and every node unfit, production stopped with a connected cluster and an empty
     message: the status said nothing of why no batch came (Ray review)."""
-    from prefetchd.daemon.remote.bridge import Report
+    from prefetchd.daemon.remote.messages import Report
 
     index = _dataset(tmp_path / "data")
     pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), "10.0.0.5:6379", None, 0, 600.0)

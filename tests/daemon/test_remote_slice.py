@@ -19,8 +19,11 @@ from PIL import Image
 
 from prefetchd import __version__
 from prefetchd.daemon.plan import AugmentOptions
-from prefetchd.daemon.remote import bridge
-from prefetchd.daemon.remote.bridge import write_rows
+from prefetchd.daemon.remote.bridge import Bridge
+from prefetchd.daemon.remote.bridge_nodes import _Node
+from prefetchd.daemon.remote.bridge_rows import write_rows
+from prefetchd.daemon.remote.bridge_slices import MAX_ATTEMPTS, STRAGGLER_SAMPLES, _Slice
+from prefetchd.daemon.remote.messages import Done, Returned
 from prefetchd.daemon.remote.task import (Rows, Shipment, build_rows, build_rows_tracked, probe_samples, unable_here,
                                          unreadable)
 from prefetchd.daemon.sources import SampleReader
@@ -160,23 +163,23 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
             return self.pop(0)
 
     conn = Sent()
-    b = object.__new__(bridge.Bridge)  # its books alone: no cluster
+    b = object.__new__(Bridge)  # its books alone: no cluster
     b.conn, b.nodes, b.slices, b.track = conn, {}, {}, set()
     submissions: list[int] = []
 
-    def submit(s: bridge._Slice) -> None:
+    def submit(s: _Slice) -> None:
         submissions.append(s.task.task_id)
         s.refs.append(object())
 
     b._submit = submit  # type: ignore[method-assign]
     task = Task(7, "/dev/shm/none/b.tmp", 0, SLOT, 0, ((0, 1),))
-    s = bridge._Slice(task, 0.0)
+    s = _Slice(task, 0.0)
     b.slices[7] = s
     submit(s)
     while 7 in b.slices:
         b._again(s, s.refs[-1], "RayActorError: the worker died")
-    returned = [m for m in conn if isinstance(m, bridge.Returned)]
-    assert len(submissions) == bridge.MAX_ATTEMPTS and [m.retries for m in returned] == [bridge.MAX_ATTEMPTS - 1]
+    returned = [m for m in conn if isinstance(m, Returned)]
+    assert len(submissions) == MAX_ATTEMPTS and [m.retries for m in returned] == [MAX_ATTEMPTS - 1]
 
     pool = object.__new__(RemotePool)
     pool.in_flight, pool.paths, pool.retries, pool.returned = {7: task}, Counter({task.path: 1}), 0, 0
@@ -188,7 +191,7 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
         return tasks
 
     pool._receive(lambda *_: None, requeue, lambda *_: None, lambda *_: None)
-    assert requeued == [task] and pool.retries == bridge.MAX_ATTEMPTS - 1
+    assert requeued == [task] and pool.retries == MAX_ATTEMPTS - 1
 
 
 NODE_ID = "0123456789abcdef0123"
@@ -197,12 +200,12 @@ NODE = f"worker-7/{NODE_ID[:8]}"  # as node_label names it; Ray's spelling of th
 
 def _bridge_for(job: WorkerJob, sent: list[object]) -> Any:
     """A Bridge's books for ``job``, with one node, NODE_ID: no cluster."""
-    b = object.__new__(bridge.Bridge)
+    b = object.__new__(Bridge)
     b.conn, b.latencies, b.slices = SimpleNamespace(send=sent.append), [], {}
     b.ray = SimpleNamespace(exceptions=SimpleNamespace(TaskCancelledError=KeyError, RayTaskError=KeyError,
                                                        RayError=KeyError))
     b.job, b.reader, b.prepared, b.failing_here = job, SampleReader(job.index), False, set()
-    b.nodes = {NODE_ID: bridge._Node(NODE, 1)}
+    b.nodes = {NODE_ID: _Node(NODE, 1)}
     b.track = set()
     return b
 
@@ -210,9 +213,9 @@ def _bridge_for(job: WorkerJob, sent: list[object]) -> Any:
 def _finish_from_node(b: Any, task: Task, built: tuple[Any, Any]) -> Any:
     """Hand ``b`` the node's ``built`` (result, pixels) for ``task``, as Ray's future would; the Done sent."""
     ref = object()
-    b.slices[task.task_id] = bridge._Slice(task, 0.0, refs=[ref])
+    b.slices[task.task_id] = _Slice(task, 0.0, refs=[ref])
     b._finish(task.task_id, ref, SimpleNamespace(result=lambda: (*built, NODE)))
-    done = [m for m in b.conn.send.__self__ if isinstance(m, bridge.Done)]
+    done = [m for m in b.conn.send.__self__ if isinstance(m, Done)]
     return done[-1]
 
 
@@ -343,23 +346,23 @@ def test_a_node_found_reading_otherwise_has_its_next_such_slice_built_elsewhere_
     build_here = b._build_here
     b._build_here = lambda task: (built.append(task.task_id), build_here(task))[1]
     b._submit = lambda s: submitted.append(s.task.task_id)
-    b.nodes["other-node-id-000"] = bridge._Node("other/other-no", 1)
+    b.nodes["other-node-id-000"] = _Node("other/other-no", 1)
     _finish_from_node(b, Task(1, str(_batch_file(tmp_path / "1.tmp", 2)), OFFSET, SLOT, 3, items), on_node[0])
     task = Task(2, str(_batch_file(tmp_path / "2.tmp", 2)), OFFSET, SLOT, 3, items)
     ref = object()
-    b.slices[2] = bridge._Slice(task, 0.0, refs=[ref])
+    b.slices[2] = _Slice(task, 0.0, refs=[ref])
     b._finish(2, ref, SimpleNamespace(result=lambda: (*on_node[1], NODE)))
     assert built == [1] and submitted == [2] and 2 in b.slices, "the second went to another node, uncounted"
-    assert not [m for m in sent if isinstance(m, bridge.Done) and m.result.task_id == 2]
+    assert not [m for m in sent if isinstance(m, Done) and m.result.task_id == 2]
 
 
 def test_a_probe_begun_before_a_node_read_otherwise_does_not_clear_it() -> None:
     from prefetchd.daemon.remote.task import NodeAnswer
 
     sent: list[object] = []
-    b = object.__new__(bridge.Bridge)
+    b = object.__new__(Bridge)
     b.conn = SimpleNamespace(send=sent.append)
-    b.nodes = {NODE_ID: bridge._Node(NODE, 1)}
+    b.nodes = {NODE_ID: _Node(NODE, 1)}
     node = b.nodes[NODE_ID]
     node.reason, node.differs, node.covers, node.probed = "reads 1 sample otherwise ...", ((5, "d"),), (), 99.0
     b._answered(NODE_ID, NodeAnswer(NODE_ID, "worker-7", 8, ()))  # the probe begun at the node's join
@@ -424,9 +427,9 @@ class _Wired:
         self.refs: dict[int, object] = {}
         self.cancelled_refs: list[object] = []
         b.ray.cancel = lambda ref, force=False: self.cancelled_refs.append(ref)
-        b.latencies = [0.01] * bridge.STRAGGLER_SAMPLES  # stragglers are relaunched after 2 s
+        b.latencies = [0.01] * STRAGGLER_SAMPLES  # stragglers are relaunched after 2 s
 
-        def submit(s: bridge._Slice) -> None:
+        def submit(s: _Slice) -> None:
             self.submitted.append(s.task.task_id)
             s.refs.append(self.refs.setdefault(s.task.task_id, object()))
 
@@ -496,7 +499,7 @@ def test_a_late_result_of_a_cancelled_slice_never_reaches_the_next_build_of_its_
     for task in w.tasks:  # the cancelled copies' results arrive
         w.bridge._finish(task.task_id, w.refs[task.task_id], w.built(task))
     assert w.path.read_bytes() == bytes(OFFSET + 4 * SLOT), "nothing written into the new build's file"
-    assert not [m for m in w.answers if isinstance(m, bridge.Done)] and len(w.aborted) == 1
+    assert not [m for m in w.answers if isinstance(m, Done)] and len(w.aborted) == 1
 
 
 def test_a_slice_written_before_its_build_was_cancelled_is_reported_as_built(tmp_path: Path) -> None:
@@ -524,7 +527,7 @@ def test_a_slice_the_cluster_gives_back_after_its_build_was_cancelled_is_dropped
     w = _Wired(tmp_path)
     lost = "RayActorError: the worker died"
     for s in w.bridge.slices.values():
-        s.attempts = bridge.MAX_ATTEMPTS  # its last attempt runs
+        s.attempts = MAX_ATTEMPTS  # its last attempt runs
     with caplog.at_level(logging.DEBUG):
         w.bridge._again(w.bridge.slices[2], w.refs[2], lost)  # handed back while its build is live ...
         w.controller_turn()
@@ -543,4 +546,4 @@ def test_a_slice_the_cluster_gives_back_after_its_build_was_cancelled_is_dropped
                         "was cancelled"),
     ], said
     # Both were retried at the cluster; only the live one counts against the warnings' budget.
-    assert w.pool.retries == 2 * (bridge.MAX_ATTEMPTS - 1) and w.pool.returned == 1
+    assert w.pool.retries == 2 * (MAX_ATTEMPTS - 1) and w.pool.returned == 1

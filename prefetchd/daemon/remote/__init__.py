@@ -57,6 +57,14 @@ written after, since the build's temp file goes once they are answered.  A
 bridge that dies, or reports nothing for ``SILENT_SECONDS`` (the cluster is
 gone), is replaced every ``RECONNECT_SECONDS``; meanwhile its slices go back
 to the queue and the local workers build them alone.
+
+The pieces, each a module: ``pool.py`` the controller's side (``RemotePool``), which starts the bridge
+and feeds it; ``messages.py`` what the two say over the pipe; ``bridge.py`` the bridge process
+(``bridge_main``, and the ``Bridge``'s loop), with ``connect.py`` (``ray.init``, and why it failed),
+``bridge_slices.py`` (the slices in flight: submitted, again, handed back, forgotten; each submission a
+``slice_copy.py`` ``_Copy``), ``bridge_nodes.py`` (the nodes, their probes, the report) and
+``bridge_rows.py`` (a node's build checked against the box's, and written into the temp file); ``task.py``
+what runs on the Ray workers (``build_slice``, ``probe_node``).
 """
 
 from prefetchd.daemon.remote.pool import RemotePool

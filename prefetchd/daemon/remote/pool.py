@@ -18,8 +18,10 @@ import numpy as np
 from prefetchd.buffer_protocol import RemoteNode, RemoteStatus
 from prefetchd.daemon.config import require_ray
 from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
-from prefetchd.daemon.remote.bridge import (REPORT_SECONDS, REPROBE_SECONDS, Cancel, Cancelled, Died, Done, Hung, Note,
-                                            Report, Returned, Stalled, StartDied, bridge_main)
+from prefetchd.daemon.remote.bridge import bridge_main
+from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS
+from prefetchd.daemon.remote.messages import (REPORT_SECONDS, Cancel, Cancelled, Died, Done, Hung, Note, Report, Returned,
+                                              Stalled, StartDied)
 from prefetchd.daemon.worker_health import SliceStall
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.words import counted
