@@ -20,9 +20,9 @@ from PIL import Image
 from prefetchd import __version__
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.remote.bridge import Bridge
-from prefetchd.daemon.remote.bridge_nodes import _Node
+from prefetchd.daemon.remote.bridge_nodes import BridgeNode
 from prefetchd.daemon.remote.bridge_rows import write_rows
-from prefetchd.daemon.remote.bridge_slices import MAX_ATTEMPTS, STRAGGLER_SAMPLES, _Slice
+from prefetchd.daemon.remote.bridge_slices import MAX_ATTEMPTS, STRAGGLER_SAMPLES, SliceInFlight
 from prefetchd.daemon.remote.messages import Done, Returned
 from prefetchd.daemon.remote.task import (Rows, Shipment, build_rows, build_rows_tracked, probe_samples, unable_here,
                                          unreadable)
@@ -167,13 +167,13 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
     b.conn, b.nodes, b.slices, b.track = conn, {}, {}, set()
     submissions: list[int] = []
 
-    def submit(s: _Slice) -> None:
+    def submit(s: SliceInFlight) -> None:
         submissions.append(s.task.task_id)
         s.refs.append(object())
 
     b._submit = submit  # type: ignore[method-assign]
     task = Task(7, "/dev/shm/none/b.tmp", 0, SLOT, 0, ((0, 1),))
-    s = _Slice(task, 0.0)
+    s = SliceInFlight(task, 0.0)
     b.slices[7] = s
     submit(s)
     while 7 in b.slices:
@@ -205,7 +205,7 @@ def _bridge_for(job: WorkerJob, sent: list[object]) -> Any:
     b.ray = SimpleNamespace(exceptions=SimpleNamespace(TaskCancelledError=KeyError, RayTaskError=KeyError,
                                                        RayError=KeyError))
     b.job, b.reader, b.prepared, b.failing_here = job, SampleReader(job.index), False, set()
-    b.nodes = {NODE_ID: _Node(NODE, 1)}
+    b.nodes = {NODE_ID: BridgeNode(NODE, 1)}
     b.track = set()
     return b
 
@@ -213,7 +213,7 @@ def _bridge_for(job: WorkerJob, sent: list[object]) -> Any:
 def _finish_from_node(b: Any, task: Task, built: tuple[Any, Any]) -> Any:
     """Hand ``b`` the node's ``built`` (result, pixels) for ``task``, as Ray's future would; the Done sent."""
     ref = object()
-    b.slices[task.task_id] = _Slice(task, 0.0, refs=[ref])
+    b.slices[task.task_id] = SliceInFlight(task, 0.0, refs=[ref])
     b._finish(task.task_id, ref, SimpleNamespace(result=lambda: (*built, NODE)))
     done = [m for m in b.conn.send.__self__ if isinstance(m, Done)]
     return done[-1]
@@ -346,11 +346,11 @@ def test_a_node_found_reading_otherwise_has_its_next_such_slice_built_elsewhere_
     build_here = b._build_here
     b._build_here = lambda task: (built.append(task.task_id), build_here(task))[1]
     b._submit = lambda s: submitted.append(s.task.task_id)
-    b.nodes["other-node-id-000"] = _Node("other/other-no", 1)
+    b.nodes["other-node-id-000"] = BridgeNode("other/other-no", 1)
     _finish_from_node(b, Task(1, str(_batch_file(tmp_path / "1.tmp", 2)), OFFSET, SLOT, 3, items), on_node[0])
     task = Task(2, str(_batch_file(tmp_path / "2.tmp", 2)), OFFSET, SLOT, 3, items)
     ref = object()
-    b.slices[2] = _Slice(task, 0.0, refs=[ref])
+    b.slices[2] = SliceInFlight(task, 0.0, refs=[ref])
     b._finish(2, ref, SimpleNamespace(result=lambda: (*on_node[1], NODE)))
     assert built == [1] and submitted == [2] and 2 in b.slices, "the second went to another node, uncounted"
     assert not [m for m in sent if isinstance(m, Done) and m.result.task_id == 2]
@@ -362,7 +362,7 @@ def test_a_probe_begun_before_a_node_read_otherwise_does_not_clear_it() -> None:
     sent: list[object] = []
     b = object.__new__(Bridge)
     b.conn = SimpleNamespace(send=sent.append)
-    b.nodes = {NODE_ID: _Node(NODE, 1)}
+    b.nodes = {NODE_ID: BridgeNode(NODE, 1)}
     node = b.nodes[NODE_ID]
     node.reason, node.differs, node.covers, node.probed = "reads 1 sample otherwise ...", ((5, "d"),), (), 99.0
     b._answered(NODE_ID, NodeAnswer(NODE_ID, "worker-7", 8, ()))  # the probe begun at the node's join
@@ -429,7 +429,7 @@ class _Wired:
         b.ray.cancel = lambda ref, force=False: self.cancelled_refs.append(ref)
         b.latencies = [0.01] * STRAGGLER_SAMPLES  # stragglers are relaunched after 2 s
 
-        def submit(s: _Slice) -> None:
+        def submit(s: SliceInFlight) -> None:
             self.submitted.append(s.task.task_id)
             s.refs.append(self.refs.setdefault(s.task.task_id, object()))
 

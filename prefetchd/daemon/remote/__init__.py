@@ -62,7 +62,7 @@ The pieces, each a module: ``pool.py`` the controller's side (``RemotePool``), w
 and feeds it; ``messages.py`` what the two say over the pipe; ``bridge.py`` the bridge process
 (``bridge_main``, and the ``Bridge``'s loop), with ``connect.py`` (``ray.init``, and why it failed),
 ``bridge_slices.py`` (the slices in flight: submitted, again, handed back, forgotten; each submission a
-``slice_copy.py`` ``_Copy``), ``bridge_nodes.py`` (the nodes, their probes, the report) and
+``slice_copy.py`` ``SliceCopy``), ``bridge_nodes.py`` (the nodes, their probes, the report) and
 ``bridge_rows.py`` (a node's build checked against the box's, and written into the temp file); ``task.py``
 what runs on the Ray workers (``build_slice``, ``probe_node``).
 """

@@ -6,7 +6,7 @@ first image (see ``prefetchd.daemon.remote``).
 
 ``bridge_main`` connects to the cluster (``connect.py``) and runs a ``Bridge``: its loop, the pipe and Ray's
 completions are here, and three parts, each a module: the slices in flight (``bridge_slices.py``; each
-submission of one a ``slice_copy._Copy``), the nodes and their probes (``bridge_nodes.py``), and what comes
+submission of one a ``slice_copy.SliceCopy``), the nodes and their probes (``bridge_nodes.py``), and what comes
 back of a slice, checked against the daemon's box and written into the batch's temp file
 (``bridge_rows.py``).  What it says to the controller, and hears, is ``messages.py``."""
 
@@ -22,12 +22,12 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from prefetchd import __version__
-from prefetchd.daemon.remote.bridge_nodes import BridgeNodes, _Node
+from prefetchd.daemon.remote.bridge_nodes import BridgeNodes, BridgeNode
 from prefetchd.daemon.remote.bridge_rows import BridgeRows
-from prefetchd.daemon.remote.bridge_slices import BridgeSlices, _Slice
+from prefetchd.daemon.remote.bridge_slices import BridgeSlices, SliceInFlight
 from prefetchd.daemon.remote.connect import connect, connect_failure, unreachable
-from prefetchd.daemon.remote.messages import REPORT_SECONDS, Cancel, Note, Report, Stalled, StartDied, _first_line
-from prefetchd.daemon.remote.slice_copy import _Copy
+from prefetchd.daemon.remote.messages import REPORT_SECONDS, Cancel, Note, Report, Stalled, StartDied, first_line
+from prefetchd.daemon.remote.slice_copy import SliceCopy
 from prefetchd.daemon.remote.task import Shipment, build_slice, probe_node, probe_samples
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.worker_health import stall_noted_after
@@ -59,9 +59,9 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
         self.build = ray.remote(build_slice)
         self.probe = ray.remote(probe_node)
         self._build_on: tuple[frozenset[str], dict[bool, Any]] = (frozenset(), self._builds())
-        self.nodes: dict[str, _Node] = {}  # by Ray's node id
-        self.slices: dict[int, _Slice] = {}
-        # The slices that hung or killed their Ray worker here: built an item at a time from then on (``_Copy``).
+        self.nodes: dict[str, BridgeNode] = {}  # by Ray's node id
+        self.slices: dict[int, SliceInFlight] = {}
+        # The slices that hung or killed their Ray worker here: built an item at a time from then on (``SliceCopy``).
         self.track: set[int] = set()
         self.latencies: deque[float] = deque(maxlen=256)
         self.errors: set[str] = set()  # errors of Ray workers that could not run a slice, each warned once
@@ -76,7 +76,7 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
     def run(self) -> None:
         last_report = 0.0
         while True:
-            tracking = any(c.track for s in self.slices.values() for c in s.refs if isinstance(c, _Copy))
+            tracking = any(c.track for s in self.slices.values() for c in s.refs if isinstance(c, SliceCopy))
             ready = wait([self.conn, self._r], TRACK_POLL_SECONDS if tracking else REPORT_SECONDS)
             if self._r in ready:
                 os.read(self._r, 4096)
@@ -111,7 +111,7 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
             if isinstance(task, Cancel):
                 self._forget(task.task_ids)
                 continue
-            self.slices[task.task_id] = _Slice(task, time.monotonic())
+            self.slices[task.task_id] = SliceInFlight(task, time.monotonic())
             self._submit(self.slices[task.task_id])
         return True
 
@@ -132,12 +132,12 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
         """Tell the controller of a Ray worker that died before its first image (``StartDied``), unless its
         node died: a node that leaves takes its workers with it, however far they got."""
         if not isinstance(exc, self.ray.exceptions.NodeDiedError):
-            self.conn.send(StartDied(task_id, type(exc).__name__, _first_line(exc), node))
+            self.conn.send(StartDied(task_id, type(exc).__name__, first_line(exc), node))
 
     def _cancel(self, ref: Any, force: bool = False) -> None:
-        """Cancel a Ray task (a slice's ``_Copy``, or a probe's reference); ``force``: kill its worker too."""
+        """Cancel a Ray task (a slice's ``SliceCopy``, or a probe's reference); ``force``: kill its worker too."""
         try:
-            self.ray.cancel(ref.gen if isinstance(ref, _Copy) else ref, force=force)
+            self.ray.cancel(ref.gen if isinstance(ref, SliceCopy) else ref, force=force)
         except Exception:  # already finished or its node gone: nothing to stop
             pass
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from prefetchd.daemon.remote.messages import Note, Report, Stalled, _last_line
+from prefetchd.daemon.remote.messages import Note, Report, Stalled, last_line
 from prefetchd.daemon.remote.task import NodeAnswer, Sample, node_label
 from prefetchd.words import counted
 
@@ -24,7 +24,7 @@ REPROBE_SECONDS = 30.0  # an unfit node that could read --data again (a mount ba
 
 
 @dataclass
-class _Node:
+class BridgeNode:
     """An alive node with CPUs, as the bridge knows it: unfit once it failed the probe."""
 
     label: str
@@ -57,7 +57,7 @@ class BridgeNodes:
     conn: Connection
     box: list[Any]
     probe: Any
-    nodes: dict[str, _Node]
+    nodes: dict[str, BridgeNode]
     slices: Mapping[int, object]  # of _Slices (``bridge_slices.py``), by task id
     stalled: Stalled | None
 
@@ -82,13 +82,13 @@ class BridgeNodes:
                     self._start_probe(node_id, known)
                 continue
             self._start_probe(node_id, self.nodes.setdefault(
-                node_id, _Node(node_label(n.get("NodeManagerHostname", "?"), node_id), cpus)))
+                node_id, BridgeNode(node_label(n.get("NodeManagerHostname", "?"), node_id), cpus)))
         for node_id in set(self.nodes) - seen:
             if self.nodes[node_id].probe is not None:
                 self._cancel(self.nodes[node_id].probe)
             del self.nodes[node_id]
 
-    def _start_probe(self, node_id: str, node: _Node) -> None:
+    def _start_probe(self, node_id: str, node: BridgeNode) -> None:
         # No CPU: the probe never waits behind slices.
         node.probed = time.monotonic()
         node.covers = node.differs
@@ -106,7 +106,7 @@ class BridgeNodes:
         try:
             answer = future.result()
         except self.ray.exceptions.RayTaskError as exc:  # it cannot run prefetchd's tasks at all
-            self._unfit(node, f"cannot run prefetchd's tasks ({_last_line(exc)}); install prefetchd[ray], at the "
+            self._unfit(node, f"cannot run prefetchd's tasks ({last_line(exc)}); install prefetchd[ray], at the "
                               "daemon's version, on every node")
             return
         except self.ray.exceptions.RayError as exc:
@@ -117,7 +117,7 @@ class BridgeNodes:
 
     def _answered(self, node_id: str, answer: NodeAnswer) -> None:
         # A slice may answer for a node that joined since the last report: its CPUs come with the next.
-        node = self.nodes.setdefault(node_id, _Node(answer.node, 0))
+        node = self.nodes.setdefault(node_id, BridgeNode(answer.node, 0))
         if answer.unable:
             node.again = False  # its prefetchd or the hook's module: a probe finds the same until the node restarts
             self._unfit(node, f"cannot build the job's slices: {answer.unable}")
@@ -138,7 +138,7 @@ class BridgeNodes:
                           "mount the same --data at the same path on every node, or give every node credentials "
                           "for its object storage")
 
-    def _unfit(self, node: _Node, reason: str) -> None:
+    def _unfit(self, node: BridgeNode, reason: str) -> None:
         if not node.reason:  # once: the probe and a slice may both answer
             self.conn.send(Note(logging.WARNING, f"node {node.label} {reason}; it gets no slices"))
             node.probed = time.monotonic()  # probed again in REPROBE_SECONDS, not at once
@@ -151,10 +151,10 @@ class BridgeNodes:
         return Report(True, len(alive), sum(n.cpus for n in self.nodes.values() if not n.reason),
                       unfit=tuple(f"{n.label}: {n.reason}" for n in self.nodes.values() if n.reason), stalled=stalled)
 
-    def _node_labelled(self, label: str) -> _Node | None:
+    def _node_labelled(self, label: str) -> BridgeNode | None:
         """The node a slice says it was built on (``node_label``: by the start of its id, not its host name,
         which Ray and the node's own ``gethostname`` may spell differently)."""
         return next((n for node_id, n in self.nodes.items() if label.endswith("/" + node_id[:8])), None)
 
 
-__all__ = ["NODE_ID_LABEL", "REPROBE_SECONDS", "SHOWN_FAILURES", "BridgeNodes"]
+__all__ = ["NODE_ID_LABEL", "REPROBE_SECONDS", "SHOWN_FAILURES", "BridgeNode", "BridgeNodes"]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prefetchd.buffer_protocol import SlotFiller
-from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS, SHOWN_FAILURES, _Node
+from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS, SHOWN_FAILURES, BridgeNode
 from prefetchd.daemon.remote.task import build_rows, sample_here
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, prepare_process, replaced_before, task_slots
@@ -39,8 +39,8 @@ class BridgeRows:
     failing_here: set[int]
 
     if TYPE_CHECKING:  # the nodes' (bridge_nodes.py)
-        def _node_labelled(self, label: str) -> _Node | None: ...
-        def _unfit(self, node: _Node, reason: str) -> None: ...
+        def _node_labelled(self, label: str) -> BridgeNode | None: ...
+        def _unfit(self, node: BridgeNode, reason: str) -> None: ...
 
     def _checked_here(self, task: Task, result: Filled | WriteFailed, pixels: list[np.ndarray] | None,
                       node: str) -> tuple[Filled | WriteFailed, list[np.ndarray] | None, str] | None:

@@ -1,4 +1,4 @@
-"""The bridge's slices in flight: each submitted to the cluster (a ``_Copy`` each time, two for a straggler),
+"""The bridge's slices in flight: each submitted to the cluster (a ``SliceCopy`` each time, two for a straggler),
 its result taken and written, submitted again where a Ray worker or node was lost, handed back where it
 hung, killed its Ray workers or ran out of attempts, and forgotten where the controller cancelled its build.
 
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefetchd.daemon.remote.bridge_nodes import NODE_ID_LABEL, _Node
+from prefetchd.daemon.remote.bridge_nodes import NODE_ID_LABEL, BridgeNode
 from prefetchd.daemon.remote.bridge_rows import write_rows
-from prefetchd.daemon.remote.messages import Cancelled, Died, Done, Hung, Note, Returned, Stalled, _last_line
-from prefetchd.daemon.remote.slice_copy import _Copy, _Streamed
+from prefetchd.daemon.remote.messages import Cancelled, Died, Done, Hung, Note, Returned, Stalled, last_line
+from prefetchd.daemon.remote.slice_copy import SliceCopy, StreamedAnswer
 from prefetchd.daemon.remote.task import NodeAnswer
 from prefetchd.daemon.workers import Filled, Task, WriteFailed
 
@@ -33,11 +33,11 @@ SLICE_OPTIONS: dict[str, Any] = {"num_cpus": 1, "max_retries": 0, "num_returns":
 
 
 @dataclass
-class _Slice:
+class SliceInFlight:
     task: Task
     submitted: float
     attempts: int = 1
-    refs: list[Any] = field(default_factory=list)  # a _Copy each
+    refs: list[Any] = field(default_factory=list)  # a SliceCopy each
     straggler: bool = False
 
 
@@ -53,8 +53,8 @@ class BridgeSlices:
     task_timeout: float
     stall_noted: float
     stalled: Stalled | None
-    nodes: dict[str, _Node]
-    slices: dict[int, _Slice]
+    nodes: dict[str, BridgeNode]
+    slices: dict[int, SliceInFlight]
     track: set[int]
     latencies: deque[float]
     errors: set[str]
@@ -82,7 +82,7 @@ class BridgeSlices:
         if forgotten:
             self.conn.send(Cancelled(forgotten))
 
-    def _submit(self, s: _Slice) -> None:
+    def _submit(self, s: SliceInFlight) -> None:
         unfit = frozenset(node_id for node_id, n in self.nodes.items() if n.reason)
         if unfit and unfit == self.nodes.keys():
             del self.slices[s.task.task_id]
@@ -94,10 +94,10 @@ class BridgeSlices:
             selector = {"label_selector": {NODE_ID_LABEL: f"!in({','.join(sorted(unfit))})"}} if unfit else {}
             self._build_on = (unfit, self._builds(selector))
         track = s.task.task_id in self.track
-        copy = _Copy(self._build_on[1][track].remote(self.box, s.task, *((True,) if track else ())), track)
+        copy = SliceCopy(self._build_on[1][track].remote(self.box, s.task, *((True,) if track else ())), track)
         s.refs.append(copy)
         self._watch(copy.gen.completed(),
-                    lambda future: self._finish(s.task.task_id, copy, _Streamed(self.ray, copy, future)))
+                    lambda future: self._finish(s.task.task_id, copy, StreamedAnswer(self.ray, copy, future)))
 
     def _builds(self, selector: dict[str, Any] | None = None) -> dict[bool, Any]:
         """The slice task with its options, by whether it is tracked: a tracked one's every yield waits until
@@ -119,7 +119,7 @@ class BridgeSlices:
         except exceptions.RayTaskError as exc:
             # build_slice catches what the decoding raises, so this is the node: prefetchd missing or of another
             # version there, say.  Not the job's fault: another node, or a local worker, builds the slice.
-            text = _last_line(exc)
+            text = last_line(exc)
             if text not in self.errors:
                 self.errors.add(text)
                 self.conn.send(Note(logging.WARNING, f"a Ray worker could not run a slice: {text}; is prefetchd[ray] "
@@ -153,7 +153,7 @@ class BridgeSlices:
         self.latencies.append(latency)
         self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
 
-    def _again(self, s: _Slice, ref: Any, reason: str, lost: bool = True) -> None:
+    def _again(self, s: SliceInFlight, ref: Any, reason: str, lost: bool = True) -> None:
         """``ref``, one copy of slice ``s``, failed for ``reason``: submit it again, up to MAX_ATTEMPTS,
         then hand it back to the controller.  Not ``lost`` (a node answered that it is unfit, before its
         probe did, say): submitted elsewhere and not counted as a retry, which the status keeps for
@@ -174,7 +174,7 @@ class BridgeSlices:
                                           f"again (attempt {s.attempts} of {MAX_ATTEMPTS})"))
         self._submit(s)
 
-    def _died(self, s: _Slice, copy: Any, exc: Exception) -> None:
+    def _died(self, s: SliceInFlight, copy: Any, exc: Exception) -> None:
         """``copy`` of slice ``s`` ended with its Ray worker or node.  Built an item at a time, it says the
         sample it died on: handed back (``Died``) for the controller to count that death on the file.
         Else it is submitted again (``_again``), an item at a time from now on, so that a file that kills
@@ -182,16 +182,16 @@ class BridgeSlices:
         began, or built an item at a time, before its first sample) is told to the controller too
         (``StartDied``): no file killed it, and where every Ray worker dies so the slice would go round for
         good."""
-        if isinstance(copy, _Copy) and copy.track:
+        if isinstance(copy, SliceCopy) and copy.track:
             copy.poll(self.ray, time.monotonic())  # the items it began before it died
-        if isinstance(copy, _Copy) and copy.track and copy.on is not None:
+        if isinstance(copy, SliceCopy) and copy.track and copy.on is not None:
             del self.slices[s.task.task_id]
             for other in s.refs:
                 if other is not copy:
                     self._cancel(other)
             self.conn.send(Died(s.task.task_id, copy.on, type(exc).__name__, s.attempts - 1))
             return
-        if isinstance(copy, _Copy) and (copy.moved is None or copy.track):
+        if isinstance(copy, SliceCopy) and (copy.moved is None or copy.track):
             self._start_died(s.task.task_id, exc)
         self.track.add(s.task.task_id)
         self._again(s, copy, f"{type(exc).__name__}: {exc}")
@@ -202,7 +202,7 @@ class BridgeSlices:
         The one of the others that has made none the longest, past ``stall_noted``, is ``stalled``."""
         stalled: Stalled | None = None
         for s in list(self.slices.values()):
-            copies = [c for c in s.refs if isinstance(c, _Copy)]
+            copies = [c for c in s.refs if isinstance(c, SliceCopy)]
             for c in copies:
                 if c.moved is None or c.track:  # not begun (queued, or its worker starting), or tracked
                     c.poll(self.ray, now)
@@ -235,4 +235,4 @@ class BridgeSlices:
 
 
 __all__ = ["MAX_ATTEMPTS", "SLICE_OPTIONS", "STRAGGLER_FACTOR", "STRAGGLER_MIN_SECONDS", "STRAGGLER_SAMPLES",
-           "BridgeSlices"]
+           "BridgeSlices", "SliceInFlight"]

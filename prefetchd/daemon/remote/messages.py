@@ -28,7 +28,7 @@ class Stalled:
     hands the slice back (``Hung``) rather than give up first."""
 
     task_id: int
-    sample: int | None  # the one it is on, where it is built an item at a time (``_Copy.track``), else None
+    sample: int | None  # the one it is on, where it is built an item at a time (``SliceCopy.track``), else None
     # time.monotonic() when it last moved on (began, or began an item): the bridge is a process of the daemon's
     # box, and CLOCK_MONOTONIC is one clock for all of its processes, so the controller counts the seconds itself.
     moved: float
@@ -144,15 +144,15 @@ class Cancel:
 # -- a Ray error in a message's words
 
 
-def _last_line(exc: BaseException) -> str:
+def last_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[-1][:300] if text else type(exc).__name__
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 __all__ = ["REPORT_SECONDS", "Cancel", "Cancelled", "Died", "Done", "Hung", "Note", "Report", "Returned", "Stalled",
-           "StartDied"]
+           "StartDied", "first_line", "last_line"]

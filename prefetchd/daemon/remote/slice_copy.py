@@ -1,7 +1,7 @@
 """One submission of a slice to the Ray cluster, as the bridge follows it: the stream of its Ray task
 (``task.build_slice``, a streaming task that yields when it begins and, built an item at a time, each sample it
-begins), how far it got, and its answer (``_Copy``); and its completion as ``Bridge._finish`` takes it
-(``_Streamed``).  A slice has one copy, two once it is a straggler started again (``bridge_slices.py``)."""
+begins), how far it got, and its answer (``SliceCopy``); and its completion as ``Bridge._finish`` takes it
+(``StreamedAnswer``).  A slice has one copy, two once it is a straggler started again (``bridge_slices.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from prefetchd.daemon.remote.task import Answer
 
 
 @dataclass
-class _Copy:
+class SliceCopy:
     """One submission of a slice: the stream of its Ray task (``build_slice``) and how far it got."""
 
     gen: Any  # the ObjectRefGenerator
@@ -52,11 +52,14 @@ class _Copy:
         self.moved, self.on = now, value if value is not None else self.on
 
 
-class _Streamed:
+class StreamedAnswer:
     """A slice's completion as ``Bridge._finish`` takes it: ``result()`` is its answer, or raises."""
 
-    def __init__(self, ray: Any, copy: _Copy, completed: Any) -> None:
+    def __init__(self, ray: Any, copy: SliceCopy, completed: Any) -> None:
         self.ray, self.copy, self.completed = ray, copy, completed
 
     def result(self) -> Answer:
         return self.copy.outcome(self.ray, self.completed)
+
+
+__all__ = ["SliceCopy", "StreamedAnswer"]
