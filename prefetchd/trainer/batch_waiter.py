@@ -27,7 +27,7 @@ A daemon gone or stuck meanwhile still ends the wait as above.  The loader's
 messages then say that its builds wait for the storage, and why, before the
 ``write_failures`` those builds add to (which a full tmpfs adds to as well).
 
-So does a daemon whose status says one of its workers is stalled
+So does a daemon whose status says a worker building its batches is stalled
 (``worker_stall``: a read of a hung mount, a hook that never returns, a worker
 that never gets ready): it kills that worker at its ``--task-timeout`` (600 s by
 default, five times the loader's default ``timeout``) and builds its tasks on
@@ -331,8 +331,9 @@ class BatchWaiter:
             bound = "--worker-start-timeout" if stall.starting else "--task-timeout"
             left = max(0.0, stall.since + stall.timeout - time.time())
             logger.warning(
-                "the daemon (%s) of %s says that one of its workers is stalled (%s); it kills that worker at its %s "
-                "of %g s, in %.0f s, and builds its tasks on another, so batch %s may come then: this loader waits on "
+                "the daemon (%s) of %s says that a worker building its batches is stalled (%s); at its %s of %g s, in "
+                "%.0f s, it kills that worker (on a Ray cluster, cancels that slice) and builds its tasks again, so "
+                "batch %s may come then: this loader waits on "
                 "past its timeout of %g s (a daemon gone, stuck, or that stops the job still ends the wait; "
                 "`prefetchd status --buffer %s` shows it)", owner, self.buffer, short(stall.reason), bound, stall.timeout, left,
                 name, self.timeout, owning_buffer(self.buffer))

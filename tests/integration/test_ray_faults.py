@@ -216,7 +216,7 @@ def test_a_slice_that_hangs_on_the_cluster_is_said_as_a_stall_and_the_trainer_wa
     notes = [line for line in daemon.log.splitlines() if "a slice on the Ray cluster has made no progress for" in line]
     assert len(notes) == 1 and " on batch " in notes[0] and "at 24 s (--task-timeout) it is cancelled" in notes[0], \
         daemon.log
-    said = [r.getMessage() for r in caplog.records if "says that one of its workers is stalled" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "says that a worker building its batches is stalled" in r.getMessage()]
     assert said and "a slice on the Ray cluster has made no progress" in said[0], said
     final = read_status(buffer)
     assert final.production is not None and final.production.errors.worker_hangs == 1, daemon.log
