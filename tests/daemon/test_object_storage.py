@@ -273,9 +273,10 @@ def test_a_store_that_hangs_mid_body_fails_the_read_in_bounded_time(s3: Any, sho
         error = read.exception(timeout=90)
         assert isinstance(error, StorageUnavailable), error
         assert re.search(rf"reading s3://{s3.bucket}/d/x.jpg: still failing after 6 tries \((\w*Timeout\w*)", str(error)), error
-        # Each try on a connection of its own; the last may still wait in the listen backlog for the store's
-        # accept thread, late on a loaded machine (5 counted, in a full run).
-        wait_for(lambda: store.connections >= 6, 10, f"6 connections to the store ({store.connections} so far)")
+        # Each try on a connection of its own, not the hung one again: at least 5 of the 6 (one reused would leave
+        # 2 or 3).  Under a full suite's load a try may fail at its 1 s connect timeout and never reach the store:
+        # 5 counted twice in full runs, after 10 s more for the accept thread.
+        wait_for(lambda: store.connections >= 5, 10, f"5 connections to the store ({store.connections} so far)")
         assert time.monotonic() - started < 90
     finally:
         store.stop()
