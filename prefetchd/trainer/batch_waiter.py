@@ -49,6 +49,7 @@ from pathlib import Path
 from prefetchd.buffer_protocol import (
     Manifest,
     MappedBatch,
+    Production,
     ProtocolError,
     State,
     Status,
@@ -289,18 +290,25 @@ class BatchWaiter:
             "then produces it from epoch 0"
         )
 
+    def _fresh_production(self, owner: DaemonOwner, status: Status | None) -> Production | None:
+        """What daemon ``owner`` says of its production now: its status's, where it wrote that status and beat
+        within the stall bound (the default one when the check is off).  An older heartbeat is no word of the
+        daemon's now: a stopped daemon's last status would hold a wait for ever."""
+        if status is None or not owner.wrote(status) or status.production is None:
+            return None
+        fresh = self.stall if self.stall is not None else DEFAULT_STALL_TIMEOUT
+        return status.production if time.time() - status.heartbeat <= fresh else None
+
     def _waits_on_storage(self, owner: DaemonOwner, status: Status | None, name: str, now: float) -> bool:
         """Whether daemon ``owner``, beating, says this stream's builds wait for the dataset's storage (then
         logged: at once, and once a ``STORAGE_WAIT_LOG_SECONDS`` after).  The stream is named by its manifest's
         rank, as the daemon names it (a flat buffer's is rank 0); a wait on other ranks' batches only is none
-        of this loader's: its batch is late for another reason.  A heartbeat older than the stall bound (the
-        default one when the check is off) is no word of the daemon's now: a stopped daemon's last status
-        would hold the wait for ever."""
-        own = status if owner.wrote(status) else None
-        wait = own.production.storage_wait if own is not None and own.production is not None else None
+        of this loader's: its batch is late for another reason.  Only the daemon's word now counts
+        (``_fresh_production``)."""
+        production = self._fresh_production(owner, status)
+        wait = production.storage_wait if production is not None else None
         since = wait.since_of(self.manifest.rank) if wait is not None else None
-        fresh = self.stall if self.stall is not None else DEFAULT_STALL_TIMEOUT
-        if own is None or wait is None or since is None or time.time() - own.heartbeat > fresh:
+        if wait is None or since is None:
             self._storage_said = None
             return False
         if self._storage_said is None or now - self._storage_said >= STORAGE_WAIT_LOG_SECONDS:
@@ -318,11 +326,10 @@ class BatchWaiter:
         """The stalled worker daemon ``owner``, beating, says it will kill (``worker_stall``), then logged: at once,
         and once a ``WORKER_STALL_LOG_SECONDS`` after; None when it says none.  Any rank's loader waits on: the
         workers serve every rank, and a stalled one holds tasks of any rank's batches (this one's among them, or
-        queued behind them).  A heartbeat older than the stall bound is no word of the daemon's now."""
-        own = status if owner.wrote(status) else None
-        stall = own.production.worker_stall if own is not None and own.production is not None else None
-        fresh = self.stall if self.stall is not None else DEFAULT_STALL_TIMEOUT
-        if own is None or stall is None or time.time() - own.heartbeat > fresh:
+        queued behind them).  Only the daemon's word now counts (``_fresh_production``)."""
+        production = self._fresh_production(owner, status)
+        stall = production.worker_stall if production is not None else None
+        if stall is None:
             self._stall_said = None
             return None
         if self._stall_said is None or now - self._stall_said >= WORKER_STALL_LOG_SECONDS or (
