@@ -195,8 +195,7 @@ class WorkerHealth:
         why the job must stop.  Its tasks are the controller's to queue again."""
         self.stats.worker_restarts += 1
         now = time.monotonic()
-        while self.ends and now - self.ends[0] > RESTART_WINDOW_SECONDS:
-            self.ends.popleft()
+        _forget_before(self.ends, now)
         if len(self.ends) > MAX_WORKER_RESTARTS:
             return (f"{len(self.ends)} workers died within {RESTART_WINDOW_SECONDS:.0f} s (the last: "
                     f"{ended(worker.process.exitcode)}); check the log and `dmesg` for the cause (out of memory?)")
@@ -255,8 +254,7 @@ class WorkerHealth:
     def _slice_note(self, remote: SliceStall, still: float) -> str:
         """A Ray slice's stall, said as a local worker's is (the bound before the task's files)."""
         task, sample = remote.task, remote.sample
-        place = (self._place(task, sample, with_files=False) if sample is not None else
-                 f"{self._batch_of(task)}, one of its task's {counted(len(task.items), 'file')}")
+        place = self._place(task, sample, with_files=False) if sample is not None else self._somewhere_in(task)
         return (f"a slice on the Ray cluster has made no progress for {still:.0f} s on {place}; at "
                 f"{self.task_timeout:g} s (--task-timeout) it is cancelled, its Ray worker killed, and its task "
                 f"retried; the task's files: {self._files(task)}")
@@ -292,8 +290,7 @@ class WorkerHealth:
         final = self._final(task, hangs)
         then = (f"that task hung {counted(len(hangs), 'time')}: the job stops" if final else
                 f"its task is queued again (hang {len(hangs)} of {MAX_TASK_HANGS} for that task)")
-        place = self._place(task, sample) if sample is not None else (
-            f"{self._batch_of(task)}, one of its task's {counted(files, 'file')}: {self._files(task)}")
+        place = self._place(task, sample) if sample is not None else f"{self._somewhere_in(task)}: {self._files(task)}"
         log.warning("a Ray worker made no progress for %.0f s (--task-timeout %g) on %s: cancelled its slice, killing "
                     "the worker; %s", seconds, self.task_timeout, place, then)
         return self._hung_for_good(task, hangs) if final else None
@@ -311,8 +308,7 @@ class WorkerHealth:
             self.ray_built = built
             self.ray_start_deaths.clear()
         self.ray_start_deaths.append(now)
-        while now - self.ray_start_deaths[0] > RESTART_WINDOW_SECONDS:
-            self.ray_start_deaths.popleft()
+        _forget_before(self.ray_start_deaths, now)
         deaths = len(self.ray_start_deaths)
         where = (f"running the probe of node {node}" if task is None else
                  f"before the first image of its slice of {self._batch_of(task)}")
@@ -407,6 +403,10 @@ class WorkerHealth:
         return ", ".join(files[:SHOWN_TASK_FILES]) + (f" and {len(files) - SHOWN_TASK_FILES} more"
                                                        if len(files) > SHOWN_TASK_FILES else "")
 
+    def _somewhere_in(self, task: Task) -> str:
+        """Where a Ray slice built whole makes no progress: on one of its task's files, the bridge knows not which."""
+        return f"{self._batch_of(task)}, one of its task's {counted(len(task.items), 'file')}"
+
     def _place(self, task: Task, sample: int | None, with_files: bool = True) -> str:
         """Where a worker makes no progress (or died), for the log and the status: the batch, the file, and
         ``with_files`` the task's files."""
@@ -427,6 +427,12 @@ class WorkerHealth:
                 "Something never returns there: a read of a hung mount or storage (is it readable, "
                 "`cat` it?), or the --transform hook; fix that and start the daemon again (it resumes), or raise "
                 "--task-timeout if an image can take that long")
+
+
+def _forget_before(window: deque[float], now: float) -> None:
+    """Drop the times of ``window`` (oldest first) older than ``RESTART_WINDOW_SECONDS`` before ``now``."""
+    while window and now - window[0] > RESTART_WINDOW_SECONDS:
+        window.popleft()
 
 
 def ended(exitcode: int | None) -> str:
