@@ -24,6 +24,7 @@ from prefetchd.daemon.remote.bridge_nodes import BridgeNode
 from prefetchd.daemon.remote.bridge_rows import write_rows
 from prefetchd.daemon.remote.bridge_slices import MAX_ATTEMPTS, STRAGGLER_SAMPLES, SliceInFlight
 from prefetchd.daemon.remote.messages import Done, Returned
+from prefetchd.daemon.remote.slice_copy import SliceCopy
 from prefetchd.daemon.remote.task import (Rows, Shipment, build_rows, build_rows_tracked, probe_samples, unable_here,
                                          unreadable)
 from prefetchd.daemon.sources import SampleReader
@@ -169,7 +170,7 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
 
     def submit(s: SliceInFlight) -> None:
         submissions.append(s.task.task_id)
-        s.refs.append(object())
+        s.copies.append(SliceCopy(object(), track=False))
 
     b._submit = submit  # type: ignore[method-assign]
     task = Task(7, "/dev/shm/none/b.tmp", 0, SLOT, 0, ((0, 1),))
@@ -177,7 +178,7 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
     b.slices[7] = s
     submit(s)
     while 7 in b.slices:
-        b._again(s, s.refs[-1], "RayActorError: the worker died")
+        b._again(s, s.copies[-1], "RayActorError: the worker died")
     returned = [m for m in conn if isinstance(m, Returned)]
     assert len(submissions) == MAX_ATTEMPTS and [m.retries for m in returned] == [MAX_ATTEMPTS - 1]
 
@@ -212,9 +213,9 @@ def _bridge_for(job: WorkerJob, sent: list[object]) -> Any:
 
 def _finish_from_node(b: Any, task: Task, built: tuple[Any, Any]) -> Any:
     """Hand ``b`` the node's ``built`` (result, pixels) for ``task``, as Ray's future would; the Done sent."""
-    ref = object()
-    b.slices[task.task_id] = SliceInFlight(task, 0.0, refs=[ref])
-    b._finish(task.task_id, ref, SimpleNamespace(result=lambda: (*built, NODE)))
+    copy = SliceCopy(object(), track=False)
+    b.slices[task.task_id] = SliceInFlight(task, 0.0, copies=[copy])
+    b._finish(task.task_id, copy, SimpleNamespace(result=lambda: (*built, NODE)))
     done = [m for m in b.conn.send.__self__ if isinstance(m, Done)]
     return done[-1]
 
@@ -349,9 +350,9 @@ def test_a_node_found_reading_otherwise_has_its_next_such_slice_built_elsewhere_
     b.nodes["other-node-id-000"] = BridgeNode("other/other-no", 1)
     _finish_from_node(b, Task(1, str(_batch_file(tmp_path / "1.tmp", 2)), OFFSET, SLOT, 3, items), on_node[0])
     task = Task(2, str(_batch_file(tmp_path / "2.tmp", 2)), OFFSET, SLOT, 3, items)
-    ref = object()
-    b.slices[2] = SliceInFlight(task, 0.0, refs=[ref])
-    b._finish(2, ref, SimpleNamespace(result=lambda: (*on_node[1], NODE)))
+    copy = SliceCopy(object(), track=False)
+    b.slices[2] = SliceInFlight(task, 0.0, copies=[copy])
+    b._finish(2, copy, SimpleNamespace(result=lambda: (*on_node[1], NODE)))
     assert built == [1] and submitted == [2] and 2 in b.slices, "the second went to another node, uncounted"
     assert not [m for m in sent if isinstance(m, Done) and m.result.task_id == 2]
 
@@ -424,14 +425,14 @@ class _Wired:
 
         b.conn = Conn()
         self.submitted: list[int] = []
-        self.refs: dict[int, object] = {}
-        self.cancelled_refs: list[object] = []
-        b.ray.cancel = lambda ref, force=False: self.cancelled_refs.append(ref)
+        self.copies: dict[int, SliceCopy] = {}
+        self.cancelled: list[object] = []  # the streams of the copies cancelled
+        b.ray.cancel = lambda ref, force=False: self.cancelled.append(ref)
         b.latencies = [0.01] * STRAGGLER_SAMPLES  # stragglers are relaunched after 2 s
 
         def submit(s: SliceInFlight) -> None:
             self.submitted.append(s.task.task_id)
-            s.refs.append(self.refs.setdefault(s.task.task_id, object()))
+            s.copies.append(self.copies.setdefault(s.task.task_id, SliceCopy(object(), track=False)))
 
         b._submit = submit
         self.bridge = b
@@ -466,7 +467,7 @@ def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never
     assert len(w.aborted) == 1 and not w.build.stream.building, "the build dropped at the bridge's answer"
     assert not w.builds.by_task and not w.pool.in_flight and not w.pool.paths
     assert [type(m).__name__ for m in w.answers] == ["Cancelled"] and w.answers[0].task_ids == (1, 2)
-    assert w.cancelled_refs == [w.refs[1], w.refs[2]], "their Ray tasks cancelled: the cluster's CPUs are free"
+    assert w.cancelled == [w.copies[1].gen, w.copies[2].gen], "their Ray tasks cancelled: the cluster's CPUs are free"
     assert w.pool.returned == w.pool.retries == 0 and not caplog.records, "no news: not a slice the cluster lost"
     w.bridge._relaunch_stragglers(time.monotonic() + 100.0)
     assert w.submitted == [1, 2], "not relaunched"
@@ -497,7 +498,7 @@ def test_a_late_result_of_a_cancelled_slice_never_reaches_the_next_build_of_its_
     w.controller_turn()
     w.path.write_bytes(bytes(OFFSET + 4 * SLOT))  # the batch built again, in a file of the same name
     for task in w.tasks:  # the cancelled copies' results arrive
-        w.bridge._finish(task.task_id, w.refs[task.task_id], w.built(task))
+        w.bridge._finish(task.task_id, w.copies[task.task_id], w.built(task))
     assert w.path.read_bytes() == bytes(OFFSET + 4 * SLOT), "nothing written into the new build's file"
     assert not [m for m in w.answers if isinstance(m, Done)] and len(w.aborted) == 1
 
@@ -506,7 +507,7 @@ def test_a_slice_written_before_its_build_was_cancelled_is_reported_as_built(tmp
     """The bridge wrote slice 1 and sent its Done while the controller cancelled the build: the bridge
     answers only slice 2 (1 it does not hold any more), and the controller counts slice 1 as built."""
     w = _Wired(tmp_path)
-    w.bridge._finish(1, w.refs[1], w.built(w.tasks[0]))  # written, and its Done sent ...
+    w.bridge._finish(1, w.copies[1], w.built(w.tasks[0]))  # written, and its Done sent ...
     written = w.path.read_bytes()
     assert written != bytes(len(written))
     w.builds.cancel(w.build)  # ... before the controller read it: it cancels both
@@ -515,7 +516,7 @@ def test_a_slice_written_before_its_build_was_cancelled_is_reported_as_built(tmp
     assert w.aborted == [written], "dropped once both were answered, slice 1 in the file"
     assert [type(m).__name__ for m in w.answers] == ["Done", "Cancelled"] and w.answers[1].task_ids == (2,)
     assert w.pool.slices == 1 and w.pool.images == 2 and not w.pool.in_flight and not w.builds.by_task
-    assert w.cancelled_refs == [w.refs[2]]
+    assert w.cancelled == [w.copies[2].gen]
     w.bridge._forget((99,))  # an id the bridge never held, or answered already: nothing to answer
     assert len(w.answers) == 2
 
@@ -529,10 +530,10 @@ def test_a_slice_the_cluster_gives_back_after_its_build_was_cancelled_is_dropped
     for s in w.bridge.slices.values():
         s.attempts = MAX_ATTEMPTS  # its last attempt runs
     with caplog.at_level(logging.DEBUG):
-        w.bridge._again(w.bridge.slices[2], w.refs[2], lost)  # handed back while its build is live ...
+        w.bridge._again(w.bridge.slices[2], w.copies[2], lost)  # handed back while its build is live ...
         w.controller_turn()
         assert [t.task_id for t in w.builds.queue] == [2], "... it is queued again, for the local workers"
-        w.bridge._again(w.bridge.slices[1], w.refs[1], lost)  # handed back ...
+        w.bridge._again(w.bridge.slices[1], w.copies[1], lost)  # handed back ...
         w.builds.cancel(w.build)  # ... as a rewind cancels its build, before the controller read it
         w.bridge._receive()
         w.controller_turn()

@@ -27,7 +27,6 @@ from prefetchd.daemon.remote.bridge_rows import BridgeRows
 from prefetchd.daemon.remote.bridge_slices import BridgeSlices, SliceInFlight
 from prefetchd.daemon.remote.connect import connect, connect_failure, unreachable
 from prefetchd.daemon.remote.messages import REPORT_SECONDS, Cancel, Note, Report, Stalled, StartDied, first_line
-from prefetchd.daemon.remote.slice_copy import SliceCopy
 from prefetchd.daemon.remote.task import Shipment, build_slice, probe_node, probe_samples
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.worker_health import stall_noted_after
@@ -76,7 +75,7 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
     def run(self) -> None:
         last_report = 0.0
         while True:
-            tracking = any(c.track for s in self.slices.values() for c in s.refs if isinstance(c, SliceCopy))
+            tracking = any(c.track for s in self.slices.values() for c in s.copies)
             ready = wait([self.conn, self._r], TRACK_POLL_SECONDS if tracking else REPORT_SECONDS)
             if self._r in ready:
                 os.read(self._r, 4096)
@@ -135,9 +134,10 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
             self.conn.send(StartDied(task_id, type(exc).__name__, first_line(exc), node))
 
     def _cancel(self, ref: Any, force: bool = False) -> None:
-        """Cancel a Ray task (a slice's ``SliceCopy``, or a probe's reference); ``force``: kill its worker too."""
+        """Cancel a Ray task (a slice's stream, ``SliceCopy.gen``, or a probe's reference); ``force``: kill its
+        worker too."""
         try:
-            self.ray.cancel(ref.gen if isinstance(ref, SliceCopy) else ref, force=force)
+            self.ray.cancel(ref, force=force)
         except Exception:  # already finished or its node gone: nothing to stop
             pass
 

@@ -37,7 +37,7 @@ class SliceInFlight:
     task: Task
     submitted: float
     attempts: int = 1
-    refs: list[Any] = field(default_factory=list)  # a SliceCopy each
+    copies: list[SliceCopy] = field(default_factory=list)  # one, two for a straggler started again
     straggler: bool = False
 
 
@@ -74,11 +74,11 @@ class BridgeSlices:
         forgotten = tuple(task_id for task_id in task_ids if task_id in self.slices)
         for task_id in forgotten:
             self.track.discard(task_id)
-            for ref in self.slices.pop(task_id).refs:
+            for copy in self.slices.pop(task_id).copies:
                 # Frees the cluster's CPUs for the new window: a copy not started yet never runs, a running one
                 # gets a KeyboardInterrupt (Ray's cancel without force), as a straggler's losing copy does; its
                 # Ray worker lives on, and what it keeps of the job is set only once complete (``_here``).
-                self._cancel(ref)
+                self._cancel(copy.gen)
         if forgotten:
             self.conn.send(Cancelled(forgotten))
 
@@ -95,7 +95,7 @@ class BridgeSlices:
             self._build_on = (unfit, self._builds(selector))
         track = s.task.task_id in self.track
         copy = SliceCopy(self._build_on[1][track].remote(self.box, s.task, *((True,) if track else ())), track)
-        s.refs.append(copy)
+        s.copies.append(copy)
         self._watch(copy.gen.completed(),
                     lambda future: self._finish(s.task.task_id, copy, StreamedAnswer(self.ray, copy, future)))
 
@@ -107,9 +107,9 @@ class BridgeSlices:
                                           **({"_generator_backpressure_num_objects": 1} if track else {}))
                 for track in (False, True)}
 
-    def _finish(self, task_id: int, ref: Any, future: Any) -> None:
+    def _finish(self, task_id: int, copy: SliceCopy, future: Any) -> None:
         s = self.slices.get(task_id)
-        if s is None or ref not in s.refs:
+        if s is None or copy not in s.copies:
             return  # the other copy of a straggler won, its build was cancelled, or it hung
         exceptions = self.ray.exceptions
         try:
@@ -124,25 +124,25 @@ class BridgeSlices:
                 self.errors.add(text)
                 self.conn.send(Note(logging.WARNING, f"a Ray worker could not run a slice: {text}; is prefetchd[ray] "
                                                      "installed, at the daemon's version, on every node?"))
-            self._again(s, ref, text)
+            self._again(s, copy, text)
             return
         except exceptions.RayError as exc:  # its worker or node was lost: build it again
-            self._died(s, ref, exc)
+            self._died(s, copy, exc)
             return
         if isinstance(result, NodeAnswer):  # before its probe answered, or it lost its mount since
             self._answered(result.node_id, result)
-            self._again(s, ref, f"node {node} is unfit", lost=False)
+            self._again(s, copy, f"node {node} is unfit", lost=False)
             return
         checked = self._checked_here(s.task, result, pixels, node)
         if checked is None:  # from a node already found to read --data otherwise: built elsewhere, not here again
-            self._again(s, ref, f"node {node} reads --data otherwise than the daemon's box", lost=False)
+            self._again(s, copy, f"node {node} reads --data otherwise than the daemon's box", lost=False)
             return
         result, pixels, node = checked
         del self.slices[task_id]
         self.track.discard(task_id)
-        for other in s.refs:
-            if other is not ref:
-                self._cancel(other)
+        for other in s.copies:
+            if other is not copy:
+                self._cancel(other.gen)
         copied = (0, 0.0)
         if isinstance(result, Filled) and pixels is not None:  # a Filled always has them
             t0 = time.perf_counter()
@@ -153,13 +153,13 @@ class BridgeSlices:
         self.latencies.append(latency)
         self.conn.send(Done(result, node, latency, copied, s.attempts - 1, s.straggler))
 
-    def _again(self, s: SliceInFlight, ref: Any, reason: str, lost: bool = True) -> None:
-        """``ref``, one copy of slice ``s``, failed for ``reason``: submit it again, up to MAX_ATTEMPTS,
+    def _again(self, s: SliceInFlight, copy: SliceCopy, reason: str, lost: bool = True) -> None:
+        """``copy``, one copy of slice ``s``, failed for ``reason``: submit it again, up to MAX_ATTEMPTS,
         then hand it back to the controller.  Not ``lost`` (a node answered that it is unfit, before its
         probe did, say): submitted elsewhere and not counted as a retry, which the status keeps for
         lost workers and nodes; the selector now excludes that node, so this ends with the nodes."""
-        s.refs.remove(ref)
-        if s.refs:
+        s.copies.remove(copy)
+        if s.copies:
             return  # its other copy still runs
         if not lost:
             self.conn.send(Note(logging.INFO, f"slice {s.task.task_id}: {reason}; submitting it to another node"))
@@ -174,7 +174,7 @@ class BridgeSlices:
                                           f"again (attempt {s.attempts} of {MAX_ATTEMPTS})"))
         self._submit(s)
 
-    def _died(self, s: SliceInFlight, copy: Any, exc: Exception) -> None:
+    def _died(self, s: SliceInFlight, copy: SliceCopy, exc: Exception) -> None:
         """``copy`` of slice ``s`` ended with its Ray worker or node.  Built an item at a time, it says the
         sample it died on: handed back (``Died``) for the controller to count that death on the file.
         Else it is submitted again (``_again``), an item at a time from now on, so that a file that kills
@@ -182,16 +182,16 @@ class BridgeSlices:
         began, or built an item at a time, before its first sample) is told to the controller too
         (``StartDied``): no file killed it, and where every Ray worker dies so the slice would go round for
         good."""
-        if isinstance(copy, SliceCopy) and copy.track:
+        if copy.track:
             copy.poll(self.ray, time.monotonic())  # the items it began before it died
-        if isinstance(copy, SliceCopy) and copy.track and copy.on is not None:
+        if copy.track and copy.on is not None:
             del self.slices[s.task.task_id]
-            for other in s.refs:
+            for other in s.copies:
                 if other is not copy:
-                    self._cancel(other)
+                    self._cancel(other.gen)
             self.conn.send(Died(s.task.task_id, copy.on, type(exc).__name__, s.attempts - 1))
             return
-        if isinstance(copy, SliceCopy) and (copy.moved is None or copy.track):
+        if copy.moved is None or copy.track:
             self._start_died(s.task.task_id, exc)
         self.track.add(s.task.task_id)
         self._again(s, copy, f"{type(exc).__name__}: {exc}")
@@ -202,24 +202,23 @@ class BridgeSlices:
         The one of the others that has made none the longest, past ``stall_noted``, is ``stalled``."""
         stalled: Stalled | None = None
         for s in list(self.slices.values()):
-            copies = [c for c in s.refs if isinstance(c, SliceCopy)]
-            for c in copies:
+            for c in s.copies:
                 if c.moved is None or c.track:  # not begun (queued, or its worker starting), or tracked
                     c.poll(self.ray, now)
-            begun = [c for c in copies if c.moved is not None]
+            begun = [c for c in s.copies if c.moved is not None]
             if not begun:
                 continue  # queued at Ray, or its worker starts (importing torch for a hook): not timed
             latest = max(begun, key=lambda c: c.moved or 0.0)
             still = now - (latest.moved or now)
-            if any(c.answer is not None or c.error is not None for c in copies):
+            if any(c.answer is not None or c.error is not None for c in s.copies):
                 continue  # answered: its completion is on the way
             if still < self.task_timeout:
                 if still >= self.stall_noted and (stalled is None or (latest.moved or now) < stalled.moved):
                     stalled = Stalled(s.task.task_id, latest.on, latest.moved or now)
                 continue
             del self.slices[s.task.task_id]
-            for c in copies:
-                self._cancel(c, force=True)
+            for c in s.copies:
+                self._cancel(c.gen, force=True)
             self.track.add(s.task.task_id)
             self.conn.send(Hung(s.task.task_id, latest.on, still, s.attempts - 1))
         self.stalled = stalled
