@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from prefetchd.buffer_protocol import State, read_status
-from prefetchd.buffer_protocol.status import BadFile
 from prefetchd.daemon.errors import EXIT_FAILURE
 from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_TASK_HANGS, MAX_WORKER_RESTARTS
 from prefetchd.launch import launch, start_argv
@@ -86,24 +85,6 @@ def reference(start_daemon: Callable[..., Daemon], buffer: Path, *args: str | os
     return batches
 
 
-def test_a_slice_that_hangs_once_on_the_cluster_is_built_again_and_every_batch_arrives_once_the_same(
-        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    data, magenta = magenta_data
-    hook = ["--transform", "tests.integration.hung_hook:hangs_once_on_magenta", "--data", data]
-    expected = reference(start_daemon, shm_dir / "ref", *hook)  # no marker named: it never hangs
-    monkeypatch.setenv(HANG_ONCE, str(shm_dir / "hung-once"))
-    daemon = start_ray_daemon(shm_dir / "bf", *JOB, *hook, "--task-timeout", "3")
-    assert read_all(shm_dir / "bf") == expected, daemon.log  # each (epoch, step) once, bit-identical
-    assert daemon.wait_exit(30) == 0, daemon.log
-    assert (shm_dir / "hung-once").exists(), "it did hang"
-    final = read_status(shm_dir / "bf")
-    assert final.production is not None and final.production.errors.worker_hangs == 1, daemon.log
-    kill = [line for line in daemon.log.splitlines() if "a Ray worker made no progress for" in line]
-    assert len(kill) == 1 and "(--task-timeout 3) on batch" in kill[0] and str(magenta) in kill[0], daemon.log
-    assert "cancelled its slice, killing the worker; its task is queued again (hang 1 of 3" in kill[0], kill[0]
-
-
 def test_a_slice_that_hangs_on_the_cluster_every_time_stops_the_job_naming_the_file(
         magenta_data: tuple[Path, Path], shm_dir: Path, start_ray_daemon: Any) -> None:
     data, magenta = magenta_data
@@ -125,30 +106,13 @@ def test_a_slice_that_hangs_on_the_cluster_every_time_stops_the_job_naming_the_f
     assert all(f"{magenta} (file " in line for line in kills[1:]), kills
 
 
-def test_a_file_that_kills_its_ray_worker_is_replaced_as_one_that_cannot_be_decoded(
+def test_a_file_that_kills_its_ray_worker_even_as_a_replacement_is_the_one_replaced_as_undecodable(
         magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any) -> None:
-    data, magenta = magenta_data
-    # The reference: the same dataset with that file not an image at all, found bad by its decode.
-    undecodable = shm_dir / "undecodable"
-    shutil.copytree(data, undecodable)
-    (undecodable / magenta.relative_to(data)).write_bytes(b"not a JPEG")
-    hook = ["--transform", "tests.integration.crash_hook:killed_on_magenta"]
-    expected = reference(start_daemon, shm_dir / "ref", *hook, "--data", undecodable)
-    daemon = start_ray_daemon(shm_dir / "bf", *JOB, *hook, "--data", data)
-    got = read_all(shm_dir / "bf")
-    assert got == expected, daemon.log  # each (epoch, step) once, the same samples and pixels
-    assert [b[3] for b in got].count(1) == 1, "replaced once"
-    assert daemon.wait_exit(30) == 0, daemon.log
-    errors = read_status(shm_dir / "bf").production.errors  # type: ignore[union-attr]
-    reason = f"crashed its worker {CRASHES_TO_BLAME} times (Ray: WorkerCrashedError)"
-    assert errors.undecodable == (BadFile(path=str(magenta), reason=reason),), daemon.log
-    deaths = [line for line in daemon.log.splitlines() if "a Ray worker died (Ray: WorkerCrashedError) on batch" in line]
-    assert len(deaths) == CRASHES_TO_BLAME and all(str(magenta) in line for line in deaths), daemon.log
+    """A file that kills the Ray worker building it went round between the bridge and the queue for good; now
+    its slice is built an item at a time after the first death, and 2 deaths on the file replace it as
+    undecodable, the batches as a local worker builds them with that file not an image at all.
 
-
-def test_a_replacement_that_kills_its_ray_worker_is_the_file_found_out_not_the_sample_it_replaces(
-        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any) -> None:
-    """A slice built an item at a time said each item's own sample before it built it, not the replacements it
+    A slice built an item at a time said each item's own sample before it built it, not the replacements it
     tried once that sample failed to decode.  Where the file that kills its Ray worker is such a replacement (the
     split's next sample after an undecodable one), each death was counted on the undecodable sample, which was
     then taken for one that crashes workers, and the slice went round for good, dying on the same replacement:
@@ -180,6 +144,8 @@ def test_a_replacement_that_kills_its_ray_worker_is_the_file_found_out_not_the_s
     errors = {b.path: b.reason for b in read_status(shm_dir / "bf").production.errors.undecodable}  # type: ignore[union-attr]
     assert errors.get(str(magenta)) == f"crashed its worker {CRASHES_TO_BLAME} times (Ray: WorkerCrashedError)", errors
     assert str(bad) in errors and not errors[str(bad)].startswith("crashed"), errors
+    deaths = [line for line in daemon.log.splitlines() if "a Ray worker died (Ray: WorkerCrashedError) on batch" in line]
+    assert len(deaths) == CRASHES_TO_BLAME and all(str(magenta) in line for line in deaths), daemon.log
 
 
 def bad_first_killer_last(seed: int, samples: int, bad: int, killer: int) -> bool:
@@ -189,28 +155,30 @@ def bad_first_killer_last(seed: int, samples: int, bad: int, killer: int) -> boo
     return bad in order[:8] and order[-1] == killer and samples % 8 == 1
 
 
-def test_a_slice_that_hangs_on_the_cluster_is_said_as_a_stall_and_the_trainer_waits_on_past_its_timeout(
-        magenta_data: tuple[Path, Path], shm_dir: Path, start_ray_daemon: Any, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """A slice hung on the cluster put nothing in the status until the bridge handed it back at --task-timeout,
-    so a trainer whose timeout is shorter (the defaults: 120 s and 600 s) raised LoaderTimeout first (here 12 s
-    into its wait, the slice handed back at 24 s).  Now the bridge reports it a quarter of the way there, and
-    the daemon says it as a local worker's stall (its message and worker_stall): the trainer waits on."""
+def test_a_slice_that_hangs_once_on_the_cluster_is_said_then_built_again_and_every_batch_arrives_once_the_same(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A slice hung on the cluster stayed in flight for good, and the trainer timed out.  Now the bridge reports it
+    a quarter of the way to --task-timeout, and the daemon says it as a local worker's stall (its message and
+    worker_stall), so that a trainer whose timeout is shorter waits on (before, with the defaults of 120 s and
+    600 s, it raised LoaderTimeout first: here 12 s into its wait, the slice handed back at 24 s); at
+    --task-timeout its Ray worker is killed and the slice built again, each batch arriving once, bit-identical
+    to a local worker's."""
     data, magenta = magenta_data
+    hook = ["--transform", "tests.integration.hung_hook:hangs_once_on_magenta", "--data", data]
+    expected = reference(start_daemon, shm_dir / "ref", *hook)  # no marker named: it never hangs
     monkeypatch.setenv(HANG_ONCE, str(shm_dir / "hung-once"))
     buffer = shm_dir / "bf"
-    daemon = start_ray_daemon(buffer, *JOB, "--data", data, "--task-timeout", "24",
-                              "--transform", "tests.integration.hung_hook:hangs_once_on_magenta")
+    daemon = start_ray_daemon(buffer, *JOB, *hook, "--task-timeout", "24")
     # The cluster's start (seconds) is not what this trainer's timeout is about: it starts once a batch is there.
     daemon.wait_until(lambda: any(buffer.glob("*.batch")), 120, "published no batch")
     loader = BufferLoader(buffer, normalize=False, timeout=12)
     with caplog.at_level(logging.WARNING):
         try:
-            got = [(batch.epoch, batch.step, batch.indices.tolist()) for batch in loader]
+            got = [received(batch) for batch in loader]
         finally:
             loader.close()
-    assert [(epoch, step) for epoch, step, _ in got] == [(0, step) for step in range(4)], daemon.log  # each once
-    assert sorted(i for *_, indices in got for i in indices) == list(range(25)), got
+    assert got == expected, daemon.log  # each (epoch, step) once, bit-identical
     assert daemon.wait_exit(30) == 0, daemon.log
     assert (shm_dir / "hung-once").exists(), "it did hang"
     notes = [line for line in daemon.log.splitlines() if "a slice on the Ray cluster has made no progress for" in line]
@@ -218,6 +186,9 @@ def test_a_slice_that_hangs_on_the_cluster_is_said_as_a_stall_and_the_trainer_wa
         daemon.log
     said = [r.getMessage() for r in caplog.records if "says that a worker building its batches is stalled" in r.getMessage()]
     assert said and "a slice on the Ray cluster has made no progress" in said[0], said
+    kill = [line for line in daemon.log.splitlines() if "a Ray worker made no progress for" in line]
+    assert len(kill) == 1 and "(--task-timeout 24) on batch" in kill[0] and str(magenta) in kill[0], daemon.log
+    assert "cancelled its slice, killing the worker; its task is queued again (hang 1 of 3" in kill[0], kill[0]
     final = read_status(buffer)
     assert final.production is not None and final.production.errors.worker_hangs == 1, daemon.log
 
