@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Any
 
 # One OpenMP thread for torch in the test processes and what they start (trainers, torchrun ranks), set
-# before torch is imported: its default of one thread per core, in the three test processes beside the
+# before torch is imported: its default of one thread per core, in the four test processes beside the
 # daemons' workers, oversubscribes 2 cores, and OpenMP's spinning threads then stall each other.  The
 # drop-in test alone took 12 s; three copies at once took 126 s each with the default, 12 s each with one
 # thread (2026-11-30).  An explicit setting (``--threads``, the benchmarks' own) still wins.

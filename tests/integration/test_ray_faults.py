@@ -39,9 +39,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1",
        "--epochs", "1"]
-# The trainer's wait for a batch: past a cluster's start and three hangs (3 s each, and a Ray worker's start
-# after each kill); before, the hung batch never came and this is what the test failed with.
-LOADER_TIMEOUT = 90
+# The trainer's wait for a batch: past a cluster's start and three hangs (3 s each), or three deaths, each
+# followed by a Ray worker's start (seconds: it imports torch for the hook; 90 s were once not enough for
+# three beside three other test processes on the 2 cores); before, the hung batch never came and this is what
+# the test failed with.
+LOADER_TIMEOUT = 150
 
 
 class RayDaemon(Daemon):
