@@ -148,6 +148,7 @@ def test_a_file_that_kills_its_ray_worker_even_as_a_replacement_is_the_one_repla
     assert str(bad) in errors and not errors[str(bad)].startswith("crashed"), errors
     deaths = [line for line in daemon.log.splitlines() if "a Ray worker died (Ray: WorkerCrashedError) on batch" in line]
     assert len(deaths) == CRASHES_TO_BLAME and all(str(magenta) in line for line in deaths), daemon.log
+    assert "Unhandled error" not in daemon.log, daemon.log  # Ray's own words of the deaths the daemon said
 
 
 def bad_first_killer_last(seed: int, samples: int, bad: int, killer: int) -> bool:

@@ -149,6 +149,10 @@ def bridge_main(conn: Connection, job: WorkerJob, address: str, task_timeout: fl
     if why:
         conn.send(Report(False, message=why))
         return
+    # Ray logs an error it holds for an object nobody took it from ("Unhandled error ... The worker died
+    # unexpectedly"): the streams of slices whose Ray worker died, whose deaths the bridge has taken from
+    # their completion and the daemon has said (twice per file that kills its Ray worker in test_ray_faults).
+    os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
     try:
         import ray
 
