@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from gpu_check_plan import Sizes, not_a_tool
+from prefetchd.bench.contenders import classic_transform
+from prefetchd.bench.report import why_not_runnable
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.spawn import spawn_daemon
@@ -59,13 +61,10 @@ def prefetchd_feed(data: Path, sizes: Sizes, workers: int, device: torch.device,
 @contextlib.contextmanager
 def dataloader_feed(data: Path, sizes: Sizes, workers: int, device: torch.device) -> Iterator[Batches]:
     from torch.utils.data import DataLoader
-    from torchvision import datasets, transforms
+    from torchvision import datasets
 
     # What users run today: PIL decode, RandomResizedCrop, flip, float32 normalised in the workers.
-    transform = transforms.Compose([
-        transforms.RandomResizedCrop(sizes.image_size), transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+    transform = classic_transform(sizes.image_size, uint8=False)
     loader = DataLoader(datasets.ImageFolder(str(data), transform=transform), batch_size=sizes.batch_size,
                         shuffle=True, drop_last=True, num_workers=workers, persistent_workers=True,
                         prefetch_factor=2, pin_memory=device.type == "cuda", timeout=WAIT_SECONDS,
@@ -94,10 +93,9 @@ def synthetic_feed(sizes: Sizes, classes: int, device: torch.device) -> Iterator
 
 
 def dali_missing(device: torch.device) -> str | None:
-    try:
-        import nvidia.dali  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install failing at import
-        return f"skipped: nvidia.dali not importable ({type(exc).__name__})"
+    why = why_not_runnable("dali")  # `prefetchd bench`'s word for a DALI that is not installed or does not import
+    if why:
+        return f"skipped: {why}"
     if device.type != "cuda":
         return "skipped: DALI's mixed decoder needs a GPU (dry run on the CPU)"
     return None

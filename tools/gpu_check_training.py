@@ -18,6 +18,7 @@ from torch import nn
 from gpu_check_feeds import Feed, dali_feed, dali_missing, dataloader_feed, prefetchd_feed, synthetic_feed
 from gpu_check_plan import Sizes, TimeLimit, not_a_tool
 from host_use import CpuUse, HostSampler
+from prefetchd.bench.results import median_round
 from prefetchd.trainer.model import build_model
 
 log = logging.getLogger(__name__)
@@ -186,22 +187,22 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
 
 
 def median_rows(feeds: list[tuple[str, Feed | str]], rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per feed: its median measured round (the lower of the middle two for an even
-    count), every round's images/s beside it (None for a failed one), and images/s against
-    the synthetic ceiling's median."""
+    """One row per feed: its median measured round (``median_round``, as `prefetchd bench` takes
+    its rows: the lower of the middle two for an even count), every round's images/s beside it
+    (None for a failed one), and images/s against the synthetic ceiling's median."""
     rows: list[dict[str, Any]] = []
     for name, feed in feeds:
         if isinstance(feed, str):
             rows.append({"feed": name, "note": feed})
             continue
         runs = rounds.get(name, [])
-        measured = sorted((run for run in runs if "note" not in run), key=lambda run: run["images_per_s"])
+        measured = [run for run in runs if "note" not in run]
         failed = [run["note"] for run in runs if "note" in run]
         if not measured:
             if runs:
                 rows.append({"feed": name, "note": failed[0]})
             continue
-        row = {**measured[(len(measured) - 1) // 2], "rounds_images_per_s": [run.get("images_per_s") for run in runs],
+        row = {**median_round(measured), "rounds_images_per_s": [run.get("images_per_s") for run in runs],
                "rounds_detail": [{key: run[key] for key in ROUND_KEYS if key in run} for run in runs]}
         if failed:
             row["failed_rounds"] = failed
