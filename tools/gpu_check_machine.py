@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gpu_check_plan import REPO, not_a_tool
+from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import buffer_root
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def cli_problem() -> str | None:
 
 
 def cores_but_one() -> int:
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return max(1, usable_cpus() - 1)
 
 
 def warm_page_cache(data: Path) -> None:
