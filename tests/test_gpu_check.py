@@ -3,6 +3,7 @@ script still runs on the day a GPU machine is lent.  Structure only: the figures
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -96,11 +97,11 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
 
 def test_the_producer_is_measured_at_powers_of_two_and_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpu_check
+    import gpu_check_steps
 
-    assert gpu_check.scaling_counts(16) == [1, 2, 4, 8, 16]
-    assert gpu_check.scaling_counts(6) == [1, 2, 4, 6]
-    assert gpu_check.scaling_counts(1) == [1]
+    assert gpu_check_steps.scaling_counts(16) == [1, 2, 4, 8, 16]
+    assert gpu_check_steps.scaling_counts(6) == [1, 2, 4, 6]
+    assert gpu_check_steps.scaling_counts(1) == [1]
 
 
 def test_a_missing_dependency_stops_the_check_before_it_measures(tmp_path: Path) -> None:
@@ -120,7 +121,9 @@ def test_a_missing_dependency_stops_the_check_before_it_measures(tmp_path: Path)
 
 def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpu_check
+    import gpu_check_training
+    import torch
+    from gpu_check_plan import DRY
 
     order: list[str] = []
     figures = {"synthetic": [100.0, 110.0, 90.0], "prefetchd (2 workers)": [50.0, 70.0, 60.0],
@@ -133,11 +136,11 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
             raise RuntimeError("the daemon went away")
         return {"feed": name, "images_per_s": value, "data_wait_share": 0.0}
 
-    monkeypatch.setattr(gpu_check, "train_with", train)
-    sizes = gpu_check.dataclasses.replace(gpu_check.DRY, rounds=3)
+    monkeypatch.setattr(gpu_check_training, "train_with", train)
+    sizes = dataclasses.replace(DRY, rounds=3)
     snapshots: list[int] = []
-    rows, stopped = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2, 1], tmp_path,
-                                            done=lambda rows: snapshots.append(len(rows)))
+    rows, stopped = gpu_check_training.training_rows(tmp_path, sizes, 2, torch.device("cpu"), [2, 1], tmp_path,
+                                                     done=lambda rows: snapshots.append(len(rows)))
     assert stopped is None
     # The ceiling opens every round; the others take turns at going first.
     p2, p1, dl = "prefetchd (2 workers)", "prefetchd (1 workers)", "DataLoader (2 workers)"
@@ -159,7 +162,9 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
 def test_a_time_limit_stops_before_a_feed_whose_last_round_would_not_fit(monkeypatch: pytest.MonkeyPatch,
                                                                         tmp_path: Path) -> None:
     monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpu_check
+    import gpu_check_training
+    import torch
+    from gpu_check_plan import DRY, TimeLimit
 
     now = [0.0]
     seconds = {"synthetic": 10.0, "prefetchd (2 workers)": 30.0, "DataLoader (2 workers)": 40.0}
@@ -170,13 +175,13 @@ def test_a_time_limit_stops_before_a_feed_whose_last_round_would_not_fit(monkeyp
         now[0] += seconds[name]
         return {"feed": name, "images_per_s": 100.0, "data_wait_share": 0.0}
 
-    monkeypatch.setattr(gpu_check, "train_with", train)
-    sizes = gpu_check.dataclasses.replace(gpu_check.DRY, rounds=3)
+    monkeypatch.setattr(gpu_check_training, "train_with", train)
+    sizes = dataclasses.replace(DRY, rounds=3)
     # Round 1 ends at 80 s. Round 2: the ceiling (10 s) and the DataLoader (40 s) fit in 135 s,
     # ending at 130; the daemon's 30 s would not.
-    limit = gpu_check.TimeLimit(135.0, 0.0, clock=lambda: now[0])
-    rows, stopped = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2], tmp_path,
-                                            done=lambda rows: None, deadline=limit)
+    limit = TimeLimit(135.0, 0.0, clock=lambda: now[0])
+    rows, stopped = gpu_check_training.training_rows(tmp_path, sizes, 2, torch.device("cpu"), [2], tmp_path,
+                                                     done=lambda rows: None, deadline=limit)
     assert order == ["synthetic", "prefetchd (2 workers)", "DataLoader (2 workers)", "synthetic",
                      "DataLoader (2 workers)"]
     assert stopped == ("stopped before round 2's prefetchd (2 workers), whose last round took 30 s, with 5 s of "
@@ -186,9 +191,9 @@ def test_a_time_limit_stops_before_a_feed_whose_last_round_would_not_fit(monkeyp
     assert by_feed["prefetchd (2 workers)"]["rounds_images_per_s"] == [100.0]
     # The first round always runs whole, however little time is left.
     now[0], order[:] = 0.0, []
-    little = gpu_check.TimeLimit(1.0, 0.0, clock=lambda: now[0])
-    rows, stopped = gpu_check.training_rows(tmp_path, sizes, 2, gpu_check.torch.device("cpu"), [2], tmp_path,
-                                            done=lambda rows: None, deadline=little)
+    little = TimeLimit(1.0, 0.0, clock=lambda: now[0])
+    rows, stopped = gpu_check_training.training_rows(tmp_path, sizes, 2, torch.device("cpu"), [2], tmp_path,
+                                                     done=lambda rows: None, deadline=little)
     assert len(order) == 3 and stopped is not None and stopped.startswith("stopped before round 2's synthetic")
 
 
@@ -276,7 +281,7 @@ def test_cpu_use_keeps_counting_a_process_of_the_tree_that_outlives_its_parent(m
 
 def test_a_round_s_timeline_shows_where_its_time_went(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpu_check
+    import gpu_check_training
 
     # 10 steps of 0.1 s at batch 4 (40 img/s), but step 7 opened an epoch and waited 2 s for its
     # batch: the fourth fifth (steps 7 and 8) is the slow one, and the longest wait names step 7
@@ -288,16 +293,16 @@ def test_a_round_s_timeline_shows_where_its_time_went(monkeypatch: pytest.Monkey
     for waited in waits:
         marks.append(marks[-1] + 0.09 + waited)
     opens = [i == 6 for i in range(10)]
-    got = gpu_check.timeline(marks, waits, [4] * 10, opens)
+    got = gpu_check_training.timeline(marks, waits, [4] * 10, opens)
     assert got["fifths_images_per_s"] == [round(8 / 0.3, 1), round(8 / 0.3, 1), 40.0, round(8 / 2.19, 1), 40.0]
     assert got["longest_wait_s"] == 2.0 and got["longest_wait_step"] == 6
     assert got["between_epochs_images_per_s"] == round(36 / 1.1, 1) and got["epoch_starts"] == 1
     # A short batch counts the images it had.  Fewer steps than fifths: one part per step.
     # No epoch start (the synthetic feed): every step counts.  No steps: nothing to say.
-    short = gpu_check.timeline([0.0, 0.5, 1.5], [0.0, 0.0], [2, 1], [False, False])
+    short = gpu_check_training.timeline([0.0, 0.5, 1.5], [0.0, 0.0], [2, 1], [False, False])
     assert short["fifths_images_per_s"] == [4.0, 1.0] and short["between_epochs_images_per_s"] == 2.0
     assert short["epoch_starts"] == 0
-    assert gpu_check.timeline([0.0], [], [], []) == {}
+    assert gpu_check_training.timeline([0.0], [], [], []) == {}
 
 
 def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypatch: pytest.MonkeyPatch,
@@ -306,10 +311,12 @@ def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypa
     # the DataLoader feed drops it (drop_last=True), and so must the daemon's.  72 images in
     # batches of 10: 7 full ones an epoch, read across an epoch's end.
     monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpu_check
+    import gpu_check_feeds
+    import torch
+    from gpu_check_plan import DRY
 
-    sizes = gpu_check.dataclasses.replace(gpu_check.DRY, batch_size=10)
-    with gpu_check.prefetchd_feed(shapes_data / "train", sizes, 1, gpu_check.torch.device("cpu"), shm_dir) as batches:
+    sizes = dataclasses.replace(DRY, batch_size=10)
+    with gpu_check_feeds.prefetchd_feed(shapes_data / "train", sizes, 1, torch.device("cpu"), shm_dir) as batches:
         assert [len(next(batches)[1]) for _ in range(9)] == [10] * 9
 
 

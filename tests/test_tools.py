@@ -412,7 +412,8 @@ def test_fetch_sample_photos_takes_each_photo_out_of_its_wheel(tmp_path: Path) -
     assert result.exit_code == 1 and f"no wheel of {spec} in {wheels}" in result.output
 
 
-@pytest.mark.parametrize("module", ["host_use", "gpu_report"])
+@pytest.mark.parametrize("module", ["host_use", "gpu_report", "gpu_check_plan", "gpu_check_machine", "gpu_check_steps",
+                                    "gpu_check_feeds", "gpu_check_training"])
 def test_gpu_checks_modules_say_they_are_not_tools(module: str) -> None:
     done = subprocess.run([sys.executable, str(REPO / "tools" / f"{module}.py"), "--help"], capture_output=True,
                           text=True, timeout=60)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
+from gpu_check_plan import not_a_tool
 from prefetchd.daemon.mounts import pages_of
 
 
@@ -173,6 +173,4 @@ def write_outputs(doc: dict[str, Any], out: Path) -> None:
 
 
 if __name__ == "__main__":  # imported by tools/gpu_check.py; run alone it has nothing to do
-    print(f"{Path(__file__).name} is a module of tools/gpu_check.py, not a tool: run python tools/gpu_check.py --help",
-          file=sys.stderr)
-    sys.exit(2)
+    not_a_tool(__file__)

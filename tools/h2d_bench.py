@@ -36,15 +36,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prefetchd.buffer_protocol import Manifest, batch_name, map_batch, write_batch
+from prefetchd.buffer_protocol import BatchLayout, Manifest, batch_name, map_batch, write_batch
 from prefetchd.launch import stops_cleanly
 from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.gpu import HOST_REGISTER_READ_ONLY
 
 
+def image_bytes(batch_size: int, image_size: int) -> int:
+    """The bytes of a batch's uint8 images, what each transfer moves."""
+    return BatchLayout.plan(batch_size, image_size, image_size).tensors["images"].length
+
+
 def make_buffer(root: Path, batches: int, batch_size: int, image_size: int) -> Path:
     free = shutil.disk_usage(root).free
-    need = batches * (batch_size * image_size * image_size * 3 + 2 * 4096)
+    need = batches * BatchLayout.plan(batch_size, image_size, image_size).file_len
     if need > free // 2:
         sys.exit(f"{root}: {batches} batches need {need / 2**30:.1f} GiB, more than half of the "
                  f"{free / 2**30:.1f} GiB free; pass fewer --batches or another --root")
@@ -190,7 +195,7 @@ def main() -> int:
         return 2
     device = torch.device(args.device)
     torch.cuda.init()  # type: ignore[no-untyped-call]
-    nbytes = args.batch_size * args.image_size * args.image_size * 3
+    nbytes = image_bytes(args.batch_size, args.image_size)
     buffer = make_buffer(args.root, args.batches, args.batch_size, args.image_size)
     try:
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, batch {args.batch_size}x"

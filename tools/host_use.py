@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from gpu_check_plan import not_a_tool
 from prefetchd.bench.monitor import process_tree
 
 if TYPE_CHECKING:
@@ -182,6 +181,4 @@ def _cpu(proc: psutil.Process) -> float:
 
 
 if __name__ == "__main__":  # imported by tools/gpu_check.py; run alone it has nothing to do
-    print(f"{Path(__file__).name} is a module of tools/gpu_check.py, not a tool: run python tools/gpu_check.py --help",
-          file=sys.stderr)
-    sys.exit(2)
+    not_a_tool(__file__)

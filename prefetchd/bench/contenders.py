@@ -40,6 +40,24 @@ def failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def classic_transform(image_size: int, *, uint8: bool) -> Any:
+    """What users run today on each PIL-decoded image: RandomResizedCrop and a flip, then uint8 CHW
+    (PILToTensor), or float32 normalised (ToTensor, Normalize).  The DataLoader and SPDL contenders
+    take it, and so does tools/gpu_check.py's DataLoader feed."""
+    from torchvision import transforms
+
+    from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
+
+    steps: list[Any] = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
+    if uint8:
+        steps.append(transforms.PILToTensor())
+    else:
+        # The classic recipe's float32 normalised batches, with the statistics BufferLoader
+        # would use.
+        steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    return transforms.Compose(steps)
+
+
 @dataclass
 class Run:
     """One benchmark's settings; measure() runs one contender at one worker count."""
@@ -168,19 +186,11 @@ class Run:
     def _dataloader(self, row: Throughput, *, uint8: bool, data_wait: bool) -> dict[str, Any] | None:
         import torch
         from torch.utils.data import DataLoader, RandomSampler
-        from torchvision import datasets, transforms
+        from torchvision import datasets
 
-        from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD
-
-        steps: list[Any] = [transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip()]
-        if uint8:
-            steps.append(transforms.PILToTensor())
-        else:
-            # The classic recipe's float32 normalised batches, with the statistics BufferLoader
-            # would use; the prefetchd contender reads uint8 (normalize=False), so this row does
-            # more work than it: dataloader-uint8 is the like-for-like one.
-            steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-        dataset = datasets.ImageFolder(str(self.data), transform=transforms.Compose(steps))
+        # The float32 row does more work than the prefetchd contender, which reads uint8
+        # (normalize=False): dataloader-uint8 is the like-for-like one.
+        dataset = datasets.ImageFolder(str(self.data), transform=classic_transform(self.image_size, uint8=uint8))
         # shuffle=True, as one long epoch of fresh permutations (see the module docstring).
         sampler = RandomSampler(dataset, num_samples=len(dataset) * 100_000, generator=torch.Generator().manual_seed(0))
         loader = DataLoader(
@@ -213,12 +223,10 @@ class Run:
 
         import torch
         from spdl.pipeline import PipelineBuilder
-        from torchvision import datasets, transforms
+        from torchvision import datasets
 
         samples = self._samples()
-        tf = transforms.Compose([
-            transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip(), transforms.PILToTensor(),
-        ])
+        tf = classic_transform(self.image_size, uint8=True)
         loader = datasets.folder.pil_loader
 
         def source() -> Iterator[tuple[str, int]]:
