@@ -1,8 +1,9 @@
 """The tasks of the batches being built: made, queued, handed back, cancelled, answered.
 
-A batch being built (a ``stream.Build``, in its stream's ``building``) is cut into tasks of ``chunk``
-slots each, in slot order; the tasks wait in ``queue``, first in first out, until the local pool or the
-cluster takes them from its front (``pool.WorkerPool.dispatch``, ``remote.RemotePool.dispatch``).  Every
+A batch being built (a ``stream.Build``, in its stream's ``building`` from ``start`` until ``finished``,
+``drop_if_answered`` or ``abort_all``: this module alone adds and removes it there) is cut into tasks of
+``chunk`` slots each, in slot order; the tasks wait in ``queue``, first in first out, until the local pool
+or the cluster takes them from its front (``pool.WorkerPool.dispatch``, ``remote.RemotePool.dispatch``).  Every
 task not yet answered, queued or at work, is in ``by_task`` with its build, and in that build's
 ``outstanding``; the two books agree, so that a build's ``outstanding`` empties with the answer to
 its last task, and ``WorkerHealth`` tells a task still wanted by ``by_task`` alone::
@@ -121,6 +122,19 @@ class Builds:
         if self.remote is not None:
             self.remote.cancel(build.outstanding)
         self.drop_if_answered(build)
+
+    def finished(self, build: Build) -> None:
+        """``build``'s last slot is filled: it leaves its stream's ``building`` for the controller to publish
+        (or to drop, its stream gone)."""
+        del build.stream.building[build.g]
+
+    def abort_all(self, streams: list[Stream]) -> None:
+        """Abort every build in progress, its temp file with it: the daemon stops, and each is built again by the
+        next daemon on this buffer."""
+        for stream in streams:
+            for build in stream.building.values():
+                build.pending.abort()
+            stream.building.clear()
 
     def drop_if_answered(self, build: Build) -> None:
         """Abort a cancelled build's temp file, and free its place under its stream's cap, once none of its

@@ -360,10 +360,7 @@ class Producer:
         if self.remote is not None:
             self.remote.stop()
         self.pool.stop()
-        for stream in self.streams:
-            for build in stream.building.values():
-                build.pending.abort()
-            stream.building.clear()
+        self.builds.abort_all(self.streams)
         self.spares.fit(0)
         for stream in self.streams:  # after the spares, which are named through their folders' fds
             stream.close()
@@ -506,7 +503,7 @@ class Producer:
 
     def _publish(self, build: Build) -> None:
         stream = build.stream
-        del stream.building[build.g]
+        self.builds.finished(build)
         if self._stream_lost(stream):
             return
         try:
