@@ -61,7 +61,7 @@ from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_wo
 from prefetchd.daemon.producer_status import production_status
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
-from prefetchd.daemon.remote.messages import Died, Hung, StartDied
+from prefetchd.daemon.remote.messages import Died, Hung, StartDied, StartHung
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream, consumer_cap
 from prefetchd.daemon.wakeup import Wakeup
@@ -133,7 +133,8 @@ class Producer:
         self._job = WorkerJob.from_config(index, members, cfg)
         self.bad = BadSamples(cfg, index, len(members))
         self.pool = WorkerPool(self._job, self.workers_wanted)
-        self.remote = (RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted, cfg.task_timeout)
+        self.remote = (RemotePool(self._job, cfg.ray, cfg.ray_builds, self.workers_wanted, cfg.task_timeout,
+                                  cfg.worker_start_timeout)
                        if cfg.ray else None)
         self.builds = Builds(chunk, self.remote)
         self.health = WorkerHealth(self.pool, self.stats, cfg.task_timeout, self.builds.by_task, self.bad.shown,
@@ -297,7 +298,7 @@ class Producer:
         timeout = self.remote.poll_interval(timeout)
         for worker in self.pool.wait(timeout, self.wake, self._complete, also=self.remote.waitables()):
             self._replace_worker(worker)
-        self.remote.handle(self._complete, self.builds.requeue, self._remote_fault, self._ray_start_died)
+        self.remote.handle(self._complete, self.builds.requeue, self._remote_fault, self._ray_start_fault)
 
     # -- workers --------------------------------------------------------------
 
@@ -334,11 +335,15 @@ class Producer:
         if crashed is not None and (verdict := self.bad.replaced(*crashed)) is not None and self.fatal is None:
             self.fatal, self.fatal_error = verdict, BadDataError
 
-    def _ray_start_died(self, fault: StartDied, task: Task | None) -> None:
-        """A Ray worker died before its first image (the bridge submits its slice again): counted, and the job
-        stops where the cluster's workers all die so (``WorkerHealth.ray_start_died``)."""
+    def _ray_start_fault(self, fault: StartDied | StartHung, task: Task | None) -> None:
+        """A Ray worker died before its first image, or a slice did not begin in --worker-start-timeout (the bridge
+        submits the slice again either way): counted, and the job stops where the cluster's workers all die so
+        (``WorkerHealth.ray_start_died``) or that slice never begins (``WorkerHealth.ray_start_hung``)."""
         built = self.remote.slices if self.remote is not None else 0
-        why = self.health.ray_start_died(task, fault.node, fault.how, fault.text, built)
+        if isinstance(fault, StartHung):
+            why = self.health.ray_start_hung(task, fault.seconds, built) if task is not None else None
+        else:
+            why = self.health.ray_start_died(task, fault.node, fault.how, fault.text, built)
         if why is not None and self.fatal is None:
             self.fatal = why
 

@@ -34,7 +34,12 @@ ones), and one built an item at a time whose Ray worker died says the sample it 
 Ray starts its workers again itself: neither counts towards the restart limit.  A slice at the cluster
 that has made no progress for a quarter of --task-timeout (at most 60 s) is said as a local worker's stall
 is (``hung``'s ``remote``, from the bridge's report: ``stall_note`` and ``stall``), so that a trainer waits
-on until it is handed back.  A Ray worker that dies before its first image (in its start: a hook's module
+on until it is handed back.  A Ray worker's start is timed as a local worker's is: a slice that has not begun
+--worker-start-timeout after it was submitted (its Ray worker importing a hook's module that blocks there, or
+reading --data's probe samples on a hung mount; its wait in Ray's queue counts too) had its Ray worker killed
+and was submitted again by the bridge (``ray_start_hung``: a start hang, said, and said as a starting worker's
+stall a quarter of the way there); ``MAX_TASK_HANGS`` of one slice in a row, with no slice built on the cluster
+in between, stop the job.  A Ray worker that dies before its first image (in its start: a hook's module
 that kills the process when imported, say) blames no file, and the bridge submits its slice again; more
 than ``MAX_WORKER_RESTARTS`` such deaths within ``RESTART_WINDOW_SECONDS``, with no slice built on the
 cluster since the first, stop the job (``ray_start_died``), as the restart limit does for local workers.
@@ -78,6 +83,9 @@ MAX_TASK_HANGS = 3
 # than --task-timeout) waits on until the kill while the status says so, its timeout counted from there after.
 STALL_NOTE_SECONDS = 60.0
 SHOWN_TASK_FILES = 4  # a task's files named in a hang's warning; the file the worker is on always is
+# What a Ray worker does before it begins a slice (``task._here``), where its start may block.
+RAY_START = ("importing prefetchd, torch or the --transform hook's module, or reading the job's probe samples of "
+             "--data")
 
 
 def stall_noted_after(limit: float) -> float:
@@ -89,11 +97,13 @@ def stall_noted_after(limit: float) -> float:
 @dataclass(frozen=True)
 class SliceStall:
     """A slice at the Ray cluster that has made no progress for a while (``remote.messages.Stalled``): its task,
-    the sample it is on where the bridge knows it, and when it last moved on (``time.monotonic()``)."""
+    the sample it is on where the bridge knows it, and when it last moved on (``time.monotonic()``); ``starting``:
+    it has not begun yet, ``moved`` being when it was submitted (bounded by --worker-start-timeout)."""
 
     task: Task
     sample: int | None
     moved: float
+    starting: bool = False
 
 
 class WorkerHealth:
@@ -127,6 +137,9 @@ class WorkerHealth:
         # built a slice; and how many it had built then (``ray_start_died``).
         self.ray_start_deaths: deque[float] = deque()
         self.ray_built = 0
+        # By task id, of tasks still wanted: how many times in a row its slice did not begin on the cluster in
+        # --worker-start-timeout since the cluster last built a slice (``ray_start_hung``).
+        self.ray_start_hangs: dict[int, int] = {}
 
     # -- deaths ---------------------------------------------------------------
 
@@ -211,15 +224,17 @@ class WorkerHealth:
         got ready in --worker-start-timeout since they started, to be killed (``kill``).  One that has made none
         for a while, not that long yet, is said to, once in the log and in ``stall_note`` while it lasts; so is
         ``remote``, the slice at the Ray cluster that has made none the longest (the bridge hands it back at
-        --task-timeout: ``hung_remotely``).  ``stall_note`` and ``stall`` say the longest of them."""
+        --task-timeout: ``hung_remotely``; one not begun it submits again at --worker-start-timeout:
+        ``ray_start_hung``).  ``stall_note`` and ``stall`` say the longest of them."""
         notes = []
         stalls: list[tuple[float, float, bool, int]] = []  # (still, limit, starting, note) of those said
         hung = []
         if remote is not None:
             still = time.monotonic() - remote.moved
-            if still >= stall_noted_after(self.task_timeout):  # said until the bridge hands it back
+            bound = self.start_timeout if remote.starting else self.task_timeout
+            if still >= stall_noted_after(bound):  # said until the bridge hands it back, or submits it again
                 notes.append(self._slice_note(remote, still))
-                stalls.append((still, self.task_timeout, False, 0))
+                stalls.append((still, bound, remote.starting, 0))
                 if self.slice_noted != (remote.task.task_id, remote.moved):
                     self.slice_noted = (remote.task.task_id, remote.moved)
                     log.warning("%s", notes[-1])
@@ -254,6 +269,11 @@ class WorkerHealth:
     def _slice_note(self, remote: SliceStall, still: float) -> str:
         """A Ray slice's stall, said as a local worker's is (the bound before the task's files)."""
         task, sample = remote.task, remote.sample
+        if remote.starting:
+            return (f"a slice on the Ray cluster has not begun in {still:.0f} s since it was submitted "
+                    f"({self._slice_of(task)}): it waits in Ray's queue, or its Ray worker is starting ({RAY_START}); "
+                    f"at {self.start_timeout:g} s (--worker-start-timeout) it is cancelled, its Ray worker killed, "
+                    "and it is submitted again")
         place = self._place(task, sample, with_files=False) if sample is not None else self._somewhere_in(task)
         return (f"a slice on the Ray cluster has made no progress for {still:.0f} s on {place}; at "
                 f"{self.task_timeout:g} s (--task-timeout) it is cancelled, its Ray worker killed, and its task "
@@ -272,7 +292,7 @@ class WorkerHealth:
         # Not one of the restart limit's ends: a hung mount stalls every worker at once, and 11 killed together
         # stopped the job as "11 workers died within 60 s (out of memory?)"; the hangs' own bound is per task.
         # Held still after the kill (not finished as it came) and of a build still wanted: hung for good?
-        final = self._final(task, hangs) and task.task_id in worker.tasks
+        final = self._final(task, len(hangs)) and task.task_id in worker.tasks
         then = (f"that task hung {counted(len(hangs), 'time')}: the job stops" if final else
                 f"its {'task goes' if len(worker.tasks) == 1 else f'{len(worker.tasks)} tasks go'} to a new worker "
                 f"(hang {len(hangs)} of {MAX_TASK_HANGS} for that task)")
@@ -287,7 +307,7 @@ class WorkerHealth:
         workers), else None: then it is the controller's to queue again."""
         files = len(task.items)
         hangs = self._hang(task, self.shown(sample) if sample is not None else f"one of its task's {files} files")
-        final = self._final(task, hangs)
+        final = self._final(task, len(hangs))
         then = (f"that task hung {counted(len(hangs), 'time')}: the job stops" if final else
                 f"its task is queued again (hang {len(hangs)} of {MAX_TASK_HANGS} for that task)")
         place = self._place(task, sample) if sample is not None else f"{self._somewhere_in(task)}: {self._files(task)}"
@@ -304,9 +324,7 @@ class WorkerHealth:
         again), as ever.  A slice built shows that its workers do start: the count begins again from there,
         so a large cluster's own churn (OOM kills, a node's workers lost) never adds up to a stop."""
         now = time.monotonic()
-        if built != self.ray_built:
-            self.ray_built = built
-            self.ray_start_deaths.clear()
+        self._ray_built(built)
         self.ray_start_deaths.append(now)
         _forget_before(self.ray_start_deaths, now)
         deaths = len(self.ray_start_deaths)
@@ -318,16 +336,67 @@ class WorkerHealth:
                         "stop the job)", how, text, where, "node is probed" if task is None else "slice is submitted",
                         deaths, RESTART_WINDOW_SECONDS, MAX_WORKER_RESTARTS)
             return None
-        hook = self.pool.job.augment.transform
-        tried = (f", and whether `python -c 'import {hook.partition(':')[0]}'` returns there (in the daemon's "
-                 "environment)" if hook is not None else "")
         return (f"the Ray cluster's workers die before their first image: {deaths} within "
                 f"{RESTART_WINDOW_SECONDS:.0f} s, and the cluster built no slice since (the last: Ray: {how}, "
                 f"{where}). "
                 "Such a worker dies as it starts: importing prefetchd, torch or the --transform hook's module, or "
-                "loading the job (out of memory?), before any file is read. Look at the Ray worker logs on the "
-                f"nodes (`ray logs`, or /tmp/ray/session_latest/logs/worker-*.err there){tried}; fix that and "
-                "start the daemon again (it resumes)")
+                f"loading the job (out of memory?), before any file is read. Look at {self._ray_start_checks(False)}; "
+                "fix that and start the daemon again (it resumes)")
+
+    def ray_start_hung(self, task: Task, seconds: float, built: int) -> str | None:
+        """Say that ``task``'s slice did not begin on the Ray cluster in ``seconds`` since it was submitted
+        (--worker-start-timeout; ``remote.messages.StartHung``): the bridge cancelled it, killing its Ray worker,
+        and submitted it again.  ``built``: the slices the cluster has built so far.  Why the job must stop when
+        that slice did not begin ``MAX_TASK_HANGS`` times in a row, with no slice built on the cluster in
+        between, else None.  A hang, as a local worker killed for its start is (``_kill_unready``), and no
+        restart: Ray starts another worker itself.  Counted per slice, as a local worker's start hangs are per
+        place: every slice of a cluster whose workers' start blocks goes at once (those queued behind them
+        too), and one round of them is no more a verdict than one round of local workers is.  A slice built
+        shows that the cluster's workers do start: the rows begin again from there, as ``ray_start_died``'s
+        count does."""
+        self._ray_built(built)
+        self.stats.worker_hangs += 1
+        self.ray_start_hangs = {t: n for t, n in self.ray_start_hangs.items() if t in self.builds}
+        hangs = self.ray_start_hangs.get(task.task_id, 0) + 1
+        if task.task_id in self.builds:  # a task still wanted: its row is kept until it is done or dropped
+            self.ray_start_hangs[task.task_id] = hangs
+        final = self._final(task, hangs)
+        then = (f"it did not begin {counted(hangs, 'time')} in a row, with no slice built on the cluster since: the "
+                "job stops" if final else
+                f"submitted it again (start hang {hangs} of {MAX_TASK_HANGS} in a row for that slice, with no slice "
+                "built on the cluster in between)")
+        log.warning("a slice on the Ray cluster (%s) did not begin in %.0f s (--worker-start-timeout %g): cancelled "
+                    "it, killing its Ray worker; %s. It waited in Ray's queue, or its Ray worker's start did not "
+                    "return (%s): look at %s", self._slice_of(task), seconds, self.start_timeout, then, RAY_START,
+                    self._ray_start_checks())
+        if not final:
+            return None
+        return (f"{self._batch_of(task)} cannot be built on the Ray cluster: its slice {task.task_id} did not begin "
+                f"{counted(hangs, 'time')} in a row, each cancelled (its Ray worker killed) {self.start_timeout:g} s "
+                "after it was submitted (--worker-start-timeout), and the cluster built no slice since. A Ray worker "
+                f"begins a slice once it has started ({RAY_START}); something there never returns. Look at "
+                f"{self._ray_start_checks()}; fix that and start the daemon again (it resumes), or raise "
+                "--worker-start-timeout if a Ray worker's start, with its wait in Ray's queue, can take that long")
+
+    def _ray_start_checks(self, mount: bool = True) -> str:
+        """What to look at where Ray workers die as they start, or (``mount``) where their start may not return,
+        which a hung mount explains too: the hook's import and --data's mount on the nodes, and their logs."""
+        hook = self.pool.job.augment.transform
+        checks = [f"whether `python -c 'import {hook.partition(':')[0]}'` returns on the nodes (in the daemon's "
+                  "environment)"] if hook is not None else []
+        if mount:
+            checks.append("whether --data's mount on the nodes is readable")
+        checks.append("the Ray worker logs on the nodes (`ray logs`, or /tmp/ray/session_latest/logs/worker-*.err "
+                      "on each)")
+        return ", ".join(checks[:-1]) + (" and " if len(checks) > 1 else "") + checks[-1]
+
+    def _ray_built(self, built: int) -> None:
+        """The cluster has built ``built`` slices so far: where that is more than before, its workers do start,
+        and the counts of Ray workers that did not (``ray_start_died``, ``ray_start_hung``) begin again."""
+        if built != self.ray_built:
+            self.ray_built = built
+            self.ray_start_deaths.clear()
+            self.ray_start_hangs.clear()
 
     def _hang(self, task: Task, where: str) -> list[str]:
         """Count a hang of ``task`` on ``where`` (a file as the log shows it); the task's hangs so far."""
@@ -339,10 +408,10 @@ class WorkerHealth:
         hangs.append(where)
         return hangs
 
-    def _final(self, task: Task, hangs: list[str]) -> bool:
-        """Whether ``task``, of a build still wanted, has hung for good."""
+    def _final(self, task: Task, hangs: int) -> bool:
+        """Whether ``task``, of a build still wanted, has hung for good, having hung ``hangs`` times."""
         build = self.builds.get(task.task_id)
-        return len(hangs) >= MAX_TASK_HANGS and build is not None and not build.cancelled
+        return hangs >= MAX_TASK_HANGS and build is not None and not build.cancelled
 
     def _kill_unready(self, worker: Worker, on_result: Callable[[Task, Filled | WriteFailed], None]) -> str | None:
         """``kill`` of a worker that did not get ready in --worker-start-timeout: its tasks were never begun, so no task
@@ -396,6 +465,12 @@ class WorkerHealth:
             return f"task {task.task_id}"
         rank = f", rank {build.stream.rank}" if self.ranks > 1 else ""
         return f"batch {batch_name(build.epoch, build.step)} (epoch {build.epoch}, step {build.step}{rank})"
+
+    def _slice_of(self, task: Task) -> str:
+        """A slice at the Ray cluster, for the log and the status: its task id (the bridge's notes name it so) and
+        its batch."""
+        known = self.builds.get(task.task_id) is not None
+        return f"slice {task.task_id} of {self._batch_of(task)}" if known else f"slice {task.task_id}"
 
     def _files(self, task: Task) -> str:
         """``task``'s files, the first ``SHOWN_TASK_FILES`` named."""

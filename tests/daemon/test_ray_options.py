@@ -191,7 +191,7 @@ def test_a_head_nobody_runs_is_told_at_once_and_local_workers_build_meanwhile(
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"  # free once closed: nothing listens there
     index = _dataset(tmp_path / "data")
-    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), address, None, 1, 600.0)
+    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), address, None, 1, 600.0, 600.0)
     started = time.monotonic()
     pool.start()
     try:
@@ -220,7 +220,8 @@ def test_a_head_that_accepts_but_does_not_answer_is_warned_about_while_local_wor
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         address = f"127.0.0.1:{silent.getsockname()[1]}"
-        pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), address, None, 2, 600.0)
+        pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), address, None, 2,
+                          600.0, 600.0)
         pool.start()
         try:
             wait_for(lambda: pool.handle(lambda _t, _r: None, lambda t: t, lambda _t, _f: None, lambda _f, _t: None)
@@ -244,7 +245,7 @@ def test_a_warning_a_new_bridge_sends_again_is_not_logged_again(
     from prefetchd.daemon.remote.messages import Note
 
     index = _dataset(tmp_path / "data")
-    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), "local", None, 1, 600.0)
+    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), "local", None, 1, 600.0, 600.0)
     unfit = "node 10.0.0.7 cannot read 3 of the 3 samples probed: ...; it gets no slices"
     retried = "slice 4: node 10.0.0.7 died; submitting it to another node"
     for _bridge in range(2):
@@ -269,7 +270,8 @@ def test_a_cluster_whose_every_node_is_unfit_is_said_in_the_status_and_warned_on
     from prefetchd.daemon.remote.messages import Report
 
     index = _dataset(tmp_path / "data")
-    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), "10.0.0.5:6379", None, 0, 600.0)
+    pool = RemotePool(WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7), "10.0.0.5:6379", None, 0,
+                      600.0, 600.0)
     unfit = Report(True, nodes=2, cpus=0, unfit=("cpu-2/77ab01c3: could not use 1 sample ...",))
     with caplog.at_level(logging.WARNING, logger="prefetchd.daemon.remote.pool"):
         for said in (unfit, unfit, Report(True, nodes=2, cpus=4), unfit):

@@ -1,7 +1,8 @@
 """prefetchd.daemon.remote without a cluster: a remote slice is run_task into rows, and the bridge's
 write of those rows leaves the batch file byte for byte as a local worker leaves it; the samples a
 node is probed with are ones the daemon's box reads; a node of another prefetchd version, or without
-the transform hook's module, is told unable."""
+the transform hook's module, is told unable; a slice that does not begin in --worker-start-timeout is
+submitted again, and the controller stops the job where it never begins."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from prefetchd.daemon.remote.bridge import Bridge
 from prefetchd.daemon.remote.bridge_nodes import BridgeNode
 from prefetchd.daemon.remote.bridge_rows import write_rows
 from prefetchd.daemon.remote.bridge_slices import MAX_ATTEMPTS, STRAGGLER_SAMPLES, SliceInFlight
-from prefetchd.daemon.remote.messages import Done, Returned
+from prefetchd.daemon.remote.messages import Done, Returned, Stalled, StartHung
 from prefetchd.daemon.remote.slice_copy import SliceCopy
 from prefetchd.daemon.remote.task import (Rows, Shipment, build_rows, build_rows_tracked, probe_samples, unable_here,
                                          unreadable)
 from prefetchd.daemon.sources import SampleReader
+from prefetchd.daemon.worker_health import MAX_TASK_HANGS, stall_noted_after
 from prefetchd.daemon.workers import Filled, Task, Whereabouts, WorkerJob, WriteFailed, run_task
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
 
@@ -452,7 +454,7 @@ class _Wired:
 
     def controller_turn(self) -> None:
         self.pool._receive(self.producer._complete, self.builds.requeue, self.producer._remote_fault,
-                           self.producer._ray_start_died)
+                           self.producer._ray_start_fault)
 
 
 def test_a_cancelled_builds_slices_at_the_cluster_are_answered_at_once_and_never_relaunched(tmp_path: Path,
@@ -548,3 +550,115 @@ def test_a_slice_the_cluster_gives_back_after_its_build_was_cancelled_is_dropped
     ], said
     # Both were retried at the cluster; only the live one counts against the warnings' budget.
     assert w.pool.retries == 2 * (MAX_ATTEMPTS - 1) and w.pool.returned == 1
+
+
+class _Stream:
+    """The stream of a slice's Ray task (an ``ObjectRefGenerator``) as ``SliceCopy.poll`` reads it: what the task
+    has yielded so far, each its own reference (the stand-in for Ray's ``get`` hands it back)."""
+
+    def __init__(self, *items: object) -> None:
+        self.items = list(items)
+
+    def next_ready(self) -> bool:
+        return bool(self.items)
+
+    def __next__(self) -> object:
+        return self.items.pop(0)
+
+
+class _Pipe(list):  # type: ignore[type-arg]
+    """The bridge's pipe to the controller, both ends: what the bridge sent, read in order."""
+
+    def send(self, message: object) -> None:
+        self.append(message)
+
+    def poll(self) -> bool:
+        return bool(self)
+
+    def recv(self) -> object:
+        return self.pop(0)
+
+
+def test_a_slice_not_begun_in_the_worker_start_timeout_is_submitted_again_until_the_job_stops(caplog: Any) -> None:
+    """A slice was timed only once it had begun (``SliceCopy.moved``): one whose Ray worker's start blocked (a hook's
+    module whose import never returns on a node, --data on a hung mount there during the probe) held its slice for
+    good, nothing said, and the trainer's batch never came.  Now it is said as a starting worker's stall a quarter of
+    --worker-start-timeout after its submission (its latest copy's: a straggler's second one may yet begin), and at
+    --worker-start-timeout its copies are cancelled, their Ray workers killed, and it is submitted again, the
+    controller told: the third such start of the slice in a row stops the job, saying what to look at."""
+    from collections import Counter
+
+    from prefetchd.buffer_protocol import batch_name
+    from prefetchd.daemon.producer import Producer
+    from prefetchd.daemon.production_stats import Stats
+    from prefetchd.daemon.remote.pool import RemotePool
+    from prefetchd.daemon.worker_health import WorkerHealth
+
+    sent = _Pipe()
+    cancelled: list[tuple[object, bool]] = []
+    b = object.__new__(Bridge)  # its books alone: no cluster
+    b.conn, b.slices, b.track, b.nodes = sent, {}, set(), {}
+    b.ray = SimpleNamespace(get=lambda ref: ref, cancel=lambda ref, force=False: cancelled.append((ref, force)))
+    b.task_timeout, b.stall_noted = 600.0, stall_noted_after(600.0)
+    b.start_timeout, b.start_noted = 8.0, stall_noted_after(8.0)
+    t0 = time.monotonic()
+    clock = [t0]  # when the next copy is submitted
+
+    def submit(s: SliceInFlight) -> None:
+        s.copies.append(SliceCopy(_Stream(), False, clock[0]))
+
+    b._submit = submit  # type: ignore[method-assign]
+    task = Task(7, "/dev/shm/none/b.tmp", OFFSET, SLOT, 0, ((0, 1), (1, 2)))
+    s = SliceInFlight(task, t0)
+    b.slices[7] = s
+    submit(s)
+    b._hand_back_hung(t0 + 1.9)
+    assert b.stalled is None and not sent
+    b._hand_back_hung(t0 + 2.0)  # a quarter of 8 s
+    assert b.stalled == Stalled(7, None, t0, starting=True) and not sent
+    clock[0] = t0 + 5.0  # relaunched as a straggler: its second copy may yet begin
+    submit(s)
+    b._hand_back_hung(t0 + 12.0)
+    assert b.stalled == Stalled(7, None, t0 + 5.0, starting=True) and not sent and not cancelled
+
+    pool = object.__new__(RemotePool)  # the controller's side, and its books
+    pool.conn, pool.in_flight, pool.paths, pool.slices = sent, {7: task}, Counter({task.path: 1}), 0
+    build = SimpleNamespace(cancelled=False, epoch=0, step=2, stream=SimpleNamespace(rank=0))
+    job = SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug"))
+    producer = object.__new__(Producer)
+    producer.remote, producer.fatal = pool, None
+    producer.health = WorkerHealth(SimpleNamespace(job=job), Stats(), 600.0, {7: build}, str, 1, 8.0)
+    for hang in range(1, MAX_TASK_HANGS + 1):
+        copies = list(s.copies)
+        clock[0] = max(c.submitted for c in copies) + 8.25
+        b._hand_back_hung(clock[0])
+        assert cancelled[-len(copies):] == [(c.gen, True) for c in copies], "each copy cancelled, its Ray worker killed"
+        assert [type(m) for m in sent] == [StartHung] and sent[0].task_id == 7
+        assert sent[0].seconds == pytest.approx(8.25), "since its latest copy's submission"
+        assert b.slices[7] is s and len(s.copies) == 1 and s.copies[0] not in copies
+        assert s.attempts == 1 and b.stalled is None, "submitted again, not counted as an attempt, its stall ended"
+        pool.stalled = Stalled(7, None, copies[-1].submitted, starting=True)  # as the bridge's last report said
+        with caplog.at_level(logging.WARNING):
+            pool._receive(lambda *_: None, lambda tasks: tasks, lambda *_: None, producer._ray_start_fault)
+        assert not sent and pool.stalled is None and pool.stalled_slice() is None
+        assert pool.in_flight == {7: task}, "still at the bridge, submitted again"
+        assert (producer.fatal is None) == (hang < MAX_TASK_HANGS), producer.fatal
+    said = [r.getMessage() for r in caplog.records if "did not begin in" in r.getMessage()]
+    batch = f"batch {batch_name(0, 2)} (epoch 0, step 2)"
+    assert said[0].startswith(f"a slice on the Ray cluster (slice 7 of {batch}) did not begin in 8 s "
+                              "(--worker-start-timeout 8): cancelled it, killing its Ray worker; submitted it again "
+                              f"(start hang 1 of {MAX_TASK_HANGS} in a row for that slice"), said
+    assert "`python -c 'import users.hooks'` returns on the nodes" in said[0] and "Ray worker logs" in said[0], said
+    assert producer.fatal is not None and producer.fatal.startswith(
+        f"{batch} cannot be built on the Ray cluster: its slice 7 did not begin {MAX_TASK_HANGS} times in a row, each "
+        "cancelled (its Ray worker killed) 8 s after it was submitted (--worker-start-timeout), and the cluster built "
+        "no slice since"), producer.fatal
+    assert producer.health.stats.worker_hangs == MAX_TASK_HANGS
+
+    # A copy that has begun is timed by --task-timeout from then, its start by nothing more.
+    s.copies[0].gen.items.append(None)  # it began
+    began = clock[0] + 30.0
+    b._hand_back_hung(began)
+    assert b.stalled is None and not sent and s.copies[0].moved == began
+    b._hand_back_hung(began + 60.0)  # a quarter of 600 s is 60 at most
+    assert b.stalled == Stalled(7, None, began) and not sent, "a stall of a begun slice, not a starting one"

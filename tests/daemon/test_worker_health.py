@@ -1,6 +1,7 @@
 """What a dead worker's whereabouts make of its death (worker_health.WorkerHealth.died): a file is blamed
 only where workers died on it running the same task again, never for deaths that fell elsewhere; and what the
-controller makes of a Ray slice's stall and of Ray workers that die before their first image."""
+controller makes of a Ray slice's stall, of Ray workers that die before their first image, and of slices that do
+not begin in --worker-start-timeout."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.pool import Worker
 from prefetchd.daemon.production_stats import Stats
-from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_WORKER_RESTARTS, SliceStall, WorkerHealth
+from prefetchd.daemon.worker_health import (CRASHES_TO_BLAME, MAX_TASK_HANGS, MAX_WORKER_RESTARTS, SliceStall,
+                                            WorkerHealth)
 from prefetchd.daemon.workers import START_HOOK, Task, Whereabouts
 
 TASKS = {task_id: Task(task_id, "b.tmp", 4096, 3072, 0, ((0, 10 * task_id), (1, 10 * task_id + 1)))
@@ -132,3 +134,47 @@ def test_ray_workers_that_die_before_their_first_image_stop_the_job_unless_the_c
                                               f"{MAX_WORKER_RESTARTS + 1} within 60 s"), why
     assert "(the last: Ray: OutOfMemoryError, before the first image of its slice of task 2)" in why, why
     assert "Ray worker logs" in why and "`python -c 'import users.hooks'`" in why, why
+
+
+def test_a_ray_slice_not_begun_is_said_as_a_starting_workers_stall_bounded_by_the_worker_start_timeout() -> None:
+    """A slice at the cluster that has not begun (its Ray worker's start blocks) is said as a local worker that has
+    not got ready is (``starting``, --worker-start-timeout), so that a trainer waits on until the bridge submits it
+    again, rather than as one that made no progress for a quarter of --task-timeout."""
+    pool: Any = SimpleNamespace(job=None, stalled=lambda: [])
+    h = WorkerHealth(pool, Stats(), 4.0, dict.fromkeys(TASKS), str, 1, 600.0)
+    h.hung(SliceStall(TASKS[1], None, time.monotonic() - 59, starting=True))  # under a quarter of 600 s
+    assert h.stall is None, "not said at a quarter of --task-timeout (1 s here): a start takes longer"
+    h.hung(SliceStall(TASKS[1], None, time.monotonic() - 61, starting=True))
+    assert h.stall is not None and h.stall.starting and h.stall.timeout == 600 and h.stall.reason == h.stall_note
+    assert h.stall_note.startswith("a slice on the Ray cluster has not begun in 61 s since it was submitted (slice "
+                                   "1): it waits in Ray's queue, or its Ray worker is starting (importing prefetchd, "
+                                   "torch or the --transform hook's module"), h.stall_note
+    assert h.stall_note.endswith("at 600 s (--worker-start-timeout) it is cancelled, its Ray worker killed, and it is "
+                                 "submitted again"), h.stall_note
+
+
+def test_a_ray_slice_that_never_begins_stops_the_job_unless_the_cluster_builds_meanwhile() -> None:
+    """A row per slice, as a local worker's start hangs are per place: one round of every slice cut at once (a
+    cluster whose workers' start blocks, the slices queued behind them too) is no verdict; a slice built ends
+    every row."""
+    pool: Any = SimpleNamespace(job=SimpleNamespace(augment=SimpleNamespace(transform=None)))
+    builds = {task_id: SimpleNamespace(cancelled=False, epoch=0, step=task_id, stream=SimpleNamespace(rank=0))
+              for task_id in TASKS}
+    h = WorkerHealth(pool, Stats(), 600.0, builds, str, 1, 600.0)
+    for _round in range(MAX_TASK_HANGS - 1):
+        assert h.ray_start_hung(TASKS[1], 600.0, 0) is None and h.ray_start_hung(TASKS[2], 600.0, 0) is None
+    assert h.ray_start_hung(TASKS[2], 600.0, 1) is None, "the cluster built a slice: a new row"
+    assert h.ray_start_hung(TASKS[1], 600.0, 1) is None
+    builds[1].cancelled = True  # a rewind dropped its batch: its slice never stops the job
+    for _round in range(MAX_TASK_HANGS):
+        assert h.ray_start_hung(TASKS[1], 600.0, 1) is None
+    for _round in range(MAX_TASK_HANGS - 2):  # the row of slice 2 begun at the built slice
+        assert h.ray_start_hung(TASKS[2], 600.0, 1) is None
+    why = h.ray_start_hung(TASKS[2], 600.0, 1)
+    assert why is not None and why.startswith("batch e000000-s00000002.batch (epoch 0, step 2) cannot be built on the "
+                                              f"Ray cluster: its slice 2 did not begin {MAX_TASK_HANGS} times in a "
+                                              "row"), why
+    hangs = 2 * (MAX_TASK_HANGS - 1) + 2 + MAX_TASK_HANGS + MAX_TASK_HANGS - 1
+    assert h.stats.worker_hangs == hangs, "each a hang, as a local worker killed for its start is"
+    assert "whether --data's mount on the nodes is readable and the Ray worker logs on the nodes" in why, why
+    assert "python -c" not in why, "no hook to import"

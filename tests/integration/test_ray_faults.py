@@ -2,7 +2,8 @@
 is (``worker_health``): after --task-timeout without progress its Ray worker is killed and the slice built again
 (3 hangs stop the job, naming the file), and a quarter of the way there the status says the stall, so that a
 trainer waits on; a file that kills its Ray worker twice is replaced as undecodable; Ray workers that all die
-before their first image stop the job, saying so.
+before their first image stop the job, saying so; a slice whose Ray worker's start blocks is bounded by
+--worker-start-timeout, as a local worker's start is.
 
 Each test runs a remote-only daemon (``--workers 0 --ray local``: a private cluster of its own) in a
 loopback-only network namespace (``ray_namespace``), beside a trainer outside it that reads the buffer,
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefetchd.buffer_protocol import State, read_status
+from prefetchd.buffer_protocol import ProtocolError, State, WorkerStall, read_status
 from prefetchd.daemon.errors import EXIT_FAILURE
 from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_TASK_HANGS, MAX_WORKER_RESTARTS
 from prefetchd.launch import launch, start_argv
@@ -217,3 +218,63 @@ def test_ray_workers_that_die_before_their_first_image_stop_the_job_saying_where
     deaths = [line for line in daemon.log.splitlines() if "a Ray worker died (Ray: " in line]
     assert len(deaths) == MAX_WORKER_RESTARTS, daemon.log  # each said; the next one stops the job
     assert any("before the first image of its slice of batch " in line for line in deaths), deaths
+
+
+START_TIMEOUT = 5  # a Ray worker's start that blocks is cut after this; a quarter of it (1.25 s) it is said
+
+
+def test_a_ray_worker_whose_start_blocks_is_said_as_a_stall_killed_and_after_three_in_a_row_stops_the_job(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_ray_daemon: Any, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """A slice was timed only once it had begun on the cluster, and a Ray worker's start was Ray's: one whose start
+    blocked (here the hook's module never finishes importing in a Ray worker, as one on a node's hung mount) held
+    its slice for good, the status said nothing, and the trainer ended with LoaderTimeout.  Now the start is
+    bounded by --worker-start-timeout, as a local worker's is: said as a starting worker's stall a quarter of the way
+    there (a trainer waits on past its own timeout), then the slice cancelled, its Ray worker killed, and submitted
+    again; 3 such starts of one slice in a row, with no slice built on the cluster, stop the job saying where to
+    look."""
+    data, _magenta = magenta_data
+    buffer = shm_dir / "bf"
+    hook = "tests.integration.blocking_ray_import_hook"
+    daemon = start_ray_daemon(buffer, *JOB, "--data", data, "--worker-start-timeout", str(START_TIMEOUT),
+                              "--transform", f"{hook}:identity")
+    stalls: list[WorkerStall] = []
+
+    def stalled() -> bool:
+        try:
+            status = read_status(buffer)
+        except (ProtocolError, OSError):  # being replaced
+            return False
+        production = status.production if status is not None else None
+        if production is not None and production.worker_stall is not None:
+            stalls.append(production.worker_stall)
+        return bool(stalls)
+
+    daemon.wait_until(stalled, 120, "the status to say that a slice on the cluster has not begun")
+    stall = stalls[0]
+    assert stall.starting and stall.timeout == START_TIMEOUT, stall
+    assert stall.reason.startswith("a slice on the Ray cluster has not begun in ") and " of batch " in stall.reason
+    assert f"at {START_TIMEOUT} s (--worker-start-timeout) it is cancelled, its Ray worker killed" in stall.reason
+    # Shorter than what is left until the job stops (two more starts of 5 s at least): it waits on, to the end.
+    loader = BufferLoader(buffer, normalize=False, timeout=8)
+    with caplog.at_level(logging.WARNING), pytest.raises(DaemonGone) as gone:
+        try:
+            for _batch in loader:
+                pass
+        finally:
+            loader.close()
+    said = (f" did not begin {MAX_TASK_HANGS} times in a row, each cancelled (its Ray worker killed) {START_TIMEOUT} s "
+            "after it was submitted (--worker-start-timeout), and the cluster built no slice since")
+    assert "cannot be built on the Ray cluster: its slice " in str(gone.value) and said in str(gone.value), gone.value
+    assert f"`python -c 'import {hook}'`" in str(gone.value) and "Ray worker logs" in str(gone.value), gone.value
+    waited = [r.getMessage() for r in caplog.records if "says that a worker building its batches is stalled" in
+              r.getMessage()]
+    assert waited and "--worker-start-timeout" in waited[0], waited
+    assert daemon.wait_exit(30) == EXIT_FAILURE, daemon.log
+    final = read_status(buffer)
+    assert final.state == State.FAILED and said in final.message, daemon.log
+    assert final.production is not None and final.production.errors.worker_hangs >= MAX_TASK_HANGS, daemon.log
+    cut = [line for line in daemon.log.splitlines() if "did not begin in" in line]
+    assert len(cut) >= MAX_TASK_HANGS and any("the job stops" in line for line in cut), daemon.log
+    assert f"(--worker-start-timeout {START_TIMEOUT}): cancelled it, killing its Ray worker; submitted it again " \
+           f"(start hang 1 of {MAX_TASK_HANGS} in a row" in cut[0], cut[0]

@@ -40,12 +40,17 @@ than the median is started a second time, and the first result wins.  The
 local workers' guarantees hold here too (``worker_health``): each slice is a
 streaming Ray task that says when it has begun, and one that has not come back
 --task-timeout after that is cancelled, its Ray workers killed, and handed back
-as hung (``Hung``); the one that has gone longest without progress is
-reported a quarter of the way there (``Stalled``, in the bridge's ``Report``),
-and the controller says it as a local worker's stall (the status's
-``worker_stall``: a trainer waits on).  One that hung or lost its worker is built an item at a
-time from then on, saying each sample first (a replacement too), so that its next hang
-names the file and its next death is counted on that file (``Died``).  A Ray
+as hung (``Hung``); one that has not begun --worker-start-timeout after it was
+submitted (its Ray worker's start blocks: a hook's module whose import never
+returns there) is cancelled, its Ray worker killed, and submitted again, the
+controller told (``StartHung``), which stops the job after ``MAX_TASK_HANGS``
+of one slice in a row while the cluster builds nothing; the one that has gone
+longest without progress (or without beginning) is reported a quarter of the
+way there (``Stalled``, in the bridge's ``Report``), and the controller says it
+as a local worker's stall (the status's ``worker_stall``: a trainer waits on).
+One that hung or lost its worker is built an item at a time from then on,
+saying each sample first (a replacement too), so that its next hang names the
+file and its next death is counted on that file (``Died``).  A Ray
 worker that dies before its first image blames no file: the bridge submits its
 slice again and tells the controller (``StartDied``), which stops the job when
 more than ``MAX_WORKER_RESTARTS`` die so within a minute while the cluster

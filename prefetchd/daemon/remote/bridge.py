@@ -1,8 +1,8 @@
 """The bridge process: the Ray driver.  It submits the controller's slices to the cluster, writes
-what comes back into the batches' temp files, resubmits what the cluster lost, relaunches
-stragglers, hands back the slices that hang or kill their Ray workers, and reports the cluster's
-nodes and CPUs, the slice that has gone longest without progress, and the Ray workers that die before their
-first image (see ``prefetchd.daemon.remote``).
+what comes back into the batches' temp files, resubmits what the cluster lost and what did not begin in
+--worker-start-timeout, relaunches stragglers, hands back the slices that hang or kill their Ray workers, and
+reports the cluster's nodes and CPUs, the slice that has gone longest without progress, the Ray workers that die
+before their first image and the slices whose start hung (see ``prefetchd.daemon.remote``).
 
 ``bridge_main`` connects to the cluster (``connect.py``) and runs a ``Bridge``: its loop, the pipe and Ray's
 completions are here, and three parts, each a module: the slices in flight (``bridge_slices.py``; each
@@ -41,7 +41,7 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
     Its books are kept by its three parts: the slices in flight (``BridgeSlices``), the nodes and their
     probes (``BridgeNodes``), and the check of a node's build against the daemon's box (``BridgeRows``)."""
 
-    def __init__(self, conn: Connection, job: WorkerJob, task_timeout: float) -> None:
+    def __init__(self, conn: Connection, job: WorkerJob, task_timeout: float, start_timeout: float) -> None:
         import ray
 
         self.ray: Any = ray
@@ -49,6 +49,9 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
         self.job = job
         self.task_timeout = task_timeout  # --task-timeout: a slice without progress this long is hung
         self.stall_noted = stall_noted_after(task_timeout)  # ... and one without for this long is said (``Stalled``)
+        # --worker-start-timeout: a slice not begun this long after its submission is submitted again (``StartHung``)
+        self.start_timeout = start_timeout
+        self.start_noted = stall_noted_after(start_timeout)  # ... and one not begun for this long is said (``Stalled``)
         self.stalled: Stalled | None = None  # the slice longest without progress, past ``stall_noted``
         self.reader = SampleReader(job.index, job.readers)
         self.prepared = False  # for building slices here (``_build_here``)
@@ -142,7 +145,7 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
             pass
 
 
-def bridge_main(conn: Connection, job: WorkerJob, address: str, task_timeout: float) -> None:
+def bridge_main(conn: Connection, job: WorkerJob, address: str, task_timeout: float, start_timeout: float) -> None:
     # Ctrl-C reaches the whole process group; the controller alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     why = unreachable(address)  # before the import of Ray: seconds sooner
@@ -161,7 +164,7 @@ def bridge_main(conn: Connection, job: WorkerJob, address: str, task_timeout: fl
         conn.send(Report(False, message=connect_failure(address, exc)))
         return
     try:
-        Bridge(conn, job, task_timeout).run()
+        Bridge(conn, job, task_timeout, start_timeout).run()
     except (EOFError, OSError):  # the controller went away
         pass
     finally:

@@ -1,6 +1,7 @@
 """The bridge's slices in flight: each submitted to the cluster (a ``SliceCopy`` each time, two for a straggler),
-its result taken and written, submitted again where a Ray worker or node was lost, handed back where it
-hung, killed its Ray workers or ran out of attempts, and forgotten where the controller cancelled its build.
+its result taken and written, submitted again where a Ray worker or node was lost or where it did not begin in
+--worker-start-timeout (its Ray worker's start blocked), handed back where it hung, killed its Ray workers or ran
+out of attempts, and forgotten where the controller cancelled its build.
 
 A part of :class:`~prefetchd.daemon.remote.bridge.Bridge`, which sets what is declared here in its ``__init__``.
 """
@@ -19,7 +20,8 @@ import numpy as np
 
 from prefetchd.daemon.remote.bridge_nodes import NODE_ID_LABEL, BridgeNode
 from prefetchd.daemon.remote.bridge_rows import write_rows
-from prefetchd.daemon.remote.messages import Cancelled, Died, Done, Hung, Note, Returned, Stalled, last_line
+from prefetchd.daemon.remote.messages import (Cancelled, Died, Done, Hung, Note, Returned, Stalled, StartHung,
+                                              last_line)
 from prefetchd.daemon.remote.slice_copy import SliceCopy, StreamedAnswer
 from prefetchd.daemon.remote.task import NodeAnswer
 from prefetchd.daemon.workers import Filled, Task, WriteFailed
@@ -52,6 +54,8 @@ class BridgeSlices:
     _build_on: tuple[frozenset[str], dict[bool, Any]]
     task_timeout: float
     stall_noted: float
+    start_timeout: float
+    start_noted: float
     stalled: Stalled | None
     nodes: dict[str, BridgeNode]
     slices: dict[int, SliceInFlight]
@@ -197,31 +201,58 @@ class BridgeSlices:
         self._again(s, copy, f"{type(exc).__name__}: {exc}")
 
     def _hand_back_hung(self, now: float) -> None:
-        """Cancel each slice that has made no progress for --task-timeout, killing the Ray workers that
-        hold it (a hook that never returns, a read of a hung mount there), and hand it back (``Hung``).
-        The one of the others that has made none the longest, past ``stall_noted``, is ``stalled``."""
+        """Cancel each slice that has made no progress for --task-timeout since it began, killing the Ray workers
+        that hold it (a hook that never returns, a read of a hung mount there), and hand it back (``Hung``); and
+        each that has not begun --worker-start-timeout after it was submitted, killing its Ray worker (a hook's
+        module whose import blocks on a node, --data on a hung mount there during the probe), and submit it again
+        (``_start_hung``).  The one of the others that has gone so the longest, past a quarter of its bound
+        (``stall_noted_after``), is ``stalled``.
+
+        A slice not begun is timed from its submission, its time queued at Ray included (Ray says when a task
+        leaves its queue only through its state API, the dashboard's).  That is sound: the controller sends at
+        most ``TASKS_PER_WORKER`` slices per CPU of the nodes that get slices (``RemotePool.dispatch``), so a
+        healthy slice waits in Ray's queue behind the few others on its CPU, seconds, against a default bound of
+        600 s; one queued behind a start that blocks is cancelled with it, about as long after its own
+        submission, and both go again.  A cluster busy with others' tasks may queue ours longer: raise
+        --worker-start-timeout there."""
         stalled: Stalled | None = None
         for s in list(self.slices.values()):
             for c in s.copies:
                 if c.moved is None or c.track:  # not begun (queued, or its worker starting), or tracked
                     c.poll(self.ray, now)
-            begun = [c for c in s.copies if c.moved is not None]
-            if not begun:
-                continue  # queued at Ray, or its worker starts (importing torch for a hook): not timed
-            latest = max(begun, key=lambda c: c.moved or 0.0)
-            still = now - (latest.moved or now)
-            if any(c.answer is not None or c.error is not None for c in s.copies):
+            if not s.copies or any(c.answer is not None or c.error is not None for c in s.copies):
                 continue  # answered: its completion is on the way
-            if still < self.task_timeout:
-                if still >= self.stall_noted and (stalled is None or (latest.moved or now) < stalled.moved):
-                    stalled = Stalled(s.task.task_id, latest.on, latest.moved or now)
+            begun = [c for c in s.copies if c.moved is not None]
+            latest = max(begun, key=lambda c: c.moved or 0.0) if begun else None
+            # Not begun: timed from its latest copy's submission (a straggler's second copy may yet begin).
+            since = (latest.moved or now) if latest is not None else max(c.submitted for c in s.copies)
+            limit, noted = ((self.task_timeout, self.stall_noted) if latest is not None else
+                            (self.start_timeout, self.start_noted))
+            still = now - since
+            if still < limit:
+                if still >= noted and (stalled is None or since < stalled.moved):
+                    stalled = Stalled(s.task.task_id, latest.on if latest is not None else None, since,
+                                      starting=latest is None)
                 continue
-            del self.slices[s.task.task_id]
             for c in s.copies:
                 self._cancel(c.gen, force=True)
+            if latest is None:
+                self._start_hung(s, still)
+                continue
+            del self.slices[s.task.task_id]
             self.track.add(s.task.task_id)
             self.conn.send(Hung(s.task.task_id, latest.on, still, s.attempts - 1))
         self.stalled = stalled
+
+    def _start_hung(self, s: SliceInFlight, seconds: float) -> None:
+        """The copies of slice ``s``, cancelled (their Ray workers killed) after ``seconds`` without beginning:
+        tell the controller (``StartHung``), which counts it and stops the job where the slice never begins, and
+        submit the slice again.  No file is to blame (none was read), so it is not built an item at a time for
+        this; nor is it an attempt (``MAX_ATTEMPTS`` counts lost workers and nodes): the controller's count
+        bounds these."""
+        s.copies.clear()  # the cancelled copies' completions, if any come, are no answer (``_finish``)
+        self.conn.send(StartHung(s.task.task_id, seconds))
+        self._submit(s)
 
     def _relaunch_stragglers(self, now: float) -> None:
         if len(self.latencies) < STRAGGLER_SAMPLES:

@@ -3,7 +3,8 @@
 The bridge sends a ``Report`` every ``REPORT_SECONDS`` (one that sends none for ``pool.SILENT_SECONDS`` is
 taken for a lost cluster), and for each slice it was given one answer: ``Done``, ``Returned``,
 ``Hung``, ``Died`` or ``Cancelled``; besides, ``StartDied`` for each Ray worker that died before its first
-image and ``Note`` for a line of the daemon's log.  The controller sends a ``Task`` to build, a ``Cancel``
+image, ``StartHung`` for each slice it submitted again because it had not begun in --worker-start-timeout, and
+``Note`` for a line of the daemon's log.  The controller sends a ``Task`` to build, a ``Cancel``
 for the slices of a build it dropped, and None: stop.  All are plain picklable values: the bridge is a
 process of the daemon's box, started by ``RemotePool`` (``pool.py``) with the pipe's other end.
 """
@@ -23,15 +24,18 @@ REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this oft
 @dataclass(frozen=True)
 class Stalled:
     """The slice at the cluster that has gone longest without progress, once that is long enough to be said
-    (``worker_health.stall_noted_after`` of --task-timeout), as a local worker's stall is: the controller
-    says it in the status (its message and ``worker_stall``), so that a trainer waits on until the bridge
-    hands the slice back (``Hung``) rather than give up first."""
+    (``worker_health.stall_noted_after`` of --task-timeout; of --worker-start-timeout for one not begun yet), as a
+    local worker's stall is: the controller says it in the status (its message and ``worker_stall``), so that a
+    trainer waits on until the bridge hands the slice back (``Hung``) or submits it again (``StartHung``) rather
+    than give up first."""
 
     task_id: int
     sample: int | None  # the one it is on, where it is built an item at a time (``SliceCopy.track``), else None
-    # time.monotonic() when it last moved on (began, or began an item): the bridge is a process of the daemon's
-    # box, and CLOCK_MONOTONIC is one clock for all of its processes, so the controller counts the seconds itself.
+    # time.monotonic() when it last moved on (began, or began an item; not begun: when it was submitted): the bridge
+    # is a process of the daemon's box, and CLOCK_MONOTONIC is one clock for all of its processes, so the
+    # controller counts the seconds itself.
     moved: float
+    starting: bool = False  # not begun (queued at Ray, or its Ray worker starting): --worker-start-timeout bounds it
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,19 @@ class StartDied:
 
 
 @dataclass(frozen=True)
+class StartHung:
+    """A slice that had not begun --worker-start-timeout after it was submitted: queued at Ray all that while, or
+    its Ray worker's start never returned (importing the --transform hook's module, or reading the job's probe
+    samples of --data, on a hung mount there).  The bridge cancelled it, killing that Ray worker
+    (``ray.cancel(force=True)``), and submitted it again; the controller counts it as a local worker's start
+    that hangs is counted (``WorkerHealth.ray_start_hung``): where the slice never begins, the job stops
+    instead of holding its batch for good."""
+
+    task_id: int
+    seconds: float  # since it was submitted (the latest of its copies, a straggler's second one)
+
+
+@dataclass(frozen=True)
 class Cancelled:
     """Slices of a cancelled build (``Cancel``) that the bridge forgot: nothing of them was written into the
     batch's temp file, nor will be.  Each is answered once: with ``Done`` (or ``Returned``) where that went
@@ -155,4 +172,4 @@ def first_line(exc: BaseException) -> str:
 
 
 __all__ = ["REPORT_SECONDS", "Cancel", "Cancelled", "Died", "Done", "Hung", "Note", "Report", "Returned", "Stalled",
-           "StartDied", "first_line", "last_line"]
+           "StartDied", "StartHung", "first_line", "last_line"]

@@ -21,7 +21,7 @@ from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_conte
 from prefetchd.daemon.remote.bridge import bridge_main
 from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS
 from prefetchd.daemon.remote.messages import (REPORT_SECONDS, Cancel, Cancelled, Died, Done, Hung, Note, Report, Returned,
-                                              Stalled, StartDied)
+                                              Stalled, StartDied, StartHung)
 from prefetchd.daemon.worker_health import SliceStall
 from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.words import counted
@@ -49,9 +49,10 @@ Requeue = Callable[[list[Task]], list[Task]]
 # The producer's ``_remote_fault``: a slice that hung at the cluster, or killed the Ray worker building it, judged as
 # a local worker's hang or death is (``worker_health``); it queues the slice again unless the job stops.
 OnFault = Callable[[Task, "Hung | Died"], None]
-# The producer's ``_ray_start_died``: a Ray worker died before its first image (``StartDied``), with the task of
-# the slice it ran (None: a probe), counted towards the bound that stops a job whose Ray workers all die so.
-OnStartDied = Callable[[StartDied, "Task | None"], None]
+# The producer's ``_ray_start_fault``: a Ray worker died before its first image (``StartDied``), with the task of
+# the slice it ran (None: a probe), counted towards the bound that stops a job whose Ray workers all die so; or a
+# slice did not begin in --worker-start-timeout (``StartHung``), counted towards the one for starts that hang.
+OnStartFault = Callable[["StartDied | StartHung", "Task | None"], None]
 
 
 @dataclass
@@ -73,10 +74,11 @@ class RemotePool:
     from the same queue while it is connected, and hands back the ones it loses."""
 
     def __init__(self, job: WorkerJob, address: str, builds: int | None, local_workers: int,
-                 task_timeout: float) -> None:
+                 task_timeout: float, start_timeout: float) -> None:
         require_ray()
         self.job = job
         self.task_timeout = task_timeout
+        self.start_timeout = start_timeout  # --worker-start-timeout: the bridge's bound on a slice that has not begun
         self.address = address
         self.builds = builds
         self.local_workers = local_workers
@@ -113,8 +115,8 @@ class RemotePool:
         """Start a bridge; it connects in the background and reports when it is ready.  The first start
         may wait seconds for the fork server (``heartbeat`` runs meanwhile), later ones do not."""
         parent, child = self._ctx.Pipe()
-        self.process = self._ctx.Process(target=bridge_main, args=(child, self.job, self.address, self.task_timeout),
-                                         name="prefetchd-ray-bridge", daemon=True)
+        args = (child, self.job, self.address, self.task_timeout, self.start_timeout)
+        self.process = self._ctx.Process(target=bridge_main, args=args, name="prefetchd-ray-bridge", daemon=True)
         with_heartbeat(self.process.start, heartbeat, every)
         child.close()
         self.conn = parent
@@ -152,16 +154,16 @@ class RemotePool:
         return min(timeout, REPORT_SECONDS)
 
     def handle(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
-               on_fault: OnFault, on_start_died: OnStartDied) -> None:
+               on_fault: OnFault, on_start_fault: OnStartFault) -> None:
         """Hand on what the bridge sent; notice a dead or silent one; reconnect when it is time."""
         now = time.monotonic()
         if self.process is None:
             if now >= self.retry_at:
                 self.start()
             return
-        self._receive(on_result, requeue, on_fault, on_start_died)
+        self._receive(on_result, requeue, on_fault, on_start_fault)
         if not self.process.is_alive():
-            self._receive(on_result, requeue, on_fault, on_start_died)  # what it sent before it exited still counts
+            self._receive(on_result, requeue, on_fault, on_start_fault)  # what it sent before it exited still counts
             self._lose(self.refusal or f"the bridge process exited (code {self.process.exitcode})", requeue)
         elif self.connected and now - self.last_report > SILENT_SECONDS:
             self._lose(f"no answer from the cluster for {SILENT_SECONDS:.0f} s", requeue)
@@ -195,7 +197,7 @@ class RemotePool:
         return f"{counted(self.local_workers, 'local worker')} build{'s' if self.local_workers == 1 else ''} alone"
 
     def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
-                 on_fault: OnFault, on_start_died: OnStartDied) -> None:
+                 on_fault: OnFault, on_start_fault: OnStartFault) -> None:
         assert self.conn is not None
         while True:
             try:
@@ -240,10 +242,12 @@ class RemotePool:
                 if task is not None:
                     self.retries += msg.retries
                     on_fault(task, msg)
-            elif isinstance(msg, StartDied):
+            elif isinstance(msg, (StartDied, StartHung)):  # the bridge submits that slice again: still in flight
+                if isinstance(msg, StartHung) and self.stalled is not None and self.stalled.task_id == msg.task_id:
+                    self.stalled = None  # its stall ended with the cancelled copy; the next report says any new one
                 task = self.in_flight.get(msg.task_id) if msg.task_id is not None else None
-                if msg.task_id is None or task is not None:  # a stale one's is no death of this job's slices
-                    on_start_died(msg, task)
+                if msg.task_id is None or task is not None:  # a stale one's is no fault of this job's slices
+                    on_start_fault(msg, task)
 
     def _on_returned(self, task: Task, msg: Returned, requeue: Requeue) -> None:
         """A slice the cluster gave up on: queued again, unless its build was cancelled (a rewind, a failed
@@ -296,7 +300,8 @@ class RemotePool:
         (the bridge's ``Stalled``), until the bridge answers for it (hands it back as hung, say)."""
         if self.stalled is None or self.stalled.task_id not in self.in_flight:
             return None
-        return SliceStall(self.in_flight[self.stalled.task_id], self.stalled.sample, self.stalled.moved)
+        return SliceStall(self.in_flight[self.stalled.task_id], self.stalled.sample, self.stalled.moved,
+                          self.stalled.starting)
 
     def _take(self, task_id: int) -> Task | None:
         task = self.in_flight.pop(task_id, None)

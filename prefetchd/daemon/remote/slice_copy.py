@@ -6,7 +6,7 @@ begins), how far it got, and its answer (``SliceCopy``); and its completion as `
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefetchd.daemon.remote.task import Answer
@@ -18,6 +18,7 @@ class SliceCopy:
 
     gen: Any  # the ObjectRefGenerator
     track: bool  # built an item at a time, each sample it begins (a replacement too) yielded first
+    submitted: float = field(default_factory=time.monotonic)  # made as it is submitted: its start is timed from then
     moved: float | None = None  # when it last moved on (began, or began an item); None: not begun yet
     on: int | None = None  # tracked: the sample of the item it is on
     answer: Answer | None = None  # taken from the stream while polling it

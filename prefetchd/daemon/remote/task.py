@@ -171,7 +171,8 @@ def probe_node(box: list[Any], also: tuple[Sample, ...] = ()) -> NodeAnswer:
 
 
 # What ``build_slice`` yields before its answer: that it has begun (its Ray worker started, the job loaded), and
-# when tracked, each sample it begins (a replacement too) before it reads it.  The bridge times a slice from these (--task-timeout).
+# when tracked, each sample it begins (a replacement too) before it reads it.  The bridge times a slice from these
+# (--task-timeout), and from its submission until the first (--worker-start-timeout).
 Progress = int | None
 Answer = tuple[Filled | WriteFailed | NodeAnswer, list[np.ndarray] | None, str]
 
@@ -180,11 +181,13 @@ def build_slice(box: list[Any], task: Task, track: bool = False) -> Iterator[Pro
     """A Ray task (a streaming one): run ``task`` with the local workers' code; its last item is the
     answer, (result, pixels: an image per item, node), and the items before it say how far it got.
 
-    It yields None once it has begun: a Ray worker's start (importing torch for a hook, seconds) is not
-    the slice's time (it is Ray's: ``--worker-start-timeout`` bounds a local worker's only).  ``track``: a slice that hung or killed its Ray
-    worker before is built an item at a time, each sample it begins (a replacement too) yielded first, so that the
-    bridge knows the file it hangs on or dies on (a yield per image costs the object store a report
-    to the bridge each: kept for those).
+    It yields None once it has begun: a Ray worker's start (importing torch for a hook, seconds; reading the
+    probe samples) is not the slice's time, which --task-timeout bounds from there; the bridge bounds the start
+    by --worker-start-timeout from the slice's submission, as a local worker's is (a hook's module whose import
+    blocks on a node, --data on a hung mount there: ``BridgeSlices._hand_back_hung``).  ``track``: a slice that
+    hung or killed its Ray worker before is built an item at a time, each sample it begins (a replacement too)
+    yielded first, so that the bridge knows the file it hangs on or dies on (a yield per image costs the object
+    store a report to the bridge each: kept for those).
 
     A node that fails the probe answers with the probe's result instead: building there would
     replace every sample as undecodable (or fail the job once no replacement reads), and so
