@@ -56,7 +56,8 @@ from prefetchd.buffer_protocol import WorkerStall, batch_name
 from prefetchd.daemon.pool import Worker, WorkerPool
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
-from prefetchd.daemon.workers import CRASHED_REASON, START_HOOK, Filled, Task, WriteFailed, start_step
+from prefetchd.daemon.tasks import CRASHED_REASON, Filled, Task, WriteFailed
+from prefetchd.daemon.whereabouts import START_HOOK, start_step
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,9 @@ from prefetchd.daemon.remote.slice_copy import SliceCopy
 from prefetchd.daemon.remote.task import (Rows, Shipment, build_rows, build_rows_tracked, probe_samples, unable_here,
                                          unreadable)
 from prefetchd.daemon.sources import SampleReader
-from prefetchd.daemon.workers import Filled, Task, Whereabouts, WorkerJob, WriteFailed, run_task
+from prefetchd.daemon.fill import run_task
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.daemon.whereabouts import Whereabouts
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")

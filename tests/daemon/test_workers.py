@@ -1,4 +1,4 @@
-"""prefetchd.daemon.workers: tasks written into batch slots, deterministic whatever
+"""prefetchd.daemon.fill and prefetchd.daemon.workers: tasks written into batch slots, deterministic whatever
 the chunking or the process, with per-slot stage timings; a broken hook stops the job."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.transforms import augment
-from prefetchd.daemon.workers import (Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of,
-                                     limit_threads, run_task, worker_main)
+from prefetchd.daemon.fill import run_task
+from prefetchd.daemon.tasks import Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of
+from prefetchd.daemon.workers import limit_threads, worker_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
