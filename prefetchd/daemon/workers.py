@@ -65,8 +65,10 @@ def prepare_process(job: WorkerJob) -> None:
 def forkserver_preload() -> list[str]:
     """What the worker server imports once, so that the workers it forks share these pages instead
     of importing their own copies (see the module docstring): the worker code and what augmenting
-    needs without options (a job's colour jitter or hook imports the rest in each worker)."""
-    return ["prefetchd.daemon.workers", *needed_modules()]
+    needs without options (a job's colour jitter or hook imports the rest in each worker).  The worker
+    code is the modules of its loop and of the filling of a task, which import the rest of it (its
+    tasks, its whereabouts), named by the functions themselves so that moving either keeps it here."""
+    return [worker_main.__module__, run_task.__module__, *needed_modules()]
 
 
 # glibc's mallopt parameters, and the values of its dynamic mmap threshold at its ceiling.
