@@ -195,7 +195,7 @@ def _check_file(st: os.stat_result, file_id: tuple[int, int] | None, path: str |
 class SlotFiller:
     """Writes images into the slots of a begun batch, given only its temp path and where images go.
 
-    Pixels never cross a pipe (see ``prefetchd.daemon.workers``): each image goes straight into
+    Pixels never cross a pipe (see ``prefetchd.daemon.fill``): each image goes straight into
     the file.  Into a file whose pages all exist already (a spare's, ``SpareFiles``; a fresh file
     has none yet), through a shared mapping of the slots to fill (``slots``; by default every slot
     the file holds): ``fill`` copies an image in, and a worker's resize writes its image into

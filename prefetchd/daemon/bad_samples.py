@@ -16,7 +16,7 @@ from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import is_url
 from prefetchd.daemon.sources.filelist import is_file_list
 from prefetchd.daemon.sources.shards import pack_again, read_packed_from
-from prefetchd.daemon.workers import CRASHED_REASON, MISSING_REASONS, UNREADABLE_REASONS
+from prefetchd.daemon.tasks import CRASHED_REASON, MISSING_REASONS, UNREADABLE_REASONS
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from prefetchd.buffer_protocol import PendingBatch
 from prefetchd.daemon.stream import Build, Stream
-from prefetchd.daemon.workers import Task
+from prefetchd.daemon.tasks import Task
 
 if TYPE_CHECKING:
     from prefetchd.daemon.remote import RemotePool

@@ -5,7 +5,7 @@ The controller owns the queue of tasks and decides what a result means, and
 ``worker_health`` what a death or a hang does; the pool only moves tasks to
 workers and results back, each worker holding at most ``TASKS_PER_WORKER`` so it
 never waits for the controller.  It also watches where each worker is
-(``workers.Whereabouts``), so that the controller can tell one that has not
+(``whereabouts.Whereabouts``), so that the controller can tell one that has not
 moved for long (``stalled``) and kill it.
 """
 
@@ -31,8 +31,9 @@ import psutil
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.logs import run_logged
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.daemon.workers import (Filled, Task, Whereabouts, WorkerJob, WriteFailed, forkserver_preload,
-                                     worker_main)
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.daemon.whereabouts import Whereabouts
+from prefetchd.daemon.workers import forkserver_preload, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Worker:
     seen: int = -2  # its moves at the last look (``stalled``); -2: not looked at yet
     still: float = 0.0  # seconds it has held tasks without a move (or not got ready), as the looks counted them
     noted: bool = False  # the controller said it makes no progress (once per stall)
-    # The step of its start (``workers.START_STEPS``) each worker before it in its place was killed on for not
+    # The step of its start (``whereabouts.START_STEPS``) each worker before it in its place was killed on for not
     # getting ready in --worker-start-timeout, those in a row up to it (and it too, once killed so: ``worker_health``).
     start_hangs: tuple[int, ...] = ()
 

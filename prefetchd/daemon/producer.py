@@ -66,7 +66,8 @@ from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream, consumer_cap
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.worker_health import WorkerHealth
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, none_decoded
+from prefetchd.daemon.fill import none_decoded
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.throttle import Throttle
 from prefetchd.words import all_epochs, binary_size
 

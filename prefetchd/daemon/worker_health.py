@@ -2,15 +2,15 @@
 
 A worker that dies (its exit seen by ``pool.WorkerPool.wait``) is replaced, and its tasks go to
 others; more than ``MAX_WORKER_RESTARTS`` ends within ``RESTART_WINDOW_SECONDS`` stop the job.  Where
-it died is in the ``workers.Whereabouts`` it left: a file that kills whatever decodes it (a decoder's
+it died is in the ``whereabouts.Whereabouts`` it left: a file that kills whatever decodes it (a decoder's
 segfault, the OOM killer on one huge image) kills the worker that retries the task too, on the same
 file; at ``CRASHES_TO_BLAME`` such deaths the file is taken for an undecodable one (``crashed``: the
-controller counts it as a bad sample, and the workers fail it unread, ``workers.Task.crashed``), and
+controller counts it as a bad sample, and the workers fail it unread, ``tasks.Task.crashed``), and
 those deaths no longer count towards the restart limit, which is for workers that die for their own
 reasons: the bad-sample limits (--strict, --max-bad-samples) are the ones for bad files.  One that
 hangs never dies: a worker that holds tasks and has begun no image for ``--task-timeout`` (a
 read of a hung mount, a hook that never returns, a SIGSTOP; ``pool.WorkerPool.stalled``, from the
-``workers.Whereabouts`` it writes) is killed after a warning that names it, the batch and the file,
+``whereabouts.Whereabouts`` it writes) is killed after a warning that names it, the batch and the file,
 and replaced the same way; a task that hangs ``MAX_TASK_HANGS`` times stops the job (those kills are
 no ends for the restart limit: a hung mount stalls every worker at once).  So is one that does not
 get ready for its first task in ``--worker-start-timeout`` (a hook's module that blocks when imported, torch on
@@ -61,7 +61,8 @@ from prefetchd.buffer_protocol import WorkerStall, batch_name
 from prefetchd.daemon.pool import Worker, WorkerPool
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
-from prefetchd.daemon.workers import CRASHED_REASON, START_HOOK, Filled, Task, WriteFailed, start_step
+from prefetchd.daemon.tasks import CRASHED_REASON, Filled, Task, WriteFailed
+from prefetchd.daemon.whereabouts import START_HOOK, start_step
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd.daemon.sources.shards import INDEX_NAME, pack
 from prefetchd.daemon.sources.storage import ImageRefused, StorageUnavailable
 from prefetchd.daemon.transforms import augment
-from prefetchd.daemon.workers import (Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of,
-                                     run_task)
+from prefetchd.daemon.fill import run_task
+from prefetchd.daemon.tasks import Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")]

@@ -614,7 +614,8 @@ def test_a_deleted_prefix_makes_the_build_wait_as_an_unmounted_folder_does(s3: A
     """Every object gone (a prefix deleted, to be uploaded again) read as 16 missing samples in a row: the job
     stopped as bad data (exit 4, which the unit does not restart), where a local dataset gone waits (review).
     One object missing is still that sample's fault: it is replaced."""
-    from prefetchd.daemon.workers import Filled, Task, WorkerJob, failure_of, run_task
+    from prefetchd.daemon.fill import run_task
+    from prefetchd.daemon.tasks import Filled, Task, WorkerJob, failure_of
 
     url = s3.upload(shapes_data / "train", "gone/train")
     index = open_dataset(url)

@@ -25,7 +25,7 @@ from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.remote import pool as pool_module
 from prefetchd.daemon.remote.connect import connect_failure
 from prefetchd.daemon.status_view import format_status
-from prefetchd.daemon.workers import WorkerJob
+from prefetchd.daemon.tasks import WorkerJob
 from tests.daemon.test_workers import SIZE, _dataset
 from tests.status_examples import REMOTE, production, report, status
 from tests.waiting import wait_for

@@ -29,8 +29,10 @@ from prefetchd.daemon.remote.slice_copy import SliceCopy
 from prefetchd.daemon.remote.task import (Rows, Shipment, build_rows, build_rows_tracked, probe_samples, unable_here,
                                          unreadable)
 from prefetchd.daemon.sources import SampleReader
+from prefetchd.daemon.fill import run_task
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.daemon.whereabouts import Whereabouts
 from prefetchd.daemon.worker_health import MAX_TASK_HANGS, stall_noted_after
-from prefetchd.daemon.workers import Filled, Task, Whereabouts, WorkerJob, WriteFailed, run_task
 from tests.daemon.test_workers import OFFSET, SIZE, SLOT, _batch_file, _dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -155,17 +157,7 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
 
     from prefetchd.daemon.remote.pool import RemotePool
 
-    class Sent(list):  # type: ignore[type-arg]
-        def send(self, message: object) -> None:
-            self.append(message)
-
-        def poll(self) -> bool:
-            return bool(self)
-
-        def recv(self) -> object:
-            return self.pop(0)
-
-    conn = Sent()
+    conn = _Pipe()
     b = object.__new__(Bridge)  # its books alone: no cluster
     b.conn, b.nodes, b.slices, b.track = conn, {}, {}, set()
     submissions: list[int] = []
@@ -186,7 +178,7 @@ def test_a_slice_the_cluster_gives_back_counts_its_retries_not_its_attempts() ->
 
     pool = object.__new__(RemotePool)
     pool.in_flight, pool.paths, pool.retries, pool.returned = {7: task}, Counter({task.path: 1}), 0, 0
-    pool.conn = Sent(returned)  # type: ignore[assignment]
+    pool.conn = _Pipe(returned)  # type: ignore[assignment]
     requeued: list[Task] = []
 
     def requeue(tasks: list[Task]) -> list[Task]:  # as the producer's, for a live build

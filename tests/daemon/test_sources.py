@@ -23,7 +23,8 @@ from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
 from prefetchd.daemon.sources.filelist import MAX_INT_CLASSES
 from prefetchd.daemon.sources.shards import INDEX_NAME, ShardChanged, pack, parse_size, read_packed_from
 from prefetchd.daemon.sources.storage import ImageRefused
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, failure_of, run_task
+from prefetchd.daemon.fill import run_task
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob, failure_of
 from tests.as_nobody import as_nobody
 
 

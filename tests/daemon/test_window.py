@@ -22,7 +22,7 @@ from prefetchd.daemon.stream import Stream
 
 if TYPE_CHECKING:
     from prefetchd.daemon.producer import Producer
-    from prefetchd.daemon.workers import Task
+    from prefetchd.daemon.tasks import Task
 
 HIGH, LOW = 4, 2
 
@@ -59,7 +59,7 @@ def one_slot_build(producer: Producer, s: Stream, g: int) -> Task:
     """Begin batch ``g`` of ``s`` as ``_start_build`` does, with one slot in one task; returns the task."""
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
     from prefetchd.daemon.stream import Build
-    from prefetchd.daemon.workers import Task
+    from prefetchd.daemon.tasks import Task
 
     epoch, step = s.key(g)
     pending = PendingBatch.begin(s.dir / batch_name(epoch, step), BatchLayout.plan(1, 8, 8), dir_fd=s.fd)
@@ -247,7 +247,7 @@ def test_a_build_whose_tasks_all_fail_counts_one_failed_build(tmp_path: Path) ->
     on a full tmpfs counted four."""
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
     from prefetchd.daemon.stream import Build
-    from prefetchd.daemon.workers import Task, WriteFailed
+    from prefetchd.daemon.tasks import Task, WriteFailed
 
     s = stream(tmp_path)
     producer = books(tmp_path, s)
@@ -278,7 +278,7 @@ def test_a_failed_build_is_named_in_the_status_until_a_batch_is_published(tmp_pa
     tries of a 15 s read timeout), left the status blank nine tenths of the time (review)."""
     from prefetchd.buffer_protocol import BatchLayout, PendingBatch
     from prefetchd.daemon.stream import Build
-    from prefetchd.daemon.workers import Filled, Task, WriteFailed
+    from prefetchd.daemon.tasks import Filled, Task, WriteFailed
 
     s = stream(tmp_path)
     producer = books(tmp_path, s)
@@ -311,7 +311,7 @@ def test_a_wait_on_storage_ends_when_something_else_holds_production(tmp_path: P
     a failed write) kept them waiting for good, its status still naming the outage (review)."""
     from prefetchd.buffer_protocol import BatchLayout
     from prefetchd.buffer_protocol.batch import temp_name
-    from prefetchd.daemon.workers import WriteFailed
+    from prefetchd.daemon.tasks import WriteFailed
 
     s = stream(tmp_path)
     producer = books(tmp_path, s)
@@ -343,7 +343,7 @@ def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_pa
     """In a partial outage the batches of other objects publish while the trainer's next one fails: any
     publish ended the wait, and the trainer, which needs the failing batch, timed out after its --timeout
     though the daemon still retried it for the storage."""
-    from prefetchd.daemon.workers import Filled, WriteFailed
+    from prefetchd.daemon.tasks import Filled, WriteFailed
 
     (tmp_path / "r0").mkdir(), (tmp_path / "r1").mkdir()
     s, t = stream(tmp_path / "r0"), stream(tmp_path / "r1")
@@ -365,7 +365,7 @@ def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_pa
 def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) -> None:
     """Only the loaders of those ranks wait on past their timeout: as one wait for the whole daemon, it kept
     the loader of a rank none of whose batches failed waiting on, though its batch was late for another reason."""
-    from prefetchd.daemon.workers import Filled, WriteFailed
+    from prefetchd.daemon.tasks import Filled, WriteFailed
 
     (tmp_path / "r0").mkdir(), (tmp_path / "r1").mkdir()
     s, t = stream(tmp_path / "r0"), stream(tmp_path / "r1")
@@ -391,7 +391,7 @@ def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) 
 def test_a_wait_on_storage_says_since_when_each_rank_waits(tmp_path: Path) -> None:
     """One time for the whole daemon said rank 1's builds had waited since rank 0's first failed, minutes
     before rank 1's did, and still did once rank 0's batches were built."""
-    from prefetchd.daemon.workers import Filled, WriteFailed
+    from prefetchd.daemon.tasks import Filled, WriteFailed
 
     (tmp_path / "r0").mkdir(), (tmp_path / "r1").mkdir()
     s, t = stream(tmp_path / "r0"), stream(tmp_path / "r1")
@@ -425,7 +425,7 @@ def test_a_wait_on_storage_says_since_when_each_rank_waits(tmp_path: Path) -> No
 def test_a_wait_on_storage_ends_when_no_window_holds_the_batches_that_failed(tmp_path: Path) -> None:
     """A failed batch the trainers moved past (or back before) is not built again: a wait on it kept the
     loaders waiting for good behind a daemon their storage no longer held up."""
-    from prefetchd.daemon.workers import WriteFailed
+    from prefetchd.daemon.tasks import WriteFailed
 
     s = stream(tmp_path)
     producer = books(tmp_path, s)

@@ -13,9 +13,10 @@ from typing import Any
 from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.pool import Worker
 from prefetchd.daemon.production_stats import Stats
+from prefetchd.daemon.tasks import Task
+from prefetchd.daemon.whereabouts import START_HOOK, Whereabouts
 from prefetchd.daemon.worker_health import (CRASHES_TO_BLAME, MAX_TASK_HANGS, MAX_WORKER_RESTARTS, SliceStall,
                                             WorkerHealth)
-from prefetchd.daemon.workers import START_HOOK, Task, Whereabouts
 
 TASKS = {task_id: Task(task_id, "b.tmp", 4096, 3072, 0, ((0, 10 * task_id), (1, 10 * task_id + 1)))
          for task_id in (1, 2)}

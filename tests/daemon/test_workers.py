@@ -1,4 +1,4 @@
-"""prefetchd.daemon.workers: tasks written into batch slots, deterministic whatever
+"""prefetchd.daemon.fill and prefetchd.daemon.workers: tasks written into batch slots, deterministic whatever
 the chunking or the process, with per-slot stage timings; a broken hook stops the job."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.transforms import augment
-from prefetchd.daemon.workers import (Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of,
-                                     limit_threads, run_task, worker_main)
+from prefetchd.daemon.fill import run_task
+from prefetchd.daemon.tasks import Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of
+from prefetchd.daemon.workers import forkserver_preload, limit_threads, worker_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
@@ -352,3 +353,35 @@ def test_keep_heap_spares_a_worker_most_page_faults() -> None:
                                        check=True, timeout=60).stdout)
               for mode in ("default", "keep")}
     assert faults["keep"] < faults["default"] / 2, faults
+
+
+PRELOADED_WORKER = """
+import importlib, multiprocessing, sys
+for module in sys.argv[1].split(","):
+    importlib.import_module(module)
+preloaded = set(sys.modules)
+# What a forked worker does next: unpickle its job and its tasks (importing their classes' modules) and run worker_main.
+import numpy as np
+from prefetchd.daemon.dataset import scan_class_folders
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob
+from prefetchd.daemon.workers import worker_main
+root, path, size, offset = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+index = scan_class_folders(root)
+ours, theirs = multiprocessing.Pipe()
+ours.send(Task(0, path, offset, size * size * 3, 0, ((0, 1), (1, 2))))
+ours.send(None)
+worker_main(theirs, WorkerJob(index, np.arange(len(index), dtype=np.int64), size, True, 7))
+assert isinstance(ours.recv(), Filled)
+print(" ".join(sorted(m for m in set(sys.modules) - preloaded if m.startswith("prefetchd"))))
+"""
+
+
+def test_a_worker_runs_only_code_its_server_preloaded(index: SampleIndex, tmp_path: Path) -> None:
+    """Workers are forked from a server that imported ``forkserver_preload()``'s modules, so that they share
+    those pages and start at once; a module of the worker's code that the list misses (moved out of the
+    modules it names) would be imported again by every worker, at its first task."""
+    path = _batch_file(tmp_path / "b.tmp", 2)
+    run = subprocess.run([sys.executable, "-c", PRELOADED_WORKER, ",".join(forkserver_preload()), str(index.root),
+                          str(path), str(SIZE), str(OFFSET)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [], f"imported by the worker, not by its server: {run.stdout}"

@@ -2,7 +2,7 @@
 
 The controller's tasks (a batch's temp file, its slot offsets and a list of
 (slot, sample index)) go to the local workers *and* to a Ray cluster, whichever
-has room; both run ``workers.run_task``, the same decode/augment code, so a
+has room; both run ``fill.run_task``, the same decode/augment code, so a
 batch is bit-identical wherever it was built::
 
     controller ──Task──► bridge process ──remote()──► Ray worker on any node

@@ -30,7 +30,7 @@ from prefetchd.daemon.remote.messages import REPORT_SECONDS, Cancel, Note, Repor
 from prefetchd.daemon.remote.task import Shipment, build_slice, probe_node, probe_samples
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.worker_health import stall_noted_after
-from prefetchd.daemon.workers import WorkerJob
+from prefetchd.daemon.tasks import WorkerJob
 
 TRACK_POLL_SECONDS = 0.02  # a slice built an item at a time waits for the bridge to take each item: looked at this often
 

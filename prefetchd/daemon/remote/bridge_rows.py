@@ -16,7 +16,9 @@ from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS, SHOWN_FAILURES, BridgeNode
 from prefetchd.daemon.remote.task import build_rows, sample_here
 from prefetchd.daemon.sources import SampleReader
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed, prepare_process, replaced_before, task_slots
+from prefetchd.daemon.fill import replaced_before
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed, task_slots
+from prefetchd.daemon.workers import prepare_process
 from prefetchd.words import counted
 
 BOX_LABEL = "the daemon's box"  # who built a slice that ``_checked_here`` built again there

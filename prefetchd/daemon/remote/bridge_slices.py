@@ -24,7 +24,7 @@ from prefetchd.daemon.remote.messages import (Cancelled, Died, Done, Hung, Note,
                                               last_line)
 from prefetchd.daemon.remote.slice_copy import SliceCopy, StreamedAnswer
 from prefetchd.daemon.remote.task import NodeAnswer
-from prefetchd.daemon.workers import Filled, Task, WriteFailed
+from prefetchd.daemon.tasks import Filled, Task, WriteFailed
 
 MAX_ATTEMPTS = 3  # submissions of one slice at the cluster before it goes back to the controller
 STRAGGLER_FACTOR = 4.0  # a slice outstanding this many times the median is started again

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefetchd.daemon.workers import Filled, WriteFailed
+from prefetchd.daemon.tasks import Filled, WriteFailed
 
 REPORT_SECONDS = 1.0  # the bridge reports the cluster's nodes and CPUs this often
 

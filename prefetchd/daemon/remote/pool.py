@@ -23,7 +23,7 @@ from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS
 from prefetchd.daemon.remote.messages import (REPORT_SECONDS, Cancel, Cancelled, Died, Done, Hung, Note, Report, Returned,
                                               Stalled, StartDied, StartHung)
 from prefetchd.daemon.worker_health import SliceStall
-from prefetchd.daemon.workers import Filled, Task, WorkerJob, WriteFailed
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)

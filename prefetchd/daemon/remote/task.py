@@ -18,8 +18,10 @@ from prefetchd import __version__
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.hook import HookError, load_hook
 from prefetchd.daemon.sources import SampleReader
-from prefetchd.daemon.workers import (Filled, Task, WorkerJob, WriteFailed, failure_of, prepare_process, run_task,
-                                      tell_begun)
+from prefetchd.daemon.fill import run_task
+from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed, failure_of
+from prefetchd.daemon.whereabouts import tell_begun
+from prefetchd.daemon.workers import prepare_process
 from prefetchd.words import counted
 
 PROBE_SAMPLES = 8  # samples spread over the split that a node must read before it gets slices
