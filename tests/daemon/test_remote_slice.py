@@ -21,7 +21,7 @@ from PIL import Image
 from prefetchd import __version__
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.remote.bridge import Bridge
-from prefetchd.daemon.remote.bridge_nodes import BridgeNode
+from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS, BridgeNode
 from prefetchd.daemon.remote.bridge_rows import write_rows
 from prefetchd.daemon.remote.bridge_slices import MAX_ATTEMPTS, STRAGGLER_SAMPLES, SliceInFlight
 from prefetchd.daemon.remote.messages import Done, Returned, Stalled, StartHung
@@ -365,6 +365,55 @@ def test_a_probe_begun_before_a_node_read_otherwise_does_not_clear_it() -> None:
     node.covers = node.differs
     b._answered(NODE_ID, NodeAnswer(NODE_ID, "worker-7", 9, ()))  # one that read sample 5 too
     assert node.reason == "" and sent[-1].text == f"node {NODE} reads --data again (9 samples checked): it builds slices again with its 1 CPU"
+
+
+def test_a_probe_that_does_not_answer_in_the_worker_start_timeout_makes_its_node_unfit() -> None:
+    """A node's probe was not timed: where a Ray worker's start blocks there (a hook's module whose import never
+    returns on that node), the probe held one blocked Ray worker for good, the node stayed fit, and every slice
+    sent there blocked the same way until it was cut at --worker-start-timeout and sent again, maybe there."""
+    from prefetchd.daemon.remote.task import NodeAnswer
+
+    sent: list[object] = []
+    cancelled: list[tuple[object, bool]] = []
+    watched: list[Any] = []  # the callbacks of the probes' completions
+    b = object.__new__(Bridge)
+    b.conn, b.nodes, b.box, b.start_timeout = SimpleNamespace(send=sent.append), {}, ["box"], 8.0
+    b.ray = SimpleNamespace(cancel=lambda ref, force=False: cancelled.append((ref, force)),
+                            exceptions=SimpleNamespace(RayTaskError=KeyError, RayError=LookupError))
+    probes: list[object] = []
+
+    def remote(*_args: Any) -> object:
+        probes.append(object())
+        return probes[-1]
+
+    b.probe = SimpleNamespace(options=lambda **_kw: SimpleNamespace(remote=remote))
+    b._watch = lambda ref, then: watched.append(then)
+    alive = [{"NodeID": NODE_ID, "Resources": {"CPU": 2}, "NodeManagerHostname": "worker-7"}]
+    b._track(alive)  # it joins: probed
+    node = b.nodes[NODE_ID]
+    assert node.probe is probes[0] and not node.reason
+    node.probed -= 7.9
+    b._track(alive)
+    assert not cancelled and not node.reason, "not yet 8 s"
+    node.probed -= 0.2
+    b._track(alive)
+    assert cancelled == [(probes[0], True)], "the probe cancelled, its Ray worker killed"
+    assert node.reason.startswith("did not answer its probe in 8 s (--worker-start-timeout): a Ray worker's start "
+                                  "there did not return (importing prefetchd, torch or the --transform hook's "
+                                  "module"), node.reason
+    (warned,) = [m.text for m in sent if getattr(m, "level", 0) == logging.WARNING]
+    assert warned.startswith(f"node {NODE} did not answer its probe") and warned.endswith("it gets no slices"), warned
+
+    def cancelled_probe() -> None:
+        raise LookupError("TaskCancelledError")  # as Ray's, a RayError
+
+    watched[0](SimpleNamespace(result=cancelled_probe))  # its completion: the cancellation, no answer
+    assert b.nodes.get(NODE_ID) is node and node.reason, "still unfit, not forgotten as a node whose probe died"
+    node.probed -= REPROBE_SECONDS
+    b._track(alive)  # probed again, as an unfit node is
+    assert node.probe is probes[1]
+    watched[1](SimpleNamespace(result=lambda: NodeAnswer(NODE_ID, "worker-7", 8, ())))
+    assert node.reason == "" and "reads --data again" in sent[-1].text, "it answered: fit again"
 
 
 class _Wired:

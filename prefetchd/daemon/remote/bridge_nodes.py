@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefetchd.daemon.remote.messages import Note, Report, Stalled, last_line
 from prefetchd.daemon.remote.task import NodeAnswer, Sample, node_label
+from prefetchd.daemon.worker_health import RAY_START
 from prefetchd.words import counted
 
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
@@ -50,12 +51,16 @@ class BridgeNodes:
     The selector excludes and never requires a node, so no slice waits for a node that died.
 
     Unfit nodes are probed again every ``REPROBE_SECONDS``, with the samples they read otherwise than
-    the box (found by ``bridge_rows.py``), against the box's bytes."""
+    the box (found by ``bridge_rows.py``), against the box's bytes.  A probe is a Ray worker's start and a few
+    reads, bounded as a slice's start is, by --worker-start-timeout: a node whose probe has not answered by then
+    (a hook's module whose import blocks there, --data on a hung mount) is unfit, its probe cancelled and its
+    Ray worker killed, so that slices stop going there to block the same way."""
 
     # Set by Bridge.__init__.
     ray: Any
     conn: Connection
     box: list[Any]
+    start_timeout: float
     probe: Any
     nodes: dict[str, BridgeNode]
     slices: Mapping[int, object]  # of _Slices (``bridge_slices.py``), by task id
@@ -77,6 +82,8 @@ class BridgeNodes:
             known = self.nodes.get(node_id)
             if known is not None:
                 known.cpus = cpus
+                if known.probe is not None and time.monotonic() - known.probed >= self.start_timeout:
+                    self._probe_hung(known)
                 if (known.reason and known.again and known.probe is None
                         and time.monotonic() - known.probed >= REPROBE_SECONDS):
                     self._start_probe(node_id, known)
@@ -96,12 +103,22 @@ class BridgeNodes:
         # says which version it runs.
         node.probe = self.probe.options(num_cpus=0, max_retries=0, label_selector={NODE_ID_LABEL: node_id}).remote(
             self.box, *((node.differs,) if node.differs else ()))
-        self._watch(node.probe, functools.partial(self._probed, node_id))
+        self._watch(node.probe, functools.partial(self._probed, node_id, node.probe))
 
-    def _probed(self, node_id: str, future: Any) -> None:
+    def _probe_hung(self, node: BridgeNode) -> None:
+        """``node``'s probe has not answered in --worker-start-timeout: cancel it, killing its Ray worker, and
+        take the node for unfit, probed again ``REPROBE_SECONDS`` after each probe cut so."""
+        self._cancel(node.probe, force=True)
+        node.probe = None  # its completion, the cancellation, is no answer (``_probed``)
+        self._unfit(node, f"did not answer its probe in {self.start_timeout:g} s (--worker-start-timeout): a Ray "
+                          f"worker's start there did not return ({RAY_START}); look at the hook's import and "
+                          "--data's mount there, and its Ray worker logs")
+        node.probed = time.monotonic()  # unfit already (a probe again that hung too): again in REPROBE_SECONDS
+
+    def _probed(self, node_id: str, probe: Any, future: Any) -> None:
         node = self.nodes.get(node_id)
-        if node is None:
-            return  # it left meanwhile
+        if node is None or node.probe is not probe:
+            return  # it left meanwhile, or this probe was cancelled for not answering (``_probe_hung``)
         node.probe = None
         try:
             answer = future.result()
