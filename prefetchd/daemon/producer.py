@@ -61,6 +61,7 @@ from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_wo
 from prefetchd.daemon.producer_status import production_status
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
+from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS
 from prefetchd.daemon.remote.messages import Died, Hung, StartDied, StartHung
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.stream import Build, Stream, consumer_cap
@@ -69,7 +70,7 @@ from prefetchd.daemon.worker_health import WorkerHealth
 from prefetchd.daemon.fill import none_decoded
 from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.throttle import Throttle
-from prefetchd.words import all_epochs, binary_size
+from prefetchd.words import all_epochs, binary_size, counted
 
 log = logging.getLogger(__name__)
 
@@ -552,8 +553,16 @@ class Producer:
             return f"retrying: {self.failures.last}"
         if self.health.stall_note is not None:
             return self.health.stall_note
-        if self.remote is not None and not self.remote.connected and not self.workers_wanted:
-            return f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"
+        if self.remote is not None and not self.workers_wanted and self.remote.message:
+            if not self.remote.connected:
+                return f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"
+            # Connected, every node with CPUs unfit: a trainer's wait quotes the start of this, so the first node's
+            # reason (what to mend) comes first.
+            unfit = self.remote.unfit
+            more = f" (and {counted(len(unfit) - 1, 'other node')})" if len(unfit) > 1 else ""
+            return (f"remote only (--workers 0) and no node of the Ray cluster gets slices: node {unfit[0]}{more}; "
+                    "production waits for the cluster (unfit nodes are probed again every "
+                    f"{REPROBE_SECONDS:.0f} s)")
         return ""
 
     def _write_status(self) -> None:
