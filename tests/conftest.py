@@ -26,6 +26,12 @@ from typing import Any
 # thread (2026-11-30).  An explicit setting (``--threads``, the benchmarks' own) still wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The README's test command installs no extras, and `.ci/run` installs them all: it runs the tests that use Ray
+# again with Ray hidden from the test processes (PREFETCHD_TEST_WITHOUT_RAY=1), as where it is not installed, so
+# that each of them must skip rather than fail (four did from 2026-11-27 to 11-30, unseen by CI).
+if os.environ.get("PREFETCHD_TEST_WITHOUT_RAY"):
+    sys.modules["ray"] = None  # type: ignore[assignment]  # import ray fails, find_spec("ray") is None
+
 import pytest
 from hypothesis import settings
 

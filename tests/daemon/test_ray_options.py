@@ -1,9 +1,11 @@
 """--ray and --ray-builds: flags and config keys from DaemonConfig, their checks, and the status they add
-(no Ray cluster needed; tests/integration/test_ray.py runs one)."""
+(no Ray cluster needed; tests/integration/test_ray.py runs one).  The tests that run a ``RemotePool``'s bridge
+need Ray installed (``needs_ray``): the README's test command installs no extras."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import socket
@@ -29,6 +31,10 @@ from prefetchd.daemon.tasks import WorkerJob
 from tests.daemon.test_workers import SIZE, _dataset
 from tests.status_examples import REMOTE, production, report, status
 from tests.waiting import wait_for
+
+# A RemotePool refuses to exist without Ray (config.require_ray), as the daemon refuses --ray.
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="needs Ray: pip install 'prefetchd[ray]'")
 
 
 @pytest.mark.parametrize("address", ["local", "auto", "ray://head:10001", "10.0.0.5:6379", "127.0.0.1:40123"])
@@ -184,6 +190,7 @@ def test_no_cluster_for_auto_is_told_in_prefetchd_flags(monkeypatch: pytest.Monk
     assert "Failed to connect" in connect_failure("auto", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5"))
 
 
+@needs_ray
 def test_a_head_nobody_runs_is_told_at_once_and_local_workers_build_meanwhile(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """ray.init waits for minutes on an address where nothing listens: the bridge checks it first."""
@@ -210,6 +217,7 @@ def test_a_head_nobody_runs_is_told_at_once_and_local_workers_build_meanwhile(
     assert not shown.connected and "nothing answers there" in shown.message and "1 local worker builds alone" in shown.message
 
 
+@needs_ray
 def test_a_head_that_accepts_but_does_not_answer_is_warned_about_while_local_workers_build(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A listener that never speaks Ray's protocol passes the bridge's check; ray.init then waits,
@@ -236,6 +244,7 @@ def test_a_head_that_accepts_but_does_not_answer_is_warned_about_while_local_wor
     assert pool.status().message == "not connected: no answer after 1 s yet; 2 local workers build alone"
 
 
+@needs_ray
 def test_a_warning_a_new_bridge_sends_again_is_not_logged_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -262,6 +271,7 @@ def test_a_warning_a_new_bridge_sends_again_is_not_logged_again(
     assert said.count((logging.INFO, f"ray: {retried}")) == 2, said  # news each time
 
 
+@needs_ray
 def test_a_cluster_whose_every_node_is_unfit_is_said_in_the_status_and_warned_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
