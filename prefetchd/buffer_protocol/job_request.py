@@ -133,6 +133,8 @@ class JobRequest:
             return None
         except ProtocolError as exc:  # not read at all (a link, not JSON, ...): no job_id to echo
             raise BadJobRequest(str(exc), None) from None
+        if st.st_nlink == 0:
+            return None  # removed between its open and its stat: taken by the daemon, or withdrawn
         job_id = doc.get("job_id")
         try:
             if st.st_nlink != 1:

@@ -189,7 +189,8 @@ def test_a_slice_that_hangs_once_on_the_cluster_is_said_then_built_again_and_eve
     assert len(notes) == 1 and " on batch " in notes[0] and "at 24 s (--task-timeout) it is cancelled" in notes[0], \
         daemon.log
     said = [r.getMessage() for r in caplog.records if "says that a worker building its batches is stalled" in r.getMessage()]
-    assert said and "a slice on the Ray cluster has made no progress" in said[0], said
+    # (On a loaded box a Ray worker's start may be said first, as a slice that has not begun.)
+    assert any("a slice on the Ray cluster has made no progress" in s for s in said), said
     kill = [line for line in daemon.log.splitlines() if "a Ray worker made no progress for" in line]
     assert len(kill) == 1 and "(--task-timeout 24) on batch" in kill[0] and str(magenta) in kill[0], daemon.log
     assert "cancelled its slice, killing the worker; its task is queued again (hang 1 of 3" in kill[0], kill[0]
