@@ -89,6 +89,19 @@ RAY_START = ("importing prefetchd, torch or the --transform hook's module, or re
              "--data")
 
 
+def ray_start_checks(hook: str | None, mount: bool = True) -> str:
+    """What to look at where Ray workers die as they start, or (``mount``) where their start may not return,
+    which a hung mount explains too: the import of ``hook``'s module (the job's --transform, if any) and --data's
+    mount on the nodes, and their logs.  The daemon's warnings say it, and the bridge's of a node's probe."""
+    checks = [f"whether `python -c 'import {hook.partition(':')[0]}'` returns on the nodes (in the daemon's "
+              "environment)"] if hook is not None else []
+    if mount:
+        checks.append("whether --data's mount on the nodes is readable")
+    checks.append("the Ray worker logs on the nodes (`ray logs`, or /tmp/ray/session_latest/logs/worker-*.err "
+                  "on each)")
+    return ", ".join(checks[:-1]) + (" and " if len(checks) > 1 else "") + checks[-1]
+
+
 def stall_noted_after(limit: float) -> float:
     """Seconds without progress after which a stall is said (a local worker's, or a Ray slice's, which the
     bridge reports from then on), of one killed at ``limit`` seconds."""
@@ -341,7 +354,7 @@ class WorkerHealth:
                 f"{RESTART_WINDOW_SECONDS:.0f} s, and the cluster built no slice since (the last: Ray: {how}, "
                 f"{where}). "
                 "Such a worker dies as it starts: importing prefetchd, torch or the --transform hook's module, or "
-                f"loading the job (out of memory?), before any file is read. Look at {self._ray_start_checks(False)}; "
+                f"loading the job (out of memory?), before any file is read. Look at {ray_start_checks(self.pool.job.augment.transform, mount=False)}; "
                 "fix that and start the daemon again (it resumes)")
 
     def ray_start_hung(self, task: Task, seconds: float, built: int) -> str | None:
@@ -369,27 +382,15 @@ class WorkerHealth:
         log.warning("a slice on the Ray cluster (%s) did not begin in %.0f s (--worker-start-timeout %g): cancelled "
                     "it, killing its Ray worker; %s. It waited in Ray's queue, or its Ray worker's start did not "
                     "return (%s): look at %s", self._slice_of(task), seconds, self.start_timeout, then, RAY_START,
-                    self._ray_start_checks())
+                    ray_start_checks(self.pool.job.augment.transform))
         if not final:
             return None
         return (f"{self._batch_of(task)} cannot be built on the Ray cluster: its slice {task.task_id} did not begin "
                 f"{counted(hangs, 'time')} in a row, each cancelled (its Ray worker killed) {self.start_timeout:g} s "
                 "after it was submitted (--worker-start-timeout), and the cluster built no slice since. A Ray worker "
                 f"begins a slice once it has started ({RAY_START}); something there never returns. Look at "
-                f"{self._ray_start_checks()}; fix that and start the daemon again (it resumes), or raise "
+                f"{ray_start_checks(self.pool.job.augment.transform)}; fix that and start the daemon again (it resumes), or raise "
                 "--worker-start-timeout if a Ray worker's start, with its wait in Ray's queue, can take that long")
-
-    def _ray_start_checks(self, mount: bool = True) -> str:
-        """What to look at where Ray workers die as they start, or (``mount``) where their start may not return,
-        which a hung mount explains too: the hook's import and --data's mount on the nodes, and their logs."""
-        hook = self.pool.job.augment.transform
-        checks = [f"whether `python -c 'import {hook.partition(':')[0]}'` returns on the nodes (in the daemon's "
-                  "environment)"] if hook is not None else []
-        if mount:
-            checks.append("whether --data's mount on the nodes is readable")
-        checks.append("the Ray worker logs on the nodes (`ray logs`, or /tmp/ray/session_latest/logs/worker-*.err "
-                      "on each)")
-        return ", ".join(checks[:-1]) + (" and " if len(checks) > 1 else "") + checks[-1]
 
     def _ray_built(self, built: int) -> None:
         """The cluster has built ``built`` slices so far: where that is more than before, its workers do start,

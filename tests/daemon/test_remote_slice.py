@@ -378,6 +378,7 @@ def test_a_probe_that_does_not_answer_in_the_worker_start_timeout_makes_its_node
     watched: list[Any] = []  # the callbacks of the probes' completions
     b = object.__new__(Bridge)
     b.conn, b.nodes, b.box, b.start_timeout = SimpleNamespace(send=sent.append), {}, ["box"], 8.0
+    b.job = SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug"))
     b.ray = SimpleNamespace(cancel=lambda ref, force=False: cancelled.append((ref, force)),
                             exceptions=SimpleNamespace(RayTaskError=KeyError, RayError=LookupError))
     probes: list[object] = []
@@ -401,6 +402,7 @@ def test_a_probe_that_does_not_answer_in_the_worker_start_timeout_makes_its_node
     assert node.reason.startswith("did not answer its probe in 8 s (--worker-start-timeout): a Ray worker's start "
                                   "there did not return (importing prefetchd, torch or the --transform hook's "
                                   "module"), node.reason
+    assert "`python -c 'import users.hooks'` returns on the nodes" in node.reason, "where to look, as for a slice"
     (warned,) = [m.text for m in sent if getattr(m, "level", 0) == logging.WARNING]
     assert warned.startswith(f"node {NODE} did not answer its probe") and warned.endswith("it gets no slices"), warned
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from prefetchd.daemon.remote.messages import Note, Report, Stalled, last_line
 from prefetchd.daemon.remote.task import NodeAnswer, Sample, node_label
-from prefetchd.daemon.worker_health import RAY_START
+from prefetchd.daemon.tasks import WorkerJob
+from prefetchd.daemon.worker_health import RAY_START, ray_start_checks
 from prefetchd.words import counted
 
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
@@ -60,6 +61,7 @@ class BridgeNodes:
     ray: Any
     conn: Connection
     box: list[Any]
+    job: WorkerJob
     start_timeout: float
     probe: Any
     nodes: dict[str, BridgeNode]
@@ -111,8 +113,8 @@ class BridgeNodes:
         self._cancel(node.probe, force=True)
         node.probe = None  # its completion, the cancellation, is no answer (``_probed``)
         self._unfit(node, f"did not answer its probe in {self.start_timeout:g} s (--worker-start-timeout): a Ray "
-                          f"worker's start there did not return ({RAY_START}); look at the hook's import and "
-                          "--data's mount there, and its Ray worker logs")
+                          f"worker's start there did not return ({RAY_START}); look at "
+                          f"{ray_start_checks(self.job.augment.transform)}")
         node.probed = time.monotonic()  # unfit already (a probe again that hung too): again in REPROBE_SECONDS
 
     def _probed(self, node_id: str, probe: Any, future: Any) -> None:
