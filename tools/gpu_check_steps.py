@@ -62,7 +62,7 @@ def h2d_rows(sizes: Sizes, device: torch.device, root: Path) -> list[dict[str, A
         buffer = h2d_bench.make_buffer(root, sizes.h2d_batches, batch_size, sizes.h2d_image_size)
         try:
             if device.type == "cuda":
-                measured = _h2d_cuda(buffer, sizes.h2d_batches, batch_size, nbytes, device)
+                measured = _h2d_cuda(buffer, sizes.h2d_batches, nbytes, device)
             else:
                 measured = _h2d_host(buffer, sizes.h2d_batches)
         finally:
@@ -82,7 +82,7 @@ def h2d_rows(sizes: Sizes, device: torch.device, root: Path) -> list[dict[str, A
     return rows
 
 
-def _h2d_cuda(buffer: Path, batches: int, batch_size: int, nbytes: int,
+def _h2d_cuda(buffer: Path, batches: int, nbytes: int,
               device: torch.device) -> list[tuple[str, float | None, dict[str, Any]]]:
     """h2d_bench's transfer alone and BufferLoader end to end, and torch's pinned copy of the same size."""
     out: list[tuple[str, float | None, dict[str, Any]]] = []
