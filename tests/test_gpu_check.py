@@ -69,10 +69,15 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
             assert detail["between_epochs_images_per_s"] > 0 and detail["epoch_starts"] >= 0
     assert rows["DALI"].get("note", "").startswith("skipped:") or "images_per_s" in rows["DALI"]
 
-    # 5. the producer alone, with the floor it is compared with (one worker count on a dry run).
+    # 5. the producer alone, with the floor it is compared with (one worker count on a dry run), in rounds:
+    # every round's rate kept, the row the median (the lower of two), and as many rounds of the loops and floor.
     scaling = doc["scaling"]
     [row] = scaling["rows"]
     assert row["workers"] == 1 and row["images_per_s"] > 0 and row["scaling"] == 1.0
+    assert scaling["rounds"] == doc["sizes"]["scaling_rounds"] == 2
+    assert len(row["rounds_images_per_s"]) == len(row["loops_rounds"]) == len(scaling["floor"]["rounds"]) == 2
+    assert round(row["images_per_s"], 1) == min(row["rounds_images_per_s"])
+    assert round(row["independent_loops_per_s"], 1) == min(row["loops_rounds"])
     assert scaling["floor"]["images_per_s"] > 0
     assert abs(row["vs_floor"] - row["images_per_s"] / scaling["floor"]["images_per_s"]) < 2e-3
     assert row["independent_loops_per_s"] > 0
@@ -91,6 +96,9 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert f"| buffer | {machine['buffer_fs']} ({pages_of(machine['buffer_huge_pages'])}) |" in markdown
     ms, vs_floor = row["cpu"]["worker_ms_per_image"], row["cpu"]["worker_ms_per_image"] / scaling["floor"]["ms_per_image"] - 1
     assert f"| {ms:.2f} ({vs_floor:+.0%}) |" in markdown  # the workers' CPU per image, against the floor's
+    low, high = row["rounds_images_per_s"]  # the producer's rate with its rounds' range
+    assert f"| 1 | {round(row['images_per_s'], 1):.0f} ({min(low, high):.0f}–{max(low, high):.0f}) |" in markdown
+    assert "Each count measured 2 times in a row" in markdown
     # A dry run never touches the measured docs.
     assert {p.name: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()} == docs_before
 
@@ -339,7 +347,7 @@ def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpu_check
 
-    for flag, value in (("--rounds", "0"), ("--time-limit", "0")):  # refused by argparse, before anything runs
+    for flag, value in (("--rounds", "0"), ("--scaling-rounds", "0"), ("--time-limit", "0")):  # refused by argparse, before anything runs
         with pytest.raises(SystemExit) as refused:
             gpu_check.main(["--dry-run", flag, value, "--out", str(tmp_path / "refused" / "gpu.json")])
         err = capsys.readouterr().err

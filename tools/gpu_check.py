@@ -2,7 +2,7 @@
 
     python tools/gpu_check.py [--out docs/gpu.json] [--commit HASH] [--steps 200] [--rounds 3]
                               [--data IMAGEFOLDER] [--workers 15,12] [--skip-tests] [--skip-scaling]
-                              [--time-limit SECONDS] [--dry-run]
+                              [--scaling-rounds 1] [--time-limit SECONDS] [--dry-run]
 
 Steps, each recorded in the JSON (rewritten after every step, so a run cut short
 still leaves what it measured) and in GPU.md beside it.  Step 1 runs while the
@@ -29,7 +29,9 @@ before 3 and 4, the longest:
    up to every core, with the floor (the daemon's ``augment()`` alone on one core) and
    each count's share of k times it; and at each count, k independent ``augment()`` loops
    on the same cores (the bench's independent loops): what the machine allows, so the
-   producer's share of it is what the producer loses on its own.
+   producer's share of it is what the producer loses on its own.  ``--scaling-rounds N``
+   measures each count (and its loops, and the floor) N times, a row the median round:
+   one 5 s round per count cannot tell a change of the producer's from the host's.
 
 ``--dry-run`` runs every step on the CPU at toy sizes (a small model, 16 images, a
 few steps) and writes into a temporary folder unless ``--out`` is given: it keeps
@@ -104,6 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-scaling", action="store_true", help="leave out step 5, the producer alone "
                         "(~3 min on 16 cores): for a short lease that looks only at the training")
     parser.add_argument("--rounds", type=int, help="times each feed trains; its row is the median round")
+    parser.add_argument("--scaling-rounds", type=int, help="times step 5 measures each worker count, and its "
+                        "independent loops; a row is the median round (~1.5 min a round on 16 cores) [default: 1]")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="seconds for the whole run: after the first training round, a feed whose last round "
                         "would end past it is not started, so a lease's call ends with complete rows and says so "
@@ -113,19 +117,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.time_limit is not None and args.time_limit <= 0:
         parser.error(f"--time-limit {args.time_limit:g}: give a number of seconds above 0")
-    if args.rounds is not None and args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: give 1 or more")
+    for flag, value in (("--rounds", args.rounds), ("--scaling-rounds", args.scaling_rounds)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: give 1 or more")
     return args
 
 
 def sizes_of(args: argparse.Namespace) -> Sizes:
-    """The run's sizes: a full run's or ``--dry-run``'s, with ``--steps`` and ``--rounds`` where given."""
-    sizes = DRY if args.dry_run else FULL
-    if args.steps is not None:
-        sizes = dataclasses.replace(sizes, steps=args.steps)
-    if args.rounds is not None:
-        sizes = dataclasses.replace(sizes, rounds=args.rounds)
-    return sizes
+    """The run's sizes: a full run's or ``--dry-run``'s, with ``--steps``, ``--rounds`` and ``--scaling-rounds``
+    where given."""
+    given = {"steps": args.steps, "rounds": args.rounds, "scaling_rounds": args.scaling_rounds}
+    return dataclasses.replace(DRY if args.dry_run else FULL, **{k: v for k, v in given.items() if v is not None})
 
 
 @stops_cleanly

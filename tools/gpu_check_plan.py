@@ -32,6 +32,7 @@ class Sizes:
     pytest_args: tuple[str, ...]
     scaling_batch_size: int  # step 5, as `prefetchd bench` measures on the 2-core machine
     scaling_seconds: float  # per worker count
+    scaling_rounds: int  # step 5 measures every count this many times (with its loops); a row is the median round
 
 
 # 20,000 files: 78 steps an epoch at batch 256, so the 230 steps of a feed span three
@@ -42,11 +43,13 @@ class Sizes:
 # and later rounds still differ by up to ~18 % (the H100's DataLoader).
 FULL = Sizes(device="cuda", model="resnet50", batch_size=256, image_size=224, steps=200, warmup_steps=30, rounds=3,
              classes=100, per_class=200, high_water=16, h2d_batch_sizes=(128, 256), h2d_image_size=224,
-             h2d_batches=16, pytest_args=(), scaling_batch_size=128, scaling_seconds=5.0)
+             h2d_batches=16, pytest_args=(), scaling_batch_size=128, scaling_seconds=5.0,
+             scaling_rounds=1)
 DRY = Sizes(device="cpu", model="squeezenet1_1", batch_size=8, image_size=32, steps=3, warmup_steps=1, rounds=2,
             classes=2, per_class=8, high_water=4, h2d_batch_sizes=(4, 8), h2d_image_size=32,
             # The GPU tests' folder alone: collecting the whole suite to select 13 took ~15 s of CI's CPU.
-            h2d_batches=3, pytest_args=("-n", "0", "tests/trainer"), scaling_batch_size=8, scaling_seconds=0.5)
+            h2d_batches=3, pytest_args=("-n", "0", "tests/trainer"), scaling_batch_size=8, scaling_seconds=0.5,
+            scaling_rounds=2)
 
 
 @dataclass(frozen=True)

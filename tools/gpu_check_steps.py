@@ -131,17 +131,21 @@ def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> 
     try:
         results = run_benchmark(data, workers_list=counts, batch_size=sizes.scaling_batch_size,
                                 image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
-                                contenders=("prefetchd",), warm_start=False, data_wait=False,
+                                contenders=("prefetchd",), warm_start=False, data_wait=False, rounds=sizes.scaling_rounds,
                                 report=lambda line: log.info("  %s", line))
     except BaseException:
         cpu.close()
         raise
     rows = [{"workers": r.workers, "images_per_s": r.images_per_s, "scaling": r.scaling, "vs_floor": r.vs_floor,
              "first_batch_s": r.first_batch_s, "note": r.note, "independent_loops_per_s": r.loops,
-             "loops_vs_floor": r.loops_vs_floor, "vs_loops": r.vs_loops, "cpu": r.extra.get("cpu")}
+             "loops_vs_floor": r.loops_vs_floor, "vs_loops": r.vs_loops, "cpu": r.extra.get("cpu"),
+             # every round's, where there were several: a row is the median round (`prefetchd bench --rounds`)
+             "rounds_images_per_s": [round(each["images_per_s"], 1) for each in r.extra.get("rounds", [])
+                                     if each["images_per_s"] is not None],
+             "loops_rounds": r.extra.get("loops_rounds", [])}
             for r in results.throughput]
     return {"floor": results.floor, "batch_size": sizes.scaling_batch_size, "seconds": sizes.scaling_seconds,
-            "rows": rows, **cpu.stop()}
+            "rounds": sizes.scaling_rounds, "rows": rows, **cpu.stop()}
 
 
 if __name__ == "__main__":  # imported by tools/gpu_check.py; run alone it has nothing to do

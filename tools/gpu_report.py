@@ -24,6 +24,22 @@ def _cell(value: Any, fmt: str = "{}") -> str:
     return fmt.format(value)
 
 
+def _spread(rounds: list[float]) -> str:
+    """" (low–high)" over a figure's rounds, where there were several (kept to 0.1 img/s: ``_rate``)."""
+    return f" ({_rate(min(rounds))}–{_rate(max(rounds))})" if len(rounds) > 1 else ""
+
+
+def _rate(images_per_s: float) -> str:
+    """A rate in whole images/s as its rounds show it: rounded to 0.1 first, as they are kept, so that a
+    median round's rate never shows outside their range."""
+    return f"{round(images_per_s, 1):.0f}"
+
+
+def _rounds_said(rounds: int) -> str:
+    return (f"Each count measured {rounds} times in a row, each time with its loops (the floor with the first count's): "
+            "a figure is the median round's, the range of the rounds in brackets.  " if rounds > 1 else "")
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     machine, gpu, sizes = doc["machine"], doc["gpu"], doc["sizes"]
     lines = ["# prefetchd on a GPU", ""]
@@ -102,7 +118,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   f"k cores, batch {scaling['batch_size']}, {sizes['image_size']} px, {scaling['seconds']:g} s per "
                   f"count, on {doc['dataset']}.  Floor: the daemon's `augment()` alone on one core over "
                   f"{floor['files']} of the files, each decoded once before (a worker's steady state): "
-                  f"{floor['ms_per_image']:.2f} ms per image, {floor['images_per_s']:.0f} img/s.  Independent "
+                  f"{floor['ms_per_image']:.2f} ms per image, {_rate(floor['images_per_s'])} img/s"
+                  f"{_spread(floor.get('rounds', []))}.  {_rounds_said(scaling.get('rounds', 1))}Independent "
                   "loops: the floor's loop in k processes at once on the same k cores, wall-clock images/s summed "
                   "(what the machine allows k workers; the producer's share of it is what it loses on its own).  "
                   "Where that goes, over the producer's window: the workers' CPU time per image against the "
@@ -113,7 +130,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in scaling["rows"]:
             loops = row.get("independent_loops_per_s")
-            loops_cell = "" if loops is None else f"{loops:.0f} ({_cell(row.get('loops_vs_floor'), '{:.0%}')})"
+            loops_cell = "" if loops is None else (f"{_rate(loops)}{_spread(row.get('loops_rounds', []))} "
+                                                   f"({_cell(row.get('loops_vs_floor'), '{:.0%}')})")
             if row["images_per_s"] is None:
                 lines.append(f"| {row['workers']} | {row['note'] or 'failed'} | | | | {loops_cell} | | | |")
                 continue
@@ -121,7 +139,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             cpu_cells = "| |" if not cpu else (
                 f"| {cpu['worker_ms_per_image']:.2f} ({cpu['worker_ms_per_image'] / floor['ms_per_image'] - 1:+.0%}) "
                 f"| {cpu['controller_cores'] + cpu['consumer_cores'] + cpu['monitor_cores']:.2f} |")
-            lines.append(f"| {row['workers']} | {row['images_per_s']:.0f} | {_cell(row['scaling'], '{:.0%}')} | "
+            lines.append(f"| {row['workers']} | {_rate(row['images_per_s'])}{_spread(row.get('rounds_images_per_s', []))} "
+                         f"| {_cell(row['scaling'], '{:.0%}')} | "
                          f"{_cell(row['vs_floor'], '{:.0%}')} | {_cell(row['first_batch_s'], '{:.2f}')} | "
                          f"{loops_cell} | {_cell(row.get('vs_loops'), '{:.0%}')} {cpu_cells}")
         lines.append("")
