@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 
 from prefetchd.bench.measure import MIN_BATCHES
-from prefetchd.bench.report import usable_cores
 from prefetchd.bench.results import ALL_CONTENDERS, CONTENDERS
 from prefetchd.bench.run import run_benchmark, worker_counts
+from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import stops_cleanly
 from prefetchd.options import FiniteFloat
 
@@ -121,7 +121,7 @@ def bench_command(
             with click.progressbar(length=data_classes * per_class, label="images", file=sys.stderr) as bar:
                 summary = make_imagenet_like(
                     data, classes=data_classes, per_class=per_class, seed=0, source=source,
-                    workers=len(usable_cores()), progress=lambda done, _total: bar.update(done - bar.pos),
+                    workers=usable_cpus(), progress=lambda done, _total: bar.update(done - bar.pos),
                 )
             say(summary.line())
         elif source is not None:

@@ -18,14 +18,11 @@ import psutil
 
 from prefetchd.bench.dali import DALI_CONTENDERS
 from prefetchd.bench.results import ALL_CONTENDERS, BenchmarkResults
+from prefetchd.daemon.config import usable_cpus
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.mounts import filesystem_of, huge_pages, pages_of
 from prefetchd.launch import buffer_root
 from prefetchd.words import counted
-
-def usable_cores() -> set[int]:
-    return set(os.sched_getaffinity(0))
-
 
 def core_list(cores: Sequence[int]) -> str:
     return ",".join(str(c) for c in cores)
@@ -70,7 +67,7 @@ def describe_machine() -> dict[str, Any]:
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu_model": model or platform.processor() or "unknown",
         "cpus": os.cpu_count(),
-        "usable_cpus": len(usable_cores()),
+        "usable_cpus": usable_cpus(),
         "ram_bytes": psutil.virtual_memory().total,
         "buffer_fs": str(shm),
         "buffer_fs_bytes": du.total,

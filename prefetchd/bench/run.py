@@ -17,12 +17,12 @@ from prefetchd.bench.report import (
     describe_dataset,
     describe_machine,
     why_not_runnable,
-    usable_cores,
     worker_count,
     write_outputs,
 )
 from prefetchd.bench.results import (ALL_CONTENDERS, BASELINE, CONTENDERS, BenchmarkResults, Throughput,
                                      add_round, fill_ratios, median_floor, take_medians)
+from prefetchd.daemon.config import usable_cores, usable_cpus
 from prefetchd.launch import buffer_root
 from prefetchd.words import counted
 
@@ -202,7 +202,7 @@ def run_benchmark(
 def worker_counts(workers_list: Sequence[int] | None) -> list[int]:
     """The worker counts to measure, sorted (default: 1 .. the usable cores); ValueError for a count
     below 1 or above the usable cores.  `prefetchd bench` asks before it generates a dataset."""
-    usable = len(usable_cores())
+    usable = usable_cpus()
     counts = sorted(set(int(k) for k in (workers_list if workers_list is not None else range(1, usable + 1))))
     if not counts or counts[0] < 1:
         raise ValueError(f"workers {counts}: pass worker counts of 1 or more")

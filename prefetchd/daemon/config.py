@@ -302,11 +302,16 @@ def _meant(key: str) -> str:
     return f" (did you mean {meant!r}?)"
 
 
-def usable_cpus() -> int:
+def usable_cores() -> set[int]:
+    """The cores this process may run on (its affinity: a cgroup's cpuset, taskset, AllowedCPUs=)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    return len(usable_cores())
 
 
 def held_bytes(cfg: DaemonConfig) -> int:

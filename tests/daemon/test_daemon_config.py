@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from prefetchd.daemon import config as config_mod
-from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cpus
+from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cores, usable_cpus
 from prefetchd.daemon.errors import ConfigError
 
 MiB = 2**20
@@ -203,8 +203,17 @@ def test_loaded_values_make_a_config(tmp_path: Path) -> None:
 # -- fill_defaults ---------------------------------------------------------------------
 
 
-def test_usable_cpus_is_the_affinity() -> None:
-    assert usable_cpus() == len(os.sched_getaffinity(0)) >= 1
+def test_usable_cores_are_the_affinity_and_usable_cpus_their_count() -> None:
+    """What `taskset`, a cpuset or AllowedCPUs= leaves this process, not the machine's core count: the default
+    workers, the demo's and the bench's counts, and the cores the bench pins its contenders to."""
+    allowed = os.sched_getaffinity(0)
+    assert usable_cores() == allowed and usable_cpus() == len(allowed) >= 1
+    last = max(allowed)
+    os.sched_setaffinity(0, {last})
+    try:
+        assert usable_cores() == {last} and usable_cpus() == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 @pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 2), (64, 63)])
