@@ -57,7 +57,8 @@ from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
 from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.sampler import EpochOrders, batch_slice
-from prefetchd.daemon.pool import TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server, task_images
+from prefetchd.daemon.pool import (TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server, task_images,
+                                   with_heartbeat)
 from prefetchd.daemon.producer_status import production_status
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.remote import RemotePool
@@ -339,15 +340,23 @@ class Producer:
 
     def _ray_start_fault(self, fault: StartDied | StartHung, task: Task | None) -> None:
         """A Ray worker died before its first image, or a slice did not begin in --worker-start-timeout (the bridge
-        submits the slice again either way): counted, and the job stops where the cluster's workers all die so
-        (``WorkerHealth.ray_start_died``) or that slice never begins (``WorkerHealth.ray_start_hung``)."""
-        built = self.remote.slices if self.remote is not None else 0
+        submits the slice again either way): counted; where the cluster's workers all die so
+        (``WorkerHealth.ray_start_died``) or that slice never begins (``WorkerHealth.ray_start_hung``), the local
+        workers build alone for the rest of the job (``RemotePool.give_up``), or with none (--workers 0) the job
+        stops.  The cluster's workers fail where the local ones do not (a hook module, or prefetchd, missing or
+        broken on the nodes): with local workers the trainer goes on, slower, and the status says why."""
+        assert self.remote is not None
         if isinstance(fault, StartHung):
-            why = self.health.ray_start_hung(task, fault.seconds, built) if task is not None else None
+            why = self.health.ray_start_hung(task, fault.seconds, self.remote.slices) if task is not None else None
         else:
-            why = self.health.ray_start_died(task, fault.node, fault.how, fault.text, built)
-        if why is not None and self.fatal is None:
+            why = self.health.ray_start_died(task, fault.node, fault.how, fault.text, self.remote.slices)
+        if why is None or self.fatal is not None:
+            return
+        if not self.workers_wanted:
             self.fatal = why
+            return
+        remote = self.remote  # the bridge's stop takes seconds: the status goes on meanwhile
+        with_heartbeat(lambda: remote.give_up(why, self.builds.requeue), self._write_status, STATUS_SECONDS)
 
     def _check_hangs(self) -> None:
         """Kill each worker that has made no progress for --task-timeout and retry its tasks on a new one, so

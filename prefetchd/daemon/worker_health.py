@@ -39,10 +39,12 @@ on until it is handed back.  A Ray worker's start is timed as a local worker's i
 reading --data's probe samples on a hung mount; its wait in Ray's queue counts too) had its Ray worker killed
 and was submitted again by the bridge (``ray_start_hung``: a start hang, said, and said as a starting worker's
 stall a quarter of the way there); ``MAX_TASK_HANGS`` of one slice in a row, with no slice built on the cluster
-in between, stop the job.  A Ray worker that dies before its first image (in its start: a hook's module
+in between, end the cluster's part (``_ray_end``).  A Ray worker that dies before its first image (in its start: a hook's module
 that kills the process when imported, say) blames no file, and the bridge submits its slice again; more
 than ``MAX_WORKER_RESTARTS`` such deaths within ``RESTART_WINDOW_SECONDS``, with no slice built on the
-cluster since the first, stop the job (``ray_start_died``), as the restart limit does for local workers.
+cluster since the first, end it too (``ray_start_died``), as the restart limit ends the local workers'.  It ends
+so: a job with local workers goes on with them alone (``RemotePool.give_up``), as it does while a cluster is lost;
+with --workers 0 the job stops.
 
 ``WorkerHealth`` counts, names and judges; it reads the builds of the tasks not yet answered
 (``Builds.by_task``) only to name a task's batch and to tell one still wanted.
@@ -332,8 +334,8 @@ class WorkerHealth:
     def ray_start_died(self, task: Task | None, node: str, how: str, text: str, built: int) -> str | None:
         """Say that a Ray worker died before its first image (``remote.messages.StartDied``): before ``task``'s
         slice began (or its first sample), or running the probe of ``node`` (``task`` None); ``how``: the Ray
-        error's name, ``text`` its message; ``built``: the slices the cluster has built so far.  Why the job
-        must stop when more than ``MAX_WORKER_RESTARTS`` died so within ``RESTART_WINDOW_SECONDS`` and the
+        error's name, ``text`` its message; ``built``: the slices the cluster has built so far.  Why the cluster
+        cannot build (``_ray_end``) when more than ``MAX_WORKER_RESTARTS`` died so within ``RESTART_WINDOW_SECONDS`` and the
         cluster built no slice since the first, else None: the bridge submits the slice again (a probe runs
         again), as ever.  A slice built shows that its workers do start: the count begins again from there,
         so a large cluster's own churn (OOM kills, a node's workers lost) never adds up to a stop."""
@@ -346,9 +348,9 @@ class WorkerHealth:
                  f"before the first image of its slice of {self._batch_of(task)}")
         if deaths <= MAX_WORKER_RESTARTS:
             log.warning("a Ray worker died (Ray: %s: %s) %s; Ray starts another and the %s again (Ray workers dead "
-                        "before their first image: %d within %.0f s, no slice built on the cluster since; more than %d "
-                        "stop the job)", how, text, where, "node is probed" if task is None else "slice is submitted",
-                        deaths, RESTART_WINDOW_SECONDS, MAX_WORKER_RESTARTS)
+                        "before their first image: %d within %.0f s, no slice built on the cluster since; more than %d: "
+                        "%s)", how, text, where, "node is probed" if task is None else "slice is submitted",
+                        deaths, RESTART_WINDOW_SECONDS, MAX_WORKER_RESTARTS, self._ray_end())
             return None
         return (f"the Ray cluster's workers die before their first image: {deaths} within "
                 f"{RESTART_WINDOW_SECONDS:.0f} s, and the cluster built no slice since (the last: Ray: {how}, "
@@ -360,8 +362,8 @@ class WorkerHealth:
     def ray_start_hung(self, task: Task, seconds: float, built: int) -> str | None:
         """Say that ``task``'s slice did not begin on the Ray cluster in ``seconds`` since it was submitted
         (--worker-start-timeout; ``remote.messages.StartHung``): the bridge cancelled it, killing its Ray worker,
-        and submitted it again.  ``built``: the slices the cluster has built so far.  Why the job must stop when
-        that slice did not begin ``MAX_TASK_HANGS`` times in a row, with no slice built on the cluster in
+        and submitted it again.  ``built``: the slices the cluster has built so far.  Why the cluster cannot build
+        (``_ray_end``) when that slice did not begin ``MAX_TASK_HANGS`` times in a row, with no slice built on the cluster in
         between, else None.  A hang, as a local worker killed for its start is (``_kill_unready``), and no
         restart: Ray starts another worker itself.  Counted per slice, as a local worker's start hangs are per
         place: every slice of a cluster whose workers' start blocks goes at once (those queued behind them
@@ -375,8 +377,8 @@ class WorkerHealth:
         if task.task_id in self.builds:  # a task still wanted: its row is kept until it is done or dropped
             self.ray_start_hangs[task.task_id] = hangs
         final = self._final(task, hangs)
-        then = (f"it did not begin {counted(hangs, 'time')} in a row, with no slice built on the cluster since: the "
-                "job stops" if final else
+        then = (f"it did not begin {counted(hangs, 'time')} in a row, with no slice built on the cluster since: "
+                f"{self._ray_end()}" if final else
                 f"submitted it again (start hang {hangs} of {MAX_TASK_HANGS} in a row for that slice, with no slice "
                 "built on the cluster in between)")
         log.warning("a slice on the Ray cluster (%s) did not begin in %.0f s (--worker-start-timeout %g): cancelled "
@@ -391,6 +393,11 @@ class WorkerHealth:
                 f"begins a slice once it has started ({RAY_START}); something there never returns. Look at "
                 f"{ray_start_checks(self.pool.job.augment.transform)}; fix that and start the daemon again (it resumes), or raise "
                 "--worker-start-timeout if a Ray worker's start, with its wait in Ray's queue, can take that long")
+
+    def _ray_end(self) -> str:
+        """What Ray workers that cannot start end in (``ray_start_died``, ``ray_start_hung``): the job stops where
+        nothing else builds (--workers 0), else the local workers build alone (``RemotePool.give_up``)."""
+        return "the cluster is given up for this job" if self.pool.size else "the job stops"
 
     def _ray_built(self, built: int) -> None:
         """The cluster has built ``built`` slices so far: where that is more than before, its workers do start,

@@ -669,8 +669,8 @@ def test_a_slice_not_begun_in_the_worker_start_timeout_is_submitted_again_until_
     build = SimpleNamespace(cancelled=False, epoch=0, step=2, stream=SimpleNamespace(rank=0))
     job = SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug"))
     producer = object.__new__(Producer)
-    producer.remote, producer.fatal = pool, None
-    producer.health = WorkerHealth(SimpleNamespace(job=job), Stats(), 600.0, {7: build}, str, 1, 8.0)
+    producer.remote, producer.fatal, producer.workers_wanted = pool, None, 0  # remote only: nothing builds without it
+    producer.health = WorkerHealth(SimpleNamespace(job=job, size=0), Stats(), 600.0, {7: build}, str, 1, 8.0)
     for hang in range(1, MAX_TASK_HANGS + 1):
         copies = list(s.copies)
         clock[0] = max(c.submitted for c in copies) + 8.25
@@ -705,3 +705,77 @@ def test_a_slice_not_begun_in_the_worker_start_timeout_is_submitted_again_until_
     assert b.stalled is None and not sent and s.copies[0].moved == began
     b._hand_back_hung(began + 60.0)  # a quarter of 600 s is 60 at most
     assert b.stalled == Stalled(7, None, began) and not sent, "a stall of a begun slice, not a starting one"
+
+
+@pytest.mark.parametrize("local_workers", [1, 0])
+def test_ray_workers_that_all_die_at_start_give_the_cluster_up_beside_local_workers_and_stop_a_remote_only_job(
+        local_workers: int, caplog: Any) -> None:
+    """Ray workers that all died before their first image (a hook's module missing or broken on the nodes, not on
+    the daemon's box) stopped the job even beside local workers, which build every batch alone as they do while a
+    cluster is lost.  Now such a job gives the cluster up: the bridge is stopped, the slices it held go back to the
+    queue for the local workers, it is not connected again, and the status says why.  With --workers 0 the job
+    stops, as before, saying where to look."""
+    from collections import Counter
+
+    from prefetchd.daemon.producer import Producer
+    from prefetchd.daemon.production_stats import Stats
+    from prefetchd.daemon.remote.messages import StartDied
+    from prefetchd.daemon.remote.pool import RemotePool
+    from prefetchd.daemon.worker_health import MAX_WORKER_RESTARTS, WorkerHealth
+
+    tasks = [Task(i, "/dev/shm/none/b.tmp", OFFSET, SLOT, 0, ((0, i),)) for i in (7, 8)]
+    pool = object.__new__(RemotePool)  # the controller's books of a connected bridge: no cluster
+    bridge = SimpleNamespace(alive=True, stops=0)
+    # told to stop (None on its pipe), it cancels its slices and exits: no kill
+    bridge.process = SimpleNamespace(is_alive=lambda: bridge.alive, join=lambda timeout: setattr(bridge, "alive", False),
+                                     kill=None)
+    pool.conn = _Pipe([StartDied(t.task_id, "WorkerCrashedError", "the worker died") for t in tasks]
+                      + [StartDied(None, "WorkerCrashedError", "the worker died", node="worker-7")] * MAX_WORKER_RESTARTS)
+    pool.conn.close = lambda: setattr(bridge, "stops", bridge.stops + 1)  # type: ignore[attr-defined]
+    pool.process, pool.connected, pool.cpus, pool.builds = bridge.process, True, 2, None
+    pool.in_flight, pool.paths = {t.task_id: t for t in tasks}, Counter({tasks[0].path: 2})
+    pool.address, pool.local_workers, pool.slices, pool.given_up = "head:6379", local_workers, 0, ""
+    pool.retry_at, pool.unfit, pool.stalled, pool.message = 0.0, (), None, ""
+    builds = {t.task_id: SimpleNamespace(cancelled=False, epoch=0, step=t.task_id, stream=SimpleNamespace(rank=0))
+              for t in tasks}
+    requeued: list[Task] = []
+
+    def requeue(lost: list[Task]) -> list[Task]:  # as the controller's Builds.requeue, for live builds
+        requeued.extend(lost)
+        return lost
+
+    producer = object.__new__(Producer)
+    producer.remote, producer.fatal, producer.workers_wanted = pool, None, local_workers
+    producer.builds = SimpleNamespace(requeue=requeue)
+    statuses: list[int] = []
+    producer._write_status = lambda: statuses.append(1)  # type: ignore[method-assign]
+    job = SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug"))
+    producer.health = WorkerHealth(SimpleNamespace(job=job, size=local_workers), Stats(), 600.0, builds, str, 1, 600.0)
+    with caplog.at_level(logging.WARNING):
+        pool._receive(lambda *_: None, requeue, lambda *_: None, producer._ray_start_fault)
+
+    died = "the Ray cluster's workers die before their first image: 11 within 60 s"
+    if not local_workers:
+        assert producer.fatal is not None and producer.fatal.startswith(died), producer.fatal
+        assert not pool.given_up and pool.connected and not requeued, "a remote-only job stops, its cluster kept"
+        return
+    assert producer.fatal is None, producer.fatal
+    assert bridge.stops == 1 and pool.process is None and not pool.connected, "the bridge stopped"
+    assert requeued == tasks and not pool.in_flight and not pool.paths, "its slices queued again for the local workers"
+    assert pool.given_up.startswith(died) and pool.message.startswith(f"given up for this job, 1 local worker builds "
+                                                                      f"alone: {died}"), pool.message
+    pool.images = pool.retries = pool.stragglers = pool.disconnects = pool.copied_bytes = 0  # the status' books
+    pool.nodes, pool.copy_seconds, pool.node_books = 0, 0.0, {}
+    assert pool.status().message == pool.message and not pool.status().connected
+    deaths = [r.getMessage() for r in caplog.records if r.getMessage().startswith("a Ray worker died")]
+    assert len(deaths) == MAX_WORKER_RESTARTS and deaths[0].endswith(
+        "more than 10: the cluster is given up for this job)"), deaths[0]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the Ray cluster at")]
+    assert said == [f"the Ray cluster at head:6379 is given up for this job, 1 local worker builds alone (2 slices it "
+                    f"held queued again): {pool.given_up}"], said
+    # No reconnection, however long it has been: nothing more goes to the cluster for this job.
+    todo = deque(tasks)
+    pool.handle(lambda *_: None, requeue, lambda *_: None, producer._ray_start_fault)
+    pool.dispatch(todo)
+    assert pool.process is None and list(todo) == tasks and pool.poll_interval(1.0) == 1.0
+    assert pool.builds_wanted(8, 16) == 0

@@ -122,7 +122,7 @@ def test_a_ray_slice_without_progress_is_said_as_a_local_workers_stall(caplog: A
 def test_ray_workers_that_die_before_their_first_image_stop_the_job_unless_the_cluster_builds_meanwhile() -> None:
     """Such a death blames no file, and the bridge submits the slice again: where every Ray worker dies so (a
     hook's module that kills the process importing it), the slice went round for good."""
-    pool: Any = SimpleNamespace(job=SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug")))
+    pool: Any = SimpleNamespace(job=SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug")), size=0)
     h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
     for death in range(MAX_WORKER_RESTARTS):
         task = TASKS[1] if death % 2 else None  # a slice's, or a probe's
@@ -158,7 +158,7 @@ def test_a_ray_slice_that_never_begins_stops_the_job_unless_the_cluster_builds_m
     """A row per slice, as a local worker's start hangs are per place: one round of every slice cut at once (a
     cluster whose workers' start blocks, the slices queued behind them too) is no verdict; a slice built ends
     every row."""
-    pool: Any = SimpleNamespace(job=SimpleNamespace(augment=SimpleNamespace(transform=None)))
+    pool: Any = SimpleNamespace(job=SimpleNamespace(augment=SimpleNamespace(transform=None)), size=0)
     builds = {task_id: SimpleNamespace(cancelled=False, epoch=0, step=task_id, stream=SimpleNamespace(rank=0))
               for task_id in TASKS}
     h = WorkerHealth(pool, Stats(), 600.0, builds, str, 1, 600.0)

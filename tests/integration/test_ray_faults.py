@@ -2,10 +2,12 @@
 is (``worker_health``): after --task-timeout without progress its Ray worker is killed and the slice built again
 (3 hangs stop the job, naming the file), and a quarter of the way there the status says the stall, so that a
 trainer waits on; a file that kills its Ray worker twice is replaced as undecodable; Ray workers that all die
-before their first image stop the job, saying so; a slice whose Ray worker's start blocks is bounded by
+before their first image stop the job, saying so (beside a local worker, the cluster is given up and the job
+goes on); a slice whose Ray worker's start blocks is bounded by
 --worker-start-timeout, as a local worker's start is.
 
-Each test runs a remote-only daemon (``--workers 0 --ray local``: a private cluster of its own) in a
+Each test runs a remote-only daemon (``--workers 0 --ray local``: a private cluster of its own; one test a
+daemon with a local worker beside it, whose cluster is given up when its workers cannot start) in a
 loopback-only network namespace (``ray_namespace``), beside a trainer outside it that reads the buffer,
 and compares every batch with a local daemon's.  Before, such a slice stayed in flight for good (a hang)
 or went round between the bridge and the controller for good (a crash): the trainer timed out.
@@ -48,12 +50,13 @@ LOADER_TIMEOUT = 150
 
 
 class RayDaemon(Daemon):
-    """A remote-only daemon on a private Ray cluster, in a network namespace with loopback only."""
+    """A daemon on a private Ray cluster, in a network namespace with loopback only: remote-only unless
+    ``args`` give --workers (a later option wins)."""
 
     def __init__(self, buffer: Path, args: list[str], log: Path) -> None:
         self.buffer = buffer
         self.log_path = log
-        self.proc = launch(in_namespace(start_argv(buffer, extra=[*args, "--workers", "0", "--ray", "local"])),
+        self.proc = launch(in_namespace(start_argv(buffer, extra=["--workers", "0", *args, "--ray", "local"])),
                            log=log)
 
 
@@ -219,6 +222,37 @@ def test_ray_workers_that_die_before_their_first_image_stop_the_job_saying_where
     deaths = [line for line in daemon.log.splitlines() if "a Ray worker died (Ray: " in line]
     assert len(deaths) == MAX_WORKER_RESTARTS, daemon.log  # each said; the next one stops the job
     assert any("before the first image of its slice of batch " in line for line in deaths), deaths
+
+
+def test_ray_workers_that_die_before_their_first_image_beside_a_local_worker_give_the_cluster_up_and_the_job_goes_on(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any) -> None:
+    """Beside local workers, Ray workers that all die before their first image (a hook's module missing or broken on
+    the nodes only) stopped the job as with --workers 0, though the local workers could build every batch.  Now the
+    cluster is given up for the job: the local worker builds alone, every batch arriving once and as a local
+    daemon's, and the status says why."""
+    data, _magenta = magenta_data
+    hook = ["--data", data, "--transform", "tests.integration.killing_import_hook:identity"]
+    expected = reference(start_daemon, shm_dir / "ref", *hook)  # the hook's module harms no local worker
+    buffer = shm_dir / "bf"
+    daemon = start_ray_daemon(buffer, *JOB, *hook, "--workers", "1")
+    # The local worker fills the buffer (--high-water 3) while the cluster's workers die, at its probe or slices.
+    daemon.wait_until(lambda: "given up" in _remote_message(buffer), LOADER_TIMEOUT, "gave up no cluster")
+    message = _remote_message(buffer)
+    assert message.startswith("given up for this job, 1 local worker builds alone: the Ray cluster's workers die "
+                              f"before their first image: {MAX_WORKER_RESTARTS + 1} within 60 s"), message
+    assert read_all(buffer) == expected, daemon.log  # each (epoch, step) once, the same samples and pixels
+    assert daemon.wait_exit(30) == 0, daemon.log
+    final = read_status(buffer)
+    assert final.remote is not None and not final.remote.connected, daemon.log
+    assert final.remote.message == message, final.remote.message
+    given_up = [line for line in daemon.log.splitlines() if "is given up for this job, " in line]
+    assert len(given_up) == 1 and "1 local worker builds alone" in given_up[0], daemon.log
+    assert "connecting to the Ray cluster" not in daemon.log.split(given_up[0])[1], "connected again"
+
+
+def _remote_message(buffer: Path) -> str:
+    status = read_status(buffer)  # None: not written yet
+    return status.remote.message if status is not None and status.remote is not None else ""
 
 
 START_TIMEOUT = 5  # a Ray worker's start that blocks is cut after this; a quarter of it (1.25 s) it is said

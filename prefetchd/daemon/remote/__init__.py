@@ -43,8 +43,8 @@ streaming Ray task that says when it has begun, and one that has not come back
 as hung (``Hung``); one that has not begun --worker-start-timeout after it was
 submitted (its Ray worker's start blocks: a hook's module whose import never
 returns there) is cancelled, its Ray worker killed, and submitted again, the
-controller told (``StartHung``), which stops the job after ``MAX_TASK_HANGS``
-of one slice in a row while the cluster builds nothing; the one that has gone
+controller told (``StartHung``), which ends the cluster's part after
+``MAX_TASK_HANGS`` of one slice in a row while the cluster builds nothing; the one that has gone
 longest without progress (or without beginning) is reported a quarter of the
 way there (``Stalled``, in the bridge's ``Report``), and the controller says it
 as a local worker's stall (the status's ``worker_stall``: a trainer waits on).
@@ -52,9 +52,12 @@ One that hung or lost its worker is built an item at a time from then on,
 saying each sample first (a replacement too), so that its next hang names the
 file and its next death is counted on that file (``Died``).  A Ray
 worker that dies before its first image blames no file: the bridge submits its
-slice again and tells the controller (``StartDied``), which stops the job when
-more than ``MAX_WORKER_RESTARTS`` die so within a minute while the cluster
-builds nothing, as the restart limit does for local workers.  Since a
+slice again and tells the controller (``StartDied``), which ends the cluster's
+part when more than ``MAX_WORKER_RESTARTS`` die so within a minute while the
+cluster builds nothing, as the restart limit does for local workers: the local
+workers build the rest of the job alone (``RemotePool.give_up``: the bridge
+stopped, its slices queued again, no reconnection), or with --workers 0 the
+job stops.  Since a
 batch is a pure function of (seed, epoch, step, rank) nothing is lost or
 duplicated.  The slices of a build the controller cancels (a rewind) are
 forgotten by the bridge at its word (``Cancel``): answered at once and never

@@ -102,8 +102,8 @@ class StartDied:
     importing prefetchd, torch or the --transform hook's module; loading the job), or, for a slice built an item
     at a time, before its first sample; or running a node's probe (``task_id`` None).  No file is to blame, so
     the bridge submits the slice again as ever (``_again``); the controller counts these deaths
-    (``WorkerHealth.ray_start_died``): where the cluster's workers all die so, the job stops instead of sending
-    the slices round for good.  Not for a node's death (Ray's NodeDiedError): that is a node leaving."""
+    (``WorkerHealth.ray_start_died``): where the cluster's workers all die so, the local workers build alone
+    (``RemotePool.give_up``), or with none the job stops, instead of the slices going round for good.  Not for a node's death (Ray's NodeDiedError): that is a node leaving."""
 
     task_id: int | None
     how: str  # the Ray error's name: WorkerCrashedError, OutOfMemoryError, ...

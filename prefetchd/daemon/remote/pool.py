@@ -102,6 +102,7 @@ class RemotePool:
         self.message = "connecting"
         self.stalled: Stalled | None = None  # the bridge's slice longest without progress, as it last reported
         self.lost = ""  # why the cluster was lost, kept in the status beside each failed reconnection until it is back
+        self.given_up = ""  # why this job builds no more on the cluster (``give_up``): no reconnection then
         self.in_flight: dict[int, Task] = {}
         self.paths: Counter[str] = Counter()  # batches (their temp files) with slices at the cluster
         self.images = self.slices = self.retries = self.stragglers = self.disconnects = self.returned = 0
@@ -150,7 +151,7 @@ class RemotePool:
     def poll_interval(self, timeout: float) -> float:
         """How long the controller may sleep: not past a reconnection or a silence check."""
         if self.process is None:
-            return max(0.0, min(timeout, self.retry_at - time.monotonic()))
+            return timeout if self.given_up else max(0.0, min(timeout, self.retry_at - time.monotonic()))
         return min(timeout, REPORT_SECONDS)
 
     def handle(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
@@ -158,13 +159,16 @@ class RemotePool:
         """Hand on what the bridge sent; notice a dead or silent one; reconnect when it is time."""
         now = time.monotonic()
         if self.process is None:
-            if now >= self.retry_at:
+            if now >= self.retry_at and not self.given_up:
                 self.start()
             return
         self._receive(on_result, requeue, on_fault, on_start_fault)
+        if self.process is None:  # given up on what it sent
+            return
         if not self.process.is_alive():
             self._receive(on_result, requeue, on_fault, on_start_fault)  # what it sent before it exited still counts
-            self._lose(self.refusal or f"the bridge process exited (code {self.process.exitcode})", requeue)
+            if self.process is not None:  # (not given up on that)
+                self._lose(self.refusal or f"the bridge process exited (code {self.process.exitcode})", requeue)
         elif self.connected and now - self.last_report > SILENT_SECONDS:
             self._lose(f"no answer from the cluster for {SILENT_SECONDS:.0f} s", requeue)
         elif self.connected and self.in_flight and self.cpus == 0 and now - self.cpus_seen > SILENT_SECONDS:
@@ -198,8 +202,7 @@ class RemotePool:
 
     def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
                  on_fault: OnFault, on_start_fault: OnStartFault) -> None:
-        assert self.conn is not None
-        while True:
+        while self.conn is not None:  # None once a message gave the cluster up (``give_up``)
             try:
                 if not self.conn.poll():
                     return
@@ -345,6 +348,25 @@ class RemotePool:
             (log.warning if self.failed_attempts == 0 else log.debug)(
                 "cannot use the Ray cluster at %s: %s; %s; %s", self.address, reason, fallback, again)
             self.failed_attempts += 1
+
+    def give_up(self, reason: str, requeue: Requeue) -> None:
+        """Build no more on the cluster for this job, whose local workers build alone from now on: its Ray
+        workers cannot start (``WorkerHealth.ray_start_died``, ``.ray_start_hung``: ``reason``), which a
+        reconnection would not mend.  The bridge cancels its slices and disconnects first (``stop``), so that
+        none of them writes into a batch any more; then they go back to the queue (a cancelled batch's are
+        dropped).  The status keeps saying why until the job ends; the daemon's next start tries the cluster again."""
+        lost = list(self.in_flight.values())
+        self.stop()
+        self.given_up = reason
+        self.unfit = ()
+        self.stalled = None
+        self.in_flight.clear()
+        self.paths.clear()
+        queued = requeue(lost) if lost else []
+        # ``reason`` ends with what to mend, and that the daemon's next start (it resumes) uses the cluster again.
+        self.message = f"given up for this job, {self._fallback()}: {reason}"
+        log.warning("the Ray cluster at %s is given up for this job, %s (%s it held queued again): %s", self.address,
+                    self._fallback(), counted(len(queued), "slice"), reason)
 
     def cancel(self, task_ids: Iterable[int]) -> None:
         """A build was cancelled: tell the bridge of its slices that it holds, so that it frees their nodes and
