@@ -39,12 +39,12 @@ on until it is handed back.  A Ray worker's start is timed as a local worker's i
 reading --data's probe samples on a hung mount; its wait in Ray's queue counts too) had its Ray worker killed
 and was submitted again by the bridge (``ray_start_hung``: a start hang, said, and said as a starting worker's
 stall a quarter of the way there); ``MAX_TASK_HANGS`` of one slice in a row, with no slice built on the cluster
-in between, end the cluster's part (``_ray_end``).  A Ray worker that dies before its first image (in its start: a hook's module
-that kills the process when imported, say) blames no file, and the bridge submits its slice again; more
-than ``MAX_WORKER_RESTARTS`` such deaths within ``RESTART_WINDOW_SECONDS``, with no slice built on the
-cluster since the first, end it too (``ray_start_died``), as the restart limit ends the local workers'.  It ends
-so: a job with local workers goes on with them alone (``RemotePool.give_up``), as it does while a cluster is lost;
-with --workers 0 the job stops.
+in between, end the cluster's part (``_ray_end``).  A Ray worker that dies before its first image (in its
+start: a hook's module that kills the process when imported, say) blames no file, and the bridge submits its
+slice again; more than ``MAX_WORKER_RESTARTS`` such deaths within ``RESTART_WINDOW_SECONDS``, with no slice
+built on the cluster since the first, end it too (``ray_start_died``), as the restart limit ends the local
+workers'.  The cluster's part ends so: a job with local workers goes on with them alone (``RemotePool.give_up``),
+as it does while a cluster is lost; with --workers 0 the job stops.
 
 ``WorkerHealth`` counts, names and judges; it reads the builds of the tasks not yet answered
 (``Builds.by_task``) only to name a task's batch and to tell one still wanted.
@@ -335,8 +335,8 @@ class WorkerHealth:
         """Say that a Ray worker died before its first image (``remote.messages.StartDied``): before ``task``'s
         slice began (or its first sample), or running the probe of ``node`` (``task`` None); ``how``: the Ray
         error's name, ``text`` its message; ``built``: the slices the cluster has built so far.  Why the cluster
-        cannot build (``_ray_end``) when more than ``MAX_WORKER_RESTARTS`` died so within ``RESTART_WINDOW_SECONDS`` and the
-        cluster built no slice since the first, else None: the bridge submits the slice again (a probe runs
+        cannot build (``_ray_end``) when more than ``MAX_WORKER_RESTARTS`` died so within
+        ``RESTART_WINDOW_SECONDS`` and the cluster built no slice since the first, else None: the bridge submits the slice again (a probe runs
         again), as ever.  A slice built shows that its workers do start: the count begins again from there,
         so a large cluster's own churn (OOM kills, a node's workers lost) never adds up to a stop."""
         now = time.monotonic()

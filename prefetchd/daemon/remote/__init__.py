@@ -44,8 +44,9 @@ as hung (``Hung``); one that has not begun --worker-start-timeout after it was
 submitted (its Ray worker's start blocks: a hook's module whose import never
 returns there) is cancelled, its Ray worker killed, and submitted again, the
 controller told (``StartHung``), which ends the cluster's part after
-``MAX_TASK_HANGS`` of one slice in a row while the cluster builds nothing; the one that has gone
-longest without progress (or without beginning) is reported a quarter of the
+``MAX_TASK_HANGS`` of one slice in a row while the cluster builds nothing;
+the one that has gone longest without progress (or without beginning) is
+reported a quarter of the
 way there (``Stalled``, in the bridge's ``Report``), and the controller says it
 as a local worker's stall (the status's ``worker_stall``: a trainer waits on).
 One that hung or lost its worker is built an item at a time from then on,
@@ -57,8 +58,7 @@ part when more than ``MAX_WORKER_RESTARTS`` die so within a minute while the
 cluster builds nothing, as the restart limit does for local workers: the local
 workers build the rest of the job alone (``RemotePool.give_up``: the bridge
 stopped, its slices queued again, no reconnection), or with --workers 0 the
-job stops.  Since a
-batch is a pure function of (seed, epoch, step, rank) nothing is lost or
+job stops.  Since a batch is a pure function of (seed, epoch, step, rank) nothing is lost or
 duplicated.  The slices of a build the controller cancels (a rewind) are
 forgotten by the bridge at its word (``Cancel``): answered at once and never
 written after, since the build's temp file goes once they are answered.  A

@@ -103,7 +103,8 @@ class StartDied:
     at a time, before its first sample; or running a node's probe (``task_id`` None).  No file is to blame, so
     the bridge submits the slice again as ever (``_again``); the controller counts these deaths
     (``WorkerHealth.ray_start_died``): where the cluster's workers all die so, the local workers build alone
-    (``RemotePool.give_up``), or with none the job stops, instead of the slices going round for good.  Not for a node's death (Ray's NodeDiedError): that is a node leaving."""
+    (``RemotePool.give_up``), or with none the job stops, instead of the slices going round for good.  Not for a
+    node's death (Ray's NodeDiedError): that is a node leaving."""
 
     task_id: int | None
     how: str  # the Ray error's name: WorkerCrashedError, OutOfMemoryError, ...

@@ -354,7 +354,8 @@ class RemotePool:
         workers cannot start (``WorkerHealth.ray_start_died``, ``.ray_start_hung``: ``reason``), which a
         reconnection would not mend.  The bridge cancels its slices and disconnects first (``stop``), so that
         none of them writes into a batch any more; then they go back to the queue (a cancelled batch's are
-        dropped).  The status keeps saying why until the job ends; the daemon's next start tries the cluster again."""
+        dropped).  The status keeps saying why until the job ends; the daemon's next start tries the cluster
+        again."""
         lost = list(self.in_flight.values())
         self.stop()
         self.given_up = reason
