@@ -10,7 +10,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,18 +44,21 @@ SMOKE_WARNINGS = _Warnings()  # what the smoke run logged at WARNING and above, 
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory, shapes_data: Path) -> tuple[BenchmarkResults, Path]:
+def smoke(tmp_path_factory: pytest.TempPathFactory, shapes_data: Path) -> Iterator[tuple[BenchmarkResults, Path]]:
     out = tmp_path_factory.mktemp("bench-out")
     logger = logging.getLogger("prefetchd")
     logger.addHandler(SMOKE_WARNINGS)
+    buffers = Path(tempfile.mkdtemp(prefix="prefetchd-test-buffers-", dir="/dev/shm"))  # --buffer-root
     try:
         results = run_benchmark(
             shapes_data / "train", workers_list=(1,), batch_size=8, image_size=32, seconds=1.0, out_dir=out,
-            high_water=6,
+            high_water=6, buffer_root=buffers,
         )
+        assert not any(buffers.iterdir()), "each daemon's buffer removed after it"
+        yield results, out
     finally:
         logger.removeHandler(SMOKE_WARNINGS)
-    return results, out
+        shutil.rmtree(buffers, ignore_errors=True)
 
 
 def test_every_contender_is_measured(smoke: tuple[BenchmarkResults, Path]) -> None:
@@ -133,7 +138,9 @@ def test_outputs_are_written(smoke: tuple[BenchmarkResults, Path]) -> None:
         assert needle in table
     huge = doc["machine"]["buffer_huge_pages"]  # whether the buffer's tmpfs gives batches 2 MiB pages
     assert huge is None or f"buffer in {doc['machine']['buffer_fs']} ({pages_of(huge)})" in table
-    assert (out / "logs" / "daemon-k1.log").stat().st_size > 0
+    # --buffer-root: the daemons' buffers went there, and the machine line says where they were.
+    assert doc["machine"]["buffer_fs"].startswith("/dev/shm/prefetchd-test-buffers-")
+    assert f" into {doc['machine']['buffer_fs']}/prefetchd-bench-" in (out / "logs" / "daemon-k1.log").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
@@ -162,6 +169,11 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
         run_benchmark(shapes_data / "train", batches=3, out_dir=tmp_path)
     result = CliRunner().invoke(bench_command, ["--batches", "3", "--data", str(shapes_data / "train")])
     assert result.exit_code == 2 and f"x>={MIN_BATCHES}" in result.output
+    # A --buffer-root that is no folder, refused before the dataset is generated.
+    result = CliRunner().invoke(bench_command, ["--buffer-root", str(tmp_path / "none"), "--generate", "40",
+                                                "--out", str(tmp_path)])
+    assert result.exit_code == 1 and f"--buffer-root {tmp_path / 'none'} is not a folder" in result.output
+    assert "generating" not in result.output
 
 
 def test_a_rate_above_the_floor_is_flagged_in_the_report() -> None:

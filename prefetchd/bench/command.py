@@ -13,7 +13,7 @@ import click
 
 from prefetchd.bench.measure import MIN_BATCHES
 from prefetchd.bench.results import ALL_CONTENDERS, CONTENDERS
-from prefetchd.bench.run import run_benchmark, worker_counts
+from prefetchd.bench.run import buffers_in, run_benchmark, worker_counts
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import stops_cleanly
 from prefetchd.options import FiniteFloat
@@ -65,6 +65,9 @@ def _parse_contenders(_ctx: click.Context, _param: click.Parameter, value: str |
                    "whose speed drifts (a shared VM).")
 @click.option("--high-water", type=click.IntRange(min=2), default=None,
               help="The daemon's --high-water in batches  [default: max(16, 6 x max workers)]")
+@click.option("--buffer-root", type=click.Path(file_okay=False, path_type=Path),
+              help="The folder the daemons' buffers go in, to measure where yours will live (a tmpfs mounted with "
+                   "huge=within_size, say)  [default: /dev/shm]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True, help="Where bench.json, bench.txt, bench.png and logs/ go.")
 @click.option("--contenders", callback=_parse_contenders, metavar="NAME,...",
@@ -88,6 +91,7 @@ def bench_command(
     batches: int | None,
     rounds: int,
     high_water: int | None,
+    buffer_root: Path | None,
     out_dir: Path,
     contenders: list[str] | None,
     with_ray: bool,
@@ -110,6 +114,7 @@ def bench_command(
     generated: Path | None = None
     try:
         workers = worker_counts(workers)  # before a dataset that takes a minute to generate
+        buffers_in(buffer_root)  # likewise
         if data is None:
             generated = Path(tempfile.mkdtemp(prefix="prefetchd-bench-data-"))
             data = generated / "train"
@@ -129,7 +134,7 @@ def bench_command(
         results = run_benchmark(
             data, workers_list=workers, batch_size=batch_size, image_size=image_size,
             seconds=seconds, batches=batches, rounds=rounds, out_dir=out_dir, high_water=high_water,
-            contenders=_chosen(contenders, with_ray), report=say,
+            contenders=_chosen(contenders, with_ray), report=say, buffer_root=buffer_root,
         )
     except (ValueError, FileExistsError) as exc:
         raise click.ClickException(str(exc)) from None

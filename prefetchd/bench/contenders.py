@@ -69,6 +69,7 @@ class Run:
     out_dir: Path
     high_water: int
     say: Callable[[str], None]
+    buffers: Path  # where each daemon's buffer goes (``run_benchmark``'s ``buffer_root``)
 
     def measure(self, name: str, k: int, cores: list[int], *, data_wait: bool) -> tuple[Throughput, dict[str, Any] | None]:
         import torch

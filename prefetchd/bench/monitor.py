@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from prefetchd.bench.measure import WAIT_SECONDS
-from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, wait_ready
+from prefetchd.launch import launch, start_argv, stop_daemon_process, wait_ready
 
 if TYPE_CHECKING:
     from prefetchd.bench.contenders import Run
@@ -39,7 +39,7 @@ class BenchDaemon:
 
     def __init__(self, run: Run, workers: int, tag: str, ray: bool = False) -> None:
         """``ray``: no local workers, and a private Ray cluster of ``workers`` CPUs (the daemon's CPU mask) instead."""
-        self.buffer = buffer_root() / f"prefetchd-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.buffer = run.buffers / f"prefetchd-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.log_path = run.out_dir / "logs" / f"daemon-{tag}.log"
         self.cmd = start_argv(self.buffer, {
             "data": run.data, "workers": 0 if ray else workers, "batch_size": run.batch_size,

@@ -49,7 +49,7 @@ def why_not_runnable(contender: str) -> str:
     return ""
 
 
-def describe_machine() -> dict[str, Any]:
+def describe_machine(buffers: Path | None = None) -> dict[str, Any]:
     import numpy
     import PIL
     import torch
@@ -61,7 +61,7 @@ def describe_machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    shm = buffer_root()
+    shm = buffers or buffer_root()  # where the daemons' buffers go (`prefetchd bench --buffer-root`)
     du = shutil.disk_usage(shm)
     return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),

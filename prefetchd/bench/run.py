@@ -32,7 +32,22 @@ DEFAULT_HIGH_WATER = 16
 LOOPS_SECONDS = 5.0  # the independent loops' window when the contenders are measured by batch count
 
 
-def check_buffer_room(batch_size: int, image_size: int, high_water: int) -> None:
+def buffers_in(root: Path | None) -> Path:
+    """The folder the bench's daemons put their buffers in: ``root`` (--buffer-root), which must be a folder this
+    user can write, else ``launch.buffer_root``'s."""
+    if root is None:
+        return buffer_root()
+    root = Path(root).resolve()
+    if not root.is_dir():
+        raise ValueError(f"--buffer-root {root} is not a folder; make it (a tmpfs to measure, as root: mount -t tmpfs "
+                         "-o size=SIZE,huge=within_size tmpfs DIR), or leave it out for /dev/shm")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(f"--buffer-root {root}: this user cannot create a daemon's buffer there; pick a folder you "
+                         "can write")
+    return root
+
+
+def check_buffer_room(batch_size: int, image_size: int, high_water: int, root: Path) -> None:
     """Refuse at once settings whose daemon would refuse its buffer: on Docker's 64 MiB /dev/shm the default
     --high-water of 16 batches of 18.4 MiB failed each prefetchd row in turn, after the floor and the other
     contenders had been measured, and the table held the daemon's message in every one of them."""
@@ -40,7 +55,6 @@ def check_buffer_room(batch_size: int, image_size: int, high_water: int) -> None
     from prefetchd.daemon.config import DaemonConfig, fill_defaults
     from prefetchd.daemon.errors import ConfigError
 
-    root = buffer_root()
     cfg, _notes = fill_defaults(DaemonConfig(buffer=root / "prefetchd-bench", batch_size=batch_size,
                                              image_size=image_size, high_water=high_water, workers=1))
     try:
@@ -66,6 +80,7 @@ def run_benchmark(
     floor: bool = True,
     rounds: int = 1,
     report: Callable[[str], None] | None = None,
+    buffer_root: Path | None = None,
 ) -> BenchmarkResults:
     """Measure every contender at every worker count on ``data``; write results into ``out_dir``.
 
@@ -79,7 +94,9 @@ def run_benchmark(
     give each prefetchd row's share of k times it.  ``rounds`` > 1 measures
     every contender that many times, the contenders taking turns, and reports the median
     of each one's rounds (a machine whose speed drifts then slows every contender alike,
-    where one round apiece can catch one contender in a slow minute).  Writes
+    where one round apiece can catch one contender in a slow minute).  ``buffer_root``: the folder the
+    daemons' buffers go in (default /dev/shm, or the temp folder without one: ``launch.buffer_root``), say a
+    tmpfs mounted with huge pages, to measure where a daemon's buffer will live.  Writes
     ``bench.json``, ``bench.txt`` (the table), ``bench.png`` (if matplotlib is
     importable) and ``logs/`` (daemon logs) into ``out_dir`` and returns the results.
     """
@@ -107,15 +124,16 @@ def run_benchmark(
         high_water = max(DEFAULT_HIGH_WATER, eval_every(workers_list[-1]))
     if high_water < 2:
         raise ValueError(f"high_water={high_water}: the daemon needs at least 2 batches of buffer")
+    buffers = buffers_in(buffer_root)
     if any(name.startswith("prefetchd") for name in contenders):
-        check_buffer_room(batch_size, image_size, high_water)
+        check_buffer_room(batch_size, image_size, high_water, buffers)
 
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     window = Window(seconds=seconds, batches=batches)
     dataset = describe_dataset(data)
     results = BenchmarkResults(
-        machine=describe_machine(),
+        machine=describe_machine(buffers),
         dataset=dataset,
         config={
             "batch_size": batch_size, "image_size": image_size, "seconds": seconds, "batches": batches,
@@ -128,7 +146,7 @@ def run_benchmark(
         f"{describe_cpu(results.machine)}")
     missing = {name: why_not_runnable(name) for name in contenders}
     run = Run(data=data, batch_size=batch_size, image_size=image_size, window=window, out_dir=out_dir,
-               high_water=high_water, say=say)
+               high_water=high_water, say=say, buffers=buffers)
     k_max = workers_list[-1]
     waits: dict[str, Any] = {}
     floors: list[dict[str, Any]] = []
