@@ -27,11 +27,12 @@ def tool_env(*first: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
-def test_dry_run_writes_every_section(tmp_path: Path) -> None:
+def test_dry_run_writes_every_section(tmp_path: Path, shm_dir: Path) -> None:
     docs_before = {p.name: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()}
     out = tmp_path / "result" / "gpu.json"
     env = tool_env()
-    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out)], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out),
+                           "--scaling-buffer-root", str(shm_dir)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -75,6 +76,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     [row] = scaling["rows"]
     assert row["workers"] == 1 and row["images_per_s"] > 0 and row["scaling"] == 1.0
     assert scaling["rounds"] == doc["sizes"]["scaling_rounds"] == 2
+    assert scaling["buffer"] == str(shm_dir), "--scaling-buffer-root: where step 5's daemons put their buffers"
     assert len(row["rounds_images_per_s"]) == len(row["loops_rounds"]) == len(scaling["floor"]["rounds"]) == 2
     assert round(row["images_per_s"], 1) == min(row["rounds_images_per_s"])
     assert round(row["independent_loops_per_s"], 1) == min(row["loops_rounds"])
@@ -99,6 +101,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     low, high = row["rounds_images_per_s"]  # the producer's rate with its rounds' range
     assert f"| 1 | {round(row['images_per_s'], 1):.0f} ({min(low, high):.0f}–{max(low, high):.0f}) |" in markdown
     assert "Each count measured 2 times in a row" in markdown
+    assert f"the daemons' buffers in {shm_dir} ({pages_of(scaling['buffer_huge_pages'])})" in markdown
     # A dry run never touches the measured docs.
     assert {p.name: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()} == docs_before
 

@@ -2,7 +2,7 @@
 
     python tools/gpu_check.py [--out docs/gpu.json] [--commit HASH] [--steps 200] [--rounds 3]
                               [--data IMAGEFOLDER] [--workers 15,12] [--skip-tests] [--skip-scaling]
-                              [--scaling-rounds 1] [--time-limit SECONDS] [--dry-run]
+                              [--scaling-rounds 1] [--scaling-buffer-root DIR] [--time-limit SECONDS] [--dry-run]
 
 Steps, each recorded in the JSON (rewritten after every step, so a run cut short
 still leaves what it measured) and in GPU.md beside it.  Step 1 runs while the
@@ -32,6 +32,8 @@ before 3 and 4, the longest:
    producer's share of it is what the producer loses on its own.  ``--scaling-rounds N``
    measures each count (and its loops, and the floor) N times, a row the median round:
    one 5 s round per count cannot tell a change of the producer's from the host's.
+   ``--scaling-buffer-root DIR`` puts its buffers there instead of /dev/shm (a tmpfs with
+   2 MiB pages, to see what the page faults of writing batches cost at 16 workers).
 
 ``--dry-run`` runs every step on the CPU at toy sizes (a small model, 16 images, a
 few steps) and writes into a temporary folder unless ``--out`` is given: it keeps
@@ -108,6 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="times each feed trains; its row is the median round")
     parser.add_argument("--scaling-rounds", type=int, help="times step 5 measures each worker count, and its "
                         "independent loops; a row is the median round (~1.5 min a round on 16 cores) [default: 1]")
+    parser.add_argument("--scaling-buffer-root", type=Path, metavar="DIR",
+                        help="the folder step 5's daemons put their buffers in, e.g. a tmpfs mounted with "
+                        "huge=within_size [default: /dev/shm, as the training's]")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="seconds for the whole run: after the first training round, a feed whose last round "
                         "would end past it is not started, so a lease's call ends with complete rows and says so "
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_scaling:
             counts = scaling_counts(usable_cpus()) if not args.dry_run else [1]
             log.info("5. the producer alone at %s workers", ", ".join(map(str, counts)))
-            doc["scaling"] = scaling_rows(data, sizes, scratch / "bench", counts)
+            doc["scaling"] = scaling_rows(data, sizes, scratch / "bench", counts, args.scaling_buffer_root)
             write_outputs(doc, out)
 
         def save(rows: list[dict[str, Any]]) -> None:

@@ -126,12 +126,16 @@ def scaling_counts(cores: int) -> list[int]:
     return sorted({1 << i for i in range(cores.bit_length()) if 1 << i <= cores} | {cores})
 
 
-def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> dict[str, Any]:
+def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int], buffers: Path | None = None
+                 ) -> dict[str, Any]:
+    """Step 5: ``prefetchd bench``'s prefetchd row at each of ``counts``, its daemons' buffers in ``buffers``
+    (``--scaling-buffer-root``; default /dev/shm)."""
     cpu = CpuUse()  # follows each daemon's worker server and workers after the daemon stops
     try:
         results = run_benchmark(data, workers_list=counts, batch_size=sizes.scaling_batch_size,
                                 image_size=sizes.image_size, seconds=sizes.scaling_seconds, out_dir=out_dir,
                                 contenders=("prefetchd",), warm_start=False, data_wait=False, rounds=sizes.scaling_rounds,
+                                buffer_root=buffers,
                                 report=lambda line: log.info("  %s", line))
     except BaseException:
         cpu.close()
@@ -145,7 +149,8 @@ def scaling_rows(data: Path, sizes: Sizes, out_dir: Path, counts: list[int]) -> 
              "loops_rounds": r.extra.get("loops_rounds", [])}
             for r in results.throughput]
     return {"floor": results.floor, "batch_size": sizes.scaling_batch_size, "seconds": sizes.scaling_seconds,
-            "rounds": sizes.scaling_rounds, "rows": rows, **cpu.stop()}
+            "rounds": sizes.scaling_rounds, "rows": rows, "buffer": results.machine["buffer_fs"],
+            "buffer_huge_pages": results.machine["buffer_huge_pages"], **cpu.stop()}
 
 
 if __name__ == "__main__":  # imported by tools/gpu_check.py; run alone it has nothing to do

@@ -35,6 +35,13 @@ def _rate(images_per_s: float) -> str:
     return f"{round(images_per_s, 1):.0f}"
 
 
+def _buffers(scaling: dict[str, Any]) -> str:
+    """Where step 5's daemons put their buffers (absent from results written before it was recorded)."""
+    if "buffer" not in scaling:
+        return ""
+    return f", the daemons' buffers in {scaling['buffer']} ({pages_of(scaling['buffer_huge_pages'])})"
+
+
 def _rounds_said(rounds: int) -> str:
     return (f"Each count measured {rounds} times in a row, each time with its loops (the floor with the first count's): "
             "a figure is the median round's, the range of the rounds in brackets.  " if rounds > 1 else "")
@@ -116,7 +123,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += ["## The producer on more cores", "",
                   f"`prefetchd bench`'s prefetchd row: the daemon with k workers and a null consumer, all pinned to "
                   f"k cores, batch {scaling['batch_size']}, {sizes['image_size']} px, {scaling['seconds']:g} s per "
-                  f"count, on {doc['dataset']}.  Floor: the daemon's `augment()` alone on one core over "
+                  f"count, on {doc['dataset']}{_buffers(scaling)}.  Floor: the daemon's `augment()` alone on one core over "
                   f"{floor['files']} of the files, each decoded once before (a worker's steady state): "
                   f"{floor['ms_per_image']:.2f} ms per image, {_rate(floor['images_per_s'])} img/s"
                   f"{_spread(floor.get('rounds', []))}.  {_rounds_said(scaling.get('rounds', 1))}Independent "
