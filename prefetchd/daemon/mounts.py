@@ -61,5 +61,6 @@ def pages_of(huge: bool | None) -> str:
 def huge_pages_hint(buffer: Path, mount: Mount) -> str:
     """What the daemon logs once for a buffer on a tmpfs without huge pages."""
     return (f"buffer {buffer} is on a tmpfs ({mount.point}) without huge pages; one mounted with "
-            "huge=within_size saves the workers ~2.5 % of their CPU per image (as root: mount -t tmpfs -o "
-            "size=SIZE,huge=within_size tmpfs DIR, and a buffer under DIR; docs/BENCHMARKS.md, \"Huge pages\")")
+            "huge=within_size may save the workers some CPU per image (~2.5 % on one host, none on another: "
+            "measure with `prefetchd bench --buffer-root DIR`; as root: mount -t tmpfs -o size=SIZE,huge=within_size "
+            "tmpfs DIR, and a buffer under DIR; docs/BENCHMARKS.md, \"Huge pages\")")

@@ -65,7 +65,7 @@ def test_the_daemon_says_once_how_to_get_huge_pages(shm_dir: Path, caplog: pytes
         note_buffer_filesystem(plain)
         hints = [r.getMessage() for r in caplog.records if "without huge pages" in r.getMessage()]
         assert len(hints) == 1
-        assert str(plain) in hints[0] and "huge=within_size" in hints[0]
+        assert str(plain) in hints[0] and "huge=within_size" in hints[0] and "prefetchd bench --buffer-root" in hints[0]
         caplog.clear()
         note_buffer_filesystem(huge)
         assert not [r for r in caplog.records if "huge pages" in r.getMessage()]
