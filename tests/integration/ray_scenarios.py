@@ -235,6 +235,10 @@ def main() -> None:
         def node_c_named(proc: Any) -> None:
             wait_for(lambda: (r := remote_status(mixed)) is not None and len(r.unfit_nodes) == 2, 180,
                      "the daemon to name the nodes that cannot read --data or import the hook", proc)
+            # The fit node gets slices before its probe answers; under a full test run's load (four clusters at
+            # once) its answer came after the job's last batch, and the log never said it.
+            wait_for(lambda: " reads --data (8 samples checked)" in (work / "mixed.log").read_text(), 180,
+                     "the daemon to say which node reads --data", proc)
 
         try:
             out["mixed"] = read_job(data, mixed, work / "mixed.log", [*ray, "--workers", "1"], connected=True,
