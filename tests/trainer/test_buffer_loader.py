@@ -455,7 +455,7 @@ def test_manifest_timeout_says_how_to_start_a_daemon(buffer: Path) -> None:
     start = time.monotonic()
     with pytest.raises(LoaderTimeout) as info:
         BufferLoader(buffer, timeout=0.2)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # its 0.2 s timeout, not a hang
     msg = str(info.value)
     assert str(buffer) in msg and "manifest.json" in msg and "no prefetchd daemon" in msg
     assert f"prefetchd start --buffer {buffer}" in msg
@@ -594,7 +594,7 @@ def test_batch_timeout_names_the_batch_and_the_daemon_state(make_job: MakeJob) -
     start = time.monotonic()
     with pytest.raises(LoaderTimeout) as info:
         next(iter(loader))
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # its 0.2 s timeout, not a hang
     msg = str(info.value)
     assert "e000000-s00000000.batch" in msg and "epoch 0, step 0" in msg
     assert f"pid {os.getpid()}" in msg
@@ -610,7 +610,7 @@ def test_daemon_gone_when_the_lock_names_a_dead_pid(make_job: MakeJob, dead_pid:
     start = time.monotonic()
     with pytest.raises(DaemonGone) as info:
         next(iter(loader))
-    assert 0.2 <= time.monotonic() - start < 2
+    assert 0.2 <= time.monotonic() - start < 15  # the dead pid seen, not the 30 s timeout waited out (2.5 s once under a full run)
     msg = str(info.value)
     assert str(job.buffer) in msg and "e000000-s00000000.batch" in msg
     assert f"prefetchd start --buffer {job.buffer} --data /data/fake" in msg
