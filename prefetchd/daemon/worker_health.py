@@ -336,9 +336,10 @@ class WorkerHealth:
         slice began (or its first sample), or running the probe of ``node`` (``task`` None); ``how``: the Ray
         error's name, ``text`` its message; ``built``: the slices the cluster has built so far.  Why the cluster
         cannot build (``_ray_end``) when more than ``MAX_WORKER_RESTARTS`` died so within
-        ``RESTART_WINDOW_SECONDS`` and the cluster built no slice since the first, else None: the bridge submits the slice again (a probe runs
-        again), as ever.  A slice built shows that its workers do start: the count begins again from there,
-        so a large cluster's own churn (OOM kills, a node's workers lost) never adds up to a stop."""
+        ``RESTART_WINDOW_SECONDS`` and the cluster built no slice since the first, else None: the bridge submits
+        the slice again (a probe runs again), as ever.  A slice built shows that its workers do start: the count
+        begins again from there, so a large cluster's own churn (OOM kills, a node's workers lost) never adds up to
+        a stop."""
         now = time.monotonic()
         self._ray_built(built)
         self.ray_start_deaths.append(now)
@@ -363,8 +364,8 @@ class WorkerHealth:
         """Say that ``task``'s slice did not begin on the Ray cluster in ``seconds`` since it was submitted
         (--worker-start-timeout; ``remote.messages.StartHung``): the bridge cancelled it, killing its Ray worker,
         and submitted it again.  ``built``: the slices the cluster has built so far.  Why the cluster cannot build
-        (``_ray_end``) when that slice did not begin ``MAX_TASK_HANGS`` times in a row, with no slice built on the cluster in
-        between, else None.  A hang, as a local worker killed for its start is (``_kill_unready``), and no
+        (``_ray_end``) when that slice did not begin ``MAX_TASK_HANGS`` times in a row, with no slice built on the
+        cluster in between, else None.  A hang, as a local worker killed for its start is (``_kill_unready``), and no
         restart: Ray starts another worker itself.  Counted per slice, as a local worker's start hangs are per
         place: every slice of a cluster whose workers' start blocks goes at once (those queued behind them
         too), and one round of them is no more a verdict than one round of local workers is.  A slice built

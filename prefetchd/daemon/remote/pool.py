@@ -317,15 +317,10 @@ class RemotePool:
     def _lose(self, reason: str, requeue: Requeue) -> None:
         """Give up on this bridge: its slices go back to the queue (a cancelled batch's are dropped), and a
         new one connects later."""
-        lost = list(self.in_flight.values())
         fallback = self._fallback()
         again = f"trying again every {RECONNECT_SECONDS:.0f} s"
         was_connected = self.connected
         self.connected = False
-        self.unfit = ()
-        self.stalled = None
-        self.in_flight.clear()
-        self.paths.clear()
         if self.process is not None:
             if self.process.is_alive():
                 self.process.kill()
@@ -334,7 +329,7 @@ class RemotePool:
             self.conn.close()
         self.process = self.conn = None
         self.retry_at = time.monotonic() + RECONNECT_SECONDS
-        queued = requeue(lost) if lost else []
+        lost, queued = self._hand_back(requeue)
         if was_connected:
             self.disconnects += 1
             self.lost = reason
@@ -349,6 +344,16 @@ class RemotePool:
                 "cannot use the Ray cluster at %s: %s; %s; %s", self.address, reason, fallback, again)
             self.failed_attempts += 1
 
+    def _hand_back(self, requeue: Requeue) -> tuple[list[Task], list[Task]]:
+        """Forget what a bridge that is gone held (its slices, its unfit nodes, its stall) and queue its slices
+        again (a cancelled batch's are dropped): those it held, and those queued."""
+        lost = list(self.in_flight.values())
+        self.unfit = ()
+        self.stalled = None
+        self.in_flight.clear()
+        self.paths.clear()
+        return lost, requeue(lost) if lost else []
+
     def give_up(self, reason: str, requeue: Requeue) -> None:
         """Build no more on the cluster for this job, whose local workers build alone from now on: its Ray
         workers cannot start (``WorkerHealth.ray_start_died``, ``.ray_start_hung``: ``reason``), which a
@@ -356,14 +361,9 @@ class RemotePool:
         none of them writes into a batch any more; then they go back to the queue (a cancelled batch's are
         dropped).  The status keeps saying why until the job ends; the daemon's next start tries the cluster
         again."""
-        lost = list(self.in_flight.values())
         self.stop()
         self.given_up = reason
-        self.unfit = ()
-        self.stalled = None
-        self.in_flight.clear()
-        self.paths.clear()
-        queued = requeue(lost) if lost else []
+        _lost, queued = self._hand_back(requeue)
         # ``reason`` ends with what to mend, and that the daemon's next start (it resumes) uses the cluster again.
         self.message = f"given up for this job, {self._fallback()}: {reason}"
         log.warning("the Ray cluster at %s is given up for this job, %s (%s it held queued again): %s", self.address,
