@@ -2,11 +2,12 @@
 
 A batch file on a tmpfs mounted with ``huge=within_size`` (or ``always``) lives in 2 MiB pages.
 A worker maps each task's slots and the resize writes every image straight into them
-(``buffer_protocol.writer.SlotFiller``); the trainer maps whole batches.  Measured on this
-project's 2-core machine (docs/BENCHMARKS.md, "Huge pages"), 8 alternating pairs of a daemon
-with 2 workers and a consumer: the workers' CPU per image 2.5 % lower in the median (up to
-6 %) and 2.5 % more images a second with 2 MiB pages.  /dev/shm is mounted without them on
-most systems, and only root can mount a tmpfs, so the daemon says once how to get them.
+(``buffer_protocol.writer.SlotFiller``), so on 4 KiB pages every 4 KiB of a batch is a page
+fault.  What 2 MiB pages saved (docs/BENCHMARKS.md, "Huge pages" and "Huge pages at 16
+workers"): on this project's 2-core machine 2.5 % of the workers' CPU per image on one host
+and nothing measurable on another; at 16 workers on a 16-core GPU host 7 % of it and 5 % of the
+images a second.  /dev/shm is mounted without them on most systems, and only root can mount a
+tmpfs, so the daemon says once how to get them.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def pages_of(huge: bool | None) -> str:
 def huge_pages_hint(buffer: Path, mount: Mount) -> str:
     """What the daemon logs once for a buffer on a tmpfs without huge pages."""
     return (f"buffer {buffer} is on a tmpfs ({mount.point}) without huge pages; one mounted with "
-            "huge=within_size may save the workers some CPU per image (~2.5 % on one host, none on another: "
-            "measure with `prefetchd bench --buffer-root DIR`; as root: mount -t tmpfs -o size=SIZE,huge=within_size "
-            "tmpfs DIR, and a buffer under DIR; docs/BENCHMARKS.md, \"Huge pages\")")
+            "huge=within_size may save the workers some CPU per image (5 % more images/s at 16 workers on "
+            "a 16-core host; 0-2.5 % at 2 workers: measure with `prefetchd bench --buffer-root DIR`; as root: "
+            "mount -t tmpfs -o size=SIZE,huge=within_size tmpfs DIR, and a buffer under DIR; docs/BENCHMARKS.md, "
+            "\"Huge pages\")")
