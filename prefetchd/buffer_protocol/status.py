@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.progress import pid_namespace as this_pid_namespace
@@ -182,6 +182,10 @@ class RemoteNode:
 @dataclass(frozen=True)
 class RemoteStatus:
     """Batches built on a Ray cluster beside the local workers (``--ray``)."""
+
+    # How ``message`` begins once the cluster is given up for the job (its Ray workers cannot start), rather
+    # than lost and tried again: ``prefetchd status`` says so in a word of its own.
+    GIVEN_UP: ClassVar[str] = "given up for this job"
 
     address: str  # as given to --ray
     connected: bool

@@ -347,6 +347,9 @@ def _remote_lines(rm: RemoteStatus, samples: int) -> list[str]:
     if rm.connected:
         head = (f"  remote    ray {rm.address} connected: {counted(rm.cluster_nodes, 'node')}, "
                 f"{counted(rm.cluster_cpus, 'CPU')}{' (' + rm.message + ')' if rm.message else ''}; {built}")
+    elif rm.message.startswith(RemoteStatus.GIVEN_UP):
+        why = rm.message.removeprefix(f"{RemoteStatus.GIVEN_UP}, ")
+        head = f"  remote    ray {rm.address} GIVEN UP for this job ({why}); {built}"
     else:
         head = f"  remote    ray {rm.address} NOT CONNECTED ({rm.message.removeprefix('not connected: ')}); {built}"
     return ([head] + [f"  node      {n.node}: {n.images} img, {n.images_per_s:.0f} img/s, slice p50 "

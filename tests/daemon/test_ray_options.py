@@ -127,6 +127,11 @@ def test_status_shows_where_batches_are_built() -> None:
                                 "message": "not connected: no cluster; 1 local worker builds alone"})
     assert "NOT CONNECTED (no cluster; 1 local worker builds alone)" in format_status(  # said once
         dataclasses.replace(info, status=status(production=production(remote=never))))
+    given_up = dataclasses.replace(REMOTE, connected=False, message="given up for this job, 1 local worker builds "
+                                   "alone: the Ray cluster's workers die before their first image")
+    assert ("remote    ray ray://head:10001 GIVEN UP for this job (1 local worker builds alone: the Ray cluster's "
+            "workers die before their first image); 40 slices in flight") in format_status(
+        dataclasses.replace(info, status=status(production=production(remote=given_up)))), "not a word of its own"
 
 
 def test_metrics_say_where_batches_are_built(tmp_path: Path) -> None:

@@ -365,7 +365,7 @@ class RemotePool:
         self.given_up = reason
         _lost, queued = self._hand_back(requeue)
         # ``reason`` ends with what to mend, and that the daemon's next start (it resumes) uses the cluster again.
-        self.message = f"given up for this job, {self._fallback()}: {reason}"
+        self.message = f"{RemoteStatus.GIVEN_UP}, {self._fallback()}: {reason}"
         log.warning("the Ray cluster at %s is given up for this job, %s (%s it held queued again): %s", self.address,
                     self._fallback(), counted(len(queued), "slice"), reason)
 
