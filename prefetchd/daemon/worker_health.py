@@ -357,7 +357,7 @@ class WorkerHealth:
                 f"{RESTART_WINDOW_SECONDS:.0f} s, and the cluster built no slice since (the last: Ray: {how}, "
                 f"{where}). "
                 "Such a worker dies as it starts: importing prefetchd, torch or the --transform hook's module, or "
-                f"loading the job (out of memory?), before any file is read. Look at {ray_start_checks(self.pool.job.augment.transform, mount=False)}; "
+                f"loading the job (out of memory?), before any file is read. Look at {self._ray_checks(mount=False)}; "
                 "fix that and start the daemon again (it resumes)")
 
     def ray_start_hung(self, task: Task, seconds: float, built: int) -> str | None:
@@ -385,15 +385,19 @@ class WorkerHealth:
         log.warning("a slice on the Ray cluster (%s) did not begin in %.0f s (--worker-start-timeout %g): cancelled "
                     "it, killing its Ray worker; %s. It waited in Ray's queue, or its Ray worker's start did not "
                     "return (%s): look at %s", self._slice_of(task), seconds, self.start_timeout, then, RAY_START,
-                    ray_start_checks(self.pool.job.augment.transform))
+                    self._ray_checks())
         if not final:
             return None
         return (f"{self._batch_of(task)} cannot be built on the Ray cluster: its slice {task.task_id} did not begin "
                 f"{counted(hangs, 'time')} in a row, each cancelled (its Ray worker killed) {self.start_timeout:g} s "
                 "after it was submitted (--worker-start-timeout), and the cluster built no slice since. A Ray worker "
                 f"begins a slice once it has started ({RAY_START}); something there never returns. Look at "
-                f"{ray_start_checks(self.pool.job.augment.transform)}; fix that and start the daemon again (it resumes), or raise "
+                f"{self._ray_checks()}; fix that and start the daemon again (it resumes), or raise "
                 "--worker-start-timeout if a Ray worker's start, with its wait in Ray's queue, can take that long")
+
+    def _ray_checks(self, mount: bool = True) -> str:
+        """``ray_start_checks`` for this job's --transform hook."""
+        return ray_start_checks(self.pool.job.augment.transform, mount)
 
     def _ray_end(self) -> str:
         """What Ray workers that cannot start end in (``ray_start_died``, ``ray_start_hung``): the job stops where
