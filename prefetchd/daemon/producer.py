@@ -131,6 +131,7 @@ class Producer:
         # status shows the last one (and counts the others) is enough.
         self.failure_lines = Throttle(FAILURE_LOG_SECONDS)
         self.fatal: str | None = None
+        self.local_given_up = ""  # why this job's local workers were stopped for good (``_local_workers_end``)
         self._positioned = False  # take_positions() ran
         self.fatal_error: type[DaemonError] = DaemonError
         self._job = WorkerJob.from_config(index, members, cfg)
@@ -319,7 +320,27 @@ class Producer:
             return
         too_many = self.health.replace(worker)
         if too_many is not None:
-            self.fatal = too_many
+            self._local_workers_end(too_many)
+
+    def _local_workers_end(self, why: str) -> None:
+        """Too many local workers died lately (``WorkerHealth.replace``: ``why``).  Beside a Ray cluster (--ray) not
+        given up, the cluster builds alone for the rest of the job: the local workers left are stopped and their
+        tasks queued again for it, as a --workers 0 job's are; the mirror of ``RemotePool.give_up``.  The workers
+        die for this box's own reasons (the OOM killer, a hook's native module broken here only) where the nodes'
+        build on.  Else nothing else builds, and the job stops."""
+        remote = self.remote
+        if remote is None or remote.given_up:
+            self.fatal = why
+            return
+        for worker in list(self.pool.workers):
+            self.pool.kill(worker, self._complete)
+            self.builds.requeue(list(worker.tasks.values()))
+        self.pool.size = self.workers_wanted = self.local_building = 0
+        remote.local_workers_given_up()
+        self.local_given_up = why
+        log.warning("the local workers are given up for this job, the Ray cluster at %s builds alone (%s): %s",
+                    remote.address, "connected" if remote.connected else "not connected yet: production waits for it",
+                    why)
 
     def _remote_fault(self, task: Task, fault: Hung | Died) -> None:
         """A slice the cluster handed back because it hung there (its Ray workers killed), or because it killed the
@@ -562,16 +583,22 @@ class Producer:
             return f"retrying: {self.failures.last}"
         if self.health.stall_note is not None:
             return self.health.stall_note
-        if self.remote is not None and not self.workers_wanted and self.remote.message:
+        if self.remote is None:
+            return ""
+        alone = (f"the local workers are given up for this job ({self.local_given_up})" if self.local_given_up
+                 else "remote only (--workers 0)")
+        if not self.workers_wanted and self.remote.message:
             if not self.remote.connected:
-                return f"remote only (--workers 0) and the Ray cluster is {self.remote.message}"
+                return f"{alone} and the Ray cluster is {self.remote.message}"
             # Connected, every node with CPUs unfit: a trainer's wait quotes the start of this, so the first node's
             # reason (what to mend) comes first.
             unfit = self.remote.unfit
             more = f" (and {counted(len(unfit) - 1, 'other node')})" if len(unfit) > 1 else ""
-            return (f"remote only (--workers 0) and no node of the Ray cluster gets slices: node {unfit[0]}{more}; "
+            return (f"{alone} and no node of the Ray cluster gets slices: node {unfit[0]}{more}; "
                     "production waits for the cluster (unfit nodes are probed again every "
                     f"{REPROBE_SECONDS:.0f} s)")
+        if self.local_given_up:
+            return f"{alone}: the Ray cluster builds alone"
         return ""
 
     def _write_status(self) -> None:

@@ -1,7 +1,8 @@
 """Worker health: what the controller makes of a local worker that dies or hangs.
 
 A worker that dies (its exit seen by ``pool.WorkerPool.wait``) is replaced, and its tasks go to
-others; more than ``MAX_WORKER_RESTARTS`` ends within ``RESTART_WINDOW_SECONDS`` stop the job.  Where
+others; more than ``MAX_WORKER_RESTARTS`` ends within ``RESTART_WINDOW_SECONDS`` stop the job (beside a Ray
+cluster, the local workers: the producer's ``_local_workers_end``).  Where
 it died is in the ``whereabouts.Whereabouts`` it left: a file that kills whatever decodes it (a decoder's
 segfault, the OOM killer on one huge image) kills the worker that retries the task too, on the same
 file; at ``CRASHES_TO_BLAME`` such deaths the file is taken for an undecodable one (``crashed``: the

@@ -3,11 +3,12 @@ is (``worker_health``): after --task-timeout without progress its Ray worker is 
 (3 hangs stop the job, naming the file), and a quarter of the way there the status says the stall, so that a
 trainer waits on; a file that kills its Ray worker twice is replaced as undecodable; Ray workers that all die
 before their first image stop the job, saying so (beside a local worker, the cluster is given up and the job
-goes on); a slice whose Ray worker's start blocks is bounded by
+goes on; and local workers that die so beside a cluster are given up, the cluster building alone); a slice whose Ray worker's start blocks is bounded by
 --worker-start-timeout, as a local worker's start is.
 
 Each test runs a remote-only daemon (``--workers 0 --ray local``: a private cluster of its own; one test a
-daemon with a local worker beside it, whose cluster is given up when its workers cannot start) in a
+daemon with a local worker beside it, whose cluster is given up when its workers cannot start, and one whose
+local worker is given up) in a
 loopback-only network namespace (``ray_namespace``), beside a trainer outside it that reads the buffer,
 and compares every batch with a local daemon's.  Before, such a slice stayed in flight for good (a hang)
 or went round between the bridge and the controller for good (a crash): the trainer timed out.
@@ -34,6 +35,7 @@ from prefetchd.trainer import BufferLoader
 from prefetchd.trainer.errors import DaemonGone, LoaderTimeout
 from tests.conftest import Daemon, started_daemons
 from tests.integration.hung_hook import HANG_ONCE
+from tests.integration.killing_import_hook import KILL_LOCAL
 from tests.integration.ray_namespace import in_namespace, namespace_problem
 
 # A private cluster starts in ~8 s here, and each Ray worker imports torch for the hook (seconds on 2 busy cores).
@@ -248,6 +250,41 @@ def test_ray_workers_that_die_before_their_first_image_beside_a_local_worker_giv
     given_up = [line for line in daemon.log.splitlines() if "is given up for this job, " in line]
     assert len(given_up) == 1 and "1 local worker builds alone" in given_up[0], daemon.log
     assert "connecting to the Ray cluster" not in daemon.log.split(given_up[0])[1], "connected again"
+
+
+def test_local_workers_that_die_again_and_again_beside_a_cluster_are_given_up_and_the_cluster_builds_alone(
+        magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mirror of the test above: local workers that die as they start, more than the restart limit's 10 within
+    60 s (a hook's module broken on the daemon's box only; the OOM killer there), stopped the job though a Ray
+    cluster beside them could build every batch.  Now the local workers are given up for the job: the cluster builds
+    alone, every batch arriving once and as a local daemon's, and the status says why."""
+    data, _magenta = magenta_data
+    hook = ["--data", data, "--transform", "tests.integration.killing_import_hook:identity"]
+    expected = reference(start_daemon, shm_dir / "ref", *hook)  # unset, the module harms no local worker
+    monkeypatch.setenv(KILL_LOCAL, "1")  # now it kills every local worker, and no Ray worker
+    buffer = shm_dir / "bf"
+    daemon = start_ray_daemon(buffer, *JOB, *hook, "--workers", "1")
+    # Before the trainer reads: the job's last batch is still to build (--high-water 3 of its 4), so it goes on after.
+    daemon.wait_until(lambda: "the local workers are given up for this job" in _status_message(buffer),
+                      LOADER_TIMEOUT, "gave up no local workers")
+    message = _status_message(buffer)
+    assert f"({MAX_WORKER_RESTARTS + 1} workers died within 60 s" in message, message
+    assert message.endswith(": the Ray cluster builds alone") or " and the Ray cluster is " in message, message
+    assert read_all(buffer) == expected, daemon.log  # each (epoch, step) once, the same samples and pixels
+    assert daemon.wait_exit(30) == 0, daemon.log
+    given_up = [line for line in daemon.log.splitlines() if "the local workers are given up for this job" in line]
+    assert len(given_up) == 1, daemon.log
+    final = read_status(buffer)
+    assert final.production is not None and final.production.errors.worker_restarts == MAX_WORKER_RESTARTS + 1
+    samples = sum(len(indices) for _epoch, _step, indices, _replaced, _digest in expected)
+    assert final.production.remote is not None and final.production.remote.images == samples, daemon.log  # them all
+    assert final.production.workers == 0, final.production
+
+
+def _status_message(buffer: Path) -> str:
+    status = read_status(buffer)  # None: not written yet
+    return status.message if status is not None else ""
 
 
 def _remote_message(buffer: Path) -> str:

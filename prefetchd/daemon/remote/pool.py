@@ -82,6 +82,7 @@ class RemotePool:
         self.address = address
         self.builds = builds
         self.local_workers = local_workers
+        self.locals_given_up = False  # the job's local workers stopped for good (``local_workers_given_up``)
         self._ctx = worker_context()
         self.process: Any = None
         self.conn: Connection | None = None
@@ -197,7 +198,8 @@ class RemotePool:
     def _fallback(self) -> str:
         """Who builds while the cluster does not."""
         if not self.local_workers:
-            return "no local workers (--workers 0): production waits for the cluster"
+            why = "given up for this job" if self.locals_given_up else "--workers 0"
+            return f"no local workers ({why}): production waits for the cluster"
         return f"{counted(self.local_workers, 'local worker')} build{'s' if self.local_workers == 1 else ''} alone"
 
     def _receive(self, on_result: Callable[[Task, Filled | WriteFailed], None], requeue: Requeue,
@@ -353,6 +355,12 @@ class RemotePool:
         self.in_flight.clear()
         self.paths.clear()
         return lost, requeue(lost) if lost else []
+
+    def local_workers_given_up(self) -> None:
+        """The job's local workers are stopped for good (too many died: the producer's ``_local_workers_end``):
+        the cluster builds alone, and while it does not, nothing does (its next message says so)."""
+        self.local_workers = 0
+        self.locals_given_up = True
 
     def give_up(self, reason: str, requeue: Requeue) -> None:
         """Build no more on the cluster for this job, whose local workers build alone from now on: its Ray
