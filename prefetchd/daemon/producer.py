@@ -318,6 +318,8 @@ class Producer:
         if crashed is not None and (verdict := self.bad.replaced(*crashed)) is not None:
             self.fatal, self.fatal_error = verdict, BadDataError
             return
+        if self.local_given_up:  # one that died in the same wait as the one after which the local workers went
+            return
         too_many = self.health.replace(worker)
         if too_many is not None:
             self._local_workers_end(too_many)

@@ -779,3 +779,48 @@ def test_ray_workers_that_all_die_at_start_give_the_cluster_up_beside_local_work
     pool.dispatch(todo)
     assert pool.process is None and list(todo) == tasks and pool.poll_interval(1.0) == 1.0
     assert pool.builds_wanted(8, 16) == 0
+
+
+@pytest.mark.parametrize("cluster", ["connected", "given up", "none"])
+def test_local_workers_past_the_restart_limit_beside_a_cluster_are_given_up_once_and_never_replaced(
+        cluster: str, caplog: Any) -> None:
+    """More than 10 local workers dead within 60 s stopped the job though a Ray cluster beside them could build every
+    batch.  Now, beside a cluster not given up, the local workers left are killed, every task they and the dead held
+    is queued again (for the cluster), none starts again, and the log says it once, for the deaths of one wait too;
+    without a cluster, or with it given up already, the job stops as before."""
+    from prefetchd.daemon.producer import Producer
+
+    too_many = "11 workers died within 60 s (the last: signal SIGKILL)"
+    live, dead = SimpleNamespace(tasks={1: "t1"}), [SimpleNamespace(tasks={2: "t2"}), SimpleNamespace(tasks={3: "t3"})]
+    killed: list[Any] = []
+    requeued: list[str] = []
+    told: list[int] = []
+
+    def kill(worker: Any, on_result: Any) -> None:
+        killed.append(worker)
+        pool.workers.remove(worker)
+
+    pool = SimpleNamespace(workers=[live], size=1, kill=kill)
+    producer = object.__new__(Producer)
+    producer.pool, producer.fatal, producer.local_given_up = pool, None, ""  # type: ignore[assignment]
+    producer.workers_wanted, producer.local_building = 1, 3
+    producer.wake = SimpleNamespace(stop_signal=None)  # type: ignore[assignment]
+    producer.builds = SimpleNamespace(requeue=requeued.extend, tell_queued=lambda items: None)  # type: ignore[assignment]
+    producer.health = SimpleNamespace(died=lambda worker: None, crashed_items=[],  # type: ignore[assignment]
+                                      replace=lambda worker: too_many)
+    producer.remote = (None if cluster == "none" else SimpleNamespace(  # type: ignore[assignment]
+        given_up="its workers cannot start" if cluster == "given up" else "", connected=True, address="head:6379",
+        local_workers_given_up=lambda: told.append(1)))
+    with caplog.at_level(logging.WARNING):
+        for worker in dead:  # two deaths seen in one wait
+            producer._replace_worker(worker)  # type: ignore[arg-type]
+
+    if cluster != "connected":
+        assert producer.fatal == too_many and not killed and not told, "nothing else builds: the job stops"
+        return
+    assert producer.fatal is None and producer.local_given_up == too_many
+    assert killed == [live] and requeued == ["t2", "t1", "t3"], "every task of the local workers queued again"
+    assert pool.size == producer.workers_wanted == producer.local_building == 0 and told == [1]
+    said = [r.getMessage() for r in caplog.records if "the local workers are given up" in r.getMessage()]
+    assert said == [f"the local workers are given up for this job, the Ray cluster at head:6379 builds alone "
+                    f"(connected): {too_many}"], said
