@@ -327,8 +327,8 @@ class Producer:
     def _local_workers_end(self, why: str) -> None:
         """Too many local workers died lately (``WorkerHealth.replace``: ``why``).  Beside a Ray cluster (--ray) not
         given up, the cluster builds alone for the rest of the job: the local workers left are stopped and their
-        tasks queued again for it, as a --workers 0 job's are; the mirror of ``RemotePool.give_up``.  The workers
-        die for this box's own reasons (the OOM killer, a hook's native module broken here only) where the nodes'
+        tasks queued again for it, as a --workers 0 job's are; the mirror of ``RemotePool.give_up``: local workers
+        die for this box's own reasons (the OOM killer, a hook's native module broken here only) while the nodes
         build on.  Else nothing else builds, and the job stops."""
         remote = self.remote
         if remote is None or remote.given_up:
