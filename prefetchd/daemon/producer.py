@@ -118,8 +118,6 @@ class Producer:
                                  int(cfg.min_free_mb or 0) << 20)
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
         chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))
-        self.local_building = (max(2, -(-self.workers_wanted * TASKS_PER_WORKER * chunk // cfg.batch_size) + 1)
-                               if self.workers_wanted else 0)
         self.stats = Stats()
         self.retry_at = 0.0
         self.state = State.STARTING
@@ -148,8 +146,10 @@ class Producer:
     @property
     def max_building(self) -> int:
         """Batches built at once: enough to keep the local workers' and the cluster's queues full."""
-        remote = self.remote.builds_wanted(self.builds.chunk, self.cfg.batch_size) if self.remote is not None else 0
-        return max(1, self.local_building + remote)
+        chunk, size = self.builds.chunk, self.cfg.batch_size
+        local = max(2, -(-self.workers_wanted * TASKS_PER_WORKER * chunk // size) + 1) if self.workers_wanted else 0
+        remote = self.remote.builds_wanted(chunk, size) if self.remote is not None else 0
+        return max(1, local + remote)
 
     @property
     def workers(self) -> list[Worker]:
@@ -337,7 +337,7 @@ class Producer:
         for worker in list(self.pool.workers):
             self.pool.kill(worker, self._complete)
             self.builds.requeue(list(worker.tasks.values()))
-        self.pool.size = self.workers_wanted = self.local_building = 0
+        self.pool.size = self.workers_wanted = 0
         remote.local_workers_given_up()
         self.local_given_up = why
         log.warning("the local workers are given up for this job, the Ray cluster at %s builds alone (%s): %s",

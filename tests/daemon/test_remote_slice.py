@@ -803,7 +803,7 @@ def test_local_workers_past_the_restart_limit_beside_a_cluster_are_given_up_once
     pool = SimpleNamespace(workers=[live], size=1, kill=kill)
     producer = object.__new__(Producer)
     producer.pool, producer.fatal, producer.local_given_up = pool, None, ""  # type: ignore[assignment]
-    producer.workers_wanted, producer.local_building = 1, 3
+    producer.workers_wanted = 1
     producer.wake = SimpleNamespace(stop_signal=None)  # type: ignore[assignment]
     producer.builds = SimpleNamespace(requeue=requeued.extend, tell_queued=lambda items: None)  # type: ignore[assignment]
     producer.health = SimpleNamespace(died=lambda worker: None, crashed_items=[],  # type: ignore[assignment]
@@ -820,7 +820,7 @@ def test_local_workers_past_the_restart_limit_beside_a_cluster_are_given_up_once
         return
     assert producer.fatal is None and producer.local_given_up == too_many
     assert killed == [live] and requeued == ["t2", "t1", "t3"], "every task of the local workers queued again"
-    assert pool.size == producer.workers_wanted == producer.local_building == 0 and told == [1]
+    assert pool.size == producer.workers_wanted == 0 and told == [1]
     said = [r.getMessage() for r in caplog.records if "the local workers are given up" in r.getMessage()]
     assert said == [f"the local workers are given up for this job, the Ray cluster at head:6379 builds alone "
                     f"(connected): {too_many}"], said
