@@ -129,7 +129,6 @@ class Producer:
         # status shows the last one (and counts the others) is enough.
         self.failure_lines = Throttle(FAILURE_LOG_SECONDS)
         self.fatal: str | None = None
-        self.local_given_up = ""  # why this job's local workers were stopped for good (``_local_workers_end``)
         self._positioned = False  # take_positions() ran
         self.fatal_error: type[DaemonError] = DaemonError
         self._job = WorkerJob.from_config(index, members, cfg)
@@ -150,6 +149,12 @@ class Producer:
         local = max(2, -(-self.workers_wanted * TASKS_PER_WORKER * chunk // size) + 1) if self.workers_wanted else 0
         remote = self.remote.builds_wanted(chunk, size) if self.remote is not None else 0
         return max(1, local + remote)
+
+    @property
+    def local_given_up(self) -> str:
+        """Why this job's local workers were stopped for good (``_local_workers_end``), or "".  The pool of the
+        cluster that builds alone since keeps it: it words its own messages with it."""
+        return self.remote.locals_given_up if self.remote is not None else ""
 
     @property
     def workers(self) -> list[Worker]:
@@ -338,8 +343,7 @@ class Producer:
             self.pool.kill(worker, self._complete)
             self.builds.requeue(list(worker.tasks.values()))
         self.pool.size = self.workers_wanted = 0
-        remote.local_workers_given_up()
-        self.local_given_up = why
+        remote.local_workers_given_up(why)
         log.warning("the local workers are given up for this job, the Ray cluster at %s builds alone (%s): %s",
                     remote.address, "connected" if remote.connected else "not connected yet: production waits for it",
                     why)

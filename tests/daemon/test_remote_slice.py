@@ -295,7 +295,7 @@ def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() ->
     # The same for the tasks a dead local worker held: they were built again, for nothing.
     old = build(6, True, {7})
     builds.by_task[7] = old
-    producer.wake, producer.fatal, producer.local_given_up = SimpleNamespace(stop_signal=None), None, ""
+    producer.wake, producer.fatal, producer.remote = SimpleNamespace(stop_signal=None), None, None
     pool: Any = SimpleNamespace(add_worker=lambda start_hangs: None, job=None)
     producer.health = WorkerHealth(pool, Stats(), 600.0, builds.by_task, str, 1, 600.0)
     task = Task(7, "c.tmp", OFFSET, SLOT, 0, ((0, 7),))
@@ -802,15 +802,19 @@ def test_local_workers_past_the_restart_limit_beside_a_cluster_are_given_up_once
 
     pool = SimpleNamespace(workers=[live], size=1, kill=kill)
     producer = object.__new__(Producer)
-    producer.pool, producer.fatal, producer.local_given_up = pool, None, ""  # type: ignore[assignment]
+    producer.pool, producer.fatal = pool, None  # type: ignore[assignment]
     producer.workers_wanted = 1
     producer.wake = SimpleNamespace(stop_signal=None)  # type: ignore[assignment]
     producer.builds = SimpleNamespace(requeue=requeued.extend, tell_queued=lambda items: None)  # type: ignore[assignment]
     producer.health = SimpleNamespace(died=lambda worker: None, crashed_items=[],  # type: ignore[assignment]
                                       replace=lambda worker: too_many)
+    def given_up(why: str) -> None:  # RemotePool.local_workers_given_up, counted
+        told.append(1)
+        producer.remote.locals_given_up = why  # type: ignore[union-attr]
+
     producer.remote = (None if cluster == "none" else SimpleNamespace(  # type: ignore[assignment]
         given_up="its workers cannot start" if cluster == "given up" else "", connected=True, address="head:6379",
-        local_workers_given_up=lambda: told.append(1)))
+        locals_given_up="", local_workers_given_up=given_up))
     with caplog.at_level(logging.WARNING):
         for worker in dead:  # two deaths seen in one wait
             producer._replace_worker(worker)  # type: ignore[arg-type]

@@ -82,7 +82,7 @@ class RemotePool:
         self.address = address
         self.builds = builds
         self.local_workers = local_workers
-        self.locals_given_up = False  # the job's local workers stopped for good (``local_workers_given_up``)
+        self.locals_given_up = ""  # why the job's local workers were stopped for good (``local_workers_given_up``)
         self._ctx = worker_context()
         self.process: Any = None
         self.conn: Connection | None = None
@@ -356,11 +356,12 @@ class RemotePool:
         self.paths.clear()
         return lost, requeue(lost) if lost else []
 
-    def local_workers_given_up(self) -> None:
-        """The job's local workers are stopped for good (too many died: the producer's ``_local_workers_end``):
-        the cluster builds alone, and while it does not, nothing does (its next message says so)."""
+    def local_workers_given_up(self, why: str) -> None:
+        """The job's local workers are stopped for good (too many died, ``why``: the producer's
+        ``_local_workers_end``): the cluster builds alone, and while it does not, nothing does (its next message
+        says so)."""
         self.local_workers = 0
-        self.locals_given_up = True
+        self.locals_given_up = why
 
     def give_up(self, reason: str, requeue: Requeue) -> None:
         """Build no more on the cluster for this job, whose local workers build alone from now on: its Ray
