@@ -361,9 +361,13 @@ def make_imagenet_like(
         for done, job in enumerate(jobs, 1):
             record(done, _imagenet_like_one(job))
     else:
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # Not the fork that Python before 3.14 defaults to on Linux: a caller may run threads (gpu_check runs
+        # `pytest -m gpu` beside this), and a child forked while one of them holds a lock (logging's, say)
+        # waits for it for good; Python 3.12 warns of it.  The fork server's children import this module.
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
             for done, result in enumerate(pool.map(_imagenet_like_one, jobs, chunksize=8), 1):
                 record(done, result)
 

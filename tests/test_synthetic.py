@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prefetchd.synthetic import SHAPES, DatasetSummary, make_shapes_dataset
+from prefetchd.synthetic import SHAPES, DatasetSummary, make_imagenet_like, make_shapes_dataset
 
 SIZE_RANGE = (72, 128)
 
@@ -150,3 +152,27 @@ def test_refuses_bad_arguments(tmp_path: Path, kwargs: dict[str, object]) -> Non
     with pytest.raises(ValueError):
         make_shapes_dataset(tmp_path, **kwargs)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_imagenet_like_workers_are_not_forks_of_a_caller_that_may_run_threads(tmp_path: Path) -> None:
+    """gpu_check generates its dataset while a thread of its runs `pytest -m gpu`: a pool child forked while
+    another thread holds a lock (logging's, say) would wait for it for good, and Python 3.12 warns of such forks.
+    The pool's workers come from multiprocessing's fork server instead: no child of the caller runs its code."""
+    import psutil
+
+    children: list[list[str]] = []
+
+    def progress(done: int, total: int) -> None:  # called in the caller while the pool's workers are alive
+        children.extend(child.cmdline() for child in psutil.Process().children())
+
+    busy = threading.Event()
+    thread = threading.Thread(target=busy.wait)
+    thread.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # 3.12+: a fork of a threaded process
+            make_imagenet_like(tmp_path / "a", classes=1, per_class=4, seed=0, workers=2, progress=progress)
+    finally:
+        busy.set()
+        thread.join()
+    assert children and all("multiprocessing" in " ".join(argv) for argv in children), children
