@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import threading
@@ -161,9 +162,13 @@ def test_imagenet_like_workers_are_not_forks_of_a_caller_that_may_run_threads(tm
     import psutil
 
     children: list[list[str]] = []
+    earlier = {child.pid for child in psutil.Process().children()}  # of other tests in this process
 
     def progress(done: int, total: int) -> None:  # called in the caller while the pool's workers are alive
-        children.extend(child.cmdline() for child in psutil.Process().children())
+        for child in psutil.Process().children():
+            if child.pid not in earlier:
+                with contextlib.suppress(psutil.NoSuchProcess):  # a zombie's, an exited one's
+                    children.append(child.cmdline())
 
     busy = threading.Event()
     thread = threading.Thread(target=busy.wait)

@@ -152,8 +152,8 @@ class Producer:
 
     @property
     def local_given_up(self) -> str:
-        """Why this job's local workers were stopped for good (``_local_workers_end``), or "".  The pool of the
-        cluster that builds alone since keeps it: it words its own messages with it."""
+        """Why this job's local workers were stopped for good (``_local_workers_end``), or "": kept by the pool
+        of the cluster that builds alone since (``RemotePool.locals_given_up``), which words its messages with it."""
         return self.remote.locals_given_up if self.remote is not None else ""
 
     @property

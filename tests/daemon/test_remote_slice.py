@@ -808,6 +808,7 @@ def test_local_workers_past_the_restart_limit_beside_a_cluster_are_given_up_once
     producer.builds = SimpleNamespace(requeue=requeued.extend, tell_queued=lambda items: None)  # type: ignore[assignment]
     producer.health = SimpleNamespace(died=lambda worker: None, crashed_items=[],  # type: ignore[assignment]
                                       replace=lambda worker: too_many)
+
     def given_up(why: str) -> None:  # RemotePool.local_workers_given_up, counted
         told.append(1)
         producer.remote.locals_given_up = why  # type: ignore[union-attr]
