@@ -162,9 +162,12 @@ def test_imagenet_like_workers_are_not_forks_of_a_caller_that_may_run_threads(tm
     import psutil
 
     children: list[list[str]] = []
-    earlier = {child.pid for child in psutil.Process().children()}  # of other tests in this process
+    # Of earlier tests in this process: its fork server too, if one started it (multiprocessing keeps one).
+    earlier = {child.pid for child in psutil.Process().children()}
+    done_counts: list[int] = []
 
     def progress(done: int, total: int) -> None:  # called in the caller while the pool's workers are alive
+        done_counts.append(done)
         for child in psutil.Process().children():
             if child.pid not in earlier:
                 with contextlib.suppress(psutil.NoSuchProcess):  # a zombie's, an exited one's
@@ -180,4 +183,7 @@ def test_imagenet_like_workers_are_not_forks_of_a_caller_that_may_run_threads(tm
     finally:
         busy.set()
         thread.join()
-    assert children and all("multiprocessing" in " ".join(argv) for argv in children), children
+    assert done_counts == [1, 2, 3, 4], done_counts
+    # Forked, the pool's workers are the caller's children, running pytest's command line; from the fork server,
+    # they are its children, and the caller's own new ones (if any) are the fork server and resource tracker.
+    assert all("multiprocessing" in " ".join(argv) for argv in children), children
