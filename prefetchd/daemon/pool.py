@@ -288,6 +288,12 @@ MIN_CHUNK = 16  # ... where the cap leaves room for enough batches at once (task
 MAX_REMOTE_CHUNK = 64  # ... and when every task goes to a Ray cluster
 
 
+def batches_to_fill(slots: int, chunk: int, batch_size: int) -> int:
+    """Batches to keep being built so that ``slots`` workers (local workers, or a Ray cluster's CPUs) each hold
+    ``TASKS_PER_WORKER`` tasks of ``chunk`` images, with one batch more to begin while those complete."""
+    return -(-slots * TASKS_PER_WORKER * chunk // batch_size) + 1
+
+
 def task_images(batch_size: int, workers: int, cap: int) -> int:
     """Images per task for ``workers`` local workers (0: every task goes to a Ray cluster), with
     ``cap`` batches allowed per stream.

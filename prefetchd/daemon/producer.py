@@ -57,7 +57,7 @@ from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
 from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.sampler import EpochOrders, batch_slice
-from prefetchd.daemon.pool import (TASKS_PER_WORKER, Worker, WorkerPool, start_worker_server, task_images,
+from prefetchd.daemon.pool import (Worker, WorkerPool, batches_to_fill, start_worker_server, task_images,
                                    with_heartbeat)
 from prefetchd.daemon.producer_status import production_status
 from prefetchd.daemon.production_stats import Stats
@@ -146,7 +146,7 @@ class Producer:
     def max_building(self) -> int:
         """Batches built at once: enough to keep the local workers' and the cluster's queues full."""
         chunk, size = self.builds.chunk, self.cfg.batch_size
-        local = max(2, -(-self.workers_wanted * TASKS_PER_WORKER * chunk // size) + 1) if self.workers_wanted else 0
+        local = max(2, batches_to_fill(self.workers_wanted, chunk, size)) if self.workers_wanted else 0
         remote = self.remote.builds_wanted(chunk, size) if self.remote is not None else 0
         return max(1, local + remote)
 

@@ -4,7 +4,6 @@ WorkerPool, feeding a bridge process from the controller's queue (see ``prefetch
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections import Counter, deque
@@ -17,7 +16,7 @@ import numpy as np
 
 from prefetchd.buffer_protocol import RemoteNode, RemoteStatus
 from prefetchd.daemon.config import require_ray
-from prefetchd.daemon.pool import TASKS_PER_WORKER, with_heartbeat, worker_context
+from prefetchd.daemon.pool import TASKS_PER_WORKER, batches_to_fill, with_heartbeat, worker_context
 from prefetchd.daemon.remote.bridge import bridge_main
 from prefetchd.daemon.remote.bridge_nodes import REPROBE_SECONDS
 from prefetchd.daemon.remote.messages import (REPORT_SECONDS, Cancel, Cancelled, Died, Done, Hung, Note, Report, Returned,
@@ -420,7 +419,7 @@ class RemotePool:
             return 0
         if self.builds is not None:
             return self.builds
-        return math.ceil(TASKS_PER_WORKER * max(1, self.cpus) * chunk / batch_size) + 1
+        return batches_to_fill(max(1, self.cpus), chunk, batch_size)
 
     def status(self) -> RemoteStatus:
         now = time.monotonic()
