@@ -121,6 +121,26 @@ class LocationParam(click.ParamType):  # type: ignore[type-arg]
         return path
 
 
+class BufferOptionCommand(click.Command):
+    """A command that takes its buffer as ``--buffer``.  Given as an argument instead (``prefetchd status
+    /dev/shm/bf``, as ``stop``'s help, "the daemon that owns BUFFER", invites), click said "Missing option
+    '--buffer'", or for ``start`` (whose buffer may come from its --config file) "Got unexpected extra argument";
+    this says how to write it."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not ctx.resilient_parsing:
+            try:  # a parse of its own, for the arguments left over (click's parser consumes the list it is given)
+                given, strays, _ = self.make_parser(ctx).parse_args(args=list(args))
+            except click.UsageError:
+                given, strays = {}, []  # click says what is wrong below
+            helping = self.get_help_option(ctx)
+            if strays and "buffer" not in given and (helping is None or helping.name not in given):
+                raise click.UsageError(
+                    f"Got unexpected extra argument{'s' if len(strays) > 1 else ''} ({' '.join(strays)}): the buffer "
+                    f"is an option, not an argument: {ctx.command_path} --buffer {strays[0]} ...", ctx)
+        return super().parse_args(ctx, args)
+
+
 def click_options(cls: type, only: Collection[str] | None = None, *, layered: bool = False,
                   defaults_from: str | None = None) -> Decorator:
     """Click options for the fields of dataclass ``cls`` (or the ``only`` ones), in declaration order.

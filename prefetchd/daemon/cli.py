@@ -32,7 +32,7 @@ from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACC
                                      DaemonError)
 from prefetchd.daemon.status_view import describe_status, format_status, status_json
 from prefetchd.locations import is_url, normalize
-from prefetchd.options import FiniteFloat, click_options
+from prefetchd.options import BufferOptionCommand, FiniteFloat, click_options
 from prefetchd.words import agreeing, binary_size, counted
 
 log = logging.getLogger("prefetchd")
@@ -93,7 +93,7 @@ CONFIG_FILE_OPTION = click.option(
 )
 
 
-@click.command()
+@click.command(cls=BufferOptionCommand)
 @config_options()
 @CONFIG_FILE_OPTION
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
@@ -119,7 +119,7 @@ def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **par
     sys.exit(code)
 
 
-@click.command("config")
+@click.command("config", cls=BufferOptionCommand)
 @config_options()
 @CONFIG_FILE_OPTION
 @click.option("--show", is_flag=True, help="Print the effective configuration as TOML.")
@@ -171,7 +171,7 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-@click.command()
+@click.command(cls=BufferOptionCommand)
 @config_options(only=JOB_FIELDS, defaults_from=SUBMIT_DEFAULTS)
 @click.option("--buffer", type=BUFFER, required=True, help="The daemon's buffer directory.")
 @CONFIG_FILE_OPTION
@@ -240,7 +240,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
     sys.exit(EXIT_FAILURE)
 
 
-@click.command()
+@click.command(cls=BufferOptionCommand)
 @click.option("--buffer", type=BUFFER, required=True)
 @click.option("--timeout", type=FiniteFloat(0), default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(buffer: Path, timeout: float) -> None:
@@ -334,7 +334,7 @@ def _exited(pid: int) -> bool:
         return True
 
 
-@click.command()
+@click.command(cls=BufferOptionCommand)
 @click.option("--buffer", type=BUFFER, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (with --watch: one document per line).")
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
@@ -370,7 +370,7 @@ def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, inte
         return
 
 
-@click.command()
+@click.command(cls=BufferOptionCommand)
 @click.option("--buffer", type=BUFFER, required=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False, writable=True), default=Path("batch.png"),
               show_default=True)

@@ -42,7 +42,7 @@ import click
 import torch
 
 from prefetchd.buffer_protocol import ProtocolError
-from prefetchd.options import click_options
+from prefetchd.options import BufferOptionCommand, click_options
 from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
 from prefetchd.trainer.collective import Collective, is_peer_failure, peer_failed
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
@@ -207,7 +207,7 @@ class TerminatedBeforeTraining(BaseException):
     BaseException, as KeyboardInterrupt is: no ``except Exception`` on the way swallows it)."""
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command(cls=BufferOptionCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click_options(TrainConfig)
 @click.option("--verbose", "-v", is_flag=True, help="Log the loader's waits (INFO).")
 def main(verbose: bool, **options: Any) -> None:

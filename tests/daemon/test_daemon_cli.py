@@ -229,6 +229,24 @@ def test_bad_flags_exit_2(runner: CliRunner, captured: list[DaemonConfig], tmp_p
     assert captured == []
 
 
+@pytest.mark.parametrize("command", ["start", "config", "submit", "stop", "status", "show"])
+def test_a_buffer_given_as_an_argument_is_told_how_to_give_it(runner: CliRunner, captured: list[DaemonConfig],
+                                                               tmp_path: Path, command: str) -> None:
+    """`prefetchd stop /dev/shm/bf` (stop's help speaks of "the daemon that owns BUFFER") said only "Missing
+    option '--buffer'", and `start` "Got unexpected extra argument": neither how to write it."""
+    result = runner.invoke(prefetchd_cli.main, [command, str(tmp_path / "bf"), "--timeout", "3"]
+                           if command in ("stop", "submit") else [command, str(tmp_path / "bf")], prog_name="prefetchd")
+    assert result.exit_code == 2, result.output
+    assert f"the buffer is an option, not an argument: prefetchd {command} --buffer {tmp_path / 'bf'} ..." in result.output
+    assert captured == []
+    # Help still helps, and an argument beside --buffer is only a stray argument.
+    shown = runner.invoke(prefetchd_cli.main, [command, str(tmp_path / "bf"), "--help"], prog_name="prefetchd")
+    assert shown.exit_code == 0 and f"Usage: prefetchd {command}" in shown.output, shown.output
+    stray = runner.invoke(prefetchd_cli.main, [command, "--buffer", str(tmp_path), "extra"])
+    assert stray.exit_code == 2 and "Got unexpected extra argument (extra)" in stray.output, stray.output
+    assert "not an argument" not in stray.output
+
+
 # -- status ------------------------------------------------------------------------------
 
 

@@ -73,6 +73,13 @@ def test_missing_daemon_is_one_clear_line(buffer: Path) -> None:
     assert "Traceback" not in result.output
 
 
+def test_a_buffer_given_as_an_argument_is_told_how_to_give_it(buffer: Path) -> None:
+    """`prefetchd-train /dev/shm/bf` said "Got unexpected extra argument" and not how to write it."""
+    result = CliRunner().invoke(main, [str(buffer), "--epochs", "1"], prog_name="prefetchd-train")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert f"the buffer is an option, not an argument: prefetchd-train --buffer {buffer} ..." in result.output
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays the service, whose buffers they are, and a user not in their group")
 def test_a_buffer_this_user_may_not_read_says_whose_it_is_and_exits_4(make_job: MakeJob, buffer: Path) -> None:
     """A --group-access buffer of a group the user is not in: click's bare "Directory ... is not readable" (exit 2),
