@@ -10,13 +10,15 @@ import dataclasses
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from prefetchd.buffer_protocol import check_consumer
 from prefetchd.options import setting
-from prefetchd.trainer.gpu import PIN_MODES
 from prefetchd.trainer.wait_bounds import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
 
+# How batches reach a CUDA device (``trainer.gpu``); here, which imports no torch, for the --pin option.
+PinMode = Literal["auto", "staging", "register", "none"]
+PIN_MODES: tuple[PinMode, ...] = ("auto", "staging", "register", "none")
 OPTIMIZERS = ("sgd", "adamw")
 # (peak learning rate, weight decay) when not given: the usual ResNet recipes for each.
 OPTIMIZER_DEFAULTS = {"sgd": (0.05, 5e-4), "adamw": (1e-3, 0.05)}

@@ -55,12 +55,11 @@ import numpy as np
 import torch
 
 from prefetchd.buffer_protocol import MappedBatch
+from prefetchd.trainer.config import PIN_MODES, PinMode
 from prefetchd.trainer.errors import LoaderError
 
 logger = logging.getLogger(__name__)
 
-PinMode = Literal["auto", "staging", "register", "none"]
-PIN_MODES: tuple[PinMode, ...] = ("auto", "staging", "register", "none")
 
 # cudaHostRegisterReadOnly (CUDA >= 11.1): the device only reads the pages, so
 # they are pinned without asking for write access (see the module docstring).

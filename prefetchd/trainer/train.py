@@ -1,6 +1,7 @@
 """The reference trainer behind ``prefetchd-train``: a torchvision model fed from a buffer.
 
-This module is the entry point and its wiring; the rooms behind it are those
+This module is the run and its wiring (its command line, parsed before torch is imported, is
+``command``); the rooms behind it are those
 ``prefetchd.trainer``'s docstring lists, each saying its own job.
 
 Per epoch it prints loss, top-1, top-5, images/s and the *data-wait share*,
@@ -42,9 +43,9 @@ import click
 import torch
 
 from prefetchd.buffer_protocol import ProtocolError
-from prefetchd.options import BufferOptionCommand, click_options
 from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
 from prefetchd.trainer.collective import Collective, is_peer_failure, peer_failed
+from prefetchd.trainer.command import main  # `python -m prefetchd.trainer.train`, as torchrun runs it
 from prefetchd.trainer.config import OPTIMIZERS, TrainConfig
 from prefetchd.trainer.model import check_model_name
 from prefetchd.trainer.engine import Run
@@ -207,15 +208,9 @@ class TerminatedBeforeTraining(BaseException):
     BaseException, as KeyboardInterrupt is: no ``except Exception`` on the way swallows it)."""
 
 
-@click.command(cls=BufferOptionCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click_options(TrainConfig)
-@click.option("--verbose", "-v", is_flag=True, help="Log the loader's waits (INFO).")
-def main(verbose: bool, **options: Any) -> None:
-    """Train a torchvision model on the batches a prefetchd daemon writes into --buffer.
-
-    Under torchrun (`torchrun --nproc-per-node N -m prefetchd.trainer.train ...`) each rank reads its own
-    stream of the buffers, which the daemons produce with --world-size.
-    """
+def run(verbose: bool, options: dict[str, Any]) -> None:
+    """``prefetchd-train`` (``command.main``) once its options parsed: train, and leave with the exit code
+    that says how it ended."""
     # A crash in native code (a signal such as SIGSEGV or SIGABRT) prints where each Python thread was;
     # to the process's own stderr, which a caller's replacement (click's test runner) may not have.
     if not faulthandler.is_enabled() and sys.__stderr__ is not None:

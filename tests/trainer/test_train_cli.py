@@ -5,6 +5,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,6 +73,18 @@ def test_missing_daemon_is_one_clear_line(buffer: Path) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("prefetchd-train: ") and "prefetchd start --buffer" in lines[0]
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--bogus"], ["/dev/shm/bf"]])
+def test_help_and_usage_errors_answer_before_torch_is_imported(args: list[str]) -> None:
+    """`prefetchd-train --help` took ~4 s: torch and torchvision were imported before click parsed a flag."""
+    code = ("import sys\nfrom prefetchd.trainer.command import main\n"
+            f"try:\n    main({args!r}, prog_name='prefetchd-train')\nexcept SystemExit as exc:\n    print('exit', exc.code)\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    said = done.stdout + done.stderr
+    assert "Usage: prefetchd-train" in said and "torch imported: False" in said, said
+    assert ("exit 0" if args == ["--help"] else f"exit {EXIT_USAGE}") in said, said
 
 
 def test_a_buffer_given_as_an_argument_is_told_how_to_give_it(buffer: Path) -> None:
