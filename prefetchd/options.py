@@ -128,17 +128,16 @@ class BufferOptionCommand(click.Command):
     this says how to write it."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if not ctx.resilient_parsing:
-            try:  # a parse of its own, for the arguments left over (click's parser consumes the list it is given)
-                given, strays, _ = self.make_parser(ctx).parse_args(args=list(args))
-            except click.UsageError:
-                given, strays = {}, []  # click says what is wrong below
-            helping = self.get_help_option(ctx)
-            if strays and "buffer" not in given and (helping is None or helping.name not in given):
+        try:
+            return super().parse_args(ctx, list(args))  # (click's parser consumes the list it is given)
+        except click.UsageError:
+            # Parsed again, only where click refused the line, for the arguments left over.
+            given, strays, _ = self.make_parser(ctx).parse_args(args=list(args))
+            if strays and "buffer" not in given:
                 raise click.UsageError(
                     f"Got unexpected extra argument{'s' if len(strays) > 1 else ''} ({' '.join(strays)}): the buffer "
-                    f"is an option, not an argument: {ctx.command_path} --buffer {strays[0]} ...", ctx)
-        return super().parse_args(ctx, args)
+                    f"is an option, not an argument: {ctx.command_path} --buffer {strays[0]} ...", ctx) from None
+            raise
 
 
 def click_options(cls: type, only: Collection[str] | None = None, *, layered: bool = False,
