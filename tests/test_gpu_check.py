@@ -170,8 +170,8 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
     assert by_feed["DALI mixed (2 threads)"]["note"].startswith("skipped:")
 
 
-def test_a_time_limit_stops_before_a_feed_whose_last_round_would_not_fit(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path) -> None:
+def test_a_time_limit_stops_before_a_round_that_would_not_fit_so_every_feed_has_as_many_rounds(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpu_check_training
     import torch
@@ -188,24 +188,24 @@ def test_a_time_limit_stops_before_a_feed_whose_last_round_would_not_fit(monkeyp
 
     monkeypatch.setattr(gpu_check_training, "train_with", train)
     sizes = dataclasses.replace(DRY, rounds=3)
-    # Round 1 ends at 80 s. Round 2: the ceiling (10 s) and the DataLoader (40 s) fit in 135 s,
-    # ending at 130; the daemon's 30 s would not.
-    limit = TimeLimit(135.0, 0.0, clock=lambda: now[0])
+    # Each round takes 80 s. With 210 s, round 2 fits (ending at 160); round 3 would end at 240. In the
+    # 50 s left, its ceiling and DataLoader (10 + 40 s) would fit, the daemon's 30 s then not: the round
+    # is left out whole, not cut after two of its feeds.
+    limit = TimeLimit(210.0, 0.0, clock=lambda: now[0])
     rows, stopped = gpu_check_training.training_rows(tmp_path, sizes, 2, torch.device("cpu"), [2], tmp_path,
                                                      done=lambda rows: None, deadline=limit)
-    assert order == ["synthetic", "prefetchd (2 workers)", "DataLoader (2 workers)", "synthetic",
-                     "DataLoader (2 workers)"]
-    assert stopped == ("stopped before round 2's prefetchd (2 workers), whose last round took 30 s, with 5 s of "
-                       "--time-limit 135 left: 5 of 9 feed rounds ran")
-    by_feed = {row["feed"]: row for row in rows}
-    assert by_feed["synthetic"]["rounds_images_per_s"] == [100.0, 100.0]
-    assert by_feed["prefetchd (2 workers)"]["rounds_images_per_s"] == [100.0]
+    assert order == ["synthetic", "prefetchd (2 workers)", "DataLoader (2 workers)",
+                     "synthetic", "DataLoader (2 workers)", "prefetchd (2 workers)"]
+    assert stopped == ("stopped before round 3, whose 3 feeds took 80 s in the last, with 50 s of "
+                       "--time-limit 210 left: 2 of 3 rounds ran")
+    by_feed = {row["feed"]: row for row in rows if "note" not in row}
+    assert all(row["rounds_images_per_s"] == [100.0, 100.0] for row in by_feed.values()), by_feed
     # The first round always runs whole, however little time is left.
     now[0], order[:] = 0.0, []
     little = TimeLimit(1.0, 0.0, clock=lambda: now[0])
     rows, stopped = gpu_check_training.training_rows(tmp_path, sizes, 2, torch.device("cpu"), [2], tmp_path,
                                                      done=lambda rows: None, deadline=little)
-    assert len(order) == 3 and stopped is not None and stopped.startswith("stopped before round 2's synthetic")
+    assert len(order) == 3 and stopped is not None and stopped.startswith("stopped before round 2, ")
 
 
 def test_worker_counts_are_read_from_a_comma_list(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -343,9 +343,9 @@ def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the
     assert doc["tests"] is None and doc["scaling"] is None and doc["sizes"]["rounds"] == 2
     # A second of --time-limit leaves only the first round, which always runs whole.
     assert all(len(row["rounds_images_per_s"]) == 1 for row in doc["training"] if "note" not in row)
-    assert doc["training_stopped"].startswith("stopped before round 2's synthetic")
+    assert doc["training_stopped"].startswith("stopped before round 2, ")
     markdown = (tmp_path / "GPU.md").read_text()
-    assert "**Cut short by `--time-limit`**: stopped before round 2's" in markdown
+    assert "**Cut short by `--time-limit`**: stopped before round 2, " in markdown
     assert "## The producer on more cores" not in markdown
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpu_check

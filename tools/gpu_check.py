@@ -114,9 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the folder step 5's daemons put their buffers in, e.g. a tmpfs mounted with "
                         "huge=within_size [default: /dev/shm, as the training's]")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
-                        help="seconds for the whole run: after the first training round, a feed whose last round "
-                        "would end past it is not started, so a lease's call ends with complete rows and says so "
-                        "[default: none]")
+                        help="seconds for the whole run: after the first training round, a round whose feeds would "
+                        "end past it (by their last round's times) is not started, so a lease's call ends with "
+                        "every feed at as many rounds and says so [default: none]")
     parser.add_argument("--workers", type=worker_counts, help="the daemon's worker counts to train with, e.g. "
                         "15,12 (DataLoader and DALI get the first) [default: all cores but one]")
     args = parser.parse_args(argv)

@@ -143,9 +143,10 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
     """Each feed trained ``sizes.rounds`` times.  The synthetic ceiling opens every round and
     the others rotate, so each runs first once; a feed's row is its median round, with every
     round's images/s.  The daemon trains with each count in ``workers``, DataLoader and DALI
-    with the first.  After the first round, a feed whose last round would end past
-    ``deadline`` is not started, nor anything after it; the second value then says where
-    the training stopped."""
+    with the first.  After the first round, a round whose feeds' last rounds would together end
+    past ``deadline`` is not started: every feed keeps as many rounds as the others (cut by the
+    feed, the eleventh lease's daemon had one round against the DataLoader's two, and a median of
+    one against the lower of two).  The second value then says where the training stopped."""
     feeds: list[tuple[str, Feed | str]] = [
         ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
         *((f"prefetchd ({k} workers)", lambda k=k: prefetchd_feed(data, sizes, k, device, root)) for k in workers),
@@ -161,15 +162,14 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
     took: dict[str, float] = {}  # each feed's last round, in seconds, start and stop included
     clock = deadline.clock if deadline is not None else time.monotonic
     for r in range(sizes.rounds):
+        if deadline is not None and took and (left := deadline.left()) < (needs := sum(took.values())):
+            stopped = (f"stopped before round {r + 1}, whose {len(runnable)} feeds took {needs:.0f} s in the last, "
+                       f"with {max(left, 0):.0f} s of --time-limit {deadline.seconds:.0f} left: "
+                       f"{r} of {sizes.rounds} rounds ran")
+            log.info("%s", stopped)
+            return median_rows(feeds, rounds), stopped
         k = r % len(rotating)
         for name, feed in [ceiling, *rotating[k:], *rotating[:k]]:
-            if deadline is not None and name in took and (left := deadline.left()) < took[name]:
-                ran = sum(map(len, rounds.values()))
-                stopped = (f"stopped before round {r + 1}'s {name}, whose last round took {took[name]:.0f} s, with "
-                           f"{max(left, 0):.0f} s of --time-limit {deadline.seconds:.0f} left: "
-                           f"{ran} of {sizes.rounds * len(runnable)} feed rounds ran")
-                log.info("%s", stopped)
-                return median_rows(feeds, rounds), stopped
             began = clock()
             log.info("round %d/%d: training %s on %s, fed by %s: %d + %d steps", r + 1, sizes.rounds, sizes.model,
                      device, name, sizes.warmup_steps, sizes.steps)
