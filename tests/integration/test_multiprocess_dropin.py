@@ -199,40 +199,40 @@ def saved_positions(checkpoint: Path) -> list[tuple[int, int, int, int]]:
     return [(r["identity"]["rank"], r["identity"]["world_size"], r["epoch"], r["step"]) for r in state["ranks"]]
 
 
-@pytest.mark.parametrize("stop", ["epoch_end", "mid_epoch"])
 def test_lightning_ddp_gives_each_rank_its_stream_and_resumes_every_rank_exactly(
-    stop: str, shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon: Any
+    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon: Any
 ) -> None:
+    """An uninterrupted two-epoch run, and the same job stopped at an epoch's end and mid-epoch (each on a daemon
+    of its own, same seed) then resumed from its last.ckpt: every rank gets the uninterrupted run's batches.  One
+    test, so that both stops compare with one uninterrupted run (a DDP run is ~10 s of CPU)."""
     pytest.importorskip("lightning")
     train = shapes_data / "train"
     samples = sum(1 for p in train.rglob("*") if p.is_file())
     script = tmp_path / "lightning_ddp.py"
     script.write_text(LIGHTNING_DDP)
-    # Two daemons of the same job (same seed): one for the uninterrupted run, one for the stopped and resumed one.
-    full_buffer, split_buffer = shm_dir / "full", shm_dir / "split"
-    for buffer in (full_buffer, split_buffer):
-        start_daemon(buffer, "--data", train, *JOB)
-    full, first, resumed = (tmp_path / name for name in ("full", "first", "resumed"))
+    # (max_epochs, max_steps) of the stopped run, and where it stopped: max_epochs=1, then 2 from its last.ckpt;
+    # 7 steps, that is 2 into the second epoch, checkpointed there.
+    stops = {"epoch_end": (1, -1, (1, 0)), "mid_epoch": (2, 7, (1, 2))}
+    for name in ("full", *stops):
+        start_daemon(shm_dir / name, "--data", train, *JOB)
 
-    run_lightning(script, full_buffer, full, max_epochs=2)
-    if stop == "epoch_end":  # max_epochs=1, then max_epochs=2 from its last.ckpt
-        run_lightning(script, split_buffer, first, max_epochs=1)
-        at = (1, 0)
-    else:  # 7 steps, that is 2 into the second epoch, checkpointed there
-        run_lightning(script, split_buffer, first, max_epochs=2, max_steps=7)
-        at = (1, 2)
-    checkpoint = first / "last.ckpt"
-    assert saved_positions(checkpoint) == [(0, WORLD, *at), (1, WORLD, *at)], "both ranks' positions, each its own"
-    run_lightning(script, split_buffer, resumed, max_epochs=2, ckpt_path=checkpoint)
-
+    full = tmp_path / "full"
+    run_lightning(script, shm_dir / "full", full, max_epochs=2)
     uninterrupted = [batches(doc) for doc in rank_docs(full)]
     assert [doc["world_size"] for doc in rank_docs(full)] == [WORLD, WORLD], "a real two-process group"
     for received in uninterrupted:
         assert [(e, s) for e, s, _, _ in received] == [(e, s) for e in range(2) for s in range(STEPS_PER_EPOCH)]
     assert_disjoint_shares(uninterrupted, range(2), samples)
-    for rank, (before, after) in enumerate(zip(rank_docs(first), rank_docs(resumed))):
-        assert batches(before) + batches(after) == uninterrupted[rank], (
-            f"rank {rank}: the stopped and resumed run got other batches than the uninterrupted one")
+
+    for name, (max_epochs, max_steps, at) in stops.items():
+        first, resumed = tmp_path / f"{name}-first", tmp_path / f"{name}-resumed"
+        run_lightning(script, shm_dir / name, first, max_epochs, max_steps)
+        checkpoint = first / "last.ckpt"
+        assert saved_positions(checkpoint) == [(0, WORLD, *at), (1, WORLD, *at)], f"{name}: both ranks' positions"
+        run_lightning(script, shm_dir / name, resumed, max_epochs=2, ckpt_path=checkpoint)
+        for rank, (before, after) in enumerate(zip(rank_docs(first), rank_docs(resumed))):
+            assert batches(before) + batches(after) == uninterrupted[rank], (
+                f"{name}, rank {rank}: the stopped and resumed run got other batches than the uninterrupted one")
 
 
 def test_accelerate_ranks_read_their_own_streams_unmoved(
