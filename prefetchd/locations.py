@@ -97,6 +97,11 @@ def is_url(location: str) -> bool:
     return bool(sep) and scheme.isidentifier() and len(scheme) > 1
 
 
+def inside(path: str, root: str) -> bool:
+    """``path`` is ``root`` or below it, by whole path components (``/data2`` is not in ``/data``)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
 def normalize(location: str | os.PathLike[str], base: Path | None = None) -> str:
     """A URL verbatim (less a trailing slash); a local path with ``~`` expanded, made absolute against ``base`` or the cwd."""
     text = os.fspath(location)

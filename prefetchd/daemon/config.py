@@ -29,7 +29,7 @@ from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY, default_cache_dir
 from prefetchd.daemon.sources.storage import URL_READERS
-from prefetchd.locations import is_url, normalize
+from prefetchd.locations import inside, is_url, normalize
 from prefetchd.options import check_value as check_field
 from prefetchd.options import setting as _opt
 from prefetchd.words import binary_size, counted
@@ -117,9 +117,21 @@ class DaemonConfig:
             raise ConfigError("no buffer directory: pass --buffer DIR (for example /dev/shm/bf) or set `buffer` in the config")
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
             raise ConfigError(f"low_water = {self.low_water} must be below high_water = {self.high_water}")
+        self._check_buffer_outside_data()
         self._check_augmentation()
         self._check_ray()
         self.local_ranks  # validates `ranks` against `world_size`
+
+    def _check_buffer_outside_data(self) -> None:
+        """A buffer in a local dataset folder was read as one of its classes, one without images, and a refused
+        start leaves the buffer there (its status.json says why), so every later start on that dataset failed
+        too, whatever its buffer: refused before the buffer is made.  Symlinks are resolved on both sides."""
+        if self.data is None or is_url(self.data):
+            return
+        data, buffer = os.path.realpath(self.data), os.path.realpath(self.buffer)
+        if inside(buffer, data):
+            raise ConfigError(f"buffer {self.buffer} is inside the dataset {self.data}, whose folders the daemon "
+                              "reads as classes: put the buffer outside it, for example under /dev/shm")
 
     def _check_augmentation(self) -> None:
         if self.split != "train":

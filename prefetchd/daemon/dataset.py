@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefetchd.buffer_protocol.layout import STATUS_NAME
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.words import agreeing, counted
 
@@ -337,6 +338,9 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
                     apple_double.append(os.path.join(folder.path, name))
             count += len(folder.files)
         if count == 0:
+            if (root / cls / STATUS_NAME).is_file():  # made by a daemon before buffers inside --data were refused
+                raise DatasetError(f"{root / cls} is a prefetchd buffer (it holds {STATUS_NAME}), not a class "
+                                   f"folder: remove it (rm -r {root / cls}) and keep buffers outside the dataset")
             raise DatasetError(
                 f"class folder {root / cls} has no images (looked for {', '.join(IMG_EXTENSIONS)}); "
                 "add images or remove the folder"

@@ -30,14 +30,9 @@ from prefetchd.access import user_name
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import ConfigError
-from prefetchd.locations import is_url
+from prefetchd.locations import inside, is_url
 
 TICK_FILES = 4096  # resolving a large index takes seconds: keep the heartbeat going every this many files
-
-
-def inside(path: str, root: str) -> bool:
-    """``path`` is ``root`` or below it, by whole path components (``/data2`` is not in ``/data``)."""
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def dot_segments(location: str) -> bool:

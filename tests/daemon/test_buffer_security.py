@@ -167,8 +167,8 @@ def test_the_cli_refuses_a_world_writable_buffer(shm_buffer: Path) -> None:
     buffer = shm_buffer / "bf"
     buffer.mkdir()
     os.chmod(buffer, 0o777)
-    run = subprocess.run([sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data", str(shm_buffer)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data",
+                          str(shm_buffer / "data")], capture_output=True, text=True, timeout=120)
     assert run.returncode == EXIT_USAGE, run.stderr
     assert "writable by every user" in run.stderr and f"chmod 700 {buffer}" in run.stderr
     assert not (buffer / "daemon.lock").exists()  # refused before touching it
@@ -182,15 +182,17 @@ def test_start_on_a_buffer_another_user_made_and_keeps_to_itself_names_its_owner
     buffer = shm_buffer / "bf"
     buffer.mkdir(mode=0o700)
     os.chown(buffer, 65533, 65533)
+    data = shm_buffer / "data"
+    data.mkdir(mode=0o755)
 
     def start() -> str:
         said: list[str] = []
         handler = logging.Handler()
         handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
         logging.getLogger("prefetchd").addHandler(handler)
-        result = CliRunner().invoke(prefetchd_cli.main, ["start", "--buffer", str(buffer), "--data", str(shm_buffer)])
+        result = CliRunner().invoke(prefetchd_cli.main, ["start", "--buffer", str(buffer), "--data", str(data)])
         # `config` sized the job with the batches the buffer holds, which this user may not list.
-        checked = CliRunner().invoke(prefetchd_cli.main, ["config", "--buffer", str(buffer), "--data", str(shm_buffer)])
+        checked = CliRunner().invoke(prefetchd_cli.main, ["config", "--buffer", str(buffer), "--data", str(data)])
         return json.dumps({"code": result.exit_code, "output": result.output, "log": said,
                            "config": [checked.exit_code, checked.output, repr(checked.exception)]})
 

@@ -461,7 +461,7 @@ def test_a_status_of_the_most_ranks_and_consumers_stays_within_what_readers_take
     n, ranks, per_rank = 1000, MAX_LOCAL_RANKS, 20
     blob, offsets = pack_paths([f"a/{i}.jpg".encode() for i in range(n)])
     index = SampleIndex(str(tmp_path), ("a",), blob, offsets, np.zeros(n, np.int64), "f")
-    cfg = DaemonConfig(buffer=tmp_path, data=str(tmp_path), split="train", seed=5, batch_size=8, image_size=32,
+    cfg = DaemonConfig(buffer=tmp_path, data=str(tmp_path / "data"), split="train", seed=5, batch_size=8, image_size=32,
                        workers=1, high_water=HIGH, low_water=LOW, world_size=ranks)
     streams = []
     for rank in range(ranks):

@@ -895,7 +895,8 @@ def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_
     args = ["config", "--buffer", str(tmp_path / "bf"), "--data"]
     missing = runner.invoke(prefetchd_cli.main, [*args, str(tmp_path / "nope")])
     assert missing.exit_code == 0 and f"but data {tmp_path / 'nope'} does not exist (yet)" in missing.output
-    there = runner.invoke(prefetchd_cli.main, [*args, str(tmp_path)])
+    (tmp_path / "data").mkdir()
+    there = runner.invoke(prefetchd_cli.main, [*args, str(tmp_path / "data")])
     assert there.exit_code == 0 and there.output.strip() == "configuration is valid"
 
 
@@ -909,11 +910,13 @@ def test_config_check_says_when_this_user_may_not_use_the_buffer(shm_buffer: Pat
     os.chmod(theirs, 0o2770)
     os.chown(theirs, 0, 65533)  # as the service's: its user, its group, which nobody is not in
     readable.mkdir(mode=0o755)  # nobody may read it, not write it
+    data = shm_buffer / "data"
+    data.mkdir(mode=0o755)
     toml = shm_buffer / "bf.toml"
-    toml.write_text(f'buffer = "{theirs}"\ndata = "{shm_buffer}"\n')
+    toml.write_text(f'buffer = "{theirs}"\ndata = "{data}"\n')
     os.chmod(toml, 0o644)
-    runs = {"flag": ["--buffer", str(theirs), "--data", str(shm_buffer)], "file": ["--config", str(toml)],
-            "show": ["--config", str(toml), "--show"], "ro": ["--buffer", str(readable), "--data", str(shm_buffer)],
+    runs = {"flag": ["--buffer", str(theirs), "--data", str(data)], "file": ["--config", str(toml)],
+            "show": ["--config", str(toml), "--show"], "ro": ["--buffer", str(readable), "--data", str(data)],
             "missing": ["--buffer", str(theirs), "--data", str(shm_buffer / "nope")]}
     warm = CliRunner().invoke(prefetchd_cli.main, ["config", *runs["show"]])  # imported before the fork (as_nobody)
     assert warm.exit_code == 0 and warm.stdout.startswith("# effective prefetchd configuration"), warm.output
@@ -967,8 +970,9 @@ def test_config_show_says_the_index_cache_default_is_the_callers_not_the_service
 def test_config_check_refuses_a_high_water_mark_start_refuses(runner: CliRunner, shm_buffer: Path) -> None:
     """`prefetchd config` said "valid" for a config whose `start` then failed with exit 2, which the systemd unit
     does not restart (review)."""
-    args = ["config", "--buffer", str(shm_buffer / "not" / "yet"), "--data", str(shm_buffer), "--batch-size", "4096",
-            "--image-size", "512", "--high-water", "100"]
+    (shm_buffer / "data").mkdir()
+    args = ["config", "--buffer", str(shm_buffer / "not" / "yet"), "--data", str(shm_buffer / "data"), "--batch-size",
+            "4096", "--image-size", "512", "--high-water", "100"]
     refused = runner.invoke(prefetchd_cli.main, args)
     assert refused.exit_code == 2 and "high_water 100 x 3.0 GiB batches" in refused.output, refused.output
     assert "lower --high-water" in refused.output and not (shm_buffer / "not").exists()

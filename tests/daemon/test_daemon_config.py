@@ -71,6 +71,22 @@ def test_missing_buffer() -> None:
         DaemonConfig(data=Path("/data"))
 
 
+def test_a_buffer_inside_a_local_dataset_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "cats").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(data)
+    for buffer in (data / "bf", data / "cats" / "bf", data, tmp_path / "link" / "bf"):
+        with pytest.raises(ConfigError) as refused:
+            DaemonConfig(buffer=buffer, data=str(data))
+        assert f"buffer {buffer} is inside the dataset {data}, whose folders the daemon reads as classes" \
+            in str(refused.value)
+    with pytest.raises(ConfigError, match="is inside the dataset"):  # a job submitted to a daemon: the same rule
+        dataclasses.replace(DaemonConfig(buffer=data / "bf"), data=str(data))
+    # Beside it (a longer name is no folder of it), and a dataset in object storage: kept.
+    assert DaemonConfig(buffer=tmp_path / "data2", data=str(data)).buffer == tmp_path / "data2"
+    assert DaemonConfig(buffer=data / "bf", data="s3://bucket/data").data == "s3://bucket/data"
+
+
 def test_batch_bytes_hold_the_images(tmp_path: Path) -> None:
     cfg = DaemonConfig(buffer=tmp_path, batch_size=16, image_size=32)
     assert cfg.batch_bytes >= 16 * 32 * 32 * 3 + 2 * 16 * 8

@@ -16,8 +16,9 @@ from prefetchd.daemon.config import DaemonConfig, load_toml
 from prefetchd.daemon.dataset import SampleIndex
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.job_inbox import JobInbox
-from prefetchd.daemon.job_policy import JobPolicy, check_files_inside, inside
+from prefetchd.daemon.job_policy import JobPolicy, check_files_inside
 from prefetchd.daemon.sources.filelist import read_file_list
+from prefetchd.locations import inside
 from prefetchd.synthetic import make_shapes_dataset
 
 OTHER = os.geteuid() + 4242  # a uid that is not the daemon's
@@ -26,16 +27,17 @@ OTHER = os.geteuid() + 4242  # a uid that is not the daemon's
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
     for name in ("allowed/train/a", "allowed/train/b", "secret/train/a", "allowed2"):
-        (tmp_path / name).mkdir(parents=True)
-    return tmp_path
+        (tmp_path / "tree" / name).mkdir(parents=True)
+    return tmp_path / "tree"
 
 
 def policy(tree: Path, **own: object) -> JobPolicy:
-    return JobPolicy.of(DaemonConfig(buffer=tree / "bf", **own))  # type: ignore[arg-type]
+    """The daemon's rules; its buffer, like a job's, is outside every dataset of ``tree``, as a buffer must be."""
+    return JobPolicy.of(DaemonConfig(buffer=tree.parent / "bf", **own))  # type: ignore[arg-type]
 
 
 def job(tree: Path, **settings: object) -> DaemonConfig:
-    return DaemonConfig(buffer=tree / "bf", **settings)  # type: ignore[arg-type]
+    return DaemonConfig(buffer=tree.parent / "bf", **settings)  # type: ignore[arg-type]
 
 
 def test_the_daemons_own_user_is_not_limited(tree: Path) -> None:

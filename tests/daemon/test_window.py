@@ -496,7 +496,7 @@ def test_the_streams_of_a_daemon_share_each_epochs_order_and_keep_their_share_al
     blob, offsets = pack_paths([f"a/{i}.jpg".encode() for i in range(2 * n)])
     index = SampleIndex(str(tmp_path), ("a",), blob, offsets, np.zeros(2 * n, np.int64), "f")
     per = samples_per_rank(n, world)
-    cfg = DaemonConfig(buffer=tmp_path, data=str(tmp_path), split="train", seed=seed, batch_size=8, image_size=32,
+    cfg = DaemonConfig(buffer=tmp_path, data=str(tmp_path / "data"), split="train", seed=seed, batch_size=8, image_size=32,
                        workers=1, high_water=HIGH, low_water=LOW, world_size=world, ranks="0-2")
     streams = []
     for rank in range(3):

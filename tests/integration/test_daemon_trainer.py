@@ -280,6 +280,7 @@ def test_kept_batches_with_replaced_samples_are_built_again_from_the_mended_data
         ("missing-root", "does not exist"),
         ("no-classes", "has no class folders"),
         ("empty-class", "has no images"),
+        ("left-buffer", "is a prefetchd buffer (it holds status.json), not a class folder: remove it"),
     ],
 )
 def test_bad_dataset_gets_a_clear_error(tmp_path: Path, shm_dir: Path, start_daemon, setup: str, expected: str) -> None:
@@ -289,11 +290,26 @@ def test_bad_dataset_gets_a_clear_error(tmp_path: Path, shm_dir: Path, start_dae
     if setup == "empty-class":
         (root / "cats").mkdir()
         (root / "cats" / "readme.txt").write_text("not an image")
+    if setup == "left-buffer":  # what a start with its buffer in the dataset made, before that was refused
+        (root / "bf").mkdir()
+        (root / "bf" / "status.json").write_text("{}")
     daemon = start_daemon(shm_dir / "bf", "--data", root, *SMALL)
     assert daemon.wait_exit(30) == 1
     assert expected in daemon.log and str(root) in daemon.log
     status = read_status(shm_dir / "bf")  # its last word is why, not "starting the job"
     assert status is not None and status.state == State.FAILED and expected in status.message
+
+
+def test_a_buffer_inside_its_dataset_is_refused_before_it_is_made(tmp_path: Path, start_daemon) -> None:
+    """It was made, then read as a class folder without images; the refused start's status.json kept it
+    there, so every later start on that dataset failed the same way, whatever its buffer."""
+    root = tmp_path / "data"
+    (root / "cats").mkdir(parents=True)
+    buffer = root / "bf"
+    daemon = start_daemon(buffer, "--data", root, *SMALL)
+    assert daemon.wait_exit(30) == 2
+    assert f"buffer {buffer} is inside the dataset {root}" in daemon.log, daemon.log
+    assert "put the buffer outside it" in daemon.log and not buffer.exists()
 
 
 def test_a_refused_start_leaves_the_buffer_as_it_found_it(tmp_path: Path, shm_dir: Path, start_daemon) -> None:
