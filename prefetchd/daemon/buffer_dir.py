@@ -42,6 +42,7 @@ def prepare_buffer(buffer: Path, group_access: bool = False) -> bool:
         pass
     except OSError as exc:
         raise ConfigError(f"cannot create buffer directory {buffer}: {exc.strerror}; pick a writable path such as /dev/shm/bf") from None
+    check_not_shared(buffer)
     check_private_dir(buffer, group_access)
     if not os.access(buffer, os.W_OK | os.X_OK):
         raise ConfigError(f"buffer directory {buffer} is not writable by this user; fix its permissions or pick another --buffer")
@@ -96,6 +97,22 @@ def chmod_dir(path: Path, mode: int) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def check_not_shared(buffer: Path) -> None:
+    """Refuse a folder every user shares (sticky and world-writable: /dev/shm, /tmp) as the buffer itself.
+
+    ``--buffer /dev/shm`` was refused as any world-writable buffer is, with "`chmod 700 /dev/shm`, or remove
+    it" (or, for a user who is not root, "remove it (or chown it)"): advice that breaks every other program's
+    shared memory.  The buffer is a folder of the daemon's own inside such a one."""
+    try:
+        st = os.lstat(buffer)
+    except OSError:
+        return  # not there (yet): nothing shared; check_private_dir says what else is wrong
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH:
+        raise ConfigError(f"buffer {buffer} is a folder every user shares (mode {stat.S_IMODE(st.st_mode):04o}, as "
+                          "/dev/shm and /tmp are), not one the daemon can keep to itself: give it a folder of its own "
+                          f"there, such as --buffer {buffer / 'bf'}")
 
 
 def check_private_dir(path: Path, group_access: bool) -> None:

@@ -25,7 +25,7 @@ from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, held_bytes, load_toml
 from prefetchd.access import no_access
-from prefetchd.daemon.buffer_dir import check_capacity
+from prefetchd.daemon.buffer_dir import check_capacity, check_not_shared
 from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
@@ -131,6 +131,7 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
         held = held_bytes(cfg)  # one listing of the buffer's batches for both
         filled, notes = fill_defaults(cfg, held)
         # What `start` refuses (exit 2, which the unit does not restart) or warns of.
+        check_not_shared(Path(filled.buffer))
         short = check_capacity(filled, held)
     except DaemonError as exc:
         raise click.UsageError(str(exc)) from None
@@ -198,6 +199,10 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         raise click.UsageError(where_it_came_from(str(exc), flags, config_file, from_file)) from None
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")
                 and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
+    try:
+        check_not_shared(buffer)  # a job.json in /dev/shm itself
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     denied = no_access(buffer, write=True)
     if denied is not None:
         click.echo(f"cannot submit a job to {buffer} (nothing written): {denied}", err=True)

@@ -75,18 +75,20 @@ def test_an_existing_private_buffer_is_kept_and_opened_up_only_when_asked(shm_bu
     assert _mode(buffer) & 0o777 == 0o770
 
 
-@pytest.mark.parametrize(("mode", "group_access", "words"), [
-    (0o777, False, "writable by every user"),
-    (0o1777, True, "writable by every user"),
-    (0o770, False, "--group-access"),
+@pytest.mark.parametrize(("mode", "group_access", "words", "fix"), [
+    (0o777, False, "writable by every user", "`chmod 700 {buffer}`"),
+    (0o770, False, "--group-access", "`chmod 700 {buffer}`"),
+    # Sticky, as /dev/shm and /tmp are: a folder to make the buffer in, never to chmod.
+    (0o1777, True, "is a folder every user shares", "such as --buffer {buffer}/bf"),
 ])
-def test_buffers_others_can_write_are_refused(shm_buffer: Path, mode: int, group_access: bool, words: str) -> None:
+def test_buffers_others_can_write_are_refused(shm_buffer: Path, mode: int, group_access: bool, words: str,
+                                              fix: str) -> None:
     buffer = shm_buffer / "bf"
     buffer.mkdir()
     os.chmod(buffer, mode)
     with pytest.raises(ConfigError, match=words) as info:
         prepare_buffer(buffer, group_access)
-    assert str(buffer) in str(info.value) and "chmod" in str(info.value)
+    assert str(buffer) in str(info.value) and fix.format(buffer=buffer) in str(info.value), info.value
     assert _mode(buffer) == mode  # refused, not silently changed
 
 
@@ -172,6 +174,30 @@ def test_the_cli_refuses_a_world_writable_buffer(shm_buffer: Path) -> None:
     assert run.returncode == EXIT_USAGE, run.stderr
     assert "writable by every user" in run.stderr and f"chmod 700 {buffer}" in run.stderr
     assert not (buffer / "daemon.lock").exists()  # refused before touching it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives the shared folder to another user, as /dev/shm is to one not root")
+def test_a_folder_every_user_shares_is_refused_as_the_buffer_with_a_folder_of_its_own_to_use(shm_buffer: Path) -> None:
+    """`--buffer /dev/shm` was refused with "`chmod 700 /dev/shm`, or remove it" (or, to a user who is not root,
+    "remove it (or chown it)"): advice that breaks every other program's shared memory.  `start`, `config` and
+    `submit` refuse it alike, before writing anything there."""
+    shared = shm_buffer / "shm"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    os.chown(shared, 65534, 65534)  # someone else's, as /dev/shm is root's to everyone else
+    before = os.stat(shared)
+    said = f"buffer {shared} is a folder every user shares (mode 1777, as /dev/shm and /tmp are), not one the " \
+           f"daemon can keep to itself: give it a folder of its own there, such as --buffer {shared / 'bf'}"
+    run = subprocess.run([sys.executable, "-m", "prefetchd", "start", "--buffer", str(shared), "--data",
+                          str(shm_buffer / "data")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == EXIT_USAGE and said in run.stderr, run.stderr
+    assert "chmod" not in run.stderr and "remove it" not in run.stderr
+    for command in ("config", "submit"):
+        result = CliRunner().invoke(prefetchd_cli.main, [command, "--buffer", str(shared), "--data",
+                                                         str(shm_buffer / "data")])
+        assert result.exit_code == EXIT_USAGE and said in " ".join(result.output.split()), result.output
+    after = os.stat(shared)
+    assert list(shared.iterdir()) == [] and (after.st_mode, after.st_uid) == (before.st_mode, before.st_uid)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays a trainer user, who makes the buffer, and the service's user")
