@@ -177,6 +177,17 @@ def _serve(cfg: DaemonConfig) -> int:
             inbox.forget_accepted()
             inbox.settle()
         running_id: str | None = None  # the submitted job being produced
+
+        def refuse_pending(reason: str) -> None:
+            """Answer the submitted job that was to start: refused.  It replaces nothing: the job it was to stop
+            (if any) starts again, as it was."""
+            nonlocal job, reset, replaced, reset_back, resuming
+            inbox.answer(inbox.pending_id, False, reason, inbox.pending_owner)
+            if resuming:
+                inbox.forget_accepted()
+            inbox.settle()
+            job, reset, replaced, reset_back, resuming = replaced, reset_back, None, False, False
+
         with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
                 submitted = job is None or inbox.pending_id is not None
@@ -199,12 +210,7 @@ def _serve(cfg: DaemonConfig) -> int:
                         # Its dataset is opened only now, after the running job stopped for it. A refused
                         # job replaces nothing: that one resumes from progress.json, its batches kept.
                         goes_on = f"; still producing {replaced.data}" if replaced is not None else ""
-                        inbox.answer(inbox.pending_id, False, f"{exc}{goes_on}", inbox.pending_owner)
-                        if resuming:
-                            inbox.forget_accepted()
-                        inbox.settle()
-                        job, reset, replaced, reset_back = replaced, reset_back, None, False
-                        resuming = False
+                        refuse_pending(f"{exc}{goes_on}")
                         continue
                     if serve_jobs:
                         # The job a refused one was to replace does not start again (its data went away meanwhile):
@@ -228,12 +234,7 @@ def _serve(cfg: DaemonConfig) -> int:
                     if producer.finished:
                         # Accepted, it would be "producing" nothing: its trainers' progress says every epoch is read.
                         producer.shutdown()  # its pool's selector and shared file, never started
-                        inbox.answer(inbox.pending_id, False, already_consumed(producer), inbox.pending_owner)
-                        if resuming:
-                            inbox.forget_accepted()
-                        inbox.settle()
-                        job, reset, replaced, reset_back = replaced, reset_back, None, False
-                        resuming = False
+                        refuse_pending(already_consumed(producer))
                         continue
                     # Who asked for it, and what it stopped: a --replace took the buffer from someone's trainer.
                     replacing = (", resumed after a restart" if resuming else
