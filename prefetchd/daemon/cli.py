@@ -23,7 +23,8 @@ import tomli_w
 from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, lock_holders, read_status
 from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
-from prefetchd.daemon.config import FIELDS, DaemonConfig, check_job_setting, fill_defaults, held_bytes, load_toml
+from prefetchd.daemon.config import (FIELDS, DaemonConfig, check_buffer_outside, check_job_setting, fill_defaults,
+                                     held_bytes, load_toml)
 from prefetchd.access import no_access
 from prefetchd.daemon.buffer_dir import check_capacity, check_not_shared
 from prefetchd.daemon.job_inbox import JOB_FIELDS
@@ -195,6 +196,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         settings.update(flags)
         for key, value in settings.items():  # now, not after the daemon has read the job
             check_job_setting(key, value)
+        check_buffer_outside(buffer, normalize(settings["data"]) if "data" in settings else None)
     except ConfigError as exc:
         raise click.UsageError(where_it_came_from(str(exc), flags, config_file, from_file)) from None
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")

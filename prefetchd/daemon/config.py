@@ -117,21 +117,10 @@ class DaemonConfig:
             raise ConfigError("no buffer directory: pass --buffer DIR (for example /dev/shm/bf) or set `buffer` in the config")
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
             raise ConfigError(f"low_water = {self.low_water} must be below high_water = {self.high_water}")
-        self._check_buffer_outside_data()
+        check_buffer_outside(self.buffer, self.data)
         self._check_augmentation()
         self._check_ray()
         self.local_ranks  # validates `ranks` against `world_size`
-
-    def _check_buffer_outside_data(self) -> None:
-        """A buffer in a local dataset folder was read as one of its classes, one without images, and a refused
-        start leaves the buffer there (its status.json says why), so every later start on that dataset failed
-        too, whatever its buffer: refused before the buffer is made.  Symlinks are resolved on both sides."""
-        if self.data is None or is_url(self.data):
-            return
-        data, buffer = os.path.realpath(self.data), os.path.realpath(self.buffer)
-        if inside(buffer, data):
-            raise ConfigError(f"buffer {self.buffer} is inside the dataset {self.data}, whose folders the daemon "
-                              "reads as classes: put the buffer outside it, for example under /dev/shm")
 
     def _check_augmentation(self) -> None:
         if self.split != "train":
@@ -222,6 +211,17 @@ class DaemonConfig:
     @property
     def batch_bytes(self) -> int:
         return BatchLayout.plan(self.batch_size, self.image_size, self.image_size).file_len
+
+
+def check_buffer_outside(buffer: Path, data: str | None) -> None:
+    """A buffer in a local dataset folder was read as one of its classes, one without images, and a refused
+    start leaves the buffer there (its status.json says why), so every later start on that dataset failed
+    too, whatever its buffer: refused before the buffer is made.  Symlinks are resolved on both sides."""
+    if data is None or is_url(data):
+        return
+    if inside(os.path.realpath(buffer), os.path.realpath(data)):
+        raise ConfigError(f"buffer {buffer} is inside the dataset {data}, whose folders the daemon reads as "
+                          "classes: put the buffer outside it, for example under /dev/shm")
 
 
 def require_ray() -> None:

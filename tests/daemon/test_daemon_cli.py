@@ -996,15 +996,25 @@ def test_submit_refuses_a_bad_setting_before_it_writes_the_job(
     job.write_text(toml)
     buffer = tmp_path / "bf"
     result = runner.invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--config", str(job),
-                                                "--data", str(tmp_path), *args])
+                                                "--data", str(tmp_path / "data"), *args])
     assert result.exit_code == EXIT_USAGE and needle in result.output, result.output
     assert not buffer.exists()  # no job.json, no buffer made for it
+
+
+def test_submit_refuses_a_dataset_that_holds_the_buffer_before_it_writes_the_job(runner: CliRunner,
+                                                                                  tmp_path: Path) -> None:
+    """The daemon refuses such a job (its config's rule); said at once, as for any bad setting."""
+    buffer = tmp_path / "bf"
+    result = runner.invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data", str(tmp_path)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == EXIT_USAGE and f"buffer {buffer} is inside the dataset {tmp_path}" in said, said
+    assert not buffer.exists()
 
 
 def test_a_submit_no_daemon_answers_exits_3_and_leaves_the_job_for_one(runner: CliRunner, tmp_path: Path) -> None:
     """A mistyped --buffer used to exit 0, as an accepted job does: a script could not tell them apart."""
     buffer = tmp_path / "mistyped"
-    result = runner.invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data", str(tmp_path),
+    result = runner.invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data", str(tmp_path / "data"),
                                                 "--timeout", "2"])
     assert result.exit_code == EXIT_NOT_RUNNING == 3, result.output
     assert f"no daemon owns {buffer} yet" in result.output and "check the path" in result.output, result.output
@@ -1023,7 +1033,7 @@ def test_submit_to_a_buffer_it_may_not_create_says_so_and_exits_4(shm_buffer: Pa
         said = []
         for buffer in targets:
             result = CliRunner().invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data",
-                                                             str(shm_buffer), "--timeout", "1"])
+                                                             str(shm_buffer / "data"), "--timeout", "1"])
             said.append({"code": result.exit_code, "output": result.output, "exception": repr(result.exception)})
         return json.dumps(said)
 
@@ -1040,8 +1050,8 @@ def test_submit_to_a_buffer_it_may_not_create_says_so_and_exits_4(shm_buffer: Pa
     # What no access check foresees (a file where a folder would be made; a read-only filesystem) is said alike.
     (shm_buffer / "afile").write_bytes(b"")
     buffer = shm_buffer / "afile" / "x" / "bf"
-    result = CliRunner().invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data", str(shm_buffer),
-                                                     "--timeout", "1"])
+    result = CliRunner().invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data",
+                                                     str(shm_buffer / "data"), "--timeout", "1"])
     assert result.exit_code == EXIT_NO_ACCESS, result.output
     assert (f"cannot submit a job to {buffer} (nothing written): cannot create it: {buffer}: Not a "
             "directory") in result.output, result.output
@@ -1063,7 +1073,7 @@ def test_a_user_outside_the_buffers_group_is_told_whose_it_is_and_how_to_join(sh
     os.chown(buffer, 0, 65533)  # as the service's: its user, its group, which nobody is not in
     name = _group_name(65533)
     commands = {"status": ["status"], "json": ["status", "--json"], "stop": ["stop", "--timeout", "1"],
-                "submit": ["submit", "--data", str(shm_buffer), "--timeout", "1"],
+                "submit": ["submit", "--data", str(shm_buffer / "data"), "--timeout", "1"],
                 "show": ["show", "--out", str(shm_buffer / "g.png")]}
 
     def as_outsider() -> str:
