@@ -52,6 +52,7 @@ from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.npz import load_arrays
 from prefetchd.daemon.sources.storage import (URL_READERS, ImageRefused, ShortRead, Storage, StorageDenied,
                                               StorageUnavailable, is_url, open_ranged, storage_for)
+from prefetchd.locations import inside
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
@@ -370,7 +371,7 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
         raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
     if source_dir is not None and Path(source_dir).is_dir():
         source, target = Path(source_dir).resolve(), out.resolve()
-        if target == source or source in target.parents:
+        if inside(str(target), str(source)):
             raise DatasetError(f"{out} is inside the dataset being packed ({source}); pack into a folder "
                                "outside it")
     if out.is_dir() and any(out.iterdir()) and not force:
