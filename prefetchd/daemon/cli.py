@@ -196,13 +196,13 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         settings.update(flags)
         for key, value in settings.items():  # now, not after the daemon has read the job
             check_job_setting(key, value)
-        check_buffer_outside(buffer, normalize(settings["data"]) if "data" in settings else None)
     except ConfigError as exc:
         raise click.UsageError(where_it_came_from(str(exc), flags, config_file, from_file)) from None
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")
                 and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
     try:
         check_not_shared(buffer)  # a job.json in /dev/shm itself
+        check_buffer_outside(buffer, settings.get("data"))  # normalized above, as the daemon will read it
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     denied = no_access(buffer, write=True)
