@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from prefetchd.buffer_protocol import Manifest
+from prefetchd.buffer_protocol.layout import MAX_EPOCH
 from prefetchd.trainer.errors import StateMismatch
 from prefetchd.trainer.job_command import job_command
 
@@ -64,6 +65,9 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
                 f"loader state does not fit the job in {buffer} ({'; '.join(diffs)}), so resuming "
                 f"would not see the same batches; {_serve_again(m, identity, differ, buffer)}"
             )
+    if epoch > MAX_EPOCH:  # else the loader fails at the batch's name, and the daemon ignores the progress file
+        raise StateMismatch(f"loader state is at epoch {epoch}, past {MAX_EPOCH}, the last epoch a buffer's batch names "
+                            "hold; epochs count from 0 (pass the epoch, not a step or sample count)")
     spe = m.steps_per_epoch
     if step >= max(spe, 1):
         raise StateMismatch(f"loader state has step {step}, but an epoch of {buffer} has {spe} steps")

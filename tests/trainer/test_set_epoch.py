@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prefetchd.buffer_protocol import Progress
+from prefetchd.buffer_protocol.layout import MAX_EPOCH
 from prefetchd.trainer import BufferLoader, StateMismatch
 
 if TYPE_CHECKING:  # conftest is pytest's to import; only its types are needed here
@@ -80,3 +81,19 @@ def test_set_epoch_refuses_what_is_no_epoch_of_the_job(make_job: MakeJob) -> Non
         assert loader.position == (0, 0)
         loader.set_epoch(2)  # the job's end: an empty epoch, as iterating past the end is
         assert list(loader) == []
+
+
+def test_an_epoch_past_what_batch_names_hold_is_refused_at_the_move(make_job: MakeJob) -> None:
+    # An unbounded job (no --epochs) has no end to refuse it at: without this check the loader took the
+    # epoch, then failed at the batch's name with a ValueError, and the daemon ignored the progress file.
+    job = make_job(write=1, epochs=None)
+    with BufferLoader(job.buffer, timeout=5) as loader:
+        loader.set_epoch(MAX_EPOCH)  # the last epoch a name holds is still an epoch
+        assert loader.position == (MAX_EPOCH, 0)
+        loader.set_epoch(0)
+        for move in (lambda: loader.set_epoch(MAX_EPOCH + 1),
+                     lambda: loader.load_state_dict({**loader.state_dict(), "epoch": 2**40})):
+            with pytest.raises(StateMismatch, match=rf"past {MAX_EPOCH}, the last epoch a buffer's batch names hold"):
+                move()
+            assert loader.position == (0, 0)
+        assert progress(job.buffer) in (None, (0, 0))
