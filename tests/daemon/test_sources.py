@@ -93,6 +93,7 @@ def test_a_header_row_is_skipped_whatever_its_words(tmp_path: Path, header: str)
     listing = tmp_path / ("list.tsv" if tab else "list.csv")
     listing.write_text(header + "\n" + "\n".join(f"{n}.jpg{chr(9) if tab else ','}{c}" for n, c in
                                                  [("a", "cat"), ("b", "dog"), ("c", "cat")]) + "\n")
+    (tmp_path / "a.jpg").touch()  # a list none of whose files are there is refused
     index = open_dataset(listing)
     assert index.classes == ("cat", "dog") and index.labels.tolist() == [0, 1, 0]
 
@@ -101,6 +102,9 @@ def test_a_header_row_is_skipped_whatever_its_words(tmp_path: Path, header: str)
 def test_a_first_row_naming_a_file_is_a_sample(tmp_path: Path, first: str) -> None:
     listing = tmp_path / "list.csv"
     listing.write_text(first + "\nb.jpg," + ("3" if first.endswith("7") else "dog") + "\n")
+    named = tmp_path / first.split(",")[0]  # there: a list none of whose files are is refused
+    named.parent.mkdir(exist_ok=True)
+    named.touch()
     assert len(open_dataset(listing)) == 2
 
 
@@ -141,8 +145,10 @@ def test_integer_labels_up_to_a_million_classes_or_as_many_as_samples_are_taken(
     """A sparse list (a few samples of a large label space) is legitimate up to MAX_INT_CLASSES."""
     listing = tmp_path / "list.csv"
     listing.write_text(f"a.jpg,0\nb.jpg,{MAX_INT_CLASSES - 1}\n")
+    (tmp_path / "a.jpg").touch()
     assert len(open_dataset(listing).classes) == MAX_INT_CLASSES
     listing.write_text("".join(f"{k}.jpg,{k}\n" for k in range(MAX_INT_CLASSES + 1)))
+    (tmp_path / "0.jpg").touch()
     assert len(open_dataset(listing).classes) == MAX_INT_CLASSES + 1  # more classes, but as many samples
 
 
@@ -178,6 +184,34 @@ def test_a_first_row_of_unknown_header_words_is_refused_when_its_file_is_missing
     assert len(open_dataset(listing)) == 3
 
 
+def test_a_list_whose_first_and_last_files_are_not_there_is_refused_naming_where_its_paths_start(
+        tmp_path: Path) -> None:
+    """Paths written relative to where the list was made, not to its folder, or on another machine: every sample
+    was replaced and the job stopped at its first batch, saying no sample decoded (a missing file, no more)."""
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    (tmp_path / "cat").mkdir()
+    for name in ("a.jpg", "b.jpg", "c.jpg"):
+        (tmp_path / "cat" / name).touch()
+    listing = lists / "train.csv"
+    listing.write_text("cat/a.jpg,cat\ncat/b.jpg,cat\ncat/c.jpg,dog\n")  # relative to tmp_path, not to lists/
+    with pytest.raises(DatasetError, match=rf"train\.csv: neither line 1's file, cat/a\.jpg, nor line 3's, "
+                                           rf"cat/c\.jpg, is in {lists}, the folder holding the list, from which its "
+                                           r"relative paths start: write them relative to it, or absolute"):
+        open_dataset(listing)
+    listing.write_text("cat/a.jpg,cat\n")
+    with pytest.raises(DatasetError, match=r"line 1's file, cat/a\.jpg, is not in .*lists, the folder holding"):
+        open_dataset(listing)
+    listing.write_text("/elsewhere/cat/a.jpg,cat\n/elsewhere/cat/c.jpg,dog\n")
+    with pytest.raises(DatasetError, match=r"neither line 1's file, /elsewhere/cat/a\.jpg, nor line 2's, "
+                                           r"/elsewhere/cat/c\.jpg, is there: was the list written on another machine"):
+        open_dataset(listing)
+    # One of the two there: the list starts, and its missing files are replaced as any missing file is.
+    for first, last in [("../cat/a.jpg", "../cat/gone.jpg"), ("gone.jpg", str(tmp_path / "cat/c.jpg"))]:
+        listing.write_text(f"{first},cat\n../cat/b.jpg,cat\n{last},dog\n")
+        assert len(open_dataset(listing)) == 3
+
+
 def test_missing_or_undecodable_file_lists_are_clear(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"nope\.csv does not exist"):
         open_dataset(tmp_path / "nope.csv")
@@ -189,12 +223,14 @@ def test_missing_or_undecodable_file_lists_are_clear(tmp_path: Path) -> None:
 def test_file_list_fingerprint_follows_the_list(tmp_path: Path) -> None:
     listing = tmp_path / "l.csv"
     listing.write_text("a.jpg,cat\nb.jpg,dog\n")
+    (tmp_path / "a.jpg").touch()
     first = open_dataset(listing).fingerprint
     assert open_dataset(listing).fingerprint == first
     listing.write_text("a.jpg,cat\nb.jpg,cat\n")
     assert open_dataset(listing).fingerprint != first
     elsewhere = tmp_path / "other" / "l.csv"  # the same bytes, naming the images of another folder
     elsewhere.parent.mkdir()
+    (elsewhere.parent / "a.jpg").touch()
     elsewhere.write_bytes(listing.read_bytes())
     assert open_dataset(elsewhere).fingerprint != open_dataset(listing).fingerprint
 

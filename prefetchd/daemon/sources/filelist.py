@@ -133,6 +133,7 @@ def read_file_list(location: str) -> SampleIndex:
                     "have it); if the spaces are not in the files' names, remove them from the list",
                     location, counted(len(spaced), "path"), *spaced[0])
     classes, labels = _labels(label_texts, lines, location)
+    _refuse_paths_from_elsewhere(storage, location, root, paths, lines)  # after the rows' own errors
     blob, offsets = pack_paths(paths)
     # The list's bytes and the folder its relative paths start from decide every sample and
     # label (a copy of the list beside other images is another dataset); what is in the listed
@@ -189,6 +190,32 @@ def _refuse_unknown_header(storage: Storage, location: str, paths: list[bytes], 
                        f"{first} is there, and line {lines[1]}'s is; remove the line, or name the columns "
                        "path,label (a first row is skipped as a header when its words are such as path, file, "
                        "image or key, and label, class, target or category)")
+
+
+def _refuse_paths_from_elsewhere(storage: Storage, location: str, root: str, paths: list[bytes],
+                                 lines: list[int]) -> None:
+    """Refuse a list whose first and last rows both name files that are not there: its paths start from
+    another folder (written relative to where it was made, not to the list's folder) or another machine.
+    Every sample would be replaced, and the job stop at its first batch saying none could be decoded.
+
+    One check where the first row's file is there, two where it is not; a list missing only some files
+    starts, and those are replaced as missing files are."""
+    rows = [(lines[0], os.fsdecode(paths[0]))] + ([(lines[-1], os.fsdecode(paths[-1]))] if len(paths) > 1 else [])
+    try:
+        if any(storage.exists(path) for _, path in rows):
+            return
+    except OSError:  # the store cannot say now: the workers will, for every file
+        return
+    (line, path), *last = rows
+    relative = any(not p.startswith("/") for _, p in rows)
+    where = f"in {root}" if relative else "there"
+    said = (f"neither line {line}'s file, {path}, nor line {last[0][0]}'s, {last[0][1]}, is {where}" if last else
+            f"line {line}'s file, {path}, is not {where}")
+    if relative:
+        raise DatasetError(f"{location}: {said}, the folder holding the list, from which its relative paths "
+                           "start: write them relative to it, or absolute")
+    raise DatasetError(f"{location}: {said}: was the list written on another machine, or the files moved? Fix "
+                       "the paths in the list")
 
 
 def _rel(path: str, root: str, root_prefix: str, location: str, lineno: int) -> bytes:
