@@ -21,6 +21,7 @@ from prefetchd.daemon.hook import validate_hook_within
 from prefetchd.daemon.job_inbox import JobInbox
 from prefetchd.daemon.job_policy import check_files_inside
 from prefetchd.daemon.logs import status_unwritten
+from prefetchd.daemon.pool import make_room_for_files
 from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier
@@ -116,6 +117,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     job, notes = fill_defaults(job, held)
     for note in notes:
         log.info("default: %s", note)
+    make_room_for_files(job.workers or 0)  # before its workers start; a refusal names the limit and the fix
     short = check_capacity(job, held)
     if short is not None:
         log.warning("%s", short)

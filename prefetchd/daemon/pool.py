@@ -16,6 +16,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
+import resource
 import selectors
 import tempfile
 import threading
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import psutil
 
 from prefetchd.daemon import jpeg_crop
+from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.logs import run_logged
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
@@ -45,6 +47,11 @@ TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
 MAX_LOOK_GAP_SECONDS = 5.0
 KILL_WAIT_SECONDS = 1.0  # for a killed worker to exit (one in a read of a hung NFS mount goes when the read ends)
 T = TypeVar("T")
+# The controller's open files: its own (the buffer's folder and lock, inotify, epoll, the log, the worker server's
+# pipes: 23 in all with one worker, 27 with two and a metrics server) and 3 per worker (its task socket, its exit sentinel, the pipe of its start):
+# 116 at 32 workers.  The rest of the first figure is room for a metrics scrape, an index file, Ray's bridge.
+FILES_BESIDE_WORKERS = 32
+FILES_PER_WORKER = 3
 
 
 @dataclass
@@ -218,6 +225,24 @@ class WorkerPool:
         if self._clean is not None:
             self._clean.close()
             self._clean = None
+
+
+def make_room_for_files(workers: int) -> None:
+    """Raise this process's soft limit on open files (RLIMIT_NOFILE) to what ``workers`` workers need, as far as
+    the hard limit allows; the workers started after this inherit it.  The usual soft limit of 1024 ran out near
+    330 workers, which ``--workers`` defaults to on a box of that many CPUs: the start failed with "Too many open
+    files", an internal error.  ConfigError when the hard limit is too low as well."""
+    need = FILES_BESIDE_WORKERS + FILES_PER_WORKER * workers
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        fit = (hard - FILES_BESIDE_WORKERS) // FILES_PER_WORKER
+        raise ConfigError(f"{workers} workers need about {need} open files in the daemon, but its limit is {hard} "
+                          f"(`ulimit -Hn`): raise it (LimitNOFILE={need} in a systemd unit; `ulimit -n {need}` as "
+                          "root in a shell)" + (f", or pass --workers {fit} or fewer" if fit > 0 else ""))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    log.info("raised the open-file limit from %d to %d for %d workers", soft, need, workers)
 
 
 def with_heartbeat(work: Callable[[], T], heartbeat: Callable[[], None], every: float) -> T:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefetchd.buffer_protocol import Production, Progress, ProtocolError, list_batches
+from prefetchd.buffer_protocol import Production, Progress, ProtocolError, State, list_batches, read_status
+from prefetchd.daemon.errors import EXIT_USAGE
+from prefetchd.launch import launch, start_argv, stop_daemon_process
+from tests.waiting import wait_for
 from tests.daemon_workers import daemon_workers
 from tests.status_examples import production_of
 
@@ -50,3 +54,37 @@ def test_the_worker_server_starts_under_a_tmpdir_too_long_for_its_socket(tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().startswith("/tmp/pymp-"), run.stdout
     assert not Path(run.stdout.strip()).exists(), "removed at exit, as multiprocessing's own folder is"
+
+
+
+def test_a_soft_open_file_limit_too_low_for_the_workers_is_raised_and_a_hard_one_refused(
+    shapes_data: Path, shm_dir: Path, tmp_path: Path
+) -> None:
+    """4 workers hold ~33 files in the controller.  Under a soft limit of 28 the start failed with "Too many open
+    files", an internal error: what a box of ~330 CPUs met at the usual soft limit of 1024 with the default
+    --workers."""
+    def start(limits: str, name: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        buffer, log = shm_dir / name, tmp_path / f"{name}.log"
+        argv = ["prlimit", f"--nofile={limits}", "--", *start_argv(buffer, extra=[
+            "--data", str(shapes_data / "train"), "--batch-size", "8", "--image-size", "32", "--workers", "4",
+            "--epochs", "1", "--high-water", "100"])]
+        return launch(argv, log=log), buffer, log
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # as it is: raising it takes CAP_SYS_RESOURCE
+    proc, buffer, log = start(f"28:{'unlimited' if hard == resource.RLIM_INFINITY else hard}", "raised")
+    try:
+        # Every batch of its epoch built (9 of 8 from 72 samples): then it waits for a trainer that never comes.
+        wait_for(lambda: (st := read_status(buffer)) is not None and st.state == State.DONE, 120,
+                 "the daemon to build its epoch", proc)
+        assert len(list_batches(buffer)) == 9
+    finally:
+        stop_daemon_process(proc, 15)
+    assert proc.returncode == 0, log.read_text()
+    assert "raised the open-file limit from 28 to 44 for 4 workers" in log.read_text()
+
+    proc, buffer, log = start("38:38", "refused")  # the hard limit: no process may raise it but root's
+    assert proc.wait(120) == EXIT_USAGE, log.read_text()  # not restarted by the unit: a restart would not help
+    assert ("4 workers need about 44 open files in the daemon, but its limit is 38 (`ulimit -Hn`): raise it "
+            "(LimitNOFILE=44 in a systemd unit; `ulimit -n 44` as root in a shell), or pass --workers 2 or fewer"
+            in log.read_text())
+    assert "Traceback" not in log.read_text()
