@@ -25,6 +25,7 @@ from prefetchd.access import nearest_existing
 from prefetchd.buffer_protocol import BatchLayout, list_batches, stream_dir
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.manifest import SPLITS, augmentation_text
+from prefetchd.daemon.cpu_quota import cpu_quota, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY, default_cache_dir
@@ -323,7 +324,8 @@ def usable_cores() -> set[int]:
 
 
 def usable_cpus() -> int:
-    return len(usable_cores())
+    """The cores this process may run on, as many as its cgroup's CPU quota keeps busy (``cpu_quota``)."""
+    return quota_cpus(len(usable_cores()), cpu_quota())
 
 
 def held_bytes(cfg: DaemonConfig) -> int:
@@ -377,9 +379,11 @@ def fill_defaults(cfg: DaemonConfig, held: int | None = None) -> tuple[DaemonCon
     notes: list[str] = []
     changes: dict[str, Any] = {}
     if cfg.workers is None:
-        cpus = usable_cpus()
+        cpus, cores, quota = usable_cpus(), len(usable_cores()), cpu_quota()
         changes["workers"] = max(1, cpus - 1)
-        notes.append(f"workers = {changes['workers']} ({cpus} usable CPUs, one left for the trainer)")
+        limited = f": a CPU quota of {quota:g} of the {cores} cores it may run on" if quota and cpus < cores else ""
+        notes.append(f"workers = {changes['workers']} ({counted(cpus, 'usable CPU')}{limited}"
+                     + (", one left for the trainer)" if cpus > 1 else ")"))
     fs = os.statvfs(nearest_existing(Path(cfg.buffer)))  # the daemon creates the buffer; config --show may not
     fs_total = fs.f_blocks * fs.f_frsize
     if cfg.min_free_mb is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +15,7 @@ import pytest
 
 from prefetchd.daemon import config as config_mod
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cores, usable_cpus
+from prefetchd.daemon.cpu_quota import cpu_quota, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 
 MiB = 2**20
@@ -242,7 +245,90 @@ def test_default_workers(shm_buffer: Path, monkeypatch: pytest.MonkeyPatch, cpus
 
 def test_default_workers_on_this_machine(shm_buffer: Path) -> None:
     cfg, _ = fill_defaults(DaemonConfig(buffer=shm_buffer))
-    assert cfg.workers == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert cfg.workers == max(1, quota_cpus(len(os.sched_getaffinity(0)), cpu_quota()) - 1)
+
+
+def cgroup_files(tmp_path: Path, cgroup: str, mounts: list[str], files: dict[str, str]) -> tuple[str, str]:
+    """A /proc/self/cgroup, a /proc/self/mountinfo of ``mounts`` ("ROOT POINT FSTYPE OPTIONS") and the cgroup
+    files they lead to, all under ``tmp_path``; their two paths, for ``cpu_quota``."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "cgroup").write_text(cgroup)
+    lines = []
+    for k, mount in enumerate(mounts):
+        root, point, fstype, options = mount.split()
+        lines.append(f"{30 + k} 23 0:{28 + k} {root} {tmp_path / point.lstrip('/')} rw,relatime - {fstype} {fstype} "
+                     f"{options}")
+    (tmp_path / "mountinfo").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / "cgroup"), str(tmp_path / "mountinfo")
+
+
+@pytest.mark.parametrize(("case", "quota"), [
+    ("v2, the unit's own", 1.5), ("v2, its slice's, tighter", 0.5), ("v2, no limit", None),
+    ("v2 in a container's namespace", 4.0), ("v1, cpu and cpuacct", 2.0), ("v1, none (-1)", None),
+    ("hybrid: v2 without the cpu controller, v1 with it", 3.0), ("no cgroup files", None),
+])
+def test_the_cpu_quota_is_the_tightest_of_the_cgroup_and_those_above_it(tmp_path: Path, case: str,
+                                                                      quota: float | None) -> None:
+    """docker run --cpus, a Kubernetes CPU limit and CPUQuota= leave every core in the affinity: counted alone,
+    a pod limited to 4 CPUs on a 64-core host got 63 workers."""
+    v2_unit = "sys/fs/cgroup/system.slice/prefetchd@bf.service/cpu.max"
+    setups = {
+        "v2, the unit's own": ("0::/system.slice/prefetchd@bf.service\n", ["/ /sys/fs/cgroup cgroup2 rw"],
+                               {v2_unit: "150000 100000\n", "sys/fs/cgroup/system.slice/cpu.max": "max 100000\n"}),
+        "v2, its slice's, tighter": ("0::/system.slice/prefetchd@bf.service\n", ["/ /sys/fs/cgroup cgroup2 rw"],
+                                     {v2_unit: "150000 100000\n", "sys/fs/cgroup/system.slice/cpu.max": "50000 100000"}),
+        "v2, no limit": ("0::/user.slice\n", ["/ /sys/fs/cgroup cgroup2 rw"], {"sys/fs/cgroup/user.slice/cpu.max":
+                                                                                "max 100000\n"}),
+        # A container sees its own cgroup as / (its namespace's root), mounted at /sys/fs/cgroup.
+        "v2 in a container's namespace": ("0::/\n", ["/ /sys/fs/cgroup cgroup2 rw"],
+                                          {"sys/fs/cgroup/cpu.max": "400000 100000\n"}),
+        "v1, cpu and cpuacct": ("5:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n",
+                                ["/ /sys/fs/cgroup/cpu,cpuacct cgroup rw,cpu,cpuacct",
+                                 "/ /sys/fs/cgroup/memory cgroup rw,memory"],
+                                {"sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n",
+                                 "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+                                 "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+                                 "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n"}),
+        "v1, none (-1)": ("1:cpu:/\n", ["/ /sys/fs/cgroup/cpu cgroup rw,cpu"],
+                          {"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n", "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000"}),
+        "hybrid: v2 without the cpu controller, v1 with it": (
+            "1:cpu:/job\n0::/job\n", ["/ /sys/fs/cgroup/cpu cgroup rw,cpu", "/ /sys/fs/cgroup/unified cgroup2 rw"],
+            {"sys/fs/cgroup/cpu/job/cpu.cfs_quota_us": "300000\n", "sys/fs/cgroup/cpu/job/cpu.cfs_period_us": "100000\n",
+             "sys/fs/cgroup/unified/job/cgroup.procs": ""}),
+        "no cgroup files": ("0::/\n", ["/ /sys/fs/cgroup cgroup2 rw"], {}),
+    }
+    cgroup, mountinfo = cgroup_files(tmp_path, *setups[case])
+    assert cpu_quota(cgroup, mountinfo) == quota
+    assert cpu_quota(str(tmp_path / "absent"), mountinfo) is None  # not Linux, or no /proc: no limit known
+
+
+@pytest.mark.parametrize(("cores", "quota", "cpus"), [(64, None, 64), (64, 4.0, 4), (64, 1.5, 2), (64, 0.2, 1),
+                                                      (2, 8.0, 2), (4, 3.0000000001, 3)])
+def test_a_quota_keeps_as_many_cpus_busy_as_it_allows_at_least_one(cores: int, quota: float | None, cpus: int) -> None:
+    assert quota_cpus(cores, quota) == cpus
+
+
+def test_a_process_in_a_cgroup_with_a_cpu_quota_counts_the_quota_not_the_cores(shm_buffer: Path) -> None:
+    """A real cgroup v1 quota of half a CPU (the v2 file is read alike, from the unit tests' fake trees)."""
+    cpu = Path("/sys/fs/cgroup/cpu")
+    if os.geteuid() != 0 or not (cpu / "cpu.cfs_quota_us").exists() or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs root, a cgroup v1 cpu controller at /sys/fs/cgroup/cpu and 2 cores")
+    group = cpu / f"prefetchd-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_quota_us").write_text("50000")  # of a 100000 us period
+        run = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable,
+                              "-m", "prefetchd", "config", "--show", "--buffer", str(shm_buffer)],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        workers = next(line for line in run.stdout.splitlines() if line.startswith("workers ="))
+        cores = len(os.sched_getaffinity(0))
+        assert workers == (f"workers = 1  # default: 1 usable CPU: a CPU quota of 0.5 of the {cores} cores it may "
+                           "run on"), workers
+    finally:
+        group.rmdir()
 
 
 def test_default_index_cache_is_shown_where_it_resolves(shm_buffer: Path, monkeypatch: pytest.MonkeyPatch,
