@@ -25,7 +25,7 @@ from prefetchd.access import nearest_existing
 from prefetchd.buffer_protocol import BatchLayout, list_batches, stream_dir
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.manifest import SPLITS, augmentation_text
-from prefetchd.daemon.cpu_quota import cpu_quota, quota_cpus
+from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
 from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY, default_cache_dir
@@ -392,10 +392,18 @@ def fill_defaults(cfg: DaemonConfig, held: int | None = None) -> tuple[DaemonCon
     min_free = (changes.get("min_free_mb", cfg.min_free_mb) or 0) << 20
     batch = cfg.batch_bytes
     if cfg.high_water is None:
-        ram = psutil.virtual_memory().available
         # The buffer's own batches are its room: counted as used, a restart sized a lower mark than the start before
         # it and deleted the batches beyond it, on a tmpfs that sizes the mark (Docker's 64 MiB /dev/shm) each time.
-        fs_free = fs.f_bavail * fs.f_frsize + (held_bytes(cfg) if held is None else held)
+        held = held_bytes(cfg) if held is None else held
+        fs_free = fs.f_bavail * fs.f_frsize + held
+        # A memory cgroup's limit binds first where it is lower: the batches' tmpfs pages count against it (and
+        # those the buffer holds already are its room, as above).
+        room = memory_room()
+        room = None if room is None else room + held
+        available = psutil.virtual_memory().available
+        ram = available if room is None else min(room, available)
+        memory = ("available RAM" if room is None or ram < room else
+                  f"the memory this daemon's cgroup may still take ({binary_size(room)})")
         budget = min(TMPFS_SHARE * max(0, fs_free - min_free), RAM_SHARE * ram)
         ranks = len(cfg.local_ranks)  # the mark is each rank's: they share the budget
         sized = int(min(MAX_DEFAULT_HIGH_WATER, budget // (batch * ranks)))
@@ -406,11 +414,11 @@ def fill_defaults(cfg: DaemonConfig, held: int | None = None) -> tuple[DaemonCon
         what = f"batches of {binary_size(batch)}{f' for each of {ranks} ranks' if ranks > 1 else ''}"
         if sized < MIN_DEFAULT_HIGH_WATER:  # "at most half the free tmpfs" is not true of this one: say what is
             binding = ("half the free tmpfs above the --min-free-mb floor" if budget < RAM_SHARE * ram
-                       else "a quarter of available RAM")
+                       else f"a quarter of {memory}")
             notes.append(f"high_water = {high} ({what}: the least a default is, though {binding} holds "
                          f"{counted(sized, 'batch')})")
         else:
-            notes.append(f"high_water = {high} ({what}: at most half the free tmpfs, a quarter of available RAM, "
+            notes.append(f"high_water = {high} ({what}: at most half the free tmpfs, a quarter of {memory}, "
                          f"{MAX_DEFAULT_HIGH_WATER} batches)")
     if cfg.index_cache is None:
         changes["index_cache"] = default_cache_dir()

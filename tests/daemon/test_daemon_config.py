@@ -15,7 +15,7 @@ import pytest
 
 from prefetchd.daemon import config as config_mod
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cores, usable_cpus
-from prefetchd.daemon.cpu_quota import cpu_quota, quota_cpus
+from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 
 MiB = 2**20
@@ -302,6 +302,69 @@ def test_the_cpu_quota_is_the_tightest_of_the_cgroup_and_those_above_it(tmp_path
     cgroup, mountinfo = cgroup_files(tmp_path, *setups[case])
     assert cpu_quota(cgroup, mountinfo) == quota
     assert cpu_quota(str(tmp_path / "absent"), mountinfo) is None  # not Linux, or no /proc: no limit known
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(("case", "room"), [
+    ("v2: the limit less what is used, page cache it may drop not counted", 1024 - (700 - 300)),
+    ("v2: its slice's, tighter", 100), ("v2: no limit", None), ("v1: the container's", 2048 - (1500 - 1000)),
+    ("v1: no limit", None), ("v2: above its limit (reclaim pending)", 0),
+])
+def test_the_memory_room_is_the_tightest_limit_less_use_of_the_cgroup_and_those_above_it(
+        tmp_path: Path, case: str, room: int | None) -> None:
+    """docker run --memory, a pod's memory limit and MemoryMax= leave the host's free memory in /proc/meminfo, while
+    the batches' tmpfs pages count against the cgroup: a high-water mark sized from the host's memory got the
+    daemon OOM-killed."""
+    unit = "sys/fs/cgroup/system.slice/prefetchd@bf.service/"
+    v2 = ("0::/system.slice/prefetchd@bf.service\n", ["/ /sys/fs/cgroup cgroup2 rw"])
+    setups = {
+        "v2: the limit less what is used, page cache it may drop not counted": (*v2, {
+            unit + "memory.max": f"{1024 * MiB}\n", unit + "memory.current": f"{700 * MiB}\n",
+            unit + "memory.stat": f"anon 1\nfile 2\ninactive_file {300 * MiB}\nactive_file 3\n"}),
+        "v2: its slice's, tighter": (*v2, {
+            unit + "memory.max": f"{1024 * MiB}\n", unit + "memory.current": f"{100 * MiB}\n",
+            "sys/fs/cgroup/system.slice/memory.max": f"{500 * MiB}\n",
+            "sys/fs/cgroup/system.slice/memory.current": f"{400 * MiB}\n"}),
+        "v2: no limit": (*v2, {unit + "memory.max": "max\n", unit + "memory.current": f"{700 * MiB}\n"}),
+        "v1: the container's": ("4:memory:/\n1:cpu:/\n", ["/docker/abc /sys/fs/cgroup/memory cgroup rw,memory"], {
+            "sys/fs/cgroup/memory/memory.limit_in_bytes": f"{2048 * MiB}\n",
+            "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{1500 * MiB}\n",
+            "sys/fs/cgroup/memory/memory.stat": f"cache 5\ninactive_file 7\ntotal_inactive_file {1000 * MiB}\n"}),
+        "v1: no limit": ("4:memory:/job\n", ["/ /sys/fs/cgroup/memory cgroup rw,memory"], {
+            "sys/fs/cgroup/memory/job/memory.limit_in_bytes": "9223372036854771712\n",
+            "sys/fs/cgroup/memory/job/memory.usage_in_bytes": f"{1500 * MiB}\n"}),
+        "v2: above its limit (reclaim pending)": (*v2, {
+            unit + "memory.max": f"{100 * MiB}\n", unit + "memory.current": f"{120 * MiB}\n"}),
+    }
+    cgroup, mountinfo = cgroup_files(tmp_path, *setups[case])
+    assert memory_room(cgroup, mountinfo) == (None if room is None else room * MiB)
+
+
+def test_a_daemon_in_a_cgroup_with_a_memory_limit_sizes_its_high_water_mark_from_it(shm_buffer: Path) -> None:
+    """A real cgroup v1 limit of 1 GiB: a quarter of it holds 6 batches of 36.8 MiB, where the host's memory
+    held the 64 a default is at most."""
+    memory = Path("/sys/fs/cgroup/memory")
+    if os.geteuid() != 0 or not (memory / "memory.limit_in_bytes").exists():
+        pytest.skip("needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory")
+    group = memory / f"prefetchd-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(1 << 30))
+        run = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable,
+                              "-m", "prefetchd", "config", "--show", "--buffer", str(shm_buffer), "--batch-size", "256"],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        group.rmdir()
+    assert run.returncode == 0, run.stderr
+    line = next(line for line in run.stdout.splitlines() if line.startswith("high_water ="))
+    match = re.fullmatch(r"high_water = (\d+)  # default: batches of 36\.8 MiB: at most half the free tmpfs, a quarter "
+                         r"of the memory this daemon's cgroup may still take \((\d+\.\d) (MiB|GiB)\), 64 batches", line)
+    assert match is not None, line
+    room = float(match[2]) * (1 << (30 if match[3] == "GiB" else 20))
+    assert 0.5 * (1 << 30) < room <= 1 << 30  # what the process itself uses is less than half the limit
+    assert abs(int(match[1]) - room / 4 / (36.75 * MiB)) < 1.05  # the room as shown, to 0.1 MiB or GiB
 
 
 @pytest.mark.parametrize(("cores", "quota", "cpus"), [(64, None, 64), (64, 4.0, 4), (64, 1.5, 2), (64, 0.2, 1),
