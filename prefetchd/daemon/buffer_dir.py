@@ -16,6 +16,7 @@ from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DIR_FLAGS, JOB_
                                              STATUS_NAME, STREAM_RE, consumer_of, is_consumer_lock, is_temp_name,
                                              parse_batch_name)
 from prefetchd.access import nearest_existing, user_name
+from prefetchd.daemon.cgroup_limits import memory_limit
 from prefetchd.daemon.config import DaemonConfig, held_bytes
 from prefetchd.daemon.errors import ConfigError, DaemonError
 from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of, huge_pages, huge_pages_hint
@@ -466,6 +467,7 @@ def check_capacity(cfg: DaemonConfig, held: int | None = None) -> str | None:
     capped = (cfg.max_buffer_bytes or 0) > batches  # the cap, not the mark, is what needs the room
     need = max(batches, cfg.max_buffer_bytes or 0) + floor
     size, available = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize + (held_bytes(cfg) if held is None else held)
+    _check_memory_limit(cfg, ranks, batches)
     if need <= available:
         return None
     shown = size if need > size else available
@@ -486,6 +488,23 @@ def check_capacity(cfg: DaemonConfig, held: int | None = None) -> str | None:
         raise ConfigError(f"{what} but {cfg.buffer} has {has}; {why + ': ' if why else ''}{fix}")
     return (f"{what} but {cfg.buffer} has {has} free now: other files hold the rest. Production pauses whenever it "
             f"would fall below the floor, until they go; free that space, or {fix}")
+
+
+def _check_memory_limit(cfg: DaemonConfig, ranks: int, batches: int) -> None:
+    """Refuse a high-water mark whose batches alone exceed the memory limit of the daemon's cgroup: their tmpfs
+    pages count against it, so the kernel's OOM killer would kill the daemon or its workers once the buffer
+    filled (a mark of 64 batches of 9.2 MiB in a 512 MiB container did, at its first batches)."""
+    limit = memory_limit()
+    if limit is None or batches <= limit:
+        return
+    per = f"{ranks} ranks x " if ranks > 1 else ""
+    fits = limit // 2 // (ranks * cfg.batch_bytes)
+    lower = (f"lower --high-water ({fits} leaves half of it to the daemon's processes)" if fits >= 1 else
+             "lower --batch-size or --image-size")
+    raise ConfigError(f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches need "
+                      f"{binary_size(batches)} of tmpfs pages, which count against the daemon's memory cgroup, but "
+                      f"its limit is {binary_size(limit)} (docker run --memory, a Kubernetes memory limit, "
+                      f"MemoryMax=): the kernel would kill it as the buffer fills; {lower}, or raise the limit")
 
 
 def _what_fits(cfg: DaemonConfig, ranks: int, room: int) -> tuple[str, str]:

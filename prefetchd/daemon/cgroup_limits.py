@@ -35,6 +35,11 @@ def memory_room(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO)
     return _tightest("memory", _read_memory, proc_cgroup, mountinfo)
 
 
+def memory_limit(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO) -> int | None:
+    """The tightest memory limit, in bytes, of the cgroups of this process; None when none sets one."""
+    return _tightest("memory", lambda folder, v2: _read_memory(folder, v2, room=False), proc_cgroup, mountinfo)
+
+
 T = TypeVar("T", int, float)
 
 
@@ -121,13 +126,16 @@ def _read_cpu(folder: Path, v2: bool) -> float | None:
 V1_NO_LIMIT = 1 << 62
 
 
-def _read_memory(folder: Path, v2: bool) -> int | None:
+def _read_memory(folder: Path, v2: bool, room: bool = True) -> int | None:
+    """The limit in ``folder`` less what its cgroup uses (``room``), or the limit itself."""
     limit_name, usage_name, inactive_key = (("memory.max", "memory.current", "inactive_file") if v2 else
                                             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
     try:
         limit_text = (folder / limit_name).read_text().strip()
         if limit_text == "max" or int(limit_text) >= V1_NO_LIMIT:
             return None
+        if not room:
+            return int(limit_text)
         usage = int((folder / usage_name).read_text())
     except (OSError, ValueError):
         return None
@@ -151,4 +159,4 @@ def _ratio(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-__all__ = ["cpu_quota", "memory_room", "quota_cpus"]
+__all__ = ["cpu_quota", "memory_limit", "memory_room", "quota_cpus"]

@@ -15,7 +15,7 @@ import pytest
 
 from prefetchd.daemon import config as config_mod
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cores, usable_cpus
-from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
+from prefetchd.daemon.cgroup_limits import cpu_quota, memory_limit, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 
 MiB = 2**20
@@ -307,13 +307,14 @@ def test_the_cpu_quota_is_the_tightest_of_the_cgroup_and_those_above_it(tmp_path
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize(("case", "room"), [
-    ("v2: the limit less what is used, page cache it may drop not counted", 1024 - (700 - 300)),
-    ("v2: its slice's, tighter", 100), ("v2: no limit", None), ("v1: the container's", 2048 - (1500 - 1000)),
-    ("v1: no limit", None), ("v2: above its limit (reclaim pending)", 0),
+@pytest.mark.parametrize(("case", "room", "limit"), [
+    ("v2: the limit less what is used, page cache it may drop not counted", 1024 - (700 - 300), 1024),
+    ("v2: its slice's, tighter", 100, 500), ("v2: no limit", None, None),
+    ("v1: the container's", 2048 - (1500 - 1000), 2048), ("v1: no limit", None, None),
+    ("v2: above its limit (reclaim pending)", 0, 100),
 ])
 def test_the_memory_room_is_the_tightest_limit_less_use_of_the_cgroup_and_those_above_it(
-        tmp_path: Path, case: str, room: int | None) -> None:
+        tmp_path: Path, case: str, room: int | None, limit: int | None) -> None:
     """docker run --memory, a pod's memory limit and MemoryMax= leave the host's free memory in /proc/meminfo, while
     the batches' tmpfs pages count against the cgroup: a high-water mark sized from the host's memory got the
     daemon OOM-killed."""
@@ -340,23 +341,49 @@ def test_the_memory_room_is_the_tightest_limit_less_use_of_the_cgroup_and_those_
     }
     cgroup, mountinfo = cgroup_files(tmp_path, *setups[case])
     assert memory_room(cgroup, mountinfo) == (None if room is None else room * MiB)
+    assert memory_limit(cgroup, mountinfo) == (None if limit is None else limit * MiB)
+
+
+@pytest.mark.parametrize(("cores", "quota", "cpus"), [(64, None, 64), (64, 4.0, 4), (64, 1.5, 2), (64, 0.2, 1),
+                                                      (2, 8.0, 2), (4, 3.0000000001, 3)])
+def test_a_quota_keeps_as_many_cpus_busy_as_it_allows_at_least_one(cores: int, quota: float | None, cpus: int) -> None:
+    assert quota_cpus(cores, quota) == cpus
+
+
+def config_in_cgroup(controller: str, limits: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`prefetchd config ARGS` in a real cgroup v1 of ``controller`` of its own, with ``limits`` written to its
+    files; skipped where there is none to make (not root; cgroup v2 only, whose files the fake trees cover)."""
+    root = Path("/sys/fs/cgroup") / controller
+    if os.geteuid() != 0 or not (root / "cgroup.procs").exists() or (root / "cgroup.controllers").exists():
+        pytest.skip(f"needs root and a cgroup v1 {controller} controller at {root}")
+    group = root / f"prefetchd-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        for name, value in limits.items():
+            (group / name).write_text(value)
+        return subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable,
+                               "-m", "prefetchd", "config", *args], capture_output=True, text=True, timeout=120)
+    finally:
+        group.rmdir()
+
+
+def test_a_process_in_a_cgroup_with_a_cpu_quota_counts_the_quota_not_the_cores(shm_buffer: Path) -> None:
+    """A real cgroup v1 quota of half a CPU (the v2 file is read alike, from the unit tests' fake trees)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    run = config_in_cgroup("cpu", {"cpu.cfs_quota_us": "50000"}, "--show", "--buffer", str(shm_buffer))  # of 100000 us
+    assert run.returncode == 0, run.stderr
+    workers = next(line for line in run.stdout.splitlines() if line.startswith("workers ="))
+    cores = len(os.sched_getaffinity(0))
+    assert workers == (f"workers = 1  # default: 1 usable CPU: a CPU quota of 0.5 of the {cores} cores it may "
+                       "run on"), workers
 
 
 def test_a_daemon_in_a_cgroup_with_a_memory_limit_sizes_its_high_water_mark_from_it(shm_buffer: Path) -> None:
     """A real cgroup v1 limit of 1 GiB: a quarter of it holds 6 batches of 36.8 MiB, where the host's memory
     held the 64 a default is at most."""
-    memory = Path("/sys/fs/cgroup/memory")
-    if os.geteuid() != 0 or not (memory / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory")
-    group = memory / f"prefetchd-test-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(1 << 30))
-        run = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable,
-                              "-m", "prefetchd", "config", "--show", "--buffer", str(shm_buffer), "--batch-size", "256"],
-                             capture_output=True, text=True, timeout=120)
-    finally:
-        group.rmdir()
+    run = config_in_cgroup("memory", {"memory.limit_in_bytes": str(1 << 30)}, "--show", "--buffer", str(shm_buffer),
+                           "--batch-size", "256")
     assert run.returncode == 0, run.stderr
     line = next(line for line in run.stdout.splitlines() if line.startswith("high_water ="))
     match = re.fullmatch(r"high_water = (\d+)  # default: batches of 36\.8 MiB: at most half the free tmpfs, a quarter "
@@ -367,31 +394,18 @@ def test_a_daemon_in_a_cgroup_with_a_memory_limit_sizes_its_high_water_mark_from
     assert abs(int(match[1]) - room / 4 / (36.75 * MiB)) < 1.05  # the room as shown, to 0.1 MiB or GiB
 
 
-@pytest.mark.parametrize(("cores", "quota", "cpus"), [(64, None, 64), (64, 4.0, 4), (64, 1.5, 2), (64, 0.2, 1),
-                                                      (2, 8.0, 2), (4, 3.0000000001, 3)])
-def test_a_quota_keeps_as_many_cpus_busy_as_it_allows_at_least_one(cores: int, quota: float | None, cpus: int) -> None:
-    assert quota_cpus(cores, quota) == cpus
-
-
-def test_a_process_in_a_cgroup_with_a_cpu_quota_counts_the_quota_not_the_cores(shm_buffer: Path) -> None:
-    """A real cgroup v1 quota of half a CPU (the v2 file is read alike, from the unit tests' fake trees)."""
-    cpu = Path("/sys/fs/cgroup/cpu")
-    if os.geteuid() != 0 or not (cpu / "cpu.cfs_quota_us").exists() or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs root, a cgroup v1 cpu controller at /sys/fs/cgroup/cpu and 2 cores")
-    group = cpu / f"prefetchd-test-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_quota_us").write_text("50000")  # of a 100000 us period
-        run = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable,
-                              "-m", "prefetchd", "config", "--show", "--buffer", str(shm_buffer)],
-                             capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stderr
-        workers = next(line for line in run.stdout.splitlines() if line.startswith("workers ="))
-        cores = len(os.sched_getaffinity(0))
-        assert workers == (f"workers = 1  # default: 1 usable CPU: a CPU quota of 0.5 of the {cores} cores it may "
-                           "run on"), workers
-    finally:
-        group.rmdir()
+def test_a_high_water_mark_whose_batches_exceed_the_memory_limit_is_refused(shm_buffer: Path) -> None:
+    """64 batches of 9.2 MiB in a 512 MiB container: its workers, then the daemon itself, were OOM-killed at the
+    first batches, a healthy file blamed for the workers' deaths on the way."""
+    args = ["--buffer", str(shm_buffer), "--batch-size", "64", "--image-size", "224"]
+    run = config_in_cgroup("memory", {"memory.limit_in_bytes": str(512 << 20)}, *args, "--high-water", "64")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert ("high_water 64 x 9.2 MiB batches need 588.8 MiB of tmpfs pages, which count against the daemon's memory "
+            "cgroup, but its limit is 512.0 MiB (docker run --memory, a Kubernetes memory limit, MemoryMax=): the "
+            "kernel would kill it as the buffer fills; lower --high-water (27 leaves half of it to the daemon's "
+            "processes), or raise the limit") in run.stderr
+    run = config_in_cgroup("memory", {"memory.limit_in_bytes": str(512 << 20)}, *args, "--high-water", "27")
+    assert run.returncode == 0 and "configuration is valid" in run.stdout, run.stdout + run.stderr
 
 
 def test_default_index_cache_is_shown_where_it_resolves(shm_buffer: Path, monkeypatch: pytest.MonkeyPatch,
