@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from prefetchd.words import binary_size
+
 PROC_CGROUP = "/proc/self/cgroup"
 PROC_MOUNTINFO = "/proc/self/mountinfo"
 
@@ -38,6 +40,26 @@ def memory_room(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO)
 def memory_limit(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO) -> int | None:
     """The tightest memory limit, in bytes, of the cgroups of this process; None when none sets one."""
     return _tightest("memory", lambda folder, v2: _read_memory(folder, v2, room=False), proc_cgroup, mountinfo)
+
+
+def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed on this machine since it booted (any
+    cgroup's limit, or the machine's memory); None where the kernel does not say."""
+    try:
+        for line in Path(vmstat).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def out_of_memory_where() -> str:
+    """Where memory ran short, for a message about an OOM kill: the cgroup's limit, or the machine's memory."""
+    limit = memory_limit()
+    return (f"the daemon's memory cgroup is limited to {binary_size(limit)}" if limit is not None else
+            "the machine's memory ran short")
 
 
 T = TypeVar("T", int, float)
@@ -159,4 +181,4 @@ def _ratio(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-__all__ = ["cpu_quota", "memory_limit", "memory_room", "quota_cpus"]
+__all__ = ["cpu_quota", "memory_limit", "memory_room", "oom_kills", "out_of_memory_where", "quota_cpus"]

@@ -61,6 +61,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prefetchd.buffer_protocol import WorkerStall, batch_name
+from prefetchd.daemon.cgroup_limits import oom_kills, out_of_memory_where
 from prefetchd.daemon.pool import Worker, WorkerPool
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
@@ -77,8 +78,14 @@ RESTART_WINDOW_SECONDS = 60.0
 # or an image too big for memory is deterministic: the second death on it is the proof.  A death that is not the
 # file's (a worker killed by hand, the OOM killer picking it for memory others use) falls on the same image of
 # the same task again only by chance: a task's image takes milliseconds.  A third try would cost one more
-# worker start per such file, and bring the restart limit closer for nothing.
+# worker start per such file, and bring the restart limit closer for nothing.  Not a death by the OOM killer:
+# memory that runs short as the buffer fills falls on the same image again, the task writing the same pages each
+# time (in a 600 MiB cgroup, 29 healthy files were taken for bad ones in 15 s), and replacing a healthy file
+# changes the batches.  Those count towards the restart limit only, which stops the job saying so.
 CRASHES_TO_BLAME = 2
+# A worker killed (SIGKILL; exit code 255: its worker server was, which ends every worker's report at once) this
+# long after the machine's count of OOM kills rose was killed by the OOM killer.
+OOM_WINDOW_SECONDS = 2.0
 # A task that hangs this many times (each time on a new worker, killed after --task-timeout) stops the job: what
 # hangs again is the file or the hook, not the worker.  As many tries as the Ray bridge gives a slice (MAX_ATTEMPTS).
 MAX_TASK_HANGS = 3
@@ -142,6 +149,11 @@ class WorkerHealth:
         self.shown = shown
         self.ranks = ranks
         self.ends: deque[float] = deque()  # when workers died or were killed, within RESTART_WINDOW_SECONDS
+        self.oom_ends: deque[float] = deque()  # those of them the kernel's out-of-memory killer killed
+        self.oom_files: set[str] = set()  # the files those workers were on (a file shown as ``_place`` shows it)
+        self.oom_seen = oom_kills()  # the machine's count of OOM kills at the last look (``hung``, ``died``)
+        self.oom_at: float | None = None  # when a look last found it risen
+        self.last_end = ""  # how the last worker that died ended (``ended``, and whose kill)
         # By (task id, sample), of tasks still wanted: when each worker died on that sample, and how it ended.
         self.deaths: dict[tuple[int, int], list[tuple[float, str]]] = {}
         self.crashed: dict[int, str] = {}  # the samples taken for ones that kill their worker, and why
@@ -165,10 +177,18 @@ class WorkerHealth:
         died on and why that sample's file is bad, when that file has now killed ``CRASHES_TO_BLAME``
         workers running the same task (it is in ``crashed`` from now on), else None."""
         now = time.monotonic()
-        how = ended(worker.process.exitcode)
+        how, by_oom_killer = self._ended(worker, now)
+        self.last_end = how
         task, sample = self._died_on(worker)
         then = f"requeuing its {counted(len(worker.tasks), 'task')} and starting another"
         who = f"worker pid {worker.process.pid}"
+        if by_oom_killer:  # the memory's fault, wherever it fell (CRASHES_TO_BLAME)
+            where = "" if task is None or sample is None else f" on {self._place(task, sample, with_files=False)}"
+            if task is not None and sample is not None:
+                self.oom_files.add(self.shown(sample))
+            log.error("%s died (%s)%s; %s (not that file's fault)", who, how, where, then)
+            self.ends.append(now)
+            return None
         if task is None or sample is None:  # between tasks or images: none is to blame
             before = "" if worker.where.ready_yet else f" before it was ready, {self._start_step(worker)}"
             log.error("%s died (%s)%s; %s", who, how, before, then)
@@ -210,6 +230,29 @@ class WorkerHealth:
                   who, how, place, len(deaths), then)
         return sample, reason
 
+    def _ended(self, worker: Worker, now: float) -> tuple[str, bool]:
+        """How ``worker`` ended (``ended``), and whether the kernel's out-of-memory killer ended it: it was killed
+        and the machine's count of OOM kills rose within ``OOM_WINDOW_SECONDS`` (as the looks found it: each
+        second, ``hung``, and now).  The first such death is said as a warning with where memory ran short."""
+        self._look_for_oom_kills(now)
+        code = worker.process.exitcode
+        how = ended(code)
+        if code not in (-signal.SIGKILL, 255) or self.oom_at is None or now - self.oom_at > OOM_WINDOW_SECONDS:
+            return how, False
+        if not self.oom_ends:
+            log.warning("the kernel's out-of-memory killer killed worker pid %d (%s): lower --workers or "
+                        "--high-water, or give the daemon more memory; its task is built again, and more than "
+                        "%d such deaths within %.0f s stop the job", worker.process.pid, out_of_memory_where(),
+                        MAX_WORKER_RESTARTS, RESTART_WINDOW_SECONDS)
+        self.oom_ends.append(now)
+        return f"{how}, from the kernel's out-of-memory killer", True
+
+    def _look_for_oom_kills(self, now: float) -> None:
+        count = oom_kills()
+        if count is not None and self.oom_seen is not None and count > self.oom_seen:
+            self.oom_at = now
+        self.oom_seen = count
+
     @staticmethod
     def _died_on(worker: Worker) -> tuple[Task | None, int | None]:
         """The task ``worker`` died on, of those it held unfinished, and the sample (None: before its first);
@@ -226,9 +269,20 @@ class WorkerHealth:
         self.stats.worker_restarts += 1
         now = time.monotonic()
         _forget_before(self.ends, now)
+        _forget_before(self.oom_ends, now)
+        if not self.oom_ends:
+            self.oom_files.clear()
         if len(self.ends) > MAX_WORKER_RESTARTS:
+            if self.oom_ends:
+                one = (f"; every one of them died on {next(iter(self.oom_files))}: an image too big for this memory? "
+                       "--max-image-pixels refuses such images" if len(self.oom_files) == 1 else "")
+                return (f"{len(self.ends)} workers died within {RESTART_WINDOW_SECONDS:.0f} s, "
+                        f"{len(self.oom_ends)} of them killed by the kernel's out-of-memory killer "
+                        f"({out_of_memory_where()}): lower --workers or --high-water, or give the daemon more "
+                        f"memory{one}")
             return (f"{len(self.ends)} workers died within {RESTART_WINDOW_SECONDS:.0f} s (the last: "
-                    f"{ended(worker.process.exitcode)}); check the log and `dmesg` for the cause (out of memory?)")
+                    f"{self.last_end or ended(worker.process.exitcode)}); check the log and `dmesg` for the cause "
+                    "(out of memory?)")
         # One that never got ready hands its place's row of hung starts on (``kill``; a death keeps the row as it
         # was, a ready worker ends it).
         self.pool.add_worker(worker.start_hangs if not worker.where.ready_yet else ())
@@ -243,6 +297,7 @@ class WorkerHealth:
         ``remote``, the slice at the Ray cluster that has made none the longest (the bridge hands it back at
         --task-timeout: ``hung_remotely``; one not begun it submits again at --worker-start-timeout:
         ``ray_start_hung``).  ``stall_note`` and ``stall`` say the longest of them."""
+        self._look_for_oom_kills(time.monotonic())  # so that a rise is one of the last second when a worker dies
         notes = []
         stalls: list[tuple[float, float, bool, int]] = []  # (still, limit, starting, note) of those said
         hung = []

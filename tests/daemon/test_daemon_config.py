@@ -15,8 +15,9 @@ import pytest
 
 from prefetchd.daemon import config as config_mod
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cores, usable_cpus
-from prefetchd.daemon.cgroup_limits import cpu_quota, memory_limit, memory_room, quota_cpus
+from prefetchd.daemon.cgroup_limits import cpu_quota, memory_limit, memory_room, oom_kills, quota_cpus
 from prefetchd.daemon.errors import ConfigError
+from tests.cgroups import cgroup_v1, in_cgroup
 
 MiB = 2**20
 GiB = 2**30
@@ -351,20 +352,10 @@ def test_a_quota_keeps_as_many_cpus_busy_as_it_allows_at_least_one(cores: int, q
 
 
 def config_in_cgroup(controller: str, limits: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    """`prefetchd config ARGS` in a real cgroup v1 of ``controller`` of its own, with ``limits`` written to its
-    files; skipped where there is none to make (not root; cgroup v2 only, whose files the fake trees cover)."""
-    root = Path("/sys/fs/cgroup") / controller
-    if os.geteuid() != 0 or not (root / "cgroup.procs").exists() or (root / "cgroup.controllers").exists():
-        pytest.skip(f"needs root and a cgroup v1 {controller} controller at {root}")
-    group = root / f"prefetchd-test-{os.getpid()}"
-    group.mkdir()
-    try:
-        for name, value in limits.items():
-            (group / name).write_text(value)
-        return subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable,
-                               "-m", "prefetchd", "config", *args], capture_output=True, text=True, timeout=120)
-    finally:
-        group.rmdir()
+    """`prefetchd config ARGS` in a real cgroup v1 of ``controller`` of its own, with ``limits`` written."""
+    with cgroup_v1(controller, limits) as group:
+        return subprocess.run(in_cgroup(group, [sys.executable, "-m", "prefetchd", "config", *args]),
+                              capture_output=True, text=True, timeout=120)
 
 
 def test_a_process_in_a_cgroup_with_a_cpu_quota_counts_the_quota_not_the_cores(shm_buffer: Path) -> None:
@@ -377,6 +368,14 @@ def test_a_process_in_a_cgroup_with_a_cpu_quota_counts_the_quota_not_the_cores(s
     cores = len(os.sched_getaffinity(0))
     assert workers == (f"workers = 1  # default: 1 usable CPU: a CPU quota of 0.5 of the {cores} cores it may "
                        "run on"), workers
+
+
+def test_the_machines_oom_kills_are_read_from_vmstat(tmp_path: Path) -> None:
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 12\noom_kill 7\nnr_zone_active_anon 3\n")
+    assert oom_kills(str(vmstat)) == 7
+    vmstat.write_text("nr_free_pages 12\n")  # a kernel before 4.13
+    assert oom_kills(str(vmstat)) is None and oom_kills(str(tmp_path / "absent")) is None
 
 
 def test_a_daemon_in_a_cgroup_with_a_memory_limit_sizes_its_high_water_mark_from_it(shm_buffer: Path) -> None:

@@ -1,10 +1,11 @@
-"""A local worker that dies on one image (a decoder that segfaults on it, the OOM killer on one huge file):
-the file kills the worker that retries its task too, and is then taken for an undecodable one: replaced,
-counted and named as a file whose decode fails is, in the same batch, so the run goes on to its end."""
+"""A local worker that dies on one image (a decoder that segfaults on it): the file kills the worker that retries
+its task too, and is then taken for an undecodable one: replaced, counted and named as a file whose decode fails
+is, in the same batch, so the run goes on to its end.  Not a worker the OOM killer kills: memory, not the file."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from prefetchd.buffer_protocol import read_status
 from prefetchd.buffer_protocol.status import BadFile
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_WORKER_RESTARTS
+from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.trainer import BufferLoader
+from tests.cgroups import cgroup_v1, in_cgroup
 
 BASE = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1",
         "--workers", "2", "--transform", "tests.integration.crash_hook:segfaults_on_magenta"]
@@ -93,3 +96,30 @@ def test_files_that_crash_workers_count_as_bad_files_not_towards_the_restart_lim
     errors = read_status(buffer).production.errors  # type: ignore[union-attr]
     assert sorted(Path(bad.path) for bad in errors.undecodable) == crashing, errors.undecodable
     assert errors.worker_restarts >= 2 * len(crashing) > MAX_WORKER_RESTARTS, errors
+
+
+def test_workers_the_oom_killer_kills_blame_no_file_and_stop_the_job_saying_so(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
+    """40 batches of 9.2 MiB fit a 400 MiB cgroup's limit (the start refuses more), its processes not.  Before,
+    the OOM killer took the controller, the largest process, and the daemon died without a word; or it took
+    workers, whose deaths fell on the same images again (the task writing the same pages each time), and healthy
+    files were replaced as ones that kill their worker, 29 in 15 s in a 600 MiB cgroup.  Now the workers are the
+    OOM killer's first choice, their deaths blame no file, and the restart limit stops the job saying why."""
+    buffer, log = shm_dir / "bf", tmp_path / "daemon.log"
+    argv = start_argv(buffer, extra=["--data", str(shapes_data / "train"), "--batch-size", "64", "--image-size", "224",
+                                     "--workers", "2", "--high-water", "40", "--drop-last"])  # full batches
+    with cgroup_v1("memory", {"memory.limit_in_bytes": str(400 << 20)}) as group:
+        proc = launch(in_cgroup(group, argv), log=log)
+        try:
+            code = proc.wait(120)
+        finally:
+            stop_daemon_process(proc, 15)
+            shutil.rmtree(buffer, ignore_errors=True)  # its tmpfs pages are charged to the cgroup
+    text = log.read_text()
+    assert code == 1, text  # the controller lived to say it (a SIGKILL is -9)
+    assert re.search(rf"ERROR   prefetchd: {MAX_WORKER_RESTARTS + 1} workers died within 60 s, \d+ of them killed by "
+                     r"the kernel's out-of-memory killer \(the daemon's memory cgroup is limited to 400\.0 MiB\): lower "
+                     r"--workers or --high-water, or give the daemon more memory", text), text[-3000:]
+    assert "died (signal SIGKILL, from the kernel's out-of-memory killer) on batch" in text
+    assert "(not that file's fault)" in text
+    assert "crashed its worker" not in text and "replacing it" not in text, text[-3000:]
