@@ -4,11 +4,13 @@ A worker that dies (its exit seen by ``pool.WorkerPool.wait``) is replaced, and 
 others; more than ``MAX_WORKER_RESTARTS`` ends within ``RESTART_WINDOW_SECONDS`` stop the job (beside a Ray
 cluster, the local workers: the producer's ``_local_workers_end``).  Where
 it died is in the ``whereabouts.Whereabouts`` it left: a file that kills whatever decodes it (a decoder's
-segfault, the OOM killer on one huge image) kills the worker that retries the task too, on the same
+segfault) kills the worker that retries the task too, on the same
 file; at ``CRASHES_TO_BLAME`` such deaths the file is taken for an undecodable one (``crashed``: the
 controller counts it as a bad sample, and the workers fail it unread, ``tasks.Task.crashed``), and
 those deaths no longer count towards the restart limit, which is for workers that die for their own
-reasons: the bad-sample limits (--strict, --max-bad-samples) are the ones for bad files.  One that
+reasons: the bad-sample limits (--strict, --max-bad-samples) are the ones for bad files.  A worker the
+kernel's OOM killer killed (``_ended``) blames no file, whatever it was on: it counts towards the restart
+limit only, whose message then says so.  One that
 hangs never dies: a worker that holds tasks and has begun no image for ``--task-timeout`` (a
 read of a hung mount, a hook that never returns, a SIGSTOP; ``pool.WorkerPool.stalled``, from the
 ``whereabouts.Whereabouts`` it writes) is killed after a warning that names it, the batch and the file,
