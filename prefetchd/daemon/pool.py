@@ -48,8 +48,9 @@ MAX_LOOK_GAP_SECONDS = 5.0
 KILL_WAIT_SECONDS = 1.0  # for a killed worker to exit (one in a read of a hung NFS mount goes when the read ends)
 T = TypeVar("T")
 # The controller's open files: its own (the buffer's folder and lock, inotify, epoll, the log, the worker server's
-# pipes: 23 in all with one worker, 27 with two and a metrics server) and 3 per worker (its task socket, its exit sentinel, the pipe of its start):
-# 116 at 32 workers.  The rest of the first figure is room for a metrics scrape, an index file, Ray's bridge.
+# pipes: 23 in all with one worker, 27 with two and a metrics server) and 3 per worker (its task socket, its exit
+# sentinel, the pipe of its start): 116 at 32 workers.  The rest of the first figure is room for a metrics scrape,
+# an index file, Ray's bridge.
 FILES_BESIDE_WORKERS = 32
 FILES_PER_WORKER = 3
 
