@@ -8,6 +8,8 @@ import logging
 import os
 import socket
 
+from prefetchd.daemon.config import usable_cpus
+
 TOKEN_AUTH = ("start the daemon with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token (or "
               "RAY_AUTH_TOKEN_PATH); see docs/SCALE.md, 'Token authentication'")
 REACH_SECONDS = 5.0  # the TCP check of a head's address before ray.init (``unreachable``)
@@ -19,9 +21,8 @@ def connect(address: str) -> None:
 
     quiet = {"logging_level": logging.WARNING, "log_to_driver": False, "namespace": "prefetchd"}
     if address == "local":
-        # The CPUs this process may use (taskset, cgroup cpusets), not the machine's: Ray counts the machine's.
-        ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False,
-                 **quiet)  # type: ignore[arg-type]
+        # The CPUs this process may use (taskset, cgroup cpusets, a CPU quota), not the machine's: Ray counts those.
+        ray.init(address="local", num_cpus=usable_cpus(), include_dashboard=False, **quiet)  # type: ignore[arg-type]
     else:
         ray.init(address=address, **quiet)  # type: ignore[arg-type]
 
