@@ -123,11 +123,16 @@ def test_an_older_trainers_0600_files_are_said_with_whose_they_are_and_the_other
     daemon = service.start("--group-access")  # no --epochs: it goes on after the trainer leaves
     service.wait(lambda: len(list_batches(buffer)) == 2, 60, "the high-water mark")
     progress, lock = buffer / "progress.old.json", buffer / "progress.old.json.lock"
-    Progress(0, 0).write(buffer, "old")  # what an older trainer wrote, under umask 077
-    lock.touch()
-    for path in (progress, lock):
-        os.chown(path, users.trainer_uid, users.gid)
-        os.chmod(path, 0o600)
+    # What an older trainer wrote, under umask 077: made aside and renamed in with its owner and mode, or the daemon
+    # may read it in between (it did, under load) and keep the batches for consumer 'old' at (0, 0) for good.
+    staging = service.base / "staging"
+    staging.mkdir()
+    Progress(0, 0).write(staging, "old")
+    (staging / lock.name).touch()
+    for path in (lock, progress):
+        os.chown(staging / path.name, users.trainer_uid, users.gid)
+        os.chmod(staging / path.name, 0o600)
+        os.rename(staging / path.name, path)
 
     read = service.read_job("other")
     assert read.returncode == 0 and read.stdout.split() == ["8"], f"{read.stdout}{read.stderr}\n{service.said()}"
