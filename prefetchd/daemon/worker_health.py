@@ -82,7 +82,7 @@ RESTART_WINDOW_SECONDS = 60.0
 # the same task again only by chance: a task's image takes milliseconds.  A third try would cost one more
 # worker start per such file, and bring the restart limit closer for nothing.  Not a death by the OOM killer:
 # memory that runs short as the buffer fills falls on the same image again, the task writing the same pages each
-# time (in a 600 MiB cgroup, 29 healthy files were taken for bad ones in 15 s), and replacing a healthy file
+# time (in a 600 MiB cgroup, 29 healthy files were taken for bad ones within 15 s), and replacing a healthy file
 # changes the batches.  Those count towards the restart limit only, which stops the job saying so.
 CRASHES_TO_BLAME = 2
 # A worker killed (SIGKILL; exit code 255: its worker server was, which ends every worker's report at once) this

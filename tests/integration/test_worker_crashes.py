@@ -103,7 +103,8 @@ def test_workers_the_oom_killer_kills_blame_no_file_and_stop_the_job_saying_so(
     """40 batches of 9.2 MiB fit a 400 MiB cgroup's limit (the start refuses more), its processes not.  Before,
     the OOM killer took the controller, the largest process, and the daemon died without a word; or it took
     workers, whose deaths fell on the same images again (the task writing the same pages each time), and healthy
-    files were replaced as ones that kill their worker, 29 in 15 s in a 600 MiB cgroup.  Now the workers are the
+    files were replaced as ones that kill their worker (29 within 15 s in a 600 MiB cgroup, the workers
+    volunteering).  Now the workers are the
     OOM killer's first choice, their deaths blame no file, and the restart limit stops the job saying why."""
     buffer, log = shm_dir / "bf", tmp_path / "daemon.log"
     argv = start_argv(buffer, extra=["--data", str(shapes_data / "train"), "--batch-size", "64", "--image-size", "224",
