@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import click
 
+from prefetchd.daemon.cgroup_limits import oom_kills, out_of_memory_where
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, stops_cleanly
 from prefetchd.synthetic import DatasetSummary, make_shapes_dataset
@@ -48,6 +50,25 @@ def generate_data(data: Path, train_per_class: int) -> DatasetSummary:
     return summary
 
 
+# Its peak, the trainer, the two daemons and their workers together: 877 MiB in a 2 GiB cgroup on this project's
+# machine; in a 700 MiB one the kernel killed the trainer, and the demo said only "exited with code -9".
+DEMO_MEMORY = "about 0.9 GiB"
+
+
+def _ended(code: int, oom_before: int | None) -> str:
+    """How the trainer ended, from its exit code (-N: signal N); a SIGKILL while the machine's count of OOM
+    kills rose is the kernel's out-of-memory killer's."""
+    if code >= 0:
+        return f"exited with code {code}"
+    if code == -signal.SIGKILL and oom_before is not None and (oom_kills() or 0) > oom_before:
+        where = out_of_memory_where("the demo")
+        return f"was killed by the kernel's out-of-memory killer ({where}; it needs {DEMO_MEMORY})"
+    try:
+        return f"was killed by signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 @stops_cleanly
 def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: int,
              train_per_class: int, keep: bool) -> int:
@@ -71,6 +92,7 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
 
         click.echo(f"[3/3] training ResNet-18 for {counted(epochs, 'epoch')} at {image_size}px alongside the daemons")
         metrics = work / "metrics.json"
+        oom_before = oom_kills()
         code = subprocess.call([
             sys.executable, "-m", "prefetchd.trainer.train", "--buffer", str(buffers / "train"),
             "--val-buffer", str(buffers / "val"), "--epochs", str(epochs), "--metrics-json", str(metrics),
@@ -80,9 +102,9 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
                 click.echo(f"the {name} daemon failed (exit code {proc.returncode}); see {work}/daemon-{name}.log", err=True)
                 code = code or 1
         if code != 0:
-            click.echo(f"demo failed: the trainer exited with code {code}; logs are in {work}", err=True)
+            click.echo(f"demo failed: the trainer {_ended(code, oom_before)}; logs are in {work}", err=True)
             keep = True
-            return code
+            return code if code > 0 else 1
         result = json.loads(metrics.read_text())
         top1 = result["final_val_top1"]
         wait_share = result["data_wait_share"]

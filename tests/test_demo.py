@@ -1,4 +1,5 @@
-"""`prefetchd demo`'s first step: what it prints to a pipe and to a terminal."""
+"""`prefetchd demo`: what its first step prints to a pipe and to a terminal, and what it says when the kernel kills
+its trainer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cgroups import cgroup_v1, in_cgroup
 
 GENERATE = "import sys; from pathlib import Path; from prefetchd.demo import generate_data; generate_data(Path(sys.argv[1]), 2)"
 TOTAL = 4 * (2 + 40)  # CLASSES * (train_per_class + VAL_PER_CLASS)
@@ -41,3 +44,15 @@ def test_the_image_count_is_in_the_progress_bar_on_a_terminal(tmp_path: Path) ->
     if b"[" not in said:
         pytest.skip("click drew no bar on this pseudo-terminal")
     assert f"{TOTAL} images".encode() in said and b"100%" in said, said
+
+
+def test_a_trainer_the_oom_killer_kills_is_said_so_with_the_memory_it_had(tmp_path: Path) -> None:
+    """In a 600 MiB cgroup the kernel kills the trainer (ResNet-18 and torch, the largest process), and the demo
+    said only "the trainer exited with code -9" (and exited 247)."""
+    with cgroup_v1("memory", {"memory.limit_in_bytes": str(600 << 20)}) as group:
+        run = subprocess.run(in_cgroup(group, [sys.executable, "-m", "prefetchd", "demo", "--workdir",
+                                               str(tmp_path / "work")]),
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert ("demo failed: the trainer was killed by the kernel's out-of-memory killer (the demo's memory cgroup is "
+            "limited to 600.0 MiB; it needs about 0.9 GiB); logs are in") in run.stderr, run.stdout + run.stderr

@@ -55,10 +55,11 @@ def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
     return None
 
 
-def out_of_memory_where() -> str:
-    """Where memory ran short, for a message about an OOM kill: the cgroup's limit, or the machine's memory."""
+def out_of_memory_where(who: str = "the daemon") -> str:
+    """Where memory ran short, for a message about an OOM kill: the limit of ``who``'s cgroup (this process's), or
+    the machine's memory."""
     limit = memory_limit()
-    return (f"the daemon's memory cgroup is limited to {binary_size(limit)}" if limit is not None else
+    return (f"{who}'s memory cgroup is limited to {binary_size(limit)}" if limit is not None else
             "the machine's memory ran short")
 
 
