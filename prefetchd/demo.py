@@ -20,9 +20,10 @@ from pathlib import Path
 
 import click
 
-from prefetchd.daemon.cgroup_limits import oom_kills, out_of_memory_where
+from prefetchd.daemon.cgroup_limits import out_of_memory_where
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, stops_cleanly
+from prefetchd.oom import oom_kills
 from prefetchd.synthetic import DatasetSummary, make_shapes_dataset
 from prefetchd.words import counted
 

@@ -42,19 +42,6 @@ def memory_limit(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO
     return _tightest("memory", lambda folder, v2: _read_memory(folder, v2, room=False), proc_cgroup, mountinfo)
 
 
-def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
-    """How many processes the kernel's out-of-memory killer has killed on this machine since it booted (any
-    cgroup's limit, or the machine's memory); None where the kernel does not say."""
-    try:
-        for line in Path(vmstat).read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def out_of_memory_where(who: str = "the daemon") -> str:
     """Where memory ran short, for a message about an OOM kill: the limit of ``who``'s cgroup (this process's), or
     the machine's memory."""
@@ -182,4 +169,4 @@ def _ratio(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-__all__ = ["cpu_quota", "memory_limit", "memory_room", "oom_kills", "out_of_memory_where", "quota_cpus"]
+__all__ = ["cpu_quota", "memory_limit", "memory_room", "out_of_memory_where", "quota_cpus"]

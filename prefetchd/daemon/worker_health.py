@@ -63,12 +63,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prefetchd.buffer_protocol import WorkerStall, batch_name
-from prefetchd.daemon.cgroup_limits import oom_kills, out_of_memory_where
+from prefetchd.daemon.cgroup_limits import out_of_memory_where
 from prefetchd.daemon.pool import Worker, WorkerPool
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
 from prefetchd.daemon.tasks import CRASHED_REASON, Filled, Task, WriteFailed
 from prefetchd.daemon.whereabouts import START_HOOK, start_step
+from prefetchd.oom import oom_kills
 from prefetchd.words import counted
 
 log = logging.getLogger(__name__)

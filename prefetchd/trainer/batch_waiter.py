@@ -61,10 +61,12 @@ from prefetchd.buffer_protocol import (
     readable_status,
 )
 from prefetchd.buffer_protocol.layout import DIR_FLAGS, PROGRESS_PATTERN, STREAM_PREFIX, check_stream_folder, owning_buffer
+from prefetchd.oom import oom_kills
 from prefetchd.trainer.daemon_status import check_served, short, status_summary
 from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobEnded, LoaderError, LoaderTimeout, StopRequested
 from prefetchd.trainer.job_command import job_command
 from prefetchd.trainer.wait_bounds import DEFAULT_STALL_TIMEOUT, MORE_TIME
+from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +149,7 @@ class BatchWaiter:
         # When a stalled worker of the daemon was last logged (monotonic), and that stall; None while none is.
         self._stall_said: float | None = None
         self._stall: WorkerStall | None = None
+        self._oom_kills = oom_kills()  # the machine's, now: a daemon that vanished may be one killed since
 
     def wait(self, epoch: int, step: int, check_progress: Callable[[], None],
              stop_requested: Callable[[], bool] | None = None) -> MappedBatch:
@@ -200,6 +203,7 @@ class BatchWaiter:
                         f"{self.buffer}: no prefetchd daemon owns this buffer (none seen for {self.grace:g} s) "
                         f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
                         f"{status_summary(self.buffer, self.manifest.rank)}. {self._restart_hint()}"
+                        f"{self._oom_hint()}"
                     )
             if now >= deadline:
                 if not looked:  # a timeout shorter than the liveness interval: the message names the owner
@@ -346,6 +350,16 @@ class BatchWaiter:
                 name, self.timeout, owning_buffer(self.buffer))
         self._stall = stall
         return stall
+
+    def _oom_hint(self) -> str:
+        """For DaemonGone: the kernel's OOM kills since this loader began, where there were any (a daemon killed so
+        leaves a status that still says it runs, and no word in its log)."""
+        now = oom_kills()
+        if now is None or self._oom_kills is None or now <= self._oom_kills:
+            return ""
+        return (f". The kernel's out-of-memory killer killed {counted(now - self._oom_kills, 'process')} on this "
+                "machine since this loader started (`dmesg` names them): if the daemon was one, give it more memory, "
+                "or lower its --high-water or --workers")
 
     def _restart_hint(self) -> str:
         """How to bring the daemon back, for DaemonGone and DaemonStuck alike: the command that resumes the

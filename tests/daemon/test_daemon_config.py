@@ -15,8 +15,9 @@ import pytest
 
 from prefetchd.daemon import config as config_mod
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cores, usable_cpus
-from prefetchd.daemon.cgroup_limits import cpu_quota, memory_limit, memory_room, oom_kills, quota_cpus
+from prefetchd.daemon.cgroup_limits import cpu_quota, memory_limit, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
+from prefetchd.oom import oom_kills
 from tests.cgroups import cgroup_v1, in_cgroup
 
 MiB = 2**20

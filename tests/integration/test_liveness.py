@@ -25,6 +25,7 @@ from prefetchd.buffer_protocol import Progress, State, batch_name, daemon_pid, l
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck, LoaderTimeout
 from tests import slow_hook
+from tests.cgroups import cgroup_v1, in_cgroup
 from tests.status_examples import production_of, state_of
 from tests.waiting import wait_for
 
@@ -129,6 +130,30 @@ def test_killed_daemon_is_reported_gone_with_a_restart_that_resumes(shapes_data:
     steps += [b.step for b in BufferLoader(buffer, normalize=False, timeout=120, start=(0, steps[-1] + 1))]
     assert steps == list(range(len(loader)))
     assert restarted.proc.poll() in (None, 0)  # took the buffer over as the same job, no refusal
+
+
+def test_a_daemon_gone_while_the_oom_killer_killed_is_said_with_those_kills(shapes_data: Path, shm_dir: Path,
+                                                                             start_daemon: Any) -> None:
+    """A daemon the kernel's OOM killer kills leaves a status that says it runs and no word in its log: the trainer
+    said only that no daemon owns the buffer.  Here a real OOM kill (a process in a 64 MiB cgroup) while the loader
+    reads, then the daemon SIGKILLed as the OOM killer would."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2", "--low-water", "1")
+    wait_running(buffer, daemon.proc.pid)
+    loader = BufferLoader(buffer, normalize=False, timeout=120, daemon_grace=1.0, stall_timeout=STALL)
+    it = iter(loader)
+    next(it)
+    with cgroup_v1("memory", {"memory.limit_in_bytes": str(64 << 20)}) as group:
+        hog = subprocess.run(in_cgroup(group, [sys.executable, "-c", "bytearray(256 << 20)"]), timeout=60)
+    assert hog.returncode == -signal.SIGKILL, "the OOM killer took the process over its cgroup's limit"
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(10)
+    with pytest.raises(DaemonGone, match=r"no prefetchd daemon owns this buffer .*\. The kernel's out-of-memory "
+                                         r"killer killed \d+ process(es)? on this machine since this loader started "
+                                         r"\(`dmesg` names them\): if the daemon was one, give it more memory, or "
+                                         r"lower its --high-water or --workers$"):
+        for _ in it:
+            pass
 
 
 # It dies without closing its loader, as a trainer that crashes (OOM-killed, a segfault) does.
