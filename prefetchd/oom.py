@@ -1,5 +1,6 @@
-"""The machine's count of the kernel's OOM kills, which the daemon (its workers' deaths), the trainer (a daemon that
-vanished) and the demo (its trainer) read to tell a kill for want of memory from another."""
+"""The machine's count of the kernel's OOM kills, which the trainer (a daemon that vanished), the demo (its trainer)
+and the daemon (its workers' deaths, where its memory cgroup keeps no count of its own) read to tell a kill for want
+of memory from another."""
 
 from __future__ import annotations
 

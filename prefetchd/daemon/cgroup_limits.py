@@ -56,20 +56,8 @@ T = TypeVar("T", int, float)
 def _tightest(controller: str, read: Callable[[Path, bool], T | None], proc_cgroup: str,
               mountinfo: str) -> T | None:
     """The least ``read`` finds in the folders of ``controller``'s cgroups of this process, up to the root."""
-    try:
-        memberships = _memberships(Path(proc_cgroup).read_text())
-        mounts = Path(mountinfo).read_text().splitlines()
-    except OSError:
-        return None
     found = []
-    for mount_point, mount_root, v2 in _mounts(mounts, controller):
-        path = memberships.get("" if v2 else controller)
-        if path is None:
-            continue
-        # In a cgroup namespace (a container) the mount's root is the namespace's: the path is below it.
-        below = path[len(mount_root):] if path.startswith(mount_root) else path
-        folder = Path(mount_point, below.lstrip("/"))
-        top = Path(mount_point)
+    for folder, top, v2 in _own_folders(controller, proc_cgroup, mountinfo):
         while True:
             value = read(folder, v2)
             if value is not None:
@@ -78,6 +66,41 @@ def _tightest(controller: str, read: Callable[[Path, bool], T | None], proc_cgro
                 break
             folder = folder.parent
     return min(found) if found else None
+
+
+def _own_folders(controller: str, proc_cgroup: str, mountinfo: str) -> list[tuple[Path, Path, bool]]:
+    """(folder, its hierarchy's mount point, is v2) of this process's cgroup in each hierarchy that can hold
+    ``controller``'s files; none where /proc cannot say."""
+    try:
+        memberships = _memberships(Path(proc_cgroup).read_text())
+        mounts = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return []
+    folders = []
+    for mount_point, mount_root, v2 in _mounts(mounts, controller):
+        path = memberships.get("" if v2 else controller)
+        if path is None:
+            continue
+        # In a cgroup namespace (a container) the mount's root is the namespace's: the path is below it.
+        below = path[len(mount_root):] if path.startswith(mount_root) else path
+        folders.append((Path(mount_point, below.lstrip("/")), Path(mount_point), v2))
+    return folders
+
+
+def cgroup_oom_kills(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO) -> int | None:
+    """How many processes of this process's memory cgroup the kernel's OOM killer has killed (cgroup v2's
+    ``memory.events``, which counts those of the cgroups below it too; v1's ``memory.oom_control``); None where
+    neither says.  Unlike the machine's count (``prefetchd.oom``), another cgroup's OOM kills leave it as it was."""
+    for folder, _top, v2 in _own_folders("memory", proc_cgroup, mountinfo):
+        try:
+            lines = (folder / ("memory.events" if v2 else "memory.oom_control")).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
 
 
 def quota_cpus(cores: int, quota: float | None) -> int:
@@ -169,4 +192,4 @@ def _ratio(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-__all__ = ["cpu_quota", "memory_limit", "memory_room", "out_of_memory_where", "quota_cpus"]
+__all__ = ["cgroup_oom_kills", "cpu_quota", "memory_limit", "memory_room", "out_of_memory_where", "quota_cpus"]

@@ -63,7 +63,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prefetchd.buffer_protocol import WorkerStall, batch_name
-from prefetchd.daemon.cgroup_limits import out_of_memory_where
+from prefetchd.daemon.cgroup_limits import cgroup_oom_kills, out_of_memory_where
 from prefetchd.daemon.pool import Worker, WorkerPool
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
@@ -87,7 +87,7 @@ RESTART_WINDOW_SECONDS = 60.0
 # changes the batches.  Those count towards the restart limit only, which stops the job saying so.
 CRASHES_TO_BLAME = 2
 # A worker killed (SIGKILL; exit code 255: its worker server was, which ends every worker's report at once) this
-# long after the machine's count of OOM kills rose was killed by the OOM killer.
+# long after the count of OOM kills rose (its memory cgroup's, else the machine's) was killed by the OOM killer.
 OOM_WINDOW_SECONDS = 2.0
 # A task that hangs this many times (each time on a new worker, killed after --task-timeout) stops the job: what
 # hangs again is the file or the hook, not the worker.  As many tries as the Ray bridge gives a slice (MAX_ATTEMPTS).
@@ -154,7 +154,10 @@ class WorkerHealth:
         self.ends: deque[float] = deque()  # when workers died or were killed, within RESTART_WINDOW_SECONDS
         self.oom_ends: deque[float] = deque()  # those of them the kernel's out-of-memory killer killed
         self.oom_files: set[str] = set()  # the files those workers were on (a file shown as ``_place`` shows it)
-        self.oom_seen = oom_kills()  # the machine's count of OOM kills at the last look (``hung``, ``died``)
+        # The count of OOM kills looked at: its memory cgroup's, which other cgroups' kills leave alone, else the
+        # machine's; and what it was at the last look (``hung``, ``died``).
+        self.oom_count = cgroup_oom_kills if cgroup_oom_kills() is not None else oom_kills
+        self.oom_seen = self.oom_count()
         self.oom_at: float | None = None  # when a look last found it risen
         self.last_end = ""  # how the last worker that died ended (``ended``, and whose kill)
         # By (task id, sample), of tasks still wanted: when each worker died on that sample, and how it ended.
@@ -235,8 +238,9 @@ class WorkerHealth:
 
     def _ended(self, worker: Worker, now: float) -> tuple[str, bool]:
         """How ``worker`` ended (``ended``), and whether the kernel's out-of-memory killer ended it: it was killed
-        and the machine's count of OOM kills rose within ``OOM_WINDOW_SECONDS`` (as the looks found it: each
-        second, ``hung``, and now).  The first such death is said as a warning with where memory ran short."""
+        and the count of OOM kills (its memory cgroup's, else the machine's) rose within ``OOM_WINDOW_SECONDS``
+        (as the looks found it: each second, ``hung``, and now).  The first such death is said as a warning with
+        where memory ran short."""
         self._look_for_oom_kills(now)
         code = worker.process.exitcode
         how = ended(code)
@@ -251,7 +255,7 @@ class WorkerHealth:
         return f"{how}, from the kernel's out-of-memory killer", True
 
     def _look_for_oom_kills(self, now: float) -> None:
-        count = oom_kills()
+        count = self.oom_count()
         if count is not None and self.oom_seen is not None and count > self.oom_seen:
             self.oom_at = now
         self.oom_seen = count

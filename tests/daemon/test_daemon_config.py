@@ -15,7 +15,7 @@ import pytest
 
 from prefetchd.daemon import config as config_mod
 from prefetchd.daemon.config import FIELDS, DaemonConfig, fill_defaults, load_toml, usable_cores, usable_cpus
-from prefetchd.daemon.cgroup_limits import cpu_quota, memory_limit, memory_room, quota_cpus
+from prefetchd.daemon.cgroup_limits import cgroup_oom_kills, cpu_quota, memory_limit, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.oom import oom_kills
 from tests.cgroups import cgroup_v1, in_cgroup
@@ -369,6 +369,31 @@ def test_a_process_in_a_cgroup_with_a_cpu_quota_counts_the_quota_not_the_cores(s
     cores = len(os.sched_getaffinity(0))
     assert workers == (f"workers = 1  # default: 1 usable CPU: a CPU quota of 0.5 of the {cores} cores it may "
                        "run on"), workers
+
+
+def test_a_cgroups_oom_kills_are_its_own(tmp_path: Path) -> None:
+    """A worker the OOM killer takes is told by its cgroup's count: another cgroup's kills (another container, a
+    test's cgroup) leave it as it was, where the machine's count rises."""
+    cgroup, mountinfo = cgroup_files(tmp_path, "0::/svc\n", ["/ /sys/fs/cgroup cgroup2 rw"], {
+        "sys/fs/cgroup/svc/memory.events": "low 0\nhigh 0\nmax 9\noom 3\noom_kill 2\noom_group_kill 0\n"})
+    assert cgroup_oom_kills(cgroup, mountinfo) == 2
+    cgroup, mountinfo = cgroup_files(tmp_path / "v1", "4:memory:/docker/abc\n",
+                                     ["/ /sys/fs/cgroup/memory cgroup rw,memory"], {
+        "sys/fs/cgroup/memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n"})
+    assert cgroup_oom_kills(cgroup, mountinfo) == 5
+    assert cgroup_oom_kills(cgroup, str(tmp_path / "absent")) is None
+
+    before_here, before_machine = cgroup_oom_kills(), oom_kills()
+    with cgroup_v1("memory", {"memory.limit_in_bytes": str(64 << 20)}) as group:
+        hog = subprocess.run(in_cgroup(group, [sys.executable, "-c", "bytearray(256 << 20)"]), timeout=60)
+        assert hog.returncode == -9, "the OOM killer took the process over its cgroup's limit"
+        inside = subprocess.run(in_cgroup(group, [sys.executable, "-c", "from prefetchd.daemon.cgroup_limits import "
+                                                  "cgroup_oom_kills; print(cgroup_oom_kills())"]),
+                                capture_output=True, text=True, timeout=60)
+    assert inside.stdout.strip() == "1", inside.stdout + inside.stderr
+    assert (oom_kills() or 0) > (before_machine or 0)
+    if before_here is not None:  # this cgroup v1's own count: the other cgroup's kill is not in it
+        assert cgroup_oom_kills() == before_here
 
 
 def test_the_machines_oom_kills_are_read_from_vmstat(tmp_path: Path) -> None:
