@@ -77,14 +77,14 @@ log = logging.getLogger(__name__)
 MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives up
 RESTART_WINDOW_SECONDS = 60.0
 # Workers that died on one sample of one task (a worker that dies and the one that runs its task again, from its
-# first image), after which that sample's file is taken for one that kills its worker.  A segfault in a decoder
-# or an image too big for memory is deterministic: the second death on it is the proof.  A death that is not the
-# file's (a worker killed by hand, the OOM killer picking it for memory others use) falls on the same image of
-# the same task again only by chance: a task's image takes milliseconds.  A third try would cost one more
-# worker start per such file, and bring the restart limit closer for nothing.  Not a death by the OOM killer:
-# memory that runs short as the buffer fills falls on the same image again, the task writing the same pages each
-# time (in a 600 MiB cgroup, 29 healthy files were taken for bad ones within 15 s), and replacing a healthy file
-# changes the batches.  Those count towards the restart limit only, which stops the job saying so.
+# first image), after which that sample's file is taken for one that kills its worker.  A segfault in a decoder is
+# deterministic: the second death on it is the proof.  A death that is not the file's (a worker killed by hand)
+# falls on the same image of the same task again only by chance: a task's image takes milliseconds.  A third try
+# would cost one more worker start per such file, and bring the restart limit closer for nothing.  Not a death by
+# the OOM killer: memory that runs short as the buffer fills falls on the same image again, the task writing the
+# same pages each time (in a 600 MiB cgroup, 29 healthy files were taken for bad ones within 15 s), and replacing
+# a healthy file changes the batches.  Those count towards the restart limit only, which stops the job saying so;
+# an image too big for the memory is --max-image-pixels' to refuse.
 CRASHES_TO_BLAME = 2
 # A worker killed (SIGKILL; exit code 255: its worker server was, which ends every worker's report at once) this
 # long after the count of OOM kills rose (its memory cgroup's, else the machine's) was killed by the OOM killer.

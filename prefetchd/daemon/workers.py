@@ -31,11 +31,11 @@ import ctypes
 import os
 import signal
 import sys
-from pathlib import Path
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
