@@ -22,6 +22,9 @@ def cgroup_v1(controller: str, limits: dict[str, str]) -> Iterator[Path]:
     group = root / f"prefetchd-test-{os.getpid()}-{time.monotonic_ns()}"
     group.mkdir()
     try:
+        if controller == "memory" and (group / "memory.swappiness").exists():
+            # Where the machine has swap, a process over the limit would be swapped out rather than OOM-killed.
+            (group / "memory.swappiness").write_text("0")
         for name, value in limits.items():
             (group / name).write_text(value)
         yield group
