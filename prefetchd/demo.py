@@ -25,7 +25,7 @@ from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, stops_cleanly
 from prefetchd.oom import oom_kills
 from prefetchd.synthetic import DatasetSummary, make_shapes_dataset
-from prefetchd.words import counted
+from prefetchd.words import counted, ended
 
 CLASSES = 4
 VAL_PER_CLASS = 40
@@ -64,10 +64,7 @@ def _ended(code: int, oom_before: int | None) -> str:
     if code == -signal.SIGKILL and oom_before is not None and (oom_kills() or 0) > oom_before:
         where = out_of_memory_where("the demo")
         return f"was killed by the kernel's out-of-memory killer ({where}; it needs {DEMO_MEMORY})"
-    try:
-        return f"was killed by signal {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"
+    return f"was killed by {ended(code)}"
 
 
 @stops_cleanly

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 
@@ -57,4 +58,17 @@ def moment(when: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
 
 
-__all__ = ["agreeing", "binary_size", "counted", "epochs_flag", "moment", "rank_ranges"]
+def ended(exitcode: int | None) -> str:
+    """How a process ended, from its exit code (-N: signal N): "exit code 1", "signal SIGKILL"."""
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+__all__ = ["agreeing", "binary_size", "counted", "ended", "epochs_flag", "moment", "rank_ranges"]
+

@@ -70,7 +70,7 @@ from prefetchd.daemon.stream import Build
 from prefetchd.daemon.tasks import CRASHED_REASON, Filled, Task, WriteFailed
 from prefetchd.daemon.whereabouts import START_HOOK, start_step
 from prefetchd.oom import oom_kills
-from prefetchd.words import counted
+from prefetchd.words import counted, ended
 
 log = logging.getLogger(__name__)
 
@@ -587,17 +587,5 @@ def _forget_before(window: deque[float], now: float) -> None:
         window.popleft()
 
 
-def ended(exitcode: int | None) -> str:
-    """How a worker process ended, from its exit code (-N: signal N)."""
-    if exitcode is None:
-        return "exit status unknown"
-    if exitcode < 0:
-        try:
-            return f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
 __all__ = ["CRASHES_TO_BLAME", "MAX_TASK_HANGS", "MAX_WORKER_RESTARTS", "RESTART_WINDOW_SECONDS", "SliceStall",
-           "WorkerHealth", "ended", "stall_noted_after"]
+           "WorkerHealth", "stall_noted_after"]
