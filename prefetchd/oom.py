@@ -10,14 +10,20 @@ from pathlib import Path
 def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
     """How many processes the kernel's out-of-memory killer has killed on this machine since it booted (any
     cgroup's limit, or the machine's memory); None where the kernel does not say."""
+    return keyed_value(Path(vmstat), "oom_kill")
+
+
+def keyed_value(path: Path, key: str) -> int | None:
+    """The number after ``key`` in a file of "key value" lines (/proc/vmstat; a cgroup's memory.stat,
+    memory.events, memory.oom_control); None where the file cannot be read, or has no such number."""
     try:
-        for line in Path(vmstat).read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
                 return int(value)
     except (OSError, ValueError):
         return None
     return None
 
 
-__all__ = ["oom_kills"]
+__all__ = ["keyed_value", "oom_kills"]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from prefetchd.oom import keyed_value
 from prefetchd.words import binary_size
 
 PROC_CGROUP = "/proc/self/cgroup"
@@ -34,12 +35,12 @@ def cpu_quota(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO) -
 def memory_room(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO) -> int | None:
     """Bytes the cgroups of this process may still take before their memory limit: the limit less what they
     use, not counting the page cache they could drop (inactive files); None when none sets a limit."""
-    return _tightest("memory", _read_memory, proc_cgroup, mountinfo)
+    return _tightest("memory", _read_memory_room, proc_cgroup, mountinfo)
 
 
 def memory_limit(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNTINFO) -> int | None:
     """The tightest memory limit, in bytes, of the cgroups of this process; None when none sets one."""
-    return _tightest("memory", lambda folder, v2: _read_memory(folder, v2, room=False), proc_cgroup, mountinfo)
+    return _tightest("memory", _read_memory_limit, proc_cgroup, mountinfo)
 
 
 def out_of_memory_where(who: str = "the daemon") -> str:
@@ -92,14 +93,9 @@ def cgroup_oom_kills(proc_cgroup: str = PROC_CGROUP, mountinfo: str = PROC_MOUNT
     ``memory.events``, which counts those of the cgroups below it too; v1's ``memory.oom_control``); None where
     neither says.  Unlike the machine's count (``prefetchd.oom``), another cgroup's OOM kills leave it as it was."""
     for folder, _top, v2 in _own_folders("memory", proc_cgroup, mountinfo):
-        try:
-            lines = (folder / ("memory.events" if v2 else "memory.oom_control")).read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
-                return int(value)
+        count = keyed_value(folder / ("memory.events" if v2 else "memory.oom_control"), "oom_kill")
+        if count is not None:
+            return count
     return None
 
 
@@ -159,29 +155,25 @@ def _read_cpu(folder: Path, v2: bool) -> float | None:
 V1_NO_LIMIT = 1 << 62
 
 
-def _read_memory(folder: Path, v2: bool, room: bool = True) -> int | None:
-    """The limit in ``folder`` less what its cgroup uses (``room``), or the limit itself."""
-    limit_name, usage_name, inactive_key = (("memory.max", "memory.current", "inactive_file") if v2 else
-                                            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+def _read_memory_limit(folder: Path, v2: bool) -> int | None:
     try:
-        limit_text = (folder / limit_name).read_text().strip()
-        if limit_text == "max" or int(limit_text) >= V1_NO_LIMIT:
-            return None
-        if not room:
-            return int(limit_text)
-        usage = int((folder / usage_name).read_text())
+        limit = (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+        return None if limit == "max" or int(limit) >= V1_NO_LIMIT else int(limit)
     except (OSError, ValueError):
         return None
-    inactive = 0
+
+
+def _read_memory_room(folder: Path, v2: bool) -> int | None:
+    """The limit in ``folder`` less what its cgroup uses, not counting the inactive page cache."""
+    limit = _read_memory_limit(folder, v2)
+    if limit is None:
+        return None
     try:
-        for line in (folder / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == inactive_key:
-                inactive = int(value)
-                break
+        usage = int((folder / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
     except (OSError, ValueError):
-        pass
-    return max(0, int(limit_text) - max(0, usage - inactive))
+        return None
+    inactive = keyed_value(folder / "memory.stat", "inactive_file" if v2 else "total_inactive_file") or 0
+    return max(0, limit - max(0, usage - inactive))
 
 
 def _ratio(quota: str, period: str) -> float | None:
