@@ -1,6 +1,6 @@
 """The machine's count of the kernel's OOM kills, which the trainer (a daemon that vanished), the demo (its trainer)
 and the daemon (its workers' deaths, where its memory cgroup keeps no count of its own) read to tell a kill for want
-of memory from another."""
+of memory from another; and the reader of the kernel's "key value" files it and the cgroups' counts are in."""
 
 from __future__ import annotations
 

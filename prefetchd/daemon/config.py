@@ -379,7 +379,8 @@ def fill_defaults(cfg: DaemonConfig, held: int | None = None) -> tuple[DaemonCon
     notes: list[str] = []
     changes: dict[str, Any] = {}
     if cfg.workers is None:
-        cpus, cores, quota = usable_cpus(), len(usable_cores()), cpu_quota()
+        cores, quota = len(usable_cores()), cpu_quota()  # usable_cpus(), with the parts its note names
+        cpus = quota_cpus(cores, quota)
         changes["workers"] = max(1, cpus - 1)
         limited = f": a CPU quota of {quota:g} of the {cores} cores it may run on" if quota and cpus < cores else ""
         notes.append(f"workers = {changes['workers']} ({counted(cpus, 'usable CPU')}{limited}"

@@ -239,7 +239,8 @@ def test_usable_cores_are_the_affinity_and_usable_cpus_their_count() -> None:
 
 @pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 2), (64, 63)])
 def test_default_workers(shm_buffer: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int) -> None:
-    monkeypatch.setattr(config_mod, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(config_mod, "usable_cores", lambda: set(range(cpus)))
+    monkeypatch.setattr(config_mod, "cpu_quota", lambda: None)
     cfg, notes = fill_defaults(DaemonConfig(buffer=shm_buffer))
     assert cfg.workers == workers
     assert any(n.startswith(f"workers = {workers}") for n in notes)
