@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,3 +50,10 @@ def cgroup_v1(controller: str, limits: dict[str, str]) -> Iterator[Path]:
 def in_cgroup(group: Path, argv: list[str]) -> list[str]:
     """``argv`` run in ``group``: a shell that joins it, then becomes the command."""
     return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
+
+
+def oom_killed_in(group: Path) -> None:
+    """Run in ``group``, a memory cgroup of a limit under 256 MiB, a process that takes 256 MiB: the kernel's OOM
+    killer kills it, and each count of OOM kills (the cgroup's, the machine's) rises by one."""
+    hog = subprocess.run(in_cgroup(group, [sys.executable, "-c", "bytearray(256 << 20)"]), timeout=60)
+    assert hog.returncode == -signal.SIGKILL, "the OOM killer took the process over its cgroup's limit"

@@ -25,7 +25,7 @@ from prefetchd.buffer_protocol import Progress, State, batch_name, daemon_pid, l
 from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.trainer import BufferLoader, DaemonGone, DaemonStuck, LoaderTimeout
 from tests import slow_hook
-from tests.cgroups import cgroup_v1, in_cgroup
+from tests.cgroups import cgroup_v1, oom_killed_in
 from tests.status_examples import production_of, state_of
 from tests.waiting import wait_for
 
@@ -144,8 +144,7 @@ def test_a_daemon_gone_while_the_oom_killer_killed_is_said_with_those_kills(shap
     it = iter(loader)
     next(it)
     with cgroup_v1("memory", {"memory.limit_in_bytes": str(64 << 20)}) as group:
-        hog = subprocess.run(in_cgroup(group, [sys.executable, "-c", "bytearray(256 << 20)"]), timeout=60)
-    assert hog.returncode == -signal.SIGKILL, "the OOM killer took the process over its cgroup's limit"
+        oom_killed_in(group)
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait(10)
     with pytest.raises(DaemonGone, match=r"no prefetchd daemon owns this buffer .*\. The kernel's out-of-memory "
