@@ -122,12 +122,17 @@ class StreamProgress:
     @property
     def finished(self) -> bool:
         """Every consumer that may still come is at the end, and one got there: closed ones left,
-        and silent ones (past the consumer timeout) are not waited for."""
+        and silent ones (past the consumer timeout) are not waited for.
+
+        Silence counts from this daemon's start at the earliest: a trainer of a sweep that crashed, and resumes
+        after the others finished, finds no daemon, and the one started again for it (README, "Several
+        trainers") found its progress older than the timeout and ended at once, with "nothing to produce"."""
         if self.end is None:
             return False
         now = time.time()
         seen = [c for c in self.consumers.values() if c.seen] or [self.consumers[DEFAULT_CONSUMER]]
-        expected = [c for c in seen if not c.closed and c.silent_for(now) <= self.consumer_timeout]
+        expected = [c for c in seen if not c.closed
+                    and min(c.silent_for(now), now - self.started) <= self.consumer_timeout]
         return any(c.position >= self.end for c in seen) and all(c.position >= self.end for c in expected)
 
     def read_progress(self) -> bool:

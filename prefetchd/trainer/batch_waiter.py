@@ -60,7 +60,8 @@ from prefetchd.buffer_protocol import (
     map_batch,
     readable_status,
 )
-from prefetchd.buffer_protocol.layout import DIR_FLAGS, PROGRESS_PATTERN, STREAM_PREFIX, check_stream_folder, owning_buffer
+from prefetchd.buffer_protocol.layout import (DEFAULT_CONSUMER, DIR_FLAGS, PROGRESS_PATTERN, STREAM_PREFIX,
+                                             check_stream_folder, owning_buffer, progress_name)
 from prefetchd.oom import oom_kills
 from prefetchd.trainer.daemon_status import check_served, short, status_summary
 from prefetchd.trainer.errors import DaemonGone, DaemonStuck, JobEnded, LoaderError, LoaderTimeout, StopRequested
@@ -124,8 +125,10 @@ class BatchWaiter:
         stall: seconds without the owner's heartbeat before :class:`DaemonStuck`; None: never.
     """
 
-    def __init__(self, buffer: Path, manifest: Manifest, timeout: float, grace: float, stall: float | None) -> None:
+    def __init__(self, buffer: Path, manifest: Manifest, timeout: float, grace: float, stall: float | None,
+                 consumer: str = DEFAULT_CONSUMER) -> None:
         self.buffer = buffer
+        self.progress = progress_name(consumer)  # where a daemon started again finds this loader's position
         self._rank_stream = owning_buffer(buffer) != buffer
         # The folder the loader reads its batches from, open for its life (``close``, or a finalizer for a waiter
         # dropped unclosed): a batch is looked up in it (``map_batch``'s dir_fd), never by a path that a member of
@@ -370,10 +373,10 @@ class BatchWaiter:
             return (f"It failed (the message in its status, above): fix that first, then restart it with the "
                     f"flags it had: the job's are `{job_command(self.manifest, self.buffer)}`, to which add the "
                     "daemon's own it was started with (such as --workers, --strict or --max-bad-*); it resumes "
-                    "from progress.json")
+                    f"from {self.progress}")
         return (f"Restart it with `{job_command(self.manifest, self.buffer)}` and the daemon's own flags it was "
                 "started with (such as --workers or --high-water), or as it was started (its service): it resumes "
-                "from progress.json")
+                f"from {self.progress}")
 
     def _check_heartbeat(self, owner: DaemonOwner, status: Status | None, name: str, epoch: int, step: int,
                          waited: float) -> None:

@@ -173,7 +173,7 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
                 f"pin={pin!r} needs a CUDA device, but device={str(device)!r}; pass pin='auto' or leave it out"
             )
         self._waiter = BatchWaiter(self._buffer, self._manifest, self._timeout, float(daemon_grace),
-                                   float(stall_timeout) if stall_timeout is not None else None)
+                                   float(stall_timeout) if stall_timeout is not None else None, self._consumer)
         try:
             self._at = Where(*self._start_position(start))
             self._progress = ProgressFile(self._buffer, self._consumer, self._manifest.job_key)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torchvision.datasets import ImageFolder
 
-from prefetchd.buffer_protocol import BatchLayout, Progress, batch_name, list_batches, read_status, stream_dir
+from prefetchd.buffer_protocol import BatchLayout, Progress, State, batch_name, list_batches, read_status, stream_dir
 from prefetchd.trainer import Batch, BufferLoader
 from tests.waiting import wait_for
 
@@ -282,3 +282,46 @@ def test_a_flood_of_progress_files_leaves_the_status_readable_and_the_consumers_
             status = read_status(buffer)
             assert status is not None and time.time() - status.heartbeat < 3.0, status
     assert len(re.findall(r"ignoring \d+ progress files in", daemon.log)) == 1, daemon.log[-3000:]
+
+
+def test_a_crashed_consumer_resumes_on_the_daemon_restarted_after_the_others_finished(
+        shapes_data: Path, shm_dir: Path, start_daemon: Any, tmp_path: Path) -> None:
+    """README, "Several trainers": a trainer of a sweep that crashed and resumes after the others finished finds
+    no daemon, and the same `prefetchd start` line serves it from its progress.  That daemon said "nothing to
+    produce" and exited: the crashed trainer's progress, written before it started, was older than
+    --consumer-timeout, so the trainer counted as silent, one not waited for, and the others were done."""
+    data, buffer = shapes_data / "train", shm_dir / "bf"
+    args = ["--data", data, "--batch-size", str(BATCH), "--image-size", str(SIZE), "--workers", "1", "--seed", "7",
+            "--epochs", "1", "--high-water", str(HIGH), "--consumer-timeout", "2"]
+    daemon = start_daemon(buffer, *args)
+    steps = -(-len(ImageFolder(str(data)).samples) // BATCH)
+    script = tmp_path / "consumer.py"
+    script.write_text(CONSUMER)
+    ckpt, crashed_log = tmp_path / "crashed.pt", tmp_path / "crashed.log"
+    crashed = subprocess.Popen([sys.executable, str(script), str(buffer), "crashed", str(ckpt), str(crashed_log), "0.5"])
+    try:
+        wait_for(lambda: len(read_log(crashed_log)) >= 2, 60, "the consumer that crashes to read 2 batches")
+        crashed.kill()
+        crashed.wait(10)
+    finally:
+        if crashed.poll() is None:
+            crashed.kill()
+            crashed.wait()
+    with BufferLoader(buffer, normalize=False, timeout=60, consumer="done", start=(0, 0)) as loader:
+        done = [record(b) for b in loader]
+    assert [(r["epoch"], r["step"]) for r in done] == [(0, s) for s in range(steps)]
+    assert daemon.wait_exit(30) == 0, "the others done and the crashed one silent: the daemon finishes"
+    time.sleep(2.5)  # the crashed consumer's progress now older than --consumer-timeout, as after a while
+
+    # The daemon first, as the README has it: it waits for the crashed consumer, rather than finding it silent.
+    restarted = start_daemon(buffer, *args)
+    restarted.wait_until(lambda: (st := read_status(buffer)) is not None and st.pid == restarted.proc.pid
+                         and st.state in (State.FILLING, State.FULL), 30, "to produce for the crashed consumer")
+    state = torch.load(ckpt, weights_only=True)["loader"]
+    with BufferLoader(buffer, normalize=False, timeout=60, daemon_grace=10, consumer="crashed") as loader:
+        loader.load_state_dict(state)
+        resumed = [record(b) for b in loader]
+    at = state["epoch"] * steps + state["step"]
+    assert 0 < at < steps and resumed == done[at:], "the crashed consumer gets exactly the batches it missed"
+    assert restarted.wait_exit(30) == 0, "and the daemon finishes once it has read them"
+    assert "nothing to produce" not in restarted.log, restarted.log

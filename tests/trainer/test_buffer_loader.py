@@ -677,16 +677,18 @@ def test_status_of_another_pid_is_no_heartbeat(make_job: MakeJob) -> None:
     assert 0.5 <= time.monotonic() - start < 0.5 + 4.0
 
 
-def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob) -> None:
+@pytest.mark.parametrize("consumer, progress", [(None, "progress.json"), ("trial-3", "progress.trial-3.json")])
+def test_stale_heartbeat_of_the_owner_is_stuck_at_once(make_job: MakeJob, consumer: str | None, progress: str) -> None:
     job = make_job()
     job.claim()
     write_status_at_heartbeat(job.buffer, Status(pid=os.getpid(), state=State.FILLING, heartbeat=time.time() - 100))
     with pytest.raises(DaemonStuck, match=r"no heartbeat for 10\d\.\d s.*last state filling") as info:
-        next(iter(BufferLoader(job.buffer, timeout=30, stall_timeout=60)))
+        next(iter(BufferLoader(job.buffer, timeout=30, stall_timeout=60, consumer=consumer)))
     # The restart DaemonGone suggests, caveat included: the command names the job, not --high-water & co.
     msg = str(info.value)
     assert f"Restart it with `prefetchd start --buffer {job.buffer} --data /data/fake" in msg, msg
     assert "and the daemon's own flags it was started with (such as --workers or --high-water)" in msg, msg
+    assert f"it resumes from {progress}. " in msg, msg  # a sweep's trainer: its own file, not progress.json
 
 
 def test_stall_timeout_none_disables_the_check(make_job: MakeJob) -> None:
