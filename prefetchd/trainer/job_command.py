@@ -17,19 +17,25 @@ from prefetchd.words import rank_ranges
 def job_command(m: Manifest, stream: Path, verb: str = "start") -> str:
     """The ``prefetchd start`` (or ``submit``) that serves ``m``'s job on the buffer of ``stream``
     again: every flag of the job's identity (a daemon started with others would refuse the buffer
-    as another job's) and its epochs, so that the daemon resumes from progress.json."""
+    as another job's) and its epochs, so that the daemon resumes from progress.json.
+
+    ``start`` leaves out what its defaults give (``--seed 0``); ``submit`` does not, since a job
+    takes what it leaves out from the daemon's own settings, a service's ``seed = 7`` say: its
+    command gave the job seed 7 again, and the same StateMismatch.  (An augmentation, a
+    ``--val-fraction`` or a ``--transform`` that the job has not, no flag can unset.)"""
     buffer = owning_buffer(stream)
+    every = verb == "submit"
     options: dict[str, object] = {
         "data": m.dataset_root,
-        "split": m.split if m.split != "train" else None,
+        "split": m.split if every or m.split != "train" else None,
         "val_fraction": exact_number(m.val_fraction) if m.val_fraction is not None else None,
         "batch_size": m.batch_size,
         "image_size": m.image_size,
-        "seed": m.seed or None,
-        "world_size": m.world_size if m.world_size > 1 else None,
-        "ranks": _served_ranks(m, buffer) if m.world_size > 1 else None,
+        "seed": m.seed if every or m.seed else None,
+        "world_size": m.world_size if every or m.world_size > 1 else None,
+        "ranks": _served_ranks(m, buffer) if every or m.world_size > 1 else None,
         **augmentation_options(m.augmentation),
-        "drop_last": m.drop_last or None,
+        "drop_last": m.drop_last if every else m.drop_last or None,
         "epochs": m.epochs,
     }
     return shlex.join(["prefetchd", verb, "--buffer", str(buffer), *option_args(options)])

@@ -1155,3 +1155,32 @@ def test_the_restart_command_a_trainer_prints_starts_the_same_job(runner: CliRun
     (tmp_path / "shown.toml").write_text(result.output)
     again = DaemonConfig(**load_toml(tmp_path / "shown.toml"))
     assert manifest(again).identity_diff(manifest(first)) == [], command
+
+
+def test_the_submit_command_a_trainer_prints_gives_the_job_over_the_daemons_own_settings(
+        runner: CliRunner, tmp_path: Path) -> None:
+    """The `prefetchd submit ... --replace` that a StateMismatch and a JobReplaced advise (``job_command``): a
+    setting it leaves out is the daemon's own, so a job of seed 0 submitted to a service whose config says
+    `seed = 7` came back as seed 7, and the same StateMismatch, round and round.  Over a config that sets
+    every identity setting otherwise, the command's flags give the job back."""
+    pytest.importorskip("torch")  # the trainer package imports it (CI's Python 3.10 stage has none)
+    from prefetchd.buffer_protocol import Manifest
+    from prefetchd.trainer.job_command import job_command
+
+    def manifest(cfg: DaemonConfig) -> Manifest:
+        return Manifest(dataset_root=str(cfg.data), fingerprint="f", classes=["a"], num_samples=90, split=cfg.split,
+                        seed=cfg.seed, batch_size=cfg.batch_size, image_size=cfg.image_size, samples_per_epoch=30,
+                        steps_per_epoch=1, epochs=cfg.epochs, producer="p", val_fraction=cfg.val_fraction,
+                        augmentation=cfg.augmentation, drop_last=cfg.drop_last, world_size=cfg.world_size)
+
+    job = DaemonConfig(buffer=tmp_path / "bf", data=str(tmp_path / "data"), batch_size=48, image_size=40, epochs=5)
+    (tmp_path / "service.toml").write_text('seed = 7\nsplit = "val"\nworld_size = 2\nranks = "1"\ndrop_last = true\n')
+    command = job_command(manifest(job), tmp_path / "bf", "submit").split()
+    assert command[:4] == ["prefetchd", "submit", "--buffer", str(tmp_path / "bf")]
+    result = runner.invoke(prefetchd_cli.main, ["config", "--show", "--config", str(tmp_path / "service.toml"),
+                                                *command[2:]])
+    assert result.exit_code == 0, result.output
+    (tmp_path / "shown.toml").write_text(result.output)
+    again = DaemonConfig(**load_toml(tmp_path / "shown.toml"))
+    assert manifest(again).identity_diff(manifest(job)) == [], command
+    assert again.local_ranks == (0,), command
