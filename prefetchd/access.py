@@ -1,6 +1,6 @@
-"""Whether this user may use a buffer directory, and where not, whose it is and what to do: the words of
-`prefetchd status`, `stop`, `submit`, `show`, `config` and `prefetchd-train` alike, in the one place that both
-the daemon's commands and the trainer (which never imports the daemon) import."""
+"""Whether this user may use a buffer directory (or read a dataset), and where not, whose it is and what to do: the
+words of `prefetchd status`, `stop`, `submit`, `show`, `config` and `prefetchd-train` alike, in the one place that
+both the daemon's commands and the trainer (which never imports the daemon) import."""
 
 from __future__ import annotations
 
@@ -52,6 +52,22 @@ def no_access(buffer: Path, write: bool = False) -> str | None:
     return None
 
 
+def cannot_read(path: Path) -> str | None:
+    """Why this user may not read ``path`` (a dataset: a folder to list, or a file), naming the folder on the way
+    that it may not enter where that is what stops it, whose it is and what to do; None where it may, or where
+    ``path`` is not there (the callers say that themselves)."""
+    path = path.absolute()
+    for above in (*reversed(path.parents), path):
+        try:
+            st = os.stat(above)
+        except OSError:
+            return None
+        need = os.X_OK if above != path else os.R_OK | (os.X_OK if stat.S_ISDIR(st.st_mode) else 0)
+        if not os.access(above, need):
+            return _denied(above, st, need)
+    return None
+
+
 def _read_only(path: Path) -> str | None:
     """Why nobody may write in ``path``, a folder on a filesystem mounted read-only; None where it is not."""
     try:
@@ -93,4 +109,4 @@ def _denied(path: Path, st: os.stat_result, need: int) -> str:
             f"effect at the next login), or {ask}")
 
 
-__all__ = ["group_name", "nearest_existing", "no_access", "user_name"]
+__all__ = ["cannot_read", "group_name", "nearest_existing", "no_access", "user_name"]

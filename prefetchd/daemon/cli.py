@@ -25,7 +25,7 @@ from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.daemon.config import (FIELDS, DaemonConfig, check_buffer_outside, check_job_setting, fill_defaults,
                                      held_bytes, load_toml)
-from prefetchd.access import no_access
+from prefetchd.access import cannot_read, no_access
 from prefetchd.daemon.buffer_dir import check_capacity, check_not_shared
 from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
@@ -142,12 +142,18 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
     # said, not refused (exit 0): the values are valid, and the user who checks a service's config is not the one
     # it runs as (the unit's User=), who may well have the data and the buffer.
     caveats = []
-    if filled.data is not None and not is_url(filled.data) and not Path(filled.data).exists():
-        caveats.append(f"data {filled.data} does not exist (yet): `prefetchd start` would stop at it")
+    elsewhere = "(a service's daemon runs as its unit's User=)"
+    if filled.data is not None and not is_url(filled.data):
+        unread = cannot_read(Path(filled.data))
+        if unread is not None:  # a folder on the way it may not enter made `exists()` a PermissionError
+            caveats.append(f"this user may not read data {filled.data}, so `prefetchd start` run by this user would "
+                           f"stop at it {elsewhere}: {unread}")
+        elif not os.path.exists(filled.data):
+            caveats.append(f"data {filled.data} does not exist (yet): `prefetchd start` would stop at it")
     denied = no_access(filled.buffer, write=True)
     if denied is not None:
         caveats.append(f"this user may not use buffer {filled.buffer}, so `prefetchd start` run by this user would "
-                       f"stop at it (a service's daemon runs as its unit's User=): {denied}")
+                       f"stop at it {elsewhere}: {denied}")
     if not show:
         click.echo("configuration is valid" + (", but " + "; and ".join(caveats) if caveats else ""))
         return

@@ -912,12 +912,19 @@ def test_config_check_says_when_this_user_may_not_use_the_buffer(shm_buffer: Pat
     readable.mkdir(mode=0o755)  # nobody may read it, not write it
     data = shm_buffer / "data"
     data.mkdir(mode=0o755)
+    private = shm_buffer / "private"  # 0700: nobody may not enter it, nor so much as ask whether data is there
+    (private / "data").mkdir(parents=True, mode=0o755)
+    private.chmod(0o700)
+    closed = shm_buffer / "closed"  # nobody may not list it
+    closed.mkdir(mode=0o700)
     toml = shm_buffer / "bf.toml"
     toml.write_text(f'buffer = "{theirs}"\ndata = "{data}"\n')
     os.chmod(toml, 0o644)
     runs = {"flag": ["--buffer", str(theirs), "--data", str(data)], "file": ["--config", str(toml)],
             "show": ["--config", str(toml), "--show"], "ro": ["--buffer", str(readable), "--data", str(data)],
-            "missing": ["--buffer", str(theirs), "--data", str(shm_buffer / "nope")]}
+            "missing": ["--buffer", str(theirs), "--data", str(shm_buffer / "nope")],
+            "private": ["--buffer", str(readable / "bf"), "--data", str(private / "data")],
+            "closed": ["--buffer", str(readable / "bf"), "--data", str(closed)]}
     warm = CliRunner().invoke(prefetchd_cli.main, ["config", *runs["show"]])  # imported before the fork (as_nobody)
     assert warm.exit_code == 0 and warm.stdout.startswith("# effective prefetchd configuration"), warm.output
 
@@ -947,6 +954,14 @@ def test_config_check_says_when_this_user_may_not_use_the_buffer(shm_buffer: Pat
     assert " ".join(said["missing"]["stdout"].split()) == (
         f"configuration is valid, but data {shm_buffer / 'nope'} does not exist (yet): `prefetchd start` would stop "
         f"at it; and {caveat}"), said["missing"]
+    # A folder on the way that nobody may not enter was a PermissionError's traceback; one it may not list, "valid".
+    for name, where in (("private", private), ("closed", closed)):
+        data_in = private / "data" if name == "private" else closed
+        assert " ".join(said[name]["stdout"].split()).startswith(
+            f"configuration is valid, but this user may not read data {data_in}, so `prefetchd start` run by this "
+            f"user would stop at it (a service's daemon runs as its unit's User=): {where}: permission denied: it "
+            f"belongs to root (uid 0) and group {_group_name(0) or 'gid 0'} (mode 0700): its group may not read it "
+            "either; ask root (uid 0) for access;"), said[name]
 
 
 def test_config_show_says_the_index_cache_default_is_the_callers_not_the_services(

@@ -532,6 +532,29 @@ def test_a_dataset_root_the_daemon_cannot_list_is_a_dataset_error(shm_dir: Path,
                            "(uid 65534) read access"), said
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to user nobody in a forked child")
+def test_class_folders_the_daemon_may_not_enter_are_not_taken_for_a_pack(shm_dir: Path,
+                                                                        make_image: Callable[..., Path]) -> None:
+    """Class folders inside a folder the daemon's user may not enter, or themselves closed to it (0700), were
+    said as "cannot read shard index .../prefetchd-index.npz: Permission denied", a pack's problem."""
+    shm_dir.chmod(0o755)
+    inside = class_tree(shm_dir / "private" / "src", make_image)
+    (shm_dir / "private").chmod(0o700)
+    closed = class_tree(shm_dir / "closed", make_image)
+    closed.chmod(0o700)
+
+    def index(data: Path) -> Callable[[], str]:
+        def run() -> str:
+            open_dataset(data)
+            return "indexed"
+        return run
+
+    for data in (inside, closed):
+        said = as_nobody(index(data))
+        assert said.startswith(f"DatasetError: cannot index {data}: {data}: Permission denied; give the user reading "
+                               "it (uid 65534) read access"), said
+
+
 # -- bad samples in every layout ------------------------------------------------------
 
 

@@ -188,6 +188,10 @@ def has_shard_index(location: str) -> bool:
         return False
     except (StorageDenied, StorageUnavailable):  # the store, not the index: the caller says what to fix
         raise
+    except PermissionError:
+        # A folder the daemon may not enter: whether an index is there cannot be told, and "cannot read shard
+        # index" misled about class folders.  Indexing them says the folder is not readable, as it would a pack.
+        return is_url(location) or os.access(location, os.X_OK)
     except OSError:  # the index exists but reading it fails: read_shard_index says why
         return True
     return True
