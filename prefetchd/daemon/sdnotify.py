@@ -274,9 +274,9 @@ def _trainers(p: Production) -> str:
     shares = [pos.trainer_wait_share for pos in ranks or [slowest] if pos.trainer_wait_share is not None]
     if shares:
         details.append(f"waits {max(shares):.0%} for data")
-    away = [s for s in served if s.trainer.alive is False]
-    left = sum(s.all_left for s in away)  # closed its loader; the others went without
-    gone = len(away) - left if p.streams else int(p.trainer.alive is False)  # a status without streams
+    left = sum(s.all_left for s in served)  # closed its loader, its process gone or not (a notebook's kernel)
+    gone = (sum(s.trainer.alive is False and not s.all_left for s in served) if p.streams
+            else int(p.trainer.alive is False))  # a status without streams
     for n, word in ((left, "left"), (gone, "gone")):
         if n:
             details.append(word if len(p.streams) <= 1 else f"{n} {word}")

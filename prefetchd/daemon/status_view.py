@@ -406,8 +406,9 @@ def _trainer_note(trainer: TrainerStatus, left: bool = False) -> str:
     state = trainer.alive
     # Gone, it still holds its window (SPEC rule 8): the buffer may still be filling, not yet full.
     keeps = "the daemon fills the buffer to the high-water mark and keeps it for when one comes back"
-    gone = f"left (closed its loader; {keeps})" if left else f"GONE ({keeps})"
-    alive = "alive" if state is True else gone if state is False else "?"
+    # One that closed its loader has left, whether its process runs on (a notebook's kernel) or not.
+    alive = (f"left (closed its loader; {keeps})" if left else "alive" if state is True else
+             f"GONE ({keeps})" if state is False else "?")
     age = trainer.progress_age_s
     wrote = f", progress written {age:.0f} s ago" if age is not None else ""
     return f"; trainer {writer_named(trainer)} {alive}{wrote}"

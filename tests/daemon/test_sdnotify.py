@@ -373,6 +373,14 @@ def test_status_line_says_a_trainer_that_closed_its_loader_left_as_prefetchd_sta
     status = status_example(State.FULL, production=one)
     assert status_line(status) == "full 32/32 batches, 850 img/s, trainer at epoch 1 step 40 (left)"
     assert "; trainer pid 12 left (closed its loader;" in format_status(report(status))
+    # Closed, its process running on (a notebook's kernel): it said "alive", where the log said it left.
+    here = TrainerStatus(pid=12, alive=True, progress_age_s=2.0)
+    open_kernel = production(trainer=here, streams=(stream(trainer=here, consumers=(
+        dataclasses.replace(closed, trainer=here),)),), waiting=32)
+    status = status_example(State.FULL, production=open_kernel)
+    assert status_line(status) == "full 32/32 batches, 850 img/s, trainer at epoch 1 step 40 (left)"
+    assert "; trainer pid 12 left (closed its loader;" in format_status(report(status))
+    status = status_example(State.FULL, production=one)
     killed = dataclasses.replace(closed, closed=False)  # went without closing it
     status = dataclasses.replace(status, production=dataclasses.replace(one, streams=(stream(trainer=away, consumers=(killed,)),)))
     assert status_line(status).endswith("trainer at epoch 1 step 40 (gone)")
