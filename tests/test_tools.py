@@ -296,6 +296,26 @@ def test_idle_cpu_headline_counts_its_workers() -> None:
     assert "no trainer, 2 workers, over" in idle_cpu.headline("2/2", "full", 2, 3.0)
 
 
+def test_soak_runs_a_daemon_through_batches_and_jobs_and_its_open_files_and_threads_hold(tmp_path: Path) -> None:
+    """tools/soak.py: rows as it reads, and after each phase the last row against the first.  Over jobs one after
+    another the daemon's open files and threads do not grow (each job's worker pool made a selector and a shared
+    file that nothing closed once, found by a review: tests/integration/test_jobs.py)."""
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "soak.py"), "--minutes", "0.05", "--every", "1",
+                           "--jobs", "3", "--workers", "1"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "prefetchd soak: " in out and ", batch 16 x 64px, 1 worker, python " in out, out
+    assert "one job read as fast as it comes, 0.05 min:" in out and "3 jobs one after another:" in out, out
+    read = [int(n) for n in re.findall(r"^ *(\d+) batches, (?:epoch \d+|the end) ", out, re.M)]
+    assert len(read) >= 2 and read == sorted(read) and read[-1] > 0, out
+    assert [m for m in re.findall(r"^ *(job \d+) ", out, re.M)] == ["job 1", "job 3"], out
+    jobs = re.search(r"^from job 1 to job 3: controller RSS [\d.]+ -> [\d.]+ MiB \([+-][\d.]+\), USS [+-][\d.]+ MiB, "
+                     r"open files (\d+) -> (\d+), threads (\d+) -> (\d+), the rest of the tree [+-][\d.]+ MiB$", out, re.M)
+    assert jobs is not None, out
+    files_first, files_last, threads_first, threads_last = map(int, jobs.groups())
+    assert files_last <= files_first and threads_last <= threads_first, out
+
+
 def test_cold_start_times_real_daemons_to_their_first_batch(tmp_path: Path) -> None:
     from prefetchd.synthetic import make_imagenet_like
 
