@@ -53,11 +53,11 @@ class Row:
     tree_rss: int  # the rest of its process tree, summed
 
     def line(self) -> str:
-        return (f"{self.read:>26}  {self.rss / MIB:8.1f}  {self.uss / MIB:8.1f}  {self.files:6d}  {self.threads:7d}  "
+        return (f"{self.read:>28}  {self.rss / MIB:8.1f}  {self.uss / MIB:8.1f}  {self.files:6d}  {self.threads:7d}  "
                 f"{self.tree_rss / MIB:9.1f}")
 
 
-HEADER = f"{'read':>26}  {'RSS MiB':>8}  {'USS MiB':>8}  {'files':>6}  {'threads':>7}  {'tree MiB':>9}"
+HEADER = f"{'read':>28}  {'RSS MiB':>8}  {'USS MiB':>8}  {'files':>6}  {'threads':>7}  {'tree MiB':>9}"
 
 
 def measure(daemon: psutil.Process, read: str) -> Row:
