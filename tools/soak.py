@@ -7,9 +7,9 @@ that batches go by in the hundreds of thousands and epochs in the tens of thousa
 
 1. ``--minutes``: one job with no end of epochs, read as fast as it comes by a ``BufferLoader`` in this process;
    every ``--every`` seconds a row.
-2. ``--jobs``: a daemon started without a dataset takes that many jobs from ``prefetchd submit`` (alternating
-   seeds and batch sizes, one epoch each), each read to its end by a new loader; a row after each tenth, taken
-   once the daemon waits for the next job.
+2. ``--jobs``: a daemon started without a dataset takes that many jobs, written as ``prefetchd submit`` writes
+   them (alternating seeds and batch sizes, one epoch each), each read to its end by a new loader; a row after
+   each tenth, taken once the daemon waits for the next job.
 
 A row: what was read, the controller's RSS and USS, its open files and threads, and the RSS of the rest of its
 process tree (fork server, workers).  A leak is a column that keeps growing with the rows; the last line of each
@@ -19,7 +19,6 @@ test: the figures depend on the machine.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import click
 import psutil
 
 from prefetchd.buffer_protocol import JobRequest, State, read_status
-from prefetchd.launch import launch, start_argv, stop_daemon_process, stops_cleanly
+from prefetchd.launch import buffer_root, daemon_for_a_run, option_args, stops_cleanly, wait_ready
 from prefetchd.options import FiniteFloat
 from prefetchd.synthetic import make_shapes_dataset
 from prefetchd.trainer import BufferLoader
@@ -100,12 +99,12 @@ def state_is(buffer: Path, daemon: subprocess.Popen[bytes], *states: State) -> C
     return ready
 
 
-def one_job(buffer: Path, data: Path, workers: int, minutes: float, every: float) -> list[Row]:
+def one_job(buffer: Path, data: Path, workers: int, minutes: float, every: float, log: Path) -> list[Row]:
     """Phase 1: one job read as fast as it comes for ``minutes``."""
-    daemon = launch(start_argv(buffer, {"data": data, "batch_size": BATCH, "image_size": IMAGE, "workers": workers,
-                                        "log_level": "warning"}))
-    try:
-        wait_until("the first batch", state_is(buffer, daemon, State.FILLING, State.FULL), daemon)
+    args = option_args({"data": data, "batch_size": BATCH, "image_size": IMAGE, "workers": workers})
+    since = time.time()
+    with daemon_for_a_run(buffer, args, log, 30) as daemon:
+        wait_ready(daemon, buffer, since=since, timeout=300, log=log)
         proc = psutil.Process(daemon.pid)
         rows = [measure(proc, "started")]
         click.echo(rows[-1].line())
@@ -124,14 +123,11 @@ def one_job(buffer: Path, data: Path, workers: int, minutes: float, every: float
         rows.append(measure(proc, f"{batches} batches, the end"))
         click.echo(rows[-1].line())
         return rows
-    finally:
-        stop_daemon_process(daemon, 30)
 
 
-def many_jobs(buffer: Path, data: Path, workers: int, jobs: int) -> list[Row]:
+def many_jobs(buffer: Path, data: Path, workers: int, jobs: int, log: Path) -> list[Row]:
     """Phase 2: ``jobs`` jobs submitted one after another to a daemon that waits for jobs."""
-    daemon = launch(start_argv(buffer, {"workers": workers, "log_level": "warning"}))
-    try:
+    with daemon_for_a_run(buffer, option_args({"workers": workers}), log, 30) as daemon:
         waiting = state_is(buffer, daemon, State.WAITING_FOR_JOB)
         wait_until("the daemon to wait for a job", waiting, daemon)
         proc = psutil.Process(daemon.pid)
@@ -154,23 +150,22 @@ def many_jobs(buffer: Path, data: Path, workers: int, jobs: int) -> list[Row]:
                 rows.append(measure(proc, f"job {job}"))
                 click.echo(rows[-1].line())
         return rows
-    finally:
-        stop_daemon_process(daemon, 30)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--minutes", default=20.0, show_default=True, type=FiniteFloat(min=0), help="Phase 1's length (0: skip it).")
+@click.option("--minutes", default=20.0, show_default=True, type=FiniteFloat(min=0),
+              help="Phase 1's length (0: skip it).")
 @click.option("--jobs", default=60, show_default=True, type=click.IntRange(min=0), help="Phase 2's jobs (0: skip it).")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1), help="The daemons' --workers.")
-@click.option("--every", default=60.0, show_default=True, type=FiniteFloat(min=0.1), help="Seconds between phase 1's rows.")
+@click.option("--every", default=60.0, show_default=True, type=FiniteFloat(min=0.1),
+              help="Seconds between phase 1's rows.")
 @click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Class folders [default: a generated dataset of 3 x 40 small images].")
 @stops_cleanly
 def main(minutes: float, jobs: int, workers: int, every: float, data: Path | None) -> None:
     """Run a daemon through many batches and many jobs, and watch its memory, open files and threads."""
     work = Path(tempfile.mkdtemp(prefix="prefetchd-soak-"))
-    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else work
-    buffers = Path(tempfile.mkdtemp(prefix="prefetchd-soak-bf-", dir=shm))
+    buffers = Path(tempfile.mkdtemp(prefix="prefetchd-soak-bf-", dir=buffer_root()))
     try:
         if data is None:
             make_shapes_dataset(work / "data", classes=3, train_per_class=40, val_per_class=0, seed=0)
@@ -179,10 +174,10 @@ def main(minutes: float, jobs: int, workers: int, every: float, data: Path | Non
                    f"python {sys.version.split()[0]}")
         if minutes > 0:
             click.echo(f"\none job read as fast as it comes, {minutes:g} min:\n{HEADER}")
-            report(one_job(buffers / "one", data, workers, minutes, every))
+            report(one_job(buffers / "one", data, workers, minutes, every, work / "one.log"))
         if jobs > 0:
             click.echo(f"\n{jobs} jobs one after another:\n{HEADER}")
-            report(many_jobs(buffers / "jobs", data, workers, jobs))
+            report(many_jobs(buffers / "jobs", data, workers, jobs, work / "jobs.log"))
     finally:
         shutil.rmtree(buffers, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
