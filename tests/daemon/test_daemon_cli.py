@@ -955,8 +955,7 @@ def test_config_check_says_when_this_user_may_not_use_the_buffer(shm_buffer: Pat
         f"configuration is valid, but data {shm_buffer / 'nope'} does not exist (yet): `prefetchd start` would stop "
         f"at it; and {caveat}"), said["missing"]
     # A folder on the way that nobody may not enter was a PermissionError's traceback; one it may not list, "valid".
-    for name, where in (("private", private), ("closed", closed)):
-        data_in = private / "data" if name == "private" else closed
+    for name, data_in, where in (("private", private / "data", private), ("closed", closed, closed)):
         assert " ".join(said[name]["stdout"].split()).startswith(
             f"configuration is valid, but this user may not read data {data_in}, so `prefetchd start` run by this "
             f"user would stop at it (a service's daemon runs as its unit's User=): {where}: permission denied: it "
@@ -1141,13 +1140,20 @@ def test_a_negative_timeout_is_refused(runner: CliRunner, shm_buffer: Path, comm
     assert result.exit_code == 2 and "--timeout" in result.output and "-5" in result.output, result.output
 
 
+def _manifest_of(cfg: DaemonConfig) -> Manifest:
+    """The manifest a daemon with ``cfg`` writes, as far as the job's identity goes (``job_command`` reads it)."""
+    return Manifest(dataset_root=str(cfg.data), fingerprint="f", classes=["a"], num_samples=90, split=cfg.split,
+                    seed=cfg.seed, batch_size=cfg.batch_size, image_size=cfg.image_size, samples_per_epoch=30,
+                    steps_per_epoch=1, epochs=cfg.epochs, producer="p", val_fraction=cfg.val_fraction,
+                    augmentation=cfg.augmentation, drop_last=cfg.drop_last, world_size=cfg.world_size)
+
+
 def test_the_restart_command_a_trainer_prints_starts_the_same_job(runner: CliRunner, tmp_path: Path) -> None:
     """The loader's "Restart it with `prefetchd start ...`" (``job_command``), from the manifest the
     daemon wrote, read back by `prefetchd start`'s own flags: the same job identity. --val-fraction 1/3
     was written as 0.333333 (another split, refused as another job), and color jitters that ``:g``
     rounded to one string were one job's identity, though they make other images."""
     pytest.importorskip("torch")  # the trainer package imports it (CI's Python 3.10 stage has none)
-    from prefetchd.buffer_protocol import Manifest
     from prefetchd.trainer.job_command import job_command
 
     first = DaemonConfig(buffer=tmp_path / "bf", data=str(tmp_path / "data"), val_fraction=1 / 3,
@@ -1157,19 +1163,13 @@ def test_the_restart_command_a_trainer_prints_starts_the_same_job(runner: CliRun
     assert first.augmentation != dataclasses.replace(first, color_jitter=0.3).augmentation
     assert dataclasses.replace(first, color_jitter=1.0).augmentation.startswith("color_jitter=1;")  # as before
 
-    def manifest(cfg: DaemonConfig) -> Manifest:
-        return Manifest(dataset_root=str(cfg.data), fingerprint="f", classes=["a"], num_samples=90, split=cfg.split,
-                        seed=cfg.seed, batch_size=cfg.batch_size, image_size=cfg.image_size, samples_per_epoch=30,
-                        steps_per_epoch=1, epochs=cfg.epochs, producer="p", val_fraction=cfg.val_fraction,
-                        augmentation=cfg.augmentation, drop_last=cfg.drop_last)
-
-    command = job_command(manifest(first), tmp_path / "bf").split()
+    command = job_command(_manifest_of(first), tmp_path / "bf").split()
     assert command[:4] == ["prefetchd", "start", "--buffer", str(tmp_path / "bf")]
     result = runner.invoke(prefetchd_cli.main, ["config", "--show", *command[2:]])
     assert result.exit_code == 0, result.output
     (tmp_path / "shown.toml").write_text(result.output)
     again = DaemonConfig(**load_toml(tmp_path / "shown.toml"))
-    assert manifest(again).identity_diff(manifest(first)) == [], command
+    assert _manifest_of(again).identity_diff(_manifest_of(first)) == [], command
 
 
 def test_the_submit_command_a_trainer_prints_gives_the_job_over_the_daemons_own_settings(
@@ -1179,23 +1179,16 @@ def test_the_submit_command_a_trainer_prints_gives_the_job_over_the_daemons_own_
     `seed = 7` came back as seed 7, and the same StateMismatch, round and round.  Over a config that sets
     every identity setting otherwise, the command's flags give the job back."""
     pytest.importorskip("torch")  # the trainer package imports it (CI's Python 3.10 stage has none)
-    from prefetchd.buffer_protocol import Manifest
     from prefetchd.trainer.job_command import job_command
-
-    def manifest(cfg: DaemonConfig) -> Manifest:
-        return Manifest(dataset_root=str(cfg.data), fingerprint="f", classes=["a"], num_samples=90, split=cfg.split,
-                        seed=cfg.seed, batch_size=cfg.batch_size, image_size=cfg.image_size, samples_per_epoch=30,
-                        steps_per_epoch=1, epochs=cfg.epochs, producer="p", val_fraction=cfg.val_fraction,
-                        augmentation=cfg.augmentation, drop_last=cfg.drop_last, world_size=cfg.world_size)
 
     job = DaemonConfig(buffer=tmp_path / "bf", data=str(tmp_path / "data"), batch_size=48, image_size=40, epochs=5)
     (tmp_path / "service.toml").write_text('seed = 7\nsplit = "val"\nworld_size = 2\nranks = "1"\ndrop_last = true\n')
-    command = job_command(manifest(job), tmp_path / "bf", "submit").split()
+    command = job_command(_manifest_of(job), tmp_path / "bf", "submit").split()
     assert command[:4] == ["prefetchd", "submit", "--buffer", str(tmp_path / "bf")]
     result = runner.invoke(prefetchd_cli.main, ["config", "--show", "--config", str(tmp_path / "service.toml"),
                                                 *command[2:]])
     assert result.exit_code == 0, result.output
     (tmp_path / "shown.toml").write_text(result.output)
     again = DaemonConfig(**load_toml(tmp_path / "shown.toml"))
-    assert manifest(again).identity_diff(manifest(job)) == [], command
+    assert _manifest_of(again).identity_diff(_manifest_of(job)) == [], command
     assert again.local_ranks == (0,), command
