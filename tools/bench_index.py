@@ -25,7 +25,7 @@ import click
 
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.sources.index_cache import cached_class_folders
-from prefetchd.launch import stops_cleanly
+from prefetchd.launch import buffer_root, stops_cleanly
 
 T = TypeVar("T")
 
@@ -52,7 +52,7 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
 @click.option("--files", type=click.IntRange(1), default=1_000_000, show_default=True)
 @click.option("--classes", type=click.IntRange(1), default=1000, show_default=True)
 @click.option("--dir", "base", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
-              default=Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()),
+              default=buffer_root(),
               show_default=True, help="Where the tree is generated (removed afterwards unless --keep).")
 @click.option("--threads", type=click.IntRange(1), default=8, show_default=True, help="Threads of the parallel walk.")
 @click.option("--keep", is_flag=True, help="Keep the generated tree.")

@@ -32,7 +32,7 @@ from prefetchd.daemon.cli import shard_size_option
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd.daemon.sources.shards import pack
-from prefetchd.launch import stops_cleanly
+from prefetchd.launch import buffer_root, stops_cleanly
 from prefetchd.options import FiniteFloat
 from prefetchd.synthetic import make_imagenet_like, make_shapes_dataset
 
@@ -100,7 +100,7 @@ def _location(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ..
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--images", type=click.IntRange(10), default=4000, show_default=True)
 @click.option("--dir", "base", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
-              default=Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()),
+              default=buffer_root(),
               show_default=True, help="Where the data is generated (removed afterwards unless --keep).")
 @click.option("--seconds", type=FiniteFloat(0.01), default=5.0, show_default=True, help="Reading time per layout.")
 @click.option("--shard-size", default="64MB", show_default=True, callback=shard_size_option, help="Shard size, e.g. 64MB or 1GiB.")

@@ -28,7 +28,7 @@ import click
 import psutil
 
 from prefetchd.buffer_protocol import State, read_status
-from prefetchd.launch import launch, start_argv, stop_daemon_process, stops_cleanly
+from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, stops_cleanly
 from prefetchd.options import FiniteFloat
 from prefetchd.synthetic import make_shapes_dataset
 from prefetchd.words import counted
@@ -86,8 +86,7 @@ def headline(fill: str, state: object, workers: int, elapsed: float) -> str:
 def main(seconds: float, workers: int, high_water: int, data: Path | None, settle: float) -> None:
     """Measure the idle cost of a daemon whose buffer is full and whose trainer is away."""
     work = Path(tempfile.mkdtemp(prefix="prefetchd-idle-"))
-    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else work
-    buffer = Path(tempfile.mkdtemp(prefix="prefetchd-idle-bf-", dir=shm)) / "bf"
+    buffer = Path(tempfile.mkdtemp(prefix="prefetchd-idle-bf-", dir=buffer_root())) / "bf"
     daemon: subprocess.Popen[bytes] | None = None
     try:
         if data is None:
