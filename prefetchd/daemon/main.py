@@ -191,10 +191,6 @@ def _serve(cfg: DaemonConfig) -> int:
 
         with Wakeup(buffer, last=True) as wake:
             while wake.stop_signal is None:
-                # Between jobs, the cycles a job left (numpy's header parse makes closures that refer to each other,
-                # exceptions hold their frames) are collected now rather than at a rare full collection: a daemon
-                # serving jobs grew by ~6.5 KiB a job, evenly (tools/soak.py; docs/RELIABILITY.md, "Long runs").
-                gc.collect()
                 submitted = job is None or inbox.pending_id is not None
                 if job is None:
                     served = True
@@ -264,6 +260,12 @@ def _serve(cfg: DaemonConfig) -> int:
                     inbox.forget_accepted()
                     job = None
                     continue
+                finally:
+                    # A job's end (finished, replaced, failed): the cycles it left (numpy's header parse makes closures
+                    # that refer to each other, exceptions hold their frames) are collected now rather than at a rare
+                    # full collection, ~9 ms: a daemon serving jobs grew by ~6.5 KiB a job, evenly (tools/soak.py;
+                    # docs/RELIABILITY.md, "Long runs").  Not at start, where it would delay the first batch.
+                    gc.collect()
                 if producer.next_job is not None:
                     replaced, job, reset = job, producer.next_job, True
                 elif (serve_jobs or running_id is not None) and producer.finished:
