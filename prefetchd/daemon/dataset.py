@@ -141,13 +141,16 @@ SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "tes
 
 def split_folders_as_classes(classes: tuple[str, ...], data: str) -> str | None:
     """The warning for a dataset whose only classes are split folders (--data /imagenet, not
-    /imagenet/train): accepted as ImageFolder accepts it, but almost surely a mistake."""
-    if len(classes) < 2 or not all(c.lower() in SPLIT_NAMES for c in classes):
+    /imagenet/train, whose class folders are then searched for images as a class's subfolders are):
+    accepted as ImageFolder accepts it, but almost surely a mistake."""
+    if not classes or not all(c.lower() in SPLIT_NAMES for c in classes):
         return None
     first = next((c for c in classes if c.lower().startswith("train")), classes[0])
-    return (f"the classes of {data} are {', '.join(classes)}: split folders, not classes? Each image is "
-            f"labelled with its split. If that is not meant, pass --data {data.rstrip('/')}/{first} (and start a "
-            "--split val daemon on the validation folder)")
+    found = (f"the classes of {data} are {', '.join(classes)}: split folders, not classes? Each image is labelled "
+             "with its split" if len(classes) > 1 else
+             f"the only class of {data} is {classes[0]}: a split folder, not a class? Every image has label 0")
+    return (f"{found}. If that is not meant, pass --data {data.rstrip('/')}/{first}"
+            + (" (and start a --split val daemon on the validation folder)" if len(classes) > 1 else ""))
 
 
 # Listing and stat-ing are system calls that release the GIL, and on network

@@ -469,7 +469,9 @@ def test_split_folders_taken_for_classes_are_warned_about() -> None:
     assert "pass --data /data/imagenet/train" in warning
     assert split_folders_as_classes(("Test", "Training"), "s3://b/x") is not None
     assert split_folders_as_classes(("cat", "dog"), "/d") is None
-    assert split_folders_as_classes(("train",), "/d") is None  # one class: other troubles, said elsewhere
+    one = split_folders_as_classes(("train",), "/data/imagenet")
+    assert one is not None and "only class of /data/imagenet is train" in one and "--data /data/imagenet/train" in one
+    assert split_folders_as_classes(("cat",), "/d") is None
     assert split_folders_as_classes(("train", "val", "zebra"), "/d") is None
 
 
