@@ -126,7 +126,7 @@ class Consumer:
     # The progress document taken last; None before any (the default consumer exists before that).
     document: Progress | None = None
     alive: bool | None = None  # None: unknown (no pid, or not looked at yet)
-    silent: bool = False  # its writer wrote nothing for longer than the consumer timeout, when last looked at
+    silent: bool = False  # said to have gone silent (no progress for longer than the consumer timeout), not since back
     window: int = 0  # batches the plan holds for it from its position
     consumed: int = 0
     rewinds: int = 0

@@ -276,16 +276,26 @@ class StreamProgress:
         # The default consumer's first write is the trainer starting, no news; a named one joining is.
         if was_closed != consumer.closed or (not was_seen and consumer.name != DEFAULT_CONSUMER):
             if consumer.closed:
-                others = any(c is not consumer and c.seen and not c.closed for c in self.consumers.values())
-                log.info("%s of rank %d left at epoch %d step %d; %s", consumer.label, self.rank, *self.key(g),
-                         "it holds no batches until it writes again" if others else
-                         "its window stays filled for whoever comes next")
+                keep = ("every batch consumed" if self.end is not None and g >= self.end else
+                        "it holds no batches until it writes again" if self._others_hold(consumer, time.time()) else
+                        "its window stays filled for whoever comes next")
+                log.info("%s of rank %d left at epoch %d step %d; %s", consumer.label, self.rank, *self.key(g), keep)
             else:
                 log.info("%s joined rank %d at epoch %d step %d", consumer.label, self.rank, *self.key(g))
         elif moved and g < before:
             log.info("rank %d's %s moved back from %s to %s; regenerating from there",
                      self.rank, consumer.label.removeprefix("the "), self.key(before), self.key(g))
         return moved
+
+    def _others_hold(self, consumer: Consumer, now: float) -> bool:
+        """Whether other consumers hold the batches, so that ``consumer`` holds none (``StreamWindows.plan``):
+        for one that left (closed), another that has not left or finished; for one gone or silent, another
+        live."""
+        def holds(c: Consumer) -> bool:
+            if consumer.closed:
+                return c.seen and not c.closed and (self.end is None or c.position < self.end)
+            return c.live(now, self.consumer_timeout)
+        return any(holds(c) for c in self.consumers.values() if c is not consumer)
 
     def _progress_problem(self, consumer: Consumer, problem: str) -> None:
         if consumer.problem(problem):
@@ -302,10 +312,10 @@ class StreamProgress:
         no window holds (planning here would let it build into a window before it deleted).
         """
         now = time.time()
-        several = sum(c.seen for c in self.consumers.values()) > 1
         for c in self.consumers.values():
             if not c.seen:
                 continue
+            others_hold = self._others_hold(c, now)
             alive = c.writer_alive(self.dir, self.fd)
             if c.closed or (self.end is not None and c.position >= self.end):
                 # It left, or consumed every epoch: it exits, as it should, which is no news to log; the
@@ -319,14 +329,14 @@ class StreamProgress:
                     # killed with its daemon (a job scheduler ends both), whose restart (--spawn-daemon
                     # --resume) started this daemon and writes progress within moments: no news to warn of.
                     # status.json calls it gone until a trainer writes, so one that is not coming back shows.
-                    keep = ("it holds no batches while other consumers read" if several else
+                    keep = ("it holds no batches while other consumers read" if others_hold else
                             f"the buffer fills from there to the high-water mark ({self.high} batches) for a trainer "
                             "that resumes it")
                     log.info("%s: rank %d's %s (%s) is not running: it wrote its progress (epoch %d step %d) %.0f s "
                              "ago, before this daemon started; %s", self.dir, self.rank, c.label.removeprefix("the "),
                              c.writer, epoch, step, c.silent_for(now), keep)
                 elif not alive:
-                    keep = ("It stops holding batches while other consumers read" if several else
+                    keep = ("It stops holding batches while other consumers read" if others_hold else
                             f"Keeping the buffer at the high-water mark ({self.high} batches) for when a trainer comes back")
                     log.warning("%s: rank %d's %s (%s) has gone away; progress last moved %.0f s ago, at epoch %d "
                                 "step %d. %s", self.dir, self.rank, c.label.removeprefix("the "), c.writer,
@@ -336,11 +346,12 @@ class StreamProgress:
                              c.label.removeprefix("the "), c.writer, epoch, step)
                 c.alive = alive
             silent = c.silent_for(now) > self.consumer_timeout
-            if several and silent and not c.silent and c.alive is not False:
+            if others_hold and silent and not c.silent and c.alive is not False:
                 log.warning("rank %d's %s has written no progress for %.0f s (--consumer-timeout %g); it stops "
                             "holding batches until it writes again", self.rank, c.label.removeprefix("the "),
                             c.silent_for(now), self.consumer_timeout)
+                c.silent = True
             elif c.silent and not silent:
                 log.info("rank %d's %s writes progress again, at epoch %d step %d", self.rank,
                          c.label.removeprefix("the "), epoch, step)
-            c.silent = silent
+                c.silent = False

@@ -120,7 +120,7 @@ def test_gone_silent_and_closed_consumers_stop_holding_while_another_is_live(tmp
     forge(s, "quiet", 1, time=time.time() - 60)  # alive, but silent for longer than the timeout
     move(s, "gone", 8, closed=True)
     s.read_progress()
-    assert s.consumers["quiet"].silent and not s.consumers["gone"].live(time.time(), 5.0)
+    assert not any(s.consumers[name].live(time.time(), 5.0) for name in ("quiet", "gone"))
     assert s.held == {4, 5, 6, 7}, "closed and silent consumers hold nothing while 'live' reads"
     status = {c.name: c for c in s.status().consumers}
     assert not status["quiet"].holding and status["gone"].closed and status["live"].holding
@@ -297,6 +297,32 @@ def test_consumers_that_left_are_not_said_to_wait(tmp_path: Path, caplog: Any) -
     for name, g in (("a", 1), ("b", 6), ("c", 10)):
         move(s, name, g, closed=True)
     assert "waits" not in caplog.text, caplog.text
+
+
+def test_the_log_says_a_gone_or_silent_consumer_holds_batches_when_the_others_have_left(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """A consumer gone or silent stops holding batches only while another waits; once the others left
+    (closed) it holds, and the log said "it holds no batches while other consumers read" (review)."""
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.stream")
+    s = stream(tmp_path, cap=3 * HIGH, timeout=5.0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    move(s, "done", 3, closed=True)
+    forge(s, "gone", 1, pid=dead.pid)
+    forge(s, "quiet", 6, pid=1, time=time.time() - 60)  # init: a live writer, started before it wrote
+    s.check_trainer()
+    s.read_progress()
+    assert s.consumers["gone"].alive is False and s.consumers["quiet"].alive
+    assert {1, 6} <= s.held, "with the others closed, the gone and the silent consumer hold"
+    assert "other consumers read" not in caplog.text and "stops holding batches" not in caplog.text, caplog.text
+    assert "Keeping the buffer at the high-water mark" in caplog.text, caplog.text
+    assert "has written no progress" not in caplog.text, "a silent consumer that still holds is no news"
+    move(s, "quiet", 7)
+    assert "writes progress again" not in caplog.text, "nor is its coming back, unsaid before"
+
+    move(s, "quiet", 20, closed=True)
+    assert "consumer 'quiet' of rank 0 left at epoch 2 step 0; every batch consumed" in caplog.text, caplog.text
 
 
 def test_a_consumer_counts_what_it_consumed_here_not_where_it_joined(tmp_path: Path) -> None:
