@@ -39,7 +39,7 @@ from prefetchd.trainer.collective import Collective
 from prefetchd.trainer.config import TrainConfig, plain_config
 from prefetchd.trainer.errors import CheckpointError
 from prefetchd.trainer.loader import BufferLoader
-from prefetchd.trainer.model import build_model, build_optimizer, check_last_batch, warmup_cosine
+from prefetchd.trainer.model import build_model, build_optimizer, check_classes, check_last_batch, warmup_cosine
 from prefetchd.trainer.passes import TOP_K, PassState, PassStats, Recover, pass_stats, run_pass
 from prefetchd.trainer.ranks import Ranks
 from prefetchd.trainer.report import ProgressLine, metrics_document, write_metrics
@@ -59,6 +59,7 @@ class Run:
         self.train_loader, self.val_loader, self.val_buffer = train_loader, val_loader, val_buffer
         self.coll = coll if coll is not None else Collective(Ranks())
         self.ranks = self.coll.ranks
+        check_classes(train_loader.manifest)
         classes = train_loader.classes
         self.k = max(1, min(TOP_K, len(classes)))
         model = build_model(config.model, len(classes), config.pretrained, echo)  # refuses an unknown name

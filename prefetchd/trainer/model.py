@@ -111,6 +111,19 @@ def _runs(name: str, num_classes: int, channels: int, size: int, batch: int) -> 
     return None
 
 
+def check_classes(manifest: Manifest) -> None:
+    """Refuse a job of one class: a classifier's cross-entropy over one class is 0 whatever the weights,
+    so nothing trains, and the usual cause is --data one folder too high (/imagenet holding train/)."""
+    if len(manifest.classes) != 1:
+        return
+    raise SetupError(
+        f"the training data {manifest.dataset_root} has one class ({manifest.classes[0]}): a classifier learns "
+        "nothing from it. --data is the folder that holds a folder per class (ROOT/<class>/<image>.jpg); if "
+        f"{manifest.classes[0]}/ holds the class folders, start the daemon with --data "
+        f"{manifest.dataset_root.rstrip('/')}/{manifest.classes[0]} (with --spawn-daemon: pass that --data and --reset)"
+    )
+
+
 def check_last_batch(name: str, num_classes: int, manifest: Manifest) -> None:
     """Refuse, before the first step, a job whose images the model cannot take, and a job whose
     epochs end in a batch of one image that the model cannot train on: BatchNorm in training mode

@@ -327,6 +327,18 @@ def test_a_val_buffer_is_checked_for_being_one(make_job: MakeJob, buffer: Path, 
     assert "train loss" not in result.output
 
 
+def test_a_job_of_one_class_is_refused_with_the_folder_it_likely_meant(make_job: MakeJob, buffer: Path) -> None:
+    """--data /imagenet holding train/ alone indexes one class, "train": cross-entropy over one class is 0,
+    and the run "trained" to 100 % top-1 on nothing."""
+    one = make_job(buffer / "one", **{**TINY, "classes": 1})
+    result = CliRunner().invoke(main, ["--buffer", str(one.buffer), "--device", "cpu", "--threads", "1", "--model",
+                                       SMALL_MODEL, "-q"])
+    assert result.exit_code == EXIT_FAILED, result.output
+    said = " ".join(result.stderr.split())
+    assert "the training data /data/fake has one class (class0): a classifier learns nothing" in said, said
+    assert "--data /data/fake/class0" in said and "train loss" not in result.output
+
+
 def _epoch(samples: int, batch_size: int, image_size: int, drop_last: bool = False) -> Manifest:
     steps = samples // batch_size if drop_last else -(-samples // batch_size)
     return Manifest(dataset_root="/d", fingerprint="f", classes=["a", "b"], num_samples=samples, split="train", seed=0,
