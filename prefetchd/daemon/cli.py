@@ -31,10 +31,10 @@ from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
                                      DaemonError)
-from prefetchd.daemon.status_view import describe_status, format_status, status_json
+from prefetchd.daemon.status_view import describe_status, format_status, not_the_holder, status_json
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import BufferOptionCommand, FiniteFloat, click_options
-from prefetchd.words import agreeing, binary_size, counted
+from prefetchd.words import binary_size, counted
 
 log = logging.getLogger("prefetchd")
 
@@ -307,19 +307,6 @@ def stop(buffer: Path, timeout: float) -> None:
         time.sleep(0.05)
     click.echo(f"the daemon on {buffer} (pid {pid}) did not exit within {timeout:.0f} s; `kill -9 {pid}` ends it", err=True)
     sys.exit(EXIT_FAILURE)
-
-
-def not_the_holder(lock: Path, pid: int, holders: set[int]) -> str:
-    """Why `prefetchd stop` may not SIGTERM ``pid``, which ``lock`` names though here its lock is held by
-    ``holders`` (``lock_holders``) instead, and what to do."""
-    if holders:
-        holder = f"{agreeing(len(holders), 'pid', 'pids')} {', '.join(map(str, sorted(holders)))}"
-    else:
-        holder = "a process not visible from this pid namespace"
-    return (f"{lock} names pid {pid}, but here its lock is held by {holder}, not by pid {pid}: most likely a daemon "
-            "of another pid namespace (another container, or the host) that has not written its first status yet, "
-            "which will say so; otherwise something that is not a prefetchd daemon; try again in a moment, stop the "
-            f"daemon where it runs, or find the holder with `fuser -v {lock}`")
 
 
 def not_ours_to_signal(pid: int) -> str:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
-                                       StorageWait, StreamStatus, TrainerStatus, daemon_owner, pid_named, read_status,
+                                       StorageWait, StreamStatus, TrainerStatus, daemon_owner, lock_holders, pid_named, read_status,
                                        same_pid_namespace, writer_named)
-from prefetchd.buffer_protocol.layout import STREAM_PREFIX, owning_buffer
+from prefetchd.buffer_protocol.layout import LOCK_NAME, STREAM_PREFIX, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.buffer_protocol.progress import pid_namespace
 from prefetchd.access import no_access
@@ -79,6 +79,10 @@ def describe_status(buffer: Path) -> StatusReport:
     except ProtocolError as exc:
         problems.append(str(exc))
     daemon = daemon_owner(buffer, status)
+    if daemon is not None and daemon.here:  # the pid `prefetchd stop` would refuse to signal, said here too
+        holders = lock_holders(owner / LOCK_NAME)
+        if holders is not None and daemon.pid not in holders:
+            problems.append(not_the_holder(owner / LOCK_NAME, daemon.pid, holders))
     rank = None
     if owner != buffer:  # one rank's stream directory: show that rank, not every rank of its daemon
         rank = int(buffer.name.removeprefix(STREAM_PREFIX))
@@ -125,6 +129,19 @@ def describe_status(buffer: Path) -> StatusReport:
         problems=tuple(problems),
         other_pid_namespace=daemon is not None and not daemon.here,
     )
+
+
+def not_the_holder(lock: Path, pid: int, holders: set[int]) -> str:
+    """Why ``pid``, which ``lock`` names though here its lock is held by ``holders`` (``lock_holders``) instead,
+    may not be the daemon (`prefetchd stop` does not SIGTERM it; `prefetchd status` says so), and what to do."""
+    if holders:
+        holder = f"{agreeing(len(holders), 'pid', 'pids')} {', '.join(map(str, sorted(holders)))}"
+    else:
+        holder = "a process not visible from this pid namespace"
+    return (f"{lock} names pid {pid}, but here its lock is held by {holder}, not by pid {pid}: most likely a daemon "
+            "of another pid namespace (another container, or the host) that has not written its first status yet, "
+            "which will say so; otherwise something that is not a prefetchd daemon; try again in a moment, stop the "
+            f"daemon where it runs, or find the holder with `fuser -v {lock}`")
 
 
 def _free_bytes(path: Path) -> int | None:

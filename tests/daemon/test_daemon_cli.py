@@ -465,6 +465,30 @@ def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, sh
         owner.wait()
 
 
+def test_status_says_what_stop_refuses_for_a_lock_whose_holder_is_not_the_pid_it_names(
+    runner: CliRunner, shm_buffer: Path
+) -> None:
+    """daemon.lock naming a live process of this user, older than the file, while another process holds its lock:
+    `prefetchd stop` refuses (the holder is not the pid), and `prefetchd status` said "running (pid N)" alone."""
+    named = subprocess.Popen(["sleep", "60"])
+    lock = shm_buffer / LOCK
+    holder = subprocess.Popen(["flock", "--exclusive", "--no-fork", lock, "sh", "-c", "echo; exec sleep 60"],
+                              stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+        lock.write_text(f"{named.pid}\n")
+        said = f"{lock} names pid {named.pid}, but here its lock is held by pid {holder.pid}, not by pid {named.pid}"
+        stop = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(shm_buffer), "--timeout", "1"])
+        assert stop.exit_code == 1 and said in stop.output, stop.output
+        status = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(shm_buffer)])
+        assert said in " ".join(status.output.split()), status.output
+        assert named.poll() is None and holder.poll() is None
+    finally:
+        for p in (named, holder):
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays a group member, who plants the lock, and root, who stops")
 def test_a_lock_planted_by_another_user_names_no_daemon_to_stop(runner: CliRunner, shm_buffer: Path) -> None:
     """Anyone who may write the buffer (--group-access: the group) can rename their own daemon.lock into it,
