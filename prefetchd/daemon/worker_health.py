@@ -9,8 +9,8 @@ file; at ``CRASHES_TO_BLAME`` such deaths the file is taken for an undecodable o
 controller counts it as a bad sample, and the workers fail it unread, ``tasks.Task.crashed``), and
 those deaths no longer count towards the restart limit, which is for workers that die for their own
 reasons: the bad-sample limits (--strict, --max-bad-samples) are the ones for bad files.  A worker the
-kernel's OOM killer killed (``_ended``) blames no file, whatever it was on: it counts towards the restart
-limit only, whose message then says so.  One that
+kernel's OOM killer killed (``_ended``), or that was killed from outside (SIGKILL, SIGTERM: by hand, say), blames
+no file, whatever it was on: it counts towards the restart limit only, whose message then says so.  One that
 hangs never dies: a worker that holds tasks and has begun no image for ``--task-timeout`` (a
 read of a hung mount, a hook that never returns, a SIGSTOP; ``pool.WorkerPool.stalled``, from the
 ``whereabouts.Whereabouts`` it writes) is killed after a warning that names it, the batch and the file,
@@ -78,14 +78,23 @@ MAX_WORKER_RESTARTS = 10  # within RESTART_WINDOW_SECONDS, then the daemon gives
 RESTART_WINDOW_SECONDS = 60.0
 # Workers that died on one sample of one task (a worker that dies and the one that runs its task again, from its
 # first image), after which that sample's file is taken for one that kills its worker.  A segfault in a decoder is
-# deterministic: the second death on it is the proof.  A death that is not the file's (a worker killed by hand)
-# falls on the same image of the same task again only by chance: a task's image takes milliseconds.  A third try
+# deterministic: the second death on it is the proof.  A death that is not the file's (one of another process's
+# doing, say) falls on the same image of the same task again only by chance: a task's image takes milliseconds; a
+# worker killed from outside is no death of its file at all (``KILLED_FROM_OUTSIDE``).  A third try
 # would cost one more worker start per such file, and bring the restart limit closer for nothing.  Not a death by
 # the OOM killer: memory that runs short as the buffer fills falls on the same image again, the task writing the
 # same pages each time (in a 600 MiB cgroup, 29 healthy files were taken for bad ones within 15 s), and replacing
 # a healthy file changes the batches.  Those count towards the restart limit only, which stops the job saying so;
 # an image too big for the memory is --max-image-pixels' to refuse.
 CRASHES_TO_BLAME = 2
+# Signals a worker is killed with from outside, which no file it decodes can raise: a death by one of them counts on
+# no file.  Killed by hand at a steady pace, restarted workers reached the same image after the same start: 2 of 6
+# kills 2 s apart fell on one file, twice, and healthy files were replaced.  What a file can do to its worker is a
+# fault signal (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) or an exit (a C library's exit(1) on a bad file); the
+# OOM killer's SIGKILL is the memory's (``_ended``), a hang's kill the controller's own (``kill``).
+KILLED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+# The exit code of a worker whose worker server died, which ends every worker's report at once: not its file's doing.
+SERVER_GONE = 255
 # A worker killed (SIGKILL; exit code 255: its worker server was, which ends every worker's report at once) this
 # long after the count of OOM kills rose (its memory cgroup's, else the machine's) was killed by the OOM killer.
 OOM_WINDOW_SECONDS = 2.0
@@ -119,6 +128,12 @@ def stall_noted_after(limit: float) -> float:
     """Seconds without progress after which a stall is said (a local worker's, or a Ray slice's, which the
     bridge reports from then on), of one killed at ``limit`` seconds."""
     return min(STALL_NOTE_SECONDS, limit / 4)
+
+
+def _killed_from_outside(exitcode: int | None) -> bool:
+    """Whether a worker that ended with ``exitcode`` was killed by something other than the file it was on:
+    a signal of ``KILLED_FROM_OUTSIDE``, or its worker server's death."""
+    return exitcode == SERVER_GONE or (exitcode is not None and exitcode < 0 and -exitcode in KILLED_FROM_OUTSIDE)
 
 
 @dataclass(frozen=True)
@@ -188,9 +203,10 @@ class WorkerHealth:
         task, sample = self._died_on(worker)
         then = f"requeuing its {counted(len(worker.tasks), 'task')} and starting another"
         who = f"worker pid {worker.process.pid}"
-        if by_oom_killer:  # the memory's fault, wherever it fell (CRASHES_TO_BLAME)
+        on_a_file = task is not None and sample is not None
+        if by_oom_killer or on_a_file and _killed_from_outside(worker.process.exitcode):  # CRASHES_TO_BLAME
             where = "" if task is None or sample is None else f" on {self._place(task, sample, with_files=False)}"
-            if task is not None and sample is not None:
+            if by_oom_killer and task is not None and sample is not None:
                 self.oom_files.add(self.shown(sample))
             log.error("%s died (%s)%s; %s (not that file's fault)", who, how, where, then)
             self.ends.append(now)
@@ -244,7 +260,7 @@ class WorkerHealth:
         self._look_for_oom_kills(now)
         code = worker.process.exitcode
         how = ended(code)
-        if code not in (-signal.SIGKILL, 255) or self.oom_at is None or now - self.oom_at > OOM_WINDOW_SECONDS:
+        if code not in (-signal.SIGKILL, SERVER_GONE) or self.oom_at is None or now - self.oom_at > OOM_WINDOW_SECONDS:
             return how, False
         if not self.oom_ends:
             log.warning("the kernel's out-of-memory killer killed worker pid %d (%s): lower --workers or "

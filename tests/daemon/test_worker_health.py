@@ -43,8 +43,8 @@ def test_a_file_is_blamed_once_workers_died_on_it_in_the_same_task() -> None:
     h = health()
     for _ in range(CRASHES_TO_BLAME - 1):
         assert h.died(dead(1, 11)) is None
-    assert h.died(dead(1, 11, exitcode=-9)) == (11, f"crashed its worker {CRASHES_TO_BLAME} times "
-                                                   "(signal SIGSEGV, then signal SIGKILL)")
+    assert h.died(dead(1, 11, exitcode=-6)) == (11, f"crashed its worker {CRASHES_TO_BLAME} times "
+                                                   "(signal SIGSEGV, then signal SIGABRT)")
     assert h.crashed_items == ((11, h.crashed[11]),)
     assert not h.ends, "the file's deaths leave the restart window: the bad-sample limits judge them"
     # A task queued before that is told of it; one told already is left as it is.
@@ -64,6 +64,23 @@ def test_deaths_that_fall_on_different_files_or_tasks_or_between_images_blame_no
     deaths = [dead(1, 10), dead(1, 11), dead(2, 11), dead(2, 21), dead(1, -1), dead(2, -1), dead(2, 20, begun=False)]
     assert [h.died(worker) for worker in deaths] == [None] * len(deaths)
     assert not h.crashed and len(h.ends) == len(deaths), "each counts towards the restart limit"
+
+
+def test_workers_killed_from_outside_on_one_file_blame_it_not(caplog: Any) -> None:
+    """Killed by hand at a steady pace, restarted workers reached the same image after the same start: two kills
+    on one file replaced a healthy image as undecodable (a review's walk of RELIABILITY.md).  A file can crash its
+    worker (a fault signal) or make it exit (a C library's exit(1)); SIGKILL, SIGTERM and the like come from outside,
+    and a worker whose server died (exit code 255) did not die of its file."""
+    h = health()
+    outside = [-9, -15, -2, -1, -3, 255] * CRASHES_TO_BLAME
+    assert [h.died(dead(1, 11, exitcode=code)) for code in outside] == [None] * len(outside)
+    assert not h.crashed and len(h.ends) == len(outside), "each counts towards the restart limit"
+    assert ("died (signal SIGKILL) on task 1, 11 (file 2 of its task's 2); requeuing its 2 tasks and starting "
+            "another (not that file's fault)") in caplog.text
+    # A file that makes its worker exit is found out as one that crashes it.
+    h = health()
+    assert h.died(dead(1, 11, exitcode=1)) is None
+    assert h.died(dead(1, 11, exitcode=1)) == (11, f"crashed its worker {CRASHES_TO_BLAME} times (exit code 1)")
 
 
 def test_a_worker_that_died_before_it_was_ready_is_said_with_the_step_it_was_on(caplog: Any) -> None:
