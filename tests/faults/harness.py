@@ -113,7 +113,7 @@ from typing import Any, Callable
 import psutil
 
 from prefetchd.buffer_protocol import Manifest, ProtocolError, State, Status, daemon_pid, list_batches, read_status
-from prefetchd.buffer_protocol.batch import HEADER
+from prefetchd.buffer_protocol.batch import HEADER, parse_batch
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_USAGE
 from tests.faults.accounting import LogReader, account, read_log
@@ -192,6 +192,26 @@ class Settings:
     python: str = sys.executable
 
 
+# The details (``Fault.detail``) of the only faults nobody has to notice: a metadata bit flip after which the batch
+# reads the same to a reader (a producer id, say, which no reader checks), and a dataset file that no batch needed
+# while it was gone.  Any other fault that went unnoticed fails the suite (``Report.missed``).
+UNCHECKED_BYTE = "nothing a reader checks"
+NOT_READ_WHILE_GONE = "not read while gone"
+UNNOTICEABLE = {"batch_corrupt": UNCHECKED_BYTE, "dataset_delete": NOT_READ_WHILE_GONE}
+
+
+def reads_the_same(before: bytes, after: bytes) -> bool:
+    """Whether batch file ``after``, ``before`` with a metadata bit flipped, reads the same to a reader: it parses,
+    to the same position, seed, job, rank and tensors (only the producer id or the count of replaced samples, which
+    no reader checks, may differ).  Otherwise the flip is one for the reader to notice."""
+    try:
+        read = parse_batch(after)
+    except ProtocolError:
+        return False
+    was = parse_batch(before)
+    return dataclasses.replace(read, producer=was.producer, replaced=was.replaced) == was
+
+
 @dataclass
 class Fault:
     kind: str
@@ -208,6 +228,12 @@ class Fault:
     def end(self) -> float:
         """When the next fault was injected (``t_end``): what this fault's checks may count up to."""
         return float(self.data.get("t_end", float("inf")))
+
+    @property
+    def missed(self) -> bool:
+        """Nobody noticed it, though it was one to notice (``UNNOTICEABLE``)."""
+        unnoticeable = UNNOTICEABLE.get(self.kind)
+        return not self.detected and not (unnoticeable is not None and self.detail.endswith(unnoticeable))
 
 
 def counter_rose(counter: str, base: StatusSample | None) -> Callable[[Fault, Harness], bool]:
@@ -237,6 +263,11 @@ class Report:
     reference_seconds: float
     skipped: int = 0  # scheduled faults that found nothing to damage (no waiting batch)
     unavailable: dict[str, str] = field(default_factory=dict)  # kinds (or variants) not injected here, and why
+
+    @property
+    def missed(self) -> list[str]:
+        """The faults nobody noticed that were to be noticed, with their details."""
+        return [f"{f.kind} ({f.detail})" for f in self.faults if f.missed]
 
     @property
     def ok(self) -> bool:
@@ -278,6 +309,8 @@ class Report:
             lines.append(f"UNEXPECTED trainer exit: {c}")
         for c in self.daemon_exits[:5]:
             lines.append(f"UNEXPECTED daemon exit: {c}")
+        for m in self.missed:
+            lines.append(f"MISSED (nobody noticed it): {m}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -953,15 +986,16 @@ class Harness:
     def inject_batch_corrupt(self, fault: Fault, rng: random.Random) -> None:
         def flip(path: Path, g: int) -> str:
             with open(path, "r+b") as f:
-                head = f.read(HEADER.size)
-                meta_len = HEADER.unpack(head)[3]
+                data = f.read()
                 # What the reader checks: the fixed header and the metadata.
-                offset = rng.randrange(HEADER.size + meta_len)
+                offset = rng.randrange(HEADER.size + HEADER.unpack_from(data)[3])
                 f.seek(offset)
                 byte = f.read(1)[0]
                 f.seek(offset)
                 f.write(bytes([byte ^ (1 << rng.randrange(8))]))
-            return f"byte {offset}"
+                f.seek(0)
+                same = reads_the_same(data, f.read())
+            return f"byte {offset}" + (f", {UNCHECKED_BYTE}" if same else "")
 
         fault.check = lambda f, h: h.protocol_error_at(f)
         self._damage_waiting_batch(fault, rng, 1, flip)
@@ -1101,7 +1135,7 @@ class Harness:
             os.rename(dest, src)
         fault.t_ref = time.time()
         fault.data["index"] = i
-        fault.detail = "replaced" if hit else "not read while gone"
+        fault.detail = "replaced" if hit else NOT_READ_WHILE_GONE
         # A delivered batch's header counts the replacement, or the daemon's status the undecodable file.
         fault.check = lambda f, h: any(r.get("replaced") and f.t_inject < r["t"] < f.end for r in h.log.records
                                        ) or h.counter_rose("undecodable_files", base, f.end)
@@ -1427,7 +1461,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table())
     if args.json:
         args.json.write_text(json.dumps(report.to_json(), indent=1))
-    return 0 if report.ok else 1
+    return 0 if report.ok and not report.missed else 1
 
 
 if __name__ == "__main__":

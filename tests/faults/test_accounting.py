@@ -7,9 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from prefetchd.buffer_protocol import batch_name, write_batch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.faults.accounting import account, compare  # noqa: E402
+from tests.faults.harness import Fault, reads_the_same  # noqa: E402
 
 STEPS, POSITIONS, SAMPLES = 3, 6, 12
 
@@ -85,3 +89,27 @@ def test_a_run_that_stops_short_loses_its_last_batches() -> None:
     assert acc["lost"] == 1 and acc["committed"] == POSITIONS - 1, acc
     acc = account([start(0, 2), line(0, 2), line(0, 3)], REF, STEPS, 5, SAMPLES, first=2)
     assert acc["lost"] == 1, acc  # 4, the joined consumer's last
+
+
+def test_only_a_flip_no_reader_checks_and_a_file_nobody_read_may_go_unnoticed(tmp_path: Path) -> None:
+    """The suite exempted every batch_corrupt and dataset_delete fault from detection, not just the two harmless
+    cases RELIABILITY.md names (a review)."""
+    path = tmp_path / batch_name(0, 0)
+    write_batch(path, np.zeros((2, 4, 4, 3), np.uint8), np.array([1, 2]), np.array([10, 20]), epoch=0, step=3,
+                seed=7, producer="pppp")
+    data = path.read_bytes()
+
+    def flipped(marker: bytes, bit: int = 0) -> bytes:
+        at = data.index(marker) + len(marker) - 1
+        return data[:at] + bytes([data[at] ^ (1 << bit)]) + data[at + 1:]
+
+    assert reads_the_same(data, flipped(b"pppp"))  # "pppq": a producer id no reader checks
+    assert not reads_the_same(data, flipped(b"\xa4step\x03"))  # step 3 -> 2: another position
+    assert not reads_the_same(data, flipped(b"\xa4seed\x07"))
+    assert not reads_the_same(data, flipped(b"\xa6format"))  # a key renamed: it no longer parses
+    quiet = Fault("batch_corrupt", 0, 0.0, detail="byte 90, nothing a reader checks")
+    loud = Fault("batch_corrupt", 0, 0.0, detail="byte 90")
+    unread = Fault("dataset_delete", 0, 0.0, detail="not read while gone")
+    assert not quiet.missed and loud.missed and not unread.missed
+    assert Fault("dataset_delete", 0, 0.0, detail="replaced").missed
+    assert not Fault("dataset_delete", 0, 0.0, detail="replaced", detected=True).missed
