@@ -26,7 +26,8 @@ daemon_kill         SIGKILL the daemon (half the time while a ``.tmp``     the r
 trainer_kill        SIGKILL the trainer; once the daemon's status says    status ``trainer``: the killed
                     it is gone (or 5 s), resume it from its checkpoint    pid with ``alive`` false
 trainer_stop        SIGSTOP the trainer until the daemon reports the      status ``state`` was ``full``
-                    buffer ``full``, a while longer, then SIGCONT         while the trainer was stopped
+                    buffer ``full``, a while longer, then SIGCONT         while the trainer was stopped,
+                                                                          never past ``high_water``
 enospc              fill the buffer's small tmpfs (root only) to less     ``errors.write_failures`` or
                     than a batch free, topped up as batches are consumed, ``errors.low_space_pauses`` rose,
                     until a write fails or production pauses; free it     or ``totals.batches`` while full
@@ -349,6 +350,8 @@ class StatusSample:
     counters: dict[str, int]
     consumers: tuple[tuple[str, int | None, bool | None], ...] = ()  # (name, pid, alive), every stream's
     remote_nodes: tuple[str, ...] = ()  # --ray: the nodes that built slices, as status.json names them
+    waiting: int = 0  # finished batches waiting for the trainer
+    high_water: int = 0
 
 
     @classmethod
@@ -365,6 +368,7 @@ class StatusSample:
                             for s in (job.streams if job is not None else ()) for c in s.consumers),
             remote_nodes=tuple(n.node for n in job.remote.nodes if n.slices)
             if job is not None and job.remote is not None else (),
+            waiting=job.waiting if job is not None else 0, high_water=job.high_water if job is not None else 0,
         )
 
 
@@ -890,8 +894,12 @@ class Harness:
         self.sleep(rng.uniform(0.1, 0.5))  # longer than the buffer lasts: it has been full a while
         self._cont()
         fault.t_ref = time.time()
-        fault.detail = "full" if full else "not full"
-        fault.data["full"] = full
+        # "full" is nothing to build: at the high-water mark, or anywhere above the low-water mark on the way down
+        # (the hysteresis waits for the low-water mark, which a stopped trainer never brings).  Past it, never
+        # more than the high-water mark's batches wait.
+        over = [x.waiting for x in self.statuses if t < x.heartbeat <= fault.t_ref and x.waiting > x.high_water]
+        fault.detail = ("full" if full else "not full") + (f", {max(over)} waiting past the mark" if over else "")
+        fault.data["full"] = full and not over
         fault.check = lambda f, h: bool(f.data["full"])
 
     def inject_enospc(self, fault: Fault, rng: random.Random) -> None:
