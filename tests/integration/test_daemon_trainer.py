@@ -347,6 +347,10 @@ def test_buffer_of_another_job_is_refused_until_reset(shapes_data: Path, shm_dir
     jitter = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--color-jitter", "0.4")
     assert jitter.wait_exit(60) == 2
     assert "augmentation: '' -> 'color_jitter=0.4'" in jitter.log
+    bigger = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "8", "--image-size", "48",
+                          "--workers", "1", "--seed", "7")
+    assert bigger.wait_exit(60) == 2
+    assert "image_size: 32 -> 48" in bigger.log and "--reset" in bigger.log, bigger.log
     reset = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "32",
                          "--workers", "1", "--high-water", "2", "--reset")
     reset.wait_until(lambda: batch_files(buffer) == 2 and state_of(buffer) == State.FULL, 60, "the new job's batches")
