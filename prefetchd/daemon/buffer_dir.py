@@ -429,24 +429,26 @@ def free_bytes(path: Path) -> int:
     return fs.f_bavail * fs.f_frsize
 
 
-def pause_message(buffer: Path, free: int, own: int, floor: int) -> str:
-    """Why production pauses with ``free`` bytes left on ``buffer``'s filesystem once the next batch is built,
-    below the ``floor`` (--min-free-mb, in bytes), and what makes room: "lower --high-water" only where the
-    daemon's batches, ``own`` bytes, hold most of what the filesystem holds then.  Said also where another
-    process's file filled the tmpfs beside a few batches, it sent the user to lower a mark that was not what
-    took the space.  ``own`` counts the batches waiting, those being built and the next one, and not the
-    spares, which ``free`` counts as room; the rest of the filesystem beyond ``free`` is the other files'."""
-    left = max(free, 0)
+def pause_message(buffer: Path, free: int, held: int, next_len: int, floor: int) -> str:
+    """Why production pauses with ``free`` bytes left on ``buffer``'s filesystem once the next batch, of
+    ``next_len`` bytes, is built, below the ``floor`` (--min-free-mb, in bytes), and what makes room: "lower
+    --high-water" only where the daemon's batches (``held`` bytes waiting and being built, and the next one) would
+    hold most of what the filesystem holds then.  Said also where another process's file filled the tmpfs beside a
+    few batches, it sent the user to lower a mark that was not what took the space.  ``free`` counts the spares as
+    room, and the rest of the filesystem is the other files'; it is below 0 where less than a batch is free, which
+    clamped there gave the other files less than they held."""
     fs = os.statvfs(buffer)
     size = fs.f_blocks * fs.f_frsize
-    others = max(0, size - left - own)
-    head = f"paused: {buffer} would fall to {binary_size(left)} free, below the floor of {floor >> 20} MiB"
+    own = held + next_len
+    others = max(0, size - free - own)
+    head = f"paused: {buffer} would fall to {binary_size(max(free, 0))} free, below the floor of {floor >> 20} MiB"
     if own >= others:
         return (f"{head}; this daemon's batches would hold {binary_size(own)} of the filesystem's "
                 f"{binary_size(size)}, other files {binary_size(others)}: free space there or lower --high-water")
+    mine = f"only {binary_size(held)}" if held else "none yet"
     return (f"{head}; other files hold {binary_size(others)} of the filesystem's {binary_size(size)}, this "
-            f"daemon's batches only {binary_size(own)}: free those files (`df -h {buffer}` names the "
-            "filesystem), and production resumes by itself")
+            f"daemon's batches {mine}: free those files (`df -h {buffer}` names the filesystem), and production "
+            "resumes by itself")
 
 
 NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of space (a tmpfs full, a quota reached)

@@ -61,7 +61,7 @@ class BufferSpace:
         free = self.left_free(file_len) + spare_bytes
         if free >= self.min_free:
             return None
-        return pause_message(self.buffer, free, self.held_bytes() + file_len, self.min_free)
+        return pause_message(self.buffer, free, self.held_bytes(), file_len, self.min_free)
 
     def pause(self) -> bool:
         """Production waits for space; whether that begins a pause: one shortage, one pause, not one for each

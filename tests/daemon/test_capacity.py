@@ -470,14 +470,19 @@ def test_one_shortage_is_one_pause_while_batches_are_built_in_spares(shm_dir: Pa
         r"free those files \(`df -h \S+` names the filesystem\), and production resumes by itself$"),
     (2, r"this daemon's batches would hold [34]\.\d MiB of the filesystem's 8\.0 MiB, other files 2\.\d MiB: free "
         r"space there or lower --high-water$"),
+    # All but 40 pages: less than a batch free, which the message clamped to 0 and gave the daemon the batch it had
+    # not built ("this daemon's batches only 196.0 KiB" with none in the buffer), the other files less than theirs.
+    (None, r"other files hold 7\.[89] MiB of the filesystem's 8\.0 MiB, this daemon's batches none yet: free those "
+           r"files"),
 ])
-def test_a_pause_for_space_advises_what_took_it(shm_dir: Path, shapes_data: Path, start_daemon, ballast_mib: int,
-                                                advice: str) -> None:
+def test_a_pause_for_space_advises_what_took_it(shm_dir: Path, shapes_data: Path, start_daemon,
+                                                ballast_mib: int | None, advice: str) -> None:
     """The pause said "free space there or lower --high-water" also where another process's file took most of the
     tmpfs beside a few batches: lowering the mark frees little there.  It says whose the space is, and advises
     lowering the mark only where the daemon's batches hold most of it."""
     with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
-        (mount / "ballast").write_bytes(b"\1" * (ballast_mib << 20))
+        (mount / "ballast").write_bytes(b"\1" * (free_bytes(mount) - 40 * 4096 if ballast_mib is None else
+                                                 ballast_mib << 20))
         buffer = mount / "bf"
         # 24 batches of 204 KiB (4.8 MiB) and the 2 MiB floor fit 8 MiB: the start warns of the ballast, not refuses.
         daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "128",
