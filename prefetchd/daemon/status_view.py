@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State, Status,
-                                       StorageWait, StreamStatus, TrainerStatus, daemon_owner, lock_holders, pid_named, read_status,
-                                       same_pid_namespace, writer_named)
+from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State,
+                                       Status, StorageWait, StreamStatus, TrainerStatus, daemon_owner, lock_holders,
+                                       pid_named, read_status, same_pid_namespace, writer_named)
 from prefetchd.buffer_protocol.layout import LOCK_NAME, STREAM_PREFIX, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.buffer_protocol.progress import pid_namespace
