@@ -541,3 +541,22 @@ def test_a_contender_that_fails_takes_one_line_of_the_table(tmp_path: Path, shap
     assert "failed: RuntimeError: Caught RuntimeError in DataLoader worker process 0. RuntimeError: " in row, table
     assert "No space left on device" in row and "(/dev/shm holds 64.0 MiB: DataLoader workers pass" in row, row
     assert "Traceback" not in table, table
+
+
+def test_the_memory_peak_is_never_below_the_start_or_end_figures(tmp_path: Path) -> None:
+    """The samples list the daemon's tree every few seconds, the end figure lists it then: with processes new since
+    (a Ray node's), the report read "RSS 1190 MiB at first batch -> 1461 MiB at end (peak 1419 MiB)"."""
+    from prefetchd.bench.monitor import BufferMonitor
+
+    monitor = BufferMonitor(tmp_path, os.getpid())  # this process's tree; its loop never runs: no sample at all
+    monitor.mark_start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # new since the start
+    try:
+        time.sleep(0.5)  # its interpreter up
+        monitor.mark_end()
+    finally:
+        child.kill()
+        child.wait()
+    memory = monitor.summary()
+    assert memory["rss_end_bytes"] > memory["rss_start_bytes"] > 0
+    assert memory["rss_peak_bytes"] >= memory["rss_end_bytes"], memory

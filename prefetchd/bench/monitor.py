@@ -216,10 +216,14 @@ class BufferMonitor:
         self.rss_start = _tree_memory(self.pid, "rss")
         self.pss_start = _tree_memory(self.pid, "pss")
         self._measuring = True
+        self.rss_peak = max(self.rss_peak, self.rss_start or 0)
 
     def mark_end(self) -> None:
         self.rss_end = _tree_memory(self.pid, "rss")
         self.pss_end = _tree_memory(self.pid, "pss")
+        # The samples' tree is listed every TREE_SECONDS, this one now: with processes new since (a Ray node's), the
+        # end was above the peak ("1461 MiB at end (peak 1419 MiB)").
+        self.rss_peak = max(self.rss_peak, self.rss_end or 0)
 
     def _loop(self) -> None:
         from prefetchd.buffer_protocol import ProtocolError, read_status
