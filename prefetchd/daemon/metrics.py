@@ -60,7 +60,7 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
      "Slices of batches submitted to the Ray cluster and not yet back."),
     ("prefetchd_remote_images_total", lambda p: p.remote.images if p.remote else None, "Images built on the Ray cluster."),
     ("prefetchd_remote_retries_total", lambda p: p.remote.retries if p.remote else None,
-     "Slices submitted again after their Ray worker or node was lost."),
+     "Slices submitted again after Ray failed them (their Ray worker or node lost, or their task unable to run on a node)."),
     ("prefetchd_remote_stragglers_total", lambda p: p.remote.stragglers if p.remote else None,
      "Slices started a second time because they took far longer than the median."),
     ("prefetchd_remote_copied_bytes_total", lambda p: p.remote.copied_bytes if p.remote else None,

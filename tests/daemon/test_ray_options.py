@@ -25,7 +25,7 @@ from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.main import run_daemon
 from prefetchd.daemon.remote import RemotePool
 from prefetchd.daemon.remote import pool as pool_module
-from prefetchd.daemon.remote.connect import connect_failure
+from prefetchd.daemon.remote.connect import connect_failure, unreachable
 from prefetchd.daemon.status_view import format_status
 from prefetchd.daemon.tasks import WorkerJob
 from tests.daemon.test_workers import SIZE, _dataset
@@ -184,6 +184,11 @@ def test_no_cluster_for_auto_is_told_in_prefetchd_flags(monkeypatch: pytest.Monk
     refused = connect_failure("10.0.0.5:6379", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379"))
     assert "if the head uses token authentication" in refused and "RAY_AUTH_MODE=token" in refused, refused
     assert "Token authentication" in refused and "~/.ray/auth_token" in refused, refused
+    # With RAY_AUTH_MODE=token and a token the head refuses, Ray says the same: the hint then asks about the token.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    wrong = connect_failure("10.0.0.5:6379", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379"))
+    assert "runs with RAY_AUTH_MODE=token: is its token the cluster's?" in wrong and "ray get-auth-token" in wrong
+    monkeypatch.delenv("RAY_AUTH_MODE")
     no_token = connect_failure("auto", RuntimeError("Token authentication is enabled but no authentication token was "
                                                     "found."))
     assert no_token.endswith("start the daemon with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token "
@@ -193,6 +198,15 @@ def test_no_cluster_for_auto_is_told_in_prefetchd_flags(monkeypatch: pytest.Monk
     assert "prefetchd[ray] does not install Ray's client: pip install 'ray[client]'" in client, client
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # auto followed it: Ray's message names that address
     assert "Failed to connect" in connect_failure("auto", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5"))
+
+
+def test_a_head_whose_name_does_not_resolve_is_told_so_not_that_nothing_answers() -> None:
+    """`--ray gpu-box-1:6379` on a machine that cannot resolve the name said "nothing answers there (gaierror: ...);
+    start the head": there is nothing to start, the name is what to check (a review of docs/SCALE.md)."""
+    told = unreachable("gpu-box-1.invalid:6379")  # .invalid never resolves (RFC 2606)
+    assert told.startswith("its host name does not resolve here (gaierror: "), told
+    assert "start the head" not in told and "check the address" in told
+    assert unreachable("auto") == unreachable("local") == ""
 
 
 @needs_ray
@@ -245,7 +259,8 @@ def test_a_head_that_accepts_but_does_not_answer_is_warned_about_while_local_wor
             pool.stop()
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warned == [f"the Ray cluster at {address} does not answer yet (1 s); 2 local workers build alone "
-                      "meanwhile; prefetchd waits up to 120 s for it, then tries again every 10 s"], warned
+                      "meanwhile; prefetchd waits up to 120 s for it (Ray gives up sooner on some heads: one that "
+                      "refuses this daemon's token, after 20 s), then tries again every 10 s"], warned
     assert pool.status().message == "not connected: no answer after 1 s yet; 2 local workers build alone"
 
 

@@ -39,7 +39,10 @@ def unreachable(address: str) -> str:
     host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=REACH_SECONDS).close()
-    except OSError as exc:  # socket.gaierror (no such host) and TimeoutError included
+    except socket.gaierror as exc:  # no such host: nothing to start there, the name is what to check
+        return (f"its host name does not resolve here ({type(exc).__name__}: {exc.strerror or exc}); check the "
+                "address (a name this machine's resolver knows, or the head's IP address)")
+    except OSError as exc:  # refused, unreachable, TimeoutError
         return (f"nothing answers there ({type(exc).__name__}: {exc.strerror or exc}); start the head "
                 "(`ray start --head`), or check the address and that its port is open to this machine")
     return ""
@@ -60,12 +63,17 @@ def connect_failure(address: str, exc: Exception) -> str:
                 "version) here, or join the head's GCS with --ray HOST:6379")
     elif "auth" in text.lower():
         why += f"; {TOKEN_AUTH}"
-    elif (isinstance(exc, ConnectionError) and address not in ("local", "auto")
-          and os.environ.get("RAY_AUTH_MODE", "").lower() != "token"):
-        # A head with token authentication refuses a driver without the token with only "Failed to connect to
-        # Ray cluster" after 20 s (Ray 2.60); its port answered (``unreachable``), so that is the likeliest cause.
-        why += ("; if the head uses token authentication (Ray 2.60 turns it on where a token exists when "
-                f"`ray start --head` runs): {TOKEN_AUTH}")
+    elif isinstance(exc, ConnectionError) and address not in ("local", "auto"):
+        # A head with token authentication refuses a driver without the token, or with another one, with only
+        # "Failed to connect to Ray cluster" after 20 s (Ray 2.60); its port answered (``unreachable``), so that is
+        # the likeliest cause.
+        if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+            why += ("; if the head uses token authentication (Ray 2.60 turns it on where a token exists when "
+                    f"`ray start --head` runs): {TOKEN_AUTH}")
+        else:
+            why += ("; this daemon runs with RAY_AUTH_MODE=token: is its token the cluster's? It reads "
+                    "RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token; "
+                    "`ray get-auth-token` on the head prints the cluster's (docs/SCALE.md, 'Token authentication')")
     return why
 
 

@@ -182,7 +182,8 @@ class RemotePool:
             self.told_no_answer = True
             self.message = self._not_connected(f"no answer after {NO_ANSWER_SECONDS:.0f} s yet")
             log.warning("the Ray cluster at %s does not answer yet (%.0f s); %s meanwhile; prefetchd waits up to "
-                        "%.0f s for it, then tries again every %.0f s", self.address, NO_ANSWER_SECONDS,
+                        "%.0f s for it (Ray gives up sooner on some heads: one that refuses this daemon's token, "
+                        "after 20 s), then tries again every %.0f s", self.address, NO_ANSWER_SECONDS,
                         self._fallback(), self._connect_seconds(), RECONNECT_SECONDS)
 
     def _connect_seconds(self) -> float:
