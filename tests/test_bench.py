@@ -406,6 +406,34 @@ def test_the_floor_counts_what_it_is_asked_and_leaves_the_process_as_it_was(shap
         measure_floor(shapes_data / "train", 32, core)
 
 
+def test_the_floor_and_its_parallel_loops_leave_out_files_that_do_not_decode_and_name_them(
+    shapes_data: Path, tmp_path: Path
+) -> None:
+    """A truncated JPEG and a text file named .JPEG stopped `prefetchd bench` at its floor with a traceback that did
+    not name the file (a review); the daemon replaces such files, and the floor leaves them out."""
+    from prefetchd.bench.floor import measure_floor, measure_parallel_floor
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_data / "train", data)
+    first = sorted(data.glob("*/*.jp*g"))[0]
+    (first.parent / "truncated.jpg").write_bytes(first.read_bytes()[:300])
+    (first.parent / "text.JPEG").write_text("not an image\n")
+    core = max(os.sched_getaffinity(0))
+    floor = measure_floor(data, 32, core, images=100)
+    assert floor["images"] == 100 and floor["files"] == 72 and floor["undecodable"] == 2, floor
+    named = " ".join(floor["undecodable_files"])
+    assert "truncated.jpg: " in named and "text.JPEG: ImageRefused: " in named, named
+    loops = measure_parallel_floor(data, 32, [core], 0.5)
+    assert loops["images_per_s"] > 0
+    for other in [p for p in data.glob("*/*") if p != first]:
+        other.unlink()
+    for empty in [d for d in data.iterdir() if d != first.parent]:
+        empty.rmdir()
+    first.write_text("nor this")
+    with pytest.raises(ValueError, match=r"^none of the 1 files the floor reads decodes \(last: .*\); are these files "):
+        measure_floor(data, 32, core, images=10)
+
+
 def test_the_floor_counts_its_own_threads_cpu_not_the_processes(shapes_data: Path) -> None:
     # gpu_check measures the floor in a process with CUDA's and an executor's threads: their CPU
     # is not the floor's.  hashlib lets go of the GIL on large inputs, so these threads burn CPU

@@ -57,6 +57,25 @@ def cpu_ms_per_item(n: int, fn: Callable[[int], object], rounds: int) -> float:
     return best / n * 1e3
 
 
+def _decodable(paths: list[Path], size: int) -> list[Path]:
+    """``paths`` less the files the daemon's ``augment()`` cannot decode (a truncated JPEG, a text file named .jpg),
+    said with why: every kernel below would fail on them (one stopped the tool with a traceback)."""
+    kept, left_out = [], []
+    for i, path in enumerate(paths):
+        try:
+            augment(path, size, True, sample_rng(0, 0, i))
+        except Exception as exc:  # the daemon replaces such a file; here it is left out
+            left_out.append(f"{path}: {type(exc).__name__}: {exc}")
+        else:
+            kept.append(path)
+    if left_out:
+        print(f"left out {len(left_out)} of {len(paths)} files that do not decode: {'; '.join(left_out[:3])}"
+              + ("; ..." if len(left_out) > 3 else ""))
+    if not kept:
+        raise click.ClickException(f"none of the {len(paths)} files decodes; are these files images?")
+    return kept
+
+
 @click.command(help=__doc__.split("\n\n")[0], context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("data", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--images", type=click.IntRange(min=1), default=375, show_default=True,
@@ -74,6 +93,7 @@ def main(data: Path, images: int, size: int, rounds: int) -> None:
     if not paths:
         raise click.ClickException(f"{data}: no .jpg/.jpeg files in class folders; point it at a class-folder dataset")
     paths = paths[:: max(1, len(paths) // images)][: images]
+    paths = _decodable(paths, size)
     datas = [p.read_bytes() for p in paths]
     buffers = [bytearray(data) for data in datas]  # what the daemon's header readers take
     boxes = []

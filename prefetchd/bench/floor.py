@@ -41,20 +41,42 @@ def _floor_paths(data: Path) -> list[Path]:
     return [index.path(i) for i in range(0, len(index), step)][:FLOOR_FILES]
 
 
-def _augment_loop(paths: list[Path], image_size: int, clean: CleanFiles | None = None,
-                  first_pass: range | None = None) -> Callable[[int, int], None]:
-    """``augment()`` of file ``i`` in ``epoch``, after a first pass over ``paths`` (or the part
-    ``first_pass`` of it, where processes sharing ``clean`` split the pass): the page cache,
-    and which files decode cleanly (a worker's first epoch)."""
-    clean = clean if clean is not None else CleanFiles(len(paths), shared=False)
-    preload()
+class AugmentLoop:
+    """``augment()`` of file ``i`` in ``epoch`` (``one``: whether it made an image), after a first pass over ``paths``
+    (or the part ``first_pass`` of it, where processes sharing ``clean`` split the pass): the page cache, and which
+    files decode cleanly (a worker's first epoch).  A file that does not decode (a truncated JPEG, a text file
+    named .JPEG) is left out from then on, as a worker replaces it: one such file stopped the bench with a
+    traceback that did not name it.  ``bad``: those files, with why."""
 
-    def one(epoch: int, i: int) -> None:
-        augment(paths[i], image_size, True, sample_rng(0, epoch, i), tracked=TrackedFile(clean, i))
+    def __init__(self, paths: list[Path], image_size: int, clean: CleanFiles | None = None,
+                 first_pass: range | None = None) -> None:
+        self.paths, self.image_size = paths, image_size
+        self.clean = clean if clean is not None else CleanFiles(len(paths), shared=False)
+        self.bad: dict[int, str] = {}
+        preload()
+        tried = first_pass if first_pass is not None else range(len(paths))
+        for i in tried:
+            self.one(0, i)
+        if len(tried) == len(paths) and paths and len(self.bad) == len(paths):  # (a share of the pass may be all bad)
+            raise ValueError(f"none of the {len(paths)} files the floor reads decodes (last: {self.bad[len(paths) - 1]}); "
+                             "are these files images?")
 
-    for i in first_pass if first_pass is not None else range(len(paths)):
-        one(0, i)
-    return one
+    def one(self, epoch: int, i: int) -> bool:
+        if i in self.bad:
+            return False
+        try:
+            augment(self.paths[i], self.image_size, True, sample_rng(0, epoch, i), tracked=TrackedFile(self.clean, i))
+        except Exception as exc:  # any decode failure, as a worker's: that file is left out, and named
+            self.bad[i] = f"{self.paths[i]}: {type(exc).__name__}: {exc}"
+            return False
+        return True
+
+    def left_out(self) -> dict[str, Any]:
+        """The files left out, for a measurement's record: how many, and the first few with why."""
+        return {"undecodable": len(self.bad), "undecodable_files": list(self.bad.values())[:SHOWN_BAD_FILES]}
+
+
+SHOWN_BAD_FILES = 3
 
 
 def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | None = None,
@@ -77,16 +99,15 @@ def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | No
     try:
         if torch is not None:
             torch.set_num_threads(1)  # as in a worker (workers.limit_threads)
-        one = _augment_loop(paths, image_size)
+        loop = AugmentLoop(paths, image_size)
         done, epoch, start = 0, 1, time.thread_time()
         while True:
             for i in range(len(paths)):
-                one(epoch, i)
-                done += 1
+                done += loop.one(epoch, i)
                 cpu = time.thread_time() - start
                 if cpu >= cpu_limit or done >= image_limit:
                     return {"images_per_s": done / cpu, "ms_per_image": cpu / done * 1e3, "images": done,
-                            "files": len(paths), "core": core}
+                            "files": len(paths) - len(loop.bad), "core": core, **loop.left_out()}
             epoch += 1
     finally:
         os.sched_setaffinity(0, affinity)
@@ -203,13 +224,12 @@ def _parallel_loop() -> None:
     limit_threads()
     paths = [Path(path) for path in job.paths]
     clean = CleanFiles.attach(job.clean_fd, len(paths))
-    one = _augment_loop(paths, job.image_size, clean, range(job.first, len(paths), job.every))
+    loop = AugmentLoop(paths, job.image_size, clean, range(job.first, len(paths), job.every))
     print(json.dumps("ready"), flush=True)
     sys.stdin.buffer.read()  # until the parent closes it
     done, start = 0, time.perf_counter()
     for epoch, i in _walk(len(paths), job.first, job.every):
-        one(epoch, i)
-        done += 1
+        done += loop.one(epoch, i)
         elapsed = time.perf_counter() - start
         if elapsed >= job.seconds:
             print(json.dumps([job.core, done / elapsed]), flush=True)

@@ -171,6 +171,9 @@ def format_table(results: BenchmarkResults) -> str:
         lines.append(f"floor: the daemon's augment() alone on one core (files known clean, {fl['files']} files) "
                      f"{fl['ms_per_image']:.2f} ms per image = {fl['images_per_s']:.0f} img/s{spread}"
                      + (f"; prefetchd {', '.join(shares)}" if shares else ""))
+        if fl.get("undecodable"):
+            lines.append(f"  left out of the floor: {counted(fl['undecodable'], 'file')} that did not decode (the "
+                         f"daemon replaces them), e.g. {'; '.join(fl['undecodable_files'])}")
         for r in results.throughput:
             if r.loops and r.vs_loops is not None and r.loops_vs_floor is not None:
                 lines.append(f"independent loops: {r.workers} x the floor's loop at once on the same cores "
