@@ -588,3 +588,17 @@ def test_the_memory_peak_is_never_below_the_start_or_end_figures(tmp_path: Path)
     memory = monitor.summary()
     assert memory["rss_end_bytes"] > memory["rss_start_bytes"] > 0
     assert memory["rss_peak_bytes"] >= memory["rss_end_bytes"], memory
+
+
+def test_the_machine_line_names_a_buffer_root_that_is_not_a_tmpfs() -> None:
+    """`--buffer-root` on an ext4 folder: the machine line said nothing of the buffer (a review), as for results
+    written before the buffer's pages were recorded."""
+    from prefetchd.bench.report import _buffer_pages, describe_cpu
+
+    disk = {"buffer_fs": "/tmp/root", "buffer_fs_type": "ext4", "buffer_huge_pages": None}
+    assert _buffer_pages(disk) == "; buffer in /tmp/root (ext4, not a tmpfs)"
+    assert _buffer_pages({**disk, "buffer_fs_type": "tmpfs", "buffer_huge_pages": True}) == \
+        "; buffer in /tmp/root (2 MiB pages)"
+    assert _buffer_pages({"buffer_fs": "/dev/shm"}) == ""  # an old bench.json
+    one = {"usable_cpus": 1, "cpu_model": "x", "ram_bytes": 2**30, "load_average_start": 0.1}
+    assert describe_cpu(one).startswith("1 usable core (x)")

@@ -27,7 +27,7 @@ from prefetchd.words import counted
 READY_SECONDS = 120.0  # to the manifest, then to the first batch
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(help=__doc__.split("\n\n")[0], context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("data", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--runs", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1))

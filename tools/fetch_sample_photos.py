@@ -64,7 +64,7 @@ def extract_photos(wheels: Path, out: Path) -> list[Path]:
     return written
 
 
-@click.command(help=__doc__.split("\n\n")[2])
+@click.command(help=__doc__.split("\n\n")[2], context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--wheels", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Take the wheels from this folder instead of downloading them.")

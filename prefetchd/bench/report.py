@@ -71,6 +71,7 @@ def describe_machine(buffers: Path | None = None) -> dict[str, Any]:
         "ram_bytes": psutil.virtual_memory().total,
         "buffer_fs": str(shm),
         "buffer_fs_bytes": du.total,
+        "buffer_fs_type": filesystem_of(shm).fstype,
         "buffer_huge_pages": huge_pages(filesystem_of(shm)),  # None: not a tmpfs
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -84,7 +85,7 @@ def describe_machine(buffers: Path | None = None) -> dict[str, Any]:
 
 
 def describe_cpu(machine: dict[str, Any]) -> str:
-    return (f"{machine['usable_cpus']} usable cores ({machine['cpu_model']}), "
+    return (f"{counted(machine['usable_cpus'], 'usable core')} ({machine['cpu_model']}), "
             f"{machine['ram_bytes'] / 2**30:.0f} GiB RAM, load average {machine['load_average_start']}")
 
 
@@ -122,10 +123,11 @@ def worker_count(k: int) -> str:
 
 def _buffer_pages(machine: dict[str, Any]) -> str:
     """The buffer's tmpfs pages, which the daemon's writes depend on ("Huge pages" in docs/BENCHMARKS.md)."""
-    huge = machine.get("buffer_huge_pages")  # absent from results written before it was recorded
-    if huge is None:
+    if "buffer_huge_pages" not in machine:  # results written before it was recorded
         return ""
-    return f"; buffer in {machine['buffer_fs']} ({pages_of(huge)})"
+    huge, kind = machine["buffer_huge_pages"], machine.get("buffer_fs_type")
+    pages = f"{kind}, not a tmpfs" if huge is None and kind else pages_of(huge)
+    return f"; buffer in {machine['buffer_fs']} ({pages})"
 
 
 def format_table(results: BenchmarkResults) -> str:
