@@ -45,7 +45,7 @@ class Ranks:
 
     def __post_init__(self) -> None:
         if not (0 <= self.rank < self.world_size and 0 <= self.local_rank < self.local_world_size
-                and self.local_world_size <= self.world_size and self.local_rank <= self.rank):
+                and self.local_rank <= self.rank and self.local_ranks.stop <= self.world_size):
             raise SetupError(
                 f"RANK {self.rank}, WORLD_SIZE {self.world_size}, LOCAL_RANK {self.local_rank}, LOCAL_WORLD_SIZE "
                 f"{self.local_world_size} do not fit together; launch the trainer with torchrun, which sets them"
@@ -74,8 +74,17 @@ class Ranks:
             except ValueError:
                 raise SetupError(f"{name}={text!r} in the environment is not a number; launch "
                                            "the trainer with torchrun, which sets it") from None
-        world = values["WORLD_SIZE"]
-        return cls(rank=values["RANK"], world_size=world, local_rank=values["LOCAL_RANK"],
+        world, rank, local_rank = values["WORLD_SIZE"], values["RANK"], values["LOCAL_RANK"]
+        if "LOCAL_WORLD_SIZE" not in values and rank != local_rank:
+            # This box's first rank is not 0: it is one box of several, whose ranks only LOCAL_WORLD_SIZE tells.
+            # Taken for one box holding every rank, it started a daemon for ranks past the world (a traceback).
+            raise SetupError(
+                f"LOCAL_WORLD_SIZE is not set, and this box's ranks begin at {rank - local_rank} (RANK={rank}, "
+                f"LOCAL_RANK={local_rank}): a launcher that runs ranks on several boxes must set LOCAL_WORLD_SIZE to "
+                "the number of ranks on each box, as torchrun does (under SLURM: SLURM_NTASKS_PER_NODE); without it "
+                "prefetchd takes one box to hold every rank"
+            )
+        return cls(rank=rank, world_size=world, local_rank=local_rank,
                    local_world_size=values.get("LOCAL_WORLD_SIZE", world))
 
     @property
@@ -180,7 +189,8 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
 def rank_stream(buffer: str | os.PathLike[str], timeout: float = DEFAULT_TIMEOUT) -> Path:
     """The stream of ``buffer`` that this process reads: the buffer itself as one process, its
     rank's stream directory under torchrun, ``accelerate launch`` or any launcher that sets
-    torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).  Pass it to BufferLoader."""
+    torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, and ``LOCAL_WORLD_SIZE`` where the ranks span
+    several boxes).  Pass it to BufferLoader."""
     return wait_for_stream(Path(buffer), Ranks.from_env(), timeout)
 
 

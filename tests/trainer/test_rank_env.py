@@ -42,10 +42,23 @@ def test_ranks_from_the_torchrun_environment() -> None:
     ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK not"),
     ({**torchrun_env(0, 2, 0, 2), "RANK": "zero"}, "RANK='zero'"),
     (torchrun_env(2, 2, 0, 2), "do not fit together"),
+    (torchrun_env(1, 2, 0, 2), "do not fit together"),  # this box's ranks 1-2 of a world of 2
 ])
 def test_a_broken_torchrun_environment_is_refused(env: dict[str, str], fragment: str) -> None:
     with pytest.raises(SetupError, match=fragment):
         Ranks.from_env(env)
+
+
+def test_a_launcher_of_several_boxes_without_local_world_size_is_told_to_set_it() -> None:
+    """A SLURM-like launch sets RANK, WORLD_SIZE and LOCAL_RANK but not LOCAL_WORLD_SIZE: prefetchd took one box to
+    hold every rank, so box 1 (RANK=1, LOCAL_RANK=0 of 2) started a daemon for ranks 1-2 and died in a traceback
+    ("rank 2 is outside a world of 2"), and its hints named `--ranks 1-2` (a review of README's "Many ranks")."""
+    with pytest.raises(SetupError, match=r"^LOCAL_WORLD_SIZE is not set, and this box's ranks begin at 1 \(RANK=1, "
+                                         r"LOCAL_RANK=0\): .* must set LOCAL_WORLD_SIZE"):
+        Ranks.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    # One box (torch.multiprocessing.spawn): every rank is local, as before.
+    one_box = Ranks.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert list(one_box.local_ranks) == [0, 1]
 
 
 def as_rank(job: FakeJob, buffer: Path, rank: int, world: int) -> Path:
