@@ -17,6 +17,7 @@ and the checkpoint, which holds every rank's loader position (see ``ranks``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -240,8 +241,15 @@ class Run:
         if config.max_steps is not None and self.global_step >= config.max_steps and self.epoch < self.epochs:
             self.stop_reason = "--max-steps"
         stopped = self.stop_reason is not None and self.train_loader.position[0] == self.epoch
-        while self.epoch < self.epochs and not stopped:
-            stopped = self._epoch()
+        try:
+            while self.epoch < self.epochs and not stopped:
+                stopped = self._epoch()
+        except Exception:
+            # A run that ends on an error (a daemon lost for good, a rank gone) leaves its metrics as one stopped
+            # does: the epochs it finished, or the header alone; it left none (a review of README's trainer).
+            with contextlib.suppress(OSError):
+                self._write_metrics(self._metrics(None, finished=False))
+            raise
         total_s = time.perf_counter() - run_start
         metrics = self._metrics(total_s, finished=not stopped)
         if stopped:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -18,7 +19,7 @@ from prefetchd.buffer_protocol import Manifest, Progress
 from prefetchd.trainer.checkpoint import CHECKPOINT_FORMAT, LAST_CHECKPOINT, load_checkpoint
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.model import build_model, cached_weights, check_last_batch, warmup_cosine
-from prefetchd.trainer.errors import OptionError, SetupError
+from prefetchd.trainer.errors import LoaderError, OptionError, SetupError
 from prefetchd.trainer.train import EXIT_FAILED, main, train
 
 if TYPE_CHECKING:
@@ -105,6 +106,20 @@ def test_a_run_stopped_before_its_first_epoch_ends_leaves_a_csv_of_every_column(
     from prefetchd.trainer.engine import csv_columns
 
     assert csv_columns(3, distributed=True) == [*header.split(","), "data_wait_share_max"]
+
+
+def test_a_run_that_ends_on_an_error_leaves_the_metrics_of_the_epochs_it_finished(
+    make_job: MakeJob, buffer: Path, tmp_path: Path
+) -> None:
+    """A daemon killed for good ended the run with exit 3 and no --metrics-csv at all, where README says the files
+    are rewritten at the end (a review): the epochs finished stay on record."""
+    train_job, val_job = jobs(make_job, buffer, write=1)  # epoch 0's batches of 2 epochs; nobody writes epoch 1
+    csv_path, json_path = tmp_path / "m.csv", tmp_path / "m.json"
+    with pytest.raises(LoaderError):
+        train(dataclasses.replace(config(train_job, val_job, metrics_csv=csv_path, metrics_json=json_path),
+                                  timeout=1.0, daemon_timeout=1.0), echo=quiet)
+    assert [int(r["epoch"]) for r in csv.DictReader(csv_path.open())] == [0]
+    assert json.loads(json_path.read_text())["finished"] is False
 
 
 def test_the_start_line_counts_in_the_singular_where_it_is_one(make_job: MakeJob, buffer: Path) -> None:
