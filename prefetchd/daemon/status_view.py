@@ -259,7 +259,7 @@ def format_status(report: StatusReport) -> str:
         share = p.trainer_wait_share
         fed = f", waiting for data {share:.1%} of its time" if share is not None else ""
         where = (f"no trainer yet (the buffer starts at epoch {p.epoch} step {p.step})" if pr.no_trainer_yet else
-                 f"{_lead_name(pr)} at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, pr.all_left)}")
+                 f"{_lead_name(pr)} at epoch {p.epoch} step {p.step}{fed}{_trainer_note(pr.trainer, _lead_left(pr))}")
         lines += [
             f"  progress  {where}",
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting"
@@ -414,6 +414,12 @@ def _lead_name(pr: Production) -> str:
     """Whom the progress line is about: with consumer lines below, the slowest consumer that holds batches
     (status.json's ``progress``), which is one of them; else the one trainer."""
     return "slowest consumer" if any(_consumer_lines_shown(s) for s in pr.streams) else "trainer"
+
+
+def _lead_left(pr: Production) -> bool:
+    """Whether the trainer the progress line names (status.json's ``trainer``: the first rank's) closed its loader.
+    Every rank's were asked: rank 0's that left beside rank 1's killed read "GONE" (a review of "Many ranks")."""
+    return pr.streams[0].all_left if pr.streams else pr.all_left
 
 
 def _trainer_note(trainer: TrainerStatus, left: bool = False) -> str:

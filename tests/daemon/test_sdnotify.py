@@ -388,6 +388,11 @@ def test_status_line_says_a_trainer_that_closed_its_loader_left_as_prefetchd_sta
     ranks = tuple(stream(r, trainer=away, consumers=(closed if r else killed,)) for r in range(3))
     assert status_line(status_example(production=production(streams=ranks))).endswith(
         "3 trainers, slowest at epoch 1 step 40 (2 left, 1 gone)")
+    # `prefetchd status` of the whole buffer: its progress line is rank 0's trainer, which left though rank 1's
+    # was killed (it said "GONE", where rank 0's own directory said "left").
+    rank0_left = (stream(0, trainer=away, consumers=(closed,)), stream(1, trainer=away, consumers=(killed,)))
+    shown = format_status(report(status_example(production=production(trainer=away, streams=rank0_left))))
+    assert "; trainer pid 12 left (closed its loader;" in shown, shown
 
 
 def test_status_line_while_waiting_for_a_job() -> None:
