@@ -286,7 +286,10 @@ def existing_checkpoint(path: Path | str) -> str | None:
         return None
     except CheckpointError as exc:
         return f"{path}, which this prefetchd-train cannot read ({exc})"
-    return f"{path} (global step {doc.get('global_step')}, epoch {int(doc.get('epoch', 0)) + 1})"
+    # Epochs done, not "epoch N": the next epoch's number read "epoch 3" of a finished 2-epoch run.
+    done = doc.get("metrics")
+    return (f"{path} (global step {doc.get('global_step')}"
+            + (f", {counted(len(done), 'epoch')} done)" if isinstance(done, list) else ")"))
 
 
 def check_resumable(path: Path | str, doc: Mapping[str, Any], config: TrainConfig, world_size: int,

@@ -74,7 +74,7 @@ def test_a_run_without_resume_refuses_to_overwrite_a_checkpoint_in_the_bucket(s3
     assert CliRunner().invoke(main, args).exit_code == 0
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
-    assert f"{url}/{LAST_CHECKPOINT} (global step 1, epoch 1)" in " ".join(result.stderr.split())
+    assert f"{url}/{LAST_CHECKPOINT} (global step 1, 0 epochs done)" in " ".join(result.stderr.split())
     assert load_checkpoint(f"{url}/{LAST_CHECKPOINT}")["global_step"] == 1
 
 

@@ -275,10 +275,13 @@ def test_a_run_without_resume_refuses_to_overwrite_a_checkpoint(make_job: MakeJo
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     message = " ".join(result.stderr.split())
-    assert f"{ckpt / LAST_CHECKPOINT} (global step 2, epoch 1)" in message, message
+    assert f"{ckpt / LAST_CHECKPOINT} (global step 2, 0 epochs done)" in message, message
     assert "Pass --resume" in message and "another --checkpoint-dir" in message
     assert "Traceback" not in result.output and (ckpt / LAST_CHECKPOINT).read_bytes() == before
     assert CliRunner().invoke(main, [*args[:-1], "3", "--resume"]).exit_code == 0  # continues it
+    # The finished run's: it said "epoch 2" of a one-epoch run, the number of the epoch it would begin next.
+    finished = CliRunner().invoke(main, [*args[:-1], "3"])
+    assert f"{ckpt / LAST_CHECKPOINT} (global step 3, 1 epoch done)" in " ".join(finished.stderr.split())
     assert load_checkpoint(ckpt / LAST_CHECKPOINT)["global_step"] == 3
 
 
