@@ -116,7 +116,12 @@ class Ranks:
 # -- which stream this rank reads ------------------------------------------------------
 
 
-def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> SetupError:
+def _split_flag(split: str) -> str:
+    """What a suggested `prefetchd start` adds for the split the caller reads: " --split val", or nothing."""
+    return " --split val" if split == "val" else ""
+
+
+def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks, split: str) -> SetupError:
     found = f"the daemon of {buffer} produces streams for --world-size {served} ({manifest})"
     if ranks.distributed:
         w = ranks.world_size
@@ -124,7 +129,8 @@ def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks) -> 
                  if served > 1 else "run the trainer as one process, without torchrun")
         return SetupError(
             f"{found}, but torchrun runs {w} ranks (WORLD_SIZE={w}). Restart the daemon for {w} ranks "
-            f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} ... --world-size {w} --reset`: "
+            f"(`prefetchd stop --buffer {buffer}`, then `prefetchd start --buffer {buffer} ...{_split_flag(split)} "
+            f"--world-size {w} --reset`: "
             f"--reset deletes the batches of --world-size {served}), "
             f"or {other}"
         )
@@ -155,7 +161,7 @@ def wait_for_stream(buffer: Path, ranks: Ranks, timeout: float, split: str = "tr
     while True:
         served = served_world(buffer)
         if served is not None and served[0] != ranks.world_size:
-            raise _world_mismatch(buffer, served[0], served[1], ranks)
+            raise _world_mismatch(buffer, served[0], served[1], ranks, split)
         if served is not None and served[0] > 1 and served[1].parent == buffer:
             # A manifest of a many-rank job at the top: this is one rank's stream directory, not the buffer.
             raise SetupError(
@@ -195,7 +201,7 @@ def rank_stream(buffer: str | os.PathLike[str], timeout: float = DEFAULT_TIMEOUT
 
 
 def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, split: str = "train") -> str:
-    world = (" --split val" if split == "val" else "") + (f" --world-size {ranks.world_size}" if ranks.distributed
+    world = _split_flag(split) + (f" --world-size {ranks.world_size}" if ranks.distributed
                                                           else "")
     owner = daemon_owner(buffer)
     if owner is not None:

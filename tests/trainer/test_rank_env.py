@@ -87,6 +87,9 @@ def test_a_daemon_for_another_world_size_is_refused_at_once(make_job: MakeJob, b
     as_rank(job, buffer / "four", 0, 4)
     with pytest.raises(SetupError, match=r"--world-size 4 .* torchrun runs 2 ranks.* with 4 processes in all"):
         wait_for_stream(buffer / "four", Ranks(0, 2, 0, 2), timeout=60)
+    # A validation buffer's: the command it suggests starts a --split val daemon (it started a train one).
+    with pytest.raises(SetupError, match=r"prefetchd start --buffer \S+ \.\.\. --split val --world-size 2 --reset"):
+        wait_for_stream(buffer / "four", Ranks(0, 2, 0, 2), timeout=60, split="val")
 
 
 def test_one_process_on_a_buffer_of_rank_streams_says_use_torchrun(make_job: MakeJob, buffer: Path) -> None:
