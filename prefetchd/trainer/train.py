@@ -257,7 +257,8 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
         if isinstance(exc, (DaemonGone, DaemonStuck)) and config.spawn_daemon and ranks.distributed:
             # Its restart command names the job, not how this run started it (--workers, --high-water, ...).
             told += (". Under torchrun a lost daemon ends the run (local rank 0 does not restart it while the other "
-                     "ranks wait): run this same command again with --resume to go on from the last checkpoint")
+                     "ranks wait). No need to start it by hand as above: run this same command again with --resume, "
+                     "which starts the daemons again and goes on from the last checkpoint")
         click.echo(f"{name}: {told}", err=True)
         _leave(EXIT_BUFFER, ranks)
     except OptionError as exc:  # before SetupError, which it is

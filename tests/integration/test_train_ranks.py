@@ -187,6 +187,7 @@ def test_a_spawned_daemon_lost_under_torchrun_ends_the_run_saying_to_resume(shap
     said = " ".join(err.split())
     assert run.returncode != 0
     assert "a lost daemon ends the run" in said and "run this same command again with --resume" in said, said[-3000:]
+    assert "No need to start it by hand as above" in said, said[-3000:]  # its restart command is not the way here
     assert "for its 2 ranks together" in said, said[-3000:]
 
 
