@@ -104,6 +104,8 @@ class BadSamples:
                 return f"restore the file or take its row out of {self._file_list}", FIX_FILES
             if is_url(self.index.root):
                 return "restore the object, or restart with --refresh-index to list the dataset without it", FIX_FILES
+            if os.path.islink(self.index.path(sample)):  # still there: a restart indexes it again
+                return "restore the file it links to, or remove the link", FIX_FILES
             return "restore the file, or restart to index the folders without it", FIX_FILES
         return FIX_FILE, FIX_FILES
 

@@ -410,6 +410,10 @@ def test_a_missing_file_is_said_missing_with_where_it_was_named(tmp_path: Path) 
     assert str(bad.verdict(gone, failures[gone])).startswith(
         f"--strict: {folders.name(gone)} is missing (indexed under {folders.root}; deleted or moved since?); restore "
         "the file, or restart to index the folders without it, or start without --strict")
+    # A dead link is still in the folder, which a restart indexes again: it said to restart (a review).
+    assert str(bad.verdict(link, failures[link])).startswith(
+        f"--strict: {folders.name(link)} is a link to nowhere.png, which is missing; restore the file it links to, "
+        "or remove the link, or start without --strict")
     # A file there but not readable is said so, a damaged one as before.
     assert bad.failure(0, "PermissionError: Permission denied") == (f"cannot read {folders.name(0)} "
                                                                     "(PermissionError: Permission denied)")
