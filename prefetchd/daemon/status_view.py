@@ -225,7 +225,11 @@ def format_status(report: StatusReport) -> str:
     meaning = " (every batch of the job's epochs is built; trainers may still be reading)" if state == State.DONE else ""
     pid = pid_named(report.pid, not report.other_pid_namespace)
     lines = [f"prefetchd on {buffer}: running ({pid}), state {state}{meaning}"]
-    if report.rank is not None:
+    if report.rank is not None and (st is None or st.production is None):  # a rank it leaves to another box, or
+        # one its ranks were before a restart: "its trainer and fill" of a rank it does not serve (a review)
+        lines.append(f"  stream    rank {report.rank} of the daemon on {report.owner}, which builds no batches for it "
+                     "now; the state above is the daemon's")
+    elif report.rank is not None:
         lines.append(f"  stream    rank {report.rank} of the daemon on {report.owner}: its trainer and fill; "
                      "the rates, memory and errors are the whole daemon's")
     if report.stale:  # then nothing below is of now: "alive", "written 2 s ago" and the rates are as the daemon last saw
@@ -251,7 +255,7 @@ def format_status(report: StatusReport) -> str:
             + f", seed {mf.seed}"  # jobs that differ in their seed alone are told apart
         )
     world = mf.world_size if mf else 1
-    if world > 1:  # one stream directory per rank: say which of the world's ranks are here
+    if world > 1 and (pr is not None or report.rank is None):  # one stream directory per rank: which are here
         served = rank_ranges([s.rank for s in pr.streams]) if pr is not None and pr.streams else "some"
         lines.append(f"  ranks     {served} of world size {world}, each in {report.owner}/{STREAM_PREFIX}NNNNN")
     if pr is not None:  # None while the daemon waits for a job or starts one

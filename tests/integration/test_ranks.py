@@ -151,6 +151,9 @@ def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, s
     other = cli("status", "--buffer", buffer / "rank-00002")
     assert f"does not serve rank 2 now (it serves 0-1); `prefetchd status --buffer {buffer}`" in other.stdout, other.stdout
     assert "batches waiting" not in other.stdout, "the served ranks' fill shown under rank 2's heading"
+    # Nor "its trainer and fill", nor "some of world size 3": a rank it does not serve (a review).
+    assert f"rank 2 of the daemon on {buffer}, which builds no batches for it now" in other.stdout, other.stdout
+    assert "its trainer and fill" not in other.stdout and "ranks     " not in other.stdout, other.stdout
     missing = cli("status", "--buffer", buffer / "rank-00007")
     assert missing.returncode == 3 and "running (pid" not in missing.stdout, missing.stdout
     assert missing.stdout.startswith(f"prefetchd on {buffer / 'rank-00007'}: no such rank\n"), missing.stdout
