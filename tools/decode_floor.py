@@ -37,6 +37,7 @@ import click
 import torch
 from PIL import Image
 
+from prefetchd.bench.floor import SHOWN_BAD_FILES, AugmentLoop
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
@@ -59,21 +60,16 @@ def cpu_ms_per_item(n: int, fn: Callable[[int], object], rounds: int) -> float:
 
 def _decodable(paths: list[Path], size: int) -> list[Path]:
     """``paths`` less the files the daemon's ``augment()`` cannot decode (a truncated JPEG, a text file named .jpg),
-    said with why: every kernel below would fail on them (one stopped the tool with a traceback)."""
-    kept, left_out = [], []
-    for i, path in enumerate(paths):
-        try:
-            augment(path, size, True, sample_rng(0, 0, i))
-        except Exception as exc:  # the daemon replaces such a file; here it is left out
-            left_out.append(f"{path}: {type(exc).__name__}: {exc}")
-        else:
-            kept.append(path)
-    if left_out:
-        print(f"left out {len(left_out)} of {len(paths)} files that do not decode: {'; '.join(left_out[:3])}"
-              + ("; ..." if len(left_out) > 3 else ""))
-    if not kept:
-        raise click.ClickException(f"none of the {len(paths)} files decodes; are these files images?")
-    return kept
+    as the bench's floor leaves them out, said with why: every kernel below would fail on them (one stopped the tool
+    with a traceback)."""
+    try:
+        loop = AugmentLoop(paths, size)
+    except ValueError as exc:  # none decodes
+        raise click.ClickException(str(exc)) from None
+    if loop.bad:
+        print(f"left out {len(loop.bad)} of {len(paths)} files that do not decode: "
+              + "; ".join(loop.left_out()["undecodable_files"]) + ("; ..." if len(loop.bad) > SHOWN_BAD_FILES else ""))
+    return [path for i, path in enumerate(paths) if i not in loop.bad]
 
 
 @click.command(help=__doc__.split("\n\n")[0], context_settings={"help_option_names": ["-h", "--help"]})

@@ -41,6 +41,9 @@ def _floor_paths(data: Path) -> list[Path]:
     return [index.path(i) for i in range(0, len(index), step)][:FLOOR_FILES]
 
 
+SHOWN_BAD_FILES = 3  # files that did not decode, named with why in a measurement's record
+
+
 class AugmentLoop:
     """``augment()`` of file ``i`` in ``epoch`` (``one``: whether it made an image), after a first pass over ``paths``
     (or the part ``first_pass`` of it, where processes sharing ``clean`` split the pass): the page cache, and which
@@ -58,8 +61,8 @@ class AugmentLoop:
         for i in tried:
             self.one(0, i)
         if len(tried) == len(paths) and paths and len(self.bad) == len(paths):  # (a share of the pass may be all bad)
-            raise ValueError(f"none of the {len(paths)} files the floor reads decodes (last: {self.bad[len(paths) - 1]}); "
-                             "are these files images?")
+            raise ValueError(f"none of the {len(paths)} files the floor reads decodes (last: "
+                             f"{self.bad[len(paths) - 1]}); are these files images?")
 
     def one(self, epoch: int, i: int) -> bool:
         if i in self.bad:
@@ -75,8 +78,6 @@ class AugmentLoop:
         """The files left out, for a measurement's record: how many, and the first few with why."""
         return {"undecodable": len(self.bad), "undecodable_files": list(self.bad.values())[:SHOWN_BAD_FILES]}
 
-
-SHOWN_BAD_FILES = 3
 
 
 def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | None = None,
