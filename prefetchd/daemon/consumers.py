@@ -163,6 +163,11 @@ class Consumer:
         """Seconds since its writer last wrote its progress file; 0 when unknown."""
         return max(0.0, now - self.written) if self.written is not None else 0.0
 
+    def waits(self, end: int | None) -> bool:
+        """May still read batches: it wrote, has not left (closed), and is short of ``end`` (the job's last
+        position; None: unbounded).  Those hold batches, the live ones first (``StreamWindows.plan``)."""
+        return self.seen and not self.closed and (end is None or self.position < end)
+
     def live(self, now: float, timeout: float) -> bool:
         """Holds batches even when others are live: not closed, not gone, not silent too long."""
         return self.seen and not self.closed and self.alive is not False and self.silent_for(now) <= timeout

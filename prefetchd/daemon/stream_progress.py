@@ -288,14 +288,11 @@ class StreamProgress:
         return moved
 
     def _others_hold(self, consumer: Consumer, now: float) -> bool:
-        """Whether other consumers hold the batches, so that ``consumer`` holds none (``StreamWindows.plan``):
-        for one that left (closed), another that has not left or finished; for one gone or silent, another
-        live."""
-        def holds(c: Consumer) -> bool:
-            if consumer.closed:
-                return c.seen and not c.closed and (self.end is None or c.position < self.end)
-            return c.live(now, self.consumer_timeout)
-        return any(holds(c) for c in self.consumers.values() if c is not consumer)
+        """Whether other consumers hold the batches, so that ``consumer`` holds none, as ``StreamWindows.plan``
+        decides: for one that left (closed), another that waits; for one gone or silent, another that waits and
+        is live."""
+        others = [c for c in self.consumers.values() if c is not consumer and c.waits(self.end)]
+        return bool(others) if consumer.closed else any(c.live(now, self.consumer_timeout) for c in others)
 
     def _progress_problem(self, consumer: Consumer, problem: str) -> None:
         if consumer.problem(problem):

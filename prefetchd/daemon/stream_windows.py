@@ -71,7 +71,7 @@ class StreamWindows:
         now = time.time()
         known = [c for c in self.consumers.values() if c.seen]
         unfinished = [c for c in known if self.end is None or c.position < self.end]
-        waiting = [c for c in unfinished if not c.closed]
+        waiting = [c for c in known if c.waits(self.end)]
         live = [c for c in waiting if c.live(now, self.consumer_timeout)]
         left = [] if len(unfinished) < len(known) else unfinished  # one at the end: the job is done (finished)
         holders = live or waiting or left or ([] if known else [self.consumers[DEFAULT_CONSUMER]])
