@@ -79,7 +79,6 @@ class AugmentLoop:
         return {"undecodable": len(self.bad), "undecodable_files": list(self.bad.values())[:SHOWN_BAD_FILES]}
 
 
-
 def measure_floor(data: Path, image_size: int, core: int, *, seconds: float | None = None,
                   images: int | None = None) -> dict[str, Any]:
     """CPU time per image of ``augment()`` (train) on the calling thread pinned to ``core``, over up

@@ -62,7 +62,7 @@ def describe_machine(buffers: Path | None = None) -> dict[str, Any]:
                 model = line.split(":", 1)[1].strip()
                 break
     shm = buffers or buffer_root()  # where the daemons' buffers go (`prefetchd bench --buffer-root`)
-    du = shutil.disk_usage(shm)
+    du, mount = shutil.disk_usage(shm), filesystem_of(shm)
     return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu_model": model or platform.processor() or "unknown",
@@ -71,8 +71,8 @@ def describe_machine(buffers: Path | None = None) -> dict[str, Any]:
         "ram_bytes": psutil.virtual_memory().total,
         "buffer_fs": str(shm),
         "buffer_fs_bytes": du.total,
-        "buffer_fs_type": filesystem_of(shm).fstype,
-        "buffer_huge_pages": huge_pages(filesystem_of(shm)),  # None: not a tmpfs
+        "buffer_fs_type": mount.fstype,
+        "buffer_huge_pages": huge_pages(mount),  # None: not a tmpfs
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
