@@ -201,8 +201,7 @@ def rank_stream(buffer: str | os.PathLike[str], timeout: float = DEFAULT_TIMEOUT
 
 
 def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, split: str = "train") -> str:
-    world = _split_flag(split) + (f" --world-size {ranks.world_size}" if ranks.distributed
-                                                          else "")
+    world = _split_flag(split) + (f" --world-size {ranks.world_size}" if ranks.distributed else "")
     owner = daemon_owner(buffer)
     if owner is not None:
         extra = (f"; it may produce only other ranks: its --ranks must include {ranks.rank}"
