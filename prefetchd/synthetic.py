@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from prefetchd.words import binary_size, counted
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class DatasetSummary:
     def line(self) -> str:
         counts = ", ".join(f"{split} {n}" for split, n in self.counts.items())
         formats = ", ".join(f"{ext} {n}" for ext, n in sorted(self.formats.items()))
-        return f"{self.root}: {len(self.classes)} classes ({', '.join(self.classes)}); {counts}; {formats}"
+        return f"{self.root}: {counted(len(self.classes), 'class')} ({', '.join(self.classes)}); {counts}; {formats}"
 
 
 def make_shapes_dataset(
@@ -137,6 +140,27 @@ def make_shapes_dataset(
     )
     log.info("wrote %s", summary.line())
     return summary
+
+
+def progress_lines(*, quiet: bool = False) -> Callable[[int, int], None]:
+    """A ``progress`` callback for the generators that prints "done/total images" to stderr.
+
+    Nothing is printed before the first image is written, so a refusal (a non-empty folder, a
+    bad setting) is the only line. About every 1 % on a terminal, rewriting one line; about
+    every 10 % otherwise, as plain lines that keep logs readable.
+    """
+    interactive = sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        step = max(1, total // (100 if interactive else 10))
+        if quiet or (done % step and done != total):
+            return
+        if interactive:
+            print(f"\r{done}/{total} images", end="\n" if done == total else "", file=sys.stderr, flush=True)
+        else:
+            print(f"{done}/{total} images", file=sys.stderr, flush=True)
+
+    return progress
 
 
 class OutputError(OSError):
@@ -296,8 +320,8 @@ class ImageNetLikeSummary:
 
     def line(self) -> str:
         return (
-            f"{self.root}: {len(self.classes)} classes, {self.images} JPEGs, mean {self.mean_width:.0f}x"
-            f"{self.mean_height:.0f} px, mean {self.mean_kb:.0f} KB, {self.total_bytes / 2**20:.0f} MiB in all"
+            f"{self.root}: {counted(len(self.classes), 'class')}, {counted(self.images, 'JPEG')}, mean"
+            f" {self.mean_width:.0f}x{self.mean_height:.0f} px, mean {self.mean_kb:.0f} KB, {binary_size(self.total_bytes)} in all"
         )
 
 

@@ -200,6 +200,18 @@ def test_make_dataset_script_runs(tmp_path: Path) -> None:
     assert "train 4, val 2" in done.stdout and "6/6 images" in done.stderr
 
 
+def test_make_imagenet_like_prints_progress_only_once_it_writes(tmp_path: Path) -> None:
+    script = [sys.executable, str(REPO / "tools" / "make_imagenet_like.py"), str(tmp_path / "out"), "--classes", "1",
+              "--per-class", "2", "--workers", "1"]
+    done = subprocess.run(script, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "2/2 images" in done.stderr and "2 JPEGs" in done.stdout
+    refused = subprocess.run(script, capture_output=True, text=True, timeout=120)
+    # the refusal is the only line: no progress label printed before the folder was judged
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        f"Error: {tmp_path / 'out'} is not empty; pass overwrite=True (--overwrite) or choose another directory"]
+
+
 def test_decode_floor_times_each_kernel_and_names_a_folder_without_jpegs(tmp_path: Path) -> None:
     from prefetchd.synthetic import make_imagenet_like
 

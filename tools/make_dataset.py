@@ -6,13 +6,12 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import click
 
-from prefetchd.synthetic import SHAPES, make_shapes_dataset
+from prefetchd.synthetic import SHAPES, make_shapes_dataset, progress_lines
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,19 +34,6 @@ def main(
     quiet: bool,
 ) -> None:
     """Write a learnable shapes dataset to OUT/train/<class>/ and OUT/val/<class>/."""
-    total = classes * (train_per_class + val_per_class)
-    interactive = sys.stderr.isatty()
-    step = max(1, total // (100 if interactive else 10))
-
-    def progress(done: int, total: int) -> None:
-        if quiet or (done % step and done != total):
-            return
-        if interactive:
-            # One rewritten line on a terminal; plain lines keep logs readable.
-            click.echo(f"\r{done}/{total} images", nl=done == total, err=True)
-        else:
-            click.echo(f"{done}/{total} images", err=True)
-
     start = time.perf_counter()
     try:
         summary = make_shapes_dataset(
@@ -57,7 +43,7 @@ def main(
             val_per_class=val_per_class,
             size_range=(min(size_range), max(size_range)),
             seed=seed,
-            progress=progress,
+            progress=progress_lines(quiet=quiet),
             overwrite=overwrite,
         )
     except (ValueError, OSError) as exc:  # OSError: OUT cannot be written (synthetic.OutputError), or the disk is full

@@ -11,13 +11,12 @@ per file on average.  With --source, images are random crops of your own photos.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import click
 
-from prefetchd.synthetic import make_imagenet_like
+from prefetchd.synthetic import make_imagenet_like, progress_lines
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,18 +33,10 @@ def main(out: Path, classes: int, per_class: int, seed: int, source: Path | None
          overwrite: bool, quiet: bool) -> None:
     """Write OUT/class_NNN/NNN_NNNNN.JPEG, shaped like ImageNet's training images."""
     workers = workers or len(os.sched_getaffinity(0))
-    total = classes * per_class
     start = time.perf_counter()
     try:
-        if quiet:
-            summary = make_imagenet_like(out, classes=classes, per_class=per_class, seed=seed, source=source,
-                                         workers=workers, overwrite=overwrite)
-        else:
-            with click.progressbar(length=total, label="images", file=sys.stderr) as bar:
-                summary = make_imagenet_like(
-                    out, classes=classes, per_class=per_class, seed=seed, source=source, workers=workers,
-                    overwrite=overwrite, progress=lambda done, _total: bar.update(done - bar.pos),
-                )
+        summary = make_imagenet_like(out, classes=classes, per_class=per_class, seed=seed, source=source,
+                                     workers=workers, overwrite=overwrite, progress=progress_lines(quiet=quiet))
     except (ValueError, OSError) as exc:  # OSError: OUT cannot be written (synthetic.OutputError), or the disk is full
         raise click.ClickException(str(exc)) from None
     click.echo(f"{summary.line()}; {time.perf_counter() - start:.1f} s")
