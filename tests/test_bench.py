@@ -551,9 +551,16 @@ def test_a_buffer_the_daemon_would_refuse_is_refused_before_anything_is_measured
     out = tmp_path / "out"
     proc = _bench_on_docker_shm("--data", str(shapes_data / "train"), "--workers", "1", "--out", str(out))
     assert proc.returncode == 1, proc.stderr
-    assert ("the daemon's buffer goes in /dev/shm: high_water 16 x 18.4 MiB batches plus the 6 MiB floor "
-            "(--min-free-mb) need 300.2 MiB but /dev/shm/prefetchd-bench has 64.0 MiB; lower --high-water (at most 3 "
-            "fits)") in proc.stderr, proc.stderr
+    assert ("the daemon's buffer goes in /dev/shm, a filesystem of 64.0 MiB: --high-water 16 x 18.4 MiB batches "
+            "plus the daemon's 6 MiB floor of free space need 300.2 MiB; pass --high-water 3 (at most 3 fits), put the "
+            "buffers on a larger tmpfs with --buffer-root, or enlarge this one (mount -o remount,size=... /dev/shm; in "
+            "a container, docker run --shm-size=...)") in proc.stderr, proc.stderr
+    assert "--min-free-mb" not in proc.stderr  # the daemon's flag, not the bench's
+    # where not 2 batches fit, the batch size that does (the bench takes no mark below 2)
+    small = _bench_on_docker_shm("--data", str(shapes_data / "train"), "--workers", "1", "--image-size", "400",
+                                 "--out", str(out))
+    assert small.returncode == 1 and "pass --high-water 2 --batch-size 63 (not 2 batches of 128 fit; 63 at 400 px " \
+        "do)" in small.stderr, small.stderr
     assert "measuring" not in proc.stderr and not out.exists()
 
 

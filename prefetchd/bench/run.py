@@ -24,7 +24,7 @@ from prefetchd.bench.results import (ALL_CONTENDERS, BASELINE, CONTENDERS, Bench
                                      add_round, fill_ratios, median_floor, take_medians)
 from prefetchd.daemon.config import usable_cores, usable_cpus
 from prefetchd.launch import buffer_root
-from prefetchd.words import counted
+from prefetchd.words import binary_size, counted
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +50,37 @@ def buffers_in(root: Path | None) -> Path:
 def check_buffer_room(batch_size: int, image_size: int, high_water: int, root: Path) -> None:
     """Refuse at once settings whose daemon would refuse its buffer: on Docker's 64 MiB /dev/shm the default
     --high-water of 16 batches of 18.4 MiB failed each prefetchd row in turn, after the floor and the other
-    contenders had been measured, and the table held the daemon's message in every one of them."""
-    from prefetchd.daemon.buffer_dir import check_capacity
+    contenders had been measured, and the table held the daemon's message in every one of them.  The advice
+    names the bench's own flags: the daemon's (--min-free-mb, a mark of 1) are not the bench's to take."""
+    from prefetchd.daemon.buffer_dir import check_capacity, enlarge, largest_batch_size
     from prefetchd.daemon.config import DaemonConfig, fill_defaults
     from prefetchd.daemon.errors import ConfigError
+    from prefetchd.daemon.mounts import filesystem_of
 
     cfg, _notes = fill_defaults(DaemonConfig(buffer=root / "prefetchd-bench", batch_size=batch_size,
                                              image_size=image_size, high_water=high_water, workers=1))
+    fs = os.statvfs(root)
+    size, floor = fs.f_blocks * fs.f_frsize, (cfg.min_free_mb or 0) << 20
+    need = high_water * cfg.batch_bytes + floor
+    if need > size:
+        room = max(0, size - floor)
+        fits = room // cfg.batch_bytes
+        if fits >= 2:
+            lower = f"pass --high-water {fits} (at most {fits} fits)"
+        elif (smaller := largest_batch_size(image_size, room // 2, below=batch_size)) >= 1:
+            lower = (f"pass --high-water 2 --batch-size {smaller} (not 2 batches of {batch_size} fit; "
+                     f"{smaller} at {image_size} px do)")
+        else:
+            lower = "pass a smaller --image-size"
+        raise ValueError(
+            f"the daemon's buffer goes in {root}, a filesystem of {binary_size(size)}: --high-water {high_water} x "
+            f"{binary_size(cfg.batch_bytes)} batches plus the daemon's {cfg.min_free_mb} MiB floor of free space "
+            f"need {binary_size(need)}; {lower}, put the buffers on a larger tmpfs with --buffer-root, or enlarge "
+            f"this one ({enlarge(filesystem_of(root).point)})")
     try:
-        check_capacity(cfg)
+        check_capacity(cfg)  # what else the daemon refuses: batches beyond its memory cgroup's limit
     except ConfigError as exc:
-        raise ValueError(f"the daemon's buffer goes in {root}: {exc} (the bench takes --high-water, at least 2, and "
-                         "--batch-size)") from None
+        raise ValueError(f"the daemon's buffer goes in {root}: {exc}") from None
 
 
 def run_benchmark(

@@ -485,7 +485,7 @@ def check_capacity(cfg: DaemonConfig, held: int | None = None) -> str | None:
         per = f"{ranks} ranks x " if ranks > 1 else ""
         what = f"{per}high_water {cfg.high_water} x {binary_size(cfg.batch_bytes)} batches {floor_text}"
         why, lower = _what_fits(cfg, ranks, shown - floor)
-    fix = f"{lower}, or enlarge the tmpfs ({_enlarge(filesystem_of(Path(cfg.buffer)).point)})"
+    fix = f"{lower}, or enlarge the tmpfs ({enlarge(filesystem_of(Path(cfg.buffer)).point)})"
     if need > size:
         raise ConfigError(f"{what} but {cfg.buffer} has {has}; {why + ': ' if why else ''}{fix}")
     return (f"{what} but {cfg.buffer} has {has} free now: other files hold the rest. Production pauses whenever it "
@@ -517,14 +517,7 @@ def _what_fits(cfg: DaemonConfig, ranks: int, room: int) -> tuple[str, str]:
     high = room // (ranks * cfg.batch_bytes)
     if high >= 1:
         return "", f"lower --high-water (at most {high} fits), --batch-size or --min-free-mb"
-    per_batch = room // (ranks * cfg.high_water)
-    lo, hi = 0, cfg.batch_size - 1  # the largest batch size whose file fits per_batch (file_len grows with it)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if BatchLayout.plan(mid, cfg.image_size, cfg.image_size).file_len <= per_batch:
-            lo = mid
-        else:
-            hi = mid - 1
+    lo = largest_batch_size(cfg.image_size, room // (ranks * cfg.high_water), below=cfg.batch_size)
     if lo == 0:
         return "the floor leaves no room for a batch", "lower --min-free-mb, --batch-size or --image-size"
     return (f"not one batch of {binary_size(cfg.batch_bytes)} fits",
@@ -532,7 +525,20 @@ def _what_fits(cfg: DaemonConfig, ranks: int, room: int) -> tuple[str, str]:
             "or --min-free-mb")
 
 
-def _enlarge(point: str) -> str:
+def largest_batch_size(image_size: int, file_len: int, *, below: int) -> int:
+    """The largest batch size under ``below`` whose batch file at ``image_size`` px is at most ``file_len`` bytes;
+    0 where not even one image's is."""
+    lo, hi = 0, below - 1
+    while lo < hi:  # file_len grows with the batch size
+        mid = (lo + hi + 1) // 2
+        if BatchLayout.plan(mid, image_size, image_size).file_len <= file_len:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def enlarge(point: str) -> str:
     """How to make the tmpfs at ``point`` larger; /dev/shm is small where a container runtime made it (64 MiB)."""
     how = f"mount -o remount,size=... {point}"
     return f"{how}; in a container, docker run --shm-size=..." if point == "/dev/shm" else how
