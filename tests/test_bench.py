@@ -174,6 +174,12 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
                                                 "--out", str(tmp_path)])
     assert result.exit_code == 1 and f"--buffer-root {tmp_path / 'none'} is not a folder" in result.output
     assert "generating" not in result.output
+    # One on a filesystem that holds no files: root may write there, so only its size told (a review advised
+    # "mount -o remount,size=... /proc").
+    result = CliRunner().invoke(bench_command, ["--buffer-root", "/proc", "--generate", "40", "--out", str(tmp_path)])
+    assert result.exit_code == 1 and "--buffer-root /proc is on proc, a filesystem that holds no files; pick a " \
+        "folder on a tmpfs" in result.output, result.output
+    assert "generating" not in result.output and "remount" not in result.output
 
 
 def test_a_rate_above_the_floor_is_flagged_in_the_report() -> None:

@@ -41,6 +41,12 @@ def buffers_in(root: Path | None) -> Path:
     if not root.is_dir():
         raise ValueError(f"--buffer-root {root} is not a folder; make it (a tmpfs to measure, as root: mount -t tmpfs "
                          "-o size=SIZE,huge=within_size tmpfs DIR), or leave it out for /dev/shm")
+    if os.statvfs(root).f_blocks == 0:  # /proc, /sys, a cgroup tree: root may "write" there, but holds no files
+        from prefetchd.daemon.mounts import filesystem_of
+
+        raise ValueError(f"--buffer-root {root} is on {filesystem_of(root).fstype}, a filesystem that holds no files; "
+                         "pick a folder on a tmpfs (/dev/shm, or one you mount: mount -t tmpfs -o "
+                         "size=SIZE,huge=within_size tmpfs DIR)")
     if not os.access(root, os.W_OK | os.X_OK):
         raise ValueError(f"--buffer-root {root}: this user cannot create a daemon's buffer there; pick a folder you "
                          "can write")
