@@ -14,6 +14,7 @@ import logging
 import time
 from pathlib import Path
 
+from prefetchd.access import no_access
 from prefetchd.buffer_protocol import (
     Manifest,
     ProtocolError,
@@ -25,7 +26,7 @@ from prefetchd.buffer_protocol import (
 )
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX, owning_buffer
 from prefetchd.trainer.daemon_status import check_served, owner_status, served_world, status_summary
-from prefetchd.trainer.errors import DaemonGone, LoaderError, LoaderTimeout
+from prefetchd.trainer.errors import DaemonGone, LoaderError, LoaderTimeout, NoAccess
 from prefetchd.trainer.wait_bounds import MORE_TIME
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
     logged = False
     failed = FailedDaemon(buffer, timeout)
     next_look = time.monotonic()
+    check_readable(buffer)
     while True:
         try:
             manifest: Manifest | None = Manifest.read(buffer)
@@ -93,6 +95,9 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             wrong = _rank_streams_instead(buffer)  # or no daemon has started on this buffer yet
             if wrong is not None:
                 raise wrong from None
+        except ProtocolError:
+            check_readable(buffer)  # a buffer made since, of a group this user is not in
+            raise
         now = time.monotonic()
         if manifest is not None and owning_buffer(buffer) == buffer:
             return manifest
@@ -112,6 +117,15 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
             logged = True
         time.sleep(min(delay, deadline - now))
         delay = min(delay * 1.5, MANIFEST_MAX_DELAY)
+
+
+def check_readable(buffer: Path) -> None:
+    """NoAccess, in the words of `prefetchd status`, where this user may not read ``buffer`` (a --group-access
+    buffer of a group it is not in): whose it is and how to join its group, not the manifest's "Permission
+    denied"."""
+    denied = no_access(buffer)
+    if denied is not None:
+        raise NoAccess(f"cannot read {buffer}: {denied}")
 
 
 def _manifest_timeout_message(buffer: Path, timeout: float) -> str:
@@ -158,4 +172,4 @@ def _rank_streams_instead(buffer: Path) -> LoaderError | None:
     )
 
 
-__all__ = ["DATA_FORMS", "STATUS_LOOK_SECONDS", "FailedDaemon", "wait_for_manifest", "why_no_manifest"]
+__all__ = ["DATA_FORMS", "STATUS_LOOK_SECONDS", "FailedDaemon", "check_readable", "wait_for_manifest", "why_no_manifest"]

@@ -100,6 +100,21 @@ def test_a_trainer_that_may_read_the_buffer_but_not_write_it_stops_at_once(
     assert sorted(list_batches(buffer)) == [(0, 0), (0, 1), (0, 2)]  # the daemon was told nothing, deleted nothing
 
 
+def test_a_loader_that_may_not_read_the_buffer_says_whose_it_is(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A --group-access buffer of a group the trainer's user is not in: BufferLoader read the manifest first and
+    raised ProtocolError, "cannot open a manifest document (Permission denied)" (a review walking it as another
+    user), where README promises NoAccess in the words of `prefetchd status` (prefetchd-train checked first)."""
+    buffer = _buffer_of(shm_dir, group_access=False)
+    os.chmod(buffer, 0o700)
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *ARGS, "--group-access")
+    daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the high-water mark")
+    _warm_up(shm_dir)
+    said = json.loads(as_nobody(lambda: json.dumps(_logged(lambda: BufferLoader(buffer, timeout=10).close()))) or "{}")
+    assert said["error"] == "NoAccess", said
+    assert said["message"].startswith(f"cannot read {buffer}: {buffer}: permission denied: it belongs to root (uid 0) "
+                                      "and group root (mode 2770)"), said
+
+
 def _take_group_write_at_step_1(buffer: Path) -> subprocess.Popen[bytes]:
     """A process of root's that takes the group's write bit off ``buffer`` once its trainer has written step 1 or
     later (nobody cannot): a trainer that does not wait for it may be past step 1 at the watcher's look."""
