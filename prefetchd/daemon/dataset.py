@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefetchd.access import cannot_read
 from prefetchd.buffer_protocol.layout import STATUS_NAME
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.words import agreeing, counted
@@ -341,6 +342,9 @@ def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: in
                     apple_double.append(os.path.join(folder.path, name))
             count += len(folder.files)
         if count == 0:
+            denied = cannot_read(root / cls)  # listed as empty, as ImageFolder's os.walk would
+            if denied is not None:
+                raise DatasetError(f"cannot read class folder {root / cls}: {denied}")
             if (root / cls / STATUS_NAME).is_file():  # made by a daemon before buffers inside --data were refused
                 raise DatasetError(f"{root / cls} is a prefetchd buffer (it holds {STATUS_NAME}), not a class "
                                    f"folder: remove it (rm -r {root / cls}) and keep buffers outside the dataset")

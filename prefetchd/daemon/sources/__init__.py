@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+from prefetchd.access import cannot_read
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.filelist import is_file_list, read_file_list
@@ -58,6 +59,9 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
             raise
         # A folder the daemon may enter but not list (mode 0711): its user's to fix, not a crash (a daemon
         # serving jobs that died on one would die again on the same job.json at every restart).
+        denied = cannot_read(Path(exc.filename)) if exc.errno in (errno.EACCES, errno.EPERM) and exc.filename else None
+        if denied is not None:  # the folder on the way that stops it, whose it is and what to do
+            raise DatasetError(f"cannot index {location}: {denied}") from None
         raise DatasetError(f"cannot index {location}: {exc.filename or location}: {exc.strerror or exc}; give the user "
                            f"reading it (uid {os.geteuid()}) read access to the dataset's folders and files") from None
 
