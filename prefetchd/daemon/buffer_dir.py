@@ -126,30 +126,55 @@ def check_private_dir(path: Path, group_access: bool) -> None:
         st = os.lstat(path)
     except OSError as exc:
         raise ConfigError(f"cannot use buffer directory {path}: {exc.strerror}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"buffer {path} is a symbolic link (to {os.readlink(path)}); the daemon does not follow "
-                          "links to its buffer: pass the real directory as --buffer")
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"buffer {path} exists and is not a directory; pick a directory such as /dev/shm/bf")
-    me = os.geteuid()
-    if st.st_uid != me:
-        raise ConfigError(f"buffer directory {path} belongs to {user_name(st.st_uid)}, not to {user_name(me)} who runs the "
-                          "daemon; another user could change what the trainer reads: remove it "
-                          "(or chown it) or pick another --buffer")
+    problem = private_dir_problem(path, st, group_access)
+    if problem is not None:
+        raise ConfigError(problem)
     perms = stat.S_IMODE(st.st_mode)
-    hint = f"chmod {GROUP_BUFFER_MODE:o} {path}" if group_access else f"chmod 700 {path}"
-    if perms & stat.S_IWOTH:
-        raise ConfigError(f"buffer directory {path} is writable by every user (mode {perms:04o}), who could plant "
-                          f"files the trainer reads; `{hint}`, or remove it")
-    if perms & stat.S_IWGRP and not group_access:
-        raise ConfigError(f"buffer directory {path} is writable by its group (mode {perms:04o}); pass --group-access "
-                          f"if that group's trainers should use it, or `{hint}`")
     if group_access and perms & 0o770 != 0o770:
         chmod_dir(path, GROUP_BUFFER_MODE)  # ours, and the user asked for the group
         log.info("buffer directory %s: mode %04o -> %04o for --group-access", path, perms, GROUP_BUFFER_MODE)
     elif not group_access and perms & 0o077:
         log.warning("buffer directory %s has mode %04o: other users can list or read its batches; `chmod 700 %s` "
                     "(a new buffer is created 0700)", path, perms, path)
+
+
+def private_dir_problem(path: Path, st: os.stat_result, group_access: bool) -> str | None:
+    """Why ``check_private_dir`` refuses ``path`` (its ``os.lstat``) for a daemon run by this user, and what to do;
+    None where it takes it.  ``prefetchd config`` says the same without acting on the buffer."""
+    if stat.S_ISLNK(st.st_mode):
+        return (f"buffer {path} is a symbolic link (to {os.readlink(path)}); the daemon does not follow links to its "
+                "buffer: pass the real directory as --buffer")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"buffer {path} exists and is not a directory; pick a directory such as /dev/shm/bf"
+    me = os.geteuid()
+    if st.st_uid != me:
+        return (f"buffer directory {path} belongs to {user_name(st.st_uid)}, not to {user_name(me)} who runs the "
+                f"daemon; another user could change what the trainer reads: {_reclaim(path, st.st_uid)} or pick "
+                "another --buffer")
+    perms = stat.S_IMODE(st.st_mode)
+    hint = f"chmod {GROUP_BUFFER_MODE:o} {path}" if group_access else f"chmod 700 {path}"
+    if perms & stat.S_IWOTH:
+        return (f"buffer directory {path} is writable by every user (mode {perms:04o}), who could plant files the "
+                f"trainer reads; `{hint}`, or remove it")
+    if perms & stat.S_IWGRP and not group_access:
+        return (f"buffer directory {path} is writable by its group (mode {perms:04o}); pass --group-access if that "
+                f"group's trainers should use it, or `{hint}`")
+    return None
+
+
+def _reclaim(path: Path, owner: int) -> str:
+    """How this user gets rid of ``path``, a folder of ``owner``'s: in a sticky folder it may not write
+    (/dev/shm, /tmp) only its owner or root can remove it, and only root can chown it."""
+    me = os.geteuid()
+    try:
+        above = os.stat(path.parent)
+    except OSError:
+        above = None
+    if me == 0 or (above is not None and above.st_uid == me):
+        return f"remove it (or chown it to {user_name(me)})"
+    if above is not None and above.st_mode & stat.S_ISVTX or not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"ask {user_name(owner)} or root to remove it"
+    return f"remove it, or ask root to chown it to {user_name(me)}"
 
 
 def open_own_dir(path: str | os.PathLike[str], dir_fd: int | None = None, shown: str | None = None) -> int | None:

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.daemon.config import (FIELDS, DaemonConfig, check_buffer_outside, check_job_setting, fill_defaults,
                                      held_bytes, load_toml)
 from prefetchd.access import cannot_read, no_access
-from prefetchd.daemon.buffer_dir import check_capacity, check_not_shared
+from prefetchd.daemon.buffer_dir import check_capacity, check_not_shared, private_dir_problem
 from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
@@ -133,6 +134,9 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
         filled, notes = fill_defaults(cfg, held)
         # What `start` refuses (exit 2, which the unit does not restart) or warns of.
         check_not_shared(Path(filled.buffer))
+        unsafe = buffer_problem(Path(filled.buffer), filled.group_access)
+        if unsafe is not None and unsafe[1]:
+            raise ConfigError(unsafe[0])
         short = check_capacity(filled, held)
     except DaemonError as exc:
         raise click.UsageError(str(exc)) from None
@@ -150,7 +154,7 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
                            f"stop at it {elsewhere}: {unread}")
         elif not os.path.exists(filled.data):
             caveats.append(f"data {filled.data} does not exist (yet): `prefetchd start` would stop at it")
-    denied = no_access(filled.buffer, write=True)
+    denied = unsafe[0] if unsafe is not None else no_access(filled.buffer, write=True)
     if denied is not None:
         caveats.append(f"this user may not use buffer {filled.buffer}, so `prefetchd start` run by this user would "
                        f"stop at it {elsewhere}: {denied}")
@@ -160,6 +164,21 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
     click.echo(format_toml(filled, dict(note.split(" = ", 1) for note in notes)))
     for caveat in caveats:
         click.echo(f"# note: {caveat}", err=True)
+
+
+def buffer_problem(buffer: Path, group_access: bool) -> tuple[str, bool] | None:
+    """Why `prefetchd start` run by this user would refuse ``buffer`` as it stands (``private_dir_problem``), and
+    whether it would for any user: a link, a file, a folder every user may write; not another user's folder (the
+    service's user may own it), nor a group-writable one (the unit passes --group-access on its command line,
+    not in its config file).  None where it would take it, or where it is not there yet."""
+    try:
+        st = os.lstat(buffer)
+    except OSError:
+        return None
+    problem = private_dir_problem(buffer, st, group_access)
+    if problem is None:
+        return None
+    return problem, stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or bool(st.st_mode & stat.S_IWOTH)
 
 
 def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
