@@ -264,6 +264,11 @@ class StreamProgress:
             return f"step {progress.step} is past the {self.steps} steps of an epoch"
         if progress.epoch > MAX_EPOCH:
             return f"epoch {progress.epoch} is past {MAX_EPOCH}, the last a batch's name holds"
+        if self.end is not None and self.g((progress.epoch, progress.step)) > self.end:
+            # No trainer of this job gets there: taken, it ended the job while its trainer read epoch 0 (a review).
+            return (f"epoch {progress.epoch} step {progress.step} is past the end of the job, epoch "
+                    f"{self.end // self.steps} step 0 (after {counted(self.end // self.steps, 'epoch')} of "
+                    f"{self.steps} steps); its trainer writes its own position over it, or remove it")
         return progress
 
     def _take(self, consumer: Consumer, progress: Progress) -> bool:

@@ -169,6 +169,21 @@ def test_nothing_is_built_past_the_last_epoch(tmp_path: Path) -> None:
     assert s.finished and s.next_missing() is None
 
 
+def test_a_position_past_the_jobs_end_is_ignored_not_taken_for_its_end(tmp_path: Path) -> None:
+    """Epoch 999 written into a 2-epoch job's progress file (by hand; any group member may) was taken as "the
+    trainers consumed all 2 epochs": the daemon finished (exit 0, which systemd does not restart) while its
+    trainer read epoch 0, and the trainer lost the rest of the job (a review)."""
+    s = stream(tmp_path)
+    move_to(s, 2)
+    Progress(999, 0).write(s.dir)
+    s.read_progress()
+    assert s.progress_error is not None and ("epoch 999 step 0 is past the end of the job, epoch 2 step 0 (after 2 "
+                                             "epochs of 10 steps)") in s.progress_error, s.progress_error
+    assert s.consumers[DEFAULT_CONSUMER].position == 2 and not s.finished  # the bad position is ignored
+    move_to(s, 20)  # the job's end itself is the trainer's last position
+    assert s.finished
+
+
 def test_a_job_without_an_end_builds_nothing_a_batch_name_cannot_hold(tmp_path: Path) -> None:
     """Without --epochs, a progress position at epoch 999999 (or past it: any group member may write one)
     planned a window into epoch 1000000, whose batch name raised out of the controller: exit 1, and the
