@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import random
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -199,7 +200,10 @@ def is_transient(exc: BaseException) -> bool:
         status, code = _status(e)
         if status is not None or code:
             return code in THROTTLE_CODES or status in (408, 429) or (status is not None and status >= 500)
-        if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)) or type(e).__name__ in TRANSIENT_NAMES:
+        # socket.gaierror: a host name that does not resolve (a typo, or DNS down), which ftp:// meets when it connects
+        # and aiohttp as its ClientConnectorDNSError, a ClientConnectorError by its bases: retried, then said.
+        if (isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError, socket.gaierror))
+                or any(cls.__name__ in TRANSIENT_NAMES for cls in type(e).__mro__)):
             return True
         if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
             return True

@@ -66,6 +66,16 @@ def test_unknown_protocols_name_themselves() -> None:
         open_dataset("nosuchproto://x/y")
 
 
+@pytest.mark.parametrize("url", ["ftp://nohost.invalid/data", "http://nohost.invalid/data"])
+def test_a_host_that_does_not_resolve_is_a_dataset_error(url: str, fast_retries: None) -> None:
+    """ftp:// connects as its filesystem is made, and aiohttp says a name that does not resolve as a
+    ClientConnectorDNSError: both came out raw (socket.gaierror, ...), so a daemon given such a job died, and again
+    at every restart on the same job.json (a review)."""
+    with pytest.raises(DatasetError, match=rf"^cannot reach {re.escape(url)}.*still failing after 6 tries \("
+                                           r"(gaierror|ClientConnectorDNSError)"):
+        open_dataset(url)
+
+
 # -- errors that say what to do ---------------------------------------------------------
 
 

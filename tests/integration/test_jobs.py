@@ -169,6 +169,12 @@ def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_da
     bad = submit(buffer, "--data", shm_dir / "missing", *JOB, "--replace")
     assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
     assert f"still producing {shapes_data / 'train'}" in bad.stdout, bad.stdout
+    # A URL whose host does not resolve: ftp:// connects as it is opened, and its socket.gaierror killed the
+    # daemon, again at every restart on the same job.json (a review).
+    unreached = submit(buffer, "--data", "ftp://nohost.invalid/data", *JOB, "--replace")
+    assert unreached.returncode == 1 and "cannot reach ftp://nohost.invalid/data" in unreached.stdout, \
+        unreached.stdout + unreached.stderr
+    assert f"still producing {shapes_data / 'train'}" in unreached.stdout and daemon.proc.poll() is None
     daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and not r.accepted
                       and state(buffer) in ("filling", "full"), 30, "the running job to go on")
     # Past the 3 batches built before the refusal: the job resumed where the trainer was.

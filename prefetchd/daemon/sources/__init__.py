@@ -44,7 +44,12 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
     URL: the default cache folder then); ``refresh_index`` rescans them even when the
     cache looks current."""
     location = str(location)
-    storage = storage_for(location)  # an unsupported URL is refused here, before any listing
+    try:
+        storage = storage_for(location)  # an unsupported URL is refused here, before any listing
+    except StorageDenied as exc:
+        raise DatasetError(str(exc)) from None
+    except StorageUnavailable as exc:  # a backend that connects as it is made (ftp://): a host that is not there
+        raise DatasetError(f"cannot reach {location}: {exc}") from None
     if not is_url(location):
         try:
             os.stat(location)

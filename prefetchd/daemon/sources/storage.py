@@ -214,7 +214,9 @@ class FsspecStorage:
         with self._lock:
             if self._fs is None or self._pid != os.getpid():
                 try:
-                    self._fs, self._root = filesystem(self.url)
+                    # A backend may connect as it is made (ftp://): its failures are retried and said as a read's.
+                    self._fs, self._root = with_retries(f"connecting to {self.url}", lambda: filesystem(self.url),
+                                                        self.url)
                     if hasattr(self._fs, "max_concurrency"):
                         # s3fs asks for the size (a HEAD) before every whole-object read to split
                         # big ones; for small images that doubles the round trips.
