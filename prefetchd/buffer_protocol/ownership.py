@@ -155,6 +155,8 @@ class DaemonLock:
             what = f"{LOCK_NAME} was removed and made again"
         except FileNotFoundError:
             what = f"{LOCK_NAME} was removed"
+        except NotADirectoryError:  # the path's buffer is a file now
+            what = "the buffer directory was replaced by a file"
         except OSError:
             return None  # cannot tell now (EACCES, ENOMEM): asked again at the next look
         # Only to say what happened: a directory's inode number is not stable on every filesystem (overlayfs).
@@ -164,6 +166,8 @@ class DaemonLock:
             return f"{buffer}: the buffer directory was removed"
         except OSError:
             return f"{buffer}: {what}"
+        if not stat.S_ISDIR(directory.st_mode):
+            return f"{buffer}: the buffer directory was replaced by a file"
         replaced = (directory.st_dev, directory.st_ino) != self._directory
         return f"{buffer}: " + ("the buffer directory was replaced by another" if replaced else what)
 

@@ -97,7 +97,7 @@ class JobInbox:
             # hangs a stat (an unanswering network mount) or to nothing, and one to nothing was no request at all,
             # never answered.  A link is stamped as itself, and its read refused (O_NOFOLLOW: "a symbolic link").
             st = (self.buffer / JOB_NAME).lstat()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no request; a buffer made a file is the lock's to say
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 

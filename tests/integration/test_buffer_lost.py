@@ -31,12 +31,20 @@ def replace(buffer: Path) -> str:
     return "the buffer directory was replaced by another"
 
 
+def by_a_file(buffer: Path) -> str:
+    """Was an internal error: the job inbox's look at job.json met NotADirectoryError, and the lock's own check
+    took it for "cannot tell now" (a review)."""
+    buffer.rename(buffer.with_name("old"))
+    buffer.write_text("x")
+    return "the buffer directory was replaced by a file"
+
+
 def unlock(buffer: Path) -> str:
     (buffer / "daemon.lock").unlink()
     return "daemon.lock was removed"
 
 
-@pytest.mark.parametrize("change", [remove, replace, unlock])
+@pytest.mark.parametrize("change", [remove, replace, by_a_file, unlock])
 @pytest.mark.parametrize("serving", ["a job", "jobs"])
 def test_a_buffer_that_is_no_longer_the_daemons_stops_it_in_one_line(
         shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any], change: Callable[[Path], str],
