@@ -54,8 +54,12 @@ def epochs_flag(epochs: int | None) -> str:
 
 
 def moment(when: float) -> str:
-    """``when`` (a time.time()) as local time, "2025-03-01 14:02:07", for messages."""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+    """``when`` (a time.time()) as local time, "2025-03-01 14:02:07", for messages; a time no calendar of this
+    system holds (1e300 written into a job.json by hand made `prefetchd status` a traceback) as its number."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+    except (OverflowError, OSError, ValueError):
+        return f"time {when:g} (out of range)"
 
 
 def ended(exitcode: int | None) -> str:

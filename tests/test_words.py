@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefetchd.words import agreeing, all_epochs, binary_size, counted
+from prefetchd.words import agreeing, all_epochs, binary_size, counted, moment
 
 
 @pytest.mark.parametrize(("count", "noun", "expected"), [
@@ -33,3 +33,10 @@ def test_agreeing_words_follow_the_count() -> None:
 def test_all_epochs_of_a_one_epoch_job_read_as_english() -> None:
     """"the trainers consumed all 1 epoch" read wrong (the demo's one-epoch run, docs walk)."""
     assert [all_epochs(n) for n in (1, 90)] == ["the 1 epoch", "all 90 epochs"]
+
+
+def test_a_moment_no_calendar_holds_is_said_as_its_number() -> None:
+    """A job.json's "submitted": 1e300, written by hand, is finite and so read; `prefetchd status` showing it
+    died of OverflowError (a review)."""
+    assert moment(1e300) == "time 1e+300 (out of range)"
+    assert moment(0.0)[:4] in ("1970", "1969")  # local time of the epoch
