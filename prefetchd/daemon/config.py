@@ -268,11 +268,18 @@ COMMAND_LINE_ONLY = {
 }
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_toml(path: Path) -> dict[str, Any]:
     """Read a config file; keys are the CLI flag names with '-' or '_'."""
     try:
         with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+            text = fh.read(MAX_CONFIG_BYTES + 1)  # bounded: --config /dev/zero grew to gigabytes
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} is larger than {binary_size(MAX_CONFIG_BYTES)}, which no "
+                              "prefetchd configuration is; pass the TOML file of its settings")
+        raw = tomllib.loads(text.decode())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

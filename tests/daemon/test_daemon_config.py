@@ -197,6 +197,13 @@ def test_invalid_toml(tmp_path: Path, text: str) -> None:
     assert str(cfg) in str(exc.value)
 
 
+def test_a_config_file_that_never_ends_is_refused_after_a_mebibyte() -> None:
+    """--config /dev/zero read until memory ran out (4.6 GB in 6 s, a review)."""
+    with pytest.raises(ConfigError, match=r"^config file /dev/zero is larger than 1.0 MiB, which no prefetchd "
+                                          "configuration is"):
+        load_toml(Path("/dev/zero"))
+
+
 def test_non_utf8_toml_is_a_config_error(tmp_path: Path) -> None:
     cfg = tmp_path / "latin1.toml"
     cfg.write_bytes('data = "/srv/caf\xe9"\n'.encode("latin-1"))
