@@ -173,7 +173,7 @@ def _reclaim(path: Path, owner: int) -> str:
     if me == 0 or (above is not None and above.st_uid == me):
         return f"remove it (or chown it to {user_name(me)})"
     if above is not None and above.st_mode & stat.S_ISVTX or not os.access(path.parent, os.W_OK | os.X_OK):
-        return f"ask {user_name(owner)} or root to remove it"
+        return f"ask {user_name(owner)}{' or root' if owner != 0 else ''} to remove it"
     return f"remove it, or ask root to chown it to {user_name(me)}"
 
 

@@ -154,7 +154,9 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
                            f"stop at it {elsewhere}: {unread}")
         elif not os.path.exists(filled.data):
             caveats.append(f"data {filled.data} does not exist (yet): `prefetchd start` would stop at it")
-    denied = unsafe[0] if unsafe is not None else no_access(filled.buffer, write=True)
+    # No access at all first: a trainer's user checking a service's config is to join its group, not to remove
+    # the service's buffer; where this user may use it, what `start` by this user would refuse (another's).
+    denied = no_access(filled.buffer, write=True) or (unsafe[0] if unsafe is not None else None)
     if denied is not None:
         caveats.append(f"this user may not use buffer {filled.buffer}, so `prefetchd start` run by this user would "
                        f"stop at it {elsewhere}: {denied}")
