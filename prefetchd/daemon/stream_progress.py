@@ -147,6 +147,8 @@ class StreamProgress:
         taken = [self.consumers[name] for name in present if name in self.consumers]
         for consumer in taken:
             moved |= self._read_consumer(consumer)
+        for name in self.consumers.keys() - present.keys():  # the default one, kept: its file with a problem was
+            self.consumers[name].error = ""  # removed, as the problem's message says to; it is no problem now
         moved |= self._join(present, self.max_reads - len(taken))
         self.check_trainer()
         self.plan()
