@@ -27,6 +27,7 @@ from prefetchd.daemon.logs import one_line
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.words import epochs_flag
+from prefetchd.locations import is_url
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,13 @@ class JobInbox:
         unknown = set(request.settings) - JOB_FIELDS
         if unknown:
             raise ConfigError(f"unknown job settings {shown(sorted(unknown))}; allowed: {', '.join(sorted(JOB_FIELDS))}")
+        data = request.settings.get("data")
+        if isinstance(data, str) and data and not is_url(data) and not os.path.isabs(data):
+            # Made absolute with the daemon's working directory (/ under systemd), it named another folder than the
+            # submitter's, and the refusal said only that that one does not exist (a review).
+            raise ConfigError(f"data {shown(data)} is a relative path, which the daemon would take from its own "
+                              f"working directory ({os.getcwd()}), not the submitter's: name the dataset by its absolute "
+                              "path (`prefetchd submit` makes --data absolute itself)")
         values: dict[str, Any] = {
             k: Path(v) if FIELDS[k].metadata["kind"] is Path and isinstance(v, str) else v
             for k, v in request.settings.items()

@@ -627,7 +627,10 @@ def test_a_job_with_values_no_setting_can_hold_is_refused_and_the_daemon_goes_on
                            ({"data": "/x\x00y"}, "contains a NUL character"),
                            ({"data": "/x", "ranks": "0-1," * 250_000}, "(1000002 characters)"),
                            ({"data": "/" + "x" * 1_000_000}, "characters in all)"),
-                           ({"data": "/x", "k" * 500_000: 1}, "unknown job settings ['kkk")):
+                           ({"data": "/x", "k" * 500_000: 1}, "unknown job settings ['kkk"),
+                           # written by hand (`submit` makes it absolute): the daemon's cwd is not the submitter's
+                           ({"data": "imagenet/train"}, "data 'imagenet/train' is a relative path, which the daemon "
+                                                        "would take from its own working directory")):
         request = JobRequest(settings)  # type: ignore[arg-type]
         request.write(buffer)
         daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and r.job_id == request.job_id, 30,
