@@ -313,7 +313,9 @@ def _job_lines(st: Status) -> list[str]:
     if run is not None:
         lines.append(f"  job       {run.job_id} submitted by {user_name(run.submitter)} at {moment(run.submitted)}: "
                      f"{run.answer or 'starting'}")
-    if last is None or (run is not None and last.job_id == run.job_id):
+    # The running job's own answer is the line above; a refusal under its id is a later request's (the daemon's
+    # record renamed back to job.json by a member of the group, say), which a review found hidden here.
+    if last is None or (run is not None and last.job_id == run.job_id and last.accepted):
         return lines
     job_id = last.job_id or "(unreadable)"
     # No job runs (waiting, stopped, starting the job it was given), or a daemon of an earlier 0.1 build did not say

@@ -509,6 +509,14 @@ def test_status_shows_the_job_that_runs_and_apart_from_it_a_later_refusal(shapes
     assert f"  job       {running_id} submitted by {me}" in shown, shown
     assert f"  later     {same.stdout.split()[1]} submitted by {me}, answered at " in shown, shown
     assert "(the job above runs on): accepted: already producing this job" in shown and "REFUSED" not in shown, shown
+    # The daemon's record of the running job renamed back to job.json (as a member of the group may): refused under
+    # the running job's id, which hid the refusal (a review).
+    os.rename(buffer / "job.accepted.json", buffer / "job.json")
+    daemon.wait_until(lambda: (r := read_status(buffer)) is not None and r.job_result is not None
+                      and not r.job_result.accepted and r.job_result.job_id == running_id, 30, "the record's refusal")
+    shown = status_text()
+    assert f"  job       {running_id} submitted by {me}" in shown, shown
+    assert re.search(rf"^  REFUSED   {running_id} submitted by {re.escape(me)}, answered at .*renamed", shown, re.M), shown
     loader.close()
 
 
