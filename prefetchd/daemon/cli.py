@@ -229,6 +229,9 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
                 and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
     try:
         check_not_shared(buffer)  # a job.json in /dev/shm itself
+        unsafe = buffer_problem(buffer, group_access=True)  # the daemon's flag is not known here
+        if unsafe is not None and unsafe[1]:  # a folder no daemon takes: the job would wait there for ever
+            raise ConfigError(f"{unsafe[0]} (nothing written)")
         check_buffer_outside(buffer, settings.get("data"))  # normalized above, as the daemon will read it
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None

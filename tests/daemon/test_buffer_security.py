@@ -186,6 +186,11 @@ def test_the_cli_refuses_a_world_writable_buffer(shm_buffer: Path) -> None:
     assert run.returncode == EXIT_USAGE, run.stderr
     assert "writable by every user" in run.stderr and f"chmod 700 {buffer}" in run.stderr
     assert not (buffer / "daemon.lock").exists()  # refused before touching it
+    # submit too: it wrote job.json there, "waits until one starts", for a daemon that never takes it (a review)
+    submitted = CliRunner().invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer), "--data",
+                                                        str(shm_buffer / "data")])
+    assert submitted.exit_code == EXIT_USAGE and "writable by every user" in submitted.output, submitted.output
+    assert "(nothing written)" in submitted.output and list(buffer.iterdir()) == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives the shared folder to another user, as /dev/shm is to one not root")
