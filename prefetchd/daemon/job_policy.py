@@ -66,17 +66,28 @@ class JobPolicy:
             return job, None
         who = (f"job.json belongs to {user_name(owner)}, not to {user_name(self.uid)} who runs the daemon, "
                "so it may use only what the daemon's config allows")
+        problems = []  # both said at once: a submitter who fixed one met the other at the next try (a review)
         if job.transform is not None and job.transform != self.own.transform and job.transform not in self.own.allowed_transforms:
             allowed = ", ".join(self.own.allowed_transforms) or "none is set"
-            raise ConfigError(f"{who}: its transform {job.transform!r} is not in allowed_transforms ({allowed}). The "
-                              f"daemon would import and run it as {user_name(self.uid)}; if the buffer's group may "
-                              "run it, add it to `allowed_transforms` in the daemon's config (or --allowed-transforms)")
+            problems.append(f"its transform {job.transform!r} is not in allowed_transforms ({allowed}). The daemon "
+                            f"would import and run it as {user_name(self.uid)}; if the buffer's group may run it, add "
+                            "it to `allowed_transforms` in the daemon's config (or --allowed-transforms)")
+        confined = self._confine_data(job)
+        if isinstance(confined, str):
+            problems.append(confined)
+        if problems:
+            raise ConfigError(f"{who}: " + "; and ".join(problems))
+        assert not isinstance(confined, str)
+        return confined
+
+    def _confine_data(self, job: DaemonConfig) -> tuple[DaemonConfig, tuple[str, ...] | None] | str:
+        """``confine``'s answer for the job's ``data`` alone, or why it may not read it."""
         if job.data is None or job.data == self.own.data:
             return job, None
         if is_url(job.data):
             if dot_segments(job.data):
-                raise ConfigError(f"{who}: its data {job.data!r} has a '.' or '..' segment, which would be resolved "
-                                  "past the roots of allowed_data; name the data by a plain URL under one of them")
+                return (f"its data {job.data!r} has a '.' or '..' segment, which would be resolved past the roots of "
+                        "allowed_data; name the data by a plain URL under one of them")
             roots = tuple(root for root in self.own.allowed_data if is_url(root))
             if any(inside(job.data, root) for root in roots):
                 return job, roots
@@ -88,10 +99,9 @@ class JobPolicy:
         # Where a link points is not said: the daemon may resolve links in folders the group cannot read.
         shown = f"{job.data!r}" + ("" if is_url(job.data) else " (after resolving symbolic links and '..')")
         allowed = ", ".join(self.own.allowed_data) or "none is set"
-        raise ConfigError(f"{who}: its data {shown} is not inside a root of allowed_data ({allowed}). The daemon "
-                          f"reads it with {user_name(self.uid)}'s files and credentials and shows the pixels to the "
-                          "buffer's group; if the group may read it, add its root to `allowed_data` in the daemon's "
-                          "config (or --allowed-data)")
+        return (f"its data {shown} is not inside a root of allowed_data ({allowed}). The daemon reads it with "
+                f"{user_name(self.uid)}'s files and credentials and shows the pixels to the buffer's group; if the "
+                "group may read it, add its root to `allowed_data` in the daemon's config (or --allowed-data)")
 
 
 def check_files_inside(index: SampleIndex, data: str, roots: tuple[str, ...],

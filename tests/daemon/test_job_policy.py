@@ -51,6 +51,12 @@ def test_by_default_another_users_job_may_name_no_data_and_no_hook(tree: Path) -
     with pytest.raises(ConfigError) as hook:
         policy(tree, allowed_data=(str(tree / "allowed"),)).confine(job(tree, data=str(tree / "allowed"), transform="x.y:z"), OTHER)
     assert "allowed_transforms" in str(hook.value) and "'x.y:z'" in str(hook.value)
+    # Both at once are both said: the submitter who fixed the one named met the other next (a review).
+    with pytest.raises(ConfigError) as both:
+        policy(tree).confine(job(tree, data=str(tree / "allowed/train"), transform="x.y:z"), OTHER)
+    said = str(both.value)
+    assert said.count("job.json belongs to") == 1 and "its transform 'x.y:z' is not in allowed_transforms" in said
+    assert "; and its data " in said and "is not inside a root of allowed_data (none is set)" in said, said
 
 
 def test_hooks_are_allowed_by_exact_name_only(tree: Path) -> None:
