@@ -22,6 +22,7 @@ import psutil
 import tomli_w
 
 from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, lock_holders, read_status
+from prefetchd.buffer_protocol.errors import user_name
 from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.daemon.config import (FIELDS, DaemonConfig, check_buffer_outside, check_job_setting, fill_defaults,
@@ -287,8 +288,12 @@ def stop(buffer: Path, timeout: float) -> None:
     BUFFER is a rank's stream directory (stop its buffer's daemon); 3: BUFFER does not exist."""
     denied = no_access(buffer)
     if denied is not None:  # daemon.lock cannot be read: "no daemon is running" would be a guess
-        click.echo(f"cannot stop the daemon on {buffer}, if one runs: {denied}; a service's daemon stops with "
-                   "`systemctl stop` of its unit", err=True)
+        # Not "join its group": a member may read the buffer but not signal its daemon (a review).
+        uid = os.stat(buffer).st_uid
+        who = "root" if uid == 0 else f"its daemon's user (most likely {user_name(uid)}) or root"
+        click.echo(f"cannot stop the daemon on {buffer}, if one runs: this user may not read the buffer, which belongs "
+                   f"to {user_name(uid)}; only {who} may stop it (`sudo prefetchd stop --buffer {buffer}`); a "
+                   "service's daemon stops with `systemctl stop` of its unit", err=True)
         sys.exit(EXIT_FAILURE)
     owner = daemon_owner(buffer)
     if owner is None:
