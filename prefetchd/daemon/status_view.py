@@ -201,6 +201,8 @@ def status_json(report: StatusReport, indent: int | None = 1) -> str:
     doc.update(buffer=str(report.buffer), owner=str(report.owner), problems=list(report.problems),
                status=report.status.to_doc() if report.status is not None else None,
                manifest=report.manifest.to_doc() if report.manifest is not None else None)
+    if not report.readable:  # unknown, as the text says, not false (a review)
+        doc["running"] = None
     return json.dumps(doc, indent=indent, sort_keys=True)
 
 
