@@ -33,7 +33,7 @@ from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
                                      DaemonError)
-from prefetchd.daemon.status_view import describe_status, format_status, not_the_holder, status_json
+from prefetchd.daemon.status_view import describe_status, foreign_lock, format_status, not_the_holder, status_json
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import BufferOptionCommand, FiniteFloat, click_options
 from prefetchd.words import binary_size, counted
@@ -302,6 +302,9 @@ def stop(buffer: Path, timeout: float) -> None:
             sys.exit(EXIT_NOT_RUNNING)
         # Stopping what is stopped is done (as `systemctl stop` of a stopped unit): exit 0.
         click.echo(f"no daemon is running on {buffer}")
+        held = foreign_lock(owning_buffer(buffer) / LOCK_NAME)
+        if held is not None:
+            click.echo(f"note: {held}", err=True)
         return
     if not owner.here:  # its pid names no process here, or another one: never signalled
         click.echo(f"cannot stop the daemon on {buffer} ({owner}) from here, and signalled nothing: stop it with "

@@ -83,6 +83,8 @@ def describe_status(buffer: Path) -> StatusReport:
         holders = lock_holders(owner / LOCK_NAME)
         if holders is not None and daemon.pid not in holders:
             problems.append(not_the_holder(owner / LOCK_NAME, daemon.pid, holders))
+    elif daemon is None and (held := foreign_lock(owner / LOCK_NAME)) is not None:
+        problems.append(held)
     rank = None
     if owner != buffer:  # one rank's stream directory: show that rank, not every rank of its daemon
         rank = int(buffer.name.removeprefix(STREAM_PREFIX))
@@ -129,6 +131,18 @@ def describe_status(buffer: Path) -> StatusReport:
         problems=tuple(problems),
         other_pid_namespace=daemon is not None and not daemon.here,
     )
+
+
+def foreign_lock(lock: Path) -> str | None:
+    """Where no daemon owns the buffer but a process holds its ``lock`` all the same, which and what to do:
+    `prefetchd start` stops at it (exit 5), while status and stop said only that no daemon runs (a review)."""
+    holders = lock_holders(lock)
+    if not holders:
+        return None
+    pids = ", ".join(str(pid) for pid in sorted(holders))
+    return (f"{lock} is locked by pid {pids}, which is not a running prefetchd daemon (a daemon names itself "
+            f"in the file as it takes the lock): `prefetchd start` on this buffer stops at it; find it with "
+            f"`fuser -v {lock}` and end it, or pick another --buffer")
 
 
 def not_the_holder(lock: Path, pid: int, holders: set[int]) -> str:

@@ -24,7 +24,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
-from prefetchd.buffer_protocol import VERSION, DaemonLock, Errors, Manifest, State, daemon_pid, read_status, write_status
+from prefetchd.buffer_protocol import (VERSION, DaemonLock, Errors, Manifest, State, daemon_pid, lock_holders,
+                                      read_status, write_status)
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.dataset import split_members
@@ -347,6 +348,29 @@ def test_status_ignores_a_stale_pid(runner: CliRunner, tmp_path: Path) -> None:
     old = psutil.Process().create_time() - 100
     os.utime(tmp_path / LOCK, (old, old))
     assert runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)]).exit_code == 3
+
+
+def test_a_lock_held_by_no_daemon_is_named_by_status_and_stop(runner: CliRunner, tmp_path: Path) -> None:
+    """A process that is no daemon holding daemon.lock: `start` stops at it (exit 5) with `fuser`, while `status`
+    said only "not running" and `stop` "no daemon is running" (a review, holding it with flock(1))."""
+    (tmp_path / LOCK).write_text("")
+    holder = subprocess.Popen(["flock", "-n", str(tmp_path / LOCK), "sleep", "60"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while holder.pid not in (lock_holders(tmp_path / LOCK) or set()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        said = f"{tmp_path / LOCK} is locked by pid {holder.pid}, which is not a running prefetchd daemon"
+        status = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
+        assert status.exit_code == 3 and said in status.output and "fuser -v" in status.output, status.output
+        stop = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(tmp_path)])
+        assert stop.exit_code == 0 and f"note: {said}" in stop.stderr, stop.output
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # flock and its sleep, which holds the lock too
+        holder.wait()
+    deadline = time.monotonic() + 10
+    while lock_holders(tmp_path / LOCK) and time.monotonic() < deadline:  # the sleep's exit lets it go
+        time.sleep(0.05)
+    assert "locked by" not in runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)]).output
 
 
 def test_status_of_a_lock_nobody_holds_is_not_running(runner: CliRunner, tmp_path: Path) -> None:
