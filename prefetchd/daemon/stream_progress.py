@@ -303,7 +303,9 @@ class StreamProgress:
 
     def _progress_problem(self, consumer: Consumer, problem: str) -> None:
         if consumer.problem(problem):
-            log.warning("ignoring %s: %s", self.dir / progress_name(consumer.name), problem)
+            path = str(self.dir / progress_name(consumer.name))
+            # A ProtocolError names the file itself: "ignoring P: P: field ..." said it twice (a review).
+            log.warning("ignoring %s: %s", path, problem.removeprefix(f"{path}: "))
 
     def check_trainer(self) -> None:
         """Whether the processes that wrote the progress files are still there; logs when one goes,

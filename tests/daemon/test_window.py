@@ -169,7 +169,8 @@ def test_nothing_is_built_past_the_last_epoch(tmp_path: Path) -> None:
     assert s.finished and s.next_missing() is None
 
 
-def test_a_position_past_the_jobs_end_is_ignored_not_taken_for_its_end(tmp_path: Path) -> None:
+def test_a_position_past_the_jobs_end_is_ignored_not_taken_for_its_end(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """Epoch 999 written into a 2-epoch job's progress file (by hand; any group member may) was taken as "the
     trainers consumed all 2 epochs": the daemon finished (exit 0, which systemd does not restart) while its
     trainer read epoch 0, and the trainer lost the rest of the job (a review)."""
@@ -184,6 +185,13 @@ def test_a_position_past_the_jobs_end_is_ignored_not_taken_for_its_end(tmp_path:
     (s.dir / "progress.json").unlink()
     s.read_progress()
     assert s.progress_error == "" and s.consumers[DEFAULT_CONSUMER].position == 2
+    # A file that is no progress document: its path said once ("ignoring P: P: not valid JSON", a review).
+    (s.dir / "progress.json").write_text("{")
+    with caplog.at_level(logging.WARNING, "prefetchd"):
+        s.read_progress()
+    path = str(s.dir / "progress.json")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"ignoring {path}: ")]
+    assert len(said) == 1 and said[0].count(path) == 1 and "not valid JSON" in said[0], said
     move_to(s, 20)  # the job's end itself is the trainer's last position
     assert s.finished
 
