@@ -184,6 +184,16 @@ def buffer_problem(buffer: Path, group_access: bool) -> tuple[str, bool] | None:
     return problem, stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or bool(st.st_mode & stat.S_IWOTH)
 
 
+def _nearest_owner(path: Path) -> tuple[Path, int]:
+    """``path``, or the nearest folder above it that this user may stat, and its owner's uid."""
+    for folder in (path, *path.parents):
+        try:
+            return folder, os.stat(folder).st_uid
+        except OSError:
+            continue
+    return Path("/"), 0
+
+
 def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
     """One ``key = value`` line per field, written by tomli-w (which quotes and escapes any path
     or string as TOML needs), with the notes as comments, which tomli-w does not write."""
@@ -289,10 +299,10 @@ def stop(buffer: Path, timeout: float) -> None:
     denied = no_access(buffer)
     if denied is not None:  # daemon.lock cannot be read: "no daemon is running" would be a guess
         # Not "join its group": a member may read the buffer but not signal its daemon (a review).
-        uid = os.stat(buffer).st_uid
+        closed, uid = _nearest_owner(buffer)  # a rank's stream directory is reached through its buffer
         who = "root" if uid == 0 else f"its daemon's user (most likely {user_name(uid)}) or root"
-        click.echo(f"cannot stop the daemon on {buffer}, if one runs: this user may not read the buffer, which belongs "
-                   f"to {user_name(uid)}; only {who} may stop it (`sudo prefetchd stop --buffer {buffer}`); a "
+        click.echo(f"cannot stop the daemon on {buffer}, if one runs: this user may not read {closed}, which belongs "
+                   f"to {user_name(uid)}; only {who} may stop it (`sudo prefetchd stop --buffer {closed}`); a "
                    "service's daemon stops with `systemctl stop` of its unit", err=True)
         sys.exit(EXIT_FAILURE)
     owner = daemon_owner(buffer)

@@ -1163,7 +1163,7 @@ def test_a_user_outside_the_buffers_group_is_told_whose_it_is_and_how_to_join(sh
     assert doc["running"] is None, doc  # unknown, as the text says; it was false (a review)
     assert [why in " ".join(p.split()) for p in doc["problems"]] == [True], doc
     assert " ".join(said["stop"]["output"].split()) == (
-        f"cannot stop the daemon on {buffer}, if one runs: this user may not read the buffer, which belongs to root "
+        f"cannot stop the daemon on {buffer}, if one runs: this user may not read {buffer}, which belongs to root "
         "(uid 0); only root may stop it (`sudo prefetchd stop --buffer "
         f"{buffer}`); a service's daemon stops with `systemctl stop` of its unit"), said["stop"]
     assert said["submit"]["output"].startswith(f"cannot submit a job to {buffer} (nothing written):"), said["submit"]
