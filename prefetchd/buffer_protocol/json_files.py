@@ -191,5 +191,6 @@ def checked_field(doc: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     # An int past int64 (10**4000 in a progress file's read_batches) overflowed the daemon's float arithmetic.
     if not ok or (kind is int and not 0 <= value <= MAX_INT) or (kind is float and not math.isfinite(value)):
         what = {int: "non-negative int below 2**63", float: "finite number"}.get(kind, kind.__name__)
-        raise ProtocolError(f"{path}: field {key!r} is {shown(value)}, expected a {what}")
+        got = f"is {shown(value)}" if key in doc else "is missing"  # not "is None" (a review)
+        raise ProtocolError(f"{path}: field {key!r} {got}, expected a {what}")
     return value

@@ -335,8 +335,10 @@ def test_manifest_refuses_missing_fields(tmp_path: Path, field: str) -> None:
     doc = _manifest().to_doc()
     del doc[field]
     _write_doc(tmp_path / MANIFEST_NAME, doc)
-    with pytest.raises(ProtocolError, match=field):
+    with pytest.raises(ProtocolError, match=field) as info:
         Manifest.read(tmp_path)
+    if field in ("seed", "created"):  # read by checked_field: "missing", not "is None" (a review)
+        assert f"field {field!r} is missing, expected a " in str(info.value), info.value
 
 
 def test_manifest_missing_file_is_file_not_found(tmp_path: Path) -> None:
