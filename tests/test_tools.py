@@ -471,3 +471,18 @@ def test_h2d_bench_refuses_fewer_than_two_batches(batches: str) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "h2d_bench.py"), "--batches", batches],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2 and f"--batches: {batches}: pass 2 or more" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--step-ms", "abc"], "--step-ms: 'abc': pass step times in ms of 0 or more"),
+    (["--batch-size", "0"], "--batch-size: 0: pass 1 or more"),
+    (["--root", "/nonexistent"], "--root /nonexistent is not a folder"),
+    (["--device", "cpu"], "--device cpu: this measures copies to a GPU"),
+])
+def test_h2d_bench_checks_its_flags_before_cuda(args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad --step-ms was read after part 1 was measured (a ValueError then), --batch-size 0 was an IndexError
+    that left its prefetchd-h2d-* folder behind, --root a FileNotFoundError (a review, reading it on a CPU box)."""
+    h2d = _load("h2d_bench")
+    with pytest.raises(SystemExit) as exit_:
+        h2d.parse_args(args)
+    assert exit_.value.code == 2 and said in capsys.readouterr().err

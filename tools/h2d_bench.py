@@ -24,6 +24,7 @@ Needs a CUDA device; the numbers belong in docs/BENCHMARKS.md with the machine n
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import statistics
 import sys
@@ -54,19 +55,23 @@ def make_buffer(root: Path, batches: int, batch_size: int, image_size: int) -> P
         sys.exit(f"{root}: {batches} batches need {need / 2**30:.1f} GiB, more than half of the "
                  f"{free / 2**30:.1f} GiB free; pass fewer --batches or another --root")
     buffer = Path(tempfile.mkdtemp(prefix="prefetchd-h2d-", dir=root))
-    samples = batches * batch_size
-    Manifest(
-        dataset_root="h2d-bench", fingerprint="h2d-bench", classes=["a", "b"], num_samples=samples, split="train",
-        seed=0, batch_size=batch_size, image_size=image_size, samples_per_epoch=samples,
-        steps_per_epoch=batches, epochs=None, producer="h2d-bench",
-    ).write(buffer)
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (batch_size, image_size, image_size, 3), dtype=np.uint8)
-    for step in range(batches):
-        images[0, 0, 0, 0] = step % 256  # distinct files, equal cost
-        indices = np.arange(step * batch_size, (step + 1) * batch_size, dtype=np.int64)
-        write_batch(buffer / batch_name(0, step), images, indices % 2, indices, epoch=0, step=step, seed=0,
-                    producer="h2d-bench")
+    try:  # a failure part way leaves no prefetchd-h2d-* folder behind
+        samples = batches * batch_size
+        Manifest(
+            dataset_root="h2d-bench", fingerprint="h2d-bench", classes=["a", "b"], num_samples=samples, split="train",
+            seed=0, batch_size=batch_size, image_size=image_size, samples_per_epoch=samples,
+            steps_per_epoch=batches, epochs=None, producer="h2d-bench",
+        ).write(buffer)
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, (batch_size, image_size, image_size, 3), dtype=np.uint8)
+        for step in range(batches):
+            images[0, 0, 0, 0] = step % 256  # distinct files, equal cost
+            indices = np.arange(step * batch_size, (step + 1) * batch_size, dtype=np.int64)
+            write_batch(buffer / batch_name(0, step), images, indices % 2, indices, epoch=0, step=step, seed=0,
+                        producer="h2d-bench")
+    except BaseException:
+        shutil.rmtree(buffer, ignore_errors=True)
+        raise
     return buffer
 
 
@@ -179,17 +184,55 @@ def batch_count(text: str) -> int:
     return count
 
 
-@stops_cleanly
-def main() -> int:
+def at_least_one(text: str) -> int:
+    """``--batch-size`` and ``--image-size``: a whole number of 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: pass 1 or more")
+    return value
+
+
+def step_times(text: str) -> list[float]:
+    """``--step-ms 0,30``: simulated GPU step times of 0 ms or more, read before anything is measured."""
+    try:
+        steps = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        steps = []
+    if not steps or min(steps) < 0 or not all(math.isfinite(s) for s in steps):
+        raise argparse.ArgumentTypeError(f"{text!r}: pass step times in ms of 0 or more, separated by commas (0,30)")
+    return steps
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, all checked before CUDA starts: a bad one met after part 1 was measured lost that part."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=batch_count, default=16,
-                        help="batch files to write and read (at least 2: the first of each pass is left out)")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--step-ms", default="0,30", help="comma-separated simulated GPU step times")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--root", type=Path, default=Path("/dev/shm"), help="where the fake buffer goes (a tmpfs)")
-    args = parser.parse_args()
+                        help="batch files to write and read (at least 2: the first of each pass is left out) "
+                        "[default: 16]")
+    parser.add_argument("--batch-size", type=at_least_one, default=256, help="images per batch [default: 256]")
+    parser.add_argument("--image-size", type=at_least_one, default=224, help="pixels a side [default: 224]")
+    parser.add_argument("--step-ms", type=step_times, default=[0.0, 30.0],
+                        help="comma-separated simulated GPU step times [default: 0,30]")
+    parser.add_argument("--device", default="cuda", help="a CUDA device, e.g. cuda:1 [default: cuda]")
+    parser.add_argument("--root", type=Path, default=Path("/dev/shm"),
+                        help="where the fake buffer goes (a tmpfs) [default: /dev/shm]")
+    args = parser.parse_args(argv)
+    if not args.root.is_dir():
+        parser.error(f"--root {args.root} is not a folder; pass a tmpfs folder such as /dev/shm")
+    try:
+        if torch.device(args.device).type != "cuda":
+            parser.error(f"--device {args.device}: this measures copies to a GPU; pass a CUDA device (cuda, cuda:1)")
+    except RuntimeError as exc:
+        parser.error(f"--device {args.device}: {exc}")
+    return args
+
+
+@stops_cleanly
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("h2d_bench: no CUDA device here; run it on a GPU machine", file=sys.stderr)
         return 2
@@ -207,7 +250,7 @@ def main() -> int:
             print(f"{name:<10} {total:8.2f} {nbytes / total / 1e6:7.2f}  {detail}")
 
         per_ms = cycles_per_ms(device)
-        steps = [float(s) for s in args.step_ms.split(",") if s.strip()]
+        steps = args.step_ms
         print("\n2. BufferLoader end to end, normalised float32 on the device (ms per batch)")
         print(f"{'pin':<10} " + " ".join(f"{f'step {s:g} ms':>12} {'GB/s':>6} {'overhead':>8}" for s in steps))
         for pin in ("none", "staging", "register"):
