@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import math
 import os
 import subprocess
@@ -138,7 +139,7 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
 
     order: list[str] = []
     figures = {"synthetic": [100.0, 110.0, 90.0], "prefetchd (2 workers)": [50.0, 70.0, 60.0],
-               "prefetchd (1 workers)": [20.0, 30.0, 25.0], "DataLoader (2 workers)": [40.0, None, 30.0]}
+               "prefetchd (1 worker)": [20.0, 30.0, 25.0], "DataLoader (2 workers)": [40.0, None, 30.0]}
 
     def train(name: str, feed: object, sizes: object, classes: int, device: object) -> dict[str, object]:
         order.append(name)
@@ -154,7 +155,7 @@ def test_feeds_rotate_over_rounds_and_report_their_median(monkeypatch: pytest.Mo
                                                      done=lambda rows: snapshots.append(len(rows)))
     assert stopped is None
     # The ceiling opens every round; the others take turns at going first.
-    p2, p1, dl = "prefetchd (2 workers)", "prefetchd (1 workers)", "DataLoader (2 workers)"
+    p2, p1, dl = "prefetchd (2 workers)", "prefetchd (1 worker)", "DataLoader (2 workers)"
     assert order == ["synthetic", p2, p1, dl, "synthetic", p1, dl, p2, "synthetic", dl, p2, p1]
     assert len(snapshots) == 12  # saved after every training run
     by_feed = {row["feed"]: row for row in rows}
@@ -344,15 +345,34 @@ def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the
     # A second of --time-limit leaves only the first round, which always runs whole.
     assert all(len(row["rounds_images_per_s"]) == 1 for row in doc["training"] if "note" not in row)
     assert doc["training_stopped"].startswith("stopped before round 2, ")
+    # The first round ran past the limit: by how much, not "with 0 s of --time-limit 1 left" (a review).
+    assert re.search(r"took \d+ s in the last, \d+ s past --time-limit 1 already: 1 of 2 rounds ran$",
+                     doc["training_stopped"]), doc["training_stopped"]
     markdown = (tmp_path / "GPU.md").read_text()
     assert "**Cut short by `--time-limit`**: stopped before round 2, " in markdown
-    assert "## The producer on more cores" not in markdown
+    # Left out, and said so (a review: the sections vanished without a word); the options of the run recorded.
+    assert "## The producer on more cores\n\nNot measured this time (`--skip-scaling`)." in markdown
+    assert "## GPU tests\n\nNot run this time (`--skip-tests`)." in markdown
+    assert ("This run: `python tools/gpu_check.py --dry-run --skip-tests --skip-scaling --rounds 2 --time-limit 1 "
+            f"--out {out}`") in markdown, markdown
+    assert "(1 workers)" not in markdown and "prefetchd (1 worker)" in markdown
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpu_check
 
-    for flag, value in (("--rounds", "0"), ("--scaling-rounds", "0"), ("--time-limit", "0")):  # refused by argparse, before anything runs
+    for flag, value in (("--rounds", "0"), ("--scaling-rounds", "0"), ("--time-limit", "0"), ("--steps", "0")):  # refused by argparse, before anything runs
         with pytest.raises(SystemExit) as refused:
             gpu_check.main(["--dry-run", flag, value, "--out", str(tmp_path / "refused" / "gpu.json")])
         err = capsys.readouterr().err
         assert refused.value.code == 2 and f"{flag} 0: give" in err, err
+    # A --data or --scaling-buffer-root that cannot serve, and more workers than cores: refused before the GPU tests
+    # and the copies (a review: a traceback from os.scandir or step 5, minutes into a lease's call).
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    for args, said in ((["--data", str(tmp_path / "none")], "is not a folder"),
+                       (["--data", str(tmp_path / "empty")], "holds no images in class folders"),
+                       (["--scaling-buffer-root", str(tmp_path / "none")], "--scaling-buffer-root "),
+                       (["--workers", "100000"], "--workers 100000 is more than the ")):
+        with pytest.raises(SystemExit) as refused:
+            gpu_check.main(["--dry-run", *args, "--out", str(tmp_path / "refused" / "gpu.json")])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and said in err, err
     assert not (tmp_path / "refused").exists()

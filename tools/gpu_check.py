@@ -6,8 +6,8 @@
 
 Steps, each recorded in the JSON (rewritten after every step, so a run cut short
 still leaves what it measured) and in GPU.md beside it.  Step 1 runs while the
-dataset is generated and ends before step 2 times the copies; step 5, short, runs
-before 3 and 4, the longest:
+dataset is generated and ends before step 2 times the copies; step 5 (~1.5 min a
+round on 16 cores) runs before 3 and 4, the longest:
 
 1. ``pytest -m gpu``: the GPU tests, their counts;
 2. host-to-device copies of batch files (``tools/h2d_bench.py`` used as a module) at
@@ -55,6 +55,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -74,9 +75,11 @@ from gpu_check_training import training_rows
 from gpu_report import write_outputs
 from h2d_bench import image_bytes
 from prefetchd.bench import describe_machine
+from prefetchd.bench.report import describe_dataset
+from prefetchd.bench.run import buffers_in
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import stops_cleanly
-from prefetchd.synthetic import make_imagenet_like
+from prefetchd.synthetic import make_imagenet_like, progress_lines
 
 log = logging.getLogger("gpu_check")
 
@@ -106,7 +109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, help="an ImageFolder tree to train on instead of generating one")
     parser.add_argument("--skip-tests", action="store_true", help="leave out `pytest -m gpu`")
     parser.add_argument("--skip-scaling", action="store_true", help="leave out step 5, the producer alone "
-                        "(~3 min on 16 cores): for a short lease that looks only at the training")
+                        "(~1.5 min a --scaling-round on 16 cores): for a short lease that looks only at the training")
     parser.add_argument("--rounds", type=int, help="times each feed trains; its row is the median round")
     parser.add_argument("--scaling-rounds", type=int, help="times step 5 measures each worker count, and its "
                         "independent loops; a row is the median round (~1.5 min a round on 16 cores) [default: 1]")
@@ -116,15 +119,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="seconds for the whole run: after the first training round, a round whose feeds would "
                         "end past it (by their last round's times) is not started, so a lease's call ends with "
-                        "every feed at as many rounds and says so [default: none]")
+                        "every feed at as many rounds and says so; the steps before the training and its first "
+                        "round always run, and a run past the limit says by how much [default: none]")
     parser.add_argument("--workers", type=worker_counts, help="the daemon's worker counts to train with, e.g. "
                         "15,12 (DataLoader and DALI get the first) [default: all cores but one]")
     args = parser.parse_args(argv)
+    # Every flag is checked here, before the GPU tests and the copies (a bad --data failed after them, a lease's
+    # minutes in, and --steps 0 trained nothing and passed).
     if args.time_limit is not None and args.time_limit <= 0:
         parser.error(f"--time-limit {args.time_limit:g}: give a number of seconds above 0")
-    for flag, value in (("--rounds", args.rounds), ("--scaling-rounds", args.scaling_rounds)):
+    for flag, value in (("--rounds", args.rounds), ("--scaling-rounds", args.scaling_rounds), ("--steps", args.steps)):
         if value is not None and value < 1:
             parser.error(f"{flag} {value}: give 1 or more")
+    if args.workers is not None and max(args.workers) > usable_cpus():
+        parser.error(f"--workers {max(args.workers)} is more than the {usable_cpus()} usable cores")
+    if args.data is not None:
+        if not args.data.is_dir():
+            parser.error(f"--data {args.data} is not a folder; pass an ImageFolder tree (class folders of images), "
+                         "or leave --data out to generate one")
+        try:
+            describe_dataset(args.data)
+        except (ValueError, OSError) as exc:
+            parser.error(f"--data {args.data}: {exc}")
+    if args.scaling_buffer_root is not None:
+        try:
+            buffers_in(args.scaling_buffer_root, flag="--scaling-buffer-root")
+        except ValueError as exc:
+            parser.error(str(exc))
     return args
 
 
@@ -164,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(args.commit), "machine": describe_machine(), "gpu": describe_gpu(device),
         "sizes": {**dataclasses.asdict(sizes), "workers": workers}, "tests": None, "h2d": None, "training": None,
         "scaling": None, "training_stopped": None,
+        # The options of this run, which GPU.md's generated part records (they were only in the hand-written one).
+        "command": shlex.join(["python", "tools/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),
+        "skipped": [flag for flag, on in (("--skip-tests", args.skip_tests), ("--skip-scaling", args.skip_scaling)) if on],
     }
     write_outputs(doc, out)
     log.info("writing %s and %s", out, out.parent / "GPU.md")
@@ -180,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             data = scratch / "imagenet-like"
             log.info("3. generating %d images in %s", sizes.classes * sizes.per_class, data)
             summary = make_imagenet_like(data, classes=sizes.classes, per_class=sizes.per_class, seed=0,
-                                         workers=usable_cpus())
+                                         workers=usable_cpus(), progress=progress_lines())
             doc["dataset"] = summary.line()
         else:
             doc["dataset"] = str(data)
@@ -195,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(doc, out)
         warm_page_cache(data)
         classes = sum(1 for entry in os.scandir(data) if entry.is_dir())
-        # Step 5 runs before the training: it takes about three minutes where the training takes
+        # Step 5 runs before the training: it takes about 1.5 minutes a round where the training takes
         # four to six, and a run cut short by the device's time limit then still has it.
         if not args.skip_scaling:
             counts = scaling_counts(usable_cpus()) if not args.dry_run else [1]

@@ -47,7 +47,7 @@ FULL = Sizes(device="cuda", model="resnet50", batch_size=256, image_size=224, st
              scaling_rounds=1)
 DRY = Sizes(device="cpu", model="squeezenet1_1", batch_size=8, image_size=32, steps=3, warmup_steps=1, rounds=2,
             classes=2, per_class=8, high_water=4, h2d_batch_sizes=(4, 8), h2d_image_size=32,
-            # The GPU tests' folder alone: collecting the whole suite to select 13 took ~15 s of CI's CPU.
+            # The GPU tests' folder alone: collecting the whole suite to select its GPU tests took ~15 s of CI's CPU.
             h2d_batches=3, pytest_args=("-n", "0", "tests/trainer"), scaling_batch_size=8, scaling_seconds=0.5,
             scaling_rounds=2)
 

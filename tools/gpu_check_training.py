@@ -20,6 +20,7 @@ from gpu_check_plan import Sizes, TimeLimit, not_a_tool
 from host_use import CpuUse, HostSampler
 from prefetchd.bench.results import median_round
 from prefetchd.trainer.model import build_model
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,14 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
     one against the lower of two).  The second value then says where the training stopped."""
     feeds: list[tuple[str, Feed | str]] = [
         ("synthetic (on the GPU)" if device.type == "cuda" else "synthetic", lambda: synthetic_feed(sizes, classes, device)),
-        *((f"prefetchd ({k} workers)", lambda k=k: prefetchd_feed(data, sizes, k, device, root)) for k in workers),
+        *((f"prefetchd ({counted(k, 'worker')})", lambda k=k: prefetchd_feed(data, sizes, k, device, root))
+          for k in workers),
     ]
     workers_first = workers[0]
-    feeds.append((f"DataLoader ({workers_first} workers)", lambda: dataloader_feed(data, sizes, workers_first, device)))
+    feeds.append((f"DataLoader ({counted(workers_first, 'worker')})",
+                  lambda: dataloader_feed(data, sizes, workers_first, device)))
     missing = dali_missing(device)
-    feeds.append((f"DALI mixed ({workers_first} threads)",
+    feeds.append((f"DALI mixed ({counted(workers_first, 'thread')})",
                   missing or (lambda: dali_feed(data, sizes, workers_first, device))))
     runnable = [(name, feed) for name, feed in feeds if not isinstance(feed, str)]
     ceiling, rotating = runnable[0], runnable[1:]
@@ -163,9 +166,11 @@ def training_rows(data: Path, sizes: Sizes, classes: int, device: torch.device, 
     clock = deadline.clock if deadline is not None else time.monotonic
     for r in range(sizes.rounds):
         if deadline is not None and took and (left := deadline.left()) < (needs := sum(took.values())):
+            # Past it already (the steps before the training and the first round always run): by how much, not "0 s".
+            where = (f"with {left:.0f} s of --time-limit {deadline.seconds:.0f} left" if left >= 0 else
+                     f"{-left:.0f} s past --time-limit {deadline.seconds:.0f} already")
             stopped = (f"stopped before round {r + 1}, whose {len(runnable)} feeds took {needs:.0f} s in the last, "
-                       f"with {max(left, 0):.0f} s of --time-limit {deadline.seconds:.0f} left: "
-                       f"{r} of {sizes.rounds} rounds ran")
+                       f"{where}: {r} of {sizes.rounds} rounds ran")
             log.info("%s", stopped)
             return median_rows(feeds, rounds), stopped
         k = r % len(rotating)

@@ -70,9 +70,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"| platform | {machine.get('platform')} |", "",
     ]
     tests = doc.get("tests")
+    skipped = doc.get("skipped") or []
     if tests is not None:
-        lines += ["## GPU tests", "", f"`{tests['command']}`: {tests.get('summary') or 'no summary'} "
+        lines += ["## GPU tests", "", f"`python {tests['command']}`: {tests.get('summary') or 'no summary'} "
                   f"(exit code {tests.get('returncode')}).", ""]
+    elif "--skip-tests" in skipped:  # said, not left out without a word (a review)
+        lines += ["## GPU tests", "", "Not run this time (`--skip-tests`).", ""]
     if doc.get("h2d") is not None:
         lines += ["## Host to device", "",
                   "Median per batch of uint8 images from fresh mappings of batch files (`tools/h2d_bench.py`); "
@@ -94,7 +97,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   f"steps, on {doc['dataset']}.  Each feed trained {sizes.get('rounds', 1)} times, the ceiling first "
                   "in every round and the others in rotated order; every feed gives full batches (the daemon with "
                   "`--drop-last`, DataLoader with `drop_last=True`, DALI padding the last); a row is the feed's "
-                  "median round, and `rounds` "
+                  "median round (at an even count the lower of the two middle ones: of 2 rounds, the slower), and "
+                  "`rounds` "
                   "lists every round's images/s.  Data wait: time blocked in `next()` over wall time (for the "
                   "daemon's loader that includes mapping the batch file and copying it into pinned memory, work "
                   "DataLoader's pin-memory thread does beside the loop).  GPU busy: CUDA "
@@ -155,8 +159,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
             lines += [f"Over the whole step, in cores on average: this process tree {scaling['cpu_tree_cores']:.1f}, "
                       f"other processes {scaling['cpu_other_cores']:.1f}; steal {scaling['cpu_steal_share']:.1%} "
                       "of all CPU time.", ""]
+    if "--skip-scaling" in skipped:
+        lines += ["## The producer on more cores", "", "Not measured this time (`--skip-scaling`).", ""]
+    ran = f"  This run: `{doc['command']}`." if doc.get("command") else ""
     lines += ["## Reproduce", "", "See README.md, \"On a GPU\": the wheels to carry, the install, and "
-              "`python tools/gpu_check.py --out DIR/gpu.json --commit HASH`.", ""]
+              f"`python tools/gpu_check.py --out DIR/gpu.json --commit HASH --time-limit 540`.{ran}", ""]
     return "\n".join(lines)
 
 

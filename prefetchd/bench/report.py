@@ -101,7 +101,7 @@ def describe_dataset(root: Path) -> dict[str, Any]:
                     sizes.append(os.path.getsize(os.path.join(dirpath, f)))
     if not sizes:
         raise ValueError(f"{root} holds no images in class folders; pass an ImageFolder-style dataset, or leave "
-                         "out --data and `prefetchd bench` generates an ImageNet-like one (--generate N images)")
+                         "out --data to have an ImageNet-like one generated")
     return {
         "root": str(root),
         "classes": len(classes),

@@ -32,23 +32,23 @@ DEFAULT_HIGH_WATER = 16
 LOOPS_SECONDS = 5.0  # the independent loops' window when the contenders are measured by batch count
 
 
-def buffers_in(root: Path | None) -> Path:
-    """The folder the bench's daemons put their buffers in: ``root`` (--buffer-root), which must be a folder this
-    user can write, else ``launch.buffer_root``'s."""
+def buffers_in(root: Path | None, flag: str = "--buffer-root") -> Path:
+    """The folder the bench's daemons put their buffers in: ``root`` (given as ``flag``), which must be a folder
+    this user can write, else ``launch.buffer_root``'s."""
     if root is None:
         return buffer_root()
     root = Path(root).resolve()
     if not root.is_dir():
-        raise ValueError(f"--buffer-root {root} is not a folder; make it (a tmpfs to measure, as root: mount -t tmpfs "
+        raise ValueError(f"{flag} {root} is not a folder; make it (a tmpfs to measure, as root: mount -t tmpfs "
                          "-o size=SIZE,huge=within_size tmpfs DIR), or leave it out for /dev/shm")
     if os.statvfs(root).f_blocks == 0:  # /proc, /sys, a cgroup tree: root may "write" there, but holds no files
         from prefetchd.daemon.mounts import filesystem_of
 
-        raise ValueError(f"--buffer-root {root} is on {filesystem_of(root).fstype}, a filesystem that holds no files; "
+        raise ValueError(f"{flag} {root} is on {filesystem_of(root).fstype}, a filesystem that holds no files; "
                          "pick a folder on a tmpfs (/dev/shm, or one you mount: mount -t tmpfs -o "
                          "size=SIZE,huge=within_size tmpfs DIR)")
     if not os.access(root, os.W_OK | os.X_OK):
-        raise ValueError(f"--buffer-root {root}: this user cannot create a daemon's buffer there; pick a folder you "
+        raise ValueError(f"{flag} {root}: this user cannot create a daemon's buffer there; pick a folder you "
                          "can write")
     return root
 
