@@ -61,6 +61,12 @@ class LoaderResume:
         end this loader then says.
         """
         self._move(state)
+        self._resumed()
+
+    def _resumed(self) -> None:
+        """Tell the daemon where a resumed loader (``load_state_dict``, or made with ``start=``) is; at the job's
+        end, say the end where the trainer it continues read the last batch, else warn that nothing is left.
+        Made with ``start=`` at the end, a loader said neither: the daemon of an --epochs job never finished."""
         if self._unread_end(self.position):  # the progress file read once, only at the end
             if self._last_batch_handed_before():
                 self._at.read_to_end = True  # the loader it continues read the job's last batch: the end is said

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from prefetchd.buffer_protocol import Progress, State, list_batches, read_status
 from prefetchd.trainer import BufferLoader
 
@@ -176,8 +178,9 @@ os._exit(0)
 """
 
 
+@pytest.mark.parametrize("resume", ["load_state_dict", "start"])
 def test_a_trainer_that_died_after_the_last_batch_is_resumed_to_the_end_and_the_job_ends(
-        shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any], caplog: Any) -> None:
+        shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any], caplog: Any, resume: str) -> None:
     """Only a loader that read the job's last batch says the end; the one resuming a trainer that read it and
     died before asking again said nothing, and the daemon kept that batch and stayed up for good (review)."""
     import json
@@ -190,8 +193,11 @@ def test_a_trainer_that_died_after_the_last_batch_is_resumed_to_the_end_and_the_
     state = json.loads(out.stdout)
     found = Progress.read(buffer)
     assert (state["epoch"], state["step"]) == (1, 0) and found is not None and (found.epoch, found.step) == (0, 8)
-    with BufferLoader(buffer, normalize=False, timeout=60) as loader:
-        loader.load_state_dict(state)
+    # BufferLoader(start=) at the end said nothing, and the daemon stayed up for good (a review).
+    start = (state["epoch"], state["step"]) if resume == "start" else None
+    with BufferLoader(buffer, normalize=False, timeout=60, start=start) as loader:
+        if start is None:
+            loader.load_state_dict(state)
         assert list(loader) == []
     assert daemon.wait_exit() == 0 and FINISHED in daemon.log, daemon.log
     assert "nothing left to read" not in caplog.text
