@@ -184,9 +184,12 @@ class Run:
         self.resumed_from = {"epoch": self.epoch, "global_step": self.global_step, "position": list(position)}
         self.saved_step = self.global_step
         # Counted from 1 as the progress lines count; the batch file's name counts from 0.
+        epochs = self.train_loader.manifest.epochs
+        after = (f"every training batch of the job's {counted(epochs, 'epoch')} was read" if epochs is not None
+                 and position[0] >= epochs else  # not "step 1 of epoch 4" of a 3-epoch job (a review)
+                 f"the next training batch is step {position[1] + 1} of epoch {position[0] + 1} ({batch_name(*position)})")
         self.echo(f"prefetchd-train: resumed from {path}: epoch {self.epoch + 1}, global step {self.global_step}; "
-                  f"the next training batch is step {position[1] + 1} of epoch {position[0] + 1} "
-                  f"({batch_name(*position)})")
+                  f"{after}")
 
     def _follow_the_options(self, global_step: int, warn: bool) -> None:
         """This run's --lr, --weight-decay, --momentum and schedule (--epochs, --warmup-epochs) at the step

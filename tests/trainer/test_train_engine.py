@@ -181,6 +181,12 @@ def test_stop_and_resume_is_exact(make_job: MakeJob, buffer: Path, tmp_path: Pat
     assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 6
     # Both runs consumed both buffers to the end.
     assert Progress.read(b_train.buffer) == Progress(2, 0) and Progress.read(b_val.buffer) == Progress(2, 0)
+    # Resumed from the checkpoint at the job's end: not "the next training batch is step 1 of epoch 3" of a
+    # 2-epoch job (a review).
+    said.clear()
+    train(config(b_train, b_val, checkpoint_dir=tmp_path / "b", resume=True, **settings), echo=said.append)
+    assert any("resumed from" in line and "global step 6; every training batch of the job's 2 epochs was read"
+               in line for line in said), said
 
 
 def test_a_resume_follows_this_runs_lr_decay_and_schedule_not_the_checkpoints(
