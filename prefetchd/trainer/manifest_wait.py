@@ -119,13 +119,13 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
         delay = min(delay * 1.5, MANIFEST_MAX_DELAY)
 
 
-def check_readable(buffer: Path) -> None:
+def check_readable(buffer: Path, flag: str = "") -> None:
     """NoAccess, in the words of `prefetchd status`, where this user may not read ``buffer`` (a --group-access
     buffer of a group it is not in): whose it is and how to join its group, not the manifest's "Permission
-    denied"."""
+    denied".  ``flag``: the option that named it ("--buffer"), said before it; a buffer not there yet passes."""
     denied = no_access(buffer)
     if denied is not None:
-        raise NoAccess(f"cannot read {buffer}: {denied}")
+        raise NoAccess(f"cannot read {flag + ' ' if flag else ''}{buffer}: {denied}")
 
 
 def _manifest_timeout_message(buffer: Path, timeout: float) -> str:

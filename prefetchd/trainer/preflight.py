@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from prefetchd.access import no_access
 from prefetchd.trainer.checkpoint import CheckpointPlan, Checkpointer, existing_checkpoint
 from prefetchd.trainer.collective import Collective
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.errors import CheckpointError, NoAccess, OptionError, SetupError
+from prefetchd.trainer.errors import CheckpointError, OptionError, SetupError
 from prefetchd.trainer.loader import BufferLoader
+from prefetchd.trainer.manifest_wait import check_readable
 from prefetchd.trainer.rank_store import differs_between_ranks
 from prefetchd.trainer.ranks import Ranks
 from prefetchd.trainer.report import metrics_unwritable
@@ -24,12 +24,12 @@ from prefetchd.words import counted
 
 
 def check_access(buffer: Path, val_buffer: Path | None) -> None:
-    """Refuse a buffer this user may not read, saying whose it is and how to join its group (``no_access``, the
-    words of `prefetchd status`); one not there yet is a daemon's to make, and waited for."""
+    """Refuse a buffer this user may not read, saying whose it is and how to join its group (``check_readable``,
+    as the loader does, in the words of `prefetchd status`); one not there yet is a daemon's to make, and waited
+    for."""
     for flag, path in (("--buffer", buffer), ("--val-buffer", val_buffer)):
-        denied = None if path is None else no_access(path)
-        if denied is not None:
-            raise NoAccess(f"cannot read {flag} {path}: {denied}")
+        if path is not None:
+            check_readable(path, flag)
 
 
 def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
