@@ -131,8 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, value in (("--rounds", args.rounds), ("--scaling-rounds", args.scaling_rounds), ("--steps", args.steps)):
         if value is not None and value < 1:
             parser.error(f"{flag} {value}: give 1 or more")
-    if args.workers is not None and max(args.workers) > usable_cpus():
-        parser.error(f"--workers {max(args.workers)} is more than the {usable_cpus()} usable cores")
+    if args.workers is not None and max(args.workers) > (cores := usable_cpus()):
+        parser.error(f"--workers {max(args.workers)} is more than the {cores} usable cores")
     if args.data is not None:
         if not args.data.is_dir():
             parser.error(f"--data {args.data} is not a folder; pass an ImageFolder tree (class folders of images), "
