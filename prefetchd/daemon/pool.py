@@ -60,6 +60,7 @@ class Worker:
     process: Any  # multiprocessing.Process
     conn: Connection
     ps: psutil.Process
+    server: psutil.Process | None  # the worker server that forked it (None: gone before it was asked)
     where: Whereabouts
     tasks: dict[int, Task] = field(default_factory=dict)
     seen: int = -2  # its moves at the last look (``stalled``); -2: not looked at yet
@@ -102,7 +103,8 @@ class WorkerPool:
                                  name="prefetchd-worker", daemon=True)
         proc.start()
         child.close()
-        worker = Worker(proc, parent, psutil.Process(proc.pid), Whereabouts(where), start_hangs=start_hangs)
+        ps = psutil.Process(proc.pid)
+        worker = Worker(proc, parent, ps, _parent(ps), Whereabouts(where), start_hangs=start_hangs)
         self._selector.register(parent, selectors.EVENT_READ, (worker, False))
         self._selector.register(proc.sentinel, selectors.EVENT_READ, (worker, True))
         return worker
@@ -266,6 +268,26 @@ def with_heartbeat(work: Callable[[], T], heartbeat: Callable[[], None], every: 
     if failed:
         raise failed[0]
     return done[0]
+
+
+def _parent(ps: psutil.Process) -> psutil.Process | None:
+    try:
+        return ps.parent()
+    except psutil.Error:  # the worker, or its server, gone already
+        return None
+
+
+def gone_server(worker: Worker) -> int | None:
+    """The pid of the worker server that forked ``worker`` if that server has ended (a zombie until the next
+    worker start reaps it), else None."""
+    server = worker.server
+    try:
+        return server.pid if server is not None and (not server.is_running()
+                                                     or server.status() == psutil.STATUS_ZOMBIE) else None
+    except psutil.NoSuchProcess:
+        return server.pid if server is not None else None
+    except psutil.Error:
+        return None
 
 
 def worker_context() -> multiprocessing.context.ForkServerContext:

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 from prefetchd.buffer_protocol import WorkerStall, batch_name
 from prefetchd.daemon.cgroup_limits import cgroup_oom_kills, out_of_memory_where
-from prefetchd.daemon.pool import Worker, WorkerPool
+from prefetchd.daemon.pool import Worker, WorkerPool, gone_server
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
 from prefetchd.daemon.tasks import CRASHED_REASON, Filled, Task, WriteFailed
@@ -260,6 +260,8 @@ class WorkerHealth:
         self._look_for_oom_kills(now)
         code = worker.process.exitcode
         how = ended(code)
+        if code == SERVER_GONE and (server := gone_server(worker)) is not None:
+            how = f"its worker server, pid {server}, ended"
         if code not in (-signal.SIGKILL, SERVER_GONE) or self.oom_at is None or now - self.oom_at > OOM_WINDOW_SECONDS:
             return how, False
         if not self.oom_ends:

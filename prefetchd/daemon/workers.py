@@ -65,15 +65,20 @@ OOM_SCORE_VOLUNTEER = 500
 
 
 def volunteer_for_oom_killer() -> None:
-    """Be the OOM killer's choice before the controller, the worker server and a trainer in the same cgroup: a
-    worker's death costs a restart and its task begun again, said by the controller with what killed it; the
-    controller's, the job, silently (in a 512 MiB cgroup the controller, the largest process, was the one killed).
-    Raising one's own score takes no privilege."""
+    """Be the OOM killer's choice before the controller and a trainer in the same cgroup: a worker's death costs a
+    restart and its task begun again, said by the controller with what killed it; the controller's, the job,
+    silently (in a 512 MiB cgroup the controller, the largest process, was the one killed).  The worker server
+    volunteers too (``worker_server``), so its workers, volunteering once more, come before it.  Raising one's own
+    score takes no privilege."""
     try:
         now = int(Path("/proc/self/oom_score_adj").read_text())
         Path("/proc/self/oom_score_adj").write_text(str(min(1000, now + OOM_SCORE_VOLUNTEER)))
     except (OSError, ValueError):  # not Linux, or a sandbox that forbids it
         pass
+
+
+# Named, not imported: its import is what it does, and it is for the worker server alone.
+SERVER_SETUP = "prefetchd.daemon.worker_server"
 
 
 def forkserver_preload() -> list[str]:
@@ -82,7 +87,7 @@ def forkserver_preload() -> list[str]:
     needs without options (a job's colour jitter or hook imports the rest in each worker).  The worker
     code is the modules of its loop and of the filling of a task, which import the rest of it (its
     tasks, its whereabouts), named by the functions themselves so that moving either keeps it here."""
-    return [worker_main.__module__, run_task.__module__, *needed_modules()]
+    return [worker_main.__module__, run_task.__module__, *needed_modules(), SERVER_SETUP]
 
 
 # glibc's mallopt parameters, and the values of its dynamic mmap threshold at its ceiling.

@@ -31,7 +31,7 @@ def dead(task: int, sample: int, exitcode: int = -11, begun: bool = True) -> Wor
         if sample >= 0:
             where.begin(task, sample)
     process: Any = SimpleNamespace(pid=4242, exitcode=exitcode)  # a multiprocessing.Process that has exited
-    return Worker(process, None, None, where, dict(TASKS))  # type: ignore[arg-type]
+    return Worker(process, None, None, None, where, dict(TASKS))  # type: ignore[arg-type]
 
 
 def health() -> WorkerHealth:

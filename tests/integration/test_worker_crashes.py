@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
-from prefetchd.buffer_protocol import read_status
+from prefetchd.buffer_protocol import list_batches, read_status
 from prefetchd.buffer_protocol.status import BadFile
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.worker_health import CRASHES_TO_BLAME, MAX_WORKER_RESTARTS
+from prefetchd.daemon.workers import OOM_SCORE_VOLUNTEER
 from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.trainer import BufferLoader
 from tests.cgroups import cgroup_v1, in_cgroup
@@ -124,3 +126,39 @@ def test_workers_the_oom_killer_kills_blame_no_file_and_stop_the_job_saying_so(
     assert "died (signal SIGKILL, from the kernel's out-of-memory killer) on batch" in text
     assert "(not that file's fault)" in text
     assert "crashed its worker" not in text and "replacing it" not in text, text[-3000:]
+
+
+def oom_score_adj(proc: psutil.Process) -> int:
+    return int(Path(f"/proc/{proc.pid}/oom_score_adj").read_text())
+
+
+def worker_server(controller: psutil.Process) -> psutil.Process:
+    (server,) = [p for p in controller.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+    return server
+
+
+def test_the_worker_server_volunteers_for_the_oom_killer_and_its_workers_from_birth_even_after_its_death(
+        shapes_data: Path, shm_dir: Path, start_daemon: Any) -> None:
+    """Before, a worker was the controller's equal for the OOM killer until its own code began, and the worker
+    server always: a memory cgroup that ran out as both workers had just been replaced killed the controller (the
+    OOM test above failed so once under a full suite's load).  Now the server volunteers and its workers inherit
+    that, and volunteer once more.  A killed server ends its workers' reports at once: they are said so, a new
+    server volunteers too, and the job ends with every batch once."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "8", "--image-size", "32",
+                          "--workers", "2", "--high-water", "3", "--epochs", "2", "--seed", "7")
+    daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the buffer to fill")
+    controller = psutil.Process(daemon.proc.pid)
+    base = oom_score_adj(psutil.Process())  # the daemon inherits the test's
+    server = worker_server(controller)
+    scores = (oom_score_adj(controller), oom_score_adj(server), sorted(oom_score_adj(w) for w in server.children()))
+    volunteer, twice = min(1000, base + OOM_SCORE_VOLUNTEER), min(1000, base + 2 * OOM_SCORE_VOLUNTEER)
+    assert scores == (base, volunteer, [twice, twice]), scores
+
+    server.kill()
+    daemon.wait_until(lambda: "its worker server" in daemon.log, 30, "the workers' ends to be said")
+    got = [b[:2] for b in read_all(buffer)]
+    assert got == [(epoch, step) for epoch in range(2) for step in range(9)], daemon.log
+    assert daemon.wait_exit(30) == 0, daemon.log
+    said = re.findall(r"worker pid \d+ died \(its worker server, pid (\d+), ended\); requeuing", daemon.log)
+    assert said == [str(server.pid)] * 2, daemon.log
