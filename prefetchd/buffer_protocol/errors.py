@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import pwd
 import sys
 
@@ -14,10 +15,22 @@ def shown(value: object) -> str:
     (written by any member of a --group-access buffer's group), and the message quoting it goes to the log,
     status.json and whoever submitted the job."""
     try:
-        text = repr(value)
+        text = _spelled(value)
     except ValueError:  # an int of more digits than Python writes out (sys.get_int_max_str_digits)
         return f"an integer of more than {sys.get_int_max_str_digits()} digits"
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 20]}... ({len(text)} characters)"
+
+
+def _spelled(value: object) -> str:
+    """A value as the TOML or JSON it was read from spells it where Python's repr would not (``true``, not
+    ``True``; a TOML date as written, not ``datetime.datetime(...)``); anything else as its repr."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (datetime.date, datetime.time)):  # a TOML date, time or date-time
+        return value.isoformat()
+    return repr(value)
 
 
 def user_name(uid: int | None) -> str:

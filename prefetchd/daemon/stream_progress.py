@@ -259,7 +259,8 @@ class StreamProgress:
             return None
         if progress.job is not None and progress.job != self.manifest.job_key:
             # A trainer of the job this one replaced, writing its position back before it notices.
-            return (f"pid {progress.pid} wrote it for another job (key {progress.job}, this job's is "
+            writer = "a consumer" if progress.pid is None else f"pid {progress.pid}"
+            return (f"{writer} wrote it for another job (key {progress.job}, this job's is "
                     f"{self.manifest.job_key}): a trainer of the job this one replaced; this job's trainer writes "
                     "its own over it, or remove it if no trainer of this job reads here")
         if progress.step >= self.steps:

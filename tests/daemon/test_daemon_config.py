@@ -49,7 +49,7 @@ def test_bad_values_name_the_key(tmp_path: Path, key: str, value: object) -> Non
     with pytest.raises(ConfigError) as exc:
         DaemonConfig(buffer=tmp_path, **{key: value})
     assert key in str(exc.value)
-    assert repr(value) in str(exc.value)
+    assert ("true" if value is True else repr(value)) in str(exc.value)  # as TOML and JSON spell it
 
 
 def test_good_values_are_kept(tmp_path: Path) -> None:
@@ -156,6 +156,18 @@ def test_wrong_type_names_file_and_key(tmp_path: Path, line: str, key: str) -> N
         load_toml(cfg)
     assert str(cfg) in str(exc.value)
     assert key in str(exc.value)
+
+
+@pytest.mark.parametrize(("line", "said"), [("workers = true", "workers = true: expected int"),
+                                            ("high_water = 1979-05-27T07:32:00Z",
+                                             "high_water = 1979-05-27T07:32:00+00:00: expected int"),
+                                            ("seed = 07:32:00", "seed = 07:32:00: expected int")])
+def test_a_wrong_value_is_quoted_as_toml_spells_it(tmp_path: Path, line: str, said: str) -> None:
+    """Not as Python does: ``True``, ``datetime.datetime(1979, 5, 27, 7, 32, tzinfo=datetime.timezone.utc)``."""
+    cfg = write(tmp_path / "c.toml", line + "\n")
+    with pytest.raises(ConfigError) as exc:
+        DaemonConfig(buffer=tmp_path, **load_toml(cfg))
+    assert said in str(exc.value), exc.value
 
 
 def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
