@@ -333,14 +333,17 @@ def test_the_daemon_feed_gives_full_batches_as_the_dataloader_feed_does(monkeypa
 
 
 def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the_time_limit(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], shapes_data: Path) -> None:
     out = tmp_path / "gpu.json"
     env = tool_env()
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--skip-tests", "--skip-scaling",
-                           "--rounds", "2", "--time-limit", "1", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+                           "--rounds", "2", "--time-limit", "1", "--data", str(shapes_data / "train"),
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
+    # The --data it was given, described as a generated one is (a review: its folder alone).
+    assert re.fullmatch(rf"{shapes_data / 'train'}: 3 classes, 72 images, mean \d+ KB, [\d.]+ KiB in all",
+                        doc["dataset"]), doc["dataset"]
     assert doc["tests"] is None and doc["scaling"] is None and doc["sizes"]["rounds"] == 2
     # A second of --time-limit leaves only the first round, which always runs whole.
     assert all(len(row["rounds_images_per_s"]) == 1 for row in doc["training"] if "note" not in row)
@@ -354,7 +357,7 @@ def test_a_short_run_leaves_out_the_tests_and_step_5_and_stops_its_rounds_at_the
     assert "## The producer on more cores\n\nNot measured this time (`--skip-scaling`)." in markdown
     assert "## GPU tests\n\nNot run this time (`--skip-tests`)." in markdown
     assert ("This run: `python tools/gpu_check.py --dry-run --skip-tests --skip-scaling --rounds 2 --time-limit 1 "
-            f"--out {out}`") in markdown, markdown
+            f"--data {shapes_data / 'train'} --out {out}`") in markdown, markdown
     assert "(1 workers)" not in markdown and "prefetchd (1 worker)" in markdown
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpu_check

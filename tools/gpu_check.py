@@ -80,6 +80,7 @@ from prefetchd.bench.run import buffers_in
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import stops_cleanly
 from prefetchd.synthetic import make_imagenet_like, progress_lines
+from prefetchd.words import binary_size, counted
 
 log = logging.getLogger("gpu_check")
 
@@ -138,7 +139,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--data {args.data} is not a folder; pass an ImageFolder tree (class folders of images), "
                          "or leave --data out to generate one")
         try:
-            describe_dataset(args.data)
+            args.described = describe_dataset(args.data)  # what GPU.md says the rows ran on
         except (ValueError, OSError) as exc:
             parser.error(f"--data {args.data}: {exc}")
     if args.scaling_buffer_root is not None:
@@ -207,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                                          workers=usable_cpus(), progress=progress_lines())
             doc["dataset"] = summary.line()
         else:
-            doc["dataset"] = str(data)
+            described = args.described
+            doc["dataset"] = (f"{data}: {counted(described['classes'], 'class')}, {counted(described['images'], 'image')}, "
+                              f"mean {described['mean_kb']:.0f} KB, {binary_size(described['total_bytes'])} in all")
         if tests is not None:
             doc["tests"] = tests.result()
             log.info("1. %s", doc["tests"]["summary"])
