@@ -118,7 +118,7 @@ from prefetchd.buffer_protocol.batch import HEADER, parse_batch
 from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_USAGE
 from tests.faults.accounting import LogReader, account, read_log
-from tests.daemon_workers import daemon_workers
+from tests.daemon_workers import daemon_workers, worker_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).resolve().with_name("driver.py")
@@ -127,6 +127,7 @@ KINDS = (
     "daemon_kill", "trainer_kill", "trainer_stop", "enospc", "batch_corrupt", "batch_truncate",
     "batch_delete", "progress_garbage", "progress_rewind", "second_daemon", "dataset_delete",
     "daemon_stuck", "progress_planted", "batch_planted", "bad_start", "consumer_kill", "worker_kill", "worker_stop",
+    "worker_server_kill",
 )
 # Faults that need a Ray cluster, which the harness then starts (2 nodes: a head without CPUs and one
 # 1-CPU node) and the daemons build on with --ray beside their local worker.  Asked for by name only:
@@ -154,6 +155,7 @@ TITLES = {
     "consumer_kill": "2nd consumer SIGKILL+resume",
     "worker_kill": "worker SIGKILL",
     "worker_stop": "worker SIGSTOP (a hang)",
+    "worker_server_kill": "worker server SIGKILL",
     "remote_node_lost": "Ray node SIGKILL + new node",
     "trainer_crash": "trainer SIGTERM (self-test)",
 }
@@ -805,6 +807,27 @@ class Harness:
         fault.check = counter_rose("worker_restarts", base)
         # Until a status counts it (about a second): a next fault that kills or stops the daemon
         # would otherwise leave no status of this one's daemon that could.
+        self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 5.0)
+
+    def inject_worker_server_kill(self, fault: Fault, rng: random.Random) -> None:
+        """SIGKILL the daemon's worker server (what the OOM killer takes once no worker is left, the server
+        volunteering next): every worker's report ends at once, the daemon requeues their tasks and starts
+        others from a new server, and the batches stay the same."""
+        assert self.daemon is not None
+        daemon = self.daemon
+        self.wait_until(lambda: bool(daemon_workers(daemon.pid)), 60)  # a restarted daemon: once its workers are up
+        base = self.fresh_status()
+        if rng.random() < 0.5:
+            self.wait_until(self.building, 1.0)
+        fault.detail = "mid-build" if self.building() else "idle"
+        fault.t_inject = time.time()
+        try:
+            server = worker_server(daemon.pid)
+            server.send_signal(signal.SIGKILL)
+            fault.data["pid"] = server.pid
+        except (psutil.Error, ValueError):  # gone, or not started again yet
+            fault.detail = "no worker server to kill"
+        fault.check = counter_rose("worker_restarts", base)
         self.wait_until(lambda: fault.check is not None and fault.check(fault, self), 5.0)
 
     def inject_worker_stop(self, fault: Fault, rng: random.Random) -> None:

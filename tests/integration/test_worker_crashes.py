@@ -21,6 +21,7 @@ from prefetchd.daemon.workers import OOM_SCORE_VOLUNTEER
 from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.trainer import BufferLoader
 from tests.cgroups import cgroup_v1, in_cgroup
+from tests.daemon_workers import worker_server
 
 BASE = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1",
         "--workers", "2", "--transform", "tests.integration.crash_hook:segfaults_on_magenta"]
@@ -132,11 +133,6 @@ def oom_score_adj(proc: psutil.Process) -> int:
     return int(Path(f"/proc/{proc.pid}/oom_score_adj").read_text())
 
 
-def worker_server(controller: psutil.Process) -> psutil.Process:
-    (server,) = [p for p in controller.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
-    return server
-
-
 def test_the_worker_server_volunteers_for_the_oom_killer_and_its_workers_from_birth_even_after_its_death(
         shapes_data: Path, shm_dir: Path, start_daemon: Any) -> None:
     """Before, a worker was the controller's equal for the OOM killer until its own code began, and the worker
@@ -150,7 +146,7 @@ def test_the_worker_server_volunteers_for_the_oom_killer_and_its_workers_from_bi
     daemon.wait_until(lambda: len(list_batches(buffer)) == 3, 60, "the buffer to fill")
     controller = psutil.Process(daemon.proc.pid)
     base = oom_score_adj(psutil.Process())  # the daemon inherits the test's
-    server = worker_server(controller)
+    server = worker_server(controller.pid)
     scores = (oom_score_adj(controller), oom_score_adj(server), sorted(oom_score_adj(w) for w in server.children()))
     volunteer, twice = min(1000, base + OOM_SCORE_VOLUNTEER), min(1000, base + 2 * OOM_SCORE_VOLUNTEER)
     assert scores == (base, volunteer, [twice, twice]), scores
