@@ -384,7 +384,8 @@ def _exited(pid: int) -> bool:
 @click.pass_context
 def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
     """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER (or it is a rank's
-    stream directory that is not there); 4 when this user may not read BUFFER, so whether one runs is unknown."""
+    stream directory its daemon does not write now); 4 when this user may not read BUFFER, so whether one runs is
+    unknown."""
     if not watch and ctx.get_parameter_source("interval") is click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError(f"--interval {interval:g} sets how often --watch redraws; add --watch, or leave "
                                "--interval out")
@@ -393,7 +394,7 @@ def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, inte
         click.echo(status_json(report) if as_json else format_status(report))
         if not report.readable:
             sys.exit(EXIT_NO_ACCESS)
-        if not report.running:
+        if not report.running or not report.served:
             sys.exit(EXIT_NOT_RUNNING)
         return
     note = f"(every {interval:g} s, Ctrl-C to leave)"

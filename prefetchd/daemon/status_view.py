@@ -46,7 +46,10 @@ class StatusReport:
     status: Status | None  # narrowed to ``rank``'s stream for a rank's directory
     manifest: Manifest | None
     problems: tuple[str, ...]
-    no_rank: bool = False  # ``buffer`` is a rank's directory its daemon does not write: nothing else was read
+    no_rank: bool = False  # ``buffer`` is a rank's directory that is not there: nothing else was read
+    # False for a rank's directory its daemon does not write now, there (left by a job of more ranks, or another
+    # box's rank of the world) or not (``no_rank``): `prefetchd status` exits 3, as where no daemon runs.
+    served: bool = True
     # ``pid`` is the owner's in another pid namespace (a daemon in another container, or on the host): it names no
     # process here (SPEC rule 8).
     other_pid_namespace: bool = False
@@ -69,6 +72,7 @@ def describe_status(buffer: Path) -> StatusReport:
     if owner != buffer and not buffer.exists():  # the status read would be the parent's, of other ranks
         return StatusReport(buffer=buffer, owner=owner, rank=int(buffer.name.removeprefix(STREAM_PREFIX)), running=False,
                             pid=None, heartbeat_age_s=None, stale=False, status=None, manifest=None, no_rank=True,
+                            served=False,
                             problems=(f"no such rank: the daemon on {owner} writes no {buffer.name}; "
                                       f"`prefetchd status --buffer {owner}` shows the ranks it serves",))
     status: Status | None = None
@@ -85,11 +89,12 @@ def describe_status(buffer: Path) -> StatusReport:
             problems.append(not_the_holder(owner / LOCK_NAME, daemon.pid, holders))
     elif daemon is None and (held := foreign_lock(owner / LOCK_NAME)) is not None:
         problems.append(held)
-    rank = None
+    rank, served = None, True
     if owner != buffer:  # one rank's stream directory: show that rank, not every rank of its daemon
         rank = int(buffer.name.removeprefix(STREAM_PREFIX))
-        status, problem = _one_rank(status, rank, owner)
-        problems += [problem] if problem else []
+        status, unserved = _one_rank(status, rank, owner)
+        served = unserved is None
+        problems += [unserved] if unserved is not None else []
     # With several ranks the manifests live in the stream directories; they share everything shown.
     for directory in [buffer, *sorted(buffer.glob(f"{STREAM_PREFIX}*"))]:
         try:
@@ -130,6 +135,7 @@ def describe_status(buffer: Path) -> StatusReport:
         manifest=manifest,
         problems=tuple(problems),
         other_pid_namespace=daemon is not None and not daemon.here,
+        served=served,
     )
 
 
@@ -165,13 +171,13 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
-def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | None, str]:
+def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | None, str | None]:
     """``status`` narrowed to rank ``rank``'s stream: its trainer, position, fill and wait for the storage
     (the rates, memory and errors stay the daemon's); with a problem line when the daemon serves no such
-    rank now."""
+    rank now, else None."""
     pr = status.production if status is not None else None
     if status is None or pr is None:
-        return status, ""
+        return status, None
     stream = next((s for s in pr.streams if s.rank == rank), None)
     if stream is None:  # nor its fill or trainer: the other ranks' would be shown under this rank's heading
         served = rank_ranges([s.rank for s in pr.streams]) or "none"
@@ -183,7 +189,7 @@ def _one_rank(status: Status | None, rank: int, owner: Path) -> tuple[Status | N
                                    waiting=stream.waiting, building=stream.building,
                                    high_water=pr.high_water // share, low_water=pr.low_water // share,
                                    storage_wait=_rank_storage_wait(pr.storage_wait, rank))
-    return dataclasses.replace(status, production=narrowed), ""
+    return dataclasses.replace(status, production=narrowed), None
 
 
 def _storage_waited(wait: StorageWait) -> str:

@@ -538,7 +538,7 @@ def test_a_lock_planted_by_another_user_names_no_daemon_to_stop(runner: CliRunne
 def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     assert json.loads(status_view.status_json(status_view.describe_status(tmp_path))) == {
         "buffer": str(tmp_path), "owner": str(tmp_path), "rank": None, "running": False, "pid": None,
-        "heartbeat_age_s": None, "stale": False, "status": None, "manifest": None, "problems": [], "no_rank": False,
+        "heartbeat_age_s": None, "stale": False, "status": None, "manifest": None, "problems": [], "no_rank": False, "served": True,
         "other_pid_namespace": False, "command_pid_namespace": OURS, "readable": True}
 
 

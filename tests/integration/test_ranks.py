@@ -145,10 +145,12 @@ def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, s
     assert "ranks     1 of world size 3" in one.stdout and "rank 0 " not in one.stdout, one.stdout
     doc = json.loads(cli("status", "--json", "--buffer", buffer / "rank-00001").stdout)
     whole = production_of(buffer)
-    assert doc["rank"] == 1 and [s["rank"] for s in doc["status"]["streams"]] == [1], doc
+    assert doc["rank"] == 1 and doc["served"] is True and [s["rank"] for s in doc["status"]["streams"]] == [1], doc
     assert whole is not None and doc["status"]["high_water"] == whole.high_water // 2
     (buffer / "rank-00002").mkdir()  # a rank of the world this daemon leaves to another box
     other = cli("status", "--buffer", buffer / "rank-00002")
+    assert other.returncode == 3, other  # as where no daemon runs: nothing builds its batches (a review: 0)
+    assert json.loads(cli("status", "--json", "--buffer", buffer / "rank-00002").stdout)["served"] is False
     assert f"does not serve rank 2 now (it serves 0-1); `prefetchd status --buffer {buffer}`" in other.stdout, other.stdout
     assert "batches waiting" not in other.stdout, "the served ranks' fill shown under rank 2's heading"
     # Nor "its trainer and fill", nor "some of world size 3": a rank it does not serve (a review).
