@@ -196,8 +196,9 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
                     self._progress.release()
                     self._waiter.close()
                     raise
-        if start is not None and self._unread_end(self.position):  # resumed at the job's end, as load_state_dict
-            self._resumed()
+        # Resumed at the job's end: as load_state_dict; not mid-job, where the first batch read publishes.
+        if start is not None and self._resumed_at_end():
+            self._publish()
         # Made last, so that at exit it runs before the feeder's and the lock's finalizers (newest first).
         # It holds what says the loader left, never the loader: a loader dropped without close() is collected.
         self._exit_close = weakref.finalize(self, close_at_exit, weakref.ref(self), os.getpid(), self._progress,

@@ -61,22 +61,25 @@ class LoaderResume:
         end this loader then says.
         """
         self._move(state)
-        self._resumed()
-
-    def _resumed(self) -> None:
-        """Tell the daemon where a resumed loader (``load_state_dict``, or made with ``start=``) is; at the job's
-        end, say the end where the trainer it continues read the last batch, else warn that nothing is left.
-        Made with ``start=`` at the end, a loader said neither: the daemon of an --epochs job never finished."""
-        if self._unread_end(self.position):  # the progress file read once, only at the end
-            if self._last_batch_handed_before():
-                self._at.read_to_end = True  # the loader it continues read the job's last batch: the end is said
-            else:
-                logger.warning(
-                    "%s: the loader state is at the end of the job's %s: there is nothing left to read, and "
-                    "iterating yields no batch. To train more epochs, restart the daemon with a larger --epochs (the "
-                    "job is the same otherwise) and load the state again; to train again from epoch 0, do not load it",
-                    self._buffer, counted(self._manifest.epochs or 0, "epoch"))
+        self._resumed_at_end()
         self._publish()
+
+    def _resumed_at_end(self) -> bool:
+        """Whether a resumed loader (``load_state_dict``, or made with ``start=``) is at the job's end, not having
+        read its last batch; there, take the end as read where the trainer it continues read the last batch (the
+        next ``_publish`` tells the daemon), else warn that nothing is left.  Made with ``start=`` at the end, a
+        loader did neither: the daemon of an --epochs job never finished."""
+        if not self._unread_end(self.position):
+            return False
+        if self._last_batch_handed_before():  # the progress file read once, only at the end
+            self._at.read_to_end = True  # the loader it continues read the job's last batch: the end is said
+        else:
+            logger.warning(
+                "%s: the loader state is at the end of the job's %s: there is nothing left to read, and "
+                "iterating yields no batch. To train more epochs, restart the daemon with a larger --epochs (the "
+                "job is the same otherwise) and load the state again; to train again from epoch 0, do not load it",
+                self._buffer, counted(self._manifest.epochs or 0, "epoch"))
+        return True
 
     def _last_batch_handed_before(self) -> bool:
         """Whether this consumer's progress file says the job's last batch was handed out: it names the last
