@@ -281,13 +281,15 @@ def gone_server(worker: Worker) -> int | None:
     """The pid of the worker server that forked ``worker`` if that server has ended (a zombie until the next
     worker start reaps it), else None."""
     server = worker.server
-    try:
-        return server.pid if server is not None and (not server.is_running()
-                                                     or server.status() == psutil.STATUS_ZOMBIE) else None
-    except psutil.NoSuchProcess:
-        return server.pid if server is not None else None
-    except psutil.Error:
+    if server is None:
         return None
+    try:
+        gone = not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        gone = True
+    except psutil.Error:  # not ours to look at: it runs, for all we know
+        gone = False
+    return server.pid if gone else None
 
 
 def worker_context() -> multiprocessing.context.ForkServerContext:
