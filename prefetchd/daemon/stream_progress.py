@@ -290,6 +290,9 @@ class StreamProgress:
                 log.info("%s of rank %d left at epoch %d step %d; %s", consumer.label, self.rank, *self.key(g), keep)
             else:
                 log.info("%s joined rank %d at epoch %d step %d", consumer.label, self.rank, *self.key(g))
+                # Its writer judged afresh (``check_trainer``): the one that left is gone, and "is back" would
+                # say this join again.
+                consumer.alive = None
         elif moved and g < before:
             log.info("rank %d's %s moved back from %s to %s; regenerating from there",
                      self.rank, consumer.label.removeprefix("the "), self.key(before), self.key(g))

@@ -222,6 +222,15 @@ def test_status_says_when_the_trainer_is_gone_and_back(shapes_data: Path, shm_di
     assert daemon.log.count("has gone away") == 1, daemon.log
     assert daemon.log.count("is back") == 1
 
+    # One that comes after it joined, said once: not also "is back" (a walk of SPEC.md).
+    joined = daemon.log.count("the trainer joined rank 0")  # the one that left, too
+    with BufferLoader(buffer, normalize=False, timeout=60) as loader:
+        next(iter(loader))
+        wait_for(lambda: trainer_is(True), 30, "the status to say the new trainer is there")
+        wait_for(lambda: daemon.log.count("the trainer joined rank 0") == joined + 1, 30, "the log to say it joined")
+        time.sleep(2.5)  # a few more looks at the trainer
+        assert daemon.log.count("is back") == 1, daemon.log
+
 
 def test_a_script_that_ends_without_closing_its_loader_left_and_is_not_gone(shapes_data: Path, shm_dir: Path,
                                                                              start_daemon) -> None:
