@@ -14,7 +14,8 @@ A field's metadata (see :func:`setting`):
 - ``path``: ``"dir"`` or ``"file"`` when only one of them makes sense (a ``location``: ``"dir"`` only);
 - ``readable``: False where what uses the path checks it and says more than click's "is not readable"
   (a buffer, the daemon's or the trainer's: whose it is, and what to do);
-- ``metavar``; ``short``, a one-letter alias such as ``-q``;
+- ``metavar``; ``short``, a one-letter alias such as ``-q``; ``unit``, what a number counts, said where a
+  value of another type is refused (``max_buffer_bytes = '2GB'``);
 - ``multiple``: a list of ``kind`` (a TOML array, a repeated flag), held as a tuple.
 
 The two commands differ in one respect, kept from before they shared this
@@ -73,7 +74,8 @@ def _check_one(name: str, value: Any, meta: Any, error: type[Exception]) -> None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise error(f"{name} = {shown(value)}: expected {kind.__name__}")
+        unit = f" ({meta['unit']})" if "unit" in meta else ""  # '2GB' for bytes: say what the number counts
+        raise error(f"{name} = {shown(value)}: expected {kind.__name__}{unit}")
     if kind is float and not abs(value) <= sys.float_info.max:  # nan and inf too (nan passes every comparison below)
         raise error(f"{name} = {shown(value)}: expected a finite number")
     if kind is int and not -MAX_INT <= value <= MAX_INT:

@@ -70,7 +70,8 @@ class DaemonConfig:
     workers: int | None = _opt(None, "Decode/augment processes on this machine; 0 with --ray builds every batch on the cluster [default: usable CPUs - 1].", int, minimum=0, maximum=1024)
     high_water: int | None = _opt(None, "Stop producing when this many batches wait [default: from free tmpfs and RAM].", int, minimum=1)
     low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)
-    max_buffer_bytes: int | None = _opt(None, "Cap on the bytes of batches waiting and being built, all consumers of the buffer together (several trainers sharing it: see --consumer in prefetchd-train); when their windows do not fit, the slowest consumer's shrinks first [default: high-water batches per rank, so one trainer sees no difference].", int, minimum=1)
+    max_buffer_bytes: int | None = _opt(None, "Cap on the bytes of batches waiting and being built, all consumers of the buffer together (several trainers sharing it: see --consumer in prefetchd-train); when their windows do not fit, the slowest consumer's shrinks first [default: high-water batches per rank, so one trainer sees no difference].", int, minimum=1,
+                                        unit="a number of bytes, 2147483648 for 2 GiB", metavar="BYTES")
     consumer_timeout: float = _opt(300.0, "Seconds without a progress write after which one of several consumers counts as gone and stops holding batches (a gone process is noticed within a second); it may come back.", float, minimum=0, min_open=True)
     # 600 s: above the longest a healthy image can take, so that only a hang is killed.  The slowest is an object
     # store's read through its retries (locations: 6 tries of up to SAMPLE_READ_SECONDS = 60 s and ~5 s of
@@ -81,7 +82,7 @@ class DaemonConfig:
     # worker that imports torch for a hook took over 3 s to get ready on the 2-core box under a test run's load.
     # 600 s as for an image: only a start that hangs is killed (a hook's module that blocks when imported).
     worker_start_timeout: float = _opt(600.0, "Seconds a local worker may take to get ready for its first task (importing torch and the --transform hook's module, opening the dataset's storage) before it counts as hung: it is then killed, the log and the status's message say what it was doing, and another starts in its place; 3 in a row in one place stop the job. The daemon's own import of the hook's module, when a job starts, has as long. With --ray, a slice that has not begun this long after it was submitted to the cluster (its Ray worker's start, its wait in Ray's queue included) is cancelled, its Ray worker killed, and submitted again; 3 of one slice in a row, with no slice built on the cluster in between, stop the job.", float, minimum=0, min_open=True)
-    min_free_mb: int | None = _opt(None, f"Never let the buffer's filesystem fall below this many MiB free [default: {MIN_FREE_RULE}].", int, minimum=0)
+    min_free_mb: int | None = _opt(None, f"Never let the buffer's filesystem fall below this many MiB free [default: {MIN_FREE_RULE}].", int, minimum=0, unit="MiB", metavar="MIB")
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
     epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)
     drop_last: bool = _opt(False, "Leave out each epoch's last batch where it would be short, as DataLoader(drop_last=True): every batch then holds --batch-size images, and which samples are left out changes from epoch to epoch with the shuffle. A model with BatchNorm cannot train on a batch of one image.", bool)

@@ -161,7 +161,11 @@ def test_wrong_type_names_file_and_key(tmp_path: Path, line: str, key: str) -> N
 @pytest.mark.parametrize(("line", "said"), [("workers = true", "workers = true: expected int"),
                                             ("high_water = 1979-05-27T07:32:00Z",
                                              "high_water = 1979-05-27T07:32:00+00:00: expected int"),
-                                            ("seed = 07:32:00", "seed = 07:32:00: expected int")])
+                                            ("seed = 07:32:00", "seed = 07:32:00: expected int"),
+                                            # What the number counts, where a size was written with its unit.
+                                            ("max_buffer_bytes = '2GB'", "max_buffer_bytes = '2GB': expected int "
+                                             "(a number of bytes, 2147483648 for 2 GiB)"),
+                                            ("min_free_mb = '1G'", "min_free_mb = '1G': expected int (MiB)")])
 def test_a_wrong_value_is_quoted_as_toml_spells_it(tmp_path: Path, line: str, said: str) -> None:
     """Not as Python does: ``True``, ``datetime.datetime(1979, 5, 27, 7, 32, tzinfo=datetime.timezone.utc)``."""
     cfg = write(tmp_path / "c.toml", line + "\n")
