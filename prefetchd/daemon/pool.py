@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import psutil
 
 from prefetchd.daemon import jpeg_crop
-from prefetchd.daemon.errors import ConfigError
+from prefetchd.daemon.errors import ConfigError, DaemonError
 from prefetchd.daemon.logs import run_logged
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
@@ -45,6 +45,8 @@ TASKS_PER_WORKER = 2  # queued per worker so it never waits for the controller
 # progress: a controller that was itself stopped (SIGSTOP, a debugger, swapped out) for a minute while its workers
 # went on must not find them all a minute older and kill them.  Looks come about once a second.
 MAX_LOOK_GAP_SECONDS = 5.0
+SERVER_END_SECONDS = 0.5  # for a worker server whose workers' reports ended at once to show it ended (gone_server)
+SERVER_RESTART_SECONDS = 10.0  # for a dead worker server to be reaped, so that a worker start starts another
 KILL_WAIT_SECONDS = 1.0  # for a killed worker to exit (one in a read of a hung NFS mount goes when the read ends)
 T = TypeVar("T")
 # The controller's open files: its own (the buffer's folder and lock, inotify, epoll, the log, the worker server's
@@ -96,13 +98,34 @@ class WorkerPool:
         self.workers.extend(with_heartbeat(lambda: [self._spawn() for _ in range(self.size)], heartbeat, every))
 
     def _spawn(self, start_hangs: tuple[int, ...] = ()) -> Worker:
+        """Start a worker from the worker server.  One that has just died (killed; the OOM killer takes it once no
+        worker is left) and is not reaped yet, multiprocessing takes for alive: the start then fails on its
+        closed socket (EOFError: an internal error that stopped the job, seen under a full test suite's load).
+        Once reaped, a start starts a new server: tried again until then, each time with new pipes (a child the
+        dying server may have forked on the old ones sees them closed, and exits)."""
+        deadline = time.monotonic() + SERVER_RESTART_SECONDS
+        while True:
+            try:
+                return self._spawn_once(start_hangs)
+            except (EOFError, ConnectionError) as exc:
+                if time.monotonic() >= deadline:
+                    raise DaemonError(f"cannot start a worker: the worker server died and did not start again "
+                                      f"within {SERVER_RESTART_SECONDS:g} s ({type(exc).__name__}: {exc})") from exc
+                time.sleep(0.05)
+
+    def _spawn_once(self, start_hangs: tuple[int, ...]) -> Worker:
         parent, child = self._ctx.Pipe()
         level = logging.getLogger().getEffectiveLevel()
         where = self._ctx.RawArray("q", Whereabouts.INITIAL)
         proc = self._ctx.Process(target=run_logged, args=(level, worker_main, child, self.job, self._clean, where),
                                  name="prefetchd-worker", daemon=True)
-        proc.start()
-        child.close()
+        try:
+            proc.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
         ps = psutil.Process(proc.pid)
         worker = Worker(proc, parent, ps, _parent(ps), Whereabouts(where), start_hangs=start_hangs)
         self._selector.register(parent, selectors.EVENT_READ, (worker, False))
@@ -277,19 +300,25 @@ def _parent(ps: psutil.Process) -> psutil.Process | None:
         return None
 
 
-def gone_server(worker: Worker) -> int | None:
-    """The pid of the worker server that forked ``worker`` if that server has ended (a zombie until the next
-    worker start reaps it), else None."""
+def gone_server(worker: Worker, wait: float = SERVER_END_SECONDS) -> int | None:
+    """The pid of the worker server that forked ``worker`` if that server has ended, else None.  It counts as
+    ended once it is a zombie (until the next worker start reaps it) or gone; its workers' reports end as its
+    files close, a moment before that, so it is looked at for up to ``wait`` seconds."""
     server = worker.server
     if server is None:
         return None
-    try:
-        gone = not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        gone = True
-    except psutil.Error:  # not ours to look at: it runs, for all we know
-        gone = False
-    return server.pid if gone else None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if not server.is_running() or server.status() == psutil.STATUS_ZOMBIE:
+                return int(server.pid)
+        except psutil.NoSuchProcess:
+            return int(server.pid)
+        except psutil.Error:  # not ours to look at: it runs, for all we know
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
 
 
 def worker_context() -> multiprocessing.context.ForkServerContext:

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 from prefetchd.buffer_protocol import WorkerStall, batch_name
 from prefetchd.daemon.cgroup_limits import cgroup_oom_kills, out_of_memory_where
+from prefetchd.daemon.errors import DaemonError
 from prefetchd.daemon.pool import Worker, WorkerPool, gone_server
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.stream import Build
@@ -310,7 +311,10 @@ class WorkerHealth:
                     "(out of memory?)")
         # One that never got ready hands its place's row of hung starts on (``kill``; a death keeps the row as it
         # was, a ready worker ends it).
-        self.pool.add_worker(worker.start_hangs if not worker.where.ready_yet else ())
+        try:
+            self.pool.add_worker(worker.start_hangs if not worker.where.ready_yet else ())
+        except DaemonError as exc:  # the worker server does not start again: no local worker can
+            return str(exc)
         return None
 
     # -- hangs ----------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing.context
 import os
 import resource
 import subprocess
@@ -10,8 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
+
 from prefetchd.buffer_protocol import Production, Progress, ProtocolError, State, list_batches, read_status
-from prefetchd.daemon.errors import EXIT_USAGE
+from prefetchd.daemon import pool as pool_module
+from prefetchd.daemon.dataset import scan_class_folders
+from prefetchd.daemon.errors import EXIT_USAGE, DaemonError
+from prefetchd.daemon.tasks import WorkerJob
 from prefetchd.launch import launch, start_argv, stop_daemon_process
 from tests.waiting import wait_for
 from tests.daemon_workers import daemon_workers
@@ -88,3 +95,41 @@ def test_a_soft_open_file_limit_too_low_for_the_workers_is_raised_and_a_hard_one
             "(LimitNOFILE=44 in a systemd unit; `ulimit -n 44` as root in a shell), or pass --workers 2 or fewer"
             in log.read_text())
     assert "Traceback" not in log.read_text()
+
+
+def test_a_worker_start_that_meets_a_dead_worker_server_not_yet_reaped_tries_again(
+        shapes_data: Path, monkeypatch: Any) -> None:
+    """A worker server just killed (the OOM killer takes it once no worker is left), its socket closed but its
+    process not yet reaped: multiprocessing takes it for alive, and the start fails reading from it
+    (EOFError: 'unexpected EOF', or a refused connection).  That was an internal error that stopped the job
+    (twice under a full suite's load); it is tried again, with new pipes, until the server is reaped and a
+    start starts another, and after SERVER_RESTART_SECONDS the job stops saying so."""
+    index = scan_class_folders(shapes_data / "train")
+    pool = pool_module.WorkerPool(WorkerJob(index, np.arange(len(index), dtype=np.int64), 32, True, 7), 1)
+    real_start = multiprocessing.context.ForkServerProcess.start
+    failures = [EOFError("unexpected EOF"), ConnectionRefusedError(111, "Connection refused")]
+    pipes: list[Any] = []
+    real_pipe = pool._ctx.Pipe
+
+    def pipe(*args: Any) -> Any:
+        pipes.append(real_pipe(*args))
+        return pipes[-1]
+
+    def start(self: Any) -> None:
+        if failures:
+            raise failures.pop(0)
+        real_start(self)
+
+    monkeypatch.setattr(pool._ctx, "Pipe", pipe)
+    monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start", start)
+    try:
+        pool.start(lambda: None, 1.0)
+        assert len(pool.workers) == 1 and pool.workers[0].process.is_alive()
+        assert len(pipes) == 3 and all(p.closed and c.closed for p, c in pipes[:2]), "each try's own pipes, closed"
+        failures.extend([ConnectionRefusedError(111, "Connection refused")] * 1000)
+        monkeypatch.setattr(pool_module, "SERVER_RESTART_SECONDS", 0.2)
+        with pytest.raises(DaemonError, match=r"cannot start a worker: the worker server died and did not start "
+                                              r"again within 0\.2 s \(ConnectionRefusedError: "):
+            pool.add_worker()
+    finally:
+        pool.stop()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from prefetchd.daemon.builds import Builds
+from prefetchd.daemon.errors import DaemonError
 from prefetchd.daemon.pool import Worker
 from prefetchd.daemon.production_stats import Stats
 from prefetchd.daemon.tasks import Task
@@ -114,6 +115,19 @@ def test_workers_killed_together_for_a_hang_do_not_trip_the_restart_limit() -> N
         assert h.replace(worker) is None
     h.died(workers[-1])
     assert f"{MAX_WORKER_RESTARTS + 1} workers died within" in (h.replace(workers[-1]) or "")
+
+
+def test_a_worker_server_that_does_not_start_again_stops_the_local_workers_saying_why() -> None:
+    """``WorkerPool.add_worker`` gave up on a dead worker server: the reason the local workers end (the job
+    stops, or a Ray cluster builds alone), not an internal error."""
+    def add_worker(start_hangs: tuple[int, ...] = ()) -> None:
+        raise DaemonError("cannot start a worker: the worker server died and did not start again within 10 s")
+
+    pool: Any = SimpleNamespace(job=None, add_worker=add_worker)
+    h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
+    worker = dead(1, -1, exitcode=255)
+    h.died(worker)
+    assert h.replace(worker) == "cannot start a worker: the worker server died and did not start again within 10 s"
 
 
 def test_a_ray_slice_without_progress_is_said_as_a_local_workers_stall(caplog: Any) -> None:

@@ -156,5 +156,5 @@ def test_the_worker_server_volunteers_for_the_oom_killer_and_its_workers_from_bi
     got = [b[:2] for b in read_all(buffer)]
     assert got == [(epoch, step) for epoch in range(2) for step in range(9)], daemon.log
     assert daemon.wait_exit(30) == 0, daemon.log
-    said = re.findall(r"worker pid \d+ died \(its worker server, pid (\d+), ended\); requeuing", daemon.log)
+    said = re.findall(r"worker pid \d+ died \(its worker server, pid (\d+), ended\)[^;\n]*; requeuing", daemon.log)
     assert said == [str(server.pid)] * 2, daemon.log
