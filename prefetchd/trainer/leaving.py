@@ -44,11 +44,18 @@ def say_left(progress: ProgressFile, at: Where, waits: WaitMeter, epochs: int | 
     """Write the progress file a last time, marked closed, every batch handed out counted as consumed (the
     loader's at ``at``; its job has ``epochs``): the daemon then says the trainer left, and holds nothing for
     it.  Nothing where the loader never wrote it; LoaderError where this write fails, or where it never wrote it
-    because its writes failed (``ProgressFile.untold``): the daemon was not told."""
+    because its writes failed (``ProgressFile.untold``): the daemon was not told.
+
+    Nothing either where another loader of this consumer wrote the file since (``another_wrote``): one that
+    replaced this one (a notebook's cell run again while the first loader was still referenced), whose file it
+    is now.  Closed at the interpreter's exit after that one had read the job to its end, the superseded loader
+    wrote its own old position back, and the daemon of an --epochs job never finished (a walk of the API)."""
     if progress.published is None:
         untold = progress.untold()
         if untold is not None:
             raise LoaderError(untold)
+        return
+    if progress.another_wrote():
         return
     position = (at.epoch, at.step)
     if unread_end(position, at, epochs):  # not this loader's to announce (loader_progress.py's docstring)
@@ -82,8 +89,7 @@ def close_at_exit(ref: weakref.ReferenceType[BufferLoader], pid: int, progress: 
             loader.close()
             return
         try:
-            # Unless another loader of this consumer wrote since (one that replaced it in a variable, while an
-            # iterator kept this one), if only the same position: that one reads on, and its file is its own.
+            # Nor where the file is gone or unreadable since: a collected loader recreates nothing.
             if not progress.written_since():
                 say_left(progress, at, waits, epochs)
         finally:

@@ -27,17 +27,21 @@ flight, ``prefetchd.trainer.device_path``; what a loader says as it leaves,
 and normalising it, ``prefetchd.trainer.tensors``; the checkpoint state,
 ``prefetchd.trainer.resume``.
 
-The loader is not thread-safe; use one per consumer thread and buffer.
+The loader is not thread-safe; use one per consumer thread and buffer.  Two threads iterating one at once
+are refused (``LoaderError``): they handed one batch out twice, skipped another and then waited out the timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -54,7 +58,7 @@ from prefetchd.trainer.loader_progress import LoaderProgress
 from prefetchd.trainer.loader_resume import LoaderResume
 from prefetchd.trainer.manifest_wait import wait_for_manifest
 from prefetchd.trainer.progress_file import ProgressFile
-from prefetchd.trainer.resume import resume_position
+from prefetchd.trainer.resume import as_count, resume_position
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD, check_statistics, normalization
 from prefetchd.trainer.wait_bounds import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
 
@@ -146,13 +150,16 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
             raise ValueError(f"pin={pin!r}: expected one of {', '.join(map(repr, PIN_MODES))}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch={prefetch!r}: pass a non-negative number of batches")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        if not _seconds(timeout) or not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: pass a positive number of seconds (math.inf: no limit)")
-        if not daemon_grace >= 0:
+        if not _seconds(daemon_grace) or not daemon_grace >= 0:
             raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
-        if stall_timeout is not None and not stall_timeout > 0:
+        if stall_timeout is not None and (not _seconds(stall_timeout) or not stall_timeout > 0):
             raise ValueError(f"stall_timeout={stall_timeout!r}: pass a positive number of seconds, or None to disable")
+        if not isinstance(normalize, bool):  # "false" from a config file is true, and gave normalised floats
+            raise ValueError(f"normalize={normalize!r}: pass True (float32, normalised) or False (raw uint8)")
         check_statistics(normalize, mean, std)
+        start = _start_pair(start)
         self._consumer = check_consumer(consumer if consumer is not None else DEFAULT_CONSUMER)
         # Absolute: a notebook's later chdir must not move the buffer away from under the loader.
         self._buffer = Path(buffer).expanduser().absolute()
@@ -183,6 +190,7 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
         self._waits = WaitMeter()
         self._generation = 0
         self._closed = False
+        self._busy = threading.Lock()  # held while a batch is fetched: a second thread at it is refused
         self._device_path: DevicePath | None = None  # on a CUDA device: the copies in flight
         self._pin: PinMode = "none"
         # Asked while a wait for a batch goes on; True ends it with StopRequested, the position unchanged.
@@ -295,6 +303,13 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
 
     # -- lifecycle ---------------------------------------------------------------
 
+    def __reduce__(self) -> Any:
+        # A copy would hold the number of a folder descriptor and a lock of this process: in another one it
+        # failed at its first batch with "cannot open batch file (Bad file descriptor); check the buffer's
+        # permissions" (a walk of the API: pickle, copy.deepcopy, multiprocessing's spawn).
+        raise TypeError(f"a BufferLoader cannot be pickled or copied (it holds {self._buffer} open and its "
+                        "consumer's lock): make one in the process that reads, from the buffer's path")
+
     def close(self) -> None:
         """Mark the batch handed over last as consumed, say in the progress file that this consumer left,
         end all iterators and release the pinned host memory of the device path.
@@ -327,6 +342,24 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _seconds(value: object) -> bool:
+    """Whether ``value`` is a number of seconds (not a string from a config file, not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _start_pair(start: object) -> tuple[int, int] | None:
+    """``start=`` as (epoch, step), numpy integers too; ValueError for anything else (an IndexError for (1,),
+    and "loader state has epoch='0', step=','" for "0,0", before)."""
+    if start is None:
+        return None
+    pair = tuple(start) if isinstance(start, (tuple, list)) else ()
+    counts = [as_count(n) for n in pair]
+    if len(counts) != 2 or None in counts:
+        raise ValueError(f"start={start!r}: pass (epoch, step), two non-negative integers, such as "
+                         "(loader.state_dict()['epoch'], loader.state_dict()['step'])")
+    return counts[0], counts[1]  # type: ignore[return-value]
 
 
 __all__ = ["Batch", "BufferLoader", "IMAGENET_MEAN", "IMAGENET_STD"]

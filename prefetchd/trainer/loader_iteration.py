@@ -20,6 +20,7 @@ A part of :class:`~prefetchd.trainer.loader.BufferLoader`, which sets what is de
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -75,6 +76,7 @@ class LoaderIteration:
     _waits: WaitMeter
     _generation: int
     _closed: bool
+    _busy: threading.Lock
     _device_path: DevicePath | None
     stop_requested: Callable[[], bool] | None
 
@@ -89,7 +91,19 @@ class LoaderIteration:
         return _EpochIterator(self, self._generation, self._at.epoch)
 
     def _next(self, generation: int, epoch: int) -> Batch | None:
-        """The batch at the current position, or None when ``epoch``'s iterator is over."""
+        """The batch at the current position, or None when ``epoch``'s iterator is over; LoaderError where
+        another thread is at it (the loader is not thread-safe)."""
+        if not self._busy.acquire(blocking=False):
+            raise LoaderError(
+                f"{self._buffer}: another thread is fetching a batch from this BufferLoader: a loader is not "
+                "thread-safe (two threads at one handed a batch out twice and skipped another); iterate it from "
+                "one thread, or give each thread its own loader with a consumer= name of its own")
+        try:
+            return self._fetch(generation, epoch)
+        finally:
+            self._busy.release()
+
+    def _fetch(self, generation: int, epoch: int) -> Batch | None:
         if generation != self._generation or self._closed:
             return None
         # The consumer is back for more, so the batch handed over last is done with.

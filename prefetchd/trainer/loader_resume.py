@@ -20,7 +20,7 @@ from prefetchd.buffer_protocol import Manifest, Progress, ProtocolError
 from prefetchd.trainer.device_path import DevicePath
 from prefetchd.trainer.errors import StateMismatch
 from prefetchd.trainer.leaving import Where
-from prefetchd.trainer.resume import is_count, loader_state, resume_position
+from prefetchd.trainer.resume import as_count, loader_state, resume_position
 from prefetchd.words import counted
 
 logger = logging.getLogger("prefetchd.trainer.loader")  # the loader's messages, as before this module was split off
@@ -119,8 +119,10 @@ class LoaderResume:
         epoch it resumes into: ``set_epoch`` names the epoch, ``load_state_dict``
         the batch, and the later call wins.
         """
-        if not is_count(epoch):
+        counted_epoch = as_count(epoch)
+        if counted_epoch is None:
             raise ValueError(f"set_epoch({epoch!r}): pass a non-negative integer epoch (counted from 0)")
+        epoch = counted_epoch
         epochs = self._manifest.epochs
         if epochs is not None and epoch > epochs:  # said for this call, not as a checkpoint's state would be
             raise StateMismatch(

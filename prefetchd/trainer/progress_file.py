@@ -302,10 +302,24 @@ class ProgressFile:
             current = Progress.read(self.buffer, self.consumer)
         except (ProtocolError, OSError):
             return True
+        return current is None or not self._mine(current)
+
+    def another_wrote(self) -> bool:
+        """Whether the progress file holds a document another writer of this consumer wrote since this loader
+        last did (a second loader of this process that replaced it); not where it is gone or unreadable, which
+        this loader's next write replaces, or says it cannot."""
+        try:
+            current = Progress.read(self.buffer, self.consumer)
+        except (ProtocolError, OSError):
+            return False
+        return current is not None and self._written is not None and not self._mine(current)
+
+    def _mine(self, current: Progress) -> bool:
+        """Whether ``current`` is the document this loader wrote last: by the writer's pid and time, not by the
+        position, which another writer may have written too."""
         mine = self._written
-        return (mine is None or current is None or
-                (current.epoch, current.step, current.pid, current.time, current.pid_namespace) !=
-                (mine.epoch, mine.step, mine.pid, mine.time, mine.pid_namespace))
+        return mine is not None and ((current.epoch, current.step, current.pid, current.time, current.pid_namespace)
+                                     == (mine.epoch, mine.step, mine.pid, mine.time, mine.pid_namespace))
 
     def failing(self) -> str | None:
         """Since when, and why, this loader cannot write its progress file; None while it can."""

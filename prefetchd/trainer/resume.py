@@ -9,9 +9,10 @@ position (the daemon's batches are a pure function of the job and the position).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 from prefetchd.buffer_protocol import Manifest
 from prefetchd.buffer_protocol.layout import MAX_EPOCH
@@ -41,11 +42,11 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
     m = manifest
     if not isinstance(state, Mapping):
         raise StateMismatch(f"loader state {state!r:.60}: expected the dict BufferLoader.state_dict() returns")
-    epoch, step = state.get("epoch"), state.get("step")
-    if not (is_count(epoch) and is_count(step)):
+    epoch, step = as_count(state.get("epoch")), as_count(state.get("step"))
+    if epoch is None or step is None:
         raise StateMismatch(
-            f"loader state has epoch={epoch!r}, step={step!r}; expected non-negative integers from "
-            "BufferLoader.state_dict()"
+            f"loader state has epoch={state.get('epoch')!r}, step={state.get('step')!r}; expected non-negative "
+            "integers from BufferLoader.state_dict()"
         )
     fingerprint = state.get("fingerprint")
     if fingerprint != m.fingerprint:
@@ -99,5 +100,13 @@ def _serve_again(m: Manifest, identity: Mapping[str, Any], differ: list[str], bu
     return f"{restart}, or submit them as a job (a service's daemon takes one from trainer users): `{command} --replace`"
 
 
-def is_count(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def as_count(value: object) -> int | None:
+    """``value`` as a non-negative int where it is one, also a numpy or torch integer (``for epoch in
+    np.arange(n)``: refused as "not a non-negative integer" before); else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return count if count >= 0 else None

@@ -11,9 +11,12 @@ differently from torchvision's three passes: within 5e-7 of them (float32 values
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from prefetchd.buffer_protocol import Manifest, MappedBatch, not_of_stream
@@ -35,10 +38,21 @@ def check_statistics(normalize: bool, mean: Sequence[float] | None, std: Sequenc
                          "leave them out, or normalize")
     if (mean is None) != (std is None):  # one of a dataset's statistics beside ImageNet's other is neither's
         raise ValueError("mean= and std= go together: pass both, or neither for the defaults (ImageNet's)")
+    for name, values in (("mean", mean), ("std", std)):
+        if values is not None and not _per_channel(values):  # mean=0.5 was "'float' object is not iterable"
+            raise ValueError(f"{name}={values!r}: pass one number per channel, such as {name}=(0.5, 0.5, 0.5)")
     if (mean is not None and not all(0 <= m <= 1 for m in mean)) or (std is not None and not all(s <= 1 for s in std)):
         # The images become float in [0, 1] first, as after torchvision's ToTensor: 0-255 values shift everything.
         raise ValueError(f"mean={mean!r}, std={std!r}: pass them in [0, 1] units, as torchvision's Normalize "
                          "takes them after ToTensor (0-255 values: divide them by 255)")
+
+
+def _per_channel(values: object) -> bool:
+    """Whether ``values`` is a sequence (a tuple, a list, a 1-d tensor or array) of numbers."""
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        return values.ndim == 1
+    return isinstance(values, Sequence) and not isinstance(values, str) and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values)
 
 
 def normalization(mean: Sequence[float] | None, std: Sequence[float] | None, channels: int, buffer: Path,

@@ -1229,3 +1229,89 @@ def test_a_wait_message_says_a_stalled_worker_with_its_bound_first_and_a_failed_
     verdict = "no worker gets ready: " + "x" * 600 + " or raise --worker-start-timeout if a start can take that long"
     parts = _summary_parts(status(State.FAILED, message=verdict, production=production(worker_stall=stall)))
     assert f"message={verdict}" in parts and not [p for p in parts if "is killed at its" in p], parts
+
+
+# -- misuse (a walk of the API as users write it) -----------------------------------------------------------
+
+
+def test_a_loader_refuses_to_be_pickled_or_copied(make_job: MakeJob) -> None:
+    """A copy kept the number of this process's folder descriptor: in another process (pickle, multiprocessing's
+    spawn) it failed at its first batch with "cannot open batch file (Bad file descriptor); check the buffer's
+    permissions"."""
+    import copy
+    import pickle
+
+    job = make_job(write=1)
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+        for make_copy in (pickle.dumps, copy.deepcopy, copy.copy):
+            with pytest.raises(TypeError, match=rf"a BufferLoader cannot be pickled or copied \(it holds "
+                                                 rf"{re.escape(str(job.buffer))} open"):
+                make_copy(loader)
+        assert next(iter(loader)).step == 0  # the loader itself goes on
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"normalize": "false"}, r"normalize='false': pass True \(float32, normalised\) or False \(raw uint8\)"),
+    ({"daemon_grace": "1"}, r"daemon_grace='1': pass a non-negative number of seconds"),
+    ({"stall_timeout": "60"}, r"stall_timeout='60': pass a positive number of seconds"),
+    ({"mean": 0.5, "std": 0.5}, r"mean=0.5: pass one number per channel"),
+    ({"start": (1,)}, r"start=\(1,\): pass \(epoch, step\), two non-negative integers"),
+    ({"start": "0,0"}, r"start='0,0': pass \(epoch, step\)"),
+    ({"start": (0, -1)}, r"start=\(0, -1\): pass \(epoch, step\)"),
+])
+def test_arguments_of_the_wrong_kind_are_refused_naming_them(make_job: MakeJob, kwargs: dict[str, object],
+                                                             said: str) -> None:
+    """Before: "false" normalised (a string is true), the others failed inside with TypeError, IndexError
+    or "loader state has epoch='0', step=','", naming no argument."""
+    job = make_job(write=1)
+    with pytest.raises(ValueError, match=said):
+        BufferLoader(job.buffer, timeout=5, **kwargs)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_are_epochs_and_steps_too(make_job: MakeJob) -> None:
+    """``for epoch in np.arange(n): loader.set_epoch(epoch)`` was refused as "not a non-negative integer"."""
+    job = make_job(write=2)
+    with BufferLoader(job.buffer, normalize=False, timeout=5, start=(np.int64(0), np.int64(1))) as loader:
+        assert next(iter(loader)).step == 1
+        loader.set_epoch(np.int64(1))
+        assert loader.position == (1, 0) and type(loader.position[0]) is int
+        loader.load_state_dict({**loader.state_dict(), "epoch": np.int64(0), "step": np.int64(2)})
+        assert [(b.epoch, b.step) for b in loader] == [(0, 2)]
+    mean = np.array(IMAGENET_MEAN)  # an array of statistics, as a 1-d tensor is taken
+    assert next(iter(BufferLoader(job.buffer, timeout=5, mean=mean, std=np.array(IMAGENET_STD)))).step == 0
+
+
+def test_a_loader_another_replaced_leaves_the_progress_file_to_it(make_job: MakeJob) -> None:
+    """A notebook cell run twice, the first loader still referenced: the second read the job to its end, and
+    the first, closed at the interpreter's exit, wrote its own old position back over the end: the daemon of an
+    --epochs job said the trainer left at epoch 0 step 1 and never finished."""
+    job = make_job(write=2)
+    old = BufferLoader(job.buffer, normalize=False, timeout=5)
+    next(iter(old))
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as new:
+        assert len([b for _ in range(2) for b in new]) == 6
+    end = Progress.read(job.buffer)
+    assert end is not None and (end.epoch, end.step, end.closed) == (2, 0, True), end
+    old.close()
+    assert Progress.read(job.buffer) == end and Progress.read(job.buffer).time == end.time  # type: ignore[union-attr]
+
+
+def test_two_threads_at_one_loader_are_refused(make_job: MakeJob) -> None:
+    """The loader is not thread-safe: two threads iterating it handed one batch out twice, skipped another and
+    waited out the timeout on a batch the daemon had deleted, the message pointing nowhere near the cause."""
+    job = make_job()
+    job.claim()
+    loader = BufferLoader(job.buffer, normalize=False, timeout=10, stall_timeout=None)
+    got: list[int] = []
+    waiting = threading.Thread(target=lambda: got.append(next(iter(loader)).step))
+    waiting.start()  # waits for batch (0, 0), which is not there yet
+    try:
+        time.sleep(0.3)
+        with pytest.raises(LoaderError, match=r"another thread is fetching a batch from this BufferLoader: a loader "
+                                              r"is not thread-safe"):
+            next(iter(loader))
+    finally:
+        job.write(0, 0)
+        waiting.join(10)
+    assert got == [0]
+    loader.close()
