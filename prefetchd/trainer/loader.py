@@ -167,7 +167,7 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
             # BufferLoader(buffer, 64): DataLoader's second argument is the batch size, ours the device.
             raise ValueError(f"device={device!r}: the second argument is the device (a CUDA index here), and CUDA is "
                              "not available; the batch size is the daemon's (`prefetchd start --batch-size`)")
-        self._device = torch.device(device)
+        self._device = _device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r} but CUDA is not available here; pass device='cpu'")
         self._timeout = float(timeout)
@@ -342,6 +342,18 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _device(device: DeviceLike) -> torch.device:
+    """``device`` as torch names it; ValueError naming ``device=`` for what torch refuses in its own words ('gpu',
+    None) and for a device no batch goes to ('meta' failed at the first batch)."""
+    try:
+        named = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is no device torch knows; pass 'cpu', 'cuda' or 'cuda:N'") from None
+    if named.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: batches go to the CPU or a CUDA device; pass 'cpu', 'cuda' or 'cuda:N'")
+    return named
 
 
 def _seconds(value: object) -> bool:

@@ -49,6 +49,9 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
             "integers from BufferLoader.state_dict()"
         )
     fingerprint = state.get("fingerprint")
+    if fingerprint is None:  # "the checkpoint was taken on another dataset" said of a hand-made dict (a review)
+        raise StateMismatch(f"loader state {dict(state)!r:.80} has no fingerprint: expected the dict "
+                            "BufferLoader.state_dict() returns, saved whole")
     if fingerprint != m.fingerprint:
         raise StateMismatch(
             f"loader state is for dataset fingerprint {fingerprint!r}, but the daemon of {buffer} "

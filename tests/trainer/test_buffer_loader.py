@@ -191,7 +191,7 @@ def test_what_a_dataloader_user_may_pass_is_refused_or_taken_as_meant(
     monkeypatch.setenv("HOME", str(job.buffer.parent))
     assert BufferLoader(f"~/{job.buffer.name}", normalize=False, timeout=5).buffer == job.buffer
     with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
-        for state in (None, "x", [("epoch", 0)]):
+        for state in (None, "x", [("epoch", 0)], {"epoch": 1, "step": 0}):  # the last: not "another dataset"
             with pytest.raises(StateMismatch, match="expected the dict BufferLoader.state_dict"):
                 loader.load_state_dict(state)  # type: ignore[arg-type]
 
@@ -1258,6 +1258,9 @@ def test_a_loader_refuses_to_be_pickled_or_copied(make_job: MakeJob) -> None:
     ({"start": (1,)}, r"start=\(1,\): pass \(epoch, step\), two non-negative integers"),
     ({"start": "0,0"}, r"start='0,0': pass \(epoch, step\)"),
     ({"start": (0, -1)}, r"start=\(0, -1\): pass \(epoch, step\)"),
+    ({"device": "gpu"}, r"device='gpu' is no device torch knows; pass 'cpu', 'cuda' or 'cuda:N'"),
+    ({"device": None}, r"device=None is no device torch knows"),
+    ({"device": "meta"}, r"device='meta': batches go to the CPU or a CUDA device"),
 ])
 def test_arguments_of_the_wrong_kind_are_refused_naming_them(make_job: MakeJob, kwargs: dict[str, object],
                                                              said: str) -> None:
