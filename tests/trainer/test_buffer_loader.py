@@ -1271,6 +1271,19 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them(make_job: MakeJob, 
         BufferLoader(job.buffer, timeout=5, **kwargs)  # type: ignore[arg-type]
 
 
+def test_a_folder_every_user_may_write_is_no_buffer(tmp_path: Path) -> None:
+    """BufferLoader("/dev/shm") waited its whole timeout, then advised `prefetchd start --buffer /dev/shm`, which
+    start refuses (a folder every user may write)."""
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    start = time.monotonic()
+    with pytest.raises(LoaderError, match=rf"{re.escape(str(shared))} is writable by every user \(mode 1777\), which no "
+                                          rf"daemon takes as its buffer; .* such as {re.escape(str(shared / 'bf'))}"):
+        BufferLoader(shared, timeout=60)
+    assert time.monotonic() - start < 30, "said at once, not after the timeout"
+
+
 def test_numpy_integers_are_epochs_and_steps_too(make_job: MakeJob) -> None:
     """``for epoch in np.arange(n): loader.set_epoch(epoch)`` was refused as "not a non-negative integer"."""
     job = make_job(write=2)
