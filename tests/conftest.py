@@ -58,6 +58,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("ray") is None)
 
 
+def _oom_score_adj() -> str | None:
+    try:
+        return Path("/proc/self/oom_score_adj").read_text()
+    except OSError:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def oom_score_kept() -> Iterator[None]:
+    """Fail a test that leaves this process's oom_score_adj raised: every daemon the test process starts later
+    inherits it.  worker_main run in the test process (its workers volunteer for the OOM killer) left it at 1000,
+    the most, so that the controller of a later daemon was the workers' equal, and the largest: the OOM test's
+    400 MiB cgroup killed it (twice in full runs, the test passing alone)."""
+    before = _oom_score_adj()
+    yield
+    after = _oom_score_adj()
+    assert after == before, f"this test left the test process's oom_score_adj {after!r}, was {before!r}"
+
+
 @pytest.fixture(autouse=True)
 def child_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A TMPDIR of its own for the processes each test starts, removed after it.

@@ -20,7 +20,7 @@ from PIL import Image
 from prefetchd.buffer_protocol import SlotFiller
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.errors import ConfigError, DaemonError
-from prefetchd.daemon import jpeg_crop
+from prefetchd.daemon import jpeg_crop, workers
 from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
 from prefetchd.daemon.jpeg_crop import CleanFiles
 from prefetchd.daemon.sampler import sample_rng
@@ -304,6 +304,7 @@ def test_a_broken_hook_is_fatal_not_a_replacement(index: SampleIndex, tmp_path: 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # worker_main lifts Pillow's limit
+    monkeypatch.setattr(workers, "volunteer_for_oom_killer", lambda: None)  # see tests/conftest.py
     path = _batch_file(tmp_path / "b.tmp", 2)
     ours, theirs = multiprocessing.Pipe()
     ours.send(_task(path, [(0, 1), (1, 2)], task_id=5))
@@ -324,6 +325,7 @@ def test_a_worker_whose_controller_died_exits_quietly(index: SampleIndex, tmp_pa
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
+    monkeypatch.setattr(workers, "volunteer_for_oom_killer", lambda: None)
     path = _batch_file(tmp_path / "b.tmp", 2)
     ours, theirs = multiprocessing.Pipe()
     ours.send(_task(path, [(0, 1), (1, 2)], task_id=5))
