@@ -26,6 +26,7 @@ from prefetchd.daemon.producer import start_worker_server
 from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.wakeup import Wakeup, stop_signals_deferred
+from prefetchd.daemon.workers import oom_order_lost
 from prefetchd.words import binary_size, counted
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,8 @@ def _serve(cfg: DaemonConfig) -> int:
         note_buffer_filesystem(buffer)
         # The worker server imports what workers need (seconds where that is torch); it runs while we index.
         start_worker_server()
+        if (lost := oom_order_lost()) is not None:
+            log.warning("%s", lost)
         # Once: whether the crop-aware decoder is built (how to get it if not), and what resizes.
         log.info("%s; %s", decoder_summary(), resize_summary())
         swept = sweep_temp_files(buffer)

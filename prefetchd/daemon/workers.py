@@ -64,6 +64,22 @@ def prepare_process(job: WorkerJob) -> None:
 OOM_SCORE_VOLUNTEER = 500
 
 
+def oom_order_lost() -> str | None:
+    """Where this process (the controller) already has an ``oom_score_adj`` so high that its workers, however
+    they volunteer, cannot come before it (the most is 1000): what to say.  None where they can, or where it
+    cannot be read."""
+    try:
+        now = int(Path("/proc/self/oom_score_adj").read_text())
+    except (OSError, ValueError):
+        return None
+    if now + OOM_SCORE_VOLUNTEER <= 1000:
+        return None
+    return (f"this daemon's oom_score_adj is {now} (inherited from the process that started it): its workers, "
+            f"which volunteer for the kernel's out-of-memory killer ({OOM_SCORE_VOLUNTEER:+d} each), cannot come "
+            "before it, so where memory runs out the daemon may be killed rather than a worker; start it from a "
+            "process with a lower one (systemd: OOMScoreAdjust=)")
+
+
 def volunteer_for_oom_killer() -> None:
     """Be the OOM killer's choice before the controller and a trainer in the same cgroup: a worker's death costs a
     restart and its task begun again, said by the controller with what killed it; the controller's, the job,

@@ -22,6 +22,7 @@ from prefetchd.launch import launch, start_argv, stop_daemon_process
 from prefetchd.trainer import BufferLoader
 from tests.cgroups import cgroup_v1, in_cgroup
 from tests.daemon_workers import worker_server
+from tests.waiting import wait_for
 
 BASE = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1",
         "--workers", "2", "--transform", "tests.integration.crash_hook:segfaults_on_magenta"]
@@ -158,3 +159,23 @@ def test_the_worker_server_volunteers_for_the_oom_killer_and_its_workers_from_bi
     assert daemon.wait_exit(30) == 0, daemon.log
     said = re.findall(r"worker pid \d+ died \(its worker server, pid (\d+), ended\)[^;\n]*; requeuing", daemon.log)
     assert said == [str(server.pid)] * 2, daemon.log
+
+
+def test_a_daemon_started_with_a_high_oom_score_says_its_workers_cannot_come_before_it(
+        shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon: Any) -> None:
+    """Started from a process that volunteered already (as the test processes did, inheriting 1000 from an
+    in-process worker_main), its workers can volunteer no higher than the controller: said at start."""
+    buffer, log = shm_dir / "bf", tmp_path / "high.log"
+    argv = start_argv(buffer, extra=["--data", str(shapes_data / "train"), "--batch-size", "8", "--image-size", "32",
+                                     "--workers", "1", "--high-water", "2"])
+    proc = launch(["sh", "-c", 'echo 600 > /proc/self/oom_score_adj && exec "$@"', "sh", *argv], log=log)
+    try:
+        wait_for(lambda: "producing train split" in log.read_text(), 60, "the job to start", proc)
+    finally:
+        stop_daemon_process(proc, 15)
+    assert ("this daemon's oom_score_adj is 600 (inherited from the process that started it): its workers, which "
+            "volunteer for the kernel's out-of-memory killer (+500 each), cannot come before it") in log.read_text()
+    quiet = start_daemon(shm_dir / "quiet", "--data", shapes_data / "train", "--batch-size", "8", "--image-size", "32",
+                         "--workers", "1", "--high-water", "2")  # from this process's score, 0
+    quiet.wait_until(lambda: "producing train split" in quiet.log, 60, "the job to start")
+    assert "oom_score_adj" not in quiet.log, quiet.log
