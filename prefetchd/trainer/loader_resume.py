@@ -44,6 +44,9 @@ class LoaderResume:
         def _unread_end(self, position: tuple[int, int]) -> bool: ...
         def _publish(self, force: bool = False, closed: bool = False) -> None: ...
 
+    # Where load_state_dict put the loader: (epoch, step, batches handed out then); None once set_epoch moved it.
+    _loaded_at: tuple[int, int, int] | None = None
+
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the (epoch, step) of the next batch, and the job it belongs to."""
         return loader_state(self._manifest, self._at.epoch, self._at.step)
@@ -61,6 +64,7 @@ class LoaderResume:
         end this loader then says.
         """
         self._move(state)
+        self._loaded_at = (self._at.epoch, self._at.step, self._at.handed_out)  # for set_epoch's warning
         self._resumed_at_end()
         self._publish()
 
@@ -129,6 +133,14 @@ class LoaderResume:
                 f"set_epoch({epoch}) is past the end of the job of {self._buffer}: it has {counted(epochs, 'epoch')} "
                 f"(counted from 0, so set_epoch({epochs}) is its end, an empty epoch); loop over range({epochs}), or "
                 "restart the daemon with a larger --epochs")
+        if self._loaded_at == (epoch, self._at.step, self._at.handed_out) and self._at.step > 0:
+            # load_state_dict, then set_epoch for the same epoch at the top of the loop: the epoch's first steps
+            # trained again, silently (a walk of the API).  Said, as the docstring's order is easy to miss.
+            logger.warning(
+                "%s: set_epoch(%d) right after load_state_dict moves the loader back from step %d to the epoch's "
+                "first batch, so steps 0-%d are read again: call load_state_dict after set_epoch to resume "
+                "mid-epoch", self._buffer, epoch, self._at.step, self._at.step - 1)
+        self._loaded_at = None
         # The same checks and the same repositioning as a checkpoint taken at that epoch's start.
         self._move({**self.state_dict(), "epoch": epoch, "step": 0})
 

@@ -1331,3 +1331,25 @@ def test_two_threads_at_one_loader_are_refused(make_job: MakeJob) -> None:
         waiting.join(10)
     assert got == [0]
     loader.close()
+
+
+def test_set_epoch_right_after_load_state_dict_warns_that_the_epoch_starts_over(
+        make_job: MakeJob, caplog: pytest.LogCaptureFixture) -> None:
+    """A resume written `load_state_dict(ckpt)` then `for epoch ...: set_epoch(epoch)` trained the epoch's first
+    steps again without a word (the docs' order is the other way round)."""
+    job = make_job(write=2)
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as loader, caplog.at_level(logging.WARNING):
+        state = {**loader.state_dict(), "epoch": 0, "step": 2}
+        loader.set_epoch(0)
+        loader.load_state_dict(state)  # the documented order: no word
+        assert not caplog.records and loader.position == (0, 2)
+        loader.load_state_dict(state)
+        loader.set_epoch(0)
+        [said] = [r.getMessage() for r in caplog.records]
+        assert said == (f"{job.buffer}: set_epoch(0) right after load_state_dict moves the loader back from step 2 "
+                        "to the epoch's first batch, so steps 0-1 are read again: call load_state_dict after "
+                        "set_epoch to resume mid-epoch"), said
+        assert [(b.epoch, b.step) for b in loader] == [(0, 0), (0, 1), (0, 2)]
+        caplog.clear()
+        loader.set_epoch(1)  # an uninterrupted loop's: no word
+        assert not caplog.records
