@@ -171,13 +171,17 @@ def loader_per_batch(buffer: Path, batches: int, device: torch.device, pin: str,
     return statistics.median(times[1:] or times)
 
 
+def whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
 def batch_count(text: str) -> int:
     """``--batches``: 2 or more, for the first of each pass (page faults, cuDNN and allocator warm-up) is not
     counted, and the median of none is no figure."""
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    count = whole_number(text)
     if count < 2:
         raise argparse.ArgumentTypeError(f"{count}: pass 2 or more; the first batch of each pass is left out of "
                                          "the median, so fewer leave nothing to measure")
@@ -186,10 +190,7 @@ def batch_count(text: str) -> int:
 
 def at_least_one(text: str) -> int:
     """``--batch-size`` and ``--image-size``: a whole number of 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: pass 1 or more")
     return value

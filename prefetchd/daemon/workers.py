@@ -62,17 +62,15 @@ def prepare_process(job: WorkerJob) -> None:
 
 # Added to a worker's oom_score_adj (the most is 1000): the kernel's OOM killer takes the highest score.
 OOM_SCORE_VOLUNTEER = 500
+OOM_SCORE_FILE = Path("/proc/self/oom_score_adj")
 
 
 def oom_order_lost() -> str | None:
     """Where this process (the controller) already has an ``oom_score_adj`` so high that its workers, however
     they volunteer, cannot come before it (the most is 1000): what to say.  None where they can, or where it
     cannot be read."""
-    try:
-        now = int(Path("/proc/self/oom_score_adj").read_text())
-    except (OSError, ValueError):
-        return None
-    if now + OOM_SCORE_VOLUNTEER <= 1000:
+    now = _oom_score_adj()
+    if now is None or now + OOM_SCORE_VOLUNTEER <= 1000:
         return None
     return (f"this daemon's oom_score_adj is {now} (inherited from the process that started it): its workers, "
             f"which volunteer for the kernel's out-of-memory killer ({OOM_SCORE_VOLUNTEER:+d} each), cannot come "
@@ -86,11 +84,21 @@ def volunteer_for_oom_killer() -> None:
     silently (in a 512 MiB cgroup the controller, the largest process, was the one killed).  The worker server
     volunteers too (``worker_server``), so its workers, volunteering once more, come before it.  Raising one's own
     score takes no privilege."""
+    now = _oom_score_adj()
+    if now is None:
+        return
     try:
-        now = int(Path("/proc/self/oom_score_adj").read_text())
-        Path("/proc/self/oom_score_adj").write_text(str(min(1000, now + OOM_SCORE_VOLUNTEER)))
-    except (OSError, ValueError):  # not Linux, or a sandbox that forbids it
+        OOM_SCORE_FILE.write_text(str(min(1000, now + OOM_SCORE_VOLUNTEER)))
+    except OSError:  # a sandbox that forbids it
         pass
+
+
+def _oom_score_adj() -> int | None:
+    """This process's ``oom_score_adj``; None where it cannot be read (not Linux)."""
+    try:
+        return int(OOM_SCORE_FILE.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 # Named, not imported: its import is what it does, and it is for the worker server alone.

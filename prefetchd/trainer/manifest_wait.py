@@ -82,10 +82,11 @@ def wait_for_manifest(buffer: Path, timeout: float) -> Manifest:
     """``buffer``'s manifest, waiting up to ``timeout`` seconds for a daemon to write it."""
     if buffer.exists() and not buffer.is_dir():  # else the manifest's open says "Not a directory" about permissions
         raise LoaderError(f"{buffer} is not a directory; pass the daemon's --buffer directory")
-    if buffer.is_dir() and buffer.stat().st_mode & stat.S_IWOTH:
+    mode = buffer.stat().st_mode if buffer.is_dir() else 0
+    if mode & stat.S_IWOTH:
         # /dev/shm itself, say: no daemon takes a folder every user may write (SPEC rule 7), so the wait was for
         # nothing, and its timeout advised `prefetchd start --buffer /dev/shm`, which start refuses.
-        raise LoaderError(f"{buffer} is writable by every user (mode {stat.S_IMODE(buffer.stat().st_mode):04o}), "
+        raise LoaderError(f"{buffer} is writable by every user (mode {stat.S_IMODE(mode):04o}), "
                           f"which no daemon takes as its buffer; pass the daemon's --buffer, a folder of its own "
                           f"such as {buffer / 'bf'}")
     deadline = time.monotonic() + timeout

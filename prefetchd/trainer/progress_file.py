@@ -298,21 +298,22 @@ class ProgressFile:
         consumer wrote it since (a second loader of this process, or a trainer of another that ignores the lock),
         removed it or left it unreadable; also True before this loader wrote.  By the writer's pid and time, not
         by the position, which the other writer may have written too."""
-        try:
-            current = Progress.read(self.buffer, self.consumer)
-        except (ProtocolError, OSError):
-            return True
-        return current is None or not self._mine(current)
+        readable, current = self._read_back()
+        return not readable or current is None or not self._mine(current)
 
     def another_wrote(self) -> bool:
         """Whether the progress file holds a document another writer of this consumer wrote since this loader
         last did (a second loader of this process that replaced it); not where it is gone or unreadable, which
         this loader's next write replaces, or says it cannot."""
+        readable, current = self._read_back()
+        return readable and current is not None and self._written is not None and not self._mine(current)
+
+    def _read_back(self) -> tuple[bool, Progress | None]:
+        """(whether the progress file could be read, the document there: None where there is none)."""
         try:
-            current = Progress.read(self.buffer, self.consumer)
+            return True, Progress.read(self.buffer, self.consumer)
         except (ProtocolError, OSError):
-            return False
-        return current is not None and self._written is not None and not self._mine(current)
+            return False, None
 
     def _mine(self, current: Progress) -> bool:
         """Whether ``current`` is the document this loader wrote last: by the writer's pid and time, not by the

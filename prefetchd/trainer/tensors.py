@@ -12,7 +12,6 @@ differently from torchvision's three passes: within 5e-7 of them (float32 values
 from __future__ import annotations
 
 import numbers
-
 from collections.abc import Sequence
 from pathlib import Path
 
