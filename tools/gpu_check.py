@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import shlex
 import shutil
 import sys
@@ -207,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             summary = make_imagenet_like(data, classes=sizes.classes, per_class=sizes.per_class, seed=0,
                                          workers=usable_cpus(), progress=progress_lines())
             doc["dataset"] = summary.line()
+            classes = sizes.classes
         else:
             described = args.described
             doc["dataset"] = (f"{data}: {counted(described['classes'], 'class')}, {counted(described['images'], 'image')}, "
                               f"mean {described['mean_kb']:.0f} KB, {binary_size(described['total_bytes'])} in all")
+            classes = described["classes"]
         if tests is not None:
             doc["tests"] = tests.result()
             log.info("1. %s", doc["tests"]["summary"])
@@ -221,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         doc["h2d"] = h2d_rows(sizes, device, root)
         write_outputs(doc, out)
         warm_page_cache(data)
-        classes = sum(1 for entry in os.scandir(data) if entry.is_dir())
         # Step 5 runs before the training: it takes about 1.5 minutes a round where the training takes
         # four to six, and a run cut short by the device's time limit then still has it.
         if not args.skip_scaling:
