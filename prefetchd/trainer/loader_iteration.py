@@ -20,6 +20,7 @@ A part of :class:`~prefetchd.trainer.loader.BufferLoader`, which sets what is de
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,21 +86,28 @@ class LoaderIteration:
         def _check_progress(self) -> None: ...
 
     def __iter__(self) -> Iterator[Batch]:
-        self._check_open()
-        self._generation += 1
-        self._publish()
-        return _EpochIterator(self, self._generation, self._at.epoch)
+        with self._alone():  # a new epoch iterator ends the one another thread fetches from, mid-batch
+            self._check_open()
+            self._generation += 1
+            self._publish()
+            return _EpochIterator(self, self._generation, self._at.epoch)
 
     def _next(self, generation: int, epoch: int) -> Batch | None:
-        """The batch at the current position, or None when ``epoch``'s iterator is over; LoaderError where
-        another thread is at it (the loader is not thread-safe)."""
+        """The batch at the current position, or None when ``epoch``'s iterator is over."""
+        with self._alone():
+            return self._fetch(generation, epoch)
+
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[None]:
+        """Hold the loader for this thread; LoaderError where another thread is at it (the loader is not
+        thread-safe)."""
         if not self._busy.acquire(blocking=False):
             raise LoaderError(
                 f"{self._buffer}: another thread is fetching a batch from this BufferLoader: a loader is not "
                 "thread-safe (two threads at one handed a batch out twice and skipped another); iterate it from "
                 "one thread, or give each thread its own loader with a consumer= name of its own")
         try:
-            return self._fetch(generation, epoch)
+            yield
         finally:
             self._busy.release()
 

@@ -1319,17 +1319,24 @@ def test_two_threads_at_one_loader_are_refused(make_job: MakeJob) -> None:
     job.claim()
     loader = BufferLoader(job.buffer, normalize=False, timeout=10, stall_timeout=None)
     got: list[int] = []
-    waiting = threading.Thread(target=lambda: got.append(next(iter(loader)).step))
+
+    def two_batches() -> None:
+        batches = iter(loader)
+        got.extend(next(batches).step for _ in range(2))
+
+    waiting = threading.Thread(target=two_batches)
     waiting.start()  # waits for batch (0, 0), which is not there yet
     try:
         time.sleep(0.3)
-        with pytest.raises(LoaderError, match=r"another thread is fetching a batch from this BufferLoader: a loader "
-                                              r"is not thread-safe"):
-            next(iter(loader))
+        for step_in in (lambda: next(iter(loader)), lambda: iter(loader)):  # a new iterator would end the other's
+            with pytest.raises(LoaderError, match=r"another thread is fetching a batch from this BufferLoader: a "
+                                                  r"loader is not thread-safe"):
+                step_in()
     finally:
         job.write(0, 0)
+        job.write(0, 1)
         waiting.join(10)
-    assert got == [0]
+    assert got == [0, 1]
     loader.close()
 
 
