@@ -28,7 +28,7 @@ and normalising it, ``prefetchd.trainer.tensors``; the checkpoint state,
 ``prefetchd.trainer.resume``.
 
 The loader is not thread-safe; use one per consumer thread and buffer.  Two threads iterating one at once
-are refused (``LoaderError``): they handed one batch out twice, skipped another and then waited out the timeout.
+(or one calling ``iter()`` while another fetches) are refused (``LoaderError``): they handed one batch out twice, skipped another and then waited out the timeout.
 """
 
 from __future__ import annotations
