@@ -45,14 +45,17 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 import torch
 
+from prefetchd.trainer.errors import SetupError
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import gather_states, own_state
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.spawn import SpawnedDaemon, check_served_job, check_split, spawn_daemon
 from prefetchd.trainer.wait_bounds import DEFAULT_TIMEOUT
+from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +271,28 @@ class BufferDataModule(pl.LightningDataModule):
             epoch = min(epoch, epochs - 1)  # as _Epochs validates past the job's end
         self._val.load_state_dict({**self._val.state_dict(), "epoch": epoch, "step": 0})
 
+    def _check_epochs(self, loader: BufferLoader, split: str) -> None:
+        """In fit: SetupError where the Trainer would train past the end of ``loader``'s job.  Lightning found out
+        only at the first epoch past it, after training an empty one (``max_epochs=100`` over a daemon of
+        ``--epochs 90``: 90 epochs, then a traceback).  A run that ends on ``max_steps`` or a Timer
+        (``max_epochs`` -1 then) may end in time: left to its ``set_epoch`` past the end."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        produced, wanted = loader.manifest.epochs, trainer.max_epochs
+        if produced is None or wanted is None or 0 <= wanted <= produced:
+            return
+        if wanted == -1 and trainer.max_steps != -1:
+            return
+        trains = "trains without end" if wanted == -1 else f"trains {counted(wanted, 'epoch')}"
+        what = "validation epoch" if split == "val" else "epoch"
+        raise SetupError(
+            f"Trainer(max_epochs={wanted}) {trains}, but the daemon of {loader.buffer} produces only "
+            f"{counted(produced, what)} (its --epochs): pass Trainer(max_epochs={produced}), or restart the daemon "
+            f"with --epochs {wanted if wanted != -1 else 'N'} or without --epochs "
+            f"({DATA_ARGUMENT[split]}= here starts it with BufferDataModule(epochs=...))"
+        )
+
     def _ranks(self) -> Ranks:
         trainer = self.trainer
         if trainer is None:
@@ -285,6 +310,7 @@ class BufferDataModule(pl.LightningDataModule):
         data = self._data[split]
         try:
             check_split(loader, split, "val_buffer" if split == "val" else "buffer")
+            self._check_epochs(loader, split)
             if data is not None:  # a daemon already running there was used as it is: it must serve what data= asks
                 check_served_job(self._daemon_config, loader, data, f"BufferDataModule({DATA_ARGUMENT[split]}=...)",
                                  "arguments")

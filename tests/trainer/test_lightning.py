@@ -3,6 +3,7 @@ what comes back. The real daemons, the documented diff and spawning are in tests
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -299,3 +300,35 @@ def test_the_val_progress_names_the_first_pass_after_a_resume(
     start = 0 if resume is None else 2  # the first epoch trained
     assert validated[0] == (start if every == 1 else start + 1)  # every=2 validates epochs 1 and 3
     assert named == [(validated[0], 0)] * 2
+
+
+@pytest.mark.parametrize("stop, refused", [
+    ({"max_epochs": 3}, "Trainer(max_epochs=3) trains 3 epochs"),
+    ({"max_epochs": -1}, "Trainer(max_epochs=-1) trains without end"),
+    ({"max_epochs": -1, "max_steps": 3}, None),  # it may end in time: left to set_epoch past the end
+])
+def test_a_trainer_for_more_epochs_than_the_job_is_refused_before_it_trains(
+        make_job: MakeJob, tmp_path: Path, stop: dict[str, int], refused: str | None) -> None:
+    """Trainer(max_epochs=4) over a daemon of --epochs 2 trained 2 epochs, then an empty one, then failed deep in
+    Lightning at the fourth with advice for a hand-written loop (a user's walk)."""
+    job = make_job(write=2, samples=8, batch_size=4)  # --epochs 2
+    module = Recorder()
+    if refused is None:
+        fit(module, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path, **stop)
+        assert len(module.trained) == 3
+        return
+    with pytest.raises(SetupError, match=rf"{re.escape(refused)}, but the daemon of .* produces only 2 epochs "
+                                         r"\(its --epochs\): pass Trainer\(max_epochs=2\)"):
+        fit(module, BufferDataModule(job.buffer, normalize=False, timeout=5), tmp_path, **stop)
+    assert module.trained == []
+
+
+def test_a_val_job_shorter_than_the_training_is_refused_before_it_trains(make_job: MakeJob, tmp_path: Path) -> None:
+    train = make_job(tmp_path / "train", write=2, samples=8, batch_size=4, epochs=3)
+    val = make_job(tmp_path / "val", write=2, samples=8, batch_size=4, split="val")  # --epochs 2
+    module = Validated()
+    with pytest.raises(SetupError, match=r"Trainer\(max_epochs=3\) trains 3 epochs, but the daemon of .*val.* "
+                                         r"produces only 2 validation epochs"):
+        fit(module, BufferDataModule(train.buffer, val_buffer=val.buffer, normalize=False, timeout=5), tmp_path,
+            max_epochs=3, num_sanity_val_steps=0)
+    assert module.trained == []
