@@ -28,7 +28,8 @@ and normalising it, ``prefetchd.trainer.tensors``; the checkpoint state,
 ``prefetchd.trainer.resume``.
 
 The loader is not thread-safe; use one per consumer thread and buffer.  Two threads iterating one at once
-(or one calling ``iter()`` while another fetches) are refused (``LoaderError``): they handed one batch out twice, skipped another and then waited out the timeout.
+(or one calling ``iter()`` while another fetches) are refused (``LoaderError``): they handed one batch out
+twice, skipped another and then waited out the timeout.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -291,6 +292,17 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
     def drop_last(self) -> bool:
         """Whether the daemon leaves out each epoch's short last batch (``prefetchd start --drop-last``)."""
         return self._manifest.drop_last
+
+    @property
+    def dataset(self) -> NoReturn:
+        """None here: the daemon reads the dataset.  An AttributeError as before (``hasattr`` stays False), with a
+        message for the code that asked: Accelerate's ``skip_first_batches``, kept from a DataLoader script, failed
+        with "'BufferLoader' object has no attribute 'dataset'" from inside accelerate (a user's walk)."""
+        raise AttributeError(
+            f"a BufferLoader has no dataset: the daemon of {self._buffer} reads {self._manifest.dataset_root}. "
+            "Code that asks for one expects a DataLoader: drop accelerator.skip_first_batches (load_state with "
+            "register_for_checkpointing puts the loader at the checkpoint's batch), and a resume's skipping of "
+            "batches (load_state_dict does it; docs/DROP_IN.md)")
 
     def __len__(self) -> int:
         return self._manifest.steps_per_epoch

@@ -42,6 +42,11 @@ def gather_states(own: dict[str, Any]) -> dict[str, Any]:
 
 def own_state(state: Mapping[str, Any], ranks: Ranks) -> dict[str, Any]:
     """This rank's part of a :func:`gather_states` state."""
+    if "fingerprint" in state and "ranks" not in state:  # was "not written by prefetchd's EveryRank" (a user's walk)
+        raise StateMismatch(
+            "the checkpoint's loader state is one loader's position (BufferLoader.state_dict), not every rank's: "
+            "load it with loader.load_state_dict, as register_for_checkpointing(loader) does where the run that "
+            "saved it registered the loader itself")
     if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
         raise StateMismatch(
             f"the checkpoint's loader state has format {state.get('format')!r} version {state.get('version')!r}; "

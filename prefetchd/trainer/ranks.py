@@ -137,8 +137,8 @@ def _world_mismatch(buffer: Path, served: int, manifest: Path, ranks: Ranks, spl
     return SetupError(
         f"{found}, but this trainer runs as one process (not under torchrun). Launch it under torchrun or "
         f"`accelerate launch` with {served} processes in all (e.g. `torchrun --nproc-per-node {served} train.py` "
-        "or `... -m prefetchd.trainer.train`), or restart the daemon without --world-size and with --reset (which "
-        f"deletes the batches of --world-size {served})"
+        f"or `... -m prefetchd.trainer.train`; Lightning: `Trainer(strategy=\"ddp\", devices={served})`), or "
+        f"restart the daemon without --world-size and with --reset (which deletes the batches of --world-size {served})"
     )
 
 

@@ -18,6 +18,7 @@ from prefetchd.buffer_protocol import Manifest
 from prefetchd.buffer_protocol.layout import MAX_EPOCH
 from prefetchd.trainer.errors import StateMismatch
 from prefetchd.trainer.job_command import job_command
+from prefetchd.trainer.rank_state import STATE_FORMAT as EVERY_RANK_FORMAT
 
 STATE_FORMAT = "prefetchd.loader_state"
 STATE_VERSION = 1
@@ -42,6 +43,12 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
     m = manifest
     if not isinstance(state, Mapping):
         raise StateMismatch(f"loader state {state!r:.60}: expected the dict BufferLoader.state_dict() returns")
+    if state.get("format") == EVERY_RANK_FORMAT:  # was "loader state has epoch=None, step=None" (a user's walk)
+        raise StateMismatch(
+            "loader state holds every rank's position (EveryRank's or BufferDataModule's state_dict): load it "
+            "through EveryRank(loader).load_state_dict, as accelerator.register_for_checkpointing(EveryRank(loader)) "
+            "does where the run that saved it registered EveryRank too"
+        )
     epoch, step = as_count(state.get("epoch")), as_count(state.get("step"))
     if epoch is None or step is None:
         raise StateMismatch(
@@ -58,7 +65,8 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
             f"serves {m.dataset_root!r} (fingerprint {m.fingerprint!r}): the checkpoint was taken on "
             "another dataset (or its files changed since: a rewritten file changes the fingerprint). Start "
             "the daemon on the checkpoint's dataset, or train from scratch (prefetchd-train without --resume, "
-            "or another --checkpoint-dir; your own loop without loader.load_state_dict)"
+            "or another --checkpoint-dir; Lightning: fit without ckpt_path; your own loop without "
+            "loader.load_state_dict)"
         )
     identity = state.get("identity")
     if isinstance(identity, Mapping):

@@ -63,3 +63,38 @@ def test_every_rank_state_gives_each_rank_its_own() -> None:
         own_state(state, Ranks())
     with pytest.raises(StateMismatch, match="not written by prefetchd"):
         own_state({"epoch": 0, "step": 1}, Ranks())  # a bare BufferLoader state
+
+
+def test_a_state_saved_through_every_rank_or_the_loader_itself_says_which_to_load_it_with(
+        make_job: MakeJob, tmp_path: Path) -> None:
+    """Saved with register_for_checkpointing(EveryRank(loader)), loaded with register_for_checkpointing(loader):
+    the message was "loader state has epoch=None, step=None" (a user's walk); the other way round it said the
+    state was "not written by prefetchd"."""
+    job = make_job(write=1)
+    saved = {}
+    for name, wrap in (("every", EveryRank), ("plain", lambda loader: loader)):
+        loader = BufferLoader(job.buffer, normalize=False, timeout=5)
+        accelerator = accelerate.Accelerator(cpu=True)
+        accelerator.register_for_checkpointing(wrap(loader))
+        next(iter(loader))
+        saved[name] = tmp_path / name
+        accelerator.save_state(str(saved[name]))
+        loader.close()
+    for name, wrap, message in (("every", lambda loader: loader, "holds every rank's position"),
+                                ("plain", EveryRank, "one loader's position")):
+        loader = BufferLoader(job.buffer, normalize=False, timeout=5)
+        accelerator = accelerate.Accelerator(cpu=True)
+        accelerator.register_for_checkpointing(wrap(loader))
+        with pytest.raises(StateMismatch, match=message):
+            accelerator.load_state(str(saved[name]))
+        loader.close()
+
+
+def test_skip_first_batches_kept_from_a_dataloader_script_says_to_drop_it(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    accelerator = accelerate.Accelerator(cpu=True)
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+        assert not hasattr(loader, "dataset")
+        with pytest.raises(AttributeError, match=r"a BufferLoader has no dataset: .* drop "
+                                                 r"accelerator.skip_first_batches"):
+            accelerator.skip_first_batches(loader, 1)

@@ -429,7 +429,7 @@ def test_load_state_dict_refuses_another_dataset(make_job: MakeJob) -> None:
     job = make_job(write=1)
     loader = BufferLoader(job.buffer, timeout=5)
     state = loader.state_dict()
-    with pytest.raises(StateMismatch, match="fingerprint 'other'.*another dataset"):
+    with pytest.raises(StateMismatch, match="fingerprint 'other'.*another dataset.*Lightning: fit without ckpt_path"):
         loader.load_state_dict({**state, "fingerprint": "other"})
     with pytest.raises(StateMismatch, match="seed: checkpoint 8, buffer 7") as mismatch:
         loader.load_state_dict({**state, "identity": {**state["identity"], "seed": 8}})

@@ -99,6 +99,7 @@ def test_one_process_on_a_buffer_of_rank_streams_says_use_torchrun(make_job: Mak
     assert result.exit_code == EXIT_FAILED, result.output
     assert "produces streams for --world-size 2" in result.stderr and "runs as one process" in result.stderr
     assert "torchrun --nproc-per-node 2 train.py" in result.stderr and "-m prefetchd.trainer.train" in result.stderr
+    assert 'Lightning: `Trainer(strategy="ddp", devices=2)`' in result.stderr
     assert "without --world-size and with --reset" in result.stderr
     assert "prefetchd-train" not in result.stderr  # the same words serve rank_stream() in a script of ones own
     assert "Traceback" not in result.output
