@@ -185,6 +185,8 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
         try:
             self._at = Where(*self._start_position(start))
             self._progress = ProgressFile(self._buffer, self._consumer, self._manifest.job_key)
+            if start is None and self._consumer == DEFAULT_CONSUMER:  # where it starts the job over, unasked
+                self._left_at = self._mid_job_left_at()
         except BaseException:  # a loader that was never made holds no folder open (a mount it was refused on can go)
             self._waiter.close()
             raise

@@ -81,14 +81,16 @@ class LoaderIteration:
     _device_path: DevicePath | None
     stop_requested: Callable[[], bool] | None
 
-    if TYPE_CHECKING:  # its progress' (loader_progress.py)
+    if TYPE_CHECKING:  # its progress' (loader_progress.py) and its resume's (loader_resume.py)
         def _publish(self, force: bool = False, closed: bool = False) -> None: ...
         def _check_progress(self) -> None: ...
+        def _say_if_starting_over(self) -> None: ...
 
     def __iter__(self) -> Iterator[Batch]:
         with self._alone():  # a new epoch iterator ends the one another thread fetches from, mid-batch
             self._check_open()
             self._generation += 1
+            self._say_if_starting_over()
             self._publish()
             return _EpochIterator(self, self._generation, self._at.epoch)
 

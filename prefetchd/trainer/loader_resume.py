@@ -20,6 +20,7 @@ from prefetchd.buffer_protocol import Manifest, Progress, ProtocolError
 from prefetchd.trainer.device_path import DevicePath
 from prefetchd.trainer.errors import StateMismatch
 from prefetchd.trainer.leaving import Where
+from prefetchd.trainer.progress_file import ProgressFile
 from prefetchd.trainer.resume import as_count, loader_state, resume_position
 from prefetchd.words import counted
 
@@ -36,6 +37,7 @@ class LoaderResume:
     _at: Where
     _device_path: DevicePath | None
     _generation: int
+    _progress: ProgressFile
 
     if TYPE_CHECKING:  # the loader's (loader.py), its iteration's (loader_iteration.py) and its progress' (loader_progress.py)
         @property
@@ -46,6 +48,7 @@ class LoaderResume:
 
     # Where load_state_dict put the loader: (epoch, step, batches handed out then); None once set_epoch moved it.
     _loaded_at: tuple[int, int, int] | None = None
+    _left_at: tuple[int, int] | None = None  # where the last trainer of this consumer left the job (mid-job)
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the (epoch, step) of the next batch, and the job it belongs to."""
@@ -89,14 +92,44 @@ class LoaderResume:
         """Whether this consumer's progress file says the job's last batch was handed out: it names the last
         step (its trainer died after reading that batch, before asking for the next one, with a state saved at
         the end) or the end.  Not a fresh run's file, which is elsewhere or absent."""
-        try:
-            found = Progress.read(self._buffer, self._consumer)
-        except (ProtocolError, OSError):
-            return False
-        if found is None or found.job not in (None, self._manifest.job_key):
+        found = self._found_progress()
+        if found is None:
             return False
         epochs, steps = self._manifest.epochs or 0, self._manifest.steps_per_epoch
         return (found.epoch, found.step) >= (epochs - 1, steps - 1)
+
+    def _found_progress(self) -> Progress | None:
+        """This consumer's progress file as an earlier trainer of this job left it; None where there is none."""
+        try:
+            found = Progress.read(self._buffer, self._consumer)
+        except (ProtocolError, OSError):
+            return None
+        return found if found is not None and found.job in (None, self._manifest.job_key) else None
+
+    def _mid_job_left_at(self) -> tuple[int, int] | None:
+        """Where the last trainer of this consumer left the job, if mid-job: past its first batch, before its
+        end.  Looked at as the loader is made, for ``_say_if_starting_over``."""
+        found = self._found_progress()
+        if found is None:
+            return None
+        left, epochs = (found.epoch, found.step), self._manifest.epochs
+        return left if (0, 0) < left and (epochs is None or left < (epochs, 0)) else None
+
+    def _say_if_starting_over(self) -> None:
+        """Warn, once, where the loader's first epoch starts the job over at (0, 0) unasked (no load_state_dict,
+        set_epoch or start=) while the last trainer of this consumer left it mid-job.  Right for a new run; a
+        resume that forgot to load its checkpoint's loader state (Accelerate without
+        register_for_checkpointing, Lightning without ckpt_path) trained the first epochs again and skipped
+        the rest of the one it stopped in, the daemon only saying the trainer joined at epoch 0 (a user's walk)."""
+        left, self._left_at = self._left_at, None
+        if left is None or self.position != (0, 0):
+            return
+        logger.warning(
+            "%s: this loader starts the job over at epoch 0 step 0, where the last trainer reading it as %s left "
+            "at epoch %d step %d. Right for a new run; a resume loads its checkpoint's loader state first "
+            "(loader.load_state_dict(state); Accelerate: register_for_checkpointing before load_state; Lightning: "
+            "ckpt_path=; prefetchd-train: --resume), or it trains those batches again",
+            self._buffer, self._progress.who, *left)
 
     def _move(self, state: Mapping[str, Any]) -> None:
         """Go to ``state``'s position, ending the iterators handed out before; progress.json is left alone."""
@@ -108,6 +141,7 @@ class LoaderResume:
             self._at.read_to_end = False
         self._at.epoch, self._at.step = epoch, step
         self._generation += 1
+        self._left_at = None  # a position asked for: no word of where the last trainer left
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the first batch of ``epoch``, as ``DistributedSampler.set_epoch`` does for a sampler.

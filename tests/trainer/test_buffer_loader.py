@@ -1360,3 +1360,37 @@ def test_set_epoch_right_after_load_state_dict_warns_that_the_epoch_starts_over(
         caplog.clear()
         loader.set_epoch(1)  # an uninterrupted loop's: no word
         assert not caplog.records
+
+
+def test_a_loader_that_starts_the_job_over_unasked_says_where_the_last_trainer_left(
+        make_job: MakeJob, caplog: pytest.LogCaptureFixture) -> None:
+    """Accelerate without register_for_checkpointing (or Lightning without ckpt_path): the resumed run started
+    at (0, 0), trained epoch 0 again and skipped the rest of the epoch it stopped in, without a word (a user's
+    walk).  Said once where nothing chose the position; not after load_state_dict or set_epoch, nor after a
+    run that finished the job."""
+    job = make_job(write=2)  # 3 steps an epoch, 2 epochs
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as first:
+        batches = iter(first)
+        next(batches), next(batches), next(batches)  # left at (0, 2): the third was handed out, not yet consumed
+    with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.loader"):
+        for choose in (lambda loader: loader.set_epoch(0),
+                       lambda loader: loader.load_state_dict({**loader.state_dict(), "epoch": 0, "step": 0})):
+            with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+                choose(loader)
+                iter(loader)
+            Progress(0, 2, job=loader.manifest.job_key).write(job.buffer)  # as the first left it
+        assert not caplog.records
+        with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+            assert next(iter(loader)).step == 0
+            iter(loader)  # once
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{job.buffer}: this loader starts the job over at epoch 0 step 0, where the last trainer reading it as "
+            "the default consumer left at epoch 0 step 2. Right for a new run; a resume loads its checkpoint's "
+            "loader state first (loader.load_state_dict(state); Accelerate: register_for_checkpointing before "
+            "load_state; Lightning: ckpt_path=; prefetchd-train: --resume), or it trains those batches again"]
+        with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+            assert len([b for _ in range(2) for b in loader]) == 6  # to the job's end (said: the last left at 0, 1)
+        caplog.clear()
+        with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+            iter(loader)
+        assert not caplog.records
