@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -67,6 +69,11 @@ def unwritable_out(out: Path) -> str | None:
     --out value): a suffix of no format it can be written in, a missing folder (not created:
     ``missing_folder``), a folder this user cannot create the file in; None when it can be.  An existing
     file is written in place, whatever its folder allows (click's ``writable`` asks whether it may be)."""
+    if out.is_symlink() and not out.exists():  # a dangling link: the file is made where it points
+        target = Path(os.path.realpath(out))
+        if (problem := missing_folder(f"--out {out} links to", target)) is not None:
+            return problem
+        out = target
     if (problem := bad_suffix(out) or missing_folder("--out", out)) is not None:
         return problem
     if out.exists():
@@ -100,8 +107,21 @@ def render_next_batch(buffer: Path, out: Path, max_images: int = 64) -> MappedBa
         label = int(batch.labels[i])
         name = manifest.classes[label] if 0 <= label < len(manifest.classes) else str(label)
         draw.text((x + 2, y + h * scale + 1), f"{name} #{int(batch.indices[i])}", fill="black")
-    try:
-        grid.save(out)
-    except OSError as exc:
-        raise DaemonError(f"cannot write {out}: {exc.strerror or exc}; pass --out with a writable path") from None
+    save_checked(grid, out)
     return batch
+
+
+def save_checked(image: Image.Image, out: Path) -> None:
+    """Write ``image`` to ``out`` in the format its suffix names; DaemonError, and no partial file left, where the
+    write fails.  Encoded in memory first: Pillow's JPEG and TIFF writers let a full disk pass, leaving a
+    truncated file that `prefetchd show` said it wrote (a user's walk, on a nearly full tmpfs)."""
+    encoded = io.BytesIO()
+    image.save(encoded, format=Image.registered_extensions()[out.suffix.lower()])
+    try:
+        with open(out, "wb") as f:
+            f.write(encoded.getbuffer())
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            if out.is_file():
+                out.unlink()
+        raise DaemonError(f"cannot write {out}: {exc.strerror or exc}; pass --out with a writable path") from None

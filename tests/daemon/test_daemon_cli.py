@@ -852,8 +852,8 @@ def test_show_says_what_is_wrong_with_out_or_buffer_instead_of_a_traceback(tmp_p
     assert not (tmp_path / "nonexist").exists()
 
 
-def _show_buffer(buffer: Path) -> Path:
-    """``buffer`` with a manifest and one waiting batch of 4 images, for `prefetchd show`."""
+def _show_buffer(buffer: Path, noise: bool = False) -> Path:
+    """``buffer`` with a manifest and one waiting batch of 4 images (black, or ``noise``), for `prefetchd show`."""
     import numpy as np
 
     from prefetchd.buffer_protocol import Manifest
@@ -862,9 +862,37 @@ def _show_buffer(buffer: Path) -> Path:
     buffer.mkdir()
     Manifest(dataset_root="/data", fingerprint="f", classes=["a"], num_samples=4, split="train", seed=0,
              batch_size=4, image_size=8, samples_per_epoch=4, steps_per_epoch=1, epochs=1, producer="t").write(buffer)
-    write_batch(buffer / "e000000-s00000000.batch", np.zeros((4, 8, 8, 3), np.uint8), np.zeros(4, np.int64),
+    images = np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), np.uint8) if noise else np.zeros((4, 8, 8, 3), np.uint8)
+    write_batch(buffer / "e000000-s00000000.batch", images, np.zeros(4, np.int64),
                 np.arange(4, dtype=np.int64), epoch=0, step=0, seed=0, producer="t")
     return buffer
+
+
+def test_show_on_a_full_disk_fails_and_leaves_no_truncated_file(tmp_path: Path, small_tmpfs: Path) -> None:
+    """Pillow's JPEG and TIFF writers let ENOSPC pass: `prefetchd show` said it wrote a grid it had cut short
+    (exit 0; a user's walk, on a nearly full tmpfs)."""
+    buffer = _show_buffer(tmp_path / "bf", noise=True)
+    free = os.statvfs(small_tmpfs)
+    (small_tmpfs / "fill").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 4096))  # one page left
+    for name in ("g.jpg", "g.tif"):
+        result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(small_tmpfs / name)])
+        assert result.exit_code == 1, (name, result.output)
+        assert f"cannot write {small_tmpfs / name}: No space left on device" in result.output, result.output
+    assert [p.name for p in small_tmpfs.iterdir()] == ["fill"]
+
+
+def test_show_through_a_dangling_link_checks_where_it_points_before_reading_the_batch(tmp_path: Path) -> None:
+    """A link to a file in a missing folder passed the checks (its own folder is writable) and failed at the
+    save, once the batch was read, exit 1 (a user's walk); a bad --out is exit 2 up front."""
+    buffer = _show_buffer(tmp_path / "bf")
+    (tmp_path / "link.png").symlink_to(tmp_path / "gone" / "g.png")
+    result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(tmp_path / "link.png")])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert (f"--out {tmp_path / 'link.png'} links to {tmp_path / 'gone' / 'g.png'}: the folder {tmp_path / 'gone'} "
+            "does not exist") in result.output, result.output
+    (tmp_path / "there.png").symlink_to(tmp_path / "g.png")  # a dangling link to a writable place: written
+    result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", str(tmp_path / "there.png")])
+    assert result.exit_code == 0 and (tmp_path / "g.png").stat().st_size > 0, result.output
 
 
 def test_show_refuses_an_out_it_cannot_write_as_a_bad_value_before_reading_the_batch(tmp_path: Path) -> None:
