@@ -9,7 +9,7 @@ import re
 import struct
 import tarfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,7 @@ from prefetchd.daemon.sources.storage import ImageRefused
 from prefetchd.daemon.fill import run_task
 from prefetchd.daemon.tasks import Filled, Task, WorkerJob, failure_of
 from tests.as_nobody import as_nobody
+from tests.conftest import mounted_tmpfs
 
 
 @pytest.mark.parametrize(("location", "url"), [
@@ -402,9 +403,44 @@ def test_pack_refuses_a_non_empty_folder_and_an_unfinished_pack_is_no_dataset(
         pack(source, out, shard_size=10**6)
     pack(source, out, shard_size=3000, force=True)
     assert len(open_dataset(out)) == 5
-    (out / INDEX_NAME).unlink()  # as if the pack had been interrupted before its last step
+    (out / INDEX_NAME).unlink()  # as if the pack had been killed before its last step
     with pytest.raises(DatasetError, match=r"holds shards but no prefetchd-index\.npz.*did not finish.*--force"):
         open_dataset(out)
+    with pytest.raises(DatasetError, match=r"out holds an unfinished pack \(5 shards without prefetchd-index\.npz: "
+                                           r"a pack that was killed\); pass --force to replace it"):
+        pack(source, out, shard_size=10**6)
+
+
+def test_a_pack_that_fails_or_is_interrupted_leaves_none_of_its_shards(
+        tmp_path: Path, make_image: Callable[..., Path], small_tmpfs: Path, shm_dir: Path) -> None:
+    """A full disk and a read-only folder were tracebacks (tarfile's ENOSPC at a shard's close, mkdir's EROFS)
+    that left shards without an index; Ctrl-C left them too, and the next pack said only "not empty" (a user's
+    walk).  Each is now said, and what the pack wrote is gone."""
+    src = class_tree(tmp_path / "src", make_image)
+    free = os.statvfs(small_tmpfs)
+    (small_tmpfs / "fill").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 4096))  # one page left
+    result = CliRunner().invoke(cli_main, ["pack", str(src), str(small_tmpfs / "p"), "--shard-size", "4kB"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert (f"Error: cannot write the pack in {small_tmpfs / 'p'}: No space left on device" in result.output
+            and "free space there, or pack into another filesystem" in result.output), result.output
+    assert [p.name for p in small_tmpfs.iterdir()] == ["fill"]
+    with mounted_tmpfs(shm_dir / "ro", "size=1m,ro") as read_only:
+        result = CliRunner().invoke(cli_main, ["pack", str(src), str(read_only / "p")])
+        assert result.exit_code == 1, result.output
+        assert (f"Error: cannot write the pack in {read_only / 'p'}: Read-only file system ({read_only / 'p'}); "
+                "pack into a folder you can write") in result.output, result.output
+
+    def interrupted(items: Iterator[int]) -> Iterator[int]:
+        for i in items:
+            if i == 3:
+                raise KeyboardInterrupt
+            yield i
+
+    (tmp_path / "kept").mkdir()
+    for out in (tmp_path / "new", tmp_path / "kept"):
+        with pytest.raises(KeyboardInterrupt):
+            pack(open_dataset(src), out, shard_size=2048, progress=interrupted)
+    assert not (tmp_path / "new").exists() and list((tmp_path / "kept").iterdir()) == []
 
 
 def test_a_damaged_or_foreign_shard_index_is_refused(tmp_path: Path, make_image: Callable[..., Path]) -> None:

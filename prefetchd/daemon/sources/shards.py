@@ -35,6 +35,8 @@ workers); indexes written before that (no ``source_root``) are read without it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import logging
@@ -379,6 +381,10 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
             raise DatasetError(f"{out} is inside the dataset being packed ({source}); pack into a folder "
                                "outside it")
     if out.is_dir() and any(out.iterdir()) and not force:
+        shards = sum(1 for _ in out.glob("shard-*.tar"))
+        if shards and not (out / INDEX_NAME).exists():
+            raise DatasetError(f"{out} holds an unfinished pack ({counted(shards, 'shard')} without {INDEX_NAME}: a "
+                               "pack that was killed); pass --force to replace it")
         raise DatasetError(f"{out} is not empty; pack into a new folder, or pass --force to replace "
                            "the shards and index in it")
 
@@ -388,10 +394,11 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
     """Write ``index``'s samples into shards under ``out``; returns a summary.
 
     A sample that cannot be read is packed as an empty member, so indices stay
-    aligned with the source and the daemon replaces it as it does any bad file.
+    aligned with the source and the daemon replaces it as it does any bad file.  A pack that
+    cannot be written (a full disk, a read-only folder) is a DatasetError saying where and why, and
+    one that fails or is interrupted (Ctrl-C) leaves none of its shards: an unfinished pack was a
+    traceback, shards without an index, and "not empty" at the next try (a user's walk).
     """
-    from prefetchd.daemon.sources import SampleReader  # the package imports this module
-
     out = Path(out)
     check_pack_target(None, out, force)  # the command checked ``out`` against its source before indexing it
     if out.is_dir() and any(out.iterdir()):
@@ -399,14 +406,51 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
         (out / INDEX_NAME).unlink(missing_ok=True)
         for old in out.glob("shard-*.tar"):
             old.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    made = not out.exists()
+    writer = ShardWriter(out, shard_size, pack_stamp(index, shuffle_seed, shard_size))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return _write_pack(index, writer, shuffle_seed, progress)
+    except OSError as exc:
+        _remove_unfinished(writer, made)
+        raise DatasetError(f"cannot write the pack in {out}: {exc.strerror or exc}"
+                           f"{f' ({exc.filename})' if exc.filename else ''}; {_pack_remedy(exc)}") from None
+    except BaseException:
+        _remove_unfinished(writer, made)
+        raise
+
+
+def _pack_remedy(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there, or pack into another filesystem (a pack takes about as much room as the dataset)"
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "pack into a folder you can write"
+    return "pack into another folder"
+
+
+def _remove_unfinished(writer: ShardWriter, made: bool) -> None:
+    """Remove what a pack that failed wrote: its shards, its index's temporary file, and ``writer.out`` if the
+    pack made it."""
+    with contextlib.suppress(OSError):
+        writer.close()
+    for name in [*writer.shards, f".{INDEX_NAME}.tmp"]:
+        with contextlib.suppress(OSError):
+            (writer.out / name).unlink(missing_ok=True)
+    if made:
+        with contextlib.suppress(OSError):
+            writer.out.rmdir()  # only if empty
+
+
+def _write_pack(index: SampleIndex, writer: ShardWriter, shuffle_seed: int | None,
+                progress: Callable[[Iterator[int]], Iterator[int]]) -> dict[str, Any]:
+    from prefetchd.daemon.sources import SampleReader  # the package imports this module
+
+    out = writer.out
     n = len(index)
     order = (np.random.Generator(np.random.PCG64(shuffle_seed)).permutation(n) if shuffle_seed is not None
              else np.arange(n)).astype(np.int64)
     # From object storage, many small reads in flight (see docs/SOURCES.md); the order stays the pack's.
     reader = SampleReader(index, URL_READERS if is_url(index.root) else 1)  # as a worker reads
-    stamp = pack_stamp(index, shuffle_seed, shard_size)
-    writer = ShardWriter(out, shard_size, stamp)
     shard = np.zeros(n, dtype=np.int32)
     offset = np.zeros(n, dtype=np.int64)
     size = np.zeros(n, dtype=np.int64)
@@ -430,14 +474,14 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
             shard[i], offset[i] = writer.add(KEY.format(i), _extension(index, src, data), data, int(labels[i]))
             size[i] = len(data)
     finally:
-        writer.close()
         reader.close()
-    digest = hashlib.sha256(f"{FORMAT}:{VERSION}:{index.fingerprint}:{shuffle_seed}:{shard_size}".encode())
+    writer.close()  # not in the finally: a shard that cannot be closed (ENOSPC) is a failed pack, not a crash in one
+    digest = hashlib.sha256(f"{FORMAT}:{VERSION}:{index.fingerprint}:{shuffle_seed}:{writer.shard_size}".encode())
     digest.update(shard.tobytes() + offset.tobytes() + size.tobytes() + labels.tobytes())
     arrays = dict(
         format=np.array(FORMAT), version=np.array(VERSION), classes=np.array(index.classes, dtype=str),
         shards=np.array(writer.shards, dtype=str), fingerprint=np.array(digest.hexdigest()[:32]),
-        shard=shard, offset=offset, size=size, label=labels, stamp=np.array(stamp),
+        shard=shard, offset=offset, size=size, label=labels, stamp=np.array(writer.stamp),
         # Of the data first packed, through a pack being packed again: what --val-fraction splits on.
         source_index=order if index.source_index is None else index.source_index[order],
         **_source_paths(index, order),
