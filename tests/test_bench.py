@@ -180,6 +180,17 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
     assert result.exit_code == 1 and "--buffer-root /proc is on proc, a filesystem that holds no files; pick a " \
         "folder on a tmpfs" in result.output, result.output
     assert "generating" not in result.output and "remount" not in result.output
+    # An --out it cannot write in was a traceback once the run began (a user's walk, on a read-only mount).
+    (tmp_path / "afile").write_text("")
+    result = CliRunner().invoke(bench_command, ["--generate", "40", "--out", str(tmp_path / "afile" / "out")])
+    assert result.exit_code == 2 and f"Invalid value for --out: {tmp_path / 'afile' / 'out'}: cannot write in it " \
+        "(Not a directory); pass a folder you can write" in result.output, result.output
+    assert "generating" not in result.output
+    # --generate beside --data was ignored without a word.
+    result = CliRunner().invoke(bench_command, ["--data", str(shapes_data / "train"), "--generate", "40",
+                                                "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--generate sizes the dataset generated without --data; drop one of them" \
+        in result.output, result.output
 
 
 def test_a_rate_above_the_floor_is_flagged_in_the_report() -> None:

@@ -10,12 +10,14 @@ import tempfile
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from prefetchd.bench.measure import MIN_BATCHES
 from prefetchd.bench.results import ALL_CONTENDERS, CONTENDERS
 from prefetchd.bench.run import buffers_in, run_benchmark, worker_counts
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import stops_cleanly
+from prefetchd.locations import probe_folder
 from prefetchd.options import FiniteFloat
 
 DEFAULT_GENERATE = 1500
@@ -115,6 +117,9 @@ def bench_command(
     try:
         workers = worker_counts(workers)  # before a dataset that takes a minute to generate
         buffers_in(buffer_root)  # likewise
+        _check_out(out_dir)  # likewise, and before the minutes of measuring that it would hold
+        if data is not None and click.get_current_context().get_parameter_source("generate") in GIVEN:
+            raise click.UsageError("--generate sizes the dataset generated without --data; drop one of them")
         if data is None:
             generated = Path(tempfile.mkdtemp(prefix="prefetchd-bench-data-"))
             data = generated / "train"
@@ -146,6 +151,19 @@ def bench_command(
                 shutil.rmtree(generated, ignore_errors=True)
     click.echo(results.table())
     click.echo(f"\nwrote {', '.join(results.files[k] for k in ('table', 'json', 'plot') if k in results.files)}")
+
+
+GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+def _check_out(out_dir: Path) -> None:
+    """Make ``--out``, and refuse one this user cannot write in (a read-only place was a traceback)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe_folder(out_dir, "bench.json")
+    except OSError as exc:
+        raise click.BadParameter(f"{out_dir}: cannot write in it ({exc.strerror or exc}); pass a folder you can "
+                                 "write", param_hint="--out") from None
 
 
 def _chosen(contenders: list[str] | None, with_ray: bool) -> tuple[str, ...]:
