@@ -120,6 +120,11 @@ class DaemonConfig:
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
             raise ConfigError(f"low_water = {self.low_water} must be below high_water = {self.high_water}")
         check_buffer_outside(self.buffer, self.data)
+        empty = {"train": 1.0, "val": 0.0}[self.split]  # the fraction that leaves this split no sample of any dataset
+        if self.val_fraction == empty:  # `prefetchd config` said "valid" to what start refused (a user's walk)
+            raise ConfigError(f"val_fraction = {shown(self.val_fraction)} leaves the {self.split} split empty: hold out "
+                              f"a fraction {'below 1' if empty else 'above 0'}, or leave val_fraction out to "
+                              f"{'train' if self.split == 'train' else 'validate'} on all of the data")
         self._check_augmentation()
         self._check_ray()
         self.local_ranks  # validates `ranks` against `world_size`

@@ -408,6 +408,6 @@ def split_members(n: int, split: str, val_fraction: float | None,
     if len(chosen) == 0:
         raise DatasetError(
             f"--val-fraction {val_fraction} leaves the {split} split of {n} samples empty; choose a fraction "
-            "strictly between 0 and 1 that leaves samples on both sides"
+            f"that holds out {'fewer' if split == 'train' else 'more'} (round(n x fraction) samples go to val)"
         )
     return np.sort(chosen).astype(np.int64)

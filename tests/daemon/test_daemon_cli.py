@@ -186,6 +186,11 @@ def test_a_command_line_only_option_in_a_config_file_says_where_it_is_set(
         ("workers = 0\n", [], "c.toml: workers = 0 leaves nobody to build batches"),
         ("", ["--workers", "0"], "--workers 0 leaves nobody to build batches"),
         ("", ["--val-fraction", "-0.1"], "--val-fraction -0.1: must be at least 0.0"),
+        # Said "valid" by `prefetchd config`, refused by start once the dataset was indexed (a user's walk).
+        ("", ["--val-fraction", "1"], "--val-fraction 1 leaves the train split empty: hold out a fraction below 1, "
+                                      "or leave val_fraction out to train on all of the data"),
+        ("split = 'val'\n", ["--val-fraction", "0"], "--val-fraction 0 leaves the val split empty: hold out a "
+                                                        "fraction above 0"),
         ("", ["--consumer-timeout", "0"], "--consumer-timeout 0: must be above 0"),  # not "0.0", which was not typed
         ("", ["--color-jitter", "-1"], "--color-jitter -1: must be at least 0.0"),
         ("", ["--ray", "remote"], "--ray remote: expected 'local'"),

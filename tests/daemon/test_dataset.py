@@ -277,7 +277,9 @@ def test_split_none_is_everything() -> None:
 def test_split_partitions(n: int, fraction: float) -> None:
     n_val = round(n * fraction)
     if n_val in (0, n):
-        with pytest.raises(DatasetError):
+        # What to do, not "strictly between 0 and 1", which the fraction already was.
+        more = "more" if n_val == 0 else "fewer"
+        with pytest.raises(DatasetError, match=f"choose a fraction that holds out {more}"):
             split_members(n, "val" if n_val == 0 else "train", fraction)
         return
     train = split_members(n, "train", fraction)
