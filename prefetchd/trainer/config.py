@@ -55,7 +55,7 @@ class TrainConfig:
     metrics_csv: Path | None = setting(None, "Write one CSV row per epoch here (after every epoch); its folder must exist.", Path, path="file")
     # A local Path, or a URL kept as a str: Path("s3://b/p") is "s3:/b/p".
     checkpoint_dir: Path | str | None = setting(None, "Save DIR/last.pt at every epoch's end (and see --checkpoint-every); DIR may be a URL such as s3://bucket/run1 (needs prefetchd[s3]; credentials from the standard AWS environment and files).", Path, location=True, path="dir")
-    checkpoint_every: int | None = setting(None, "Also save every N training steps.", int, minimum=1)
+    checkpoint_every: int | None = setting(None, "Also save every N training steps (needs --checkpoint-dir).", int, minimum=1)
     resume: bool = setting(False, "Continue from DIR/last.pt of --checkpoint-dir (from scratch if there is none); without it a run refuses a DIR that holds one.", bool)
     max_steps: int | None = setting(None, "Stop after this many training steps in all (resumed runs included), saving a checkpoint; on an epoch's last step, after that epoch's validation.", int, minimum=1)
     spawn_daemon: bool = setting(False, "Start `prefetchd start` for the buffers no daemon serves, and stop it at the end.", bool)

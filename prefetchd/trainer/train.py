@@ -106,8 +106,12 @@ def train(
     if config.spawn_daemon and config.val_data is not None and val_buffer is None:
         val_buffer = config.buffer.with_name(config.buffer.name + "-val")
     check_access(config.buffer, val_buffer)
-    if config.resume and config.checkpoint_dir is None and ranks.is_main:  # the other ranks follow rank 0's
-        raise OptionError("--resume continues from DIR/last.pt: pass --checkpoint-dir DIR")
+    if config.checkpoint_dir is None and ranks.is_main:  # the other ranks follow rank 0's
+        if config.resume:
+            raise OptionError("--resume continues from DIR/last.pt: pass --checkpoint-dir DIR")
+        if config.checkpoint_every is not None:  # ran to the end and saved nothing (a user's walk)
+            raise OptionError(f"--checkpoint-every {config.checkpoint_every} saves DIR/last.pt that often: pass "
+                              "--checkpoint-dir DIR")
     if not ranks.is_main:
         echo = _silent  # rank 0 speaks for all; errors still surface on every rank as exceptions
     if config.threads is not None:

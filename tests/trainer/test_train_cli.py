@@ -183,6 +183,16 @@ def test_an_unknown_model_is_refused_before_any_daemon_is_started(tmp_path: Path
     assert not (tmp_path / "bf").exists()  # no daemon was started on it
 
 
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--resume"], "--resume continues from DIR/last.pt: pass --checkpoint-dir DIR"),
+    (["--checkpoint-every", "2"], "--checkpoint-every 2 saves DIR/last.pt that often: pass --checkpoint-dir DIR"),
+])
+def test_checkpoint_flags_without_a_checkpoint_dir_are_refused(buffer: Path, flags: list[str], said: str) -> None:
+    """--checkpoint-every without --checkpoint-dir trained to the end and saved nothing (a user's walk)."""
+    result = CliRunner().invoke(main, ["--buffer", str(buffer), "--timeout", "0.1", "--device", "cpu", *flags])
+    assert result.exit_code == EXIT_USAGE and f"Error: {said}" in result.stderr, result.output
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--momentum", "-5"), ("--momentum", "1"), ("--weight-decay", "-1"),
                                              ("--label-smoothing", "1")])
 def test_optimizer_and_loss_settings_out_of_range_are_refused_at_parse_time(buffer: Path, flag: str, value: str) -> None:
