@@ -150,6 +150,17 @@ def _checkpoint_fs(url: str) -> tuple[Any, str]:
         raise CheckpointError(f"--checkpoint-dir: {exc}") from None
 
 
+def _load_failure(exc: Exception) -> str:
+    """What ``torch.load`` found wrong, in a line.  Its refusal of a file it cannot read safely is a paragraph on
+    PyTorch 2.6's default and on loading unsafely, cut off mid-sentence here once (a user's walk, on a damaged
+    file); its own finding is the line after "WeightsUnpickler error:"."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        found = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+        return f"damaged, or not a prefetchd-train checkpoint: {' '.join(found.split()) or type(exc).__name__}"
+    return " ".join(text.split())[:300]
+
+
 def load_checkpoint(path: Path | str) -> dict[str, Any]:
     """A checkpoint written by ``prefetchd-train``; CheckpointError says what is wrong with anything else."""
     source: Path | io.BytesIO = path if isinstance(path, Path) else io.BytesIO()
@@ -165,7 +176,7 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
         raise
     except Exception as exc:
         raise CheckpointError(
-            f"{path}: cannot read the checkpoint ({' '.join(str(exc).split())[:300]}); delete it to train from "
+            f"{path}: cannot read the checkpoint ({_load_failure(exc)}); delete it to train from "
             "scratch, or point --checkpoint-dir at an intact one"
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:

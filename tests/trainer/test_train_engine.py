@@ -300,6 +300,10 @@ def test_bad_or_foreign_checkpoints_are_one_clear_line(make_job: MakeJob, buffer
     result = CliRunner().invoke(main, args)
     assert result.exit_code == EXIT_FAILED
     assert "cannot read the checkpoint" in result.stderr and "Traceback" not in result.output
+    # Not torch's paragraph on its weights_only default, cut off mid-sentence (a user's walk): what it found.
+    said = " ".join(result.stderr.split())
+    assert "cannot read the checkpoint (damaged, or not a prefetchd-train checkpoint: " in said, said
+    assert "weights_only" not in said and "arbitrary code" not in said, said
 
     torch.save({"format": CHECKPOINT_FORMAT, "version": 1, "config": {"model": "resnet34"}}, ckpt / LAST_CHECKPOINT)
     result = CliRunner().invoke(main, args)
