@@ -183,8 +183,8 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
     # An --out it cannot write in was a traceback once the run began (a user's walk, on a read-only mount).
     (tmp_path / "afile").write_text("")
     result = CliRunner().invoke(bench_command, ["--generate", "40", "--out", str(tmp_path / "afile" / "out")])
-    assert result.exit_code == 2 and f"Invalid value for --out: {tmp_path / 'afile' / 'out'}: cannot write in it " \
-        "(Not a directory); pass a folder you can write" in result.output, result.output
+    assert result.exit_code == 2 and f"Invalid value for --out: {tmp_path / 'afile' / 'out'}: cannot write in " \
+        f"{tmp_path / 'afile'} (Not a directory); pass a folder you can write" in result.output, result.output
     assert "generating" not in result.output
     # --generate beside --data was ignored without a word.
     result = CliRunner().invoke(bench_command, ["--data", str(shapes_data / "train"), "--generate", "40",

@@ -157,13 +157,16 @@ GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
 def _check_out(out_dir: Path) -> None:
-    """Make ``--out``, and refuse one this user cannot write in (a read-only place was a traceback)."""
+    """Refuse an ``--out`` this user cannot write in (a read-only place was a traceback once the run began):
+    the folder, or the nearest one above it that exists, where the run makes it.  Nothing is made here."""
+    there = out_dir.absolute()
+    while not there.exists() and not there.is_symlink() and there != there.parent:
+        there = there.parent
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe_folder(out_dir, "bench.json")
+        probe_folder(there, "bench.json")
     except OSError as exc:
-        raise click.BadParameter(f"{out_dir}: cannot write in it ({exc.strerror or exc}); pass a folder you can "
-                                 "write", param_hint="--out") from None
+        raise click.BadParameter(f"{out_dir}: cannot write in {'it' if there == out_dir.absolute() else there} "
+                                 f"({exc.strerror or exc}); pass a folder you can write", param_hint="--out") from None
 
 
 def _chosen(contenders: list[str] | None, with_ray: bool) -> tuple[str, ...]:
