@@ -121,6 +121,26 @@ def stops_cleanly(main: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@contextmanager
+def signals_held(signums: Sequence[int] = (signal.SIGINT, *TERMINATION_SIGNALS)) -> Iterator[None]:
+    """Hold the stop signals while the block runs, then deliver them to this process's own handlers: for a
+    daemon's launch and the registration of its stop, between which a Ctrl-C left a daemon running that nothing
+    would stop (a user's walk of prefetchd-train --spawn-daemon).  The launched daemon is not affected (an exec
+    resets handled signals).  Off the main thread, where no handler can be set, it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: held.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(held):
+            signal.raise_signal(s)
+
+
 def buffer_root(need: int = 0) -> Path:
     """Where a program that starts its own daemon (demo, bench, tools) puts the buffer: /dev/shm,
     the RAM disk the daemon is meant for, or the temp folder where there is none to write to (or
@@ -183,13 +203,18 @@ def wait_ready(proc: subprocess.Popen[Any], buffer: Path, *, since: float, timeo
     manifests = [Path(d) / MANIFEST_NAME for d in (streams or (buffer,))]
     while True:
         code = proc.poll()
-        if code is not None:
-            command = " ".join(str(a) for a in proc.args) if isinstance(proc.args, list) else str(proc.args)
-            raise DaemonExited(buffer, code, last_words(log) if log is not None else "", log, command)
         try:
             fresh = all(m.stat().st_mtime >= since - MTIME_SLACK_SECONDS for m in manifests)
         except FileNotFoundError:
             fresh = False
+        if fresh and code == 0:
+            # It wrote its manifests and finished at once: its trainers had consumed the whole job (a finished
+            # run resumed).  Told apart from a refusal by its code; an exit 1 from a quicker poll here (a user's
+            # walk: 4 of 12 such resumes failed, "exited with code 0 before serving it").
+            return
+        if code is not None:
+            command = " ".join(str(a) for a in proc.args) if isinstance(proc.args, list) else str(proc.args)
+            raise DaemonExited(buffer, code, last_words(log) if log is not None else "", log, command)
         if fresh and daemon_pid(buffer) == proc.pid:
             return
         if time.monotonic() >= deadline:

@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.launch import (
     DaemonExited,
     DaemonNotReady,
@@ -70,6 +72,20 @@ def test_wait_ready_names_the_exit_code_the_log_and_the_command(tmp_path: Path) 
         wait_ready(proc, tmp_path / "bf", since=0.0, timeout=60, log=log)
     assert log.read_text() == "bad --data\n"
     assert got.value.brief.endswith("exited with code 4 before serving it: bad --data")  # its last line
+
+
+def test_a_daemon_that_wrote_its_manifest_and_finished_at_once_served(tmp_path: Path) -> None:
+    """A finished run resumed: the daemon writes its manifest, finds every epoch consumed and exits 0. Where it
+    exited before the wait looked, the resume failed with "exited with code 0 before serving it" (a user's
+    walk: 4 of 12).  A daemon that exits 0 without a fresh manifest still did not serve."""
+    (tmp_path / "bf").mkdir()
+    since = time.time()
+    code = f"open({str(tmp_path / 'bf' / MANIFEST_NAME)!r}, 'w').close()"
+    proc = launch([sys.executable, "-c", code])
+    proc.wait()
+    wait_ready(proc, tmp_path / "bf", since=since, timeout=60)  # served
+    with pytest.raises(DaemonExited, match="exited with code 0 before serving it"):
+        wait_ready(proc, tmp_path / "bf", since=time.time() + 60, timeout=60)  # that manifest is older: not its
 
 
 def test_last_words_are_the_daemons_error_not_its_info(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ class Run:
         self.epoch_lr: float | None = None
         self.resumed_from: dict[str, Any] | None = None
         self.should_stop: Callable[[], bool] = lambda: False
+        self.stop_signal: Callable[[], str] = lambda: "SIGTERM"  # the name of the signal ``should_stop`` says came
         self.recover: Recover | None = None  # replaces a dead or stuck daemon (--spawn-daemon)
         self.stop_reason: str | None = None
         self.saved_step: int | None = None  # the global step of the last checkpoint saved or resumed from
@@ -247,9 +248,10 @@ class Run:
         try:
             while self.epoch < self.epochs and not stopped:
                 stopped = self._epoch()
-        except Exception:
-            # A run that ends on an error (a daemon lost for good, a rank gone) leaves its metrics as one stopped
-            # does: the epochs it finished, or the header alone; it left none (a review of README's trainer).
+        except BaseException:
+            # A run that ends on an error (a daemon lost for good, a rank gone) or Ctrl-C leaves its metrics as one
+            # stopped does: the epochs it finished, or the header alone; it left none (a review of README's trainer;
+            # for Ctrl-C, a user's walk).
             with contextlib.suppress(OSError):
                 self._write_metrics(self._metrics(None, finished=False))
             raise
@@ -290,7 +292,7 @@ class Run:
             # A signal reaches the ranks at different steps; they stop together at the first step any saw it.
             terminated = self.coll.any(self.should_stop())
             if terminated:  # first: at the --max-steps step too, the exit is a SIGTERM's (the validation is skipped)
-                self.stop_reason = "SIGTERM"
+                self.stop_reason = self.stop_signal()
             elif config.max_steps is not None and self.global_step >= config.max_steps:
                 self.stop_reason = "--max-steps"
             # --max-steps on an epoch's last step: that epoch's validation and line still come, and the run
@@ -314,7 +316,7 @@ class Run:
             tr = pass_stats(self.partial or PassState(), self.k)
         self.partial = None
         if tr.stopped:
-            self.stop_reason = self.stop_reason or "SIGTERM"  # set by a step's end, else asked during a wait
+            self.stop_reason = self.stop_reason or self.stop_signal()  # set by a step's end, else asked during a wait
             return True
         va = None
         if self.val_loader is not None:
@@ -331,7 +333,7 @@ class Run:
                 before_step=self._before_step,
             )
             if va.stopped:
-                self.stop_reason = "SIGTERM"
+                self.stop_reason = self.stop_signal()
                 return True
         epoch_s = time.perf_counter() - wall + resumed_s
         wait_s = tr.wait_seconds + (va.wait_seconds if va else 0.0)

@@ -48,6 +48,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 import torch
 
+from prefetchd.launch import signals_held
 from prefetchd.trainer.errors import SetupError
 from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import gather_states, own_state
@@ -174,12 +175,13 @@ class BufferDataModule(pl.LightningDataModule):
             data = self._data[split]
             if data is None or buffer is None:
                 continue
-            spawned = spawn_daemon(buffer, data, split, self._daemon_config, logger.info, ranks)
-            if spawned is not None:
-                if not self._spawned:
-                    # Lightning calls no teardown when fit raises: the daemons would outlive the process.
-                    atexit.register(self._stop_spawned)
-                self._spawned.append(spawned)
+            with signals_held():  # a Ctrl-C between the launch and the registration of its stop left it running
+                spawned = spawn_daemon(buffer, data, split, self._daemon_config, logger.info, ranks)
+                if spawned is not None:
+                    if not self._spawned:
+                        # Lightning calls no teardown when fit raises: the daemons would outlive the process.
+                        atexit.register(self._stop_spawned)
+                    self._spawned.append(spawned)
         for spawned in self._spawned:
             spawned.wait_ready(self._timeout)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from prefetchd.buffer_protocol import daemon_owner, stream_dir
 from prefetchd.buffer_protocol.layout import DEFAULT_CONSUMER, MANIFEST_NAME, owning_buffer, progress_name
-from prefetchd.launch import LaunchError, launch, start_argv, stop_daemon_process, wait_ready
+from prefetchd.launch import LaunchError, launch, signals_held, start_argv, stop_daemon_process, wait_ready
 from prefetchd.locations import normalize
 from prefetchd.trainer.config import TrainConfig
 from prefetchd.trainer.passes import Recover
@@ -85,7 +85,8 @@ class SpawnedDaemon:
         # The loader's words (with its "Restart it with `prefetchd start ...`") are for whoever runs the daemon: here, us.
         logger.info("%s", " ".join(str(cause).split()))
         self.started = time.time()
-        self.proc = launch(self.command, stdout=subprocess.DEVNULL)
+        with signals_held():  # its stop is registered: the one of ``self.proc``, which must be this one
+            self.proc = launch(self.command, stdout=subprocess.DEVNULL)
         self.wait_ready(timeout)
         echo(f"prefetchd-train: the {self.split} daemon for {self.buffer} runs again (pid {self.proc.pid}); "
              "continuing from the same batch")

@@ -43,6 +43,7 @@ import click
 import torch
 
 from prefetchd.buffer_protocol import ProtocolError
+from prefetchd.launch import TERMINATION_SIGNALS, signals_held
 from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
 from prefetchd.trainer.collective import Collective, is_peer_failure, peer_failed
 from prefetchd.trainer.command import main  # `python -m prefetchd.trainer.train`, as torchrun runs it
@@ -67,7 +68,8 @@ EXIT_BUFFER = 3  # the buffer could not deliver: LoaderError / ProtocolError
 EXIT_NO_ACCESS = 4  # this user may not read --buffer or --val-buffer, nor write its progress there (NoAccess, at the
 # start or mid-run: AccessLost): as `prefetchd status` and `show`
 EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint
+EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint (SIGHUP likewise: 129)
+SIGNAL_NAMES = {signal.Signals(s).name for s in TERMINATION_SIGNALS}  # a metrics document's stopped_by
 
 
 logger = logging.getLogger(__name__)
@@ -88,12 +90,14 @@ def warn_of_another_size(train_buffer: Path, train: BufferLoader, val_buffer: Pa
 def train(
     config: TrainConfig, echo: Callable[[str], None] = click.echo, should_stop: Callable[[], bool] | None = None,
     ranks: Ranks | None = None, training: Callable[[], None] = lambda: None,
+    stop_signal: Callable[[], str] | None = None,
 ) -> dict[str, Any]:
     """Run the whole training; returns the metrics document (also written to ``metrics_json``).
 
     ``should_stop`` is asked after every training step and while the run waits for a batch
     (under torchrun: on any rank, and the ranks stop together); True ends the run there, with a checkpoint, as
-    ``--max-steps`` does (``main`` wires it to SIGTERM).  ``training`` is called once the
+    ``--max-steps`` does (``main`` wires it to SIGTERM and SIGHUP); ``stop_signal`` names the signal then (the
+    metrics' ``stopped_by``; SIGTERM without it, or where another rank's signal stopped this one).  ``training`` is called once the
     daemons, the loaders and the manifests are there, before the checkpoint is loaded.
     ``ranks`` defaults to what torchrun's environment says (one rank without it).
     """
@@ -137,11 +141,12 @@ def train(
                 wanted.append((val_buffer, config.val_data, "val"))
             # One daemon per box serves all of its ranks: local rank 0 starts it, the others wait.
             for buffer, data, split in wanted if ranks.is_local_main else []:
-                daemon = spawn_daemon(buffer, data, split, config, echo, ranks)
-                if daemon is not None:
-                    # Registered before the loaders: on the way out the loaders close (final progress) first.
-                    stack.callback(daemon.stop)
-                    spawned.append(daemon)
+                with signals_held():  # a stop signal between the launch and its stop's registration left it running
+                    daemon = spawn_daemon(buffer, data, split, config, echo, ranks)
+                    if daemon is not None:
+                        # Registered before the loaders: on the way out the loaders close (final progress) first.
+                        stack.callback(daemon.stop)
+                        spawned.append(daemon)
             for daemon in spawned:
                 daemon.wait_ready(config.timeout)
             coll.barrier("at the start, while local rank 0 starts the daemons", config.timeout + 60)
@@ -174,6 +179,8 @@ def train(
         run = Run(config, device, train_loader, val_loader, epochs, val_buffer, echo, coll, plan)
         if should_stop is not None:
             run.should_stop = should_stop
+        if stop_signal is not None:
+            run.stop_signal = stop_signal
         if config.spawn_daemon and not ranks.distributed:
             # Under torchrun the other ranks would give up on the daemon while local rank 0 restarts it:
             # there a lost daemon ends the run, and --resume continues it.
@@ -235,9 +242,10 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
     started: list[bool] = []
 
     def on_sigterm(signum: int, frame: object) -> None:
-        # The first SIGTERM only asks: the run stops after the step in progress (or the wait), with a
-        # checkpoint, and spawned daemons are stopped on the way out. A second one does not wait.
-        # Before training (daemons starting, a wait for the manifest of up to --timeout) there is
+        # The first SIGTERM (or SIGHUP: a closed terminal, which ended the run on the spot without a word, its
+        # spawned daemons left running; a user's walk) only asks: the run stops after the step in progress (or
+        # the wait), with a checkpoint, and spawned daemons are stopped on the way out. A second one does not
+        # wait. Before training (daemons starting, a wait for the manifest of up to --timeout) there is
         # nothing to save: it stops at once.
         terminations.append(signum)
         if not started:
@@ -245,14 +253,17 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
         if len(terminations) > 1:
             raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    def stop_signal() -> str:
+        return signal.Signals(terminations[0]).name if terminations else "SIGTERM"
+
+    previous = {s: signal.signal(s, on_sigterm) for s in TERMINATION_SIGNALS}
     try:
         metrics = train(config, should_stop=lambda: bool(terminations), ranks=ranks,
-                        training=lambda: started.append(True))
+                        training=lambda: started.append(True), stop_signal=stop_signal)
     except TerminatedBeforeTraining:
-        click.echo(f"{name}: stopped by SIGTERM before training began; nothing was trained, so nothing to save",
-                   err=True)
-        _leave(EXIT_TERMINATED, ranks)
+        click.echo(f"{name}: stopped by {stop_signal()} before training began; nothing was trained, so nothing to "
+                   "save", err=True)
+        _leave(128 + signal.Signals[stop_signal()], ranks)
     except NoAccess as exc:  # before LoaderError (AccessLost is both) and SetupError; every rank says it alike
         click.echo(f"{name}: {exc}", err=True)
         _leave(EXIT_NO_ACCESS, ranks)
@@ -282,8 +293,10 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
         click.echo(f"{name}: interrupted{_resumable(config) if ranks.is_main else ''}", err=True)
         _leave(EXIT_INTERRUPTED, ranks)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    _leave(EXIT_TERMINATED if metrics["stopped_by"] == "SIGTERM" else EXIT_OK, ranks)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    stopped_by = metrics["stopped_by"]
+    _leave(128 + signal.Signals[stopped_by] if stopped_by in SIGNAL_NAMES else EXIT_OK, ranks)
 
 
 def _leave(code: int, ranks: Ranks) -> NoReturn:

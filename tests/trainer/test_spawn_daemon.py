@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -339,3 +340,32 @@ def test_the_val_buffer_shows_this_run_from_its_first_training_step(shapes_data:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_ctrl_c_as_a_daemon_is_launched_leaves_no_daemon_running(shapes_data: Path, shm_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C (or SIGTERM) that came between a spawned daemon's launch and the registration of its stop left
+    that daemon running, unmentioned (a user's walk: the val daemon served on after the trainer exited 130)."""
+    import prefetchd.trainer.spawn as spawn_module
+
+    launched: list[subprocess.Popen[bytes]] = []
+    launch = spawn_module.launch
+
+    def launch_then_ctrl_c(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        proc = launch(*args, **kwargs)
+        launched.append(proc)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at once: its handler runs before the launch returns
+        return proc
+
+    monkeypatch.setattr(spawn_module, "launch", launch_then_ctrl_c)
+    result = CliRunner().invoke(main, [
+        "--buffer", str(shm_dir / "bf"), "--spawn-daemon", "--data", str(shapes_data / "train"), "--epochs", "1",
+        "--batch-size", "8", "--image-size", "32", "--workers", "1", "--device", "cpu", "--threads", "1", "-q"])
+    try:
+        assert result.exit_code == 130, result.output
+        assert len(launched) == 1 and launched[0].poll() is not None, "the daemon it launched is stopped"
+    finally:
+        for proc in launched:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

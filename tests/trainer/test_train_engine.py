@@ -454,23 +454,27 @@ def signalled_after_the_first_checkpoint(make_job: MakeJob, buffer: Path, ckpt: 
     result = CliRunner().invoke(main, [
         "--buffer", str(train_job.buffer), "--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q",
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--timeout", "10",
+        "--metrics-json", str(ckpt.parent / "metrics.json"),
     ])
     killer.join()
     return result
 
 
-def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_stops_at_a_step_with_a_checkpoint(make_job: MakeJob, buffer: Path, tmp_path: Path, name: str) -> None:
+    """SIGHUP (a closed terminal) too: it ended the run on the spot, without a word or a checkpoint, its spawned
+    daemons left running (a user's walk); now as SIGTERM, exit 129."""
     import signal
 
-    from prefetchd.trainer.train import EXIT_TERMINATED
-
+    signum = signal.Signals[name]
     ckpt = tmp_path / "ckpt"
-    before = signal.getsignal(signal.SIGTERM)
-    result = signalled_after_the_first_checkpoint(make_job, buffer, ckpt, signal.SIGTERM)
-    assert result.exit_code == EXIT_TERMINATED, result.output
-    assert signal.getsignal(signal.SIGTERM) == before, "the handler is put back"
+    before = signal.getsignal(signum)
+    result = signalled_after_the_first_checkpoint(make_job, buffer, ckpt, signum)
+    assert result.exit_code == 128 + signum, result.output
+    assert signal.getsignal(signum) == before, "the handler is put back"
     line = [x for x in result.stdout.splitlines() if x.startswith("stopped after global step")]
-    assert line and "(SIGTERM, checkpoint" in line[0] and "--resume" in line[0]
+    assert line and f"({name}, checkpoint" in line[0] and "--resume" in line[0]
+    assert json.loads((tmp_path / "metrics.json").read_text())["stopped_by"] == name
     step = int(line[0].split()[4])
     assert 1 <= step < 40
     doc = load_checkpoint(ckpt / LAST_CHECKPOINT)
@@ -486,6 +490,9 @@ def test_ctrl_c_says_what_resume_continues_from(make_job: MakeJob, buffer: Path,
     ckpt = tmp_path / "ckpt"
     result = signalled_after_the_first_checkpoint(make_job, buffer, ckpt, signal.SIGINT)
     assert result.exit_code == EXIT_INTERRUPTED, result.output
+    # Its metrics are written as an error's are (they were not: a user's walk), the epochs it finished: none.
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["finished"] is False and metrics["epochs"] == [] and metrics["global_steps"] >= 1
     step = load_checkpoint(ckpt / LAST_CHECKPOINT)["global_step"]
     said = " ".join(result.stderr.split())
     assert f"interrupted; --resume continues from the last checkpoint, {ckpt / LAST_CHECKPOINT} (global step {step}," \
