@@ -264,9 +264,11 @@ class BatchWaiter:
                 return
             _say_what(self.buffer)
             raise LoaderError(f"{self.buffer}: the daemon made this stream folder again since this loader started "
-                              "(`prefetchd start --reset`, or a job of another --world-size); start the trainer again")
+                              "(`prefetchd start --reset`, or a job of another --world-size); start the trainer again, from its last "
+                              "checkpoint (prefetchd-train --resume)")
         raise LoaderError(f"{self.buffer}: is not the buffer folder this loader started on (removed and made again "
-                          "since, or a link that leads to another now); start the trainer again")
+                          "since, or a link that leads to another now); start the trainer again, from its last checkpoint "
+                          "(prefetchd-train --resume)")
 
     def close(self) -> None:
         """Close the folder's fd; a later map raises LoaderError."""

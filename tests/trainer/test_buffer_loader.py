@@ -1134,7 +1134,8 @@ def test_a_loader_waiting_in_a_stream_folder_the_daemon_made_again_says_so_at_on
     job.write(0, 1)
     began = time.monotonic()
     with pytest.raises(LoaderError, match=rf"{job.buffer}: the daemon made this stream folder again since this "
-                                          r"loader started \(`prefetchd start --reset`"):
+                                          r"loader started \(`prefetchd start --reset`.*start the trainer again, "
+                                          r"from its last checkpoint \(prefetchd-train --resume\)"):
         next(batches)
     assert time.monotonic() - began < 10 * loader._waiter.liveness_interval
     loader.close()
