@@ -112,6 +112,7 @@ def test_a_first_row_naming_a_file_is_a_sample(tmp_path: Path, first: str) -> No
 @pytest.mark.parametrize(("text", "message"), [
     ("a.jpg,cat\nb.jpg\n", r"list\.csv:2: expected 'path,label'.*every row needs a path and a label"),
     ("a.jpg 0\nb.jpg 1\n", r"list\.csv:1: expected 'path,label'.*with a comma or a tab .*not spaces"),
+    ("a.jpg;cat\nb.jpg;dog\n", r"list\.csv:1: expected 'path,label'.*with a comma or a tab .*not ';'"),
     ("# made by hand\na.jpg,0\n", r"list\.csv:1: expected 'path,label'.*has no comments; remove the line"),
     ("a.jpg,cat\n,dog\n", r"list\.csv:2: the path is empty"),
     ("a.jpg,cat\nb.jpg, \n", r"list\.csv:2: the label of b\.jpg is empty"),

@@ -154,6 +154,8 @@ def _why_one_column(cell: str) -> str:
         return "a file list has no comments; remove the line"
     if len(cell.split()) > 1:  # `path label`, as some .txt lists are written
         return "separate the path and the label with a comma or a tab (as CSV and TSV do), not spaces"
+    if ";" in cell:  # a spreadsheet's CSV where the comma is the decimal mark (a user's walk)
+        return "separate the path and the label with a comma or a tab (as CSV and TSV do), not ';'"
     return "every row needs a path and a label"
 
 
