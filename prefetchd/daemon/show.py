@@ -106,9 +106,17 @@ def render_next_batch(buffer: Path, out: Path, max_images: int = 64) -> MappedBa
         grid.paste(tile, (x, y))
         label = int(batch.labels[i])
         name = manifest.classes[label] if 0 <= label < len(manifest.classes) else str(label)
-        draw.text((x + 2, y + h * scale + 1), f"{name} #{int(batch.indices[i])}", fill="black")
+        draw.text((x + 2, y + h * scale + 1), f"{drawable(name)} #{int(batch.indices[i])}", fill="black")
     save_checked(grid, out)
     return batch
+
+
+def drawable(name: str) -> str:
+    """A class name as the grid's label can show it: Pillow's default font draws only ASCII, so "café" and a
+    Latin-1 folder name read as UTF-8 both came out "caf" and a box, "日本" as boxes, and a name with a newline cut
+    its sample's number off (a user's walk).  Such names are spelled as Python escapes them, which tells them
+    apart."""
+    return name if name.isascii() and name.isprintable() else ascii(name)[1:-1]
 
 
 def save_checked(image: Image.Image, out: Path) -> None:

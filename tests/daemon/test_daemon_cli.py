@@ -1278,3 +1278,15 @@ def test_the_submit_command_a_trainer_prints_gives_the_job_over_the_daemons_own_
     again = DaemonConfig(**load_toml(tmp_path / "shown.toml"))
     assert _manifest_of(again).identity_diff(_manifest_of(job)) == [], command
     assert again.local_ranks == (0,), command
+
+
+def test_class_names_the_grid_cannot_draw_are_spelled_as_escapes() -> None:
+    """Pillow's default font draws ASCII only: "café" and a Latin-1 folder name both read "caf" and a box (a user's
+    walk)."""
+    from prefetchd.daemon.show import drawable
+
+    latin1 = b"caf\xe9".decode("utf-8", "surrogateescape")  # as os.listdir gives a Latin-1 folder name
+    names = ["cat", "n01440764", "café", latin1, "日本", "line\nbreak", "🐱cat"]
+    shown = [drawable(n) for n in names]
+    assert shown == ["cat", "n01440764", "caf\\xe9", "caf\\udce9", "\\u65e5\\u672c", "line\\nbreak", "\\U0001f431cat"]
+    assert all(s.isascii() and s.isprintable() for s in shown) and len(set(shown)) == len(shown)
