@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.heap
 import multiprocessing.util
 import os
 import resource
@@ -332,6 +333,7 @@ def worker_context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     assert isinstance(ctx, multiprocessing.context.ForkServerContext)
     _short_socket_folder()
+    _shared_arrays_beside_an_unusable_shm()
     ctx.set_forkserver_preload(forkserver_preload())
     return ctx
 
@@ -354,6 +356,20 @@ def _short_socket_folder() -> None:
     finally:
         tempfile.tempdir = saved
     log.info("TMPDIR %s is too long for the worker server's socket; its socket is in %s", saved, folder)
+
+
+def _shared_arrays_beside_an_unusable_shm() -> None:
+    """Where /dev/shm is missing or read-only (a container's), put multiprocessing's shared arrays (each worker's
+    whereabouts, the files known clean) in the temp folder.  Its heap picks /dev/shm whenever that reports room,
+    so the first worker's start failed there, on a buffer elsewhere too: "internal error: OSError: Read-only file
+    system: '/dev/shm/pym-...'" or FileNotFoundError (a user's walk; `prefetchd demo` in such a container with it).
+    The arrays are a few KiB: on disk they cost nothing that matters."""
+    if not os.access(SHM, os.W_OK):
+        # The candidates multiprocessing.heap.Arena tries before the temp folder (['/dev/shm'] on Linux).
+        setattr(multiprocessing.heap.Arena, "_dir_candidates", [])
+
+
+SHM = "/dev/shm"
 
 
 def start_worker_server() -> None:

@@ -4,6 +4,7 @@ SIGTERM arrives while it exits, and at once when restarted on a job already cons
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -288,3 +289,27 @@ def test_a_start_refused_after_a_stop_signal_says_why_and_leaves_no_temp_folder(
     assert out.returncode == 2, out.stdout + out.stderr  # the refused option's code, not death by SIGTERM (-15)
     assert f"cannot serve metrics on 127.0.0.1:{port}: it is in use" in out.stderr, out.stderr
     assert sorted(p.name for p in scratch.iterdir()) == [], out.stderr
+
+
+@pytest.mark.parametrize("shm", ["read-only", "missing"])
+def test_a_daemon_works_where_dev_shm_is_read_only_or_missing(shapes_data: Path, tmp_path: Path, shm: str) -> None:
+    """A container's /dev/shm may be read-only or absent: multiprocessing's shared arrays went there whatever the
+    buffer's place, and the first worker's start failed, an internal error (a user's walk; `prefetchd demo`,
+    which puts its buffer under the temp folder then, failed with it)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a /dev/shm of its own")
+    # Read-only: a tmpfs mounted so over it. Missing: /dev itself a read-only tmpfs without it.
+    hide = ("mount -t tmpfs -o size=1m,ro tmpfs /dev/shm" if shm == "read-only" else
+            "mount -t tmpfs -o size=1m tmpfs /dev && mount -o remount,ro /dev")
+    buffer = tmp_path / "bf"
+    daemon = subprocess.Popen(["unshare", "-m", "sh", "-c", f'{hide} && exec "$@"', "sh", sys.executable, "-m",
+                               "prefetchd", "start", "--buffer", str(buffer), "--data", str(shapes_data / "train"),
+                               *JOB], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        consume_everything(buffer)
+        log, _ = daemon.communicate(timeout=60)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    assert daemon.returncode == 0 and FINISHED in log and errors_in(log) == [], log
