@@ -32,7 +32,7 @@ from prefetchd.daemon.buffer_dir import check_capacity, check_not_shared, privat
 from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
-                                     DaemonError)
+                                     DaemonError, out_of_processes)
 from prefetchd.daemon.status_view import describe_status, foreign_lock, format_status, not_the_holder, status_json
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import BufferOptionCommand, FiniteFloat, click_options
@@ -119,6 +119,12 @@ def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **par
     except (DaemonError, ProtocolError) as exc:
         log.error("%s", exc)
         sys.exit(getattr(exc, "exit_code", EXIT_FAILURE))
+    except (RuntimeError, OSError) as exc:
+        said = out_of_processes(exc)
+        if said is None:
+            raise
+        log.error("%s", said)
+        sys.exit(EXIT_FAILURE)
     sys.exit(code)
 
 

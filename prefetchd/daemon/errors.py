@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import resource
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # click's own code for bad flags; we use it for bad configuration too
@@ -43,3 +46,17 @@ class BadDataError(DatasetError):
     """Too many samples could not be decoded (or one, with --strict): the data needs fixing."""
 
     exit_code = EXIT_BAD_DATA
+
+
+def out_of_processes(exc: BaseException) -> str | None:
+    """What to tell the user where ``exc`` is the system refusing a new thread or process (this user's
+    ``ulimit -u``, a cgroup's pids.max); None for any other error.  Such a daemon died with a raw traceback
+    ("RuntimeError: can't start new thread" while indexing) or an "internal error" (a user's walk)."""
+    if not (isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)
+            or isinstance(exc, OSError) and exc.errno == errno.EAGAIN):
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    limit = f"this user's limit of {soft} (ulimit -u), or " if soft != resource.RLIM_INFINITY else ""
+    return (f"cannot start another thread or process ({exc}): the processes and threads allowed, {limit}its "
+            "cgroup's pids.max, are taken; raise the limit (LimitNPROC= or TasksMax= in a systemd unit, "
+            "--pids-limit for a container) or lower --workers")

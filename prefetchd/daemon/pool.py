@@ -37,6 +37,7 @@ from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
 from prefetchd.daemon.whereabouts import Whereabouts
 from prefetchd.daemon.workers import forkserver_preload, worker_main
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,9 @@ class WorkerPool:
             except (EOFError, ConnectionError) as exc:
                 if time.monotonic() >= deadline:
                     raise DaemonError(f"cannot start a worker: the worker server died and did not start again "
-                                      f"within {SERVER_RESTART_SECONDS:g} s ({type(exc).__name__}: {exc})") from exc
+                                      f"within {SERVER_RESTART_SECONDS:g} s ({type(exc).__name__}: {exc}); a limit on "
+                                      "processes and threads (ulimit -u, a cgroup's pids.max) does this where it "
+                                      "leaves too few for the workers") from exc
                 time.sleep(0.05)
 
     def _spawn_once(self, start_hangs: tuple[int, ...]) -> Worker:
@@ -265,7 +268,8 @@ def make_room_for_files(workers: int) -> None:
         return
     if hard != resource.RLIM_INFINITY and hard < need:
         fit = (hard - FILES_BESIDE_WORKERS) // FILES_PER_WORKER
-        raise ConfigError(f"{workers} workers need about {need} open files in the daemon, but its limit is {hard} "
+        raise ConfigError(f"{counted(workers, 'worker')} need{'s' if workers == 1 else ''} about {need} open files in the "
+                          f"daemon, but its limit is {hard} "
                           f"(`ulimit -Hn`): raise it (LimitNOFILE={need} in a systemd unit; `ulimit -n {need}` as "
                           "root in a shell)" + (f", or pass --workers {fit} or fewer" if fit > 0 else ""))
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))

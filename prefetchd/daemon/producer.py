@@ -54,7 +54,7 @@ from prefetchd.daemon.build_failures import BuildFailures
 from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.config import DaemonConfig
 from prefetchd.daemon.dataset import SampleIndex
-from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError
+from prefetchd.daemon.errors import BadDataError, BufferLost, DaemonError, out_of_processes
 from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.sampler import EpochOrders, batch_slice
 from prefetchd.daemon.pool import (Worker, WorkerPool, batches_to_fill, start_worker_server, task_images,
@@ -237,8 +237,12 @@ class Producer:
                     break
         except Exception as exc:  # a bug: leave a status that says so, not a silently stale heartbeat
             lost = self.lock_lost() if isinstance(exc, FileNotFoundError) else None
+            limited = out_of_processes(exc)
             if lost is not None:  # the buffer removed under the loop, no bug
                 self.fatal, self.fatal_error = str(BufferLost.because(lost)), BufferLost
+            elif isinstance(exc, DaemonError) or limited is not None:  # said for the user, no bug either
+                self.fatal = limited or str(exc)
+                log.error("%s", self.fatal)
             else:
                 log.exception("internal error in the controller")
                 self.fatal = f"internal error: {type(exc).__name__}: {exc} (see the log; please report it)"

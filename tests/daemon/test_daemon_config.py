@@ -696,3 +696,15 @@ def test_the_data_help_names_every_file_list_suffix() -> None:
     from prefetchd.daemon.sources.filelist import LIST_SUFFIXES
 
     assert f"a {'/'.join(LIST_SUFFIXES)} file list" in FIELDS["data"].metadata["help"]
+
+
+def test_only_a_refused_thread_or_process_is_told_as_a_limit() -> None:
+    import errno
+
+    from prefetchd.daemon.errors import out_of_processes
+
+    for exc in (RuntimeError("can't start new thread"), BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")):
+        said = out_of_processes(exc)
+        assert said is not None and said.startswith(f"cannot start another thread or process ({exc})"), said
+    for exc in (RuntimeError("another"), OSError(errno.ENOSPC, "No space left on device"), ValueError("x")):
+        assert out_of_processes(exc) is None

@@ -313,3 +313,24 @@ def test_a_daemon_works_where_dev_shm_is_read_only_or_missing(shapes_data: Path,
             daemon.kill()
             daemon.wait()
     assert daemon.returncode == 0 and FINISHED in log and errors_in(log) == [], log
+
+
+def test_a_daemon_refused_threads_says_which_limit_not_a_traceback(shapes_data: Path, tmp_path: Path) -> None:
+    """Under a low `ulimit -u` the index's thread pool could not start a thread: the daemon died with a raw
+    traceback, its status left at "starting" (a user's walk).  The pool here is one that fails so."""
+    refuse = ("import sys, prefetchd.daemon.dataset as dataset\n"
+              "class NoThreads:\n"
+              "    def __init__(self, *args, **kwargs): pass\n"
+              "    def __enter__(self): return self\n"
+              "    def __exit__(self, *exc): return False\n"
+              "    def submit(self, *args, **kwargs): raise RuntimeError(\"can't start new thread\")\n"
+              "dataset.ThreadPoolExecutor = NoThreads\n"
+              "from prefetchd.cli import main\n"
+              "sys.exit(main())\n")
+    out = subprocess.run([sys.executable, "-c", refuse, "start", "--buffer", str(tmp_path / "bf"), "--data",
+                          str(shapes_data / "train"), "--refresh-index", "--index-cache", str(tmp_path / "cache"),
+                          *JOB], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "cannot start another thread or process (can't start new thread): the processes and threads allowed" \
+        in out.stderr and "pids.max" in out.stderr and "lower --workers" in out.stderr, out.stderr
