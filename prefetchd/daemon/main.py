@@ -22,6 +22,7 @@ from prefetchd.daemon.job_start import StoppedWhileStarting, already_consumed, s
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.logs import one_line, status_unwritten
 from prefetchd.daemon.metrics import Metrics
+from prefetchd.daemon.pool import make_room_for_files
 from prefetchd.daemon.producer import start_worker_server
 from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.sdnotify import Notifier, status_line
@@ -132,6 +133,10 @@ def _serve(cfg: DaemonConfig) -> int:
     try:
         note_buffer_filesystem(buffer)
         # The worker server imports what workers need (seconds where that is torch); it runs while we index.
+        # It keeps the open-file limit it starts with, and each worker's start hands it a few files: under a
+        # soft limit of 16 its first one failed, a traceback in the log and a restart (a user's walk). The job
+        # raises the limit for all of its workers (``job_start``), this one for the server first.
+        make_room_for_files(cfg.workers or 1)
         start_worker_server()
         if (lost := oom_order_lost()) is not None:
             log.warning("%s", lost)

@@ -334,3 +334,27 @@ def test_a_daemon_refused_threads_says_which_limit_not_a_traceback(shapes_data: 
     assert "Traceback" not in out.stderr, out.stderr
     assert "cannot start another thread or process (can't start new thread): the processes and threads allowed" \
         in out.stderr and "pids.max" in out.stderr and "lower --workers" in out.stderr, out.stderr
+
+
+def test_a_low_soft_open_file_limit_is_raised_before_the_worker_server_starts(shapes_data: Path, tmp_path: Path) -> None:
+    """Under a soft limit of 16 the worker server kept it, failed the first worker's start (its files handed over:
+    "AssertionError: Len is 6 but msg[0] is 7", a traceback in the log) and was started again (a user's walk)."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 64:
+        pytest.skip("the hard open-file limit leaves no room to raise")
+    buffer = tmp_path / "bf"
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data", str(shapes_data / "train"),
+         *JOB], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (16, hard)))
+    try:
+        consume_everything(buffer)
+        log, _ = daemon.communicate(timeout=60)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    assert daemon.returncode == 0 and FINISHED in log and errors_in(log) == [], log
+    assert "raised the open-file limit from 16 to" in log, log
