@@ -302,9 +302,15 @@ def test_a_daemon_works_where_dev_shm_is_read_only_or_missing(shapes_data: Path,
     hide = ("mount -t tmpfs -o size=1m,ro tmpfs /dev/shm" if shm == "read-only" else
             "mount -t tmpfs -o size=1m tmpfs /dev && mount -o remount,ro /dev")
     buffer = tmp_path / "bf"
-    daemon = subprocess.Popen(["unshare", "-m", "sh", "-c", f'{hide} && exec "$@"', "sh", sys.executable, "-m",
-                               "prefetchd", "start", "--buffer", str(buffer), "--data", str(shapes_data / "train"),
-                               *JOB], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code, log = served_to_the_end(buffer, ["unshare", "-m", "sh", "-c", f'{hide} && exec "$@"', "sh", sys.executable,
+                                           "-m", "prefetchd", "start", "--buffer", str(buffer), "--data",
+                                           str(shapes_data / "train"), *JOB])
+    assert code == 0 and FINISHED in log and errors_in(log) == [], log
+
+
+def served_to_the_end(buffer: Path, argv: list[str], **popen: Any) -> tuple[int, str]:
+    """Run the daemon ``argv`` starts on ``buffer`` while a trainer reads its one epoch; its exit code and log."""
+    daemon = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
     try:
         consume_everything(buffer)
         log, _ = daemon.communicate(timeout=60)
@@ -312,7 +318,7 @@ def test_a_daemon_works_where_dev_shm_is_read_only_or_missing(shapes_data: Path,
         if daemon.poll() is None:
             daemon.kill()
             daemon.wait()
-    assert daemon.returncode == 0 and FINISHED in log and errors_in(log) == [], log
+    return daemon.returncode, log
 
 
 def test_a_daemon_refused_threads_says_which_limit_not_a_traceback(shapes_data: Path, tmp_path: Path) -> None:
@@ -345,16 +351,9 @@ def test_a_low_soft_open_file_limit_is_raised_before_the_worker_server_starts(sh
     if hard != resource.RLIM_INFINITY and hard < 64:
         pytest.skip("the hard open-file limit leaves no room to raise")
     buffer = tmp_path / "bf"
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data", str(shapes_data / "train"),
-         *JOB], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    code, log = served_to_the_end(
+        buffer, [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data",
+                 str(shapes_data / "train"), *JOB],
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (16, hard)))
-    try:
-        consume_everything(buffer)
-        log, _ = daemon.communicate(timeout=60)
-    finally:
-        if daemon.poll() is None:
-            daemon.kill()
-            daemon.wait()
-    assert daemon.returncode == 0 and FINISHED in log and errors_in(log) == [], log
+    assert code == 0 and FINISHED in log and errors_in(log) == [], log
     assert "raised the open-file limit from 16 to" in log, log
