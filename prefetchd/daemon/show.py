@@ -33,12 +33,17 @@ def next_batch(buffer: Path) -> MappedBatch:
     return map_batch(list_batches(buffer)[waiting[0]])
 
 
+def _format(suffix: str) -> str | None:
+    """The Pillow format a file suffix names (``.JPG``: JPEG), as ``Image.save`` picks it; None for none."""
+    return Image.registered_extensions().get(suffix.lower())
+
+
 @functools.cache
 def _writes_rgb(suffix: str) -> bool:
     """Whether Pillow here writes an RGB image in the format ``suffix`` names.  Asked by writing a pixel:
     a registered suffix may name a format Pillow only reads (.psd), one whose writer is a plugin not
     installed (.wmf, .h5) or one without RGB (.xbm), each a traceback at the save."""
-    form = Image.registered_extensions().get(suffix.lower())
+    form = _format(suffix)
     if form is None or form not in Image.SAVE:
         return False
     try:
@@ -124,7 +129,7 @@ def save_checked(image: Image.Image, out: Path) -> None:
     write fails.  Encoded in memory first: Pillow's JPEG and TIFF writers let a full disk pass, leaving a
     truncated file that `prefetchd show` said it wrote (a user's walk, on a nearly full tmpfs)."""
     encoded = io.BytesIO()
-    image.save(encoded, format=Image.registered_extensions()[out.suffix.lower()])
+    image.save(encoded, format=_format(out.suffix))  # a suffix bad_suffix let through names one
     try:
         with open(out, "wb") as f:
             f.write(encoded.getbuffer())
