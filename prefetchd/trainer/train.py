@@ -263,7 +263,7 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
     except TerminatedBeforeTraining:
         click.echo(f"{name}: stopped by {stop_signal()} before training began; nothing was trained, so nothing to "
                    "save", err=True)
-        _leave(128 + signal.Signals[stop_signal()], ranks)
+        _leave(signal_exit(stop_signal()), ranks)
     except NoAccess as exc:  # before LoaderError (AccessLost is both) and SetupError; every rank says it alike
         click.echo(f"{name}: {exc}", err=True)
         _leave(EXIT_NO_ACCESS, ranks)
@@ -296,7 +296,12 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
         for s, handler in previous.items():
             signal.signal(s, handler)
     stopped_by = metrics["stopped_by"]
-    _leave(128 + signal.Signals[stopped_by] if stopped_by in SIGNAL_NAMES else EXIT_OK, ranks)
+    _leave(signal_exit(stopped_by) if stopped_by in SIGNAL_NAMES else EXIT_OK, ranks)
+
+
+def signal_exit(name: str) -> int:
+    """The exit code of a run that signal ``name`` stopped, as a process the signal killed has: 143 for SIGTERM."""
+    return 128 + signal.Signals[name]
 
 
 def _leave(code: int, ranks: Ranks) -> NoReturn:
