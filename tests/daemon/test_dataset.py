@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import subprocess
 import time
 from collections.abc import Callable
@@ -462,6 +463,21 @@ def test_default_cache_dir_follows_systemd_then_xdg(monkeypatch: pytest.MonkeyPa
     assert default_cache_dir() == tmp_path / "prefetchd"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == Path.home() / ".cache" / "prefetchd"
+
+
+@pytest.mark.parametrize("xdg", [None, "", "rel/cache"])
+@pytest.mark.parametrize("home", [None, "", "."])
+def test_default_cache_dir_ignores_empty_or_relative_homes(monkeypatch: pytest.MonkeyPatch, xdg: str | None,
+                                                         home: str | None) -> None:
+    """An empty HOME (cron, a container's HOME="") made the cache `.cache/prefetchd` in whatever folder the
+    daemon was started from: the account's home folder instead, as the XDG spec asks."""
+    monkeypatch.delenv("CACHE_DIRECTORY", raising=False)
+    for name, value in (("XDG_CACHE_HOME", xdg), ("HOME", home)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert default_cache_dir() == Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "prefetchd"
 
 
 def test_split_folders_taken_for_classes_are_warned_about() -> None:

@@ -29,6 +29,7 @@ import errno
 import hashlib
 import logging
 import os
+import pwd
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -56,12 +57,24 @@ UNIT_CACHE_DIRECTORY = Path("/var/cache/prefetchd")
 
 
 def default_cache_dir() -> Path:
-    """systemd's ``CacheDirectory=`` (it sets $CACHE_DIRECTORY), else the user's cache folder."""
+    """systemd's ``CacheDirectory=`` (it sets $CACHE_DIRECTORY), else the user's cache folder.
+
+    As the XDG spec says, an empty or relative $XDG_CACHE_HOME is ignored; so is such a $HOME (cron, `env -i`,
+    a container's HOME=""), which would put the cache in whatever folder the daemon was started from: the
+    account's home folder is used instead."""
     systemd = os.environ.get("CACHE_DIRECTORY")
     if systemd:
         return Path(systemd.split(":")[0])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg) / "prefetchd" if xdg else Path.home() / ".cache" / "prefetchd"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "prefetchd"
+    home = os.environ.get("HOME", "")
+    if not os.path.isabs(home):
+        try:
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except KeyError:  # a uid without an account (a container's --user 12345): no home at all
+            home = os.path.join(tempfile.gettempdir(), f"prefetchd-{os.getuid()}")
+    return Path(home) / ".cache" / "prefetchd"
 
 
 def cache_file(cache_dir: Path, kind: str, location: str | Path) -> Path:
