@@ -3,6 +3,7 @@ stop/status commands, driven through click's CliRunner (no daemon is started her
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import grp
 import importlib
@@ -310,6 +311,33 @@ def test_status_watch_json_prints_one_document_per_line(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert all(json.loads(line) for line in out.splitlines())
     assert "Ctrl-C to leave" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["--help"], ["status", "--json"], ["status", "--watch", "--interval", "0.1"]])
+def test_output_that_cannot_be_written_is_said_not_a_traceback(tmp_path: Path, args: list[str]) -> None:
+    """`prefetchd status > /dev/full` (stdout on a full disk) was click.echo's OSError traceback."""
+    if args[0] == "status":
+        args = [*args, "--buffer", str(tmp_path)]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "prefetchd", *args], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == "prefetchd: cannot write to standard output: No space left on device\n", proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_error_that_is_not_stdouts_keeps_its_traceback() -> None:
+    """Only click.echo's write to stdout is said as unwritable output; any other OSError is a bug to show."""
+    full = open("/dev/full", "w")
+    try:
+        for raise_it in (lambda: open("/nonexistent/x"), lambda: click.echo("x", file=full)):
+            with pytest.raises(OSError) as caught:
+                raise_it()
+            assert not prefetchd_cli._raised_writing_stdout(caught.value)
+    finally:
+        with contextlib.suppress(OSError):  # its close flushes what echo left there, onto /dev/full again
+            full.close()
 
 
 def test_status_refuses_an_interval_without_watch(runner: CliRunner, tmp_path: Path) -> None:
