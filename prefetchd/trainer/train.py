@@ -200,18 +200,26 @@ def _silent(_: str) -> None:
     pass
 
 
-def _resumable(config: TrainConfig) -> str:
-    """What ``--resume`` continues from after Ctrl-C, which (unlike SIGTERM) stops without saving."""
+def _resumable(config: TrainConfig, second_signal: bool) -> str:
+    """What ``--resume`` continues from after Ctrl-C or a second SIGTERM, which stop without saving; after
+    Ctrl-C, that one SIGTERM would have saved."""
     path = CheckpointPlan.of(config).path
     if path is None:
-        return " (no --checkpoint-dir: nothing to resume from; SIGTERM instead stops after the step with a checkpoint)"
+        return " (no --checkpoint-dir: nothing to resume from" + (
+            ")" if second_signal else "; SIGTERM instead stops after the step with a checkpoint)")
     try:
         there = existing_checkpoint(path)
     except CheckpointError:
         there = None
     if there is None:
         return f" before a checkpoint was saved in {config.checkpoint_dir}"
-    return f"; --resume continues from the last checkpoint, {there} (SIGTERM instead saves one first)"
+    return f"; --resume continues from the last checkpoint, {there}" + (
+        "" if second_signal else " (SIGTERM instead saves one first)")
+
+
+class StopNow(KeyboardInterrupt):
+    """A second SIGTERM/SIGHUP: stop without waiting for the step, as Ctrl-C does (a KeyboardInterrupt, so that
+    a checkpoint being written is finished first), but said and exited as that signal (143), not as Ctrl-C."""
 
 
 class TerminatedBeforeTraining(BaseException):
@@ -251,7 +259,7 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
         if not started:
             raise TerminatedBeforeTraining
         if len(terminations) > 1:
-            raise KeyboardInterrupt
+            raise StopNow
 
     def stop_signal() -> str:
         return signal.Signals(terminations[0]).name if terminations else "SIGTERM"
@@ -289,9 +297,12 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
         # DDP's gradient all-reduce lost a rank that left; that rank said why.
         click.echo(f"{name}: {peer_failed(ranks, 'in the gradient all-reduce of DDP')}", err=True)
         _leave(EXIT_FAILED, ranks)
-    except KeyboardInterrupt:
-        click.echo(f"{name}: interrupted{_resumable(config) if ranks.is_main else ''}", err=True)
-        _leave(EXIT_INTERRUPTED, ranks)
+    except KeyboardInterrupt as exc:
+        second = isinstance(exc, StopNow)
+        how = f"stopped by a second {signal.Signals(terminations[-1]).name} without waiting for the step" if second \
+            else "interrupted"
+        click.echo(f"{name}: {how}{_resumable(config, second) if ranks.is_main else ''}", err=True)
+        _leave(signal_exit(stop_signal()) if second else EXIT_INTERRUPTED, ranks)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
