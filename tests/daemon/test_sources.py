@@ -537,6 +537,25 @@ def test_pack_cli_refuses_an_out_inside_its_source_before_writing(tmp_path: Path
     assert unshuffled.exit_code == 2 and "--seed orders the samples of --shuffle" in unshuffled.output
 
 
+def test_pack_refuses_an_out_holding_folders_even_with_force(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    """A file list packed with --force into its images' folder: the index then made `--data` of that folder read
+    the 2-sample pack instead of its 5 images in class folders, silently (a user's walk)."""
+    src = class_tree(tmp_path / "src", make_image)
+    listed = tmp_path / "src" / "list.csv"
+    listed.write_text("cat/a.jpg,cat\ndog/c.jpg,dog\n")
+    for flags in ([], ["--force"]):
+        result = CliRunner().invoke(cli_main, ["pack", str(listed), str(src), *flags])
+        assert result.exit_code == 1, result.output
+        assert f"{src} holds folders (cat, dog, emu); packed there, its prefetchd-index.npz would make `--data {src}` " \
+               "read the pack instead of them; pack into a new folder" in " ".join(result.output.split())
+    assert not (src / "prefetchd-index.npz").exists() and not list(src.glob("shard-*.tar"))
+    assert len(open_dataset(src)) == 5
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # a file beside a pack reads as the pack: --force may
+    assert CliRunner().invoke(cli_main, ["pack", str(listed), str(tmp_path / "out"), "--force"]).exit_code == 0
+    assert len(open_dataset(tmp_path / "out")) == 2
+
+
 def test_a_symbolic_link_loop_in_the_dataset_is_one_line_naming_it(tmp_path: Path,
                                                                     make_image: Callable[..., Path]) -> None:
     """ImageFolder (and the index walk) met it as a traceback: a class entry that loops, or a root that does."""

@@ -368,7 +368,7 @@ def _source_paths(index: SampleIndex, order: np.ndarray) -> dict[str, np.ndarray
 
 def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> None:
     """Refuse, before anything is read or written, an ``out`` that ``pack`` cannot use: a file, a
-    folder holding something (without ``force``), or, where the dataset being packed is a local
+    folder holding folders, a folder holding something (without ``force``), or, where the dataset being packed is a local
     folder (class folders, shards; ``source_dir`` is its location, or None), that folder or one
     inside it.  Packed there, the shards would become a class folder without images, or the index
     would turn the source into a shard folder."""
@@ -380,6 +380,13 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
         if inside(str(target), str(source)):
             raise DatasetError(f"{out} is inside the dataset being packed ({source}); pack into a folder "
                                "outside it")
+    folders = sorted(entry.name for entry in out.iterdir() if entry.is_dir()) if out.is_dir() else []
+    if folders:
+        # A file list's images are often in class folders beside it: packed there, the index would make `--data OUT`
+        # read the pack, not those folders (with --force: it did, silently).
+        raise DatasetError(f"{out} holds folders ({', '.join(folders[:3])}{', ...' if len(folders) > 3 else ''}); "
+                           f"packed there, its {INDEX_NAME} would make `--data {out}` read the pack instead of them; "
+                           "pack into a new folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         shards = sum(1 for _ in out.glob("shard-*.tar"))
         if shards and not (out / INDEX_NAME).exists():
