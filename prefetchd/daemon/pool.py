@@ -11,6 +11,7 @@ moved for long (``stalled``) and kill it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -348,6 +349,7 @@ def worker_context() -> multiprocessing.context.ForkServerContext:
 SOCKET_FOLDER_LIMIT = 107 - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
 
 
+@functools.cache  # once a process: multiprocessing keeps its temp folder, and each job start came here (logged twice)
 def _short_socket_folder() -> None:
     """Make multiprocessing's temp folder under /tmp when TMPDIR is too long for its socket."""
     if len(os.fsencode(tempfile.gettempdir())) <= SOCKET_FOLDER_LIMIT:

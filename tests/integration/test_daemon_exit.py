@@ -308,6 +308,22 @@ def test_a_daemon_works_where_dev_shm_is_read_only_or_missing(shapes_data: Path,
     assert code == 0 and FINISHED in log and errors_in(log) == [], log
 
 
+def test_a_temp_folder_too_long_for_the_worker_servers_socket_is_passed_over_once(shapes_data: Path, tmp_path: Path,
+                                                                                  shm_dir: Path) -> None:
+    """The forkserver's socket, TMPDIR/pymp-*/listener-*, has room for 107 bytes: under a longer TMPDIR (a
+    scheduler's per-job scratch folder) it goes under /tmp, which the log said twice."""
+    long_tmp = tmp_path / ("t" * 60) / ("u" * 60)
+    long_tmp.mkdir(parents=True)
+    buffer = shm_dir / "bf"
+    code, log = served_to_the_end(buffer, [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer),
+                                           "--data", str(shapes_data / "train"), *JOB],
+                                  env={**os.environ, "TMPDIR": str(long_tmp)})
+    assert code == 0 and FINISHED in log and errors_in(log) == [], log
+    assert log.count(f"TMPDIR {long_tmp} is too long for the worker server's socket; its socket is in /tmp/pymp-") \
+        == 1, log
+    assert list(long_tmp.iterdir()) == []
+
+
 def served_to_the_end(buffer: Path, argv: list[str], **popen: Any) -> tuple[int, str]:
     """Run the daemon ``argv`` starts on ``buffer`` while a trainer reads its one epoch; its exit code and log."""
     daemon = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
