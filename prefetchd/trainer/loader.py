@@ -35,7 +35,6 @@ twice, skipped another and then waited out the timeout.
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import threading
 import weakref
@@ -59,9 +58,10 @@ from prefetchd.trainer.loader_progress import LoaderProgress
 from prefetchd.trainer.loader_resume import LoaderResume
 from prefetchd.trainer.manifest_wait import wait_for_manifest
 from prefetchd.trainer.progress_file import ProgressFile
-from prefetchd.trainer.resume import as_count, resume_position
+from prefetchd.trainer.resume import as_count, loader_state, resume_position
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD, check_statistics, normalization
-from prefetchd.trainer.wait_bounds import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
+from prefetchd.trainer.wait_bounds import (DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT, buffer_path,
+                                           check_timeout, seconds)
 
 logger = logging.getLogger(__name__)
 
@@ -151,19 +151,20 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
             raise ValueError(f"pin={pin!r}: expected one of {', '.join(map(repr, PIN_MODES))}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch={prefetch!r}: pass a non-negative number of batches")
-        if not _seconds(timeout) or not timeout > 0:
-            raise ValueError(f"timeout={timeout!r}: pass a positive number of seconds (math.inf: no limit)")
-        if not _seconds(daemon_grace) or not daemon_grace >= 0:
+        self._timeout = check_timeout(timeout)
+        if not seconds(daemon_grace) or not daemon_grace >= 0:
             raise ValueError(f"daemon_grace={daemon_grace!r}: pass a non-negative number of seconds")
-        if stall_timeout is not None and (not _seconds(stall_timeout) or not stall_timeout > 0):
+        if stall_timeout is not None and (not seconds(stall_timeout) or not stall_timeout > 0):
             raise ValueError(f"stall_timeout={stall_timeout!r}: pass a positive number of seconds, or None to disable")
         if not isinstance(normalize, bool):  # "false" from a config file is true, and gave normalised floats
             raise ValueError(f"normalize={normalize!r}: pass True (float32, normalised) or False (raw uint8)")
         check_statistics(normalize, mean, std)
         start = _start_pair(start)
+        if consumer == DEFAULT_CONSUMER:  # "" names the default consumer within the protocol, not here
+            raise ValueError("consumer='': pass a name of 1 to 32 letters, digits, '_' or '-', or None (leave it "
+                             "out) for the default consumer")
         self._consumer = check_consumer(consumer if consumer is not None else DEFAULT_CONSUMER)
-        # Absolute: a notebook's later chdir must not move the buffer away from under the loader.
-        self._buffer = Path(buffer).expanduser().absolute()
+        self._buffer = buffer_path(buffer)
         if isinstance(device, int) and not isinstance(device, bool) and not torch.cuda.is_available():
             # BufferLoader(buffer, 64): DataLoader's second argument is the batch size, ours the device.
             raise ValueError(f"device={device!r}: the second argument is the device (a CUDA index here), and CUDA is "
@@ -171,7 +172,6 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
         self._device = _device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r} but CUDA is not available here; pass device='cpu'")
-        self._timeout = float(timeout)
         self._manifest = wait_for_manifest(self._buffer, self._timeout)
         self._job = JobWatch(self._buffer, self._manifest)
         self._normalized = (normalization(mean, std, self._manifest.channels, self._buffer, self._device)
@@ -239,8 +239,8 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
 
     def _start_position(self, start: tuple[int, int] | None) -> tuple[int, int]:
         if start is not None:
-            return resume_position({"epoch": start[0], "step": start[1], "fingerprint": self._manifest.fingerprint},
-                                   self._manifest, self._buffer)
+            return resume_position(loader_state(self._manifest, *start), self._manifest, self._buffer,
+                                   f"start={start}")
         if self._consumer == DEFAULT_CONSUMER:
             return (0, 0)
         # Join where the others are: the oldest batch the daemon still holds.
@@ -312,7 +312,8 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
     def __repr__(self) -> str:
         return (
             f"BufferLoader({str(self._buffer)!r}, device={str(self._device)!r}, normalize={self._normalized is not None}, "
-            f"pin={self._pin!r}, position={self.position}, steps_per_epoch={len(self)})"
+            f"pin={self._pin!r}, position={self.position}, steps_per_epoch={len(self)}"
+            + (", closed)" if self._closed else ")")
         )
 
     # -- lifecycle ---------------------------------------------------------------
@@ -350,6 +351,7 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
         self._exit_close.detach()
 
     def __enter__(self) -> BufferLoader:
+        self._check_open()  # a second `with` of a closed loader entered, and failed at its first batch
         return self
 
     def __exit__(
@@ -368,11 +370,6 @@ def _device(device: DeviceLike) -> torch.device:
     if named.type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: batches go to the CPU or a CUDA device; pass 'cpu', 'cuda' or 'cuda:N'")
     return named
-
-
-def _seconds(value: object) -> bool:
-    """Whether ``value`` is a number of seconds (not a string from a config file, not a bool)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _start_pair(start: object) -> tuple[int, int] | None:

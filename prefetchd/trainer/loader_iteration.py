@@ -106,7 +106,7 @@ class LoaderIteration:
         if not self._busy.acquire(blocking=False):
             raise LoaderError(
                 f"{self._buffer}: another thread is fetching a batch from this BufferLoader: a loader is not "
-                "thread-safe (two threads at one handed a batch out twice and skipped another); iterate it from "
+                "thread-safe (two threads at once handed a batch out twice and skipped another); iterate it from "
                 "one thread, or give each thread its own loader with a consumer= name of its own")
         try:
             yield

@@ -26,7 +26,7 @@ from prefetchd.buffer_protocol.layout import MANIFEST_NAME
 from prefetchd.trainer.errors import LoaderError, LoaderTimeout, SetupError
 from prefetchd.trainer.daemon_status import owner_status, served_world, unserved_rank
 from prefetchd.trainer.manifest_wait import DATA_FORMS, STATUS_LOOK_SECONDS, FailedDaemon, why_no_manifest
-from prefetchd.trainer.wait_bounds import DEFAULT_TIMEOUT, MORE_TIME
+from prefetchd.trainer.wait_bounds import DEFAULT_TIMEOUT, MORE_TIME, buffer_path, check_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -196,8 +196,11 @@ def rank_stream(buffer: str | os.PathLike[str], timeout: float = DEFAULT_TIMEOUT
     """The stream of ``buffer`` that this process reads: the buffer itself as one process, its
     rank's stream directory under torchrun, ``accelerate launch`` or any launcher that sets
     torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, and ``LOCAL_WORLD_SIZE`` where the ranks span
-    several boxes).  Pass it to BufferLoader."""
-    return wait_for_stream(Path(buffer), Ranks.from_env(), timeout)
+    several boxes).  Pass it to BufferLoader.
+
+    It waits up to ``timeout`` seconds for the daemon's manifest, which says whether the job has a stream per
+    rank (the daemon's --world-size) and which ranks it serves; LoaderTimeout past that."""
+    return wait_for_stream(buffer_path(buffer), Ranks.from_env(), check_timeout(timeout))
 
 
 def _no_stream_message(buffer: Path, own: Path, ranks: Ranks, timeout: float, split: str = "train") -> str:

@@ -19,6 +19,7 @@ from prefetchd.buffer_protocol.layout import MAX_EPOCH
 from prefetchd.trainer.errors import StateMismatch
 from prefetchd.trainer.job_command import job_command
 from prefetchd.trainer.rank_state import STATE_FORMAT as EVERY_RANK_FORMAT
+from prefetchd.trainer.rank_state import a_mapping, check_format
 
 STATE_FORMAT = "prefetchd.loader_state"
 STATE_VERSION = 1
@@ -37,22 +38,22 @@ def loader_state(manifest: Manifest, epoch: int, step: int) -> dict[str, Any]:
     }
 
 
-def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) -> tuple[int, int]:
+def resume_position(state: object, manifest: Manifest, buffer: Path, what: str = "loader state") -> tuple[int, int]:
     """The (epoch, step) ``state`` resumes at; StateMismatch when it belongs to another dataset or
-    job, or points past the end of ``manifest``'s job."""
+    job, or points past the end of ``manifest``'s job.  ``what`` names it in messages (``start=(0, 9)``)."""
     m = manifest
-    if not isinstance(state, Mapping):
-        raise StateMismatch(f"loader state {state!r:.60}: expected the dict BufferLoader.state_dict() returns")
+    state = a_mapping(state, what, "BufferLoader")
     if state.get("format") == EVERY_RANK_FORMAT:  # was "loader state has epoch=None, step=None" (a user's walk)
         raise StateMismatch(
             "loader state holds every rank's position (EveryRank's or BufferDataModule's state_dict): load it "
             "through EveryRank(loader).load_state_dict, as accelerator.register_for_checkpointing(EveryRank(loader)) "
             "does where the run that saved it registered EveryRank too"
         )
+    check_format(state, STATE_FORMAT, STATE_VERSION, what, "BufferLoader")  # another format's keys mean other things
     epoch, step = as_count(state.get("epoch")), as_count(state.get("step"))
     if epoch is None or step is None:
         raise StateMismatch(
-            f"loader state has epoch={state.get('epoch')!r}, step={state.get('step')!r}; expected non-negative "
+            f"{what} has epoch={state.get('epoch')!r}, step={state.get('step')!r}; expected non-negative "
             "integers from BufferLoader.state_dict()"
         )
     fingerprint = state.get("fingerprint")
@@ -78,14 +79,15 @@ def resume_position(state: Mapping[str, Any], manifest: Manifest, buffer: Path) 
                 f"would not see the same batches; {_serve_again(m, identity, differ, buffer)}"
             )
     if epoch > MAX_EPOCH:  # else the loader fails at the batch's name, and the daemon ignores the progress file
-        raise StateMismatch(f"loader state is at epoch {epoch}, past {MAX_EPOCH}, the last epoch a buffer's batch names "
+        raise StateMismatch(f"{what} is at epoch {epoch}, past {MAX_EPOCH}, the last epoch a buffer's batch names "
                             "hold; epochs count from 0 (pass the epoch, not a step or sample count)")
     spe = m.steps_per_epoch
     if step >= max(spe, 1):
-        raise StateMismatch(f"loader state has step {step}, but an epoch of {buffer} has {spe} steps")
+        raise StateMismatch(f"{what} has step {step}, but an epoch of {buffer} has {spe} steps (0-{max(spe, 1) - 1}; "
+                            f"the next epoch's first is epoch {epoch + 1} step 0): steps count within an epoch")
     if m.epochs is not None and (epoch, step) > (m.epochs, 0):
         raise StateMismatch(
-            f"loader state is at epoch {epoch} step {step}, past the end of the job in {buffer} "
+            f"{what} is at epoch {epoch} step {step}, past the end of the job in {buffer} "
             f"({m.epochs} epochs); restart the daemon with a larger --epochs"
         )
     return epoch, step

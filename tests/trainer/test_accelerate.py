@@ -61,7 +61,7 @@ def test_every_rank_state_gives_each_rank_its_own() -> None:
     assert own_state(state, Ranks(rank=1, world_size=2, local_rank=1, local_world_size=2)) == {"epoch": 1}
     with pytest.raises(StateMismatch, match="2 ranks but this run has 1"):
         own_state(state, Ranks())
-    with pytest.raises(StateMismatch, match="not written by prefetchd"):
+    with pytest.raises(StateMismatch, match="has no format: expected the dict EveryRank.state_dict"):
         own_state({"epoch": 0, "step": 1}, Ranks())  # a bare BufferLoader state
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import os
 import re
 import subprocess
@@ -1262,6 +1263,7 @@ def test_a_loader_refuses_to_be_pickled_or_copied(make_job: MakeJob) -> None:
     ({"device": "gpu"}, r"device='gpu' is no device torch knows; pass 'cpu', 'cuda' or 'cuda:N'"),
     ({"device": None}, r"device=None is no device torch knows"),
     ({"device": "meta"}, r"device='meta': batches go to the CPU or a CUDA device"),
+    ({"consumer": ""}, r"consumer='': pass a name of 1 to 32 letters, .* or None \(leave it out\) for the default"),
 ])
 def test_arguments_of_the_wrong_kind_are_refused_naming_them(make_job: MakeJob, kwargs: dict[str, object],
                                                              said: str) -> None:
@@ -1270,6 +1272,84 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them(make_job: MakeJob, 
     job = make_job(write=1)
     with pytest.raises(ValueError, match=said):
         BufferLoader(job.buffer, timeout=5, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_buffer_that_is_no_path_and_a_timeout_that_is_no_bound_are_refused_naming_them(
+        make_job: MakeJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """BufferLoader(None) said "expected str, bytes or os.PathLike object" (bytes are refused), "" was the folder
+    the script ran in; rank_stream(timeout="x") was a TypeError from inside and timeout=-1 returned at once."""
+    from prefetchd.trainer import rank_stream
+
+    job = make_job(write=1)
+    for buffer in (None, 5, job.buffer.as_posix().encode()):
+        with pytest.raises(TypeError, match=r"buffer=.*: pass the daemon's --buffer folder as a str or pathlib.Path"):
+            BufferLoader(buffer, timeout=5)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"buffer=.*: pass the daemon's --buffer folder"):
+            rank_stream(buffer)  # type: ignore[arg-type]
+    monkeypatch.chdir(job.buffer)  # "" was this folder, the buffer: taken without a word
+    with pytest.raises(ValueError, match=r"buffer='': pass the daemon's --buffer folder \(e.g. /dev/shm/bf\)"):
+        BufferLoader("", timeout=5)
+    for timeout in ("x", -1, 0, math.nan):
+        with pytest.raises(ValueError, match=r"timeout=.*: pass a positive number of seconds"):
+            rank_stream(job.buffer, timeout=timeout)  # type: ignore[arg-type]
+    assert rank_stream(str(job.buffer), timeout=5) == job.buffer
+
+
+def test_a_start_past_an_epochs_last_step_says_which_position_is_next(make_job: MakeJob) -> None:
+    """start=(0, steps) said "loader state has step N" of an argument that is no state, without the position meant."""
+    job = make_job(write=1)
+    steps = job.manifest.steps_per_epoch
+    with pytest.raises(StateMismatch, match=rf"^start=\(0, {steps}\) has step {steps}, but an epoch of .* has {steps} "
+                                            rf"steps \(0-{steps - 1}; the next epoch's first is epoch 1 step 0\)"):
+        BufferLoader(job.buffer, timeout=5, start=(0, steps))
+
+
+def test_a_loader_state_of_another_format_or_a_later_version_is_refused(make_job: MakeJob) -> None:
+    """Neither was looked at: a state of a later prefetchd (or any dict with a fingerprint) moved the loader."""
+    job = make_job(write=2)
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+        state = {**loader.state_dict(), "step": 1}
+        with pytest.raises(StateMismatch, match=r"loader state is version 2 of 'prefetchd.loader_state', which a later "
+                                                r"prefetchd wrote; this one reads version 1"):
+            loader.load_state_dict({**state, "version": 2})
+        for bad in ({**state, "format": "x"}, {**state, "version": "1"}):
+            with pytest.raises(StateMismatch, match=r"this prefetchd reads 'prefetchd.loader_state' version 1: it was "
+                                                    r"not written by prefetchd's BufferLoader"):
+                loader.load_state_dict(bad)
+        assert loader.position == (0, 0)
+        loader.load_state_dict(state)
+        assert loader.position == (0, 1)
+
+
+def test_every_rank_refuses_what_is_no_loader_and_states_that_are_no_dict(make_job: MakeJob) -> None:
+    """EveryRank(None) was taken and failed at the first checkpoint, inside Accelerate's save_state; a state of
+    None or a list was a TypeError or AttributeError from inside."""
+    from prefetchd.trainer import EveryRank
+    from prefetchd.trainer.ranks import Ranks
+
+    for wrapped in (None, 5, "x"):
+        with pytest.raises(TypeError, match=r"EveryRank\(.*\): pass the BufferLoader whose position to keep"):
+            EveryRank(wrapped)  # type: ignore[arg-type]
+    job = make_job(write=1)
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+        every = EveryRank(loader, Ranks())
+        for state in (None, [1]):
+            with pytest.raises(StateMismatch, match=r"the checkpoint's loader state .*: expected the dict "
+                                                    r"EveryRank.state_dict\(\) returns"):
+                every.load_state_dict(state)  # type: ignore[arg-type]
+        later = {**every.state_dict(), "version": 2}
+        with pytest.raises(StateMismatch, match="which a later prefetchd wrote"):
+            every.load_state_dict(later)
+
+
+def test_a_closed_loader_says_so_in_its_repr_and_at_a_second_with(make_job: MakeJob) -> None:
+    job = make_job(write=1)
+    with BufferLoader(job.buffer, normalize=False, timeout=5) as loader:
+        assert "closed" not in repr(loader)
+    assert repr(loader).endswith(", closed)")
+    with pytest.raises(LoaderError, match="is closed; create a new one"):
+        with loader:
+            pass
 
 
 def test_a_folder_every_user_may_write_is_no_buffer(tmp_path: Path) -> None:
