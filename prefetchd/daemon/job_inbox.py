@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, JobResult, Progress, ProtocolError,
-                                       RunningJob, State, Status)
+                                       RunningJob, State, Status, read_status)
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.job_request import put_back, when_written
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, at, stream_dirs
@@ -128,6 +128,9 @@ class JobInbox:
             return None
         if request is None:
             return None
+        if not self._last_status_runs(request):
+            self.forget_accepted()
+            return None
         try:
             job, confinement = self._checked(request)
         except ConfigError as exc:  # the config's allow-lists changed since it was accepted
@@ -136,6 +139,23 @@ class JobInbox:
             return None
         self._pend(request, confinement)
         return job
+
+    def _last_status_runs(self, request: JobRequest) -> bool:
+        """Whether the status the earlier daemon left names ``request`` as the job it ran (or no status says).
+        A daemon of a prefetchd before job.accepted.json, or one producing its own --data, may have run the buffer
+        since (a downgrade and upgrade back): the record then names a job long replaced, and resuming it cleared
+        the batches and progress of the one produced since, and told its trainers that job was replaced."""
+        try:
+            status = read_status(self.buffer)
+        except (OSError, ProtocolError):
+            return True  # nothing to tell by: the record stands
+        ran = status.running_job.job_id if status is not None and status.running_job is not None else None
+        if status is None or ran == request.job_id:
+            return True
+        since = f"job {ran}" if ran is not None else "a job not submitted, or by a prefetchd that keeps no record"
+        log.warning("not resuming job %s on %s, which %s names as accepted: the last daemon here produced %s after "
+                    "it", request.job_id, request.settings.get("data"), ACCEPTED_JOB_NAME, since)
+        return False
 
     def _checked(self, request: JobRequest) -> tuple[DaemonConfig, tuple[str, ...] | None]:
         """The job ``request`` asks for, held to what its submitter may ask (``JobPolicy.confine``)."""

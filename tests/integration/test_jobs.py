@@ -131,6 +131,67 @@ def test_a_refused_job_is_not_run_by_a_restarted_daemon(shapes_data: Path, shm_d
     loader.close()
 
 
+# A daemon that keeps no record of the jobs it accepts, as a prefetchd before job.accepted.json: it takes job.json.
+RECORDS_NO_JOB = """
+import sys
+import prefetchd.daemon.job_inbox as inbox
+
+
+def accepted(self):
+    if self.pending_request is not None:
+        request = self.pending_request
+        self.running = inbox.RunningJob(request.job_id, request.owner, request.submitted, "")
+
+
+inbox.JobInbox.accepted = accepted
+from prefetchd.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_record_of_a_job_another_daemon_replaced_since_is_not_resumed(shapes_data: Path, shm_dir: Path,
+                                                                         start_daemon) -> None:
+    """A downgrade, then an upgrade back (a user's walk): the older prefetchd took another job from job.json and
+    left job.accepted.json naming the one before. The daemon after it resumed that record: it cleared the batches
+    and progress of the job produced since, and told its trainer that job was replaced by one nobody submitted."""
+    buffer = shm_dir / "bf"
+    first = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    first.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "8").returncode == 0
+    stale = JobRequest.recorded(buffer)
+    assert stale is not None and stale.settings["seed"] == 8
+    first.proc.kill()
+    first.proc.wait()
+
+    # -c: the forkserver would run a script's __main__ again in every worker
+    older = subprocess.Popen([sys.executable, "-c", RECORDS_NO_JOB, "start", "--buffer", str(buffer), "--workers", "1",
+                              "--high-water", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1)
+        assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "9", "--replace").returncode == 0
+        deadline = time.monotonic() + 60
+        while not (Manifest.read(buffer).seed == 9 and state(buffer) in ("filling", "full")):
+            assert time.monotonic() < deadline, "the older daemon to produce the seed-9 job"
+            time.sleep(0.1)
+        loader = BufferLoader(buffer, normalize=False, timeout=60)
+        batches = iter(loader)
+        assert [next(batches).step for _ in range(3)] == [0, 1, 2]
+    finally:
+        older.kill()
+        older.wait()
+    recorded = JobRequest.recorded(buffer)
+    assert recorded is not None and recorded.job_id == stale.job_id, "the older daemon left the record as it was"
+
+    again = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    again.wait_until(lambda: (status := read_status(buffer)) is not None and status.pid == again.proc.pid
+                     and status.state in ("filling", "full"), 60, "the restarted daemon to produce")
+    assert f"not resuming job {stale.job_id} on {shapes_data / 'train'}, which job.accepted.json names as accepted: " \
+           "the last daemon here produced job " in again.log, again.log
+    assert "clearing" not in again.log and Manifest.read(buffer).seed == 9, again.log
+    assert next(batches).step == 3  # the trainer reads on, its job not replaced
+    loader.close()
+
+
 def test_a_daemon_with_data_waits_for_the_next_job_once_a_submitted_one_ends(shapes_data: Path, shm_dir: Path,
                                                                             start_daemon) -> None:
     """A service's daemon (data in its config) that produced a job a trainer submitted exited once that job's
