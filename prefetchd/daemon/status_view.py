@@ -13,7 +13,7 @@ from pathlib import Path
 from prefetchd.buffer_protocol import (ConsumerStatus, Errors, Manifest, Production, ProtocolError, RemoteStatus, State,
                                        Status, StorageWait, StreamStatus, TrainerStatus, daemon_owner, lock_holders,
                                        pid_named, read_status, same_pid_namespace, writer_named)
-from prefetchd.buffer_protocol.layout import LOCK_NAME, STREAM_PREFIX, owning_buffer
+from prefetchd.buffer_protocol.layout import LOCK_NAME, SPARE_PREFIX, STREAM_PREFIX, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.buffer_protocol.progress import pid_namespace
 from prefetchd.access import no_access
@@ -60,6 +60,20 @@ class StatusReport:
     # False: this user may not read ``buffer`` (a --group-access buffer of a group it is not in); ``problems`` says
     # whose it is and what to do, nothing else was read, and ``running`` is false only for want of knowing.
     readable: bool = True
+
+
+def spare_files(owner: Path) -> tuple[int, int]:
+    """How many consumed batch files the daemon of ``owner`` keeps to build in again, in all its streams, and the
+    bytes they hold on the filesystem (not in the status: Production.buffer_bytes counts batches)."""
+    count = held = 0
+    for directory in [owner, *owner.glob(f"{STREAM_PREFIX}*")]:
+        for path in directory.glob(f"{SPARE_PREFIX}*"):
+            try:
+                held += path.lstat().st_blocks * 512
+                count += 1
+            except OSError:  # reused or removed meanwhile
+                continue
+    return count, held
 
 
 def describe_status(buffer: Path) -> StatusReport:
@@ -120,8 +134,12 @@ def describe_status(buffer: Path) -> StatusReport:
         # status.json is rewritten in its own pages; one grown past them, only its mtime beats (SPEC rule 8).
         figures = ("; a status grown past them leaves the figures above as last written" if status is not None
                    else "; its log says more")
-        problems.append(f"the buffer's filesystem is full ({binary_size(full)} free): the daemon can build no "
-                        f"batch, and rewrites its status only within the pages status.json has{figures}; free space "
+        spares, _ = spare_files(owner)
+        # It said "can build no batch" while the daemon built one in a consumed batch's file for each read.
+        builds = (f"builds batches only in the files of consumed ones it kept ({spares} now), one for each a trainer "
+                  "reads," if spares else "can build no batch,")
+        problems.append(f"the buffer's filesystem is full ({binary_size(full)} free): the daemon {builds} and "
+                        f"rewrites its status only within the pages status.json has{figures}; free space "
                         f"on {filesystem_of(owner).point} (what else fills it?)")
     return StatusReport(
         buffer=buffer,
@@ -291,7 +309,8 @@ def format_status(report: StatusReport) -> str:
             f"  fill      {fill_bar(pr.waiting, pr.high_water)} {pr.waiting}/{pr.high_water} batches waiting"
             + (", " if state == State.DONE else f" (builds again at {pr.low_water} waiting), ") + f"{pr.building} building",
             *_cap_line(pr),
-            f"  memory    {binary_size(pr.buffer_bytes)} in the buffer, {binary_size(pr.free_bytes)} free on its filesystem",
+            f"  memory    {binary_size(pr.buffer_bytes)} in the buffer{_spares_held(report.owner)}, "
+            f"{binary_size(pr.free_bytes)} free on its filesystem",
             f"  rates     produce {r.samples_per_s:.0f} img/s with {counted(pr.workers, 'worker')} "
             f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",
             _errors_line(e),
@@ -325,6 +344,11 @@ def format_status(report: StatusReport) -> str:
     lines += _job_lines(st) if st else []
     lines += report.problems
     return "\n".join(lines)
+
+
+def _spares_held(owner: Path) -> str:
+    count, held = spare_files(owner)
+    return f" (and {binary_size(held)} in {counted(count, 'consumed batch file')} kept to build in again)" if count else ""
 
 
 def _job_lines(st: Status) -> list[str]:

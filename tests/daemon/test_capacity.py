@@ -410,8 +410,9 @@ def test_a_pause_for_space_and_the_resumption_are_both_logged(shm_dir: Path, sha
             rest = mount / "rest"
             with contextlib.suppress(OSError):
                 rest.write_bytes(b"\1" * free_bytes(mount))
-            assert re.search(r"the buffer's filesystem is full \((\d+ bytes?|[\d.]+ KiB) free\): the daemon can build no "
-                             "batch, and rewrites its status only within the pages status.json has",
+            assert re.search(r"the buffer's filesystem is full \((\d+ bytes?|[\d.]+ KiB) free\): the daemon (can build "
+                             r"no batch|builds batches only in the files of consumed ones it kept \(\d+ now\), one "
+                             "for each a trainer reads), and rewrites its status only within the pages status.json has",
                              format_status(describe_status(buffer)))
             rest.unlink()
             ballast.unlink()
@@ -421,6 +422,32 @@ def test_a_pause_for_space_and_the_resumption_are_both_logged(shm_dir: Path, sha
             loader.close()
         finally:
             daemon.terminate()  # before the tmpfs is unmounted
+
+
+def test_a_full_filesystem_is_said_with_the_consumed_batch_files_kept_to_build_in(shm_dir: Path) -> None:
+    """With the tmpfs full, status said "the daemon can build no batch" while it built one in a consumed batch's
+    file for each a trainer read, and its memory line left those files out (a user's walk)."""
+    from prefetchd.buffer_protocol import DaemonLock
+    from prefetchd.buffer_protocol.layout import spare_name
+
+    with mounted_tmpfs(shm_dir / "t1", "size=1m") as mount:
+        buffer = mount / "bf"
+        buffer.mkdir()
+        lock = DaemonLock(buffer)
+        lock.acquire()  # this test process plays the daemon
+        try:
+            for spares in (0, 2):
+                for n in range(spares):
+                    (buffer / spare_name(n)).write_bytes(b"\1" * 65536)
+                with contextlib.suppress(OSError):
+                    (mount / "rest").write_bytes(b"\1" * free_bytes(mount))
+                said = " ".join(format_status(describe_status(buffer)).split())
+                builds = ("builds batches only in the files of consumed ones it kept (2 now), one for each a trainer "
+                          "reads, and" if spares else "can build no batch, and")
+                assert f"the daemon {builds} rewrites its status" in said, said
+                (mount / "rest").unlink()
+        finally:
+            lock.release()
 
 
 def test_one_shortage_is_one_pause_while_batches_are_built_in_spares(shm_dir: Path, shapes_data: Path,

@@ -588,6 +588,22 @@ def _running_status_text(state: State = State.FILLING, **production_changes: Any
     return status_view.format_status(report(status_example(state, production=production(**production_changes))))
 
 
+def test_the_memory_line_counts_the_consumed_batch_files_kept_to_build_in(tmp_path: Path) -> None:
+    """Its "in the buffer" (Production.buffer_bytes) counts batches: the files of consumed ones the daemon keeps
+    to build in again hold tmpfs memory too, and a user comparing with `du` found them missing (a user's walk)."""
+    from prefetchd.buffer_protocol.layout import spare_name
+
+    def memory_line() -> str:
+        shown = status_view.format_status(report(status_example(production=production()), buffer=tmp_path))
+        return next(line for line in shown.splitlines() if line.startswith("  memory"))
+
+    assert memory_line() == "  memory    14.0 MiB in the buffer, 1.0 GiB free on its filesystem"
+    for n in range(3):
+        (tmp_path / spare_name(n)).write_bytes(b"\1" * 8192)
+    assert memory_line() == ("  memory    14.0 MiB in the buffer (and 24.0 KiB in 3 consumed batch files kept to build "
+                             "in again), 1.0 GiB free on its filesystem")
+
+
 def test_status_of_an_earlier_builds_daemon_shows_its_submitted_job_as_the_last_one(tmp_path: Path) -> None:
     """A daemon of an earlier 0.1 build (still running while the package is upgraded, systemd/README.md) writes no
     running_job: `prefetchd status` took its absence for a daemon producing its own --data and showed the job it
