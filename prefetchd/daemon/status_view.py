@@ -61,6 +61,13 @@ class StatusReport:
     # whose it is and what to do, nothing else was read, and ``running`` is false only for want of knowing.
     readable: bool = True
 
+    @property
+    def ended_unsaid(self) -> bool:
+        """No daemon runs, and the one before wrote no last state (stopped, failed): it was killed (SIGKILL, the
+        OOM killer) or crashed, so the status it left shows a moment of its work, not its end."""
+        return (self.readable and not self.running and self.status is not None
+                and self.status.state not in (State.STOPPED, State.FAILED))
+
 
 def spare_files(owner: Path) -> tuple[int, int]:
     """How many consumed batch files the daemon of ``owner`` keeps to build in again, in all its streams, and the
@@ -236,7 +243,7 @@ def status_json(report: StatusReport, indent: int | None = 1) -> str:
     and the manifest as manifest.json does.  ``indent=None``: on one line, as --watch --json prints one
     document per line."""
     doc = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
-    doc.update(buffer=str(report.buffer), owner=str(report.owner), problems=list(report.problems),
+    doc.update(ended_unsaid=report.ended_unsaid, buffer=str(report.buffer), owner=str(report.owner), problems=list(report.problems),
                status=report.status.to_doc() if report.status is not None else None,
                manifest=report.manifest.to_doc() if report.manifest is not None else None)
     if not report.readable:  # unknown, as the text says, not false (a review)
@@ -256,6 +263,9 @@ def format_status(report: StatusReport) -> str:
         line = f"prefetchd on {buffer}: not running" + ("" if buffer.exists() else f" ({buffer} does not exist)")
         if st:
             line += f" (last state: {st.state}{': ' + st.message if st.message else ''})"
+        if report.ended_unsaid:  # a killed daemon read as one whose last word was "full"
+            line += ("; it ended without writing its last state: killed (SIGKILL, the OOM killer: `dmesg`) or "
+                     "crashed (its log says more)")
         # What went wrong in the job it last produced (the bad files to mend) is not gone with it.
         e = st.production.errors if st is not None and st.production is not None else None
         told = [_errors_line(e), *_bad_file_lines(e)] if e is not None and (

@@ -295,6 +295,22 @@ def test_status_json_not_running(runner: CliRunner, tmp_path: Path) -> None:
     assert doc["buffer"] == str(tmp_path)
 
 
+@pytest.mark.parametrize(("state", "unsaid"), [(State.FULL, True), (State.FILLING, True), (State.STOPPED, False),
+                                               (State.FAILED, False)])
+def test_a_daemon_that_ended_without_its_last_state_is_said_to_have_been_killed(runner: CliRunner, tmp_path: Path,
+                                                                               state: State, unsaid: bool) -> None:
+    """A SIGKILLed daemon's status read "not running (last state: full)", as if full were how it ended; only a
+    comparison with a clean stop's showed the crash (a user's walk, monitoring)."""
+    write_status(tmp_path, status_example(state))
+    doc = json.loads(runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path), "--json"]).output)
+    assert doc["running"] is False and doc["ended_unsaid"] is unsaid
+    text = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
+    assert text.exit_code == EXIT_NOT_RUNNING
+    said = "; it ended without writing its last state: killed (SIGKILL, the OOM killer: `dmesg`) or crashed"
+    assert (said in text.output) is unsaid, text.output
+    assert f"(last state: {state}" in text.output
+
+
 def test_status_watch_json_prints_one_document_per_line(tmp_path: Path) -> None:
     """`status --watch --json | jq`: stdout is JSON Lines; the "Ctrl-C to leave" note goes to stderr."""
     proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "status", "--buffer", str(tmp_path), "--watch", "--json",
@@ -572,7 +588,7 @@ def test_describe_status_of_an_empty_buffer(tmp_path: Path) -> None:
     assert json.loads(status_view.status_json(status_view.describe_status(tmp_path))) == {
         "buffer": str(tmp_path), "owner": str(tmp_path), "rank": None, "running": False, "pid": None,
         "heartbeat_age_s": None, "stale": False, "status": None, "manifest": None, "problems": [], "no_rank": False, "served": True,
-        "other_pid_namespace": False, "command_pid_namespace": OURS, "readable": True}
+        "other_pid_namespace": False, "command_pid_namespace": OURS, "readable": True, "ended_unsaid": False}
 
 
 def _manifest(**changes: Any) -> Manifest:
