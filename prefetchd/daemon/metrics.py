@@ -83,6 +83,13 @@ class StatusCollector(Collector):
         for each in STATES:
             state.add_metric([self.buffer, str(each)], 1.0 if status is not None and status.state == each else 0.0)
         yield state
+        if status is not None:
+            # A killed or stopped (SIGSTOP) daemon's textfile kept its last state, "full": its age is the tell.
+            beat = GaugeMetricFamily("prefetchd_heartbeat_timestamp_seconds",
+                                     "Unix time of the daemon's last status (about once a second while it lives).",
+                                     labels=["buffer"])
+            beat.add_metric([self.buffer], status.heartbeat)
+            yield beat
         production = status.production if status is not None else None
         if production is None:  # waiting for a job or starting one: only the state
             return
@@ -128,6 +135,9 @@ def _consumer_metrics(buffer: str, production: Production) -> Iterator[Metric]:
                                   labels=labels),
         "alive": GaugeMetricFamily("prefetchd_consumer_alive", "1 while the consumer's writer exists, 0 once it is gone.",
                                    labels=labels),
+        "closed": GaugeMetricFamily("prefetchd_consumer_closed",
+                                    "1 once the consumer closed its loader (it left, its run over), 0 while it reads or "
+                                    "if it went away without closing it.", labels=labels),
         "window": GaugeMetricFamily("prefetchd_consumer_window_batches", "Batches the daemon keeps for the consumer.",
                                     labels=labels),
     }
@@ -139,6 +149,7 @@ def _consumer_metrics(buffer: str, production: Production) -> Iterator[Metric]:
             families["wait"].add_metric(key, c.progress.trainer_wait_share)
         if c.trainer.alive is not None:
             families["alive"].add_metric(key, 1.0 if c.trainer.alive else 0.0)
+        families["closed"].add_metric(key, 1.0 if c.closed else 0.0)
         families["window"].add_metric(key, float(c.window))
     yield from families.values()
 

@@ -248,9 +248,11 @@ def test_metrics_carry_per_consumer_figures(tmp_path: Path) -> None:
     s = stream(tmp_path, cap=6)
     move(s, "a", 12, wait_share=0.125)
     move(s, "b", 0)
+    move(s, "c", 3, closed=True)  # a finished run: not alive, as one that went away, but closed
     status = status_example(production=production(streams=(s.status(),)))
     samples = {(m.name, sm.labels.get("consumer")): sm.value
                for m in StatusCollector(tmp_path, lambda: status).collect() for sm in m.samples}
+    assert samples[("prefetchd_consumer_closed", "c")] == 1 and samples[("prefetchd_consumer_closed", "a")] == 0
     assert samples[("prefetchd_consumer_epoch", "a")] == 1 and samples[("prefetchd_consumer_step", "a")] == 2
     assert samples[("prefetchd_consumer_wait_share", "a")] == 0.125
     assert samples[("prefetchd_consumer_window_batches", "a")] == 4 and samples[("prefetchd_consumer_window_batches", "b")] == 2

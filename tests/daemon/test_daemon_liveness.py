@@ -66,10 +66,13 @@ def test_metrics_say_whether_the_trainer_is_there() -> None:
     assert "prefetchd_trainer_alive" not in families and "prefetchd_trainer_progress_age_seconds" not in families
 
 
-def test_metrics_of_a_daemon_waiting_for_a_job_are_its_state_only() -> None:
-    status = Status(pid=1, state=State.WAITING_FOR_JOB, heartbeat=0.0)
+def test_metrics_of_a_daemon_waiting_for_a_job_are_its_state_and_heartbeat_only() -> None:
+    """The heartbeat too: a killed or SIGSTOPped daemon's textfile kept "full" with nothing to tell it was
+    stale but the file's mtime (a user's monitoring walk)."""
+    status = Status(pid=1, state=State.WAITING_FOR_JOB, heartbeat=1700000123.5)
     families = {f.name: f for f in StatusCollector(Path("/dev/shm/bf"), lambda: status).collect()}
-    assert set(families) == {"prefetchd_state"}
+    assert set(families) == {"prefetchd_state", "prefetchd_heartbeat_timestamp_seconds"}
+    assert families["prefetchd_heartbeat_timestamp_seconds"].samples[0].value == 1700000123.5
     states = {s.labels["state"]: s.value for s in families["prefetchd_state"].samples}
     assert states == {str(s): float(s == State.WAITING_FOR_JOB) for s in State}
 
