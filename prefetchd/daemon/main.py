@@ -284,9 +284,12 @@ def _serve(cfg: DaemonConfig) -> int:
                     # ("already producing this job": status then said that beside waiting-for-job): one refused
                     # meanwhile stays for its submitter to read.
                     result = inbox.result
+                    ended = f"{FINISHED_PRODUCING} {job.data}: every epoch was read"
                     if running_id is not None and result is not None and (result.job_id == running_id or result.accepted):
-                        inbox.answer(running_id, True, f"{FINISHED_PRODUCING} {job.data}: every epoch was read",
-                                     inbox.running_submitter())
+                        inbox.answer(running_id, True, ended, inbox.running_submitter())
+                    elif running_id is not None:  # its end was not logged either (a user's walk)
+                        log.info("job %s %s (the status keeps the answer to %s, refused meanwhile)", running_id, ended,
+                                 result.job_id if result is not None else "a later request")
                     inbox.forget_accepted()
                     job = None
                 else:

@@ -19,7 +19,7 @@ from prefetchd.buffer_protocol.progress import pid_namespace
 from prefetchd.access import no_access
 from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.dataset import held_out_count
-from prefetchd.daemon.job_inbox import job_verdict
+from prefetchd.daemon.job_inbox import FAILED_WHILE_PRODUCING, job_verdict
 from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.production_stats import STAGES
 from prefetchd.access import user_name
@@ -377,11 +377,15 @@ def _job_lines(st: Status) -> list[str]:
     # No job runs (waiting, stopped, starting the job it was given), or a daemon of an earlier 0.1 build did not say
     # which: the answer to its latest request is all there is ("later ... the job being produced runs on" would say
     # that the job it runs is another than the one it accepted).
+    who = f" submitted by {user_name(last.submitter)}" if last.submitter is not None else ""
     if run is None and (st.production is None or not st.running_job_known):
+        if not last.accepted and not last.reason.startswith(FAILED_WHILE_PRODUCING):
+            # Not "last job": a request refused while a job ran, which then ended, read as the job that ran, its
+            # reason naming a trainer long gone (a user's walk); the job that ended is in the log.
+            return [*lines, f"  REFUSED   {job_id}{who}, answered at {moment(last.time)}: {last.reason}"]
         return [*lines, f"  last job  {job_id} {job_verdict(last.accepted, last.reason)}"]
     # A request answered while the job above (or the one the daemon was started with) runs on: "already producing
     # this job", or a refusal, which its submitter looks for here.
-    who = f" submitted by {user_name(last.submitter)}" if last.submitter is not None else ""
     goes_on = "the job above runs on" if run is not None else "the job being produced runs on"
     said = f"  REFUSED   {job_id}{who}, answered at {moment(last.time)} ({goes_on}): {last.reason}" if not last.accepted \
         else f"  later     {job_id}{who}, answered at {moment(last.time)} ({goes_on}): accepted: {last.reason}"

@@ -581,6 +581,30 @@ def test_status_shows_the_job_that_runs_and_apart_from_it_a_later_refusal(shapes
     loader.close()
 
 
+def test_a_refusal_made_while_a_job_ran_is_not_shown_as_the_last_job_once_that_ends(shapes_data: Path, shm_dir: Path,
+                                                                                   start_daemon) -> None:
+    """Once the job ended, status said "last job <the refused one> refused: a trainer ... is consuming the running
+    job", a job that never ran and a trainer long gone, and the job that ended was not logged (a user's soak)."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    running = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
+    assert running.returncode == 0, running.stdout + running.stderr
+    running_id, me = running.stdout.split()[1], user_name(os.getuid())
+    with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+        batches = iter(loader)
+        next(batches)
+        refused = submit(buffer, "--data", shapes_data / "val", *JOB)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert len(list(batches)) == len(loader) - 1
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 60, "the job's end")
+    shown = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True, timeout=60).stdout
+    assert re.search(rf"^  REFUSED   {refused.stdout.split()[1]} submitted by {re.escape(me)}, answered at 20[-0-9: ]+: "
+                     rf"a trainer of {re.escape(me)} is consuming", shown, re.M), shown
+    assert "last job" not in shown, shown
+    assert f"job {running_id} finished producing {shapes_data / 'train'}: every epoch was read" in daemon.log
+
+
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     out = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
@@ -678,7 +702,7 @@ def test_malformed_and_unknown_job_settings_are_refused(shm_dir: Path, start_dae
     (buffer / "job.json").write_text("{ not json")
     daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and "not valid JSON" in r.reason, 30, "a refusal")
     out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True)
-    assert "last job  (unreadable) refused: " in out.stdout and "None" not in out.stdout, out.stdout
+    assert "  REFUSED   (unreadable), answered at " in out.stdout and "None" not in out.stdout, out.stdout
     assert f"job {listed.job_id} refused" in daemon.log and "job (unreadable) refused" in daemon.log
     assert daemon.proc.poll() is None
 
@@ -903,7 +927,7 @@ def test_a_refusals_reason_shows_a_jobs_control_characters_escaped(shm_dir: Path
     assert reason.isprintable() and r"nope\nFORGED LINE\x1b[2J" in reason, reason
     out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True)
     assert "\x1b" not in out.stdout and not any(line.startswith("FORGED") for line in out.stdout.splitlines())
-    assert r"refused: " in out.stdout and r"nope\nFORGED LINE\x1b[2J" in out.stdout, out.stdout
+    assert "  REFUSED   " in out.stdout and r"nope\nFORGED LINE\x1b[2J" in out.stdout, out.stdout
 
 
 def test_a_stream_folder_swapped_for_a_link_while_a_job_runs_gets_no_file(shapes_data: Path, shm_dir: Path,
