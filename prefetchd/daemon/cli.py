@@ -161,6 +161,16 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
                            f"stop at it {elsewhere}: {unread}")
         elif not os.path.exists(filled.data):
             caveats.append(f"data {filled.data} does not exist (yet): `prefetchd start` would stop at it")
+    if filled.transform is not None:
+        # Imported as start does (its form was checked above): `config` said valid of a module that start could
+        # not import, or of a name that is no callable (a user's walk). Said, not refused: the service's user
+        # may have another PYTHONPATH.
+        from prefetchd.daemon.hook import validate_hook_within
+
+        try:
+            validate_hook_within(filled.transform, filled.worker_start_timeout, lambda _: None)
+        except ConfigError as exc:
+            caveats.append(f"{exc}; so `prefetchd start` run by this user would refuse it {elsewhere}")
     # No access at all first: a trainer's user checking a service's config is to join its group, not to remove
     # the service's buffer; where this user may use it, what `start` by this user would refuse (another's).
     denied = no_access(filled.buffer, write=True) or (unsafe[0] if unsafe is not None else None)

@@ -1041,6 +1041,24 @@ def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_
     assert there.exit_code == 0 and there.output.strip() == "configuration is valid"
 
 
+def test_config_check_says_when_start_could_not_import_the_transform(runner: CliRunner, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`config` said "configuration is valid" of a hook module start could not import, or of a name that is no
+    callable, which start refused (exit 2; a user's walk)."""
+    (tmp_path / "config_check_hooks.py").write_text("NOT_CALLABLE = 1\ndef fine(t, rng):\n    return t\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["config", "--buffer", str(tmp_path / "bf"), "--transform"]
+    for hook, said in (("config_check_nosuchmod:fn", "cannot import config_check_nosuchmod (ModuleNotFoundError"),
+                       ("config_check_hooks:NOT_CALLABLE", "NOT_CALLABLE is an object of type int, not a callable"),
+                       ("config_check_hooks:nope", "config_check_hooks has no attribute 'nope'")):
+        result = runner.invoke(prefetchd_cli.main, [*args, hook])
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith(f"configuration is valid, but transform = {hook!r}: {said}"), result.output
+        assert "so `prefetchd start` run by this user would refuse it" in result.output
+    fine = runner.invoke(prefetchd_cli.main, [*args, "config_check_hooks:fine"])
+    assert fine.exit_code == 0 and fine.output.strip() == "configuration is valid", fine.output
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays the service, whose buffer it is, and a user not in its group")
 def test_config_check_says_when_this_user_may_not_use_the_buffer(shm_buffer: Path) -> None:
     """`prefetchd config` said "configuration is valid" to a user outside the buffer's group, whose `start` then
