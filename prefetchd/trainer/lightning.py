@@ -122,7 +122,8 @@ class BufferDataModule(pl.LightningDataModule):
             process exits, should fit raise: Lightning then calls no teardown). None: the
             daemons are started elsewhere (``prefetchd start``, systemd).
         epochs, seed, batch_size, image_size, workers, high_water: the started daemons' options
-            (``prefetchd start --epochs ...``); None leaves the daemon's default.
+            (``prefetchd start --epochs ...``); None leaves the daemon's default.  Only with ``data``: without
+            it the running daemon's job decides them, and they are refused (ValueError).
         normalize, timeout, pin, loader_options: passed to each ``BufferLoader``.
     """
 
@@ -134,7 +135,7 @@ class BufferDataModule(pl.LightningDataModule):
         data: str | os.PathLike[str] | None = None,
         val_data: str | os.PathLike[str] | None = None,
         epochs: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         batch_size: int | None = None,
         image_size: int | None = None,
         workers: int | None = None,
@@ -148,14 +149,23 @@ class BufferDataModule(pl.LightningDataModule):
             raise ValueError(f"val_data={str(val_data)!r} needs a val_buffer for its daemon to write into")
         if val_data is not None and data is None:
             raise ValueError("val_data is given but data is not: pass data= too, or start both daemons yourself")
+        daemon_options = dict(epochs=epochs, seed=seed, batch_size=batch_size, image_size=image_size, workers=workers,
+                              high_water=high_water)
+        unused = {name: value for name, value in daemon_options.items() if value is not None}
+        if data is None and unused:  # were ignored without a word: the batches were the running daemon's size
+            given = ", ".join(f"{name}={value!r}" for name, value in unused.items())
+            raise ValueError(f"{given}: options of the daemons this module starts, given data=; without it the "
+                             f"daemon serving {train_buffer} decides them (`prefetchd status --buffer {train_buffer}` "
+                             "shows its job): pass data= to start one with them, or leave them out")
         self.train_buffer = Path(train_buffer)
         self.val_buffer = Path(val_buffer) if val_buffer is not None else None
         # A str stays a str (it may be a URL); a path-like becomes a Path.
         self._data = {split: d if d is None or isinstance(d, str) else Path(d)
                       for split, d in (("train", data), ("val", val_data))}
         self._daemon_config = TrainConfig(
-            buffer=self.train_buffer, epochs=epochs, seed=seed, batch_size=batch_size, image_size=image_size,
-            workers=workers, high_water=high_water, timeout=timeout, spawn_daemon=data is not None, quiet=True,
+            buffer=self.train_buffer, epochs=epochs, seed=seed if seed is not None else 0, batch_size=batch_size,
+            image_size=image_size, workers=workers, high_water=high_water, timeout=timeout,
+            spawn_daemon=data is not None, quiet=True,
         )
         self._loader_options: dict[str, Any] = {"normalize": normalize, "timeout": timeout, **loader_options}
         self._timeout = timeout

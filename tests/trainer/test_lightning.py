@@ -153,6 +153,18 @@ def test_val_data_needs_somewhere_to_go(tmp_path: Path) -> None:
         BufferDataModule(tmp_path / "train", data=tmp_path, val_data=tmp_path)
 
 
+def test_daemon_options_without_data_are_refused_not_ignored(tmp_path: Path) -> None:
+    """BufferDataModule(buffer, batch_size=99, image_size=64, seed=3) on a daemon of batch 16 at 32 px gave
+    batches of 16 at 32 px without a word: those options start daemons (data=), and none is started without it."""
+    with pytest.raises(ValueError, match=r"^seed=3, batch_size=99, image_size=64: options of the daemons this module "
+                                         r"starts, given data=; without it the daemon serving .* decides them"):
+        BufferDataModule(tmp_path / "train", seed=3, batch_size=99, image_size=64)
+    for option in ("epochs", "workers", "high_water"):
+        with pytest.raises(ValueError, match=rf"^{option}=2: options of the daemons this module starts"):
+            BufferDataModule(tmp_path / "train", **{option: 2})
+    BufferDataModule(tmp_path / "train", data=tmp_path, seed=3, batch_size=99)  # the daemon it starts takes them
+
+
 def test_a_val_buffer_of_a_train_split_is_refused(make_job: MakeJob, tmp_path: Path) -> None:
     """Validating on random crops and flips of the training data measures nothing."""
     train, val = make_job(tmp_path / "train", write=1), make_job(tmp_path / "val", write=1)  # both split "train"
