@@ -285,6 +285,9 @@ def _serve(cfg: DaemonConfig) -> int:
                     # meanwhile stays for its submitter to read.
                     result = inbox.result
                     ended = f"{FINISHED_PRODUCING} {job.data}: every epoch was read"
+                    if producer.bad.files:  # else gone with the job's figures once the daemon waits for the next
+                        ended += (f"; files that could not be decoded or read: {len(producer.bad.files)}, their "
+                                  "samples replaced (the daemon's log names them)")
                     if running_id is not None and result is not None and (result.job_id == running_id or result.accepted):
                         inbox.answer(running_id, True, ended, inbox.running_submitter())
                     elif running_id is not None:  # its end was not logged either (a user's walk)

@@ -605,6 +605,28 @@ def test_a_refusal_made_while_a_job_ran_is_not_shown_as_the_last_job_once_that_e
     assert f"job {running_id} finished producing {shapes_data / 'train'}: every epoch was read" in daemon.log
 
 
+def test_a_finished_jobs_answer_counts_the_files_it_replaced(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """Once the job ended, the status (waiting for the next) had no word of its undecodable files: a monitor
+    polling every 30 s missed a short job's errors entirely (a user's walk)."""
+    import shutil
+
+    data = shm_dir / "data"
+    shutil.copytree(shapes_data / "val", data)
+    first_class = sorted(p for p in data.iterdir() if p.is_dir())[0]
+    (first_class / "zz-broken.jpg").write_bytes(b"\xff\xd8 not a JPEG")
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", data, "--split", "val", *JOB, "--epochs", "1").returncode == 0
+    with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+        assert len(list(loader)) == len(loader) > 0
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to finish the job")
+    done = job_result_of(buffer)
+    assert done is not None and done.reason == (f"finished producing {data}: every epoch was read; files that could not "
+                                                "be decoded or read: 1, their samples replaced (the daemon's log names "
+                                                "them)"), done
+
+
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     out = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
