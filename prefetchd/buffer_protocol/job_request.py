@@ -69,7 +69,11 @@ class JobRequest:
         write_json(Path(buffer) / JOB_NAME, self._doc(), mode=TRAINER_FILE_MODE)
 
     def _doc(self) -> dict[str, Any]:
-        return {"format": "prefetchd.job", "version": VERSION, "settings": self.settings, "replace": self.replace,
+        # A path as a Path ({"data": Path(...)}, as a Python caller writes it) was "Object of type PosixPath is not
+        # JSON serializable" from inside the write: the document holds it as the str it stands for.
+        settings = {key: os.fspath(value) if isinstance(value, os.PathLike) else value
+                    for key, value in self.settings.items()}
+        return {"format": "prefetchd.job", "version": VERSION, "settings": settings, "replace": self.replace,
                 "job_id": self.job_id, "submitted": self.submitted}
 
     def record(self, buffer: Dir, dir_fd: int | None = None) -> int:

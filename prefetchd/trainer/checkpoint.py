@@ -181,10 +181,14 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: not a prefetchd-train checkpoint (no format {CHECKPOINT_FORMAT!r})")
-    if doc.get("version") != CHECKPOINT_VERSION:
+    version = doc.get("version")
+    if version != CHECKPOINT_VERSION:
+        later = isinstance(version, int) and not isinstance(version, bool) and version > CHECKPOINT_VERSION
         raise CheckpointError(
-            f"{path}: checkpoint version {doc.get('version')!r}; this prefetchd-train reads version "
-            f"{CHECKPOINT_VERSION}"
+            f"{path}: checkpoint version {version!r}; this prefetchd-train reads version {CHECKPOINT_VERSION}: "
+            + ("resume with the prefetchd that wrote it, or a later one" if later else
+               "it is no checkpoint this prefetchd-train wrote")
+            + "; or train from scratch: without --resume, into another --checkpoint-dir"
         )
     return doc
 

@@ -192,6 +192,13 @@ def test_a_job_json_renamed_back_long_after_it_was_written_is_refused(tmp_path: 
     assert JobRequest.read(tmp_path) is not None
 
 
+def test_a_job_request_written_from_python_takes_paths_as_they_are_given(tmp_path: Path) -> None:
+    """JobRequest({"data": Path(...)}).write failed with "Object of type PosixPath is not JSON serializable"."""
+    JobRequest({"data": tmp_path / "data", "batch_size": 8}).write(tmp_path)
+    read = JobRequest.read(tmp_path)
+    assert read is not None and read.settings == {"data": str(tmp_path / "data"), "batch_size": 8}
+
+
 def test_a_job_json_others_may_write_is_refused(tmp_path: Path) -> None:
     """Whoever may write a job.json may write its request, or give it a fresh mtime (a request put back would pass
     for a new one): its owner need not have written it."""

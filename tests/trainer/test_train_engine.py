@@ -308,6 +308,13 @@ def test_bad_or_foreign_checkpoints_are_one_clear_line(make_job: MakeJob, buffer
     torch.save({"format": CHECKPOINT_FORMAT, "version": 1, "config": {"model": "resnet34"}}, ckpt / LAST_CHECKPOINT)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == EXIT_FAILED and "--model resnet34" in result.stderr and "resnet18" in result.stderr
+    # Another version: it named both and no way on (a user's walk of upgrades).
+    for version, remedy in ((2, "resume with the prefetchd that wrote it, or a later one"),
+                            ("1", "it is no checkpoint this prefetchd-train wrote")):
+        torch.save({"format": CHECKPOINT_FORMAT, "version": version}, ckpt / LAST_CHECKPOINT)
+        said = " ".join(CliRunner().invoke(main, args).stderr.split())
+        assert f"checkpoint version {version!r}; this prefetchd-train reads version 1: {remedy}; or train from " \
+               "scratch: without --resume, into another --checkpoint-dir" in said, said
 
     result = CliRunner().invoke(main, ["--buffer", str(train_job.buffer), "--resume"])
     assert result.exit_code == 2 and "--checkpoint-dir" in result.stderr
