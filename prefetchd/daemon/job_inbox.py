@@ -77,11 +77,11 @@ class JobInbox:
         self.dir_fd = dir_fd  # the locked buffer folder's (DaemonLock.dir_fd), which the accepted job's record goes into
         self.machine = machine  # the user's machine settings, defaults not yet filled
         self.policy = JobPolicy.of(machine)
-        self._seen = self._stamp() if ignore_current else None
         # The request of the newest job.json answered (by its mtime): one renamed back into place soon enough for
         # JobRequest.read to let it through is still older than that, where a new one is not.
         self._newest: JobRequest | None = None
         self.result: JobResult | None = None
+        self._seen = self._stamp() if ignore_current or self._finished_before() else None
         # The request taken from job.json (or resumed), from its check until the daemon has answered it (``settle``):
         # what ``accepted`` records.
         self.pending_request: JobRequest | None = None
@@ -91,6 +91,21 @@ class JobInbox:
         # An fd of the record of the running job that this daemon wrote (``JobRequest.record``), open for writing: it
         # is emptied through it once it records no running job, wherever a member of the group has renamed it.
         self._record_fd: int | None = None
+
+    def _finished_before(self) -> bool:
+        """Whether job.json asks for the job the daemon before finished (its answer "finished producing" in the
+        status it left); then that answer stands.  Taken again after a restart, the job was refused ("nothing to
+        produce") and the status said it refused, a job that had run to its end (a user's walk)."""
+        try:
+            status, request = read_status(self.buffer), JobRequest.read(self.buffer)
+        except (OSError, ProtocolError):
+            return False
+        result = status.job_result if status is not None else None
+        if (request is None or result is None or result.job_id != request.job_id or not result.accepted
+                or not result.reason.startswith(FINISHED_PRODUCING)):
+            return False
+        self.result = result
+        return True
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:

@@ -627,6 +627,28 @@ def test_a_finished_jobs_answer_counts_the_files_it_replaced(shapes_data: Path, 
                                                 "them)"), done
 
 
+def test_a_restart_after_a_job_finished_keeps_its_answer(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A restart took job.json again, the job whose epochs were all read: "refused: nothing to produce", and status
+    said "last job ... refused" of a job that had run to its end (a user's walk)."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "val", "--split", "val", *JOB, "--epochs", "1").returncode == 0
+    with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+        assert len(list(loader)) == len(loader) > 0
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to finish the job")
+    done = job_result_of(buffer)
+    assert done is not None and done.reason.startswith("finished producing"), done
+    daemon.terminate()
+    again = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    again.wait_until(lambda: (status := read_status(buffer)) is not None and status.pid == again.proc.pid
+                     and status.state == "waiting-for-job", 30, "the restarted daemon to wait for a job")
+    time.sleep(1.5)  # its inbox looks at job.json every second
+    assert job_result_of(buffer) == done and "refused" not in again.log, again.log
+    shown = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True, timeout=60).stdout
+    assert f"  last job  {done.job_id} finished producing {shapes_data / 'val'}" in shown, shown
+
+
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     out = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
