@@ -18,6 +18,7 @@ from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, Jo
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.job_request import put_back, when_written
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, at, stream_dirs
+from prefetchd.buffer_protocol.ownership import writer_alive
 from prefetchd.daemon.config import FIELDS, DaemonConfig
 from prefetchd.daemon.consumers import MAX_PROGRESS_READS, progress_stats
 from prefetchd.daemon.errors import BufferLost, ConfigError
@@ -281,10 +282,13 @@ class JobInbox:
         if running is not None and job_settings(job) == job_settings(running):
             self.answer(request.job_id, True, "already producing this job", request.owner)
             return None
-        idle, writer = freshest_progress(self.buffer)
+        idle, writer, gone = freshest_progress(self.buffer)
         if running is not None and idle < TRAINER_ACTIVE_SECONDS and not request.replace:
-            consuming = (f"a trainer of {user_name(writer)} is consuming the running job on {running.data} (progress "
-                         f"written {idle:.0f} s ago)")
+            # One killed moments ago counts too, for its restart resumes the job; said so, not "is consuming".
+            consuming = (f"a trainer of {user_name(writer)} " + (
+                f"that wrote its progress {idle:.0f} s ago is gone, and a restart of it within "
+                f"{TRAINER_ACTIVE_SECONDS - idle:.0f} s would resume the running job on {running.data}" if gone else
+                f"is consuming the running job on {running.data} (progress written {idle:.0f} s ago)"))
             end = new_end(running, job)
             if end is None:
                 self.answer(request.job_id, False, f"{consuming}; submit with --replace to replace it anyway",
@@ -386,9 +390,10 @@ def replacing_answer(replaced: DaemonConfig, job: DaemonConfig) -> str:
     return f", the running job with {end}: its batches kept, {readers}"
 
 
-def freshest_progress(buffer: Path) -> tuple[float, int | None]:
+def freshest_progress(buffer: Path) -> tuple[float, int | None, bool]:
     """Seconds since any consumer of ``buffer`` (or of its ranks' streams) that has not left last wrote its
-    progress file, and that file's owner (the trainer's user; None where there is none).
+    progress file, that file's owner (the trainer's user; None where there is none), and whether its writer is
+    known to be gone (killed: a restart of it may yet resume the job).
 
     The files are looked at the freshest first, and at most MAX_PROGRESS_READS are read to see whether their
     consumers left: any member of the buffer's group may put files there, and reading every one made each
@@ -398,6 +403,7 @@ def freshest_progress(buffer: Path) -> tuple[float, int | None]:
              for consumer, st in progress_stats(directory).items()]
     files.sort(key=lambda file: file[0], reverse=True)
     for read, (written, owner, directory, consumer) in enumerate(files):
+        progress = None
         if read < MAX_PROGRESS_READS:
             try:
                 progress = Progress.read(directory, consumer)
@@ -405,8 +411,9 @@ def freshest_progress(buffer: Path) -> tuple[float, int | None]:
                 progress = None
             if progress is not None and progress.closed:
                 continue  # it left (BufferLoader.close): a job that replaces this one takes nothing from it
-        return time.time() - written, owner
-    return float("inf"), None
+        gone = progress is not None and writer_alive(directory, consumer, progress) is False
+        return time.time() - written, owner, gone
+    return float("inf"), None, False
 
 
 def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[Status], None],

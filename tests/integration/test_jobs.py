@@ -649,6 +649,32 @@ def test_a_restart_after_a_job_finished_keeps_its_answer(shapes_data: Path, shm_
     assert f"  last job  {done.job_id} finished producing {shapes_data / 'val'}" in shown, shown
 
 
+def test_a_refusal_for_a_trainer_killed_moments_ago_says_it_is_gone(shapes_data: Path, shm_dir: Path,
+                                                                     start_daemon) -> None:
+    """A trainer killed 2 s before still keeps a plain submit off the job (its restart would resume it), but the
+    refusal said it "is consuming" the job, as of a live one, pushing its user to --replace (a user's soak)."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
+    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    assert submit(buffer, "--data", shapes_data / "train", *JOB).returncode == 0
+    reads = ("import sys, time\nfrom prefetchd.trainer import BufferLoader\n"
+             f"batches = iter(BufferLoader({str(buffer)!r}, normalize=False, timeout=60))\n"
+             "next(batches), next(batches)\nprint('read', flush=True)\ntime.sleep(600)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", reads], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline() == "read\n"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    refused = submit(buffer, "--data", shapes_data / "val", "--split", "val", *JOB)
+    said = " ".join(refused.stdout.split())
+    assert refused.returncode == 1, said
+    assert re.search(rf"a trainer of {re.escape(user_name(os.getuid()))} that wrote its progress \d+ s ago is gone, and "
+                     rf"a restart of it within \d+ s would resume the running job on {re.escape(str(shapes_data))}",
+                     said), said
+    assert "is consuming" not in said and "--replace" in said, said
+
+
 def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     out = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
@@ -879,10 +905,10 @@ def test_a_trainer_of_one_rank_keeps_a_job_from_being_replaced_without_replace(t
     from prefetchd.daemon.job_inbox import freshest_progress
 
     (tmp_path / "rank-00001").mkdir()
-    assert freshest_progress(tmp_path) == (float("inf"), None)
+    assert freshest_progress(tmp_path) == (float("inf"), None, False)
     Progress(0, 3).write(tmp_path / "rank-00001")
-    idle, writer = freshest_progress(tmp_path)
-    assert idle < 5 and writer == os.getuid()
+    idle, writer, gone = freshest_progress(tmp_path)
+    assert idle < 5 and writer == os.getuid() and not gone  # written by this test process, alive
 
 
 def test_a_flood_of_progress_files_costs_a_submission_a_bounded_number_of_reads(tmp_path: Path) -> None:
@@ -902,11 +928,11 @@ def test_a_flood_of_progress_files_costs_a_submission_a_bounded_number_of_reads(
     for i in range(1000):  # and older junk, never read
         (tmp_path / f"progress.j{i:05d}.json").write_text("not a progress document")
         os.utime(tmp_path / f"progress.j{i:05d}.json", (now - 7200, now - 7200))
-    idle, writer = freshest_progress(tmp_path)
+    idle, writer, _ = freshest_progress(tmp_path)
     assert idle == pytest.approx(10 + MAX_PROGRESS_READS, abs=5) and writer == os.getuid()
     for i in range(MAX_PROGRESS_READS, MAX_PROGRESS_READS + 10):
         os.unlink(tmp_path / f"progress.c{i:05d}.json")
-    idle, _ = freshest_progress(tmp_path)
+    idle, _, _ = freshest_progress(tmp_path)
     assert idle == pytest.approx(3600, abs=5), "within the bound, consumers that left do not count"
 
 
