@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -34,10 +35,16 @@ def state(buffer: Path) -> str | None:
     return state_of(buffer)
 
 
-def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+def waiting_daemon(start_daemon: Any, shm_dir: Path) -> tuple[Path, Any]:
+    """A daemon without a dataset on ``shm_dir``/bf, once it waits for a job: its buffer and itself."""
     buffer = shm_dir / "bf"
     daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    return buffer, daemon
+
+
+def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     out = subprocess.run([*CLI, "status", "--buffer", str(buffer)], capture_output=True, text=True)
     assert out.returncode == 0 and "waiting-for-job" in out.stdout and "prefetchd submit" in out.stdout
     with pytest.raises(LoaderTimeout, match=rf"it is waiting for a job: give it one with `prefetchd submit --buffer {buffer}"):
@@ -108,9 +115,7 @@ def test_a_refused_job_is_not_run_by_a_restarted_daemon(shapes_data: Path, shm_d
     """A refused request stays in job.json (the submitter wrote it over the accepted one): a restarted daemon
     ran it, replacing the job a trainer was reading without --replace.  It resumes the job it had accepted
     (its own record, job.accepted.json) and refuses the other again."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "8").returncode == 0
     accepted = JobRequest.recorded(buffer)
     assert accepted is not None and accepted.settings["seed"] == 8 and accepted.owner == os.geteuid()
@@ -154,9 +159,7 @@ def test_a_record_of_a_job_another_daemon_replaced_since_is_not_resumed(shapes_d
     """A downgrade, then an upgrade back (a user's walk): the older prefetchd took another job from job.json and
     left job.accepted.json naming the one before. The daemon after it resumed that record: it cleared the batches
     and progress of the job produced since, and told its trainer that job was replaced by one nobody submitted."""
-    buffer = shm_dir / "bf"
-    first = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    first.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, first = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "8").returncode == 0
     stale = JobRequest.recorded(buffer)
     assert stale is not None and stale.settings["seed"] == 8
@@ -215,9 +218,7 @@ def test_a_job_refused_at_its_dataset_leaves_the_running_job_producing(shapes_da
                                                                        start_daemon) -> None:
     """The dataset is opened only after the running job stops for the new one: a missing root
     found then must not leave the buffer without a producer."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB).returncode == 0
     loader = BufferLoader(buffer, normalize=False, timeout=30)
     batches = iter(loader)
@@ -274,9 +275,7 @@ def test_a_job_whose_epochs_were_all_consumed_is_refused_saying_how_to_produce_i
         shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     """Submitted again after its trainers read every epoch, the same job has nothing to produce: an
     "accepted: producing" answer would leave the next trainer waiting for batches that never come."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     job = ["--data", shapes_data / "val", "--split", "val", *JOB, "--epochs", "1"]
     assert submit(buffer, *job).returncode == 0
     loader = BufferLoader(buffer, normalize=False, timeout=30)
@@ -309,9 +308,7 @@ def test_a_job_submitted_again_while_it_ran_is_answered_finished_once_it_ends(sh
     """A trainer that resubmits its running job (resuming after a crash: "already producing this job", status's
     `later`) left that answer as the last one: once the job ended, status said "last job ... accepted: already
     producing this job" beside waiting-for-job, as if it still ran.  That answer is about the running job too."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     job = ["--data", shapes_data / "val", "--split", "val", *JOB, "--epochs", "1"]
     running = submit(buffer, *job)
     assert running.returncode == 0, running.stdout + running.stderr
@@ -335,9 +332,7 @@ def test_a_trainer_started_after_its_job_finished_is_told_so_at_once(shapes_data
                                                                      start_daemon) -> None:
     """The finished job's manifest stays in the buffer: a trainer started then waited its whole --timeout for a
     batch never to be built, and was told to wait longer "if the daemon is just slow"."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     job = ["--data", shapes_data / "val", "--split", "val", *JOB, "--epochs", "1"]
     assert submit(buffer, *job).returncode == 0
     with BufferLoader(buffer, normalize=False, timeout=30) as first:
@@ -361,9 +356,7 @@ def test_a_consumer_that_left_does_not_hold_the_job_against_a_new_one(shapes_dat
                                                                       start_daemon) -> None:
     """Only a trainer still consuming (progress written in the last 30 s) makes a new job need
     --replace; one that closed its loader has left, however recently."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB).returncode == 0
     with BufferLoader(buffer, normalize=False, timeout=30, consumer="trial-1") as loader:
         next(iter(loader))
@@ -378,9 +371,7 @@ def test_a_job_whose_hook_fails_while_producing_is_answered_and_the_daemon_serve
         shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     """A submitted job that fails only once its workers run (its hook raises) must not take the
     daemon down: a supervisor would restart it into the same job.json, to fail again."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--transform", BROKEN_HOOK).returncode == 0
     daemon.wait_until(lambda: (r := job_result_of(buffer)) is not None and not r.accepted, 60, "the job's failure")
     result = job_result_of(buffer)
@@ -409,9 +400,7 @@ def test_a_replaced_jobs_trainer_stops_and_the_new_job_starts_at_its_beginning(s
     """`submit --replace` under a live trainer: that trainer must not take the new job's batches
     (smaller ones passed its checks), and its position, written back before it notices, must not
     become the new job's (a 1-epoch job would count as consumed at once)."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "3").returncode == 0
     old = BufferLoader(buffer, normalize=False, timeout=30)
     old_key = old.manifest.job_key
@@ -446,9 +435,7 @@ def test_a_trainer_whose_next_batch_is_the_replacing_jobs_is_told_its_job_was_re
         shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     """The new job writes the batch names the old trainer reads next: a batch of another seed, mapped
     there, is the replacement (JobReplaced), not a stray file to delete with the daemon stopped."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1", "--seed", "5").returncode == 0
     old = BufferLoader(buffer, normalize=False, timeout=30)
     batches = iter(old)
@@ -467,9 +454,7 @@ def test_a_trainer_whose_job_is_submitted_again_for_other_epochs_is_told_so(shap
     the trainer's end is no longer the daemon's: it read on past the new one and waited out its timeout for a
     batch the daemon, done, would never write ("waiting for a job").  It stops at its next batch, naming the
     epochs and what to do."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "3").returncode == 0
     old = BufferLoader(buffer, normalize=False, timeout=10)
     batches = (batch for _ in range(3) for batch in old)  # its 3 epochs, one iter() each
@@ -489,9 +474,7 @@ def test_a_trainer_whose_job_is_submitted_again_for_other_epochs_is_told_so(shap
 def test_a_trainer_whose_job_is_submitted_again_for_more_epochs_reads_on_to_its_own_end(
         shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     """A later end costs the running trainer nothing: it ends where it counted on, not with an error."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "2").returncode == 0
     loader = BufferLoader(buffer, normalize=False, timeout=30)
     read = [next(iter(loader))]
@@ -507,9 +490,7 @@ def test_the_running_job_to_a_later_end_needs_no_replace_but_to_an_earlier_one_d
     trainer nothing and is accepted without --replace (it was refused, even to the trainer's own user), saying what
     changed; to an earlier end it would stop that trainer short of its end (JobReplaced), so it still needs
     --replace, and the refusal says why."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     job = ["--data", shapes_data / "train", *JOB]
     assert submit(buffer, *job, "--epochs", "2").returncode == 0
     loader = BufferLoader(buffer, normalize=False, timeout=30)
@@ -535,9 +516,7 @@ def test_status_shows_the_job_that_runs_and_apart_from_it_a_later_refusal(shapes
                                                                             start_daemon) -> None:
     """`prefetchd status` said "last job" of the latest answer: a request refused while another job ran read as the
     job there.  It shows the job that runs (who submitted it, when) and, on a line of its own, a later answer."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     running = submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "5")
     assert running.returncode == 0, running.stdout + running.stderr
     running_id, me = running.stdout.split()[1], user_name(os.getuid())
@@ -585,9 +564,7 @@ def test_a_refusal_made_while_a_job_ran_is_not_shown_as_the_last_job_once_that_e
                                                                                    start_daemon) -> None:
     """Once the job ended, status said "last job <the refused one> refused: a trainer ... is consuming the running
     job", a job that never ran and a trainer long gone, and the job that ended was not logged (a user's soak)."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     running = submit(buffer, "--data", shapes_data / "train", *JOB, "--epochs", "1")
     assert running.returncode == 0, running.stdout + running.stderr
     running_id, me = running.stdout.split()[1], user_name(os.getuid())
@@ -614,9 +591,7 @@ def test_a_finished_jobs_answer_counts_the_files_it_replaced(shapes_data: Path, 
     shutil.copytree(shapes_data / "val", data)
     first_class = sorted(p for p in data.iterdir() if p.is_dir())[0]
     (first_class / "zz-broken.jpg").write_bytes(b"\xff\xd8 not a JPEG")
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", data, "--split", "val", *JOB, "--epochs", "1").returncode == 0
     with BufferLoader(buffer, normalize=False, timeout=30) as loader:
         assert len(list(loader)) == len(loader) > 0
@@ -630,9 +605,7 @@ def test_a_finished_jobs_answer_counts_the_files_it_replaced(shapes_data: Path, 
 def test_a_restart_after_a_job_finished_keeps_its_answer(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     """A restart took job.json again, the job whose epochs were all read: "refused: nothing to produce", and status
     said "last job ... refused" of a job that had run to its end (a user's walk)."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "val", "--split", "val", *JOB, "--epochs", "1").returncode == 0
     with BufferLoader(buffer, normalize=False, timeout=30) as loader:
         assert len(list(loader)) == len(loader) > 0
@@ -653,9 +626,7 @@ def test_a_refusal_for_a_trainer_killed_moments_ago_says_it_is_gone(shapes_data:
                                                                      start_daemon) -> None:
     """A trainer killed 2 s before still keeps a plain submit off the job (its restart would resume it), but the
     refusal said it "is consuming" the job, as of a live one, pushing its user to --replace (a user's soak)."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB).returncode == 0
     reads = ("import sys, time\nfrom prefetchd.trainer import BufferLoader\n"
              f"batches = iter(BufferLoader({str(buffer)!r}, normalize=False, timeout=60))\n"
@@ -870,9 +841,7 @@ def test_replacing_a_job_by_one_of_another_world_size(shapes_data: Path, shm_dir
     """World size 1 -> 3 -> 2 by `submit --replace`: the single-rank trainer is told at once (it waited
     out its timeout for a LoaderTimeout), the third rank's stream goes with its job (it went on serving
     the replaced job's batches to a loader opened there), and no job change leaves a descriptor open."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "5").returncode == 0
     single = iter(BufferLoader(buffer, normalize=False, timeout=60))
     next(single), next(single)
@@ -972,9 +941,7 @@ def test_a_folder_put_in_an_old_stream_folder_does_not_stop_a_job_switch(shapes_
 def test_a_newline_in_a_jobs_fields_forges_no_log_line(shm_dir: Path, start_daemon) -> None:
     """Any member of the buffer's group may submit a job: its data echoed in the refusal must not start a line
     of its own making in the daemon's log."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     forged = "2026-01-01 00:00:00,000 WARNING prefetchd.daemon.main: FORGED LINE"
     bad = submit(buffer, "--data", f"{shm_dir}/nope\n{forged}", *JOB)
     assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
@@ -986,9 +953,7 @@ def test_a_newline_in_a_jobs_fields_forges_no_log_line(shm_dir: Path, start_daem
 def test_a_refusals_reason_shows_a_jobs_control_characters_escaped(shm_dir: Path, start_daemon) -> None:
     """The reason quotes the job's data, which any member of the buffer's group wrote: `prefetchd submit` and
     `prefetchd status` (whoever runs them) show its newline and terminal escape as the log does, never as such."""
-    buffer = shm_dir / "bf"
-    daemon = start_daemon(buffer, "--workers", "1", "--high-water", "3")
-    daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for a job")
+    buffer, daemon = waiting_daemon(start_daemon, shm_dir)
     bad = submit(buffer, "--data", f"{shm_dir}/nope\nFORGED LINE\x1b[2J", *JOB)
     assert bad.returncode == 1 and "does not exist" in bad.stdout, bad.stdout + bad.stderr
     assert bad.stdout.count("\n") == 1 and "\x1b" not in bad.stdout, repr(bad.stdout)
