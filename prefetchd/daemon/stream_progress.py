@@ -35,6 +35,16 @@ IGNORED_SAID_SECONDS = 300.0
 UNREADABLE_RETRY_SECONDS = 10.0
 
 
+class OtherJob(str):
+    """Why a progress file is refused: it is of another job, the one a --replace (or another job) replaced."""
+
+
+def _level(problem: str) -> int:
+    """Another job's progress file is what every --replace leaves (its trainer writes back before it notices):
+    said, not warned about (a soak's 84 warnings were all of it)."""
+    return logging.INFO if isinstance(problem, OtherJob) else logging.WARNING
+
+
 class StreamProgress:
     """The consumers of a :class:`~prefetchd.daemon.stream.Stream` and the reading of their progress files."""
 
@@ -212,7 +222,7 @@ class StreamProgress:
         seen.problem = hash(problem)
         self._refusals += 1
         self._refused_latest = problem
-        self._refused_lines.log(log, logging.WARNING, "ignoring %s: %s", self.dir / progress_name(name), problem,
+        self._refused_lines.log(log, _level(problem), "ignoring %s: %s", self.dir / progress_name(name), problem,
                                 others="other refused progress file", scope=f" in {self.dir}")
 
     def _forget(self, names: set[str]) -> None:
@@ -260,9 +270,9 @@ class StreamProgress:
         if progress.job is not None and progress.job != self.manifest.job_key:
             # A trainer of the job this one replaced, writing its position back before it notices.
             writer = "a consumer" if progress.pid is None else f"pid {progress.pid}"
-            return (f"{writer} wrote it for another job (key {progress.job}, this job's is "
-                    f"{self.manifest.job_key}): a trainer of the job this one replaced; this job's trainer writes "
-                    "its own over it, or remove it if no trainer of this job reads here")
+            return OtherJob(f"{writer} wrote it for another job (key {progress.job}, this job's is "
+                            f"{self.manifest.job_key}): a trainer of the job this one replaced; this job's trainer "
+                            "writes its own over it, or remove it if no trainer of this job reads here")
         if progress.step >= self.steps:
             return f"step {progress.step} is past the {self.steps} steps of an epoch"
         if progress.epoch > MAX_EPOCH:
@@ -309,7 +319,7 @@ class StreamProgress:
         if consumer.problem(problem):
             path = str(self.dir / progress_name(consumer.name))
             # A ProtocolError names the file itself: "ignoring P: P: field ..." said it twice (a review).
-            log.warning("ignoring %s: %s", path, problem.removeprefix(f"{path}: "))
+            log.log(_level(problem), "ignoring %s: %s", path, problem.removeprefix(f"{path}: "))
 
     def check_trainer(self) -> None:
         """Whether the processes that wrote the progress files are still there; logs when one goes,
