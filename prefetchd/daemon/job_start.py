@@ -107,6 +107,10 @@ def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat,
         return
 
 
+# The machine-sized defaults said so far: a later job's are logged where they differ (a value, a reason).
+_DEFAULTS_SAID: set[str] = set()
+
+
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
               publish: Callable[[Status], None], notifier: Notifier, lock: DaemonLock) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
@@ -116,7 +120,9 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     held = held_bytes(job)  # one listing of the buffer's batches for both
     job, notes = fill_defaults(job, held)
     for note in notes:
-        log.info("default: %s", note)
+        if note not in _DEFAULTS_SAID:  # each job of a daemon serving jobs repeated the same four lines (a soak)
+            log.info("default: %s", note)
+            _DEFAULTS_SAID.add(note)
     make_room_for_files(job.workers or 0)  # before its workers start; a refusal names the limit and the fix
     short = check_capacity(job, held)
     if short is not None:

@@ -78,6 +78,8 @@ def test_empty_daemon_waits_then_serves_refuses_and_replaces_jobs(shapes_data: P
     daemon.wait_until(lambda: Manifest.read(buffer).split == "val", 30, "the new job's manifest")
     fresh = BufferLoader(buffer, normalize=False, timeout=30)
     assert next(iter(fresh)).images.shape[0] == 4
+    # The machine-sized defaults, the same for both jobs, are said once (a soak: 4 lines at every job).
+    assert daemon.log.count("default: readers = 1 (a local folder)") == 1, daemon.log
 
 
 @pytest.mark.parametrize("reset", [False, True])
