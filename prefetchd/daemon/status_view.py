@@ -246,8 +246,8 @@ def status_json(report: StatusReport, indent: int | None = 1) -> str:
     doc.update(ended_unsaid=report.ended_unsaid, buffer=str(report.buffer), owner=str(report.owner), problems=list(report.problems),
                status=report.status.to_doc() if report.status is not None else None,
                manifest=report.manifest.to_doc() if report.manifest is not None else None)
-    if not report.readable:  # unknown, as the text says, not false (a review)
-        doc["running"] = None
+    if not report.readable:  # unknown, as the text says, not false (a review); so are the answers that follow from it
+        doc.update(running=None, stale=None, served=None, ended_unsaid=None)
     return json.dumps(doc, indent=indent, sort_keys=True)
 
 

@@ -1271,7 +1271,8 @@ def test_a_user_outside_the_buffers_group_is_told_whose_it_is_and_how_to_join(sh
     assert said["status"]["output"].startswith(f"prefetchd on {buffer}: cannot be read by this user"), said["status"]
     doc = json.loads(said["json"]["output"])
     assert doc["readable"] is False and doc["buffer"] == str(buffer) and doc["status"] is None, doc
-    assert doc["running"] is None, doc  # unknown, as the text says; it was false (a review)
+    # Unknown, as the text says; it was false (a review), and stale false, served true (a monitoring walk).
+    assert doc["running"] is doc["stale"] is doc["served"] is doc["ended_unsaid"] is None, doc
     assert [why in " ".join(p.split()) for p in doc["problems"]] == [True], doc
     assert " ".join(said["stop"]["output"].split()) == (
         f"cannot stop the daemon on {buffer}, if one runs: this user may not read {buffer}, which belongs to root "
