@@ -335,6 +335,9 @@ def map_batch(path: str | os.PathLike[str], dir_fd: int | None = None) -> Mapped
         raise ProtocolError(f"{path}: cannot open batch file ({exc.strerror}); {fix}") from None
     try:
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):  # map_batch(buffer): "remove it from the buffer" told to remove the buffer
+            raise ProtocolError(f"{path}: a folder, not a batch file; pass one of its batches "
+                                "(buffer_protocol.list_batches names them)")
         if not stat.S_ISREG(st.st_mode):
             raise ProtocolError(f"{path}: not a regular file; remove it from the buffer")
         # Only the daemon writes batches, as the owner of the buffer's folders: a member of a --group-access

@@ -26,6 +26,7 @@ document, never a mix.
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import stat
@@ -158,6 +159,8 @@ def stream_dir(buffer: Dir, rank: int, world_size: int) -> Path:
     One rank keeps the flat layout; with several, each rank has its own directory
     so trainers of different ranks never see each other's files.
     """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: a job has at least one rank")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     return Path(buffer) if world_size == 1 else Path(buffer) / f"{STREAM_PREFIX}{rank:05d}"
@@ -230,6 +233,10 @@ def check_owned(path: Dir, uid: int, what: str) -> None:
 
 
 def batch_name(epoch: int, step: int) -> str:
+    """The file name of batch (``epoch``, ``step``); ValueError outside what a name holds, TypeError for a
+    non-integer (1.5 failed in the format, "Unknown format code 'd'")."""
+    if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (epoch, step)):
+        raise TypeError(f"epoch {epoch!r} / step {step!r}: a batch is named by two integers")
     if not (0 <= epoch <= MAX_EPOCH and 0 <= step <= MAX_STEP):
         raise ValueError(f"epoch {epoch} / step {step} outside what a batch name holds (0-{MAX_EPOCH} / 0-{MAX_STEP})")
     return f"e{epoch:06d}-s{step:08d}{BATCH_SUFFIX}"

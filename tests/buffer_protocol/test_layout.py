@@ -114,6 +114,18 @@ def test_batch_name_encodes_its_whole_range(epoch: int, step: int) -> None:
     assert parse_batch_name(batch_name(epoch, step)) == (epoch, step)
 
 
+def test_the_protocols_functions_name_what_they_cannot_take(tmp_path: Path) -> None:
+    """A walk of the API: batch_name(1.5, 0) said "Unknown format code 'd'", stream_dir(B, 0, 0) "rank 0 is outside a
+    world of 0" without naming world_size, and map_batch(the buffer) to remove the buffer."""
+    with pytest.raises(TypeError, match=r"epoch 1.5 / step 0: a batch is named by two integers"):
+        batch_name(1.5, 0)  # type: ignore[arg-type]
+    assert batch_name(np.int64(3), np.int32(4)) == batch_name(3, 4)
+    with pytest.raises(ValueError, match=r"world_size=0: a job has at least one rank"):
+        stream_dir(tmp_path, 0, 0)
+    with pytest.raises(ProtocolError, match=rf"{tmp_path}: a folder, not a batch file; pass one of its batches"):
+        map_batch(tmp_path)
+
+
 def _interrupted_json_write(path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """Name of the temp file write_json leaves when it dies before its rename."""
     left: list[str] = []
