@@ -324,6 +324,17 @@ def test_a_temp_folder_too_long_for_the_worker_servers_socket_is_passed_over_onc
     assert list(long_tmp.iterdir()) == []
 
 
+def test_a_buffer_open_to_other_users_is_warned_about_once(shapes_data: Path, shm_dir: Path) -> None:
+    """A one-rank job's stream folder is the buffer itself, checked again when the job starts: said twice."""
+    buffer = shm_dir / "bf"
+    buffer.mkdir(mode=0o755)
+    buffer.chmod(0o755)
+    code, log = served_to_the_end(buffer, [sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer),
+                                           "--data", str(shapes_data / "train"), *JOB])
+    assert code == 0 and FINISHED in log, log
+    assert log.count(f"buffer directory {buffer} has mode 0755: other users can list or read its batches") == 1, log
+
+
 def served_to_the_end(buffer: Path, argv: list[str], **popen: Any) -> tuple[int, str]:
     """Run the daemon ``argv`` starts on ``buffer`` while a trainer reads its one epoch; its exit code and log."""
     daemon = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
