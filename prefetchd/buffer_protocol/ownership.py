@@ -355,6 +355,19 @@ def _held(fd: int) -> bool | None:
     return False
 
 
+def lock_file_held(path: Path) -> bool:
+    """Whether some open file holds the flock on the lock file at ``path`` (False where there is none, or the
+    filesystem has no flock).  Another open file of this process counts too: not for the daemon's own lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return _held(fd) is True
+    finally:
+        os.close(fd)
+
+
 def lock_holders(path: Path) -> set[int] | None:
     """Pids of the processes holding an flock on ``path``'s file, as this process's /proc numbers them (the process
     that took each lock); an empty set where ``path`` is gone; None where /proc/locks cannot be read (no /proc).

@@ -24,6 +24,7 @@ import psutil
 from prefetchd.access import nearest_existing
 from prefetchd.buffer_protocol import BatchLayout, list_batches, stream_dir
 from prefetchd.buffer_protocol.errors import shown
+from prefetchd.buffer_protocol.layout import owning_buffer
 from prefetchd.buffer_protocol.manifest import SPLITS, augmentation_text
 from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
@@ -120,6 +121,7 @@ class DaemonConfig:
         if self.high_water is not None and self.low_water is not None and self.low_water >= self.high_water:
             raise ConfigError(f"low_water = {self.low_water} must be below high_water = {self.high_water}")
         check_buffer_outside(self.buffer, self.data)
+        check_not_a_stream_folder(self.buffer)
         empty = {"train": 1.0, "val": 0.0}[self.split]  # the fraction that leaves this split no sample of any dataset
         if self.val_fraction == empty:  # `prefetchd config` said "valid" to what start refused (a user's walk)
             raise ConfigError(f"val_fraction = {shown(self.val_fraction)} leaves the {self.split} split empty: hold out "
@@ -218,6 +220,16 @@ class DaemonConfig:
     @property
     def batch_bytes(self) -> int:
         return BatchLayout.plan(self.batch_size, self.image_size, self.image_size).file_len
+
+
+def check_not_a_stream_folder(buffer: Path) -> None:
+    """A buffer named as a rank's stream folder (rank-NNNNN) inside another daemon's buffer was started on, and
+    every other command took it for that daemon's rank: `status` showed the other's pid, `stop` refused to stop
+    it, and its trainer was told that daemon serves no such rank (a walk)."""
+    owner = owning_buffer(buffer)
+    if owner != Path(buffer):
+        raise ConfigError(f"buffer {buffer} is named as a rank's stream folder of the buffer {owner}, and every "
+                          f"prefetchd command would take it for one: give it another name, or a folder outside {owner}")
 
 
 def check_buffer_outside(buffer: Path, data: str | None) -> None:

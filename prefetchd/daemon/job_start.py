@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefetchd.buffer_protocol import DaemonLock, JobResult, Manifest, RunningJob, State, Status, stream_dir, write_status
-from prefetchd.buffer_protocol.layout import MANIFEST_NAME, STREAM_PREFIX
+from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, STREAM_PREFIX
+from prefetchd.buffer_protocol.ownership import lock_file_held
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
                                          holds_a_stream, make_stream_dir, remove_stream)
 from prefetchd.daemon.config import DaemonConfig, fill_defaults, held_bytes
@@ -107,6 +108,17 @@ def write_when_room(write: Callable[[], None], path: Path, beat: StartupBeat,
         return
 
 
+def check_no_daemon_inside(buffer: Path) -> None:
+    """Refuse a buffer holding another live daemon's buffer under a rank's stream folder name: this job would take
+    it for a rank's stream (world size > 1, its manifest overwritten), or clear it as another job's (a walk: the
+    nested daemon's trainer read this job's batches, and `prefetchd stop` of it said none ran, exit 0)."""
+    for folder in sorted(buffer.glob(f"{STREAM_PREFIX}*")):
+        if folder.is_dir() and not folder.is_symlink() and lock_file_held(folder / LOCK_NAME):
+            raise ConfigError(f"{folder} is the buffer of another daemon (its {LOCK_NAME} is held), named as a rank's "
+                              f"stream folder of {buffer}, which this daemon makes and clears: stop that daemon and "
+                              "start it on a buffer elsewhere, then this one")
+
+
 # The machine-sized defaults said so far: a later job's are logged where they differ (a value, a reason).
 _DEFAULTS_SAID: set[str] = set()
 
@@ -146,6 +158,7 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         raise ConfigError(f"drop_last: the {job.split} split's {samples} samples{per_rank} fill no batch of "
                           f"{job.batch_size}, so every batch would be left out; lower --batch-size or leave out "
                           "--drop-last")
+    check_no_daemon_inside(job.buffer)  # before anything here is cleared or taken for a rank's stream
     producer_id = new_producer_id()
     streams = []
     if job.world_size > 1:

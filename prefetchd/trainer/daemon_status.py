@@ -56,7 +56,8 @@ def unserved_rank(stream: Path, owner: DaemonOwner | None, status: Status | None
     served = [s.rank for s in status.production.streams]
     if rank in served:
         return None
-    return (f"the daemon of {buffer} ({owner}) produces ranks {rank_ranges(served)}, not rank {rank}, so {stream} "
+    produces = f"{'rank' if len(served) == 1 else 'ranks'} {rank_ranges(served)}"
+    return (f"the daemon of {buffer} ({owner}) produces {produces}, not rank {rank}, so {stream} "
             "gets no manifest while it runs: every rank of a box reads the box's one daemon")
 
 

@@ -167,6 +167,41 @@ def test_status_and_stop_on_rank_directories(shapes_data: Path, shm_dir: Path, s
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
 
 
+def test_a_buffer_named_as_another_buffers_rank_stream_is_refused_and_one_inside_stops_the_outer_daemon(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """A walk: `start --buffer P/rank-00003` beside P's daemon was taken, and every command read it as P's rank 3
+    (status showed P's pid, stop refused, its trainer was told P serves no rank 3); a daemon started on such a
+    folder first, then one on P with --world-size 2 took it for its rank 1, overwrote its manifest and fed its
+    trainer the other job's batches."""
+    from prefetchd.buffer_protocol import DaemonLock
+
+    def start(buffer: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "prefetchd", "start", "--buffer", str(buffer), "--data",
+                               str(shapes_data / "train"), *SMALL, *args], capture_output=True, text=True, timeout=60)
+
+    outer = shm_dir / "p"
+    daemon = start_daemon(outer, "--data", shapes_data / "train", *SMALL)
+    daemon.wait_until(lambda: (outer / "manifest.json").exists(), 60, "its manifest")
+    nested = start(outer / "rank-00003")
+    assert nested.returncode == 2, nested.stderr
+    assert f"buffer {outer / 'rank-00003'} is named as a rank's stream folder of the buffer {outer}, and every " \
+           "prefetchd command would take it for one" in " ".join(nested.stderr.split()), nested.stderr
+    daemon.terminate()
+
+    other = shm_dir / "x"
+    (other / "rank-00001").mkdir(parents=True, mode=0o700)
+    lock = DaemonLock(other / "rank-00001")
+    lock.acquire()  # this test process plays a daemon started there first, before any on x
+    try:
+        refused = start(other, "--world-size", "2", "--reset")
+    finally:
+        lock.release()
+    assert refused.returncode == 2, refused.stderr
+    assert f"{other / 'rank-00001'} is the buffer of another daemon (its daemon.lock is held), named as a rank's " \
+           f"stream folder of {other}" in " ".join(refused.stderr.split()), refused.stderr
+    assert sorted(p.name for p in (other / "rank-00001").iterdir()) == ["daemon.lock"], "cleared or taken over"
+
+
 def test_a_buffer_of_another_world_size_is_refused_naming_both(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     """Either way between one rank and two: the refusal names both world sizes, as between two and four."""
     for before, after in ((1, 2), (2, 1)):
@@ -213,7 +248,7 @@ def test_a_rank_whose_stream_an_earlier_run_left_is_refused_without_waiting_out_
     one.wait_until(lambda: (p := production_of(buffer)) is not None and [s.rank for s in p.streams] == [0], 60,
                    "the job to run again, for rank 0 alone")
     assert (stream_dir(buffer, 1, 2) / "manifest.json").is_file()
-    unserved = f"the daemon of {buffer} (pid {one.proc.pid}) produces ranks 0, not rank 1"
+    unserved = f"the daemon of {buffer} (pid {one.proc.pid}) produces rank 0, not rank 1"
     started = time.monotonic()
     with pytest.raises(SetupError, match=re.escape(unserved)):
         wait_for_stream(buffer, Ranks(1, 2, 1, 2), timeout=120)
@@ -230,7 +265,7 @@ def test_a_rank_the_daemon_does_not_produce_is_refused_without_waiting_out_its_t
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--world-size", "4", "--ranks", "0")
     daemon.wait_until(lambda: production_of(buffer) is not None, 60, "the job to run")
     assert wait_for_stream(buffer, Ranks(0, 4, 0, 2), timeout=5) == stream_dir(buffer, 0, 4)
-    unserved = f"the daemon of {buffer} (pid {daemon.proc.pid}) produces ranks 0, not rank 1"
+    unserved = f"the daemon of {buffer} (pid {daemon.proc.pid}) produces rank 0, not rank 1"
     started = time.monotonic()
     with pytest.raises(SetupError) as refused:
         wait_for_stream(buffer, Ranks(1, 4, 1, 2), timeout=120)

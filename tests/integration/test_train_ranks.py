@@ -152,7 +152,7 @@ def test_a_rank_that_fails_cleanly_leaves_the_others_one_line(shapes_data: Path,
     assert run.returncode != 0
     said = " ".join(run.stderr.split())
     # Rank 1's own reason, at once rather than after --timeout: the box's daemon does not produce its stream.
-    assert f"Error: rank 1: the daemon of {buffer} (pid {daemon.proc.pid}) produces ranks 0, not rank 1" in said, \
+    assert f"Error: rank 1: the daemon of {buffer} (pid {daemon.proc.pid}) produces rank 0, not rank 1" in said, \
         said[-3000:]
     # Rank 0 learns it from its collective, or from the SIGTERM torchrun sends once rank 1 exited, whichever
     # comes first (under load, the signal: a loaded test run); either way in one line of its own.
