@@ -21,10 +21,19 @@ from prefetchd.buffer_protocol.layout import DOCUMENT_KINDS, TEMP_MARK, at
 
 
 MAX_DOCUMENT_LEN = 1 << 20
+# A manifest holds the class names: 100,000 classes of two files each made one of 1.3 MB, which its own readers
+# refused, so the trainer could not open the buffer and a restart of the job failed (a walk).  64 MiB holds the
+# million integer labels a file list may have (11 bytes each) and ImageNet-21k's names many times over.
+MAX_MANIFEST_LEN = 64 << 20
 # A progress document is a few hundred bytes.  The daemon reads those of every consumer at each poll, and any member
 # of a --group-access buffer's group may write them: 63 valid ones of 1 MiB (a list of numbers beside the position)
 # took 110 ms each to parse (2-core EPYC) and slowed the daemon's loop from 1 s to 4.3 s.  At 4 KiB: 0.21 ms at most.
 MAX_PROGRESS_LEN = 4096
+
+
+def max_document_len(kind: str) -> int:
+    """The most bytes a ``kind`` document may have (SPEC rule 2)."""
+    return {"progress": MAX_PROGRESS_LEN, "manifest": MAX_MANIFEST_LEN}.get(kind, MAX_DOCUMENT_LEN)
 
 
 def encode_json(doc: dict[str, Any]) -> bytes:
@@ -103,10 +112,11 @@ def rewrite_in_place(path: Path, data: bytes, kind: str, dir_fd: int | None = No
 
 def _holds_document(fd: int, st: os.stat_result, kind: str) -> bool:
     """Whether the file open at ``fd`` (``st``: its fstat) is a ``kind`` document, as far as its format field says."""
-    if st.st_size > MAX_DOCUMENT_LEN:
+    limit = max_document_len(kind)
+    if st.st_size > limit:
         return False
     try:
-        doc = json.loads(os.pread(fd, MAX_DOCUMENT_LEN, 0))
+        doc = json.loads(os.pread(fd, limit, 0))
     except (ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and doc.get("format") == f"prefetchd.{kind}"
@@ -146,7 +156,7 @@ def read_json_stat(path: Path, kind: str, dir_fd: int | None = None) -> tuple[di
     if kind not in DOCUMENT_KINDS:
         raise ValueError(f"unknown document kind {kind!r}")
     fd = open_regular(path, os.O_RDONLY, f"a {kind} document", dir_fd=dir_fd)
-    limit = MAX_PROGRESS_LEN if kind == "progress" else MAX_DOCUMENT_LEN
+    limit = max_document_len(kind)
     try:
         st = os.fstat(fd)
         data = os.read(fd, limit + 1)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefetchd.buffer_protocol import DaemonLock, JobResult, Manifest, RunningJob, State, Status, stream_dir, write_status
+from prefetchd.buffer_protocol.json_files import MAX_MANIFEST_LEN, encode_json
 from prefetchd.buffer_protocol.layout import LOCK_NAME, MANIFEST_NAME, STREAM_PREFIX
 from prefetchd.buffer_protocol.ownership import lock_file_held
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
@@ -187,6 +188,9 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
             keyed_batches=True,
         )
         streams.append((directory, manifest))
+    if streams and len(encode_json(streams[0][1].to_doc())) > MAX_MANIFEST_LEN:  # its readers would refuse it
+        raise ConfigError(f"the {len(index.classes)} classes of {job.data} make a manifest.json of more than "
+                          f"{MAX_MANIFEST_LEN >> 20} MiB, which trainers do not read: fewer classes, or shorter names")
     # Streams of ranks this job does not produce that another job wrote (one of a larger world, say): a loader
     # opened there would read that job's batches as if they were served, so they go, but only with --reset (a
     # submitted job is one), as another job's streams of this job's ranks do. Those of this job (a restart with

@@ -85,6 +85,21 @@ def test_a_class_folder_named_in_latin1_is_produced_and_named_in_the_manifest(
     assert Manifest.read(shm_dir / "bf").classes == ref.classes
 
 
+def test_a_dataset_of_a_hundred_thousand_classes_is_served(shapes_data: Path, shm_dir: Path, tmp_path: Path,
+                                                           start_daemon) -> None:
+    """Integer labels up to 99,500 (a file list may have a million classes) made a manifest of 1.08 MB, past the
+    1 MiB its readers took: the trainer could not open the buffer and a restart of the job failed (a walk)."""
+    files = sorted(p for p in (shapes_data / "train").rglob("*") if p.is_file())
+    step = 100_000 // len(files)
+    listed = tmp_path / "list.csv"
+    listed.write_text("".join(f"{path},{k * step}\n" for k, path in enumerate(files)))
+    labels = np.arange(len(files)) * step
+    run_epochs(start_daemon, shm_dir / "bf", listed, labels)
+    manifest = Manifest.read(shm_dir / "bf")
+    assert len(manifest.classes) == labels[-1] + 1 > 95_000
+    assert (shm_dir / "bf" / "manifest.json").stat().st_size > 1 << 20
+
+
 def test_a_restarted_daemon_takes_the_index_from_its_cache(shapes_data: Path, shm_dir: Path, tmp_path: Path,
                                                             start_daemon) -> None:
     data = tmp_path / "train"
