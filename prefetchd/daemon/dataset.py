@@ -248,20 +248,26 @@ def walk_classes(tops: list[str], threads: int, tick: Callable[[], object]) -> l
         # Per listing: its top's position, and the identities of the folders above it.
         pending: dict[Future[Folder], tuple[int, frozenset[tuple[int, int]]]] = {
             pool.submit(list_folder, top): (k, _identities(os.path.dirname(top))) for k, top in enumerate(tops)}
-        while pending:
-            tick()  # at least once a second, even while one huge folder is listed
-            done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-            for future in done:
-                k, above = pending.pop(future)
-                folder = future.result()
-                if folder.identity in above:
-                    raise DatasetError(f"{folder.path} links to {os.path.realpath(folder.path)}, a folder it is inside: "
-                                       "a loop, which would make every image below it a sample again and again; "
-                                       "remove that link from the dataset")
-                found[k].append(folder)
-                inside = above | {folder.identity} if folder.identity is not None else above
-                for name in folder.subdirs:
-                    pending[pool.submit(list_folder, os.path.join(folder.path, name))] = (k, inside)
+        try:
+            while pending:
+                tick()  # at least once a second, even while one huge folder is listed
+                done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                for future in done:
+                    k, above = pending.pop(future)
+                    folder = future.result()
+                    if folder.identity in above:
+                        raise DatasetError(f"{folder.path} links to {os.path.realpath(folder.path)}, a folder it is "
+                                           "inside: a loop, which would make every image below it a sample again and "
+                                           "again; remove that link from the dataset")
+                    found[k].append(folder)
+                    inside = above | {folder.identity} if folder.identity is not None else above
+                    for name in folder.subdirs:
+                        pending[pool.submit(list_folder, os.path.join(folder.path, name))] = (k, inside)
+        except BaseException:
+            # A stop (``tick`` raises it), Ctrl-C or a refusal: the folders queued are not listed.  Leaving the block
+            # waited for every one: on a slow filesystem `prefetchd stop` ran into its timeout (a walk).
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     for folders in found:
         folders.sort(key=lambda f: f.path)
         for folder in folders:

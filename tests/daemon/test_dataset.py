@@ -6,6 +6,7 @@ import os
 import pwd
 import subprocess
 import time
+from typing import Any
 from collections.abc import Callable
 from pathlib import Path
 
@@ -478,6 +479,41 @@ def test_default_cache_dir_ignores_empty_or_relative_homes(monkeypatch: pytest.M
         else:
             monkeypatch.setenv(name, value)
     assert default_cache_dir() == Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "prefetchd"
+
+
+def test_a_stop_during_the_walk_does_not_wait_for_the_folders_queued(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """A stop (the start's heartbeat raises it) left the pool's block, which waited for every folder queued: on a
+    slow filesystem `prefetchd stop` ran into its timeout, 45 s for a 200,000-file tree (a walk)."""
+    import threading
+
+    import prefetchd.daemon.dataset as dataset
+
+    for k in range(200):
+        (tmp_path / f"c{k:03d}").mkdir()
+    listed: list[str] = []
+    real = dataset.list_folder
+    class_folders_queued = threading.Event()
+
+    def slow_listing(path: str) -> Any:
+        listed.append(path)
+        if path != str(tmp_path):
+            class_folders_queued.set()  # the root was listed and its 200 folders submitted
+        time.sleep(0.02)
+        return real(path)
+
+    class Stopped(Exception):
+        pass
+
+    def tick() -> None:
+        if class_folders_queued.is_set():
+            raise Stopped
+
+    monkeypatch.setattr(dataset, "list_folder", slow_listing)
+    with pytest.raises(Stopped):
+        dataset.walk_classes([str(tmp_path)], 2, tick)
+    time.sleep(0.2)  # a listing queued but not cancelled would start meanwhile
+    assert len(listed) < 20, f"{len(listed)} of 201 folders listed after the stop"
 
 
 def test_split_folders_taken_for_classes_are_warned_about() -> None:
