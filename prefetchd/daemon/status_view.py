@@ -142,9 +142,10 @@ def describe_status(buffer: Path) -> StatusReport:
         figures = ("; a status grown past them leaves the figures above as last written" if status is not None
                    else "; its log says more")
         spares, _ = spare_files(owner)
-        # It said "can build no batch" while the daemon built one in a consumed batch's file for each read.
-        builds = (f"builds batches only in the files of consumed ones it kept ({spares} now), one for each a trainer "
-                  "reads," if spares else "can build no batch,")
+        # It said "can build no batch" while the daemon built one in a consumed batch's file for each read; but not
+        # "builds" either: a trainer that cannot write its progress there has the daemon build nothing (a walk).
+        builds = (f"can build a batch only in the file of a consumed one it kept ({spares} now)," if spares
+                  else "can build no batch,")
         problems.append(f"the buffer's filesystem is full ({binary_size(full)} free): the daemon {builds} and "
                         f"rewrites its status only within the pages status.json has{figures}; free space "
                         f"on {filesystem_of(owner).point} (what else fills it?)")

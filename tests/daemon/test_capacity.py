@@ -411,8 +411,8 @@ def test_a_pause_for_space_and_the_resumption_are_both_logged(shm_dir: Path, sha
             with contextlib.suppress(OSError):
                 rest.write_bytes(b"\1" * free_bytes(mount))
             assert re.search(r"the buffer's filesystem is full \((\d+ bytes?|[\d.]+ KiB) free\): the daemon (can build "
-                             r"no batch|builds batches only in the files of consumed ones it kept \(\d+ now\), one "
-                             "for each a trainer reads), and rewrites its status only within the pages status.json has",
+                             r"no batch|can build a batch only in the file of a consumed one it kept \(\d+ now\)), and "
+                             "rewrites its status only within the pages status.json has",
                              format_status(describe_status(buffer)))
             rest.unlink()
             ballast.unlink()
@@ -442,8 +442,8 @@ def test_a_full_filesystem_is_said_with_the_consumed_batch_files_kept_to_build_i
                 with contextlib.suppress(OSError):
                     (mount / "rest").write_bytes(b"\1" * free_bytes(mount))
                 said = " ".join(format_status(describe_status(buffer)).split())
-                builds = ("builds batches only in the files of consumed ones it kept (2 now), one for each a trainer "
-                          "reads, and" if spares else "can build no batch, and")
+                builds = ("can build a batch only in the file of a consumed one it kept (2 now), and" if spares
+                          else "can build no batch, and")
                 assert f"the daemon {builds} rewrites its status" in said, said
                 (mount / "rest").unlink()
         finally:
