@@ -546,12 +546,16 @@ def test_pack_refuses_an_out_holding_folders_even_with_force(tmp_path: Path, mak
     for flags in ([], ["--force"]):
         result = CliRunner().invoke(cli_main, ["pack", str(listed), str(src), *flags])
         assert result.exit_code == 1, result.output
-        assert f"{src} holds folders (cat, dog, emu); packed there, its prefetchd-index.npz would make `--data {src}` " \
+        assert f"{src} holds folders of images (cat, dog, emu); packed there, its prefetchd-index.npz would make `--data {src}` " \
                "read the pack instead of them; pack into a new folder" in " ".join(result.output.split())
     assert not (src / "prefetchd-index.npz").exists() and not list(src.glob("shard-*.tar"))
     assert len(open_dataset(src)) == 5
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")  # a file beside a pack reads as the pack: --force may
+    # Nor are folders without images classes: a filesystem's lost+found (packing onto a disk's root), a notebook's.
+    (tmp_path / "out" / "lost+found").mkdir()
+    (tmp_path / "out" / ".ipynb_checkpoints" / "a").mkdir(parents=True)
+    (tmp_path / "out" / ".ipynb_checkpoints" / "a" / "n.ipynb").write_text("{}")
     assert CliRunner().invoke(cli_main, ["pack", str(listed), str(tmp_path / "out"), "--force"]).exit_code == 0
     assert len(open_dataset(tmp_path / "out")) == 2
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import PackedFrom, SampleIndex, pack_paths, sized
+from prefetchd.daemon.dataset import IMG_EXTENSIONS, PackedFrom, SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.npz import load_arrays
 from prefetchd.daemon.sources.storage import (URL_READERS, ImageRefused, ShortRead, Storage, StorageDenied,
@@ -380,11 +380,11 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
         if inside(str(target), str(source)):
             raise DatasetError(f"{out} is inside the dataset being packed ({source}); pack into a folder "
                                "outside it")
-    folders = sorted(entry.name for entry in out.iterdir() if entry.is_dir()) if out.is_dir() else []
-    if folders:
+    classes = _image_folders(out)
+    if classes:
         # A file list's images are often in class folders beside it: packed there, the index would make `--data OUT`
         # read the pack, not those folders (with --force: it did, silently).
-        raise DatasetError(f"{out} holds folders ({', '.join(folders[:3])}{', ...' if len(folders) > 3 else ''}); "
+        raise DatasetError(f"{out} holds folders of images ({', '.join(classes[:3])}{', ...' if len(classes) > 3 else ''}); "
                            f"packed there, its {INDEX_NAME} would make `--data {out}` read the pack instead of them; "
                            "pack into a new folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -394,6 +394,19 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
                                "pack that was killed); pass --force to replace it")
         raise DatasetError(f"{out} is not empty; pack into a new folder, or pass --force to replace "
                            "the shards and index in it")
+
+
+def _image_folders(out: Path) -> list[str]:
+    """The folders in ``out`` that hold an image somewhere below them (class folders), by name.  Not any folder: a
+    filesystem's lost+found, a notebook's .ipynb_checkpoints, were refused as if they were classes (a walk)."""
+    if not out.is_dir():
+        return []
+    found = []
+    for entry in sorted(os.scandir(out), key=lambda e: e.name):
+        if entry.is_dir() and any(name.lower().endswith(IMG_EXTENSIONS) for _, _, names in os.walk(entry.path)
+                                  for name in names):
+            found.append(entry.name)
+    return found
 
 
 def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | None = None, force: bool = False,
