@@ -402,6 +402,7 @@ def freshest_progress(buffer: Path) -> tuple[float, int | None, bool]:
     files = [(st.st_mtime, st.st_uid, directory, consumer) for directory in [buffer, *stream_dirs(buffer)]
              for consumer, st in progress_stats(directory).items()]
     files.sort(key=lambda file: file[0], reverse=True)
+    freshest_gone: tuple[float, int | None, bool] | None = None
     for read, (written, owner, directory, consumer) in enumerate(files):
         progress = None
         if read < MAX_PROGRESS_READS:
@@ -411,9 +412,16 @@ def freshest_progress(buffer: Path) -> tuple[float, int | None, bool]:
                 progress = None
             if progress is not None and progress.closed:
                 continue  # it left (BufferLoader.close): a job that replaces this one takes nothing from it
-        gone = progress is not None and writer_alive(directory, consumer, progress) is False
-        return time.time() - written, owner, gone
-    return float("inf"), None, False
+        idle = time.time() - written
+        if progress is None or writer_alive(directory, consumer, progress) is not False:
+            # A live writer (or one that cannot be told) is the one to name: of two consumers, the freshest killed
+            # was said "gone" while the other read on (a walk), and its user sent to --replace.
+            return (idle, owner, False) if freshest_gone is None or idle < TRAINER_ACTIVE_SECONDS else freshest_gone
+        if freshest_gone is None:
+            freshest_gone = (idle, owner, True)
+        if idle >= TRAINER_ACTIVE_SECONDS:
+            break  # older ones keep no job
+    return freshest_gone or (float("inf"), None, False)
 
 
 def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[[Status], None],

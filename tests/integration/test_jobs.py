@@ -884,6 +884,21 @@ def test_a_trainer_of_one_rank_keeps_a_job_from_being_replaced_without_replace(t
     assert idle < 5 and writer == os.getuid() and not gone  # written by this test process, alive
 
 
+def test_the_freshest_trainer_killed_is_not_said_gone_while_another_reads_on(tmp_path: Path) -> None:
+    """Two consumers, the freshest killed: a plain submit was refused saying the trainer "is gone", and its user
+    sent to --replace, while the other read on (a regression walk)."""
+    from prefetchd.daemon.job_inbox import freshest_progress
+
+    Progress(0, 3).write(tmp_path, "alice")  # this test process: alive
+    time.sleep(0.05)
+    subprocess.run([sys.executable, "-c", "import sys; from prefetchd.buffer_protocol import Progress; "
+                    "Progress(0, 5).write(sys.argv[1], 'bob')", str(tmp_path)], check=True, timeout=60)
+    idle, writer, gone = freshest_progress(tmp_path)
+    assert not gone and idle < 5 and writer == os.getuid()
+    os.unlink(tmp_path / "progress.alice.json")
+    assert freshest_progress(tmp_path)[2], "bob alone: gone"
+
+
 def test_a_flood_of_progress_files_costs_a_submission_a_bounded_number_of_reads(tmp_path: Path) -> None:
     """Any member of a --group-access buffer's group may put progress files there, and each job.json read every
     one to see whether its consumer had left: 20,000 made a submission wait a second.  At most
