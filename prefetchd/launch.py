@@ -123,10 +123,11 @@ def stops_cleanly(main: F) -> F:
 
 @contextmanager
 def signals_held(signums: Sequence[int] = (signal.SIGINT, *TERMINATION_SIGNALS)) -> Iterator[None]:
-    """Hold the stop signals while the block runs, then deliver them to this process's own handlers: for a
-    daemon's launch and the registration of its stop, between which a Ctrl-C left a daemon running that nothing
-    would stop (a user's walk of prefetchd-train --spawn-daemon).  The launched daemon is not affected (an exec
-    resets handled signals).  Off the main thread, where no handler can be set, it holds nothing."""
+    """Hold the stop signals while the block runs, then deliver each, in order, to this process's own handlers: for
+    a daemon's launch and the registration of its stop, between which a Ctrl-C left a daemon running that nothing
+    would stop (a user's walk of prefetchd-train --spawn-daemon), and a checkpoint's write.  Each one held counts:
+    a second SIGTERM is prefetchd-train's "stop now".  The launched daemon is not affected (an exec resets handled
+    signals).  Off the main thread, where no handler can be set, it holds nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -137,7 +138,7 @@ def signals_held(signums: Sequence[int] = (signal.SIGINT, *TERMINATION_SIGNALS))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        for s in dict.fromkeys(held):
+        for s in held:
             signal.raise_signal(s)
 
 

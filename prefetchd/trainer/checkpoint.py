@@ -17,20 +17,18 @@ import io
 import logging
 import os
 import random
-import signal
 import socket
-import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, cast
 
 import numpy as np
 import psutil
 import torch
 
+from prefetchd.launch import signals_held
 from prefetchd.locations import (LocationError, StorageDenied, StorageUnavailable, filesystem, probe_folder,
                                  with_retries)
 from prefetchd.trainer.config import TrainConfig, plain_config, setting_value, shown_setting
@@ -51,43 +49,16 @@ _RESUME_FIXED = ("model", "optimizer")
 _RESUME_FREE = ("resume", "quiet", "max_steps", "threads")
 
 
-@contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block ends, then act as they would have.
-
-    A KeyboardInterrupt raised inside torch.save (Ctrl-C, or prefetchd-train's second SIGTERM)
-    surfaces as torch's RuntimeError ("unexpected pos ...") and loses the checkpoint being
-    written, often the one the first SIGTERM asked for.  Signal handlers run in the main
-    thread only, so elsewhere nothing is deferred."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[tuple[int, FrameType | None]] = []
-
-    def hold(signum: int, frame: FrameType | None) -> None:
-        held.append((signum, frame))
-
-    previous: dict[int, Any] = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for signum, frame in held:
-            handler = previous[signum]
-            if callable(handler):
-                handler(signum, frame)  # Python's own for SIGINT raises KeyboardInterrupt
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), signum)  # as if it came now
-
-
 def save_checkpoint(path: Path | str, doc: Mapping[str, Any]) -> None:
     """Write ``doc`` with torch.save, atomically: a reader (or a restart after SIGKILL) sees the old file or the new.
-    Ctrl-C or SIGTERM while it writes act once it is written (``interrupts_deferred``).
+    Ctrl-C, SIGTERM or SIGHUP while it writes act once it is written (``launch.signals_held``): a KeyboardInterrupt
+    raised inside torch.save (Ctrl-C, or prefetchd-train's second stop signal) surfaces as torch's RuntimeError
+    ("unexpected pos ...") and lost the checkpoint being written, often the one the first SIGTERM asked for; SIGHUP
+    was not held, and lost it so (a walk).
 
     At a URL the whole checkpoint goes up in one PUT (or one multipart upload),
     which object stores make visible only when complete: atomic there too."""
-    with interrupts_deferred():
+    with signals_held():
         _save_checkpoint(path, doc)
 
 

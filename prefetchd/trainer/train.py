@@ -298,11 +298,10 @@ def run(verbose: bool, options: dict[str, Any]) -> None:
         click.echo(f"{name}: {peer_failed(ranks, 'in the gradient all-reduce of DDP')}", err=True)
         _leave(EXIT_FAILED, ranks)
     except KeyboardInterrupt as exc:
-        second = isinstance(exc, StopNow)
-        how = f"stopped by a second {signal.Signals(terminations[-1]).name} without waiting for the step" if second \
-            else "interrupted"
-        click.echo(f"{name}: {how}{_resumable(config, second) if ranks.is_main else ''}", err=True)
-        _leave(signal_exit(stop_signal()) if second else EXIT_INTERRUPTED, ranks)
+        second = signal.Signals(terminations[-1]).name if isinstance(exc, StopNow) else None
+        how = f"stopped by a second {second} without waiting for the step" if second else "interrupted"
+        click.echo(f"{name}: {how}{_resumable(config, second is not None) if ranks.is_main else ''}", err=True)
+        _leave(signal_exit(second) if second else EXIT_INTERRUPTED, ranks)  # the signal said is the one exited as
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -32,15 +32,33 @@ def test_ctrl_c_during_a_save_interrupts_after_the_checkpoint_is_written(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"], "no temp file left"
 
 
-def test_sigterm_during_a_save_reaches_its_handler_once_the_checkpoint_is_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_during_a_save_reaches_its_handler_once_the_checkpoint_is_written(tmp_path: Path,
+                                                                                       signum: int) -> None:
+    """SIGHUP, which prefetchd-train takes as SIGTERM, was not held: a second one during the checkpoint the first
+    asked for lost it (a walk)."""
     path = tmp_path / "last.pt"
     seen: list[bool] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(path.exists()))
+    previous = signal.signal(signum, lambda signum, frame: seen.append(path.exists()))
     try:
-        save_checkpoint(path, {"step": 3, "late": SignalsWhilePickled(signal.SIGTERM)})
+        save_checkpoint(path, {"step": 3, "late": SignalsWhilePickled(signum)})
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signum, previous)
     assert seen == [True], "the handler ran once, after the file was in place"
+
+
+def test_each_stop_signal_held_during_a_save_is_delivered(tmp_path: Path) -> None:
+    """Two held are two: prefetchd-train's second SIGTERM is its "stop now", which one delivery would have lost."""
+    path = tmp_path / "last.pt"
+    seen: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: seen.append(signum)) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        save_checkpoint(path, {"a": SignalsWhilePickled(signal.SIGTERM), "b": SignalsWhilePickled(signal.SIGTERM),
+                               "c": SignalsWhilePickled(signal.SIGHUP)})
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert seen == [signal.SIGTERM, signal.SIGTERM, signal.SIGHUP]
 
 
 def test_a_save_removes_what_a_killed_save_left(tmp_path: Path) -> None:
