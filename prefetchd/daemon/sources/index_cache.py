@@ -26,6 +26,7 @@ its index, a scan that saw a folder modified (by its mtime) within
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -73,8 +74,16 @@ def default_cache_dir() -> Path:
         try:
             home = pwd.getpwuid(os.getuid()).pw_dir
         except KeyError:  # a uid without an account (a container's --user 12345): no home at all
-            home = os.path.join(tempfile.gettempdir(), f"prefetchd-{os.getuid()}")
+            return _private_temp_cache()
     return Path(home) / ".cache" / "prefetchd"
+
+
+@functools.cache
+def _private_temp_cache() -> Path:
+    """A folder of this process's own (0700, a random name) in the temp folder, for a user with no home: a name
+    known in advance there (/tmp/prefetchd-UID) is one another user may make first and plant indexes in (a
+    walk).  Its indexes do not outlive the process: set $XDG_CACHE_HOME or --index-cache to keep them."""
+    return Path(tempfile.mkdtemp(prefix="prefetchd-index-cache-"))
 
 
 def cache_file(cache_dir: Path, kind: str, location: str | Path) -> Path:
