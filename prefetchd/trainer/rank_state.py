@@ -52,7 +52,7 @@ def check_format(state: Mapping[str, Any], fmt: str, version: int, what: str, wr
     """StateMismatch unless ``state`` says it is version ``version`` of ``fmt``: one of a later prefetchd is said
     so, not read as if it were this one's."""
     got, got_version = state.get("format"), state.get("version")
-    if got == fmt and got_version == version:
+    if got == fmt and got_version == version and not isinstance(got_version, bool):  # True == 1
         return
     if got is None:  # a hand-made dict, or a part of one
         raise StateMismatch(f"{what} {dict(state)!r:.80} has no format: expected the dict {writer.split()[0]}"

@@ -1312,7 +1312,7 @@ def test_a_loader_state_of_another_format_or_a_later_version_is_refused(make_job
         with pytest.raises(StateMismatch, match=r"loader state is version 2 of 'prefetchd.loader_state', which a later "
                                                 r"prefetchd wrote; this one reads version 1"):
             loader.load_state_dict({**state, "version": 2})
-        for bad in ({**state, "format": "x"}, {**state, "version": "1"}):
+        for bad in ({**state, "format": "x"}, {**state, "version": "1"}, {**state, "version": True}):
             with pytest.raises(StateMismatch, match=r"this prefetchd reads 'prefetchd.loader_state' version 1: it was "
                                                     r"not written by prefetchd's BufferLoader"):
                 loader.load_state_dict(bad)
