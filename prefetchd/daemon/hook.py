@@ -38,9 +38,13 @@ def validate_hook(name: str) -> Hook:
     module_name, _, attr = name.partition(":")  # the form was checked with the rest of the config
     try:
         obj: object = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module may fail in any way while it is imported
+    except ImportError as exc:  # it, or what it imports, is not there
         raise ConfigError(f"transform = {name!r}: cannot import {module_name} ({type(exc).__name__}: {exc}); "
                           "install it or add its folder to PYTHONPATH") from None
+    except (Exception, SystemExit) as exc:  # the user's module may fail in any way while it is imported
+        # sys.exit() in it ended `start` (and `config`) with its code and not a word (a walk).
+        raise ConfigError(f"transform = {name!r}: importing {module_name} raised {type(exc).__name__}: {exc}; "
+                          "fix the module (it runs in every worker too)") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

@@ -60,6 +60,8 @@ def hook_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     name = f"prefetchd_test_hooks_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text(HOOK_MODULE)
     (tmp_path / f"{name}_fails.py").write_text("raise ImportError('needs a GPU library')\n")
+    (tmp_path / f"{name}_raises.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / f"{name}_exits.py").write_text("import sys\nsys.exit(5)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     load_hook.cache_clear()
     return name
@@ -86,7 +88,11 @@ def test_validate_hook_errors_say_what_is_wrong(hook_module: str, suffix: str, w
 
 def test_validate_hook_reports_import_failures(hook_module: str) -> None:
     for name, words in [("no_such_module_prefetchd:fn", ["cannot import", "ModuleNotFoundError", "PYTHONPATH"]),
-                        (f"{hook_module}_fails:fn", ["cannot import", "needs a GPU library"])]:
+                        (f"{hook_module}_fails:fn", ["cannot import", "needs a GPU library"]),
+                        # Not "cannot import ... install it": it was found, and failed (a walk); sys.exit() in it
+                        # ended start and config with its code and not a word.
+                        (f"{hook_module}_raises:fn", ["importing", "raised RuntimeError: boom at import; fix the module"]),
+                        (f"{hook_module}_exits:fn", ["importing", "raised SystemExit: 5; fix the module"])]:
         with pytest.raises(ConfigError) as exc:
             validate_hook(name)
         for word in words:
