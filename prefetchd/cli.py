@@ -4,47 +4,21 @@ daemon never imports its consumers."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
 from prefetchd.bench import bench_command
 from prefetchd.buffer_protocol import VERSION
 from prefetchd.daemon.cli import COMMANDS, setup_logging
+from prefetchd.options import OutputChecked
 
 
-class _Commands(click.Group):
-    """The command group, saying so where its output cannot be written (stdout on a full disk, /dev/full):
-    click pacifies a closed pipe only, and anything else was a traceback from deep in click.echo."""
+class _Commands(OutputChecked, click.Group):
+    """The command group, saying so where its output cannot be written (``OutputChecked``)."""
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().main(*args, **kwargs)
-        except OSError as exc:
-            if not _raised_writing_stdout(exc):
-                raise
-            # Pointed at /dev/null, so that the interpreter's flush at exit does not fail on it again.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-            click.echo(f"prefetchd: cannot write to standard output: {exc.strerror or exc}", err=True)
-            sys.exit(1)
-
-
-def _raised_writing_stdout(exc: OSError) -> bool:
-    """Whether ``exc`` came from click.echo writing to stdout (every command's output goes through it)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None or tb.tb_frame.f_code is not click.utils.echo.__code__:
-        return False
-    try:
-        return bool(tb.tb_frame.f_locals["file"].fileno() == sys.stdout.fileno())
-    except (KeyError, AttributeError, OSError, ValueError):
-        return False
+    program = "prefetchd"
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -123,6 +123,40 @@ class LocationParam(click.ParamType):  # type: ignore[type-arg]
         return path
 
 
+class OutputChecked:
+    """A click command (or group) whose ``main`` says so where its output cannot be written (stdout on a full disk,
+    /dev/full): click pacifies a closed pipe only, and anything else was a traceback from deep in click.echo.  Only
+    an OSError raised by click.echo writing to stdout is said so; any other keeps its traceback, as a bug should."""
+
+    program = "prefetchd"  # the name the one line begins with
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().main(*args, **kwargs)  # type: ignore[misc]
+        except OSError as exc:
+            if not raised_writing_stdout(exc):
+                raise
+            # Pointed at /dev/null, so that the interpreter's flush at exit does not fail on it again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            click.echo(f"{self.program}: cannot write to standard output: {exc.strerror or exc}", err=True)
+            sys.exit(1)
+
+
+def raised_writing_stdout(exc: OSError) -> bool:
+    """Whether ``exc`` came from click.echo writing to stdout (every command's output goes through it)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or tb.tb_frame.f_code is not click.utils.echo.__code__:
+        return False
+    try:
+        return bool(tb.tb_frame.f_locals["file"].fileno() == sys.stdout.fileno())
+    except (KeyError, AttributeError, OSError, ValueError):
+        return False
+
+
 class BufferOptionCommand(click.Command):
     """A command that takes its buffer as ``--buffer``.  Given as an argument instead (``prefetchd status
     /dev/shm/bf``, as ``stop``'s help, "the daemon that owns BUFFER", invites), click said "Missing option

@@ -8,11 +8,15 @@ from typing import Any
 
 import click
 
-from prefetchd.options import BufferOptionCommand, click_options
+from prefetchd.options import BufferOptionCommand, OutputChecked, click_options
 from prefetchd.trainer.config import TrainConfig
 
 
-@click.command("prefetchd-train", cls=BufferOptionCommand,
+class TrainCommand(OutputChecked, BufferOptionCommand):
+    program = "prefetchd-train"
+
+
+@click.command("prefetchd-train", cls=TrainCommand,
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click_options(TrainConfig)
 @click.option("--verbose", "-v", is_flag=True, help="Log the loader's waits (INFO).")

@@ -25,6 +25,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
+from prefetchd.options import raised_writing_stdout
 from prefetchd.buffer_protocol import (VERSION, DaemonLock, Errors, Manifest, State, daemon_pid, lock_holders,
                                       read_status, write_status)
 from prefetchd.daemon import cli, status_view
@@ -330,16 +331,19 @@ def test_status_watch_json_prints_one_document_per_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-@pytest.mark.parametrize("args", [["--help"], ["status", "--json"], ["status", "--watch", "--interval", "0.1"]])
+@pytest.mark.parametrize("args", [["--help"], ["status", "--json"], ["status", "--watch", "--interval", "0.1"],
+                                  ["-c", "from prefetchd.trainer.command import main; main()", "--help"]])
 def test_output_that_cannot_be_written_is_said_not_a_traceback(tmp_path: Path, args: list[str]) -> None:
-    """`prefetchd status > /dev/full` (stdout on a full disk) was click.echo's OSError traceback."""
+    """`prefetchd status > /dev/full` (stdout on a full disk) was click.echo's OSError traceback; so was
+    `prefetchd-train --help > /dev/full`."""
+    program = "prefetchd-train" if args[0] == "-c" else "prefetchd"
     if args[0] == "status":
         args = [*args, "--buffer", str(tmp_path)]
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "prefetchd", *args], stdout=full, stderr=subprocess.PIPE,
-                              text=True, timeout=60)
+        proc = subprocess.run([sys.executable, *(args if args[0] == "-c" else ["-m", "prefetchd", *args])],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr == "prefetchd: cannot write to standard output: No space left on device\n", proc.stderr
+    assert proc.stderr == f"{program}: cannot write to standard output: No space left on device\n", proc.stderr
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -350,7 +354,7 @@ def test_an_error_that_is_not_stdouts_keeps_its_traceback() -> None:
         for raise_it in (lambda: open("/nonexistent/x"), lambda: click.echo("x", file=full)):
             with pytest.raises(OSError) as caught:
                 raise_it()
-            assert not prefetchd_cli._raised_writing_stdout(caught.value)
+            assert not raised_writing_stdout(caught.value)
     finally:
         with contextlib.suppress(OSError):  # its close flushes what echo left there, onto /dev/full again
             full.close()
