@@ -216,10 +216,15 @@ class BatchWaiter:
                         *([f"a worker was stalled ({short(stalled.reason)})"] if stalled is not None else [])]
                 waited = (f"{now - start:.0f} s, the last {self.timeout:g} s of it since the daemon last said "
                           f"{' and '.join(held)},") if held else f"{self.timeout:g} s"
+                status = readable_status(self.buffer)
+                # Paused for space, more time only waits longer: the filesystem is what to mend (a walk).
+                then = (f"free space on the buffer's filesystem (the daemon is paused for it: {short(status.message)})"
+                        if status is not None and status.state == State.PAUSED_LOW_SPACE
+                        else f"{MORE_TIME} if the daemon is just slow")
                 raise LoaderTimeout(
                     f"{self.buffer}: waited {waited} for batch {name} (epoch {epoch}, step {step}) "
                     f"and it did not appear; {owned}; {status_summary(self.buffer, self.manifest.rank)}. Check "
-                    f"`prefetchd status --buffer {self.buffer}`, or {MORE_TIME} if the daemon is just slow"
+                    f"`prefetchd status --buffer {self.buffer}`, or {then}"
                 )
             if stop_requested is not None and stop_requested():
                 raise StopRequested(f"asked to stop while waiting for {path}")

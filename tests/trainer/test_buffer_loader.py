@@ -602,6 +602,9 @@ def test_batch_timeout_names_the_batch_and_the_daemon_state(make_job: MakeJob) -
     assert "state=paused" in msg and "low tmpfs space" in msg
     assert "write_failures=2" in msg and "replaced_samples" not in msg
     assert f"prefetchd status --buffer {job.buffer}" in msg
+    # Paused for space, a longer --timeout only waits longer (a walk): the space is what to mend.
+    assert msg.endswith("or free space on the buffer's filesystem (the daemon is paused for it: low tmpfs space: "
+                        "12 MiB free)"), msg
 
 
 def test_daemon_gone_when_the_lock_names_a_dead_pid(make_job: MakeJob, dead_pid: int) -> None:
