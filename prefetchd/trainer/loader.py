@@ -118,8 +118,9 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
         prefetch: with "staging" or "register", how many batches after the one
             handed out are already being copied (those whose files exist).
         consumer: this trainer's name among several reading the same buffer
-            (1-32 of ``A-Za-z0-9_-``); it writes ``progress.NAME.json``.  None: the
-            default consumer, ``progress.json``, as a single trainer does.
+            (1-32 of ``A-Za-z0-9_-``); it writes ``progress.NAME.json``.  None (or "", the protocol's name
+            for it, as a script passing an empty argument gives): the default consumer, ``progress.json``, as a
+            single trainer does.
         start: (epoch, step) to begin at; ``load_state_dict`` moves it later.  Default:
             (0, 0) for the default consumer, the oldest batch still in the buffer for
             a named one (it joins where the others are).
@@ -160,9 +161,6 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
             raise ValueError(f"normalize={normalize!r}: pass True (float32, normalised) or False (raw uint8)")
         check_statistics(normalize, mean, std)
         start = _start_pair(start)
-        if consumer == DEFAULT_CONSUMER:  # "" names the default consumer within the protocol, not here
-            raise ValueError("consumer='': pass a name of 1 to 32 letters, digits, '_' or '-', or None (leave it "
-                             "out) for the default consumer")
         self._consumer = check_consumer(consumer if consumer is not None else DEFAULT_CONSUMER)
         self._buffer = buffer_path(buffer)
         if isinstance(device, int) and not isinstance(device, bool) and not torch.cuda.is_available():

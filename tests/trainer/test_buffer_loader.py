@@ -1266,7 +1266,6 @@ def test_a_loader_refuses_to_be_pickled_or_copied(make_job: MakeJob) -> None:
     ({"device": "gpu"}, r"device='gpu' is no device torch knows; pass 'cpu', 'cuda' or 'cuda:N'"),
     ({"device": None}, r"device=None is no device torch knows"),
     ({"device": "meta"}, r"device='meta': batches go to the CPU or a CUDA device"),
-    ({"consumer": ""}, r"consumer='': pass a name of 1 to 32 letters, .* or None \(leave it out\) for the default"),
 ])
 def test_arguments_of_the_wrong_kind_are_refused_naming_them(make_job: MakeJob, kwargs: dict[str, object],
                                                              said: str) -> None:
