@@ -18,8 +18,6 @@ from prefetchd.options import OutputChecked
 class _Commands(OutputChecked, click.Group):
     """The command group, saying so where its output cannot be written (``OutputChecked``)."""
 
-    program = "prefetchd"
-
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 # The buffer protocol's version is what a trainer and a daemon must share (SPEC.md rule 2), not the package's.

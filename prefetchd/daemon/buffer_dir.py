@@ -19,6 +19,7 @@ from prefetchd.access import nearest_existing, user_name
 from prefetchd.daemon.cgroup_limits import memory_limit
 from prefetchd.daemon.config import DaemonConfig, held_bytes
 from prefetchd.daemon.errors import ConfigError, DaemonError
+from prefetchd.daemon.logs import log_once
 from prefetchd.daemon.mounts import RAM_FILESYSTEMS, filesystem_of, huge_pages, huge_pages_hint
 from prefetchd.words import binary_size
 
@@ -133,14 +134,10 @@ def check_private_dir(path: Path, group_access: bool) -> None:
     if group_access and perms & 0o770 != 0o770:
         chmod_dir(path, GROUP_BUFFER_MODE)  # ours, and the user asked for the group
         log.info("buffer directory %s: mode %04o -> %04o for --group-access", path, perms, GROUP_BUFFER_MODE)
-    elif not group_access and perms & 0o077 and (path, perms) not in _OPEN_SAID:
+    elif not group_access and perms & 0o077:
         # Once: a one-rank job's stream folder is the buffer, checked again when the job starts (said twice).
-        _OPEN_SAID.add((path, perms))
-        log.warning("buffer directory %s has mode %04o: other users can list or read its batches; `chmod 700 %s` "
-                    "(a new buffer is created 0700)", path, perms, path)
-
-
-_OPEN_SAID: set[tuple[Path, int]] = set()  # the folders (and modes) said to be open to other users
+        log_once(log, logging.WARNING, "buffer directory %s has mode %04o: other users can list or read its batches; "
+                 "`chmod 700 %s` (a new buffer is created 0700)", path, perms, path)
 
 
 def private_dir_problem(path: Path, st: os.stat_result, group_access: bool) -> str | None:

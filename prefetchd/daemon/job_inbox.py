@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from prefetchd.buffer_protocol import (BadJobRequest, DaemonLock, JobRequest, JobResult, Progress, ProtocolError,
-                                       RunningJob, State, Status, read_status)
+                                       RunningJob, State, Status, readable_status)
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.job_request import put_back, when_written
 from prefetchd.buffer_protocol.layout import ACCEPTED_JOB_NAME, JOB_NAME, at, stream_dirs
@@ -82,6 +82,9 @@ class JobInbox:
         # JobRequest.read to let it through is still older than that, where a new one is not.
         self._newest: JobRequest | None = None
         self.result: JobResult | None = None
+        # The status the daemon before left (none written by this one yet), which both what it finished and what it
+        # ran are judged by; None where there is none or it cannot be read.
+        self._left = readable_status(buffer)
         self._seen = self._stamp() if ignore_current or self._finished_before() else None
         # The request taken from job.json (or resumed), from its check until the daemon has answered it (``settle``):
         # what ``accepted`` records.
@@ -98,10 +101,10 @@ class JobInbox:
         status it left); then that answer stands.  Taken again after a restart, the job was refused ("nothing to
         produce") and the status said it refused, a job that had run to its end (a user's walk)."""
         try:
-            status, request = read_status(self.buffer), JobRequest.read(self.buffer)
+            request = JobRequest.read(self.buffer)
         except (OSError, ProtocolError):
             return False
-        result = status.job_result if status is not None else None
+        result = self._left.job_result if self._left is not None else None
         if (request is None or result is None or result.job_id != request.job_id or not result.accepted
                 or not result.reason.startswith(FINISHED_PRODUCING)):
             return False
@@ -161,12 +164,11 @@ class JobInbox:
         A daemon of a prefetchd before job.accepted.json, or one producing its own --data, may have run the buffer
         since (a downgrade and upgrade back): the record then names a job long replaced, and resuming it cleared
         the batches and progress of the one produced since, and told its trainers that job was replaced."""
-        try:
-            status = read_status(self.buffer)
-        except (OSError, ProtocolError):
+        status = self._left
+        if status is None:
             return True  # nothing to tell by: the record stands
-        ran = status.running_job.job_id if status is not None and status.running_job is not None else None
-        if status is None or ran == request.job_id:
+        ran = status.running_job.job_id if status.running_job is not None else None
+        if ran == request.job_id:
             return True
         since = f"job {ran}" if ran is not None else "a job not submitted, or by a prefetchd that keeps no record"
         log.warning("not resuming job %s on %s, which %s names as accepted: the last daemon here produced %s after "

@@ -22,7 +22,7 @@ from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.hook import validate_hook_within
 from prefetchd.daemon.job_inbox import JobInbox
 from prefetchd.daemon.job_policy import check_files_inside
-from prefetchd.daemon.logs import status_unwritten
+from prefetchd.daemon.logs import log_once, status_unwritten
 from prefetchd.daemon.pool import make_room_for_files
 from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
@@ -120,10 +120,6 @@ def check_no_daemon_inside(buffer: Path) -> None:
                               "start it on a buffer elsewhere, then this one")
 
 
-# The machine-sized defaults said so far: a later job's are logged where they differ (a value, a reason).
-_DEFAULTS_SAID: set[str] = set()
-
-
 def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
               publish: Callable[[Status], None], notifier: Notifier, lock: DaemonLock) -> Producer:
     """Index the job's dataset, take over the buffer for it and return its producer."""
@@ -132,10 +128,8 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     beat(f"starting the job on {job.data}")
     held = held_bytes(job)  # one listing of the buffer's batches for both
     job, notes = fill_defaults(job, held)
-    for note in notes:
-        if note not in _DEFAULTS_SAID:  # each job of a daemon serving jobs repeated the same four lines (a soak)
-            log.info("default: %s", note)
-            _DEFAULTS_SAID.add(note)
+    for note in notes:  # a later job's where they differ (a value, a reason)
+        log_once(log, logging.INFO, "default: %s", note)
     make_room_for_files(job.workers or 0)  # before its workers start; a refusal names the limit and the fix
     short = check_capacity(job, held)
     if short is not None:

@@ -23,6 +23,20 @@ log = logging.getLogger(__name__)
 _STATUS_LINES = Throttle(60.0)
 
 
+# The lines ``log_once`` has let through, by logger, message and arguments.
+_SAID_ONCE: set[tuple[str, str, tuple[Any, ...]]] = set()
+
+
+def log_once(logger: logging.Logger, level: int, message: str, *args: Any) -> None:
+    """Log ``message % args`` the first time this process would, not again: what a daemon serving jobs finds
+    anew at each job start (the same machine-sized defaults, the same buffer open to other users) was said at
+    every one (a soak)."""
+    key = (logger.name, message, args)
+    if key not in _SAID_ONCE:
+        _SAID_ONCE.add(key)
+        logger.log(level, message, *args)
+
+
 def one_line(text: str) -> str:
     """``text`` with its control characters (newlines, escapes, line separators) written as Python escapes: a
     job's fields come from any member of the buffer's group and reach log messages, where a newline would start
