@@ -44,9 +44,11 @@ and was submitted again by the bridge (``ray_start_hung``: a start hang, said, a
 stall a quarter of the way there); ``MAX_TASK_HANGS`` of one slice in a row, with no slice built on the cluster
 in between, end the cluster's part (``_ray_end``).  A Ray worker that dies before its first image (in its
 start: a hook's module that kills the process when imported, say) blames no file, and the bridge submits its
-slice again; more than ``MAX_WORKER_RESTARTS`` such deaths within ``RESTART_WINDOW_SECONDS``, with no slice
-built on the cluster since the first, end it too (``ray_start_died``), as the restart limit ends the local
-workers'.  The cluster's part ends so: a job with local workers goes on with them alone (``RemotePool.give_up``),
+slice again; more than ``MAX_WORKER_RESTARTS`` such deaths in a row, with no slice built on the cluster in
+between, end it too (``ray_start_died``), as the restart limit ends the local workers'.  In a row, not within
+``RESTART_WINDOW_SECONDS`` as for local workers: a Ray worker's start (a container's, importing torch from a
+network filesystem) may take longer than the window's share of each death, and such a cluster never reached the
+limit: it was warned of forever while it built nothing.  The cluster's part ends so: a job with local workers goes on with them alone (``RemotePool.give_up``),
 as it does while a cluster is lost; with --workers 0 the job stops.
 
 ``WorkerHealth`` counts, names and judges; it reads the builds of the tasks not yet answered
@@ -184,9 +186,9 @@ class WorkerHealth:
         self.stall_note: str | None = None  # a worker that makes no progress, said before it is killed
         self.stall: WorkerStall | None = None  # the same, for the status's worker_stall: the longest such stall
         self.slice_noted: tuple[int, float] | None = None  # (task id, moved) of the Ray slice's stall said last
-        # When Ray workers died before their first image, within RESTART_WINDOW_SECONDS, since the cluster last
-        # built a slice; and how many it had built then (``ray_start_died``).
-        self.ray_start_deaths: deque[float] = deque()
+        # How many Ray workers died before their first image since the cluster last built a slice; and how many
+        # it had built then (``ray_start_died``).
+        self.ray_start_deaths = 0
         self.ray_built = 0
         # By task id, of tasks still wanted: how many times in a row its slice did not begin on the cluster in
         # --worker-start-timeout since the cluster last built a slice (``ray_start_hung``).
@@ -420,27 +422,24 @@ class WorkerHealth:
         """Say that a Ray worker died before its first image (``remote.messages.StartDied``): before ``task``'s
         slice began (or its first sample), or running the probe of ``node`` (``task`` None); ``how``: the Ray
         error's name, ``text`` its message; ``built``: the slices the cluster has built so far.  Why the cluster
-        cannot build (``_ray_end``) when more than ``MAX_WORKER_RESTARTS`` died so within
-        ``RESTART_WINDOW_SECONDS`` and the cluster built no slice since the first, else None: the bridge submits
+        cannot build (``_ray_end``) when more than ``MAX_WORKER_RESTARTS`` died so in a row, the cluster building
+        no slice in between, else None: the bridge submits
         the slice again (a probe runs again), as ever.  A slice built shows that its workers do start: the count
         begins again from there, so a large cluster's own churn (OOM kills, a node's workers lost) never adds up to
         a stop."""
-        now = time.monotonic()
         self._ray_built(built)
-        self.ray_start_deaths.append(now)
-        _forget_before(self.ray_start_deaths, now)
-        deaths = len(self.ray_start_deaths)
+        self.ray_start_deaths += 1
+        deaths = self.ray_start_deaths
         where = (f"running the probe of node {node}" if task is None else
                  f"before the first image of its slice of {self._batch_of(task)}")
         if deaths <= MAX_WORKER_RESTARTS:
             log.warning("a Ray worker died (Ray: %s: %s) %s; Ray starts another and the %s again (Ray workers dead "
-                        "before their first image: %d within %.0f s, no slice built on the cluster since; more than %d: "
+                        "before their first image: %d in a row, no slice built on the cluster in between; more than %d: "
                         "%s)", how, text, where, "node is probed" if task is None else "slice is submitted",
-                        deaths, RESTART_WINDOW_SECONDS, MAX_WORKER_RESTARTS, self._ray_end())
+                        deaths, MAX_WORKER_RESTARTS, self._ray_end())
             return None
-        return (f"the Ray cluster's workers die before their first image: {deaths} within "
-                f"{RESTART_WINDOW_SECONDS:.0f} s, and the cluster built no slice since (the last: Ray: {how}, "
-                f"{where}). "
+        return (f"the Ray cluster's workers die before their first image: {deaths} in a row, and the cluster "
+                f"built no slice in between (the last: Ray: {how}, {where}). "
                 "Such a worker dies as it starts: importing prefetchd, torch or the --transform hook's module, or "
                 f"loading the job (out of memory?), before any file is read. Look at {self._ray_checks(mount=False)}; "
                 "fix that and start the daemon again (it resumes)")
@@ -494,7 +493,7 @@ class WorkerHealth:
         and the counts of Ray workers that did not (``ray_start_died``, ``ray_start_hung``) begin again."""
         if built != self.ray_built:
             self.ray_built = built
-            self.ray_start_deaths.clear()
+            self.ray_start_deaths = 0
             self.ray_start_hangs.clear()
 
     def _hang(self, task: Task, where: str) -> list[str]:

@@ -54,7 +54,7 @@ saying each sample first (a replacement too), so that its next hang names the
 file and its next death is counted on that file (``Died``).  A Ray
 worker that dies before its first image blames no file: the bridge submits its
 slice again and tells the controller (``StartDied``), which ends the cluster's
-part when more than ``MAX_WORKER_RESTARTS`` die so within a minute while the
+part when more than ``MAX_WORKER_RESTARTS`` die so in a row while the
 cluster builds nothing, as the restart limit does for local workers: the local
 workers build the rest of the job alone (``RemotePool.give_up``: the bridge
 stopped, its slices queued again, no reconnection), or with --workers 0 the
