@@ -492,6 +492,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
     reader can read them; OUT/prefetchd-index.npz holds every sample's byte
     offset, so `prefetchd start --data OUT` reads each with one positioned read.
     """
+    from prefetchd.daemon.dataset import PROGRESS_LOG_SECONDS, logged_progress
     from prefetchd.daemon.sources import open_dataset
     from prefetchd.daemon.sources.index_cache import default_cache_dir
     from prefetchd.daemon.sources.shards import check_pack_target
@@ -502,7 +503,8 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
     setup_logging("info")
     try:
         check_pack_target(src, out, force)  # before the source is indexed, which can take long
-        index = open_dataset(src, index_cache=index_cache or default_cache_dir(), refresh_index=refresh_index)
+        index = open_dataset(src, tick=logged_progress(f"indexing {src}"), index_cache=index_cache or default_cache_dir(),
+                             refresh_index=refresh_index)
         with click.progressbar(length=len(index), label=f"packing {len(index)} samples", file=sys.stderr) as bar:
             def progress(items: Iterator[int]) -> Iterator[int]:
                 # click draws the bar only on a terminal; elsewhere (a job's log) a line every 10 s
@@ -510,7 +512,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
                 for i in items:
                     yield i
                     bar.update(1)
-                    if not sys.stderr.isatty() and time.monotonic() - last >= 10:
+                    if not sys.stderr.isatty() and time.monotonic() - last >= PROGRESS_LOG_SECONDS:
                         log.info("packed %d of %d samples", i + 1, len(index))
                         last = time.monotonic()
 

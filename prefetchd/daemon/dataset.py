@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -30,6 +31,33 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 # The seed of --val-fraction's split is fixed and separate from --seed, so
 # changing the training seed can never move samples between train and val.
 SPLIT_SEED = 0x5EED_5A1D
+
+# What a walk of the dataset reports at least once a second while it lasts: what it has found so far ("1200
+# images in 34 folders listed so far"), for a starting job's status and log and for pack's log.  A long walk (a
+# million files on a network filesystem: minutes) said only "indexing DATA" until it ended.
+Progress = Callable[[str], object]
+
+
+PROGRESS_LOG_SECONDS = 10.0  # a long walk's log line this often (``logged_progress``), as pack's while it packs
+
+
+def no_progress(_found: str) -> None:
+    """The ``Progress`` of a walk nobody watches."""
+
+
+def logged_progress(what: str, also: Progress = no_progress) -> Progress:
+    """A walk's ``Progress`` that logs "WHAT: what was found so far" every ``PROGRESS_LOG_SECONDS`` from its
+    start (not at all for a shorter walk) and tells ``also`` each time (a status)."""
+    due = time.monotonic() + PROGRESS_LOG_SECONDS
+
+    def found(so_far: str) -> None:
+        nonlocal due
+        also(so_far)
+        if time.monotonic() >= due:
+            log.info("%s: %s", what, so_far)
+            due = time.monotonic() + PROGRESS_LOG_SECONDS
+
+    return found
 
 
 @dataclass(frozen=True)
@@ -236,7 +264,7 @@ def _identities(path: str) -> frozenset[tuple[int, int]]:
     return frozenset({(st.st_dev, st.st_ino)})
 
 
-def walk_classes(tops: list[str], threads: int, tick: Callable[[], object]) -> list[list[Folder]]:
+def walk_classes(tops: list[str], threads: int, tick: Progress) -> list[list[Folder]]:
     """Every folder under each of ``tops``, listed by a pool of threads, in ImageFolder's order:
     ``sorted(os.walk(top))`` sorts by folder path, and each folder's files by name.
 
@@ -248,13 +276,16 @@ def walk_classes(tops: list[str], threads: int, tick: Callable[[], object]) -> l
         # Per listing: its top's position, and the identities of the folders above it.
         pending: dict[Future[Folder], tuple[int, frozenset[tuple[int, int]]]] = {
             pool.submit(list_folder, top): (k, _identities(os.path.dirname(top))) for k, top in enumerate(tops)}
+        images = listed = 0
         try:
             while pending:
-                tick()  # at least once a second, even while one huge folder is listed
+                # At least once a second, even while one huge folder is listed.
+                tick(f"{counted(images, 'image')} in {counted(listed, 'folder')} listed so far")
                 done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
                 for future in done:
                     k, above = pending.pop(future)
                     folder = future.result()
+                    images, listed = images + len(folder.files), listed + 1
                     if folder.identity in above:
                         raise DatasetError(f"{folder.path} links to {os.path.realpath(folder.path)}, a folder it is "
                                            "inside: a loop, which would make every image below it a sample again and "
@@ -284,11 +315,11 @@ class Scan:
     folders: list[tuple[str, str]]  # (path relative to the root, "" for the root itself; stamp)
 
 
-def scan_class_folders(root: Path, tick: Callable[[], object] = lambda: None, threads: int = SCAN_THREADS) -> SampleIndex:
+def scan_class_folders(root: Path, tick: Progress = no_progress, threads: int = SCAN_THREADS) -> SampleIndex:
     """Index ``root`` exactly as ImageFolder would, and fingerprint its state.
 
-    ``tick`` is called now and then, so a caller can prove it is alive
-    (systemd's watchdog) while a large tree is walked.
+    ``tick`` is told what was found so far now and then, so a caller can prove it is alive
+    (systemd's watchdog) and say how far it is while a large tree is walked.
     """
     return scan_tree(root, tick, threads).index
 
@@ -311,7 +342,7 @@ def _is_folder(entry: os.DirEntry[str]) -> bool:
                            "symbolic link that leads round in a loop is: remove it, or point it at a folder") from None
 
 
-def scan_tree(root: Path, tick: Callable[[], object] = lambda: None, threads: int = SCAN_THREADS) -> Scan:
+def scan_tree(root: Path, tick: Progress = no_progress, threads: int = SCAN_THREADS) -> Scan:
     root = Path(root)
     if not root.exists():
         raise DatasetError(f"dataset root {root} does not exist; {EXPECTED_DATA}")

@@ -17,7 +17,7 @@ from prefetchd.buffer_protocol.ownership import lock_file_held
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
                                          holds_a_stream, make_stream_dir, remove_stream)
 from prefetchd.daemon.config import DaemonConfig, fill_defaults, held_bytes
-from prefetchd.daemon.dataset import split_folders_as_classes, split_members
+from prefetchd.daemon.dataset import logged_progress, split_folders_as_classes, split_members
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.hook import validate_hook_within
 from prefetchd.daemon.job_inbox import JobInbox
@@ -138,8 +138,9 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
         validate_hook_within(job.transform, job.worker_start_timeout, beat,
                              note_after=min(STALL_NOTE_SECONDS, job.worker_start_timeout / 4))
     assert job.data is not None
-    notifier.status(f"indexing {job.data}")
-    index = open_dataset(job.data, tick=lambda: beat(f"indexing {job.data}"),
+    indexing = f"indexing {job.data}"
+    notifier.status(indexing)
+    index = open_dataset(job.data, tick=logged_progress(indexing, lambda so_far: beat(f"{indexing}: {so_far}")),
                          index_cache=job.index_cache, refresh_index=job.refresh_index)
     mistaken = split_folders_as_classes(index.classes, job.data)
     if mistaken is not None:

@@ -528,7 +528,7 @@ def test_a_stop_during_the_walk_does_not_wait_for_the_folders_queued(monkeypatch
     class Stopped(Exception):
         pass
 
-    def tick() -> None:
+    def tick(_found: str) -> None:
         if class_folders_queued.is_set():
             raise Stopped
 
@@ -537,6 +537,52 @@ def test_a_stop_during_the_walk_does_not_wait_for_the_folders_queued(monkeypatch
         dataset.walk_classes([str(tmp_path)], 2, tick)
     time.sleep(0.2)  # a listing queued but not cancelled would start meanwhile
     assert len(listed) < 20, f"{len(listed)} of 201 folders listed after the stop"
+
+
+def test_a_long_walk_says_how_many_images_and_folders_it_has_listed(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path, caplog: Any) -> None:
+    """A walk of a million files on a network filesystem takes minutes, and the status said only "indexing DATA"
+    until it ended (a walk of 200,000 files): now each tick tells what was found so far, and the log says it
+    every PROGRESS_LOG_SECONDS."""
+    import threading
+
+    import prefetchd.daemon.dataset as dataset
+
+    for cls in ("a", "b", "c"):
+        (tmp_path / cls).mkdir()
+        for k in range(3 if cls != "c" else 1):
+            (tmp_path / cls / f"{k}.jpg").write_bytes(b"x")
+    (tmp_path / "a" / "notes.txt").write_text("not an image")
+    real = dataset.list_folder
+    said: list[str] = []
+    two_listed = threading.Event()
+
+    def listing(path: str) -> Any:
+        if path.endswith("/c"):  # the last one waits until the walk has said the other two
+            assert two_listed.wait(10), said
+        return real(path)
+
+    def tick(found: str) -> None:
+        said.append(found)
+        if found == "6 images in 2 folders listed so far":
+            two_listed.set()
+
+    monkeypatch.setattr(dataset, "list_folder", listing)
+    walked = dataset.walk_classes([str(tmp_path / cls) for cls in ("a", "b", "c")], 2, tick)
+    assert [len(f[0].files) for f in walked] == [3, 3, 1]
+    assert said[0] == "0 images in 0 folders listed so far" and two_listed.is_set(), said
+
+    clock = [100.0]
+    monkeypatch.setattr(dataset.time, "monotonic", lambda: clock[0])
+    statuses: list[str] = []
+    progress = dataset.logged_progress("indexing /data", statuses.append)
+    with caplog.at_level("INFO", logger="prefetchd.daemon.dataset"):
+        for seconds, found in ((1, "1 image"), (dataset.PROGRESS_LOG_SECONDS, "2 images"), (1, "3 images"),
+                               (dataset.PROGRESS_LOG_SECONDS, "4 images")):
+            clock[0] += seconds
+            progress(found)
+    assert statuses == ["1 image", "2 images", "3 images", "4 images"], "the status is told each time"
+    assert [r.getMessage() for r in caplog.records] == ["indexing /data: 2 images", "indexing /data: 4 images"]
 
 
 def test_split_folders_taken_for_classes_are_warned_about() -> None:

@@ -98,10 +98,10 @@ import prefetchd.daemon.job_start as job_start
 real = job_start.open_dataset
 
 
-def slow_open_dataset(location, tick=lambda: None, **options):
-    # A tree that takes a minute to walk: the walk calls tick() about once a second, as the real one does.
-    for _ in range(300):
-        tick()
+def slow_open_dataset(location, tick=lambda found: None, **options):
+    # A tree that takes a minute to walk: the walk tells tick() what it found about once a second, as the real one does.
+    for folders in range(300):
+        tick(f"{folders * 10} images in {folders} folders listed so far")
         time.sleep(0.2)
     return real(location, tick=tick, **options)
 
@@ -126,7 +126,8 @@ def test_a_stop_signal_while_the_dataset_is_indexed_stops_the_daemon_then(shapes
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             status = read_status(buffer) if buffer.is_dir() else None
-            if status is not None and status.message.startswith("indexing"):
+            if status is not None and status.message.startswith(f"indexing {shapes_data / 'train'}: ") and \
+                    status.message.endswith(" folders listed so far"):  # how far the walk is, not only that it is
                 break
             time.sleep(0.05)
         else:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import errno
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
 from prefetchd.access import cannot_read
-from prefetchd.daemon.dataset import SampleIndex, scan_class_folders
+from prefetchd.daemon.dataset import Progress, SampleIndex, no_progress, scan_class_folders
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.filelist import is_file_list, read_file_list
 from prefetchd.daemon.sources.index_cache import cached_class_folders
@@ -36,9 +36,10 @@ from prefetchd.daemon.sources.storage import FsspecStorage, Storage, StorageDeni
 from prefetchd.locations import is_url
 
 
-def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None, index_cache: Path | None = None,
+def open_dataset(location: str | Path, tick: Progress = no_progress, index_cache: Path | None = None,
                  refresh_index: bool = False) -> SampleIndex:
-    """Index the dataset at ``location``; ``tick`` is called now and then while that takes long.
+    """Index the dataset at ``location``; ``tick`` is told what was found so far now and then while that takes
+    long (a walk of class folders; a file list or a pack's index is read at once).
 
     Class folders are cached in ``index_cache`` (locally: no cache when ``None``; under a
     URL: the default cache folder then); ``refresh_index`` rescans them even when the
@@ -71,7 +72,7 @@ def open_dataset(location: str | Path, tick: Callable[[], object] = lambda: None
                            f"reading it (uid {os.geteuid()}) read access to the dataset's folders and files") from None
 
 
-def _open_layout(location: str, storage: Storage, tick: Callable[[], object], index_cache: Path | None,
+def _open_layout(location: str, storage: Storage, tick: Progress, index_cache: Path | None,
                  refresh_index: bool) -> SampleIndex:
     if is_file_list(location):
         return read_file_list(location)

@@ -33,13 +33,13 @@ import os
 import pwd
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import MISSING, SampleIndex, folder_stamp, pack_paths, scan_tree, sized
+from prefetchd.daemon.dataset import MISSING, Progress, SampleIndex, folder_stamp, no_progress, pack_paths, scan_tree, sized
 from prefetchd.daemon.sources.npz import load_arrays
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def save(path: Path, index: SampleIndex, rel_dirs: list[str], signature: str) ->
 
 
 def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
-                         tick: Callable[[], object] = lambda: None) -> SampleIndex:
+                         tick: Progress = no_progress) -> SampleIndex:
     """The class-folder index of ``root``, from ``cache_dir`` when the tree is unchanged."""
     root = Path(root).resolve()
     path = cache_file(cache_dir, "classfolders", root)

@@ -22,17 +22,17 @@ import logging
 import os
 import posixpath
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, class_marker, pack_paths, sized
+from prefetchd.daemon.dataset import IMG_EXTENSIONS, Progress, SampleIndex, class_marker, no_progress, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.index_cache import cache_file, default_cache_dir, load_entry, save_entry
 from prefetchd.daemon.sources.storage import FsspecStorage, StorageDenied, StorageUnavailable
+from prefetchd.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def _stamp(info: dict[str, Any]) -> str:
     return f"{info.get('size')}:{tag}"
 
 
-def list_class_folders(storage: FsspecStorage, tick: Callable[[], object] = lambda: None) -> SampleIndex:
+def list_class_folders(storage: FsspecStorage, tick: Progress = no_progress) -> SampleIndex:
     """Index the class folders under ``storage.url`` exactly as ImageFolder would index them on disk."""
     url = storage.url
     started = time.monotonic()
@@ -73,7 +73,8 @@ def list_class_folders(storage: FsspecStorage, tick: Callable[[], object] = lamb
             rel_paths: list[bytes] = []
             labels: list[int] = []
             for label, (cls, found) in enumerate(zip(classes, listings)):
-                tick()
+                tick(f"{counted(len(rel_paths), 'image')} in {label} of {counted(len(classes), 'class folder')} "
+                     "listed so far")
                 files = []
                 for name, info in found.items():
                     rel = name[len(root) + 1:]
@@ -109,7 +110,7 @@ def cache_entry(storage: FsspecStorage, cache_dir: Path | None = None) -> Path:
 
 
 def cached_url_class_folders(storage: FsspecStorage, cache_dir: Path | None = None, refresh: bool = False,
-                             tick: Callable[[], object] = lambda: None) -> SampleIndex:
+                             tick: Progress = no_progress) -> SampleIndex:
     """The class-folder index under ``storage.url``: from the cache unless ``refresh``, else listed and cached.
 
     An entry is the URL's on one endpoint: the same bucket and prefix on MinIO and on AWS (or on
