@@ -128,13 +128,16 @@ class PendingBatch:
 
     @classmethod
     def begin(cls, final: str | os.PathLike[str], layout: BatchLayout, spares: SpareFiles | None = None,
-              dir_fd: int | None = None) -> PendingBatch:
+              dir_fd: int | None = None, room_wanted: int = 0) -> PendingBatch:
         """Create the temp file sized for ``layout`` (from one of ``spares`` where one has its
-        size); on OSError nothing is left behind."""
+        size; else, where the filesystem lacks ``room_wanted`` bytes for fresh pages, after deleting
+        spares for them: ``SpareFiles.release``); on OSError nothing is left behind."""
         final = Path(final)
         tmp = temp_name(final)
         fd = spares.take(layout.file_len, tmp, dir_fd) if spares is not None else None
         reused = fd is not None
+        if spares is not None and not reused and room_wanted > 0:
+            spares.release(room_wanted)
         try:
             if fd is None:
                 fd = create_exclusive(tmp, dir_fd)
@@ -359,8 +362,19 @@ class SpareFiles:
     @property
     def bytes(self) -> int:
         """What the spares hold: space a batch begun in one of them needs no more of (or that
-        deleting them frees, once no trainer maps them)."""
+        deleting them frees, once no trainer maps them: ``release``)."""
         return sum(size for size, _, _ in self._files)
+
+    def release(self, wanted: int) -> None:
+        """Delete spares, oldest first (the likeliest to be mapped by no trainer, whose pages go at
+        once), until they come to ``wanted`` bytes or none is left: room for a batch begun in fresh
+        pages, which the room check counted them as.  Kept, a full tmpfs had no page for that batch
+        (one of another size than the spares, an epoch's short last one; or one begun while the
+        spares of its size were still mapped), and its workers met ENOSPC."""
+        while wanted > 0 and self._files:
+            size, spare, dir_fd = self._files.pop(0)
+            _unlink(spare, dir_fd)
+            wanted -= size
 
     def retire(self, path: Path, dir_fd: int | None = None) -> None:
         """Keep the consumed batch ``path`` (in the folder of ``dir_fd``: ``at``) as a spare (delete it where

@@ -56,12 +56,18 @@ class BufferSpace:
     def shortage(self, file_len: int, spare_bytes: int) -> str | None:
         """Why the next batch, of ``file_len`` bytes, must wait (the pause's message, ``pause_message``): the free
         space once it is built falls below the floor; None where it may be built.  A spare (``spare_bytes`` in
-        all) counts as free, as the consumed batch it was would: a batch begun in one takes no new page, and spares
-        beyond the room the cap leaves are deleted (SpareFiles.fit, .take)."""
+        all) counts as free, as the consumed batch it was would: a batch begun in one takes no new page, one begun
+        in fresh pages is begun once spares are deleted for the room they were counted as (``room_wanted``,
+        ``SpareFiles.release``), and spares beyond the room the cap leaves are deleted (SpareFiles.fit, .take)."""
         free = self.left_free(file_len) + spare_bytes
         if free >= self.min_free:
             return None
         return pause_message(self.buffer, free, self.held_bytes(), file_len, self.min_free)
+
+    def room_wanted(self, file_len: int) -> int:
+        """The bytes the filesystem lacks above the floor for a batch of ``file_len`` bytes in fresh pages: what
+        spares are deleted for where it fits none (0: no lack)."""
+        return max(0, self.min_free - self.left_free(file_len))
 
     def pause(self) -> bool:
         """Production waits for space; whether that begins a pause: one shortage, one pause, not one for each

@@ -488,7 +488,8 @@ class Producer:
         chosen = order[batch_slice(step, self.cfg.batch_size, len(order))]
         final = stream.dir / batch_name(epoch, step)
         try:
-            pending = PendingBatch.begin(final, layout, self.spares, stream.fd)
+            pending = PendingBatch.begin(final, layout, self.spares, stream.fd,
+                                         room_wanted=self.space.room_wanted(layout.file_len))
         except OSError as exc:  # e.g. a directory planted under the name, out of inodes
             self.stats.write_failures += 1
             self.failures.failing(f"cannot create {temp_name(final).name}: {exc.strerror}", self._held())

@@ -537,3 +537,34 @@ def test_the_status_counts_the_bytes_of_each_batch_file(shm_buffer: Path, shapes
     files = sorted(p.stat().st_size for p in shm_buffer.glob("*.batch"))
     assert len(files) == 3 and files[0] < files[1] == production.batch_bytes, files
     assert production.buffer_bytes == sum(files), (production.buffer_bytes, files)
+
+
+def test_a_batch_of_another_size_on_a_full_tmpfs_frees_a_spare_to_be_built_in_fresh_pages(
+        shm_dir: Path, shapes_data: Path, start_daemon) -> None:
+    """The room check counts every consumed batch kept (a spare) as room, but a batch of another size (an epoch's
+    short last one) cannot be built in one: it was begun in fresh pages with the spares kept, and on a tmpfs whose
+    free space others had taken (several daemons sharing one) its workers met ENOSPC, about once an epoch, and its
+    trainer waited a second for the retry (a user's walk).  Now a spare is deleted first for the room it was
+    counted as."""
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        buffer = mount / "bf"
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "5", "--image-size", "64",
+                              "--workers", "1", "--high-water", "8", "--low-water", "7", "--min-free-mb", "0",
+                              "--epochs", "3")
+        try:
+            daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+            # Another daemon's batches, say: a third of a batch free, less than the short last batch (2 of 5 images).
+            batch = DaemonConfig(buffer=buffer, batch_size=5, image_size=64).batch_bytes
+            (mount / "ballast").write_bytes(b"\1" * (free_bytes(mount) - batch // 3))
+            steps: list[tuple[int, int]] = []
+            with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+                for _epoch in range(3):
+                    for b in loader:
+                        steps.append((b.epoch, b.step))
+                        time.sleep(0.02)
+            assert steps == [(e, s) for e in range(3) for s in range(len(loader))], steps  # every batch, once
+            production = production_of(buffer)
+            assert production is not None and production.errors.write_failures == 0, daemon.log
+            assert "No space left" not in daemon.log, daemon.log
+        finally:
+            daemon.terminate()  # before the tmpfs is unmounted

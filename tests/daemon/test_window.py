@@ -39,6 +39,7 @@ def books(tmp_path: Path, *streams: Stream) -> Producer:
     """The controller's books alone, no workers: what ``Producer._complete`` and what it calls use."""
     from prefetchd.buffer_protocol import SpareFiles
     from prefetchd.daemon.build_failures import BuildFailures
+    from prefetchd.daemon.buffer_space import BufferSpace
     from prefetchd.daemon.builds import Builds
     from prefetchd.daemon.producer import FAILURE_LOG_SECONDS, Producer
     from prefetchd.daemon.production_stats import Stats
@@ -52,6 +53,7 @@ def books(tmp_path: Path, *streams: Stream) -> Producer:
     producer.message, producer.remote = "", None
     producer.cfg, producer.spares = DaemonConfig(buffer=tmp_path, seed=0, batch_size=8), SpareFiles()
     producer.health = WorkerHealth(None, producer.stats, 600.0, producer.builds.by_task, str, len(streams), 600.0)  # type: ignore[arg-type]
+    producer.space = BufferSpace(tmp_path, producer.streams, 8, 32, 0)
     return producer
 
 
