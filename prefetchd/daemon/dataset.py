@@ -36,8 +36,6 @@ SPLIT_SEED = 0x5EED_5A1D
 # images in 34 folders listed so far"), for a starting job's status and log and for pack's log.  A long walk (a
 # million files on a network filesystem: minutes) said only "indexing DATA" until it ended.
 Progress = Callable[[str], object]
-
-
 PROGRESS_LOG_SECONDS = 10.0  # a long walk's log line this often (``logged_progress``), as pack's while it packs
 
 

@@ -48,8 +48,9 @@ slice again; more than ``MAX_WORKER_RESTARTS`` such deaths in a row, with no sli
 between, end it too (``ray_start_died``), as the restart limit ends the local workers'.  In a row, not within
 ``RESTART_WINDOW_SECONDS`` as for local workers: a Ray worker's start (a container's, importing torch from a
 network filesystem) may take longer than the window's share of each death, and such a cluster never reached the
-limit: it was warned of forever while it built nothing.  The cluster's part ends so: a job with local workers goes on with them alone (``RemotePool.give_up``),
-as it does while a cluster is lost; with --workers 0 the job stops.
+limit: it was warned of forever while it built nothing.  The cluster's part ends so: a job with local workers
+goes on with them alone (``RemotePool.give_up``), as it does while a cluster is lost; with --workers 0 the job
+stops.
 
 ``WorkerHealth`` counts, names and judges; it reads the builds of the tasks not yet answered
 (``Builds.by_task``) only to name a task's batch and to tell one still wanted.
