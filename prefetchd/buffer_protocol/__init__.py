@@ -59,13 +59,13 @@ from prefetchd.buffer_protocol.status import (
     WorkerStall,
 )
 from prefetchd.buffer_protocol.status_file import read_status, readable_status, write_status
-from prefetchd.buffer_protocol.writer import PendingBatch, SlotFiller, SpareFiles, write_batch
+from prefetchd.buffer_protocol.writer import PendingBatch, RoomNotYet, SlotFiller, SpareFiles, write_batch
 
 __all__ = [
     "HEADER", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "PAGE_SIZE", "VERSION",
     "DEFAULT_CONSUMER", "check_consumer", "consumer_lock_name", "list_consumer_locks", "list_consumers", "progress_name",
     "BadJobRequest", "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
-    "PendingBatch", "Progress", "ProtocolError", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "consumer_held",
+    "PendingBatch", "Progress", "ProtocolError", "RoomNotYet", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "consumer_held",
     "DaemonOwner", "daemon_owner", "daemon_pid", "list_batches", "lock_holders", "pid_named", "same_pid_namespace", "take_lock",
     "writer_alive", "writer_named",
     "list_temp_files", "map_batch", "not_of_stream", "parse_batch", "parse_batch_name", "read_status", "readable_status",

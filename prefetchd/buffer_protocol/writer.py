@@ -42,6 +42,7 @@ import os
 import signal
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -108,6 +109,13 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+class RoomNotYet(Exception):
+    """A batch that fits no spare wants fresh pages the filesystem has not got yet: the spares the room
+    check counted as that room are still mapped by a trainer, a moment after it consumed them.  Begun
+    anyway, its workers met ENOSPC on a full tmpfs (several daemons sharing one); the caller tries
+    again shortly instead."""
+
+
 @dataclass(frozen=True)
 class PendingBatch:
     """A batch begun under its temp name; ``commit`` publishes it, ``abort`` removes it.
@@ -128,16 +136,19 @@ class PendingBatch:
 
     @classmethod
     def begin(cls, final: str | os.PathLike[str], layout: BatchLayout, spares: SpareFiles | None = None,
-              dir_fd: int | None = None, room_wanted: int = 0) -> PendingBatch:
+              dir_fd: int | None = None, room_wanted: Callable[[], int] | None = None) -> PendingBatch:
         """Create the temp file sized for ``layout`` (from one of ``spares`` where one has its
-        size; else, where the filesystem lacks ``room_wanted`` bytes for fresh pages, after deleting
-        spares for them: ``SpareFiles.release``); on OSError nothing is left behind."""
+        size); on OSError nothing is left behind.  A fresh file where ``room_wanted()`` says the
+        filesystem lacks bytes for its pages (the room check counted the spares as that room) is
+        begun once deleting spares has made it (``SpareFiles.release``); RoomNotYet where it has not."""
         final = Path(final)
         tmp = temp_name(final)
         fd = spares.take(layout.file_len, tmp, dir_fd) if spares is not None else None
         reused = fd is not None
-        if spares is not None and not reused and room_wanted > 0:
-            spares.release(room_wanted)
+        if spares is not None and not reused and room_wanted is not None and room_wanted() > 0:
+            spares.release(room_wanted())
+            if room_wanted() > 0:
+                raise RoomNotYet(tmp)
         try:
             if fd is None:
                 fd = create_exclusive(tmp, dir_fd)
@@ -366,15 +377,19 @@ class SpareFiles:
         return sum(size for size, _, _ in self._files)
 
     def release(self, wanted: int) -> None:
-        """Delete spares, oldest first (the likeliest to be mapped by no trainer, whose pages go at
-        once), until they come to ``wanted`` bytes or none is left: room for a batch begun in fresh
-        pages, which the room check counted them as.  Kept, a full tmpfs had no page for that batch
-        (one of another size than the spares, an epoch's short last one; or one begun while the
-        spares of its size were still mapped), and its workers met ENOSPC."""
-        while wanted > 0 and self._files:
-            size, spare, dir_fd = self._files.pop(0)
-            _unlink(spare, dir_fd)
-            wanted -= size
+        """Delete spares nobody else has open or mapped (whose pages go at once), oldest first, until
+        they come to ``wanted`` bytes or none is left: room for a batch begun in fresh pages, which
+        the room check counted them as.  Kept, a full tmpfs had no page for that batch (one of
+        another size than the spares, an epoch's short last one; or one begun while the spares of
+        its size were still mapped), and its workers met ENOSPC."""
+        for entry in list(self._files):
+            if wanted <= 0:
+                return
+            size, spare, dir_fd = entry
+            if _unshared(spare, dir_fd):
+                self._files.remove(entry)
+                _unlink(spare, dir_fd)
+                wanted -= size
 
     def retire(self, path: Path, dir_fd: int | None = None) -> None:
         """Keep the consumed batch ``path`` (in the folder of ``dir_fd``: ``at``) as a spare (delete it where

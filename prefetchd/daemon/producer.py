@@ -41,6 +41,7 @@ from prefetchd.buffer_protocol import (
     DaemonLock,
     Manifest,
     PendingBatch,
+    RoomNotYet,
     SpareFiles,
     batch_name,
     write_status,
@@ -78,6 +79,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # progress is re-read at least this often even without a watch event
 STATUS_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a batch could not be written (no space, say)
+ROOM_NOT_YET_SECONDS = 0.05  # after a batch waited for the pages of consumed batches a trainer still maps
 FAILURE_LOG_SECONDS = 10.0  # one log line per this long of failed builds (the others are counted)
 
 
@@ -489,7 +491,10 @@ class Producer:
         final = stream.dir / batch_name(epoch, step)
         try:
             pending = PendingBatch.begin(final, layout, self.spares, stream.fd,
-                                         room_wanted=self.space.room_wanted(layout.file_len))
+                                         room_wanted=lambda: self.space.room_wanted(layout.file_len))
+        except RoomNotYet:  # no pause: a trainer lets go of a consumed batch within a step
+            self.retry_at = time.monotonic() + ROOM_NOT_YET_SECONDS
+            return False
         except OSError as exc:  # e.g. a directory planted under the name, out of inodes
             self.stats.write_failures += 1
             self.failures.failing(f"cannot create {temp_name(final).name}: {exc.strerror}", self._held())

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -544,8 +545,8 @@ def test_a_batch_of_another_size_on_a_full_tmpfs_frees_a_spare_to_be_built_in_fr
     """The room check counts every consumed batch kept (a spare) as room, but a batch of another size (an epoch's
     short last one) cannot be built in one: it was begun in fresh pages with the spares kept, and on a tmpfs whose
     free space others had taken (several daemons sharing one) its workers met ENOSPC, about once an epoch, and its
-    trainer waited a second for the retry (a user's walk).  Now a spare is deleted first for the room it was
-    counted as."""
+    trainer waited a second for the retry (a user's walk).  Now a spare nobody maps is deleted first for the room
+    it was counted as, and where the trainer still maps them the batch waits for it to let go."""
     with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
         buffer = mount / "bf"
         daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "5", "--image-size", "64",
@@ -557,10 +558,14 @@ def test_a_batch_of_another_size_on_a_full_tmpfs_frees_a_spare_to_be_built_in_fr
             batch = DaemonConfig(buffer=buffer, batch_size=5, image_size=64).batch_bytes
             (mount / "ballast").write_bytes(b"\1" * (free_bytes(mount) - batch // 3))
             steps: list[tuple[int, int]] = []
+            held: list[Any] = []
             with BufferLoader(buffer, normalize=False, timeout=30) as loader:
                 for _epoch in range(3):
                     for b in loader:
                         steps.append((b.epoch, b.step))
+                        # As a training loop may: the batch before is still mapped once the loader reported it
+                        # consumed, so its file, kept to build in, is no room yet.
+                        held = [*held[-1:], b]
                         time.sleep(0.02)
             assert steps == [(e, s) for e in range(3) for s in range(len(loader))], steps  # every batch, once
             production = production_of(buffer)
