@@ -272,7 +272,8 @@ def make_room_for_files(workers: int) -> None:
         raise ConfigError(f"{counted(workers, 'worker')} need{'s' if workers == 1 else ''} about {need} open files in the "
                           f"daemon, but its limit is {hard} "
                           f"(`ulimit -Hn`): raise it (LimitNOFILE={need} in a systemd unit; `ulimit -n {need}` as "
-                          "root in a shell)" + (f", or pass --workers {fit} or fewer" if fit > 0 else ""))
+                          "root in a shell)" + (f", or pass --workers {fit} or fewer" if fit > 0 else
+                                                f"; fewer workers do not help: one needs {need - FILES_PER_WORKER * (workers - 1)}"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     log.info("raised the open-file limit from %d to %d for %d workers", soft, need, workers)
 

@@ -64,8 +64,11 @@ class BufferWatcher:
     def __init__(self, buffer: os.PathLike[str] | str, wake_fd: int) -> None:
         # The same filter object every time: addFilter keeps one copy.
         logging.getLogger("watchdog.observers.inotify").addFilter(_STOPPING_EMITTER_FILTER)
-        self._observer: Observer | None = Observer()  # type: ignore[valid-type]
+        self._observer: Observer | None = None  # type: ignore[valid-type]
         try:
+            # In the try: watchdog's inotify observer takes its inotify instance as it is made, and a user out of
+            # them (fs.inotify.max_user_instances) ended the daemon's start in a traceback (a walk under limits).
+            self._observer = Observer()
             # Only renames: without the filter inotify reports every worker write into a
             # batch being built, and watchdog's threads spent ~0.15 core on them.
             # Recursive, for the progress files in per-rank stream directories.

@@ -97,6 +97,18 @@ def test_a_soft_open_file_limit_too_low_for_the_workers_is_raised_and_a_hard_one
     assert "Traceback" not in log.read_text()
 
 
+def test_a_hard_open_file_limit_no_worker_count_fits_says_so() -> None:
+    """Under a hard limit of 32 open files no --workers fits, and the refusal named only the limit to raise, where
+    README promises "the LimitNOFILE= or --workers that fits" (a walk under OS limits)."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))\n"
+            "from prefetchd.daemon.pool import make_room_for_files\n"
+            "try:\n    make_room_for_files(2)\nexcept Exception as exc:\n    print(exc)")
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
+    assert said == ("2 workers need about 38 open files in the daemon, but its limit is 32 (`ulimit -Hn`): raise it "
+                    "(LimitNOFILE=38 in a systemd unit; `ulimit -n 38` as root in a shell); fewer workers do not help: "
+                    "one needs 35"), said
+
+
 def test_a_worker_start_that_meets_a_dead_worker_server_not_yet_reaped_tries_again(
         shapes_data: Path, monkeypatch: Any) -> None:
     """A worker server just killed (the OOM killer takes it once no worker is left), its socket closed but its

@@ -87,3 +87,30 @@ def test_a_second_stop_signal_does_not_rename_the_first(tmp_path: Path) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
         assert wake.stop_reason == "stopped by SIGTERM"
+
+
+def test_a_user_out_of_inotify_instances_gets_a_watcher_that_polls(shm_dir: Path) -> None:
+    """A user whose inotify instances are all taken (fs.inotify.max_user_instances, 128 by default, per user) could
+    not start a daemon at all: watchdog's observer takes its instance as it is made, before the try that falls back
+    to polling, and the start ended in a traceback (a walk under OS limits).  Run as nobody, whose instances this
+    test takes in a child of its own, so that no other user's are touched."""
+    import ctypes
+
+    from tests.as_nobody import as_nobody
+
+    shm_dir.chmod(0o755)
+
+    def start_watcher() -> str:
+        libc = ctypes.CDLL(None, use_errno=True)
+        taken = 0
+        while libc.inotify_init1(os.O_CLOEXEC) >= 0:  # left open: this child exits after the look
+            taken += 1
+            if taken > 100_000:
+                return "no limit on inotify instances here"
+        if ctypes.get_errno() != 24:  # EMFILE: this user's instances are taken
+            return f"inotify_init1 failed otherwise: errno {ctypes.get_errno()}"
+        r, w = os.pipe()
+        watcher = BufferWatcher(shm_dir, w)
+        return f"watching={watcher.watching}"
+
+    assert as_nobody(start_watcher) == "watching=False"
