@@ -21,10 +21,20 @@ def group_name(gid: int) -> str:
         return f"gid {gid}"
 
 
+def _seen(path: Path) -> bool:
+    """Whether ``path`` exists as far as this user can tell: not where a folder above it may not be entered
+    (``Path.exists`` raises PermissionError there, which ended `submit` and `config` in a traceback)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def nearest_existing(path: Path) -> Path:
-    """``path`` or its closest ancestor that exists: the filesystem a new directory there would be on."""
+    """``path`` or its closest ancestor that exists (that this user can see): the filesystem a new directory there
+    would be on."""
     path = path.absolute()
-    while not path.exists() and path != path.parent:
+    while not _seen(path) and path != path.parent:
         path = path.parent
     return path
 
@@ -36,7 +46,7 @@ def no_access(buffer: Path, write: bool = False) -> str | None:
     user may not enter is the one named.  With ``write``, a ``buffer`` that is not there is one to create: the
     nearest folder above it that is must let this user write in it.  A filesystem mounted read-only (a
     container's volume with ``:ro``) is said as such, not as a permission its owner could grant."""
-    if write and not buffer.exists():
+    if write and not _seen(buffer):
         above = nearest_existing(buffer)
         if above.is_dir() and not os.access(above, os.W_OK | os.X_OK):
             return f"cannot create it: {_read_only(above) or _denied(above, os.stat(above), os.W_OK | os.X_OK)}"

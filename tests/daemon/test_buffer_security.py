@@ -601,3 +601,17 @@ def test_a_file_whose_mode_cannot_be_changed_is_left_with_a_warning_unless_the_d
         assert _mode(buffer / MANIFEST_NAME) & stat.S_IRGRP and daemon.proc.poll() is None, daemon.log
     finally:
         _immutable(fixed, False)
+
+
+def test_a_buffer_under_a_folder_this_user_may_not_enter_is_said_not_a_traceback(shm_dir: Path) -> None:
+    """`submit` and `config` asked whether the buffer existed, and Path.exists raised PermissionError where a folder
+    above it may not be entered (/root, a home of mode 0700): a traceback, exit 1 (a walk as a non-root user)."""
+    from prefetchd.access import no_access
+
+    private = shm_dir / "private"
+    private.mkdir(mode=0o700)
+    shm_dir.chmod(0o755)
+    for write in (True, False):
+        said = as_nobody(lambda write=write: str(no_access(private / "bf", write=write)))
+        assert said.startswith(("cannot create it: " if write else "") + f"{private}: permission denied: it belongs "
+                               "to root (uid 0)"), said
