@@ -123,10 +123,17 @@ class LocationParam(click.ParamType):  # type: ignore[type-arg]
         return path
 
 
+NO_ACCESS_EXIT = 4  # both commands' EXIT_NO_ACCESS: this user may not use a path it named
+
+
 class OutputChecked:
     """A click command (or group) whose ``main`` says so where its output cannot be written (stdout on a full disk,
     /dev/full): click pacifies a closed pipe only, and anything else was a traceback from deep in click.echo.  Only
-    an OSError raised by click.echo writing to stdout is said so; any other keeps its traceback, as a bug should."""
+    an OSError raised by click.echo writing to stdout is said so; any other keeps its traceback, as a bug should,
+    but a PermissionError naming a path: a path of the user's under a folder it may not enter (/root, a home of mode
+    0700) was a traceback in pack, show --out, demo --workdir, bench --out and --checkpoint-dir (a walk as a
+    non-root user), where each command's own checks did not foresee it.  It is said in one line naming the
+    folder that stops it (``access.cannot_read``), exit code 4 (``EXIT_NO_ACCESS``), as the buffer's are."""
 
     program = "prefetchd"  # the name the one line begins with
 
@@ -142,6 +149,19 @@ class OutputChecked:
             os.close(devnull)
             click.echo(f"{self.program}: cannot write to standard output: {exc.strerror or exc}", err=True)
             sys.exit(1)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)  # type: ignore[misc]
+        except PermissionError as exc:
+            if not exc.filename:
+                raise
+            from prefetchd.access import cannot_read
+
+            path = Path(os.fsdecode(exc.filename))
+            why = cannot_read(path) or f"{path}: {exc.strerror or 'permission denied'}"
+            click.echo(f"{self.program}: {why}; pass a path this user may use", err=True)
+            sys.exit(NO_ACCESS_EXIT)
 
 
 def raised_writing_stdout(exc: OSError) -> bool:

@@ -129,3 +129,32 @@ def test_a_daemon_config_file_with_nan_is_refused(tmp_path: Path) -> None:
     (tmp_path / "d.toml").write_text("consumer-timeout = nan\n")
     with pytest.raises(ConfigError, match=r"d.toml: consumer_timeout = nan: expected a finite number"):
         load_toml(tmp_path / "d.toml")
+
+
+def test_a_path_under_a_folder_this_user_may_not_enter_is_said_in_one_line(shm_dir: Path) -> None:
+    """pack, show --out, demo --workdir, bench --out and prefetchd-train --checkpoint-dir met a PermissionError
+    where a path of the user's lay under a folder it may not enter (/root, a home of mode 0700): a traceback, exit
+    1 (a walk as a non-root user).  Run as nobody, in a fork of this process (no interpreter to start)."""
+    import contextlib
+    import io
+
+    from prefetchd.cli import main
+    from tests.as_nobody import as_nobody
+
+    shm_dir.chmod(0o755)
+    private = shm_dir / "private"
+    private.mkdir(mode=0o700)
+    (shm_dir / "data").mkdir(mode=0o755)
+
+    def pack() -> str:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                main.main(["pack", str(shm_dir / "data"), str(private / "out")], prog_name="prefetchd")
+            except SystemExit as exc:
+                return f"exit {exc.code}: {err.getvalue()}"
+        return f"no exit: {err.getvalue()}"
+
+    said = as_nobody(pack)
+    assert said.startswith(f"exit 4: prefetchd: {private}: permission denied: it belongs to root (uid 0)"), said
+    assert said.rstrip().endswith("; pass a path this user may use") and "Traceback" not in said, said
