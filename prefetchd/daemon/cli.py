@@ -23,7 +23,7 @@ import tomli_w
 
 from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, lock_holders, read_status
 from prefetchd.buffer_protocol.errors import user_name
-from prefetchd.buffer_protocol.layout import LOCK_NAME, owning_buffer
+from prefetchd.buffer_protocol.layout import LOCK_NAME, STREAM_RE, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
 from prefetchd.daemon.config import (FIELDS, DaemonConfig, check_buffer_outside, check_job_setting, fill_defaults,
                                      held_bytes, load_toml)
@@ -317,8 +317,11 @@ def stop(buffer: Path, timeout: float) -> None:
         # Not "join its group": a member may read the buffer but not signal its daemon (a review).
         closed, uid = _nearest_owner(buffer)  # a rank's stream directory is reached through its buffer
         who = "root" if uid == 0 else f"its daemon's user (most likely {user_name(uid)}) or root"
+        # The buffer to stop: a rank's stream directory's own (the folder that stops this user), else BUFFER itself,
+        # not a folder above it that this user may not enter (it said `--buffer /root`, a walk as a non-root user).
+        target = closed if STREAM_RE.fullmatch(buffer.name) and buffer.absolute().parent == closed.absolute() else buffer
         click.echo(f"cannot stop the daemon on {buffer}, if one runs: this user may not read {closed}, which belongs "
-                   f"to {user_name(uid)}; only {who} may stop it (`sudo prefetchd stop --buffer {closed}`); a "
+                   f"to {user_name(uid)}; only {who} may stop it (`sudo prefetchd stop --buffer {target}`); a "
                    "service's daemon stops with `systemctl stop` of its unit", err=True)
         sys.exit(EXIT_FAILURE)
     owner = daemon_owner(buffer)

@@ -1373,3 +1373,30 @@ def test_class_names_the_grid_cannot_draw_are_spelled_as_escapes() -> None:
     shown = [drawable(n) for n in names]
     assert shown == ["cat", "n01440764", "caf\\xe9", "caf\\udce9", "\\u65e5\\u672c", "line\\nbreak", "\\U0001f431cat"]
     assert all(s.isascii() and s.isprintable() for s in shown) and len(set(shown)) == len(shown)
+
+
+def test_stop_under_a_folder_this_user_may_not_enter_names_the_buffer_to_stop_with_sudo(shm_dir: Path) -> None:
+    """It advised `sudo prefetchd stop --buffer /root` for a buffer /root/bf: the folder that stops the user, not the
+    buffer (a walk as a non-root user)."""
+    import contextlib
+    import io
+
+    from prefetchd.cli import main
+
+    shm_dir.chmod(0o755)
+    private = shm_dir / "private"
+    private.mkdir(mode=0o700)
+
+    def stop() -> str:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                main.main(["stop", "--buffer", str(private / "bf")], prog_name="prefetchd")
+            except SystemExit as exc:
+                return f"exit {exc.code}: {' '.join(err.getvalue().split())}"
+        return "no exit"
+
+    said = as_nobody(stop)
+    assert said.startswith(f"exit 1: cannot stop the daemon on {private / 'bf'}, if one runs: this user may not read "
+                           f"{private}, which belongs to root (uid 0); only root may stop it (`sudo prefetchd stop "
+                           f"--buffer {private / 'bf'}`)"), said
