@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from prefetchd.buffer_protocol import Production, State, Status
 from prefetchd.buffer_protocol.json_files import replace_file
 from prefetchd.daemon.errors import ConfigError
+from prefetchd.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ def _remote_node_metrics(buffer: str, production: Production) -> Iterator[Metric
 # creates its temp file with the umask's mode; the temp name does not end in .prom, so the
 # textfile collector never reads a half-written one.
 TEXTFILE_MODE = 0o644
+TEXTFILE_WARN_SECONDS = 60.0  # a textfile that cannot be written is said this often
 
 
 class Metrics:
@@ -186,6 +188,9 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(StatusCollector(buffer, lambda: self.latest))
         self.textfile = textfile
+        # A textfile that cannot be written is said once a minute, not at each status (once a second: 86,000 lines
+        # a day for a path under a folder the daemon's user may not enter, a walk as a non-root user).
+        self._unwritten_lines = Throttle(TEXTFILE_WARN_SECONDS)
         self._server: Any = None
         if port is not None:
             try:
@@ -201,7 +206,9 @@ class Metrics:
             try:
                 replace_file(self.textfile, generate_latest(self.registry), TEXTFILE_MODE)
             except OSError as exc:
-                log.warning("cannot write metrics to %s: %s", self.textfile, exc.strerror)
+                self._unwritten_lines.log(log, logging.WARNING, "cannot write metrics to %s: %s; pass a "
+                                          "--metrics-textfile in a folder this daemon's user may write", self.textfile,
+                                          exc.strerror, others="other failure")
 
     def close(self) -> None:
         if self._server is not None:
