@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -502,6 +503,29 @@ def test_a_user_without_a_home_gets_a_private_index_cache(monkeypatch: pytest.Mo
         cache.rmdir()
     finally:
         index_cache._private_temp_cache.cache_clear()
+
+
+def test_a_private_index_cache_is_removed_when_its_process_exits(tmp_path: Path) -> None:
+    """README says such a cache's indexes last one run, but every run (a daemon, `config --show`) left its folder
+    and the index in it (a walk as a uid with no account: 5 of 5 runs).  A real process, which exits normally."""
+    code = ("import os, pwd\n"
+            "import prefetchd.daemon.sources.index_cache as ic\n"
+            "def no_account(uid): raise KeyError(uid)\n"
+            "pwd.getpwuid = no_account\n"
+            "os.environ['HOME'] = ''\n"
+            "cache = ic.default_cache_dir()\n"
+            "(cache / 'classfolders-x.npz').write_bytes(b'index')\n"
+            "if os.fork() == 0:\n"  # a forked child's exit leaves its parent's folder alone
+            "    raise SystemExit(0)\n"
+            "os.wait()\n"
+            "print(cache, os.path.exists(cache / 'classfolders-x.npz'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHE_DIRECTORY", "XDG_CACHE_HOME")}
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    cache, kept = done.stdout.split()
+    assert kept == "True", "the forked child's exit removed it"
+    assert Path(cache).parent == tmp_path and not Path(cache).exists(), cache
 
 
 def test_a_stop_during_the_walk_does_not_wait_for_the_folders_queued(monkeypatch: pytest.MonkeyPatch,

@@ -25,12 +25,14 @@ its index, a scan that saw a folder modified (by its mtime) within
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import hashlib
 import logging
 import os
 import pwd
+import shutil
 import tempfile
 import time
 from collections.abc import Mapping
@@ -82,8 +84,17 @@ def default_cache_dir() -> Path:
 def _private_temp_cache() -> Path:
     """A folder of this process's own (0700, a random name) in the temp folder, for a user with no home: a name
     known in advance there (/tmp/prefetchd-UID) is one another user may make first and plant indexes in (a
-    walk).  Its indexes do not outlive the process: set $XDG_CACHE_HOME or --index-cache to keep them."""
-    return Path(tempfile.mkdtemp(prefix="prefetchd-index-cache-"))
+    walk).  Its indexes do not outlive the process (removed at its exit: each run left one, index and all, a walk
+    as a uid with no account): set $XDG_CACHE_HOME or --index-cache to keep them."""
+    folder = tempfile.mkdtemp(prefix="prefetchd-index-cache-")
+    creator = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == creator:  # not a forked child's exit: the folder is its parent's
+            shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(remove)
+    return Path(folder)
 
 
 def cache_file(cache_dir: Path, kind: str, location: str | Path) -> Path:
