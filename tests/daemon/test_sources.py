@@ -428,8 +428,9 @@ def test_a_pack_that_fails_or_is_interrupted_leaves_none_of_its_shards(
     with mounted_tmpfs(shm_dir / "ro", "size=1m,ro") as read_only:
         result = CliRunner().invoke(cli_main, ["pack", str(src), str(read_only / "p")])
         assert result.exit_code == 1, result.output
-        assert (f"Error: cannot write the pack in {read_only / 'p'}: Read-only file system ({read_only / 'p'}); "
-                "pack into a folder you can write") in result.output, result.output
+        # Said before the source is indexed (it was once packing began), as a read-only mount, not a permission.
+        assert (f"Error: cannot pack into {read_only / 'p'}: cannot create it: {read_only} is on a filesystem mounted "
+                "read-only") in result.output and "packing" not in result.output, result.output
 
     def interrupted(items: Iterator[int]) -> Iterator[int]:
         for i in items:
@@ -824,3 +825,27 @@ def test_val_fraction_holds_out_the_same_images_in_every_layout_of_the_data(tmp_
     assert again.source_index is not None
     for i, src in enumerate(again.source_index.tolist()):  # the folders' sample, not the shuffled pack's
         assert bytes(SampleReader(again).read(i)) == bytes(SampleReader(folders).read(src))
+
+
+def test_pack_into_a_folder_this_user_may_not_write_is_refused_before_the_source_is_indexed(shm_dir: Path) -> None:
+    """It was refused only once every sample had been indexed and packing began ("packing 160 samples", then the
+    error): minutes for a large source, though check_pack_target says it refuses before anything is read (a walk as
+    a non-root user)."""
+    from prefetchd.daemon.sources.shards import check_pack_target
+    from tests.as_nobody import as_nobody
+
+    shm_dir.chmod(0o755)
+    closed = shm_dir / "closed"
+    closed.mkdir(mode=0o755)  # root's: nobody may not write in it
+    for out in (closed / "packed", closed):
+
+        def check(out: Path = out) -> str:
+            try:
+                check_pack_target(None, out, force=True)
+            except Exception as exc:
+                return str(exc)
+            return "not refused"
+
+        said = as_nobody(check)
+        assert said.startswith(f"cannot pack into {out}: "), said
+        assert f"{closed}: permission denied: it belongs to root (uid 0)" in said, said

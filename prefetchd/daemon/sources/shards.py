@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from prefetchd.access import no_access
 from prefetchd.daemon.dataset import IMG_EXTENSIONS, PackedFrom, SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.npz import load_arrays
@@ -375,6 +376,9 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
+    denied = no_access(out, write=True)  # said after the source's index, which can take minutes (a walk)
+    if denied is not None:
+        raise DatasetError(f"cannot pack into {out}: {denied}")
     if source_dir is not None and Path(source_dir).is_dir():
         source, target = Path(source_dir).resolve(), out.resolve()
         if inside(str(target), str(source)):
