@@ -12,6 +12,10 @@ from pathlib import Path
 
 from prefetchd.buffer_protocol.errors import user_name
 
+# This user may not use a path it named (read, write or enter it): the exit code of every command that refuses one
+# for that, prefetchd's (status, show, submit, a path under a folder it may not enter) and prefetchd-train's.
+EXIT_NO_ACCESS = 4
+
 
 def group_name(gid: int) -> str:
     """``prefetchd`` for messages, or ``gid 1001`` when the group has no name."""

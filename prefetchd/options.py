@@ -38,6 +38,7 @@ from typing import Any
 
 import click
 
+from prefetchd.access import EXIT_NO_ACCESS, cannot_read
 from prefetchd.buffer_protocol.errors import MAX_INT, shown
 from prefetchd.locations import is_url, normalize
 
@@ -123,9 +124,6 @@ class LocationParam(click.ParamType):  # type: ignore[type-arg]
         return path
 
 
-NO_ACCESS_EXIT = 4  # both commands' EXIT_NO_ACCESS: this user may not use a path it named
-
-
 class OutputChecked:
     """A click command (or group) whose ``main`` says so where its output cannot be written (stdout on a full disk,
     /dev/full): click pacifies a closed pipe only, and anything else was a traceback from deep in click.echo.  Only
@@ -156,12 +154,10 @@ class OutputChecked:
         except PermissionError as exc:
             if not exc.filename:
                 raise
-            from prefetchd.access import cannot_read
-
             path = Path(os.fsdecode(exc.filename))
             why = cannot_read(path) or f"{path}: {exc.strerror or 'permission denied'}"
             click.echo(f"{self.program}: {why}; pass a path this user may use", err=True)
-            sys.exit(NO_ACCESS_EXIT)
+            sys.exit(EXIT_NO_ACCESS)
 
 
 def raised_writing_stdout(exc: OSError) -> bool:

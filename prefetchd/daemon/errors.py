@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import resource
 
+from prefetchd import access
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # click's own code for bad flags; we use it for bad configuration too
@@ -13,7 +15,7 @@ EXIT_BAD_DATA = 4  # `prefetchd start`: --strict or the bad-sample budget stoppe
 EXIT_BUFFER_BUSY = 5  # `prefetchd start`: another live daemon owns the buffer; this one changed nothing
 # `prefetchd status`, `show` and `submit`: this user may not read (or write) the buffer; for status LSB's "status
 # unknown", and no number they use for anything else (4 is EXIT_BAD_DATA only for `start`); prefetchd-train's too.
-EXIT_NO_ACCESS = 4
+EXIT_NO_ACCESS = access.EXIT_NO_ACCESS
 
 
 class DaemonError(RuntimeError):

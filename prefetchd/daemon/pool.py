@@ -273,7 +273,7 @@ def make_room_for_files(workers: int) -> None:
                           f"daemon, but its limit is {hard} "
                           f"(`ulimit -Hn`): raise it (LimitNOFILE={need} in a systemd unit; `ulimit -n {need}` as "
                           "root in a shell)" + (f", or pass --workers {fit} or fewer" if fit > 0 else
-                                                f"; fewer workers do not help: one needs {need - FILES_PER_WORKER * (workers - 1)}"))
+                                                f"; fewer workers do not help: one needs {FILES_BESIDE_WORKERS + FILES_PER_WORKER}"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     log.info("raised the open-file limit from %d to %d for %d workers", soft, need, workers)
 

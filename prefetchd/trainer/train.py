@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 import click
 import torch
 
+from prefetchd.access import EXIT_NO_ACCESS
 from prefetchd.buffer_protocol import ProtocolError
 from prefetchd.launch import TERMINATION_SIGNALS, signals_held
 from prefetchd.trainer.checkpoint import CheckpointPlan, existing_checkpoint
@@ -65,8 +66,8 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # a configuration problem found before training (SetupError), a bad checkpoint
 EXIT_USAGE = 2  # a bad option value, options that contradict each other (OptionError); click's code for bad flags
 EXIT_BUFFER = 3  # the buffer could not deliver: LoaderError / ProtocolError
-EXIT_NO_ACCESS = 4  # this user may not read --buffer or --val-buffer, nor write its progress there (NoAccess, at the
-# start or mid-run: AccessLost): as `prefetchd status` and `show`
+# EXIT_NO_ACCESS (prefetchd.access): this user may not read --buffer or --val-buffer, nor write its progress there
+# (NoAccess, at the start or mid-run: AccessLost), as `prefetchd status` and `show`
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: stopped at a step boundary with a checkpoint (SIGHUP likewise: 129)
 SIGNAL_NAMES = {signal.Signals(s).name for s in TERMINATION_SIGNALS}  # a metrics document's stopped_by

@@ -376,7 +376,7 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
-    denied = no_access(out, write=True)  # said after the source's index, which can take minutes (a walk)
+    denied = no_access(out, write=True)  # before the source's index (minutes), after which it was said (a walk)
     if denied is not None:
         raise DatasetError(f"cannot pack into {out}: {denied}")
     if source_dir is not None and Path(source_dir).is_dir():
