@@ -145,10 +145,12 @@ class PendingBatch:
         tmp = temp_name(final)
         fd = spares.take(layout.file_len, tmp, dir_fd) if spares is not None else None
         reused = fd is not None
-        if spares is not None and not reused and room_wanted is not None and room_wanted() > 0:
-            spares.release(room_wanted())
-            if room_wanted() > 0:
-                raise RoomNotYet(tmp)
+        if spares is not None and not reused and room_wanted is not None:
+            wanted = room_wanted()
+            if wanted > 0:
+                spares.release(wanted)
+                if room_wanted() > 0:  # asked again: the spares a trainer maps freed nothing yet
+                    raise RoomNotYet(tmp)
         try:
             if fd is None:
                 fd = create_exclusive(tmp, dir_fd)
