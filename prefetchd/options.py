@@ -34,7 +34,7 @@ import re
 import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -155,9 +155,29 @@ class OutputChecked:
             if not exc.filename:
                 raise
             path = Path(os.fsdecode(exc.filename))
-            why = cannot_read(path) or f"{path}: {exc.strerror or 'permission denied'}"
-            click.echo(f"{self.program}: {why}; pass a path this user may use", err=True)
-            sys.exit(EXIT_NO_ACCESS)
+            refuse_unusable(cannot_read(path) or f"{path}: {exc.strerror or 'permission denied'}", self.program)
+
+
+def refuse_unusable(why: str, program: str = "prefetchd") -> NoReturn:
+    """End the command where this user may not use a path it named: ``why`` (``access``'s words, naming the
+    folder that stops it) in one line, exit code 4 (``EXIT_NO_ACCESS``)."""
+    click.echo(f"{program}: {why}; pass a path this user may use", err=True)
+    sys.exit(EXIT_NO_ACCESS)
+
+
+class ReadableFolder(click.Path):
+    """An existing folder this command reads (bench's --data and --source).  click's ``exists=True`` said "does not
+    exist" of one under a folder this user may not enter (/root/ds, a walk as a non-root user): said instead as
+    a path this user may not use (``refuse_unusable``), as the other commands say it."""
+
+    def __init__(self) -> None:
+        super().__init__(exists=True, file_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        why = cannot_read(Path(os.fsdecode(value)))
+        if why is not None:
+            refuse_unusable(why if param is None else f"{param.opts[0]} {os.fsdecode(value)}: {why}")
+        return super().convert(value, param, ctx)
 
 
 def raised_writing_stdout(exc: OSError) -> bool:
@@ -264,4 +284,4 @@ def _param_type(meta: Any, ranged: bool) -> Any:
     return {int: int, str: str}[kind]
 
 
-__all__ = ["FiniteFloat", "LocationParam", "check_value", "click_options", "setting"]
+__all__ = ["FiniteFloat", "LocationParam", "ReadableFolder", "check_value", "click_options", "refuse_unusable", "setting"]

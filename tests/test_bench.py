@@ -193,6 +193,28 @@ def test_bad_arguments_are_refused(tmp_path: Path, shapes_data: Path) -> None:
         in result.output, result.output
 
 
+def test_data_under_a_folder_this_user_may_not_enter_is_said_so(shm_dir: Path, tmp_path: Path) -> None:
+    """click's exists=True said "does not exist" of --data /root/ds to a user who may not enter /root (a walk as a
+    non-root user): it is said as the other commands say a path this user may not use, exit code 4."""
+    from tests.as_nobody import as_nobody
+
+    shm_dir.chmod(0o755)
+    shut = shm_dir / "shut"
+    (shut / "ds" / "a").mkdir(parents=True)
+    shut.chmod(0o700)  # root's: nobody may not enter it
+    for flag in ("--data", "--source"):
+
+        def run(flag: str = flag) -> str:
+            result = CliRunner().invoke(bench_command, [flag, str(shut / "ds"), "--out", str(shm_dir / "out")])
+            return f"{result.exit_code} {result.output}"
+
+        said = as_nobody(run)
+        assert said.startswith(f"4 prefetchd: {flag} {shut / 'ds'}: {shut}: permission denied: it belongs to root"), said
+        assert "does not exist" not in said, said
+    result = CliRunner().invoke(bench_command, ["--data", str(tmp_path / "none")])  # as root: not there is not there
+    assert result.exit_code == 2 and "does not exist" in result.output, result.output
+
+
 def test_a_rate_above_the_floor_is_flagged_in_the_report() -> None:
     results = BenchmarkResults(machine={}, dataset={}, config={"batches": 20},
                                floor={"images_per_s": 1000.0, "ms_per_image": 1.0, "files": 20, "rounds": [1000.0]})

@@ -18,7 +18,7 @@ from prefetchd.bench.run import buffers_in, run_benchmark, worker_counts
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import stops_cleanly
 from prefetchd.locations import probe_folder
-from prefetchd.options import FiniteFloat
+from prefetchd.options import FiniteFloat, ReadableFolder
 
 DEFAULT_GENERATE = 1500
 
@@ -47,11 +47,11 @@ def _parse_contenders(_ctx: click.Context, _param: click.Parameter, value: str |
 
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--data", type=ReadableFolder(),
               help="Class-folder dataset to read. Without it an ImageNet-like set is generated in a temp dir.")
 @click.option("--generate", "generate", type=click.IntRange(min=1), default=DEFAULT_GENERATE, show_default=True,
               help="Images to generate when --data is not given.")
-@click.option("--source", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--source", type=ReadableFolder(),
               help="Folder of real photos to cut the generated images from (instead of synthetic pictures).")
 @click.option("--keep-data", is_flag=True, help="Keep the generated dataset (its path is printed).")
 @click.option("--workers", "workers", callback=_parse_workers, metavar="K1,K2,...",
