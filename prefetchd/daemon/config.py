@@ -29,7 +29,7 @@ from prefetchd.buffer_protocol.manifest import SPLITS, augmentation_text
 from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
-from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY, default_cache_dir
+from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY, default_cache_dir, private_temp
 from prefetchd.daemon.sources.storage import URL_READERS
 from prefetchd.locations import inside, is_url, normalize
 from prefetchd.options import check_value as check_field
@@ -449,9 +449,12 @@ def fill_defaults(cfg: DaemonConfig, held: int | None = None) -> tuple[DaemonCon
     if cfg.index_cache is None:
         changes["index_cache"] = default_cache_dir()
         # Outside the unit (`config --show` by the admin) the default is the caller's, not the service's: say so.
+        unit = (f"the systemd unit's daemon uses $CACHE_DIRECTORY instead, which its CacheDirectory= sets to "
+                f"{UNIT_CACHE_DIRECTORY}")
         where = ("$CACHE_DIRECTORY, from systemd" if os.environ.get("CACHE_DIRECTORY") else
-                 f"this user's cache folder; the systemd unit's daemon uses $CACHE_DIRECTORY instead, which its "
-                 f"CacheDirectory= sets to {UNIT_CACHE_DIRECTORY}")
+                 "a folder of this run's own, removed at its exit: this uid has no account, so no home to keep "
+                 f"indexes in; set $XDG_CACHE_HOME or --index-cache to keep them; {unit}"
+                 if private_temp(changes["index_cache"]) else f"this user's cache folder; {unit}")
         notes.append(f"index_cache = {changes['index_cache']} ({where})")
     if cfg.readers is None and cfg.data is not None:
         changes["readers"] = URL_READERS if is_url(cfg.data) else 1

@@ -458,6 +458,35 @@ def test_an_unwritable_cache_only_warns(tmp_path: Path, make_image: Callable[...
         assert "cannot read" not in caplog.text  # one warning, the one that says what is wrong
 
 
+def test_an_unreadable_cache_does_not_promise_a_rewrite_it_cannot_make(shm_dir: Path,
+                                                                       make_image: Callable[..., Path]) -> None:
+    """A cache folder this user may neither read nor write (another user's) said "cannot read index cache ...;
+    rescanning ... and rewriting it", then at once "cannot write the index cache" (a walk as a non-root user)."""
+    import logging
+
+    from tests.as_nobody import as_nobody
+
+    shm_dir.chmod(0o755)
+    root, cache = small_tree(shm_dir, make_image), shm_dir / "cache"
+    settle(root)
+    cached_class_folders(root, cache)
+    (entry,) = cache_entries(cache)
+    entry.chmod(0o600)
+    cache.chmod(0o711)  # nobody may reach the entry but neither read it nor write beside it
+
+    def walk() -> str:
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("prefetchd").addHandler(handler)
+        cached_class_folders(root, cache)
+        return "\n".join(lines)
+
+    said = as_nobody(walk)
+    assert f"cannot read index cache {entry} (Permission denied); rescanning {root.resolve()}" in said, said
+    assert "rewriting it" not in said and "cannot write the index cache" in said, said
+
+
 def test_default_cache_dir_follows_systemd_then_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/prefetchd")
     assert default_cache_dir() == Path("/var/cache/prefetchd")

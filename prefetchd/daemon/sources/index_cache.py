@@ -97,6 +97,12 @@ def _private_temp_cache() -> Path:
     return Path(folder)
 
 
+def private_temp(cache_dir: Path) -> bool:
+    """Whether ``cache_dir`` is this process's private temp cache (``_private_temp_cache``): its indexes last one
+    run, which the note on the default says (it was called "this user's cache folder", a walk)."""
+    return _private_temp_cache.cache_info().currsize > 0 and cache_dir == _private_temp_cache()
+
+
 def cache_file(cache_dir: Path, kind: str, location: str | Path) -> Path:
     """The entry of ``kind`` ("classfolders", "objects") for the dataset at ``location``."""
     key = hashlib.sha256(os.fsencode(location)).hexdigest()[:24]
@@ -137,7 +143,9 @@ def load_entry(path: Path, root: str, again: str, extra: tuple[str, ...] = (),
     except (FileNotFoundError, NotADirectoryError):  # no entry (the cache folder is a file: saving says so)
         return None
     except OSError as exc:
-        log.warning("cannot read index cache %s (%s); %s and rewriting it", path, exc.strerror or exc, again)
+        # "and rewriting it" only where it can be: else the warning that saving it fails follows (a walk).
+        rewrite = " and rewriting it" if os.access(path.parent, os.W_OK | os.X_OK) else ""
+        log.warning("cannot read index cache %s (%s); %s%s", path, exc.strerror or exc, again, rewrite)
         return None
     except ValueError as exc:
         log.warning("index cache %s is damaged (%s); %s and rewriting it", path, exc, again)
