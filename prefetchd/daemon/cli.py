@@ -161,6 +161,13 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
                            f"stop at it {elsewhere}: {unread}")
         elif not os.path.exists(filled.data):
             caveats.append(f"data {filled.data} does not exist (yet): `prefetchd start` would stop at it")
+    if filled.metrics_textfile is not None:
+        from prefetchd.daemon.metrics import unwritable_textfile
+
+        unwritable = unwritable_textfile(Path(filled.metrics_textfile))
+        if unwritable is not None:
+            caveats.append(f"this user may not write metrics_textfile {filled.metrics_textfile}, so a daemon run by "
+                           f"this user would warn once a minute that it cannot {elsewhere}: {unwritable}")
     if filled.transform is not None:
         # Imported as start does (its form was checked above): `config` said valid of a module that start could
         # not import, or of a name that is no callable (a user's walk). Said, not refused: the service's user

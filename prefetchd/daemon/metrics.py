@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefetchd.access import cannot_read, no_access
 from prefetchd.buffer_protocol import Production, State, Status
 from prefetchd.buffer_protocol.json_files import replace_file
 from prefetchd.daemon.errors import ConfigError
@@ -178,6 +180,18 @@ def _remote_node_metrics(buffer: str, production: Production) -> Iterator[Metric
 # textfile collector never reads a half-written one.
 TEXTFILE_MODE = 0o644
 TEXTFILE_WARN_SECONDS = 60.0  # a textfile that cannot be written is said this often
+
+
+def unwritable_textfile(textfile: Path) -> str | None:
+    """Why this user may not write the metrics ``textfile``, which is replaced by a rename (its folder must take a
+    new file): a folder on the way it may not enter, or one it may not write in (whose it is, what to do), or a
+    folder that is not there (not created); None where it may.  `prefetchd config` says it: it said a textfile the
+    daemon would warn of once a minute was valid (a walk as a non-root user)."""
+    folder = textfile.absolute().parent
+    denied = cannot_read(folder)
+    if denied is None and not os.path.isdir(folder):
+        return f"its folder {folder} does not exist (the daemon does not create it)"
+    return denied or no_access(folder, write=True)
 
 
 class Metrics:

@@ -1045,6 +1045,34 @@ def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_
     assert there.exit_code == 0 and there.output.strip() == "configuration is valid"
 
 
+def test_config_check_says_when_the_metrics_textfile_cannot_be_written(runner: CliRunner, shm_buffer: Path) -> None:
+    """`config` said "configuration is valid" of a --metrics-textfile the daemon then warned once a minute it could
+    not write (a walk as a non-root user): said, not refused, as the data's caveats are."""
+    os.chmod(shm_buffer, 0o755)
+    args = ["config", "--buffer", str(shm_buffer / "bf"), "--metrics-textfile"]
+    missing = runner.invoke(prefetchd_cli.main, [*args, str(shm_buffer / "nope" / "bf.prom")])
+    assert missing.exit_code == 0 and " ".join(missing.output.split()) == (
+        f"configuration is valid, but this user may not write metrics_textfile {shm_buffer / 'nope' / 'bf.prom'}, so "
+        "a daemon run by this user would warn once a minute that it cannot (a service's daemon runs as its unit's "
+        f"User=): its folder {shm_buffer / 'nope'} does not exist (the daemon does not create it)"), missing.output
+    fine = runner.invoke(prefetchd_cli.main, [*args, str(shm_buffer / "bf.prom")])
+    assert fine.exit_code == 0 and fine.output.strip() == "configuration is valid", fine.output
+    if os.geteuid() != 0:
+        return
+    theirs = shm_buffer / "textfiles"
+    theirs.mkdir(mode=0o755)  # root's: nobody may not write in it
+
+    def check() -> str:
+        result = CliRunner().invoke(prefetchd_cli.main, ["config", "--buffer", str(shm_buffer / "nobodys"),
+                                                         "--metrics-textfile", str(theirs / "bf.prom")])
+        return f"{result.exit_code} {result.output}"
+
+    said = " ".join(as_nobody(check).split())
+    assert said.startswith(f"0 configuration is valid, but this user may not write metrics_textfile {theirs / 'bf.prom'}"
+                           ), said
+    assert f"{theirs}: permission denied: it belongs to root (uid 0)" in said, said
+
+
 def test_config_check_says_when_start_could_not_import_the_transform(runner: CliRunner, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`config` said "configuration is valid" of a hook module start could not import, or of a name that is no
