@@ -379,20 +379,20 @@ def stop(buffer: Path, timeout: float) -> None:
 
 def not_ours_to_signal(pid: int) -> str:
     """Why `prefetchd stop` may not SIGTERM ``pid`` (another user's process), and who can: its
-    systemd unit when it runs as one, read from /proc/PID/cgroup, or its user or root."""
+    systemd unit when it runs as one, read from /proc/PID/cgroup, or its user or root.  A daemon in no unit
+    (started by hand) is not sent to systemctl (a walk as a non-root user); one whose cgroups cannot be read
+    may be either."""
     try:
         user = f"user {psutil.Process(pid).username()}"
     except (psutil.Error, KeyError):  # hidden by hidepid, or gone
         user = "another user"
-    unit = None
     try:
         with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
             found = re.search(r"/([^/\s]+\.service)$", f.read(), re.MULTILINE)
-        unit = found[1] if found else None
+        how = f"stop its service with `systemctl stop {found[1]}`, or " if found else ""
     except OSError:
-        pass
-    how = f"stop its service with `systemctl stop {unit}`" if unit else "stop the service that runs it (`systemctl stop prefetchd@NAME`)"
-    return f"the daemon (pid {pid}) runs as {user}; {how}, or run this command as that user or root"
+        how = "stop the service that runs it, if one does (`systemctl stop prefetchd@NAME`), or "
+    return f"the daemon (pid {pid}) runs as {user}; {how}run this command as that user or root"
 
 
 def _exited(pid: int) -> bool:

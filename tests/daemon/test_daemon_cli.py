@@ -534,12 +534,36 @@ def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, sh
             os.seteuid(0)
         assert result.exit_code == 1, result.output
         assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-        assert f"the daemon (pid {owner.pid}) runs as user nobody" in result.output
-        assert "systemctl stop" in result.output and "as that user or root" in result.output
+        assert f"the daemon (pid {owner.pid}) runs as user nobody; run this command as that user or root" \
+            in result.output, result.output
         assert owner.poll() is None
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_stop_sends_to_systemctl_only_a_daemon_that_a_unit_runs() -> None:
+    """A daemon started by hand was said to stop with `systemctl stop prefetchd@NAME` (a walk as a non-root user):
+    its unit is read from /proc/PID/cgroup, here a real cgroup v1 named as systemd names a unit's."""
+    from prefetchd.daemon.cli import not_ours_to_signal
+    from tests.cgroups import cgroup_v1
+
+    with cgroup_v1("pids", {}) as group:
+        unit = group / "prefetchd@bf.service"
+        unit.mkdir()
+        sleeper = subprocess.Popen(["sleep", "60"])
+        try:
+            by_hand = not_ours_to_signal(sleeper.pid)
+            assert "systemctl" not in by_hand and by_hand.endswith("; run this command as that user or root"), by_hand
+            (unit / "cgroup.procs").write_text(str(sleeper.pid))
+            said = not_ours_to_signal(sleeper.pid)
+            assert "; stop its service with `systemctl stop prefetchd@bf.service`, or run this command as that " \
+                "user or root" in said, said
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+            if (unit / "cgroup.procs").exists():
+                unit.rmdir()
 
 
 def test_status_says_what_stop_refuses_for_a_lock_whose_holder_is_not_the_pid_it_names(
