@@ -15,7 +15,7 @@ from prefetchd.buffer_protocol import BatchLayout, Manifest, ProtocolError, list
 from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DIR_FLAGS, JOB_NAME, MANIFEST_NAME, STREAM_PREFIX,
                                              STATUS_NAME, STREAM_RE, consumer_of, is_consumer_lock, is_temp_name,
                                              parse_batch_name)
-from prefetchd.access import nearest_existing, user_name
+from prefetchd.access import group_name, nearest_existing, user_name
 from prefetchd.daemon.cgroup_limits import memory_limit
 from prefetchd.daemon.config import DaemonConfig, held_bytes
 from prefetchd.daemon.errors import ConfigError, DaemonError
@@ -159,8 +159,11 @@ def private_dir_problem(path: Path, st: os.stat_result, group_access: bool) -> s
         return (f"buffer directory {path} is writable by every user (mode {perms:04o}), who could plant files the "
                 f"trainer reads; `{hint}`, or remove it")
     if perms & stat.S_IWGRP and not group_access:
-        return (f"buffer directory {path} is writable by its group (mode {perms:04o}); pass --group-access if that "
-                f"group's trainers should use it, or `{hint}`")
+        # Most often one a --group-access daemon made (2770), a service's: chmod-ing it would lock out the
+        # trainers it is for, which the plain "or `chmod 700`" did not say (a walk as a non-root user).
+        return (f"buffer directory {path} is writable by its group {group_name(st.st_gid)} (mode {perms:04o}): pass "
+                f"--group-access if that group's trainers should use it (a --group-access daemon makes its buffer "
+                f"so), or `{hint}` if not, which locks them out")
     return None
 
 

@@ -77,7 +77,8 @@ def test_an_existing_private_buffer_is_kept_and_opened_up_only_when_asked(shm_bu
 
 @pytest.mark.parametrize(("mode", "group_access", "words", "fix"), [
     (0o777, False, "writable by every user", "`chmod 700 {buffer}`"),
-    (0o770, False, "--group-access", "`chmod 700 {buffer}`"),
+    (0o770, False, "pass --group-access if that group's trainers should use it", "`chmod 700 {buffer}` if not, which "
+     "locks them out"),
     # Sticky, as /dev/shm and /tmp are: a folder to make the buffer in, never to chmod.
     (0o1777, True, "is a folder every user shares", "such as --buffer {buffer}/bf"),
 ])
