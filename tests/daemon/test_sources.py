@@ -837,7 +837,9 @@ def test_pack_into_a_folder_this_user_may_not_write_is_refused_before_the_source
     shm_dir.chmod(0o755)
     closed = shm_dir / "closed"
     closed.mkdir(mode=0o755)  # root's: nobody may not write in it
-    for out in (closed / "packed", closed):
+    shut = shm_dir / "shut"
+    shut.mkdir(mode=0o700)  # nor enter it: stat-ing a path in it was a PermissionError (exit 4, not pack's 1)
+    for out, stops in ((closed / "packed", closed), (closed, closed), (shut / "packed", shut)):
 
         def check(out: Path = out) -> str:
             try:
@@ -848,4 +850,4 @@ def test_pack_into_a_folder_this_user_may_not_write_is_refused_before_the_source
 
         said = as_nobody(check)
         assert said.startswith(f"cannot pack into {out}: "), said
-        assert f"{closed}: permission denied: it belongs to root (uid 0)" in said, said
+        assert f"{stops}: permission denied: it belongs to root (uid 0)" in said, said

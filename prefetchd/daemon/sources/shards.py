@@ -374,11 +374,13 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
     inside it.  Packed there, the shards would become a class folder without images, or the index
     would turn the source into a shard folder."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
-    denied = no_access(out, write=True)  # before the source's index (minutes), after which it was said (a walk)
+    # Before the source's index (minutes), after which it was said (a walk); and before anything stats ``out``,
+    # which raises PermissionError under a folder this user may not enter.
+    denied = no_access(out, write=True)
     if denied is not None:
         raise DatasetError(f"cannot pack into {out}: {denied}")
+    if out.exists() and not out.is_dir():
+        raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
     if source_dir is not None and Path(source_dir).is_dir():
         source, target = Path(source_dir).resolve(), out.resolve()
         if inside(str(target), str(source)):
