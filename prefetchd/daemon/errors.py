@@ -57,8 +57,13 @@ def out_of_processes(exc: BaseException) -> str | None:
     if not (isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)
             or isinstance(exc, OSError) and exc.errno == errno.EAGAIN):
         return None
+    return f"cannot start another thread or process ({exc}): {processes_taken()}"
+
+
+def processes_taken() -> str:
+    """Which limits on processes and threads were reached, ``ulimit -u``'s value where one is set, and what to do:
+    said where the system refused one (``out_of_processes``) and where the worker server died of it."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     limit = f"this user's limit of {soft} (ulimit -u), or " if soft != resource.RLIM_INFINITY else ""
-    return (f"cannot start another thread or process ({exc}): the processes and threads allowed, {limit}its "
-            "cgroup's pids.max, are taken; raise the limit (LimitNPROC= or TasksMax= in a systemd unit, "
-            "--pids-limit for a container) or lower --workers")
+    return (f"the processes and threads allowed, {limit}its cgroup's pids.max, are taken; raise the limit "
+            "(LimitNPROC= or TasksMax= in a systemd unit, --pids-limit for a container) or lower --workers")

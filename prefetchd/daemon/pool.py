@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import psutil
 
 from prefetchd.daemon import jpeg_crop
-from prefetchd.daemon.errors import ConfigError, DaemonError
+from prefetchd.daemon.errors import ConfigError, DaemonError, processes_taken
 from prefetchd.daemon.logs import run_logged
 from prefetchd.daemon.wakeup import Wakeup
 from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
@@ -112,10 +112,10 @@ class WorkerPool:
                 return self._spawn_once(start_hangs)
             except (EOFError, ConnectionError) as exc:
                 if time.monotonic() >= deadline:
+                    # Most often the fork server's own fork refused (EAGAIN): its traceback is in the log above.
                     raise DaemonError(f"cannot start a worker: the worker server died and did not start again "
-                                      f"within {SERVER_RESTART_SECONDS:g} s ({type(exc).__name__}: {exc}); a limit on "
-                                      "processes and threads (ulimit -u, a cgroup's pids.max) does this where it "
-                                      "leaves too few for the workers") from exc
+                                      f"within {SERVER_RESTART_SECONDS:g} s ({type(exc).__name__}: {exc}); most likely "
+                                      f"{processes_taken()}") from exc
                 time.sleep(0.05)
 
     def _spawn_once(self, start_hangs: tuple[int, ...]) -> Worker:

@@ -740,3 +740,17 @@ def test_only_a_refused_thread_or_process_is_told_as_a_limit() -> None:
         assert said is not None and said.startswith(f"cannot start another thread or process ({exc})"), said
     for exc in (RuntimeError("another"), OSError(errno.ENOSPC, "No space left on device"), ValueError("x")):
         assert out_of_processes(exc) is None
+
+
+
+def test_the_process_limit_is_said_with_its_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker server's death under `ulimit -u 9` named "ulimit -u" but neither its value nor --workers (a walk
+    under OS limits); it says what a refused thread says."""
+    import resource
+
+    from prefetchd.daemon.errors import processes_taken
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (9, 9) if which == resource.RLIMIT_NPROC else (0, 0))
+    said = processes_taken()
+    assert said.startswith("the processes and threads allowed, this user's limit of 9 (ulimit -u), or its cgroup's "
+                           "pids.max, are taken;") and said.endswith("or lower --workers"), said
