@@ -19,8 +19,8 @@ import errno
 import logging
 import os
 import random
+import secrets
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,21 +104,28 @@ def inside(path: str, root: str) -> bool:
 
 
 def normalize(location: str | os.PathLike[str], base: Path | None = None) -> str:
-    """A URL verbatim (less a trailing slash); a local path with ``~`` expanded, made absolute against ``base`` or the cwd."""
+    """A URL verbatim (less a trailing slash); a local path with ``~`` expanded, made absolute against ``base`` or the
+    cwd, tidied (``.``, ``//``, a trailing slash), and resolved where a ``..`` in it may follow a link."""
     text = os.fspath(location)
     if is_url(text):
         return text.rstrip("/") if not text.endswith("://") else text
     path = Path(text).expanduser()
     if not path.is_absolute():
         path = (base or Path.cwd()) / path
+    if ".." in path.parts:
+        # "link/.." is the folder above where the link leads, as the kernel takes it: normpath dropped both
+        # lexically and named another folder (ImageFolder read the path, start said "does not exist"; a walk).
+        return os.path.realpath(path)
     return os.path.normpath(path)
 
 
 def probe_folder(folder: Path, name: str) -> None:
     """Create and remove a hidden file named after ``name`` in the local ``folder``: whether a file
     can be written there, asked before the work that would write it.  OSError says why not."""
-    fd, probe = tempfile.mkstemp(prefix=f".{name}.probe-", dir=folder)
-    os.close(fd)
+    # Not tempfile.mkstemp, whose path back is os.path.abspath'd: "link/../x" made lexically "x", not where the
+    # kernel made the file, so the unlink failed ("No such file or directory") and left the probe (a walk).
+    probe = os.path.join(folder, f".{name}.probe-{secrets.token_hex(6)}")
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     os.unlink(probe)
 
 

@@ -12,6 +12,7 @@ A field's metadata (see :func:`setting`):
   ``max_open``);
 - ``location``: a local path or an object-storage URL;
 - ``path``: ``"dir"`` or ``"file"`` when only one of them makes sense (a ``location``: ``"dir"`` only);
+- ``buffer``: a buffer folder's path, held to what a daemon can keep one at (``unfit_buffer_path``);
 - ``readable``: False where what uses the path checks it and says more than click's "is not readable"
   (a buffer, the daemon's or the trainer's: whose it is, and what to do);
 - ``metavar``; ``short``, a one-letter alias such as ``-q``; ``unit``, what a number counts, said where a
@@ -40,6 +41,7 @@ import click
 
 from prefetchd.access import EXIT_NO_ACCESS, cannot_read
 from prefetchd.buffer_protocol.errors import MAX_INT, shown
+from prefetchd.buffer_protocol.layout import unfit_buffer_path
 from prefetchd.locations import is_url, normalize
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -69,6 +71,9 @@ def _check_one(name: str, value: Any, meta: Any, error: type[Exception]) -> None
     wrote: every way it can be wrong is ``error``, never another exception (10**400 for a float overflowed,
     a NUL in a path stopped the daemon), and the message quotes it cut short (``shown``)."""
     kind = meta["kind"]
+    # Before the type: a file's buffer = "" is no Path, but what it is said (unfit_buffer_path) is more use.
+    if meta.get("buffer") and isinstance(value, (str, os.PathLike)) and (unfit := unfit_buffer_path(value)) is not None:
+        raise error(f"{name} = {shown(value)}: {unfit}")
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if meta.get("location") and isinstance(value, os.PathLike):
         ok = True  # a local path given as a Path; the config makes it what it keeps
@@ -107,6 +112,23 @@ class FiniteFloat(click.FloatRange):
 
     def _describe_range(self) -> str:
         return "" if self.min is None and self.max is None else super()._describe_range()
+
+
+class LocalPath(click.Path):
+    """A local path, ``~`` expanded as the shell would have (a quoted ``'~/x'``, ``--opt=~/x``, which bash leaves:
+    it made a folder named ``~`` in the working one, where BufferLoader took the home's; a walk); with ``buffer``, one
+    a daemon can keep a buffer at (``unfit_buffer_path``: an empty one was the working folder)."""
+
+    def __init__(self, buffer: bool = False, **kw: Any) -> None:
+        super().__init__(path_type=Path, **kw)
+        self.buffer = buffer
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.startswith("~"):
+            value = os.path.expanduser(value)
+        if self.buffer and isinstance(value, (str, os.PathLike)) and (unfit := unfit_buffer_path(value)) is not None:
+            self.fail(f"{shown(os.fspath(value))}: {unfit}", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 class LocationParam(click.ParamType):  # type: ignore[type-arg]
@@ -273,8 +295,8 @@ def _param_type(meta: Any, ranged: bool) -> Any:
         if meta.get("location"):
             return LocationParam(dir_only=meta.get("path") == "dir")
         where = meta.get("path")
-        return click.Path(path_type=Path, readable=meta.get("readable", True),
-                          **({"file_okay": False} if where == "dir" else {"dir_okay": False} if where == "file" else {}))
+        return LocalPath(buffer=meta.get("buffer", False), readable=meta.get("readable", True),
+                         **({"file_okay": False} if where == "dir" else {"dir_okay": False} if where == "file" else {}))
     bounds = {"min": meta.get("minimum"), "max": meta.get("maximum")} if ranged else {}
     if kind is float:  # finite even where layered: a flag's nan fails as it is typed, a file's in check_value
         return FiniteFloat(**bounds, min_open=ranged and meta.get("min_open", False),
@@ -284,4 +306,4 @@ def _param_type(meta: Any, ranged: bool) -> Any:
     return {int: int, str: str}[kind]
 
 
-__all__ = ["FiniteFloat", "LocationParam", "ReadableFolder", "check_value", "click_options", "refuse_unusable", "setting"]
+__all__ = ["FiniteFloat", "LocalPath", "LocationParam", "ReadableFolder", "check_value", "click_options", "refuse_unusable", "setting"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 from dataclasses import MISSING, dataclass
@@ -144,13 +145,14 @@ def test_a_path_under_a_folder_this_user_may_not_enter_is_said_in_one_line(shm_d
     shm_dir.chmod(0o755)
     private = shm_dir / "private"
     private.mkdir(mode=0o700)
-    (shm_dir / "data").mkdir(mode=0o755)
+    (shm_dir / "out").mkdir(mode=0o755)
+    os.chown(shm_dir / "out", 65534, 65534)  # nobody's to pack into: SRC is the path under the closed folder
 
     def pack() -> str:
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             try:
-                main.main(["pack", str(shm_dir / "data"), str(private / "out")], prog_name="prefetchd")
+                main.main(["pack", str(private / "data"), str(shm_dir / "out")], prog_name="prefetchd")
             except SystemExit as exc:
                 return f"exit {exc.code}: {err.getvalue()}"
         return f"no exit: {err.getvalue()}"

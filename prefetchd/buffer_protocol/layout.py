@@ -232,6 +232,33 @@ def check_owned(path: Dir, uid: int, what: str) -> None:
                         f"writes its {what}: someone else (a member of the buffer's group?) put it there; remove it")
 
 
+# The longest path the protocol makes below a buffer, in bytes: a named consumer's progress file's temp name in a
+# rank's stream folder (rank-00000/progress.NAME.json.tmp-PID-HEX, PID at most 2**22 on Linux).
+LONGEST_ENTRY = len(f"{STREAM_PREFIX}00000/progress.{'n' * 32}.json{TEMP_MARK}-{2**22}-{'0' * 8}")
+NAME_MAX = 255  # bytes of one file name: every Linux filesystem a buffer lives on (tmpfs, ext4, xfs)
+PATH_MAX = 4096  # bytes of a path the kernel takes, its closing NUL included
+
+
+def unfit_buffer_path(buffer: str | os.PathLike[str]) -> str | None:
+    """Why no daemon can keep a buffer at ``buffer``, whatever is there, and what to do; None where it can.  An
+    empty path (an unset variable: ``--buffer "$BUF"``) was the working folder, batches and all among the user's
+    files; a name past NAME_MAX was a traceback in every command but start; a path that leaves no room below it
+    for the buffer's files started a daemon that failed every batch ("File name too long") and retried for good
+    (a walk with odd paths)."""
+    text = os.fspath(buffer)
+    if not text:
+        return "an empty path (an unset variable?); pass the buffer folder, e.g. /dev/shm/bf"
+    long = next((part for part in Path(text).parts if len(os.fsencode(part)) > NAME_MAX), None)
+    if long is not None:
+        return (f"the name {long[:40]}... is {len(os.fsencode(long))} bytes long, more than the {NAME_MAX} a file "
+                "name may have; pick a shorter one")
+    size = len(os.fsencode(os.path.abspath(text)))
+    if size + 1 + LONGEST_ENTRY >= PATH_MAX:
+        return (f"the path is {size} bytes long, and the daemon's files in it take up to {LONGEST_ENTRY + 1} more, "
+                f"past the {PATH_MAX - 1} bytes a path may have; pick a shorter one")
+    return None
+
+
 def batch_name(epoch: int, step: int) -> str:
     """The file name of batch (``epoch``, ``step``); ValueError outside what a name holds, TypeError for a
     non-integer (1.5 failed in the format, "Unknown format code 'd'")."""

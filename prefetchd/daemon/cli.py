@@ -35,7 +35,7 @@ from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACC
                                      DaemonError, out_of_processes)
 from prefetchd.daemon.status_view import describe_status, foreign_lock, format_status, not_the_holder, status_json
 from prefetchd.locations import is_url, normalize
-from prefetchd.options import BufferOptionCommand, FiniteFloat, click_options
+from prefetchd.options import BufferOptionCommand, FiniteFloat, LocalPath, click_options
 from prefetchd.words import binary_size, counted
 
 log = logging.getLogger("prefetchd")
@@ -88,7 +88,7 @@ def shown(value: Any) -> str:
 # Not readable=True (click's default): a user outside a --group-access buffer's group got only click's "Directory
 # ... is not readable" (exit 2, which `stop` documents for a rank's directory); the commands say whose it is (no_access,
 # as prefetchd-train does).
-BUFFER = click.Path(path_type=Path, file_okay=False, readable=False)
+BUFFER = LocalPath(buffer=True, file_okay=False, readable=False)
 
 CONFIG_FILE_OPTION = click.option(
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),

@@ -58,7 +58,7 @@ class DaemonConfig:
     """What a daemon produces and how.  ``None`` means "size it from the machine"."""
 
     # Not readable by click: another user's buffer is refused at start by buffer_dir.check_private_dir, naming its owner.
-    buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path, readable=False)
+    buffer: Path = _opt(None, "Buffer directory, on a tmpfs such as /dev/shm.", Path, readable=False, buffer=True)
     # A location, not a Path: Path("s3://b/p") is "s3:/b/p".  Local paths are made absolute, URLs kept verbatim.
     data: str | None = _opt(None, "Dataset: a folder of class folders (as torchvision ImageFolder), a .csv/.tsv/.txt file list of path,label rows, or a folder of shards written by `prefetchd pack`; local, or under an object-storage URL such as s3://bucket/prefix (needs prefetchd[s3]; credentials from the standard AWS environment and files).", str, location=True, metavar="PATH|URL")
     readers: int | None = _opt(None, f"Sample reads each worker keeps in flight [default: {URL_READERS} for a URL, 1 for a local folder].", int, minimum=1, maximum=1024)
@@ -314,7 +314,9 @@ def load_toml(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: unknown key {key!r}{_meant(key)}; allowed keys are {', '.join(sorted(FIELDS))}")
         if name in values:  # batch_size and batch-size: which one was meant?
             raise ConfigError(f"{path}: {name!r} is set twice ({name} and {name.replace('_', '-')}); keep one")
-        if FIELDS[name].metadata["kind"] is Path and isinstance(value, str):
+        if FIELDS[name].metadata["kind"] is Path and isinstance(value, str) and value:  # "": check_value says so
+            # "~" expanded as data's is (normalize): buffer = "~/b" was a folder named ~ beside the file (a walk).
+            value = os.path.expanduser(value)
             value = (path.parent.absolute() / value) if not os.path.isabs(value) else Path(value)
         if FIELDS[name].metadata.get("location"):  # relative to the file, as paths are
             base = path.parent.absolute()

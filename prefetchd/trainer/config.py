@@ -30,9 +30,9 @@ class TrainConfig:
     """Everything a run depends on; ``prefetchd-train``'s options and their defaults come from here."""
 
     # Not readable by click: ``train`` says whose a buffer this user may not read is, and how to join its group.
-    buffer: Path = setting(MISSING, "Training buffer (the daemon's --buffer).", Path, readable=False)
+    buffer: Path = setting(MISSING, "Training buffer (the daemon's --buffer).", Path, readable=False, buffer=True)
     val_buffer: Path | None = setting(None, "Buffer of a --split val daemon; evaluated after every epoch.", Path,
-                                      readable=False)
+                                      readable=False, buffer=True)
     epochs: int | None = setting(None, "Epochs to train  [default: the manifest's epochs]", int, minimum=1)
     model: str = setting("resnet18", "A torchvision classification model name.", str)
     pretrained: bool = setting(False, "Start from torchvision's default weights, if they are in the local torch hub cache (never downloads).", bool)

@@ -11,6 +11,8 @@ import numbers
 import os
 from pathlib import Path
 
+from prefetchd.buffer_protocol.layout import unfit_buffer_path
+
 # How to wait longer, named for both ways in: prefetchd-train's flag and the loader's argument.
 MORE_TIME = "pass a larger --timeout (prefetchd-train; timeout= of the loader)"
 # The defaults of the waits, for BufferLoader, prefetchd-train's flags and the Lightning module alike.
@@ -37,10 +39,12 @@ def buffer_path(buffer: object) -> Path:
     was the folder the script ran in."""
     if not isinstance(buffer, (str, os.PathLike)) or not isinstance(os.fspath(buffer), str):
         raise TypeError(f"buffer={buffer!r:.60}: pass the daemon's --buffer folder as a str or pathlib.Path")
-    if not os.fspath(buffer):
-        raise ValueError("buffer='': pass the daemon's --buffer folder (e.g. /dev/shm/bf)")
+    path = os.path.expanduser(os.fspath(buffer))
+    unfit = unfit_buffer_path(path)  # "" was the folder the script ran in
+    if unfit is not None:
+        raise ValueError(f"buffer={os.fspath(buffer)!r:.60}: {unfit}")
     # Absolute: a notebook's later chdir must not move the buffer away from under the loader.
-    return Path(buffer).expanduser().absolute()
+    return Path(path).absolute()
 
 
 __all__ = ["DAEMON_GRACE", "DEFAULT_STALL_TIMEOUT", "DEFAULT_TIMEOUT", "MORE_TIME", "buffer_path", "check_timeout",

@@ -31,7 +31,7 @@ from prefetchd.buffer_protocol import (VERSION, DaemonLock, Errors, Manifest, St
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
 from prefetchd.daemon.dataset import split_members
-from prefetchd.daemon.errors import EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE
+from prefetchd.daemon.errors import EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError
 from prefetchd.daemon.job_inbox import JOB_FIELDS
 from tests.as_nobody import NOBODY, as_nobody
 from tests.owners import owned
@@ -1452,3 +1452,75 @@ def test_stop_under_a_folder_this_user_may_not_enter_names_the_buffer_to_stop_wi
     assert said.startswith(f"exit 1: cannot stop the daemon on {private / 'bf'}, if one runs: this user may not read "
                            f"{private}, which belongs to root (uid 0); only root may stop it (`sudo prefetchd stop "
                            f"--buffer {private / 'bf'}`)"), said
+
+
+# -- paths as users give them (a walk with odd paths) ----------------------------------------
+
+
+@pytest.mark.parametrize("command", ["start", "config", "status", "stop", "show", "submit"])
+def test_a_buffer_path_no_daemon_can_keep_is_refused_by_every_command(runner: CliRunner, captured: list[DaemonConfig],
+                                                                     shm_dir: Path, command: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--buffer ""`` (an unset variable) was the working folder: start filled it with batches among the user's
+    files.  A name past 255 bytes was an OSError traceback in status, stop, show and submit.  A path that left no
+    room below it for the buffer's files started a daemon that failed every batch and retried for good."""
+    monkeypatch.chdir(shm_dir)
+    data = ["--data", str(shm_dir)] if command in ("start", "submit", "config") else []
+    deep = shm_dir / "/".join(["d" * 250] * 16)
+    for buffer, said in (("", "an empty path (an unset variable?); pass the buffer folder, e.g. /dev/shm/bf"),
+                         (str(shm_dir / ("x" * 256)), "is 256 bytes long, more than the 255 a file name may have"),
+                         (str(deep), f"the path is {len(str(deep))} bytes long, and the daemon's files in it take up to")):
+        result = runner.invoke(prefetchd_cli.main, [command, "--buffer", buffer, *data])
+        assert result.exit_code == EXIT_USAGE, (buffer[:80], result.output)
+        assert said in " ".join(result.output.split()), result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert captured == [] and sorted(os.listdir(shm_dir)) == []
+
+
+def test_a_buffer_in_a_config_file_is_held_to_the_same(tmp_path: Path) -> None:
+    """A file's `buffer = ""` was the file's own folder; `buffer = "~/b"` a folder named ~ beside the file, where a
+    trainer given the same ~/b looked in the home folder."""
+    toml = tmp_path / "bf.toml"
+    toml.write_text('buffer = ""\n')
+    with pytest.raises(ConfigError, match=r"bf.toml: buffer = '': an empty path \(an unset variable\?\)"):
+        load_toml(toml)
+    toml.write_text('buffer = "~/b"\nmetrics_textfile = "~/m.prom"\n')
+    values = load_toml(toml)
+    assert values["buffer"] == Path.home() / "b" and values["metrics_textfile"] == Path.home() / "m.prom", values
+
+
+def test_a_tilde_the_shell_left_is_the_home_folder_as_the_loader_takes_it(runner: CliRunner,
+                                                                         captured: list[DaemonConfig],
+                                                                         shm_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--buffer=~/bf`` (bash expands no ~ after '='): start made ./~/bf, where BufferLoader("~/bf") looked in the
+    home folder."""
+    from prefetchd.trainer.wait_bounds import buffer_path
+
+    monkeypatch.setenv("HOME", str(shm_dir / "home"))
+    monkeypatch.chdir(shm_dir)
+    (shm_dir / "ds").mkdir()
+    result = runner.invoke(prefetchd_cli.main, ["start", "--buffer=~/bf", "--data", str(shm_dir / "ds")])
+    assert result.exit_code == 0, result.output
+    assert captured[0].buffer == shm_dir / "home" / "bf" == buffer_path("~/bf"), captured
+    assert not (shm_dir / "~").exists()
+
+
+def test_a_dotdot_after_a_link_is_where_the_kernel_takes_it(runner: CliRunner, shm_dir: Path) -> None:
+    """``links/parent/../ds`` with ``parent`` a link elsewhere: the kernel opens the ds beside the link's target,
+    normpath named links/ds, so start, config and submit said the data "does not exist"; a file was made through
+    such a path but its probe unlinked at the lexical path (--checkpoint-dir, show --out: "cannot write there")."""
+    from prefetchd.locations import normalize, probe_folder
+
+    real = shm_dir / "real"
+    (real / "sub").mkdir(parents=True)
+    (real / "ds").mkdir()
+    (shm_dir / "links").mkdir()
+    (shm_dir / "links" / "parent").symlink_to(real / "sub")
+    through = shm_dir / "links" / "parent" / ".." / "ds"
+    assert os.path.isdir(through)
+    assert normalize(str(through)) == str(real / "ds")
+    probe_folder(through, "x")
+    assert os.listdir(real / "ds") == []
+    result = runner.invoke(prefetchd_cli.main, ["config", "--buffer", str(shm_dir / "bf"), "--data", str(through)])
+    assert result.exit_code == 0 and result.output.strip() == "configuration is valid", result.output

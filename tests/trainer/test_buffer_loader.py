@@ -1289,7 +1289,8 @@ def test_a_buffer_that_is_no_path_and_a_timeout_that_is_no_bound_are_refused_nam
         with pytest.raises(TypeError, match=r"buffer=.*: pass the daemon's --buffer folder"):
             rank_stream(buffer)  # type: ignore[arg-type]
     monkeypatch.chdir(job.buffer)  # "" was this folder, the buffer: taken without a word
-    with pytest.raises(ValueError, match=r"buffer='': pass the daemon's --buffer folder \(e.g. /dev/shm/bf\)"):
+    with pytest.raises(ValueError, match=r"buffer='': an empty path \(an unset variable\?\); pass the buffer folder, "
+                                         r"e.g. /dev/shm/bf"):
         BufferLoader("", timeout=5)
     for timeout in ("x", -1, 0, math.nan):
         with pytest.raises(ValueError, match=r"timeout=.*: pass a positive number of seconds"):
