@@ -20,6 +20,7 @@ tests/daemon/test_resample.py).
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import struct
@@ -92,8 +93,10 @@ def make_bad_images(root: Path, filler: int = 6) -> Corpus:
     a.mkdir(parents=True)
     b.mkdir(parents=True)
     corpus = Corpus(root)
-    palette = iter([(200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40), (40, 200, 200), (200, 40, 200),
-                    (230, 150, 60), (60, 150, 230), (150, 230, 60), (120, 60, 30), (30, 120, 60), (60, 30, 120)] * 4)
+    # Cycled: a list of 48 ran out at --filler 25 (StopIteration, a walk); a colour needs no file of its own.
+    palette = itertools.cycle([(200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40), (40, 200, 200),
+                               (200, 40, 200), (230, 150, 60), (60, 150, 230), (150, 230, 60), (120, 60, 30),
+                               (30, 120, 60), (60, 30, 120)])
 
     def valid(path: Path, colour: Colour, right: Colour | None = None) -> None:
         corpus.valid[str(path.relative_to(root))] = (colour, right or colour)

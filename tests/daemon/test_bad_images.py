@@ -48,6 +48,13 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
     return make_bad_images(tmp_path_factory.mktemp("bad") / "data")
 
 
+def test_any_filler_count_makes_a_corpus(tmp_path: Path) -> None:
+    """--filler 25 or more ran out of colours (StopIteration) and left half a corpus (a walk)."""
+    many = make_bad_images(tmp_path / "data", filler=30)
+    plain = [rel for rel in many.valid if Path(rel).name.startswith("plain_")]
+    assert len(plain) == 2 * 30 and all((many.root / rel).stat().st_size for rel in plain)
+
+
 def _halves(image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     third = image.shape[1] // 3
     return image[:, :third].reshape(-1, 3).mean(0), image[:, -third:].reshape(-1, 3).mean(0)
