@@ -69,7 +69,11 @@ def setup_logging(level: str | int) -> None:
         handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
     else:
         handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(logging, level.upper()) if isinstance(level, str) else level, handlers=[handler])
+    number = getattr(logging, level.upper()) if isinstance(level, str) else level
+    # Debug is prefetchd's own: the libraries' (watchdog's three lines per status.json write, Pillow's PNG chunks in
+    # every worker) buried it, 30 lines each 10 s of an idle daemon (a walk); their warnings still show.
+    logging.basicConfig(level=max(number, logging.INFO), handlers=[handler])
+    logging.getLogger("prefetchd").setLevel(number)
 
 
 def run_logged(level: int, main: Callable[..., Any], *args: Any) -> None:

@@ -1524,3 +1524,18 @@ def test_a_dotdot_after_a_link_is_where_the_kernel_takes_it(runner: CliRunner, s
     assert os.listdir(real / "ds") == []
     result = runner.invoke(prefetchd_cli.main, ["config", "--buffer", str(shm_dir / "bf"), "--data", str(through)])
     assert result.exit_code == 0 and result.output.strip() == "configuration is valid", result.output
+
+
+def test_debug_logging_is_prefetchds_own() -> None:
+    """--log-level debug logged watchdog's three lines per status.json write and Pillow's PNG chunks: 30 lines each
+    10 s of an idle daemon, and not one of prefetchd's (a walk reading the log).  A real interpreter: pytest's
+    handlers on the root logger would make basicConfig do nothing."""
+    code = ("import logging\n"
+            "from prefetchd.daemon.logs import setup_logging\n"
+            "setup_logging('debug')\n"
+            "logging.getLogger('watchdog.observers.inotify').debug('their noise')\n"
+            "logging.getLogger('PIL.PngImagePlugin').info('their info')\n"
+            "logging.getLogger('prefetchd.daemon.main').debug('our debug')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "our debug" in done.stderr and "their info" in done.stderr and "their noise" not in done.stderr, done.stderr
