@@ -25,6 +25,10 @@ def main(verbose: bool, **options: Any) -> None:
 
     Under torchrun (`torchrun --nproc-per-node N -m prefetchd.trainer.train ...`) each rank reads its own
     stream of the buffers, which the daemons produce with --world-size.
+
+    Exit code 0: trained; 1: a problem found before training or an error in it; 2: a bad option; 3: the buffer
+    could not deliver (no daemon, the job ended or was replaced); 4: this user may not read the buffer; 130:
+    Ctrl-C; 143 (129): SIGTERM (SIGHUP), stopped at a step with a checkpoint.
     """
     from prefetchd.trainer.train import run
 
