@@ -431,14 +431,17 @@ def wait_for_job(buffer: Path, inbox: JobInbox, wake: Wakeup, publish: Callable[
     """Sleep until job.json holds an acceptable job; None when a stop signal came first.  BufferLost
     when the buffer is removed or replaced meanwhile (``DaemonLock.lost``)."""
     message = f"waiting for a job: `prefetchd submit --buffer {buffer} --data ROOT`"
-    log.info("%s", message)
     notifier.ready(message)  # the buffer is usable: trainers may submit now
     last_status = 0.0
+    said = False
     while wake.stop_signal is None:
         notifier.watchdog()
         job = inbox.poll(None)
         if job is not None:
             return job
+        if not said:  # not where a job.json waits already: it was logged 27 ms before "job ... accepted" (a walk)
+            log.info("%s", message)
+            said = True
         now = time.monotonic()
         if now - last_status >= WAIT_STATUS_SECONDS:
             lost = lock.lost()

@@ -94,6 +94,6 @@ class StreamAdoption:
                        + (f" and the --max-buffer-bytes cap of {counted(self.cap, 'batch')}" if capped else ""))
         if consumed:
             why.append(f"{consumed} already consumed")
-        log.info("kept %s of rank %d from an earlier run of the same job%s", counted(kept, "finished batch"),
+        log.info("kept %s of rank %d, built earlier for the same job%s", counted(kept, "finished batch"),
                  self.rank, f" (deleted {', '.join(why)})" if why else "")
         self._adopted = set()

@@ -496,13 +496,13 @@ def test_a_restart_says_which_batches_of_an_earlier_run_it_kept_after_the_window
 
     with caplog.at_level(logging.INFO, logger="prefetchd.daemon.stream"):
         s = restart(tmp_path / "a")
-    assert (f"kept 4 finished batches of rank 0 from an earlier run of the same job (deleted 2 beyond --high-water "
+    assert (f"kept 4 finished batches of rank 0, built earlier for the same job (deleted 2 beyond --high-water "
             f"{HIGH}, 2 already consumed)") in caplog.text, caplog.text
     assert sorted(list_batches(tmp_path / "a")) == [s.key(g) for g in range(2, 6)]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="prefetchd.daemon.stream"):
         restart(tmp_path / "b", cap=3)
-    assert (f"kept 3 finished batches of rank 0 from an earlier run of the same job (deleted 3 beyond --high-water "
+    assert (f"kept 3 finished batches of rank 0, built earlier for the same job (deleted 3 beyond --high-water "
             f"{HIGH} and the --max-buffer-bytes cap of 3 batches, 2 already consumed)") in caplog.text, caplog.text
 
 

@@ -663,6 +663,9 @@ def test_job_submitted_before_the_daemon_starts_is_adopted(shapes_data: Path, sh
     loader.close()
     # A job's epochs consumed: a daemon serving jobs goes back to waiting instead of exiting.
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 30, "the daemon to wait for the next job")
+    daemon.wait_until(lambda: "waiting for a job" in daemon.log, 30, "the log to say it waits")
+    # Only then: it said so 27 ms before "job ... accepted" as it started on the waiting job.json (a walk).
+    assert daemon.log.index("accepted") < daemon.log.index("waiting for a job"), daemon.log
 
 
 def seeds_waiting(buffer: Path) -> set[int]:
