@@ -12,6 +12,7 @@ import numpy as np
 
 STAGES = ("read", "decode", "augment", "write")  # the order of ``Filled.timings``
 STAGE_WINDOW = 4096  # samples the stage quantiles are taken over
+RATE_WINDOW_SECONDS = 10.0  # the produce and consume rates are over this long (`status` says so)
 
 
 @dataclass
@@ -34,10 +35,10 @@ class Stats:
     _quantiles: tuple[int, dict[str, dict[str, float]]] = (0, {})  # (stage_version, quantiles) last worked out
 
     def rates(self) -> tuple[float, float]:
-        """Samples produced and batches consumed per second over the last ~10 s."""
+        """Samples produced and batches consumed per second over the last ``RATE_WINDOW_SECONDS``."""
         now = time.monotonic()
         self.recent.append((now, self.samples, self.consumed))
-        old = next((r for r in self.recent if now - r[0] <= 10.0), self.recent[0])
+        old = next((r for r in self.recent if now - r[0] <= RATE_WINDOW_SECONDS), self.recent[0])
         dt = now - old[0]
         if dt <= 0:
             return 0.0, 0.0

@@ -21,7 +21,7 @@ from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.job_inbox import FAILED_WHILE_PRODUCING, job_verdict
 from prefetchd.daemon.mounts import filesystem_of
-from prefetchd.daemon.production_stats import STAGES
+from prefetchd.daemon.production_stats import RATE_WINDOW_SECONDS, STAGES
 from prefetchd.access import user_name
 from prefetchd.words import agreeing, binary_size, counted, moment, rank_ranges
 
@@ -322,8 +322,12 @@ def format_status(report: StatusReport) -> str:
             *_cap_line(pr),
             f"  memory    {binary_size(pr.buffer_bytes)} in the buffer{_spares_held(report.owner)}, "
             f"{binary_size(pr.free_bytes)} free on its filesystem",
-            f"  rates     produce {r.samples_per_s:.0f} img/s with {counted(pr.workers, 'worker')} "
-            f"({pr.workers_cpu_percent:.0f}% CPU), consume {r.consumed_batches_per_s:.2f} batches/s",
+            # The rates are over the last 10 s, the CPU share is now: "produce 382 img/s (0% CPU)" just after the
+            # buffer filled read as a contradiction, and consumption in batches/s beside img/s (a walk).
+            f"  rates     produce {r.samples_per_s:.0f} img/s, consume {r.consumed_batches_per_s:.2f} batches/s"
+            + (f" ({r.consumed_batches_per_s * report.manifest.batch_size:.0f} img/s)" if report.manifest else "")
+            + f" over the last {RATE_WINDOW_SECONDS:.0f} s; {counted(pr.workers, 'worker')} at "
+            f"{pr.workers_cpu_percent:.0f}% CPU now",
             _errors_line(e),
         ]
         if pr.remote is not None:

@@ -853,6 +853,20 @@ def test_a_stopped_daemons_status_still_names_its_bad_files(tmp_path: Path) -> N
     assert "errors" not in status_view.format_status(status_view.describe_status(tmp_path))
 
 
+def test_status_rates_say_their_window_and_consumption_in_images_too() -> None:
+    """"produce 382 img/s with 1 worker (0% CPU)" just after the buffer filled read as a contradiction (the rate is
+    over 10 s, the CPU share now), and consumption was in batches/s only, beside img/s (a walk reading status)."""
+    status = status_example()
+    assert status.production is not None
+    rates = dataclasses.replace(status.production.rates, consumed_batches_per_s=2.5)
+    status = dataclasses.replace(status, production=dataclasses.replace(status.production, rates=rates))
+    manifest = _manifest()
+    line = next(x for x in status_view.format_status(report(status, manifest=manifest)).splitlines()
+                if x.lstrip().startswith("rates"))
+    assert (f"consume 2.50 batches/s ({2.5 * manifest.batch_size:.0f} img/s) over the last 10 s; "
+            in line and line.endswith("% CPU now")), line
+
+
 def test_status_counts_one_of_a_thing_in_the_singular() -> None:
     """A 2-core box runs 1 worker by default: `status` says "1 worker", not "1 workers"."""
     def text(n: int) -> str:
@@ -861,7 +875,7 @@ def test_status_counts_one_of_a_thing_in_the_singular() -> None:
         return _running_status_text(workers=n, errors=errors)
 
     one, two = text(1), text(2)
-    assert "img/s with 1 worker (" in one and "img/s with 2 workers (" in two
+    assert "s; 1 worker at " in one and "s; 2 workers at " in two
     assert ("1 replaced sample, 1 bad file, 1 worker restart, 1 failed build\n" in one
             and "2 replaced samples, 2 bad files, 2 worker restarts, 2 failed builds\n" in two)
     for steps, said in [(1, ", 1 step/epoch"), (2, ", 2 steps/epoch")]:  # a dataset of one batch: "1 steps/epoch"
