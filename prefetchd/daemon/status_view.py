@@ -20,6 +20,7 @@ from prefetchd.access import no_access
 from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.job_inbox import FAILED_WHILE_PRODUCING, job_verdict
+from prefetchd.daemon.logs import one_line
 from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.production_stats import RATE_WINDOW_SECONDS, STAGES
 from prefetchd.access import user_name
@@ -253,13 +254,19 @@ def status_json(report: StatusReport, indent: int | None = 1) -> str:
 
 
 def format_status(report: StatusReport) -> str:
-    """The text of `prefetchd status`; read_status has checked every field it shows."""
+    """The text of `prefetchd status`; read_status has checked every field it shows.  Each line is one line: a
+    path's newline (a buffer's, the dataset's, a bad file's) broke a line in two, and its terminal escapes reached
+    the terminal, where the log writes them out (``one_line``; a walk with odd paths)."""
+    return "\n".join(one_line(line) for line in _status_lines(report))
+
+
+def _status_lines(report: StatusReport) -> list[str]:
     buffer, mf, st = report.buffer, report.manifest, report.status
     if not report.readable:
-        return "\n".join([f"prefetchd on {buffer}: cannot be read by this user, so whether a daemon runs is unknown",
-                          *report.problems])
+        return [f"prefetchd on {buffer}: cannot be read by this user, so whether a daemon runs is unknown",
+                *report.problems]
     if report.no_rank:  # a rank directory no daemon writes: its buffer's daemon may well run
-        return "\n".join([f"prefetchd on {buffer}: no such rank", *report.problems])
+        return [f"prefetchd on {buffer}: no such rank", *report.problems]
     if not report.running:
         line = f"prefetchd on {buffer}: not running" + ("" if buffer.exists() else f" ({buffer} does not exist)")
         if st:
@@ -271,7 +278,7 @@ def format_status(report: StatusReport) -> str:
         e = st.production.errors if st is not None and st.production is not None else None
         told = [_errors_line(e), *_bad_file_lines(e)] if e is not None and (
             e.replaced_samples or e.undecodable_files or e.worker_restarts or e.worker_hangs or e.write_failures) else []
-        return "\n".join([line, *told, *report.problems])
+        return [line, *told, *report.problems]
     state = st.state if st else "starting"
     meaning = " (every batch of the job's epochs is built; trainers may still be reading)" if state == State.DONE else ""
     pid = pid_named(report.pid, not report.other_pid_namespace)
@@ -358,7 +365,7 @@ def format_status(report: StatusReport) -> str:
                 lines += [_consumer_line(c, rank) for c in s.consumers]
     lines += _job_lines(st) if st else []
     lines += report.problems
-    return "\n".join(lines)
+    return lines
 
 
 def _spares_held(owner: Path) -> str:

@@ -1553,3 +1553,14 @@ def test_debug_logging_is_prefetchds_own() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "our debug" in done.stderr and "their info" in done.stderr and "their noise" not in done.stderr, done.stderr
+
+
+def test_status_keeps_a_path_with_a_newline_on_one_line(runner: CliRunner, shm_dir: Path) -> None:
+    """A buffer (or dataset, or bad file) path with a newline broke status's lines in two, and its terminal escapes
+    reached the terminal; the log writes them out, and so does status now (a walk with odd paths)."""
+    buffer = shm_dir / "b\nuf\x1b[31m"
+    buffer.mkdir()
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(buffer)])
+    assert result.exit_code == EXIT_NOT_RUNNING, result.output
+    assert result.output.splitlines()[0] == f"prefetchd on {shm_dir}/b\\nuf\\x1b[31m: not running", result.output
+    assert "\x1b" not in result.output
