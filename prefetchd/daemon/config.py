@@ -235,10 +235,27 @@ def check_not_a_stream_folder(buffer: Path) -> None:
 def check_buffer_outside(buffer: Path, data: str | None) -> None:
     """A buffer in a local dataset folder was read as one of its classes, one without images, and a refused
     start leaves the buffer there (its status.json says why), so every later start on that dataset failed
-    too, whatever its buffer: refused before the buffer is made.  Symlinks are resolved on both sides."""
+    too, whatever its buffer: refused before the buffer is made.  Symlinks are resolved on both sides, and a
+    folder above the buffer that is the dataset's folder itself (a bind mount of it elsewhere: a walk) counts."""
     if data is None or is_url(data):
         return
-    if inside(os.path.realpath(buffer), os.path.realpath(data)):
+    inside_it = inside(os.path.realpath(buffer), os.path.realpath(data))
+    if not inside_it:
+        try:
+            root = os.stat(data)
+        except OSError:  # not there: opening it says so
+            return
+        # Not only the nearest: the buffer's folder may be there already, whose own folder is the dataset's.
+        above = nearest_existing(Path(buffer))
+        for folder in (above, *above.parents):
+            try:
+                st = os.stat(folder)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (root.st_dev, root.st_ino):
+                inside_it = True
+                break
+    if inside_it:
         raise ConfigError(f"buffer {buffer} is inside the dataset {data}, whose folders the daemon reads as "
                           "classes: put the buffer outside it, for example under /dev/shm")
 

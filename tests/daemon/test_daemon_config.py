@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,23 @@ def test_low_water_must_be_below_high_water(tmp_path: Path, low: int, high: int)
         DaemonConfig(buffer=tmp_path, low_water=low, high_water=high)
     assert "low_water" in str(exc.value) and "high_water" in str(exc.value)
     assert str(low) in str(exc.value) and str(high) in str(exc.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="bind-mounts a folder (root)")
+def test_a_buffer_inside_the_dataset_through_a_bind_mount_is_refused(tmp_path: Path) -> None:
+    """The dataset's folder bind-mounted elsewhere: no symlink to resolve, so the buffer was made inside the dataset
+    and the start failed on it as a class folder, exit 1, leaving it there (a walk with odd paths)."""
+    data, mount = tmp_path / "data", tmp_path / "mnt"
+    (data / "cats").mkdir(parents=True)
+    mount.mkdir()
+    subprocess.run(["mount", "--bind", str(data), str(mount)], check=True)
+    try:
+        for buffer in (mount / "bf", mount / "cats" / "bf"):
+            with pytest.raises(ConfigError, match=f"buffer {buffer} is inside the dataset {data}"):
+                DaemonConfig(buffer=buffer, data=str(data))
+        assert DaemonConfig(buffer=tmp_path / "bf", data=str(data)).buffer == tmp_path / "bf"
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_missing_buffer() -> None:
