@@ -230,7 +230,7 @@ def test_a_restart_with_a_lower_high_water_says_how_many_batches_it_kept_and_del
     first.proc.send_signal(signal.SIGKILL)
     first.wait_exit(10)
     second = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2")
-    second.wait_until(lambda: "from an earlier run" in second.log, 30, "the restart to adopt the old batches")
+    second.wait_until(lambda: "built earlier for the same job" in second.log, 30, "the restart to adopt the old batches")
     assert ("kept 2 finished batches of rank 0, built earlier for the same job (deleted 4 beyond "
             "--high-water 2)") in second.log, second.log
     assert batch_files(buffer) == 2
