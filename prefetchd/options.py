@@ -117,7 +117,8 @@ class FiniteFloat(click.FloatRange):
 class LocalPath(click.Path):
     """A local path, ``~`` expanded as the shell would have (a quoted ``'~/x'``, ``--opt=~/x``, which bash leaves:
     it made a folder named ``~`` in the working one, where BufferLoader took the home's; a walk); with ``buffer``, one
-    a daemon can keep a buffer at (``unfit_buffer_path``: an empty one was the working folder)."""
+    a daemon can keep a buffer at (``unfit_buffer_path``: an empty one was the working folder).  A file's path that
+    ends in '/' is refused: `show --out grid.png/` wrote a file grid.png."""
 
     def __init__(self, buffer: bool = False, **kw: Any) -> None:
         super().__init__(path_type=Path, **kw)
@@ -126,6 +127,8 @@ class LocalPath(click.Path):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and value.startswith("~"):
             value = os.path.expanduser(value)
+        if not self.dir_okay and isinstance(value, str) and value.endswith("/"):  # Path drops the slash
+            self.fail(f"{shown(value)} ends in '/', which names a folder; name a file", param, ctx)
         if self.buffer and isinstance(value, (str, os.PathLike)) and (unfit := unfit_buffer_path(value)) is not None:
             self.fail(f"{shown(os.fspath(value))}: {unfit}", param, ctx)
         return super().convert(value, param, ctx)

@@ -91,7 +91,7 @@ def shown(value: Any) -> str:
 BUFFER = LocalPath(buffer=True, file_okay=False, readable=False)
 
 CONFIG_FILE_OPTION = click.option(
-    "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
+    "--config", "config_file", type=LocalPath(dir_okay=False),
     help="TOML file with the same keys as these flags; flags override it.",
 )
 
@@ -441,7 +441,7 @@ def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, inte
 
 @click.command(cls=BufferOptionCommand)
 @click.option("--buffer", type=BUFFER, required=True)
-@click.option("--out", type=click.Path(path_type=Path, dir_okay=False, writable=True), default=Path("batch.png"),
+@click.option("--out", type=LocalPath(dir_okay=False, writable=True), default=Path("batch.png"),
               show_default=True)
 @click.option("--max-images", type=click.IntRange(1), default=64, show_default=True)
 def show(buffer: Path, out: Path, max_images: int) -> None:

@@ -1017,6 +1017,8 @@ def test_show_refuses_an_out_it_cannot_write_as_a_bad_value_before_reading_the_b
         (str(tmp_path / "afile" / "x.png"), f"--out {tmp_path / 'afile' / 'x.png'}: cannot write in "
                                             f"{tmp_path / 'afile'} (Not a directory); pass a path in a folder you can write"),
         (str(tmp_path / "adir.png"), f"Invalid value for '--out': File '{tmp_path / 'adir.png'}' is a directory"),
+        # A trailing slash names a folder; Path dropped it and a file grid.png was written (a walk with odd paths).
+        ("grid.png/", "Invalid value for '--out': 'grid.png/' ends in '/', which names a folder; name a file"),
     ]:
         result = CliRunner().invoke(cli.show, ["--buffer", str(buffer), "--out", out])
         assert result.exit_code == EXIT_USAGE and f"Error: {message}" in result.output, (out, result.output)
