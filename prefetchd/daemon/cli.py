@@ -244,7 +244,8 @@ def format_toml(cfg: DaemonConfig, sized: dict[str, str]) -> str:
 def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replace: bool, timeout: float, **params: Any) -> None:
     """Ask the daemon on BUFFER to produce a job (it validates it and answers in its status).  A setting left
     out is the daemon's own (its flags and --config), not `prefetchd start`'s default.  Exit code 0:
-    accepted; 1: refused, or no answer within --timeout; 2: a bad setting (nothing written); 3: no daemon owns
+    accepted; 1: refused, or no answer within --timeout; 2: a bad setting, or a BUFFER no daemon takes jobs in (a
+    link, a file, a folder every user may write, a rank's stream directory; nothing written); 3: no daemon owns
     BUFFER (the job waits in job.json for one to start); 4: this user may not write BUFFER, or not create it
     (nothing written)."""
     flags = {k: v for k, v in params.items() if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
@@ -261,6 +262,10 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         raise click.UsageError(where_it_came_from(str(exc), flags, config_file, from_file)) from None
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")
                 and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
+    top = owning_buffer(buffer)
+    if top != buffer:  # its job.json no daemon reads: submit waited out --timeout, 60 s, then exit 1 (a walk)
+        raise click.UsageError(f"{buffer} is a rank's stream directory of the daemon on {top}, which takes jobs for "
+                               f"all its ranks in {top}: run `prefetchd submit --buffer {top} ...` (nothing written)")
     try:
         check_not_shared(buffer)  # a job.json in /dev/shm itself
         unsafe = buffer_problem(buffer, group_access=True)  # the daemon's flag is not known here

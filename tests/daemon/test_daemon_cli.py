@@ -1256,6 +1256,21 @@ def test_submit_refuses_a_dataset_that_holds_the_buffer_before_it_writes_the_job
     assert not buffer.exists()
 
 
+def test_submit_to_a_ranks_stream_directory_is_refused_at_once(runner: CliRunner, tmp_path: Path) -> None:
+    """Its job.json no daemon reads: submit waited out --timeout (60 s) and exited 1, the file left behind (a walk of
+    the docs against the commands); stop and config refuse such a folder at once."""
+    buffer = tmp_path / "bf"
+    (buffer / "rank-00001").mkdir(parents=True)
+    (buffer / "daemon.lock").write_text("1\n")  # as a daemon of two ranks leaves it: its buffer owns the ranks
+    result = runner.invoke(prefetchd_cli.main, ["submit", "--buffer", str(buffer / "rank-00001"), "--data",
+                                                str(tmp_path / "data"), "--timeout", "30"])
+    said = " ".join(result.output.split())
+    assert result.exit_code == EXIT_USAGE, said
+    assert (f"{buffer / 'rank-00001'} is a rank's stream directory of the daemon on {buffer}, which takes jobs for all "
+            f"its ranks in {buffer}: run `prefetchd submit --buffer {buffer} ...` (nothing written)") in said, said
+    assert os.listdir(buffer / "rank-00001") == []
+
+
 def test_a_submit_no_daemon_answers_exits_3_and_leaves_the_job_for_one(runner: CliRunner, tmp_path: Path) -> None:
     """A mistyped --buffer used to exit 0, as an accepted job does: a script could not tell them apart."""
     buffer = tmp_path / "mistyped"
