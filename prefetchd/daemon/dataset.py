@@ -21,7 +21,7 @@ import numpy as np
 
 from prefetchd.access import cannot_read
 from prefetchd.buffer_protocol.layout import STATUS_NAME
-from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.words import agreeing, counted
 
 log = logging.getLogger(__name__)
@@ -441,7 +441,8 @@ def split_members(n: int, split: str, val_fraction: float | None,
         held_out[perm[:n_val]] = True
         chosen = np.flatnonzero(held_out[source_index] == (split == "val"))
     if len(chosen) == 0:
-        raise DatasetError(
+        # A setting to change (exit 2, which the unit does not restart into the same refusal), not bad data.
+        raise ConfigError(
             f"--val-fraction {val_fraction} leaves the {split} split of {n} samples empty; choose a fraction "
             f"that holds out {'fewer' if split == 'train' else 'more'} (round(n x fraction) samples go to val)"
         )

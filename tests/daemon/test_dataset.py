@@ -20,7 +20,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS as TV_IMG_EXTENSIONS
 
 from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, scan_class_folders, split_folders_as_classes, split_members
-from prefetchd.daemon.errors import DatasetError
+from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.sources.index_cache import cached_class_folders, default_cache_dir
 from prefetchd.daemon.sources.shards import pack, read_shard_index
 
@@ -283,7 +283,8 @@ def test_split_partitions(n: int, fraction: float) -> None:
     if n_val in (0, n):
         # What to do, not "strictly between 0 and 1", which the fraction already was.
         more = "more" if n_val == 0 else "fewer"
-        with pytest.raises(DatasetError, match=f"choose a fraction that holds out {more}"):
+        # ConfigError: exit 2, a bad setting, which systemd does not restart into the same refusal (it was exit 1).
+        with pytest.raises(ConfigError, match=f"choose a fraction that holds out {more}"):
             split_members(n, "val" if n_val == 0 else "train", fraction)
         return
     train = split_members(n, "train", fraction)
@@ -330,7 +331,7 @@ def test_a_reordered_datasets_split_holds_the_same_samples(n: int, fraction: flo
     [(10, "val", 0.0), (10, "val", 0.01), (10, "train", 1.0), (10, "train", 0.99), (0, "train", 0.5)],
 )
 def test_split_refuses_an_empty_side(n: int, split: str, fraction: float) -> None:
-    with pytest.raises(DatasetError, match=split):
+    with pytest.raises(ConfigError, match=split):
         split_members(n, split, fraction)
 
 
