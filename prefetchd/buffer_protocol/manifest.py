@@ -23,6 +23,10 @@ from prefetchd.buffer_protocol.layout import MANIFEST_NAME, Dir, check_owned
 # SPLITS.  The daemon writes 3 channels (it decodes a grayscale file to three equal ones), but a reader
 # takes 1 as well, as SPEC does: the trainer has grayscale defaults for normalize=True.
 SPLITS = ("train", "val")
+# The batch and image sizes a daemon builds (its --batch-size, --image-size), which prefetchd-train's flags for the
+# daemons it starts hold to too: its --image-size 4 started a daemon that refused it (a walk of the docs).
+BATCH_SIZES = (1, 65536)
+IMAGE_SIZES = (8, 8192)
 CHANNELS = (3, 1)
 
 

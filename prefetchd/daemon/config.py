@@ -25,7 +25,7 @@ from prefetchd.access import nearest_existing
 from prefetchd.buffer_protocol import BatchLayout, list_batches, stream_dir
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.layout import owning_buffer
-from prefetchd.buffer_protocol.manifest import SPLITS, augmentation_text
+from prefetchd.buffer_protocol.manifest import BATCH_SIZES, IMAGE_SIZES, SPLITS, augmentation_text
 from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
@@ -66,8 +66,9 @@ class DaemonConfig:
     refresh_index: bool = _opt(False, "Walk (or list) the dataset again even if the cached index looks current (after replacing files in place, or changing objects under a URL).", bool)
     split: str = _opt("train", "train: random resized crop + flip, shuffled; val: resize + center crop, in order.", str, choices=SPLITS)
     val_fraction: float | None = _opt(None, "Hold out this fraction of --data as validation (a fixed seeded split); --split picks the side.", float, minimum=0.0, maximum=1.0)
-    batch_size: int = _opt(128, "Images per batch.", int, minimum=1, maximum=65536)
-    image_size: int = _opt(224, "Output images are IMAGE_SIZE x IMAGE_SIZE.", int, minimum=8, maximum=8192)
+    batch_size: int = _opt(128, "Images per batch.", int, minimum=BATCH_SIZES[0], maximum=BATCH_SIZES[1])
+    image_size: int = _opt(224, "Output images are IMAGE_SIZE x IMAGE_SIZE.", int, minimum=IMAGE_SIZES[0],
+                           maximum=IMAGE_SIZES[1])
     workers: int | None = _opt(None, "Decode/augment processes on this machine; 0 with --ray builds every batch on the cluster [default: usable CPUs - 1].", int, minimum=0, maximum=1024)
     high_water: int | None = _opt(None, "Stop producing when this many batches wait [default: from free tmpfs and RAM].", int, minimum=1)
     low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from prefetchd.buffer_protocol import check_consumer
+from prefetchd.buffer_protocol.manifest import BATCH_SIZES, IMAGE_SIZES
 from prefetchd.options import setting
 from prefetchd.trainer.wait_bounds import DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT
 
@@ -61,8 +62,10 @@ class TrainConfig:
     spawn_daemon: bool = setting(False, "Start `prefetchd start` for the buffers no daemon serves, and stop it at the end.", bool)
     data: Path | str | None = setting(None, _SPAWN + "the training dataset, as `prefetchd start --data` takes it: class folders, a .csv/.tsv/.txt file list of path,label rows, or a folder of shards from `prefetchd pack`; local or at an object-storage URL.", Path, location=True)
     val_data: Path | str | None = setting(None, _SPAWN + "the validation dataset, in any of --data's forms (buffer: --val-buffer, else BUFFER-val).", Path, location=True)
-    batch_size: int | None = setting(None, _SPAWN + "the daemons' --batch-size.", int, minimum=1)
-    image_size: int | None = setting(None, _SPAWN + "the daemons' --image-size.", int, minimum=1)
+    batch_size: int | None = setting(None, _SPAWN + "the daemons' --batch-size.", int, minimum=BATCH_SIZES[0],
+                                     maximum=BATCH_SIZES[1])
+    image_size: int | None = setting(None, _SPAWN + "the daemons' --image-size.", int, minimum=IMAGE_SIZES[0],
+                                     maximum=IMAGE_SIZES[1])
     workers: int | None = setting(None, _SPAWN + "the daemons' --workers.", int, minimum=1)
     high_water: int | None = setting(None, _SPAWN + "the daemons' --high-water.", int, minimum=1)
     drop_last: bool = setting(False, _SPAWN + "the training daemon's --drop-last: leave out each epoch's short last batch.", bool)

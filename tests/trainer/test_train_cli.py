@@ -183,6 +183,18 @@ def test_an_unknown_model_is_refused_before_any_daemon_is_started(tmp_path: Path
     assert not (tmp_path / "bf").exists()  # no daemon was started on it
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--image-size", "4"), ("--image-size", "8193"), ("--batch-size", "65537")])
+def test_sizes_the_daemon_refuses_are_refused_before_any_daemon_is_started(tmp_path: Path, flag: str,
+                                                                          value: str) -> None:
+    """--image-size 4 was taken, a daemon started with it refused it (exit 2), and the run ended with exit 1 (a
+    walk of the docs against the commands): the daemon's ranges, from one place (manifest.BATCH_SIZES/IMAGE_SIZES)."""
+    (tmp_path / "data").mkdir()
+    result = CliRunner().invoke(main, ["--buffer", str(tmp_path / "bf"), "--spawn-daemon", "--data",
+                                       str(tmp_path / "data"), "--epochs", "1", flag, value])
+    assert result.exit_code == EXIT_USAGE and f"Invalid value for '{flag}'" in result.stderr, result.output
+    assert not (tmp_path / "bf").exists()
+
+
 @pytest.mark.parametrize(("flags", "said"), [
     (["--resume"], "--resume continues from DIR/last.pt: pass --checkpoint-dir DIR"),
     (["--checkpoint-every", "2"], "--checkpoint-every 2 saves DIR/last.pt that often: pass --checkpoint-dir DIR"),
