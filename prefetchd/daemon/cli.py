@@ -323,7 +323,7 @@ def stop(buffer: Path, timeout: float) -> None:
     """Stop the daemon that owns BUFFER gracefully (SIGTERM) and wait until it has exited.  One of another pid
     namespace (another container, or the host) is not signalled: stop it where it runs.  Exit code 0: stopped,
     or no daemon runs on BUFFER; 1: it could not be stopped (this user may not signal it, or not read BUFFER); 2:
-    BUFFER is a rank's stream directory (stop its buffer's daemon); 3: BUFFER does not exist."""
+    BUFFER is a rank's stream directory (stop its buffer's daemon), or a file; 3: BUFFER does not exist."""
     denied = no_access(buffer)
     if denied is not None:  # daemon.lock cannot be read: "no daemon is running" would be a guess
         # Not "join its group": a member may read the buffer but not signal its daemon (a review).
@@ -414,9 +414,9 @@ def _exited(pid: int) -> bool:
 @click.option("--interval", type=FiniteFloat(0.1), default=1.0, show_default=True, help="Seconds between redraws of --watch.")
 @click.pass_context
 def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, interval: float) -> None:
-    """Show buffer fill, rates and errors.  Exit code 3 when no daemon runs on BUFFER (or it is a rank's
-    stream directory its daemon does not write now); 4 when this user may not read BUFFER, so whether one runs is
-    unknown."""
+    """Show buffer fill, rates and errors.  Exit code 2 for a BUFFER that is a file; 3 when no daemon runs on BUFFER
+    (or it is a rank's stream directory its daemon does not write now); 4 when this user may not read BUFFER, so
+    whether one runs is unknown."""
     if not watch and ctx.get_parameter_source("interval") is click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError(f"--interval {interval:g} sets how often --watch redraws; add --watch, or leave "
                                "--interval out")
@@ -451,7 +451,8 @@ def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, inte
 @click.option("--max-images", type=click.IntRange(1), default=64, show_default=True)
 def show(buffer: Path, out: Path, max_images: int) -> None:
     """Render the next waiting batch as a labelled image grid, to check augmentations by eye.  Exit code 1: no
-    batch to show; 2: a bad --out, or no BUFFER; 4: this user may not read BUFFER."""
+    batch to show (or BUFFER holds one stream per rank: pass one), or the write failed; 2: a bad --out, or no
+    BUFFER (or a file); 4: this user may not read BUFFER, or enter a folder above --out."""
     from prefetchd.daemon.show import render_next_batch, unwritable_out
 
     denied = no_access(buffer)
@@ -506,6 +507,9 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
     The shards follow WebDataset's naming (<key>.jpg + <key>.cls), so any tar
     reader can read them; OUT/prefetchd-index.npz holds every sample's byte
     offset, so `prefetchd start --data OUT` reads each with one positioned read.
+
+    Exit code 1: SRC cannot be read, or OUT refused (a file, a folder not empty without --force, one inside SRC,
+    one this user may not write in); 2: a bad option; 4: SRC under a folder this user may not enter.
     """
     from prefetchd.daemon.dataset import PROGRESS_LOG_SECONDS, logged_progress
     from prefetchd.daemon.sources import open_dataset
