@@ -96,10 +96,15 @@ CONFIG_FILE_OPTION = click.option(
 )
 
 
+# start's; `config` takes it too, so that a start command line checks as it is (it was "No such option", a walk).
+LOG_LEVEL_OPTION = click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+                                show_default=True, help="How much the daemon logs (debug: prefetchd's own lines).")
+
+
 @click.command(cls=BufferOptionCommand)
 @config_options()
 @CONFIG_FILE_OPTION
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@LOG_LEVEL_OPTION
 @click.pass_context
 def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **params: Any) -> None:
     """Run the daemon in the foreground until stopped (SIGTERM, SIGINT, SIGHUP or `prefetchd stop`).
@@ -132,8 +137,9 @@ def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **par
 @config_options()
 @CONFIG_FILE_OPTION
 @click.option("--show", is_flag=True, help="Print the effective configuration as TOML.")
+@LOG_LEVEL_OPTION
 @click.pass_context
-def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, **params: Any) -> None:
+def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, log_level: str, **params: Any) -> None:
     """Check a configuration: defaults < --config file < flags, with machine-sized defaults filled in."""
     try:
         cfg = build_config(ctx, config_file, params)

@@ -1083,6 +1083,9 @@ def test_config_check_says_when_the_dataset_is_not_there(runner: CliRunner, tmp_
     (tmp_path / "data").mkdir()
     there = runner.invoke(prefetchd_cli.main, [*args, str(tmp_path / "data")])
     assert there.exit_code == 0 and there.output.strip() == "configuration is valid"
+    # A start command line checks as it is: its --log-level was "No such option" (a walk of the docs).
+    logged = runner.invoke(prefetchd_cli.main, [*args, str(tmp_path / "data"), "--log-level", "debug"])
+    assert logged.exit_code == 0 and logged.output.strip() == "configuration is valid", logged.output
 
 
 def test_config_check_says_when_the_metrics_textfile_cannot_be_written(runner: CliRunner, shm_buffer: Path) -> None:
