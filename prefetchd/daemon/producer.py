@@ -518,7 +518,8 @@ class Producer:
         if isinstance(result, WriteFailed):
             if result.fatal is not None:
                 for sample, reason in result.failures:  # the status counts the files that stopped the job too
-                    self.bad.count(sample, reason)
+                    if self.bad.count(sample, reason):  # and the log names each, as the status says it does (it
+                        log.warning("%s", self.bad.failure(sample, reason))  # named the run's last: a walk)
                 self.fatal, self.fatal_error = result.reason, result.fatal
                 if result.run:  # worded again, naming the files that packed samples were packed from
                     self.fatal = none_decoded(self.index, self.bad.split, result.failures[-result.run:], self.bad.shown)

@@ -160,6 +160,8 @@ def test_a_run_no_replacement_survives_is_counted_in_the_status(tmp_path: Path, 
     p = production_of(buffer)
     assert p is not None and p.errors.undecodable_files == 16, p
     assert [Path(b.path).name for b in p.errors.undecodable] == [f"{k:02d}.jpg" for k in range(16)]
+    # The status says "the daemon's log names every one": it named the run's last alone (a walk).
+    assert all(f"cannot decode {folder / f'{k:02d}.jpg'}" in daemon.log for k in range(16)), daemon.log
 
 
 def test_a_packed_run_no_replacement_survives_names_the_files_it_was_packed_from(tmp_path: Path, shm_dir: Path,
