@@ -78,12 +78,11 @@ def _produce(job: WorkerJob, reader: SampleReader, epoch: int, index: int, failu
         except _NOT_THE_SAMPLES_FAULT:
             raise
         except Exception as exc:  # any read or decoder failure replaces the sample; the reason is reported
-            if isinstance(exc, OSError) and _dataset_gone(job.index.root, exc):
+            if isinstance(exc, OSError) and (gone := _dataset_gone(job.index.root, exc)) is not None:
                 # Not the sample's fault: the build waits for the dataset (retried each second, said in the log
                 # and status), as for an object store's outage, rather than replace every sample and stop the job.
-                raise StorageUnavailable(f"{name}: {_reason(exc, name)}; the dataset root {job.index.root} is gone "
-                                         f"or empty ({'deleted?' if is_url(job.index.root) else 'unmounted?'}): the "
-                                         "batches wait for it to come back") from exc
+                raise StorageUnavailable(f"{name}: {_reason(exc, name)}; the dataset root {job.index.root} {gone}: "
+                                         "the batches wait for it to come back") from exc
             failures.append((candidate, _reason(exc, name)))
     raise SampleUnrecoverable(none_decoded(job.index, len(job.members), failures[-tries:], job.index.name),
                               tuple(failures), tries)
@@ -114,15 +113,16 @@ def replaced_before(job: WorkerJob, index: int, used: int) -> list[int]:
     return list(itertools.takewhile(lambda candidate: candidate != used, _candidates(job, index)))
 
 
-def _dataset_gone(root: str, exc: OSError) -> bool:
-    """Whether ``exc``, a sample's read error, is the dataset's: its root no longer there, or empty (a mount
-    that went away, or its bare mount point; under a URL, a prefix deleted, perhaps to be uploaded again)."""
+def _dataset_gone(root: str, exc: OSError) -> str | None:
+    """Why ``exc``, a sample's read error, is the dataset's, in words after "the dataset root ROOT": its root no
+    longer there, or empty (a mount that went away, or its bare mount point; under a URL, a prefix deleted,
+    perhaps to be uploaded again), or not to be listed; None where it is the sample's."""
     if is_url(root) and not isinstance(exc, FileNotFoundError):
-        return False  # the store's own errors are classified where it is read
+        return None  # the store's own errors are classified where it is read
     try:
-        return storage_for(root).is_empty()
+        return storage_for(root).unusable()
     except OSError:  # the store cannot say now: the sample is judged as it was read
-        return False
+        return None
 
 
 def _why_none_decoded(index: SampleIndex, failures: Sequence[tuple[int, str]]) -> str:

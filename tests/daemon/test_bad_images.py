@@ -206,19 +206,44 @@ def test_the_stop_for_a_run_of_undecodable_samples_says_the_likeliest_cause(tmp_
     assert hint.format(root=root.resolve()) in str(raised.value), raised.value
 
 
-@pytest.mark.parametrize("gone", ["removed", "emptied"])
-def test_a_dataset_root_gone_makes_the_build_wait_rather_than_replace_samples(tmp_path: Path, gone: str) -> None:
+@pytest.mark.parametrize(("gone", "said"), [("removed", "is gone (unmounted?)"), ("emptied", "is empty (unmounted?)"),
+                                           ("closed", "cannot be listed (Permission denied; its permissions changed?)")])
+def test_a_dataset_root_gone_makes_the_build_wait_rather_than_replace_samples(shm_dir: Path, gone: str,
+                                                                             said: str) -> None:
     """An unmounted dataset (its root gone, or its mount point left bare) is no sample's fault: the task
-    fails as an outage does, to be built again later, not with replaced samples or a stopped job."""
-    root = tmp_path / "data"
+    fails as an outage does, to be built again later, not with replaced samples or a stopped job.  A root whose
+    permission was taken away waits too, and is said so: it was "gone or empty" of a root that was there (a
+    walk; as nobody, whom the permission stops)."""
+    if gone == "closed" and os.geteuid() != 0:
+        pytest.skip("plays a user the permission stops (root reads any folder)")
+    from tests.as_nobody import as_nobody
+
+    shm_dir.chmod(0o755)
+    root = shm_dir / "data"
     (root / "a").mkdir(parents=True)
     for k in range(3):
         Image.new("RGB", (8, 8)).save(root / "a" / f"{k}.jpg")
     index = scan_class_folders(root)
+    if gone == "closed":
+        root.chmod(0o700)  # root's: nobody may no longer list or enter it
+
+        def build() -> str:
+            try:
+                _build_first_slot(index, shm_dir / "nobodys")
+            except StorageUnavailable as exc:
+                return f"waits: {exc}; fatal: {failure_of(0, exc).fatal}"
+            return "built"
+
+        (shm_dir / "nobodys").mkdir()
+        os.chown(shm_dir / "nobodys", 65534, 65534)  # where nobody writes its one-slot batch file
+        answer = as_nobody(build)
+        assert answer.startswith("waits: ") and answer.endswith("; fatal: None"), answer
+        assert f"the dataset root {root.resolve()} {said}: the batches wait" in answer, answer
+        return
     shutil.rmtree(root if gone == "removed" else root / "a")
     with pytest.raises(StorageUnavailable) as raised:
-        _build_first_slot(index, tmp_path)
-    assert f"the dataset root {root.resolve()} is gone or empty (unmounted?)" in str(raised.value), raised.value
+        _build_first_slot(index, shm_dir)
+    assert f"the dataset root {root.resolve()} {said}: the batches wait" in str(raised.value), raised.value
     assert failure_of(0, raised.value).fatal is None  # retried, the job goes on
 
 

@@ -486,7 +486,7 @@ def test_a_dataset_whose_mount_goes_away_is_waited_for_and_every_batch_is_a_clea
         daemon.wait_until(lambda: batch_files(buffer) == 2, 60, "the window of 2 batches")
         subprocess.run(["umount", "--lazy", str(mount)], check=True)
         got.append(next(batches))  # hands batch 0 over: batch 2 is built with the dataset gone
-        daemon.wait_until(lambda: "is gone or empty (unmounted?): the batches wait for it" in daemon.log, 60,
+        daemon.wait_until(lambda: "is gone (unmounted?): the batches wait for it" in daemon.log, 60,
                           "the daemon to say it waits for the dataset")
         time.sleep(2)  # a few retries
         assert daemon.proc.poll() is None, daemon.log

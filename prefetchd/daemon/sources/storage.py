@@ -69,8 +69,10 @@ class Storage(Protocol):
         """Whether ``rel`` is there: one request in object storage, where ``sizes`` lists the root."""
         ...
 
-    def is_empty(self) -> bool:
-        """Whether nothing is there under the root (gone, unmounted, a prefix deleted): no sample's fault."""
+    def unusable(self) -> str | None:
+        """Why nothing under the root can be read now, no sample's fault, in words after "the dataset root ROOT":
+        gone, empty (unmounted, a prefix deleted), or not to be listed (its permission taken away: it was said
+        "gone or empty" of a root that was there, a walk); None where it can be."""
         ...
 
 
@@ -181,12 +183,14 @@ class LocalStorage:
     def exists(self, rel: str) -> bool:
         return os.path.exists(os.path.join(self.root, rel))
 
-    def is_empty(self) -> bool:
+    def unusable(self) -> str | None:
         try:
             with os.scandir(self.root) as entries:
-                return next(entries, None) is None
-        except OSError:
-            return True
+                return "is empty (unmounted?)" if next(entries, None) is None else None
+        except FileNotFoundError:
+            return "is gone (unmounted?)"
+        except OSError as exc:
+            return f"cannot be listed ({exc.strerror or exc}; its permissions changed?)"
 
 
 class FsspecStorage:
@@ -306,12 +310,13 @@ class FsspecStorage:
         path = self.path(rel)
         return bool(self.call(f"checking {self.url_of(rel)}", lambda: self.fs.exists(path)))
 
-    def is_empty(self) -> bool:
+    def unusable(self) -> str | None:
         root = self.path()
         try:  # refresh: the listing cached at indexing would say the objects are still there
-            return not self.call(f"listing {self.url}", lambda: self.fs.ls(root, detail=False, refresh=True))
+            listed = self.call(f"listing {self.url}", lambda: self.fs.ls(root, detail=False, refresh=True))
         except FileNotFoundError:
-            return True
+            listed = []
+        return None if listed else "is gone or empty (deleted?)"
 
 
 # The least a ranged file reads at once: an archive's directory (at its end) and small members in one read (one GET
