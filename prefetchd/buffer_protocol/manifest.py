@@ -8,7 +8,7 @@ import functools
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,11 @@ class Manifest:
             what = (f"dataset {other.dataset_root} -> {self.dataset_root}" if self.dataset_root != other.dataset_root
                     else f"the files of {self.dataset_root} changed")
             diff = [f"{d} ({what})" if d.startswith("fingerprint:") else d for d in diff]
+        if self.fingerprint != other.fingerprint and self.classes != other.classes:
+            # The fingerprint covers them; said, since a class added or renamed moves the labels of those after it
+            # (a restart after a class folder was renamed said only that the files changed: a walk).
+            diff.append(f"classes: {_class_changes(other.classes, self.classes)} (a label is its class's place in "
+                        "the sorted list: the labels of the classes after it change)")
         return diff
 
     def to_doc(self) -> dict[str, Any]:
@@ -182,3 +187,14 @@ class Manifest:
         doc, st = read_json_stat(path, "manifest")
         check_owned(path, st.st_uid, "manifests")
         return cls.from_doc(doc, path)
+
+
+def _class_changes(old: Sequence[str], new: Sequence[str], shown: int = 5) -> str:
+    """``new`` against ``old`` in words: "added 'hexagon', 'star2'; removed 'star'"."""
+    def names(items: list[str]) -> str:
+        more = f" and {len(items) - shown} more" if len(items) > shown else ""
+        return ", ".join(repr(c) for c in items[:shown]) + more
+    before, after = set(old), set(new)
+    added, removed = [c for c in new if c not in before], [c for c in old if c not in after]
+    said = [f"{word} {names(items)}" for word, items in (("added", added), ("removed", removed)) if items]
+    return "; ".join(said) or f"the same {len(new)}, in another order"

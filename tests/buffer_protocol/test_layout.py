@@ -387,6 +387,11 @@ def test_identity_diff() -> None:
     # A digest alone does not say which dataset: the roots are named.
     assert _manifest(fingerprint="def", dataset_root="/data/other").identity_diff(old) == [
         "fingerprint: 'abc123' -> 'def' (dataset /data/shapes -> /data/other)"]
+    # Classes added or renamed move the labels after them: said beside the digest (a walk renamed a class folder).
+    renamed = _manifest(fingerprint="def", classes=["circle", "hexagon", "square", "star2"])
+    assert renamed.identity_diff(_manifest(classes=["circle", "square", "star"]))[-1] == (
+        "classes: added 'hexagon', 'star2'; removed 'star' (a label is its class's place in the sorted list: the "
+        "labels of the classes after it change)")
     for field in Manifest.IDENTITY:
         assert field in Manifest.__dataclass_fields__
 
