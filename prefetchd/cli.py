@@ -11,6 +11,7 @@ import click
 
 from prefetchd.bench import bench_command
 from prefetchd.buffer_protocol import VERSION
+from prefetchd.buffer_protocol.manifest import BATCH_SIZES, IMAGE_SIZES
 from prefetchd.daemon.cli import COMMANDS, setup_logging
 from prefetchd.options import OutputChecked
 
@@ -27,12 +28,13 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None, help="Where the generated dataset and logs go [default: a temp dir, removed after].")
+@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None, help="Where the generated dataset and logs go, and stay; a second demo there uses its dataset again [default: a temp dir, removed after].")
 @click.option("--epochs", type=click.IntRange(1), default=3, show_default=True)
-@click.option("--image-size", type=click.IntRange(16), default=64, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
+# The daemon's ranges (its refusal was a trainer's 120 s wait, a walk); a batch of one image trains no BatchNorm.
+@click.option("--image-size", type=click.IntRange(16, IMAGE_SIZES[1]), default=64, show_default=True)
+@click.option("--batch-size", type=click.IntRange(2, BATCH_SIZES[1]), default=32, show_default=True)
 @click.option("--train-per-class", type=click.IntRange(1), default=150, show_default=True)
-@click.option("--keep", is_flag=True, help="Keep the dataset and logs.")
+@click.option("--keep", is_flag=True, help="Keep the temp dir with the dataset and logs (a --workdir is always kept).")
 def demo(workdir: Path | None, epochs: int, image_size: int, batch_size: int, train_per_class: int, keep: bool) -> None:
     """Generate a small dataset, start daemons for it and train ResNet-18 alongside them."""
     from prefetchd.demo import run_demo

@@ -22,7 +22,8 @@ import click
 
 from prefetchd.daemon.cgroup_limits import out_of_memory_where
 from prefetchd.daemon.config import usable_cpus
-from prefetchd.launch import buffer_root, launch, start_argv, stop_daemon_process, stops_cleanly
+from prefetchd.launch import (LaunchError, buffer_root, launch, start_argv, stop_daemon_process, stops_cleanly,
+                              wait_ready)
 from prefetchd.oom import oom_kills
 from prefetchd.synthetic import DatasetSummary, make_shapes_dataset
 from prefetchd.words import counted, ended
@@ -30,22 +31,44 @@ from prefetchd.words import counted, ended
 CLASSES = 4
 VAL_PER_CLASS = 40
 DAEMON_STOP_SECONDS = 30.0
+DAEMON_READY_SECONDS = 120.0  # its start, index and first manifest; the trainer's own wait was as long
 
 
 def _start_daemon(buffer: Path, data: Path, split: str, common: dict[str, int], log: Path) -> subprocess.Popen[bytes]:
     return launch(start_argv(buffer, {"data": data, "split": split, "reset": True, **common}), log=log)
 
 
-def generate_data(data: Path, train_per_class: int) -> DatasetSummary:
+# Written beside a dataset the demo generated, with what it was generated for: a second demo in the same --workdir
+# uses it again (it was a traceback, "pass overwrite=True (--overwrite)", an option the demo has not: a walk).
+MADE_BY_DEMO = ".prefetchd-demo.json"
+
+
+def generate_data(data: Path, train_per_class: int) -> DatasetSummary | None:
     """Step 1, with a progress bar on a terminal.  The count is in the bar's label, not only in the bar:
-    written elsewhere (a pipe, a log), click prints the label alone, once."""
+    written elsewhere (a pipe, a log), click prints the label alone, once.  None where ``data`` holds the
+    dataset an earlier demo generated for the same settings, used again; another one the demo generated is
+    replaced, and a folder that holds files of anything else is refused (click.UsageError)."""
+    recipe = {"classes": CLASSES, "train_per_class": train_per_class, "val_per_class": VAL_PER_CLASS, "seed": 0}
+    marker = data / MADE_BY_DEMO
+    try:
+        earlier = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if earlier == recipe:
+        click.echo(f"[1/3] using the dataset an earlier demo generated in {data}")
+        return None
+    if earlier is None and data.is_dir() and any(data.iterdir()):
+        raise click.UsageError(f"{data} holds files the demo did not generate; pick another --workdir, or remove "
+                               f"{data} to have it generated there")
     click.echo(f"[1/3] generating {CLASSES} classes of coloured shapes in {data}")
+    marker.unlink(missing_ok=True)  # half a dataset, should this be cut short, is no earlier demo's
     total = CLASSES * (train_per_class + VAL_PER_CLASS)
     with click.progressbar(length=total, label=f"      {counted(total, 'image')}") as bar:
         summary = make_shapes_dataset(
             data, classes=CLASSES, train_per_class=train_per_class, val_per_class=VAL_PER_CLASS, seed=0,
-            progress=lambda done, total: bar.update(done - bar.pos),
+            progress=lambda done, total: bar.update(done - bar.pos), overwrite=earlier is not None,
         )
+    marker.write_text(json.dumps(recipe))
     counts = ", ".join(f"{split} {n}" for split, n in summary.counts.items())
     click.echo(f"      classes: {', '.join(summary.classes)} ({counts})")
     return summary
@@ -85,8 +108,17 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
         common = {"batch_size": batch_size, "image_size": image_size, "epochs": epochs,
                   "workers": workers, "high_water": 32, "low_water": 16}
         click.echo(f"[2/3] starting daemons on {buffers}/train and {buffers}/val (logs in {work})")
-        daemons.append(_start_daemon(buffers / "train", data / "train", "train", common, work / "daemon-train.log"))
-        daemons.append(_start_daemon(buffers / "val", data / "val", "val", common, work / "daemon-val.log"))
+        since = time.time()
+        for split in ("train", "val"):
+            daemons.append(_start_daemon(buffers / split, data / split, split, common, work / f"daemon-{split}.log"))
+        for proc, split in zip(daemons, ("train", "val")):
+            try:  # a daemon that refuses its settings is said now, in its words, not after a trainer's 120 s wait
+                wait_ready(proc, buffers / split, since=since, timeout=DAEMON_READY_SECONDS,
+                           log=work / f"daemon-{split}.log")
+            except LaunchError as exc:
+                click.echo(f"demo failed: {exc}", err=True)
+                keep = True
+                return 1
 
         click.echo(f"[3/3] training ResNet-18 for {counted(epochs, 'epoch')} at {image_size}px alongside the daemons")
         metrics = work / "metrics.json"

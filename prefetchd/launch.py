@@ -89,7 +89,7 @@ def stops_cleanly(main: F) -> F:
     """Decorate a program's entry point (a click command's function, or a plain ``main``) so that
     SIGTERM and SIGHUP raise Terminated in it, unwinding its ``finally`` and ``with`` blocks (the
     daemons it launched are stopped, its temp files deleted), and it then exits with 128 + the
-    signal's number, as a process the signal killed would.
+    signal's number, as a process the signal killed would; so does Ctrl-C (SIGINT's KeyboardInterrupt).
 
     Without it the default action ends the process on the spot: none of its cleanup runs, and
     its daemons, not tied to it (see launch), keep running with their buffers.  Only the first
@@ -114,6 +114,9 @@ def stops_cleanly(main: F) -> F:
         except Terminated as exc:
             sys.stderr.write(f"stopped by {signal.Signals(exc.signum).name}\n")
             raise SystemExit(128 + exc.signum) from None
+        except KeyboardInterrupt:  # Ctrl-C, cleaned up alike: click's "Aborted!" exited 1 (a walk of the demo)
+            sys.stderr.write("interrupted\n")
+            raise SystemExit(128 + signal.SIGINT) from None
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
