@@ -123,10 +123,13 @@ def run_demo(*, workdir: Path | None, epochs: int, image_size: int, batch_size: 
         click.echo(f"[3/3] training ResNet-18 for {counted(epochs, 'epoch')} at {image_size}px alongside the daemons")
         metrics = work / "metrics.json"
         oom_before = oom_kills()
+        # In a session of its own: a Ctrl-C reaches the demo alone, which kills the trainer (subprocess.call does,
+        # on the KeyboardInterrupt) and says "interrupted"; the trainer's own words, reaching it too, named
+        # --checkpoint-dir, which the demo has not, or were a traceback while it imported torch (a walk).
         code = subprocess.call([
             sys.executable, "-m", "prefetchd.trainer.train", "--buffer", str(buffers / "train"),
             "--val-buffer", str(buffers / "val"), "--epochs", str(epochs), "--metrics-json", str(metrics),
-        ])
+        ], start_new_session=True)
         for proc, name in zip(daemons, ("train", "val")):
             if proc.poll() not in (None, 0):
                 click.echo(f"the {name} daemon failed (exit code {proc.returncode}); see {work}/daemon-{name}.log", err=True)
