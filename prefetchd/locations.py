@@ -119,13 +119,20 @@ def normalize(location: str | os.PathLike[str], base: Path | None = None) -> str
     return os.path.normpath(path)
 
 
+def temp_file(folder: str | os.PathLike[str], prefix: str, suffix: str = "") -> tuple[int, str]:
+    """A new file of a random name in ``folder`` (0600), opened for writing: its fd and its path, joined as given.
+    Not tempfile.mkstemp, whose path back is os.path.abspath'd: in a folder "link/.." that names lexically
+    another folder than the kernel made the file in, and the unlink or rename after failed ("No such file or
+    directory", a walk with odd paths)."""
+    path = os.path.join(folder, f"{prefix}{secrets.token_hex(6)}{suffix}")
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), path
+
+
 def probe_folder(folder: Path, name: str) -> None:
     """Create and remove a hidden file named after ``name`` in the local ``folder``: whether a file
     can be written there, asked before the work that would write it.  OSError says why not."""
-    # Not tempfile.mkstemp, whose path back is os.path.abspath'd: "link/../x" made lexically "x", not where the
-    # kernel made the file, so the unlink failed ("No such file or directory") and left the probe (a walk).
-    probe = os.path.join(folder, f".{name}.probe-{secrets.token_hex(6)}")
-    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    fd, probe = temp_file(folder, f".{name}.probe-")
+    os.close(fd)
     os.unlink(probe)
 
 

@@ -459,6 +459,23 @@ def test_an_unwritable_cache_only_warns(tmp_path: Path, make_image: Callable[...
         assert "cannot read" not in caplog.text  # one warning, the one that says what is wrong
 
 
+def test_an_index_cache_folder_named_through_a_link_and_dotdot_is_written(tmp_path: Path,
+                                                                         make_image: Callable[..., Path],
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """--index-cache links/parent/../cache, with parent a link elsewhere: tempfile.mkstemp gave back the temp file's
+    path made lexically (links/cache), and the rename failed, "cannot write the index cache" (a walk with odd
+    paths: the same for probe_folder)."""
+    root = small_tree(tmp_path, make_image)
+    settle(root)
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "parent").symlink_to(tmp_path / "real" / "sub")
+    with caplog.at_level("WARNING"):
+        cached_class_folders(root, tmp_path / "links" / "parent" / ".." / "cache")
+    assert "cannot write" not in caplog.text, caplog.text
+    assert len(cache_entries(tmp_path / "real" / "cache")) == 1 and not list((tmp_path / "real" / "cache").glob(".*"))
+
+
 def test_an_unreadable_cache_does_not_promise_a_rewrite_it_cannot_make(shm_dir: Path,
                                                                        make_image: Callable[..., Path]) -> None:
     """A cache folder this user may neither read nor write (another user's) said "cannot read index cache ...;

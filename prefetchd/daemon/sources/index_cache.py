@@ -43,6 +43,7 @@ import numpy as np
 
 from prefetchd.daemon.dataset import MISSING, Progress, SampleIndex, folder_stamp, no_progress, pack_paths, scan_tree, sized
 from prefetchd.daemon.sources.npz import load_arrays
+from prefetchd.locations import temp_file
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def save_entry(path: Path, index: SampleIndex, **extra: np.ndarray) -> None:
         if blocker is None:
             raise
         raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, not a folder") from None
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_file(path.parent, f".{path.name}.", ".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             np.savez(fh, **arrays)
