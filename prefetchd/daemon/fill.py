@@ -37,8 +37,8 @@ from prefetchd.daemon.jpeg_crop import CleanFiles, TrackedFile
 from prefetchd.daemon.sampler import sample_rng
 from prefetchd.daemon.sources import Read, SampleReader
 from prefetchd.daemon.sources.storage import StorageUnavailable, storage_for
-from prefetchd.daemon.tasks import (MISSING_REASONS, NOT_THE_SAMPLES_FAULT, UNREADABLE_REASONS, Filled,
-                                    SampleUnrecoverable, Task, WorkerJob, WriteFailed, task_slots)
+from prefetchd.daemon.tasks import (CRASHED_REASON, MISSING_REASONS, NOT_THE_SAMPLES_FAULT, UNREADABLE_REASONS,
+                                    Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, task_slots)
 from prefetchd.daemon.transforms import StageTimes, augment_bytes
 from prefetchd.daemon.whereabouts import begin
 from prefetchd.locations import is_url
@@ -131,6 +131,11 @@ def _why_none_decoded(index: SampleIndex, failures: Sequence[tuple[int, str]]) -
         return f"files named '._*' are macOS metadata, not images: {apple_double_advice(index.root)}"
     if all(reason.startswith(MISSING_REASONS + UNREADABLE_REASONS) for _, reason in failures):
         return "is the dataset readable, and all still there?"
+    if all(reason.startswith(CRASHED_REASON) for _, reason in failures):
+        # Good images, where a --transform hook ends its worker (os._exit, a signal): "remove the ones that are not
+        # images" sent the user to delete them (a walk of hooks).
+        return ("each ended the worker decoding it: a decoder that crashes on such files, or a --transform hook "
+                "that ends its process (os._exit, a signal); run one file through the hook by hand to tell")
     return "are these files images? Remove the ones that are not (or that are damaged)"
 
 

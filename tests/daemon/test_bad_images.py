@@ -33,7 +33,7 @@ from prefetchd.daemon.sources import SampleReader, open_dataset
 from prefetchd.daemon.sources.shards import INDEX_NAME, pack
 from prefetchd.daemon.sources.storage import ImageRefused, StorageUnavailable
 from prefetchd.daemon.transforms import augment
-from prefetchd.daemon.fill import run_task
+from prefetchd.daemon.fill import none_decoded, run_task
 from prefetchd.daemon.tasks import Filled, SampleUnrecoverable, Task, WorkerJob, WriteFailed, failure_of
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning"),
@@ -204,6 +204,22 @@ def test_the_stop_for_a_run_of_undecodable_samples_says_the_likeliest_cause(tmp_
     with pytest.raises(SampleUnrecoverable) as raised:
         _build_first_slot(index, tmp_path)
     assert hint.format(root=root.resolve()) in str(raised.value), raised.value
+
+
+def test_a_run_of_files_that_each_ended_their_worker_names_the_hook_too(tmp_path: Path) -> None:
+    """Good images whose --transform hook ends its worker (os._exit) stopped the job with "are these files images?
+    Remove the ones that are not" (a walk of hooks): the crashes are said as such, the hook among the causes."""
+    root = tmp_path / "data"
+    (root / "a").mkdir(parents=True)
+    for k in range(3):
+        Image.new("RGB", (8, 8)).save(root / "a" / f"{k}.jpg")
+    index = scan_class_folders(root)
+    run = [(k, "crashed its worker 2 times (exit code 5)") for k in range(3)]
+    said = none_decoded(index, 3, run, index.name)
+    assert said.endswith("each ended the worker decoding it: a decoder that crashes on such files, or a --transform "
+                         "hook that ends its process (os._exit, a signal); run one file through the hook by hand to "
+                         "tell"), said
+    assert "Remove the ones" not in said
 
 
 @pytest.mark.parametrize(("gone", "said"), [("removed", "is gone (unmounted?)"), ("emptied", "is empty (unmounted?)"),

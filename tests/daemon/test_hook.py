@@ -46,6 +46,13 @@ def not_a_tensor(image, rng):
 def broken(image, rng):
     raise KeyError("oops")
 
+def exits(image, rng):
+    import sys
+    sys.exit(3)
+
+def interrupts(image, rng):
+    raise KeyboardInterrupt
+
 class Holder:
     @staticmethod
     def flip(image, rng):
@@ -125,6 +132,9 @@ def test_hook_draws_from_the_samples_stream(tmp_path: Path, hook_module: str) ->
     ("wrong_dtype", ["torch.float32", "uint8"]),
     ("not_a_tensor", ["returned an object of type ndarray", "uint8 tensor"]),
     ("broken", ["KeyError", "oops"]),
+    # They ended the worker: its file was "crashed its worker 2 times", the job stopped as bad data (a walk of hooks).
+    ("exits", ["failed on", "SystemExit: 3"]),
+    ("interrupts", ["failed on", "KeyboardInterrupt"]),
     ("nowhere", ["no attribute"]),
 ])
 def test_hook_failures_are_hook_errors(tmp_path: Path, hook_module: str, hook: str, words: list[str]) -> None:
