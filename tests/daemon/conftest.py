@@ -50,3 +50,21 @@ def shm_buffer() -> Iterator[Path]:
     path.mkdir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def homeless(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A uid with no account and HOME="", as a container's --user 12345: the index cache's default is then a
+    private temp folder of the process's own (made afresh for the test, forgotten after it)."""
+    import prefetchd.daemon.sources.index_cache as index_cache
+
+    def no_account(uid: int) -> object:
+        raise KeyError(uid)
+
+    for name in ("CACHE_DIRECTORY", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", "")
+    monkeypatch.setattr(index_cache.pwd, "getpwuid", no_account)
+    index_cache._private_temp_cache.cache_clear()
+    yield
+    index_cache._private_temp_cache.cache_clear()

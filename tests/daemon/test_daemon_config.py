@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import psutil
 import pytest
@@ -491,30 +490,16 @@ def test_default_index_cache_is_shown_where_it_resolves(shm_buffer: Path, monkey
     assert note.startswith(f"index_cache = {tmp_path / 'xdg' / 'prefetchd'} (this user's cache folder; the systemd"), note
 
 
-def test_a_private_temp_index_cache_is_not_called_this_users_cache_folder(shm_buffer: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_private_temp_index_cache_is_not_called_this_users_cache_folder(shm_buffer: Path, homeless: None) -> None:
     """A uid with no account gets a cache folder of the run's own, removed at its exit; the note called it "this
     user's cache folder", as if its indexes were kept (a walk as such a uid)."""
-    import prefetchd.daemon.sources.index_cache as index_cache
-
-    def no_account(uid: int) -> Any:
-        raise KeyError(uid)
-
-    for name in ("CACHE_DIRECTORY", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", "")
-    monkeypatch.setattr(index_cache.pwd, "getpwuid", no_account)
-    index_cache._private_temp_cache.cache_clear()
-    try:
-        cfg, notes = fill_defaults(DaemonConfig(buffer=shm_buffer))
-        note = next(n for n in notes if n.startswith("index_cache = "))
-        assert note.startswith(f"index_cache = {cfg.index_cache} (a folder of this run's own, removed at its exit: "
-                               "this uid has no account"), note
-        assert "this user's cache folder" not in note and "set $XDG_CACHE_HOME or --index-cache to keep" in note
-        assert cfg.index_cache is not None
-        cfg.index_cache.rmdir()
-    finally:
-        index_cache._private_temp_cache.cache_clear()
+    cfg, notes = fill_defaults(DaemonConfig(buffer=shm_buffer))
+    note = next(n for n in notes if n.startswith("index_cache = "))
+    assert note.startswith(f"index_cache = {cfg.index_cache} (a folder of this run's own, removed at its exit: "
+                           "this uid has no account"), note
+    assert "this user's cache folder" not in note and "set $XDG_CACHE_HOME or --index-cache to keep" in note
+    assert cfg.index_cache is not None
+    cfg.index_cache.rmdir()
 
 
 def test_the_free_space_floor_by_filesystem_size() -> None:

@@ -530,26 +530,13 @@ def test_default_cache_dir_ignores_empty_or_relative_homes(monkeypatch: pytest.M
     assert default_cache_dir() == Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "prefetchd"
 
 
-def test_a_user_without_a_home_gets_a_private_index_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_user_without_a_home_gets_a_private_index_cache(homeless: None) -> None:
     """A uid with no account and HOME="": the cache was /tmp/prefetchd-UID/..., a name another user may take first."""
-    import prefetchd.daemon.sources.index_cache as index_cache
-
-    def no_account(uid: int) -> Any:
-        raise KeyError(uid)
-
-    for name in ("CACHE_DIRECTORY", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", "")
-    monkeypatch.setattr(index_cache.pwd, "getpwuid", no_account)
-    index_cache._private_temp_cache.cache_clear()
-    try:
-        cache = default_cache_dir()
-        st = cache.stat()
-        assert cache.parent == Path(tempfile.gettempdir()) and cache.name.startswith("prefetchd-index-cache-")
-        assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700 and default_cache_dir() == cache
-        cache.rmdir()
-    finally:
-        index_cache._private_temp_cache.cache_clear()
+    cache = default_cache_dir()
+    st = cache.stat()
+    assert cache.parent == Path(tempfile.gettempdir()) and cache.name.startswith("prefetchd-index-cache-")
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700 and default_cache_dir() == cache
+    cache.rmdir()
 
 
 def test_a_private_index_cache_is_removed_when_its_process_exits(tmp_path: Path) -> None:
