@@ -30,7 +30,7 @@ from prefetchd.daemon.config import (FIELDS, DaemonConfig, check_buffer_outside,
 from prefetchd.access import cannot_read, no_access
 from prefetchd.daemon.buffer_dir import check_capacity, check_not_shared, private_dir_problem
 from prefetchd.daemon.job_inbox import JOB_FIELDS
-from prefetchd.daemon.logs import setup_logging
+from prefetchd.daemon.logs import one_line, setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
                                      DaemonError, out_of_processes)
 from prefetchd.daemon.status_view import describe_status, foreign_lock, format_status, not_the_holder, status_json
@@ -89,6 +89,13 @@ def shown(value: Any) -> str:
 # ... is not readable" (exit 2, which `stop` documents for a rank's directory); the commands say whose it is (no_access,
 # as prefetchd-train does).
 BUFFER = LocalPath(buffer=True, file_okay=False, readable=False)
+
+def say(message: str, err: bool = False) -> None:
+    """One line of a command's answer, a path's newline and terminal escapes in it written out as the log and
+    status write them (``one_line``): `stop` and `config` printed them raw, which split a line and reached the
+    terminal (an escape in a folder's name turned it red: a walk)."""
+    click.echo(one_line(message), err=err)
+
 
 CONFIG_FILE_OPTION = click.option(
     "--config", "config_file", type=LocalPath(dir_okay=False),
@@ -154,7 +161,7 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
     except DaemonError as exc:
         raise click.UsageError(str(exc)) from None
     if short is not None:
-        click.echo(f"warning: {short}", err=True)
+        say(f"warning: {short}", err=True)
     # Values are checked; the dataset is opened only at start, so say now if a local one is not there.  Both are
     # said, not refused (exit 0): the values are valid, and the user who checks a service's config is not the one
     # it runs as (the unit's User=), who may well have the data and the buffer.
@@ -191,11 +198,11 @@ def config_command(ctx: click.Context, /, config_file: Path | None, show: bool, 
         caveats.append(f"this user may not use buffer {filled.buffer}, so `prefetchd start` run by this user would "
                        f"stop at it {elsewhere}: {denied}")
     if not show:
-        click.echo("configuration is valid" + (", but " + "; and ".join(caveats) if caveats else ""))
+        say("configuration is valid" + (", but " + "; and ".join(caveats) if caveats else ""))
         return
     click.echo(format_toml(filled, dict(note.split(" = ", 1) for note in notes)))
     for caveat in caveats:
-        click.echo(f"# note: {caveat}", err=True)
+        say(f"# note: {caveat}", err=True)
 
 
 def buffer_problem(buffer: Path, group_access: bool) -> tuple[str, bool] | None:
@@ -282,13 +289,13 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         raise click.UsageError(str(exc)) from None
     denied = no_access(buffer, write=True)
     if denied is not None:
-        click.echo(f"cannot submit a job to {buffer} (nothing written): {denied}", err=True)
+        say(f"cannot submit a job to {buffer} (nothing written): {denied}", err=True)
         sys.exit(EXIT_NO_ACCESS)
     created = not buffer.exists()
     try:
         buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
     except OSError as exc:  # what no_access cannot foresee: a read-only filesystem, a file in the path
-        click.echo(f"cannot submit a job to {buffer} (nothing written): cannot create it: {exc.filename}: "
+        say(f"cannot submit a job to {buffer} (nothing written): cannot create it: {exc.filename}: "
                    f"{exc.strerror}", err=True)
         sys.exit(EXIT_NO_ACCESS)
     request = JobRequest(settings, replace)
@@ -298,7 +305,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         # stays, since a daemon started on the buffer later adopts it (README, "Jobs").
         made = (f" (this created {buffer}: if you meant a running daemon's buffer, check the path; a service's "
                 "daemon refuses a buffer another user made)") if created else ""
-        click.echo(f"submitted job {request.job_id}; no daemon owns {buffer} yet, the job waits in job.json until "
+        say(f"submitted job {request.job_id}; no daemon owns {buffer} yet, the job waits in job.json until "
                    f"one starts{made}")
         sys.exit(EXIT_NOT_RUNNING)
     deadline = time.monotonic() + timeout
@@ -310,14 +317,14 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         result = answer.job_result if answer is not None else None
         if result is not None and result.job_id == request.job_id:
             verdict = "accepted" if result.accepted else "refused"
-            click.echo(f"job {request.job_id} {verdict}: {result.reason}")
+            say(f"job {request.job_id} {verdict}: {result.reason}")
             sys.exit(0 if result.accepted else EXIT_FAILURE)
         time.sleep(0.1)
     if daemon_owner(buffer) is None:  # it stopped while we waited
-        click.echo(f"the daemon on {buffer} stopped before it answered job {request.job_id}; the job waits in "
+        say(f"the daemon on {buffer} stopped before it answered job {request.job_id}; the job waits in "
                    "job.json until one starts", err=True)
         sys.exit(EXIT_NOT_RUNNING)
-    click.echo(f"the daemon on {buffer} did not answer job {request.job_id} within {timeout:.0f} s; "
+    say(f"the daemon on {buffer} did not answer job {request.job_id} within {timeout:.0f} s; "
                f"see `prefetchd status --buffer {buffer}`", err=True)
     sys.exit(EXIT_FAILURE)
 
@@ -338,23 +345,23 @@ def stop(buffer: Path, timeout: float) -> None:
         # The buffer to stop: a rank's stream directory's own (the folder that stops this user), else BUFFER itself,
         # not a folder above it that this user may not enter (it said `--buffer /root`, a walk as a non-root user).
         target = closed if STREAM_RE.fullmatch(buffer.name) and buffer.absolute().parent == closed.absolute() else buffer
-        click.echo(f"cannot stop the daemon on {buffer}, if one runs: this user may not read {closed}, which belongs "
+        say(f"cannot stop the daemon on {buffer}, if one runs: this user may not read {closed}, which belongs "
                    f"to {user_name(uid)}; only {who} may stop it (`sudo prefetchd stop --buffer {target}`); a "
                    "service's daemon stops with `systemctl stop` of its unit", err=True)
         sys.exit(EXIT_FAILURE)
     owner = daemon_owner(buffer)
     if owner is None:
         if not buffer.exists():  # most likely a typo: `stop --buffer X && ...` must not go on as if it stopped one
-            click.echo(f"{buffer} does not exist, so no daemon runs on it; check the path", err=True)
+            say(f"{buffer} does not exist, so no daemon runs on it; check the path", err=True)
             sys.exit(EXIT_NOT_RUNNING)
         # Stopping what is stopped is done (as `systemctl stop` of a stopped unit): exit 0.
-        click.echo(f"no daemon is running on {buffer}")
+        say(f"no daemon is running on {buffer}")
         held = foreign_lock(owning_buffer(buffer) / LOCK_NAME)
         if held is not None:
-            click.echo(f"note: {held}", err=True)
+            say(f"note: {held}", err=True)
         return
     if not owner.here:  # its pid names no process here, or another one: never signalled
-        click.echo(f"cannot stop the daemon on {buffer} ({owner}) from here, and signalled nothing: stop it with "
+        say(f"cannot stop the daemon on {buffer} ({owner}) from here, and signalled nothing: stop it with "
                    f"{owner.how_to_stop(buffer)}", err=True)
         sys.exit(EXIT_FAILURE)
     pid = owner.pid
@@ -362,17 +369,17 @@ def stop(buffer: Path, timeout: float) -> None:
     lock = top / LOCK_NAME
     holders = lock_holders(lock)
     if holders is not None and pid not in holders:  # without /proc, the pid is trusted as it always was
-        click.echo(f"cannot stop the daemon on {buffer}, and signalled nothing: {not_the_holder(lock, pid, holders)}",
+        say(f"cannot stop the daemon on {buffer}, and signalled nothing: {not_the_holder(lock, pid, holders)}",
                    err=True)
         sys.exit(EXIT_FAILURE)
     if top != buffer:  # stopping it would stop every rank's stream, not just this one
-        click.echo(f"{buffer} is a rank's stream directory of the daemon on {top} (pid {pid}), which serves all "
+        say(f"{buffer} is a rank's stream directory of the daemon on {top} (pid {pid}), which serves all "
                    f"its ranks; to stop it, run `prefetchd stop --buffer {top}`", err=True)
         sys.exit(EXIT_USAGE)
     try:
         os.kill(pid, signal.SIGTERM)
     except PermissionError:
-        click.echo(f"cannot stop the daemon on {buffer}: {not_ours_to_signal(pid)}", err=True)
+        say(f"cannot stop the daemon on {buffer}: {not_ours_to_signal(pid)}", err=True)
         sys.exit(EXIT_FAILURE)
     except ProcessLookupError:  # it exited between the look and the signal
         pass
@@ -381,10 +388,10 @@ def stop(buffer: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _exited(pid):
-            click.echo(f"stopped the daemon on {buffer} (pid {pid})")
+            say(f"stopped the daemon on {buffer} (pid {pid})")
             return
         time.sleep(0.05)
-    click.echo(f"the daemon on {buffer} (pid {pid}) did not exit within {timeout:.0f} s; `kill -9 {pid}` ends it", err=True)
+    say(f"the daemon on {buffer} (pid {pid}) did not exit within {timeout:.0f} s; `kill -9 {pid}` ends it", err=True)
     sys.exit(EXIT_FAILURE)
 
 
@@ -436,7 +443,7 @@ def status(ctx: click.Context, /, buffer: Path, as_json: bool, watch: bool, inte
         return
     note = f"(every {interval:g} s, Ctrl-C to leave)"
     if as_json:  # stdout stays pure JSON Lines, for `| jq` or a script
-        click.echo(note, err=True)
+        say(note, err=True)
     try:
         while True:
             report = describe_status(buffer)
@@ -463,7 +470,7 @@ def show(buffer: Path, out: Path, max_images: int) -> None:
 
     denied = no_access(buffer)
     if denied is not None:
-        click.echo(f"cannot show a batch of {buffer}: {denied}", err=True)
+        say(f"cannot show a batch of {buffer}: {denied}", err=True)
         sys.exit(EXIT_NO_ACCESS)
     if not buffer.exists():  # click's exists=True would say so of a buffer in a folder this user may not enter
         raise click.BadParameter(f"{buffer} does not exist; pass the daemon's --buffer", param_hint="'--buffer'")
@@ -473,7 +480,7 @@ def show(buffer: Path, out: Path, max_images: int) -> None:
         batch = render_next_batch(buffer, out, max_images)
     except (ProtocolError, DaemonError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"wrote {out}: epoch {batch.meta.epoch} step {batch.meta.step}, "
+    say(f"wrote {out}: epoch {batch.meta.epoch} step {batch.meta.step}, "
                f"{min(batch.meta.size, max_images)} of {batch.meta.size} images")
 
 
@@ -546,7 +553,7 @@ def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, 
         raise click.ClickException(str(exc)) from None
     unreadable = counted(summary["unreadable"], "unreadable file")
     bad = f"; {unreadable} packed empty (the daemon replaces them)" if summary["unreadable"] else ""
-    click.echo(f"packed {counted(summary['samples'], 'sample')} of {src} into {counted(summary['shards'], 'shard')} "
+    say(f"packed {counted(summary['samples'], 'sample')} of {src} into {counted(summary['shards'], 'shard')} "
                f"({binary_size(summary['bytes'])}) in {out}{bad}")
 
 
