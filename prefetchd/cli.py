@@ -13,7 +13,7 @@ from prefetchd.bench import bench_command
 from prefetchd.buffer_protocol import VERSION
 from prefetchd.buffer_protocol.manifest import BATCH_SIZES, IMAGE_SIZES
 from prefetchd.daemon.cli import COMMANDS, setup_logging
-from prefetchd.options import OutputChecked
+from prefetchd.options import LocalPath, OutputChecked
 
 
 class _Commands(OutputChecked, click.Group):
@@ -28,7 +28,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None, help="Where the generated dataset and logs go, and stay; a second demo there uses its dataset again [default: a temp dir, removed after].")
+@click.option("--workdir", type=LocalPath(file_okay=False), default=None, help="Where the generated dataset and logs go, and stay; a second demo there uses its dataset again [default: a temp dir, removed after].")
 @click.option("--epochs", type=click.IntRange(1), default=3, show_default=True)
 # The daemon's ranges (its refusal was a trainer's 120 s wait, a walk); a batch of one image trains no BatchNorm.
 @click.option("--image-size", type=click.IntRange(16, IMAGE_SIZES[1]), default=64, show_default=True)

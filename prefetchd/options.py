@@ -74,6 +74,8 @@ def _check_one(name: str, value: Any, meta: Any, error: type[Exception]) -> None
     # Before the type: a file's buffer = "" is no Path, but what it is said (unfit_buffer_path) is more use.
     if meta.get("buffer") and isinstance(value, (str, os.PathLike)) and (unfit := unfit_buffer_path(value)) is not None:
         raise error(f"{name} = {shown(value)}: {unfit}")
+    if (kind is Path or meta.get("location")) and value == "":
+        raise error(f"{name} = '': {EMPTY_PATH}")
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if meta.get("location") and isinstance(value, os.PathLike):
         ok = True  # a local path given as a Path; the config makes it what it keeps
@@ -114,6 +116,17 @@ class FiniteFloat(click.FloatRange):
         return "" if self.min is None and self.max is None else super()._describe_range()
 
 
+# Said of "" given for a path (an unset variable: --metrics-textfile "$PROM"), which was the working folder: a
+# daemon's internal error for a textfile, the cache or the dataset there, a demo's files among the user's (a walk).
+EMPTY_PATH = "an empty path (an unset variable?); give the path, or leave it out"
+
+
+def home_expanded(value: Any) -> Any:
+    """A path typed with a leading ``~`` as the shell would have expanded it (it leaves ``'~/x'`` and
+    ``--opt=~/x``); any other value as it is."""
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+
 class LocalPath(click.Path):
     """A local path, ``~`` expanded as the shell would have (a quoted ``'~/x'``, ``--opt=~/x``, which bash leaves:
     it made a folder named ``~`` in the working one, where BufferLoader took the home's; a walk); with ``buffer``, one
@@ -125,12 +138,13 @@ class LocalPath(click.Path):
         self.buffer = buffer
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and value.startswith("~"):
-            value = os.path.expanduser(value)
+        value = home_expanded(value)
         if not self.dir_okay and isinstance(value, str) and value.endswith("/"):  # Path drops the slash
             self.fail(f"{shown(value)} ends in '/', which names a folder; name a file", param, ctx)
         if self.buffer and isinstance(value, (str, os.PathLike)) and (unfit := unfit_buffer_path(value)) is not None:
             self.fail(f"{shown(os.fspath(value))}: {unfit}", param, ctx)
+        if value == "":
+            self.fail(f"'': {EMPTY_PATH}", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -145,6 +159,9 @@ class LocationParam(click.ParamType):  # type: ignore[type-arg]
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
         if isinstance(value, (str, os.PathLike)) and is_url(os.fspath(value)):
             return normalize(value)
+        if value == "":
+            self.fail(f"'': {EMPTY_PATH}", param, ctx)
+        value = home_expanded(value)  # as LocalPath does: `pack '~/ds' ...` made a folder named ~ (a walk)
         path: Path = self._local.convert(value, param, ctx)
         return path
 
@@ -190,16 +207,17 @@ def refuse_unusable(why: str, program: str = "prefetchd") -> NoReturn:
     sys.exit(EXIT_NO_ACCESS)
 
 
-class ReadableFolder(click.Path):
+class ReadableFolder(LocalPath):
     """An existing folder this command reads (bench's --data and --source).  click's ``exists=True`` said "does not
     exist" of one under a folder this user may not enter (/root/ds, a walk as a non-root user): said instead as
     a path this user may not use (``refuse_unusable``), as the other commands say it."""
 
     def __init__(self) -> None:
-        super().__init__(exists=True, file_okay=False, path_type=Path)
+        super().__init__(exists=True, file_okay=False)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        why = cannot_read(Path(os.fsdecode(value)))
+        value = home_expanded(value)
+        why = cannot_read(Path(os.fsdecode(value))) if value != "" else None
         if why is not None:
             refuse_unusable(why if param is None else f"{param.opts[0]} {os.fsdecode(value)}: {why}")
         return super().convert(value, param, ctx)

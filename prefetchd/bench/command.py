@@ -18,7 +18,7 @@ from prefetchd.bench.run import buffers_in, run_benchmark, worker_counts
 from prefetchd.daemon.config import usable_cpus
 from prefetchd.launch import stops_cleanly
 from prefetchd.locations import probe_folder
-from prefetchd.options import FiniteFloat, ReadableFolder
+from prefetchd.options import FiniteFloat, LocalPath, ReadableFolder
 
 DEFAULT_GENERATE = 1500
 
@@ -67,10 +67,10 @@ def _parse_contenders(_ctx: click.Context, _param: click.Parameter, value: str |
                    "whose speed drifts (a shared VM).")
 @click.option("--high-water", type=click.IntRange(min=2), default=None,
               help="The daemon's --high-water in batches  [default: max(16, 6 x max workers)]")
-@click.option("--buffer-root", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--buffer-root", type=LocalPath(file_okay=False),
               help="The folder the daemons' buffers go in, to measure where yours will live (a tmpfs mounted with "
                    "huge=within_size, say)  [default: /dev/shm]")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
+@click.option("--out", "out_dir", type=LocalPath(file_okay=False), default=Path("bench-out"),
               show_default=True, help="Where bench.json, bench.txt, bench.png and logs/ go.")
 @click.option("--contenders", callback=_parse_contenders, metavar="NAME,...",
               help=f"Measure only these, in this order  [default: all of {', '.join(CONTENDERS)}]. Without "

@@ -35,7 +35,7 @@ from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACC
                                      DaemonError, out_of_processes)
 from prefetchd.daemon.status_view import describe_status, foreign_lock, format_status, not_the_holder, status_json
 from prefetchd.locations import is_url, normalize
-from prefetchd.options import BufferOptionCommand, FiniteFloat, LocalPath, click_options
+from prefetchd.options import BufferOptionCommand, FiniteFloat, LocalPath, LocationParam, click_options
 from prefetchd.words import binary_size, counted
 
 log = logging.getLogger("prefetchd")
@@ -275,8 +275,9 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         raise click.UsageError(where_it_came_from(str(exc), flags, config_file, from_file)) from None
     settings = {k: str(Path(v).resolve()) if isinstance(v, Path) else normalize(v) if FIELDS[k].metadata.get("location")
                 and isinstance(v, str) else v for k, v in settings.items()}  # the daemon's cwd is not ours
-    top = owning_buffer(buffer)
-    if top != buffer:  # its job.json no daemon reads: submit waited out --timeout, 60 s, then exit 1 (a walk)
+    real = Path(os.path.realpath(buffer))  # b4/nx/../rank-00001 too, nx missing: made, and job.json written (a walk)
+    top = owning_buffer(real)
+    if top != real:  # its job.json no daemon reads: submit waited out --timeout, 60 s, then exit 1 (a walk)
         raise click.UsageError(f"{buffer} is a rank's stream directory of the daemon on {top}, which takes jobs for "
                                f"all its ranks in {top}: run `prefetchd submit --buffer {top} ...` (nothing written)")
     try:
@@ -501,11 +502,12 @@ def _pack_out(ctx: click.Context, param: click.Parameter, value: str) -> Path:
             f"{value} is a URL, but pack writes shards to a local folder; pack into one (e.g. /data/packed), "
             f"upload the folder to {value} with your storage's tools (aws s3 sync, gcloud storage rsync), then "
             f"`prefetchd start --data {value}`")
-    return Path(value)
+    path: Path = LocalPath(file_okay=False).convert(value, param, ctx)  # ~ expanded, "" refused, as --data's
+    return path
 
 
 @click.command()
-@click.argument("src")
+@click.argument("src", type=LocationParam())
 @click.argument("out", callback=_pack_out)
 @click.option("--shard-size", default="1GB", show_default=True, callback=shard_size_option,
               help="Start a new shard past this size: 1GB (10^9 bytes), 500MB, 1GiB (2^30 bytes).")
@@ -513,7 +515,7 @@ def _pack_out(ctx: click.Context, param: click.Parameter, value: str) -> Path:
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None, help="Seed of --shuffle [default: 0].")
 @click.option("--force", is_flag=True, help="Replace the shards and index already in OUT.")
 @click_options(DaemonConfig, ("index_cache", "refresh_index"))  # start's: SRC is indexed as --data is
-def pack(src: str, out: Path, shard_size: int, shuffle: bool, seed: int | None, force: bool,
+def pack(src: Path | str, out: Path, shard_size: int, shuffle: bool, seed: int | None, force: bool,
          index_cache: Path | None, refresh_index: bool) -> None:
     """Pack the dataset at SRC (class folders or a file list) into tar shards in OUT.
 

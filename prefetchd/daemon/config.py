@@ -338,10 +338,10 @@ def load_toml(path: Path) -> dict[str, Any]:
             value = (path.parent.absolute() / value) if not os.path.isabs(value) else Path(value)
         if FIELDS[name].metadata.get("location"):  # relative to the file, as paths are
             base = path.parent.absolute()
-            if isinstance(value, str):
+            if isinstance(value, str) and value:  # "": check_value says so (it was the file's folder)
                 value = normalize(value, base=base)
             elif isinstance(value, list):
-                value = [normalize(v, base=base) if isinstance(v, str) else v for v in value]
+                value = [normalize(v, base=base) if isinstance(v, str) and v else v for v in value]
         try:
             check_value(name, value)
         except ConfigError as exc:

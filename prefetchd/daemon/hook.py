@@ -174,10 +174,10 @@ def apply_hook(name: str, hwc: torch.Tensor, rng: np.random.Generator, size: int
     hook = load_hook(name)
     try:
         out = hook(hwc.permute(2, 0, 1), rng)
-    except (Exception, SystemExit, KeyboardInterrupt) as exc:
-        # sys.exit() and KeyboardInterrupt too (the worker ignores SIGINT: one here is the hook's own raise): they
-        # ended the worker, and after two the file was "crashed its worker", replaced, the job stopped as bad
-        # data naming good images (a walk of hooks). A hook's bug, as the import check takes them.
+    except (Exception, SystemExit) as exc:
+        # sys.exit() too: it ended the worker, and after two the file was "crashed its worker", replaced, the job
+        # stopped as bad data naming good images (a walk of hooks); a hook's bug, as the import check takes it.
+        # Not KeyboardInterrupt: on a Ray worker it is Ray's cancel of a slice no longer wanted (bridge_slices).
         raise HookError(f"transform {name} failed on {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or tuple(out.shape) != (3, size, size):
         got = (f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)

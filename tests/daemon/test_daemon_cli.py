@@ -1272,6 +1272,12 @@ def test_submit_to_a_ranks_stream_directory_is_refused_at_once(runner: CliRunner
     assert (f"{buffer / 'rank-00001'} is a rank's stream directory of the daemon on {buffer}, which takes jobs for all "
             f"its ranks in {buffer}: run `prefetchd submit --buffer {buffer} ...` (nothing written)") in said, said
     assert os.listdir(buffer / "rank-00001") == []
+    # Named through a folder not there and '..': it made that folder in the buffer and wrote the job (a walk).
+    through = buffer / "nx" / ".." / "rank-00001"
+    result = runner.invoke(prefetchd_cli.main, ["submit", "--buffer", str(through), "--data", str(tmp_path / "data")])
+    assert result.exit_code == EXIT_USAGE and "is a rank's stream directory of the daemon on" in result.output, \
+        result.output
+    assert sorted(os.listdir(buffer)) == ["daemon.lock", "rank-00001"] and os.listdir(buffer / "rank-00001") == []
 
 
 def test_a_submit_no_daemon_answers_exits_3_and_leaves_the_job_for_one(runner: CliRunner, tmp_path: Path) -> None:
@@ -1591,3 +1597,40 @@ def test_status_keeps_a_path_with_a_newline_on_one_line(runner: CliRunner, shm_d
     checked = runner.invoke(prefetchd_cli.main, ["config", "--buffer", str(shm_dir / "bf"), "--data", str(buffer / "d")])
     assert checked.exit_code == 0 and len(checked.output.splitlines()) == 1 and "\x1b" not in checked.output, \
         checked.output
+
+
+@pytest.mark.parametrize("args", [
+    ["config", "--buffer", "BF", "--metrics-textfile", ""],  # a daemon's internal error at its first status
+    ["config", "--buffer", "BF", "--index-cache", ""],  # the working folder
+    ["config", "--buffer", "BF", "--data", ""],  # likewise
+    ["pack", "", "OUT"],
+    ["pack", "SRC", ""],
+    ["demo", "--workdir", ""],  # its files among the user's
+])
+def test_an_empty_path_is_refused_as_one(runner: CliRunner, shm_dir: Path, args: list[str]) -> None:
+    """"" (an unset variable) for a path was the working folder: --metrics-textfile "" passed config, then the
+    daemon's first status was an internal error (exit 1, restarted by the unit; a regression walk)."""
+    args = [{"BF": str(shm_dir / "bf"), "OUT": str(shm_dir / "out"), "SRC": str(shm_dir)}.get(a, a) for a in args]
+    result = runner.invoke(prefetchd_cli.main, args)
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "an empty path (an unset variable?); give the path, or leave it out" in result.output, result.output
+
+
+def test_an_empty_path_in_a_config_file_is_refused_as_one(tmp_path: Path) -> None:
+    """It was "expected Path" (index_cache, metrics_textfile: the value is a path, empty), or the file's folder."""
+    toml = tmp_path / "bf.toml"
+    for key in ("index_cache", "metrics_textfile", "data"):
+        toml.write_text(f'{key} = ""\n')
+        with pytest.raises(ConfigError, match=rf"bf.toml: {key} = '': an empty path \(an unset variable\?\)"):
+            load_toml(toml)
+
+
+def test_a_tilde_the_shell_left_in_packs_paths_is_the_home_folder(runner: CliRunner, shm_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pack ds '~/packed'` made a folder named ~ in the working one, as --buffer=~/bf did (a regression walk)."""
+    monkeypatch.setenv("HOME", str(shm_dir / "home"))
+    monkeypatch.chdir(shm_dir)
+    (shm_dir / "home").mkdir()
+    result = runner.invoke(prefetchd_cli.main, ["pack", "~/nothing-here", "~/packed"])
+    assert f"{shm_dir / 'home' / 'nothing-here'}" in result.output and "~" not in result.output, result.output
+    assert not (shm_dir / "~").exists()

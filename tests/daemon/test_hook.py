@@ -50,9 +50,6 @@ def exits(image, rng):
     import sys
     sys.exit(3)
 
-def interrupts(image, rng):
-    raise KeyboardInterrupt
-
 class Holder:
     @staticmethod
     def flip(image, rng):
@@ -134,7 +131,6 @@ def test_hook_draws_from_the_samples_stream(tmp_path: Path, hook_module: str) ->
     ("broken", ["KeyError", "oops"]),
     # They ended the worker: its file was "crashed its worker 2 times", the job stopped as bad data (a walk of hooks).
     ("exits", ["failed on", "SystemExit: 3"]),
-    ("interrupts", ["failed on", "KeyboardInterrupt"]),
     ("nowhere", ["no attribute"]),
 ])
 def test_hook_failures_are_hook_errors(tmp_path: Path, hook_module: str, hook: str, words: list[str]) -> None:
