@@ -107,7 +107,7 @@ class DaemonConfig:
     ray_builds: int | None = _opt(None, "With --ray: at most this many batches are being built on the cluster at once [default: enough to keep two slices queued per cluster CPU].", int, minimum=1, maximum=65536)
     metrics_port: int | None = _opt(None, "Serve Prometheus metrics on this port [default: off].", int, minimum=1, maximum=65535)
     metrics_address: str = _opt("127.0.0.1", "Address the metrics port binds to (0.0.0.0 for every interface).", str)
-    metrics_textfile: Path | None = _opt(None, "Also write the metrics to this file (node-exporter textfile collector) [default: off].", Path)
+    metrics_textfile: Path | None = _opt(None, "Also write the metrics to this file (node-exporter textfile collector) [default: off].", Path, path="file")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -11,6 +11,7 @@ import numbers
 import os
 from pathlib import Path
 
+from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.layout import unfit_buffer_path
 
 # How to wait longer, named for both ways in: prefetchd-train's flag and the loader's argument.
@@ -42,7 +43,7 @@ def buffer_path(buffer: object) -> Path:
     path = os.path.expanduser(os.fspath(buffer))
     unfit = unfit_buffer_path(path)  # "" was the folder the script ran in
     if unfit is not None:
-        raise ValueError(f"buffer={os.fspath(buffer)!r:.60}: {unfit}")
+        raise ValueError(f"buffer={shown(os.fspath(buffer))}: {unfit}")  # cut short with its quotes closed
     # Absolute: a notebook's later chdir must not move the buffer away from under the loader.
     return Path(path).absolute()
 

@@ -1100,6 +1100,10 @@ def test_config_check_says_when_the_metrics_textfile_cannot_be_written(runner: C
         f"User=): its folder {shm_buffer / 'nope'} does not exist (the daemon does not create it)"), missing.output
     fine = runner.invoke(prefetchd_cli.main, [*args, str(shm_buffer / "bf.prom")])
     assert fine.exit_code == 0 and fine.output.strip() == "configuration is valid", fine.output
+    # A folder, or a name ending in '/', was valid too, and the daemon warned each minute (or wrote bf.prom).
+    for folder, said in ((str(shm_buffer), "is a directory"), (f"{shm_buffer / 'bf.prom'}/", "which names a folder")):
+        refused = runner.invoke(prefetchd_cli.main, [*args, folder])
+        assert refused.exit_code == EXIT_USAGE and said in refused.output, refused.output
     if os.geteuid() != 0:
         return
     theirs = shm_buffer / "textfiles"
