@@ -43,6 +43,7 @@ from prefetchd.access import EXIT_NO_ACCESS, cannot_read
 from prefetchd.buffer_protocol.errors import MAX_INT, shown
 from prefetchd.buffer_protocol.layout import unfit_buffer_path
 from prefetchd.locations import is_url, normalize
+from prefetchd.words import one_line
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -190,9 +191,19 @@ class OutputChecked:
             click.echo(f"{self.program}: cannot write to standard output: {exc.strerror or exc}", err=True)
             sys.exit(1)
 
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)  # type: ignore[misc,no-any-return]
+        except click.ClickException as exc:  # a bad value's message quotes it: a path's control characters too
+            exc.message = one_line(exc.message)  # type: ignore[misc]
+            raise
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)  # type: ignore[misc]
+        except click.ClickException as exc:  # the commands' own refusals (UsageError) quote paths as given
+            exc.message = one_line(exc.message)  # type: ignore[misc]
+            raise
         except PermissionError as exc:
             if not exc.filename:
                 raise

@@ -30,13 +30,13 @@ from prefetchd.daemon.config import (FIELDS, DaemonConfig, check_buffer_outside,
 from prefetchd.access import cannot_read, no_access
 from prefetchd.daemon.buffer_dir import check_capacity, check_not_shared, private_dir_problem
 from prefetchd.daemon.job_inbox import JOB_FIELDS
-from prefetchd.daemon.logs import one_line, setup_logging
+from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
                                      DaemonError, out_of_processes)
 from prefetchd.daemon.status_view import describe_status, foreign_lock, format_status, not_the_holder, status_json
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import BufferOptionCommand, FiniteFloat, LocalPath, LocationParam, click_options
-from prefetchd.words import binary_size, counted
+from prefetchd.words import binary_size, counted, one_line
 
 log = logging.getLogger("prefetchd")
 

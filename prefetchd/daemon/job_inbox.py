@@ -24,10 +24,9 @@ from prefetchd.daemon.consumers import MAX_PROGRESS_READS, progress_stats
 from prefetchd.daemon.errors import BufferLost, ConfigError
 from prefetchd.access import user_name
 from prefetchd.daemon.job_policy import JobPolicy
-from prefetchd.daemon.logs import one_line
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.wakeup import Wakeup
-from prefetchd.words import epochs_flag
+from prefetchd.words import epochs_flag, one_line
 from prefetchd.locations import is_url
 
 log = logging.getLogger(__name__)

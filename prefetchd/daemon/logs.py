@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prefetchd.throttle import Throttle
+from prefetchd.words import one_line
 
 log = logging.getLogger(__name__)
 # status.json is rewritten every second: a full filesystem would log a line each time.
@@ -35,13 +36,6 @@ def log_once(logger: logging.Logger, level: int, message: str, *args: Any) -> No
     if key not in _SAID_ONCE:
         _SAID_ONCE.add(key)
         logger.log(level, message, *args)
-
-
-def one_line(text: str) -> str:
-    """``text`` with its control characters (newlines, escapes, line separators) written as Python escapes: a
-    job's fields come from any member of the buffer's group and reach log messages, where a newline would start
-    a line of their own making (a forged timestamp and level, in the journal or the log file)."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class OneLineFormatter(logging.Formatter):
@@ -88,4 +82,4 @@ def status_unwritten(buffer: Path, exc: OSError) -> None:
                       "written", buffer, exc.strerror or exc, others="other failed write")
 
 
-__all__ = ["JournalFormatter", "OneLineFormatter", "one_line", "run_logged", "setup_logging", "status_unwritten"]
+__all__ = ["JournalFormatter", "OneLineFormatter", "run_logged", "setup_logging", "status_unwritten"]

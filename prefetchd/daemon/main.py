@@ -20,7 +20,7 @@ from prefetchd.daemon.job_inbox import (FAILED_WHILE_PRODUCING, FINISHED_PRODUCI
 from prefetchd.access import user_name
 from prefetchd.daemon.job_start import StoppedWhileStarting, already_consumed, start_job
 from prefetchd.daemon.jpeg_crop import decoder_summary
-from prefetchd.daemon.logs import one_line, status_unwritten
+from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.metrics import Metrics
 from prefetchd.daemon.pool import make_room_for_files
 from prefetchd.daemon.producer import start_worker_server
@@ -28,7 +28,7 @@ from prefetchd.daemon.resample import resize_summary
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.daemon.wakeup import Wakeup, stop_signals_deferred
 from prefetchd.daemon.workers import oom_order_lost
-from prefetchd.words import binary_size, counted
+from prefetchd.words import binary_size, counted, one_line
 
 log = logging.getLogger(__name__)
 

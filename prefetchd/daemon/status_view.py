@@ -20,11 +20,10 @@ from prefetchd.access import no_access
 from prefetchd.daemon.buffer_dir import free_bytes
 from prefetchd.daemon.dataset import held_out_count
 from prefetchd.daemon.job_inbox import FAILED_WHILE_PRODUCING, job_verdict
-from prefetchd.daemon.logs import one_line
 from prefetchd.daemon.mounts import filesystem_of
 from prefetchd.daemon.production_stats import RATE_WINDOW_SECONDS, STAGES
 from prefetchd.access import user_name
-from prefetchd.words import agreeing, binary_size, counted, moment, rank_ranges
+from prefetchd.words import agreeing, binary_size, counted, moment, one_line, rank_ranges
 
 STALE_HEARTBEAT_SECONDS = 10.0
 SHOWN_BAD_FILES = 5  # bad files (undecodable, missing, unreadable) named in the text status

@@ -1601,6 +1601,12 @@ def test_status_keeps_a_path_with_a_newline_on_one_line(runner: CliRunner, shm_d
     checked = runner.invoke(prefetchd_cli.main, ["config", "--buffer", str(shm_dir / "bf"), "--data", str(buffer / "d")])
     assert checked.exit_code == 0 and len(checked.output.splitlines()) == 1 and "\x1b" not in checked.output, \
         checked.output
+    # And click's own errors, which quote a bad value (a refusal of show's --buffer, a bad --out).
+    for args in (["show", "--buffer", str(buffer / "zz")], ["show", "--buffer", str(buffer), "--out", f"{buffer}/x"]):
+        refused = runner.invoke(prefetchd_cli.main, args)
+        error = refused.output.splitlines()[-1]
+        assert refused.exit_code == EXIT_USAGE and error.startswith("Error: ") and f"{shm_dir}/b\\nuf\\x1b[31m" in error \
+            and "\x1b" not in refused.output, refused.output
 
 
 @pytest.mark.parametrize("args", [
