@@ -110,6 +110,16 @@ class JobInbox:
         self.result = result
         return True
 
+    def left_a_finished_job(self) -> bool:
+        """Whether the daemon before ended waiting after a submitted job it ran to its end (its answer "finished
+        producing", no job running): the buffer's manifest is that job's, every epoch read, so a daemon with a job of
+        its own takes the buffer.  It refused it as another job's batches (exit 2, which the unit does not restart:
+        the service stayed down after any restart, a walk of the service)."""
+        status = self._left
+        result = status.job_result if status is not None else None
+        return (status is not None and status.running_job is None and result is not None and result.accepted
+                and result.reason.startswith(FINISHED_PRODUCING))
+
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
             # Not through a link: any member of a --group-access buffer's group may make job.json one, to a path that

@@ -185,6 +185,10 @@ def _serve(cfg: DaemonConfig) -> int:
                      "buffer for the configured job on %s", inbox.pending_id, cfg.data)
             inbox.forget_accepted()
             inbox.settle()
+        elif not serve_jobs and not reset and inbox.left_a_finished_job():
+            log.info("the buffer holds the submitted job the earlier daemon here finished (every epoch read): the "
+                     "configured job on %s takes its place", cfg.data)
+            reset = True
         running_id: str | None = None  # the submitted job being produced
 
         def refuse_pending(reason: str) -> None:

@@ -213,6 +213,15 @@ def test_a_daemon_with_data_waits_for_the_next_job_once_a_submitted_one_ends(sha
     assert read == len(loader)
     daemon.wait_until(lambda: state(buffer) == "waiting-for-job", 60, "the daemon to wait for the next job")
     assert "finished producing" in reason_of(buffer) and daemon.proc.poll() is None, daemon.log
+    # Restarted now (the watchdog, `systemctl restart`, an upgrade), it refused the buffer, "holds batches of a
+    # different job (seed: 5 -> 0)", with exit 2, which the unit does not restart (a walk of the service).
+    daemon.proc.terminate()
+    assert daemon.wait_exit(30) == 0, daemon.log
+    again = start_daemon(buffer, *JOB, "--data", shapes_data / "train", "--workers", "1", "--high-water", "3",
+                         "--epochs", "1")
+    again.wait_until(lambda: state(buffer) in ("filling", "full") and Manifest.read(buffer).seed == 0, 60,
+                     "the configured job in the finished one's place")
+    assert "the configured job on" in again.log and "takes its place" in again.log, again.log
     assert submit(buffer, "--data", shapes_data / "train", *JOB, "--seed", "6", "--epochs", "1").returncode == 0
 
 
