@@ -130,7 +130,9 @@ def _why_none_decoded(index: SampleIndex, failures: Sequence[tuple[int, str]]) -
     if any(os.path.basename(index.name(sample)).startswith(APPLE_DOUBLE_PREFIX) for sample, _ in failures):
         return f"files named '._*' are macOS metadata, not images: {apple_double_advice(index.root)}"
     if all(reason.startswith(MISSING_REASONS + UNREADABLE_REASONS) for _, reason in failures):
-        return "is the dataset readable, and all still there?"
+        # A restart indexes it again: --reset alone kept a bucket's cached listing, and stopped again (a walk).
+        return ("is the dataset readable, and all still there? Files gone since it was indexed: start again with "
+                "--reset, and with --refresh-index too where its listing is cached (object storage)")
     if all(reason.startswith(CRASHED_REASON) for _, reason in failures):
         # Good images, where a --transform hook ends its worker (os._exit, a signal): "remove the ones that are not
         # images" sent the user to delete them (a walk of hooks).

@@ -429,6 +429,11 @@ def test_a_file_list_in_s3_names_objects_relative_to_its_folder_or_by_url(s3: An
     reader.close()
     with pytest.raises(DatasetError, match=rf"file list {s3.url('ds/val.csv')} does not exist"):
         open_dataset(s3.url("ds/val.csv"))
+    # Paths written from another folder: the way out named is one a bucket's list takes (it said "or absolute",
+    # which such a list then refuses: a walk).
+    s3.fs.pipe_file(f"{s3.bucket}/ds/lists/elsewhere.csv", b"train/imgs/b1.jpg,dog\ntrain/imgs/a1.png,cat\n")
+    with pytest.raises(DatasetError, match=r"write them relative to it, or as URLs under it$"):
+        open_dataset(s3.url("ds/lists/elsewhere.csv"))
 
 
 def test_a_file_list_in_s3_takes_paths_as_find_writes_them_and_refuses_climbing_out(s3: Any, proxy: Any) -> None:

@@ -214,8 +214,10 @@ def _refuse_paths_from_elsewhere(storage: Storage, location: str, root: str, pat
     said = (f"neither line {line}'s file, {path}, nor line {last[0][0]}'s, {last[0][1]}, is {where}" if last else
             f"line {line}'s file, {path}, is not {where}")
     if relative:
+        # In a bucket a list names objects under its folder (an absolute path, or a URL elsewhere, is refused).
+        other = "or as URLs under it" if is_url(root) else "or absolute"
         raise DatasetError(f"{location}: {said}, the folder holding the list, from which its relative paths "
-                           "start: write them relative to it, or absolute")
+                           f"start: write them relative to it, {other}")
     raise DatasetError(f"{location}: {said}: was the list written on another machine, or the files moved? Fix "
                        "the paths in the list")
 
