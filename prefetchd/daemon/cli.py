@@ -524,7 +524,8 @@ def pack(src: Path | str, out: Path, shard_size: int, shuffle: bool, seed: int |
     offset, so `prefetchd start --data OUT` reads each with one positioned read.
 
     Exit code 1: SRC cannot be read, or OUT refused (a file, a folder not empty without --force, one inside SRC,
-    one this user may not write in); 2: a bad option; 4: SRC under a folder this user may not enter.
+    one this user may not write in); 2: a bad option (OUT a URL too); 4: SRC under a folder this user may not
+    enter.
     """
     from prefetchd.daemon.dataset import PROGRESS_LOG_SECONDS, logged_progress
     from prefetchd.daemon.sources import open_dataset
