@@ -95,8 +95,9 @@ def _summary_parts(status: Status, rank: int | None = None) -> list[str]:
     wait = p.storage_wait if p is not None else None
     since = (wait.since if rank is None else wait.since_of(rank)) if wait is not None else None
     said: set[str] = set()  # the storage's failure and a stalled worker's note, where said
-    if wait is not None and since is not None:
-        # Said before the errors: the failed builds it counts are then the storage's, not a full tmpfs.
+    if wait is not None and since is not None and status.state != State.FAILED:
+        # Said before the errors: the failed builds it counts are then the storage's, not a full tmpfs.  Not of a
+        # failed daemon, which resumes nothing: its DaemonGone said it would (an S3 walk; as the stall below).
         whose = f" of rank {rank}'s batches" if rank is not None and p is not None and len(p.streams) > 1 else ""
         said.add(wait.reason)
         parts.append(f"its builds{whose} have waited {max(0.0, time.time() - since):.0f} s for the dataset's "

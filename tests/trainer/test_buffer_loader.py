@@ -1234,6 +1234,13 @@ def test_a_wait_message_says_a_stalled_worker_with_its_bound_first_and_a_failed_
     verdict = "no worker gets ready: " + "x" * 600 + " or raise --worker-start-timeout if a start can take that long"
     parts = _summary_parts(status(State.FAILED, message=verdict, production=production(worker_stall=stall)))
     assert f"message={verdict}" in parts and not [p for p in parts if "is killed at its" in p], parts
+    # Nor, of a failed daemon, that its builds wait for the storage and resume once it is back (an S3 walk).
+    from tests.status_examples import STORAGE_WAIT
+
+    parts = _summary_parts(status(State.FAILED, message=verdict, production=production(storage_wait=STORAGE_WAIT)))
+    assert f"message={verdict}" in parts and not [p for p in parts if "resume once it is back" in p], parts
+    parts = _summary_parts(status(message="x", production=production(storage_wait=STORAGE_WAIT)))
+    assert [p for p in parts if "resume once it is back" in p], parts
 
 
 # -- misuse (a walk of the API as users write it) -----------------------------------------------------------
