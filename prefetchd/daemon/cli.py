@@ -90,6 +90,7 @@ def shown(value: Any) -> str:
 # as prefetchd-train does).
 BUFFER = LocalPath(buffer=True, file_okay=False, readable=False)
 
+
 def say(message: str, err: bool = False) -> None:
     """One line of a command's answer, a path's newline and terminal escapes in it written out as the log and
     status write them (``one_line``): `stop` and `config` printed them raw, which split a line and reached the
@@ -297,7 +298,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         buffer.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the daemon would create it
     except OSError as exc:  # what no_access cannot foresee: a read-only filesystem, a file in the path
         say(f"cannot submit a job to {buffer} (nothing written): cannot create it: {exc.filename}: "
-                   f"{exc.strerror}", err=True)
+            f"{exc.strerror}", err=True)
         sys.exit(EXIT_NO_ACCESS)
     request = JobRequest(settings, replace)
     request.write(buffer)
@@ -307,7 +308,7 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         made = (f" (this created {buffer}: if you meant a running daemon's buffer, check the path; a service's "
                 "daemon refuses a buffer another user made)") if created else ""
         say(f"submitted job {request.job_id}; no daemon owns {buffer} yet, the job waits in job.json until "
-                   f"one starts{made}")
+            f"one starts{made}")
         sys.exit(EXIT_NOT_RUNNING)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -323,10 +324,10 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
         time.sleep(0.1)
     if daemon_owner(buffer) is None:  # it stopped while we waited
         say(f"the daemon on {buffer} stopped before it answered job {request.job_id}; the job waits in "
-                   "job.json until one starts", err=True)
+            "job.json until one starts", err=True)
         sys.exit(EXIT_NOT_RUNNING)
     say(f"the daemon on {buffer} did not answer job {request.job_id} within {timeout:.0f} s; "
-               f"see `prefetchd status --buffer {buffer}`", err=True)
+        f"see `prefetchd status --buffer {buffer}`", err=True)
     sys.exit(EXIT_FAILURE)
 
 
@@ -347,8 +348,8 @@ def stop(buffer: Path, timeout: float) -> None:
         # not a folder above it that this user may not enter (it said `--buffer /root`, a walk as a non-root user).
         target = closed if STREAM_RE.fullmatch(buffer.name) and buffer.absolute().parent == closed.absolute() else buffer
         say(f"cannot stop the daemon on {buffer}, if one runs: this user may not read {closed}, which belongs "
-                   f"to {user_name(uid)}; only {who} may stop it (`sudo prefetchd stop --buffer {target}`); a "
-                   "service's daemon stops with `systemctl stop` of its unit", err=True)
+            f"to {user_name(uid)}; only {who} may stop it (`sudo prefetchd stop --buffer {target}`); a "
+            "service's daemon stops with `systemctl stop` of its unit", err=True)
         sys.exit(EXIT_FAILURE)
     owner = daemon_owner(buffer)
     if owner is None:
@@ -363,7 +364,7 @@ def stop(buffer: Path, timeout: float) -> None:
         return
     if not owner.here:  # its pid names no process here, or another one: never signalled
         say(f"cannot stop the daemon on {buffer} ({owner}) from here, and signalled nothing: stop it with "
-                   f"{owner.how_to_stop(buffer)}", err=True)
+            f"{owner.how_to_stop(buffer)}", err=True)
         sys.exit(EXIT_FAILURE)
     pid = owner.pid
     top = owning_buffer(buffer)
@@ -375,7 +376,7 @@ def stop(buffer: Path, timeout: float) -> None:
         sys.exit(EXIT_FAILURE)
     if top != buffer:  # stopping it would stop every rank's stream, not just this one
         say(f"{buffer} is a rank's stream directory of the daemon on {top} (pid {pid}), which serves all "
-                   f"its ranks; to stop it, run `prefetchd stop --buffer {top}`", err=True)
+            f"its ranks; to stop it, run `prefetchd stop --buffer {top}`", err=True)
         sys.exit(EXIT_USAGE)
     try:
         os.kill(pid, signal.SIGTERM)
@@ -482,7 +483,7 @@ def show(buffer: Path, out: Path, max_images: int) -> None:
     except (ProtocolError, DaemonError) as exc:
         raise click.ClickException(str(exc)) from None
     say(f"wrote {out}: epoch {batch.meta.epoch} step {batch.meta.step}, "
-               f"{min(batch.meta.size, max_images)} of {batch.meta.size} images")
+        f"{min(batch.meta.size, max_images)} of {batch.meta.size} images")
 
 
 def shard_size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
@@ -557,7 +558,7 @@ def pack(src: Path | str, out: Path, shard_size: int, shuffle: bool, seed: int |
     unreadable = counted(summary["unreadable"], "unreadable file")
     bad = f"; {unreadable} packed empty (the daemon replaces them)" if summary["unreadable"] else ""
     say(f"packed {counted(summary['samples'], 'sample')} of {src} into {counted(summary['shards'], 'shard')} "
-               f"({binary_size(summary['bytes'])}) in {out}{bad}")
+        f"({binary_size(summary['bytes'])}) in {out}{bad}")
 
 
 # The umbrella command (prefetchd/cli.py) adds these to bench and demo; the daemon knows neither.
