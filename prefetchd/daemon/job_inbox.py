@@ -103,22 +103,23 @@ class JobInbox:
             request = JobRequest.read(self.buffer)
         except (OSError, ProtocolError):
             return False
-        result = self._left.job_result if self._left is not None else None
-        if (request is None or result is None or result.job_id != request.job_id or not result.accepted
-                or not result.reason.startswith(FINISHED_PRODUCING)):
+        result = self._left_finished()
+        if request is None or result is None or result.job_id != request.job_id:
             return False
         self.result = result
         return True
+
+    def _left_finished(self) -> JobResult | None:
+        """The answer "finished producing" in the status the daemon before left, where that was its last answer."""
+        result = self._left.job_result if self._left is not None else None
+        return result if result is not None and result.accepted and result.reason.startswith(FINISHED_PRODUCING) else None
 
     def left_a_finished_job(self) -> bool:
         """Whether the daemon before ended waiting after a submitted job it ran to its end (its answer "finished
         producing", no job running): the buffer's manifest is that job's, every epoch read, so a daemon with a job of
         its own takes the buffer.  It refused it as another job's batches (exit 2, which the unit does not restart:
         the service stayed down after any restart, a walk of the service)."""
-        status = self._left
-        result = status.job_result if status is not None else None
-        return (status is not None and status.running_job is None and result is not None and result.accepted
-                and result.reason.startswith(FINISHED_PRODUCING))
+        return self._left is not None and self._left.running_job is None and self._left_finished() is not None
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
