@@ -112,7 +112,8 @@ class JobInbox:
     def _left_finished(self) -> JobResult | None:
         """The answer "finished producing" in the status the daemon before left, where that was its last answer."""
         result = self._left.job_result if self._left is not None else None
-        return result if result is not None and result.accepted and result.reason.startswith(FINISHED_PRODUCING) else None
+        finished = result is not None and result.accepted and result.reason.startswith(FINISHED_PRODUCING)
+        return result if finished else None
 
     def left_a_finished_job(self) -> bool:
         """Whether the daemon before ended waiting after a submitted job it ran to its end (its answer "finished
