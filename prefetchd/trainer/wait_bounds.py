@@ -43,7 +43,7 @@ def buffer_path(buffer: object) -> Path:
     path = os.path.expanduser(os.fspath(buffer))
     unfit = unfit_buffer_path(path)  # "" was the folder the script ran in
     if unfit is not None:
-        raise ValueError(f"buffer={shown(os.fspath(buffer))}: {unfit}")  # cut short with its quotes closed
+        raise ValueError(f"buffer={shown(os.fspath(buffer))}: {unfit}")  # cut short, as other messages quote values
     # Absolute: a notebook's later chdir must not move the buffer away from under the loader.
     return Path(path).absolute()
 
