@@ -97,9 +97,11 @@ def test_three_consumers_one_killed_one_silent_share_one_capped_buffer(
         argv = [str(script), str(buffer), name, str(ckpt), str(log), str(pause)]
         return subprocess.Popen([sys.executable, *argv]), ckpt, log
 
-    # Two subprocesses (they can be killed and stopped) and two threads of this process.
-    # Paced so that the slow consumer is still reading when the silent one's timeout runs out
-    # (once no other consumer is live, a silent one holds its window again, as a single trainer does).
+    # Two subprocesses (they can be killed and stopped) and two threads of this process.  The threads start
+    # once "killed" is mid-epoch, and it is killed after their first batch: the slow one (0.8 s a batch) is still
+    # reading when its death is noticed, however slowly "killed" got there (a CI run's checkpoint writes beside
+    # other tests': the slow thread had read everything by then, and the killed consumer, with no other live one
+    # left, held its window again, as a single trainer that went away does).
     killed, killed_ckpt, killed_log = spawn("killed", 0.3)
     silent, _, silent_log = spawn("silent", 0.2)
     most_files = [0]
@@ -127,16 +129,15 @@ def test_three_consumers_one_killed_one_silent_share_one_capped_buffer(
 
     try:
         wait_for(lambda: (buffer / "manifest.json").exists(), 60, "the manifest")
-        # Let the subprocesses get going before the threads race ahead (they join anyway, later or not).
         wait_for(lambda: len(read_log(silent_log)) >= 3 and len(read_log(killed_log)) >= 1, 60, "the subprocess consumers")
-        fast = run("fast", 0.0, lambda: BufferLoader(buffer, normalize=False, timeout=60, consumer="fast", start=(0, 0)))
-        slow = run("slow", 0.8, lambda: BufferLoader(buffer, normalize=False, timeout=60, consumer="slow", start=(0, 0)))
-
         # "silent" stops: its pid stays alive, its progress file goes stale.
         silent.send_signal(signal.SIGSTOP)
         stopped = Progress.read(buffer, "silent")
         assert stopped is not None
         wait_for(lambda: len(read_log(killed_log)) >= steps // 2, 60, "the killed consumer's mid-epoch")
+        fast = run("fast", 0.0, lambda: BufferLoader(buffer, normalize=False, timeout=60, consumer="fast", start=(0, 0)))
+        slow = run("slow", 0.8, lambda: BufferLoader(buffer, normalize=False, timeout=60, consumer="slow", start=(0, 0)))
+        wait_for(lambda: results["slow"] and results["fast"], 60, "the threads' first batches")
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
         # Its pid is gone: it stops holding batches at once, while the slow consumer reads on.
