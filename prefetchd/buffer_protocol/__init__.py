@@ -36,7 +36,7 @@ from prefetchd.buffer_protocol.layout import (
 from prefetchd.buffer_protocol.manifest import Manifest
 from prefetchd.buffer_protocol.ownership import (BufferBusy, DaemonLock, DaemonOwner, alive_since, consumer_held,
                                                  daemon_owner, daemon_pid, lock_holders, pid_named, same_pid_namespace,
-                                                 take_lock, writer_alive, writer_named)
+                                                 take_lock, why_no_owner, writer_alive, writer_named)
 from prefetchd.buffer_protocol.progress import Progress
 from prefetchd.buffer_protocol.status import (
     BadFile,
@@ -67,7 +67,7 @@ __all__ = [
     "BadJobRequest", "BatchLayout", "BatchMeta", "BufferBusy", "DaemonLock", "JobRequest", "MappedBatch", "Manifest",
     "PendingBatch", "Progress", "ProtocolError", "RoomNotYet", "SlotFiller", "SpareFiles", "alive_since", "batch_name", "consumer_held",
     "DaemonOwner", "daemon_owner", "daemon_pid", "list_batches", "lock_holders", "pid_named", "same_pid_namespace", "take_lock",
-    "writer_alive", "writer_named",
+    "why_no_owner", "writer_alive", "writer_named",
     "list_temp_files", "map_batch", "not_of_stream", "parse_batch", "parse_batch_name", "read_status", "readable_status",
     "stream_dir", "write_batch", "write_status",
     "BadFile", "ConsumerStatus", "Errors", "JobResult", "Position", "Production", "Quantiles", "Rates", "RemoteNode", "RemoteStatus", "RunningJob", "State",

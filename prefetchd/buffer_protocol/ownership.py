@@ -460,29 +460,50 @@ def daemon_owner(buffer: Dir, status: Status | None = None) -> DaemonOwner | Non
     another namespace killed before its first status said so, which leaves its own pid 1 in the file.  On a
     filesystem without flock the pid alone decides.
     """
-    buffer = owning_buffer(buffer)
+    found = _owner_or_why_not(owning_buffer(buffer), status)
+    return found if isinstance(found, DaemonOwner) else None
+
+
+def why_no_owner(buffer: Dir, status: Status | None = None) -> str | None:
+    """Why ``daemon_owner`` finds no daemon owning ``buffer``, in words that follow "no daemon owns it: "; None
+    where one owns it now.  A trainer that gives up on a daemon says it: where the status beats on, the reason is
+    what to look at (a lock file removed, a pid another process has now)."""
+    found = _owner_or_why_not(owning_buffer(buffer), status)
+    return None if isinstance(found, DaemonOwner) else found
+
+
+def _owner_or_why_not(buffer: Path, status: Status | None) -> DaemonOwner | str:
+    """``daemon_owner``'s look: the owner, or why there is none."""
+    lock = buffer / LOCK_NAME
     try:
-        fd = open_regular(buffer / LOCK_NAME, os.O_RDONLY, "the daemon's lock file")
-    except (OSError, ProtocolError):  # missing, or not a lock a daemon made: nobody owns the buffer
-        return None
+        fd = open_regular(lock, os.O_RDONLY, "the daemon's lock file")
+    except FileNotFoundError:
+        return f"there is no {lock}"
+    except (OSError, ProtocolError) as exc:  # not a lock a daemon made: nobody owns the buffer
+        return str(exc)
     try:
         text = os.read(fd, 64).decode("ascii", "replace").strip()
         st = os.fstat(fd)
         if not text.isdigit():
-            return None
+            return f"{lock} names no pid (its daemon let go of it)"
         pid = int(text)
         namespace = _namespace_of(buffer, pid, status)
         held = _held(fd)
         if namespace is not None:
-            return DaemonOwner(pid, namespace) if held else None
+            return DaemonOwner(pid, namespace) if held else f"nothing holds {lock} (its daemon, {pid_named(pid, False)}, ended)"
     finally:
         os.close(fd)
     if held is False:  # let go: whatever process has that pid here now, no daemon owns the buffer
-        return None
+        return f"nothing holds {lock} (pid {pid}, which it names, let go of it or ended)"
     try:
-        return DaemonOwner(pid) if _started_by(pid, st.st_mtime) and _runs_as(pid, st.st_uid) else None
+        if not _started_by(pid, st.st_mtime):
+            return (f"pid {pid}, which {lock} names, is not running, or is another process started after the file "
+                    "was written")
+        if not _runs_as(pid, st.st_uid):
+            return f"pid {pid}, which {lock} names, runs as another user than the file's owner"
     except psutil.AccessDenied:
-        return None
+        return f"pid {pid}, which {lock} names, cannot be looked at by this user"
+    return DaemonOwner(pid)
 
 
 def _namespace_of(buffer: Path, pid: int, status: Status | None) -> int | None:

@@ -59,6 +59,7 @@ from prefetchd.buffer_protocol import (
     daemon_owner,
     map_batch,
     readable_status,
+    why_no_owner,
 )
 from prefetchd.buffer_protocol.layout import (DEFAULT_CONSUMER, DIR_FLAGS, PROGRESS_PATTERN, STREAM_PREFIX,
                                              check_stream_folder, owning_buffer, progress_name)
@@ -201,9 +202,12 @@ class BatchWaiter:
                         stalled = stall
                 elif gone_since is None:
                     gone_since = now
-                if gone_since is not None and now - gone_since >= self.grace:
+                # Looked at once more, to say why: the last status may still beat (a lock file removed, a clock
+                # stepped), which says what to look at.
+                if gone_since is not None and now - gone_since >= self.grace and (
+                        why := why_no_owner(self.buffer, status)) is not None:
                     raise DaemonGone(
-                        f"{self.buffer}: no prefetchd daemon owns this buffer (none seen for {self.grace:g} s) "
+                        f"{self.buffer}: no prefetchd daemon owns this buffer (none seen for {self.grace:g} s: {why}) "
                         f"and batch {name} (epoch {epoch}, step {step}) is not there; last "
                         f"{status_summary(self.buffer, self.manifest.rank)}. {self._restart_hint()}"
                         f"{self._oom_hint()}"

@@ -618,6 +618,22 @@ def test_daemon_gone_when_the_lock_names_a_dead_pid(make_job: MakeJob, dead_pid:
     msg = str(info.value)
     assert str(job.buffer) in msg and "e000000-s00000000.batch" in msg
     assert f"prefetchd start --buffer {job.buffer} --data /data/fake" in msg
+    # Why none owns it: what to look at where the last status still beats.
+    assert f"nothing holds {job.buffer / 'daemon.lock'} (pid {dead_pid}, which it names, let go of it or ended)" in msg
+
+
+def test_daemon_gone_says_a_held_lock_whose_pid_started_after_it_was_written(make_job: MakeJob) -> None:
+    """The lock held and naming this live process, but written before it started (as a pid the kernel gave to
+    another process after its daemon died would look; or a wall clock stepped forward since): no owner, and the
+    DaemonGone says which check refused it, which a status still beating leaves the user to wonder about."""
+    job = make_job()
+    job.claim()
+    lock = job.buffer / "daemon.lock"
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    with pytest.raises(DaemonGone) as info:
+        next(iter(BufferLoader(job.buffer, timeout=30, daemon_grace=0.2)))
+    assert (f"pid {os.getpid()}, which {lock} names, is not running, or is another process started after the file was "
+            "written") in " ".join(str(info.value).split())
 
 
 def test_a_daemon_that_failed_is_not_simply_to_be_restarted(make_job: MakeJob, dead_pid: int) -> None:
@@ -637,8 +653,9 @@ def test_a_daemon_that_failed_is_not_simply_to_be_restarted(make_job: MakeJob, d
 
 def test_daemon_gone_without_a_lock_file(make_job: MakeJob) -> None:
     job = make_job()
-    with pytest.raises(DaemonGone):
+    with pytest.raises(DaemonGone) as info:
         next(iter(BufferLoader(job.buffer, timeout=30, daemon_grace=0.05)))
+    assert f"none seen for 0.05 s: there is no {job.buffer / 'daemon.lock'})" in str(info.value)
 
 
 # -- a stuck daemon: only a stale heartbeat counts (real stopped daemons: tests/integration/test_liveness.py)
