@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -75,6 +76,18 @@ def oom_score_kept() -> Iterator[None]:
     yield
     after = _oom_score_adj()
     assert after == before, f"this test left the test process's oom_score_adj {after!r}, was {before!r}"
+
+
+@pytest.fixture(autouse=True)
+def prefetchd_log_level_kept() -> Iterator[None]:
+    """The "prefetchd" logger's level as it was before each test.  A command run in this process (``pack`` through
+    CliRunner) sets it (``setup_logging``: its debug is prefetchd's own), and it stayed INFO for the tests after it
+    in the same process: their caplog then held the INFO lines of the code they drive ("indexed ..."), and three
+    tests that count the records failed, in one full run, not alone."""
+    logger = logging.getLogger("prefetchd")
+    before = logger.level
+    yield
+    logger.setLevel(before)
 
 
 @pytest.fixture(autouse=True)
