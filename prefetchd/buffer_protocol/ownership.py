@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -267,6 +268,17 @@ def _hidden(pid: int) -> bool:
     return True  # ours to signal, yet not in /proc: it appeared as psutil looked (a zombie is ZombieProcess)
 
 
+def service_unit(pid: int) -> str | None:
+    """The systemd service ``pid`` runs in, from /proc/PID/cgroup (a unit's processes are in its cgroup, v1 and v2
+    alike): "prefetchd@train.service"; None where it runs in none, or its cgroups cannot be read."""
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
+            found = re.search(r"/([^/\s]+\.service)$", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return found[1] if found else None
+
+
 def same_pid_namespace(namespace: int | None) -> bool:
     """Whether a pid a process of ``namespace`` wrote (a ``Progress.pid_namespace``, a ``Status.pid_namespace``)
     names the same process here: ``namespace`` is this process's, or one of the two is unknown (a writer that
@@ -424,10 +436,12 @@ class DaemonOwner:
         return " where it runs (its container, or the host): here its pid names another process, or none"
 
     def how_to_stop(self, buffer: Dir) -> str:
-        """How to stop this daemon, owning ``buffer``, as messages say it."""
+        """How to stop this daemon, owning ``buffer``, as messages say it: a service's through systemctl, which
+        `prefetchd stop` would leave inactive as if it had been stopped that way."""
         command = f"`prefetchd stop --buffer {owning_buffer(Path(buffer))}`"
         if self.here:
-            return command
+            unit = service_unit(self.pid)
+            return f"`systemctl stop {unit}` (its service)" if unit is not None else command
         return f"{command}{self.where} (or stop its service or container there: `systemctl stop`, `docker stop`)"
 
     def __str__(self) -> str:

@@ -25,6 +25,7 @@ from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, dae
 from prefetchd.buffer_protocol.errors import user_name
 from prefetchd.buffer_protocol.layout import LOCK_NAME, STREAM_RE, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
+from prefetchd.buffer_protocol.ownership import service_unit
 from prefetchd.daemon.config import (FIELDS, DaemonConfig, check_buffer_outside, check_job_setting, fill_defaults,
                                      held_bytes, load_toml)
 from prefetchd.access import cannot_read, no_access
@@ -406,12 +407,11 @@ def not_ours_to_signal(pid: int) -> str:
         user = f"user {psutil.Process(pid).username()}"
     except (psutil.Error, KeyError):  # hidden by hidepid, or gone
         user = "another user"
-    try:
-        with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
-            found = re.search(r"/([^/\s]+\.service)$", f.read(), re.MULTILINE)
-        how = f"stop its service with `systemctl stop {found[1]}`, or " if found else ""
-    except OSError:
+    if not os.path.exists(f"/proc/{pid}/cgroup"):
         how = "stop the service that runs it, if one does (`systemctl stop prefetchd@NAME`), or "
+    else:
+        unit = service_unit(pid)
+        how = f"stop its service with `systemctl stop {unit}`, or " if unit is not None else ""
     return f"the daemon (pid {pid}) runs as {user}; {how}run this command as that user or root"
 
 

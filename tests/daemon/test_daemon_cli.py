@@ -544,7 +544,10 @@ def test_stop_of_another_users_daemon_says_who_can_stop_it(runner: CliRunner, sh
 
 def test_stop_sends_to_systemctl_only_a_daemon_that_a_unit_runs() -> None:
     """A daemon started by hand was said to stop with `systemctl stop prefetchd@NAME` (a walk as a non-root user):
-    its unit is read from /proc/PID/cgroup, here a real cgroup v1 named as systemd names a unit's."""
+    its unit is read from /proc/PID/cgroup, here a real cgroup v1 named as systemd names a unit's.  A second
+    start on a service's buffer (exit 5) advised `prefetchd stop`, which leaves the unit inactive as if stopped
+    through systemctl: it names the unit too."""
+    from prefetchd.buffer_protocol import DaemonOwner
     from prefetchd.daemon.cli import not_ours_to_signal
     from tests.cgroups import cgroup_v1
 
@@ -555,10 +558,12 @@ def test_stop_sends_to_systemctl_only_a_daemon_that_a_unit_runs() -> None:
         try:
             by_hand = not_ours_to_signal(sleeper.pid)
             assert "systemctl" not in by_hand and by_hand.endswith("; run this command as that user or root"), by_hand
+            assert DaemonOwner(sleeper.pid).how_to_stop("/dev/shm/bf") == "`prefetchd stop --buffer /dev/shm/bf`"
             (unit / "cgroup.procs").write_text(str(sleeper.pid))
             said = not_ours_to_signal(sleeper.pid)
             assert "; stop its service with `systemctl stop prefetchd@bf.service`, or run this command as that " \
                 "user or root" in said, said
+            assert DaemonOwner(sleeper.pid).how_to_stop("/dev/shm/bf") == "`systemctl stop prefetchd@bf.service` (its service)"
         finally:
             sleeper.kill()
             sleeper.wait()
