@@ -303,6 +303,15 @@ def _option(f: dataclasses.Field[Any], layered: bool, defaults_from: str | None 
         # default=None lets the command tell a given flag from an absent one; the
         # dataclass default is shown in the help instead (a list's help says its own).
         layered_help = f"{layered_help} [default: {f.default}]"
+    if layered and (bounds := _range_text(meta)):
+        # A layered flag's type is unranged (the value is checked once a config file's is merged in): the range in
+        # the help, as click writes a ranged flag's (prefetchd-train's --batch-size), which start's lacked (a walk).
+        notes = list(DEFAULT_NOTE.finditer(layered_help))
+        if notes:
+            end = notes[-1].end() - 1
+            layered_help = f"{layered_help[:end]}; {bounds}{layered_help[end:]}"
+        else:
+            layered_help = f"{layered_help} [{bounds}]"
     if kind is bool:
         if layered:
             return click.option(f"{flag}/--no-{flag[2:]}", default=False, help=layered_help)
@@ -317,6 +326,20 @@ def _option(f: dataclasses.Field[Any], layered: bool, defaults_from: str | None 
         return click.option(*names, type=ptype, required=True, help=meta["help"], metavar=meta.get("metavar"))
     extra: dict[str, Any] = {"show_default": True} if f.default is not None else {}
     return click.option(*names, type=ptype, default=f.default, help=meta["help"], metavar=meta.get("metavar"), **extra)
+
+
+def _range_text(meta: Any) -> str:
+    """A setting's range as click's ranged types write it ("1<=x<=65536", "x>0"); "" for one without bounds."""
+    low, high = meta.get("minimum"), meta.get("maximum")
+    if high is not None and high >= 2**62:  # the seed's 2**63 - 1: a bound past any value typed, not worth a line
+        high = None
+    above = "<" if meta.get("min_open") else "<="
+    below = "<" if meta.get("max_open") else "<="
+    if low is not None and high is not None:
+        return f"{low}{above}x{below}{high}"
+    if low is not None:
+        return f"x{above.replace('<', '>')}{low}"
+    return f"x{below}{high}" if high is not None else ""
 
 
 def _param_type(meta: Any, ranged: bool) -> Any:

@@ -68,7 +68,9 @@ def test_layered_options_pass_only_what_was_given_and_leave_ranges_to_check_valu
         check_value(fields["rate"], 0.0)
     check_value(fields["source"], Path("local"))  # a location may be given as a Path
     shown = CliRunner().invoke(cmd, ["--help"], terminal_width=200).output
-    assert "Items per group. [default: 8]" in shown and "--dry-run / --no-dry-run" in shown
+    assert "--dry-run / --no-dry-run" in shown
+    # The range is in the help although the flag's type does not check it (start's --batch-size had none).
+    assert "Items per group. [default: 8; 1<=x<=64]" in shown and "Per second. [x>0]" in shown, shown
 
 
 def test_prefetchd_train_without_flags_gets_trainconfigs_defaults() -> None:

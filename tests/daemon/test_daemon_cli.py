@@ -133,13 +133,15 @@ def test_submit_help_names_the_daemons_settings_as_the_defaults_not_starts(runne
     job_options = [p for p in cli.submit.params if isinstance(p, click.Option) and p.name in JOB_FIELDS]
     assert {p.name for p in job_options} == JOB_FIELDS
     for option in job_options:
-        assert option.help is not None and option.help.endswith("[default: the daemon's own setting]"), option.help
+        assert option.help is not None and re.search(r"\[default: the daemon's own setting(; [^\]]+)?\]$", option.help), \
+            option.help
         assert option.help.count("[default:") == 1, option.help
     shown = " ".join(runner.invoke(prefetchd_cli.main, ["submit", "--help"]).output.split())
     assert "[default: 128]" not in shown and "[default: run on]" not in shown
-    assert "Images per batch. [default: the daemon's own setting]" in shown
-    # start's help still names its own defaults.
-    assert "Images per batch. [default: 128]" in " ".join(runner.invoke(prefetchd_cli.main, ["start", "--help"]).output.split())
+    assert "Images per batch. [default: the daemon's own setting; 1<=x<=65536]" in shown
+    # start's help still names its own defaults, and the range its flag's type leaves to the merged settings' check.
+    assert "Images per batch. [default: 128; 1<=x<=65536]" in " ".join(
+        runner.invoke(prefetchd_cli.main, ["start", "--help"]).output.split())
 
 
 def _start_error(runner: CliRunner, caplog: pytest.LogCaptureFixture, args: list[str]) -> tuple[int, str]:
