@@ -508,7 +508,11 @@ def _owner_or_why_not(buffer: Path, status: Status | None) -> DaemonOwner | str:
     finally:
         os.close(fd)
     if held is False:  # let go: whatever process has that pid here now, no daemon owns the buffer
-        return f"nothing holds {lock} (pid {pid}, which it names, let go of it or ended)"
+        try:
+            ended = not _started_by(pid, st.st_mtime)
+        except psutil.AccessDenied:
+            ended = False
+        return f"pid {pid}, which {lock} names, has ended" if ended else f"nothing holds {lock}, whose pid {pid} let go of it"
     try:
         if not _started_by(pid, st.st_mtime):
             return (f"pid {pid}, which {lock} names, is not running, or is another process started after the file "

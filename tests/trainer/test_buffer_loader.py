@@ -619,7 +619,18 @@ def test_daemon_gone_when_the_lock_names_a_dead_pid(make_job: MakeJob, dead_pid:
     assert str(job.buffer) in msg and "e000000-s00000000.batch" in msg
     assert f"prefetchd start --buffer {job.buffer} --data /data/fake" in msg
     # Why none owns it: what to look at where the last status still beats.
-    assert f"nothing holds {job.buffer / 'daemon.lock'} (pid {dead_pid}, which it names, let go of it or ended)" in msg
+    assert f"pid {dead_pid}, which {job.buffer / 'daemon.lock'} names, has ended" in msg
+
+
+def test_daemon_gone_says_a_live_pid_that_holds_no_lock(make_job: MakeJob) -> None:
+    """The lock names a live process (this one, as a daemon between letting go and exiting would) and nothing
+    holds it: no owner, said so rather than as a daemon that ended."""
+    job = make_job()
+    lock = job.buffer / "daemon.lock"
+    lock.write_text(f"{os.getpid()}\n")
+    with pytest.raises(DaemonGone) as info:
+        next(iter(BufferLoader(job.buffer, timeout=30, daemon_grace=0.2)))
+    assert f"nothing holds {lock}, whose pid {os.getpid()} let go of it" in " ".join(str(info.value).split())
 
 
 def test_daemon_gone_says_a_held_lock_whose_pid_started_after_it_was_written(make_job: MakeJob) -> None:
