@@ -469,9 +469,12 @@ def _consumer_line(c: ConsumerStatus, rank: str) -> str:
 def _errors_line(e: Errors) -> str:
     # Hung workers only once there was one: the daemon's log names the worker, batch and file of each.
     hung = f", {counted(e.worker_hangs, 'hung worker')} killed" if e.worker_hangs else ""
+    # A trainer's moves back (a checkpoint loaded, a restart from an earlier position) rebuild batches: once there
+    # was one, as --json had them alone (a walk).
+    back = f", {counted(e.progress_rewinds, 'trainer rewind')} (batches built again)" if e.progress_rewinds else ""
     return (f"  errors    {counted(e.replaced_samples, 'replaced sample')}, "
             f"{counted(e.undecodable_files, 'bad file')}, {counted(e.worker_restarts, 'worker restart')}{hung}, "
-            f"{counted(e.write_failures, 'failed build')}")
+            f"{counted(e.write_failures, 'failed build')}{back}")
 
 
 def _bad_file_lines(e: Errors) -> list[str]:

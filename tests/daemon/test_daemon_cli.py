@@ -885,6 +885,11 @@ def test_status_counts_one_of_a_thing_in_the_singular() -> None:
     assert "s; 1 worker at " in one and "s; 2 workers at " in two
     assert ("1 replaced sample, 1 bad file, 1 worker restart, 1 failed build\n" in one
             and "2 replaced samples, 2 bad files, 2 worker restarts, 2 failed builds\n" in two)
+    # A trainer's rewinds, in --json alone before (a walk): once there was one.
+    rewound = _running_status_text(workers=1, errors=Errors(replaced_samples=1, undecodable_files=0, undecodable=(),
+                                                            worker_restarts=0, write_failures=0, progress_file="",
+                                                            progress_rewinds=2))
+    assert "0 failed builds, 2 trainer rewinds (batches built again)\n" in rewound, rewound
     for steps, said in [(1, ", 1 step/epoch"), (2, ", 2 steps/epoch")]:  # a dataset of one batch: "1 steps/epoch"
         manifest = _manifest(steps_per_epoch=steps)
         assert said in status_view.format_status(report(status_example(), manifest=manifest))
