@@ -504,7 +504,9 @@ def _owner_or_why_not(buffer: Path, status: Status | None) -> DaemonOwner | str:
         namespace = _namespace_of(buffer, pid, status)
         held = _held(fd)
         if namespace is not None:
-            return DaemonOwner(pid, namespace) if held else f"nothing holds {lock} (its daemon, {pid_named(pid, False)}, ended)"
+            if held:
+                return DaemonOwner(pid, namespace)
+            return f"nothing holds {lock} (its daemon, {pid_named(pid, False)}, ended)"
     finally:
         os.close(fd)
     if held is False:  # let go: whatever process has that pid here now, no daemon owns the buffer
@@ -512,7 +514,9 @@ def _owner_or_why_not(buffer: Path, status: Status | None) -> DaemonOwner | str:
             ended = not _started_by(pid, st.st_mtime)
         except psutil.AccessDenied:
             ended = False
-        return f"pid {pid}, which {lock} names, has ended" if ended else f"nothing holds {lock}, whose pid {pid} let go of it"
+        if ended:
+            return f"pid {pid}, which {lock} names, has ended"
+        return f"nothing holds {lock}, whose pid {pid} let go of it"
     try:
         if not _started_by(pid, st.st_mtime):
             return (f"pid {pid}, which {lock} names, is not running, or is another process started after the file "
