@@ -190,6 +190,24 @@ def check_split(loader: BufferLoader, split: str, given: str) -> None:
     )
 
 
+def check_held_out(train: BufferLoader, val: BufferLoader) -> None:
+    """The validation daemon's samples are none of the training daemon's.  Daemons on one dataset (the same
+    indexed files: the same fingerprint) split it apart only with the same --val-fraction: a val side of 0.3
+    holds the 0.2 one's and 20 of its training samples, and a training daemon with none trains on every sample.
+    Both ran, and the trainer reported a validation accuracy measured on images it trained on (a walk)."""
+    t, v = train.manifest, val.manifest
+    if t.fingerprint != v.fingerprint or (v.val_fraction is not None and t.val_fraction == v.val_fraction):
+        return
+    held = f"--val-fraction {t.val_fraction:g}" if t.val_fraction is not None else "no --val-fraction (every sample)"
+    kept = f"--val-fraction {v.val_fraction:g}" if v.val_fraction is not None else "no --val-fraction (every sample)"
+    raise SetupError(
+        f"{owning_buffer(val.buffer)}'s validation samples are training samples too: its daemon and "
+        f"{owning_buffer(train.buffer)}'s serve the same dataset ({v.dataset_root}), the training one with {held} and "
+        f"the validation one with {kept}. Start both with the same --val-fraction (its two sides never overlap), or "
+        "validate on a folder of its own"
+    )
+
+
 def check_served_job(config: TrainConfig, loader: BufferLoader, data: Path | str | None,
                      starter: str = "--spawn-daemon", options: str = "flags") -> None:
     """With --spawn-daemon a daemon that was already running must serve what the flags ask for.
@@ -233,7 +251,7 @@ def restarter(spawned: list[SpawnedDaemon], config: TrainConfig, echo: Callable[
 
 
 __all__ = [
-    "DAEMON_STOP_SECONDS", "SPAWN_ONLY", "SpawnedDaemon", "check_served_job", "check_spawn_options", "check_split",
+    "DAEMON_STOP_SECONDS", "SPAWN_ONLY", "SpawnedDaemon", "check_held_out", "check_served_job", "check_spawn_options", "check_split",
     "restarter",
     "spawn_daemon",
 ]

@@ -92,7 +92,7 @@ def make_job(buffer: Path) -> Iterator[MakeJob]:
         channels: int = 3,
         epochs: int | None = 2,
         seed: int = 7,
-        fingerprint: str = "fp-test",
+        fingerprint: str | None = None,
         write: int = 0,
         manifest: bool = True,
         split: str = "train",
@@ -101,7 +101,8 @@ def make_job(buffer: Path) -> Iterator[MakeJob]:
         target.mkdir(parents=True, exist_ok=True)
         m = Manifest(
             dataset_root="/data/fake",
-            fingerprint=fingerprint,
+            # A val job's data is a folder of its own by default, as a real one's (the held-out check).
+            fingerprint=fingerprint if fingerprint is not None else f"fp-{split}",
             classes=[f"class{i}" for i in range(classes)],
             num_samples=samples,
             split=split,

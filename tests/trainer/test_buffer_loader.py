@@ -388,7 +388,7 @@ def test_state_dict_resumes_exactly(make_job: MakeJob, tmp_path: Path) -> None:
     assert next(it).step == 0
     state = a.state_dict()
     assert (state["epoch"], state["step"]) == (1, 1)
-    assert state["fingerprint"] == "fp-test" and state["producer"] == "test-producer"
+    assert state["fingerprint"] == "fp-train" and state["producer"] == "test-producer"
     rest_a = [(b.epoch, b.step, b.indices.tolist(), b.images.clone()) for b in it]
 
     # Through a checkpoint file, as a trainer would.

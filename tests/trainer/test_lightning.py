@@ -3,6 +3,7 @@ what comes back. The real daemons, the documented diff and spawning are in tests
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -180,6 +181,26 @@ def test_a_val_buffer_of_a_train_split_is_refused(make_job: MakeJob, tmp_path: P
     good.prepare_data()
     assert len(good.val_dataloader()) == ok.manifest.steps_per_epoch
     good.teardown("fit")
+
+
+def test_a_val_buffer_whose_samples_are_training_samples_is_refused_whichever_opens_first(
+        make_job: MakeJob, tmp_path: Path) -> None:
+    """A training daemon without --val-fraction on the dataset a --val-fraction 0.2 val daemon holds out from: the
+    validation set is training data.  Lightning's sanity check opens validation first, so it is checked there too."""
+    train = make_job(tmp_path / "train", write=1, fingerprint="one")
+    val = make_job(tmp_path / "val", write=1, split="val", fingerprint="one")
+    dataclasses.replace(val.manifest, val_fraction=0.2).write(val.buffer)
+    for job in (train, val):
+        job.claim()
+    for first, second in (("train_dataloader", "val_dataloader"), ("val_dataloader", "train_dataloader")):
+        dm = BufferDataModule(train.buffer, val_buffer=val.buffer, timeout=5)
+        dm.prepare_data()
+        getattr(dm, first)()
+        with pytest.raises(SetupError, match="'s validation samples are training samples too: .* the training one "
+                                             r"with no --val-fraction \(every sample\) and the validation one with "
+                                             "--val-fraction 0.2"):
+            getattr(dm, second)()
+        dm.teardown("fit")
 
 
 def test_data_given_to_a_buffer_a_daemon_already_serves_must_match_its_job(make_job: MakeJob, tmp_path: Path) -> None:

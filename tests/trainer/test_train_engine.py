@@ -363,6 +363,31 @@ def test_a_val_buffer_is_checked_for_being_one(make_job: MakeJob, buffer: Path, 
     assert "train loss" not in result.output
 
 
+def test_a_val_buffer_whose_samples_are_training_samples_is_refused(make_job: MakeJob, buffer: Path) -> None:
+    """Daemons on one dataset with other --val-fraction values (or a training one with none) serve overlapping
+    sides: the run reported a validation accuracy on images it trained on (a walk).  The same fraction passes."""
+    base = ["--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q", "--epochs", "1"]
+
+    def run(train_fraction: float | None, val_fraction: float | None) -> Any:
+        root = buffer / f"{train_fraction}-{val_fraction}"
+        train_job = make_job(root / "train", **{**TINY, "epochs": 1, "write": 1}, fingerprint="one")
+        val_job = make_job(root / "val", **{**TINY, "epochs": 1, "write": 1}, fingerprint="one", split="val")
+        for job, fraction in ((train_job, train_fraction), (val_job, val_fraction)):
+            dataclasses.replace(job.manifest, val_fraction=fraction).write(job.buffer)
+        return CliRunner().invoke(main, ["--buffer", str(train_job.buffer), "--val-buffer", str(val_job.buffer), *base])
+
+    for train_fraction, val_fraction, said in ((0.2, 0.3, "the training one with --val-fraction 0.2 and the "
+                                                "validation one with --val-fraction 0.3"),
+                                               (None, 0.3, "the training one with no --val-fraction (every sample)")):
+        result = run(train_fraction, val_fraction)
+        assert result.exit_code == EXIT_FAILED, result.output
+        message = " ".join(result.stderr.split())
+        assert "'s validation samples are training samples too" in message and said in message, message
+        assert "Start both with the same --val-fraction" in message and "train loss" not in result.output
+    result = run(0.2, 0.2)
+    assert result.exit_code == 0, result.output
+
+
 def test_a_job_of_one_class_is_refused_with_the_folder_it_likely_meant(make_job: MakeJob, buffer: Path) -> None:
     """--data /imagenet holding train/ alone indexes one class, "train": cross-entropy over one class is 0,
     and the run "trained" to 100 % top-1 on nothing."""
