@@ -44,6 +44,10 @@ def prepare_buffer(buffer: Path, group_access: bool = False) -> bool:
         pass
     except OSError as exc:
         raise ConfigError(f"cannot create buffer directory {buffer}: {exc.strerror}; pick a writable path such as /dev/shm/bf") from None
+    if os.statvfs(buffer).f_flag & os.ST_RDONLY:
+        # Before the mode's checks: a chmod, or "fix its permissions", cannot mend a read-only mount (a walk).
+        raise ConfigError(f"buffer directory {buffer} is on a read-only filesystem; remount it read-write "
+                          f"(`mount -o remount,rw {filesystem_of(buffer).point}`) or pick another --buffer")
     check_not_shared(buffer)
     check_private_dir(buffer, group_access)
     if not os.access(buffer, os.W_OK | os.X_OK):

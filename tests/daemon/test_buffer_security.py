@@ -53,6 +53,19 @@ def test_a_new_buffer_is_the_owners_alone(shm_buffer: Path) -> None:
     assert _mode(shm_buffer / "a" / "bf") == 0o700
 
 
+def test_a_buffer_on_a_read_only_mount_is_refused_as_such_not_as_its_permissions(shm_dir: Path) -> None:
+    """A buffer folder on a tmpfs mounted ro was refused as "not writable by this user; fix its permissions", after a
+    warning to chmod 700 it (a walk of filesystems): neither mends a read-only mount."""
+    from tests.conftest import mounted_tmpfs
+
+    with mounted_tmpfs(shm_dir / "ro", "size=1m,mode=0755") as mount:
+        (mount / "bf").mkdir(mode=0o755)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        with pytest.raises(ConfigError, match=rf"buffer directory {mount}/bf is on a read-only filesystem; remount it "
+                                              rf"read-write \(`mount -o remount,rw {mount}`\)"):
+            prepare_buffer(mount / "bf")
+
+
 def test_group_access_is_setgid_group_rw(shm_buffer: Path) -> None:
     old = os.umask(0o077)  # nor does a strict one close it
     try:
