@@ -20,6 +20,13 @@ from prefetchd.daemon.watcher import BufferWatcher
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def _handled(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> list[signal.Signals]:
+    """The stop signals this process acts on: not one it was started with ignored, as `nohup` ignores SIGHUP
+    (and a shell SIGINT for a background job).  Handled anyway, `nohup prefetchd start ... &` stopped at logout
+    all the same (a walk): the convention is that a program keeps an ignored signal ignored."""
+    return [s for s in signals if signal.getsignal(s) != signal.SIG_IGN]
+
+
 _deferred: int | None = None  # a stop signal that came before a Wakeup took the handlers over
 
 
@@ -38,7 +45,7 @@ def stop_signals_deferred() -> Iterator[None]:
     ends the process as the signal would have, but with its message logged and the socket folder
     removed at exit, neither of which a death by the signal allows."""
     global _deferred
-    previous = {s: signal.signal(s, _defer) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, _defer) for s in _handled()}
     refused = False
     try:
         yield
@@ -71,7 +78,7 @@ class Wakeup:
         for fd in (r, w):
             os.set_blocking(fd, False)
         self._fds = (r, w)
-        self._old_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self._old_handlers = {s: signal.signal(s, self._on_signal) for s in _handled()}
         global _deferred
         if _deferred is not None and self.stop_signal is None:
             self.stop_signal, _deferred = _deferred, None

@@ -160,6 +160,25 @@ def test_sigterm_or_sighup_stops_cleanly(shapes_data: Path, shm_dir: Path, start
     lock.release()
 
 
+def test_a_daemon_started_with_sighup_ignored_outlives_the_session(shapes_data: Path, shm_dir: Path,
+                                                                   start_daemon) -> None:
+    """`nohup prefetchd start ... &` stopped at logout all the same: the daemon handled SIGHUP over the SIG_IGN nohup
+    set (a walk).  Started with it ignored (here by this process, which the daemon inherits it from, as from nohup),
+    it runs on through a SIGHUP; SIGTERM still stops it."""
+    buffer = shm_dir / "bf"
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "state 'full'")
+    daemon.proc.send_signal(signal.SIGHUP)
+    time.sleep(1.5)  # a handled SIGHUP stops it within a few ms (test_sigterm_or_sighup_stops_cleanly)
+    assert daemon.proc.poll() is None and "stopped by SIGHUP" not in daemon.log, daemon.log
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.wait_exit(15) == 0 and "stopped by SIGTERM" in daemon.log, daemon.log
+
+
 def test_stop_command_and_status(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
