@@ -123,6 +123,11 @@ def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **par
     """
     setup_logging(log_level)
     try:
+        os.getcwd()
+    except FileNotFoundError:  # the worker server's start (multiprocessing) needs it: a traceback (a walk)
+        log.error("the current folder was deleted; cd to one that exists and start the daemon again")
+        sys.exit(EXIT_USAGE)
+    try:
         from prefetchd.daemon.main import run_daemon
 
         cfg = build_config(ctx, config_file, params)

@@ -9,6 +9,7 @@ import grp
 import importlib
 import json
 import re
+import shlex
 import logging
 import os
 import signal
@@ -1656,3 +1657,18 @@ def test_a_tilde_the_shell_left_in_packs_paths_is_the_home_folder(runner: CliRun
     result = runner.invoke(prefetchd_cli.main, ["pack", "~/nothing-here", "~/packed"])
     assert f"{shm_dir / 'home' / 'nothing-here'}" in result.output and "~" not in result.output, result.output
     assert not (shm_dir / "~").exists()
+
+
+def test_start_from_a_deleted_folder_says_so(tmp_path: Path, shm_dir: Path) -> None:
+    """Started from a folder deleted meanwhile, the daemon ended in a traceback from the worker server's start
+    (multiprocessing asks for the current folder) that did not name the folder (a walk of job control)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    argv = shlex.join([sys.executable, "-m", "prefetchd", "start", "--buffer", str(shm_dir / "bf"), "--data",
+                       str(tmp_path)])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(["sh", "-c", f"cd {shlex.quote(str(gone))} && rmdir {shlex.quote(str(gone))} && exec {argv}"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "the current folder was deleted; cd to one that exists" in done.stderr and "Traceback" not in done.stderr
+    assert not (shm_dir / "bf").exists()
