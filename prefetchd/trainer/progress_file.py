@@ -192,6 +192,7 @@ class ProgressFile:
         self._failing_since: float | None = None  # monotonic time of the first of the writes failing now
         self._failures = 0  # writes failed since then
         self._failure_said: tuple[float, str] | None = None  # when the failure was last logged, and its error
+        self._stale_said: float | None = None  # time.monotonic() when ``stale`` last said the file was not ours
         self._failure: OSError | None = None  # the error of the last write that failed
         denied = no_access(buffer, write=True)
         if denied is not None:  # before the lock, which it would fail to make and warn of in other words
@@ -409,8 +410,15 @@ class ProgressFile:
             return time.monotonic() - self._published_at >= PROGRESS_REFRESH_SECONDS
         if self.published is not None:
             self._check_alone(current)
-            logger.warning("%s names %s, not this loader's position %s; writing it again",
-                           self.path, current and (current.epoch, current.step), self.published)
+            now = time.monotonic()
+            # At most every PROGRESS_WRITE_WARN_SECONDS: where the writes fail too (the buffer's tmpfs unmounted
+            # under it), it was said at every look, once a second (a walk).
+            if self._stale_said is None or now - self._stale_said >= PROGRESS_WRITE_WARN_SECONDS:
+                self._stale_said = now
+                mine = f"this loader's position, epoch {self.published[0]} step {self.published[1]}"
+                logger.warning("%s %s", self.path,
+                               f"names epoch {current.epoch} step {current.step}, not {mine}; writing it again"
+                               if current is not None else f"is not there, or cannot be read: writing {mine} again")
         return True
 
     def _check_alone(self, current: Progress | None) -> None:

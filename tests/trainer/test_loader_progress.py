@@ -250,3 +250,22 @@ def test_a_buffer_mounted_read_only_is_refused_when_the_loader_is_made(make_job:
             f"{volume / 'bf'} is on a filesystem mounted read-only (at {volume}), where no user may write; mount it "
             "read-write (in a container: the volume without :ro)")
         assert not (job.buffer / "progress.json").exists() and not (job.buffer / "progress.json.lock").exists()
+
+
+def test_a_progress_file_gone_under_a_waiting_loader_is_said_now_and_then_in_words(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Its tmpfs unmounted under it (`umount -l`), a waiting loader's progress.json was gone at every look: "names
+    None, not this loader's position (0, 2)", once a second (a walk).  Now in words, every
+    PROGRESS_WRITE_WARN_SECONDS at most."""
+    writer = progress_file.ProgressFile(tmp_path, DEFAULT_CONSUMER, "job")
+    try:
+        writer.publish((0, 2), wait_share=None)
+        with caplog.at_level(logging.WARNING, logger="prefetchd.trainer.progress_file"):
+            for _ in range(20):  # the looks of a few seconds
+                (tmp_path / "progress.json").unlink(missing_ok=True)
+                assert writer.stale()
+    finally:
+        writer.release()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"{tmp_path / 'progress.json'} is not there, or cannot be read: writing this loader's position, "
+                    "epoch 0 step 2 again"], said
