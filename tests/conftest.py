@@ -9,9 +9,11 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -152,13 +154,30 @@ def shapes_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@contextlib.contextmanager
+def sighup_not_ignored() -> Iterator[None]:
+    """SIGHUP's default action for the processes started within, where this one has it ignored (a test run under
+    `nohup`): a daemon started with it ignored keeps ignoring it, as nohup asks, and the tests that send it one
+    expect it to stop."""
+    ignored = (threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)
+    if ignored:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 class Daemon:
     """A `prefetchd start` process with its log captured."""
 
     def __init__(self, buffer: Path, args: list[str], log: Path) -> None:
         self.buffer = buffer
         self.log_path = log
-        self.proc = launch(start_argv(buffer, extra=args), log=log)
+        with sighup_not_ignored():
+            self.proc = launch(start_argv(buffer, extra=args), log=log)
 
     @property
     def log(self) -> str:

@@ -21,10 +21,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _handled(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> list[signal.Signals]:
-    """The stop signals this process acts on: not one it was started with ignored, as `nohup` ignores SIGHUP
-    (and a shell SIGINT for a background job).  Handled anyway, `nohup prefetchd start ... &` stopped at logout
-    all the same (a walk): the convention is that a program keeps an ignored signal ignored."""
-    return [s for s in signals if signal.getsignal(s) != signal.SIG_IGN]
+    """The stop signals this process acts on: not SIGHUP where it was started with it ignored, as `nohup` starts
+    it.  Handled anyway, `nohup prefetchd start ... &` stopped at logout all the same (a walk).  SIGINT is handled
+    even so: a shell ignores it for a background job of a script, where `kill -INT` is still meant to stop it."""
+    return [s for s in signals if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
 
 
 _deferred: int | None = None  # a stop signal that came before a Wakeup took the handlers over

@@ -23,8 +23,10 @@ from prefetchd.daemon.status_view import describe_status, format_status
 from prefetchd.daemon.errors import EXIT_BUFFER_BUSY
 from prefetchd.buffer_protocol import (DaemonLock, Progress, State, daemon_pid, list_batches, list_temp_files, map_batch,
                                        read_status)
+from prefetchd.launch import launch, start_argv
 from prefetchd.trainer import BufferLoader
 from prefetchd.words import counted
+from tests.conftest import Daemon, started_daemons
 from tests.status_examples import production_of, state_of
 
 SMALL = ["--batch-size", "8", "--image-size", "32", "--workers", "2", "--seed", "7"]
@@ -160,23 +162,31 @@ def test_sigterm_or_sighup_stops_cleanly(shapes_data: Path, shm_dir: Path, start
     lock.release()
 
 
-def test_a_daemon_started_with_sighup_ignored_outlives_the_session(shapes_data: Path, shm_dir: Path,
-                                                                   start_daemon) -> None:
+class NohupDaemon(Daemon):
+    """A daemon started through nohup(1), which starts it with SIGHUP ignored."""
+
+    def __init__(self, buffer: Path, args: list[str], log: Path) -> None:
+        self.buffer = buffer
+        self.log_path = log
+        self.proc = launch(["nohup", *start_argv(buffer, extra=args)], log=log)
+
+
+def test_a_daemon_started_under_nohup_outlives_the_session(shapes_data: Path, shm_dir: Path, tmp_path: Path) -> None:
     """`nohup prefetchd start ... &` stopped at logout all the same: the daemon handled SIGHUP over the SIG_IGN nohup
-    set (a walk).  Started with it ignored (here by this process, which the daemon inherits it from, as from nohup),
-    it runs on through a SIGHUP; SIGTERM still stops it."""
+    set (a walk).  Now it runs on through a SIGHUP; SIGTERM still stops it."""
     buffer = shm_dir / "bf"
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    daemons = started_daemons(NohupDaemon, tmp_path)
+    start = next(daemons)
     try:
-        daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
+        daemon = start(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "4")
+        daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "state 'full'")
+        daemon.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.5)  # a handled SIGHUP stops it within a few ms (test_sigterm_or_sighup_stops_cleanly)
+        assert daemon.proc.poll() is None and "stopped by SIGHUP" not in daemon.log, daemon.log
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.wait_exit(15) == 0 and "stopped by SIGTERM" in daemon.log, daemon.log
     finally:
-        signal.signal(signal.SIGHUP, previous)
-    daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "state 'full'")
-    daemon.proc.send_signal(signal.SIGHUP)
-    time.sleep(1.5)  # a handled SIGHUP stops it within a few ms (test_sigterm_or_sighup_stops_cleanly)
-    assert daemon.proc.poll() is None and "stopped by SIGHUP" not in daemon.log, daemon.log
-    daemon.proc.send_signal(signal.SIGTERM)
-    assert daemon.wait_exit(15) == 0 and "stopped by SIGTERM" in daemon.log, daemon.log
+        next(daemons, None)  # stops what is left
 
 
 def test_stop_command_and_status(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
