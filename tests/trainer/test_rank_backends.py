@@ -275,9 +275,14 @@ def stopped_while_waiting(tmp_path: Path, rank: int, notice: str) -> tuple[int |
     MASTER_PORT serves nothing): once it says ``notice`` (10 s into its wait: a minute is allowed, for a loaded
     machine's start), SIGTERM.  Its exit code (None: still
     running 5 s later, then killed), the seconds from the SIGTERM to its exit, and its output."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    if rank == 0:  # rank 0 serves the store there itself
+        held.close()
+    # Else kept bound, never listening: a connection there is refused, and no other process of a full run takes
+    # the port meanwhile.  Freed at once, it was taken by another test's server once, which answered; rank 1's
+    # TCPStore then timed out in its handshake and torch printed a C++ stack trace, which the test forbids.
     env = {name: value for name, value in os.environ.items() if not name.startswith("TORCHELASTIC_")}
     log = tmp_path / f"rank-{rank}.log"
     with log.open("w") as out:
@@ -303,6 +308,7 @@ def stopped_while_waiting(tmp_path: Path, rank: int, notice: str) -> tuple[int |
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        held.close()
 
 
 def test_a_hand_launched_rank_0_waiting_for_a_rank_that_never_comes_stops_at_once_on_sigterm(tmp_path: Path) -> None:
