@@ -270,12 +270,10 @@ def _hidden(pid: int) -> bool:
 
 def service_unit(pid: int) -> str | None:
     """The systemd service ``pid`` runs in, from /proc/PID/cgroup (a unit's processes are in its cgroup, v1 and v2
-    alike): "prefetchd@train.service"; None where it runs in none, or its cgroups cannot be read."""
-    try:
-        with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
-            found = re.search(r"/([^/\s]+\.service)$", f.read(), re.MULTILINE)
-    except OSError:
-        return None
+    alike): "prefetchd@train.service"; None where it runs in none.  OSError where its cgroups cannot be read (no
+    /proc, hidepid, gone): whether it runs in one is not known."""
+    with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
+        found = re.search(r"/([^/\s]+\.service)$", f.read(), re.MULTILINE)
     return found[1] if found else None
 
 
@@ -440,7 +438,10 @@ class DaemonOwner:
         `prefetchd stop` would leave inactive as if it had been stopped that way."""
         command = f"`prefetchd stop --buffer {owning_buffer(Path(buffer))}`"
         if self.here:
-            unit = service_unit(self.pid)
+            try:
+                unit = service_unit(self.pid)
+            except OSError:  # not known: the command that signals it
+                unit = None
             return f"`systemctl stop {unit}` (its service)" if unit is not None else command
         return f"{command}{self.where} (or stop its service or container there: `systemctl stop`, `docker stop`)"
 

@@ -412,11 +412,11 @@ def not_ours_to_signal(pid: int) -> str:
         user = f"user {psutil.Process(pid).username()}"
     except (psutil.Error, KeyError):  # hidden by hidepid, or gone
         user = "another user"
-    if not os.path.exists(f"/proc/{pid}/cgroup"):
-        how = "stop the service that runs it, if one does (`systemctl stop prefetchd@NAME`), or "
-    else:
+    try:
         unit = service_unit(pid)
         how = f"stop its service with `systemctl stop {unit}`, or " if unit is not None else ""
+    except OSError:
+        how = "stop the service that runs it, if one does (`systemctl stop prefetchd@NAME`), or "
     return f"the daemon (pid {pid}) runs as {user}; {how}run this command as that user or root"
 
 
