@@ -55,6 +55,7 @@ from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError
 from prefetchd.buffer_protocol.layout import TRAINER_FILE_MODE
 from prefetchd.buffer_protocol.progress import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import AccessLost, LoaderError, NoAccess
+from prefetchd.throttle import Throttle
 from prefetchd.words import counted
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,9 @@ class ProgressFile:
         self._failing_since: float | None = None  # monotonic time of the first of the writes failing now
         self._failures = 0  # writes failed since then
         self._failure_said: tuple[float, str] | None = None  # when the failure was last logged, and its error
-        self._stale_said: float | None = None  # time.monotonic() when ``stale`` last said the file was not ours
+        # ``stale``'s line that the file is not ours: where the writes fail too (the buffer's tmpfs unmounted under
+        # it), it was said at every look, once a second (a walk).
+        self._stale_said = Throttle(PROGRESS_WRITE_WARN_SECONDS)
         self._failure: OSError | None = None  # the error of the last write that failed
         denied = no_access(buffer, write=True)
         if denied is not None:  # before the lock, which it would fail to make and warn of in other words
@@ -410,11 +413,7 @@ class ProgressFile:
             return time.monotonic() - self._published_at >= PROGRESS_REFRESH_SECONDS
         if self.published is not None:
             self._check_alone(current)
-            now = time.monotonic()
-            # At most every PROGRESS_WRITE_WARN_SECONDS: where the writes fail too (the buffer's tmpfs unmounted
-            # under it), it was said at every look, once a second (a walk).
-            if self._stale_said is None or now - self._stale_said >= PROGRESS_WRITE_WARN_SECONDS:
-                self._stale_said = now
+            if self._stale_said.let_through() is not None:
                 mine = f"this loader's position, epoch {self.published[0]} step {self.published[1]}"
                 logger.warning("%s %s", self.path,
                                f"names epoch {current.epoch} step {current.step}, not {mine}; writing it again"
