@@ -74,13 +74,13 @@ def ended(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-
 def one_line(text: str) -> str:
     """``text`` with its control characters (newlines, escapes, line separators) written as Python escapes: a
     job's fields come from any member of the buffer's group and reach log messages, where a newline would start
     a line of their own making (a forged timestamp and level, in the journal or the log file); a path's reach
     the terminal of whoever runs a command (an escape in a folder's name turned it red: a walk)."""
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 
 __all__ = ["agreeing", "binary_size", "counted", "ended", "epochs_flag", "moment", "one_line", "rank_ranges"]
 
