@@ -445,6 +445,21 @@ class DaemonOwner:
             return f"`systemctl stop {unit}` (its service)" if unit is not None else command
         return f"{command}{self.where} (or stop its service or container there: `systemctl stop`, `docker stop`)"
 
+    def stopped_note(self) -> str | None:
+        """What to do about this daemon where it is stopped (SIGSTOP, Ctrl-Z in its terminal, a debugger's stop), for
+        messages that would otherwise quote its last status as if it ran: it beats again once continued, so
+        restarting it is not the fix.  None where it runs, is of another pid namespace, or cannot be looked at."""
+        if not self.here:
+            return None
+        try:
+            stopped = psutil.Process(self.pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        except psutil.Error:
+            return None
+        if not stopped:
+            return None
+        return (f"the daemon ({self}) is stopped (SIGSTOP, Ctrl-Z in its terminal, or a debugger), so it builds "
+                f"nothing: `kill -CONT {self.pid}` (or `fg` in its shell) lets it go on where it was")
+
     def __str__(self) -> str:
         return pid_named(self.pid, self.here)
 

@@ -341,10 +341,11 @@ def submit(ctx: click.Context, /, buffer: Path, config_file: Path | None, replac
 @click.option("--buffer", type=BUFFER, required=True)
 @click.option("--timeout", type=FiniteFloat(0), default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(buffer: Path, timeout: float) -> None:
-    """Stop the daemon that owns BUFFER gracefully (SIGTERM) and wait until it has exited.  One of another pid
-    namespace (another container, or the host) is not signalled: stop it where it runs.  Exit code 0: stopped,
-    or no daemon runs on BUFFER; 1: it could not be stopped (this user may not signal it, or not read BUFFER); 2:
-    BUFFER is a rank's stream directory (stop its buffer's daemon), or a file; 3: BUFFER does not exist."""
+    """Stop the daemon that owns BUFFER gracefully (SIGTERM, and SIGCONT where it is stopped) and wait until it has
+    exited.  One of another pid namespace (another container, or the host) is not signalled: stop it where it runs.
+    Exit code 0: stopped, or no daemon runs on BUFFER; 1: it could not be stopped (this user may not signal it, or
+    not read BUFFER); 2: BUFFER is a rank's stream directory (stop its buffer's daemon), or a file; 3: BUFFER does
+    not exist."""
     denied = no_access(buffer)
     if denied is not None:  # daemon.lock cannot be read: "no daemon is running" would be a guess
         # Not "join its group": a member may read the buffer but not signal its daemon (a review).
@@ -386,6 +387,8 @@ def stop(buffer: Path, timeout: float) -> None:
         sys.exit(EXIT_USAGE)
     try:
         os.kill(pid, signal.SIGTERM)
+        # A stopped daemon (Ctrl-Z, SIGSTOP) takes its SIGTERM only once continued, as systemd's stop does it.
+        os.kill(pid, signal.SIGCONT)
     except PermissionError:
         say(f"cannot stop the daemon on {buffer}: {not_ours_to_signal(pid)}", err=True)
         sys.exit(EXIT_FAILURE)

@@ -11,6 +11,7 @@ moved for long (``stalled``) and kill it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -20,6 +21,7 @@ import multiprocessing.util
 import os
 import resource
 import selectors
+import signal
 import tempfile
 import threading
 import time
@@ -236,6 +238,7 @@ class WorkerPool:
 
     def stop(self) -> None:
         """Ask every worker to finish its tasks and exit; kill those still there after WORKER_STOP_SECONDS."""
+        _continue_children()
         for worker in self.workers:
             try:
                 worker.conn.send(None)
@@ -418,3 +421,17 @@ def task_images(batch_size: int, workers: int, cap: int) -> int:
         largest = max(1, min(MAX_CHUNK, batch_size, max(spread, min(MIN_CHUNK, roomy))))
     tasks = -(-batch_size // largest)
     return -(-batch_size // tasks)
+
+
+def _continue_children() -> None:
+    """SIGCONT this process's children and theirs, as systemd's stop does.  Stopped with the daemon (Ctrl-Z stops a
+    terminal's whole process group), the forkserver reaps no worker and reports no exit, so joining one waited for
+    good, at the latest in multiprocessing's own join at exit (a walk: a stopped daemon continued by `prefetchd
+    stop` never exited)."""
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.send_signal(signal.SIGCONT)

@@ -110,6 +110,8 @@ def describe_status(buffer: Path) -> StatusReport:
             problems.append(not_the_holder(owner / LOCK_NAME, daemon.pid, holders))
     elif daemon is None and (held := foreign_lock(owner / LOCK_NAME)) is not None:
         problems.append(held)
+    if daemon is not None and (stopped := daemon.stopped_note()) is not None:
+        problems.append(stopped)  # its heartbeat stops too: the warning below would blame it for being stuck
     rank, served = None, True
     if owner != buffer:  # one rank's stream directory: show that rank, not every rank of its daemon
         rank = int(buffer.name.removeprefix(STREAM_PREFIX))
@@ -291,7 +293,7 @@ def _status_lines(report: StatusReport) -> list[str]:
                      "the rates, memory and errors are the whole daemon's")
     if report.stale:  # then nothing below is of now: "alive", "written 2 s ago" and the rates are as the daemon last saw
         age = f"{report.heartbeat_age_s:.0f} s"
-        lines.append(f"  WARNING  no heartbeat for {age}: the daemon may be stuck, and the figures below are its last "
+        lines.append(f"  WARNING  no heartbeat for {age}: the daemon may be stuck or stopped, and the figures below are its last "
                      f"status's, {age} old or more")
     if st and st.message:
         lines.append(f"  note      {st.message}")

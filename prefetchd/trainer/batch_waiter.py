@@ -8,7 +8,7 @@ made (:func:`open_stream_folder`).  Every wait is bounded by ``timeout``
 
     no daemon owns daemon.lock    for daemon_grace     -> DaemonGone   (restart it)
     the holder's status.json heartbeat older than
-                                  stall_timeout        -> DaemonStuck  (py-spy, kill, restart)
+                                  stall_timeout        -> DaemonStuck  (py-spy, kill, restart; kill -CONT if stopped)
     the holder's status.json says it waits for a job while
     the manifest is this loader's job at once              -> JobEnded     (submit it again)
     nothing of the above, the batch still missing after
@@ -234,7 +234,11 @@ class BatchWaiter:
                 raise StopRequested(f"asked to stop while waiting for {path}")
             if not warned and now - start >= SLOW_WAIT_WARNING:
                 warned = True
-                logger.warning("still waiting for %s after %.0f s; %s", path, now - start,
+                owner = daemon_owner(self.buffer)
+                stopped = owner.stopped_note() if owner is not None else None
+                # A stopped daemon's status is as it was when it stopped: said first, with what lets it go on.
+                logger.warning("still waiting for %s after %.0f s; %s%s", path, now - start,
+                               f"{stopped}; as of its last heartbeat, " if stopped is not None else "",
                                status_summary(self.buffer, self.manifest.rank))
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, MAX_DELAY)
@@ -413,6 +417,13 @@ class BatchWaiter:
             return
         state = short(own.state) if own is not None else "unknown"
         pid = owner.pid
+        stopped = owner.stopped_note()
+        if stopped is not None:
+            raise DaemonStuck(
+                f"{self.buffer}: {stopped}; it has written no {what} for {age:.1f} s (stall_timeout {self.stall:g} s; "
+                f"last state {state}) and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} "
+                f"s. Continue it and start the trainer again, from its last checkpoint; or stop it with "
+                f"{owner.how_to_stop(self.buffer)}, which continues it to take its SIGTERM. {self._restart_hint()}")
         raise DaemonStuck(
             f"{self.buffer}: the daemon ({owner}) owns this buffer but has written no {what} for {age:.1f} s "
             f"(stall_timeout {self.stall:g} s; last state {state}) "

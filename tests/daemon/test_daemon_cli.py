@@ -694,7 +694,7 @@ def test_status_says_how_many_samples_the_split_holds_where_val_fraction_cut_it(
 def test_a_stale_status_says_its_figures_are_as_old_as_its_last_heartbeat() -> None:
     """A SIGSTOPped daemon's status said "trainer pid 777 alive, progress written 0 s ago" as if of now."""
     stale = status_view.format_status(report(status_example(), stale=True, heartbeat_age_s=13.2))
-    assert stale.splitlines()[1] == ("  WARNING  no heartbeat for 13 s: the daemon may be stuck, and the figures below "
+    assert stale.splitlines()[1] == ("  WARNING  no heartbeat for 13 s: the daemon may be stuck or stopped, and the figures below "
                                      "are its last status's, 13 s old or more")
     assert "WARNING" not in status_view.format_status(report(status_example()))
 

@@ -6,6 +6,7 @@ Timings are bounds with generous slack, never speeds: the machine is shared."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from prefetchd.buffer_protocol import Progress, State, batch_name, daemon_pid, list_batches, read_status
@@ -64,10 +66,12 @@ def test_stopped_daemon_is_reported_stuck_within_the_stall_timeout(shapes_data: 
         msg = str(info.value)
         pid = daemon.proc.pid
         assert f"pid {pid}" in msg and str(buffer) in msg
-        assert f"py-spy dump --pid {pid}" in msg and "stall_timeout 3 s" in msg
-        assert "last state" in msg and "prefetchd start --buffer" in msg
+        # Stopped, not hung: what lets it go on, not py-spy (a walk: it quoted the stopped daemon as stuck).
+        assert f"is stopped (SIGSTOP" in msg and f"`kill -CONT {pid}`" in msg and "py-spy" not in msg
+        assert "stall_timeout 3 s" in msg and "last state" in msg and "prefetchd start --buffer" in msg
         # Stuck is not gone: the stopped daemon still owns the buffer.
         assert daemon_pid(buffer) == pid
+        assert f"`kill -CONT {pid}`" in format_status(describe_status(buffer)).splitlines()[-1]
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     resumed = time.time()
@@ -75,6 +79,30 @@ def test_stopped_daemon_is_reported_stuck_within_the_stall_timeout(shapes_data: 
     # Running again it beats again, and the same iterator goes on from the batch it waited for.
     steps += [b.step for b in it]
     assert steps == list(range(len(loader)))
+
+
+def test_a_daemon_stopped_with_its_workers_as_ctrl_z_stops_them_is_stopped_by_prefetchd_stop(
+        shapes_data: Path, shm_dir: Path, start_daemon) -> None:
+    """Ctrl-Z stops the daemon's whole process group.  `prefetchd stop` sent SIGTERM only, which a stopped process
+    takes once continued: it waited its timeout and said to kill -9.  Continued alone, the daemon then hung at exit
+    in multiprocessing's join of a worker that the still stopped forkserver never reported (a walk)."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2", "--low-water", "1")
+    wait_running(buffer, daemon.proc.pid)
+    group = [psutil.Process(daemon.proc.pid), *psutil.Process(daemon.proc.pid).children(recursive=True)]
+    assert len(group) >= 3, group  # the forkserver, its worker, the resource tracker
+    for proc in group:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        stop = subprocess.run([sys.executable, "-m", "prefetchd", "stop", "--buffer", str(buffer), "--timeout", "20"],
+                              capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert daemon.wait_exit(10) == 0
+        assert "stopped by SIGTERM" in daemon.log
+    finally:
+        for proc in group:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGCONT)
 
 
 def test_a_daemon_whose_workers_take_seconds_per_image_still_beats(shapes_data: Path, shm_dir: Path,
