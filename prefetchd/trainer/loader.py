@@ -14,7 +14,8 @@ while the consumer works on this one.
 Several trainers may read one buffer (a sweep, an ensemble): each passes its own
 ``consumer`` name and writes ``progress.NAME.json`` instead; the daemon keeps every
 batch until no consumer's window holds it.  A named consumer starts, unless told
-where, at the oldest batch still in the buffer, and ``close()`` marks the file closed
+where, at the oldest batch still in the buffer (none there: where the slowest live
+consumer is), and ``close()`` marks the file closed
 so that it holds nothing.
 A loader still open when the interpreter exits closes then, and one collected unclosed (made in a
 function that returned) says in its progress file that it left (``prefetchd.trainer.leaving``).
@@ -57,7 +58,7 @@ from prefetchd.trainer.loader_iteration import LoaderIteration
 from prefetchd.trainer.loader_progress import LoaderProgress
 from prefetchd.trainer.loader_resume import LoaderResume
 from prefetchd.trainer.manifest_wait import wait_for_manifest
-from prefetchd.trainer.progress_file import ProgressFile
+from prefetchd.trainer.progress_file import ProgressFile, live_positions
 from prefetchd.trainer.resume import as_count, loader_state, resume_position
 from prefetchd.trainer.tensors import IMAGENET_MEAN, IMAGENET_STD, check_statistics, normalization
 from prefetchd.trainer.wait_bounds import (DAEMON_GRACE, DEFAULT_STALL_TIMEOUT, DEFAULT_TIMEOUT, buffer_path,
@@ -123,7 +124,8 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
             single trainer does.
         start: (epoch, step) to begin at; ``load_state_dict`` moves it later.  Default:
             (0, 0) for the default consumer, the oldest batch still in the buffer for
-            a named one (it joins where the others are).
+            a named one (it joins where the others are; where none waits, at the next batch
+            the slowest live consumer of the job needs, else (0, 0)).
 
     Raises :class:`NoAccess` when this user may not write its progress file in ``buffer``
     (a buffer of another user that it may only read, a --group-access buffer whose group may
@@ -241,9 +243,14 @@ class BufferLoader(LoaderIteration, LoaderProgress, LoaderResume):
                                    f"start={start}")
         if self._consumer == DEFAULT_CONSUMER:
             return (0, 0)
-        # Join where the others are: the oldest batch the daemon still holds.
+        # Join where the others are: the oldest batch the daemon still holds, else (they read each batch as soon as
+        # it is built) the next one the slowest of them needs.  Not (0, 0), which had the daemon build the job again
+        # from its start for the newcomer (a walk: 9 of 37 joins beside a fast reader).
         waiting = list_batches(self._buffer, self._waiter.fd)
-        return min(waiting) if waiting else (0, 0)
+        if waiting:
+            return min(waiting)
+        return min(live_positions(self._buffer, self._manifest.job_key, self._waiter.fd, self._consumer),
+                   default=(0, 0))
 
     # -- read-only views ---------------------------------------------------------
 

@@ -51,8 +51,8 @@ from pathlib import Path
 
 from prefetchd.access import no_access, user_name
 from prefetchd.buffer_protocol import (DEFAULT_CONSUMER, Progress, ProtocolError, alive_since, consumer_lock_name,
-                                      progress_name, same_pid_namespace, take_lock, writer_named)
-from prefetchd.buffer_protocol.layout import TRAINER_FILE_MODE
+                                      progress_name, same_pid_namespace, take_lock, writer_alive, writer_named)
+from prefetchd.buffer_protocol.layout import TRAINER_FILE_MODE, consumer_files
 from prefetchd.buffer_protocol.progress import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer.errors import AccessLost, LoaderError, NoAccess
 from prefetchd.throttle import Throttle
@@ -433,4 +433,22 @@ class ProgressFile:
         )
 
 
-__all__ = ["ALONE_CHECK_SECONDS", "PROGRESS_WRITE_GRACE", "PROGRESS_WRITE_WARN_SECONDS", "ProgressFile"]
+def live_positions(directory: Path, job: str, dir_fd: int, but: str) -> list[tuple[int, int]]:
+    """The positions the consumers of ``directory`` (listed through its fd ``dir_fd``) other than ``but`` need next,
+    in job ``job``, of those whose writer is known to be there and has not left: where a newcomer joins the others
+    when no batch waits.  An unreadable file, or one of another job, is no one's to follow."""
+    positions = []
+    for consumer in consumer_files(directory, dir_fd):
+        if consumer == but:
+            continue
+        try:
+            progress = Progress.read(directory, consumer, dir_fd)
+        except (ProtocolError, OSError):
+            continue
+        if (progress is not None and progress.job == job and not progress.closed
+                and writer_alive(directory, consumer, progress, dir_fd)):
+            positions.append((progress.epoch, progress.step))
+    return positions
+
+
+__all__ = ["ALONE_CHECK_SECONDS", "PROGRESS_WRITE_GRACE", "PROGRESS_WRITE_WARN_SECONDS", "ProgressFile", "live_positions"]

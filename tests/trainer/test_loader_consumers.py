@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from click.testing import CliRunner
 
-from prefetchd.buffer_protocol import VERSION, Progress, list_consumers
+from prefetchd.buffer_protocol import VERSION, Manifest, Progress, list_consumers
 from prefetchd.buffer_protocol.progress import PROGRESS_REFRESH_SECONDS
 from prefetchd.trainer import BufferLoader, LoaderError
 from prefetchd.trainer.progress_file import _LOCKS, ALONE_CHECK_SECONDS
@@ -72,6 +72,32 @@ def test_a_named_consumer_joins_at_the_oldest_batch_still_there(make_job: MakeJo
     with pytest.raises(Exception, match="step 9"):
         BufferLoader(job.buffer, consumer="x", start=(0, 9))
     late.close()
+
+
+def test_a_named_consumer_joins_the_slowest_live_one_when_no_batch_waits(make_job: MakeJob) -> None:
+    """Beside a trainer that reads each batch as soon as it is built, the buffer is mostly empty: a newcomer joined at
+    (0, 0) and the daemon built the job again from its start for it (a soak walk).  It follows the live consumers
+    of this job that have not left, and no one else."""
+    job = make_job(samples=40, batch_size=4, write=0)
+    key = Manifest.read(job.buffer).job_key
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        write_progress_of(live.pid, job.buffer / "progress.json", step=6, job=key)
+        write_progress_of(live.pid, job.buffer / "progress.fast.json", step=8, job=key)
+        write_progress_of(live.pid, job.buffer / "progress.left.json", step=3, job=key, closed=True)
+        write_progress_of(gone.pid, job.buffer / "progress.dead.json", step=2, job=key)
+        write_progress_of(live.pid, job.buffer / "progress.old.json", step=1, job="another job")
+        with BufferLoader(job.buffer, normalize=False, consumer="late") as late:
+            assert late.position == (0, 6)
+        (job.buffer / "progress.json").unlink()
+        (job.buffer / "progress.fast.json").unlink()
+        with BufferLoader(job.buffer, normalize=False, consumer="later") as later:
+            assert later.position == (0, 0)  # no one live to follow: the job's start, as before
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_a_waiting_consumer_refreshes_its_progress_file(make_job: MakeJob) -> None:
