@@ -495,7 +495,8 @@ def _consumer_lines_shown(s: StreamStatus) -> bool:
 def _lead_name(pr: Production) -> str:
     """Whom the progress line is about: with consumer lines below, the slowest consumer that holds batches
     (status.json's ``progress``), which is one of them; else the one trainer."""
-    return "slowest consumer" if any(_consumer_lines_shown(s) for s in pr.streams) else "trainer"
+    # "holding": the slowest of all may be one that left or timed out, whose batches are not kept (a walk).
+    return "slowest holding consumer" if any(_consumer_lines_shown(s) for s in pr.streams) else "trainer"
 
 
 def _lead_left(pr: Production) -> bool:

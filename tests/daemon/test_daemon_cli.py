@@ -792,7 +792,7 @@ def test_the_progress_line_names_the_slowest_consumer_when_consumers_are_listed(
     alone = _running_status_text(streams=(stream(consumers=(dataclasses.replace(CONSUMER, name=""),)),))
     assert "  progress  trainer at epoch" in alone and "  consumer  " not in alone
     shared = _running_status_text(streams=(stream(consumers=(CONSUMER,)),))
-    assert "  progress  slowest consumer at epoch" in shared and "  consumer  trial-3 at epoch" in shared
+    assert "  progress  slowest holding consumer at epoch" in shared and "  consumer  trial-3 at epoch" in shared
 
 
 def test_status_says_no_trainer_yet_before_any_trainer_wrote_progress() -> None:
@@ -803,7 +803,7 @@ def test_status_says_no_trainer_yet_before_any_trainer_wrote_progress() -> None:
     rank_1_only = production_without_trainer(2).streams[1]
     ranks = status_view.format_status(report(status_example(production=production_without_trainer(
         2, high_water=8, streams=(stream(0), rank_1_only), progress=stream(0).progress, trainer=stream(0).trainer))))
-    assert "  progress  slowest consumer at epoch 1 step 40" in ranks, ranks  # rank 0 has one
+    assert "  progress  slowest holding consumer at epoch 1 step 40" in ranks, ranks  # rank 0 has one
     assert re.search(r"rank 1 .* waiting, no trainer yet", ranks) and "rank 0     [" in ranks, ranks
 
 
