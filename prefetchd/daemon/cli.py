@@ -6,6 +6,7 @@ and prints is status_view.py's."""
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import re
@@ -110,6 +111,10 @@ LOG_LEVEL_OPTION = click.option("--log-level", type=click.Choice(["debug", "info
                                 show_default=True, help="How much the daemon logs (debug: prefetchd's own lines).")
 
 
+# What has a running daemon write its threads' stacks into its log (and go on).
+STACKS_SIGNAL = signal.SIGUSR1
+
+
 @click.command(cls=BufferOptionCommand)
 @config_options()
 @CONFIG_FILE_OPTION
@@ -122,6 +127,11 @@ def start(ctx: click.Context, /, config_file: Path | None, log_level: str, **par
     `prefetchd submit` and serves them one after another.
     """
     setup_logging(log_level)
+    if sys.__stderr__ is not None:  # where the log goes: a daemon that beats no more can be asked where it is
+        # A crash in native code (a decoder) says where each thread was; `kill -USR1 PID` says it on demand, where
+        # py-spy, which DaemonStuck names first, is not installed.
+        faulthandler.enable(sys.__stderr__)
+        faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True)
     try:
         os.getcwd()
     except FileNotFoundError:  # the worker server's start (multiprocessing) needs it: a traceback (a walk)

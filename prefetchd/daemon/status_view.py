@@ -273,8 +273,8 @@ def _status_lines(report: StatusReport) -> list[str]:
         if st:
             line += f" (last state: {st.state}{': ' + st.message if st.message else ''})"
         if report.ended_unsaid:  # a killed daemon read as one whose last word was "full"
-            line += ("; it ended without writing its last state: killed (SIGKILL, the OOM killer: `dmesg`) or "
-                     "crashed (its log says more)")
+            line += ("; it ended without writing its last state: killed (SIGKILL, the OOM killer: `dmesg`, or a "
+                     "signal other than the SIGTERM, SIGINT and SIGHUP it stops on) or crashed (its log says more)")
         # What went wrong in the job it last produced (the bad files to mend) is not gone with it.
         e = st.production.errors if st is not None and st.production is not None else None
         told = [_errors_line(e), *_bad_file_lines(e)] if e is not None and (

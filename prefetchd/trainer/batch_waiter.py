@@ -428,7 +428,8 @@ class BatchWaiter:
             f"{self.buffer}: the daemon ({owner}) owns this buffer but has written no {what} for {age:.1f} s "
             f"(stall_timeout {self.stall:g} s; last state {state}) "
             f"and batch {name} (epoch {epoch}, step {step}) has been waited for {waited:.1f} s: it is stuck, or "
-            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`{owner.where}; then "
+            f"stopped (SIGSTOP, a debugger, swapping). See where with `py-spy dump --pid {pid}`{owner.where}, or "
+            f"`kill -USR1 {pid}`, which has it write its threads' stacks into its log; then "
             f"stop it (`kill {pid}`, `kill -9 {pid}` if it does not go). {self._restart_hint()}. If it is only slow, "
             "pass a larger stall_timeout (prefetchd-train --daemon-timeout)"
         )

@@ -310,7 +310,8 @@ def test_a_daemon_that_ended_without_its_last_state_is_said_to_have_been_killed(
     assert doc["running"] is False and doc["ended_unsaid"] is unsaid
     text = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path)])
     assert text.exit_code == EXIT_NOT_RUNNING
-    said = "; it ended without writing its last state: killed (SIGKILL, the OOM killer: `dmesg`) or crashed"
+    said = ("; it ended without writing its last state: killed (SIGKILL, the OOM killer: `dmesg`, or a signal other "
+            "than the SIGTERM, SIGINT and SIGHUP it stops on) or crashed")
     assert (said in text.output) is unsaid, text.output
     assert f"(last state: {state}" in text.output
 

@@ -105,6 +105,21 @@ def test_a_daemon_stopped_with_its_workers_as_ctrl_z_stops_them_is_stopped_by_pr
                 proc.send_signal(signal.SIGCONT)
 
 
+def test_sigusr1_has_a_running_daemon_write_its_threads_stacks_into_its_log(shapes_data: Path, shm_dir: Path,
+                                                                            start_daemon) -> None:
+    """DaemonStuck names py-spy, which is rarely installed; SIGUSR1 ended the daemon without a word (a walk)."""
+    buffer = shm_dir / "bf"
+    daemon = start_daemon(buffer, "--data", shapes_data / "train", *SMALL, "--high-water", "2", "--low-water", "1")
+    wait_running(buffer, daemon.proc.pid)
+    daemon.proc.send_signal(signal.SIGUSR1)
+    daemon.wait_until(lambda: "Current thread" in daemon.log, 30, "its stacks in its log")
+    assert "most recent call first" in daemon.log and "prefetchd/daemon/" in daemon.log, daemon.log
+    resumed = time.time()
+    wait_for(lambda: (s := read_status(buffer)) is not None and s.heartbeat > resumed + 1, 30, "a heartbeat after it")
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+
+
 def test_a_daemon_whose_workers_take_seconds_per_image_still_beats(shapes_data: Path, shm_dir: Path,
                                                                    start_daemon) -> None:
     """RELIABILITY.md, Liveness: the controller loop never blocks on the workers, so a daemon whose workers are
