@@ -2,8 +2,9 @@
  *
  * Part of prefetchd.daemon._cropjpeg (the wrapper is there).  torchvision's v2 resize
  * (BILINEAR, antialias=True) of a uint8 image calls torch's _upsample_bilinear2d_aa on
- * the uint8 pixels where the CPU has AVX2 or AVX-512, or is arm64 (resample.py says
- * when); torch then resamples as Pillow does, in integers: per axis, the triangle
+ * the uint8 pixels where the CPU has AVX2 or AVX-512, or is arm64 (elsewhere torchvision
+ * resizes in float32, which prefetchd does not follow: resample.py says why); torch then
+ * resamples as Pillow does, in integers: per axis, the triangle
  * filter's weights in double, normalised per output sample, rounded to int16 at the
  * largest precision at which the axis's largest weight still fits; then a horizontal
  * pass into uint8 rows and a vertical pass over those, each an integer dot product plus

@@ -2,7 +2,7 @@
 
 The integer crop box is copied once out of the decoded image into a contiguous
 H x W x 3 array (``decode.cut``); the antialiased bilinear resize (the bytes of ``torchvision.transforms.v2.functional.resize``:
-torch's uint8 kernel with PIL-compatible weights, where the CPU has it) reads that
+torch's uint8 kernel with PIL-compatible weights, on every CPU: ``resize``) reads that
 channels-last memory and writes its result channels-last too, mirrored where the
 plan flips, so the resized image already has the batch slot's H x W x 3 layout: no
 transpose, no strided copy.  Where the C extension is built the resize is its own
@@ -23,10 +23,6 @@ pixel.
 
 from __future__ import annotations
 
-import os
-import platform
-from functools import lru_cache
-
 import numpy as np
 
 from prefetchd.daemon import jpeg_crop
@@ -35,16 +31,19 @@ from prefetchd.daemon import jpeg_crop
 def resize(crop: np.ndarray, size: int, mirror: bool, into: np.ndarray | None = None) -> np.ndarray:
     """Antialiased bilinear resize of an H x W x 3 uint8 array to ``size`` x ``size`` x 3, columns
     mirrored if ``mirror``, into ``into`` where given (a batch slot: see ``transforms.augment_bytes``)
-    or a new array: the bytes of torchvision's ``v2.functional.resize(BILINEAR,
-    antialias=True)`` then ``hflip``, which the tests compare.  As there: torch's uint8 kernel
-    where the CPU has one (``uint8_kernel``), else float32 rounded back.  The uint8 kernel is
-    the C extension's where it is built (the same bytes: tests/daemon/test_resample.py), so
-    that a worker need not import torch at all; else torch's, called directly."""
-    native = uint8_kernel()
-    if native:
-        resized = jpeg_crop.resize(crop, size, mirror, into)
-        if resized is not None:
-            return resized
+    or a new array: the bytes of torchvision's ``v2.functional.resize(BILINEAR, antialias=True)`` then
+    ``hflip`` on a CPU with torch's uint8 kernel, which the tests compare.  The C extension's where it
+    is built (so that a worker need not import torch at all), else torch's own uint8 kernel, called
+    directly: the same integer arithmetic, so the same bytes on every CPU.
+
+    Not torchvision's choice on an x86 CPU without AVX2 and FMA (or under ATEN_CPU_CAPABILITY=default),
+    where it resizes in float32 and rounds: up to 1 apart on some bytes (7 % in a walk), so a batch would
+    depend on the machine that built it, and a daemon restarted there (or a Ray node of another CPU)
+    mixed such batches into one job with no word.  torch's uint8 kernel runs on any CPU (its generic loop
+    where it has no AVX2 one), so every build of a batch has the same bytes."""
+    resized = jpeg_crop.resize(crop, size, mirror, into)
+    if resized is not None:
+        return resized
     import torch
     import torch.nn.functional as F
 
@@ -54,10 +53,7 @@ def resize(crop: np.ndarray, size: int, mirror: bool, into: np.ndarray | None = 
         # 1 x 3 x H x W over the H x W x 3 memory.  Its batch stride is restrided to the element count
         # so that torch allocates the output channels-last too (pytorch issue 68430, as torchvision does).
         image = hwc.permute(2, 0, 1).as_strided((1, 3, height, width), (hwc.numel(), 1, width * 3, 3))
-        out = F.interpolate(image if native else image.float(), size=[size, size], mode="bilinear",
-                            align_corners=False, antialias=True)
-        if not native:
-            out = out.round_().to(torch.uint8)
+        out = F.interpolate(image, size=[size, size], mode="bilinear", align_corners=False, antialias=True)
         hwc = out.reshape(3, size, size).permute(1, 2, 0)
     if mirror:
         hwc = hwc.flip(1)
@@ -67,38 +63,10 @@ def resize(crop: np.ndarray, size: int, mirror: bool, into: np.ndarray | None = 
     return hwc.contiguous().numpy()
 
 
-@lru_cache(maxsize=1)
-def uint8_kernel() -> bool:
-    """Whether torchvision resizes a uint8 image in uint8 here (torch's uint8 kernel) rather than in
-    float32: where torch's CPU capability is AVX2 or AVX-512, and on arm64.  Told without importing
-    torch: torch's capability is AVX2 or more where the CPU has AVX2 and FMA, unless
-    ATEN_CPU_CAPABILITY=default lowers it (tests/daemon/test_resample.py checks the two agree)."""
-    machine = platform.machine()
-    if machine in ("aarch64", "arm64"):
-        return True
-    if machine not in ("x86_64", "AMD64") or os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
-        return False
-    return {"avx2", "fma"} <= _cpu_flags()
-
-
 def resize_summary() -> str:
     """Which resize the workers run, and so whether they import torch: the line ``prefetchd start``
     logs once beside ``jpeg_crop.decoder_summary()``."""
-    if not uint8_kernel():
-        return ("resize: torch in float32, as torchvision resizes on this CPU (no AVX2 and FMA, or "
-                "ATEN_CPU_CAPABILITY=default); workers import torch")
     if not jpeg_crop.available():
         return "resize: torch's uint8 kernel; workers import torch (the C extension would spare it)"
     return ("resize: the C extension's copy of torch's uint8 kernel; workers import torch only for a hook "
             "or colour jitter")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()

@@ -63,12 +63,12 @@ def preload(options: AugmentOptions = NO_OPTIONS) -> None:
 def needed_modules(options: AugmentOptions = NO_OPTIONS) -> tuple[str, ...]:
     """The modules augmenting with ``options`` imports.  torch (~1.8 s to import here: most of a cold
     start) only where it resizes, jitters or runs the user's hook: the C extension resizes where it
-    is built and the CPU has the uint8 kernel.  torchvision (~1.6 s more) only where it decodes or
+    is built.  torchvision (~1.6 s more) only where it decodes or
     jitters: the whole-image JPEG decoder when the crop-aware extension is not built, and colour
     jitter.  Otherwise a JPEG the extension refuses, decoded whole by ``decode_jpeg``, imports both
     then (PNGs go to Pillow)."""
     torchvision = not jpeg_crop.available() or bool(options.color_jitter)
-    torch = torchvision or not resample.uint8_kernel() or options.transform is not None
+    torch = torchvision or options.transform is not None
     return (*(("torch",) if torch else ()),
             *(("torchvision.io", "torchvision.transforms.v2.functional") if torchvision else ()))
 

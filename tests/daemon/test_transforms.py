@@ -5,6 +5,7 @@ its stage times counted, and a worker importing torch only where it needs it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from prefetchd.daemon import jpeg_crop, resample
+from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.decode import load_rgb
 from prefetchd.daemon.plan import AugmentOptions, plan_sample, random_resized_crop_box
 from prefetchd.daemon.sampler import sample_rng
@@ -261,13 +262,13 @@ print("torch" in sys.modules, "torchvision" in sys.modules)
 @pytest.mark.skipif(not jpeg_crop.available(), reason="the crop-aware JPEG extension is not built here")
 def test_a_worker_imports_torch_only_to_jitter(make_image: Callable[..., Path], tmp_path: Path) -> None:
     """Importing torch and torchvision is most of a worker's start (~1.8 + 1.6 s here): with the C
-    extension a worker needs neither, unless it jitters colours (or, on a CPU without torch's uint8
-    kernel, to resize: then torch alone)."""
+    extension a worker needs neither, unless it jitters colours (on any CPU: it imported torch to resize in
+    float32 on one without torch's uint8 kernel, run here with ATEN_CPU_CAPABILITY=default)."""
     path = make_image(tmp_path / "a.jpg", size=(400, 300))
     imported = {}
-    for mode in ("plain", "jitter"):
+    for mode, env in (("plain", {}), ("jitter", {}), ("plain", {"ATEN_CPU_CAPABILITY": "default"})):
         run = subprocess.run([sys.executable, "-c", IMPORTS_OF_A_WORKER, str(path), mode], capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=120, env={**os.environ, **env})
         assert run.returncode == 0, run.stderr[-3000:]
-        imported[mode] = run.stdout.strip()
-    assert imported == {"plain": f"{not resample.uint8_kernel()} False", "jitter": "True True"}
+        imported[mode + "".join(env.values())] = run.stdout.strip()
+    assert imported == {"plain": "False False", "jitter": "True True", "plaindefault": "False False"}
