@@ -10,6 +10,7 @@ from pathlib import Path
 
 from prefetchd.buffer_protocol import BatchLayout
 from prefetchd.daemon.buffer_dir import free_bytes, pause_message
+from prefetchd.daemon.mounts import BASE_PAGE_BYTES, taken_bytes
 from prefetchd.daemon.sampler import batch_len
 from prefetchd.daemon.stream import Stream
 
@@ -19,12 +20,15 @@ class BufferSpace:
     pixels use it, above a floor of ``min_free`` bytes."""
 
     def __init__(self, buffer: Path, streams: Sequence[Stream], batch_size: int, image_size: int,
-                 min_free: int) -> None:
+                 min_free: int, unit: int = BASE_PAGE_BYTES) -> None:
+        """``unit``: the bytes by which a file's space grows there (``mounts.allocation_unit``): every file length
+        is counted as the space it takes."""
         self.buffer = buffer
         self.streams = streams
         self.batch_size = batch_size
         self.image_size = image_size
         self.min_free = min_free
+        self.unit = unit
         self._layouts: dict[int, BatchLayout] = {}  # by batch length: layout
         # A pause for space: from the first batch held back at the floor until the filesystem has room above it
         # again (``room_again``), however many batches are built in spares meanwhile.
@@ -44,14 +48,19 @@ class BufferSpace:
         """Bytes of the batches waiting and being built, each file's own length: counted as full batches, an
         epoch's short last ones made the buffer and the free space together more than a small tmpfs holds (36.8 MiB
         in it and 35.2 MiB free on 64 MiB)."""
-        return (sum(b.layout.file_len for s in self.streams for b in s.building.values())
-                + sum(self.layout(s, g).file_len for s in self.streams for g in s.published))
+        return (sum(self.taken(b.layout.file_len) for s in self.streams for b in s.building.values())
+                + sum(self.taken(self.layout(s, g).file_len) for s in self.streams for g in s.published))
+
+    def taken(self, file_len: int) -> int:
+        """The space a file of ``file_len`` bytes takes on the buffer's filesystem."""
+        return taken_bytes(file_len, self.unit)
 
     def left_free(self, file_len: int) -> int:
         """Free bytes of the buffer's filesystem once the batches being built in fresh files are filled (a spare's
         pages are there already) and one more of ``file_len`` bytes is, in fresh pages too."""
-        pending = sum(b.layout.file_len for s in self.streams for b in s.building.values() if not b.pending.reused)
-        return free_bytes(self.buffer) - pending - file_len
+        pending = sum(self.taken(b.layout.file_len) for s in self.streams for b in s.building.values()
+                      if not b.pending.reused)
+        return free_bytes(self.buffer) - pending - self.taken(file_len)
 
     def shortage(self, file_len: int, spare_bytes: int) -> str | None:
         """Why the next batch, of ``file_len`` bytes, must wait (the pause's message, ``pause_message``): the free
@@ -62,7 +71,7 @@ class BufferSpace:
         free = self.left_free(file_len) + spare_bytes
         if free >= self.min_free:
             return None
-        return pause_message(self.buffer, free, self.held_bytes(), file_len, self.min_free)
+        return pause_message(self.buffer, free, self.held_bytes(), self.taken(file_len), self.min_free)
 
     def room_wanted(self, file_len: int) -> int:
         """The bytes the filesystem lacks above the floor for a batch of ``file_len`` bytes in fresh pages: what

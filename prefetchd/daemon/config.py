@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import os
 import re
@@ -29,6 +30,7 @@ from prefetchd.buffer_protocol.manifest import BATCH_SIZES, IMAGE_SIZES, SPLITS,
 from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
+from prefetchd.daemon.mounts import allocation_unit, filesystem_of, taken_bytes
 from prefetchd.daemon.sources.index_cache import UNIT_CACHE_DIRECTORY, default_cache_dir, private_temp
 from prefetchd.daemon.sources.storage import URL_READERS
 from prefetchd.locations import inside, is_url, normalize
@@ -220,7 +222,15 @@ class DaemonConfig:
 
     @property
     def batch_bytes(self) -> int:
-        return BatchLayout.plan(self.batch_size, self.image_size, self.image_size).file_len
+        """The space one batch file takes on the buffer's filesystem: its length, rounded up to the huge page where
+        the tmpfs gives files huge pages past their end (``mounts.allocation_unit``)."""
+        return taken_bytes(BatchLayout.plan(self.batch_size, self.image_size, self.image_size).file_len,
+                           self.space_unit)
+
+    @functools.cached_property
+    def space_unit(self) -> int:
+        """The bytes by which a file's space grows on the buffer's filesystem (``mounts.allocation_unit``)."""
+        return allocation_unit(filesystem_of(Path(self.buffer)))
 
 
 def check_not_a_stream_folder(buffer: Path) -> None:
@@ -393,7 +403,7 @@ def held_bytes(cfg: DaemonConfig) -> int:
             with contextlib.suppress(FileNotFoundError):  # consumed meanwhile (`config --show` beside a daemon)
                 st = path.lstat()
                 if st.st_uid == owner:
-                    total += min(st.st_size, st.st_blocks * 512)
+                    total += st.st_blocks * 512
     return total
 
 

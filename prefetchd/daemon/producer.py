@@ -117,7 +117,7 @@ class Producer:
         self.streams = [Stream(d, m, orders, high, low, max(1, cap), cfg.consumer_timeout, fd,
                                consumer_cap(len(streams))) for d, m, fd in streams]
         self.space = BufferSpace(self.buffer, self.streams, cfg.batch_size, cfg.image_size,
-                                 int(cfg.min_free_mb or 0) << 20)
+                                 int(cfg.min_free_mb or 0) << 20, cfg.space_unit)
         self.workers_wanted = int(cfg.workers if cfg.workers is not None else 1)  # 0: remote only (--ray)
         chunk = task_images(cfg.batch_size, self.workers_wanted, max(1, cap))
         self.stats = Stats()
