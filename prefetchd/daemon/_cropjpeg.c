@@ -344,6 +344,12 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The digest of the sources it was built from (setup.py; extension_sources.py), which jpeg_crop compares with the
+ * sources beside it.  A build without it (by hand) has none, and is told to be built again. */
+#ifndef PREFETCHD_SOURCE_DIGEST
+#define PREFETCHD_SOURCE_DIGEST ""
+#endif
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cropjpeg", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__cropjpeg(void) {
@@ -355,7 +361,8 @@ PyMODINIT_FUNC PyInit__cropjpeg(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "LIBJPEG_TURBO_VERSION_NUMBER", LIBJPEG_TURBO_VERSION_NUMBER) < 0) {
+    if (PyModule_AddIntConstant(m, "LIBJPEG_TURBO_VERSION_NUMBER", LIBJPEG_TURBO_VERSION_NUMBER) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE_DIGEST", PREFETCHD_SOURCE_DIGEST) < 0) {
         Py_DECREF(m);
         return NULL;
     }

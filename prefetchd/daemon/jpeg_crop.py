@@ -46,10 +46,13 @@ import mmap
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from prefetchd.daemon.extension_sources import source_digest
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +61,29 @@ INSTALL_HINT = ("install a C compiler and libjpeg-turbo's headers (Debian: apt-g
                 "then reinstall prefetchd from source (pip install -e . in a checkout)")
 
 
-def _load() -> ModuleType | None:
+REBUILD_HINT = "build it again: pip install -e . in the checkout (or python setup.py build_ext --inplace there)"
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    """The extension, or None and why it is not used: None where it is not built (``INSTALL_HINT`` says how)."""
+    name = "prefetchd.daemon._cropjpeg"
     try:
-        return importlib.import_module("prefetchd.daemon._cropjpeg")
-    except ImportError:
-        return None
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            return None, None
+        return None, f"is built but does not load ({exc}); {REBUILD_HINT}"
+    except ImportError as exc:  # its library missing or another one (a wheel built elsewhere), a file damaged
+        return None, (f"is built but does not load ({exc}): install the libjpeg-turbo library it was built against "
+                      f"(Debian: libjpeg62-turbo; Ubuntu: libjpeg-turbo8), or {REBUILD_HINT}")
+    expected = source_digest(Path(__file__).parent)
+    if expected is not None and getattr(module, "SOURCE_DIGEST", "") != expected:
+        return None, (f"was built from other sources than this prefetchd's ({module.__file__}: a checkout changed "
+                      f"since it was built); {REBUILD_HINT}")
+    return module, None
 
 
-_extension = _load()
+_extension, unusable = _load()
 
 
 def available() -> bool:
@@ -90,8 +108,9 @@ def decoder_summary() -> str:
         version = int(_extension.LIBJPEG_TURBO_VERSION_NUMBER)
         return (f"JPEG decoder: crop-aware (libjpeg-turbo {version // 1000000}.{version // 1000 % 1000}."
                 f"{version % 1000}: only the crop's rows and columns are decoded)")
+    built = unusable if unusable is not None else f"is not built: {INSTALL_HINT}"
     return ("JPEG decoder: whole-image (torchvision/Pillow); the crop-aware decoder (~30% less decode time, "
-            f"~17% less CPU per RandomResizedCrop image) is not built: {INSTALL_HINT}")
+            f"~17% less CPU per RandomResizedCrop image) {built}")
 
 
 def decode_box(data: bytes | bytearray, scale: int, left: int, top: int, right: int, bottom: int,

@@ -19,6 +19,7 @@ from prefetchd.daemon.job_inbox import (FAILED_WHILE_PRODUCING, FINISHED_PRODUCI
                                         wait_for_job)
 from prefetchd.access import user_name
 from prefetchd.daemon.job_start import StoppedWhileStarting, already_consumed, start_job
+from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.jpeg_crop import decoder_summary
 from prefetchd.daemon.logs import status_unwritten
 from prefetchd.daemon.metrics import Metrics
@@ -141,7 +142,8 @@ def _serve(cfg: DaemonConfig) -> int:
         if (lost := oom_order_lost()) is not None:
             log.warning("%s", lost)
         # Once: whether the crop-aware decoder is built (how to get it if not), and what resizes.
-        log.info("%s; %s", decoder_summary(), resize_summary())
+        # A warning where one is built but not used: what runs is not what the user built.
+        log.log(logging.WARNING if jpeg_crop.unusable else logging.INFO, "%s; %s", decoder_summary(), resize_summary())
         swept = sweep_temp_files(buffer)
         if swept:
             log.info("deleted %d half-written files left by an earlier daemon", swept)

@@ -67,7 +67,7 @@ def test_stopped_daemon_is_reported_stuck_within_the_stall_timeout(shapes_data: 
         pid = daemon.proc.pid
         assert f"pid {pid}" in msg and str(buffer) in msg
         # Stopped, not hung: what lets it go on, not py-spy (a walk: it quoted the stopped daemon as stuck).
-        assert f"is stopped (SIGSTOP" in msg and f"`kill -CONT {pid}`" in msg and "py-spy" not in msg
+        assert "is stopped (SIGSTOP" in msg and f"`kill -CONT {pid}`" in msg and "py-spy" not in msg
         assert "stall_timeout 3 s" in msg and "last state" in msg and "prefetchd start --buffer" in msg
         # Stuck is not gone: the stopped daemon still owns the buffer.
         assert daemon_pid(buffer) == pid
