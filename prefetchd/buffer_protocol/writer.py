@@ -136,15 +136,20 @@ class PendingBatch:
 
     @classmethod
     def begin(cls, final: str | os.PathLike[str], layout: BatchLayout, spares: SpareFiles | None = None,
-              dir_fd: int | None = None, room_wanted: Callable[[], int] | None = None) -> PendingBatch:
-        """Create the temp file sized for ``layout`` (from one of ``spares`` where one has its
+              dir_fd: int | None = None, room_wanted: Callable[[], int] | None = None,
+              spare_only: bool = False) -> PendingBatch:
+        """Create the temp file sized for ``layout`` (from one of ``spares`` where one is at least its
         size); on OSError nothing is left behind.  A fresh file where ``room_wanted()`` says the
         filesystem lacks bytes for its pages (the room check counted the spares as that room) is
-        begun once deleting spares has made it (``SpareFiles.release``); RoomNotYet where it has not."""
+        begun once deleting spares has made it (``SpareFiles.release``); RoomNotYet where it has not.
+        ``spare_only``: in a spare or not at all (RoomNotYet): a filesystem below its floor, where no
+        deletion of spares makes the room, and one that deleted them all left none to build in."""
         final = Path(final)
         tmp = temp_name(final)
-        fd = spares.take(layout.file_len, tmp, dir_fd) if spares is not None else None
+        fd = spares.take(layout.file_len, tmp, dir_fd, or_fresh=not spare_only) if spares is not None else None
         reused = fd is not None
+        if spare_only and not reused:
+            raise RoomNotYet(tmp)
         if spares is not None and not reused and room_wanted is not None:
             wanted = room_wanted()
             if wanted > 0:
@@ -378,6 +383,11 @@ class SpareFiles:
         deleting them frees, once no trainer maps them: ``release``)."""
         return sum(size for size, _, _ in self._files)
 
+    def has(self, size: int) -> bool:
+        """Whether a spare to build a batch of ``size`` bytes in is kept (``take`` may still pass it over while a
+        trainer maps it)."""
+        return any(spare_size >= size for spare_size, _, _ in self._files)
+
     def release(self, wanted: int) -> None:
         """Delete spares nobody else has open or mapped (whose pages go at once), oldest first, until
         they come to ``wanted`` bytes or none is left: room for a batch begun in fresh pages, which
@@ -418,9 +428,11 @@ class SpareFiles:
                 self._files.remove(aged)
                 _unlink(aged[1], aged[2])
 
-    def take(self, size: int, tmp: Path, dir_fd: int | None = None) -> int | None:
-        """A spare of ``size`` bytes that nobody else has open or mapped, renamed to ``tmp`` and
-        opened for writing: the newest such, whose pages the caches are likeliest to hold still.
+    def take(self, size: int, tmp: Path, dir_fd: int | None = None, or_fresh: bool = True) -> int | None:
+        """A spare of ``size`` bytes or more that nobody else has open or mapped, renamed to ``tmp``,
+        cut to ``size`` and opened for writing: the newest such, whose pages the caches are likeliest to
+        hold still.  A larger one (an epoch's short last batch in a full one's file) gives back the pages
+        past ``size``: on a tmpfs below its floor it was the batch no spare fitted, and it waited.
         None when there is none: the caller creates a fresh file, and the oldest spares go if it
         would take their room.
 
@@ -430,23 +442,32 @@ class SpareFiles:
         (docs/BENCHMARKS.md, "Newest spare first").
 
         A spare still in use is passed over (it is among the ``HANDED_PAST`` newest: ``retire``
-        deletes older ones a trainer keeps)."""
+        deletes older ones a trainer keeps).  ``or_fresh``: the caller begins a fresh file where this
+        finds none, which takes a spare's place; else (``PendingBatch.begin``'s ``spare_only``) nothing
+        is begun and every spare stays: trimmed for each try, the one a trainer let go of was deleted
+        while it waited for the batch to be built in it."""
         for entry in reversed(self._files):
             spare_size, spare, spare_dir_fd = entry
-            if spare_size != size or not _unshared(spare, spare_dir_fd):
+            if spare_size < size or not _unshared(spare, spare_dir_fd):
                 continue
             self._files.remove(entry)
+            fd = None
             try:
                 os.rename(at(spare, spare_dir_fd), at(tmp, dir_fd), src_dir_fd=spare_dir_fd, dst_dir_fd=dir_fd)
                 fd = os.open(at(tmp, dir_fd), _OPEN_FLAGS, dir_fd=dir_fd)
+                if spare_size > size:
+                    os.ftruncate(fd, size)
             except OSError:  # someone removed or replaced it: create a fresh file instead
+                if fd is not None:
+                    os.close(fd)
                 _unlink(spare, spare_dir_fd)
                 _unlink(tmp, dir_fd)
                 break
             self._room -= 1  # the batch takes the spare's place
             return fd
-        self._room -= 1  # the fresh file takes a place a spare could have kept
-        self._trim()
+        if or_fresh:
+            self._room -= 1  # the fresh file takes a place a spare could have kept
+            self._trim()
         return None
 
     def fit(self, room: int) -> None:

@@ -450,20 +450,30 @@ class Producer:
                     busy = any(s.filling or s.building for s in self.streams)
                     self.state = State.FILLING if busy else State.FULL
                 self._resume_if_room(0)  # nothing to build: room above the floor is all a pause waits for
+                if self.space.paused and self.state != State.DONE:
+                    # Batches built in spares meanwhile filled it: the pause goes on until "resumed" says it ended.
+                    self.state = State.PAUSED_LOW_SPACE
                 return
             _, _, stream, g = candidates[0]
             layout = self.space.layout(stream, g)
             self._resume_if_room(layout.file_len)
             msg = self.space.shortage(layout.file_len, self.spares.bytes)
+            spare_only = msg is not None
             if msg is not None:
                 if self.space.pause():
                     log.warning(msg)
                     self.stats.low_space_pauses += 1
                 self.state, self.message = State.PAUSED_LOW_SPACE, msg
-                self.failures.end_wait()  # what holds production now is the tmpfs, not the dataset's storage
-                self.retry_at = time.monotonic() + RETRY_SECONDS
-                return
-            if not self._start_build(stream, g, layout):
+                # A spare of its size takes no page more than the filesystem holds now, however far below the
+                # floor other files took it: built there, a trainer gets a batch for each it reads.  Counted only
+                # as room, spares fewer than the shortfall (the cap keeps few) starved the trainer, or fed it one
+                # batch per retry (a walk: 1 a second), and the fresh file tried meanwhile deleted every spare for
+                # a room that could not come.  In a spare only, then: one still mapped is waited for (RoomNotYet).
+                if not self.spares.has(layout.file_len):
+                    self.failures.end_wait()  # what holds production now is the tmpfs, not the dataset's storage
+                    self.retry_at = time.monotonic() + RETRY_SECONDS
+                    return
+            if not self._start_build(stream, g, layout, spare_only):
                 return
             if not self.space.paused:  # else still paused: that batch went into a consumed one's file (a spare)
                 self.state, self.message = State.FILLING, ""
@@ -481,8 +491,9 @@ class Producer:
         log.info("resumed: %s has room again above the floor of %d MiB (%s free)", self.buffer,
                  self.space.min_free >> 20, binary_size(free + file_len))
 
-    def _start_build(self, stream: Stream, g: int, layout: BatchLayout) -> bool:
-        """Create the batch's temp file and queue its tasks; False (retry later) if it cannot be created."""
+    def _start_build(self, stream: Stream, g: int, layout: BatchLayout, spare_only: bool = False) -> bool:
+        """Create the batch's temp file (in a spare only, where ``spare_only``: PendingBatch.begin) and queue its
+        tasks; False (retry later) if it cannot be created."""
         if self._stream_lost(stream):
             return False
         epoch, step = stream.key(g)
@@ -491,8 +502,9 @@ class Producer:
         final = stream.dir / batch_name(epoch, step)
         try:
             pending = PendingBatch.begin(final, layout, self.spares, stream.fd,
-                                         room_wanted=lambda: self.space.room_wanted(layout.file_len))
-        except RoomNotYet:  # no pause: a trainer lets go of a consumed batch within a step
+                                         room_wanted=lambda: self.space.room_wanted(layout.file_len),
+                                         spare_only=spare_only)
+        except RoomNotYet:  # a trainer lets go of a consumed batch within a step
             self.retry_at = time.monotonic() + ROOM_NOT_YET_SECONDS
             return False
         except OSError as exc:  # e.g. a directory planted under the name, out of inodes

@@ -225,11 +225,17 @@ def test_spares_keep_within_their_room_oldest_first_and_only_a_matching_size_is_
         spares.retire(path)
     spares.fit(2)  # room for two files beside the batches: the oldest spare goes
     assert sorted(p.stat().st_ino for p in list_temp_files(tmp_path)) == sorted(inodes[1:])
-    # Another size: no spare fits, and the fresh file takes a spare's place (the oldest's).
-    _begin_and_commit(tmp_path, 5, spares, images[:2])
+    # A larger batch: no spare fits, and the fresh file takes a spare's place (the oldest's).
+    larger, _, _ = _arrays(4, 64, 64)
+    _begin_and_commit(tmp_path, 5, spares, larger)
     assert [p.stat().st_ino for p in list_temp_files(tmp_path)] == [inodes[2]] and len(spares) == 1
-    assert _begin_and_commit(tmp_path, 6, spares, images).stat().st_ino == inodes[2]  # the size that fits
-    spares.retire(tmp_path / batch_name(0, 6))
+    # A smaller one (an epoch's short last batch) is built in a larger spare, cut to its length.
+    short = _begin_and_commit(tmp_path, 6, spares, images[:2])
+    assert short.stat().st_ino == inodes[2] and len(spares) == 0
+    assert short.stat().st_size == BatchLayout.plan(2, 64, 64).file_len < BatchLayout.plan(3, 64, 64).file_len
+    spares.retire(short)
+    assert _begin_and_commit(tmp_path, 7, spares, images[:2]).stat().st_ino == inodes[2]  # the size that fits
+    spares.retire(tmp_path / batch_name(0, 7))
     spares.fit(0)
     assert len(spares) == 0 and list(list_temp_files(tmp_path)) == []
 

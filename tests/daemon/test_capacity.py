@@ -477,6 +477,9 @@ def test_one_shortage_is_one_pause_while_batches_are_built_in_spares(shm_dir: Pa
                         seen[-1] += b.indices.tolist()
                         time.sleep(0.05)
                     if epoch == 0:  # a whole epoch read below the floor: built in spares, one pause
+                        # As the status says it at its next rewrite (once a second): the epoch may take less.
+                        daemon.wait_until(lambda: (p := production_of(buffer)) is not None
+                                          and p.progress.epoch == 1, 10, "a status of the epoch read")
                         production = production_of(buffer)
                         assert production is not None and production.errors.low_space_pauses == 1, daemon.log
                         assert daemon.log.count("paused: ") == 1 and "resumed: " not in daemon.log, daemon.log
@@ -489,6 +492,33 @@ def test_one_shortage_is_one_pause_while_batches_are_built_in_spares(shm_dir: Pa
             production = production_of(buffer)
             assert production is not None and production.errors.low_space_pauses == 1, daemon.log
             assert daemon.log.count("paused: ") == 1 and daemon.log.count("resumed: ") == 1, daemon.log
+        finally:
+            daemon.terminate()  # before the tmpfs is unmounted
+
+
+def test_below_the_floor_by_more_than_the_spares_a_trainer_is_still_fed_from_them(shm_dir: Path, shapes_data: Path,
+                                                                                  start_daemon) -> None:
+    """Another file took the tmpfs 10 batches below the floor, and the cap (high-water 2) keeps 2 spares: counted
+    only as room, they never made up the shortfall, and the trainer got no batch until its timeout (or, nearer the
+    floor, one per second, a walk).  A batch built in a spare takes no new page, so each one read is built again."""
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        buffer = mount / "bf"
+        batch = DaemonConfig(buffer=buffer, batch_size=4, image_size=64).batch_bytes
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "64",
+                              "--workers", "1", "--high-water", "2", "--min-free-mb", "2", "--epochs", "2")
+        try:
+            daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+            ballast = mount / "ballast"
+            ballast.write_bytes(b"\1" * (free_bytes(mount) - (2 << 20) + 10 * batch))
+            steps: list[tuple[int, int]] = []
+            with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+                for epoch in range(2):
+                    steps += [(b.epoch, b.step) for b in loader]
+            assert steps == [(e, s) for e in range(2) for s in range(len(loader))], steps  # every batch, once
+            assert free_bytes(mount) < (2 << 20) - 9 * batch, "the daemon took pages below the floor"
+            production = production_of(buffer)
+            assert production is not None and production.errors.low_space_pauses == 1, daemon.log
+            assert daemon.log.count("paused: ") == 1 and "resumed: " not in daemon.log, daemon.log
         finally:
             daemon.terminate()  # before the tmpfs is unmounted
 
