@@ -474,7 +474,9 @@ def fill_defaults(cfg: DaemonConfig, held: int | None = None) -> tuple[DaemonCon
             notes.append(f"high_water = {high} ({what}: the least a default is, though {binding} holds "
                          f"{counted(sized, 'batch')})")
         else:
-            notes.append(f"high_water = {high} ({what}: at most half the free tmpfs, a quarter of {memory}, "
+            # "above the floor": the free tmpfs alone gave other marks than the note's sums (a walk).
+            notes.append(f"high_water = {high} ({what}: at most half the free tmpfs above the --min-free-mb floor, "
+                         f"a quarter of {memory}, "
                          f"{MAX_DEFAULT_HIGH_WATER} batches)")
     if cfg.index_cache is None:
         changes["index_cache"] = default_cache_dir()

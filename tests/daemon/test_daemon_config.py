@@ -452,7 +452,8 @@ def test_a_daemon_in_a_cgroup_with_a_memory_limit_sizes_its_high_water_mark_from
                            "--batch-size", "256")
     assert run.returncode == 0, run.stderr
     line = next(line for line in run.stdout.splitlines() if line.startswith("high_water ="))
-    match = re.fullmatch(r"high_water = (\d+)  # default: batches of 36\.8 MiB: at most half the free tmpfs, a quarter "
+    match = re.fullmatch(r"high_water = (\d+)  # default: batches of 36\.8 MiB: at most half the free tmpfs above the "
+                         r"--min-free-mb floor, a quarter "
                          r"of the memory this daemon's cgroup may still take \((\d+\.\d) (MiB|GiB)\), 64 batches", line)
     assert match is not None, line
     room = float(match[2]) * (1 << (30 if match[3] == "GiB" else 20))
