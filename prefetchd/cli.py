@@ -10,10 +10,9 @@ from pathlib import Path
 import click
 
 from prefetchd.bench import bench_command
-from prefetchd.buffer_protocol import VERSION
 from prefetchd.buffer_protocol.manifest import BATCH_SIZES, IMAGE_SIZES
 from prefetchd.daemon.cli import COMMANDS, setup_logging
-from prefetchd.options import LocalPath, OutputChecked
+from prefetchd.options import LocalPath, OutputChecked, version_option
 
 
 class _Commands(OutputChecked, click.Group):
@@ -21,8 +20,7 @@ class _Commands(OutputChecked, click.Group):
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-# The buffer protocol's version is what a trainer and a daemon must share (SPEC.md rule 2), not the package's.
-@click.version_option(package_name="prefetchd", message=f"%(prog)s, version %(version)s, buffer protocol {VERSION}")
+@version_option()
 def main() -> None:
     """Decode and augment images ahead of the trainer into a RAM-disk buffer."""
 

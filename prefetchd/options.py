@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 import click
 
 from prefetchd.access import EXIT_NO_ACCESS, cannot_read
+from prefetchd.buffer_protocol.batch import VERSION
 from prefetchd.buffer_protocol.errors import MAX_INT, shown
 from prefetchd.buffer_protocol.layout import unfit_buffer_path
 from prefetchd.locations import is_url, normalize
@@ -361,4 +362,11 @@ def _param_type(meta: Any, ranged: bool) -> Any:
     return {int: int, str: str}[kind]
 
 
-__all__ = ["FiniteFloat", "LocalPath", "LocationParam", "ReadableFolder", "check_value", "click_options", "refuse_unusable", "setting"]
+
+def version_option() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--version of `prefetchd` and `prefetchd-train`: the package's version and the buffer protocol's, which is
+    what a trainer and a daemon must share (SPEC.md rule 2)."""
+    return click.version_option(package_name="prefetchd",
+                                message=f"%(prog)s, version %(version)s, buffer protocol {VERSION}")
+
+__all__ = ["FiniteFloat", "LocalPath", "LocationParam", "ReadableFolder", "check_value", "click_options", "refuse_unusable", "setting", "version_option"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from prefetchd.options import BufferOptionCommand, OutputChecked, click_options
+from prefetchd.options import BufferOptionCommand, OutputChecked, click_options, version_option
 from prefetchd.trainer.config import TrainConfig
 
 
@@ -20,6 +20,7 @@ class TrainCommand(OutputChecked, BufferOptionCommand):
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click_options(TrainConfig)
 @click.option("--verbose", "-v", is_flag=True, help="Log the loader's waits (INFO).")
+@version_option()  # it was "No such option" (a walk)
 def main(verbose: bool, **options: Any) -> None:
     """Train a torchvision model on the batches a prefetchd daemon writes into --buffer.
 

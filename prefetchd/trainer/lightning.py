@@ -44,8 +44,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.trainer.states import TrainerFn
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer.states import TrainerFn
+except ModuleNotFoundError as exc:  # said as --ray and s3:// say theirs: it was a bare "No module named" (a walk)
+    if not (exc.name or "").startswith("lightning"):
+        raise
+    raise ModuleNotFoundError(f"prefetchd's BufferDataModule needs Lightning ({exc}): pip install "
+                              "'prefetchd[lightning]'", name=exc.name) from exc
 import torch
 
 from prefetchd.launch import signals_held

@@ -7,13 +7,14 @@ import os
 import re
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from click.testing import CliRunner
 
-from prefetchd.buffer_protocol import Progress
+from prefetchd.buffer_protocol import VERSION, Progress
 from prefetchd.trainer.train import EXIT_BUFFER, EXIT_FAILED, EXIT_NO_ACCESS, EXIT_USAGE, main
 from tests.as_nobody import as_nobody
 
@@ -85,6 +86,37 @@ def test_help_and_usage_errors_answer_before_torch_is_imported(args: list[str]) 
     said = done.stdout + done.stderr
     assert "Usage: prefetchd-train" in said and "torch imported: False" in said, said
     assert ("exit 0" if args == ["--help"] else f"exit {EXIT_USAGE}") in said, said
+
+
+def test_version_names_the_buffer_protocol_without_importing_torch() -> None:
+    """`prefetchd-train --version` was "No such option" (a walk); `prefetchd --version` had it."""
+    code = ("import sys\nfrom prefetchd.trainer.command import main\n"
+            "try:\n    main(['--version'], prog_name='prefetchd-train')\nexcept SystemExit as exc:\n    print('exit', exc.code)\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == [f"prefetchd-train, version {version('prefetchd')}, buffer protocol {VERSION}",
+                                        "exit 0", "torch imported: False"], done.stdout + done.stderr
+
+
+_WITHOUT_LIGHTNING = """
+import sys
+class Hidden:  # as where Lightning is not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "lightning":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hidden())
+try:
+    import prefetchd.lightning
+except ModuleNotFoundError as exc:
+    print(exc)
+"""
+
+
+def test_the_lightning_module_without_lightning_names_the_extra_to_install() -> None:
+    """It was a bare "No module named 'lightning'", where --ray and s3:// name their extra (a walk)."""
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_LIGHTNING], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == ("prefetchd's BufferDataModule needs Lightning (No module named 'lightning'): pip "
+                                   "install 'prefetchd[lightning]'"), done.stdout + done.stderr
 
 
 def test_a_buffer_given_as_an_argument_is_told_how_to_give_it(buffer: Path) -> None:
