@@ -26,7 +26,7 @@ from prefetchd.daemon.remote.bridge_rows import write_rows
 from prefetchd.daemon.remote.bridge_slices import MAX_ATTEMPTS, STRAGGLER_SAMPLES, SliceInFlight
 from prefetchd.daemon.remote.messages import Done, Returned, Stalled, StartHung
 from prefetchd.daemon.remote.slice_copy import SliceCopy
-from prefetchd.daemon.remote.task import (Rows, Shipment, build_rows, build_rows_tracked, probe_samples, unable_here,
+from prefetchd.daemon.remote.task import (Rows, Shipment, build, build_rows, build_rows_tracked, probe_samples, unable_here,
                                          unreadable)
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.fill import run_task
@@ -140,12 +140,18 @@ def test_a_node_with_another_copy_of_a_file_names_it(tmp_path: Path) -> None:
 def test_a_node_with_another_prefetchd_or_without_the_hook_cannot_build(tmp_path: Path) -> None:
     index = _dataset(tmp_path / "data")
     job = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7)
-    other = unable_here(Shipment(job, (), "0.0.0+other"))
-    assert other.startswith(f"runs prefetchd {__version__}, the daemon 0.0.0+other: "), other
-    assert "install prefetchd[ray]==0.0.0+other on every node" in other, other
+    other = unable_here(Shipment(job, (), "0.0.0+abc"))
+    assert other.startswith(f"runs prefetchd {build()}, the daemon 0.0.0+abc: "), other
+    assert "install prefetchd[ray]==0.0.0 on every node" in other, other
+    # The version has not changed since the first commit: a node of another checkout differs in its sources.
+    assert build().startswith(f"{__version__}+") and build() == build()
+    checkout = unable_here(Shipment(job, (), f"{__version__}+0123456789ab"))
+    assert "the same version from other sources (another commit): install the daemon box's prefetchd on every " \
+           "node" in checkout, checkout
+    assert unable_here(Shipment(job, (), build())) == ""
     hooked = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7,
                        augment=AugmentOptions(transform="prefetchd_no_such_hook_module:augment"))
-    told = unable_here(Shipment(hooked, (), __version__))  # as on a node without the hook's module
+    told = unable_here(Shipment(hooked, (), build()))  # as on a node without the hook's module
     assert "cannot import prefetchd_no_such_hook_module (ModuleNotFoundError: " in told, told
     assert "install it or add its folder to PYTHONPATH" in told, told
 

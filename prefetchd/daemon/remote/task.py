@@ -4,16 +4,19 @@ by the local workers' ``run_task``, into images that the task returns through th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import queue
 import socket
 import threading
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+import prefetchd
 from prefetchd import __version__
 from prefetchd.daemon import jpeg_crop
 from prefetchd.daemon.hook import HookError, load_hook
@@ -38,7 +41,7 @@ class Shipment:
 
     job: WorkerJob
     probe: tuple[Sample, ...]
-    version: str  # the daemon's prefetchd: a node must run the same for the batches to be the same bits
+    version: str  # the daemon's prefetchd (``build``): a node must run the same for the batches to be the same bits
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,29 @@ def unreadable(job: WorkerJob, reader: SampleReader, samples: tuple[Sample, ...]
     return tuple(f for f in (_failure(job, reader, i, box) for i, box in samples) if f)
 
 
+@functools.lru_cache(maxsize=1)
+def build() -> str:
+    """This prefetchd as a node must match the daemon's: its version, + a digest of its Python sources.  The version
+    alone has been 0.1.0 at every commit, so nodes of other checkouts passed as the daemon's (a packaging walk)."""
+    root = Path(prefetchd.__file__).parent
+    sources = hashlib.blake2b(digest_size=6)
+    for path in sorted(root.rglob("*.py")):
+        sources.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return f"{__version__}+{sources.hexdigest()}"
+
+
 def unable_here(shipment: Shipment) -> str:
     """Why this process cannot build ``shipment``'s slices, or "": it runs another prefetchd than the
     daemon, or cannot import what the job needs (the transform hook, torch).  Run by every Ray worker
     before its first slice of a job, and so by the probe: a node without the hook's module is named
     as unfit when it joins, instead of failing the job with its first slice."""
-    if shipment.version != __version__:
-        return (f"runs prefetchd {__version__}, the daemon {shipment.version}: install prefetchd[ray]=="
-                f"{shipment.version} on every node (a batch must be the same bits wherever it is built)")
+    here = build()
+    if shipment.version != here:
+        theirs, _, _ = shipment.version.partition("+")
+        install = (f"install prefetchd[ray]=={theirs}" if theirs != __version__ else
+                   "the same version from other sources (another commit): install the daemon box's prefetchd")
+        return (f"runs prefetchd {here}, the daemon {shipment.version}: {install} on every node (a batch must be "
+                "the same bits wherever it is built)")
     hook = shipment.job.augment.transform
     try:
         if hook is not None:  # before prepare_process: a hook that cannot be imported costs no torch import
