@@ -27,13 +27,21 @@ class BuildExtension(build_ext):
     """A build that fails leaves no extension behind: an upgrade's build without a compiler installed the one an
     earlier build had left in build/ (or, in place, kept the checkout's), built from other sources (a walk)."""
 
+    in_place = False
+
+    def run(self) -> None:
+        self.in_place = bool(self.inplace)  # setuptools builds in build/ even so, then copies into the checkout
+        super().run()
+
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception:
-            built = self.get_ext_fullpath(ext.name)
-            if os.path.exists(built):
-                os.remove(built)
+            package, name = ext.name.rsplit(".", 1)
+            in_checkout = os.path.join(*package.split("."), os.path.basename(self.get_ext_filename(name)))
+            for built in (self.get_ext_fullpath(ext.name), *([in_checkout] if self.in_place else [])):
+                if os.path.exists(built):
+                    os.remove(built)
             raise
 
 
