@@ -11,9 +11,9 @@ import stat
 from collections.abc import Container, Iterator
 from pathlib import Path
 
-from prefetchd.buffer_protocol import BatchLayout, Manifest, ProtocolError, list_batches
+from prefetchd.buffer_protocol import BatchLayout, Manifest, ProtocolError, daemon_owner, list_batches
 from prefetchd.buffer_protocol.layout import (ACCEPTED_JOB_NAME, DIR_FLAGS, JOB_NAME, MANIFEST_NAME, STREAM_PREFIX,
-                                             STATUS_NAME, STREAM_RE, consumer_of, is_consumer_lock, is_temp_name,
+                                             LOCK_NAME, STATUS_NAME, STREAM_RE, consumer_of, is_consumer_lock, is_temp_name,
                                              parse_batch_name)
 from prefetchd.access import group_name, nearest_existing, user_name
 from prefetchd.daemon.cgroup_limits import memory_limit
@@ -480,9 +480,28 @@ def pause_message(buffer: Path, free: int, held: int, next_len: int, floor: int)
         return (f"{head}; this daemon's batches would hold {binary_size(own)} of the filesystem's "
                 f"{binary_size(size)}, other files {binary_size(others)}: free space there or lower --high-water")
     mine = f"only {binary_size(held)}" if held else "none yet"
+    daemons = other_buffers(buffer)
+    # "free those files" sent users to delete batches of the other daemons sharing the tmpfs (a walk).
+    theirs = (f" (among them the buffers of other prefetchd daemons: {', '.join(map(str, daemons[:3]))}"
+              f"{' ...' if len(daemons) > 3 else ''}: lower their --high-water or --max-buffer-bytes)" if daemons else "")
     return (f"{head}; other files hold {binary_size(others)} of the filesystem's {binary_size(size)}, this "
-            f"daemon's batches {mine}: free those files (`df -h {buffer}` names the filesystem), and production "
-            "resumes by itself")
+            f"daemon's batches {mine}: free those files{theirs} (`df -h {buffer}` names the filesystem), and "
+            "production resumes by itself")
+
+
+def other_buffers(buffer: Path) -> list[Path]:
+    """The other buffers of running daemons at the top of ``buffer``'s filesystem or one folder down (/dev/shm/bf,
+    /dev/shm/team/bf), sorted: where other files took the space, most likely theirs.  Not the whole filesystem,
+    which may hold many files (a pause looks once a second)."""
+    point = Path(filesystem_of(buffer).point)
+    own = buffer.resolve()
+    found: list[Path] = []
+    for depth in (1, 2):
+        for lock in point.glob("/".join(["*"] * depth + [LOCK_NAME])):
+            with contextlib.suppress(OSError, ProtocolError):
+                if lock.parent.resolve() != own and daemon_owner(lock.parent) is not None:
+                    found.append(lock.parent)
+    return sorted(found)
 
 
 NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of space (a tmpfs full, a quota reached)

@@ -556,6 +556,27 @@ def test_a_pause_for_space_advises_what_took_it(shm_dir: Path, shapes_data: Path
             daemon.terminate()  # before the tmpfs is unmounted
 
 
+def test_a_pause_for_space_another_daemon_took_names_its_buffer(shm_dir: Path, shapes_data: Path, start_daemon) -> None:
+    """"free those files" sent users to delete the batches of the other daemons sharing the tmpfs (a walk)."""
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        flags = ["--data", str(shapes_data / "train"), "--batch-size", "4", "--image-size", "128", "--workers", "1",
+                 "--min-free-mb", "2"]
+        first = start_daemon(mount / "first", *flags, "--high-water", "24")
+        second = None
+        try:
+            first.wait_until(lambda: state_of(mount / "first") == State.FULL, 60, "a full buffer")
+            second = start_daemon(mount / "team" / "second", *flags, "--high-water", "8")
+            second.wait_until(lambda: "paused: " in second.log, 60, "a pause for space")
+            paused = re.search(r"paused: .*", second.log)
+            assert paused is not None and (
+                f"free those files (among them the buffers of other prefetchd daemons: {mount / 'first'}: lower their "
+                "--high-water or --max-buffer-bytes) (`df -h" in paused[0]), paused[0]
+        finally:
+            for daemon in (second, first):  # before the tmpfs is unmounted
+                if daemon is not None:
+                    daemon.terminate()
+
+
 def test_the_status_counts_the_bytes_of_each_batch_file(shm_buffer: Path, shapes_data: Path, start_daemon) -> None:
     """`prefetchd status`'s "in the buffer" counted every waiting batch as a full one: an epoch's short last batch
     made the buffer and the free space together more than a 64 MiB tmpfs holds (36.8 MiB in it, 35.2 MiB free)."""
