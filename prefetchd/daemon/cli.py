@@ -22,7 +22,8 @@ import click
 import psutil
 import tomli_w
 
-from prefetchd.buffer_protocol import BufferBusy, JobRequest, ProtocolError, daemon_owner, lock_holders, read_status
+from prefetchd.buffer_protocol import (BufferBusy, JobRequest, ProtocolError, daemon_owner, lock_holders, read_status,
+                                      readable_status)
 from prefetchd.buffer_protocol.errors import user_name
 from prefetchd.buffer_protocol.layout import LOCK_NAME, STREAM_RE, owning_buffer
 from prefetchd.buffer_protocol.manifest import exact_number
@@ -35,7 +36,8 @@ from prefetchd.daemon.job_inbox import JOB_FIELDS
 from prefetchd.daemon.logs import setup_logging
 from prefetchd.daemon.errors import (EXIT_BUFFER_BUSY, EXIT_FAILURE, EXIT_NO_ACCESS, EXIT_NOT_RUNNING, EXIT_USAGE, ConfigError,
                                      DaemonError, out_of_processes)
-from prefetchd.daemon.status_view import describe_status, foreign_lock, format_status, not_the_holder, status_json
+from prefetchd.daemon.status_view import (describe_status, exiting, foreign_lock, format_status, not_the_holder,
+                                          status_json)
 from prefetchd.locations import is_url, normalize
 from prefetchd.options import BufferOptionCommand, FiniteFloat, LocalPath, LocationParam, click_options
 from prefetchd.words import binary_size, counted, one_line
@@ -388,6 +390,9 @@ def stop(buffer: Path, timeout: float) -> None:
     lock = top / LOCK_NAME
     holders = lock_holders(lock)
     if holders is not None and pid not in holders:  # without /proc, the pid is trusted as it always was
+        if exiting(readable_status(top), pid) and _lock_let_go(buffer, timeout):  # another stop was first
+            say(f"stopped the daemon on {buffer} (pid {pid}), which was stopping already")
+            return
         say(f"cannot stop the daemon on {buffer}, and signalled nothing: {not_the_holder(lock, pid, holders)}",
                    err=True)
         sys.exit(EXIT_FAILURE)
@@ -431,6 +436,16 @@ def not_ours_to_signal(pid: int) -> str:
     except OSError:
         how = "stop the service that runs it, if one does (`systemctl stop prefetchd@NAME`), or "
     return f"the daemon (pid {pid}) runs as {user}; {how}run this command as that user or root"
+
+
+def _lock_let_go(buffer: Path, timeout: float) -> bool:
+    """Whether no daemon owns ``buffer`` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while daemon_owner(buffer) is not None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _exited(pid: int) -> bool:

@@ -599,6 +599,36 @@ def test_status_says_what_stop_refuses_for_a_lock_whose_holder_is_not_the_pid_it
             p.wait()
 
 
+LOCK_LEFT_TO_A_CHILD = """
+import fcntl, subprocess, sys
+lock = open(sys.argv[1], "a")
+fcntl.flock(lock, fcntl.LOCK_EX)
+subprocess.Popen(["sleep", sys.argv[2]], pass_fds=[lock.fileno()])  # holds it on after this process exits
+"""
+
+
+def test_a_second_stop_of_a_daemon_that_is_exiting_waits_for_it(runner: CliRunner, shm_buffer: Path) -> None:
+    """Two `prefetchd stop` at once: the first's daemon said its last word (stopped) and exited while a process of
+    it still held the lock, which /proc/locks showed as no visible holder, and the second refused, exit 1, naming
+    "a daemon of another pid namespace" (a walk, 2 of 8 runs).  It waits for the lock to go, as the first does."""
+    named = subprocess.Popen(["sleep", "60"])
+    lock = shm_buffer / LOCK
+    try:
+        lock.write_text(f"{named.pid}\n")
+        subprocess.run([sys.executable, "-c", LOCK_LEFT_TO_A_CHILD, str(lock), "2"], check=True, timeout=30)
+        assert named.pid not in (lock_holders(lock) or {named.pid})  # held, by another process than the one named
+        write_status(shm_buffer, status_example(State.STOPPED, pid=named.pid, production=None))
+        said = " ".join(runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(shm_buffer)]).output.split())
+        assert "its lock is held by" not in said and "state stopped" in said, said
+        stop = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(shm_buffer), "--timeout", "20"])
+        assert stop.exit_code == 0, stop.output
+        assert stop.output == f"stopped the daemon on {shm_buffer} (pid {named.pid}), which was stopping already\n"
+        assert daemon_pid(shm_buffer) is None and named.poll() is None  # waited for, not signalled
+    finally:
+        named.kill()
+        named.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays a group member, who plants the lock, and root, who stops")
 def test_a_lock_planted_by_another_user_names_no_daemon_to_stop(runner: CliRunner, shm_buffer: Path) -> None:
     """Anyone who may write the buffer (--group-access: the group) can rename their own daemon.lock into it,
