@@ -373,7 +373,9 @@ def stop(buffer: Path, timeout: float) -> None:
     owner = daemon_owner(buffer)
     if owner is None:
         if not buffer.exists():  # most likely a typo: `stop --buffer X && ...` must not go on as if it stopped one
-            say(f"{buffer} does not exist, so no daemon runs on it; check the path", err=True)
+            # A start launched a moment ago has not made it yet (a race walk: `start & stop`).
+            say(f"{buffer} does not exist, so no daemon runs on it; check the path (a daemon started a moment ago "
+                "makes it as it takes the buffer: stop it once `prefetchd status` says it runs)", err=True)
             sys.exit(EXIT_NOT_RUNNING)
         # Stopping what is stopped is done (as `systemctl stop` of a stopped unit): exit 0.
         say(f"no daemon is running on {buffer}")

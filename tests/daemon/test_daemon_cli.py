@@ -1641,7 +1641,8 @@ def test_status_keeps_a_path_with_a_newline_on_one_line(runner: CliRunner, shm_d
     # So do stop's and config's answers, which printed them raw (a regression walk: the terminal turned red).
     stopped = runner.invoke(prefetchd_cli.main, ["stop", "--buffer", str(buffer / "zz")])
     assert stopped.exit_code == EXIT_NOT_RUNNING and stopped.output == (
-        f"{shm_dir}/b\\nuf\\x1b[31m/zz does not exist, so no daemon runs on it; check the path\n"), stopped.output
+        f"{shm_dir}/b\\nuf\\x1b[31m/zz does not exist, so no daemon runs on it; check the path (a daemon started a "
+        "moment ago makes it as it takes the buffer: stop it once `prefetchd status` says it runs)\n"), stopped.output
     checked = runner.invoke(prefetchd_cli.main, ["config", "--buffer", str(shm_dir / "bf"), "--data", str(buffer / "d")])
     assert checked.exit_code == 0 and len(checked.output.splitlines()) == 1 and "\x1b" not in checked.output, \
         checked.output
