@@ -11,6 +11,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -451,49 +452,58 @@ def test_a_full_filesystem_is_said_with_the_consumed_batch_files_kept_to_build_i
             lock.release()
 
 
+@contextlib.contextmanager
+def _full_then_below_the_floor(shm_dir: Path, shapes_data: Path, start_daemon: Any, high_water: int,
+                               batches_short: float) -> Iterator[tuple[Path, Any, Path]]:
+    """A daemon of 2 epochs on an 8 MiB tmpfs of its own, with a 2 MiB floor; once its buffer is full, a file that
+    takes the tmpfs ``batches_short`` batches below the floor: (its buffer, the daemon, that file)."""
+    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
+        buffer = mount / "bf"
+        batch = DaemonConfig(buffer=buffer, batch_size=4, image_size=64).batch_bytes
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "64",
+                              "--workers", "1", "--high-water", str(high_water), "--min-free-mb", "2", "--epochs", "2")
+        try:
+            daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
+            ballast = mount / "ballast"
+            ballast.write_bytes(b"\1" * (free_bytes(mount) - (2 << 20) + int(batch * batches_short)))
+            yield buffer, daemon, ballast
+        finally:
+            daemon.terminate()  # before the tmpfs is unmounted
+
+
 def test_one_shortage_is_one_pause_while_batches_are_built_in_spares(shm_dir: Path, shapes_data: Path,
                                                                      start_daemon) -> None:
     """Below the floor, a batch the trainer consumed leaves its file (a spare) to build the next one in, which takes
     no new space: the trainer is fed while the tmpfs stays as full.  Each such build ended the pause: the log said
     "resumed: ... has room again above the floor" then "paused" in the same millisecond for every batch read, and
     errors.low_space_pauses counted one shortage many times."""
-    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
-        buffer = mount / "bf"
-        batch = DaemonConfig(buffer=buffer, batch_size=4, image_size=64).batch_bytes
-        daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "64",
-                              "--workers", "1", "--high-water", "8", "--min-free-mb", "2", "--epochs", "2")
-        try:
-            daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
-            # 2.5 batches short of the floor: a build goes ahead once four spares count as room, as in the report.
-            ballast = mount / "ballast"
-            ballast.write_bytes(b"\1" * (free_bytes(mount) - (2 << 20) + batch * 5 // 2))
-            steps: list[tuple[int, int]] = []
-            seen: list[list[int]] = []
-            with BufferLoader(buffer, normalize=False, timeout=30) as loader:
-                for epoch in range(2):
-                    seen.append([])
-                    for b in loader:
-                        steps.append((b.epoch, b.step))
-                        seen[-1] += b.indices.tolist()
-                        time.sleep(0.05)
-                    if epoch == 0:  # a whole epoch read below the floor: built in spares, one pause
-                        # As the status says it at its next rewrite (once a second): the epoch may take less.
-                        daemon.wait_until(lambda: (p := production_of(buffer)) is not None
-                                          and p.progress.epoch == 1, 10, "a status of the epoch read")
-                        production = production_of(buffer)
-                        assert production is not None and production.errors.low_space_pauses == 1, daemon.log
-                        assert daemon.log.count("paused: ") == 1 and "resumed: " not in daemon.log, daemon.log
-                        ballast.unlink()
-                        daemon.wait_until(lambda: "resumed: " in daemon.log, 30, "the resumption")
-                        assert re.search(rf"resumed: {re.escape(str(buffer))} has room again above the floor of "
-                                         r"2 MiB \([\d.]+ MiB free\)", daemon.log), daemon.log
-            assert steps == [(e, s) for e in range(2) for s in range(len(loader))], steps  # every batch, once
-            assert all(sorted(indices) == list(range(72)) for indices in seen)
-            production = production_of(buffer)
-            assert production is not None and production.errors.low_space_pauses == 1, daemon.log
-            assert daemon.log.count("paused: ") == 1 and daemon.log.count("resumed: ") == 1, daemon.log
-        finally:
-            daemon.terminate()  # before the tmpfs is unmounted
+    # 2.5 batches short of the floor, as in the report.
+    with _full_then_below_the_floor(shm_dir, shapes_data, start_daemon, 8, 2.5) as (buffer, daemon, ballast):
+        steps: list[tuple[int, int]] = []
+        seen: list[list[int]] = []
+        with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+            for epoch in range(2):
+                seen.append([])
+                for b in loader:
+                    steps.append((b.epoch, b.step))
+                    seen[-1] += b.indices.tolist()
+                    time.sleep(0.05)
+                if epoch == 0:  # a whole epoch read below the floor: built in spares, one pause
+                    # As the status says it at its next rewrite (once a second): the epoch may take less.
+                    daemon.wait_until(lambda: (p := production_of(buffer)) is not None
+                                      and p.progress.epoch == 1, 10, "a status of the epoch read")
+                    production = production_of(buffer)
+                    assert production is not None and production.errors.low_space_pauses == 1, daemon.log
+                    assert daemon.log.count("paused: ") == 1 and "resumed: " not in daemon.log, daemon.log
+                    ballast.unlink()
+                    daemon.wait_until(lambda: "resumed: " in daemon.log, 30, "the resumption")
+                    assert re.search(rf"resumed: {re.escape(str(buffer))} has room again above the floor of "
+                                     r"2 MiB \([\d.]+ MiB free\)", daemon.log), daemon.log
+        assert steps == [(e, s) for e in range(2) for s in range(len(loader))], steps  # every batch, once
+        assert all(sorted(indices) == list(range(72)) for indices in seen)
+        production = production_of(buffer)
+        assert production is not None and production.errors.low_space_pauses == 1, daemon.log
+        assert daemon.log.count("paused: ") == 1 and daemon.log.count("resumed: ") == 1, daemon.log
 
 
 def test_below_the_floor_by_more_than_the_spares_a_trainer_is_still_fed_from_them(shm_dir: Path, shapes_data: Path,
@@ -501,26 +511,17 @@ def test_below_the_floor_by_more_than_the_spares_a_trainer_is_still_fed_from_the
     """Another file took the tmpfs 10 batches below the floor, and the cap (high-water 2) keeps 2 spares: counted
     only as room, they never made up the shortfall, and the trainer got no batch until its timeout (or, nearer the
     floor, one per second, a walk).  A batch built in a spare takes no new page, so each one read is built again."""
-    with mounted_tmpfs(shm_dir / "t8", "size=8m") as mount:
-        buffer = mount / "bf"
+    with _full_then_below_the_floor(shm_dir, shapes_data, start_daemon, 2, 10) as (buffer, daemon, _):
         batch = DaemonConfig(buffer=buffer, batch_size=4, image_size=64).batch_bytes
-        daemon = start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "4", "--image-size", "64",
-                              "--workers", "1", "--high-water", "2", "--min-free-mb", "2", "--epochs", "2")
-        try:
-            daemon.wait_until(lambda: state_of(buffer) == State.FULL, 30, "a full buffer")
-            ballast = mount / "ballast"
-            ballast.write_bytes(b"\1" * (free_bytes(mount) - (2 << 20) + 10 * batch))
-            steps: list[tuple[int, int]] = []
-            with BufferLoader(buffer, normalize=False, timeout=30) as loader:
-                for epoch in range(2):
-                    steps += [(b.epoch, b.step) for b in loader]
-            assert steps == [(e, s) for e in range(2) for s in range(len(loader))], steps  # every batch, once
-            assert free_bytes(mount) < (2 << 20) - 9 * batch, "the daemon took pages below the floor"
-            production = production_of(buffer)
-            assert production is not None and production.errors.low_space_pauses == 1, daemon.log
-            assert daemon.log.count("paused: ") == 1 and "resumed: " not in daemon.log, daemon.log
-        finally:
-            daemon.terminate()  # before the tmpfs is unmounted
+        steps: list[tuple[int, int]] = []
+        with BufferLoader(buffer, normalize=False, timeout=30) as loader:
+            for epoch in range(2):
+                steps += [(b.epoch, b.step) for b in loader]
+        assert steps == [(e, s) for e in range(2) for s in range(len(loader))], steps  # every batch, once
+        assert free_bytes(buffer.parent) < (2 << 20) - 9 * batch, "the daemon took pages below the floor"
+        production = production_of(buffer)
+        assert production is not None and production.errors.low_space_pauses == 1, daemon.log
+        assert daemon.log.count("paused: ") == 1 and "resumed: " not in daemon.log, daemon.log
 
 
 @pytest.mark.parametrize(("ballast_mib", "advice"), [
