@@ -391,7 +391,9 @@ def _job_lines(st: Status) -> list[str]:
                      f"{run.answer or 'starting'}")
     # The running job's own answer is the line above; a refusal under its id is a later request's (the daemon's
     # record renamed back to job.json by a member of the group, say), which a review found hidden here.
-    if last is None or (run is not None and last.job_id == run.job_id and last.accepted):
+    if last is None or (run is not None and (last.job_id == run.job_id and last.accepted or last.time < run.submitted)):
+        # An answer from before the running job was submitted is the job's before it, whose answer the daemon
+        # replaces as this one starts: it read as "later ... (the job above runs on)" meanwhile (a race walk).
         return lines
     job_id = last.job_id or "(unreadable)"
     # No job runs (waiting, stopped, starting the job it was given), or a daemon of an earlier 0.1 build did not say

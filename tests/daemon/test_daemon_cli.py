@@ -27,7 +27,7 @@ from click.testing import CliRunner, Result
 
 import prefetchd.cli as prefetchd_cli
 from prefetchd.options import raised_writing_stdout
-from prefetchd.buffer_protocol import (VERSION, DaemonLock, Errors, Manifest, State, daemon_pid, lock_holders,
+from prefetchd.buffer_protocol import (VERSION, DaemonLock, Errors, Manifest, RunningJob, State, daemon_pid, lock_holders,
                                       read_status, write_status)
 from prefetchd.daemon import cli, status_view
 from prefetchd.daemon.config import DaemonConfig, load_toml, tomllib  # the standard library's, or tomli before 3.11
@@ -701,6 +701,18 @@ def test_status_of_an_earlier_builds_daemon_shows_its_submitted_job_as_the_last_
     assert "running_job" not in json.loads(status_view.status_json(report(earlier)))["status"]  # not "none runs"
     # One of this build's that names no running job runs the job it was started with: the answer is to a later one.
     assert "  later     0123456789ab submitted by " in status_view.format_status(report(status_example(running_job=None)))
+
+
+def test_status_of_a_job_starting_shows_no_answer_of_the_job_before_it_as_a_later_one() -> None:
+    """For the ~70 ms a job change takes, the job before it's answer read as "later ... (the job above runs on)"."""
+    starting = status_example(running_job=RunningJob(job_id="fedcba987654", submitter=1001, submitted=1700000005.0,
+                                                     answer=""))
+    text = status_view.format_status(report(starting))
+    assert "  job       fedcba987654 submitted by " in text and ": starting" in text, text
+    assert "0123456789ab" not in text, text  # the answer of the job before, at 1700000000.0
+    refused = dataclasses.replace(starting, job_result=dataclasses.replace(starting.job_result, job_id="aaaabbbbcccc",
+                                                                           accepted=False, time=1700000006.0))
+    assert "  REFUSED   aaaabbbbcccc" in status_view.format_status(report(refused))  # a later request's: said
 
 
 def test_status_says_how_many_samples_the_split_holds_where_val_fraction_cut_it() -> None:
