@@ -446,7 +446,8 @@ class SpareFiles:
         finds none, which takes a spare's place; else (``PendingBatch.begin``'s ``spare_only``) nothing
         is begun and every spare stays: trimmed for each try, the one a trainer let go of was deleted
         while it waited for the batch to be built in it."""
-        for entry in reversed(self._files):
+        # Its own size first: a larger one cut to it no longer fits a full batch.
+        for entry in sorted(reversed(self._files), key=lambda e: e[0] != size):
             spare_size, spare, spare_dir_fd = entry
             if spare_size < size or not _unshared(spare, spare_dir_fd):
                 continue

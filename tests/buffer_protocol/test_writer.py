@@ -216,7 +216,7 @@ def test_a_spare_someone_keeps_is_passed_over_while_newest_then_deleted_and_its_
         assert holder is not None and _release(holder) == seen
 
 
-def test_spares_keep_within_their_room_oldest_first_and_only_a_matching_size_is_taken(tmp_path: Path) -> None:
+def test_spares_keep_within_their_room_oldest_first_and_a_batch_takes_one_of_its_size_first(tmp_path: Path) -> None:
     spares = SpareFiles()
     images, _, _ = _arrays(3, 64, 64)  # three pages an image: every count has its own file length
     paths = [_begin_and_commit(tmp_path, step, SpareFiles(), images) for step in range(3)]
@@ -234,7 +234,10 @@ def test_spares_keep_within_their_room_oldest_first_and_only_a_matching_size_is_
     assert short.stat().st_ino == inodes[2] and len(spares) == 0
     assert short.stat().st_size == BatchLayout.plan(2, 64, 64).file_len < BatchLayout.plan(3, 64, 64).file_len
     spares.retire(short)
-    assert _begin_and_commit(tmp_path, 7, spares, images[:2]).stat().st_ino == inodes[2]  # the size that fits
+    full = _begin_and_commit(tmp_path, 8, SpareFiles(), images)
+    spares.fit(2)
+    spares.retire(full)  # the newest, and larger: kept for a full batch, which the short one's file no longer fits
+    assert _begin_and_commit(tmp_path, 7, spares, images[:2]).stat().st_ino == inodes[2]  # its own size first
     spares.retire(tmp_path / batch_name(0, 7))
     spares.fit(0)
     assert len(spares) == 0 and list(list_temp_files(tmp_path)) == []
