@@ -538,7 +538,8 @@ def _pack_out(ctx: click.Context, param: click.Parameter, value: str) -> Path:
             f"{value} is a URL, but pack writes shards to a local folder; pack into one (e.g. /data/packed), "
             f"upload the folder to {value} with your storage's tools (aws s3 sync, gcloud storage rsync), then "
             f"`prefetchd start --data {value}`")
-    path: Path = LocalPath(file_okay=False).convert(value, param, ctx)  # ~ expanded, "" refused, as --data's
+    # ~ expanded, "" refused, as --data's; a file is check_pack_target's to refuse, with the exit code help says (1).
+    path: Path = LocalPath().convert(value, param, ctx)
     return path
 
 
@@ -560,8 +561,8 @@ def pack(src: Path | str, out: Path, shard_size: int, shuffle: bool, seed: int |
     offset, so `prefetchd start --data OUT` reads each with one positioned read.
 
     Exit code 1: SRC cannot be read, or OUT refused (a file, a folder not empty without --force, one inside SRC,
-    one this user may not write in); 2: a bad option (OUT a URL too); 4: SRC under a folder this user may not
-    enter.
+    one this user may not write in, one another pack is writing into); 2: a bad option (OUT a URL too); 4: SRC
+    under a folder this user may not enter; 130: interrupted (Ctrl-C), its shards removed.
     """
     from prefetchd.daemon.dataset import PROGRESS_LOG_SECONDS, logged_progress
     from prefetchd.daemon.sources import open_dataset
@@ -588,6 +589,9 @@ def pack(src: Path | str, out: Path, shard_size: int, shuffle: bool, seed: int |
                         last = time.monotonic()
 
             summary = pack_shards(index, out, shard_size, (seed or 0) if shuffle else None, force, progress)
+    except KeyboardInterrupt:  # click's "Aborted!" and exit 1 read as a refusal (a walk): as a shell says Ctrl-C
+        say(f"interrupted: the shards this pack wrote in {out} are removed", err=True)
+        sys.exit(130)
     except DaemonError as exc:
         raise click.ClickException(str(exc)) from None
     unreadable = counted(summary["unreadable"], "unreadable file")

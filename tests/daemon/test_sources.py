@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import pickle
@@ -20,6 +21,7 @@ from prefetchd.daemon.dataset import SampleIndex, split_members
 from prefetchd.cli import main as cli_main
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources import SampleReader, is_url, open_dataset
+from prefetchd.daemon.sources import shards as shards_module
 from prefetchd.daemon.sources.filelist import MAX_INT_CLASSES
 from prefetchd.daemon.sources.shards import INDEX_NAME, ShardChanged, pack, parse_size, read_packed_from
 from prefetchd.daemon.sources.storage import ImageRefused
@@ -410,6 +412,47 @@ def test_pack_refuses_a_non_empty_folder_and_an_unfinished_pack_is_no_dataset(
     with pytest.raises(DatasetError, match=r"out holds an unfinished pack \(5 shards without prefetchd-index\.npz: "
                                            r"a pack that was killed\); pass --force to replace it"):
         pack(source, out, shard_size=10**6)
+
+
+def test_a_second_pack_into_a_folder_another_pack_writes_into_is_refused(
+        tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    """Two `pack --force` into one folder both said they packed, and left shards of two packs under one index, or
+    one's cleanup deleted the other's shards, or a damaged index; without --force the second called the first's
+    shards "a pack that was killed" (a walk).  A pack holds the folder (an flock on it) while it writes."""
+    src = class_tree(tmp_path / "src", make_image)
+    out = tmp_path / "out"
+    pack(open_dataset(src), out, shard_size=3000)
+    (out / INDEX_NAME).unlink()  # as the first pack's shards look before it writes its index
+    said = f"another `prefetchd pack` is writing into {out}; wait for it to finish, or pack into another folder"
+    held = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the other pack holds it
+        for force in ([], ["--force"]):
+            result = CliRunner().invoke(cli_main, ["pack", str(src), str(out), *force])
+            assert result.exit_code == 1 and said in result.output and "killed" not in result.output, result.output
+        with pytest.raises(DatasetError, match="another `prefetchd pack` is writing into"):
+            pack(open_dataset(src), out, shard_size=3000, force=True)
+        assert sorted(p.name for p in out.iterdir()) == sorted(f"shard-{i:06d}.tar" for i in range(5))  # untouched
+    finally:
+        os.close(held)
+    pack(open_dataset(src), out, shard_size=3000, force=True)  # once the other is done
+    assert len(open_dataset(out)) == 5
+
+
+def test_pack_refuses_a_file_as_out_and_says_an_interrupt_with_its_code(
+        tmp_path: Path, make_image: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Help says a file OUT exits 1 (it was click's 2); Ctrl-C was click's "Aborted!", exit 1, a refusal's code."""
+    src = class_tree(tmp_path / "src", make_image)
+    (tmp_path / "afile").write_text("")
+    result = CliRunner().invoke(cli_main, ["pack", str(src), str(tmp_path / "afile")])
+    assert result.exit_code == 1 and f"{tmp_path / 'afile'} is a file; pass a folder" in result.output, result.output
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards_module, "pack", interrupted)
+    result = CliRunner().invoke(cli_main, ["pack", str(src), str(tmp_path / "out")])
+    assert result.exit_code == 130 and "interrupted: the shards this pack wrote in" in result.output, result.output
 
 
 def test_a_pack_that_fails_or_is_interrupted_leaves_none_of_its_shards(

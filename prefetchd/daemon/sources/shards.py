@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import io
 import logging
@@ -152,7 +153,8 @@ def read_member(storage: Storage, index: SampleIndex, i: int) -> bytearray:
 def _changed(index: SampleIndex, rel: str, what: str) -> str:
     return (f"{index.root.rstrip('/')}/{rel}: {what}. The shards changed after this daemon read their index "
             "(packed again, or a shard removed or cut short?): restore them, or restart the daemon on the new "
-            "pack (with --reset: its batches were built from the old one)")
+            "pack (with --reset: its batches were built from the old one); if the folder was never one pack's "
+            "(shards copied in from another), pack the dataset again into it (prefetchd pack --force)")
 
 
 def pack_again(root: str) -> str:
@@ -367,20 +369,22 @@ def _source_paths(index: SampleIndex, order: np.ndarray) -> dict[str, np.ndarray
             "source_path_offsets": packed_offsets}
 
 
-def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> None:
+def check_pack_target(source_dir: str | Path | None, out: Path, force: bool, held: bool = False) -> None:
     """Refuse, before anything is read or written, an ``out`` that ``pack`` cannot use: a file, a
     folder holding folders, a folder holding something (without ``force``), or, where the dataset being packed is a local
     folder (class folders, shards; ``source_dir`` is its location, or None), that folder or one
     inside it.  Packed there, the shards would become a class folder without images, or the index
-    would turn the source into a shard folder."""
+    would turn the source into a shard folder.  And a folder another pack is writing into, unless ``held``: the
+    pack checking is the one that holds it (``_packing``)."""
     out = Path(out)
     # Before the source's index (minutes), after which it was said (a walk); and before anything stats ``out``,
     # which raises PermissionError under a folder this user may not enter.
+    with contextlib.suppress(PermissionError):  # under a folder this user may not enter: no_access says so next
+        if out.exists() and not out.is_dir():  # first: a file's access was said as a folder's ("may not write")
+            raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
     denied = no_access(out, write=True)
     if denied is not None:
         raise DatasetError(f"cannot pack into {out}: {denied}")
-    if out.exists() and not out.is_dir():
-        raise DatasetError(f"{out} is a file; pass a folder (new or empty) to pack into")
     if source_dir is not None and Path(source_dir).is_dir():
         source, target = Path(source_dir).resolve(), out.resolve()
         if inside(str(target), str(source)):
@@ -393,6 +397,10 @@ def check_pack_target(source_dir: str | Path | None, out: Path, force: bool) -> 
         raise DatasetError(f"{out} holds folders of images ({', '.join(classes[:3])}{', ...' if len(classes) > 3 else ''}); "
                            f"packed there, its {INDEX_NAME} would make `--data {out}` read the pack instead of them; "
                            "pack into a new folder")
+    if not held and out.is_dir() and _packing_into(out):
+        # Both went on with --force and left shards of two packs under one index, or one's cleanup deleted the
+        # other's shards (a walk); without it the second called the first's shards "a pack that was killed".
+        raise DatasetError(_another_pack(out))
     if out.is_dir() and any(out.iterdir()) and not force:
         shards = sum(1 for _ in out.glob("shard-*.tar"))
         if shards and not (out / INDEX_NAME).exists():
@@ -426,16 +434,69 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
     traceback, shards without an index, and "not empty" at the next try (a user's walk).
     """
     out = Path(out)
-    check_pack_target(None, out, force)  # the command checked ``out`` against its source before indexing it
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DatasetError(f"cannot write the pack in {out}: {exc.strerror or exc}; {_pack_remedy(exc)}") from None
+    try:
+        with _packing(out):
+            return _pack_into(index, out, shard_size, shuffle_seed, force, progress, made)
+    except DatasetError:
+        if made:  # refused: what it made goes, if nothing else came into it
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+
+
+def _packing_into(out: Path) -> bool:
+    """Whether a `prefetchd pack` holds ``out`` (``_packing``)."""
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # and with it the lock taken to look
+    return False
+
+
+@contextlib.contextmanager
+def _packing(out: Path) -> Iterator[None]:
+    """Hold ``out`` (an flock on the folder itself: nothing is added to the pack) while a pack writes into it; a
+    second pack there is refused."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DatasetError(_another_pack(out)) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _another_pack(out: Path) -> str:
+    return f"another `prefetchd pack` is writing into {out}; wait for it to finish, or pack into another folder"
+
+
+def _pack_into(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | None, force: bool,
+               progress: Callable[[Iterator[int]], Iterator[int]], made: bool) -> dict[str, Any]:
+    """``pack`` once it holds ``out`` (which it ``made``, or not)."""
+    # The command checked ``out`` against its source before indexing it; the hold is this pack's own.
+    check_pack_target(None, out, force, held=True)
     if out.is_dir() and any(out.iterdir()):
         # The old index goes first: an interrupted repack must not look complete.
         (out / INDEX_NAME).unlink(missing_ok=True)
         for old in out.glob("shard-*.tar"):
             old.unlink()
-    made = not out.exists()
     writer = ShardWriter(out, shard_size, pack_stamp(index, shuffle_seed, shard_size))
     try:
-        out.mkdir(parents=True, exist_ok=True)
         return _write_pack(index, writer, shuffle_seed, progress)
     except OSError as exc:
         _remove_unfinished(writer, made)
