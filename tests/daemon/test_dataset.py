@@ -442,6 +442,11 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(
         assert same_index(cached_class_folders(root, cache), index)
     assert f"index cache {entry} is damaged (not a numpy .npz archive" in caplog.text
     assert "unsafely" not in caplog.text
+    np.savez(entry, labels=np.zeros(3))  # an archive, of other arrays: "damaged ('format')" (a walk)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert same_index(cached_class_folders(root, cache), index)
+    assert f"index cache {entry} is damaged (it has no 'format' array)" in caplog.text, caplog.text
 
 
 def test_an_unwritable_cache_only_warns(tmp_path: Path, make_image: Callable[..., Path],

@@ -167,7 +167,9 @@ def load_entry(path: Path, root: str, again: str, extra: tuple[str, ...] = (),
         )
         return index, {name: arrays[name] for name in extra}
     except (KeyError, ValueError, IndexError) as exc:
-        log.warning("index cache %s is damaged (%s); %s and rewriting it", path, exc, again)
+        # A missing array's KeyError says only its name: "damaged ('format')" (a walk).
+        why = f"it has no {exc.args[0]!r} array" if isinstance(exc, KeyError) and exc.args else exc
+        log.warning("index cache %s is damaged (%s); %s and rewriting it", path, why, again)
         return None
 
 
