@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from prefetchd.access import no_access
+from prefetchd.buffer_protocol.ownership import lock_file_held
 from prefetchd.daemon.dataset import IMG_EXTENSIONS, PackedFrom, SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.npz import load_arrays
@@ -450,20 +451,9 @@ def pack(index: SampleIndex, out: Path, shard_size: int, shuffle_seed: int | Non
 
 
 def _packing_into(out: Path) -> bool:
-    """Whether a `prefetchd pack` holds ``out`` (``_packing``)."""
-    try:
-        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # and with it the lock taken to look
-    return False
+    """Whether a `prefetchd pack` holds ``out`` (``_packing``: an flock on the folder, which a daemon.lock's look
+    tells as well)."""
+    return lock_file_held(out.resolve())
 
 
 @contextlib.contextmanager
