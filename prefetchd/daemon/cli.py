@@ -392,7 +392,8 @@ def stop(buffer: Path, timeout: float) -> None:
     lock = top / LOCK_NAME
     holders = lock_holders(lock)
     if holders is not None and pid not in holders:  # without /proc, the pid is trusted as it always was
-        if exiting(readable_status(top), pid) and _lock_let_go(buffer, timeout):  # another stop was first
+        if exiting(readable_status(top), pid) and _within(timeout, lambda: daemon_owner(buffer) is None):
+            # another stop was first: its lock goes with its last process
             say(f"stopped the daemon on {buffer} (pid {pid}), which was stopping already")
             return
         say(f"cannot stop the daemon on {buffer}, and signalled nothing: {not_the_holder(lock, pid, holders)}",
@@ -413,12 +414,9 @@ def stop(buffer: Path, timeout: float) -> None:
         pass
     # The lock goes before the interpreter exits: "stopped" means the process is gone
     # (a zombie is gone too: its parent, not us, has to reap it).
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _exited(pid):
-            say(f"stopped the daemon on {buffer} (pid {pid})")
-            return
-        time.sleep(0.05)
+    if _within(timeout, lambda: _exited(pid)):
+        say(f"stopped the daemon on {buffer} (pid {pid})")
+        return
     say(f"the daemon on {buffer} (pid {pid}) did not exit within {timeout:.0f} s; `kill -9 {pid}` ends it", err=True)
     sys.exit(EXIT_FAILURE)
 
@@ -440,10 +438,10 @@ def not_ours_to_signal(pid: int) -> str:
     return f"the daemon (pid {pid}) runs as {user}; {how}run this command as that user or root"
 
 
-def _lock_let_go(buffer: Path, timeout: float) -> bool:
-    """Whether no daemon owns ``buffer`` within ``timeout`` seconds."""
+def _within(timeout: float, done: Callable[[], bool]) -> bool:
+    """Whether ``done()`` comes true within ``timeout`` seconds, asked every 50 ms (stop's waits for a daemon)."""
     deadline = time.monotonic() + timeout
-    while daemon_owner(buffer) is not None:
+    while not done():
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
