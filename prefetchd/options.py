@@ -95,9 +95,16 @@ def _check_one(name: str, value: Any, meta: Any, error: type[Exception]) -> None
     if "choices" in meta and value not in meta["choices"]:
         raise error(f"{name} = {shown(value)}: allowed values are {', '.join(meta['choices'])}")
     if "minimum" in meta and (value <= meta["minimum"] if meta.get("min_open") else value < meta["minimum"]):
-        raise error(f"{name} = {shown(value)}: must be {'above' if meta.get('min_open') else 'at least'} {meta['minimum']}")
+        bound = "above" if meta.get("min_open") else "at least"
+        raise error(f"{name} = {shown(value)}: must be {bound} {_bound(meta['minimum'])}")
     if "maximum" in meta and (value >= meta["maximum"] if meta.get("max_open") else value > meta["maximum"]):
-        raise error(f"{name} = {shown(value)}: must be {'below' if meta.get('max_open') else 'at most'} {meta['maximum']}")
+        bound = "below" if meta.get("max_open") else "at most"
+        raise error(f"{name} = {shown(value)}: must be {bound} {_bound(meta['maximum'])}")
+
+
+def _bound(value: float) -> str:
+    """A bound as typed: 4, not 4.0, for a float bound derived from another constant."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 class FiniteFloat(click.FloatRange):
@@ -337,10 +344,10 @@ def _range_text(meta: Any) -> str:
     above = "<" if meta.get("min_open") else "<="
     below = "<" if meta.get("max_open") else "<="
     if low is not None and high is not None:
-        return f"{low}{above}x{below}{high}"
+        return f"{_bound(low)}{above}x{below}{_bound(high)}"
     if low is not None:
-        return f"x{above.replace('<', '>')}{low}"
-    return f"x{below}{high}" if high is not None else ""
+        return f"x{above.replace('<', '>')}{_bound(low)}"
+    return f"x{below}{_bound(high)}" if high is not None else ""
 
 
 def _param_type(meta: Any, ranged: bool) -> Any:

@@ -70,7 +70,7 @@ def build_config(ctx: click.Context, config_file: Path | None, params: dict[str,
 
 def where_it_came_from(message: str, flags: dict[str, Any], config_file: Path | None, from_file: set[str]) -> str:
     """A config error's ``key = value`` as the user gave it: each value from a flag as that flag
-    ("--val-fraction -0.1: must be at least 0.0"), an item of a repeated flag as that flag given it
+    ("--val-fraction -0.1: must be at least 0"), an item of a repeated flag as that flag given it
     ("--allowed-transforms nocolon: expected ..."), and an error that starts with a key of the
     config file under the file's name ("prefetchd.toml: workers = 0 leaves ...")."""
     for key, value in flags.items():

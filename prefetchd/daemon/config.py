@@ -27,6 +27,7 @@ from prefetchd.buffer_protocol import BatchLayout, list_batches, stream_dir
 from prefetchd.buffer_protocol.errors import shown
 from prefetchd.buffer_protocol.layout import owning_buffer
 from prefetchd.buffer_protocol.manifest import BATCH_SIZES, IMAGE_SIZES, SPLITS, augmentation_text
+from prefetchd.buffer_protocol.progress import PROGRESS_REFRESH_SECONDS
 from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.decode import DEFAULT_MAX_IMAGE_PIXELS
@@ -76,7 +77,9 @@ class DaemonConfig:
     low_water: int | None = _opt(None, "Resume producing when waiting batches fall to this [default: high-water / 2].", int, minimum=0)
     max_buffer_bytes: int | None = _opt(None, "Cap on the bytes of batches waiting and being built, all consumers of the buffer together (several trainers sharing it: see --consumer in prefetchd-train); when their windows do not fit, the slowest consumer's shrinks first [default: high-water batches per rank, so one trainer sees no difference].", int, minimum=1,
                                         unit="a number of bytes, 2147483648 for 2 GiB", metavar="BYTES")
-    consumer_timeout: float = _opt(300.0, "Seconds without a progress write after which one of several consumers counts as gone and stops holding batches (a gone process is noticed within a second); it may come back.", float, minimum=0, min_open=True)
+    # Above two of a waiting loader's progress rewrites: at one, a trainer waiting for its next batch on a loaded
+    # machine counted as gone between two rewrites, and the job finished without it (a flaky test, stop 71).
+    consumer_timeout: float = _opt(300.0, f"Seconds without a progress write after which one of several consumers counts as gone and stops holding batches (a gone process is noticed within a second); it may come back. Above {2 * PROGRESS_REFRESH_SECONDS:g}: a trainer waiting for a batch rewrites its progress every {PROGRESS_REFRESH_SECONDS:g} s.", float, minimum=2 * PROGRESS_REFRESH_SECONDS, min_open=True)
     # 600 s: above the longest a healthy image can take, so that only a hang is killed.  The slowest is an object
     # store's read through its retries (locations: 6 tries of up to SAMPLE_READ_SECONDS = 60 s and ~5 s of
     # backoff, ~6 min), which must end in StorageUnavailable and the status's storage_wait, not in a kill.  A

@@ -293,7 +293,7 @@ def test_a_crashed_consumer_resumes_on_the_daemon_restarted_after_the_others_fin
     --consumer-timeout, so the trainer counted as silent, one not waited for, and the others were done."""
     data, buffer = shapes_data / "train", shm_dir / "bf"
     args = ["--data", data, "--batch-size", str(BATCH), "--image-size", str(SIZE), "--workers", "1", "--seed", "7",
-            "--epochs", "1", "--high-water", str(HIGH), "--consumer-timeout", "2"]
+            "--epochs", "1", "--high-water", str(HIGH), "--consumer-timeout", str(TIMEOUT)]
     daemon = start_daemon(buffer, *args)
     steps = -(-len(ImageFolder(str(data)).samples) // BATCH)
     script = tmp_path / "consumer.py"
@@ -312,7 +312,7 @@ def test_a_crashed_consumer_resumes_on_the_daemon_restarted_after_the_others_fin
         done = [record(b) for b in loader]
     assert [(r["epoch"], r["step"]) for r in done] == [(0, s) for s in range(steps)]
     assert daemon.wait_exit(30) == 0, "the others done and the crashed one silent: the daemon finishes"
-    time.sleep(2.5)  # the crashed consumer's progress now older than --consumer-timeout, as after a while
+    time.sleep(TIMEOUT + 0.5)  # the crashed consumer's progress now older than --consumer-timeout, as after a while
 
     # The daemon first, as the README has it: it waits for the crashed consumer, rather than finding it silent.
     restarted = start_daemon(buffer, *args)
