@@ -2,7 +2,9 @@
 
 A worker that dies (its exit seen by ``pool.WorkerPool.wait``) is replaced, and its tasks go to
 others; more than ``MAX_WORKER_RESTARTS`` ends within ``RESTART_WINDOW_SECONDS`` stop the job (beside a Ray
-cluster, the local workers: the producer's ``_local_workers_end``).  Where
+cluster, the local workers: the producer's ``_local_workers_end``), and so do more than ``MAX_WORKER_RESTARTS``
+deaths in a row before the worker was ready, none ready meanwhile, at any pace (a hook's module that kills the
+worker importing it, after seconds of torch's import on a slow machine, never died 11 times within 60 s).  Where
 it died is in the ``whereabouts.Whereabouts`` it left: a file that kills whatever decodes it (a decoder's
 segfault) kills the worker that retries the task too, on the same
 file; at ``CRASHES_TO_BLAME`` such deaths the file is taken for an undecodable one (``crashed``: the
@@ -171,6 +173,8 @@ class WorkerHealth:
         self.shown = shown
         self.ranks = ranks
         self.ends: deque[float] = deque()  # when workers died or were killed, within RESTART_WINDOW_SECONDS
+        # Local workers that died before they were ready, in a row: none ready meanwhile (``replace``).
+        self.start_deaths = 0
         self.oom_ends: deque[float] = deque()  # those of them the kernel's out-of-memory killer killed
         self.oom_files: set[str] = set()  # the files those workers were on (a file shown as ``_place`` shows it)
         # The count of OOM kills looked at: its memory cgroup's, which other cgroups' kills leave alone, else the
@@ -215,6 +219,7 @@ class WorkerHealth:
             log.error("%s died (%s)%s; %s (not that file's fault)", who, how, where, then)
             self.ends.append(now)
             return None
+        self.start_deaths = 0 if worker.where.ready_yet else self.start_deaths + 1
         if task is None or sample is None:  # between tasks or images: none is to blame
             before = "" if worker.where.ready_yet else f" before it was ready, {self._start_step(worker)}"
             log.error("%s died (%s)%s; %s", who, how, before, then)
@@ -301,6 +306,12 @@ class WorkerHealth:
         _forget_before(self.oom_ends, now)
         if not self.oom_ends:
             self.oom_files.clear()
+        if any(w.where.ready_yet for w in self.pool.workers):
+            self.start_deaths = 0  # one got ready: the others' starts fail for reasons of their own
+        if self.start_deaths > MAX_WORKER_RESTARTS:
+            return (f"{self.start_deaths} workers in a row died before they were ready, none ready meanwhile (the "
+                    f"last: {self.last_end or ended(worker.process.exitcode)}, {self._start_step(worker)}); check "
+                    "the log for what they died of")
         if len(self.ends) > MAX_WORKER_RESTARTS:
             if self.oom_ends:
                 one = (f"; every one of them died on {next(iter(self.oom_files))}: an image too big for this memory? "

@@ -302,7 +302,7 @@ def test_tasks_of_a_cancelled_batch_handed_back_are_dropped_not_built_again() ->
     old = build(6, True, {7})
     builds.by_task[7] = old
     producer.wake, producer.fatal, producer.remote = SimpleNamespace(stop_signal=None), None, None
-    pool: Any = SimpleNamespace(add_worker=lambda start_hangs: None, job=None)
+    pool: Any = SimpleNamespace(add_worker=lambda start_hangs: None, job=None, workers=[])
     producer.health = WorkerHealth(pool, Stats(), 600.0, builds.by_task, str, 1, 600.0)
     task = Task(7, "c.tmp", OFFSET, SLOT, 0, ((0, 7),))
     where = Whereabouts(multiprocessing.RawArray("q", Whereabouts.INITIAL))  # died before its first task

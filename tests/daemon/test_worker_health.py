@@ -10,6 +10,9 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from prefetchd.daemon import worker_health
 from prefetchd.daemon.builds import Builds
 from prefetchd.daemon.errors import DaemonError
 from prefetchd.daemon.pool import Worker
@@ -101,7 +104,7 @@ def test_workers_killed_together_for_a_hang_do_not_trip_the_restart_limit() -> N
     """A hung mount stalls every worker at once: 11 of them killed at --task-timeout stopped the job as "11
     workers died within 60 s (out of memory?)", where each task had hung once of the 3 times that stop it."""
     killed, started = [], []
-    pool: Any = SimpleNamespace(job=None, kill=lambda worker, on_result: killed.append(worker),
+    pool: Any = SimpleNamespace(job=None, workers=[], kill=lambda worker, on_result: killed.append(worker),
                                 add_worker=lambda start_hangs=(): started.append(start_hangs))
     h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
     workers = [dead(1 + i % 2, -1) for i in range(MAX_WORKER_RESTARTS + 2)]  # alive, stuck: only whereabouts read
@@ -117,13 +120,44 @@ def test_workers_killed_together_for_a_hang_do_not_trip_the_restart_limit() -> N
     assert f"{MAX_WORKER_RESTARTS + 1} workers died within" in (h.replace(workers[-1]) or "")
 
 
+def test_workers_that_die_before_they_are_ready_stop_at_the_limit_however_slowly_they_die(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local workers that died at their start, each after seconds of imports (torch, then a hook's module that
+    kills the process), died fewer than 11 times within 60 s on a slow machine: restarted forever, they never
+    tripped the restart limit (the CI's Ray fault test, stop 71).  Now 11 in a row, none ready meanwhile, end them
+    at any pace; a worker that is ready ends the row."""
+    clock = [1000.0]
+    monkeypatch.setattr(worker_health, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    ready: list[Worker] = []
+    pool: Any = SimpleNamespace(job=SimpleNamespace(augment=SimpleNamespace(transform="users.hooks:aug")),
+                                workers=ready, add_worker=lambda start_hangs=(): None)
+    h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
+
+    def die_starting() -> str | None:
+        clock[0] += 30.0  # two deaths a minute: never 11 within 60 s
+        worker = dead(1, -1, exitcode=-9, begun=False)
+        worker.where.starting(START_HOOK)
+        assert h.died(worker) is None
+        return h.replace(worker)
+
+    assert [die_starting() for _ in range(MAX_WORKER_RESTARTS)] == [None] * MAX_WORKER_RESTARTS
+    ready.append(dead(2, -1))  # one got ready: the row starts again
+    assert [die_starting() for _ in range(MAX_WORKER_RESTARTS)] == [None] * MAX_WORKER_RESTARTS
+    ready.clear()
+    assert h.died(dead(2, -1)) is None and h.replace(dead(2, -1)) is None  # a ready worker's death ends it too
+    assert [die_starting() for _ in range(MAX_WORKER_RESTARTS)] == [None] * MAX_WORKER_RESTARTS
+    assert die_starting() == (f"{MAX_WORKER_RESTARTS + 1} workers in a row died before they were ready, none ready "
+                              "meanwhile (the last: signal SIGKILL, importing the --transform hook's module "
+                              "users.hooks); check the log for what they died of")
+
+
 def test_a_worker_server_that_does_not_start_again_stops_the_local_workers_saying_why() -> None:
     """``WorkerPool.add_worker`` gave up on a dead worker server: the reason the local workers end (the job
     stops, or a Ray cluster builds alone), not an internal error."""
     def add_worker(start_hangs: tuple[int, ...] = ()) -> None:
         raise DaemonError("cannot start a worker: the worker server died and did not start again within 10 s")
 
-    pool: Any = SimpleNamespace(job=None, add_worker=add_worker)
+    pool: Any = SimpleNamespace(job=None, workers=[], add_worker=add_worker)
     h = WorkerHealth(pool, Stats(), 600.0, dict.fromkeys(TASKS), str, 1, 600.0)
     worker = dead(1, -1, exitcode=255)
     h.died(worker)
