@@ -39,7 +39,9 @@ from tests.integration.killing_import_hook import KILL_LOCAL
 from tests.integration.ray_namespace import in_namespace, namespace_problem
 
 # A private cluster starts in ~8 s here, and each Ray worker imports torch for the hook (seconds on 2 busy cores).
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+# Each test takes 25-45 s on the 2 idle cores of the slow host; one took more than 240 s there in CI beside the
+# rest of the suite and the Ray scenarios (stop 71), whose cluster the xdist_group now keeps from running beside it.
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray"), pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1",
@@ -49,8 +51,8 @@ JOB = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water",
 # three beside three other test processes on the 2 cores); before, the hung batch never came and this is what
 # the test failed with.
 LOADER_TIMEOUT = 150
-# The wait for eleven Ray workers dead in a row at their start, each after importing torch for the hook: 5-20 s
-# each beside other test processes on the 2 cores, a few at once (13 deaths took 150 s in a CI run).
+# The wait for eleven Ray (or local) workers dead in a row at their start, each after importing torch for the hook:
+# 5-20 s each beside other test processes on the 2 cores, a few at once (13 deaths took 150 s in a CI run).
 START_DEATHS_SECONDS = 360
 # A daemon's exit once its trainer has read everything, or once it failed: stopping its Ray bridge alone may take
 # BRIDGE_STOP_SECONDS (ray.shutdown of its private cluster) and a second more; in a full run on the 2 cores a
@@ -261,12 +263,13 @@ def test_ray_workers_that_die_before_their_first_image_beside_a_local_worker_giv
     assert "connecting to the Ray cluster" not in daemon.log.split(given_up[0])[1], "connected again"
 
 
+@pytest.mark.timeout(START_DEATHS_SECONDS + LOADER_TIMEOUT + 2 * EXIT_SECONDS)
 def test_local_workers_that_die_again_and_again_beside_a_cluster_are_given_up_and_the_cluster_builds_alone(
         magenta_data: tuple[Path, Path], shm_dir: Path, start_daemon: Any, start_ray_daemon: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mirror of the test above: local workers that die as they start, more than the restart limit's 10 within
-    60 s (a hook's module broken on the daemon's box only; the OOM killer there), stopped the job though a Ray
-    cluster beside them could build every batch.  Now the local workers are given up for the job: the cluster builds
+    """The mirror of the test above: local workers that die as they start, more than the restart limit's 10 in a row
+    (a hook's module broken on the daemon's box only), stopped the job though a Ray cluster beside them could build
+    every batch.  Now the local workers are given up for the job: the cluster builds
     alone, every batch arriving once and as a local daemon's, and the status says why."""
     data, _magenta = magenta_data
     hook = ["--data", data, "--transform", "tests.integration.killing_import_hook:identity"]
@@ -276,9 +279,10 @@ def test_local_workers_that_die_again_and_again_beside_a_cluster_are_given_up_an
     daemon = start_ray_daemon(buffer, *JOB, *hook, "--workers", "1")
     # Before the trainer reads: the job's last batch is still to build (--high-water 3 of its 4), so it goes on after.
     daemon.wait_until(lambda: "the local workers are given up for this job" in _status_message(buffer),
-                      LOADER_TIMEOUT, "gave up no local workers")
+                      START_DEATHS_SECONDS, "gave up no local workers")
     message = _status_message(buffer)
-    assert f"({MAX_WORKER_RESTARTS + 1} workers died within 60 s" in message, message
+    # In a row, not within 60 s: each death follows the worker's import of torch, seconds on a slow machine.
+    assert f"({MAX_WORKER_RESTARTS + 1} workers in a row died before they were ready" in message, message
     assert message.endswith(": the Ray cluster builds alone") or " and the Ray cluster is " in message, message
     assert read_all(buffer) == expected, daemon.log  # each (epoch, step) once, the same samples and pixels
     assert daemon.wait_exit(EXIT_SECONDS) == 0, daemon.log
