@@ -53,12 +53,38 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_TMPFS = 1 << 20
 
 
+# The modules of the tests marked "ray", which run one after another in one test process (``RayTogether``).
+RAY_MODULES = ("tests/integration/test_ray.py", "tests/integration/test_ray_faults.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The Ray scenarios first (their module's cluster fixture took 228 s of a 503 s run on the 2
-    cores): pytest-xdist hands each test process a run of consecutive tests to start with, so the
-    first one starts them at once and the others share out the rest beside it.  Collected in place,
-    they began at 241 s and ended the run alone."""
+    cores): the first test process starts them at once and the others share out the rest beside it.
+    Collected in place, they began at 241 s and ended the run alone."""
     items.sort(key=lambda item: item.get_closest_marker("ray") is None)
+    elsewhere = sorted({item.nodeid.split("::")[0] for item in items
+                        if item.get_closest_marker("ray") and not item.nodeid.startswith(RAY_MODULES)})
+    if elsewhere:
+        raise pytest.UsageError(f"tests marked ray in {', '.join(elsewhere)}: add the module to RAY_MODULES "
+                                "in tests/conftest.py, so that its cluster never runs beside another")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's own scheduling ("load"), but the Ray tests in one process, one after another: two Ray
+    clusters beside each other on the 2 cores of a slow CI host ran the scenarios past 560 s and a fault test past
+    240 s (stop 71).  ``--dist loadgroup`` with ``xdist_group`` marks would do it, but xdist 3.8 under pytest 9.2
+    silently does not group (it renames the tests' node ids, which pytest 9.2 no longer reads:
+    pytest-dev/pytest-xdist#1386).  The work units are xdist's "loadscope" ones, each test alone but the Ray
+    modules, a unit together; the largest goes first, so the Ray tests start at once.  Another --dist is kept."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # LoadFileScheduling and LoadGroupScheduling override it so
+            return "ray" if nodeid.startswith(RAY_MODULES) else nodeid
+
+    return RayTogether(config, log)
 
 
 def _oom_score_adj() -> str | None:

@@ -42,9 +42,10 @@ from tests.integration.ray_namespace import namespace_problem
 
 # The scenarios take 2 min on the 2 quiet cores, 3.5 on those of a slow host, 5-9 when both are saturated (each Ray
 # worker's start, a probe's answer, then takes a minute), more than 9 on the slow host beside the rest of the suite
-# and the Ray fault tests (CI, stop 71): a bound for a hang, not for speed.  One xdist_group with those tests.
+# and the Ray fault tests (CI, stop 71): a bound for a hang, not for speed.  They run one after another
+# (tests/conftest.py, RAY_MODULES).
 SCENARIOS_SECONDS = 900
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray"), pytest.mark.timeout(SCENARIOS_SECONDS + 40)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(SCENARIOS_SECONDS + 40)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

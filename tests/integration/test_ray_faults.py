@@ -40,8 +40,8 @@ from tests.integration.ray_namespace import in_namespace, namespace_problem
 
 # A private cluster starts in ~8 s here, and each Ray worker imports torch for the hook (seconds on 2 busy cores).
 # Each test takes 25-45 s on the 2 idle cores of the slow host; one took more than 240 s there in CI beside the
-# rest of the suite and the Ray scenarios (stop 71), whose cluster the xdist_group now keeps from running beside it.
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray"), pytest.mark.timeout(420)]
+# rest of the suite and the Ray scenarios (stop 71), whose cluster no longer runs beside it (tests/conftest.py).
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ["--batch-size", "8", "--image-size", "32", "--seed", "7", "--high-water", "3", "--low-water", "1",
