@@ -74,7 +74,9 @@ def h2d_rows(sizes: Sizes, device: torch.device, root: Path) -> list[dict[str, A
             if ms is None:
                 row["note"] = str(parts.get("error", "failed"))
             else:
-                row.update(us_per_batch=round(ms * 1e3, 1), gb_per_s=round(nbytes / ms / 1e6, 2),
+                # Three significant digits, not two decimals: the dry run's 12 KiB batch at 2.5 ms (a slow CI
+                # host, beside the suite) was "0.0 GB/s".
+                row.update(us_per_batch=round(ms * 1e3, 1), gb_per_s=float(f"{nbytes / ms / 1e6:.3g}"),
                            parts_ms={k: round(float(v), 3) for k, v in parts.items()})
                 if reference:
                     row["vs_torch_pinned"] = round(reference / ms, 3)
