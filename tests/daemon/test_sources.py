@@ -172,6 +172,31 @@ def test_paths_are_taken_as_csv_gives_them_spaces_after_the_delimiter_skipped(
     assert "2 paths with whitespace at an end, e.g. line 1: ' lead.png', taken as written" in caplog.text
 
 
+def test_a_file_listed_twice_is_said_and_one_listed_with_two_labels_is_warned_of(
+        tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture) -> None:
+    """A file on two rows is two samples, as listed (oversampling on purpose, or a list concatenated twice): it was
+    silent, and so was one file listed as a cat and as a dog, the same image then trained as both."""
+    image_files(tmp_path, make_image, ["a.png", "b.png", "c.png"])
+    listing = tmp_path / "list.csv"
+    listing.write_text("a.png,cat\nb.png,dog\n./a.png,cat\nc.png,dog\n")
+    with caplog.at_level("INFO", logger="prefetchd.daemon.sources.filelist"):
+        index = open_dataset(listing)
+    assert [index.file(i) for i in range(4)] == ["a.png", "b.png", "a.png", "c.png"]  # each row a sample
+    assert "list.csv: 1 file listed more than once, e.g. a.png at lines 1 and 3: each row is a sample" in caplog.text
+    assert "another label" not in caplog.text
+    caplog.clear()
+    listing.write_text("a.png,cat\nb.png,dog\nc.png,cat\nb.png,cat\na.png,dog\n")
+    with caplog.at_level("INFO", logger="prefetchd.daemon.sources.filelist"):
+        assert len(open_dataset(listing)) == 5
+    assert ("list.csv: 2 files listed again with another label, e.g. b.png at line 2 (dog) and line 4 (cat): each row "
+            "is a sample with its label, so the same image trains as both; remove the wrong rows") in caplog.text
+    caplog.clear()
+    listing.write_text("a.png,cat\nb.png,dog\nc.png,cat\n")
+    with caplog.at_level("INFO", logger="prefetchd.daemon.sources.filelist"):
+        open_dataset(listing)
+    assert "more than once" not in caplog.text and "another label" not in caplog.text
+
+
 @pytest.mark.parametrize("header", ["Image,Id", "filename\tspecies", "img,whale"])
 def test_a_first_row_of_unknown_header_words_is_refused_when_its_file_is_missing_and_the_next_is_not(
         tmp_path: Path, make_image: Callable[..., Path], header: str) -> None:
