@@ -69,6 +69,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                                 "in tests/conftest.py, so that its cluster never runs beside another")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without xdist (-p no:xdist) must not fail on it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's own scheduling ("load"), but the Ray tests in one process, one after another: two Ray
     clusters beside each other on the 2 cores of a slow CI host ran the scenarios past 560 s and a fault test past
