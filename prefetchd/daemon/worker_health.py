@@ -306,12 +306,12 @@ class WorkerHealth:
         _forget_before(self.oom_ends, now)
         if not self.oom_ends:
             self.oom_files.clear()
+        last = self.last_end or ended(worker.process.exitcode)
         if any(w.where.ready_yet for w in self.pool.workers):
             self.start_deaths = 0  # one got ready: the others' starts fail for reasons of their own
         if self.start_deaths > MAX_WORKER_RESTARTS:
             return (f"{self.start_deaths} workers in a row died before they were ready, none ready meanwhile (the "
-                    f"last: {self.last_end or ended(worker.process.exitcode)}, {self._start_step(worker)}); check "
-                    "the log for what they died of")
+                    f"last: {last}, {self._start_step(worker)}); check the log for what they died of")
         if len(self.ends) > MAX_WORKER_RESTARTS:
             if self.oom_ends:
                 one = (f"; every one of them died on {next(iter(self.oom_files))}: an image too big for this memory? "
@@ -320,9 +320,8 @@ class WorkerHealth:
                         f"{len(self.oom_ends)} of them killed by the kernel's out-of-memory killer "
                         f"({out_of_memory_where()}): lower --workers or --high-water, or give the daemon more "
                         f"memory{one}")
-            return (f"{len(self.ends)} workers died within {RESTART_WINDOW_SECONDS:.0f} s (the last: "
-                    f"{self.last_end or ended(worker.process.exitcode)}); check the log and `dmesg` for the cause "
-                    "(out of memory?)")
+            return (f"{len(self.ends)} workers died within {RESTART_WINDOW_SECONDS:.0f} s (the last: {last}); check "
+                    "the log and `dmesg` for the cause (out of memory?)")
         # One that never got ready hands its place's row of hung starts on (``kill``; a death keeps the row as it
         # was, a ready worker ends it).
         try:
