@@ -124,10 +124,11 @@ def child_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     """A TMPDIR of its own for the processes each test starts, removed after it.
 
     A daemon SIGKILLed by a test (test_killed_*, the faults suite) cannot remove its worker server's
-    pymp-*/listener-*, and torchrun never removes its torchelastic_* log folder: a full run left a few
-    dozen of them in TMPDIR.  The exits the daemon controls (a finished job, SIGTERM, a refused start)
-    are checked to leave none in test_daemon_exit.py.  Not under tmp_path: a TMPDIR past 75 bytes (as
-    pytest-xdist's can be) has the daemon put its socket folder in /tmp instead (pool.py)."""
+    socket folder (a later daemon in the same TMPDIR does), and torchrun never removes its torchelastic_*
+    log folder: a full run left a few dozen of them in TMPDIR.  The exits the daemon controls (a finished
+    job, SIGTERM, a refused start) are checked to leave none in test_daemon_exit.py.  Not under tmp_path:
+    a TMPDIR past 53 bytes (as pytest-xdist's can be) has the daemon put its socket folder in /tmp
+    instead (pool.py)."""
     tempfile.gettempdir()  # this process's own temp folder stays what it was (cached by tempfile)
     tmp_path_factory.getbasetemp()  # ... and pytest's, which it finds there on first use
     path = Path(tempfile.mkdtemp(prefix="pfd-t-"))

@@ -12,6 +12,7 @@ moved for long (``stalled``) and kill it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import logging
 import multiprocessing
@@ -21,6 +22,7 @@ import multiprocessing.util
 import os
 import resource
 import selectors
+import shutil
 import signal
 import tempfile
 import threading
@@ -341,31 +343,69 @@ def worker_context() -> multiprocessing.context.ForkServerContext:
     """
     ctx = multiprocessing.get_context("forkserver")
     assert isinstance(ctx, multiprocessing.context.ForkServerContext)
-    _short_socket_folder()
+    _own_temp_folder()
     _shared_arrays_beside_an_unusable_shm()
     ctx.set_forkserver_preload(forkserver_preload())
     return ctx
 
 
-# The forkserver listens on TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, a Unix socket, whose path holds at
-# most 107 bytes: a longer TMPDIR (a scheduler's per-job scratch folder) fails the bind with
-# "AF_UNIX path too long" (seen under pytest-xdist's deep temp folders).  Then its folder goes under /tmp.
-SOCKET_FOLDER_LIMIT = 107 - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+# The forkserver listens on a Unix socket in multiprocessing's temp folder, which goes in a folder of ours:
+# TMPDIR/prefetchd-mp-XXXXXXXX/pymp-XXXXXXXX/listener-XXXXXXXX.  Such a path holds at most 107 bytes: a longer
+# TMPDIR (a scheduler's per-job scratch folder) failed the bind with "AF_UNIX path too long" (seen under
+# pytest-xdist's deep temp folders).  Then the folders go under /tmp.
+SOCKET_FOLDER_LIMIT = 107 - len("/prefetchd-mp-XXXXXXXX/pymp-XXXXXXXX/listener-XXXXXXXX")
+TEMP_PREFIX = "prefetchd-mp-"
+# A folder of ours unlocked for longer than this is left by a process that is gone; younger, it may be one made a
+# moment ago whose process has yet to lock it.
+ORPHAN_SECONDS = 60.0
 
 
 @functools.cache  # once a process: multiprocessing keeps its temp folder, and each job start came here (logged twice)
-def _short_socket_folder() -> None:
-    """Make multiprocessing's temp folder under /tmp when TMPDIR is too long for its socket."""
-    if len(os.fsencode(tempfile.gettempdir())) <= SOCKET_FOLDER_LIMIT:
-        return
-    saved = tempfile.tempdir
-    tempfile.tempdir = "/tmp"
+def _own_temp_folder() -> None:
+    """Put multiprocessing's temp folder (the worker server's socket) in a folder this process holds an flock on.
+
+    multiprocessing removes its pymp-* folder at a clean exit only: every daemon killed with SIGKILL (the OOM
+    killer's way) left one in TMPDIR for good.  The kernel drops the flock with its holder, in any pid namespace,
+    so the next daemon to start removes what such a one left, and never the folder of a daemon that runs."""
+    tmpdir = tempfile.gettempdir()
+    base = tmpdir if len(os.fsencode(tmpdir)) <= SOCKET_FOLDER_LIMIT else "/tmp"
+    _remove_orphaned_temp_folders(base)
+    ours = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=base)
+    held = os.open(ours, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # kept open for the life of the process
+    tempfile.tempdir = ours
     try:
-        # Made now and kept for the process, removed at its exit by multiprocessing as before.
+        # Made now and kept for the process, removed at its exit by multiprocessing as before; ours after it.
         folder = multiprocessing.util.get_temp_dir()
     finally:
-        tempfile.tempdir = saved
-    log.info("TMPDIR %s is too long for the worker server's socket; its socket is in %s", saved, folder)
+        tempfile.tempdir = tmpdir
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(ours, True), exitpriority=-101)
+    if base != tmpdir:
+        log.info("TMPDIR %s is too long for the worker server's socket; its socket is in %s", tmpdir, folder)
+
+
+def _remove_orphaned_temp_folders(base: str) -> None:
+    """Remove the folders ``_own_temp_folder`` made in ``base`` whose process is gone (their flock is free)."""
+    try:
+        entries = [entry for entry in os.scandir(base) if entry.name.startswith(TEMP_PREFIX)]
+    except OSError:
+        return  # an unreadable temp folder: nothing of ours to find
+    for entry in entries:
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.geteuid() \
+                    or time.time() - entry.stat().st_mtime < ORPHAN_SECONDS:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its daemon runs
+        finally:
+            os.close(fd)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        log.info("removed %s, the worker server's socket folder of a daemon that was killed", entry.path)
 
 
 def _shared_arrays_beside_an_unusable_shm() -> None:

@@ -7,6 +7,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from prefetchd.buffer_protocol import Production, Progress, ProtocolError, State, list_batches, read_status
 from prefetchd.daemon import pool as pool_module
+from prefetchd.daemon.pool import ORPHAN_SECONDS, TEMP_PREFIX
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import EXIT_USAGE, DaemonError
 from prefetchd.daemon.tasks import WorkerJob
@@ -59,8 +61,42 @@ def test_the_worker_server_starts_under_a_tmpdir_too_long_for_its_socket(tmp_pat
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "TMPDIR": str(deep)})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().startswith("/tmp/pymp-"), run.stdout
-    assert not Path(run.stdout.strip()).exists(), "removed at exit, as multiprocessing's own folder is"
+    folder = Path(run.stdout.strip())
+    assert folder.name.startswith("pymp-") and folder.parent.name.startswith(TEMP_PREFIX), run.stdout
+    assert folder.parent.parent == Path("/tmp"), run.stdout
+    assert not folder.parent.exists(), "removed at exit, as multiprocessing's own folder is"
+    assert list(deep.iterdir()) == []
+
+
+def test_the_socket_folders_of_killed_daemons_are_removed_and_no_other(shm_dir: Path) -> None:
+    """A daemon killed with SIGKILL cannot remove its worker server's socket folder: the next to start does, from
+    the folder's free flock; a held one belongs to a daemon that runs (maybe in another pid namespace), a young one
+    to one that is about to hold it, and a folder of another prefix is not ours."""
+    tmpdir = shm_dir / "t"  # short: the socket's path must fit in 107 bytes, or it goes to /tmp
+    tmpdir.mkdir()
+    orphan, held, young, other = (tmpdir / name for name in (
+        f"{TEMP_PREFIX}orphan", f"{TEMP_PREFIX}held", f"{TEMP_PREFIX}young", "pymp-someone"))
+    for folder in (orphan, held, young, other):
+        (folder / "pymp-x").mkdir(parents=True)
+        if folder is not young:
+            os.utime(folder, (time.time() - 2 * ORPHAN_SECONDS,) * 2)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print(flush=True); sys.stdin.read()", str(held)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "\n"
+        script = ("import logging, multiprocessing.util; from prefetchd.daemon.pool import start_worker_server; "
+                  "logging.basicConfig(level=logging.INFO); start_worker_server(); "
+                  "print(multiprocessing.util.get_temp_dir())")
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "TMPDIR": str(tmpdir)})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(p.name for p in tmpdir.iterdir()) == sorted(p.name for p in (held, young, other)), run.stderr
+    assert f"removed {orphan}, the worker server's socket folder of a daemon that was killed" in run.stderr
+    assert Path(run.stdout.strip()).parent.parent == tmpdir, run.stdout
 
 
 

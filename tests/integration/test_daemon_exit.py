@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from prefetchd.buffer_protocol import Progress, State, list_batches, read_status
+from prefetchd.daemon.pool import ORPHAN_SECONDS, TEMP_PREFIX
 from prefetchd.trainer import BufferLoader
 
 JOB = ["--batch-size", "8", "--image-size", "32", "--epochs", "1", "--workers", "1", "--high-water", "3"]
@@ -31,6 +32,11 @@ def consume_everything(buffer: Path, samples: int = 72) -> None:
     assert out.returncode == 0 and out.stdout.split() == [str(samples)], out.stdout + out.stderr
 
 
+def socket_folders(tmpdir: Path) -> list[Path]:
+    """The worker server's socket folders in ``tmpdir`` (multiprocessing's pymp-* is made in one of ours)."""
+    return sorted([*tmpdir.glob(f"{TEMP_PREFIX}*"), *tmpdir.glob("pymp-*")])
+
+
 def errors_in(log: str) -> list[str]:
     return [line for line in log.splitlines() if "ERROR" in line or "Traceback" in line]
 
@@ -43,7 +49,7 @@ def test_finished_daemon_exits_cleanly_and_a_restart_on_it_exits_at_once(shapes_
     consume_everything(buffer)
     assert first.wait_exit() == 0, first.log
     assert FINISHED in first.log and errors_in(first.log) == [], first.log
-    assert list(child_tmpdir.glob("pymp-*")) == [], "the worker server's socket folder is removed at exit"
+    assert socket_folders(child_tmpdir) == [], "the worker server's socket folder is removed at exit"
 
     again = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
     assert again.wait_exit() == 0, again.log
@@ -138,7 +144,7 @@ def test_a_stop_signal_while_the_dataset_is_indexed_stops_the_daemon_then(shapes
         proc.kill()
     assert proc.returncode == 0, log
     assert errors_in(log) == [], log
-    assert list(child_tmpdir.glob("pymp-*")) == [], "the worker server's socket folder is removed at exit"
+    assert socket_folders(child_tmpdir) == [], "the worker server's socket folder is removed at exit"
     last = read_status(buffer)
     assert last is not None and (last.state, last.message) == (State.STOPPED, "stopped by SIGTERM"), last
 
@@ -292,6 +298,30 @@ def test_a_start_refused_after_a_stop_signal_says_why_and_leaves_no_temp_folder(
     assert sorted(p.name for p in scratch.iterdir()) == [], out.stderr
 
 
+
+def test_the_socket_folder_a_killed_daemon_left_is_removed_by_the_next_start(
+        shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any], child_tmpdir: Path) -> None:
+    """SIGKILL (the OOM killer's, a `kill -9`) leaves the worker server's socket folder: each one left a pymp-*
+    in TMPDIR for good.  The next daemon to start removes it, and not the folder of one that runs."""
+    killed = start_daemon(shm_dir / "killed", "--data", shapes_data / "train", *JOB)
+    killed.wait_until(lambda: bool(list_batches(killed.buffer)), 120, "a first batch")
+    left = socket_folders(child_tmpdir)
+    assert len(left) == 1 and list(left[0].glob("pymp-*/listener-*")) != [], left
+    killed.proc.kill()
+    killed.proc.wait(30)
+    os.utime(left[0], (time.time() - 2 * ORPHAN_SECONDS,) * 2)  # as one killed a while ago: not being made now
+    running = start_daemon(shm_dir / "running", "--data", shapes_data / "train", *JOB)
+    running.wait_until(lambda: bool(list_batches(running.buffer)), 120, "a first batch")
+    assert f"removed {left[0]}, the worker server's socket folder of a daemon that was killed" in running.log
+    (own,) = socket_folders(child_tmpdir)
+    assert own != left[0]
+    os.utime(own, (time.time() - 2 * ORPHAN_SECONDS,) * 2)
+    third = start_daemon(shm_dir / "third", "--data", shapes_data / "train", *JOB)
+    third.wait_until(lambda: bool(list_batches(third.buffer)), 120, "a first batch")
+    assert own in socket_folders(child_tmpdir), third.log  # held by the daemon that runs
+    assert "socket folder of a daemon that was killed" not in third.log, third.log
+
+
 @pytest.mark.parametrize("shm", ["read-only", "missing"])
 def test_a_daemon_works_where_dev_shm_is_read_only_or_missing(shapes_data: Path, tmp_path: Path, shm: str) -> None:
     """A container's /dev/shm may be read-only or absent: multiprocessing's shared arrays went there whatever the
@@ -320,7 +350,7 @@ def test_a_temp_folder_too_long_for_the_worker_servers_socket_is_passed_over_onc
                                            "--data", str(shapes_data / "train"), *JOB],
                                   env={**os.environ, "TMPDIR": str(long_tmp)})
     assert code == 0 and FINISHED in log and errors_in(log) == [], log
-    assert log.count(f"TMPDIR {long_tmp} is too long for the worker server's socket; its socket is in /tmp/pymp-") \
+    assert log.count(f"TMPDIR {long_tmp} is too long for the worker server's socket; its socket is in /tmp/{TEMP_PREFIX}") \
         == 1, log
     assert list(long_tmp.iterdir()) == []
 
