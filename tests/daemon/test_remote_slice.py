@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import prefetchd
 from prefetchd import __version__
 from prefetchd.daemon.plan import AugmentOptions
 from prefetchd.daemon.remote.bridge import Bridge
@@ -26,8 +27,8 @@ from prefetchd.daemon.remote.bridge_rows import write_rows
 from prefetchd.daemon.remote.bridge_slices import MAX_ATTEMPTS, STRAGGLER_SAMPLES, SliceInFlight
 from prefetchd.daemon.remote.messages import Done, Returned, Stalled, StartHung
 from prefetchd.daemon.remote.slice_copy import SliceCopy
-from prefetchd.daemon.remote.task import (Rows, Shipment, build, build_rows, build_rows_tracked, probe_samples, unable_here,
-                                         unreadable)
+from prefetchd.daemon.remote.task import (Rows, Shipment, build, build_rows, build_rows_tracked, origin, probe_samples,
+                                         unable_here, unreadable)
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.fill import run_task
 from prefetchd.daemon.tasks import Filled, Task, WorkerJob, WriteFailed
@@ -148,6 +149,13 @@ def test_a_node_with_another_prefetchd_or_without_the_hook_cannot_build(tmp_path
     checkout = unable_here(Shipment(job, (), f"{__version__}+0123456789ab"))
     assert "the same version from other sources (another commit): install the daemon box's prefetchd on every " \
            "node" in checkout, checkout
+    # A Ray worker on the daemon's box that imports the daemon's folder after an edit: restarting the daemon mends it.
+    edited = unable_here(Shipment(job, (), f"{__version__}+0123456789ab", origin()))
+    assert edited == (f"runs prefetchd {build()} from {Path(prefetchd.__file__).parent}, the daemon {__version__}"
+                      "+0123456789ab from the same folder: its sources changed since the daemon started; restart the "
+                      "daemon (a batch must be the same bits wherever it is built)"), edited
+    elsewhere = unable_here(Shipment(job, (), f"{__version__}+0123456789ab", "another-box:/opt/prefetchd"))
+    assert "the same version from other sources (another commit)" in elsewhere, elsewhere
     assert unable_here(Shipment(job, (), build())) == ""
     hooked = WorkerJob(index, np.arange(len(index)), SIZE, train=True, seed=7,
                        augment=AugmentOptions(transform="prefetchd_no_such_hook_module:augment"))

@@ -26,7 +26,7 @@ from prefetchd.daemon.remote.bridge_rows import BridgeRows
 from prefetchd.daemon.remote.bridge_slices import BridgeSlices, SliceInFlight
 from prefetchd.daemon.remote.connect import connect, connect_failure, unreachable
 from prefetchd.daemon.remote.messages import REPORT_SECONDS, Cancel, Note, Report, Stalled, StartDied, first_line
-from prefetchd.daemon.remote.task import Shipment, build, build_slice, probe_node, probe_samples
+from prefetchd.daemon.remote.task import Shipment, build, build_slice, origin, probe_node, probe_samples
 from prefetchd.daemon.sources import SampleReader
 from prefetchd.daemon.worker_health import stall_noted_after
 from prefetchd.daemon.tasks import WorkerJob
@@ -56,7 +56,7 @@ class Bridge(BridgeSlices, BridgeNodes, BridgeRows):
         self.prepared = False  # for building slices here (``_build_here``)
         self.failing_here: set[int] = set()  # samples the box itself could not use: a node failing them is no news
         probe = probe_samples(job, self.reader)
-        self.box = [ray.put(Shipment(job, probe, build()))]  # once per job
+        self.box = [ray.put(Shipment(job, probe, build(), origin()))]  # once per job
         self.build = ray.remote(build_slice)
         self.probe = ray.remote(probe_node)
         self._build_on: tuple[frozenset[str], dict[bool, Any]] = (frozenset(), self._builds())

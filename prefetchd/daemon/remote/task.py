@@ -42,6 +42,7 @@ class Shipment:
     job: WorkerJob
     probe: tuple[Sample, ...]
     version: str  # the daemon's prefetchd (``build``): a node must run the same for the batches to be the same bits
+    origin: str = ""  # where the daemon's prefetchd is (``origin``): a node there whose build differs saw it change
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,11 @@ def build() -> str:
     return f"{__version__}+{sources.hexdigest()}"
 
 
+def origin() -> str:
+    """This box and the folder of the prefetchd it imported."""
+    return f"{socket.gethostname()}:{Path(prefetchd.__file__).parent}"
+
+
 def unable_here(shipment: Shipment) -> str:
     """Why this process cannot build ``shipment``'s slices, or "": it runs another prefetchd than the
     daemon, or cannot import what the job needs (the transform hook, torch).  Run by every Ray worker
@@ -114,6 +120,10 @@ def unable_here(shipment: Shipment) -> str:
     here = build()
     if shipment.version != here:
         theirs, _, _ = shipment.version.partition("+")
+        if shipment.origin == origin():  # the daemon's own sources, read again after an edit or a git pull
+            return (f"runs prefetchd {here} from {Path(prefetchd.__file__).parent}, the daemon {shipment.version} "
+                    "from the same folder: its sources changed since the daemon started; restart the daemon (a batch "
+                    "must be the same bits wherever it is built)")
         install = (f"install prefetchd[ray]=={theirs}" if theirs != __version__ else
                    "the same version from other sources (another commit): install the daemon box's prefetchd")
         return (f"runs prefetchd {here}, the daemon {shipment.version}: {install} on every node (a batch must be "
