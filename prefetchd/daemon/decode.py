@@ -158,6 +158,12 @@ def read_header(data: bytearray, name: str, max_pixels: int) -> Header:
         _check_pixels(plain.width, plain.height, name, max_pixels)
         return Header(*plain, jpeg=True, rgb_jpeg=True)
     image = open_header(data, name, max_pixels)
+    if image.format == "TIFF":
+        # Pillow (13 here) reports a TIFF's size oriented and turns its pixels as it loads them, yet reads the tag
+        # before the load: the crop was planned for a landscape image and cut from the portrait one (orientations
+        # 5-8, a walk).  Loaded here, upright whichever Pillow did the turning, it is what the plan sees.
+        upright = _to_rgb(image)
+        return Header(upright.width, upright.height, 1, False, False, upright)
     jpeg = data[:3] == JPEG_MAGIC and image.format in ("JPEG", "MPO")
     return Header(image.width, image.height, exif_orientation(image), jpeg,
                   jpeg and image.mode in _TORCHVISION_JPEG_MODES, image)

@@ -88,6 +88,27 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
     assert px[:10, :10, 0].mean() < 60
 
 
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_a_tiff_of_any_orientation_is_cropped_as_its_upright_image(tmp_path: Path, orientation: int) -> None:
+    """Pillow gives a TIFF's size oriented and turns its pixels on load, yet still reads its orientation tag:
+    orientations 5-8 were cropped as if the image were still stored sideways (a walk: mean difference 26-30)."""
+    stored = Image.fromarray(smooth_array(120, 90, seed=orientation))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    tiff = tmp_path / "turned.tif"
+    stored.save(tiff, exif=exif.tobytes())
+    with_tag = tmp_path / "turned.png"  # a PNG of the same tag, which Pillow does not turn on load
+    stored.save(with_tag, exif=exif.tobytes())
+    upright = tmp_path / "upright.png"
+    ImageOps.exif_transpose(Image.open(with_tag)).save(upright)
+    assert Image.open(upright).size == (stored.size[::-1] if orientation >= 5 else stored.size)
+    for train in (False, True):
+        def out(path: Path) -> np.ndarray:
+            return augment(path, 64, train=train, rng=sample_rng(3, 0, orientation) if train else None)
+        assert np.array_equal(out(tiff), out(upright)), (orientation, train)
+        assert np.array_equal(out(with_tag), out(upright)), (orientation, train)
+
 # -- broken files --------------------------------------------------------------------------
 
 
