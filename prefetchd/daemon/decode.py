@@ -38,7 +38,7 @@ decoder refuses the file.  plain_header reads only what Pillow opens and reads t
 (tested on mutated headers too), so the draws never depend on which of the two read it.
 
 Before either decoder runs, the header's pixel count is checked against
-``max_image_pixels`` (Pillow's own bomb limit by default): a few hundred bytes
+``max_image_pixels`` (Pillow's bomb warning threshold by default): a few hundred bytes
 of JPEG can declare 40000 x 40000 pixels, and decode_jpeg would allocate all
 4.8 GB of them.  Only regular files are read: a FIFO in a class folder would
 block ``open`` forever, a device would never end.  Such files raise
@@ -77,7 +77,8 @@ _TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)  # width and height swap
 # clockwise to display", is Pillow's ROTATE_270 = rows flipped, then transposed.
 _EXIF_STEPS = {2: (False, True, False), 3: (True, True, False), 4: (True, False, False), 5: (False, False, True),
                6: (True, False, True), 7: (True, True, True), 8: (False, True, True)}
-# Pillow's Image.MAX_IMAGE_PIXELS: about a quarter GiB of 24-bit pixels.
+# Pillow's Image.MAX_IMAGE_PIXELS, above which it warns (it refuses above twice that, which ImageFolder loads):
+# about a quarter GiB of 24-bit pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 

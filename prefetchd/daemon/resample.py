@@ -17,8 +17,9 @@ against torch's 0.18 for the full-scale boxes of 375 ImageNet-like JPEGs to 224 
 flipped every other time (``tools/decode_floor.py``).  A flip before
 or after the resize gives identical bytes (1800 of 1800 crops checked); the kernel
 mirrors as it writes.  Boxes with fractional edges (the val centre crop, a draft-scaled
-box) are rounded to whole pixels: at most half a source pixel, under half an output
-pixel.
+box) are rounded to whole pixels: at most half a source pixel, which is under half an output
+pixel where the box shrinks; an image smaller than the output (a 3 x 3 icon at 64 px) gains up to
+half its own pixel a side, so it differs from torchvision's resize more (a walk: mean 5 of 255).
 """
 
 from __future__ import annotations
