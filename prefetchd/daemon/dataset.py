@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +194,9 @@ class Folder:
     files: list[tuple[str, str]]
     subdirs: list[str]
     identity: tuple[int, int] | None = None  # (st_dev, st_ino): which folder it is, wherever a link leads to it
+    # Links that lead nowhere (yet): a folder linked in from a disk not mounted at the walk becomes one, and
+    # nothing the walk stamped changes then (``dangling_links``).
+    dangling: list[str] = field(default_factory=list)
 
 
 MISSING = "missing"  # the stamp of a file or folder that could not be stat-ed
@@ -228,6 +231,7 @@ def list_folder(path: str) -> Folder:
         return Folder(path, MISSING, [], [])
     files: list[tuple[str, str]] = []
     subdirs: list[str] = []
+    dangling: list[str] = []
     try:
         st = os.fstat(fd)
         stamp = folder_stamp(st)
@@ -241,16 +245,23 @@ def list_folder(path: str) -> Folder:
                     is_dir = False
                 if is_dir:
                     subdirs.append(entry.name)
-                elif entry.name.lower().endswith(IMG_EXTENSIONS):
-                    try:
-                        files.append((entry.name, stat_stamp(entry.stat())))
-                    except OSError:  # broken link or unreadable: decode fails later and is replaced
-                        files.append((entry.name, MISSING))
+                    continue
+                image = entry.name.lower().endswith(IMG_EXTENSIONS)
+                if not image and not entry.is_symlink():  # from the listing's file type: no stat
+                    continue
+                try:
+                    file_stamp = stat_stamp(entry.stat())
+                except OSError:  # broken link or unreadable: decode fails later and is replaced
+                    file_stamp = MISSING
+                    if entry.is_symlink():
+                        dangling.append(entry.name)
+                if image:
+                    files.append((entry.name, file_stamp))
     except OSError:
         return Folder(path, MISSING, [], [])
     finally:
         os.close(fd)  # scandir(fd) reads a duplicate and leaves this one open
-    return Folder(path, stamp, files, subdirs, (st.st_dev, st.st_ino))
+    return Folder(path, stamp, files, subdirs, (st.st_dev, st.st_ino), dangling)
 
 
 def _identities(path: str) -> frozenset[tuple[int, int]]:
@@ -310,7 +321,7 @@ class Scan:
     (what the index cache checks to know the tree is unchanged)."""
 
     index: SampleIndex
-    folders: list[tuple[str, str]]  # (path relative to the root, "" for the root itself; stamp)
+    folders: list[tuple[str, str]]  # (path relative to the root, "" for the root itself; stamp); dangling links too
 
 
 def scan_class_folders(root: Path, tick: Progress = no_progress, threads: int = SCAN_THREADS) -> SampleIndex:
@@ -340,6 +351,14 @@ def _is_folder(entry: os.DirEntry[str]) -> bool:
                            "symbolic link that leads round in a loop is: remove it, or point it at a folder") from None
 
 
+def dangling_links(rel_folder: str, names: list[str]) -> list[tuple[str, str]]:
+    """Stamps for the links in ``rel_folder`` that lead nowhere, as the index cache checks them: missing, until the
+    link leads somewhere (its target mounted, made) and the tree must be walked again.  The link itself is an entry
+    of a stamped folder; what it leads to is stamped nowhere else (a walk: a class folder linked to a disk mounted
+    after the first start stayed out of the cached index)."""
+    return [(os.path.join(rel_folder, name), MISSING) for name in names]
+
+
 def scan_tree(root: Path, tick: Progress = no_progress, threads: int = SCAN_THREADS) -> Scan:
     root = Path(root)
     if not root.exists():
@@ -347,7 +366,9 @@ def scan_tree(root: Path, tick: Progress = no_progress, threads: int = SCAN_THRE
     if not root.is_dir():
         raise DatasetError(f"dataset root {root} is not a directory; {EXPECTED_DATA}")
     root_stamp = folder_stamp(root.stat())
-    classes = sorted(e.name for e in os.scandir(root) if _is_folder(e))
+    with os.scandir(root) as listing:
+        entries = list(listing)
+    classes = sorted(e.name for e in entries if _is_folder(e))
     if not classes and any(root.glob("shard-*.tar")):
         raise DatasetError(f"{root} holds shards but no prefetchd-index.npz: `prefetchd pack` did not finish "
                            "(the index is written last); pack again with --force")
@@ -363,11 +384,13 @@ def scan_tree(root: Path, tick: Progress = no_progress, threads: int = SCAN_THRE
     rel_paths: list[bytes] = []
     counts: list[int] = []
     stamps: list[tuple[str, str]] = [("", root_stamp)]
+    stamps += dangling_links("", [e.name for e in entries if e.is_symlink() and not os.path.exists(e.path)])
     apple_double: list[str] = []
     for cls, folders in zip(classes, walked):
         count = 0
         for folder in folders:
             stamps.append((folder.path[prefix:], folder.stamp))
+            stamps += dangling_links(folder.path[prefix:], folder.dangling)
             rel_dir = os.fsencode(folder.path[prefix:]) + b"/"
             for name, stamp in folder.files:
                 rel = rel_dir + os.fsencode(name)

@@ -13,8 +13,10 @@ its stamp: adding, removing or renaming an entry changes the folder's mtime and
 ctime, so such edits are seen at the cost of one stat per folder (about a
 thousand for ImageNet) instead of one per file.  The ctime catches what mtime
 alone misses: ``rsync -a`` renames a changed file into place and then sets the
-folder's mtime back, and no one can set a ctime back.  Edits that leave every
-folder alone are not seen: a file rewritten in place (same name, new content).
+folder's mtime back, and no one can set a ctime back.  A symbolic link that led nowhere
+at the scan is checked too: one that leads somewhere now (its disk mounted, its folder
+made) means a rescan.  Edits that leave every folder alone are not seen: a file rewritten
+in place (same name, new content).
 ``--refresh-index`` rescans and rewrites the entry.
 
 Folder mtimes come from a coarse clock (a few ms), so a file added within the
@@ -48,7 +50,7 @@ from prefetchd.locations import temp_file
 log = logging.getLogger(__name__)
 
 FORMAT = "prefetchd-index-cache"
-VERSION = 2  # 2: folder stamps hold ctime and inode as well as size and mtime
+VERSION = 3  # 2: folder stamps hold ctime and inode as well as size and mtime; 3: and dangling links
 INDEX_ARRAYS = ("path_blob", "path_offsets", "labels")
 FOLDER_ARRAYS = ("dir_blob", "dir_offsets", "signature")  # what a class-folder entry adds
 RACY_SECONDS = 2.0
@@ -119,7 +121,7 @@ def _signature(folders: list[tuple[str, str]]) -> str:
 
 
 def _stamps_now(root: Path, rel_dirs: list[str]) -> list[tuple[str, str]]:
-    """The stamps of ``root``'s folders now; a folder that is gone stamps as missing."""
+    """The stamps of ``root``'s folders (and of its dangling links) now; one that is gone stamps as missing."""
     stamps = []
     for rel in rel_dirs:
         try:
