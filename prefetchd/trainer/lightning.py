@@ -60,7 +60,8 @@ from prefetchd.trainer.loader import Batch, BufferLoader
 from prefetchd.trainer.rank_state import gather_states, own_state
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.config import TrainConfig
-from prefetchd.trainer.spawn import SpawnedDaemon, check_held_out, check_served_job, check_split, spawn_daemon
+from prefetchd.trainer.spawn import (SpawnedDaemon, check_held_out, check_same_classes, check_served_job, check_split,
+                                     spawn_daemon)
 from prefetchd.trainer.wait_bounds import DEFAULT_TIMEOUT
 from prefetchd.words import counted
 
@@ -330,10 +331,10 @@ class BufferDataModule(pl.LightningDataModule):
             check_split(loader, split, "val_buffer" if split == "val" else "buffer")
             self._check_epochs(loader, split)
             # Whichever opens second: Lightning's sanity check reads validation before training.
-            if split == "val" and self._train is not None:
-                check_held_out(self._train, loader)
-            elif split == "train" and self._val is not None:
-                check_held_out(loader, self._val)
+            train, val = (self._train, loader) if split == "val" else (loader, self._val)
+            if train is not None and val is not None:
+                check_same_classes(train, val)
+                check_held_out(train, val)
             if data is not None:  # a daemon already running there was used as it is: it must serve what data= asks
                 check_served_job(self._daemon_config, loader, data, f"BufferDataModule({DATA_ARGUMENT[split]}=...)",
                                  "arguments")

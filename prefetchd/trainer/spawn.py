@@ -190,6 +190,23 @@ def check_split(loader: BufferLoader, split: str, given: str) -> None:
     )
 
 
+def check_same_classes(train: BufferLoader, val: BufferLoader) -> None:
+    """Label k names the same class in the validation batches as in the training ones: the same classes, or the
+    first of them (a validation list of integer labels whose largest is not there, a val tree without the last
+    class folder: refused before, with two equal lists of the first five classes, a walk)."""
+    t, v = train.classes, val.classes
+    if v == t[:len(v)]:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(t, v)) if a != b), len(t))
+    which = (f"label {k} is class {v[k]!r} there and {t[k]!r} in training" if k < len(t) else
+             f"label {k} and above ({v[k]!r}, ...) name classes the training data lacks")
+    raise SetupError(
+        f"{owning_buffer(val.buffer)} serves {counted(len(v), 'class')} and {owning_buffer(train.buffer)} "
+        f"{counted(len(t), 'class')}: {which}. Both daemons must serve the same classes (class folders of the same "
+        "names; file lists of the same labels)"
+    )
+
+
 def check_held_out(train: BufferLoader, val: BufferLoader) -> None:
     """The validation daemon's samples are none of the training daemon's.  Daemons on one dataset (the same
     indexed files: the same fingerprint) split it apart only with the same --val-fraction: a val side of 0.3

@@ -59,7 +59,8 @@ from prefetchd.trainer.gpu import PinMode
 from prefetchd.trainer.loader import BufferLoader
 from prefetchd.trainer.ranks import Ranks, wait_for_stream
 from prefetchd.trainer.spawn import (
-    SpawnedDaemon, check_held_out, check_served_job, check_spawn_options, check_split, restarter, spawn_daemon,
+    SpawnedDaemon, check_held_out, check_same_classes, check_served_job, check_spawn_options, check_split, restarter,
+    spawn_daemon,
 )
 
 EXIT_OK = 0
@@ -164,11 +165,7 @@ def train(
                 stall_timeout=stall, consumer=config.consumer, start=(0, 0),
             ))
             check_split(val_loader, "val", "--val-buffer")
-            if val_loader.classes != train_loader.classes:
-                raise SetupError(
-                    f"{val_buffer} has classes {val_loader.classes[:5]}... but {config.buffer} has "
-                    f"{train_loader.classes[:5]}...; both daemons must serve the same class folders"
-                )
+            check_same_classes(train_loader, val_loader)
             check_held_out(train_loader, val_loader)
             if ranks.is_main:  # once, not once a rank
                 warn_of_another_size(config.buffer, train_loader, val_buffer, val_loader)

@@ -388,6 +388,33 @@ def test_a_val_buffer_whose_samples_are_training_samples_is_refused(make_job: Ma
     assert result.exit_code == 0, result.output
 
 
+
+def test_a_val_buffer_of_the_first_classes_passes_and_one_of_other_classes_is_refused(
+        make_job: MakeJob, buffer: Path) -> None:
+    """Label k must name the same class on both sides.  A validation side of the first classes only (a file list of
+    integer labels without the largest, a val tree without the last folder) does: it was refused, with the first
+    five classes of each side, equal (a walk).  A class in another place, or one training lacks, is refused."""
+    base = ["--device", "cpu", "--threads", "1", "--model", SMALL_MODEL, "-q", "--epochs", "1"]
+
+    def run(name: str, val_classes: list[str]) -> Any:
+        train_job = make_job(buffer / name / "train", **{**TINY, "epochs": 1, "write": 1})
+        val_job = make_job(buffer / name / "val", **{**TINY, "epochs": 1, "write": 1, "classes": 2}, split="val")
+        dataclasses.replace(val_job.manifest, classes=val_classes).write(val_job.buffer)
+        return CliRunner().invoke(main, ["--buffer", str(train_job.buffer), "--val-buffer", str(val_job.buffer), *base])
+
+    result = run("first", ["class0", "class1"])
+    assert result.exit_code == 0, result.output
+    for name, classes, said in (
+            ("other", ["class0", "other"], "serves 2 classes and {train} 3 classes: label 1 is class 'other' there and "
+                                           "'class1' in training."),
+            ("more", ["class0", "class1", "class2", "class3"], "serves 4 classes and {train} 3 classes: label 3 and "
+                                                               "above ('class3', ...) name classes the training data lacks.")):
+        result = run(name, classes)
+        assert result.exit_code == EXIT_FAILED, result.output
+        message = " ".join(result.stderr.split())
+        assert f"{buffer / name / 'val'} " + said.format(train=buffer / name / "train") in message, message
+        assert "Both daemons must serve the same classes" in message and "train loss" not in result.output
+
 def test_a_job_of_one_class_is_refused_with_the_folder_it_likely_meant(make_job: MakeJob, buffer: Path) -> None:
     """--data /imagenet holding train/ alone indexes one class, "train": cross-entropy over one class is 0,
     and the run "trained" to 100 % top-1 on nothing."""
