@@ -145,6 +145,22 @@ def test_an_integer_label_far_above_the_samples_is_refused_not_made_into_million
         open_dataset(listing)
 
 
+
+def test_whole_numbers_written_as_decimals_are_integer_labels(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """pandas writes an integer column holding a missing value as floats: "10.0" was a class name, sorted as text
+    before "2.0", so the labels the user numbered became others without a word (a walk)."""
+    listing = tmp_path / "list.csv"
+    listing.write_text("a.jpg,0.0\nb.jpg,1.0\nc.jpg,10.0\nd.jpg,2\n")
+    (tmp_path / "a.jpg").touch()
+    index = open_dataset(listing)
+    assert list(index.labels) == [0, 1, 10, 2] and index.classes == tuple(str(k) for k in range(11))
+    listing.write_text("a.jpg,0.5\nb.jpg,10.5\nc.jpg,2.5\n")  # no whole numbers: names, and said so
+    with caplog.at_level("WARNING"):
+        index = open_dataset(listing)
+    assert index.classes == ("0.5", "10.5", "2.5") and list(index.labels) == [0, 1, 2]
+    assert (f"{listing}: the labels are decimal numbers, not whole ones (e.g. '0.5' at line 1): taken as class names, "
+            "sorted as text ('0.5', '10.5', '2.5')") in caplog.text
+
 def test_integer_labels_up_to_a_million_classes_or_as_many_as_samples_are_taken(tmp_path: Path) -> None:
     """A sparse list (a few samples of a large label space) is legitimate up to MAX_INT_CLASSES."""
     listing = tmp_path / "list.csv"

@@ -63,11 +63,14 @@ def split_location(location: str) -> tuple[str, str]:
 # Plain ASCII decimal digits, as a label column of class numbers holds them (a leading "-" too, to be
 # refused as a negative class number).  int() also takes "1_0" (10), " 7", "٣" (Arabic-Indic 3) and
 # "+5": a typo or another script becomes a class number; here they are class names.
-_INTEGER = re.compile(r"-?[0-9]+")
+# A whole number, also as pandas writes one in a float column (a label column with a missing value): "10.0".
+_INTEGER = re.compile(r"(-?[0-9]+)(?:\.0+)?")
+_DECIMAL = re.compile(r"-?[0-9]+\.[0-9]+")
 
 
 def _int_label(text: str) -> int | None:
-    return int(text) if _INTEGER.fullmatch(text) else None
+    whole = _INTEGER.fullmatch(text)
+    return int(whole[1]) if whole else None
 
 
 def read_file_list(location: str) -> SampleIndex:
@@ -310,5 +313,11 @@ def _labels(texts: list[str], lines: list[int], location: str) -> tuple[tuple[st
         raise DatasetError(f"{location}:{lines[odd]}: label {texts[odd]!r} is {kind} but the list's labels start "
                            f"as {first} (line {lines[0]}); use integers everywhere or names everywhere")
     classes = tuple(sorted(set(texts)))
+    if all(_DECIMAL.fullmatch(c) for c in classes):
+        # Sorted as names, "10.5" comes before "2.5": numbers that read as class numbers would be other labels.
+        log.warning("%s: the labels are decimal numbers, not whole ones (e.g. %r at line %d): taken as class names, "
+                    "sorted as text (%s); write whole class numbers (10, not 10.5) where they number the classes",
+                    location, texts[0], lines[0], ", ".join(repr(c) for c in classes[:4]) + (", ..." if len(classes) > 4
+                                                                                        else ""))
     position = {c: k for k, c in enumerate(classes)}
     return classes, np.fromiter((position[t] for t in texts), dtype=np.int64, count=len(texts))
