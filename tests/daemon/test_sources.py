@@ -101,6 +101,25 @@ def test_a_header_row_is_skipped_whatever_its_words(tmp_path: Path, header: str)
     assert index.classes == ("cat", "dog") and index.labels.tolist() == [0, 1, 0]
 
 
+
+@pytest.mark.parametrize(("name", "text", "files"), [
+    ("list.csv", '"t\tab.png",cat\na.png,dog\n', ["t\tab.png", "a.png"]),  # quoted: the tab is the path's
+    ("list.csv", "t\tab.png,cat\na.png,dog\n", ["t\tab.png", "a.png"]),  # as csv.writer writes it: unquoted
+    ("list.tsv", "a,b.png\tcat\nc.png\tdog\n", ["a,b.png", "c.png"]),  # a comma in a TSV's path
+    ("list.txt", "a,b.png\tcat\nc.png\tdog\n", ["a,b.png", "c.png"]),  # both in a .txt: a tab, as before
+])
+def test_a_delimiter_in_the_first_path_does_not_decide_the_lists_delimiter(
+        tmp_path: Path, name: str, text: str, files: list[str]) -> None:
+    """A tab anywhere in the first row made the list tab-separated: a CSV whose first path held one was refused
+    ("'\t' expected after '\"'", or "expected 'path<TAB>label'" at line 2), quoted or not (a walk)."""
+    listing = tmp_path / name
+    listing.write_text(text)
+    for file in files:
+        (tmp_path / file).touch()
+    index = open_dataset(listing)
+    assert [index.name(i) for i in range(len(index))] == [str(tmp_path / f) for f in files]
+    assert index.classes == ("cat", "dog") and index.labels.tolist() == [0, 1]
+
 @pytest.mark.parametrize("first", ["images/path.jpg,label", "path.jpg,class", "img,7"])
 def test_a_first_row_naming_a_file_is_a_sample(tmp_path: Path, first: str) -> None:
     listing = tmp_path / "list.csv"

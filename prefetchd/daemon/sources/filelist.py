@@ -73,6 +73,16 @@ def _int_label(text: str) -> int | None:
     return int(whole[1]) if whole else None
 
 
+def _delimiter(first: str, name: str) -> str:
+    """A tab where the first row has one outside its quoted fields, a comma otherwise; a row holding both (a tab in
+    a CSV's path, as csv.writer leaves it unquoted, or a comma in a TSV's) goes by the suffix, ".csv" a comma.  A
+    tab anywhere in the row made it a TSV: a CSV whose first path held one was misread (a walk)."""
+    bare = re.sub(r'"[^"]*"?', "", first)  # a quoted field's delimiters are not the row's
+    if "\t" not in bare:
+        return ","
+    return "," if "," in bare and name.lower().endswith(".csv") else "\t"
+
+
 def read_file_list(location: str) -> SampleIndex:
     """Index the samples a file list names, in the list's order."""
     root, name = split_location(location)
@@ -92,7 +102,7 @@ def read_file_list(location: str) -> SampleIndex:
         line = raw[: exc.start].count(b"\n") + 1
         raise DatasetError(f"{location}:{line}: not valid UTF-8 (byte {exc.start}); save the list as UTF-8") from None
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
-    delimiter = "\t" if "\t" in first else ","
+    delimiter = _delimiter(first, name)
     # skipinitialspace: "cat/001.jpg, cat" as a list aligned by hand has it; a quoted path keeps its spaces.
     rows = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True, skipinitialspace=True)
     paths: list[bytes] = []
