@@ -56,9 +56,12 @@ from prefetchd.daemon.extension_sources import source_digest
 
 log = logging.getLogger(__name__)
 
+# pip keeps the wheel it built without the extension and reinstalls that one, even with --force-reinstall and
+# --no-binary, unless told --no-cache-dir (a walk of a package install).
 INSTALL_HINT = ("install a C compiler and libjpeg-turbo's headers (Debian: apt-get install gcc "
                 "libjpeg62-turbo-dev; Ubuntu: gcc libjpeg-turbo8-dev; Fedora: gcc libjpeg-turbo-devel), "
-                "then reinstall prefetchd from source (pip install -e . in a checkout)")
+                "then reinstall prefetchd from source: pip install -e . in a checkout, or pip install "
+                "--force-reinstall --no-deps --no-cache-dir --no-binary prefetchd prefetchd")
 
 
 REBUILD_HINT = "build it again: pip install -e . in the checkout (or python setup.py build_ext --inplace there)"

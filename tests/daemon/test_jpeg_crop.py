@@ -282,7 +282,9 @@ def test_the_summary_names_the_decoder_and_how_to_get_the_fast_one(monkeypatch: 
         assert "crop-aware (libjpeg-turbo " in jpeg_crop.decoder_summary()
     monkeypatch.setattr(jpeg_crop, "_extension", None)
     summary = jpeg_crop.decoder_summary()
-    assert "whole-image" in summary and "libjpeg62-turbo-dev" in summary and "pip install -e ." in summary
+    assert "whole-image" in summary and "libjpeg62-turbo-dev" in summary and "pip install -e . in a checkout" in summary
+    # Not from a checkout: pip reinstalls the wheel it built without the extension, from its cache, unless told not to.
+    assert "pip install --force-reinstall --no-deps --no-cache-dir --no-binary prefetchd prefetchd" in summary
     assert jpeg_crop.decode_box(jpeg_bytes(photo(32, 32, seed=0)), 1, 0, 0, 8, 8) is None
 
 
