@@ -180,6 +180,19 @@ def split_folders_as_classes(classes: tuple[str, ...], data: str) -> str | None:
             + (" (and start a --split val daemon on the validation folder)" if len(classes) > 1 else ""))
 
 
+
+def hidden_classes(classes: tuple[str, ...], data: str) -> str | None:
+    """The warning for class folders whose names start with "." (a notebook's .ipynb_checkpoints, a desktop's
+    .Trash-1000 copied along with the data): ImageFolder counts them as classes too, so prefetchd does, but their
+    images then train as a class of their own, and the model has an output for it (a walk)."""
+    hidden = [c for c in classes if c.startswith(".")]
+    if not hidden:
+        return None
+    named = ", ".join(f"{c!r} (label {classes.index(c)})" for c in hidden[:3]) + (", ..." if len(hidden) > 3 else "")
+    return (f"{counted(len(hidden), 'class folder')} of {data} {agreeing(len(hidden), 'is', 'are')} hidden: {named}. "
+            "ImageFolder counts such folders as classes too, so they are classes here; if they are not, move them "
+            "out of the dataset and start the daemon again")
+
 # Listing and stat-ing are system calls that release the GIL, and on network
 # filesystems they mostly wait: more threads than cores still help there.
 SCAN_THREADS = 8

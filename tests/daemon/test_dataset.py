@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS as TV_IMG_EXTENSIONS
 
-from prefetchd.daemon.dataset import IMG_EXTENSIONS, SampleIndex, scan_class_folders, split_folders_as_classes, split_members
+from prefetchd.daemon.dataset import (IMG_EXTENSIONS, SampleIndex, hidden_classes, scan_class_folders,
+                                     split_folders_as_classes, split_members)
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.sources.index_cache import cached_class_folders, default_cache_dir
 from prefetchd.daemon.sources.shards import pack, read_shard_index
@@ -682,6 +683,18 @@ def test_split_folders_taken_for_classes_are_warned_about() -> None:
     assert split_folders_as_classes(("cat",), "/d") is None
     assert split_folders_as_classes(("train", "val", "zebra"), "/d") is None
 
+
+
+def test_hidden_class_folders_are_warned_about() -> None:
+    """A notebook's .ipynb_checkpoints beside the class folders is a class for ImageFolder, and so here: said."""
+    warning = hidden_classes((".ipynb_checkpoints", "cat", "dog"), "/data/pets")
+    assert warning == ("1 class folder of /data/pets is hidden: '.ipynb_checkpoints' (label 0). ImageFolder counts "
+                       "such folders as classes too, so they are classes here; if they are not, move them out of the "
+                       "dataset and start the daemon again")
+    many = hidden_classes((".a", ".b", ".c", ".d", "cat"), "/d")
+    assert many is not None and many.startswith("4 class folders of /d are hidden: '.a' (label 0), '.b' (label 1), "
+                                                "'.c' (label 2), ...")
+    assert hidden_classes(("cat", "dog.v2"), "/d") is None
 
 def test_a_class_folder_named_in_latin1_is_indexed_cached_and_packed(
     tmp_path: Path, make_image: Callable[..., Path]
