@@ -270,6 +270,14 @@ def test_a_list_whose_first_and_last_files_are_not_there_is_refused_naming_where
     with pytest.raises(DatasetError, match=r"neither line 1's file, /elsewhere/cat/a\.jpg, nor line 2's, "
                                            r"/elsewhere/cat/c\.jpg, is there: was the list written on another machine"):
         open_dataset(listing)
+    # A list written on Windows, and one with its columns the other way round, say so.
+    listing.write_text("cat\\a.jpg,cat\ncat\\c.jpg,dog\n")
+    with pytest.raises(DatasetError, match=r"its paths are separated by '\\', as on Windows; write them with '/'"):
+        open_dataset(listing)
+    listing.write_text("cat,../cat/a.jpg\ndog,../cat/c.jpg\n")
+    with pytest.raises(DatasetError, match=r"and its labels look like image files \('\.\./cat/a\.jpg'\): are the "
+                                           r"columns the other way round\? A row is path, then label"):
+        open_dataset(listing)
     # One of the two there: the list starts, and its missing files are replaced as any missing file is.
     for first, last in [("../cat/a.jpg", "../cat/gone.jpg"), ("gone.jpg", str(tmp_path / "cat/c.jpg"))]:
         listing.write_text(f"{first},cat\n../cat/b.jpg,cat\n{last},dog\n")

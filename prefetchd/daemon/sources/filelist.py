@@ -26,7 +26,7 @@ import re
 
 import numpy as np
 
-from prefetchd.daemon.dataset import EXPECTED_DATA, SampleIndex, pack_paths, sized
+from prefetchd.daemon.dataset import EXPECTED_DATA, IMG_EXTENSIONS, SampleIndex, pack_paths, sized
 from prefetchd.daemon.errors import DatasetError
 from prefetchd.daemon.sources.storage import ImageRefused, Storage, is_url, storage_for
 from prefetchd.words import counted
@@ -146,7 +146,7 @@ def read_file_list(location: str) -> SampleIndex:
                     "have it); if the spaces are not in the files' names, remove them from the list",
                     location, counted(len(spaced), "path"), *spaced[0])
     classes, labels = _labels(label_texts, lines, location)
-    _refuse_paths_from_elsewhere(storage, location, root, paths, lines)  # after the rows' own errors
+    _refuse_paths_from_elsewhere(storage, location, root, paths, lines, label_texts)  # after the rows' own errors
     _say_repeated(location, paths, label_texts, labels, lines)
     blob, offsets = pack_paths(paths)
     # The list's bytes and the folder its relative paths start from decide every sample and
@@ -239,7 +239,7 @@ def _refuse_unknown_header(storage: Storage, location: str, paths: list[bytes], 
 
 
 def _refuse_paths_from_elsewhere(storage: Storage, location: str, root: str, paths: list[bytes],
-                                 lines: list[int]) -> None:
+                                 lines: list[int], labels: list[str]) -> None:
     """Refuse a list whose first and last rows both name files that are not there: its paths start from
     another folder (written relative to where it was made, not to the list's folder) or another machine.
     Every sample would be replaced, and the job stop at its first batch saying none could be decoded.
@@ -257,6 +257,12 @@ def _refuse_paths_from_elsewhere(storage: Storage, location: str, root: str, pat
     where = f"in {root}" if relative else "there"
     said = (f"neither line {line}'s file, {path}, nor line {last[0][0]}'s, {last[0][1]}, is {where}" if last else
             f"line {line}'s file, {path}, is not {where}")
+    # Two slips that give the same missing files, said with their fix (a walk met both as this message alone).
+    if all("\\" in p and "/" not in p for _, p in rows):
+        raise DatasetError(f"{location}: {said}: its paths are separated by '\\', as on Windows; write them with '/'")
+    if all(label.lower().endswith(IMG_EXTENSIONS) for label in (labels[0], labels[-1])):
+        raise DatasetError(f"{location}: {said}, and its labels look like image files ({labels[0]!r}): are the "
+                           "columns the other way round? A row is path, then label")
     if relative:
         # In a bucket a list names objects under its folder (an absolute path, or a URL elsewhere, is refused).
         other = "or as URLs under it" if is_url(root) else "or absolute"
