@@ -120,6 +120,17 @@ def test_a_delimiter_in_the_first_path_does_not_decide_the_lists_delimiter(
     assert [index.name(i) for i in range(len(index))] == [str(tmp_path / f) for f in files]
     assert index.classes == ("cat", "dog") and index.labels.tolist() == [0, 1]
 
+
+def test_a_row_over_several_lines_is_named_by_its_first(tmp_path: Path) -> None:
+    """A quoted path holding a newline spans two lines; the errors named its last (a walk)."""
+    listing = tmp_path / "list.csv"
+    listing.write_text('a.jpg,cat\n"two\nlines.jpg",\nc.jpg,dog\n')
+    with pytest.raises(DatasetError, match=r"list\.csv:2: the label of two\nlines\.jpg is empty"):
+        open_dataset(listing)
+    listing.write_text('"two\nlines.jpg",cat\n\nb.jpg,dog\n,dog\n')  # a blank line between rows counts too
+    with pytest.raises(DatasetError, match=r"list\.csv:5: the path is empty"):
+        open_dataset(listing)
+
 @pytest.mark.parametrize("first", ["images/path.jpg,label", "path.jpg,class", "img,7"])
 def test_a_first_row_naming_a_file_is_a_sample(tmp_path: Path, first: str) -> None:
     listing = tmp_path / "list.csv"

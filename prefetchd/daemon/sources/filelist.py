@@ -112,8 +112,9 @@ def read_file_list(location: str) -> SampleIndex:
     spaced: list[tuple[int, str]] = []  # (line, path) of paths that begin or end with whitespace
     root_prefix = root.rstrip("/") + "/"
     try:
+        ended = 0  # the line the previous row ended on: a row whose quoted path holds a newline spans several
         for row in rows:
-            lineno = rows.line_num
+            lineno, ended = ended + 1, rows.line_num  # its first line, as an editor shows it
             if not row or all(not f.strip() for f in row):
                 continue
             if not seen_row and _is_header(row):
