@@ -269,26 +269,22 @@ def test_a_list_whose_first_and_last_files_are_not_there_is_refused_naming_where
     for name in ("a.jpg", "b.jpg", "c.jpg"):
         (tmp_path / "cat" / name).touch()
     listing = lists / "train.csv"
-    listing.write_text("cat/a.jpg,cat\ncat/b.jpg,cat\ncat/c.jpg,dog\n")  # relative to tmp_path, not to lists/
-    with pytest.raises(DatasetError, match=rf"train\.csv: neither line 1's file, cat/a\.jpg, nor line 3's, "
-                                           rf"cat/c\.jpg, is in {lists}, the folder holding the list, from which its "
-                                           r"relative paths start: write them relative to it, or absolute"):
-        open_dataset(listing)
-    listing.write_text("cat/a.jpg,cat\n")
-    with pytest.raises(DatasetError, match=r"line 1's file, cat/a\.jpg, is not in .*lists, the folder holding"):
-        open_dataset(listing)
-    listing.write_text("/elsewhere/cat/a.jpg,cat\n/elsewhere/cat/c.jpg,dog\n")
-    with pytest.raises(DatasetError, match=r"neither line 1's file, /elsewhere/cat/a\.jpg, nor line 2's, "
-                                           r"/elsewhere/cat/c\.jpg, is there: was the list written on another machine"):
-        open_dataset(listing)
-    # A list written on Windows, and one with its columns the other way round, say so.
-    listing.write_text("cat\\a.jpg,cat\ncat\\c.jpg,dog\n")
-    with pytest.raises(DatasetError, match=r"its paths are separated by '\\', as on Windows; write them with '/'"):
-        open_dataset(listing)
-    listing.write_text("cat,../cat/a.jpg\ndog,../cat/c.jpg\n")
-    with pytest.raises(DatasetError, match=r"and its labels look like image files \('\.\./cat/a\.jpg'\): are the "
-                                           r"columns the other way round\? A row is path, then label"):
-        open_dataset(listing)
+    for text, said in [
+        ("cat/a.jpg,cat\ncat/b.jpg,cat\ncat/c.jpg,dog\n",  # relative to tmp_path, not to lists/
+         rf"train\.csv: neither line 1's file, cat/a\.jpg, nor line 3's, cat/c\.jpg, is in {lists}, the folder holding "
+         r"the list, from which its relative paths start: write them relative to it, or absolute"),
+        ("cat/a.jpg,cat\n", r"line 1's file, cat/a\.jpg, is not in .*lists, the folder holding"),
+        ("/elsewhere/cat/a.jpg,cat\n/elsewhere/cat/c.jpg,dog\n",
+         r"neither line 1's file, /elsewhere/cat/a\.jpg, nor line 2's, /elsewhere/cat/c\.jpg, is there: was the list "
+         "written on another machine"),
+        # A list written on Windows, and one with its columns the other way round, say so.
+        ("cat\\a.jpg,cat\ncat\\c.jpg,dog\n", r"its paths are separated by '\\', as on Windows; write them with '/'"),
+        ("cat,../cat/a.jpg\ndog,../cat/c.jpg\n", r"and its labels look like image files \('\.\./cat/a\.jpg'\): are the "
+                                                r"columns the other way round\? A row is path, then label"),
+    ]:
+        listing.write_text(text)
+        with pytest.raises(DatasetError, match=said):
+            open_dataset(listing)
     # One of the two there: the list starts, and its missing files are replaced as any missing file is.
     for first, last in [("../cat/a.jpg", "../cat/gone.jpg"), ("gone.jpg", str(tmp_path / "cat/c.jpg"))]:
         listing.write_text(f"{first},cat\n../cat/b.jpg,cat\n{last},dog\n")
