@@ -180,7 +180,6 @@ def split_folders_as_classes(classes: tuple[str, ...], data: str) -> str | None:
             + (" (and start a --split val daemon on the validation folder)" if len(classes) > 1 else ""))
 
 
-
 def hidden_classes(classes: tuple[str, ...], data: str) -> str | None:
     """The warning for class folders whose names start with "." (a notebook's .ipynb_checkpoints, a desktop's
     .Trash-1000 copied along with the data): ImageFolder counts them as classes too, so prefetchd does, but their
@@ -192,6 +191,7 @@ def hidden_classes(classes: tuple[str, ...], data: str) -> str | None:
     return (f"{counted(len(hidden), 'class folder')} of {data} {agreeing(len(hidden), 'is', 'are')} hidden: {named}. "
             "ImageFolder counts such folders as classes too, so they are classes here; if they are not, move them "
             "out of the dataset and start the daemon again")
+
 
 # Listing and stat-ing are system calls that release the GIL, and on network
 # filesystems they mostly wait: more threads than cores still help there.

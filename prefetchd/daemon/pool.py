@@ -24,6 +24,7 @@ import resource
 import selectors
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -392,8 +393,8 @@ def _remove_orphaned_temp_folders(base: str) -> None:
         return  # an unreadable temp folder: nothing of ours to find
     for entry in entries:
         try:
-            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.geteuid() \
-                    or time.time() - entry.stat().st_mtime < ORPHAN_SECONDS:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or time.time() - st.st_mtime < ORPHAN_SECONDS:
                 continue
             fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:
