@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from prefetchd.daemon.fill import run_task
@@ -58,6 +59,19 @@ def prepare_process(job: WorkerJob) -> None:
     preload(job.augment)  # first: a job that imports torch has it by the time threads are limited
     limit_threads()
     keep_heap()
+    reseed_global_generators()
+
+
+def reseed_global_generators() -> None:
+    """Fresh seeds for numpy's and torch's global generators in this process.  Local workers are forked from the
+    worker server, which imported both, so each began with the same state: a --transform hook drawing from
+    np.random or torch.rand (as augmentation code written for a DataLoader does, which reseeds its workers so) gave
+    the k-th image of every worker the same draws (a walk: 152 of 400 samples in pairs at 2 workers).  Python's
+    random reseeds itself at a fork.  Such a hook's batches still differ from run to run (README)."""
+    np.random.seed(np.frombuffer(os.urandom(16), dtype=np.uint32))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
 
 # Added to a worker's oom_score_adj (the most is 1000): the kernel's OOM killer takes the highest score.

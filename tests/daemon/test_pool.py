@@ -21,6 +21,7 @@ from prefetchd.daemon.pool import ORPHAN_SECONDS, TEMP_PREFIX
 from prefetchd.daemon.dataset import scan_class_folders
 from prefetchd.daemon.errors import EXIT_USAGE, DaemonError
 from prefetchd.daemon.tasks import WorkerJob
+from prefetchd.trainer import BufferLoader
 from prefetchd.launch import launch, start_argv, stop_daemon_process
 from tests.waiting import wait_for
 from tests.daemon_workers import daemon_workers
@@ -50,6 +51,22 @@ def test_a_killed_worker_is_replaced_and_its_tasks_requeued(
     daemon.wait_until(lambda: set(list_batches(buffer)) == {(0, 5), (0, 6), (0, 7)}, 60, "the window after the kill")
     assert "requeuing" in daemon.log
 
+
+
+def test_workers_draw_other_numbers_from_the_global_generators(
+    shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any]
+) -> None:
+    """Workers forked from one worker server began with the same np.random and torch states: a hook drawing from
+    them (instead of the Generator it is handed) gave the k-th image of each worker the same noise (a walk)."""
+    buffer = shm_dir / "bf"
+    start_daemon(buffer, "--data", shapes_data / "train", "--batch-size", "8", "--image-size", "16", "--epochs", "1",
+                 "--workers", "2", "--transform", "tests.integration.global_random_hook:noise")
+    with BufferLoader(buffer, normalize=False, timeout=120) as loader:
+        images = np.concatenate([batch.images.numpy() for batch in loader])
+    assert len(images) == 72
+    for channel in (1, 2):  # np.random's, torch's
+        planes = images[:, channel].reshape(len(images), -1)
+        assert len(np.unique(planes, axis=0)) == len(images), f"channel {channel}: repeated draws"
 
 def test_the_worker_server_starts_under_a_tmpdir_too_long_for_its_socket(tmp_path: Path) -> None:
     """A scheduler's per-job TMPDIR can be longer than a Unix socket path allows: the forkserver's
