@@ -457,8 +457,8 @@ def holds_a_stream(path: Path) -> bool:
         return False
 
 
-def free_bytes(path: Path) -> int:
-    """Free bytes of ``path``'s filesystem, as an unprivileged writer may use them."""
+def free_bytes(path: Path | int) -> int:
+    """Free bytes of ``path``'s filesystem (or an open descriptor's), as an unprivileged writer may use them."""
     fs = os.statvfs(path)
     return fs.f_bavail * fs.f_frsize
 

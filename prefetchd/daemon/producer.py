@@ -255,8 +255,10 @@ class Producer:
             self.shutdown()
         if self.fatal:
             self.state, self.message = State.FAILED, self.fatal
-            if self.fatal_error is not BufferLost:  # not into a directory that is no longer this daemon's
+            if self.fatal_error is not BufferLost:
                 self._write_status()
+            else:  # not into a directory that is no longer this daemon's; the metrics say it (a walk: "filling")
+                self.on_status(self.status())
             raise self.fatal_error(self.fatal)
         if self.next_job is not None:
             self.state, self.message = State.SWITCHING, "replacing the job with the one in job.json"

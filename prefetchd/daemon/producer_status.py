@@ -37,7 +37,8 @@ def production_status(p: Producer) -> Status:
         low_water=p.streams[0].low * len(p.streams),
         batch_bytes=p.cfg.batch_bytes,
         buffer_bytes=p.space.held_bytes(),
-        free_bytes=free_bytes(p.buffer),
+        # Through the locked folder's fd where there is one: the last status of a daemon whose buffer was removed
+        free_bytes=free_bytes(p.buffer_fd if p.buffer_fd is not None else p.buffer),
         workers=len(p.workers),
         workers_cpu_percent=round(sum(cpu_percent(w) for w in p.workers), 1),
         rates=Rates(samples_per_s=round(produce_rate, 1), consumed_batches_per_s=round(consume_rate, 2)),

@@ -61,21 +61,23 @@ def unlock(buffer: Path) -> str:
 @pytest.mark.parametrize("change", [remove, replace, by_a_file, unlock])
 @pytest.mark.parametrize("serving", ["a job", "jobs"])
 def test_a_buffer_that_is_no_longer_the_daemons_stops_it_in_one_line(
-        shapes_data: Path, shm_dir: Path, start_daemon: Callable[..., Any], change: Callable[[Path], str],
-        serving: str) -> None:
+        shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon: Callable[..., Any],
+        change: Callable[[Path], str], serving: str) -> None:
     """It went on writing batches and status.json into a directory it no longer locked (a second daemon
     was let in, `prefetchd status` and `stop` no longer found it), or died of a FileNotFoundError with
-    two tracebacks when the directory was removed."""
-    buffer = shm_dir / "bf"
+    two tracebacks when the directory was removed.  Its metrics textfile said "filling" for good (a walk)."""
+    buffer, textfile = shm_dir / "bf", tmp_path / "bf.prom"
     if serving == "a job":
-        daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+        daemon = start_daemon(buffer, "--data", shapes_data / "train", *JOB, "--metrics-textfile", textfile)
         daemon.wait_until(lambda: (buffer / "e000000-s00000001.batch").exists(), 60, "batches")
     else:
-        daemon = start_daemon(buffer, "--workers", "1")
+        daemon = start_daemon(buffer, "--workers", "1", "--metrics-textfile", textfile)
         daemon.wait_until(lambda: "waiting for a job" in daemon.log, 60, "the daemon to wait for a job")
     said = change(buffer)
     assert daemon.wait_exit(30) == EXIT_FAILURE, daemon.log
     assert f"{buffer}: {said}; {STOPS}" in daemon.log and "Traceback" not in daemon.log, daemon.log
+    if serving == "a job":
+        assert f'prefetchd_state{{buffer="{buffer}",state="failed"}} 1.0' in textfile.read_text(), daemon.log
     if change is replace:
         assert not (buffer / "status.json").exists(), "it wrote into a buffer that is not its own"
 
