@@ -22,7 +22,10 @@ def production_status(p: Producer) -> Status:
     p.stats.consumed = sum(s.consumed for s in p.streams)
     for stream in p.streams:
         stream.check_trainer()
-    produce_rate, consume_rate = p.stats.rates()
+    # A daemon's last status lasts (status.json, a metrics textfile node-exporter serves on): a stopped one at 300
+    # img/s looked alive on a dashboard (a walk).  Its counters and the rest stay as they ended.
+    ended = p.state in (State.STOPPED, State.FAILED, State.SWITCHING)
+    produce_rate, consume_rate = (0.0, 0.0) if ended else p.stats.rates()
     streams = [s.status() for s in p.streams]
     first = streams[0]
     production = Production(

@@ -43,12 +43,20 @@ def errors_in(log: str) -> list[str]:
 
 def test_finished_daemon_exits_cleanly_and_a_restart_on_it_exits_at_once(shapes_data: Path, shm_dir: Path,
                                                                           start_daemon: Callable[..., Any],
-                                                                          child_tmpdir: Path) -> None:
-    buffer = shm_dir / "bf"
-    first = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
+                                                                          child_tmpdir: Path, tmp_path: Path) -> None:
+    buffer, textfile = shm_dir / "bf", tmp_path / "bf.prom"
+    first = start_daemon(buffer, "--data", shapes_data / "train", *JOB, "--metrics-textfile", textfile)
     consume_everything(buffer)
     assert first.wait_exit() == 0, first.log
     assert FINISHED in first.log and errors_in(first.log) == [], first.log
+    # Its last status stays (status.json; the textfile a node-exporter serves on): no rate of a daemon that runs.
+    ended = read_status(buffer)
+    assert ended is not None and ended.state == State.STOPPED and ended.production is not None
+    assert (ended.production.rates.samples_per_s, ended.production.rates.consumed_batches_per_s) == (0, 0)
+    assert ended.production.totals.consumed_batches == 9  # what it did stays
+    metrics = textfile.read_text()
+    assert f'prefetchd_state{{buffer="{buffer}",state="stopped"}} 1.0' in metrics
+    assert f'prefetchd_produce_samples_per_second{{buffer="{buffer}"}} 0.0' in metrics, metrics
     assert socket_folders(child_tmpdir) == [], "the worker server's socket folder is removed at exit"
 
     again = start_daemon(buffer, "--data", shapes_data / "train", *JOB)
