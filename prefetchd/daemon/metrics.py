@@ -51,7 +51,7 @@ _SERIES: tuple[tuple[str, Callable[[Production], float | None], str], ...] = (
      "Workers killed because one image took longer than --task-timeout, or their start than --worker-start-timeout."),
     ("prefetchd_write_failures_total", lambda p: p.errors.write_failures, "Batch builds that failed and were retried: a write (no space) or a read of the dataset (an unreachable store)."),
     ("prefetchd_trainer_progress_age_seconds", lambda p: p.trainer.progress_age_s,
-     "Seconds since the trainer last moved its progress (a trainer that is gone keeps it growing); of several consumers, the slowest one that holds batches."),
+     "Seconds since the trainer last wrote its progress, moved or not (a waiting trainer rewrites it every 2 s, so a stalled one keeps it low; one that is gone keeps it growing); of several consumers, the slowest one that holds batches."),
     # --ray: where batches are built (absent without a cluster).
     ("prefetchd_remote_connected", lambda p: float(p.remote.connected) if p.remote else None,
      "1 while the Ray cluster takes slices, 0 while it is lost and the local workers build alone."),
