@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -178,7 +179,10 @@ def apply_hook(name: str, hwc: torch.Tensor, rng: np.random.Generator, size: int
         # sys.exit() too: it ended the worker, and after two the file was "crashed its worker", replaced, the job
         # stopped as bad data naming good images (a walk of hooks); a hook's bug, as the import check takes it.
         # Not KeyboardInterrupt: on a Ray worker it is Ray's cancel of a slice no longer wanted (bridge_slices).
-        raise HookError(f"transform {name} failed on {path}: {type(exc).__name__}: {exc}") from exc
+        # Where it raised, the innermost frame (in the hook, or in what the hook called): a walk had only the words.
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise HookError(f"transform {name} failed on {path}: {type(exc).__name__}: {exc} (raised at "
+                        f"{frame.filename}:{frame.lineno}, in {frame.name})") from exc
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or tuple(out.shape) != (3, size, size):
         got = (f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
                else "None" if out is None else f"an object of type {type(out).__name__}")

@@ -124,11 +124,14 @@ def test_hook_draws_from_the_samples_stream(tmp_path: Path, hook_module: str) ->
     assert len(set(a)) == 4
 
 
+BROKEN_LINE = HOOK_MODULE.splitlines().index('    raise KeyError("oops")') + 1  # in the module's file
+
 @pytest.mark.parametrize(("hook", "words"), [
     ("wrong_shape", ["(3, 31, 32)", "(3, 32, 32)"]),
     ("wrong_dtype", ["torch.float32", "uint8"]),
     ("not_a_tensor", ["returned an object of type ndarray", "uint8 tensor"]),
-    ("broken", ["KeyError", "oops"]),
+    # Where in the hook, not only what (a walk): the line that raised.
+    ("broken", ["KeyError", "oops", f".py:{BROKEN_LINE}, in broken)"]),
     # They ended the worker: its file was "crashed its worker 2 times", the job stopped as bad data (a walk of hooks).
     ("exits", ["failed on", "SystemExit: 3"]),
     ("nowhere", ["no attribute"]),
