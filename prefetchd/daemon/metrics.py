@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -194,6 +196,34 @@ def unwritable_textfile(textfile: Path) -> str | None:
     return denied or no_access(folder, write=True)
 
 
+# A textfile whose heartbeat is this recent, of a daemon not stopped, is another daemon's that runs (a second each).
+TEXTFILE_LIVE_SECONDS = 10.0
+_STATE_LINE = re.compile(r'^prefetchd_state\{buffer="((?:[^"\\]|\\.)*)",state="([^"]*)"\} 1\.0$', re.MULTILINE)
+_BEAT_LINE = re.compile(r'^prefetchd_heartbeat_timestamp_seconds\{buffer="(?:[^"\\]|\\.)*"\} (\S+)$', re.MULTILINE)
+
+
+def _refuse_a_textfile_in_use(textfile: Path, buffer: Path) -> None:
+    """Refuse ``textfile`` where another daemon that runs writes it: each rewrote it once a second over the other's,
+    and a dashboard saw one of the two buffers at a time, without a word in either log (a walk, with a config file
+    shared by a train and a val daemon)."""
+    try:
+        text = textfile.read_text(errors="replace")
+    except OSError:
+        return  # none yet, or not this user's to read: its write says so
+    state, beat = _STATE_LINE.search(text), _BEAT_LINE.search(text)
+    if state is None or beat is None:
+        return
+    other = re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], state[1])  # the exposition format's escapes
+    try:
+        age = time.time() - float(beat[1])
+    except ValueError:
+        return
+    if other != str(buffer) and state[2] not in (State.STOPPED, State.FAILED) and age < TEXTFILE_LIVE_SECONDS:
+        raise ConfigError(f"metrics textfile {textfile} is written by the daemon on {other}, which runs (state "
+                          f"{state[2]}, {age:.0f} s ago): two daemons on one textfile overwrite each other's metrics "
+                          "every second; give each daemon its own --metrics-textfile")
+
+
 class Metrics:
     """The registry, the optional HTTP endpoint and the optional textfile."""
 
@@ -202,6 +232,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(StatusCollector(buffer, lambda: self.latest))
         self.textfile = textfile
+        if textfile is not None:
+            _refuse_a_textfile_in_use(textfile, buffer)
         # A textfile that cannot be written is said once a minute, not at each status (once a second: 86,000 lines
         # a day for a path under a folder the daemon's user may not enter, a walk as a non-root user).
         self._unwritten_lines = Throttle(TEXTFILE_WARN_SECONDS)

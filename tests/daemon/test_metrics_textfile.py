@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from prefetchd.buffer_protocol import State
+from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.metrics import Metrics
 from tests.status_examples import status as status_example
 
@@ -42,3 +46,23 @@ def test_a_textfile_that_cannot_be_written_is_a_warning(shm_buffer: Path, caplog
     assert f"cannot write metrics to {textfile}" in caplog.text
     # Once a minute, not at every status: 86,000 lines a day (a walk as a non-root user).
     assert caplog.text.count("cannot write metrics to") == 1, caplog.text
+
+
+def test_a_textfile_another_running_daemon_writes_is_refused(shm_buffer: Path, tmp_path: Path) -> None:
+    """Two daemons given one --metrics-textfile (a config file shared by a train and a val daemon) overwrote each
+    other's metrics every second, without a word (a walk).  The second is refused; the same buffer's restart, or a
+    textfile a stopped daemon left, is taken."""
+    textfile = tmp_path / "shared.prom"
+    first = Metrics(shm_buffer, None, "127.0.0.1", textfile)
+    first.update(dataclasses.replace(status_example(), heartbeat=time.time()))
+    other = tmp_path / 'val "quoted"'
+    with pytest.raises(ConfigError, match=rf'metrics textfile {textfile} is written by the daemon on {shm_buffer}, '
+                                          r"which runs \(state filling, 0 s ago\): two daemons on one textfile"):
+        Metrics(other, None, "127.0.0.1", textfile)
+    Metrics(shm_buffer, None, "127.0.0.1", textfile).close()  # its own restart
+    first.update(dataclasses.replace(status_example(), heartbeat=time.time(), state=State.STOPPED))
+    Metrics(other, None, "127.0.0.1", textfile).close()  # what a stopped daemon left
+    Metrics(other, None, "127.0.0.1", textfile).update(dataclasses.replace(status_example(), heartbeat=time.time()))
+    with pytest.raises(ConfigError, match=r'is written by the daemon on .*/val "quoted", which runs'):
+        Metrics(shm_buffer, None, "127.0.0.1", textfile)  # a buffer label with a quote, escaped in the file
+    first.close()
