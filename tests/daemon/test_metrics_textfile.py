@@ -14,6 +14,7 @@ import pytest
 from prefetchd.buffer_protocol import State
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.metrics import Metrics
+from tests.status_examples import ERRORS, STORAGE_WAIT, production
 from tests.status_examples import status as status_example
 
 
@@ -66,3 +67,24 @@ def test_a_textfile_another_running_daemon_writes_is_refused(shm_buffer: Path, t
     with pytest.raises(ConfigError, match=r'is written by the daemon on .*/val "quoted", which runs'):
         Metrics(shm_buffer, None, "127.0.0.1", textfile)  # a buffer label with a quote, escaped in the file
     first.close()
+
+
+def test_the_waits_and_counts_of_the_status_are_metrics(shm_buffer: Path, tmp_path: Path) -> None:
+    """A storage wait, a stalled worker and four counters were in status.json alone: write_failures_total rose
+    for a store gone and for a full tmpfs alike, and nothing in /metrics told them apart (a walk)."""
+    textfile = tmp_path / "bf.prom"
+    metrics = Metrics(shm_buffer, None, "127.0.0.1", textfile)
+    errors = dataclasses.replace(ERRORS, low_space_pauses=2, vanished_batches=3, progress_rejected=4, progress_rewinds=5)
+    metrics.update(status_example(production=production(storage_wait=STORAGE_WAIT, errors=errors)))
+    label = f'{{buffer="{shm_buffer}"}}'
+    waiting = textfile.read_text()
+    since = next(line for line in waiting.splitlines() if line.startswith("prefetchd_storage_wait_since_timestamp"))
+    assert float(since.split()[-1]) == STORAGE_WAIT.since
+    for line in (f"prefetchd_storage_waiting{label} 1.0", f"prefetchd_worker_stalled{label} 0.0",
+                 f"prefetchd_low_space_pauses_total{label} 2.0", f"prefetchd_vanished_batches_total{label} 3.0",
+                 f"prefetchd_progress_rejected_total{label} 4.0", f"prefetchd_progress_rewinds_total{label} 5.0"):
+        assert line in waiting, line
+    metrics.update(status_example())
+    assert f"prefetchd_storage_waiting{label} 0.0" in textfile.read_text()
+    assert "prefetchd_storage_wait_since_timestamp_seconds" not in textfile.read_text()  # absent while not waiting
+    metrics.close()
