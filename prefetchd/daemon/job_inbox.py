@@ -39,6 +39,7 @@ MACHINE_FIELDS = frozenset({
     "ray", "ray_builds",
 })
 JOB_FIELDS = frozenset(FIELDS) - MACHINE_FIELDS
+ONE_SHOT_FIELDS = frozenset({"refresh_index"})  # for the start that asked, not kept for a restart to resume
 TRAINER_ACTIVE_SECONDS = 30.0
 # How the answer to a job that was accepted and then failed begins (`prefetchd status` shows it as such).
 FAILED_WHILE_PRODUCING = "failed while producing"
@@ -215,17 +216,21 @@ class JobInbox:
             return RunningJob(request.job_id, request.owner, request.submitted, "")
         return self.running
 
-    def accepted(self) -> None:
-        """Keep the pending request, now produced and answered, as the running job, and for a restarted daemon
-        to resume (``JobRequest.record``)."""
+    def accepted(self, job: DaemonConfig) -> None:
+        """Keep the pending request, now produced and answered as ``job``, as the running job, and for a restarted
+        daemon to resume (``JobRequest.record``): with ``job``'s values of the settings the request left to the
+        daemon.  A daemon restarted with other flags resumed the request under them, another job (an
+        --image-size of 64 became 224), and cleared the batches its trainers read as another job's (a walk)."""
         if self.pending_request is None:
             return
         request, result = self.pending_request, self.result
         answer = result.reason if result is not None and result.job_id == request.job_id else ""
         self.running = RunningJob(request.job_id, request.owner, request.submitted, answer)
         voided = self._void_record()
+        left = JOB_FIELDS - request.settings.keys() - ONE_SHOT_FIELDS
+        pinned = {**request.settings, **{name: value for name in left if (value := getattr(job, name)) is not None}}
         try:
-            self._record_fd = self.pending_request.record(self.buffer, self.dir_fd)
+            self._record_fd = dataclasses.replace(request, settings=pinned).record(self.buffer, self.dir_fd)
         except OSError as exc:  # a full tmpfs: a restart then waits for a job, or starts the configured one
             log.warning("cannot keep job %s for a restart to resume (%s): a restart would not resume it",
                         self.pending_request.job_id, exc.strerror)

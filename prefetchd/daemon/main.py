@@ -257,7 +257,7 @@ def _serve(cfg: DaemonConfig) -> int:
                     inbox.answer(inbox.pending_id, True,
                                  f"producing {job.data} for {user_name(inbox.pending_owner)}{replacing}",
                                  inbox.pending_owner)
-                    inbox.accepted()
+                    inbox.accepted(job)
                     running_id = inbox.pending_id
                     inbox.settle()
                 replaced, reset_back, resuming = None, False, False

@@ -24,7 +24,7 @@ def answered(inbox: JobInbox) -> DaemonConfig | None:
     job = inbox.poll(None)
     if job is not None:
         inbox.answer(inbox.pending_id, True, f"producing {job.data}", inbox.pending_owner)
-        inbox.accepted()
+        inbox.accepted(job)
         inbox.settle()
     return job
 
@@ -187,10 +187,11 @@ def test_a_record_the_daemon_could_not_replace_is_removed_not_left_empty(
     JobRequest({"data": "/data/next", "batch_size": 4}).write(shm_buffer)
     assert answered(inbox) is not None
     restarted = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False)
-    assert restarted.resumable() is not None
+    resumed = restarted.resumable()
+    assert resumed is not None
     resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
     try:
-        restarted.accepted()
+        restarted.accepted(resumed)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     job = JobInbox(shm_buffer, DaemonConfig(buffer=shm_buffer), ignore_current=False).resumable()
@@ -208,3 +209,18 @@ def test_a_job_json_that_is_a_link_is_refused_as_one_and_never_followed(shm_buff
     assert result is not None and (result.job_id, result.accepted) == (None, False), result
     assert f"{shm_buffer / JOB_NAME}: is a symbolic link, not" in result.reason, result.reason
     assert answered(inbox) is None and inbox.result is result, "the same link is answered once"
+
+
+def test_a_restart_with_other_flags_resumes_the_job_as_it_was_accepted(shm_buffer: Path) -> None:
+    """A request leaves settings to the daemon (its flags, its config).  A daemon restarted with other flags resumed
+    the request under those, another job (--image-size 64 became 224), and cleared the batches its trainers read as
+    another job's (a walk).  The record keeps what the request was produced as; what it asked stays as asked."""
+    first = DaemonConfig(buffer=shm_buffer, image_size=64, seed=3, epochs=5, refresh_index=True)
+    JobRequest({"data": "/data/x", "batch_size": 16, "seed": 1}).write(shm_buffer)
+    job = answered(JobInbox(shm_buffer, first, ignore_current=False))
+    assert job is not None and (job.image_size, job.seed, job.batch_size, job.epochs) == (64, 1, 16, 5)
+    other = DaemonConfig(buffer=shm_buffer, image_size=224, seed=9, epochs=90, workers=1)
+    resumed = JobInbox(shm_buffer, other, ignore_current=False).resumable()
+    assert resumed is not None
+    assert (resumed.image_size, resumed.seed, resumed.batch_size, resumed.epochs) == (64, 1, 16, 5), resumed
+    assert not resumed.refresh_index and resumed.workers == 1  # one start's setting, and the machine's, are the new

@@ -204,7 +204,7 @@ def test_a_malformed_job_json_under_the_running_jobs_id_is_answered_as_its_write
     running = inbox.poll(None)
     assert running is not None and inbox.pending_owner == os.geteuid()
     inbox.answer(inbox.pending_id, True, "producing", inbox.pending_owner)  # as the daemon does once it starts
-    inbox.accepted()
+    inbox.accepted(running)
     inbox.settle()
     (buffer / JOB_NAME).write_text(json.dumps({"format": "prefetchd.job", "version": VERSION,
                                                "job_id": request.job_id, "settings": 5}))

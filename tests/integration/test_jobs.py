@@ -144,7 +144,7 @@ import sys
 import prefetchd.daemon.job_inbox as inbox
 
 
-def accepted(self):
+def accepted(self, job=None):
     if self.pending_request is not None:
         request = self.pending_request
         self.running = inbox.RunningJob(request.job_id, request.owner, request.submitted, "")
