@@ -53,7 +53,7 @@ def test_finished_daemon_exits_cleanly_and_a_restart_on_it_exits_at_once(shapes_
     ended = read_status(buffer)
     assert ended is not None and ended.state == State.STOPPED and ended.production is not None
     assert (ended.production.rates.samples_per_s, ended.production.rates.consumed_batches_per_s) == (0, 0)
-    assert ended.production.totals.consumed_batches == 9  # what it did stays
+    assert ended.production.totals.batches == 9  # what it did stays
     metrics = textfile.read_text()
     assert f'prefetchd_state{{buffer="{buffer}",state="stopped"}} 1.0' in metrics
     assert f'prefetchd_produce_samples_per_second{{buffer="{buffer}"}} 0.0' in metrics, metrics
