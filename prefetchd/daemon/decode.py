@@ -98,7 +98,8 @@ class Decoded:
 @dataclass
 class Header:
     """What the plan and the decoders read from a file's header.  ``image``: Pillow's reading
-    of it; None for a plain JPEG (``jpeg_crop.plain_header``) until a full decode needs it."""
+    of it; None for a plain JPEG (``jpeg_crop.plain_header``) until a full decode needs it; for a
+    file that is no JPEG, its whole image decoded and upright (``read_header``)."""
 
     width: int  # stored, before the EXIF orientation
     height: int
@@ -159,15 +160,16 @@ def read_header(data: bytearray, name: str, max_pixels: int) -> Header:
         _check_pixels(plain.width, plain.height, name, max_pixels)
         return Header(*plain, jpeg=True, rgb_jpeg=True)
     image = open_header(data, name, max_pixels)
-    if image.format == "TIFF":
-        # Pillow (13 here) reports a TIFF's size oriented and turns its pixels as it loads them, yet reads the tag
-        # before the load: the crop was planned for a landscape image and cut from the portrait one (orientations
-        # 5-8, a walk).  Loaded here, upright whichever Pillow did the turning, it is what the plan sees.
+    jpeg = data[:3] == JPEG_MAGIC and image.format in ("JPEG", "MPO")
+    if not jpeg:
+        # Pillow decodes it whole whatever the crop (no DCT scaling, no crop decode), so it is decoded here, upright,
+        # and the plan sees the oriented image itself: Pillow reports a TIFF's size oriented and turns its pixels as
+        # it loads them, yet reads the tag before the load, and a plan from the header and the tag cut a crop
+        # planned for a landscape image from the portrait one (orientations 5-8, a walk).
         upright = _to_rgb(image)
         return Header(upright.width, upright.height, 1, False, False, upright)
-    jpeg = data[:3] == JPEG_MAGIC and image.format in ("JPEG", "MPO")
-    return Header(image.width, image.height, exif_orientation(image), jpeg,
-                  jpeg and image.mode in _TORCHVISION_JPEG_MODES, image)
+    return Header(image.width, image.height, exif_orientation(image), jpeg, image.mode in _TORCHVISION_JPEG_MODES,
+                  image)
 
 
 def decode(data: bytearray, name: str, max_pixels: int, header: Header, box: Box, size: int,
