@@ -9,13 +9,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -213,8 +213,6 @@ def unwritable_textfile(textfile: Path) -> str | None:
 
 # A textfile whose heartbeat is this recent, of a daemon not stopped, is another daemon's that runs (a second each).
 TEXTFILE_LIVE_SECONDS = 10.0
-_STATE_LINE = re.compile(r'^prefetchd_state\{buffer="((?:[^"\\]|\\.)*)",state="([^"]*)"\} 1\.0$', re.MULTILINE)
-_BEAT_LINE = re.compile(r'^prefetchd_heartbeat_timestamp_seconds\{buffer="(?:[^"\\]|\\.)*"\} (\S+)$', re.MULTILINE)
 
 
 def _refuse_a_textfile_in_use(textfile: Path, buffer: Path) -> None:
@@ -222,20 +220,17 @@ def _refuse_a_textfile_in_use(textfile: Path, buffer: Path) -> None:
     and a dashboard saw one of the two buffers at a time, without a word in either log (a walk, with a config file
     shared by a train and a val daemon)."""
     try:
-        text = textfile.read_text(errors="replace")
-    except OSError:
-        return  # none yet, or not this user's to read: its write says so
-    state, beat = _STATE_LINE.search(text), _BEAT_LINE.search(text)
-    if state is None or beat is None:
+        samples = {f.name: f.samples for f in text_string_to_metric_families(textfile.read_text(errors="replace"))}
+    except (OSError, ValueError):
+        return  # none yet, not this user's to read, or not ours: its write says so, or replaces it
+    states = [s for s in samples.get("prefetchd_state", []) if s.value == 1]
+    beats = samples.get("prefetchd_heartbeat_timestamp_seconds", [])
+    if not states or not beats:
         return
-    other = re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], state[1])  # the exposition format's escapes
-    try:
-        age = time.time() - float(beat[1])
-    except ValueError:
-        return
-    if other != str(buffer) and state[2] not in (State.STOPPED, State.FAILED) and age < TEXTFILE_LIVE_SECONDS:
+    other, state, age = states[0].labels["buffer"], states[0].labels["state"], time.time() - beats[0].value
+    if other != str(buffer) and state not in (State.STOPPED, State.FAILED) and age < TEXTFILE_LIVE_SECONDS:
         raise ConfigError(f"metrics textfile {textfile} is written by the daemon on {other}, which runs (state "
-                          f"{state[2]}, {age:.0f} s ago): two daemons on one textfile overwrite each other's metrics "
+                          f"{state}, {age:.0f} s ago): two daemons on one textfile overwrite each other's metrics "
                           "every second; give each daemon its own --metrics-textfile")
 
 
