@@ -254,6 +254,18 @@ def _started_by(pid: int, since: float) -> bool:
     return started <= since + 1.0
 
 
+def started_after(pid: int | None, namespace: int | None, since: float) -> bool:
+    """Whether ``pid`` (of pid namespace ``namespace``, as a progress document names its writer) is a live process
+    of this pid namespace started after ``since`` (a time.time()); False where that cannot be told, or within the
+    second of slack ``create_time()`` has (``_started_by``)."""
+    if pid is None or namespace is None or not same_pid_namespace(namespace):
+        return False
+    try:
+        return bool(psutil.Process(pid).create_time() > since + 1.0)
+    except psutil.Error:
+        return False
+
+
 def _hidden(pid: int) -> bool:
     """A pid /proc does not show that the kernel still has: signal 0 checks that it exists, and
     fails with EPERM for another user's process, where ESRCH says it is gone."""

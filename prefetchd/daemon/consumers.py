@@ -172,12 +172,18 @@ class Consumer:
         """Holds batches even when others are live: not closed, not gone, not silent too long."""
         return self.seen and not self.closed and self.alive is not False and self.silent_for(now) <= timeout
 
-    def take(self, progress: Progress, g: int) -> bool:
-        """Take a document read for this consumer, ``g`` being its global position; True when it moved."""
+    def take(self, progress: Progress, g: int, fresh: bool = False) -> bool:
+        """Take a document read for this consumer, ``g`` being its global position; True when it moved.  ``fresh``:
+        its writer started after this job's stream did, so each batch it read was this stream's."""
         writer = self.document  # None: the first of its documents this daemon reads, read before it
         self.document, self.error = progress, ""
         read = progress.read_batches
-        if writer is not None and read is not None:
+        if writer is None and fresh and read:
+            # A loader that read before the first of its documents was seen: a poll after its first reads (a
+            # loader started as the job did). Its reads are counted; a loader older than the stream may have
+            # read another daemon's batches (a resumed run), which are not.
+            self.consumed += read
+        elif writer is not None and read is not None:
             # What its loader read: a jump forward (a later checkpoint loaded) consumed nothing. A count that went
             # down, or another pid (or pid namespace), is a new loader's, all of it read since.
             same = (progress.pid, progress.pid_namespace) == (writer.pid, writer.pid_namespace)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from prefetchd.buffer_protocol import DEFAULT_CONSUMER, Manifest, Progress, ProtocolError, progress_name
 from prefetchd.buffer_protocol.layout import MAX_EPOCH, consumer_files
+from prefetchd.buffer_protocol.ownership import started_after
 from prefetchd.daemon.consumers import Consumer, Newcomer, Unreadable, progress_stats, unreadable
 from prefetchd.throttle import Throttle
 from prefetchd.words import counted
@@ -290,7 +291,8 @@ class StreamProgress:
         if self.end is not None:
             g = min(g, self.end)
         before, was_seen, was_closed = consumer.position, consumer.seen, consumer.closed
-        moved = consumer.take(progress, g)
+        fresh = consumer.document is None and started_after(progress.pid, progress.pid_namespace, self.started)
+        moved = consumer.take(progress, g, fresh)
         # The default consumer's first write is the trainer starting, no news; a named one joining is.
         if was_closed != consumer.closed or (not was_seen and consumer.name != DEFAULT_CONSUMER):
             if consumer.closed:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 from prefetchd.buffer_protocol import Manifest, Progress, progress_name, read_status, write_status
 from prefetchd.daemon.consumers import plan_windows, union_size
@@ -338,6 +339,24 @@ def test_a_consumer_counts_what_it_consumed_here_not_where_it_joined(tmp_path: P
     move(s, "b", 13)
     move(s, "b", 12)  # back one: a rewind, no consumption
     assert s.consumed == 4 and s.consumers["b"].rewinds == 1
+
+
+def test_reads_before_the_first_document_seen_count_when_the_loader_is_newer_than_the_stream(tmp_path: Path) -> None:
+    """A loader that read 3 batches before the stream's first look at its progress (a trainer started as the job
+    did) had consumed none by the status (6 of 9 at a job's end); one older than the stream may have read another
+    daemon's batches (a resumed run's), which are not this stream's to count."""
+    s = stream(tmp_path, cap=4 * HIGH)
+    newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        s.started = psutil.Process(newer.pid).create_time() - 2  # past create_time's second of slack
+        forge(s, "new", 3, pid=newer.pid, read_batches=3)
+        forge(s, "old", 5, pid=1, read_batches=5)  # init: started before the stream
+        assert s.consumers["new"].consumed == 3 and s.consumers["old"].consumed == 0
+        forge(s, "new", 4, pid=newer.pid, read_batches=4)
+        assert s.consumed == 4
+    finally:
+        newer.kill()
+        newer.wait()
 
 
 def test_a_consumer_whose_progress_file_is_removed_is_forgotten(tmp_path: Path) -> None:
