@@ -98,7 +98,8 @@ def describe_status(buffer: Path) -> StatusReport:
                                       f"`prefetchd status --buffer {owner}` shows the ranks it serves",))
     status: Status | None = None
     manifest: Manifest | None = None
-    problems = []
+    # A typo, not a stopped daemon: said in --json's problems too, which were [] as for a clean stop.
+    problems = [] if buffer.exists() else [f"{buffer} does not exist"]
     try:
         status = read_status(buffer)
     except ProtocolError as exc:
@@ -276,7 +277,7 @@ def _status_lines(report: StatusReport) -> list[str]:
     if report.no_rank:  # a rank directory no daemon writes: its buffer's daemon may well run
         return [f"prefetchd on {buffer}: no such rank", *report.problems]
     if not report.running:
-        line = f"prefetchd on {buffer}: not running" + ("" if buffer.exists() else f" ({buffer} does not exist)")
+        line = f"prefetchd on {buffer}: not running"
         if st:
             line += f" (last state: {st.state}{': ' + st.message if st.message else ''})"
         if report.ended_unsaid:  # a killed daemon read as one whose last word was "full"

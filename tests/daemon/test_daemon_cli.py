@@ -286,7 +286,10 @@ def test_status_not_running(runner: CliRunner, tmp_path: Path) -> None:
 def test_status_of_a_missing_buffer(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path / "never-made")])
     assert result.exit_code == 3
-    assert f"not running ({tmp_path / 'never-made'} does not exist)" in result.output  # a typo, not a stopped daemon
+    assert f"not running\n{tmp_path / 'never-made'} does not exist" in result.output  # a typo, not a stopped daemon
+    result = runner.invoke(prefetchd_cli.main, ["status", "--buffer", str(tmp_path / "never-made"), "--json"])
+    assert result.exit_code == 3
+    assert json.loads(result.output)["problems"] == [f"{tmp_path / 'never-made'} does not exist"]
 
 
 def test_status_json_not_running(runner: CliRunner, tmp_path: Path) -> None:
