@@ -593,7 +593,11 @@ class Producer:
             self.retry_at = time.monotonic() + RETRY_SECONDS
             return
         stream.published[build.g] = final
+        waited = self.failures.wait
         self.failures.published((stream.rank, build.g), self._held())
+        if waited is not None and self.failures.wait is None:  # its start was said, at WARNING: so is its end
+            log.info("the dataset's storage answers again: batch %s built after %.0f s of failed reads; production "
+                     "goes on", final.name, time.time() - waited.since)
         self.stats.batches += 1
         self.stats.samples += len(build.indices)
         self.stats.replaced += build.replaced

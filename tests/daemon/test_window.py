@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -368,11 +368,14 @@ def test_a_wait_on_storage_ends_when_something_else_holds_production(tmp_path: P
 OUTAGE = "reading s3://b/x.jpg: still failing after 6 tries"
 
 
-def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_path: Path) -> None:
+def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_path: Path, caplog: Any) -> None:
     """In a partial outage the batches of other objects publish while the trainer's next one fails: any
     publish ended the wait, and the trainer, which needs the failing batch, timed out after its --timeout
-    though the daemon still retried it for the storage."""
+    though the daemon still retried it for the storage.  The wait's end is logged, as its failures were (the
+    log's last word on the storage was a failure)."""
     from prefetchd.daemon.tasks import Filled, WriteFailed
+
+    caplog.set_level(logging.INFO, logger="prefetchd.daemon.producer")
 
     (tmp_path / "r0").mkdir(), (tmp_path / "r1").mkdir()
     s, t = stream(tmp_path / "r0"), stream(tmp_path / "r1")
@@ -387,8 +390,10 @@ def test_a_wait_on_storage_lasts_until_the_batch_that_failed_is_published(tmp_pa
     assert sorted(s.published) == [1, 2] and sorted(t.published) == [0]
     assert producer.failures.wait == wait, "batch 0 of rank 0 still waits for the storage"
     assert producer.status_message() == f"retrying: {wait.reason}"
+    assert "storage answers again" not in caplog.text, "other batches publishing end no wait"
     producer._complete(one_slot_build(producer, s, 0), Filled(0, ((0, 0, 0),), (), 0.0))
     assert producer.failures.wait is None and producer.status_message() == ""
+    assert "the dataset's storage answers again: batch e000000-s00000000.batch built after" in caplog.text
 
 
 def test_a_wait_on_storage_names_the_ranks_whose_batches_failed(tmp_path: Path) -> None:
