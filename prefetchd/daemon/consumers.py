@@ -144,7 +144,11 @@ class Consumer:
 
     @property
     def wait_share(self) -> float | None:
-        return self.document.wait_share if self.document is not None else None
+        """Its writer's, while that process is there: a gone or departed one's last share is no trainer's now
+        (a dashboard showed a crashed trainer starving at 80 % for as long as the daemon ran)."""
+        if self.document is None or self.closed or self.alive is False:
+            return None
+        return self.document.wait_share
 
     @property
     def pid(self) -> int | None:

@@ -127,6 +127,22 @@ def test_gone_silent_and_closed_consumers_stop_holding_while_another_is_live(tmp
     assert not status["quiet"].holding and status["gone"].closed and status["live"].holding
 
 
+def test_a_gone_or_departed_consumers_wait_share_is_no_longer_reported(tmp_path: Path) -> None:
+    """The status and metrics kept a crashed trainer's last wait share (0.8: starving) for as long as the daemon
+    ran; only a writer that is there has a share now."""
+    s = stream(tmp_path, cap=3 * HIGH, timeout=5.0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    move(s, "live", 4, wait_share=0.25)
+    forge(s, "gone", 0, pid=dead.pid, wait_share=0.8)
+    move(s, "left", 2, wait_share=0.5, closed=True)
+    s.check_trainer()
+    shares = {c.name: c.progress.trainer_wait_share for c in s.status().consumers}
+    assert shares == {"live": 0.25, "gone": None, "left": None}
+    move(s, "gone", 1, wait_share=0.1)  # a new process writes: its share is reported
+    assert {c.name: c.progress.trainer_wait_share for c in s.status().consumers}["gone"] == 0.1
+
+
 @pytest.mark.skipif(bool(unavailable), reason=unavailable)
 @pytest.mark.parametrize("numbered", ["as init here", "as nobody here"])
 def test_a_consumer_in_another_pid_namespace_holds_while_it_runs_and_not_after(shm_dir: Path, numbered: str) -> None:
