@@ -96,6 +96,9 @@ class StatusCollector(Collector):
     def __init__(self, buffer: Path, latest: Callable[[], Status | None]) -> None:
         self.buffer = str(buffer)
         self.latest = latest
+        # The last job's production, whose counters stay until the next job starts: they left with it, and what
+        # it did after the last scrape was never seen (a service's job that ends between two scrapes).
+        self.last: Production | None = None
 
     def collect(self) -> Iterator[Metric]:
         status = self.latest()
@@ -111,19 +114,12 @@ class StatusCollector(Collector):
             beat.add_metric([self.buffer], status.heartbeat)
             yield beat
         production = status.production if status is not None else None
-        if production is None:  # waiting for a job or starting one: only the state
+        if production is None:  # waiting for a job or starting one: the state, and the last job's counters
+            if self.last is not None:
+                yield from self._series(self.last, counters_only=True)
             return
-        for name, value_of, text in _SERIES:
-            value = value_of(production)
-            if value is None:
-                continue
-            family: GaugeMetricFamily | CounterMetricFamily
-            if name.endswith("_total"):
-                family = CounterMetricFamily(name[: -len("_total")], text, labels=["buffer"])
-            else:
-                family = GaugeMetricFamily(name, text, labels=["buffer"])
-            family.add_metric([self.buffer], float(value))
-            yield family
+        self.last = production
+        yield from self._series(production)
         if production.trainer.alive is not None:
             alive = GaugeMetricFamily("prefetchd_trainer_alive",
                                       "1 while the process that wrote progress.json exists, 0 once it is gone; of several consumers, the slowest one that holds batches (prefetchd_consumer_alive has each).",
@@ -139,6 +135,24 @@ class StatusCollector(Collector):
                 for q, label in QUANTILES.items():
                     quant.add_metric([self.buffer, stage, label], float(getattr(qs, q)))
             yield quant
+
+
+    def _series(self, production: Production, counters_only: bool = False) -> Iterator[Metric]:
+        """The ``_SERIES`` families; the counters count from the job's start, their ``_created`` sample (a new
+        job's counters start again at 0, and a scraper tells that from a daemon's restart by it)."""
+        for name, value_of, text in _SERIES:
+            value = value_of(production)
+            counter = name.endswith("_total")
+            if value is None or counters_only and not counter:
+                continue
+            family: GaugeMetricFamily | CounterMetricFamily
+            if counter:
+                family = CounterMetricFamily(name[: -len("_total")], text, labels=["buffer"])
+                family.add_metric([self.buffer], float(value), created=production.started)
+            else:
+                family = GaugeMetricFamily(name, text, labels=["buffer"])
+                family.add_metric([self.buffer], float(value))
+            yield family
 
 
 def _consumer_metrics(buffer: str, production: Production) -> Iterator[Metric]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from prefetchd.buffer_protocol import Rates, State, Status, TrainerStatus, read_status
+from prefetchd.buffer_protocol import Rates, State, Status, Totals, TrainerStatus, read_status
 from prefetchd.daemon import logs
 from prefetchd.daemon.job_start import StartupBeat
 from prefetchd.daemon.metrics import StatusCollector
@@ -75,6 +75,29 @@ def test_metrics_of_a_daemon_waiting_for_a_job_are_its_state_and_heartbeat_only(
     assert families["prefetchd_heartbeat_timestamp_seconds"].samples[0].value == 1700000123.5
     states = {s.labels["state"]: s.value for s in families["prefetchd_state"].samples}
     assert states == {str(s): float(s == State.WAITING_FOR_JOB) for s in State}
+
+
+def test_a_jobs_counters_carry_its_start_and_stay_after_it_ends_until_the_next_job() -> None:
+    """Counters start at 0 with each job: a scraper told that from a daemon's restart by nothing, and a finished
+    job's counters left /metrics with it, so what it did after the last scrape was never seen."""
+    latest: list[Status] = [status_example(State.FILLING)]
+    collector = StatusCollector(Path("/dev/shm/bf"), lambda: latest[0])
+
+    def samples() -> dict[str, float]:
+        return {sm.name: sm.value for f in collector.collect() for sm in f.samples if "state" not in sm.labels}
+
+    running = samples()
+    assert running["prefetchd_produced_batches_total"] == 52.0 and running["prefetchd_batches_waiting"] == 12.0
+    assert running["prefetchd_produced_batches_created"] == 1700000000.0, "the job's start"
+    latest[0] = Status(pid=1, state=State.WAITING_FOR_JOB, heartbeat=1700000123.5)
+    ended = samples()
+    assert ended["prefetchd_produced_batches_total"] == 52.0 and ended["prefetchd_consumed_batches_total"] == 40.0
+    assert ended["prefetchd_produced_batches_created"] == 1700000000.0
+    assert "prefetchd_batches_waiting" not in ended, "the gauges of a job that ended are not its now"
+    latest[0] = status_example(State.FILLING, production=production(started=1700000200.0,
+                                                                    totals=Totals(batches=3, samples=192,
+                                                                                  consumed_batches=1)))
+    assert samples()["prefetchd_produced_batches_created"] == 1700000200.0
 
 
 def test_systemd_status_line_says_the_trainer_is_gone() -> None:
