@@ -193,6 +193,23 @@ def hidden_classes(classes: tuple[str, ...], data: str) -> str | None:
             "out of the dataset and start the daemon again")
 
 
+def loose_images(data: str) -> str | None:
+    """The warning for images directly in a class-folder dataset's root, in no class folder: ImageFolder leaves
+    them out, so prefetchd does, without a word where most of a dataset could be there (a walk).  None for any
+    other --data (a file list, shards, a URL) or a root that cannot be listed (indexing says why)."""
+    try:
+        with os.scandir(data) as listing:
+            loose = sorted(e.name for e in listing if e.name.lower().endswith(IMG_EXTENSIONS) and e.is_file())
+    except (OSError, ValueError):
+        return None
+    if not loose:
+        return None
+    named = ", ".join(loose[:3]) + (", ..." if len(loose) > 3 else "")
+    return (f"{counted(len(loose), 'image')} directly in {data} ({named}) {agreeing(len(loose), 'is', 'are')} in "
+            "no class folder, so left out, as ImageFolder leaves them out; to train on them, move them into the "
+            "class folder of their label")
+
+
 # Listing and stat-ing are system calls that release the GIL, and on network
 # filesystems they mostly wait: more threads than cores still help there.
 SCAN_THREADS = 8

@@ -17,7 +17,8 @@ from prefetchd.buffer_protocol.ownership import lock_file_held
 from prefetchd.daemon.buffer_dir import (NO_ROOM_ERRNOS, adopt_manifest, another_jobs, check_capacity, free_bytes,
                                          holds_a_stream, make_stream_dir, remove_stream)
 from prefetchd.daemon.config import DaemonConfig, fill_defaults, held_bytes
-from prefetchd.daemon.dataset import hidden_classes, logged_progress, split_folders_as_classes, split_members
+from prefetchd.daemon.dataset import (hidden_classes, logged_progress, loose_images, split_folders_as_classes,
+                                      split_members)
 from prefetchd.daemon.errors import ConfigError
 from prefetchd.daemon.hook import validate_hook_within
 from prefetchd.daemon.job_inbox import JobInbox
@@ -142,7 +143,8 @@ def start_job(job: DaemonConfig, reset: bool, wake: Wakeup, inbox: JobInbox,
     notifier.status(indexing)
     index = open_dataset(job.data, tick=logged_progress(indexing, lambda so_far: beat(f"{indexing}: {so_far}")),
                          index_cache=job.index_cache, refresh_index=job.refresh_index)
-    for mistaken in (split_folders_as_classes(index.classes, job.data), hidden_classes(index.classes, job.data)):
+    for mistaken in (split_folders_as_classes(index.classes, job.data), hidden_classes(index.classes, job.data),
+                     loose_images(job.data)):
         if mistaken is not None:
             log.warning("%s", mistaken)
     if inbox.pending_id is not None and inbox.pending_confinement is not None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS as TV_IMG_EXTENSIONS
 
-from prefetchd.daemon.dataset import (IMG_EXTENSIONS, SampleIndex, hidden_classes, scan_class_folders,
+from prefetchd.daemon.dataset import (IMG_EXTENSIONS, SampleIndex, hidden_classes, loose_images, scan_class_folders,
                                      split_folders_as_classes, split_members)
 from prefetchd.daemon.errors import ConfigError, DatasetError
 from prefetchd.daemon.sources.index_cache import cached_class_folders, default_cache_dir
@@ -695,6 +695,22 @@ def test_hidden_class_folders_are_warned_about() -> None:
     assert many is not None and many.startswith("4 class folders of /d are hidden: '.a' (label 0), '.b' (label 1), "
                                                 "'.c' (label 2), ...")
     assert hidden_classes(("cat", "dog.v2"), "/d") is None
+
+def test_images_directly_in_the_root_are_warned_about(tmp_path: Path, make_image: Callable[..., Path]) -> None:
+    """ImageFolder leaves them out, and so does prefetchd: said, as most of a dataset could be there."""
+    make_image(tmp_path / "cat" / "a.jpg")
+    assert loose_images(str(tmp_path)) is None
+    for name in ("b.JPG", "c.png", "d.webp", "e.jpeg"):
+        make_image(tmp_path / name)
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / "link.jpg").symlink_to(tmp_path / "cat")  # a folder's link: no image
+    warning = loose_images(str(tmp_path))
+    assert warning == (f"4 images directly in {tmp_path} (b.JPG, c.png, d.webp, ...) are in no class folder, so left "
+                       "out, as ImageFolder leaves them out; to train on them, move them into the class folder of "
+                       "their label")
+    assert loose_images(str(tmp_path / "cat" / "a.jpg")) is None, "a file list or any file: not a folder"
+    assert loose_images("s3://bucket/train") is None and loose_images(str(tmp_path / "missing")) is None
+
 
 def test_a_class_folder_named_in_latin1_is_indexed_cached_and_packed(
     tmp_path: Path, make_image: Callable[..., Path]

@@ -396,6 +396,23 @@ def test_buffer_not_on_tmpfs_warns(shapes_data: Path, tmp_path: Path, start_daem
     assert daemon.proc.poll() is None, "a warning, not a refusal"
 
 
+def test_images_outside_class_folders_and_hidden_class_folders_are_warned_of(
+    shapes_data: Path, shm_dir: Path, tmp_path: Path, start_daemon
+) -> None:
+    """Both are as ImageFolder takes them (images in the root left out, a hidden folder a class) and both are
+    most likely slips: a start says so, and produces."""
+    data = tmp_path / "train"
+    shutil.copytree(shapes_data / "train", data)
+    first = sorted((data / sorted(os.listdir(data))[0]).iterdir())[0]
+    shutil.copy(first, data / "stray.jpg")
+    (data / ".ipynb_checkpoints").mkdir()
+    shutil.copy(first, data / ".ipynb_checkpoints" / "copy.jpg")
+    daemon = start_daemon(shm_dir / "bf", "--data", data, *SMALL, "--high-water", "2")
+    daemon.wait_until(lambda: state_of(shm_dir / "bf") == State.FULL, 60, "the batches")
+    assert f"1 image directly in {data} (stray.jpg) is in no class folder, so left out" in daemon.log, daemon.log
+    assert f"1 class folder of {data} is hidden: '.ipynb_checkpoints' (label 0)" in daemon.log, daemon.log
+
+
 def test_val_split_is_ordered_and_center_cropped(shapes_data: Path, shm_dir: Path, start_daemon) -> None:
     buffer = shm_dir / "bf"
     data = shapes_data / "val"
