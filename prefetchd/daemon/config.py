@@ -25,7 +25,7 @@ import psutil
 from prefetchd.access import nearest_existing
 from prefetchd.buffer_protocol import BatchLayout, list_batches, stream_dir
 from prefetchd.buffer_protocol.errors import shown
-from prefetchd.buffer_protocol.layout import owning_buffer
+from prefetchd.buffer_protocol.layout import MAX_EPOCH, owning_buffer
 from prefetchd.buffer_protocol.manifest import BATCH_SIZES, IMAGE_SIZES, SPLITS, augmentation_text
 from prefetchd.buffer_protocol.progress import PROGRESS_REFRESH_SECONDS
 from prefetchd.daemon.cgroup_limits import cpu_quota, memory_room, quota_cpus
@@ -91,9 +91,11 @@ class DaemonConfig:
     worker_start_timeout: float = _opt(600.0, "Seconds a local worker may take to get ready for its first task (importing torch and the --transform hook's module, opening the dataset's storage) before it counts as hung: it is then killed, the log and the status's message say what it was doing, and another starts in its place; 3 in a row in one place stop the job. The daemon's own import of the hook's module, when a job starts, has as long. With --ray, a slice that has not begun this long after it was submitted to the cluster (its Ray worker's start, its wait in Ray's queue included) is cancelled, its Ray worker killed, and submitted again; 3 of one slice in a row, with no slice built on the cluster in between, stop the job.", float, minimum=0, min_open=True)
     min_free_mb: int | None = _opt(None, f"Never let the buffer's filesystem fall below this many MiB free [default: {MIN_FREE_RULE}].", int, minimum=0, unit="MiB", metavar="MIB")
     seed: int = _opt(0, "Seed of sample order and augmentation.", int, minimum=0, maximum=2**63 - 1)
-    epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1)
+    epochs: int | None = _opt(None, "Stop after this many epochs [default: run on].", int, minimum=1,
+                               maximum=MAX_EPOCH + 1)  # a batch's name holds epochs up to MAX_EPOCH
     drop_last: bool = _opt(False, "Leave out each epoch's last batch where it would be short, as DataLoader(drop_last=True): every batch then holds --batch-size images, and which samples are left out changes from epoch to epoch with the shuffle (with --split val, in order, the same ones every time: each evaluation leaves them out). A model with BatchNorm cannot train on a batch of one image.", bool)
-    color_jitter: float | None = _opt(None, "Train only: colour jitter of strength S, as torchvision's ColorJitter(S, S, S): brightness, contrast and saturation factors drawn from [max(0, 1-S), 1+S], applied in a random order; 0.4 in the usual ImageNet recipe [default: off].", float, minimum=0.0)
+    color_jitter: float | None = _opt(None, "Train only: colour jitter of strength S, as torchvision's ColorJitter(S, S, S): brightness, contrast and saturation factors drawn from [max(0, 1-S), 1+S], applied in a random order; 0.4 in the usual ImageNet recipe [default: off].", float, minimum=0.0,
+                                      maximum=1000.0)  # past float32's range, a factor failed every image
     scale_jitter: str | None = _opt(None, "Train only: 'MIN,MAX', ResNet's scale augmentation instead of the random resized crop: the shorter side is resized to a random length in [MIN, MAX] (MIN >= IMAGE_SIZE), then a random IMAGE_SIZE crop is taken and flipped half the time; e.g. '256,480' [default: off].", str)
     transform: str | None = _opt(None, "Your own augmentation 'package.module:callable', applied after the built-in ones: called with a uint8 3 x IMAGE_SIZE x IMAGE_SIZE tensor and the sample's numpy Generator, it returns a uint8 tensor of the same shape [default: off].", str)
     strict: bool = _opt(False, "Fail the job on the first image that cannot be decoded (or read, or is missing), instead of replacing it with the next sample of the split.", bool)

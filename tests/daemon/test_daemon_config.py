@@ -758,3 +758,14 @@ def test_the_process_limit_is_said_with_its_value(monkeypatch: pytest.MonkeyPatc
     said = processes_taken()
     assert said.startswith("the processes and threads allowed, this user's limit of 9 (ulimit -u), or its cgroup's "
                            "pids.max, are taken;") and said.endswith("or lower --workers"), said
+
+
+@pytest.mark.parametrize(("flag", "value", "said"), [("--epochs", "1000001", "--epochs 1000001: must be at most 1000000"),
+                                                     ("--color-jitter", "3.5e38", "--color-jitter 3.5e+38: must be at most 1000")])
+def test_settings_past_what_a_job_can_run_are_refused_at_start(flag: str, value: str, said: str) -> None:
+    """--epochs past the last epoch a batch's name holds was accepted, and the daemon died with an internal error
+    as it built ahead into epoch 1,000,000; a colour jitter past float32's range failed every image as undecodable
+    (a walk of extreme values)."""
+    result = subprocess.run([sys.executable, "-m", "prefetchd", "start", "--buffer", "/dev/shm/never", "--data",
+                             "/nonexistent", flag, value], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
