@@ -136,7 +136,6 @@ class StatusCollector(Collector):
                     quant.add_metric([self.buffer, stage, label], float(getattr(qs, q)))
             yield quant
 
-
     def _series(self, production: Production, counters_only: bool = False) -> Iterator[Metric]:
         """The ``_SERIES`` families; the counters count from the job's start, their ``_created`` sample (a new
         job's counters start again at 0, and a scraper tells that from a daemon's restart by it)."""
