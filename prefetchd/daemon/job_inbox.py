@@ -58,8 +58,14 @@ WAIT_STATUS_SECONDS = 1.0
 
 
 def job_settings(cfg: DaemonConfig) -> dict[str, Any]:
-    """What a job asks for, in job.json's terms."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items() if k in JOB_FIELDS}
+    """What a job asks for, in job.json's terms; ``ranks`` as the ranks it names ("0-1" and "0,1" alike), None where
+    it names them all: the running job's "--world-size 1 --ranks 0", which every suggested submit command spells
+    out, was another job than the same one started without --ranks (refused while a trainer read, a walk)."""
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items() if k in JOB_FIELDS}
+    if cfg.ranks is not None:
+        ranks = cfg.local_ranks
+        settings["ranks"] = None if ranks == tuple(range(cfg.world_size)) else ",".join(map(str, ranks))
+    return settings
 
 
 # The longest answer to a job kept in status.json (which readers take up to MAX_DOCUMENT_LEN) and printed by submit.

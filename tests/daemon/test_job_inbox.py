@@ -224,3 +224,18 @@ def test_a_restart_with_other_flags_resumes_the_job_as_it_was_accepted(shm_buffe
     assert resumed is not None
     assert (resumed.image_size, resumed.seed, resumed.batch_size, resumed.epochs) == (64, 1, 16, 5), resumed
     assert not resumed.refresh_index and resumed.workers == 1  # one start's setting, and the machine's, are the new
+
+
+def test_a_job_naming_every_rank_is_the_same_job_as_one_naming_none() -> None:
+    """Every suggested submit command spells out "--world-size 1 --ranks 0"; against the same job started without
+    --ranks it was another job: refused while a trainer read, "replacing" it with --replace (a walk)."""
+    from prefetchd.daemon.job_inbox import job_settings, settings_changed
+
+    def job(world: int, ranks: str | None) -> DaemonConfig:
+        return DaemonConfig(buffer=Path("/dev/shm/bf"), data=Path("/data"), world_size=world, ranks=ranks)
+
+    assert job_settings(job(1, "0")) == job_settings(job(1, None))
+    assert job_settings(job(4, "0-3")) == job_settings(job(4, "0,1,2,3")) == job_settings(job(4, None))
+    assert job_settings(job(4, "0-1")) == job_settings(job(4, "1,0"))
+    assert job_settings(job(4, "0-1")) != job_settings(job(4, None))
+    assert settings_changed(job(4, "0-1"), job(4, "2-3")) == "ranks: '0,1' -> '2,3'"
