@@ -445,6 +445,23 @@ def test_a_tree_written_just_now_is_not_cached_and_the_log_names_its_folder(
     assert f"{root}/ changed" not in caplog.text
 
 
+def test_a_tree_whose_folders_have_mtimes_in_the_future_is_cached_and_a_later_change_seen(
+    tmp_path: Path, make_image: Callable[..., Path]
+) -> None:
+    """An archive unpacked from a box whose clock ran ahead: each start walked the whole tree again, saying it
+    "changed less than 2 s before the scan"; a later change sets a folder's mtime to now, which differs."""
+    root = small_tree(tmp_path, make_image)
+    ahead = time.time() + 3600 * 24 * 180
+    for folder in [root, *(p for p in root.iterdir() if p.is_dir())]:
+        os.utime(folder, (ahead, ahead))
+    cache = tmp_path / "cache"
+    first = cached_class_folders(root, cache)
+    assert len(cache_entries(cache)) == 1, "not cached"
+    folder = next(p for p in sorted(root.iterdir()) if p.is_dir())
+    make_image(folder / "new.jpg")
+    assert len(cached_class_folders(root, cache)) == len(first) + 1
+
+
 def test_a_damaged_cache_is_rebuilt_with_a_warning(
     tmp_path: Path, make_image: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:

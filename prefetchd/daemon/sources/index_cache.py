@@ -22,7 +22,7 @@ in place (same name, new content).
 Folder mtimes come from a coarse clock (a few ms), so a file added within the
 same tick as the scan could leave a folder's stamp unchanged.  As git does for
 its index, a scan that saw a folder modified (by its mtime) within
-``RACY_SECONDS`` of its start is not cached; the next start scans again.
+``RACY_SECONDS`` of its start (and no later than its end) is not cached; the next start scans again.
 """
 
 from __future__ import annotations
@@ -237,8 +237,11 @@ def cached_class_folders(root: Path, cache_dir: Path, refresh: bool = False,
     started = time.time_ns()
     scan = scan_tree(root, tick)
     rel_dirs = [rel for rel, _stamp in scan.folders]
+    # A folder's mtime past the scan's end is not racy: any later change sets it to that moment's time, which
+    # differs (a tree unpacked from an archive made on a box whose clock ran ahead was never cached, a walk).
+    ended = time.time_ns() + int(RACY_SECONDS * 1e9)
     racy = [rel for rel, stamp in scan.folders
-            if stamp != MISSING and int(stamp.split(":")[1]) >= started - int(RACY_SECONDS * 1e9)]
+            if stamp != MISSING and started - int(RACY_SECONDS * 1e9) <= int(stamp.split(":")[1]) <= ended]
     if racy:
         log.info("not caching the index of %s: %s changed less than %.0f s before the scan, too recently "
                  "for its mtime to prove later changes; the next start scans again",
