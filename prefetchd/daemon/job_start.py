@@ -25,7 +25,8 @@ from prefetchd.daemon.job_inbox import JobInbox
 from prefetchd.daemon.job_policy import check_files_inside
 from prefetchd.daemon.logs import log_once, status_unwritten
 from prefetchd.daemon.pool import make_room_for_files
-from prefetchd.daemon.producer import STATUS_SECONDS, Producer, new_producer_id
+from prefetchd.daemon.producer import Producer, new_producer_id
+from prefetchd.daemon.producer_status import STATUS_SECONDS
 from prefetchd.daemon.sampler import samples_per_rank, steps_per_epoch
 from prefetchd.daemon.sdnotify import Notifier
 from prefetchd.daemon.sources import open_dataset

@@ -16,6 +16,8 @@ from prefetchd.daemon.pool import Worker
 if TYPE_CHECKING:
     from prefetchd.daemon.producer import Producer
 
+STATUS_SECONDS = 1.0  # how often the producer writes its status (the heartbeat readers judge it by)
+
 
 def production_status(p: Producer) -> Status:
     """``p``'s state; for one rank its stream's fields are also at the top level."""

@@ -14,7 +14,7 @@ from prefetchd.buffer_protocol import Rates, State, Status, Totals, TrainerStatu
 from prefetchd.daemon import logs
 from prefetchd.daemon.job_start import StartupBeat
 from prefetchd.daemon.metrics import StatusCollector
-from prefetchd.daemon.producer import STATUS_SECONDS
+from prefetchd.daemon.producer_status import STATUS_SECONDS
 from prefetchd.daemon.sdnotify import Notifier, status_line
 from prefetchd.throttle import Throttle
 from tests.status_examples import production, stream
